@@ -1,0 +1,380 @@
+//! The attributes of each op as printed in the text IR, and the way back.
+//! `attrs_of` and `op_from_parts` are inverse: the round-trip tests hold them to it.
+
+use crate::op::{Init, Op};
+use crate::types::{Shape, TensorType, ValueType};
+use std::fmt;
+
+/// One attribute value in the text IR.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    /// An integer.
+    Int(i64),
+    /// A float, printed so that it parses back bit-exact.
+    Float(f64),
+    /// A boolean.
+    Bool(bool),
+    /// A quoted string.
+    Str(String),
+    /// A list of integers: axes, shapes.
+    List(Vec<i64>),
+    /// An initialiser.
+    Init(Init),
+    /// A tensor type.
+    Type(TensorType),
+}
+
+impl fmt::Display for AttrValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttrValue::Int(i) => write!(f, "{i}"),
+            AttrValue::Float(x) => write!(f, "{x:?}"),
+            AttrValue::Bool(b) => write!(f, "{b}"),
+            AttrValue::Str(s) => write!(f, "{s:?}"),
+            AttrValue::List(l) => {
+                f.write_str("[")?;
+                for (i, x) in l.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{x}")?;
+                }
+                f.write_str("]")
+            }
+            AttrValue::Init(init) => write!(f, "{init}"),
+            AttrValue::Type(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+fn list(v: &[usize]) -> AttrValue {
+    AttrValue::List(v.iter().map(|&x| x as i64).collect())
+}
+
+/// The attributes of an op, in printing order. Types of sources are not attributes:
+/// they are the node's result type.
+pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
+    use AttrValue as A;
+    match op {
+        Op::Input { name, .. } => vec![("name", A::Str(name.clone()))],
+        Op::Param { name, init, .. } => vec![
+            ("name", A::Str(name.clone())),
+            ("init", A::Init(init.clone())),
+        ],
+        Op::Constant { value, .. } => vec![("value", A::Float(*value))],
+        Op::MatMul {
+            transpose_a,
+            transpose_b,
+        } => {
+            let mut v = Vec::new();
+            if *transpose_a {
+                v.push(("transpose_a", A::Bool(true)));
+            }
+            if *transpose_b {
+                v.push(("transpose_b", A::Bool(true)));
+            }
+            v
+        }
+        Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Neg
+        | Op::Relu
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Exp
+        | Op::Log
+        | Op::Embedding
+        | Op::SoftmaxCrossEntropy
+        | Op::Mse
+        | Op::ReluGrad
+        | Op::SigmoidGrad
+        | Op::TanhGrad
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::MseGrad
+        | Op::ConcatSlices
+        | Op::Densify
+        | Op::Loss => vec![],
+        Op::Softmax { axis }
+        | Op::LogSoftmax { axis }
+        | Op::Concat { axis }
+        | Op::SoftmaxGrad { axis }
+        | Op::LogSoftmaxGrad { axis } => vec![("axis", A::Int(*axis as i64))],
+        Op::Sum { axes, keep_dims } | Op::Mean { axes, keep_dims } => {
+            let mut v = vec![("axes", list(axes))];
+            if *keep_dims {
+                v.push(("keep_dims", A::Bool(true)));
+            }
+            v
+        }
+        Op::Reshape { shape } | Op::SumTo { shape } | Op::BroadcastTo { shape } => {
+            vec![("shape", list(shape.dims()))]
+        }
+        Op::Transpose { perm } => vec![("perm", list(perm))],
+        Op::Slice { axis, start, end } => vec![
+            ("axis", A::Int(*axis as i64)),
+            ("start", A::Int(*start as i64)),
+            ("end", A::Int(*end as i64)),
+        ],
+        Op::Dropout { rate, seed } | Op::DropoutGrad { rate, seed } => vec![
+            ("rate", A::Float(*rate)),
+            ("seed", A::Int(*seed as i64)),
+        ],
+        Op::LayerNorm { eps } | Op::LayerNormGrad { eps } => vec![("eps", A::Float(*eps))],
+        Op::Conv2d { stride, padding } => vec![
+            ("stride", A::Int(*stride as i64)),
+            ("padding", A::Int(*padding as i64)),
+        ],
+        Op::MaxPool2d { kernel, stride } | Op::MaxPool2dGrad { kernel, stride } => vec![
+            ("kernel", A::Int(*kernel as i64)),
+            ("stride", A::Int(*stride as i64)),
+        ],
+        Op::EmbeddingGrad { table } => vec![("table", A::Type(table.clone()))],
+        Op::Conv2dGradInput {
+            stride,
+            padding,
+            input,
+        } => vec![
+            ("stride", A::Int(*stride as i64)),
+            ("padding", A::Int(*padding as i64)),
+            ("input", list(input.dims())),
+        ],
+        Op::Conv2dGradFilter {
+            stride,
+            padding,
+            filter,
+        } => vec![
+            ("stride", A::Int(*stride as i64)),
+            ("padding", A::Int(*padding as i64)),
+            ("filter", list(filter.dims())),
+        ],
+        Op::ParamGrad { param } => vec![("param", A::Str(param.clone()))],
+        Op::Output { name } => vec![("name", A::Str(name.clone()))],
+    }
+}
+
+/// Reads attributes by name, reporting missing, mistyped and unknown ones.
+struct Attrs<'a> {
+    op: &'a str,
+    items: Vec<(String, AttrValue)>,
+}
+
+impl<'a> Attrs<'a> {
+    fn take(&mut self, key: &str) -> Option<AttrValue> {
+        let i = self.items.iter().position(|(k, _)| k == key)?;
+        Some(self.items.remove(i).1)
+    }
+    fn missing(&self, key: &str) -> String {
+        format!("{}: missing attribute `{key}`", self.op)
+    }
+    fn mistyped(&self, key: &str, want: &str, got: &AttrValue) -> String {
+        format!("{}: attribute `{key}` must be {want}, found `{got}`", self.op)
+    }
+    fn int(&mut self, key: &str) -> Result<usize, String> {
+        match self.take(key) {
+            Some(AttrValue::Int(i)) if i >= 0 => Ok(i as usize),
+            Some(v) => Err(self.mistyped(key, "a non-negative integer", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn float(&mut self, key: &str) -> Result<f64, String> {
+        match self.take(key) {
+            Some(AttrValue::Float(x)) => Ok(x),
+            Some(AttrValue::Int(i)) => Ok(i as f64),
+            Some(v) => Err(self.mistyped(key, "a number", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn flag(&mut self, key: &str) -> Result<bool, String> {
+        match self.take(key) {
+            Some(AttrValue::Bool(b)) => Ok(b),
+            Some(v) => Err(self.mistyped(key, "true or false", &v)),
+            None => Ok(false),
+        }
+    }
+    fn string(&mut self, key: &str) -> Result<String, String> {
+        match self.take(key) {
+            Some(AttrValue::Str(s)) => Ok(s),
+            Some(v) => Err(self.mistyped(key, "a string", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn list(&mut self, key: &str) -> Result<Vec<usize>, String> {
+        match self.take(key) {
+            Some(AttrValue::List(l)) if l.iter().all(|&x| x >= 0) => {
+                Ok(l.into_iter().map(|x| x as usize).collect())
+            }
+            Some(v) => Err(self.mistyped(key, "a list of non-negative integers", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn init(&mut self, key: &str) -> Result<Init, String> {
+        match self.take(key) {
+            Some(AttrValue::Init(i)) => Ok(i),
+            Some(v) => Err(self.mistyped(key, "an initialiser", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn ty(&mut self, key: &str) -> Result<TensorType, String> {
+        match self.take(key) {
+            Some(AttrValue::Type(t)) => Ok(t),
+            Some(v) => Err(self.mistyped(key, "a tensor type", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn done(self, op: Op) -> Result<Op, String> {
+        match self.items.first() {
+            Some((k, _)) => Err(format!("{}: unknown attribute `{k}`", self.op)),
+            None => Ok(op),
+        }
+    }
+}
+
+/// Every mnemonic the text IR knows, for error messages.
+pub const MNEMONICS: &[&str] = &[
+    "input", "param", "constant", "matmul", "add", "sub", "mul", "div", "neg", "relu",
+    "sigmoid", "tanh", "exp", "log", "softmax", "log_softmax", "sum", "mean", "reshape",
+    "transpose", "concat", "slice", "embedding", "softmax_cross_entropy", "mse", "dropout",
+    "layer_norm", "conv2d", "max_pool2d", "sum_to", "broadcast_to", "relu_grad",
+    "sigmoid_grad", "tanh_grad", "softmax_grad", "log_softmax_grad",
+    "softmax_cross_entropy_grad", "mse_grad", "embedding_grad", "dropout_grad",
+    "layer_norm_grad", "conv2d_grad_input", "conv2d_grad_filter", "max_pool2d_grad",
+    "concat_slices", "densify", "loss", "param_grad", "output",
+];
+
+/// Builds an op from its mnemonic, attributes and (for sources) its result type.
+pub fn op_from_parts(
+    mnemonic: &str,
+    items: Vec<(String, AttrValue)>,
+    results: &[ValueType],
+) -> Result<Op, String> {
+    let mut a = Attrs {
+        op: mnemonic,
+        items,
+    };
+    let source_ty = || -> Result<TensorType, String> {
+        match results {
+            [ValueType::Tensor(t)] => Ok(t.clone()),
+            _ => Err(format!("{mnemonic}: needs one dense result type")),
+        }
+    };
+    let op = match mnemonic {
+        "input" => Op::Input {
+            name: a.string("name")?,
+            ty: source_ty()?,
+        },
+        "param" => Op::Param {
+            name: a.string("name")?,
+            init: a.init("init")?,
+            ty: source_ty()?,
+        },
+        "constant" => Op::Constant {
+            value: a.float("value")?,
+            ty: source_ty()?,
+        },
+        "matmul" => Op::MatMul {
+            transpose_a: a.flag("transpose_a")?,
+            transpose_b: a.flag("transpose_b")?,
+        },
+        "add" => Op::Add,
+        "sub" => Op::Sub,
+        "mul" => Op::Mul,
+        "div" => Op::Div,
+        "neg" => Op::Neg,
+        "relu" => Op::Relu,
+        "sigmoid" => Op::Sigmoid,
+        "tanh" => Op::Tanh,
+        "exp" => Op::Exp,
+        "log" => Op::Log,
+        "softmax" => Op::Softmax { axis: a.int("axis")? },
+        "log_softmax" => Op::LogSoftmax { axis: a.int("axis")? },
+        "sum" => Op::Sum {
+            axes: a.list("axes")?,
+            keep_dims: a.flag("keep_dims")?,
+        },
+        "mean" => Op::Mean {
+            axes: a.list("axes")?,
+            keep_dims: a.flag("keep_dims")?,
+        },
+        "reshape" => Op::Reshape {
+            shape: Shape(a.list("shape")?),
+        },
+        "transpose" => Op::Transpose {
+            perm: a.list("perm")?,
+        },
+        "concat" => Op::Concat { axis: a.int("axis")? },
+        "slice" => Op::Slice {
+            axis: a.int("axis")?,
+            start: a.int("start")?,
+            end: a.int("end")?,
+        },
+        "embedding" => Op::Embedding,
+        "softmax_cross_entropy" => Op::SoftmaxCrossEntropy,
+        "mse" => Op::Mse,
+        "dropout" => Op::Dropout {
+            rate: a.float("rate")?,
+            seed: a.int("seed")? as u64,
+        },
+        "layer_norm" => Op::LayerNorm { eps: a.float("eps")? },
+        "conv2d" => Op::Conv2d {
+            stride: a.int("stride")?,
+            padding: a.int("padding")?,
+        },
+        "max_pool2d" => Op::MaxPool2d {
+            kernel: a.int("kernel")?,
+            stride: a.int("stride")?,
+        },
+        "sum_to" => Op::SumTo {
+            shape: Shape(a.list("shape")?),
+        },
+        "broadcast_to" => Op::BroadcastTo {
+            shape: Shape(a.list("shape")?),
+        },
+        "relu_grad" => Op::ReluGrad,
+        "sigmoid_grad" => Op::SigmoidGrad,
+        "tanh_grad" => Op::TanhGrad,
+        "softmax_grad" => Op::SoftmaxGrad { axis: a.int("axis")? },
+        "log_softmax_grad" => Op::LogSoftmaxGrad { axis: a.int("axis")? },
+        "softmax_cross_entropy_grad" => Op::SoftmaxCrossEntropyGrad,
+        "mse_grad" => Op::MseGrad,
+        "embedding_grad" => Op::EmbeddingGrad {
+            table: a.ty("table")?,
+        },
+        "dropout_grad" => Op::DropoutGrad {
+            rate: a.float("rate")?,
+            seed: a.int("seed")? as u64,
+        },
+        "layer_norm_grad" => Op::LayerNormGrad { eps: a.float("eps")? },
+        "conv2d_grad_input" => Op::Conv2dGradInput {
+            stride: a.int("stride")?,
+            padding: a.int("padding")?,
+            input: Shape(a.list("input")?),
+        },
+        "conv2d_grad_filter" => Op::Conv2dGradFilter {
+            stride: a.int("stride")?,
+            padding: a.int("padding")?,
+            filter: Shape(a.list("filter")?),
+        },
+        "max_pool2d_grad" => Op::MaxPool2dGrad {
+            kernel: a.int("kernel")?,
+            stride: a.int("stride")?,
+        },
+        "concat_slices" => Op::ConcatSlices,
+        "densify" => Op::Densify,
+        "loss" => Op::Loss,
+        "param_grad" => Op::ParamGrad {
+            param: a.string("param")?,
+        },
+        "output" => Op::Output {
+            name: a.string("name")?,
+        },
+        other => {
+            return Err(format!(
+                "unknown op `{other}`; known ops: {}",
+                MNEMONICS.join(", ")
+            ))
+        }
+    };
+    a.done(op)
+}

@@ -1,0 +1,25 @@
+//! The distc intermediate representation.
+//!
+//! A [`Graph`] of [`Op`]s over static [`TensorType`]s, with a row-sparse
+//! `IndexedSlices` value type for the gradients of embedding lookups. Every graph
+//! prints to text ([`print()`]) and parses back ([`parse()`]) to an equal graph;
+//! the [`verify()`] function checks the invariants after each pass.
+#![deny(missing_docs)]
+
+pub mod attrs;
+pub mod dot;
+pub mod graph;
+pub mod op;
+pub mod parse;
+pub mod print;
+pub mod shape;
+pub mod types;
+pub mod verify;
+
+pub use graph::{Graph, GraphError, Node, NodeId, ValueId};
+pub use op::{Init, Op, ReduceOp};
+pub use parse::{parse, ParseError};
+pub use print::print;
+pub use shape::{infer, ShapeError};
+pub use types::{DType, Shape, TensorType, ValueType};
+pub use verify::{verify, VerifyError};

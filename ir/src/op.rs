@@ -1,0 +1,428 @@
+//! The closed set of operations. Every concern (shape rule, gradient rule, kernel,
+//! cost, text spelling) is one exhaustive `match` over [`Op`] in its own module, so a
+//! new op does not compile until each of them handles it.
+
+use crate::types::{Shape, TensorType};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// How a parameter is initialised.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+    /// Normal distribution.
+    Normal {
+        /// Mean.
+        mean: f64,
+        /// Standard deviation.
+        std: f64,
+    },
+    /// Uniform distribution on `[lo, hi)`.
+    Uniform {
+        /// Lower bound.
+        lo: f64,
+        /// Upper bound.
+        hi: f64,
+    },
+    /// Glorot (Xavier) uniform: `U(-sqrt(6/(fan_in+fan_out)), +)`.
+    Glorot,
+    /// He normal: `N(0, sqrt(2/fan_in))`.
+    He,
+}
+
+impl fmt::Display for Init {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Init::Zeros => f.write_str("zeros"),
+            Init::Ones => f.write_str("ones"),
+            Init::Normal { mean, std } => write!(f, "normal({mean:?}, {std:?})"),
+            Init::Uniform { lo, hi } => write!(f, "uniform({lo:?}, {hi:?})"),
+            Init::Glorot => f.write_str("glorot"),
+            Init::He => f.write_str("he"),
+        }
+    }
+}
+
+/// What a collective reduces with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Mean over ranks.
+    Mean,
+}
+
+/// One operation of the graph. Inputs are listed in the doc of each variant.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    // ---- sources ----
+    /// A named model input fed by the data source. No inputs.
+    Input {
+        /// Name of the data field.
+        name: String,
+        /// Its type (batch dimension bound).
+        ty: TensorType,
+    },
+    /// A trainable variable. No inputs.
+    Param {
+        /// Name of the variable.
+        name: String,
+        /// Its type.
+        ty: TensorType,
+        /// Its initialiser.
+        init: Init,
+    },
+    /// A tensor filled with one value. No inputs.
+    Constant {
+        /// The value of every element.
+        value: f64,
+        /// The type.
+        ty: TensorType,
+    },
+
+    // ---- dense forward ops ----
+    /// `a @ b` on rank-2 tensors, either side optionally transposed.
+    MatMul {
+        /// Use `a` transposed.
+        transpose_a: bool,
+        /// Use `b` transposed.
+        transpose_b: bool,
+    },
+    /// `a + b` with numpy broadcasting.
+    Add,
+    /// `a - b` with numpy broadcasting.
+    Sub,
+    /// `a * b` with numpy broadcasting.
+    Mul,
+    /// `a / b` with numpy broadcasting.
+    Div,
+    /// `-x`.
+    Neg,
+    /// `max(x, 0)`.
+    Relu,
+    /// `1 / (1 + exp(-x))`.
+    Sigmoid,
+    /// `tanh(x)`.
+    Tanh,
+    /// `exp(x)`.
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// Softmax along `axis`.
+    Softmax {
+        /// Axis normalised over.
+        axis: usize,
+    },
+    /// Log-softmax along `axis`.
+    LogSoftmax {
+        /// Axis normalised over.
+        axis: usize,
+    },
+    /// Sum over `axes`.
+    Sum {
+        /// Axes reduced (sorted, distinct).
+        axes: Vec<usize>,
+        /// Keep reduced axes with size 1.
+        keep_dims: bool,
+    },
+    /// Mean over `axes`.
+    Mean {
+        /// Axes reduced (sorted, distinct).
+        axes: Vec<usize>,
+        /// Keep reduced axes with size 1.
+        keep_dims: bool,
+    },
+    /// Same elements, new shape.
+    Reshape {
+        /// Target shape.
+        shape: Shape,
+    },
+    /// Permutes axes: output axis `i` is input axis `perm[i]`.
+    Transpose {
+        /// The permutation.
+        perm: Vec<usize>,
+    },
+    /// Concatenates its inputs (one or more) along `axis`.
+    Concat {
+        /// Axis joined along.
+        axis: usize,
+    },
+    /// `x[start..end]` along `axis`.
+    Slice {
+        /// Axis sliced.
+        axis: usize,
+        /// First index kept.
+        start: usize,
+        /// One past the last index kept.
+        end: usize,
+    },
+    /// Row lookup: `(table [V, ..], ids i32[..]) -> [ids.., table.dims[1..]]`.
+    Embedding,
+    /// Mean softmax cross-entropy: `(logits [B, K], labels i32[B]) -> scalar`.
+    SoftmaxCrossEntropy,
+    /// Mean squared error: `(prediction, target)` of one shape `-> scalar`.
+    Mse,
+    /// Inverted dropout, seeded: keeps an element with probability `1 - rate` and
+    /// scales it by `1 / (1 - rate)`; the mask is a function of the seed, the training
+    /// step and the element index. Identity in evaluation.
+    Dropout {
+        /// Probability of dropping an element.
+        rate: f64,
+        /// Seed of the mask.
+        seed: u64,
+    },
+    /// Layer normalisation over the last axis: `(x, gamma, beta)`.
+    LayerNorm {
+        /// Added to the variance.
+        eps: f64,
+    },
+    /// 2-D convolution, NCHW: `(x [N,C,H,W], w [O,C,KH,KW]) -> [N,O,OH,OW]`.
+    Conv2d {
+        /// Stride in both spatial dims.
+        stride: usize,
+        /// Zero padding on each side in both spatial dims.
+        padding: usize,
+    },
+    /// 2-D max pooling, NCHW.
+    MaxPool2d {
+        /// Window size in both spatial dims.
+        kernel: usize,
+        /// Stride in both spatial dims.
+        stride: usize,
+    },
+
+    // ---- backward ops (introduced by autodiff) ----
+    /// Sums `x` down to `shape` over broadcast dimensions (gradient of broadcasting).
+    SumTo {
+        /// Target shape.
+        shape: Shape,
+    },
+    /// Broadcasts `x` to `shape` (numpy rules).
+    BroadcastTo {
+        /// Target shape.
+        shape: Shape,
+    },
+    /// `(dy, x) -> dy * (x > 0)`.
+    ReluGrad,
+    /// `(dy, y) -> dy * y * (1 - y)` with `y = sigmoid(x)`.
+    SigmoidGrad,
+    /// `(dy, y) -> dy * (1 - y^2)` with `y = tanh(x)`.
+    TanhGrad,
+    /// `(dy, y) -> y * (dy - sum(dy * y, axis))` with `y = softmax(x)`.
+    SoftmaxGrad {
+        /// Axis of the softmax.
+        axis: usize,
+    },
+    /// `(dy, y) -> dy - exp(y) * sum(dy, axis)` with `y = log_softmax(x)`.
+    LogSoftmaxGrad {
+        /// Axis of the log-softmax.
+        axis: usize,
+    },
+    /// `(dloss scalar, logits, labels) -> dloss * (softmax(logits) - onehot(labels)) / B`.
+    SoftmaxCrossEntropyGrad,
+    /// `(dloss scalar, prediction, target) -> dloss * 2 (prediction - target) / n`.
+    MseGrad,
+    /// `(dy, ids) -> IndexedSlices` over a table of type `table`: the gradient of a lookup.
+    EmbeddingGrad {
+        /// Type of the looked-up table.
+        table: TensorType,
+    },
+    /// `dy -> dy * mask / (1 - rate)` with the forward op's mask.
+    DropoutGrad {
+        /// Probability of dropping an element.
+        rate: f64,
+        /// Seed of the mask.
+        seed: u64,
+    },
+    /// `(dy, x, gamma) -> (dx, dgamma, dbeta)`: three outputs.
+    LayerNormGrad {
+        /// Added to the variance.
+        eps: f64,
+    },
+    /// `(dy, w) -> dx` of a convolution with input shape `input`.
+    Conv2dGradInput {
+        /// Stride.
+        stride: usize,
+        /// Padding.
+        padding: usize,
+        /// Shape of the convolution's input.
+        input: Shape,
+    },
+    /// `(dy, x) -> dw` of a convolution with filter shape `filter`.
+    Conv2dGradFilter {
+        /// Stride.
+        stride: usize,
+        /// Padding.
+        padding: usize,
+        /// Shape of the filter.
+        filter: Shape,
+    },
+    /// `(dy, x) -> dx` of a max pool: `dy` goes to the arg-max of each window.
+    MaxPool2dGrad {
+        /// Window size.
+        kernel: usize,
+        /// Stride.
+        stride: usize,
+    },
+    /// Joins two or more `IndexedSlices` over one dense type (indices and values concatenated).
+    ConcatSlices,
+    /// Turns `IndexedSlices` into the dense tensor it stands for.
+    Densify,
+
+    // ---- sinks ----
+    /// Marks the scalar training objective.
+    Loss,
+    /// Marks the gradient of the variable `param`.
+    ParamGrad {
+        /// Name of the variable.
+        param: String,
+    },
+    /// A named result read in evaluation (e.g. `prediction`).
+    Output {
+        /// Name of the result.
+        name: String,
+    },
+}
+
+impl Op {
+    /// The op's name in the text IR.
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param { .. } => "param",
+            Op::Constant { .. } => "constant",
+            Op::MatMul { .. } => "matmul",
+            Op::Add => "add",
+            Op::Sub => "sub",
+            Op::Mul => "mul",
+            Op::Div => "div",
+            Op::Neg => "neg",
+            Op::Relu => "relu",
+            Op::Sigmoid => "sigmoid",
+            Op::Tanh => "tanh",
+            Op::Exp => "exp",
+            Op::Log => "log",
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::Sum { .. } => "sum",
+            Op::Mean { .. } => "mean",
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Concat { .. } => "concat",
+            Op::Slice { .. } => "slice",
+            Op::Embedding => "embedding",
+            Op::SoftmaxCrossEntropy => "softmax_cross_entropy",
+            Op::Mse => "mse",
+            Op::Dropout { .. } => "dropout",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Conv2d { .. } => "conv2d",
+            Op::MaxPool2d { .. } => "max_pool2d",
+            Op::SumTo { .. } => "sum_to",
+            Op::BroadcastTo { .. } => "broadcast_to",
+            Op::ReluGrad => "relu_grad",
+            Op::SigmoidGrad => "sigmoid_grad",
+            Op::TanhGrad => "tanh_grad",
+            Op::SoftmaxGrad { .. } => "softmax_grad",
+            Op::LogSoftmaxGrad { .. } => "log_softmax_grad",
+            Op::SoftmaxCrossEntropyGrad => "softmax_cross_entropy_grad",
+            Op::MseGrad => "mse_grad",
+            Op::EmbeddingGrad { .. } => "embedding_grad",
+            Op::DropoutGrad { .. } => "dropout_grad",
+            Op::LayerNormGrad { .. } => "layer_norm_grad",
+            Op::Conv2dGradInput { .. } => "conv2d_grad_input",
+            Op::Conv2dGradFilter { .. } => "conv2d_grad_filter",
+            Op::MaxPool2dGrad { .. } => "max_pool2d_grad",
+            Op::ConcatSlices => "concat_slices",
+            Op::Densify => "densify",
+            Op::Loss => "loss",
+            Op::ParamGrad { .. } => "param_grad",
+            Op::Output { .. } => "output",
+        }
+    }
+
+    /// Whether the node marks a result and has no outputs of its own.
+    pub fn is_sink(&self) -> bool {
+        matches!(self, Op::Loss | Op::ParamGrad { .. } | Op::Output { .. })
+    }
+
+    /// Whether the node is a source (no inputs).
+    pub fn is_source(&self) -> bool {
+        matches!(
+            self,
+            Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
+        )
+    }
+
+    /// Number of inputs the op takes, or `None` for variadic ops (at least one).
+    pub fn arity(&self) -> Option<usize> {
+        match self {
+            Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => Some(0),
+            Op::Neg
+            | Op::Relu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Exp
+            | Op::Log
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::Sum { .. }
+            | Op::Mean { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Slice { .. }
+            | Op::Dropout { .. }
+            | Op::MaxPool2d { .. }
+            | Op::SumTo { .. }
+            | Op::BroadcastTo { .. }
+            | Op::DropoutGrad { .. }
+            | Op::Densify
+            | Op::Loss
+            | Op::ParamGrad { .. }
+            | Op::Output { .. } => Some(1),
+            Op::MatMul { .. }
+            | Op::Add
+            | Op::Sub
+            | Op::Mul
+            | Op::Div
+            | Op::Embedding
+            | Op::SoftmaxCrossEntropy
+            | Op::Mse
+            | Op::Conv2d { .. }
+            | Op::ReluGrad
+            | Op::SigmoidGrad
+            | Op::TanhGrad
+            | Op::SoftmaxGrad { .. }
+            | Op::LogSoftmaxGrad { .. }
+            | Op::EmbeddingGrad { .. }
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradFilter { .. }
+            | Op::MaxPool2dGrad { .. } => Some(2),
+            Op::LayerNorm { .. }
+            | Op::SoftmaxCrossEntropyGrad
+            | Op::MseGrad
+            | Op::LayerNormGrad { .. } => Some(3),
+            Op::Concat { .. } | Op::ConcatSlices => None,
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.mnemonic())?;
+        let attrs = crate::attrs::attrs_of(self);
+        if !attrs.is_empty() {
+            f.write_str("{")?;
+            for (i, (k, v)) in attrs.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{k}={v}")?;
+            }
+            f.write_str("}")?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,156 @@
+//! Runtime values: dense tensors (ndarray) and row-sparse `IndexedSlices`.
+
+use distc_ir::{DType, Shape, TensorType, ValueType};
+use ndarray::{ArrayD, IxDyn};
+use serde::{Deserialize, Serialize};
+
+/// A dense tensor of one of the IR's dtypes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Tensor {
+    /// f32 elements.
+    F32(ArrayD<f32>),
+    /// f64 elements (gradient checks).
+    F64(ArrayD<f64>),
+    /// i32 elements (ids, labels).
+    I32(ArrayD<i32>),
+}
+
+impl Tensor {
+    /// A tensor of zeros of type `t`.
+    pub fn zeros(t: &TensorType) -> Tensor {
+        let shape = IxDyn(t.dims());
+        match t.dtype {
+            DType::F32 => Tensor::F32(ArrayD::zeros(shape)),
+            DType::F64 => Tensor::F64(ArrayD::zeros(shape)),
+            DType::I32 => Tensor::I32(ArrayD::zeros(shape)),
+        }
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Tensor::F32(_) => DType::F32,
+            Tensor::F64(_) => DType::F64,
+            Tensor::I32(_) => DType::I32,
+        }
+    }
+    /// The dimensions.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Tensor::F32(a) => a.shape(),
+            Tensor::F64(a) => a.shape(),
+            Tensor::I32(a) => a.shape(),
+        }
+    }
+    /// The IR type of this tensor.
+    pub fn tensor_type(&self) -> TensorType {
+        TensorType::new(self.dtype(), Shape(self.shape().to_vec()))
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape().iter().product()
+    }
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Bytes of payload.
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+    /// The f32 array, if this is f32.
+    pub fn as_f32(&self) -> Option<&ArrayD<f32>> {
+        match self {
+            Tensor::F32(a) => Some(a),
+            _ => None,
+        }
+    }
+    /// The i32 array, if this is i32.
+    pub fn as_i32(&self) -> Option<&ArrayD<i32>> {
+        match self {
+            Tensor::I32(a) => Some(a),
+            _ => None,
+        }
+    }
+    /// The f64 array, if this is f64.
+    pub fn as_f64(&self) -> Option<&ArrayD<f64>> {
+        match self {
+            Tensor::F64(a) => Some(a),
+            _ => None,
+        }
+    }
+    /// The elements as f64, row-major (any dtype).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match self {
+            Tensor::F32(a) => a.iter().map(|&x| x as f64).collect(),
+            Tensor::F64(a) => a.iter().copied().collect(),
+            Tensor::I32(a) => a.iter().map(|&x| x as f64).collect(),
+        }
+    }
+    /// A scalar's value as f64 (the first element of any tensor).
+    pub fn scalar_f64(&self) -> Option<f64> {
+        self.to_f64_vec().first().copied()
+    }
+}
+
+/// Row-sparse values: `values[i]` is added to row `indices[i]` of a dense tensor of
+/// shape `dense_shape`. Indices may repeat.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slices {
+    /// Row indices, one per row of `values`.
+    pub indices: Vec<i32>,
+    /// Values, shape `[indices.len(), dense_shape[1..]]`.
+    pub values: Tensor,
+    /// Shape of the dense tensor this stands for.
+    pub dense_shape: Vec<usize>,
+}
+
+/// The value of one output port at run time.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// A dense tensor.
+    Tensor(Tensor),
+    /// Row-sparse slices.
+    Slices(Slices),
+}
+
+impl Value {
+    /// The dense tensor, if this is one.
+    pub fn tensor(&self) -> Option<&Tensor> {
+        match self {
+            Value::Tensor(t) => Some(t),
+            Value::Slices(_) => None,
+        }
+    }
+    /// The IR type of this value.
+    pub fn value_type(&self) -> ValueType {
+        match self {
+            Value::Tensor(t) => ValueType::Tensor(t.tensor_type()),
+            Value::Slices(s) => ValueType::IndexedSlices {
+                dense: TensorType::new(s.values.dtype(), Shape(s.dense_shape.clone())),
+                nnz: s.indices.len(),
+            },
+        }
+    }
+    /// Bytes of payload (indices included for slices).
+    pub fn bytes(&self) -> usize {
+        match self {
+            Value::Tensor(t) => t.bytes(),
+            Value::Slices(s) => s.indices.len() * 4 + s.values.bytes(),
+        }
+    }
+}
+
+impl From<Tensor> for Value {
+    fn from(t: Tensor) -> Value {
+        Value::Tensor(t)
+    }
+}
+
+/// Serialisable description of a tensor for metrics and checkpoints.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TensorInfo {
+    /// Name.
+    pub name: String,
+    /// Type.
+    pub ty: TensorType,
+}
