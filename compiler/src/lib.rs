@@ -1,0 +1,3 @@
+//! The distc compiler: the DSL, the pass pipeline, plans and the CLI's commands.
+
+pub mod dsl;

@@ -3,8 +3,16 @@
 //! Kernels (CPU), the graph executor, optimizers, data loaders, training loop,
 //! metrics and checkpoints. Depends on `distc-ir` only: the plan is the contract.
 
+pub mod checkpoint;
 pub mod config;
+pub mod data;
+pub mod error;
+pub mod exec;
+pub mod init;
+pub mod kernels;
+pub mod optim;
 pub mod value;
 
 pub use config::{DataSpec, OptimizerSpec, RunConfig};
+pub use error::{Result, RuntimeError};
 pub use value::{Slices, Tensor, Value};
