@@ -1,3 +1,8 @@
 //! The distc compiler: the DSL, the pass pipeline, plans and the CLI's commands.
 
 pub mod dsl;
+pub mod pipeline;
+pub mod plan;
+
+pub use pipeline::{compile, compile_file, CompileError, CompileOptions, Compiled};
+pub use plan::{Plan, PlanError};

@@ -42,6 +42,7 @@ fn at(pair: &Pair<Rule>, message: impl Into<String>) -> ParseError {
 /// they are; run [`crate::verify()`] to check them against the shape rules.
 pub fn parse(text: &str) -> Result<Graph, ParseError> {
     let mut pairs = TextParser::parse(Rule::file, text).map_err(|e| {
+        let e = e.renamed_rules(rule_words);
         let (line, col) = match e.line_col {
             pest::error::LineColLocation::Pos(p) | pest::error::LineColLocation::Span(p, _) => p,
         };
@@ -225,4 +226,20 @@ fn value_type(p: Pair<Rule>) -> Result<ValueType, ParseError> {
         }
         _ => Err(at(&p, "expected a type")),
     }
+}
+
+/// Rules as a reader of the text IR would name them.
+fn rule_words(r: &Rule) -> String {
+    match r {
+        Rule::dims => "a shape like [2,3]",
+        Rule::def => "a result like %3",
+        Rule::value | Rule::operands => "an operand like %3",
+        Rule::ident => "an op name",
+        Rule::attrs | Rule::attr => "attributes like {axis=1}",
+        Rule::results | Rule::tensor_type | Rule::slices_type => "a type like f32[2,3]",
+        Rule::stmt => "a statement",
+        Rule::EOI => "the end of the input",
+        other => return format!("{other:?}"),
+    }
+    .to_string()
 }

@@ -1,0 +1,110 @@
+//! Graph transformations of distc: each pass is a function from graph to graph in its
+//! own file, run by the [`manager`] with the verifier after every step.
+#![deny(missing_docs)]
+
+pub mod autodiff;
+pub mod dead_code;
+pub mod manager;
+pub mod precision;
+pub mod simplify;
+
+use distc_ir::Graph;
+use thiserror::Error;
+
+pub use manager::{run_pipeline, PassRecord, PipelineError};
+
+/// Options the passes read.
+#[derive(Clone, Debug, Default)]
+pub struct PassCx {
+    /// Names of passes to skip (`--disable-pass`).
+    pub disabled: Vec<String>,
+}
+
+/// Plain counters a pass reports, plus an optional note for the user.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassStats {
+    /// `(what, how many)`, in the order the pass reports them.
+    pub counters: Vec<(&'static str, usize)>,
+    /// Anything else worth telling (e.g. a stop reason).
+    pub note: Option<String>,
+}
+
+impl PassStats {
+    /// Adds a counter.
+    pub fn count(mut self, what: &'static str, n: usize) -> PassStats {
+        self.counters.push((what, n));
+        self
+    }
+    /// The value of a counter, 0 if absent.
+    pub fn get(&self, what: &str) -> usize {
+        self.counters
+            .iter()
+            .find(|(k, _)| *k == what)
+            .map_or(0, |(_, v)| *v)
+    }
+}
+
+impl std::fmt::Display for PassStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        f.write_str(&parts.join(" "))?;
+        if let Some(n) = &self.note {
+            write!(f, " ({n})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a pass could not transform a graph.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum PassError {
+    /// The graph lacks something the pass requires.
+    #[error("{0}")]
+    Precondition(String),
+    /// An edit produced an ill-typed node (a bug in the pass).
+    #[error(transparent)]
+    Graph(#[from] distc_ir::GraphError),
+}
+
+/// A graph-to-graph transformation. Its name comes from its type (`DeadCode` is
+/// `dead_code`), so flags, dump files and messages cannot drift apart.
+pub trait Pass {
+    /// Rewrites `g` in place.
+    fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError>;
+
+    /// The pass's name: its type name in snake case.
+    fn name(&self) -> String {
+        snake_case(std::any::type_name::<Self>().rsplit("::").next().unwrap_or("pass"))
+    }
+}
+
+fn snake_case(s: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if c.is_uppercase() {
+            if i > 0 {
+                out.push('_');
+            }
+            out.extend(c.to_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The passes of the single-device training pipeline, in order.
+pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
+    vec![
+        Box::new(autodiff::Autodiff),
+        Box::new(simplify::Simplify::default()),
+        Box::new(dead_code::DeadCode),
+    ]
+}
+
+/// Every pass name the pipelines know, for `--after`, `--stop-after` and `--disable-pass`.
+pub fn known_pass_names() -> Vec<String> {
+    let mut names: Vec<String> = single_pipeline().iter().map(|p| p.name()).collect();
+    names.insert(0, "lower".to_string());
+    names
+}

@@ -10,7 +10,9 @@ pub mod error;
 pub mod exec;
 pub mod init;
 pub mod kernels;
+pub mod metrics;
 pub mod optim;
+pub mod train;
 pub mod value;
 
 pub use config::{DataSpec, OptimizerSpec, RunConfig};

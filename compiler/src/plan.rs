@@ -1,0 +1,149 @@
+//! The plan: the versioned JSON contract between compiler and runtime. It holds the
+//! graph as text IR (what `--dump-ir` shows is what runs), the run configuration, what
+//! each pass did, and a content hash so a damaged or edited plan is refused.
+
+use distc_ir::Graph;
+use distc_runtime::RunConfig;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// The `format` field of every plan.
+pub const PLAN_FORMAT: &str = "distc-plan";
+/// The plan version this distc writes and reads.
+pub const PLAN_VERSION: u32 = 1;
+
+/// One pass as recorded in the plan.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PassSummary {
+    /// Pass name.
+    pub name: String,
+    /// Its counters, as text.
+    pub stats: String,
+    /// Nodes before and after.
+    pub nodes: (usize, usize),
+}
+
+/// A compiled, runnable plan.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Plan {
+    /// Always [`PLAN_FORMAT`].
+    pub format: String,
+    /// Always [`PLAN_VERSION`] when written by this distc.
+    pub version: u32,
+    /// The model's name.
+    pub model: String,
+    /// The DSL file it came from.
+    pub source: String,
+    /// The strategy (`single` for one device).
+    pub strategy: String,
+    /// How to run it.
+    pub config: RunConfig,
+    /// What the passes did.
+    pub passes: Vec<PassSummary>,
+    /// The graph in text IR.
+    pub graph: String,
+    /// SHA-256 of the content above, hex.
+    pub hash: String,
+}
+
+/// A plan that cannot be used.
+#[derive(Debug, Error)]
+pub enum PlanError {
+    /// The file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Not a plan, or damaged.
+    #[error("{path}: not a valid distc plan: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn content_hash(p: &Plan) -> String {
+    let mut h = Sha256::new();
+    let config = serde_json::to_string(&p.config).unwrap_or_default();
+    for part in [p.model.as_str(), p.strategy.as_str(), config.as_str(), p.graph.as_str()] {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Plan {
+    /// A plan for `graph`.
+    pub fn new(graph: &Graph, config: RunConfig, source: &str, strategy: &str, passes: Vec<PassSummary>) -> Plan {
+        let mut p = Plan {
+            format: PLAN_FORMAT.into(),
+            version: PLAN_VERSION,
+            model: graph.name.clone(),
+            source: source.into(),
+            strategy: strategy.into(),
+            config,
+            passes,
+            graph: distc_ir::print(graph),
+            hash: String::new(),
+        };
+        p.hash = content_hash(&p);
+        p
+    }
+
+    /// Writes the plan (to a temporary file renamed into place).
+    pub fn save(&self, path: &Path) -> Result<(), PlanError> {
+        let io = |source| PlanError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let text = serde_json::to_string_pretty(self).map_err(|e| PlanError::Invalid {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Reads a plan and its graph, refusing other formats, other versions, damaged
+    /// content and graphs that do not verify.
+    pub fn load(path: &Path) -> Result<(Plan, Graph), PlanError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let invalid = |message: String| PlanError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(format!("not JSON ({e})")))?;
+        match value.get("format").and_then(|f| f.as_str()) {
+            Some(PLAN_FORMAT) => {}
+            _ => return Err(invalid(format!("no \"format\": \"{PLAN_FORMAT}\" field"))),
+        }
+        match value.get("version").and_then(|v| v.as_u64()) {
+            Some(v) if v == u64::from(PLAN_VERSION) => {}
+            Some(v) => {
+                return Err(invalid(format!(
+                    "plan format version {v}; this distc reads version {PLAN_VERSION}: recompile the model"
+                )))
+            }
+            None => return Err(invalid("no version field".into())),
+        }
+        let plan: Plan = serde_json::from_value(value).map_err(|e| invalid(e.to_string()))?;
+        if content_hash(&plan) != plan.hash {
+            return Err(invalid("its content does not match its hash: the file is damaged or was edited; recompile it".into()));
+        }
+        let graph = distc_ir::parse(&plan.graph).map_err(|e| invalid(format!("graph: {e}")))?;
+        distc_ir::verify(&graph).map_err(|e| invalid(format!("graph does not verify:\n{e}")))?;
+        Ok((plan, graph))
+    }
+}

@@ -1,0 +1,431 @@
+//! Algebraic simplification with egg, and common-subexpression elimination.
+//!
+//! The graph is loaded into an e-graph whose language holds the arithmetic and layout
+//! subset of the ops (`add sub mul div neg transpose reshape`); every other op is an
+//! opaque node keyed by its (op, result types), so identical computations on identical
+//! inputs share one e-class: that is the CSE. Rules below state one identity each; the
+//! smallest equivalent graph is extracted and rebuilt. Requires a verified graph;
+//! preserves the value of every sink. Before/after:
+//! ```text
+//! %3 = mul %2, %1 : f32[4,8]   (%1 = constant{value=1.0} : f32[])
+//! %4 = transpose{perm=[1,0]} %3
+//! %5 = transpose{perm=[1,0]} %4          =>   output{name="y"} %2
+//! output{name="y"} %5
+//! ```
+
+use crate::{Pass, PassCx, PassError, PassStats};
+use distc_ir::{infer, Graph, NodeId, Op, Shape, ValueId, ValueType};
+use egg::{define_language, rewrite, Applier, DidMerge, Id, Language, PatternAst, Subst, Symbol, Var};
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+define_language! {
+    /// The subset of ops egg reasons about; the rest are `Other` nodes named `op<N>`.
+    enum TensorLang {
+        "add" = Add([Id; 2]),
+        "sub" = Sub([Id; 2]),
+        "mul" = Mul([Id; 2]),
+        "div" = Div([Id; 2]),
+        "neg" = Neg([Id; 1]),
+        "transpose" = Transpose([Id; 2]),
+        "reshape" = Reshape([Id; 2]),
+        "port" = Port([Id; 2]),
+        Attr(Symbol),
+        Other(Symbol, Vec<Id>),
+    }
+}
+
+/// What is known about an e-class: its type, and its value when it is a filled constant.
+#[derive(Debug, Clone, PartialEq)]
+struct Info {
+    ty: Option<ValueType>,
+    constant: Option<f64>,
+}
+
+/// The analysis carries the table of opaque ops.
+#[derive(Default)]
+struct Types {
+    ops: Vec<(Op, Vec<ValueType>)>,
+}
+
+type EGraph = egg::EGraph<TensorLang, Types>;
+
+fn dims_attr(s: Symbol) -> Option<Vec<usize>> {
+    let body = s.as_str().split_once(':')?.1;
+    if body.is_empty() {
+        return Some(vec![]);
+    }
+    body.split(',').map(|x| x.parse().ok()).collect()
+}
+
+fn attr(kind: &str, v: &[usize]) -> Symbol {
+    let body: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    Symbol::from(format!("{kind}:{}", body.join(",")))
+}
+
+fn opaque_index(s: Symbol) -> Option<usize> {
+    s.as_str().strip_prefix("op")?.parse().ok()
+}
+
+/// The IR op an e-node stands for (None for attribute leaves and ports).
+fn ir_op(egraph: &EGraph, node: &TensorLang) -> Option<Op> {
+    let leaf = |id: Id| -> Option<Symbol> {
+        egraph[id].nodes.iter().find_map(|n| match n {
+            TensorLang::Attr(s) => Some(*s),
+            _ => None,
+        })
+    };
+    Some(match node {
+        TensorLang::Add(_) => Op::Add,
+        TensorLang::Sub(_) => Op::Sub,
+        TensorLang::Mul(_) => Op::Mul,
+        TensorLang::Div(_) => Op::Div,
+        TensorLang::Neg(_) => Op::Neg,
+        TensorLang::Transpose([p, _]) => Op::Transpose {
+            perm: dims_attr(leaf(*p)?)?,
+        },
+        TensorLang::Reshape([s, _]) => Op::Reshape {
+            shape: Shape(dims_attr(leaf(*s)?)?),
+        },
+        TensorLang::Other(s, _) => egraph.analysis.ops.get(opaque_index(*s)?)?.0.clone(),
+        TensorLang::Port(_) | TensorLang::Attr(_) => return None,
+    })
+}
+
+/// The children of an e-node that are tensor operands (attribute leaves excluded).
+fn operands(node: &TensorLang) -> Vec<Id> {
+    match node {
+        TensorLang::Transpose([_, x]) | TensorLang::Reshape([_, x]) => vec![*x],
+        TensorLang::Port([_, x]) => vec![*x],
+        TensorLang::Attr(_) => vec![],
+        n => n.children().to_vec(),
+    }
+}
+
+impl egg::Analysis<TensorLang> for Types {
+    type Data = Info;
+
+    fn make(egraph: &mut EGraph, enode: &TensorLang, _id: Id) -> Info {
+        let none = Info {
+            ty: None,
+            constant: None,
+        };
+        match enode {
+            TensorLang::Attr(_) => none,
+            TensorLang::Port([p, x]) => {
+                let port = egraph[*p].nodes.iter().find_map(|n| match n {
+                    TensorLang::Attr(s) => dims_attr(*s).and_then(|v| v.first().copied()),
+                    _ => None,
+                });
+                let ty = egraph[*x].nodes.iter().find_map(|n| match n {
+                    TensorLang::Other(s, _) => {
+                        let (_, outs) = egraph.analysis.ops.get(opaque_index(*s)?)?;
+                        outs.get(port?).cloned()
+                    }
+                    _ => None,
+                });
+                Info { ty, constant: None }
+            }
+            TensorLang::Other(s, _) => match opaque_index(*s).and_then(|i| egraph.analysis.ops.get(i)) {
+                Some((op, outs)) => Info {
+                    ty: (outs.len() == 1).then(|| outs[0].clone()),
+                    constant: match op {
+                        Op::Constant { value, .. } => Some(*value),
+                        _ => None,
+                    },
+                },
+                None => none,
+            },
+            n => {
+                let Some(op) = ir_op(egraph, n) else { return none };
+                let tys: Option<Vec<ValueType>> =
+                    operands(n).iter().map(|c| egraph[*c].data.ty.clone()).collect();
+                let ty = tys.and_then(|t| {
+                    let refs: Vec<&ValueType> = t.iter().collect();
+                    infer(&op, &refs).ok().and_then(|mut o| o.pop())
+                });
+                Info { ty, constant: None }
+            }
+        }
+    }
+
+    fn merge(&mut self, a: &mut Info, b: Info) -> DidMerge {
+        let mut changed = false;
+        if a.ty.is_none() && b.ty.is_some() {
+            a.ty = b.ty.clone();
+            changed = true;
+        }
+        if a.constant.is_none() && b.constant.is_some() {
+            a.constant = b.constant;
+            changed = true;
+        }
+        DidMerge(changed, a.ty != b.ty || a.constant != b.constant)
+    }
+}
+
+/// `?c` is a filled constant of value `value`, and `?x` already has the matched type
+/// (so dropping the operation drops no broadcast).
+fn neutral(c: &'static str, x: &'static str, value: f64) -> impl Fn(&mut EGraph, Id, &Subst) -> bool {
+    let (c, x): (Var, Var) = (c.parse().expect("pattern var"), x.parse().expect("pattern var"));
+    move |eg, id, s| {
+        eg[s[c]].data.constant == Some(value)
+            && eg[s[x]].data.ty.is_some()
+            && eg[s[x]].data.ty == eg[id].data.ty
+    }
+}
+
+/// `?x` already has the matched type.
+fn same_type(x: &'static str) -> impl Fn(&mut EGraph, Id, &Subst) -> bool {
+    let x: Var = x.parse().expect("pattern var");
+    move |eg, id, s| eg[s[x]].data.ty.is_some() && eg[s[x]].data.ty == eg[id].data.ty
+}
+
+/// Composes two transposes into one (or none, when the composition is the identity).
+struct ComposeTransposes;
+
+impl Applier<TensorLang, Types> for ComposeTransposes {
+    fn apply_one(
+        &self,
+        eg: &mut EGraph,
+        eclass: Id,
+        subst: &Subst,
+        _ast: Option<&PatternAst<TensorLang>>,
+        _rule: Symbol,
+    ) -> Vec<Id> {
+        let var = |n: &str| subst[n.parse::<Var>().expect("pattern var")];
+        let perm = |eg: &EGraph, id: Id| {
+            eg[id].nodes.iter().find_map(|n| match n {
+                TensorLang::Attr(s) => dims_attr(*s),
+                _ => None,
+            })
+        };
+        let (Some(outer), Some(inner)) = (perm(eg, var("?p2")), perm(eg, var("?p1"))) else {
+            return vec![];
+        };
+        // y = x.permute(inner).permute(outer): y axis i is x axis inner[outer[i]].
+        let composed: Vec<usize> = outer.iter().map(|&o| inner[o]).collect();
+        let x = var("?x");
+        let new = if composed.iter().enumerate().all(|(i, &p)| i == p) {
+            x
+        } else {
+            let p = eg.add(TensorLang::Attr(attr("perm", &composed)));
+            eg.add(TensorLang::Transpose([p, x]))
+        };
+        if eg.union(eclass, new) {
+            vec![new]
+        } else {
+            vec![]
+        }
+    }
+}
+
+fn rules() -> Vec<egg::Rewrite<TensorLang, Types>> {
+    vec![
+        // x + 0 = x
+        rewrite!("add-zero"; "(add ?x ?c)" => "?x" if neutral("?c", "?x", 0.0)),
+        // 0 + x = x
+        rewrite!("zero-add"; "(add ?c ?x)" => "?x" if neutral("?c", "?x", 0.0)),
+        // x - 0 = x
+        rewrite!("sub-zero"; "(sub ?x ?c)" => "?x" if neutral("?c", "?x", 0.0)),
+        // x * 1 = x
+        rewrite!("mul-one"; "(mul ?x ?c)" => "?x" if neutral("?c", "?x", 1.0)),
+        // 1 * x = x
+        rewrite!("one-mul"; "(mul ?c ?x)" => "?x" if neutral("?c", "?x", 1.0)),
+        // x / 1 = x
+        rewrite!("div-one"; "(div ?x ?c)" => "?x" if neutral("?c", "?x", 1.0)),
+        // -(-x) = x
+        rewrite!("neg-neg"; "(neg (neg ?x))" => "?x"),
+        // a + (-b) = a - b
+        rewrite!("add-neg"; "(add ?a (neg ?b))" => "(sub ?a ?b)"),
+        // a - (-b) = a + b
+        rewrite!("sub-neg"; "(sub ?a (neg ?b))" => "(add ?a ?b)"),
+        // (x^p1)^p2 = x^(p1∘p2)
+        rewrite!("transpose-transpose"; "(transpose ?p2 (transpose ?p1 ?x))" => { ComposeTransposes }),
+        // reshape(reshape(x, s1), s2) = reshape(x, s2)
+        rewrite!("reshape-reshape"; "(reshape ?s2 (reshape ?s1 ?x))" => "(reshape ?s2 ?x)"),
+        // reshape(x, shape of x) = x
+        rewrite!("reshape-identity"; "(reshape ?s ?x)" => "?x" if same_type("?x")),
+        // transpose by the identity permutation = x
+        rewrite!("transpose-identity"; "(transpose ?p ?x)" => "?x" if same_type("?x")),
+    ]
+}
+
+/// The simplification pass, with egg's limits.
+pub struct Simplify {
+    /// Saturation iterations at most.
+    pub iter_limit: usize,
+    /// E-nodes at most.
+    pub node_limit: usize,
+    /// Wall time at most.
+    pub time_limit: Duration,
+}
+
+impl Default for Simplify {
+    fn default() -> Simplify {
+        Simplify {
+            iter_limit: 16,
+            node_limit: 200_000,
+            time_limit: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Pass for Simplify {
+    fn run(&self, g: &mut Graph, _cx: &mut PassCx) -> Result<PassStats, PassError> {
+        let before = g.node_count();
+        let mut eg = EGraph::new(Types::default());
+        let mut class: HashMap<ValueId, Id> = HashMap::new();
+        let mut sinks: Vec<(Op, Vec<Id>)> = Vec::new();
+        let order = g.topo_order();
+        let mut keep: Vec<Id> = Vec::new();
+        for &id in &order {
+            let node = g.node(id);
+            let ins: Vec<Id> = node.inputs.iter().map(|v| class[v]).collect();
+            if node.op.is_sink() {
+                sinks.push((node.op.clone(), ins));
+                continue;
+            }
+            let enode = match &node.op {
+                Op::Add => TensorLang::Add([ins[0], ins[1]]),
+                Op::Sub => TensorLang::Sub([ins[0], ins[1]]),
+                Op::Mul => TensorLang::Mul([ins[0], ins[1]]),
+                Op::Div => TensorLang::Div([ins[0], ins[1]]),
+                Op::Neg => TensorLang::Neg([ins[0]]),
+                Op::Transpose { perm } => {
+                    TensorLang::Transpose([eg.add(TensorLang::Attr(attr("perm", perm))), ins[0]])
+                }
+                Op::Reshape { shape } => TensorLang::Reshape([
+                    eg.add(TensorLang::Attr(attr("shape", shape.dims()))),
+                    ins[0],
+                ]),
+                op => {
+                    let key = (op.clone(), node.outputs.clone());
+                    let ops = &mut eg.analysis.ops;
+                    let idx = match ops.iter().position(|o| *o == key) {
+                        Some(i) => i,
+                        None => {
+                            ops.push(key);
+                            ops.len() - 1
+                        }
+                    };
+                    TensorLang::Other(Symbol::from(format!("op{idx}")), ins)
+                }
+            };
+            let c = eg.add(enode);
+            if node.outputs.len() == 1 {
+                class.insert(id.into(), c);
+            } else {
+                for port in 0..node.outputs.len() {
+                    let p = eg.add(TensorLang::Attr(attr("port", &[port])));
+                    class.insert(id.out(port as u16), eg.add(TensorLang::Port([p, c])));
+                }
+            }
+            if matches!(node.op, Op::Param { .. } | Op::Input { .. }) {
+                keep.push(c);
+            }
+        }
+        eg.rebuild();
+        let runner = egg::Runner::default()
+            .with_egraph(eg)
+            .with_iter_limit(self.iter_limit)
+            .with_node_limit(self.node_limit)
+            .with_time_limit(self.time_limit)
+            .run(&rules());
+        let stop = format!("{:?}", runner.stop_reason);
+        let applied: usize = runner.iterations.iter().map(|i| i.applied.values().sum::<usize>()).sum();
+        let eg = runner.egraph;
+        let extractor = egg::Extractor::new(&eg, egg::AstSize);
+
+        let mut out = Graph::new(g.name.clone());
+        let mut built: HashMap<Id, ValueId> = HashMap::new();
+        let roots: Vec<Id> = keep
+            .iter()
+            .copied()
+            .chain(sinks.iter().flat_map(|(_, ins)| ins.iter().copied()))
+            .collect();
+        // Rebuild in the original order so the printed graph stays close to the input.
+        let needed = reachable(&eg, &extractor, &roots);
+        for &id in &order {
+            if let Some(&c) = node_class(&class, g, id) {
+                if needed.contains(&eg.find(c)) {
+                    build(&eg, &extractor, c, &mut out, &mut built)?;
+                }
+            }
+        }
+        for (op, ins) in sinks {
+            let vals = ins
+                .iter()
+                .map(|&c| build(&eg, &extractor, c, &mut out, &mut built))
+                .collect::<Result<Vec<_>, _>>()?;
+            out.add(op, vals)?;
+        }
+        *g = out;
+        let removed = before.saturating_sub(g.node_count());
+        let mut stats = PassStats::default()
+            .count("removed", removed)
+            .count("rewrites", applied);
+        stats.note = Some(format!("egg stopped: {stop}"));
+        Ok(stats)
+    }
+}
+
+fn node_class<'a>(class: &'a HashMap<ValueId, Id>, g: &Graph, id: NodeId) -> Option<&'a Id> {
+    if g.node(id).outputs.len() == 1 {
+        class.get(&id.into())
+    } else {
+        None
+    }
+}
+
+fn reachable(eg: &EGraph, ex: &egg::Extractor<egg::AstSize, TensorLang, Types>, roots: &[Id]) -> HashSet<Id> {
+    let mut seen = HashSet::new();
+    let mut stack: Vec<Id> = roots.iter().map(|&r| eg.find(r)).collect();
+    while let Some(c) = stack.pop() {
+        if seen.insert(c) {
+            stack.extend(ex.find_best_node(c).children().iter().map(|&k| eg.find(k)));
+        }
+    }
+    seen
+}
+
+fn build(
+    eg: &EGraph,
+    ex: &egg::Extractor<egg::AstSize, TensorLang, Types>,
+    c: Id,
+    out: &mut Graph,
+    built: &mut HashMap<Id, ValueId>,
+) -> Result<ValueId, PassError> {
+    let c = eg.find(c);
+    if let Some(v) = built.get(&c) {
+        return Ok(*v);
+    }
+    let node = ex.find_best_node(c).clone();
+    let v = match &node {
+        TensorLang::Port([p, x]) => {
+            let base = build(eg, ex, *x, out, built)?;
+            let port = eg[*p]
+                .nodes
+                .iter()
+                .find_map(|n| match n {
+                    TensorLang::Attr(s) => dims_attr(*s).and_then(|v| v.first().copied()),
+                    _ => None,
+                })
+                .ok_or_else(|| PassError::Precondition("simplify: malformed port".into()))?;
+            base.node.out(port as u16)
+        }
+        TensorLang::Attr(_) => {
+            return Err(PassError::Precondition("simplify: attribute used as a value".into()))
+        }
+        n => {
+            let op = ir_op(eg, n)
+                .ok_or_else(|| PassError::Precondition("simplify: unknown e-node".into()))?;
+            let ins = operands(n)
+                .iter()
+                .map(|&k| build(eg, ex, k, out, built))
+                .collect::<Result<Vec<_>, _>>()?;
+            out.add(op, ins)?.into()
+        }
+    };
+    built.insert(c, v);
+    Ok(v)
+}
