@@ -94,6 +94,9 @@ pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Comp
     }
     let program = compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let mut graph = program.graph;
+    let mut config = program.config;
+    // The data loader must produce the batch the graph was bound to.
+    config.batch = program.batch_symbol_value;
     let lowered_nodes = graph.node_count();
     if let Some(dir) = &opts.dump_ir {
         std::fs::create_dir_all(dir).map_err(|source| CompileError::Write {
@@ -105,7 +108,7 @@ pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Comp
     if opts.stop_after.as_deref() == Some("lower") {
         return Ok(Compiled {
             graph,
-            config: program.config,
+            config: config.clone(),
             records: vec![],
             lowered_nodes,
         });
@@ -130,7 +133,7 @@ pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Comp
     match result {
         Ok(records) => Ok(Compiled {
             graph,
-            config: program.config,
+            config: config.clone(),
             records,
             lowered_nodes,
         }),

@@ -331,7 +331,14 @@ impl Pass for Simplify {
             .with_node_limit(self.node_limit)
             .with_time_limit(self.time_limit)
             .run(&rules());
-        let stop = format!("{:?}", runner.stop_reason);
+        let stop = match &runner.stop_reason {
+            Some(egg::StopReason::Saturated) => "saturated".to_string(),
+            Some(egg::StopReason::IterationLimit(n)) => format!("iteration limit {n}"),
+            Some(egg::StopReason::NodeLimit(n)) => format!("node limit {n}"),
+            Some(egg::StopReason::TimeLimit(t)) => format!("time limit {t:.1} s"),
+            Some(egg::StopReason::Other(s)) => s.clone(),
+            None => "not run".to_string(),
+        };
         let applied: usize = runner.iterations.iter().map(|i| i.applied.values().sum::<usize>()).sum();
         let eg = runner.egraph;
         let extractor = egg::Extractor::new(&eg, egg::AstSize);

@@ -1,1 +1,152 @@
-//! (being written)
+//! Checkpoints: named tensors (variables, optimizer slots) and string metadata in one
+//! safetensors file (f32, f64, i32; little-endian, as the format specifies).
+//!
+//! [`save`] writes a temporary file next to the target, syncs it, then renames it over
+//! the target, so a crash never leaves a half-written checkpoint under the real name.
+//! Every error names the file.
+
+use crate::error::{Result, RuntimeError};
+use crate::value::Tensor;
+use ndarray::{ArrayD, IxDyn};
+use safetensors::tensor::{Dtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+/// A tensor as a safetensors view (bytes produced on demand, little-endian).
+struct TensorView<'a>(&'a Tensor);
+
+impl View for TensorView<'_> {
+    fn dtype(&self) -> Dtype {
+        match self.0 {
+            Tensor::F32(_) => Dtype::F32,
+            Tensor::F64(_) => Dtype::F64,
+            Tensor::I32(_) => Dtype::I32,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        self.0.shape()
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        let bytes: Vec<u8> = match self.0 {
+            Tensor::F32(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Tensor::F64(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Tensor::I32(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        Cow::Owned(bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.0.bytes()
+    }
+}
+
+fn data_err(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::Data {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
+    move |source| RuntimeError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes `params` (names must be distinct) and `metadata` to `path` atomically
+/// (temporary file, then rename). Creates the parent directory if needed.
+pub fn save(
+    path: &Path,
+    params: &[(String, &Tensor)],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
+    let mut seen = HashSet::new();
+    for (name, _) in params {
+        if !seen.insert(name.as_str()) {
+            return Err(data_err(path, format!("tensor `{name}` is listed twice")));
+        }
+    }
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| data_err(path, "not a file name"))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
+    let tmp = parent.join(format!(".{file_name}.tmp-{}", std::process::id()));
+    let write = || -> Result<()> {
+        let views = params.iter().map(|(n, t)| (n.as_str(), TensorView(t)));
+        let meta = (!metadata.is_empty()).then(|| metadata.clone());
+        safetensors::serialize_to_file(views, meta, &tmp)
+            .map_err(|e| data_err(path, format!("cannot write checkpoint: {e}")))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io_err(path))
+    };
+    let result = write();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Reads a checkpoint written by [`save`] (or any safetensors file of f32, f64 and
+/// i32 tensors): the tensors by name and the metadata.
+pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    let mut tensors = HashMap::new();
+    for (name, view) in st.iter() {
+        let shape = IxDyn(view.shape());
+        let data = view.data();
+        let bad = |e: ndarray::ShapeError| data_err(path, format!("tensor `{name}`: {e}"));
+        let t = match view.dtype() {
+            Dtype::F32 => Tensor::F32(
+                ArrayD::from_shape_vec(
+                    shape,
+                    data.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
+            Dtype::F64 => Tensor::F64(
+                ArrayD::from_shape_vec(
+                    shape,
+                    data.chunks_exact(8)
+                        .map(|c| {
+                            f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
+                        })
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
+            Dtype::I32 => Tensor::I32(
+                ArrayD::from_shape_vec(
+                    shape,
+                    data.chunks_exact(4)
+                        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
+            other => {
+                return Err(data_err(
+                    path,
+                    format!("tensor `{name}` is {other}; checkpoints hold f32, f64 and i32"),
+                ))
+            }
+        };
+        tensors.insert(name.to_string(), t);
+    }
+    Ok((tensors, metadata))
+}

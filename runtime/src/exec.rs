@@ -1,1 +1,475 @@
-//! (being written)
+//! The graph executor: runs one graph on the CPU kernels, step after step.
+//!
+//! [`Executor::new`] compiles the graph once: a topological order, a dense slot per
+//! value, and two plans (training: every node; evaluation: only what the `loss` and
+//! `output` sinks need). For each node input a plan records whether it is the value's
+//! last use. At run time a value at its last use is handed to the kernel *owned*, so
+//! pointwise and most backward kernels overwrite it instead of allocating, and it is
+//! freed as soon as nothing reads it: peak memory is the live set, not the graph.
+//!
+//! Feeds, parameters and constants are only ever borrowed (the embedding table alone
+//! is 51 MB); kernels see them as borrowed arguments and never copy them wholesale.
+//! Feeds are checked against the graph's input types, and every kernel result is
+//! checked against the type the IR gave it, so a kernel bug or a bad feed is an error
+//! naming the node or the input, never a panic or a silently wrong shape.
+
+use crate::error::{Result, RuntimeError};
+use crate::kernels::{self, Arg, KernelCtx};
+use crate::value::{Tensor, Value};
+use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueId, ValueType};
+use ndarray::{ArrayD, IxDyn};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What a run computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Every node, dropout active.
+    Train,
+    /// Only the nodes the `loss` and `output` sinks need, dropout off.
+    Eval,
+}
+
+/// What one run produced.
+#[derive(Debug)]
+pub struct StepOutputs {
+    /// The value marked by the `loss` sink, if the graph has one.
+    pub loss: Option<f64>,
+    /// One gradient per `param_grad` sink, in graph order (empty in evaluation).
+    pub grads: Vec<(String, Value)>,
+    /// One tensor per `output` sink, in graph order (slices are densified).
+    pub outputs: Vec<(String, Tensor)>,
+}
+
+/// One node, with its inputs and outputs as slot numbers.
+#[derive(Debug)]
+struct Node {
+    id: NodeId,
+    op: Op,
+    inputs: Vec<usize>,
+    outputs: Vec<(usize, ValueType)>,
+}
+
+/// One input of a node in a plan.
+#[derive(Debug)]
+struct Use {
+    slot: usize,
+    /// Last use, and the only input slot of the node reading it: the kernel gets it owned.
+    take: bool,
+    /// Last use: the slot is emptied after the node ran.
+    release: bool,
+}
+
+/// One node in a plan.
+#[derive(Debug)]
+struct Step {
+    node: usize,
+    uses: Vec<Use>,
+    /// Per output: whether a later node of the plan reads it (else it is dropped).
+    keep: Vec<bool>,
+}
+
+/// A slot's content during a run.
+enum Slot<'a> {
+    Empty,
+    Owned(Value),
+    Borrowed(&'a Tensor),
+}
+
+/// Runs one graph; compiled once, run once per step.
+#[derive(Debug)]
+pub struct Executor {
+    nodes: Vec<Node>,
+    slots: usize,
+    /// The filled tensor of each `constant` node, by node position.
+    constants: Vec<Option<Tensor>>,
+    train: Vec<Step>,
+    eval: Vec<Step>,
+    profiling: bool,
+    profile: HashMap<&'static str, (Duration, u64)>,
+}
+
+impl Executor {
+    /// Compiles `graph`: order, slots, last uses, constants.
+    pub fn new(graph: &Graph) -> Result<Executor> {
+        let order = graph.topo_order();
+        if order.len() != graph.node_count() {
+            return Err(RuntimeError::Config(format!(
+                "graph `{}` has a cycle: it cannot be run",
+                graph.name
+            )));
+        }
+        let mut slot_of: HashMap<ValueId, usize> = HashMap::new();
+        let mut nodes = Vec::with_capacity(order.len());
+        for &id in &order {
+            let n = graph.node(id);
+            let inputs = n
+                .inputs
+                .iter()
+                .map(|v| {
+                    slot_of.get(v).copied().ok_or_else(|| RuntimeError::Kernel {
+                        node: id.to_string(),
+                        op: n.op.mnemonic(),
+                        message: format!("reads {v}, which no earlier node produces"),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let outputs = n
+                .outputs
+                .iter()
+                .enumerate()
+                .map(|(port, ty)| {
+                    let slot = slot_of.len();
+                    slot_of.insert(id.out(port as u16), slot);
+                    (slot, ty.clone())
+                })
+                .collect();
+            nodes.push(Node {
+                id,
+                op: n.op.clone(),
+                inputs,
+                outputs,
+            });
+        }
+        let constants = nodes
+            .iter()
+            .map(|n| match &n.op {
+                Op::Constant { value, ty } => Some(filled(ty, *value)),
+                _ => None,
+            })
+            .collect();
+        let all = vec![true; nodes.len()];
+        let needed = needed_for_eval(&nodes, slot_of.len());
+        Ok(Executor {
+            train: plan(&nodes, &all, slot_of.len()),
+            eval: plan(&nodes, &needed, slot_of.len()),
+            slots: slot_of.len(),
+            nodes,
+            constants,
+            profiling: false,
+            profile: HashMap::new(),
+        })
+    }
+
+    /// Runs one step. `feeds` are the model inputs by name and `params` the variables
+    /// by name; both are borrowed, never copied.
+    pub fn run(
+        &mut self,
+        feeds: &HashMap<String, Tensor>,
+        params: &HashMap<String, Tensor>,
+        mode: Mode,
+        step: u64,
+    ) -> Result<StepOutputs> {
+        let Executor {
+            nodes,
+            slots: n_slots,
+            constants,
+            train,
+            eval,
+            profiling,
+            profile,
+        } = self;
+        let plan = match mode {
+            Mode::Train => &*train,
+            Mode::Eval => &*eval,
+        };
+        let ctx = KernelCtx {
+            step,
+            training: mode == Mode::Train,
+        };
+        let mut slots: Vec<Slot<'_>> = (0..*n_slots).map(|_| Slot::Empty).collect();
+        let mut out = StepOutputs {
+            loss: None,
+            grads: Vec::new(),
+            outputs: Vec::new(),
+        };
+        for st in plan {
+            let node = &nodes[st.node];
+            let kernel_err = |message: String| RuntimeError::Kernel {
+                node: node.id.to_string(),
+                op: node.op.mnemonic(),
+                message,
+            };
+            let source = match &node.op {
+                Op::Input { name, ty } => {
+                    let t = feeds
+                        .get(name)
+                        .ok_or_else(|| RuntimeError::MissingInput(name.clone()))?;
+                    check_type(t, ty, || format!("input `{name}`: fed"))?;
+                    Some(t)
+                }
+                Op::Param { name, ty, .. } => {
+                    let t = params
+                        .get(name)
+                        .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
+                    check_type(t, ty, || format!("variable `{name}`: holds"))?;
+                    Some(t)
+                }
+                Op::Constant { .. } => Some(
+                    constants[st.node]
+                        .as_ref()
+                        .ok_or_else(|| kernel_err("constant not built".into()))?,
+                ),
+                _ => None,
+            };
+            if let Some(t) = source {
+                if let (Some(&(slot, _)), Some(true)) = (node.outputs.first(), st.keep.first()) {
+                    slots[slot] = Slot::Borrowed(t);
+                }
+                continue;
+            }
+            let first = || {
+                st.uses
+                    .first()
+                    .ok_or_else(|| kernel_err("a sink needs one input, it has none".into()))
+            };
+            match &node.op {
+                Op::Loss => {
+                    let v = read(&slots, first()?).map_err(kernel_err)?;
+                    out.loss = v.tensor().and_then(Tensor::scalar_f64);
+                    release(&mut slots, &st.uses);
+                }
+                Op::ParamGrad { param } => {
+                    let v = take(&mut slots, first()?).map_err(kernel_err)?;
+                    out.grads.push((param.clone(), v));
+                }
+                Op::Output { name } => {
+                    let v = match take(&mut slots, first()?).map_err(kernel_err)? {
+                        Value::Tensor(t) => t,
+                        s @ Value::Slices(_) => {
+                            let dense = kernels::eval(&Op::Densify, vec![Arg::Owned(s)], &ctx)
+                                .map_err(kernel_err)?;
+                            match dense.into_iter().next() {
+                                Some(Value::Tensor(t)) => t,
+                                _ => return Err(kernel_err("densify gave no tensor".into())),
+                            }
+                        }
+                    };
+                    out.outputs.push((name.clone(), v));
+                }
+                op => {
+                    let args = args(&mut slots, &st.uses).map_err(kernel_err)?;
+                    let start = profiling.then(Instant::now);
+                    let results = kernels::eval(op, args, &ctx).map_err(kernel_err)?;
+                    if let Some(start) = start {
+                        let e = profile.entry(op.mnemonic()).or_default();
+                        e.0 += start.elapsed();
+                        e.1 += 1;
+                    }
+                    release(&mut slots, &st.uses);
+                    if results.len() != node.outputs.len() {
+                        return Err(kernel_err(format!(
+                            "the kernel gave {} results for {} outputs",
+                            results.len(),
+                            node.outputs.len()
+                        )));
+                    }
+                    for ((v, (slot, ty)), &keep) in
+                        results.into_iter().zip(&node.outputs).zip(&st.keep)
+                    {
+                        let got = v.value_type();
+                        if got != *ty {
+                            return Err(kernel_err(format!(
+                                "the kernel gave {got}, the graph says {ty}"
+                            )));
+                        }
+                        if keep {
+                            slots[*slot] = Slot::Owned(v);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Turns per-op timing on or off (off by default; it costs two clock reads a node).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+    }
+
+    /// Accumulated kernel time per op mnemonic since the last reset: `(op, total time,
+    /// calls)`, the most expensive first. Empty unless profiling is on.
+    pub fn profile(&self) -> Vec<(&'static str, Duration, u64)> {
+        let mut v: Vec<_> = self
+            .profile
+            .iter()
+            .map(|(k, (d, n))| (*k, *d, *n))
+            .collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        v
+    }
+
+    /// Clears the accumulated profile.
+    pub fn reset_profile(&mut self) {
+        self.profile.clear();
+    }
+}
+
+/// A tensor of type `ty` with every element `value`.
+fn filled(ty: &TensorType, value: f64) -> Tensor {
+    let dim = IxDyn(ty.dims());
+    match ty.dtype {
+        DType::F32 => Tensor::F32(ArrayD::from_elem(dim, value as f32)),
+        DType::F64 => Tensor::F64(ArrayD::from_elem(dim, value)),
+        DType::I32 => Tensor::I32(ArrayD::from_elem(dim, value as i32)),
+    }
+}
+
+/// Errors unless `t` has type `ty`; `what` starts the message (`input `x`: fed`).
+fn check_type(t: &Tensor, ty: &TensorType, what: impl Fn() -> String) -> Result<()> {
+    if t.dtype() == ty.dtype && t.shape() == ty.dims() {
+        return Ok(());
+    }
+    Err(RuntimeError::Config(format!(
+        "{} {}, the graph needs {ty}",
+        what(),
+        t.tensor_type()
+    )))
+}
+
+/// Which nodes evaluation runs: the `loss` and `output` sinks and what they read.
+fn needed_for_eval(nodes: &[Node], n_slots: usize) -> Vec<bool> {
+    let mut producer = vec![0; n_slots];
+    for (i, n) in nodes.iter().enumerate() {
+        for &(s, _) in &n.outputs {
+            producer[s] = i;
+        }
+    }
+    let mut needed = vec![false; nodes.len()];
+    let mut stack: Vec<usize> = nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| matches!(n.op, Op::Loss | Op::Output { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    while let Some(i) = stack.pop() {
+        if needed[i] {
+            continue;
+        }
+        needed[i] = true;
+        stack.extend(nodes[i].inputs.iter().map(|&s| producer[s]));
+    }
+    needed
+}
+
+/// The steps running the `included` nodes in order, with last uses.
+fn plan(nodes: &[Node], included: &[bool], n_slots: usize) -> Vec<Step> {
+    let order: Vec<usize> = (0..nodes.len()).filter(|&i| included[i]).collect();
+    let mut last = vec![None; n_slots];
+    for (k, &i) in order.iter().enumerate() {
+        for &s in &nodes[i].inputs {
+            last[s] = Some(k);
+        }
+    }
+    order
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| {
+            let ins = &nodes[i].inputs;
+            let uses = ins
+                .iter()
+                .enumerate()
+                .map(|(j, &s)| {
+                    let release = last[s] == Some(k) && !ins[j + 1..].contains(&s);
+                    let once = ins.iter().filter(|&&t| t == s).count() == 1;
+                    Use {
+                        slot: s,
+                        take: release && once,
+                        release,
+                    }
+                })
+                .collect();
+            let keep = nodes[i]
+                .outputs
+                .iter()
+                .map(|&(s, _)| last[s].is_some())
+                .collect();
+            Step {
+                node: i,
+                uses,
+                keep,
+            }
+        })
+        .collect()
+}
+
+/// The kernel arguments: values at their last use are moved out of their slots,
+/// the others borrowed.
+fn args<'s, 'a: 's>(
+    slots: &'s mut [Slot<'a>],
+    uses: &[Use],
+) -> std::result::Result<Vec<Arg<'s>>, String> {
+    let mut owned: Vec<Option<Value>> = Vec::with_capacity(uses.len());
+    for u in uses {
+        owned.push(match (u.take, &slots[u.slot]) {
+            (true, Slot::Owned(_)) => match std::mem::replace(&mut slots[u.slot], Slot::Empty) {
+                Slot::Owned(v) => Some(v),
+                _ => None,
+            },
+            _ => None,
+        });
+    }
+    let slots: &'s [Slot<'a>] = slots;
+    uses.iter()
+        .zip(owned)
+        .map(|(u, o)| match (o, &slots[u.slot]) {
+            (Some(v), _) => Ok(Arg::Owned(v)),
+            (None, Slot::Owned(v)) => Ok(Arg::Borrowed(v)),
+            (None, Slot::Borrowed(t)) => Ok(Arg::BorrowedTensor(t)),
+            (None, Slot::Empty) => Err(format!("input slot {} is empty (executor bug)", u.slot)),
+        })
+        .collect()
+}
+
+/// Empties the slots whose last use this was.
+fn release(slots: &mut [Slot<'_>], uses: &[Use]) {
+    for u in uses {
+        if u.release {
+            slots[u.slot] = Slot::Empty;
+        }
+    }
+}
+
+/// The value of a sink's input, by reference.
+fn read<'s>(slots: &'s [Slot<'_>], u: &Use) -> std::result::Result<ValueRef<'s>, String> {
+    match &slots[u.slot] {
+        Slot::Owned(v) => Ok(ValueRef::Value(v)),
+        Slot::Borrowed(t) => Ok(ValueRef::Tensor(t)),
+        Slot::Empty => Err(format!("input slot {} is empty (executor bug)", u.slot)),
+    }
+}
+
+/// A borrowed value or tensor.
+enum ValueRef<'s> {
+    Value(&'s Value),
+    Tensor(&'s Tensor),
+}
+
+impl ValueRef<'_> {
+    fn tensor(&self) -> Option<&Tensor> {
+        match self {
+            ValueRef::Value(v) => v.tensor(),
+            ValueRef::Tensor(t) => Some(t),
+        }
+    }
+}
+
+/// The value of a sink's input, owned: moved at its last use, cloned otherwise.
+fn take(slots: &mut [Slot<'_>], u: &Use) -> std::result::Result<Value, String> {
+    let v = if u.take {
+        match std::mem::replace(&mut slots[u.slot], Slot::Empty) {
+            Slot::Owned(v) => v,
+            Slot::Borrowed(t) => Value::Tensor(t.clone()),
+            Slot::Empty => return Err(format!("input slot {} is empty (executor bug)", u.slot)),
+        }
+    } else {
+        match &slots[u.slot] {
+            Slot::Owned(v) => v.clone(),
+            Slot::Borrowed(t) => Value::Tensor((*t).clone()),
+            Slot::Empty => return Err(format!("input slot {} is empty (executor bug)", u.slot)),
+        }
+    };
+    release(slots, std::slice::from_ref(u));
+    Ok(v)
+}

@@ -1,1 +1,479 @@
-//! (being written)
+//! Optimizers: apply one step's gradients to the variables, keeping per-variable
+//! slots (SGD momentum buffer; Adam's first and second moments).
+//!
+//! * SGD: `v = momentum * v + g; w -= lr * v`; with momentum 0 there is no slot and the
+//!   update is `w -= lr * g` (WORKLOADS.md's plain SGD).
+//! * Adam (bias-corrected, as in the paper and PyTorch):
+//!   `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//!   w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`, with one global step
+//!   count `t` (1 on the first step), advanced by [`Optimizer::end_step`].
+//!
+//! Every gradient is first multiplied by `scale` (e.g. `1/N` to average over workers).
+//!
+//! **Sparse gradients** (`Value::Slices`, row-sparse): duplicate rows are summed first
+//! (in order of appearance), then only the touched rows are updated, in time
+//! proportional to the rows touched (no pass over the whole table). For plain SGD this
+//! is exactly the dense update of the scattered gradient (same float operations, so
+//! bit-identical results). For momentum and Adam it is the "lazy" semantics of
+//! TensorFlow's sparse apply / LazyAdam: the slots of untouched rows are neither
+//! decayed nor used, so the result differs from the dense update of the scattered
+//! gradient (which would decay every row's slots and move rows with non-zero slots).
+//! Adam's bias correction uses the global `t` on sparse rows too.
+//!
+//! f32 and f64 variables are supported; slots have the variable's dtype.
+
+use crate::config::OptimizerSpec;
+use crate::error::{Result, RuntimeError};
+use crate::value::{Tensor, Value};
+use ndarray::{ArrayD, IxDyn, Zip};
+use num_traits::Float;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
+
+/// Dense updates of at least this many elements run on the rayon pool.
+const PAR_MIN: usize = 1 << 15;
+
+/// The name under which [`Optimizer::state`] reports the step count.
+pub const STEP_KEY: &str = "optimizer/step";
+
+/// The float element types the optimizer updates.
+trait Elem: Float + Send + Sync + std::fmt::Debug + 'static {
+    fn of(x: f64) -> Self;
+    fn arr_mut(t: &mut Tensor) -> Option<&mut ArrayD<Self>>;
+    fn wrap(a: ArrayD<Self>) -> Tensor;
+}
+
+impl Elem for f32 {
+    fn of(x: f64) -> f32 {
+        x as f32
+    }
+    fn arr_mut(t: &mut Tensor) -> Option<&mut ArrayD<f32>> {
+        match t {
+            Tensor::F32(a) => Some(a),
+            _ => None,
+        }
+    }
+    fn wrap(a: ArrayD<f32>) -> Tensor {
+        Tensor::F32(a)
+    }
+}
+
+impl Elem for f64 {
+    fn of(x: f64) -> f64 {
+        x
+    }
+    fn arr_mut(t: &mut Tensor) -> Option<&mut ArrayD<f64>> {
+        match t {
+            Tensor::F64(a) => Some(a),
+            _ => None,
+        }
+    }
+    fn wrap(a: ArrayD<f64>) -> Tensor {
+        Tensor::F64(a)
+    }
+}
+
+/// The update rule with its hyper-parameters.
+#[derive(Clone, Copy, Debug)]
+enum Rule {
+    Sgd { lr: f64 },
+    Momentum { lr: f64, mu: f64 },
+    Adam { lr: f64, b1: f64, b2: f64, eps: f64 },
+}
+
+/// An optimizer with its per-variable slots.
+#[derive(Debug)]
+pub struct Optimizer {
+    spec: OptimizerSpec,
+    rule: Rule,
+    /// Variable name -> its slots, in [`Optimizer::slot_names`] order.
+    slots: BTreeMap<String, Vec<Tensor>>,
+    /// Completed steps.
+    steps: u64,
+    /// `steps` as an f64 scalar, for [`Optimizer::state`].
+    step_tensor: Tensor,
+}
+
+impl Optimizer {
+    /// A fresh optimizer (no slots yet; they are created, zero, on first use).
+    pub fn new(spec: &OptimizerSpec) -> Optimizer {
+        let rule = match *spec {
+            OptimizerSpec::Sgd { lr, momentum: 0.0 } => Rule::Sgd { lr },
+            OptimizerSpec::Sgd { lr, momentum } => Rule::Momentum { lr, mu: momentum },
+            OptimizerSpec::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => Rule::Adam {
+                lr,
+                b1: beta1,
+                b2: beta2,
+                eps,
+            },
+        };
+        Optimizer {
+            spec: spec.clone(),
+            rule,
+            slots: BTreeMap::new(),
+            steps: 0,
+            step_tensor: step_tensor(0),
+        }
+    }
+
+    /// The optimizer's spec.
+    pub fn spec(&self) -> &OptimizerSpec {
+        &self.spec
+    }
+
+    /// Steps completed (calls of [`Optimizer::end_step`]).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The names of each variable's slots: none for plain SGD, `["momentum"]` for SGD
+    /// with momentum, `["m", "v"]` for Adam.
+    pub fn slot_names(&self) -> &'static [&'static str] {
+        match self.rule {
+            Rule::Sgd { .. } => &[],
+            Rule::Momentum { .. } => &["momentum"],
+            Rule::Adam { .. } => &["m", "v"],
+        }
+    }
+
+    /// Applies one gradient to one variable (see the module doc for dense and sparse
+    /// semantics). `scale` multiplies the gradient first.
+    pub fn apply(
+        &mut self,
+        name: &str,
+        param: &mut Tensor,
+        grad: &Value,
+        scale: f64,
+    ) -> Result<()> {
+        let err = |m: String| RuntimeError::Config(format!("optimizer: variable `{name}`: {m}"));
+        match grad {
+            Value::Tensor(g) => {
+                if g.shape() != param.shape() {
+                    return Err(err(format!(
+                        "gradient shape {:?} differs from the variable's {:?}",
+                        g.shape(),
+                        param.shape()
+                    )));
+                }
+                match (param, g) {
+                    (Tensor::F32(w), Tensor::F32(g)) => self.dense(name, w, g, scale),
+                    (Tensor::F64(w), Tensor::F64(g)) => self.dense(name, w, g, scale),
+                    (p, g) => Err(err(format!(
+                        "cannot apply a {} gradient to a {} variable",
+                        g.dtype(),
+                        p.dtype()
+                    ))),
+                }
+            }
+            Value::Slices(s) => {
+                if s.dense_shape.as_slice() != param.shape() || param.shape().is_empty() {
+                    return Err(err(format!(
+                        "sparse gradient of shape {:?} does not fit the variable's {:?}",
+                        s.dense_shape,
+                        param.shape()
+                    )));
+                }
+                match (param, &s.values) {
+                    (Tensor::F32(w), Tensor::F32(v)) => self.sparse(name, w, &s.indices, v, scale),
+                    (Tensor::F64(w), Tensor::F64(v)) => self.sparse(name, w, &s.indices, v, scale),
+                    (p, v) => Err(err(format!(
+                        "cannot apply a {} sparse gradient to a {} variable",
+                        v.dtype(),
+                        p.dtype()
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// Ends a step (after all [`Optimizer::apply`] calls): advances Adam's `t`.
+    pub fn end_step(&mut self) {
+        self.steps += 1;
+        self.step_tensor = step_tensor(self.steps);
+    }
+
+    /// Serialisable state: each slot as `"<variable>/<slot>"` (sorted by variable),
+    /// then the step count as an f64 scalar named [`STEP_KEY`].
+    pub fn state(&self) -> Vec<(String, &Tensor)> {
+        let names = self.slot_names();
+        let mut out: Vec<(String, &Tensor)> = self
+            .slots
+            .iter()
+            .flat_map(|(var, slots)| {
+                slots
+                    .iter()
+                    .zip(names)
+                    .map(move |(t, s)| (format!("{var}/{s}"), t))
+            })
+            .collect();
+        out.push((STEP_KEY.to_string(), &self.step_tensor));
+        out
+    }
+
+    /// Restores the state saved by [`Optimizer::state`] (e.g. from a checkpoint that
+    /// also holds the variables: keys that are not this optimizer's are ignored).
+    pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        let names = self.slot_names();
+        let mut found: BTreeMap<String, Vec<Option<Tensor>>> = BTreeMap::new();
+        for (key, t) in state {
+            if key == STEP_KEY {
+                let s = t.scalar_f64().unwrap_or(0.0);
+                if !(s >= 0.0 && s.fract() == 0.0) {
+                    return Err(RuntimeError::Config(format!(
+                        "optimizer state: `{STEP_KEY}` is {s}, not a step count"
+                    )));
+                }
+                self.steps = s as u64;
+                self.step_tensor = step_tensor(self.steps);
+                continue;
+            }
+            let Some((var, slot)) = key.rsplit_once('/') else {
+                continue;
+            };
+            if let Some(k) = names.iter().position(|n| *n == slot) {
+                found
+                    .entry(var.to_string())
+                    .or_insert_with(|| vec![None; names.len()])[k] = Some(t.clone());
+            }
+        }
+        for (var, slots) in found {
+            let slots: Option<Vec<Tensor>> = slots.into_iter().collect();
+            let slots = slots.ok_or_else(|| {
+                RuntimeError::Config(format!(
+                    "optimizer state: variable `{var}` lacks some of its slots ({})",
+                    names.join(", ")
+                ))
+            })?;
+            self.slots.insert(var, slots);
+        }
+        Ok(())
+    }
+
+    /// The slots of `name` (created as zeros of `shape` on first use), checked.
+    fn slots_for<T: Elem>(&mut self, name: &str, shape: &[usize]) -> Result<&mut Vec<Tensor>> {
+        let n = self.slot_names().len();
+        let slots = self.slots.entry(name.to_string()).or_insert_with(|| {
+            (0..n)
+                .map(|_| T::wrap(ArrayD::zeros(IxDyn(shape))))
+                .collect()
+        });
+        for t in slots.iter_mut() {
+            let ok = t.shape() == shape;
+            match T::arr_mut(t) {
+                Some(a) if ok => {
+                    if !a.is_standard_layout() {
+                        *a = a.as_standard_layout().into_owned();
+                    }
+                }
+                _ => {
+                    return Err(RuntimeError::Config(format!(
+                        "optimizer: variable `{name}`: its slot is {}{:?}, the variable {:?}",
+                        t.dtype(),
+                        t.shape(),
+                        shape
+                    )))
+                }
+            }
+        }
+        Ok(slots)
+    }
+
+    fn dense<T: Elem>(
+        &mut self,
+        name: &str,
+        w: &mut ArrayD<T>,
+        g: &ArrayD<T>,
+        scale: f64,
+    ) -> Result<()> {
+        let sc = T::of(scale);
+        let par = w.len() >= PAR_MIN;
+        match self.rule {
+            Rule::Sgd { lr } => {
+                let lr = T::of(lr);
+                let z = Zip::from(w).and(g);
+                let f = |w: &mut T, &g: &T| *w = *w - lr * (g * sc);
+                if par {
+                    z.par_for_each(f)
+                } else {
+                    z.for_each(f)
+                }
+            }
+            Rule::Momentum { lr, mu } => {
+                let (lr, mu) = (T::of(lr), T::of(mu));
+                let slots = self.slots_for::<T>(name, w.shape())?;
+                let v = slot_arr(name, &mut slots[0])?;
+                let z = Zip::from(w).and(g).and(v);
+                let f = |w: &mut T, &g: &T, v: &mut T| {
+                    *v = mu * *v + g * sc;
+                    *w = *w - lr * *v;
+                };
+                if par {
+                    z.par_for_each(f)
+                } else {
+                    z.for_each(f)
+                }
+            }
+            Rule::Adam { lr, b1, b2, eps } => {
+                let t = (self.steps + 1) as f64;
+                let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
+                // 1-b computed in f64: f32(0.999) is off by 5e-8, which is 5e-5 of 1-b2.
+                let (c1, c2) = (T::of(1.0 - b1), T::of(1.0 - b2));
+                let (lr, b1, b2, eps) = (T::of(lr), T::of(b1), T::of(b2), T::of(eps));
+                let slots = self.slots_for::<T>(name, w.shape())?;
+                let [m, v] = slots.as_mut_slice() else {
+                    return Err(slot_count(name));
+                };
+                let (m, v) = (slot_arr(name, m)?, slot_arr(name, v)?);
+                let z = Zip::from(w).and(g).and(m).and(v);
+                let f = |w: &mut T, &g: &T, m: &mut T, v: &mut T| {
+                    let g = g * sc;
+                    *m = b1 * *m + c1 * g;
+                    *v = b2 * *v + c2 * g * g;
+                    *w = *w - lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
+                };
+                if par {
+                    z.par_for_each(f)
+                } else {
+                    z.for_each(f)
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn sparse<T: Elem>(
+        &mut self,
+        name: &str,
+        w: &mut ArrayD<T>,
+        indices: &[i32],
+        values: &ArrayD<T>,
+        scale: f64,
+    ) -> Result<()> {
+        let err = |m: String| RuntimeError::Config(format!("optimizer: variable `{name}`: {m}"));
+        let shape = w.shape().to_vec();
+        let rows = shape[0];
+        let row: usize = shape[1..].iter().product();
+        if values.shape().first() != Some(&indices.len()) || values.len() != indices.len() * row {
+            return Err(err(format!(
+                "sparse gradient values {:?} do not hold {} rows of {row}",
+                values.shape(),
+                indices.len()
+            )));
+        }
+        let vals = values.as_standard_layout();
+        let vals = vals
+            .as_slice()
+            .ok_or_else(|| err("non-contiguous values".into()))?;
+        // Sum duplicate rows, in order of appearance.
+        let mut pos: HashMap<i32, usize> = HashMap::with_capacity(indices.len());
+        let mut uniq: Vec<usize> = Vec::with_capacity(indices.len());
+        let mut sums: Vec<T> = Vec::with_capacity(vals.len());
+        for (k, &i) in indices.iter().enumerate() {
+            if i < 0 || i as usize >= rows {
+                return Err(err(format!("row index {i} is not in 0..{rows}")));
+            }
+            let src = &vals[k * row..(k + 1) * row];
+            match pos.entry(i) {
+                Entry::Occupied(e) => {
+                    let at = *e.get() * row;
+                    for (a, &b) in sums[at..at + row].iter_mut().zip(src) {
+                        *a = *a + b;
+                    }
+                }
+                Entry::Vacant(e) => {
+                    e.insert(uniq.len());
+                    uniq.push(i as usize);
+                    sums.extend_from_slice(src);
+                }
+            }
+        }
+        if !w.is_standard_layout() {
+            *w = w.as_standard_layout().into_owned();
+        }
+        let ws = w
+            .as_slice_mut()
+            .ok_or_else(|| err("non-contiguous variable".into()))?;
+        let sc = T::of(scale);
+        let touched = uniq.iter().enumerate().map(|(k, &r)| (r * row, k * row));
+        match self.rule {
+            Rule::Sgd { lr } => {
+                let lr = T::of(lr);
+                for (at, from) in touched {
+                    for (w, &g) in ws[at..at + row].iter_mut().zip(&sums[from..from + row]) {
+                        *w = *w - lr * (g * sc);
+                    }
+                }
+            }
+            Rule::Momentum { lr, mu } => {
+                let (lr, mu) = (T::of(lr), T::of(mu));
+                let slots = self.slots_for::<T>(name, &shape)?;
+                let vs = slot(name, &mut slots[0])?;
+                for (at, from) in touched {
+                    let rows = ws[at..at + row].iter_mut().zip(&mut vs[at..at + row]);
+                    for ((w, v), &g) in rows.zip(&sums[from..from + row]) {
+                        *v = mu * *v + g * sc;
+                        *w = *w - lr * *v;
+                    }
+                }
+            }
+            Rule::Adam { lr, b1, b2, eps } => {
+                let t = (self.steps + 1) as f64;
+                let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
+                // 1-b computed in f64: f32(0.999) is off by 5e-8, which is 5e-5 of 1-b2.
+                let (c1, c2) = (T::of(1.0 - b1), T::of(1.0 - b2));
+                let (lr, b1, b2, eps) = (T::of(lr), T::of(b1), T::of(b2), T::of(eps));
+                let slots = self.slots_for::<T>(name, &shape)?;
+                let [m, v] = slots.as_mut_slice() else {
+                    return Err(slot_count(name));
+                };
+                let (ms, vs) = (slot(name, m)?, slot(name, v)?);
+                for (at, from) in touched {
+                    let rows = ws[at..at + row]
+                        .iter_mut()
+                        .zip(&mut ms[at..at + row])
+                        .zip(&mut vs[at..at + row]);
+                    for (((w, m), v), &g) in rows.zip(&sums[from..from + row]) {
+                        let g = g * sc;
+                        *m = b1 * *m + c1 * g;
+                        *v = b2 * *v + c2 * g * g;
+                        *w = *w - lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn step_tensor(steps: u64) -> Tensor {
+    Tensor::F64(ndarray::arr0(steps as f64).into_dyn())
+}
+
+/// A slot's elements (slots are kept contiguous by `slots_for`).
+fn slot<'a, T: Elem>(name: &str, t: &'a mut Tensor) -> Result<&'a mut [T]> {
+    T::arr_mut(t).and_then(|a| a.as_slice_mut()).ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "optimizer: variable `{name}`: a slot has the wrong dtype"
+        ))
+    })
+}
+
+/// A slot as an array.
+fn slot_arr<'a, T: Elem>(name: &str, t: &'a mut Tensor) -> Result<&'a mut ArrayD<T>> {
+    T::arr_mut(t).ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "optimizer: variable `{name}`: a slot has the wrong dtype"
+        ))
+    })
+}
+
+fn slot_count(name: &str) -> RuntimeError {
+    RuntimeError::Config(format!(
+        "optimizer: variable `{name}` has the wrong number of slots"
+    ))
+}

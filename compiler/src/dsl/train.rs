@@ -1,0 +1,316 @@
+//! The `train` block to a [`RunConfig`]: data source, batch, optimizer, steps, seed
+//! and evaluation settings, each checked and located.
+
+use super::args::{self, bind, describe, Sig};
+use super::ast::{Arg, Expr, ExprKind, Ident, Span, TrainBlock};
+use super::error::{did_you_mean, line_of, Diag};
+use distc_runtime::{DataSpec, OptimizerSpec, RunConfig};
+
+type R<T> = Result<T, Diag>;
+
+/// The keys of the train block: `(key, required)`.
+const KEYS: &[(&str, bool)] = &[
+    ("data", true),
+    ("batch", true),
+    ("optimizer", true),
+    ("steps", true),
+    ("seed", false),
+    ("eval_every", false),
+    ("eval_samples", false),
+];
+
+const SOURCES: &[Sig] = &[
+    Sig {
+        name: "mnist",
+        params: &[],
+        usage: "mnist()",
+    },
+    Sig {
+        name: "ptb",
+        params: &[("context", false)],
+        usage: "ptb(context = 8)",
+    },
+    Sig {
+        name: "movielens",
+        params: &[("test_fraction", false)],
+        usage: "movielens(test_fraction = 0.1)",
+    },
+    Sig {
+        name: "zipf_tokens",
+        params: &[
+            ("vocab", true),
+            ("context", true),
+            ("classes", true),
+            ("s", true),
+        ],
+        usage: "zipf_tokens(vocab, context, classes, s)",
+    },
+    Sig {
+        name: "gaussian_classes",
+        params: &[("features", true), ("classes", true)],
+        usage: "gaussian_classes(features, classes)",
+    },
+];
+
+const OPTIMIZERS: &[Sig] = &[
+    Sig {
+        name: "sgd",
+        params: &[("lr", true), ("momentum", false)],
+        usage: "sgd(lr, momentum = 0)",
+    },
+    Sig {
+        name: "adam",
+        params: &[
+            ("lr", true),
+            ("beta1", false),
+            ("beta2", false),
+            ("eps", false),
+        ],
+        usage: "adam(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8)",
+    },
+];
+
+/// The lowered train block, with where its settings are written.
+pub(crate) struct Train {
+    pub config: RunConfig,
+    /// The `batch = ...` value.
+    pub batch_span: Span,
+}
+
+/// Checks and lowers the train block.
+pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
+    let mut values: Vec<Option<&Expr>> = vec![None; KEYS.len()];
+    for entry in &block.entries {
+        let key = &entry.key;
+        let Some(i) = KEYS.iter().position(|(k, _)| *k == key.name) else {
+            return Err(unknown_key(key));
+        };
+        if let Some(first) = values[i] {
+            return Err(Diag::new(
+                key.span,
+                format!("`{}` is set twice in the train block", key.name),
+                "set again here",
+            )
+            .help(format!(
+                "`{}` is first set on line {}; remove one of them",
+                key.name,
+                line_of(src, first.span.start)
+            )));
+        }
+        values[i] = Some(&entry.value);
+    }
+    for (i, (k, required)) in KEYS.iter().enumerate() {
+        if *required && values[i].is_none() {
+            return Err(Diag::new(
+                block.keyword,
+                format!("the train block does not set `{k}`"),
+                format!("`{k}` is missing"),
+            )
+            .help(format!("add `{k} = {}`", example(k))));
+        }
+    }
+    let get = |k: &str| {
+        KEYS.iter()
+            .position(|(key, _)| *key == k)
+            .and_then(|i| values[i])
+    };
+    let (Some(data), Some(batch), Some(optimizer), Some(steps)) =
+        (get("data"), get("batch"), get("optimizer"), get("steps"))
+    else {
+        return Err(Diag::new(
+            block.keyword,
+            "the train block is incomplete",
+            "",
+        ));
+    };
+    let config = RunConfig {
+        data: lower_data(data)?,
+        batch: args::usize_(batch, "`batch`", 1)?,
+        optimizer: lower_optimizer(optimizer)?,
+        steps: args::usize_(steps, "`steps`", 1)?,
+        seed: match get("seed") {
+            Some(e) => args::uint(e, "`seed`", 0)?,
+            None => 0,
+        },
+        eval_every: match get("eval_every") {
+            Some(e) => args::usize_(e, "`eval_every`", 0)?,
+            None => 0,
+        },
+        eval_samples: match get("eval_samples") {
+            Some(e) => Some(args::usize_(e, "`eval_samples`", 1)?),
+            None => None,
+        },
+    };
+    Ok(Train {
+        config,
+        batch_span: batch.span,
+    })
+}
+
+fn example(key: &str) -> &'static str {
+    match key {
+        "data" => "mnist()",
+        "batch" => "64",
+        "optimizer" => "sgd(lr = 0.1)",
+        "steps" => "1000",
+        _ => "...",
+    }
+}
+
+fn unknown_key(key: &Ident) -> Diag {
+    let names: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+    let list = names.join(", ");
+    let help = match did_you_mean(&key.name, names.iter().copied()) {
+        Some(s) => format!("{s} the settings are: {list}"),
+        None => format!("the settings are: {list}"),
+    };
+    Diag::new(
+        key.span,
+        format!("unknown train setting `{}`", key.name),
+        "unknown setting",
+    )
+    .help(help)
+}
+
+/// `name(args)` or a bare `name`, as written for a data source or an optimizer.
+fn call_parts<'a>(e: &'a Expr, what: &str, example: &str) -> R<(&'a Ident, &'a [Arg])> {
+    match &e.kind {
+        ExprKind::Call { name, args } => Ok((name, args.as_slice())),
+        ExprKind::Name(_) => Err(Diag::new(
+            e.span,
+            format!("{what} is written as a call"),
+            "add parentheses",
+        )
+        .help(format!("e.g. `{example}`"))),
+        _ => Err(Diag::new(
+            e.span,
+            format!("expected {what}, found {}", describe(e)),
+            format!("expected {what}"),
+        )
+        .help(format!("e.g. `{example}`"))),
+    }
+}
+
+fn find<'s>(table: &'s [Sig], name: &Ident, what: &str, a_what: &str) -> R<&'s Sig> {
+    if let Some(sig) = table.iter().find(|s| s.name == name.name) {
+        return Ok(sig);
+    }
+    let usages: Vec<&str> = table.iter().map(|s| s.usage).collect();
+    let list = usages.join(", ");
+    let help = match did_you_mean(&name.name, table.iter().map(|s| s.name)) {
+        Some(s) => format!("{s} the {what}s are: {list}"),
+        None => format!("the {what}s are: {list}"),
+    };
+    Err(Diag::new(
+        name.span,
+        format!("unknown {what} `{}`", name.name),
+        format!("not {a_what}"),
+    )
+    .help(help))
+}
+
+fn lower_data(e: &Expr) -> R<DataSpec> {
+    let (name, args) = call_parts(e, "a data source", "data = mnist()")?;
+    let sig = find(SOURCES, name, "data source", "a data source")?;
+    let slots = bind(sig, "data source", e.span, args)?;
+    let val = |i: usize| slots[i].map(|a| &a.value);
+    let count = |i: usize, what: &str| -> R<usize> {
+        match val(i) {
+            Some(v) => args::usize_(v, what, 1),
+            None => Ok(0),
+        }
+    };
+    Ok(match sig.name {
+        "mnist" => DataSpec::Mnist,
+        "ptb" => DataSpec::Ptb {
+            context: match val(0) {
+                Some(v) => args::usize_(v, "`context`", 1)?,
+                None => 8,
+            },
+        },
+        "movielens" => DataSpec::Movielens {
+            test_fraction: match val(0) {
+                Some(v) => {
+                    let f = args::float(v, "`test_fraction`")?;
+                    if !(f > 0.0 && f < 1.0) {
+                        return Err(Diag::new(
+                            v.span,
+                            format!("`test_fraction` must be between 0 and 1, found {f}"),
+                            "out of range",
+                        ));
+                    }
+                    f
+                }
+                None => 0.1,
+            },
+        },
+        "zipf_tokens" => {
+            let s_expr = val(3).ok_or_else(|| Diag::new(e.span, "missing `s`", ""))?;
+            let s = args::float(s_expr, "`s`")?;
+            if s <= 0.0 {
+                return Err(Diag::new(
+                    s_expr.span,
+                    format!("the Zipf exponent `s` must be positive, found {s}"),
+                    "must be > 0",
+                ));
+            }
+            DataSpec::ZipfTokens {
+                vocab: count(0, "`vocab`")?,
+                context: count(1, "`context`")?,
+                classes: count(2, "`classes`")?,
+                s,
+            }
+        }
+        _ => DataSpec::GaussianClasses {
+            features: count(0, "`features`")?,
+            classes: count(1, "`classes`")?,
+        },
+    })
+}
+
+/// A hyper-parameter in `lo..hi` (`lo` excluded when `open_lo`, `hi` always excluded).
+fn hyper(v: Option<&Expr>, what: &str, default: f64, open_lo: bool, lo: f64, hi: f64) -> R<f64> {
+    let Some(v) = v else { return Ok(default) };
+    let x = args::float(v, what)?;
+    let ok = (if open_lo { x > lo } else { x >= lo }) && x < hi;
+    if !ok {
+        let range = match (open_lo, hi.is_finite()) {
+            (true, false) => "positive".to_string(),
+            (true, true) => format!("in ({lo}, {hi})"),
+            (false, _) => format!("in [{lo}, {hi})"),
+        };
+        return Err(Diag::new(
+            v.span,
+            format!("{what} must be {range}, found {x}"),
+            "out of range",
+        ));
+    }
+    Ok(x)
+}
+
+fn lower_optimizer(e: &Expr) -> R<OptimizerSpec> {
+    let (name, args) = call_parts(e, "an optimizer", "optimizer = sgd(lr = 0.1)")?;
+    let sig = find(OPTIMIZERS, name, "optimizer", "an optimizer")?;
+    let slots = bind(sig, "optimizer", e.span, args)?;
+    let val = |i: usize| slots[i].map(|a| &a.value);
+    let lr = hyper(
+        val(0),
+        "the learning rate `lr`",
+        0.0,
+        true,
+        0.0,
+        f64::INFINITY,
+    )?;
+    Ok(match sig.name {
+        "sgd" => OptimizerSpec::Sgd {
+            lr,
+            momentum: hyper(val(1), "`momentum`", 0.0, false, 0.0, 1.0)?,
+        },
+        _ => OptimizerSpec::Adam {
+            lr,
+            beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
+            beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
+            eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
+        },
+    })
+}

@@ -1,0 +1,140 @@
+//! The synthetic benchmark sources of WORKLOADS.md, generated from a seeded `Pcg64`.
+//!
+//! * `zipf_tokens` (W1): `P(id = k) ∝ (k+1)^-s` over `0..vocab`, with
+//!   `cdf = cumsum(p) / sum(p)` in f64; every id draws one uniform f64 `u` in `[0,1)`
+//!   (row-major, sample after sample) and is `searchsorted(cdf, u, side='right')`,
+//!   clamped to `vocab-1`. `label = ids[:, context-1] mod classes`.
+//! * `gaussian_classes` (W2): per batch, first `x ~ N(0,1)` f32 `[n, features]`
+//!   row-major, then `n` labels uniform in `0..classes`.
+//!
+//! The exact bit streams differ from numpy's; the distributions are the specified ones.
+
+use super::ColData;
+use crate::config::DataSpec;
+use crate::error::{Result, RuntimeError};
+use rand::Rng;
+use rand_distr::{Distribution, StandardNormal};
+use rand_pcg::Pcg64;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Generates samples of one synthetic source.
+#[derive(Clone, Debug)]
+pub(crate) enum Generator {
+    Zipf {
+        cdf: Arc<Vec<f64>>,
+        context: usize,
+        classes: usize,
+    },
+    Gaussian {
+        features: usize,
+        classes: usize,
+    },
+}
+
+impl Generator {
+    pub(crate) fn new(spec: &DataSpec) -> Result<Generator> {
+        let bad = |m: String| {
+            Err(RuntimeError::Config(format!(
+                "data source `{}`: {m}",
+                spec.name()
+            )))
+        };
+        match *spec {
+            DataSpec::ZipfTokens {
+                vocab,
+                context,
+                classes,
+                s,
+            } => {
+                if vocab == 0 || vocab > i32::MAX as usize {
+                    return bad(format!("vocab {vocab} is not in 1..=2^31-1"));
+                }
+                if context == 0 || classes == 0 || classes > i32::MAX as usize {
+                    return bad("context and classes must be positive".into());
+                }
+                if !s.is_finite() {
+                    return bad(format!("the Zipf exponent {s} is not finite"));
+                }
+                Ok(Generator::Zipf {
+                    cdf: Arc::new(zipf_cdf(vocab, s)),
+                    context,
+                    classes,
+                })
+            }
+            DataSpec::GaussianClasses { features, classes } => {
+                if features == 0 || classes == 0 || classes > i32::MAX as usize {
+                    return bad("features and classes must be positive".into());
+                }
+                Ok(Generator::Gaussian { features, classes })
+            }
+            _ => bad("not a synthetic source".into()),
+        }
+    }
+
+    /// Values per sample of each field, in `DataSpec::fields` order.
+    pub(crate) fn pers(&self) -> [usize; 2] {
+        match self {
+            Generator::Zipf { context, .. } => [*context, 1],
+            Generator::Gaussian { features, .. } => [*features, 1],
+        }
+    }
+
+    pub(crate) fn id_bounds(&self) -> HashMap<String, usize> {
+        match self {
+            Generator::Zipf { cdf, classes, .. } => HashMap::from([
+                ("ids".to_string(), cdf.len()),
+                ("label".to_string(), *classes),
+            ]),
+            Generator::Gaussian { classes, .. } => HashMap::from([("label".to_string(), *classes)]),
+        }
+    }
+
+    /// The next `n` samples from `rng`: all fields, in `DataSpec::fields` order.
+    pub(crate) fn generate(&self, rng: &mut Pcg64, n: usize) -> Vec<ColData> {
+        match self {
+            Generator::Zipf {
+                cdf,
+                context,
+                classes,
+            } => {
+                let last = cdf.len() - 1;
+                let ids: Vec<i32> = (0..n * context)
+                    .map(|_| {
+                        let u: f64 = rng.random();
+                        cdf.partition_point(|&c| c <= u).min(last) as i32
+                    })
+                    .collect();
+                let labels: Vec<i32> = ids
+                    .chunks(*context)
+                    .map(|row| row[context - 1] % *classes as i32)
+                    .collect();
+                vec![ColData::I32(ids), ColData::I32(labels)]
+            }
+            Generator::Gaussian { features, classes } => {
+                let x: Vec<f32> = (0..n * features)
+                    .map(|_| StandardNormal.sample(&mut *rng))
+                    .collect();
+                let labels: Vec<i32> = (0..n)
+                    .map(|_| rng.random_range(0..*classes as u32) as i32)
+                    .collect();
+                vec![ColData::F32(x), ColData::I32(labels)]
+            }
+        }
+    }
+}
+
+/// The truncated Zipf cdf: `cumsum(p) / sum(p)` with `p_k = (k+1)^-s`, in f64.
+pub fn zipf_cdf(vocab: usize, s: f64) -> Vec<f64> {
+    let mut acc = 0.0f64;
+    let mut cdf: Vec<f64> = (0..vocab)
+        .map(|k| {
+            acc += ((k + 1) as f64).powf(-s);
+            acc
+        })
+        .collect();
+    for c in &mut cdf {
+        *c /= acc;
+    }
+    cdf
+}

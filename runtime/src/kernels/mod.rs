@@ -1,0 +1,498 @@
+//! CPU kernels: what each op of the IR computes, as one exhaustive `match` over
+//! [`Op`] in [`eval`]. A new op does not compile until it has a kernel here.
+//!
+//! Why it is shaped this way:
+//! - Every float kernel is written once, generic over [`Elem`] (f32 and f64), and the
+//!   dtype is dispatched once per call: training runs in f32, gradient checks run
+//!   whole graphs in f64 through the same code.
+//! - Inputs arrive as [`Arg`]s, owned or borrowed. The executor hands over ownership
+//!   of a value at its last use, so elementwise kernels, dropout, the softmax family
+//!   and most backward kernels overwrite their input instead of allocating, and
+//!   reshape of an owned tensor is free. Borrowed inputs (parameters, feeds, values
+//!   still needed later) are never modified.
+//! - Kernels check what they rely on (ranks, shapes, dtypes, ids in range) and return
+//!   an error message instead of panicking: a hand-edited plan or a pass bug must not
+//!   bring the process down. The executor adds the node to the message.
+//! - Every dense result is in standard (row-major) layout, so later kernels can work
+//!   on flat slices.
+//!
+//! Families live in submodules: `elementwise` (pointwise maths and dropout), `reduce`
+//! (sums, broadcasting, softmax and losses), `layout` (reshape, transpose, concat,
+//! slice), `sparse` (embedding and `IndexedSlices`), `nn` (matmul, layer norm,
+//! convolution, pooling).
+
+mod elementwise;
+mod layout;
+mod nn;
+mod reduce;
+mod sparse;
+
+use crate::value::{Slices, Tensor, Value};
+use distc_ir::{DType, Op};
+use ndarray::{ArrayD, ArrayViewD, CowArray, IxDyn, LinalgScalar, ScalarOperand};
+use num_traits::{Float, One, Zero};
+use std::fmt::Debug;
+use std::iter::Sum;
+use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
+
+/// What a kernel may know about the step it runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelCtx {
+    /// The training step (dropout masks depend on it).
+    pub step: u64,
+    /// Training (dropout active) or evaluation (dropout is the identity).
+    pub training: bool,
+}
+
+/// One input of a kernel: owned (the kernel may reuse its buffer) or borrowed.
+#[derive(Debug)]
+pub enum Arg<'a> {
+    /// A value nothing reads after this kernel: its buffer may be overwritten.
+    Owned(Value),
+    /// A value read again later, or owned by someone else.
+    Borrowed(&'a Value),
+    /// A borrowed dense tensor (parameters, feeds, constants).
+    BorrowedTensor(&'a Tensor),
+}
+
+impl Arg<'_> {
+    /// Whether the kernel may take this input's buffer.
+    pub fn is_owned(&self) -> bool {
+        matches!(self, Arg::Owned(_))
+    }
+
+    fn tensor(&self) -> Option<&Tensor> {
+        match self {
+            Arg::Owned(Value::Tensor(t)) | Arg::Borrowed(Value::Tensor(t)) => Some(t),
+            Arg::BorrowedTensor(t) => Some(t),
+            Arg::Owned(Value::Slices(_)) | Arg::Borrowed(Value::Slices(_)) => None,
+        }
+    }
+
+    fn slices(&self) -> Option<&Slices> {
+        match self {
+            Arg::Owned(Value::Slices(s)) | Arg::Borrowed(Value::Slices(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The element type (of the values, for slices).
+    fn dtype(&self) -> DType {
+        match (self.tensor(), self.slices()) {
+            (Some(t), _) => t.dtype(),
+            (None, Some(s)) => s.values.dtype(),
+            (None, None) => DType::F32,
+        }
+    }
+
+    /// The IR spelling of this input's type, for messages.
+    fn describe(&self) -> String {
+        match (self.tensor(), self.slices()) {
+            (Some(t), _) => t.tensor_type().to_string(),
+            (None, Some(s)) => Value::Slices(s.clone()).value_type().to_string(),
+            (None, None) => "nothing".into(),
+        }
+    }
+}
+
+/// Element types a tensor can hold; layout kernels work on all of them.
+pub trait Scalar: Copy + Zero + PartialEq + Debug + Send + Sync + 'static {
+    /// The IR dtype.
+    const DTYPE: DType;
+    /// The array, if `t` holds this type.
+    fn of(t: &Tensor) -> Option<&ArrayD<Self>>;
+    /// The array, moved out, if `t` holds this type.
+    fn take(t: Tensor) -> Result<ArrayD<Self>, Tensor>;
+    /// Wraps an array into a tensor.
+    fn wrap(a: ArrayD<Self>) -> Tensor;
+}
+
+/// Float element types: every float kernel is generic over this.
+pub trait Elem:
+    Scalar + Float + LinalgScalar + ScalarOperand + AddAssign + SubAssign + MulAssign + DivAssign + Sum
+{
+    /// Converts an attribute (rates, eps, counts) to this type.
+    fn c(x: f64) -> Self;
+    /// `exp`, fast where that is safe: a branch-free polynomial for f32 (so loops over
+    /// slices vectorise), the exact `exp` for f64 (gradient checks).
+    fn fast_exp(self) -> Self;
+}
+
+macro_rules! scalar_impl {
+    ($t:ty, $variant:ident) => {
+        impl Scalar for $t {
+            const DTYPE: DType = DType::$variant;
+            fn of(t: &Tensor) -> Option<&ArrayD<Self>> {
+                match t {
+                    Tensor::$variant(a) => Some(a),
+                    _ => None,
+                }
+            }
+            fn take(t: Tensor) -> Result<ArrayD<Self>, Tensor> {
+                match t {
+                    Tensor::$variant(a) => Ok(a),
+                    other => Err(other),
+                }
+            }
+            fn wrap(a: ArrayD<Self>) -> Tensor {
+                Tensor::$variant(a)
+            }
+        }
+    };
+}
+scalar_impl!(f32, F32);
+scalar_impl!(f64, F64);
+scalar_impl!(i32, I32);
+
+impl Elem for f32 {
+    fn c(x: f64) -> f32 {
+        x as f32
+    }
+    #[inline(always)]
+    fn fast_exp(self) -> f32 {
+        expf(self)
+    }
+}
+impl Elem for f64 {
+    fn c(x: f64) -> f64 {
+        x
+    }
+    #[inline(always)]
+    fn fast_exp(self) -> f64 {
+        self.exp()
+    }
+}
+
+/// `exp` on f32 with Cephes' `expf` polynomial (relative error below 1e-7), written
+/// without branches or float-to-int casts so that loops over slices vectorise; libm's
+/// `expf` does not, and the softmax family spends most of its time in `exp`. Below
+/// -87.33 (where the exact result is subnormal) it gives 0; above 88.72, infinity;
+/// NaN stays NaN.
+#[inline(always)]
+fn expf(x0: f32) -> f32 {
+    // Adding 1.5 * 2^23 rounds to an integer, which then sits in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    let x = x0.clamp(-87.33, 88.37);
+    let z = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = z - MAGIC;
+    // x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two for an exact product.
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let p = 1.987_569_1e-4_f32;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    // 2^n, built from n's bits.
+    let two_n = f32::from_bits(z.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23);
+    let e = if x0 < -87.33 { 0.0 } else { y * two_n };
+    if x0 > 88.72 {
+        f32::INFINITY
+    } else {
+        e
+    }
+}
+
+/// Runs `$body` with `$A` bound to the float type of `$dt`.
+macro_rules! float {
+    ($dt:expr, $A:ident => $body:expr) => {
+        match $dt {
+            DType::F32 => {
+                type $A = f32;
+                $body
+            }
+            DType::F64 => {
+                type $A = f64;
+                $body
+            }
+            DType::I32 => Err(String::from("needs float tensors, got i32")),
+        }
+    };
+}
+
+/// Runs `$body` with `$T` bound to the element type of `$dt` (any dtype).
+macro_rules! any {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+        }
+    };
+}
+
+/// Evaluates `op` on borrowed inputs. Sources and sinks are the executor's business
+/// and give an error here.
+pub fn eval_op(op: &Op, inputs: &[&Value], ctx: &KernelCtx) -> Result<Vec<Value>, String> {
+    eval(op, inputs.iter().map(|v| Arg::Borrowed(v)).collect(), ctx)
+}
+
+/// Evaluates `op` on inputs that may be owned: an owned input's buffer may be reused
+/// for the result. Returns one value per output port of the op.
+pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, String> {
+    match op.arity() {
+        Some(n) if args.len() != n => return Err(format!("takes {n} inputs, got {}", args.len())),
+        None if args.is_empty() => return Err("takes at least one input, got none".into()),
+        _ => {}
+    }
+    let dt = args.first().map_or(DType::F32, Arg::dtype);
+    let out: Value = match op {
+        Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {
+            return Err("a source: the executor provides its value, not a kernel".into())
+        }
+        Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } => {
+            return Err("a sink: the executor reads its input, not a kernel".into())
+        }
+        Op::LayerNormGrad { eps } => {
+            let [dy, x, gamma] = split(args)?;
+            return float!(dt, A => nn::layer_norm_grad::<A>(dy, &x, &gamma, *eps));
+        }
+
+        // ---- dense forward ops ----
+        Op::MatMul {
+            transpose_a,
+            transpose_b,
+        } => {
+            let [a, b] = split(args)?;
+            float!(dt, A => nn::matmul::<A>(&a, &b, *transpose_a, *transpose_b))?
+        }
+        Op::Add => {
+            let [a, b] = split(args)?;
+            float!(dt, A => elementwise::binary::<A>(a, b, |x, y| x + y))?
+        }
+        Op::Sub => {
+            let [a, b] = split(args)?;
+            float!(dt, A => elementwise::binary::<A>(a, b, |x, y| x - y))?
+        }
+        Op::Mul => {
+            let [a, b] = split(args)?;
+            float!(dt, A => elementwise::binary::<A>(a, b, |x, y| x * y))?
+        }
+        Op::Div => {
+            let [a, b] = split(args)?;
+            float!(dt, A => elementwise::binary::<A>(a, b, |x, y| x / y))?
+        }
+        Op::Neg => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::unary::<A>(x, |v: A| -v))?
+        }
+        Op::Relu => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::unary::<A>(x, |v: A| if v > A::zero() { v } else { A::zero() }))?
+        }
+        Op::Sigmoid => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::unary::<A>(x, |v: A| A::one() / (A::one() + (-v).fast_exp())))?
+        }
+        Op::Tanh => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::unary::<A>(x, |v: A| v.tanh()))?
+        }
+        Op::Exp => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::unary::<A>(x, |v: A| v.exp()))?
+        }
+        Op::Log => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::unary::<A>(x, |v: A| v.ln()))?
+        }
+        Op::Softmax { axis } => {
+            let [x] = split(args)?;
+            float!(dt, A => reduce::softmax::<A>(x, *axis, false))?
+        }
+        Op::LogSoftmax { axis } => {
+            let [x] = split(args)?;
+            float!(dt, A => reduce::softmax::<A>(x, *axis, true))?
+        }
+        Op::Sum { axes, keep_dims } => {
+            let [x] = split(args)?;
+            float!(dt, A => reduce::sum::<A>(x, axes, *keep_dims, false))?
+        }
+        Op::Mean { axes, keep_dims } => {
+            let [x] = split(args)?;
+            float!(dt, A => reduce::sum::<A>(x, axes, *keep_dims, true))?
+        }
+        Op::Reshape { shape } => {
+            let [x] = split(args)?;
+            any!(dt, T => layout::reshape::<T>(x, shape.dims()))?
+        }
+        Op::Transpose { perm } => {
+            let [x] = split(args)?;
+            any!(dt, T => layout::transpose::<T>(x, perm))?
+        }
+        Op::Concat { axis } => any!(dt, T => layout::concat::<T>(&args, *axis))?,
+        Op::Slice { axis, start, end } => {
+            let [x] = split(args)?;
+            any!(dt, T => layout::slice::<T>(&x, *axis, *start, *end))?
+        }
+        Op::Embedding => {
+            let [table, ids] = split(args)?;
+            float!(dt, A => sparse::embedding::<A>(&table, &ids))?
+        }
+        Op::SoftmaxCrossEntropy => {
+            let [logits, labels] = split(args)?;
+            float!(dt, A => reduce::softmax_cross_entropy::<A>(&logits, &labels))?
+        }
+        Op::Mse => {
+            let [p, t] = split(args)?;
+            float!(dt, A => reduce::mse::<A>(&p, &t))?
+        }
+        Op::Dropout { rate, seed } => {
+            let [x] = split(args)?;
+            float!(dt, A => elementwise::dropout::<A>(x, *rate, *seed, ctx))?
+        }
+        Op::LayerNorm { eps } => {
+            let [x, gamma, beta] = split(args)?;
+            float!(dt, A => nn::layer_norm::<A>(x, &gamma, &beta, *eps))?
+        }
+        Op::Conv2d { stride, padding } => {
+            let [x, w] = split(args)?;
+            float!(dt, A => nn::conv2d::<A>(&x, &w, *stride, *padding))?
+        }
+        Op::MaxPool2d { kernel, stride } => {
+            let [x] = split(args)?;
+            float!(dt, A => nn::max_pool2d::<A>(&x, *kernel, *stride))?
+        }
+
+        // ---- backward ops ----
+        Op::SumTo { shape } => {
+            let [x] = split(args)?;
+            float!(dt, A => reduce::sum_to::<A>(x, shape.dims()))?
+        }
+        Op::BroadcastTo { shape } => {
+            let [x] = split(args)?;
+            float!(dt, A => reduce::broadcast_to::<A>(x, shape.dims()))?
+        }
+        Op::ReluGrad => {
+            let [dy, x] = split(args)?;
+            float!(dt, A => elementwise::binary_same::<A>(dy, x, |d, x| if x > A::zero() { d } else { A::zero() }))?
+        }
+        Op::SigmoidGrad => {
+            let [dy, y] = split(args)?;
+            float!(dt, A => elementwise::binary_same::<A>(dy, y, |d, y| d * y * (A::one() - y)))?
+        }
+        Op::TanhGrad => {
+            let [dy, y] = split(args)?;
+            float!(dt, A => elementwise::binary_same::<A>(dy, y, |d, y| d * (A::one() - y * y)))?
+        }
+        Op::SoftmaxGrad { axis } => {
+            let [dy, y] = split(args)?;
+            float!(dt, A => reduce::softmax_grad::<A>(dy, &y, *axis, false))?
+        }
+        Op::LogSoftmaxGrad { axis } => {
+            let [dy, y] = split(args)?;
+            float!(dt, A => reduce::softmax_grad::<A>(dy, &y, *axis, true))?
+        }
+        Op::SoftmaxCrossEntropyGrad => {
+            let [dloss, logits, labels] = split(args)?;
+            float!(dt, A => reduce::softmax_cross_entropy_grad::<A>(&dloss, logits, &labels))?
+        }
+        Op::MseGrad => {
+            let [dloss, p, t] = split(args)?;
+            float!(dt, A => reduce::mse_grad::<A>(&dloss, p, t))?
+        }
+        Op::EmbeddingGrad { table } => {
+            let [dy, ids] = split(args)?;
+            float!(dt, A => sparse::embedding_grad::<A>(dy, &ids, table))?
+        }
+        Op::DropoutGrad { rate, seed } => {
+            let [dy] = split(args)?;
+            float!(dt, A => elementwise::dropout::<A>(dy, *rate, *seed, ctx))?
+        }
+        Op::Conv2dGradInput {
+            stride,
+            padding,
+            input,
+        } => {
+            let [dy, w] = split(args)?;
+            float!(dt, A => nn::conv2d_grad_input::<A>(&dy, &w, *stride, *padding, input.dims()))?
+        }
+        Op::Conv2dGradFilter {
+            stride,
+            padding,
+            filter,
+        } => {
+            let [dy, x] = split(args)?;
+            float!(dt, A => nn::conv2d_grad_filter::<A>(&dy, &x, *stride, *padding, filter.dims()))?
+        }
+        Op::MaxPool2dGrad { kernel, stride } => {
+            let [dy, x] = split(args)?;
+            float!(dt, A => nn::max_pool2d_grad::<A>(&dy, &x, *kernel, *stride))?
+        }
+        Op::ConcatSlices => float!(dt, A => sparse::concat_slices::<A>(args))?,
+        Op::Densify => {
+            let [s] = split(args)?;
+            float!(dt, A => sparse::densify::<A>(&s))?
+        }
+    };
+    Ok(vec![out])
+}
+
+/// The inputs as an array of `N` (the arity was checked by [`eval`]).
+fn split<const N: usize>(args: Vec<Arg<'_>>) -> Result<[Arg<'_>; N], String> {
+    let n = args.len();
+    args.try_into()
+        .map_err(|_| format!("takes {N} inputs, got {n}"))
+}
+
+/// The tensor of input `i`, or an error if it is `IndexedSlices`.
+fn tensor<'b>(arg: &'b Arg<'_>, i: usize) -> Result<&'b Tensor, String> {
+    arg.tensor()
+        .ok_or_else(|| format!("input {i} is {}, a dense tensor is needed", arg.describe()))
+}
+
+fn dtype_error(arg: &Arg<'_>, i: usize, want: DType) -> String {
+    format!("input {i} is {}, {want} is needed", arg.describe())
+}
+
+/// A view of input `i` as an array of `T`.
+fn view<'b, T: Scalar>(arg: &'b Arg<'_>, i: usize) -> Result<ArrayViewD<'b, T>, String> {
+    T::of(tensor(arg, i)?)
+        .map(|a| a.view())
+        .ok_or_else(|| dtype_error(arg, i, T::DTYPE))
+}
+
+/// Input `i` as an array of `T`, owned when the argument is.
+fn cow<T: Scalar>(arg: Arg<'_>, i: usize) -> Result<CowArray<'_, T, IxDyn>, String> {
+    match arg {
+        Arg::Owned(Value::Tensor(t)) => T::take(t)
+            .map(CowArray::from)
+            .map_err(|t| dtype_error(&Arg::BorrowedTensor(&t), i, T::DTYPE)),
+        Arg::Borrowed(Value::Tensor(t)) | Arg::BorrowedTensor(t) => T::of(t)
+            .map(|a| CowArray::from(a.view()))
+            .ok_or_else(|| dtype_error(&Arg::BorrowedTensor(t), i, T::DTYPE)),
+        Arg::Owned(Value::Slices(_)) | Arg::Borrowed(Value::Slices(_)) => Err(format!(
+            "input {i} is {}, a dense tensor is needed",
+            arg.describe()
+        )),
+    }
+}
+
+/// An owned array in standard layout: moves an owned standard array, copies otherwise.
+fn standard<T: Scalar>(a: CowArray<'_, T, IxDyn>) -> ArrayD<T> {
+    if a.is_standard_layout() {
+        a.into_owned()
+    } else {
+        a.as_standard_layout().into_owned()
+    }
+}
+
+/// Wraps an array as a dense value.
+fn val<T: Scalar>(a: ArrayD<T>) -> Value {
+    Value::Tensor(T::wrap(a))
+}
+
+/// Spells a shape as the IR does, for messages.
+fn shape_str(dims: &[usize]) -> String {
+    distc_ir::Shape(dims.to_vec()).to_string()
+}

@@ -1,0 +1,498 @@
+//! The heavy kernels: matmul, layer normalisation, 2-D convolution and max pooling,
+//! with their gradients.
+//!
+//! Matrix products go through ndarray's `dot` / `general_mat_mul` (matrixmultiply:
+//! near peak on this CPU, threaded via `MATMUL_NUM_THREADS`), with transposes as
+//! stride-swapped views, never copies. A convolution is im2col followed by one matrix
+//! product per image, written straight into the output; its input gradient is the
+//! transposed product followed by col2im, its filter gradient accumulates
+//! `dy_n @ cols_nᵀ` over the batch.
+
+use super::{cow, shape_str, standard, val, view, Arg, Elem};
+use crate::value::Value;
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, CowArray, Ix2, IxDyn};
+
+/// `a @ b` on rank-2 tensors, either side transposed (as a view).
+pub(super) fn matmul<A: Elem>(
+    a: &Arg<'_>,
+    b: &Arg<'_>,
+    ta: bool,
+    tb: bool,
+) -> Result<Value, String> {
+    let (a, b) = (view::<A>(a, 0)?, view::<A>(b, 1)?);
+    let rank_err = || {
+        format!(
+            "needs rank-2 operands, got {} and {}",
+            shape_str(a.shape()),
+            shape_str(b.shape())
+        )
+    };
+    let a2 = a
+        .view()
+        .into_dimensionality::<Ix2>()
+        .map_err(|_| rank_err())?;
+    let b2 = b
+        .view()
+        .into_dimensionality::<Ix2>()
+        .map_err(|_| rank_err())?;
+    let a2 = if ta { a2.reversed_axes() } else { a2 };
+    let b2 = if tb { b2.reversed_axes() } else { b2 };
+    if a2.ncols() != b2.nrows() {
+        return Err(format!(
+            "inner dimensions differ: {}{} @ {}{} ({} vs {})",
+            shape_str(a.shape()),
+            if ta { "ᵀ" } else { "" },
+            shape_str(b.shape()),
+            if tb { "ᵀ" } else { "" },
+            a2.ncols(),
+            b2.nrows()
+        ));
+    }
+    Ok(val(a2.dot(&b2).into_dyn()))
+}
+
+/// Checks `gamma` (and `beta`) against the last axis of `x`; returns it.
+fn ln_dim(x: &[usize], params: &[&[usize]]) -> Result<usize, String> {
+    let d = *x
+        .last()
+        .ok_or_else(|| format!("needs rank 1 or more, got {}", shape_str(x)))?;
+    for p in params {
+        if *p != [d] {
+            return Err(format!(
+                "gamma and beta must be [{d}] for {}, got {}",
+                shape_str(x),
+                shape_str(p)
+            ));
+        }
+    }
+    Ok(d)
+}
+
+/// Mean and `1/sqrt(var + eps)` of one row (biased variance).
+fn row_stats<A: Elem>(row: &[A], eps: A) -> (A, A) {
+    let n = A::c(row.len() as f64);
+    let mean = row.iter().copied().sum::<A>() / n;
+    let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<A>() / n;
+    (mean, A::one() / (var + eps).sqrt())
+}
+
+/// `(x - mean) / sqrt(var + eps) * gamma + beta` over the last axis.
+pub(super) fn layer_norm<A: Elem>(
+    x: Arg<'_>,
+    gamma: &Arg<'_>,
+    beta: &Arg<'_>,
+    eps: f64,
+) -> Result<Value, String> {
+    let x = cow::<A>(x, 0)?;
+    let (g, b) = (view::<A>(gamma, 1)?, view::<A>(beta, 2)?);
+    let d = ln_dim(x.shape(), &[g.shape(), b.shape()])?;
+    let mut o = standard(x);
+    if d == 0 {
+        return Ok(val(o));
+    }
+    let (g, b) = (
+        g.iter().copied().collect::<Vec<A>>(),
+        b.iter().copied().collect::<Vec<A>>(),
+    );
+    let eps = A::c(eps);
+    let data = o
+        .as_slice_mut()
+        .ok_or("a standard-layout array is not contiguous")?;
+    for row in data.chunks_exact_mut(d) {
+        let (mean, inv) = row_stats(row, eps);
+        for ((v, &g), &b) in row.iter_mut().zip(&g).zip(&b) {
+            *v = (*v - mean) * inv * g + b;
+        }
+    }
+    Ok(val(o))
+}
+
+/// `(dy, x, gamma) -> (dx, dgamma, dbeta)`; `dx` is written into `dy` when owned.
+pub(super) fn layer_norm_grad<A: Elem>(
+    dy: Arg<'_>,
+    x: &Arg<'_>,
+    gamma: &Arg<'_>,
+    eps: f64,
+) -> Result<Vec<Value>, String> {
+    let dy = cow::<A>(dy, 0)?;
+    let (x, g) = (view::<A>(x, 1)?, view::<A>(gamma, 2)?);
+    if dy.shape() != x.shape() {
+        return Err(format!(
+            "shapes differ: dy {} and x {}",
+            shape_str(dy.shape()),
+            shape_str(x.shape())
+        ));
+    }
+    let d = ln_dim(x.shape(), &[g.shape()])?;
+    let mut dx = standard(dy);
+    let mut dgamma = vec![A::zero(); d];
+    let mut dbeta = vec![A::zero(); d];
+    if d > 0 {
+        let g = g.iter().copied().collect::<Vec<A>>();
+        let x = x.as_standard_layout();
+        let xs = x
+            .as_slice()
+            .ok_or("a standard-layout array is not contiguous")?;
+        let dxs = dx
+            .as_slice_mut()
+            .ok_or("a standard-layout array is not contiguous")?;
+        let (eps, n) = (A::c(eps), A::c(d as f64));
+        for (drow, xrow) in dxs.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
+            let (mean, inv) = row_stats(xrow, eps);
+            // dxhat = dy * gamma; dx = inv/d * (d*dxhat - sum(dxhat) - xhat*sum(dxhat*xhat)).
+            let (mut s1, mut s2) = (A::zero(), A::zero());
+            for j in 0..d {
+                let xhat = (xrow[j] - mean) * inv;
+                let dxhat = drow[j] * g[j];
+                s1 += dxhat;
+                s2 += dxhat * xhat;
+                dgamma[j] += drow[j] * xhat;
+                dbeta[j] += drow[j];
+            }
+            let f = inv / n;
+            for j in 0..d {
+                let xhat = (xrow[j] - mean) * inv;
+                drow[j] = f * (n * drow[j] * g[j] - s1 - xhat * s2);
+            }
+        }
+    }
+    let vec1 = |v: Vec<A>| ArrayD::from_shape_vec(IxDyn(&[d]), v).map_err(|e| e.to_string());
+    Ok(vec![val(dx), val(vec1(dgamma)?), val(vec1(dbeta)?)])
+}
+
+/// The geometry of a convolution: `x [n,c,h,w]`, `w [o,c,kh,kw]`, output `[n,o,oh,ow]`.
+struct Geom {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    stride: usize,
+    pad: usize,
+    oh: usize,
+    ow: usize,
+}
+
+impl Geom {
+    fn new(x: &[usize], w: &[usize], stride: usize, pad: usize) -> Result<Geom, String> {
+        if x.len() != 4 || w.len() != 4 {
+            return Err(format!(
+                "needs x [N,C,H,W] and w [O,C,KH,KW], got {} and {}",
+                shape_str(x),
+                shape_str(w)
+            ));
+        }
+        if x[1] != w[1] {
+            return Err(format!(
+                "channels differ: x {} has {}, w {} has {}",
+                shape_str(x),
+                x[1],
+                shape_str(w),
+                w[1]
+            ));
+        }
+        if stride == 0 {
+            return Err("stride must be at least 1".into());
+        }
+        let (ph, pw) = (x[2] + 2 * pad, x[3] + 2 * pad);
+        if w[2] > ph || w[3] > pw || w[2] == 0 || w[3] == 0 {
+            return Err(format!(
+                "filter {} does not fit the padded input {}",
+                shape_str(w),
+                shape_str(x)
+            ));
+        }
+        Ok(Geom {
+            n: x[0],
+            c: x[1],
+            h: x[2],
+            w: x[3],
+            o: w[0],
+            kh: w[2],
+            kw: w[3],
+            stride,
+            pad,
+            oh: (ph - w[2]) / stride + 1,
+            ow: (pw - w[3]) / stride + 1,
+        })
+    }
+
+    /// Rows of the column matrix: `c * kh * kw`.
+    fn k(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+    /// Output positions per image: `oh * ow`.
+    fn p(&self) -> usize {
+        self.oh * self.ow
+    }
+    /// Elements of one input image.
+    fn chw(&self) -> usize {
+        self.c * self.h * self.w
+    }
+    fn out_dims(&self) -> [usize; 4] {
+        [self.n, self.o, self.oh, self.ow]
+    }
+    /// The input coordinate read by output coordinate `o` at kernel offset `k`, if it
+    /// is inside the image (not padding).
+    fn src(&self, o: usize, k: usize, size: usize) -> Option<usize> {
+        (o * self.stride + k)
+            .checked_sub(self.pad)
+            .filter(|&i| i < size)
+    }
+
+    /// Visits every `(column-matrix index, image index)` pair that is not padding.
+    /// Column row `(c*kh + i)*kw + j`, column `oy*ow + ox`.
+    fn for_each_tap(&self, mut f: impl FnMut(usize, usize)) {
+        let p = self.p();
+        for c in 0..self.c {
+            for i in 0..self.kh {
+                for j in 0..self.kw {
+                    let row = ((c * self.kh + i) * self.kw + j) * p;
+                    for oy in 0..self.oh {
+                        let Some(y) = self.src(oy, i, self.h) else {
+                            continue;
+                        };
+                        let base = (c * self.h + y) * self.w;
+                        for ox in 0..self.ow {
+                            if let Some(x) = self.src(ox, j, self.w) {
+                                f(row + oy * self.ow + ox, base + x);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fills `cols [k, p]` from one image `x [c, h, w]` (padding reads as zero).
+    fn im2col<A: Elem>(&self, x: &[A], cols: &mut [A]) {
+        cols.fill(A::zero());
+        self.for_each_tap(|ci, xi| cols[ci] = x[xi]);
+    }
+
+    /// Adds `cols [k, p]` back into one image gradient `dx [c, h, w]`.
+    fn col2im<A: Elem>(&self, cols: &[A], dx: &mut [A]) {
+        self.for_each_tap(|ci, xi| dx[xi] += cols[ci]);
+    }
+
+    /// Checks `dy` against the output shape.
+    fn check_dy(&self, dy: &[usize]) -> Result<(), String> {
+        if dy != self.out_dims() {
+            return Err(format!(
+                "dy is {}, the convolution gives {}",
+                shape_str(dy),
+                shape_str(&self.out_dims())
+            ));
+        }
+        Ok(())
+    }
+}
+
+const CONTIGUOUS: &str = "a standard-layout array is not contiguous";
+
+/// `x [N,C,H,W] (*) w [O,C,KH,KW] -> [N,O,OH,OW]`: im2col, then `w [O,K] @ cols [K,P]`
+/// per image into the output.
+pub(super) fn conv2d<A: Elem>(
+    x: &Arg<'_>,
+    w: &Arg<'_>,
+    stride: usize,
+    padding: usize,
+) -> Result<Value, String> {
+    let (x, w) = (view::<A>(x, 0)?, view::<A>(w, 1)?);
+    let g = Geom::new(x.shape(), w.shape(), stride, padding)?;
+    let x = x.as_standard_layout();
+    let xs = x.as_slice().ok_or(CONTIGUOUS)?;
+    let w = w.as_standard_layout();
+    let w2 = w
+        .view()
+        .into_shape_with_order((g.o, g.k()))
+        .map_err(|e| e.to_string())?;
+    let mut out = Array3::<A>::zeros((g.n, g.o, g.p()));
+    let mut cols = Array2::<A>::zeros((g.k(), g.p()));
+    for (i, mut out_i) in out.outer_iter_mut().enumerate() {
+        g.im2col(
+            &xs[i * g.chw()..][..g.chw()],
+            cols.as_slice_mut().ok_or(CONTIGUOUS)?,
+        );
+        general_mat_mul(A::one(), &w2, &cols, A::zero(), &mut out_i);
+    }
+    out.into_shape_with_order(IxDyn(&g.out_dims()))
+        .map(val)
+        .map_err(|e| e.to_string())
+}
+
+/// `dy` as `[N, O, P]`.
+fn dy3<'b, A: Elem>(dy: &'b CowArray<'_, A, IxDyn>, g: &Geom) -> Result<ArrayView3<'b, A>, String> {
+    dy.view()
+        .into_shape_with_order((g.n, g.o, g.p()))
+        .map_err(|e| e.to_string())
+}
+
+/// `(dy, w) -> dx`: `cols = wᵀ [K,O] @ dy_n [O,P]`, then col2im, per image.
+pub(super) fn conv2d_grad_input<A: Elem>(
+    dy: &Arg<'_>,
+    w: &Arg<'_>,
+    stride: usize,
+    padding: usize,
+    input: &[usize],
+) -> Result<Value, String> {
+    let (dy, w) = (view::<A>(dy, 0)?, view::<A>(w, 1)?);
+    let g = Geom::new(input, w.shape(), stride, padding)?;
+    g.check_dy(dy.shape())?;
+    let dy = dy.as_standard_layout();
+    let dy = dy3(&dy, &g)?;
+    let w = w.as_standard_layout();
+    let w2: ArrayView2<'_, A> = w
+        .view()
+        .into_shape_with_order((g.o, g.k()))
+        .map_err(|e| e.to_string())?;
+    let mut dx = ArrayD::<A>::zeros(IxDyn(input));
+    let dxs = dx.as_slice_mut().ok_or(CONTIGUOUS)?;
+    let mut cols = Array2::<A>::zeros((g.k(), g.p()));
+    for (i, dy_i) in dy.outer_iter().enumerate() {
+        general_mat_mul(A::one(), &w2.t(), &dy_i, A::zero(), &mut cols);
+        g.col2im(
+            cols.as_slice().ok_or(CONTIGUOUS)?,
+            &mut dxs[i * g.chw()..][..g.chw()],
+        );
+    }
+    Ok(val(dx))
+}
+
+/// `(dy, x) -> dw`: the sum over images of `dy_n [O,P] @ cols_nᵀ [P,K]`.
+pub(super) fn conv2d_grad_filter<A: Elem>(
+    dy: &Arg<'_>,
+    x: &Arg<'_>,
+    stride: usize,
+    padding: usize,
+    filter: &[usize],
+) -> Result<Value, String> {
+    let (dy, x) = (view::<A>(dy, 0)?, view::<A>(x, 1)?);
+    let g = Geom::new(x.shape(), filter, stride, padding)?;
+    g.check_dy(dy.shape())?;
+    let dy = dy.as_standard_layout();
+    let dy = dy3(&dy, &g)?;
+    let x = x.as_standard_layout();
+    let xs = x.as_slice().ok_or(CONTIGUOUS)?;
+    let mut dw = Array2::<A>::zeros((g.o, g.k()));
+    let mut cols = Array2::<A>::zeros((g.k(), g.p()));
+    for (i, dy_i) in dy.outer_iter().enumerate() {
+        g.im2col(
+            &xs[i * g.chw()..][..g.chw()],
+            cols.as_slice_mut().ok_or(CONTIGUOUS)?,
+        );
+        general_mat_mul(A::one(), &dy_i, &cols.t(), A::one(), &mut dw);
+    }
+    dw.into_shape_with_order(IxDyn(filter))
+        .map(val)
+        .map_err(|e| e.to_string())
+}
+
+/// The geometry of a pool: `(planes, h, w, oh, ow)`.
+fn pool_geom(x: &[usize], kernel: usize, stride: usize) -> Result<[usize; 5], String> {
+    if x.len() != 4 {
+        return Err(format!("needs x [N,C,H,W], got {}", shape_str(x)));
+    }
+    if kernel == 0 || stride == 0 || kernel > x[2] || kernel > x[3] {
+        return Err(format!(
+            "window {kernel} stride {stride} does not fit {}",
+            shape_str(x)
+        ));
+    }
+    Ok([
+        x[0] * x[1],
+        x[2],
+        x[3],
+        (x[2] - kernel) / stride + 1,
+        (x[3] - kernel) / stride + 1,
+    ])
+}
+
+/// Index in `plane` (width `w`) of the window's maximum: the first one in row-major
+/// window order, so the forward and the backward op agree on ties.
+fn window_argmax<A: Elem>(
+    plane: &[A],
+    w: usize,
+    oy: usize,
+    ox: usize,
+    kernel: usize,
+    stride: usize,
+) -> usize {
+    let (y0, x0) = (oy * stride, ox * stride);
+    let mut best = y0 * w + x0;
+    for y in y0..y0 + kernel {
+        for x in x0..x0 + kernel {
+            if plane[y * w + x] > plane[best] {
+                best = y * w + x;
+            }
+        }
+    }
+    best
+}
+
+/// 2-D max pooling, NCHW, no padding.
+pub(super) fn max_pool2d<A: Elem>(
+    x: &Arg<'_>,
+    kernel: usize,
+    stride: usize,
+) -> Result<Value, String> {
+    let x = view::<A>(x, 0)?;
+    let [planes, h, w, oh, ow] = pool_geom(x.shape(), kernel, stride)?;
+    let x = x.as_standard_layout();
+    let xs = x.as_slice().ok_or(CONTIGUOUS)?;
+    let mut out = Vec::with_capacity(planes * oh * ow);
+    for plane in xs.chunks_exact(h * w) {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                out.push(plane[window_argmax(plane, w, oy, ox, kernel, stride)]);
+            }
+        }
+    }
+    let s = x.shape();
+    ArrayD::from_shape_vec(IxDyn(&[s[0], s[1], oh, ow]), out)
+        .map(val)
+        .map_err(|e| e.to_string())
+}
+
+/// `(dy, x) -> dx`: each `dy` element goes to its window's arg-max (added up where
+/// windows overlap).
+pub(super) fn max_pool2d_grad<A: Elem>(
+    dy: &Arg<'_>,
+    x: &Arg<'_>,
+    kernel: usize,
+    stride: usize,
+) -> Result<Value, String> {
+    let (dy, x) = (view::<A>(dy, 0)?, view::<A>(x, 1)?);
+    let [_, h, w, oh, ow] = pool_geom(x.shape(), kernel, stride)?;
+    let s = x.shape();
+    let want = [s[0], s[1], oh, ow];
+    if dy.shape() != want {
+        return Err(format!(
+            "dy is {}, the pool gives {}",
+            shape_str(dy.shape()),
+            shape_str(&want)
+        ));
+    }
+    let (x, dy) = (x.as_standard_layout(), dy.as_standard_layout());
+    let (xs, dys) = (
+        x.as_slice().ok_or(CONTIGUOUS)?,
+        dy.as_slice().ok_or(CONTIGUOUS)?,
+    );
+    let mut dx = ArrayD::<A>::zeros(IxDyn(x.shape()));
+    let dxs = dx.as_slice_mut().ok_or(CONTIGUOUS)?;
+    for ((plane, dplane), dyp) in xs
+        .chunks_exact(h * w)
+        .zip(dxs.chunks_exact_mut(h * w))
+        .zip(dys.chunks_exact(oh * ow))
+    {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                dplane[window_argmax(plane, w, oy, ox, kernel, stride)] += dyp[oy * ow + ox];
+            }
+        }
+    }
+    Ok(val(dx))
+}

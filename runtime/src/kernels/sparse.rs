@@ -1,0 +1,190 @@
+//! Embedding lookups and row-sparse `IndexedSlices`.
+//!
+//! The gradient of a lookup stays sparse: `embedding_grad` returns the ids and the
+//! rows of `dy` as they are (repeated ids kept, no scatter into a table-sized
+//! buffer), so a 100k-row table costs only the rows a batch touched. Only `densify`
+//! builds a dense tensor, adding repeated rows up.
+
+use super::{cow, shape_str, standard, val, view, Arg, Elem};
+use crate::value::{Slices, Value};
+use distc_ir::TensorType;
+use ndarray::{ArrayD, ArrayViewD, IxDyn};
+
+/// Elements per row of a tensor of shape `dims` (the product of `dims[1..]`).
+fn row_len(dims: &[usize]) -> usize {
+    dims.iter().skip(1).product()
+}
+
+/// Checks that every id addresses one of `rows` rows.
+fn check_ids(ids: &ArrayViewD<'_, i32>, rows: usize) -> Result<(), String> {
+    match ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as usize >= rows)
+    {
+        Some((k, id)) => Err(format!(
+            "id {id} (position {k}) is outside the table's {rows} rows"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `(table [V, ..], ids) -> [ids.., table.dims[1..]]`: one row copy per id.
+pub(super) fn embedding<A: Elem>(table: &Arg<'_>, ids: &Arg<'_>) -> Result<Value, String> {
+    let table = view::<A>(table, 0)?;
+    let ids = view::<i32>(ids, 1)?;
+    if table.ndim() < 2 {
+        return Err(format!(
+            "the table must have rank 2 or more, got {}",
+            shape_str(table.shape())
+        ));
+    }
+    let rows = table.shape()[0];
+    check_ids(&ids, rows)?;
+    let row = row_len(table.shape());
+    let table = table.as_standard_layout();
+    let data = table.as_slice().ok_or("the table is not contiguous")?;
+    let mut out = Vec::with_capacity(ids.len() * row);
+    for &id in ids.iter() {
+        let at = id as usize * row;
+        out.extend_from_slice(&data[at..at + row]);
+    }
+    let mut dims = ids.shape().to_vec();
+    dims.extend_from_slice(&table.shape()[1..]);
+    ArrayD::from_shape_vec(IxDyn(&dims), out)
+        .map(val)
+        .map_err(|e| format!("embedding output {}: {e}", shape_str(&dims)))
+}
+
+/// `(dy, ids) -> IndexedSlices`: indices are the ids flattened, values are `dy`
+/// reshaped to `[nnz, table.dims[1..]]` (no copy when `dy` is owned).
+pub(super) fn embedding_grad<A: Elem>(
+    dy: Arg<'_>,
+    ids: &Arg<'_>,
+    table: &TensorType,
+) -> Result<Value, String> {
+    let ids = view::<i32>(ids, 1)?;
+    let dy = cow::<A>(dy, 0)?;
+    if table.dtype != A::DTYPE || table.dims().len() < 2 {
+        return Err(format!(
+            "cannot take the gradient of a lookup into {table} from {}",
+            A::DTYPE
+        ));
+    }
+    let mut want = ids.shape().to_vec();
+    want.extend_from_slice(&table.dims()[1..]);
+    if dy.shape() != want.as_slice() {
+        return Err(format!(
+            "dy is {}, expected {} for ids {} into {table}",
+            shape_str(dy.shape()),
+            shape_str(&want),
+            shape_str(ids.shape())
+        ));
+    }
+    check_ids(&ids, table.dims()[0])?;
+    let indices: Vec<i32> = ids.iter().copied().collect();
+    let mut vdims = vec![indices.len()];
+    vdims.extend_from_slice(&table.dims()[1..]);
+    let values = standard(dy)
+        .into_shape_with_order(IxDyn(&vdims))
+        .map_err(|e| format!("slices values {}: {e}", shape_str(&vdims)))?;
+    Ok(Value::Slices(Slices {
+        indices,
+        values: A::wrap(values),
+        dense_shape: table.dims().to_vec(),
+    }))
+}
+
+/// Input `i` as slices with values of type `A`.
+fn slices<'b, A: Elem>(
+    arg: &'b Arg<'_>,
+    i: usize,
+) -> Result<(&'b Slices, ArrayViewD<'b, A>), String> {
+    let s = arg
+        .slices()
+        .ok_or_else(|| format!("input {i} is {}, IndexedSlices are needed", arg.describe()))?;
+    let values = A::of(&s.values).ok_or_else(|| {
+        format!(
+            "input {i} is {}, {} values are needed",
+            arg.describe(),
+            A::DTYPE
+        )
+    })?;
+    let mut want = vec![s.indices.len()];
+    want.extend(s.dense_shape.iter().skip(1));
+    if s.dense_shape.is_empty() || values.shape() != want.as_slice() {
+        return Err(format!(
+            "input {i}: {} indices with values {} do not fit dense shape {}",
+            s.indices.len(),
+            shape_str(values.shape()),
+            shape_str(&s.dense_shape)
+        ));
+    }
+    Ok((s, values.view()))
+}
+
+/// Joins slices over one dense tensor: indices and values concatenated.
+pub(super) fn concat_slices<A: Elem>(args: Vec<Arg<'_>>) -> Result<Value, String> {
+    let parts = args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| slices::<A>(a, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let dense_shape = parts
+        .first()
+        .ok_or("takes at least one input, got none")?
+        .0
+        .dense_shape
+        .clone();
+    let nnz: usize = parts.iter().map(|(s, _)| s.indices.len()).sum();
+    let row = row_len(&dense_shape);
+    let mut indices = Vec::with_capacity(nnz);
+    let mut values = Vec::with_capacity(nnz * row);
+    for (i, (s, v)) in parts.iter().enumerate() {
+        if s.dense_shape != dense_shape {
+            return Err(format!(
+                "input {i} stands for {}, input 0 for {}",
+                shape_str(&s.dense_shape),
+                shape_str(&dense_shape)
+            ));
+        }
+        indices.extend_from_slice(&s.indices);
+        let v = v.as_standard_layout();
+        values.extend_from_slice(v.as_slice().ok_or("slices values are not contiguous")?);
+    }
+    let mut vdims = vec![nnz];
+    vdims.extend_from_slice(&dense_shape[1..]);
+    let values = ArrayD::from_shape_vec(IxDyn(&vdims), values)
+        .map_err(|e| format!("slices values {}: {e}", shape_str(&vdims)))?;
+    Ok(Value::Slices(Slices {
+        indices,
+        values: A::wrap(values),
+        dense_shape,
+    }))
+}
+
+/// The dense tensor the slices stand for: zeros with each value row added to its row.
+pub(super) fn densify<A: Elem>(s: &Arg<'_>) -> Result<Value, String> {
+    let (s, values) = slices::<A>(s, 0)?;
+    let rows = s.dense_shape[0];
+    let row = row_len(&s.dense_shape);
+    let mut out = ArrayD::<A>::zeros(IxDyn(&s.dense_shape));
+    let dst = out.as_slice_mut().ok_or("a new array is not contiguous")?;
+    let values = values.as_standard_layout();
+    let src = values
+        .as_slice()
+        .ok_or("slices values are not contiguous")?;
+    for (k, &id) in s.indices.iter().enumerate() {
+        if id < 0 || id as usize >= rows {
+            return Err(format!(
+                "index {id} (position {k}) is outside the {rows} rows of {}",
+                shape_str(&s.dense_shape)
+            ));
+        }
+        let d = &mut dst[id as usize * row..][..row];
+        for (d, &v) in d.iter_mut().zip(&src[k * row..][..row]) {
+            *d += v;
+        }
+    }
+    Ok(val(out))
+}
