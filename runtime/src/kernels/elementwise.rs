@@ -3,10 +3,10 @@
 //! has the result's shape and nothing reads it later), so a chain of pointwise ops
 //! runs in one buffer.
 
-use super::{cow, shape_str, val, Arg, Elem, KernelCtx};
+use super::{cow, shape_str, standard, val, Arg, Elem, KernelCtx};
 use crate::value::Value;
 use distc_ir::shape::broadcast_shapes;
-use ndarray::{IxDyn, Zip};
+use ndarray::IxDyn;
 
 /// `f` applied to every element; in place when `x` is owned.
 pub(super) fn unary<A: Elem>(x: Arg<'_>, f: impl Fn(A) -> A) -> Result<Value, String> {
@@ -20,8 +20,9 @@ pub(super) fn unary<A: Elem>(x: Arg<'_>, f: impl Fn(A) -> A) -> Result<Value, St
     }
 }
 
-/// `f(a, b)` with numpy broadcasting; written into whichever owned input already has
-/// the result's shape, else into a new array.
+/// `f(a, b)` with numpy broadcasting. The result is written into an owned operand that
+/// already has the result's shape, else into a copy of one that has it (else into `a`
+/// broadcast out), and the other operand is streamed over it (see [`zip_broadcast`]).
 pub(super) fn binary<A: Elem>(
     a: Arg<'_>,
     b: Arg<'_>,
@@ -37,35 +38,91 @@ pub(super) fn binary<A: Elem>(
     })?;
     let a_full = a.shape() == shape.as_slice();
     let b_full = b.shape() == shape.as_slice();
-    let out = if a_full && a.is_owned() {
-        let mut o = a.into_owned();
-        Zip::from(&mut o)
-            .and_broadcast(&b)
-            .for_each(|x, &y| *x = f(*x, y));
-        o
-    } else if b_full && b.is_owned() {
-        let mut o = b.into_owned();
-        Zip::from(&mut o)
-            .and_broadcast(&a)
-            .for_each(|y, &x| *y = f(x, *y));
-        o
+    let into_b = b_full && (b.is_owned() || !a_full) && !(a_full && a.is_owned());
+    let (mut dst, src) = if into_b {
+        (standard(b), a)
     } else if a_full {
-        Zip::from(&a)
-            .and_broadcast(&b)
-            .map_collect(|&x, &y| f(x, y))
-    } else if b_full {
-        Zip::from(&b)
-            .and_broadcast(&a)
-            .map_collect(|&y, &x| f(x, y))
+        (standard(a), b)
     } else {
-        // Both operands grow (e.g. [n,1] + [1,m]): broadcast both views.
-        let dim = IxDyn(&shape);
-        match (a.broadcast(dim.clone()), b.broadcast(dim)) {
-            (Some(av), Some(bv)) => Zip::from(&av).and(&bv).map_collect(|&x, &y| f(x, y)),
-            _ => return Err(format!("cannot broadcast to {}", shape_str(&shape))),
-        }
+        // Both operands grow (e.g. [n,1] + [1,m]): `a` broadcast out.
+        let full = a
+            .broadcast(IxDyn(&shape))
+            .ok_or_else(|| format!("cannot broadcast to {}", shape_str(&shape)))?
+            .as_standard_layout()
+            .into_owned();
+        (full, b)
     };
-    Ok(val(out))
+    let src_std = src.as_standard_layout();
+    let s = src_std.as_slice().ok_or(CONTIGUOUS)?;
+    let d = dst.as_slice_mut().ok_or(CONTIGUOUS)?;
+    if into_b {
+        zip_broadcast(&shape, d, s, src.shape(), |y, x| *y = f(x, *y));
+    } else {
+        zip_broadcast(&shape, d, s, src.shape(), |x, y| *x = f(*x, y));
+    }
+    Ok(val(dst))
+}
+
+const CONTIGUOUS: &str = "a standard-layout array is not contiguous";
+
+/// `g(&mut dst[i], src[j(i)])` over a row-major `dst` of shape `shape`, where `src`
+/// (row-major, shape `src_shape`) broadcasts to `shape`.
+///
+/// Axes are first merged where `src` is contiguous across them (or broadcast across
+/// both), which leaves one to three axes in practice; the innermost then runs as a
+/// plain slice zip (or a slice against one repeated scalar), which vectorises, where
+/// ndarray's `Zip` over `IxDyn` with a broadcast operand steps an index per element.
+fn zip_broadcast<A: Copy>(
+    shape: &[usize],
+    dst: &mut [A],
+    src: &[A],
+    src_shape: &[usize],
+    g: impl Fn(&mut A, A),
+) {
+    if dst.is_empty() {
+        return;
+    }
+    // Source stride of each output axis (0 where it broadcasts), innermost first,
+    // size-1 axes dropped, mergeable neighbours merged: (size, stride).
+    let lead = shape.len() - src_shape.len();
+    let mut axes: Vec<(usize, usize)> = Vec::with_capacity(shape.len());
+    let mut stride = 1;
+    for i in (0..shape.len()).rev() {
+        let sd = if i >= lead { src_shape[i - lead] } else { 1 };
+        let st = if sd == 1 { 0 } else { stride };
+        stride *= sd;
+        if shape[i] == 1 {
+            continue;
+        }
+        match axes.last_mut() {
+            Some((n, s)) if st == *s * *n => *n *= shape[i],
+            _ => axes.push((shape[i], st)),
+        }
+    }
+    let (n0, s0) = axes.first().copied().unwrap_or((1, 1));
+    let outer = &axes[axes.len().min(1)..];
+    let mut idx = vec![0usize; outer.len()];
+    let mut off = 0usize;
+    for chunk in dst.chunks_exact_mut(n0) {
+        if s0 == 0 {
+            let v = src[off];
+            chunk.iter_mut().for_each(|d| g(d, v));
+        } else {
+            for (d, &v) in chunk.iter_mut().zip(&src[off..off + n0]) {
+                g(d, v);
+            }
+        }
+        // Odometer over the outer axes.
+        for (k, &(n, s)) in outer.iter().enumerate() {
+            idx[k] += 1;
+            off += s;
+            if idx[k] < n {
+                break;
+            }
+            idx[k] = 0;
+            off -= n * s;
+        }
+    }
 }
 
 /// `f(a, b)` on two tensors of one shape (the activation gradients).

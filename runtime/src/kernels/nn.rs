@@ -243,23 +243,32 @@ impl Geom {
             .filter(|&i| i < size)
     }
 
-    /// Visits every `(column-matrix index, image index)` pair that is not padding.
+    /// Visits the runs of the column matrix that read the image rather than padding:
+    /// `f(col, src, n)` stands for `cols[col + t] <-> x[src + t * stride]`, `t < n`.
     /// Column row `(c*kh + i)*kw + j`, column `oy*ow + ox`.
-    fn for_each_tap(&self, mut f: impl FnMut(usize, usize)) {
-        let p = self.p();
+    fn for_each_run(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let (p, s) = (self.p(), self.stride);
         for c in 0..self.c {
             for i in 0..self.kh {
                 for j in 0..self.kw {
                     let row = ((c * self.kh + i) * self.kw + j) * p;
+                    // Output columns whose input column `ox*s + j - pad` is inside 0..w.
+                    let lo = self.pad.saturating_sub(j).div_ceil(s);
+                    let Some(last) = (self.w + self.pad).checked_sub(j + 1) else {
+                        continue;
+                    };
+                    let hi = (last / s + 1).min(self.ow);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let x0 = lo * s + j - self.pad;
                     for oy in 0..self.oh {
-                        let Some(y) = self.src(oy, i, self.h) else {
-                            continue;
-                        };
-                        let base = (c * self.h + y) * self.w;
-                        for ox in 0..self.ow {
-                            if let Some(x) = self.src(ox, j, self.w) {
-                                f(row + oy * self.ow + ox, base + x);
-                            }
+                        if let Some(y) = self.src(oy, i, self.h) {
+                            f(
+                                row + oy * self.ow + lo,
+                                (c * self.h + y) * self.w + x0,
+                                hi - lo,
+                            );
                         }
                     }
                 }
@@ -270,12 +279,34 @@ impl Geom {
     /// Fills `cols [k, p]` from one image `x [c, h, w]` (padding reads as zero).
     fn im2col<A: Elem>(&self, x: &[A], cols: &mut [A]) {
         cols.fill(A::zero());
-        self.for_each_tap(|ci, xi| cols[ci] = x[xi]);
+        let s = self.stride;
+        self.for_each_run(|col, src, n| {
+            let dst = &mut cols[col..col + n];
+            if s == 1 {
+                dst.copy_from_slice(&x[src..src + n]);
+            } else {
+                for (t, d) in dst.iter_mut().enumerate() {
+                    *d = x[src + t * s];
+                }
+            }
+        });
     }
 
     /// Adds `cols [k, p]` back into one image gradient `dx [c, h, w]`.
     fn col2im<A: Elem>(&self, cols: &[A], dx: &mut [A]) {
-        self.for_each_tap(|ci, xi| dx[xi] += cols[ci]);
+        let s = self.stride;
+        self.for_each_run(|col, src, n| {
+            let from = &cols[col..col + n];
+            if s == 1 {
+                for (d, &v) in dx[src..src + n].iter_mut().zip(from) {
+                    *d += v;
+                }
+            } else {
+                for (t, &v) in from.iter().enumerate() {
+                    dx[src + t * s] += v;
+                }
+            }
+        });
     }
 
     /// Checks `dy` against the output shape.
@@ -423,10 +454,13 @@ fn window_argmax<A: Elem>(
 ) -> usize {
     let (y0, x0) = (oy * stride, ox * stride);
     let mut best = y0 * w + x0;
+    let mut top = plane[best];
     for y in y0..y0 + kernel {
-        for x in x0..x0 + kernel {
-            if plane[y * w + x] > plane[best] {
-                best = y * w + x;
+        let start = y * w + x0;
+        for (j, &v) in plane[start..start + kernel].iter().enumerate() {
+            if v > top {
+                top = v;
+                best = start + j;
             }
         }
     }
