@@ -70,6 +70,9 @@ pub struct Node {
     pub outputs: Vec<ValueType>,
 }
 
+/// A node in canonical form: op, inputs as (position, port), result types.
+type CanonicalNode = (Op, Vec<(usize, u16)>, Vec<ValueType>);
+
 #[derive(Clone, Copy, Debug)]
 struct Edge {
     slot: u16,
@@ -349,7 +352,7 @@ impl Graph {
     }
 
     /// A canonical form for comparison: nodes in topological order, inputs renumbered.
-    fn canonical(&self) -> Vec<(Op, Vec<(usize, u16)>, Vec<ValueType>)> {
+    fn canonical(&self) -> Vec<CanonicalNode> {
         let order = self.topo_order();
         let pos: std::collections::HashMap<NodeId, usize> =
             order.iter().enumerate().map(|(i, &n)| (n, i)).collect();

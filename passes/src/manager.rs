@@ -45,7 +45,7 @@ pub fn run_pipeline(
     let mut records = Vec::new();
     for pass in passes {
         let name = pass.name();
-        if cx.disabled.iter().any(|d| *d == name) {
+        if cx.disabled.contains(&name) {
             continue;
         }
         let before = g.clone();
