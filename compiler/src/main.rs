@@ -2,8 +2,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use distc::plan::PassSummary;
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
+use distc_passes::placement::{Mechanism, Strategy as StrategyKind, StrategyConfig, SyncMode};
 use distc_runtime::metrics::StepMetrics;
 use distc_runtime::train::{train, TrainOptions, TrainReport};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -29,6 +29,18 @@ enum Command {
         /// Where to write the plan.
         #[arg(short, long, value_name = "PLAN.json")]
         output: PathBuf,
+        /// Data directory, read to measure how many embedding rows a batch touches
+        /// (default: $DISTC_DATA).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+    },
+    /// Explain a plan: where each variable went, buckets, predicted bytes per step.
+    Explain {
+        /// The plan written by `distc compile`.
+        plan: PathBuf,
+        /// Output format.
+        #[arg(long, value_enum, default_value = "table")]
+        format: ExplainFormat,
     },
     /// Run a compiled plan.
     Run {
@@ -74,6 +86,33 @@ enum Command {
 enum Strategy {
     /// One device: no communication.
     Single,
+    /// Replicated variables; dense gradients all-reduced, sparse ones all-gathered.
+    Allreduce,
+    /// Every variable on parameter servers (large ones row-partitioned).
+    Ps,
+    /// Sparse variables on parameter servers, dense ones all-reduced.
+    Hybrid,
+    /// Per variable, by the cost model.
+    Auto,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ExplainFormat {
+    /// A table for people.
+    Table,
+    /// JSON for programs.
+    Json,
+}
+
+fn parse_sync(s: &str) -> Result<SyncMode, String> {
+    match s {
+        "sync" => Ok(SyncMode::Sync),
+        "async" => Ok(SyncMode::Async),
+        _ => match s.strip_prefix("stale:").map(str::parse::<u32>) {
+            Some(Ok(k)) => Ok(SyncMode::Stale(k)),
+            _ => Err(format!("`{s}` is not sync, async or stale:K")),
+        },
+    }
 }
 
 #[derive(Args)]
@@ -93,6 +132,27 @@ struct CompileArgs {
     /// Bind the batch dimension B to this instead of the train block's batch.
     #[arg(long)]
     batch: Option<usize>,
+    /// Worker count N (data-parallel replicas).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    workers: u64,
+    /// Parameter-server count S.
+    #[arg(long, default_value_t = 0)]
+    servers: usize,
+    /// Parameter-server synchronisation: sync, async or stale:K.
+    #[arg(long, default_value = "sync", value_parser = parse_sync)]
+    sync: SyncMode,
+    /// Bucket size cap for fused all-reduces, MiB.
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
+    /// All-reduce sparse gradients as dense tensors instead of all-gathering their rows.
+    #[arg(long)]
+    sparse_as_dense: bool,
+    /// Link bandwidth for the cost model, bytes/s (default: 10 Gbit/s).
+    #[arg(long, default_value_t = 1.25e9)]
+    bandwidth: f64,
+    /// Latency per message for the cost model, seconds.
+    #[arg(long, default_value_t = 25e-6)]
+    latency: f64,
 }
 
 #[derive(Args)]
@@ -114,12 +174,34 @@ struct RunArgs {
     quiet: bool,
 }
 
-fn compile_opts(a: &CompileArgs) -> CompileOptions {
+fn strategy_config(a: &CompileArgs) -> StrategyConfig {
+    StrategyConfig {
+        strategy: match a.strategy {
+            Strategy::Single => StrategyKind::Single,
+            Strategy::Allreduce => StrategyKind::Allreduce,
+            Strategy::Ps => StrategyKind::Ps,
+            Strategy::Hybrid => StrategyKind::Hybrid,
+            Strategy::Auto => StrategyKind::Auto,
+        },
+        workers: a.workers as usize,
+        servers: a.servers,
+        sync: a.sync,
+        bucket_mb: a.bucket_mb,
+        sparse_as_dense: a.sparse_as_dense,
+        bandwidth: a.bandwidth,
+        latency: a.latency,
+        ..StrategyConfig::default()
+    }
+}
+
+fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
     CompileOptions {
         dump_ir: a.dump_ir.clone(),
         stop_after: a.stop_after.clone(),
         disabled: a.disable_pass.clone(),
         batch: a.batch,
+        strategy: strategy_config(a),
+        data_dir: data.map(Path::to_path_buf),
     }
 }
 
@@ -139,24 +221,15 @@ fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
     }
 }
 
-fn summaries(c: &Compiled) -> Vec<PassSummary> {
-    c.records
-        .iter()
-        .map(|r| PassSummary {
-            name: r.name.clone(),
-            stats: r.stats.to_string(),
-            nodes: r.nodes,
-        })
-        .collect()
-}
-
-fn strategy_name(s: Strategy) -> &'static str {
-    match s {
-        Strategy::Single => "single",
-    }
-}
-
 fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<TrainReport> {
+    if plan.strategy != "single" {
+        bail!(
+            "this plan uses the {} strategy with {} workers; this distc runs one-device plans only: \
+             the multi-worker runtime is not built yet (compile with --strategy single to train)",
+            plan.strategy,
+            plan.settings.workers
+        );
+    }
     let steps = args.steps.unwrap_or(plan.config.steps);
     let mut metrics = match &args.metrics {
         Some(p) => Some(std::io::BufWriter::new(
@@ -180,7 +253,8 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
     };
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
         if let Some(w) = metrics.as_mut() {
-            let line = serde_json::to_string(m).map_err(|e| distc_runtime::RuntimeError::Config(e.to_string()))?;
+            let line = serde_json::to_string(m)
+                .map_err(|e| distc_runtime::RuntimeError::Config(e.to_string()))?;
             writeln!(w, "{line}").map_err(|source| distc_runtime::RuntimeError::Io {
                 path: args.metrics.clone().unwrap_or_default(),
                 source,
@@ -188,7 +262,10 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
         }
         if let Some(b) = &bar {
             b.set_position(m.step as u64);
-            b.set_message(format!("loss {:.4}  {:.0} samples/s", m.loss, m.samples_per_sec));
+            b.set_message(format!(
+                "loss {:.4}  {:.0} samples/s",
+                m.loss, m.samples_per_sec
+            ));
         }
         Ok(())
     };
@@ -200,11 +277,15 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
         w.flush().context("cannot write the metrics file")?;
     }
     if let Some(path) = &args.save {
-        let mut named: Vec<(String, &distc_runtime::Tensor)> = report.params.iter().map(|(k, v)| (k.clone(), v)).collect();
+        let mut named: Vec<(String, &distc_runtime::Tensor)> =
+            report.params.iter().map(|(k, v)| (k.clone(), v)).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
-        let meta = [("model".to_string(), plan.model.clone()), ("steps".to_string(), report.steps.to_string())]
-            .into_iter()
-            .collect();
+        let meta = [
+            ("model".to_string(), plan.model.clone()),
+            ("steps".to_string(), report.steps.to_string()),
+        ]
+        .into_iter()
+        .collect();
         distc_runtime::checkpoint::save(path, &named, meta)?;
     }
     if !args.quiet {
@@ -246,32 +327,209 @@ fn real_main(cli: Cli) -> Result<()> {
             file,
             compile,
             output,
+            data,
         } => {
-            let c = compile_or_report(&file, &compile_opts(&compile))?;
-            let plan = Plan::new(&c.graph, c.config.clone(), &file.display().to_string(), strategy_name(compile.strategy), summaries(&c));
+            let start = std::time::Instant::now();
+            let c = compile_or_report(&file, &compile_opts(&compile, data.as_deref()))?;
+            let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             plan.save(&output)?;
             for r in &c.records {
-                eprintln!("  {:<10} {:>5} -> {:>5} nodes  {}", r.name, r.nodes.0, r.nodes.1, r.stats);
+                eprintln!(
+                    "  {:<18} {:>5} -> {:>5} nodes  {}",
+                    r.name, r.nodes.0, r.nodes.1, r.stats
+                );
             }
-            eprintln!("wrote {} ({} nodes)", output.display(), c.graph.node_count());
+            if let Some(m) = &c.measurement {
+                eprintln!("  sparsity {m}");
+            }
+            eprintln!(
+                "wrote {} ({} nodes, {} server programs) in {:.2} s",
+                output.display(),
+                c.graph.node_count(),
+                c.server_programs.len(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+        Command::Explain { plan, format } => {
+            let (p, _) = Plan::load(&plan)?;
+            match format {
+                ExplainFormat::Json => {
+                    println!("{}", serde_json::to_string_pretty(&explain_json(&p))?)
+                }
+                ExplainFormat::Table => print!("{}", explain_table(&p)),
+            }
         }
         Command::Run { plan, run } => {
             let (p, graph) = Plan::load(&plan)?;
             run_plan(&p, &graph, &run)?;
         }
         Command::Train { file, compile, run } => {
-            let c = compile_or_report(&file, &compile_opts(&compile))?;
-            let plan = Plan::new(&c.graph, c.config.clone(), &file.display().to_string(), strategy_name(compile.strategy), summaries(&c));
+            let c = compile_or_report(&file, &compile_opts(&compile, run.data.as_deref()))?;
+            let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             run_plan(&plan, &c.graph, &run)?;
         }
         Command::Ir { file, after, batch } => {
-            let c = compile_or_report(&file, &CompileOptions { stop_after: after, batch, ..Default::default() })?;
+            let c = compile_or_report(
+                &file,
+                &CompileOptions {
+                    stop_after: after,
+                    batch,
+                    ..Default::default()
+                },
+            )?;
             print!("{}", distc_ir::print(&c.graph));
         }
         Command::Dot { file, after, batch } => {
-            let c = compile_or_report(&file, &CompileOptions { stop_after: after, batch, ..Default::default() })?;
+            let c = compile_or_report(
+                &file,
+                &CompileOptions {
+                    stop_after: after,
+                    batch,
+                    ..Default::default()
+                },
+            )?;
             print!("{}", distc_ir::dot::to_dot(&c.graph));
         }
     }
     Ok(())
+}
+
+fn mib(b: f64) -> String {
+    if b >= 1024.0 * 1024.0 {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
+    match v.placement {
+        Mechanism::Ps => {
+            let shards: Vec<String> = v
+                .shards
+                .iter()
+                .map(|s| format!("s{}[{}:{}]", s.server, s.start, s.end))
+                .collect();
+            format!("ps {}", shards.join(" "))
+        }
+        m => m.name().to_string(),
+    }
+}
+
+/// The explain table: one row per variable, then totals.
+fn explain_table(p: &Plan) -> String {
+    use std::fmt::Write as _;
+    let mut s = format!(
+        "plan {} ({}): strategy {}, {} workers, {} servers, batch {} per worker\n",
+        p.model, p.source, p.strategy, p.settings.workers, p.settings.servers, p.config.batch
+    );
+    let Some(d) = &p.dist else {
+        s += "one device: no communication\n";
+        return s;
+    };
+    let _ = writeln!(
+        s,
+        "{:<8} {:<14} {:>10} {:<6} {:>8} {:<28} {:>6} {:>12}  {}",
+        "variable",
+        "shape",
+        "bytes",
+        "kind",
+        "density",
+        "placement",
+        "bucket",
+        "bytes/step",
+        "runner-up"
+    );
+    for v in &d.vars {
+        let shape: Vec<String> = v.shape.iter().map(|x| x.to_string()).collect();
+        let _ = writeln!(
+            s,
+            "{:<8} {:<14} {:>10} {:<6} {:>7.2}% {:<28} {:>6} {:>12}  {}",
+            v.name,
+            format!("[{}]", shape.join(",")),
+            mib(v.bytes as f64),
+            format!("{:?}", v.kind).to_lowercase(),
+            v.density * 100.0,
+            placement_text(v),
+            v.bucket.map_or("-".into(), |b| b.to_string()),
+            mib(v.predicted_bytes_per_step),
+            v.runner_up
+                .map_or("-".into(), |(m, b)| format!("{} {}", m.name(), mib(b))),
+        );
+    }
+    for b in &d.buckets {
+        let _ = writeln!(
+            s,
+            "bucket {}: {} ({})",
+            b.id,
+            b.vars.join(", "),
+            mib(b.bytes as f64)
+        );
+    }
+    if !d.unreached.is_empty() {
+        let _ = writeln!(
+            s,
+            "no gradient reaches: {} (no bucket, no traffic)",
+            d.unreached.join(", ")
+        );
+    }
+    for v in d
+        .vars
+        .iter()
+        .filter(|v| v.kind == distc_passes::placement::Kind::Sparse)
+    {
+        let _ = writeln!(
+            s,
+            "{}: {:.1} rows per step ({}); {}",
+            v.name, v.rows_touched, v.rows_source, v.reason
+        );
+    }
+    let total: usize = d.vars.iter().map(|v| v.bytes).sum();
+    let _ = writeln!(
+        s,
+        "total: {} of variables; predicted {} per step per worker ({:.0} bytes)",
+        mib(total as f64),
+        mib(d.predicted_bytes_per_step_per_worker()),
+        d.predicted_bytes_per_step_per_worker()
+    );
+    s
+}
+
+/// The explain JSON (the table's content, for programs).
+fn explain_json(p: &Plan) -> serde_json::Value {
+    let vars: Vec<serde_json::Value> = p
+        .dist
+        .iter()
+        .flat_map(|d| &d.vars)
+        .map(|v| {
+            serde_json::json!({
+                "name": v.name,
+                "shape": v.shape,
+                "bytes": v.bytes,
+                "kind": v.kind,
+                "density": v.density,
+                "rows_touched": v.rows_touched,
+                "rows_source": v.rows_source,
+                "placement": v.placement,
+                "shards": v.shards,
+                "bucket": v.bucket,
+                "predicted_bytes_per_step": v.predicted_bytes_per_step,
+                "runner_up": v.runner_up.map(|(m, b)| serde_json::json!({"placement": m, "predicted_bytes_per_step": b})),
+                "reason": v.reason,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "model": p.model,
+        "strategy": p.strategy,
+        "workers": p.settings.workers,
+        "servers": p.settings.servers,
+        "batch_per_worker": p.config.batch,
+        "variables": vars,
+        "buckets": p.dist.as_ref().map(|d| d.buckets.clone()).unwrap_or_default(),
+        "unreached": p.dist.as_ref().map(|d| d.unreached.clone()).unwrap_or_default(),
+        "predicted_bytes_per_step_per_worker": p.dist.as_ref().map_or(0.0, |d| d.predicted_bytes_per_step_per_worker()),
+    })
 }

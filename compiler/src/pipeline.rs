@@ -3,8 +3,12 @@
 
 use crate::dsl::{compile_source, DslError};
 use distc_ir::Graph;
-use distc_passes::{known_pass_names, run_pipeline, single_pipeline, PassCx, PassRecord, PipelineError};
+use distc_ir::{Op, TensorType};
+use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
+use distc_passes::{known_pass_names, pipeline, run_pipeline, PassCx, PassRecord, PipelineError};
+use distc_runtime::data::{data_dir, DataSource};
 use distc_runtime::RunConfig;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -19,6 +23,10 @@ pub struct CompileOptions {
     pub disabled: Vec<String>,
     /// Overrides the train block's per-worker batch.
     pub batch: Option<usize>,
+    /// The strategy and its flags.
+    pub strategy: StrategyConfig,
+    /// Data directory for the sparsity measurement (else `DISTC_DATA`).
+    pub data_dir: Option<PathBuf>,
 }
 
 /// A compiled model.
@@ -32,6 +40,14 @@ pub struct Compiled {
     pub records: Vec<PassRecord>,
     /// Node count right after lowering.
     pub lowered_nodes: usize,
+    /// The distribution decision (strategies other than `single`).
+    pub dist: Option<DistPlan>,
+    /// One program per parameter server.
+    pub server_programs: Vec<Graph>,
+    /// The workers' init program.
+    pub init_program: Option<Graph>,
+    /// What the sparsity measurement did, for the user.
+    pub measurement: Option<String>,
 }
 
 /// Why compilation failed.
@@ -82,7 +98,11 @@ fn write(path: &Path, text: &str) -> Result<(), CompileError> {
 }
 
 /// Compiles DSL `src` (read from `file_name`).
-pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Compiled, CompileError> {
+pub fn compile(
+    file_name: &str,
+    src: &str,
+    opts: &CompileOptions,
+) -> Result<Compiled, CompileError> {
     let known = known_pass_names();
     for name in opts.stop_after.iter().chain(&opts.disabled) {
         if !known.contains(name) {
@@ -92,7 +112,8 @@ pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Comp
             });
         }
     }
-    let program = compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
+    let program =
+        compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let mut graph = program.graph;
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
@@ -111,22 +132,44 @@ pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Comp
             config: config.clone(),
             records: vec![],
             lowered_nodes,
+            dist: None,
+            server_programs: vec![],
+            init_program: None,
+            measurement: None,
         });
     }
-    let passes = single_pipeline();
+    let passes = pipeline(opts.strategy.strategy);
+    let (measured_ids, measurement) = if opts.strategy.strategy == Strategy::Single {
+        (HashMap::new(), None)
+    } else {
+        let (m, note) = measure_ids(&graph, &config, opts.data_dir.as_deref());
+        (m, Some(note))
+    };
     let mut cx = PassCx {
         disabled: opts.disabled.clone(),
+        strategy: opts.strategy.clone(),
+        measured_ids,
+        ..Default::default()
     };
     let mut index = 0;
     let mut dump_err = None;
-    let result = run_pipeline(&mut graph, &passes, &mut cx, opts.stop_after.as_deref(), |name, g| {
-        index += 1;
-        if let Some(dir) = &opts.dump_ir {
-            if let Err(e) = write(&dir.join(format!("{index:02}-{name}.ir")), &distc_ir::print(g)) {
-                dump_err.get_or_insert(e);
+    let result = run_pipeline(
+        &mut graph,
+        &passes,
+        &mut cx,
+        opts.stop_after.as_deref(),
+        |name, g| {
+            index += 1;
+            if let Some(dir) = &opts.dump_ir {
+                if let Err(e) = write(
+                    &dir.join(format!("{index:02}-{name}.ir")),
+                    &distc_ir::print(g),
+                ) {
+                    dump_err.get_or_insert(e);
+                }
             }
-        }
-    });
+        },
+    );
     if let Some(e) = dump_err {
         return Err(e);
     }
@@ -136,6 +179,10 @@ pub fn compile(file_name: &str, src: &str, opts: &CompileOptions) -> Result<Comp
             config: config.clone(),
             records,
             lowered_nodes,
+            dist: cx.dist,
+            server_programs: cx.server_programs,
+            init_program: cx.init_program,
+            measurement,
         }),
         Err(error) => {
             let dir = opts.dump_ir.clone().unwrap_or_else(std::env::temp_dir);
@@ -153,4 +200,77 @@ pub fn compile_file(path: &Path, opts: &CompileOptions) -> Result<Compiled, Comp
         source,
     })?;
     compile(&path.display().to_string(), &src, opts)
+}
+
+/// Batches sampled to measure how many distinct ids a worker's batch holds.
+pub const SAMPLED_BATCHES: usize = 8;
+
+/// Mean distinct ids per worker batch of every i32 input that feeds a lookup, measured
+/// on the configured data source (worker 0's stream). Without the data, no measurement,
+/// and the note says why.
+fn measure_ids(
+    graph: &Graph,
+    config: &RunConfig,
+    dir: Option<&Path>,
+) -> (HashMap<String, (f64, usize)>, String) {
+    let mut fields: Vec<String> = Vec::new();
+    for id in graph.node_ids() {
+        if let Op::Embedding = graph.op(id) {
+            let ids = graph.node(id).inputs[1];
+            if let Op::Input { name, .. } = graph.op(ids.node) {
+                if !fields.contains(name) {
+                    fields.push(name.clone());
+                }
+            }
+        }
+    }
+    if fields.is_empty() {
+        return (HashMap::new(), "no lookups: nothing to measure".into());
+    }
+    let dir = data_dir(dir);
+    if config.data.needs_files() && dir.is_none() {
+        return (
+            HashMap::new(),
+            "not measured: no data directory (--data or DISTC_DATA); rows touched are bounds"
+                .into(),
+        );
+    }
+    let shapes: HashMap<String, TensorType> = graph
+        .inputs()
+        .into_iter()
+        .map(|(_, n, t)| (n.to_string(), t.clone()))
+        .collect();
+    let mut source = match DataSource::open(
+        &config.data,
+        dir.as_deref(),
+        &shapes,
+        config.batch,
+        config.seed,
+        0,
+        1,
+    ) {
+        Ok(s) => s,
+        Err(e) => return (HashMap::new(), format!("not measured: {e}")),
+    };
+    let mut out = HashMap::new();
+    let mut notes = Vec::new();
+    for f in fields {
+        match source.mean_distinct_ids(&f, SAMPLED_BATCHES) {
+            Ok(mean) => {
+                notes.push(format!(
+                    "`{f}`: {mean:.1} distinct ids per batch of {}",
+                    config.batch
+                ));
+                out.insert(f, (mean, SAMPLED_BATCHES));
+            }
+            Err(e) => notes.push(format!("`{f}` not measured: {e}")),
+        }
+    }
+    (
+        out,
+        format!(
+            "measured over {SAMPLED_BATCHES} batches: {}",
+            notes.join(", ")
+        ),
+    )
 }

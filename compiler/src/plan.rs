@@ -3,6 +3,7 @@
 //! each pass did, and a content hash so a damaged or edited plan is refused.
 
 use distc_ir::Graph;
+use distc_passes::placement::{DistPlan, StrategyConfig};
 use distc_runtime::RunConfig;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -42,8 +43,16 @@ pub struct Plan {
     pub config: RunConfig,
     /// What the passes did.
     pub passes: Vec<PassSummary>,
-    /// The graph in text IR.
+    /// The strategy's settings (workers, servers, sync, buckets, cost constants).
+    pub settings: StrategyConfig,
+    /// Placement table, buckets and predicted traffic (distributed strategies).
+    pub dist: Option<DistPlan>,
+    /// The graph in text IR: the one-device program, or the SPMD worker program.
     pub graph: String,
+    /// The workers' init program in text IR (broadcast from rank 0), if any.
+    pub init: Option<String>,
+    /// One program per parameter server, in text IR.
+    pub servers: Vec<String>,
     /// SHA-256 of the content above, hex.
     pub hash: String,
 }
@@ -72,7 +81,20 @@ pub enum PlanError {
 fn content_hash(p: &Plan) -> String {
     let mut h = Sha256::new();
     let config = serde_json::to_string(&p.config).unwrap_or_default();
-    for part in [p.model.as_str(), p.strategy.as_str(), config.as_str(), p.graph.as_str()] {
+    let settings = serde_json::to_string(&p.settings).unwrap_or_default();
+    let dist = serde_json::to_string(&p.dist).unwrap_or_default();
+    let init = p.init.clone().unwrap_or_default();
+    let servers = p.servers.join("\n");
+    for part in [
+        p.model.as_str(),
+        p.strategy.as_str(),
+        config.as_str(),
+        settings.as_str(),
+        dist.as_str(),
+        p.graph.as_str(),
+        init.as_str(),
+        servers.as_str(),
+    ] {
         h.update(part.as_bytes());
         h.update([0u8]);
     }
@@ -80,17 +102,30 @@ fn content_hash(p: &Plan) -> String {
 }
 
 impl Plan {
-    /// A plan for `graph`.
-    pub fn new(graph: &Graph, config: RunConfig, source: &str, strategy: &str, passes: Vec<PassSummary>) -> Plan {
+    /// A plan for a compiled model.
+    pub fn new(c: &crate::Compiled, source: &str, settings: &StrategyConfig) -> Plan {
+        let passes = c
+            .records
+            .iter()
+            .map(|r| PassSummary {
+                name: r.name.clone(),
+                stats: r.stats.to_string(),
+                nodes: r.nodes,
+            })
+            .collect();
         let mut p = Plan {
             format: PLAN_FORMAT.into(),
             version: PLAN_VERSION,
-            model: graph.name.clone(),
+            model: c.graph.name.clone(),
             source: source.into(),
-            strategy: strategy.into(),
-            config,
+            strategy: settings.strategy.name().into(),
+            config: c.config.clone(),
             passes,
-            graph: distc_ir::print(graph),
+            settings: settings.clone(),
+            dist: c.dist.clone(),
+            graph: distc_ir::print(&c.graph),
+            init: c.init_program.as_ref().map(distc_ir::print),
+            servers: c.server_programs.iter().map(distc_ir::print).collect(),
             hash: String::new(),
         };
         p.hash = content_hash(&p);
@@ -144,6 +179,11 @@ impl Plan {
         }
         let graph = distc_ir::parse(&plan.graph).map_err(|e| invalid(format!("graph: {e}")))?;
         distc_ir::verify(&graph).map_err(|e| invalid(format!("graph does not verify:\n{e}")))?;
+        for (i, text) in plan.init.iter().chain(&plan.servers).enumerate() {
+            let g = distc_ir::parse(text).map_err(|e| invalid(format!("program {i}: {e}")))?;
+            distc_ir::verify(&g)
+                .map_err(|e| invalid(format!("program {i} does not verify:\n{e}")))?;
+        }
         Ok((plan, graph))
     }
 }

@@ -1,7 +1,7 @@
 //! The attributes of each op as printed in the text IR, and the way back.
 //! `attrs_of` and `op_from_parts` are inverse: the round-trip tests hold them to it.
 
-use crate::op::{Init, Op};
+use crate::op::{Init, Op, ReduceOp};
 use crate::types::{Shape, TensorType, ValueType};
 use std::fmt;
 
@@ -117,10 +117,9 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("start", A::Int(*start as i64)),
             ("end", A::Int(*end as i64)),
         ],
-        Op::Dropout { rate, seed } | Op::DropoutGrad { rate, seed } => vec![
-            ("rate", A::Float(*rate)),
-            ("seed", A::Int(*seed as i64)),
-        ],
+        Op::Dropout { rate, seed } | Op::DropoutGrad { rate, seed } => {
+            vec![("rate", A::Float(*rate)), ("seed", A::Int(*seed as i64))]
+        }
         Op::LayerNorm { eps } | Op::LayerNormGrad { eps } => vec![("eps", A::Float(*eps))],
         Op::Conv2d { stride, padding } => vec![
             ("stride", A::Int(*stride as i64)),
@@ -149,9 +148,58 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("padding", A::Int(*padding as i64)),
             ("filter", list(filter.dims())),
         ],
+        Op::AllReduce { reduce } => vec![("reduce", A::Str(reduce_name(*reduce).into()))],
+        Op::AllGather { workers, reduce } => vec![
+            ("workers", A::Int(*workers as i64)),
+            ("reduce", A::Str(reduce_name(*reduce).into())),
+        ],
+        Op::Broadcast { root } => vec![("root", A::Int(*root as i64))],
+        Op::UniqueRows | Op::Pack => vec![],
+        Op::Unpack { shapes } => shapes.iter().map(|s| ("shape", list(s.dims()))).collect(),
+        Op::Pull { var, shards, .. }
+        | Op::SparsePull { var, shards, .. }
+        | Op::Push { var, shards }
+        | Op::SparsePush { var, shards } => {
+            let mut v = vec![("var", A::Str(var.clone()))];
+            if let Op::SparsePull { table, .. } = op {
+                v.push(("table", A::Type(table.clone())));
+            }
+            v.push(("shards", shard_list(shards)));
+            v
+        }
+        Op::Shard {
+            var,
+            start,
+            end,
+            init,
+            ..
+        } => vec![
+            ("var", A::Str(var.clone())),
+            ("start", A::Int(*start as i64)),
+            ("end", A::Int(*end as i64)),
+            ("init", A::Init(init.clone())),
+        ],
+        Op::Serve { var } => vec![("var", A::Str(var.clone()))],
         Op::ParamGrad { param } => vec![("param", A::Str(param.clone()))],
         Op::Output { name } => vec![("name", A::Str(name.clone()))],
     }
+}
+
+fn reduce_name(r: ReduceOp) -> &'static str {
+    match r {
+        ReduceOp::Sum => "sum",
+        ReduceOp::Mean => "mean",
+    }
+}
+
+/// Shards as a flat list `[server, start, end, server, start, end, ...]`.
+fn shard_list(shards: &[(usize, usize, usize)]) -> AttrValue {
+    AttrValue::List(
+        shards
+            .iter()
+            .flat_map(|&(s, a, b)| [s as i64, a as i64, b as i64])
+            .collect(),
+    )
 }
 
 /// Reads attributes by name, reporting missing, mistyped and unknown ones.
@@ -169,7 +217,10 @@ impl<'a> Attrs<'a> {
         format!("{}: missing attribute `{key}`", self.op)
     }
     fn mistyped(&self, key: &str, want: &str, got: &AttrValue) -> String {
-        format!("{}: attribute `{key}` must be {want}, found `{got}`", self.op)
+        format!(
+            "{}: attribute `{key}` must be {want}, found `{got}`",
+            self.op
+        )
     }
     fn int(&mut self, key: &str) -> Result<usize, String> {
         match self.take(key) {
@@ -209,6 +260,31 @@ impl<'a> Attrs<'a> {
             None => Err(self.missing(key)),
         }
     }
+    fn reduce(&mut self, key: &str) -> Result<ReduceOp, String> {
+        match self.take(key) {
+            Some(AttrValue::Str(s)) if s == "sum" => Ok(ReduceOp::Sum),
+            Some(AttrValue::Str(s)) if s == "mean" => Ok(ReduceOp::Mean),
+            Some(v) => Err(self.mistyped(key, "\"sum\" or \"mean\"", &v)),
+            None => Err(self.missing(key)),
+        }
+    }
+    fn shards(&mut self, key: &str) -> Result<Vec<(usize, usize, usize)>, String> {
+        let flat = self.list(key)?;
+        if flat.len() % 3 != 0 {
+            return Err(format!(
+                "{}: `{key}` must hold (server, start, end) triples",
+                self.op
+            ));
+        }
+        Ok(flat.chunks(3).map(|c| (c[0], c[1], c[2])).collect())
+    }
+    fn shapes(&mut self, key: &str) -> Result<Vec<Shape>, String> {
+        let mut out = Vec::new();
+        while self.items.iter().any(|(k, _)| k == key) {
+            out.push(Shape(self.list(key)?));
+        }
+        Ok(out)
+    }
     fn init(&mut self, key: &str) -> Result<Init, String> {
         match self.take(key) {
             Some(AttrValue::Init(i)) => Ok(i),
@@ -233,14 +309,67 @@ impl<'a> Attrs<'a> {
 
 /// Every mnemonic the text IR knows, for error messages.
 pub const MNEMONICS: &[&str] = &[
-    "input", "param", "constant", "matmul", "add", "sub", "mul", "div", "neg", "relu",
-    "sigmoid", "tanh", "exp", "log", "softmax", "log_softmax", "sum", "mean", "reshape",
-    "transpose", "concat", "slice", "embedding", "softmax_cross_entropy", "mse", "dropout",
-    "layer_norm", "conv2d", "max_pool2d", "sum_to", "broadcast_to", "relu_grad",
-    "sigmoid_grad", "tanh_grad", "softmax_grad", "log_softmax_grad",
-    "softmax_cross_entropy_grad", "mse_grad", "embedding_grad", "dropout_grad",
-    "layer_norm_grad", "conv2d_grad_input", "conv2d_grad_filter", "max_pool2d_grad",
-    "concat_slices", "densify", "loss", "param_grad", "output",
+    "input",
+    "param",
+    "constant",
+    "matmul",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "relu",
+    "sigmoid",
+    "tanh",
+    "exp",
+    "log",
+    "softmax",
+    "log_softmax",
+    "sum",
+    "mean",
+    "reshape",
+    "transpose",
+    "concat",
+    "slice",
+    "embedding",
+    "softmax_cross_entropy",
+    "mse",
+    "dropout",
+    "layer_norm",
+    "conv2d",
+    "max_pool2d",
+    "sum_to",
+    "broadcast_to",
+    "relu_grad",
+    "sigmoid_grad",
+    "tanh_grad",
+    "softmax_grad",
+    "log_softmax_grad",
+    "softmax_cross_entropy_grad",
+    "mse_grad",
+    "embedding_grad",
+    "dropout_grad",
+    "layer_norm_grad",
+    "conv2d_grad_input",
+    "conv2d_grad_filter",
+    "max_pool2d_grad",
+    "concat_slices",
+    "densify",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "unique_rows",
+    "pack",
+    "unpack",
+    "pull",
+    "sparse_pull",
+    "push",
+    "sparse_push",
+    "shard",
+    "serve",
+    "loss",
+    "param_grad",
+    "output",
 ];
 
 /// Builds an op from its mnemonic, attributes and (for sources) its result type.
@@ -287,8 +416,12 @@ pub fn op_from_parts(
         "tanh" => Op::Tanh,
         "exp" => Op::Exp,
         "log" => Op::Log,
-        "softmax" => Op::Softmax { axis: a.int("axis")? },
-        "log_softmax" => Op::LogSoftmax { axis: a.int("axis")? },
+        "softmax" => Op::Softmax {
+            axis: a.int("axis")?,
+        },
+        "log_softmax" => Op::LogSoftmax {
+            axis: a.int("axis")?,
+        },
         "sum" => Op::Sum {
             axes: a.list("axes")?,
             keep_dims: a.flag("keep_dims")?,
@@ -303,7 +436,9 @@ pub fn op_from_parts(
         "transpose" => Op::Transpose {
             perm: a.list("perm")?,
         },
-        "concat" => Op::Concat { axis: a.int("axis")? },
+        "concat" => Op::Concat {
+            axis: a.int("axis")?,
+        },
         "slice" => Op::Slice {
             axis: a.int("axis")?,
             start: a.int("start")?,
@@ -316,7 +451,9 @@ pub fn op_from_parts(
             rate: a.float("rate")?,
             seed: a.int("seed")? as u64,
         },
-        "layer_norm" => Op::LayerNorm { eps: a.float("eps")? },
+        "layer_norm" => Op::LayerNorm {
+            eps: a.float("eps")?,
+        },
         "conv2d" => Op::Conv2d {
             stride: a.int("stride")?,
             padding: a.int("padding")?,
@@ -334,8 +471,12 @@ pub fn op_from_parts(
         "relu_grad" => Op::ReluGrad,
         "sigmoid_grad" => Op::SigmoidGrad,
         "tanh_grad" => Op::TanhGrad,
-        "softmax_grad" => Op::SoftmaxGrad { axis: a.int("axis")? },
-        "log_softmax_grad" => Op::LogSoftmaxGrad { axis: a.int("axis")? },
+        "softmax_grad" => Op::SoftmaxGrad {
+            axis: a.int("axis")?,
+        },
+        "log_softmax_grad" => Op::LogSoftmaxGrad {
+            axis: a.int("axis")?,
+        },
         "softmax_cross_entropy_grad" => Op::SoftmaxCrossEntropyGrad,
         "mse_grad" => Op::MseGrad,
         "embedding_grad" => Op::EmbeddingGrad {
@@ -345,7 +486,9 @@ pub fn op_from_parts(
             rate: a.float("rate")?,
             seed: a.int("seed")? as u64,
         },
-        "layer_norm_grad" => Op::LayerNormGrad { eps: a.float("eps")? },
+        "layer_norm_grad" => Op::LayerNormGrad {
+            eps: a.float("eps")?,
+        },
         "conv2d_grad_input" => Op::Conv2dGradInput {
             stride: a.int("stride")?,
             padding: a.int("padding")?,
@@ -362,6 +505,49 @@ pub fn op_from_parts(
         },
         "concat_slices" => Op::ConcatSlices,
         "densify" => Op::Densify,
+        "all_reduce" => Op::AllReduce {
+            reduce: a.reduce("reduce")?,
+        },
+        "all_gather" => Op::AllGather {
+            workers: a.int("workers")?,
+            reduce: a.reduce("reduce")?,
+        },
+        "broadcast" => Op::Broadcast {
+            root: a.int("root")?,
+        },
+        "unique_rows" => Op::UniqueRows,
+        "pack" => Op::Pack,
+        "unpack" => Op::Unpack {
+            shapes: a.shapes("shape")?,
+        },
+        "pull" => Op::Pull {
+            var: a.string("var")?,
+            shards: a.shards("shards")?,
+            ty: source_ty()?,
+        },
+        "sparse_pull" => Op::SparsePull {
+            var: a.string("var")?,
+            table: a.ty("table")?,
+            shards: a.shards("shards")?,
+        },
+        "push" => Op::Push {
+            var: a.string("var")?,
+            shards: a.shards("shards")?,
+        },
+        "sparse_push" => Op::SparsePush {
+            var: a.string("var")?,
+            shards: a.shards("shards")?,
+        },
+        "shard" => Op::Shard {
+            var: a.string("var")?,
+            start: a.int("start")?,
+            end: a.int("end")?,
+            init: a.init("init")?,
+            ty: source_ty()?,
+        },
+        "serve" => Op::Serve {
+            var: a.string("var")?,
+        },
         "loss" => Op::Loss,
         "param_grad" => Op::ParamGrad {
             param: a.string("param")?,

@@ -9,7 +9,10 @@ use std::fmt::Write;
 /// drawn as dashed edges.
 pub fn to_dot(g: &Graph) -> String {
     let num = numbering(g);
-    let mut s = format!("digraph \"{}\" {{\n  node [shape=box, fontname=monospace];\n", g.name);
+    let mut s = format!(
+        "digraph \"{}\" {{\n  node [shape=box, fontname=monospace];\n",
+        g.name
+    );
     let order = g.topo_order();
     let key = |id: crate::NodeId| format!("n{}", id.0);
     for &id in &order {

@@ -10,8 +10,8 @@ use crate::types::{TensorType, ValueType};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
-use std::collections::BinaryHeap;
 use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::fmt;
 
 /// A node of the graph. `Display` is its text-IR spelling, `%7`.
@@ -119,9 +119,18 @@ impl Graph {
     /// Adds a node whose result types are given (the parser; checked by the verifier).
     /// Inputs must exist.
     pub fn add_typed(&mut self, op: Op, inputs: Vec<ValueId>, outputs: Vec<ValueType>) -> NodeId {
-        let id = NodeId(self.g.add_node(Node { op, inputs: inputs.clone(), outputs }).index() as u32);
+        let id = NodeId(
+            self.g
+                .add_node(Node {
+                    op,
+                    inputs: inputs.clone(),
+                    outputs,
+                })
+                .index() as u32,
+        );
         for (slot, v) in inputs.iter().enumerate() {
-            self.g.add_edge(v.node.index(), id.index(), Edge { slot: slot as u16 });
+            self.g
+                .add_edge(v.node.index(), id.index(), Edge { slot: slot as u16 });
         }
         id
     }
@@ -148,7 +157,10 @@ impl Graph {
 
     /// The type of value `v`, if it exists.
     pub fn try_value_type(&self, v: ValueId) -> Option<&ValueType> {
-        self.g.node_weight(v.node.index())?.outputs.get(v.port as usize)
+        self.g
+            .node_weight(v.node.index())?
+            .outputs
+            .get(v.port as usize)
     }
 
     /// The type of value `v`. Panics on a value not in the graph.
@@ -168,7 +180,10 @@ impl Graph {
 
     /// Node ids in index order.
     pub fn node_ids(&self) -> Vec<NodeId> {
-        self.g.node_indices().map(|i| NodeId(i.index() as u32)).collect()
+        self.g
+            .node_indices()
+            .map(|i| NodeId(i.index() as u32))
+            .collect()
     }
 
     /// Nodes in a deterministic topological order: among ready nodes the lowest id first.
@@ -185,7 +200,10 @@ impl Graph {
         let mut order = Vec::with_capacity(self.g.node_count());
         while let Some(Reverse(i)) = ready.pop() {
             order.push(NodeId(i as u32));
-            for e in self.g.edges_directed(NodeIndex::new(i), Direction::Outgoing) {
+            for e in self
+                .g
+                .edges_directed(NodeIndex::new(i), Direction::Outgoing)
+            {
                 let t = e.target().index();
                 if let Some(d) = indegree.get_mut(&t) {
                     *d -= 1;
@@ -242,7 +260,8 @@ impl Graph {
         if let Some(e) = edge {
             self.g.remove_edge(e);
         }
-        self.g.add_edge(v.node.index(), node.index(), Edge { slot: slot as u16 });
+        self.g
+            .add_edge(v.node.index(), node.index(), Edge { slot: slot as u16 });
         self.g[node.index()].inputs[slot] = v;
     }
 

@@ -272,6 +272,89 @@ pub enum Op {
     /// Turns `IndexedSlices` into the dense tensor it stands for.
     Densify,
 
+    // ---- communication (inserted by the strategy passes) ----
+    /// Reduces a dense value over all workers; every worker gets the result.
+    AllReduce {
+        /// Sum or mean.
+        reduce: ReduceOp,
+    },
+    /// Gathers every worker's `IndexedSlices` (the values scaled by `1/workers` for a
+    /// mean); the result carries up to `workers` times the rows.
+    AllGather {
+        /// Worker count.
+        workers: usize,
+        /// Sum or mean.
+        reduce: ReduceOp,
+    },
+    /// Sends a dense value from worker `root` to every worker.
+    Broadcast {
+        /// The sending worker.
+        root: usize,
+    },
+    /// Sums the repeated rows of `IndexedSlices`, so each row travels once.
+    UniqueRows,
+    /// Packs dense values (one or more, one dtype) into one flat buffer, in order.
+    Pack,
+    /// Splits a flat buffer into values of the given shapes (one output each).
+    Unpack {
+        /// Shapes of the outputs.
+        shapes: Vec<Shape>,
+    },
+    /// A worker's copy of variable `var`, pulled from the servers holding `shards`.
+    /// No inputs.
+    Pull {
+        /// The variable.
+        var: String,
+        /// Its type.
+        ty: TensorType,
+        /// `(server, start row, end row)` of each shard.
+        shards: Vec<(usize, usize, usize)>,
+    },
+    /// `(ids) -> rows`: the rows of server-held table `var` that `ids` name.
+    SparsePull {
+        /// The table.
+        var: String,
+        /// Its type.
+        table: TensorType,
+        /// `(server, start row, end row)` of each shard.
+        shards: Vec<(usize, usize, usize)>,
+    },
+    /// Pushes a dense gradient of `var` to its servers. A sink.
+    Push {
+        /// The variable.
+        var: String,
+        /// `(server, start row, end row)` of each shard.
+        shards: Vec<(usize, usize, usize)>,
+    },
+    /// Pushes the rows of an `IndexedSlices` gradient of `var`, each to the server
+    /// holding it. A sink.
+    SparsePush {
+        /// The variable.
+        var: String,
+        /// `(server, start row, end row)` of each shard.
+        shards: Vec<(usize, usize, usize)>,
+    },
+    /// On a server: rows `start..end` of variable `var`, initialised as the rows of the
+    /// whole variable would be. No inputs.
+    Shard {
+        /// The variable.
+        var: String,
+        /// First row.
+        start: usize,
+        /// One past the last row.
+        end: usize,
+        /// The variable's initialiser.
+        init: Init,
+        /// The shard's type.
+        ty: TensorType,
+    },
+    /// On a server: serves pulls of a shard and applies the optimizer to the pushes it
+    /// receives. A sink.
+    Serve {
+        /// The variable.
+        var: String,
+    },
+
     // ---- sinks ----
     /// Marks the scalar training objective.
     Loss,
@@ -337,6 +420,18 @@ impl Op {
             Op::MaxPool2dGrad { .. } => "max_pool2d_grad",
             Op::ConcatSlices => "concat_slices",
             Op::Densify => "densify",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::AllGather { .. } => "all_gather",
+            Op::Broadcast { .. } => "broadcast",
+            Op::UniqueRows => "unique_rows",
+            Op::Pack => "pack",
+            Op::Unpack { .. } => "unpack",
+            Op::Pull { .. } => "pull",
+            Op::SparsePull { .. } => "sparse_pull",
+            Op::Push { .. } => "push",
+            Op::SparsePush { .. } => "sparse_push",
+            Op::Shard { .. } => "shard",
+            Op::Serve { .. } => "serve",
             Op::Loss => "loss",
             Op::ParamGrad { .. } => "param_grad",
             Op::Output { .. } => "output",
@@ -345,21 +440,60 @@ impl Op {
 
     /// Whether the node marks a result and has no outputs of its own.
     pub fn is_sink(&self) -> bool {
-        matches!(self, Op::Loss | Op::ParamGrad { .. } | Op::Output { .. })
+        matches!(
+            self,
+            Op::Loss
+                | Op::ParamGrad { .. }
+                | Op::Output { .. }
+                | Op::Push { .. }
+                | Op::SparsePush { .. }
+                | Op::Serve { .. }
+        )
     }
 
     /// Whether the node is a source (no inputs).
     pub fn is_source(&self) -> bool {
         matches!(
             self,
-            Op::Input { .. } | Op::Param { .. } | Op::Constant { .. }
+            Op::Input { .. }
+                | Op::Param { .. }
+                | Op::Constant { .. }
+                | Op::Pull { .. }
+                | Op::Shard { .. }
+        )
+    }
+
+    /// Whether the op moves data between workers or servers.
+    pub fn is_communication(&self) -> bool {
+        matches!(
+            self,
+            Op::AllReduce { .. }
+                | Op::AllGather { .. }
+                | Op::Broadcast { .. }
+                | Op::Pull { .. }
+                | Op::SparsePull { .. }
+                | Op::Push { .. }
+                | Op::SparsePush { .. }
         )
     }
 
     /// Number of inputs the op takes, or `None` for variadic ops (at least one).
     pub fn arity(&self) -> Option<usize> {
         match self {
-            Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => Some(0),
+            Op::Input { .. }
+            | Op::Param { .. }
+            | Op::Constant { .. }
+            | Op::Pull { .. }
+            | Op::Shard { .. } => Some(0),
+            Op::AllReduce { .. }
+            | Op::AllGather { .. }
+            | Op::Broadcast { .. }
+            | Op::UniqueRows
+            | Op::Unpack { .. }
+            | Op::SparsePull { .. }
+            | Op::Push { .. }
+            | Op::SparsePush { .. }
+            | Op::Serve { .. } => Some(1),
             Op::Neg
             | Op::Relu
             | Op::Sigmoid
@@ -404,7 +538,7 @@ impl Op {
             | Op::SoftmaxCrossEntropyGrad
             | Op::MseGrad
             | Op::LayerNormGrad { .. } => Some(3),
-            Op::Concat { .. } | Op::ConcatSlices => None,
+            Op::Concat { .. } | Op::ConcatSlices | Op::Pack => None,
         }
     }
 }

@@ -58,7 +58,10 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
         message: "empty input".into(),
     })?;
     let mut inner = file.into_inner();
-    let name = inner.next().map(|p| p.as_str().to_string()).unwrap_or_default();
+    let name = inner
+        .next()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
     let mut g = Graph::new(name);
     let mut defs: HashMap<u64, NodeId> = HashMap::new();
     for stmt in inner {
@@ -139,7 +142,8 @@ pub fn parse(text: &str) -> Result<Graph, ParseError> {
 }
 
 fn number(p: &Pair<Rule>, s: &str) -> Result<u64, ParseError> {
-    s.parse().map_err(|_| at(p, format!("`{s}` is not a valid number")))
+    s.parse()
+        .map_err(|_| at(p, format!("`{s}` is not a valid number")))
 }
 
 fn int(p: &Pair<Rule>) -> Result<i64, ParseError> {

@@ -29,7 +29,9 @@ pub fn numbering(g: &Graph) -> HashMap<NodeId, usize> {
 
 /// Spells value `v` with the dense numbering.
 pub fn value_name(num: &HashMap<NodeId, usize>, v: ValueId) -> String {
-    let n = num.get(&v.node).map_or_else(|| format!("?{}", v.node.0), |n| n.to_string());
+    let n = num
+        .get(&v.node)
+        .map_or_else(|| format!("?{}", v.node.0), |n| n.to_string());
     if v.port == 0 {
         format!("%{n}")
     } else {

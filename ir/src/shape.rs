@@ -19,8 +19,16 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -50,7 +58,13 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
     // Only ops that know about IndexedSlices may see them.
     let sparse_ok = matches!(
         op,
-        Op::ConcatSlices | Op::Densify | Op::ParamGrad { .. } | Op::Output { .. }
+        Op::ConcatSlices
+            | Op::Densify
+            | Op::ParamGrad { .. }
+            | Op::Output { .. }
+            | Op::AllGather { .. }
+            | Op::UniqueRows
+            | Op::SparsePush { .. }
     );
     let mut dense = Vec::with_capacity(inputs.len());
     for (i, t) in inputs.iter().enumerate() {
@@ -93,7 +107,72 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
     };
     let one = |t: TensorType| Ok(vec![ValueType::Tensor(t)]);
     match op {
-        Op::Input { ty, .. } | Op::Param { ty, .. } | Op::Constant { ty, .. } => one(ty.clone()),
+        Op::Input { ty, .. }
+        | Op::Param { ty, .. }
+        | Op::Constant { ty, .. }
+        | Op::Pull { ty, .. }
+        | Op::Shard { ty, .. } => one(ty.clone()),
+        Op::AllReduce { .. } | Op::Broadcast { .. } => one(float(0)?.clone()),
+        Op::AllGather { workers, .. } => match inputs[0] {
+            ValueType::IndexedSlices { dense, nnz } if *workers >= 1 => {
+                Ok(vec![ValueType::IndexedSlices {
+                    dense: dense.clone(),
+                    nnz: nnz * workers,
+                }])
+            }
+            t => Err(err(format!(
+                "needs IndexedSlices and at least one worker, got {t}"
+            ))),
+        },
+        Op::UniqueRows => match inputs[0] {
+            ValueType::IndexedSlices { dense, nnz } => Ok(vec![ValueType::IndexedSlices {
+                dense: dense.clone(),
+                nnz: (*nnz).min(dense.dims().first().copied().unwrap_or(0)),
+            }]),
+            t => Err(err(format!("input {t} is dense, IndexedSlices are needed"))),
+        },
+        Op::Pack => {
+            let first = float(0)?;
+            let mut total = 0;
+            for t in &dense {
+                if t.dtype != first.dtype {
+                    return Err(err(format!("dtypes differ: {first} and {t}")));
+                }
+                total += t.shape.numel();
+            }
+            one(TensorType::new(first.dtype, vec![total]))
+        }
+        Op::Unpack { shapes } => {
+            let t = float(0)?;
+            let total: usize = shapes.iter().map(|s| s.numel()).sum();
+            if t.dims() != [total] {
+                return Err(err(format!(
+                    "{t} does not hold {total} elements in one axis"
+                )));
+            }
+            Ok(shapes
+                .iter()
+                .map(|s| TensorType::new(t.dtype, s.clone()).into())
+                .collect())
+        }
+        Op::SparsePull { table, .. } => {
+            let ids = dense[0];
+            if ids.dtype != DType::I32 {
+                return Err(err(format!("ids must be i32, got {ids}")));
+            }
+            let mut dims = ids.dims().to_vec();
+            dims.extend_from_slice(&table.dims()[1..]);
+            one(TensorType::new(table.dtype, dims))
+        }
+        Op::Push { .. } => {
+            float(0)?;
+            Ok(vec![])
+        }
+        Op::SparsePush { .. } => match inputs[0] {
+            ValueType::IndexedSlices { .. } => Ok(vec![]),
+            t => Err(err(format!("input {t} is dense, IndexedSlices are needed"))),
+        },
+        Op::Serve { .. } => Ok(vec![]),
         Op::MatMul {
             transpose_a,
             transpose_b,
@@ -177,7 +256,9 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             }
             for &p in perm {
                 if p >= seen.len() || seen[p] {
-                    return Err(err(format!("{perm:?} is not a permutation of the axes of {t}")));
+                    return Err(err(format!(
+                        "{perm:?} is not a permutation of the axes of {t}"
+                    )));
                 }
                 seen[p] = true;
             }
@@ -192,11 +273,13 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             let mut dims = first.dims().to_vec();
             for t in &dense[1..] {
                 let same_other = t.shape.rank() == first.shape.rank()
-                    && t.dims().iter().zip(first.dims()).enumerate().all(|(i, (x, y))| i == *axis || x == y);
+                    && t.dims()
+                        .iter()
+                        .zip(first.dims())
+                        .enumerate()
+                        .all(|(i, (x, y))| i == *axis || x == y);
                 if t.dtype != first.dtype || !same_other {
-                    return Err(err(format!(
-                        "{t} and {first} differ outside axis {axis}"
-                    )));
+                    return Err(err(format!("{t} and {first} differ outside axis {axis}")));
                 }
                 dims[*axis] += t.dims()[*axis];
             }
@@ -217,7 +300,9 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         Op::Embedding => {
             let (table, ids) = (float(0)?, dense[1]);
             if table.shape.rank() < 2 {
-                return Err(err(format!("the table must have rank 2 or more, got {table}")));
+                return Err(err(format!(
+                    "the table must have rank 2 or more, got {table}"
+                )));
             }
             if ids.dtype != DType::I32 {
                 return Err(err(format!("ids must be i32, got {ids}")));
@@ -251,7 +336,9 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             };
             for t in [dense[1], dense[2]] {
                 if t.dims() != [last] {
-                    return Err(err(format!("gamma and beta must be [{last}] for {x}, got {t}")));
+                    return Err(err(format!(
+                        "gamma and beta must be [{last}] for {x}, got {t}"
+                    )));
                 }
             }
             one(x.clone())
@@ -340,7 +427,11 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             let x = TensorType::new(dense[0].dtype, input.clone());
             let out = conv_out(&x, dense[1], *stride, *padding).map_err(err)?;
             if out != dense[0].dims() {
-                return Err(err(format!("dy is {}, the convolution gives {}", dense[0], Shape(out))));
+                return Err(err(format!(
+                    "dy is {}, the convolution gives {}",
+                    dense[0],
+                    Shape(out)
+                )));
             }
             one(x)
         }
@@ -353,7 +444,11 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             let w = TensorType::new(dense[0].dtype, filter.clone());
             let out = conv_out(dense[1], &w, *stride, *padding).map_err(err)?;
             if out != dense[0].dims() {
-                return Err(err(format!("dy is {}, the convolution gives {}", dense[0], Shape(out))));
+                return Err(err(format!(
+                    "dy is {}, the convolution gives {}",
+                    dense[0],
+                    Shape(out)
+                )));
             }
             one(w)
         }
@@ -361,7 +456,11 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             same_float(0, 1)?;
             let out = pool_out(dense[1], *kernel, *stride).map_err(err)?;
             if out != dense[0].dims() {
-                return Err(err(format!("dy is {}, the pool gives {}", dense[0], Shape(out))));
+                return Err(err(format!(
+                    "dy is {}, the pool gives {}",
+                    dense[0],
+                    Shape(out)
+                )));
             }
             one(dense[1].clone())
         }
@@ -413,13 +512,23 @@ fn check_sce(logits: &TensorType, labels: &TensorType) -> Result<(), String> {
     Ok(())
 }
 
-fn conv_out(x: &TensorType, w: &TensorType, stride: usize, padding: usize) -> Result<Vec<usize>, String> {
+fn conv_out(
+    x: &TensorType,
+    w: &TensorType,
+    stride: usize,
+    padding: usize,
+) -> Result<Vec<usize>, String> {
     if x.shape.rank() != 4 || w.shape.rank() != 4 {
-        return Err(format!("needs x [N,C,H,W] and w [O,C,KH,KW], got {x} and {w}"));
+        return Err(format!(
+            "needs x [N,C,H,W] and w [O,C,KH,KW], got {x} and {w}"
+        ));
     }
     let (xd, wd) = (x.dims(), w.dims());
     if xd[1] != wd[1] {
-        return Err(format!("channels differ: x {x} has {}, w {w} has {}", xd[1], wd[1]));
+        return Err(format!(
+            "channels differ: x {x} has {}, w {w} has {}",
+            xd[1], wd[1]
+        ));
     }
     if stride == 0 {
         return Err("stride must be at least 1".into());
@@ -428,7 +537,12 @@ fn conv_out(x: &TensorType, w: &TensorType, stride: usize, padding: usize) -> Re
     if wd[2] > h || wd[3] > wi {
         return Err(format!("filter {w} is larger than the padded input {x}"));
     }
-    Ok(vec![xd[0], wd[0], (h - wd[2]) / stride + 1, (wi - wd[3]) / stride + 1])
+    Ok(vec![
+        xd[0],
+        wd[0],
+        (h - wd[2]) / stride + 1,
+        (wi - wd[3]) / stride + 1,
+    ])
 }
 
 fn pool_out(x: &TensorType, kernel: usize, stride: usize) -> Result<Vec<usize>, String> {
@@ -439,5 +553,10 @@ fn pool_out(x: &TensorType, kernel: usize, stride: usize) -> Result<Vec<usize>, 
     if kernel == 0 || stride == 0 || kernel > d[2] || kernel > d[3] {
         return Err(format!("window {kernel} stride {stride} does not fit {x}"));
     }
-    Ok(vec![d[0], d[1], (d[2] - kernel) / stride + 1, (d[3] - kernel) / stride + 1])
+    Ok(vec![
+        d[0],
+        d[1],
+        (d[2] - kernel) / stride + 1,
+        (d[3] - kernel) / stride + 1,
+    ])
 }

@@ -48,7 +48,10 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
                 Ok(out) if out != node.outputs => errors.push(format!(
                     "{}: result types should be {}",
                     here(),
-                    out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
+                    out.iter()
+                        .map(|t| t.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )),
                 Ok(_) => {}
                 Err(e) => errors.push(format!("{}: {e}", here())),

@@ -21,21 +21,56 @@ fn random_graph(seed: u64) -> Graph {
     let mut vals: Vec<ValueId> = Vec::new();
     let dims = [2usize, 3, 4];
     for i in 0..4 {
-        let shape: Vec<usize> = (0..rng.random_range(1..=3)).map(|_| dims[rng.random_range(0..3)]).collect();
+        let shape: Vec<usize> = (0..rng.random_range(1..=3))
+            .map(|_| dims[rng.random_range(0..3)])
+            .collect();
         let op = match i % 3 {
             0 => Op::Param {
                 name: format!("p{i}"),
                 ty: TensorType::f32(shape),
-                init: [Init::Glorot, Init::Uniform { lo: -0.1, hi: 0.1 }, Init::Normal { mean: 0.0, std: 1e-3 }][i % 3].clone(),
+                init: [
+                    Init::Glorot,
+                    Init::Uniform { lo: -0.1, hi: 0.1 },
+                    Init::Normal {
+                        mean: 0.0,
+                        std: 1e-3,
+                    },
+                ][i % 3]
+                    .clone(),
             },
-            1 => Op::Input { name: format!("x{i}"), ty: TensorType::f32(shape) },
-            _ => Op::Constant { value: 0.1 * i as f64, ty: TensorType::f32(shape) },
+            1 => Op::Input {
+                name: format!("x{i}"),
+                ty: TensorType::f32(shape),
+            },
+            _ => Op::Constant {
+                value: 0.1 * i as f64,
+                ty: TensorType::f32(shape),
+            },
         };
         vals.push(g.add(op, vec![]).expect("source").into());
     }
-    let ids = g.add(Op::Input { name: "ids".into(), ty: TensorType::new(DType::I32, vec![2, 3]) }, vec![]).expect("ids");
-    let table = g.add(Op::Param { name: "table".into(), ty: TensorType::f32(vec![10, 4]), init: Init::Zeros }, vec![]).expect("table");
-    let e = g.add(Op::Embedding, vec![table.into(), ids.into()]).expect("embedding");
+    let ids = g
+        .add(
+            Op::Input {
+                name: "ids".into(),
+                ty: TensorType::new(DType::I32, vec![2, 3]),
+            },
+            vec![],
+        )
+        .expect("ids");
+    let table = g
+        .add(
+            Op::Param {
+                name: "table".into(),
+                ty: TensorType::f32(vec![10, 4]),
+                init: Init::Zeros,
+            },
+            vec![],
+        )
+        .expect("table");
+    let e = g
+        .add(Op::Embedding, vec![table.into(), ids.into()])
+        .expect("embedding");
     vals.push(e.into());
     let mut tries = 0;
     while g.node_count() < 30 && tries < 2000 {
@@ -47,16 +82,35 @@ fn random_graph(seed: u64) -> Graph {
         let op = match rng.random_range(0..14) {
             0 => Op::Add,
             1 => Op::Mul,
-            2 => Op::MatMul { transpose_a: rng.random(), transpose_b: rng.random() },
+            2 => Op::MatMul {
+                transpose_a: rng.random(),
+                transpose_b: rng.random(),
+            },
             3 => Op::Relu,
             4 => Op::Tanh,
-            5 => Op::Softmax { axis: rng.random_range(0..rank.max(1)) },
-            6 => Op::Sum { axes: vec![0], keep_dims: rng.random() },
-            7 => Op::Reshape { shape: Shape(vec![ta.shape.numel()]) },
-            8 => Op::Transpose { perm: (0..rank).rev().collect() },
+            5 => Op::Softmax {
+                axis: rng.random_range(0..rank.max(1)),
+            },
+            6 => Op::Sum {
+                axes: vec![0],
+                keep_dims: rng.random(),
+            },
+            7 => Op::Reshape {
+                shape: Shape(vec![ta.shape.numel()]),
+            },
+            8 => Op::Transpose {
+                perm: (0..rank).rev().collect(),
+            },
             9 => Op::Concat { axis: 0 },
-            10 => Op::Slice { axis: 0, start: 0, end: 1 },
-            11 => Op::Dropout { rate: 0.25, seed: 7 },
+            10 => Op::Slice {
+                axis: 0,
+                start: 0,
+                end: 1,
+            },
+            11 => Op::Dropout {
+                rate: 0.25,
+                seed: 7,
+            },
             12 => Op::LayerNorm { eps: 1e-5 },
             _ => Op::Sub,
         };
@@ -65,7 +119,16 @@ fn random_graph(seed: u64) -> Graph {
             Some(2) => vec![a, b],
             Some(3) => {
                 let last = *ta.dims().last().unwrap_or(&1);
-                let gm = g.add(Op::Param { name: format!("gamma{}", g.node_count()), ty: TensorType::f32(vec![last]), init: Init::Ones }, vec![]).expect("gamma");
+                let gm = g
+                    .add(
+                        Op::Param {
+                            name: format!("gamma{}", g.node_count()),
+                            ty: TensorType::f32(vec![last]),
+                            init: Init::Ones,
+                        },
+                        vec![],
+                    )
+                    .expect("gamma");
                 vec![a, gm.into(), gm.into()]
             }
             _ => vec![a, b],
@@ -75,7 +138,8 @@ fn random_graph(seed: u64) -> Graph {
         }
     }
     let last = *vals.last().expect("values");
-    g.add(Op::Output { name: "y".into() }, vec![last]).expect("output");
+    g.add(Op::Output { name: "y".into() }, vec![last])
+        .expect("output");
     g
 }
 
@@ -112,11 +176,31 @@ fn multi_output_and_sparse_values_round_trip() {
 #[test]
 fn parse_errors_are_located() {
     let cases = [
-        ("graph g {\n  %0 = frobnicate : f32[2]\n}\n", "2:8", "unknown op `frobnicate`"),
-        ("graph g {\n  %0 = relu %3 : f32[2]\n}\n", "2:13", "%3 is used before it is defined"),
-        ("graph g {\n  %0 = input{name=\"x\"} : f32[2]\n  %0 = relu %0 : f32[2]\n}\n", "3:3", "defined twice"),
-        ("graph g {\n  %0 = param{name=\"w\"} : f32[2]\n}\n", "2:8", "missing attribute `init`"),
-        ("graph g {\n  %0 = input{name=\"x\"} : f32[2\n}\n", "2:29", "a shape like [2,3]"),
+        (
+            "graph g {\n  %0 = frobnicate : f32[2]\n}\n",
+            "2:8",
+            "unknown op `frobnicate`",
+        ),
+        (
+            "graph g {\n  %0 = relu %3 : f32[2]\n}\n",
+            "2:13",
+            "%3 is used before it is defined",
+        ),
+        (
+            "graph g {\n  %0 = input{name=\"x\"} : f32[2]\n  %0 = relu %0 : f32[2]\n}\n",
+            "3:3",
+            "defined twice",
+        ),
+        (
+            "graph g {\n  %0 = param{name=\"w\"} : f32[2]\n}\n",
+            "2:8",
+            "missing attribute `init`",
+        ),
+        (
+            "graph g {\n  %0 = input{name=\"x\"} : f32[2\n}\n",
+            "2:29",
+            "a shape like [2,3]",
+        ),
         ("graph g {\n  loss\n", "3:1", ""),
     ];
     for (text, loc, msg) in cases {
@@ -139,8 +223,17 @@ fn verifier_collects_every_error() {
     let g = parse(text).expect("parses");
     let e = verify(&g).expect_err("invalid");
     assert_eq!(e.errors.len(), 3, "{e}");
-    assert!(e.errors[0].contains("matmul: inner dimensions differ"), "{e}");
+    assert!(
+        e.errors[0].contains("matmul: inner dimensions differ"),
+        "{e}"
+    );
     assert!(e.errors[0].starts_with("%2 (%2 = matmul %0, %1"), "{e}");
-    assert!(e.errors[1].contains("result types should be f32[4,3]"), "{e}");
-    assert!(e.errors[2].contains("`nope`, which is not a variable"), "{e}");
+    assert!(
+        e.errors[1].contains("result types should be f32[4,3]"),
+        "{e}"
+    );
+    assert!(
+        e.errors[2].contains("`nope`, which is not a variable"),
+        "{e}"
+    );
 }

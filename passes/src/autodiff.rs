@@ -114,7 +114,8 @@ fn active_nodes(g: &Graph, order: &[NodeId], loss: NodeId) -> HashSet<NodeId> {
     let mut from_params: HashSet<NodeId> = HashSet::new();
     for &id in order {
         let n = g.node(id);
-        if matches!(n.op, Op::Param { .. }) || n.inputs.iter().any(|v| from_params.contains(&v.node))
+        if matches!(n.op, Op::Param { .. })
+            || n.inputs.iter().any(|v| from_params.contains(&v.node))
         {
             from_params.insert(id);
         }
@@ -134,8 +135,9 @@ fn sum_grads(g: &mut Graph, parts: Vec<ValueId>) -> Result<ValueId, PassError> {
     if parts.len() == 1 {
         return Ok(parts[0]);
     }
-    let (sparse, dense): (Vec<ValueId>, Vec<ValueId>) =
-        parts.into_iter().partition(|v| g.value_type(*v).is_sparse());
+    let (sparse, dense): (Vec<ValueId>, Vec<ValueId>) = parts
+        .into_iter()
+        .partition(|v| g.value_type(*v).is_sparse());
     if dense.is_empty() {
         return Ok(g.add(Op::ConcatSlices, sparse)?.into());
     }
@@ -166,19 +168,24 @@ fn sum_to(g: &mut Graph, dy: ValueId, like: ValueId) -> Result<ValueId, PassErro
     if dims(g, dy) == target {
         return Ok(dy);
     }
-    Ok(g.add(Op::SumTo { shape: Shape(target) }, vec![dy])?.into())
+    Ok(g.add(
+        Op::SumTo {
+            shape: Shape(target),
+        },
+        vec![dy],
+    )?
+    .into())
 }
 
 fn scalar(g: &mut Graph, value: f64, dtype: DType) -> Result<ValueId, PassError> {
-    Ok(g
-        .add(
-            Op::Constant {
-                value,
-                ty: TensorType::new(dtype, Shape::scalar()),
-            },
-            vec![],
-        )?
-        .into())
+    Ok(g.add(
+        Op::Constant {
+            value,
+            ty: TensorType::new(dtype, Shape::scalar()),
+        },
+        vec![],
+    )?
+    .into())
 }
 
 fn bin(g: &mut Graph, op: Op, a: ValueId, b: ValueId) -> Result<ValueId, PassError> {
@@ -212,7 +219,13 @@ fn vjp(
     };
     let dtype = g.value_type(dy).dense_type().dtype;
     Ok(match &node.op {
-        Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => vec![],
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Constant { .. }
+        | Op::Pull { .. }
+        | Op::Shard { .. } => {
+            vec![]
+        }
         Op::MatMul {
             transpose_a,
             transpose_b,
@@ -228,8 +241,16 @@ fn vjp(
                 (true, false) => ((mm(false, true), b, dy), (mm(false, false), a, dy)),
                 (true, true) => ((mm(true, true), b, dy), (mm(true, true), dy, a)),
             };
-            let da = if needs[0] { Some(bin(g, da.0, da.1, da.2)?) } else { None };
-            let db = if needs[1] { Some(bin(g, db.0, db.1, db.2)?) } else { None };
+            let da = if needs[0] {
+                Some(bin(g, da.0, da.1, da.2)?)
+            } else {
+                None
+            };
+            let db = if needs[1] {
+                Some(bin(g, db.0, db.1, db.2)?)
+            } else {
+                None
+            };
             vec![da, db]
         }
         Op::Add => vec![Some(sum_to(g, dy, x[0])?), Some(sum_to(g, dy, x[1])?)],
@@ -372,7 +393,11 @@ fn vjp(
         }
         Op::Mse => {
             let dp: ValueId = g.add(Op::MseGrad, vec![dy, x[0], x[1]])?.into();
-            let dt = if needs[1] { Some(un(g, Op::Neg, dp)?) } else { None };
+            let dt = if needs[1] {
+                Some(un(g, Op::Neg, dp)?)
+            } else {
+                None
+            };
             vec![Some(dp), dt]
         }
         Op::Dropout { rate, seed } => vec![Some(un(
@@ -405,7 +430,11 @@ fn vjp(
                 padding: *padding,
                 filter,
             };
-            let dw = if needs[1] { Some(bin(g, op, dy, x[0])?) } else { None };
+            let dw = if needs[1] {
+                Some(bin(g, op, dy, x[0])?)
+            } else {
+                None
+            };
             vec![dx, dw]
         }
         Op::MaxPool2d { kernel, stride } => vec![Some(bin(
@@ -433,8 +462,20 @@ fn vjp(
         | Op::Conv2dGradFilter { .. }
         | Op::MaxPool2dGrad { .. }
         | Op::ConcatSlices
-        | Op::Densify => return no_grad(node.op.mnemonic()),
-        Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } => vec![],
+        | Op::Densify
+        | Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::Broadcast { .. }
+        | Op::UniqueRows
+        | Op::Pack
+        | Op::Unpack { .. }
+        | Op::SparsePull { .. } => return no_grad(node.op.mnemonic()),
+        Op::Loss
+        | Op::ParamGrad { .. }
+        | Op::Output { .. }
+        | Op::Push { .. }
+        | Op::SparsePush { .. }
+        | Op::Serve { .. } => vec![],
     })
 }
 

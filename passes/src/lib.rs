@@ -3,21 +3,39 @@
 #![deny(missing_docs)]
 
 pub mod autodiff;
+pub mod cost;
 pub mod dead_code;
+pub mod distribute;
+pub mod fusion;
 pub mod manager;
+pub mod place;
+pub mod placement;
 pub mod precision;
+pub mod schedule;
 pub mod simplify;
+pub mod sparsity;
 
 use distc_ir::Graph;
 use thiserror::Error;
 
 pub use manager::{run_pipeline, PassRecord, PipelineError};
 
-/// Options the passes read.
+/// Options the passes read and the analyses they share.
 #[derive(Clone, Debug, Default)]
 pub struct PassCx {
     /// Names of passes to skip (`--disable-pass`).
     pub disabled: Vec<String>,
+    /// The strategy flags.
+    pub strategy: placement::StrategyConfig,
+    /// Per id input: mean distinct ids per worker batch, and over how many batches,
+    /// measured by the compiler on the configured data source.
+    pub measured_ids: std::collections::HashMap<String, (f64, usize)>,
+    /// The distribution decision, filled by the analysis and placement passes.
+    pub dist: Option<placement::DistPlan>,
+    /// One program per parameter server, written by the distribute pass.
+    pub server_programs: Vec<Graph>,
+    /// The workers' init program (broadcast of replicated variables from rank 0).
+    pub init_program: Option<Graph>,
 }
 
 /// Plain counters a pass reports, plus an optional note for the user.
@@ -46,7 +64,11 @@ impl PassStats {
 
 impl std::fmt::Display for PassStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let parts: Vec<String> = self.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let parts: Vec<String> = self
+            .counters
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         f.write_str(&parts.join(" "))?;
         if let Some(n) = &self.note {
             write!(f, " ({n})")?;
@@ -74,7 +96,12 @@ pub trait Pass {
 
     /// The pass's name: its type name in snake case.
     fn name(&self) -> String {
-        snake_case(std::any::type_name::<Self>().rsplit("::").next().unwrap_or("pass"))
+        snake_case(
+            std::any::type_name::<Self>()
+                .rsplit("::")
+                .next()
+                .unwrap_or("pass"),
+        )
     }
 }
 
@@ -102,9 +129,29 @@ pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
     ]
 }
 
+/// The passes of a distributed training pipeline (every strategy but `single`): the
+/// single-device passes, then analysis, placement, the rewrite, fusion and scheduling.
+pub fn distributed_pipeline() -> Vec<Box<dyn Pass>> {
+    let mut passes = single_pipeline();
+    passes.push(Box::new(sparsity::SparsityAnalysis));
+    passes.push(Box::new(place::Place));
+    passes.push(Box::new(distribute::Distribute));
+    passes.push(Box::new(fusion::Fusion));
+    passes.push(Box::new(schedule::Schedule));
+    passes
+}
+
+/// The pipeline of a strategy.
+pub fn pipeline(strategy: placement::Strategy) -> Vec<Box<dyn Pass>> {
+    match strategy {
+        placement::Strategy::Single => single_pipeline(),
+        _ => distributed_pipeline(),
+    }
+}
+
 /// Every pass name the pipelines know, for `--after`, `--stop-after` and `--disable-pass`.
 pub fn known_pass_names() -> Vec<String> {
-    let mut names: Vec<String> = single_pipeline().iter().map(|p| p.name()).collect();
+    let mut names: Vec<String> = distributed_pipeline().iter().map(|p| p.name()).collect();
     names.insert(0, "lower".to_string());
     names
 }

@@ -25,10 +25,22 @@ impl Pass for PromoteF64 {
         let mut changed = 0;
         for id in g.topo_order() {
             let op = match g.op(id).clone() {
-                Op::Input { name, ty } => Op::Input { ty: promote(&ty), name },
-                Op::Param { name, ty, init } => Op::Param { ty: promote(&ty), name, init },
-                Op::Constant { value, ty } => Op::Constant { ty: promote(&ty), value },
-                Op::EmbeddingGrad { table } => Op::EmbeddingGrad { table: promote(&table) },
+                Op::Input { name, ty } => Op::Input {
+                    ty: promote(&ty),
+                    name,
+                },
+                Op::Param { name, ty, init } => Op::Param {
+                    ty: promote(&ty),
+                    name,
+                    init,
+                },
+                Op::Constant { value, ty } => Op::Constant {
+                    ty: promote(&ty),
+                    value,
+                },
+                Op::EmbeddingGrad { table } => Op::EmbeddingGrad {
+                    table: promote(&table),
+                },
                 other => other,
             };
             if &op != g.op(id) {

@@ -15,7 +15,9 @@
 
 use crate::{Pass, PassCx, PassError, PassStats};
 use distc_ir::{infer, Graph, NodeId, Op, Shape, ValueId, ValueType};
-use egg::{define_language, rewrite, Applier, DidMerge, Id, Language, PatternAst, Subst, Symbol, Var};
+use egg::{
+    define_language, rewrite, Applier, DidMerge, Id, Language, PatternAst, Subst, Symbol, Var,
+};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -126,20 +128,26 @@ impl egg::Analysis<TensorLang> for Types {
                 });
                 Info { ty, constant: None }
             }
-            TensorLang::Other(s, _) => match opaque_index(*s).and_then(|i| egraph.analysis.ops.get(i)) {
-                Some((op, outs)) => Info {
-                    ty: (outs.len() == 1).then(|| outs[0].clone()),
-                    constant: match op {
-                        Op::Constant { value, .. } => Some(*value),
-                        _ => None,
+            TensorLang::Other(s, _) => {
+                match opaque_index(*s).and_then(|i| egraph.analysis.ops.get(i)) {
+                    Some((op, outs)) => Info {
+                        ty: (outs.len() == 1).then(|| outs[0].clone()),
+                        constant: match op {
+                            Op::Constant { value, .. } => Some(*value),
+                            _ => None,
+                        },
                     },
-                },
-                None => none,
-            },
+                    None => none,
+                }
+            }
             n => {
-                let Some(op) = ir_op(egraph, n) else { return none };
-                let tys: Option<Vec<ValueType>> =
-                    operands(n).iter().map(|c| egraph[*c].data.ty.clone()).collect();
+                let Some(op) = ir_op(egraph, n) else {
+                    return none;
+                };
+                let tys: Option<Vec<ValueType>> = operands(n)
+                    .iter()
+                    .map(|c| egraph[*c].data.ty.clone())
+                    .collect();
                 let ty = tys.and_then(|t| {
                     let refs: Vec<&ValueType> = t.iter().collect();
                     infer(&op, &refs).ok().and_then(|mut o| o.pop())
@@ -165,8 +173,15 @@ impl egg::Analysis<TensorLang> for Types {
 
 /// `?c` is a filled constant of value `value`, and `?x` already has the matched type
 /// (so dropping the operation drops no broadcast).
-fn neutral(c: &'static str, x: &'static str, value: f64) -> impl Fn(&mut EGraph, Id, &Subst) -> bool {
-    let (c, x): (Var, Var) = (c.parse().expect("pattern var"), x.parse().expect("pattern var"));
+fn neutral(
+    c: &'static str,
+    x: &'static str,
+    value: f64,
+) -> impl Fn(&mut EGraph, Id, &Subst) -> bool {
+    let (c, x): (Var, Var) = (
+        c.parse().expect("pattern var"),
+        x.parse().expect("pattern var"),
+    );
     move |eg, id, s| {
         eg[s[c]].data.constant == Some(value)
             && eg[s[x]].data.ty.is_some()
@@ -339,7 +354,11 @@ impl Pass for Simplify {
             Some(egg::StopReason::Other(s)) => s.clone(),
             None => "not run".to_string(),
         };
-        let applied: usize = runner.iterations.iter().map(|i| i.applied.values().sum::<usize>()).sum();
+        let applied: usize = runner
+            .iterations
+            .iter()
+            .map(|i| i.applied.values().sum::<usize>())
+            .sum();
         let eg = runner.egraph;
         let extractor = egg::Extractor::new(&eg, egg::AstSize);
 
@@ -384,7 +403,11 @@ fn node_class<'a>(class: &'a HashMap<ValueId, Id>, g: &Graph, id: NodeId) -> Opt
     }
 }
 
-fn reachable(eg: &EGraph, ex: &egg::Extractor<egg::AstSize, TensorLang, Types>, roots: &[Id]) -> HashSet<Id> {
+fn reachable(
+    eg: &EGraph,
+    ex: &egg::Extractor<egg::AstSize, TensorLang, Types>,
+    roots: &[Id],
+) -> HashSet<Id> {
     let mut seen = HashSet::new();
     let mut stack: Vec<Id> = roots.iter().map(|&r| eg.find(r)).collect();
     while let Some(c) = stack.pop() {
@@ -421,7 +444,9 @@ fn build(
             base.node.out(port as u16)
         }
         TensorLang::Attr(_) => {
-            return Err(PassError::Precondition("simplify: attribute used as a value".into()))
+            return Err(PassError::Precondition(
+                "simplify: attribute used as a value".into(),
+            ))
         }
         n => {
             let op = ir_op(eg, n)

@@ -77,7 +77,10 @@ impl DataSpec {
 
     /// Whether the source reads files from the data directory.
     pub fn needs_files(&self) -> bool {
-        matches!(self, DataSpec::Mnist | DataSpec::Ptb { .. } | DataSpec::Movielens { .. })
+        matches!(
+            self,
+            DataSpec::Mnist | DataSpec::Ptb { .. } | DataSpec::Movielens { .. }
+        )
     }
 }
 

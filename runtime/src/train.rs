@@ -94,10 +94,10 @@ pub fn evaluate(
                     let p = p.to_f64_vec();
                     for (i, &l) in labels.iter().enumerate() {
                         let row = &p[i * k..(i + 1) * k];
-                        let arg = row
-                            .iter()
-                            .enumerate()
-                            .fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
+                        let arg =
+                            row.iter()
+                                .enumerate()
+                                .fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
                         correct += usize::from(arg as i32 == l);
                     }
                 }

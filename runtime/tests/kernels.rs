@@ -246,6 +246,71 @@ fn broadcasting_in_place_paths_give_the_same_numbers() {
     assert_close(&out(&o, "s2").1, &[0., -4., 0., -5., 3., -9.], 0.0);
 }
 
+/// `a - b` by numpy broadcasting, element by element: the reference.
+fn sub_ref(a: &[f32], ad: &[usize], b: &[f32], bd: &[usize]) -> (Vec<usize>, Vec<f64>) {
+    let n = ad.len().max(bd.len());
+    let pad = |d: &[usize]| -> Vec<usize> {
+        let mut v = vec![1; n - d.len()];
+        v.extend_from_slice(d);
+        v
+    };
+    let (ap, bp) = (pad(ad), pad(bd));
+    let od: Vec<usize> = ap.iter().zip(&bp).map(|(&x, &y)| x.max(y)).collect();
+    let total: usize = od.iter().product();
+    let flat = |idx: &[usize], d: &[usize]| {
+        idx.iter()
+            .zip(d)
+            .fold(0, |acc, (&i, &n)| acc * n + if n == 1 { 0 } else { i })
+    };
+    let mut out = Vec::with_capacity(total);
+    for k in 0..total {
+        let mut idx = vec![0; n];
+        let mut r = k;
+        for i in (0..n).rev() {
+            idx[i] = r % od[i];
+            r /= od[i];
+        }
+        out.push(a[flat(&idx, &ap)] as f64 - b[flat(&idx, &bp)] as f64);
+    }
+    (od, out)
+}
+
+#[test]
+fn broadcasting_matches_a_reference_on_many_shapes() {
+    let cases: [(&[usize], &[usize]); 9] = [
+        (&[2, 3, 4], &[4]),
+        (&[2, 3, 4], &[3, 1]),
+        (&[2, 3, 4], &[2, 1, 4]),
+        (&[2, 1, 4], &[3, 1]),
+        (&[1, 3, 1], &[2, 1, 5]),
+        (&[4], &[]),
+        (&[], &[2, 2]),
+        (&[2, 3, 1, 2], &[1, 3, 2, 1]),
+        (&[3, 1, 2, 1], &[3, 4, 1, 5]),
+    ];
+    for (ad, bd) in cases {
+        for (xd, yd) in [(ad, bd), (bd, ad)] {
+            let x = noise(xd.iter().product(), 8);
+            let y = noise(yd.iter().product(), 9);
+            let (want_s, want) = sub_ref(&x, xd, &y, yd);
+            // Borrowed operands (feeds), then owned ones (results of `neg`).
+            let (s, v) = run_op(Op::Sub, vec![f32t(xd, &x), f32t(yd, &y)]);
+            assert_eq!(s, want_s, "{xd:?} - {yd:?}");
+            assert_close(&v, &want, 1e-6);
+            let mut g = G::new();
+            let xi = g.input("x", f32t(xd, &x));
+            let yi = g.input("y", f32t(yd, &y));
+            let nx = g.op(Op::Neg, &[xi]);
+            let ny = g.op(Op::Neg, &[yi]);
+            let d = g.op(Op::Sub, &[ny, nx]); // -y - -x = x - y
+            g.output("d", d);
+            let (s, v) = out(&g.run(Mode::Train), "d");
+            assert_eq!(s, want_s, "owned {xd:?} - {yd:?}");
+            assert_close(&v, &want, 1e-6);
+        }
+    }
+}
+
 #[test]
 fn values_read_twice_are_not_overwritten() {
     let mut g = G::new();
@@ -1057,21 +1122,32 @@ fn profiling_counts_kernels() {
 /// A hand-differentiated W1 (sparse-lm) or W2 (dense-mlp) training graph, as autodiff
 /// writes it, fed with random data: prints samples/s and the per-op profile.
 fn bench(name: &str, g: &G, batch: usize) {
+    // Minor page faults of this process so far (Linux), to see allocator churn.
+    let faults = || -> u64 {
+        std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| {
+                let rest = s.rsplit(')').next()?.to_string();
+                rest.split_whitespace().nth(7)?.parse().ok()
+            })
+            .unwrap_or(0)
+    };
     let mut ex = Executor::new(&g.g).unwrap();
     for step in 0..3 {
         ex.run(&g.feeds, &g.params, Mode::Train, step).unwrap();
     }
     ex.set_profiling(true);
     let steps = 20;
-    let start = std::time::Instant::now();
+    let (start, f0) = (std::time::Instant::now(), faults());
     for step in 0..steps {
         ex.run(&g.feeds, &g.params, Mode::Train, step).unwrap();
     }
     let secs = start.elapsed().as_secs_f64();
     println!(
-        "{name}: {:.1} ms/step, {:.0} samples/s",
+        "{name}: {:.1} ms/step, {:.0} samples/s, {} page faults/step",
         secs * 1e3 / steps as f64,
-        (steps as usize * batch) as f64 / secs
+        (steps as usize * batch) as f64 / secs,
+        (faults() - f0) / steps
     );
     for (op, d, n) in ex.profile() {
         println!(

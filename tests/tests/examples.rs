@@ -4,7 +4,8 @@
 
 use distc::{compile_file, CompileOptions};
 use distc_ir::{parse, print, verify};
-use distc_passes::known_pass_names;
+use distc_passes::placement::{Strategy, StrategyConfig};
+use distc_passes::single_pipeline;
 use std::path::{Path, PathBuf};
 
 fn examples() -> Vec<PathBuf> {
@@ -21,15 +22,27 @@ fn examples() -> Vec<PathBuf> {
 #[test]
 fn ir_after_every_pass() {
     let examples = examples();
-    assert!(examples.len() >= 6, "examples/ has {} models", examples.len());
+    assert!(
+        examples.len() >= 6,
+        "examples/ has {} models",
+        examples.len()
+    );
     for path in examples {
-        let stem = path.file_stem().and_then(|s| s.to_str()).expect("name").to_string();
-        for (i, pass) in known_pass_names().iter().enumerate() {
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("name")
+            .to_string();
+        let names: Vec<String> = std::iter::once("lower".to_string())
+            .chain(single_pipeline().iter().map(|p| p.name()))
+            .collect();
+        for (i, pass) in names.iter().enumerate() {
             let opts = CompileOptions {
                 stop_after: Some(pass.clone()),
                 ..Default::default()
             };
-            let c = compile_file(&path, &opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let c =
+                compile_file(&path, &opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             verify(&c.graph).unwrap_or_else(|e| panic!("{stem} after {pass}: {e}"));
             let text = print(&c.graph);
             let back = parse(&text).unwrap_or_else(|e| panic!("{stem} after {pass}: {e}"));
@@ -51,5 +64,78 @@ fn embedding_gradient_is_indexed_slices() {
         .lines()
         .find(|l| l.contains("embedding_grad"))
         .expect("an embedding_grad node");
-    assert!(line.ends_with(": indexed_slices(f32[10000,64], nnz=256)"), "{line}");
+    assert!(
+        line.ends_with(": indexed_slices(f32[10000,64], nnz=256)"),
+        "{line}"
+    );
+}
+
+/// The programs and the placement of a distributed compile, as one text.
+fn distributed_text(path: &Path, strategy: Strategy, workers: usize, servers: usize) -> String {
+    let opts = CompileOptions {
+        strategy: StrategyConfig {
+            strategy,
+            workers,
+            servers,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = compile_file(path, &opts)
+        .unwrap_or_else(|e| panic!("{} {strategy:?}: {e}", path.display()));
+    let mut text = String::new();
+    let dist = c.dist.expect("a placement");
+    for v in &dist.vars {
+        let shards: Vec<String> = v
+            .shards
+            .iter()
+            .map(|s| format!("s{}[{}:{}]", s.server, s.start, s.end))
+            .collect();
+        text += &format!(
+            "# {} {:?} -> {} {} bucket {:?}\n",
+            v.name,
+            v.kind,
+            v.placement.name(),
+            shards.join(" "),
+            v.bucket
+        );
+    }
+    for g in std::iter::once(&c.graph)
+        .chain(&c.init_program)
+        .chain(&c.server_programs)
+    {
+        verify(g).unwrap_or_else(|e| panic!("{}: {e}", g.name));
+        let t = print(g);
+        assert_eq!(
+            &parse(&t).expect("parses"),
+            g,
+            "{} does not round-trip",
+            g.name
+        );
+        text += &t;
+    }
+    text
+}
+
+#[test]
+fn every_strategy_for_every_example() {
+    for path in examples() {
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("name")
+            .to_string();
+        for strategy in [Strategy::Allreduce, Strategy::Ps, Strategy::Hybrid] {
+            let text = distributed_text(&path, strategy, 2, 2);
+            insta::assert_snapshot!(format!("{stem}__{}", strategy.name()), text);
+        }
+    }
+    // auto depends on the measured density: snapshot it where the data is synthetic.
+    for stem in ["sparse_lm", "dense_mlp"] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../examples/{stem}.dsl"));
+        insta::assert_snapshot!(
+            format!("{stem}__auto_4x2"),
+            distributed_text(&path, Strategy::Auto, 4, 2)
+        );
+    }
 }

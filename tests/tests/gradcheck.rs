@@ -105,11 +105,19 @@ fn check(mut b: Builder, y: ValueId) -> Vec<String> {
         );
         let p = b.op(Op::Mul, vec![y, r]);
         let axes = (0..yt.shape.rank()).collect();
-        b.op(Op::Sum { axes, keep_dims: false }, vec![p])
+        b.op(
+            Op::Sum {
+                axes,
+                keep_dims: false,
+            },
+            vec![p],
+        )
     };
     b.g.add(Op::Loss, vec![loss]).expect("loss");
     let mut g = b.g.clone();
-    Autodiff.run(&mut g, &mut PassCx::default()).expect("autodiff");
+    Autodiff
+        .run(&mut g, &mut PassCx::default())
+        .expect("autodiff");
     distc_ir::verify(&g).expect("differentiated graph verifies");
     let mut exec = Executor::new(&g).expect("executor");
     let out = exec.run(&b.feeds, &b.params, Mode::Train, 1).expect("runs");
@@ -122,7 +130,12 @@ fn check(mut b: Builder, y: ValueId) -> Vec<String> {
         let analytic = dense(grad);
         let base = b.params[name].clone();
         let n = base.len();
-        assert_eq!(analytic.len(), n, "{}: gradient of {name} has the wrong size", b.g.name);
+        assert_eq!(
+            analytic.len(),
+            n,
+            "{}: gradient of {name} has the wrong size",
+            b.g.name
+        );
         let step = (n / 24).max(1);
         for i in (0..n).step_by(step) {
             let mut at = |delta: f64| {
@@ -168,7 +181,17 @@ fn matmul_all_transposes() {
     for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
         let a: &[usize] = if ta { &[4, 3] } else { &[3, 4] };
         let bd: &[usize] = if tb { &[5, 4] } else { &[4, 5] };
-        binary(&format!("matmul_{ta}_{tb}"), Op::MatMul { transpose_a: ta, transpose_b: tb }, a, bd, -1.0, 1.0);
+        binary(
+            &format!("matmul_{ta}_{tb}"),
+            Op::MatMul {
+                transpose_a: ta,
+                transpose_b: tb,
+            },
+            a,
+            bd,
+            -1.0,
+            1.0,
+        );
     }
 }
 
@@ -176,8 +199,22 @@ fn matmul_all_transposes() {
 fn elementwise_binary_with_broadcasting() {
     for (name, op) in [("add", Op::Add), ("sub", Op::Sub), ("mul", Op::Mul)] {
         binary(name, op.clone(), &[3, 4], &[3, 4], -1.0, 1.0);
-        binary(&format!("{name}_broadcast"), op.clone(), &[3, 4], &[4], -1.0, 1.0);
-        binary(&format!("{name}_broadcast_both"), op, &[3, 1], &[1, 4], -1.0, 1.0);
+        binary(
+            &format!("{name}_broadcast"),
+            op.clone(),
+            &[3, 4],
+            &[4],
+            -1.0,
+            1.0,
+        );
+        binary(
+            &format!("{name}_broadcast_both"),
+            op,
+            &[3, 1],
+            &[1, 4],
+            -1.0,
+            1.0,
+        );
     }
     binary("div", Op::Div, &[3, 4], &[3, 4], 0.5, 1.5);
     binary("div_broadcast", Op::Div, &[3, 4], &[3, 1], 0.5, 1.5);
@@ -197,7 +234,12 @@ fn elementwise_unary() {
 fn softmax_and_log_softmax() {
     for axis in [0, 1] {
         unary(&format!("softmax_{axis}"), Op::Softmax { axis }, -2.0, 2.0);
-        unary(&format!("log_softmax_{axis}"), Op::LogSoftmax { axis }, -2.0, 2.0);
+        unary(
+            &format!("log_softmax_{axis}"),
+            Op::LogSoftmax { axis },
+            -2.0,
+            2.0,
+        );
     }
 }
 
@@ -205,7 +247,15 @@ fn softmax_and_log_softmax() {
 fn reductions() {
     for keep_dims in [false, true] {
         for axes in [vec![0], vec![1], vec![0, 1]] {
-            unary("sum", Op::Sum { axes: axes.clone(), keep_dims }, -1.0, 1.0);
+            unary(
+                "sum",
+                Op::Sum {
+                    axes: axes.clone(),
+                    keep_dims,
+                },
+                -1.0,
+                1.0,
+            );
             unary("mean", Op::Mean { axes, keep_dims }, -1.0, 1.0);
         }
     }
@@ -213,13 +263,43 @@ fn reductions() {
 
 #[test]
 fn layout_ops() {
-    unary("reshape", Op::Reshape { shape: Shape(vec![2, 6]) }, -1.0, 1.0);
+    unary(
+        "reshape",
+        Op::Reshape {
+            shape: Shape(vec![2, 6]),
+        },
+        -1.0,
+        1.0,
+    );
     unary("transpose", Op::Transpose { perm: vec![1, 0] }, -1.0, 1.0);
-    unary("slice_middle", Op::Slice { axis: 1, start: 1, end: 3 }, -1.0, 1.0);
-    unary("slice_start", Op::Slice { axis: 0, start: 0, end: 2 }, -1.0, 1.0);
+    unary(
+        "slice_middle",
+        Op::Slice {
+            axis: 1,
+            start: 1,
+            end: 3,
+        },
+        -1.0,
+        1.0,
+    );
+    unary(
+        "slice_start",
+        Op::Slice {
+            axis: 0,
+            start: 0,
+            end: 2,
+        },
+        -1.0,
+        1.0,
+    );
     let mut b = Builder::new("transpose3");
     let x = b.param("x", &[2, 3, 4], -1.0, 1.0);
-    let y = b.op(Op::Transpose { perm: vec![2, 0, 1] }, vec![x]);
+    let y = b.op(
+        Op::Transpose {
+            perm: vec![2, 0, 1],
+        },
+        vec![x],
+    );
     check(b, y);
     let mut b = Builder::new("concat");
     let x = b.param("x", &[3, 2], -1.0, 1.0);
@@ -285,7 +365,13 @@ fn variable_used_twice_sums_its_gradients() {
     // Dense twice.
     let mut b = Builder::new("shared_dense");
     let w = b.param("w", &[4, 4], -1.0, 1.0);
-    let h = b.op(Op::MatMul { transpose_a: false, transpose_b: false }, vec![w, w]);
+    let h = b.op(
+        Op::MatMul {
+            transpose_a: false,
+            transpose_b: false,
+        },
+        vec![w, w],
+    );
     let y = b.op(Op::Tanh, vec![h]);
     check(b, y);
     // Two lookups: the gradient stays sparse (concatenated slices).

@@ -45,11 +45,19 @@ fn simplified_graph_computes_the_same_values() {
     insta::assert_snapshot!("simplify_before", print(&before));
     insta::assert_snapshot!("simplify_after", format!("{stats}\n{}", print(&g)));
     let text = print(&g);
-    assert!(!text.contains("= transpose"), "double transpose left:\n{text}");
-    assert_eq!(text.matches("= tanh ").count(), 1, "tanh not shared:\n{text}");
+    assert!(
+        !text.contains("= transpose"),
+        "double transpose left:\n{text}"
+    );
+    assert_eq!(
+        text.matches("= tanh ").count(),
+        1,
+        "tanh not shared:\n{text}"
+    );
 
     let config = &program.config;
-    let mut data = DataSource::open(&config.data, None, &input_types(&g), config.batch, 1, 0, 1).expect("data");
+    let mut data = DataSource::open(&config.data, None, &input_types(&g), config.batch, 1, 0, 1)
+        .expect("data");
     let batch = data.next_batch().expect("batch");
     let params = init_params(&g, 5);
     let run = |graph| {
@@ -61,8 +69,16 @@ fn simplified_graph_computes_the_same_values() {
     assert!(close(a.loss.expect("loss"), b.loss.expect("loss")));
     assert_eq!(a.grads.len(), b.grads.len());
     for (name, ga) in &a.grads {
-        let gb = &b.grads.iter().find(|(n, _)| n == name).expect("same gradients").1;
-        let (va, vb) = (ga.tensor().expect("dense").to_f64_vec(), gb.tensor().expect("dense").to_f64_vec());
+        let gb = &b
+            .grads
+            .iter()
+            .find(|(n, _)| n == name)
+            .expect("same gradients")
+            .1;
+        let (va, vb) = (
+            ga.tensor().expect("dense").to_f64_vec(),
+            gb.tensor().expect("dense").to_f64_vec(),
+        );
         for (x, y) in va.iter().zip(&vb) {
             assert!(close(*x, *y), "d/d{name}: {x} vs {y}");
         }

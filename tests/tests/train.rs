@@ -7,22 +7,39 @@ use distc_runtime::train::{train, TrainOptions, TrainReport};
 use std::path::{Path, PathBuf};
 
 fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples")
+        .join(name)
 }
 
 fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
-    let c = compile_file(&example(name), &CompileOptions { batch, ..Default::default() }).expect("compiles");
+    let c = compile_file(
+        &example(name),
+        &CompileOptions {
+            batch,
+            ..Default::default()
+        },
+    )
+    .expect("compiles");
     if c.config.data.needs_files() && data_dir(None).is_none() {
         println!("skipping {name}: DISTC_DATA not set (point it at the data sets directory)");
         return None;
     }
     let mut lines = 0;
-    let report = train(&c.graph, &c.config, &TrainOptions { steps: Some(steps), data_dir: None }, &mut |m| {
-        lines += 1;
-        assert_eq!(m.step, lines);
-        assert!(m.loss.is_finite() && m.samples_per_sec > 0.0);
-        Ok(())
-    })
+    let report = train(
+        &c.graph,
+        &c.config,
+        &TrainOptions {
+            steps: Some(steps),
+            data_dir: None,
+        },
+        &mut |m| {
+            lines += 1;
+            assert_eq!(m.step, lines);
+            assert!(m.loss.is_finite() && m.samples_per_sec > 0.0);
+            Ok(())
+        },
+    )
     .expect("trains");
     assert_eq!(lines, steps);
     Some(report)
@@ -31,41 +48,92 @@ fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
 #[test]
 fn dense_mlp_loss_falls() {
     let r = run("dense_mlp.dsl", Some(32), 30).expect("synthetic data needs no files");
-    assert!(r.final_loss < r.first_loss, "{} -> {}", r.first_loss, r.final_loss);
+    assert!(
+        r.final_loss < r.first_loss,
+        "{} -> {}",
+        r.first_loss,
+        r.final_loss
+    );
 }
 
 #[test]
 fn sparse_lm_loss_falls_and_only_touched_rows_move() {
-    let c = compile_file(&example("sparse_lm.dsl"), &CompileOptions { batch: Some(32), ..Default::default() }).expect("compiles");
+    let c = compile_file(
+        &example("sparse_lm.dsl"),
+        &CompileOptions {
+            batch: Some(32),
+            ..Default::default()
+        },
+    )
+    .expect("compiles");
     let init = distc_runtime::train::init_params(&c.graph, c.config.seed);
     let r = run("sparse_lm.dsl", Some(32), 20).expect("synthetic data needs no files");
-    assert!(r.final_loss < r.first_loss, "{} -> {}", r.first_loss, r.final_loss);
+    assert!(
+        r.final_loss < r.first_loss,
+        "{} -> {}",
+        r.first_loss,
+        r.final_loss
+    );
     // Zipf ids: the tail of the table is almost never looked up, so most rows keep their
     // initial values under sparse SGD.
-    let (before, after) = (init["emb"].as_f32().expect("f32"), r.params["emb"].as_f32().expect("f32"));
-    let changed = before.outer_iter().zip(after.outer_iter()).filter(|(a, b)| a != b).count();
-    assert!(changed > 0 && changed < 20 * 32 * 8, "{changed} rows changed");
+    let (before, after) = (
+        init["emb"].as_f32().expect("f32"),
+        r.params["emb"].as_f32().expect("f32"),
+    );
+    let changed = before
+        .outer_iter()
+        .zip(after.outer_iter())
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(
+        changed > 0 && changed < 20 * 32 * 8,
+        "{changed} rows changed"
+    );
 }
 
 #[test]
 fn mnist_mlp_learns() {
-    let Some(r) = run("mlp.dsl", None, 150) else { return };
-    let acc = r.eval.expect("evaluated").eval_accuracy.expect("classification");
+    let Some(r) = run("mlp.dsl", None, 150) else {
+        return;
+    };
+    let acc = r
+        .eval
+        .expect("evaluated")
+        .eval_accuracy
+        .expect("classification");
     assert!(acc > 0.85, "accuracy {acc} after 150 steps");
 }
 
 #[test]
 fn mnist_cnn_learns() {
-    let Some(r) = run("cnn.dsl", Some(32), 60) else { return };
-    assert!(r.final_loss < r.first_loss * 0.8, "{} -> {}", r.first_loss, r.final_loss);
+    let Some(r) = run("cnn.dsl", Some(32), 60) else {
+        return;
+    };
+    assert!(
+        r.final_loss < r.first_loss * 0.8,
+        "{} -> {}",
+        r.first_loss,
+        r.final_loss
+    );
 }
 
 #[test]
 fn ptb_lm_loss_falls() {
-    let Some(r) = run("lm.dsl", Some(32), 60) else { return };
+    let Some(r) = run("lm.dsl", Some(32), 60) else {
+        return;
+    };
     let ln_v = (10000f64).ln();
-    assert!((r.first_loss - ln_v).abs() < 0.5, "first loss {} should be near ln(10000)", r.first_loss);
-    assert!(r.final_loss < ln_v - 1.0, "{} -> {}", r.first_loss, r.final_loss);
+    assert!(
+        (r.first_loss - ln_v).abs() < 0.5,
+        "first loss {} should be near ln(10000)",
+        r.first_loss
+    );
+    assert!(
+        r.final_loss < ln_v - 1.0,
+        "{} -> {}",
+        r.first_loss,
+        r.final_loss
+    );
 }
 
 #[test]
@@ -76,12 +144,20 @@ fn movielens_rmse_falls() {
         return;
     }
     let rmse = |steps| {
-        train(&c.graph, &c.config, &TrainOptions { steps: Some(steps), data_dir: None }, &mut |_| Ok(()))
-            .expect("trains")
-            .eval
-            .expect("evaluated")
-            .eval_rmse
-            .expect("regression")
+        train(
+            &c.graph,
+            &c.config,
+            &TrainOptions {
+                steps: Some(steps),
+                data_dir: None,
+            },
+            &mut |_| Ok(()),
+        )
+        .expect("trains")
+        .eval
+        .expect("evaluated")
+        .eval_rmse
+        .expect("regression")
     };
     let (early, later) = (rmse(1), rmse(300));
     assert!(later < early && later < 1.1, "rmse {early} -> {later}");

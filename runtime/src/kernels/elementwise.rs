@@ -99,6 +99,8 @@ fn zip_broadcast<A: Copy>(
             _ => axes.push((shape[i], st)),
         }
     }
+    // The innermost group's source stride is 0 (broadcast) or 1: output axes after it
+    // have size 1, so the source's do too.
     let (n0, s0) = axes.first().copied().unwrap_or((1, 1));
     let outer = &axes[axes.len().min(1)..];
     let mut idx = vec![0usize; outer.len()];

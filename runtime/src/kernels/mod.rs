@@ -21,6 +21,7 @@
 //! slice), `sparse` (embedding and `IndexedSlices`), `nn` (matmul, layer norm,
 //! convolution, pooling).
 
+mod comm;
 mod elementwise;
 mod layout;
 mod nn;
@@ -252,6 +253,26 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         }
         Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } => {
             return Err("a sink: the executor reads its input, not a kernel".into())
+        }
+        Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::Broadcast { .. }
+        | Op::Pull { .. }
+        | Op::SparsePull { .. }
+        | Op::Push { .. }
+        | Op::SparsePush { .. }
+        | Op::Shard { .. }
+        | Op::Serve { .. } => {
+            return Err("moves data between workers or servers: it runs on a communicator, which this executor does not have".into())
+        }
+        Op::Pack => float!(dt, A => comm::pack::<A>(&args))?,
+        Op::Unpack { shapes } => {
+            let [x] = split(args)?;
+            return float!(dt, A => comm::unpack::<A>(&x, shapes));
+        }
+        Op::UniqueRows => {
+            let [s] = split(args)?;
+            float!(dt, A => comm::unique_rows::<A>(&s))?
         }
         Op::LayerNormGrad { eps } => {
             let [dy, x, gamma] = split(args)?;

@@ -442,29 +442,67 @@ fn pool_geom(x: &[usize], kernel: usize, stride: usize) -> Result<[usize; 5], St
     ])
 }
 
-/// Index in `plane` (width `w`) of the window's maximum: the first one in row-major
-/// window order, so the forward and the backward op agree on ties.
-fn window_argmax<A: Elem>(
+/// The maximum and its index in `plane` (width `w`) of every window of output row
+/// `oy`. Each window is scanned in row-major order keeping the first maximum, so the
+/// forward and the backward op agree on ties. The loops run over a whole output row
+/// per window offset, with selects rather than branches: pooled activations are
+/// noise to a branch predictor.
+fn pool_row<A: Elem>(
     plane: &[A],
     w: usize,
     oy: usize,
-    ox: usize,
     kernel: usize,
     stride: usize,
-) -> usize {
-    let (y0, x0) = (oy * stride, ox * stride);
-    let mut best = y0 * w + x0;
-    let mut top = plane[best];
-    for y in y0..y0 + kernel {
-        let start = y * w + x0;
-        for (j, &v) in plane[start..start + kernel].iter().enumerate() {
-            if v > top {
-                top = v;
-                best = start + j;
+    top: &mut [A],
+    arg: &mut [usize],
+) {
+    let base = oy * stride * w;
+    for (ox, (t, a)) in top.iter_mut().zip(arg.iter_mut()).enumerate() {
+        *a = base + ox * stride;
+        *t = plane[*a];
+    }
+    for dy in 0..kernel {
+        let row = base + dy * w;
+        for dx in 0..kernel {
+            if dy == 0 && dx == 0 {
+                continue;
+            }
+            let start = row + dx;
+            let src = plane[start..].iter().step_by(stride);
+            for (ox, ((t, a), &v)) in top.iter_mut().zip(arg.iter_mut()).zip(src).enumerate() {
+                let take = v > *t;
+                *t = std::hint::select_unpredictable(take, v, *t);
+                *a = std::hint::select_unpredictable(take, start + ox * stride, *a);
             }
         }
     }
-    best
+}
+
+/// The maximum of every window of output row `oy` (the value [`pool_row`] finds).
+fn pool_row_max<A: Elem>(
+    plane: &[A],
+    w: usize,
+    oy: usize,
+    kernel: usize,
+    stride: usize,
+    top: &mut [A],
+) {
+    let base = oy * stride * w;
+    for (ox, t) in top.iter_mut().enumerate() {
+        *t = plane[base + ox * stride];
+    }
+    for dy in 0..kernel {
+        let row = base + dy * w;
+        for dx in 0..kernel {
+            if dy == 0 && dx == 0 {
+                continue;
+            }
+            let src = plane[row + dx..].iter().step_by(stride);
+            for (t, &v) in top.iter_mut().zip(src) {
+                *t = if v > *t { v } else { *t };
+            }
+        }
+    }
 }
 
 /// 2-D max pooling, NCHW, no padding.
@@ -477,12 +515,10 @@ pub(super) fn max_pool2d<A: Elem>(
     let [planes, h, w, oh, ow] = pool_geom(x.shape(), kernel, stride)?;
     let x = x.as_standard_layout();
     let xs = x.as_slice().ok_or(CONTIGUOUS)?;
-    let mut out = Vec::with_capacity(planes * oh * ow);
-    for plane in xs.chunks_exact(h * w) {
-        for oy in 0..oh {
-            for ox in 0..ow {
-                out.push(plane[window_argmax(plane, w, oy, ox, kernel, stride)]);
-            }
+    let mut out = vec![A::zero(); planes * oh * ow];
+    for (plane, o) in xs.chunks_exact(h * w).zip(out.chunks_exact_mut(oh * ow)) {
+        for (oy, top) in o.chunks_exact_mut(ow).enumerate() {
+            pool_row_max(plane, w, oy, kernel, stride, top);
         }
     }
     let s = x.shape();
@@ -517,14 +553,16 @@ pub(super) fn max_pool2d_grad<A: Elem>(
     );
     let mut dx = ArrayD::<A>::zeros(IxDyn(x.shape()));
     let dxs = dx.as_slice_mut().ok_or(CONTIGUOUS)?;
+    let (mut top, mut arg) = (vec![A::zero(); ow], vec![0; ow]);
     for ((plane, dplane), dyp) in xs
         .chunks_exact(h * w)
         .zip(dxs.chunks_exact_mut(h * w))
         .zip(dys.chunks_exact(oh * ow))
     {
-        for oy in 0..oh {
-            for ox in 0..ow {
-                dplane[window_argmax(plane, w, oy, ox, kernel, stride)] += dyp[oy * ow + ox];
+        for (oy, dyrow) in dyp.chunks_exact(ow).enumerate() {
+            pool_row(plane, w, oy, kernel, stride, &mut top, &mut arg);
+            for (&i, &g) in arg.iter().zip(dyrow) {
+                dplane[i] += g;
             }
         }
     }

@@ -96,7 +96,7 @@ pub(super) fn embedding_grad<A: Elem>(
 }
 
 /// Input `i` as slices with values of type `A`.
-fn slices<'b, A: Elem>(
+pub(super) fn slices<'b, A: Elem>(
     arg: &'b Arg<'_>,
     i: usize,
 ) -> Result<(&'b Slices, ArrayViewD<'b, A>), String> {

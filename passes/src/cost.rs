@@ -1,0 +1,100 @@
+//! The communication cost model: bytes a worker moves per step for each mechanism,
+//! and the time those bytes take (`bytes / bandwidth + messages * latency`).
+//!
+//! Bytes follow `../shared/WORKLOADS.md`: a ring all-reduce counts the bytes a worker
+//! sends, `2(N-1)/N * bytes`; parameter-server traffic counts what a worker pushes
+//! plus what it pulls; a row on the wire carries an 8-byte index. Time is what
+//! chooses in `auto`: it takes the busiest link, so a server's fan-in (N workers
+//! pushing to S servers) counts against the parameter server, and a fused all-reduce's
+//! latency is shared by the gradients in its bucket.
+
+use crate::placement::{Mechanism, StrategyConfig};
+
+/// Bytes of a row index on the wire.
+pub const INDEX_BYTES: f64 = 8.0;
+
+/// Inputs of the model for one variable.
+#[derive(Clone, Copy, Debug)]
+pub struct VarCost {
+    /// Bytes of the variable.
+    pub bytes: f64,
+    /// Bytes of one row.
+    pub row_bytes: f64,
+    /// Distinct rows a worker touches per step (sparse variables).
+    pub rows_touched: f64,
+    /// Whether the gradient is sparse.
+    pub sparse: bool,
+}
+
+/// Predicted cost of one mechanism for one variable.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cost {
+    /// Bytes per step per worker, as explain reports them.
+    pub bytes: f64,
+    /// Seconds per step on the busiest link.
+    pub time: f64,
+}
+
+/// The cost of moving `v`'s gradient (and, for `Ps`, its values) with `m`.
+pub fn cost(m: Mechanism, v: VarCost, cfg: &StrategyConfig) -> Cost {
+    let n = cfg.workers as f64;
+    let s = cfg.servers.max(1) as f64;
+    let (alpha, beta) = (cfg.latency, 1.0 / cfg.bandwidth);
+    let row_wire = v.row_bytes + INDEX_BYTES;
+    match m {
+        Mechanism::Local => Cost {
+            bytes: 0.0,
+            time: 0.0,
+        },
+        Mechanism::Allreduce => {
+            if n <= 1.0 {
+                return Cost {
+                    bytes: 0.0,
+                    time: 0.0,
+                };
+            }
+            let bytes = 2.0 * (n - 1.0) / n * v.bytes;
+            // Fusion packs small gradients into one bucket, whose 2(N-1) messages they
+            // share: each is charged its share of the bucket's latency.
+            let bucket = cfg.bucket_mb * 1024.0 * 1024.0;
+            let share = if bucket > 0.0 {
+                (v.bytes / bucket).min(1.0)
+            } else {
+                1.0
+            };
+            // A ring link carries as much in as out.
+            Cost {
+                bytes,
+                time: 2.0 * bytes * beta + 2.0 * (n - 1.0) * alpha * share,
+            }
+        }
+        Mechanism::Allgather => {
+            if n <= 1.0 {
+                return Cost {
+                    bytes: 0.0,
+                    time: 0.0,
+                };
+            }
+            let mine = v.rows_touched * row_wire;
+            let bytes = (n - 1.0) * mine;
+            Cost {
+                bytes,
+                time: 2.0 * bytes * beta + (n - 1.0) * alpha,
+            }
+        }
+        Mechanism::Ps => {
+            let (worker, server_fan_in, messages) = if v.sparse {
+                let w = 2.0 * v.rows_touched * row_wire;
+                (w, n * w / s, 2.0 * s)
+            } else {
+                let w = 2.0 * v.bytes;
+                // A whole dense variable sits on one server, which serves every worker.
+                (w, n * w, 2.0)
+            };
+            Cost {
+                bytes: worker,
+                time: worker.max(server_fan_in) * beta + messages * alpha,
+            }
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! What the distribution passes decide, as data: per variable its kind (dense or
+//! sparse), measured density, mechanism, shards, bucket and predicted bytes. The
+//! analysis and placement passes fill it in; the rewrite passes read it; the plan
+//! stores it; `distc explain` prints it.
+
+use serde::{Deserialize, Serialize};
+
+/// The distribution strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// One device, no communication.
+    Single,
+    /// Every variable replicated; gradients all-reduced (sparse ones all-gathered).
+    Allreduce,
+    /// Every variable on parameter servers.
+    Ps,
+    /// Sparse variables on parameter servers, dense ones all-reduced.
+    Hybrid,
+    /// Chosen per variable by the cost model.
+    Auto,
+}
+
+impl Strategy {
+    /// The strategy's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Allreduce => "allreduce",
+            Strategy::Ps => "ps",
+            Strategy::Hybrid => "hybrid",
+            Strategy::Auto => "auto",
+        }
+    }
+}
+
+/// How parameter servers apply pushes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode", content = "staleness")]
+pub enum SyncMode {
+    /// A step's gradients from all workers are aggregated, then applied once.
+    Sync,
+    /// Applied on arrival.
+    Async,
+    /// Async, but no worker runs more than K steps ahead of the slowest.
+    Stale(u32),
+}
+
+/// The `--strategy` flags and the cost model's constants.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StrategyConfig {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Worker count N.
+    pub workers: usize,
+    /// Parameter-server count S (0 when no variable is on a server).
+    pub servers: usize,
+    /// Server synchronisation.
+    pub sync: SyncMode,
+    /// Bucket size cap in MiB for fused all-reduces.
+    pub bucket_mb: f64,
+    /// Cap of the first bucket in MiB, small so communication starts early.
+    pub first_bucket_mb: f64,
+    /// All-reduce sparse gradients densified instead of all-gathering their slices.
+    pub sparse_as_dense: bool,
+    /// Variables of at least this many bytes are row-partitioned across servers.
+    pub partition_bytes: usize,
+    /// Link bandwidth, bytes per second (the cost model's 1/beta).
+    pub bandwidth: f64,
+    /// Latency per message, seconds (the cost model's alpha).
+    pub latency: f64,
+}
+
+impl Default for StrategyConfig {
+    fn default() -> StrategyConfig {
+        StrategyConfig {
+            strategy: Strategy::Single,
+            workers: 1,
+            servers: 0,
+            sync: SyncMode::Sync,
+            bucket_mb: 25.0,
+            first_bucket_mb: 1.0,
+            sparse_as_dense: false,
+            partition_bytes: 8 << 20,
+            bandwidth: 1.25e9,
+            latency: 25e-6,
+        }
+    }
+}
+
+/// Dense or row-sparse gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Every gradient contribution is dense (or some are).
+    Dense,
+    /// Every gradient contribution is `IndexedSlices`.
+    Sparse,
+}
+
+/// How a variable's gradient travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mechanism {
+    /// No communication (one device, or no gradient reaches it).
+    Local,
+    /// Ring all-reduce of the (dense) gradient.
+    Allreduce,
+    /// All-gather of the gradient's slices.
+    Allgather,
+    /// Pulled from and pushed to parameter servers.
+    Ps,
+}
+
+impl Mechanism {
+    /// The name shown by explain.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mechanism::Local => "local",
+            Mechanism::Allreduce => "allreduce",
+            Mechanism::Allgather => "allgather",
+            Mechanism::Ps => "ps",
+        }
+    }
+}
+
+/// A row range of a variable held by one server.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Shard {
+    /// Server index.
+    pub server: usize,
+    /// First row.
+    pub start: usize,
+    /// One past the last row.
+    pub end: usize,
+    /// Bytes of the shard.
+    pub bytes: usize,
+}
+
+/// What is known of a variable and where it goes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VarPlacement {
+    /// Variable name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Bytes of the variable.
+    pub bytes: usize,
+    /// Dense or sparse gradient.
+    pub kind: Kind,
+    /// Rows a worker's step touches (all rows for dense variables).
+    pub rows_touched: f64,
+    /// `rows_touched / rows`.
+    pub density: f64,
+    /// How `rows_touched` was obtained ("measured over K batches", "bound", "dense").
+    pub rows_source: String,
+    /// The mechanism chosen.
+    pub placement: Mechanism,
+    /// Server shards (parameter-server variables only).
+    pub shards: Vec<Shard>,
+    /// Fusion bucket (dense all-reduced variables only).
+    pub bucket: Option<usize>,
+    /// Predicted bytes per step per worker under the chosen mechanism.
+    pub predicted_bytes_per_step: f64,
+    /// The best other mechanism and its predicted bytes per step per worker.
+    pub runner_up: Option<(Mechanism, f64)>,
+    /// Why this mechanism (the cost model's times, or the strategy's rule).
+    pub reason: String,
+}
+
+/// One fusion bucket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Bucket {
+    /// Index, in the order the backward pass fills the buckets.
+    pub id: usize,
+    /// Variables, in gradient production order.
+    pub vars: Vec<String>,
+    /// Bytes of the packed gradients.
+    pub bytes: usize,
+}
+
+/// The whole distribution decision.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DistPlan {
+    /// Per variable, in graph order.
+    pub vars: Vec<VarPlacement>,
+    /// Fusion buckets.
+    pub buckets: Vec<Bucket>,
+    /// Variables no gradient reaches (no bucket slot, no traffic).
+    pub unreached: Vec<String>,
+}
+
+impl DistPlan {
+    /// Sum of the variables' predicted bytes per step per worker.
+    pub fn predicted_bytes_per_step_per_worker(&self) -> f64 {
+        self.vars.iter().map(|v| v.predicted_bytes_per_step).sum()
+    }
+    /// The placement of `name`.
+    pub fn var(&self, name: &str) -> Option<&VarPlacement> {
+        self.vars.iter().find(|v| v.name == name)
+    }
+}
