@@ -431,16 +431,8 @@ fn explain_table(p: &Plan) -> String {
     };
     let _ = writeln!(
         s,
-        "{:<8} {:<14} {:>10} {:<6} {:>8} {:<28} {:>6} {:>12}  {}",
-        "variable",
-        "shape",
-        "bytes",
-        "kind",
-        "density",
-        "placement",
-        "bucket",
-        "bytes/step",
-        "runner-up"
+        "{:<8} {:<14} {:>10} {:<6} {:>8} {:<28} {:>6} {:>12}  runner-up",
+        "variable", "shape", "bytes", "kind", "density", "placement", "bucket", "bytes/step",
     );
     for v in &d.vars {
         let shape: Vec<String> = v.shape.iter().map(|x| x.to_string()).collect();

@@ -88,9 +88,9 @@ impl Pass for Place {
             let row_bytes = v.bytes / rows;
             if v.bytes >= cfg.partition_bytes && cfg.servers > 1 && rows >= cfg.servers {
                 partitioned += 1;
-                for s in 0..cfg.servers {
+                for (s, load) in load.iter_mut().enumerate() {
                     let (start, end) = (rows * s / cfg.servers, rows * (s + 1) / cfg.servers);
-                    load[s] += (end - start) * row_bytes;
+                    *load += (end - start) * row_bytes;
                     v.shards.push(Shard {
                         server: s,
                         start,
