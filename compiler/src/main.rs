@@ -369,29 +369,29 @@ fn real_main(cli: Cli) -> Result<()> {
             run_plan(&plan, &c.graph, &run)?;
         }
         Command::Ir { file, after, batch } => {
-            let c = compile_or_report(
-                &file,
-                &CompileOptions {
-                    stop_after: after,
-                    batch,
-                    ..Default::default()
-                },
-            )?;
-            print!("{}", distc_ir::print(&c.graph));
+            print!(
+                "{}",
+                distc_ir::print(&compile_until(&file, after, batch)?.graph)
+            );
         }
         Command::Dot { file, after, batch } => {
-            let c = compile_or_report(
-                &file,
-                &CompileOptions {
-                    stop_after: after,
-                    batch,
-                    ..Default::default()
-                },
-            )?;
-            print!("{}", distc_ir::dot::to_dot(&c.graph));
+            print!(
+                "{}",
+                distc_ir::dot::to_dot(&compile_until(&file, after, batch)?.graph)
+            );
         }
     }
     Ok(())
+}
+
+/// The one-device pipeline up to pass `after` (all of it by default), for `ir` and `dot`.
+fn compile_until(file: &Path, after: Option<String>, batch: Option<usize>) -> Result<Compiled> {
+    let opts = CompileOptions {
+        stop_after: after,
+        batch,
+        ..Default::default()
+    };
+    compile_or_report(file, &opts)
 }
 
 fn mib(b: f64) -> String {
