@@ -1,5 +1,6 @@
 //! The distc compiler: the DSL, the pass pipeline, plans and the CLI's commands.
 
+pub mod bench;
 pub mod dsl;
 pub mod pipeline;
 pub mod plan;

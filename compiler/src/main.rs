@@ -4,8 +4,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{Mechanism, Strategy as StrategyKind, StrategyConfig, SyncMode};
+use distc_runtime::distributed::{chrome_trace, train_distributed, DistOptions};
 use distc_runtime::metrics::StepMetrics;
-use distc_runtime::train::{train, TrainOptions, TrainReport};
+use distc_runtime::ps::PsSync;
+use distc_runtime::train::{train, TrainOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -33,6 +35,48 @@ enum Command {
         /// (default: $DISTC_DATA).
         #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,
+    },
+    /// Check a strategy against one device: N workers of batch b vs one device of
+    /// batch N*b, same data and seed; every variable compared after K steps.
+    Verify {
+        /// The model (.dsl).
+        file: PathBuf,
+        #[command(flatten)]
+        compile: CompileArgs,
+        /// Steps to train before comparing.
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Largest relative difference allowed (max |a-b| / max |a|, per variable).
+        #[arg(long, default_value_t = 1e-4)]
+        tolerance: f64,
+        /// Data directory (default: $DISTC_DATA).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+    },
+    /// Benchmark the standard workloads (WORKLOADS.md): each strategy with 1, 2 and 4
+    /// workers; 10 warm-up and 50 timed steps, median of 3 runs.
+    Bench {
+        /// Workloads: sparse_lm, dense_mlp.
+        #[arg(long, value_delimiter = ',', default_values_t = ["sparse_lm".to_string(), "dense_mlp".to_string()])]
+        workloads: Vec<String>,
+        /// Strategies.
+        #[arg(long, value_delimiter = ',', default_values_t = ["single".to_string(), "allreduce".to_string(), "hybrid".to_string(), "ps".to_string()])]
+        strategies: Vec<String>,
+        /// Worker counts.
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4])]
+        workers: Vec<usize>,
+        /// Runs per configuration (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Warm-up steps.
+        #[arg(long, default_value_t = 10)]
+        warmup: usize,
+        /// Timed steps.
+        #[arg(long, default_value_t = 50)]
+        steps: usize,
+        /// Write the rows as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
     },
     /// Explain a plan: where each variable went, buckets, predicted bytes per step.
     Explain {
@@ -172,6 +216,9 @@ struct RunArgs {
     /// No progress bar and no summary.
     #[arg(long, short)]
     quiet: bool,
+    /// Write a Chrome trace (open in Perfetto) of a distributed run to FILE.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 fn strategy_config(a: &CompileArgs) -> StrategyConfig {
@@ -221,15 +268,79 @@ fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
     }
 }
 
-fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<TrainReport> {
-    if plan.strategy != "single" {
-        bail!(
-            "this plan uses the {} strategy with {} workers; this distc runs one-device plans only: \
-             the multi-worker runtime is not built yet (compile with --strategy single to train)",
-            plan.strategy,
-            plan.settings.workers
-        );
+/// What a run of either kind produced, for the summary and `--save`.
+struct RunSummary {
+    steps: usize,
+    first_loss: f64,
+    final_loss: f64,
+    train_time: f64,
+    samples_per_sec: f64,
+    eval: Option<distc_runtime::metrics::EvalMetrics>,
+    params: std::collections::HashMap<String, distc_runtime::Tensor>,
+}
+
+fn ps_sync(s: SyncMode) -> PsSync {
+    match s {
+        SyncMode::Sync => PsSync::Sync,
+        SyncMode::Async => PsSync::Async,
+        SyncMode::Stale(k) => PsSync::Stale(k),
     }
+}
+
+/// Trains a plan: one device, or its workers and servers as threads of this process.
+fn train_plan(
+    plan: &Plan,
+    graph: &distc_ir::Graph,
+    args: &RunArgs,
+    global_data: bool,
+    on_step: &mut dyn FnMut(&StepMetrics) -> distc_runtime::Result<()>,
+) -> Result<RunSummary> {
+    if plan.strategy == "single" {
+        let opts = TrainOptions {
+            steps: args.steps,
+            data_dir: args.data.clone(),
+            global_data,
+        };
+        let r = train(graph, &plan.config, &opts, on_step)?;
+        return Ok(RunSummary {
+            steps: r.steps,
+            first_loss: r.first_loss,
+            final_loss: r.final_loss,
+            train_time: r.train_time.as_secs_f64(),
+            samples_per_sec: r.samples_per_sec,
+            eval: r.eval,
+            params: r.params,
+        });
+    }
+    let parse =
+        |text: &String| distc_ir::parse(text).map_err(|e| anyhow::anyhow!("plan program: {e}"));
+    let init = plan.init.as_ref().map(parse).transpose()?;
+    let servers = plan.servers.iter().map(parse).collect::<Result<Vec<_>>>()?;
+    let opts = DistOptions {
+        workers: plan.settings.workers,
+        sync: ps_sync(plan.settings.sync),
+        steps: args.steps,
+        data_dir: args.data.clone(),
+        global_data,
+        trace: args.trace.is_some(),
+    };
+    let r = train_distributed(graph, init.as_ref(), &servers, &plan.config, &opts, on_step)?;
+    if let Some(path) = &args.trace {
+        let text = serde_json::to_string(&chrome_trace(&r.spans))?;
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(RunSummary {
+        steps: r.steps,
+        first_loss: r.first_loss,
+        final_loss: r.final_loss,
+        train_time: r.train_time.as_secs_f64(),
+        samples_per_sec: r.samples_per_sec,
+        eval: None,
+        params: r.params,
+    })
+}
+
+fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunSummary> {
     let steps = args.steps.unwrap_or(plan.config.steps);
     let mut metrics = match &args.metrics {
         Some(p) => Some(std::io::BufWriter::new(
@@ -246,10 +357,6 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
         Some(b)
     } else {
         None
-    };
-    let opts = TrainOptions {
-        steps: args.steps,
-        data_dir: args.data.clone(),
     };
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
         if let Some(w) = metrics.as_mut() {
@@ -269,7 +376,7 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
         }
         Ok(())
     };
-    let report = train(graph, &plan.config, &opts, &mut on_step)?;
+    let report = train_plan(plan, graph, args, false, &mut on_step)?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -290,10 +397,12 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
     }
     if !args.quiet {
         let mut line = format!(
-            "{}: {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
+            "{} ({}, {} workers): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
             plan.model,
+            plan.strategy,
+            plan.settings.workers,
             report.steps,
-            report.train_time.as_secs_f64(),
+            report.train_time,
             report.first_loss,
             report.final_loss,
             report.samples_per_sec
@@ -311,6 +420,91 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<Trai
         println!("{line}");
     }
     Ok(report)
+}
+
+/// `distc verify`: one device with batch N*b against the strategy with N workers of
+/// batch b, same data and seed; every variable compared after K steps.
+fn verify_cmd(
+    file: &Path,
+    compile: &CompileArgs,
+    steps: usize,
+    tolerance: f64,
+    data: Option<&Path>,
+) -> Result<()> {
+    let dist_opts = compile_opts(compile, data);
+    if !matches!(dist_opts.strategy.sync, SyncMode::Sync) {
+        bail!("verify compares synchronous strategies with one device; --sync {:?} is not synchronous", dist_opts.strategy.sync);
+    }
+    let dist = compile_or_report(file, &dist_opts)?;
+    let n = dist_opts.strategy.workers;
+    let single_opts = CompileOptions {
+        batch: Some(dist.config.batch * n),
+        ..Default::default()
+    };
+    let single = compile_or_report(file, &single_opts)?;
+    let args = RunArgs {
+        steps: Some(steps),
+        metrics: None,
+        data: data.map(Path::to_path_buf),
+        save: None,
+        quiet: true,
+        trace: None,
+    };
+    let source = file.display().to_string();
+    let one = train_plan(
+        &Plan::new(&single, &source, &single_opts.strategy),
+        &single.graph,
+        &args,
+        true,
+        &mut |_| Ok(()),
+    )?;
+    let many = train_plan(
+        &Plan::new(&dist, &source, &dist_opts.strategy),
+        &dist.graph,
+        &args,
+        true,
+        &mut |_| Ok(()),
+    )?;
+    let mut worst: Option<(String, f64)> = None;
+    let mut names: Vec<&String> = one.params.keys().collect();
+    names.sort();
+    for name in names {
+        let a = one.params[name].to_f64_vec();
+        let b = many
+            .params
+            .get(name)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "the {} run has no variable `{name}`",
+                    dist_opts.strategy.strategy.name()
+                )
+            })?
+            .to_f64_vec();
+        let scale = a.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-12);
+        let err = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+            / scale;
+        println!(
+            "  {name:<10} max |one device - {}| / max |w| = {err:.2e}",
+            dist_opts.strategy.strategy.name()
+        );
+        if worst.as_ref().is_none_or(|(_, w)| err > *w) {
+            worst = Some((name.clone(), err));
+        }
+    }
+    let (name, err) = worst.ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
+    println!(
+        "verify {}: {} with {n} workers vs one device with batch {}, {steps} steps: largest relative error {err:.2e} (`{name}`), tolerance {tolerance:.0e}",
+        file.display(),
+        dist_opts.strategy.strategy.name(),
+        dist.config.batch * n
+    );
+    if err > tolerance {
+        bail!("`{name}` differs by {err:.2e} (relative), beyond the tolerance {tolerance:.0e}");
+    }
+    Ok(())
 }
 
 fn main() {
@@ -349,6 +543,38 @@ fn real_main(cli: Cli) -> Result<()> {
                 c.server_programs.len(),
                 start.elapsed().as_secs_f64()
             );
+        }
+        Command::Verify {
+            file,
+            compile,
+            steps,
+            tolerance,
+            data,
+        } => verify_cmd(&file, &compile, steps, tolerance, data.as_deref())?,
+        Command::Bench {
+            workloads,
+            strategies,
+            workers,
+            runs,
+            warmup,
+            steps,
+            json,
+        } => {
+            let dir = std::env::temp_dir().join(format!("distc-bench-{}", std::process::id()));
+            let settings = distc::bench::BenchSettings {
+                workloads,
+                strategies,
+                workers,
+                runs,
+                warmup,
+                steps,
+                dir,
+            };
+            let rows = distc::bench::run(&settings)?;
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+            }
         }
         Command::Explain { plan, format } => {
             let (p, _) = Plan::load(&plan)?;

@@ -145,13 +145,15 @@ impl fmt::Display for TensorType {
 pub enum ValueType {
     /// A dense tensor.
     Tensor(TensorType),
-    /// A row-sparse tensor: `nnz` row indices (i32) and values of shape `[nnz, dense.dims[1..]]`
+    /// A row-sparse tensor: row indices (i32) and values of shape `[rows, dense.dims[1..]]`
     /// standing for a dense tensor of type `dense` that is zero outside those rows.
-    /// Indices may repeat; repeated rows add up.
+    /// Indices may repeat; repeated rows add up. `nnz` is the most rows a value of this
+    /// type carries: exact for a lookup's gradient, a bound after `unique_rows` or an
+    /// all-gather of such rows.
     IndexedSlices {
         /// The dense tensor this stands for.
         dense: TensorType,
-        /// Number of rows carried (with repeats).
+        /// Most rows carried (with repeats).
         nnz: usize,
     },
 }

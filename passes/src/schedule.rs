@@ -18,9 +18,10 @@ use std::collections::{BinaryHeap, HashMap};
 /// The scheduling pass.
 pub struct Schedule;
 
-/// Runs as early as possible: communication and what prepares it.
+/// Runs as early as possible: communication and what prepares it. (`unpack` is not:
+/// it waits for the collective, so it runs as late as the order allows.)
 fn eager(op: &Op) -> bool {
-    op.is_communication() || matches!(op, Op::Pack | Op::Unpack { .. } | Op::UniqueRows)
+    op.is_communication() || matches!(op, Op::Pack | Op::UniqueRows)
 }
 
 impl Pass for Schedule {

@@ -21,6 +21,40 @@ use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+/// A collective started on a communication thread: its value, when it is needed.
+pub trait Pending: Send {
+    /// Blocks until the collective is done.
+    fn wait(self: Box<Self>) -> Result<Value>;
+}
+
+/// How a worker program's communication ops reach the other workers and the servers.
+/// Collectives are started and awaited only where their result is first read, so they
+/// overlap whatever the program computes in between.
+pub trait CommHook {
+    /// Starts `all_reduce`, `all_gather` or `broadcast` on `v`.
+    fn start_collective(&mut self, op: &Op, v: Value, step: u64) -> Result<Box<dyn Pending>>;
+    /// A dense variable's current value from its servers.
+    fn pull(&mut self, var: &str, shards: &[(usize, usize, usize)], step: u64) -> Result<Tensor>;
+    /// The rows `ids` names of a server-held table.
+    fn sparse_pull(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        ids: &Tensor,
+        step: u64,
+    ) -> Result<Tensor>;
+    /// Pushes a gradient (dense or slices) of `var` to its servers.
+    fn push(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        grad: Value,
+        step: u64,
+    ) -> Result<()>;
+    /// Called with each node as it runs, for traces: `(node, op, start, end)`.
+    fn span(&mut self, _node: NodeId, _op: &'static str, _start: Instant, _end: Instant) {}
+}
+
 /// What a run computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -74,6 +108,19 @@ enum Slot<'a> {
     Empty,
     Owned(Value),
     Borrowed(&'a Tensor),
+    /// A collective under way; waited for when first read.
+    Pending(Box<dyn Pending>),
+}
+
+impl std::fmt::Debug for Slot<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Slot::Empty => f.write_str("Empty"),
+            Slot::Owned(v) => write!(f, "Owned({})", v.value_type()),
+            Slot::Borrowed(t) => write!(f, "Borrowed({})", t.tensor_type()),
+            Slot::Pending(_) => f.write_str("Pending"),
+        }
+    }
 }
 
 /// Runs one graph; compiled once, run once per step.
@@ -161,6 +208,19 @@ impl Executor {
         mode: Mode,
         step: u64,
     ) -> Result<StepOutputs> {
+        self.run_with(feeds, params, mode, step, None)
+    }
+
+    /// Runs one step of a worker program, its communication ops going through `comm`
+    /// (without one they are an error).
+    pub fn run_with(
+        &mut self,
+        feeds: &HashMap<String, Tensor>,
+        params: &HashMap<String, Tensor>,
+        mode: Mode,
+        step: u64,
+        mut comm: Option<&mut dyn CommHook>,
+    ) -> Result<StepOutputs> {
         let Executor {
             nodes,
             slots: n_slots,
@@ -191,6 +251,79 @@ impl Executor {
                 op: node.op.mnemonic(),
                 message,
             };
+            for u in &st.uses {
+                if matches!(slots[u.slot], Slot::Pending(_)) {
+                    if let Slot::Pending(p) = std::mem::replace(&mut slots[u.slot], Slot::Empty) {
+                        slots[u.slot] = Slot::Owned(p.wait()?);
+                    }
+                }
+            }
+            let started = Instant::now();
+            let no_comm = || {
+                kernel_err("moves data between workers or servers: run the plan with `distc run`, which connects them".into())
+            };
+            let communicated = match (&node.op, comm.as_deref_mut()) {
+                (Op::Pull { var, shards, .. }, Some(c)) => {
+                    Some(Slot::Owned(Value::Tensor(c.pull(var, shards, step)?)))
+                }
+                (Op::SparsePull { var, shards, .. }, Some(c)) => {
+                    let ids = read(
+                        &slots,
+                        st.uses.first().ok_or_else(|| kernel_err("no ids".into()))?,
+                    )
+                    .map_err(kernel_err)?;
+                    let ids = ids
+                        .tensor()
+                        .ok_or_else(|| kernel_err("ids are not a tensor".into()))?;
+                    let rows = c.sparse_pull(var, shards, ids, step)?;
+                    release(&mut slots, &st.uses);
+                    Some(Slot::Owned(Value::Tensor(rows)))
+                }
+                (Op::Push { var, shards } | Op::SparsePush { var, shards }, Some(c)) => {
+                    let v = take(
+                        &mut slots,
+                        st.uses
+                            .first()
+                            .ok_or_else(|| kernel_err("no gradient".into()))?,
+                    )
+                    .map_err(kernel_err)?;
+                    c.push(var, shards, v, step)?;
+                    Some(Slot::Empty)
+                }
+                (
+                    op @ (Op::AllReduce { .. } | Op::AllGather { .. } | Op::Broadcast { .. }),
+                    Some(c),
+                ) => {
+                    let v = take(
+                        &mut slots,
+                        st.uses
+                            .first()
+                            .ok_or_else(|| kernel_err("no input".into()))?,
+                    )
+                    .map_err(kernel_err)?;
+                    Some(Slot::Pending(c.start_collective(op, v, step)?))
+                }
+                (
+                    Op::Pull { .. }
+                    | Op::SparsePull { .. }
+                    | Op::Push { .. }
+                    | Op::SparsePush { .. },
+                    None,
+                ) => return Err(no_comm()),
+                (Op::AllReduce { .. } | Op::AllGather { .. } | Op::Broadcast { .. }, None) => {
+                    return Err(no_comm())
+                }
+                _ => None,
+            };
+            if let Some(slot) = communicated {
+                if let (Some(&(out, _)), Some(true)) = (node.outputs.first(), st.keep.first()) {
+                    slots[out] = slot;
+                }
+                if let Some(c) = comm.as_deref_mut() {
+                    c.span(node.id, node.op.mnemonic(), started, Instant::now());
+                }
+                continue;
+            }
             let source = match &node.op {
                 Op::Input { name, ty } => {
                     let t = feeds
@@ -258,6 +391,9 @@ impl Executor {
                         e.1 += 1;
                     }
                     release(&mut slots, &st.uses);
+                    if let Some(c) = comm.as_deref_mut() {
+                        c.span(node.id, op.mnemonic(), started, Instant::now());
+                    }
                     if results.len() != node.outputs.len() {
                         return Err(kernel_err(format!(
                             "the kernel gave {} results for {} outputs",
@@ -269,7 +405,7 @@ impl Executor {
                         results.into_iter().zip(&node.outputs).zip(&st.keep)
                     {
                         let got = v.value_type();
-                        if got != *ty {
+                        if !fits(&got, ty) {
                             return Err(kernel_err(format!(
                                 "the kernel gave {got}, the graph says {ty}"
                             )));
@@ -433,7 +569,9 @@ fn args<'s, 'a: 's>(
             (Some(v), _) => Ok(Arg::Owned(v)),
             (None, Slot::Owned(v)) => Ok(Arg::Borrowed(v)),
             (None, Slot::Borrowed(t)) => Ok(Arg::BorrowedTensor(t)),
-            (None, Slot::Empty) => Err(format!("input slot {} is empty (executor bug)", u.slot)),
+            (None, Slot::Empty | Slot::Pending(_)) => {
+                Err(format!("input slot {} is empty (executor bug)", u.slot))
+            }
         })
         .collect()
 }
@@ -452,7 +590,9 @@ fn read<'s>(slots: &'s [Slot<'_>], u: &Use) -> std::result::Result<ValueRef<'s>,
     match &slots[u.slot] {
         Slot::Owned(v) => Ok(ValueRef::Value(v)),
         Slot::Borrowed(t) => Ok(ValueRef::Tensor(t)),
-        Slot::Empty => Err(format!("input slot {} is empty (executor bug)", u.slot)),
+        Slot::Empty | Slot::Pending(_) => {
+            Err(format!("input slot {} is empty (executor bug)", u.slot))
+        }
     }
 }
 
@@ -477,15 +617,34 @@ fn take(slots: &mut [Slot<'_>], u: &Use) -> std::result::Result<Value, String> {
         match std::mem::replace(&mut slots[u.slot], Slot::Empty) {
             Slot::Owned(v) => v,
             Slot::Borrowed(t) => Value::Tensor(t.clone()),
-            Slot::Empty => return Err(format!("input slot {} is empty (executor bug)", u.slot)),
+            Slot::Empty | Slot::Pending(_) => {
+                return Err(format!("input slot {} is empty (executor bug)", u.slot))
+            }
         }
     } else {
         match &slots[u.slot] {
             Slot::Owned(v) => v.clone(),
             Slot::Borrowed(t) => Value::Tensor((*t).clone()),
-            Slot::Empty => return Err(format!("input slot {} is empty (executor bug)", u.slot)),
+            Slot::Empty | Slot::Pending(_) => {
+                return Err(format!("input slot {} is empty (executor bug)", u.slot))
+            }
         }
     };
     release(slots, std::slice::from_ref(u));
     Ok(v)
+}
+
+/// Whether a kernel's result fits the type the IR gives it: equal, except that
+/// `IndexedSlices` may carry fewer rows than the type's bound (after `unique_rows`).
+fn fits(got: &ValueType, ty: &ValueType) -> bool {
+    match (got, ty) {
+        (
+            ValueType::IndexedSlices { dense: a, nnz: n },
+            ValueType::IndexedSlices {
+                dense: b,
+                nnz: bound,
+            },
+        ) => a == b && n <= bound,
+        _ => got == ty,
+    }
 }

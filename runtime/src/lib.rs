@@ -4,14 +4,17 @@
 //! metrics and checkpoints. Depends on `distc-ir` only: the plan is the contract.
 
 pub mod checkpoint;
+pub mod comm;
 pub mod config;
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod exec;
 pub mod init;
 pub mod kernels;
 pub mod metrics;
 pub mod optim;
+pub mod ps;
 pub mod train;
 pub mod value;
 

@@ -15,8 +15,10 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Global samples per second over this step.
     pub samples_per_sec: f64,
-    /// Seconds spent computing (forward, backward, update).
+    /// Seconds worker 0 spent computing (forward, backward, update), waits excluded.
     pub compute_sec: f64,
+    /// Seconds this worker spent waiting for communication (collectives and servers).
+    pub comm_wait_sec: f64,
     /// Bytes this worker sent (0 on one device).
     pub bytes_sent: u64,
     /// Bytes this worker received (0 on one device).

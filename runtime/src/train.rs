@@ -22,6 +22,9 @@ pub struct TrainOptions {
     pub steps: Option<usize>,
     /// Data directory (else `DISTC_DATA`).
     pub data_dir: Option<PathBuf>,
+    /// Synthetic sources slice one global stream (see `DataSource::open_global`), so
+    /// this run sees what N workers of batch b/N would see together. For verification.
+    pub global_data: bool,
 }
 
 /// What training produced.
@@ -132,7 +135,12 @@ pub fn train(
 ) -> Result<TrainReport> {
     let steps = opts.steps.unwrap_or(config.steps);
     let dir = data_dir(opts.data_dir.as_deref());
-    let mut data = DataSource::open(
+    let open = if opts.global_data {
+        DataSource::open_global
+    } else {
+        DataSource::open
+    };
+    let mut data = open(
         &config.data,
         dir.as_deref(),
         &input_types(graph),
@@ -182,6 +190,7 @@ pub fn train(
             loss,
             samples_per_sec: config.batch as f64 / elapsed.as_secs_f64().max(1e-9),
             compute_sec: elapsed.as_secs_f64(),
+            comm_wait_sec: 0.0,
             bytes_sent: 0,
             bytes_received: 0,
             eval,

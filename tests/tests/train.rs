@@ -31,7 +31,7 @@ fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
         &c.config,
         &TrainOptions {
             steps: Some(steps),
-            data_dir: None,
+            ..Default::default()
         },
         &mut |m| {
             lines += 1;
@@ -150,6 +150,7 @@ fn movielens_rmse_falls() {
             &TrainOptions {
                 steps: Some(steps),
                 data_dir: None,
+                global_data: false,
             },
             &mut |_| Ok(()),
         )

@@ -1,0 +1,220 @@
+//! `distc bench`: the standard workloads of `../shared/WORKLOADS.md` under each
+//! strategy and worker count, measured as that file says: 10 warm-up steps, 50 timed
+//! steps, median of 3 runs, the machine's cores split evenly between the workers.
+//!
+//! Each run is a child process (`distc run` on a compiled plan) because the matrix
+//! product's thread count (`MATMUL_NUM_THREADS`) is read once per process; the child
+//! writes per-step metrics, from which the timed steps' throughput and the bytes each
+//! worker moved are read.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The two workloads, embedded so the benchmark runs from any directory.
+pub const WORKLOADS: [(&str, &str); 2] = [
+    ("sparse_lm", include_str!("../../examples/sparse_lm.dsl")),
+    ("dense_mlp", include_str!("../../examples/dense_mlp.dsl")),
+];
+
+/// One measured configuration.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchRow {
+    /// Workload name.
+    pub workload: String,
+    /// Strategy.
+    pub strategy: String,
+    /// Workers.
+    pub workers: usize,
+    /// Parameter servers.
+    pub servers: usize,
+    /// Median over runs of global samples per second over the timed steps.
+    pub samples_per_sec: f64,
+    /// Every run's samples per second.
+    pub runs: Vec<f64>,
+    /// Mean bytes sent per step by worker 0 over the timed steps.
+    pub bytes_sent_per_step: f64,
+    /// Mean bytes received per step by worker 0 over the timed steps.
+    pub bytes_received_per_step: f64,
+    /// The plan's predicted bytes per step per worker.
+    pub predicted_bytes_per_step: f64,
+}
+
+/// Settings of a benchmark.
+pub struct BenchSettings {
+    /// Workloads by name.
+    pub workloads: Vec<String>,
+    /// Strategies by name.
+    pub strategies: Vec<String>,
+    /// Worker counts.
+    pub workers: Vec<usize>,
+    /// Runs per configuration (the median is reported).
+    pub runs: usize,
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Scratch directory for plans and metrics.
+    pub dir: PathBuf,
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs every configuration, printing a row as each finishes.
+pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
+    let exe = std::env::current_exe().context("cannot find the distc executable")?;
+    std::fs::create_dir_all(&s.dir)
+        .with_context(|| format!("cannot create {}", s.dir.display()))?;
+    let mut rows = Vec::new();
+    println!(
+        "{:<10} {:<10} {:>7} {:>7} {:>12} {:>16} {:>16} {:>16}",
+        "workload",
+        "strategy",
+        "workers",
+        "servers",
+        "samples/s",
+        "sent B/step",
+        "received B/step",
+        "predicted B/step"
+    );
+    for w in &s.workloads {
+        let Some((_, src)) = WORKLOADS.iter().find(|(n, _)| n == w) else {
+            bail!("unknown workload `{w}`; the workloads are sparse_lm and dense_mlp");
+        };
+        let dsl = s.dir.join(format!("{w}.dsl"));
+        std::fs::write(&dsl, src).with_context(|| format!("cannot write {}", dsl.display()))?;
+        for strategy in &s.strategies {
+            for &n in &s.workers {
+                if strategy == "single" && n != 1 {
+                    continue;
+                }
+                let servers = if matches!(strategy.as_str(), "ps" | "hybrid") {
+                    n
+                } else {
+                    0
+                };
+                rows.push(one(&exe, s, w, &dsl, strategy, n, servers)?);
+                let r = rows.last().expect("pushed");
+                println!(
+                    "{:<10} {:<10} {:>7} {:>7} {:>12.0} {:>16.0} {:>16.0} {:>16.0}",
+                    r.workload,
+                    r.strategy,
+                    r.workers,
+                    r.servers,
+                    r.samples_per_sec,
+                    r.bytes_sent_per_step,
+                    r.bytes_received_per_step,
+                    r.predicted_bytes_per_step
+                );
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn one(
+    exe: &Path,
+    s: &BenchSettings,
+    w: &str,
+    dsl: &Path,
+    strategy: &str,
+    n: usize,
+    servers: usize,
+) -> Result<BenchRow> {
+    let plan = s.dir.join(format!("{w}-{strategy}-{n}.plan.json"));
+    let status = Command::new(exe)
+        .args([
+            "compile",
+            &dsl.display().to_string(),
+            "--strategy",
+            strategy,
+            "--workers",
+            &n.to_string(),
+            "--servers",
+            &servers.to_string(),
+            "-o",
+            &plan.display().to_string(),
+        ])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("cannot start distc compile")?;
+    if !status.success() {
+        bail!("compiling {w} with {strategy} failed");
+    }
+    let plan_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan)?)?;
+    let predicted = plan_json["dist"]["vars"].as_array().map_or(0.0, |v| {
+        v.iter()
+            .filter_map(|x| x["predicted_bytes_per_step"].as_f64())
+            .sum()
+    });
+    let threads = (cores() / n).max(1);
+    let (mut runs, mut sent, mut received) = (Vec::new(), 0.0, 0.0);
+    for run in 0..s.runs {
+        let metrics = s.dir.join(format!("{w}-{strategy}-{n}-{run}.jsonl"));
+        let out = Command::new(exe)
+            .args([
+                "run",
+                &plan.display().to_string(),
+                "-q",
+                "--steps",
+                &(s.warmup + s.steps).to_string(),
+                "--metrics",
+                &metrics.display().to_string(),
+            ])
+            .env("MATMUL_NUM_THREADS", threads.to_string())
+            .output()
+            .context("cannot start distc run")?;
+        if !out.status.success() {
+            bail!(
+                "{w} {strategy} x{n}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)?
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?;
+        let timed = &lines[s.warmup.min(lines.len())..];
+        // Each line's samples_per_sec is N*B over that step's wall time.
+        let seconds: f64 = timed
+            .iter()
+            .filter_map(|l| {
+                Some(batch_of(&plan_json)? as f64 * n as f64 / l["samples_per_sec"].as_f64()?)
+            })
+            .sum();
+        let samples = (batch_of(&plan_json).unwrap_or(0) * n * timed.len()) as f64;
+        runs.push(samples / seconds.max(1e-9));
+        sent = timed
+            .iter()
+            .filter_map(|l| l["bytes_sent"].as_f64())
+            .sum::<f64>()
+            / timed.len().max(1) as f64;
+        received = timed
+            .iter()
+            .filter_map(|l| l["bytes_received"].as_f64())
+            .sum::<f64>()
+            / timed.len().max(1) as f64;
+    }
+    Ok(BenchRow {
+        workload: w.into(),
+        strategy: strategy.into(),
+        workers: n,
+        servers,
+        samples_per_sec: median(runs.clone()),
+        runs,
+        bytes_sent_per_step: sent,
+        bytes_received_per_step: received,
+        predicted_bytes_per_step: predicted,
+    })
+}
+
+fn batch_of(plan: &serde_json::Value) -> Option<usize> {
+    plan["config"]["batch"].as_u64().map(|b| b as usize)
+}

@@ -1,0 +1,97 @@
+//! Communication among ranks: collectives (all-reduce, all-gather, reduce-scatter,
+//! broadcast, barrier) and point-to-point messages, behind one [`Communicator`] trait.
+//!
+//! The design names three implementations (in-process threads, MPI, NCCL); this module
+//! holds the trait and the in-process one ([`in_process`]). Collectives use ring
+//! algorithms: every rank sends only to `rank + 1` and receives only from `rank - 1`
+//! (mod `size`), so each link carries the same load and the bytes a rank sends do not
+//! grow with the number of ranks (all-reduce: `2 (N-1)/N` times the buffer).
+//!
+//! Every communicator counts the payload bytes it sends and receives as a network
+//! would carry them (4 per `f32`, 8 per `f64`, the length of a byte buffer; message
+//! headers are not counted), so the metrics can report communication volume per step
+//! by differencing [`Communicator::bytes`].
+//!
+//! Failures are errors, never panics or silent hangs: a peer whose thread died (its
+//! communicator dropped) makes the next operation that talks to it fail with
+//! [`RuntimeError::Config`] naming both ranks and the operation. After such an error a
+//! communicator closes its own channels, so the failure spreads along the ring to every
+//! rank instead of leaving some of them waiting.
+
+mod inprocess;
+
+pub use inprocess::{in_process, InProcessComm};
+
+use crate::error::RuntimeError;
+
+/// Bytes a rank has sent and received, cumulative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByteCount {
+    /// Payload bytes this rank has sent.
+    pub sent: u64,
+    /// Payload bytes this rank has received.
+    pub received: u64,
+}
+
+impl std::ops::Sub for ByteCount {
+    type Output = ByteCount;
+    /// The bytes moved between two readings (`later - earlier`), e.g. for one step.
+    fn sub(self, earlier: ByteCount) -> ByteCount {
+        ByteCount {
+            sent: self.sent.saturating_sub(earlier.sent),
+            received: self.received.saturating_sub(earlier.received),
+        }
+    }
+}
+
+/// Collective and point-to-point communication among `size()` ranks. One object per
+/// rank, owned by that rank's thread (`Send`, not `Sync`).
+///
+/// Collectives must be called by every rank, in the same order, with compatible
+/// arguments (SPMD). On error the contents of in/out buffers are unspecified.
+pub trait Communicator: Send {
+    /// This rank, in `0..size()`.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// In-place all-reduce of `f32` (sum, or mean = sum / size, divided once after the
+    /// sum). Ring algorithm: reduce-scatter then all-gather over `size` chunks, each rank
+    /// sending to rank+1 and receiving from rank-1, so each rank sends `2 (N-1)/N` times
+    /// the buffer's bytes. Every rank ends with bit-identical results (each chunk is
+    /// summed on one rank, then copied). Different lengths across ranks are an error on
+    /// every rank. With size 1 it does nothing and counts nothing.
+    fn all_reduce(&mut self, buf: &mut [f32], mean: bool) -> Result<(), RuntimeError>;
+    /// [`Communicator::all_reduce`] for `f64` buffers (same ring).
+    fn all_reduce_f64(&mut self, buf: &mut [f64], mean: bool) -> Result<(), RuntimeError>;
+    /// Every rank contributes a byte buffer of any length (lengths may differ per rank);
+    /// every rank gets all buffers in rank order. Ring all-gather: `N-1` steps, each
+    /// forwarding the block received in the previous step, so a rank sends every block
+    /// but its successor's.
+    fn all_gather(&mut self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, RuntimeError>;
+    /// Ring reduce-scatter of `f32`: returns this rank's reduced chunk (chunk `rank` of
+    /// `size` nearly equal chunks, the first `len % size` one element longer; see
+    /// [`chunk_range`]). Each rank sends `(N-1)/N` times the buffer's bytes.
+    fn reduce_scatter(&mut self, buf: &[f32], mean: bool) -> Result<Vec<f32>, RuntimeError>;
+    /// Root's bytes to everyone, passed along the ring from `root` (each rank sends the
+    /// buffer at most once). `buf` is overwritten on non-roots; its length must equal the
+    /// root's, else that rank returns an error (the others still complete).
+    fn broadcast(&mut self, buf: &mut Vec<u8>, root: usize) -> Result<(), RuntimeError>;
+    /// Returns once every rank has entered the barrier (a ring pass of empty messages).
+    fn barrier(&mut self) -> Result<(), RuntimeError>;
+    /// Sends `data` to rank `to` without waiting for it to be received.
+    fn send(&mut self, to: usize, data: Vec<u8>) -> Result<(), RuntimeError>;
+    /// Waits for the next message from rank `from`.
+    fn recv(&mut self, from: usize) -> Result<Vec<u8>, RuntimeError>;
+    /// Cumulative bytes of payload sent and received by this rank (all operations).
+    fn bytes(&self) -> ByteCount;
+}
+
+/// The element range of chunk `i` when `len` elements are split into `n` nearly equal
+/// chunks, the first `len % n` one element longer. Collectives that scatter use it.
+pub fn chunk_range(len: usize, n: usize, i: usize) -> std::ops::Range<usize> {
+    let base = len / n;
+    let rem = len % n;
+    let start = i * base + i.min(rem);
+    let size = base + usize::from(i < rem);
+    start..start + size
+}
