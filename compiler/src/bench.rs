@@ -95,7 +95,7 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                 if strategy == "single" && n != 1 {
                     continue;
                 }
-                let servers = if matches!(strategy.as_str(), "ps" | "hybrid") {
+                let servers = if matches!(strategy.as_str(), "ps" | "hybrid" | "auto") {
                     n
                 } else {
                     0
@@ -129,12 +129,18 @@ fn one(
     servers: usize,
 ) -> Result<BenchRow> {
     let plan = s.dir.join(format!("{w}-{strategy}-{n}.plan.json"));
+    // `allreduce_dense` is the all-reduce-everything baseline (Horovod's default for
+    // embeddings): the allreduce strategy with sparse gradients densified.
+    let (kind, extra): (&str, &[&str]) = match strategy {
+        "allreduce_dense" => ("allreduce", &["--sparse-as-dense"]),
+        other => (other, &[]),
+    };
     let status = Command::new(exe)
         .args([
             "compile",
             &dsl.display().to_string(),
             "--strategy",
-            strategy,
+            kind,
             "--workers",
             &n.to_string(),
             "--servers",
@@ -142,11 +148,14 @@ fn one(
             "-o",
             &plan.display().to_string(),
         ])
-        .stderr(std::process::Stdio::null())
-        .status()
+        .args(extra)
+        .output()
         .context("cannot start distc compile")?;
-    if !status.success() {
-        bail!("compiling {w} with {strategy} failed");
+    if !status.status.success() {
+        bail!(
+            "compiling {w} with {strategy}: {}",
+            String::from_utf8_lossy(&status.stderr)
+        );
     }
     let plan_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan)?)?;
     let predicted = plan_json["dist"]["vars"].as_array().map_or(0.0, |v| {

@@ -59,8 +59,9 @@ enum Command {
         /// Workloads: sparse_lm, dense_mlp.
         #[arg(long, value_delimiter = ',', default_values_t = ["sparse_lm".to_string(), "dense_mlp".to_string()])]
         workloads: Vec<String>,
-        /// Strategies.
-        #[arg(long, value_delimiter = ',', default_values_t = ["single".to_string(), "allreduce".to_string(), "hybrid".to_string(), "ps".to_string()])]
+        /// Strategies: single, allreduce, allreduce_dense (sparse gradients densified:
+        /// all-reduce everything), ps, hybrid, auto.
+        #[arg(long, value_delimiter = ',', default_values_t = ["single".to_string(), "allreduce_dense".to_string(), "allreduce".to_string(), "hybrid".to_string(), "ps".to_string()])]
         strategies: Vec<String>,
         /// Worker counts.
         #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4])]
@@ -376,7 +377,11 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunS
         }
         Ok(())
     };
-    let report = train_plan(plan, graph, args, false, &mut on_step)?;
+    // Synchronous plans read one global stream sliced by rank, so the workers together
+    // see the batches one device of batch N*b would (WORKLOADS.md's seed + rank streams
+    // have the same distribution); asynchronous ones give each worker its own stream.
+    let global = plan.strategy != "single" && plan.settings.sync == SyncMode::Sync;
+    let report = train_plan(plan, graph, args, global, &mut on_step)?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }

@@ -134,6 +134,7 @@ pub fn pulled_types(worker: &Graph) -> HashMap<String, distc_ir::TensorType> {
 
 /// A collective handed to the communication thread.
 struct Request {
+    node: NodeId,
     op: Op,
     value: Value,
     step: u64,
@@ -265,10 +266,11 @@ struct WorkerHook {
 }
 
 impl CommHook for WorkerHook {
-    fn start_collective(&mut self, op: &Op, v: Value, step: u64) -> Result<Box<dyn Pending>> {
+    fn start_collective(&mut self, node: NodeId, op: &Op, v: Value, step: u64) -> Result<Box<dyn Pending>> {
         let (reply, rx) = mpsc::channel();
         self.to_comm
             .send(Request {
+                node,
                 op: op.clone(),
                 value: v,
                 step,
@@ -548,7 +550,8 @@ pub fn train_distributed(
             if reports.len() < n {
                 continue;
             }
-            let reports = pending.remove(&step).unwrap_or_default();
+            let mut reports = pending.remove(&step).unwrap_or_default();
+            reports.sort_by_key(|r| r.rank);
             let elapsed = step_start.elapsed();
             step_start = Instant::now();
             let loss = reports.iter().map(|r| r.loss).sum::<f64>() / n as f64;
@@ -563,6 +566,8 @@ pub fn train_distributed(
                 samples_per_sec: (n * config.batch) as f64 / elapsed.as_secs_f64().max(1e-9),
                 compute_sec: r0.compute.as_secs_f64(),
                 comm_wait_sec: r0.waited.as_secs_f64(),
+                bytes_sent_per_worker: reports.iter().map(|r| r.bytes.0).collect(),
+                bytes_received_per_worker: reports.iter().map(|r| r.bytes.1).collect(),
                 bytes_sent: r0.bytes.0,
                 bytes_received: r0.bytes.1,
                 eval: None,

@@ -23,6 +23,12 @@ pub struct StepMetrics {
     pub bytes_sent: u64,
     /// Bytes this worker received (0 on one device).
     pub bytes_received: u64,
+    /// Bytes each worker sent this step, by rank (distributed runs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub bytes_sent_per_worker: Vec<u64>,
+    /// Bytes each worker received this step, by rank (distributed runs).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub bytes_received_per_worker: Vec<u64>,
     /// Evaluation at this step, when one ran.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalMetrics>,

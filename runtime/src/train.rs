@@ -191,6 +191,8 @@ pub fn train(
             samples_per_sec: config.batch as f64 / elapsed.as_secs_f64().max(1e-9),
             compute_sec: elapsed.as_secs_f64(),
             comm_wait_sec: 0.0,
+            bytes_sent_per_worker: vec![],
+            bytes_received_per_worker: vec![],
             bytes_sent: 0,
             bytes_received: 0,
             eval,

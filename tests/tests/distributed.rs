@@ -186,4 +186,13 @@ fn async_and_stale_servers_train() {
         );
     }
     let _ = SyncMode::Sync;
+    if data_dir(None).is_none() {
+        println!("skipping lm.dsl: DISTC_DATA not set");
+        return;
+    }
+    for sync in [PsSync::Async, PsSync::Stale(2)] {
+        let c = compile("lm.dsl", 32, Strategy::Hybrid, 2, 2);
+        let (r, _) = run(&c, 2, sync, 40, false);
+        assert!(r.final_loss < r.first_loss - 1.0, "lm {sync:?}: loss {} -> {}", r.first_loss, r.final_loss);
+    }
 }
