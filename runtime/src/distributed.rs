@@ -266,7 +266,13 @@ struct WorkerHook {
 }
 
 impl CommHook for WorkerHook {
-    fn start_collective(&mut self, node: NodeId, op: &Op, v: Value, step: u64) -> Result<Box<dyn Pending>> {
+    fn start_collective(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        v: Value,
+        step: u64,
+    ) -> Result<Box<dyn Pending>> {
         let (reply, rx) = mpsc::channel();
         self.to_comm
             .send(Request {

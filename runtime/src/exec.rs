@@ -32,7 +32,13 @@ pub trait Pending: Send {
 /// overlap whatever the program computes in between.
 pub trait CommHook {
     /// Starts `all_reduce`, `all_gather` or `broadcast` on `v`.
-    fn start_collective(&mut self, node: NodeId, op: &Op, v: Value, step: u64) -> Result<Box<dyn Pending>>;
+    fn start_collective(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        v: Value,
+        step: u64,
+    ) -> Result<Box<dyn Pending>>;
     /// A dense variable's current value from its servers.
     fn pull(&mut self, var: &str, shards: &[(usize, usize, usize)], step: u64) -> Result<Tensor>;
     /// The rows `ids` names of a server-held table.
