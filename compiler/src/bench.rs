@@ -2,6 +2,7 @@
 //! strategy and worker count, measured as that file says: 10 warm-up steps, 50 timed
 //! steps, median of 3 runs, the machine's cores split evenly between the workers.
 //!
+//! Data for the warm-up and timed steps is drawn before the first step (`--preload`).
 //! Each run is a child process (`distc run` on a compiled plan) because the matrix
 //! product's thread count (`MATMUL_NUM_THREADS`) is read once per process; the child
 //! writes per-step metrics, from which the timed steps' throughput and the bytes each
@@ -176,6 +177,7 @@ fn one(
                 &(s.warmup + s.steps).to_string(),
                 "--metrics",
                 &metrics.display().to_string(),
+                "--preload",
             ])
             .env("MATMUL_NUM_THREADS", threads.to_string())
             .output()

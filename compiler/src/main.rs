@@ -217,9 +217,19 @@ struct RunArgs {
     /// No progress bar and no summary.
     #[arg(long, short)]
     quiet: bool,
-    /// Write a Chrome trace (open in Perfetto) of a distributed run to FILE.
+    /// Write a Chrome trace (open in Perfetto) of a distributed run to FILE: per worker
+    /// a track of its steps and IR nodes and a track of its collectives; per server a
+    /// track of the pulls, pushes and updates it handled.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Draw every step's batch before the first step, so step times and samples/s
+    /// measure training alone (as `distc bench` does).
+    #[arg(long)]
+    preload: bool,
+    /// Print where the step time went (worker 0 of a distributed run): kernel time per
+    /// op, the optimizer, communication waits and the executor's own work.
+    #[arg(long)]
+    profile: bool,
 }
 
 fn strategy_config(a: &CompileArgs) -> StrategyConfig {
@@ -278,6 +288,7 @@ struct RunSummary {
     samples_per_sec: f64,
     eval: Option<distc_runtime::metrics::EvalMetrics>,
     params: std::collections::HashMap<String, distc_runtime::Tensor>,
+    profile: Option<distc_runtime::metrics::Profile>,
 }
 
 fn ps_sync(s: SyncMode) -> PsSync {
@@ -297,10 +308,19 @@ fn train_plan(
     on_step: &mut dyn FnMut(&StepMetrics) -> distc_runtime::Result<()>,
 ) -> Result<RunSummary> {
     if plan.strategy == "single" {
+        if let Some(path) = &args.trace {
+            bail!(
+                "--trace {}: traces are of distributed runs (workers, collectives, servers); \
+                 for where one device's step time goes use --profile",
+                path.display()
+            );
+        }
         let opts = TrainOptions {
             steps: args.steps,
             data_dir: args.data.clone(),
             global_data,
+            preload: args.preload,
+            profile: args.profile,
         };
         let r = train(graph, &plan.config, &opts, on_step)?;
         return Ok(RunSummary {
@@ -311,6 +331,7 @@ fn train_plan(
             samples_per_sec: r.samples_per_sec,
             eval: r.eval,
             params: r.params,
+            profile: r.profile,
         });
     }
     let parse =
@@ -324,6 +345,8 @@ fn train_plan(
         data_dir: args.data.clone(),
         global_data,
         trace: args.trace.is_some(),
+        preload: args.preload,
+        profile: args.profile,
     };
     let r = train_distributed(graph, init.as_ref(), &servers, &plan.config, &opts, on_step)?;
     if let Some(path) = &args.trace {
@@ -338,6 +361,7 @@ fn train_plan(
         samples_per_sec: r.samples_per_sec,
         eval: None,
         params: r.params,
+        profile: r.profile,
     })
 }
 
@@ -424,6 +448,9 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunS
         }
         println!("{line}");
     }
+    if let Some(p) = &report.profile {
+        print!("{}", p.render());
+    }
     Ok(report)
 }
 
@@ -454,6 +481,8 @@ fn verify_cmd(
         save: None,
         quiet: true,
         trace: None,
+        preload: false,
+        profile: false,
     };
     let source = file.display().to_string();
     let one = train_plan(

@@ -14,7 +14,7 @@ use crate::config::RunConfig;
 use crate::data::{data_dir, DataSource};
 use crate::error::{Result, RuntimeError};
 use crate::exec::{CommHook, Executor, Mode, Pending};
-use crate::metrics::StepMetrics;
+use crate::metrics::{Profile, StepMetrics};
 use crate::optim::Optimizer;
 use crate::ps::{PsClient, PsCluster, PsConfig, PsSync, ShardSpec};
 use crate::train::{init_params, input_types};
@@ -41,9 +41,18 @@ pub struct DistOptions {
     pub global_data: bool,
     /// Record spans for a Chrome trace.
     pub trace: bool,
+    /// Draw every step's batches before the first step (see [`DataSource::preload`]).
+    pub preload: bool,
+    /// Profile worker 0: time every kernel, its optimizer and its waits (see [`Profile`]).
+    pub profile: bool,
 }
 
 /// One span of a trace: who, what, when (microseconds since the run started).
+///
+/// Tracks: `worker R` (a `step N` span holding one span per IR node run, and
+/// `wait %N` where the worker blocked on a collective's result), `worker R comm` (the
+/// collectives its communication thread ran, with the bytes each sent), `server S`
+/// (each pull and push the server handled and each update it applied).
 #[derive(Clone, Debug)]
 pub struct Span {
     /// "worker 0", "worker 0 comm", "server 1".
@@ -54,6 +63,8 @@ pub struct Span {
     pub node: Option<String>,
     /// Training step.
     pub step: u64,
+    /// Bytes sent, for a collective.
+    pub bytes: Option<u64>,
     /// Start, microseconds.
     pub start_us: f64,
     /// Duration, microseconds.
@@ -78,6 +89,8 @@ pub struct DistReport {
     pub params: HashMap<String, Tensor>,
     /// Trace spans, when asked for.
     pub spans: Vec<Span>,
+    /// Where worker 0's step time went, when asked for.
+    pub profile: Option<Profile>,
 }
 
 /// Shards of every server program: `shard` sources, by server.
@@ -236,23 +249,38 @@ fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Valu
     }
 }
 
+/// A collective as the communication thread ran it.
+struct CommSpan {
+    node: NodeId,
+    op: &'static str,
+    step: u64,
+    bytes: u64,
+    start: Instant,
+    end: Instant,
+}
+
 /// The communication thread: runs collectives in program order, timing each.
 fn comm_thread(
     mut comm: Box<dyn Communicator>,
     rx: mpsc::Receiver<Request>,
-    spans: mpsc::Sender<(String, u64, Instant, Instant)>,
+    spans: mpsc::Sender<CommSpan>,
     bytes: mpsc::Sender<ByteCount>,
 ) {
     for req in rx {
+        let before = comm.bytes();
         let start = Instant::now();
         let r = collective(comm.as_mut(), &req.op, req.value);
-        let _ = spans.send((
-            req.op.mnemonic().to_string(),
-            req.step,
+        let end = Instant::now();
+        let after = comm.bytes();
+        let _ = spans.send(CommSpan {
+            node: req.node,
+            op: req.op.mnemonic(),
+            step: req.step,
+            bytes: after.sent - before.sent,
             start,
-            Instant::now(),
-        ));
-        let _ = bytes.send(comm.bytes());
+            end,
+        });
+        let _ = bytes.send(after);
         let _ = req.reply.send(r);
     }
 }
@@ -262,7 +290,9 @@ struct WorkerHook {
     to_comm: mpsc::Sender<Request>,
     ps: Option<PsClient>,
     trace: bool,
-    spans: Vec<(NodeId, &'static str, Instant, Instant)>,
+    /// The step running, for spans.
+    step: u64,
+    spans: Vec<(NodeId, &'static str, u64, Instant, Instant)>,
 }
 
 impl CommHook for WorkerHook {
@@ -283,7 +313,11 @@ impl CommHook for WorkerHook {
                 reply,
             })
             .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?;
-        Ok(Box::new(TimedWait(Waiting(rx))))
+        Ok(Box::new(TimedWait {
+            inner: Waiting(rx),
+            node,
+            trace: self.trace,
+        }))
     }
     fn pull(&mut self, var: &str, shards: &[(usize, usize, usize)], step: u64) -> Result<Tensor> {
         let start = Instant::now();
@@ -340,7 +374,7 @@ impl CommHook for WorkerHook {
     }
     fn span(&mut self, node: NodeId, op: &'static str, start: Instant, end: Instant) {
         if self.trace {
-            self.spans.push((node, op, start, end));
+            self.spans.push((node, op, self.step, start, end));
         }
     }
 }
@@ -356,13 +390,21 @@ impl WorkerHook {
 }
 
 /// Waits for a collective and adds the wait to the worker's communication wait.
-struct TimedWait(Waiting);
+struct TimedWait {
+    inner: Waiting,
+    node: NodeId,
+    trace: bool,
+}
 
 impl Pending for TimedWait {
     fn wait(self: Box<Self>) -> Result<Value> {
         let start = Instant::now();
-        let r = Box::new(self.0).wait();
-        WAITED.with(|w| w.set(w.get() + start.elapsed()));
+        let r = Box::new(self.inner).wait();
+        let end = Instant::now();
+        WAITED.with(|w| w.set(w.get() + (end - start)));
+        if self.trace {
+            WAIT_SPANS.with(|w| w.borrow_mut().push((self.node, start, end)));
+        }
         r
     }
 }
@@ -370,6 +412,16 @@ impl Pending for TimedWait {
 thread_local! {
     /// Time this worker thread spent waiting for collectives in the current step.
     static WAITED: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+    /// While tracing: where this worker thread blocked on which collective.
+    static WAIT_SPANS: std::cell::RefCell<Vec<(NodeId, Instant, Instant)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// What a worker thread hands back when it ends.
+struct WorkerResult {
+    params: HashMap<String, Tensor>,
+    spans: Vec<Span>,
+    profile: Option<Profile>,
 }
 
 /// One worker's report of one step.
@@ -418,7 +470,7 @@ pub fn train_distributed(
         } else {
             DataSource::open
         };
-        sources.push(open(
+        let mut source = open(
             &config.data,
             dir.as_deref(),
             &input_types(worker),
@@ -426,13 +478,22 @@ pub fn train_distributed(
             config.seed,
             rank,
             n,
-        )?);
+        )?;
+        if opts.preload {
+            source.preload(steps)?;
+        }
+        sources.push(source);
     }
+    let server_trace = cluster
+        .as_ref()
+        .filter(|_| opts.trace)
+        .map(PsCluster::trace);
     let comms = in_process(n);
     let (report_tx, report_rx) = mpsc::channel::<Result<Report>>();
     let t0 = Instant::now();
     let mut spans = Vec::new();
     let mut params0 = HashMap::new();
+    let mut profile0 = None;
     let (mut first_loss, mut final_loss) = (f64::NAN, f64::NAN);
     std::thread::scope(|scope| -> Result<()> {
         let mut handles = Vec::new();
@@ -440,109 +501,136 @@ pub fn train_distributed(
             let report_tx = report_tx.clone();
             let ps = cluster.as_ref().map(|c| c.client(rank));
             let trace = opts.trace;
-            handles.push(
-                scope.spawn(move || -> Result<(HashMap<String, Tensor>, Vec<Span>)> {
-                    let (to_comm, comm_rx) = mpsc::channel::<Request>();
-                    let (span_tx, span_rx) = mpsc::channel();
-                    let (bytes_tx, bytes_rx) = mpsc::channel();
-                    let comm_handle = std::thread::spawn(move || {
-                        comm_thread(Box::new(comm), comm_rx, span_tx, bytes_tx)
-                    });
-                    let mut hook = WorkerHook {
-                        to_comm,
-                        ps,
-                        trace,
-                        spans: Vec::new(),
-                    };
-                    let mut params = init_params(worker, config.seed);
-                    if let Some(init) = init {
-                        let mut exec = Executor::new(init)?;
-                        let out = exec.run_with(
-                            &HashMap::new(),
-                            &params,
-                            Mode::Train,
-                            0,
-                            Some(&mut hook),
-                        )?;
-                        for (name, t) in out.outputs {
-                            params.insert(name, t);
-                        }
+            handles.push(scope.spawn(move || -> Result<WorkerResult> {
+                let (to_comm, comm_rx) = mpsc::channel::<Request>();
+                let (span_tx, span_rx) = mpsc::channel();
+                let (bytes_tx, bytes_rx) = mpsc::channel();
+                let comm_handle = std::thread::spawn(move || {
+                    comm_thread(Box::new(comm), comm_rx, span_tx, bytes_tx)
+                });
+                let mut hook = WorkerHook {
+                    to_comm,
+                    ps,
+                    trace,
+                    step: 0,
+                    spans: Vec::new(),
+                };
+                let mut step_spans = Vec::new();
+                let mut params = init_params(worker, config.seed);
+                if let Some(init) = init {
+                    let mut exec = Executor::new(init)?;
+                    let out =
+                        exec.run_with(&HashMap::new(), &params, Mode::Train, 0, Some(&mut hook))?;
+                    for (name, t) in out.outputs {
+                        params.insert(name, t);
                     }
-                    let mut exec = Executor::new(worker)?;
-                    let mut optimizer = Optimizer::new(&config.optimizer);
-                    let mut last = ByteCount::default();
-                    let mut ps_last = (0, 0);
-                    for step in 1..=steps {
-                        let batch = data.next_batch()?;
-                        WAITED.with(|w| w.set(Duration::ZERO));
-                        let start = Instant::now();
-                        let out = exec.run_with(
-                            &batch,
-                            &params,
-                            Mode::Train,
-                            step as u64,
-                            Some(&mut hook),
-                        )?;
-                        for (name, grad) in &out.grads {
-                            let p = params
-                                .get_mut(name)
-                                .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
-                            optimizer.apply(name, p, grad, 1.0)?;
-                        }
-                        optimizer.end_step();
-                        let elapsed = start.elapsed();
-                        let mut now = last;
-                        while let Ok(b) = bytes_rx.try_recv() {
-                            now = b;
-                        }
-                        let ps_now = hook.ps.as_ref().map_or((0, 0), PsClient::bytes);
-                        let waited = WAITED.with(|w| w.get());
-                        let report = Report {
-                            rank,
-                            step,
-                            loss: out.loss.unwrap_or(f64::NAN),
-                            compute: elapsed.saturating_sub(waited),
-                            waited,
-                            bytes: (
-                                now.sent - last.sent + ps_now.0 - ps_last.0,
-                                now.received - last.received + ps_now.1 - ps_last.1,
-                            ),
-                        };
-                        last = now;
-                        ps_last = ps_now;
-                        if report_tx.send(Ok(report)).is_err() {
-                            break;
-                        }
+                }
+                let mut exec = Executor::new(worker)?;
+                let profiling = opts.profile && rank == 0;
+                exec.set_profiling(profiling);
+                let mut profile = Profile::default();
+                let mut optimizer = Optimizer::new(&config.optimizer);
+                let mut last = ByteCount::default();
+                let mut ps_last = (0, 0);
+                for step in 1..=steps {
+                    let batch = data.next_batch()?;
+                    WAITED.with(|w| w.set(Duration::ZERO));
+                    hook.step = step as u64;
+                    let start = Instant::now();
+                    let out =
+                        exec.run_with(&batch, &params, Mode::Train, step as u64, Some(&mut hook))?;
+                    let updating = Instant::now();
+                    for (name, grad) in &out.grads {
+                        let p = params
+                            .get_mut(name)
+                            .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
+                        optimizer.apply(name, p, grad, 1.0)?;
                     }
-                    drop(hook.to_comm);
-                    let _ = comm_handle.join();
-                    let base = t0;
-                    let us = |t: Instant| t.duration_since(base).as_secs_f64() * 1e6;
-                    let mut spans: Vec<Span> = hook
-                        .spans
-                        .iter()
-                        .map(|(node, op, s, e)| Span {
-                            track: format!("worker {rank}"),
-                            name: op.to_string(),
-                            node: Some(node.to_string()),
-                            step: 0,
-                            start_us: us(*s),
-                            dur_us: us(*e) - us(*s),
-                        })
-                        .collect();
+                    optimizer.end_step();
+                    profile.optimizer += updating.elapsed();
+                    let elapsed = start.elapsed();
                     if trace {
-                        spans.extend(span_rx.try_iter().map(|(name, step, s, e)| Span {
-                            track: format!("worker {rank} comm"),
-                            name,
-                            node: None,
-                            step,
-                            start_us: us(s),
-                            dur_us: us(e) - us(s),
-                        }));
+                        step_spans.push((step as u64, start, start + elapsed));
                     }
-                    Ok((params, spans))
-                }),
-            );
+                    let mut now = last;
+                    while let Ok(b) = bytes_rx.try_recv() {
+                        now = b;
+                    }
+                    let ps_now = hook.ps.as_ref().map_or((0, 0), PsClient::bytes);
+                    let waited = WAITED.with(|w| w.get());
+                    profile.step_time += elapsed;
+                    profile.comm_wait += waited;
+                    let report = Report {
+                        rank,
+                        step,
+                        loss: out.loss.unwrap_or(f64::NAN),
+                        compute: elapsed.saturating_sub(waited),
+                        waited,
+                        bytes: (
+                            now.sent - last.sent + ps_now.0 - ps_last.0,
+                            now.received - last.received + ps_now.1 - ps_last.1,
+                        ),
+                    };
+                    last = now;
+                    ps_last = ps_now;
+                    if report_tx.send(Ok(report)).is_err() {
+                        break;
+                    }
+                }
+                drop(hook.to_comm);
+                let _ = comm_handle.join();
+                let base = t0;
+                let us = |t: Instant| t.duration_since(base).as_secs_f64() * 1e6;
+                let track = format!("worker {rank}");
+                let span = |track: &str, name: String, node: Option<NodeId>, step, s, e| Span {
+                    track: track.to_string(),
+                    name,
+                    node: node.map(|n: NodeId| n.to_string()),
+                    step,
+                    bytes: None,
+                    start_us: us(s),
+                    dur_us: us(e) - us(s),
+                };
+                let mut spans: Vec<Span> = Vec::new();
+                if trace {
+                    spans.extend(step_spans.iter().map(|&(step, s, e)| {
+                        span(&track, format!("step {step}"), None, step, s, e)
+                    }));
+                    spans.extend(hook.spans.iter().map(|&(node, op, step, s, e)| {
+                        span(&track, op.to_string(), Some(node), step, s, e)
+                    }));
+                    let waits = WAIT_SPANS.with(|w| std::mem::take(&mut *w.borrow_mut()));
+                    spans.extend(waits.into_iter().map(|(node, s, e)| {
+                        span(&track, format!("wait {node}"), Some(node), 0, s, e)
+                    }));
+                    let comm_track = format!("worker {rank} comm");
+                    spans.extend(span_rx.try_iter().map(|c| Span {
+                        bytes: Some(c.bytes),
+                        ..span(
+                            &comm_track,
+                            format!("{} {}", c.op, c.node),
+                            Some(c.node),
+                            c.step,
+                            c.start,
+                            c.end,
+                        )
+                    }));
+                }
+                let profile = profiling.then(|| Profile {
+                    steps,
+                    ops: exec
+                        .profile()
+                        .into_iter()
+                        .map(|(op, d, n)| (op.to_string(), d, n))
+                        .collect(),
+                    ..profile
+                });
+                Ok(WorkerResult {
+                    params,
+                    spans,
+                    profile,
+                })
+            }));
         }
         drop(report_tx);
         // The coordinator: one metrics line per step once every worker reported it.
@@ -580,19 +668,35 @@ pub fn train_distributed(
             })?;
         }
         for (rank, h) in handles.into_iter().enumerate() {
-            let (params, s) = h
+            let w = h
                 .join()
                 .map_err(|_| RuntimeError::Config(format!("worker {rank} panicked")))??;
             if rank == 0 {
-                params0 = params;
+                params0 = w.params;
+                profile0 = w.profile;
             }
-            spans.extend(s);
+            spans.extend(w.spans);
         }
         Ok(())
     })?;
     let train_time = t0.elapsed();
     if let Some(c) = cluster {
         params0.extend(c.shutdown()?);
+    }
+    if let Some(t) = server_trace {
+        let us = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e6;
+        spans.extend(t.spans().into_iter().map(|s| Span {
+            track: format!("server {}", s.server),
+            name: match s.rank {
+                Some(r) => format!("{} (worker {r})", s.name),
+                None => s.name,
+            },
+            node: None,
+            step: s.step,
+            bytes: None,
+            start_us: us(s.start),
+            dur_us: us(s.end) - us(s.start),
+        }));
     }
     Ok(DistReport {
         steps,
@@ -602,6 +706,7 @@ pub fn train_distributed(
         train_time,
         params: params0,
         spans,
+        profile: profile0,
     })
 }
 
@@ -620,7 +725,7 @@ pub fn chrome_trace(spans: &[Span]) -> serde_json::Value {
         serde_json::json!({
             "ph": "X", "pid": 1, "tid": tid(&s.track), "name": s.name,
             "ts": s.start_us, "dur": s.dur_us,
-            "args": {"node": s.node, "step": s.step},
+            "args": {"node": s.node, "step": s.step, "bytes": s.bytes},
         })
     }));
     serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })

@@ -5,6 +5,7 @@
 //! (classification) or `eval_rmse` (regression).
 
 use serde::Serialize;
+use std::time::Duration;
 
 /// One training step.
 #[derive(Clone, Debug, Serialize)]
@@ -47,4 +48,60 @@ pub struct EvalMetrics {
     pub eval_rmse: Option<f64>,
     /// Samples evaluated.
     pub eval_samples: usize,
+}
+
+/// Where one worker's step time went, summed over the profiled steps.
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    /// Steps profiled.
+    pub steps: usize,
+    /// Wall time of those steps (forward, backward, update, waits).
+    pub step_time: Duration,
+    /// Kernel time by op mnemonic: `(op, total, calls)`, most expensive first.
+    pub ops: Vec<(String, Duration, u64)>,
+    /// Time in the optimizer's updates of the worker's own variables.
+    pub optimizer: Duration,
+    /// Time blocked on collectives and parameter servers.
+    pub comm_wait: Duration,
+}
+
+impl Profile {
+    /// A table: per op, milliseconds per step, share of the step, calls per step; then
+    /// the optimizer, communication waits and what is left (the executor's own work:
+    /// scheduling, freeing, feeding).
+    pub fn render(&self) -> String {
+        let steps = self.steps.max(1) as f64;
+        let total = self.step_time.as_secs_f64().max(1e-12);
+        let w = self
+            .ops
+            .iter()
+            .map(|o| o.0.len())
+            .max()
+            .unwrap_or(0)
+            .max(12);
+        let mut out = format!(
+            "{:<w$} {:>10} {:>7} {:>10}\n",
+            "op", "ms/step", "share", "calls/step"
+        );
+        let mut line = |name: &str, d: Duration, calls: Option<u64>| {
+            out += &format!(
+                "{:<w$} {:>10.3} {:>6.1}% {:>10}\n",
+                name,
+                d.as_secs_f64() * 1e3 / steps,
+                100.0 * d.as_secs_f64() / total,
+                calls.map_or(String::new(), |c| format!("{:.0}", c as f64 / steps)),
+            );
+        };
+        let mut accounted = Duration::ZERO;
+        for (op, d, calls) in &self.ops {
+            line(op, *d, Some(*calls));
+            accounted += *d;
+        }
+        line("(optimizer)", self.optimizer, None);
+        line("(comm wait)", self.comm_wait, None);
+        accounted += self.optimizer + self.comm_wait;
+        line("(executor)", self.step_time.saturating_sub(accounted), None);
+        line("step", self.step_time, None);
+        out
+    }
 }

@@ -7,7 +7,7 @@ use crate::data::{data_dir, DataSource};
 use crate::error::{Result, RuntimeError};
 use crate::exec::{Executor, Mode};
 use crate::init::init_param;
-use crate::metrics::{EvalMetrics, StepMetrics};
+use crate::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::optim::Optimizer;
 use crate::value::Tensor;
 use distc_ir::{Graph, Op, TensorType};
@@ -25,6 +25,10 @@ pub struct TrainOptions {
     /// Synthetic sources slice one global stream (see `DataSource::open_global`), so
     /// this run sees what N workers of batch b/N would see together. For verification.
     pub global_data: bool,
+    /// Draw every step's batch before the first step (see [`DataSource::preload`]).
+    pub preload: bool,
+    /// Time every kernel and the optimizer (see [`Profile`]).
+    pub profile: bool,
 }
 
 /// What training produced.
@@ -44,6 +48,8 @@ pub struct TrainReport {
     pub samples_per_sec: f64,
     /// The trained variables.
     pub params: HashMap<String, Tensor>,
+    /// Where the step time went, when asked for.
+    pub profile: Option<Profile>,
 }
 
 /// Initial values of every variable of `graph`, from the seed.
@@ -149,7 +155,12 @@ pub fn train(
         0,
         1,
     )?;
+    if opts.preload {
+        data.preload(steps)?;
+    }
     let mut exec = Executor::new(graph)?;
+    exec.set_profiling(opts.profile);
+    let mut optimizer_time = Duration::ZERO;
     let mut params = init_params(graph, config.seed);
     let mut optimizer = Optimizer::new(&config.optimizer);
     let mut train_time = Duration::ZERO;
@@ -158,6 +169,7 @@ pub fn train(
         let batch = data.next_batch()?;
         let start = Instant::now();
         let out = exec.run(&batch, &params, Mode::Train, step as u64)?;
+        let updating = Instant::now();
         for (name, grad) in &out.grads {
             let p = params
                 .get_mut(name)
@@ -165,6 +177,7 @@ pub fn train(
             optimizer.apply(name, p, grad, 1.0)?;
         }
         optimizer.end_step();
+        optimizer_time += updating.elapsed();
         let elapsed = start.elapsed();
         train_time += elapsed;
         let loss = out.loss.unwrap_or(f64::NAN);
@@ -179,7 +192,10 @@ pub fn train(
         final_loss = loss;
         let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
         let eval = if eval_now {
+            // Evaluation is not training: keep its kernels out of the profile.
+            exec.set_profiling(false);
             let e = evaluate(&mut exec, &params, &data, config, step as u64)?;
+            exec.set_profiling(opts.profile);
             last_eval = Some(e.clone());
             Some(e)
         } else {
@@ -206,5 +222,16 @@ pub fn train(
         train_time,
         samples_per_sec: (steps * config.batch) as f64 / train_time.as_secs_f64().max(1e-9),
         params,
+        profile: opts.profile.then(|| Profile {
+            steps,
+            step_time: train_time,
+            ops: exec
+                .profile()
+                .into_iter()
+                .map(|(op, d, n)| (op.to_string(), d, n))
+                .collect(),
+            optimizer: optimizer_time,
+            comm_wait: Duration::ZERO,
+        }),
     })
 }

@@ -66,6 +66,8 @@ fn run(
         data_dir: None,
         global_data,
         trace: false,
+        preload: false,
+        profile: false,
     };
     let mut lines = Vec::new();
     let r = train_distributed(

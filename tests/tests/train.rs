@@ -149,8 +149,7 @@ fn movielens_rmse_falls() {
             &c.config,
             &TrainOptions {
                 steps: Some(steps),
-                data_dir: None,
-                global_data: false,
+                ..Default::default()
             },
             &mut |_| Ok(()),
         )

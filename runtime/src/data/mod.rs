@@ -279,6 +279,8 @@ pub struct DataSource {
     fields: Vec<OutField>,
     backing: Backing,
     cursor: Cursor,
+    /// Batches drawn ahead by [`DataSource::preload`], served first.
+    preloaded: std::collections::VecDeque<Batch>,
 }
 
 impl DataSource {
@@ -387,6 +389,7 @@ impl DataSource {
             fields,
             backing,
             cursor,
+            preloaded: std::collections::VecDeque::new(),
         })
     }
 
@@ -424,11 +427,29 @@ impl DataSource {
     /// The next training batch of this worker (endless; file sources are reshuffled
     /// every epoch).
     pub fn next_batch(&mut self) -> Result<Batch> {
+        if let Some(b) = self.preloaded.pop_front() {
+            return Ok(b);
+        }
         let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
         let mut cursor = self.cursor.clone();
         let cols = self.draw(&mut cursor, &need);
         self.cursor = cursor;
         self.build(cols, self.batch)
+    }
+
+    /// Draws the next `steps` training batches now, so that the steps that read them
+    /// time training alone (WORKLOADS.md generates benchmark data before timing).
+    /// The batches are the ones [`DataSource::next_batch`] would have returned.
+    pub fn preload(&mut self, steps: usize) -> Result<()> {
+        for _ in 0..steps {
+            let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
+            let mut cursor = self.cursor.clone();
+            let cols = self.draw(&mut cursor, &need);
+            self.cursor = cursor;
+            let b = self.build(cols, self.batch)?;
+            self.preloaded.push_back(b);
+        }
+        Ok(())
     }
 
     /// The held-out evaluation data in batches of `batch`, at most `max_samples`

@@ -12,14 +12,23 @@ use std::collections::HashMap;
 
 /// Concatenates the inputs' elements, in order, into one flat tensor.
 pub(super) fn pack<A: Elem>(args: &[Arg<'_>]) -> Result<Value, String> {
-    let mut out: Vec<A> = Vec::new();
-    for (i, a) in args.iter().enumerate() {
-        let t = tensor(a, i)?;
-        let arr = A::of(t)
-            .ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))?;
-        out.extend(arr.iter().copied());
+    let arrays = args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let t = tensor(a, i)?;
+            A::of(t).ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    // A bucket is megabytes: one allocation, and a memcpy per contiguous input.
+    let n = arrays.iter().map(|a| a.len()).sum();
+    let mut out: Vec<A> = Vec::with_capacity(n);
+    for arr in arrays {
+        match arr.as_slice() {
+            Some(flat) => out.extend_from_slice(flat),
+            None => out.extend(arr.iter().copied()),
+        }
     }
-    let n = out.len();
     Ok(Value::Tensor(A::wrap(
         ArrayD::from_shape_vec(IxDyn(&[n]), out).map_err(|e| e.to_string())?,
     )))

@@ -40,11 +40,11 @@ use crate::value::{Slices, Tensor, Value};
 use distc_ir::{DType, Init, TensorType};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// When servers apply pushes and when pulls may proceed (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,6 +121,27 @@ pub(crate) struct Shared {
     pub(crate) errors: Vec<Mutex<Option<String>>>,
     /// Per server: nanoseconds spent handling messages.
     pub(crate) busy: Vec<AtomicU64>,
+    /// Servers record a span per message handled (for traces) while this is set.
+    pub(crate) tracing: AtomicBool,
+    /// The spans servers recorded, appended when each server stops.
+    pub(crate) spans: Mutex<Vec<ServerSpan>>,
+}
+
+/// What a server did, when: one message handled (`pull emb`, `push emb`) or one
+/// update applied (`apply emb`).
+#[derive(Clone, Debug)]
+pub struct ServerSpan {
+    /// Server id.
+    pub server: usize,
+    /// What it did and to which variable.
+    pub name: String,
+    /// The step of the message.
+    pub step: u64,
+    /// The worker that sent it (none for an apply).
+    pub rank: Option<usize>,
+    /// When it started and ended.
+    pub start: Instant,
+    pub end: Instant,
 }
 
 impl Shared {
@@ -133,6 +154,23 @@ impl Shared {
 
 /// What a server thread hands back at shutdown: `(var, start, rows)` per shard.
 type ShardValues = Vec<(String, usize, Tensor)>;
+
+/// The servers' spans, readable after [`PsCluster::shutdown`].
+pub struct ServerTrace(Arc<Shared>);
+
+impl ServerTrace {
+    /// Every span recorded, by server then time.
+    pub fn spans(&self) -> Vec<ServerSpan> {
+        let mut v = self
+            .0
+            .spans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        v.sort_by_key(|s| (s.server, s.start));
+        v
+    }
+}
 
 /// A variable's shards as a client names them: `(server, start, end)`.
 type ShardList = Vec<(usize, usize, usize)>;
@@ -258,6 +296,8 @@ pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
     let shared = Arc::new(Shared {
         errors: shards.iter().map(|_| Mutex::new(None)).collect(),
         busy: shards.iter().map(|_| AtomicU64::new(0)).collect(),
+        tracing: AtomicBool::new(false),
+        spans: Mutex::new(Vec::new()),
     });
     let mut senders = Vec::new();
     let mut handles = Vec::new();
@@ -341,6 +381,13 @@ impl PsCluster {
             out.insert(var, t);
         }
         Ok(out)
+    }
+
+    /// Makes the servers record a [`ServerSpan`] per message from now on; the spans
+    /// come back from [`ServerTrace::spans`] once the cluster has shut down.
+    pub fn trace(&self) -> ServerTrace {
+        self.shared.tracing.store(true, Ordering::Relaxed);
+        ServerTrace(self.shared.clone())
     }
 
     /// Server-side time spent applying updates and serving, per server.

@@ -1,7 +1,7 @@
 //! One parameter server: a thread that owns shards, applies pushes with one
 //! [`Optimizer`] per shard, and answers pulls when the sync mode allows.
 
-use super::{Msg, PsConfig, PsSync, Reply, ShardValues, Shared};
+use super::{Msg, PsConfig, PsSync, Reply, ServerSpan, ShardValues, Shared};
 use crate::optim::Optimizer;
 use crate::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, Axis, IxDyn};
@@ -165,6 +165,34 @@ fn combine(pushes: Vec<Vec<Value>>) -> Result<Value, String> {
     }
 }
 
+/// `Sync`: applies every step of `shard` whose pushes have all arrived, in order,
+/// noting each in `applied`.
+fn apply_complete_steps(
+    shard: &mut Shard,
+    workers: usize,
+    applied: &mut Vec<(u64, Option<usize>, Instant, Instant)>,
+) -> Result<(), String> {
+    loop {
+        let next = shard.applied + 1;
+        let complete = shard
+            .pending
+            .get(&next)
+            .is_some_and(|p| p.iter().all(|w| !w.is_empty()));
+        if !complete {
+            return Ok(());
+        }
+        let Some(pushes) = shard.pending.remove(&next) else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let g = combine(pushes).map_err(|e| format!("step {next}: {e}"))?;
+        shard
+            .apply(&g, workers)
+            .map_err(|e| format!("step {next}: {e}"))?;
+        applied.push((next, None, t0, Instant::now()));
+    }
+}
+
 /// A pull waiting for its step.
 struct Waiting {
     key: (String, usize),
@@ -183,6 +211,8 @@ pub(crate) struct Server {
     waiting: Vec<Waiting>,
     failed: Option<String>,
     shared: Arc<Shared>,
+    /// Spans recorded while tracing, handed to `shared` at the end.
+    spans: Vec<ServerSpan>,
 }
 
 impl Server {
@@ -204,6 +234,7 @@ impl Server {
             waiting: Vec::new(),
             failed: None,
             shared,
+            spans: Vec::new(),
         }
     }
 
@@ -212,9 +243,23 @@ impl Server {
     pub(crate) fn run(mut self, rx: Receiver<Msg>) -> ShardValues {
         while let Ok(msg) = rx.recv() {
             let t0 = Instant::now();
+            let what = match &msg {
+                Msg::Pull { var, step, ids, .. } => Some((
+                    format!("pull {var}{}", if ids.is_some() { " rows" } else { "" }),
+                    *step,
+                    None,
+                )),
+                Msg::Push {
+                    var, step, rank, ..
+                } => Some((format!("push {var}"), *step, Some(*rank))),
+                Msg::Shutdown => None,
+            };
             let stop = self.handle(msg);
-            let ns = t0.elapsed().as_nanos() as u64;
-            self.shared.busy[self.id].fetch_add(ns, Ordering::Relaxed);
+            let end = Instant::now();
+            self.shared.busy[self.id].fetch_add((end - t0).as_nanos() as u64, Ordering::Relaxed);
+            if let Some((name, step, rank)) = what {
+                self.record(name, step, rank, t0, end);
+            }
             if stop {
                 break;
             }
@@ -251,6 +296,26 @@ impl Server {
             }
         }
         false
+    }
+
+    fn record(
+        &mut self,
+        name: String,
+        step: u64,
+        rank: Option<usize>,
+        start: Instant,
+        end: Instant,
+    ) {
+        if self.shared.tracing.load(Ordering::Relaxed) {
+            self.spans.push(ServerSpan {
+                server: self.id,
+                name,
+                step,
+                rank,
+                start,
+                end,
+            });
+        }
     }
 
     fn name(&self, var: &str, start: usize, end: usize) -> String {
@@ -329,8 +394,15 @@ impl Server {
             ));
         }
         shard.last[rank] = shard.last[rank].max(step);
-        match sync {
-            PsSync::Async | PsSync::Stale(_) => shard.apply(&grad, workers),
+        // Steps applied by this push, with when: recorded once `shard` is released.
+        let mut applied = Vec::new();
+        let r = match sync {
+            PsSync::Async | PsSync::Stale(_) => {
+                let t0 = Instant::now();
+                let r = shard.apply(&grad, workers);
+                applied.push((step, Some(rank), t0, Instant::now()));
+                r
+            }
             PsSync::Sync => {
                 if step <= shard.applied {
                     return Err(format!(
@@ -343,25 +415,13 @@ impl Server {
                     .entry(step)
                     .or_insert_with(|| vec![Vec::new(); workers])[rank]
                     .push(grad);
-                loop {
-                    let next = shard.applied + 1;
-                    let complete = shard
-                        .pending
-                        .get(&next)
-                        .is_some_and(|p| p.iter().all(|w| !w.is_empty()));
-                    if !complete {
-                        return Ok(());
-                    }
-                    let Some(pushes) = shard.pending.remove(&next) else {
-                        return Ok(());
-                    };
-                    let g = combine(pushes).map_err(|e| format!("step {next}: {e}"))?;
-                    shard
-                        .apply(&g, workers)
-                        .map_err(|e| format!("step {next}: {e}"))?;
-                }
+                apply_complete_steps(shard, workers, &mut applied)
             }
+        };
+        for (step, rank, t0, t1) in applied {
+            self.record(format!("apply {var}"), step, rank, t0, t1);
         }
+        r
     }
 
     /// Records a failure (the first one sticks) and answers every waiting pull with it.
@@ -431,6 +491,12 @@ impl Server {
                 .unwrap_or_else(|| format!("parameter server {}: shut down", self.id));
             let _ = w.reply.send((w.tag, Err(e)));
         }
+        let spans = std::mem::take(&mut self.spans);
+        self.shared
+            .spans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(spans);
         self.shards
             .into_values()
             .map(|s| (s.var, s.start, s.value))
