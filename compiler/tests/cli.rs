@@ -173,3 +173,188 @@ fn ir_after_autodiff_shows_sparse_gradients_and_dot_renders() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("digraph \"cnn\""));
 }
+
+#[test]
+fn a_distributed_run_writes_metrics_per_worker_and_a_trace() {
+    let metrics = tmp("hybrid.jsonl");
+    let trace = tmp("hybrid.trace.json");
+    let o = distc(&[
+        "train",
+        "examples/sparse_lm.dsl",
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        "--batch",
+        "16",
+        "--steps",
+        "3",
+        "--preload",
+        "--metrics",
+        metrics.to_str().expect("utf8"),
+        "--trace",
+        trace.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for l in &lines {
+        let sent = l["bytes_sent_per_worker"].as_array().expect("per worker");
+        assert_eq!(sent.len(), 2, "{l}");
+        assert_eq!(sent[0], l["bytes_sent"], "{l}");
+        assert!(sent.iter().all(|b| b.as_u64() > Some(0)), "{l}");
+        assert!(l["comm_wait_sec"].as_f64().is_some(), "{l}");
+    }
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace")).expect("json");
+    let events = t["traceEvents"].as_array().expect("events");
+    let track = |tid: &serde_json::Value| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "M" && &e["tid"] == tid)
+            .and_then(|e| e["args"]["name"].as_str())
+            .unwrap_or("")
+            .to_string()
+    };
+    let spans: Vec<(String, String)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            (
+                track(&e["tid"]),
+                e["name"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let has = |tr: &str, prefix: &str| spans.iter().any(|(t, n)| t == tr && n.starts_with(prefix));
+    for rank in 0..2 {
+        let w = format!("worker {rank}");
+        assert!(
+            has(&w, "step 3") && has(&w, "matmul") && has(&w, "sparse_pull"),
+            "{spans:?}"
+        );
+        assert!(has(&format!("{w} comm"), "all_reduce %"), "{spans:?}");
+    }
+    for s in 0..2 {
+        let s = format!("server {s}");
+        assert!(
+            has(&s, "pull emb") && has(&s, "push emb") && has(&s, "apply emb"),
+            "{spans:?}"
+        );
+    }
+    // A collective span names its node and the bytes it sent.
+    let ar = events
+        .iter()
+        .find(|e| {
+            e["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("all_reduce"))
+        })
+        .expect("an all_reduce");
+    assert!(
+        ar["args"]["node"]
+            .as_str()
+            .is_some_and(|n| n.starts_with('%')),
+        "{ar}"
+    );
+    assert!(ar["args"]["bytes"].as_u64().is_some(), "{ar}");
+}
+
+#[test]
+fn profile_accounts_for_the_step() {
+    let o = distc(&[
+        "train",
+        "examples/dense_mlp.dsl",
+        "--batch",
+        "16",
+        "--steps",
+        "3",
+        "--profile",
+        "--preload",
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let share = |name: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no `{name}` line in\n{out}"));
+        line.split_whitespace()
+            .nth(2)
+            .and_then(|s| s.trim_end_matches('%').parse().ok())
+            .unwrap_or_else(|| panic!("bad line `{line}`"))
+    };
+    assert_eq!(share("step"), 100.0);
+    assert!(share("matmul") > 0.0, "{out}");
+    let total: f64 = out
+        .lines()
+        .skip(1)
+        .filter(|l| !l.starts_with("step"))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .nth(2)?
+                .trim_end_matches('%')
+                .parse::<f64>()
+                .ok()
+        })
+        .sum();
+    assert!((total - 100.0).abs() < 1.0, "shares add to {total}\n{out}");
+}
+
+#[test]
+fn verify_passes_within_tolerance_and_names_the_worst_variable_beyond() {
+    let args = [
+        "verify",
+        "examples/sparse_lm.dsl",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+    ];
+    let o = distc(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("largest relative error"), "{}", text(&o));
+    // Summation order differs between one device and a ring, so no run is exact.
+    let o = distc(&[&args[..], &["--tolerance", "1e-30"]].concat());
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("beyond the tolerance"), "{}", text(&o));
+    let o = distc(&[
+        "verify",
+        "examples/sparse_lm.dsl",
+        "--strategy",
+        "ps",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "--sync",
+        "async",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("not synchronous"), "{}", text(&o));
+}
+
+#[test]
+fn a_trace_of_a_single_device_run_is_refused_with_a_pointer_to_profile() {
+    let o = distc(&[
+        "train",
+        "examples/dense_mlp.dsl",
+        "--steps",
+        "1",
+        "--trace",
+        tmp("single.json").to_str().expect("utf8"),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("--profile"), "{}", text(&o));
+}

@@ -597,7 +597,12 @@ pub fn train_distributed(
                         span(&track, format!("step {step}"), None, step, s, e)
                     }));
                     spans.extend(hook.spans.iter().map(|&(node, op, step, s, e)| {
-                        span(&track, op.to_string(), Some(node), step, s, e)
+                        // The worker only hands a collective to its comm thread.
+                        let name = match op {
+                            "all_reduce" | "all_gather" | "broadcast" => format!("issue {op}"),
+                            _ => op.to_string(),
+                        };
+                        span(&track, name, Some(node), step, s, e)
                     }));
                     let waits = WAIT_SPANS.with(|w| std::mem::take(&mut *w.borrow_mut()));
                     spans.extend(waits.into_iter().map(|(node, s, e)| {
