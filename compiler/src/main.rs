@@ -542,6 +542,7 @@ fn verify_cmd(
 }
 
 fn main() {
+    distc_runtime::exec::warm_allocator();
     let cli = Cli::parse();
     if let Err(e) = real_main(cli) {
         eprintln!("error: {e:#}");

@@ -452,16 +452,26 @@ impl Executor {
 /// Makes the allocator keep freed intermediates for the next step.
 ///
 /// A step frees most of its buffers at its end. glibc's malloc serves blocks above its
-/// mmap threshold (128 KiB at first) with fresh mappings and returns free memory at
-/// the top of the heap to the OS once it exceeds twice that threshold; either way the
-/// next step page-faults its buffers in again (measured: 1400 faults and a quarter of
-/// the time of a step of the MNIST CNN). Freeing one mapped block raises the threshold
-/// to the block's size (up to 32 MiB), so one 31 MiB block allocated and freed here
-/// makes later blocks up to that size come from the heap and be reused. A no-op
-/// elsewhere; costs nothing (the block is never touched).
-fn warm_allocator() {
-    let block: Vec<u8> = Vec::with_capacity(31 << 20);
-    drop(std::hint::black_box(block));
+/// mmap threshold (128 KiB at first, at most 32 MiB) with fresh mappings and returns
+/// free memory at the top of the heap to the OS; either way the next step page-faults
+/// its buffers in again (measured: 1400 faults and a quarter of the time of a step of
+/// the MNIST CNN; a 51 MB densified embedding gradient took 35 ms a step to fault in,
+/// five times its memset). So, as a caching allocator would, every block comes from
+/// the heap and freed memory stays with the process: `M_MMAP_MAX = 0` and no trimming.
+/// Once per process; elsewhere than glibc, a no-op.
+pub fn warm_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: mallopt only changes malloc's tuning parameters; both values are in
+        // range (glibc refuses out-of-range ones by returning 0, which changes nothing).
+        #[allow(unsafe_code)]
+        ONCE.call_once(|| unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+            libc::mallopt(libc::M_MMAP_MAX, 0);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        });
+    }
 }
 
 /// A tensor of type `ty` with every element `value`.
