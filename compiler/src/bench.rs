@@ -37,6 +37,9 @@ pub struct BenchRow {
     pub bytes_sent_per_step: f64,
     /// Mean bytes received per step by worker 0 over the timed steps.
     pub bytes_received_per_step: f64,
+    /// Mean bytes moved per step by worker 0 as the prediction counts them (collective
+    /// bytes sent, server bytes pushed and pulled).
+    pub bytes_moved_per_step: f64,
     /// The plan's predicted bytes per step per worker.
     pub predicted_bytes_per_step: f64,
 }
@@ -75,15 +78,17 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
         .with_context(|| format!("cannot create {}", s.dir.display()))?;
     let mut rows = Vec::new();
     println!(
-        "{:<10} {:<10} {:>7} {:>7} {:>12} {:>16} {:>16} {:>16}",
+        "{:<10} {:<16} {:>7} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12} {:>7}",
         "workload",
         "strategy",
         "workers",
         "servers",
         "samples/s",
-        "sent B/step",
-        "received B/step",
-        "predicted B/step"
+        "sent B",
+        "received B",
+        "moved B",
+        "predicted B",
+        "error"
     );
     for w in &s.workloads {
         let Some((_, src)) = WORKLOADS.iter().find(|(n, _)| n == w) else {
@@ -103,8 +108,16 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                 };
                 rows.push(one(&exe, s, w, &dsl, strategy, n, servers)?);
                 let r = rows.last().expect("pushed");
+                let error = if r.predicted_bytes_per_step > 0.0 {
+                    format!(
+                        "{:+.1}%",
+                        100.0 * (r.bytes_moved_per_step / r.predicted_bytes_per_step - 1.0)
+                    )
+                } else {
+                    "-".into()
+                };
                 println!(
-                    "{:<10} {:<10} {:>7} {:>7} {:>12.0} {:>16.0} {:>16.0} {:>16.0}",
+                    "{:<10} {:<16} {:>7} {:>7} {:>10.0} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>7}",
                     r.workload,
                     r.strategy,
                     r.workers,
@@ -112,7 +125,9 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                     r.samples_per_sec,
                     r.bytes_sent_per_step,
                     r.bytes_received_per_step,
-                    r.predicted_bytes_per_step
+                    r.bytes_moved_per_step,
+                    r.predicted_bytes_per_step,
+                    error
                 );
             }
         }
@@ -165,7 +180,7 @@ fn one(
             .sum()
     });
     let threads = (cores() / n).max(1);
-    let (mut runs, mut sent, mut received) = (Vec::new(), 0.0, 0.0);
+    let (mut runs, mut sent, mut received, mut moved) = (Vec::new(), 0.0, 0.0, 0.0);
     for run in 0..s.runs {
         let metrics = s.dir.join(format!("{w}-{strategy}-{n}-{run}.jsonl"));
         let out = Command::new(exe)
@@ -212,6 +227,11 @@ fn one(
             .filter_map(|l| l["bytes_received"].as_f64())
             .sum::<f64>()
             / timed.len().max(1) as f64;
+        moved = timed
+            .iter()
+            .filter_map(|l| l["bytes_moved"].as_f64())
+            .sum::<f64>()
+            / timed.len().max(1) as f64;
     }
     Ok(BenchRow {
         workload: w.into(),
@@ -222,6 +242,7 @@ fn one(
         runs,
         bytes_sent_per_step: sent,
         bytes_received_per_step: received,
+        bytes_moved_per_step: moved,
         predicted_bytes_per_step: predicted,
     })
 }

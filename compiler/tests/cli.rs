@@ -239,6 +239,10 @@ fn a_distributed_run_writes_metrics_per_worker_and_a_trace() {
             has(&w, "step 3") && has(&w, "matmul") && has(&w, "sparse_pull"),
             "{spans:?}"
         );
+        assert!(
+            has(&w, "forward") && has(&w, "backward") && has(&w, "update"),
+            "{spans:?}"
+        );
         assert!(has(&format!("{w} comm"), "all_reduce %"), "{spans:?}");
     }
     for s in 0..2 {

@@ -316,6 +316,7 @@ impl CommHook for WorkerHook {
         Ok(Box::new(TimedWait {
             inner: Waiting(rx),
             node,
+            step,
             trace: self.trace,
         }))
     }
@@ -393,6 +394,7 @@ impl WorkerHook {
 struct TimedWait {
     inner: Waiting,
     node: NodeId,
+    step: u64,
     trace: bool,
 }
 
@@ -403,7 +405,7 @@ impl Pending for TimedWait {
         let end = Instant::now();
         WAITED.with(|w| w.set(w.get() + (end - start)));
         if self.trace {
-            WAIT_SPANS.with(|w| w.borrow_mut().push((self.node, start, end)));
+            WAIT_SPANS.with(|w| w.borrow_mut().push((self.node, self.step, start, end)));
         }
         r
     }
@@ -413,7 +415,7 @@ thread_local! {
     /// Time this worker thread spent waiting for collectives in the current step.
     static WAITED: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
     /// While tracing: where this worker thread blocked on which collective.
-    static WAIT_SPANS: std::cell::RefCell<Vec<(NodeId, Instant, Instant)>> =
+    static WAIT_SPANS: std::cell::RefCell<Vec<(NodeId, u64, Instant, Instant)>> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -432,6 +434,8 @@ struct Report {
     compute: Duration,
     waited: Duration,
     bytes: (u64, u64),
+    /// Collective bytes sent plus server bytes pushed and pulled.
+    moved: u64,
 }
 
 /// Trains a distributed plan: `worker` is the SPMD worker program, `init` broadcasts the
@@ -489,6 +493,7 @@ pub fn train_distributed(
         .filter(|_| opts.trace)
         .map(PsCluster::trace);
     let comms = in_process(n);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let (report_tx, report_rx) = mpsc::channel::<Result<Report>>();
     let t0 = Instant::now();
     let mut spans = Vec::new();
@@ -530,6 +535,7 @@ pub fn train_distributed(
                 exec.set_profiling(profiling);
                 let mut profile = Profile::default();
                 let mut optimizer = Optimizer::new(&config.optimizer);
+                optimizer.set_parallel(cores > n);
                 let mut last = ByteCount::default();
                 let mut ps_last = (0, 0);
                 for step in 1..=steps {
@@ -550,7 +556,7 @@ pub fn train_distributed(
                     profile.optimizer += updating.elapsed();
                     let elapsed = start.elapsed();
                     if trace {
-                        step_spans.push((step as u64, start, start + elapsed));
+                        step_spans.push((step as u64, start, updating, start + elapsed));
                     }
                     let mut now = last;
                     while let Ok(b) = bytes_rx.try_recv() {
@@ -570,6 +576,7 @@ pub fn train_distributed(
                             now.sent - last.sent + ps_now.0 - ps_last.0,
                             now.received - last.received + ps_now.1 - ps_last.1,
                         ),
+                        moved: now.sent - last.sent + ps_now.0 - ps_last.0 + ps_now.1 - ps_last.1,
                     };
                     last = now;
                     ps_last = ps_now;
@@ -593,9 +600,21 @@ pub fn train_distributed(
                 };
                 let mut spans: Vec<Span> = Vec::new();
                 if trace {
-                    spans.extend(step_spans.iter().map(|&(step, s, e)| {
-                        span(&track, format!("step {step}"), None, step, s, e)
-                    }));
+                    // Op groups: forward until the loss's gradient (autodiff's first `_grad`
+                    // op), backward until the executor returns, then the update.
+                    let mut backward_from: HashMap<u64, Instant> = HashMap::new();
+                    for &(_, op, step, s, _) in &hook.spans {
+                        if op.ends_with("_grad") {
+                            backward_from.entry(step).or_insert(s);
+                        }
+                    }
+                    for &(step, s, updating, e) in &step_spans {
+                        spans.push(span(&track, format!("step {step}"), None, step, s, e));
+                        let b = backward_from.get(&step).copied().unwrap_or(s);
+                        spans.push(span(&track, "forward".into(), None, step, s, b));
+                        spans.push(span(&track, "backward".into(), None, step, b, updating));
+                        spans.push(span(&track, "update".into(), None, step, updating, e));
+                    }
                     spans.extend(hook.spans.iter().map(|&(node, op, step, s, e)| {
                         // The worker only hands a collective to its comm thread.
                         let name = match op {
@@ -605,8 +624,8 @@ pub fn train_distributed(
                         span(&track, name, Some(node), step, s, e)
                     }));
                     let waits = WAIT_SPANS.with(|w| std::mem::take(&mut *w.borrow_mut()));
-                    spans.extend(waits.into_iter().map(|(node, s, e)| {
-                        span(&track, format!("wait {node}"), Some(node), 0, s, e)
+                    spans.extend(waits.into_iter().map(|(node, step, s, e)| {
+                        span(&track, format!("wait {node}"), Some(node), step, s, e)
                     }));
                     let comm_track = format!("worker {rank} comm");
                     spans.extend(span_rx.try_iter().map(|c| Span {
@@ -669,6 +688,7 @@ pub fn train_distributed(
                 bytes_received_per_worker: reports.iter().map(|r| r.bytes.1).collect(),
                 bytes_sent: r0.bytes.0,
                 bytes_received: r0.bytes.1,
+                bytes_moved: r0.moved,
                 eval: None,
             })?;
         }

@@ -24,6 +24,9 @@ pub struct StepMetrics {
     pub bytes_sent: u64,
     /// Bytes this worker received (0 on one device).
     pub bytes_received: u64,
+    /// Bytes as WORKLOADS.md and the plan's prediction count them: collective bytes
+    /// sent, plus parameter-server bytes pushed and pulled (0 on one device).
+    pub bytes_moved: u64,
     /// Bytes each worker sent this step, by rank (distributed runs).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub bytes_sent_per_worker: Vec<u64>,

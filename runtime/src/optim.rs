@@ -92,6 +92,8 @@ pub struct Optimizer {
     steps: u64,
     /// `steps` as an f64 scalar, for [`Optimizer::state`].
     step_tensor: Tensor,
+    /// Large dense updates split over rayon's threads.
+    parallel: bool,
 }
 
 impl Optimizer {
@@ -117,6 +119,7 @@ impl Optimizer {
             rule,
             slots: BTreeMap::new(),
             steps: 0,
+            parallel: true,
             step_tensor: step_tensor(0),
         }
     }
@@ -189,6 +192,14 @@ impl Optimizer {
                 }
             }
         }
+    }
+
+    /// Whether large dense updates may use rayon's threads (default yes). Off where
+    /// several workers share the cores: each one's update then stays on its thread
+    /// instead of queueing on the one global pool, whose spinning threads would also
+    /// take cores from the other workers.
+    pub fn set_parallel(&mut self, on: bool) {
+        self.parallel = on;
     }
 
     /// Ends a step (after all [`Optimizer::apply`] calls): advances Adam's `t`.
@@ -291,7 +302,7 @@ impl Optimizer {
         scale: f64,
     ) -> Result<()> {
         let sc = T::of(scale);
-        let par = w.len() >= PAR_MIN;
+        let par = self.parallel && w.len() >= PAR_MIN;
         match self.rule {
             Rule::Sgd { lr } => {
                 let lr = T::of(lr);

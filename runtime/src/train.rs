@@ -211,6 +211,7 @@ pub fn train(
             bytes_received_per_worker: vec![],
             bytes_sent: 0,
             bytes_received: 0,
+            bytes_moved: 0,
             eval,
         })?;
     }

@@ -39,7 +39,13 @@ impl Shard {
             start,
             end,
             value,
-            opt: Optimizer::new(&cfg.optimizer),
+            // A server is one thread, as a server process would be one core's worth;
+            // its updates stay on it rather than taking the workers' cores via rayon.
+            opt: {
+                let mut o = Optimizer::new(&cfg.optimizer);
+                o.set_parallel(false);
+                o
+            },
             applied: 0,
             last: vec![0; cfg.workers],
             pending: BTreeMap::new(),
