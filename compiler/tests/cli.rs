@@ -25,6 +25,15 @@ fn tmp(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// The rows of a `--metrics` JSON-lines file.
+fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect()
+}
+
 #[test]
 fn compile_dump_and_run_a_plan() {
     let plan = tmp("dense.plan.json");
@@ -64,11 +73,7 @@ fn compile_dump_and_run_a_plan() {
         metrics.to_str().expect("utf8"),
     ]);
     assert!(o.status.success(), "{}", text(&o));
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
-        .expect("metrics")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("json"))
-        .collect();
+    let lines = metrics_lines(&metrics);
     assert_eq!(lines.len(), 5);
     for (i, l) in lines.iter().enumerate() {
         assert_eq!(l["step"], i + 1);
@@ -198,11 +203,7 @@ fn a_distributed_run_writes_metrics_per_worker_and_a_trace() {
         trace.to_str().expect("utf8"),
     ]);
     assert!(o.status.success(), "{}", text(&o));
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
-        .expect("metrics")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("json"))
-        .collect();
+    let lines = metrics_lines(&metrics);
     assert_eq!(lines.len(), 3);
     for l in &lines {
         let sent = l["bytes_sent_per_worker"].as_array().expect("per worker");

@@ -546,13 +546,7 @@ pub fn train_distributed(
                     let out =
                         exec.run_with(&batch, &params, Mode::Train, step as u64, Some(&mut hook))?;
                     let updating = Instant::now();
-                    for (name, grad) in &out.grads {
-                        let p = params
-                            .get_mut(name)
-                            .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
-                        optimizer.apply(name, p, grad, 1.0)?;
-                    }
-                    optimizer.end_step();
+                    optimizer.step(&mut params, &out.grads)?;
                     profile.optimizer += updating.elapsed();
                     let elapsed = start.elapsed();
                     if trace {

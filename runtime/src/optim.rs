@@ -202,6 +202,22 @@ impl Optimizer {
         self.parallel = on;
     }
 
+    /// Applies one step's gradients (unscaled) to their variables, then ends the step.
+    pub fn step(
+        &mut self,
+        params: &mut HashMap<String, Tensor>,
+        grads: &[(String, Value)],
+    ) -> Result<()> {
+        for (name, grad) in grads {
+            let p = params
+                .get_mut(name)
+                .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
+            self.apply(name, p, grad, 1.0)?;
+        }
+        self.end_step();
+        Ok(())
+    }
+
     /// Ends a step (after all [`Optimizer::apply`] calls): advances Adam's `t`.
     pub fn end_step(&mut self) {
         self.steps += 1;

@@ -170,13 +170,7 @@ pub fn train(
         let start = Instant::now();
         let out = exec.run(&batch, &params, Mode::Train, step as u64)?;
         let updating = Instant::now();
-        for (name, grad) in &out.grads {
-            let p = params
-                .get_mut(name)
-                .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
-            optimizer.apply(name, p, grad, 1.0)?;
-        }
-        optimizer.end_step();
+        optimizer.step(&mut params, &out.grads)?;
         optimizer_time += updating.elapsed();
         let elapsed = start.elapsed();
         train_time += elapsed;
