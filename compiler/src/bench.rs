@@ -217,21 +217,14 @@ fn one(
             .sum();
         let samples = (batch_of(&plan_json).unwrap_or(0) * n * timed.len()) as f64;
         runs.push(samples / seconds.max(1e-9));
-        sent = timed
-            .iter()
-            .filter_map(|l| l["bytes_sent"].as_f64())
-            .sum::<f64>()
-            / timed.len().max(1) as f64;
-        received = timed
-            .iter()
-            .filter_map(|l| l["bytes_received"].as_f64())
-            .sum::<f64>()
-            / timed.len().max(1) as f64;
-        moved = timed
-            .iter()
-            .filter_map(|l| l["bytes_moved"].as_f64())
-            .sum::<f64>()
-            / timed.len().max(1) as f64;
+        let mean = |key: &str| {
+            timed.iter().filter_map(|l| l[key].as_f64()).sum::<f64>() / timed.len().max(1) as f64
+        };
+        (sent, received, moved) = (
+            mean("bytes_sent"),
+            mean("bytes_received"),
+            mean("bytes_moved"),
+        );
     }
     Ok(BenchRow {
         workload: w.into(),

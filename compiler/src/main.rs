@@ -542,6 +542,8 @@ fn verify_cmd(
 }
 
 fn main() {
+    // Before anything allocates (data is loaded before the first executor exists) and
+    // before any thread starts, so every block follows the same malloc settings.
     distc_runtime::exec::warm_allocator();
     let cli = Cli::parse();
     if let Err(e) = real_main(cli) {

@@ -560,17 +560,17 @@ pub fn train_distributed(
                     let waited = WAITED.with(|w| w.get());
                     profile.step_time += elapsed;
                     profile.comm_wait += waited;
+                    let (sent, received) = (now.sent - last.sent, now.received - last.received);
+                    // To servers: pushes and pulls' ids; from them: pulled values.
+                    let (to_ps, from_ps) = (ps_now.0 - ps_last.0, ps_now.1 - ps_last.1);
                     let report = Report {
                         rank,
                         step,
                         loss: out.loss.unwrap_or(f64::NAN),
                         compute: elapsed.saturating_sub(waited),
                         waited,
-                        bytes: (
-                            now.sent - last.sent + ps_now.0 - ps_last.0,
-                            now.received - last.received + ps_now.1 - ps_last.1,
-                        ),
-                        moved: now.sent - last.sent + ps_now.0 - ps_last.0 + ps_now.1 - ps_last.1,
+                        bytes: (sent + to_ps, received + from_ps),
+                        moved: sent + to_ps + from_ps,
                     };
                     last = now;
                     ps_last = ps_now;
@@ -636,11 +636,7 @@ pub fn train_distributed(
                 }
                 let profile = profiling.then(|| Profile {
                     steps,
-                    ops: exec
-                        .profile()
-                        .into_iter()
-                        .map(|(op, d, n)| (op.to_string(), d, n))
-                        .collect(),
+                    ops: exec.profile(),
                     ..profile
                 });
                 Ok(WorkerResult {

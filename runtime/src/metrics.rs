@@ -61,7 +61,7 @@ pub struct Profile {
     /// Wall time of those steps (forward, backward, update, waits).
     pub step_time: Duration,
     /// Kernel time by op mnemonic: `(op, total, calls)`, most expensive first.
-    pub ops: Vec<(String, Duration, u64)>,
+    pub ops: Vec<(&'static str, Duration, u64)>,
     /// Time in the optimizer's updates of the worker's own variables.
     pub optimizer: Duration,
     /// Time blocked on collectives and parameter servers.

@@ -220,11 +220,7 @@ pub fn train(
         profile: opts.profile.then(|| Profile {
             steps,
             step_time: train_time,
-            ops: exec
-                .profile()
-                .into_iter()
-                .map(|(op, d, n)| (op.to_string(), d, n))
-                .collect(),
+            ops: exec.profile(),
             optimizer: optimizer_time,
             comm_wait: Duration::ZERO,
         }),

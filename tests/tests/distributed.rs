@@ -170,10 +170,12 @@ fn measured_bytes_match_the_prediction() {
 
 #[test]
 fn async_and_stale_servers_train() {
-    for (sync, mode) in [
+    // The runtime's server mode beside the compiler's (the plan is compiled for it).
+    let modes = [
         (PsSync::Async, SyncMode::Async),
         (PsSync::Stale(2), SyncMode::Stale(2)),
-    ] {
+    ];
+    for (sync, mode) in modes {
         let c = compile_sync("sparse_lm.dsl", 32, Strategy::Ps, 2, 2, mode);
         let (_, lines) = run(&c, 2, sync, 25, false);
         let (first, last) = loss_ends(&lines);
@@ -183,10 +185,7 @@ fn async_and_stale_servers_train() {
         println!("skipping lm.dsl: DISTC_DATA not set");
         return;
     }
-    for (sync, mode) in [
-        (PsSync::Async, SyncMode::Async),
-        (PsSync::Stale(2), SyncMode::Stale(2)),
-    ] {
+    for (sync, mode) in modes {
         let c = compile_sync("lm.dsl", 32, Strategy::Hybrid, 2, 2, mode);
         let (_, lines) = run(&c, 2, sync, 40, false);
         let (first, last) = loss_ends(&lines);

@@ -427,9 +427,14 @@ impl DataSource {
     /// The next training batch of this worker (endless; file sources are reshuffled
     /// every epoch).
     pub fn next_batch(&mut self) -> Result<Batch> {
-        if let Some(b) = self.preloaded.pop_front() {
-            return Ok(b);
+        match self.preloaded.pop_front() {
+            Some(b) => Ok(b),
+            None => self.draw_batch(),
         }
+    }
+
+    /// Draws a training batch from the stream, advancing the cursor.
+    fn draw_batch(&mut self) -> Result<Batch> {
         let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
         let mut cursor = self.cursor.clone();
         let cols = self.draw(&mut cursor, &need);
@@ -442,11 +447,7 @@ impl DataSource {
     /// The batches are the ones [`DataSource::next_batch`] would have returned.
     pub fn preload(&mut self, steps: usize) -> Result<()> {
         for _ in 0..steps {
-            let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
-            let mut cursor = self.cursor.clone();
-            let cols = self.draw(&mut cursor, &need);
-            self.cursor = cursor;
-            let b = self.build(cols, self.batch)?;
+            let b = self.draw_batch()?;
             self.preloaded.push_back(b);
         }
         Ok(())

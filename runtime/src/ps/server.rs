@@ -249,7 +249,10 @@ impl Server {
     pub(crate) fn run(mut self, rx: Receiver<Msg>) -> ShardValues {
         while let Ok(msg) = rx.recv() {
             let t0 = Instant::now();
+            // Named before `handle` consumes the message; only while tracing, as a
+            // server handles thousands of messages a second.
             let what = match &msg {
+                _ if !self.tracing() => None,
                 Msg::Pull { var, step, ids, .. } => Some((
                     format!("pull {var}{}", if ids.is_some() { " rows" } else { "" }),
                     *step,
@@ -304,6 +307,10 @@ impl Server {
         false
     }
 
+    fn tracing(&self) -> bool {
+        self.shared.tracing.load(Ordering::Relaxed)
+    }
+
     fn record(
         &mut self,
         name: String,
@@ -312,7 +319,7 @@ impl Server {
         start: Instant,
         end: Instant,
     ) {
-        if self.shared.tracing.load(Ordering::Relaxed) {
+        if self.tracing() {
             self.spans.push(ServerSpan {
                 server: self.id,
                 name,
