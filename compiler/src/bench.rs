@@ -18,6 +18,11 @@ pub const WORKLOADS: [(&str, &str); 2] = [
     ("dense_mlp", include_str!("../../examples/dense_mlp.dsl")),
 ];
 
+/// What `distc bench --transport mpi` passes to `mpirun`: run as root where the
+/// machine's user is root, more ranks than cores, and the environment
+/// (`MATMUL_NUM_THREADS`) exported to every rank.
+pub const MPIRUN_FLAGS: [&str; 4] = ["--allow-run-as-root", "--oversubscribe", "-x", "MATMUL_NUM_THREADS"];
+
 /// One measured configuration.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchRow {
@@ -58,6 +63,9 @@ pub struct BenchSettings {
     pub warmup: usize,
     /// Timed steps.
     pub steps: usize,
+    /// Run each configuration as an `mpirun` job (one process per rank) instead of
+    /// threads of one process.
+    pub mpi: bool,
     /// Scratch directory for plans and metrics.
     pub dir: PathBuf,
 }
@@ -183,20 +191,40 @@ fn one(
     let (mut runs, mut sent, mut received, mut moved) = (Vec::new(), 0.0, 0.0, 0.0);
     for run in 0..s.runs {
         let metrics = s.dir.join(format!("{w}-{strategy}-{n}-{run}.jsonl"));
-        let out = Command::new(exe)
-            .args([
-                "run",
-                &plan.display().to_string(),
-                "-q",
-                "--steps",
-                &(s.warmup + s.steps).to_string(),
-                "--metrics",
-                &metrics.display().to_string(),
-                "--preload",
-            ])
+        let run_args = [
+            "run".to_string(),
+            plan.display().to_string(),
+            "-q".into(),
+            "--steps".into(),
+            (s.warmup + s.steps).to_string(),
+            "--metrics".into(),
+            metrics.display().to_string(),
+            "--preload".into(),
+        ];
+        let mut cmd = if s.mpi {
+            // One process per rank: N workers, then the servers (see the README).
+            let mut c = Command::new("mpirun");
+            c.args(MPIRUN_FLAGS)
+                .args(["-np", &(n + servers).to_string()])
+                .arg(exe)
+                .args(&run_args)
+                .args(["--transport", "mpi"]);
+            c
+        } else {
+            let mut c = Command::new(exe);
+            c.args(&run_args);
+            c
+        };
+        let out = cmd
             .env("MATMUL_NUM_THREADS", threads.to_string())
             .output()
-            .context("cannot start distc run")?;
+            .with_context(|| {
+                if s.mpi {
+                    "cannot start mpirun (install OpenMPI: scripts/install-mpi.sh)"
+                } else {
+                    "cannot start distc run"
+                }
+            })?;
         if !out.status.success() {
             bail!(
                 "{w} {strategy} x{n}: {}",

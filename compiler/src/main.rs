@@ -2,15 +2,19 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{Mechanism, Strategy as StrategyKind, StrategyConfig, SyncMode};
-use distc_runtime::distributed::{chrome_trace, train_distributed, DistOptions};
+use distc_runtime::memory;
 use distc_runtime::metrics::StepMetrics;
+use distc_runtime::output::{check_outputs, write_file};
 use distc_runtime::ps::PsSync;
-use distc_runtime::train::{train, TrainOptions};
+use distc_runtime::trace::chrome_trace;
+use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// distc: write a model once for one device; compile, inspect and train it.
 #[derive(Parser)]
@@ -28,7 +32,7 @@ enum Command {
         file: PathBuf,
         #[command(flatten)]
         compile: CompileArgs,
-        /// Where to write the plan.
+        /// Where to write the plan (not the model's own file, not a device).
         #[arg(short, long, value_name = "PLAN.json")]
         output: PathBuf,
         /// Data directory, read to measure how many embedding rows a batch touches
@@ -43,15 +47,20 @@ enum Command {
         file: PathBuf,
         #[command(flatten)]
         compile: CompileArgs,
-        /// Steps to train before comparing.
-        #[arg(long, default_value_t = 3)]
+        /// Steps to train before comparing (at least 1).
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         steps: usize,
-        /// Largest relative difference allowed (max |a-b| / max |a|, per variable).
-        #[arg(long, default_value_t = 1e-4)]
+        /// Largest relative difference allowed (max |a-b| / max |a|, per variable), a
+        /// finite number of at least 0.
+        #[arg(long, default_value_t = 1e-4, value_parser = non_negative_finite, allow_negative_numbers = true)]
         tolerance: f64,
         /// Data directory (default: $DISTC_DATA).
         #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,
+        /// Seconds any collective or server request may take before the run stops
+        /// with an error naming it.
+        #[arg(long, default_value_t = 300.0, value_parser = positive_finite, allow_negative_numbers = true, value_name = "SECONDS")]
+        timeout: f64,
     },
     /// Benchmark the standard workloads (WORKLOADS.md): each strategy with 1, 2 and 4
     /// workers; 10 warm-up and 50 timed steps, median of 3 runs.
@@ -63,23 +72,28 @@ enum Command {
         /// all-reduce everything), ps, hybrid, auto.
         #[arg(long, value_delimiter = ',', default_values_t = ["single".to_string(), "allreduce_dense".to_string(), "allreduce".to_string(), "hybrid".to_string(), "ps".to_string()])]
         strategies: Vec<String>,
-        /// Worker counts.
-        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4])]
+        /// Worker counts (each at least 1).
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4], value_parser = at_least_one)]
         workers: Vec<usize>,
-        /// Runs per configuration (the median is reported).
-        #[arg(long, default_value_t = 3)]
+        /// Runs per configuration (at least 1; the median is reported).
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         runs: usize,
         /// Warm-up steps.
         #[arg(long, default_value_t = 10)]
         warmup: usize,
-        /// Timed steps.
-        #[arg(long, default_value_t = 50)]
+        /// Timed steps (at least 1).
+        #[arg(long, default_value_t = 50, value_parser = at_least_one)]
         steps: usize,
+        /// How workers run: `inprocess` (threads of one process) or `mpi` (each
+        /// configuration an `mpirun` job, one process per rank).
+        #[arg(long, value_enum, default_value = "inprocess")]
+        transport: Transport,
         /// Write the rows as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
     },
-    /// Explain a plan: where each variable went, buckets, predicted bytes per step.
+    /// Explain a plan: where each variable went, buckets, predicted bytes per step and
+    /// the memory a run needs.
     Explain {
         /// The plan written by `distc compile`.
         plan: PathBuf,
@@ -111,7 +125,7 @@ enum Command {
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
         /// Bind the batch dimension B to this instead of the train block's batch.
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one)]
         batch: Option<usize>,
     },
     /// Print the graph in Graphviz DOT (pipe into `dot -Tsvg`).
@@ -122,12 +136,12 @@ enum Command {
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
         /// Bind the batch dimension B to this instead of the train block's batch.
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one)]
         batch: Option<usize>,
     },
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 enum Strategy {
     /// One device: no communication.
     Single,
@@ -149,6 +163,15 @@ enum ExplainFormat {
     Json,
 }
 
+/// How the ranks of a distributed plan run.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum Transport {
+    /// Every rank a thread of this process (the default).
+    Inprocess,
+    /// Every rank a process started by `mpirun` (build with `--features mpi`).
+    Mpi,
+}
+
 fn parse_sync(s: &str) -> Result<SyncMode, String> {
     match s {
         "sync" => Ok(SyncMode::Sync),
@@ -160,7 +183,40 @@ fn parse_sync(s: &str) -> Result<SyncMode, String> {
     }
 }
 
-#[derive(Args)]
+/// A count flag: a whole number of at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("0 is not allowed: give at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a whole number")),
+    }
+}
+
+fn finite(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() => Ok(x),
+        Ok(x) => Err(format!("`{x}` is not a finite number")),
+        Err(_) => Err(format!("`{s}` is not a number")),
+    }
+}
+
+/// A quantity that must be above 0 (a bandwidth, a size, a time).
+fn positive_finite(s: &str) -> Result<f64, String> {
+    match finite(s)? {
+        x if x > 0.0 => Ok(x),
+        x => Err(format!("{x} is not above 0")),
+    }
+}
+
+/// A quantity that may be 0 but not negative (a latency, a tolerance).
+fn non_negative_finite(s: &str) -> Result<f64, String> {
+    match finite(s)? {
+        x if x >= 0.0 => Ok(x),
+        x => Err(format!("{x} is negative")),
+    }
+}
+
+#[derive(Args, Clone)]
 struct CompileArgs {
     /// Distribution strategy.
     #[arg(long, value_enum, default_value = "single")]
@@ -168,44 +224,48 @@ struct CompileArgs {
     /// Write the IR after every pass into DIR, one numbered file per pass.
     #[arg(long, value_name = "DIR")]
     dump_ir: Option<PathBuf>,
-    /// Stop the pipeline after this pass.
+    /// Stop the pipeline after this pass (the plan is then for reading: `run` refuses it).
     #[arg(long, value_name = "PASS")]
     stop_after: Option<String>,
-    /// Skip a pass (repeatable).
+    /// Skip a pass (repeatable; skipping autodiff, sparsity_analysis, place or
+    /// distribute makes a plan `run` refuses).
     #[arg(long, value_name = "PASS")]
     disable_pass: Vec<String>,
     /// Bind the batch dimension B to this instead of the train block's batch.
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     batch: Option<usize>,
-    /// Worker count N (data-parallel replicas).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
-    workers: u64,
-    /// Parameter-server count S.
+    /// Worker count N (data-parallel replicas; more than 1 needs a distributed strategy).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    workers: usize,
+    /// Parameter-server count S (ps, hybrid and auto).
     #[arg(long, default_value_t = 0)]
     servers: usize,
-    /// Parameter-server synchronisation: sync, async or stale:K.
+    /// Parameter-server synchronisation: sync, async or stale:K (ps, hybrid, auto).
     #[arg(long, default_value = "sync", value_parser = parse_sync)]
     sync: SyncMode,
-    /// Bucket size cap for fused all-reduces, MiB.
-    #[arg(long, default_value_t = 25.0)]
+    /// Bucket size cap for fused all-reduces, MiB (above 0).
+    #[arg(long, default_value_t = 25.0, value_parser = positive_finite, allow_negative_numbers = true)]
     bucket_mb: f64,
-    /// All-reduce sparse gradients as dense tensors instead of all-gathering their rows.
+    /// All-reduce sparse gradients as dense tensors instead of all-gathering their
+    /// rows (allreduce and auto); the update stays the one-device update of the rows
+    /// the global batch touched.
     #[arg(long)]
     sparse_as_dense: bool,
-    /// Link bandwidth for the cost model, bytes/s (default: 10 Gbit/s).
-    #[arg(long, default_value_t = 1.25e9)]
+    /// Link bandwidth for the cost model, bytes/s (above 0; default: 10 Gbit/s).
+    #[arg(long, default_value_t = 1.25e9, value_parser = positive_finite, allow_negative_numbers = true)]
     bandwidth: f64,
-    /// Latency per message for the cost model, seconds.
-    #[arg(long, default_value_t = 25e-6)]
+    /// Latency per message for the cost model, seconds (0 or more).
+    #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct RunArgs {
-    /// Override the number of training steps.
-    #[arg(long)]
+    /// Override the number of training steps (at least 1).
+    #[arg(long, value_parser = at_least_one)]
     steps: Option<usize>,
-    /// Write per-step metrics as JSON lines to FILE.
+    /// Write per-step metrics as JSON lines to FILE (under MPI, each rank also writes
+    /// its own lines to FILE with `.rankR` before the extension).
     #[arg(long, value_name = "FILE")]
     metrics: Option<PathBuf>,
     /// Data directory (default: $DISTC_DATA).
@@ -217,9 +277,9 @@ struct RunArgs {
     /// No progress bar and no summary.
     #[arg(long, short)]
     quiet: bool,
-    /// Write a Chrome trace (open in Perfetto) of a distributed run to FILE: per worker
-    /// a track of its steps and IR nodes and a track of its collectives; per server a
-    /// track of the pulls, pushes and updates it handled.
+    /// Write a Chrome trace (open in Perfetto) to FILE: per worker a track of its steps
+    /// and IR nodes and a track of its collectives; per server a track of the pulls,
+    /// pushes and updates it handled.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Draw every step's batch before the first step, so step times and samples/s
@@ -230,18 +290,73 @@ struct RunArgs {
     /// op, the optimizer, communication waits and the executor's own work.
     #[arg(long)]
     profile: bool,
+    /// Seconds any collective or server request may take before the run stops with an
+    /// error naming the op and the ranks that did not arrive.
+    #[arg(long, default_value_t = 300.0, value_parser = positive_finite, allow_negative_numbers = true, value_name = "SECONDS")]
+    timeout: f64,
+    /// How the ranks run: `inprocess` (threads of this process) or `mpi` (this process
+    /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping).
+    #[arg(long, value_enum, default_value = "inprocess")]
+    transport: Transport,
+}
+
+fn strategy_kind(s: Strategy) -> StrategyKind {
+    match s {
+        Strategy::Single => StrategyKind::Single,
+        Strategy::Allreduce => StrategyKind::Allreduce,
+        Strategy::Ps => StrategyKind::Ps,
+        Strategy::Hybrid => StrategyKind::Hybrid,
+        Strategy::Auto => StrategyKind::Auto,
+    }
+}
+
+/// Refuses flags that the strategy would accept and then ignore.
+fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
+    let name = strategy_kind(a.strategy).name();
+    match a.strategy {
+        Strategy::Single => {
+            if a.workers > 1 {
+                bail!(
+                    "--workers {} needs a distributed strategy (--strategy allreduce, ps, hybrid \
+                     or auto); --strategy single is one device",
+                    a.workers
+                );
+            }
+            if a.servers > 0 {
+                bail!("--servers {} needs --strategy ps, hybrid or auto; --strategy single has no servers", a.servers);
+            }
+        }
+        Strategy::Allreduce => {
+            if a.servers > 0 {
+                bail!(
+                    "--servers {}: --strategy allreduce places nothing on parameter servers; \
+                     use --strategy hybrid or ps to use them",
+                    a.servers
+                );
+            }
+        }
+        Strategy::Ps | Strategy::Hybrid | Strategy::Auto => {}
+    }
+    if a.sync != SyncMode::Sync && matches!(a.strategy, Strategy::Single | Strategy::Allreduce) {
+        bail!(
+            "--sync {} sets how parameter servers apply pushes; --strategy {name} has none \
+             (all-reduce is synchronous)",
+            a.sync
+        );
+    }
+    if a.sparse_as_dense && matches!(a.strategy, Strategy::Single | Strategy::Ps | Strategy::Hybrid) {
+        bail!(
+            "--sparse-as-dense changes how sparse gradients are all-reduced; under --strategy \
+             {name} none are (use allreduce or auto)"
+        );
+    }
+    Ok(())
 }
 
 fn strategy_config(a: &CompileArgs) -> StrategyConfig {
     StrategyConfig {
-        strategy: match a.strategy {
-            Strategy::Single => StrategyKind::Single,
-            Strategy::Allreduce => StrategyKind::Allreduce,
-            Strategy::Ps => StrategyKind::Ps,
-            Strategy::Hybrid => StrategyKind::Hybrid,
-            Strategy::Auto => StrategyKind::Auto,
-        },
-        workers: a.workers as usize,
+        strategy: strategy_kind(a.strategy),
+        workers: a.workers,
         servers: a.servers,
         sync: a.sync,
         bucket_mb: a.bucket_mb,
@@ -279,16 +394,17 @@ fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
     }
 }
 
-/// What a run of either kind produced, for the summary and `--save`.
-struct RunSummary {
-    steps: usize,
-    first_loss: f64,
-    final_loss: f64,
-    train_time: f64,
-    samples_per_sec: f64,
-    eval: Option<distc_runtime::metrics::EvalMetrics>,
-    params: std::collections::HashMap<String, distc_runtime::Tensor>,
-    profile: Option<distc_runtime::metrics::Profile>,
+/// Writes to standard output; a closed pipe (`distc explain plan | head -1`) ends
+/// the program quietly, as it would a Unix tool, once everything else is done.
+fn out(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: cannot write to standard output: {e}");
+        std::process::exit(1);
+    }
 }
 
 fn ps_sync(s: SyncMode) -> PsSync {
@@ -299,74 +415,74 @@ fn ps_sync(s: SyncMode) -> PsSync {
     }
 }
 
-/// Trains a plan: one device, or its workers and servers as threads of this process.
-fn train_plan(
-    plan: &Plan,
-    graph: &distc_ir::Graph,
-    args: &RunArgs,
-    global_data: bool,
-    on_step: &mut dyn FnMut(&StepMetrics) -> distc_runtime::Result<()>,
-) -> Result<RunSummary> {
-    if plan.strategy == "single" {
-        if let Some(path) = &args.trace {
-            bail!(
-                "--trace {}: traces are of distributed runs (workers, collectives, servers); \
-                 for where one device's step time goes use --profile",
-                path.display()
-            );
-        }
-        let opts = TrainOptions {
-            steps: args.steps,
-            data_dir: args.data.clone(),
-            global_data,
-            preload: args.preload,
-            profile: args.profile,
-        };
-        let r = train(graph, &plan.config, &opts, on_step)?;
-        return Ok(RunSummary {
-            steps: r.steps,
-            first_loss: r.first_loss,
-            final_loss: r.final_loss,
-            train_time: r.train_time.as_secs_f64(),
-            samples_per_sec: r.samples_per_sec,
-            eval: r.eval,
-            params: r.params,
-            profile: r.profile,
-        });
-    }
-    let parse =
-        |text: &String| distc_ir::parse(text).map_err(|e| anyhow::anyhow!("plan program: {e}"));
-    let init = plan.init.as_ref().map(parse).transpose()?;
-    let servers = plan.servers.iter().map(parse).collect::<Result<Vec<_>>>()?;
-    let opts = DistOptions {
-        workers: plan.settings.workers,
-        sync: ps_sync(plan.settings.sync),
-        steps: args.steps,
-        data_dir: args.data.clone(),
-        global_data,
-        trace: args.trace.is_some(),
-        preload: args.preload,
-        profile: args.profile,
-    };
-    let r = train_distributed(graph, init.as_ref(), &servers, &plan.config, &opts, on_step)?;
-    if let Some(path) = &args.trace {
-        let text = serde_json::to_string(&chrome_trace(&r.spans))?;
-        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    Ok(RunSummary {
-        steps: r.steps,
-        first_loss: r.first_loss,
-        final_loss: r.final_loss,
-        train_time: r.train_time.as_secs_f64(),
-        samples_per_sec: r.samples_per_sec,
-        eval: None,
-        params: r.params,
-        profile: r.profile,
-    })
+/// Everything a run needs from a plan, however it was obtained.
+struct Runnable<'a> {
+    plan: &'a Plan,
+    graph: &'a distc_ir::Graph,
+    init: Option<distc_ir::Graph>,
+    servers: Vec<distc_ir::Graph>,
 }
 
-fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunSummary> {
+impl<'a> Runnable<'a> {
+    fn new(plan: &'a Plan, graph: &'a distc_ir::Graph) -> Result<Runnable<'a>> {
+        plan.check_runnable().map_err(anyhow::Error::msg)?;
+        let (init, servers) = plan.programs()?;
+        Ok(Runnable {
+            plan,
+            graph,
+            init,
+            servers,
+        })
+    }
+
+    fn programs(&self) -> Programs<'_> {
+        Programs {
+            worker: self.graph,
+            init: self.init.as_ref(),
+            servers: &self.servers,
+            workers: self.plan.settings.workers,
+        }
+    }
+
+    fn memory(&self, steps: usize, preload: bool) -> memory::MemoryEstimate {
+        memory::estimate(&self.programs(), &self.plan.config, steps, preload)
+    }
+}
+
+fn train_options(plan: &Plan, args: &RunArgs) -> TrainOptions {
+    TrainOptions {
+        steps: args.steps,
+        data_dir: args.data.clone(),
+        // Synchronous plans read one global stream sliced by rank, so the workers
+        // together see the batches one device of batch N*b would (WORKLOADS.md's
+        // seed + rank streams have the same distribution); asynchronous ones give each
+        // worker its own stream.
+        global_data: plan.strategy != "single" && plan.settings.sync == SyncMode::Sync,
+        preload: args.preload,
+        profile: args.profile,
+        trace: args.trace.is_some(),
+        sync: ps_sync(plan.settings.sync),
+        timeout: Duration::from_secs_f64(args.timeout),
+    }
+}
+
+/// Trains a plan as the flags say and reports: metrics file, progress bar, `--save`,
+/// trace, summary and profile. `inputs` are the files the command read (never
+/// overwritten).
+fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
+    let plan = r.plan;
+    let outputs: Vec<&Path> = [&args.metrics, &args.save, &args.trace]
+        .into_iter()
+        .flatten()
+        .map(PathBuf::as_path)
+        .collect();
+    check_outputs(&outputs, inputs)?;
     let steps = args.steps.unwrap_or(plan.config.steps);
+    if args.transport == Transport::Mpi {
+        return run_mpi(r, args);
+    }
+    let estimate = r.memory(steps, args.preload);
+    memory::check(estimate.in_process_total(), &estimate.describe()).map_err(anyhow::Error::msg)?;
     let mut metrics = match &args.metrics {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
@@ -401,17 +517,19 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunS
         }
         Ok(())
     };
-    // Synchronous plans read one global stream sliced by rank, so the workers together
-    // see the batches one device of batch N*b would (WORKLOADS.md's seed + rank streams
-    // have the same distribution); asynchronous ones give each worker its own stream.
-    let global = plan.strategy != "single" && plan.settings.sync == SyncMode::Sync;
-    let report = train_plan(plan, graph, args, global, &mut on_step)?;
+    let result = train(r.programs(), &plan.config, &train_options(plan, args), &mut on_step);
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     if let Some(mut w) = metrics {
         w.flush().context("cannot write the metrics file")?;
     }
+    let report = result?;
+    finish_run(plan, args, &report)
+}
+
+/// What every run does once trained: save, trace, summary, profile.
+fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
     if let Some(path) = &args.save {
         let mut named: Vec<(String, &distc_runtime::Tensor)> =
             report.params.iter().map(|(k, v)| (k.clone(), v)).collect();
@@ -424,6 +542,10 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunS
         .collect();
         distc_runtime::checkpoint::save(path, &named, meta)?;
     }
+    if let Some(path) = &args.trace {
+        let text = serde_json::to_string(&chrome_trace(&report.spans))?;
+        write_file(path, text.as_bytes())?;
+    }
     if !args.quiet {
         let mut line = format!(
             "{} ({}, {} workers): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
@@ -431,7 +553,7 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunS
             plan.strategy,
             plan.settings.workers,
             report.steps,
-            report.train_time,
+            report.train_time.as_secs_f64(),
             report.first_loss,
             report.final_loss,
             report.samples_per_sec
@@ -446,97 +568,93 @@ fn run_plan(plan: &Plan, graph: &distc_ir::Graph, args: &RunArgs) -> Result<RunS
             }
             line += &format!(" ({} samples)", e.eval_samples);
         }
-        println!("{line}");
+        out(&format!("{line}\n"));
     }
     if let Some(p) = &report.profile {
-        print!("{}", p.render());
+        out(&p.render());
     }
-    Ok(report)
+    Ok(())
 }
 
-/// `distc verify`: one device with batch N*b against the strategy with N workers of
-/// batch b, same data and seed; every variable compared after K steps.
-fn verify_cmd(
-    file: &Path,
-    compile: &CompileArgs,
-    steps: usize,
-    tolerance: f64,
-    data: Option<&Path>,
-) -> Result<()> {
-    let dist_opts = compile_opts(compile, data);
-    if !matches!(dist_opts.strategy.sync, SyncMode::Sync) {
-        bail!("verify compares synchronous strategies with one device; --sync {:?} is not synchronous", dist_opts.strategy.sync);
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &Runnable<'_>, _: &RunArgs) -> Result<()> {
+    bail!(
+        "--transport mpi: this distc was built without MPI; install OpenMPI \
+         (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
+    )
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(r: &Runnable<'_>, args: &RunArgs) -> Result<()> {
+    let plan = r.plan;
+    let steps = args.steps.unwrap_or(plan.config.steps);
+    let opts = distc_runtime::comm::mpi::MpiRun {
+        plan_hash: plan.hash.clone(),
+        servers: plan.settings.servers,
+        metrics: args.metrics.clone(),
+        memory_per_worker: r.memory(steps, args.preload).per_worker(),
+    };
+    let launched = distc_runtime::comm::mpi::run(
+        r.programs(),
+        &plan.config,
+        &train_options(plan, args),
+        &opts,
+        &mut |_| Ok(()),
+    )?;
+    match launched {
+        // Rank 0 holds the whole result.
+        Some(report) => finish_run(plan, args, &report),
+        None => Ok(()),
     }
-    let dist = compile_or_report(file, &dist_opts)?;
-    let n = dist_opts.strategy.workers;
-    let single_opts = CompileOptions {
-        batch: Some(dist.config.batch * n),
-        ..Default::default()
+}
+
+/// `distc verify`: the library's check, printed.
+fn verify_cmd(file: &Path, compile: &CompileArgs, steps: usize, tolerance: f64, data: Option<&Path>, timeout: f64) -> Result<()> {
+    check_strategy_flags(compile)?;
+    let opts = VerifyOptions {
+        compile: compile_opts(compile, data),
+        steps,
+        tolerance,
+        timeout: Duration::from_secs_f64(timeout),
     };
-    let single = compile_or_report(file, &single_opts)?;
-    let args = RunArgs {
-        steps: Some(steps),
-        metrics: None,
-        data: data.map(Path::to_path_buf),
-        save: None,
-        quiet: true,
-        trace: None,
-        preload: false,
-        profile: false,
-    };
-    let source = file.display().to_string();
-    let one = train_plan(
-        &Plan::new(&single, &source, &single_opts.strategy),
-        &single.graph,
-        &args,
-        true,
-        &mut |_| Ok(()),
-    )?;
-    let many = train_plan(
-        &Plan::new(&dist, &source, &dist_opts.strategy),
-        &dist.graph,
-        &args,
-        true,
-        &mut |_| Ok(()),
-    )?;
-    let mut worst: Option<(String, f64)> = None;
-    let mut names: Vec<&String> = one.params.keys().collect();
-    names.sort();
-    for name in names {
-        let a = one.params[name].to_f64_vec();
-        let b = many
-            .params
-            .get(name)
-            .ok_or_else(|| {
-                anyhow::anyhow!(
-                    "the {} run has no variable `{name}`",
-                    dist_opts.strategy.strategy.name()
-                )
-            })?
-            .to_f64_vec();
-        let scale = a.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-12);
-        let err = a
-            .iter()
-            .zip(&b)
-            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-            / scale;
-        println!(
-            "  {name:<10} max |one device - {}| / max |w| = {err:.2e}",
-            dist_opts.strategy.strategy.name()
-        );
-        if worst.as_ref().is_none_or(|(_, w)| err > *w) {
-            worst = Some((name.clone(), err));
+    let report = match verify(file, &opts) {
+        Err(distc::verify::VerifyError::Compile(e)) => {
+            // DSL errors print as diagnostics.
+            compile_or_report(file, &opts.compile)?;
+            return Err(e.into());
         }
+        r => r?,
+    };
+    let name = report.strategy.name();
+    let mut text = String::new();
+    for v in &report.vars {
+        text += &format!("  {:<10} max |one device - {name}| / max |w| = {:.2e}\n", v.name, v.relative);
     }
-    let (name, err) = worst.ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
-    println!(
-        "verify {}: {} with {n} workers vs one device with batch {}, {steps} steps: largest relative error {err:.2e} (`{name}`), tolerance {tolerance:.0e}",
+    let worst = report
+        .worst()
+        .ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
+    text += &format!(
+        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: largest relative error {:.2e} (`{}`), tolerance {tolerance:.0e}\n",
         file.display(),
-        dist_opts.strategy.strategy.name(),
-        dist.config.batch * n
+        report.workers,
+        report.global_batch,
+        worst.relative,
+        worst.name
     );
-    if err > tolerance {
-        bail!("`{name}` differs by {err:.2e} (relative), beyond the tolerance {tolerance:.0e}");
+    out(&text);
+    if !report.passed() {
+        let mut why = format!(
+            "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e}",
+            worst.name, worst.relative
+        );
+        if !report.assumptions.is_empty() {
+            why += "\ndata parallelism assumes the loss is a mean over the batch and that \
+                    nothing is computed across samples; this model does not:";
+            for a in &report.assumptions {
+                why += &format!("\n  - {a}");
+            }
+        }
+        bail!("{why}");
     }
     Ok(())
 }
@@ -560,10 +678,12 @@ fn real_main(cli: Cli) -> Result<()> {
             output,
             data,
         } => {
+            check_strategy_flags(&compile)?;
+            distc_runtime::output::check_output(&output, &[&file])?;
             let start = std::time::Instant::now();
             let c = compile_or_report(&file, &compile_opts(&compile, data.as_deref()))?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
-            plan.save(&output)?;
+            plan.save(&output, &[&file])?;
             for r in &c.records {
                 eprintln!(
                     "  {:<18} {:>5} -> {:>5} nodes  {}",
@@ -572,6 +692,9 @@ fn real_main(cli: Cli) -> Result<()> {
             }
             if let Some(m) = &c.measurement {
                 eprintln!("  sparsity {m}");
+            }
+            if let Some(why) = &c.not_runnable {
+                eprintln!("  note: `distc run` will refuse this plan: {why}");
             }
             eprintln!(
                 "wrote {} ({} nodes, {} server programs) in {:.2} s",
@@ -587,7 +710,8 @@ fn real_main(cli: Cli) -> Result<()> {
             steps,
             tolerance,
             data,
-        } => verify_cmd(&file, &compile, steps, tolerance, data.as_deref())?,
+            timeout,
+        } => verify_cmd(&file, &compile, steps, tolerance, data.as_deref(), timeout)?,
         Command::Bench {
             workloads,
             strategies,
@@ -595,8 +719,12 @@ fn real_main(cli: Cli) -> Result<()> {
             runs,
             warmup,
             steps,
+            transport,
             json,
         } => {
+            if let Some(path) = &json {
+                distc_runtime::output::check_output(path, &[])?;
+            }
             let dir = std::env::temp_dir().join(format!("distc-bench-{}", std::process::id()));
             let settings = distc::bench::BenchSettings {
                 workloads,
@@ -605,43 +733,48 @@ fn real_main(cli: Cli) -> Result<()> {
                 runs,
                 warmup,
                 steps,
+                mpi: transport == Transport::Mpi,
                 dir,
             };
             let rows = distc::bench::run(&settings)?;
             if let Some(path) = json {
-                std::fs::write(&path, serde_json::to_string_pretty(&rows)?)
-                    .with_context(|| format!("cannot write {}", path.display()))?;
+                write_file(&path, serde_json::to_string_pretty(&rows)?.as_bytes())?;
             }
         }
         Command::Explain { plan, format } => {
-            let (p, _) = Plan::load(&plan)?;
+            let (p, graph) = Plan::load(&plan)?;
+            let (init, servers) = p.programs()?;
+            let programs = Programs {
+                worker: &graph,
+                init: init.as_ref(),
+                servers: &servers,
+                workers: p.settings.workers,
+            };
+            let mem = memory::estimate(&programs, &p.config, p.config.steps, false);
             match format {
                 ExplainFormat::Json => {
-                    println!("{}", serde_json::to_string_pretty(&explain_json(&p))?)
+                    out(&format!("{}\n", serde_json::to_string_pretty(&explain_json(&p, &mem))?))
                 }
-                ExplainFormat::Table => print!("{}", explain_table(&p)),
+                ExplainFormat::Table => out(&explain_table(&p, &mem)),
             }
         }
         Command::Run { plan, run } => {
             let (p, graph) = Plan::load(&plan)?;
-            run_plan(&p, &graph, &run)?;
+            let r = Runnable::new(&p, &graph)?;
+            run_plan(&r, &run, &[&plan])?;
         }
         Command::Train { file, compile, run } => {
+            check_strategy_flags(&compile)?;
             let c = compile_or_report(&file, &compile_opts(&compile, run.data.as_deref()))?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
-            run_plan(&plan, &c.graph, &run)?;
+            let r = Runnable::new(&plan, &c.graph)?;
+            run_plan(&r, &run, &[&file])?;
         }
         Command::Ir { file, after, batch } => {
-            print!(
-                "{}",
-                distc_ir::print(&compile_until(&file, after, batch)?.graph)
-            );
+            out(&distc_ir::print(&compile_until(&file, after, batch)?.graph));
         }
         Command::Dot { file, after, batch } => {
-            print!(
-                "{}",
-                distc_ir::dot::to_dot(&compile_until(&file, after, batch)?.graph)
-            );
+            out(&distc_ir::dot::to_dot(&compile_until(&file, after, batch)?.graph));
         }
     }
     Ok(())
@@ -682,11 +815,17 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
 }
 
 /// The explain table: one row per variable, then totals.
-fn explain_table(p: &Plan) -> String {
+fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
     use std::fmt::Write as _;
     let mut s = format!(
         "plan {} ({}): strategy {}, {} workers, {} servers, batch {} per worker\n",
         p.model, p.source, p.strategy, p.settings.workers, p.settings.servers, p.config.batch
+    );
+    let _ = writeln!(
+        s,
+        "memory (estimate, {} steps): {}",
+        p.config.steps,
+        mem.describe()
     );
     let Some(d) = &p.dist else {
         s += "one device: no communication\n";
@@ -753,7 +892,7 @@ fn explain_table(p: &Plan) -> String {
 }
 
 /// The explain JSON (the table's content, for programs).
-fn explain_json(p: &Plan) -> serde_json::Value {
+fn explain_json(p: &Plan, mem: &memory::MemoryEstimate) -> serde_json::Value {
     let vars: Vec<serde_json::Value> = p
         .dist
         .iter()
@@ -786,5 +925,15 @@ fn explain_json(p: &Plan) -> serde_json::Value {
         "buckets": p.dist.as_ref().map(|d| d.buckets.clone()).unwrap_or_default(),
         "unreached": p.dist.as_ref().map(|d| d.unreached.clone()).unwrap_or_default(),
         "predicted_bytes_per_step_per_worker": p.dist.as_ref().map_or(0.0, |d| d.predicted_bytes_per_step_per_worker()),
+        "memory": {
+            "worker_params": mem.worker_params as u64,
+            "worker_optimizer": mem.worker_optimizer as u64,
+            "activations": mem.activations as u64,
+            "data": mem.data as u64,
+            "eval": mem.eval as u64,
+            "servers": mem.servers as u64,
+            "per_worker": mem.per_worker() as u64,
+            "in_process_total": mem.in_process_total() as u64,
+        },
     })
 }

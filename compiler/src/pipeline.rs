@@ -48,6 +48,32 @@ pub struct Compiled {
     pub init_program: Option<Graph>,
     /// What the sparsity measurement did, for the user.
     pub measurement: Option<String>,
+    /// Where the model breaks what data parallelism assumes (a sum over the batch, a
+    /// batch statistic), for `distc verify` to name.
+    pub assumptions: Vec<String>,
+    /// Why the plan cannot be trained, when a flag cut the pipeline short (a plan
+    /// without gradients or without its communication is for reading, not running).
+    pub not_runnable: Option<String>,
+}
+
+/// The passes a plan needs to be trained: without them it has no gradients, or its
+/// workers do not communicate.
+const REQUIRED_PASSES: [&str; 4] = ["autodiff", "sparsity_analysis", "place", "distribute"];
+
+/// Why the options make a plan that cannot be trained, if they do.
+fn not_runnable(opts: &CompileOptions) -> Option<String> {
+    let passes: Vec<String> = pipeline(opts.strategy.strategy).iter().map(|p| p.name()).collect();
+    if let Some(stop) = &opts.stop_after {
+        if passes.last() != Some(stop) {
+            return Some(format!(
+                "it was compiled with --stop-after {stop}, so the passes after it did not run"
+            ));
+        }
+    }
+    opts.disabled
+        .iter()
+        .find(|d| REQUIRED_PASSES.contains(&d.as_str()) && passes.contains(d))
+        .map(|d| format!("it was compiled with --disable-pass {d}, a pass training needs"))
 }
 
 /// Why compilation failed.
@@ -114,8 +140,8 @@ pub fn compile(
     }
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
-    let mut graph = program.graph;
-    let mut config = program.config;
+    let mut graph = program.graph.clone();
+    let mut config = program.config.clone();
     // The data loader must produce the batch the graph was bound to.
     config.batch = program.batch_symbol_value;
     let lowered_nodes = graph.node_count();
@@ -136,6 +162,8 @@ pub fn compile(
             server_programs: vec![],
             init_program: None,
             measurement: None,
+            assumptions: program.assumptions,
+            not_runnable: not_runnable(opts),
         });
     }
     let passes = pipeline(opts.strategy.strategy);
@@ -183,6 +211,8 @@ pub fn compile(
             server_programs: cx.server_programs,
             init_program: cx.init_program,
             measurement,
+            assumptions: program.assumptions,
+            not_runnable: not_runnable(opts),
         }),
         Err(error) => {
             let dir = opts.dump_ir.clone().unwrap_or_else(std::env::temp_dir);
@@ -204,6 +234,9 @@ pub fn compile_file(path: &Path, opts: &CompileOptions) -> Result<Compiled, Comp
 
 /// Batches sampled to measure how many distinct ids a worker's batch holds.
 pub const SAMPLED_BATCHES: usize = 8;
+
+/// The largest batch of inputs, in bytes, the measurement draws.
+const MEASURE_LIMIT: usize = 256 << 20;
 
 /// Mean distinct ids per worker batch of every i32 input that feeds a lookup, measured
 /// on the configured data source (worker 0's stream). Without the data, no measurement,
@@ -240,6 +273,19 @@ fn measure_ids(
         .into_iter()
         .map(|(_, n, t)| (n.to_string(), t.clone()))
         .collect();
+    // Drawing the sample batches must not take more memory than a step would have.
+    let batch_bytes: usize = shapes.values().map(TensorType::bytes).sum();
+    if batch_bytes > MEASURE_LIMIT {
+        return (
+            HashMap::new(),
+            format!(
+                "not measured: a batch holds {} MiB of inputs, more than the {} MiB the \
+                 measurement draws at once; rows touched are bounds",
+                batch_bytes >> 20,
+                MEASURE_LIMIT >> 20
+            ),
+        );
+    }
     let mut source = match DataSource::open(
         &config.data,
         dir.as_deref(),

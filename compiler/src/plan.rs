@@ -13,7 +13,7 @@ use thiserror::Error;
 /// The `format` field of every plan.
 pub const PLAN_FORMAT: &str = "distc-plan";
 /// The plan version this distc writes and reads.
-pub const PLAN_VERSION: u32 = 1;
+pub const PLAN_VERSION: u32 = 2;
 
 /// One pass as recorded in the plan.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -53,6 +53,9 @@ pub struct Plan {
     pub init: Option<String>,
     /// One program per parameter server, in text IR.
     pub servers: Vec<String>,
+    /// Why the plan cannot be trained (a flag cut the pipeline short), if so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_runnable: Option<String>,
     /// SHA-256 of the content above, hex.
     pub hash: String,
 }
@@ -67,6 +70,12 @@ pub enum PlanError {
         path: PathBuf,
         /// The OS error.
         source: std::io::Error,
+    },
+    /// The target may not be written.
+    #[error("{message}")]
+    Refused {
+        /// Why.
+        message: String,
     },
     /// Not a plan, or damaged.
     #[error("{path}: not a valid distc plan: {message}")]
@@ -85,6 +94,7 @@ fn content_hash(p: &Plan) -> String {
     let dist = serde_json::to_string(&p.dist).unwrap_or_default();
     let init = p.init.clone().unwrap_or_default();
     let servers = p.servers.join("\n");
+    let not_runnable = p.not_runnable.clone().unwrap_or_default();
     for part in [
         p.model.as_str(),
         p.strategy.as_str(),
@@ -94,6 +104,7 @@ fn content_hash(p: &Plan) -> String {
         p.graph.as_str(),
         init.as_str(),
         servers.as_str(),
+        not_runnable.as_str(),
     ] {
         h.update(part.as_bytes());
         h.update([0u8]);
@@ -126,25 +137,79 @@ impl Plan {
             graph: distc_ir::print(&c.graph),
             init: c.init_program.as_ref().map(distc_ir::print),
             servers: c.server_programs.iter().map(distc_ir::print).collect(),
+            not_runnable: c.not_runnable.clone(),
             hash: String::new(),
         };
         p.hash = content_hash(&p);
         p
     }
 
-    /// Writes the plan (to a temporary file renamed into place).
-    pub fn save(&self, path: &Path) -> Result<(), PlanError> {
-        let io = |source| PlanError::Io {
-            path: path.to_path_buf(),
-            source,
+    /// Writes the plan (to a temporary file renamed into place), refusing a target
+    /// that is not a regular file or is one of `inputs` (the model's source).
+    pub fn save(&self, path: &Path, inputs: &[&Path]) -> Result<(), PlanError> {
+        let refused = |e: distc_runtime::RuntimeError| PlanError::Refused {
+            message: e.to_string(),
         };
+        distc_runtime::output::check_output(path, inputs).map_err(refused)?;
         let text = serde_json::to_string_pretty(self).map_err(|e| PlanError::Invalid {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, text).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        distc_runtime::output::write_file(path, text.as_bytes()).map_err(refused)
+    }
+
+    /// The workers' init program and the server programs.
+    pub fn programs(&self) -> Result<(Option<Graph>, Vec<Graph>), PlanError> {
+        let parse = |text: &String| {
+            distc_ir::parse(text).map_err(|e| PlanError::Invalid {
+                path: PathBuf::from(&self.source),
+                message: format!("plan program: {e}"),
+            })
+        };
+        let init = self.init.as_ref().map(parse).transpose()?;
+        let servers = self.servers.iter().map(parse).collect::<Result<Vec<_>, _>>()?;
+        Ok((init, servers))
+    }
+
+    /// Fails, saying why, if the plan cannot be trained.
+    pub fn check_runnable(&self) -> Result<(), String> {
+        match &self.not_runnable {
+            Some(why) => Err(format!(
+                "this plan cannot be trained: {why}; compile it again without that flag"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Fields that contradict each other or name nothing distc knows.
+    fn check_fields(&self) -> Result<(), String> {
+        let s = &self.settings;
+        if self.strategy != s.strategy.name() {
+            return Err(format!(
+                "field `strategy`: `{}` is not a strategy distc knows (single, allreduce, ps, \
+                 hybrid, auto) or differs from the settings' `{}`",
+                self.strategy,
+                s.strategy.name()
+            ));
+        }
+        if s.workers == 0 {
+            return Err("field `settings.workers`: 0; a plan has at least one worker".into());
+        }
+        if self.strategy == "single" && (s.workers != 1 || s.servers != 0) {
+            return Err(format!(
+                "fields `settings.workers`/`settings.servers`: {} workers and {} servers for \
+                 the one-device strategy `single`",
+                s.workers, s.servers
+            ));
+        }
+        if self.servers.len() > s.servers {
+            return Err(format!(
+                "field `servers`: {} server programs for `settings.servers` = {}",
+                self.servers.len(),
+                s.servers
+            ));
+        }
+        Ok(())
     }
 
     /// Reads a plan and its graph, refusing other formats, other versions, damaged
@@ -177,6 +242,7 @@ impl Plan {
         if content_hash(&plan) != plan.hash {
             return Err(invalid("its content does not match its hash: the file is damaged or was edited; recompile it".into()));
         }
+        plan.check_fields().map_err(&invalid)?;
         let graph = distc_ir::parse(&plan.graph).map_err(|e| invalid(format!("graph: {e}")))?;
         distc_ir::verify(&graph).map_err(|e| invalid(format!("graph does not verify:\n{e}")))?;
         for (i, text) in plan.init.iter().chain(&plan.servers).enumerate() {

@@ -102,8 +102,8 @@ fn plans_of_other_versions_and_damaged_plans_are_refused() {
     let good = std::fs::read_to_string(&plan).expect("plan");
     let cases = [
         (
-            good.replace("\"version\": 1", "\"version\": 2"),
-            "plan format version 2; this distc reads version 1",
+            good.replace("\"version\": 2", "\"version\": 3"),
+            "plan format version 3; this distc reads version 2",
         ),
         (good.replacen("relu", "tanh", 1), "does not match its hash"),
         (good[..good.len() / 2].to_string(), "not JSON"),
@@ -351,15 +351,27 @@ fn verify_passes_within_tolerance_and_names_the_worst_variable_beyond() {
 }
 
 #[test]
-fn a_trace_of_a_single_device_run_is_refused_with_a_pointer_to_profile() {
+fn a_single_device_run_writes_the_same_trace_as_a_worker() {
+    // One device is worker 0 of the one training loop: same tracks, same spans.
+    let trace = tmp("single.json");
     let o = distc(&[
         "train",
         "examples/dense_mlp.dsl",
         "--steps",
-        "1",
+        "2",
         "--trace",
-        tmp("single.json").to_str().expect("utf8"),
+        trace.to_str().expect("utf8"),
     ]);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("--profile"), "{}", text(&o));
+    assert!(o.status.success(), "{}", text(&o));
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace")).expect("json");
+    let names: Vec<&str> = t["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    for want in ["step 2", "forward", "backward", "update", "matmul"] {
+        assert!(names.contains(&want), "{want} not in {names:?}");
+    }
 }

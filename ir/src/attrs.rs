@@ -95,6 +95,8 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
         | Op::MseGrad
         | Op::ConcatSlices
         | Op::Densify
+        | Op::RowMask
+        | Op::Sparsify
         | Op::Loss => vec![],
         Op::Softmax { axis }
         | Op::LogSoftmax { axis }
@@ -117,9 +119,20 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("start", A::Int(*start as i64)),
             ("end", A::Int(*end as i64)),
         ],
-        Op::Dropout { rate, seed } | Op::DropoutGrad { rate, seed } => {
-            vec![("rate", A::Float(*rate)), ("seed", A::Int(*seed as i64))]
+        Op::Dropout {
+            rate,
+            seed,
+            per_sample,
         }
+        | Op::DropoutGrad {
+            rate,
+            seed,
+            per_sample,
+        } => vec![
+            ("rate", A::Float(*rate)),
+            ("seed", A::Int(*seed as i64)),
+            ("per_sample", A::Bool(*per_sample)),
+        ],
         Op::LayerNorm { eps } | Op::LayerNormGrad { eps } => vec![("eps", A::Float(*eps))],
         Op::Conv2d { stride, padding } => vec![
             ("stride", A::Int(*stride as i64)),
@@ -450,6 +463,7 @@ pub fn op_from_parts(
         "dropout" => Op::Dropout {
             rate: a.float("rate")?,
             seed: a.int("seed")? as u64,
+            per_sample: a.flag("per_sample")?,
         },
         "layer_norm" => Op::LayerNorm {
             eps: a.float("eps")?,
@@ -485,6 +499,7 @@ pub fn op_from_parts(
         "dropout_grad" => Op::DropoutGrad {
             rate: a.float("rate")?,
             seed: a.int("seed")? as u64,
+            per_sample: a.flag("per_sample")?,
         },
         "layer_norm_grad" => Op::LayerNormGrad {
             eps: a.float("eps")?,
@@ -505,6 +520,8 @@ pub fn op_from_parts(
         },
         "concat_slices" => Op::ConcatSlices,
         "densify" => Op::Densify,
+        "row_mask" => Op::RowMask,
+        "sparsify" => Op::Sparsify,
         "all_reduce" => Op::AllReduce {
             reduce: a.reduce("reduce")?,
         },

@@ -173,6 +173,10 @@ pub enum Op {
         rate: f64,
         /// Seed of the mask.
         seed: u64,
+        /// Axis 0 is the batch: an element's mask index is its position in the global
+        /// batch (the worker's rows come after the lower ranks' rows), so N workers of
+        /// batch b drop what one device of batch N*b drops.
+        per_sample: bool,
     },
     /// Layer normalisation over the last axis: `(x, gamma, beta)`.
     LayerNorm {
@@ -236,6 +240,8 @@ pub enum Op {
         rate: f64,
         /// Seed of the mask.
         seed: u64,
+        /// As the forward op's.
+        per_sample: bool,
     },
     /// `(dy, x, gamma) -> (dx, dgamma, dbeta)`: three outputs.
     LayerNormGrad {
@@ -271,6 +277,14 @@ pub enum Op {
     ConcatSlices,
     /// Turns `IndexedSlices` into the dense tensor it stands for.
     Densify,
+    /// `IndexedSlices [R, ..] -> [R]`: 1 at each row the slices touch, 0 elsewhere.
+    /// All-reduced beside a densified gradient, it tells which rows the global batch
+    /// touched, which the values alone cannot (a touched row's sum may be zero).
+    RowMask,
+    /// `(dense [R, ..], mask [R]) -> IndexedSlices`: the rows whose mask is not zero,
+    /// in row order. Turns an all-reduced densified gradient back into the row-sparse
+    /// gradient the optimizer updates lazily, as it does on one device.
+    Sparsify,
 
     // ---- communication (inserted by the strategy passes) ----
     /// Reduces a dense value over all workers; every worker gets the result.
@@ -420,6 +434,8 @@ impl Op {
             Op::MaxPool2dGrad { .. } => "max_pool2d_grad",
             Op::ConcatSlices => "concat_slices",
             Op::Densify => "densify",
+            Op::RowMask => "row_mask",
+            Op::Sparsify => "sparsify",
             Op::AllReduce { .. } => "all_reduce",
             Op::AllGather { .. } => "all_gather",
             Op::Broadcast { .. } => "broadcast",
@@ -513,10 +529,12 @@ impl Op {
             | Op::BroadcastTo { .. }
             | Op::DropoutGrad { .. }
             | Op::Densify
+            | Op::RowMask
             | Op::Loss
             | Op::ParamGrad { .. }
             | Op::Output { .. } => Some(1),
             Op::MatMul { .. }
+            | Op::Sparsify
             | Op::Add
             | Op::Sub
             | Op::Mul

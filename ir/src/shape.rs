@@ -60,6 +60,7 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         op,
         Op::ConcatSlices
             | Op::Densify
+            | Op::RowMask
             | Op::ParamGrad { .. }
             | Op::Output { .. }
             | Op::AllGather { .. }
@@ -488,6 +489,28 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             ValueType::IndexedSlices { dense, .. } => one(dense.clone()),
             t => Err(err(format!("input {t} is dense, IndexedSlices are needed"))),
         },
+        Op::RowMask => match inputs[0] {
+            ValueType::IndexedSlices { dense, .. } if dense.shape.rank() >= 1 => one(
+                TensorType::new(dense.dtype, Shape(vec![dense.dims()[0]])),
+            ),
+            t => Err(err(format!(
+                "input {t} is not IndexedSlices over a tensor of rank 1 or more"
+            ))),
+        },
+        Op::Sparsify => {
+            let (t, mask) = (float(0)?, float(1)?);
+            let rows = t.dims().first().copied();
+            if rows.is_none() || mask.dims() != [rows.unwrap_or(0)] || mask.dtype != t.dtype {
+                return Err(err(format!(
+                    "the mask {mask} must have one element of {}'s dtype per row of {t}",
+                    t.dtype
+                )));
+            }
+            Ok(vec![ValueType::IndexedSlices {
+                dense: t.clone(),
+                nnz: rows.unwrap_or(0),
+            }])
+        }
         Op::Loss => {
             let t = float(0)?;
             if t.shape.rank() != 0 {

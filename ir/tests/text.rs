@@ -110,6 +110,7 @@ fn random_graph(seed: u64) -> Graph {
             11 => Op::Dropout {
                 rate: 0.25,
                 seed: 7,
+                per_sample: true,
             },
             12 => Op::LayerNorm { eps: 1e-5 },
             _ => Op::Sub,

@@ -400,11 +400,16 @@ fn vjp(
             };
             vec![Some(dp), dt]
         }
-        Op::Dropout { rate, seed } => vec![Some(un(
+        Op::Dropout {
+            rate,
+            seed,
+            per_sample,
+        } => vec![Some(un(
             g,
             Op::DropoutGrad {
                 rate: *rate,
                 seed: *seed,
+                per_sample: *per_sample,
             },
             dy,
         )?)],
@@ -463,6 +468,8 @@ fn vjp(
         | Op::MaxPool2dGrad { .. }
         | Op::ConcatSlices
         | Op::Densify
+        | Op::RowMask
+        | Op::Sparsify
         | Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::Broadcast { .. }

@@ -53,7 +53,14 @@ pub fn cost(m: Mechanism, v: VarCost, cfg: &StrategyConfig) -> Cost {
                     time: 0.0,
                 };
             }
-            let bytes = 2.0 * (n - 1.0) / n * v.bytes;
+            // A sparse gradient travels densified, with a mask of the rows it touches
+            // (one f32 per row) so the update stays lazy.
+            let payload = if v.sparse && v.row_bytes > 0.0 {
+                v.bytes + v.bytes / v.row_bytes * 4.0
+            } else {
+                v.bytes
+            };
+            let bytes = 2.0 * (n - 1.0) / n * payload;
             // Fusion packs small gradients into one bucket, whose 2(N-1) messages they
             // share: each is charged its share of the bucket's latency.
             let bucket = cfg.bucket_mb * 1024.0 * 1024.0;

@@ -67,18 +67,20 @@ impl Pass for Distribute {
                 Mechanism::Allreduce | Mechanism::Allgather => {
                     let sink = sink_of(g, &v.name).ok_or_else(missing)?;
                     let mut grad = g.node(sink).inputs[0];
-                    if v.placement == Mechanism::Allreduce {
-                        if g.value_type(grad).is_sparse() {
-                            grad = g.add(Op::Densify, vec![grad])?.into();
-                        }
-                        grad = g
-                            .add(
-                                Op::AllReduce {
-                                    reduce: ReduceOp::Mean,
-                                },
-                                vec![grad],
-                            )?
-                            .into();
+                    let mean = Op::AllReduce {
+                        reduce: ReduceOp::Mean,
+                    };
+                    if v.placement == Mechanism::Allreduce && g.value_type(grad).is_sparse() {
+                        // Densified for the all-reduce, then sparse again over the rows
+                        // the global batch touched (all-reduced beside it), so the
+                        // optimizer updates those rows alone, as on one device.
+                        let dense = g.add(Op::Densify, vec![grad])?;
+                        let mask = g.add(Op::RowMask, vec![grad])?;
+                        let dense = g.add(mean.clone(), vec![dense.into()])?;
+                        let mask = g.add(mean, vec![mask.into()])?;
+                        grad = g.add(Op::Sparsify, vec![dense.into(), mask.into()])?.into();
+                    } else if v.placement == Mechanism::Allreduce {
+                        grad = g.add(mean, vec![grad])?.into();
                     } else {
                         let unique = g.add(Op::UniqueRows, vec![grad])?;
                         let op = Op::AllGather {

@@ -46,6 +46,17 @@ pub enum SyncMode {
     Stale(u32),
 }
 
+impl std::fmt::Display for SyncMode {
+    /// As the user types it: `sync`, `async`, `stale:2`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SyncMode::Sync => f.write_str("sync"),
+            SyncMode::Async => f.write_str("async"),
+            SyncMode::Stale(k) => write!(f, "stale:{k}"),
+        }
+    }
+}
+
 /// The `--strategy` flags and the cost model's constants.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StrategyConfig {

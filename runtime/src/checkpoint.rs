@@ -11,7 +11,7 @@ use ndarray::{ArrayD, IxDyn};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// A tensor as a safetensors view (bytes produced on demand, little-endian).
 struct TensorView<'a>(&'a Tensor);
@@ -67,32 +67,15 @@ pub fn save(
             return Err(data_err(path, format!("tensor `{name}` is listed twice")));
         }
     }
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| data_err(path, "not a file name"))?
-        .to_string_lossy()
-        .into_owned();
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
-    let tmp = parent.join(format!(".{file_name}.tmp-{}", std::process::id()));
-    let write = || -> Result<()> {
+    crate::output::write_atomic(path, |tmp| {
         let views = params.iter().map(|(n, t)| (n.as_str(), TensorView(t)));
         let meta = (!metadata.is_empty()).then(|| metadata.clone());
-        safetensors::serialize_to_file(views, meta, &tmp)
+        safetensors::serialize_to_file(views, meta, tmp)
             .map_err(|e| data_err(path, format!("cannot write checkpoint: {e}")))?;
-        std::fs::File::open(&tmp)
+        std::fs::File::open(tmp)
             .and_then(|f| f.sync_all())
-            .map_err(io_err(&tmp))?;
-        std::fs::rename(&tmp, path).map_err(io_err(path))
-    };
-    let result = write();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+            .map_err(io_err(tmp))
+    })
 }
 
 /// Reads a checkpoint written by [`save`] (or any safetensors file of f32, f64 and

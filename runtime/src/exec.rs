@@ -140,6 +140,8 @@ pub struct Executor {
     eval: Vec<Step>,
     profiling: bool,
     profile: HashMap<&'static str, (Duration, u64)>,
+    /// The worker's rank, for per-sample dropout masks (see [`KernelCtx::rank`]).
+    rank: usize,
 }
 
 impl Executor {
@@ -202,6 +204,7 @@ impl Executor {
             constants,
             profiling: false,
             profile: HashMap::new(),
+            rank: 0,
         })
     }
 
@@ -219,13 +222,13 @@ impl Executor {
 
     /// Runs one step of a worker program, its communication ops going through `comm`
     /// (without one they are an error).
-    pub fn run_with(
+    pub fn run_with<'h>(
         &mut self,
         feeds: &HashMap<String, Tensor>,
         params: &HashMap<String, Tensor>,
         mode: Mode,
         step: u64,
-        mut comm: Option<&mut dyn CommHook>,
+        mut comm: Option<&mut (dyn CommHook + 'h)>,
     ) -> Result<StepOutputs> {
         let Executor {
             nodes,
@@ -235,6 +238,7 @@ impl Executor {
             eval,
             profiling,
             profile,
+            rank,
         } = self;
         let plan = match mode {
             Mode::Train => &*train,
@@ -243,6 +247,7 @@ impl Executor {
         let ctx = KernelCtx {
             step,
             training: mode == Mode::Train,
+            rank: *rank,
         };
         let mut slots: Vec<Slot<'_>> = (0..*n_slots).map(|_| Slot::Empty).collect();
         let mut out = StepOutputs {
@@ -424,6 +429,12 @@ impl Executor {
             }
         }
         Ok(out)
+    }
+
+    /// Sets the worker's rank among equal-batch workers (0 by default), which places
+    /// its samples in the global batch for per-sample dropout masks.
+    pub fn set_rank(&mut self, rank: usize) {
+        self.rank = rank;
     }
 
     /// Turns per-op timing on or off (off by default; it costs two clock reads a node).

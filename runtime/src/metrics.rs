@@ -4,7 +4,7 @@
 //! `samples_per_sec`; evaluation lines add `eval_loss` and `eval_accuracy`
 //! (classification) or `eval_rmse` (regression).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// One training step.
@@ -39,7 +39,7 @@ pub struct StepMetrics {
 }
 
 /// One evaluation over the held-out data.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct EvalMetrics {
     /// Mean loss.
     pub eval_loss: f64,

@@ -1,34 +1,94 @@
-//! The single-device training loop: initialise, then for each step feed a batch, run
-//! the forward and backward graph, apply the optimizer; evaluate on held-out data.
-//! The caller sees every step as an event (metrics file, progress bar).
+//! One training loop for every role and transport, and its in-process launcher.
+//!
+//! [`crate::worker::run_worker`] is the loop: data, timing, metrics, evaluation,
+//! NaN stop, profile and trace are written once, for one device (one worker, no
+//! servers) as for N workers and S servers. [`train`] runs a plan's ranks as threads
+//! of this process (the embedded default; see [`crate::roles`] for the mapping):
+//! servers over in-process links, workers over an in-process communicator, and the
+//! caller's thread joins the workers' step reports into one metrics line per step
+//! ([`Coordinator`]). The MPI launcher (`crate::comm::mpi`) runs the same loop, one
+//! rank per process.
 
+use crate::comm::{in_process, Communicator};
 use crate::config::RunConfig;
 use crate::data::{data_dir, DataSource};
 use crate::error::{Result, RuntimeError};
-use crate::exec::{Executor, Mode};
+use crate::exec::{CommHook, Executor, Mode};
 use crate::init::init_param;
 use crate::metrics::{EvalMetrics, Profile, StepMetrics};
-use crate::optim::Optimizer;
+use crate::ps::{self, PsConfig, PsSync, ShardSpec};
+use crate::roles::Role;
+use crate::trace::Span;
 use crate::value::Tensor;
+use crate::worker::{run_worker, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
 use distc_ir::{Graph, Op, TensorType};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// The programs of a plan: the SPMD worker program (the one-device graph for one
+/// device), the workers' init program and one program per parameter server.
+#[derive(Clone, Copy, Debug)]
+pub struct Programs<'g> {
+    /// The worker program.
+    pub worker: &'g Graph,
+    /// Broadcasts replicated variables from rank 0, if any.
+    pub init: Option<&'g Graph>,
+    /// One per parameter server.
+    pub servers: &'g [Graph],
+    /// Workers N.
+    pub workers: usize,
+}
+
+impl<'g> Programs<'g> {
+    /// One device: the graph alone.
+    pub fn single(graph: &'g Graph) -> Programs<'g> {
+        Programs {
+            worker: graph,
+            init: None,
+            servers: &[],
+            workers: 1,
+        }
+    }
+}
+
 /// Options of a run that are not part of the plan.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct TrainOptions {
     /// Overrides the plan's step count.
     pub steps: Option<usize>,
     /// Data directory (else `DISTC_DATA`).
     pub data_dir: Option<PathBuf>,
     /// Synthetic sources slice one global stream (see `DataSource::open_global`), so
-    /// this run sees what N workers of batch b/N would see together. For verification.
+    /// N workers of batch b see what one device of batch N*b sees. Synchronous plans
+    /// and verification use it; asynchronous ones seed worker r with seed + r.
     pub global_data: bool,
     /// Draw every step's batch before the first step (see [`DataSource::preload`]).
     pub preload: bool,
-    /// Time every kernel and the optimizer (see [`Profile`]).
+    /// Time every kernel, the optimizer and the waits of worker 0 (see [`Profile`]).
     pub profile: bool,
+    /// Record spans for a Chrome trace.
+    pub trace: bool,
+    /// Parameter-server synchronisation.
+    pub sync: PsSync,
+    /// Bound on any wait for a collective or a server's answer.
+    pub timeout: Duration,
+}
+
+impl Default for TrainOptions {
+    fn default() -> TrainOptions {
+        TrainOptions {
+            steps: None,
+            data_dir: None,
+            global_data: false,
+            preload: false,
+            profile: false,
+            trace: false,
+            sync: PsSync::Sync,
+            timeout: ps::DEFAULT_TIMEOUT,
+        }
+    }
 }
 
 /// What training produced.
@@ -36,20 +96,24 @@ pub struct TrainOptions {
 pub struct TrainReport {
     /// Steps run.
     pub steps: usize,
-    /// Loss of the last step.
-    pub final_loss: f64,
-    /// Mean loss of the first step.
+    /// Loss of the first step (mean over workers).
     pub first_loss: f64,
+    /// Loss of the last step (mean over workers).
+    pub final_loss: f64,
     /// The last evaluation.
     pub eval: Option<EvalMetrics>,
-    /// Wall time of the training steps (evaluation excluded).
+    /// Wall time of the training steps (the slowest worker's, summed; evaluation and
+    /// data loading excluded).
     pub train_time: Duration,
-    /// Samples per second over all steps.
+    /// Global samples per second over all steps.
     pub samples_per_sec: f64,
-    /// The trained variables.
+    /// Every variable after training: replicated ones from worker 0, server-held ones
+    /// reassembled from their shards.
     pub params: HashMap<String, Tensor>,
-    /// Where the step time went, when asked for.
+    /// Where worker 0's step time went, when asked for.
     pub profile: Option<Profile>,
+    /// Trace spans, when asked for.
+    pub spans: Vec<Span>,
 }
 
 /// Initial values of every variable of `graph`, from the seed.
@@ -73,13 +137,15 @@ pub fn input_types(graph: &Graph) -> HashMap<String, TensorType> {
         .collect()
 }
 
-/// Evaluates `params` on the held-out data of `config`.
-pub fn evaluate(
+/// Evaluates `params` on the held-out data of `config`; a worker program's pulls go
+/// through `comm` (as of `step`).
+pub fn evaluate<'h>(
     exec: &mut Executor,
     params: &HashMap<String, Tensor>,
     data: &DataSource,
     config: &RunConfig,
     step: u64,
+    mut comm: Option<&mut (dyn CommHook + 'h)>,
 ) -> Result<EvalMetrics> {
     let batches = data.eval_batches(config.eval_samples)?;
     if batches.is_empty() {
@@ -90,7 +156,7 @@ pub fn evaluate(
     let (mut loss, mut n, mut correct, mut sq, mut classified, mut regressed) =
         (0.0, 0usize, 0usize, 0.0, false, false);
     for batch in &batches {
-        let out = exec.run(batch, params, Mode::Eval, step)?;
+        let out = exec.run_with(batch, params, Mode::Eval, step, comm.as_deref_mut())?;
         let b = batch.values().next().map_or(0, |t| t.shape()[0]);
         loss += out.loss.unwrap_or(f64::NAN) * b as f64;
         n += b;
@@ -131,98 +197,322 @@ pub fn evaluate(
     })
 }
 
-/// Trains `graph` (a differentiated single-device graph) as `config` says. `on_step`
-/// sees each step's metrics as it happens; returning an error from it stops training.
-pub fn train(
-    graph: &Graph,
+
+/// Joins the workers' step reports into one metrics line per step: loss (mean over
+/// workers), global samples per second (over the slowest worker's step time), worker
+/// 0's times and bytes, every worker's bytes, and worker 0's evaluation.
+pub struct Coordinator<'a> {
+    workers: usize,
+    batch: usize,
+    /// Whether lines carry per-worker byte lists (plans that communicate).
+    per_worker: bool,
+    pending: HashMap<usize, Vec<StepReport>>,
+    on_step: &'a mut dyn FnMut(&StepMetrics) -> Result<()>,
+    /// Steps completed.
+    pub steps: usize,
+    /// Mean loss of the first step.
+    pub first_loss: f64,
+    /// Mean loss of the last step.
+    pub final_loss: f64,
+    /// The last evaluation.
+    pub eval: Option<EvalMetrics>,
+    /// Sum over steps of the slowest worker's step time.
+    pub train_time: Duration,
+}
+
+impl<'a> Coordinator<'a> {
+    /// A coordinator of `workers` workers of `batch` samples each.
+    pub fn new(
+        workers: usize,
+        batch: usize,
+        per_worker: bool,
+        on_step: &'a mut dyn FnMut(&StepMetrics) -> Result<()>,
+    ) -> Coordinator<'a> {
+        Coordinator {
+            workers,
+            batch,
+            per_worker,
+            pending: HashMap::new(),
+            on_step,
+            steps: 0,
+            first_loss: f64::NAN,
+            final_loss: f64::NAN,
+            eval: None,
+            train_time: Duration::ZERO,
+        }
+    }
+
+    /// Takes one worker's report; writes the step's line once every worker's is in.
+    pub fn add(&mut self, r: StepReport) -> Result<()> {
+        let step = r.step;
+        let reports = self.pending.entry(step).or_default();
+        reports.push(r);
+        if reports.len() < self.workers {
+            return Ok(());
+        }
+        let mut reports = self.pending.remove(&step).unwrap_or_default();
+        reports.sort_by_key(|r| r.rank);
+        let n = self.workers as f64;
+        let loss = reports.iter().map(|r| r.loss).sum::<f64>() / n;
+        let slowest = reports.iter().map(|r| r.step_sec).fold(0.0, f64::max);
+        if step == 1 {
+            self.first_loss = loss;
+        }
+        self.final_loss = loss;
+        self.steps = self.steps.max(step);
+        self.train_time += Duration::from_secs_f64(slowest);
+        let r0 = &reports[0];
+        if r0.eval.is_some() {
+            self.eval.clone_from(&r0.eval);
+        }
+        let list = |f: fn(&StepReport) -> u64| {
+            if self.per_worker {
+                reports.iter().map(f).collect()
+            } else {
+                Vec::new()
+            }
+        };
+        (self.on_step)(&StepMetrics {
+            step,
+            loss,
+            samples_per_sec: (self.workers * self.batch) as f64 / slowest.max(1e-9),
+            compute_sec: (r0.step_sec - r0.comm_wait_sec).max(0.0),
+            comm_wait_sec: r0.comm_wait_sec,
+            bytes_sent_per_worker: list(|r| r.bytes_sent),
+            bytes_received_per_worker: list(|r| r.bytes_received),
+            bytes_sent: r0.bytes_sent,
+            bytes_received: r0.bytes_received,
+            bytes_moved: r0.bytes_moved,
+            eval: r0.eval.clone(),
+        })
+    }
+}
+
+/// Shards of every server program: `shard` sources, by server.
+pub fn server_shards(
+    servers: &[Graph],
+    full: &HashMap<String, TensorType>,
+) -> Result<Vec<Vec<ShardSpec>>> {
+    servers
+        .iter()
+        .map(|g| {
+            g.topo_order()
+                .into_iter()
+                .filter_map(|id| match g.op(id) {
+                    Op::Shard {
+                        var,
+                        start,
+                        end,
+                        init,
+                        ..
+                    } => Some((var.clone(), *start, *end, init.clone())),
+                    _ => None,
+                })
+                .map(|(var, start, end, init)| {
+                    let full = full.get(&var).cloned().ok_or_else(|| {
+                        RuntimeError::Config(format!(
+                            "server program holds `{var}`, which no worker reads"
+                        ))
+                    })?;
+                    Ok(ShardSpec {
+                        var,
+                        full,
+                        init,
+                        start,
+                        end,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The full type of every server-held variable, from the worker program's pulls.
+pub fn pulled_types(worker: &Graph) -> HashMap<String, TensorType> {
+    worker
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match worker.op(id) {
+            Op::Pull { var, ty, .. } => Some((var.clone(), ty.clone())),
+            Op::SparsePull { var, table, .. } => Some((var.clone(), table.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Opens worker `rank`'s data (its shard of the plan's source), preloaded if asked.
+pub fn open_data(
+    programs: &Programs<'_>,
     config: &RunConfig,
     opts: &TrainOptions,
-    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-) -> Result<TrainReport> {
-    let steps = opts.steps.unwrap_or(config.steps);
+    rank: usize,
+) -> Result<DataSource> {
     let dir = data_dir(opts.data_dir.as_deref());
     let open = if opts.global_data {
         DataSource::open_global
     } else {
         DataSource::open
     };
-    let mut data = open(
+    let mut source = open(
         &config.data,
         dir.as_deref(),
-        &input_types(graph),
+        &input_types(programs.worker),
         config.batch,
         config.seed,
-        0,
-        1,
+        rank,
+        programs.workers,
     )?;
     if opts.preload {
-        data.preload(steps)?;
+        source.preload(opts.steps.unwrap_or(config.steps))?;
     }
-    let mut exec = Executor::new(graph)?;
-    exec.set_profiling(opts.profile);
-    let mut optimizer_time = Duration::ZERO;
-    let mut params = init_params(graph, config.seed);
-    let mut optimizer = Optimizer::new(&config.optimizer);
-    let mut train_time = Duration::ZERO;
-    let (mut first_loss, mut final_loss, mut last_eval) = (f64::NAN, f64::NAN, None);
-    for step in 1..=steps {
-        let batch = data.next_batch()?;
-        let start = Instant::now();
-        let out = exec.run(&batch, &params, Mode::Train, step as u64)?;
-        let updating = Instant::now();
-        optimizer.step(&mut params, &out.grads)?;
-        optimizer_time += updating.elapsed();
-        let elapsed = start.elapsed();
-        train_time += elapsed;
-        let loss = out.loss.unwrap_or(f64::NAN);
-        if !loss.is_finite() {
-            return Err(RuntimeError::Config(format!(
-                "the loss became {loss} at step {step}: lower the learning rate"
-            )));
-        }
-        if step == 1 {
-            first_loss = loss;
-        }
-        final_loss = loss;
-        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
-        let eval = if eval_now {
-            // Evaluation is not training: keep its kernels out of the profile.
-            exec.set_profiling(false);
-            let e = evaluate(&mut exec, &params, &data, config, step as u64)?;
-            exec.set_profiling(opts.profile);
-            last_eval = Some(e.clone());
-            Some(e)
-        } else {
-            None
+    Ok(source)
+}
+
+/// The error a run ends with: the first one recorded (the cause), named by role.
+fn first_error(errors: &ErrorSlot, fallback: RuntimeError) -> RuntimeError {
+    match errors.take() {
+        Some((Role::Worker(r), e)) => RuntimeError::Config(format!("worker {r}: {e}")),
+        Some((Role::Server(s), e)) => RuntimeError::Config(format!("server {s}: {e}")),
+        None => fallback,
+    }
+}
+
+/// Trains a plan with its N workers and S servers as threads of this process (one
+/// device: one worker). `on_step` sees each step's metrics line as it is complete;
+/// returning an error from it stops training.
+pub fn train(
+    programs: Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+) -> Result<TrainReport> {
+    let n = programs.workers;
+    if n == 0 {
+        return Err(RuntimeError::Config("the plan has no workers".into()));
+    }
+    let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
+    let server_types = ps::check_shards(&shards)?;
+    // Data first, so a missing file fails before any thread starts.
+    let sources = (0..n)
+        .map(|rank| open_data(&programs, config, opts, rank))
+        .collect::<Result<Vec<_>>>()?;
+    let mut cluster = if shards.is_empty() {
+        None
+    } else {
+        let cfg = PsConfig {
+            workers: n,
+            sync: opts.sync,
+            optimizer: config.optimizer.clone(),
+            seed: config.seed,
         };
-        on_step(&StepMetrics {
-            step,
-            loss,
-            samples_per_sec: config.batch as f64 / elapsed.as_secs_f64().max(1e-9),
-            compute_sec: elapsed.as_secs_f64(),
-            comm_wait_sec: 0.0,
-            bytes_sent_per_worker: vec![],
-            bytes_received_per_worker: vec![],
-            bytes_sent: 0,
-            bytes_received: 0,
-            bytes_moved: 0,
-            eval,
-        })?;
+        let mut c = ps::start_traced(shards, cfg, opts.trace)?;
+        c.set_timeout(opts.timeout);
+        Some(c)
+    };
+    let comms: Vec<Box<dyn Communicator>> = in_process(n)
+        .into_iter()
+        .map(|mut c| {
+            c.set_timeout(Some(opts.timeout));
+            Box::new(c) as Box<dyn Communicator>
+        })
+        .collect();
+    let errors = ErrorSlot::default();
+    let t0 = Instant::now();
+    let (report_tx, report_rx) = mpsc::channel::<StepReport>();
+    let mut coordinator = Coordinator::new(n, config.batch, n > 1 || cluster.is_some(), on_step);
+    let mut outcomes: Vec<Option<WorkerOutcome>> = Vec::new();
+    let mut coordinator_error = None;
+    std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for (rank, (comm, data)) in comms.into_iter().zip(sources).enumerate() {
+            let tx = report_tx.clone();
+            let setup = WorkerSetup {
+                programs,
+                config,
+                opts,
+                rank,
+                comm,
+                ps: cluster.as_mut().map(|c| c.client(rank)),
+                data,
+                report: Box::new(move |r| {
+                    tx.send(r)
+                        .map_err(|_| RuntimeError::Config("the run was stopped".into()))
+                }),
+                t0,
+                errors: errors.clone(),
+            };
+            let h = std::thread::Builder::new()
+                .name(format!("worker-{rank}"))
+                .spawn_scoped(scope, move || run_worker(setup));
+            handles.push(h);
+        }
+        drop(report_tx);
+        // The coordinator: a metrics line per step once every worker reported it. If
+        // the caller stops the run, the workers see their reports refused and stop.
+        for r in report_rx.iter() {
+            if let Err(e) = coordinator.add(r) {
+                coordinator_error = Some(e);
+                break;
+            }
+        }
+        drop(report_rx);
+        for (rank, h) in handles.into_iter().enumerate() {
+            let outcome = match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Config(format!("worker {rank} panicked")))
+                }),
+                Err(e) => Err(RuntimeError::Config(format!("worker {rank}: cannot start: {e}"))),
+            };
+            match outcome {
+                Ok(o) => outcomes.push(Some(o)),
+                Err(e) => {
+                    errors.record(Role::Worker(rank), e);
+                    outcomes.push(None);
+                }
+            }
+        }
+    });
+    let servers_outcome = cluster.as_mut().map(|c| c.stop());
+    if let Some(e) = coordinator_error {
+        return Err(e);
     }
+    if outcomes.iter().any(Option::is_none) {
+        return Err(first_error(&errors, RuntimeError::Config("a worker failed".into())));
+    }
+    let servers = match servers_outcome.transpose() {
+        Ok(s) => s,
+        Err(e) => return Err(first_error(&errors, e)),
+    };
+    let mut outcomes: Vec<WorkerOutcome> = outcomes.into_iter().flatten().collect();
+    let mut spans: Vec<Span> = outcomes.iter_mut().flat_map(|o| std::mem::take(&mut o.spans)).collect();
+    let w0 = outcomes.swap_remove(0);
+    let mut params = w0.params;
+    params.extend(ps::assemble(w0.server_shards, &server_types)?);
+    if let Some(s) = servers {
+        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
+        spans.extend(s.spans.into_iter().map(|s| Span {
+            track: format!("server {}", s.server),
+            name: match s.rank {
+                Some(r) => format!("{} (worker {r})", s.name),
+                None => s.name,
+            },
+            node: None,
+            step: s.step,
+            bytes: None,
+            start_us: us(s.start),
+            dur_us: us(s.end) - us(s.start),
+        }));
+    }
+    let c = coordinator;
     Ok(TrainReport {
-        steps,
-        final_loss,
-        first_loss,
-        eval: last_eval,
-        train_time,
-        samples_per_sec: (steps * config.batch) as f64 / train_time.as_secs_f64().max(1e-9),
+        steps: c.steps,
+        first_loss: c.first_loss,
+        final_loss: c.final_loss,
+        eval: c.eval,
+        train_time: c.train_time,
+        samples_per_sec: (c.steps * n * config.batch) as f64 / c.train_time.as_secs_f64().max(1e-9),
         params,
-        profile: opts.profile.then(|| Profile {
-            steps,
-            step_time: train_time,
-            ops: exec.profile(),
-            optimizer: optimizer_time,
-            comm_wait: Duration::ZERO,
-        }),
+        profile: w0.profile,
+        spans,
     })
 }

@@ -80,7 +80,7 @@ fn cfg(sync: PsSync, optimizer: OptimizerSpec) -> PsConfig {
 
 #[test]
 fn sync_sgd_mean_of_workers() {
-    let cluster = ps::start(two_servers(), cfg(PsSync::Sync, sgd(0.1))).expect("start");
+    let mut cluster = ps::start(two_servers(), cfg(PsSync::Sync, sgd(0.1))).expect("start");
     let (mut c0, mut c1) = (cluster.client(0), cluster.client(1));
     let w0 = c0.pull("w", W, 1).expect("pull");
     assert_eq!(f32s(&w0), &init("w", &[3, 2]));
@@ -156,7 +156,7 @@ fn shard_init_matches_full_variable() {
         vec![spec("emb", &[10, 3], 4, 7)],
         vec![spec("emb", &[10, 3], 7, 10), spec("s", &[], 0, 1)],
     ];
-    let cluster = ps::start(shards, cfg(PsSync::Sync, sgd(0.1))).expect("start");
+    let mut cluster = ps::start(shards, cfg(PsSync::Sync, sgd(0.1))).expect("start");
     let mut c = cluster.client(0);
     let emb = c
         .pull("emb", &[(2, 7, 10), (0, 0, 4), (1, 4, 7)], 1)
@@ -185,7 +185,7 @@ fn sync_adam_equals_single_device_mean() {
     ];
     let a_sh = [(0, 0, 2), (1, 2, 5)];
     let t_sh = [(0, 0, 4), (1, 4, 6)];
-    let cluster = ps::start(shards, cfg(PsSync::Sync, adam.clone())).expect("start");
+    let mut cluster = ps::start(shards, cfg(PsSync::Sync, adam.clone())).expect("start");
     let mut clients = [cluster.client(0), cluster.client(1)];
     let mut reference = Optimizer::new(&adam);
     let mut a_ref = Tensor::F32(init("a", &[5, 3]));
@@ -239,7 +239,7 @@ fn sync_adam_equals_single_device_mean() {
 
 #[test]
 fn async_applies_on_arrival() {
-    let cluster = ps::start(two_servers(), cfg(PsSync::Async, sgd(0.05))).expect("start");
+    let mut cluster = ps::start(two_servers(), cfg(PsSync::Async, sgd(0.05))).expect("start");
     let mut c0 = cluster.client(0);
     let mut c1 = cluster.client(1);
     let mut want = init("w", &[3, 2]);
@@ -262,7 +262,7 @@ fn async_applies_on_arrival() {
 
 #[test]
 fn stale_bounds_the_lead() {
-    let cluster = ps::start(two_servers(), cfg(PsSync::Stale(1), sgd(0.1))).expect("start");
+    let mut cluster = ps::start(two_servers(), cfg(PsSync::Stale(1), sgd(0.1))).expect("start");
     let mut a = cluster.client(0);
     let mut b = cluster.client(1);
     let g = Tensor::F32(arr(&[3, 2], |_| 1.0));
@@ -305,7 +305,7 @@ fn byte_counts_of_sparse_traffic() {
         vec![spec("tab", &[100, 128], 50, 100)],
     ];
     let sh = [(0, 0, 50), (1, 50, 100)];
-    let cluster = ps::start(shards, cfg(PsSync::Async, sgd(0.1))).expect("start");
+    let mut cluster = ps::start(shards, cfg(PsSync::Async, sgd(0.1))).expect("start");
     let mut c = cluster.client(0);
     let ids = [3, 77, 3, 51, 0, 77, 77];
     let d = 4u64;
@@ -326,10 +326,9 @@ fn byte_counts_of_sparse_traffic() {
     assert_eq!(c1.bytes(), (100 * 512, 0));
     c1.pull("tab", &sh, 2).expect("pull");
     assert_eq!(c1.bytes(), (100 * 512, 100 * 512));
-    let busy = cluster.server_busy();
+    let busy = cluster.stop().expect("shutdown").busy;
     assert_eq!(busy.len(), 2);
     assert!(busy.iter().all(|b| *b > Duration::ZERO), "{busy:?}");
-    cluster.shutdown().expect("shutdown");
 }
 
 #[test]
@@ -352,7 +351,7 @@ fn errors_name_server_variable_and_id() {
     .to_string();
     assert!(e.contains("`x`") && e.contains("4..6"), "{e}");
 
-    let cluster = ps::start(two_servers(), cfg(PsSync::Sync, sgd(0.1))).expect("start");
+    let mut cluster = ps::start(two_servers(), cfg(PsSync::Sync, sgd(0.1))).expect("start");
     let mut c = cluster.client(0);
     let e = c
         .pull("nope", &[(0, 0, 3)], 1)
@@ -398,7 +397,7 @@ fn errors_name_server_variable_and_id() {
 
 #[test]
 fn incomplete_sync_step_is_reported() {
-    let cluster = ps::start(two_servers(), cfg(PsSync::Sync, sgd(0.1))).expect("start");
+    let mut cluster = ps::start(two_servers(), cfg(PsSync::Sync, sgd(0.1))).expect("start");
     let mut c = cluster.client(0);
     c.push("w", W, &Tensor::F32(arr(&[3, 2], |_| 1.0)), 1)
         .expect("push");
@@ -408,4 +407,88 @@ fn incomplete_sync_step_is_reported() {
         .expect("start")
         .client(5);
     assert!(bad.pull("w", W, 1).is_err());
+}
+
+#[test]
+fn the_wire_format_round_trips_and_refuses_damaged_messages() {
+    use distc_runtime::ps::wire::{Reply, Request};
+    let grad = Slices {
+        indices: vec![3, 0, 3],
+        values: Tensor::F32(arr(&[3, 2], |i| i as f32 - 1.5)),
+        dense_shape: vec![5, 2],
+    };
+    let requests = [
+        Request::Pull {
+            tag: 7,
+            var: "emb".into(),
+            start: 2,
+            end: 9,
+            ids: Some(vec![0, 4]),
+            step: 3,
+        },
+        Request::Pull {
+            tag: 8,
+            var: "w".into(),
+            start: 0,
+            end: 3,
+            ids: None,
+            step: 1,
+        },
+        Request::Push {
+            var: "emb".into(),
+            start: 0,
+            end: 5,
+            step: 2,
+            grad: Value::Slices(grad),
+        },
+        Request::Push {
+            var: "w".into(),
+            start: 0,
+            end: 3,
+            step: 2,
+            grad: Value::Tensor(Tensor::F32(arr(&[3, 2], |i| i as f32))),
+        },
+        Request::Shutdown { tag: 9, collect: true },
+        Request::Abort {
+            reason: "worker 1: id 99 is not in 0..50".into(),
+        },
+    ];
+    for r in &requests {
+        let bytes = r.encode();
+        assert_eq!(&Request::decode(&bytes).expect("decodes"), r);
+        // Every prefix is refused with a reason, never a panic.
+        for cut in 0..bytes.len() {
+            assert!(Request::decode(&bytes[..cut]).is_err(), "{r:?} cut at {cut}");
+        }
+    }
+    let replies = [
+        Reply::Rows {
+            tag: 1,
+            result: Ok(Tensor::F32(arr(&[2, 2], |i| i as f32))),
+        },
+        Reply::Rows {
+            tag: 2,
+            result: Err("no such shard".into()),
+        },
+        Reply::Failed {
+            tag: 3,
+            error: "server failed".into(),
+        },
+        Reply::Shards {
+            tag: 4,
+            result: Ok(vec![("w".into(), 0, Tensor::F32(arr(&[3, 2], |i| i as f32)))]),
+        },
+    ];
+    for r in &replies {
+        let bytes = r.encode();
+        assert_eq!(&Reply::decode(&bytes).expect("decodes"), r);
+        for cut in 0..bytes.len() {
+            assert!(Reply::decode(&bytes[..cut]).is_err(), "{r:?} cut at {cut}");
+        }
+    }
+    // A huge announced count is refused before anything is allocated.
+    let mut evil = vec![1u8];
+    evil.extend_from_slice(&7u64.to_le_bytes());
+    evil.extend_from_slice(&u64::MAX.to_le_bytes());
+    assert!(Request::decode(&evil).is_err());
 }

@@ -5,9 +5,10 @@
 use distc::{compile_file, CompileOptions, Compiled};
 use distc_passes::placement::{Strategy, StrategyConfig, SyncMode};
 use distc_runtime::data::data_dir;
-use distc_runtime::distributed::{train_distributed, DistOptions, DistReport};
+use distc::verify::{verify, VerifyOptions};
 use distc_runtime::ps::PsSync;
-use distc_runtime::train::{train, TrainOptions};
+use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
+use std::time::Duration;
 use std::path::{Path, PathBuf};
 
 fn example(name: &str) -> PathBuf {
@@ -58,34 +59,30 @@ fn run(
     sync: PsSync,
     steps: usize,
     global_data: bool,
-) -> (DistReport, Vec<distc_runtime::metrics::StepMetrics>) {
-    let opts = DistOptions {
-        workers,
+) -> (TrainReport, Vec<distc_runtime::metrics::StepMetrics>) {
+    let opts = TrainOptions {
         sync,
         steps: Some(steps),
-        data_dir: None,
         global_data,
-        trace: false,
-        preload: false,
-        profile: false,
+        ..Default::default()
+    };
+    let programs = Programs {
+        worker: &c.graph,
+        init: c.init_program.as_ref(),
+        servers: &c.server_programs,
+        workers,
     };
     let mut lines = Vec::new();
-    let r = train_distributed(
-        &c.graph,
-        c.init_program.as_ref(),
-        &c.server_programs,
-        &c.config,
-        &opts,
-        &mut |m| {
-            lines.push(m.clone());
-            Ok(())
-        },
-    )
+    let r = train(programs, &c.config, &opts, &mut |m| {
+        lines.push(m.clone());
+        Ok(())
+    })
     .expect("trains");
     (r, lines)
 }
 
-/// N workers of batch b against one device of batch N*b, every variable.
+/// N workers of batch b against one device of batch N*b, every variable, through the
+/// library's `verify` (what `distc verify` runs).
 fn matches_one_device(name: &str, strategy: Strategy, servers: usize) {
     let (n, b, steps) = (2, 8, 3);
     if compile(name, b, Strategy::Single, 1, 0)
@@ -97,33 +94,29 @@ fn matches_one_device(name: &str, strategy: Strategy, servers: usize) {
         println!("skipping {name}: DISTC_DATA not set");
         return;
     }
-    let one = compile(name, n * b, Strategy::Single, 1, 0);
-    let opts = TrainOptions {
-        steps: Some(steps),
-        global_data: true,
-        ..Default::default()
+    let opts = VerifyOptions {
+        compile: CompileOptions {
+            batch: Some(b),
+            strategy: StrategyConfig {
+                strategy,
+                workers: n,
+                servers,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        steps,
+        tolerance: 1e-4,
+        timeout: Duration::from_secs(120),
     };
-    let single = train(&one.graph, &one.config, &opts, &mut |_| Ok(())).expect("trains");
-    let many = compile(name, b, strategy, n, servers);
-    let (dist, _) = run(&many, n, PsSync::Sync, steps, true);
-    for (var, a) in &single.params {
-        let a = a.to_f64_vec();
-        let d = dist
-            .params
-            .get(var)
-            .unwrap_or_else(|| panic!("{name} {strategy:?}: no `{var}`"))
-            .to_f64_vec();
-        let scale = a.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-12);
-        let err = a
-            .iter()
-            .zip(&d)
-            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-            / scale;
-        assert!(
-            err < 1e-4,
-            "{name} {strategy:?}: `{var}` differs by {err:.2e}"
-        );
-    }
+    let report = verify(&example(name), &opts).expect("verifies");
+    let worst = report.worst().expect("variables");
+    assert!(
+        report.passed(),
+        "{name} {strategy:?}: `{}` differs by {:.2e}",
+        worst.name,
+        worst.relative
+    );
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use distc::{compile_file, CompileOptions};
 use distc_runtime::data::data_dir;
-use distc_runtime::train::{train, TrainOptions, TrainReport};
+use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
 use std::path::{Path, PathBuf};
 
 fn example(name: &str) -> PathBuf {
@@ -27,7 +27,7 @@ fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
     }
     let mut lines = 0;
     let report = train(
-        &c.graph,
+        Programs::single(&c.graph),
         &c.config,
         &TrainOptions {
             steps: Some(steps),
@@ -145,7 +145,7 @@ fn movielens_rmse_falls() {
     }
     let rmse = |steps| {
         train(
-            &c.graph,
+            Programs::single(&c.graph),
             &c.config,
             &TrainOptions {
                 steps: Some(steps),

@@ -905,7 +905,11 @@ impl Lowerer<'_> {
                 };
                 let seed = self.seed.wrapping_mul(1000).wrapping_add(self.dropouts);
                 self.dropouts += 1;
-                Op::Dropout { rate, seed }
+                Op::Dropout {
+                    rate,
+                    seed,
+                    per_sample: false,
+                }
             }
             "layer_norm" => {
                 let eps = match arg(3) {

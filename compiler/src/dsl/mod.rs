@@ -116,6 +116,7 @@
 
 mod args;
 mod ast;
+pub mod batch;
 mod error;
 mod lower;
 mod parser;
@@ -135,6 +136,8 @@ pub struct Program {
     pub config: distc_runtime::RunConfig,
     /// The value `B` was bound to: the override if given, else the train block's batch.
     pub batch_symbol_value: usize,
+    /// Where the model breaks what data parallelism assumes (see [`batch::assumptions`]).
+    pub assumptions: Vec<String>,
 }
 
 /// Parses and lowers a DSL file. `file_name` is shown in diagnostics.
@@ -201,10 +204,22 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
         Some(b) => b,
         None => t.config.batch,
     };
-    let lowered = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?;
+    let mut graph = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?.graph;
+    // The axes that depend on B are those whose length changes with it.
+    let mut assumptions = Vec::new();
+    let other = batch
+        .checked_add(1)
+        .and_then(|b1| lower::lower_model(model, b1, t.config.seed, &t.config.data, src).ok());
+    if let Some(other) = other {
+        if let Some(axes) = batch::batch_axes(&graph, &other.graph) {
+            batch::mark_per_sample_dropout(&mut graph, &axes);
+            assumptions = batch::assumptions(&graph, &axes);
+        }
+    }
     Ok(Program {
-        graph: lowered.graph,
+        graph,
         config: t.config,
         batch_symbol_value: batch,
+        assumptions,
     })
 }

@@ -145,12 +145,15 @@ pub(super) fn binary_same<A: Elem>(
 }
 
 /// Inverted dropout, also its gradient: the mask depends only on `(seed, ctx.step,
-/// flat element index)`, so the backward op drops exactly the forward op's elements.
-/// The identity outside training.
+/// element index)`, so the backward op drops exactly the forward op's elements. With
+/// `per_sample` (axis 0 is the batch) the index is the element's position in the global
+/// batch: worker `r` of equal batches starts at `r * len`, so a sample's mask does not
+/// depend on how the global batch is split. The identity outside training.
 pub(super) fn dropout<A: Elem>(
     x: Arg<'_>,
     rate: f64,
     seed: u64,
+    per_sample: bool,
     ctx: &KernelCtx,
 ) -> Result<Value, String> {
     if !(0.0..1.0).contains(&rate) {
@@ -163,10 +166,15 @@ pub(super) fn dropout<A: Elem>(
     let mask = DropoutMask::new(rate, seed, ctx.step);
     let scale = A::c(1.0 / (1.0 - rate));
     let mut o = x.into_owned();
+    let offset = if per_sample {
+        (ctx.rank * o.len()) as u64
+    } else {
+        0
+    };
     // Logical (row-major) order, whatever the memory layout: the index is the flat
     // row-major index in both the forward and the backward op.
     for (i, v) in o.iter_mut().enumerate() {
-        *v = if mask.keep(i as u64) {
+        *v = if mask.keep(offset + i as u64) {
             *v * scale
         } else {
             A::zero()

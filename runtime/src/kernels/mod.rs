@@ -43,6 +43,10 @@ pub struct KernelCtx {
     pub step: u64,
     /// Training (dropout active) or evaluation (dropout is the identity).
     pub training: bool,
+    /// This worker's rank and the number of workers: a per-sample dropout mask indexes
+    /// an element by its position in the global batch, rank `r`'s rows after those of
+    /// ranks `0..r` (equal batches per worker).
+    pub rank: usize,
 }
 
 /// One input of a kernel: owned (the kernel may reuse its buffer) or borrowed.
@@ -368,9 +372,13 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
             let [p, t] = split(args)?;
             float!(dt, A => reduce::mse::<A>(&p, &t))?
         }
-        Op::Dropout { rate, seed } => {
+        Op::Dropout {
+            rate,
+            seed,
+            per_sample,
+        } => {
             let [x] = split(args)?;
-            float!(dt, A => elementwise::dropout::<A>(x, *rate, *seed, ctx))?
+            float!(dt, A => elementwise::dropout::<A>(x, *rate, *seed, *per_sample, ctx))?
         }
         Op::LayerNorm { eps } => {
             let [x, gamma, beta] = split(args)?;
@@ -426,9 +434,13 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
             let [dy, ids] = split(args)?;
             float!(dt, A => sparse::embedding_grad::<A>(dy, &ids, table))?
         }
-        Op::DropoutGrad { rate, seed } => {
+        Op::DropoutGrad {
+            rate,
+            seed,
+            per_sample,
+        } => {
             let [dy] = split(args)?;
-            float!(dt, A => elementwise::dropout::<A>(dy, *rate, *seed, ctx))?
+            float!(dt, A => elementwise::dropout::<A>(dy, *rate, *seed, *per_sample, ctx))?
         }
         Op::Conv2dGradInput {
             stride,
@@ -454,6 +466,14 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::Densify => {
             let [s] = split(args)?;
             float!(dt, A => sparse::densify::<A>(&s))?
+        }
+        Op::RowMask => {
+            let [s] = split(args)?;
+            float!(dt, A => sparse::row_mask::<A>(&s))?
+        }
+        Op::Sparsify => {
+            let [x, mask] = split(args)?;
+            float!(dt, A => sparse::sparsify::<A>(&x, &mask))?
         }
     };
     Ok(vec![out])

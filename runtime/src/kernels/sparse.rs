@@ -194,3 +194,60 @@ pub(super) fn densify<A: Elem>(s: &Arg<'_>) -> Result<Value, String> {
     }
     Ok(val(out))
 }
+
+/// `IndexedSlices [R, ..] -> [R]`: 1 at every row the slices touch, 0 elsewhere.
+pub(super) fn row_mask<A: Elem>(s: &Arg<'_>) -> Result<Value, String> {
+    let (s, _) = slices::<A>(s, 0)?;
+    let rows = s.dense_shape[0];
+    let mut mask = vec![A::zero(); rows];
+    for (k, &id) in s.indices.iter().enumerate() {
+        let slot = usize::try_from(id)
+            .ok()
+            .and_then(|i| mask.get_mut(i))
+            .ok_or_else(|| {
+                format!(
+                    "index {id} (position {k}) is outside the {rows} rows of {}",
+                    shape_str(&s.dense_shape)
+                )
+            })?;
+        *slot = A::one();
+    }
+    ArrayD::from_shape_vec(IxDyn(&[rows]), mask)
+        .map(val)
+        .map_err(|e| e.to_string())
+}
+
+/// `(dense [R, ..], mask [R]) -> IndexedSlices`: the rows whose mask is not zero, in
+/// row order.
+pub(super) fn sparsify<A: Elem>(x: &Arg<'_>, mask: &Arg<'_>) -> Result<Value, String> {
+    let x = view::<A>(x, 0)?;
+    let mask = view::<A>(mask, 1)?;
+    let rows = x.shape().first().copied().unwrap_or(0);
+    if x.ndim() == 0 || mask.shape() != [rows] {
+        return Err(format!(
+            "the mask {} must have one element per row of {}",
+            shape_str(mask.shape()),
+            shape_str(x.shape())
+        ));
+    }
+    let row = row_len(x.shape());
+    let x = x.as_standard_layout();
+    let data = x.as_slice().ok_or("the tensor is not contiguous")?;
+    let mut indices = Vec::new();
+    let mut values = Vec::new();
+    for (i, m) in mask.iter().enumerate() {
+        if *m != A::zero() {
+            indices.push(i32::try_from(i).map_err(|_| format!("row {i} does not fit an i32 id"))?);
+            values.extend_from_slice(&data[i * row..(i + 1) * row]);
+        }
+    }
+    let mut vdims = vec![indices.len()];
+    vdims.extend_from_slice(&x.shape()[1..]);
+    let values = ArrayD::from_shape_vec(IxDyn(&vdims), values)
+        .map_err(|e| format!("slices values {}: {e}", shape_str(&vdims)))?;
+    Ok(Value::Slices(Slices {
+        indices,
+        values: A::wrap(values),
+        dense_shape: x.shape().to_vec(),
+    }))
+}

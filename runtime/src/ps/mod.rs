@@ -1,8 +1,8 @@
-//! Parameter servers: threads that own row-range shards of variables, apply the
-//! optimizer to them, and serve workers' pulls and pushes over in-process channels.
+//! Parameter servers: processes or threads that own row-range shards of variables, apply the
+//! optimizer to them, and serve workers' pulls and pushes over a transport.
 //!
 //! * [`start`] launches one thread per server; each shard starts as rows
-//!   `start..end` of [`init_param`] of the whole variable, so a partitioned variable
+//!   `start..end` of [`crate::init::init_param`] of the whole variable, so a partitioned variable
 //!   starts exactly as the one-device variable would.
 //! * Workers talk to the servers through a [`PsClient`] (one per worker rank).
 //!   Dense pulls/pushes are split by row ranges; sparse pulls send each server only
@@ -31,20 +31,24 @@
 //! update. A server that fails (a bad push, an optimizer error) records the error,
 //! answers every later request with it, and each client's next call returns it.
 
+mod client;
 mod server;
+pub mod transport;
+pub mod wire;
+
+pub use client::PsClient;
+pub use server::{serve, Server, ServerOutcome};
 
 use crate::config::OptimizerSpec;
 use crate::error::{Result, RuntimeError};
-use crate::init::init_param;
-use crate::value::{Slices, Tensor, Value};
+use crate::value::Tensor;
 use distc_ir::{DType, Init, TensorType};
-use ndarray::{ArrayD, Axis, IxDyn, Slice};
+use ndarray::Axis;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use transport::{in_process_links, InProcessWorkerLink};
+use wire::Request;
 
 /// When servers apply pushes and when pulls may proceed (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +59,17 @@ pub enum PsSync {
     Async,
     /// Applied on arrival; no worker reads more than K steps ahead of the slowest.
     Stale(u32),
+}
+
+impl std::fmt::Display for PsSync {
+    /// As the user types it: `sync`, `async`, `stale:2`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PsSync::Sync => f.write_str("sync"),
+            PsSync::Async => f.write_str("async"),
+            PsSync::Stale(k) => write!(f, "stale:{k}"),
+        }
+    }
 }
 
 /// One shard: rows `start..end` of variable `var` (whose full type is `full`).
@@ -81,50 +96,8 @@ pub struct PsConfig {
     pub sync: PsSync,
     /// The optimizer the servers apply.
     pub optimizer: OptimizerSpec,
-    /// Run seed for [`init_param`].
+    /// Run seed for [`crate::init::init_param`].
     pub seed: u64,
-}
-
-/// A server's answer to a pull: the request's tag and the rows, or an error.
-pub(crate) type Reply = Sender<(usize, std::result::Result<Tensor, String>)>;
-
-/// The message set between clients and servers.
-pub(crate) enum Msg {
-    /// Rows of the shard `(var, start..end)`: all of them (`ids: None`) or the given
-    /// shard-local rows, as of `step`.
-    Pull {
-        var: String,
-        start: usize,
-        end: usize,
-        ids: Option<Vec<usize>>,
-        step: u64,
-        tag: usize,
-        reply: Reply,
-    },
-    /// A gradient of the shard `(var, start..end)` from worker `rank` for `step`
-    /// (dense of the shard's shape, or slices with shard-local indices).
-    Push {
-        var: String,
-        start: usize,
-        end: usize,
-        rank: usize,
-        step: u64,
-        grad: Value,
-    },
-    /// Apply what is pending, answer waiting pulls with an error, and stop.
-    Shutdown,
-}
-
-/// State shared by the cluster, its servers and the clients.
-pub(crate) struct Shared {
-    /// Per server: the error it failed with.
-    pub(crate) errors: Vec<Mutex<Option<String>>>,
-    /// Per server: nanoseconds spent handling messages.
-    pub(crate) busy: Vec<AtomicU64>,
-    /// Servers record a span per message handled (for traces) while this is set.
-    pub(crate) tracing: AtomicBool,
-    /// The spans servers recorded, appended when each server stops.
-    pub(crate) spans: Mutex<Vec<ServerSpan>>,
 }
 
 /// What a server did, when: one message handled (`pull emb`, `push emb`) or one
@@ -139,37 +112,10 @@ pub struct ServerSpan {
     pub step: u64,
     /// The worker that sent it (none for an apply).
     pub rank: Option<usize>,
-    /// When it started and ended.
+    /// When it started.
     pub start: Instant,
+    /// When it ended.
     pub end: Instant,
-}
-
-impl Shared {
-    fn first_error(&self) -> Option<String> {
-        self.errors
-            .iter()
-            .find_map(|e| e.lock().unwrap_or_else(|p| p.into_inner()).clone())
-    }
-}
-
-/// What a server thread hands back at shutdown: `(var, start, rows)` per shard.
-type ShardValues = Vec<(String, usize, Tensor)>;
-
-/// The servers' spans, readable after [`PsCluster::shutdown`].
-pub struct ServerTrace(Arc<Shared>);
-
-impl ServerTrace {
-    /// Every span recorded, by server then time.
-    pub fn spans(&self) -> Vec<ServerSpan> {
-        let mut v = self
-            .0
-            .spans
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        v.sort_by_key(|s| (s.server, s.start));
-        v
-    }
 }
 
 /// A variable's shards as a client names them: `(server, start, end)`.
@@ -178,16 +124,6 @@ type ShardList = Vec<(usize, usize, usize)>;
 /// Per variable, while checking specs: its type, init and row ranges.
 type VarShards = HashMap<String, (TensorType, Init, Vec<(usize, usize)>)>;
 
-/// Running parameter servers.
-pub struct PsCluster {
-    senders: Vec<Sender<Msg>>,
-    handles: Vec<JoinHandle<ShardValues>>,
-    shared: Arc<Shared>,
-    workers: usize,
-    /// Every variable's full type.
-    vars: HashMap<String, TensorType>,
-}
-
 /// Rows of a variable of dimensions `dims` (a scalar is one row).
 fn rows_of(dims: &[usize]) -> usize {
     dims.first().copied().unwrap_or(1)
@@ -195,19 +131,6 @@ fn rows_of(dims: &[usize]) -> usize {
 
 fn cfg_err(m: String) -> RuntimeError {
     RuntimeError::Config(m)
-}
-
-/// Rows `start..end` of `t` (the whole tensor for a scalar).
-fn slice_rows(t: &Tensor, start: usize, end: usize) -> Tensor {
-    if t.shape().is_empty() {
-        return t.clone();
-    }
-    let sl = Slice::from(start..end);
-    match t {
-        Tensor::F32(a) => Tensor::F32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-        Tensor::F64(a) => Tensor::F64(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-        Tensor::I32(a) => Tensor::I32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-    }
 }
 
 /// Concatenates f32 parts along rows (a single part is returned as is).
@@ -227,12 +150,9 @@ fn concat_rows(var: &str, mut parts: Vec<Tensor>) -> Result<Tensor> {
         .map_err(|e| cfg_err(format!("variable `{var}`: shards do not fit together: {e}")))
 }
 
-/// Starts one thread per server (`shards[s]` = the shards server `s` owns).
-pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
-    if cfg.workers == 0 {
-        return Err(cfg_err("parameter servers: no workers".into()));
-    }
-    // Check every variable's shards: one type, f32, covering its rows exactly once.
+/// Checks every server's shards (`shards[s]` = what server `s` owns): one type per
+/// variable, f32, covering its rows exactly once. Returns every variable's full type.
+pub fn check_shards(shards: &[Vec<ShardSpec>]) -> Result<HashMap<String, TensorType>> {
     let mut vars: VarShards = HashMap::new();
     for (s, list) in shards.iter().enumerate() {
         for sp in list {
@@ -265,18 +185,13 @@ pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
         let mut at = 0;
         for &(a, b) in ranges.iter() {
             if a != at {
+                let (lo, hi, what) = if a > at {
+                    (at, a, "on no server")
+                } else {
+                    (a, at, "on two shards")
+                };
                 return Err(cfg_err(format!(
-                    "parameter servers: variable `{var}`: rows {} are {}",
-                    if a > at {
-                        format!("{at}..{a}")
-                    } else {
-                        format!("{a}..{at}")
-                    },
-                    if a > at {
-                        "on no server"
-                    } else {
-                        "on two shards"
-                    }
+                    "parameter servers: variable `{var}`: rows {lo}..{hi} are {what}"
                 )));
             }
             at = b;
@@ -288,474 +203,165 @@ pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
             )));
         }
     }
-    // Initial values: each variable once, then sliced into its shards.
-    let mut inits: HashMap<String, Tensor> = HashMap::new();
-    for (var, (full, init, _)) in &vars {
-        inits.insert(var.clone(), init_param(var, full, init, cfg.seed));
+    Ok(vars.into_iter().map(|(k, v)| (k, v.0)).collect())
+}
+
+/// Reassembles whole variables from `(var, start, rows)` shards, checking each
+/// against its full type when known.
+pub fn assemble(
+    parts: Vec<(String, usize, Tensor)>,
+    types: &HashMap<String, TensorType>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut by_var: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
+    for (var, start, t) in parts {
+        by_var.entry(var).or_default().push((start, t));
     }
-    let shared = Arc::new(Shared {
-        errors: shards.iter().map(|_| Mutex::new(None)).collect(),
-        busy: shards.iter().map(|_| AtomicU64::new(0)).collect(),
-        tracing: AtomicBool::new(false),
-        spans: Mutex::new(Vec::new()),
-    });
-    let mut senders = Vec::new();
-    let mut handles = Vec::new();
-    for (id, list) in shards.into_iter().enumerate() {
-        let mut owned = Vec::new();
-        for sp in list {
-            let value = slice_rows(&inits[&sp.var], sp.start, sp.end);
-            owned.push(server::Shard::new(sp.var, sp.start, sp.end, value, &cfg));
+    let mut out = HashMap::new();
+    for (var, mut ps) in by_var {
+        ps.sort_by_key(|p| p.0);
+        let t = concat_rows(&var, ps.into_iter().map(|p| p.1).collect())?;
+        if let Some(ty) = types.get(&var) {
+            if t.shape() != ty.dims() {
+                return Err(cfg_err(format!(
+                    "variable `{var}`: reassembled shape {:?}, expected {:?}",
+                    t.shape(),
+                    ty.dims()
+                )));
+            }
         }
-        let (tx, rx): (Sender<Msg>, Receiver<Msg>) = mpsc::channel();
-        let srv = server::Server::new(id, cfg.sync, cfg.workers, owned, shared.clone());
+        out.insert(var, t);
+    }
+    Ok(out)
+}
+
+/// Parameter servers running as threads of this process, over in-process links.
+pub struct PsCluster {
+    links: Vec<Option<InProcessWorkerLink>>,
+    /// One link kept to stop the servers on behalf of every worker.
+    control: InProcessWorkerLink,
+    handles: Vec<JoinHandle<Result<ServerOutcome>>>,
+    workers: usize,
+    timeout: Duration,
+    vars: HashMap<String, TensorType>,
+}
+
+/// The default bound on any wait for a server's answer.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Starts one thread per server (`shards[s]` = the shards server `s` owns).
+pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
+    start_traced(shards, cfg, false)
+}
+
+/// [`start`], with servers recording a [`ServerSpan`] per message when `trace`.
+pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> Result<PsCluster> {
+    if cfg.workers == 0 {
+        return Err(cfg_err("parameter servers: no workers".into()));
+    }
+    let vars = check_shards(&shards)?;
+    // One extra worker link, never handed out, to stop the servers.
+    let (mut links, server_links) = in_process_links(cfg.workers + 1, shards.len());
+    let control = links.pop().ok_or_else(|| cfg_err("no control link".into()))?;
+    let mut handles = Vec::new();
+    for (id, (list, mut link)) in shards.iter().zip(server_links).enumerate() {
+        let mut server = Server::new(id, list, &cfg);
+        server.set_tracing(trace);
         let h = std::thread::Builder::new()
             .name(format!("ps-{id}"))
-            .spawn(move || srv.run(rx))
+            .spawn(move || serve(server, &mut link))
             .map_err(|e| cfg_err(format!("parameter server {id}: cannot start: {e}")))?;
-        senders.push(tx);
         handles.push(h);
     }
     Ok(PsCluster {
-        senders,
+        links: links.into_iter().map(Some).collect(),
+        control,
         handles,
-        shared,
         workers: cfg.workers,
-        vars: vars.into_iter().map(|(k, v)| (k, v.0)).collect(),
+        timeout: DEFAULT_TIMEOUT,
+        vars,
     })
 }
 
+/// What stopped servers hand back.
+#[derive(Debug, Default)]
+pub struct ClusterOutcome {
+    /// Every server-held variable, whole.
+    pub params: HashMap<String, Tensor>,
+    /// Every server's spans, by server then time.
+    pub spans: Vec<ServerSpan>,
+    /// Time each server spent handling messages.
+    pub busy: Vec<Duration>,
+}
+
 impl PsCluster {
-    /// A client for worker `rank` (call once per worker, move it into the worker's
-    /// thread). A rank out of `0..workers` makes every call of the client fail.
-    pub fn client(&self, rank: usize) -> PsClient {
-        PsClient {
-            rank,
-            workers: self.workers,
-            senders: self.senders.clone(),
-            shared: self.shared.clone(),
-            sent: 0,
-            received: 0,
+    /// Bounds every wait of the clients handed out from now on.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// The client of worker `rank` (once per rank; move it into the worker's thread).
+    /// A rank out of `0..workers`, or a second client of one rank, fails every call.
+    pub fn client(&mut self, rank: usize) -> PsClient {
+        let servers = self.handles.len();
+        match self.links.get_mut(rank).and_then(Option::take) {
+            Some(link) => PsClient::new(rank, self.workers, servers, Box::new(link), self.timeout),
+            None => PsClient::invalid(rank, self.workers, servers),
         }
     }
 
     /// Number of servers.
     pub fn servers(&self) -> usize {
-        self.senders.len()
+        self.handles.len()
     }
 
-    /// Stops the servers and returns every variable reassembled from its shards
-    /// (full tensors by name), after all pushes sent before this call are applied.
-    /// Fails with the first server error, or if a `Sync` step was pushed by only
-    /// some of the workers.
+    /// Stops the servers once every pending push is applied (on behalf of workers that
+    /// did not shut down themselves) and returns every variable reassembled from its
+    /// shards. Fails with the first server error, or if a `Sync` step was pushed by
+    /// only some of the workers.
     pub fn shutdown(mut self) -> Result<HashMap<String, Tensor>> {
-        for tx in &self.senders {
-            let _ = tx.send(Msg::Shutdown);
-        }
-        let handles = std::mem::take(&mut self.handles);
-        let mut parts: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
-        for (id, h) in handles.into_iter().enumerate() {
-            let vals = h
-                .join()
-                .map_err(|_| cfg_err(format!("parameter server {id} panicked")))?;
-            for (var, start, t) in vals {
-                parts.entry(var).or_default().push((start, t));
+        Ok(self.stop()?.params)
+    }
+
+    /// [`PsCluster::shutdown`], with the servers' spans and busy times.
+    pub fn stop(&mut self) -> Result<ClusterOutcome> {
+        // Clients not handed out never send their shutdown.
+        self.links.clear();
+        for rank in 0..self.workers {
+            for s in 0..self.handles.len() {
+                let msg = Request::Shutdown {
+                    tag: 0,
+                    collect: false,
+                };
+                let _ = self.control.send_as(rank, s, msg.encode());
             }
         }
-        if let Some(e) = self.shared.first_error() {
+        let mut parts = Vec::new();
+        let mut out = ClusterOutcome::default();
+        let mut first_error = None;
+        for (id, h) in std::mem::take(&mut self.handles).into_iter().enumerate() {
+            let o = h
+                .join()
+                .map_err(|_| cfg_err(format!("parameter server {id} panicked")))??;
+            if let Some(e) = o.error {
+                first_error.get_or_insert(e);
+            }
+            parts.extend(o.shards);
+            out.spans.extend(o.spans);
+            out.busy.push(o.busy);
+        }
+        if let Some(e) = first_error {
             return Err(cfg_err(e));
         }
-        let mut out = HashMap::new();
-        for (var, mut ps) in parts {
-            ps.sort_by_key(|p| p.0);
-            let t = concat_rows(&var, ps.into_iter().map(|p| p.1).collect())?;
-            if let Some(ty) = self.vars.get(&var) {
-                if t.shape() != ty.dims() {
-                    return Err(cfg_err(format!(
-                        "variable `{var}`: reassembled shape {:?}, expected {:?}",
-                        t.shape(),
-                        ty.dims()
-                    )));
-                }
-            }
-            out.insert(var, t);
-        }
+        out.spans.sort_by_key(|s| (s.server, s.start));
+        out.params = assemble(parts, &self.vars)?;
         Ok(out)
-    }
-
-    /// Makes the servers record a [`ServerSpan`] per message from now on; the spans
-    /// come back from [`ServerTrace::spans`] once the cluster has shut down.
-    pub fn trace(&self) -> ServerTrace {
-        self.shared.tracing.store(true, Ordering::Relaxed);
-        ServerTrace(self.shared.clone())
-    }
-
-    /// Server-side time spent applying updates and serving, per server.
-    pub fn server_busy(&self) -> Vec<Duration> {
-        self.shared
-            .busy
-            .iter()
-            .map(|b| Duration::from_nanos(b.load(Ordering::Relaxed)))
-            .collect()
     }
 }
 
 impl Drop for PsCluster {
     fn drop(&mut self) {
-        if self.handles.is_empty() {
-            return;
+        if !self.handles.is_empty() {
+            let _ = self.stop();
         }
-        for tx in &self.senders {
-            let _ = tx.send(Msg::Shutdown);
-        }
-        for h in std::mem::take(&mut self.handles) {
-            let _ = h.join();
-        }
-    }
-}
-
-/// A worker's handle on the servers.
-pub struct PsClient {
-    rank: usize,
-    workers: usize,
-    senders: Vec<Sender<Msg>>,
-    shared: Arc<Shared>,
-    sent: u64,
-    received: u64,
-}
-
-/// A variable's shards `(server, start, end)` sorted by rows and checked to cover
-/// `0..rows` contiguously; returns them and `rows`.
-fn layout(
-    op: &str,
-    var: &str,
-    shards: &[(usize, usize, usize)],
-    servers: usize,
-) -> Result<(ShardList, usize)> {
-    let mut sh = shards.to_vec();
-    sh.sort_by_key(|s| s.1);
-    if sh.is_empty() {
-        return Err(cfg_err(format!("{op} of `{var}`: no shards given")));
-    }
-    let mut at = 0;
-    for &(s, a, b) in &sh {
-        if s >= servers {
-            return Err(cfg_err(format!(
-                "{op} of `{var}`: server {s} does not exist ({servers} servers)"
-            )));
-        }
-        if a != at || b <= a {
-            return Err(cfg_err(format!(
-                "{op} of `{var}`: shards {shards:?} do not cover its rows contiguously"
-            )));
-        }
-        at = b;
-    }
-    Ok((sh, at))
-}
-
-/// The index in `sh` (sorted, contiguous from 0) of the shard holding row `id`.
-fn shard_of(sh: &[(usize, usize, usize)], id: usize) -> usize {
-    sh.partition_point(|&(_, a, _)| a <= id).saturating_sub(1)
-}
-
-fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
-    t.as_f32().ok_or_else(|| {
-        cfg_err(format!(
-            "{op} of `{var}`: a {} gradient (the servers hold f32)",
-            t.dtype()
-        ))
-    })
-}
-
-impl PsClient {
-    /// This client's worker rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Fails if this client's rank is invalid or a server has failed.
-    fn check(&self) -> Result<()> {
-        if self.rank >= self.workers {
-            return Err(cfg_err(format!(
-                "parameter-server client of rank {} (there are {} workers)",
-                self.rank, self.workers
-            )));
-        }
-        match self.shared.first_error() {
-            Some(e) => Err(cfg_err(e)),
-            None => Ok(()),
-        }
-    }
-
-    fn send(&self, server: usize, var: &str, msg: Msg) -> Result<()> {
-        self.senders[server].send(msg).map_err(|_| {
-            cfg_err(format!(
-                "parameter server {server} (variable `{var}`) has stopped"
-            ))
-        })
-    }
-
-    /// Waits for `n` replies on `rx`; returns them by tag.
-    fn collect(
-        &self,
-        var: &str,
-        rx: &Receiver<(usize, std::result::Result<Tensor, String>)>,
-        slots: usize,
-        n: usize,
-    ) -> Result<Vec<Option<Tensor>>> {
-        let mut parts: Vec<Option<Tensor>> = vec![None; slots];
-        for _ in 0..n {
-            let (tag, r) = rx.recv().map_err(|_| {
-                cfg_err(format!(
-                    "pull of `{var}`: a parameter server stopped without answering"
-                ))
-            })?;
-            let t = r.map_err(cfg_err)?;
-            if let Some(p) = parts.get_mut(tag) {
-                *p = Some(t);
-            }
-        }
-        Ok(parts)
-    }
-
-    /// The whole variable `var` (dense), assembled from its shards
-    /// `[(server, start, end)]`, as of `step` (see the module doc).
-    pub fn pull(
-        &mut self,
-        var: &str,
-        shards: &[(usize, usize, usize)],
-        step: u64,
-    ) -> Result<Tensor> {
-        self.check()?;
-        let (sh, _) = layout("pull", var, shards, self.senders.len())?;
-        let (tx, rx) = mpsc::channel();
-        for (tag, &(s, a, b)) in sh.iter().enumerate() {
-            let msg = Msg::Pull {
-                var: var.to_string(),
-                start: a,
-                end: b,
-                ids: None,
-                step,
-                tag,
-                reply: tx.clone(),
-            };
-            self.send(s, var, msg)?;
-        }
-        drop(tx);
-        let parts = self.collect(var, &rx, sh.len(), sh.len())?;
-        let parts: Vec<Tensor> = parts.into_iter().flatten().collect();
-        let t = concat_rows(var, parts)?;
-        self.received += t.bytes() as u64;
-        Ok(t)
-    }
-
-    /// Rows `ids` (any order, repeats allowed) of table `var`: each server is sent
-    /// only the distinct ids in its range (8 bytes each) and returns each distinct
-    /// row once. Returns `[ids.len(), row...]` in the order of `ids`.
-    pub fn sparse_pull(
-        &mut self,
-        var: &str,
-        shards: &[(usize, usize, usize)],
-        ids: &[i32],
-        step: u64,
-    ) -> Result<Tensor> {
-        self.check()?;
-        let (sh, rows) = layout("sparse_pull", var, shards, self.senders.len())?;
-        // Distinct ids, each placed at (shard, position in that shard's request).
-        let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(ids.len());
-        let mut local: Vec<Vec<usize>> = vec![Vec::new(); sh.len()];
-        for &id in ids {
-            if pos.contains_key(&id) {
-                continue;
-            }
-            if id < 0 || id as usize >= rows {
-                return Err(cfg_err(format!(
-                    "sparse_pull of `{var}`: id {id} is not in 0..{rows}"
-                )));
-            }
-            let k = shard_of(&sh, id as usize);
-            pos.insert(id, (k, local[k].len()));
-            local[k].push(id as usize - sh[k].1);
-        }
-        let distinct = pos.len();
-        let (tx, rx) = mpsc::channel();
-        let mut asked = 0;
-        for (k, l) in local.iter_mut().enumerate() {
-            // With no ids at all, ask the first shard for none (to learn the row shape).
-            if l.is_empty() && !(distinct == 0 && k == 0) {
-                continue;
-            }
-            let (s, a, b) = sh[k];
-            let msg = Msg::Pull {
-                var: var.to_string(),
-                start: a,
-                end: b,
-                ids: Some(std::mem::take(l)),
-                step,
-                tag: k,
-                reply: tx.clone(),
-            };
-            self.send(s, var, msg)?;
-            asked += 1;
-        }
-        drop(tx);
-        let parts = self.collect(var, &rx, sh.len(), asked)?;
-        let arrays: Vec<Option<&ArrayD<f32>>> = parts
-            .iter()
-            .map(|p| p.as_ref().and_then(|t| t.as_f32()))
-            .collect();
-        let Some(first) = arrays.iter().flatten().next() else {
-            return Err(cfg_err(format!(
-                "sparse_pull of `{var}`: no rows came back"
-            )));
-        };
-        let rest: Vec<usize> = first.shape()[1..].to_vec();
-        let row: usize = rest.iter().product();
-        let mut data: Vec<f32> = Vec::with_capacity(ids.len() * row);
-        for id in ids {
-            let (k, p) = pos[id];
-            let src = arrays[k]
-                .and_then(|a| a.as_slice())
-                .and_then(|s| s.get(p * row..(p + 1) * row))
-                .ok_or_else(|| {
-                    cfg_err(format!(
-                        "sparse_pull of `{var}`: server {} returned too few rows",
-                        sh[k].0
-                    ))
-                })?;
-            data.extend_from_slice(src);
-        }
-        let mut shape = vec![ids.len()];
-        shape.extend_from_slice(&rest);
-        let out = ArrayD::from_shape_vec(IxDyn(&shape), data)
-            .map_err(|e| cfg_err(format!("sparse_pull of `{var}`: {e}")))?;
-        self.sent += 8 * distinct as u64;
-        self.received += (4 * row * distinct) as u64;
-        Ok(Tensor::F32(out))
-    }
-
-    /// Pushes a dense gradient (split by row ranges to the shards' servers).
-    pub fn push(
-        &mut self,
-        var: &str,
-        shards: &[(usize, usize, usize)],
-        grad: &Tensor,
-        step: u64,
-    ) -> Result<()> {
-        self.check()?;
-        let (sh, rows) = layout("push", var, shards, self.senders.len())?;
-        f32_of("push", var, grad)?;
-        if grad.shape().is_empty() && sh.len() != 1 {
-            return Err(cfg_err(format!(
-                "push of `{var}`: a scalar gradient for several shards"
-            )));
-        }
-        if !grad.shape().is_empty() && grad.shape()[0] != rows {
-            return Err(cfg_err(format!(
-                "push of `{var}`: gradient of shape {:?} for a variable of {rows} rows",
-                grad.shape()
-            )));
-        }
-        for &(s, a, b) in &sh {
-            let part = slice_rows(grad, a, b);
-            self.sent += part.bytes() as u64;
-            let msg = Msg::Push {
-                var: var.to_string(),
-                start: a,
-                end: b,
-                rank: self.rank,
-                step,
-                grad: Value::Tensor(part),
-            };
-            self.send(s, var, msg)?;
-        }
-        Ok(())
-    }
-
-    /// Pushes row-sparse gradients: a worker's duplicate rows are summed (in order of
-    /// appearance), each row goes to the server holding it with its index rebased to
-    /// the shard (8 bytes per id plus the row's values on the wire). Every shard gets
-    /// a message, empty where no row falls in it.
-    pub fn sparse_push(
-        &mut self,
-        var: &str,
-        shards: &[(usize, usize, usize)],
-        grad: &Slices,
-        step: u64,
-    ) -> Result<()> {
-        self.check()?;
-        let (sh, rows) = layout("sparse_push", var, shards, self.senders.len())?;
-        let vals = f32_of("sparse_push", var, &grad.values)?;
-        let ds = &grad.dense_shape;
-        if ds.is_empty() || ds[0] != rows {
-            return Err(cfg_err(format!(
-                "sparse_push of `{var}`: dense shape {ds:?} for a variable of {rows} rows"
-            )));
-        }
-        let rest = &ds[1..];
-        let row: usize = rest.iter().product();
-        let n = grad.indices.len();
-        if vals.shape().first() != Some(&n) || vals.shape()[1..] != *rest {
-            return Err(cfg_err(format!(
-                "sparse_push of `{var}`: values {:?} do not hold {n} rows of {rest:?}",
-                vals.shape()
-            )));
-        }
-        let vals = vals.as_standard_layout();
-        let vs = vals
-            .as_slice()
-            .ok_or_else(|| cfg_err(format!("sparse_push of `{var}`: non-contiguous values")))?;
-        let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(n);
-        let mut idx: Vec<Vec<i32>> = vec![Vec::new(); sh.len()];
-        let mut data: Vec<Vec<f32>> = vec![Vec::new(); sh.len()];
-        for (r, &id) in grad.indices.iter().enumerate() {
-            let src = &vs[r * row..(r + 1) * row];
-            if let Some(&(k, p)) = pos.get(&id) {
-                for (d, s) in data[k][p * row..(p + 1) * row].iter_mut().zip(src) {
-                    *d += s;
-                }
-                continue;
-            }
-            if id < 0 || id as usize >= rows {
-                return Err(cfg_err(format!(
-                    "sparse_push of `{var}`: id {id} is not in 0..{rows}"
-                )));
-            }
-            let k = shard_of(&sh, id as usize);
-            pos.insert(id, (k, idx[k].len()));
-            idx[k].push((id as usize - sh[k].1) as i32);
-            data[k].extend_from_slice(src);
-        }
-        for (k, &(s, a, b)) in sh.iter().enumerate() {
-            let indices = std::mem::take(&mut idx[k]);
-            let mut shape = vec![indices.len()];
-            shape.extend_from_slice(rest);
-            let values = ArrayD::from_shape_vec(IxDyn(&shape), std::mem::take(&mut data[k]))
-                .map_err(|e| cfg_err(format!("sparse_push of `{var}`: {e}")))?;
-            self.sent += (indices.len() * (8 + 4 * row)) as u64;
-            let mut dense_shape = vec![b - a];
-            dense_shape.extend_from_slice(rest);
-            let msg = Msg::Push {
-                var: var.to_string(),
-                start: a,
-                end: b,
-                rank: self.rank,
-                step,
-                grad: Value::Slices(Slices {
-                    indices,
-                    values: Tensor::F32(values),
-                    dense_shape,
-                }),
-            };
-            self.send(s, var, msg)?;
-        }
-        Ok(())
-    }
-
-    /// Cumulative payload bytes this worker sent (ids, gradients) and received
-    /// (values).
-    pub fn bytes(&self) -> (u64, u64) {
-        (self.sent, self.received)
     }
 }

@@ -1,18 +1,21 @@
-//! One parameter server: a thread that owns shards, applies pushes with one
-//! [`Optimizer`] per shard, and answers pulls when the sync mode allows.
+//! One parameter server: owns shards, applies pushes with one [`Optimizer`] per
+//! shard, answers pulls when the sync mode allows. [`Server::handle`] takes one
+//! request and returns the replies it releases, addressed by worker rank; it knows
+//! nothing of how messages travel. [`serve`] runs it over a [`ServerLink`].
 
-use super::{Msg, PsConfig, PsSync, Reply, ServerSpan, ShardValues, Shared};
+use super::transport::ServerLink;
+use super::wire::{Reply, Request};
+use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
+use crate::error::{Result, RuntimeError};
+use crate::init::init_param;
 use crate::optim::Optimizer;
 use crate::value::{Slices, Tensor, Value};
-use ndarray::{ArrayD, Axis, IxDyn};
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
-use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Rows `start..end` of variable `var` with its optimizer and sync state.
-pub(crate) struct Shard {
+struct Shard {
     var: String,
     start: usize,
     end: usize,
@@ -26,26 +29,31 @@ pub(crate) struct Shard {
     pending: BTreeMap<u64, Vec<Vec<Value>>>,
 }
 
+/// Rows `start..end` of `t` (the whole tensor for a scalar).
+pub(crate) fn slice_rows(t: &Tensor, start: usize, end: usize) -> Tensor {
+    if t.shape().is_empty() {
+        return t.clone();
+    }
+    let sl = Slice::from(start..end);
+    match t {
+        Tensor::F32(a) => Tensor::F32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
+        Tensor::F64(a) => Tensor::F64(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
+        Tensor::I32(a) => Tensor::I32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
+    }
+}
+
 impl Shard {
-    pub(crate) fn new(
-        var: String,
-        start: usize,
-        end: usize,
-        value: Tensor,
-        cfg: &PsConfig,
-    ) -> Shard {
+    fn new(var: String, start: usize, end: usize, value: Tensor, cfg: &PsConfig) -> Shard {
+        // A server is one thread, as a server process would be one core's worth; its
+        // updates stay on it rather than taking the workers' cores via rayon.
+        let mut opt = Optimizer::new(&cfg.optimizer);
+        opt.set_parallel(false);
         Shard {
             var,
             start,
             end,
             value,
-            // A server is one thread, as a server process would be one core's worth;
-            // its updates stay on it rather than taking the workers' cores via rayon.
-            opt: {
-                let mut o = Optimizer::new(&cfg.optimizer);
-                o.set_parallel(false);
-                o
-            },
+            opt,
             applied: 0,
             last: vec![0; cfg.workers],
             pending: BTreeMap::new(),
@@ -65,7 +73,7 @@ impl Shard {
     }
 
     /// The shard's rows (all, or the shard-local `ids`).
-    fn rows(&self, ids: Option<&[usize]>) -> Result<Tensor, String> {
+    fn rows(&self, ids: Option<&[usize]>) -> std::result::Result<Tensor, String> {
         let Some(ids) = ids else {
             return Ok(self.value.clone());
         };
@@ -84,7 +92,7 @@ impl Shard {
             if i >= n {
                 return Err(format!(
                     "id {} is not in {}..{}",
-                    i + self.start,
+                    i.saturating_add(self.start),
                     self.start,
                     self.end
                 ));
@@ -99,7 +107,7 @@ impl Shard {
     }
 
     /// Applies one (combined) gradient with scale `1/workers` and ends the step.
-    fn apply(&mut self, grad: &Value, workers: usize) -> Result<(), String> {
+    fn apply(&mut self, grad: &Value, workers: usize) -> std::result::Result<(), String> {
         let empty = matches!(grad, Value::Slices(s) if s.indices.is_empty());
         if !empty {
             self.opt
@@ -114,22 +122,19 @@ impl Shard {
 
 /// Combines one step's pushes (in rank order): dense ones summed, sparse ones
 /// concatenated.
-fn combine(pushes: Vec<Vec<Value>>) -> Result<Value, String> {
+fn combine(pushes: Vec<Vec<Value>>) -> std::result::Result<Value, String> {
     let all: Vec<Value> = pushes.into_iter().flatten().collect();
     let mut it = all.into_iter();
     let Some(first) = it.next() else {
         return Err("no pushes".into());
     };
+    let differ = || "the workers' gradients of one step differ in kind or shape".to_string();
     match first {
         Value::Tensor(Tensor::F32(mut acc)) => {
             for v in it {
                 match v {
                     Value::Tensor(Tensor::F32(g)) if g.shape() == acc.shape() => acc += &g,
-                    _ => {
-                        return Err(
-                            "the workers' gradients of one step differ in kind or shape".into()
-                        )
-                    }
+                    _ => return Err(differ()),
                 }
             }
             Ok(Value::Tensor(Tensor::F32(acc)))
@@ -139,11 +144,7 @@ fn combine(pushes: Vec<Vec<Value>>) -> Result<Value, String> {
             for v in it {
                 match v {
                     Value::Slices(s) if s.dense_shape == ss[0].dense_shape => ss.push(s),
-                    _ => {
-                        return Err(
-                            "the workers' gradients of one step differ in kind or shape".into()
-                        )
-                    }
+                    _ => return Err(differ()),
                 }
             }
             if ss.len() == 1 {
@@ -171,155 +172,156 @@ fn combine(pushes: Vec<Vec<Value>>) -> Result<Value, String> {
     }
 }
 
-/// `Sync`: applies every step of `shard` whose pushes have all arrived, in order,
-/// noting each in `applied`.
-fn apply_complete_steps(
-    shard: &mut Shard,
-    workers: usize,
-    applied: &mut Vec<(u64, Option<usize>, Instant, Instant)>,
-) -> Result<(), String> {
-    loop {
-        let next = shard.applied + 1;
-        let complete = shard
-            .pending
-            .get(&next)
-            .is_some_and(|p| p.iter().all(|w| !w.is_empty()));
-        if !complete {
-            return Ok(());
-        }
-        let Some(pushes) = shard.pending.remove(&next) else {
-            return Ok(());
-        };
-        let t0 = Instant::now();
-        let g = combine(pushes).map_err(|e| format!("step {next}: {e}"))?;
-        shard
-            .apply(&g, workers)
-            .map_err(|e| format!("step {next}: {e}"))?;
-        applied.push((next, None, t0, Instant::now()));
-    }
-}
-
 /// A pull waiting for its step.
 struct Waiting {
+    from: usize,
     key: (String, usize),
     ids: Option<Vec<usize>>,
     step: u64,
-    tag: usize,
-    reply: Reply,
+    tag: u64,
 }
 
-/// A server thread's state.
-pub(crate) struct Server {
+/// One parameter server's state.
+pub struct Server {
     id: usize,
     sync: PsSync,
     workers: usize,
     shards: HashMap<(String, usize), Shard>,
     waiting: Vec<Waiting>,
     failed: Option<String>,
-    shared: Arc<Shared>,
-    /// Spans recorded while tracing, handed to `shared` at the end.
+    /// Per worker: it has sent `Shutdown` or `Abort`.
+    finished: Vec<bool>,
+    /// Workers that asked for the shards at shutdown, with their tags.
+    collectors: Vec<(usize, u64)>,
+    /// Record a span per message (for traces).
+    tracing: bool,
     spans: Vec<ServerSpan>,
+    busy: Duration,
+}
+
+/// What a server hands back when it stops.
+#[derive(Debug)]
+pub struct ServerOutcome {
+    /// `(var, start, rows)` per shard.
+    pub shards: Vec<(String, usize, Tensor)>,
+    /// The error it failed with, if it did.
+    pub error: Option<String>,
+    /// Spans recorded while tracing.
+    pub spans: Vec<ServerSpan>,
+    /// Time spent handling messages.
+    pub busy: Duration,
 }
 
 impl Server {
-    pub(crate) fn new(
-        id: usize,
-        sync: PsSync,
-        workers: usize,
-        shards: Vec<Shard>,
-        shared: Arc<Shared>,
-    ) -> Server {
+    /// Server `id` holding `shards`, each initialised as rows `start..end` of the whole
+    /// variable's initial value (so a partitioned variable starts as one device's).
+    pub fn new(id: usize, shards: &[ShardSpec], cfg: &PsConfig) -> Server {
+        let mut inits: HashMap<&str, Tensor> = HashMap::new();
+        let mut owned = HashMap::new();
+        for sp in shards {
+            let full = inits
+                .entry(sp.var.as_str())
+                .or_insert_with(|| init_param(&sp.var, &sp.full, &sp.init, cfg.seed));
+            let value = slice_rows(full, sp.start, sp.end);
+            owned.insert(
+                (sp.var.clone(), sp.start),
+                Shard::new(sp.var.clone(), sp.start, sp.end, value, cfg),
+            );
+        }
         Server {
             id,
-            sync,
-            workers,
-            shards: shards
-                .into_iter()
-                .map(|s| ((s.var.clone(), s.start), s))
-                .collect(),
+            sync: cfg.sync,
+            workers: cfg.workers,
+            shards: owned,
             waiting: Vec::new(),
             failed: None,
-            shared,
+            finished: vec![false; cfg.workers],
+            collectors: Vec::new(),
+            tracing: false,
             spans: Vec::new(),
+            busy: Duration::ZERO,
         }
     }
 
-    /// Serves messages until `Shutdown` (or until every sender is gone); returns the
-    /// shards' values.
-    pub(crate) fn run(mut self, rx: Receiver<Msg>) -> ShardValues {
-        while let Ok(msg) = rx.recv() {
-            let t0 = Instant::now();
-            // Named before `handle` consumes the message; only while tracing, as a
-            // server handles thousands of messages a second.
-            let what = match &msg {
-                _ if !self.tracing() => None,
-                Msg::Pull { var, step, ids, .. } => Some((
-                    format!("pull {var}{}", if ids.is_some() { " rows" } else { "" }),
-                    *step,
-                    None,
-                )),
-                Msg::Push {
-                    var, step, rank, ..
-                } => Some((format!("push {var}"), *step, Some(*rank))),
-                Msg::Shutdown => None,
-            };
-            let stop = self.handle(msg);
-            let end = Instant::now();
-            self.shared.busy[self.id].fetch_add((end - t0).as_nanos() as u64, Ordering::Relaxed);
-            if let Some((name, step, rank)) = what {
-                self.record(name, step, rank, t0, end);
-            }
-            if stop {
-                break;
-            }
-        }
-        self.finish()
+    /// Records a span per message handled and per update applied from now on.
+    pub fn set_tracing(&mut self, on: bool) {
+        self.tracing = on;
     }
 
-    fn handle(&mut self, msg: Msg) -> bool {
-        match msg {
-            Msg::Shutdown => return true,
-            Msg::Pull {
-                var,
-                start,
-                end,
-                ids,
-                step,
-                tag,
-                reply,
-            } => self.pull(var, start, end, ids, step, tag, reply),
-            Msg::Push {
-                var,
-                start,
-                end,
-                rank,
-                step,
-                grad,
-            } => {
-                if self.failed.is_none() {
-                    if let Err(e) = self.push(&var, start, end, rank, step, grad) {
-                        self.fail(&var, start, end, &e);
+    /// Whether every worker has finished (the server has nothing more to do).
+    pub fn done(&self) -> bool {
+        self.finished.iter().all(|&f| f)
+    }
+
+    /// Handles one request from worker `from`; returns the replies it releases.
+    pub fn handle(&mut self, from: usize, req: Request) -> Vec<(usize, Reply)> {
+        let t0 = Instant::now();
+        let what = match &req {
+            _ if !self.tracing => None,
+            Request::Pull { var, step, ids, .. } => Some((
+                format!("pull {var}{}", if ids.is_some() { " rows" } else { "" }),
+                *step,
+                None,
+            )),
+            Request::Push { var, step, .. } => Some((format!("push {var}"), *step, Some(from))),
+            Request::Shutdown { .. } | Request::Abort { .. } => None,
+        };
+        let mut out = Vec::new();
+        if from >= self.workers {
+            self.fail(format!(
+                "a message from worker {from} (there are {} workers)",
+                self.workers
+            ));
+        } else {
+            match req {
+                Request::Pull {
+                    tag,
+                    var,
+                    start,
+                    end,
+                    ids,
+                    step,
+                } => self.pull(from, tag, var, start, end, ids, step, &mut out),
+                Request::Push {
+                    var,
+                    start,
+                    end,
+                    step,
+                    grad,
+                } => {
+                    if self.failed.is_none() {
+                        if let Err(e) = self.push(&var, start, end, from, step, grad) {
+                            let m = format!("{}: {e}", self.name(&var, start, end));
+                            self.fail(m);
+                        }
                     }
-                    self.wake();
+                }
+                Request::Shutdown { tag, collect } => {
+                    self.finished[from] = true;
+                    if collect {
+                        self.collectors.push((from, tag));
+                    }
+                }
+                Request::Abort { reason } => {
+                    self.finished[from] = true;
+                    self.fail(format!("worker {from} failed: {reason}"));
                 }
             }
         }
-        false
+        self.wake(&mut out);
+        if self.done() {
+            self.finish(&mut out);
+        }
+        let end = Instant::now();
+        self.busy += end - t0;
+        if let Some((name, step, rank)) = what {
+            self.record(name, step, rank, t0, end);
+        }
+        out
     }
 
-    fn tracing(&self) -> bool {
-        self.shared.tracing.load(Ordering::Relaxed)
-    }
-
-    fn record(
-        &mut self,
-        name: String,
-        step: u64,
-        rank: Option<usize>,
-        start: Instant,
-        end: Instant,
-    ) {
-        if self.tracing() {
+    fn record(&mut self, name: String, step: u64, rank: Option<usize>, start: Instant, end: Instant) {
+        if self.tracing {
             self.spans.push(ServerSpan {
                 server: self.id,
                 name,
@@ -339,7 +341,7 @@ impl Server {
     }
 
     /// The shard `(var, start..end)`, or why not.
-    fn find(&self, var: &str, start: usize, end: usize) -> Result<&Shard, String> {
+    fn find(&self, var: &str, start: usize, end: usize) -> std::result::Result<&Shard, String> {
         match self.shards.get(&(var.to_string(), start)) {
             Some(s) if s.end == end => Ok(s),
             _ => Err(format!(
@@ -352,38 +354,34 @@ impl Server {
     #[allow(clippy::too_many_arguments)]
     fn pull(
         &mut self,
+        from: usize,
+        tag: u64,
         var: String,
         start: usize,
         end: usize,
         ids: Option<Vec<usize>>,
         step: u64,
-        tag: usize,
-        reply: Reply,
+        out: &mut Vec<(usize, Reply)>,
     ) {
         if let Some(e) = &self.failed {
-            let _ = reply.send((tag, Err(e.clone())));
+            out.push((
+                from,
+                Reply::Failed {
+                    tag,
+                    error: e.clone(),
+                },
+            ));
             return;
         }
-        let shard = match self.find(&var, start, end) {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = reply.send((tag, Err(e)));
-                return;
-            }
-        };
-        if shard.ready(self.sync, step) {
-            let r = shard
-                .rows(ids.as_deref())
-                .map_err(|e| format!("{}: {e}", self.name(&var, start, end)));
-            let _ = reply.send((tag, r));
-        } else {
-            self.waiting.push(Waiting {
+        match self.find(&var, start, end) {
+            Err(e) => out.push((from, Reply::Rows { tag, result: Err(e) })),
+            Ok(_) => self.waiting.push(Waiting {
+                from,
                 key: (var, start),
                 ids,
                 step,
                 tag,
-                reply,
-            });
+            }),
         }
     }
 
@@ -395,19 +393,13 @@ impl Server {
         rank: usize,
         step: u64,
         grad: Value,
-    ) -> Result<(), String> {
+    ) -> std::result::Result<(), String> {
         self.find(var, start, end)?;
         let (sync, workers) = (self.sync, self.workers);
         let Some(shard) = self.shards.get_mut(&(var.to_string(), start)) else {
             return Err("no such shard on this server".into());
         };
-        if rank >= workers {
-            return Err(format!(
-                "push from worker {rank} (there are {workers} workers)"
-            ));
-        }
         shard.last[rank] = shard.last[rank].max(step);
-        // Steps applied by this push, with when: recorded once `shard` is released.
         let mut applied = Vec::new();
         let r = match sync {
             PsSync::Async | PsSync::Stale(_) => {
@@ -437,16 +429,8 @@ impl Server {
         r
     }
 
-    /// Records a failure (the first one sticks) and answers every waiting pull with it.
-    fn fail(&mut self, var: &str, start: usize, end: usize, e: &str) {
-        let m = format!("{}: {e}", self.name(var, start, end));
-        let mut slot = self.shared.errors[self.id]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(m.clone());
-        }
-        drop(slot);
+    /// Records a failure (the first one sticks).
+    fn fail(&mut self, m: String) {
         if self.failed.is_none() {
             self.failed = Some(m);
         }
@@ -454,65 +438,138 @@ impl Server {
 
     /// Answers the waiting pulls that may proceed now (all of them, with the error,
     /// if the server has failed).
-    fn wake(&mut self) {
+    fn wake(&mut self, out: &mut Vec<(usize, Reply)>) {
         let waiting = std::mem::take(&mut self.waiting);
         for w in waiting {
             if let Some(e) = &self.failed {
-                let _ = w.reply.send((w.tag, Err(e.clone())));
+                out.push((
+                    w.from,
+                    Reply::Failed {
+                        tag: w.tag,
+                        error: e.clone(),
+                    },
+                ));
                 continue;
             }
             let Some(shard) = self.shards.get(&w.key) else {
                 continue;
             };
             if shard.ready(self.sync, w.step) {
-                let r = shard
+                let result = shard
                     .rows(w.ids.as_deref())
                     .map_err(|e| format!("{}: {e}", self.name(&w.key.0, shard.start, shard.end)));
-                let _ = w.reply.send((w.tag, r));
+                out.push((w.from, Reply::Rows { tag: w.tag, result }));
             } else {
                 self.waiting.push(w);
             }
         }
     }
 
-    /// At shutdown: incomplete `Sync` steps are an error; waiting pulls are answered
-    /// with an error; returns the shards' values.
-    fn finish(mut self) -> ShardValues {
+    /// Once every worker has finished: incomplete `Sync` steps are an error, waiting
+    /// pulls are answered with an error, collectors get the shards.
+    fn finish(&mut self, out: &mut Vec<(usize, Reply)>) {
         let mut incomplete = Vec::new();
         for s in self.shards.values() {
             for (step, p) in &s.pending {
                 let k = p.iter().filter(|w| !w.is_empty()).count();
-                incomplete.push((
-                    s.var.clone(),
-                    s.start,
-                    s.end,
-                    format!(
-                        "step {step} was pushed by {k} of {} workers and not applied",
-                        self.workers
-                    ),
+                incomplete.push(format!(
+                    "{}: step {step} was pushed by {k} of {} workers and not applied",
+                    self.name(&s.var, s.start, s.end),
+                    self.workers
                 ));
             }
         }
         incomplete.sort();
-        if let Some((var, start, end, e)) = incomplete.first() {
-            self.fail(var, *start, *end, e);
+        if let Some(e) = incomplete.into_iter().next() {
+            self.fail(e);
         }
         for w in std::mem::take(&mut self.waiting) {
             let e = self
                 .failed
                 .clone()
                 .unwrap_or_else(|| format!("parameter server {}: shut down", self.id));
-            let _ = w.reply.send((w.tag, Err(e)));
+            out.push((w.from, Reply::Failed { tag: w.tag, error: e }));
         }
-        let spans = std::mem::take(&mut self.spans);
-        self.shared
-            .spans
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(spans);
-        self.shards
-            .into_values()
-            .map(|s| (s.var, s.start, s.value))
-            .collect()
+        for (to, tag) in std::mem::take(&mut self.collectors) {
+            let result = match &self.failed {
+                Some(e) => Err(e.clone()),
+                None => Ok(self.values()),
+            };
+            out.push((to, Reply::Shards { tag, result }));
+        }
     }
+
+    /// Every shard's current rows, sorted by variable and first row.
+    fn values(&self) -> Vec<(String, usize, Tensor)> {
+        let mut v: Vec<_> = self
+            .shards
+            .values()
+            .map(|s| (s.var.clone(), s.start, s.value.clone()))
+            .collect();
+        v.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        v
+    }
+
+    /// Stops: the shards, the error, the spans.
+    pub fn into_outcome(self) -> ServerOutcome {
+        let shards = self.values();
+        ServerOutcome {
+            shards,
+            error: self.failed,
+            spans: self.spans,
+            busy: self.busy,
+        }
+    }
+}
+
+/// `Sync`: applies every step of `shard` whose pushes have all arrived, in order.
+fn apply_complete_steps(
+    shard: &mut Shard,
+    workers: usize,
+    applied: &mut Vec<(u64, Option<usize>, Instant, Instant)>,
+) -> std::result::Result<(), String> {
+    loop {
+        let next = shard.applied + 1;
+        let complete = shard
+            .pending
+            .get(&next)
+            .is_some_and(|p| p.iter().all(|w| !w.is_empty()));
+        if !complete {
+            return Ok(());
+        }
+        let Some(pushes) = shard.pending.remove(&next) else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let g = combine(pushes).map_err(|e| format!("step {next}: {e}"))?;
+        shard
+            .apply(&g, workers)
+            .map_err(|e| format!("step {next}: {e}"))?;
+        applied.push((next, None, t0, Instant::now()));
+    }
+}
+
+/// Serves requests arriving on `link` until every worker has finished (or no worker
+/// can send any more); returns the server's shards, error and spans.
+pub fn serve(mut server: Server, link: &mut dyn ServerLink) -> Result<ServerOutcome> {
+    while !server.done() {
+        let (from, bytes) = match link.recv() {
+            Ok(m) => m,
+            // Every worker is gone without finishing: nothing can reach this server.
+            Err(_) => break,
+        };
+        let replies = match Request::decode(&bytes) {
+            Ok(req) => server.handle(from, req),
+            Err(e) => {
+                return Err(RuntimeError::Config(format!(
+                    "parameter server {}: a malformed message from worker {from}: {e}",
+                    server.id
+                )))
+            }
+        };
+        for (to, reply) in replies {
+            link.send(to, reply.encode())?;
+        }
+    }
+    Ok(server.into_outcome())
 }

@@ -1,0 +1,194 @@
+//! `distc verify`: a synchronous strategy with N workers of batch b must compute what
+//! one device computes with batch N*b on the same data and seed. Both are trained for
+//! K steps; every variable is compared by its largest difference relative to its
+//! largest magnitude. The CLI and the tests call [`verify`]; [`compare`] is the
+//! comparison alone.
+
+use crate::pipeline::{compile_file, CompileError, CompileOptions, Compiled};
+use distc_passes::placement::{Strategy, SyncMode};
+use distc_runtime::train::{train, Programs, TrainOptions};
+use distc_runtime::{RuntimeError, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+use thiserror::Error;
+
+/// How to verify.
+#[derive(Clone, Debug)]
+pub struct VerifyOptions {
+    /// The distributed compilation (strategy, workers, servers, flags).
+    pub compile: CompileOptions,
+    /// Steps to train before comparing (at least 1).
+    pub steps: usize,
+    /// Largest relative difference allowed.
+    pub tolerance: f64,
+    /// Bound on any wait for a collective or a server.
+    pub timeout: Duration,
+}
+
+/// One variable's comparison.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VarError {
+    /// The variable.
+    pub name: String,
+    /// `max |one - dist| / max |one|`.
+    pub relative: f64,
+}
+
+/// What verification found.
+#[derive(Clone, Debug)]
+pub struct VerifyReport {
+    /// The strategy checked.
+    pub strategy: Strategy,
+    /// Workers N.
+    pub workers: usize,
+    /// The one-device batch N*b.
+    pub global_batch: usize,
+    /// Steps trained.
+    pub steps: usize,
+    /// Every variable, by name.
+    pub vars: Vec<VarError>,
+    /// The tolerance.
+    pub tolerance: f64,
+    /// Where the model breaks what data parallelism assumes, if it does.
+    pub assumptions: Vec<String>,
+}
+
+impl VerifyReport {
+    /// The variable that differs most.
+    pub fn worst(&self) -> Option<&VarError> {
+        self.vars
+            .iter()
+            .max_by(|a, b| a.relative.total_cmp(&b.relative))
+    }
+
+    /// Whether every variable is within the tolerance.
+    pub fn passed(&self) -> bool {
+        self.worst()
+            .is_some_and(|w| w.relative <= self.tolerance)
+    }
+}
+
+/// Why verification could not run.
+#[derive(Debug, Error)]
+pub enum VerifyError {
+    /// The flags do not describe something verification can check.
+    #[error("{0}")]
+    Refused(String),
+    /// The model did not compile.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// A run failed.
+    #[error("{0}")]
+    Run(#[from] RuntimeError),
+    /// The two runs do not hold the same variables.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// `max |a - b| / max |a|` of every variable of `one`, against `dist`.
+pub fn compare(
+    one: &HashMap<String, Tensor>,
+    dist: &HashMap<String, Tensor>,
+) -> Result<Vec<VarError>, String> {
+    let mut names: Vec<&String> = one.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|name| {
+            let a = one[name].to_f64_vec();
+            let b = dist
+                .get(name)
+                .ok_or_else(|| format!("the distributed run has no variable `{name}`"))?
+                .to_f64_vec();
+            if a.len() != b.len() {
+                return Err(format!(
+                    "variable `{name}` has {} elements on one device and {} distributed",
+                    a.len(),
+                    b.len()
+                ));
+            }
+            let scale = a.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-12);
+            let diff = a
+                .iter()
+                .zip(&b)
+                .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+            // NaN anywhere is a failure, never a pass.
+            let relative = if diff.is_nan() { f64::INFINITY } else { diff / scale };
+            Ok(VarError {
+                name: name.clone(),
+                relative,
+            })
+        })
+        .collect()
+}
+
+fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<HashMap<String, Tensor>, VerifyError> {
+    let train_opts = TrainOptions {
+        steps: Some(opts.steps),
+        data_dir: opts.compile.data_dir.clone(),
+        global_data: true,
+        timeout: opts.timeout,
+        ..TrainOptions::default()
+    };
+    let programs = Programs {
+        worker: &c.graph,
+        init: c.init_program.as_ref(),
+        servers: &c.server_programs,
+        workers,
+    };
+    Ok(train(programs, &c.config, &train_opts, &mut |_| Ok(()))?.params)
+}
+
+/// Trains `file` on one device with batch N*b and with the strategy of
+/// `opts.compile` (N workers of batch b), same data and seed, and compares them.
+pub fn verify(file: &Path, opts: &VerifyOptions) -> Result<VerifyReport, VerifyError> {
+    let s = &opts.compile.strategy;
+    if s.strategy == Strategy::Single {
+        return Err(VerifyError::Refused(
+            "verify compares a distributed strategy with one device: give --strategy \
+             allreduce, ps, hybrid or auto"
+                .into(),
+        ));
+    }
+    if s.sync != SyncMode::Sync {
+        return Err(VerifyError::Refused(format!(
+            "verify compares synchronous strategies with one device; --sync {} is not synchronous",
+            s.sync
+        )));
+    }
+    if opts.steps == 0 {
+        return Err(VerifyError::Refused(
+            "--steps 0 compares nothing: give at least 1".into(),
+        ));
+    }
+    if !opts.tolerance.is_finite() || opts.tolerance < 0.0 {
+        return Err(VerifyError::Refused(format!(
+            "--tolerance {} is not a finite number of at least 0",
+            opts.tolerance
+        )));
+    }
+    let dist = compile_file(file, &opts.compile)?;
+    let n = s.workers;
+    let single_opts = CompileOptions {
+        batch: Some(dist.config.batch * n),
+        data_dir: opts.compile.data_dir.clone(),
+        ..Default::default()
+    };
+    let single = compile_file(file, &single_opts)?;
+    let one = run(&single, opts, 1)?;
+    let many = run(&dist, opts, n)?;
+    let vars = compare(&one, &many).map_err(VerifyError::Mismatch)?;
+    if vars.is_empty() {
+        return Err(VerifyError::Mismatch("the model has no variables".into()));
+    }
+    Ok(VerifyReport {
+        strategy: s.strategy,
+        workers: n,
+        global_batch: dist.config.batch * n,
+        steps: opts.steps,
+        vars,
+        tolerance: opts.tolerance,
+        assumptions: single.assumptions,
+    })
+}

@@ -1,0 +1,140 @@
+//! Writing a user's output files without harming anything else.
+//!
+//! Every file distc writes whole (plans, checkpoints, traces, benchmark tables) goes
+//! through [`write_atomic`]: the content goes to a temporary file beside the target,
+//! which is then renamed onto it, so a reader never sees half a file. A rename
+//! replaces whatever is at the target, so first [`check_output`] refuses a target that
+//! exists and is not a regular file (`/dev/null` renamed over by root becomes a
+//! regular file) and a target that is one of the command's inputs (`-o model.dsl`).
+//!
+//! A process killed while writing leaves its temporary file behind. Temporary files
+//! are named `.NAME.distc-tmp-PID`, so the next write of the same target removes those
+//! whose process is gone.
+
+use crate::error::{Result, RuntimeError};
+use std::path::{Path, PathBuf};
+
+fn refuse(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::Data {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// The same file, whether or not either path exists yet: canonical paths when both
+/// exist, else the absolute paths compared as written.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => std::path::absolute(a).ok() == std::path::absolute(b).ok(),
+    }
+}
+
+/// Refuses an output target that exists and is not a regular file (a device, a
+/// directory, a pipe) or that names one of `inputs`.
+pub fn check_output(path: &Path, inputs: &[&Path]) -> Result<()> {
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
+            let what = if meta.is_dir() {
+                "a directory"
+            } else {
+                "not a regular file (a device, a pipe or a socket)"
+            };
+            return Err(refuse(
+                path,
+                format!("refusing to write here: it is {what}; give the path of a file"),
+            ));
+        }
+    }
+    for input in inputs {
+        if same_file(path, input) {
+            return Err(refuse(
+                path,
+                "refusing to overwrite an input of this command; write the output elsewhere",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a set of outputs against the inputs and against each other.
+pub fn check_outputs(outputs: &[&Path], inputs: &[&Path]) -> Result<()> {
+    for (i, out) in outputs.iter().enumerate() {
+        check_output(out, inputs)?;
+        if let Some(other) = outputs[..i].iter().find(|o| same_file(o, out)) {
+            return Err(refuse(
+                out,
+                format!("is also given as another output ({})", other.display()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The temporary file beside `path` that [`write_atomic`] uses in this process.
+fn temp_path(path: &Path) -> Result<(PathBuf, String)> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| refuse(path, "not a file name"))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let prefix = format!(".{name}.distc-tmp-");
+    Ok((
+        parent.join(format!("{prefix}{}", std::process::id())),
+        prefix,
+    ))
+}
+
+/// Removes temporary files of `prefix` in `dir` left by processes that are gone.
+fn remove_stale(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(prefix).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let alive = Path::new("/proc").join(pid.to_string()).exists();
+        if !alive && pid != std::process::id() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Writes `path` through a temporary file renamed into place; `write` fills the
+/// temporary file. Checks the target with [`check_output`] (no inputs) first.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    check_output(path, &[])?;
+    let (tmp, prefix) = temp_path(path)?;
+    let dir = tmp.parent().map(Path::to_path_buf).unwrap_or_default();
+    std::fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
+        path: dir.clone(),
+        source,
+    })?;
+    remove_stale(&dir, &prefix);
+    let result = write(&tmp).and_then(|()| {
+        std::fs::rename(&tmp, path).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// [`write_atomic`] of bytes.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic(path, |tmp| {
+        std::fs::write(tmp, bytes).map_err(|source| RuntimeError::Io {
+            path: tmp.to_path_buf(),
+            source,
+        })
+    })
+}

@@ -1,0 +1,505 @@
+//! A worker's handle on the parameter servers: splits pulls and pushes by shard,
+//! sends them over its [`WorkerLink`] and gathers the replies by tag.
+
+use super::transport::WorkerLink;
+use super::wire::{Reply, Request};
+use super::server::slice_rows;
+use super::{cfg_err, concat_rows, ShardList};
+use crate::error::Result;
+use crate::value::{Slices, Tensor, Value};
+use ndarray::{ArrayD, IxDyn};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A worker's handle on the servers. After any error it fails every later call with
+/// that error (a failed server stays failed).
+pub struct PsClient {
+    rank: usize,
+    workers: usize,
+    servers: usize,
+    link: Option<Box<dyn WorkerLink>>,
+    timeout: Duration,
+    next_tag: u64,
+    failed: Option<String>,
+    sent: u64,
+    received: u64,
+}
+
+/// A variable's shards `(server, start, end)` sorted by rows and checked to cover
+/// `0..rows` contiguously; returns them and `rows`.
+fn layout(
+    op: &str,
+    var: &str,
+    shards: &[(usize, usize, usize)],
+    servers: usize,
+) -> Result<(ShardList, usize)> {
+    let mut sh = shards.to_vec();
+    sh.sort_by_key(|s| s.1);
+    if sh.is_empty() {
+        return Err(cfg_err(format!("{op} of `{var}`: no shards given")));
+    }
+    let mut at = 0;
+    for &(s, a, b) in &sh {
+        if s >= servers {
+            return Err(cfg_err(format!(
+                "{op} of `{var}`: server {s} does not exist ({servers} servers)"
+            )));
+        }
+        if a != at || b <= a {
+            return Err(cfg_err(format!(
+                "{op} of `{var}`: shards {shards:?} do not cover its rows contiguously"
+            )));
+        }
+        at = b;
+    }
+    Ok((sh, at))
+}
+
+/// The index in `sh` (sorted, contiguous from 0) of the shard holding row `id`.
+fn shard_of(sh: &[(usize, usize, usize)], id: usize) -> usize {
+    sh.partition_point(|&(_, a, _)| a <= id).saturating_sub(1)
+}
+
+fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
+    t.as_f32().ok_or_else(|| {
+        cfg_err(format!(
+            "{op} of `{var}`: a {} gradient (the servers hold f32)",
+            t.dtype()
+        ))
+    })
+}
+
+impl PsClient {
+    /// The client of worker `rank` of `workers`, over `link` to `servers` servers;
+    /// every wait for an answer is bounded by `timeout`.
+    pub fn new(
+        rank: usize,
+        workers: usize,
+        servers: usize,
+        link: Box<dyn WorkerLink>,
+        timeout: Duration,
+    ) -> PsClient {
+        PsClient {
+            rank,
+            workers,
+            servers,
+            link: Some(link),
+            timeout,
+            next_tag: 0,
+            failed: None,
+            sent: 0,
+            received: 0,
+        }
+    }
+
+    /// A client every call of which fails (a rank with no link).
+    pub(crate) fn invalid(rank: usize, workers: usize, servers: usize) -> PsClient {
+        PsClient {
+            rank,
+            workers,
+            servers,
+            link: None,
+            timeout: super::DEFAULT_TIMEOUT,
+            next_tag: 0,
+            failed: None,
+            sent: 0,
+            received: 0,
+        }
+    }
+
+    /// This client's worker rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Fails if this client's rank is invalid or an earlier call failed.
+    fn check(&self) -> Result<()> {
+        if self.rank >= self.workers || self.link.is_none() {
+            return Err(cfg_err(format!(
+                "parameter-server client of rank {} (there are {} workers, one client each)",
+                self.rank, self.workers
+            )));
+        }
+        match &self.failed {
+            Some(e) => Err(cfg_err(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn tag(&mut self) -> u64 {
+        self.next_tag += 1;
+        self.next_tag
+    }
+
+    fn link(&mut self) -> Result<&mut Box<dyn WorkerLink>> {
+        self.link
+            .as_mut()
+            .ok_or_else(|| cfg_err(format!("parameter-server client of rank {}: no link", self.rank)))
+    }
+
+    fn send(&mut self, server: usize, var: &str, msg: Request) -> Result<()> {
+        let r = self.link()?.send(server, msg.encode());
+        r.map_err(|e| {
+            self.fail(cfg_err(format!(
+                "parameter server {server} (variable `{var}`): {e}"
+            )))
+        })
+    }
+
+    /// Remembers the first error, so every later call returns it.
+    fn fail(&mut self, e: crate::error::RuntimeError) -> crate::error::RuntimeError {
+        if self.failed.is_none() {
+            self.failed = Some(e.to_string());
+        }
+        e
+    }
+
+    /// Waits for the replies to the pulls `asked` (`(tag, shard index)`); returns the
+    /// rows by shard index. Replies to other tags (of a call that failed earlier) are
+    /// dropped. A server error, or no answer within the timeout, fails the call.
+    fn collect(
+        &mut self,
+        op: &str,
+        var: &str,
+        step: u64,
+        sh: &[(usize, usize, usize)],
+        asked: &[(u64, usize)],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let mut parts: Vec<Option<Tensor>> = vec![None; sh.len()];
+        let mut left: HashMap<u64, usize> = asked.iter().copied().collect();
+        let deadline = Instant::now() + self.timeout;
+        while !left.is_empty() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let got = self.link()?.recv(wait);
+            let bytes = match got {
+                Ok(Some(b)) => b,
+                Ok(None) => {
+                    let mut silent: Vec<usize> = left.values().map(|&k| sh[k].0).collect();
+                    silent.sort_unstable();
+                    silent.dedup();
+                    return Err(self.fail(cfg_err(format!(
+                        "{op} of `{var}` at step {step}: parameter server(s) {silent:?} did not \
+                         answer within {:.0} s (--timeout)",
+                        self.timeout.as_secs_f64()
+                    ))));
+                }
+                Err(e) => return Err(self.fail(cfg_err(format!("{op} of `{var}`: {e}")))),
+            };
+            let reply = Reply::decode(&bytes)
+                .map_err(|e| cfg_err(format!("{op} of `{var}`: a malformed reply: {e}")));
+            let reply = match reply {
+                Ok(r) => r,
+                Err(e) => return Err(self.fail(e)),
+            };
+            let Some(k) = left.remove(&reply.tag()) else {
+                continue;
+            };
+            match reply {
+                Reply::Rows { result: Ok(t), .. } => parts[k] = Some(t),
+                // A request the server refused; the server itself carries on.
+                Reply::Rows { result: Err(e), .. } | Reply::Shards { result: Err(e), .. } => {
+                    return Err(cfg_err(e))
+                }
+                Reply::Failed { error, .. } => return Err(self.fail(cfg_err(error))),
+                Reply::Shards { .. } => {
+                    return Err(self.fail(cfg_err(format!(
+                        "{op} of `{var}`: shards came back instead of rows"
+                    ))))
+                }
+            }
+        }
+        Ok(parts)
+    }
+
+    /// The whole variable `var` (dense), assembled from its shards
+    /// `[(server, start, end)]`, as of `step` (see the module doc).
+    pub fn pull(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        step: u64,
+    ) -> Result<Tensor> {
+        self.check()?;
+        let (sh, _) = layout("pull", var, shards, self.servers)?;
+        let mut asked = Vec::new();
+        for (k, &(s, a, b)) in sh.iter().enumerate() {
+            let tag = self.tag();
+            let msg = Request::Pull {
+                tag,
+                var: var.to_string(),
+                start: a,
+                end: b,
+                ids: None,
+                step,
+            };
+            self.send(s, var, msg)?;
+            asked.push((tag, k));
+        }
+        let parts = self.collect("pull", var, step, &sh, &asked)?;
+        let parts: Vec<Tensor> = parts.into_iter().flatten().collect();
+        let t = concat_rows(var, parts)?;
+        self.received += t.bytes() as u64;
+        Ok(t)
+    }
+
+    /// Rows `ids` (any order, repeats allowed) of table `var`: each server is sent
+    /// only the distinct ids in its range (8 bytes each) and returns each distinct
+    /// row once. Returns `[ids.len(), row...]` in the order of `ids`.
+    pub fn sparse_pull(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        ids: &[i32],
+        step: u64,
+    ) -> Result<Tensor> {
+        self.check()?;
+        let (sh, rows) = layout("sparse_pull", var, shards, self.servers)?;
+        // Distinct ids, each placed at (shard, position in that shard's request).
+        let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(ids.len());
+        let mut local: Vec<Vec<usize>> = vec![Vec::new(); sh.len()];
+        for &id in ids {
+            if pos.contains_key(&id) {
+                continue;
+            }
+            if id < 0 || id as usize >= rows {
+                return Err(cfg_err(format!(
+                    "sparse_pull of `{var}`: id {id} is not in 0..{rows}"
+                )));
+            }
+            let k = shard_of(&sh, id as usize);
+            pos.insert(id, (k, local[k].len()));
+            local[k].push(id as usize - sh[k].1);
+        }
+        let distinct = pos.len();
+        let mut asked = Vec::new();
+        for (k, l) in local.iter_mut().enumerate() {
+            // With no ids at all, ask the first shard for none (to learn the row shape).
+            if l.is_empty() && !(distinct == 0 && k == 0) {
+                continue;
+            }
+            let (s, a, b) = sh[k];
+            let tag = self.tag();
+            let msg = Request::Pull {
+                tag,
+                var: var.to_string(),
+                start: a,
+                end: b,
+                ids: Some(std::mem::take(l)),
+                step,
+            };
+            self.send(s, var, msg)?;
+            asked.push((tag, k));
+        }
+        let parts = self.collect("sparse_pull", var, step, &sh, &asked)?;
+        let arrays: Vec<Option<&ArrayD<f32>>> = parts
+            .iter()
+            .map(|p| p.as_ref().and_then(|t| t.as_f32()))
+            .collect();
+        let Some(first) = arrays.iter().flatten().next() else {
+            return Err(cfg_err(format!(
+                "sparse_pull of `{var}`: no rows came back"
+            )));
+        };
+        let rest: Vec<usize> = first.shape()[1..].to_vec();
+        let row: usize = rest.iter().product();
+        let mut data: Vec<f32> = Vec::with_capacity(ids.len() * row);
+        for id in ids {
+            let (k, p) = pos[id];
+            let src = arrays[k]
+                .and_then(|a| a.as_slice())
+                .and_then(|s| s.get(p * row..(p + 1) * row))
+                .ok_or_else(|| {
+                    cfg_err(format!(
+                        "sparse_pull of `{var}`: server {} returned too few rows",
+                        sh[k].0
+                    ))
+                })?;
+            data.extend_from_slice(src);
+        }
+        let mut shape = vec![ids.len()];
+        shape.extend_from_slice(&rest);
+        let out = ArrayD::from_shape_vec(IxDyn(&shape), data)
+            .map_err(|e| cfg_err(format!("sparse_pull of `{var}`: {e}")))?;
+        self.sent += 8 * distinct as u64;
+        self.received += (4 * row * distinct) as u64;
+        Ok(Tensor::F32(out))
+    }
+
+    /// Pushes a dense gradient (split by row ranges to the shards' servers).
+    pub fn push(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        grad: &Tensor,
+        step: u64,
+    ) -> Result<()> {
+        self.check()?;
+        let (sh, rows) = layout("push", var, shards, self.servers)?;
+        f32_of("push", var, grad)?;
+        if grad.shape().is_empty() && sh.len() != 1 {
+            return Err(cfg_err(format!(
+                "push of `{var}`: a scalar gradient for several shards"
+            )));
+        }
+        if !grad.shape().is_empty() && grad.shape()[0] != rows {
+            return Err(cfg_err(format!(
+                "push of `{var}`: gradient of shape {:?} for a variable of {rows} rows",
+                grad.shape()
+            )));
+        }
+        for &(s, a, b) in &sh {
+            let part = slice_rows(grad, a, b);
+            self.sent += part.bytes() as u64;
+            let msg = Request::Push {
+                var: var.to_string(),
+                start: a,
+                end: b,
+                step,
+                grad: Value::Tensor(part),
+            };
+            self.send(s, var, msg)?;
+        }
+        Ok(())
+    }
+
+    /// Pushes row-sparse gradients: a worker's duplicate rows are summed (in order of
+    /// appearance), each row goes to the server holding it with its index rebased to
+    /// the shard (8 bytes per id plus the row's values on the wire). Every shard gets
+    /// a message, empty where no row falls in it.
+    pub fn sparse_push(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        grad: &Slices,
+        step: u64,
+    ) -> Result<()> {
+        self.check()?;
+        let (sh, rows) = layout("sparse_push", var, shards, self.servers)?;
+        let vals = f32_of("sparse_push", var, &grad.values)?;
+        let ds = &grad.dense_shape;
+        if ds.is_empty() || ds[0] != rows {
+            return Err(cfg_err(format!(
+                "sparse_push of `{var}`: dense shape {ds:?} for a variable of {rows} rows"
+            )));
+        }
+        let rest = &ds[1..];
+        let row: usize = rest.iter().product();
+        let n = grad.indices.len();
+        if vals.shape().first() != Some(&n) || vals.shape()[1..] != *rest {
+            return Err(cfg_err(format!(
+                "sparse_push of `{var}`: values {:?} do not hold {n} rows of {rest:?}",
+                vals.shape()
+            )));
+        }
+        let vals = vals.as_standard_layout();
+        let vs = vals
+            .as_slice()
+            .ok_or_else(|| cfg_err(format!("sparse_push of `{var}`: non-contiguous values")))?;
+        let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(n);
+        let mut idx: Vec<Vec<i32>> = vec![Vec::new(); sh.len()];
+        let mut data: Vec<Vec<f32>> = vec![Vec::new(); sh.len()];
+        for (r, &id) in grad.indices.iter().enumerate() {
+            let src = &vs[r * row..(r + 1) * row];
+            if let Some(&(k, p)) = pos.get(&id) {
+                for (d, s) in data[k][p * row..(p + 1) * row].iter_mut().zip(src) {
+                    *d += s;
+                }
+                continue;
+            }
+            if id < 0 || id as usize >= rows {
+                return Err(cfg_err(format!(
+                    "sparse_push of `{var}`: id {id} is not in 0..{rows}"
+                )));
+            }
+            let k = shard_of(&sh, id as usize);
+            pos.insert(id, (k, idx[k].len()));
+            idx[k].push((id as usize - sh[k].1) as i32);
+            data[k].extend_from_slice(src);
+        }
+        for (k, &(s, a, b)) in sh.iter().enumerate() {
+            let indices = std::mem::take(&mut idx[k]);
+            let mut shape = vec![indices.len()];
+            shape.extend_from_slice(rest);
+            let values = ArrayD::from_shape_vec(IxDyn(&shape), std::mem::take(&mut data[k]))
+                .map_err(|e| cfg_err(format!("sparse_push of `{var}`: {e}")))?;
+            self.sent += (indices.len() * (8 + 4 * row)) as u64;
+            let mut dense_shape = vec![b - a];
+            dense_shape.extend_from_slice(rest);
+            let msg = Request::Push {
+                var: var.to_string(),
+                start: a,
+                end: b,
+                step,
+                grad: Value::Slices(Slices {
+                    indices,
+                    values: Tensor::F32(values),
+                    dense_shape,
+                }),
+            };
+            self.send(s, var, msg)?;
+        }
+        Ok(())
+    }
+
+    /// Cumulative payload bytes this worker sent (ids, gradients) and received
+    /// (values).
+    pub fn bytes(&self) -> (u64, u64) {
+        (self.sent, self.received)
+    }
+
+    /// Tells every server this worker has finished. With `collect`, waits until every
+    /// worker has and returns the servers' shards `(var, start, rows)`.
+    pub fn shutdown(&mut self, collect: bool) -> Result<Vec<(String, usize, Tensor)>> {
+        self.check()?;
+        let mut asked: HashMap<u64, usize> = HashMap::new();
+        for s in 0..self.servers {
+            let tag = self.tag();
+            self.send(s, "", Request::Shutdown { tag, collect })?;
+            asked.insert(tag, s);
+        }
+        let mut out = Vec::new();
+        if !collect {
+            return Ok(out);
+        }
+        let deadline = Instant::now() + self.timeout;
+        while !asked.is_empty() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let bytes = match self.link()?.recv(wait)? {
+                Some(b) => b,
+                None => {
+                    let mut silent: Vec<usize> = asked.values().copied().collect();
+                    silent.sort_unstable();
+                    return Err(cfg_err(format!(
+                        "shutdown: parameter server(s) {silent:?} did not return their shards \
+                         within {:.0} s (--timeout)",
+                        self.timeout.as_secs_f64()
+                    )));
+                }
+            };
+            match Reply::decode(&bytes).map_err(cfg_err)? {
+                Reply::Shards { tag, result } if asked.remove(&tag).is_some() => {
+                    out.extend(result.map_err(cfg_err)?);
+                }
+                Reply::Failed { tag, error } if asked.remove(&tag).is_some() => {
+                    return Err(cfg_err(error));
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// Tells every server this worker failed with `reason`, so servers answer the other
+    /// workers' waiting pulls with it instead of waiting for this worker's pushes.
+    /// Best effort: a server that has gone is skipped.
+    pub fn abort(&mut self, reason: &str) {
+        for s in 0..self.servers {
+            let msg = Request::Abort {
+                reason: reason.to_string(),
+            };
+            if let Ok(link) = self.link() {
+                let _ = link.send(s, msg.encode());
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! How parameter-server messages travel: a worker's [`WorkerLink`] to every server and
+//! a server's [`ServerLink`] to every worker. Links move encoded messages (see
+//! [`super::wire`]); they know ranks, not variables or steps, so [`super::Server`] and
+//! [`super::PsClient`] run unchanged over any of them. Two implementations: in-process
+//! channels ([`in_process_links`]) and MPI point-to-point (`comm::mpi`, feature `mpi`).
+
+use crate::error::{Result, RuntimeError};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::time::Duration;
+
+/// A worker's end: requests to servers by index, replies addressed to this worker.
+pub trait WorkerLink: Send {
+    /// Sends an encoded request to server `server` without waiting for it.
+    fn send(&mut self, server: usize, msg: Vec<u8>) -> Result<()>;
+    /// The next reply to this worker, waiting at most `timeout`; `None` on timeout.
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>>;
+}
+
+/// A server's end: requests from any worker, replies to a worker by rank.
+pub trait ServerLink: Send {
+    /// The next request and the worker rank that sent it; an error once no worker can
+    /// send any more.
+    fn recv(&mut self) -> Result<(usize, Vec<u8>)>;
+    /// Sends an encoded reply to worker `worker`.
+    fn send(&mut self, worker: usize, msg: Vec<u8>) -> Result<()>;
+}
+
+/// An in-process worker link.
+pub struct InProcessWorkerLink {
+    rank: usize,
+    to_servers: Vec<Sender<(usize, Vec<u8>)>>,
+    replies: Receiver<Vec<u8>>,
+}
+
+/// An in-process server link.
+pub struct InProcessServerLink {
+    requests: Receiver<(usize, Vec<u8>)>,
+    to_workers: Vec<Sender<Vec<u8>>>,
+}
+
+/// Links between `workers` workers and `servers` servers of one process, by rank and
+/// server index. A server's `recv` fails once every worker link is dropped.
+pub fn in_process_links(
+    workers: usize,
+    servers: usize,
+) -> (Vec<InProcessWorkerLink>, Vec<InProcessServerLink>) {
+    let (req_tx, req_rx): (Vec<_>, Vec<_>) = (0..servers).map(|_| channel()).unzip();
+    let (rep_tx, rep_rx): (Vec<_>, Vec<_>) = (0..workers).map(|_| channel()).unzip();
+    let worker_links = rep_rx
+        .into_iter()
+        .enumerate()
+        .map(|(rank, replies)| InProcessWorkerLink {
+            rank,
+            to_servers: req_tx.clone(),
+            replies,
+        })
+        .collect();
+    let server_links = req_rx
+        .into_iter()
+        .map(|requests| InProcessServerLink {
+            requests,
+            to_workers: rep_tx.clone(),
+        })
+        .collect();
+    (worker_links, server_links)
+}
+
+impl InProcessWorkerLink {
+    /// Sends as if from worker `rank` (for a cluster that stops servers on behalf of
+    /// clients it handed out).
+    pub(crate) fn send_as(&self, rank: usize, server: usize, msg: Vec<u8>) -> Result<()> {
+        self.to_servers
+            .get(server)
+            .ok_or_else(|| RuntimeError::Config(format!("parameter server {server} does not exist")))?
+            .send((rank, msg))
+            .map_err(|_| RuntimeError::Config(format!("parameter server {server} has stopped")))
+    }
+}
+
+impl WorkerLink for InProcessWorkerLink {
+    fn send(&mut self, server: usize, msg: Vec<u8>) -> Result<()> {
+        self.send_as(self.rank, server, msg)
+    }
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        match self.replies.recv_timeout(timeout) {
+            Ok(m) => Ok(Some(m)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(RuntimeError::Config(
+                "every parameter server has stopped".into(),
+            )),
+        }
+    }
+}
+
+impl ServerLink for InProcessServerLink {
+    fn recv(&mut self) -> Result<(usize, Vec<u8>)> {
+        self.requests
+            .recv()
+            .map_err(|_| RuntimeError::Config("every worker has gone".into()))
+    }
+    fn send(&mut self, worker: usize, msg: Vec<u8>) -> Result<()> {
+        // A worker that has gone no longer waits for the reply: dropping it is right.
+        if let Some(tx) = self.to_workers.get(worker) {
+            let _ = tx.send(msg);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,683 @@
+//! The training loop of one worker: the same code for one device (one worker, no
+//! servers), for worker threads of one process and for MPI processes.
+//!
+//! A worker runs the SPMD worker program with its rank. Its collectives go to a
+//! communication thread of its own (which owns the worker's [`Communicator`]), so a
+//! bucket's all-reduce runs while the backward pass goes on; the executor waits for it
+//! only where the result is read. Parameter-server ops go through the worker's
+//! [`PsClient`], whatever transport it runs over. After each step the worker checks
+//! its loss (NaN or infinite stops the run, naming the step and the worker), worker 0
+//! evaluates when the plan says so, and the step's [`StepReport`] goes to whoever
+//! joins the reports into metrics lines.
+//!
+//! A worker that fails records its error in the run's [`ErrorSlot`] first, then tells
+//! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
+//! peers fail in turn, and the first error recorded, the cause, is what the user sees.
+
+use crate::comm::{ByteCount, Communicator};
+use crate::config::RunConfig;
+use crate::data::DataSource;
+use crate::error::{Result, RuntimeError};
+use crate::exec::{CommHook, Executor, Mode, Pending};
+use crate::metrics::{EvalMetrics, Profile};
+use crate::optim::Optimizer;
+use crate::ps::PsClient;
+use crate::roles::Role;
+use crate::trace::Span;
+use crate::train::{evaluate, init_params, Programs, TrainOptions};
+use crate::value::{Slices, Tensor, Value};
+use distc_ir::{NodeId, Op, ReduceOp};
+use ndarray::{ArrayD, IxDyn};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One worker's account of one step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepReport {
+    /// The worker.
+    pub rank: usize,
+    /// 1-based step.
+    pub step: usize,
+    /// The loss of its batch.
+    pub loss: f64,
+    /// Seconds of the step (forward, backward, update, waits; data excluded).
+    pub step_sec: f64,
+    /// Seconds of it spent waiting for collectives and servers.
+    pub comm_wait_sec: f64,
+    /// Bytes sent (collectives, pushes, pulled ids).
+    pub bytes_sent: u64,
+    /// Bytes received (collectives, pulled values).
+    pub bytes_received: u64,
+    /// Collective bytes sent plus server bytes pushed and pulled.
+    pub bytes_moved: u64,
+    /// The evaluation run after this step, if one ran (worker 0).
+    pub eval: Option<EvalMetrics>,
+}
+
+/// The first error of a run, with the role that hit it. Shared by every rank of a
+/// process; later errors (consequences: a peer hung up, a server aborted) are dropped.
+#[derive(Clone, Default)]
+pub struct ErrorSlot(Arc<Mutex<Option<(Role, RuntimeError)>>>);
+
+impl ErrorSlot {
+    /// Records `e` of `role` unless an error is already recorded.
+    pub fn record(&self, role: Role, e: RuntimeError) {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some((role, e));
+        }
+    }
+
+    /// The first error, once.
+    pub fn take(&self) -> Option<(Role, RuntimeError)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Everything a worker needs: its rank, its data, its links to the others.
+pub struct WorkerSetup<'a> {
+    /// The plan's programs.
+    pub programs: Programs<'a>,
+    /// The run configuration.
+    pub config: &'a RunConfig,
+    /// The run options.
+    pub opts: &'a TrainOptions,
+    /// This worker's rank in `0..programs.workers`.
+    pub rank: usize,
+    /// The communicator among the workers.
+    pub comm: Box<dyn Communicator>,
+    /// The parameter servers, when the plan has any.
+    pub ps: Option<PsClient>,
+    /// This worker's data, opened.
+    pub data: DataSource,
+    /// Where each step's report goes.
+    pub report: Box<dyn FnMut(StepReport) -> Result<()> + Send + 'a>,
+    /// When the run started (trace times are relative to it).
+    pub t0: Instant,
+    /// Where a failure is recorded before anything else happens.
+    pub errors: ErrorSlot,
+}
+
+/// What a worker hands back when it ends.
+#[derive(Debug, Default)]
+pub struct WorkerOutcome {
+    /// Its variables (the replicated ones; server-held ones are in `server_shards`).
+    pub params: HashMap<String, Tensor>,
+    /// The servers' shards `(var, start, rows)`, collected by worker 0 at shutdown.
+    pub server_shards: Vec<(String, usize, Tensor)>,
+    /// Its trace spans, when tracing.
+    pub spans: Vec<Span>,
+    /// Where its step time went, when profiling (worker 0).
+    pub profile: Option<Profile>,
+}
+
+/// A collective handed to the communication thread.
+struct Request {
+    node: NodeId,
+    op: Op,
+    value: Value,
+    step: u64,
+    reply: mpsc::Sender<Result<Value>>,
+}
+
+struct Waiting(mpsc::Receiver<Result<Value>>);
+
+impl Pending for Waiting {
+    fn wait(self: Box<Self>) -> Result<Value> {
+        self.0
+            .recv()
+            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?
+    }
+}
+
+fn shape_err(e: ndarray::ShapeError) -> RuntimeError {
+    RuntimeError::Config(e.to_string())
+}
+
+/// Runs one collective on a communicator.
+pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
+    let n = comm.size();
+    match (op, value) {
+        (Op::AllReduce { reduce }, Value::Tensor(Tensor::F32(mut a))) => {
+            let buf = a.as_slice_mut().ok_or_else(|| {
+                RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
+            })?;
+            comm.all_reduce(buf, *reduce == ReduceOp::Mean)?;
+            Ok(Value::Tensor(Tensor::F32(a)))
+        }
+        (Op::AllReduce { reduce }, Value::Tensor(Tensor::F64(mut a))) => {
+            let buf = a.as_slice_mut().ok_or_else(|| {
+                RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
+            })?;
+            comm.all_reduce_f64(buf, *reduce == ReduceOp::Mean)?;
+            Ok(Value::Tensor(Tensor::F64(a)))
+        }
+        (Op::Broadcast { root }, Value::Tensor(Tensor::F32(a))) => {
+            let shape = a.shape().to_vec();
+            let mut bytes: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            comm.broadcast(&mut bytes, *root)?;
+            let v: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            Ok(Value::Tensor(Tensor::F32(
+                ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)?,
+            )))
+        }
+        (Op::AllGather { reduce, .. }, Value::Slices(s)) => {
+            let Tensor::F32(values) = &s.values else {
+                return Err(RuntimeError::Config("all_gather of non-f32 slices".into()));
+            };
+            let row: usize = s.dense_shape[1..].iter().product();
+            // On the wire: an 8-byte row id and the row's values, per row.
+            let mut mine = Vec::with_capacity(s.indices.len() * (8 + 4 * row));
+            let flat = values.as_standard_layout();
+            let flat = flat
+                .as_slice()
+                .ok_or_else(|| RuntimeError::Config("slices values are not contiguous".into()))?;
+            for (k, &id) in s.indices.iter().enumerate() {
+                mine.extend_from_slice(&i64::from(id).to_le_bytes());
+                for x in &flat[k * row..(k + 1) * row] {
+                    mine.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            let parts = comm.all_gather(mine)?;
+            let scale = if *reduce == ReduceOp::Mean {
+                1.0 / n as f32
+            } else {
+                1.0
+            };
+            let (mut indices, mut vals) = (Vec::new(), Vec::new());
+            for p in parts {
+                for rec in p.chunks_exact(8 + 4 * row) {
+                    let mut id = [0u8; 8];
+                    id.copy_from_slice(&rec[..8]);
+                    indices.push(i64::from_le_bytes(id) as i32);
+                    vals.extend(
+                        rec[8..]
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * scale),
+                    );
+                }
+            }
+            let mut dims = vec![indices.len()];
+            dims.extend_from_slice(&s.dense_shape[1..]);
+            let values = ArrayD::from_shape_vec(IxDyn(&dims), vals).map_err(shape_err)?;
+            Ok(Value::Slices(Slices {
+                indices,
+                values: Tensor::F32(values),
+                dense_shape: s.dense_shape,
+            }))
+        }
+        (op, v) => Err(RuntimeError::Config(format!(
+            "{} of {} is not supported",
+            op.mnemonic(),
+            v.value_type()
+        ))),
+    }
+}
+
+/// A collective as the communication thread ran it.
+struct CommSpan {
+    node: NodeId,
+    op: &'static str,
+    step: u64,
+    bytes: u64,
+    start: Instant,
+    end: Instant,
+}
+
+/// The communication thread: runs collectives in program order, timing each.
+fn comm_thread(
+    mut comm: Box<dyn Communicator>,
+    rx: mpsc::Receiver<Request>,
+    spans: mpsc::Sender<CommSpan>,
+    bytes: mpsc::Sender<ByteCount>,
+) {
+    for req in rx {
+        let before = comm.bytes();
+        let start = Instant::now();
+        let r = collective(comm.as_mut(), &req.op, req.value);
+        let end = Instant::now();
+        let after = comm.bytes();
+        let _ = spans.send(CommSpan {
+            node: req.node,
+            op: req.op.mnemonic(),
+            step: req.step,
+            bytes: after.sent - before.sent,
+            start,
+            end,
+        });
+        let _ = bytes.send(after);
+        let _ = req.reply.send(r);
+    }
+}
+
+/// A worker's view of the others and the servers, for the executor.
+struct WorkerHook {
+    to_comm: mpsc::Sender<Request>,
+    ps: Option<PsClient>,
+    trace: bool,
+    /// The step running, for spans.
+    step: u64,
+    spans: Vec<(NodeId, &'static str, u64, Instant, Instant)>,
+    /// Time spent waiting for collectives and servers in the current step.
+    waited: Duration,
+    /// While tracing: where the worker blocked on which collective.
+    wait_spans: Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>,
+    waited_shared: Arc<Mutex<Duration>>,
+}
+
+impl WorkerHook {
+    fn ps(&mut self) -> Result<&mut PsClient> {
+        self.ps.as_mut().ok_or_else(|| {
+            RuntimeError::Config(
+                "the plan pulls from parameter servers, but none were started".into(),
+            )
+        })
+    }
+
+    /// The waits of the step so far, servers' and collectives' together.
+    fn take_waited(&mut self) -> Duration {
+        let collectives = std::mem::take(&mut *self.waited_shared.lock().unwrap_or_else(|p| p.into_inner()));
+        std::mem::take(&mut self.waited) + collectives
+    }
+}
+
+impl CommHook for WorkerHook {
+    fn start_collective(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        v: Value,
+        step: u64,
+    ) -> Result<Box<dyn Pending>> {
+        let (reply, rx) = mpsc::channel();
+        self.to_comm
+            .send(Request {
+                node,
+                op: op.clone(),
+                value: v,
+                step,
+                reply,
+            })
+            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?;
+        Ok(Box::new(TimedWait {
+            inner: Waiting(rx),
+            node,
+            step,
+            trace: self.trace,
+            spans: self.wait_spans.clone(),
+            waited: self.waited_shared.clone(),
+        }))
+    }
+    fn pull(&mut self, var: &str, shards: &[(usize, usize, usize)], step: u64) -> Result<Tensor> {
+        let start = Instant::now();
+        let r = self.ps()?.pull(var, shards, step);
+        self.waited += start.elapsed();
+        r
+    }
+    fn sparse_pull(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        ids: &Tensor,
+        step: u64,
+    ) -> Result<Tensor> {
+        let ids_dims = ids.shape().to_vec();
+        let ids: Vec<i32> = ids
+            .as_i32()
+            .ok_or_else(|| {
+                RuntimeError::Config(format!("sparse_pull of `{var}`: ids are not i32"))
+            })?
+            .iter()
+            .copied()
+            .collect();
+        let start = Instant::now();
+        let rows = self.ps()?.sparse_pull(var, shards, &ids, step);
+        self.waited += start.elapsed();
+        // The servers answer [ids, row...]; the program wants [ids dims..., row...].
+        let Tensor::F32(rows) = rows? else {
+            return Err(RuntimeError::Config(format!(
+                "sparse_pull of `{var}`: not f32"
+            )));
+        };
+        let mut dims = ids_dims;
+        dims.extend_from_slice(&rows.shape()[1..]);
+        let rows = rows
+            .into_shape_with_order(IxDyn(&dims))
+            .map_err(|e| RuntimeError::Config(format!("sparse_pull of `{var}`: {e}")))?;
+        Ok(Tensor::F32(rows))
+    }
+    fn push(
+        &mut self,
+        var: &str,
+        shards: &[(usize, usize, usize)],
+        grad: Value,
+        step: u64,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let ps = self.ps()?;
+        let r = match &grad {
+            Value::Tensor(t) => ps.push(var, shards, t, step),
+            Value::Slices(s) => ps.sparse_push(var, shards, s, step),
+        };
+        self.waited += start.elapsed();
+        r
+    }
+    fn span(&mut self, node: NodeId, op: &'static str, start: Instant, end: Instant) {
+        if self.trace {
+            self.spans.push((node, op, self.step, start, end));
+        }
+    }
+}
+
+/// Waits for a collective and adds the wait to the worker's communication wait.
+struct TimedWait {
+    inner: Waiting,
+    node: NodeId,
+    step: u64,
+    trace: bool,
+    spans: Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>,
+    waited: Arc<Mutex<Duration>>,
+}
+
+impl Pending for TimedWait {
+    fn wait(self: Box<Self>) -> Result<Value> {
+        let start = Instant::now();
+        let r = Box::new(self.inner).wait();
+        let end = Instant::now();
+        *self.waited.lock().unwrap_or_else(|p| p.into_inner()) += end - start;
+        if self.trace {
+            self.spans
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((self.node, self.step, start, end));
+        }
+        r
+    }
+}
+
+/// The state a worker's steps share.
+struct Loop {
+    exec: Executor,
+    params: HashMap<String, Tensor>,
+    optimizer: Optimizer,
+    profile: Profile,
+    /// `(step, start, update start, end)` per step, while tracing.
+    step_spans: Vec<(u64, Instant, Instant, Instant)>,
+    bytes_rx: mpsc::Receiver<ByteCount>,
+    last: ByteCount,
+    ps_last: (u64, u64),
+}
+
+/// Runs worker `setup.rank`'s training to the end; see the module doc.
+pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
+    let WorkerSetup {
+        programs,
+        config,
+        opts,
+        rank,
+        comm,
+        ps,
+        mut data,
+        mut report,
+        t0,
+        errors,
+    } = setup;
+    let (to_comm, comm_rx) = mpsc::channel::<Request>();
+    let (span_tx, span_rx) = mpsc::channel();
+    let (bytes_tx, bytes_rx) = mpsc::channel();
+    let comm_handle = std::thread::Builder::new()
+        .name(format!("worker-{rank}-comm"))
+        .spawn(move || comm_thread(comm, comm_rx, span_tx, bytes_tx))
+        .map_err(|e| RuntimeError::Config(format!("worker {rank}: cannot start its communication thread: {e}")))?;
+    let mut hook = WorkerHook {
+        to_comm,
+        ps,
+        trace: opts.trace,
+        step: 0,
+        spans: Vec::new(),
+        waited: Duration::ZERO,
+        wait_spans: Arc::new(Mutex::new(Vec::new())),
+        waited_shared: Arc::new(Mutex::new(Duration::ZERO)),
+    };
+    let mut state = None;
+    let mut result = run_steps(
+        &programs,
+        config,
+        opts,
+        rank,
+        &mut data,
+        &mut *report,
+        &mut hook,
+        bytes_rx,
+        &mut state,
+    );
+    let mut server_shards = Vec::new();
+    if result.is_ok() {
+        if let Some(ps) = hook.ps.as_mut() {
+            match ps.shutdown(rank == 0) {
+                Ok(s) => server_shards = s,
+                Err(e) => result = Err(e),
+            }
+        }
+    }
+    if let Err(e) = result {
+        // The cause first, then the consequences: servers answer the other workers'
+        // waiting pulls with it, and peers see this worker's communicator close.
+        let message = e.to_string();
+        errors.record(Role::Worker(rank), e);
+        if let Some(ps) = hook.ps.as_mut() {
+            ps.abort(&message);
+        }
+        drop(hook);
+        let _ = comm_handle.join();
+        return Err(RuntimeError::Config(format!("worker {rank}: {message}")));
+    }
+    let WorkerHook {
+        to_comm,
+        spans: node_spans,
+        wait_spans,
+        ..
+    } = hook;
+    drop(to_comm);
+    let _ = comm_handle.join();
+    let Some(st) = state else {
+        return Ok(WorkerOutcome::default());
+    };
+    let mut spans = Vec::new();
+    if opts.trace {
+        let wait_spans = std::mem::take(&mut *wait_spans.lock().unwrap_or_else(|p| p.into_inner()));
+        spans = worker_spans(rank, t0, &st.step_spans, &node_spans, &wait_spans, span_rx.try_iter().collect());
+    }
+    let profile = (opts.profile && rank == 0).then(|| Profile {
+        ops: st.exec.profile(),
+        ..st.profile
+    });
+    Ok(WorkerOutcome {
+        params: st.params,
+        server_shards,
+        spans,
+        profile,
+    })
+}
+
+/// Initialises and runs every step; `state` holds what the steps built, for the
+/// outcome (also when a step fails).
+#[allow(clippy::too_many_arguments)]
+fn run_steps(
+    programs: &Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    rank: usize,
+    data: &mut DataSource,
+    report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
+    hook: &mut WorkerHook,
+    bytes_rx: mpsc::Receiver<ByteCount>,
+    state: &mut Option<Loop>,
+) -> Result<()> {
+    let workers = programs.workers;
+    let steps = opts.steps.unwrap_or(config.steps);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let mut params = init_params(programs.worker, config.seed);
+    if let Some(init) = programs.init {
+        let mut exec = Executor::new(init)?;
+        exec.set_rank(rank);
+        let out = exec.run_with(&HashMap::new(), &params, Mode::Train, 0, Some(&mut *hook))?;
+        for (name, t) in out.outputs {
+            params.insert(name, t);
+        }
+    }
+    let mut exec = Executor::new(programs.worker)?;
+    exec.set_rank(rank);
+    exec.set_profiling(opts.profile && rank == 0);
+    let mut optimizer = Optimizer::new(&config.optimizer);
+    // Workers that fill the cores keep their updates on their own thread.
+    optimizer.set_parallel(cores > workers);
+    let st = state.insert(Loop {
+        exec,
+        params,
+        optimizer,
+        profile: Profile {
+            steps,
+            ..Profile::default()
+        },
+        step_spans: Vec::new(),
+        bytes_rx,
+        last: ByteCount::default(),
+        ps_last: (0, 0),
+    });
+    hook.take_waited();
+    for step in 1..=steps {
+        let batch = data.next_batch()?;
+        hook.step = step as u64;
+        let start = Instant::now();
+        let out = st
+            .exec
+            .run_with(&batch, &st.params, Mode::Train, step as u64, Some(&mut *hook))?;
+        let updating = Instant::now();
+        st.optimizer.step(&mut st.params, &out.grads)?;
+        st.profile.optimizer += updating.elapsed();
+        let elapsed = start.elapsed();
+        if opts.trace {
+            st.step_spans.push((step as u64, start, updating, start + elapsed));
+        }
+        let loss = out.loss.unwrap_or(f64::NAN);
+        if !loss.is_finite() {
+            return Err(RuntimeError::Config(format!(
+                "the loss became {loss} at step {step} on worker {rank}: lower the learning rate"
+            )));
+        }
+        let waited = hook.take_waited();
+        st.profile.step_time += elapsed;
+        st.profile.comm_wait += waited;
+        let (sent, received, moved) = byte_deltas(st, hook);
+        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
+        let eval = if eval_now && rank == 0 {
+            // Evaluation is not training: keep its kernels out of the profile, and its
+            // traffic out of the next step's bytes.
+            st.exec.set_profiling(false);
+            let e = evaluate(&mut st.exec, &st.params, data, config, step as u64 + 1, Some(&mut *hook))?;
+            st.exec.set_profiling(opts.profile);
+            hook.take_waited();
+            byte_deltas(st, hook);
+            Some(e)
+        } else {
+            None
+        };
+        report(StepReport {
+            rank,
+            step,
+            loss,
+            step_sec: elapsed.as_secs_f64(),
+            comm_wait_sec: waited.as_secs_f64(),
+            bytes_sent: sent,
+            bytes_received: received,
+            bytes_moved: moved,
+            eval,
+        })?;
+    }
+    Ok(())
+}
+
+/// Bytes moved since the last call: `(sent, received, moved)`.
+fn byte_deltas(st: &mut Loop, hook: &WorkerHook) -> (u64, u64, u64) {
+    let mut now = st.last;
+    while let Ok(b) = st.bytes_rx.try_recv() {
+        now = b;
+    }
+    let ps_now = hook.ps.as_ref().map_or((0, 0), PsClient::bytes);
+    let d = now - st.last;
+    // To servers: pushes and pulls' ids; from them: pulled values.
+    let (to_ps, from_ps) = (ps_now.0 - st.ps_last.0, ps_now.1 - st.ps_last.1);
+    st.last = now;
+    st.ps_last = ps_now;
+    (d.sent + to_ps, d.received + from_ps, d.sent + to_ps + from_ps)
+}
+
+/// A worker's trace spans from what it recorded.
+fn worker_spans(
+    rank: usize,
+    t0: Instant,
+    step_spans: &[(u64, Instant, Instant, Instant)],
+    node_spans: &[(NodeId, &'static str, u64, Instant, Instant)],
+    wait_spans: &[(NodeId, u64, Instant, Instant)],
+    comm_spans: Vec<CommSpan>,
+) -> Vec<Span> {
+    let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
+    let track = format!("worker {rank}");
+    let span = |track: &str, name: String, node: Option<NodeId>, step, s, e| Span {
+        track: track.to_string(),
+        name,
+        node: node.map(|n: NodeId| n.to_string()),
+        step,
+        bytes: None,
+        start_us: us(s),
+        dur_us: us(e) - us(s),
+    };
+    let mut spans: Vec<Span> = Vec::new();
+    // Op groups: forward until the loss's gradient (autodiff's first `_grad` op),
+    // backward until the executor returns, then the update.
+    let mut backward_from: HashMap<u64, Instant> = HashMap::new();
+    for &(_, op, step, s, _) in node_spans {
+        if op.ends_with("_grad") {
+            backward_from.entry(step).or_insert(s);
+        }
+    }
+    for &(step, s, updating, e) in step_spans {
+        spans.push(span(&track, format!("step {step}"), None, step, s, e));
+        let b = backward_from.get(&step).copied().unwrap_or(s);
+        spans.push(span(&track, "forward".into(), None, step, s, b));
+        spans.push(span(&track, "backward".into(), None, step, b, updating));
+        spans.push(span(&track, "update".into(), None, step, updating, e));
+    }
+    spans.extend(node_spans.iter().map(|&(node, op, step, s, e)| {
+        // The worker only hands a collective to its comm thread.
+        let name = match op {
+            "all_reduce" | "all_gather" | "broadcast" => format!("issue {op}"),
+            _ => op.to_string(),
+        };
+        span(&track, name, Some(node), step, s, e)
+    }));
+    spans.extend(
+        wait_spans
+            .iter()
+            .map(|&(node, step, s, e)| span(&track, format!("wait {node}"), Some(node), step, s, e)),
+    );
+    let comm_track = format!("worker {rank} comm");
+    spans.extend(comm_spans.into_iter().map(|c| Span {
+        bytes: Some(c.bytes),
+        ..span(
+            &comm_track,
+            format!("{} {}", c.op, c.node),
+            Some(c.node),
+            c.step,
+            c.start,
+            c.end,
+        )
+    }));
+    spans
+}
