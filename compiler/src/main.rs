@@ -61,6 +61,11 @@ enum Command {
         /// with an error naming it.
         #[arg(long, default_value_t = 300.0, value_parser = positive_finite, allow_negative_numbers = true, value_name = "SECONDS")]
         timeout: f64,
+        /// How the distributed run's ranks run: `inprocess` (threads) or `mpi` (this
+        /// process is one rank of `mpirun -np N+S distc verify ... --transport mpi`;
+        /// rank 0 then trains the one device and compares).
+        #[arg(long, value_enum, default_value = "inprocess")]
+        transport: Transport,
     },
     /// Benchmark the standard workloads (WORKLOADS.md): each strategy with 1, 2 and 4
     /// workers; 10 warm-up and 50 timed steps, median of 3 runs.
@@ -478,17 +483,13 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .collect();
     check_outputs(&outputs, inputs)?;
     let steps = args.steps.unwrap_or(plan.config.steps);
-    if args.transport == Transport::Mpi {
-        return run_mpi(r, args);
+    if args.transport == Transport::Inprocess {
+        let estimate = r.memory(steps, args.preload);
+        memory::check(estimate.in_process_total(), &estimate.describe())
+            .map_err(anyhow::Error::msg)?;
     }
-    let estimate = r.memory(steps, args.preload);
-    memory::check(estimate.in_process_total(), &estimate.describe()).map_err(anyhow::Error::msg)?;
-    let mut metrics = match &args.metrics {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
-        )),
-        None => None,
-    };
+    // Created at the first line: under MPI only rank 0 writes the global lines.
+    let mut metrics: Option<std::io::BufWriter<std::fs::File>> = None;
     let bar = if !args.quiet && std::io::stderr().is_terminal() {
         let b = ProgressBar::new(steps as u64);
         b.set_style(
@@ -500,6 +501,13 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         None
     };
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
+        if let (None, Some(p)) = (&metrics, &args.metrics) {
+            let f = std::fs::File::create(p).map_err(|source| distc_runtime::RuntimeError::Io {
+                path: p.clone(),
+                source,
+            })?;
+            metrics = Some(std::io::BufWriter::new(f));
+        }
         if let Some(w) = metrics.as_mut() {
             let line = serde_json::to_string(m)
                 .map_err(|e| distc_runtime::RuntimeError::Config(e.to_string()))?;
@@ -517,15 +525,25 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         }
         Ok(())
     };
-    let result = train(r.programs(), &plan.config, &train_options(plan, args), &mut on_step);
+    let result = match args.transport {
+        Transport::Inprocess => {
+            train(r.programs(), &plan.config, &train_options(plan, args), &mut on_step)
+                .map(Some)
+                .map_err(anyhow::Error::from)
+        }
+        Transport::Mpi => run_mpi(r, args, &mut on_step),
+    };
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     if let Some(mut w) = metrics {
         w.flush().context("cannot write the metrics file")?;
     }
-    let report = result?;
-    finish_run(plan, args, &report)
+    match result? {
+        Some(report) => finish_run(plan, args, &report),
+        // Another rank than 0 of an MPI job: rank 0 reports.
+        None => Ok(()),
+    }
 }
 
 /// What every run does once trained: save, trace, summary, profile.
@@ -576,8 +594,25 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
     Ok(())
 }
 
+type OnStep<'a> = dyn FnMut(&StepMetrics) -> distc_runtime::Result<()> + 'a;
+
+#[cfg(feature = "mpi")]
+use distc::verify::verify_mpi;
+
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_: &Runnable<'_>, _: &RunArgs) -> Result<()> {
+fn verify_mpi(
+    _: &Path,
+    _: &VerifyOptions,
+) -> Result<Option<distc::verify::VerifyReport>, distc::verify::VerifyError> {
+    Err(distc::verify::VerifyError::Refused(
+        "--transport mpi: this distc was built without MPI; install OpenMPI \
+         (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
+            .into(),
+    ))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &Runnable<'_>, _: &RunArgs, _: &mut OnStep<'_>) -> anyhow::Result<Option<TrainReport>> {
     bail!(
         "--transport mpi: this distc was built without MPI; install OpenMPI \
          (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
@@ -585,31 +620,39 @@ fn run_mpi(_: &Runnable<'_>, _: &RunArgs) -> Result<()> {
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(r: &Runnable<'_>, args: &RunArgs) -> Result<()> {
+fn run_mpi(r: &Runnable<'_>, args: &RunArgs, on_step: &mut OnStep<'_>) -> anyhow::Result<Option<TrainReport>> {
     let plan = r.plan;
     let steps = args.steps.unwrap_or(plan.config.steps);
+    // One rank per process: each checks what it will hold.
+    let estimate = r.memory(steps, args.preload);
+    memory::check(estimate.per_worker() + estimate.eval, &format!("{} per worker process", memory::gib(estimate.per_worker() + estimate.eval)))
+        .map_err(anyhow::Error::msg)?;
     let opts = distc_runtime::comm::mpi::MpiRun {
         plan_hash: plan.hash.clone(),
         servers: plan.settings.servers,
         metrics: args.metrics.clone(),
-        memory_per_worker: r.memory(steps, args.preload).per_worker(),
+        trace: args.trace.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
     };
-    let launched = distc_runtime::comm::mpi::run(
+    Ok(distc_runtime::comm::mpi::run(
         r.programs(),
         &plan.config,
         &train_options(plan, args),
         &opts,
-        &mut |_| Ok(()),
-    )?;
-    match launched {
-        // Rank 0 holds the whole result.
-        Some(report) => finish_run(plan, args, &report),
-        None => Ok(()),
-    }
+        on_step,
+    )?)
 }
 
 /// `distc verify`: the library's check, printed.
-fn verify_cmd(file: &Path, compile: &CompileArgs, steps: usize, tolerance: f64, data: Option<&Path>, timeout: f64) -> Result<()> {
+fn verify_cmd(
+    file: &Path,
+    compile: &CompileArgs,
+    steps: usize,
+    tolerance: f64,
+    data: Option<&Path>,
+    timeout: f64,
+    transport: Transport,
+) -> Result<()> {
     check_strategy_flags(compile)?;
     let opts = VerifyOptions {
         compile: compile_opts(compile, data),
@@ -617,13 +660,20 @@ fn verify_cmd(file: &Path, compile: &CompileArgs, steps: usize, tolerance: f64, 
         tolerance,
         timeout: Duration::from_secs_f64(timeout),
     };
-    let report = match verify(file, &opts) {
+    let result = match transport {
+        Transport::Inprocess => verify(file, &opts).map(Some),
+        Transport::Mpi => verify_mpi(file, &opts),
+    };
+    let report = match result {
         Err(distc::verify::VerifyError::Compile(e)) => {
             // DSL errors print as diagnostics.
             compile_or_report(file, &opts.compile)?;
             return Err(e.into());
         }
-        r => r?,
+        // Another rank than 0 of an MPI job: rank 0 reports.
+        Ok(None) => return Ok(()),
+        Ok(Some(r)) => r,
+        Err(e) => return Err(e.into()),
     };
     let name = report.strategy.name();
     let mut text = String::new();
@@ -711,7 +761,8 @@ fn real_main(cli: Cli) -> Result<()> {
             tolerance,
             data,
             timeout,
-        } => verify_cmd(&file, &compile, steps, tolerance, data.as_deref(), timeout)?,
+            transport,
+        } => verify_cmd(&file, &compile, steps, tolerance, data.as_deref(), timeout, transport)?,
         Command::Bench {
             workloads,
             strategies,

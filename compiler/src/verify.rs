@@ -123,14 +123,18 @@ pub fn compare(
         .collect()
 }
 
-fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<HashMap<String, Tensor>, VerifyError> {
-    let train_opts = TrainOptions {
+fn train_options(opts: &VerifyOptions) -> TrainOptions {
+    TrainOptions {
         steps: Some(opts.steps),
         data_dir: opts.compile.data_dir.clone(),
         global_data: true,
         timeout: opts.timeout,
         ..TrainOptions::default()
-    };
+    }
+}
+
+fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<HashMap<String, Tensor>, VerifyError> {
+    let train_opts = train_options(opts);
     let programs = Programs {
         worker: &c.graph,
         init: c.init_program.as_ref(),
@@ -140,9 +144,8 @@ fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<HashMap<Str
     Ok(train(programs, &c.config, &train_opts, &mut |_| Ok(()))?.params)
 }
 
-/// Trains `file` on one device with batch N*b and with the strategy of
-/// `opts.compile` (N workers of batch b), same data and seed, and compares them.
-pub fn verify(file: &Path, opts: &VerifyOptions) -> Result<VerifyReport, VerifyError> {
+/// Refuses options that compare nothing.
+fn check(opts: &VerifyOptions) -> Result<(), VerifyError> {
     let s = &opts.compile.strategy;
     if s.strategy == Strategy::Single {
         return Err(VerifyError::Refused(
@@ -168,7 +171,61 @@ pub fn verify(file: &Path, opts: &VerifyOptions) -> Result<VerifyReport, VerifyE
             opts.tolerance
         )));
     }
+    Ok(())
+}
+
+/// Trains `file` on one device with batch N*b and with the strategy of
+/// `opts.compile` (N workers of batch b, threads of this process), same data and seed,
+/// and compares them.
+pub fn verify(file: &Path, opts: &VerifyOptions) -> Result<VerifyReport, VerifyError> {
+    check(opts)?;
     let dist = compile_file(file, &opts.compile)?;
+    let many = run(&dist, opts, opts.compile.strategy.workers)?;
+    one_device_against(file, opts, &dist, &many)
+}
+
+/// [`verify`] with the distributed run as this process's rank of an `mpirun` job
+/// (`mpirun -np N+S distc verify ... --transport mpi`). Rank 0 trains the one device
+/// afterwards and returns the report; the other ranks return `None`.
+#[cfg(feature = "mpi")]
+pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyReport>, VerifyError> {
+    check(opts)?;
+    let dist = compile_file(file, &opts.compile)?;
+    let plan = crate::Plan::new(&dist, &file.display().to_string(), &opts.compile.strategy);
+    let programs = Programs {
+        worker: &dist.graph,
+        init: dist.init_program.as_ref(),
+        servers: &dist.server_programs,
+        workers: opts.compile.strategy.workers,
+    };
+    let mpi_run = distc_runtime::comm::mpi::MpiRun {
+        plan_hash: plan.hash,
+        servers: opts.compile.strategy.servers,
+        metrics: None,
+        trace: None,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let report = distc_runtime::comm::mpi::run(
+        programs,
+        &dist.config,
+        &train_options(opts),
+        &mpi_run,
+        &mut |_| Ok(()),
+    )?;
+    match report {
+        Some(r) => Ok(Some(one_device_against(file, opts, &dist, &r.params)?)),
+        None => Ok(None),
+    }
+}
+
+/// Trains one device with the global batch and compares it with `many`.
+fn one_device_against(
+    file: &Path,
+    opts: &VerifyOptions,
+    dist: &Compiled,
+    many: &HashMap<String, Tensor>,
+) -> Result<VerifyReport, VerifyError> {
+    let s = &opts.compile.strategy;
     let n = s.workers;
     let single_opts = CompileOptions {
         batch: Some(dist.config.batch * n),
@@ -177,8 +234,7 @@ pub fn verify(file: &Path, opts: &VerifyOptions) -> Result<VerifyReport, VerifyE
     };
     let single = compile_file(file, &single_opts)?;
     let one = run(&single, opts, 1)?;
-    let many = run(&dist, opts, n)?;
-    let vars = compare(&one, &many).map_err(VerifyError::Mismatch)?;
+    let vars = compare(&one, many).map_err(VerifyError::Mismatch)?;
     if vars.is_empty() {
         return Err(VerifyError::Mismatch("the model has no variables".into()));
     }

@@ -50,6 +50,21 @@ pub fn param_seed(seed: u64, name: &str) -> u64 {
 /// Glorot: `U(-sqrt(6/(fan_in+fan_out)), +)`; He: `N(0, sqrt(2/fan_in))`; uniform on
 /// `[lo, hi)`; normal `N(mean, std)`.
 pub fn init_param(name: &str, ty: &TensorType, init: &Init, seed: u64) -> Tensor {
+    let rows = ty.dims().first().copied().unwrap_or(1);
+    init_rows(name, ty, init, seed, 0, rows)
+}
+
+/// Rows `start..end` of [`init_param`]'s value (the whole value for a scalar), equal to
+/// slicing it, without ever holding the other rows: a parameter server initialises
+/// its shard alone.
+pub fn init_rows(
+    name: &str,
+    ty: &TensorType,
+    init: &Init,
+    seed: u64,
+    start: usize,
+    end: usize,
+) -> Tensor {
     let dims = ty.dims();
     let mut rng = Pcg64::seed_from_u64(param_seed(seed, name));
     let (fan_in, fan_out) = fans(dims);
@@ -74,7 +89,19 @@ pub fn init_param(name: &str, ty: &TensorType, init: &Init, seed: u64) -> Tensor
             })
         }
     };
-    let shape = IxDyn(dims);
+    let (shape, skip) = match dims.split_first() {
+        None => (IxDyn(dims), 0),
+        Some((_, rest)) => {
+            let row: usize = rest.iter().product();
+            let mut d = dims.to_vec();
+            d[0] = end.saturating_sub(start);
+            (IxDyn(&d), start * row)
+        }
+    };
+    // Row-major order: the rows before `start` are drawn and dropped.
+    for _ in 0..skip {
+        draw();
+    }
     match ty.dtype {
         DType::F32 => Tensor::F32(ArrayD::from_shape_simple_fn(shape, || draw() as f32)),
         DType::F64 => Tensor::F64(ArrayD::from_shape_simple_fn(shape, draw)),

@@ -237,6 +237,7 @@ fn comm_thread(
     bytes: mpsc::Sender<ByteCount>,
 ) {
     for req in rx {
+        comm.set_label(&format!("{} {} at step {}", req.op.mnemonic(), req.node, req.step));
         let before = comm.bytes();
         let start = Instant::now();
         let r = collective(comm.as_mut(), &req.op, req.value);

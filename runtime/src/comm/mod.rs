@@ -19,6 +19,8 @@
 //! rank instead of leaving some of them waiting.
 
 mod inprocess;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 pub use inprocess::{in_process, InProcessComm};
 
@@ -84,6 +86,9 @@ pub trait Communicator: Send {
     fn recv(&mut self, from: usize) -> Result<Vec<u8>, RuntimeError>;
     /// Cumulative bytes of payload sent and received by this rank (all operations).
     fn bytes(&self) -> ByteCount;
+    /// Names what the next operations are for (`all_reduce %25 at step 12`), so a
+    /// failure or a timeout can say which op of the program it hit.
+    fn set_label(&mut self, _label: &str) {}
 }
 
 /// The element range of chunk `i` when `len` elements are split into `n` nearly equal

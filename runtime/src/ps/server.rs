@@ -7,7 +7,7 @@ use super::transport::ServerLink;
 use super::wire::{Reply, Request};
 use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
 use crate::error::{Result, RuntimeError};
-use crate::init::init_param;
+use crate::init::{init_param, init_rows};
 use crate::optim::Optimizer;
 use crate::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
@@ -216,13 +216,13 @@ impl Server {
     /// Server `id` holding `shards`, each initialised as rows `start..end` of the whole
     /// variable's initial value (so a partitioned variable starts as one device's).
     pub fn new(id: usize, shards: &[ShardSpec], cfg: &PsConfig) -> Server {
-        let mut inits: HashMap<&str, Tensor> = HashMap::new();
         let mut owned = HashMap::new();
         for sp in shards {
-            let full = inits
-                .entry(sp.var.as_str())
-                .or_insert_with(|| init_param(&sp.var, &sp.full, &sp.init, cfg.seed));
-            let value = slice_rows(full, sp.start, sp.end);
+            let value = if sp.full.dims().is_empty() {
+                init_param(&sp.var, &sp.full, &sp.init, cfg.seed)
+            } else {
+                init_rows(&sp.var, &sp.full, &sp.init, cfg.seed, sp.start, sp.end)
+            };
             owned.insert(
                 (sp.var.clone(), sp.start),
                 Shard::new(sp.var.clone(), sp.start, sp.end, value, cfg),

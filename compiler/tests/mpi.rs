@@ -1,0 +1,285 @@
+//! Plans run as MPI processes (`--features mpi`, OpenMPI from scripts/install-mpi.sh):
+//! the same weights as in-process, verify under mpirun, start-up checks, the first
+//! error, a killed rank and a stalled one. Each test starts `mpirun` with the distc
+//! binary; ranks share this machine's cores (`--oversubscribe`).
+#![cfg(feature = "mpi")]
+
+use distc_runtime::checkpoint;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const MPIRUN: [&str; 2] = ["--allow-run-as-root", "--oversubscribe"];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn distc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_distc"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("runs")
+}
+
+fn mpirun_cmd(np: usize, args: &[&str]) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(MPIRUN)
+        .args(["-np", &np.to_string()])
+        .arg(env!("CARGO_BIN_EXE_distc"))
+        .args(args)
+        .current_dir(root())
+        .env("MATMUL_NUM_THREADS", "1");
+    c
+}
+
+fn mpirun(np: usize, args: &[&str]) -> Output {
+    mpirun_cmd(np, args).output().expect("mpirun runs (install OpenMPI: scripts/install-mpi.sh)")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("distc-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    dir.join(name)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf8")
+}
+
+fn compile(model: &str, strategy: &str, workers: usize, servers: usize, name: &str) -> PathBuf {
+    let plan = tmp(name);
+    let w = workers.to_string();
+    let sv = servers.to_string();
+    let o = distc(&[
+        "compile", model, "--strategy", strategy, "--workers", &w, "--servers", &sv, "--batch", "16", "-o", s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    plan
+}
+
+/// Largest relative difference over every variable of two checkpoints.
+fn max_difference(a: &Path, b: &Path) -> f64 {
+    let (a, _) = checkpoint::load(a).expect("checkpoint");
+    let (b, _) = checkpoint::load(b).expect("checkpoint");
+    assert_eq!(a.len(), b.len());
+    let mut worst: f64 = 0.0;
+    for (name, x) in &a {
+        let (x, y) = (x.to_f64_vec(), b[name].to_f64_vec());
+        let scale = x.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
+        let d = x.iter().zip(&y).fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+        worst = worst.max(d / scale);
+    }
+    worst
+}
+
+#[test]
+fn mpi_ranks_train_the_weights_threads_train() {
+    for (model, strategy, workers, servers) in [
+        ("examples/dense_mlp.dsl", "allreduce", 2, 0),
+        ("examples/dense_mlp.dsl", "allreduce", 3, 0),
+        ("examples/sparse_lm.dsl", "allreduce", 4, 0),
+        ("examples/sparse_lm.dsl", "ps", 2, 1),
+        ("examples/dense_mlp.dsl", "ps", 3, 2),
+        ("examples/sparse_lm.dsl", "hybrid", 2, 2),
+        ("examples/sparse_lm.dsl", "hybrid", 3, 1),
+    ] {
+        let what = format!("{model} {strategy} {workers}w {servers}s");
+        let plan = compile(model, strategy, workers, servers, "same.plan.json");
+        let (one, many) = (tmp("threads.safetensors"), tmp("mpi.safetensors"));
+        let o = distc(&["run", s(&plan), "--steps", "4", "-q", "--save", s(&one)]);
+        assert!(o.status.success(), "{what}: {}", text(&o));
+        let m = tmp("m.jsonl");
+        let o = mpirun(
+            workers + servers,
+            &["run", s(&plan), "--steps", "4", "-q", "--save", s(&many), "--transport", "mpi", "--metrics", s(&m)],
+        );
+        assert!(o.status.success(), "{what}: {}", text(&o));
+        let d = max_difference(&one, &many);
+        println!("{what}: largest relative difference MPI vs threads {d:.2e}");
+        // Two ranks sum in one order on both transports; more ranks sum in MPI's order.
+        let tolerance = if workers == 2 || strategy == "ps" { 0.0 } else { 1e-5 };
+        assert!(d <= tolerance, "{what}: MPI and threads differ by {d:.2e}");
+        // Rank 0's global lines and every worker's own.
+        let global = std::fs::read_to_string(&m).expect("global metrics");
+        assert_eq!(global.lines().count(), 4, "{what}");
+        for r in 0..workers {
+            let own = tmp(&format!("m.rank{r}.jsonl"));
+            assert_eq!(std::fs::read_to_string(&own).expect("rank metrics").lines().count(), 4, "{what}");
+        }
+    }
+}
+
+#[test]
+fn traces_of_every_rank_merge_into_one() {
+    let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "trace.plan.json");
+    let t = tmp("t.json");
+    let o = mpirun(3, &["run", s(&plan), "--steps", "2", "-q", "--transport", "mpi", "--trace", s(&t)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let merged: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&t).expect("merged trace")).expect("json");
+    let tracks: Vec<String> = merged["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .filter_map(|e| e["args"]["name"].as_str().map(String::from))
+        .collect();
+    for want in ["worker 0", "worker 1", "worker 0 comm", "server 0"] {
+        assert!(tracks.iter().any(|t| t == want), "{want} not in {tracks:?}");
+    }
+    for r in 0..3 {
+        assert!(tmp(&format!("t.rank{r}.json")).exists(), "no trace of rank {r}");
+    }
+}
+
+#[test]
+fn verify_runs_under_mpirun() {
+    let o = mpirun(
+        3,
+        &["verify", "examples/sparse_lm.dsl", "--strategy", "hybrid", "--workers", "2", "--servers", "1", "--batch", "16", "--transport", "mpi"],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("largest relative error"), "{}", text(&o));
+}
+
+#[test]
+fn ranks_check_they_run_one_plan_of_the_right_size() {
+    let a = compile("examples/dense_mlp.dsl", "allreduce", 2, 0, "a.plan.json");
+    let b = compile("examples/sparse_lm.dsl", "allreduce", 2, 0, "b.plan.json");
+    // Two plans in one job: mpirun's MPMD form gives rank 1 the other one.
+    let o = Command::new("mpirun")
+        .args(MPIRUN)
+        .args(["-np", "1", env!("CARGO_BIN_EXE_distc"), "run", s(&a), "--transport", "mpi", ":"])
+        .args(["-np", "1", env!("CARGO_BIN_EXE_distc"), "run", s(&b), "--transport", "mpi"])
+        .current_dir(root())
+        .output()
+        .expect("mpirun");
+    assert!(!o.status.success());
+    assert!(text(&o).contains("rank 1 runs another plan"), "{}", text(&o));
+    // The wrong number of ranks.
+    let o = mpirun(3, &["run", s(&a), "--transport", "mpi"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("the job has 3 ranks, the plan needs 2"), "{}", text(&o));
+    // Outside mpirun: the line to use.
+    let o = distc(&["run", s(&a), "--transport", "mpi"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("mpirun -np 2 "), "{}", text(&o));
+}
+
+#[test]
+fn one_ranks_error_reaches_the_user_and_ends_the_job() {
+    for (strategy, servers) in [("ps", 1), ("allreduce", 0)] {
+        let plan = compile("tests/models/issue9_bad_ids.dsl", strategy, 2, servers, "bad.plan.json");
+        let start = Instant::now();
+        let o = mpirun(2 + servers, &["run", s(&plan), "--transport", "mpi", "--timeout", "20"]);
+        assert!(!o.status.success(), "{}", text(&o));
+        assert!(start.elapsed() < Duration::from_secs(30), "{:?}", start.elapsed());
+        let t = text(&o);
+        assert!(t.contains("error: rank ") && t.contains("is not in 0..50") || t.contains("outside"), "{t}");
+    }
+}
+
+/// The ranks of a running job: `(world rank, pid)` of mpirun's children.
+fn ranks_of(mpirun: &Child) -> Vec<(usize, u32)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        let ppid: u32 = stat
+            .rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if ppid != mpirun.id() {
+            continue;
+        }
+        let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let rank = env
+            .split(|&b| b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .find_map(|kv| kv.strip_prefix("OMPI_COMM_WORLD_RANK="))
+            .and_then(|r| r.parse().ok());
+        if let Some(r) = rank {
+            out.push((r, pid));
+        }
+    }
+    out
+}
+
+/// Starts a long 3-worker run and waits until rank 1 exists and training is under way.
+fn long_run(timeout: &str) -> (Child, u32) {
+    let plan = compile("examples/dense_mlp.dsl", "allreduce", 3, 0, "long.plan.json");
+    let m = tmp("long.jsonl");
+    let _ = std::fs::remove_file(tmp("long.rank0.jsonl"));
+    let child = mpirun_cmd(
+        3,
+        &["run", s(&plan), "--steps", "100000", "-q", "--transport", "mpi", "--timeout", timeout, "--metrics", s(&m)],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("mpirun");
+    let start = Instant::now();
+    loop {
+        let steps = std::fs::read_to_string(tmp("long.rank0.jsonl")).map_or(0, |t| t.lines().count());
+        let ranks = ranks_of(&child);
+        if steps >= 3 {
+            if let Some(&(_, pid)) = ranks.iter().find(|(r, _)| *r == 1) {
+                return (child, pid);
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the run did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_killed_rank_stops_every_rank_naming_it() {
+    let (child, pid) = long_run("30");
+    let killed = Instant::now();
+    Command::new("kill").args(["-KILL", &pid.to_string()]).status().expect("kill");
+    let o = child.wait_with_output().expect("waits");
+    let took = killed.elapsed();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(took < Duration::from_secs(30), "the job took {took:?} to stop");
+    assert!(text(&o).contains("rank 1"), "{}", text(&o));
+}
+
+#[test]
+fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
+    let (child, pid) = long_run("3");
+    Command::new("kill").args(["-STOP", &pid.to_string()]).status().expect("stop");
+    let o = child.wait_with_output().expect("waits");
+    // The stopped rank may outlive the job; it must not outlive the test.
+    let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("did not complete within 3 s"), "{t}");
+    assert!(t.contains("all_reduce %"), "{t}");
+    // Every rank that reports names rank 1 among those that did not arrive. (With three
+    // ranks MPI may complete a collective on one rank before another, so a rank can
+    // also report a peer that went one collective ahead.)
+    let reports: Vec<&str> = t.lines().filter(|l| l.contains("did not complete within")).collect();
+    assert!(!reports.is_empty(), "{t}");
+    for r in reports {
+        let missing = r
+            .split("workers that did not: [")
+            .nth(1)
+            .and_then(|rest| rest.split(']').next())
+            .unwrap_or("");
+        assert!(missing.split(", ").any(|m| m == "1"), "rank 1 not named in: {r}");
+    }
+}
