@@ -21,7 +21,12 @@ pub const WORKLOADS: [(&str, &str); 2] = [
 /// What `distc bench --transport mpi` passes to `mpirun`: run as root where the
 /// machine's user is root, more ranks than cores, and the environment
 /// (`MATMUL_NUM_THREADS`) exported to every rank.
-pub const MPIRUN_FLAGS: [&str; 4] = ["--allow-run-as-root", "--oversubscribe", "-x", "MATMUL_NUM_THREADS"];
+pub const MPIRUN_FLAGS: [&str; 4] = [
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "-x",
+    "MATMUL_NUM_THREADS",
+];
 
 /// One measured configuration.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -59,6 +64,8 @@ pub struct BenchSettings {
     pub workers: Vec<usize>,
     /// Runs per configuration (the median is reported).
     pub runs: usize,
+    /// Servers of ps, hybrid and auto plans (`None`: one per worker).
+    pub servers: Option<usize>,
     /// Warm-up steps.
     pub warmup: usize,
     /// Timed steps.
@@ -110,7 +117,7 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                     continue;
                 }
                 let servers = if matches!(strategy.as_str(), "ps" | "hybrid" | "auto") {
-                    n
+                    s.servers.unwrap_or(n)
                 } else {
                     0
                 };

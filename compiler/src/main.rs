@@ -83,6 +83,9 @@ enum Command {
         /// Runs per configuration (at least 1; the median is reported).
         #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         runs: usize,
+        /// Parameter servers of ps, hybrid and auto plans (default: as many as workers).
+        #[arg(long, value_parser = at_least_one)]
+        servers: Option<usize>,
         /// Warm-up steps.
         #[arg(long, default_value_t = 10)]
         warmup: usize,
@@ -349,7 +352,12 @@ fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
             a.sync
         );
     }
-    if a.sparse_as_dense && matches!(a.strategy, Strategy::Single | Strategy::Ps | Strategy::Hybrid) {
+    if a.sparse_as_dense
+        && matches!(
+            a.strategy,
+            Strategy::Single | Strategy::Ps | Strategy::Hybrid
+        )
+    {
         bail!(
             "--sparse-as-dense changes how sparse gradients are all-reduced; under --strategy \
              {name} none are (use allreduce or auto)"
@@ -403,7 +411,10 @@ fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
 /// the program quietly, as it would a Unix tool, once everything else is done.
 fn out(text: &str) {
     let mut stdout = std::io::stdout().lock();
-    if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+    if let Err(e) = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
             std::process::exit(0);
         }
@@ -526,11 +537,14 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         Ok(())
     };
     let result = match args.transport {
-        Transport::Inprocess => {
-            train(r.programs(), &plan.config, &train_options(plan, args), &mut on_step)
-                .map(Some)
-                .map_err(anyhow::Error::from)
-        }
+        Transport::Inprocess => train(
+            r.programs(),
+            &plan.config,
+            &train_options(plan, args),
+            &mut on_step,
+        )
+        .map(Some)
+        .map_err(anyhow::Error::from),
         Transport::Mpi => run_mpi(r, args, &mut on_step),
     };
     if let Some(b) = bar {
@@ -612,7 +626,11 @@ fn verify_mpi(
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_: &Runnable<'_>, _: &RunArgs, _: &mut OnStep<'_>) -> anyhow::Result<Option<TrainReport>> {
+fn run_mpi(
+    _: &Runnable<'_>,
+    _: &RunArgs,
+    _: &mut OnStep<'_>,
+) -> anyhow::Result<Option<TrainReport>> {
     bail!(
         "--transport mpi: this distc was built without MPI; install OpenMPI \
          (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
@@ -620,13 +638,23 @@ fn run_mpi(_: &Runnable<'_>, _: &RunArgs, _: &mut OnStep<'_>) -> anyhow::Result<
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(r: &Runnable<'_>, args: &RunArgs, on_step: &mut OnStep<'_>) -> anyhow::Result<Option<TrainReport>> {
+fn run_mpi(
+    r: &Runnable<'_>,
+    args: &RunArgs,
+    on_step: &mut OnStep<'_>,
+) -> anyhow::Result<Option<TrainReport>> {
     let plan = r.plan;
     let steps = args.steps.unwrap_or(plan.config.steps);
     // One rank per process: each checks what it will hold.
     let estimate = r.memory(steps, args.preload);
-    memory::check(estimate.per_worker() + estimate.eval, &format!("{} per worker process", memory::gib(estimate.per_worker() + estimate.eval)))
-        .map_err(anyhow::Error::msg)?;
+    memory::check(
+        estimate.per_worker() + estimate.eval,
+        &format!(
+            "{} per worker process",
+            memory::gib(estimate.per_worker() + estimate.eval)
+        ),
+    )
+    .map_err(anyhow::Error::msg)?;
     let opts = distc_runtime::comm::mpi::MpiRun {
         plan_hash: plan.hash.clone(),
         servers: plan.settings.servers,
@@ -678,7 +706,10 @@ fn verify_cmd(
     let name = report.strategy.name();
     let mut text = String::new();
     for v in &report.vars {
-        text += &format!("  {:<10} max |one device - {name}| / max |w| = {:.2e}\n", v.name, v.relative);
+        text += &format!(
+            "  {:<10} max |one device - {name}| / max |w| = {:.2e}\n",
+            v.name, v.relative
+        );
     }
     let worst = report
         .worst()
@@ -762,12 +793,21 @@ fn real_main(cli: Cli) -> Result<()> {
             data,
             timeout,
             transport,
-        } => verify_cmd(&file, &compile, steps, tolerance, data.as_deref(), timeout, transport)?,
+        } => verify_cmd(
+            &file,
+            &compile,
+            steps,
+            tolerance,
+            data.as_deref(),
+            timeout,
+            transport,
+        )?,
         Command::Bench {
             workloads,
             strategies,
             workers,
             runs,
+            servers,
             warmup,
             steps,
             transport,
@@ -782,6 +822,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 strategies,
                 workers,
                 runs,
+                servers,
                 warmup,
                 steps,
                 mpi: transport == Transport::Mpi,
@@ -803,9 +844,10 @@ fn real_main(cli: Cli) -> Result<()> {
             };
             let mem = memory::estimate(&programs, &p.config, p.config.steps, false);
             match format {
-                ExplainFormat::Json => {
-                    out(&format!("{}\n", serde_json::to_string_pretty(&explain_json(&p, &mem))?))
-                }
+                ExplainFormat::Json => out(&format!(
+                    "{}\n",
+                    serde_json::to_string_pretty(&explain_json(&p, &mem))?
+                )),
                 ExplainFormat::Table => out(&explain_table(&p, &mem)),
             }
         }
@@ -825,7 +867,9 @@ fn real_main(cli: Cli) -> Result<()> {
             out(&distc_ir::print(&compile_until(&file, after, batch)?.graph));
         }
         Command::Dot { file, after, batch } => {
-            out(&distc_ir::dot::to_dot(&compile_until(&file, after, batch)?.graph));
+            out(&distc_ir::dot::to_dot(
+                &compile_until(&file, after, batch)?.graph,
+            ));
         }
     }
     Ok(())

@@ -62,7 +62,10 @@ const REQUIRED_PASSES: [&str; 4] = ["autodiff", "sparsity_analysis", "place", "d
 
 /// Why the options make a plan that cannot be trained, if they do.
 fn not_runnable(opts: &CompileOptions) -> Option<String> {
-    let passes: Vec<String> = pipeline(opts.strategy.strategy).iter().map(|p| p.name()).collect();
+    let passes: Vec<String> = pipeline(opts.strategy.strategy)
+        .iter()
+        .map(|p| p.name())
+        .collect();
     if let Some(stop) = &opts.stop_after {
         if passes.last() != Some(stop) {
             return Some(format!(

@@ -167,7 +167,11 @@ impl Plan {
             })
         };
         let init = self.init.as_ref().map(parse).transpose()?;
-        let servers = self.servers.iter().map(parse).collect::<Result<Vec<_>, _>>()?;
+        let servers = self
+            .servers
+            .iter()
+            .map(parse)
+            .collect::<Result<Vec<_>, _>>()?;
         Ok((init, servers))
     }
 

@@ -64,8 +64,7 @@ impl VerifyReport {
 
     /// Whether every variable is within the tolerance.
     pub fn passed(&self) -> bool {
-        self.worst()
-            .is_some_and(|w| w.relative <= self.tolerance)
+        self.worst().is_some_and(|w| w.relative <= self.tolerance)
     }
 }
 
@@ -114,7 +113,11 @@ pub fn compare(
                 .zip(&b)
                 .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
             // NaN anywhere is a failure, never a pass.
-            let relative = if diff.is_nan() { f64::INFINITY } else { diff / scale };
+            let relative = if diff.is_nan() {
+                f64::INFINITY
+            } else {
+                diff / scale
+            };
             Ok(VarError {
                 name: name.clone(),
                 relative,
@@ -133,7 +136,11 @@ fn train_options(opts: &VerifyOptions) -> TrainOptions {
     }
 }
 
-fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<HashMap<String, Tensor>, VerifyError> {
+fn run(
+    c: &Compiled,
+    opts: &VerifyOptions,
+    workers: usize,
+) -> Result<HashMap<String, Tensor>, VerifyError> {
     let train_opts = train_options(opts);
     let programs = Programs {
         worker: &c.graph,

@@ -39,7 +39,11 @@ fn refused(args: &[&str], want: &str) {
         "{args:?} was not refused: {}",
         text(&o)
     );
-    assert!(text(&o).contains(want), "{args:?}: expected {want:?} in {}", text(&o));
+    assert!(
+        text(&o).contains(want),
+        "{args:?}: expected {want:?} in {}",
+        text(&o)
+    );
     assert!(!text(&o).contains("panicked"), "{args:?}: {}", text(&o));
 }
 
@@ -56,15 +60,38 @@ fn non_finite_and_non_positive_numbers_are_refused() {
         ("--bucket-mb", "inf"),
     ] {
         refused(
-            &["compile", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "2", flag, value, "-o", s(&plan)],
+            &[
+                "compile",
+                "examples/dense_mlp.dsl",
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "2",
+                flag,
+                value,
+                "-o",
+                s(&plan),
+            ],
             flag,
         );
     }
     refused(
-        &["verify", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "2", "--tolerance", "nan"],
+        &[
+            "verify",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--tolerance",
+            "nan",
+        ],
         "--tolerance",
     );
-    refused(&["train", "examples/dense_mlp.dsl", "--timeout", "0"], "--timeout");
+    refused(
+        &["train", "examples/dense_mlp.dsl", "--timeout", "0"],
+        "--timeout",
+    );
 }
 
 #[test]
@@ -72,10 +99,25 @@ fn count_flags_have_lower_bounds() {
     refused(&["bench", "--runs", "0"], "--runs");
     refused(&["bench", "--steps", "0"], "--steps");
     refused(&["bench", "--workers", "1,0"], "--workers");
-    refused(&["train", "examples/dense_mlp.dsl", "--steps", "0"], "--steps");
-    refused(&["train", "examples/dense_mlp.dsl", "--batch", "0"], "--batch");
     refused(
-        &["verify", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "2", "--steps", "0"],
+        &["train", "examples/dense_mlp.dsl", "--steps", "0"],
+        "--steps",
+    );
+    refused(
+        &["train", "examples/dense_mlp.dsl", "--batch", "0"],
+        "--batch",
+    );
+    refused(
+        &[
+            "verify",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--steps",
+            "0",
+        ],
         "--steps",
     );
 }
@@ -84,27 +126,104 @@ fn count_flags_have_lower_bounds() {
 fn flags_that_would_mean_nothing_are_refused() {
     let plan = tmp("m.plan.json");
     let o = s(&plan);
-    refused(&["compile", "examples/dense_mlp.dsl", "--workers", "3", "-o", o], "--workers 3");
-    refused(&["compile", "examples/dense_mlp.dsl", "--servers", "2", "-o", o], "--servers 2");
     refused(
-        &["compile", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "2", "--sync", "async", "-o", o],
-        "--sync async",
+        &[
+            "compile",
+            "examples/dense_mlp.dsl",
+            "--workers",
+            "3",
+            "-o",
+            o,
+        ],
+        "--workers 3",
     );
     refused(
-        &["compile", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "2", "--servers", "2", "-o", o],
+        &[
+            "compile",
+            "examples/dense_mlp.dsl",
+            "--servers",
+            "2",
+            "-o",
+            o,
+        ],
         "--servers 2",
     );
     refused(
-        &["compile", "examples/sparse_lm.dsl", "--strategy", "hybrid", "--workers", "2", "--servers", "1", "--sparse-as-dense", "-o", o],
+        &[
+            "compile",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--sync",
+            "async",
+            "-o",
+            o,
+        ],
+        "--sync async",
+    );
+    refused(
+        &[
+            "compile",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--servers",
+            "2",
+            "-o",
+            o,
+        ],
+        "--servers 2",
+    );
+    refused(
+        &[
+            "compile",
+            "examples/sparse_lm.dsl",
+            "--strategy",
+            "hybrid",
+            "--workers",
+            "2",
+            "--servers",
+            "1",
+            "--sparse-as-dense",
+            "-o",
+            o,
+        ],
         "--sparse-as-dense",
     );
     refused(
-        &["verify", "examples/dense_mlp.dsl", "--strategy", "ps", "--workers", "2", "--servers", "1", "--sync", "stale:2"],
+        &[
+            "verify",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "ps",
+            "--workers",
+            "2",
+            "--servers",
+            "1",
+            "--sync",
+            "stale:2",
+        ],
         "--sync stale:2",
     );
     // A plan cut short compiles (for reading) but does not run.
-    for cut in [["--stop-after", "autodiff"], ["--disable-pass", "distribute"]] {
-        let mut args = vec!["compile", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "2", "-o", o];
+    for cut in [
+        ["--stop-after", "autodiff"],
+        ["--disable-pass", "distribute"],
+    ] {
+        let mut args = vec![
+            "compile",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "-o",
+            o,
+        ];
         args.extend(cut);
         let c = distc(&args);
         assert!(c.status.success(), "{}", text(&c));
@@ -119,43 +238,103 @@ fn output_files_never_replace_what_is_not_a_plain_output() {
     let _ = std::fs::remove_file(&fifo);
     let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
     assert!(made.success());
-    refused(&["compile", "examples/dense_mlp.dsl", "-o", s(&fifo)], "not a regular file");
+    refused(
+        &["compile", "examples/dense_mlp.dsl", "-o", s(&fifo)],
+        "not a regular file",
+    );
     use std::os::unix::fs::FileTypeExt;
-    assert!(std::fs::metadata(&fifo).expect("still there").file_type().is_fifo());
+    assert!(std::fs::metadata(&fifo)
+        .expect("still there")
+        .file_type()
+        .is_fifo());
     // A directory is refused for --save and -o alike.
     let dir = tmp("a-dir");
     std::fs::create_dir_all(&dir).expect("dir");
-    refused(&["train", "examples/dense_mlp.dsl", "--steps", "1", "--save", s(&dir)], "directory");
+    refused(
+        &[
+            "train",
+            "examples/dense_mlp.dsl",
+            "--steps",
+            "1",
+            "--save",
+            s(&dir),
+        ],
+        "directory",
+    );
     // The model's own source is never overwritten.
     let model = tmp("model.dsl");
     let src = std::fs::read_to_string("../examples/dense_mlp.dsl")
-        .or_else(|_| std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/dense_mlp.dsl")))
+        .or_else(|_| {
+            std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/dense_mlp.dsl"),
+            )
+        })
         .expect("example");
     std::fs::write(&model, &src).expect("write");
     refused(&["compile", s(&model), "-o", s(&model)], "input");
-    refused(&["train", s(&model), "--steps", "1", "--save", s(&model)], "input");
+    refused(
+        &["train", s(&model), "--steps", "1", "--save", s(&model)],
+        "input",
+    );
     assert_eq!(std::fs::read_to_string(&model).expect("read"), src);
     // Two outputs on one file.
     let m = tmp("same.out");
     refused(
-        &["train", "examples/dense_mlp.dsl", "--steps", "1", "--metrics", s(&m), "--save", s(&m)],
+        &[
+            "train",
+            "examples/dense_mlp.dsl",
+            "--steps",
+            "1",
+            "--metrics",
+            s(&m),
+            "--save",
+            s(&m),
+        ],
         "another output",
     );
     // A temporary file left by a killed save (its process is gone) is cleaned up.
     let save = tmp("w.safetensors");
     let stale = tmp(".w.safetensors.distc-tmp-4194999");
     std::fs::write(&stale, b"half a file").expect("write");
-    let o = distc(&["train", "examples/dense_mlp.dsl", "--steps", "1", "--batch", "4", "-q", "--save", s(&save)]);
+    let o = distc(&[
+        "train",
+        "examples/dense_mlp.dsl",
+        "--steps",
+        "1",
+        "--batch",
+        "4",
+        "-q",
+        "--save",
+        s(&save),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(save.exists() && !stale.exists(), "stale temporary file left behind");
+    assert!(
+        save.exists() && !stale.exists(),
+        "stale temporary file left behind"
+    );
 }
 
 #[test]
 fn a_closed_pipe_ends_quietly() {
     let plan = tmp("p.plan.json");
-    let c = distc(&["compile", "examples/sparse_lm.dsl", "--strategy", "hybrid", "--workers", "2", "--servers", "1", "-o", s(&plan)]);
+    let c = distc(&[
+        "compile",
+        "examples/sparse_lm.dsl",
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "-o",
+        s(&plan),
+    ]);
     assert!(c.status.success(), "{}", text(&c));
-    for args in [vec!["explain", s(&plan)], vec!["ir", "examples/cnn.dsl"], vec!["dot", "examples/cnn.dsl"]] {
+    for args in [
+        vec!["explain", s(&plan)],
+        vec!["ir", "examples/cnn.dsl"],
+        vec!["dot", "examples/cnn.dsl"],
+    ] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_distc"))
             .args(&args)
             .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
@@ -203,9 +382,38 @@ fn sizes_that_cannot_fit_are_refused_with_the_estimate() {
     for f in [&big_batch, &big_param, &big_eval] {
         refused(&["train", s(f)], "needs about");
     }
-    refused(&["train", s(&big_batch), "--strategy", "allreduce", "--workers", "2"], "needs about");
-    refused(&["train", "examples/dense_mlp.dsl", "--strategy", "allreduce", "--workers", "100000"], "needs about");
-    refused(&["train", "examples/dense_mlp.dsl", "--preload", "--steps", "100000000"], "needs about");
+    refused(
+        &[
+            "train",
+            s(&big_batch),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+        ],
+        "needs about",
+    );
+    refused(
+        &[
+            "train",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "100000",
+        ],
+        "needs about",
+    );
+    refused(
+        &[
+            "train",
+            "examples/dense_mlp.dsl",
+            "--preload",
+            "--steps",
+            "100000000",
+        ],
+        "needs about",
+    );
     // explain prints the estimate.
     let plan = tmp("e.plan.json");
     let c = distc(&["compile", "examples/dense_mlp.dsl", "-o", s(&plan)]);

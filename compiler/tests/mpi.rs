@@ -35,7 +35,9 @@ fn mpirun_cmd(np: usize, args: &[&str]) -> Command {
 }
 
 fn mpirun(np: usize, args: &[&str]) -> Output {
-    mpirun_cmd(np, args).output().expect("mpirun runs (install OpenMPI: scripts/install-mpi.sh)")
+    mpirun_cmd(np, args)
+        .output()
+        .expect("mpirun runs (install OpenMPI: scripts/install-mpi.sh)")
 }
 
 fn text(o: &Output) -> String {
@@ -61,7 +63,18 @@ fn compile(model: &str, strategy: &str, workers: usize, servers: usize, name: &s
     let w = workers.to_string();
     let sv = servers.to_string();
     let o = distc(&[
-        "compile", model, "--strategy", strategy, "--workers", &w, "--servers", &sv, "--batch", "16", "-o", s(&plan),
+        "compile",
+        model,
+        "--strategy",
+        strategy,
+        "--workers",
+        &w,
+        "--servers",
+        &sv,
+        "--batch",
+        "16",
+        "-o",
+        s(&plan),
     ]);
     assert!(o.status.success(), "{}", text(&o));
     plan
@@ -76,7 +89,10 @@ fn max_difference(a: &Path, b: &Path) -> f64 {
     for (name, x) in &a {
         let (x, y) = (x.to_f64_vec(), b[name].to_f64_vec());
         let scale = x.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
-        let d = x.iter().zip(&y).fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+        let d = x
+            .iter()
+            .zip(&y)
+            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
         worst = worst.max(d / scale);
     }
     worst
@@ -101,20 +117,43 @@ fn mpi_ranks_train_the_weights_threads_train() {
         let m = tmp("m.jsonl");
         let o = mpirun(
             workers + servers,
-            &["run", s(&plan), "--steps", "4", "-q", "--save", s(&many), "--transport", "mpi", "--metrics", s(&m)],
+            &[
+                "run",
+                s(&plan),
+                "--steps",
+                "4",
+                "-q",
+                "--save",
+                s(&many),
+                "--transport",
+                "mpi",
+                "--metrics",
+                s(&m),
+            ],
         );
         assert!(o.status.success(), "{what}: {}", text(&o));
         let d = max_difference(&one, &many);
         println!("{what}: largest relative difference MPI vs threads {d:.2e}");
         // Two ranks sum in one order on both transports; more ranks sum in MPI's order.
-        let tolerance = if workers == 2 || strategy == "ps" { 0.0 } else { 1e-5 };
+        let tolerance = if workers == 2 || strategy == "ps" {
+            0.0
+        } else {
+            1e-5
+        };
         assert!(d <= tolerance, "{what}: MPI and threads differ by {d:.2e}");
         // Rank 0's global lines and every worker's own.
         let global = std::fs::read_to_string(&m).expect("global metrics");
         assert_eq!(global.lines().count(), 4, "{what}");
         for r in 0..workers {
             let own = tmp(&format!("m.rank{r}.jsonl"));
-            assert_eq!(std::fs::read_to_string(&own).expect("rank metrics").lines().count(), 4, "{what}");
+            assert_eq!(
+                std::fs::read_to_string(&own)
+                    .expect("rank metrics")
+                    .lines()
+                    .count(),
+                4,
+                "{what}"
+            );
         }
     }
 }
@@ -123,7 +162,20 @@ fn mpi_ranks_train_the_weights_threads_train() {
 fn traces_of_every_rank_merge_into_one() {
     let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "trace.plan.json");
     let t = tmp("t.json");
-    let o = mpirun(3, &["run", s(&plan), "--steps", "2", "-q", "--transport", "mpi", "--trace", s(&t)]);
+    let o = mpirun(
+        3,
+        &[
+            "run",
+            s(&plan),
+            "--steps",
+            "2",
+            "-q",
+            "--transport",
+            "mpi",
+            "--trace",
+            s(&t),
+        ],
+    );
     assert!(o.status.success(), "{}", text(&o));
     let merged: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&t).expect("merged trace")).expect("json");
@@ -138,7 +190,10 @@ fn traces_of_every_rank_merge_into_one() {
         assert!(tracks.iter().any(|t| t == want), "{want} not in {tracks:?}");
     }
     for r in 0..3 {
-        assert!(tmp(&format!("t.rank{r}.json")).exists(), "no trace of rank {r}");
+        assert!(
+            tmp(&format!("t.rank{r}.json")).exists(),
+            "no trace of rank {r}"
+        );
     }
 }
 
@@ -146,7 +201,20 @@ fn traces_of_every_rank_merge_into_one() {
 fn verify_runs_under_mpirun() {
     let o = mpirun(
         3,
-        &["verify", "examples/sparse_lm.dsl", "--strategy", "hybrid", "--workers", "2", "--servers", "1", "--batch", "16", "--transport", "mpi"],
+        &[
+            "verify",
+            "examples/sparse_lm.dsl",
+            "--strategy",
+            "hybrid",
+            "--workers",
+            "2",
+            "--servers",
+            "1",
+            "--batch",
+            "16",
+            "--transport",
+            "mpi",
+        ],
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("largest relative error"), "{}", text(&o));
@@ -159,17 +227,42 @@ fn ranks_check_they_run_one_plan_of_the_right_size() {
     // Two plans in one job: mpirun's MPMD form gives rank 1 the other one.
     let o = Command::new("mpirun")
         .args(MPIRUN)
-        .args(["-np", "1", env!("CARGO_BIN_EXE_distc"), "run", s(&a), "--transport", "mpi", ":"])
-        .args(["-np", "1", env!("CARGO_BIN_EXE_distc"), "run", s(&b), "--transport", "mpi"])
+        .args([
+            "-np",
+            "1",
+            env!("CARGO_BIN_EXE_distc"),
+            "run",
+            s(&a),
+            "--transport",
+            "mpi",
+            ":",
+        ])
+        .args([
+            "-np",
+            "1",
+            env!("CARGO_BIN_EXE_distc"),
+            "run",
+            s(&b),
+            "--transport",
+            "mpi",
+        ])
         .current_dir(root())
         .output()
         .expect("mpirun");
     assert!(!o.status.success());
-    assert!(text(&o).contains("rank 1 runs another plan"), "{}", text(&o));
+    assert!(
+        text(&o).contains("rank 1 runs another plan"),
+        "{}",
+        text(&o)
+    );
     // The wrong number of ranks.
     let o = mpirun(3, &["run", s(&a), "--transport", "mpi"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("the job has 3 ranks, the plan needs 2"), "{}", text(&o));
+    assert!(
+        text(&o).contains("the job has 3 ranks, the plan needs 2"),
+        "{}",
+        text(&o)
+    );
     // Outside mpirun: the line to use.
     let o = distc(&["run", s(&a), "--transport", "mpi"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
@@ -179,13 +272,29 @@ fn ranks_check_they_run_one_plan_of_the_right_size() {
 #[test]
 fn one_ranks_error_reaches_the_user_and_ends_the_job() {
     for (strategy, servers) in [("ps", 1), ("allreduce", 0)] {
-        let plan = compile("tests/models/issue9_bad_ids.dsl", strategy, 2, servers, "bad.plan.json");
+        let plan = compile(
+            "tests/models/issue9_bad_ids.dsl",
+            strategy,
+            2,
+            servers,
+            "bad.plan.json",
+        );
         let start = Instant::now();
-        let o = mpirun(2 + servers, &["run", s(&plan), "--transport", "mpi", "--timeout", "20"]);
+        let o = mpirun(
+            2 + servers,
+            &["run", s(&plan), "--transport", "mpi", "--timeout", "20"],
+        );
         assert!(!o.status.success(), "{}", text(&o));
-        assert!(start.elapsed() < Duration::from_secs(30), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            start.elapsed()
+        );
         let t = text(&o);
-        assert!(t.contains("error: rank ") && t.contains("is not in 0..50") || t.contains("outside"), "{t}");
+        assert!(
+            t.contains("error: rank ") && t.contains("is not in 0..50") || t.contains("outside"),
+            "{t}"
+        );
     }
 }
 
@@ -220,13 +329,33 @@ fn ranks_of(mpirun: &Child) -> Vec<(usize, u32)> {
 }
 
 /// Starts a long 3-worker run and waits until rank 1 exists and training is under way.
+// The caller waits for the child it gets back.
+#[allow(clippy::zombie_processes)]
 fn long_run(timeout: &str) -> (Child, u32) {
-    let plan = compile("examples/dense_mlp.dsl", "allreduce", 3, 0, "long.plan.json");
+    let plan = compile(
+        "examples/dense_mlp.dsl",
+        "allreduce",
+        3,
+        0,
+        "long.plan.json",
+    );
     let m = tmp("long.jsonl");
     let _ = std::fs::remove_file(tmp("long.rank0.jsonl"));
-    let child = mpirun_cmd(
+    let mut child = mpirun_cmd(
         3,
-        &["run", s(&plan), "--steps", "100000", "-q", "--transport", "mpi", "--timeout", timeout, "--metrics", s(&m)],
+        &[
+            "run",
+            s(&plan),
+            "--steps",
+            "100000",
+            "-q",
+            "--transport",
+            "mpi",
+            "--timeout",
+            timeout,
+            "--metrics",
+            s(&m),
+        ],
     )
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -234,14 +363,19 @@ fn long_run(timeout: &str) -> (Child, u32) {
     .expect("mpirun");
     let start = Instant::now();
     loop {
-        let steps = std::fs::read_to_string(tmp("long.rank0.jsonl")).map_or(0, |t| t.lines().count());
+        let steps =
+            std::fs::read_to_string(tmp("long.rank0.jsonl")).map_or(0, |t| t.lines().count());
         let ranks = ranks_of(&child);
         if steps >= 3 {
             if let Some(&(_, pid)) = ranks.iter().find(|(r, _)| *r == 1) {
                 return (child, pid);
             }
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the run did not start");
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("waits");
+            panic!("the run did not start: {}", text(&o));
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -250,21 +384,32 @@ fn long_run(timeout: &str) -> (Child, u32) {
 fn a_killed_rank_stops_every_rank_naming_it() {
     let (child, pid) = long_run("30");
     let killed = Instant::now();
-    Command::new("kill").args(["-KILL", &pid.to_string()]).status().expect("kill");
+    Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill");
     let o = child.wait_with_output().expect("waits");
     let took = killed.elapsed();
     assert!(!o.status.success(), "{}", text(&o));
-    assert!(took < Duration::from_secs(30), "the job took {took:?} to stop");
+    assert!(
+        took < Duration::from_secs(30),
+        "the job took {took:?} to stop"
+    );
     assert!(text(&o).contains("rank 1"), "{}", text(&o));
 }
 
 #[test]
 fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
     let (child, pid) = long_run("3");
-    Command::new("kill").args(["-STOP", &pid.to_string()]).status().expect("stop");
+    Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .expect("stop");
     let o = child.wait_with_output().expect("waits");
     // The stopped rank may outlive the job; it must not outlive the test.
-    let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("did not complete within 3 s"), "{t}");
@@ -272,7 +417,10 @@ fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
     // Every rank that reports names rank 1 among those that did not arrive. (With three
     // ranks MPI may complete a collective on one rank before another, so a rank can
     // also report a peer that went one collective ahead.)
-    let reports: Vec<&str> = t.lines().filter(|l| l.contains("did not complete within")).collect();
+    let reports: Vec<&str> = t
+        .lines()
+        .filter(|l| l.contains("did not complete within"))
+        .collect();
     assert!(!reports.is_empty(), "{t}");
     for r in reports {
         let missing = r
@@ -280,6 +428,9 @@ fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
             .nth(1)
             .and_then(|rest| rest.split(']').next())
             .unwrap_or("");
-        assert!(missing.split(", ").any(|m| m == "1"), "rank 1 not named in: {r}");
+        assert!(
+            missing.split(", ").any(|m| m == "1"),
+            "rank 1 not named in: {r}"
+        );
     }
 }

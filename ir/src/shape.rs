@@ -490,9 +490,9 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             t => Err(err(format!("input {t} is dense, IndexedSlices are needed"))),
         },
         Op::RowMask => match inputs[0] {
-            ValueType::IndexedSlices { dense, .. } if dense.shape.rank() >= 1 => one(
-                TensorType::new(dense.dtype, Shape(vec![dense.dims()[0]])),
-            ),
+            ValueType::IndexedSlices { dense, .. } if dense.shape.rank() >= 1 => {
+                one(TensorType::new(dense.dtype, Shape(vec![dense.dims()[0]])))
+            }
             t => Err(err(format!(
                 "input {t} is not IndexedSlices over a tensor of rank 1 or more"
             ))),

@@ -115,7 +115,10 @@ pub fn peak_activations(g: &Graph) -> u128 {
     let (mut live, mut peak) = (0u128, 0u128);
     for (i, &id) in order.iter().enumerate() {
         let n = g.node(id);
-        let borrowed = matches!(n.op, Op::Param { .. } | Op::Input { .. } | Op::Constant { .. });
+        let borrowed = matches!(
+            n.op,
+            Op::Param { .. } | Op::Input { .. } | Op::Constant { .. }
+        );
         for (port, ty) in n.outputs.iter().enumerate() {
             if borrowed {
                 continue;
@@ -136,7 +139,12 @@ pub fn peak_activations(g: &Graph) -> u128 {
 }
 
 /// The estimate for `programs` trained as `config` says for `steps` steps.
-pub fn estimate(programs: &Programs<'_>, config: &RunConfig, steps: usize, preload: bool) -> MemoryEstimate {
+pub fn estimate(
+    programs: &Programs<'_>,
+    config: &RunConfig,
+    steps: usize,
+    preload: bool,
+) -> MemoryEstimate {
     let params: u128 = programs
         .worker
         .params()

@@ -96,7 +96,10 @@ fn remove_stale(dir: &Path, prefix: &str) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(prefix).and_then(|p| p.parse::<u32>().ok()) else {
+        let Some(pid) = name
+            .strip_prefix(prefix)
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
             continue;
         };
         let alive = Path::new("/proc").join(pid.to_string()).exists();

@@ -197,7 +197,6 @@ pub fn evaluate<'h>(
     })
 }
 
-
 /// Joins the workers' step reports into one metrics line per step: loss (mean over
 /// workers), global samples per second (over the slowest worker's step time), worker
 /// 0's times and bytes, every worker's bytes, and worker 0's evaluation.
@@ -461,7 +460,9 @@ pub fn train(
                 Ok(h) => h.join().unwrap_or_else(|_| {
                     Err(RuntimeError::Config(format!("worker {rank} panicked")))
                 }),
-                Err(e) => Err(RuntimeError::Config(format!("worker {rank}: cannot start: {e}"))),
+                Err(e) => Err(RuntimeError::Config(format!(
+                    "worker {rank}: cannot start: {e}"
+                ))),
             };
             match outcome {
                 Ok(o) => outcomes.push(Some(o)),
@@ -477,14 +478,20 @@ pub fn train(
         return Err(e);
     }
     if outcomes.iter().any(Option::is_none) {
-        return Err(first_error(&errors, RuntimeError::Config("a worker failed".into())));
+        return Err(first_error(
+            &errors,
+            RuntimeError::Config("a worker failed".into()),
+        ));
     }
     let servers = match servers_outcome.transpose() {
         Ok(s) => s,
         Err(e) => return Err(first_error(&errors, e)),
     };
     let mut outcomes: Vec<WorkerOutcome> = outcomes.into_iter().flatten().collect();
-    let mut spans: Vec<Span> = outcomes.iter_mut().flat_map(|o| std::mem::take(&mut o.spans)).collect();
+    let mut spans: Vec<Span> = outcomes
+        .iter_mut()
+        .flat_map(|o| std::mem::take(&mut o.spans))
+        .collect();
     let w0 = outcomes.swap_remove(0);
     let mut params = w0.params;
     params.extend(ps::assemble(w0.server_shards, &server_types)?);

@@ -113,6 +113,9 @@ pub struct WorkerOutcome {
     pub profile: Option<Profile>,
 }
 
+/// Where a worker blocked on which collective: `(node, step, start, end)`.
+type WaitSpans = Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>;
+
 /// A collective handed to the communication thread.
 struct Request {
     node: NodeId,
@@ -237,7 +240,12 @@ fn comm_thread(
     bytes: mpsc::Sender<ByteCount>,
 ) {
     for req in rx {
-        comm.set_label(&format!("{} {} at step {}", req.op.mnemonic(), req.node, req.step));
+        comm.set_label(&format!(
+            "{} {} at step {}",
+            req.op.mnemonic(),
+            req.node,
+            req.step
+        ));
         let before = comm.bytes();
         let start = Instant::now();
         let r = collective(comm.as_mut(), &req.op, req.value);
@@ -267,7 +275,7 @@ struct WorkerHook {
     /// Time spent waiting for collectives and servers in the current step.
     waited: Duration,
     /// While tracing: where the worker blocked on which collective.
-    wait_spans: Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>,
+    wait_spans: WaitSpans,
     waited_shared: Arc<Mutex<Duration>>,
 }
 
@@ -282,7 +290,8 @@ impl WorkerHook {
 
     /// The waits of the step so far, servers' and collectives' together.
     fn take_waited(&mut self) -> Duration {
-        let collectives = std::mem::take(&mut *self.waited_shared.lock().unwrap_or_else(|p| p.into_inner()));
+        let collectives =
+            std::mem::take(&mut *self.waited_shared.lock().unwrap_or_else(|p| p.into_inner()));
         std::mem::take(&mut self.waited) + collectives
     }
 }
@@ -381,7 +390,7 @@ struct TimedWait {
     node: NodeId,
     step: u64,
     trace: bool,
-    spans: Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>,
+    spans: WaitSpans,
     waited: Arc<Mutex<Duration>>,
 }
 
@@ -434,7 +443,11 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
     let comm_handle = std::thread::Builder::new()
         .name(format!("worker-{rank}-comm"))
         .spawn(move || comm_thread(comm, comm_rx, span_tx, bytes_tx))
-        .map_err(|e| RuntimeError::Config(format!("worker {rank}: cannot start its communication thread: {e}")))?;
+        .map_err(|e| {
+            RuntimeError::Config(format!(
+                "worker {rank}: cannot start its communication thread: {e}"
+            ))
+        })?;
     let mut hook = WorkerHook {
         to_comm,
         ps,
@@ -492,7 +505,14 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
     let mut spans = Vec::new();
     if opts.trace {
         let wait_spans = std::mem::take(&mut *wait_spans.lock().unwrap_or_else(|p| p.into_inner()));
-        spans = worker_spans(rank, t0, &st.step_spans, &node_spans, &wait_spans, span_rx.try_iter().collect());
+        spans = worker_spans(
+            rank,
+            t0,
+            &st.step_spans,
+            &node_spans,
+            &wait_spans,
+            span_rx.try_iter().collect(),
+        );
     }
     let profile = (opts.profile && rank == 0).then(|| Profile {
         ops: st.exec.profile(),
@@ -556,15 +576,20 @@ fn run_steps(
         let batch = data.next_batch()?;
         hook.step = step as u64;
         let start = Instant::now();
-        let out = st
-            .exec
-            .run_with(&batch, &st.params, Mode::Train, step as u64, Some(&mut *hook))?;
+        let out = st.exec.run_with(
+            &batch,
+            &st.params,
+            Mode::Train,
+            step as u64,
+            Some(&mut *hook),
+        )?;
         let updating = Instant::now();
         st.optimizer.step(&mut st.params, &out.grads)?;
         st.profile.optimizer += updating.elapsed();
         let elapsed = start.elapsed();
         if opts.trace {
-            st.step_spans.push((step as u64, start, updating, start + elapsed));
+            st.step_spans
+                .push((step as u64, start, updating, start + elapsed));
         }
         let loss = out.loss.unwrap_or(f64::NAN);
         if !loss.is_finite() {
@@ -581,7 +606,14 @@ fn run_steps(
             // Evaluation is not training: keep its kernels out of the profile, and its
             // traffic out of the next step's bytes.
             st.exec.set_profiling(false);
-            let e = evaluate(&mut st.exec, &st.params, data, config, step as u64 + 1, Some(&mut *hook))?;
+            let e = evaluate(
+                &mut st.exec,
+                &st.params,
+                data,
+                config,
+                step as u64 + 1,
+                Some(&mut *hook),
+            )?;
             st.exec.set_profiling(opts.profile);
             hook.take_waited();
             byte_deltas(st, hook);
@@ -616,7 +648,11 @@ fn byte_deltas(st: &mut Loop, hook: &WorkerHook) -> (u64, u64, u64) {
     let (to_ps, from_ps) = (ps_now.0 - st.ps_last.0, ps_now.1 - st.ps_last.1);
     st.last = now;
     st.ps_last = ps_now;
-    (d.sent + to_ps, d.received + from_ps, d.sent + to_ps + from_ps)
+    (
+        d.sent + to_ps,
+        d.received + from_ps,
+        d.sent + to_ps + from_ps,
+    )
 }
 
 /// A worker's trace spans from what it recorded.
@@ -664,9 +700,9 @@ fn worker_spans(
         span(&track, name, Some(node), step, s, e)
     }));
     spans.extend(
-        wait_spans
-            .iter()
-            .map(|&(node, step, s, e)| span(&track, format!("wait {node}"), Some(node), step, s, e)),
+        wait_spans.iter().map(|&(node, step, s, e)| {
+            span(&track, format!("wait {node}"), Some(node), step, s, e)
+        }),
     );
     let comm_track = format!("worker {rank} comm");
     spans.extend(comm_spans.into_iter().map(|c| Span {

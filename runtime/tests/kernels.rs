@@ -932,21 +932,30 @@ fn dropout_masks_agree_keep_rate_and_eval_is_identity() {
     let rate = 0.3;
     let mut g = G::new();
     let x = g.input("x", f32t(&[n], &vec![1.0; n]));
-    let y = g.op(Op::Dropout {
-        rate,
-        seed: 7,
-        per_sample: false,
-    }, &[x]);
-    let dy = g.op(Op::DropoutGrad {
-        rate,
-        seed: 7,
-        per_sample: false,
-    }, &[x]);
-    let other = g.op(Op::Dropout {
-        rate,
-        seed: 8,
-        per_sample: false,
-    }, &[x]);
+    let y = g.op(
+        Op::Dropout {
+            rate,
+            seed: 7,
+            per_sample: false,
+        },
+        &[x],
+    );
+    let dy = g.op(
+        Op::DropoutGrad {
+            rate,
+            seed: 7,
+            per_sample: false,
+        },
+        &[x],
+    );
+    let other = g.op(
+        Op::Dropout {
+            rate,
+            seed: 8,
+            per_sample: false,
+        },
+        &[x],
+    );
     g.output("y", y);
     g.output("dy", dy);
     g.output("other", other);

@@ -448,7 +448,10 @@ fn the_wire_format_round_trips_and_refuses_damaged_messages() {
             step: 2,
             grad: Value::Tensor(Tensor::F32(arr(&[3, 2], |i| i as f32))),
         },
-        Request::Shutdown { tag: 9, collect: true },
+        Request::Shutdown {
+            tag: 9,
+            collect: true,
+        },
         Request::Abort {
             reason: "worker 1: id 99 is not in 0..50".into(),
         },
@@ -458,7 +461,10 @@ fn the_wire_format_round_trips_and_refuses_damaged_messages() {
         assert_eq!(&Request::decode(&bytes).expect("decodes"), r);
         // Every prefix is refused with a reason, never a panic.
         for cut in 0..bytes.len() {
-            assert!(Request::decode(&bytes[..cut]).is_err(), "{r:?} cut at {cut}");
+            assert!(
+                Request::decode(&bytes[..cut]).is_err(),
+                "{r:?} cut at {cut}"
+            );
         }
     }
     let replies = [
@@ -476,7 +482,11 @@ fn the_wire_format_round_trips_and_refuses_damaged_messages() {
         },
         Reply::Shards {
             tag: 4,
-            result: Ok(vec![("w".into(), 0, Tensor::F32(arr(&[3, 2], |i| i as f32)))]),
+            result: Ok(vec![(
+                "w".into(),
+                0,
+                Tensor::F32(arr(&[3, 2], |i| i as f32)),
+            )]),
         },
     ];
     for r in &replies {

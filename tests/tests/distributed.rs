@@ -2,14 +2,14 @@
 //! device with the global batch computes, the bytes each worker moves match the plan's
 //! prediction, and asynchronous parameter servers still train.
 
+use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileOptions, Compiled};
 use distc_passes::placement::{Strategy, StrategyConfig, SyncMode};
 use distc_runtime::data::data_dir;
-use distc::verify::{verify, VerifyOptions};
 use distc_runtime::ps::PsSync;
 use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
-use std::time::Duration;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 fn example(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

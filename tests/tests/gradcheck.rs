@@ -330,11 +330,16 @@ fn losses() {
 
 #[test]
 fn dropout() {
-    unary("dropout", Op::Dropout {
+    unary(
+        "dropout",
+        Op::Dropout {
             rate: 0.3,
             seed: 5,
             per_sample: false,
-        }, -1.0, 1.0);
+        },
+        -1.0,
+        1.0,
+    );
 }
 
 #[test]

@@ -45,7 +45,12 @@ fn assert_verifies(file: &Path, s: StrategyConfig, steps: usize) {
     let what = format!("{} {:?} x{}", file.display(), s.strategy, s.workers);
     let r = verify(file, &verify_opts(s, steps)).unwrap_or_else(|e| panic!("{what}: {e}"));
     let w = r.worst().expect("variables").clone();
-    assert!(r.passed(), "{what}: `{}` differs by {:.2e}", w.name, w.relative);
+    assert!(
+        r.passed(),
+        "{what}: `{}` differs by {:.2e}",
+        w.name,
+        w.relative
+    );
 }
 
 /// A.2: N workers of batch b drop what one device of batch N*b drops.
@@ -107,7 +112,11 @@ fn a_workers_error_ends_the_run_with_its_cause() {
     for (file, cause) in cases {
         for (s, servers, sync) in [
             (Strategy::Single, 0, distc_passes::placement::SyncMode::Sync),
-            (Strategy::Allreduce, 0, distc_passes::placement::SyncMode::Sync),
+            (
+                Strategy::Allreduce,
+                0,
+                distc_passes::placement::SyncMode::Sync,
+            ),
             (Strategy::Ps, 2, distc_passes::placement::SyncMode::Sync),
             (Strategy::Ps, 2, distc_passes::placement::SyncMode::Stale(1)),
             (Strategy::Hybrid, 1, distc_passes::placement::SyncMode::Sync),
@@ -147,10 +156,20 @@ fn a_workers_error_ends_the_run_with_its_cause() {
                 .expect_err("the run fails")
                 .to_string();
             let what = format!("{file} {s:?} {sync}");
-            assert!(start.elapsed() < Duration::from_secs(20), "{what}: took {:?}", start.elapsed());
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "{what}: took {:?}",
+                start.elapsed()
+            );
             assert!(e.contains(cause), "{what}: {e}");
-            assert!(e.contains("worker "), "{what}: the error names no worker: {e}");
-            assert!(!e.contains("hung up"), "{what}: a consequence, not the cause: {e}");
+            assert!(
+                e.contains("worker "),
+                "{what}: the error names no worker: {e}"
+            );
+            assert!(
+                !e.contains("hung up"),
+                "{what}: a consequence, not the cause: {e}"
+            );
         }
     }
 }
@@ -159,7 +178,11 @@ fn a_workers_error_ends_the_run_with_its_cause() {
 #[test]
 fn distributed_runs_evaluate() {
     let file = example("dense_mlp.dsl");
-    for (s, workers, servers) in [(Strategy::Single, 1, 0), (Strategy::Allreduce, 2, 0), (Strategy::Ps, 2, 1)] {
+    for (s, workers, servers) in [
+        (Strategy::Single, 1, 0),
+        (Strategy::Allreduce, 2, 0),
+        (Strategy::Ps, 2, 1),
+    ] {
         let c = compile_file(
             &file,
             &CompileOptions {
@@ -202,10 +225,16 @@ fn distributed_runs_evaluate() {
 fn verify_names_the_assumption_a_model_breaks() {
     for (file, said) in [
         ("issue9_sum_loss.dsl", "sums over the batch axis"),
-        ("issue9_batch_statistic.dsl", "statistic over the batch axis"),
+        (
+            "issue9_batch_statistic.dsl",
+            "statistic over the batch axis",
+        ),
     ] {
-        let r = verify(&model(file), &verify_opts(strategy(Strategy::Allreduce, 2, 0), 3))
-            .expect("runs");
+        let r = verify(
+            &model(file),
+            &verify_opts(strategy(Strategy::Allreduce, 2, 0), 3),
+        )
+        .expect("runs");
         assert!(!r.passed(), "{file}: verify passed");
         assert!(
             r.assumptions.iter().any(|a| a.contains(said)),
@@ -214,7 +243,8 @@ fn verify_names_the_assumption_a_model_breaks() {
         );
     }
     // A model that keeps the assumptions has none listed.
-    let c = compile_file(&model("issue9_dropout.dsl"), &CompileOptions::default()).expect("compiles");
+    let c =
+        compile_file(&model("issue9_dropout.dsl"), &CompileOptions::default()).expect("compiles");
     assert!(c.assumptions.is_empty(), "{:?}", c.assumptions);
 }
 
@@ -228,7 +258,10 @@ fn verify_refuses_what_it_cannot_compare() {
     o.tolerance = f64::NAN;
     assert!(matches!(verify(&file, &o), Err(VerifyError::Refused(_))));
     let single = verify_opts(strategy(Strategy::Single, 1, 0), 1);
-    assert!(matches!(verify(&file, &single), Err(VerifyError::Refused(_))));
+    assert!(matches!(
+        verify(&file, &single),
+        Err(VerifyError::Refused(_))
+    ));
 }
 
 /// A.1: every plan compile writes is one run accepts, for every example, strategy
@@ -238,7 +271,14 @@ fn every_compiled_plan_loads() {
     let have_data = distc_runtime::data::data_dir(None).is_some();
     let dir = std::env::temp_dir().join(format!("distc-issue9-plans-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
-    for name in ["sparse_lm.dsl", "dense_mlp.dsl", "mlp.dsl", "cnn.dsl", "lm.dsl", "recsys.dsl"] {
+    for name in [
+        "sparse_lm.dsl",
+        "dense_mlp.dsl",
+        "mlp.dsl",
+        "cnn.dsl",
+        "lm.dsl",
+        "recsys.dsl",
+    ] {
         let file = example(name);
         for (s, servers) in [
             (Strategy::Allreduce, 0),
@@ -262,8 +302,8 @@ fn every_compiled_plan_loads() {
                 let plan = Plan::new(&c, &file.display().to_string(), &opts.strategy);
                 let path = dir.join(format!("{name}-{s:?}-{workers}.plan.json"));
                 plan.save(&path, &[&file]).expect("saves");
-                let (loaded, _) = Plan::load(&path)
-                    .unwrap_or_else(|e| panic!("{name} {s:?} x{workers}: {e}"));
+                let (loaded, _) =
+                    Plan::load(&path).unwrap_or_else(|e| panic!("{name} {s:?} x{workers}: {e}"));
                 assert_eq!(loaded, plan);
             }
         }

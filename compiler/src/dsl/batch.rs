@@ -89,7 +89,10 @@ fn reduced_axes(op: &Op, rank: usize) -> Vec<usize> {
 /// Whether `id`'s output, or any value computed from it, still has a batch axis (the
 /// reduced value flows back into per-sample computations).
 fn feeds_per_sample(g: &Graph, axes: &BatchAxes, id: NodeId) -> bool {
-    let per_sample = |n: NodeId| axes.get(&n).is_some_and(|o| o.iter().any(|a| !a.is_empty()));
+    let per_sample = |n: NodeId| {
+        axes.get(&n)
+            .is_some_and(|o| o.iter().any(|a| !a.is_empty()))
+    };
     if per_sample(id) {
         return true;
     }

@@ -35,14 +35,16 @@ use crate::ps::transport::{ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
 use crate::roles::{Role, Roles};
 use crate::trace::Span;
-use crate::train::{open_data, pulled_types, server_shards, Coordinator, Programs, TrainOptions, TrainReport};
+use crate::train::{
+    open_data, pulled_types, server_shards, Coordinator, Programs, TrainOptions, TrainReport,
+};
 use crate::worker::{run_worker, ErrorSlot, StepReport, WorkerSetup};
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::request::{scope, Request, Scope};
 use mpi::topology::{Color, SimpleCommunicator};
-use mpi::traits::*;
 use mpi::traits::Communicator as _;
+use mpi::traits::*;
 use mpi::Tag;
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
@@ -109,11 +111,17 @@ fn timed_out(ctl: &Comm, roles: Roles, rank: usize, label: &str, timeout: Durati
     let mut elsewhere = Vec::new();
     let mut backoff = Backoff(0);
     while Instant::now() < grace {
-        if let Some((msg, st)) = world.any_process().immediate_matched_probe_with_tag(TAG_STATUS) {
+        if let Some((msg, st)) = world
+            .any_process()
+            .immediate_matched_probe_with_tag(TAG_STATUS)
+        {
             let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
             let text = String::from_utf8_lossy(&bytes).into_owned();
             let mut parts = text.splitn(2, '\t');
-            let r: usize = parts.next().and_then(|r| r.parse().ok()).unwrap_or(usize::MAX);
+            let r: usize = parts
+                .next()
+                .and_then(|r| r.parse().ok())
+                .unwrap_or(usize::MAX);
             let theirs = parts.next().unwrap_or("");
             if theirs == label {
                 arrived.push(r);
@@ -125,7 +133,9 @@ fn timed_out(ctl: &Comm, roles: Roles, rank: usize, label: &str, timeout: Durati
         }
     }
     arrived.sort_unstable();
-    let missing: Vec<usize> = (0..roles.workers).filter(|r| !arrived.contains(r)).collect();
+    let missing: Vec<usize> = (0..roles.workers)
+        .filter(|r| !arrived.contains(r))
+        .collect();
     let role = roles.role(rank).map_or("?".into(), |r| r.to_string());
     let mut m = format!(
         "error: rank {rank} ({role}): {label} did not complete within {:.0} s (--timeout); \
@@ -164,7 +174,13 @@ impl MpiComm {
             }
             if Instant::now() >= deadline {
                 // An MPI collective cannot be cancelled: the job stops here.
-                timed_out(&self.ctl, self.roles, self.world_rank, &self.label, self.timeout);
+                timed_out(
+                    &self.ctl,
+                    self.roles,
+                    self.world_rank,
+                    &self.label,
+                    self.timeout,
+                );
             }
             backoff.wait();
         }
@@ -193,10 +209,12 @@ impl MpiComm {
         self.check_len(buf.len() as u64, "all_reduce")?;
         let send = buf.to_vec();
         scope(|sc| {
-            let req = self
-                .comm
-                .0
-                .immediate_all_reduce_into(sc, &send[..], &mut buf[..], SystemOperation::sum());
+            let req = self.comm.0.immediate_all_reduce_into(
+                sc,
+                &send[..],
+                &mut buf[..],
+                SystemOperation::sum(),
+            );
             self.finish(req);
         });
         if mean {
@@ -212,7 +230,10 @@ impl MpiComm {
     fn check_len(&mut self, len: u64, op: &str) -> std::result::Result<(), RuntimeError> {
         let mut all = vec![0u64; self.size];
         scope(|sc| {
-            let req = self.comm.0.immediate_all_gather_into(sc, &len, &mut all[..]);
+            let req = self
+                .comm
+                .0
+                .immediate_all_gather_into(sc, &len, &mut all[..]);
             self.finish(req);
         });
         if all.iter().any(|&l| l != len) {
@@ -236,7 +257,11 @@ impl Communicator for MpiComm {
         let n = self.size as f32;
         self.all_reduce_any(buf, mean, n)
     }
-    fn all_reduce_f64(&mut self, buf: &mut [f64], mean: bool) -> std::result::Result<(), RuntimeError> {
+    fn all_reduce_f64(
+        &mut self,
+        buf: &mut [f64],
+        mean: bool,
+    ) -> std::result::Result<(), RuntimeError> {
         let n = self.size as f64;
         self.all_reduce_any(buf, mean, n)
     }
@@ -246,26 +271,37 @@ impl Communicator for MpiComm {
             return Ok(vec![mine]);
         }
         let len = i32::try_from(mine.len()).map_err(|_| {
-            RuntimeError::Config(format!("all_gather of {} bytes: more than MPI counts", mine.len()))
+            RuntimeError::Config(format!(
+                "all_gather of {} bytes: more than MPI counts",
+                mine.len()
+            ))
         })?;
         let mut counts = vec![0i32; n];
         scope(|sc| {
-            let req = self.comm.0.immediate_all_gather_into(sc, &len, &mut counts[..]);
+            let req = self
+                .comm
+                .0
+                .immediate_all_gather_into(sc, &len, &mut counts[..]);
             self.finish(req);
         });
         let mut displs = Vec::with_capacity(n);
         let mut total: i64 = 0;
         for &c in &counts {
-            displs.push(i32::try_from(total).map_err(|_| {
-                RuntimeError::Config("all_gather: more than 2 GiB in all".into())
-            })?);
+            displs.push(
+                i32::try_from(total).map_err(|_| {
+                    RuntimeError::Config("all_gather: more than 2 GiB in all".into())
+                })?,
+            );
             total += i64::from(c);
         }
         let mut all = vec![0u8; total as usize];
         {
             let mut part = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
             scope(|sc| {
-                let req = self.comm.0.immediate_all_gather_varcount_into(sc, &mine[..], &mut part);
+                let req = self
+                    .comm
+                    .0
+                    .immediate_all_gather_varcount_into(sc, &mine[..], &mut part);
                 self.finish(req);
             });
         }
@@ -279,7 +315,11 @@ impl Communicator for MpiComm {
             .map(|(&c, &d)| all[d as usize..(d + c) as usize].to_vec())
             .collect())
     }
-    fn reduce_scatter(&mut self, buf: &[f32], mean: bool) -> std::result::Result<Vec<f32>, RuntimeError> {
+    fn reduce_scatter(
+        &mut self,
+        buf: &[f32],
+        mean: bool,
+    ) -> std::result::Result<Vec<f32>, RuntimeError> {
         let (n, r, len) = (self.size, self.rank, buf.len());
         if n <= 1 {
             return Ok(buf.to_vec());
@@ -311,21 +351,35 @@ impl Communicator for MpiComm {
         self.bytes.received += ((len - chunk_range(len, n, (r + n - 1) % n).len()) * 4) as u64;
         Ok(recv)
     }
-    fn broadcast(&mut self, buf: &mut Vec<u8>, root: usize) -> std::result::Result<(), RuntimeError> {
+    fn broadcast(
+        &mut self,
+        buf: &mut Vec<u8>,
+        root: usize,
+    ) -> std::result::Result<(), RuntimeError> {
         let n = self.size;
         if n <= 1 {
             return Ok(());
         }
         if root >= n {
-            return Err(RuntimeError::Config(format!("broadcast from rank {root} of {n}")));
+            return Err(RuntimeError::Config(format!(
+                "broadcast from rank {root} of {n}"
+            )));
         }
         let mut len = buf.len() as u64;
         scope(|sc| {
-            let req = self.comm.0.process_at_rank(root as i32).immediate_broadcast_into(sc, &mut len);
+            let req = self
+                .comm
+                .0
+                .process_at_rank(root as i32)
+                .immediate_broadcast_into(sc, &mut len);
             self.finish(req);
         });
         let mine = buf.len() as u64;
-        let mut data = if self.rank == root { std::mem::take(buf) } else { vec![0u8; len as usize] };
+        let mut data = if self.rank == root {
+            std::mem::take(buf)
+        } else {
+            vec![0u8; len as usize]
+        };
         scope(|sc| {
             let req = self
                 .comm
@@ -357,15 +411,24 @@ impl Communicator for MpiComm {
     }
     fn send(&mut self, to: usize, data: Vec<u8>) -> std::result::Result<(), RuntimeError> {
         if to >= self.size {
-            return Err(RuntimeError::Config(format!("send to rank {to} of {}", self.size)));
+            return Err(RuntimeError::Config(format!(
+                "send to rank {to} of {}",
+                self.size
+            )));
         }
-        self.comm.0.process_at_rank(to as i32).send_with_tag(&data[..], TAG_P2P);
+        self.comm
+            .0
+            .process_at_rank(to as i32)
+            .send_with_tag(&data[..], TAG_P2P);
         self.bytes.sent += data.len() as u64;
         Ok(())
     }
     fn recv(&mut self, from: usize) -> std::result::Result<Vec<u8>, RuntimeError> {
         if from >= self.size {
-            return Err(RuntimeError::Config(format!("recv from rank {from} of {}", self.size)));
+            return Err(RuntimeError::Config(format!(
+                "recv from rank {from} of {}",
+                self.size
+            )));
         }
         let deadline = Instant::now() + self.timeout;
         let mut backoff = Backoff(0);
@@ -377,7 +440,13 @@ impl Communicator for MpiComm {
                 return Ok(data);
             }
             if Instant::now() >= deadline {
-                timed_out(&self.ctl, self.roles, self.world_rank, &self.label, self.timeout);
+                timed_out(
+                    &self.ctl,
+                    self.roles,
+                    self.world_rank,
+                    &self.label,
+                    self.timeout,
+                );
             }
             backoff.wait();
         }
@@ -399,7 +468,10 @@ struct MpiWorkerLink {
 impl WorkerLink for MpiWorkerLink {
     fn send(&mut self, server: usize, msg: Vec<u8>) -> Result<()> {
         i32::try_from(msg.len()).map_err(|_| {
-            RuntimeError::Config(format!("a message of {} bytes to server {server}: more than MPI counts", msg.len()))
+            RuntimeError::Config(format!(
+                "a message of {} bytes to server {server}: more than MPI counts",
+                msg.len()
+            ))
         })?;
         self.comm
             .0
@@ -411,7 +483,12 @@ impl WorkerLink for MpiWorkerLink {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff(0);
         loop {
-            if let Some((msg, st)) = self.comm.0.any_process().immediate_matched_probe_with_tag(TAG_REPLY) {
+            if let Some((msg, st)) = self
+                .comm
+                .0
+                .any_process()
+                .immediate_matched_probe_with_tag(TAG_REPLY)
+            {
                 return Ok(Some((msg, st).matched_receive_vec::<u8>().0));
             }
             if Instant::now() >= deadline {
@@ -432,11 +509,18 @@ impl ServerLink for MpiServerLink {
     fn recv(&mut self) -> Result<(usize, Vec<u8>)> {
         let mut backoff = Backoff(0);
         loop {
-            if let Some((msg, st)) = self.comm.0.any_process().immediate_matched_probe_with_tag(TAG_REQUEST) {
+            if let Some((msg, st)) = self
+                .comm
+                .0
+                .any_process()
+                .immediate_matched_probe_with_tag(TAG_REQUEST)
+            {
                 let (data, st) = (msg, st).matched_receive_vec::<u8>();
                 let from = st.source_rank() as usize;
                 if from >= self.workers {
-                    return Err(RuntimeError::Config(format!("a request from rank {from}, which is no worker")));
+                    return Err(RuntimeError::Config(format!(
+                        "a request from rank {from}, which is no worker"
+                    )));
                 }
                 return Ok((from, data));
             }
@@ -445,9 +529,15 @@ impl ServerLink for MpiServerLink {
     }
     fn send(&mut self, worker: usize, msg: Vec<u8>) -> Result<()> {
         i32::try_from(msg.len()).map_err(|_| {
-            RuntimeError::Config(format!("a reply of {} bytes: more than MPI counts", msg.len()))
+            RuntimeError::Config(format!(
+                "a reply of {} bytes: more than MPI counts",
+                msg.len()
+            ))
         })?;
-        self.comm.0.process_at_rank(worker as i32).send_with_tag(&msg[..], TAG_REPLY);
+        self.comm
+            .0
+            .process_at_rank(worker as i32)
+            .send_with_tag(&msg[..], TAG_REPLY);
         Ok(())
     }
 }
@@ -470,7 +560,10 @@ pub struct MpiRun {
 
 /// `path` with `.rankR` before its extension: `m.jsonl` -> `m.rank1.jsonl`.
 pub fn rank_path(path: &std::path::Path, rank: usize) -> PathBuf {
-    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let name = match path.extension() {
         Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
         None => format!("{stem}.rank{rank}"),
@@ -479,7 +572,12 @@ pub fn rank_path(path: &std::path::Path, rank: usize) -> PathBuf {
 }
 
 /// Dies loudly: prints the rank's error and stops every rank of the job.
-fn fail(world: &SimpleCommunicator, rank: usize, role: Option<Role>, e: &dyn std::fmt::Display) -> ! {
+fn fail(
+    world: &SimpleCommunicator,
+    rank: usize,
+    role: Option<Role>,
+    e: &dyn std::fmt::Display,
+) -> ! {
     let role = role.map_or("?".to_string(), |r| r.to_string());
     let text = e.to_string();
     let text = text.strip_prefix(&format!("{role}: ")).unwrap_or(&text);
@@ -498,7 +596,9 @@ pub fn run(
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<Option<TrainReport>> {
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-        .ok_or_else(|| RuntimeError::Config("MPI was already initialised in this process".into()))?;
+        .ok_or_else(|| {
+            RuntimeError::Config("MPI was already initialised in this process".into())
+        })?;
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     let roles = Roles {
@@ -512,14 +612,28 @@ pub fn run(
     mine[..n].copy_from_slice(&record.as_bytes()[..n]);
     let mut all = vec![0u8; 96 * size];
     world.all_gather_into(&mine[..], &mut all[..]);
-    let text = |r: usize| String::from_utf8_lossy(&all[r * 96..(r + 1) * 96]).trim_end_matches('\0').to_string();
+    let text = |r: usize| {
+        String::from_utf8_lossy(&all[r * 96..(r + 1) * 96])
+            .trim_end_matches('\0')
+            .to_string()
+    };
     let differ: Vec<String> = (1..size)
         .filter(|&r| text(r) != text(0))
         .map(|r| {
-            let (h, w) = text(r).split_once('\t').map(|(a, b)| (a.to_string(), b.to_string())).unwrap_or_default();
-            let (h0, w0) = text(0).split_once('\t').map(|(a, b)| (a.to_string(), b.to_string())).unwrap_or_default();
+            let (h, w) = text(r)
+                .split_once('\t')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .unwrap_or_default();
+            let (h0, w0) = text(0)
+                .split_once('\t')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .unwrap_or_default();
             if h != h0 {
-                format!("rank {r} runs another plan (hash {}… vs rank 0's {}…)", &h[..h.len().min(12)], &h0[..h0.len().min(12)])
+                format!(
+                    "rank {r} runs another plan (hash {}… vs rank 0's {}…)",
+                    &h[..h.len().min(12)],
+                    &h0[..h0.len().min(12)]
+                )
             } else {
                 format!("rank {r}'s plan needs {w} ranks, rank 0's {w0}")
             }
@@ -532,11 +646,7 @@ pub fn run(
         )));
     }
     if size != roles.world() {
-        let line = format!(
-            "mpirun -np {} {}",
-            roles.world(),
-            mpi_run.command
-        );
+        let line = format!("mpirun -np {} {}", roles.world(), mpi_run.command);
         return Err(RuntimeError::Config(if size == 1 {
             format!(
                 "--transport mpi: this plan has {} workers and {} servers, so it runs as {} \
@@ -568,7 +678,11 @@ pub fn run(
         SimpleCommunicator::world().abort(101);
     }));
     let role = roles.role(rank);
-    let color = if rank < roles.workers { Color::with_value(0) } else { Color::undefined() };
+    let color = if rank < roles.workers {
+        Color::with_value(0)
+    } else {
+        Color::undefined()
+    };
     let workers_comm = world.split_by_color(color);
     let ps_comm = Arc::new(Comm(world.duplicate()));
     let ctl = Arc::new(Comm(world.duplicate()));
@@ -582,7 +696,9 @@ pub fn run(
                 Some(c) => Comm(c),
                 None => fail(&world, rank, role, &"not in the workers' communicator"),
             };
-            run_worker_rank(programs, config, opts, mpi_run, roles, r, comm, &ps_comm, &ctl, t0, on_step)
+            run_worker_rank(
+                programs, config, opts, mpi_run, roles, r, comm, &ps_comm, &ctl, t0, on_step,
+            )
         }
         None => Err(RuntimeError::Config(format!("rank {rank} has no role"))),
     };
@@ -645,7 +761,13 @@ fn run_server(
 }
 
 /// A rank other than 0 sends its spans to rank 0 and writes its own trace file.
-fn send_spans(ctl: &Comm, rank: usize, spans: Vec<Span>, opts: &TrainOptions, mpi_run: &MpiRun) -> Option<TrainReport> {
+fn send_spans(
+    ctl: &Comm,
+    rank: usize,
+    spans: Vec<Span>,
+    opts: &TrainOptions,
+    mpi_run: &MpiRun,
+) -> Option<TrainReport> {
     if opts.trace {
         let text = serde_json::to_vec(&spans).unwrap_or_default();
         if let Some(path) = &mpi_run.trace {
@@ -728,17 +850,27 @@ fn run_worker_rank(
     let ctl_sender = ctl.clone();
     let report = move |rep: StepReport| -> Result<()> {
         if let Some(w) = local.as_mut() {
-            let line = serde_json::to_string(&local_line(&rep, batch)).map_err(|e| RuntimeError::Config(e.to_string()))?;
-            writeln!(w, "{line}").map_err(|source| RuntimeError::Io { path: PathBuf::from("metrics"), source })?;
+            let line = serde_json::to_string(&local_line(&rep, batch))
+                .map_err(|e| RuntimeError::Config(e.to_string()))?;
+            writeln!(w, "{line}").map_err(|source| RuntimeError::Io {
+                path: PathBuf::from("metrics"),
+                source,
+            })?;
             if rep.step == opts.steps.unwrap_or(config.steps) {
                 let _ = w.flush();
             }
         }
         if r == 0 {
-            local_tx.send(rep).map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
+            local_tx
+                .send(rep)
+                .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
         } else {
-            let bytes = serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
-            ctl_sender.0.process_at_rank(0).send_with_tag(&bytes[..], TAG_REPORT);
+            let bytes =
+                serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
+            ctl_sender
+                .0
+                .process_at_rank(0)
+                .send_with_tag(&bytes[..], TAG_REPORT);
             Ok(())
         }
     };
@@ -779,7 +911,11 @@ fn run_worker_rank(
                 received += 1;
                 got = true;
             }
-            if let Some((msg, st)) = ctl.0.any_process().immediate_matched_probe_with_tag(TAG_REPORT) {
+            if let Some((msg, st)) = ctl
+                .0
+                .any_process()
+                .immediate_matched_probe_with_tag(TAG_REPORT)
+            {
                 let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
                 let rep: StepReport = serde_json::from_slice(&bytes)
                     .map_err(|e| RuntimeError::Config(format!("a malformed step report: {e}")))?;
@@ -817,12 +953,19 @@ fn run_worker_rank(
                 spans.extend(theirs);
             }
             if let Some(path) = &mpi_run.trace {
-                let own: Vec<Span> = spans.iter().filter(|s| s.track.starts_with("worker 0")).cloned().collect();
+                let own: Vec<Span> = spans
+                    .iter()
+                    .filter(|s| s.track.starts_with("worker 0"))
+                    .cloned()
+                    .collect();
                 let trace = crate::trace::chrome_trace(&own).to_string();
                 crate::output::write_file(&rank_path(path, 0), trace.as_bytes())?;
             }
         }
-        let types = ps::check_shards(&server_shards(programs.servers, &pulled_types(programs.worker))?)?;
+        let types = ps::check_shards(&server_shards(
+            programs.servers,
+            &pulled_types(programs.worker),
+        )?)?;
         let mut params = outcome.params;
         params.extend(ps::assemble(outcome.server_shards, &types)?);
         let c = coordinator;

@@ -1,9 +1,9 @@
 //! A worker's handle on the parameter servers: splits pulls and pushes by shard,
 //! sends them over its [`WorkerLink`] and gathers the replies by tag.
 
+use super::server::slice_rows;
 use super::transport::WorkerLink;
 use super::wire::{Reply, Request};
-use super::server::slice_rows;
 use super::{cfg_err, concat_rows, ShardList};
 use crate::error::Result;
 use crate::value::{Slices, Tensor, Value};
@@ -132,9 +132,12 @@ impl PsClient {
     }
 
     fn link(&mut self) -> Result<&mut Box<dyn WorkerLink>> {
-        self.link
-            .as_mut()
-            .ok_or_else(|| cfg_err(format!("parameter-server client of rank {}: no link", self.rank)))
+        self.link.as_mut().ok_or_else(|| {
+            cfg_err(format!(
+                "parameter-server client of rank {}: no link",
+                self.rank
+            ))
+        })
     }
 
     fn send(&mut self, server: usize, var: &str, msg: Request) -> Result<()> {

@@ -261,7 +261,9 @@ pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> 
     let vars = check_shards(&shards)?;
     // One extra worker link, never handed out, to stop the servers.
     let (mut links, server_links) = in_process_links(cfg.workers + 1, shards.len());
-    let control = links.pop().ok_or_else(|| cfg_err("no control link".into()))?;
+    let control = links
+        .pop()
+        .ok_or_else(|| cfg_err("no control link".into()))?;
     let mut handles = Vec::new();
     for (id, (list, mut link)) in shards.iter().zip(server_links).enumerate() {
         let mut server = Server::new(id, list, &cfg);

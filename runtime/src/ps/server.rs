@@ -320,7 +320,14 @@ impl Server {
         out
     }
 
-    fn record(&mut self, name: String, step: u64, rank: Option<usize>, start: Instant, end: Instant) {
+    fn record(
+        &mut self,
+        name: String,
+        step: u64,
+        rank: Option<usize>,
+        start: Instant,
+        end: Instant,
+    ) {
         if self.tracing {
             self.spans.push(ServerSpan {
                 server: self.id,
@@ -374,7 +381,13 @@ impl Server {
             return;
         }
         match self.find(&var, start, end) {
-            Err(e) => out.push((from, Reply::Rows { tag, result: Err(e) })),
+            Err(e) => out.push((
+                from,
+                Reply::Rows {
+                    tag,
+                    result: Err(e),
+                },
+            )),
             Ok(_) => self.waiting.push(Waiting {
                 from,
                 key: (var, start),
@@ -488,7 +501,13 @@ impl Server {
                 .failed
                 .clone()
                 .unwrap_or_else(|| format!("parameter server {}: shut down", self.id));
-            out.push((w.from, Reply::Failed { tag: w.tag, error: e }));
+            out.push((
+                w.from,
+                Reply::Failed {
+                    tag: w.tag,
+                    error: e,
+                },
+            ));
         }
         for (to, tag) in std::mem::take(&mut self.collectors) {
             let result = match &self.failed {

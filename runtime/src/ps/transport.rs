@@ -71,7 +71,9 @@ impl InProcessWorkerLink {
     pub(crate) fn send_as(&self, rank: usize, server: usize, msg: Vec<u8>) -> Result<()> {
         self.to_servers
             .get(server)
-            .ok_or_else(|| RuntimeError::Config(format!("parameter server {server} does not exist")))?
+            .ok_or_else(|| {
+                RuntimeError::Config(format!("parameter server {server} does not exist"))
+            })?
             .send((rank, msg))
             .map_err(|_| RuntimeError::Config(format!("parameter server {server} has stopped")))
     }

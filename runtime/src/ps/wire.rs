@@ -121,15 +121,18 @@ impl Writer {
         match t {
             Tensor::F32(a) => {
                 self.0.reserve(a.len() * 4);
-                a.iter().for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
+                a.iter()
+                    .for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
             }
             Tensor::F64(a) => {
                 self.0.reserve(a.len() * 8);
-                a.iter().for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
+                a.iter()
+                    .for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
             }
             Tensor::I32(a) => {
                 self.0.reserve(a.len() * 4);
-                a.iter().for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
+                a.iter()
+                    .for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
             }
         }
     }
@@ -286,7 +289,10 @@ impl<'a> Reader<'a> {
             k => Err(format!("unknown value kind {k}")),
         }
     }
-    fn result<T>(&mut self, ok: impl FnOnce(&mut Self) -> Decoded<T>) -> Decoded<Result<T, String>> {
+    fn result<T>(
+        &mut self,
+        ok: impl FnOnce(&mut Self) -> Decoded<T>,
+    ) -> Decoded<Result<T, String>> {
         match self.u8()? {
             0 => Ok(Ok(ok(self)?)),
             1 => Ok(Err(self.str()?)),
