@@ -460,9 +460,33 @@ impl<'a> Runnable<'a> {
         }
     }
 
-    fn memory(&self, steps: usize, preload: bool) -> memory::MemoryEstimate {
-        memory::estimate(&self.programs(), &self.plan.config, steps, preload)
+    fn memory(&self, steps: usize, preload: bool) -> Result<memory::MemoryEstimate> {
+        plan_memory(self.plan, &self.programs(), steps, preload)
     }
+}
+
+/// The memory estimate of a plan: sparse gradients at the rows the compiler measured a
+/// batch to touch.
+fn plan_memory(
+    plan: &Plan,
+    programs: &Programs<'_>,
+    steps: usize,
+    preload: bool,
+) -> Result<memory::MemoryEstimate> {
+    let touched: std::collections::HashMap<String, f64> = plan
+        .dist
+        .iter()
+        .flat_map(|d| &d.vars)
+        .map(|v| (v.name.clone(), v.rows_touched))
+        .collect();
+    let rows = memory::expected_rows(programs.worker, &touched);
+    Ok(memory::estimate(
+        programs,
+        &plan.config,
+        steps,
+        preload,
+        &rows,
+    )?)
 }
 
 fn train_options(plan: &Plan, args: &RunArgs) -> TrainOptions {
@@ -495,7 +519,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     check_outputs(&outputs, inputs)?;
     let steps = args.steps.unwrap_or(plan.config.steps);
     if args.transport == Transport::Inprocess {
-        let estimate = r.memory(steps, args.preload);
+        let estimate = r.memory(steps, args.preload)?;
         memory::check(estimate.in_process_total(), &estimate.describe())
             .map_err(anyhow::Error::msg)?;
     }
@@ -646,7 +670,7 @@ fn run_mpi(
     let plan = r.plan;
     let steps = args.steps.unwrap_or(plan.config.steps);
     // One rank per process: each checks what it will hold.
-    let estimate = r.memory(steps, args.preload);
+    let estimate = r.memory(steps, args.preload)?;
     memory::check(
         estimate.per_worker() + estimate.eval,
         &format!(
@@ -842,7 +866,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 servers: &servers,
                 workers: p.settings.workers,
             };
-            let mem = memory::estimate(&programs, &p.config, p.config.steps, false);
+            let mem = plan_memory(&p, &programs, p.config.steps, false)?;
             match format {
                 ExplainFormat::Json => out(&format!(
                     "{}\n",
@@ -922,6 +946,26 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
         p.config.steps,
         mem.describe()
     );
+    let _ = writeln!(
+        s,
+        "{:<10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "memory", "params", "gradients", "optimizer", "activations", "buckets", "total"
+    );
+    let row = |name: String, m: &memory::MemoryByCategory| {
+        format!(
+            "{name:<10} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}\n",
+            mib(m.params as f64),
+            mib(m.gradients as f64),
+            mib(m.optimizer as f64),
+            mib(m.activations as f64),
+            mib(m.comm_buffers as f64),
+            mib(m.total() as f64)
+        )
+    };
+    s += &row("worker".into(), &mem.worker);
+    for (i, m) in mem.servers.iter().enumerate() {
+        s += &row(format!("server {i}"), m);
+    }
     let Some(d) = &p.dist else {
         s += "one device: no communication\n";
         return s;
@@ -1021,12 +1065,10 @@ fn explain_json(p: &Plan, mem: &memory::MemoryEstimate) -> serde_json::Value {
         "unreached": p.dist.as_ref().map(|d| d.unreached.clone()).unwrap_or_default(),
         "predicted_bytes_per_step_per_worker": p.dist.as_ref().map_or(0.0, |d| d.predicted_bytes_per_step_per_worker()),
         "memory": {
-            "worker_params": mem.worker_params as u64,
-            "worker_optimizer": mem.worker_optimizer as u64,
-            "activations": mem.activations as u64,
+            "worker": mem.worker,
+            "servers": mem.servers,
             "data": mem.data as u64,
             "eval": mem.eval as u64,
-            "servers": mem.servers as u64,
             "per_worker": mem.per_worker() as u64,
             "in_process_total": mem.in_process_total() as u64,
         },

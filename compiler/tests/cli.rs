@@ -374,4 +374,16 @@ fn a_single_device_run_writes_the_same_trace_as_a_worker() {
     for want in ["step 2", "forward", "backward", "update", "matmul"] {
         assert!(names.contains(&want), "{want} not in {names:?}");
     }
+    // Memory by category as counter tracks, one sample per step.
+    let counters: Vec<&serde_json::Value> = t["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["ph"] == "C" && e["name"] == "memory")
+        .collect();
+    assert_eq!(counters.len(), 2, "{counters:?}");
+    assert!(
+        counters[0]["args"]["activations"].as_u64() > Some(0),
+        "{counters:?}"
+    );
 }

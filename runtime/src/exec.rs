@@ -61,6 +61,82 @@ pub trait CommHook {
     fn span(&mut self, _node: NodeId, _op: &'static str, _start: Instant, _end: Instant) {}
 }
 
+/// Bytes a step holds at its peak, by category: values the kernels computed
+/// (activations, and in a backward pass the intermediate gradients), bucket buffers
+/// (packed gradients and collective results) and the gradients handed to the
+/// optimizer. Variables, feeds and constants are borrowed, not counted here.
+///
+/// The rule, for prediction and measurement alike: at each node the outputs are added,
+/// the peak is taken, then the inputs at their last use are freed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryUse {
+    /// Peak bytes of computed values other than buckets.
+    pub activations: u64,
+    /// Peak bytes of packed buckets and collective results.
+    pub comm_buffers: u64,
+    /// Bytes of the gradients the step hands to the optimizer.
+    pub gradients: u64,
+}
+
+impl MemoryUse {
+    /// The larger of each category.
+    pub fn max(self, o: MemoryUse) -> MemoryUse {
+        MemoryUse {
+            activations: self.activations.max(o.activations),
+            comm_buffers: self.comm_buffers.max(o.comm_buffers),
+            gradients: self.gradients.max(o.gradients),
+        }
+    }
+}
+
+/// Whether a node's outputs are bucket buffers.
+fn is_comm_buffer(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Pack | Op::AllReduce { .. } | Op::AllGather { .. } | Op::Broadcast { .. }
+    )
+}
+
+/// Live bytes by category while a plan runs.
+#[derive(Default)]
+struct Tally {
+    live: [u64; 2],
+    peak: [u64; 2],
+    gradients: u64,
+}
+
+impl Tally {
+    fn add(&mut self, comm: bool, bytes: u64) {
+        let c = usize::from(comm);
+        self.live[c] += bytes;
+        self.peak[c] = self.peak[c].max(self.live[c]);
+    }
+    fn free(&mut self, comm: bool, bytes: u64) {
+        let c = usize::from(comm);
+        self.live[c] = self.live[c].saturating_sub(bytes);
+    }
+    fn result(&self) -> MemoryUse {
+        MemoryUse {
+            activations: self.peak[0],
+            comm_buffers: self.peak[1],
+            gradients: self.gradients,
+        }
+    }
+}
+
+/// Bytes of a value of type `t`, as [`Value::bytes`] counts them (slices at their
+/// row bound).
+fn type_bytes(t: &ValueType) -> u64 {
+    match t {
+        ValueType::Tensor(t) => t.bytes() as u64,
+        ValueType::IndexedSlices { dense, nnz } => {
+            let rows = dense.dims().first().copied().unwrap_or(1).max(1);
+            let row = dense.bytes() / rows;
+            (*nnz * (row + 4)) as u64
+        }
+    }
+}
+
 /// What a run computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -132,21 +208,32 @@ impl std::fmt::Debug for Slot<'_> {
 /// Runs one graph; compiled once, run once per step.
 #[derive(Debug)]
 pub struct Executor {
-    nodes: Vec<Node>,
-    slots: usize,
+    schedule: Schedule,
     /// The filled tensor of each `constant` node, by node position.
     constants: Vec<Option<Tensor>>,
-    train: Vec<Step>,
-    eval: Vec<Step>,
     profiling: bool,
     profile: HashMap<&'static str, (Duration, u64)>,
     /// The worker's rank, for per-sample dropout masks (see [`KernelCtx::rank`]).
     rank: usize,
+    /// What the last run held at its peak.
+    measured: MemoryUse,
 }
 
-impl Executor {
-    /// Compiles `graph`: order, slots, last uses, constants.
-    pub fn new(graph: &Graph) -> Result<Executor> {
+/// What the executor runs, independent of any tensor: the nodes in order with their
+/// slots, and the training and evaluation plans with each input's last use. Building
+/// it allocates nothing the size of a tensor, so memory can be predicted before a run
+/// is allowed to start.
+#[derive(Debug)]
+pub struct Schedule {
+    nodes: Vec<Node>,
+    slots: usize,
+    train: Vec<Step>,
+    eval: Vec<Step>,
+}
+
+impl Schedule {
+    /// The schedule of `graph`: order, slots, last uses.
+    pub fn new(graph: &Graph) -> Result<Schedule> {
         let order = graph.topo_order();
         if order.len() != graph.node_count() {
             return Err(RuntimeError::Config(format!(
@@ -186,7 +273,77 @@ impl Executor {
                 outputs,
             });
         }
-        let constants = nodes
+        let all = vec![true; nodes.len()];
+        let needed = needed_for_eval(&nodes, slot_of.len());
+        Ok(Schedule {
+            train: plan(&nodes, &all, slot_of.len()),
+            eval: plan(&nodes, &needed, slot_of.len()),
+            slots: slot_of.len(),
+            nodes,
+        })
+    }
+}
+
+impl Schedule {
+    /// What a run in `mode` will hold at its peak, from the plan and the IR's types by
+    /// the rule the run measures with (slices at their row bound).
+    pub fn predicted_memory(&self, mode: Mode) -> MemoryUse {
+        self.predicted_memory_with(mode, &HashMap::new())
+    }
+
+    /// [`Schedule::predicted_memory`], counting the slices a node in `rows` produces at
+    /// that many rows instead of their type's bound (the rows a batch is measured to
+    /// touch, for `unique_rows` and `all_gather`).
+    pub fn predicted_memory_with(&self, mode: Mode, rows: &HashMap<NodeId, usize>) -> MemoryUse {
+        let plan = match mode {
+            Mode::Train => &self.train,
+            Mode::Eval => &self.eval,
+        };
+        let mut tally = Tally::default();
+        let mut held: Vec<(bool, u64)> = vec![(false, 0); self.slots];
+        for st in plan {
+            let node = &self.nodes[st.node];
+            match &node.op {
+                Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => continue,
+                Op::ParamGrad { .. } => {
+                    if let Some(u) = st.uses.first() {
+                        tally.gradients += held[u.slot].1;
+                    }
+                }
+                op => {
+                    let comm = is_comm_buffer(op);
+                    for (&(slot, ref ty), &keep) in node.outputs.iter().zip(&st.keep) {
+                        if keep {
+                            let bytes = match (ty, rows.get(&node.id)) {
+                                (ValueType::IndexedSlices { dense, nnz }, Some(&r)) => {
+                                    type_bytes(&ValueType::IndexedSlices {
+                                        dense: dense.clone(),
+                                        nnz: r.min(*nnz),
+                                    })
+                                }
+                                _ => type_bytes(ty),
+                            };
+                            held[slot] = (comm, bytes);
+                            tally.add(comm, bytes);
+                        }
+                    }
+                }
+            }
+            for u in st.uses.iter().filter(|u| u.release) {
+                let (c, b) = std::mem::take(&mut held[u.slot]);
+                tally.free(c, b);
+            }
+        }
+        tally.result()
+    }
+}
+
+impl Executor {
+    /// Compiles `graph`: its [`Schedule`] and constants.
+    pub fn new(graph: &Graph) -> Result<Executor> {
+        let schedule = Schedule::new(graph)?;
+        let constants = schedule
+            .nodes
             .iter()
             .map(|n| match &n.op {
                 Op::Constant { value, ty } => Some(filled(ty, *value)),
@@ -194,17 +351,13 @@ impl Executor {
             })
             .collect();
         warm_allocator();
-        let all = vec![true; nodes.len()];
-        let needed = needed_for_eval(&nodes, slot_of.len());
         Ok(Executor {
-            train: plan(&nodes, &all, slot_of.len()),
-            eval: plan(&nodes, &needed, slot_of.len()),
-            slots: slot_of.len(),
-            nodes,
+            schedule,
             constants,
             profiling: false,
             profile: HashMap::new(),
             rank: 0,
+            measured: MemoryUse::default(),
         })
     }
 
@@ -231,15 +384,22 @@ impl Executor {
         mut comm: Option<&mut (dyn CommHook + 'h)>,
     ) -> Result<StepOutputs> {
         let Executor {
-            nodes,
-            slots: n_slots,
+            schedule:
+                Schedule {
+                    nodes,
+                    slots: n_slots,
+                    train,
+                    eval,
+                },
             constants,
-            train,
-            eval,
             profiling,
             profile,
             rank,
+            measured,
         } = self;
+        let mut tally = Tally::default();
+        // Bytes and category of the value in each slot, for freeing.
+        let mut held: Vec<(bool, u64)> = vec![(false, 0); *n_slots];
         let plan = match mode {
             Mode::Train => &*train,
             Mode::Eval => &*eval,
@@ -327,8 +487,20 @@ impl Executor {
                 _ => None,
             };
             if let Some(slot) = communicated {
-                if let (Some(&(out, _)), Some(true)) = (node.outputs.first(), st.keep.first()) {
+                if let (Some(&(out, ref ty)), Some(true)) = (node.outputs.first(), st.keep.first())
+                {
+                    let bytes = match &slot {
+                        Slot::Owned(v) => v.bytes() as u64,
+                        _ => type_bytes(ty),
+                    };
+                    let comm = is_comm_buffer(&node.op);
+                    held[out] = (comm, bytes);
+                    tally.add(comm, bytes);
                     slots[out] = slot;
+                }
+                for u in st.uses.iter().filter(|u| u.release) {
+                    let (c, b) = std::mem::take(&mut held[u.slot]);
+                    tally.free(c, b);
                 }
                 if let Some(c) = comm.as_deref_mut() {
                     c.span(node.id, node.op.mnemonic(), started, Instant::now());
@@ -373,12 +545,25 @@ impl Executor {
                     let v = read(&slots, first()?).map_err(kernel_err)?;
                     out.loss = v.tensor().and_then(Tensor::scalar_f64);
                     release(&mut slots, &st.uses);
+                    for u in st.uses.iter().filter(|u| u.release) {
+                        let (c, b) = std::mem::take(&mut held[u.slot]);
+                        tally.free(c, b);
+                    }
                 }
                 Op::ParamGrad { param } => {
                     let v = take(&mut slots, first()?).map_err(kernel_err)?;
+                    tally.gradients += v.bytes() as u64;
+                    for u in st.uses.iter().filter(|u| u.release) {
+                        let (c, b) = std::mem::take(&mut held[u.slot]);
+                        tally.free(c, b);
+                    }
                     out.grads.push((param.clone(), v));
                 }
                 Op::Output { name } => {
+                    for u in st.uses.iter().filter(|u| u.release) {
+                        let (c, b) = std::mem::take(&mut held[u.slot]);
+                        tally.free(c, b);
+                    }
                     let v = match take(&mut slots, first()?).map_err(kernel_err)? {
                         Value::Tensor(t) => t,
                         s @ Value::Slices(_) => {
@@ -412,6 +597,7 @@ impl Executor {
                             node.outputs.len()
                         )));
                     }
+                    let comm_buffer = is_comm_buffer(op);
                     for ((v, (slot, ty)), &keep) in
                         results.into_iter().zip(&node.outputs).zip(&st.keep)
                     {
@@ -422,13 +608,31 @@ impl Executor {
                             )));
                         }
                         if keep {
+                            let bytes = v.bytes() as u64;
+                            held[*slot] = (comm_buffer, bytes);
+                            tally.add(comm_buffer, bytes);
                             slots[*slot] = Slot::Owned(v);
                         }
+                    }
+                    for u in st.uses.iter().filter(|u| u.release) {
+                        let (c, b) = std::mem::take(&mut held[u.slot]);
+                        tally.free(c, b);
                     }
                 }
             }
         }
+        *measured = tally.result();
         Ok(out)
+    }
+
+    /// What the last run held at its peak (see [`MemoryUse`]).
+    pub fn measured_memory(&self) -> MemoryUse {
+        self.measured
+    }
+
+    /// The schedule it runs.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
     }
 
     /// Sets the worker's rank among equal-batch workers (0 by default), which places

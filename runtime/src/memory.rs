@@ -1,34 +1,72 @@
-//! What a run will hold in memory, estimated from the plan before anything is
-//! allocated, so a plan too large for the machine is refused with the figures instead
-//! of aborting the process halfway through an allocation.
+//! Memory as a result: what a run will hold, by category, predicted from the plan
+//! before anything is allocated, and what it held, measured while it runs.
 //!
-//! Per worker: its variables (the replicated ones), the optimizer's slots for them
-//! (momentum: one copy; Adam: two), the peak of values live at once while a step runs
-//! (from the schedule's last uses, as the executor frees them), a batch of data (every
-//! batch when preloading) and, on worker 0, the evaluation set. Per server: its shards
-//! and their slots. In one process (threads), everything adds up, plus the
-//! communicator's channel matrix.
+//! Categories, per worker: its **parameters** (the replicated variables it holds;
+//! server-held ones it pulls count as activations), the **gradients** a step hands to
+//! the optimizer, the **optimizer state** (momentum: one slot per variable; Adam: two;
+//! plain SGD: none), the **peak activations** (every value the step computes, freed at
+//! its last use as the schedule says) and the **communication buffers** (packed buckets
+//! and collective results). Per server: its shards and their optimizer state. Data (a
+//! batch, every batch when preloading, the evaluation set on worker 0) is counted for
+//! the refusal check below.
+//!
+//! The prediction runs the executor's own [`Schedule`] over the IR's types by the rule
+//! the executor measures with ([`MemoryUse`]); row-sparse values whose row count the
+//! type only bounds (after `unique_rows`, `all_gather`) are counted at the rows the
+//! compiler measured a batch to touch, when the caller knows them. A plan that would not
+//! fit in the machine's available memory is refused with the figures ([`check`]).
 
 use crate::config::{OptimizerSpec, RunConfig};
+use crate::exec::{MemoryUse, Mode, Schedule};
 use crate::train::{input_types, Programs};
-use distc_ir::{Graph, Op, ValueType};
+use distc_ir::{Graph, NodeId, Op};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
-/// Bytes a run needs, by category, per process.
+/// Bytes by category for one worker or one server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryByCategory {
+    /// Variables held.
+    pub params: u64,
+    /// Gradients handed to the optimizer in a step.
+    pub gradients: u64,
+    /// Optimizer slots.
+    pub optimizer: u64,
+    /// Peak of computed values.
+    pub activations: u64,
+    /// Peak of bucket buffers.
+    pub comm_buffers: u64,
+}
+
+impl MemoryByCategory {
+    /// The sum of the categories.
+    pub fn total(&self) -> u64 {
+        self.params + self.gradients + self.optimizer + self.activations + self.comm_buffers
+    }
+
+    /// `(name, bytes)` of each category, in a fixed order.
+    pub fn named(&self) -> [(&'static str, u64); 5] {
+        [
+            ("params", self.params),
+            ("gradients", self.gradients),
+            ("optimizer", self.optimizer),
+            ("activations", self.activations),
+            ("comm_buffers", self.comm_buffers),
+        ]
+    }
+}
+
+/// Bytes a run needs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MemoryEstimate {
-    /// Variables held by one worker (replicated ones).
-    pub worker_params: u128,
-    /// Optimizer slots of those.
-    pub worker_optimizer: u128,
-    /// Peak of the values one step holds at once.
-    pub activations: u128,
+    /// One worker (they all run the same program).
+    pub worker: MemoryByCategory,
+    /// Each server.
+    pub servers: Vec<MemoryByCategory>,
     /// Data one worker holds: its batch, or every batch when preloading.
     pub data: u128,
     /// The held-out set worker 0 evaluates on.
     pub eval: u128,
-    /// Variables and slots held by all servers together.
-    pub servers: u128,
     /// Workers.
     pub workers: u128,
     /// Bookkeeping of running every rank as a thread (channels between ranks).
@@ -38,7 +76,12 @@ pub struct MemoryEstimate {
 impl MemoryEstimate {
     /// One worker process.
     pub fn per_worker(&self) -> u128 {
-        self.worker_params + self.worker_optimizer + self.activations + self.data
+        u128::from(self.worker.total()) + self.data
+    }
+
+    /// Every server together.
+    pub fn all_servers(&self) -> u128 {
+        self.servers.iter().map(|s| u128::from(s.total())).sum()
     }
 
     /// Every rank as threads of one process.
@@ -46,24 +89,28 @@ impl MemoryEstimate {
         self.per_worker()
             .saturating_mul(self.workers)
             .saturating_add(self.eval)
-            .saturating_add(self.servers)
+            .saturating_add(self.all_servers())
             .saturating_add(self.in_process_overhead)
     }
 
     /// One line for people: the total and its parts.
     pub fn describe(&self) -> String {
+        let w = &self.worker;
         format!(
-            "{} in one process: per worker {} (variables {}, optimizer state {}, peak \
-             activations {}, data {}) x {} workers, evaluation set {}, servers {}",
+            "{} in one process: per worker {} (variables {}, gradients {}, optimizer state \
+             {}, peak activations {}, buckets {}, data {}) x {} workers, evaluation set {}, \
+             servers {}",
             gib(self.in_process_total()),
             gib(self.per_worker()),
-            gib(self.worker_params),
-            gib(self.worker_optimizer),
-            gib(self.activations),
+            gib(w.params.into()),
+            gib(w.gradients.into()),
+            gib(w.optimizer.into()),
+            gib(w.activations.into()),
+            gib(w.comm_buffers.into()),
             gib(self.data),
             self.workers,
             gib(self.eval),
-            gib(self.servers),
+            gib(self.all_servers()),
         )
     }
 }
@@ -78,20 +125,8 @@ pub fn gib(b: u128) -> String {
     }
 }
 
-fn value_bytes(t: &ValueType) -> u128 {
-    match t {
-        ValueType::Tensor(t) => t.bytes() as u128,
-        // Row ids (4 bytes each) and the rows.
-        ValueType::IndexedSlices { dense, nnz } => {
-            let rows = dense.dims().first().copied().unwrap_or(1).max(1) as u128;
-            let row = dense.bytes() as u128 / rows;
-            (*nnz as u128).saturating_mul(row + 4)
-        }
-    }
-}
-
 /// Optimizer slots per variable.
-fn slots(spec: &OptimizerSpec) -> u128 {
+pub fn slots(spec: &OptimizerSpec) -> u64 {
     match spec {
         OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => 0,
         OptimizerSpec::Sgd { .. } => 1,
@@ -99,59 +134,62 @@ fn slots(spec: &OptimizerSpec) -> u128 {
     }
 }
 
-/// The peak bytes of computed values live at once when `g` runs in topological order
-/// and each value is freed after its last use (variables, feeds and constants are
-/// counted elsewhere or are small).
-pub fn peak_activations(g: &Graph) -> u128 {
-    let order = g.topo_order();
-    let pos: HashMap<_, _> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-    let mut last_use: HashMap<distc_ir::ValueId, usize> = HashMap::new();
-    for (i, &id) in order.iter().enumerate() {
-        for &v in &g.node(id).inputs {
-            last_use.insert(v, i);
+/// The variable a row-sparse gradient node belongs to: following its single users to
+/// the `param_grad` or `sparse_push` that names it.
+fn var_of(g: &Graph, mut id: NodeId) -> Option<String> {
+    for _ in 0..16 {
+        match g.op(id) {
+            Op::ParamGrad { param } => return Some(param.clone()),
+            Op::SparsePush { var, .. } => return Some(var.clone()),
+            _ => {}
         }
+        let users = g.user_nodes(id);
+        id = *users.first()?;
     }
-    let mut frees: Vec<u128> = vec![0; order.len() + 1];
-    let (mut live, mut peak) = (0u128, 0u128);
-    for (i, &id) in order.iter().enumerate() {
-        let n = g.node(id);
-        let borrowed = matches!(
-            n.op,
-            Op::Param { .. } | Op::Input { .. } | Op::Constant { .. }
-        );
-        for (port, ty) in n.outputs.iter().enumerate() {
-            if borrowed {
-                continue;
-            }
-            let bytes = value_bytes(ty);
-            live = live.saturating_add(bytes);
-            let freed_at = last_use
-                .get(&id.out(port as u16))
-                .copied()
-                .unwrap_or(i)
-                .max(pos[&id]);
-            frees[freed_at] = frees[freed_at].saturating_add(bytes);
-        }
-        peak = peak.max(live);
-        live = live.saturating_sub(frees[i]);
-    }
-    peak
+    None
 }
 
-/// The estimate for `programs` trained as `config` says for `steps` steps.
+/// The rows each `unique_rows` and `all_gather` of `g` is expected to produce, from
+/// the distinct rows a worker's batch touches per variable (`rows_touched`), for
+/// [`Schedule::predicted_memory_with`].
+pub fn expected_rows(g: &Graph, rows_touched: &HashMap<String, f64>) -> HashMap<NodeId, usize> {
+    let mut out = HashMap::new();
+    for id in g.node_ids() {
+        let per_worker = |id| var_of(g, id).and_then(|v| rows_touched.get(&v).copied());
+        match g.op(id) {
+            Op::UniqueRows => {
+                if let Some(r) = per_worker(id) {
+                    out.insert(id, r.ceil() as usize);
+                }
+            }
+            Op::AllGather { workers, .. } => {
+                if let Some(r) = per_worker(id) {
+                    out.insert(id, (r * *workers as f64).ceil() as usize);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The estimate for `programs` trained as `config` says for `steps` steps; `rows` as
+/// [`expected_rows`] gives them (empty: slices at their type's bound).
 pub fn estimate(
     programs: &Programs<'_>,
     config: &RunConfig,
     steps: usize,
     preload: bool,
-) -> MemoryEstimate {
-    let params: u128 = programs
+    rows: &HashMap<NodeId, usize>,
+) -> crate::Result<MemoryEstimate> {
+    let params: u64 = programs
         .worker
         .params()
         .iter()
-        .map(|(_, _, t)| t.bytes() as u128)
+        .map(|(_, _, t)| t.bytes() as u64)
         .sum();
     let slots = slots(&config.optimizer);
+    let step: MemoryUse = Schedule::new(programs.worker)?.predicted_memory_with(Mode::Train, rows);
     let inputs = input_types(programs.worker);
     let batch_bytes: u128 = inputs.values().map(|t| t.bytes() as u128).sum();
     let per_sample = batch_bytes / config.batch.max(1) as u128;
@@ -160,26 +198,40 @@ pub fn estimate(
     let eval_samples = config
         .eval_samples
         .map_or(10 * config.batch as u128, |n| n as u128);
-    let server_bytes: u128 = programs
+    let servers = programs
         .servers
         .iter()
-        .flat_map(|g| g.node_ids().into_iter().map(move |id| (g, id)))
-        .filter_map(|(g, id)| match g.op(id) {
-            Op::Shard { ty, .. } => Some(ty.bytes() as u128),
-            _ => None,
+        .map(|g| {
+            let held: u64 = g
+                .node_ids()
+                .into_iter()
+                .filter_map(|id| match g.op(id) {
+                    Op::Shard { ty, .. } => Some(ty.bytes() as u64),
+                    _ => None,
+                })
+                .sum();
+            MemoryByCategory {
+                params: held,
+                optimizer: held.saturating_mul(slots),
+                ..MemoryByCategory::default()
+            }
         })
-        .sum();
+        .collect();
     let workers = programs.workers as u128;
-    MemoryEstimate {
-        worker_params: params,
-        worker_optimizer: params.saturating_mul(slots),
-        activations: peak_activations(programs.worker),
+    Ok(MemoryEstimate {
+        worker: MemoryByCategory {
+            params,
+            gradients: step.gradients,
+            optimizer: params.saturating_mul(slots),
+            activations: step.activations,
+            comm_buffers: step.comm_buffers,
+        },
+        servers,
         data: batch_bytes.saturating_mul(batches),
         eval: per_sample.saturating_mul(eval_samples),
-        servers: server_bytes.saturating_mul(1 + slots),
         workers,
         in_process_overhead: workers.saturating_mul(workers).saturating_mul(128),
-    }
+    })
 }
 
 /// Memory this machine can give: `MemAvailable` from `/proc/meminfo`, if readable.

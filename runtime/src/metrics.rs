@@ -36,6 +36,9 @@ pub struct StepMetrics {
     /// Evaluation at this step, when one ran.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalMetrics>,
+    /// What worker 0 held in this step, by category (bytes): `params`, `gradients`,
+    /// `optimizer`, `activations` (peak), `comm_buffers` (peak).
+    pub memory: crate::memory::MemoryByCategory,
 }
 
 /// One evaluation over the held-out data.

@@ -124,6 +124,15 @@ impl Optimizer {
         }
     }
 
+    /// Bytes of every slot the optimizer holds.
+    pub fn state_bytes(&self) -> u64 {
+        self.slots
+            .values()
+            .flatten()
+            .map(|t| t.bytes() as u64)
+            .sum()
+    }
+
     /// The optimizer's spec.
     pub fn spec(&self) -> &OptimizerSpec {
         &self.spec

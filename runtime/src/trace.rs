@@ -27,6 +27,10 @@ pub struct Span {
     pub start_us: f64,
     /// Duration, microseconds.
     pub dur_us: f64,
+    /// Values of a counter track at `start_us` (memory by category, bytes); such a span
+    /// is drawn as counters, not as a slice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub counters: Vec<(String, u64)>,
 }
 
 /// The spans as a Chrome trace (JSON; loads in Perfetto and chrome://tracing).
@@ -41,11 +45,23 @@ pub fn chrome_trace(spans: &[Span]) -> serde_json::Value {
         .map(|(i, t)| serde_json::json!({"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": t}}))
         .collect();
     events.extend(spans.iter().map(|s| {
-        serde_json::json!({
-            "ph": "X", "pid": 1, "tid": tid(&s.track), "name": s.name,
-            "ts": s.start_us, "dur": s.dur_us,
-            "args": {"node": s.node, "step": s.step, "bytes": s.bytes},
-        })
+        if s.counters.is_empty() {
+            serde_json::json!({
+                "ph": "X", "pid": 1, "tid": tid(&s.track), "name": s.name,
+                "ts": s.start_us, "dur": s.dur_us,
+                "args": {"node": s.node, "step": s.step, "bytes": s.bytes},
+            })
+        } else {
+            let args: serde_json::Map<String, serde_json::Value> = s
+                .counters
+                .iter()
+                .map(|(k, v)| (k.clone(), (*v).into()))
+                .collect();
+            serde_json::json!({
+                "ph": "C", "pid": 1, "tid": tid(&s.track), "name": s.name,
+                "ts": s.start_us, "args": args,
+            })
+        }
     }));
     serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }

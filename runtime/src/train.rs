@@ -283,6 +283,7 @@ impl<'a> Coordinator<'a> {
             bytes_received: r0.bytes_received,
             bytes_moved: r0.bytes_moved,
             eval: r0.eval.clone(),
+            memory: r0.memory,
         })
     }
 }
@@ -508,6 +509,7 @@ pub fn train(
             bytes: None,
             start_us: us(s.start),
             dur_us: us(s.end) - us(s.start),
+            counters: Vec::new(),
         }));
     }
     let c = coordinator;

@@ -19,6 +19,7 @@ use crate::config::RunConfig;
 use crate::data::DataSource;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{CommHook, Executor, Mode, Pending};
+use crate::memory::MemoryByCategory;
 use crate::metrics::{EvalMetrics, Profile};
 use crate::optim::Optimizer;
 use crate::ps::PsClient;
@@ -54,6 +55,8 @@ pub struct StepReport {
     pub bytes_moved: u64,
     /// The evaluation run after this step, if one ran (worker 0).
     pub eval: Option<EvalMetrics>,
+    /// What the worker held, by category (peaks of this step).
+    pub memory: MemoryByCategory,
 }
 
 /// The first error of a run, with the role that hit it. Shared by every rank of a
@@ -418,6 +421,8 @@ struct Loop {
     profile: Profile,
     /// `(step, start, update start, end)` per step, while tracing.
     step_spans: Vec<(u64, Instant, Instant, Instant)>,
+    /// Memory by category at the end of each step, while tracing.
+    memory: Vec<(u64, Instant, MemoryByCategory)>,
     bytes_rx: mpsc::Receiver<ByteCount>,
     last: ByteCount,
     ps_last: (u64, u64),
@@ -513,6 +518,17 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
             &wait_spans,
             span_rx.try_iter().collect(),
         );
+        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
+        spans.extend(st.memory.iter().map(|(step, at, m)| Span {
+            track: format!("worker {rank} memory"),
+            name: "memory".into(),
+            node: None,
+            step: *step,
+            bytes: None,
+            start_us: us(*at),
+            dur_us: 0.0,
+            counters: m.named().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }));
     }
     let profile = (opts.profile && rank == 0).then(|| Profile {
         ops: st.exec.profile(),
@@ -567,6 +583,7 @@ fn run_steps(
             ..Profile::default()
         },
         step_spans: Vec::new(),
+        memory: Vec::new(),
         bytes_rx,
         last: ByteCount::default(),
         ps_last: (0, 0),
@@ -601,6 +618,17 @@ fn run_steps(
         st.profile.step_time += elapsed;
         st.profile.comm_wait += waited;
         let (sent, received, moved) = byte_deltas(st, hook);
+        let used = st.exec.measured_memory();
+        let memory = MemoryByCategory {
+            params: st.params.values().map(|t| t.bytes() as u64).sum(),
+            gradients: used.gradients,
+            optimizer: st.optimizer.state_bytes(),
+            activations: used.activations,
+            comm_buffers: used.comm_buffers,
+        };
+        if opts.trace {
+            st.memory.push((step as u64, Instant::now(), memory));
+        }
         let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
         let eval = if eval_now && rank == 0 {
             // Evaluation is not training: keep its kernels out of the profile, and its
@@ -624,6 +652,7 @@ fn run_steps(
         report(StepReport {
             rank,
             step,
+            memory,
             loss,
             step_sec: elapsed.as_secs_f64(),
             comm_wait_sec: waited.as_secs_f64(),
@@ -674,6 +703,7 @@ fn worker_spans(
         bytes: None,
         start_us: us(s),
         dur_us: us(e) - us(s),
+        counters: Vec::new(),
     };
     let mut spans: Vec<Span> = Vec::new();
     // Op groups: forward until the loss's gradient (autodiff's first `_grad` op),

@@ -756,6 +756,7 @@ fn run_server(
             bytes: None,
             start_us: us(sp.start),
             dur_us: us(sp.end) - us(sp.start),
+            counters: Vec::new(),
         })
         .collect())
 }
@@ -793,6 +794,7 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
         bytes_sent_per_worker: vec![],
         bytes_received_per_worker: vec![],
         eval: r.eval.clone(),
+        memory: r.memory,
     }
 }
 
