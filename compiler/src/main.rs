@@ -262,6 +262,11 @@ struct CompileArgs {
     /// Link bandwidth for the cost model, bytes/s (above 0; default: 10 Gbit/s).
     #[arg(long, default_value_t = 1.25e9, value_parser = positive_finite, allow_negative_numbers = true)]
     bandwidth: f64,
+    /// ZeRO stage of the all-reduced dense variables (allreduce, hybrid, auto): 1
+    /// shards the optimizer state over the workers, 2 also the gradients
+    /// (reduce-scatter), 3 also the parameters (gathered before each use).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
+    zero: Option<u8>,
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
@@ -352,6 +357,12 @@ fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
             a.sync
         );
     }
+    if let (Some(z), Strategy::Single | Strategy::Ps) = (a.zero, a.strategy) {
+        bail!(
+            "--zero {z} shards all-reduced variables over the workers; --strategy {name} \
+             all-reduces none (use allreduce, hybrid or auto)"
+        );
+    }
     if a.sparse_as_dense
         && matches!(
             a.strategy,
@@ -376,6 +387,7 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         sparse_as_dense: a.sparse_as_dense,
         bandwidth: a.bandwidth,
         latency: a.latency,
+        zero: a.zero.unwrap_or(0),
         ..StrategyConfig::default()
     }
 }
@@ -437,6 +449,7 @@ struct Runnable<'a> {
     graph: &'a distc_ir::Graph,
     init: Option<distc_ir::Graph>,
     servers: Vec<distc_ir::Graph>,
+    finalize: Option<distc_ir::Graph>,
 }
 
 impl<'a> Runnable<'a> {
@@ -448,6 +461,7 @@ impl<'a> Runnable<'a> {
             graph,
             init,
             servers,
+            finalize: plan.final_program()?,
         })
     }
 
@@ -456,6 +470,7 @@ impl<'a> Runnable<'a> {
             worker: self.graph,
             init: self.init.as_ref(),
             servers: &self.servers,
+            finalize: self.finalize.as_ref(),
             workers: self.plan.settings.workers,
         }
     }
@@ -860,10 +875,12 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Explain { plan, format } => {
             let (p, graph) = Plan::load(&plan)?;
             let (init, servers) = p.programs()?;
+            let finalize = p.final_program()?;
             let programs = Programs {
                 worker: &graph,
                 init: init.as_ref(),
                 servers: &servers,
+                finalize: finalize.as_ref(),
                 workers: p.settings.workers,
             };
             let mem = plan_memory(&p, &programs, p.config.steps, false)?;

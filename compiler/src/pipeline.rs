@@ -46,6 +46,8 @@ pub struct Compiled {
     pub server_programs: Vec<Graph>,
     /// The workers' init program.
     pub init_program: Option<Graph>,
+    /// The workers' final program (whole variables from ZeRO shards).
+    pub final_program: Option<Graph>,
     /// What the sparsity measurement did, for the user.
     pub measurement: Option<String>,
     /// Where the model breaks what data parallelism assumes (a sum over the batch, a
@@ -164,6 +166,7 @@ pub fn compile(
             dist: None,
             server_programs: vec![],
             init_program: None,
+            final_program: None,
             measurement: None,
             assumptions: program.assumptions,
             not_runnable: not_runnable(opts),
@@ -213,6 +216,7 @@ pub fn compile(
             dist: cx.dist,
             server_programs: cx.server_programs,
             init_program: cx.init_program,
+            final_program: cx.final_program,
             measurement,
             assumptions: program.assumptions,
             not_runnable: not_runnable(opts),

@@ -53,6 +53,9 @@ pub struct Plan {
     pub init: Option<String>,
     /// One program per parameter server, in text IR.
     pub servers: Vec<String>,
+    /// The workers' final program in text IR (whole variables from ZeRO shards).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finalize: Option<String>,
     /// Why the plan cannot be trained (a flag cut the pipeline short), if so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_runnable: Option<String>,
@@ -95,6 +98,7 @@ fn content_hash(p: &Plan) -> String {
     let init = p.init.clone().unwrap_or_default();
     let servers = p.servers.join("\n");
     let not_runnable = p.not_runnable.clone().unwrap_or_default();
+    let finalize = p.finalize.clone().unwrap_or_default();
     for part in [
         p.model.as_str(),
         p.strategy.as_str(),
@@ -105,6 +109,7 @@ fn content_hash(p: &Plan) -> String {
         init.as_str(),
         servers.as_str(),
         not_runnable.as_str(),
+        finalize.as_str(),
     ] {
         h.update(part.as_bytes());
         h.update([0u8]);
@@ -138,6 +143,7 @@ impl Plan {
             init: c.init_program.as_ref().map(distc_ir::print),
             servers: c.server_programs.iter().map(distc_ir::print).collect(),
             not_runnable: c.not_runnable.clone(),
+            finalize: c.final_program.as_ref().map(distc_ir::print),
             hash: String::new(),
         };
         p.hash = content_hash(&p);
@@ -156,6 +162,19 @@ impl Plan {
             message: e.to_string(),
         })?;
         distc_runtime::output::write_file(path, text.as_bytes()).map_err(refused)
+    }
+
+    /// The workers' final program, if any.
+    pub fn final_program(&self) -> Result<Option<Graph>, PlanError> {
+        self.finalize
+            .as_ref()
+            .map(|text| {
+                distc_ir::parse(text).map_err(|e| PlanError::Invalid {
+                    path: PathBuf::from(&self.source),
+                    message: format!("final program: {e}"),
+                })
+            })
+            .transpose()
     }
 
     /// The workers' init program and the server programs.
@@ -249,7 +268,13 @@ impl Plan {
         plan.check_fields().map_err(&invalid)?;
         let graph = distc_ir::parse(&plan.graph).map_err(|e| invalid(format!("graph: {e}")))?;
         distc_ir::verify(&graph).map_err(|e| invalid(format!("graph does not verify:\n{e}")))?;
-        for (i, text) in plan.init.iter().chain(&plan.servers).enumerate() {
+        for (i, text) in plan
+            .init
+            .iter()
+            .chain(&plan.servers)
+            .chain(&plan.finalize)
+            .enumerate()
+        {
             let g = distc_ir::parse(text).map_err(|e| invalid(format!("program {i}: {e}")))?;
             distc_ir::verify(&g)
                 .map_err(|e| invalid(format!("program {i} does not verify:\n{e}")))?;

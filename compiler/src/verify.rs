@@ -78,7 +78,7 @@ pub enum VerifyError {
     #[error(transparent)]
     Compile(#[from] CompileError),
     /// A run failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Run(#[from] RuntimeError),
     /// The two runs do not hold the same variables.
     #[error("{0}")]
@@ -146,6 +146,7 @@ fn run(
         worker: &c.graph,
         init: c.init_program.as_ref(),
         servers: &c.server_programs,
+        finalize: c.final_program.as_ref(),
         workers,
     };
     Ok(train(programs, &c.config, &train_opts, &mut |_| Ok(()))?.params)
@@ -203,6 +204,7 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
         worker: &dist.graph,
         init: dist.init_program.as_ref(),
         servers: &dist.server_programs,
+        finalize: dist.final_program.as_ref(),
         workers: opts.compile.strategy.workers,
     };
     let mpi_run = distc_runtime::comm::mpi::MpiRun {

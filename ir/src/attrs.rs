@@ -167,6 +167,15 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("reduce", A::Str(reduce_name(*reduce).into())),
         ],
         Op::Broadcast { root } => vec![("root", A::Int(*root as i64))],
+        Op::ReduceScatter { workers, reduce } => vec![
+            ("workers", A::Int(*workers as i64)),
+            ("reduce", A::Str(reduce_name(*reduce).into())),
+        ],
+        Op::AllGatherDense { workers, shape } => vec![
+            ("workers", A::Int(*workers as i64)),
+            ("shape", list(shape.dims())),
+        ],
+        Op::TakeChunk { workers } => vec![("workers", A::Int(*workers as i64))],
         Op::UniqueRows | Op::Pack => vec![],
         Op::Unpack { shapes } => shapes.iter().map(|s| ("shape", list(s.dims()))).collect(),
         Op::Pull { var, shards, .. }
@@ -528,6 +537,17 @@ pub fn op_from_parts(
         "all_gather" => Op::AllGather {
             workers: a.int("workers")?,
             reduce: a.reduce("reduce")?,
+        },
+        "reduce_scatter" => Op::ReduceScatter {
+            workers: a.int("workers")?,
+            reduce: a.reduce("reduce")?,
+        },
+        "all_gather_dense" => Op::AllGatherDense {
+            workers: a.int("workers")?,
+            shape: Shape(a.list("shape")?),
+        },
+        "take_chunk" => Op::TakeChunk {
+            workers: a.int("workers")?,
         },
         "broadcast" => Op::Broadcast {
             root: a.int("root")?,

@@ -305,6 +305,29 @@ pub enum Op {
         /// The sending worker.
         root: usize,
     },
+    /// Sums a dense value over all workers and gives each worker its chunk: the
+    /// value flattened, padded with zeros to `workers * c` elements (`c` = ceil(n /
+    /// workers)), chunk `rank` (`f32[c]`). ZeRO's sharded gradient.
+    ReduceScatter {
+        /// Worker count.
+        workers: usize,
+        /// Sum or mean.
+        reduce: ReduceOp,
+    },
+    /// Every worker's `f32[c]` chunk, concatenated in rank order and cut to `shape`
+    /// (the inverse of a chunking): ZeRO's gathered parameter.
+    AllGatherDense {
+        /// Worker count.
+        workers: usize,
+        /// Shape of the whole value.
+        shape: Shape,
+    },
+    /// This worker's chunk of a dense value, as `reduce_scatter` cuts it (flattened,
+    /// zero-padded to `workers * c`, chunk `rank`). Local: no communication.
+    TakeChunk {
+        /// Worker count.
+        workers: usize,
+    },
     /// Sums the repeated rows of `IndexedSlices`, so each row travels once.
     UniqueRows,
     /// Packs dense values (one or more, one dtype) into one flat buffer, in order.
@@ -440,6 +463,9 @@ impl Op {
             Op::AllGather { .. } => "all_gather",
             Op::Broadcast { .. } => "broadcast",
             Op::UniqueRows => "unique_rows",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllGatherDense { .. } => "all_gather_dense",
+            Op::TakeChunk { .. } => "take_chunk",
             Op::Pack => "pack",
             Op::Unpack { .. } => "unpack",
             Op::Pull { .. } => "pull",
@@ -486,6 +512,8 @@ impl Op {
             Op::AllReduce { .. }
                 | Op::AllGather { .. }
                 | Op::Broadcast { .. }
+                | Op::ReduceScatter { .. }
+                | Op::AllGatherDense { .. }
                 | Op::Pull { .. }
                 | Op::SparsePull { .. }
                 | Op::Push { .. }
@@ -504,6 +532,9 @@ impl Op {
             Op::AllReduce { .. }
             | Op::AllGather { .. }
             | Op::Broadcast { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGatherDense { .. }
+            | Op::TakeChunk { .. }
             | Op::UniqueRows
             | Op::Unpack { .. }
             | Op::SparsePull { .. }

@@ -114,6 +114,25 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         | Op::Pull { ty, .. }
         | Op::Shard { ty, .. } => one(ty.clone()),
         Op::AllReduce { .. } | Op::Broadcast { .. } => one(float(0)?.clone()),
+        Op::ReduceScatter { workers, .. } | Op::TakeChunk { workers } => {
+            let t = float(0)?;
+            if *workers == 0 {
+                return Err(err("needs at least one worker".into()));
+            }
+            let n: usize = t.dims().iter().product();
+            one(TensorType::new(t.dtype, Shape(vec![n.div_ceil(*workers)])))
+        }
+        Op::AllGatherDense { workers, shape } => {
+            let t = float(0)?;
+            let n: usize = shape.dims().iter().product();
+            if *workers == 0 || t.dims() != [n.div_ceil(*workers)] {
+                return Err(err(format!(
+                    "{t} is not one of {workers} chunks of {}",
+                    TensorType::new(t.dtype, shape.clone())
+                )));
+            }
+            one(TensorType::new(t.dtype, shape.clone()))
+        }
         Op::AllGather { workers, .. } => match inputs[0] {
             ValueType::IndexedSlices { dense, nnz } if *workers >= 1 => {
                 Ok(vec![ValueType::IndexedSlices {

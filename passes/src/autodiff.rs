@@ -473,6 +473,9 @@ fn vjp(
         | Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::Broadcast { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGatherDense { .. }
+        | Op::TakeChunk { .. }
         | Op::UniqueRows
         | Op::Pack
         | Op::Unpack { .. }

@@ -14,6 +14,7 @@ pub mod precision;
 pub mod schedule;
 pub mod simplify;
 pub mod sparsity;
+pub mod zero;
 
 use distc_ir::Graph;
 use thiserror::Error;
@@ -36,6 +37,8 @@ pub struct PassCx {
     pub server_programs: Vec<Graph>,
     /// The workers' init program (broadcast of replicated variables from rank 0).
     pub init_program: Option<Graph>,
+    /// The workers' final program (whole variables gathered from ZeRO shards).
+    pub final_program: Option<Graph>,
 }
 
 /// Plain counters a pass reports, plus an optional note for the user.
@@ -136,6 +139,7 @@ pub fn distributed_pipeline() -> Vec<Box<dyn Pass>> {
     passes.push(Box::new(sparsity::SparsityAnalysis));
     passes.push(Box::new(place::Place));
     passes.push(Box::new(distribute::Distribute));
+    passes.push(Box::new(zero::Zero));
     passes.push(Box::new(fusion::Fusion));
     passes.push(Box::new(schedule::Schedule));
     passes

@@ -80,6 +80,10 @@ pub struct StrategyConfig {
     pub bandwidth: f64,
     /// Latency per message, seconds (the cost model's alpha).
     pub latency: f64,
+    /// ZeRO stage of the all-reduced dense variables: 0 (none), 1 (optimizer state
+    /// sharded), 2 (and gradients), 3 (and parameters).
+    #[serde(default)]
+    pub zero: u8,
 }
 
 impl Default for StrategyConfig {
@@ -95,6 +99,7 @@ impl Default for StrategyConfig {
             partition_bytes: 8 << 20,
             bandwidth: 1.25e9,
             latency: 25e-6,
+            zero: 0,
         }
     }
 }

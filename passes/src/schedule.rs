@@ -52,6 +52,22 @@ impl Pass for Schedule {
                 }
             }
         }
+        // A gathered parameter (ZeRO) is gathered just before its first reader, so it is
+        // alive only as long as that reader's pass needs it.
+        let gathers: Vec<NodeId> = order
+            .iter()
+            .copied()
+            .filter(|&id| matches!(g.op(id), Op::AllGatherDense { .. }))
+            .collect();
+        for gid in gathers {
+            order.retain(|&id| id != gid);
+            let users = g.user_nodes(gid);
+            let at = order
+                .iter()
+                .position(|id| users.contains(id))
+                .unwrap_or(order.len());
+            order.insert(at, gid);
+        }
         let moved = order.iter().zip(&before).filter(|(a, b)| a != b).count();
         let mut out = Graph::new(g.name.clone());
         let mut map: HashMap<NodeId, NodeId> = HashMap::new();

@@ -93,7 +93,12 @@ impl MemoryUse {
 fn is_comm_buffer(op: &Op) -> bool {
     matches!(
         op,
-        Op::Pack | Op::AllReduce { .. } | Op::AllGather { .. } | Op::Broadcast { .. }
+        Op::Pack
+            | Op::AllReduce { .. }
+            | Op::AllGather { .. }
+            | Op::Broadcast { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGatherDense { .. }
     )
 }
 
@@ -285,6 +290,24 @@ impl Schedule {
 }
 
 impl Schedule {
+    /// Whether a run in `mode` takes part in a collective (every worker must run it).
+    pub fn has_collective(&self, mode: Mode) -> bool {
+        let plan = match mode {
+            Mode::Train => &self.train,
+            Mode::Eval => &self.eval,
+        };
+        plan.iter().any(|st| {
+            matches!(
+                self.nodes[st.node].op,
+                Op::AllReduce { .. }
+                    | Op::AllGather { .. }
+                    | Op::Broadcast { .. }
+                    | Op::ReduceScatter { .. }
+                    | Op::AllGatherDense { .. }
+            )
+        })
+    }
+
     /// What a run in `mode` will hold at its peak, from the plan and the IR's types by
     /// the rule the run measures with (slices at their row bound).
     pub fn predicted_memory(&self, mode: Mode) -> MemoryUse {
@@ -462,7 +485,11 @@ impl Executor {
                     Some(Slot::Empty)
                 }
                 (
-                    op @ (Op::AllReduce { .. } | Op::AllGather { .. } | Op::Broadcast { .. }),
+                    op @ (Op::AllReduce { .. }
+                    | Op::AllGather { .. }
+                    | Op::Broadcast { .. }
+                    | Op::ReduceScatter { .. }
+                    | Op::AllGatherDense { .. }),
                     Some(c),
                 ) => {
                     let v = take(
@@ -481,9 +508,14 @@ impl Executor {
                     | Op::SparsePush { .. },
                     None,
                 ) => return Err(no_comm()),
-                (Op::AllReduce { .. } | Op::AllGather { .. } | Op::Broadcast { .. }, None) => {
-                    return Err(no_comm())
-                }
+                (
+                    Op::AllReduce { .. }
+                    | Op::AllGather { .. }
+                    | Op::Broadcast { .. }
+                    | Op::ReduceScatter { .. }
+                    | Op::AllGatherDense { .. },
+                    None,
+                ) => return Err(no_comm()),
                 _ => None,
             };
             if let Some(slot) = communicated {

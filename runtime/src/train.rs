@@ -37,6 +37,8 @@ pub struct Programs<'g> {
     pub init: Option<&'g Graph>,
     /// One per parameter server.
     pub servers: &'g [Graph],
+    /// Gathers whole variables from the workers' shards after the last step (ZeRO).
+    pub finalize: Option<&'g Graph>,
     /// Workers N.
     pub workers: usize,
 }
@@ -48,6 +50,7 @@ impl<'g> Programs<'g> {
             worker: graph,
             init: None,
             servers: &[],
+            finalize: None,
             workers: 1,
         }
     }

@@ -172,6 +172,40 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                 ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)?,
             )))
         }
+        (Op::ReduceScatter { workers, reduce }, Value::Tensor(Tensor::F32(a))) => {
+            if *workers != n {
+                return Err(RuntimeError::Config(format!(
+                    "reduce_scatter for {workers} workers on a communicator of {n}"
+                )));
+            }
+            let mut flat: Vec<f32> = a.iter().copied().collect();
+            let c = flat.len().div_ceil(n);
+            flat.resize(c * n, 0.0);
+            let mine = comm.reduce_scatter(&flat, *reduce == ReduceOp::Mean)?;
+            Ok(Value::Tensor(Tensor::F32(
+                ArrayD::from_shape_vec(IxDyn(&[c]), mine).map_err(shape_err)?,
+            )))
+        }
+        (Op::AllGatherDense { workers, shape }, Value::Tensor(Tensor::F32(a))) => {
+            if *workers != n {
+                return Err(RuntimeError::Config(format!(
+                    "all_gather_dense for {workers} workers on a communicator of {n}"
+                )));
+            }
+            let mine: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let total: usize = shape.dims().iter().product();
+            let mut whole: Vec<f32> = Vec::with_capacity(mine.len() / 4 * n);
+            for part in comm.all_gather(mine)? {
+                whole.extend(
+                    part.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+            }
+            whole.truncate(total);
+            Ok(Value::Tensor(Tensor::F32(
+                ArrayD::from_shape_vec(IxDyn(shape.dims()), whole).map_err(shape_err)?,
+            )))
+        }
         (Op::AllGather { reduce, .. }, Value::Slices(s)) => {
             let Tensor::F32(values) = &s.values else {
                 return Err(RuntimeError::Config("all_gather of non-f32 slices".into()));
@@ -475,6 +509,10 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
         bytes_rx,
         &mut state,
     );
+    // Whole variables from the shards, on every worker (it is a collective).
+    if let (Ok(()), Some(fin), Some(st)) = (&result, programs.finalize, state.as_mut()) {
+        result = finalize(fin, st, rank, &mut hook);
+    }
     let mut server_shards = Vec::new();
     if result.is_ok() {
         if let Some(ps) = hook.ps.as_mut() {
@@ -542,6 +580,23 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
     })
 }
 
+/// Runs the final program: its outputs (whole variables) replace the shards it reads.
+fn finalize(
+    fin: &distc_ir::Graph,
+    st: &mut Loop,
+    rank: usize,
+    hook: &mut WorkerHook,
+) -> Result<()> {
+    let mut exec = Executor::new(fin)?;
+    exec.set_rank(rank);
+    let out = exec.run_with(&HashMap::new(), &st.params, Mode::Train, 0, Some(hook))?;
+    for (_, name, _) in fin.params() {
+        st.params.remove(name);
+    }
+    st.params.extend(out.outputs);
+    Ok(())
+}
+
 /// Initialises and runs every step; `state` holds what the steps built, for the
 /// outcome (also when a step fails).
 #[allow(clippy::too_many_arguments)]
@@ -563,7 +618,9 @@ fn run_steps(
     if let Some(init) = programs.init {
         let mut exec = Executor::new(init)?;
         exec.set_rank(rank);
-        let out = exec.run_with(&HashMap::new(), &params, Mode::Train, 0, Some(&mut *hook))?;
+        // The init program reads the one-device initial values, whole.
+        let whole = init_params(init, config.seed);
+        let out = exec.run_with(&HashMap::new(), &whole, Mode::Train, 0, Some(&mut *hook))?;
         for (name, t) in out.outputs {
             params.insert(name, t);
         }
@@ -630,7 +687,9 @@ fn run_steps(
             st.memory.push((step as u64, Instant::now(), memory));
         }
         let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
-        let eval = if eval_now && rank == 0 {
+        // Worker 0 reports the evaluation; when evaluating takes collectives (ZeRO's
+        // gathered parameters), every worker takes part.
+        let eval = if eval_now && (rank == 0 || st.exec.schedule().has_collective(Mode::Eval)) {
             // Evaluation is not training: keep its kernels out of the profile, and its
             // traffic out of the next step's bytes.
             st.exec.set_profiling(false);
@@ -645,7 +704,7 @@ fn run_steps(
             st.exec.set_profiling(opts.profile);
             hook.take_waited();
             byte_deltas(st, hook);
-            Some(e)
+            (rank == 0).then_some(e)
         } else {
             None
         };

@@ -70,6 +70,7 @@ fn run(
         worker: &c.graph,
         init: c.init_program.as_ref(),
         servers: &c.server_programs,
+        finalize: c.final_program.as_ref(),
         workers,
     };
     let mut lines = Vec::new();

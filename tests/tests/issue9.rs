@@ -138,6 +138,7 @@ fn a_workers_error_ends_the_run_with_its_cause() {
                 worker: &c.graph,
                 init: c.init_program.as_ref(),
                 servers: &c.server_programs,
+                finalize: c.final_program.as_ref(),
                 workers,
             };
             let opts = TrainOptions {
@@ -199,6 +200,7 @@ fn distributed_runs_evaluate() {
             worker: &c.graph,
             init: c.init_program.as_ref(),
             servers: &c.server_programs,
+            finalize: c.final_program.as_ref(),
             workers,
         };
         let opts = TrainOptions {

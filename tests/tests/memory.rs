@@ -50,6 +50,7 @@ fn predicted_memory_is_measured_memory() {
                 worker: &c.graph,
                 init: c.init_program.as_ref(),
                 servers: &c.server_programs,
+                finalize: c.final_program.as_ref(),
                 workers,
             };
             let touched: HashMap<String, f64> = c

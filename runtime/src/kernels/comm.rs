@@ -91,3 +91,28 @@ pub(super) fn unique_rows<A: Elem>(arg: &Arg<'_>) -> Result<Value, String> {
         dense_shape: s.dense_shape.clone(),
     }))
 }
+
+/// This worker's chunk of `x` (flattened, zero-padded to `workers * c` elements with
+/// `c = ceil(n / workers)`): elements `rank * c .. (rank + 1) * c`.
+pub(super) fn take_chunk<A: Elem>(
+    x: &Arg<'_>,
+    workers: usize,
+    rank: usize,
+) -> Result<Value, String> {
+    let t = tensor(x, 0)?;
+    let a =
+        A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", x.describe(), A::DTYPE))?;
+    if workers == 0 || rank >= workers {
+        return Err(format!("chunk {rank} of {workers}"));
+    }
+    let n = a.len();
+    let c = n.div_ceil(workers);
+    let mut out = vec![A::zero(); c];
+    let (start, end) = ((rank * c).min(n), ((rank + 1) * c).min(n));
+    for (o, v) in out.iter_mut().zip(a.iter().skip(start).take(end - start)) {
+        *o = *v;
+    }
+    Ok(Value::Tensor(A::wrap(
+        ArrayD::from_shape_vec(IxDyn(&[c]), out).map_err(|e| e.to_string())?,
+    )))
+}

@@ -261,6 +261,8 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::Broadcast { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGatherDense { .. }
         | Op::Pull { .. }
         | Op::SparsePull { .. }
         | Op::Push { .. }
@@ -277,6 +279,10 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::UniqueRows => {
             let [s] = split(args)?;
             float!(dt, A => comm::unique_rows::<A>(&s))?
+        }
+        Op::TakeChunk { workers } => {
+            let [x] = split(args)?;
+            float!(dt, A => comm::take_chunk::<A>(&x, *workers, ctx.rank))?
         }
         Op::LayerNormGrad { eps } => {
             let [dy, x, gamma] = split(args)?;

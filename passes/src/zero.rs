@@ -1,0 +1,237 @@
+//! ZeRO: shards the model state of every all-reduced dense variable over the workers
+//! (`--zero 1|2|3` on `allreduce`, and on the dense part of `hybrid` and `auto`).
+//!
+//! A variable `w` of `n` elements becomes the variable `w.zero`, this worker's chunk of
+//! `c = ceil(n / N)` elements (flattened, the last chunk zero-padded), which the
+//! optimizer updates (its state is 1/N of `w`'s):
+//!
+//! * stage 1 shards the optimizer state: the gradient is all-reduced as before, each
+//!   worker keeps its chunk (`take_chunk`) for its update, and the whole `w` is
+//!   all-gathered from the updated chunks (`all_gather_dense`) where the step reads it;
+//! * stage 2 also shards the gradient: `reduce_scatter` replaces the all-reduce, so
+//!   only the chunk is reduced;
+//! * stage 3 also shards the parameters' lifetime: the forward reads and the backward
+//!   reads each get their own `all_gather_dense`, scheduled just before the first read,
+//!   so the whole `w` is freed after its last forward use and gathered again for the
+//!   backward pass.
+//!
+//! The init program makes each worker's chunk from the one-device initial value
+//! (`take_chunk` instead of a broadcast); a final program gathers the whole variables
+//! (for `--save` and `distc verify`). Requires the distribute pass; runs before fusion
+//! (stage 1's all-reduces are still bucketed). Before/after (stage 2, abridged):
+//! ```text
+//! %1 = param{name="w1", ...}                 %1 = param{name="w1.zero", ty=f32[401408]}
+//! %4 = matmul %0, %1                   =>    %2 = all_gather_dense{workers=2, shape=[784,1024]} %1
+//! %9 = all_reduce{reduce="mean"} %8          %4 = matmul %0, %2
+//! param_grad{param="w1"} %9                  %9 = reduce_scatter{workers=2, reduce="mean"} %8
+//!                                            param_grad{param="w1.zero"} %9
+//! ```
+
+use crate::placement::{Kind, Mechanism};
+use crate::{Pass, PassCx, PassError, PassStats};
+use distc_ir::{Graph, NodeId, Op, ReduceOp, Shape, TensorType};
+use std::collections::HashSet;
+
+/// The ZeRO rewrite.
+pub struct Zero;
+
+/// The name of the shard variable of `var`.
+pub fn shard_name(var: &str) -> String {
+    format!("{var}.zero")
+}
+
+/// Nodes the loss and the outputs depend on: the forward pass.
+fn forward_nodes(g: &Graph) -> HashSet<NodeId> {
+    let mut stack: Vec<NodeId> = g
+        .node_ids()
+        .into_iter()
+        .filter(|&id| matches!(g.op(id), Op::Loss | Op::Output { .. }))
+        .collect();
+    let mut seen = HashSet::new();
+    while let Some(id) = stack.pop() {
+        if seen.insert(id) {
+            stack.extend(g.node(id).inputs.iter().map(|v| v.node));
+        }
+    }
+    seen
+}
+
+fn find(g: &Graph, want: impl Fn(&Op) -> bool) -> Option<NodeId> {
+    g.node_ids().into_iter().find(|&id| want(g.op(id)))
+}
+
+impl Pass for Zero {
+    fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError> {
+        let stage = cx.strategy.zero;
+        let stats = PassStats::default().count("stage", stage.into());
+        if stage == 0 {
+            return Ok(stats.count("sharded", 0));
+        }
+        if stage > 3 {
+            return Err(PassError::Precondition(format!(
+                "ZeRO stage {stage}: the stages are 1, 2 and 3"
+            )));
+        }
+        let n = cx.strategy.workers;
+        let mut plan = cx
+            .dist
+            .clone()
+            .ok_or_else(|| PassError::Precondition("zero needs the placement".into()))?;
+        let forward = forward_nodes(g);
+        let mut init = cx
+            .init_program
+            .take()
+            .unwrap_or_else(|| Graph::new(format!("{}.init", g.name)));
+        let mut fin = Graph::new(format!("{}.final", g.name));
+        let (mut sharded, mut gathers) = (0, 0);
+        for v in plan.vars.iter_mut() {
+            if v.placement != Mechanism::Allreduce || v.kind != Kind::Dense {
+                continue;
+            }
+            let name = v.name.clone();
+            let shard = shard_name(&name);
+            let Some(param) = find(
+                g,
+                |op| matches!(op, Op::Param { name: p, .. } if *p == name),
+            ) else {
+                continue;
+            };
+            let (ty, init_spec) = match g.op(param) {
+                Op::Param { ty, init, .. } => (ty.clone(), init.clone()),
+                _ => continue,
+            };
+            let Some(sink) = find(
+                g,
+                |op| matches!(op, Op::ParamGrad { param: p } if *p == name),
+            ) else {
+                continue;
+            };
+            let numel: usize = ty.dims().iter().product();
+            let c = numel.div_ceil(n);
+            let shard_ty = TensorType::new(ty.dtype, Shape(vec![c]));
+            let gather_op = Op::AllGatherDense {
+                workers: n,
+                shape: ty.shape.clone(),
+            };
+            // Reads of the whole variable: gathered from the shards.
+            let p = g.add(
+                Op::Param {
+                    name: shard.clone(),
+                    ty: shard_ty.clone(),
+                    init: init_spec.clone(),
+                },
+                vec![],
+            )?;
+            let users = g.users(param.into());
+            let mut made = 0usize;
+            if stage == 3 {
+                let (fwd, bwd): (Vec<_>, Vec<_>) =
+                    users.into_iter().partition(|(u, _)| forward.contains(u));
+                for group in [fwd, bwd] {
+                    if group.is_empty() {
+                        continue;
+                    }
+                    let gathered = g.add(gather_op.clone(), vec![p.into()])?;
+                    made += 1;
+                    for (u, slot) in group {
+                        g.set_input(u, slot, gathered.into());
+                    }
+                }
+            } else {
+                let gathered = g.add(gather_op.clone(), vec![p.into()])?;
+                made += 1;
+                g.replace_all_uses(param.into(), gathered.into());
+            }
+            gathers += made;
+            g.remove(param);
+            // The gradient: this worker's chunk of the mean over workers.
+            let grad = g.node(sink).inputs[0];
+            let chunk = match g.op(grad.node) {
+                Op::AllReduce { .. } if stage == 1 => {
+                    g.add(Op::TakeChunk { workers: n }, vec![grad])?
+                }
+                Op::AllReduce { .. } => {
+                    let local = g.node(grad.node).inputs[0];
+                    let rs = Op::ReduceScatter {
+                        workers: n,
+                        reduce: ReduceOp::Mean,
+                    };
+                    g.add(rs, vec![local])?
+                }
+                op => {
+                    return Err(PassError::Precondition(format!(
+                        "`{name}`'s gradient comes from {}, not an all_reduce",
+                        op.mnemonic()
+                    )))
+                }
+            };
+            g.remove(sink);
+            g.add(
+                Op::ParamGrad {
+                    param: shard.clone(),
+                },
+                vec![chunk.into()],
+            )?;
+            // Init: each worker's chunk of the one-device value, instead of a broadcast.
+            if let Some(out) = find(
+                &init,
+                |op| matches!(op, Op::Output { name: o } if *o == name),
+            ) {
+                init.remove(out);
+            }
+            let full = find(
+                &init,
+                |op| matches!(op, Op::Param { name: p, .. } if *p == name),
+            )
+            .map_or_else(
+                || {
+                    init.add(
+                        Op::Param {
+                            name: name.clone(),
+                            ty: ty.clone(),
+                            init: init_spec.clone(),
+                        },
+                        vec![],
+                    )
+                },
+                Ok,
+            )?;
+            let mine = init.add(Op::TakeChunk { workers: n }, vec![full.into()])?;
+            init.add(
+                Op::Output {
+                    name: shard.clone(),
+                },
+                vec![mine.into()],
+            )?;
+            // Final: the whole variable again.
+            let sp = fin.add(
+                Op::Param {
+                    name: shard.clone(),
+                    ty: shard_ty,
+                    init: init_spec,
+                },
+                vec![],
+            )?;
+            let whole = fin.add(gather_op, vec![sp.into()])?;
+            fin.add(Op::Output { name: name.clone() }, vec![whole.into()])?;
+            // Bytes a worker sends per step, counted as the ring counts them.
+            let (nf, b) = (n as f64, (c * n * ty.dtype.size()) as f64);
+            let per_chunk = b / nf;
+            let gather = (nf - 1.0) * per_chunk;
+            let reduce = if stage == 1 {
+                2.0 * (nf - 1.0) / nf * (numel * ty.dtype.size()) as f64
+            } else {
+                (nf - 1.0) * per_chunk
+            };
+            v.predicted_bytes_per_step = reduce + made as f64 * gather;
+            sharded += 1;
+        }
+        // The all-reduces reduce-scatter replaced.
+        g.remove_dead();
+        init.remove_dead();
+        cx.dist = Some(plan);
+        cx.init_program = (init.node_count() > 0).then_some(init);
+        cx.final_program = (fin.node_count() > 0).then_some(fin);
+        Ok(stats.count("sharded", sharded).count("gathers", gathers))
+    }
+}
