@@ -742,7 +742,10 @@ fn verify_cmd(
         Ok(Some(r)) => r,
         Err(e) => return Err(e.into()),
     };
-    let name = report.strategy.name();
+    let name = match opts.compile.strategy.zero {
+        0 => report.strategy.name().to_string(),
+        z => format!("{} (ZeRO {z})", report.strategy.name()),
+    };
     let mut text = String::new();
     for v in &report.vars {
         text += &format!(
