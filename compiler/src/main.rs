@@ -267,6 +267,11 @@ struct CompileArgs {
     /// (reduce-scatter), 3 also the parameters (gathered before each use).
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
+    /// Gradient accumulation: K micro-batches of the plan's batch per step, one update
+    /// and one round of communication per step (the same update as one device with
+    /// batch N*K*b; the activations of one micro-batch).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "K")]
+    accumulate: usize,
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
@@ -388,6 +393,7 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         bandwidth: a.bandwidth,
         latency: a.latency,
         zero: a.zero.unwrap_or(0),
+        accumulate: a.accumulate,
         ..StrategyConfig::default()
     }
 }

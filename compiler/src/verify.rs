@@ -236,8 +236,9 @@ fn one_device_against(
 ) -> Result<VerifyReport, VerifyError> {
     let s = &opts.compile.strategy;
     let n = s.workers;
+    let k = s.accumulate.max(1);
     let single_opts = CompileOptions {
-        batch: Some(dist.config.batch * n),
+        batch: Some(dist.config.batch * n * k),
         data_dir: opts.compile.data_dir.clone(),
         ..Default::default()
     };
@@ -250,7 +251,7 @@ fn one_device_against(
     Ok(VerifyReport {
         strategy: s.strategy,
         workers: n,
-        global_batch: dist.config.batch * n,
+        global_batch: dist.config.batch * n * k,
         steps: opts.steps,
         vars,
         tolerance: opts.tolerance,

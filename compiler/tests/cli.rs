@@ -60,7 +60,8 @@ fn compile_dump_and_run_a_plan() {
             "00-lower.ir",
             "01-autodiff.ir",
             "02-simplify.ir",
-            "03-dead_code.ir"
+            "03-dead_code.ir",
+            "04-accumulate.ir"
         ]
     );
     let metrics = tmp("m.jsonl");
@@ -166,7 +167,7 @@ fn dsl_errors_are_diagnostics_with_a_caret() {
 fn unknown_passes_are_listed_with_the_valid_ones() {
     let o = distc(&["ir", "examples/mlp.dsl", "--after", "fusoin"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, sparsity_analysis, place, distribute, zero, fusion, schedule"), "{}", text(&o));
+    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, sparsity_analysis, place, distribute, zero, fusion, schedule"), "{}", text(&o));
 }
 
 #[test]

@@ -176,6 +176,7 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("shape", list(shape.dims())),
         ],
         Op::TakeChunk { workers } => vec![("workers", A::Int(*workers as i64))],
+        Op::Accumulate { micro } => vec![("micro", A::Int(*micro as i64))],
         Op::UniqueRows | Op::Pack => vec![],
         Op::Unpack { shapes } => shapes.iter().map(|s| ("shape", list(s.dims()))).collect(),
         Op::Pull { var, shards, .. }
@@ -545,6 +546,9 @@ pub fn op_from_parts(
         "all_gather_dense" => Op::AllGatherDense {
             workers: a.int("workers")?,
             shape: Shape(a.list("shape")?),
+        },
+        "accumulate" => Op::Accumulate {
+            micro: a.int("micro")?,
         },
         "take_chunk" => Op::TakeChunk {
             workers: a.int("workers")?,

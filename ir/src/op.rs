@@ -328,6 +328,14 @@ pub enum Op {
         /// Worker count.
         workers: usize,
     },
+    /// Gradient accumulation over `micro` micro-batches: the first `micro - 1` runs of
+    /// a step add the gradient into a buffer the executor keeps (and nothing after this
+    /// op runs); the last outputs the mean of all `micro` (slices: concatenated, values
+    /// scaled by `1/micro`).
+    Accumulate {
+        /// Micro-batches per step.
+        micro: usize,
+    },
     /// Sums the repeated rows of `IndexedSlices`, so each row travels once.
     UniqueRows,
     /// Packs dense values (one or more, one dtype) into one flat buffer, in order.
@@ -463,6 +471,7 @@ impl Op {
             Op::AllGather { .. } => "all_gather",
             Op::Broadcast { .. } => "broadcast",
             Op::UniqueRows => "unique_rows",
+            Op::Accumulate { .. } => "accumulate",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGatherDense { .. } => "all_gather_dense",
             Op::TakeChunk { .. } => "take_chunk",
@@ -535,6 +544,7 @@ impl Op {
             | Op::ReduceScatter { .. }
             | Op::AllGatherDense { .. }
             | Op::TakeChunk { .. }
+            | Op::Accumulate { .. }
             | Op::UniqueRows
             | Op::Unpack { .. }
             | Op::SparsePull { .. }

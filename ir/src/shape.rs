@@ -64,6 +64,7 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             | Op::ParamGrad { .. }
             | Op::Output { .. }
             | Op::AllGather { .. }
+            | Op::Accumulate { .. }
             | Op::UniqueRows
             | Op::SparsePush { .. }
     );
@@ -143,6 +144,15 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             t => Err(err(format!(
                 "needs IndexedSlices and at least one worker, got {t}"
             ))),
+        },
+        Op::Accumulate { micro } => match inputs[0] {
+            _ if *micro == 0 => Err(err("needs at least one micro-batch".into())),
+            ValueType::IndexedSlices { dense, nnz } => Ok(vec![ValueType::IndexedSlices {
+                dense: dense.clone(),
+                nnz: nnz * micro,
+            }]),
+            ValueType::Tensor(t) if t.dtype.is_float() => one(t.clone()),
+            t => Err(err(format!("accumulates float gradients, got {t}"))),
         },
         Op::UniqueRows => match inputs[0] {
             ValueType::IndexedSlices { dense, nnz } => Ok(vec![ValueType::IndexedSlices {

@@ -476,6 +476,7 @@ fn vjp(
         | Op::ReduceScatter { .. }
         | Op::AllGatherDense { .. }
         | Op::TakeChunk { .. }
+        | Op::Accumulate { .. }
         | Op::UniqueRows
         | Op::Pack
         | Op::Unpack { .. }

@@ -2,6 +2,7 @@
 //! own file, run by the [`manager`] with the verifier after every step.
 #![deny(missing_docs)]
 
+pub mod accumulate;
 pub mod autodiff;
 pub mod cost;
 pub mod dead_code;
@@ -129,6 +130,7 @@ pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
         Box::new(autodiff::Autodiff),
         Box::new(simplify::Simplify::default()),
         Box::new(dead_code::DeadCode),
+        Box::new(accumulate::Accumulate),
     ]
 }
 

@@ -84,6 +84,13 @@ pub struct StrategyConfig {
     /// sharded), 2 (and gradients), 3 (and parameters).
     #[serde(default)]
     pub zero: u8,
+    /// Micro-batches per step (gradient accumulation); 1 for none.
+    #[serde(default = "one")]
+    pub accumulate: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for StrategyConfig {
@@ -100,6 +107,7 @@ impl Default for StrategyConfig {
             bandwidth: 1.25e9,
             latency: 25e-6,
             zero: 0,
+            accumulate: 1,
         }
     }
 }

@@ -149,6 +149,9 @@ pub enum Mode {
     Train,
     /// Only the nodes the `loss` and `output` sinks need, dropout off.
     Eval,
+    /// A micro-batch before the last of a step (gradient accumulation): only what the
+    /// loss and the `accumulate` ops need; they keep their input for the last one.
+    Micro,
 }
 
 /// What one run produced.
@@ -222,6 +225,8 @@ pub struct Executor {
     rank: usize,
     /// What the last run held at its peak.
     measured: MemoryUse,
+    /// Gradient sums of the micro-batches of the current step, by node position.
+    accumulated: HashMap<usize, Value>,
 }
 
 /// What the executor runs, independent of any tensor: the nodes in order with their
@@ -234,6 +239,7 @@ pub struct Schedule {
     slots: usize,
     train: Vec<Step>,
     eval: Vec<Step>,
+    micro: Vec<Step>,
 }
 
 impl Schedule {
@@ -279,10 +285,16 @@ impl Schedule {
             });
         }
         let all = vec![true; nodes.len()];
-        let needed = needed_for_eval(&nodes, slot_of.len());
+        let needed = needed_for(&nodes, slot_of.len(), |op| {
+            matches!(op, Op::Loss | Op::Output { .. })
+        });
+        let micro = needed_for(&nodes, slot_of.len(), |op| {
+            matches!(op, Op::Loss | Op::Accumulate { .. })
+        });
         Ok(Schedule {
             train: plan(&nodes, &all, slot_of.len()),
             eval: plan(&nodes, &needed, slot_of.len()),
+            micro: plan(&nodes, &micro, slot_of.len()),
             slots: slot_of.len(),
             nodes,
         })
@@ -290,11 +302,24 @@ impl Schedule {
 }
 
 impl Schedule {
+    /// Micro-batches per step: the `micro` of the `accumulate` ops (1 without).
+    pub fn micro_batches(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter_map(|n| match n.op {
+                Op::Accumulate { micro } => Some(micro),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
     /// Whether a run in `mode` takes part in a collective (every worker must run it).
     pub fn has_collective(&self, mode: Mode) -> bool {
         let plan = match mode {
             Mode::Train => &self.train,
             Mode::Eval => &self.eval,
+            Mode::Micro => &self.micro,
         };
         plan.iter().any(|st| {
             matches!(
@@ -321,6 +346,7 @@ impl Schedule {
         let plan = match mode {
             Mode::Train => &self.train,
             Mode::Eval => &self.eval,
+            Mode::Micro => &self.micro,
         };
         let mut tally = Tally::default();
         let mut held: Vec<(bool, u64)> = vec![(false, 0); self.slots];
@@ -381,6 +407,7 @@ impl Executor {
             profile: HashMap::new(),
             rank: 0,
             measured: MemoryUse::default(),
+            accumulated: HashMap::new(),
         })
     }
 
@@ -413,12 +440,14 @@ impl Executor {
                     slots: n_slots,
                     train,
                     eval,
+                    micro,
                 },
             constants,
             profiling,
             profile,
             rank,
             measured,
+            accumulated,
         } = self;
         let mut tally = Tally::default();
         // Bytes and category of the value in each slot, for freeing.
@@ -426,10 +455,11 @@ impl Executor {
         let plan = match mode {
             Mode::Train => &*train,
             Mode::Eval => &*eval,
+            Mode::Micro => &*micro,
         };
         let ctx = KernelCtx {
             step,
-            training: mode == Mode::Train,
+            training: mode != Mode::Eval,
             rank: *rank,
         };
         let mut slots: Vec<Slot<'_>> = (0..*n_slots).map(|_| Slot::Empty).collect();
@@ -582,6 +612,28 @@ impl Executor {
                         tally.free(c, b);
                     }
                 }
+                Op::Accumulate { micro } => {
+                    let v = take(&mut slots, first()?).map_err(kernel_err)?;
+                    for u in st.uses.iter().filter(|u| u.release) {
+                        let (c, b) = std::mem::take(&mut held[u.slot]);
+                        tally.free(c, b);
+                    }
+                    let sum = match accumulated.remove(&st.node) {
+                        None => v,
+                        Some(acc) => add_values(acc, v).map_err(kernel_err)?,
+                    };
+                    if mode == Mode::Micro {
+                        accumulated.insert(st.node, sum);
+                    } else if let (Some(&(slot, _)), Some(true)) =
+                        (node.outputs.first(), st.keep.first())
+                    {
+                        let mean = scale_value(sum, 1.0 / *micro as f64).map_err(kernel_err)?;
+                        let bytes = mean.bytes() as u64;
+                        held[slot] = (false, bytes);
+                        tally.add(false, bytes);
+                        slots[slot] = Slot::Owned(mean);
+                    }
+                }
                 Op::ParamGrad { param } => {
                     let v = take(&mut slots, first()?).map_err(kernel_err)?;
                     tally.gradients += v.bytes() as u64;
@@ -721,6 +773,73 @@ pub fn warm_allocator() {
     }
 }
 
+/// `a + b`: dense values summed, slices concatenated (rows may repeat).
+fn add_values(a: Value, b: Value) -> std::result::Result<Value, String> {
+    match (a, b) {
+        (Value::Tensor(Tensor::F32(mut x)), Value::Tensor(Tensor::F32(y)))
+            if x.shape() == y.shape() =>
+        {
+            x += &y;
+            Ok(Value::Tensor(Tensor::F32(x)))
+        }
+        (Value::Tensor(Tensor::F64(mut x)), Value::Tensor(Tensor::F64(y)))
+            if x.shape() == y.shape() =>
+        {
+            x += &y;
+            Ok(Value::Tensor(Tensor::F64(x)))
+        }
+        (Value::Slices(x), Value::Slices(y)) if x.dense_shape == y.dense_shape => {
+            let values = match (&x.values, &y.values) {
+                (Tensor::F32(a), Tensor::F32(b)) => Tensor::F32(
+                    ndarray::concatenate(ndarray::Axis(0), &[a.view(), b.view()])
+                        .map_err(|e| e.to_string())?,
+                ),
+                (Tensor::F64(a), Tensor::F64(b)) => Tensor::F64(
+                    ndarray::concatenate(ndarray::Axis(0), &[a.view(), b.view()])
+                        .map_err(|e| e.to_string())?,
+                ),
+                _ => return Err("micro-batch gradients of different dtypes".into()),
+            };
+            let mut indices = x.indices;
+            indices.extend(y.indices);
+            Ok(Value::Slices(crate::value::Slices {
+                indices,
+                values,
+                dense_shape: x.dense_shape,
+            }))
+        }
+        (a, b) => Err(format!(
+            "micro-batch gradients differ: {} and {}",
+            a.value_type(),
+            b.value_type()
+        )),
+    }
+}
+
+/// `v * k` (slices: their values).
+fn scale_value(v: Value, k: f64) -> std::result::Result<Value, String> {
+    fn scale(t: Tensor, k: f64) -> std::result::Result<Tensor, String> {
+        match t {
+            Tensor::F32(mut a) => {
+                a.mapv_inplace(|x| x * k as f32);
+                Ok(Tensor::F32(a))
+            }
+            Tensor::F64(mut a) => {
+                a.mapv_inplace(|x| x * k);
+                Ok(Tensor::F64(a))
+            }
+            Tensor::I32(_) => Err("an i32 gradient".into()),
+        }
+    }
+    Ok(match v {
+        Value::Tensor(t) => Value::Tensor(scale(t, k)?),
+        Value::Slices(mut s) => {
+            s.values = scale(s.values, k)?;
+            Value::Slices(s)
+        }
+    })
+}
+
 /// A tensor of type `ty` with every element `value`.
 fn filled(ty: &TensorType, value: f64) -> Tensor {
     let dim = IxDyn(ty.dims());
@@ -743,8 +862,8 @@ fn check_type(t: &Tensor, ty: &TensorType, what: impl Fn() -> String) -> Result<
     )))
 }
 
-/// Which nodes evaluation runs: the `loss` and `output` sinks and what they read.
-fn needed_for_eval(nodes: &[Node], n_slots: usize) -> Vec<bool> {
+/// The nodes `root` picks and everything they read.
+fn needed_for(nodes: &[Node], n_slots: usize, root: impl Fn(&Op) -> bool) -> Vec<bool> {
     let mut producer = vec![0; n_slots];
     for (i, n) in nodes.iter().enumerate() {
         for &(s, _) in &n.outputs {
@@ -755,7 +874,7 @@ fn needed_for_eval(nodes: &[Node], n_slots: usize) -> Vec<bool> {
     let mut stack: Vec<usize> = nodes
         .iter()
         .enumerate()
-        .filter(|(_, n)| matches!(n.op, Op::Loss | Op::Output { .. }))
+        .filter(|(_, n)| root(&n.op))
         .map(|(i, _)| i)
         .collect();
     while let Some(i) = stack.pop() {

@@ -343,32 +343,52 @@ pub fn pulled_types(worker: &Graph) -> HashMap<String, TensorType> {
         .collect()
 }
 
-/// Opens worker `rank`'s data (its shard of the plan's source), preloaded if asked.
+/// Micro-batches per step of a worker program (gradient accumulation; 1 without).
+pub fn micro_batches(worker: &Graph) -> usize {
+    worker
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match worker.op(id) {
+            Op::Accumulate { micro } => Some(*micro),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// Opens worker `rank`'s data (its shard of the plan's source), preloaded if asked:
+/// one source per micro-batch, micro-batch `m` of worker `r` being part `r*K + m` of
+/// the `N*K` parts of the global batch.
 pub fn open_data(
     programs: &Programs<'_>,
     config: &RunConfig,
     opts: &TrainOptions,
     rank: usize,
-) -> Result<DataSource> {
+) -> Result<Vec<DataSource>> {
     let dir = data_dir(opts.data_dir.as_deref());
     let open = if opts.global_data {
         DataSource::open_global
     } else {
         DataSource::open
     };
-    let mut source = open(
-        &config.data,
-        dir.as_deref(),
-        &input_types(programs.worker),
-        config.batch,
-        config.seed,
-        rank,
-        programs.workers,
-    )?;
-    if opts.preload {
-        source.preload(opts.steps.unwrap_or(config.steps))?;
-    }
-    Ok(source)
+    let k = micro_batches(programs.worker);
+    (0..k)
+        .map(|m| {
+            let mut source = open(
+                &config.data,
+                dir.as_deref(),
+                &input_types(programs.worker),
+                config.batch,
+                config.seed,
+                rank * k + m,
+                programs.workers * k,
+            )?;
+            if opts.preload {
+                source.preload(opts.steps.unwrap_or(config.steps))?;
+            }
+            Ok(source)
+        })
+        .collect()
 }
 
 /// The error a run ends with: the first one recorded (the cause), named by role.
@@ -422,7 +442,9 @@ pub fn train(
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let (report_tx, report_rx) = mpsc::channel::<StepReport>();
-    let mut coordinator = Coordinator::new(n, config.batch, n > 1 || cluster.is_some(), on_step);
+    let k = micro_batches(programs.worker);
+    let mut coordinator =
+        Coordinator::new(n, config.batch * k, n > 1 || cluster.is_some(), on_step);
     let mut outcomes: Vec<Option<WorkerOutcome>> = Vec::new();
     let mut coordinator_error = None;
     std::thread::scope(|scope| {
@@ -522,7 +544,8 @@ pub fn train(
         final_loss: c.final_loss,
         eval: c.eval,
         train_time: c.train_time,
-        samples_per_sec: (c.steps * n * config.batch) as f64 / c.train_time.as_secs_f64().max(1e-9),
+        samples_per_sec: (c.steps * n * k * config.batch) as f64
+            / c.train_time.as_secs_f64().max(1e-9),
         params,
         profile: w0.profile,
         spans,

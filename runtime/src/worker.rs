@@ -93,8 +93,8 @@ pub struct WorkerSetup<'a> {
     pub comm: Box<dyn Communicator>,
     /// The parameter servers, when the plan has any.
     pub ps: Option<PsClient>,
-    /// This worker's data, opened.
-    pub data: DataSource,
+    /// This worker's data, opened: one source per micro-batch of a step.
+    pub data: Vec<DataSource>,
     /// Where each step's report goes.
     pub report: Box<dyn FnMut(StepReport) -> Result<()> + Send + 'a>,
     /// When the run started (trace times are relative to it).
@@ -605,7 +605,7 @@ fn run_steps(
     config: &RunConfig,
     opts: &TrainOptions,
     rank: usize,
-    data: &mut DataSource,
+    data: &mut [DataSource],
     report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
     hook: &mut WorkerHook,
     bytes_rx: mpsc::Receiver<ByteCount>,
@@ -646,17 +646,32 @@ fn run_steps(
         ps_last: (0, 0),
     });
     hook.take_waited();
+    let k = data.len();
     for step in 1..=steps {
-        let batch = data.next_batch()?;
+        let batches = data
+            .iter_mut()
+            .map(DataSource::next_batch)
+            .collect::<Result<Vec<_>>>()?;
         hook.step = step as u64;
         let start = Instant::now();
-        let out = st.exec.run_with(
-            &batch,
-            &st.params,
-            Mode::Train,
-            step as u64,
-            Some(&mut *hook),
-        )?;
+        // Micro-batches: the last one communicates and hands the gradients over.
+        let mut micro_loss = 0.0;
+        let mut last = None;
+        for (m, batch) in batches.iter().enumerate() {
+            st.exec.set_rank(rank * k + m);
+            let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
+            let o = st
+                .exec
+                .run_with(batch, &st.params, mode, step as u64, Some(&mut *hook))?;
+            micro_loss += o.loss.unwrap_or(f64::NAN);
+            last = Some(o);
+        }
+        let Some(mut out) = last else {
+            return Err(RuntimeError::Config(format!(
+                "worker {rank}: no data source"
+            )));
+        };
+        out.loss = Some(micro_loss / k as f64);
         let updating = Instant::now();
         st.optimizer.step(&mut st.params, &out.grads)?;
         st.profile.optimizer += updating.elapsed();
@@ -696,7 +711,7 @@ fn run_steps(
             let e = evaluate(
                 &mut st.exec,
                 &st.params,
-                data,
+                &data[0],
                 config,
                 step as u64 + 1,
                 Some(&mut *hook),

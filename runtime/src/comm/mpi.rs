@@ -895,7 +895,8 @@ fn run_worker_rank(
     }
     // Rank 0: the worker on a thread, the coordinator here.
     let steps = opts.steps.unwrap_or(config.steps);
-    let mut coordinator = Coordinator::new(roles.workers, config.batch, true, on_step);
+    let k = crate::train::micro_batches(programs.worker);
+    let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
     std::thread::scope(|scope| -> Result<Option<TrainReport>> {
         let worker = std::thread::Builder::new()
             .name("worker-0".into())
@@ -977,7 +978,7 @@ fn run_worker_rank(
             final_loss: c.final_loss,
             eval: c.eval,
             train_time: c.train_time,
-            samples_per_sec: (c.steps * roles.workers * config.batch) as f64
+            samples_per_sec: (c.steps * roles.workers * k * config.batch) as f64
                 / c.train_time.as_secs_f64().max(1e-9),
             params,
             profile: outcome.profile,

@@ -258,6 +258,9 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } => {
             return Err("a sink: the executor reads its input, not a kernel".into())
         }
+        Op::Accumulate { .. } => {
+            return Err("accumulation keeps state across runs: the executor runs it".into())
+        }
         Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::Broadcast { .. }
