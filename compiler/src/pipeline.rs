@@ -81,6 +81,19 @@ fn not_runnable(opts: &CompileOptions) -> Option<String> {
         .map(|d| format!("it was compiled with --disable-pass {d}, a pass training needs"))
 }
 
+impl Compiled {
+    /// Its programs, for a run with `workers` workers.
+    pub fn programs(&self, workers: usize) -> distc_runtime::train::Programs<'_> {
+        distc_runtime::train::Programs {
+            worker: &self.graph,
+            init: self.init_program.as_ref(),
+            servers: &self.server_programs,
+            finalize: self.final_program.as_ref(),
+            workers,
+        }
+    }
+}
+
 /// Why compilation failed.
 #[derive(Debug, Error)]
 pub enum CompileError {
@@ -145,8 +158,9 @@ pub fn compile(
     }
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
-    let mut graph = program.graph.clone();
-    let mut config = program.config.clone();
+    let assumptions = program.assumptions;
+    let mut graph = program.graph;
+    let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
     config.batch = program.batch_symbol_value;
     let lowered_nodes = graph.node_count();
@@ -168,7 +182,7 @@ pub fn compile(
             init_program: None,
             final_program: None,
             measurement: None,
-            assumptions: program.assumptions,
+            assumptions,
             not_runnable: not_runnable(opts),
         });
     }
@@ -218,7 +232,7 @@ pub fn compile(
             init_program: cx.init_program,
             final_program: cx.final_program,
             measurement,
-            assumptions: program.assumptions,
+            assumptions,
             not_runnable: not_runnable(opts),
         }),
         Err(error) => {

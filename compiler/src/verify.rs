@@ -6,7 +6,7 @@
 
 use crate::pipeline::{compile_file, CompileError, CompileOptions, Compiled};
 use distc_passes::placement::{Strategy, SyncMode};
-use distc_runtime::train::{train, Programs, TrainOptions};
+use distc_runtime::train::{train, TrainOptions};
 use distc_runtime::{RuntimeError, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -142,13 +142,7 @@ fn run(
     workers: usize,
 ) -> Result<HashMap<String, Tensor>, VerifyError> {
     let train_opts = train_options(opts);
-    let programs = Programs {
-        worker: &c.graph,
-        init: c.init_program.as_ref(),
-        servers: &c.server_programs,
-        finalize: c.final_program.as_ref(),
-        workers,
-    };
+    let programs = c.programs(workers);
     Ok(train(programs, &c.config, &train_opts, &mut |_| Ok(()))?.params)
 }
 
@@ -200,13 +194,7 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
     check(opts)?;
     let dist = compile_file(file, &opts.compile)?;
     let plan = crate::Plan::new(&dist, &file.display().to_string(), &opts.compile.strategy);
-    let programs = Programs {
-        worker: &dist.graph,
-        init: dist.init_program.as_ref(),
-        servers: &dist.server_programs,
-        finalize: dist.final_program.as_ref(),
-        workers: opts.compile.strategy.workers,
-    };
+    let programs = dist.programs(opts.compile.strategy.workers);
     let mpi_run = distc_runtime::comm::mpi::MpiRun {
         plan_hash: plan.hash,
         servers: opts.compile.strategy.servers,

@@ -120,6 +120,14 @@ impl Tally {
         let c = usize::from(comm);
         self.live[c] = self.live[c].saturating_sub(bytes);
     }
+    /// Frees the values the node read for the last time (`held`: each slot's category
+    /// and bytes).
+    fn free_released(&mut self, held: &mut [(bool, u64)], uses: &[Use]) {
+        for u in uses.iter().filter(|u| u.release) {
+            let (c, b) = std::mem::take(&mut held[u.slot]);
+            self.free(c, b);
+        }
+    }
     fn result(&self) -> MemoryUse {
         MemoryUse {
             activations: self.peak[0],
@@ -378,10 +386,7 @@ impl Schedule {
                     }
                 }
             }
-            for u in st.uses.iter().filter(|u| u.release) {
-                let (c, b) = std::mem::take(&mut held[u.slot]);
-                tally.free(c, b);
-            }
+            tally.free_released(&mut held, &st.uses);
         }
         tally.result()
     }
@@ -560,10 +565,7 @@ impl Executor {
                     tally.add(comm, bytes);
                     slots[out] = slot;
                 }
-                for u in st.uses.iter().filter(|u| u.release) {
-                    let (c, b) = std::mem::take(&mut held[u.slot]);
-                    tally.free(c, b);
-                }
+                tally.free_released(&mut held, &st.uses);
                 if let Some(c) = comm.as_deref_mut() {
                     c.span(node.id, node.op.mnemonic(), started, Instant::now());
                 }
@@ -607,17 +609,11 @@ impl Executor {
                     let v = read(&slots, first()?).map_err(kernel_err)?;
                     out.loss = v.tensor().and_then(Tensor::scalar_f64);
                     release(&mut slots, &st.uses);
-                    for u in st.uses.iter().filter(|u| u.release) {
-                        let (c, b) = std::mem::take(&mut held[u.slot]);
-                        tally.free(c, b);
-                    }
+                    tally.free_released(&mut held, &st.uses);
                 }
                 Op::Accumulate { micro } => {
                     let v = take(&mut slots, first()?).map_err(kernel_err)?;
-                    for u in st.uses.iter().filter(|u| u.release) {
-                        let (c, b) = std::mem::take(&mut held[u.slot]);
-                        tally.free(c, b);
-                    }
+                    tally.free_released(&mut held, &st.uses);
                     let sum = match accumulated.remove(&st.node) {
                         None => v,
                         Some(acc) => add_values(acc, v).map_err(kernel_err)?,
@@ -637,17 +633,11 @@ impl Executor {
                 Op::ParamGrad { param } => {
                     let v = take(&mut slots, first()?).map_err(kernel_err)?;
                     tally.gradients += v.bytes() as u64;
-                    for u in st.uses.iter().filter(|u| u.release) {
-                        let (c, b) = std::mem::take(&mut held[u.slot]);
-                        tally.free(c, b);
-                    }
+                    tally.free_released(&mut held, &st.uses);
                     out.grads.push((param.clone(), v));
                 }
                 Op::Output { name } => {
-                    for u in st.uses.iter().filter(|u| u.release) {
-                        let (c, b) = std::mem::take(&mut held[u.slot]);
-                        tally.free(c, b);
-                    }
+                    tally.free_released(&mut held, &st.uses);
                     let v = match take(&mut slots, first()?).map_err(kernel_err)? {
                         Value::Tensor(t) => t,
                         s @ Value::Slices(_) => {
@@ -698,10 +688,7 @@ impl Executor {
                             slots[*slot] = Slot::Owned(v);
                         }
                     }
-                    for u in st.uses.iter().filter(|u| u.release) {
-                        let (c, b) = std::mem::take(&mut held[u.slot]);
-                        tally.free(c, b);
-                    }
+                    tally.free_released(&mut held, &st.uses);
                 }
             }
         }

@@ -127,11 +127,7 @@ pub fn gib(b: u128) -> String {
 
 /// Optimizer slots per variable.
 pub fn slots(spec: &OptimizerSpec) -> u64 {
-    match spec {
-        OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => 0,
-        OptimizerSpec::Sgd { .. } => 1,
-        OptimizerSpec::Adam { .. } => 2,
-    }
+    crate::optim::Optimizer::new(spec).slot_names().len() as u64
 }
 
 /// The variable a row-sparse gradient node belongs to: following its single users to

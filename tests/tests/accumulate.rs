@@ -7,7 +7,7 @@ use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::metrics::StepMetrics;
-use distc_runtime::train::{train, Programs, TrainOptions};
+use distc_runtime::train::{train, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -84,13 +84,7 @@ fn lines(batch: usize, accumulate: usize) -> Vec<StepMetrics> {
         ..Default::default()
     };
     let c = compile_file(&example("dense_mlp.dsl"), &opts).expect("compiles");
-    let programs = Programs {
-        worker: &c.graph,
-        init: c.init_program.as_ref(),
-        servers: &c.server_programs,
-        finalize: c.final_program.as_ref(),
-        workers: 2,
-    };
+    let programs = c.programs(2);
     let mut out = Vec::new();
     let run = TrainOptions {
         steps: Some(3),

@@ -7,7 +7,7 @@ use distc::{compile_file, CompileOptions, Compiled};
 use distc_passes::placement::{Strategy, StrategyConfig, SyncMode};
 use distc_runtime::data::data_dir;
 use distc_runtime::ps::PsSync;
-use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
+use distc_runtime::train::{train, TrainOptions, TrainReport};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -66,13 +66,7 @@ fn run(
         global_data,
         ..Default::default()
     };
-    let programs = Programs {
-        worker: &c.graph,
-        init: c.init_program.as_ref(),
-        servers: &c.server_programs,
-        finalize: c.final_program.as_ref(),
-        workers,
-    };
+    let programs = c.programs(workers);
     let mut lines = Vec::new();
     let r = train(programs, &c.config, &opts, &mut |m| {
         lines.push(m.clone());

@@ -4,7 +4,7 @@
 use distc::verify::{verify, VerifyError, VerifyOptions};
 use distc::{compile_file, CompileOptions, Plan};
 use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_runtime::train::{train, Programs, TrainOptions};
+use distc_runtime::train::{train, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -134,13 +134,7 @@ fn a_workers_error_ends_the_run_with_its_cause() {
                 },
             )
             .expect("compiles");
-            let programs = Programs {
-                worker: &c.graph,
-                init: c.init_program.as_ref(),
-                servers: &c.server_programs,
-                finalize: c.final_program.as_ref(),
-                workers,
-            };
+            let programs = c.programs(workers);
             let opts = TrainOptions {
                 sync: match sync {
                     distc_passes::placement::SyncMode::Sync => distc_runtime::ps::PsSync::Sync,
@@ -196,13 +190,7 @@ fn distributed_runs_evaluate() {
         let mut config = c.config.clone();
         config.eval_every = 2;
         config.eval_samples = Some(64);
-        let programs = Programs {
-            worker: &c.graph,
-            init: c.init_program.as_ref(),
-            servers: &c.server_programs,
-            finalize: c.final_program.as_ref(),
-            workers,
-        };
+        let programs = c.programs(workers);
         let opts = TrainOptions {
             steps: Some(4),
             global_data: s != Strategy::Single,

@@ -5,7 +5,7 @@ use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::memory::{self, MemoryByCategory};
-use distc_runtime::train::{train, Programs, TrainOptions};
+use distc_runtime::train::{train, TrainOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -46,13 +46,7 @@ fn predicted_memory_is_measured_memory() {
                 println!("skipping {name}: DISTC_DATA not set");
                 break;
             }
-            let programs = Programs {
-                worker: &c.graph,
-                init: c.init_program.as_ref(),
-                servers: &c.server_programs,
-                finalize: c.final_program.as_ref(),
-                workers,
-            };
+            let programs = c.programs(workers);
             let touched: HashMap<String, f64> = c
                 .dist
                 .iter()

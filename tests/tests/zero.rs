@@ -7,7 +7,7 @@ use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::memory::{self, MemoryByCategory};
-use distc_runtime::train::{train, Programs, TrainOptions};
+use distc_runtime::train::{train, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -92,13 +92,7 @@ fn measure(name: &str, zero: u8, workers: usize) -> (MemoryByCategory, MemoryByC
         ..Default::default()
     };
     let c = compile_file(&example(name), &opts).expect("compiles");
-    let programs = Programs {
-        worker: &c.graph,
-        init: c.init_program.as_ref(),
-        servers: &c.server_programs,
-        finalize: c.final_program.as_ref(),
-        workers,
-    };
+    let programs = c.programs(workers);
     let predicted = memory::estimate(&programs, &c.config, 3, false, &Default::default())
         .expect("estimate")
         .worker;
