@@ -4,7 +4,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
-use distc_passes::placement::{Mechanism, Strategy as StrategyKind, StrategyConfig, SyncMode};
+use distc_passes::placement::{
+    Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode,
+};
 use distc_runtime::memory;
 use distc_runtime::metrics::StepMetrics;
 use distc_runtime::output::{check_outputs, write_file};
@@ -191,6 +193,18 @@ fn parse_sync(s: &str) -> Result<SyncMode, String> {
     }
 }
 
+fn parse_remat(s: &str) -> Result<RematPolicy, String> {
+    match s {
+        "off" => Ok(RematPolicy::Off),
+        "layers" => Ok(RematPolicy::Layers),
+        _ => match s.parse::<f64>() {
+            Ok(mib) if mib.is_finite() && mib > 0.0 => Ok(RematPolicy::Budget(mib)),
+            Ok(_) => Err(format!("`{s}` is not a budget above 0 MiB")),
+            Err(_) => Err(format!("`{s}` is not `off`, `layers` or a budget in MiB")),
+        },
+    }
+}
+
 /// A count flag: a whole number of at least 1.
 fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
@@ -272,6 +286,12 @@ struct CompileArgs {
     /// batch N*K*b; the activations of one micro-batch).
     #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "K")]
     accumulate: usize,
+    /// Activation checkpointing: `layers` keeps only the activations entering each
+    /// layer (matmul, conv2d) and recomputes the rest in the backward pass; a number
+    /// is a budget in MiB for the peak of activations, met with the fewest
+    /// recomputations; `off` (the default) keeps every activation.
+    #[arg(long, default_value = "off", value_parser = parse_remat, value_name = "layers|MIB")]
+    remat: RematPolicy,
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
@@ -394,6 +414,7 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         latency: a.latency,
         zero: a.zero.unwrap_or(0),
         accumulate: a.accumulate,
+        remat: a.remat,
         ..StrategyConfig::default()
     }
 }

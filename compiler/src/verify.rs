@@ -5,7 +5,7 @@
 //! comparison alone.
 
 use crate::pipeline::{compile_file, CompileError, CompileOptions, Compiled};
-use distc_passes::placement::{Strategy, SyncMode};
+use distc_passes::placement::{RematPolicy, Strategy, SyncMode};
 use distc_runtime::train::{train, TrainOptions};
 use distc_runtime::{RuntimeError, Tensor};
 use std::collections::HashMap;
@@ -149,10 +149,13 @@ fn run(
 /// Refuses options that compare nothing.
 fn check(opts: &VerifyOptions) -> Result<(), VerifyError> {
     let s = &opts.compile.strategy;
-    if s.strategy == Strategy::Single {
+    // One device against itself compares something only when a rewrite changed the
+    // program: gradient accumulation or recomputation.
+    let rewritten = s.accumulate > 1 || s.remat != RematPolicy::Off;
+    if s.strategy == Strategy::Single && !rewritten {
         return Err(VerifyError::Refused(
-            "verify compares a distributed strategy with one device: give --strategy \
-             allreduce, ps, hybrid or auto"
+            "verify compares a distributed strategy, --accumulate or --remat with one plain \
+             device: give --strategy allreduce, ps, hybrid or auto, or one of those flags"
                 .into(),
         ));
     }

@@ -12,6 +12,7 @@ pub mod manager;
 pub mod place;
 pub mod placement;
 pub mod precision;
+pub mod remat;
 pub mod schedule;
 pub mod simplify;
 pub mod sparsity;
@@ -131,6 +132,7 @@ pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
         Box::new(simplify::Simplify::default()),
         Box::new(dead_code::DeadCode),
         Box::new(accumulate::Accumulate),
+        Box::new(remat::Remat),
     ]
 }
 

@@ -87,6 +87,39 @@ pub struct StrategyConfig {
     /// Micro-batches per step (gradient accumulation); 1 for none.
     #[serde(default = "one")]
     pub accumulate: usize,
+    /// Activation checkpointing: which forward activations the backward pass
+    /// recomputes instead of keeping.
+    #[serde(default)]
+    pub remat: RematPolicy,
+}
+
+/// Which activations the remat pass drops after the forward pass and recomputes in
+/// the backward pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "policy", content = "mib")]
+pub enum RematPolicy {
+    /// Keep every activation the backward pass reads.
+    #[default]
+    Off,
+    /// Keep only the activations entering a layer (the non-parameter input of a
+    /// `matmul` or `conv2d`) and recompute the rest of each layer from them, as
+    /// checkpointing each layer in PyTorch does.
+    Layers,
+    /// The fewest recomputations whose predicted peak of activations is at most this
+    /// many MiB: no checkpointing, then every layer boundary kept, then every 2nd,
+    /// 4th, ... boundary, then none (everything recomputed from the inputs).
+    Budget(f64),
+}
+
+impl std::fmt::Display for RematPolicy {
+    /// As the user types it: `off`, `layers`, `64` (MiB).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RematPolicy::Off => f.write_str("off"),
+            RematPolicy::Layers => f.write_str("layers"),
+            RematPolicy::Budget(mib) => write!(f, "{mib}"),
+        }
+    }
 }
 
 fn one() -> usize {
@@ -108,6 +141,7 @@ impl Default for StrategyConfig {
             latency: 25e-6,
             zero: 0,
             accumulate: 1,
+            remat: RematPolicy::Off,
         }
     }
 }
