@@ -12,7 +12,7 @@ use distc_runtime::metrics::StepMetrics;
 use distc_runtime::output::{check_outputs, write_file};
 use distc_runtime::ps::PsSync;
 use distc_runtime::trace::chrome_trace;
-use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
+use distc_runtime::train::{train, CheckpointEvery, Programs, TrainOptions, TrainReport};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -312,6 +312,20 @@ struct RunArgs {
     /// Save the trained variables to FILE (safetensors).
     #[arg(long, value_name = "FILE")]
     save: Option<PathBuf>,
+    /// Write the training state (variables, optimizer state, step, data position) to
+    /// FILE at the end, and every K steps with --checkpoint-every: one safetensors
+    /// file with a JSON index in its metadata, rewritten atomically.
+    #[arg(long, value_name = "FILE")]
+    checkpoint: Option<PathBuf>,
+    /// Write the --checkpoint file every K steps (at least 1).
+    #[arg(long, value_parser = at_least_one, value_name = "K", requires = "checkpoint")]
+    checkpoint_every: Option<usize>,
+    /// Continue a run from a --checkpoint file: its variables, optimizer state and data
+    /// position, from the step after its own up to --steps (or the plan's steps). The
+    /// plan may use another strategy, worker count or ZeRO stage than the run that
+    /// wrote it.
+    #[arg(long, value_name = "FILE")]
+    resume: Option<PathBuf>,
     /// No progress bar and no summary.
     #[arg(long, short)]
     quiet: bool,
@@ -531,8 +545,25 @@ fn plan_memory(
     )?)
 }
 
-fn train_options(plan: &Plan, args: &RunArgs) -> TrainOptions {
-    TrainOptions {
+fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
+    let resume = match &args.resume {
+        Some(path) => Some(std::sync::Arc::new(distc_runtime::checkpoint::load_state(path)?)),
+        None => None,
+    };
+    let checkpoint = args.checkpoint.as_ref().map(|path| CheckpointEvery {
+        path: path.clone(),
+        every: args.checkpoint_every.unwrap_or(usize::MAX),
+        saved_by: format!(
+            "{} with {} workers{}",
+            plan.strategy,
+            plan.settings.workers,
+            match plan.settings.zero {
+                0 => String::new(),
+                z => format!(", ZeRO {z}"),
+            }
+        ),
+    });
+    Ok(TrainOptions {
         steps: args.steps,
         data_dir: args.data.clone(),
         // Synchronous plans read one global stream sliced by rank, so the workers
@@ -545,7 +576,9 @@ fn train_options(plan: &Plan, args: &RunArgs) -> TrainOptions {
         trace: args.trace.is_some(),
         sync: ps_sync(plan.settings.sync),
         timeout: Duration::from_secs_f64(args.timeout),
-    }
+        checkpoint,
+        resume,
+    })
 }
 
 /// Trains a plan as the flags say and reports: metrics file, progress bar, `--save`,
@@ -553,7 +586,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> TrainOptions {
 /// overwritten).
 fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     let plan = r.plan;
-    let outputs: Vec<&Path> = [&args.metrics, &args.save, &args.trace]
+    let outputs: Vec<&Path> = [&args.metrics, &args.save, &args.trace, &args.checkpoint]
         .into_iter()
         .flatten()
         .map(PathBuf::as_path)
@@ -606,7 +639,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         Transport::Inprocess => train(
             r.programs(),
             &plan.config,
-            &train_options(plan, args),
+            &train_options(plan, args)?,
             &mut on_step,
         )
         .map(Some)
@@ -731,7 +764,7 @@ fn run_mpi(
     Ok(distc_runtime::comm::mpi::run(
         r.programs(),
         &plan.config,
-        &train_options(plan, args),
+        &train_options(plan, args)?,
         &opts,
         on_step,
     )?)

@@ -133,3 +133,119 @@ pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, Str
     }
     Ok((tensors, metadata))
 }
+
+/// The metadata key of a training state's JSON index.
+pub const INDEX_KEY: &str = "distc_index";
+
+/// What a training-state file holds, stored as JSON in its safetensors metadata under
+/// [`INDEX_KEY`], so any safetensors reader sees the step and where each tensor is.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StateIndex {
+    /// Always `distc-training-state`.
+    pub format: String,
+    /// The model's name.
+    pub model: String,
+    /// Steps completed.
+    pub step: u64,
+    /// Training samples consumed, over all workers: where the data stream resumes.
+    pub samples: u64,
+    /// What wrote it, for people: strategy, workers, ZeRO stage.
+    pub saved_by: String,
+    /// The optimizer, for people (its state is the tensors named `VAR/SLOT` and
+    /// [`crate::optim::STEP_KEY`]).
+    pub optimizer: String,
+    /// The variables, whole, stored under their own names.
+    pub variables: Vec<String>,
+    /// The optimizer's tensors, whole.
+    pub optimizer_state: Vec<String>,
+}
+
+const STATE_FORMAT: &str = "distc-training-state";
+
+/// A run's state at the end of a step, whole whatever the layout that trained it (a
+/// variable on servers or in ZeRO chunks is stored as one tensor), so a run under
+/// another strategy, worker count or ZeRO stage can resume it.
+#[derive(Clone, Debug)]
+pub struct TrainingState {
+    /// The index (step, data position, names).
+    pub index: StateIndex,
+    /// Variables by name.
+    pub params: HashMap<String, Tensor>,
+    /// Optimizer state as [`crate::optim::Optimizer::state`] names it.
+    pub optimizer: HashMap<String, Tensor>,
+}
+
+/// Writes `state` to `path` atomically (see [`save`]).
+pub fn save_state(path: &Path, state: &TrainingState) -> Result<()> {
+    let mut named: Vec<(String, &Tensor)> = state
+        .params
+        .iter()
+        .chain(&state.optimizer)
+        .map(|(k, v)| (k.clone(), v))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let index = serde_json::to_string(&state.index)
+        .map_err(|e| data_err(path, format!("cannot encode the index: {e}")))?;
+    save(path, &named, [(INDEX_KEY.to_string(), index)].into_iter().collect())
+}
+
+/// Reads a training state written by [`save_state`]; a plain weights file (`--save`)
+/// or a tensor the index does not list is refused with the reason.
+pub fn load_state(path: &Path) -> Result<TrainingState> {
+    let (mut tensors, meta) = load(path)?;
+    let Some(text) = meta.get(INDEX_KEY) else {
+        return Err(data_err(
+            path,
+            "has no training-state index: it is not a file written by --checkpoint-every \
+             (a --save file holds the weights alone and cannot be resumed)",
+        ));
+    };
+    let index: StateIndex = serde_json::from_str(text)
+        .map_err(|e| data_err(path, format!("its index is not valid: {e}")))?;
+    if index.format != STATE_FORMAT {
+        return Err(data_err(path, format!("format `{}` is not {STATE_FORMAT}", index.format)));
+    }
+    let mut take = |names: &[String]| -> Result<HashMap<String, Tensor>> {
+        names
+            .iter()
+            .map(|n| {
+                tensors
+                    .remove(n)
+                    .map(|t| (n.clone(), t))
+                    .ok_or_else(|| data_err(path, format!("the index lists `{n}`, the file lacks it")))
+            })
+            .collect()
+    };
+    let params = take(&index.variables)?;
+    let optimizer = take(&index.optimizer_state)?;
+    Ok(TrainingState {
+        index,
+        params,
+        optimizer,
+    })
+}
+
+impl TrainingState {
+    /// A state from whole variables and optimizer state.
+    pub fn new(
+        index: StateIndex,
+        params: HashMap<String, Tensor>,
+        optimizer: HashMap<String, Tensor>,
+    ) -> TrainingState {
+        let mut index = index;
+        index.format = STATE_FORMAT.to_string();
+        index.variables = sorted_keys(&params);
+        index.optimizer_state = sorted_keys(&optimizer);
+        TrainingState {
+            index,
+            params,
+            optimizer,
+        }
+    }
+}
+
+fn sorted_keys(m: &HashMap<String, Tensor>) -> Vec<String> {
+    let mut v: Vec<String> = m.keys().cloned().collect();
+    v.sort();
+    v
+}

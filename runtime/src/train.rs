@@ -9,6 +9,7 @@
 //! ([`Coordinator`]). The MPI launcher (`crate::comm::mpi`) runs the same loop, one
 //! rank per process.
 
+use crate::checkpoint::TrainingState;
 use crate::comm::{in_process, Communicator};
 use crate::config::RunConfig;
 use crate::data::{data_dir, DataSource};
@@ -24,7 +25,7 @@ use crate::worker::{run_worker, ErrorSlot, StepReport, WorkerOutcome, WorkerSetu
 use distc_ir::{Graph, Op, TensorType};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// The programs of a plan: the SPMD worker program (the one-device graph for one
@@ -77,6 +78,22 @@ pub struct TrainOptions {
     pub sync: PsSync,
     /// Bound on any wait for a collective or a server's answer.
     pub timeout: Duration,
+    /// Write the training state every so many steps (worker 0 writes it).
+    pub checkpoint: Option<CheckpointEvery>,
+    /// Continue from this state: its variables, optimizer state, step and data
+    /// position replace the initial ones.
+    pub resume: Option<Arc<TrainingState>>,
+}
+
+/// Where and how often a run writes its [`TrainingState`].
+#[derive(Clone, Debug)]
+pub struct CheckpointEvery {
+    /// The file (rewritten atomically each time).
+    pub path: PathBuf,
+    /// Every this many steps (at least 1).
+    pub every: usize,
+    /// What trains, for the index: strategy, workers, ZeRO stage.
+    pub saved_by: String,
 }
 
 impl Default for TrainOptions {
@@ -90,6 +107,8 @@ impl Default for TrainOptions {
             trace: false,
             sync: PsSync::Sync,
             timeout: ps::DEFAULT_TIMEOUT,
+            checkpoint: None,
+            resume: None,
         }
     }
 }
@@ -257,11 +276,12 @@ impl<'a> Coordinator<'a> {
         let n = self.workers as f64;
         let loss = reports.iter().map(|r| r.loss).sum::<f64>() / n;
         let slowest = reports.iter().map(|r| r.step_sec).fold(0.0, f64::max);
-        if step == 1 {
+        // The first step this run ran (a resumed run starts after the state's step).
+        if self.steps == 0 {
             self.first_loss = loss;
         }
         self.final_loss = loss;
-        self.steps = self.steps.max(step);
+        self.steps += 1;
         self.train_time += Duration::from_secs_f64(slowest);
         let r0 = &reports[0];
         if r0.eval.is_some() {
@@ -383,8 +403,13 @@ pub fn open_data(
                 rank * k + m,
                 programs.workers * k,
             )?;
+            let mut steps = opts.steps.unwrap_or(config.steps);
+            if let Some(state) = &opts.resume {
+                source.skip_samples(state.index.samples)?;
+                steps = steps.saturating_sub(state.index.step as usize);
+            }
             if opts.preload {
-                source.preload(opts.steps.unwrap_or(config.steps))?;
+                source.preload(steps)?;
             }
             Ok(source)
         })
@@ -427,6 +452,7 @@ pub fn train(
             sync: opts.sync,
             optimizer: config.optimizer.clone(),
             seed: config.seed,
+            resume: opts.resume.clone(),
         };
         let mut c = ps::start_traced(shards, cfg, opts.trace)?;
         c.set_timeout(opts.timeout);

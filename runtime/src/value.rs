@@ -57,6 +57,25 @@ impl Tensor {
     pub fn bytes(&self) -> usize {
         self.len() * self.dtype().size()
     }
+    /// Chunk `rank` of `workers` of the flattened tensor, `ceil(len / workers)`
+    /// elements, the last zero-padded: what the `take_chunk` op makes.
+    pub fn chunk(&self, workers: usize, rank: usize) -> Tensor {
+        fn cut<A: Clone + num_traits::Zero>(a: &ArrayD<A>, workers: usize, rank: usize) -> ArrayD<A> {
+            let n = a.len();
+            let c = n.div_ceil(workers.max(1));
+            let mut out = vec![A::zero(); c];
+            let (start, end) = ((rank * c).min(n), ((rank + 1) * c).min(n));
+            for (o, v) in out.iter_mut().zip(a.iter().skip(start).take(end - start)) {
+                *o = v.clone();
+            }
+            ArrayD::from_shape_vec(IxDyn(&[c]), out).unwrap_or_else(|_| ArrayD::zeros(IxDyn(&[0])))
+        }
+        match self {
+            Tensor::F32(a) => Tensor::F32(cut(a, workers, rank)),
+            Tensor::F64(a) => Tensor::F64(cut(a, workers, rank)),
+            Tensor::I32(a) => Tensor::I32(cut(a, workers, rank)),
+        }
+    }
     /// The f32 array, if this is f32.
     pub fn as_f32(&self) -> Option<&ArrayD<f32>> {
         match self {

@@ -14,6 +14,7 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
+use crate::checkpoint::{StateIndex, TrainingState};
 use crate::comm::{ByteCount, Communicator};
 use crate::config::RunConfig;
 use crate::data::DataSource;
@@ -21,7 +22,7 @@ use crate::error::{Result, RuntimeError};
 use crate::exec::{CommHook, Executor, Mode, Pending};
 use crate::memory::MemoryByCategory;
 use crate::metrics::{EvalMetrics, Profile};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, STEP_KEY};
 use crate::ps::PsClient;
 use crate::roles::Role;
 use crate::trace::Span;
@@ -614,12 +615,22 @@ fn run_steps(
     let workers = programs.workers;
     let steps = opts.steps.unwrap_or(config.steps);
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let mut params = init_params(programs.worker, config.seed);
+    if opts.checkpoint.is_some() && (programs.finalize.is_some() || !programs.servers.is_empty()) {
+        return Err(RuntimeError::Config(
+            "--checkpoint-every: writing the state of parameter servers and of ZeRO shards \
+             is not implemented yet; checkpoint a run of --strategy single or allreduce \
+             without --zero (a checkpoint resumes under any strategy)"
+                .into(),
+        ));
+    }
+    let resume = opts.resume.as_deref();
+    let mut params = initial_values(programs.worker, config.seed, resume)?;
     if let Some(init) = programs.init {
         let mut exec = Executor::new(init)?;
         exec.set_rank(rank);
-        // The init program reads the one-device initial values, whole.
-        let whole = init_params(init, config.seed);
+        // The init program reads the one-device initial values, whole (or the resumed
+        // ones) and makes this worker's part of them.
+        let whole = initial_values(init, config.seed, resume)?;
         let out = exec.run_with(&HashMap::new(), &whole, Mode::Train, 0, Some(&mut *hook))?;
         for (name, t) in out.outputs {
             params.insert(name, t);
@@ -631,6 +642,18 @@ fn run_steps(
     let mut optimizer = Optimizer::new(&config.optimizer);
     // Workers that fill the cores keep their updates on their own thread.
     optimizer.set_parallel(cores > workers);
+    if let Some(state) = resume {
+        optimizer.load_state(&resumed_slots(state, &params, workers, rank))?;
+    }
+    let first = resume.map_or(1, |s| s.index.step as usize + 1);
+    if first > steps {
+        return Err(RuntimeError::Config(format!(
+            "the training state is at step {}, and this run ends at step {steps}: give \
+             --steps above {}",
+            first - 1,
+            first - 1
+        )));
+    }
     let st = state.insert(Loop {
         exec,
         params,
@@ -647,7 +670,7 @@ fn run_steps(
     });
     hook.take_waited();
     let k = data.len();
-    for step in 1..=steps {
+    for step in first..=steps {
         let batches = data
             .iter_mut()
             .map(DataSource::next_batch)
@@ -723,6 +746,11 @@ fn run_steps(
         } else {
             None
         };
+        if let Some(c) = &opts.checkpoint {
+            if step % c.every == 0 || step == steps {
+                save_training_state(c, st, programs, config, rank, step)?;
+            }
+        }
         report(StepReport {
             rank,
             step,
@@ -737,6 +765,105 @@ fn run_steps(
         })?;
     }
     Ok(())
+}
+
+/// The initial variables of `graph`: the resumed state's where it has them (checked
+/// against the model's types), else the seeded initialisers'. A ZeRO chunk (`w.zero`)
+/// is not in a state: the init program makes it from the whole `w`.
+fn initial_values(
+    graph: &distc_ir::Graph,
+    seed: u64,
+    resume: Option<&TrainingState>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut params = init_params(graph, seed);
+    let Some(state) = resume else {
+        return Ok(params);
+    };
+    for (_, name, ty) in graph.params() {
+        match state.params.get(name) {
+            Some(t) if t.shape() == ty.dims() && t.dtype() == ty.dtype => {
+                params.insert(name.to_string(), t.clone());
+            }
+            Some(t) => {
+                return Err(RuntimeError::Config(format!(
+                    "the training state's `{name}` is {:?}{:?}; the model's is {ty}",
+                    t.dtype(),
+                    t.shape()
+                )))
+            }
+            None if name.ends_with(ZERO_SUFFIX) => {}
+            None => {
+                return Err(RuntimeError::Config(format!(
+                    "the training state has no variable `{name}` (it holds {})",
+                    state.index.variables.join(", ")
+                )))
+            }
+        }
+    }
+    Ok(params)
+}
+
+/// The name suffix of a ZeRO chunk variable.
+const ZERO_SUFFIX: &str = ".zero";
+
+/// The optimizer state this worker holds of a resumed state: the slots of its
+/// variables, a ZeRO chunk's slots cut from the whole ones as `take_chunk` cuts.
+fn resumed_slots(
+    state: &TrainingState,
+    params: &HashMap<String, Tensor>,
+    workers: usize,
+    rank: usize,
+) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    for (key, t) in &state.optimizer {
+        let Some((var, slot)) = key.rsplit_once('/').filter(|_| key != STEP_KEY) else {
+            out.insert(key.clone(), t.clone());
+            continue;
+        };
+        if params.contains_key(var) {
+            out.insert(key.clone(), t.clone());
+        } else {
+            let chunk = format!("{var}{ZERO_SUFFIX}");
+            if params.contains_key(&chunk) {
+                out.insert(format!("{chunk}/{slot}"), t.chunk(workers, rank));
+            }
+        }
+    }
+    out
+}
+
+/// Writes the training state after `step` (worker 0; the others hold copies of the
+/// same replicated state).
+fn save_training_state(
+    c: &crate::train::CheckpointEvery,
+    st: &Loop,
+    programs: &Programs<'_>,
+    config: &RunConfig,
+    rank: usize,
+    step: usize,
+) -> Result<()> {
+    if rank != 0 {
+        return Ok(());
+    }
+    let k = crate::train::micro_batches(programs.worker);
+    let index = StateIndex {
+        format: String::new(),
+        model: programs.worker.name.clone(),
+        step: step as u64,
+        samples: (step * config.batch * programs.workers * k) as u64,
+        saved_by: c.saved_by.clone(),
+        optimizer: format!("{:?}", config.optimizer),
+        variables: Vec::new(),
+        optimizer_state: Vec::new(),
+    };
+    let optimizer = st
+        .optimizer
+        .state()
+        .into_iter()
+        .map(|(k, t)| (k, t.clone()))
+        .collect();
+    let state = TrainingState::new(index, st.params.clone(), optimizer);
+    crate::checkpoint::save_state(&c.path, &state)
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.

@@ -75,6 +75,7 @@ fn cfg(sync: PsSync, optimizer: OptimizerSpec) -> PsConfig {
         sync,
         optimizer,
         seed: SEED,
+        resume: None,
     }
 }
 

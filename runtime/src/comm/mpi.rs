@@ -732,8 +732,9 @@ fn run_server(
         sync: opts.sync,
         optimizer: config.optimizer.clone(),
         seed: config.seed,
+        resume: opts.resume.clone(),
     };
-    let mut server = Server::new(s, &mine, &cfg);
+    let mut server = Server::new(s, &mine, &cfg)?;
     server.set_tracing(opts.trace);
     let mut link = MpiServerLink {
         comm: ps_comm.clone(),

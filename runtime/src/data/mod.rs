@@ -212,6 +212,8 @@ struct Shuffled {
     seed: u64,
     /// The next step.
     step: u64,
+    /// Stream position of step 0 (samples a resumed run skipped).
+    base: u64,
     /// The most recently used epoch permutations.
     perms: Vec<(u64, Arc<Vec<u32>>)>,
 }
@@ -364,6 +366,7 @@ impl DataSource {
                 n,
                 seed,
                 step: 0,
+                base: 0,
                 perms: Vec::new(),
             });
             (Backing::Files(loaded), cursor)
@@ -440,6 +443,27 @@ impl DataSource {
         let cols = self.draw(&mut cursor, &need);
         self.cursor = cursor;
         self.build(cols, self.batch)
+    }
+
+    /// Moves the training stream past `samples` samples drawn over all workers (a
+    /// resumed run's data position). File sources continue at exactly that position of
+    /// the shuffled stream, whatever the batch and worker count; synthetic sources
+    /// draw and drop whole steps of this source's layout (`samples` / global batch),
+    /// which is the same stream when the layout is the one that was saved.
+    pub fn skip_samples(&mut self, samples: u64) -> Result<()> {
+        let global = (self.batch * self.workers) as u64;
+        match &mut self.cursor {
+            Cursor::Files(s) => s.base += samples,
+            Cursor::Synthetic(_) => {
+                let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
+                let mut cursor = self.cursor.clone();
+                for _ in 0..samples / global.max(1) {
+                    self.draw(&mut cursor, &need);
+                }
+                self.cursor = cursor;
+            }
+        }
+        Ok(())
     }
 
     /// Draws the next `steps` training batches now, so that the steps that read them
@@ -585,7 +609,7 @@ impl DataSource {
         let (b, g) = (self.batch, self.batch * self.workers);
         match (cursor, &self.backing) {
             (Cursor::Files(s), Backing::Files(l)) => {
-                let start = s.step * g as u64 + (self.rank * b) as u64;
+                let start = s.base + s.step * g as u64 + (self.rank * b) as u64;
                 let idx = s.indices(start, b);
                 s.step += 1;
                 Self::gather_cols(&l.train, need, &idx)

@@ -98,6 +98,9 @@ pub struct PsConfig {
     pub optimizer: OptimizerSpec,
     /// Run seed for [`crate::init::init_param`].
     pub seed: u64,
+    /// A resumed run's state: shards start from its rows and optimizer slots, at its
+    /// step, instead of the initialisers.
+    pub resume: Option<std::sync::Arc<crate::checkpoint::TrainingState>>,
 }
 
 /// What a server did, when: one message handled (`pull emb`, `push emb`) or one
@@ -266,7 +269,7 @@ pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> 
         .ok_or_else(|| cfg_err("no control link".into()))?;
     let mut handles = Vec::new();
     for (id, (list, mut link)) in shards.iter().zip(server_links).enumerate() {
-        let mut server = Server::new(id, list, &cfg);
+        let mut server = Server::new(id, list, &cfg)?;
         server.set_tracing(trace);
         let h = std::thread::Builder::new()
             .name(format!("ps-{id}"))

@@ -8,7 +8,8 @@ use super::wire::{Reply, Request};
 use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
 use crate::error::{Result, RuntimeError};
 use crate::init::{init_param, init_rows};
-use crate::optim::Optimizer;
+use crate::checkpoint::TrainingState;
+use crate::optim::{Optimizer, STEP_KEY};
 use crate::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use std::collections::{BTreeMap, HashMap};
@@ -40,6 +41,42 @@ pub(crate) fn slice_rows(t: &Tensor, start: usize, end: usize) -> Tensor {
         Tensor::F64(a) => Tensor::F64(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
         Tensor::I32(a) => Tensor::I32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
     }
+}
+
+/// Shard `sp` of a resumed state: its rows of the variable and of each slot.
+fn resumed_shard(sp: &ShardSpec, state: &TrainingState, cfg: &PsConfig) -> Result<Shard> {
+    let whole = state.params.get(&sp.var).ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "the training state has no variable `{}` (it holds {})",
+            sp.var,
+            state.index.variables.join(", ")
+        ))
+    })?;
+    if whole.shape() != sp.full.dims() || whole.dtype() != sp.full.dtype {
+        return Err(RuntimeError::Config(format!(
+            "the training state's `{}` is {}; the model's is {}",
+            sp.var,
+            whole.tensor_type(),
+            sp.full
+        )));
+    }
+    let mut shard = Shard::new(
+        sp.var.clone(),
+        sp.start,
+        sp.end,
+        slice_rows(whole, sp.start, sp.end),
+        cfg,
+    );
+    let prefix = format!("{}/", sp.var);
+    let slots: HashMap<String, Tensor> = state
+        .optimizer
+        .iter()
+        .filter(|(k, _)| k.starts_with(&prefix) || k.as_str() == STEP_KEY)
+        .map(|(k, t)| (k.clone(), if k == STEP_KEY { t.clone() } else { slice_rows(t, sp.start, sp.end) }))
+        .collect();
+    shard.opt.load_state(&slots)?;
+    shard.applied = state.index.step;
+    Ok(shard)
 }
 
 impl Shard {
@@ -215,20 +252,26 @@ pub struct ServerOutcome {
 impl Server {
     /// Server `id` holding `shards`, each initialised as rows `start..end` of the whole
     /// variable's initial value (so a partitioned variable starts as one device's).
-    pub fn new(id: usize, shards: &[ShardSpec], cfg: &PsConfig) -> Server {
+    /// A resumed run's shards are rows `start..end` of the state's variables and of
+    /// their optimizer slots, at the state's step.
+    pub fn new(id: usize, shards: &[ShardSpec], cfg: &PsConfig) -> Result<Server> {
         let mut owned = HashMap::new();
         for sp in shards {
-            let value = if sp.full.dims().is_empty() {
-                init_param(&sp.var, &sp.full, &sp.init, cfg.seed)
-            } else {
-                init_rows(&sp.var, &sp.full, &sp.init, cfg.seed, sp.start, sp.end)
+            let mut shard = match &cfg.resume {
+                None => {
+                    let value = if sp.full.dims().is_empty() {
+                        init_param(&sp.var, &sp.full, &sp.init, cfg.seed)
+                    } else {
+                        init_rows(&sp.var, &sp.full, &sp.init, cfg.seed, sp.start, sp.end)
+                    };
+                    Shard::new(sp.var.clone(), sp.start, sp.end, value, cfg)
+                }
+                Some(state) => resumed_shard(sp, state, cfg)?,
             };
-            owned.insert(
-                (sp.var.clone(), sp.start),
-                Shard::new(sp.var.clone(), sp.start, sp.end, value, cfg),
-            );
+            shard.last = vec![shard.applied; cfg.workers];
+            owned.insert((sp.var.clone(), sp.start), shard);
         }
-        Server {
+        Ok(Server {
             id,
             sync: cfg.sync,
             workers: cfg.workers,
@@ -240,7 +283,7 @@ impl Server {
             tracing: false,
             spans: Vec::new(),
             busy: Duration::ZERO,
-        }
+        })
     }
 
     /// Records a span per message handled and per update applied from now on.
