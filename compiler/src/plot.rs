@@ -62,6 +62,9 @@ const CATEGORY_COLOURS: [RGBColor; 7] = [
     RGBColor(237, 201, 72),
 ];
 
+/// Grid lines: there to read values off, not to be looked at.
+const GRID: RGBColor = RGBColor(225, 225, 225);
+
 /// Evaluation metrics, each a panel of its own (their scales differ): key, title.
 const EVAL_METRICS: [(&str, &str); 3] = [
     ("eval_loss", "eval loss"),
@@ -483,19 +486,46 @@ fn steps_range<'a>(points: impl Iterator<Item = &'a Points>) -> Option<std::ops:
     Some(lo..hi.max(lo + 1.0))
 }
 
-/// Axis ticks short enough for the margin: 12345 -> "12.3k".
-fn tick(v: f64) -> String {
+/// Steps are whole numbers: 1200, not 1200.00.
+fn step_tick(v: f64) -> String {
+    if v.abs() >= 1e5 {
+        tick(v, v)
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// Axis ticks short enough for the margin (12345 -> "12.3k") and with as many
+/// decimals as the axis's `span` needs to tell ticks apart (0.82, 0.84; 2, 4).
+fn tick(v: f64, span: f64) -> String {
     let a = v.abs();
     if a >= 1e6 {
         format!("{:.1}M", v / 1e6)
     } else if a >= 1e4 {
         format!("{:.1}k", v / 1e3)
-    } else if a >= 100.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else if a >= 1.0 {
-        format!("{v:.2}")
     } else {
-        format!("{v:.3}")
+        // About ten ticks: their spacing is a tenth of the span.
+        let decimals = (-(span / 10.0).log10().floor()).clamp(0.0, 6.0) as usize;
+        format!("{v:.decimals$}")
+    }
+}
+
+/// Where the legend hides the least: away from where the series end, which is where
+/// a reader looks (loss ends low, accuracy high).
+fn legend_position(
+    series: &[(usize, &str, &Points)],
+    y: &std::ops::Range<f64>,
+) -> SeriesLabelPosition {
+    let ends: Vec<f64> = series
+        .iter()
+        .filter_map(|s| s.2.last())
+        .map(|p| p.1)
+        .collect();
+    let mean = ends.iter().sum::<f64>() / ends.len().max(1) as f64;
+    if mean > y.start + (y.end - y.start) * 2.0 / 3.0 {
+        SeriesLabelPosition::LowerRight
+    } else {
+        SeriesLabelPosition::UpperRight
     }
 }
 
@@ -532,6 +562,8 @@ fn draw_lines<DB: DrawingBackend>(
     let (Some(x), Some(y)) = (x, y) else {
         return no_data(area, title);
     };
+    let span = y.end - y.start;
+    let legend = legend_position(series, &y);
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 20))
         .margin(10)
@@ -541,11 +573,12 @@ fn draw_lines<DB: DrawingBackend>(
         .map_err(drawing)?;
     chart
         .configure_mesh()
-        .light_line_style(RGBColor(235, 235, 235))
+        .bold_line_style(GRID)
+        .light_line_style(TRANSPARENT)
         .x_desc("step")
         .y_desc(y_label)
-        .x_label_formatter(&|v| tick(*v))
-        .y_label_formatter(&|v| tick(*v))
+        .x_label_formatter(&|v| step_tick(*v))
+        .y_label_formatter(&|v| tick(*v, span))
         .draw()
         .map_err(drawing)?;
     for &(run, label, points) in series {
@@ -566,12 +599,18 @@ fn draw_lines<DB: DrawingBackend>(
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(legend)
         .background_style(WHITE.mix(0.85))
         .border_style(RGBColor(190, 190, 190))
         .label_font(("sans-serif", 14))
         .draw()
         .map_err(drawing)
+}
+
+/// `colour` a third of the way to white: fills that do not shout over the lines.
+fn lighter(RGBColor(r, g, b): RGBColor) -> RGBColor {
+    let up = |c: u8| c + (255 - c) / 3;
+    RGBColor(up(r), up(g), up(b))
 }
 
 fn draw_memory<DB: DrawingBackend>(
@@ -613,6 +652,7 @@ fn draw_memory<DB: DrawingBackend>(
     let Some(y) = range(tops.iter().flatten().map(|p| p.1), true) else {
         return no_data(area, title);
     };
+    let span = y.end - y.start;
     let mut chart = ChartBuilder::on(area)
         .caption(
             title,
@@ -627,25 +667,26 @@ fn draw_memory<DB: DrawingBackend>(
         .map_err(drawing)?;
     chart
         .configure_mesh()
-        .light_line_style(RGBColor(235, 235, 235))
+        .bold_line_style(GRID)
+        .light_line_style(TRANSPARENT)
         .x_desc("step")
         .y_desc("MiB")
-        .x_label_formatter(&|v| tick(*v))
-        .y_label_formatter(&|v| tick(*v))
+        .x_label_formatter(&|v| step_tick(*v))
+        .y_label_formatter(&|v| tick(*v, span))
         .draw()
         .map_err(drawing)?;
     // Top band first, each lower one painted over it, so band k shows category k.
     for ((index, (name, _)), top) in shown.iter().zip(&tops).rev() {
+        // Opaque: translucent bands painted over one another would mix their colours.
         let colour = CATEGORY_COLOURS[index % CATEGORY_COLOURS.len()];
+        let fill = lighter(colour);
         chart
             .draw_series(
-                AreaSeries::new(top.iter().copied(), 0.0, colour.mix(0.75)).border_style(colour),
+                AreaSeries::new(top.iter().copied(), 0.0, fill.filled()).border_style(colour),
             )
             .map_err(drawing)?
             .label(name.as_str())
-            .legend(move |(x, y)| {
-                Rectangle::new([(x, y - 6), (x + 16, y + 6)], colour.mix(0.75).filled())
-            });
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 16, y + 6)], fill.filled()));
     }
     chart
         .configure_series_labels()
@@ -696,9 +737,10 @@ mod tests {
 
     #[test]
     fn ticks_are_short() {
-        assert_eq!(tick(12345.0), "12.3k");
-        assert_eq!(tick(2.5e6), "2.5M");
-        assert_eq!(tick(0.1234), "0.123");
-        assert_eq!(tick(0.0), "0");
+        assert_eq!(tick(12345.0, 2e4), "12.3k");
+        assert_eq!(tick(2.5e6, 3e6), "2.5M");
+        assert_eq!(tick(0.84, 0.12), "0.84");
+        assert_eq!(tick(4.0, 12.0), "4");
+        assert_eq!(tick(0.0, 1.0), "0.0");
     }
 }
