@@ -24,7 +24,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 use serde_json::{Map, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// DejaVu Sans (Bitstream Vera licence: `compiler/assets/DejaVuSans-LICENSE`).
@@ -51,7 +51,8 @@ const RUN_COLOURS: [RGBColor; 10] = [
 ];
 
 /// Colours of memory categories, in [`MemoryByCategory::named`] order, then any other
-/// category a newer runtime writes.
+/// category a newer runtime writes (by name); the same category has the same colour
+/// in every run's panel.
 const CATEGORY_COLOURS: [RGBColor; 7] = [
     RGBColor(78, 121, 167),
     RGBColor(242, 142, 43),
@@ -61,6 +62,11 @@ const CATEGORY_COLOURS: [RGBColor; 7] = [
     RGBColor(118, 183, 178),
     RGBColor(237, 201, 72),
 ];
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Width of the memory panels' legend, beside the stack rather than over it.
+const MEMORY_LEGEND_WIDTH: u32 = 130;
 
 /// Grid lines: there to read values off, not to be looked at.
 const GRID: RGBColor = RGBColor(225, 225, 225);
@@ -172,7 +178,8 @@ struct Run {
     samples_per_sec: Points,
     /// By key of [`EVAL_METRICS`]; absent when the run never reported it.
     eval: BTreeMap<&'static str, Points>,
-    /// By category, in drawing order; bytes.
+    /// By category, in drawing order; bytes. Every category has a point at every step
+    /// that reported memory (0 where a line lacked it), so they stack point by point.
     memory: Vec<(String, Points)>,
 }
 
@@ -202,7 +209,9 @@ fn read_run(path: &Path, label: String) -> Result<Run, PlotError> {
         label,
         ..Run::default()
     };
-    let mut memory: BTreeMap<String, Points> = BTreeMap::new();
+    // Steps that reported memory, and each category's bytes at those steps.
+    let mut memory_steps: Vec<f64> = Vec::new();
+    let mut memory: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut steps = 0usize;
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -239,11 +248,18 @@ fn read_run(path: &Path, label: String) -> Result<Run, PlotError> {
         match obj.get("memory") {
             None | Some(Value::Null) => {}
             Some(Value::Object(m)) => {
+                let row = memory_steps.len();
+                memory_steps.push(step);
                 for category in m.keys() {
                     let bytes =
                         number(m, category).map_err(|e| malformed(format!("in `memory`: {e}")))?;
-                    let points = memory.entry(category.clone()).or_default();
-                    points.extend(bytes.map(|b| (step, b)));
+                    let values = memory
+                        .entry(category.clone())
+                        .or_insert_with(|| vec![0.0; row]);
+                    values.push(bytes.unwrap_or(0.0));
+                }
+                for values in memory.values_mut() {
+                    values.resize(row + 1, 0.0);
                 }
             }
             Some(v) => {
@@ -260,12 +276,18 @@ fn read_run(path: &Path, label: String) -> Result<Run, PlotError> {
         });
     }
     // The runtime's order (params at the bottom of the stack), then the rest by name.
+    let points =
+        |values: Vec<f64>| -> Points { memory_steps.iter().copied().zip(values).collect() };
     for name in &known {
-        if let Some(points) = memory.remove(*name) {
-            run.memory.push((name.to_string(), points));
+        if let Some(values) = memory.remove(*name) {
+            run.memory.push((name.to_string(), points(values)));
         }
     }
-    run.memory.extend(memory);
+    run.memory.extend(
+        memory
+            .into_iter()
+            .map(|(name, values)| (name, points(values))),
+    );
     Ok(run)
 }
 
@@ -319,6 +341,11 @@ enum Panel<'a> {
         run: usize,
         label: &'a str,
         categories: &'a [(String, Points)],
+        /// The colour of each category: one colour per category name over all runs.
+        colours: Vec<RGBColor>,
+        /// Top of the axis in MiB, shared by every run's memory panel so that their
+        /// heights compare.
+        top_mib: f64,
     },
 }
 
@@ -354,11 +381,41 @@ fn panels(runs: &[Run]) -> Vec<Panel<'_>> {
         Some(&r.samples_per_sec)
     }));
     if runs.iter().any(|r| !r.memory.is_empty()) {
+        let known = MemoryByCategory::default().named().map(|(name, _)| name);
+        let others: BTreeSet<&str> = runs
+            .iter()
+            .flat_map(|r| &r.memory)
+            .map(|(name, _)| name.as_str())
+            .filter(|name| !known.contains(name))
+            .collect();
+        let colour = |name: &str| {
+            let index = known
+                .iter()
+                .position(|k| *k == name)
+                .or_else(|| {
+                    others
+                        .iter()
+                        .position(|o| *o == name)
+                        .map(|i| known.len() + i)
+                })
+                .unwrap_or(0);
+            CATEGORY_COLOURS[index % CATEGORY_COLOURS.len()]
+        };
+        let top_mib = runs
+            .iter()
+            .flat_map(|r| {
+                let steps = r.memory.first().map_or(0, |(_, p)| p.len());
+                (0..steps).map(|i| r.memory.iter().map(|(_, p)| p[i].1).sum::<f64>())
+            })
+            .fold(0.0, f64::max)
+            / MIB;
         for (i, r) in runs.iter().enumerate() {
             panels.push(Panel::Memory {
                 run: i,
                 label: &r.label,
                 categories: &r.memory,
+                colours: r.memory.iter().map(|(name, _)| colour(name)).collect(),
+                top_mib,
             });
         }
     }
@@ -443,8 +500,12 @@ fn draw<DB: DrawingBackend>(
                 markers,
             } => draw_lines(area, title, y_label, series, *markers)?,
             Panel::Memory {
-                run, categories, ..
-            } => draw_memory(area, &panel.title(), *run, categories)?,
+                run,
+                categories,
+                colours,
+                top_mib,
+                ..
+            } => draw_memory(area, &panel.title(), *run, categories, colours, *top_mib)?,
         }
     }
     root.present().map_err(drawing)
@@ -618,42 +679,38 @@ fn draw_memory<DB: DrawingBackend>(
     title: &str,
     run: usize,
     categories: &[(String, Points)],
+    colours: &[RGBColor],
+    top_mib: f64,
 ) -> Result<(), PlotError> {
-    const MIB: f64 = 1024.0 * 1024.0;
     // Categories that are zero throughout (comm_buffers on one device) would only
     // crowd the legend.
-    let shown: Vec<(usize, &(String, Points))> = categories
+    let shown: Vec<(&(String, Points), RGBColor)> = categories
         .iter()
-        .enumerate()
-        .filter(|(_, (_, p))| p.iter().any(|q| q.1 != 0.0))
+        .zip(colours.iter().copied())
+        .filter(|((_, p), _)| p.iter().any(|q| q.1 != 0.0))
         .collect();
-    // Stacked: the top of category k at a step is the sum of categories 0..=k. Steps
-    // are those of the first category; a category missing a step counts 0 there.
-    let Some(x) = steps_range(shown.iter().map(|(_, (_, p))| p)) else {
-        return no_data(area, title);
-    };
-    let steps: Vec<f64> = shown
-        .first()
-        .map(|(_, (_, p))| p.iter().map(|q| q.0).collect())
-        .unwrap_or_default();
+    // Stacked: the top of category k at a step is the sum of categories 0..=k (the
+    // categories' points are aligned step by step: see `Run::memory`).
     let mut tops: Vec<Points> = Vec::with_capacity(shown.len());
-    for (_, (_, points)) in &shown {
+    for ((_, points), _) in &shown {
         let below = tops.last();
-        let top: Points = steps
+        let top: Points = points
             .iter()
             .enumerate()
-            .map(|(i, &s)| {
-                let own = points.iter().find(|q| q.0 == s).map_or(0.0, |q| q.1) / MIB;
-                (s, below.map_or(0.0, |b| b[i].1) + own)
-            })
+            .map(|(i, &(step, bytes))| (step, below.map_or(0.0, |b| b[i].1) + bytes / MIB))
             .collect();
         tops.push(top);
     }
-    let Some(y) = range(tops.iter().flatten().map(|p| p.1), true) else {
+    let x = steps_range(tops.iter());
+    let y = range(tops.iter().flatten().map(|p| p.1).chain([top_mib]), true);
+    let (Some(x), Some(y)) = (x, y) else {
         return no_data(area, title);
     };
     let span = y.end - y.start;
-    let mut chart = ChartBuilder::on(area)
+    let (width, _) = area.dim_in_pixel();
+    let (plot_area, legend_area) =
+        area.split_horizontally(width.saturating_sub(MEMORY_LEGEND_WIDTH));
+    let mut chart = ChartBuilder::on(&plot_area)
         .caption(
             title,
             ("sans-serif", 20)
@@ -676,26 +733,30 @@ fn draw_memory<DB: DrawingBackend>(
         .draw()
         .map_err(drawing)?;
     // Top band first, each lower one painted over it, so band k shows category k.
-    for ((index, (name, _)), top) in shown.iter().zip(&tops).rev() {
-        // Opaque: translucent bands painted over one another would mix their colours.
-        let colour = CATEGORY_COLOURS[index % CATEGORY_COLOURS.len()];
-        let fill = lighter(colour);
+    // Opaque: translucent bands painted over one another would mix their colours.
+    for ((_, colour), top) in shown.iter().zip(&tops).rev() {
         chart
             .draw_series(
-                AreaSeries::new(top.iter().copied(), 0.0, fill.filled()).border_style(colour),
+                AreaSeries::new(top.iter().copied(), 0.0, lighter(*colour).filled())
+                    .border_style(*colour),
             )
-            .map_err(drawing)?
-            .label(name.as_str())
-            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 16, y + 6)], fill.filled()));
+            .map_err(drawing)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(RGBColor(190, 190, 190))
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(drawing)
+    // The legend reads top to bottom as the stack does.
+    let font = ("sans-serif", 14).into_font().color(&BLACK);
+    for (row, ((name, _), colour)) in shown.iter().rev().enumerate() {
+        let y = 50 + 22 * row as i32;
+        legend_area
+            .draw(&Rectangle::new(
+                [(4, y - 7), (20, y + 7)],
+                lighter(*colour).filled(),
+            ))
+            .map_err(drawing)?;
+        legend_area
+            .draw_text(name, &font, (26, y - 8))
+            .map_err(drawing)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
