@@ -263,3 +263,25 @@ fn an_input_is_never_the_output() {
     );
     assert_eq!(std::fs::read(&named_svg).expect("read"), before);
 }
+
+#[test]
+fn a_quantity_without_a_drawable_point_says_no_data() {
+    let dir = tmp("nodata");
+    let path = dir.join("nan.jsonl");
+    // A run stopped on a NaN loss writes `null` for it.
+    std::fs::write(
+        &path,
+        "{\"step\":1,\"loss\":null,\"samples_per_sec\":10.0}\n{\"step\":2,\"loss\":null,\"samples_per_sec\":11.0}\n",
+    )
+    .expect("write");
+    let out = dir.join("nan.svg");
+    let o = distc(&["plot", s(&path), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert_eq!(
+        svg.matches("no data").count(),
+        1,
+        "only the loss panel is empty"
+    );
+    assert!(svg.contains("training loss") && svg.contains("throughput"));
+}
