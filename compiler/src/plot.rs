@@ -405,7 +405,12 @@ fn panels(runs: &[Run]) -> Vec<Panel<'_>> {
             .iter()
             .flat_map(|r| {
                 let steps = r.memory.first().map_or(0, |(_, p)| p.len());
-                (0..steps).map(|i| r.memory.iter().map(|(_, p)| p[i].1).sum::<f64>())
+                (0..steps).map(|i| {
+                    r.memory
+                        .iter()
+                        .map(|(_, p)| p.get(i).map_or(0.0, |q| q.1))
+                        .sum::<f64>()
+                })
             })
             .fold(0.0, f64::max)
             / MIB;
@@ -697,7 +702,12 @@ fn draw_memory<DB: DrawingBackend>(
         let top: Points = points
             .iter()
             .enumerate()
-            .map(|(i, &(step, bytes))| (step, below.map_or(0.0, |b| b[i].1) + bytes / MIB))
+            .map(|(i, &(step, bytes))| {
+                (
+                    step,
+                    below.and_then(|b| b.get(i)).map_or(0.0, |b| b.1) + bytes / MIB,
+                )
+            })
             .collect();
         tops.push(top);
     }
