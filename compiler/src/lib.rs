@@ -4,6 +4,7 @@ pub mod bench;
 pub mod dsl;
 pub mod pipeline;
 pub mod plan;
+pub mod plot;
 pub mod verify;
 
 pub use pipeline::{compile, compile_file, CompileError, CompileOptions, Compiled};

@@ -149,6 +149,19 @@ enum Command {
         #[arg(long, value_parser = at_least_one)]
         batch: Option<usize>,
     },
+    /// Draw metrics files (`train`/`run --metrics`) as one picture: loss, evaluation
+    /// metrics, samples/s and memory by category over steps, the runs overlaid.
+    Plot {
+        /// Metrics files (JSON lines), one run each.
+        #[arg(required = true, value_name = "METRICS.jsonl")]
+        files: Vec<PathBuf>,
+        /// Where to write the picture; the format follows the extension: .svg or .png.
+        #[arg(short, long, value_name = "FILE.svg|FILE.png")]
+        output: PathBuf,
+        /// Legend label of a run (repeat once per file, in order; default: file names).
+        #[arg(long = "label", value_name = "TEXT")]
+        labels: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -974,6 +987,14 @@ fn real_main(cli: Cli) -> Result<()> {
             out(&distc_ir::dot::to_dot(
                 &compile_until(&file, after, batch)?.graph,
             ));
+        }
+        Command::Plot {
+            files,
+            output,
+            labels,
+        } => {
+            let panels = distc::plot::plot(&files, &output, &distc::plot::PlotOptions { labels })?;
+            eprintln!("wrote {} ({})", output.display(), panels.join(", "));
         }
     }
     Ok(())

@@ -1,0 +1,817 @@
+//! `distc plot`: pictures of training runs drawn from their `--metrics` files.
+//!
+//! A metrics file holds one JSON object per step, as `distc train/run --metrics FILE`
+//! writes it ([`distc_runtime::metrics::StepMetrics`]): `step`, `loss`,
+//! `samples_per_sec` and `memory` by category; steps that evaluated add `eval_loss`
+//! and `eval_accuracy` (classification) or `eval_rmse` (regression). A non-finite
+//! number is written as `null` (a run stopped on a NaN loss); such points are left out.
+//!
+//! The picture is a grid of panels, every run overlaid in its own colour: loss, each
+//! evaluation metric that some run has, samples/s, and memory. Memory is one panel
+//! per run, its categories stacked: the categories of several runs as lines on one
+//! axis would be a tangle of flat, overlapping lines, while stacked areas show at a
+//! glance what a worker's memory is made of and how runs differ in total. A panel
+//! whose quantity some run has but none has a drawable point says "no data".
+//!
+//! Text needs a font even in SVG (plotters measures labels to lay out the axes).
+//! DejaVu Sans is compiled in (`compiler/assets/`, its licence beside it), so PNG
+//! output works on a machine without fonts and the build needs no fontconfig or
+//! system headers; the cost is about 0.75 MB of binary.
+
+use distc_runtime::memory::MemoryByCategory;
+use distc_runtime::output::{check_output, write_file};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::{register_font, FontStyle};
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// DejaVu Sans (Bitstream Vera licence: `compiler/assets/DejaVuSans-LICENSE`).
+static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// Width of the picture; two panels side by side.
+const WIDTH: u32 = 1200;
+/// Height of one row of panels.
+const ROW_HEIGHT: u32 = 340;
+
+/// Colours of runs, in the order of the files (Tableau 10: distinct for the colour
+/// blind and in grey print).
+const RUN_COLOURS: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+/// Colours of memory categories, in [`MemoryByCategory::named`] order, then any other
+/// category a newer runtime writes (by name); the same category has the same colour
+/// in every run's panel.
+const CATEGORY_COLOURS: [RGBColor; 7] = [
+    RGBColor(78, 121, 167),
+    RGBColor(242, 142, 43),
+    RGBColor(89, 161, 79),
+    RGBColor(225, 87, 89),
+    RGBColor(176, 122, 161),
+    RGBColor(118, 183, 178),
+    RGBColor(237, 201, 72),
+];
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Width of the memory panels' legend, beside the stack rather than over it.
+const MEMORY_LEGEND_WIDTH: u32 = 130;
+
+/// Grid lines: there to read values off, not to be looked at.
+const GRID: RGBColor = RGBColor(225, 225, 225);
+
+/// Evaluation metrics, each a panel of its own (their scales differ): key, title.
+const EVAL_METRICS: [(&str, &str); 3] = [
+    ("eval_loss", "eval loss"),
+    ("eval_accuracy", "eval accuracy"),
+    ("eval_rmse", "eval RMSE"),
+];
+
+/// What `distc plot` may be asked besides its files.
+#[derive(Clone, Debug, Default)]
+pub struct PlotOptions {
+    /// Legend label of each run, in the order of the files; empty: the file names.
+    pub labels: Vec<String>,
+}
+
+/// Why no picture was drawn.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    /// A metrics file could not be read.
+    #[error("{path}: cannot read the metrics file: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A line is not a step line of a metrics file.
+    #[error("{path}:{line}: {message}")]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A file has no step at all.
+    #[error(
+        "{path}: holds no step lines (a metrics file is written by \
+         `distc train/run --metrics FILE`, one JSON object per step)"
+    )]
+    NoSteps {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The output's extension names no format we draw.
+    #[error("{path}: cannot tell the picture format; give a file name ending in .svg or .png")]
+    Format {
+        /// The output path.
+        path: PathBuf,
+    },
+    /// `--label` given, but not once per file.
+    #[error(
+        "{labels} --label given for {files} metrics files: give one per file, in order, or none"
+    )]
+    Labels {
+        /// Labels given.
+        labels: usize,
+        /// Files given.
+        files: usize,
+    },
+    /// No files given.
+    #[error("no metrics files given")]
+    NoInputs,
+    /// plotters failed (a bug of ours or of plotters, not of the input).
+    #[error("cannot draw the picture: {0}")]
+    Draw(String),
+    /// PNG encoding failed.
+    #[error("cannot encode the PNG: {0}")]
+    Encode(String),
+    /// The output was refused or could not be written.
+    #[error(transparent)]
+    Output(#[from] distc_runtime::RuntimeError),
+}
+
+/// Picture formats, chosen by the output's extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Svg,
+    Png,
+}
+
+impl Format {
+    fn of(path: &Path) -> Result<Format, PlotError> {
+        let ext = path
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase());
+        match ext.as_deref() {
+            Some("svg") => Ok(Format::Svg),
+            Some("png") => Ok(Format::Png),
+            _ => Err(PlotError::Format {
+                path: path.to_path_buf(),
+            }),
+        }
+    }
+}
+
+/// `(step, value)` points of one quantity of one run.
+type Points = Vec<(f64, f64)>;
+
+/// One metrics file, as series over steps.
+#[derive(Debug, Default)]
+struct Run {
+    label: String,
+    loss: Points,
+    samples_per_sec: Points,
+    /// By key of [`EVAL_METRICS`]; absent when the run never reported it.
+    eval: BTreeMap<&'static str, Points>,
+    /// By category, in drawing order; bytes. Every category has a point at every step
+    /// that reported memory (0 where a line lacked it), so they stack point by point.
+    memory: Vec<(String, Points)>,
+}
+
+/// A number under `key`: `None` when absent or `null` (non-finite when written).
+fn number(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| format!("`{key}` is {v}, not a number")),
+    }
+}
+
+/// Reads one metrics file into a run labelled `label`.
+fn read_run(path: &Path, label: String) -> Result<Run, PlotError> {
+    let text = std::fs::read_to_string(path).map_err(|source| PlotError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let known: Vec<&str> = MemoryByCategory::default()
+        .named()
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    let mut run = Run {
+        label,
+        ..Run::default()
+    };
+    // Steps that reported memory, and each category's bytes at those steps.
+    let mut memory_steps: Vec<f64> = Vec::new();
+    let mut memory: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut steps = 0usize;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let malformed = |message: String| PlotError::Malformed {
+            path: path.to_path_buf(),
+            line: i + 1,
+            message,
+        };
+        let value: Value =
+            serde_json::from_str(line).map_err(|e| malformed(format!("not a JSON line: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| malformed("not a JSON object".into()))?;
+        let step = obj
+            .get("step")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| malformed("no `step` (a whole number): not a step line".into()))?
+            as f64;
+        if !obj.contains_key("loss") {
+            return Err(malformed("no `loss`: not a step line".into()));
+        }
+        let loss = number(obj, "loss").map_err(malformed)?;
+        let samples = number(obj, "samples_per_sec").map_err(malformed)?;
+        run.loss.extend(loss.map(|v| (step, v)));
+        run.samples_per_sec.extend(samples.map(|v| (step, v)));
+        for (key, _) in EVAL_METRICS {
+            if obj.contains_key(key) {
+                let points = run.eval.entry(key).or_default();
+                points.extend(number(obj, key).map_err(malformed)?.map(|v| (step, v)));
+            }
+        }
+        match obj.get("memory") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(m)) => {
+                let row = memory_steps.len();
+                memory_steps.push(step);
+                for category in m.keys() {
+                    let bytes =
+                        number(m, category).map_err(|e| malformed(format!("in `memory`: {e}")))?;
+                    let values = memory
+                        .entry(category.clone())
+                        .or_insert_with(|| vec![0.0; row]);
+                    values.push(bytes.unwrap_or(0.0));
+                }
+                for values in memory.values_mut() {
+                    values.resize(row + 1, 0.0);
+                }
+            }
+            Some(v) => {
+                return Err(malformed(format!(
+                    "`memory` is {v}, not an object of bytes by category"
+                )))
+            }
+        }
+        steps += 1;
+    }
+    if steps == 0 {
+        return Err(PlotError::NoSteps {
+            path: path.to_path_buf(),
+        });
+    }
+    // The runtime's order (params at the bottom of the stack), then the rest by name.
+    let points =
+        |values: Vec<f64>| -> Points { memory_steps.iter().copied().zip(values).collect() };
+    for name in &known {
+        if let Some(values) = memory.remove(*name) {
+            run.memory.push((name.to_string(), points(values)));
+        }
+    }
+    run.memory.extend(
+        memory
+            .into_iter()
+            .map(|(name, values)| (name, points(values))),
+    );
+    Ok(run)
+}
+
+/// Legend labels: the given ones, or each file's name; the path as written where two
+/// files share a name (`a/metrics.jsonl`, `b/metrics.jsonl`).
+fn labels(inputs: &[PathBuf], given: &[String]) -> Result<Vec<String>, PlotError> {
+    if !given.is_empty() {
+        if given.len() != inputs.len() {
+            return Err(PlotError::Labels {
+                labels: given.len(),
+                files: inputs.len(),
+            });
+        }
+        return Ok(given.to_vec());
+    }
+    let names: Vec<String> = inputs
+        .iter()
+        .map(|p| {
+            p.file_name().map_or_else(
+                || p.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            )
+        })
+        .collect();
+    Ok(names
+        .iter()
+        .zip(inputs)
+        .map(|(n, p)| {
+            if names.iter().filter(|m| *m == n).count() > 1 {
+                p.display().to_string()
+            } else {
+                n.clone()
+            }
+        })
+        .collect())
+}
+
+/// One panel of the grid.
+enum Panel<'a> {
+    /// One line per run.
+    Lines {
+        title: String,
+        y_label: &'static str,
+        /// `(run index, label, points)`.
+        series: Vec<(usize, &'a str, &'a Points)>,
+        /// Dots on the points: evaluations are few and far apart.
+        markers: bool,
+    },
+    /// One run's memory, categories stacked (bytes, drawn in MiB).
+    Memory {
+        run: usize,
+        label: &'a str,
+        categories: &'a [(String, Points)],
+        /// The colour of each category: one colour per category name over all runs.
+        colours: Vec<RGBColor>,
+        /// Top of the axis in MiB, shared by every run's memory panel so that their
+        /// heights compare.
+        top_mib: f64,
+    },
+}
+
+impl Panel<'_> {
+    fn title(&self) -> String {
+        match self {
+            Panel::Lines { title, .. } => title.clone(),
+            Panel::Memory { label, .. } => format!("memory of worker 0: {label}"),
+        }
+    }
+}
+
+/// The panels the runs call for, in reading order.
+fn panels(runs: &[Run]) -> Vec<Panel<'_>> {
+    let lines =
+        |title: &str, y_label, markers, get: &dyn Fn(&Run) -> Option<&Points>| Panel::Lines {
+            title: title.to_string(),
+            y_label,
+            series: runs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| get(r).map(|p| (i, r.label.as_str(), p)))
+                .collect(),
+            markers,
+        };
+    let mut panels = vec![lines("training loss", "loss", false, &|r| Some(&r.loss))];
+    for (key, title) in EVAL_METRICS {
+        if runs.iter().any(|r| r.eval.contains_key(key)) {
+            panels.push(lines(title, "", true, &|r| r.eval.get(key)));
+        }
+    }
+    panels.push(lines("throughput", "samples/s", false, &|r| {
+        Some(&r.samples_per_sec)
+    }));
+    if runs.iter().any(|r| !r.memory.is_empty()) {
+        let known = MemoryByCategory::default().named().map(|(name, _)| name);
+        let others: BTreeSet<&str> = runs
+            .iter()
+            .flat_map(|r| &r.memory)
+            .map(|(name, _)| name.as_str())
+            .filter(|name| !known.contains(name))
+            .collect();
+        let colour = |name: &str| {
+            let index = known
+                .iter()
+                .position(|k| *k == name)
+                .or_else(|| {
+                    others
+                        .iter()
+                        .position(|o| *o == name)
+                        .map(|i| known.len() + i)
+                })
+                .unwrap_or(0);
+            CATEGORY_COLOURS[index % CATEGORY_COLOURS.len()]
+        };
+        let top_mib = runs
+            .iter()
+            .flat_map(|r| {
+                let steps = r.memory.first().map_or(0, |(_, p)| p.len());
+                (0..steps).map(|i| {
+                    r.memory
+                        .iter()
+                        .map(|(_, p)| p.get(i).map_or(0.0, |q| q.1))
+                        .sum::<f64>()
+                })
+            })
+            .fold(0.0, f64::max)
+            / MIB;
+        for (i, r) in runs.iter().enumerate() {
+            panels.push(Panel::Memory {
+                run: i,
+                label: &r.label,
+                categories: &r.memory,
+                colours: r.memory.iter().map(|(name, _)| colour(name)).collect(),
+                top_mib,
+            });
+        }
+    }
+    panels
+}
+
+/// Draws `inputs` (metrics files, one run each) into `output` (`.svg` or `.png`).
+/// Returns the titles of the panels drawn.
+pub fn plot(
+    inputs: &[PathBuf],
+    output: &Path,
+    options: &PlotOptions,
+) -> Result<Vec<String>, PlotError> {
+    if inputs.is_empty() {
+        return Err(PlotError::NoInputs);
+    }
+    let format = Format::of(output)?;
+    let input_refs: Vec<&Path> = inputs.iter().map(PathBuf::as_path).collect();
+    check_output(output, &input_refs)?;
+    let runs = labels(inputs, &options.labels)?
+        .into_iter()
+        .zip(inputs)
+        .map(|(label, path)| read_run(path, label))
+        .collect::<Result<Vec<_>, _>>()?;
+    let panels = panels(&runs);
+    register_font("sans-serif", FontStyle::Normal, FONT)
+        .map_err(|_| PlotError::Draw("the bundled font is not a font".into()))?;
+    let rows = panels.len().div_ceil(2) as u32;
+    let size = (WIDTH, ROW_HEIGHT * rows);
+    let bytes = match format {
+        Format::Svg => {
+            let mut svg = String::new();
+            draw(
+                SVGBackend::with_string(&mut svg, size).into_drawing_area(),
+                &panels,
+            )?;
+            svg.into_bytes()
+        }
+        Format::Png => {
+            let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
+            draw(
+                BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(),
+                &panels,
+            )?;
+            encode_png(&rgb, size)?
+        }
+    };
+    write_file(output, &bytes)?;
+    Ok(panels.iter().map(Panel::title).collect())
+}
+
+fn encode_png(rgb: &[u8], (width, height): (u32, u32)) -> Result<Vec<u8>, PlotError> {
+    let mut out = Vec::new();
+    let mut encoder = png::Encoder::new(&mut out, width, height);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let encode = |e: png::EncodingError| PlotError::Encode(e.to_string());
+    let mut writer = encoder.write_header().map_err(encode)?;
+    writer.write_image_data(rgb).map_err(encode)?;
+    writer.finish().map_err(encode)?;
+    Ok(out)
+}
+
+/// plotters' errors carry the backend's error type; ours is a message.
+fn drawing<E: std::fmt::Display>(e: E) -> PlotError {
+    PlotError::Draw(e.to_string())
+}
+
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    panels: &[Panel],
+) -> Result<(), PlotError> {
+    root.fill(&WHITE).map_err(drawing)?;
+    let rows = panels.len().div_ceil(2);
+    let areas = root.split_evenly((rows, 2));
+    for (panel, area) in panels.iter().zip(&areas) {
+        match panel {
+            Panel::Lines {
+                title,
+                y_label,
+                series,
+                markers,
+            } => draw_lines(area, title, y_label, series, *markers)?,
+            Panel::Memory {
+                run,
+                categories,
+                colours,
+                top_mib,
+                ..
+            } => draw_memory(area, &panel.title(), *run, categories, colours, *top_mib)?,
+        }
+    }
+    root.present().map_err(drawing)
+}
+
+/// A range around `values` with a little room, never empty.
+fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> Option<std::ops::Range<f64>> {
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    if !lo.is_finite() || !hi.is_finite() {
+        return None;
+    }
+    let lo = if from_zero { lo.min(0.0) } else { lo };
+    let pad = if hi > lo {
+        (hi - lo) * 0.05
+    } else {
+        (hi.abs() * 0.1).max(1e-9)
+    };
+    Some(
+        (if from_zero && lo >= 0.0 {
+            0.0
+        } else {
+            lo - pad
+        })..hi + pad,
+    )
+}
+
+fn steps_range<'a>(points: impl Iterator<Item = &'a Points>) -> Option<std::ops::Range<f64>> {
+    let (lo, hi) = points
+        .flatten()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+            (lo.min(p.0), hi.max(p.0))
+        });
+    if !lo.is_finite() {
+        return None;
+    }
+    // One step still gets a visible axis.
+    Some(lo..hi.max(lo + 1.0))
+}
+
+/// Steps are whole numbers: 1200, not 1200.00.
+fn step_tick(v: f64) -> String {
+    if v.abs() >= 1e5 {
+        tick(v, v)
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// Axis ticks short enough for the margin (12345 -> "12.3k") and with as many
+/// decimals as the axis's `span` needs to tell ticks apart (0.82, 0.84; 2, 4).
+fn tick(v: f64, span: f64) -> String {
+    let a = v.abs();
+    if a >= 1e6 {
+        format!("{:.1}M", v / 1e6)
+    } else if a >= 1e4 {
+        format!("{:.1}k", v / 1e3)
+    } else {
+        // About ten ticks: their spacing is a tenth of the span.
+        let decimals = (-(span / 10.0).log10().floor()).clamp(0.0, 6.0) as usize;
+        format!("{v:.decimals$}")
+    }
+}
+
+/// Where the legend hides the least: away from where the series end, which is where
+/// a reader looks (loss ends low, accuracy high).
+fn legend_position(
+    series: &[(usize, &str, &Points)],
+    y: &std::ops::Range<f64>,
+) -> SeriesLabelPosition {
+    let ends: Vec<f64> = series
+        .iter()
+        .filter_map(|s| s.2.last())
+        .map(|p| p.1)
+        .collect();
+    let mean = ends.iter().sum::<f64>() / ends.len().max(1) as f64;
+    if mean > y.start + (y.end - y.start) * 2.0 / 3.0 {
+        SeriesLabelPosition::LowerRight
+    } else {
+        SeriesLabelPosition::UpperRight
+    }
+}
+
+fn no_data<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+) -> Result<(), PlotError> {
+    let (w, h) = area.dim_in_pixel();
+    area.draw_text(
+        title,
+        &("sans-serif", 20).into_font().color(&BLACK),
+        (10, 10),
+    )
+    .map_err(drawing)?;
+    area.draw_text(
+        "no data",
+        &("sans-serif", 18)
+            .into_font()
+            .color(&RGBColor(127, 127, 127)),
+        (w as i32 / 2 - 30, h as i32 / 2),
+    )
+    .map_err(drawing)
+}
+
+fn draw_lines<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    y_label: &str,
+    series: &[(usize, &str, &Points)],
+    markers: bool,
+) -> Result<(), PlotError> {
+    let x = steps_range(series.iter().map(|s| s.2));
+    let y = range(series.iter().flat_map(|s| s.2.iter().map(|p| p.1)), false);
+    let (Some(x), Some(y)) = (x, y) else {
+        return no_data(area, title);
+    };
+    let span = y.end - y.start;
+    let legend = legend_position(series, &y);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x, y)
+        .map_err(drawing)?;
+    chart
+        .configure_mesh()
+        .bold_line_style(GRID)
+        .light_line_style(TRANSPARENT)
+        .x_desc("step")
+        .y_desc(y_label)
+        .x_label_formatter(&|v| step_tick(*v))
+        .y_label_formatter(&|v| tick(*v, span))
+        .draw()
+        .map_err(drawing)?;
+    for &(run, label, points) in series {
+        let colour = RUN_COLOURS[run % RUN_COLOURS.len()];
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                colour.stroke_width(2),
+            ))
+            .map_err(drawing)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
+        if markers {
+            chart
+                .draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+                .map_err(drawing)?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(legend)
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(190, 190, 190))
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(drawing)
+}
+
+/// `colour` a third of the way to white: fills that do not shout over the lines.
+fn lighter(RGBColor(r, g, b): RGBColor) -> RGBColor {
+    let up = |c: u8| c + (255 - c) / 3;
+    RGBColor(up(r), up(g), up(b))
+}
+
+fn draw_memory<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    title: &str,
+    run: usize,
+    categories: &[(String, Points)],
+    colours: &[RGBColor],
+    top_mib: f64,
+) -> Result<(), PlotError> {
+    // Categories that are zero throughout (comm_buffers on one device) would only
+    // crowd the legend.
+    let shown: Vec<(&(String, Points), RGBColor)> = categories
+        .iter()
+        .zip(colours.iter().copied())
+        .filter(|((_, p), _)| p.iter().any(|q| q.1 != 0.0))
+        .collect();
+    // Stacked: the top of category k at a step is the sum of categories 0..=k (the
+    // categories' points are aligned step by step: see `Run::memory`).
+    let mut tops: Vec<Points> = Vec::with_capacity(shown.len());
+    for ((_, points), _) in &shown {
+        let below = tops.last();
+        let top: Points = points
+            .iter()
+            .enumerate()
+            .map(|(i, &(step, bytes))| {
+                (
+                    step,
+                    below.and_then(|b| b.get(i)).map_or(0.0, |b| b.1) + bytes / MIB,
+                )
+            })
+            .collect();
+        tops.push(top);
+    }
+    let x = steps_range(tops.iter());
+    let y = range(tops.iter().flatten().map(|p| p.1).chain([top_mib]), true);
+    let (Some(x), Some(y)) = (x, y) else {
+        return no_data(area, title);
+    };
+    let span = y.end - y.start;
+    let (width, _) = area.dim_in_pixel();
+    let (plot_area, legend_area) =
+        area.split_horizontally(width.saturating_sub(MEMORY_LEGEND_WIDTH));
+    let mut chart = ChartBuilder::on(&plot_area)
+        .caption(
+            title,
+            ("sans-serif", 20)
+                .into_font()
+                .color(&RUN_COLOURS[run % RUN_COLOURS.len()]),
+        )
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x, y)
+        .map_err(drawing)?;
+    chart
+        .configure_mesh()
+        .bold_line_style(GRID)
+        .light_line_style(TRANSPARENT)
+        .x_desc("step")
+        .y_desc("MiB")
+        .x_label_formatter(&|v| step_tick(*v))
+        .y_label_formatter(&|v| tick(*v, span))
+        .draw()
+        .map_err(drawing)?;
+    // Top band first, each lower one painted over it, so band k shows category k.
+    // Opaque: translucent bands painted over one another would mix their colours.
+    for ((_, colour), top) in shown.iter().zip(&tops).rev() {
+        chart
+            .draw_series(
+                AreaSeries::new(top.iter().copied(), 0.0, lighter(*colour).filled())
+                    .border_style(*colour),
+            )
+            .map_err(drawing)?;
+    }
+    // The legend reads top to bottom as the stack does.
+    let font = ("sans-serif", 14).into_font().color(&BLACK);
+    for (row, ((name, _), colour)) in shown.iter().rev().enumerate() {
+        let y = 50 + 22 * row as i32;
+        legend_area
+            .draw(&Rectangle::new(
+                [(4, y - 7), (20, y + 7)],
+                lighter(*colour).filled(),
+            ))
+            .map_err(drawing)?;
+        legend_area
+            .draw_text(name, &font, (26, y - 8))
+            .map_err(drawing)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_from_extension() {
+        assert_eq!(Format::of(Path::new("a.SVG")).ok(), Some(Format::Svg));
+        assert_eq!(Format::of(Path::new("a/b.png")).ok(), Some(Format::Png));
+        assert!(Format::of(Path::new("a.jpg")).is_err());
+        assert!(Format::of(Path::new("a")).is_err());
+    }
+
+    #[test]
+    fn labels_fall_back_to_paths_when_names_clash() {
+        let files = [
+            PathBuf::from("a/m.jsonl"),
+            PathBuf::from("b/m.jsonl"),
+            PathBuf::from("c.jsonl"),
+        ];
+        let got = labels(&files, &[]).ok();
+        assert_eq!(
+            got,
+            Some(vec![
+                "a/m.jsonl".to_string(),
+                "b/m.jsonl".into(),
+                "c.jsonl".into()
+            ])
+        );
+        assert!(matches!(
+            labels(&files, &["x".into()]),
+            Err(PlotError::Labels {
+                labels: 1,
+                files: 3
+            })
+        ));
+    }
+
+    #[test]
+    fn ticks_are_short() {
+        assert_eq!(tick(12345.0, 2e4), "12.3k");
+        assert_eq!(tick(2.5e6, 3e6), "2.5M");
+        assert_eq!(tick(0.84, 0.12), "0.84");
+        assert_eq!(tick(4.0, 12.0), "4");
+        assert_eq!(tick(0.0, 1.0), "0.0");
+    }
+}
