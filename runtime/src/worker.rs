@@ -615,14 +615,6 @@ fn run_steps(
     let workers = programs.workers;
     let steps = opts.steps.unwrap_or(config.steps);
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    if opts.checkpoint.is_some() && (programs.finalize.is_some() || !programs.servers.is_empty()) {
-        return Err(RuntimeError::Config(
-            "--checkpoint-every: writing the state of parameter servers and of ZeRO shards \
-             is not implemented yet; checkpoint a run of --strategy single or allreduce \
-             without --zero (a checkpoint resumes under any strategy)"
-                .into(),
-        ));
-    }
     let resume = opts.resume.as_deref();
     let mut params = initial_values(programs.worker, config.seed, resume)?;
     if let Some(init) = programs.init {
@@ -748,7 +740,7 @@ fn run_steps(
         };
         if let Some(c) = &opts.checkpoint {
             if step % c.every == 0 || step == steps {
-                save_training_state(c, st, programs, config, rank, step)?;
+                save_training_state(c, st, programs, config, rank, step, hook)?;
             }
         }
         report(StepReport {
@@ -832,18 +824,67 @@ fn resumed_slots(
     out
 }
 
-/// Writes the training state after `step` (worker 0; the others hold copies of the
-/// same replicated state).
+/// Writes the training state after `step`, whole: worker 0 writes its replicated
+/// variables and slots, the servers' rows and slots, and the ZeRO chunks, which every
+/// worker gathers with it (a collective, so every worker calls this at the same steps).
+#[allow(clippy::too_many_arguments)]
 fn save_training_state(
     c: &crate::train::CheckpointEvery,
-    st: &Loop,
+    st: &mut Loop,
     programs: &Programs<'_>,
     config: &RunConfig,
     rank: usize,
     step: usize,
+    hook: &mut WorkerHook,
 ) -> Result<()> {
+    let mut slots: HashMap<String, Tensor> = st
+        .optimizer
+        .state()
+        .into_iter()
+        .map(|(k, t)| (k, t.clone()))
+        .collect();
+    let mut params: HashMap<String, Tensor> = HashMap::new();
+    if let Some(fin) = programs.finalize {
+        let mut exec = Executor::new(fin)?;
+        exec.set_rank(rank);
+        let out = exec.run_with(&HashMap::new(), &st.params, Mode::Train, step as u64, Some(&mut *hook))?;
+        params.extend(out.outputs);
+        // The slots of the chunks, gathered by the same program, one slot at a time.
+        for slot in st.optimizer.slot_names() {
+            let chunks: HashMap<String, Tensor> = fin
+                .params()
+                .into_iter()
+                .map(|(_, name, ty)| {
+                    let key = format!("{name}/{slot}");
+                    let t = slots.remove(&key).unwrap_or_else(|| Tensor::zeros(ty));
+                    (name.to_string(), t)
+                })
+                .collect();
+            let out = exec.run_with(&HashMap::new(), &chunks, Mode::Train, step as u64, Some(&mut *hook))?;
+            for (var, t) in out.outputs {
+                slots.insert(format!("{var}/{slot}"), t);
+            }
+        }
+    }
     if rank != 0 {
         return Ok(());
+    }
+    params.extend(
+        st.params
+            .iter()
+            .filter(|(k, _)| !k.ends_with(ZERO_SUFFIX))
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    if let Some(ps) = hook.ps.as_mut() {
+        let parts = ps.snapshot(step as u64)?;
+        let whole = crate::ps::assemble(parts, &crate::train::pulled_types(programs.worker))?;
+        for (k, t) in whole {
+            if k.contains('/') {
+                slots.insert(k, t);
+            } else {
+                params.insert(k, t);
+            }
+        }
     }
     let k = crate::train::micro_batches(programs.worker);
     let index = StateIndex {
@@ -856,14 +897,7 @@ fn save_training_state(
         variables: Vec::new(),
         optimizer_state: Vec::new(),
     };
-    let optimizer = st
-        .optimizer
-        .state()
-        .into_iter()
-        .map(|(k, t)| (k, t.clone()))
-        .collect();
-    let state = TrainingState::new(index, st.params.clone(), optimizer);
-    crate::checkpoint::save_state(&c.path, &state)
+    crate::checkpoint::save_state(&c.path, &TrainingState::new(index, params, slots))
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.

@@ -456,6 +456,7 @@ fn the_wire_format_round_trips_and_refuses_damaged_messages() {
         Request::Abort {
             reason: "worker 1: id 99 is not in 0..50".into(),
         },
+        Request::Snapshot { tag: 10, step: 4 },
     ];
     for r in &requests {
         let bytes = r.encode();

@@ -72,10 +72,17 @@ fn resuming_gives_bitwise_the_uninterrupted_weights() {
         ("sparse_adam", model("tests/models/issue9_sparse_adam.dsl")),
         ("dense_mlp", model("examples/dense_mlp.dsl")),
     ] {
-        for s in [layout(Strategy::Single, 1, 0, 0), layout(Strategy::Allreduce, 2, 0, 0)] {
-            let what = format!("{name} {:?}", s.strategy);
+        for s in [
+            layout(Strategy::Single, 1, 0, 0),
+            layout(Strategy::Allreduce, 2, 0, 0),
+            layout(Strategy::Hybrid, 2, 1, 0),
+            layout(Strategy::Ps, 2, 2, 0),
+            layout(Strategy::Allreduce, 2, 0, 1),
+            layout(Strategy::Allreduce, 3, 0, 3),
+        ] {
+            let what = format!("{name} {:?} zero {}", s.strategy, s.zero);
             let whole = run(&file, s.clone(), 6, None, None);
-            let state_file = dir.join(format!("{name}-{:?}.safetensors", s.strategy));
+            let state_file = dir.join(format!("{name}-{:?}-{}.safetensors", s.strategy, s.zero));
             run(&file, s.clone(), 3, Some(&state_file), None);
             let state = load_state(&state_file).expect("the state loads");
             assert_eq!(state.index.step, 3, "{what}");
@@ -92,12 +99,29 @@ fn resuming_gives_bitwise_the_uninterrupted_weights() {
 fn a_state_resumes_under_another_layout() {
     let dir = temp_dir("layouts");
     let file = model("tests/models/issue9_sparse_adam.dsl");
-    let state_file = dir.join("allreduce4.safetensors");
-    run(&file, layout(Strategy::Allreduce, 4, 0, 0), 3, Some(&state_file), None);
-    let state = load_state(&state_file).expect("the state loads");
+    // Saved from hybrid with 4 workers (the embedding's rows and Adam slots on two
+    // servers) and from ZeRO 3 with 4 workers (every dense variable in chunks).
+    for saved_by in [layout(Strategy::Hybrid, 4, 2, 0), layout(Strategy::Allreduce, 4, 0, 3)] {
+        let state_file = dir.join(format!("{:?}-{}.safetensors", saved_by.strategy, saved_by.zero));
+        run(&file, saved_by.clone(), 3, Some(&state_file), None);
+        let state = load_state(&state_file).expect("the state loads");
+        resume_under_layouts_of_two(&file, &state);
+    }
+}
+
+fn resume_under_layouts_of_two(file: &Path, state: &TrainingState) {
     // The same state and global batch under four layouts of two workers: servers take
     // their rows and slots of it, ZeRO workers their chunks.
+    let file = file.to_path_buf();
     let reference = run(&file, layout(Strategy::Allreduce, 2, 0, 0), 6, None, Some(state.clone()));
+    // The state is used: its step 4 starts from trained weights, not the initial ones.
+    let fresh = run(&file, layout(Strategy::Allreduce, 2, 0, 0), 3, None, None);
+    assert!(
+        (reference.first_loss - fresh.first_loss).abs() > 1e-3,
+        "resumed at loss {}, fresh at {}",
+        reference.first_loss,
+        fresh.first_loss
+    );
     for s in [
         layout(Strategy::Hybrid, 2, 1, 0),
         layout(Strategy::Ps, 2, 2, 0),

@@ -460,10 +460,32 @@ impl PsClient {
             self.send(s, "", Request::Shutdown { tag, collect })?;
             asked.insert(tag, s);
         }
-        let mut out = Vec::new();
         if !collect {
-            return Ok(out);
+            return Ok(Vec::new());
         }
+        self.collect_shards(asked, "shutdown")
+    }
+
+    /// Every server's shards and optimizer slots once `step` is applied (see
+    /// [`Request::Snapshot`]).
+    pub fn snapshot(&mut self, step: u64) -> Result<Vec<(String, usize, Tensor)>> {
+        self.check()?;
+        let mut asked: HashMap<u64, usize> = HashMap::new();
+        for s in 0..self.servers {
+            let tag = self.tag();
+            self.send(s, "", Request::Snapshot { tag, step })?;
+            asked.insert(tag, s);
+        }
+        self.collect_shards(asked, "training state")
+    }
+
+    /// Waits for the [`Reply::Shards`] of the requests `asked` (tag -> server).
+    fn collect_shards(
+        &mut self,
+        mut asked: HashMap<u64, usize>,
+        what: &str,
+    ) -> Result<Vec<(String, usize, Tensor)>> {
+        let mut out = Vec::new();
         let deadline = Instant::now() + self.timeout;
         while !asked.is_empty() {
             let wait = deadline.saturating_duration_since(Instant::now());
@@ -473,7 +495,7 @@ impl PsClient {
                     let mut silent: Vec<usize> = asked.values().copied().collect();
                     silent.sort_unstable();
                     return Err(cfg_err(format!(
-                        "shutdown: parameter server(s) {silent:?} did not return their shards \
+                        "{what}: parameter server(s) {silent:?} did not return their shards \
                          within {:.0} s (--timeout)",
                         self.timeout.as_secs_f64()
                     )));

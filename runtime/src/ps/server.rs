@@ -230,6 +230,8 @@ pub struct Server {
     finished: Vec<bool>,
     /// Workers that asked for the shards at shutdown, with their tags.
     collectors: Vec<(usize, u64)>,
+    /// Snapshots asked for `(worker, tag, step)`, answered once the step is applied.
+    snapshots: Vec<(usize, u64, u64)>,
     /// Record a span per message (for traces).
     tracing: bool,
     spans: Vec<ServerSpan>,
@@ -280,6 +282,7 @@ impl Server {
             failed: None,
             finished: vec![false; cfg.workers],
             collectors: Vec::new(),
+            snapshots: Vec::new(),
             tracing: false,
             spans: Vec::new(),
             busy: Duration::ZERO,
@@ -307,7 +310,7 @@ impl Server {
                 None,
             )),
             Request::Push { var, step, .. } => Some((format!("push {var}"), *step, Some(from))),
-            Request::Shutdown { .. } | Request::Abort { .. } => None,
+            Request::Shutdown { .. } | Request::Abort { .. } | Request::Snapshot { .. } => None,
         };
         let mut out = Vec::new();
         if from >= self.workers {
@@ -349,6 +352,7 @@ impl Server {
                     self.finished[from] = true;
                     self.fail(format!("worker {from} failed: {reason}"));
                 }
+                Request::Snapshot { tag, step } => self.snapshots.push((from, tag, step)),
             }
         }
         self.wake(&mut out);
@@ -495,6 +499,18 @@ impl Server {
     /// Answers the waiting pulls that may proceed now (all of them, with the error,
     /// if the server has failed).
     fn wake(&mut self, out: &mut Vec<(usize, Reply)>) {
+        for (from, tag, step) in std::mem::take(&mut self.snapshots) {
+            // Once every shard could answer a pull of the next step.
+            if self.failed.is_some() || self.shards.values().all(|s| s.ready(self.sync, step + 1)) {
+                let result = match &self.failed {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(self.state()),
+                };
+                out.push((from, Reply::Shards { tag, result }));
+            } else {
+                self.snapshots.push((from, tag, step));
+            }
+        }
         let waiting = std::mem::take(&mut self.waiting);
         for w in waiting {
             if let Some(e) = &self.failed {
@@ -568,6 +584,21 @@ impl Server {
             .values()
             .map(|s| (s.var.clone(), s.start, s.value.clone()))
             .collect();
+        v.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        v
+    }
+
+    /// Every shard's rows and its optimizer slots (`VAR/SLOT`), sorted.
+    fn state(&self) -> Vec<(String, usize, Tensor)> {
+        let mut v = self.values();
+        for s in self.shards.values() {
+            for (key, t) in s.opt.state() {
+                if key != STEP_KEY {
+                    let slot = key.rsplit_once('/').map_or(key.as_str(), |(_, slot)| slot);
+                    v.push((format!("{}/{slot}", s.var), s.start, t.clone()));
+                }
+            }
+        }
         v.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
         v
     }

@@ -56,6 +56,15 @@ pub enum Request {
         /// Whether to send the shards' values back.
         collect: bool,
     },
+    /// Every shard's rows and optimizer slots once `step` is applied (for a training
+    /// state on disk), answered with [`Reply::Shards`]: a shard's rows under its
+    /// variable's name, a slot's rows under `VAR/SLOT`.
+    Snapshot {
+        /// Echoed in the reply.
+        tag: u64,
+        /// The step whose update the snapshot follows.
+        step: u64,
+    },
     /// The worker failed: the server answers every waiting and later request with
     /// this reason, so no other worker waits for a step that will not come.
     Abort {
@@ -315,6 +324,7 @@ const PULL: u8 = 1;
 const PUSH: u8 = 2;
 const SHUTDOWN: u8 = 3;
 const ABORT: u8 = 4;
+const SNAPSHOT: u8 = 5;
 const ROWS: u8 = 10;
 const SHARDS: u8 = 11;
 const FAILED: u8 = 12;
@@ -370,6 +380,11 @@ impl Request {
                 w.u8(ABORT);
                 w.str(reason);
             }
+            Request::Snapshot { tag, step } => {
+                w.u8(SNAPSHOT);
+                w.u64(*tag);
+                w.u64(*step);
+            }
         }
         w.0
     }
@@ -410,6 +425,10 @@ impl Request {
                 collect: r.u8()? != 0,
             },
             ABORT => Request::Abort { reason: r.str()? },
+            SNAPSHOT => Request::Snapshot {
+                tag: r.u64()?,
+                step: r.u64()?,
+            },
             k => return Err(format!("unknown request kind {k}")),
         };
         r.end()?;
