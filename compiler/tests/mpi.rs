@@ -434,3 +434,27 @@ fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
         );
     }
 }
+
+#[test]
+fn a_training_state_written_under_mpirun_resumes_bitwise() {
+    let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "state.plan.json");
+    let whole = tmp("state-whole.safetensors");
+    let o = distc(&["run", s(&plan), "--steps", "4", "-q", "--save", s(&whole)]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Steps 1-2 under mpirun (rank 0 writes the servers' rows and slots), steps 3-4
+    // resumed under mpirun and in-process.
+    let state = tmp("state-2.safetensors");
+    let mpi = |extra: &[&str]| {
+        let mut args = vec!["run", s(&plan), "-q", "--transport", "mpi"];
+        args.extend_from_slice(extra);
+        let o = mpirun(3, &args);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+    };
+    mpi(&["--steps", "2", "--checkpoint-every", "2", "--checkpoint", s(&state)]);
+    let (resumed_mpi, resumed_threads) = (tmp("state-mpi.safetensors"), tmp("state-threads.safetensors"));
+    mpi(&["--steps", "4", "--resume", s(&state), "--save", s(&resumed_mpi)]);
+    let o = distc(&["run", s(&plan), "--steps", "4", "-q", "--resume", s(&state), "--save", s(&resumed_threads)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(max_difference(&whole, &resumed_mpi), 0.0);
+    assert_eq!(max_difference(&whole, &resumed_threads), 0.0);
+}

@@ -895,7 +895,9 @@ fn run_worker_rank(
         return Ok(None);
     }
     // Rank 0: the worker on a thread, the coordinator here.
-    let steps = opts.steps.unwrap_or(config.steps);
+    // A resumed run reports the steps after the state's.
+    let done = opts.resume.as_ref().map_or(0, |s| s.index.step as usize);
+    let steps = opts.steps.unwrap_or(config.steps).saturating_sub(done);
     let k = crate::train::micro_batches(programs.worker);
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
     std::thread::scope(|scope| -> Result<Option<TrainReport>> {
