@@ -256,7 +256,9 @@ struct CompileArgs {
     /// Distribution strategy.
     #[arg(long, value_enum, default_value = "single")]
     strategy: Strategy,
-    /// Write the IR after every pass into DIR, one numbered file per pass.
+    /// Write the IR after every pass into DIR, one numbered file per pass and program:
+    /// the worker program as NN-PASS.ir, and from distribute on each other program
+    /// beside it (NN-PASS.server0.ir ..., NN-PASS.init.ir, NN-PASS.final.ir).
     #[arg(long, value_name = "DIR")]
     dump_ir: Option<PathBuf>,
     /// Stop the pipeline after this pass (the plan is then for reading: `run` refuses it).
@@ -895,8 +897,8 @@ fn real_main(cli: Cli) -> Result<()> {
             eprintln!(
                 "wrote {} ({} nodes, {} server programs) in {:.2} s",
                 output.display(),
-                c.graph.node_count(),
-                c.server_programs.len(),
+                c.programs.worker.node_count(),
+                c.programs.servers.len(),
                 start.elapsed().as_secs_f64()
             );
         }
@@ -977,15 +979,17 @@ fn real_main(cli: Cli) -> Result<()> {
             check_strategy_flags(&compile)?;
             let c = compile_or_report(&file, &compile_opts(&compile, run.data.as_deref()))?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
-            let r = Runnable::new(&plan, &c.graph)?;
+            let r = Runnable::new(&plan, &c.programs.worker)?;
             run_plan(&r, &run, &[&file])?;
         }
         Command::Ir { file, after, batch } => {
-            out(&distc_ir::print(&compile_until(&file, after, batch)?.graph));
+            out(&distc_ir::print(
+                &compile_until(&file, after, batch)?.programs.worker,
+            ));
         }
         Command::Dot { file, after, batch } => {
             out(&distc_ir::dot::to_dot(
-                &compile_until(&file, after, batch)?.graph,
+                &compile_until(&file, after, batch)?.programs.worker,
             ));
         }
         Command::Plot {

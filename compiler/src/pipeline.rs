@@ -1,11 +1,14 @@
-//! From DSL source to a compiled graph: lower, then the strategy's passes, with the IR
-//! written after each step when asked (`--dump-ir`), `--stop-after` and `--disable-pass`.
+//! From DSL source to compiled programs: lower, then the strategy's passes over the
+//! program set, with every program's IR written after each step when asked
+//! (`--dump-ir`), `--stop-after` and `--disable-pass`.
 
 use crate::dsl::{compile_source, DslError};
 use distc_ir::Graph;
 use distc_ir::{Op, TensorType};
 use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
-use distc_passes::{known_pass_names, pipeline, run_pipeline, PassCx, PassRecord, PipelineError};
+use distc_passes::{
+    known_pass_names, pipeline, run_pipeline, PassCx, PassRecord, PipelineError, ProgramSet,
+};
 use distc_runtime::data::{data_dir, DataSource};
 use distc_runtime::RunConfig;
 use std::collections::HashMap;
@@ -15,7 +18,9 @@ use thiserror::Error;
 /// How to compile.
 #[derive(Clone, Debug, Default)]
 pub struct CompileOptions {
-    /// Write the IR after each pass into this directory, numbered in pipeline order.
+    /// Write the IR after each pass into this directory, numbered in pipeline order:
+    /// the worker program as `NN-pass.ir`, and each other program that exists then
+    /// beside it (`NN-pass.server0.ir`, `NN-pass.init.ir`, `NN-pass.final.ir`).
     pub dump_ir: Option<PathBuf>,
     /// Stop after this pass (`lower` stops before any pass).
     pub stop_after: Option<String>,
@@ -32,8 +37,9 @@ pub struct CompileOptions {
 /// A compiled model.
 #[derive(Clone, Debug)]
 pub struct Compiled {
-    /// The final graph.
-    pub graph: Graph,
+    /// The programs: the worker program, and the server, init and final programs the
+    /// distributed passes made.
+    pub programs: ProgramSet,
     /// The run configuration from the train block.
     pub config: RunConfig,
     /// What each pass did.
@@ -42,12 +48,6 @@ pub struct Compiled {
     pub lowered_nodes: usize,
     /// The distribution decision (strategies other than `single`).
     pub dist: Option<DistPlan>,
-    /// One program per parameter server.
-    pub server_programs: Vec<Graph>,
-    /// The workers' init program.
-    pub init_program: Option<Graph>,
-    /// The workers' final program (whole variables from ZeRO shards).
-    pub final_program: Option<Graph>,
     /// What the sparsity measurement did, for the user.
     pub measurement: Option<String>,
     /// Where the model breaks what data parallelism assumes (a sum over the batch, a
@@ -82,13 +82,13 @@ fn not_runnable(opts: &CompileOptions) -> Option<String> {
 }
 
 impl Compiled {
-    /// Its programs, for a run with `workers` workers.
+    /// Its programs, borrowed for a run with `workers` workers.
     pub fn programs(&self, workers: usize) -> distc_runtime::train::Programs<'_> {
         distc_runtime::train::Programs {
-            worker: &self.graph,
-            init: self.init_program.as_ref(),
-            servers: &self.server_programs,
-            finalize: self.final_program.as_ref(),
+            worker: &self.programs.worker,
+            init: self.programs.init.as_ref(),
+            servers: &self.programs.servers,
+            finalize: self.programs.finalize.as_ref(),
             workers,
         }
     }
@@ -108,13 +108,14 @@ pub enum CompileError {
     /// The DSL is wrong.
     #[error("{0}")]
     Dsl(Box<DslError>),
-    /// A pass failed; the last good IR was written to `last_good`.
-    #[error("{error}\nthe IR before that pass is in {}", .last_good.display())]
+    /// A pass failed; the last good IR of every program was written to `last_good`
+    /// (the worker program first).
+    #[error("{error}\nthe IR before that pass is in {}", show_paths(.last_good))]
     Pipeline {
         /// The failure.
         error: PipelineError,
-        /// Where the last good IR was written.
-        last_good: PathBuf,
+        /// Where the last good IR was written, one file per program.
+        last_good: Vec<PathBuf>,
     },
     /// A flag names a pass that does not exist.
     #[error("unknown pass `{name}`; the passes are: {}", .known.join(", "))]
@@ -132,6 +133,23 @@ pub enum CompileError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+fn show_paths(paths: &[PathBuf]) -> String {
+    let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    names.join(", ")
+}
+
+/// Writes every program of `p` into `dir` as `{stem}.ir`, `{stem}.server0.ir`,
+/// `{stem}.init.ir`, `{stem}.final.ir`: the files `--dump-ir` and a failing pass write.
+fn write_programs(dir: &Path, stem: &str, p: &ProgramSet) -> Result<Vec<PathBuf>, CompileError> {
+    p.iter()
+        .map(|(role, g)| {
+            let path = dir.join(format!("{stem}{}.ir", role.file_suffix()));
+            write(&path, &distc_ir::print(g))?;
+            Ok(path)
+        })
+        .collect()
 }
 
 fn write(path: &Path, text: &str) -> Result<(), CompileError> {
@@ -159,28 +177,25 @@ pub fn compile(
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let assumptions = program.assumptions;
-    let mut graph = program.graph;
+    let mut programs = ProgramSet::new(program.graph);
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
     config.batch = program.batch_symbol_value;
-    let lowered_nodes = graph.node_count();
+    let lowered_nodes = programs.worker.node_count();
     if let Some(dir) = &opts.dump_ir {
         std::fs::create_dir_all(dir).map_err(|source| CompileError::Write {
             path: dir.clone(),
             source,
         })?;
-        write(&dir.join("00-lower.ir"), &distc_ir::print(&graph))?;
+        write_programs(dir, "00-lower", &programs)?;
     }
     if opts.stop_after.as_deref() == Some("lower") {
         return Ok(Compiled {
-            graph,
+            programs,
             config: config.clone(),
             records: vec![],
             lowered_nodes,
             dist: None,
-            server_programs: vec![],
-            init_program: None,
-            final_program: None,
             measurement: None,
             assumptions,
             not_runnable: not_runnable(opts),
@@ -190,7 +205,7 @@ pub fn compile(
     let (measured_ids, measurement) = if opts.strategy.strategy == Strategy::Single {
         (HashMap::new(), None)
     } else {
-        let (m, note) = measure_ids(&graph, &config, opts.data_dir.as_deref());
+        let (m, note) = measure_ids(&programs.worker, &config, opts.data_dir.as_deref());
         (m, Some(note))
     };
     let mut cx = PassCx {
@@ -202,17 +217,14 @@ pub fn compile(
     let mut index = 0;
     let mut dump_err = None;
     let result = run_pipeline(
-        &mut graph,
+        &mut programs,
         &passes,
         &mut cx,
         opts.stop_after.as_deref(),
-        |name, g| {
+        |name, p| {
             index += 1;
             if let Some(dir) = &opts.dump_ir {
-                if let Err(e) = write(
-                    &dir.join(format!("{index:02}-{name}.ir")),
-                    &distc_ir::print(g),
-                ) {
+                if let Err(e) = write_programs(dir, &format!("{index:02}-{name}"), p) {
                     dump_err.get_or_insert(e);
                 }
             }
@@ -223,22 +235,19 @@ pub fn compile(
     }
     match result {
         Ok(records) => Ok(Compiled {
-            graph,
+            programs,
             config: config.clone(),
             records,
             lowered_nodes,
             dist: cx.dist,
-            server_programs: cx.server_programs,
-            init_program: cx.init_program,
-            final_program: cx.final_program,
             measurement,
             assumptions,
             not_runnable: not_runnable(opts),
         }),
         Err(error) => {
             let dir = opts.dump_ir.clone().unwrap_or_else(std::env::temp_dir);
-            let last_good = dir.join(format!("distc-before-{}.ir", error.pass));
-            write(&last_good, &distc_ir::print(&error.last_good))?;
+            let stem = format!("distc-before-{}", error.pass);
+            let last_good = write_programs(&dir, &stem, &error.last_good)?;
             Err(CompileError::Pipeline { error, last_good })
         }
     }

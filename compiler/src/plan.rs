@@ -132,18 +132,18 @@ impl Plan {
         let mut p = Plan {
             format: PLAN_FORMAT.into(),
             version: PLAN_VERSION,
-            model: c.graph.name.clone(),
+            model: c.programs.worker.name.clone(),
             source: source.into(),
             strategy: settings.strategy.name().into(),
             config: c.config.clone(),
             passes,
             settings: settings.clone(),
             dist: c.dist.clone(),
-            graph: distc_ir::print(&c.graph),
-            init: c.init_program.as_ref().map(distc_ir::print),
-            servers: c.server_programs.iter().map(distc_ir::print).collect(),
+            graph: distc_ir::print(&c.programs.worker),
+            init: c.programs.init.as_ref().map(distc_ir::print),
+            servers: c.programs.servers.iter().map(distc_ir::print).collect(),
             not_runnable: c.not_runnable.clone(),
-            finalize: c.final_program.as_ref().map(distc_ir::print),
+            finalize: c.programs.finalize.as_ref().map(distc_ir::print),
             hash: String::new(),
         };
         p.hash = content_hash(&p);

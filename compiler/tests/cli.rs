@@ -91,6 +91,82 @@ fn compile_dump_and_run_a_plan() {
 }
 
 #[test]
+fn dump_ir_writes_every_program_per_pass() {
+    // Hybrid with ZeRO: two servers and an init program from distribute on, a final
+    // program from zero on; the worker program keeps its file names.
+    let plan = tmp("hybrid.plan.json");
+    let dump = tmp("ir-hybrid");
+    let o = distc(&[
+        "compile",
+        "examples/lm.dsl",
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        "--zero",
+        "1",
+        "-o",
+        plan.to_str().expect("utf8"),
+        "--dump-ir",
+        dump.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut files: Vec<String> = std::fs::read_dir(&dump)
+        .expect("dump")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    let mut want: Vec<String> = [
+        "00-lower",
+        "01-autodiff",
+        "02-simplify",
+        "03-dead_code",
+        "04-accumulate",
+        "05-sparsity_analysis",
+        "06-place",
+    ]
+    .iter()
+    .map(|s| format!("{s}.ir"))
+    .collect();
+    for (i, pass) in [
+        (7, "distribute"),
+        (8, "zero"),
+        (9, "fusion"),
+        (10, "schedule"),
+    ] {
+        let mut programs = vec!["", ".init", ".server0", ".server1"];
+        if i >= 8 {
+            programs.push(".final");
+        }
+        want.extend(programs.iter().map(|p| format!("{i:02}-{pass}{p}.ir")));
+    }
+    want.sort();
+    assert_eq!(files, want);
+    for f in &files {
+        let text = std::fs::read_to_string(dump.join(f)).expect("read");
+        let g = distc_ir::parse(&text).unwrap_or_else(|e| panic!("{f}: {e}"));
+        distc_ir::verify(&g).unwrap_or_else(|e| panic!("{f}: {e}"));
+        assert_eq!(distc_ir::print(&g), text, "{f} does not round-trip");
+        // The file's suffix is the program's: lm.server1 is in NN-pass.server1.ir.
+        let suffix = f.trim_end_matches(".ir").split_once('.').map(|(_, s)| s);
+        assert_eq!(
+            g.name.split_once('.').map(|(_, s)| s),
+            suffix,
+            "{f} holds {}",
+            g.name
+        );
+    }
+    // The server holding the embedding serves it.
+    let servers: String = ["10-schedule.server0.ir", "10-schedule.server1.ir"]
+        .iter()
+        .map(|f| std::fs::read_to_string(dump.join(f)).expect("read"))
+        .collect();
+    assert!(servers.contains("serve{var=\"emb\"}"), "{servers}");
+}
+
+#[test]
 fn plans_of_other_versions_and_damaged_plans_are_refused() {
     let plan = tmp("p.plan.json");
     let o = distc(&[

@@ -19,7 +19,7 @@
 //! ```
 
 use crate::placement::{Mechanism, VarPlacement};
-use crate::{Pass, PassCx, PassError, PassStats};
+use crate::{needs_program_set, Pass, PassCx, PassError, PassStats, ProgramSet};
 use distc_ir::{Graph, NodeId, Op, ReduceOp, TensorType};
 
 /// The distribution rewrite.
@@ -46,7 +46,12 @@ fn param_of(g: &Graph, name: &str) -> Option<(NodeId, TensorType, distc_ir::Init
 }
 
 impl Pass for Distribute {
-    fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError> {
+    fn run(&self, _: &mut Graph, _: &mut PassCx) -> Result<PassStats, PassError> {
+        Err(needs_program_set(&self.name()))
+    }
+
+    fn run_programs(&self, p: &mut ProgramSet, cx: &mut PassCx) -> Result<PassStats, PassError> {
+        let g = &mut p.worker;
         let plan = cx
             .dist
             .clone()
@@ -193,8 +198,8 @@ impl Pass for Distribute {
             }
         }
         g.remove_dead();
-        cx.server_programs = servers;
-        cx.init_program = (init.node_count() > 0).then_some(init);
+        p.servers = servers;
+        p.init = (init.node_count() > 0).then_some(init);
         Ok(PassStats::default()
             .count("collectives", collectives)
             .count("ps_ops", ps_ops)

@@ -12,6 +12,7 @@ pub mod manager;
 pub mod place;
 pub mod placement;
 pub mod precision;
+pub mod program_set;
 pub mod remat;
 pub mod schedule;
 pub mod simplify;
@@ -22,6 +23,7 @@ use distc_ir::Graph;
 use thiserror::Error;
 
 pub use manager::{run_pipeline, PassRecord, PipelineError};
+pub use program_set::{ProgramRole, ProgramSet, ProgramSetError};
 
 /// Options the passes read and the analyses they share.
 #[derive(Clone, Debug, Default)]
@@ -35,12 +37,6 @@ pub struct PassCx {
     pub measured_ids: std::collections::HashMap<String, (f64, usize)>,
     /// The distribution decision, filled by the analysis and placement passes.
     pub dist: Option<placement::DistPlan>,
-    /// One program per parameter server, written by the distribute pass.
-    pub server_programs: Vec<Graph>,
-    /// The workers' init program (broadcast of replicated variables from rank 0).
-    pub init_program: Option<Graph>,
-    /// The workers' final program (whole variables gathered from ZeRO shards).
-    pub final_program: Option<Graph>,
 }
 
 /// Plain counters a pass reports, plus an optional note for the user.
@@ -95,9 +91,19 @@ pub enum PassError {
 
 /// A graph-to-graph transformation. Its name comes from its type (`DeadCode` is
 /// `dead_code`), so flags, dump files and messages cannot drift apart.
+///
+/// The pipeline transforms a [`ProgramSet`] through [`Pass::run_programs`], which by
+/// default rewrites the worker program alone with [`Pass::run`]: most passes implement
+/// `run` and nothing else. A pass that makes or changes the server, init or final
+/// programs (distribute, zero) overrides `run_programs`.
 pub trait Pass {
-    /// Rewrites `g` in place.
+    /// Rewrites the worker program `g` in place.
     fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError>;
+
+    /// Rewrites the program set in place: by default its worker program, with `run`.
+    fn run_programs(&self, p: &mut ProgramSet, cx: &mut PassCx) -> Result<PassStats, PassError> {
+        self.run(&mut p.worker, cx)
+    }
 
     /// The pass's name: its type name in snake case.
     fn name(&self) -> String {
@@ -108,6 +114,15 @@ pub trait Pass {
                 .unwrap_or("pass"),
         )
     }
+}
+
+/// What `run` answers in a pass that rewrites the program set as a whole: it cannot
+/// run on the worker program alone without losing the programs it makes.
+pub fn needs_program_set(pass: &str) -> PassError {
+    PassError::Precondition(format!(
+        "{pass} rewrites the program set (worker, servers, init, final), not one graph: \
+         run it with `run_programs`"
+    ))
 }
 
 fn snake_case(s: &str) -> String {

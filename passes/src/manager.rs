@@ -1,10 +1,11 @@
-//! Runs a list of passes with the verifier after each, reporting what each did.
+//! Runs a list of passes over the program set with the verifier after each, reporting
+//! what each did.
 //!
-//! The caller sees the graph after every pass (for `--dump-ir`) and, when a pass fails
-//! or leaves an invalid graph, gets the last good graph back to write out.
+//! Every program of the set (worker, servers, init, final) is verified after every
+//! pass. The caller sees the set after every pass (for `--dump-ir`) and, when a pass
+//! fails or leaves an invalid program, gets the last good set back to write out.
 
-use crate::{Pass, PassCx, PassStats};
-use distc_ir::{verify, Graph};
+use crate::{Pass, PassCx, PassStats, ProgramRole, ProgramSet};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -17,30 +18,33 @@ pub struct PassRecord {
     pub stats: PassStats,
     /// Wall time.
     pub time: Duration,
-    /// Nodes before and after.
+    /// Nodes of the worker program before and after.
     pub nodes: (usize, usize),
 }
 
-/// A pass failed or broke an invariant; `last_good` is the graph before it.
+/// A pass failed or broke an invariant; `last_good` is the program set before it.
 #[derive(Debug, Error)]
 #[error("after pass {pass}: {message}")]
 pub struct PipelineError {
     /// The failing pass.
     pub pass: String,
-    /// What went wrong (all verifier errors, one per line).
+    /// What went wrong (all verifier errors, one per line, each naming its program).
     pub message: String,
-    /// The graph before the failing pass.
-    pub last_good: Box<Graph>,
+    /// The programs that did not verify (empty when the pass itself failed).
+    pub programs: Vec<ProgramRole>,
+    /// The program set before the failing pass.
+    pub last_good: Box<ProgramSet>,
 }
 
-/// Runs `passes` in order on `g`, verifying after each. `after` sees the graph after
-/// each pass that ran; `stop_after` ends the pipeline after the named pass.
+/// Runs `passes` in order on the program set `p`, verifying every program after each.
+/// `after` sees the set after each pass that ran; `stop_after` ends the pipeline after
+/// the named pass.
 pub fn run_pipeline(
-    g: &mut Graph,
+    p: &mut ProgramSet,
     passes: &[Box<dyn Pass>],
     cx: &mut PassCx,
     stop_after: Option<&str>,
-    mut after: impl FnMut(&str, &Graph),
+    mut after: impl FnMut(&str, &ProgramSet),
 ) -> Result<Vec<PassRecord>, PipelineError> {
     let mut records = Vec::new();
     for pass in passes {
@@ -48,27 +52,29 @@ pub fn run_pipeline(
         if cx.disabled.contains(&name) {
             continue;
         }
-        let before = g.clone();
+        let before = p.clone();
         let start = Instant::now();
-        let nodes_before = g.node_count();
-        let stats = pass.run(g, cx).map_err(|e| PipelineError {
+        let nodes_before = p.worker.node_count();
+        let stats = pass.run_programs(p, cx).map_err(|e| PipelineError {
             pass: name.clone(),
             message: e.to_string(),
+            programs: Vec::new(),
             last_good: Box::new(before.clone()),
         })?;
-        if let Err(e) = verify(g) {
+        if let Err(e) = p.verify() {
             return Err(PipelineError {
                 pass: name,
                 message: e.to_string(),
+                programs: e.programs(),
                 last_good: Box::new(before),
             });
         }
-        after(&name, g);
+        after(&name, p);
         records.push(PassRecord {
             name: name.clone(),
             stats,
             time: start.elapsed(),
-            nodes: (nodes_before, g.node_count()),
+            nodes: (nodes_before, p.worker.node_count()),
         });
         if stop_after == Some(name.as_str()) {
             break;

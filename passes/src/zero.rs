@@ -28,7 +28,7 @@
 //! ```
 
 use crate::placement::{Kind, Mechanism};
-use crate::{Pass, PassCx, PassError, PassStats};
+use crate::{needs_program_set, Pass, PassCx, PassError, PassStats, ProgramSet};
 use distc_ir::{Graph, NodeId, Op, ReduceOp, Shape, TensorType};
 use std::collections::HashSet;
 
@@ -61,7 +61,12 @@ fn find(g: &Graph, want: impl Fn(&Op) -> bool) -> Option<NodeId> {
 }
 
 impl Pass for Zero {
-    fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError> {
+    fn run(&self, _: &mut Graph, _: &mut PassCx) -> Result<PassStats, PassError> {
+        Err(needs_program_set(&self.name()))
+    }
+
+    fn run_programs(&self, p: &mut ProgramSet, cx: &mut PassCx) -> Result<PassStats, PassError> {
+        let g = &mut p.worker;
         let stage = cx.strategy.zero;
         let stats = PassStats::default().count("stage", stage.into());
         if stage == 0 {
@@ -78,8 +83,8 @@ impl Pass for Zero {
             .clone()
             .ok_or_else(|| PassError::Precondition("zero needs the placement".into()))?;
         let forward = forward_nodes(g);
-        let mut init = cx
-            .init_program
+        let mut init = p
+            .init
             .take()
             .unwrap_or_else(|| Graph::new(format!("{}.init", g.name)));
         let mut fin = Graph::new(format!("{}.final", g.name));
@@ -230,8 +235,8 @@ impl Pass for Zero {
         g.remove_dead();
         init.remove_dead();
         cx.dist = Some(plan);
-        cx.init_program = (init.node_count() > 0).then_some(init);
-        cx.final_program = (fin.node_count() > 0).then_some(fin);
+        p.init = (init.node_count() > 0).then_some(init);
+        p.finalize = (fin.node_count() > 0).then_some(fin);
         Ok(stats.count("sharded", sharded).count("gathers", gathers))
     }
 }

@@ -47,10 +47,13 @@ fn ir_after_every_pass() {
             };
             let c =
                 compile_file(&path, &opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            verify(&c.graph).unwrap_or_else(|e| panic!("{stem} after {pass}: {e}"));
-            let text = print(&c.graph);
+            verify(&c.programs.worker).unwrap_or_else(|e| panic!("{stem} after {pass}: {e}"));
+            let text = print(&c.programs.worker);
             let back = parse(&text).unwrap_or_else(|e| panic!("{stem} after {pass}: {e}"));
-            assert_eq!(back, c.graph, "{stem} after {pass} does not round-trip");
+            assert_eq!(
+                back, c.programs.worker,
+                "{stem} after {pass} does not round-trip"
+            );
             insta::assert_snapshot!(format!("{stem}__{i}_{pass}"), text);
         }
     }
@@ -63,7 +66,12 @@ fn embedding_gradient_is_indexed_slices() {
         stop_after: Some("autodiff".into()),
         ..Default::default()
     };
-    let text = print(&compile_file(&path, &opts).expect("compiles").graph);
+    let text = print(
+        &compile_file(&path, &opts)
+            .expect("compiles")
+            .programs
+            .worker,
+    );
     let line = text
         .lines()
         .find(|l| l.contains("embedding_grad"))
@@ -104,9 +112,9 @@ fn distributed_text(path: &Path, strategy: Strategy, workers: usize, servers: us
             v.bucket
         );
     }
-    for g in std::iter::once(&c.graph)
-        .chain(&c.init_program)
-        .chain(&c.server_programs)
+    for g in std::iter::once(&c.programs.worker)
+        .chain(&c.programs.init)
+        .chain(&c.programs.servers)
     {
         verify(g).unwrap_or_else(|e| panic!("{}: {e}", g.name));
         let t = print(g);

@@ -63,7 +63,7 @@ fn dropout_masks_follow_the_global_batch() {
     assert_verifies(&file, strategy(Strategy::Ps, 2, 1), 3);
     // The mask is marked per sample in the IR (the batch is its first axis).
     let c = compile_file(&file, &CompileOptions::default()).expect("compiles");
-    let ir = distc_ir::print(&c.graph);
+    let ir = distc_ir::print(&c.programs.worker);
     assert!(ir.contains("per_sample=true"), "{ir}");
 }
 
@@ -94,7 +94,7 @@ fn sparse_updates_stay_lazy_under_every_strategy() {
             },
         )
         .expect("compiles");
-        let ir = distc_ir::print(&c.graph);
+        let ir = distc_ir::print(&c.programs.worker);
         assert!(ir.contains("sparsify"), "auto did not densify: {ir}");
         assert_verifies(&file, auto, 4);
     }

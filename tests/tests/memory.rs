@@ -53,7 +53,7 @@ fn predicted_memory_is_measured_memory() {
                 .flat_map(|d| &d.vars)
                 .map(|v| (v.name.clone(), v.rows_touched))
                 .collect();
-            let rows = memory::expected_rows(&c.graph, &touched);
+            let rows = memory::expected_rows(&c.programs.worker, &touched);
             let predicted = memory::estimate(&programs, &c.config, 3, false, &rows)
                 .expect("estimate")
                 .worker;

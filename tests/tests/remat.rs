@@ -78,9 +78,9 @@ fn every_example_compiles_with_checkpoints_and_round_trips() {
             &options(Strategy::Single, 1, 0, RematPolicy::Layers),
         )
         .unwrap_or_else(|e| panic!("{name}: {e}"));
-        verify_graph(&c.graph).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let text = print(&c.graph);
-        assert_eq!(parse(&text).expect("parses"), c.graph, "{name} does not round-trip");
+        verify_graph(&c.programs.worker).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let text = print(&c.programs.worker);
+        assert_eq!(parse(&text).expect("parses"), c.programs.worker, "{name} does not round-trip");
         let stem = name.trim_end_matches(".dsl");
         insta::assert_snapshot!(format!("{stem}__remat_layers"), text);
     }
@@ -99,7 +99,7 @@ fn activations(remat: RematPolicy) -> (u64, u64, usize) {
     };
     let c = compile_file(&example("dense_mlp.dsl"), &opts).expect("compiles");
     let programs = c.programs(1);
-    let rows = memory::expected_rows(&c.graph, &HashMap::new());
+    let rows = memory::expected_rows(&c.programs.worker, &HashMap::new());
     let predicted = memory::estimate(&programs, &c.config, 2, false, &rows)
         .expect("estimate")
         .worker
@@ -114,7 +114,7 @@ fn activations(remat: RematPolicy) -> (u64, u64, usize) {
         Ok(())
     })
     .expect("trains");
-    (predicted, measured, c.graph.node_count())
+    (predicted, measured, c.programs.worker.node_count())
 }
 
 #[test]

@@ -171,7 +171,7 @@ fn fusion_caps_buckets_and_keeps_backward_order() {
             b.bytes
         );
     }
-    let text = distc_ir::print(&c.graph);
+    let text = distc_ir::print(&c.programs.worker);
     assert!(
         text.contains(" = pack ") && text.contains(" = unpack{"),
         "{text}"

@@ -27,7 +27,7 @@ fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
     }
     let mut lines = 0;
     let report = train(
-        Programs::single(&c.graph),
+        Programs::single(&c.programs.worker),
         &c.config,
         &TrainOptions {
             steps: Some(steps),
@@ -66,7 +66,7 @@ fn sparse_lm_loss_falls_and_only_touched_rows_move() {
         },
     )
     .expect("compiles");
-    let init = distc_runtime::train::init_params(&c.graph, c.config.seed);
+    let init = distc_runtime::train::init_params(&c.programs.worker, c.config.seed);
     let r = run("sparse_lm.dsl", Some(32), 20).expect("synthetic data needs no files");
     assert!(
         r.final_loss < r.first_loss,
@@ -145,7 +145,7 @@ fn movielens_rmse_falls() {
     }
     let rmse = |steps| {
         train(
-            Programs::single(&c.graph),
+            Programs::single(&c.programs.worker),
             &c.config,
             &TrainOptions {
                 steps: Some(steps),

@@ -48,10 +48,11 @@ fn every_stage_trains_what_one_device_trains() {
         for zero in 1..=3u8 {
             // The dense part of hybrid for the models with embeddings.
             let (strategy, servers) = if probe
-                .graph
+                .programs
+                .worker
                 .node_ids()
                 .iter()
-                .any(|&id| matches!(probe.graph.op(id), distc_ir::Op::Embedding))
+                .any(|&id| matches!(probe.programs.worker.op(id), distc_ir::Op::Embedding))
             {
                 (Strategy::Hybrid, 1)
             } else {

@@ -17,16 +17,40 @@ pub(crate) struct Sig {
     pub usage: &'static str,
 }
 
+/// What [`bind`] needs to know of something callable: a [`Sig`], or a table entry
+/// that says more of its parameters (the model ops of `lower.rs`).
+pub(crate) trait Signature {
+    /// What it is called.
+    fn name(&self) -> &'static str;
+    /// `(parameter, required)`, in positional order.
+    fn params(&self) -> Vec<(&'static str, bool)>;
+    /// The usage line shown in help.
+    fn usage(&self) -> &'static str;
+}
+
+impl Signature for Sig {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn params(&self) -> Vec<(&'static str, bool)> {
+        self.params.to_vec()
+    }
+    fn usage(&self) -> &'static str {
+        self.usage
+    }
+}
+
 /// Matches `args` to the parameters of `sig`; the result has one slot per parameter.
 /// `what` names the callable in messages ("op", "initialiser", ...).
 pub(crate) fn bind<'a>(
-    sig: &Sig,
+    sig: &impl Signature,
     what: &str,
     call: Span,
     args: &'a [Arg],
 ) -> R<Vec<Option<&'a Arg>>> {
-    let mut slots: Vec<Option<&Arg>> = vec![None; sig.params.len()];
-    let usage = format!("usage: {}", sig.usage);
+    let params = sig.params();
+    let mut slots: Vec<Option<&Arg>> = vec![None; params.len()];
+    let usage = format!("usage: {}", sig.usage());
     let mut seen_keyword = false;
     let mut positional = 0;
     for arg in args {
@@ -40,8 +64,8 @@ pub(crate) fn bind<'a>(
                     )
                     .help(usage));
                 }
-                if positional >= sig.params.len() {
-                    let n = sig.params.len();
+                if positional >= params.len() {
+                    let n = params.len();
                     let given = args.iter().filter(|a| a.name.is_none()).count();
                     let last = args
                         .iter()
@@ -52,7 +76,7 @@ pub(crate) fn bind<'a>(
                         arg.span.to(last),
                         format!(
                             "{what} `{}` takes {n} argument{}, but {given} were given",
-                            sig.name,
+                            sig.name(),
                             if n == 1 { "" } else { "s" }
                         ),
                         if given - n == 1 {
@@ -68,13 +92,13 @@ pub(crate) fn bind<'a>(
             }
             Some(key) => {
                 seen_keyword = true;
-                let Some(i) = sig.params.iter().position(|(p, _)| *p == key.name) else {
+                let Some(i) = params.iter().position(|(p, _)| *p == key.name) else {
                     return Err(unknown_keyword(sig, what, key));
                 };
                 if slots[i].is_some() {
                     return Err(Diag::new(
                         key.span,
-                        format!("argument `{}` of `{}` is given twice", key.name, sig.name),
+                        format!("argument `{}` of `{}` is given twice", key.name, sig.name()),
                         "given again here",
                     )
                     .help(usage));
@@ -83,11 +107,11 @@ pub(crate) fn bind<'a>(
             }
         }
     }
-    for (i, (p, required)) in sig.params.iter().enumerate() {
+    for (i, (p, required)) in params.iter().enumerate() {
         if *required && slots[i].is_none() {
             return Err(Diag::new(
                 call,
-                format!("{what} `{}` is missing its argument `{p}`", sig.name),
+                format!("{what} `{}` is missing its argument `{p}`", sig.name()),
                 format!("`{p}` is needed"),
             )
             .help(usage));
@@ -96,16 +120,16 @@ pub(crate) fn bind<'a>(
     Ok(slots)
 }
 
-fn unknown_keyword(sig: &Sig, what: &str, key: &Ident) -> Diag {
-    let names: Vec<&str> = sig.params.iter().map(|(p, _)| *p).collect();
+fn unknown_keyword(sig: &impl Signature, what: &str, key: &Ident) -> Diag {
+    let names: Vec<&str> = sig.params().iter().map(|(p, _)| *p).collect();
     let help = match did_you_mean(&key.name, names.iter().copied()) {
-        Some(s) => format!("{s} (usage: {})", sig.usage),
-        None if names.is_empty() => format!("`{}` takes no arguments", sig.name),
+        Some(s) => format!("{s} (usage: {})", sig.usage()),
+        None if names.is_empty() => format!("`{}` takes no arguments", sig.name()),
         None => format!("its arguments are {}", backticked(&names, "and")),
     };
     Diag::new(
         key.span,
-        format!("{what} `{}` has no argument `{}`", sig.name, key.name),
+        format!("{what} `{}` has no argument `{}`", sig.name(), key.name),
         "unknown argument",
     )
     .help(help)

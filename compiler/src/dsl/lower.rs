@@ -2,7 +2,7 @@
 //! node added through [`Graph::add`] so that its shape rule runs, and shape errors
 //! turned into diagnostics at the call or operator that caused them.
 
-use super::args::{self, bind, describe, Sig};
+use super::args::{self, bind, describe, Sig, Signature};
 use super::ast::{Arg, BinOp, Dim, Expr, ExprKind, Ident, InitExpr, Model, Span, Stmt, TypeExpr};
 use super::error::{backticked, close_names, did_you_mean, line_of, Diag};
 use distc_ir::{DType, Graph, GraphError, Init, Op, Shape, TensorType, ValueId};
@@ -23,130 +23,478 @@ const MAX_ELEMENTS: usize = 1 << 40;
 /// The largest convolution padding accepted.
 const MAX_PADDING: usize = 1 << 20;
 
-/// The ops callable in a model, with their parameters. `concat` is variadic and bound
-/// by hand; it is listed for names and usage.
-const OPS: &[Sig] = &[
-    Sig {
+/// What a parameter of a model op takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Takes {
+    /// A float tensor.
+    Float,
+    /// An i32 tensor of indices (messages call them by the parameter's name: `ids`,
+    /// `labels`).
+    Indices,
+    /// A tensor of any dtype (the layout ops).
+    AnyTensor,
+    /// A literal: a number, a boolean or a list.
+    Literal,
+}
+
+impl Takes {
+    fn is_tensor(self) -> bool {
+        self != Takes::Literal
+    }
+}
+
+/// A parameter of a model op.
+#[derive(Clone, Copy, Debug)]
+struct Param {
+    name: &'static str,
+    /// It must be written (else it has a default).
+    required: bool,
+    takes: Takes,
+}
+
+/// A required float tensor.
+const fn float(name: &'static str) -> Param {
+    Param {
+        name,
+        required: true,
+        takes: Takes::Float,
+    }
+}
+
+/// A required i32 tensor of indices.
+const fn indices(name: &'static str) -> Param {
+    Param {
+        name,
+        required: true,
+        takes: Takes::Indices,
+    }
+}
+
+/// A required tensor of any dtype.
+const fn any_tensor(name: &'static str) -> Param {
+    Param {
+        name,
+        required: true,
+        takes: Takes::AnyTensor,
+    }
+}
+
+/// A required literal.
+const fn literal(name: &'static str) -> Param {
+    Param {
+        name,
+        required: true,
+        takes: Takes::Literal,
+    }
+}
+
+/// A literal with a default.
+const fn optional(name: &'static str) -> Param {
+    Param {
+        name,
+        required: false,
+        takes: Takes::Literal,
+    }
+}
+
+/// How a call of a model op becomes IR.
+#[derive(Clone, Copy)]
+enum Lowering {
+    /// The IR op of a bound call. Before it runs, the tensor operands are lowered in
+    /// parameter order, then checked against what their parameters take.
+    Op(fn(&mut Lowerer<'_>, &Call<'_>) -> R<Op>),
+    /// Variadic: binds and lowers the written arguments itself; every operand takes
+    /// `operands` (concat).
+    Variadic {
+        operands: Takes,
+        lower: fn(&mut Lowerer<'_>, &DslOp, Takes, &[Arg], Span) -> R<ValueId>,
+    },
+}
+
+/// An op a model can call, defined in this one entry: its DSL name and parameters bind
+/// a call and name it in errors (`bind`, unknown ops, "is an op, not a value"); what
+/// each parameter takes decides which operands are lowered as tensors and their dtype
+/// checks (and the list of ops i32 tensors may go to); `lower` makes the IR op; `loss`
+/// gives `minimize` the prediction and target outputs.
+struct DslOp {
+    name: &'static str,
+    /// In positional order.
+    params: &'static [Param],
+    /// The usage line shown in help.
+    usage: &'static str,
+    /// The result is a loss of its two tensor operands, `(prediction, target)`.
+    loss: bool,
+    lower: Lowering,
+}
+
+impl Signature for DslOp {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn params(&self) -> Vec<(&'static str, bool)> {
+        self.params.iter().map(|p| (p.name, p.required)).collect()
+    }
+    fn usage(&self) -> &'static str {
+        self.usage
+    }
+}
+
+/// A bound call of a model op, for its [`Lowering::Op`].
+struct Call<'e> {
+    /// The op's DSL name.
+    name: &'static str,
+    /// The whole call.
+    span: Span,
+    /// The written argument of each parameter.
+    slots: Vec<Option<&'e Arg>>,
+    /// The type of the first tensor operand.
+    x: TensorType,
+}
+
+impl<'e> Call<'e> {
+    /// The written argument of parameter `i`.
+    fn arg(&self, i: usize) -> Option<&'e Expr> {
+        self.slots.get(i).copied().flatten().map(|a| &a.value)
+    }
+}
+
+/// The ops callable in a model: one entry each, everything about the op in it. Adding
+/// an op is adding its entry here (and its usage to the DSL reference in `dsl/mod.rs`;
+/// the tests below check both, and that every entry lowers).
+const OPS: &[DslOp] = &[
+    DslOp {
         name: "matmul",
         params: &[
-            ("a", true),
-            ("b", true),
-            ("transpose_a", false),
-            ("transpose_b", false),
+            float("a"),
+            float("b"),
+            optional("transpose_a"),
+            optional("transpose_b"),
         ],
         usage: "matmul(a, b, transpose_a = false, transpose_b = false)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            Ok(Op::MatMul {
+                transpose_a: opt_bool(c.arg(2), "`transpose_a`", false)?,
+                transpose_b: opt_bool(c.arg(3), "`transpose_b`", false)?,
+            })
+        }),
     },
-    Sig {
+    DslOp {
         name: "relu",
-        params: &[("x", true)],
+        params: &[float("x")],
         usage: "relu(x)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Relu)),
     },
-    Sig {
+    DslOp {
         name: "sigmoid",
-        params: &[("x", true)],
+        params: &[float("x")],
         usage: "sigmoid(x)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Sigmoid)),
     },
-    Sig {
+    DslOp {
         name: "tanh",
-        params: &[("x", true)],
+        params: &[float("x")],
         usage: "tanh(x)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Tanh)),
     },
-    Sig {
+    DslOp {
         name: "exp",
-        params: &[("x", true)],
+        params: &[float("x")],
         usage: "exp(x)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Exp)),
     },
-    Sig {
+    DslOp {
         name: "log",
-        params: &[("x", true)],
+        params: &[float("x")],
         usage: "log(x)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Log)),
     },
-    Sig {
+    DslOp {
         name: "neg",
-        params: &[("x", true)],
+        params: &[float("x")],
         usage: "neg(x)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Neg)),
     },
-    Sig {
+    DslOp {
         name: "softmax",
-        params: &[("x", true), ("axis", false)],
+        params: &[float("x"), optional("axis")],
         usage: "softmax(x, axis = -1)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let axis = axis_arg(c.arg(1), -1, &c.x, c.span, c.name)?;
+            Ok(Op::Softmax { axis })
+        }),
     },
-    Sig {
+    DslOp {
         name: "log_softmax",
-        params: &[("x", true), ("axis", false)],
+        params: &[float("x"), optional("axis")],
         usage: "log_softmax(x, axis = -1)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let axis = axis_arg(c.arg(1), -1, &c.x, c.span, c.name)?;
+            Ok(Op::LogSoftmax { axis })
+        }),
     },
-    Sig {
+    DslOp {
         name: "sum",
-        params: &[("x", true), ("axes", false), ("keep_dims", false)],
+        params: &[float("x"), optional("axes"), optional("keep_dims")],
         usage: "sum(x, axes = [..], keep_dims = false)  (axes default: all)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let (axes, keep_dims) = reduction(c)?;
+            Ok(Op::Sum { axes, keep_dims })
+        }),
     },
-    Sig {
+    DslOp {
         name: "mean",
-        params: &[("x", true), ("axes", false), ("keep_dims", false)],
+        params: &[float("x"), optional("axes"), optional("keep_dims")],
         usage: "mean(x, axes = [..], keep_dims = false)  (axes default: all)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let (axes, keep_dims) = reduction(c)?;
+            Ok(Op::Mean { axes, keep_dims })
+        }),
     },
-    Sig {
+    DslOp {
         name: "reshape",
-        params: &[("x", true), ("shape", true)],
+        params: &[any_tensor("x"), literal("shape")],
         usage: "reshape(x, [B, 1024])  (one dimension may be -1)",
+        loss: false,
+        lower: Lowering::Op(|cx, c| {
+            let e = c
+                .arg(1)
+                .ok_or_else(|| Diag::new(c.span, "reshape needs a shape", ""))?;
+            Ok(Op::Reshape {
+                shape: cx.reshape_target(e, &c.x)?,
+            })
+        }),
     },
-    Sig {
+    DslOp {
         name: "transpose",
-        params: &[("x", true), ("perm", false)],
+        params: &[any_tensor("x"), optional("perm")],
         usage: "transpose(x, [1, 0])  (default: axes reversed)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let perm = match c.arg(1) {
+                None => (0..c.x.shape.rank()).rev().collect(),
+                Some(e) => {
+                    let mut perm = Vec::new();
+                    for (a, at) in args::int_list(e, "`perm`")? {
+                        perm.push(normalize_axis(a, &c.x, at, c.name)?);
+                    }
+                    perm
+                }
+            };
+            Ok(Op::Transpose { perm })
+        }),
     },
-    Sig {
+    DslOp {
         name: "concat",
-        params: &[("axis", false)],
+        params: &[optional("axis")],
         usage: "concat([a, b, ...], axis = 0) or concat(a, b, ..., axis = 0)",
+        loss: false,
+        lower: Lowering::Variadic {
+            operands: Takes::AnyTensor,
+            lower: |cx, def, takes, args, span| cx.concat(def, takes, args, span),
+        },
     },
-    Sig {
+    DslOp {
         name: "slice",
-        params: &[("x", true), ("axis", true), ("start", true), ("end", true)],
+        params: &[
+            any_tensor("x"),
+            literal("axis"),
+            literal("start"),
+            literal("end"),
+        ],
         usage: "slice(x, axis = 1, start = 0, end = 10)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let (Some(ae), Some(se), Some(ee)) = (c.arg(1), c.arg(2), c.arg(3)) else {
+                return Err(Diag::new(c.span, "slice needs axis, start and end", ""));
+            };
+            let x_ty = &c.x;
+            let axis = normalize_axis(args::int(ae, "`axis`")?, x_ty, ae.span, c.name)?;
+            let start = args::usize_(se, "`start`", 0)?;
+            let end = args::usize_(ee, "`end`", 1)?;
+            let len = x_ty.dims()[axis];
+            if start >= end || end > len {
+                return Err(Diag::new(
+                    se.span.to(ee.span),
+                    format!(
+                        "slice {start}..{end} is empty or outside axis {axis} of {x_ty} (length {len})"
+                    ),
+                    format!("expected 0 <= start < end <= {len}"),
+                ));
+            }
+            Ok(Op::Slice { axis, start, end })
+        }),
     },
-    Sig {
+    DslOp {
         name: "embedding",
-        params: &[("table", true), ("ids", true)],
+        params: &[float("table"), indices("ids")],
         usage: "embedding(table, ids)",
+        loss: false,
+        lower: Lowering::Op(|_, _| Ok(Op::Embedding)),
     },
-    Sig {
+    DslOp {
         name: "softmax_cross_entropy",
-        params: &[("logits", true), ("labels", true)],
+        params: &[float("logits"), indices("labels")],
         usage: "softmax_cross_entropy(logits, labels)",
+        loss: true,
+        lower: Lowering::Op(|_, _| Ok(Op::SoftmaxCrossEntropy)),
     },
-    Sig {
+    DslOp {
         name: "mse",
-        params: &[("prediction", true), ("target", true)],
+        params: &[float("prediction"), float("target")],
         usage: "mse(prediction, target)",
+        loss: true,
+        lower: Lowering::Op(|_, _| Ok(Op::Mse)),
     },
-    Sig {
+    DslOp {
         name: "dropout",
-        params: &[("x", true), ("rate", false)],
+        params: &[float("x"), optional("rate")],
         usage: "dropout(x, rate = 0.5)",
+        loss: false,
+        lower: Lowering::Op(|cx, c| {
+            let rate = match c.arg(1) {
+                None => 0.5,
+                Some(e) => {
+                    let r = args::float(e, "the dropout `rate`")?;
+                    if !(0.0..1.0).contains(&r) {
+                        return Err(Diag::new(
+                            e.span,
+                            format!("the dropout rate must be in [0, 1), found {r}"),
+                            "out of range",
+                        ));
+                    }
+                    r
+                }
+            };
+            let seed = cx.seed.wrapping_mul(1000).wrapping_add(cx.dropouts);
+            cx.dropouts += 1;
+            Ok(Op::Dropout {
+                rate,
+                seed,
+                per_sample: false,
+            })
+        }),
     },
-    Sig {
+    DslOp {
         name: "layer_norm",
-        params: &[("x", true), ("gamma", true), ("beta", true), ("eps", false)],
+        params: &[float("x"), float("gamma"), float("beta"), optional("eps")],
         usage: "layer_norm(x, gamma, beta, eps = 1e-5)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let eps = match c.arg(3) {
+                None => 1e-5,
+                Some(e) => {
+                    let v = args::float(e, "`eps`")?;
+                    if v <= 0.0 {
+                        return Err(Diag::new(
+                            e.span,
+                            format!("`eps` must be positive, found {v}"),
+                            "must be > 0",
+                        ));
+                    }
+                    v
+                }
+            };
+            Ok(Op::LayerNorm { eps })
+        }),
     },
-    Sig {
+    DslOp {
         name: "conv2d",
         params: &[
-            ("x", true),
-            ("w", true),
-            ("stride", false),
-            ("padding", false),
+            float("x"),
+            float("w"),
+            optional("stride"),
+            optional("padding"),
         ],
         usage: "conv2d(x, w, stride = 1, padding = 0)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let stride = opt_usize(c.arg(2), "`stride`", 1, 1)?;
+            let padding = opt_usize(c.arg(3), "`padding`", 0, 0)?;
+            if padding > MAX_PADDING {
+                let at = c.arg(3).map_or(c.span, |e| e.span);
+                return Err(Diag::new(
+                    at,
+                    format!("padding {padding} is too large"),
+                    "too large",
+                ));
+            }
+            Ok(Op::Conv2d { stride, padding })
+        }),
     },
-    Sig {
+    DslOp {
         name: "max_pool2d",
-        params: &[("x", true), ("kernel", false), ("stride", false)],
+        params: &[float("x"), optional("kernel"), optional("stride")],
         usage: "max_pool2d(x, kernel = 2, stride = kernel)",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let kernel = opt_usize(c.arg(1), "`kernel`", 2, 1)?;
+            let stride = opt_usize(c.arg(2), "`stride`", kernel, 1)?;
+            Ok(Op::MaxPool2d { kernel, stride })
+        }),
     },
 ];
+
+/// The axes and `keep_dims` of `sum` and `mean` (axes default: all, sorted, each once).
+fn reduction(c: &Call<'_>) -> R<(Vec<usize>, bool)> {
+    let axes = match c.arg(1) {
+        None => (0..c.x.shape.rank()).collect(),
+        Some(e) => {
+            let mut axes = Vec::new();
+            for (a, at) in args::int_list(e, "`axes`")? {
+                let ax = normalize_axis(a, &c.x, at, c.name)?;
+                if axes.contains(&ax) {
+                    return Err(Diag::new(
+                        at,
+                        format!("axis {ax} appears twice in `axes`"),
+                        "repeated axis",
+                    ));
+                }
+                axes.push(ax);
+            }
+            axes.sort_unstable();
+            axes
+        }
+    };
+    let keep_dims = opt_bool(c.arg(2), "`keep_dims`", false)?;
+    Ok((axes, keep_dims))
+}
+
+/// Where i32 tensors may go, derived from the table: the ops that take indices, then
+/// those that take tensors of any dtype.
+fn i32_help() -> String {
+    let takes = |want: fn(Takes) -> bool| {
+        OPS.iter().filter(move |op| {
+            op.params.iter().any(|p| want(p.takes))
+                || matches!(op.lower, Lowering::Variadic { operands, .. } if want(operands))
+        })
+    };
+    let mut roles: Vec<&str> = Vec::new();
+    for p in OPS.iter().flat_map(|op| op.params) {
+        if p.takes == Takes::Indices && !roles.contains(&p.name) {
+            roles.push(p.name);
+        }
+    }
+    let ops: Vec<&str> = takes(|t| t == Takes::Indices)
+        .chain(takes(|t| t == Takes::AnyTensor))
+        .map(|op| op.name)
+        .collect();
+    let list = match ops.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => ops.join(""),
+    };
+    format!("i32 tensors ({}) can only go to {list}", roles.join(", "))
+}
 
 const INITS: &[Sig] = &[
     Sig {
@@ -624,7 +972,7 @@ impl Lowerer<'_> {
             format!("`{op}` needs a float tensor, found {t}"),
             format!("this is {t}"),
         )
-        .help("i32 tensors (ids, labels) can only go to embedding, softmax_cross_entropy, reshape, transpose, concat and slice"))
+        .help(i32_help()))
     }
 
     fn need_i32(&self, v: ValueId, e: &Expr, op: &str, role: &str) -> R<()> {
@@ -756,209 +1104,63 @@ impl Lowerer<'_> {
     }
 
     fn call(&mut self, name: &Ident, args: &[Arg], span: Span) -> R<Val> {
-        let Some(sig) = OPS.iter().find(|s| s.name == name.name) else {
+        let Some(def) = OPS.iter().find(|d| d.name == name.name) else {
             return Err(self.unknown_op(name));
         };
-        if sig.name == "concat" {
-            return self.concat(args, span).map(Val::Tensor);
-        }
-        let slots = bind(sig, "op", span, args)?;
-        let arg = |i: usize| slots.get(i).copied().flatten().map(|a| &a.value);
-        let op_name = sig.name;
+        let lower = match def.lower {
+            Lowering::Op(lower) => lower,
+            Lowering::Variadic { operands, lower } => {
+                return lower(self, def, operands, args, span).map(Val::Tensor)
+            }
+        };
+        let slots = bind(def, "op", span, args)?;
+        let op_name = def.name;
         // Tensor operands first, in order, so errors come in reading order.
         let mut tensors = Vec::new();
-        for (i, (p, required)) in sig.params.iter().enumerate() {
-            let tensor_param = *required
-                && !matches!(
-                    (op_name, *p),
-                    ("reshape", "shape") | ("slice", "axis" | "start" | "end")
-                );
-            if tensor_param {
-                if let Some(e) = arg(i) {
-                    let v = self.tensor(e, &format!("argument `{p}` of `{op_name}`"))?;
-                    tensors.push((v, e));
-                }
+        for (p, slot) in def.params.iter().zip(&slots) {
+            if let (true, Some(a)) = (p.takes.is_tensor(), slot) {
+                let v = self.tensor(&a.value, &format!("argument `{}` of `{op_name}`", p.name))?;
+                tensors.push((v, &a.value, p));
             }
         }
-        let t = |i: usize| tensors[i].0;
-        let te = |i: usize| tensors[i].1;
-        // Dtype checks: ids and labels are i32, everything else that computes is float.
-        match op_name {
-            "embedding" => {
-                self.need_float(t(0), te(0), op_name)?;
-                self.need_i32(t(1), te(1), op_name, "ids")?;
-            }
-            "softmax_cross_entropy" => {
-                self.need_float(t(0), te(0), op_name)?;
-                self.need_i32(t(1), te(1), op_name, "labels")?;
-            }
-            "reshape" | "transpose" | "slice" => {}
-            _ => {
-                for (v, e) in &tensors {
-                    self.need_float(*v, e, op_name)?;
-                }
-            }
+        // Dtype checks: what each parameter takes.
+        for (v, e, p) in &tensors {
+            self.check_dtype(*v, e, op_name, p.takes, p.name)?;
         }
-        let x_ty = self.ty(t(0));
-        let rank = x_ty.shape.rank();
-        let op = match op_name {
-            "matmul" => Op::MatMul {
-                transpose_a: opt_bool(arg(2), "`transpose_a`", false)?,
-                transpose_b: opt_bool(arg(3), "`transpose_b`", false)?,
-            },
-            "relu" => Op::Relu,
-            "sigmoid" => Op::Sigmoid,
-            "tanh" => Op::Tanh,
-            "exp" => Op::Exp,
-            "log" => Op::Log,
-            "neg" => Op::Neg,
-            "softmax" | "log_softmax" => {
-                let axis = axis_arg(arg(1), -1, &x_ty, span, op_name)?;
-                if op_name == "softmax" {
-                    Op::Softmax { axis }
-                } else {
-                    Op::LogSoftmax { axis }
-                }
-            }
-            "sum" | "mean" => {
-                let axes = match arg(1) {
-                    None => (0..rank).collect(),
-                    Some(e) => {
-                        let mut axes = Vec::new();
-                        for (a, at) in args::int_list(e, "`axes`")? {
-                            let ax = normalize_axis(a, &x_ty, at, op_name)?;
-                            if axes.contains(&ax) {
-                                return Err(Diag::new(
-                                    at,
-                                    format!("axis {ax} appears twice in `axes`"),
-                                    "repeated axis",
-                                ));
-                            }
-                            axes.push(ax);
-                        }
-                        axes.sort_unstable();
-                        axes
-                    }
-                };
-                let keep_dims = opt_bool(arg(2), "`keep_dims`", false)?;
-                if op_name == "sum" {
-                    Op::Sum { axes, keep_dims }
-                } else {
-                    Op::Mean { axes, keep_dims }
-                }
-            }
-            "reshape" => {
-                let e = arg(1).ok_or_else(|| Diag::new(span, "reshape needs a shape", ""))?;
-                Op::Reshape {
-                    shape: self.reshape_target(e, &x_ty)?,
-                }
-            }
-            "transpose" => {
-                let perm = match arg(1) {
-                    None => (0..rank).rev().collect(),
-                    Some(e) => {
-                        let mut perm = Vec::new();
-                        for (a, at) in args::int_list(e, "`perm`")? {
-                            perm.push(normalize_axis(a, &x_ty, at, op_name)?);
-                        }
-                        perm
-                    }
-                };
-                Op::Transpose { perm }
-            }
-            "slice" => {
-                let (Some(ae), Some(se), Some(ee)) = (arg(1), arg(2), arg(3)) else {
-                    return Err(Diag::new(span, "slice needs axis, start and end", ""));
-                };
-                let axis = normalize_axis(args::int(ae, "`axis`")?, &x_ty, ae.span, op_name)?;
-                let start = args::usize_(se, "`start`", 0)?;
-                let end = args::usize_(ee, "`end`", 1)?;
-                let len = x_ty.dims()[axis];
-                if start >= end || end > len {
-                    return Err(Diag::new(
-                        se.span.to(ee.span),
-                        format!(
-                            "slice {start}..{end} is empty or outside axis {axis} of {x_ty} (length {len})"
-                        ),
-                        format!("expected 0 <= start < end <= {len}"),
-                    ));
-                }
-                Op::Slice { axis, start, end }
-            }
-            "embedding" => Op::Embedding,
-            "softmax_cross_entropy" => Op::SoftmaxCrossEntropy,
-            "mse" => Op::Mse,
-            "dropout" => {
-                let rate = match arg(1) {
-                    None => 0.5,
-                    Some(e) => {
-                        let r = args::float(e, "the dropout `rate`")?;
-                        if !(0.0..1.0).contains(&r) {
-                            return Err(Diag::new(
-                                e.span,
-                                format!("the dropout rate must be in [0, 1), found {r}"),
-                                "out of range",
-                            ));
-                        }
-                        r
-                    }
-                };
-                let seed = self.seed.wrapping_mul(1000).wrapping_add(self.dropouts);
-                self.dropouts += 1;
-                Op::Dropout {
-                    rate,
-                    seed,
-                    per_sample: false,
-                }
-            }
-            "layer_norm" => {
-                let eps = match arg(3) {
-                    None => 1e-5,
-                    Some(e) => {
-                        let v = args::float(e, "`eps`")?;
-                        if v <= 0.0 {
-                            return Err(Diag::new(
-                                e.span,
-                                format!("`eps` must be positive, found {v}"),
-                                "must be > 0",
-                            ));
-                        }
-                        v
-                    }
-                };
-                Op::LayerNorm { eps }
-            }
-            "conv2d" => {
-                let stride = opt_usize(arg(2), "`stride`", 1, 1)?;
-                let padding = opt_usize(arg(3), "`padding`", 0, 0)?;
-                if padding > MAX_PADDING {
-                    let at = arg(3).map_or(span, |e| e.span);
-                    return Err(Diag::new(
-                        at,
-                        format!("padding {padding} is too large"),
-                        "too large",
-                    ));
-                }
-                Op::Conv2d { stride, padding }
-            }
-            "max_pool2d" => {
-                let kernel = opt_usize(arg(1), "`kernel`", 2, 1)?;
-                let stride = opt_usize(arg(2), "`stride`", kernel, 1)?;
-                Op::MaxPool2d { kernel, stride }
-            }
-            _ => return Err(self.unknown_op(name)),
+        let Some(&(first, _, _)) = tensors.first() else {
+            return Err(Diag::new(
+                span,
+                format!("internal error: op `{op_name}` has no tensor operand"),
+                "",
+            ));
         };
+        let call = Call {
+            name: op_name,
+            span,
+            slots,
+            x: self.ty(first),
+        };
+        let op = lower(self, &call)?;
         let types: Vec<String> = tensors
             .iter()
-            .map(|(v, _)| self.ty(*v).to_string())
+            .map(|(v, _, _)| self.ty(*v).to_string())
             .collect();
         let label = format!("{op_name} of {}", types.join(", "));
-        let inputs: Vec<ValueId> = tensors.iter().map(|(v, _)| *v).collect();
+        let inputs: Vec<ValueId> = tensors.iter().map(|(v, _, _)| *v).collect();
         let out = self.add(op, inputs.clone(), span, &label)?;
-        if matches!(op_name, "softmax_cross_entropy" | "mse") {
+        if def.loss {
             self.loss_parts.insert(out, (inputs[0], inputs[1]));
         }
         Ok(Val::Tensor(out))
+    }
+
+    /// Checks operand `v` (written `e`) of `op` against what its parameter takes.
+    fn check_dtype(&self, v: ValueId, e: &Expr, op: &str, takes: Takes, param: &str) -> R<()> {
+        match takes {
+            Takes::Float => self.need_float(v, e, op),
+            Takes::Indices => self.need_i32(v, e, op, param),
+            Takes::AnyTensor | Takes::Literal => Ok(()),
+        }
     }
 
     fn unknown_op(&self, name: &Ident) -> Diag {
@@ -983,8 +1185,15 @@ impl Lowerer<'_> {
         .maybe_help(help)
     }
 
-    /// `concat([a, b], axis = 1)` or `concat(a, b, axis = 1)`.
-    fn concat(&mut self, call_args: &[Arg], span: Span) -> R<ValueId> {
+    /// `concat([a, b], axis = 1)` or `concat(a, b, axis = 1)`: every operand takes
+    /// `operands`.
+    fn concat(
+        &mut self,
+        def: &DslOp,
+        operands_take: Takes,
+        call_args: &[Arg],
+        span: Span,
+    ) -> R<ValueId> {
         let mut operands: Vec<&Expr> = Vec::new();
         let mut axis_expr = None;
         for a in call_args {
@@ -1025,12 +1234,15 @@ impl Lowerer<'_> {
                 "`concat` needs at least one tensor",
                 "nothing to join",
             )
-            .help("usage: concat([a, b, ...], axis = 0) or concat(a, b, ..., axis = 0)"));
+            .help(format!("usage: {}", def.usage)));
         }
         let mut inputs = Vec::new();
         for (i, e) in operands.iter().enumerate() {
             let v = self.tensor(e, &format!("input {} of `concat`", i + 1))?;
             inputs.push(v);
+        }
+        for (v, e) in inputs.iter().zip(&operands) {
+            self.check_dtype(*v, e, def.name, operands_take, "inputs")?;
         }
         let first = self.ty(inputs[0]);
         let axis = axis_arg(axis_expr, 0, &first, span, "concat")?;
@@ -1235,5 +1447,165 @@ fn axis_arg(e: Option<&Expr>, default: i64, t: &TensorType, call: Span, op: &str
     match e {
         Some(e) => normalize_axis(args::int(e, "`axis`")?, t, e.span, op),
         None => normalize_axis(default, t, call, op),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{i32_help, Lowering, Takes, OPS};
+    use crate::dsl::compile_source;
+    use std::collections::BTreeMap;
+
+    /// A model whose values fit every op: `m` f32[8,8], `v` f32[8], `img` f32[2,3,8,8],
+    /// `k` f32[4,3,3,3], `emb` f32[50,8], `ids` i32[B,8], `label` i32[B].
+    fn model(call: &str) -> String {
+        format!(
+            "model t {{
+  input ids:   i32[B, 8]
+  input label: i32[B]
+  param m:   f32[8, 8]       = glorot
+  param v:   f32[8]          = zeros
+  param img: f32[2, 3, 8, 8] = zeros
+  param k:   f32[4, 3, 3, 3] = glorot
+  param emb: f32[50, 8]      = glorot
+  y = {call}
+  minimize mean(m)
+}}
+train {{
+  data      = zipf_tokens(vocab = 50, context = 8, classes = 8, s = 1.1)
+  batch     = 8
+  optimizer = sgd(lr = 0.1)
+  steps     = 1
+}}
+"
+        )
+    }
+
+    /// A call of every op, with every parameter written.
+    fn examples() -> BTreeMap<&'static str, &'static str> {
+        BTreeMap::from([
+            (
+                "matmul",
+                "matmul(m, m, transpose_a = true, transpose_b = false)",
+            ),
+            ("relu", "relu(m)"),
+            ("sigmoid", "sigmoid(m)"),
+            ("tanh", "tanh(m)"),
+            ("exp", "exp(m)"),
+            ("log", "log(m)"),
+            ("neg", "neg(m)"),
+            ("softmax", "softmax(m, axis = 0)"),
+            ("log_softmax", "log_softmax(m, axis = -1)"),
+            ("sum", "sum(m, axes = [1], keep_dims = true)"),
+            ("mean", "mean(m, axes = [0, 1], keep_dims = false)"),
+            ("reshape", "reshape(ids, [B, 2, -1])"),
+            ("transpose", "transpose(ids, [1, 0])"),
+            ("concat", "concat([m, m], axis = 1)"),
+            ("slice", "slice(ids, axis = 1, start = 2, end = 5)"),
+            ("embedding", "embedding(emb, ids)"),
+            (
+                "softmax_cross_entropy",
+                "softmax_cross_entropy(sum(embedding(emb, ids), axes = [1]), label)",
+            ),
+            ("mse", "mse(m, m)"),
+            ("dropout", "dropout(m, rate = 0.25)"),
+            ("layer_norm", "layer_norm(m, v, v, eps = 1e-3)"),
+            ("conv2d", "conv2d(img, k, stride = 1, padding = 1)"),
+            ("max_pool2d", "max_pool2d(img, kernel = 2, stride = 2)"),
+        ])
+    }
+
+    #[test]
+    fn every_op_in_the_table_lowers() {
+        let names: Vec<&str> = OPS.iter().map(|op| op.name).collect();
+        let examples = examples();
+        assert_eq!(
+            names
+                .iter()
+                .copied()
+                .collect::<std::collections::BTreeSet<_>>(),
+            examples.keys().copied().collect(),
+            "every op in OPS needs an example here, and only those"
+        );
+        let base = compile_source("t.dsl", &model("m"), None)
+            .unwrap_or_else(|e| panic!("{}", e.render_plain()))
+            .graph
+            .node_count();
+        for (name, call) in examples {
+            let p = compile_source("t.dsl", &model(call), None)
+                .unwrap_or_else(|e| panic!("{name}: {}", e.render_plain()));
+            assert!(
+                p.graph.node_count() > base,
+                "{name}: `{call}` added no node"
+            );
+            distc_ir::verify(&p.graph).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+
+    #[test]
+    fn the_table_is_consistent() {
+        let mut seen = std::collections::HashSet::new();
+        for op in OPS {
+            assert!(seen.insert(op.name), "`{}` is in OPS twice", op.name);
+            assert!(
+                op.usage.starts_with(&format!("{}(", op.name)),
+                "usage of `{}`: {}",
+                op.name,
+                op.usage
+            );
+            let mut params = std::collections::HashSet::new();
+            for p in op.params {
+                assert!(
+                    params.insert(p.name),
+                    "`{}` has `{}` twice",
+                    op.name,
+                    p.name
+                );
+                assert!(
+                    p.required || p.takes == Takes::Literal,
+                    "`{}`: an optional parameter is a literal with a default",
+                    op.name
+                );
+            }
+            if let Lowering::Op(_) = op.lower {
+                // The lowering reads the first operand's type.
+                assert!(
+                    op.params
+                        .first()
+                        .is_some_and(|p| p.required && p.takes.is_tensor()),
+                    "`{}`: the first parameter of an op is a tensor",
+                    op.name
+                );
+            }
+            if op.loss {
+                let tensors = op.params.iter().filter(|p| p.takes.is_tensor()).count();
+                assert_eq!(
+                    tensors, 2,
+                    "`{}`: a loss has a prediction and a target",
+                    op.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_module_docs_name_every_op() {
+        let docs = include_str!("mod.rs");
+        for op in OPS {
+            assert!(
+                docs.contains(&format!("`{}(", op.name)),
+                "dsl/mod.rs does not document `{}`",
+                op.name
+            );
+        }
+    }
+
+    #[test]
+    fn where_i32_tensors_go_is_derived_from_the_table() {
+        assert_eq!(
+            i32_help(),
+            "i32 tensors (ids, labels) can only go to embedding, softmax_cross_entropy, \
+             reshape, transpose, concat and slice"
+        );
     }
 }
