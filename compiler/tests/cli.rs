@@ -61,7 +61,8 @@ fn compile_dump_and_run_a_plan() {
             "01-autodiff.ir",
             "02-simplify.ir",
             "03-dead_code.ir",
-            "04-accumulate.ir"
+            "04-accumulate.ir",
+            "05-remat.ir"
         ]
     );
     let metrics = tmp("m.jsonl");
@@ -124,20 +125,21 @@ fn dump_ir_writes_every_program_per_pass() {
         "02-simplify",
         "03-dead_code",
         "04-accumulate",
-        "05-sparsity_analysis",
-        "06-place",
+        "05-remat",
+        "06-sparsity_analysis",
+        "07-place",
     ]
     .iter()
     .map(|s| format!("{s}.ir"))
     .collect();
     for (i, pass) in [
-        (7, "distribute"),
-        (8, "zero"),
-        (9, "fusion"),
-        (10, "schedule"),
+        (8, "distribute"),
+        (9, "zero"),
+        (10, "fusion"),
+        (11, "schedule"),
     ] {
         let mut programs = vec!["", ".init", ".server0", ".server1"];
-        if i >= 8 {
+        if i >= 9 {
             programs.push(".final");
         }
         want.extend(programs.iter().map(|p| format!("{i:02}-{pass}{p}.ir")));
@@ -159,7 +161,7 @@ fn dump_ir_writes_every_program_per_pass() {
         );
     }
     // The server holding the embedding serves it.
-    let servers: String = ["10-schedule.server0.ir", "10-schedule.server1.ir"]
+    let servers: String = ["11-schedule.server0.ir", "11-schedule.server1.ir"]
         .iter()
         .map(|f| std::fs::read_to_string(dump.join(f)).expect("read"))
         .collect();
@@ -243,7 +245,7 @@ fn dsl_errors_are_diagnostics_with_a_caret() {
 fn unknown_passes_are_listed_with_the_valid_ones() {
     let o = distc(&["ir", "examples/mlp.dsl", "--after", "fusoin"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, sparsity_analysis, place, distribute, zero, fusion, schedule"), "{}", text(&o));
+    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, schedule"), "{}", text(&o));
 }
 
 #[test]
