@@ -179,6 +179,10 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
         Op::Accumulate { micro } => vec![("micro", A::Int(*micro as i64))],
         Op::UniqueRows | Op::Pack => vec![],
         Op::Unpack { shapes } => shapes.iter().map(|s| ("shape", list(s.dims()))).collect(),
+        Op::PackChunks { workers } => vec![("workers", A::Int(*workers as i64))],
+        Op::UnpackChunks { workers, shapes } => std::iter::once(("workers", A::Int(*workers as i64)))
+            .chain(shapes.iter().map(|s| ("shape", list(s.dims()))))
+            .collect(),
         Op::Pull { var, shards, .. }
         | Op::SparsePull { var, shards, .. }
         | Op::Push { var, shards }
@@ -559,6 +563,13 @@ pub fn op_from_parts(
         "unique_rows" => Op::UniqueRows,
         "pack" => Op::Pack,
         "unpack" => Op::Unpack {
+            shapes: a.shapes("shape")?,
+        },
+        "pack_chunks" => Op::PackChunks {
+            workers: a.int("workers")?,
+        },
+        "unpack_chunks" => Op::UnpackChunks {
+            workers: a.int("workers")?,
             shapes: a.shapes("shape")?,
         },
         "pull" => Op::Pull {

@@ -345,6 +345,23 @@ pub enum Op {
         /// Shapes of the outputs.
         shapes: Vec<Shape>,
     },
+    /// Packs dense values for one bucketed `reduce_scatter`: each value flattened and
+    /// cut as `take_chunk` cuts it (`c = ceil(n / workers)`, zero-padded), the buffer
+    /// holding chunk 0 of every value, then chunk 1 of every value, ..., so that worker
+    /// r's part of the reduce-scatter is its chunk of each value, in order.
+    PackChunks {
+        /// Worker count.
+        workers: usize,
+    },
+    /// The inverse for one bucketed `all_gather_dense` of packed chunks: the buffer
+    /// holds each worker's chunks of every value in turn; each output is its value
+    /// whole again (padding dropped).
+    UnpackChunks {
+        /// Worker count.
+        workers: usize,
+        /// Shapes of the outputs.
+        shapes: Vec<Shape>,
+    },
     /// A worker's copy of variable `var`, pulled from the servers holding `shards`.
     /// No inputs.
     Pull {
@@ -477,6 +494,8 @@ impl Op {
             Op::TakeChunk { .. } => "take_chunk",
             Op::Pack => "pack",
             Op::Unpack { .. } => "unpack",
+            Op::PackChunks { .. } => "pack_chunks",
+            Op::UnpackChunks { .. } => "unpack_chunks",
             Op::Pull { .. } => "pull",
             Op::SparsePull { .. } => "sparse_pull",
             Op::Push { .. } => "push",
@@ -547,6 +566,7 @@ impl Op {
             | Op::Accumulate { .. }
             | Op::UniqueRows
             | Op::Unpack { .. }
+            | Op::UnpackChunks { .. }
             | Op::SparsePull { .. }
             | Op::Push { .. }
             | Op::SparsePush { .. }
@@ -597,7 +617,7 @@ impl Op {
             | Op::SoftmaxCrossEntropyGrad
             | Op::MseGrad
             | Op::LayerNormGrad { .. } => Some(3),
-            Op::Concat { .. } | Op::ConcatSlices | Op::Pack => None,
+            Op::Concat { .. } | Op::ConcatSlices | Op::Pack | Op::PackChunks { .. } => None,
         }
     }
 }

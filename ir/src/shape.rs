@@ -172,6 +172,35 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             }
             one(TensorType::new(first.dtype, vec![total]))
         }
+        Op::PackChunks { workers } => {
+            let first = float(0)?;
+            if *workers == 0 {
+                return Err(err("needs at least one worker".into()));
+            }
+            let mut chunks = 0;
+            for t in &dense {
+                if t.dtype != first.dtype {
+                    return Err(err(format!("dtypes differ: {first} and {t}")));
+                }
+                chunks += t.shape.numel().div_ceil(*workers);
+            }
+            one(TensorType::new(first.dtype, vec![chunks * workers]))
+        }
+        Op::UnpackChunks { workers, shapes } => {
+            let t = float(0)?;
+            let chunks: usize = shapes.iter().map(|s| s.numel().div_ceil((*workers).max(1))).sum();
+            if *workers == 0 || t.dims() != [chunks * workers] {
+                return Err(err(format!(
+                    "{t} is not {workers} workers' chunks of {} values ({} elements)",
+                    shapes.len(),
+                    chunks * workers
+                )));
+            }
+            Ok(shapes
+                .iter()
+                .map(|s| TensorType::new(t.dtype, s.clone()).into())
+                .collect())
+        }
         Op::Unpack { shapes } => {
             let t = float(0)?;
             let total: usize = shapes.iter().map(|s| s.numel()).sum();

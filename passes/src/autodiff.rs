@@ -480,6 +480,8 @@ fn vjp(
         | Op::UniqueRows
         | Op::Pack
         | Op::Unpack { .. }
+        | Op::PackChunks { .. }
+        | Op::UnpackChunks { .. }
         | Op::SparsePull { .. } => return no_grad(node.op.mnemonic()),
         Op::Loss
         | Op::ParamGrad { .. }

@@ -21,7 +21,7 @@ pub struct Schedule;
 /// Runs as early as possible: communication and what prepares it. (`unpack` is not:
 /// it waits for the collective, so it runs as late as the order allows.)
 fn eager(op: &Op) -> bool {
-    op.is_communication() || matches!(op, Op::Pack | Op::UniqueRows)
+    op.is_communication() || matches!(op, Op::Pack | Op::PackChunks { .. } | Op::UniqueRows)
 }
 
 impl Pass for Schedule {

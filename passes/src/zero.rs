@@ -17,8 +17,8 @@
 //!
 //! The init program makes each worker's chunk from the one-device initial value
 //! (`take_chunk` instead of a broadcast); a final program gathers the whole variables
-//! (for `--save` and `distc verify`). Requires the distribute pass; runs before fusion
-//! (stage 1's all-reduces are still bucketed). Before/after (stage 2, abridged):
+//! (for `--save` and `distc verify`). Requires the distribute pass; runs before fusion,
+//! which buckets the all-reduces, reduce-scatters and gathers this pass makes. Before/after (stage 2, abridged):
 //! ```text
 //! %1 = param{name="w1", ...}                 %1 = param{name="w1.zero", ty=f32[401408]}
 //! %4 = matmul %0, %1                   =>    %2 = all_gather_dense{workers=2, shape=[784,1024]} %1
@@ -41,7 +41,7 @@ pub fn shard_name(var: &str) -> String {
 }
 
 /// Nodes the loss and the outputs depend on: the forward pass.
-fn forward_nodes(g: &Graph) -> HashSet<NodeId> {
+pub(crate) fn forward_nodes(g: &Graph) -> HashSet<NodeId> {
     let mut stack: Vec<NodeId> = g
         .node_ids()
         .into_iter()

@@ -94,6 +94,7 @@ fn is_comm_buffer(op: &Op) -> bool {
     matches!(
         op,
         Op::Pack
+            | Op::PackChunks { .. }
             | Op::AllReduce { .. }
             | Op::AllGather { .. }
             | Op::Broadcast { .. }

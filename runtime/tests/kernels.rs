@@ -1473,3 +1473,63 @@ fn throughput_cnn() {
     }
     bench("CNN (examples/cnn.dsl)", &g, b);
 }
+
+/// `pack_chunks` + a reduce-scatter's cut + `unpack` give each worker its
+/// `take_chunk` of every value; `pack` of every worker's chunks in rank order +
+/// `unpack_chunks` gives the values whole again (ZeRO's bucketed collectives).
+#[test]
+fn chunked_buckets_cut_and_join_as_take_chunk_does() {
+    let workers = 3;
+    let a = Value::Tensor(f32t(&[5], &noise(5, 1)));
+    let b = Value::Tensor(f32t(&[2, 4], &noise(8, 2)));
+    let ctx = |rank| KernelCtx {
+        step: 0,
+        training: true,
+        rank,
+    };
+    let packed = eval_op(&Op::PackChunks { workers }, &[&a, &b], &ctx(0)).unwrap();
+    let Some(Value::Tensor(Tensor::F32(flat))) = packed.first() else {
+        panic!("pack_chunks made {packed:?}")
+    };
+    // ceil(5/3) + ceil(8/3) = 2 + 3 elements per worker.
+    assert_eq!(flat.len(), 3 * 5);
+    let flat: Vec<f32> = flat.iter().copied().collect();
+    let mut mine = Vec::new();
+    for r in 0..workers {
+        let part = Value::Tensor(f32t(&[5], &flat[r * 5..(r + 1) * 5]));
+        let chunks = eval_op(
+            &Op::Unpack {
+                shapes: vec![Shape(vec![2]), Shape(vec![3])],
+            },
+            &[&part],
+            &ctx(r),
+        )
+        .unwrap();
+        for (chunk, whole) in chunks.iter().zip([&a, &b]) {
+            let want = eval_op(&Op::TakeChunk { workers }, &[whole], &ctx(r)).unwrap();
+            assert_eq!(chunk, &want[0], "worker {r}");
+        }
+        mine.push(eval_op(&Op::Pack, &[&chunks[0], &chunks[1]], &ctx(r)).unwrap().remove(0));
+    }
+    let gathered: Vec<f32> = mine
+        .iter()
+        .flat_map(|v| v.tensor().and_then(Tensor::as_f32).unwrap().iter().copied().collect::<Vec<_>>())
+        .collect();
+    let whole = eval_op(
+        &Op::UnpackChunks {
+            workers,
+            shapes: vec![Shape(vec![5]), Shape(vec![2, 4])],
+        },
+        &[&Value::Tensor(f32t(&[15], &gathered))],
+        &ctx(0),
+    )
+    .unwrap();
+    assert_eq!(whole, vec![a, b]);
+    // A buffer of the wrong length is refused, not read past.
+    let short = Value::Tensor(f32t(&[14], &gathered[..14]));
+    let op = Op::UnpackChunks {
+        workers,
+        shapes: vec![Shape(vec![5]), Shape(vec![2, 4])],
+    };
+    assert!(eval_op(&op, &[&short], &ctx(0)).is_err());
+}

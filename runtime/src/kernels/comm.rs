@@ -34,6 +34,75 @@ pub(super) fn pack<A: Elem>(args: &[Arg<'_>]) -> Result<Value, String> {
     )))
 }
 
+/// The buffer of a bucketed reduce-scatter: for each worker in turn, its chunk of
+/// every input (flattened, `ceil(n / workers)` elements, zero-padded).
+pub(super) fn pack_chunks<A: Elem>(args: &[Arg<'_>], workers: usize) -> Result<Value, String> {
+    if workers == 0 {
+        return Err("no workers".into());
+    }
+    let flats = args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let t = tensor(a, i)?;
+            let arr = A::of(t).ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))?;
+            Ok(arr.as_standard_layout().iter().copied().collect::<Vec<A>>())
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let chunks: Vec<usize> = flats.iter().map(|f| f.len().div_ceil(workers)).collect();
+    let total: usize = chunks.iter().sum::<usize>() * workers;
+    let mut out: Vec<A> = Vec::with_capacity(total);
+    for r in 0..workers {
+        for (flat, &c) in flats.iter().zip(&chunks) {
+            let (start, end) = ((r * c).min(flat.len()), ((r + 1) * c).min(flat.len()));
+            out.extend_from_slice(&flat[start..end]);
+            out.extend(std::iter::repeat_n(A::zero(), c - (end - start)));
+        }
+    }
+    Ok(Value::Tensor(A::wrap(
+        ArrayD::from_shape_vec(IxDyn(&[total]), out).map_err(|e| e.to_string())?,
+    )))
+}
+
+/// The values whole again from all workers' packed chunks (see [`pack_chunks`]; here
+/// each worker's part holds its chunk of every value, parts in rank order).
+pub(super) fn unpack_chunks<A: Elem>(
+    arg: &Arg<'_>,
+    workers: usize,
+    shapes: &[Shape],
+) -> Result<Vec<Value>, String> {
+    let t = tensor(arg, 0)?;
+    let arr = A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", arg.describe(), A::DTYPE))?;
+    let flat = arr.as_standard_layout();
+    let flat = flat.as_slice().ok_or("packed buffer is not contiguous")?;
+    let chunks: Vec<usize> = shapes.iter().map(|s| s.numel().div_ceil(workers.max(1))).collect();
+    let part: usize = chunks.iter().sum();
+    if workers == 0 || flat.len() != part * workers {
+        return Err(format!(
+            "{} elements are not {workers} workers' chunks of {part}",
+            flat.len()
+        ));
+    }
+    let mut offset = 0;
+    shapes
+        .iter()
+        .zip(&chunks)
+        .map(|(s, &c)| {
+            let n = s.numel();
+            let mut whole: Vec<A> = Vec::with_capacity(c * workers);
+            for r in 0..workers {
+                let at = r * part + offset;
+                whole.extend_from_slice(&flat[at..at + c]);
+            }
+            whole.truncate(n);
+            offset += c;
+            ArrayD::from_shape_vec(IxDyn(s.dims()), whole)
+                .map(|a| Value::Tensor(A::wrap(a)))
+                .map_err(|e| format!("unpack_chunks to {}: {e}", shape_str(s.dims())))
+        })
+        .collect()
+}
+
 /// Splits a flat tensor into tensors of `shapes`.
 pub(super) fn unpack<A: Elem>(arg: &Arg<'_>, shapes: &[Shape]) -> Result<Vec<Value>, String> {
     let t = tensor(arg, 0)?;

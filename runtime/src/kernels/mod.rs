@@ -275,6 +275,11 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
             return Err("moves data between workers or servers: it runs on a communicator, which this executor does not have".into())
         }
         Op::Pack => float!(dt, A => comm::pack::<A>(&args))?,
+        Op::PackChunks { workers } => float!(dt, A => comm::pack_chunks::<A>(&args, *workers))?,
+        Op::UnpackChunks { workers, shapes } => {
+            let [x] = split(args)?;
+            return float!(dt, A => comm::unpack_chunks::<A>(&x, *workers, shapes));
+        }
         Op::Unpack { shapes } => {
             let [x] = split(args)?;
             return float!(dt, A => comm::unpack::<A>(&x, shapes));
