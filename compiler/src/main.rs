@@ -814,10 +814,7 @@ fn real_main(cli: Cli) -> Result<()> {
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             plan.save(&output, &[&file])?;
             for r in &c.records {
-                eprintln!(
-                    "  {:<18} {:>5} -> {:>5} nodes  {}",
-                    r.name, r.nodes.0, r.nodes.1, r.stats
-                );
+                eprintln!("  {r}");
             }
             if let Some(m) = &c.measurement {
                 eprintln!("  sparsity {m}");

@@ -21,6 +21,22 @@ pub struct PassRecord {
     pub nodes: (usize, usize),
 }
 
+/// One line for the user: name, nodes before and after, wall time (pass and verifier)
+/// in milliseconds, counters.
+impl std::fmt::Display for PassRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:<18} {:>5} -> {:>5} nodes {:>9.1} ms  {}",
+            self.name,
+            self.nodes.0,
+            self.nodes.1,
+            self.time.as_secs_f64() * 1e3,
+            self.stats
+        )
+    }
+}
+
 /// A pass failed or broke an invariant; `last_good` is the graph before it.
 #[derive(Debug, Error)]
 #[error("after pass {pass}: {message}")]
