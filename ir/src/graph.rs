@@ -188,28 +188,27 @@ impl Graph {
 
     /// Nodes in a deterministic topological order: among ready nodes the lowest id first.
     pub fn topo_order(&self) -> Vec<NodeId> {
-        let mut indegree = std::collections::HashMap::new();
+        // Indexed by node index (removed slots stay 0 and are never reached).
+        let mut indegree = vec![0u32; petgraph::visit::NodeIndexable::node_bound(&self.g)];
         let mut ready = BinaryHeap::new();
         for i in self.g.node_indices() {
             let d = self.g.edges_directed(i, Direction::Incoming).count();
             if d == 0 {
-                ready.push(Reverse(i.index()));
+                ready.push(Reverse(i.index() as u32));
             }
-            indegree.insert(i.index(), d);
+            indegree[i.index()] = d as u32;
         }
         let mut order = Vec::with_capacity(self.g.node_count());
         while let Some(Reverse(i)) = ready.pop() {
-            order.push(NodeId(i as u32));
+            order.push(NodeId(i));
             for e in self
                 .g
-                .edges_directed(NodeIndex::new(i), Direction::Outgoing)
+                .edges_directed(NodeIndex::new(i as usize), Direction::Outgoing)
             {
                 let t = e.target().index();
-                if let Some(d) = indegree.get_mut(&t) {
-                    *d -= 1;
-                    if *d == 0 {
-                        ready.push(Reverse(t));
-                    }
+                indegree[t] -= 1;
+                if indegree[t] == 0 {
+                    ready.push(Reverse(t as u32));
                 }
             }
         }
