@@ -297,6 +297,84 @@ impl OpKey {
     }
 }
 
+/// The graph loaded into an e-graph.
+struct Loaded {
+    eg: EGraph,
+    /// The e-class of each value.
+    class: HashMap<ValueId, Id>,
+    /// The sinks with the classes they read, in order.
+    sinks: Vec<(Op, Vec<Id>)>,
+    /// Inputs and variables: kept whether read or not.
+    keep: Vec<Id>,
+}
+
+/// Loads `g`, in topological `order`, into an e-graph (rebuilt).
+fn load(g: &Graph, order: &[NodeId]) -> Loaded {
+    let mut eg = EGraph::new(Types::default());
+    let mut class: HashMap<ValueId, Id> = HashMap::new();
+    let mut sinks: Vec<(Op, Vec<Id>)> = Vec::new();
+    let mut keep: Vec<Id> = Vec::new();
+    let mut table: HashMap<OpKey, Vec<usize>> = HashMap::new();
+    for &id in order {
+        let node = g.node(id);
+        let ins: Vec<Id> = node.inputs.iter().map(|v| class[v]).collect();
+        if node.op.is_sink() {
+            sinks.push((node.op.clone(), ins));
+            continue;
+        }
+        let enode = match &node.op {
+            Op::Add => TensorLang::Add([ins[0], ins[1]]),
+            Op::Sub => TensorLang::Sub([ins[0], ins[1]]),
+            Op::Mul => TensorLang::Mul([ins[0], ins[1]]),
+            Op::Div => TensorLang::Div([ins[0], ins[1]]),
+            Op::Neg => TensorLang::Neg([ins[0]]),
+            Op::Transpose { perm } => {
+                TensorLang::Transpose([eg.add(TensorLang::Attr(attr("perm", perm))), ins[0]])
+            }
+            Op::Reshape { shape } => TensorLang::Reshape([
+                eg.add(TensorLang::Attr(attr("shape", shape.dims()))),
+                ins[0],
+            ]),
+            op => {
+                let ops = &mut eg.analysis.ops;
+                let same = table.entry(OpKey::new(op, &node.outputs)).or_default();
+                let found = same
+                    .iter()
+                    .copied()
+                    .find(|&i| ops[i].0 == *op && ops[i].1 == node.outputs);
+                let idx = match found {
+                    Some(i) => i,
+                    None => {
+                        ops.push((op.clone(), node.outputs.clone()));
+                        same.push(ops.len() - 1);
+                        ops.len() - 1
+                    }
+                };
+                TensorLang::Other(Symbol::from(format!("op{idx}")), ins)
+            }
+        };
+        let c = eg.add(enode);
+        if node.outputs.len() == 1 {
+            class.insert(id.into(), c);
+        } else {
+            for port in 0..node.outputs.len() {
+                let p = eg.add(TensorLang::Attr(attr("port", &[port])));
+                class.insert(id.out(port as u16), eg.add(TensorLang::Port([p, c])));
+            }
+        }
+        if matches!(node.op, Op::Param { .. } | Op::Input { .. }) {
+            keep.push(c);
+        }
+    }
+    eg.rebuild();
+    Loaded {
+        eg,
+        class,
+        sinks,
+        keep,
+    }
+}
+
 /// The simplification pass, with egg's limits.
 pub struct Simplify {
     /// Saturation iterations at most.
@@ -320,64 +398,13 @@ impl Default for Simplify {
 impl Pass for Simplify {
     fn run(&self, g: &mut Graph, _cx: &mut PassCx) -> Result<PassStats, PassError> {
         let before = g.node_count();
-        let mut eg = EGraph::new(Types::default());
-        let mut class: HashMap<ValueId, Id> = HashMap::new();
-        let mut sinks: Vec<(Op, Vec<Id>)> = Vec::new();
         let order = g.topo_order();
-        let mut keep: Vec<Id> = Vec::new();
-        let mut table: HashMap<OpKey, Vec<usize>> = HashMap::new();
-        for &id in &order {
-            let node = g.node(id);
-            let ins: Vec<Id> = node.inputs.iter().map(|v| class[v]).collect();
-            if node.op.is_sink() {
-                sinks.push((node.op.clone(), ins));
-                continue;
-            }
-            let enode = match &node.op {
-                Op::Add => TensorLang::Add([ins[0], ins[1]]),
-                Op::Sub => TensorLang::Sub([ins[0], ins[1]]),
-                Op::Mul => TensorLang::Mul([ins[0], ins[1]]),
-                Op::Div => TensorLang::Div([ins[0], ins[1]]),
-                Op::Neg => TensorLang::Neg([ins[0]]),
-                Op::Transpose { perm } => {
-                    TensorLang::Transpose([eg.add(TensorLang::Attr(attr("perm", perm))), ins[0]])
-                }
-                Op::Reshape { shape } => TensorLang::Reshape([
-                    eg.add(TensorLang::Attr(attr("shape", shape.dims()))),
-                    ins[0],
-                ]),
-                op => {
-                    let ops = &mut eg.analysis.ops;
-                    let same = table.entry(OpKey::new(op, &node.outputs)).or_default();
-                    let found = same
-                        .iter()
-                        .copied()
-                        .find(|&i| ops[i].0 == *op && ops[i].1 == node.outputs);
-                    let idx = match found {
-                        Some(i) => i,
-                        None => {
-                            ops.push((op.clone(), node.outputs.clone()));
-                            same.push(ops.len() - 1);
-                            ops.len() - 1
-                        }
-                    };
-                    TensorLang::Other(Symbol::from(format!("op{idx}")), ins)
-                }
-            };
-            let c = eg.add(enode);
-            if node.outputs.len() == 1 {
-                class.insert(id.into(), c);
-            } else {
-                for port in 0..node.outputs.len() {
-                    let p = eg.add(TensorLang::Attr(attr("port", &[port])));
-                    class.insert(id.out(port as u16), eg.add(TensorLang::Port([p, c])));
-                }
-            }
-            if matches!(node.op, Op::Param { .. } | Op::Input { .. }) {
-                keep.push(c);
-            }
-        }
-        eg.rebuild();
+        let Loaded {
+            eg,
+            class,
+            sinks,
+            keep,
+        } = load(g, &order);
         let runner = egg::Runner::default()
             .with_egraph(eg)
             .with_iter_limit(self.iter_limit)
@@ -456,6 +483,12 @@ struct Best<'a> {
     classes: Vec<&'a egg::EClass<TensorLang, Info>>,
     /// Per class: the chosen node's position in the class, once settled.
     chosen: Vec<Option<u32>>,
+    /// Per class: the cost of the chosen node.
+    #[cfg_attr(not(test), allow(dead_code))]
+    cost: Vec<usize>,
+    /// Heap entries made: one per e-node at most (what the tests count).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pushes: usize,
 }
 
 impl<'a> Best<'a> {
@@ -483,6 +516,7 @@ impl<'a> Best<'a> {
         let mut pending: Vec<u32> = Vec::new();
         let mut readers: Vec<Vec<u32>> = vec![Vec::new(); classes.len()];
         let mut heap = BinaryHeap::new();
+        let mut pushes = 0;
         for (ci, class) in classes.iter().enumerate() {
             for (k, n) in class.nodes.iter().enumerate() {
                 let ni = nodes.len() as u32;
@@ -493,6 +527,7 @@ impl<'a> Best<'a> {
                 }
                 if n.is_leaf() {
                     heap.push(Reverse((1usize, ci as u32, k as u32)));
+                    pushes += 1;
                 }
             }
         }
@@ -516,6 +551,7 @@ impl<'a> Best<'a> {
                         .iter()
                         .fold(1usize, |s, &ch| s.saturating_add(cost[class_of(ch)]));
                     heap.push(Reverse((total, pc, pk)));
+                    pushes += 1;
                 }
             }
         }
@@ -524,6 +560,8 @@ impl<'a> Best<'a> {
             index,
             classes,
             chosen,
+            cost,
+            pushes,
         }
     }
 
@@ -594,4 +632,144 @@ fn build(
     };
     built.insert(c, v);
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distc_ir::{DType, Init, TensorType};
+
+    /// `layers` of `relu(h * w + b) * 1 + 0` and a double transpose, with a loss: deep,
+    /// with rules to apply at every layer.
+    fn deep(layers: usize) -> Graph {
+        let mut g = Graph::new("deep");
+        let t = |d: Vec<usize>| TensorType::new(DType::F32, d);
+        let x = g
+            .add(
+                Op::Input {
+                    name: "x".into(),
+                    ty: t(vec![4, 4]),
+                },
+                vec![],
+            )
+            .expect("well typed");
+        let one = g
+            .add(
+                Op::Constant {
+                    value: 1.0,
+                    ty: t(vec![]),
+                },
+                vec![],
+            )
+            .expect("well typed");
+        let zero = g
+            .add(
+                Op::Constant {
+                    value: 0.0,
+                    ty: t(vec![]),
+                },
+                vec![],
+            )
+            .expect("well typed");
+        let mut h = ValueId::from(x);
+        for i in 0..layers {
+            let w = g
+                .add(
+                    Op::Param {
+                        name: format!("w{i}"),
+                        ty: t(vec![4, 4]),
+                        init: Init::Glorot,
+                    },
+                    vec![],
+                )
+                .expect("well typed");
+            let m = g
+                .add(
+                    Op::MatMul {
+                        transpose_a: false,
+                        transpose_b: false,
+                    },
+                    vec![h, w.into()],
+                )
+                .expect("well typed");
+            let r = g.add(Op::Relu, vec![m.into()]).expect("well typed");
+            let a = g
+                .add(Op::Mul, vec![r.into(), one.into()])
+                .expect("well typed");
+            let b = g
+                .add(Op::Add, vec![a.into(), zero.into()])
+                .expect("well typed");
+            let p = g
+                .add(Op::Transpose { perm: vec![1, 0] }, vec![b.into()])
+                .expect("well typed");
+            let q = g
+                .add(Op::Transpose { perm: vec![1, 0] }, vec![p.into()])
+                .expect("well typed");
+            h = q.into();
+        }
+        let s = g
+            .add(
+                Op::Mean {
+                    axes: vec![0, 1],
+                    keep_dims: false,
+                },
+                vec![h],
+            )
+            .expect("well typed");
+        g.add(Op::Loss, vec![s.into()]).expect("well typed");
+        g
+    }
+
+    fn saturated(g: &Graph) -> EGraph {
+        let loaded = load(g, &g.topo_order());
+        egg::Runner::default()
+            .with_egraph(loaded.eg)
+            .with_iter_limit(16)
+            .run(&rules())
+            .egraph
+    }
+
+    #[test]
+    fn extraction_costs_are_egg_extractor_costs() {
+        let eg = saturated(&deep(30));
+        let ours = Best::new(&eg);
+        let egg_ex = egg::Extractor::new(&eg, egg::AstSize);
+        for class in eg.classes() {
+            let i = ours.index[usize::from(class.id)] as usize;
+            assert_eq!(
+                ours.cost[i],
+                egg_ex.find_best_cost(class.id),
+                "class {}",
+                class.id
+            );
+            let node = ours.node(class.id).expect("a term");
+            let cost = node
+                .children()
+                .iter()
+                .fold(1usize, |s, &c| s.saturating_add(egg_ex.find_best_cost(c)));
+            assert_eq!(cost, ours.cost[i], "chosen node of class {}", class.id);
+        }
+    }
+
+    #[test]
+    fn extraction_visits_each_enode_once() {
+        // egg's extractor sweeps every class once per level of depth; this one makes
+        // one heap entry per e-node at most, however deep the graph.
+        let eg = saturated(&deep(2000));
+        let best = Best::new(&eg);
+        assert!(
+            best.pushes <= eg.total_number_of_nodes(),
+            "{} pushes",
+            best.pushes
+        );
+    }
+
+    #[test]
+    fn opaque_ops_are_shared_by_value() {
+        let g = deep(50);
+        let loaded = load(&g, &g.topo_order());
+        // One entry per distinct opaque op: input, two constants, 50 variables, matmul,
+        // relu, mean.
+        assert_eq!(loaded.eg.analysis.ops.len(), 56);
+    }
 }
