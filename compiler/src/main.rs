@@ -84,8 +84,7 @@ enum Command {
         /// Measure compile time instead of training: deep MLPs generated in memory
         /// with about --nodes nodes after autodiff, compiled (all passes, verifier and
         /// plan included) with each strategy and the largest --workers; prints nodes,
-        /// times and the slowest passes. Runs: compiles per configuration, the fastest
-        /// reported (default 1).
+        /// times and the slowest passes.
         #[arg(long)]
         compile: bool,
         /// Graph sizes of --compile, nodes after autodiff (each at least 1).
@@ -94,8 +93,8 @@ enum Command {
         /// Worker counts (each at least 1).
         #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4], value_parser = at_least_one)]
         workers: Vec<usize>,
-        /// Runs per configuration (at least 1; the median is reported; default 3, with
-        /// --compile 1).
+        /// Runs per configuration (at least 1; the median is reported; default 3). With
+        /// --compile: compiles per configuration, the fastest reported (default 1).
         #[arg(long, value_parser = at_least_one)]
         runs: Option<usize>,
         /// Parameter servers of ps, hybrid and auto plans (default: as many as workers).
