@@ -278,3 +278,220 @@ fn one(
 fn batch_of(plan: &serde_json::Value) -> Option<usize> {
     plan["config"]["batch"].as_u64().map(|b| b as usize)
 }
+
+/// `distc bench --compile`: compile time against graph size. Deep MLPs (see
+/// [`deep_model`]) whose graph after autodiff has about the asked number of nodes are
+/// generated in memory and compiled, all passes, under each strategy; a row gives the
+/// nodes, the time of lowering, of the passes (with the verifier after each), of the
+/// plan (printing, hashing, JSON) and in all, and the slowest passes. Release builds
+/// only mean anything.
+pub struct CompileBenchSettings {
+    /// Target node counts after autodiff.
+    pub nodes: Vec<usize>,
+    /// Strategies by name: those of [`run`], and `allreduce_zero3` (allreduce with
+    /// ZeRO stage 3 and `--accumulate 2`, so every pass rewrites something).
+    pub strategies: Vec<String>,
+    /// Workers of the distributed strategies.
+    pub workers: usize,
+    /// Servers of ps, hybrid and auto plans (`None`: one per worker).
+    pub servers: Option<usize>,
+    /// Compiles per configuration (the fastest is reported).
+    pub runs: usize,
+}
+
+/// One compiled configuration of `distc bench --compile`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CompileRow {
+    /// Strategy.
+    pub strategy: String,
+    /// MLP layers of the generated model.
+    pub layers: usize,
+    /// Nodes after lowering.
+    pub lowered_nodes: usize,
+    /// Nodes after autodiff.
+    pub autodiff_nodes: usize,
+    /// Nodes of the final worker program.
+    pub final_nodes: usize,
+    /// Seconds of parsing and lowering (twice, for the batch axes), measured by a
+    /// compile that stops after `lower`.
+    pub lower_s: f64,
+    /// Seconds of the passes, verifier after each included.
+    pub passes_s: f64,
+    /// Seconds of the rest of compiling: the sparsity measurement, and the pass
+    /// manager's copy of the graph before each pass (kept for the error's last good IR).
+    pub other_s: f64,
+    /// Seconds of making the plan and its JSON text.
+    pub plan_s: f64,
+    /// Seconds in all (`compile` and the plan; the lowering-only compile not counted).
+    pub total_s: f64,
+    /// Each pass: (name, seconds of the pass, seconds of its verifier).
+    pub pass_s: Vec<(String, f64, f64)>,
+}
+
+/// Nodes after autodiff of [`deep_model`] with `layers` layers: 11 per layer (matmul,
+/// bias add, relu, their gradients and the two variables with their sinks) and 19
+/// for the embedding, head and loss.
+pub fn deep_model_nodes(layers: usize) -> usize {
+    11 * layers + 19
+}
+
+/// A deep MLP in the DSL: an 8-wide embedding of 4 ids, `layers` layers of
+/// `relu(h @ w + b)` 8 wide, a 4-class head. Tiny tensors, so its plan compiles at any
+/// depth; the embedding gives ps and hybrid a sparse variable.
+pub fn deep_model(layers: usize) -> String {
+    use std::fmt::Write;
+    let mut s = String::from(
+        "model deep {\n  input ids: i32[B, 4]\n  input label: i32[B]\n  \
+         param emb: f32[1000, 2] = uniform(-0.05, 0.05)\n",
+    );
+    for i in 0..layers {
+        let _ = writeln!(s, "  param w{i}: f32[8, 8] = glorot");
+        let _ = writeln!(s, "  param b{i}: f32[8] = zeros");
+    }
+    s.push_str("  param wo: f32[8, 4] = glorot\n  x = reshape(embedding(emb, ids), [B, 8])\n");
+    let mut prev = "x".to_string();
+    for i in 0..layers {
+        let _ = writeln!(s, "  h{i} = relu({prev} @ w{i} + b{i})");
+        prev = format!("h{i}");
+    }
+    let _ = writeln!(
+        s,
+        "  logits = {prev} @ wo\n  minimize softmax_cross_entropy(logits, label)\n}}"
+    );
+    s.push_str(
+        "train {\n  data = zipf_tokens(vocab = 1000, context = 4, classes = 4, s = 1.1)\n  \
+         batch = 16\n  optimizer = sgd(lr = 0.1)\n  steps = 10\n  seed = 1\n}\n",
+    );
+    s
+}
+
+/// The strategy flags of a benchmark strategy name.
+fn compile_config(
+    name: &str,
+    workers: usize,
+    servers: Option<usize>,
+) -> Result<distc_passes::placement::StrategyConfig> {
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    let mut c = StrategyConfig {
+        workers,
+        ..StrategyConfig::default()
+    };
+    c.strategy = match name {
+        "single" => {
+            c.workers = 1;
+            Strategy::Single
+        }
+        "allreduce" => Strategy::Allreduce,
+        "allreduce_dense" => {
+            c.sparse_as_dense = true;
+            Strategy::Allreduce
+        }
+        "allreduce_zero3" => {
+            c.zero = 3;
+            c.accumulate = 2;
+            Strategy::Allreduce
+        }
+        "ps" => Strategy::Ps,
+        "hybrid" => Strategy::Hybrid,
+        "auto" => Strategy::Auto,
+        other => bail!(
+            "unknown strategy `{other}`; the strategies are single, allreduce, \
+             allreduce_dense, allreduce_zero3, ps, hybrid and auto"
+        ),
+    };
+    if matches!(c.strategy, Strategy::Ps | Strategy::Hybrid | Strategy::Auto) {
+        c.servers = servers.unwrap_or(workers);
+    }
+    Ok(c)
+}
+
+fn compile_once(src: &str, config: &distc_passes::placement::StrategyConfig) -> Result<CompileRow> {
+    let opts = crate::CompileOptions {
+        strategy: config.clone(),
+        ..Default::default()
+    };
+    let lower_only = crate::CompileOptions {
+        stop_after: Some("lower".into()),
+        ..opts.clone()
+    };
+    let start = std::time::Instant::now();
+    std::hint::black_box(crate::compile("deep.dsl", src, &lower_only)?);
+    let lower_s = start.elapsed().as_secs_f64();
+    let start = std::time::Instant::now();
+    let c = crate::compile("deep.dsl", src, &opts)?;
+    let compiled = start.elapsed();
+    let plan = crate::Plan::new(&c, "deep.dsl", config);
+    let json = serde_json::to_string_pretty(&plan)?;
+    let total = start.elapsed();
+    std::hint::black_box(json);
+    let pass_s: Vec<(String, f64, f64)> = c
+        .records
+        .iter()
+        .map(|r| (r.name.clone(), r.time.as_secs_f64(), r.verify.as_secs_f64()))
+        .collect();
+    let passes_s: f64 = pass_s.iter().map(|(_, p, v)| p + v).sum();
+    Ok(CompileRow {
+        strategy: String::new(),
+        layers: 0,
+        lowered_nodes: c.lowered_nodes,
+        autodiff_nodes: c.records.first().map_or(0, |r| r.nodes.1),
+        final_nodes: c.programs.worker.node_count(),
+        lower_s,
+        passes_s,
+        other_s: (compiled.as_secs_f64() - lower_s - passes_s).max(0.0),
+        plan_s: (total - compiled).as_secs_f64(),
+        total_s: total.as_secs_f64(),
+        pass_s,
+    })
+}
+
+/// Runs `distc bench --compile`, printing a row as each configuration finishes.
+pub fn run_compile(s: &CompileBenchSettings) -> Result<Vec<CompileRow>> {
+    let configs = s
+        .strategies
+        .iter()
+        .map(|n| Ok((n.clone(), compile_config(n, s.workers, s.servers)?)))
+        .collect::<Result<Vec<_>>>()?;
+    println!(
+        "{:<16} {:>6} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8}  slowest passes (ms, verifier included)",
+        "strategy", "layers", "nodes", "lower s", "passes s", "other s", "plan s", "total s"
+    );
+    let mut rows = Vec::new();
+    for &target in &s.nodes {
+        let layers = target.saturating_sub(deep_model_nodes(0)) / 11;
+        let src = deep_model(layers.max(1));
+        for (name, config) in &configs {
+            let mut best: Option<CompileRow> = None;
+            for _ in 0..s.runs.max(1) {
+                let r = compile_once(&src, config)?;
+                if best.as_ref().is_none_or(|b| r.total_s < b.total_s) {
+                    best = Some(r);
+                }
+            }
+            let Some(mut r) = best else { continue };
+            r.strategy = name.clone();
+            r.layers = layers.max(1);
+            let mut slow: Vec<&(String, f64, f64)> = r.pass_s.iter().collect();
+            slow.sort_by(|a, b| (b.1 + b.2).total_cmp(&(a.1 + a.2)));
+            let slowest: Vec<String> = slow
+                .iter()
+                .take(3)
+                .map(|(n, p, v)| format!("{n} {:.0}", (p + v) * 1e3))
+                .collect();
+            println!(
+                "{:<16} {:>6} {:>7} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}",
+                r.strategy,
+                r.layers,
+                r.autodiff_nodes,
+                r.lower_s,
+                r.passes_s,
+                r.other_s,
+                r.plan_s,
+                r.total_s,
+                slowest.join(", ")
+            );
+            rows.push(r);
+        }
+    }
+    Ok(rows)
+}

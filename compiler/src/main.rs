@@ -70,21 +70,35 @@ enum Command {
         transport: Transport,
     },
     /// Benchmark the standard workloads (WORKLOADS.md): each strategy with 1, 2 and 4
-    /// workers; 10 warm-up and 50 timed steps, median of 3 runs.
+    /// workers; 10 warm-up and 50 timed steps, median of 3 runs. With --compile:
+    /// compile time of generated deep MLPs of 10k, 30k and 100k nodes instead.
     Bench {
         /// Workloads: sparse_lm, dense_mlp.
         #[arg(long, value_delimiter = ',', default_values_t = ["sparse_lm".to_string(), "dense_mlp".to_string()])]
         workloads: Vec<String>,
         /// Strategies: single, allreduce, allreduce_dense (sparse gradients densified:
-        /// all-reduce everything), ps, hybrid, auto.
-        #[arg(long, value_delimiter = ',', default_values_t = ["single".to_string(), "allreduce_dense".to_string(), "allreduce".to_string(), "hybrid".to_string(), "ps".to_string()])]
-        strategies: Vec<String>,
+        /// all-reduce everything), ps, hybrid, auto; with --compile also
+        /// allreduce_zero3 (ZeRO stage 3 and --accumulate 2). Default:
+        /// single,allreduce_dense,allreduce,hybrid,ps; with --compile:
+        /// single,allreduce,hybrid,allreduce_zero3.
+        #[arg(long, value_delimiter = ',')]
+        strategies: Option<Vec<String>>,
+        /// Measure compile time instead of training: deep MLPs generated in memory
+        /// with about --nodes nodes after autodiff, compiled (all passes, verifier and
+        /// plan included) with each strategy and the largest --workers; prints nodes,
+        /// times and the slowest passes.
+        #[arg(long)]
+        compile: bool,
+        /// Graph sizes of --compile, nodes after autodiff (each at least 1).
+        #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 30_000, 100_000], value_parser = at_least_one)]
+        nodes: Vec<usize>,
         /// Worker counts (each at least 1).
         #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4], value_parser = at_least_one)]
         workers: Vec<usize>,
-        /// Runs per configuration (at least 1; the median is reported).
-        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
-        runs: usize,
+        /// Runs per configuration (at least 1; the median is reported; default 3). With
+        /// --compile: compiles per configuration, the fastest reported (default 1).
+        #[arg(long, value_parser = at_least_one)]
+        runs: Option<usize>,
         /// Parameter servers of ps, hybrid and auto plans (default: as many as workers).
         #[arg(long, value_parser = at_least_one)]
         servers: Option<usize>,
@@ -883,10 +897,7 @@ fn real_main(cli: Cli) -> Result<()> {
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             plan.save(&output, &[&file])?;
             for r in &c.records {
-                eprintln!(
-                    "  {:<18} {:>5} -> {:>5} nodes  {}",
-                    r.name, r.nodes.0, r.nodes.1, r.stats
-                );
+                eprintln!("  {r}");
             }
             if let Some(m) = &c.measurement {
                 eprintln!("  sparsity {m}");
@@ -922,6 +933,8 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Bench {
             workloads,
             strategies,
+            compile,
+            nodes,
             workers,
             runs,
             servers,
@@ -933,6 +946,27 @@ fn real_main(cli: Cli) -> Result<()> {
             if let Some(path) = &json {
                 distc_runtime::output::check_output(path, &[])?;
             }
+            let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+            if compile {
+                let settings = distc::bench::CompileBenchSettings {
+                    nodes,
+                    strategies: strategies.unwrap_or_else(|| {
+                        names(&["single", "allreduce", "hybrid", "allreduce_zero3"])
+                    }),
+                    workers: workers.iter().copied().max().unwrap_or(2),
+                    servers,
+                    runs: runs.unwrap_or(1),
+                };
+                let rows = distc::bench::run_compile(&settings)?;
+                if let Some(path) = json {
+                    write_file(&path, serde_json::to_string_pretty(&rows)?.as_bytes())?;
+                }
+                return Ok(());
+            }
+            let strategies = strategies.unwrap_or_else(|| {
+                names(&["single", "allreduce_dense", "allreduce", "hybrid", "ps"])
+            });
+            let runs = runs.unwrap_or(3);
             let dir = std::env::temp_dir().join(format!("distc-bench-{}", std::process::id()));
             let settings = distc::bench::BenchSettings {
                 workloads,

@@ -188,28 +188,27 @@ impl Graph {
 
     /// Nodes in a deterministic topological order: among ready nodes the lowest id first.
     pub fn topo_order(&self) -> Vec<NodeId> {
-        let mut indegree = std::collections::HashMap::new();
+        // Indexed by node index (removed slots stay 0 and are never reached).
+        let mut indegree = vec![0u32; petgraph::visit::NodeIndexable::node_bound(&self.g)];
         let mut ready = BinaryHeap::new();
         for i in self.g.node_indices() {
             let d = self.g.edges_directed(i, Direction::Incoming).count();
             if d == 0 {
-                ready.push(Reverse(i.index()));
+                ready.push(Reverse(i.index() as u32));
             }
-            indegree.insert(i.index(), d);
+            indegree[i.index()] = d as u32;
         }
         let mut order = Vec::with_capacity(self.g.node_count());
         while let Some(Reverse(i)) = ready.pop() {
-            order.push(NodeId(i as u32));
+            order.push(NodeId(i));
             for e in self
                 .g
-                .edges_directed(NodeIndex::new(i), Direction::Outgoing)
+                .edges_directed(NodeIndex::new(i as usize), Direction::Outgoing)
             {
                 let t = e.target().index();
-                if let Some(d) = indegree.get_mut(&t) {
-                    *d -= 1;
-                    if *d == 0 {
-                        ready.push(Reverse(t));
-                    }
+                indegree[t] -= 1;
+                if indegree[t] == 0 {
+                    ready.push(Reverse(t as u32));
                 }
             }
         }
@@ -295,27 +294,41 @@ impl Graph {
     }
 
     /// Removes nodes whose results nothing reads and that are not sinks; returns how many.
+    /// Removes in rounds, each in node order: the dead nodes, then those that only
+    /// they read, and so on. A round looks only at the producers of what the round
+    /// before removed, so a dead chain costs its length, not its length times the graph.
     pub fn remove_dead(&mut self) -> usize {
+        let removable = |g: &Graph, id: NodeId| {
+            let n = g.node(id);
+            !n.op.is_sink()
+                && !matches!(n.op, Op::Param { .. } | Op::Input { .. })
+                && g.g
+                    .neighbors_directed(id.index(), Direction::Outgoing)
+                    .next()
+                    .is_none()
+        };
+        let mut dead: Vec<NodeId> = self
+            .node_ids()
+            .into_iter()
+            .filter(|&id| removable(self, id))
+            .collect();
         let mut removed = 0;
-        loop {
-            let dead: Vec<NodeId> = self
-                .node_ids()
-                .into_iter()
-                .filter(|&id| {
-                    let n = self.node(id);
-                    !n.op.is_sink()
-                        && !matches!(n.op, Op::Param { .. } | Op::Input { .. })
-                        && self.user_nodes(id).is_empty()
-                })
-                .collect();
-            if dead.is_empty() {
-                return removed;
-            }
+        while !dead.is_empty() {
+            let mut producers = Vec::new();
             for id in dead {
-                self.remove(id);
-                removed += 1;
+                if let Some(n) = self.remove(id) {
+                    producers.extend(n.inputs.iter().map(|v| v.node));
+                    removed += 1;
+                }
             }
+            producers.sort();
+            producers.dedup();
+            dead = producers
+                .into_iter()
+                .filter(|&id| self.contains(id) && removable(self, id))
+                .collect();
         }
+        removed
     }
 
     /// Trainable variables in node order: `(node, name, type)`.

@@ -20,18 +20,26 @@ pub struct VerifyError {
 /// most, variable and input names unique, each gradient names one existing variable once.
 pub fn verify(g: &Graph) -> Result<(), VerifyError> {
     let mut errors = Vec::new();
-    if g.has_cycle() {
+    let order = g.topo_order();
+    if order.len() != g.node_count() {
         errors.push("the graph has a cycle".to_string());
         return Err(VerifyError { errors });
     }
-    let num = numbering(g);
+    // The printing numbers only name nodes in messages: made at the first one.
+    let num = std::cell::OnceCell::new();
     let mut params: HashMap<&str, usize> = HashMap::new();
     let mut inputs: HashMap<&str, usize> = HashMap::new();
     let mut grads: HashMap<&str, usize> = HashMap::new();
     let mut losses = 0;
-    for id in g.topo_order() {
+    for id in order {
         let node = g.node(id);
-        let here = || format!("{} ({})", id, node_line(g, &num, id));
+        let here = || {
+            format!(
+                "{} ({})",
+                id,
+                node_line(g, num.get_or_init(|| numbering(g)), id)
+            )
+        };
         let mut types: Vec<&ValueType> = Vec::new();
         let mut dangling = false;
         for v in &node.inputs {

@@ -21,6 +21,7 @@
 use crate::placement::{Mechanism, VarPlacement};
 use crate::{needs_program_set, Pass, PassCx, PassError, PassStats, ProgramSet};
 use distc_ir::{Graph, NodeId, Op, ReduceOp, TensorType};
+use std::collections::HashMap;
 
 /// The distribution rewrite.
 pub struct Distribute;
@@ -32,17 +33,46 @@ fn shards(v: &VarPlacement) -> Vec<(usize, usize, usize)> {
         .collect()
 }
 
-fn sink_of(g: &Graph, name: &str) -> Option<NodeId> {
-    g.node_ids()
-        .into_iter()
-        .find(|&id| matches!(g.op(id), Op::ParamGrad { param } if param == name))
+/// Every variable's node and gradient sink, by name: looked up once, not once per
+/// variable (the rewrite of one variable leaves the others' nodes where they are).
+struct Index {
+    params: HashMap<String, NodeId>,
+    sinks: HashMap<String, NodeId>,
 }
 
-fn param_of(g: &Graph, name: &str) -> Option<(NodeId, TensorType, distc_ir::Init)> {
-    g.node_ids().into_iter().find_map(|id| match g.op(id) {
-        Op::Param { name: n, ty, init } if n == name => Some((id, ty.clone(), init.clone())),
-        _ => None,
-    })
+impl Index {
+    fn new(g: &Graph) -> Index {
+        let (mut params, mut sinks) = (HashMap::new(), HashMap::new());
+        // The first in node order wins, as a search from the start would find it.
+        for id in g.node_ids() {
+            match g.op(id) {
+                Op::Param { name, .. } => {
+                    params.entry(name.clone()).or_insert(id);
+                }
+                Op::ParamGrad { param } => {
+                    sinks.entry(param.clone()).or_insert(id);
+                }
+                _ => {}
+            }
+        }
+        Index { params, sinks }
+    }
+
+    fn sink_of(&self, g: &Graph, name: &str) -> Option<NodeId> {
+        let id = *self.sinks.get(name)?;
+        match &g.get(id)?.op {
+            Op::ParamGrad { param } if param == name => Some(id),
+            _ => None,
+        }
+    }
+
+    fn param_of(&self, g: &Graph, name: &str) -> Option<(NodeId, TensorType, distc_ir::Init)> {
+        let id = *self.params.get(name)?;
+        match &g.get(id)?.op {
+            Op::Param { name: n, ty, init } if n == name => Some((id, ty.clone(), init.clone())),
+            _ => None,
+        }
+    }
 }
 
 impl Pass for Distribute {
@@ -62,15 +92,17 @@ impl Pass for Distribute {
             .collect();
         let mut init = Graph::new(format!("{}.init", g.name));
         let (mut collectives, mut ps_ops) = (0, 0);
+        let index = Index::new(g);
         for v in &plan.vars {
             let missing =
                 || PassError::Precondition(format!("variable `{}` has no gradient sink", v.name));
-            let (param, ty, init_spec) = param_of(g, &v.name)
+            let (param, ty, init_spec) = index
+                .param_of(g, &v.name)
                 .ok_or_else(|| PassError::Precondition(format!("no variable `{}`", v.name)))?;
             match v.placement {
                 Mechanism::Local => {}
                 Mechanism::Allreduce | Mechanism::Allgather => {
-                    let sink = sink_of(g, &v.name).ok_or_else(missing)?;
+                    let sink = index.sink_of(g, &v.name).ok_or_else(missing)?;
                     let mut grad = g.node(sink).inputs[0];
                     let mean = Op::AllReduce {
                         reduce: ReduceOp::Mean,
@@ -113,7 +145,7 @@ impl Pass for Distribute {
                     )?;
                 }
                 Mechanism::Ps => {
-                    let sink = sink_of(g, &v.name).ok_or_else(missing)?;
+                    let sink = index.sink_of(g, &v.name).ok_or_else(missing)?;
                     let grad = g.node(sink).inputs[0];
                     let sh = shards(v);
                     if g.value_type(grad).is_sparse() {

@@ -229,12 +229,21 @@ impl Pass for Fusion {
         records.extend(scattered);
         let (gather_buckets, gathers_fused) = bucket_gathers(g, &pos, caps)?;
         if let Some(d) = dist {
+            // Each name to its first variable, as a search from the start finds it.
+            let mut var_of: std::collections::HashMap<&str, usize> = Default::default();
+            for (i, v) in d.vars.iter().enumerate() {
+                var_of.entry(v.name.as_str()).or_insert(i);
+            }
+            let mut bucket_of = Vec::new();
             for r in &records {
                 for name in &r.vars {
-                    if let Some(v) = d.vars.iter_mut().find(|v| &v.name == name) {
-                        v.bucket = Some(r.id);
+                    if let Some(&i) = var_of.get(name.as_str()) {
+                        bucket_of.push((i, r.id));
                     }
                 }
+            }
+            for (i, b) in bucket_of {
+                d.vars[i].bucket = Some(b);
             }
             d.buckets = records.clone();
         }

@@ -16,10 +16,29 @@ pub struct PassRecord {
     pub name: String,
     /// Its counters.
     pub stats: PassStats,
-    /// Wall time.
+    /// Wall time of the pass itself.
     pub time: Duration,
+    /// Wall time of the verifier after it (every program).
+    pub verify: Duration,
     /// Nodes of the worker program before and after.
     pub nodes: (usize, usize),
+}
+
+/// One line for the user: name, nodes before and after, wall time of the pass and of
+/// the verifier after it in milliseconds, counters.
+impl std::fmt::Display for PassRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:<18} {:>6} -> {:>6} nodes {:>8.1} ms (verify {:>6.1} ms)  {}",
+            self.name,
+            self.nodes.0,
+            self.nodes.1,
+            self.time.as_secs_f64() * 1e3,
+            self.verify.as_secs_f64() * 1e3,
+            self.stats
+        )
+    }
 }
 
 /// A pass failed or broke an invariant; `last_good` is the program set before it.
@@ -52,6 +71,7 @@ pub fn run_pipeline(
         if cx.disabled.contains(&name) {
             continue;
         }
+        // Kept for the error only: one copy per pass, linear in the graph.
         let before = p.clone();
         let start = Instant::now();
         let nodes_before = p.worker.node_count();
@@ -61,7 +81,11 @@ pub fn run_pipeline(
             programs: Vec::new(),
             last_good: Box::new(before.clone()),
         })?;
-        if let Err(e) = p.verify() {
+        let time = start.elapsed();
+        let checked = Instant::now();
+        let verified = p.verify();
+        let verify_time = checked.elapsed();
+        if let Err(e) = verified {
             return Err(PipelineError {
                 pass: name,
                 message: e.to_string(),
@@ -73,7 +97,8 @@ pub fn run_pipeline(
         records.push(PassRecord {
             name: name.clone(),
             stats,
-            time: start.elapsed(),
+            time,
+            verify: verify_time,
             nodes: (nodes_before, p.worker.node_count()),
         });
         if stop_after == Some(name.as_str()) {

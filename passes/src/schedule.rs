@@ -54,20 +54,7 @@ impl Pass for Schedule {
         }
         // A gathered parameter (ZeRO) is gathered just before its first reader, so it is
         // alive only as long as that reader's pass needs it.
-        let gathers: Vec<NodeId> = order
-            .iter()
-            .copied()
-            .filter(|&id| matches!(g.op(id), Op::AllGatherDense { .. }))
-            .collect();
-        for gid in gathers {
-            order.retain(|&id| id != gid);
-            let users = g.user_nodes(gid);
-            let at = order
-                .iter()
-                .position(|id| users.contains(id))
-                .unwrap_or(order.len());
-            order.insert(at, gid);
-        }
+        let order = gathers_before_readers(g, order);
         let moved = order.iter().zip(&before).filter(|(a, b)| a != b).count();
         let mut out = Graph::new(g.name.clone());
         let mut map: HashMap<NodeId, NodeId> = HashMap::new();
@@ -86,4 +73,55 @@ impl Pass for Schedule {
         *g = out;
         Ok(PassStats::default().count("moved", moved))
     }
+}
+
+/// Moves each `all_gather_dense` just before its first reader (to the end when it has
+/// none); gathers before the same reader keep their order. When a gather reads
+/// another (ZeRO never makes one), moves them one at a time, each a search of the
+/// whole order, as the definition says.
+fn gathers_before_readers(g: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
+    let is_gather = |id: NodeId| matches!(g.op(id), Op::AllGatherDense { .. });
+    let gathers: Vec<NodeId> = order.iter().copied().filter(|&id| is_gather(id)).collect();
+    if gathers.is_empty() {
+        return order;
+    }
+    if gathers
+        .iter()
+        .any(|&gid| g.node(gid).inputs.iter().any(|v| is_gather(v.node)))
+    {
+        for gid in gathers {
+            order.retain(|&id| id != gid);
+            let users = g.user_nodes(gid);
+            let at = order
+                .iter()
+                .position(|id| users.contains(id))
+                .unwrap_or(order.len());
+            order.insert(at, gid);
+        }
+        return order;
+    }
+    // No gather reads a gather, so the others keep their order and each gather's
+    // place depends only on them: one pass.
+    let rest: Vec<NodeId> = order.into_iter().filter(|&id| !is_gather(id)).collect();
+    let pos: HashMap<NodeId, usize> = rest.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let mut before: Vec<Vec<NodeId>> = vec![Vec::new(); rest.len()];
+    let mut tail = Vec::new();
+    for gid in gathers {
+        let first = g
+            .user_nodes(gid)
+            .iter()
+            .filter_map(|u| pos.get(u).copied())
+            .min();
+        match first {
+            Some(i) => before[i].push(gid),
+            None => tail.push(gid),
+        }
+    }
+    let mut out = Vec::with_capacity(rest.len() + tail.len());
+    for (id, gs) in rest.into_iter().zip(before) {
+        out.extend(gs);
+        out.push(id);
+    }
+    out.extend(tail);
+    out
 }

@@ -265,6 +265,116 @@ fn rules() -> Vec<egg::Rewrite<TensorLang, Types>> {
     ]
 }
 
+/// Where to look an opaque op up in the table of opaque ops. `Op` holds floats, so it
+/// is not `Hash`; this key is, and agrees with its `PartialEq` (equal ops, equal keys):
+/// the mnemonic, a source's name, a constant's value and the result types. Ops with
+/// equal keys are told apart by `==`, so a table of thousands of variables is not
+/// searched from the start for each.
+#[derive(PartialEq, Eq, Hash)]
+struct OpKey {
+    mnemonic: &'static str,
+    name: Option<String>,
+    value: Option<u64>,
+    outputs: Vec<ValueType>,
+}
+
+impl OpKey {
+    fn new(op: &Op, outputs: &[ValueType]) -> OpKey {
+        let (name, value) = match op {
+            Op::Input { name, .. } | Op::Param { name, .. } => (Some(name.clone()), None),
+            // 0.0 == -0.0: one key for both.
+            Op::Constant { value, .. } => {
+                (None, Some(if *value == 0.0 { 0 } else { value.to_bits() }))
+            }
+            _ => (None, None),
+        };
+        OpKey {
+            mnemonic: op.mnemonic(),
+            name,
+            value,
+            outputs: outputs.to_vec(),
+        }
+    }
+}
+
+/// The graph loaded into an e-graph.
+struct Loaded {
+    eg: EGraph,
+    /// The e-class of each value.
+    class: HashMap<ValueId, Id>,
+    /// The sinks with the classes they read, in order.
+    sinks: Vec<(Op, Vec<Id>)>,
+    /// Inputs and variables: kept whether read or not.
+    keep: Vec<Id>,
+}
+
+/// Loads `g`, in topological `order`, into an e-graph (rebuilt).
+fn load(g: &Graph, order: &[NodeId]) -> Loaded {
+    let mut eg = EGraph::new(Types::default());
+    let mut class: HashMap<ValueId, Id> = HashMap::new();
+    let mut sinks: Vec<(Op, Vec<Id>)> = Vec::new();
+    let mut keep: Vec<Id> = Vec::new();
+    let mut table: HashMap<OpKey, Vec<usize>> = HashMap::new();
+    for &id in order {
+        let node = g.node(id);
+        let ins: Vec<Id> = node.inputs.iter().map(|v| class[v]).collect();
+        if node.op.is_sink() {
+            sinks.push((node.op.clone(), ins));
+            continue;
+        }
+        let enode = match &node.op {
+            Op::Add => TensorLang::Add([ins[0], ins[1]]),
+            Op::Sub => TensorLang::Sub([ins[0], ins[1]]),
+            Op::Mul => TensorLang::Mul([ins[0], ins[1]]),
+            Op::Div => TensorLang::Div([ins[0], ins[1]]),
+            Op::Neg => TensorLang::Neg([ins[0]]),
+            Op::Transpose { perm } => {
+                TensorLang::Transpose([eg.add(TensorLang::Attr(attr("perm", perm))), ins[0]])
+            }
+            Op::Reshape { shape } => TensorLang::Reshape([
+                eg.add(TensorLang::Attr(attr("shape", shape.dims()))),
+                ins[0],
+            ]),
+            op => {
+                let ops = &mut eg.analysis.ops;
+                let same = table.entry(OpKey::new(op, &node.outputs)).or_default();
+                let found = same
+                    .iter()
+                    .copied()
+                    .find(|&i| ops[i].0 == *op && ops[i].1 == node.outputs);
+                let idx = match found {
+                    Some(i) => i,
+                    None => {
+                        ops.push((op.clone(), node.outputs.clone()));
+                        same.push(ops.len() - 1);
+                        ops.len() - 1
+                    }
+                };
+                TensorLang::Other(Symbol::from(format!("op{idx}")), ins)
+            }
+        };
+        let c = eg.add(enode);
+        if node.outputs.len() == 1 {
+            class.insert(id.into(), c);
+        } else {
+            for port in 0..node.outputs.len() {
+                let p = eg.add(TensorLang::Attr(attr("port", &[port])));
+                class.insert(id.out(port as u16), eg.add(TensorLang::Port([p, c])));
+            }
+        }
+        if matches!(node.op, Op::Param { .. } | Op::Input { .. }) {
+            keep.push(c);
+        }
+    }
+    eg.rebuild();
+    Loaded {
+        eg,
+        class,
+        sinks,
+        keep,
+    }
+}
+
 /// The simplification pass, with egg's limits.
 pub struct Simplify {
     /// Saturation iterations at most.
@@ -288,58 +398,13 @@ impl Default for Simplify {
 impl Pass for Simplify {
     fn run(&self, g: &mut Graph, _cx: &mut PassCx) -> Result<PassStats, PassError> {
         let before = g.node_count();
-        let mut eg = EGraph::new(Types::default());
-        let mut class: HashMap<ValueId, Id> = HashMap::new();
-        let mut sinks: Vec<(Op, Vec<Id>)> = Vec::new();
         let order = g.topo_order();
-        let mut keep: Vec<Id> = Vec::new();
-        for &id in &order {
-            let node = g.node(id);
-            let ins: Vec<Id> = node.inputs.iter().map(|v| class[v]).collect();
-            if node.op.is_sink() {
-                sinks.push((node.op.clone(), ins));
-                continue;
-            }
-            let enode = match &node.op {
-                Op::Add => TensorLang::Add([ins[0], ins[1]]),
-                Op::Sub => TensorLang::Sub([ins[0], ins[1]]),
-                Op::Mul => TensorLang::Mul([ins[0], ins[1]]),
-                Op::Div => TensorLang::Div([ins[0], ins[1]]),
-                Op::Neg => TensorLang::Neg([ins[0]]),
-                Op::Transpose { perm } => {
-                    TensorLang::Transpose([eg.add(TensorLang::Attr(attr("perm", perm))), ins[0]])
-                }
-                Op::Reshape { shape } => TensorLang::Reshape([
-                    eg.add(TensorLang::Attr(attr("shape", shape.dims()))),
-                    ins[0],
-                ]),
-                op => {
-                    let key = (op.clone(), node.outputs.clone());
-                    let ops = &mut eg.analysis.ops;
-                    let idx = match ops.iter().position(|o| *o == key) {
-                        Some(i) => i,
-                        None => {
-                            ops.push(key);
-                            ops.len() - 1
-                        }
-                    };
-                    TensorLang::Other(Symbol::from(format!("op{idx}")), ins)
-                }
-            };
-            let c = eg.add(enode);
-            if node.outputs.len() == 1 {
-                class.insert(id.into(), c);
-            } else {
-                for port in 0..node.outputs.len() {
-                    let p = eg.add(TensorLang::Attr(attr("port", &[port])));
-                    class.insert(id.out(port as u16), eg.add(TensorLang::Port([p, c])));
-                }
-            }
-            if matches!(node.op, Op::Param { .. } | Op::Input { .. }) {
-                keep.push(c);
-            }
-        }
-        eg.rebuild();
+        let Loaded {
+            eg,
+            class,
+            sinks,
+            keep,
+        } = load(g, &order);
         let runner = egg::Runner::default()
             .with_egraph(eg)
             .with_iter_limit(self.iter_limit)
@@ -360,7 +425,7 @@ impl Pass for Simplify {
             .map(|i| i.applied.values().sum::<usize>())
             .sum();
         let eg = runner.egraph;
-        let extractor = egg::Extractor::new(&eg, egg::AstSize);
+        let best = Best::new(&eg);
 
         let mut out = Graph::new(g.name.clone());
         let mut built: HashMap<Id, ValueId> = HashMap::new();
@@ -370,18 +435,18 @@ impl Pass for Simplify {
             .chain(sinks.iter().flat_map(|(_, ins)| ins.iter().copied()))
             .collect();
         // Rebuild in the original order so the printed graph stays close to the input.
-        let needed = reachable(&eg, &extractor, &roots);
+        let needed = reachable(&eg, &best, &roots);
         for &id in &order {
             if let Some(&c) = node_class(&class, g, id) {
                 if needed.contains(&eg.find(c)) {
-                    build(&eg, &extractor, c, &mut out, &mut built)?;
+                    build(&eg, &best, c, &mut out, &mut built)?;
                 }
             }
         }
         for (op, ins) in sinks {
             let vals = ins
                 .iter()
-                .map(|&c| build(&eg, &extractor, c, &mut out, &mut built))
+                .map(|&c| build(&eg, &best, c, &mut out, &mut built))
                 .collect::<Result<Vec<_>, _>>()?;
             out.add(op, vals)?;
         }
@@ -403,16 +468,120 @@ fn node_class<'a>(class: &'a HashMap<ValueId, Id>, g: &Graph, id: NodeId) -> Opt
     }
 }
 
-fn reachable(
-    eg: &EGraph,
-    ex: &egg::Extractor<egg::AstSize, TensorLang, Types>,
-    roots: &[Id],
-) -> HashSet<Id> {
+/// The cheapest e-node of every e-class under egg's `AstSize` (one plus the costs of the
+/// children, saturating), found in one sweep instead of egg's `Extractor`, which sweeps
+/// every class until nothing changes: as many sweeps as the graph is deep, quadratic on
+/// deep models. This is Knuth's generalisation of Dijkstra's algorithm: a node's cost
+/// is more than each child's, so classes settle in increasing cost, each the first time
+/// it leaves the heap. Among a class's nodes of least cost the first in the class's
+/// (sorted) node list wins; the chosen node's children always settled before it, so the
+/// choice never loops.
+struct Best<'a> {
+    eg: &'a EGraph,
+    /// Per class id: index into `classes`, or `u32::MAX` for a non-canonical id.
+    index: Vec<u32>,
+    classes: Vec<&'a egg::EClass<TensorLang, Info>>,
+    /// Per class: the chosen node's position in the class, once settled.
+    chosen: Vec<Option<u32>>,
+    /// Per class: the cost of the chosen node.
+    #[cfg_attr(not(test), allow(dead_code))]
+    cost: Vec<usize>,
+    /// Heap entries made: one per e-node at most (what the tests count).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pushes: usize,
+}
+
+impl<'a> Best<'a> {
+    fn new(eg: &'a EGraph) -> Best<'a> {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let classes: Vec<&egg::EClass<TensorLang, Info>> = {
+            let mut c: Vec<_> = eg.classes().collect();
+            c.sort_by_key(|c| c.id);
+            c
+        };
+        let max = classes
+            .iter()
+            .map(|c| usize::from(c.id) + 1)
+            .max()
+            .unwrap_or(0);
+        let mut index = vec![u32::MAX; max];
+        for (i, c) in classes.iter().enumerate() {
+            index[usize::from(c.id)] = i as u32;
+        }
+        let class_of = |id: Id| index[usize::from(eg.find(id))] as usize;
+        // Every e-node as (class, position), its unsettled child occurrences, and per
+        // class the e-nodes reading it (once per occurrence).
+        let mut nodes: Vec<(u32, u32)> = Vec::new();
+        let mut pending: Vec<u32> = Vec::new();
+        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); classes.len()];
+        let mut heap = BinaryHeap::new();
+        let mut pushes = 0;
+        for (ci, class) in classes.iter().enumerate() {
+            for (k, n) in class.nodes.iter().enumerate() {
+                let ni = nodes.len() as u32;
+                nodes.push((ci as u32, k as u32));
+                pending.push(n.len() as u32);
+                for &child in n.children() {
+                    readers[class_of(child)].push(ni);
+                }
+                if n.is_leaf() {
+                    heap.push(Reverse((1usize, ci as u32, k as u32)));
+                    pushes += 1;
+                }
+            }
+        }
+        let mut cost: Vec<usize> = vec![usize::MAX; classes.len()];
+        let mut chosen: Vec<Option<u32>> = vec![None; classes.len()];
+        while let Some(Reverse((c, ci, k))) = heap.pop() {
+            let ci = ci as usize;
+            if chosen[ci].is_some() {
+                continue;
+            }
+            chosen[ci] = Some(k);
+            cost[ci] = c;
+            for &ni in &readers[ci] {
+                let ni = ni as usize;
+                pending[ni] -= 1;
+                if pending[ni] == 0 {
+                    let (pc, pk) = nodes[ni];
+                    let n = &classes[pc as usize].nodes[pk as usize];
+                    let total = n
+                        .children()
+                        .iter()
+                        .fold(1usize, |s, &ch| s.saturating_add(cost[class_of(ch)]));
+                    heap.push(Reverse((total, pc, pk)));
+                    pushes += 1;
+                }
+            }
+        }
+        Best {
+            eg,
+            index,
+            classes,
+            chosen,
+            cost,
+            pushes,
+        }
+    }
+
+    /// The chosen e-node of class `c`; None for a class with no finite term, which a
+    /// graph loaded from a DAG does not have.
+    fn node(&self, c: Id) -> Option<&'a TensorLang> {
+        let i = *self.index.get(usize::from(self.eg.find(c)))? as usize;
+        let k = (*self.chosen.get(i)?)? as usize;
+        self.classes[i].nodes.get(k)
+    }
+}
+
+fn reachable(eg: &EGraph, best: &Best, roots: &[Id]) -> HashSet<Id> {
     let mut seen = HashSet::new();
     let mut stack: Vec<Id> = roots.iter().map(|&r| eg.find(r)).collect();
     while let Some(c) = stack.pop() {
         if seen.insert(c) {
-            stack.extend(ex.find_best_node(c).children().iter().map(|&k| eg.find(k)));
+            if let Some(n) = best.node(c) {
+                stack.extend(n.children().iter().map(|&k| eg.find(k)));
+            }
         }
     }
     seen
@@ -420,7 +589,7 @@ fn reachable(
 
 fn build(
     eg: &EGraph,
-    ex: &egg::Extractor<egg::AstSize, TensorLang, Types>,
+    best: &Best,
     c: Id,
     out: &mut Graph,
     built: &mut HashMap<Id, ValueId>,
@@ -429,10 +598,13 @@ fn build(
     if let Some(v) = built.get(&c) {
         return Ok(*v);
     }
-    let node = ex.find_best_node(c).clone();
+    let node = best
+        .node(c)
+        .ok_or_else(|| PassError::Precondition("simplify: an e-class without a term".into()))?
+        .clone();
     let v = match &node {
         TensorLang::Port([p, x]) => {
-            let base = build(eg, ex, *x, out, built)?;
+            let base = build(eg, best, *x, out, built)?;
             let port = eg[*p]
                 .nodes
                 .iter()
@@ -453,11 +625,151 @@ fn build(
                 .ok_or_else(|| PassError::Precondition("simplify: unknown e-node".into()))?;
             let ins = operands(n)
                 .iter()
-                .map(|&k| build(eg, ex, k, out, built))
+                .map(|&k| build(eg, best, k, out, built))
                 .collect::<Result<Vec<_>, _>>()?;
             out.add(op, ins)?.into()
         }
     };
     built.insert(c, v);
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distc_ir::{DType, Init, TensorType};
+
+    /// `layers` of `relu(h * w + b) * 1 + 0` and a double transpose, with a loss: deep,
+    /// with rules to apply at every layer.
+    fn deep(layers: usize) -> Graph {
+        let mut g = Graph::new("deep");
+        let t = |d: Vec<usize>| TensorType::new(DType::F32, d);
+        let x = g
+            .add(
+                Op::Input {
+                    name: "x".into(),
+                    ty: t(vec![4, 4]),
+                },
+                vec![],
+            )
+            .expect("well typed");
+        let one = g
+            .add(
+                Op::Constant {
+                    value: 1.0,
+                    ty: t(vec![]),
+                },
+                vec![],
+            )
+            .expect("well typed");
+        let zero = g
+            .add(
+                Op::Constant {
+                    value: 0.0,
+                    ty: t(vec![]),
+                },
+                vec![],
+            )
+            .expect("well typed");
+        let mut h = ValueId::from(x);
+        for i in 0..layers {
+            let w = g
+                .add(
+                    Op::Param {
+                        name: format!("w{i}"),
+                        ty: t(vec![4, 4]),
+                        init: Init::Glorot,
+                    },
+                    vec![],
+                )
+                .expect("well typed");
+            let m = g
+                .add(
+                    Op::MatMul {
+                        transpose_a: false,
+                        transpose_b: false,
+                    },
+                    vec![h, w.into()],
+                )
+                .expect("well typed");
+            let r = g.add(Op::Relu, vec![m.into()]).expect("well typed");
+            let a = g
+                .add(Op::Mul, vec![r.into(), one.into()])
+                .expect("well typed");
+            let b = g
+                .add(Op::Add, vec![a.into(), zero.into()])
+                .expect("well typed");
+            let p = g
+                .add(Op::Transpose { perm: vec![1, 0] }, vec![b.into()])
+                .expect("well typed");
+            let q = g
+                .add(Op::Transpose { perm: vec![1, 0] }, vec![p.into()])
+                .expect("well typed");
+            h = q.into();
+        }
+        let s = g
+            .add(
+                Op::Mean {
+                    axes: vec![0, 1],
+                    keep_dims: false,
+                },
+                vec![h],
+            )
+            .expect("well typed");
+        g.add(Op::Loss, vec![s.into()]).expect("well typed");
+        g
+    }
+
+    fn saturated(g: &Graph) -> EGraph {
+        let loaded = load(g, &g.topo_order());
+        egg::Runner::default()
+            .with_egraph(loaded.eg)
+            .with_iter_limit(16)
+            .run(&rules())
+            .egraph
+    }
+
+    #[test]
+    fn extraction_costs_are_egg_extractor_costs() {
+        let eg = saturated(&deep(30));
+        let ours = Best::new(&eg);
+        let egg_ex = egg::Extractor::new(&eg, egg::AstSize);
+        for class in eg.classes() {
+            let i = ours.index[usize::from(class.id)] as usize;
+            assert_eq!(
+                ours.cost[i],
+                egg_ex.find_best_cost(class.id),
+                "class {}",
+                class.id
+            );
+            let node = ours.node(class.id).expect("a term");
+            let cost = node
+                .children()
+                .iter()
+                .fold(1usize, |s, &c| s.saturating_add(egg_ex.find_best_cost(c)));
+            assert_eq!(cost, ours.cost[i], "chosen node of class {}", class.id);
+        }
+    }
+
+    #[test]
+    fn extraction_visits_each_enode_once() {
+        // egg's extractor sweeps every class once per level of depth; this one makes
+        // one heap entry per e-node at most, however deep the graph.
+        let eg = saturated(&deep(2000));
+        let best = Best::new(&eg);
+        assert!(
+            best.pushes <= eg.total_number_of_nodes(),
+            "{} pushes",
+            best.pushes
+        );
+    }
+
+    #[test]
+    fn opaque_ops_are_shared_by_value() {
+        let g = deep(50);
+        let loaded = load(&g, &g.topo_order());
+        // One entry per distinct opaque op: input, two constants, 50 variables, matmul,
+        // relu, mean.
+        assert_eq!(loaded.eg.analysis.ops.len(), 56);
+    }
 }

@@ -11,19 +11,23 @@
 
 use crate::placement::{DistPlan, Kind, Mechanism, VarPlacement};
 use crate::{Pass, PassCx, PassError, PassStats};
-use distc_ir::{Graph, Op};
+use distc_ir::{Graph, Op, ValueId};
 
 /// The sparsity analysis.
 pub struct SparsityAnalysis;
 
 impl Pass for SparsityAnalysis {
     fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError> {
-        let grads = g.param_grads();
+        // The first gradient of each variable, as a search from the start finds it.
+        let mut grads: std::collections::HashMap<String, ValueId> = Default::default();
+        for (name, v) in g.param_grads() {
+            grads.entry(name).or_insert(v);
+        }
         let mut plan = DistPlan::default();
         let (mut sparse, mut measured) = (0, 0);
         for (id, name, ty) in g.params() {
             let rows = ty.dims().first().copied().unwrap_or(1).max(1);
-            let Some((_, grad)) = grads.iter().find(|(n, _)| n == name) else {
+            let Some(grad) = grads.get(name) else {
                 plan.unreached.push(name.to_string());
                 continue;
             };

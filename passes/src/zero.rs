@@ -30,7 +30,7 @@
 use crate::placement::{Kind, Mechanism};
 use crate::{needs_program_set, Pass, PassCx, PassError, PassStats, ProgramSet};
 use distc_ir::{Graph, NodeId, Op, ReduceOp, Shape, TensorType};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// The ZeRO rewrite.
 pub struct Zero;
@@ -56,8 +56,59 @@ pub(crate) fn forward_nodes(g: &Graph) -> HashSet<NodeId> {
     seen
 }
 
-fn find(g: &Graph, want: impl Fn(&Op) -> bool) -> Option<NodeId> {
-    g.node_ids().into_iter().find(|&id| want(g.op(id)))
+/// The nodes of one kind by name (a variable, a gradient sink, an output), first in
+/// node order, kept up to date as the rewrite adds and removes them: one look-up per
+/// variable instead of a search of the whole graph.
+struct ByName {
+    name_of: fn(&Op) -> Option<&String>,
+    ids: HashMap<String, NodeId>,
+}
+
+impl ByName {
+    fn new(g: &Graph, name_of: fn(&Op) -> Option<&String>) -> ByName {
+        let mut ids = HashMap::new();
+        for id in g.node_ids() {
+            if let Some(n) = name_of(g.op(id)) {
+                ids.entry(n.clone()).or_insert(id);
+            }
+        }
+        ByName { name_of, ids }
+    }
+
+    /// The node named `name`, if it is still there (its id not reused by another).
+    fn get(&self, g: &Graph, name: &str) -> Option<NodeId> {
+        let id = *self.ids.get(name)?;
+        let node = g.get(id)?;
+        ((self.name_of)(&node.op).map(String::as_str) == Some(name)).then_some(id)
+    }
+
+    /// Records a node just added under `name`, unless one by that name is still there.
+    fn added(&mut self, g: &Graph, name: &str, id: NodeId) {
+        if self.get(g, name).is_none_or(|old| old > id) {
+            self.ids.insert(name.to_string(), id);
+        }
+    }
+}
+
+fn param_name(op: &Op) -> Option<&String> {
+    match op {
+        Op::Param { name, .. } => Some(name),
+        _ => None,
+    }
+}
+
+fn sink_name(op: &Op) -> Option<&String> {
+    match op {
+        Op::ParamGrad { param } => Some(param),
+        _ => None,
+    }
+}
+
+fn output_name(op: &Op) -> Option<&String> {
+    match op {
+        Op::Output { name } => Some(name),
+        _ => None,
+    }
 }
 
 impl Pass for Zero {
@@ -89,26 +140,25 @@ impl Pass for Zero {
             .unwrap_or_else(|| Graph::new(format!("{}.init", g.name)));
         let mut fin = Graph::new(format!("{}.final", g.name));
         let (mut sharded, mut gathers) = (0, 0);
+        let (mut params, mut sinks) = (ByName::new(g, param_name), ByName::new(g, sink_name));
+        let (mut init_params, mut init_outputs) = (
+            ByName::new(&init, param_name),
+            ByName::new(&init, output_name),
+        );
         for v in plan.vars.iter_mut() {
             if v.placement != Mechanism::Allreduce || v.kind != Kind::Dense {
                 continue;
             }
             let name = v.name.clone();
             let shard = shard_name(&name);
-            let Some(param) = find(
-                g,
-                |op| matches!(op, Op::Param { name: p, .. } if *p == name),
-            ) else {
+            let Some(param) = params.get(g, &name) else {
                 continue;
             };
             let (ty, init_spec) = match g.op(param) {
                 Op::Param { ty, init, .. } => (ty.clone(), init.clone()),
                 _ => continue,
             };
-            let Some(sink) = find(
-                g,
-                |op| matches!(op, Op::ParamGrad { param: p } if *p == name),
-            ) else {
+            let Some(sink) = sinks.get(g, &name) else {
                 continue;
             };
             let numel: usize = ty.dims().iter().product();
@@ -127,6 +177,7 @@ impl Pass for Zero {
                 },
                 vec![],
             )?;
+            params.added(g, &shard, p);
             let users = g.users(param.into());
             let mut made = 0usize;
             if stage == 3 {
@@ -171,43 +222,40 @@ impl Pass for Zero {
                 }
             };
             g.remove(sink);
-            g.add(
+            let s = g.add(
                 Op::ParamGrad {
                     param: shard.clone(),
                 },
                 vec![chunk.into()],
             )?;
+            sinks.added(g, &shard, s);
             // Init: each worker's chunk of the one-device value, instead of a broadcast.
-            if let Some(out) = find(
-                &init,
-                |op| matches!(op, Op::Output { name: o } if *o == name),
-            ) {
+            if let Some(out) = init_outputs.get(&init, &name) {
                 init.remove(out);
             }
-            let full = find(
-                &init,
-                |op| matches!(op, Op::Param { name: p, .. } if *p == name),
-            )
-            .map_or_else(
-                || {
-                    init.add(
+            let full = match init_params.get(&init, &name) {
+                Some(full) => full,
+                None => {
+                    let full = init.add(
                         Op::Param {
                             name: name.clone(),
                             ty: ty.clone(),
                             init: init_spec.clone(),
                         },
                         vec![],
-                    )
-                },
-                Ok,
-            )?;
+                    )?;
+                    init_params.added(&init, &name, full);
+                    full
+                }
+            };
             let mine = init.add(Op::TakeChunk { workers: n }, vec![full.into()])?;
-            init.add(
+            let out = init.add(
                 Op::Output {
                     name: shard.clone(),
                 },
                 vec![mine.into()],
             )?;
+            init_outputs.added(&init, &shard, out);
             // Final: the whole variable again.
             let sp = fin.add(
                 Op::Param {
