@@ -155,7 +155,7 @@ impl fmt::Display for CudaLib {
 pub enum CudaError {
     /// A library is not where distc looked.
     #[error(
-        "the {lib} library is missing: {file} was not found {searched}; {hint}",
+        "the {lib} library is missing: {file} was {searched}; {hint}",
         file = lib.file_name(),
         searched = searched_text(searched),
         hint = lib.hint()
@@ -208,13 +208,15 @@ pub enum CudaError {
     Invalid(String),
 }
 
+/// Where a missing library was looked for, to follow "`file` was".
 fn searched_text(searched: &[PathBuf]) -> String {
-    let loader = "by the dynamic loader (LD_LIBRARY_PATH as set when distc started, the ld.so cache, system folders)";
+    let loader = "by the dynamic loader (LD_LIBRARY_PATH as set when distc started, \
+                  the ld.so cache, system folders)";
     if searched.is_empty() {
-        format!("{loader}, and {LIB_DIR_ENV} is not set")
+        format!("not found {loader}, and {LIB_DIR_ENV} is not set")
     } else {
         let dirs: Vec<String> = searched.iter().map(|d| d.display().to_string()).collect();
-        format!("in {} nor {loader}", dirs.join(", "))
+        format!("found neither in {} nor {loader}", dirs.join(", "))
     }
 }
 
