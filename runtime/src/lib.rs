@@ -6,6 +6,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;
