@@ -576,7 +576,9 @@ fn plan_memory(
 
 fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
     let resume = match &args.resume {
-        Some(path) => Some(std::sync::Arc::new(distc_runtime::checkpoint::load_state(path)?)),
+        Some(path) => Some(std::sync::Arc::new(distc_runtime::checkpoint::load_state(
+            path,
+        )?)),
         None => None,
     };
     let checkpoint = args.checkpoint.as_ref().map(|path| CheckpointEvery {

@@ -15,7 +15,11 @@ fn distc(args: &[&str]) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -36,11 +40,34 @@ fn train_resume_and_refusals() {
     let o = distc(&["train", MODEL, "--steps", "5", "-q", "--save", s(&whole)]);
     assert!(o.status.success(), "{}", text(&o));
     // Written at steps 2 and 4 and at the end (3): the file holds the last, step 3.
-    let o = distc(&["train", MODEL, "--steps", "3", "-q", "--checkpoint-every", "2", "--checkpoint", s(&state)]);
+    let o = distc(&[
+        "train",
+        MODEL,
+        "--steps",
+        "3",
+        "-q",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint",
+        s(&state),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
-    assert_eq!(checkpoint::load_state(&state).expect("a state").index.step, 3);
+    assert_eq!(
+        checkpoint::load_state(&state).expect("a state").index.step,
+        3
+    );
     // Resumed to the end: the weights of the uninterrupted run, bit for bit.
-    let o = distc(&["train", MODEL, "--steps", "5", "-q", "--resume", s(&state), "--save", s(&resumed)]);
+    let o = distc(&[
+        "train",
+        MODEL,
+        "--steps",
+        "5",
+        "-q",
+        "--resume",
+        s(&state),
+        "--save",
+        s(&resumed),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     let (a, _) = checkpoint::load(&whole).expect("weights");
     let (b, _) = checkpoint::load(&resumed).expect("weights");
@@ -48,16 +75,30 @@ fn train_resume_and_refusals() {
 
     for (args, want) in [
         (vec!["--checkpoint-every", "2"], "--checkpoint <FILE>"),
-        (vec!["--checkpoint-every", "0", "--checkpoint", "x.st"], "0 is not allowed"),
+        (
+            vec!["--checkpoint-every", "0", "--checkpoint", "x.st"],
+            "0 is not allowed",
+        ),
         (vec!["--resume", s(&whole)], "cannot be resumed"),
-        (vec!["--resume", s(&state), "--steps", "3"], "--steps above 3"),
+        (
+            vec!["--resume", s(&state), "--steps", "3"],
+            "--steps above 3",
+        ),
         (vec!["--resume", "no-such-state.st"], "no-such-state.st"),
     ] {
         let mut all = vec!["train", MODEL, "-q"];
         all.extend(args.iter().copied());
         let o = distc(&all);
-        assert!(matches!(o.status.code(), Some(1 | 2)), "{all:?} was not refused: {}", text(&o));
-        assert!(text(&o).contains(want), "{all:?}: expected {want:?} in {}", text(&o));
+        assert!(
+            matches!(o.status.code(), Some(1 | 2)),
+            "{all:?} was not refused: {}",
+            text(&o)
+        );
+        assert!(
+            text(&o).contains(want),
+            "{all:?}: expected {want:?} in {}",
+            text(&o)
+        );
         assert!(!text(&o).contains("panicked"), "{}", text(&o));
     }
 }

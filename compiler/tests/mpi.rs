@@ -450,10 +450,37 @@ fn a_training_state_written_under_mpirun_resumes_bitwise() {
         let o = mpirun(3, &args);
         assert!(o.status.success(), "{extra:?}: {}", text(&o));
     };
-    mpi(&["--steps", "2", "--checkpoint-every", "2", "--checkpoint", s(&state)]);
-    let (resumed_mpi, resumed_threads) = (tmp("state-mpi.safetensors"), tmp("state-threads.safetensors"));
-    mpi(&["--steps", "4", "--resume", s(&state), "--save", s(&resumed_mpi)]);
-    let o = distc(&["run", s(&plan), "--steps", "4", "-q", "--resume", s(&state), "--save", s(&resumed_threads)]);
+    mpi(&[
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint",
+        s(&state),
+    ]);
+    let (resumed_mpi, resumed_threads) = (
+        tmp("state-mpi.safetensors"),
+        tmp("state-threads.safetensors"),
+    );
+    mpi(&[
+        "--steps",
+        "4",
+        "--resume",
+        s(&state),
+        "--save",
+        s(&resumed_mpi),
+    ]);
+    let o = distc(&[
+        "run",
+        s(&plan),
+        "--steps",
+        "4",
+        "-q",
+        "--resume",
+        s(&state),
+        "--save",
+        s(&resumed_threads),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(max_difference(&whole, &resumed_mpi), 0.0);
     assert_eq!(max_difference(&whole, &resumed_threads), 0.0);

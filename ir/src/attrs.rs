@@ -180,9 +180,11 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
         Op::UniqueRows | Op::Pack => vec![],
         Op::Unpack { shapes } => shapes.iter().map(|s| ("shape", list(s.dims()))).collect(),
         Op::PackChunks { workers } => vec![("workers", A::Int(*workers as i64))],
-        Op::UnpackChunks { workers, shapes } => std::iter::once(("workers", A::Int(*workers as i64)))
-            .chain(shapes.iter().map(|s| ("shape", list(s.dims()))))
-            .collect(),
+        Op::UnpackChunks { workers, shapes } => {
+            std::iter::once(("workers", A::Int(*workers as i64)))
+                .chain(shapes.iter().map(|s| ("shape", list(s.dims()))))
+                .collect()
+        }
         Op::Pull { var, shards, .. }
         | Op::SparsePull { var, shards, .. }
         | Op::Push { var, shards }

@@ -188,7 +188,10 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         }
         Op::UnpackChunks { workers, shapes } => {
             let t = float(0)?;
-            let chunks: usize = shapes.iter().map(|s| s.numel().div_ceil((*workers).max(1))).sum();
+            let chunks: usize = shapes
+                .iter()
+                .map(|s| s.numel().div_ceil((*workers).max(1)))
+                .sum();
             if *workers == 0 || t.dims() != [chunks * workers] {
                 return Err(err(format!(
                     "{t} is not {workers} workers' chunks of {} values ({} elements)",

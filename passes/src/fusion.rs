@@ -92,7 +92,10 @@ fn bucket_reduce_scatters(
         }
         fused += b.len();
         let workers = b[0].0 .2;
-        let grads: Vec<_> = b.iter().map(|((id, _, _), _)| g.node(*id).inputs[0]).collect();
+        let grads: Vec<_> = b
+            .iter()
+            .map(|((id, _, _), _)| g.node(*id).inputs[0])
+            .collect();
         let chunks: Vec<Shape> = b
             .iter()
             .map(|((id, _, _), _)| g.tensor_type((*id).into()).shape.clone())
@@ -136,7 +139,11 @@ fn bucket_gathers(
         })
         .collect();
     let first_read = |g: &Graph, id: NodeId| {
-        g.user_nodes(id).iter().filter_map(|u| pos.get(u)).min().copied()
+        g.user_nodes(id)
+            .iter()
+            .filter_map(|u| pos.get(u))
+            .min()
+            .copied()
     };
     gathers.sort_by_key(|((id, _, _), _)| first_read(g, *id));
     // A bucket never spans the forward and the backward pass: stage 3 gathers a
@@ -156,7 +163,10 @@ fn bucket_gathers(
         }
         fused += b.len();
         let workers = b[0].0 .1;
-        let shards: Vec<_> = b.iter().map(|((id, _, _), _)| g.node(*id).inputs[0]).collect();
+        let shards: Vec<_> = b
+            .iter()
+            .map(|((id, _, _), _)| g.node(*id).inputs[0])
+            .collect();
         let shapes: Vec<Shape> = b.iter().map(|((_, _, s), _)| s.clone()).collect();
         let packed: usize = shards.iter().map(|v| g.tensor_type(*v).shape.numel()).sum();
         let pack = g.add(Op::Pack, shards)?;
@@ -179,8 +189,7 @@ fn bucket_gathers(
 impl Pass for Fusion {
     fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError> {
         let order = g.topo_order();
-        let pos: HashMap<NodeId, usize> =
-            order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
         // Dense all-reduces that feed one gradient sink, in gradient production order.
         let mut reduces: Vec<((NodeId, String), usize)> = order
             .iter()

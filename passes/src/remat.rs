@@ -51,7 +51,8 @@ impl Pass for Remat {
         let (plan, rewritten, peak) = match policy {
             RematPolicy::Off => unreachable!("returned above"),
             RematPolicy::Layers => {
-                let (out, copies) = rewrite(g, &order, &roles, &boundaries.iter().copied().collect());
+                let (out, copies) =
+                    rewrite(g, &order, &roles, &boundaries.iter().copied().collect());
                 let peak = peak_activation_bytes(&out, &out.topo_order());
                 ("layers".to_string(), Some((out, copies)), peak)
             }
@@ -86,8 +87,7 @@ impl Pass for Remat {
                 }
             }
         };
-        let mut stats = PassStats::default()
-            .count("layer_boundaries", boundaries.len());
+        let mut stats = PassStats::default().count("layer_boundaries", boundaries.len());
         if let Some((out, copies)) = rewritten {
             *g = out;
             stats = stats.count("recomputed", copies);
@@ -179,7 +179,10 @@ fn ancestors(
 /// The checkpoint sets a budget tries, fewest recomputations first: every layer
 /// boundary kept, then every 2nd, 4th, ..., then none.
 fn budget_candidates(boundaries: &[NodeId]) -> Vec<(String, HashSet<NodeId>)> {
-    let mut out = vec![("every layer boundary".to_string(), boundaries.iter().copied().collect())];
+    let mut out = vec![(
+        "every layer boundary".to_string(),
+        boundaries.iter().copied().collect(),
+    )];
     let mut every = 2;
     while every < boundaries.len() {
         let kept = boundaries.iter().copied().step_by(every).collect();
@@ -187,7 +190,10 @@ fn budget_candidates(boundaries: &[NodeId]) -> Vec<(String, HashSet<NodeId>)> {
         every *= 2;
     }
     if !boundaries.is_empty() {
-        out.push(("no checkpoint: everything recomputed from the inputs".to_string(), HashSet::new()));
+        out.push((
+            "no checkpoint: everything recomputed from the inputs".to_string(),
+            HashSet::new(),
+        ));
     }
     out
 }
@@ -197,7 +203,8 @@ fn budget_candidates(boundaries: &[NodeId]) -> Vec<(String, HashSet<NodeId>)> {
 /// Returns the graph and the number of copies.
 fn rewrite(g: &Graph, order: &[NodeId], roles: &Roles, kept: &HashSet<NodeId>) -> (Graph, usize) {
     let keep = also_kept(g, order, roles, kept);
-    let dropped = |id: NodeId| roles.recomputable(g, id) && !kept.contains(&id) && !keep.contains(&id);
+    let dropped =
+        |id: NodeId| roles.recomputable(g, id) && !kept.contains(&id) && !keep.contains(&id);
     let mut out = Graph::new(g.name.clone());
     let mut new_id: HashMap<NodeId, NodeId> = HashMap::with_capacity(order.len());
     let mut copy: HashMap<NodeId, NodeId> = HashMap::new();
@@ -215,7 +222,11 @@ fn rewrite(g: &Graph, order: &[NodeId], roles: &Roles, kept: &HashSet<NodeId>) -
             .inputs
             .iter()
             .map(|v| {
-                let src = if backward && dropped(v.node) { copy[&v.node] } else { new_id[&v.node] };
+                let src = if backward && dropped(v.node) {
+                    copy[&v.node]
+                } else {
+                    new_id[&v.node]
+                };
                 src.out(v.port)
             })
             .collect();
@@ -230,7 +241,12 @@ fn rewrite(g: &Graph, order: &[NodeId], roles: &Roles, kept: &HashSet<NodeId>) -
 /// read outside the forward and backward passes (an `output` holds them to the end of
 /// the step anyway), and the segment after the last checkpoint (the loss head, whose
 /// backward pass starts as soon as the forward pass ends).
-fn also_kept(g: &Graph, order: &[NodeId], roles: &Roles, kept: &HashSet<NodeId>) -> HashSet<NodeId> {
+fn also_kept(
+    g: &Graph,
+    order: &[NodeId],
+    roles: &Roles,
+    kept: &HashSet<NodeId>,
+) -> HashSet<NodeId> {
     let mut out: HashSet<NodeId> = roles
         .forward
         .iter()
@@ -283,11 +299,18 @@ fn emit_copies(
             .inputs
             .iter()
             .map(|v| {
-                let src = if dropped(v.node) { copy[&v.node] } else { new_id[&v.node] };
+                let src = if dropped(v.node) {
+                    copy[&v.node]
+                } else {
+                    new_id[&v.node]
+                };
                 src.out(v.port)
             })
             .collect();
-        copy.insert(id, out.add_typed(node.op.clone(), inputs, node.outputs.clone()));
+        copy.insert(
+            id,
+            out.add_typed(node.op.clone(), inputs, node.outputs.clone()),
+        );
     }
 }
 
@@ -352,7 +375,10 @@ mod tests {
         let mut h = g.clone();
         assert!(Remat.run(&mut h, &mut cx).is_ok());
         assert!(h == g);
-        cx.strategy = StrategyConfig { remat: RematPolicy::Layers, ..StrategyConfig::default() };
+        cx.strategy = StrategyConfig {
+            remat: RematPolicy::Layers,
+            ..StrategyConfig::default()
+        };
         assert!(Remat.run(&mut h, &mut cx).is_err());
     }
 }

@@ -186,7 +186,11 @@ pub fn save_state(path: &Path, state: &TrainingState) -> Result<()> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let index = serde_json::to_string(&state.index)
         .map_err(|e| data_err(path, format!("cannot encode the index: {e}")))?;
-    save(path, &named, [(INDEX_KEY.to_string(), index)].into_iter().collect())
+    save(
+        path,
+        &named,
+        [(INDEX_KEY.to_string(), index)].into_iter().collect(),
+    )
 }
 
 /// Reads a training state written by [`save_state`]; a plain weights file (`--save`)
@@ -203,16 +207,18 @@ pub fn load_state(path: &Path) -> Result<TrainingState> {
     let index: StateIndex = serde_json::from_str(text)
         .map_err(|e| data_err(path, format!("its index is not valid: {e}")))?;
     if index.format != STATE_FORMAT {
-        return Err(data_err(path, format!("format `{}` is not {STATE_FORMAT}", index.format)));
+        return Err(data_err(
+            path,
+            format!("format `{}` is not {STATE_FORMAT}", index.format),
+        ));
     }
     let mut take = |names: &[String]| -> Result<HashMap<String, Tensor>> {
         names
             .iter()
             .map(|n| {
-                tensors
-                    .remove(n)
-                    .map(|t| (n.clone(), t))
-                    .ok_or_else(|| data_err(path, format!("the index lists `{n}`, the file lacks it")))
+                tensors.remove(n).map(|t| (n.clone(), t)).ok_or_else(|| {
+                    data_err(path, format!("the index lists `{n}`, the file lacks it"))
+                })
             })
             .collect()
     };

@@ -60,7 +60,11 @@ impl Tensor {
     /// Chunk `rank` of `workers` of the flattened tensor, `ceil(len / workers)`
     /// elements, the last zero-padded: what the `take_chunk` op makes.
     pub fn chunk(&self, workers: usize, rank: usize) -> Tensor {
-        fn cut<A: Clone + num_traits::Zero>(a: &ArrayD<A>, workers: usize, rank: usize) -> ArrayD<A> {
+        fn cut<A: Clone + num_traits::Zero>(
+            a: &ArrayD<A>,
+            workers: usize,
+            rank: usize,
+        ) -> ArrayD<A> {
             let n = a.len();
             let c = n.div_ceil(workers.max(1));
             let mut out = vec![A::zero(); c];

@@ -847,7 +847,13 @@ fn save_training_state(
     if let Some(fin) = programs.finalize {
         let mut exec = Executor::new(fin)?;
         exec.set_rank(rank);
-        let out = exec.run_with(&HashMap::new(), &st.params, Mode::Train, step as u64, Some(&mut *hook))?;
+        let out = exec.run_with(
+            &HashMap::new(),
+            &st.params,
+            Mode::Train,
+            step as u64,
+            Some(&mut *hook),
+        )?;
         params.extend(out.outputs);
         // The slots of the chunks, gathered by the same program, one slot at a time.
         for slot in st.optimizer.slot_names() {
@@ -860,7 +866,13 @@ fn save_training_state(
                     (name.to_string(), t)
                 })
                 .collect();
-            let out = exec.run_with(&HashMap::new(), &chunks, Mode::Train, step as u64, Some(&mut *hook))?;
+            let out = exec.run_with(
+                &HashMap::new(),
+                &chunks,
+                Mode::Train,
+                step as u64,
+                Some(&mut *hook),
+            )?;
             for (var, t) in out.outputs {
                 slots.insert(format!("{var}/{slot}"), t);
             }

@@ -1509,11 +1509,22 @@ fn chunked_buckets_cut_and_join_as_take_chunk_does() {
             let want = eval_op(&Op::TakeChunk { workers }, &[whole], &ctx(r)).unwrap();
             assert_eq!(chunk, &want[0], "worker {r}");
         }
-        mine.push(eval_op(&Op::Pack, &[&chunks[0], &chunks[1]], &ctx(r)).unwrap().remove(0));
+        mine.push(
+            eval_op(&Op::Pack, &[&chunks[0], &chunks[1]], &ctx(r))
+                .unwrap()
+                .remove(0),
+        );
     }
     let gathered: Vec<f32> = mine
         .iter()
-        .flat_map(|v| v.tensor().and_then(Tensor::as_f32).unwrap().iter().copied().collect::<Vec<_>>())
+        .flat_map(|v| {
+            v.tensor()
+                .and_then(Tensor::as_f32)
+                .unwrap()
+                .iter()
+                .copied()
+                .collect::<Vec<_>>()
+        })
         .collect();
     let whole = eval_op(
         &Op::UnpackChunks {

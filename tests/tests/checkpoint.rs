@@ -86,10 +86,16 @@ fn resuming_gives_bitwise_the_uninterrupted_weights() {
             run(&file, s.clone(), 3, Some(&state_file), None);
             let state = load_state(&state_file).expect("the state loads");
             assert_eq!(state.index.step, 3, "{what}");
-            assert!(!state.optimizer.is_empty(), "{what}: no optimizer step count");
+            assert!(
+                !state.optimizer.is_empty(),
+                "{what}: no optimizer step count"
+            );
             let resumed = run(&file, s, 6, None, Some(state));
             for (var, w) in &whole.params {
-                assert!(resumed.params.get(var) == Some(w), "{what}: `{var}` differs");
+                assert!(
+                    resumed.params.get(var) == Some(w),
+                    "{what}: `{var}` differs"
+                );
             }
         }
     }
@@ -101,8 +107,14 @@ fn a_state_resumes_under_another_layout() {
     let file = model("tests/models/issue9_sparse_adam.dsl");
     // Saved from hybrid with 4 workers (the embedding's rows and Adam slots on two
     // servers) and from ZeRO 3 with 4 workers (every dense variable in chunks).
-    for saved_by in [layout(Strategy::Hybrid, 4, 2, 0), layout(Strategy::Allreduce, 4, 0, 3)] {
-        let state_file = dir.join(format!("{:?}-{}.safetensors", saved_by.strategy, saved_by.zero));
+    for saved_by in [
+        layout(Strategy::Hybrid, 4, 2, 0),
+        layout(Strategy::Allreduce, 4, 0, 3),
+    ] {
+        let state_file = dir.join(format!(
+            "{:?}-{}.safetensors",
+            saved_by.strategy, saved_by.zero
+        ));
         run(&file, saved_by.clone(), 3, Some(&state_file), None);
         let state = load_state(&state_file).expect("the state loads");
         resume_under_layouts_of_two(&file, &state);
@@ -113,7 +125,13 @@ fn resume_under_layouts_of_two(file: &Path, state: &TrainingState) {
     // The same state and global batch under four layouts of two workers: servers take
     // their rows and slots of it, ZeRO workers their chunks.
     let file = file.to_path_buf();
-    let reference = run(&file, layout(Strategy::Allreduce, 2, 0, 0), 6, None, Some(state.clone()));
+    let reference = run(
+        &file,
+        layout(Strategy::Allreduce, 2, 0, 0),
+        6,
+        None,
+        Some(state.clone()),
+    );
     // The state is used: its step 4 starts from trained weights, not the initial ones.
     let fresh = run(&file, layout(Strategy::Allreduce, 2, 0, 0), 3, None, None);
     assert!(
@@ -132,7 +150,12 @@ fn resume_under_layouts_of_two(file: &Path, state: &TrainingState) {
         let r = run(&file, s, 6, None, Some(state.clone()));
         let vars = compare(&reference.params, &r.params).unwrap_or_else(|e| panic!("{what}: {e}"));
         for v in vars {
-            assert!(v.relative < 1e-5, "{what}: `{}` differs by {:.2e}", v.name, v.relative);
+            assert!(
+                v.relative < 1e-5,
+                "{what}: `{}` differs by {:.2e}",
+                v.name,
+                v.relative
+            );
         }
         assert!(
             (r.first_loss - reference.first_loss).abs() < 1e-5,
@@ -148,9 +171,16 @@ fn a_state_that_does_not_fit_is_refused() {
     let dir = temp_dir("refused");
     let sparse = model("tests/models/issue9_sparse_adam.dsl");
     let state_file = dir.join("sparse.safetensors");
-    run(&sparse, layout(Strategy::Single, 1, 0, 0), 2, Some(&state_file), None);
+    run(
+        &sparse,
+        layout(Strategy::Single, 1, 0, 0),
+        2,
+        Some(&state_file),
+        None,
+    );
     let state = load_state(&state_file).expect("the state loads");
-    let c = compile_file(&model("examples/dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
+    let c = compile_file(&model("examples/dense_mlp.dsl"), &CompileOptions::default())
+        .expect("compiles");
     let opts = TrainOptions {
         steps: Some(4),
         resume: Some(Arc::new(state.clone())),
@@ -172,11 +202,18 @@ fn a_state_that_does_not_fit_is_refused() {
         .err()
         .expect("nothing to resume")
         .to_string();
-    assert!(err.contains("at step 2") && err.contains("--steps above 2"), "{err}");
+    assert!(
+        err.contains("at step 2") && err.contains("--steps above 2"),
+        "{err}"
+    );
     // A weights file is not a training state.
     let weights = dir.join("weights.safetensors");
     let t = distc_runtime::Tensor::F32(ndarray::ArrayD::zeros(ndarray::IxDyn(&[2])));
-    distc_runtime::checkpoint::save(&weights, &[("w".into(), &t)], Default::default()).expect("saves");
+    distc_runtime::checkpoint::save(&weights, &[("w".into(), &t)], Default::default())
+        .expect("saves");
     let err = load_state(&weights).err().expect("refused").to_string();
-    assert!(err.contains("weights.safetensors") && err.contains("cannot be resumed"), "{err}");
+    assert!(
+        err.contains("weights.safetensors") && err.contains("cannot be resumed"),
+        "{err}"
+    );
 }

@@ -28,7 +28,12 @@ const EXAMPLES: [&str; 6] = [
     "recsys.dsl",
 ];
 
-fn options(strategy: Strategy, workers: usize, servers: usize, remat: RematPolicy) -> CompileOptions {
+fn options(
+    strategy: Strategy,
+    workers: usize,
+    servers: usize,
+    remat: RematPolicy,
+) -> CompileOptions {
     CompileOptions {
         batch: Some(4),
         strategy: StrategyConfig {
@@ -64,8 +69,16 @@ fn recomputation_trains_what_one_device_trains() {
             };
             let r = verify(&file, &opts).unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
             let w = r.worst().expect("variables").clone();
-            println!("{name} {s:?} remat layers: largest relative error {:.2e}", w.relative);
-            assert!(r.passed(), "{name} {s:?}: `{}` differs by {:.2e}", w.name, w.relative);
+            println!(
+                "{name} {s:?} remat layers: largest relative error {:.2e}",
+                w.relative
+            );
+            assert!(
+                r.passed(),
+                "{name} {s:?}: `{}` differs by {:.2e}",
+                w.name,
+                w.relative
+            );
         }
     }
 }
@@ -80,7 +93,11 @@ fn every_example_compiles_with_checkpoints_and_round_trips() {
         .unwrap_or_else(|e| panic!("{name}: {e}"));
         verify_graph(&c.programs.worker).unwrap_or_else(|e| panic!("{name}: {e}"));
         let text = print(&c.programs.worker);
-        assert_eq!(parse(&text).expect("parses"), c.programs.worker, "{name} does not round-trip");
+        assert_eq!(
+            parse(&text).expect("parses"),
+            c.programs.worker,
+            "{name} does not round-trip"
+        );
         let stem = name.trim_end_matches(".dsl");
         insta::assert_snapshot!(format!("{stem}__remat_layers"), text);
     }
@@ -127,7 +144,10 @@ fn checkpointing_lowers_the_peak_of_activations() {
     assert!(m1 < m0, "measured {m1} B with checkpoints, {m0} B without");
     for (p, m) in [(p0, m0), (p1, m1)] {
         let (p, m) = (p as f64, m as f64);
-        assert!((p - m).abs() <= 0.1 * p.max(m), "predicted {p} B, measured {m} B");
+        assert!(
+            (p - m).abs() <= 0.1 * p.max(m),
+            "predicted {p} B, measured {m} B"
+        );
     }
     // A budget between the two is met with checkpoints; one below every choice is refused
     // with the smallest reachable peak.
@@ -148,5 +168,8 @@ fn checkpointing_lowers_the_peak_of_activations() {
     .err()
     .expect("a budget of 0.01 MiB cannot be met")
     .to_string();
-    assert!(err.contains("--remat 0.01") && err.contains("the smallest is"), "{err}");
+    assert!(
+        err.contains("--remat 0.01") && err.contains("the smallest is"),
+        "{err}"
+    );
 }

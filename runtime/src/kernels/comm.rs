@@ -45,7 +45,8 @@ pub(super) fn pack_chunks<A: Elem>(args: &[Arg<'_>], workers: usize) -> Result<V
         .enumerate()
         .map(|(i, a)| {
             let t = tensor(a, i)?;
-            let arr = A::of(t).ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))?;
+            let arr = A::of(t)
+                .ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))?;
             Ok(arr.as_standard_layout().iter().copied().collect::<Vec<A>>())
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -72,10 +73,14 @@ pub(super) fn unpack_chunks<A: Elem>(
     shapes: &[Shape],
 ) -> Result<Vec<Value>, String> {
     let t = tensor(arg, 0)?;
-    let arr = A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", arg.describe(), A::DTYPE))?;
+    let arr =
+        A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", arg.describe(), A::DTYPE))?;
     let flat = arr.as_standard_layout();
     let flat = flat.as_slice().ok_or("packed buffer is not contiguous")?;
-    let chunks: Vec<usize> = shapes.iter().map(|s| s.numel().div_ceil(workers.max(1))).collect();
+    let chunks: Vec<usize> = shapes
+        .iter()
+        .map(|s| s.numel().div_ceil(workers.max(1)))
+        .collect();
     let part: usize = chunks.iter().sum();
     if workers == 0 || flat.len() != part * workers {
         return Err(format!(

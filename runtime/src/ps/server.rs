@@ -6,9 +6,9 @@
 use super::transport::ServerLink;
 use super::wire::{Reply, Request};
 use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
+use crate::checkpoint::TrainingState;
 use crate::error::{Result, RuntimeError};
 use crate::init::{init_param, init_rows};
-use crate::checkpoint::TrainingState;
 use crate::optim::{Optimizer, STEP_KEY};
 use crate::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
@@ -72,7 +72,16 @@ fn resumed_shard(sp: &ShardSpec, state: &TrainingState, cfg: &PsConfig) -> Resul
         .optimizer
         .iter()
         .filter(|(k, _)| k.starts_with(&prefix) || k.as_str() == STEP_KEY)
-        .map(|(k, t)| (k.clone(), if k == STEP_KEY { t.clone() } else { slice_rows(t, sp.start, sp.end) }))
+        .map(|(k, t)| {
+            (
+                k.clone(),
+                if k == STEP_KEY {
+                    t.clone()
+                } else {
+                    slice_rows(t, sp.start, sp.end)
+                },
+            )
+        })
         .collect();
     shard.opt.load_state(&slots)?;
     shard.applied = state.index.step;
