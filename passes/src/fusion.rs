@@ -6,7 +6,8 @@
 //! as `pack_chunks`, one `reduce_scatter`, `unpack` (each worker's part of the bucket
 //! is its chunk of every gradient), and gathers of parameter shards, in the order the
 //! step first reads them and never across the forward/backward boundary, as `pack`,
-//! one `all_gather_dense`, `unpack_chunks`. Requires the distribute pass; records the
+//! one `all_gather_dense`, `unpack_chunks`, each gather bucket at most the first
+//! bucket's cap. Requires the distribute pass; records the
 //! gradient buckets in [`crate::PassCx::dist`]. Before/after:
 //! ```text
 //! %7 = all_reduce{reduce="mean"} %5            %7 = pack %5, %6 : f32[1024512]
@@ -236,7 +237,10 @@ impl Pass for Fusion {
         }
         let (scattered, scatters_fused) = bucket_reduce_scatters(g, &pos, caps, records.len())?;
         records.extend(scattered);
-        let (gather_buckets, gathers_fused) = bucket_gathers(g, &pos, caps)?;
+        // Gathered parameters are whole variables alive until their last reader: buckets of
+        // at most the first bucket's cap fuse the small variables without holding many
+        // large ones at once (DeepSpeed's stage-3 prefetch bucket plays the same part).
+        let (gather_buckets, gathers_fused) = bucket_gathers(g, &pos, (caps.0, caps.0))?;
         if let Some(d) = dist {
             // Each name to its first variable, as a search from the start finds it.
             let mut var_of: std::collections::HashMap<&str, usize> = Default::default();
