@@ -3,33 +3,14 @@
 //! are not training states and runs with nothing left to do are refused by name.
 
 use distc_runtime::checkpoint;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
 
-fn distc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(args)
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .output()
-        .expect("runs")
-}
+mod common;
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{distc, s, text};
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-checkpoint-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp");
-    dir.join(name)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf8")
+    common::temp_dir("checkpoint-cli").join(name)
 }
 
 const MODEL: &str = "tests/models/issue9_sparse_adam.dsl";

@@ -1,28 +1,13 @@
 //! The `distc` binary: commands, files, exit codes and the plan format.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn distc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(args)
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .output()
-        .expect("runs")
-}
+mod common;
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{distc, text};
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp");
-    dir.join(name)
+    common::temp_dir("cli").join(name)
 }
 
 /// The rows of a `--metrics` JSON-lines file.

@@ -3,32 +3,14 @@
 //! path under /dev: special files are made in a temporary directory.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-fn distc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(args)
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .output()
-        .expect("runs")
-}
+mod common;
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{distc, s, text};
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-issue9-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp");
-    dir.join(name)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf8")
+    common::temp_dir("issue9-cli").join(name)
 }
 
 /// Fails with exit status 1 or 2 (clap's usage errors), printing `want`.

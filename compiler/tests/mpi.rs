@@ -9,19 +9,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{distc, root, s, text};
+
+fn tmp(name: &str) -> PathBuf {
+    common::temp_dir("mpi").join(name)
+}
+
 const MPIRUN: [&str; 2] = ["--allow-run-as-root", "--oversubscribe"];
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn distc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("runs")
-}
 
 fn mpirun_cmd(np: usize, args: &[&str]) -> Command {
     let mut c = Command::new("mpirun");
@@ -38,24 +34,6 @@ fn mpirun(np: usize, args: &[&str]) -> Output {
     mpirun_cmd(np, args)
         .output()
         .expect("mpirun runs (install OpenMPI: scripts/install-mpi.sh)")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-mpi-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp");
-    dir.join(name)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf8")
 }
 
 fn compile(model: &str, strategy: &str, workers: usize, servers: usize, name: &str) -> PathBuf {

@@ -1,34 +1,16 @@
 //! `distc plot`: metrics files in, pictures out; and the errors a user meets.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn distc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(args)
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .output()
-        .expect("runs")
-}
+mod common;
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+use common::{distc, s, text};
+
+fn tmp(test: &str) -> PathBuf {
+    common::temp_dir(&format!("plot-{test}"))
 }
 
 /// A folder of this test's own, so parallel tests never share files.
-fn tmp(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-plot-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp");
-    dir
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf8")
-}
 
 /// A step line as `distc train --metrics` writes it, evaluation every 4 steps.
 fn step_line(step: usize, loss: f64, samples: f64, activations: u64) -> String {

@@ -8,14 +8,8 @@ use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::metrics::StepMetrics;
 use distc_runtime::train::{train, TrainOptions};
-use std::path::{Path, PathBuf};
+use distc_tests::{example, EXAMPLES};
 use std::time::Duration;
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
-}
 
 fn strategy(
     strategy: Strategy,
@@ -34,14 +28,7 @@ fn strategy(
 
 #[test]
 fn accumulation_trains_what_one_device_trains() {
-    for name in [
-        "sparse_lm.dsl",
-        "dense_mlp.dsl",
-        "mlp.dsl",
-        "cnn.dsl",
-        "lm.dsl",
-        "recsys.dsl",
-    ] {
+    for name in EXAMPLES {
         let file = example(name);
         let probe = compile_file(&file, &CompileOptions::default()).expect("compiles");
         if probe.config.data.needs_files() && data_dir(None).is_none() {

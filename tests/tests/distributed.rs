@@ -8,14 +8,8 @@ use distc_passes::placement::{Strategy, StrategyConfig, SyncMode};
 use distc_runtime::data::data_dir;
 use distc_runtime::ps::PsSync;
 use distc_runtime::train::{train, TrainOptions, TrainReport};
-use std::path::{Path, PathBuf};
+use distc_tests::example;
 use std::time::Duration;
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
-}
 
 fn compile(
     name: &str,

@@ -5,18 +5,13 @@ use distc::verify::{verify, VerifyError, VerifyOptions};
 use distc::{compile_file, CompileOptions, Plan};
 use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::train::{train, TrainOptions};
+use distc_tests::{example, EXAMPLES};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 fn model(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("models")
-        .join(name)
-}
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
         .join(name)
 }
 
@@ -261,14 +256,7 @@ fn every_compiled_plan_loads() {
     let have_data = distc_runtime::data::data_dir(None).is_some();
     let dir = std::env::temp_dir().join(format!("distc-issue9-plans-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
-    for name in [
-        "sparse_lm.dsl",
-        "dense_mlp.dsl",
-        "mlp.dsl",
-        "cnn.dsl",
-        "lm.dsl",
-        "recsys.dsl",
-    ] {
+    for name in EXAMPLES {
         let file = example(name);
         for (s, servers) in [
             (Strategy::Allreduce, 0),

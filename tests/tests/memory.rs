@@ -6,25 +6,12 @@ use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::memory::{self, MemoryByCategory};
 use distc_runtime::train::{train, TrainOptions};
+use distc_tests::{example, EXAMPLES};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
-}
 
 #[test]
 fn predicted_memory_is_measured_memory() {
-    for name in [
-        "sparse_lm.dsl",
-        "dense_mlp.dsl",
-        "mlp.dsl",
-        "cnn.dsl",
-        "lm.dsl",
-        "recsys.dsl",
-    ] {
+    for name in EXAMPLES {
         for (strategy, workers, servers) in [
             (Strategy::Single, 1, 0),
             (Strategy::Allreduce, 2, 0),

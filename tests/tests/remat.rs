@@ -9,24 +9,9 @@ use distc_passes::placement::{RematPolicy, Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::memory;
 use distc_runtime::train::{train, TrainOptions};
+use distc_tests::{example, EXAMPLES};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
-}
-
-const EXAMPLES: [&str; 6] = [
-    "sparse_lm.dsl",
-    "dense_mlp.dsl",
-    "mlp.dsl",
-    "cnn.dsl",
-    "lm.dsl",
-    "recsys.dsl",
-];
 
 fn options(
     strategy: Strategy,

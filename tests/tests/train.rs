@@ -4,13 +4,7 @@
 use distc::{compile_file, CompileOptions};
 use distc_runtime::data::data_dir;
 use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
-use std::path::{Path, PathBuf};
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
-}
+use distc_tests::example;
 
 fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
     let c = compile_file(

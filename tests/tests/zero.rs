@@ -8,14 +8,8 @@ use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::data::data_dir;
 use distc_runtime::memory::{self, MemoryByCategory};
 use distc_runtime::train::{train, TrainOptions};
-use std::path::{Path, PathBuf};
+use distc_tests::{example, EXAMPLES};
 use std::time::Duration;
-
-fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
-}
 
 fn config(strategy: Strategy, workers: usize, servers: usize, zero: u8) -> StrategyConfig {
     StrategyConfig {
@@ -26,15 +20,6 @@ fn config(strategy: Strategy, workers: usize, servers: usize, zero: u8) -> Strat
         ..Default::default()
     }
 }
-
-const EXAMPLES: [&str; 6] = [
-    "sparse_lm.dsl",
-    "dense_mlp.dsl",
-    "mlp.dsl",
-    "cnn.dsl",
-    "lm.dsl",
-    "recsys.dsl",
-];
 
 #[test]
 fn every_stage_trains_what_one_device_trains() {
