@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 mod common;
 
-use common::{distc, s, text};
+use common::{distc, refused, s, text};
 
 fn tmp(name: &str) -> PathBuf {
     common::temp_dir("checkpoint-cli").join(name)
@@ -69,17 +69,6 @@ fn train_resume_and_refusals() {
     ] {
         let mut all = vec!["train", MODEL, "-q"];
         all.extend(args.iter().copied());
-        let o = distc(&all);
-        assert!(
-            matches!(o.status.code(), Some(1 | 2)),
-            "{all:?} was not refused: {}",
-            text(&o)
-        );
-        assert!(
-            text(&o).contains(want),
-            "{all:?}: expected {want:?} in {}",
-            text(&o)
-        );
-        assert!(!text(&o).contains("panicked"), "{}", text(&o));
+        refused(&all, want);
     }
 }

@@ -7,26 +7,10 @@ use std::process::{Command, Stdio};
 
 mod common;
 
-use common::{distc, s, text};
+use common::{distc, refused, s, text};
 
 fn tmp(name: &str) -> PathBuf {
     common::temp_dir("issue9-cli").join(name)
-}
-
-/// Fails with exit status 1 or 2 (clap's usage errors), printing `want`.
-fn refused(args: &[&str], want: &str) {
-    let o = distc(args);
-    assert!(
-        matches!(o.status.code(), Some(1 | 2)),
-        "{args:?} was not refused: {}",
-        text(&o)
-    );
-    assert!(
-        text(&o).contains(want),
-        "{args:?}: expected {want:?} in {}",
-        text(&o)
-    );
-    assert!(!text(&o).contains("panicked"), "{args:?}: {}", text(&o));
 }
 
 #[test]

@@ -17,6 +17,11 @@ pub mod types;
 pub mod verify;
 
 pub use graph::{Graph, GraphError, Node, NodeId, ValueId};
+
+/// The suffix of the variable holding a worker's ZeRO shard of variable `w` (`w.zero`):
+/// the zero pass names shards so, and the runtime finds them so when it writes or
+/// resumes a training state.
+pub const ZERO_SHARD_SUFFIX: &str = ".zero";
 pub use op::{Init, Op, ReduceOp};
 pub use parse::{parse, ParseError};
 pub use print::print;

@@ -51,7 +51,12 @@ fn group<T>(items: Vec<(T, usize)>, first_cap: usize, cap: usize) -> Vec<Vec<(T,
 fn sink_of(g: &Graph, id: NodeId) -> Option<String> {
     match g.user_nodes(id).as_slice() {
         [u] => match g.op(*u) {
-            Op::ParamGrad { param } => Some(param.trim_end_matches(".zero").to_string()),
+            Op::ParamGrad { param } => Some(
+                param
+                    .strip_suffix(distc_ir::ZERO_SHARD_SUFFIX)
+                    .unwrap_or(param)
+                    .to_string(),
+            ),
             Op::TakeChunk { .. } => sink_of(g, *u),
             _ => None,
         },
@@ -146,7 +151,7 @@ fn bucket_gathers(
             .min()
             .copied()
     };
-    gathers.sort_by_key(|((id, _, _), _)| first_read(g, *id));
+    gathers.sort_by_cached_key(|((id, _, _), _)| first_read(g, *id));
     // A bucket never spans the forward and the backward pass: stage 3 gathers a
     // variable again for the backward pass so that it is not held in between.
     let forward = crate::zero::forward_nodes(g);

@@ -37,7 +37,7 @@ pub struct Zero;
 
 /// The name of the shard variable of `var`.
 pub fn shard_name(var: &str) -> String {
-    format!("{var}.zero")
+    format!("{var}{}", distc_ir::ZERO_SHARD_SUFFIX)
 }
 
 /// Nodes the loss and the outputs depend on: the forward pass.

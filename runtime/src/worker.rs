@@ -28,7 +28,7 @@ use crate::roles::Role;
 use crate::trace::Span;
 use crate::train::{evaluate, init_params, Programs, TrainOptions};
 use crate::value::{Slices, Tensor, Value};
-use distc_ir::{NodeId, Op, ReduceOp};
+use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -783,7 +783,7 @@ fn initial_values(
                     t.shape()
                 )))
             }
-            None if name.ends_with(ZERO_SUFFIX) => {}
+            None if name.ends_with(ZERO_SHARD_SUFFIX) => {}
             None => {
                 return Err(RuntimeError::Config(format!(
                     "the training state has no variable `{name}` (it holds {})",
@@ -794,9 +794,6 @@ fn initial_values(
     }
     Ok(params)
 }
-
-/// The name suffix of a ZeRO chunk variable.
-const ZERO_SUFFIX: &str = ".zero";
 
 /// The optimizer state this worker holds of a resumed state: the slots of its
 /// variables, a ZeRO chunk's slots cut from the whole ones as `take_chunk` cuts.
@@ -815,7 +812,7 @@ fn resumed_slots(
         if params.contains_key(var) {
             out.insert(key.clone(), t.clone());
         } else {
-            let chunk = format!("{var}{ZERO_SUFFIX}");
+            let chunk = format!("{var}{ZERO_SHARD_SUFFIX}");
             if params.contains_key(&chunk) {
                 out.insert(format!("{chunk}/{slot}"), t.chunk(workers, rank));
             }
@@ -884,7 +881,7 @@ fn save_training_state(
     params.extend(
         st.params
             .iter()
-            .filter(|(k, _)| !k.ends_with(ZERO_SUFFIX))
+            .filter(|(k, _)| !k.ends_with(ZERO_SHARD_SUFFIX))
             .map(|(k, v)| (k.clone(), v.clone())),
     );
     if let Some(ps) = hook.ps.as_mut() {

@@ -36,6 +36,23 @@ pub fn temp_dir(label: &str) -> PathBuf {
     dir
 }
 
+/// Runs `distc ARGS` and checks it fails with exit status 1 or 2 (clap's usage
+/// errors), printing `want`, never a panic.
+pub fn refused(args: &[&str], want: &str) {
+    let o = distc(args);
+    assert!(
+        matches!(o.status.code(), Some(1 | 2)),
+        "{args:?} was not refused: {}",
+        text(&o)
+    );
+    assert!(
+        text(&o).contains(want),
+        "{args:?}: expected {want:?} in {}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("panicked"), "{args:?}: {}", text(&o));
+}
+
 /// A path as a command-line argument.
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("utf8")
