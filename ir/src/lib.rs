@@ -8,6 +8,7 @@
 
 pub mod attrs;
 pub mod dot;
+pub mod fused;
 pub mod graph;
 pub mod op;
 pub mod parse;
@@ -22,6 +23,7 @@ pub use graph::{Graph, GraphError, Node, NodeId, ValueId};
 /// the zero pass names shards so, and the runtime finds them so when it writes or
 /// resumes a training state.
 pub const ZERO_SHARD_SUFFIX: &str = ".zero";
+pub use fused::{BinaryFn, FusedExpr, FusedStep, UnaryFn};
 pub use op::{Init, Op, ReduceOp};
 pub use parse::{parse, ParseError};
 pub use print::print;
