@@ -16,6 +16,20 @@ pub enum RuntimeError {
         /// What went wrong.
         message: String,
     },
+    /// The device failed while running a node (a driver call, a kernel launch).
+    #[error("{node} ({op}) on the GPU: {source}")]
+    Device {
+        /// The node, as `%N`.
+        node: String,
+        /// The op's mnemonic.
+        op: &'static str,
+        /// The driver's or the compiler's error.
+        source: crate::cuda::CudaError,
+    },
+    /// CUDA could not be set up (a missing library, no GPU, a kernel that does not
+    /// compile).
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
     /// The graph reads an input the feed does not provide.
     #[error("no value fed for input `{0}`")]
     MissingInput(String),

@@ -13,11 +13,11 @@
 //! checked against the type the IR gave it, so a kernel bug or a bad feed is an error
 //! naming the node or the input, never a panic or a silently wrong shape.
 
+use crate::backend::{Backend, BackendArg, Cpu, KernelError, ValueRef};
 use crate::error::{Result, RuntimeError};
 use crate::kernels::{self, Arg, KernelCtx};
 use crate::value::{Tensor, Value};
-use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueId, ValueType};
-use ndarray::{ArrayD, IxDyn};
+use distc_ir::{Graph, NodeId, Op, TensorType, ValueId, ValueType};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -163,13 +163,13 @@ pub enum Mode {
     Micro,
 }
 
-/// What one run produced.
+/// What one run produced; gradients stay on the backend (`V`: its value type).
 #[derive(Debug)]
-pub struct StepOutputs {
+pub struct StepOutputs<V = Value> {
     /// The value marked by the `loss` sink, if the graph has one.
     pub loss: Option<f64>,
     /// One gradient per `param_grad` sink, in graph order (empty in evaluation).
-    pub grads: Vec<(String, Value)>,
+    pub grads: Vec<(String, V)>,
     /// One tensor per `output` sink, in graph order (slices are densified).
     pub outputs: Vec<(String, Tensor)>,
 }
@@ -203,31 +203,21 @@ struct Step {
 }
 
 /// A slot's content during a run.
-enum Slot<'a> {
+enum Slot<'a, B: Backend> {
     Empty,
-    Owned(Value),
-    Borrowed(&'a Tensor),
+    Owned(B::Value),
+    Borrowed(&'a B::Tensor),
     /// A collective under way; waited for when first read.
     Pending(Box<dyn Pending>),
 }
 
-impl std::fmt::Debug for Slot<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Slot::Empty => f.write_str("Empty"),
-            Slot::Owned(v) => write!(f, "Owned({})", v.value_type()),
-            Slot::Borrowed(t) => write!(f, "Borrowed({})", t.tensor_type()),
-            Slot::Pending(_) => f.write_str("Pending"),
-        }
-    }
-}
-
-/// Runs one graph; compiled once, run once per step.
-#[derive(Debug)]
-pub struct Executor {
+/// Runs one graph on a [`Backend`] (the CPU's by default); compiled once, run once
+/// per step.
+pub struct Executor<B: Backend = Cpu> {
+    backend: B,
     schedule: Schedule,
     /// The filled tensor of each `constant` node, by node position.
-    constants: Vec<Option<Tensor>>,
+    constants: Vec<Option<B::Tensor>>,
     profiling: bool,
     profile: HashMap<&'static str, (Duration, u64)>,
     /// The worker's rank, for per-sample dropout masks (see [`KernelCtx::rank`]).
@@ -235,7 +225,16 @@ pub struct Executor {
     /// What the last run held at its peak.
     measured: MemoryUse,
     /// Gradient sums of the micro-batches of the current step, by node position.
-    accumulated: HashMap<usize, Value>,
+    accumulated: HashMap<usize, B::Value>,
+}
+
+impl<B: Backend> std::fmt::Debug for Executor<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("backend", &self.backend.name())
+            .field("schedule", &self.schedule)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What the executor runs, independent of any tensor: the nodes in order with their
@@ -393,20 +392,31 @@ impl Schedule {
     }
 }
 
-impl Executor {
-    /// Compiles `graph`: its [`Schedule`] and constants.
-    pub fn new(graph: &Graph) -> Result<Executor> {
+impl Executor<Cpu> {
+    /// Compiles `graph` for the CPU: its [`Schedule`] and constants.
+    pub fn new(graph: &Graph) -> Result<Executor<Cpu>> {
+        warm_allocator();
+        Executor::with_backend(graph, Cpu)
+    }
+}
+
+impl<B: Backend> Executor<B> {
+    /// Compiles `graph` for `backend`: its [`Schedule`] and constants.
+    pub fn with_backend(graph: &Graph, mut backend: B) -> Result<Executor<B>> {
         let schedule = Schedule::new(graph)?;
         let constants = schedule
             .nodes
             .iter()
             .map(|n| match &n.op {
-                Op::Constant { value, ty } => Some(filled(ty, *value)),
-                _ => None,
+                Op::Constant { value, ty } => backend
+                    .filled(ty, *value)
+                    .map(Some)
+                    .map_err(|e| device_err(n, e)),
+                _ => Ok(None),
             })
-            .collect();
-        warm_allocator();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Executor {
+            backend,
             schedule,
             constants,
             profiling: false,
@@ -417,15 +427,20 @@ impl Executor {
         })
     }
 
+    /// The backend the kernels run on.
+    pub fn backend(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
     /// Runs one step. `feeds` are the model inputs by name and `params` the variables
     /// by name; both are borrowed, never copied.
     pub fn run(
         &mut self,
-        feeds: &HashMap<String, Tensor>,
-        params: &HashMap<String, Tensor>,
+        feeds: &HashMap<String, B::Tensor>,
+        params: &HashMap<String, B::Tensor>,
         mode: Mode,
         step: u64,
-    ) -> Result<StepOutputs> {
+    ) -> Result<StepOutputs<B::Value>> {
         self.run_with(feeds, params, mode, step, None)
     }
 
@@ -433,13 +448,14 @@ impl Executor {
     /// (without one they are an error).
     pub fn run_with<'h>(
         &mut self,
-        feeds: &HashMap<String, Tensor>,
-        params: &HashMap<String, Tensor>,
+        feeds: &HashMap<String, B::Tensor>,
+        params: &HashMap<String, B::Tensor>,
         mode: Mode,
         step: u64,
         mut comm: Option<&mut (dyn CommHook + 'h)>,
-    ) -> Result<StepOutputs> {
+    ) -> Result<StepOutputs<B::Value>> {
         let Executor {
+            backend,
             schedule:
                 Schedule {
                     nodes,
@@ -468,7 +484,7 @@ impl Executor {
             training: mode != Mode::Eval,
             rank: *rank,
         };
-        let mut slots: Vec<Slot<'_>> = (0..*n_slots).map(|_| Slot::Empty).collect();
+        let mut slots: Vec<Slot<'_, B>> = (0..*n_slots).map(|_| Slot::Empty).collect();
         let mut out = StepOutputs {
             loss: None,
             grads: Vec::new(),
@@ -481,10 +497,12 @@ impl Executor {
                 op: node.op.mnemonic(),
                 message,
             };
+            let backend_err = |e: KernelError| device_err(node, e);
             for u in &st.uses {
                 if matches!(slots[u.slot], Slot::Pending(_)) {
                     if let Slot::Pending(p) = std::mem::replace(&mut slots[u.slot], Slot::Empty) {
-                        slots[u.slot] = Slot::Owned(p.wait()?);
+                        let v = backend.from_host(p.wait()?).map_err(backend_err)?;
+                        slots[u.slot] = Slot::Owned(v);
                     }
                 }
             }
@@ -494,7 +512,10 @@ impl Executor {
             };
             let communicated = match (&node.op, comm.as_deref_mut()) {
                 (Op::Pull { var, shards, .. }, Some(c)) => {
-                    Some(Slot::Owned(Value::Tensor(c.pull(var, shards, step)?)))
+                    let t = c.pull(var, shards, step)?;
+                    Some(Slot::Owned(
+                        backend.from_host(Value::Tensor(t)).map_err(backend_err)?,
+                    ))
                 }
                 (Op::SparsePull { var, shards, .. }, Some(c)) => {
                     let ids = read(
@@ -502,22 +523,26 @@ impl Executor {
                         st.uses.first().ok_or_else(|| kernel_err("no ids".into()))?,
                     )
                     .map_err(kernel_err)?;
-                    let ids = ids
-                        .tensor()
-                        .ok_or_else(|| kernel_err("ids are not a tensor".into()))?;
-                    let rows = c.sparse_pull(var, shards, ids, step)?;
+                    let ids = backend.host_tensor(ids).map_err(backend_err)?;
+                    let rows = c.sparse_pull(var, shards, &ids, step)?;
+                    drop(ids);
                     release(&mut slots, &st.uses);
-                    Some(Slot::Owned(Value::Tensor(rows)))
+                    Some(Slot::Owned(
+                        backend
+                            .from_host(Value::Tensor(rows))
+                            .map_err(backend_err)?,
+                    ))
                 }
                 (Op::Push { var, shards } | Op::SparsePush { var, shards }, Some(c)) => {
                     let v = take(
+                        backend,
                         &mut slots,
                         st.uses
                             .first()
                             .ok_or_else(|| kernel_err("no gradient".into()))?,
                     )
-                    .map_err(kernel_err)?;
-                    c.push(var, shards, v, step)?;
+                    .map_err(backend_err)?;
+                    c.push(var, shards, backend.to_host(v).map_err(backend_err)?, step)?;
                     Some(Slot::Empty)
                 }
                 (
@@ -529,12 +554,14 @@ impl Executor {
                     Some(c),
                 ) => {
                     let v = take(
+                        backend,
                         &mut slots,
                         st.uses
                             .first()
                             .ok_or_else(|| kernel_err("no input".into()))?,
                     )
-                    .map_err(kernel_err)?;
+                    .map_err(backend_err)?;
+                    let v = backend.to_host(v).map_err(backend_err)?;
                     Some(Slot::Pending(c.start_collective(node.id, op, v, step)?))
                 }
                 (
@@ -558,7 +585,7 @@ impl Executor {
                 if let (Some(&(out, ref ty)), Some(true)) = (node.outputs.first(), st.keep.first())
                 {
                     let bytes = match &slot {
-                        Slot::Owned(v) => v.bytes() as u64,
+                        Slot::Owned(v) => B::value_bytes(v),
                         _ => type_bytes(ty),
                     };
                     let comm = is_comm_buffer(&node.op);
@@ -577,14 +604,14 @@ impl Executor {
                     let t = feeds
                         .get(name)
                         .ok_or_else(|| RuntimeError::MissingInput(name.clone()))?;
-                    check_type(t, ty, || format!("input `{name}`: fed"))?;
+                    check_type::<B>(t, ty, || format!("input `{name}`: fed"))?;
                     Some(t)
                 }
                 Op::Param { name, ty, .. } => {
                     let t = params
                         .get(name)
                         .ok_or_else(|| RuntimeError::MissingParam(name.clone()))?;
-                    check_type(t, ty, || format!("variable `{name}`: holds"))?;
+                    check_type::<B>(t, ty, || format!("variable `{name}`: holds"))?;
                     Some(t)
                 }
                 Op::Constant { .. } => Some(
@@ -608,38 +635,41 @@ impl Executor {
             match &node.op {
                 Op::Loss => {
                     let v = read(&slots, first()?).map_err(kernel_err)?;
-                    out.loss = v.tensor().and_then(Tensor::scalar_f64);
+                    out.loss = backend.host_tensor(v).map_err(backend_err)?.scalar_f64();
                     release(&mut slots, &st.uses);
                     tally.free_released(&mut held, &st.uses);
                 }
                 Op::Accumulate { micro } => {
-                    let v = take(&mut slots, first()?).map_err(kernel_err)?;
+                    let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
                     tally.free_released(&mut held, &st.uses);
                     let sum = match accumulated.remove(&st.node) {
                         None => v,
-                        Some(acc) => add_values(acc, v).map_err(kernel_err)?,
+                        Some(acc) => backend.add(acc, v).map_err(backend_err)?,
                     };
                     if mode == Mode::Micro {
                         accumulated.insert(st.node, sum);
                     } else if let (Some(&(slot, _)), Some(true)) =
                         (node.outputs.first(), st.keep.first())
                     {
-                        let mean = scale_value(sum, 1.0 / *micro as f64).map_err(kernel_err)?;
-                        let bytes = mean.bytes() as u64;
+                        let mean = backend
+                            .scale(sum, 1.0 / *micro as f64)
+                            .map_err(backend_err)?;
+                        let bytes = B::value_bytes(&mean);
                         held[slot] = (false, bytes);
                         tally.add(false, bytes);
                         slots[slot] = Slot::Owned(mean);
                     }
                 }
                 Op::ParamGrad { param } => {
-                    let v = take(&mut slots, first()?).map_err(kernel_err)?;
-                    tally.gradients += v.bytes() as u64;
+                    let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
+                    tally.gradients += B::value_bytes(&v);
                     tally.free_released(&mut held, &st.uses);
                     out.grads.push((param.clone(), v));
                 }
                 Op::Output { name } => {
                     tally.free_released(&mut held, &st.uses);
-                    let v = match take(&mut slots, first()?).map_err(kernel_err)? {
+                    let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
+                    let v = match backend.to_host(v).map_err(backend_err)? {
                         Value::Tensor(t) => t,
                         s @ Value::Slices(_) => {
                             let dense = kernels::eval(&Op::Densify, vec![Arg::Owned(s)], &ctx)
@@ -655,7 +685,7 @@ impl Executor {
                 op => {
                     let args = args(&mut slots, &st.uses).map_err(kernel_err)?;
                     let start = profiling.then(Instant::now);
-                    let results = kernels::eval(op, args, &ctx).map_err(kernel_err)?;
+                    let results = backend.eval(st.node, op, args, &ctx).map_err(backend_err)?;
                     if let Some(start) = start {
                         let e = profile.entry(op.mnemonic()).or_default();
                         e.0 += start.elapsed();
@@ -676,14 +706,14 @@ impl Executor {
                     for ((v, (slot, ty)), &keep) in
                         results.into_iter().zip(&node.outputs).zip(&st.keep)
                     {
-                        let got = v.value_type();
+                        let got = B::value_type(&v);
                         if !fits(&got, ty) {
                             return Err(kernel_err(format!(
                                 "the kernel gave {got}, the graph says {ty}"
                             )));
                         }
                         if keep {
-                            let bytes = v.bytes() as u64;
+                            let bytes = B::value_bytes(&v);
                             held[*slot] = (comm_buffer, bytes);
                             tally.add(comm_buffer, bytes);
                             slots[*slot] = Slot::Owned(v);
@@ -736,6 +766,23 @@ impl Executor {
     }
 }
 
+/// A backend's error at `node`: an invalid input is a kernel error, a device failure
+/// keeps its cause.
+fn device_err(node: &Node, e: KernelError) -> RuntimeError {
+    match e {
+        KernelError::Invalid(message) => RuntimeError::Kernel {
+            node: node.id.to_string(),
+            op: node.op.mnemonic(),
+            message,
+        },
+        KernelError::Device(source) => RuntimeError::Device {
+            node: node.id.to_string(),
+            op: node.op.mnemonic(),
+            source,
+        },
+    }
+}
+
 /// Makes the allocator keep freed intermediates for the next step.
 ///
 /// A step frees most of its buffers at its end. glibc's malloc serves blocks above its
@@ -761,92 +808,15 @@ pub fn warm_allocator() {
     }
 }
 
-/// `a + b`: dense values summed, slices concatenated (rows may repeat).
-fn add_values(a: Value, b: Value) -> std::result::Result<Value, String> {
-    match (a, b) {
-        (Value::Tensor(Tensor::F32(mut x)), Value::Tensor(Tensor::F32(y)))
-            if x.shape() == y.shape() =>
-        {
-            x += &y;
-            Ok(Value::Tensor(Tensor::F32(x)))
-        }
-        (Value::Tensor(Tensor::F64(mut x)), Value::Tensor(Tensor::F64(y)))
-            if x.shape() == y.shape() =>
-        {
-            x += &y;
-            Ok(Value::Tensor(Tensor::F64(x)))
-        }
-        (Value::Slices(x), Value::Slices(y)) if x.dense_shape == y.dense_shape => {
-            let values = match (&x.values, &y.values) {
-                (Tensor::F32(a), Tensor::F32(b)) => Tensor::F32(
-                    ndarray::concatenate(ndarray::Axis(0), &[a.view(), b.view()])
-                        .map_err(|e| e.to_string())?,
-                ),
-                (Tensor::F64(a), Tensor::F64(b)) => Tensor::F64(
-                    ndarray::concatenate(ndarray::Axis(0), &[a.view(), b.view()])
-                        .map_err(|e| e.to_string())?,
-                ),
-                _ => return Err("micro-batch gradients of different dtypes".into()),
-            };
-            let mut indices = x.indices;
-            indices.extend(y.indices);
-            Ok(Value::Slices(crate::value::Slices {
-                indices,
-                values,
-                dense_shape: x.dense_shape,
-            }))
-        }
-        (a, b) => Err(format!(
-            "micro-batch gradients differ: {} and {}",
-            a.value_type(),
-            b.value_type()
-        )),
-    }
-}
-
-/// `v * k` (slices: their values).
-fn scale_value(v: Value, k: f64) -> std::result::Result<Value, String> {
-    fn scale(t: Tensor, k: f64) -> std::result::Result<Tensor, String> {
-        match t {
-            Tensor::F32(mut a) => {
-                a.mapv_inplace(|x| x * k as f32);
-                Ok(Tensor::F32(a))
-            }
-            Tensor::F64(mut a) => {
-                a.mapv_inplace(|x| x * k);
-                Ok(Tensor::F64(a))
-            }
-            Tensor::I32(_) => Err("an i32 gradient".into()),
-        }
-    }
-    Ok(match v {
-        Value::Tensor(t) => Value::Tensor(scale(t, k)?),
-        Value::Slices(mut s) => {
-            s.values = scale(s.values, k)?;
-            Value::Slices(s)
-        }
-    })
-}
-
-/// A tensor of type `ty` with every element `value`.
-fn filled(ty: &TensorType, value: f64) -> Tensor {
-    let dim = IxDyn(ty.dims());
-    match ty.dtype {
-        DType::F32 => Tensor::F32(ArrayD::from_elem(dim, value as f32)),
-        DType::F64 => Tensor::F64(ArrayD::from_elem(dim, value)),
-        DType::I32 => Tensor::I32(ArrayD::from_elem(dim, value as i32)),
-    }
-}
-
 /// Errors unless `t` has type `ty`; `what` starts the message (`input `x`: fed`).
-fn check_type(t: &Tensor, ty: &TensorType, what: impl Fn() -> String) -> Result<()> {
-    if t.dtype() == ty.dtype && t.shape() == ty.dims() {
+fn check_type<B: Backend>(t: &B::Tensor, ty: &TensorType, what: impl Fn() -> String) -> Result<()> {
+    let got = B::tensor_type(t);
+    if got.dtype == ty.dtype && got.dims() == ty.dims() {
         return Ok(());
     }
     Err(RuntimeError::Config(format!(
-        "{} {}, the graph needs {ty}",
-        what(),
-        t.tensor_type()
+        "{} {got}, the graph needs {ty}",
+        what()
     )))
 }
 
@@ -918,11 +888,11 @@ fn plan(nodes: &[Node], included: &[bool], n_slots: usize) -> Vec<Step> {
 
 /// The kernel arguments: values at their last use are moved out of their slots,
 /// the others borrowed.
-fn args<'s, 'a: 's>(
-    slots: &'s mut [Slot<'a>],
+fn args<'s, 'a: 's, B: Backend>(
+    slots: &'s mut [Slot<'a, B>],
     uses: &[Use],
-) -> std::result::Result<Vec<Arg<'s>>, String> {
-    let mut owned: Vec<Option<Value>> = Vec::with_capacity(uses.len());
+) -> std::result::Result<Vec<BackendArg<'s, B::Value, B::Tensor>>, String> {
+    let mut owned: Vec<Option<B::Value>> = Vec::with_capacity(uses.len());
     for u in uses {
         owned.push(match (u.take, &slots[u.slot]) {
             (true, Slot::Owned(_)) => match std::mem::replace(&mut slots[u.slot], Slot::Empty) {
@@ -932,13 +902,13 @@ fn args<'s, 'a: 's>(
             _ => None,
         });
     }
-    let slots: &'s [Slot<'a>] = slots;
+    let slots: &'s [Slot<'a, B>] = slots;
     uses.iter()
         .zip(owned)
         .map(|(u, o)| match (o, &slots[u.slot]) {
-            (Some(v), _) => Ok(Arg::Owned(v)),
-            (None, Slot::Owned(v)) => Ok(Arg::Borrowed(v)),
-            (None, Slot::Borrowed(t)) => Ok(Arg::BorrowedTensor(t)),
+            (Some(v), _) => Ok(BackendArg::Owned(v)),
+            (None, Slot::Owned(v)) => Ok(BackendArg::Borrowed(v)),
+            (None, Slot::Borrowed(t)) => Ok(BackendArg::BorrowedTensor(*t)),
             (None, Slot::Empty | Slot::Pending(_)) => {
                 Err(format!("input slot {} is empty (executor bug)", u.slot))
             }
@@ -947,7 +917,7 @@ fn args<'s, 'a: 's>(
 }
 
 /// Empties the slots whose last use this was.
-fn release(slots: &mut [Slot<'_>], uses: &[Use]) {
+fn release<B: Backend>(slots: &mut [Slot<'_, B>], uses: &[Use]) {
     for u in uses {
         if u.release {
             slots[u.slot] = Slot::Empty;
@@ -956,48 +926,37 @@ fn release(slots: &mut [Slot<'_>], uses: &[Use]) {
 }
 
 /// The value of a sink's input, by reference.
-fn read<'s>(slots: &'s [Slot<'_>], u: &Use) -> std::result::Result<ValueRef<'s>, String> {
+fn read<'s, B: Backend>(
+    slots: &'s [Slot<'_, B>],
+    u: &Use,
+) -> std::result::Result<ValueRef<'s, B::Value, B::Tensor>, String> {
     match &slots[u.slot] {
         Slot::Owned(v) => Ok(ValueRef::Value(v)),
-        Slot::Borrowed(t) => Ok(ValueRef::Tensor(t)),
+        Slot::Borrowed(t) => Ok(ValueRef::Tensor(*t)),
         Slot::Empty | Slot::Pending(_) => {
             Err(format!("input slot {} is empty (executor bug)", u.slot))
         }
     }
 }
 
-/// A borrowed value or tensor.
-enum ValueRef<'s> {
-    Value(&'s Value),
-    Tensor(&'s Tensor),
-}
-
-impl ValueRef<'_> {
-    fn tensor(&self) -> Option<&Tensor> {
-        match self {
-            ValueRef::Value(v) => v.tensor(),
-            ValueRef::Tensor(t) => Some(t),
-        }
-    }
-}
-
-/// The value of a sink's input, owned: moved at its last use, cloned otherwise.
-fn take(slots: &mut [Slot<'_>], u: &Use) -> std::result::Result<Value, String> {
+/// The value of a sink's input, owned: moved at its last use, copied otherwise.
+fn take<B: Backend>(
+    backend: &mut B,
+    slots: &mut [Slot<'_, B>],
+    u: &Use,
+) -> std::result::Result<B::Value, KernelError> {
+    let empty = || KernelError::Invalid(format!("input slot {} is empty (executor bug)", u.slot));
     let v = if u.take {
         match std::mem::replace(&mut slots[u.slot], Slot::Empty) {
             Slot::Owned(v) => v,
-            Slot::Borrowed(t) => Value::Tensor(t.clone()),
-            Slot::Empty | Slot::Pending(_) => {
-                return Err(format!("input slot {} is empty (executor bug)", u.slot))
-            }
+            Slot::Borrowed(t) => backend.copy_tensor(t)?,
+            Slot::Empty | Slot::Pending(_) => return Err(empty()),
         }
     } else {
         match &slots[u.slot] {
-            Slot::Owned(v) => v.clone(),
-            Slot::Borrowed(t) => Value::Tensor((*t).clone()),
-            Slot::Empty | Slot::Pending(_) => {
-                return Err(format!("input slot {} is empty (executor bug)", u.slot))
-            }
+            Slot::Owned(v) => backend.copy_value(v)?,
+            Slot::Borrowed(t) => backend.copy_tensor(t)?,
+            Slot::Empty | Slot::Pending(_) => return Err(empty()),
         }
     };
     release(slots, std::slice::from_ref(u));

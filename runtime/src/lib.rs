@@ -3,11 +3,14 @@
 //! Kernels (CPU), the graph executor, optimizers, data loaders, training loop,
 //! metrics and checkpoints. Depends on `distc-ir` only: the plan is the contract.
 
+pub mod arena;
+pub mod backend;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod cuda;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod exec;
 pub mod init;

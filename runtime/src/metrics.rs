@@ -39,6 +39,13 @@ pub struct StepMetrics {
     /// What worker 0 held in this step, by category (bytes): `params`, `gradients`,
     /// `optimizer`, `activations` (peak), `comm_buffers` (peak).
     pub memory: crate::memory::MemoryByCategory,
+    /// GPU memory distc's allocations hold on worker 0 after the step, bytes (GPU
+    /// runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_memory: Option<u64>,
+    /// The most GPU memory held at once so far, bytes (GPU runs only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_peak: Option<u64>,
 }
 
 /// One evaluation over the held-out data.

@@ -9,6 +9,7 @@
 //! ([`Coordinator`]). The MPI launcher (`crate::comm::mpi`) runs the same loop, one
 //! rank per process.
 
+use crate::backend::Backend;
 use crate::checkpoint::TrainingState;
 use crate::comm::{in_process, Communicator};
 use crate::config::RunConfig;
@@ -161,9 +162,9 @@ pub fn input_types(graph: &Graph) -> HashMap<String, TensorType> {
 
 /// Evaluates `params` on the held-out data of `config`; a worker program's pulls go
 /// through `comm` (as of `step`).
-pub fn evaluate<'h>(
-    exec: &mut Executor,
-    params: &HashMap<String, Tensor>,
+pub fn evaluate<'h, B: Backend>(
+    exec: &mut Executor<B>,
+    params: &HashMap<String, B::Tensor>,
     data: &DataSource,
     config: &RunConfig,
     step: u64,
@@ -177,9 +178,19 @@ pub fn evaluate<'h>(
     }
     let (mut loss, mut n, mut correct, mut sq, mut classified, mut regressed) =
         (0.0, 0usize, 0usize, 0.0, false, false);
-    for batch in &batches {
-        let out = exec.run_with(batch, params, Mode::Eval, step, comm.as_deref_mut())?;
+    for batch in batches {
         let b = batch.values().next().map_or(0, |t| t.shape()[0]);
+        let feeds = batch
+            .into_iter()
+            .map(|(name, t)| {
+                let t = exec
+                    .backend()
+                    .upload(t)
+                    .map_err(|e| RuntimeError::Config(format!("copying `{name}` in: {e}")))?;
+                Ok((name, t))
+            })
+            .collect::<Result<HashMap<_, _>>>()?;
+        let out = exec.run_with(&feeds, params, Mode::Eval, step, comm.as_deref_mut())?;
         loss += out.loss.unwrap_or(f64::NAN) * b as f64;
         n += b;
         let find = |name: &str| out.outputs.iter().find(|(k, _)| k == name).map(|(_, t)| t);
@@ -307,6 +318,8 @@ impl<'a> Coordinator<'a> {
             bytes_moved: r0.bytes_moved,
             eval: r0.eval.clone(),
             memory: r0.memory,
+            gpu_memory: r0.device_memory.map(|m| m.0),
+            gpu_memory_peak: r0.device_memory.map(|m| m.1),
         })
     }
 }

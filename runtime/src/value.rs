@@ -16,6 +16,15 @@ pub enum Tensor {
 }
 
 impl Tensor {
+    /// A tensor of type `ty` with every element `value` (a `constant` node).
+    pub fn filled(ty: &TensorType, value: f64) -> Tensor {
+        let dim = IxDyn(ty.dims());
+        match ty.dtype {
+            DType::F32 => Tensor::F32(ArrayD::from_elem(dim, value as f32)),
+            DType::F64 => Tensor::F64(ArrayD::from_elem(dim, value)),
+            DType::I32 => Tensor::I32(ArrayD::from_elem(dim, value as i32)),
+        }
+    }
     /// A tensor of zeros of type `t`.
     pub fn zeros(t: &TensorType) -> Tensor {
         let shape = IxDyn(t.dims());
@@ -176,4 +185,71 @@ pub struct TensorInfo {
     pub name: String,
     /// Type.
     pub ty: TensorType,
+}
+
+/// `a + b`: dense values summed, slices concatenated (rows may repeat).
+pub(crate) fn add_values(a: Value, b: Value) -> std::result::Result<Value, String> {
+    match (a, b) {
+        (Value::Tensor(Tensor::F32(mut x)), Value::Tensor(Tensor::F32(y)))
+            if x.shape() == y.shape() =>
+        {
+            x += &y;
+            Ok(Value::Tensor(Tensor::F32(x)))
+        }
+        (Value::Tensor(Tensor::F64(mut x)), Value::Tensor(Tensor::F64(y)))
+            if x.shape() == y.shape() =>
+        {
+            x += &y;
+            Ok(Value::Tensor(Tensor::F64(x)))
+        }
+        (Value::Slices(x), Value::Slices(y)) if x.dense_shape == y.dense_shape => {
+            let values = match (&x.values, &y.values) {
+                (Tensor::F32(a), Tensor::F32(b)) => Tensor::F32(
+                    ndarray::concatenate(ndarray::Axis(0), &[a.view(), b.view()])
+                        .map_err(|e| e.to_string())?,
+                ),
+                (Tensor::F64(a), Tensor::F64(b)) => Tensor::F64(
+                    ndarray::concatenate(ndarray::Axis(0), &[a.view(), b.view()])
+                        .map_err(|e| e.to_string())?,
+                ),
+                _ => return Err("micro-batch gradients of different dtypes".into()),
+            };
+            let mut indices = x.indices;
+            indices.extend(y.indices);
+            Ok(Value::Slices(Slices {
+                indices,
+                values,
+                dense_shape: x.dense_shape,
+            }))
+        }
+        (a, b) => Err(format!(
+            "micro-batch gradients differ: {} and {}",
+            a.value_type(),
+            b.value_type()
+        )),
+    }
+}
+
+/// `v * k` (slices: their values).
+pub(crate) fn scale_value(v: Value, k: f64) -> std::result::Result<Value, String> {
+    fn scale(t: Tensor, k: f64) -> std::result::Result<Tensor, String> {
+        match t {
+            Tensor::F32(mut a) => {
+                a.mapv_inplace(|x| x * k as f32);
+                Ok(Tensor::F32(a))
+            }
+            Tensor::F64(mut a) => {
+                a.mapv_inplace(|x| x * k);
+                Ok(Tensor::F64(a))
+            }
+            Tensor::I32(_) => Err("an i32 gradient".into()),
+        }
+    }
+    Ok(match v {
+        Value::Tensor(t) => Value::Tensor(scale(t, k)?),
+        Value::Slices(mut s) => {
+            s.values = scale(s.values, k)?;
+            Value::Slices(s)
+        }
+    })
 }

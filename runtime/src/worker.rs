@@ -58,6 +58,8 @@ pub struct StepReport {
     pub eval: Option<EvalMetrics>,
     /// What the worker held, by category (peaks of this step).
     pub memory: MemoryByCategory,
+    /// Device memory in use after the step and its peak so far, bytes (GPU workers).
+    pub device_memory: Option<(u64, u64)>,
 }
 
 /// The first error of a run, with the role that hit it. Shared by every rank of a
@@ -754,6 +756,7 @@ fn run_steps(
             bytes_received: received,
             bytes_moved: moved,
             eval,
+            device_memory: None,
         })?;
     }
     Ok(())

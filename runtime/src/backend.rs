@@ -1,0 +1,257 @@
+//! Where a plan's kernels run. The [`Executor`](crate::exec::Executor) computes what
+//! is independent of any device once (the [`Schedule`](crate::exec::Schedule): order,
+//! slots, last uses) and its run loop is generic over a [`Backend`], which owns the
+//! buffers: the CPU backend ([`Cpu`]) holds host ndarrays, a GPU backend device
+//! memory.
+//!
+//! A backend also owns the variables and the optimizer state between steps (its
+//! [`Backend::Tensor`] values and [`Backend::Optimizer`]), so a device step copies only
+//! the batch in ([`Backend::upload`]) and the loss out. Communication stays on the host
+//! for now: the executor moves a value to the host before a collective or a push and
+//! back after a pull ([`Backend::to_host`], [`Backend::from_host`]); on the CPU backend
+//! both are moves, not copies.
+
+use crate::config::OptimizerSpec;
+use crate::cuda::CudaError;
+use crate::kernels::{self, KernelCtx};
+use crate::optim::Optimizer;
+use crate::value::{Tensor, Value};
+use distc_ir::{Op, TensorType, ValueType};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use thiserror::Error;
+
+/// Why a kernel failed: inputs it cannot work on (a pass bug or a hand-edited plan),
+/// or the device (a driver call, a kernel NVRTC refused).
+#[derive(Debug, Error)]
+pub enum KernelError {
+    /// The kernel rejected its inputs.
+    #[error("{0}")]
+    Invalid(String),
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] CudaError),
+}
+
+impl From<String> for KernelError {
+    fn from(m: String) -> KernelError {
+        KernelError::Invalid(m)
+    }
+}
+
+/// One input of a kernel on backend `B`: owned (its buffer may be reused), borrowed
+/// from a slot, or a borrowed variable, feed or constant.
+pub enum BackendArg<'a, V, T> {
+    /// A value nothing reads after this kernel.
+    Owned(V),
+    /// A value read again later.
+    Borrowed(&'a V),
+    /// A variable, feed or constant.
+    BorrowedTensor(&'a T),
+}
+
+/// A value a sink reads, by reference.
+pub enum ValueRef<'s, V, T> {
+    /// A computed value.
+    Value(&'s V),
+    /// A variable, feed or constant.
+    Tensor(&'s T),
+}
+
+/// A device that runs kernels on its own buffers.
+pub trait Backend {
+    /// A computed value in an executor slot: a tensor or `IndexedSlices`.
+    type Value: Send;
+    /// A dense tensor the backend holds across steps: variables, feeds, constants.
+    type Tensor;
+    /// The optimizer state of the variables the backend holds.
+    type Optimizer;
+
+    /// The backend's name, for messages (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// Runs the kernel of `op` (node `node` of the plan, by position) on `args`: one
+    /// value per output port.
+    fn eval(
+        &mut self,
+        node: usize,
+        op: &Op,
+        args: Vec<BackendArg<'_, Self::Value, Self::Tensor>>,
+        ctx: &KernelCtx,
+    ) -> Result<Vec<Self::Value>, KernelError>;
+
+    /// The IR type of a value (slices at their actual row count).
+    fn value_type(v: &Self::Value) -> ValueType;
+    /// Bytes a value holds, as the memory accounting counts them.
+    fn value_bytes(v: &Self::Value) -> u64;
+    /// The IR type of a tensor.
+    fn tensor_type(t: &Self::Tensor) -> TensorType;
+
+    /// A tensor of type `ty` with every element `value` (a `constant` node).
+    fn filled(&mut self, ty: &TensorType, value: f64) -> Result<Self::Tensor, KernelError>;
+    /// Moves a host tensor to the backend (a batch, an initial variable).
+    fn upload(&mut self, t: Tensor) -> Result<Self::Tensor, KernelError>;
+    /// Copies a tensor back to the host.
+    fn download(&mut self, t: &Self::Tensor) -> Result<Tensor, KernelError>;
+    /// Moves a computed value to the host (before a collective or a push).
+    fn to_host(&mut self, v: Self::Value) -> Result<Value, KernelError>;
+    /// Moves a host value to the backend (after a collective or a pull).
+    fn from_host(&mut self, v: Value) -> Result<Self::Value, KernelError>;
+    /// A sink's input as a host tensor (ids for a sparse pull), borrowed where it
+    /// already is one.
+    fn host_tensor<'s>(
+        &mut self,
+        v: ValueRef<'s, Self::Value, Self::Tensor>,
+    ) -> Result<Cow<'s, Tensor>, KernelError>;
+
+    /// A computed value holding a copy of a tensor.
+    fn copy_tensor(&mut self, t: &Self::Tensor) -> Result<Self::Value, KernelError>;
+    /// A copy of a computed value.
+    fn copy_value(&mut self, v: &Self::Value) -> Result<Self::Value, KernelError>;
+
+    /// `a + b` of two micro-batch gradients (slices: rows concatenated).
+    fn add(&mut self, a: Self::Value, b: Self::Value) -> Result<Self::Value, KernelError>;
+    /// `v * k` (slices: their rows).
+    fn scale(&mut self, v: Self::Value, k: f64) -> Result<Self::Value, KernelError>;
+
+    /// The optimizer `spec` describes, for the variables `params`.
+    fn optimizer(
+        &mut self,
+        spec: &OptimizerSpec,
+        params: &HashMap<String, Self::Tensor>,
+    ) -> Result<Self::Optimizer, KernelError>;
+    /// Applies one step's gradients to the variables.
+    fn update(
+        &mut self,
+        opt: &mut Self::Optimizer,
+        params: &mut HashMap<String, Self::Tensor>,
+        grads: Vec<(String, Self::Value)>,
+    ) -> Result<(), KernelError>;
+    /// Bytes of optimizer state.
+    fn optimizer_bytes(opt: &Self::Optimizer) -> u64;
+    /// Waits until everything issued has finished (for timing a step); a no-op on a
+    /// backend that runs synchronously.
+    fn synchronize(&mut self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    /// Bytes of device memory in use and at its peak, where the backend has its own
+    /// memory (`None` on the host).
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// The CPU backend: host ndarrays and the kernels of [`crate::kernels`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+impl Backend for Cpu {
+    type Value = Value;
+    type Tensor = Tensor;
+    type Optimizer = Optimizer;
+
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn eval(
+        &mut self,
+        _node: usize,
+        op: &Op,
+        args: Vec<BackendArg<'_, Value, Tensor>>,
+        ctx: &KernelCtx,
+    ) -> Result<Vec<Value>, KernelError> {
+        let args = args
+            .into_iter()
+            .map(|a| match a {
+                BackendArg::Owned(v) => kernels::Arg::Owned(v),
+                BackendArg::Borrowed(v) => kernels::Arg::Borrowed(v),
+                BackendArg::BorrowedTensor(t) => kernels::Arg::BorrowedTensor(t),
+            })
+            .collect();
+        Ok(kernels::eval(op, args, ctx)?)
+    }
+
+    fn value_type(v: &Value) -> ValueType {
+        v.value_type()
+    }
+
+    fn value_bytes(v: &Value) -> u64 {
+        v.bytes() as u64
+    }
+
+    fn tensor_type(t: &Tensor) -> TensorType {
+        t.tensor_type()
+    }
+
+    fn filled(&mut self, ty: &TensorType, value: f64) -> Result<Tensor, KernelError> {
+        Ok(Tensor::filled(ty, value))
+    }
+
+    fn upload(&mut self, t: Tensor) -> Result<Tensor, KernelError> {
+        Ok(t)
+    }
+
+    fn download(&mut self, t: &Tensor) -> Result<Tensor, KernelError> {
+        Ok(t.clone())
+    }
+
+    fn to_host(&mut self, v: Value) -> Result<Value, KernelError> {
+        Ok(v)
+    }
+
+    fn from_host(&mut self, v: Value) -> Result<Value, KernelError> {
+        Ok(v)
+    }
+
+    fn host_tensor<'s>(
+        &mut self,
+        v: ValueRef<'s, Value, Tensor>,
+    ) -> Result<Cow<'s, Tensor>, KernelError> {
+        match v {
+            ValueRef::Value(Value::Tensor(t)) | ValueRef::Tensor(t) => Ok(Cow::Borrowed(t)),
+            ValueRef::Value(s) => Err(KernelError::Invalid(format!(
+                "needs a tensor, got {}",
+                s.value_type()
+            ))),
+        }
+    }
+
+    fn copy_tensor(&mut self, t: &Tensor) -> Result<Value, KernelError> {
+        Ok(Value::Tensor(t.clone()))
+    }
+
+    fn copy_value(&mut self, v: &Value) -> Result<Value, KernelError> {
+        Ok(v.clone())
+    }
+
+    fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
+        Ok(crate::value::add_values(a, b)?)
+    }
+
+    fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
+        Ok(crate::value::scale_value(v, k)?)
+    }
+
+    fn optimizer(
+        &mut self,
+        spec: &OptimizerSpec,
+        _params: &HashMap<String, Tensor>,
+    ) -> Result<Optimizer, KernelError> {
+        Ok(Optimizer::new(spec))
+    }
+
+    fn update(
+        &mut self,
+        opt: &mut Optimizer,
+        params: &mut HashMap<String, Tensor>,
+        grads: Vec<(String, Value)>,
+    ) -> Result<(), KernelError> {
+        opt.step(params, &grads)
+            .map_err(|e| KernelError::Invalid(e.to_string()))
+    }
+
+    fn optimizer_bytes(opt: &Optimizer) -> u64 {
+        opt.state_bytes()
+    }
+}

@@ -1,0 +1,187 @@
+//! Training one worker on one device through a [`Backend`].
+//!
+//! The variables are initialised on the host once, uploaded, and from then on live in
+//! the backend's store with the optimizer state: a step uploads its batch, runs the
+//! graph, applies the update on the backend and reads back only the loss. The final
+//! variables come back to the host once, at the end, to be saved.
+//!
+//! This is the loop `distc train --device cuda` runs; on the [`Cpu`](crate::backend::Cpu)
+//! backend it computes exactly what the in-process trainer computes for one worker
+//! (a test holds it to that, bit for bit), which is how the loop itself is checked
+//! where no GPU is.
+
+use crate::backend::Backend;
+use crate::config::RunConfig;
+use crate::data::DataSource;
+use crate::error::{Result, RuntimeError};
+use crate::exec::{Executor, Mode};
+use crate::memory::MemoryByCategory;
+use crate::metrics::{EvalMetrics, StepMetrics};
+use crate::train::{
+    evaluate, init_params, open_data, Coordinator, Programs, TrainOptions, TrainReport,
+};
+use crate::value::Tensor;
+use crate::worker::StepReport;
+use distc_ir::Graph;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// Trains the one-device plan `graph` on `backend`; `on_step` sees each step's
+/// metrics line.
+pub fn train_on<B: Backend>(
+    backend: B,
+    graph: &Graph,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+) -> Result<TrainReport> {
+    let device = backend.name();
+    if let Some(op) = graph
+        .node_ids()
+        .into_iter()
+        .map(|id| graph.op(id))
+        .find(|op| op.is_communication())
+    {
+        return Err(RuntimeError::Config(format!(
+            "this plan communicates (`{}`): on {device} distc runs one-device plans \
+             (`--strategy single`); distributed plans run on the CPU",
+            op.mnemonic()
+        )));
+    }
+    if opts.checkpoint.is_some() || opts.resume.is_some() {
+        return Err(RuntimeError::Config(format!(
+            "--checkpoint and --resume are not supported on {device} yet: the optimizer \
+             state lives on the device; train on the CPU to write or resume a training state"
+        )));
+    }
+    let programs = Programs::single(graph);
+    let mut data = open_data(&programs, config, opts, 0)?;
+    let k = data.len();
+    let steps = opts.steps.unwrap_or(config.steps);
+    let mut exec = Executor::with_backend(graph, backend)?;
+    let host = init_params(graph, config.seed);
+    let mut params = upload_all(exec.backend(), host, &device)?;
+    let mut optimizer = exec
+        .backend()
+        .optimizer(&config.optimizer, &params)
+        .map_err(|e| backend_err(&device, "creating the optimizer", e))?;
+    let param_bytes: u64 = params
+        .values()
+        .map(|t| B::tensor_type(t).bytes() as u64)
+        .sum();
+    let mut coordinator = Coordinator::new(1, config.batch * k, false, on_step);
+    for step in 1..=steps {
+        let batches = data
+            .iter_mut()
+            .map(DataSource::next_batch)
+            .collect::<Result<Vec<_>>>()?;
+        let start = Instant::now();
+        let mut loss = 0.0;
+        let mut last = None;
+        for (m, batch) in batches.into_iter().enumerate() {
+            exec.set_rank(m);
+            let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
+            let feeds = upload_all(exec.backend(), batch, &device)?;
+            let out = exec.run(&feeds, &params, mode, step as u64)?;
+            loss += out.loss.unwrap_or(f64::NAN);
+            last = Some(out);
+        }
+        let Some(out) = last else {
+            return Err(RuntimeError::Config("no data source".into()));
+        };
+        let loss = loss / k as f64;
+        let used = exec.measured_memory();
+        let (backend, optimizer_bytes) = (exec.backend(), B::optimizer_bytes(&optimizer));
+        backend
+            .update(&mut optimizer, &mut params, out.grads)
+            .map_err(|e| backend_err(&device, "applying the update", e))?;
+        backend
+            .synchronize()
+            .map_err(|e| backend_err(&device, "finishing the step", e))?;
+        let elapsed = start.elapsed();
+        if !loss.is_finite() {
+            return Err(RuntimeError::Config(format!(
+                "the loss became {loss} at step {step}: lower the learning rate"
+            )));
+        }
+        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
+        let eval: Option<EvalMetrics> = if eval_now {
+            Some(evaluate(
+                &mut exec,
+                &params,
+                &data[0],
+                config,
+                step as u64 + 1,
+                None,
+            )?)
+        } else {
+            None
+        };
+        coordinator.add(StepReport {
+            rank: 0,
+            step,
+            loss,
+            step_sec: elapsed.as_secs_f64(),
+            comm_wait_sec: 0.0,
+            bytes_sent: 0,
+            bytes_received: 0,
+            bytes_moved: 0,
+            eval,
+            memory: MemoryByCategory {
+                params: param_bytes,
+                gradients: used.gradients,
+                optimizer: optimizer_bytes,
+                activations: used.activations,
+                comm_buffers: used.comm_buffers,
+            },
+            device_memory: exec.backend().device_memory(),
+        })?;
+    }
+    let mut host = HashMap::with_capacity(params.len());
+    for (name, t) in &params {
+        let t = exec
+            .backend()
+            .download(t)
+            .map_err(|e| backend_err(&device, &format!("reading back `{name}`"), e))?;
+        host.insert(name.clone(), t);
+    }
+    let c = coordinator;
+    Ok(TrainReport {
+        steps: c.steps,
+        first_loss: c.first_loss,
+        final_loss: c.final_loss,
+        eval: c.eval,
+        train_time: c.train_time,
+        samples_per_sec: (c.steps * k * config.batch) as f64 / c.train_time.as_secs_f64().max(1e-9),
+        params: host,
+        profile: None,
+        spans: Vec::new(),
+    })
+}
+
+/// Uploads every tensor of `host` to the backend.
+fn upload_all<B: Backend>(
+    backend: &mut B,
+    host: HashMap<String, Tensor>,
+    device: &str,
+) -> Result<HashMap<String, B::Tensor>> {
+    host.into_iter()
+        .map(|(name, t)| {
+            let t = backend
+                .upload(t)
+                .map_err(|e| backend_err(device, &format!("copying `{name}` in"), e))?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+fn backend_err(device: &str, what: &str, e: crate::backend::KernelError) -> RuntimeError {
+    match e {
+        crate::backend::KernelError::Device(e) => {
+            RuntimeError::Config(format!("{device}: {what}: {e}"))
+        }
+        crate::backend::KernelError::Invalid(m) => {
+            RuntimeError::Config(format!("{device}: {what}: {m}"))
+        }
+    }
+}
