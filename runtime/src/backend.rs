@@ -13,10 +13,11 @@
 
 use crate::config::OptimizerSpec;
 use crate::cuda::CudaError;
+use crate::exec::Schedule;
 use crate::kernels::{self, KernelCtx};
 use crate::optim::Optimizer;
 use crate::value::{Tensor, Value};
-use distc_ir::{Op, TensorType, ValueType};
+use distc_ir::{NodeId, Op, TensorType, ValueType};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use thiserror::Error;
@@ -70,11 +71,16 @@ pub trait Backend {
     /// The backend's name, for messages (`cpu`, `cuda:0`).
     fn name(&self) -> String;
 
-    /// Runs the kernel of `op` (node `node` of the plan, by position) on `args`: one
-    /// value per output port.
+    /// Called once with the schedule the executor will run, before any kernel: a
+    /// device backend plans its memory and compiles its kernels here.
+    fn prepare(&mut self, _schedule: &Schedule) -> Result<(), KernelError> {
+        Ok(())
+    }
+
+    /// Runs the kernel of `op` (node `node`) on `args`: one value per output port.
     fn eval(
         &mut self,
-        node: usize,
+        node: NodeId,
         op: &Op,
         args: Vec<BackendArg<'_, Self::Value, Self::Tensor>>,
         ctx: &KernelCtx,
@@ -89,8 +95,9 @@ pub trait Backend {
 
     /// A tensor of type `ty` with every element `value` (a `constant` node).
     fn filled(&mut self, ty: &TensorType, value: f64) -> Result<Self::Tensor, KernelError>;
-    /// Moves a host tensor to the backend (a batch, an initial variable).
-    fn upload(&mut self, t: Tensor) -> Result<Self::Tensor, KernelError>;
+    /// Moves host tensor `name` to the backend (a feed of the batch, an initial
+    /// variable); a device backend copies each name into the same buffer every step.
+    fn upload(&mut self, name: &str, t: Tensor) -> Result<Self::Tensor, KernelError>;
     /// Copies a tensor back to the host.
     fn download(&mut self, t: &Self::Tensor) -> Result<Tensor, KernelError>;
     /// Moves a computed value to the host (before a collective or a push).
@@ -108,6 +115,20 @@ pub trait Backend {
     fn copy_tensor(&mut self, t: &Self::Tensor) -> Result<Self::Value, KernelError>;
     /// A copy of a computed value.
     fn copy_value(&mut self, v: &Self::Value) -> Result<Self::Value, KernelError>;
+
+    /// The scalar a `loss` sink reads. `None` when the value is not on the host yet (a
+    /// device step being captured into a graph): [`Backend::pending_scalar`] has it
+    /// once the step is done.
+    fn read_scalar(
+        &mut self,
+        v: ValueRef<'_, Self::Value, Self::Tensor>,
+    ) -> Result<Option<f64>, KernelError> {
+        Ok(self.host_tensor(v)?.scalar_f64())
+    }
+    /// The scalar [`Backend::read_scalar`] deferred, after [`Backend::synchronize`].
+    fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
+        Ok(None)
+    }
 
     /// `a + b` of two micro-batch gradients (slices: rows concatenated).
     fn add(&mut self, a: Self::Value, b: Self::Value) -> Result<Self::Value, KernelError>;
@@ -134,6 +155,26 @@ pub trait Backend {
     fn synchronize(&mut self) -> Result<(), KernelError> {
         Ok(())
     }
+    /// Sets the step the next kernels see (dropout masks, Adam's bias correction). A
+    /// device backend keeps it in device memory, so a replayed graph reads the new one.
+    fn set_step(&mut self, _step: u64) -> Result<(), KernelError> {
+        Ok(())
+    }
+    /// Starts recording everything issued (a step and its update) into a graph instead
+    /// of running it. `false`: this backend has no graphs, nothing changed.
+    fn begin_capture(&mut self) -> Result<bool, KernelError> {
+        Ok(false)
+    }
+    /// Ends the recording [`Backend::begin_capture`] started; the graph is kept.
+    fn end_capture(&mut self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    /// Runs the recorded graph once (after the batch was uploaded and the step set).
+    fn replay(&mut self) -> Result<(), KernelError> {
+        Err(KernelError::Invalid(
+            "this backend records no graphs".into(),
+        ))
+    }
     /// Bytes of device memory in use and at its peak, where the backend has its own
     /// memory (`None` on the host).
     fn device_memory(&self) -> Option<(u64, u64)> {
@@ -156,7 +197,7 @@ impl Backend for Cpu {
 
     fn eval(
         &mut self,
-        _node: usize,
+        _node: NodeId,
         op: &Op,
         args: Vec<BackendArg<'_, Value, Tensor>>,
         ctx: &KernelCtx,
@@ -188,7 +229,7 @@ impl Backend for Cpu {
         Ok(Tensor::filled(ty, value))
     }
 
-    fn upload(&mut self, t: Tensor) -> Result<Tensor, KernelError> {
+    fn upload(&mut self, _name: &str, t: Tensor) -> Result<Tensor, KernelError> {
         Ok(t)
     }
 

@@ -168,7 +168,7 @@ fn upload_all<B: Backend>(
     host.into_iter()
         .map(|(name, t)| {
             let t = backend
-                .upload(t)
+                .upload(&name, t)
                 .map_err(|e| backend_err(device, &format!("copying `{name}` in"), e))?;
             Ok((name, t))
         })

@@ -309,7 +309,57 @@ impl Schedule {
     }
 }
 
+/// How long a computed value lives in the training plan, for a static memory plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Lifetime {
+    /// The node that computes it.
+    pub node: NodeId,
+    /// Its output port.
+    pub port: usize,
+    /// Its type.
+    pub ty: ValueType,
+    /// The plan position of `node`.
+    pub first: usize,
+    /// The plan position of the last node that reads it (`first` if none does).
+    pub last: usize,
+}
+
 impl Schedule {
+    /// The nodes in the order they run (the training plan runs every one).
+    pub fn order(&self) -> impl Iterator<Item = (NodeId, &Op)> {
+        self.nodes.iter().map(|n| (n.id, &n.op))
+    }
+
+    /// The lifetime of every value the training plan computes (sources are borrowed,
+    /// not computed). The evaluation and micro-batch plans run subsets of its nodes in
+    /// the same order, so a memory plan that keeps these lifetimes apart serves them
+    /// too.
+    pub fn lifetimes(&self) -> Vec<Lifetime> {
+        let mut last = vec![None; self.slots];
+        for (k, st) in self.train.iter().enumerate() {
+            for u in &st.uses {
+                last[u.slot] = Some(k);
+            }
+        }
+        let mut out = Vec::new();
+        for (k, st) in self.train.iter().enumerate() {
+            let node = &self.nodes[st.node];
+            if node.op.is_source() {
+                continue;
+            }
+            for (port, (slot, ty)) in node.outputs.iter().enumerate() {
+                out.push(Lifetime {
+                    node: node.id,
+                    port,
+                    ty: ty.clone(),
+                    first: k,
+                    last: last[*slot].unwrap_or(k).max(k),
+                });
+            }
+        }
+        out
+    }
+
     /// Micro-batches per step: the `micro` of the `accumulate` ops (1 without).
     pub fn micro_batches(&self) -> usize {
         self.nodes
@@ -404,6 +454,10 @@ impl<B: Backend> Executor<B> {
     /// Compiles `graph` for `backend`: its [`Schedule`] and constants.
     pub fn with_backend(graph: &Graph, mut backend: B) -> Result<Executor<B>> {
         let schedule = Schedule::new(graph)?;
+        backend.prepare(&schedule).map_err(|e| match e {
+            KernelError::Device(e) => RuntimeError::Cuda(e),
+            KernelError::Invalid(m) => RuntimeError::Config(m),
+        })?;
         let constants = schedule
             .nodes
             .iter()
@@ -635,7 +689,7 @@ impl<B: Backend> Executor<B> {
             match &node.op {
                 Op::Loss => {
                     let v = read(&slots, first()?).map_err(kernel_err)?;
-                    out.loss = backend.host_tensor(v).map_err(backend_err)?.scalar_f64();
+                    out.loss = backend.read_scalar(v).map_err(backend_err)?;
                     release(&mut slots, &st.uses);
                     tally.free_released(&mut held, &st.uses);
                 }
@@ -685,7 +739,7 @@ impl<B: Backend> Executor<B> {
                 op => {
                     let args = args(&mut slots, &st.uses).map_err(kernel_err)?;
                     let start = profiling.then(Instant::now);
-                    let results = backend.eval(st.node, op, args, &ctx).map_err(backend_err)?;
+                    let results = backend.eval(node.id, op, args, &ctx).map_err(backend_err)?;
                     if let Some(start) = start {
                         let e = profile.entry(op.mnemonic()).or_default();
                         e.0 += start.elapsed();

@@ -185,7 +185,7 @@ pub fn evaluate<'h, B: Backend>(
             .map(|(name, t)| {
                 let t = exec
                     .backend()
-                    .upload(t)
+                    .upload(&name, t)
                     .map_err(|e| RuntimeError::Config(format!("copying `{name}` in: {e}")))?;
                 Ok((name, t))
             })
