@@ -429,10 +429,11 @@ impl KernelSet {
             return name.clone();
         }
         let n = self.per_base.entry(base.to_string()).or_insert(0);
+        // The `k_` prefix keeps kernels clear of CUDA's own C names (`tanh`, `exp`).
         let name = if *n == 0 {
-            base.to_string()
+            format!("k_{base}")
         } else {
-            format!("{base}_{n}")
+            format!("k_{base}_{n}")
         };
         *n += 1;
         self.by_text.insert(text.clone(), name.clone());
