@@ -46,20 +46,24 @@ fn nvrtc_or_skip(test: &str) -> bool {
     }
 }
 
-/// The strategies each example is generated under: `(label, strategy, workers, servers)`.
-const STRATEGIES: [(&str, Strategy, usize, usize); 4] = [
-    ("single", Strategy::Single, 1, 0),
-    ("allreduce", Strategy::Allreduce, 2, 0),
-    ("hybrid", Strategy::Hybrid, 2, 1),
-    ("ps", Strategy::Ps, 2, 1),
+/// The strategies each example is generated under: `(label, strategy, workers,
+/// servers, kernel fusion)`.
+const STRATEGIES: [(&str, Strategy, usize, usize, bool); 6] = [
+    ("single", Strategy::Single, 1, 0, false),
+    ("allreduce", Strategy::Allreduce, 2, 0, false),
+    ("hybrid", Strategy::Hybrid, 2, 1, false),
+    ("ps", Strategy::Ps, 2, 1, false),
+    ("single-fuse", Strategy::Single, 1, 0, true),
+    ("hybrid-fuse", Strategy::Hybrid, 2, 1, true),
 ];
 
-fn compile(name: &str, strategy: Strategy, workers: usize, servers: usize) -> Compiled {
+fn compile(name: &str, strategy: Strategy, workers: usize, servers: usize, fuse: bool) -> Compiled {
     let opts = CompileOptions {
         strategy: StrategyConfig {
             strategy,
             workers,
             servers,
+            fuse,
             ..Default::default()
         },
         ..Default::default()
@@ -117,8 +121,8 @@ fn every_example_compiles_to_cubin_under_every_strategy() {
         return;
     }
     for name in EXAMPLES {
-        for (label, s, workers, servers) in STRATEGIES {
-            let c = compile(name, s, workers, servers);
+        for (label, s, workers, servers, fuse) in STRATEGIES {
+            let c = compile(name, s, workers, servers, fuse);
             let plan = generate(&c.programs.worker).unwrap_or_else(|e| panic!("{name} {label}: {e}"));
             let what = format!("{name} {label}");
             let cubin = nvrtc::compile_cubin(&plan.source, &format!("{name}.{label}.cu"), "sm_90")
@@ -148,7 +152,7 @@ fn every_example_compiles_to_cubin_under_every_strategy() {
 #[test]
 fn generated_source_of_each_example() {
     for name in EXAMPLES {
-        let c = compile(name, Strategy::Single, 1, 0);
+        let c = compile(name, Strategy::Single, 1, 0, false);
         let plan = generate(&c.programs.worker).unwrap_or_else(|e| panic!("{name}: {e}"));
         let stem = name.trim_end_matches(".dsl");
         insta::assert_snapshot!(format!("cuda_{stem}"), plan.source);
@@ -212,6 +216,7 @@ fn covered_by_output(op: &Op) -> bool {
             | Op::Transpose { .. }
             | Op::Embedding
             | Op::MaxPool2d { .. }
+            | Op::Fused { .. }
     )
 }
 
@@ -397,8 +402,8 @@ fn check_plan(g: &Graph, plan: &DevicePlan, what: &str) -> usize {
 #[test]
 fn every_launch_fits_its_node() {
     for name in EXAMPLES {
-        for (label, s, workers, servers) in STRATEGIES {
-            let c = compile(name, s, workers, servers);
+        for (label, s, workers, servers, fuse) in STRATEGIES {
+            let c = compile(name, s, workers, servers, fuse);
             let g = &c.programs.worker;
             let plan = generate(g).unwrap_or_else(|e| panic!("{name} {label}: {e}"));
             assert_eq!(plan.nodes.len(), g.node_count(), "{name} {label}");
@@ -430,7 +435,7 @@ fn every_launch_fits_its_node() {
 
 #[test]
 fn sparse_updates_never_touch_a_dense_gradient() {
-    let c = compile("sparse_lm.dsl", Strategy::Single, 1, 0);
+    let c = compile("sparse_lm.dsl", Strategy::Single, 1, 0, false);
     for spec in [
         OptimizerSpec::Sgd {
             lr: 0.1,

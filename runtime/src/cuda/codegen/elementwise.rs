@@ -316,6 +316,21 @@ pub fn fused_kernel(
     ))
 }
 
+/// A fused node: its expression's kernel over the output's elements.
+pub(crate) fn fused(cx: &mut NodeCx<'_>, expr: &FusedExpr) -> Result<(), String> {
+    let inputs: Vec<TensorType> = (0..cx.ins.len())
+        .map(|i| cx.tin(i).cloned())
+        .collect::<Result<_, _>>()?;
+    let y = cx.tout(0)?.clone();
+    let text = fused_kernel(expr, &inputs, &y)?;
+    let name = cx.kernel("fused", text);
+    let n = y.shape.numel();
+    let mut args: Vec<KArg> = (0..inputs.len()).map(KArg::Input).collect();
+    args.push(KArg::Output(0));
+    args.push(KArg::U64(n as u64));
+    cx.launch_1d(&name, n, args)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

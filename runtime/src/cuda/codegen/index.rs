@@ -62,6 +62,12 @@ impl StridedMap {
         }
     }
 
+    /// The outermost dimension whose stride is not 0 (0 if none): the dimensions
+    /// outside it add nothing, so neither Rust nor C decomposes them.
+    fn outermost_read(&self) -> usize {
+        self.dims.iter().position(|d| d.1 != 0).unwrap_or(0)
+    }
+
     /// The offset of linear index `lin` (`lin < len()`), computed as [`Self::emit`]'s
     /// C does.
     pub fn offset(&self, lin: usize) -> usize {
@@ -70,9 +76,15 @@ impl StridedMap {
         }
         let mut off = 0;
         let mut r = lin;
+        let outer = self.outermost_read();
         for (i, &(size, stride)) in self.dims.iter().enumerate().rev() {
+            if i < outer {
+                break;
+            }
             if i == 0 {
                 off += r * stride;
+            } else if stride == 0 {
+                r /= size;
             } else {
                 off += (r % size) * stride;
                 r /= size;
@@ -92,9 +104,17 @@ impl StridedMap {
             };
         }
         let mut s = format!("u64 {var} = 0; {{ u64 r_ = {lin};");
+        let outer = self.outermost_read();
         for (i, &(size, stride)) in self.dims.iter().enumerate().rev() {
+            if i < outer {
+                break;
+            }
             if i == 0 {
                 s.push_str(&format!(" {var} += r_ * {stride}ull;"));
+            } else if stride == 0 {
+                s.push_str(&format!(" r_ /= {size}ull;"));
+            } else if i == outer {
+                s.push_str(&format!(" {var} += (r_ % {size}ull) * {stride}ull;"));
             } else {
                 s.push_str(&format!(
                     " {var} += (r_ % {size}ull) * {stride}ull; r_ /= {size}ull;"
@@ -228,8 +248,15 @@ mod tests {
         assert_eq!(m.dims, vec![(2, 0), (12, 1)]);
         assert_eq!(
             m.emit("o", "i"),
-            "u64 o = 0; { u64 r_ = i; o += (r_ % 12ull) * 1ull; r_ /= 12ull; o += r_ * 0ull; }"
+            "u64 o = 0; { u64 r_ = i; o += (r_ % 12ull) * 1ull; }"
         );
         assert_eq!(m.offset(13), 1);
+        // Broadcast inner dimensions divide without adding.
+        let m = StridedMap::new([(2, 1), (3, 0)]);
+        assert_eq!(
+            m.emit("o", "i"),
+            "u64 o = 0; { u64 r_ = i; r_ /= 3ull; o += r_ * 1ull; }"
+        );
+        assert_eq!(m.offset(4), 1);
     }
 }

@@ -732,6 +732,7 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
         Op::Sparsify => Ok(sparse::sparsify(cx)?),
         Op::UniqueRows => Ok(sparse::unique_rows(cx)?),
         Op::Accumulate { micro } => Ok(sparse::accumulate(cx, *micro)?),
+        Op::Fused { expr } => Ok(ew::fused(cx, expr)?),
     }
 }
 
