@@ -47,7 +47,8 @@ fn compile_dump_and_run_a_plan() {
             "02-simplify.ir",
             "03-dead_code.ir",
             "04-accumulate.ir",
-            "05-remat.ir"
+            "05-remat.ir",
+            "plan.cu"
         ]
     );
     let metrics = tmp("m.jsonl");
@@ -129,9 +130,12 @@ fn dump_ir_writes_every_program_per_pass() {
         }
         want.extend(programs.iter().map(|p| format!("{i:02}-{pass}{p}.ir")));
     }
+    want.push("plan.cu".into());
     want.sort();
     assert_eq!(files, want);
-    for f in &files {
+    let cuda = std::fs::read_to_string(dump.join("plan.cu")).expect("read plan.cu");
+    assert!(cuda.contains("extern \"C\" __global__"), "{cuda}");
+    for f in files.iter().filter(|f| f.ends_with(".ir")) {
         let text = std::fs::read_to_string(dump.join(f)).expect("read");
         let g = distc_ir::parse(&text).unwrap_or_else(|e| panic!("{f}: {e}"));
         distc_ir::verify(&g).unwrap_or_else(|e| panic!("{f}: {e}"));
