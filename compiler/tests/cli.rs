@@ -48,6 +48,7 @@ fn compile_dump_and_run_a_plan() {
             "03-dead_code.ir",
             "04-accumulate.ir",
             "05-remat.ir",
+            "06-kernel_fusion.ir",
             "plan.cu"
         ]
     );
@@ -122,7 +123,8 @@ fn dump_ir_writes_every_program_per_pass() {
         (8, "distribute"),
         (9, "zero"),
         (10, "fusion"),
-        (11, "schedule"),
+        (11, "kernel_fusion"),
+        (12, "schedule"),
     ] {
         let mut programs = vec!["", ".init", ".server0", ".server1"];
         if i >= 9 {
@@ -150,7 +152,7 @@ fn dump_ir_writes_every_program_per_pass() {
         );
     }
     // The server holding the embedding serves it.
-    let servers: String = ["11-schedule.server0.ir", "11-schedule.server1.ir"]
+    let servers: String = ["12-schedule.server0.ir", "12-schedule.server1.ir"]
         .iter()
         .map(|f| std::fs::read_to_string(dump.join(f)).expect("read"))
         .collect();
@@ -234,7 +236,7 @@ fn dsl_errors_are_diagnostics_with_a_caret() {
 fn unknown_passes_are_listed_with_the_valid_ones() {
     let o = distc(&["ir", "examples/mlp.dsl", "--after", "fusoin"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, schedule"), "{}", text(&o));
+    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, kernel_fusion, schedule"), "{}", text(&o));
 }
 
 #[test]

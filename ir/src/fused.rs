@@ -154,13 +154,23 @@ impl FusedExpr {
         Ok(())
     }
 
-    /// How many times each step is read by later steps.
+    /// How many times each step is read by later steps that the result depends on
+    /// (steps it does not depend on count 0 and are not printed).
     fn use_counts(&self) -> Vec<usize> {
-        let mut uses = vec![0; self.steps.len()];
-        for s in &self.steps {
-            for a in s.operands() {
+        let n = self.steps.len();
+        let mut live = vec![false; n];
+        if let Some(l) = live.last_mut() {
+            *l = true;
+        }
+        let mut uses = vec![0; n];
+        for i in (0..n).rev() {
+            if !live[i] {
+                continue;
+            }
+            for a in self.steps[i].operands() {
                 if let Some(u) = uses.get_mut(a) {
                     *u += 1;
+                    live[a] = true;
                 }
             }
         }
@@ -168,7 +178,7 @@ impl FusedExpr {
     }
 
     /// The steps the text form names with a binding (`t0 = ...;`): the non-leaf steps
-    /// read more than once. Everything else prints inline, as a tree.
+    /// the result reads more than once. Everything else prints inline, as a tree.
     fn bound(&self) -> Vec<usize> {
         self.use_counts()
             .iter()
@@ -182,7 +192,8 @@ impl FusedExpr {
     /// binding's tree (post-order, left operand first), then the result's, with equal
     /// leaves shared. `parse(print(e))` is `e.canonical()`, and the kernel-fusion pass
     /// only makes canonical expressions, so its graphs round-trip through text exactly.
-    /// The structure (which step reads which) is kept: nothing but leaves is merged.
+    /// The structure (which step reads which) is kept: nothing but leaves is merged, and
+    /// steps the result does not depend on are dropped.
     pub fn canonical(&self) -> FusedExpr {
         let mut b = Builder::default();
         let mut done: Vec<Option<usize>> = vec![None; self.steps.len()];

@@ -66,16 +66,26 @@ impl Pass for KernelFusion {
             .iter()
             .map(|&id| elementwise_cost(g, id).unwrap_or_default())
             .fold(ComputeCost::default(), |a, b| a + b);
-        const MB: f64 = 1e6;
-        Ok(PassStats::default()
+        let stats = PassStats::default()
             .count("groups", groups.len())
             .count("ops_fused", absorbed)
-            .count("relu_grads_rewired", rewired)
-            .with_note(format!(
-                "memory traffic of the fused ops {:.1} MB -> {:.1} MB per step",
-                before.bytes / MB,
-                after.bytes / MB
-            )))
+            .count("relu_grads_rewired", rewired);
+        if groups.is_empty() {
+            return Ok(stats);
+        }
+        Ok(stats.with_note(format!(
+            "memory traffic of the fused ops {} -> {} per step",
+            human_bytes(before.bytes),
+            human_bytes(after.bytes)
+        )))
+    }
+}
+
+fn human_bytes(b: f64) -> String {
+    if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} KB", b / 1e3)
     }
 }
 
