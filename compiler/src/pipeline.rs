@@ -239,14 +239,14 @@ pub fn compile(
                 write(&dir.join(CUDA_DUMP), &cuda_source(&programs.worker))?;
             }
             Ok(Compiled {
-            programs,
-            config: config.clone(),
-            records,
-            lowered_nodes,
-            dist: cx.dist,
-            measurement,
-            assumptions,
-            not_runnable: not_runnable(opts),
+                programs,
+                config: config.clone(),
+                records,
+                lowered_nodes,
+                dist: cx.dist,
+                measurement,
+                assumptions,
+                not_runnable: not_runnable(opts),
             })
         }
         Err(error) => {

@@ -123,7 +123,8 @@ fn every_example_compiles_to_cubin_under_every_strategy() {
     for name in EXAMPLES {
         for (label, s, workers, servers, fuse) in STRATEGIES {
             let c = compile(name, s, workers, servers, fuse);
-            let plan = generate(&c.programs.worker).unwrap_or_else(|e| panic!("{name} {label}: {e}"));
+            let plan =
+                generate(&c.programs.worker).unwrap_or_else(|e| panic!("{name} {label}: {e}"));
             let what = format!("{name} {label}");
             let cubin = nvrtc::compile_cubin(&plan.source, &format!("{name}.{label}.cu"), "sm_90")
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -134,9 +135,14 @@ fn every_example_compiles_to_cubin_under_every_strategy() {
                 .collect();
             check_cubin(&cubin, &names, &what);
             let opt = optimizer_plan(&c);
-            let cubin = nvrtc::compile_cubin(&opt.source, &format!("{name}.{label}.optim.cu"), "sm_90")
-                .unwrap_or_else(|e| panic!("{what} optimizer: {e}"));
-            let names: Vec<&str> = opt.vars.iter().flat_map(|v| kernel_names(&v.launches)).collect();
+            let cubin =
+                nvrtc::compile_cubin(&opt.source, &format!("{name}.{label}.optim.cu"), "sm_90")
+                    .unwrap_or_else(|e| panic!("{what} optimizer: {e}"));
+            let names: Vec<&str> = opt
+                .vars
+                .iter()
+                .flat_map(|v| kernel_names(&v.launches))
+                .collect();
             check_cubin(&cubin, &names, &format!("{what} optimizer"));
             eprintln!(
                 "{what}: {} nodes, {} kernels, {} bytes of CUDA C, CUBIN {} bytes",
@@ -174,9 +180,17 @@ fn check_args(g: &Graph, id: distc_ir::NodeId, nl: &NodeLaunch, args: &[&KArg], 
     let n = g.node(id);
     for a in args {
         match a {
-            KArg::Input(i) => assert!(*i < n.inputs.len(), "{what}: input {i} of {}", n.inputs.len()),
+            KArg::Input(i) => assert!(
+                *i < n.inputs.len(),
+                "{what}: input {i} of {}",
+                n.inputs.len()
+            ),
             KArg::Output(j) => {
-                assert!(*j < n.outputs.len(), "{what}: output {j} of {}", n.outputs.len())
+                assert!(
+                    *j < n.outputs.len(),
+                    "{what}: output {j} of {}",
+                    n.outputs.len()
+                )
             }
             KArg::Scratch(k) => assert!(
                 *k < nl.scratch_bytes.len(),
@@ -317,6 +331,9 @@ fn check_plan(g: &Graph, plan: &DevicePlan, what: &str) -> usize {
                         "{what}: block {block:?}"
                     );
                     check_args(g, *id, nl, &args.iter().collect::<Vec<_>>(), &what);
+                    if matches!(node.op, Op::Fused { .. }) {
+                        assert!(name.starts_with("k_fused"), "{what}: runs {name}");
+                    }
                     if covered_by_output(&node.op) {
                         let n = node.outputs[0].dense_type().shape.numel() as u64;
                         assert!(
@@ -338,12 +355,17 @@ fn check_plan(g: &Graph, plan: &DevicePlan, what: &str) -> usize {
                     ] {
                         let (r, c) = if trans { (cols, rows) } else { (rows, cols) };
                         assert!(ld >= r.max(1), "{what}: leading dimension {ld} < {r}");
-                        let last = (gm.batch as u64 - 1) * stride + (c as u64 - 1) * ld as u64 + r as u64;
+                        let last =
+                            (gm.batch as u64 - 1) * stride + (c as u64 - 1) * ld as u64 + r as u64;
                         let bytes = match arg {
                             KArg::Scratch(k) => nl.scratch_bytes[*k] as u64,
                             other => value_bytes(arg_type(g, *id, other).expect("a buffer")) as u64,
                         };
-                        assert!(4 * last <= bytes, "{what}: gemm reads {} bytes of {bytes}", 4 * last);
+                        assert!(
+                            4 * last <= bytes,
+                            "{what}: gemm reads {} bytes of {bytes}",
+                            4 * last
+                        );
                     }
                     if let Op::MatMul {
                         transpose_a,
@@ -352,7 +374,11 @@ fn check_plan(g: &Graph, plan: &DevicePlan, what: &str) -> usize {
                     {
                         let a = g.tensor_type(node.inputs[0]).dims().to_vec();
                         let b = g.tensor_type(node.inputs[1]).dims().to_vec();
-                        let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
+                        let (m, k) = if *transpose_a {
+                            (a[1], a[0])
+                        } else {
+                            (a[0], a[1])
+                        };
                         let n = if *transpose_b { b[0] } else { b[1] };
                         assert_eq!(
                             (gm.m as usize, gm.n as usize, gm.k as usize, gm.batch),
@@ -390,7 +416,10 @@ fn check_plan(g: &Graph, plan: &DevicePlan, what: &str) -> usize {
                 Launch::Host => assert!(
                     node.op.is_communication()
                         || node.op.is_sink()
-                        || matches!(node.op, Op::Input { .. } | Op::Param { .. } | Op::Shard { .. }),
+                        || matches!(
+                            node.op,
+                            Op::Input { .. } | Op::Param { .. } | Op::Shard { .. }
+                        ),
                     "{what}: host work for a computing op"
                 ),
             }
@@ -463,7 +492,9 @@ fn sparse_updates_never_touch_a_dense_gradient() {
             "{spec:?}: {scratch} bytes of scratch"
         );
         assert!(
-            emb.launches.iter().all(|l| !matches!(l, Launch::Memset { .. })),
+            emb.launches
+                .iter()
+                .all(|l| !matches!(l, Launch::Memset { .. })),
             "{spec:?}"
         );
         let dense = opt.vars.iter().find(|v| v.name == "w1").expect("w1");

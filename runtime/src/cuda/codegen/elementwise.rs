@@ -88,7 +88,6 @@ impl Bin {
     }
 }
 
-
 /// `y = f(x)`, one kernel per function for every size.
 pub(crate) fn unary(cx: &mut NodeCx<'_>, f: Un) -> Result<(), String> {
     let x = cx.tin(0)?.clone();
@@ -203,11 +202,7 @@ pub(crate) fn dropout(
     // `rate * 2^64`, saturating, as the CPU computes it: dropped when the hash is below.
     let threshold = (rate * 18_446_744_073_709_551_616.0) as u64;
     let scale = flit(1.0 / (1.0 - rate));
-    let index = if per_sample {
-        "(u64)rank * n + i"
-    } else {
-        "i"
-    };
+    let index = if per_sample { "(u64)rank * n + i" } else { "i" };
     let text = format!(
         "// dropout rate {rate}, seed {seed}{ps}\nextern \"C\" __global__ void KNAME(const float* x, float* y, u64 n, const u64* step, u32 rank, u32 training) {{\n{INDEX}    if (!training) {{ y[i] = x[i]; return; }}\n    u64 base = mix64(mix64({seed}ull + 0x{GOLDEN:X}ull) ^ (*step * 0x{GOLDEN:X}ull + 1ull));\n    u64 h = mix64(base + ({index} + 1ull) * 0x{GOLDEN:X}ull);\n    y[i] = h >= {threshold}ull ? x[i] * {scale} : 0.0f;\n}}\n",
         ps = if per_sample { ", per sample" } else { "" },
@@ -347,18 +342,21 @@ mod tests {
         };
         let x = TensorType::f32(vec![4, 3]);
         let b = TensorType::f32(vec![3]);
-        let text = fused_kernel(&expr, &[x.clone(), b.clone()], &x).unwrap();
+        let text = fused_kernel(&expr, &[x.clone(), b.clone()], &x).expect("a kernel");
         assert!(text.contains("u64 o0 = i;"), "{text}");
         assert!(text.contains("o1 += (r_ % 3ull) * 1ull"), "{text}");
-        assert!(text.contains("float s3 = (s2 > 0.0f ? s2 : 0.0f);"), "{text}");
+        assert!(
+            text.contains("float s3 = (s2 > 0.0f ? s2 : 0.0f);"),
+            "{text}"
+        );
         let bad = FusedExpr {
             steps: vec![FusedStep::Unary(UnaryFn::Neg, 0)],
         };
-        assert!(fused_kernel(&bad, &[x.clone()], &x).is_err());
+        assert!(fused_kernel(&bad, std::slice::from_ref(&x), &x).is_err());
         let bad = FusedExpr {
             steps: vec![FusedStep::Input(2)],
         };
-        assert!(fused_kernel(&bad, &[x.clone()], &x).is_err());
+        assert!(fused_kernel(&bad, std::slice::from_ref(&x), &x).is_err());
         assert!(fused_kernel(&expr, &[x.clone(), TensorType::f32(vec![2])], &x).is_err());
     }
 }

@@ -55,11 +55,7 @@ impl StridedMap {
 
     /// Whether the offset is the linear index itself.
     pub fn is_identity(&self) -> bool {
-        match self.dims.as_slice() {
-            [] => true,
-            [(_, 1)] => true,
-            _ => false,
-        }
+        matches!(self.dims.as_slice(), [] | [(_, 1)])
     }
 
     /// The outermost dimension whose stride is not 0 (0 if none): the dimensions
@@ -181,12 +177,16 @@ mod tests {
     /// Every offset of the map equals the position ndarray's broadcast reads.
     fn check_broadcast(from: &[usize], to: &[usize]) {
         let n: usize = from.iter().product();
-        let a = ArrayD::from_shape_vec(IxDyn(from), (0..n).collect::<Vec<usize>>()).unwrap();
-        let b = a.broadcast(IxDyn(to)).unwrap();
-        let map = broadcast_map(from, to).unwrap();
+        let a = ArrayD::from_shape_vec(IxDyn(from), (0..n).collect::<Vec<usize>>()).expect("shape");
+        let b = a.broadcast(IxDyn(to)).expect("broadcasts");
+        let map = broadcast_map(from, to).expect("a map");
         assert_eq!(map.len(), to.iter().product::<usize>());
         for (lin, &want) in b.iter().enumerate() {
-            assert_eq!(map.offset(lin), want, "{from:?} -> {to:?} at {lin}: {map:?}");
+            assert_eq!(
+                map.offset(lin),
+                want,
+                "{from:?} -> {to:?} at {lin}: {map:?}"
+            );
         }
     }
 
@@ -213,7 +213,8 @@ mod tests {
             (vec![2, 3, 4], vec![0, 1, 2]),
         ] {
             let n: usize = shape.iter().product();
-            let a = ArrayD::from_shape_vec(IxDyn(&shape), (0..n).collect::<Vec<usize>>()).unwrap();
+            let a = ArrayD::from_shape_vec(IxDyn(&shape), (0..n).collect::<Vec<usize>>())
+                .expect("shape");
             let t = a.view().permuted_axes(IxDyn(&perm));
             let map = transpose_map(&shape, &perm);
             for (lin, &want) in t.iter().enumerate() {

@@ -196,9 +196,7 @@ pub(crate) fn take_chunk(cx: &mut NodeCx<'_>, workers: usize) -> Result<(), Stri
     want_f32(&x, "input 0")?;
     let (c, _) = chunks(std::slice::from_ref(&x), workers)?;
     let (c, n) = (c[0], x.shape.numel());
-    let text = format!(
-        "extern \"C\" __global__ void KNAME(const float* x, float* y, u64 c, u64 n, u32 rank) {{\n    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= c) return;\n    u64 j = (u64)rank * c + i;\n    y[i] = j < n ? x[j] : 0.0f;\n}}\n"
-    );
+    let text = "extern \"C\" __global__ void KNAME(const float* x, float* y, u64 c, u64 n, u32 rank) {\n    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= c) return;\n    u64 j = (u64)rank * c + i;\n    y[i] = j < n ? x[j] : 0.0f;\n}\n".to_string();
     let name = cx.kernel("take_chunk", text);
     cx.launch_1d(
         &name,
@@ -286,14 +284,7 @@ pub(crate) fn unpack_chunks(cx: &mut NodeCx<'_>, workers: usize) -> Result<(), S
         cx.launch_1d(
             &name,
             n,
-            vec![
-                KArg::Input(0),
-                KArg::Output(j),
-                u(c),
-                u(n),
-                u(part),
-                u(off),
-            ],
+            vec![KArg::Input(0), KArg::Output(j), u(c), u(n), u(part), u(off)],
         )?;
         off += c;
     }

@@ -317,7 +317,9 @@ impl SlicesLayout {
     /// The layout of a value of type `ty`, if it is `IndexedSlices`.
     pub fn of(ty: &ValueType) -> Option<SlicesLayout> {
         match ty {
-            ValueType::IndexedSlices { dense, nnz } => Some(SlicesLayout::new(*nnz, row_len(dense))),
+            ValueType::IndexedSlices { dense, nnz } => {
+                Some(SlicesLayout::new(*nnz, row_len(dense)))
+            }
             ValueType::Tensor(_) => None,
         }
     }
@@ -474,7 +476,12 @@ impl NodeCx<'_> {
 
     /// A launch of `name` over `n` elements, one thread each, `BLOCK` per block. No
     /// launch at all for `n == 0` (a grid of 0 blocks is an error in CUDA).
-    pub(crate) fn launch_1d(&mut self, name: &str, n: usize, args: Vec<KArg>) -> Result<(), String> {
+    pub(crate) fn launch_1d(
+        &mut self,
+        name: &str,
+        n: usize,
+        args: Vec<KArg>,
+    ) -> Result<(), String> {
         if n == 0 {
             return Ok(());
         }
@@ -582,11 +589,14 @@ pub fn generate(graph: &Graph) -> Result<DevicePlan, CodegenError> {
             .inputs
             .iter()
             .map(|&v| {
-                graph.try_value_type(v).cloned().ok_or_else(|| CodegenError::Invalid {
-                    node: id,
-                    op: node.op.mnemonic(),
-                    reason: format!("input {v} does not exist"),
-                })
+                graph
+                    .try_value_type(v)
+                    .cloned()
+                    .ok_or_else(|| CodegenError::Invalid {
+                        node: id,
+                        op: node.op.mnemonic(),
+                        reason: format!("input {v} does not exist"),
+                    })
             })
             .collect::<Result<_, _>>()?;
         let mut cx = NodeCx {

@@ -61,7 +61,7 @@ struct Adam {
 
 fn rule(spec: &OptimizerSpec) -> Rule {
     match *spec {
-        OptimizerSpec::Sgd { lr, momentum } if momentum == 0.0 => Rule::Sgd { lr: flit(lr) },
+        OptimizerSpec::Sgd { lr, momentum: 0.0 } => Rule::Sgd { lr: flit(lr) },
         OptimizerSpec::Sgd { lr, momentum } => Rule::Momentum {
             lr: flit(lr),
             mu: flit(momentum),
@@ -228,7 +228,9 @@ fn sparse(
     scale: f64,
 ) -> Result<(), String> {
     let Some(&rows) = ty.dims().first() else {
-        return Err(format!("a row-sparse gradient needs a table, the variable is {ty}"));
+        return Err(format!(
+            "a row-sparse gradient needs a table, the variable is {ty}"
+        ));
     };
     let row = row_len(ty);
     let mut args = vec![KArg::Param, KArg::F32(scale as f32)];

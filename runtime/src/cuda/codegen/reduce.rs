@@ -69,7 +69,9 @@ pub(crate) fn sum_axes(cx: &mut NodeCx<'_>, axes: &[usize], mean: bool) -> Resul
     let x = cx.tin(0)?.clone();
     want_f32(&x, "input 0")?;
     if axes.windows(2).any(|w| w[0] >= w[1]) || axes.iter().any(|&a| a >= x.dims().len()) {
-        return Err(format!("axes {axes:?} are not sorted, distinct axes of {x}"));
+        return Err(format!(
+            "axes {axes:?} are not sorted, distinct axes of {x}"
+        ));
     }
     let outputs = cx.tout(0)?.shape.numel();
     reduce_kernel(cx, &x, axes, mean, outputs)
@@ -93,8 +95,8 @@ pub(crate) fn sum_to(cx: &mut NodeCx<'_>) -> Result<(), String> {
 pub(crate) fn broadcast_to(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let (x, y) = (cx.tin(0)?.clone(), cx.tout(0)?.clone());
     want_f32(&x, "input 0")?;
-    let map =
-        broadcast_map(x.dims(), y.dims()).ok_or_else(|| format!("{x} does not broadcast to {y}"))?;
+    let map = broadcast_map(x.dims(), y.dims())
+        .ok_or_else(|| format!("{x} does not broadcast to {y}"))?;
     let n = y.shape.numel();
     let text = format!(
         "// broadcast {x} to {y}\nextern \"C\" __global__ void KNAME(const float* x, float* y, u64 n) {{\n{INDEX}    {}\n    y[i] = x[o];\n}}\n",
@@ -295,7 +297,8 @@ fn mse_shapes(p: &TensorType, t: &TensorType) -> Result<usize, String> {
 /// `mean((p - t)^2)` in one block.
 pub(crate) fn mse(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let n = mse_shapes(&cx.tin(0)?.clone(), &cx.tin(1)?.clone())?;
-    let text = "extern \"C\" __global__ void KNAME(const float* p, const float* t, float* y, u64 n) {
+    let text =
+        "extern \"C\" __global__ void KNAME(const float* p, const float* t, float* y, u64 n) {
     __shared__ float sh[32];
     float acc = 0.0f;
     for (u64 i = threadIdx.x; i < n; i += blockDim.x) { float d = p[i] - t[i]; acc += d * d; }
@@ -303,7 +306,7 @@ pub(crate) fn mse(cx: &mut NodeCx<'_>) -> Result<(), String> {
     if (threadIdx.x == 0) y[0] = acc / (float)n;
 }
 "
-    .to_string();
+        .to_string();
     let name = cx.kernel("mse", text);
     cx.launch(
         &name,

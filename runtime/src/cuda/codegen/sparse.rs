@@ -132,7 +132,12 @@ fn append(cx: &mut NodeCx<'_>, i: usize, scale: f32) -> Result<(), String> {
             KArg::F32(scale),
         ],
     )?;
-    cx.launch(&bump, [1, 1, 1], 32, vec![KArg::Output(0), KArg::Input(i), u(dnnz)]);
+    cx.launch(
+        &bump,
+        [1, 1, 1],
+        32,
+        vec![KArg::Output(0), KArg::Input(i), u(dnnz)],
+    );
     Ok(())
 }
 
@@ -193,7 +198,9 @@ pub(crate) fn row_mask(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let rows = dense.dims().first().copied().unwrap_or(0);
     let y = cx.tout(0)?.clone();
     if y.dims() != [rows] {
-        return Err(format!("the output {y} is not one element per row of {dense}"));
+        return Err(format!(
+            "the output {y} is not one element per row of {dense}"
+        ));
     }
     cx.out.launches.push(Launch::Memset {
         buf: KArg::Output(0),
@@ -267,7 +274,13 @@ pub(crate) fn sparsify(cx: &mut NodeCx<'_>) -> Result<(), String> {
         &scan,
         [1, 1, 1],
         SCAN_BLOCK,
-        vec![KArg::Input(1), KArg::Output(0), pos.clone(), u(rows), u(nnz)],
+        vec![
+            KArg::Input(1),
+            KArg::Output(0),
+            pos.clone(),
+            u(rows),
+            u(nnz),
+        ],
     );
     let n = rows * row;
     cx.launch_1d(
@@ -356,12 +369,23 @@ pub(crate) fn unique_launches(
     let leaders = cx.kernel("unique_leaders", leaders);
     let gather = cx.kernel(sink.base, gather);
     cx.launch_1d(&reset, rows, vec![first.clone(), u(rows)])?;
-    cx.launch_1d(&claim, nnz, vec![src.clone(), first.clone(), u(nnz), u(rows)])?;
+    cx.launch_1d(
+        &claim,
+        nnz,
+        vec![src.clone(), first.clone(), u(nnz), u(rows)],
+    )?;
     cx.launch(
         &leaders,
         [1, 1, 1],
         SCAN_BLOCK,
-        vec![src.clone(), first, lead.clone(), count.clone(), u(nnz), u(rows)],
+        vec![
+            src.clone(),
+            first,
+            lead.clone(),
+            count.clone(),
+            u(nnz),
+            u(rows),
+        ],
     );
     if nnz > 0 {
         let grid = u32::try_from(nnz).map_err(|_| format!("{nnz} rows are too many blocks"))?;
