@@ -501,3 +501,264 @@ fn sparse_updates_never_touch_a_dense_gradient() {
         assert_eq!(dense.launches.len(), 1, "{spec:?}: one fused pass");
     }
 }
+
+/// A graph holding every device op the examples do not reach (the softmax family on
+/// inner and outer axes, layer norm, dropout, slices joined, summed, masked and
+/// sparsified, accumulation, the ZeRO chunkings, strided convolution and pooling).
+fn every_op_graph() -> Graph {
+    use distc_ir::{Shape, TensorType};
+    let mut g = Graph::new("every_op");
+    let f = |d: &[usize]| TensorType::f32(d.to_vec());
+    let mut add = |g: &mut Graph, op: Op, ins: Vec<distc_ir::ValueId>| {
+        let what = op.to_string();
+        g.add(op, ins).unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let input = |g: &mut Graph, name: &str, ty: TensorType| {
+        g.add(
+            Op::Input {
+                name: name.into(),
+                ty,
+            },
+            vec![],
+        )
+        .expect("input")
+    };
+    let x = input(&mut g, "x", f(&[4, 6, 5]));
+    let ids = input(&mut g, "ids", TensorType::i32(vec![4, 3]));
+    let table = input(&mut g, "table", f(&[50, 8]));
+    let gamma = input(&mut g, "gamma", f(&[5]));
+    let img = input(&mut g, "img", f(&[2, 3, 9, 9]));
+    let k = input(&mut g, "k", f(&[4, 3, 3, 3]));
+    let one = add(
+        &mut g,
+        Op::Constant {
+            value: 1.0,
+            ty: f(&[]),
+        },
+        vec![],
+    );
+    let mut sinks = Vec::new();
+    for op in [
+        Op::Softmax { axis: 1 },
+        Op::LogSoftmax { axis: 2 },
+        Op::Exp,
+        Op::Sigmoid,
+        Op::Neg,
+        Op::Dropout {
+            rate: 0.25,
+            seed: 9,
+            per_sample: true,
+        },
+        Op::DropoutGrad {
+            rate: 0.5,
+            seed: 2,
+            per_sample: false,
+        },
+        Op::Transpose {
+            perm: vec![2, 0, 1],
+        },
+        Op::Slice {
+            axis: 1,
+            start: 2,
+            end: 5,
+        },
+        Op::Sum {
+            axes: vec![0, 2],
+            keep_dims: true,
+        },
+        Op::Mean {
+            axes: vec![1],
+            keep_dims: false,
+        },
+        Op::TakeChunk { workers: 3 },
+        Op::SumTo {
+            shape: Shape(vec![6, 1]),
+        },
+    ] {
+        sinks.push(add(&mut g, op, vec![x.into()]));
+    }
+    let sm = add(&mut g, Op::Softmax { axis: 0 }, vec![x.into()]);
+    sinks.push(add(
+        &mut g,
+        Op::SoftmaxGrad { axis: 0 },
+        vec![x.into(), sm.into()],
+    ));
+    sinks.push(add(
+        &mut g,
+        Op::LogSoftmaxGrad { axis: 2 },
+        vec![x.into(), sm.into()],
+    ));
+    sinks.push(add(&mut g, Op::Div, vec![x.into(), gamma.into()]));
+    sinks.push(add(&mut g, Op::Sub, vec![gamma.into(), x.into()]));
+    sinks.push(add(&mut g, Op::Mse, vec![x.into(), sm.into()]));
+    sinks.push(add(
+        &mut g,
+        Op::MseGrad,
+        vec![one.into(), x.into(), sm.into()],
+    ));
+    let beta = add(&mut g, Op::Exp, vec![gamma.into()]);
+    sinks.push(add(
+        &mut g,
+        Op::LayerNorm { eps: 1e-5 },
+        vec![x.into(), gamma.into(), beta.into()],
+    ));
+    let lng = add(
+        &mut g,
+        Op::LayerNormGrad { eps: 1e-5 },
+        vec![x.into(), sm.into(), gamma.into()],
+    );
+    sinks.extend([lng.out(0), lng.out(1), lng.out(2)].map(|v| v.node));
+    sinks.push(add(
+        &mut g,
+        Op::Concat { axis: 1 },
+        vec![x.into(), sm.into()],
+    ));
+    sinks.push(add(
+        &mut g,
+        Op::BroadcastTo {
+            shape: Shape(vec![3, 4, 6, 5]),
+        },
+        vec![x.into()],
+    ));
+    let packed = add(
+        &mut g,
+        Op::PackChunks { workers: 2 },
+        vec![x.into(), gamma.into()],
+    );
+    sinks.push(add(
+        &mut g,
+        Op::UnpackChunks {
+            workers: 2,
+            shapes: vec![Shape(vec![4, 6, 5]), Shape(vec![5])],
+        },
+        vec![packed.into()],
+    ));
+    let flat = add(&mut g, Op::Pack, vec![x.into(), gamma.into()]);
+    sinks.push(add(
+        &mut g,
+        Op::Unpack {
+            shapes: vec![Shape(vec![120]), Shape(vec![5])],
+        },
+        vec![flat.into()],
+    ));
+    sinks.push(add(&mut g, Op::Accumulate { micro: 4 }, vec![x.into()]));
+    // Slices.
+    let rows = add(&mut g, Op::Embedding, vec![table.into(), ids.into()]);
+    let s1 = add(
+        &mut g,
+        Op::EmbeddingGrad { table: f(&[50, 8]) },
+        vec![rows.into(), ids.into()],
+    );
+    let s2 = add(&mut g, Op::ConcatSlices, vec![s1.into(), s1.into()]);
+    sinks.push(add(&mut g, Op::UniqueRows, vec![s2.into()]));
+    sinks.push(add(&mut g, Op::Densify, vec![s2.into()]));
+    sinks.push(add(&mut g, Op::Accumulate { micro: 2 }, vec![s2.into()]));
+    let mask = add(&mut g, Op::RowMask, vec![s2.into()]);
+    sinks.push(add(&mut g, Op::Sparsify, vec![table.into(), mask.into()]));
+    // Strided convolution and overlapping pooling.
+    let conv = add(
+        &mut g,
+        Op::Conv2d {
+            stride: 2,
+            padding: 0,
+        },
+        vec![img.into(), k.into()],
+    );
+    sinks.push(add(
+        &mut g,
+        Op::Conv2dGradInput {
+            stride: 2,
+            padding: 0,
+            input: Shape(vec![2, 3, 9, 9]),
+        },
+        vec![conv.into(), k.into()],
+    ));
+    sinks.push(add(
+        &mut g,
+        Op::Conv2dGradFilter {
+            stride: 2,
+            padding: 0,
+            filter: Shape(vec![4, 3, 3, 3]),
+        },
+        vec![conv.into(), img.into()],
+    ));
+    let pool = add(
+        &mut g,
+        Op::MaxPool2d {
+            kernel: 3,
+            stride: 2,
+        },
+        vec![img.into()],
+    );
+    sinks.push(add(
+        &mut g,
+        Op::MaxPool2dGrad {
+            kernel: 3,
+            stride: 2,
+        },
+        vec![pool.into(), img.into()],
+    ));
+    for (i, s) in sinks.into_iter().enumerate() {
+        add(
+            &mut g,
+            Op::Output {
+                name: format!("o{i}"),
+            },
+            vec![s.into()],
+        );
+    }
+    g
+}
+
+#[test]
+fn ops_beyond_the_examples_generate_consistent_launches_and_compile() {
+    let g = every_op_graph();
+    let plan = generate(&g).unwrap_or_else(|e| panic!("{e}"));
+    let n = check_plan(&g, &plan, "every_op");
+    assert!(n > 40, "{n} launches");
+    let acc = plan
+        .nodes
+        .iter()
+        .filter(|(id, _)| matches!(g.op(*id), Op::Accumulate { .. }))
+        .count();
+    assert_eq!(acc, 2);
+    assert!(plan
+        .nodes
+        .iter()
+        .filter(|(id, _)| matches!(g.op(*id), Op::Accumulate { .. }))
+        .all(|(_, nl)| !nl.step_start.is_empty()));
+    if !nvrtc_or_skip("ops_beyond_the_examples_generate_consistent_launches_and_compile") {
+        return;
+    }
+    let cubin = nvrtc::compile_cubin(&plan.source, "every_op.cu", "sm_90")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let names: Vec<&str> = plan
+        .nodes
+        .iter()
+        .flat_map(|(_, nl)| kernel_names(&nl.launches))
+        .collect();
+    check_cubin(&cubin, &names, "every_op");
+}
+
+#[test]
+fn f64_graphs_are_refused_by_name() {
+    let mut g = Graph::new("f64");
+    let x = g
+        .add(
+            Op::Input {
+                name: "x".into(),
+                ty: distc_ir::TensorType::new(distc_ir::DType::F64, vec![3]),
+            },
+            vec![],
+        )
+        .expect("input");
+    g.add(Op::Relu, vec![x.into()]).expect("relu");
+    // The first node holding an f64 value is named: here the feed itself.
+    match generate(&g) {
+        Err(distc_runtime::cuda::codegen::CodegenError::Unsupported { node, op, reason }) => {
+            assert_eq!((node, op), (x, "input"));
+            assert!(reason.contains("f64"), "{reason}");
+        }
+        other => panic!("expected an unsupported-op error, got {other:?}"),
+    }
+}
