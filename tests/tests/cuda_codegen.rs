@@ -509,7 +509,7 @@ fn every_op_graph() -> Graph {
     use distc_ir::{Shape, TensorType};
     let mut g = Graph::new("every_op");
     let f = |d: &[usize]| TensorType::f32(d.to_vec());
-    let mut add = |g: &mut Graph, op: Op, ins: Vec<distc_ir::ValueId>| {
+    let add = |g: &mut Graph, op: Op, ins: Vec<distc_ir::ValueId>| {
         let what = op.to_string();
         g.add(op, ins).unwrap_or_else(|e| panic!("{what}: {e}"))
     };
