@@ -234,22 +234,39 @@ pub fn compile(
         return Err(e);
     }
     match result {
-        Ok(records) => Ok(Compiled {
-            programs,
-            config: config.clone(),
-            records,
-            lowered_nodes,
-            dist: cx.dist,
-            measurement,
-            assumptions,
-            not_runnable: not_runnable(opts),
-        }),
+        Ok(records) => {
+            if let (Some(dir), None) = (&opts.dump_ir, &opts.stop_after) {
+                write(&dir.join(CUDA_DUMP), &cuda_source(&programs.worker))?;
+            }
+            Ok(Compiled {
+                programs,
+                config: config.clone(),
+                records,
+                lowered_nodes,
+                dist: cx.dist,
+                measurement,
+                assumptions,
+                not_runnable: not_runnable(opts),
+            })
+        }
         Err(error) => {
             let dir = opts.dump_ir.clone().unwrap_or_else(std::env::temp_dir);
             let stem = format!("distc-before-{}", error.pass);
             let last_good = write_programs(&dir, &stem, &error.last_good)?;
             Err(CompileError::Pipeline { error, last_good })
         }
+    }
+}
+
+/// The file `--dump-ir` writes the final worker program's generated CUDA into.
+pub const CUDA_DUMP: &str = "plan.cu";
+
+/// The CUDA C the GPU backend generates for `worker`, or, where it cannot, a comment
+/// saying why (a dump is for reading: the reason is what the reader needs).
+fn cuda_source(worker: &Graph) -> String {
+    match distc_runtime::cuda::codegen::generate(worker) {
+        Ok(plan) => plan.source,
+        Err(e) => format!("// no CUDA plan for this program: {e}\n"),
     }
 }
 

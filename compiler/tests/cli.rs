@@ -47,7 +47,9 @@ fn compile_dump_and_run_a_plan() {
             "02-simplify.ir",
             "03-dead_code.ir",
             "04-accumulate.ir",
-            "05-remat.ir"
+            "05-remat.ir",
+            "06-kernel_fusion.ir",
+            "plan.cu"
         ]
     );
     let metrics = tmp("m.jsonl");
@@ -121,7 +123,8 @@ fn dump_ir_writes_every_program_per_pass() {
         (8, "distribute"),
         (9, "zero"),
         (10, "fusion"),
-        (11, "schedule"),
+        (11, "kernel_fusion"),
+        (12, "schedule"),
     ] {
         let mut programs = vec!["", ".init", ".server0", ".server1"];
         if i >= 9 {
@@ -129,9 +132,12 @@ fn dump_ir_writes_every_program_per_pass() {
         }
         want.extend(programs.iter().map(|p| format!("{i:02}-{pass}{p}.ir")));
     }
+    want.push("plan.cu".into());
     want.sort();
     assert_eq!(files, want);
-    for f in &files {
+    let cuda = std::fs::read_to_string(dump.join("plan.cu")).expect("read plan.cu");
+    assert!(cuda.contains("extern \"C\" __global__"), "{cuda}");
+    for f in files.iter().filter(|f| f.ends_with(".ir")) {
         let text = std::fs::read_to_string(dump.join(f)).expect("read");
         let g = distc_ir::parse(&text).unwrap_or_else(|e| panic!("{f}: {e}"));
         distc_ir::verify(&g).unwrap_or_else(|e| panic!("{f}: {e}"));
@@ -146,7 +152,7 @@ fn dump_ir_writes_every_program_per_pass() {
         );
     }
     // The server holding the embedding serves it.
-    let servers: String = ["11-schedule.server0.ir", "11-schedule.server1.ir"]
+    let servers: String = ["12-schedule.server0.ir", "12-schedule.server1.ir"]
         .iter()
         .map(|f| std::fs::read_to_string(dump.join(f)).expect("read"))
         .collect();
@@ -230,7 +236,7 @@ fn dsl_errors_are_diagnostics_with_a_caret() {
 fn unknown_passes_are_listed_with_the_valid_ones() {
     let o = distc(&["ir", "examples/mlp.dsl", "--after", "fusoin"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, schedule"), "{}", text(&o));
+    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, kernel_fusion, schedule"), "{}", text(&o));
 }
 
 #[test]

@@ -1,7 +1,10 @@
 //! The text IR round-trips (print then parse gives an equal graph), on generated
 //! graphs covering every op family; the parser and the verifier locate their errors.
 
-use distc_ir::{parse, print, verify, DType, Graph, Init, Op, Shape, TensorType, ValueId};
+use distc_ir::{
+    parse, print, verify, BinaryFn, DType, FusedExpr, FusedStep, Graph, Init, Op, Shape,
+    TensorType, UnaryFn, ValueId,
+};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64;
 
@@ -11,6 +14,25 @@ fn roundtrip(g: &Graph) {
     verify(&back).unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert_eq!(&back, g, "graph differs after parse:\n{text}");
     assert_eq!(print(&back), text);
+}
+
+/// A random expression over `inputs` inputs, in canonical form (steps a graph cannot
+/// reach are dropped, so some read fewer inputs and the shape rule refuses them).
+fn random_expr(rng: &mut Pcg64, inputs: usize) -> FusedExpr {
+    let mut steps: Vec<FusedStep> = (0..inputs).map(FusedStep::Input).collect();
+    steps.push(FusedStep::Const(
+        [1.0, -0.5, 1e-8, 3.25][rng.random_range(0..4)],
+    ));
+    for _ in 0..rng.random_range(1..8) {
+        let n = steps.len();
+        let (a, b) = (rng.random_range(0..n), rng.random_range(0..n));
+        steps.push(if rng.random() {
+            FusedStep::Unary(UnaryFn::ALL[rng.random_range(0..UnaryFn::ALL.len())], a)
+        } else {
+            FusedStep::Binary(BinaryFn::ALL[rng.random_range(0..BinaryFn::ALL.len())], a, b)
+        });
+    }
+    FusedExpr { steps }.canonical()
 }
 
 /// A random graph: sources, then a chain of ops chosen among those whose shape rule
@@ -79,7 +101,7 @@ fn random_graph(seed: u64) -> Graph {
         let b = vals[rng.random_range(0..vals.len())];
         let ta = g.tensor_type(a).clone();
         let rank = ta.shape.rank();
-        let op = match rng.random_range(0..14) {
+        let op = match rng.random_range(0..15) {
             0 => Op::Add,
             1 => Op::Mul,
             2 => Op::MatMul {
@@ -113,6 +135,9 @@ fn random_graph(seed: u64) -> Graph {
                 per_sample: true,
             },
             12 => Op::LayerNorm { eps: 1e-5 },
+            13 => Op::Fused {
+                expr: random_expr(&mut rng, 2),
+            },
             _ => Op::Sub,
         };
         let inputs = match op.arity() {
@@ -237,4 +262,84 @@ fn verifier_collects_every_error() {
         e.errors[2].contains("`nope`, which is not a variable"),
         "{e}"
     );
+}
+
+#[test]
+fn fused_nodes_round_trip() {
+    let text = r#"graph f {
+  %0 = input{name="x"} : f32[4,8]
+  %1 = param{name="b", init=zeros} : f32[8]
+  %2 = fused{expr="relu(add(in0, in1))"} %0, %1 : f32[4,8]
+  %3 = fused{expr="t0 = mul(in0, 1e-8); t1 = sigmoid(t0); add(mul(t1, sub(-0.5, t1)), exp(t0))"} %2 : f32[4,8]
+  %4 = fused{expr="mul(mul(in0, in1), sub(1.0, in1))"} %3, %2 : f32[4,8]
+  output{name="y"} %4
+}
+"#;
+    let g = parse(text).unwrap_or_else(|e| panic!("{e}"));
+    verify(&g).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(print(&g), text);
+    roundtrip(&g);
+    let id = g.node_ids()[3];
+    let Op::Fused { expr } = g.op(id) else {
+        panic!("{}", g.op(id))
+    };
+    // t0 and t1 are each one step, read twice.
+    assert_eq!(expr.steps.len(), 9, "{expr:?}");
+}
+
+#[test]
+fn fused_text_is_canonical() {
+    let mut rng = Pcg64::seed_from_u64(10);
+    for _ in 0..500 {
+        let raw = {
+            let mut steps: Vec<FusedStep> = vec![FusedStep::Input(1), FusedStep::Input(0)];
+            for _ in 0..rng.random_range(1..10) {
+                let n = steps.len();
+                let (a, b) = (rng.random_range(0..n), rng.random_range(0..n));
+                steps.push(match rng.random_range(0..3) {
+                    0 => FusedStep::Unary(UnaryFn::ALL[rng.random_range(0..7)], a),
+                    1 => FusedStep::Const(rng.random_range(-2.0..2.0)),
+                    _ => FusedStep::Binary(BinaryFn::ALL[rng.random_range(0..4)], a, b),
+                });
+            }
+            FusedExpr { steps }
+        };
+        let canonical = raw.canonical();
+        assert_eq!(canonical.canonical(), canonical, "{raw:?}");
+        let back: FusedExpr = raw.to_string().parse().unwrap_or_else(|e| panic!("{e}: {raw}"));
+        assert_eq!(back, canonical, "{raw}");
+        assert_eq!(back.to_string(), raw.to_string());
+    }
+}
+
+#[test]
+fn fused_errors_name_the_problem() {
+    let node = |expr: &str, ins: &str| {
+        format!(
+            "graph f {{\n  %0 = input{{name=\"x\"}} : f32[4]\n  %1 = input{{name=\"z\"}} : f64[4]\n  %2 = fused{{expr=\"{expr}\"}} {ins} : f32[4]\n  output{{name=\"y\"}} %2\n}}\n"
+        )
+    };
+    let parse_err = |expr: &str| parse(&node(expr, "%0")).unwrap_err().to_string();
+    let e = parse_err("cube(in0)");
+    assert!(e.contains("unknown function `cube`") && e.contains("sigmoid"), "{e}");
+    let e = parse_err("add(in0)");
+    assert!(e.contains("expected `,`"), "{e}");
+    let e = parse_err("relu(t3)");
+    assert!(e.contains("`t3`"), "{e}");
+    let e = parse_err("relu(in0) extra");
+    assert!(e.contains("unexpected text"), "{e}");
+    let e = parse_err("add(in0, 1.2.3)");
+    assert!(e.contains("not a number"), "{e}");
+    // Well-formed text the shape rule refuses: an input out of range, an input never
+    // read, dtypes that differ.
+    let verify_err = |expr: &str, ins: &str| {
+        let g = parse(&node(expr, ins)).unwrap_or_else(|e| panic!("{e}"));
+        verify(&g).unwrap_err().to_string()
+    };
+    let e = verify_err("add(in0, in1)", "%0");
+    assert!(e.contains("reads input 1") && e.contains("fused"), "{e}");
+    let e = verify_err("relu(in0)", "%0, %0");
+    assert!(e.contains("input 1 is never read"), "{e}");
+    let e = verify_err("add(in0, in1)", "%0, %1");
+    assert!(e.contains("dtypes differ"), "{e}");
 }
