@@ -321,6 +321,11 @@ struct CompileArgs {
     /// recomputations; `off` (the default) keeps every activation.
     #[arg(long, default_value = "off", value_parser = parse_remat, value_name = "layers|MIB")]
     remat: RematPolicy,
+    /// Kernel fusion: collapse each chain of element-wise ops (a layer's bias add and
+    /// activation, the activation gradients) into one `fused` node, which the runtime
+    /// runs in one pass over memory; the values computed are the same.
+    #[arg(long)]
+    fuse: bool,
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
@@ -458,6 +463,7 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         zero: a.zero.unwrap_or(0),
         accumulate: a.accumulate,
         remat: a.remat,
+        fuse: a.fuse,
         ..StrategyConfig::default()
     }
 }

@@ -150,12 +150,12 @@ fn run(
 fn check(opts: &VerifyOptions) -> Result<(), VerifyError> {
     let s = &opts.compile.strategy;
     // One device against itself compares something only when a rewrite changed the
-    // program: gradient accumulation or recomputation.
-    let rewritten = s.accumulate > 1 || s.remat != RematPolicy::Off;
+    // program: gradient accumulation, recomputation or kernel fusion.
+    let rewritten = s.accumulate > 1 || s.remat != RematPolicy::Off || s.fuse;
     if s.strategy == Strategy::Single && !rewritten {
         return Err(VerifyError::Refused(
-            "verify compares a distributed strategy, --accumulate or --remat with one plain \
-             device: give --strategy allreduce, ps, hybrid or auto, or one of those flags"
+            "verify compares a distributed strategy, --accumulate, --remat or --fuse with one \
+             plain device: give --strategy allreduce, ps, hybrid or auto, or one of those flags"
                 .into(),
         ));
     }

@@ -114,6 +114,8 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             vec![("shape", list(shape.dims()))]
         }
         Op::Transpose { perm } => vec![("perm", list(perm))],
+        // A string, so the text grammar needs no expression syntax of its own.
+        Op::Fused { expr } => vec![("expr", A::Str(expr.to_string()))],
         Op::Slice { axis, start, end } => vec![
             ("axis", A::Int(*axis as i64)),
             ("start", A::Int(*start as i64)),
@@ -367,6 +369,7 @@ pub const MNEMONICS: &[&str] = &[
     "layer_norm",
     "conv2d",
     "max_pool2d",
+    "fused",
     "sum_to",
     "broadcast_to",
     "relu_grad",
@@ -491,6 +494,12 @@ pub fn op_from_parts(
         "max_pool2d" => Op::MaxPool2d {
             kernel: a.int("kernel")?,
             stride: a.int("stride")?,
+        },
+        "fused" => Op::Fused {
+            expr: a
+                .string("expr")?
+                .parse()
+                .map_err(|e| format!("fused: {e}"))?,
         },
         "sum_to" => Op::SumTo {
             shape: Shape(a.list("shape")?),

@@ -2,6 +2,7 @@
 //! cost, text spelling) is one exhaustive `match` over [`Op`] in its own module, so a
 //! new op does not compile until each of them handles it.
 
+use crate::fused::FusedExpr;
 use crate::types::{Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -196,6 +197,14 @@ pub enum Op {
         kernel: usize,
         /// Stride in both spatial dims.
         stride: usize,
+    },
+
+    /// Element-wise ops collapsed into one node by the kernel-fusion pass: `expr` over
+    /// the inputs (one or more float tensors of one dtype), each broadcast by numpy
+    /// rules to the result, whose shape is the broadcast of theirs.
+    Fused {
+        /// What the node computes per element.
+        expr: FusedExpr,
     },
 
     // ---- backward ops (introduced by autodiff) ----
@@ -465,6 +474,7 @@ impl Op {
             Op::LayerNorm { .. } => "layer_norm",
             Op::Conv2d { .. } => "conv2d",
             Op::MaxPool2d { .. } => "max_pool2d",
+            Op::Fused { .. } => "fused",
             Op::SumTo { .. } => "sum_to",
             Op::BroadcastTo { .. } => "broadcast_to",
             Op::ReluGrad => "relu_grad",
@@ -617,7 +627,11 @@ impl Op {
             | Op::SoftmaxCrossEntropyGrad
             | Op::MseGrad
             | Op::LayerNormGrad { .. } => Some(3),
-            Op::Concat { .. } | Op::ConcatSlices | Op::Pack | Op::PackChunks { .. } => None,
+            Op::Concat { .. }
+            | Op::ConcatSlices
+            | Op::Pack
+            | Op::PackChunks { .. }
+            | Op::Fused { .. } => None,
         }
     }
 }

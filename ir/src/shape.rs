@@ -405,6 +405,21 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             }
             one(x.clone())
         }
+        Op::Fused { expr } => {
+            expr.check(dense.len()).map_err(err)?;
+            let mut shape: Vec<usize> = Vec::new();
+            for i in 0..dense.len() {
+                same_float(0, i)?;
+                shape = broadcast_shapes(&shape, dense[i].dims()).ok_or_else(|| {
+                    err(format!(
+                        "input {i} ({}) does not broadcast with {}",
+                        dense[i],
+                        Shape(shape.clone())
+                    ))
+                })?;
+            }
+            one(TensorType::new(dense[0].dtype, Shape(shape)))
+        }
         Op::Conv2d { stride, padding } => {
             same_float(0, 1)?;
             let (x, w) = (dense[0], dense[1]);

@@ -451,6 +451,13 @@ fn vjp(
             dy,
             x[0],
         )?)],
+        Op::Fused { .. } => {
+            return Err(PassError::Precondition(format!(
+                "{id} ({}): a fused element-wise node has no gradient rule: kernel fusion \
+                 runs after autodiff, so differentiate the unfused graph",
+                node.op
+            )))
+        }
         Op::SumTo { .. }
         | Op::BroadcastTo { .. }
         | Op::ReluGrad

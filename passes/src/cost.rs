@@ -9,6 +9,7 @@
 //! latency is shared by the gradients in its bucket.
 
 use crate::placement::{Mechanism, StrategyConfig};
+use distc_ir::{Graph, NodeId, Op, ValueType};
 
 /// Bytes of a row index on the wire.
 pub const INDEX_BYTES: f64 = 8.0;
@@ -104,4 +105,57 @@ pub fn cost(m: Mechanism, v: VarCost, cfg: &StrategyConfig) -> Cost {
             }
         }
     }
+}
+
+/// The work and memory traffic of one node's kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ComputeCost {
+    /// Floating-point operations.
+    pub flops: f64,
+    /// Bytes read and written in memory: every input once, the result once.
+    pub bytes: f64,
+}
+
+impl std::ops::Add for ComputeCost {
+    type Output = ComputeCost;
+    fn add(self, o: ComputeCost) -> ComputeCost {
+        ComputeCost {
+            flops: self.flops + o.flops,
+            bytes: self.bytes + o.bytes,
+        }
+    }
+}
+
+/// The cost of an element-wise node: the ops the kernel-fusion pass groups, and
+/// `fused` itself. Flops are the ops per element (a gradient op counts its formula's;
+/// a fused node, its non-leaf steps) times the result's elements; bytes are the dense
+/// inputs read once and the result written once, which is what fusion saves on: a
+/// chain of k ops moves about k results through memory, its fused node one. `None`
+/// for every other op.
+pub fn elementwise_cost(g: &Graph, id: NodeId) -> Option<ComputeCost> {
+    let node = g.node(id);
+    let per_element = match &node.op {
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Neg | Op::Relu | Op::Exp | Op::Log => 1,
+        // Exp, add, divide; a tanh is costed alike.
+        Op::Sigmoid | Op::Tanh => 3,
+        Op::BroadcastTo { .. } => 0,
+        // dy * step(x); dy * y * (1 - y); dy * (1 - y * y).
+        Op::ReluGrad => 2,
+        Op::SigmoidGrad | Op::TanhGrad => 3,
+        Op::Fused { expr } => expr.steps.iter().filter(|s| !s.is_leaf()).count(),
+        _ => return None,
+    };
+    let out = match node.outputs.as_slice() {
+        [ValueType::Tensor(t)] => t,
+        _ => return None,
+    };
+    let elements = out.shape.dims().iter().product::<usize>() as f64;
+    let mut bytes = out.bytes() as f64;
+    for v in &node.inputs {
+        bytes += g.value_type(*v).dense_type().bytes() as f64;
+    }
+    Some(ComputeCost {
+        flops: per_element as f64 * elements,
+        bytes,
+    })
 }

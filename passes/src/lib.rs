@@ -8,6 +8,7 @@ pub mod cost;
 pub mod dead_code;
 pub mod distribute;
 pub mod fusion;
+pub mod kernel_fusion;
 pub mod manager;
 pub mod place;
 pub mod placement;
@@ -49,6 +50,11 @@ pub struct PassStats {
 }
 
 impl PassStats {
+    /// Sets the note.
+    pub fn with_note(mut self, note: impl Into<String>) -> PassStats {
+        self.note = Some(note.into());
+        self
+    }
     /// Adds a counter.
     pub fn count(mut self, what: &'static str, n: usize) -> PassStats {
         self.counters.push((what, n));
@@ -140,8 +146,9 @@ fn snake_case(s: &str) -> String {
     out
 }
 
-/// The passes of the single-device training pipeline, in order.
-pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
+/// The passes every pipeline starts with: differentiation and the rewrites of one
+/// device's program.
+fn device_passes() -> Vec<Box<dyn Pass>> {
     vec![
         Box::new(autodiff::Autodiff),
         Box::new(simplify::Simplify::default()),
@@ -151,15 +158,24 @@ pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
     ]
 }
 
+/// The passes of the single-device training pipeline, in order.
+pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
+    let mut passes = device_passes();
+    passes.push(Box::new(kernel_fusion::KernelFusion));
+    passes
+}
+
 /// The passes of a distributed training pipeline (every strategy but `single`): the
-/// single-device passes, then analysis, placement, the rewrite, fusion and scheduling.
+/// device passes, then analysis, placement, the rewrite, gradient fusion, kernel fusion
+/// (after every pass that makes element-wise ops) and scheduling.
 pub fn distributed_pipeline() -> Vec<Box<dyn Pass>> {
-    let mut passes = single_pipeline();
+    let mut passes = device_passes();
     passes.push(Box::new(sparsity::SparsityAnalysis));
     passes.push(Box::new(place::Place));
     passes.push(Box::new(distribute::Distribute));
     passes.push(Box::new(zero::Zero));
     passes.push(Box::new(fusion::Fusion));
+    passes.push(Box::new(kernel_fusion::KernelFusion));
     passes.push(Box::new(schedule::Schedule));
     passes
 }

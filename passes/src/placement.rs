@@ -91,6 +91,9 @@ pub struct StrategyConfig {
     /// recomputes instead of keeping.
     #[serde(default)]
     pub remat: RematPolicy,
+    /// Kernel fusion: collapse chains of element-wise ops into `fused` nodes.
+    #[serde(default)]
+    pub fuse: bool,
 }
 
 /// Which activations the remat pass drops after the forward pass and recomputes in
@@ -142,6 +145,7 @@ impl Default for StrategyConfig {
             zero: 0,
             accumulate: 1,
             remat: RematPolicy::Off,
+            fuse: false,
         }
     }
 }

@@ -19,6 +19,7 @@
 //!
 //! Nothing here runs a kernel yet: the backend comes with issue 10's later items.
 
+pub mod codegen;
 pub mod nvrtc;
 
 use std::fmt;
@@ -206,6 +207,9 @@ pub enum CudaError {
     /// The caller asked for something NVRTC cannot do.
     #[error("{0}")]
     Invalid(String),
+    /// A graph (or optimizer update) has no CUDA code.
+    #[error(transparent)]
+    Codegen(#[from] codegen::CodegenError),
 }
 
 /// Where a missing library was looked for, to follow "`file` was".

@@ -16,13 +16,15 @@
 //! - Every dense result is in standard (row-major) layout, so later kernels can work
 //!   on flat slices.
 //!
-//! Families live in submodules: `elementwise` (pointwise maths and dropout), `reduce`
+//! Families live in submodules: `elementwise` (pointwise maths and dropout), `fused`
+//! (element-wise expressions the kernel-fusion pass collapsed into one node), `reduce`
 //! (sums, broadcasting, softmax and losses), `layout` (reshape, transpose, concat,
 //! slice), `sparse` (embedding and `IndexedSlices`), `nn` (matmul, layer norm,
 //! convolution, pooling).
 
 mod comm;
 mod elementwise;
+mod fused;
 mod layout;
 mod nn;
 mod reduce;
@@ -292,6 +294,7 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
             let [x] = split(args)?;
             float!(dt, A => comm::take_chunk::<A>(&x, *workers, ctx.rank))?
         }
+        Op::Fused { expr } => float!(dt, A => fused::fused::<A>(expr, args))?,
         Op::LayerNormGrad { eps } => {
             let [dy, x, gamma] = split(args)?;
             return float!(dt, A => nn::layer_norm_grad::<A>(dy, &x, &gamma, *eps));

@@ -1,0 +1,472 @@
+//! Generated CUDA (issue 10, items 2, 3 and 6): every example's worker program, under
+//! several strategies, becomes a device plan whose whole source NVRTC compiles to an
+//! sm_90 CUBIN; the source of each example is snapshotted; every launch is checked
+//! against the node it belongs to (argument roles exist, grids cover the elements,
+//! products have the op's shapes); and the cuBLAS mapping of every matmul transpose
+//! case is evaluated in Rust against the row-major product.
+//!
+//! NVRTC is looked for in `DISTC_CUDA_LIB_DIR`'s folders, then in the project-local
+//! `.nvrtc/nvidia/cu13/lib` that `scripts/install-nvrtc.sh` fills. Where it is missing
+//! the compile test skips with a printed reason, except in CI (`CI` set), where it
+//! fails. Nothing here needs a GPU.
+
+use distc::{compile_file, CompileOptions, Compiled};
+use distc_ir::{Graph, Op, ValueType};
+use distc_passes::placement::{Strategy, StrategyConfig};
+use distc_runtime::cuda::codegen::{
+    generate, optimizer_kernels, sparse_bound, value_bytes, DevicePlan, Gemm, KArg, Launch,
+    NodeLaunch, OptimizerPlan, BLOCK,
+};
+use distc_runtime::cuda::{self, nvrtc, CudaLib, LibDirs};
+use distc_runtime::OptimizerSpec;
+use distc_tests::{example, EXAMPLES};
+use std::path::Path;
+
+fn lib_dirs() -> LibDirs {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    LibDirs::from_env().with(root.join(".nvrtc/nvidia/cu13/lib"))
+}
+
+fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "0" && v != "false")
+}
+
+/// Finds NVRTC, or says why the test skips (fails in CI: the install script runs there).
+fn nvrtc_or_skip(test: &str) -> bool {
+    match cuda::probe(CudaLib::Nvrtc, &lib_dirs()) {
+        Ok(found) => {
+            eprintln!("{test}: NVRTC found {found}");
+            true
+        }
+        Err(e) if in_ci() => panic!("{test}: NVRTC is required in CI (CI is set): {e}"),
+        Err(e) => {
+            eprintln!("SKIP {test}: {e}");
+            false
+        }
+    }
+}
+
+/// The strategies each example is generated under: `(label, strategy, workers,
+/// servers, kernel fusion)`.
+const STRATEGIES: [(&str, Strategy, usize, usize, bool); 6] = [
+    ("single", Strategy::Single, 1, 0, false),
+    ("allreduce", Strategy::Allreduce, 2, 0, false),
+    ("hybrid", Strategy::Hybrid, 2, 1, false),
+    ("ps", Strategy::Ps, 2, 1, false),
+    ("single-fuse", Strategy::Single, 1, 0, true),
+    ("hybrid-fuse", Strategy::Hybrid, 2, 1, true),
+];
+
+fn compile(name: &str, strategy: Strategy, workers: usize, servers: usize, fuse: bool) -> Compiled {
+    let opts = CompileOptions {
+        strategy: StrategyConfig {
+            strategy,
+            workers,
+            servers,
+            fuse,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    compile_file(&example(name), &opts).unwrap_or_else(|e| panic!("{name} {strategy:?}: {e}"))
+}
+
+/// The optimizer's kernels for every variable the program has a gradient of.
+fn optimizer_plan(c: &Compiled) -> OptimizerPlan {
+    let g = &c.programs.worker;
+    let params: Vec<(String, distc_ir::TensorType, Option<usize>)> = g
+        .param_grads()
+        .into_iter()
+        .filter_map(|(name, v)| {
+            let ty = g
+                .params()
+                .into_iter()
+                .find(|(_, n, _)| *n == name)
+                .map(|(_, _, t)| t.clone())?;
+            Some((name, ty, sparse_bound(g.value_type(v))))
+        })
+        .collect();
+    optimizer_kernels(&c.config.optimizer, &params, 1.0).expect("optimizer kernels")
+}
+
+/// Checks a CUBIN is a CUDA ELF image holding `names`.
+fn check_cubin(cubin: &[u8], names: &[&str], what: &str) {
+    assert_eq!(&cubin[..4], b"\x7fELF", "{what}: not an ELF image");
+    assert_eq!(
+        u16::from_le_bytes([cubin[18], cubin[19]]),
+        190,
+        "{what}: not a CUDA ELF"
+    );
+    for n in names {
+        assert!(
+            cubin.windows(n.len()).any(|w| w == n.as_bytes()),
+            "{what}: no symbol {n}"
+        );
+    }
+}
+
+fn kernel_names(launches: &[Launch]) -> Vec<&str> {
+    launches
+        .iter()
+        .filter_map(|l| match l {
+            Launch::Kernel { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_example_compiles_to_cubin_under_every_strategy() {
+    if !nvrtc_or_skip("every_example_compiles_to_cubin_under_every_strategy") {
+        return;
+    }
+    for name in EXAMPLES {
+        for (label, s, workers, servers, fuse) in STRATEGIES {
+            let c = compile(name, s, workers, servers, fuse);
+            let plan = generate(&c.programs.worker).unwrap_or_else(|e| panic!("{name} {label}: {e}"));
+            let what = format!("{name} {label}");
+            let cubin = nvrtc::compile_cubin(&plan.source, &format!("{name}.{label}.cu"), "sm_90")
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let names: Vec<&str> = plan
+                .nodes
+                .iter()
+                .flat_map(|(_, n)| kernel_names(&n.launches))
+                .collect();
+            check_cubin(&cubin, &names, &what);
+            let opt = optimizer_plan(&c);
+            let cubin = nvrtc::compile_cubin(&opt.source, &format!("{name}.{label}.optim.cu"), "sm_90")
+                .unwrap_or_else(|e| panic!("{what} optimizer: {e}"));
+            let names: Vec<&str> = opt.vars.iter().flat_map(|v| kernel_names(&v.launches)).collect();
+            check_cubin(&cubin, &names, &format!("{what} optimizer"));
+            eprintln!(
+                "{what}: {} nodes, {} kernels, {} bytes of CUDA C, CUBIN {} bytes",
+                plan.nodes.len(),
+                plan.source.matches("__global__").count(),
+                plan.source.len(),
+                cubin.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn generated_source_of_each_example() {
+    for name in EXAMPLES {
+        let c = compile(name, Strategy::Single, 1, 0, false);
+        let plan = generate(&c.programs.worker).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let stem = name.trim_end_matches(".dsl");
+        insta::assert_snapshot!(format!("cuda_{stem}"), plan.source);
+    }
+}
+
+/// The type of a node's input or output buffer a launch argument names.
+fn arg_type<'g>(g: &'g Graph, node: distc_ir::NodeId, arg: &KArg) -> Option<&'g ValueType> {
+    let n = g.node(node);
+    match arg {
+        KArg::Input(i) => n.inputs.get(*i).map(|&v| g.value_type(v)),
+        KArg::Output(j) => n.outputs.get(*j),
+        _ => None,
+    }
+}
+
+/// Every argument names something the node (or its launch list) has.
+fn check_args(g: &Graph, id: distc_ir::NodeId, nl: &NodeLaunch, args: &[&KArg], what: &str) {
+    let n = g.node(id);
+    for a in args {
+        match a {
+            KArg::Input(i) => assert!(*i < n.inputs.len(), "{what}: input {i} of {}", n.inputs.len()),
+            KArg::Output(j) => {
+                assert!(*j < n.outputs.len(), "{what}: output {j} of {}", n.outputs.len())
+            }
+            KArg::Scratch(k) => assert!(
+                *k < nl.scratch_bytes.len(),
+                "{what}: scratch {k} of {}",
+                nl.scratch_bytes.len()
+            ),
+            KArg::Param | KArg::Grad | KArg::Slot(_) => {
+                panic!("{what}: an optimizer argument in a graph launch")
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The element count a 1-D kernel over a node's output must cover, for the ops whose
+/// kernels take one thread per output element.
+fn covered_by_output(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Add
+            | Op::Sub
+            | Op::Mul
+            | Op::Div
+            | Op::Neg
+            | Op::Relu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Exp
+            | Op::Log
+            | Op::ReluGrad
+            | Op::SigmoidGrad
+            | Op::TanhGrad
+            | Op::MseGrad
+            | Op::Dropout { .. }
+            | Op::DropoutGrad { .. }
+            | Op::BroadcastTo { .. }
+            | Op::Transpose { .. }
+            | Op::Embedding
+            | Op::MaxPool2d { .. }
+            | Op::Fused { .. }
+    )
+}
+
+/// A column-major `sgemm` (strided-batched) as cuBLAS defines it, on plain slices.
+fn sgemm(g: &Gemm, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+    for bi in 0..g.batch as usize {
+        let (ao, bo, co) = (
+            bi * g.stride_a as usize,
+            bi * g.stride_b as usize,
+            bi * g.stride_c as usize,
+        );
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0f32;
+                for p in 0..k {
+                    let av = if g.transa {
+                        a[ao + p + i * g.lda as usize]
+                    } else {
+                        a[ao + i + p * g.lda as usize]
+                    };
+                    let bv = if g.transb {
+                        b[bo + j + p * g.ldb as usize]
+                    } else {
+                        b[bo + p + j * g.ldb as usize]
+                    };
+                    acc += av * bv;
+                }
+                let at = co + i + j * g.ldc as usize;
+                c[at] = g.alpha * acc + g.beta * c[at];
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_mapping_computes_every_row_major_transpose_case() {
+    let (m, n, k) = (3, 5, 4);
+    for (tx, tw) in [(false, false), (true, false), (false, true), (true, true)] {
+        // Row-major x: [m,k] (or [k,m] stored when tx); w: [k,n] (or [n,k] when tw).
+        let x: Vec<f32> = (0..m * k).map(|v| v as f32 * 0.5 - 2.0).collect();
+        let w: Vec<f32> = (0..k * n).map(|v| (v as f32 * 0.25).sin()).collect();
+        let xe = |i: usize, p: usize| if tx { x[p * m + i] } else { x[i * k + p] };
+        let we = |p: usize, j: usize| if tw { w[j * k + p] } else { w[p * n + j] };
+        let g = Gemm::row_major(
+            (KArg::Input(0), tx),
+            (KArg::Input(1), tw),
+            KArg::Output(0),
+            (m, n, k),
+            1,
+            (0, 0, 0),
+        )
+        .expect("fits");
+        assert_eq!(g.a, KArg::Input(1), "cuBLAS's A is the right-hand operand");
+        let mut y = vec![f32::NAN; m * n];
+        y.iter_mut().for_each(|v| *v = 0.0);
+        sgemm(&g, &w, &x, &mut y);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|p| xe(i, p) * we(p, j)).sum();
+                assert!(
+                    (y[i * n + j] - want).abs() < 1e-4,
+                    "tx {tx} tw {tw} at [{i},{j}]: {} vs {want}",
+                    y[i * n + j]
+                );
+            }
+        }
+    }
+}
+
+/// Checks each launch of a plan against its node; returns how many were checked.
+fn check_plan(g: &Graph, plan: &DevicePlan, what: &str) -> usize {
+    let mut checked = 0;
+    for (id, nl) in &plan.nodes {
+        let node = g.node(*id);
+        let what = format!("{what} {id} ({})", node.op);
+        assert!(
+            nl.scratch_bytes.iter().all(|&b| b > 0),
+            "{what}: an empty scratch"
+        );
+        for l in nl.launches.iter().chain(&nl.step_start) {
+            checked += 1;
+            match l {
+                Launch::Kernel {
+                    name,
+                    grid,
+                    block,
+                    args,
+                    ..
+                } => {
+                    assert!(
+                        plan.source.contains(&format!("void {name}(")),
+                        "{what}: kernel {name} is not in the source"
+                    );
+                    assert!(grid.iter().all(|&d| d >= 1), "{what}: grid {grid:?}");
+                    assert!(
+                        block[0] % 32 == 0 && block[0] <= 1024 && block[1] == 1 && block[2] == 1,
+                        "{what}: block {block:?}"
+                    );
+                    check_args(g, *id, nl, &args.iter().collect::<Vec<_>>(), &what);
+                    if covered_by_output(&node.op) {
+                        let n = node.outputs[0].dense_type().shape.numel() as u64;
+                        assert!(
+                            args.contains(&KArg::U64(n)),
+                            "{what}: no element count {n} in {args:?}"
+                        );
+                        let threads = grid[0] as u64 * block[0] as u64;
+                        assert!(threads >= n, "{what}: {threads} threads for {n} elements");
+                        assert_eq!(*block, [BLOCK, 1, 1], "{what}");
+                    }
+                }
+                Launch::Gemm(gm) => {
+                    check_args(g, *id, nl, &[&gm.a, &gm.b, &gm.c], &what);
+                    // Every operand's last matrix ends inside its buffer.
+                    for (arg, rows, cols, ld, stride, trans) in [
+                        (&gm.a, gm.m, gm.k, gm.lda, gm.stride_a, gm.transa),
+                        (&gm.b, gm.k, gm.n, gm.ldb, gm.stride_b, gm.transb),
+                        (&gm.c, gm.m, gm.n, gm.ldc, gm.stride_c, false),
+                    ] {
+                        let (r, c) = if trans { (cols, rows) } else { (rows, cols) };
+                        assert!(ld >= r.max(1), "{what}: leading dimension {ld} < {r}");
+                        let last = (gm.batch as u64 - 1) * stride + (c as u64 - 1) * ld as u64 + r as u64;
+                        let bytes = match arg {
+                            KArg::Scratch(k) => nl.scratch_bytes[*k] as u64,
+                            other => value_bytes(arg_type(g, *id, other).expect("a buffer")) as u64,
+                        };
+                        assert!(4 * last <= bytes, "{what}: gemm reads {} bytes of {bytes}", 4 * last);
+                    }
+                    if let Op::MatMul {
+                        transpose_a,
+                        transpose_b,
+                    } = &node.op
+                    {
+                        let a = g.tensor_type(node.inputs[0]).dims().to_vec();
+                        let b = g.tensor_type(node.inputs[1]).dims().to_vec();
+                        let (m, k) = if *transpose_a { (a[1], a[0]) } else { (a[0], a[1]) };
+                        let n = if *transpose_b { b[0] } else { b[1] };
+                        assert_eq!(
+                            (gm.m as usize, gm.n as usize, gm.k as usize, gm.batch),
+                            (n, m, k, 1),
+                            "{what}"
+                        );
+                        assert_eq!(
+                            (gm.transa, gm.transb),
+                            (*transpose_b, *transpose_a),
+                            "{what}"
+                        );
+                        assert_eq!(
+                            (&gm.a, &gm.b, &gm.c),
+                            (&KArg::Input(1), &KArg::Input(0), &KArg::Output(0)),
+                            "{what}"
+                        );
+                    }
+                }
+                Launch::Memset { buf, bytes } => {
+                    check_args(g, *id, nl, &[buf], &what);
+                    let have = match buf {
+                        KArg::Scratch(k) => nl.scratch_bytes[*k] as u64,
+                        other => value_bytes(arg_type(g, *id, other).expect("a buffer")) as u64,
+                    };
+                    assert!(*bytes <= have, "{what}: memset {bytes} of {have} bytes");
+                }
+                Launch::Alias { input } => {
+                    assert!(matches!(node.op, Op::Reshape { .. }), "{what}");
+                    assert_eq!(
+                        value_bytes(g.value_type(node.inputs[*input])),
+                        value_bytes(&node.outputs[0]),
+                        "{what}"
+                    );
+                }
+                Launch::Host => assert!(
+                    node.op.is_communication()
+                        || node.op.is_sink()
+                        || matches!(node.op, Op::Input { .. } | Op::Param { .. } | Op::Shard { .. }),
+                    "{what}: host work for a computing op"
+                ),
+            }
+        }
+    }
+    checked
+}
+
+#[test]
+fn every_launch_fits_its_node() {
+    for name in EXAMPLES {
+        for (label, s, workers, servers, fuse) in STRATEGIES {
+            let c = compile(name, s, workers, servers, fuse);
+            let g = &c.programs.worker;
+            let plan = generate(g).unwrap_or_else(|e| panic!("{name} {label}: {e}"));
+            assert_eq!(plan.nodes.len(), g.node_count(), "{name} {label}");
+            let n = check_plan(g, &plan, &format!("{name} {label}"));
+            assert!(n > 0, "{name} {label}: no launches");
+            let opt = optimizer_plan(&c);
+            for v in &opt.vars {
+                for l in &v.launches {
+                    if let Launch::Kernel { args, .. } = l {
+                        for a in args {
+                            if let KArg::Scratch(k) = a {
+                                assert!(*k < v.scratch_bytes.len(), "{name} {label} {}", v.name);
+                            }
+                            if let KArg::Slot(i) = a {
+                                assert!(*i < opt.slot_names.len(), "{name} {label} {}", v.name);
+                            }
+                            assert!(
+                                !matches!(a, KArg::Input(_) | KArg::Output(_)),
+                                "{name} {label} {}: a graph argument in an update",
+                                v.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sparse_updates_never_touch_a_dense_gradient() {
+    let c = compile("sparse_lm.dsl", Strategy::Single, 1, 0, false);
+    for spec in [
+        OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.0,
+        },
+        OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+        },
+        OptimizerSpec::Adam {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    ] {
+        let mut c = c.clone();
+        c.config.optimizer = spec.clone();
+        let opt = optimizer_plan(&c);
+        let emb = opt.vars.iter().find(|v| v.name == "emb").expect("emb");
+        // One i32 per table row and per gradient row, never a float per table element.
+        let scratch: usize = emb.scratch_bytes.iter().sum();
+        assert!(
+            scratch < 100_000 * 128 * 4 / 16,
+            "{spec:?}: {scratch} bytes of scratch"
+        );
+        assert!(
+            emb.launches.iter().all(|l| !matches!(l, Launch::Memset { .. })),
+            "{spec:?}"
+        );
+        let dense = opt.vars.iter().find(|v| v.name == "w1").expect("w1");
+        assert_eq!(dense.launches.len(), 1, "{spec:?}: one fused pass");
+    }
+}
