@@ -333,11 +333,12 @@ impl CudaBackend {
     /// never panics, when a library or the GPU is missing: the error names it and how
     /// to point distc at it (`DISTC_CUDA_LIB_DIR`, `LD_LIBRARY_PATH`).
     pub fn new(ordinal: usize, graph: &Graph, opts: CudaOptions) -> Result<CudaBackend, CudaError> {
+        // What this backend cannot run is refused first: it needs no GPU to say so.
+        Self::check_graph(graph)?;
         let dirs = LibDirs::from_env();
         probe(CudaLib::Driver, &dirs)?;
         probe(CudaLib::Cublas, &dirs)?;
         probe(CudaLib::Nvrtc, &dirs)?;
-        Self::check_graph(graph)?;
         let n = super::require_gpu(&dirs)?;
         if ordinal >= n {
             return Err(CudaError::NoDevice(format!(
