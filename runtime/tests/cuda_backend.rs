@@ -4,7 +4,6 @@
 //! relative. Without a GPU the GPU tests print why they skip and pass.
 
 use distc_ir::{DType, Graph, Op, Shape, TensorType, ValueId};
-use distc_runtime::backend::Cpu;
 use distc_runtime::cuda::{CudaBackend, CudaError, CudaLib, CudaOptions};
 use distc_runtime::exec::{Executor, Mode};
 use distc_runtime::Tensor;
@@ -60,7 +59,7 @@ fn forward_graph() -> (Graph, HashMap<String, Tensor>, HashMap<String, Tensor>) 
         .expect("param")
         .into();
     params.insert("p".to_string(), random(&[8, 32], &mut rng));
-    let mut op = |g: &mut Graph, o: Op, ins: &[ValueId]| -> ValueId {
+    let op = |g: &mut Graph, o: Op, ins: &[ValueId]| -> ValueId {
         g.add(o, ins.to_vec()).expect("op").into()
     };
     let mm = |a, b| Op::MatMul {
