@@ -70,6 +70,16 @@ pub fn train_on<B: Backend>(
         .map(|t| B::tensor_type(t).bytes() as u64)
         .sum();
     let mut coordinator = Coordinator::new(1, config.batch * k, false, on_step);
+    // CUDA graphs: after WARMUP uncaptured steps (which also settle every lazy setup,
+    // cuBLAS's included), one step and its update are captured, then that graph is
+    // replayed for that step and every later one. Only with one batch per step; a
+    // backend without graphs (the CPU's) says so and every step runs uncaptured.
+    let mut graph_state = if k == 1 {
+        GraphState::Untried
+    } else {
+        GraphState::Off
+    };
+    let mut captured_memory = None;
     for step in 1..=steps {
         let batches = data
             .iter_mut()
@@ -78,26 +88,67 @@ pub fn train_on<B: Backend>(
         let start = Instant::now();
         let mut loss = 0.0;
         let mut last = None;
+        let mut replayed = false;
         for (m, batch) in batches.into_iter().enumerate() {
             exec.set_rank(m);
             let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
             let feeds = upload_all(exec.backend(), batch, &device)?;
+            exec.backend()
+                .set_step(step as u64)
+                .map_err(|e| backend_err(&device, "setting the step", e))?;
+            if graph_state == GraphState::Untried && step > WARMUP {
+                let backend = exec.backend();
+                let on = backend
+                    .begin_capture()
+                    .map_err(|e| backend_err(&device, "starting a CUDA graph capture", e))?;
+                if on {
+                    let captured = capture_step(&mut exec, &feeds, &mut params, &mut optimizer, step as u64);
+                    let ended = exec.backend().end_capture();
+                    let used = captured?;
+                    ended.map_err(|e| backend_err(&device, "ending the CUDA graph capture", e))?;
+                    captured_memory = Some(used);
+                    graph_state = GraphState::Replaying;
+                } else {
+                    graph_state = GraphState::Off;
+                }
+            }
+            if graph_state == GraphState::Replaying {
+                let backend = exec.backend();
+                backend
+                    .replay()
+                    .map_err(|e| backend_err(&device, "replaying the step's CUDA graph", e))?;
+                backend
+                    .synchronize()
+                    .map_err(|e| backend_err(&device, "finishing the step", e))?;
+                loss += backend
+                    .pending_scalar()
+                    .map_err(|e| backend_err(&device, "reading the loss", e))?
+                    .unwrap_or(f64::NAN);
+                replayed = true;
+                continue;
+            }
             let out = exec.run(&feeds, &params, mode, step as u64)?;
             loss += out.loss.unwrap_or(f64::NAN);
             last = Some(out);
         }
-        let Some(out) = last else {
-            return Err(RuntimeError::Config("no data source".into()));
-        };
         let loss = loss / k as f64;
-        let used = exec.measured_memory();
-        let (backend, optimizer_bytes) = (exec.backend(), B::optimizer_bytes(&optimizer));
-        backend
-            .update(&mut optimizer, &mut params, out.grads)
-            .map_err(|e| backend_err(&device, "applying the update", e))?;
-        backend
-            .synchronize()
-            .map_err(|e| backend_err(&device, "finishing the step", e))?;
+        let optimizer_bytes = B::optimizer_bytes(&optimizer);
+        let used = if replayed {
+            captured_memory.unwrap_or_default()
+        } else {
+            let Some(out) = last else {
+                return Err(RuntimeError::Config("no data source".into()));
+            };
+            let used = exec.measured_memory();
+            let backend = exec.backend();
+            backend
+                .update(&mut optimizer, &mut params, out.grads)
+                .map_err(|e| backend_err(&device, "applying the update", e))?;
+            backend
+                .synchronize()
+                .map_err(|e| backend_err(&device, "finishing the step", e))?;
+            used
+        };
         let elapsed = start.elapsed();
         if !loss.is_finite() {
             return Err(RuntimeError::Config(format!(
@@ -173,6 +224,38 @@ fn upload_all<B: Backend>(
             Ok((name, t))
         })
         .collect()
+}
+
+/// Uncaptured steps before a training step is captured into a CUDA graph.
+const WARMUP: usize = 2;
+
+/// Where the loop is with CUDA graphs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GraphState {
+    /// Not tried yet (waiting for the warmup steps).
+    Untried,
+    /// The backend has no graphs, or a step has several batches: never captured.
+    Off,
+    /// A step is captured: it is replayed from now on.
+    Replaying,
+}
+
+/// Records one training step and its update while the backend captures; nothing
+/// runs. Returns the memory the run would hold (for the metrics of replayed steps).
+fn capture_step<B: Backend>(
+    exec: &mut Executor<B>,
+    feeds: &HashMap<String, B::Tensor>,
+    params: &mut HashMap<String, B::Tensor>,
+    optimizer: &mut B::Optimizer,
+    step: u64,
+) -> Result<crate::exec::MemoryUse> {
+    let device = exec.backend().name();
+    let out = exec.run(feeds, params, Mode::Train, step)?;
+    let used = exec.measured_memory();
+    exec.backend()
+        .update(optimizer, params, out.grads)
+        .map_err(|e| backend_err(&device, "applying the update", e))?;
+    Ok(used)
 }
 
 fn backend_err(device: &str, what: &str, e: crate::backend::KernelError) -> RuntimeError {

@@ -17,10 +17,13 @@
 //! 2. Else by the dynamic loader's own search, as cudarc does it: `LD_LIBRARY_PATH`
 //!    as it was when the process started, the `ld.so` cache, the system folders.
 //!
-//! Nothing here runs a kernel yet: the backend comes with issue 10's later items.
+//! [`backend`] runs a plan on one GPU ([`CudaBackend`], the executor's CUDA backend).
 
+pub mod backend;
 pub mod codegen;
 pub mod nvrtc;
+
+pub use backend::{CudaBackend, CudaOptions};
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -210,6 +213,22 @@ pub enum CudaError {
     /// A graph (or optimizer update) has no CUDA code.
     #[error(transparent)]
     Codegen(#[from] codegen::CodegenError),
+    /// A CUDA driver call failed (out of memory, an illegal address in a kernel, ...).
+    #[error("CUDA driver call {call} failed: {code}")]
+    Driver {
+        /// What was being done.
+        call: &'static str,
+        /// The driver's result code, as `CUDA_ERROR_OUT_OF_MEMORY`.
+        code: String,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS call {call} failed: {code}")]
+    Cublas {
+        /// The cuBLAS function.
+        call: &'static str,
+        /// cuBLAS's status, as `CUBLAS_STATUS_NOT_SUPPORTED`.
+        code: String,
+    },
 }
 
 /// Where a missing library was looked for, to follow "`file` was".

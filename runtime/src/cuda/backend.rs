@@ -1,0 +1,1395 @@
+//! [`CudaBackend`]: the executor's [`Backend`] on one NVIDIA GPU, through cudarc.
+//!
+//! # What it does once
+//!
+//! [`CudaBackend::new`] probes the driver, cuBLAS and NVRTC (cudarc panics on a
+//! missing library, so nothing calls into one before [`super::probe`] found it),
+//! checks the GPU exists, creates the context and **one** stream, turns cudarc's
+//! per-buffer event tracking off (everything is ordered on that one stream), generates
+//! the plan's CUDA code ([`codegen::generate`]), compiles it with NVRTC to a CUBIN for
+//! the device's own `sm_XY` and resolves every kernel once.
+//!
+//! [`Backend::prepare`] makes the static memory plan: every value the training plan
+//! computes and every node's scratch buffers get a fixed offset in one arena
+//! ([`crate::arena::plan`]), allocated once. A [`Launch::Alias`] output (a reshape) is
+//! its input's buffer: the chain shares the first buffer, which lives until the last
+//! use of any member. Gradients live to the end of the plan, since the optimizer reads
+//! them after the run. So a step allocates nothing, and a step can be captured into a
+//! CUDA graph and replayed.
+//!
+//! # Values and tensors
+//!
+//! A computed value ([`DeviceValue`]) is a device address and its IR type: its bytes
+//! belong to the arena (or to a persistent tensor, see below), not to the handle.
+//! Values are immutable on this backend: every kernel writes only its own outputs and
+//! scratch, never its inputs, so [`Backend::copy_value`] and [`Backend::copy_tensor`]
+//! return a handle to the same bytes instead of copying (the executor only copies a
+//! value a sink takes while a later node still reads it; the copy is read, never
+//! written). An `IndexedSlices` value is the layout of [`codegen::SlicesLayout`], its
+//! row count on the device; its handle carries the type's bound (the executor accepts
+//! `nnz <=` the bound).
+//!
+//! A persistent tensor ([`DeviceTensor`]) is a variable, a feed or a constant, whose
+//! memory the backend keeps: one buffer per `(name, bytes)` given to
+//! [`Backend::upload`], reused by every later upload of that name and size (so a
+//! captured graph, which holds addresses, sees each step's batch), with a pinned host
+//! staging buffer; constants from [`Backend::filled`].
+//!
+//! # The step counters
+//!
+//! Two `u64`s in device memory: the step the node kernels see ([`KArg::Step`] of a
+//! node, what the CPU's `KernelCtx::step` holds: set by [`Backend::set_step`], or
+//! by [`Backend::eval`] when a run's step differs outside a capture) and the
+//! optimizer's completed steps ([`KArg::Step`] of an update: Adam's `t - 1`, counted
+//! by the backend). Both are written from pinned memory by one async copy, so a
+//! replayed graph reads the current ones.
+//!
+//! # Graphs
+//!
+//! With [`CudaOptions::graphs`], [`Backend::begin_capture`] starts a stream capture;
+//! the executor's run and the update are recorded (not run), the loss read becomes a
+//! copy into a pinned slot ([`Backend::read_scalar`] returns `None`,
+//! [`Backend::pending_scalar`] has it after each replay). Nothing may allocate,
+//! upload or synchronize while capturing: those paths return an error instead.
+//!
+//! # Not supported (clear errors)
+//!
+//! f64 graphs (gradient checks run on the CPU), gradient accumulation (`accumulate`,
+//! [`Backend::add`], [`Backend::scale`]), communication (the device loop refuses
+//! plans that communicate). [`Backend::from_host`] exists for completeness: it
+//! allocates a new buffer, kept until the backend is dropped, and is refused while
+//! capturing; nothing on a one-device plan calls it.
+
+use super::codegen::{self, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate};
+use super::{nvrtc, probe, CudaError, CudaLib, LibDirs};
+use crate::arena::{self, Block};
+use crate::backend::{Backend, BackendArg, KernelError, ValueRef};
+use crate::config::OptimizerSpec;
+use crate::exec::Schedule;
+use crate::kernels::KernelCtx;
+use crate::value::{Slices, Tensor, Value};
+use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
+use cudarc::driver::{
+    result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule,
+    CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
+use ndarray::{ArrayD, IxDyn};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Alignment of every buffer in the arena (cudaMalloc's own alignment).
+const ALIGN: usize = 256;
+/// cuBLAS workspace, set explicitly so cuBLAS never allocates (a captured graph
+/// cannot): NVIDIA's recommendation for Hopper.
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// How the CUDA backend runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// cuBLAS products with TF32 tensor cores (faster, about 1e-3 relative error);
+    /// off: plain fp32, as the CPU and PyTorch's default.
+    pub tf32: bool,
+    /// Capture a training step into a CUDA graph and replay it.
+    pub graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> CudaOptions {
+        CudaOptions {
+            tf32: false,
+            graphs: true,
+        }
+    }
+}
+
+/// A computed value on the device: its address and IR type (bytes owned elsewhere).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceValue {
+    /// The device address (`CUdeviceptr`).
+    pub ptr: u64,
+    /// The IR type (slices at their bound).
+    pub ty: ValueType,
+}
+
+/// A persistent tensor on the device (variable, feed, constant): its memory is the
+/// backend's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceTensor {
+    /// The device address (`CUdeviceptr`).
+    pub ptr: u64,
+    /// The IR type.
+    pub ty: TensorType,
+}
+
+/// The optimizer state on the device: slots (zeroed once), one scratch buffer and the
+/// compiled update kernels.
+pub struct CudaOptimizer {
+    funcs: HashMap<String, CudaFunction>,
+    vars: HashMap<String, VarState>,
+    scratch_base: u64,
+    slot_bytes: u64,
+    _scratch: Option<CudaSlice<u8>>,
+    _module: Option<Arc<CudaModule>>,
+}
+
+impl std::fmt::Debug for CudaOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaOptimizer")
+            .field("vars", &self.vars.len())
+            .field("slot_bytes", &self.slot_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+struct VarState {
+    update: VarUpdate,
+    slot_ptrs: Vec<u64>,
+    scratch_offsets: Vec<usize>,
+    _slots: Vec<CudaSlice<u8>>,
+}
+
+/// One persistent named buffer and its pinned staging copy.
+struct Named {
+    _buf: CudaSlice<u8>,
+    ptr: u64,
+    staging: PinnedHostSlice<u8>,
+    /// Recorded after the last copy out of `staging`: waited for before refilling it.
+    copied: CudaEvent,
+}
+
+/// The cuBLAS handle, destroyed on drop.
+struct Blas(cublas_sys::cublasHandle_t);
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from cublasCreate and is destroyed only here; the
+        // context it belongs to outlives it (CudaBackend declares `blas` before `ctx`).
+        #[allow(unsafe_code)]
+        let _ = unsafe { cublas_result::destroy_handle(self.0) };
+    }
+}
+
+/// A kernel argument by value, in the C type the codegen doc gives it.
+#[derive(Clone, Copy, Debug)]
+enum ArgVal {
+    /// A pointer or a 64-bit integer.
+    U64(u64),
+    I32(i32),
+    U32(u32),
+    F32(f32),
+}
+
+/// The CUDA backend: one GPU, one stream, a static arena (see the module doc).
+pub struct CudaBackend {
+    // Dropped first: the graph, the handle and every buffer before the stream and
+    // context they belong to (fields drop in declaration order).
+    graph_exec: Option<CudaGraph>,
+    blas: Blas,
+    funcs: HashMap<String, CudaFunction>,
+    _module: Arc<CudaModule>,
+    arena: Option<CudaSlice<u8>>,
+    named: HashMap<(String, usize), Named>,
+    constants: Vec<CudaSlice<u8>>,
+    from_host: Vec<CudaSlice<u8>>,
+    _steps_dev: CudaSlice<u64>,
+    steps_host: PinnedHostSlice<u64>,
+    steps_copied: CudaEvent,
+    loss_host: PinnedHostSlice<f32>,
+    _workspace: CudaSlice<u8>,
+
+    ordinal: usize,
+    device_name: String,
+    arch: String,
+    opts: CudaOptions,
+    graph: Graph,
+    plan: HashMap<NodeId, NodeLaunch>,
+    arena_base: u64,
+    out_offsets: HashMap<(NodeId, usize), usize>,
+    scratch_offsets: HashMap<(NodeId, usize), usize>,
+    steps_ptr: u64,
+    /// The step node kernels should see, and the optimizer's completed steps.
+    kernel_step: u64,
+    opt_steps: u64,
+    /// What the device's counters hold (after the copies issued).
+    dev_steps: Option<(u64, u64)>,
+    loss_pending: bool,
+    capturing: bool,
+    capture_loss: bool,
+    capture_update: bool,
+    graph_loss: bool,
+    graph_update: bool,
+    allocated: u64,
+    peak: u64,
+
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.name())
+            .field("arch", &self.arch)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        call,
+        code: format!("{:?}", e.0),
+    }
+}
+
+fn blas_err(call: &'static str) -> impl Fn(cublas_result::CublasError) -> CudaError {
+    move |e| CudaError::Cublas {
+        call,
+        code: format!("{:?}", e.0),
+    }
+}
+
+fn invalid(m: impl Into<String>) -> KernelError {
+    KernelError::Invalid(m.into())
+}
+
+/// Whether a type holds an f64 anywhere.
+fn is_f64(t: &ValueType) -> bool {
+    t.dense_type().dtype == DType::F64
+}
+
+/// The address of a buffer (event tracking is off: the returned guard does nothing).
+fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _guard) = s.device_ptr(stream);
+    p
+}
+
+/// `bytes` of fresh device memory (contents undefined), at least 256.
+fn alloc_bytes(stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>, CudaError> {
+    // SAFETY: the memory is uninitialised; every user writes before reading (arena
+    // values are written by the node that computes them, uploads copy in first).
+    #[allow(unsafe_code)]
+    let s = unsafe { stream.alloc::<u8>(bytes.max(ALIGN)) };
+    s.map_err(drv_err("cuMemAllocAsync"))
+}
+
+/// Async copy of `src` (host) to `dst` (device), on `stream`.
+fn htod<T>(stream: &CudaStream, dst: u64, src: &[T]) -> Result<(), CudaError> {
+    // SAFETY: callers pass a live device buffer of at least `size_of_val(src)` bytes;
+    // `src` is pinned memory kept alive and unchanged until the copy is done (its
+    // event is waited for before it is written again), or pageable memory, which the
+    // driver stages before returning.
+    #[allow(unsafe_code)]
+    let r = unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) };
+    r.map_err(drv_err("cuMemcpyHtoDAsync"))
+}
+
+/// Async copy of `dst.len()` elements from `src` (device) to `dst` (host).
+fn dtoh<T>(stream: &CudaStream, dst: &mut [T], src: u64) -> Result<(), CudaError> {
+    // SAFETY: callers pass a live device buffer holding at least `size_of_val(dst)`
+    // bytes, and synchronize the stream before reading `dst` (pageable) or read a
+    // pinned `dst` only after a synchronize.
+    #[allow(unsafe_code)]
+    let r = unsafe { drv::memcpy_dtoh_async(dst, src, stream.cu_stream()) };
+    r.map_err(drv_err("cuMemcpyDtoHAsync"))
+}
+
+fn sync(stream: &CudaStream) -> Result<(), CudaError> {
+    stream
+        .synchronize()
+        .map_err(drv_err("cuStreamSynchronize"))
+}
+
+/// A host tensor's bytes, row-major.
+fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
+    let mut out = Vec::with_capacity(t.bytes());
+    match t {
+        Tensor::F32(a) => a.iter().for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
+        Tensor::I32(a) => a.iter().for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
+        Tensor::F64(_) => {
+            return Err(invalid(
+                "an f64 tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
+            ))
+        }
+    }
+    Ok(out)
+}
+
+/// Every kernel name a list of launches uses.
+fn kernel_names<'a>(launches: impl Iterator<Item = &'a Launch>, out: &mut Vec<String>) {
+    for l in launches {
+        if let Launch::Kernel { name, .. } = l {
+            if !out.contains(name) {
+                out.push(name.clone());
+            }
+        }
+    }
+}
+
+impl CudaBackend {
+    /// The backend for graph `graph` on GPU `ordinal` (see the module doc). Errors,
+    /// never panics, when a library or the GPU is missing: the error names it and how
+    /// to point distc at it (`DISTC_CUDA_LIB_DIR`, `LD_LIBRARY_PATH`).
+    pub fn new(ordinal: usize, graph: &Graph, opts: CudaOptions) -> Result<CudaBackend, CudaError> {
+        // What this backend cannot run is refused first: it needs no GPU to say so.
+        Self::check_graph(graph)?;
+        let dirs = LibDirs::from_env();
+        probe(CudaLib::Driver, &dirs)?;
+        probe(CudaLib::Cublas, &dirs)?;
+        probe(CudaLib::Nvrtc, &dirs)?;
+        let n = super::require_gpu(&dirs)?;
+        if ordinal >= n {
+            return Err(CudaError::NoDevice(format!(
+                "GPU {ordinal} was asked for; the CUDA driver sees {n} (0..{n})"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv_err("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: called before any buffer exists; every buffer is used on the one
+        // stream below only, so no cross-stream synchronization is needed.
+        #[allow(unsafe_code)]
+        unsafe {
+            ctx.disable_event_tracking()
+        };
+        let stream = ctx.new_stream().map_err(drv_err("cuStreamCreate"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(drv_err("cuDeviceGetAttribute"))?;
+        let arch = format!("sm_{major}{minor}");
+        let device_name = ctx.name().map_err(drv_err("cuDeviceGetName"))?;
+
+        let DevicePlan { source, nodes } = codegen::generate(graph)?;
+        let cubin = nvrtc::compile_cubin(&source, &format!("{}.cu", graph.name), &arch)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(drv_err("cuModuleLoadData"))?;
+        let mut names = Vec::new();
+        for (_, nl) in &nodes {
+            kernel_names(nl.launches.iter().chain(&nl.step_start), &mut names);
+        }
+        let funcs = load_functions(&module, &names)?;
+
+        // cuBLAS on our stream, with its own workspace (no allocation inside a graph).
+        let handle = cublas_result::create_handle().map_err(blas_err("cublasCreate"))?;
+        let blas = Blas(handle);
+        let workspace = alloc_bytes(&stream, CUBLAS_WORKSPACE)?;
+        let ws_ptr = addr(&workspace, &stream);
+        let mode = if opts.tf32 {
+            cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        // SAFETY: the handle is live; the stream and the workspace outlive it (the
+        // backend drops `blas` before them); the workspace holds CUBLAS_WORKSPACE bytes.
+        #[allow(unsafe_code)]
+        unsafe {
+            cublas_result::set_stream(blas.0, stream.cu_stream() as _)
+                .map_err(blas_err("cublasSetStream"))?;
+            cublas_sys::cublasSetWorkspace_v2(blas.0, ws_ptr as *mut _, CUBLAS_WORKSPACE)
+                .result()
+                .map_err(blas_err("cublasSetWorkspace"))?;
+            cublas_sys::cublasSetMathMode(blas.0, mode)
+                .result()
+                .map_err(blas_err("cublasSetMathMode"))?;
+        }
+
+        let steps_dev = stream
+            .alloc_zeros::<u64>(2)
+            .map_err(drv_err("cuMemAllocAsync"))?;
+        let steps_ptr = addr(&steps_dev, &stream);
+        // SAFETY: pinned host memory, uninitialised: written before every copy out of
+        // it (steps) or written by a device copy before it is read (loss). Flags 0:
+        // not write-combined, since the host reads the loss slot.
+        #[allow(unsafe_code)]
+        let (steps_host, loss_host) = unsafe {
+            (
+                ctx.alloc_pinned_with_flags::<u64>(2, 0)
+                    .map_err(drv_err("cuMemHostAlloc"))?,
+                ctx.alloc_pinned_with_flags::<f32>(1, 0)
+                    .map_err(drv_err("cuMemHostAlloc"))?,
+            )
+        };
+        let steps_copied = ctx.new_event(None).map_err(drv_err("cuEventCreate"))?;
+        sync(&stream)?;
+        let allocated = (CUBLAS_WORKSPACE + ALIGN) as u64;
+        Ok(CudaBackend {
+            graph_exec: None,
+            blas,
+            funcs,
+            _module: module,
+            arena: None,
+            named: HashMap::new(),
+            constants: Vec::new(),
+            from_host: Vec::new(),
+            _steps_dev: steps_dev,
+            steps_host,
+            steps_copied,
+            loss_host,
+            _workspace: workspace,
+            ordinal,
+            device_name,
+            arch,
+            opts,
+            graph: graph.clone(),
+            plan: nodes.into_iter().collect(),
+            arena_base: 0,
+            out_offsets: HashMap::new(),
+            scratch_offsets: HashMap::new(),
+            steps_ptr,
+            kernel_step: 0,
+            opt_steps: 0,
+            dev_steps: Some((0, 0)),
+            loss_pending: false,
+            capturing: false,
+            capture_loss: false,
+            capture_update: false,
+            graph_loss: false,
+            graph_update: false,
+            allocated,
+            peak: allocated,
+            stream,
+            ctx,
+        })
+    }
+
+    /// Refuses what the backend cannot run, before any GPU work.
+    fn check_graph(graph: &Graph) -> Result<(), CudaError> {
+        for id in graph.node_ids() {
+            let node = graph.node(id);
+            if let Op::Accumulate { .. } = node.op {
+                return Err(CudaError::Invalid(format!(
+                    "{id} (accumulate): gradient accumulation is not supported on the CUDA \
+                     backend yet; compile without micro-batches or train on the CPU"
+                )));
+            }
+            if let Some(t) = node.outputs.iter().find(|t| is_f64(t)) {
+                return Err(CudaError::Invalid(format!(
+                    "{id} ({}): {t}: the CUDA backend runs f32 (and i32 ids); f64 graphs \
+                     (gradient checks) run on the CPU",
+                    node.op.mnemonic()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The architecture the kernels were compiled for (`sm_90`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv_err("cuCtxSetCurrent"))
+    }
+
+    fn track(&mut self, bytes: usize) {
+        self.allocated += bytes.max(ALIGN) as u64;
+        self.peak = self.peak.max(self.allocated);
+    }
+
+    fn no_capture(&self, what: &str) -> Result<(), KernelError> {
+        if self.capturing {
+            Err(invalid(format!(
+                "{what} while a CUDA graph is being captured: upload before capturing, \
+                 read results after replaying"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Copies the step counters to the device if they changed (outside a capture).
+    fn write_steps(&mut self) -> Result<(), CudaError> {
+        let want = (self.kernel_step, self.opt_steps);
+        if self.dev_steps == Some(want) {
+            return Ok(());
+        }
+        // The previous copy out of the pinned buffer must be done before refilling it.
+        self.steps_copied
+            .synchronize()
+            .map_err(drv_err("cuEventSynchronize"))?;
+        let host = self
+            .steps_host
+            .as_mut_slice()
+            .map_err(drv_err("cuEventSynchronize"))?;
+        host[0] = want.0;
+        host[1] = want.1;
+        htod(&self.stream, self.steps_ptr, &host[..2])?;
+        self.steps_copied
+            .record(&self.stream)
+            .map_err(drv_err("cuEventRecord"))?;
+        self.dev_steps = Some(want);
+        Ok(())
+    }
+
+    /// A persistent buffer for `(name, bytes)`, created on first use.
+    fn named_buffer(&mut self, name: &str, bytes: usize) -> Result<&mut Named, KernelError> {
+        let key = (name.to_string(), bytes);
+        if !self.named.contains_key(&key) {
+            self.no_capture(&format!("allocating a buffer for `{name}`"))?;
+            let buf = alloc_bytes(&self.stream, bytes)?;
+            let ptr = addr(&buf, &self.stream);
+            // SAFETY: pinned host memory, uninitialised: always filled before a copy.
+            #[allow(unsafe_code)]
+            let staging = unsafe { self.ctx.alloc_pinned::<u8>(bytes.max(1)) }
+                .map_err(drv_err("cuMemHostAlloc"))?;
+            let copied = self.ctx.new_event(None).map_err(drv_err("cuEventCreate"))?;
+            self.track(bytes);
+            self.named.insert(
+                key.clone(),
+                Named {
+                    _buf: buf,
+                    ptr,
+                    staging,
+                    copied,
+                },
+            );
+        }
+        self.named
+            .get_mut(&key)
+            .ok_or_else(|| invalid("named buffer vanished"))
+    }
+
+    /// A fresh device buffer holding `bytes` (kept until the backend is dropped).
+    fn owned_copy(&mut self, bytes: &[u8], constant: bool) -> Result<u64, KernelError> {
+        self.no_capture("allocating a buffer")?;
+        let buf = alloc_bytes(&self.stream, bytes.len())?;
+        let ptr = addr(&buf, &self.stream);
+        if !bytes.is_empty() {
+            htod(&self.stream, ptr, bytes)?;
+        }
+        sync(&self.stream)?;
+        self.track(bytes.len());
+        if constant {
+            self.constants.push(buf);
+        } else {
+            self.from_host.push(buf);
+        }
+        Ok(ptr)
+    }
+
+    /// Reads a dense tensor of type `ty` at `ptr` back to the host.
+    fn read_dense(&self, ptr: u64, ty: &TensorType) -> Result<Tensor, KernelError> {
+        self.no_capture("reading a tensor back")?;
+        self.bind()?;
+        let dim = IxDyn(ty.dims());
+        let n = ty.dims().iter().product::<usize>();
+        let t = match ty.dtype {
+            DType::F32 => {
+                let mut v = vec![0f32; n];
+                if n > 0 {
+                    dtoh(&self.stream, &mut v, ptr)?;
+                }
+                sync(&self.stream)?;
+                Tensor::F32(ArrayD::from_shape_vec(dim, v).map_err(|e| invalid(e.to_string()))?)
+            }
+            DType::I32 => {
+                let mut v = vec![0i32; n];
+                if n > 0 {
+                    dtoh(&self.stream, &mut v, ptr)?;
+                }
+                sync(&self.stream)?;
+                Tensor::I32(ArrayD::from_shape_vec(dim, v).map_err(|e| invalid(e.to_string()))?)
+            }
+            DType::F64 => return Err(invalid("the CUDA backend holds no f64 tensors")),
+        };
+        Ok(t)
+    }
+
+    /// Reads a value (dense or slices) back to the host.
+    fn read_value(&self, v: &DeviceValue) -> Result<Value, KernelError> {
+        let Some(layout) = codegen::SlicesLayout::of(&v.ty) else {
+            return Ok(Value::Tensor(self.read_dense(v.ptr, &v.ty.dense_type())?));
+        };
+        self.no_capture("reading slices back")?;
+        let dense = v.ty.dense_type();
+        let mut count = [0i32; 1];
+        dtoh(&self.stream, &mut count, v.ptr)?;
+        sync(&self.stream)?;
+        let rows = usize::try_from(count[0]).unwrap_or(0).min(layout.nnz);
+        let mut indices = vec![0i32; rows];
+        let mut values = vec![0f32; rows * layout.row];
+        if rows > 0 {
+            dtoh(&self.stream, &mut indices, v.ptr + layout.indices_offset as u64)?;
+            if !values.is_empty() {
+                dtoh(&self.stream, &mut values, v.ptr + layout.values_offset as u64)?;
+            }
+        }
+        sync(&self.stream)?;
+        let mut shape = vec![rows];
+        shape.extend_from_slice(dense.dims().get(1..).unwrap_or(&[]));
+        Ok(Value::Slices(Slices {
+            indices,
+            values: Tensor::F32(
+                ArrayD::from_shape_vec(IxDyn(&shape), values).map_err(|e| invalid(e.to_string()))?,
+            ),
+            dense_shape: dense.dims().to_vec(),
+        }))
+    }
+
+    /// Issues `launches` on the stream, each argument resolved by `arg`.
+    fn issue(
+        &self,
+        launches: &[Launch],
+        funcs: &HashMap<String, CudaFunction>,
+        arg: &dyn Fn(&KArg) -> Result<ArgVal, KernelError>,
+        what: &dyn Fn() -> String,
+    ) -> Result<(), KernelError> {
+        let ptr = |k: &KArg| match arg(k)? {
+            ArgVal::U64(p) => Ok(p),
+            other => Err(invalid(format!("{}: {k:?} is {other:?}, not a buffer", what()))),
+        };
+        for l in launches {
+            match l {
+                Launch::Kernel {
+                    name,
+                    grid,
+                    block,
+                    shared_bytes,
+                    args,
+                } => {
+                    let f = funcs
+                        .get(name)
+                        .ok_or_else(|| invalid(format!("{}: kernel `{name}` not loaded", what())))?;
+                    let vals = args.iter().map(arg).collect::<Result<Vec<_>, _>>()?;
+                    if *shared_bytes > 48 * 1024 {
+                        f.set_attribute(
+                            drv_sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            *shared_bytes as i32,
+                        )
+                        .map_err(drv_err("cuFuncSetAttribute"))?;
+                    }
+                    let cfg = LaunchConfig {
+                        grid_dim: (grid[0], grid[1], grid[2]),
+                        block_dim: (block[0], block[1], block[2]),
+                        shared_mem_bytes: *shared_bytes,
+                    };
+                    let mut b = self.stream.launch_builder(f);
+                    for v in &vals {
+                        match v {
+                            ArgVal::U64(x) => b.arg(x),
+                            ArgVal::I32(x) => b.arg(x),
+                            ArgVal::U32(x) => b.arg(x),
+                            ArgVal::F32(x) => b.arg(x),
+                        };
+                    }
+                    // SAFETY: the arguments are the kernel's parameters in order, each
+                    // in the C type the codegen doc gives its KArg (pointers and 64-bit
+                    // integers as u64, 32-bit integers, floats); `vals` outlives the
+                    // launch call (the driver copies parameters at launch). Pointers are
+                    // live buffers of the sizes the plan gave (arena, tensors, slots).
+                    #[allow(unsafe_code)]
+                    let r = unsafe { b.launch(cfg) };
+                    r.map_err(|e| CudaError::Driver {
+                        call: "cuLaunchKernel",
+                        code: format!("{:?} (kernel {name}, {})", e.0, what()),
+                    })?;
+                }
+                Launch::Gemm(g) => {
+                    let (a, b, c) = (ptr(&g.a)?, ptr(&g.b)?, ptr(&g.c)?);
+                    let i = |v: u32| {
+                        i32::try_from(v).map_err(|_| invalid(format!("{}: {v} exceeds cuBLAS's int", what())))
+                    };
+                    let l = |v: u64| {
+                        i64::try_from(v).map_err(|_| invalid(format!("{}: stride {v} too large", what())))
+                    };
+                    let op = |t: bool| {
+                        if t {
+                            cublas_sys::cublasOperation_t::CUBLAS_OP_T
+                        } else {
+                            cublas_sys::cublasOperation_t::CUBLAS_OP_N
+                        }
+                    };
+                    if g.m == 0 || g.n == 0 || g.batch == 0 {
+                        continue;
+                    }
+                    // SAFETY: a, b, c are live device buffers holding the matrices the
+                    // plan's Gemm describes (codegen's row-major mapping); alpha and beta
+                    // are host scalars (the handle's default pointer mode) read during
+                    // the call; the handle is bound to our stream.
+                    #[allow(unsafe_code)]
+                    let r = unsafe {
+                        cublas_result::sgemm_strided_batched(
+                            self.blas.0,
+                            op(g.transa),
+                            op(g.transb),
+                            i(g.m)?,
+                            i(g.n)?,
+                            i(g.k)?,
+                            &g.alpha,
+                            a as *const f32,
+                            i(g.lda)?,
+                            l(g.stride_a)?,
+                            b as *const f32,
+                            i(g.ldb)?,
+                            l(g.stride_b)?,
+                            &g.beta,
+                            c as *mut f32,
+                            i(g.ldc)?,
+                            l(g.stride_c)?,
+                            i(g.batch)?,
+                        )
+                    };
+                    r.map_err(|e| CudaError::Cublas {
+                        call: "cublasSgemmStridedBatched",
+                        code: format!("{:?} ({})", e.0, what()),
+                    })?;
+                }
+                Launch::Memset { buf, bytes } => {
+                    let p = ptr(buf)?;
+                    let n = usize::try_from(*bytes).map_err(|_| invalid("memset too large"))?;
+                    if n > 0 {
+                        // SAFETY: `p` is a live buffer of at least `bytes` bytes.
+                        #[allow(unsafe_code)]
+                        let r = unsafe { drv::memset_d8_async(p, 0, n, self.stream.cu_stream()) };
+                        r.map_err(drv_err("cuMemsetD8Async"))?;
+                    }
+                }
+                Launch::Alias { .. } => {}
+                Launch::Host => {
+                    return Err(invalid(format!(
+                        "{}: runs on the host; the CUDA backend has no kernel for it",
+                        what()
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn load_functions(
+    module: &Arc<CudaModule>,
+    names: &[String],
+) -> Result<HashMap<String, CudaFunction>, CudaError> {
+    names
+        .iter()
+        .map(|n| {
+            module
+                .load_function(n)
+                .map(|f| (n.clone(), f))
+                .map_err(|e| CudaError::Driver {
+                    call: "cuModuleGetFunction",
+                    code: format!("{:?} (kernel {n})", e.0),
+                })
+        })
+        .collect()
+}
+
+/// The source value of a node input: `(producer, port)`.
+fn input_key(graph: &Graph, node: NodeId, i: usize) -> Option<(NodeId, usize)> {
+    graph
+        .node(node)
+        .inputs
+        .get(i)
+        .map(|v| (v.node, v.port as usize))
+}
+
+impl Backend for CudaBackend {
+    type Value = DeviceValue;
+    type Tensor = DeviceTensor;
+    type Optimizer = CudaOptimizer;
+
+    fn name(&self) -> String {
+        format!("cuda:{} ({})", self.ordinal, self.device_name)
+    }
+
+    fn prepare(&mut self, schedule: &Schedule) -> Result<(), KernelError> {
+        self.no_capture("planning memory")?;
+        self.bind()?;
+        let position: HashMap<NodeId, usize> = schedule
+            .order()
+            .enumerate()
+            .map(|(k, (id, _))| (id, k))
+            .collect();
+        let end = position.len();
+        let lifetimes = schedule.lifetimes();
+        // Each computed value's buffer: its own (`Some(self)`), an earlier value's (an
+        // alias chain's root), or `None` (an alias of a variable, feed or constant).
+        let mut root: HashMap<(NodeId, usize), Option<(NodeId, usize)>> = HashMap::new();
+        let mut span: HashMap<(NodeId, usize), (usize, usize, usize)> = HashMap::new();
+        for lt in &lifetimes {
+            let key = (lt.node, lt.port);
+            let alias = self.plan.get(&lt.node).and_then(|nl| {
+                nl.launches.iter().find_map(|l| match l {
+                    Launch::Alias { input } => Some(*input),
+                    _ => None,
+                })
+            });
+            let r = match alias {
+                Some(input) if lt.port == 0 => {
+                    let src = input_key(&self.graph, lt.node, input)
+                        .ok_or_else(|| invalid(format!("{}: alias of a missing input", lt.node)))?;
+                    root.get(&src).copied().flatten()
+                }
+                _ => Some(key),
+            };
+            root.insert(key, r);
+            if let Some(r) = r {
+                let e = span.entry(r).or_insert((
+                    codegen::value_bytes(&lt.ty),
+                    lt.first,
+                    lt.last,
+                ));
+                e.2 = e.2.max(lt.last);
+            }
+        }
+        // Gradients are read by the optimizer after the run: live to the end.
+        for id in self.graph.node_ids() {
+            if let Op::ParamGrad { .. } = self.graph.op(id) {
+                if let Some(src) = input_key(&self.graph, id, 0) {
+                    if let Some(Some(r)) = root.get(&src) {
+                        if let Some(e) = span.get_mut(r) {
+                            e.2 = end;
+                        }
+                    }
+                }
+            }
+        }
+        let mut keys: Vec<(NodeId, usize)> = span.keys().copied().collect();
+        keys.sort();
+        let mut blocks: Vec<Block> = keys
+            .iter()
+            .map(|k| {
+                let (bytes, first, last) = span[k];
+                Block {
+                    bytes: bytes.max(4),
+                    first,
+                    last,
+                }
+            })
+            .collect();
+        let mut scratch_keys = Vec::new();
+        let mut plan_ids: Vec<&NodeId> = self.plan.keys().collect();
+        plan_ids.sort();
+        for id in plan_ids {
+            let nl = &self.plan[id];
+            if !nl.step_start.is_empty() {
+                return Err(invalid(format!(
+                    "{id}: per-step launches (gradient accumulation) are not supported on the CUDA backend"
+                )));
+            }
+            let Some(&pos) = position.get(id) else {
+                continue;
+            };
+            for (k, &bytes) in nl.scratch_bytes.iter().enumerate() {
+                scratch_keys.push((*id, k));
+                blocks.push(Block {
+                    bytes: bytes.max(4),
+                    first: pos,
+                    last: pos,
+                });
+            }
+        }
+        let plan = arena::plan(&blocks, ALIGN);
+        let arena = alloc_bytes(&self.stream, plan.size)?;
+        self.arena_base = addr(&arena, &self.stream);
+        self.track(plan.size);
+        self.arena = Some(arena);
+        self.out_offsets.clear();
+        self.scratch_offsets.clear();
+        let offset_of: HashMap<(NodeId, usize), usize> = keys
+            .iter()
+            .copied()
+            .zip(plan.offsets.iter().copied())
+            .collect();
+        for (key, r) in &root {
+            if let Some(r) = r {
+                if let Some(&off) = offset_of.get(r) {
+                    self.out_offsets.insert(*key, off);
+                }
+            }
+        }
+        for (key, &off) in scratch_keys.iter().zip(&plan.offsets[keys.len()..]) {
+            self.scratch_offsets.insert(*key, off);
+        }
+        sync(&self.stream)?;
+        Ok(())
+    }
+
+    fn eval(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        args: Vec<BackendArg<'_, DeviceValue, DeviceTensor>>,
+        ctx: &KernelCtx,
+    ) -> Result<Vec<DeviceValue>, KernelError> {
+        self.bind()?;
+        if !self.capturing && ctx.step != self.kernel_step {
+            self.kernel_step = ctx.step;
+        }
+        if !self.capturing {
+            self.write_steps()?;
+        }
+        let what = || format!("{node} ({})", op.mnemonic());
+        let nl = self
+            .plan
+            .get(&node)
+            .ok_or_else(|| invalid(format!("{}: not in the device plan", what())))?;
+        let ins: Vec<u64> = args
+            .iter()
+            .map(|a| match a {
+                BackendArg::Owned(v) => v.ptr,
+                BackendArg::Borrowed(v) => v.ptr,
+                BackendArg::BorrowedTensor(t) => t.ptr,
+            })
+            .collect();
+        let out_types = &self.graph.node(node).outputs;
+        let alias = nl.launches.iter().find_map(|l| match l {
+            Launch::Alias { input } => Some(*input),
+            _ => None,
+        });
+        let mut outs = Vec::with_capacity(out_types.len());
+        for (j, ty) in out_types.iter().enumerate() {
+            let ptr = match alias {
+                Some(i) if j == 0 => *ins
+                    .get(i)
+                    .ok_or_else(|| invalid(format!("{}: alias of missing input {i}", what())))?,
+                _ => {
+                    let off = self.out_offsets.get(&(node, j)).ok_or_else(|| {
+                        invalid(format!("{}: output {j} has no buffer (prepare not run?)", what()))
+                    })?;
+                    self.arena_base + *off as u64
+                }
+            };
+            outs.push(DeviceValue {
+                ptr,
+                ty: ty.clone(),
+            });
+        }
+        let base = self.arena_base;
+        let steps = self.steps_ptr;
+        let arg = |k: &KArg| -> Result<ArgVal, KernelError> {
+            Ok(match k {
+                KArg::Input(i) => ArgVal::U64(
+                    *ins.get(*i)
+                        .ok_or_else(|| invalid(format!("{}: no input {i}", what())))?,
+                ),
+                KArg::Output(j) => ArgVal::U64(
+                    outs.get(*j)
+                        .ok_or_else(|| invalid(format!("{}: no output {j}", what())))?
+                        .ptr,
+                ),
+                KArg::Scratch(s) => ArgVal::U64(
+                    base + *self
+                        .scratch_offsets
+                        .get(&(node, *s))
+                        .ok_or_else(|| invalid(format!("{}: no scratch {s}", what())))?
+                        as u64,
+                ),
+                KArg::Step => ArgVal::U64(steps),
+                KArg::Rank => ArgVal::U32(
+                    u32::try_from(ctx.rank).map_err(|_| invalid("rank exceeds u32"))?,
+                ),
+                KArg::Training => ArgVal::U32(u32::from(ctx.training)),
+                KArg::I32(v) => ArgVal::I32(*v),
+                KArg::U32(v) => ArgVal::U32(*v),
+                KArg::F32(v) => ArgVal::F32(*v),
+                KArg::U64(v) => ArgVal::U64(*v),
+                KArg::Param | KArg::Grad | KArg::Slot(_) => {
+                    return Err(invalid(format!("{}: optimizer argument {k:?} in a node", what())))
+                }
+            })
+        };
+        self.issue(&nl.launches, &self.funcs, &arg, &what)?;
+        Ok(outs)
+    }
+
+    fn value_type(v: &DeviceValue) -> ValueType {
+        v.ty.clone()
+    }
+
+    fn value_bytes(v: &DeviceValue) -> u64 {
+        codegen::value_bytes(&v.ty) as u64
+    }
+
+    fn tensor_type(t: &DeviceTensor) -> TensorType {
+        t.ty.clone()
+    }
+
+    fn filled(&mut self, ty: &TensorType, value: f64) -> Result<DeviceTensor, KernelError> {
+        self.bind()?;
+        let bytes = host_bytes(&Tensor::filled(ty, value))?;
+        let ptr = self.owned_copy(&bytes, true)?;
+        Ok(DeviceTensor {
+            ptr,
+            ty: ty.clone(),
+        })
+    }
+
+    fn upload(&mut self, name: &str, t: Tensor) -> Result<DeviceTensor, KernelError> {
+        self.no_capture(&format!("uploading `{name}`"))?;
+        self.bind()?;
+        let ty = t.tensor_type();
+        let bytes = host_bytes(&t)?;
+        drop(t);
+        let stream = self.stream.clone();
+        let named = self.named_buffer(name, bytes.len())?;
+        // The previous copy out of the staging buffer must be done before refilling it.
+        named
+            .copied
+            .synchronize()
+            .map_err(drv_err("cuEventSynchronize"))?;
+        if !bytes.is_empty() {
+            let staging = named
+                .staging
+                .as_mut_slice()
+                .map_err(drv_err("cuEventSynchronize"))?;
+            staging[..bytes.len()].copy_from_slice(&bytes);
+            htod(&stream, named.ptr, &staging[..bytes.len()])?;
+            named
+                .copied
+                .record(&stream)
+                .map_err(drv_err("cuEventRecord"))?;
+        }
+        Ok(DeviceTensor { ptr: named.ptr, ty })
+    }
+
+    fn download(&mut self, t: &DeviceTensor) -> Result<Tensor, KernelError> {
+        self.read_dense(t.ptr, &t.ty)
+    }
+
+    fn to_host(&mut self, v: DeviceValue) -> Result<Value, KernelError> {
+        self.read_value(&v)
+    }
+
+    fn from_host(&mut self, v: Value) -> Result<DeviceValue, KernelError> {
+        self.bind()?;
+        let ty = v.value_type();
+        let bytes = match &v {
+            Value::Tensor(t) => host_bytes(t)?,
+            Value::Slices(s) => {
+                let layout = codegen::SlicesLayout::of(&ty)
+                    .ok_or_else(|| invalid("slices without a slices type"))?;
+                let mut b = vec![0u8; layout.bytes];
+                let n = i32::try_from(s.indices.len()).map_err(|_| invalid("too many rows"))?;
+                b[..4].copy_from_slice(&n.to_ne_bytes());
+                for (k, i) in s.indices.iter().enumerate() {
+                    let at = layout.indices_offset + 4 * k;
+                    b[at..at + 4].copy_from_slice(&i.to_ne_bytes());
+                }
+                let vals = host_bytes(&s.values)?;
+                b[layout.values_offset..layout.values_offset + vals.len()].copy_from_slice(&vals);
+                b
+            }
+        };
+        let ptr = self.owned_copy(&bytes, false)?;
+        Ok(DeviceValue { ptr, ty })
+    }
+
+    fn host_tensor<'s>(
+        &mut self,
+        v: ValueRef<'s, DeviceValue, DeviceTensor>,
+    ) -> Result<Cow<'s, Tensor>, KernelError> {
+        match v {
+            ValueRef::Tensor(t) => Ok(Cow::Owned(self.read_dense(t.ptr, &t.ty)?)),
+            ValueRef::Value(v) => match &v.ty {
+                ValueType::Tensor(t) => Ok(Cow::Owned(self.read_dense(v.ptr, t)?)),
+                t => Err(invalid(format!("needs a tensor, got {t}"))),
+            },
+        }
+    }
+
+    fn copy_tensor(&mut self, t: &DeviceTensor) -> Result<DeviceValue, KernelError> {
+        // Values are never written after they are computed (see the module doc), so a
+        // copy shares the bytes.
+        Ok(DeviceValue {
+            ptr: t.ptr,
+            ty: ValueType::Tensor(t.ty.clone()),
+        })
+    }
+
+    fn copy_value(&mut self, v: &DeviceValue) -> Result<DeviceValue, KernelError> {
+        Ok(v.clone())
+    }
+
+    fn read_scalar(
+        &mut self,
+        v: ValueRef<'_, DeviceValue, DeviceTensor>,
+    ) -> Result<Option<f64>, KernelError> {
+        self.bind()?;
+        let (ptr, ty) = match v {
+            ValueRef::Tensor(t) => (t.ptr, t.ty.clone()),
+            ValueRef::Value(v) => match &v.ty {
+                ValueType::Tensor(t) => (v.ptr, t.clone()),
+                t => return Err(invalid(format!("the loss must be a scalar, got {t}"))),
+            },
+        };
+        if ty.dtype != DType::F32 || ty.dims().iter().product::<usize>() != 1 {
+            return Err(invalid(format!("the loss must be one f32, got {ty}")));
+        }
+        if self.capturing {
+            let slot = self
+                .loss_host
+                .as_mut_slice()
+                .map_err(drv_err("cuEventSynchronize"))?;
+            dtoh(&self.stream, &mut slot[..1], ptr)?;
+            self.capture_loss = true;
+            return Ok(None);
+        }
+        let mut x = [0f32; 1];
+        dtoh(&self.stream, &mut x, ptr)?;
+        sync(&self.stream)?;
+        Ok(Some(f64::from(x[0])))
+    }
+
+    fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
+        if !self.loss_pending {
+            return Ok(None);
+        }
+        self.no_capture("reading the loss")?;
+        self.bind()?;
+        sync(&self.stream)?;
+        self.loss_pending = false;
+        let slot = self
+            .loss_host
+            .as_slice()
+            .map_err(drv_err("cuEventSynchronize"))?;
+        Ok(Some(f64::from(slot[0])))
+    }
+
+    fn add(&mut self, _a: DeviceValue, _b: DeviceValue) -> Result<DeviceValue, KernelError> {
+        Err(invalid(
+            "gradient accumulation is not supported on the CUDA backend yet",
+        ))
+    }
+
+    fn scale(&mut self, _v: DeviceValue, _k: f64) -> Result<DeviceValue, KernelError> {
+        Err(invalid(
+            "gradient accumulation is not supported on the CUDA backend yet",
+        ))
+    }
+
+    fn optimizer(
+        &mut self,
+        spec: &OptimizerSpec,
+        params: &HashMap<String, DeviceTensor>,
+    ) -> Result<CudaOptimizer, KernelError> {
+        self.no_capture("creating the optimizer")?;
+        self.bind()?;
+        // Each trained variable's type and, for a sparse gradient, its row bound.
+        let mut vars: Vec<(String, TensorType, Option<usize>)> = Vec::new();
+        for id in self.graph.node_ids() {
+            if let Op::ParamGrad { param } = self.graph.op(id) {
+                let t = params.get(param).ok_or_else(|| {
+                    invalid(format!("variable `{param}` has a gradient but was not uploaded"))
+                })?;
+                let gty = self
+                    .graph
+                    .node(id)
+                    .inputs
+                    .first()
+                    .and_then(|v| self.graph.try_value_type(*v))
+                    .ok_or_else(|| invalid(format!("{id} (param_grad): no input")))?;
+                vars.push((param.clone(), t.ty.clone(), codegen::sparse_bound(gty)));
+            }
+        }
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars.dedup_by(|a, b| a.0 == b.0);
+        let OptimizerPlan {
+            source,
+            slot_names,
+            vars: updates,
+        } = codegen::optimizer_kernels(spec, &vars, 1.0).map_err(CudaError::from)?;
+        let (module, funcs) = if updates.iter().any(|u| !u.launches.is_empty()) {
+            let cubin = nvrtc::compile_cubin(&source, "distc_optimizer.cu", &self.arch)?;
+            let module = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .map_err(drv_err("cuModuleLoadData"))?;
+            let mut names = Vec::new();
+            for u in &updates {
+                kernel_names(u.launches.iter(), &mut names);
+            }
+            let funcs = load_functions(&module, &names)?;
+            (Some(module), funcs)
+        } else {
+            (None, HashMap::new())
+        };
+        let mut states = HashMap::new();
+        let mut scratch_size = 0usize;
+        let mut slot_bytes = 0u64;
+        for (u, (name, ty, _)) in updates.into_iter().zip(&vars) {
+            let mut slots = Vec::new();
+            let mut slot_ptrs = Vec::new();
+            for _ in slot_names.iter() {
+                let s = self
+                    .stream
+                    .alloc_zeros::<u8>(ty.bytes().max(ALIGN))
+                    .map_err(drv_err("cuMemAllocAsync"))?;
+                slot_ptrs.push(addr(&s, &self.stream));
+                slots.push(s);
+                self.track(ty.bytes());
+                slot_bytes += ty.bytes() as u64;
+            }
+            let mut at = 0usize;
+            let mut scratch_offsets = Vec::new();
+            for &b in &u.scratch_bytes {
+                scratch_offsets.push(at);
+                at += b.div_ceil(ALIGN) * ALIGN;
+            }
+            scratch_size = scratch_size.max(at);
+            states.insert(
+                name.clone(),
+                VarState {
+                    update: u,
+                    slot_ptrs,
+                    scratch_offsets,
+                    _slots: slots,
+                },
+            );
+        }
+        let scratch = if scratch_size > 0 {
+            let s = alloc_bytes(&self.stream, scratch_size)?;
+            self.track(scratch_size);
+            Some(s)
+        } else {
+            None
+        };
+        let scratch_base = scratch.as_ref().map_or(0, |s| addr(s, &self.stream));
+        sync(&self.stream)?;
+        Ok(CudaOptimizer {
+            funcs,
+            vars: states,
+            scratch_base,
+            slot_bytes,
+            _scratch: scratch,
+            _module: module,
+        })
+    }
+
+    fn update(
+        &mut self,
+        opt: &mut CudaOptimizer,
+        params: &mut HashMap<String, DeviceTensor>,
+        grads: Vec<(String, DeviceValue)>,
+    ) -> Result<(), KernelError> {
+        self.bind()?;
+        if !self.capturing {
+            self.write_steps()?;
+        }
+        let opt_step = self.steps_ptr + 8;
+        for (name, g) in &grads {
+            let var = opt.vars.get(name).ok_or_else(|| {
+                invalid(format!("`{name}`: a gradient for a variable the optimizer does not update"))
+            })?;
+            let p = params
+                .get(name)
+                .ok_or_else(|| invalid(format!("variable `{name}` is not on the device")))?;
+            let what = || format!("the update of `{name}`");
+            let arg = |k: &KArg| -> Result<ArgVal, KernelError> {
+                Ok(match k {
+                    KArg::Param => ArgVal::U64(p.ptr),
+                    KArg::Grad => ArgVal::U64(g.ptr),
+                    KArg::Slot(i) => ArgVal::U64(
+                        *var.slot_ptrs
+                            .get(*i)
+                            .ok_or_else(|| invalid(format!("{}: no slot {i}", what())))?,
+                    ),
+                    KArg::Step => ArgVal::U64(opt_step),
+                    KArg::Scratch(s) => ArgVal::U64(
+                        opt.scratch_base
+                            + *var
+                                .scratch_offsets
+                                .get(*s)
+                                .ok_or_else(|| invalid(format!("{}: no scratch {s}", what())))?
+                                as u64,
+                    ),
+                    KArg::I32(v) => ArgVal::I32(*v),
+                    KArg::U32(v) => ArgVal::U32(*v),
+                    KArg::F32(v) => ArgVal::F32(*v),
+                    KArg::U64(v) => ArgVal::U64(*v),
+                    other => {
+                        return Err(invalid(format!("{}: node argument {other:?}", what())))
+                    }
+                })
+            };
+            self.issue(&var.update.launches, &opt.funcs, &arg, &what)?;
+        }
+        if self.capturing {
+            // Recorded, not run: the replay counts the step.
+            self.capture_update = true;
+        } else {
+            self.opt_steps += 1;
+        }
+        Ok(())
+    }
+
+    fn optimizer_bytes(opt: &CudaOptimizer) -> u64 {
+        opt.slot_bytes
+    }
+
+    fn synchronize(&mut self) -> Result<(), KernelError> {
+        self.no_capture("synchronizing")?;
+        self.bind()?;
+        Ok(sync(&self.stream)?)
+    }
+
+    fn set_step(&mut self, step: u64) -> Result<(), KernelError> {
+        self.no_capture("setting the step")?;
+        self.bind()?;
+        self.kernel_step = step;
+        Ok(self.write_steps()?)
+    }
+
+    fn begin_capture(&mut self) -> Result<bool, KernelError> {
+        if !self.opts.graphs {
+            return Ok(false);
+        }
+        self.no_capture("starting a capture")?;
+        self.bind()?;
+        // Counters on the device are current (the graph reads them at each replay).
+        self.write_steps()?;
+        self.graph_exec = None;
+        self.stream
+            .begin_capture(drv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv_err("cuStreamBeginCapture"))?;
+        self.capturing = true;
+        self.capture_loss = false;
+        self.capture_update = false;
+        Ok(true)
+    }
+
+    fn end_capture(&mut self) -> Result<(), KernelError> {
+        if !self.capturing {
+            return Err(invalid("end_capture without begin_capture"));
+        }
+        self.capturing = false;
+        self.bind()?;
+        let g = self
+            .stream
+            .end_capture(drv_sys::CUgraphInstantiate_flags(0))
+            .map_err(drv_err("cuStreamEndCapture / cuGraphInstantiate"))?
+            .ok_or_else(|| invalid("the captured CUDA graph is empty"))?;
+        g.upload().map_err(drv_err("cuGraphUpload"))?;
+        self.graph_exec = Some(g);
+        self.graph_loss = self.capture_loss;
+        self.graph_update = self.capture_update;
+        self.loss_pending = false;
+        Ok(())
+    }
+
+    fn replay(&mut self) -> Result<(), KernelError> {
+        self.no_capture("replaying")?;
+        self.bind()?;
+        // The graph reads the counters from device memory: make them current.
+        self.write_steps()?;
+        let g = self
+            .graph_exec
+            .as_ref()
+            .ok_or_else(|| invalid("no CUDA graph was captured"))?;
+        g.launch().map_err(drv_err("cuGraphLaunch"))?;
+        if self.graph_update {
+            self.opt_steps += 1;
+        }
+        self.loss_pending = self.graph_loss;
+        Ok(())
+    }
+
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        Some((self.allocated, self.peak))
+    }
+}
