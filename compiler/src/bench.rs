@@ -75,6 +75,10 @@ pub struct BenchSettings {
     pub mpi: bool,
     /// Scratch directory for plans and metrics.
     pub dir: PathBuf,
+    /// `--device` of the runs (`cuda:0`); `None`: the CPU.
+    pub device: Option<String>,
+    /// With a GPU device: `--no-cuda-graph`.
+    pub no_cuda_graph: bool,
 }
 
 fn cores() -> usize {
@@ -89,6 +93,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Runs every configuration, printing a row as each finishes.
 pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
     let exe = std::env::current_exe().context("cannot find the distc executable")?;
+    if let Some(d) = &s.device {
+        if s.strategies.iter().any(|x| x != "single") || s.workers.iter().any(|&n| n != 1) || s.mpi
+        {
+            bail!(
+                "--device {d} benchmarks one-device plans: give --strategies single \
+                 --workers 1 (distributed plans run on the CPU)"
+            );
+        }
+    }
     std::fs::create_dir_all(&s.dir)
         .with_context(|| format!("cannot create {}", s.dir.display()))?;
     let mut rows = Vec::new();
@@ -180,6 +193,7 @@ fn one(
             &plan.display().to_string(),
         ])
         .args(extra)
+        .args(s.device.as_ref().map(|_| "--fuse"))
         .output()
         .context("cannot start distc compile")?;
     if !status.status.success() {
@@ -208,6 +222,13 @@ fn one(
             metrics.display().to_string(),
             "--preload".into(),
         ];
+        let mut run_args = run_args.to_vec();
+        if let Some(d) = &s.device {
+            run_args.extend(["--device".to_string(), d.clone()]);
+            if s.no_cuda_graph {
+                run_args.push("--no-cuda-graph".into());
+            }
+        }
         let mut cmd = if s.mpi {
             // One process per rank: N workers, then the servers (see the README).
             let mut c = Command::new("mpirun");

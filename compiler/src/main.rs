@@ -115,6 +115,13 @@ enum Command {
         /// Write the rows as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Where the runs' kernels run: cpu, or cuda / cuda:N (one-device plans:
+        /// `--strategies single --workers 1`; plans are compiled with --fuse).
+        #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
+        device: Device,
+        /// With --device cuda: no CUDA graph replay (see `distc run --no-cuda-graph`).
+        #[arg(long)]
+        no_cuda_graph: bool,
     },
     /// Explain a plan: where each variable went, buckets, predicted bytes per step and
     /// the memory a run needs.
@@ -384,6 +391,37 @@ struct RunArgs {
     /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping).
     #[arg(long, value_enum, default_value = "inprocess")]
     transport: Transport,
+    /// Where the kernels run: `cpu`, or `cuda` / `cuda:N` (GPU N, default 0) for a
+    /// one-device plan (`--strategy single`). The CUDA libraries are loaded at run
+    /// time: point distc at them with DISTC_CUDA_LIB_DIR (or LD_LIBRARY_PATH).
+    #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
+    device: Device,
+    /// On a GPU: run every step eagerly instead of replaying the step captured into a
+    /// CUDA graph after warm-up (for comparison).
+    #[arg(long)]
+    no_cuda_graph: bool,
+    /// On a GPU: let cuBLAS use TF32 tensor cores for matrix products (faster, about
+    /// 10 mantissa bits); by default they compute in full fp32.
+    #[arg(long)]
+    tf32: bool,
+}
+
+/// Where a run's kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Device::Cuda(n)),
+            _ => Err(format!("`{s}`: give cpu, cuda or cuda:N (N a GPU number)")),
+        },
+    }
 }
 
 fn strategy_kind(s: Strategy) -> StrategyKind {
@@ -629,6 +667,9 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .map(PathBuf::as_path)
         .collect();
     check_outputs(&outputs, inputs)?;
+    if args.device == Device::Cpu && (args.no_cuda_graph || args.tf32) {
+        bail!("--no-cuda-graph and --tf32 are GPU settings: give --device cuda with them");
+    }
     let steps = args.steps.unwrap_or(plan.config.steps);
     if args.transport == Transport::Inprocess {
         let estimate = r.memory(steps, args.preload)?;
@@ -672,8 +713,15 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         }
         Ok(())
     };
-    let result = match args.transport {
-        Transport::Inprocess => train(
+    let result = match (args.device, args.transport) {
+        (Device::Cuda(ordinal), Transport::Inprocess) => {
+            run_cuda(r, args, ordinal, &mut on_step).map(Some)
+        }
+        (Device::Cuda(_), Transport::Mpi) => Err(anyhow::anyhow!(
+            "--device cuda runs a one-device plan in this process; --transport mpi is \
+             for distributed plans, which run on the CPU"
+        )),
+        (Device::Cpu, Transport::Inprocess) => train(
             r.programs(),
             &plan.config,
             &train_options(plan, args)?,
@@ -681,7 +729,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         )
         .map(Some)
         .map_err(anyhow::Error::from),
-        Transport::Mpi => run_mpi(r, args, &mut on_step),
+        (Device::Cpu, Transport::Mpi) => run_mpi(r, args, &mut on_step),
     };
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -694,6 +742,30 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
     }
+}
+
+/// Trains a one-device plan on GPU `ordinal`.
+fn run_cuda(
+    r: &Runnable<'_>,
+    args: &RunArgs,
+    ordinal: usize,
+    on_step: &mut OnStep<'_>,
+) -> Result<TrainReport> {
+    if args.trace.is_some() || args.profile {
+        bail!("--trace and --profile are not available with --device cuda yet");
+    }
+    let opts = distc_runtime::cuda::CudaOptions {
+        tf32: args.tf32,
+        graphs: !args.no_cuda_graph,
+    };
+    let backend = distc_runtime::cuda::CudaBackend::new(ordinal, r.graph, opts)?;
+    Ok(distc_runtime::device::train_on(
+        backend,
+        r.graph,
+        &r.plan.config,
+        &train_options(r.plan, args)?,
+        on_step,
+    )?)
 }
 
 /// What every run does once trained: save, trace, summary, profile.
@@ -950,6 +1022,8 @@ fn real_main(cli: Cli) -> Result<()> {
             steps,
             transport,
             json,
+            device,
+            no_cuda_graph,
         } => {
             if let Some(path) = &json {
                 distc_runtime::output::check_output(path, &[])?;
@@ -986,6 +1060,11 @@ fn real_main(cli: Cli) -> Result<()> {
                 steps,
                 mpi: transport == Transport::Mpi,
                 dir,
+                device: match device {
+                    Device::Cpu => None,
+                    Device::Cuda(n) => Some(format!("cuda:{n}")),
+                },
+                no_cuda_graph,
             };
             let rows = distc::bench::run(&settings)?;
             if let Some(path) = json {
@@ -1017,8 +1096,14 @@ fn real_main(cli: Cli) -> Result<()> {
             let r = Runnable::new(&p, &graph)?;
             run_plan(&r, &run, &[&plan])?;
         }
-        Command::Train { file, compile, run } => {
+        Command::Train {
+            file,
+            mut compile,
+            run,
+        } => {
             check_strategy_flags(&compile)?;
+            // A GPU runs each fused group as one generated kernel.
+            compile.fuse |= matches!(run.device, Device::Cuda(_));
             let c = compile_or_report(&file, &compile_opts(&compile, run.data.as_deref()))?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             let r = Runnable::new(&plan, &c.programs.worker)?;

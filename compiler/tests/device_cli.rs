@@ -1,0 +1,72 @@
+//! `--device`: a GPU run where there is none (or no CUDA library) is refused with a
+//! message naming what is missing and how to point distc at it, exit 1, never a
+//! panic; and device flags that do not fit the run are refused before anything runs.
+
+mod common;
+
+use common::{distc, refused, text};
+
+/// Whether this machine has a CUDA driver that sees a GPU (then the no-GPU message
+/// cannot be tested here).
+fn have_gpu() -> bool {
+    distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env()).is_ok()
+}
+
+#[test]
+fn cuda_without_a_gpu_names_what_is_missing() {
+    if have_gpu() {
+        println!("skipping: this machine has a GPU");
+        return;
+    }
+    for device in ["cuda", "cuda:1"] {
+        let o = distc(&["train", "examples/mlp.dsl", "--device", device, "--steps", "1"]);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        let t = text(&o);
+        assert!(!t.contains("panicked"), "{t}");
+        // The driver library (or, with one, the missing GPU) is named with the fix.
+        assert!(
+            (t.contains("libcuda.so.1") && t.contains("DISTC_CUDA_LIB_DIR"))
+                || t.contains("no usable CUDA GPU"),
+            "{t}"
+        );
+    }
+}
+
+#[test]
+fn device_flags_that_do_not_fit_are_refused() {
+    refused(
+        &["train", "examples/mlp.dsl", "--device", "gpu"],
+        "give cpu, cuda or cuda:N",
+    );
+    refused(
+        &["train", "examples/mlp.dsl", "--device", "cuda:x"],
+        "give cpu, cuda or cuda:N",
+    );
+    refused(
+        &["train", "examples/mlp.dsl", "--tf32", "--steps", "1"],
+        "give --device cuda with them",
+    );
+    refused(
+        &[
+            "train",
+            "examples/mlp.dsl",
+            "--device",
+            "cuda",
+            "--transport",
+            "mpi",
+        ],
+        "--transport mpi",
+    );
+    refused(
+        &[
+            "bench",
+            "--device",
+            "cuda",
+            "--strategies",
+            "allreduce",
+            "--workers",
+            "2",
+        ],
+        "--strategies single",
+    );
+}
