@@ -169,12 +169,18 @@ fn broadcasting_in_every_direction() {
     );
     // A middle axis broadcast, over block boundaries.
     check("mul(in0, in1)", &[&[3, 1, 500], &[3, 7, 500]]);
+    // A column repeated along rows of more than one block.
+    check("relu(sub(in0, in1))", &[&[3, 1500], &[3, 1]]);
+    // Short rows: gathered over the whole result.
+    check("mul(in0, step(in1))", &[&[40, 3], &[40, 1]]);
 }
 
 #[test]
 fn constants_fold_and_a_leaf_result() {
     check("add(in0, exp(1.0))", &[&[9]]);
     check("mul(in0, in0)", &[&[2, 3]]);
+    check("in0", &[&[2, 3]]);
+    check("tanh(in0)", &[&[]]);
 }
 
 #[test]
