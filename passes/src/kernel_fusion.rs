@@ -368,7 +368,10 @@ impl ExprBuilder<'_> {
 /// place; drops the members and the constants only groups read. Returns the new nodes.
 fn rebuild(g: &mut Graph, groups: &[Group]) -> Result<Vec<NodeId>, PassError> {
     let by_root: HashMap<NodeId, &Group> = groups.iter().map(|grp| (grp.root, grp)).collect();
-    let members: HashSet<NodeId> = groups.iter().flat_map(|grp| grp.members.iter().copied()).collect();
+    let members: HashSet<NodeId> = groups
+        .iter()
+        .flat_map(|grp| grp.members.iter().copied())
+        .collect();
     let read_whole: HashSet<NodeId> = groups
         .iter()
         .flat_map(|grp| grp.inputs.iter().map(|v| v.node))
@@ -385,8 +388,17 @@ fn rebuild(g: &mut Graph, groups: &[Group]) -> Result<Vec<NodeId>, PassError> {
     let mut fused = Vec::new();
     for id in g.topo_order() {
         if let Some(grp) = by_root.get(&id) {
-            let inputs = grp.inputs.iter().map(|v| map[&v.node].out(v.port)).collect();
-            let nid = out.add(Op::Fused { expr: grp.expr.clone() }, inputs)?;
+            let inputs = grp
+                .inputs
+                .iter()
+                .map(|v| map[&v.node].out(v.port))
+                .collect();
+            let nid = out.add(
+                Op::Fused {
+                    expr: grp.expr.clone(),
+                },
+                inputs,
+            )?;
             if out.node(nid).outputs != g.node(id).outputs {
                 return Err(PassError::Precondition(format!(
                     "{id} ({}): the fused node computes {}, the op it replaces {}",
@@ -403,8 +415,15 @@ fn rebuild(g: &mut Graph, groups: &[Group]) -> Result<Vec<NodeId>, PassError> {
             continue;
         }
         let node = g.node(id);
-        let inputs = node.inputs.iter().map(|v| map[&v.node].out(v.port)).collect();
-        map.insert(id, out.add_typed(node.op.clone(), inputs, node.outputs.clone()));
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|v| map[&v.node].out(v.port))
+            .collect();
+        map.insert(
+            id,
+            out.add_typed(node.op.clone(), inputs, node.outputs.clone()),
+        );
     }
     *g = out;
     Ok(fused)

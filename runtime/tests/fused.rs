@@ -32,8 +32,7 @@ fn tensor(dtype: DType, dims: &[usize], data: Vec<f64>) -> Tensor {
     match dtype {
         DType::F64 => Tensor::F64(ArrayD::from_shape_vec(IxDyn(dims), data).unwrap()),
         _ => Tensor::F32(
-            ArrayD::from_shape_vec(IxDyn(dims), data.iter().map(|&x| x as f32).collect())
-                .unwrap(),
+            ArrayD::from_shape_vec(IxDyn(dims), data.iter().map(|&x| x as f32).collect()).unwrap(),
         ),
     }
 }
@@ -115,8 +114,8 @@ fn check(text: &str, shapes: &[&[usize]]) {
             }
         };
         close(&got.1, "borrowed");
-        for k in 0..inputs.len() {
-            if shapes[k] != want.0.as_slice() {
+        for (k, dims) in shapes.iter().enumerate() {
+            if *dims != want.0.as_slice() {
                 continue;
             }
             let args: Vec<Arg<'_>> = inputs

@@ -287,9 +287,7 @@ impl<A: Elem> Plan<A> {
         for s in steps {
             let p = match *s {
                 FusedStep::Input(k) => match inputs[k].mode {
-                    Mode::Repeated if inputs[k].data.len() == 1 => {
-                        Place::Scalar(inputs[k].data[0])
-                    }
+                    Mode::Repeated if inputs[k].data.len() == 1 => Place::Scalar(inputs[k].data[0]),
                     _ => Place::Input(k),
                 },
                 FusedStep::Const(c) => Place::Scalar(A::c(c)),
@@ -370,8 +368,7 @@ impl<A: Elem> Plan<A> {
                 }
             }
         }
-        for idx in 0..instrs.len() {
-            let (i, ins) = instrs[idx];
+        for &(i, ins) in &instrs {
             if i != last {
                 places[i] = Place::Slot(alloc(&mut free));
             }
@@ -406,7 +403,9 @@ fn composable_inside(g: UnaryFn) -> bool {
 fn instr_operands(i: Instr) -> Vec<usize> {
     match i {
         Instr::Unary(_, a) => vec![a],
-        Instr::Binary(_, a, b) | Instr::BinaryThen(_, _, a, b) | Instr::BinaryOfUnary(_, _, a, b) => {
+        Instr::Binary(_, a, b)
+        | Instr::BinaryThen(_, _, a, b)
+        | Instr::BinaryOfUnary(_, _, a, b) => {
             vec![a, b]
         }
     }
