@@ -168,25 +168,21 @@ fn find_groups(g: &Graph) -> Vec<Group> {
         }
         let mut members: Vec<NodeId> = vec![root];
         let mut inside: HashSet<NodeId> = HashSet::from([root]);
-        // Absorbing a producer can make another eligible (its last outside reader just
-        // came in), so sweep until nothing changes; each sweep adds a member or stops.
-        loop {
-            let mut grew = false;
-            for i in 0..members.len() {
-                for v in g.node(members[i]).inputs.clone() {
-                    let p = v.node;
-                    if inside.contains(&p) || taken.contains(&p) || !fusible(g, p) {
-                        continue;
-                    }
-                    if g.user_nodes(p).iter().all(|u| inside.contains(u)) {
-                        inside.insert(p);
-                        members.push(p);
-                        grew = true;
-                    }
+        // Each member is expanded once. A producer refused now (a reader outside) is
+        // looked at again when that reader joins, since the reader is expanded then.
+        let mut next = 0;
+        while next < members.len() {
+            let m = members[next];
+            next += 1;
+            for v in &g.node(m).inputs {
+                let p = v.node;
+                if inside.contains(&p) || taken.contains(&p) || !fusible(g, p) {
+                    continue;
                 }
-            }
-            if !grew {
-                break;
+                if g.user_nodes(p).iter().all(|u| inside.contains(u)) {
+                    inside.insert(p);
+                    members.push(p);
+                }
             }
         }
         if members.len() < 2 {
