@@ -498,6 +498,7 @@ impl<A: Elem> Exec<'_, '_, A> {
                 Src::Dst => Src::Slice(&out[at..at + len]),
                 s => s,
             },
+            // No loop reads an absorbed step: its reader computes it (see `Plan::new`).
             Place::Absorbed => Src::Scalar(A::zero()),
         }
     }
@@ -509,6 +510,7 @@ impl<A: Elem> Exec<'_, '_, A> {
             Place::Scalar(v) => Src::Scalar(v),
             Place::Slot(s) => Src::Slice(&self.slots[s][..len]),
             Place::Input(k) => self.input(k, lo, len),
+            // No loop reads an absorbed step: its reader computes it (see `Plan::new`).
             Place::Absorbed => Src::Scalar(A::zero()),
         }
     }
