@@ -207,7 +207,13 @@ impl FusedExpr {
         FusedExpr { steps: b.steps }
     }
 
-    fn emit(&self, i: usize, bound: &[usize], done: &mut [Option<usize>], b: &mut Builder) -> usize {
+    fn emit(
+        &self,
+        i: usize,
+        bound: &[usize],
+        done: &mut [Option<usize>],
+        b: &mut Builder,
+    ) -> usize {
         if let Some(j) = done[i] {
             return j;
         }
@@ -396,7 +402,10 @@ impl ExprParser<'_> {
     }
     fn ident(&mut self) -> Option<String> {
         let start = self.pos;
-        if !self.peek().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_') {
+        if !self
+            .peek()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == b'_')
+        {
             return None;
         }
         while self
@@ -426,10 +435,9 @@ impl ExprParser<'_> {
             // `inf`, `-inf`, `NaN`.
             self.ident().unwrap_or_default()
         } else {
-            while self
-                .peek()
-                .is_some_and(|c| c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-'))
-            {
+            while self.peek().is_some_and(|c| {
+                c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-')
+            }) {
                 self.pos += 1;
             }
             String::from_utf8_lossy(&self.s[start + negative as usize..self.pos]).into_owned()
@@ -455,14 +463,19 @@ impl ExprParser<'_> {
             self.pos = start;
             return self.number();
         }
-        if let Some(k) = word.strip_prefix("in").and_then(|k| k.parse::<usize>().ok()) {
+        if let Some(k) = word
+            .strip_prefix("in")
+            .and_then(|k| k.parse::<usize>().ok())
+        {
             return Ok(self.b.input(k));
         }
         self.skip_ws();
         if self.peek() != Some(b'(') {
             return self.names.get(&word).copied().ok_or_else(|| {
                 self.pos = start;
-                self.error(&format!("`{word}` is neither an input (`in0`) nor a bound name"))
+                self.error(&format!(
+                    "`{word}` is neither an input (`in0`) nor a bound name"
+                ))
             });
         }
         self.pos += 1;

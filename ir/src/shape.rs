@@ -408,12 +408,11 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         Op::Fused { expr } => {
             expr.check(dense.len()).map_err(err)?;
             let mut shape: Vec<usize> = Vec::new();
-            for i in 0..dense.len() {
+            for (i, t) in dense.iter().enumerate() {
                 same_float(0, i)?;
-                shape = broadcast_shapes(&shape, dense[i].dims()).ok_or_else(|| {
+                shape = broadcast_shapes(&shape, t.dims()).ok_or_else(|| {
                     err(format!(
-                        "input {i} ({}) does not broadcast with {}",
-                        dense[i],
+                        "input {i} ({t}) does not broadcast with {}",
                         Shape(shape.clone())
                     ))
                 })?;

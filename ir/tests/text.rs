@@ -29,7 +29,11 @@ fn random_expr(rng: &mut Pcg64, inputs: usize) -> FusedExpr {
         steps.push(if rng.random() {
             FusedStep::Unary(UnaryFn::ALL[rng.random_range(0..UnaryFn::ALL.len())], a)
         } else {
-            FusedStep::Binary(BinaryFn::ALL[rng.random_range(0..BinaryFn::ALL.len())], a, b)
+            FusedStep::Binary(
+                BinaryFn::ALL[rng.random_range(0..BinaryFn::ALL.len())],
+                a,
+                b,
+            )
         });
     }
     FusedExpr { steps }.canonical()
@@ -306,7 +310,10 @@ fn fused_text_is_canonical() {
         };
         let canonical = raw.canonical();
         assert_eq!(canonical.canonical(), canonical, "{raw:?}");
-        let back: FusedExpr = raw.to_string().parse().unwrap_or_else(|e| panic!("{e}: {raw}"));
+        let back: FusedExpr = raw
+            .to_string()
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}: {raw}"));
         assert_eq!(back, canonical, "{raw}");
         assert_eq!(back.to_string(), raw.to_string());
     }
@@ -319,9 +326,12 @@ fn fused_errors_name_the_problem() {
             "graph f {{\n  %0 = input{{name=\"x\"}} : f32[4]\n  %1 = input{{name=\"z\"}} : f64[4]\n  %2 = fused{{expr=\"{expr}\"}} {ins} : f32[4]\n  output{{name=\"y\"}} %2\n}}\n"
         )
     };
-    let parse_err = |expr: &str| parse(&node(expr, "%0")).unwrap_err().to_string();
+    let parse_err = |expr: &str| parse(&node(expr, "%0")).expect_err("refused").to_string();
     let e = parse_err("cube(in0)");
-    assert!(e.contains("unknown function `cube`") && e.contains("sigmoid"), "{e}");
+    assert!(
+        e.contains("unknown function `cube`") && e.contains("sigmoid"),
+        "{e}"
+    );
     let e = parse_err("add(in0)");
     assert!(e.contains("expected `,`"), "{e}");
     let e = parse_err("relu(t3)");
@@ -334,7 +344,7 @@ fn fused_errors_name_the_problem() {
     // read, dtypes that differ.
     let verify_err = |expr: &str, ins: &str| {
         let g = parse(&node(expr, ins)).unwrap_or_else(|e| panic!("{e}"));
-        verify(&g).unwrap_err().to_string()
+        verify(&g).expect_err("refused").to_string()
     };
     let e = verify_err("add(in0, in1)", "%0");
     assert!(e.contains("reads input 1") && e.contains("fused"), "{e}");

@@ -7,6 +7,9 @@
 //! chooses in `auto`: it takes the busiest link, so a server's fan-in (N workers
 //! pushing to S servers) counts against the parameter server, and a fused all-reduce's
 //! latency is shared by the gradients in its bucket.
+//!
+//! Beside it, [`elementwise_cost`]: the flops and memory traffic of an element-wise
+//! kernel, which the kernel-fusion pass reports before and after it fuses.
 
 use crate::placement::{Mechanism, StrategyConfig};
 use distc_ir::{Graph, NodeId, Op, ValueType};

@@ -168,25 +168,21 @@ fn find_groups(g: &Graph) -> Vec<Group> {
         }
         let mut members: Vec<NodeId> = vec![root];
         let mut inside: HashSet<NodeId> = HashSet::from([root]);
-        // Absorbing a producer can make another eligible (its last outside reader just
-        // came in), so sweep until nothing changes; each sweep adds a member or stops.
-        loop {
-            let mut grew = false;
-            for i in 0..members.len() {
-                for v in g.node(members[i]).inputs.clone() {
-                    let p = v.node;
-                    if inside.contains(&p) || taken.contains(&p) || !fusible(g, p) {
-                        continue;
-                    }
-                    if g.user_nodes(p).iter().all(|u| inside.contains(u)) {
-                        inside.insert(p);
-                        members.push(p);
-                        grew = true;
-                    }
+        // Each member is expanded once. A producer refused now (a reader outside) is
+        // looked at again when that reader joins, since the reader is expanded then.
+        let mut next = 0;
+        while next < members.len() {
+            let m = members[next];
+            next += 1;
+            for v in &g.node(m).inputs {
+                let p = v.node;
+                if inside.contains(&p) || taken.contains(&p) || !fusible(g, p) {
+                    continue;
                 }
-            }
-            if !grew {
-                break;
+                if g.user_nodes(p).iter().all(|u| inside.contains(u)) {
+                    inside.insert(p);
+                    members.push(p);
+                }
             }
         }
         if members.len() < 2 {
@@ -368,7 +364,10 @@ impl ExprBuilder<'_> {
 /// place; drops the members and the constants only groups read. Returns the new nodes.
 fn rebuild(g: &mut Graph, groups: &[Group]) -> Result<Vec<NodeId>, PassError> {
     let by_root: HashMap<NodeId, &Group> = groups.iter().map(|grp| (grp.root, grp)).collect();
-    let members: HashSet<NodeId> = groups.iter().flat_map(|grp| grp.members.iter().copied()).collect();
+    let members: HashSet<NodeId> = groups
+        .iter()
+        .flat_map(|grp| grp.members.iter().copied())
+        .collect();
     let read_whole: HashSet<NodeId> = groups
         .iter()
         .flat_map(|grp| grp.inputs.iter().map(|v| v.node))
@@ -385,8 +384,17 @@ fn rebuild(g: &mut Graph, groups: &[Group]) -> Result<Vec<NodeId>, PassError> {
     let mut fused = Vec::new();
     for id in g.topo_order() {
         if let Some(grp) = by_root.get(&id) {
-            let inputs = grp.inputs.iter().map(|v| map[&v.node].out(v.port)).collect();
-            let nid = out.add(Op::Fused { expr: grp.expr.clone() }, inputs)?;
+            let inputs = grp
+                .inputs
+                .iter()
+                .map(|v| map[&v.node].out(v.port))
+                .collect();
+            let nid = out.add(
+                Op::Fused {
+                    expr: grp.expr.clone(),
+                },
+                inputs,
+            )?;
             if out.node(nid).outputs != g.node(id).outputs {
                 return Err(PassError::Precondition(format!(
                     "{id} ({}): the fused node computes {}, the op it replaces {}",
@@ -403,8 +411,15 @@ fn rebuild(g: &mut Graph, groups: &[Group]) -> Result<Vec<NodeId>, PassError> {
             continue;
         }
         let node = g.node(id);
-        let inputs = node.inputs.iter().map(|v| map[&v.node].out(v.port)).collect();
-        map.insert(id, out.add_typed(node.op.clone(), inputs, node.outputs.clone()));
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|v| map[&v.node].out(v.port))
+            .collect();
+        map.insert(
+            id,
+            out.add_typed(node.op.clone(), inputs, node.outputs.clone()),
+        );
     }
     *g = out;
     Ok(fused)

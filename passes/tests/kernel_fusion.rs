@@ -43,7 +43,10 @@ fn fuse(text: &str) -> (Graph, PassStats) {
 }
 
 fn count(g: &Graph, pred: impl Fn(&Op) -> bool) -> usize {
-    g.node_ids().into_iter().filter(|&id| pred(g.op(id))).count()
+    g.node_ids()
+        .into_iter()
+        .filter(|&id| pred(g.op(id)))
+        .count()
 }
 
 #[test]
@@ -67,7 +70,10 @@ fn off_by_default_and_idempotent() {
         .run(&mut g, &mut PassCx::default())
         .expect("runs");
     assert_eq!(g, parse(LAYER).expect("parses"), "changed without --fuse");
-    assert!(stats.note.as_deref().unwrap_or("").contains("--fuse"), "{stats}");
+    assert!(
+        stats.note.as_deref().unwrap_or("").contains("--fuse"),
+        "{stats}"
+    );
     let (once, _) = fuse(LAYER);
     let (twice, stats) = fuse(&print(&once));
     assert_eq!(twice, once, "a second run changed the graph");

@@ -32,8 +32,7 @@ fn tensor(dtype: DType, dims: &[usize], data: Vec<f64>) -> Tensor {
     match dtype {
         DType::F64 => Tensor::F64(ArrayD::from_shape_vec(IxDyn(dims), data).unwrap()),
         _ => Tensor::F32(
-            ArrayD::from_shape_vec(IxDyn(dims), data.iter().map(|&x| x as f32).collect())
-                .unwrap(),
+            ArrayD::from_shape_vec(IxDyn(dims), data.iter().map(|&x| x as f32).collect()).unwrap(),
         ),
     }
 }
@@ -115,8 +114,8 @@ fn check(text: &str, shapes: &[&[usize]]) {
             }
         };
         close(&got.1, "borrowed");
-        for k in 0..inputs.len() {
-            if shapes[k] != want.0.as_slice() {
+        for (k, dims) in shapes.iter().enumerate() {
+            if *dims != want.0.as_slice() {
                 continue;
             }
             let args: Vec<Arg<'_>> = inputs
@@ -169,12 +168,18 @@ fn broadcasting_in_every_direction() {
     );
     // A middle axis broadcast, over block boundaries.
     check("mul(in0, in1)", &[&[3, 1, 500], &[3, 7, 500]]);
+    // A column repeated along rows of more than one block.
+    check("relu(sub(in0, in1))", &[&[3, 1500], &[3, 1]]);
+    // Short rows: gathered over the whole result.
+    check("mul(in0, step(in1))", &[&[40, 3], &[40, 1]]);
 }
 
 #[test]
 fn constants_fold_and_a_leaf_result() {
     check("add(in0, exp(1.0))", &[&[9]]);
     check("mul(in0, in0)", &[&[2, 3]]);
+    check("in0", &[&[2, 3]]);
+    check("tanh(in0)", &[&[]]);
 }
 
 #[test]
