@@ -10,8 +10,6 @@ fn tmp(test: &str) -> PathBuf {
     common::temp_dir(&format!("plot-{test}"))
 }
 
-/// A folder of this test's own, so parallel tests never share files.
-
 /// A step line as `distc train --metrics` writes it, evaluation every 4 steps.
 fn step_line(step: usize, loss: f64, samples: f64, activations: u64) -> String {
     let eval = if [4, 8, 12].contains(&step) {

@@ -103,6 +103,9 @@ pub trait Backend {
     /// Moves a computed value to the host (before a collective or a push).
     fn to_host(&mut self, v: Self::Value) -> Result<Value, KernelError>;
     /// Moves a host value to the backend (after a collective or a pull).
+    // Named as the pair of `to_host`; it takes `self` because the backend owns the
+    // memory the value moves into.
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&mut self, v: Value) -> Result<Self::Value, KernelError>;
     /// A sink's input as a host tensor (ids for a sparse pull), borrowed where it
     /// already is one.

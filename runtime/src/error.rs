@@ -23,13 +23,14 @@ pub enum RuntimeError {
         node: String,
         /// The op's mnemonic.
         op: &'static str,
-        /// The driver's or the compiler's error.
-        source: crate::cuda::CudaError,
+        /// The driver's or the compiler's error (boxed: it is large, and every
+        /// runtime result carries this enum).
+        source: Box<crate::cuda::CudaError>,
     },
     /// CUDA could not be set up (a missing library, no GPU, a kernel that does not
     /// compile).
     #[error(transparent)]
-    Cuda(#[from] crate::cuda::CudaError),
+    Cuda(Box<crate::cuda::CudaError>),
     /// The graph reads an input the feed does not provide.
     #[error("no value fed for input `{0}`")]
     MissingInput(String),
@@ -55,6 +56,12 @@ pub enum RuntimeError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+impl From<crate::cuda::CudaError> for RuntimeError {
+    fn from(e: crate::cuda::CudaError) -> RuntimeError {
+        RuntimeError::Cuda(Box::new(e))
+    }
 }
 
 /// Shorthand for runtime results.

@@ -455,7 +455,7 @@ impl<B: Backend> Executor<B> {
     pub fn with_backend(graph: &Graph, mut backend: B) -> Result<Executor<B>> {
         let schedule = Schedule::new(graph)?;
         backend.prepare(&schedule).map_err(|e| match e {
-            KernelError::Device(e) => RuntimeError::Cuda(e),
+            KernelError::Device(e) => RuntimeError::from(e),
             KernelError::Invalid(m) => RuntimeError::Config(m),
         })?;
         let constants = schedule
@@ -832,7 +832,7 @@ fn device_err(node: &Node, e: KernelError) -> RuntimeError {
         KernelError::Device(source) => RuntimeError::Device {
             node: node.id.to_string(),
             op: node.op.mnemonic(),
-            source,
+            source: Box::new(source),
         },
     }
 }
@@ -940,12 +940,15 @@ fn plan(nodes: &[Node], included: &[bool], n_slots: usize) -> Vec<Step> {
         .collect()
 }
 
+/// The inputs of one kernel on backend `B`.
+type KernelArgs<'s, B> = Vec<BackendArg<'s, <B as Backend>::Value, <B as Backend>::Tensor>>;
+
 /// The kernel arguments: values at their last use are moved out of their slots,
 /// the others borrowed.
 fn args<'s, 'a: 's, B: Backend>(
     slots: &'s mut [Slot<'a, B>],
     uses: &[Use],
-) -> std::result::Result<Vec<BackendArg<'s, B::Value, B::Tensor>>, String> {
+) -> std::result::Result<KernelArgs<'s, B>, String> {
     let mut owned: Vec<Option<B::Value>> = Vec::with_capacity(uses.len());
     for u in uses {
         owned.push(match (u.take, &slots[u.slot]) {
