@@ -241,6 +241,10 @@ pub struct CudaBackend {
     steps_host: PinnedHostSlice<u64>,
     steps_copied: CudaEvent,
     loss_host: PinnedHostSlice<f32>,
+    /// `loss_host`'s address, taken once: the capture path must not call
+    /// `PinnedHostSlice::as_mut_slice`, which synchronizes an event (a call a stream
+    /// capture in progress may refuse, invalidating it).
+    loss_slot: usize,
     _workspace: CudaSlice<u8>,
 
     ordinal: usize,
@@ -454,6 +458,10 @@ impl CudaBackend {
                     .map_err(drv_err("cuMemHostAlloc"))?,
             )
         };
+        let mut loss_host = loss_host;
+        let loss_slot = loss_host
+            .as_mut_ptr()
+            .map_err(drv_err("cuEventSynchronize"))? as usize;
         let steps_copied = ctx.new_event(None).map_err(drv_err("cuEventCreate"))?;
         sync(&stream)?;
         let allocated = (CUBLAS_WORKSPACE + ALIGN) as u64;
@@ -470,6 +478,7 @@ impl CudaBackend {
             steps_host,
             steps_copied,
             loss_host,
+            loss_slot,
             _workspace: workspace,
             ordinal,
             device_name,
@@ -1177,11 +1186,12 @@ impl Backend for CudaBackend {
             return Err(invalid(format!("the loss must be one f32, got {ty}")));
         }
         if self.capturing {
-            let slot = self
-                .loss_host
-                .as_mut_slice()
-                .map_err(drv_err("cuEventSynchronize"))?;
-            dtoh(&self.stream, &mut slot[..1], ptr)?;
+            // SAFETY: `loss_slot` is the address of `loss_host` (one pinned f32, alive as
+            // long as the backend); the host reads it only after a synchronize
+            // (`pending_scalar`), never while a replay may write it.
+            #[allow(unsafe_code)]
+            let slot = unsafe { std::slice::from_raw_parts_mut(self.loss_slot as *mut f32, 1) };
+            dtoh(&self.stream, slot, ptr)?;
             self.capture_loss = true;
             return Ok(None);
         }
