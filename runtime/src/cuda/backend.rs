@@ -1128,6 +1128,17 @@ impl Backend for CudaBackend {
             Value::Slices(s) => {
                 let layout = codegen::SlicesLayout::of(&ty)
                     .ok_or_else(|| invalid("slices without a slices type"))?;
+                let vals = host_bytes(&s.values)?;
+                if s.indices.len() > layout.nnz || vals.len() != 4 * layout.row * s.indices.len()
+                {
+                    return Err(invalid(format!(
+                        "slices of {} rows ({} value bytes) do not fit {ty} (at most {} rows of {})",
+                        s.indices.len(),
+                        vals.len(),
+                        layout.nnz,
+                        layout.row
+                    )));
+                }
                 let mut b = vec![0u8; layout.bytes];
                 let n = i32::try_from(s.indices.len()).map_err(|_| invalid("too many rows"))?;
                 b[..4].copy_from_slice(&n.to_ne_bytes());
@@ -1135,7 +1146,6 @@ impl Backend for CudaBackend {
                     let at = layout.indices_offset + 4 * k;
                     b[at..at + 4].copy_from_slice(&i.to_ne_bytes());
                 }
-                let vals = host_bytes(&s.values)?;
                 b[layout.values_offset..layout.values_offset + vals.len()].copy_from_slice(&vals);
                 b
             }
