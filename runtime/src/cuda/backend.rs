@@ -51,6 +51,8 @@
 //! copy into a pinned slot ([`Backend::read_scalar`] returns `None`,
 //! [`Backend::pending_scalar`] has it after each replay). Nothing may allocate,
 //! upload or synchronize while capturing: those paths return an error instead.
+//! [`Backend::to_host`] (an `output` sink of the training plan) gives zeros of the
+//! value's type while capturing: the captured step's outputs are not used.
 //!
 //! # Not supported (clear errors)
 //!
@@ -363,6 +365,23 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
         }
     }
     Ok(out)
+}
+
+/// Zeros of type `ty` (slices: no rows), what [`Backend::to_host`] gives while a
+/// capture records (nothing has run yet).
+fn placeholder(ty: &ValueType) -> Value {
+    match ty {
+        ValueType::Tensor(t) => Value::Tensor(Tensor::filled(t, 0.0)),
+        ValueType::IndexedSlices { dense, .. } => {
+            let mut shape = vec![0];
+            shape.extend_from_slice(dense.dims().get(1..).unwrap_or(&[]));
+            Value::Slices(Slices {
+                indices: Vec::new(),
+                values: Tensor::F32(ArrayD::zeros(IxDyn(&shape))),
+                dense_shape: dense.dims().to_vec(),
+            })
+        }
+    }
 }
 
 /// Every kernel name a list of launches uses.
@@ -1117,6 +1136,15 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&mut self, v: DeviceValue) -> Result<Value, KernelError> {
+        if self.capturing {
+            // Under a capture nothing has run, so there is nothing to read: the only
+            // caller on a one-device plan is an `output` sink (every `minimize` of a
+            // loss with a prediction adds `prediction` and `target` sinks, which the
+            // training plan runs too), and the captured step's outputs are dropped
+            // (replays produce none). Zeros of the value's type keep the run going;
+            // refusing would make every such graph uncapturable.
+            return Ok(placeholder(&v.ty));
+        }
         self.read_value(&v)
     }
 
@@ -1506,6 +1534,32 @@ mod tests {
         assert!(matches!(ArgVal::scalar(&KArg::Training, 0, false), Some(Ok(ArgVal::U32(0)))));
         assert!(matches!(ArgVal::scalar(&KArg::Rank, 5, true), Some(Ok(ArgVal::U32(5)))));
         assert!(matches!(ArgVal::scalar(&KArg::Rank, usize::MAX, true), Some(Err(_))));
+    }
+
+    #[test]
+    fn placeholders_have_the_value_type() {
+        let t = TensorType::f32(vec![4, 3]);
+        match placeholder(&ValueType::Tensor(t.clone())) {
+            Value::Tensor(x) => {
+                assert_eq!(x.tensor_type(), t);
+                assert!(x.to_f64_vec().iter().all(|v| *v == 0.0));
+            }
+            other => panic!("{other:?}"),
+        }
+        let ids = TensorType::i32(vec![5]);
+        assert!(matches!(placeholder(&ValueType::Tensor(ids.clone())), Value::Tensor(x) if x.tensor_type() == ids));
+        let ty = ValueType::IndexedSlices {
+            dense: TensorType::f32(vec![10, 3]),
+            nnz: 4,
+        };
+        match placeholder(&ty) {
+            Value::Slices(s) => {
+                assert!(s.indices.is_empty());
+                assert_eq!(s.values.shape(), &[0, 3]);
+                assert_eq!(s.dense_shape, vec![10, 3]);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
