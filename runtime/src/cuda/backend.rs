@@ -51,6 +51,8 @@
 //! copy into a pinned slot ([`Backend::read_scalar`] returns `None`,
 //! [`Backend::pending_scalar`] has it after each replay). Nothing may allocate,
 //! upload or synchronize while capturing: those paths return an error instead.
+//! [`Backend::to_host`] (an `output` sink of the training plan) gives zeros of the
+//! value's type while capturing: the captured step's outputs are not used.
 //!
 //! # Not supported (clear errors)
 //!
@@ -60,7 +62,9 @@
 //! allocates a new buffer, kept until the backend is dropped, and is refused while
 //! capturing; nothing on a one-device plan calls it.
 
-use super::codegen::{self, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate};
+use super::codegen::{
+    self, CParam, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate,
+};
 use super::{nvrtc, probe, CudaError, CudaLib, LibDirs};
 use crate::arena::{self, Block};
 use crate::backend::{Backend, BackendArg, KernelError, ValueRef};
@@ -126,7 +130,7 @@ pub struct DeviceTensor {
 /// The optimizer state on the device: slots (zeroed once), one scratch buffer and the
 /// compiled update kernels.
 pub struct CudaOptimizer {
-    funcs: HashMap<String, CudaFunction>,
+    funcs: HashMap<String, Kernel>,
     vars: HashMap<String, VarState>,
     scratch_base: u64,
     slot_bytes: u64,
@@ -181,13 +185,55 @@ enum ArgVal {
     F32(f32),
 }
 
+impl ArgVal {
+    /// Whether this value is what a C parameter of class `p` takes (8 bytes for a
+    /// pointer or a 64-bit integer; 4 bytes of the right kind otherwise).
+    fn fits(self, p: CParam) -> bool {
+        matches!(
+            (self, p),
+            (ArgVal::U64(_), CParam::Ptr | CParam::B64)
+                | (ArgVal::I32(_), CParam::I32)
+                | (ArgVal::U32(_), CParam::U32)
+                | (ArgVal::F32(_), CParam::F32)
+        )
+    }
+
+    /// A by-value argument (not a buffer) in its C type; `None` for a buffer.
+    fn scalar(k: &KArg, rank: usize, training: bool) -> Option<Result<ArgVal, KernelError>> {
+        Some(Ok(match k {
+            KArg::Rank => match u32::try_from(rank) {
+                Ok(r) => ArgVal::U32(r),
+                Err(_) => return Some(Err(invalid(format!("rank {rank} exceeds u32")))),
+            },
+            KArg::Training => ArgVal::U32(u32::from(training)),
+            KArg::I32(v) => ArgVal::I32(*v),
+            KArg::U32(v) => ArgVal::U32(*v),
+            KArg::F32(v) => ArgVal::F32(*v),
+            KArg::U64(v) => ArgVal::U64(*v),
+            KArg::Input(_)
+            | KArg::Output(_)
+            | KArg::Scratch(_)
+            | KArg::Step
+            | KArg::Param
+            | KArg::Grad
+            | KArg::Slot(_) => return None,
+        }))
+    }
+}
+
+/// A loaded kernel and its C parameters' classes (checked at every launch).
+struct Kernel {
+    f: CudaFunction,
+    params: Vec<CParam>,
+}
+
 /// The CUDA backend: one GPU, one stream, a static arena (see the module doc).
 pub struct CudaBackend {
     // Dropped first: the graph, the handle and every buffer before the stream and
     // context they belong to (fields drop in declaration order).
     graph_exec: Option<CudaGraph>,
     blas: Blas,
-    funcs: HashMap<String, CudaFunction>,
+    funcs: HashMap<String, Kernel>,
     _module: Arc<CudaModule>,
     arena: Option<CudaSlice<u8>>,
     named: HashMap<(String, usize), Named>,
@@ -197,6 +243,10 @@ pub struct CudaBackend {
     steps_host: PinnedHostSlice<u64>,
     steps_copied: CudaEvent,
     loss_host: PinnedHostSlice<f32>,
+    /// `loss_host`'s address, taken once: the capture path must not call
+    /// `PinnedHostSlice::as_mut_slice`, which synchronizes an event (a call a stream
+    /// capture in progress may refuse, invalidating it).
+    loss_slot: usize,
     _workspace: CudaSlice<u8>,
 
     ordinal: usize,
@@ -317,6 +367,23 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
     Ok(out)
 }
 
+/// Zeros of type `ty` (slices: no rows), what [`Backend::to_host`] gives while a
+/// capture records (nothing has run yet).
+fn placeholder(ty: &ValueType) -> Value {
+    match ty {
+        ValueType::Tensor(t) => Value::Tensor(Tensor::filled(t, 0.0)),
+        ValueType::IndexedSlices { dense, .. } => {
+            let mut shape = vec![0];
+            shape.extend_from_slice(dense.dims().get(1..).unwrap_or(&[]));
+            Value::Slices(Slices {
+                indices: Vec::new(),
+                values: Tensor::F32(ArrayD::zeros(IxDyn(&shape))),
+                dense_shape: dense.dims().to_vec(),
+            })
+        }
+    }
+}
+
 /// Every kernel name a list of launches uses.
 fn kernel_names<'a>(launches: impl Iterator<Item = &'a Launch>, out: &mut Vec<String>) {
     for l in launches {
@@ -368,7 +435,7 @@ impl CudaBackend {
         for (_, nl) in &nodes {
             kernel_names(nl.launches.iter().chain(&nl.step_start), &mut names);
         }
-        let funcs = load_functions(&module, &names)?;
+        let funcs = load_functions(&module, &source, &names)?;
 
         // cuBLAS on our stream, with its own workspace (no allocation inside a graph).
         let handle = cublas_result::create_handle().map_err(blas_err("cublasCreate"))?;
@@ -410,6 +477,10 @@ impl CudaBackend {
                     .map_err(drv_err("cuMemHostAlloc"))?,
             )
         };
+        let mut loss_host = loss_host;
+        let loss_slot = loss_host
+            .as_mut_ptr()
+            .map_err(drv_err("cuEventSynchronize"))? as usize;
         let steps_copied = ctx.new_event(None).map_err(drv_err("cuEventCreate"))?;
         sync(&stream)?;
         let allocated = (CUBLAS_WORKSPACE + ALIGN) as u64;
@@ -426,6 +497,7 @@ impl CudaBackend {
             steps_host,
             steps_copied,
             loss_host,
+            loss_slot,
             _workspace: workspace,
             ordinal,
             device_name,
@@ -634,7 +706,7 @@ impl CudaBackend {
     fn issue(
         &self,
         launches: &[Launch],
-        funcs: &HashMap<String, CudaFunction>,
+        funcs: &HashMap<String, Kernel>,
         arg: &dyn Fn(&KArg) -> Result<ArgVal, KernelError>,
         what: &dyn Fn() -> String,
     ) -> Result<(), KernelError> {
@@ -651,10 +723,20 @@ impl CudaBackend {
                     shared_bytes,
                     args,
                 } => {
-                    let f = funcs
+                    let Kernel { f, params } = funcs
                         .get(name)
                         .ok_or_else(|| invalid(format!("{}: kernel `{name}` not loaded", what())))?;
                     let vals = args.iter().map(arg).collect::<Result<Vec<_>, _>>()?;
+                    // Each value in its parameter's C type, or no launch (garbage on
+                    // the GPU otherwise).
+                    if vals.len() != params.len()
+                        || vals.iter().zip(params).any(|(v, p)| !v.fits(*p))
+                    {
+                        return Err(invalid(format!(
+                            "{}: kernel `{name}` takes {params:?}, its launch passes {vals:?}",
+                            what()
+                        )));
+                    }
                     if *shared_bytes > 48 * 1024 {
                         f.set_attribute(
                             drv_sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -763,18 +845,22 @@ impl CudaBackend {
 
 fn load_functions(
     module: &Arc<CudaModule>,
+    source: &str,
     names: &[String],
-) -> Result<HashMap<String, CudaFunction>, CudaError> {
+) -> Result<HashMap<String, Kernel>, CudaError> {
+    let sigs = codegen::kernel_signatures(source).map_err(CudaError::Invalid)?;
     names
         .iter()
         .map(|n| {
-            module
-                .load_function(n)
-                .map(|f| (n.clone(), f))
-                .map_err(|e| CudaError::Driver {
-                    call: "cuModuleGetFunction",
-                    code: format!("{:?} (kernel {n})", e.0),
-                })
+            let params = sigs
+                .get(n)
+                .cloned()
+                .ok_or_else(|| CudaError::Invalid(format!("kernel `{n}` is not in the source")))?;
+            let f = module.load_function(n).map_err(|e| CudaError::Driver {
+                call: "cuModuleGetFunction",
+                code: format!("{:?} (kernel {n})", e.0),
+            })?;
+            Ok((n.clone(), Kernel { f, params }))
         })
         .collect()
 }
@@ -981,16 +1067,13 @@ impl Backend for CudaBackend {
                         as u64,
                 ),
                 KArg::Step => ArgVal::U64(steps),
-                KArg::Rank => ArgVal::U32(
-                    u32::try_from(ctx.rank).map_err(|_| invalid("rank exceeds u32"))?,
-                ),
-                KArg::Training => ArgVal::U32(u32::from(ctx.training)),
-                KArg::I32(v) => ArgVal::I32(*v),
-                KArg::U32(v) => ArgVal::U32(*v),
-                KArg::F32(v) => ArgVal::F32(*v),
-                KArg::U64(v) => ArgVal::U64(*v),
                 KArg::Param | KArg::Grad | KArg::Slot(_) => {
                     return Err(invalid(format!("{}: optimizer argument {k:?} in a node", what())))
+                }
+                scalar => {
+                    return ArgVal::scalar(scalar, ctx.rank, ctx.training).unwrap_or_else(|| {
+                        Err(invalid(format!("{}: {scalar:?} is not a value", what())))
+                    })
                 }
             })
         };
@@ -1053,6 +1136,15 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&mut self, v: DeviceValue) -> Result<Value, KernelError> {
+        if self.capturing {
+            // Under a capture nothing has run, so there is nothing to read: the only
+            // caller on a one-device plan is an `output` sink (every `minimize` of a
+            // loss with a prediction adds `prediction` and `target` sinks, which the
+            // training plan runs too), and the captured step's outputs are dropped
+            // (replays produce none). Zeros of the value's type keep the run going;
+            // refusing would make every such graph uncapturable.
+            return Ok(placeholder(&v.ty));
+        }
         self.read_value(&v)
     }
 
@@ -1064,6 +1156,17 @@ impl Backend for CudaBackend {
             Value::Slices(s) => {
                 let layout = codegen::SlicesLayout::of(&ty)
                     .ok_or_else(|| invalid("slices without a slices type"))?;
+                let vals = host_bytes(&s.values)?;
+                if s.indices.len() > layout.nnz || vals.len() != 4 * layout.row * s.indices.len()
+                {
+                    return Err(invalid(format!(
+                        "slices of {} rows ({} value bytes) do not fit {ty} (at most {} rows of {})",
+                        s.indices.len(),
+                        vals.len(),
+                        layout.nnz,
+                        layout.row
+                    )));
+                }
                 let mut b = vec![0u8; layout.bytes];
                 let n = i32::try_from(s.indices.len()).map_err(|_| invalid("too many rows"))?;
                 b[..4].copy_from_slice(&n.to_ne_bytes());
@@ -1071,7 +1174,6 @@ impl Backend for CudaBackend {
                     let at = layout.indices_offset + 4 * k;
                     b[at..at + 4].copy_from_slice(&i.to_ne_bytes());
                 }
-                let vals = host_bytes(&s.values)?;
                 b[layout.values_offset..layout.values_offset + vals.len()].copy_from_slice(&vals);
                 b
             }
@@ -1122,11 +1224,12 @@ impl Backend for CudaBackend {
             return Err(invalid(format!("the loss must be one f32, got {ty}")));
         }
         if self.capturing {
-            let slot = self
-                .loss_host
-                .as_mut_slice()
-                .map_err(drv_err("cuEventSynchronize"))?;
-            dtoh(&self.stream, &mut slot[..1], ptr)?;
+            // SAFETY: `loss_slot` is the address of `loss_host` (one pinned f32, alive as
+            // long as the backend); the host reads it only after a synchronize
+            // (`pending_scalar`), never while a replay may write it.
+            #[allow(unsafe_code)]
+            let slot = unsafe { std::slice::from_raw_parts_mut(self.loss_slot as *mut f32, 1) };
+            dtoh(&self.stream, slot, ptr)?;
             self.capture_loss = true;
             return Ok(None);
         }
@@ -1204,7 +1307,7 @@ impl Backend for CudaBackend {
             for u in &updates {
                 kernel_names(u.launches.iter(), &mut names);
             }
-            let funcs = load_functions(&module, &names)?;
+            let funcs = load_functions(&module, &source, &names)?;
             (Some(module), funcs)
         } else {
             (None, HashMap::new())
@@ -1298,10 +1401,11 @@ impl Backend for CudaBackend {
                                 .ok_or_else(|| invalid(format!("{}: no scratch {s}", what())))?
                                 as u64,
                     ),
-                    KArg::I32(v) => ArgVal::I32(*v),
-                    KArg::U32(v) => ArgVal::U32(*v),
-                    KArg::F32(v) => ArgVal::F32(*v),
-                    KArg::U64(v) => ArgVal::U64(*v),
+                    KArg::I32(_) | KArg::U32(_) | KArg::F32(_) | KArg::U64(_) => {
+                        return ArgVal::scalar(k, 0, true).unwrap_or_else(|| {
+                            Err(invalid(format!("{}: {k:?} is not a value", what())))
+                        })
+                    }
                     other => {
                         return Err(invalid(format!("{}: node argument {other:?}", what())))
                     }
@@ -1391,5 +1495,82 @@ impl Backend for CudaBackend {
 
     fn device_memory(&self) -> Option<(u64, u64)> {
         Some((self.allocated, self.peak))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every argument role is packed as the C type the codegen gives it: buffers as
+    /// 64-bit addresses, scalars as their own 32- or 64-bit values.
+    #[test]
+    fn every_argument_is_packed_in_its_c_type() {
+        let all = [
+            KArg::Input(0),
+            KArg::Output(1),
+            KArg::Scratch(2),
+            KArg::Step,
+            KArg::Rank,
+            KArg::Training,
+            KArg::I32(-3),
+            KArg::U32(7),
+            KArg::F32(0.5),
+            KArg::U64(1 << 40),
+            KArg::Param,
+            KArg::Grad,
+            KArg::Slot(1),
+        ];
+        for k in &all {
+            let class = CParam::of_arg(k);
+            let v = match ArgVal::scalar(k, 3, true) {
+                Some(v) => v.expect("packs"),
+                // Buffers: a device address (`CUdeviceptr`, a u64).
+                None => ArgVal::U64(0xdead_0000),
+            };
+            assert!(v.fits(class), "{k:?} packs as {v:?}, the kernel takes {class:?}");
+        }
+        assert!(matches!(ArgVal::scalar(&KArg::U64(1 << 40), 0, true), Some(Ok(ArgVal::U64(x))) if x == 1 << 40));
+        assert!(matches!(ArgVal::scalar(&KArg::Training, 0, false), Some(Ok(ArgVal::U32(0)))));
+        assert!(matches!(ArgVal::scalar(&KArg::Rank, 5, true), Some(Ok(ArgVal::U32(5)))));
+        assert!(matches!(ArgVal::scalar(&KArg::Rank, usize::MAX, true), Some(Err(_))));
+    }
+
+    #[test]
+    fn placeholders_have_the_value_type() {
+        let t = TensorType::f32(vec![4, 3]);
+        match placeholder(&ValueType::Tensor(t.clone())) {
+            Value::Tensor(x) => {
+                assert_eq!(x.tensor_type(), t);
+                assert!(x.to_f64_vec().iter().all(|v| *v == 0.0));
+            }
+            other => panic!("{other:?}"),
+        }
+        let ids = TensorType::i32(vec![5]);
+        assert!(matches!(placeholder(&ValueType::Tensor(ids.clone())), Value::Tensor(x) if x.tensor_type() == ids));
+        let ty = ValueType::IndexedSlices {
+            dense: TensorType::f32(vec![10, 3]),
+            nnz: 4,
+        };
+        match placeholder(&ty) {
+            Value::Slices(s) => {
+                assert!(s.indices.is_empty());
+                assert_eq!(s.values.shape(), &[0, 3]);
+                assert_eq!(s.dense_shape, vec![10, 3]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_size_or_kind_does_not_fit() {
+        assert!(!ArgVal::U32(1).fits(CParam::B64));
+        assert!(!ArgVal::U32(1).fits(CParam::Ptr));
+        assert!(!ArgVal::U64(1).fits(CParam::U32));
+        assert!(!ArgVal::I32(1).fits(CParam::F32));
+        assert!(!ArgVal::F32(1.0).fits(CParam::I32));
+        assert!(!ArgVal::I32(1).fits(CParam::U32));
+        assert!(ArgVal::U64(1).fits(CParam::Ptr));
+        assert!(ArgVal::U64(1).fits(CParam::B64));
     }
 }

@@ -608,10 +608,24 @@ pub fn generate(graph: &Graph) -> Result<DevicePlan, CodegenError> {
         node_kernels(&node.op, &mut cx).map_err(|e| e.at(id, &node.op))?;
         nodes.push((id, cx.out));
     }
-    Ok(DevicePlan {
-        source: ks.source(),
-        nodes,
-    })
+    let source = ks.source();
+    // Every launch against its kernel's C parameters: a mismatch is a codegen bug that
+    // would hand the GPU garbage, so it is caught here, where no GPU is needed.
+    let sigs = kernel_signatures(&source).map_err(|reason| CodegenError::Invalid {
+        node: nodes.first().map_or_else(|| NodeId(0), |n| n.0),
+        op: "kernel source",
+        reason,
+    })?;
+    for (id, nl) in &nodes {
+        check_launches(&sigs, nl.launches.iter().chain(&nl.step_start)).map_err(|reason| {
+            CodegenError::Invalid {
+                node: *id,
+                op: graph.node(*id).op.mnemonic(),
+                reason,
+            }
+        })?;
+    }
+    Ok(DevicePlan { source, nodes })
 }
 
 /// A failure inside one node's generation, placed by [`generate`].
@@ -747,3 +761,242 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
 }
 
 pub use elementwise::fused_kernel;
+
+/// The C class of a kernel parameter, as far as its launch argument is concerned:
+/// what the executor must push, and how many bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CParam {
+    /// Any pointer: a 64-bit device address.
+    Ptr,
+    /// `u64`, `i64` (`unsigned long long`, `long long`).
+    B64,
+    /// `int`.
+    I32,
+    /// `u32` (`unsigned`, `unsigned int`).
+    U32,
+    /// `float`.
+    F32,
+}
+
+impl CParam {
+    /// The class of one C parameter declaration (`const float* x`, `u64 n`).
+    fn of(decl: &str) -> Result<CParam, String> {
+        let decl = decl.trim();
+        if decl.contains('*') {
+            return Ok(CParam::Ptr);
+        }
+        let words: Vec<&str> = decl
+            .split_whitespace()
+            .filter(|w| *w != "const" && *w != "__restrict__")
+            .collect();
+        // The last word is the parameter's name.
+        let ty = match words.split_last() {
+            Some((_, ty)) if !ty.is_empty() => ty.join(" "),
+            _ => return Err(format!("cannot read the parameter `{decl}`")),
+        };
+        Ok(match ty.as_str() {
+            "u64" | "i64" | "unsigned long long" | "long long" | "size_t" => CParam::B64,
+            "int" | "signed" | "signed int" => CParam::I32,
+            "u32" | "unsigned" | "unsigned int" => CParam::U32,
+            "float" => CParam::F32,
+            other => return Err(format!("parameter `{decl}`: no launch argument passes a `{other}`")),
+        })
+    }
+
+    /// The class a launch argument is passed as (see the module doc).
+    pub fn of_arg(k: &KArg) -> CParam {
+        match k {
+            KArg::Input(_)
+            | KArg::Output(_)
+            | KArg::Scratch(_)
+            | KArg::Step
+            | KArg::Param
+            | KArg::Grad
+            | KArg::Slot(_) => CParam::Ptr,
+            KArg::Rank | KArg::Training | KArg::U32(_) => CParam::U32,
+            KArg::I32(_) => CParam::I32,
+            KArg::F32(_) => CParam::F32,
+            KArg::U64(_) => CParam::B64,
+        }
+    }
+}
+
+/// Every `extern "C"` kernel of a translation unit with its parameters' classes.
+pub fn kernel_signatures(source: &str) -> Result<HashMap<String, Vec<CParam>>, String> {
+    const OPEN: &str = "extern \"C\" __global__ void ";
+    let mut out = HashMap::new();
+    let mut rest = source;
+    while let Some(at) = rest.find(OPEN) {
+        rest = &rest[at + OPEN.len()..];
+        let open = rest
+            .find('(')
+            .ok_or_else(|| "a kernel without a parameter list".to_string())?;
+        let name = rest[..open].trim().to_string();
+        let close = rest[open..]
+            .find(')')
+            .ok_or_else(|| format!("kernel `{name}`: unclosed parameter list"))?;
+        let list = &rest[open + 1..open + close];
+        let params = if list.trim().is_empty() || list.trim() == "void" {
+            Vec::new()
+        } else {
+            list.split(',')
+                .map(CParam::of)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("kernel `{name}`: {e}"))?
+        };
+        if out.insert(name.clone(), params).is_some() {
+            return Err(format!("kernel `{name}` is defined twice"));
+        }
+        rest = &rest[open + close..];
+    }
+    Ok(out)
+}
+
+/// Checks every kernel launch against its kernel's C parameter list: the kernel
+/// exists, the argument count is the parameter count, and each argument is passed
+/// as its parameter's C type (a pointer as a 64-bit address, 32-bit integers of the
+/// right signedness, floats, 64-bit integers). A mismatch would be garbage on the GPU.
+pub fn check_launches<'a>(
+    sigs: &HashMap<String, Vec<CParam>>,
+    launches: impl IntoIterator<Item = &'a Launch>,
+) -> Result<(), String> {
+    for l in launches {
+        let Launch::Kernel { name, args, .. } = l else {
+            continue;
+        };
+        let params = sigs
+            .get(name)
+            .ok_or_else(|| format!("kernel `{name}` is launched but not in the source"))?;
+        if params.len() != args.len() {
+            return Err(format!(
+                "kernel `{name}` takes {} parameters, its launch passes {} ({args:?})",
+                params.len(),
+                args.len()
+            ));
+        }
+        for (i, (p, a)) in params.iter().zip(args).enumerate() {
+            if CParam::of_arg(a) != *p {
+                return Err(format!(
+                    "kernel `{name}`: parameter {i} is {p:?}, its launch passes {a:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OptimizerSpec;
+
+    #[test]
+    fn signatures_classify_every_c_parameter() {
+        let src = "// a comment (with parens)\nextern \"C\" __global__ void k_a(const float* x, float* y, u64 n, const u64* step, u32 rank, unsigned int t, int c, float s, long long q) {\n}\nextern \"C\" __global__ void k_b() {}\n";
+        let sigs = kernel_signatures(src).expect("parses");
+        use CParam::*;
+        assert_eq!(
+            sigs["k_a"],
+            vec![Ptr, Ptr, B64, Ptr, U32, U32, I32, F32, B64]
+        );
+        assert_eq!(sigs["k_b"], Vec::<CParam>::new());
+        assert!(kernel_signatures("extern \"C\" __global__ void k(double d) {}").is_err());
+        assert!(
+            kernel_signatures("extern \"C\" __global__ void k(int a) {}\nextern \"C\" __global__ void k(int a) {}")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn launches_are_checked_against_their_kernel() {
+        let sigs = kernel_signatures(
+            "extern \"C\" __global__ void k(const float* x, float* y, u64 n, u32 r, float s) {}",
+        )
+        .expect("parses");
+        let launch = |args: Vec<KArg>| Launch::Kernel {
+            name: "k".into(),
+            grid: [1, 1, 1],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+            args,
+        };
+        let good = launch(vec![
+            KArg::Input(0),
+            KArg::Output(0),
+            KArg::U64(3),
+            KArg::Rank,
+            KArg::F32(1.0),
+        ]);
+        check_launches(&sigs, [&good]).expect("fits");
+        // A 32-bit count where the kernel reads a u64: garbage in the high word.
+        let narrow = launch(vec![
+            KArg::Input(0),
+            KArg::Output(0),
+            KArg::U32(3),
+            KArg::Rank,
+            KArg::F32(1.0),
+        ]);
+        assert!(check_launches(&sigs, [&narrow]).is_err());
+        let short = launch(vec![KArg::Input(0), KArg::Output(0), KArg::U64(3)]);
+        assert!(check_launches(&sigs, [&short]).is_err());
+        let float_as_int = launch(vec![
+            KArg::Input(0),
+            KArg::Output(0),
+            KArg::U64(3),
+            KArg::Rank,
+            KArg::I32(1),
+        ]);
+        assert!(check_launches(&sigs, [&float_as_int]).is_err());
+        let missing = Launch::Kernel {
+            name: "nope".into(),
+            grid: [1, 1, 1],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+            args: vec![],
+        };
+        assert!(check_launches(&sigs, [&missing]).is_err());
+    }
+
+    #[test]
+    fn every_optimizer_update_fits_its_kernels() {
+        let specs = [
+            OptimizerSpec::Sgd {
+                lr: 0.1,
+                momentum: 0.0,
+            },
+            OptimizerSpec::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+            },
+            OptimizerSpec::Adam {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ];
+        let vars = vec![
+            ("b".to_string(), TensorType::f32(vec![7]), None),
+            ("emb".to_string(), TensorType::f32(vec![50, 300]), Some(64)),
+            ("w".to_string(), TensorType::f32(vec![4, 3]), None),
+        ];
+        for spec in &specs {
+            let plan = optimizer_kernels(spec, &vars, 0.5).expect("an optimizer plan");
+            let sigs = kernel_signatures(&plan.source).expect("parses");
+            for v in &plan.vars {
+                assert!(!v.launches.is_empty(), "{spec:?}: `{}` has no launch", v.name);
+                check_launches(&sigs, &v.launches).expect("fits");
+                // The slot and step arguments the backend resolves exist for this rule.
+                for l in &v.launches {
+                    if let Launch::Kernel { args, .. } = l {
+                        for a in args {
+                            if let KArg::Slot(i) = a {
+                                assert!(*i < plan.slot_names.len(), "{spec:?}: slot {i}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -190,8 +190,19 @@ pub fn optimizer_kernels(
             scratch_bytes: cx.out.scratch_bytes,
         });
     }
+    let source = ks.source();
+    let sigs = super::kernel_signatures(&source).map_err(|reason| CodegenError::Optimizer {
+        var: "(all)".into(),
+        reason,
+    })?;
+    for v in &vars {
+        super::check_launches(&sigs, &v.launches).map_err(|reason| CodegenError::Optimizer {
+            var: v.name.clone(),
+            reason,
+        })?;
+    }
     Ok(OptimizerPlan {
-        source: ks.source(),
+        source,
         slot_names: rule.slot_names(),
         vars,
     })

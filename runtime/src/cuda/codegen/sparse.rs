@@ -227,6 +227,16 @@ pub(crate) fn row_mask(cx: &mut NodeCx<'_>) -> Result<(), String> {
     )
 }
 
+/// Rows of the table a slices value stands for (an error, not a panic, for a
+/// rank-0 dense type from a hand-edited plan).
+fn table_rows(dense: &distc_ir::TensorType) -> Result<usize, String> {
+    dense
+        .dims()
+        .first()
+        .copied()
+        .ok_or_else(|| format!("slices must stand for a table of rank 1 or more, not {dense}"))
+}
+
 /// Threads of the single-block scans.
 const SCAN_BLOCK: u32 = 1024;
 
@@ -402,13 +412,14 @@ pub(crate) fn unique_rows(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let (sd, snnz) = cx.sin(0)?;
     let (sd, snnz) = (sd.clone(), snnz);
     want_f32(&sd, "input 0")?;
+    let rows = table_rows(&sd)?;
     let (dd, dnnz) = cx.sout(0)?;
-    if dd != &sd || dnnz < snnz.min(sd.dims()[0]) {
+    if dd != &sd || dnnz < snnz.min(rows) {
         return Err(format!(
             "the output ({dd}, nnz {dnnz}) cannot hold the unique rows of the input ({sd}, nnz {snnz})"
         ));
     }
-    let (rows, row) = (sd.dims()[0], row_len(&sd));
+    let row = row_len(&sd);
     let sink = UniqueSink {
         base: "unique_rows",
         params: ", void* out, u64 onnz".into(),
@@ -431,6 +442,7 @@ pub(crate) fn densify(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let (sd, snnz) = cx.sin(0)?;
     let sd = sd.clone();
     want_f32(&sd, "input 0")?;
+    let rows = table_rows(&sd)?;
     let y = cx.tout(0)?.clone();
     if y != sd {
         return Err(format!("the output {y} is not the dense {sd}"));
@@ -439,7 +451,7 @@ pub(crate) fn densify(cx: &mut NodeCx<'_>) -> Result<(), String> {
         buf: KArg::Output(0),
         bytes: y.bytes() as u64,
     });
-    let (rows, row) = (sd.dims()[0], row_len(&sd));
+    let row = row_len(&sd);
     let sink = UniqueSink {
         base: "densify",
         params: ", float* y".into(),
