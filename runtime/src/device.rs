@@ -104,29 +104,10 @@ pub fn train_on<B: Backend>(
                 if on {
                     let captured = capture_step(&mut exec, &feeds, &mut params, &mut optimizer, step as u64);
                     let ended = exec.backend().end_capture();
-                    // Nothing ran while capturing: a step that cannot be captured (e.g.
-                    // an `output` sink, which reads a value back mid-step) runs
-                    // uncaptured, now and from then on; a real error recurs there and is
-                    // reported by the uncaptured run.
-                    match (captured, ended) {
-                        (Ok(used), Ok(())) => {
-                            captured_memory = Some(used);
-                            graph_state = GraphState::Replaying;
-                        }
-                        (Err(e), _) => {
-                            eprintln!(
-                                "warning: {device}: step {step} cannot be captured into a CUDA graph ({e}); every step runs uncaptured"
-                            );
-                            graph_state = GraphState::Off;
-                        }
-                        (Ok(_), Err(e)) => {
-                            let e = backend_err(&device, "ending the CUDA graph capture", e);
-                            eprintln!(
-                                "warning: step {step} cannot be captured into a CUDA graph ({e}); every step runs uncaptured"
-                            );
-                            graph_state = GraphState::Off;
-                        }
-                    }
+                    let used = captured?;
+                    ended.map_err(|e| backend_err(&device, "ending the CUDA graph capture", e))?;
+                    captured_memory = Some(used);
+                    graph_state = GraphState::Replaying;
                 } else {
                     graph_state = GraphState::Off;
                 }
