@@ -19,7 +19,14 @@ fn cuda_without_a_gpu_names_what_is_missing() {
         return;
     }
     for device in ["cuda", "cuda:1"] {
-        let o = distc(&["train", "examples/mlp.dsl", "--device", device, "--steps", "1"]);
+        let o = distc(&[
+            "train",
+            "examples/mlp.dsl",
+            "--device",
+            device,
+            "--steps",
+            "1",
+        ]);
         assert_eq!(o.status.code(), Some(1), "{}", text(&o));
         let t = text(&o);
         assert!(!t.contains("panicked"), "{t}");

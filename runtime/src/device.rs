@@ -16,7 +16,7 @@ use crate::data::DataSource;
 use crate::error::{Result, RuntimeError};
 use crate::exec::{Executor, Mode};
 use crate::memory::MemoryByCategory;
-use crate::metrics::{EvalMetrics, StepMetrics};
+use crate::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::train::{
     evaluate, init_params, open_data, Coordinator, Programs, TrainOptions, TrainReport,
 };
@@ -74,12 +74,22 @@ pub fn train_on<B: Backend>(
     // cuBLAS's included), one step and its update are captured, then that graph is
     // replayed for that step and every later one. Only with one batch per step; a
     // backend without graphs (the CPU's) says so and every step runs uncaptured.
-    let mut graph_state = if k == 1 {
+    // Profiling times each node's kernels (the executor waits for them), which a
+    // replayed graph cannot: a profiled run runs every step uncaptured.
+    let mut graph_state = if k == 1 && !opts.profile {
         GraphState::Untried
     } else {
         GraphState::Off
     };
     let mut captured_memory = None;
+    exec.set_profiling(opts.profile);
+    // Training runs read back no `output` sink (the prediction and target are for
+    // evaluation): on a device that would be a copy and a wait every step.
+    exec.set_train_outputs(false);
+    let mut profile = Profile {
+        steps,
+        ..Profile::default()
+    };
     for step in 1..=steps {
         let batches = data
             .iter_mut()
@@ -102,10 +112,19 @@ pub fn train_on<B: Backend>(
                     .begin_capture()
                     .map_err(|e| backend_err(&device, "starting a CUDA graph capture", e))?;
                 if on {
-                    let captured = capture_step(&mut exec, &feeds, &mut params, &mut optimizer, step as u64);
+                    let captured =
+                        capture_step(&mut exec, &feeds, &mut params, &mut optimizer, step as u64);
                     let ended = exec.backend().end_capture();
-                    let used = captured?;
-                    ended.map_err(|e| backend_err(&device, "ending the CUDA graph capture", e))?;
+                    let hint = "; run with --no-cuda-graph to train without a graph";
+                    let used = captured.map_err(|e| {
+                        RuntimeError::Config(format!(
+                            "{device}: step {step} could not be captured into a CUDA graph: {e}{hint}"
+                        ))
+                    })?;
+                    ended.map_err(|e| {
+                        let e = backend_err(&device, "ending the CUDA graph capture", e);
+                        RuntimeError::Config(format!("{e}{hint}"))
+                    })?;
                     captured_memory = Some(used);
                     graph_state = GraphState::Replaying;
                 } else {
@@ -141,15 +160,18 @@ pub fn train_on<B: Backend>(
             };
             let used = exec.measured_memory();
             let backend = exec.backend();
+            let updating = Instant::now();
             backend
                 .update(&mut optimizer, &mut params, out.grads)
                 .map_err(|e| backend_err(&device, "applying the update", e))?;
             backend
                 .synchronize()
                 .map_err(|e| backend_err(&device, "finishing the step", e))?;
+            profile.optimizer += updating.elapsed();
             used
         };
         let elapsed = start.elapsed();
+        profile.step_time += elapsed;
         if !loss.is_finite() {
             return Err(RuntimeError::Config(format!(
                 "the loss became {loss} at step {step}: lower the learning rate"
@@ -157,14 +179,10 @@ pub fn train_on<B: Backend>(
         }
         let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
         let eval: Option<EvalMetrics> = if eval_now {
-            Some(evaluate(
-                &mut exec,
-                &params,
-                &data[0],
-                config,
-                step as u64 + 1,
-                None,
-            )?)
+            exec.set_profiling(false);
+            let e = evaluate(&mut exec, &params, &data[0], config, step as u64 + 1, None)?;
+            exec.set_profiling(opts.profile);
+            Some(e)
         } else {
             None
         };
@@ -205,7 +223,10 @@ pub fn train_on<B: Backend>(
         train_time: c.train_time,
         samples_per_sec: (c.steps * k * config.batch) as f64 / c.train_time.as_secs_f64().max(1e-9),
         params: host,
-        profile: None,
+        profile: opts.profile.then(|| Profile {
+            ops: exec.profile(),
+            ..profile
+        }),
         spans: Vec::new(),
     })
 }

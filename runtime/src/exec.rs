@@ -226,6 +226,8 @@ pub struct Executor<B: Backend = Cpu> {
     measured: MemoryUse,
     /// Gradient sums of the micro-batches of the current step, by node position.
     accumulated: HashMap<usize, B::Value>,
+    /// Whether training runs read their `output` sinks.
+    train_outputs: bool,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -478,6 +480,7 @@ impl<B: Backend> Executor<B> {
             rank: 0,
             measured: MemoryUse::default(),
             accumulated: HashMap::new(),
+            train_outputs: true,
         })
     }
 
@@ -524,6 +527,7 @@ impl<B: Backend> Executor<B> {
             rank,
             measured,
             accumulated,
+            train_outputs,
         } = self;
         let mut tally = Tally::default();
         // Bytes and category of the value in each slot, for freeing.
@@ -720,6 +724,10 @@ impl<B: Backend> Executor<B> {
                     tally.free_released(&mut held, &st.uses);
                     out.grads.push((param.clone(), v));
                 }
+                Op::Output { .. } if mode != Mode::Eval && !*train_outputs => {
+                    release(&mut slots, &st.uses);
+                    tally.free_released(&mut held, &st.uses);
+                }
                 Op::Output { name } => {
                     tally.free_released(&mut held, &st.uses);
                     let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
@@ -741,6 +749,9 @@ impl<B: Backend> Executor<B> {
                     let start = profiling.then(Instant::now);
                     let results = backend.eval(node.id, op, args, &ctx).map_err(backend_err)?;
                     if let Some(start) = start {
+                        // A device backend only queued the kernels: wait for them, so
+                        // the time is the kernels' (a no-op on the CPU).
+                        backend.synchronize().map_err(backend_err)?;
                         let e = profile.entry(op.mnemonic()).or_default();
                         e.0 += start.elapsed();
                         e.1 += 1;
@@ -795,6 +806,13 @@ impl<B: Backend> Executor<B> {
     /// its samples in the global batch for per-sample dropout masks.
     pub fn set_rank(&mut self, rank: usize) {
         self.rank = rank;
+    }
+
+    /// Whether a training run reads its `output` sinks (on by default; evaluation
+    /// always does). Off, a training step returns no outputs and a device backend
+    /// copies nothing back for them.
+    pub fn set_train_outputs(&mut self, on: bool) {
+        self.train_outputs = on;
     }
 
     /// Turns per-op timing on or off (off by default; it costs two clock reads a node).

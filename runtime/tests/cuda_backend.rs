@@ -31,7 +31,11 @@ fn forward_graph() -> (Graph, HashMap<String, Tensor>, HashMap<String, Tensor>) 
     let mut g = Graph::new("cuda_backend_forward");
     let mut feeds = HashMap::new();
     let mut params = HashMap::new();
-    let mut input = |g: &mut Graph, name: &str, dims: &[usize], feeds: &mut HashMap<String, Tensor>| -> ValueId {
+    let mut input = |g: &mut Graph,
+                     name: &str,
+                     dims: &[usize],
+                     feeds: &mut HashMap<String, Tensor>|
+     -> ValueId {
         feeds.insert(name.to_string(), random(dims, &mut rng));
         g.add(
             Op::Input {
@@ -190,16 +194,19 @@ fn forward_kernels_match_the_cpu() {
     let up = |ex: &mut Executor<CudaBackend>, m: &HashMap<String, Tensor>| {
         use distc_runtime::backend::Backend;
         m.iter()
-            .map(|(k, t)| (k.clone(), ex.backend().upload(k, t.clone()).expect("upload")))
+            .map(|(k, t)| {
+                (
+                    k.clone(),
+                    ex.backend().upload(k, t.clone()).expect("upload"),
+                )
+            })
             .collect::<HashMap<_, _>>()
     };
     let dfeeds = up(&mut ex, &feeds);
     let dparams = up(&mut ex, &params);
     // Twice: the second run reuses every buffer of the first.
     for round in 0..2 {
-        let got = ex
-            .run(&dfeeds, &dparams, Mode::Train, 1)
-            .expect("cuda run");
+        let got = ex.run(&dfeeds, &dparams, Mode::Train, 1).expect("cuda run");
         assert_eq!(got.outputs.len(), want.outputs.len());
         for ((name, a), (wname, b)) in got.outputs.iter().zip(&want.outputs) {
             assert_eq!(name, wname);

@@ -77,3 +77,29 @@ fn the_device_loop_refuses_a_plan_that_communicates() {
         "{text}"
     );
 }
+
+#[test]
+fn the_device_loop_profiles_each_op_and_reads_no_outputs_while_training() {
+    let c = compile_file(&example("dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
+    let report = train_on(
+        Cpu,
+        &c.programs.worker,
+        &c.config,
+        &TrainOptions {
+            steps: Some(2),
+            profile: true,
+            ..Default::default()
+        },
+        &mut |_| Ok(()),
+    )
+    .expect("trains");
+    let profile = report.profile.expect("a profile");
+    assert_eq!(profile.steps, 2);
+    assert!(
+        profile.ops.iter().any(|(op, d, calls)| *op == "matmul" && *calls > 0 && !d.is_zero()),
+        "{:?}",
+        profile.ops
+    );
+    // The evaluation after the last step still read its outputs.
+    assert!(report.eval.is_some());
+}

@@ -12,11 +12,7 @@ use distc_runtime::device::train_on;
 use distc_runtime::train::{TrainOptions, TrainReport};
 use distc_tests::{example, EXAMPLES};
 
-fn run(
-    name: &str,
-    steps: usize,
-    opts: Option<CudaOptions>,
-) -> Option<(TrainReport, Vec<f64>)> {
+fn run(name: &str, steps: usize, opts: Option<CudaOptions>) -> Option<(TrainReport, Vec<f64>)> {
     let c = compile_file(&example(name), &CompileOptions::default()).expect("compiles");
     if c.config.data.needs_files() && data_dir(None).is_none() {
         println!("skipping {name}: DISTC_DATA not set");
@@ -67,9 +63,17 @@ fn one_step_on_cuda_matches_the_cpu() {
         let Some((got, gl)) = run(name, 1, Some(no_graphs)) else {
             continue;
         };
-        assert!(close(gl[0], wl[0], 1e-4), "{name}: loss {} vs {}", gl[0], wl[0]);
+        assert!(
+            close(gl[0], wl[0], 1e-4),
+            "{name}: loss {} vs {}",
+            gl[0],
+            wl[0]
+        );
         for (var, w) in &want.params {
-            let g = got.params.get(var).unwrap_or_else(|| panic!("{name}: no `{var}`"));
+            let g = got
+                .params
+                .get(var)
+                .unwrap_or_else(|| panic!("{name}: no `{var}`"));
             let (g, w) = (g.to_f64_vec(), w.to_f64_vec());
             let scale = w.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
             for (i, (a, b)) in g.iter().zip(&w).enumerate() {
@@ -93,7 +97,11 @@ fn five_steps_with_cuda_graphs_match_the_cpu() {
         };
         assert_eq!(gl.len(), wl.len(), "{name}");
         for (s, (a, b)) in gl.iter().zip(&wl).enumerate() {
-            assert!(close(*a, *b, 1e-3), "{name}: step {}: loss {a} on CUDA, {b} on the CPU", s + 1);
+            assert!(
+                close(*a, *b, 1e-3),
+                "{name}: step {}: loss {a} on CUDA, {b} on the CPU",
+                s + 1
+            );
         }
     }
 }

@@ -347,17 +347,19 @@ fn dtoh<T>(stream: &CudaStream, dst: &mut [T], src: u64) -> Result<(), CudaError
 }
 
 fn sync(stream: &CudaStream) -> Result<(), CudaError> {
-    stream
-        .synchronize()
-        .map_err(drv_err("cuStreamSynchronize"))
+    stream.synchronize().map_err(drv_err("cuStreamSynchronize"))
 }
 
 /// A host tensor's bytes, row-major.
 fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
     let mut out = Vec::with_capacity(t.bytes());
     match t {
-        Tensor::F32(a) => a.iter().for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
-        Tensor::I32(a) => a.iter().for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
+        Tensor::F32(a) => a
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
+        Tensor::I32(a) => a
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
         Tensor::F64(_) => {
             return Err(invalid(
                 "an f64 tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
@@ -685,9 +687,17 @@ impl CudaBackend {
         let mut indices = vec![0i32; rows];
         let mut values = vec![0f32; rows * layout.row];
         if rows > 0 {
-            dtoh(&self.stream, &mut indices, v.ptr + layout.indices_offset as u64)?;
+            dtoh(
+                &self.stream,
+                &mut indices,
+                v.ptr + layout.indices_offset as u64,
+            )?;
             if !values.is_empty() {
-                dtoh(&self.stream, &mut values, v.ptr + layout.values_offset as u64)?;
+                dtoh(
+                    &self.stream,
+                    &mut values,
+                    v.ptr + layout.values_offset as u64,
+                )?;
             }
         }
         sync(&self.stream)?;
@@ -696,7 +706,8 @@ impl CudaBackend {
         Ok(Value::Slices(Slices {
             indices,
             values: Tensor::F32(
-                ArrayD::from_shape_vec(IxDyn(&shape), values).map_err(|e| invalid(e.to_string()))?,
+                ArrayD::from_shape_vec(IxDyn(&shape), values)
+                    .map_err(|e| invalid(e.to_string()))?,
             ),
             dense_shape: dense.dims().to_vec(),
         }))
@@ -712,7 +723,10 @@ impl CudaBackend {
     ) -> Result<(), KernelError> {
         let ptr = |k: &KArg| match arg(k)? {
             ArgVal::U64(p) => Ok(p),
-            other => Err(invalid(format!("{}: {k:?} is {other:?}, not a buffer", what()))),
+            other => Err(invalid(format!(
+                "{}: {k:?} is {other:?}, not a buffer",
+                what()
+            ))),
         };
         for l in launches {
             match l {
@@ -723,9 +737,9 @@ impl CudaBackend {
                     shared_bytes,
                     args,
                 } => {
-                    let Kernel { f, params } = funcs
-                        .get(name)
-                        .ok_or_else(|| invalid(format!("{}: kernel `{name}` not loaded", what())))?;
+                    let Kernel { f, params } = funcs.get(name).ok_or_else(|| {
+                        invalid(format!("{}: kernel `{name}` not loaded", what()))
+                    })?;
                     let vals = args.iter().map(arg).collect::<Result<Vec<_>, _>>()?;
                     // Each value in its parameter's C type, or no launch (garbage on
                     // the GPU otherwise).
@@ -773,10 +787,12 @@ impl CudaBackend {
                 Launch::Gemm(g) => {
                     let (a, b, c) = (ptr(&g.a)?, ptr(&g.b)?, ptr(&g.c)?);
                     let i = |v: u32| {
-                        i32::try_from(v).map_err(|_| invalid(format!("{}: {v} exceeds cuBLAS's int", what())))
+                        i32::try_from(v)
+                            .map_err(|_| invalid(format!("{}: {v} exceeds cuBLAS's int", what())))
                     };
                     let l = |v: u64| {
-                        i64::try_from(v).map_err(|_| invalid(format!("{}: stride {v} too large", what())))
+                        i64::try_from(v)
+                            .map_err(|_| invalid(format!("{}: stride {v} too large", what())))
                     };
                     let op = |t: bool| {
                         if t {
@@ -915,11 +931,9 @@ impl Backend for CudaBackend {
             };
             root.insert(key, r);
             if let Some(r) = r {
-                let e = span.entry(r).or_insert((
-                    codegen::value_bytes(&lt.ty),
-                    lt.first,
-                    lt.last,
-                ));
+                let e = span
+                    .entry(r)
+                    .or_insert((codegen::value_bytes(&lt.ty), lt.first, lt.last));
                 e.2 = e.2.max(lt.last);
             }
         }
@@ -1036,7 +1050,10 @@ impl Backend for CudaBackend {
                     .ok_or_else(|| invalid(format!("{}: alias of missing input {i}", what())))?,
                 _ => {
                     let off = self.out_offsets.get(&(node, j)).ok_or_else(|| {
-                        invalid(format!("{}: output {j} has no buffer (prepare not run?)", what()))
+                        invalid(format!(
+                            "{}: output {j} has no buffer (prepare not run?)",
+                            what()
+                        ))
                     })?;
                     self.arena_base + *off as u64
                 }
@@ -1068,7 +1085,10 @@ impl Backend for CudaBackend {
                 ),
                 KArg::Step => ArgVal::U64(steps),
                 KArg::Param | KArg::Grad | KArg::Slot(_) => {
-                    return Err(invalid(format!("{}: optimizer argument {k:?} in a node", what())))
+                    return Err(invalid(format!(
+                        "{}: optimizer argument {k:?} in a node",
+                        what()
+                    )))
                 }
                 scalar => {
                     return ArgVal::scalar(scalar, ctx.rank, ctx.training).unwrap_or_else(|| {
@@ -1157,8 +1177,7 @@ impl Backend for CudaBackend {
                 let layout = codegen::SlicesLayout::of(&ty)
                     .ok_or_else(|| invalid("slices without a slices type"))?;
                 let vals = host_bytes(&s.values)?;
-                if s.indices.len() > layout.nnz || vals.len() != 4 * layout.row * s.indices.len()
-                {
+                if s.indices.len() > layout.nnz || vals.len() != 4 * layout.row * s.indices.len() {
                     return Err(invalid(format!(
                         "slices of {} rows ({} value bytes) do not fit {ty} (at most {} rows of {})",
                         s.indices.len(),
@@ -1278,7 +1297,9 @@ impl Backend for CudaBackend {
         for id in self.graph.node_ids() {
             if let Op::ParamGrad { param } = self.graph.op(id) {
                 let t = params.get(param).ok_or_else(|| {
-                    invalid(format!("variable `{param}` has a gradient but was not uploaded"))
+                    invalid(format!(
+                        "variable `{param}` has a gradient but was not uploaded"
+                    ))
                 })?;
                 let gty = self
                     .graph
@@ -1377,7 +1398,9 @@ impl Backend for CudaBackend {
         let opt_step = self.steps_ptr + 8;
         for (name, g) in &grads {
             let var = opt.vars.get(name).ok_or_else(|| {
-                invalid(format!("`{name}`: a gradient for a variable the optimizer does not update"))
+                invalid(format!(
+                    "`{name}`: a gradient for a variable the optimizer does not update"
+                ))
             })?;
             let p = params
                 .get(name)
@@ -1406,9 +1429,7 @@ impl Backend for CudaBackend {
                             Err(invalid(format!("{}: {k:?} is not a value", what())))
                         })
                     }
-                    other => {
-                        return Err(invalid(format!("{}: node argument {other:?}", what())))
-                    }
+                    other => return Err(invalid(format!("{}: node argument {other:?}", what()))),
                 })
             };
             self.issue(&var.update.launches, &opt.funcs, &arg, &what)?;
@@ -1528,12 +1549,26 @@ mod tests {
                 // Buffers: a device address (`CUdeviceptr`, a u64).
                 None => ArgVal::U64(0xdead_0000),
             };
-            assert!(v.fits(class), "{k:?} packs as {v:?}, the kernel takes {class:?}");
+            assert!(
+                v.fits(class),
+                "{k:?} packs as {v:?}, the kernel takes {class:?}"
+            );
         }
-        assert!(matches!(ArgVal::scalar(&KArg::U64(1 << 40), 0, true), Some(Ok(ArgVal::U64(x))) if x == 1 << 40));
-        assert!(matches!(ArgVal::scalar(&KArg::Training, 0, false), Some(Ok(ArgVal::U32(0)))));
-        assert!(matches!(ArgVal::scalar(&KArg::Rank, 5, true), Some(Ok(ArgVal::U32(5)))));
-        assert!(matches!(ArgVal::scalar(&KArg::Rank, usize::MAX, true), Some(Err(_))));
+        assert!(
+            matches!(ArgVal::scalar(&KArg::U64(1 << 40), 0, true), Some(Ok(ArgVal::U64(x))) if x == 1 << 40)
+        );
+        assert!(matches!(
+            ArgVal::scalar(&KArg::Training, 0, false),
+            Some(Ok(ArgVal::U32(0)))
+        ));
+        assert!(matches!(
+            ArgVal::scalar(&KArg::Rank, 5, true),
+            Some(Ok(ArgVal::U32(5)))
+        ));
+        assert!(matches!(
+            ArgVal::scalar(&KArg::Rank, usize::MAX, true),
+            Some(Err(_))
+        ));
     }
 
     #[test]
@@ -1547,7 +1582,9 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let ids = TensorType::i32(vec![5]);
-        assert!(matches!(placeholder(&ValueType::Tensor(ids.clone())), Value::Tensor(x) if x.tensor_type() == ids));
+        assert!(
+            matches!(placeholder(&ValueType::Tensor(ids.clone())), Value::Tensor(x) if x.tensor_type() == ids)
+        );
         let ty = ValueType::IndexedSlices {
             dense: TensorType::f32(vec![10, 3]),
             nnz: 4,

@@ -799,7 +799,11 @@ impl CParam {
             "int" | "signed" | "signed int" => CParam::I32,
             "u32" | "unsigned" | "unsigned int" => CParam::U32,
             "float" => CParam::F32,
-            other => return Err(format!("parameter `{decl}`: no launch argument passes a `{other}`")),
+            other => {
+                return Err(format!(
+                    "parameter `{decl}`: no launch argument passes a `{other}`"
+                ))
+            }
         })
     }
 
@@ -901,10 +905,10 @@ mod tests {
         );
         assert_eq!(sigs["k_b"], Vec::<CParam>::new());
         assert!(kernel_signatures("extern \"C\" __global__ void k(double d) {}").is_err());
-        assert!(
-            kernel_signatures("extern \"C\" __global__ void k(int a) {}\nextern \"C\" __global__ void k(int a) {}")
-                .is_err()
-        );
+        assert!(kernel_signatures(
+            "extern \"C\" __global__ void k(int a) {}\nextern \"C\" __global__ void k(int a) {}"
+        )
+        .is_err());
     }
 
     #[test]
@@ -984,7 +988,11 @@ mod tests {
             let plan = optimizer_kernels(spec, &vars, 0.5).expect("an optimizer plan");
             let sigs = kernel_signatures(&plan.source).expect("parses");
             for v in &plan.vars {
-                assert!(!v.launches.is_empty(), "{spec:?}: `{}` has no launch", v.name);
+                assert!(
+                    !v.launches.is_empty(),
+                    "{spec:?}: `{}` has no launch",
+                    v.name
+                );
                 check_launches(&sigs, &v.launches).expect("fits");
                 // The slot and step arguments the backend resolves exist for this rule.
                 for l in &v.launches {
