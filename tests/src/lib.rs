@@ -13,9 +13,12 @@ pub const EXAMPLES: [&str; 6] = [
     "recsys.dsl",
 ];
 
-/// The example model `name` (`mlp.dsl`) in examples/.
+/// The example model `name` (`mlp.dsl`) in examples/: of the repository at
+/// `DISTC_REPO` when set (a test binary run on another machine, see
+/// scripts/gpu-suite.sh), else of the one it was built from.
 pub fn example(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples")
-        .join(name)
+    let root = std::env::var_os("DISTC_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+    root.join("examples").join(name)
 }

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs the GPU suite on a GPU machine from what scripts/gpu-pack.sh built: every GPU
+# test binary, then the single-GPU benchmark (bench/gpu.sh). Finds the CUDA 13
+# libraries in the nvidia-* wheels of the Python that has PyTorch (PYTHON, default
+# python3), as bench/gpu.sh does. Writes each part's log to RESULTS (default $OUT,
+# else a temp folder) and exits non-zero if a test binary failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"
+results="${RESULTS:-${OUT:-$(mktemp -d)}}"
+mkdir -p "$results"
+
+libs=$("$py" - <<'PY'
+import os, nvidia
+dirs = []
+for base in getattr(nvidia, "__path__", []):
+    for sub in ("cu13/lib", "nccl/lib", "cublas/lib", "cuda_nvrtc/lib"):
+        d = os.path.join(base, sub)
+        if os.path.isdir(d):
+            dirs.append(d)
+print(":".join(dirs))
+PY
+) || { echo "gpu-suite: no nvidia-* wheels in $py" >&2; exit 1; }
+export DISTC_CUDA_LIB_DIR="$libs"
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The test binaries find examples/ through DISTC_REPO (their build path is not here).
+export DISTC_REPO="$PWD"
+nvidia-smi -L | tee "$results/gpu.txt"
+
+failed=0
+for t in gpu-bin/distc-*; do
+  name=$(basename "$t")
+  echo "== $name"
+  if "$t" --nocapture --test-threads 1 >"$results/$name.log" 2>&1; then
+    grep -E "^test result|skipping" "$results/$name.log" | tail -5
+  else
+    failed=1
+    tail -40 "$results/$name.log"
+  fi
+done
+RESULTS="$results" bash bench/gpu.sh gpu-bin/distc 2>&1 | tee "$results/bench.txt"
+exit $failed
