@@ -90,19 +90,33 @@ pub fn train_on<B: Backend>(
         steps,
         ..Profile::default()
     };
+    // While a replayed step runs on the device, the next step's batch is drawn and
+    // staged (uploads are ordered after the replay on the device's stream, so the
+    // buffers the graph reads are overwritten only once it is done).
+    let mut prefetched: Option<HashMap<String, B::Tensor>> = None;
     for step in 1..=steps {
-        let batches = data
-            .iter_mut()
-            .map(DataSource::next_batch)
-            .collect::<Result<Vec<_>>>()?;
-        let start = Instant::now();
+        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
+        let (uploaded, start) = match prefetched.take() {
+            Some(feeds) => (vec![feeds], Instant::now()),
+            None => {
+                let batches = data
+                    .iter_mut()
+                    .map(DataSource::next_batch)
+                    .collect::<Result<Vec<_>>>()?;
+                let start = Instant::now();
+                let uploaded = batches
+                    .into_iter()
+                    .map(|b| upload_all(exec.backend(), b, &device))
+                    .collect::<Result<Vec<_>>>()?;
+                (uploaded, start)
+            }
+        };
         let mut loss = 0.0;
         let mut last = None;
         let mut replayed = false;
-        for (m, batch) in batches.into_iter().enumerate() {
+        for (m, feeds) in uploaded.into_iter().enumerate() {
             exec.set_rank(m);
             let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
-            let feeds = upload_all(exec.backend(), batch, &device)?;
             exec.backend()
                 .set_step(step as u64)
                 .map_err(|e| backend_err(&device, "setting the step", e))?;
@@ -132,10 +146,15 @@ pub fn train_on<B: Backend>(
                 }
             }
             if graph_state == GraphState::Replaying {
-                let backend = exec.backend();
-                backend
+                exec.backend()
                     .replay()
                     .map_err(|e| backend_err(&device, "replaying the step's CUDA graph", e))?;
+                // Not before an evaluation: its batches would land in the same buffers.
+                if k == 1 && step < steps && !eval_now {
+                    let next = data[0].next_batch()?;
+                    prefetched = Some(upload_all(exec.backend(), next, &device)?);
+                }
+                let backend = exec.backend();
                 backend
                     .synchronize()
                     .map_err(|e| backend_err(&device, "finishing the step", e))?;
@@ -177,7 +196,6 @@ pub fn train_on<B: Backend>(
                 "the loss became {loss} at step {step}: lower the learning rate"
             )));
         }
-        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
         let eval: Option<EvalMetrics> = if eval_now {
             exec.set_profiling(false);
             let e = evaluate(&mut exec, &params, &data[0], config, step as u64 + 1, None)?;

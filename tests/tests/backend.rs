@@ -96,7 +96,10 @@ fn the_device_loop_profiles_each_op_and_reads_no_outputs_while_training() {
     let profile = report.profile.expect("a profile");
     assert_eq!(profile.steps, 2);
     assert!(
-        profile.ops.iter().any(|(op, d, calls)| *op == "matmul" && *calls > 0 && !d.is_zero()),
+        profile
+            .ops
+            .iter()
+            .any(|(op, d, calls)| *op == "matmul" && *calls > 0 && !d.is_zero()),
         "{:?}",
         profile.ops
     );
