@@ -106,7 +106,13 @@ pub trait Backend {
     // Named as the pair of `to_host`; it takes `self` because the backend owns the
     // memory the value moves into.
     #[allow(clippy::wrong_self_convention)]
-    fn from_host(&mut self, v: Value) -> Result<Self::Value, KernelError>;
+    /// `at` is the node output the value becomes (a device backend writes it into
+    /// that output's planned buffer, so a step allocates nothing).
+    fn from_host(
+        &mut self,
+        at: Option<(NodeId, usize)>,
+        v: Value,
+    ) -> Result<Self::Value, KernelError>;
     /// A sink's input as a host tensor (ids for a sparse pull), borrowed where it
     /// already is one.
     fn host_tensor<'s>(
@@ -153,6 +159,38 @@ pub trait Backend {
     ) -> Result<(), KernelError>;
     /// Bytes of optimizer state.
     fn optimizer_bytes(opt: &Self::Optimizer) -> u64;
+    /// Whether the optimizer may spread one update over threads (the CPU's, when
+    /// cores are left over); a no-op elsewhere.
+    fn parallel_updates(_opt: &mut Self::Optimizer, _on: bool) {}
+    /// The optimizer state on the host, for a training state on disk: `VAR/SLOT`
+    /// tensors and the step count, as [`Optimizer::state`] names them.
+    fn optimizer_state(
+        &mut self,
+        _opt: &Self::Optimizer,
+    ) -> Result<Vec<(String, Tensor)>, KernelError> {
+        Err(KernelError::Invalid(format!(
+            "{} cannot write its optimizer state yet: train on the CPU to write a training state",
+            self.name()
+        )))
+    }
+    /// Loads a resumed optimizer state (names as [`Backend::optimizer_state`] gives).
+    fn load_optimizer_state(
+        &mut self,
+        _opt: &mut Self::Optimizer,
+        _state: &HashMap<String, Tensor>,
+    ) -> Result<(), KernelError> {
+        Err(KernelError::Invalid(format!(
+            "{} cannot resume an optimizer state yet: resume on the CPU",
+            self.name()
+        )))
+    }
+    /// The names of each variable's optimizer slots (`momentum`; Adam's `m`, `v`).
+    fn optimizer_slots(opt: &Self::Optimizer) -> &'static [&'static str];
+    /// Moves a tensor the backend holds to the host (a copy on a device; a move on
+    /// the CPU).
+    fn into_host(&mut self, t: Self::Tensor) -> Result<Tensor, KernelError> {
+        self.download(&t)
+    }
     /// Waits until everything issued has finished (for timing a step); a no-op on a
     /// backend that runs synchronously.
     fn synchronize(&mut self) -> Result<(), KernelError> {
@@ -244,7 +282,7 @@ impl Backend for Cpu {
         Ok(v)
     }
 
-    fn from_host(&mut self, v: Value) -> Result<Value, KernelError> {
+    fn from_host(&mut self, _at: Option<(NodeId, usize)>, v: Value) -> Result<Value, KernelError> {
         Ok(v)
     }
 
@@ -297,5 +335,34 @@ impl Backend for Cpu {
 
     fn optimizer_bytes(opt: &Optimizer) -> u64 {
         opt.state_bytes()
+    }
+
+    fn parallel_updates(opt: &mut Optimizer, on: bool) {
+        opt.set_parallel(on);
+    }
+
+    fn optimizer_state(&mut self, opt: &Optimizer) -> Result<Vec<(String, Tensor)>, KernelError> {
+        Ok(opt
+            .state()
+            .into_iter()
+            .map(|(k, t)| (k, t.clone()))
+            .collect())
+    }
+
+    fn load_optimizer_state(
+        &mut self,
+        opt: &mut Optimizer,
+        state: &HashMap<String, Tensor>,
+    ) -> Result<(), KernelError> {
+        opt.load_state(state)
+            .map_err(|e| KernelError::Invalid(e.to_string()))
+    }
+
+    fn optimizer_slots(opt: &Optimizer) -> &'static [&'static str] {
+        opt.slot_names()
+    }
+
+    fn into_host(&mut self, t: Tensor) -> Result<Tensor, KernelError> {
+        Ok(t)
     }
 }

@@ -208,7 +208,7 @@ enum Slot<'a, B: Backend> {
     Owned(B::Value),
     Borrowed(&'a B::Tensor),
     /// A collective under way; waited for when first read.
-    Pending(Box<dyn Pending>),
+    Pending(Box<dyn Pending>, NodeId),
 }
 
 /// Runs one graph on a [`Backend`] (the CPU's by default); compiled once, run once
@@ -557,9 +557,13 @@ impl<B: Backend> Executor<B> {
             };
             let backend_err = |e: KernelError| device_err(node, e);
             for u in &st.uses {
-                if matches!(slots[u.slot], Slot::Pending(_)) {
-                    if let Slot::Pending(p) = std::mem::replace(&mut slots[u.slot], Slot::Empty) {
-                        let v = backend.from_host(p.wait()?).map_err(backend_err)?;
+                if matches!(slots[u.slot], Slot::Pending(..)) {
+                    if let Slot::Pending(p, from) =
+                        std::mem::replace(&mut slots[u.slot], Slot::Empty)
+                    {
+                        let v = backend
+                            .from_host(Some((from, 0)), p.wait()?)
+                            .map_err(backend_err)?;
                         slots[u.slot] = Slot::Owned(v);
                     }
                 }
@@ -572,7 +576,9 @@ impl<B: Backend> Executor<B> {
                 (Op::Pull { var, shards, .. }, Some(c)) => {
                     let t = c.pull(var, shards, step)?;
                     Some(Slot::Owned(
-                        backend.from_host(Value::Tensor(t)).map_err(backend_err)?,
+                        backend
+                            .from_host(Some((node.id, 0)), Value::Tensor(t))
+                            .map_err(backend_err)?,
                     ))
                 }
                 (Op::SparsePull { var, shards, .. }, Some(c)) => {
@@ -587,7 +593,7 @@ impl<B: Backend> Executor<B> {
                     release(&mut slots, &st.uses);
                     Some(Slot::Owned(
                         backend
-                            .from_host(Value::Tensor(rows))
+                            .from_host(Some((node.id, 0)), Value::Tensor(rows))
                             .map_err(backend_err)?,
                     ))
                 }
@@ -620,7 +626,10 @@ impl<B: Backend> Executor<B> {
                     )
                     .map_err(backend_err)?;
                     let v = backend.to_host(v).map_err(backend_err)?;
-                    Some(Slot::Pending(c.start_collective(node.id, op, v, step)?))
+                    Some(Slot::Pending(
+                        c.start_collective(node.id, op, v, step)?,
+                        node.id,
+                    ))
                 }
                 (
                     Op::Pull { .. }
@@ -984,7 +993,7 @@ fn args<'s, 'a: 's, B: Backend>(
             (Some(v), _) => Ok(BackendArg::Owned(v)),
             (None, Slot::Owned(v)) => Ok(BackendArg::Borrowed(v)),
             (None, Slot::Borrowed(t)) => Ok(BackendArg::BorrowedTensor(*t)),
-            (None, Slot::Empty | Slot::Pending(_)) => {
+            (None, Slot::Empty | Slot::Pending(..)) => {
                 Err(format!("input slot {} is empty (executor bug)", u.slot))
             }
         })
@@ -1008,7 +1017,7 @@ fn read<'s, B: Backend>(
     match &slots[u.slot] {
         Slot::Owned(v) => Ok(ValueRef::Value(v)),
         Slot::Borrowed(t) => Ok(ValueRef::Tensor(*t)),
-        Slot::Empty | Slot::Pending(_) => {
+        Slot::Empty | Slot::Pending(..) => {
             Err(format!("input slot {} is empty (executor bug)", u.slot))
         }
     }
@@ -1025,13 +1034,13 @@ fn take<B: Backend>(
         match std::mem::replace(&mut slots[u.slot], Slot::Empty) {
             Slot::Owned(v) => v,
             Slot::Borrowed(t) => backend.copy_tensor(t)?,
-            Slot::Empty | Slot::Pending(_) => return Err(empty()),
+            Slot::Empty | Slot::Pending(..) => return Err(empty()),
         }
     } else {
         match &slots[u.slot] {
             Slot::Owned(v) => backend.copy_value(v)?,
             Slot::Borrowed(t) => backend.copy_tensor(t)?,
-            Slot::Empty | Slot::Pending(_) => return Err(empty()),
+            Slot::Empty | Slot::Pending(..) => return Err(empty()),
         }
     };
     release(slots, std::slice::from_ref(u));

@@ -9,7 +9,7 @@
 //! ([`Coordinator`]). The MPI launcher (`crate::comm::mpi`) runs the same loop, one
 //! rank per process.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Cpu};
 use crate::checkpoint::TrainingState;
 use crate::comm::{in_process, Communicator};
 use crate::config::RunConfig;
@@ -22,7 +22,7 @@ use crate::ps::{self, PsConfig, PsSync, ShardSpec};
 use crate::roles::Role;
 use crate::trace::Span;
 use crate::value::Tensor;
-use crate::worker::{run_worker, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
+use crate::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
 use distc_ir::{Graph, Op, TensorType};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -447,6 +447,20 @@ pub fn train(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
+    train_with(programs, config, opts, on_step, |_| Ok(Cpu))
+}
+
+/// [`train`], each worker's kernels on the backend `make(rank)` creates on that
+/// worker's thread (several workers may share one device); communication goes
+/// through the host.
+pub fn train_with<B: Backend>(
+    programs: Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: impl Fn(usize) -> Result<B> + Sync,
+) -> Result<TrainReport> {
+    let make = &make;
     let n = programs.workers;
     if n == 0 {
         return Err(RuntimeError::Config("the plan has no workers".into()));
@@ -507,7 +521,7 @@ pub fn train(
             };
             let h = std::thread::Builder::new()
                 .name(format!("worker-{rank}"))
-                .spawn_scoped(scope, move || run_worker(setup));
+                .spawn_scoped(scope, move || run_worker_on(setup, || make(rank)));
             handles.push(h);
         }
         drop(report_tx);

@@ -14,6 +14,7 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
+use crate::backend::{Backend, Cpu, KernelError};
 use crate::checkpoint::{StateIndex, TrainingState};
 use crate::comm::{ByteCount, Communicator};
 use crate::config::RunConfig;
@@ -22,7 +23,7 @@ use crate::error::{Result, RuntimeError};
 use crate::exec::{CommHook, Executor, Mode, Pending};
 use crate::memory::MemoryByCategory;
 use crate::metrics::{EvalMetrics, Profile};
-use crate::optim::{Optimizer, STEP_KEY};
+use crate::optim::STEP_KEY;
 use crate::ps::PsClient;
 use crate::roles::Role;
 use crate::trace::Span;
@@ -450,11 +451,12 @@ impl Pending for TimedWait {
     }
 }
 
-/// The state a worker's steps share.
-struct Loop {
-    exec: Executor,
-    params: HashMap<String, Tensor>,
-    optimizer: Optimizer,
+/// The state a worker's steps share: the executor on the worker's backend, which
+/// holds the variables and the optimizer state.
+struct Loop<B: Backend> {
+    exec: Executor<B>,
+    params: HashMap<String, B::Tensor>,
+    optimizer: B::Optimizer,
     profile: Profile,
     /// `(step, start, update start, end)` per step, while tracing.
     step_spans: Vec<(u64, Instant, Instant, Instant)>,
@@ -465,8 +467,17 @@ struct Loop {
     ps_last: (u64, u64),
 }
 
-/// Runs worker `setup.rank`'s training to the end; see the module doc.
+/// Runs worker `setup.rank`'s training to the end on the CPU; see the module doc.
 pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
+    run_worker_on(setup, || Ok(Cpu))
+}
+
+/// Runs worker `setup.rank`'s training to the end on the backend `make` creates (on
+/// the worker's own thread, where a device backend binds its device).
+pub fn run_worker_on<B: Backend>(
+    setup: WorkerSetup<'_>,
+    make: impl FnOnce() -> Result<B>,
+) -> Result<WorkerOutcome> {
     let WorkerSetup {
         programs,
         config,
@@ -501,20 +512,28 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
         waited_shared: Arc::new(Mutex::new(Duration::ZERO)),
     };
     let mut state = None;
-    let mut result = run_steps(
-        &programs,
-        config,
-        opts,
-        rank,
-        &mut data,
-        &mut *report,
-        &mut hook,
-        bytes_rx,
-        &mut state,
-    );
-    // Whole variables from the shards, on every worker (it is a collective).
-    if let (Ok(()), Some(fin), Some(st)) = (&result, programs.finalize, state.as_mut()) {
-        result = finalize(fin, st, rank, &mut hook);
+    let mut result = make().and_then(|backend| {
+        run_steps(
+            backend,
+            &programs,
+            config,
+            opts,
+            rank,
+            &mut data,
+            &mut *report,
+            &mut hook,
+            bytes_rx,
+            &mut state,
+        )
+    });
+    // The variables back on the host, then whole from the shards, on every worker
+    // (the final program is a collective).
+    let mut host_params = HashMap::new();
+    if let (Ok(()), Some(st)) = (&result, state.as_mut()) {
+        result = take_params(st).map(|p| host_params = p);
+    }
+    if let (Ok(()), Some(fin)) = (&result, programs.finalize) {
+        result = finalize(fin, &mut host_params, rank, &mut hook);
     }
     let mut server_shards = Vec::new();
     if result.is_ok() {
@@ -576,34 +595,73 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
         ..st.profile
     });
     Ok(WorkerOutcome {
-        params: st.params,
+        params: host_params,
         server_shards,
         spans,
         profile,
     })
 }
 
-/// Runs the final program: its outputs (whole variables) replace the shards it reads.
+/// Moves the worker's variables to the host (on the CPU: moved, not copied).
+fn take_params<B: Backend>(st: &mut Loop<B>) -> Result<HashMap<String, Tensor>> {
+    let device = st.exec.backend().name();
+    std::mem::take(&mut st.params)
+        .into_iter()
+        .map(|(name, t)| {
+            let t = st
+                .exec
+                .backend()
+                .into_host(t)
+                .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// A backend's error outside a node, naming the backend and what it was doing.
+fn backend_error(device: &str, what: &str, e: KernelError) -> RuntimeError {
+    RuntimeError::Config(format!("{device}: {what}: {e}"))
+}
+
+/// Uploads every tensor of `host` to the backend.
+fn upload_all<B: Backend>(
+    backend: &mut B,
+    host: HashMap<String, Tensor>,
+) -> Result<HashMap<String, B::Tensor>> {
+    let device = backend.name();
+    host.into_iter()
+        .map(|(name, t)| {
+            let t = backend
+                .upload(&name, t)
+                .map_err(|e| backend_error(&device, &format!("copying `{name}` in"), e))?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// Runs the final program (on the host): its outputs (whole variables) replace the
+/// shards it reads.
 fn finalize(
     fin: &distc_ir::Graph,
-    st: &mut Loop,
+    params: &mut HashMap<String, Tensor>,
     rank: usize,
     hook: &mut WorkerHook,
 ) -> Result<()> {
     let mut exec = Executor::new(fin)?;
     exec.set_rank(rank);
-    let out = exec.run_with(&HashMap::new(), &st.params, Mode::Train, 0, Some(hook))?;
+    let out = exec.run_with(&HashMap::new(), params, Mode::Train, 0, Some(hook))?;
     for (_, name, _) in fin.params() {
-        st.params.remove(name);
+        params.remove(name);
     }
-    st.params.extend(out.outputs);
+    params.extend(out.outputs);
     Ok(())
 }
 
 /// Initialises and runs every step; `state` holds what the steps built, for the
 /// outcome (also when a step fails).
 #[allow(clippy::too_many_arguments)]
-fn run_steps(
+fn run_steps<B: Backend>(
+    backend: B,
     programs: &Programs<'_>,
     config: &RunConfig,
     opts: &TrainOptions,
@@ -612,7 +670,7 @@ fn run_steps(
     report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
     hook: &mut WorkerHook,
     bytes_rx: mpsc::Receiver<ByteCount>,
-    state: &mut Option<Loop>,
+    state: &mut Option<Loop<B>>,
 ) -> Result<()> {
     let workers = programs.workers;
     let steps = opts.steps.unwrap_or(config.steps);
@@ -630,14 +688,23 @@ fn run_steps(
             params.insert(name, t);
         }
     }
-    let mut exec = Executor::new(programs.worker)?;
+    crate::exec::warm_allocator();
+    let mut exec = Executor::with_backend(programs.worker, backend)?;
     exec.set_rank(rank);
     exec.set_profiling(opts.profile && rank == 0);
-    let mut optimizer = Optimizer::new(&config.optimizer);
+    let device = exec.backend().name();
+    let slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
+    let params = upload_all(exec.backend(), params)?;
+    let mut optimizer = exec
+        .backend()
+        .optimizer(&config.optimizer, &params)
+        .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
     // Workers that fill the cores keep their updates on their own thread.
-    optimizer.set_parallel(cores > workers);
-    if let Some(state) = resume {
-        optimizer.load_state(&resumed_slots(state, &params, workers, rank))?;
+    B::parallel_updates(&mut optimizer, cores > workers);
+    if let Some(slots) = slots {
+        exec.backend()
+            .load_optimizer_state(&mut optimizer, &slots)
+            .map_err(|e| backend_error(&device, "loading the optimizer state", e))?;
     }
     let first = resume.map_or(1, |s| s.index.step as usize + 1);
     if first > steps {
@@ -674,12 +741,13 @@ fn run_steps(
         // Micro-batches: the last one communicates and hands the gradients over.
         let mut micro_loss = 0.0;
         let mut last = None;
-        for (m, batch) in batches.iter().enumerate() {
+        for (m, batch) in batches.into_iter().enumerate() {
             st.exec.set_rank(rank * k + m);
             let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
+            let batch = upload_all(st.exec.backend(), batch)?;
             let o = st
                 .exec
-                .run_with(batch, &st.params, mode, step as u64, Some(&mut *hook))?;
+                .run_with(&batch, &st.params, mode, step as u64, Some(&mut *hook))?;
             micro_loss += o.loss.unwrap_or(f64::NAN);
             last = Some(o);
         }
@@ -690,7 +758,15 @@ fn run_steps(
         };
         out.loss = Some(micro_loss / k as f64);
         let updating = Instant::now();
-        st.optimizer.step(&mut st.params, &out.grads)?;
+        let device = st.exec.backend().name();
+        st.exec
+            .backend()
+            .update(&mut st.optimizer, &mut st.params, out.grads)
+            .map_err(|e| backend_error(&device, "applying the update", e))?;
+        st.exec
+            .backend()
+            .synchronize()
+            .map_err(|e| backend_error(&device, "finishing the step", e))?;
         st.profile.optimizer += updating.elapsed();
         let elapsed = start.elapsed();
         if opts.trace {
@@ -709,9 +785,13 @@ fn run_steps(
         let (sent, received, moved) = byte_deltas(st, hook);
         let used = st.exec.measured_memory();
         let memory = MemoryByCategory {
-            params: st.params.values().map(|t| t.bytes() as u64).sum(),
+            params: st
+                .params
+                .values()
+                .map(|t| B::tensor_type(t).bytes() as u64)
+                .sum(),
             gradients: used.gradients,
-            optimizer: st.optimizer.state_bytes(),
+            optimizer: B::optimizer_bytes(&st.optimizer),
             activations: used.activations,
             comm_buffers: used.comm_buffers,
         };
@@ -756,7 +836,7 @@ fn run_steps(
             bytes_received: received,
             bytes_moved: moved,
             eval,
-            device_memory: None,
+            device_memory: st.exec.backend().device_memory(),
         })?;
     }
     Ok(())
@@ -828,35 +908,47 @@ fn resumed_slots(
 /// variables and slots, the servers' rows and slots, and the ZeRO chunks, which every
 /// worker gathers with it (a collective, so every worker calls this at the same steps).
 #[allow(clippy::too_many_arguments)]
-fn save_training_state(
+fn save_training_state<B: Backend>(
     c: &crate::train::CheckpointEvery,
-    st: &mut Loop,
+    st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
     rank: usize,
     step: usize,
     hook: &mut WorkerHook,
 ) -> Result<()> {
+    let device = st.exec.backend().name();
     let mut slots: HashMap<String, Tensor> = st
-        .optimizer
-        .state()
+        .exec
+        .backend()
+        .optimizer_state(&st.optimizer)
+        .map_err(|e| backend_error(&device, "writing the training state", e))?
         .into_iter()
-        .map(|(k, t)| (k, t.clone()))
         .collect();
+    // The variables on the host (a copy: training goes on).
+    let mut host: HashMap<String, Tensor> = HashMap::with_capacity(st.params.len());
+    for (name, t) in &st.params {
+        let t = st
+            .exec
+            .backend()
+            .download(t)
+            .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
+        host.insert(name.clone(), t);
+    }
     let mut params: HashMap<String, Tensor> = HashMap::new();
     if let Some(fin) = programs.finalize {
         let mut exec = Executor::new(fin)?;
         exec.set_rank(rank);
         let out = exec.run_with(
             &HashMap::new(),
-            &st.params,
+            &host,
             Mode::Train,
             step as u64,
             Some(&mut *hook),
         )?;
         params.extend(out.outputs);
         // The slots of the chunks, gathered by the same program, one slot at a time.
-        for slot in st.optimizer.slot_names() {
+        for slot in B::optimizer_slots(&st.optimizer) {
             let chunks: HashMap<String, Tensor> = fin
                 .params()
                 .into_iter()
@@ -882,10 +974,8 @@ fn save_training_state(
         return Ok(());
     }
     params.extend(
-        st.params
-            .iter()
-            .filter(|(k, _)| !k.ends_with(ZERO_SHARD_SUFFIX))
-            .map(|(k, v)| (k.clone(), v.clone())),
+        host.into_iter()
+            .filter(|(k, _)| !k.ends_with(ZERO_SHARD_SUFFIX)),
     );
     if let Some(ps) = hook.ps.as_mut() {
         let parts = ps.snapshot(step as u64)?;
@@ -913,7 +1003,7 @@ fn save_training_state(
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.
-fn byte_deltas(st: &mut Loop, hook: &WorkerHook) -> (u64, u64, u64) {
+fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &WorkerHook) -> (u64, u64, u64) {
     let mut now = st.last;
     while let Ok(b) = st.bytes_rx.try_recv() {
         now = b;

@@ -106,3 +106,209 @@ fn the_device_loop_profiles_each_op_and_reads_no_outputs_while_training() {
     // The evaluation after the last step still read its outputs.
     assert!(report.eval.is_some());
 }
+
+/// The CPU backend behind another type: what runs through it cannot be the CPU
+/// trainer's own fast path, and it counts the kernels it ran.
+struct Wrapped {
+    kernels: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+mod wrapped {
+    use super::Wrapped;
+    use distc_ir::{NodeId, Op, TensorType, ValueType};
+    use distc_runtime::backend::{Backend, BackendArg, Cpu, KernelError, ValueRef};
+    use distc_runtime::exec::Schedule;
+    use distc_runtime::kernels::KernelCtx;
+    use distc_runtime::optim::Optimizer;
+    use distc_runtime::{OptimizerSpec, Tensor, Value};
+    use std::borrow::Cow;
+    use std::collections::HashMap;
+    use std::sync::atomic::Ordering;
+
+    impl Backend for Wrapped {
+        type Value = Value;
+        type Tensor = Tensor;
+        type Optimizer = Optimizer;
+        fn name(&self) -> String {
+            "wrapped-cpu".into()
+        }
+        fn prepare(&mut self, s: &Schedule) -> Result<(), KernelError> {
+            Cpu.prepare(s)
+        }
+        fn eval(
+            &mut self,
+            node: NodeId,
+            op: &Op,
+            args: Vec<BackendArg<'_, Value, Tensor>>,
+            ctx: &KernelCtx,
+        ) -> Result<Vec<Value>, KernelError> {
+            self.kernels.fetch_add(1, Ordering::Relaxed);
+            Cpu.eval(node, op, args, ctx)
+        }
+        fn value_type(v: &Value) -> ValueType {
+            Cpu::value_type(v)
+        }
+        fn value_bytes(v: &Value) -> u64 {
+            Cpu::value_bytes(v)
+        }
+        fn tensor_type(t: &Tensor) -> TensorType {
+            Cpu::tensor_type(t)
+        }
+        fn filled(&mut self, ty: &TensorType, v: f64) -> Result<Tensor, KernelError> {
+            Cpu.filled(ty, v)
+        }
+        fn upload(&mut self, name: &str, t: Tensor) -> Result<Tensor, KernelError> {
+            Cpu.upload(name, t)
+        }
+        fn download(&mut self, t: &Tensor) -> Result<Tensor, KernelError> {
+            Cpu.download(t)
+        }
+        fn to_host(&mut self, v: Value) -> Result<Value, KernelError> {
+            Cpu.to_host(v)
+        }
+        fn from_host(
+            &mut self,
+            at: Option<(NodeId, usize)>,
+            v: Value,
+        ) -> Result<Value, KernelError> {
+            Cpu.from_host(at, v)
+        }
+        fn host_tensor<'s>(
+            &mut self,
+            v: ValueRef<'s, Value, Tensor>,
+        ) -> Result<Cow<'s, Tensor>, KernelError> {
+            Cpu.host_tensor(v)
+        }
+        fn copy_tensor(&mut self, t: &Tensor) -> Result<Value, KernelError> {
+            Cpu.copy_tensor(t)
+        }
+        fn copy_value(&mut self, v: &Value) -> Result<Value, KernelError> {
+            Cpu.copy_value(v)
+        }
+        fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
+            Cpu.add(a, b)
+        }
+        fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
+            Cpu.scale(v, k)
+        }
+        fn optimizer(
+            &mut self,
+            spec: &OptimizerSpec,
+            params: &HashMap<String, Tensor>,
+        ) -> Result<Optimizer, KernelError> {
+            Cpu.optimizer(spec, params)
+        }
+        fn update(
+            &mut self,
+            opt: &mut Optimizer,
+            params: &mut HashMap<String, Tensor>,
+            grads: Vec<(String, Value)>,
+        ) -> Result<(), KernelError> {
+            Cpu.update(opt, params, grads)
+        }
+        fn optimizer_bytes(opt: &Optimizer) -> u64 {
+            Cpu::optimizer_bytes(opt)
+        }
+        fn optimizer_slots(opt: &Optimizer) -> &'static [&'static str] {
+            Cpu::optimizer_slots(opt)
+        }
+        // No optimizer_state / load_optimizer_state: the defaults refuse, as a
+        // device backend's do today.
+    }
+}
+
+#[test]
+fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    use distc_runtime::train::train_with;
+    for (strategy, workers, servers, zero) in [
+        (Strategy::Allreduce, 2, 0, 0),
+        (Strategy::Hybrid, 2, 1, 0),
+        (Strategy::Ps, 3, 2, 0),
+        (Strategy::Allreduce, 2, 0, 3),
+    ] {
+        let c = compile_file(
+            &example("sparse_lm.dsl"),
+            &CompileOptions {
+                strategy: StrategyConfig {
+                    strategy,
+                    workers,
+                    servers,
+                    zero,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .expect("compiles");
+        let opts = TrainOptions {
+            steps: Some(3),
+            global_data: true,
+            ..Default::default()
+        };
+        let mut cpu_losses = Vec::new();
+        let expected = train(c.programs(workers), &c.config, &opts, &mut |m| {
+            cpu_losses.push(m.loss);
+            Ok(())
+        })
+        .expect("trains on the CPU");
+        let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut losses = Vec::new();
+        let got = train_with(
+            c.programs(workers),
+            &c.config,
+            &opts,
+            &mut |m| {
+                losses.push(m.loss);
+                Ok(())
+            },
+            |_| {
+                Ok(Wrapped {
+                    kernels: kernels.clone(),
+                })
+            },
+        )
+        .expect("trains on the wrapped backend");
+        let what = format!("{strategy:?} x{workers} zero {zero}");
+        assert!(
+            kernels.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{what}: no kernel ran on the backend"
+        );
+        assert_eq!(cpu_losses, losses, "{what}: losses differ");
+        for (var, w) in &expected.params {
+            assert!(got.params.get(var) == Some(w), "{what}: `{var}` differs");
+        }
+    }
+}
+
+#[test]
+fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
+    let dir = std::env::temp_dir().join(format!("distc-backend-state-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let c = compile_file(&example("dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
+    let opts = TrainOptions {
+        steps: Some(1),
+        checkpoint: Some(distc_runtime::train::CheckpointEvery {
+            path: dir.join("state.safetensors"),
+            every: 1,
+            saved_by: "test".into(),
+        }),
+        ..Default::default()
+    };
+    let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let err =
+        distc_runtime::train::train_with(c.programs(1), &c.config, &opts, &mut |_| Ok(()), |_| {
+            Ok(Wrapped {
+                kernels: kernels.clone(),
+            })
+        })
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("wrapped-cpu") && err.contains("training state"),
+        "{err}"
+    );
+    assert!(!dir.join("state.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

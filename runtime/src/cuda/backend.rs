@@ -134,6 +134,7 @@ pub struct CudaOptimizer {
     vars: HashMap<String, VarState>,
     scratch_base: u64,
     slot_bytes: u64,
+    slot_names: &'static [&'static str],
     _scratch: Option<CudaSlice<u8>>,
     _module: Option<Arc<CudaModule>>,
 }
@@ -1168,9 +1169,18 @@ impl Backend for CudaBackend {
         self.read_value(&v)
     }
 
-    fn from_host(&mut self, v: Value) -> Result<DeviceValue, KernelError> {
+    fn from_host(
+        &mut self,
+        at: Option<(NodeId, usize)>,
+        v: Value,
+    ) -> Result<DeviceValue, KernelError> {
         self.bind()?;
-        let ty = v.value_type();
+        // The node output's IR type (slices at their row bound, as its planned buffer
+        // is sized), else the value's own.
+        let ty = at
+            .and_then(|(n, p)| self.graph.get(n).and_then(|node| node.outputs.get(p)))
+            .cloned()
+            .unwrap_or_else(|| v.value_type());
         let bytes = match &v {
             Value::Tensor(t) => host_bytes(t)?,
             Value::Slices(s) => {
@@ -1197,6 +1207,23 @@ impl Backend for CudaBackend {
                 b
             }
         };
+        // Into the output's planned buffer when it has one: a step allocates nothing.
+        if let Some(&off) = at.and_then(|k| self.out_offsets.get(&k)) {
+            self.no_capture("copying a value in")?;
+            if bytes.len() > codegen::value_bytes(&ty) {
+                return Err(invalid(format!(
+                    "a {}-byte value does not fit the {}-byte buffer of {ty}",
+                    bytes.len(),
+                    codegen::value_bytes(&ty)
+                )));
+            }
+            let ptr = self.arena_base + off as u64;
+            if !bytes.is_empty() {
+                htod(&self.stream, ptr, &bytes)?;
+            }
+            sync(&self.stream)?;
+            return Ok(DeviceValue { ptr, ty });
+        }
         let ptr = self.owned_copy(&bytes, false)?;
         Ok(DeviceValue { ptr, ty })
     }
@@ -1380,6 +1407,7 @@ impl Backend for CudaBackend {
             vars: states,
             scratch_base,
             slot_bytes,
+            slot_names,
             _scratch: scratch,
             _module: module,
         })
@@ -1445,6 +1473,10 @@ impl Backend for CudaBackend {
 
     fn optimizer_bytes(opt: &CudaOptimizer) -> u64 {
         opt.slot_bytes
+    }
+
+    fn optimizer_slots(opt: &CudaOptimizer) -> &'static [&'static str] {
+        opt.slot_names
     }
 
     fn synchronize(&mut self) -> Result<(), KernelError> {
