@@ -391,9 +391,10 @@ struct RunArgs {
     /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping).
     #[arg(long, value_enum, default_value = "inprocess")]
     transport: Transport,
-    /// Where the kernels run: `cpu`, or `cuda` / `cuda:N` (GPU N, default 0) for a
-    /// one-device plan (`--strategy single`). The CUDA libraries are loaded at run
-    /// time: point distc at them with DISTC_CUDA_LIB_DIR (or LD_LIBRARY_PATH).
+    /// Where the kernels run: `cpu`, or `cuda` / `cuda:N` (GPU N, default 0). A
+    /// distributed plan's workers all run on that GPU, exchanging through the host;
+    /// servers stay on the CPU. The CUDA libraries are loaded at run time: point
+    /// distc at them with DISTC_CUDA_LIB_DIR (or LD_LIBRARY_PATH).
     #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
     device: Device,
     /// On a GPU: run every step eagerly instead of replaying the step captured into a
@@ -758,13 +759,36 @@ fn run_cuda(
         tf32: args.tf32,
         graphs: !args.no_cuda_graph,
     };
-    let backend = distc_runtime::cuda::CudaBackend::new(ordinal, r.graph, opts)?;
-    Ok(distc_runtime::device::train_on(
-        backend,
-        r.graph,
+    let programs = r.programs();
+    let communicates = programs.workers > 1 || !programs.servers.is_empty();
+    if !communicates {
+        let backend = distc_runtime::cuda::CudaBackend::new(ordinal, r.graph, opts)?;
+        return Ok(distc_runtime::device::train_on(
+            backend,
+            r.graph,
+            &r.plan.config,
+            &train_options(r.plan, args)?,
+            on_step,
+        )?);
+    }
+    // A distributed plan: every worker a thread with its own CUDA backend on GPU
+    // `ordinal` (they share it), collectives and pulls through the host, servers on
+    // the CPU. No CUDA graphs: a step waits on the other workers.
+    distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env())?;
+    let opts = distc_runtime::cuda::CudaOptions {
+        graphs: false,
+        ..opts
+    };
+    Ok(distc_runtime::train::train_with(
+        programs,
         &r.plan.config,
         &train_options(r.plan, args)?,
         on_step,
+        |_| {
+            Ok(distc_runtime::cuda::CudaBackend::new(
+                ordinal, r.graph, opts,
+            )?)
+        },
     )?)
 }
 

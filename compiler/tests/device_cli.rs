@@ -18,15 +18,17 @@ fn cuda_without_a_gpu_names_what_is_missing() {
         println!("skipping: this machine has a GPU");
         return;
     }
-    for device in ["cuda", "cuda:1"] {
-        let o = distc(&[
-            "train",
-            "examples/mlp.dsl",
-            "--device",
-            device,
-            "--steps",
-            "1",
-        ]);
+    // One device, another GPU number, and a distributed plan (workers on the GPU).
+    let distributed = ["--strategy", "hybrid", "--workers", "2", "--servers", "1"];
+    for (device, extra) in [
+        ("cuda", &[][..]),
+        ("cuda:1", &[][..]),
+        ("cuda", &distributed[..]),
+    ] {
+        let mut args = vec!["train", "examples/sparse_lm.dsl", "--device", device];
+        args.extend_from_slice(&["--steps", "1"]);
+        args.extend_from_slice(extra);
+        let o = distc(&args);
         assert_eq!(o.status.code(), Some(1), "{}", text(&o));
         let t = text(&o);
         assert!(!t.contains("panicked"), "{t}");
