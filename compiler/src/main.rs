@@ -68,6 +68,10 @@ enum Command {
         /// rank 0 then trains the one device and compares).
         #[arg(long, value_enum, default_value = "inprocess")]
         transport: Transport,
+        /// Run both sides' workers on a GPU: `cuda` or `cuda:N` (the workers of the
+        /// distributed run share it, exchanging through the host); default `cpu`.
+        #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
+        device: Device,
     },
     /// Benchmark the standard workloads (WORKLOADS.md): each strategy with 1, 2 and 4
     /// workers; 10 warm-up and 50 timed steps, median of 3 runs. With --compile:
@@ -912,13 +916,22 @@ fn verify_cmd(
     data: Option<&Path>,
     timeout: f64,
     transport: Transport,
+    device: Device,
 ) -> Result<()> {
     check_strategy_flags(compile)?;
+    let device = match (device, transport) {
+        (Device::Cpu, _) => None,
+        (Device::Cuda(n), Transport::Inprocess) => Some(n),
+        (Device::Cuda(_), Transport::Mpi) => bail!(
+            "--device cuda verifies with worker threads on one GPU; --transport mpi runs on the CPU"
+        ),
+    };
     let opts = VerifyOptions {
         compile: compile_opts(compile, data),
         steps,
         tolerance,
         timeout: Duration::from_secs_f64(timeout),
+        device,
     };
     let result = match transport {
         Transport::Inprocess => verify(file, &opts).map(Some),
@@ -1025,6 +1038,7 @@ fn real_main(cli: Cli) -> Result<()> {
             data,
             timeout,
             transport,
+            device,
         } => verify_cmd(
             &file,
             &compile,
@@ -1033,6 +1047,7 @@ fn real_main(cli: Cli) -> Result<()> {
             data.as_deref(),
             timeout,
             transport,
+            device,
         )?,
         Command::Bench {
             workloads,

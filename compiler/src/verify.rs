@@ -24,6 +24,9 @@ pub struct VerifyOptions {
     pub tolerance: f64,
     /// Bound on any wait for a collective or a server.
     pub timeout: Duration,
+    /// Run both sides' workers on this GPU (CUDA backend, collectives through the
+    /// host); `None`: the CPU.
+    pub device: Option<usize>,
 }
 
 /// One variable's comparison.
@@ -143,7 +146,29 @@ fn run(
 ) -> Result<HashMap<String, Tensor>, VerifyError> {
     let train_opts = train_options(opts);
     let programs = c.programs(workers);
-    Ok(train(programs, &c.config, &train_opts, &mut |_| Ok(()))?.params)
+    let report = match opts.device {
+        None => train(programs, &c.config, &train_opts, &mut |_| Ok(()))?,
+        Some(ordinal) => {
+            let cuda = distc_runtime::cuda::CudaOptions {
+                graphs: false,
+                ..Default::default()
+            };
+            distc_runtime::train::train_with(
+                programs,
+                &c.config,
+                &train_opts,
+                &mut |_| Ok(()),
+                |_| {
+                    Ok(distc_runtime::cuda::CudaBackend::new(
+                        ordinal,
+                        &c.programs.worker,
+                        cuda,
+                    )?)
+                },
+            )?
+        }
+    };
+    Ok(report.params)
 }
 
 /// Refuses options that compare nothing.

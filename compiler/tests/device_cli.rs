@@ -38,7 +38,26 @@ fn cuda_without_a_gpu_names_what_is_missing() {
                 || t.contains("no usable CUDA GPU"),
             "{t}"
         );
-    }
+    } // verify on the GPU: both sides' workers there.
+    let o = distc(&[
+        "verify",
+        "examples/sparse_lm.dsl",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "1",
+        "--device",
+        "cuda",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t = text(&o);
+    assert!(!t.contains("panicked"), "{t}");
+    assert!(
+        t.contains("libcuda.so.1") || t.contains("no usable CUDA GPU"),
+        "{t}"
+    );
 }
 
 #[test]

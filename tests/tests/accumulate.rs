@@ -47,6 +47,7 @@ fn accumulation_trains_what_one_device_trains() {
                 // rounding of summing 6 micro-batch means in another order (9.7e-5).
                 tolerance: 2e-4,
                 timeout: Duration::from_secs(60),
+                device: None,
             };
             let r = verify(&file, &opts).unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
             let w = r.worst().expect("variables").clone();

@@ -105,3 +105,44 @@ fn five_steps_with_cuda_graphs_match_the_cpu() {
         }
     }
 }
+
+/// `distc verify --device cuda`: allreduce, ps and hybrid with 2 workers sharing the
+/// GPU (collectives through the host) against one device on the GPU, for both
+/// standard workloads (issue 11).
+#[test]
+fn verify_on_the_gpu_passes_for_allreduce_ps_and_hybrid() {
+    use distc::verify::{verify, VerifyOptions};
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    let dirs = distc_runtime::cuda::LibDirs::from_env();
+    if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
+        println!("skipping: {e}");
+        return;
+    }
+    for name in ["sparse_lm.dsl", "dense_mlp.dsl"] {
+        for (strategy, servers) in [
+            (Strategy::Allreduce, 0),
+            (Strategy::Ps, 2),
+            (Strategy::Hybrid, 1),
+        ] {
+            let opts = VerifyOptions {
+                compile: CompileOptions {
+                    strategy: StrategyConfig {
+                        strategy,
+                        workers: 2,
+                        servers,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                steps: 3,
+                // The GPU sums in another order than one device's batch: f32 rounding.
+                tolerance: 1e-3,
+                timeout: std::time::Duration::from_secs(120),
+                device: Some(0),
+            };
+            let report = verify(&example(name), &opts)
+                .unwrap_or_else(|e| panic!("{name} {strategy:?}: {e}"));
+            assert!(report.passed(), "{name} {strategy:?}: {report:?}");
+        }
+    }
+}

@@ -33,6 +33,7 @@ fn verify_opts(s: StrategyConfig, steps: usize) -> VerifyOptions {
         steps,
         tolerance: 1e-4,
         timeout: Duration::from_secs(60),
+        device: None,
     }
 }
 

@@ -51,6 +51,7 @@ fn recomputation_trains_what_one_device_trains() {
                 steps: 3,
                 tolerance: 1e-5,
                 timeout: Duration::from_secs(60),
+                device: None,
             };
             let r = verify(&file, &opts).unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
             let w = r.worst().expect("variables").clone();
