@@ -796,6 +796,8 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
         bytes_received_per_worker: vec![],
         eval: r.eval.clone(),
         memory: r.memory,
+        gpu_memory: r.device_memory.map(|m| m.0),
+        gpu_memory_peak: r.device_memory.map(|m| m.1),
     }
 }
 
