@@ -27,6 +27,8 @@ mod elementwise;
 mod fused;
 mod layout;
 mod nn;
+
+pub(crate) use nn::Geom as ConvGeom;
 mod reduce;
 mod sparse;
 

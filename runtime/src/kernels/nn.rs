@@ -161,23 +161,25 @@ pub(super) fn layer_norm_grad<A: Elem>(
     Ok(vec![val(dx), val(vec1(dgamma)?), val(vec1(dbeta)?)])
 }
 
-/// The geometry of a convolution: `x [n,c,h,w]`, `w [o,c,kh,kw]`, output `[n,o,oh,ow]`.
-struct Geom {
-    n: usize,
-    c: usize,
-    h: usize,
-    w: usize,
-    o: usize,
-    kh: usize,
-    kw: usize,
-    stride: usize,
-    pad: usize,
-    oh: usize,
-    ow: usize,
+/// The geometry of a convolution: `x [n,c,h,w]`, `w [o,c,kh,kw]`, output `[n,o,oh,ow]`
+/// (the CUDA code generator lays its kernels out by the same one).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geom {
+    pub(crate) n: usize,
+    pub(crate) c: usize,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+    pub(crate) o: usize,
+    pub(crate) kh: usize,
+    pub(crate) kw: usize,
+    pub(crate) stride: usize,
+    pub(crate) pad: usize,
+    pub(crate) oh: usize,
+    pub(crate) ow: usize,
 }
 
 impl Geom {
-    fn new(x: &[usize], w: &[usize], stride: usize, pad: usize) -> Result<Geom, String> {
+    pub(crate) fn new(x: &[usize], w: &[usize], stride: usize, pad: usize) -> Result<Geom, String> {
         if x.len() != 4 || w.len() != 4 {
             return Err(format!(
                 "needs x [N,C,H,W] and w [O,C,KH,KW], got {} and {}",
@@ -221,18 +223,18 @@ impl Geom {
     }
 
     /// Rows of the column matrix: `c * kh * kw`.
-    fn k(&self) -> usize {
+    pub(crate) fn k(&self) -> usize {
         self.c * self.kh * self.kw
     }
     /// Output positions per image: `oh * ow`.
-    fn p(&self) -> usize {
+    pub(crate) fn p(&self) -> usize {
         self.oh * self.ow
     }
     /// Elements of one input image.
     fn chw(&self) -> usize {
         self.c * self.h * self.w
     }
-    fn out_dims(&self) -> [usize; 4] {
+    pub(crate) fn out_dims(&self) -> [usize; 4] {
         [self.n, self.o, self.oh, self.ow]
     }
     /// The input coordinate read by output coordinate `o` at kernel offset `k`, if it

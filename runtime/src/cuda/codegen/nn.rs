@@ -11,6 +11,7 @@
 
 use super::index::transpose_map;
 use super::{want_f32, Gemm, KArg, Launch, NodeCx, INDEX};
+use crate::kernels::ConvGeom as Geom;
 use distc_ir::TensorType;
 
 /// `a @ b` on rank-2 tensors, either side transposed: one cuBLAS product (see
@@ -53,62 +54,8 @@ pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), Stri
     Ok(())
 }
 
-/// The geometry of a convolution, as the CPU backend's.
-#[derive(Clone, Copy, Debug)]
-struct Geom {
-    n: usize,
-    c: usize,
-    h: usize,
-    w: usize,
-    o: usize,
-    kh: usize,
-    kw: usize,
-    stride: usize,
-    pad: usize,
-    oh: usize,
-    ow: usize,
-}
-
+/// Conv kernels' text, from the geometry the CPU backend's kernels use.
 impl Geom {
-    fn new(x: &[usize], w: &[usize], stride: usize, pad: usize) -> Result<Geom, String> {
-        let (&[n, c, h, wd], &[o, c2, kh, kw]) = (x, w) else {
-            return Err(format!(
-                "needs x [N,C,H,W] and w [O,C,KH,KW], got {x:?} and {w:?}"
-            ));
-        };
-        if c != c2 {
-            return Err(format!("channels differ: x {x:?}, w {w:?}"));
-        }
-        if stride == 0 {
-            return Err("stride must be at least 1".into());
-        }
-        let (ph, pw) = (h + 2 * pad, wd + 2 * pad);
-        if kh > ph || kw > pw || kh == 0 || kw == 0 {
-            return Err(format!("filter {w:?} does not fit the padded input {x:?}"));
-        }
-        Ok(Geom {
-            n,
-            c,
-            h,
-            w: wd,
-            o,
-            kh,
-            kw,
-            stride,
-            pad,
-            oh: (ph - kh) / stride + 1,
-            ow: (pw - kw) / stride + 1,
-        })
-    }
-    fn k(&self) -> usize {
-        self.c * self.kh * self.kw
-    }
-    fn p(&self) -> usize {
-        self.oh * self.ow
-    }
-    fn out_dims(&self) -> [usize; 4] {
-        [self.n, self.o, self.oh, self.ow]
-    }
     /// The constants every conv kernel uses, as C `#define`-free literals in a comment
     /// line and a tuple for `format!`.
     fn describe(&self) -> String {
