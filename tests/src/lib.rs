@@ -22,3 +22,25 @@ pub fn example(name: &str) -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
     root.join("examples").join(name)
 }
+
+/// Whether NVRTC is there to compile generated CUDA: in the folders of
+/// `DISTC_CUDA_LIB_DIR`, then in the repository's `.nvrtc/` (what
+/// `scripts/install-nvrtc.sh` fills). Without it `test` skips, saying why, except in
+/// CI (`CI` set), where the install script ran: there it fails.
+pub fn nvrtc_or_skip(test: &str) -> bool {
+    use distc_runtime::cuda::{probe, CudaLib, LibDirs};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dirs = LibDirs::from_env().with(root.join(".nvrtc/nvidia/cu13/lib"));
+    let in_ci = std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "0" && v != "false");
+    match probe(CudaLib::Nvrtc, &dirs) {
+        Ok(found) => {
+            eprintln!("{test}: NVRTC found {found}");
+            true
+        }
+        Err(e) if in_ci => panic!("{test}: NVRTC is required in CI (CI is set): {e}"),
+        Err(e) => {
+            eprintln!("SKIP {test}: {e}");
+            false
+        }
+    }
+}

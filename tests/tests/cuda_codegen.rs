@@ -17,34 +17,9 @@ use distc_runtime::cuda::codegen::{
     generate, optimizer_kernels, sparse_bound, value_bytes, DevicePlan, Gemm, KArg, Launch,
     NodeLaunch, OptimizerPlan, BLOCK,
 };
-use distc_runtime::cuda::{self, nvrtc, CudaLib, LibDirs};
+use distc_runtime::cuda::nvrtc;
 use distc_runtime::OptimizerSpec;
-use distc_tests::{example, EXAMPLES};
-use std::path::Path;
-
-fn lib_dirs() -> LibDirs {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    LibDirs::from_env().with(root.join(".nvrtc/nvidia/cu13/lib"))
-}
-
-fn in_ci() -> bool {
-    std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "0" && v != "false")
-}
-
-/// Finds NVRTC, or says why the test skips (fails in CI: the install script runs there).
-fn nvrtc_or_skip(test: &str) -> bool {
-    match cuda::probe(CudaLib::Nvrtc, &lib_dirs()) {
-        Ok(found) => {
-            eprintln!("{test}: NVRTC found {found}");
-            true
-        }
-        Err(e) if in_ci() => panic!("{test}: NVRTC is required in CI (CI is set): {e}"),
-        Err(e) => {
-            eprintln!("SKIP {test}: {e}");
-            false
-        }
-    }
-}
+use distc_tests::{example, nvrtc_or_skip, EXAMPLES};
 
 /// The strategies each example is generated under: `(label, strategy, workers,
 /// servers, kernel fusion)`.

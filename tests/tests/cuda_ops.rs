@@ -45,7 +45,7 @@ use distc_ir::{
 };
 use distc_runtime::backend::{Backend, Cpu};
 use distc_runtime::cuda::codegen::{generate, optimizer_kernels, sparse_bound};
-use distc_runtime::cuda::{self, nvrtc, CudaBackend, CudaError, CudaLib, CudaOptions, LibDirs};
+use distc_runtime::cuda::{nvrtc, CudaBackend, CudaError, CudaOptions};
 use distc_runtime::exec::{Executor, Mode};
 use distc_runtime::{OptimizerSpec, Tensor};
 use ndarray::{ArrayD, IxDyn};
@@ -1391,26 +1391,13 @@ fn coverage_table_matches_the_cases() {
 // The generated CUDA, without a GPU
 // ---------------------------------------------------------------------------------
 
-/// NVRTC, from `DISTC_CUDA_LIB_DIR` or the folder `scripts/install-nvrtc.sh` fills.
-fn nvrtc_found() -> Result<(), CudaError> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let dirs = LibDirs::from_env().with(root.join(".nvrtc/nvidia/cu13/lib"));
-    cuda::probe(CudaLib::Nvrtc, &dirs).map(|_| ())
-}
-
 /// What `CudaBackend::new` does before it needs a GPU, for every case: the device
 /// plan is generated (every case but `accumulate`, which the backend refuses) and,
 /// where NVRTC is found, its source compiles to an sm_90 CUBIN; so do the optimizer
 /// kernels of `optimizer_updates`.
 #[test]
 fn every_case_generates_cuda_that_compiles() {
-    let nvrtc = match nvrtc_found() {
-        Ok(()) => true,
-        Err(e) => {
-            println!("skipping: NVRTC compiles: {e}");
-            false
-        }
-    };
+    let nvrtc = distc_tests::nvrtc_or_skip("every_case_generates_cuda_that_compiles");
     let mut graphs: Vec<(String, Graph)> = Vec::new();
     for (group, build) in GROUPS {
         if *group == "accumulate" {
