@@ -13,6 +13,7 @@
 
 use crate::config::OptimizerSpec;
 use crate::cuda::CudaError;
+use crate::error::RuntimeError;
 use crate::exec::Schedule;
 use crate::kernels::{self, KernelCtx};
 use crate::optim::Optimizer;
@@ -188,7 +189,7 @@ pub trait Backend {
     fn optimizer_slots(opt: &Self::Optimizer) -> &'static [&'static str];
     /// Moves a tensor the backend holds to the host (a copy on a device; a move on
     /// the CPU).
-    fn into_host(&mut self, t: Self::Tensor) -> Result<Tensor, KernelError> {
+    fn move_to_host(&mut self, t: Self::Tensor) -> Result<Tensor, KernelError> {
         self.download(&t)
     }
     /// Waits until everything issued has finished (for timing a step); a no-op on a
@@ -221,6 +222,43 @@ pub trait Backend {
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
     }
+}
+
+/// A backend's error outside a node, naming the backend and what it was doing.
+pub(crate) fn backend_error(device: &str, what: &str, e: KernelError) -> RuntimeError {
+    RuntimeError::Config(format!("{device}: {what}: {e}"))
+}
+
+/// Uploads every tensor of `host` to `backend` (on the CPU: moved, not copied).
+pub(crate) fn upload_all<B: Backend>(
+    backend: &mut B,
+    host: HashMap<String, Tensor>,
+) -> Result<HashMap<String, B::Tensor>, RuntimeError> {
+    let device = backend.name();
+    host.into_iter()
+        .map(|(name, t)| {
+            let t = backend
+                .upload(&name, t)
+                .map_err(|e| backend_error(&device, &format!("copying `{name}` in"), e))?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// Moves every tensor of `held` to the host (on the CPU: moved, not copied).
+pub(crate) fn all_to_host<B: Backend>(
+    backend: &mut B,
+    held: HashMap<String, B::Tensor>,
+) -> Result<HashMap<String, Tensor>, RuntimeError> {
+    let device = backend.name();
+    held.into_iter()
+        .map(|(name, t)| {
+            let t = backend
+                .move_to_host(t)
+                .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
+            Ok((name, t))
+        })
+        .collect()
 }
 
 /// The CPU backend: host ndarrays and the kernels of [`crate::kernels`].
@@ -362,7 +400,7 @@ impl Backend for Cpu {
         opt.slot_names()
     }
 
-    fn into_host(&mut self, t: Tensor) -> Result<Tensor, KernelError> {
+    fn move_to_host(&mut self, t: Tensor) -> Result<Tensor, KernelError> {
         Ok(t)
     }
 }

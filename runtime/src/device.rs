@@ -10,7 +10,7 @@
 //! (a test holds it to that, bit for bit), which is how the loop itself is checked
 //! where no GPU is.
 
-use crate::backend::Backend;
+use crate::backend::{all_to_host, backend_error, upload_all, Backend};
 use crate::config::RunConfig;
 use crate::data::DataSource;
 use crate::error::{Result, RuntimeError};
@@ -20,7 +20,6 @@ use crate::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::train::{
     evaluate, init_params, open_data, Coordinator, Programs, TrainOptions, TrainReport,
 };
-use crate::value::Tensor;
 use crate::worker::StepReport;
 use distc_ir::Graph;
 use std::collections::HashMap;
@@ -60,11 +59,11 @@ pub fn train_on<B: Backend>(
     let steps = opts.steps.unwrap_or(config.steps);
     let mut exec = Executor::with_backend(graph, backend)?;
     let host = init_params(graph, config.seed);
-    let mut params = upload_all(exec.backend(), host, &device)?;
+    let mut params = upload_all(exec.backend(), host)?;
     let mut optimizer = exec
         .backend()
         .optimizer(&config.optimizer, &params)
-        .map_err(|e| backend_err(&device, "creating the optimizer", e))?;
+        .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
     let param_bytes: u64 = params
         .values()
         .map(|t| B::tensor_type(t).bytes() as u64)
@@ -106,7 +105,7 @@ pub fn train_on<B: Backend>(
                 let start = Instant::now();
                 let uploaded = batches
                     .into_iter()
-                    .map(|b| upload_all(exec.backend(), b, &device))
+                    .map(|b| upload_all(exec.backend(), b))
                     .collect::<Result<Vec<_>>>()?;
                 (uploaded, start)
             }
@@ -119,12 +118,12 @@ pub fn train_on<B: Backend>(
             let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
             exec.backend()
                 .set_step(step as u64)
-                .map_err(|e| backend_err(&device, "setting the step", e))?;
+                .map_err(|e| backend_error(&device, "setting the step", e))?;
             if graph_state == GraphState::Untried && step > WARMUP {
                 let backend = exec.backend();
                 let on = backend
                     .begin_capture()
-                    .map_err(|e| backend_err(&device, "starting a CUDA graph capture", e))?;
+                    .map_err(|e| backend_error(&device, "starting a CUDA graph capture", e))?;
                 if on {
                     let captured =
                         capture_step(&mut exec, &feeds, &mut params, &mut optimizer, step as u64);
@@ -136,7 +135,7 @@ pub fn train_on<B: Backend>(
                         ))
                     })?;
                     ended.map_err(|e| {
-                        let e = backend_err(&device, "ending the CUDA graph capture", e);
+                        let e = backend_error(&device, "ending the CUDA graph capture", e);
                         RuntimeError::Config(format!("{e}{hint}"))
                     })?;
                     captured_memory = Some(used);
@@ -148,19 +147,19 @@ pub fn train_on<B: Backend>(
             if graph_state == GraphState::Replaying {
                 exec.backend()
                     .replay()
-                    .map_err(|e| backend_err(&device, "replaying the step's CUDA graph", e))?;
+                    .map_err(|e| backend_error(&device, "replaying the step's CUDA graph", e))?;
                 // Not before an evaluation: its batches would land in the same buffers.
                 if k == 1 && step < steps && !eval_now {
                     let next = data[0].next_batch()?;
-                    prefetched = Some(upload_all(exec.backend(), next, &device)?);
+                    prefetched = Some(upload_all(exec.backend(), next)?);
                 }
                 let backend = exec.backend();
                 backend
                     .synchronize()
-                    .map_err(|e| backend_err(&device, "finishing the step", e))?;
+                    .map_err(|e| backend_error(&device, "finishing the step", e))?;
                 loss += backend
                     .pending_scalar()
-                    .map_err(|e| backend_err(&device, "reading the loss", e))?
+                    .map_err(|e| backend_error(&device, "reading the loss", e))?
                     .unwrap_or(f64::NAN);
                 replayed = true;
                 continue;
@@ -182,10 +181,10 @@ pub fn train_on<B: Backend>(
             let updating = Instant::now();
             backend
                 .update(&mut optimizer, &mut params, out.grads)
-                .map_err(|e| backend_err(&device, "applying the update", e))?;
+                .map_err(|e| backend_error(&device, "applying the update", e))?;
             backend
                 .synchronize()
-                .map_err(|e| backend_err(&device, "finishing the step", e))?;
+                .map_err(|e| backend_error(&device, "finishing the step", e))?;
             profile.optimizer += updating.elapsed();
             used
         };
@@ -224,14 +223,7 @@ pub fn train_on<B: Backend>(
             device_memory: exec.backend().device_memory(),
         })?;
     }
-    let mut host = HashMap::with_capacity(params.len());
-    for (name, t) in &params {
-        let t = exec
-            .backend()
-            .download(t)
-            .map_err(|e| backend_err(&device, &format!("reading back `{name}`"), e))?;
-        host.insert(name.clone(), t);
-    }
+    let host = all_to_host(exec.backend(), params)?;
     let c = coordinator;
     Ok(TrainReport {
         steps: c.steps,
@@ -247,22 +239,6 @@ pub fn train_on<B: Backend>(
         }),
         spans: Vec::new(),
     })
-}
-
-/// Uploads every tensor of `host` to the backend.
-fn upload_all<B: Backend>(
-    backend: &mut B,
-    host: HashMap<String, Tensor>,
-    device: &str,
-) -> Result<HashMap<String, B::Tensor>> {
-    host.into_iter()
-        .map(|(name, t)| {
-            let t = backend
-                .upload(&name, t)
-                .map_err(|e| backend_err(device, &format!("copying `{name}` in"), e))?;
-            Ok((name, t))
-        })
-        .collect()
 }
 
 /// Uncaptured steps before a training step is captured into a CUDA graph.
@@ -293,17 +269,6 @@ fn capture_step<B: Backend>(
     let used = exec.measured_memory();
     exec.backend()
         .update(optimizer, params, out.grads)
-        .map_err(|e| backend_err(&device, "applying the update", e))?;
+        .map_err(|e| backend_error(&device, "applying the update", e))?;
     Ok(used)
-}
-
-fn backend_err(device: &str, what: &str, e: crate::backend::KernelError) -> RuntimeError {
-    match e {
-        crate::backend::KernelError::Device(e) => {
-            RuntimeError::Config(format!("{device}: {what}: {e}"))
-        }
-        crate::backend::KernelError::Invalid(m) => {
-            RuntimeError::Config(format!("{device}: {what}: {m}"))
-        }
-    }
 }

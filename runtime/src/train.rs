@@ -9,7 +9,7 @@
 //! ([`Coordinator`]). The MPI launcher (`crate::comm::mpi`) runs the same loop, one
 //! rank per process.
 
-use crate::backend::{Backend, Cpu};
+use crate::backend::{upload_all, Backend, Cpu};
 use crate::checkpoint::TrainingState;
 use crate::comm::{in_process, Communicator};
 use crate::config::RunConfig;
@@ -180,16 +180,7 @@ pub fn evaluate<'h, B: Backend>(
         (0.0, 0usize, 0usize, 0.0, false, false);
     for batch in batches {
         let b = batch.values().next().map_or(0, |t| t.shape()[0]);
-        let feeds = batch
-            .into_iter()
-            .map(|(name, t)| {
-                let t = exec
-                    .backend()
-                    .upload(&name, t)
-                    .map_err(|e| RuntimeError::Config(format!("copying `{name}` in: {e}")))?;
-                Ok((name, t))
-            })
-            .collect::<Result<HashMap<_, _>>>()?;
+        let feeds = upload_all(exec.backend(), batch)?;
         let out = exec.run_with(&feeds, params, Mode::Eval, step, comm.as_deref_mut())?;
         loss += out.loss.unwrap_or(f64::NAN) * b as f64;
         n += b;

@@ -14,7 +14,7 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
-use crate::backend::{Backend, Cpu, KernelError};
+use crate::backend::{all_to_host, backend_error, upload_all, Backend, Cpu};
 use crate::checkpoint::{StateIndex, TrainingState};
 use crate::comm::{ByteCount, Communicator};
 use crate::config::RunConfig;
@@ -530,7 +530,8 @@ pub fn run_worker_on<B: Backend>(
     // (the final program is a collective).
     let mut host_params = HashMap::new();
     if let (Ok(()), Some(st)) = (&result, state.as_mut()) {
-        result = take_params(st).map(|p| host_params = p);
+        let params = std::mem::take(&mut st.params);
+        result = all_to_host(st.exec.backend(), params).map(|p| host_params = p);
     }
     if let (Ok(()), Some(fin)) = (&result, programs.finalize) {
         result = finalize(fin, &mut host_params, rank, &mut hook);
@@ -600,43 +601,6 @@ pub fn run_worker_on<B: Backend>(
         spans,
         profile,
     })
-}
-
-/// Moves the worker's variables to the host (on the CPU: moved, not copied).
-fn take_params<B: Backend>(st: &mut Loop<B>) -> Result<HashMap<String, Tensor>> {
-    let device = st.exec.backend().name();
-    std::mem::take(&mut st.params)
-        .into_iter()
-        .map(|(name, t)| {
-            let t = st
-                .exec
-                .backend()
-                .into_host(t)
-                .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
-            Ok((name, t))
-        })
-        .collect()
-}
-
-/// A backend's error outside a node, naming the backend and what it was doing.
-fn backend_error(device: &str, what: &str, e: KernelError) -> RuntimeError {
-    RuntimeError::Config(format!("{device}: {what}: {e}"))
-}
-
-/// Uploads every tensor of `host` to the backend.
-fn upload_all<B: Backend>(
-    backend: &mut B,
-    host: HashMap<String, Tensor>,
-) -> Result<HashMap<String, B::Tensor>> {
-    let device = backend.name();
-    host.into_iter()
-        .map(|(name, t)| {
-            let t = backend
-                .upload(&name, t)
-                .map_err(|e| backend_error(&device, &format!("copying `{name}` in"), e))?;
-            Ok((name, t))
-        })
-        .collect()
 }
 
 /// Runs the final program (on the host): its outputs (whole variables) replace the
@@ -758,7 +722,6 @@ fn run_steps<B: Backend>(
         };
         out.loss = Some(micro_loss / k as f64);
         let updating = Instant::now();
-        let device = st.exec.backend().name();
         st.exec
             .backend()
             .update(&mut st.optimizer, &mut st.params, out.grads)

@@ -677,7 +677,7 @@ impl CudaBackend {
     /// Reads a value (dense or slices) back to the host.
     fn read_value(&self, v: &DeviceValue) -> Result<Value, KernelError> {
         let Some(layout) = codegen::SlicesLayout::of(&v.ty) else {
-            return Ok(Value::Tensor(self.read_dense(v.ptr, &v.ty.dense_type())?));
+            return Ok(Value::Tensor(self.read_dense(v.ptr, v.ty.dense_type())?));
         };
         self.no_capture("reading slices back")?;
         let dense = v.ty.dense_type();
