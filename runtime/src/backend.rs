@@ -6,11 +6,14 @@
 //!
 //! A backend also owns the variables and the optimizer state between steps (its
 //! [`Backend::Tensor`] values and [`Backend::Optimizer`]), so a device step copies only
-//! the batch in ([`Backend::upload`]) and the loss out. Communication stays on the host
-//! for now: the executor moves a value to the host before a collective or a push and
-//! back after a pull ([`Backend::to_host`], [`Backend::from_host`]); on the CPU backend
-//! both are moves, not copies.
+//! the batch in ([`Backend::upload`]) and the loss out. A backend with its own
+//! communicator (the CUDA backend with NCCL) runs collectives on its buffers
+//! ([`Backend::start_collective`]); otherwise, and for pushes and pulls, the executor
+//! moves a value to the host before a collective or a push and back after a pull
+//! ([`Backend::to_host`], [`Backend::from_host`]); on the CPU backend both are moves,
+//! not copies.
 
+use crate::comm::ByteCount;
 use crate::config::OptimizerSpec;
 use crate::cuda::CudaError;
 use crate::error::RuntimeError;
@@ -222,6 +225,32 @@ pub trait Backend {
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Starts collective `op` (node `node`) on `v` with the backend's own communicator
+    /// (NCCL on device buffers), when it has one for this op: the result is a value the
+    /// backend orders its readers after, so the executor neither waits nor copies.
+    /// [`Started::Host`] hands `v` back for the host path (the worker's communicator).
+    fn start_collective(
+        &mut self,
+        _node: NodeId,
+        _op: &Op,
+        v: Self::Value,
+    ) -> Result<Started<Self::Value>, KernelError> {
+        Ok(Started::Host(v))
+    }
+    /// Payload bytes the backend's own communicator has sent and received, counted as
+    /// the host communicators count them (cumulative).
+    fn collective_bytes(&self) -> ByteCount {
+        ByteCount::default()
+    }
+}
+
+/// What [`Backend::start_collective`] did with a value.
+pub enum Started<V> {
+    /// Issued on the backend's communicator: the collective's result.
+    Device(V),
+    /// Not the backend's to run: the value, for the host communicator.
+    Host(V),
 }
 
 /// A backend's error outside a node, naming the backend and what it was doing.

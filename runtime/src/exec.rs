@@ -13,7 +13,7 @@
 //! checked against the type the IR gave it, so a kernel bug or a bad feed is an error
 //! naming the node or the input, never a panic or a silently wrong shape.
 
-use crate::backend::{Backend, BackendArg, Cpu, KernelError, ValueRef};
+use crate::backend::{Backend, BackendArg, Cpu, KernelError, Started, ValueRef};
 use crate::error::{Result, RuntimeError};
 use crate::kernels::{self, Arg, KernelCtx};
 use crate::value::{Tensor, Value};
@@ -625,11 +625,19 @@ impl<B: Backend> Executor<B> {
                             .ok_or_else(|| kernel_err("no input".into()))?,
                     )
                     .map_err(backend_err)?;
-                    let v = backend.to_host(v).map_err(backend_err)?;
-                    Some(Slot::Pending(
-                        c.start_collective(node.id, op, v, step)?,
-                        node.id,
-                    ))
+                    match backend
+                        .start_collective(node.id, op, v)
+                        .map_err(backend_err)?
+                    {
+                        Started::Device(v) => Some(Slot::Owned(v)),
+                        Started::Host(v) => {
+                            let v = backend.to_host(v).map_err(backend_err)?;
+                            Some(Slot::Pending(
+                                c.start_collective(node.id, op, v, step)?,
+                                node.id,
+                            ))
+                        }
+                    }
                 }
                 (
                     Op::Pull { .. }

@@ -438,18 +438,20 @@ pub fn train(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
-    train_with(programs, config, opts, on_step, |_| Ok(Cpu))
+    train_with(programs, config, opts, on_step, |_, _| Ok(Cpu))
 }
 
-/// [`train`], each worker's kernels on the backend `make(rank)` creates on that
-/// worker's thread (several workers may share one device); communication goes
-/// through the host.
+/// [`train`], each worker's kernels on the backend `make(rank, comm)` creates on that
+/// worker's thread (several workers may share one device). `comm` is the workers'
+/// in-process communicator, for a device communicator's bootstrap; collectives go
+/// through the host unless the backend runs them itself
+/// ([`Backend::start_collective`](crate::backend::Backend::start_collective)).
 pub fn train_with<B: Backend>(
     programs: Programs<'_>,
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: impl Fn(usize) -> Result<B> + Sync,
+    make: impl Fn(usize, &mut dyn Communicator) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
     let make = &make;
     let n = programs.workers;
@@ -512,7 +514,7 @@ pub fn train_with<B: Backend>(
             };
             let h = std::thread::Builder::new()
                 .name(format!("worker-{rank}"))
-                .spawn_scoped(scope, move || run_worker_on(setup, || make(rank)));
+                .spawn_scoped(scope, move || run_worker_on(setup, |c| make(rank, c)));
             handles.push(h);
         }
         drop(report_tx);

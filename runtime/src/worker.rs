@@ -465,18 +465,22 @@ struct Loop<B: Backend> {
     bytes_rx: mpsc::Receiver<ByteCount>,
     last: ByteCount,
     ps_last: (u64, u64),
+    /// The backend's own communicator's bytes at the last reading.
+    device_last: ByteCount,
 }
 
 /// Runs worker `setup.rank`'s training to the end on the CPU; see the module doc.
 pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
-    run_worker_on(setup, || Ok(Cpu))
+    run_worker_on(setup, |_| Ok(Cpu))
 }
 
 /// Runs worker `setup.rank`'s training to the end on the backend `make` creates (on
-/// the worker's own thread, where a device backend binds its device).
+/// the worker's own thread, where a device backend binds its device). `make` gets the
+/// workers' communicator before anything else uses it, for a device communicator's
+/// bootstrap (NCCL's unique id from rank 0); what it moves is not counted in step 1.
 pub fn run_worker_on<B: Backend>(
     setup: WorkerSetup<'_>,
-    make: impl FnOnce() -> Result<B>,
+    make: impl FnOnce(&mut dyn Communicator) -> Result<B>,
 ) -> Result<WorkerOutcome> {
     let WorkerSetup {
         programs,
@@ -490,6 +494,9 @@ pub fn run_worker_on<B: Backend>(
         t0,
         errors,
     } = setup;
+    let mut comm = comm;
+    let made = make(&mut *comm);
+    let bytes_start = comm.bytes();
     let (to_comm, comm_rx) = mpsc::channel::<Request>();
     let (span_tx, span_rx) = mpsc::channel();
     let (bytes_tx, bytes_rx) = mpsc::channel();
@@ -512,7 +519,7 @@ pub fn run_worker_on<B: Backend>(
         waited_shared: Arc::new(Mutex::new(Duration::ZERO)),
     };
     let mut state = None;
-    let mut result = make().and_then(|backend| {
+    let mut result = made.and_then(|backend| {
         run_steps(
             backend,
             &programs,
@@ -522,7 +529,7 @@ pub fn run_worker_on<B: Backend>(
             &mut data,
             &mut *report,
             &mut hook,
-            bytes_rx,
+            (bytes_rx, bytes_start),
             &mut state,
         )
     });
@@ -633,7 +640,7 @@ fn run_steps<B: Backend>(
     data: &mut [DataSource],
     report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
     hook: &mut WorkerHook,
-    bytes_rx: mpsc::Receiver<ByteCount>,
+    (bytes_rx, bytes_start): (mpsc::Receiver<ByteCount>, ByteCount),
     state: &mut Option<Loop<B>>,
 ) -> Result<()> {
     let workers = programs.workers;
@@ -690,8 +697,9 @@ fn run_steps<B: Backend>(
         step_spans: Vec::new(),
         memory: Vec::new(),
         bytes_rx,
-        last: ByteCount::default(),
+        last: bytes_start,
         ps_last: (0, 0),
+        device_last: ByteCount::default(),
     });
     hook.take_waited();
     let k = data.len();
@@ -972,7 +980,14 @@ fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &WorkerHook) -> (u64, u64, u6
         now = b;
     }
     let ps_now = hook.ps.as_ref().map_or((0, 0), PsClient::bytes);
+    let device_now = st.exec.backend().collective_bytes();
+    let dd = device_now - st.device_last;
+    st.device_last = device_now;
     let d = now - st.last;
+    let d = ByteCount {
+        sent: d.sent + dd.sent,
+        received: d.received + dd.received,
+    };
     // To servers: pushes and pulls' ids; from them: pulled values.
     let (to_ps, from_ps) = (ps_now.0 - st.ps_last.0, ps_now.1 - st.ps_last.1);
     st.last = now;

@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod codegen;
+pub mod nccl;
 pub mod nvrtc;
 
 pub use backend::{CudaBackend, CudaOptions};
@@ -219,6 +220,14 @@ pub enum CudaError {
         /// What was being done.
         call: &'static str,
         /// The driver's result code, as `CUDA_ERROR_OUT_OF_MEMORY`.
+        code: String,
+    },
+    /// An NCCL call failed.
+    #[error("NCCL call {call} failed: {code}")]
+    Nccl {
+        /// The NCCL function.
+        call: &'static str,
+        /// NCCL's result, as `ncclInvalidUsage`.
         code: String,
     },
     /// A cuBLAS call failed.
