@@ -7,6 +7,7 @@ use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{
     Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode,
 };
+use distc_runtime::cuda::nccl::Collectives;
 use distc_runtime::memory;
 use distc_runtime::metrics::StepMetrics;
 use distc_runtime::output::{check_outputs, write_file};
@@ -396,11 +397,23 @@ struct RunArgs {
     #[arg(long, value_enum, default_value = "inprocess")]
     transport: Transport,
     /// Where the kernels run: `cpu`, or `cuda` / `cuda:N` (GPU N, default 0). A
-    /// distributed plan's workers all run on that GPU, exchanging through the host;
-    /// servers stay on the CPU. The CUDA libraries are loaded at run time: point
-    /// distc at them with DISTC_CUDA_LIB_DIR (or LD_LIBRARY_PATH).
+    /// distributed plan's workers run on that GPU (or on --gpus); servers stay on the
+    /// CPU. The CUDA libraries are loaded at run time: point distc at them with
+    /// DISTC_CUDA_LIB_DIR (or LD_LIBRARY_PATH).
     #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
     device: Device,
+    /// With --device cuda: the GPU of each worker, worker i on the i-th of the list
+    /// (`0,1,2,3`; more workers than GPUs wrap around). Under --transport mpi, worker
+    /// rank i takes the i-th. Default: every worker on --device's GPU.
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    gpus: Option<Vec<usize>>,
+    /// With --device cuda: how the workers' collectives run. `nccl`: NCCL on device
+    /// buffers, on a stream of their own (needs libnccl.so and one GPU per worker);
+    /// `host`: through host memory and the in-process or MPI communicator (workers
+    /// may share a GPU); `auto`: nccl when every worker has its own GPU and found the
+    /// library, else host.
+    #[arg(long, default_value = "auto", value_name = "auto|nccl|host")]
+    collectives: distc_runtime::cuda::nccl::Collectives,
     /// On a GPU: run every step eagerly instead of replaying the step captured into a
     /// CUDA graph after warm-up (for comparison).
     #[arg(long)]
@@ -672,8 +685,19 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .map(PathBuf::as_path)
         .collect();
     check_outputs(&outputs, inputs)?;
-    if args.device == Device::Cpu && (args.no_cuda_graph || args.tf32) {
-        bail!("--no-cuda-graph and --tf32 are GPU settings: give --device cuda with them");
+    if args.device == Device::Cpu
+        && (args.no_cuda_graph
+            || args.tf32
+            || args.gpus.is_some()
+            || args.collectives != Collectives::Auto)
+    {
+        bail!(
+            "--no-cuda-graph, --tf32, --gpus and --collectives are GPU settings: give \
+             --device cuda with them"
+        );
+    }
+    if args.gpus.as_ref().is_some_and(Vec::is_empty) {
+        bail!("--gpus: give at least one GPU number (0,1,...)");
     }
     let steps = args.steps.unwrap_or(plan.config.steps);
     if args.transport == Transport::Inprocess {
@@ -722,10 +746,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         (Device::Cuda(ordinal), Transport::Inprocess) => {
             run_cuda(r, args, ordinal, &mut on_step).map(Some)
         }
-        (Device::Cuda(_), Transport::Mpi) => Err(anyhow::anyhow!(
-            "--device cuda runs a one-device plan in this process; --transport mpi is \
-             for distributed plans, which run on the CPU"
-        )),
+        (Device::Cuda(ordinal), Transport::Mpi) => run_mpi_cuda(r, args, ordinal, &mut on_step),
         (Device::Cpu, Transport::Inprocess) => train(
             r.programs(),
             &plan.config,
@@ -765,7 +786,16 @@ fn run_cuda(
     };
     let programs = r.programs();
     let communicates = programs.workers > 1 || !programs.servers.is_empty();
-    if !communicates {
+    if args.collectives == Collectives::Nccl {
+        // Before the GPU: where NCCL is missing, say so first.
+        distc_runtime::cuda::probe(
+            distc_runtime::cuda::CudaLib::Nccl,
+            &distc_runtime::cuda::LibDirs::from_env(),
+        )?;
+    }
+    // One worker with --collectives nccl runs the worker loop (NCCL with one rank),
+    // for comparing it with the one-device loop.
+    if !communicates && args.collectives != Collectives::Nccl && args.gpus.is_none() {
         let backend = distc_runtime::cuda::CudaBackend::new(ordinal, r.graph, opts)?;
         return Ok(distc_runtime::device::train_on(
             backend,
@@ -775,25 +805,35 @@ fn run_cuda(
             on_step,
         )?);
     }
-    // A distributed plan: every worker a thread with its own CUDA backend on GPU
-    // `ordinal` (they share it), collectives and pulls through the host, servers on
-    // the CPU. No CUDA graphs: a step waits on the other workers.
+    // A distributed plan: every worker a thread with its own CUDA backend (on
+    // --gpus, else all on GPU `ordinal`), collectives through NCCL or the host as
+    // --collectives says, pulls and pushes through the host, servers on the CPU. No
+    // CUDA graphs: a step waits on the other workers.
     distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env())?;
     let opts = distc_runtime::cuda::CudaOptions {
         graphs: false,
         ..opts
     };
+    let gpus = args.gpus.clone();
+    let collectives = args.collectives;
     Ok(distc_runtime::train::train_with(
         programs,
         &r.plan.config,
         &train_options(r.plan, args)?,
         on_step,
-        |_| {
-            Ok(distc_runtime::cuda::CudaBackend::new(
-                ordinal, r.graph, opts,
-            )?)
+        |rank, comm| {
+            let gpu = worker_gpu(gpus.as_deref(), ordinal, rank);
+            distc_runtime::cuda::worker_backend(r.graph, opts, gpu, collectives, comm)
         },
     )?)
+}
+
+/// The GPU of worker `rank`: the `rank`-th of `--gpus` (wrapping), else `ordinal`.
+fn worker_gpu(gpus: Option<&[usize]>, ordinal: usize, rank: usize) -> usize {
+    match gpus {
+        Some(g) if !g.is_empty() => g[rank % g.len()],
+        _ => ordinal,
+    }
 }
 
 /// What every run does once trained: save, trace, summary, profile.
@@ -862,6 +902,19 @@ fn verify_mpi(
 }
 
 #[cfg(not(feature = "mpi"))]
+fn run_mpi_cuda(
+    _: &Runnable<'_>,
+    _: &RunArgs,
+    _: usize,
+    _: &mut OnStep<'_>,
+) -> anyhow::Result<Option<TrainReport>> {
+    bail!(
+        "--transport mpi: this distc was built without MPI; install OpenMPI \
+         (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
+    )
+}
+
+#[cfg(not(feature = "mpi"))]
 fn run_mpi(
     _: &Runnable<'_>,
     _: &RunArgs,
@@ -904,6 +957,52 @@ fn run_mpi(
         &train_options(plan, args)?,
         &opts,
         on_step,
+    )?)
+}
+
+/// The MPI run with GPU workers: worker rank i on the i-th of --gpus (else every rank
+/// on GPU `ordinal`, each process with its own context), collectives through NCCL or
+/// MPI as --collectives says (the NCCL id goes from rank 0 over MPI), servers on the
+/// CPU.
+#[cfg(feature = "mpi")]
+fn run_mpi_cuda(
+    r: &Runnable<'_>,
+    args: &RunArgs,
+    ordinal: usize,
+    on_step: &mut OnStep<'_>,
+) -> anyhow::Result<Option<TrainReport>> {
+    if args.trace.is_some() {
+        bail!("--trace is not available with --device cuda yet");
+    }
+    let plan = r.plan;
+    let dirs = distc_runtime::cuda::LibDirs::from_env();
+    if args.collectives == Collectives::Nccl {
+        distc_runtime::cuda::probe(distc_runtime::cuda::CudaLib::Nccl, &dirs)?;
+    }
+    distc_runtime::cuda::require_gpu(&dirs)?;
+    let opts = distc_runtime::comm::mpi::MpiRun {
+        plan_hash: plan.hash.clone(),
+        servers: plan.settings.servers,
+        metrics: args.metrics.clone(),
+        trace: None,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let cuda = distc_runtime::cuda::CudaOptions {
+        tf32: args.tf32,
+        graphs: false,
+    };
+    let gpus = args.gpus.clone();
+    let collectives = args.collectives;
+    Ok(distc_runtime::comm::mpi::run_with(
+        r.programs(),
+        &plan.config,
+        &train_options(plan, args)?,
+        &opts,
+        on_step,
+        &|rank, comm| {
+            let gpu = worker_gpu(gpus.as_deref(), ordinal, rank);
+            distc_runtime::cuda::worker_backend(r.graph, cuda, gpu, collectives, comm)
+        },
     )?)
 }
 

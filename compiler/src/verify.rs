@@ -158,12 +158,16 @@ fn run(
                 &c.config,
                 &train_opts,
                 &mut |_| Ok(()),
-                |_| {
-                    Ok(distc_runtime::cuda::CudaBackend::new(
-                        ordinal,
+                // Workers sharing the GPU exchange through the host; one worker
+                // alone (or workers on GPUs of their own) use NCCL where it is found.
+                |_, comm| {
+                    distc_runtime::cuda::worker_backend(
                         &c.programs.worker,
                         cuda,
-                    )?)
+                        ordinal,
+                        distc_runtime::cuda::nccl::Collectives::Auto,
+                        comm,
+                    )
                 },
             )?
         }

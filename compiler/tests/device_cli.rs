@@ -75,15 +75,16 @@ fn device_flags_that_do_not_fit_are_refused() {
         "give --device cuda with them",
     );
     refused(
-        &[
-            "train",
-            "examples/mlp.dsl",
-            "--device",
-            "cuda",
-            "--transport",
-            "mpi",
-        ],
-        "--transport mpi",
+        &["train", "examples/mlp.dsl", "--gpus", "0,1", "--steps", "1"],
+        "give --device cuda with them",
+    );
+    refused(
+        &["train", "examples/mlp.dsl", "--collectives", "nccl", "--steps", "1"],
+        "give --device cuda with them",
+    );
+    refused(
+        &["train", "examples/mlp.dsl", "--device", "cuda", "--collectives", "mpi"],
+        "expected auto, nccl or host",
     );
     refused(
         &[
@@ -97,4 +98,45 @@ fn device_flags_that_do_not_fit_are_refused() {
         ],
         "--strategies single",
     );
+}
+
+/// Whether the NCCL library can be found here.
+fn have_nccl() -> bool {
+    distc_runtime::cuda::probe(
+        distc_runtime::cuda::CudaLib::Nccl,
+        &distc_runtime::cuda::LibDirs::from_env(),
+    )
+    .is_ok()
+}
+
+#[test]
+fn nccl_asked_for_without_the_library_names_it_and_how_to_point_distc_at_it() {
+    if have_nccl() {
+        println!("skipping: this machine has the NCCL library");
+        return;
+    }
+    // Two workers, and one worker (the world-size-1 NCCL run), each in-process; the
+    // library is checked before the GPU, so this says NCCL even with no GPU.
+    for workers in ["2", "1"] {
+        let o = distc(&[
+            "train",
+            "examples/sparse_lm.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            workers,
+            "--device",
+            "cuda",
+            "--collectives",
+            "nccl",
+            "--steps",
+            "1",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        let t = text(&o);
+        assert!(!t.contains("panicked"), "{t}");
+        assert!(t.contains("the NCCL library is missing"), "{t}");
+        assert!(t.contains("libnccl.so"), "{t}");
+        assert!(t.contains("DISTC_CUDA_LIB_DIR"), "{t}");
+    }
 }

@@ -463,3 +463,49 @@ fn a_training_state_written_under_mpirun_resumes_bitwise() {
     assert_eq!(max_difference(&whole, &resumed_mpi), 0.0);
     assert_eq!(max_difference(&whole, &resumed_threads), 0.0);
 }
+
+/// GPU workers under MPI where there is no GPU (or no NCCL): every rank stops with
+/// the message naming what is missing, exit non-zero, no hang and no panic.
+#[test]
+fn gpu_workers_under_mpirun_without_a_gpu_or_nccl_say_what_is_missing() {
+    let have_gpu =
+        distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env()).is_ok();
+    if have_gpu {
+        println!("skipping: this machine has a GPU");
+        return;
+    }
+    let have_nccl = distc_runtime::cuda::probe(
+        distc_runtime::cuda::CudaLib::Nccl,
+        &distc_runtime::cuda::LibDirs::from_env(),
+    )
+    .is_ok();
+    let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "gpu.plan.json");
+    for (collectives, want) in [
+        ("auto", "libcuda.so.1"),
+        ("nccl", if have_nccl { "libcuda.so.1" } else { "libnccl.so" }),
+    ] {
+        let start = Instant::now();
+        let o = mpirun(
+            3,
+            &[
+                "run",
+                s(&plan),
+                "--transport",
+                "mpi",
+                "--device",
+                "cuda",
+                "--collectives",
+                collectives,
+                "--steps",
+                "2",
+                "--timeout",
+                "20",
+            ],
+        );
+        assert!(!o.status.success(), "{}", text(&o));
+        assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
+        let t = text(&o);
+        assert!(t.contains(want), "{collectives}: {t}");
+        assert!(!t.contains("panicked"), "{t}");
+    }
+}

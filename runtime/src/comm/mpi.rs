@@ -38,7 +38,8 @@ use crate::trace::Span;
 use crate::train::{
     open_data, pulled_types, server_shards, Coordinator, Programs, TrainOptions, TrainReport,
 };
-use crate::worker::{run_worker, ErrorSlot, StepReport, WorkerSetup};
+use crate::backend::{Backend, Cpu};
+use crate::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::request::{scope, Request, Scope};
@@ -595,6 +596,20 @@ pub fn run(
     mpi_run: &MpiRun,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<Option<TrainReport>> {
+    run_with(programs, config, opts, mpi_run, on_step, &|_, _| Ok(Cpu))
+}
+
+/// [`run`], each worker rank's kernels on the backend `make(rank, comm)` creates
+/// (`comm`: the workers' MPI communicator, for a device communicator's bootstrap);
+/// servers stay on the CPU.
+pub fn run_with<B: Backend>(
+    programs: Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    mpi_run: &MpiRun,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+) -> Result<Option<TrainReport>> {
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .ok_or_else(|| {
             RuntimeError::Config("MPI was already initialised in this process".into())
@@ -698,6 +713,7 @@ pub fn run(
             };
             run_worker_rank(
                 programs, config, opts, mpi_run, roles, r, comm, &ps_comm, &ctl, t0, on_step,
+                make,
             )
         }
         None => Err(RuntimeError::Config(format!("rank {rank} has no role"))),
@@ -802,7 +818,7 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_worker_rank(
+fn run_worker_rank<B: Backend>(
     programs: Programs<'_>,
     config: &RunConfig,
     opts: &TrainOptions,
@@ -814,6 +830,7 @@ fn run_worker_rank(
     ctl: &Arc<Comm>,
     t0: Instant,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
     let data = open_data(&programs, config, opts, r)?;
@@ -892,7 +909,7 @@ fn run_worker_rank(
         errors: ErrorSlot::default(),
     };
     if r != 0 {
-        let outcome = run_worker(setup)?;
+        let outcome = run_worker_on(setup, |c| make(r, c))?;
         let _ = send_spans(ctl, r, outcome.spans, opts, mpi_run);
         return Ok(None);
     }
@@ -905,7 +922,7 @@ fn run_worker_rank(
     std::thread::scope(|scope| -> Result<Option<TrainReport>> {
         let worker = std::thread::Builder::new()
             .name("worker-0".into())
-            .spawn_scoped(scope, move || run_worker(setup))
+            .spawn_scoped(scope, move || run_worker_on(setup, |c| make(r, c)))
             .map_err(|e| RuntimeError::Config(format!("worker 0: cannot start: {e}")))?;
         let expected = steps * roles.workers;
         let mut received = 0;

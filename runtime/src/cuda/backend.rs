@@ -65,9 +65,11 @@
 use super::codegen::{
     self, CParam, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate,
 };
+use super::nccl::NcclComm;
 use super::{nvrtc, probe, CudaError, CudaLib, LibDirs};
 use crate::arena::{self, Block};
-use crate::backend::{Backend, BackendArg, KernelError, ValueRef};
+use crate::backend::{Backend, BackendArg, KernelError, Started, ValueRef};
+use crate::comm::ByteCount;
 use crate::config::OptimizerSpec;
 use crate::exec::Schedule;
 use crate::kernels::KernelCtx;
@@ -230,8 +232,12 @@ struct Kernel {
 
 /// The CUDA backend: one GPU, one stream, a static arena (see the module doc).
 pub struct CudaBackend {
-    // Dropped first: the graph, the handle and every buffer before the stream and
-    // context they belong to (fields drop in declaration order).
+    // Dropped first: the NCCL communicator, the graph, the handle and every buffer
+    // before the streams and context they belong to (fields drop in declaration order).
+    nccl: Option<NcclComm>,
+    /// Results of NCCL collectives not yet waited for on the compute stream: the
+    /// bytes `[start, end)` and the node.
+    in_flight: Vec<(u64, u64, NodeId)>,
     graph_exec: Option<CudaGraph>,
     blas: Blas,
     funcs: HashMap<String, Kernel>,
@@ -488,6 +494,8 @@ impl CudaBackend {
         sync(&stream)?;
         let allocated = (CUBLAS_WORKSPACE + ALIGN) as u64;
         Ok(CudaBackend {
+            nccl: None,
+            in_flight: Vec::new(),
             graph_exec: None,
             blas,
             funcs,
@@ -552,6 +560,76 @@ impl CudaBackend {
     /// The architecture the kernels were compiled for (`sm_90`).
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// The GPU's UUID (`GPU-xxxxxxxx-...`), which names it across processes (NCCL's
+    /// bootstrap compares them: one rank per GPU).
+    pub fn gpu_uuid(&self) -> Result<String, CudaError> {
+        let u = self.ctx.uuid().map_err(drv_err("cuDeviceGetUuid"))?;
+        let b: Vec<u8> = u.bytes.iter().map(|&c| c as u8).collect();
+        let hex = |r: std::ops::Range<usize>| -> String {
+            b[r].iter().map(|x| format!("{x:02x}")).collect()
+        };
+        Ok(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            hex(0..4),
+            hex(4..6),
+            hex(6..8),
+            hex(8..10),
+            hex(10..16)
+        ))
+    }
+
+    /// Joins the NCCL communicator rank 0's `id` names, as `rank` of `size`: from then
+    /// on the plan's collectives run on device buffers ([`super::nccl`]). Before
+    /// [`Backend::prepare`], whose memory plan keeps their inputs alive while they run.
+    pub fn attach_nccl(&mut self, rank: usize, size: usize, id: [u8; 128]) -> Result<(), CudaError> {
+        if self.arena.is_some() {
+            return Err(CudaError::Invalid(
+                "NCCL must be attached before the memory plan is made".into(),
+            ));
+        }
+        self.nccl = Some(NcclComm::new(&self.ctx, &self.arch, rank, size, id)?);
+        Ok(())
+    }
+
+    /// Whether the NCCL communicator runs node `id`'s op.
+    fn nccl_runs(&self, id: NodeId) -> bool {
+        self.nccl.is_some()
+            && self.graph.get(id).is_some_and(|node| {
+                input_key(&self.graph, id, 0)
+                    .and_then(|(n, p)| self.graph.get(n).and_then(|m| m.outputs.get(p)))
+                    .is_some_and(|t| NcclComm::supports(&node.op, t))
+            })
+    }
+
+    /// Makes the compute stream wait for the collectives whose results hold any of
+    /// `ptrs` (no host wait).
+    fn await_collectives(&mut self, ptrs: &[u64]) -> Result<(), CudaError> {
+        let Some(nccl) = &self.nccl else {
+            return Ok(());
+        };
+        let mut k = 0;
+        while k < self.in_flight.len() {
+            let (start, end, node) = self.in_flight[k];
+            if ptrs.iter().any(|&p| p >= start && p < end) {
+                nccl.order_after(node, &self.stream)?;
+                self.in_flight.swap_remove(k);
+            } else {
+                k += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for every collective in flight.
+    fn await_all_collectives(&mut self) -> Result<(), CudaError> {
+        if let Some(nccl) = &self.nccl {
+            for (_, _, node) in self.in_flight.drain(..) {
+                nccl.order_after(node, &self.stream)?;
+            }
+        }
+        Ok(())
     }
 
     fn bind(&self) -> Result<(), CudaError> {
@@ -950,6 +1028,24 @@ impl Backend for CudaBackend {
                 }
             }
         }
+        // An NCCL collective reads its input on its own stream while the compute
+        // stream goes on: the input lives until the result's last use, after which
+        // the compute stream has waited for the collective.
+        for id in self.graph.node_ids() {
+            if !self.nccl_runs(id) {
+                continue;
+            }
+            let (Some(Some(src)), Some(Some(dst))) = (
+                input_key(&self.graph, id, 0).and_then(|k| root.get(&k).copied()),
+                root.get(&(id, 0)).copied(),
+            ) else {
+                continue;
+            };
+            let until = span.get(&dst).map_or(end, |d| d.2);
+            if let Some(e) = span.get_mut(&src) {
+                e.2 = e.2.max(until);
+            }
+        }
         let mut keys: Vec<(NodeId, usize)> = span.keys().copied().collect();
         keys.sort();
         let mut blocks: Vec<Block> = keys
@@ -1026,10 +1122,6 @@ impl Backend for CudaBackend {
             self.write_steps()?;
         }
         let what = || format!("{node} ({})", op.mnemonic());
-        let nl = self
-            .plan
-            .get(&node)
-            .ok_or_else(|| invalid(format!("{}: not in the device plan", what())))?;
         let ins: Vec<u64> = args
             .iter()
             .map(|a| match a {
@@ -1038,6 +1130,11 @@ impl Backend for CudaBackend {
                 BackendArg::BorrowedTensor(t) => t.ptr,
             })
             .collect();
+        self.await_collectives(&ins)?;
+        let nl = self
+            .plan
+            .get(&node)
+            .ok_or_else(|| invalid(format!("{}: not in the device plan", what())))?;
         let out_types = &self.graph.node(node).outputs;
         let alias = nl.launches.iter().find_map(|l| match l {
             Launch::Alias { input } => Some(*input),
@@ -1166,6 +1263,7 @@ impl Backend for CudaBackend {
             // refusing would make every such graph uncapturable.
             return Ok(placeholder(&v.ty));
         }
+        self.await_collectives(&[v.ptr])?;
         self.read_value(&v)
     }
 
@@ -1235,7 +1333,10 @@ impl Backend for CudaBackend {
         match v {
             ValueRef::Tensor(t) => Ok(Cow::Owned(self.read_dense(t.ptr, &t.ty)?)),
             ValueRef::Value(v) => match &v.ty {
-                ValueType::Tensor(t) => Ok(Cow::Owned(self.read_dense(v.ptr, t)?)),
+                ValueType::Tensor(t) => {
+                    self.await_collectives(&[v.ptr])?;
+                    Ok(Cow::Owned(self.read_dense(v.ptr, t)?))
+                }
                 t => Err(invalid(format!("needs a tensor, got {t}"))),
             },
         }
@@ -1269,6 +1370,7 @@ impl Backend for CudaBackend {
         if ty.dtype != DType::F32 || ty.dims().iter().product::<usize>() != 1 {
             return Err(invalid(format!("the loss must be one f32, got {ty}")));
         }
+        self.await_collectives(&[ptr])?;
         if self.capturing {
             // SAFETY: `loss_slot` is the address of `loss_host` (one pinned f32, alive as
             // long as the backend); the host reads it only after a synchronize
@@ -1423,6 +1525,7 @@ impl Backend for CudaBackend {
         if !self.capturing {
             self.write_steps()?;
         }
+        self.await_all_collectives()?;
         let opt_step = self.steps_ptr + 8;
         for (name, g) in &grads {
             let var = opt.vars.get(name).ok_or_else(|| {
@@ -1482,7 +1585,49 @@ impl Backend for CudaBackend {
     fn synchronize(&mut self) -> Result<(), KernelError> {
         self.no_capture("synchronizing")?;
         self.bind()?;
+        self.await_all_collectives()?;
         Ok(sync(&self.stream)?)
+    }
+
+    fn start_collective(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        v: DeviceValue,
+    ) -> Result<Started<DeviceValue>, KernelError> {
+        if !self.nccl_runs(node) {
+            return Ok(Started::Host(v));
+        }
+        self.no_capture("an NCCL collective")?;
+        self.bind()?;
+        let out_ty = self
+            .graph
+            .node(node)
+            .outputs
+            .first()
+            .cloned()
+            .ok_or_else(|| invalid(format!("{node}: a collective with no output")))?;
+        let off = *self.out_offsets.get(&(node, 0)).ok_or_else(|| {
+            invalid(format!("{node}: the collective's output has no buffer (prepare not run?)"))
+        })?;
+        let out = self.arena_base + off as u64;
+        // The input may itself be a collective's result still in flight.
+        self.await_collectives(&[v.ptr])?;
+        let nccl = self
+            .nccl
+            .as_mut()
+            .ok_or_else(|| invalid("no NCCL communicator"))?;
+        nccl.issue(node, op, &self.stream, v.ptr, &v.ty, out, &out_ty)?;
+        let bytes = codegen::value_bytes(&out_ty) as u64;
+        self.in_flight.push((out, out + bytes.max(1), node));
+        Ok(Started::Device(DeviceValue {
+            ptr: out,
+            ty: out_ty,
+        }))
+    }
+
+    fn collective_bytes(&self) -> ByteCount {
+        self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default()
     }
 
     fn set_step(&mut self, step: u64) -> Result<(), KernelError> {

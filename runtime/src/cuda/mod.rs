@@ -387,3 +387,24 @@ pub fn require_gpu(dirs: &LibDirs) -> Result<usize, CudaError> {
         n => Ok(n),
     }
 }
+
+/// The backend of worker `rank` of a distributed plan on GPU `ordinal`: a
+/// [`CudaBackend`] joined to the workers' NCCL communicator when `collectives` allows
+/// it ([`nccl::bootstrap`] over `comm`, the workers' host communicator), else one whose
+/// collectives go through the host. Every worker calls it on its own thread.
+pub fn worker_backend(
+    graph: &distc_ir::Graph,
+    opts: CudaOptions,
+    ordinal: usize,
+    collectives: nccl::Collectives,
+    comm: &mut dyn crate::comm::Communicator,
+) -> Result<CudaBackend, crate::error::RuntimeError> {
+    let mut backend = CudaBackend::new(ordinal, graph, opts)?;
+    if collectives != nccl::Collectives::Host {
+        let gpu = backend.gpu_uuid()?;
+        if let Some(id) = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())? {
+            backend.attach_nccl(comm.rank(), comm.size(), id)?;
+        }
+    }
+    Ok(backend)
+}
