@@ -79,11 +79,25 @@ fn device_flags_that_do_not_fit_are_refused() {
         "give --device cuda with them",
     );
     refused(
-        &["train", "examples/mlp.dsl", "--collectives", "nccl", "--steps", "1"],
+        &[
+            "train",
+            "examples/mlp.dsl",
+            "--collectives",
+            "nccl",
+            "--steps",
+            "1",
+        ],
         "give --device cuda with them",
     );
     refused(
-        &["train", "examples/mlp.dsl", "--device", "cuda", "--collectives", "mpi"],
+        &[
+            "train",
+            "examples/mlp.dsl",
+            "--device",
+            "cuda",
+            "--collectives",
+            "mpi",
+        ],
         "expected auto, nccl or host",
     );
     refused(

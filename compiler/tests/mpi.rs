@@ -482,7 +482,14 @@ fn gpu_workers_under_mpirun_without_a_gpu_or_nccl_say_what_is_missing() {
     let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "gpu.plan.json");
     for (collectives, want) in [
         ("auto", "libcuda.so.1"),
-        ("nccl", if have_nccl { "libcuda.so.1" } else { "libnccl.so" }),
+        (
+            "nccl",
+            if have_nccl {
+                "libcuda.so.1"
+            } else {
+                "libnccl.so"
+            },
+        ),
     ] {
         let start = Instant::now();
         let o = mpirun(
@@ -503,7 +510,11 @@ fn gpu_workers_under_mpirun_without_a_gpu_or_nccl_say_what_is_missing() {
             ],
         );
         assert!(!o.status.success(), "{}", text(&o));
-        assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            start.elapsed()
+        );
         let t = text(&o);
         assert!(t.contains(want), "{collectives}: {t}");
         assert!(!t.contains("panicked"), "{t}");

@@ -93,7 +93,16 @@ fn without_nccl_asking_for_it_is_an_error_naming_the_library_on_every_rank() {
         assert!(e.contains("DISTC_CUDA_LIB_DIR"), "{e}");
     }
     let e = unique_id(&dirs).expect_err("no NCCL");
-    assert!(matches!(e, CudaError::MissingLibrary { lib: CudaLib::Nccl, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            CudaError::MissingLibrary {
+                lib: CudaLib::Nccl,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[test]
@@ -102,7 +111,16 @@ fn a_broken_nccl_library_is_an_error_not_a_panic() {
     std::fs::write(dir.path().join("libnccl.so"), b"not an ELF file").expect("write");
     let dirs = LibDirs::default().with(dir.path());
     let e = probe(CudaLib::Nccl, &dirs).expect_err("garbage is not a library");
-    assert!(matches!(e, CudaError::LoadFailed { lib: CudaLib::Nccl, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            CudaError::LoadFailed {
+                lib: CudaLib::Nccl,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains("libnccl.so"), "{e}");
     for r in boot_all(2, &["GPU-a", "GPU-b"], Collectives::Nccl, &dirs) {
         let e = r.expect_err("a broken NCCL").to_string();
@@ -142,7 +160,10 @@ fn a_rank_that_dies_before_the_bootstrap_fails_the_others_instead_of_hanging() {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
     });
     assert_ne!(results[0], "ok", "{results:?}");
 }

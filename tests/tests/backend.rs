@@ -111,12 +111,28 @@ fn the_device_loop_profiles_each_op_and_reads_no_outputs_while_training() {
 /// trainer's own fast path, and it counts the kernels it ran.
 struct Wrapped {
     kernels: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// A communicator of the backend's own, as NCCL is a device backend's: when set,
+    /// the backend runs the plan's collectives itself (`start_collective`).
+    own: Option<Box<dyn distc_runtime::comm::Communicator>>,
+    /// Collectives the backend ran itself.
+    collectives: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Wrapped {
+    fn new(kernels: &std::sync::Arc<std::sync::atomic::AtomicUsize>) -> Wrapped {
+        Wrapped {
+            kernels: kernels.clone(),
+            own: None,
+            collectives: Default::default(),
+        }
+    }
 }
 
 mod wrapped {
     use super::Wrapped;
     use distc_ir::{NodeId, Op, TensorType, ValueType};
-    use distc_runtime::backend::{Backend, BackendArg, Cpu, KernelError, ValueRef};
+    use distc_runtime::backend::{Backend, BackendArg, Cpu, KernelError, Started, ValueRef};
+    use distc_runtime::comm::ByteCount;
     use distc_runtime::exec::Schedule;
     use distc_runtime::kernels::KernelCtx;
     use distc_runtime::optim::Optimizer;
@@ -214,6 +230,25 @@ mod wrapped {
         }
         // No optimizer_state / load_optimizer_state: the defaults refuse, as a
         // device backend's do today.
+        fn start_collective(
+            &mut self,
+            _node: NodeId,
+            op: &Op,
+            v: Value,
+        ) -> Result<Started<Value>, KernelError> {
+            match self.own.as_mut() {
+                None => Ok(Started::Host(v)),
+                Some(c) => {
+                    self.collectives.fetch_add(1, Ordering::Relaxed);
+                    distc_runtime::worker::collective(c.as_mut(), op, v)
+                        .map(Started::Device)
+                        .map_err(|e| KernelError::Invalid(e.to_string()))
+                }
+            }
+        }
+        fn collective_bytes(&self) -> ByteCount {
+            self.own.as_ref().map(|c| c.bytes()).unwrap_or_default()
+        }
     }
 }
 
@@ -262,11 +297,7 @@ fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
                 losses.push(m.loss);
                 Ok(())
             },
-            |_| {
-                Ok(Wrapped {
-                    kernels: kernels.clone(),
-                })
-            },
+            |_, _| Ok(Wrapped::new(&kernels)),
         )
         .expect("trains on the wrapped backend");
         let what = format!("{strategy:?} x{workers} zero {zero}");
@@ -296,19 +327,105 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
         ..Default::default()
     };
     let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let err =
-        distc_runtime::train::train_with(c.programs(1), &c.config, &opts, &mut |_| Ok(()), |_| {
-            Ok(Wrapped {
-                kernels: kernels.clone(),
-            })
-        })
-        .err()
-        .expect("refused")
-        .to_string();
+    let err = distc_runtime::train::train_with(
+        c.programs(1),
+        &c.config,
+        &opts,
+        &mut |_| Ok(()),
+        |_, _| Ok(Wrapped::new(&kernels)),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
     assert!(
         err.contains("wrapped-cpu") && err.contains("training state"),
         "{err}"
     );
     assert!(!dir.join("state.safetensors").exists());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A backend that runs the plan's collectives on a communicator of its own (as the
+/// CUDA backend runs them on NCCL), joined through a bootstrap over the workers' host
+/// communicator: the executor hands it every collective, the workers train bitwise
+/// what the CPU workers train, and the metrics count the same bytes per step (the
+/// bootstrap's own are not counted).
+#[test]
+fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does() {
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    use distc_runtime::comm::{in_process, Communicator};
+    use distc_runtime::train::train_with;
+    use std::sync::{Arc, Mutex};
+    for (model, strategy, workers, servers, zero) in [
+        ("sparse_lm.dsl", Strategy::Allreduce, 2, 0, 0),
+        ("sparse_lm.dsl", Strategy::Hybrid, 3, 1, 0),
+        ("dense_mlp.dsl", Strategy::Allreduce, 3, 0, 3),
+    ] {
+        let c = compile_file(
+            &example(model),
+            &CompileOptions {
+                strategy: StrategyConfig {
+                    strategy,
+                    workers,
+                    servers,
+                    zero,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .expect("compiles");
+        let opts = TrainOptions {
+            steps: Some(3),
+            global_data: true,
+            ..Default::default()
+        };
+        let mut cpu = Vec::new();
+        let expected = train(c.programs(workers), &c.config, &opts, &mut |m| {
+            cpu.push((m.loss, m.bytes_sent, m.bytes_received));
+            Ok(())
+        })
+        .expect("trains on the CPU");
+        let kernels = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let own: Mutex<Vec<Option<_>>> =
+            Mutex::new(in_process(workers).into_iter().map(Some).collect());
+        let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut got_lines = Vec::new();
+        let got = train_with(
+            c.programs(workers),
+            &c.config,
+            &opts,
+            &mut |m| {
+                got_lines.push((m.loss, m.bytes_sent, m.bytes_received));
+                Ok(())
+            },
+            |rank, host: &mut dyn Communicator| {
+                // The bootstrap: rank 0's token to everyone over the host communicator.
+                let mut token = if rank == 0 {
+                    b"own-comm".to_vec()
+                } else {
+                    vec![0; 8]
+                };
+                host.broadcast(&mut token, 0)?;
+                assert_eq!(token, b"own-comm");
+                let mut w = Wrapped::new(&kernels);
+                let comm = own.lock().expect("lock")[rank]
+                    .take()
+                    .expect("one per rank");
+                w.own = Some(Box::new(comm));
+                w.collectives = ran.clone();
+                Ok(w)
+            },
+        )
+        .expect("trains with the backend's own communicator");
+        let what = format!("{model} {strategy:?} x{workers} zero {zero}");
+        assert!(
+            ran.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{what}: no collective ran on the backend"
+        );
+        assert_eq!(cpu, got_lines, "{what}: losses or bytes differ");
+        for (var, w) in &expected.params {
+            assert!(got.params.get(var) == Some(w), "{what}: `{var}` differs");
+        }
+    }
 }

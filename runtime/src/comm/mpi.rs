@@ -28,6 +28,7 @@
 //! ranks blocked in a collective); a killed rank makes `mpirun` stop the others.
 
 use super::{chunk_range, ByteCount, Communicator};
+use crate::backend::{Backend, Cpu};
 use crate::config::RunConfig;
 use crate::error::{Result, RuntimeError};
 use crate::metrics::StepMetrics;
@@ -38,7 +39,6 @@ use crate::trace::Span;
 use crate::train::{
     open_data, pulled_types, server_shards, Coordinator, Programs, TrainOptions, TrainReport,
 };
-use crate::backend::{Backend, Cpu};
 use crate::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
@@ -712,8 +712,7 @@ pub fn run_with<B: Backend>(
                 None => fail(&world, rank, role, &"not in the workers' communicator"),
             };
             run_worker_rank(
-                programs, config, opts, mpi_run, roles, r, comm, &ps_comm, &ctl, t0, on_step,
-                make,
+                programs, config, opts, mpi_run, roles, r, comm, &ps_comm, &ctl, t0, on_step, make,
             )
         }
         None => Err(RuntimeError::Config(format!("rank {rank} has no role"))),

@@ -583,7 +583,12 @@ impl CudaBackend {
     /// Joins the NCCL communicator rank 0's `id` names, as `rank` of `size`: from then
     /// on the plan's collectives run on device buffers ([`super::nccl`]). Before
     /// [`Backend::prepare`], whose memory plan keeps their inputs alive while they run.
-    pub fn attach_nccl(&mut self, rank: usize, size: usize, id: [u8; 128]) -> Result<(), CudaError> {
+    pub fn attach_nccl(
+        &mut self,
+        rank: usize,
+        size: usize,
+        id: [u8; 128],
+    ) -> Result<(), CudaError> {
         if self.arena.is_some() {
             return Err(CudaError::Invalid(
                 "NCCL must be attached before the memory plan is made".into(),
@@ -1608,7 +1613,9 @@ impl Backend for CudaBackend {
             .cloned()
             .ok_or_else(|| invalid(format!("{node}: a collective with no output")))?;
         let off = *self.out_offsets.get(&(node, 0)).ok_or_else(|| {
-            invalid(format!("{node}: the collective's output has no buffer (prepare not run?)"))
+            invalid(format!(
+                "{node}: the collective's output has no buffer (prepare not run?)"
+            ))
         })?;
         let out = self.arena_base + off as u64;
         // The input may itself be a collective's result still in flight.

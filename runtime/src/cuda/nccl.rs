@@ -46,8 +46,8 @@ use super::{probe, CudaError, CudaLib, LibDirs};
 use crate::comm::{ByteCount, Communicator};
 use crate::error::RuntimeError;
 use cudarc::driver::{
-    result as drv, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice,
-    CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    result as drv, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nccl::{result as nccl_result, sys as nccl_sys};
 use distc_ir::{NodeId, Op, ReduceOp, ValueType};
@@ -207,9 +207,11 @@ pub fn bootstrap(
         Ok(false) => return Ok(None),
         // This rank's own missing library says best where to look.
         Err(_) if found.is_err() => {
-            return Err(RuntimeError::Cuda(Box::new(found.err().ok_or_else(
-                || RuntimeError::Config("NCCL probe".into()),
-            )?)))
+            return Err(RuntimeError::Cuda(Box::new(
+                found
+                    .err()
+                    .ok_or_else(|| RuntimeError::Config("NCCL probe".into()))?,
+            )))
         }
         Err(m) => return Err(RuntimeError::Config(m)),
     }
@@ -376,7 +378,9 @@ impl NcclComm {
     /// Waits, on `compute`, for node `node`'s collective to be done.
     pub fn order_after(&self, node: NodeId, compute: &CudaStream) -> Result<(), CudaError> {
         if let Some(ev) = self.events.get(&node) {
-            compute.wait(&ev.done).map_err(drv_err("cuStreamWaitEvent"))?;
+            compute
+                .wait(&ev.done)
+                .map_err(drv_err("cuStreamWaitEvent"))?;
         }
         Ok(())
     }
@@ -471,8 +475,7 @@ impl NcclComm {
             }
             (Op::Broadcast { root }, ValueType::Tensor(_)) => {
                 let len = elems(in_ty);
-                let root_i =
-                    i32::try_from(*root).map_err(|_| CudaError::Invalid("root".into()))?;
+                let root_i = i32::try_from(*root).map_err(|_| CudaError::Invalid("root".into()))?;
                 // SAFETY: as for all-reduce; NCCL reads `input` on the root only.
                 #[allow(unsafe_code)]
                 unsafe {
@@ -558,10 +561,8 @@ impl NcclComm {
                     // SAFETY: `output` holds `total <= chunk n` f32; after the gather on
                     // this stream.
                     #[allow(unsafe_code)]
-                    unsafe {
-                        drv::memcpy_dtod_async(output, recv, 4 * total, stream)
-                    }
-                    .map_err(drv_err("cuMemcpyDtoDAsync"))?;
+                    unsafe { drv::memcpy_dtod_async(output, recv, 4 * total, stream) }
+                        .map_err(drv_err("cuMemcpyDtoDAsync"))?;
                 }
                 let b = 4 * (n64 - 1) * chunk as u64;
                 self.count(b, b);
@@ -715,10 +716,13 @@ mod tests {
                     hs.into_iter().map(|h| h.join().unwrap()).collect()
                 });
                 for (rank, b) in counted {
-                    assert_eq!(b, ring_all_reduce_bytes(len, n, rank), "n {n} len {len} rank {rank}");
+                    assert_eq!(
+                        b,
+                        ring_all_reduce_bytes(len, n, rank),
+                        "n {n} len {len} rank {rank}"
+                    );
                 }
             }
         }
     }
-
 }
