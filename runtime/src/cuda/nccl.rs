@@ -362,17 +362,16 @@ impl NcclComm {
     pub fn supports(op: &Op, input: &ValueType) -> bool {
         let f32_input = input.dense_type().dtype == distc_ir::DType::F32;
         f32_input
-            && match (op, input) {
+            && matches!(
+                (op, input),
                 (
                     Op::AllReduce { .. }
-                    | Op::Broadcast { .. }
-                    | Op::ReduceScatter { .. }
-                    | Op::AllGatherDense { .. },
+                        | Op::Broadcast { .. }
+                        | Op::ReduceScatter { .. }
+                        | Op::AllGatherDense { .. },
                     ValueType::Tensor(_),
-                ) => true,
-                (Op::AllGather { .. }, ValueType::IndexedSlices { .. }) => true,
-                _ => false,
-            }
+                ) | (Op::AllGather { .. }, ValueType::IndexedSlices { .. })
+            )
     }
 
     /// Waits, on `compute`, for node `node`'s collective to be done.
@@ -686,12 +685,12 @@ mod tests {
 
         let shared = [rec(true, "GPU-a"), rec(true, "GPU-a")];
         assert_eq!(decide(Collectives::Auto, &shared), Ok(false));
-        let e = decide(Collectives::Nccl, &shared).unwrap_err();
+        let e = decide(Collectives::Nccl, &shared).expect_err("shared GPU");
         assert!(e.contains("ranks 0 and 1 on GPU GPU-a"), "{e}");
 
         let missing = [rec(true, "GPU-a"), rec(false, "GPU-b")];
         assert_eq!(decide(Collectives::Auto, &missing), Ok(false));
-        let e = decide(Collectives::Nccl, &missing).unwrap_err();
+        let e = decide(Collectives::Nccl, &missing).expect_err("missing library");
         assert!(e.contains("missing on rank(s) 1"), "{e}");
         // One rank alone has its GPU to itself.
         assert_eq!(decide(Collectives::Auto, &[rec(true, "GPU-a")]), Ok(true));
@@ -708,12 +707,14 @@ mod tests {
                         .map(|mut c| {
                             s.spawn(move || {
                                 let mut buf = vec![1.0f32; len];
-                                c.all_reduce(&mut buf, false).unwrap();
+                                c.all_reduce(&mut buf, false).expect("all-reduce");
                                 (c.rank(), c.bytes())
                             })
                         })
                         .collect();
-                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                    hs.into_iter()
+                        .map(|h| h.join().expect("no panic"))
+                        .collect()
                 });
                 for (rank, b) in counted {
                     assert_eq!(
