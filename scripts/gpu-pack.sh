@@ -15,6 +15,7 @@ tests=(
   "distc-tests backend"
   "distc-runtime cuda_backend"
   "distc-runtime cuda"
+  "distc-runtime nccl"
 )
 
 cargo build --release -p distc

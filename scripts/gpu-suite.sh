@@ -21,8 +21,16 @@ for base in getattr(nvidia, "__path__", []):
 print(":".join(dirs))
 PY
 ) || { echo "gpu-suite: no nvidia-* wheels in $py" >&2; exit 1; }
-export DISTC_CUDA_LIB_DIR="$libs"
-export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cudarc loads NCCL as libnccl.so; the wheel has libnccl.so.2: a symlink in a folder
+# of our own, searched first.
+shim="$(mktemp -d)"
+trap 'rm -rf "$shim"' EXIT
+IFS=: read -ra libdirs <<<"$libs"
+for d in "${libdirs[@]}"; do
+  [ -e "$d/libnccl.so.2" ] && { ln -sf "$d/libnccl.so.2" "$shim/libnccl.so"; break; }
+done
+export DISTC_CUDA_LIB_DIR="$shim:$libs"
+export LD_LIBRARY_PATH="$shim:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The test binaries find examples/ through DISTC_REPO (their build path is not here).
 export DISTC_REPO="$PWD"
 nvidia-smi -L | tee "$results/gpu.txt"
@@ -39,4 +47,5 @@ for t in gpu-bin/distc-*; do
   fi
 done
 RESULTS="$results" bash bench/gpu.sh gpu-bin/distc 2>&1 | tee "$results/bench.txt"
+RESULTS="$results/nccl" bash bench/nccl.sh gpu-bin/distc 2>&1 | tee "$results/nccl.txt"
 exit $failed

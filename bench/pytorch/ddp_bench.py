@@ -9,7 +9,9 @@ steps is generated before timing; warm-up steps, barrier, timed steps,
 barrier; throughput = N * B * steps / elapsed (global samples/s); median of
 --runs runs, each run in fresh processes. With --workers 1 the model runs in
 one plain process (no process group, no DDP): the "one PyTorch process"
-baseline, reported with "ddp": false.
+baseline, reported with "ddp": false. With --device cuda every worker process
+puts its model and its batches on that GPU (they share it) and gloo all-reduces
+the CUDA gradients through the host, as distc's `--collectives host` does.
 
 Usage:
   .venv-bench/bin/python bench/pytorch/ddp_bench.py --workload sparse_lm --workers 2
@@ -121,9 +123,14 @@ def build_model(workload):
 
 # ---------------------------------------------------------------- one run
 
-def worker(rank, world, port, workload, threads, warmup, steps, queue):
+def worker(rank, world, port, workload, threads, warmup, steps, queue, device="cpu"):
     try:
         torch.set_num_threads(threads)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32, as distc's default
+            torch.backends.cudnn.allow_tf32 = False
         ddp = world > 1
         if ddp:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -131,9 +138,12 @@ def worker(rank, world, port, workload, threads, warmup, steps, queue):
             dist.init_process_group("gloo", rank=rank, world_size=world)
         w = WORKLOADS[workload]
         data = make_data(workload, rank, warmup + steps)  # before timing
-        model = build_model(workload)
+        data = [(x.to(dev), y.to(dev)) for x, y in data]
+        model = build_model(workload).to(dev)
         if ddp:
-            model = nn.parallel.DistributedDataParallel(model)
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[dev.index or 0] if dev.type == "cuda" else None)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         opt = torch.optim.SGD(model.parameters(), lr=w["lr"])  # no momentum, no decay
 
         def step(x, y):
@@ -148,11 +158,13 @@ def worker(rank, world, port, workload, threads, warmup, steps, queue):
             loss = step(*data[i])
             if first is None:
                 first = loss.item()
+        sync()
         if ddp:
             dist.barrier()
         t0 = time.perf_counter()
         for i in range(warmup, warmup + steps):
             loss = step(*data[i])
+        sync()
         if ddp:
             dist.barrier()
         elapsed = time.perf_counter() - t0
@@ -173,12 +185,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def one_run(workload, workers, threads, warmup, steps):
+def one_run(workload, workers, threads, warmup, steps, device="cpu"):
     """Spawn `workers` fresh processes; return (elapsed s, first loss, last loss)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, workers, port, workload, threads, warmup, steps, queue))
+    procs = [ctx.Process(target=worker, args=(r, workers, port, workload, threads, warmup, steps, queue, device))
              for r in range(workers)]
     for p in procs:
         p.start()
@@ -224,6 +236,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads-per-worker", type=int, default=None,
                     help="default: cores // N (at least 1)")
+    ap.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N: every worker on that GPU")
     ap.add_argument("--json", action="store_true",
                     help="one JSON line per configuration on stdout (progress goes to stderr)")
     args = ap.parse_args()
@@ -248,7 +261,7 @@ def main():
             others = []
             for run in range(args.runs):
                 busy0, ours0 = busy_cpu_s(), children_cpu_s()
-                elapsed, first, last = one_run(workload, n, threads, args.warmup, args.steps)
+                elapsed, first, last = one_run(workload, n, threads, args.warmup, args.steps, args.device)
                 busy1, ours1 = busy_cpu_s(), children_cpu_s()
                 # CPU time other processes took while this run's workers lived
                 # (start-up included): a large value means the run was disturbed.
@@ -269,6 +282,7 @@ def main():
                     "workers": n,
                     "ddp": ddp,
                     "backend": "gloo" if ddp else None,
+                    "device": args.device,
                     "threads_per_worker": threads,
                     "batch_per_worker": B,
                     "warmup": args.warmup,

@@ -146,3 +146,92 @@ fn verify_on_the_gpu_passes_for_allreduce_ps_and_hybrid() {
         }
     }
 }
+
+/// NCCL with one rank on the GPU: the API path end to end (bootstrap, communicator,
+/// every collective a plan uses on device buffers, the events). A one-rank all-reduce
+/// equals its input and a mean divides by one, so each plan trains what the host path
+/// trains with one worker: allreduce (dense and sparse: the padded all-gather of
+/// slices), hybrid with a server, and ZeRO 3 (reduce-scatter, all-gather of chunks).
+#[test]
+fn nccl_with_one_rank_trains_what_the_host_path_trains() {
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    use distc_runtime::cuda::nccl::Collectives;
+    use distc_runtime::cuda::{probe, worker_backend, CudaLib, LibDirs};
+    use distc_runtime::train::train_with;
+    let dirs = LibDirs::from_env();
+    if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
+        println!("skipping: {e}");
+        return;
+    }
+    if let Err(e) = probe(CudaLib::Nccl, &dirs) {
+        println!("skipping: {e}");
+        return;
+    }
+    for (name, strategy, servers, zero) in [
+        ("dense_mlp.dsl", Strategy::Allreduce, 0, 0),
+        ("sparse_lm.dsl", Strategy::Allreduce, 0, 0),
+        ("sparse_lm.dsl", Strategy::Hybrid, 1, 0),
+        ("dense_mlp.dsl", Strategy::Allreduce, 0, 3),
+    ] {
+        let c = compile_file(
+            &example(name),
+            &CompileOptions {
+                strategy: StrategyConfig {
+                    strategy,
+                    workers: 1,
+                    servers,
+                    zero,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .expect("compiles");
+        if c.config.data.needs_files() && data_dir(None).is_none() {
+            println!("skipping {name}: DISTC_DATA not set");
+            continue;
+        }
+        let opts = TrainOptions {
+            steps: Some(8),
+            ..Default::default()
+        };
+        let cuda = CudaOptions {
+            graphs: false,
+            ..Default::default()
+        };
+        let run = |collectives: Collectives| {
+            let mut losses = Vec::new();
+            let report = train_with(
+                c.programs(1),
+                &c.config,
+                &opts,
+                &mut |m| {
+                    losses.push(m.loss);
+                    Ok(())
+                },
+                |_, comm| worker_backend(&c.programs.worker, cuda, 0, collectives, comm),
+            )
+            .unwrap_or_else(|e| panic!("{name} {strategy:?} {collectives:?}: {e}"));
+            (losses, report)
+        };
+        let (nccl_losses, nccl) = run(Collectives::Nccl);
+        let (host_losses, host) = run(Collectives::Host);
+        let what = format!("{name} {strategy:?} zero {zero}");
+        println!("{what}: nccl {nccl_losses:?}\n{what}: host {host_losses:?}");
+        assert_eq!(nccl_losses.len(), 8, "{what}");
+        for (a, b) in nccl_losses.iter().zip(&host_losses) {
+            assert!(close(*a, *b, 1e-5), "{what}: losses {a} vs {b}");
+        }
+        assert!(
+            nccl_losses.last() < nccl_losses.first(),
+            "{what}: the loss did not fall: {nccl_losses:?}"
+        );
+        for (var, w) in &host.params {
+            let got = nccl.params.get(var).expect("same variables");
+            let (a, b) = (got.as_f32().expect("f32"), w.as_f32().expect("f32"));
+            for (x, y) in a.iter().zip(b.iter()) {
+                assert!(close(f64::from(*x), f64::from(*y), 1e-4), "{what}: `{var}` {x} vs {y}");
+            }
+        }
+    }
+}
