@@ -57,10 +57,18 @@
 //! # Not supported (clear errors)
 //!
 //! f64 graphs (gradient checks run on the CPU), gradient accumulation (`accumulate`,
-//! [`Backend::add`], [`Backend::scale`]), communication (the device loop refuses
-//! plans that communicate). [`Backend::from_host`] exists for completeness: it
-//! allocates a new buffer, kept until the backend is dropped, and is refused while
-//! capturing; nothing on a one-device plan calls it.
+//! [`Backend::add`], [`Backend::scale`]), CUDA graphs of a step that communicates
+//! (the worker loop runs eagerly).
+//!
+//! # Communication
+//!
+//! In a distributed plan's worker, [`Backend::from_host`] writes a pulled or
+//! host-reduced value into its node's planned buffer. With an NCCL communicator
+//! ([`CudaBackend::attach_nccl`], [`super::nccl`]) the plan's collectives run on
+//! device buffers on a second stream: [`Backend::start_collective`] issues them after
+//! an event on the compute stream, and every reader of a result (a kernel, a copy to
+//! the host, the update) first makes the compute stream wait for the collective's
+//! `done` event.
 
 use super::codegen::{
     self, CParam, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate,
