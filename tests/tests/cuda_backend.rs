@@ -230,7 +230,10 @@ fn nccl_with_one_rank_trains_what_the_host_path_trains() {
             let got = nccl.params.get(var).expect("same variables");
             let (a, b) = (got.as_f32().expect("f32"), w.as_f32().expect("f32"));
             for (x, y) in a.iter().zip(b.iter()) {
-                assert!(close(f64::from(*x), f64::from(*y), 1e-4), "{what}: `{var}` {x} vs {y}");
+                assert!(
+                    close(f64::from(*x), f64::from(*y), 1e-4),
+                    "{what}: `{var}` {x} vs {y}"
+                );
             }
         }
     }

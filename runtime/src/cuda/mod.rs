@@ -400,7 +400,18 @@ pub fn worker_backend(
     comm: &mut dyn crate::comm::Communicator,
 ) -> Result<CudaBackend, crate::error::RuntimeError> {
     let mut backend = CudaBackend::new(ordinal, graph, opts)?;
-    if collectives != nccl::Collectives::Host {
+    // Every rank holds the same program, so every rank skips the bootstrap alike.
+    let has_collective = graph.node_ids().into_iter().any(|id| {
+        matches!(
+            graph.op(id),
+            distc_ir::Op::AllReduce { .. }
+                | distc_ir::Op::AllGather { .. }
+                | distc_ir::Op::AllGatherDense { .. }
+                | distc_ir::Op::Broadcast { .. }
+                | distc_ir::Op::ReduceScatter { .. }
+        )
+    });
+    if collectives != nccl::Collectives::Host && has_collective {
         let gpu = backend.gpu_uuid()?;
         if let Some(id) = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())? {
             backend.attach_nccl(comm.rank(), comm.size(), id)?;
