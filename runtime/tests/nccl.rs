@@ -170,7 +170,9 @@ fn a_rank_that_dies_before_the_bootstrap_fails_the_others_instead_of_hanging() {
 
 #[test]
 fn the_compaction_kernel_compiles_for_hopper() {
-    let dirs = LibDirs::from_env();
+    // DISTC_CUDA_LIB_DIR's folders, then the one scripts/install-nvrtc.sh fills.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dirs = LibDirs::from_env().with(root.join(".nvrtc/nvidia/cu13/lib"));
     if let Err(e) = probe(CudaLib::Nvrtc, &dirs) {
         if std::env::var_os("CI").is_some() {
             panic!("CI runs this with NVRTC: {e}");
