@@ -786,13 +786,7 @@ fn run_cuda(
     };
     let programs = r.programs();
     let communicates = programs.workers > 1 || !programs.servers.is_empty();
-    if args.collectives == Collectives::Nccl {
-        // Before the GPU: where NCCL is missing, say so first.
-        distc_runtime::cuda::probe(
-            distc_runtime::cuda::CudaLib::Nccl,
-            &distc_runtime::cuda::LibDirs::from_env(),
-        )?;
-    }
+    require_nccl_if_asked(args)?;
     // One worker with --collectives nccl runs the worker loop (NCCL with one rank),
     // for comparing it with the one-device loop.
     if !communicates && args.collectives != Collectives::Nccl && args.gpus.is_none() {
@@ -826,6 +820,18 @@ fn run_cuda(
             distc_runtime::cuda::worker_backend(r.graph, opts, gpu, collectives, comm)
         },
     )?)
+}
+
+/// With `--collectives nccl`, the NCCL library, probed before the GPU: where it is
+/// missing, the error says so first.
+fn require_nccl_if_asked(args: &RunArgs) -> Result<()> {
+    if args.collectives == Collectives::Nccl {
+        distc_runtime::cuda::probe(
+            distc_runtime::cuda::CudaLib::Nccl,
+            &distc_runtime::cuda::LibDirs::from_env(),
+        )?;
+    }
+    Ok(())
 }
 
 /// The GPU of worker `rank`: the `rank`-th of `--gpus` (wrapping), else `ordinal`.
@@ -944,13 +950,7 @@ fn run_mpi(
         ),
     )
     .map_err(anyhow::Error::msg)?;
-    let opts = distc_runtime::comm::mpi::MpiRun {
-        plan_hash: plan.hash.clone(),
-        servers: plan.settings.servers,
-        metrics: args.metrics.clone(),
-        trace: args.trace.clone(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-    };
+    let opts = mpi_run_options(plan, args);
     Ok(distc_runtime::comm::mpi::run(
         r.programs(),
         &plan.config,
@@ -958,6 +958,18 @@ fn run_mpi(
         &opts,
         on_step,
     )?)
+}
+
+/// What every rank of an MPI run is told about the plan and the command.
+#[cfg(feature = "mpi")]
+fn mpi_run_options(plan: &Plan, args: &RunArgs) -> distc_runtime::comm::mpi::MpiRun {
+    distc_runtime::comm::mpi::MpiRun {
+        plan_hash: plan.hash.clone(),
+        servers: plan.settings.servers,
+        metrics: args.metrics.clone(),
+        trace: args.trace.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    }
 }
 
 /// The MPI run with GPU workers: worker rank i on the i-th of --gpus (else every rank
@@ -975,18 +987,9 @@ fn run_mpi_cuda(
         bail!("--trace is not available with --device cuda yet");
     }
     let plan = r.plan;
-    let dirs = distc_runtime::cuda::LibDirs::from_env();
-    if args.collectives == Collectives::Nccl {
-        distc_runtime::cuda::probe(distc_runtime::cuda::CudaLib::Nccl, &dirs)?;
-    }
-    distc_runtime::cuda::require_gpu(&dirs)?;
-    let opts = distc_runtime::comm::mpi::MpiRun {
-        plan_hash: plan.hash.clone(),
-        servers: plan.settings.servers,
-        metrics: args.metrics.clone(),
-        trace: None,
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-    };
+    require_nccl_if_asked(args)?;
+    distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env())?;
+    let opts = mpi_run_options(plan, args);
     let cuda = distc_runtime::cuda::CudaOptions {
         tf32: args.tf32,
         graphs: false,

@@ -543,8 +543,8 @@ impl Op {
         )
     }
 
-    /// Whether the op moves data between workers or servers.
-    pub fn is_communication(&self) -> bool {
+    /// Whether the op is a collective among the workers (every worker runs it).
+    pub fn is_collective(&self) -> bool {
         matches!(
             self,
             Op::AllReduce { .. }
@@ -552,11 +552,16 @@ impl Op {
                 | Op::Broadcast { .. }
                 | Op::ReduceScatter { .. }
                 | Op::AllGatherDense { .. }
-                | Op::Pull { .. }
-                | Op::SparsePull { .. }
-                | Op::Push { .. }
-                | Op::SparsePush { .. }
         )
+    }
+
+    /// Whether the op moves data between workers or servers.
+    pub fn is_communication(&self) -> bool {
+        self.is_collective()
+            || matches!(
+                self,
+                Op::Pull { .. } | Op::SparsePull { .. } | Op::Push { .. } | Op::SparsePush { .. }
+            )
     }
 
     /// Number of inputs the op takes, or `None` for variadic ops (at least one).

@@ -381,16 +381,7 @@ impl Schedule {
             Mode::Eval => &self.eval,
             Mode::Micro => &self.micro,
         };
-        plan.iter().any(|st| {
-            matches!(
-                self.nodes[st.node].op,
-                Op::AllReduce { .. }
-                    | Op::AllGather { .. }
-                    | Op::Broadcast { .. }
-                    | Op::ReduceScatter { .. }
-                    | Op::AllGatherDense { .. }
-            )
-        })
+        plan.iter().any(|st| self.nodes[st.node].op.is_collective())
     }
 
     /// What a run in `mode` will hold at its peak, from the plan and the IR's types by

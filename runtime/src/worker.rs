@@ -487,14 +487,13 @@ pub fn run_worker_on<B: Backend>(
         config,
         opts,
         rank,
-        comm,
+        mut comm,
         ps,
         mut data,
         mut report,
         t0,
         errors,
     } = setup;
-    let mut comm = comm;
     let made = make(&mut *comm);
     let bytes_start = comm.bytes();
     let (to_comm, comm_rx) = mpsc::channel::<Request>();

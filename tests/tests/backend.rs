@@ -252,9 +252,33 @@ mod wrapped {
     }
 }
 
+/// Example `model` compiled for `strategy` with `workers`, `servers` and ZeRO `zero`.
+fn compile_strategy(
+    model: &str,
+    strategy: distc_passes::placement::Strategy,
+    workers: usize,
+    servers: usize,
+    zero: u8,
+) -> distc::Compiled {
+    compile_file(
+        &example(model),
+        &CompileOptions {
+            strategy: distc_passes::placement::StrategyConfig {
+                strategy,
+                workers,
+                servers,
+                zero,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .expect("compiles")
+}
+
 #[test]
 fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
-    use distc_passes::placement::{Strategy, StrategyConfig};
+    use distc_passes::placement::Strategy;
     use distc_runtime::train::train_with;
     for (strategy, workers, servers, zero) in [
         (Strategy::Allreduce, 2, 0, 0),
@@ -262,20 +286,7 @@ fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
         (Strategy::Ps, 3, 2, 0),
         (Strategy::Allreduce, 2, 0, 3),
     ] {
-        let c = compile_file(
-            &example("sparse_lm.dsl"),
-            &CompileOptions {
-                strategy: StrategyConfig {
-                    strategy,
-                    workers,
-                    servers,
-                    zero,
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .expect("compiles");
+        let c = compile_strategy("sparse_lm.dsl", strategy, workers, servers, zero);
         let opts = TrainOptions {
             steps: Some(3),
             global_data: true,
@@ -352,7 +363,7 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
 /// bootstrap's own are not counted).
 #[test]
 fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does() {
-    use distc_passes::placement::{Strategy, StrategyConfig};
+    use distc_passes::placement::Strategy;
     use distc_runtime::comm::{in_process, Communicator};
     use distc_runtime::train::train_with;
     use std::sync::{Arc, Mutex};
@@ -361,20 +372,7 @@ fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does
         ("sparse_lm.dsl", Strategy::Hybrid, 3, 1, 0),
         ("dense_mlp.dsl", Strategy::Allreduce, 3, 0, 3),
     ] {
-        let c = compile_file(
-            &example(model),
-            &CompileOptions {
-                strategy: StrategyConfig {
-                    strategy,
-                    workers,
-                    servers,
-                    zero,
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .expect("compiles");
+        let c = compile_strategy(model, strategy, workers, servers, zero);
         let opts = TrainOptions {
             steps: Some(3),
             global_data: true,

@@ -302,7 +302,7 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaError {
+pub(super) fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaError {
     move |e| CudaError::Driver {
         call,
         code: format!("{:?}", e.0),

@@ -401,16 +401,10 @@ pub fn worker_backend(
 ) -> Result<CudaBackend, crate::error::RuntimeError> {
     let mut backend = CudaBackend::new(ordinal, graph, opts)?;
     // Every rank holds the same program, so every rank skips the bootstrap alike.
-    let has_collective = graph.node_ids().into_iter().any(|id| {
-        matches!(
-            graph.op(id),
-            distc_ir::Op::AllReduce { .. }
-                | distc_ir::Op::AllGather { .. }
-                | distc_ir::Op::AllGatherDense { .. }
-                | distc_ir::Op::Broadcast { .. }
-                | distc_ir::Op::ReduceScatter { .. }
-        )
-    });
+    let has_collective = graph
+        .node_ids()
+        .into_iter()
+        .any(|id| graph.op(id).is_collective());
     if collectives != nccl::Collectives::Host && has_collective {
         let gpu = backend.gpu_uuid()?;
         if let Some(id) = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())? {

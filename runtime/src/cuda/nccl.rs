@@ -42,6 +42,7 @@
 //! broadcasts it, and every rank joins the communicator. NCCL refuses two ranks on one
 //! GPU, so workers sharing a GPU use the host path.
 
+use super::backend::drv_err;
 use super::{probe, CudaError, CudaLib, LibDirs};
 use crate::comm::{ByteCount, Communicator};
 use crate::error::RuntimeError;
@@ -116,13 +117,6 @@ pub const COMPACT_KERNEL: &str = "distc_nccl_compact_slices";
 fn nccl_err(call: &'static str) -> impl Fn(nccl_result::NcclError) -> CudaError {
     // NcclError's Debug text is only "NcclError": the code is its field.
     move |e| CudaError::Nccl {
-        call,
-        code: format!("{:?}", e.0),
-    }
-}
-
-fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaError {
-    move |e| CudaError::Driver {
         call,
         code: format!("{:?}", e.0),
     }
@@ -206,14 +200,12 @@ pub fn bootstrap(
         Ok(true) => {}
         Ok(false) => return Ok(None),
         // This rank's own missing library says best where to look.
-        Err(_) if found.is_err() => {
-            return Err(RuntimeError::Cuda(Box::new(
-                found
-                    .err()
-                    .ok_or_else(|| RuntimeError::Config("NCCL probe".into()))?,
-            )))
+        Err(m) => {
+            return Err(match found {
+                Err(e) => RuntimeError::Cuda(Box::new(e)),
+                Ok(_) => RuntimeError::Config(m),
+            })
         }
-        Err(m) => return Err(RuntimeError::Config(m)),
     }
     // A flag byte before the id: rank 0 failing to create one still broadcasts, so
     // the other ranks stop with an error instead of waiting.
@@ -382,13 +374,6 @@ impl NcclComm {
                 .map_err(drv_err("cuStreamWaitEvent"))?;
         }
         Ok(())
-    }
-
-    /// Waits on the host until every collective issued has finished.
-    pub fn synchronize(&self) -> Result<(), CudaError> {
-        self.stream
-            .synchronize()
-            .map_err(drv_err("cuStreamSynchronize"))
     }
 
     /// A scratch buffer of `bytes` for node `node`, made on first use.
