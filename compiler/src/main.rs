@@ -7,13 +7,16 @@ use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{
     Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode,
 };
+use distc_runtime::core::output::{check_outputs, write_file};
 use distc_runtime::cuda::nccl::Collectives;
-use distc_runtime::memory;
-use distc_runtime::metrics::StepMetrics;
-use distc_runtime::output::{check_outputs, write_file};
 use distc_runtime::ps::PsSync;
-use distc_runtime::trace::chrome_trace;
-use distc_runtime::train::{train, CheckpointEvery, Programs, TrainOptions, TrainReport};
+use distc_runtime::run::launch::{
+    launch, DeviceChoice, GpuOptions, Launch, MpiRun, TransportChoice,
+};
+use distc_runtime::run::memory;
+use distc_runtime::run::metrics::StepMetrics;
+use distc_runtime::run::trace::chrome_trace;
+use distc_runtime::run::train::{CheckpointEvery, Programs, TrainOptions, TrainReport};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -638,9 +641,9 @@ fn plan_memory(
 
 fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
     let resume = match &args.resume {
-        Some(path) => Some(std::sync::Arc::new(distc_runtime::checkpoint::load_state(
-            path,
-        )?)),
+        Some(path) => Some(std::sync::Arc::new(
+            distc_runtime::core::checkpoint::load_state(path)?,
+        )),
         None => None,
     };
     let checkpoint = args.checkpoint.as_ref().map(|path| CheckpointEvery {
@@ -700,11 +703,16 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         bail!("--gpus: give at least one GPU number (0,1,...)");
     }
     let steps = args.steps.unwrap_or(plan.config.steps);
-    if args.transport == Transport::Inprocess {
-        let estimate = r.memory(steps, args.preload)?;
-        memory::check(estimate.in_process_total(), &estimate.describe())
-            .map_err(anyhow::Error::msg)?;
+    let estimate = r.memory(steps, args.preload)?;
+    match args.transport {
+        Transport::Inprocess => memory::check(estimate.in_process_total(), &estimate.describe()),
+        // One rank per process: each checks what it will hold.
+        Transport::Mpi => {
+            let need = estimate.per_worker() + estimate.eval;
+            memory::check(need, &format!("{} per worker process", memory::gib(need)))
+        }
     }
+    .map_err(anyhow::Error::msg)?;
     // Created at the first line: under MPI only rank 0 writes the global lines.
     let mut metrics: Option<std::io::BufWriter<std::fs::File>> = None;
     let bar = if !args.quiet && std::io::stderr().is_terminal() {
@@ -742,21 +750,17 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         }
         Ok(())
     };
-    let result = match (args.device, args.transport) {
-        (Device::Cuda(ordinal), Transport::Inprocess) => {
-            run_cuda(r, args, ordinal, &mut on_step).map(Some)
-        }
-        (Device::Cuda(ordinal), Transport::Mpi) => run_mpi_cuda(r, args, ordinal, &mut on_step),
-        (Device::Cpu, Transport::Inprocess) => train(
-            r.programs(),
-            &plan.config,
-            &train_options(plan, args)?,
-            &mut on_step,
-        )
-        .map(Some)
-        .map_err(anyhow::Error::from),
-        (Device::Cpu, Transport::Mpi) => run_mpi(r, args, &mut on_step),
+    let run = Launch {
+        programs: r.programs(),
+        config: &plan.config,
+        opts: train_options(plan, args)?,
+        device: device_choice(args.device, args),
+        transport: match args.transport {
+            Transport::Inprocess => TransportChoice::InProcess,
+            Transport::Mpi => TransportChoice::Mpi(mpi_run_options(plan, args)),
+        },
     };
+    let result = launch(&run, &mut on_step).map_err(anyhow::Error::from);
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -770,75 +774,28 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     }
 }
 
-/// Trains a one-device plan on GPU `ordinal`.
-fn run_cuda(
-    r: &Runnable<'_>,
-    args: &RunArgs,
-    ordinal: usize,
-    on_step: &mut OnStep<'_>,
-) -> Result<TrainReport> {
-    if args.trace.is_some() {
-        bail!("--trace is not available with --device cuda yet (--profile is: it times each op's kernels)");
+/// Where a run's workers compute, from --device and the GPU flags.
+fn device_choice(device: Device, args: &RunArgs) -> DeviceChoice {
+    match device {
+        Device::Cpu => DeviceChoice::Cpu,
+        Device::Cuda(ordinal) => DeviceChoice::Cuda(GpuOptions {
+            ordinal,
+            gpus: args.gpus.clone(),
+            tf32: args.tf32,
+            graphs: !args.no_cuda_graph,
+            collectives: args.collectives,
+        }),
     }
-    let opts = distc_runtime::cuda::CudaOptions {
-        tf32: args.tf32,
-        graphs: !args.no_cuda_graph,
-    };
-    let programs = r.programs();
-    let communicates = programs.workers > 1 || !programs.servers.is_empty();
-    require_nccl_if_asked(args)?;
-    // One worker with --collectives nccl runs the worker loop (NCCL with one rank),
-    // for comparing it with the one-device loop.
-    if !communicates && args.collectives != Collectives::Nccl && args.gpus.is_none() {
-        let backend = distc_runtime::cuda::CudaBackend::new(ordinal, r.graph, opts)?;
-        return Ok(distc_runtime::device::train_on(
-            backend,
-            r.graph,
-            &r.plan.config,
-            &train_options(r.plan, args)?,
-            on_step,
-        )?);
-    }
-    // A distributed plan: every worker a thread with its own CUDA backend (on
-    // --gpus, else all on GPU `ordinal`), collectives through NCCL or the host as
-    // --collectives says, pulls and pushes through the host, servers on the CPU. No
-    // CUDA graphs: a step waits on the other workers.
-    distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env())?;
-    let opts = distc_runtime::cuda::CudaOptions {
-        graphs: false,
-        ..opts
-    };
-    let gpus = args.gpus.clone();
-    let collectives = args.collectives;
-    Ok(distc_runtime::train::train_with(
-        programs,
-        &r.plan.config,
-        &train_options(r.plan, args)?,
-        on_step,
-        |rank, comm| {
-            let gpu = worker_gpu(gpus.as_deref(), ordinal, rank);
-            distc_runtime::cuda::worker_backend(r.graph, opts, gpu, collectives, comm)
-        },
-    )?)
 }
 
-/// With `--collectives nccl`, the NCCL library, probed before the GPU: where it is
-/// missing, the error says so first.
-fn require_nccl_if_asked(args: &RunArgs) -> Result<()> {
-    if args.collectives == Collectives::Nccl {
-        distc_runtime::cuda::probe(
-            distc_runtime::cuda::CudaLib::Nccl,
-            &distc_runtime::cuda::LibDirs::from_env(),
-        )?;
-    }
-    Ok(())
-}
-
-/// The GPU of worker `rank`: the `rank`-th of `--gpus` (wrapping), else `ordinal`.
-fn worker_gpu(gpus: Option<&[usize]>, ordinal: usize, rank: usize) -> usize {
-    match gpus {
-        Some(g) if !g.is_empty() => g[rank % g.len()],
-        _ => ordinal,
+/// What every rank of an MPI run is told about the plan and the command.
+fn mpi_run_options(plan: &Plan, args: &RunArgs) -> MpiRun {
+    MpiRun {
+        plan_hash: plan.hash.clone(),
+        servers: plan.settings.servers,
+        metrics: args.metrics.clone(),
+        trace: args.trace.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
     }
 }
 
@@ -854,7 +811,7 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
         ]
         .into_iter()
         .collect();
-        distc_runtime::checkpoint::save(path, &named, meta)?;
+        distc_runtime::core::checkpoint::save(path, &named, meta)?;
     }
     if let Some(path) = &args.trace {
         let text = serde_json::to_string(&chrome_trace(&report.spans))?;
@@ -890,8 +847,6 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
     Ok(())
 }
 
-type OnStep<'a> = dyn FnMut(&StepMetrics) -> distc_runtime::Result<()> + 'a;
-
 #[cfg(feature = "mpi")]
 use distc::verify::verify_mpi;
 
@@ -901,112 +856,8 @@ fn verify_mpi(
     _: &VerifyOptions,
 ) -> Result<Option<distc::verify::VerifyReport>, distc::verify::VerifyError> {
     Err(distc::verify::VerifyError::Refused(
-        "--transport mpi: this distc was built without MPI; install OpenMPI \
-         (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
-            .into(),
+        distc_runtime::run::launch::NO_MPI.into(),
     ))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi_cuda(
-    _: &Runnable<'_>,
-    _: &RunArgs,
-    _: usize,
-    _: &mut OnStep<'_>,
-) -> anyhow::Result<Option<TrainReport>> {
-    bail!(
-        "--transport mpi: this distc was built without MPI; install OpenMPI \
-         (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
-    )
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi(
-    _: &Runnable<'_>,
-    _: &RunArgs,
-    _: &mut OnStep<'_>,
-) -> anyhow::Result<Option<TrainReport>> {
-    bail!(
-        "--transport mpi: this distc was built without MPI; install OpenMPI \
-         (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`"
-    )
-}
-
-#[cfg(feature = "mpi")]
-fn run_mpi(
-    r: &Runnable<'_>,
-    args: &RunArgs,
-    on_step: &mut OnStep<'_>,
-) -> anyhow::Result<Option<TrainReport>> {
-    let plan = r.plan;
-    let steps = args.steps.unwrap_or(plan.config.steps);
-    // One rank per process: each checks what it will hold.
-    let estimate = r.memory(steps, args.preload)?;
-    memory::check(
-        estimate.per_worker() + estimate.eval,
-        &format!(
-            "{} per worker process",
-            memory::gib(estimate.per_worker() + estimate.eval)
-        ),
-    )
-    .map_err(anyhow::Error::msg)?;
-    let opts = mpi_run_options(plan, args);
-    Ok(distc_runtime::comm::mpi::run(
-        r.programs(),
-        &plan.config,
-        &train_options(plan, args)?,
-        &opts,
-        on_step,
-    )?)
-}
-
-/// What every rank of an MPI run is told about the plan and the command.
-#[cfg(feature = "mpi")]
-fn mpi_run_options(plan: &Plan, args: &RunArgs) -> distc_runtime::comm::mpi::MpiRun {
-    distc_runtime::comm::mpi::MpiRun {
-        plan_hash: plan.hash.clone(),
-        servers: plan.settings.servers,
-        metrics: args.metrics.clone(),
-        trace: args.trace.clone(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-    }
-}
-
-/// The MPI run with GPU workers: worker rank i on the i-th of --gpus (else every rank
-/// on GPU `ordinal`, each process with its own context), collectives through NCCL or
-/// MPI as --collectives says (the NCCL id goes from rank 0 over MPI), servers on the
-/// CPU.
-#[cfg(feature = "mpi")]
-fn run_mpi_cuda(
-    r: &Runnable<'_>,
-    args: &RunArgs,
-    ordinal: usize,
-    on_step: &mut OnStep<'_>,
-) -> anyhow::Result<Option<TrainReport>> {
-    if args.trace.is_some() {
-        bail!("--trace is not available with --device cuda yet");
-    }
-    let plan = r.plan;
-    require_nccl_if_asked(args)?;
-    distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env())?;
-    let opts = mpi_run_options(plan, args);
-    let cuda = distc_runtime::cuda::CudaOptions {
-        tf32: args.tf32,
-        graphs: false,
-    };
-    let gpus = args.gpus.clone();
-    let collectives = args.collectives;
-    Ok(distc_runtime::comm::mpi::run_with(
-        r.programs(),
-        &plan.config,
-        &train_options(plan, args)?,
-        &opts,
-        on_step,
-        &|rank, comm| {
-            let gpu = worker_gpu(gpus.as_deref(), ordinal, rank);
-            distc_runtime::cuda::worker_backend(r.graph, cuda, gpu, collectives, comm)
-        },
-    )?)
 }
 
 /// `distc verify`: the library's check, printed.
@@ -1093,7 +944,7 @@ fn verify_cmd(
 fn main() {
     // Before anything allocates (data is loaded before the first executor exists) and
     // before any thread starts, so every block follows the same malloc settings.
-    distc_runtime::exec::warm_allocator();
+    distc_runtime::cpu::warm_allocator();
     let cli = Cli::parse();
     if let Err(e) = real_main(cli) {
         eprintln!("error: {e:#}");
@@ -1110,7 +961,7 @@ fn real_main(cli: Cli) -> Result<()> {
             data,
         } => {
             check_strategy_flags(&compile)?;
-            distc_runtime::output::check_output(&output, &[&file])?;
+            distc_runtime::core::output::check_output(&output, &[&file])?;
             let start = std::time::Instant::now();
             let c = compile_or_report(&file, &compile_opts(&compile, data.as_deref()))?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
@@ -1167,7 +1018,7 @@ fn real_main(cli: Cli) -> Result<()> {
             no_cuda_graph,
         } => {
             if let Some(path) = &json {
-                distc_runtime::output::check_output(path, &[])?;
+                distc_runtime::core::output::check_output(path, &[])?;
             }
             let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
             if compile {

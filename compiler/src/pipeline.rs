@@ -9,7 +9,7 @@ use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
 use distc_passes::{
     known_pass_names, pipeline, run_pipeline, PassCx, PassRecord, PipelineError, ProgramSet,
 };
-use distc_runtime::data::{data_dir, DataSource};
+use distc_runtime::run::data::{data_dir, DataSource};
 use distc_runtime::RunConfig;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -83,8 +83,8 @@ fn not_runnable(opts: &CompileOptions) -> Option<String> {
 
 impl Compiled {
     /// Its programs, borrowed for a run with `workers` workers.
-    pub fn programs(&self, workers: usize) -> distc_runtime::train::Programs<'_> {
-        distc_runtime::train::Programs {
+    pub fn programs(&self, workers: usize) -> distc_runtime::run::train::Programs<'_> {
+        distc_runtime::run::train::Programs {
             worker: &self.programs.worker,
             init: self.programs.init.as_ref(),
             servers: &self.programs.servers,

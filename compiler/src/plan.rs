@@ -156,12 +156,12 @@ impl Plan {
         let refused = |e: distc_runtime::RuntimeError| PlanError::Refused {
             message: e.to_string(),
         };
-        distc_runtime::output::check_output(path, inputs).map_err(refused)?;
+        distc_runtime::core::output::check_output(path, inputs).map_err(refused)?;
         let text = serde_json::to_string_pretty(self).map_err(|e| PlanError::Invalid {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        distc_runtime::output::write_file(path, text.as_bytes()).map_err(refused)
+        distc_runtime::core::output::write_file(path, text.as_bytes()).map_err(refused)
     }
 
     /// The workers' final program, if any.

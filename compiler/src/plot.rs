@@ -1,7 +1,7 @@
 //! `distc plot`: pictures of training runs drawn from their `--metrics` files.
 //!
 //! A metrics file holds one JSON object per step, as `distc train/run --metrics FILE`
-//! writes it ([`distc_runtime::metrics::StepMetrics`]): `step`, `loss`,
+//! writes it ([`distc_runtime::run::metrics::StepMetrics`]): `step`, `loss`,
 //! `samples_per_sec` and `memory` by category; steps that evaluated add `eval_loss`
 //! and `eval_accuracy` (classification) or `eval_rmse` (regression). A non-finite
 //! number is written as `null` (a run stopped on a NaN loss); such points are left out.
@@ -18,8 +18,8 @@
 //! output works on a machine without fonts and the build needs no fontconfig or
 //! system headers; the cost is about 0.75 MB of binary.
 
-use distc_runtime::memory::MemoryByCategory;
-use distc_runtime::output::{check_output, write_file};
+use distc_runtime::core::output::{check_output, write_file};
+use distc_runtime::run::memory::MemoryByCategory;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};

@@ -6,7 +6,10 @@
 
 use crate::pipeline::{compile_file, CompileError, CompileOptions, Compiled};
 use distc_passes::placement::{RematPolicy, Strategy, SyncMode};
-use distc_runtime::train::{train, TrainOptions};
+#[cfg(feature = "mpi")]
+use distc_runtime::run::launch::MpiRun;
+use distc_runtime::run::launch::{launch, DeviceChoice, GpuOptions, Launch, TransportChoice};
+use distc_runtime::run::train::TrainOptions;
 use distc_runtime::{RuntimeError, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -129,6 +132,20 @@ pub fn compare(
         .collect()
 }
 
+/// Both sides' workers on the CPU, or on one GPU: workers sharing it exchange through
+/// the host; one worker alone (or workers on GPUs of their own) use NCCL where found.
+/// Every step eager: verify compares computations, not replays.
+fn device_choice(opts: &VerifyOptions) -> DeviceChoice {
+    match opts.device {
+        None => DeviceChoice::Cpu,
+        Some(ordinal) => DeviceChoice::Cuda(GpuOptions {
+            ordinal,
+            graphs: false,
+            ..GpuOptions::default()
+        }),
+    }
+}
+
 fn train_options(opts: &VerifyOptions) -> TrainOptions {
     TrainOptions {
         steps: Some(opts.steps),
@@ -144,34 +161,15 @@ fn run(
     opts: &VerifyOptions,
     workers: usize,
 ) -> Result<HashMap<String, Tensor>, VerifyError> {
-    let train_opts = train_options(opts);
-    let programs = c.programs(workers);
-    let report = match opts.device {
-        None => train(programs, &c.config, &train_opts, &mut |_| Ok(()))?,
-        Some(ordinal) => {
-            let cuda = distc_runtime::cuda::CudaOptions {
-                graphs: false,
-                ..Default::default()
-            };
-            distc_runtime::train::train_with(
-                programs,
-                &c.config,
-                &train_opts,
-                &mut |_| Ok(()),
-                // Workers sharing the GPU exchange through the host; one worker
-                // alone (or workers on GPUs of their own) use NCCL where it is found.
-                |_, comm| {
-                    distc_runtime::cuda::worker_backend(
-                        &c.programs.worker,
-                        cuda,
-                        ordinal,
-                        distc_runtime::cuda::nccl::Collectives::Auto,
-                        comm,
-                    )
-                },
-            )?
-        }
+    let run = Launch {
+        programs: c.programs(workers),
+        config: &c.config,
+        opts: train_options(opts),
+        device: device_choice(opts),
+        transport: TransportChoice::InProcess,
     };
+    let report = launch(&run, &mut |_| Ok(()))?
+        .ok_or_else(|| VerifyError::Mismatch("the in-process run gave no report".into()))?;
     Ok(report.params)
 }
 
@@ -227,20 +225,20 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
     let dist = compile_file(file, &opts.compile)?;
     let plan = crate::Plan::new(&dist, &file.display().to_string(), &opts.compile.strategy);
     let programs = dist.programs(opts.compile.strategy.workers);
-    let mpi_run = distc_runtime::comm::mpi::MpiRun {
-        plan_hash: plan.hash,
-        servers: opts.compile.strategy.servers,
-        metrics: None,
-        trace: None,
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-    };
-    let report = distc_runtime::comm::mpi::run(
+    let run = Launch {
         programs,
-        &dist.config,
-        &train_options(opts),
-        &mpi_run,
-        &mut |_| Ok(()),
-    )?;
+        config: &dist.config,
+        opts: train_options(opts),
+        device: device_choice(opts),
+        transport: TransportChoice::Mpi(MpiRun {
+            plan_hash: plan.hash,
+            servers: opts.compile.strategy.servers,
+            metrics: None,
+            trace: None,
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+        }),
+    };
+    let report = launch(&run, &mut |_| Ok(()))?;
     match report {
         Some(r) => Ok(Some(one_device_against(file, opts, &dist, &r.params)?)),
         None => Ok(None),

@@ -2,7 +2,7 @@
 //! resumed from its state file ends with the uninterrupted run's weights; files that
 //! are not training states and runs with nothing left to do are refused by name.
 
-use distc_runtime::checkpoint;
+use distc_runtime::core::checkpoint;
 use std::path::PathBuf;
 
 mod common;

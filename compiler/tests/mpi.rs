@@ -4,7 +4,7 @@
 //! binary; ranks share this machine's cores (`--oversubscribe`).
 #![cfg(feature = "mpi")]
 
-use distc_runtime::checkpoint;
+use distc_runtime::core::checkpoint;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

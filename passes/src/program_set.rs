@@ -6,7 +6,7 @@
 //! servers and the init program, zero changes the init program and adds the final one.
 //! The pass manager verifies every program of the set after every pass, and
 //! `--dump-ir` writes every program that exists, so none travels unseen.
-//! (`distc_runtime::train::Programs` is the runtime's borrowed view of the same four.)
+//! (`distc_runtime::run::train::Programs` is the runtime's borrowed view of the same four.)
 
 use distc_ir::{verify, Graph, VerifyError};
 use std::fmt;

@@ -1,31 +1,37 @@
-//! The distc runtime: executes compiled plans.
+//! The distc runtime: executes compiled plans. Depends on `distc-ir` only: the plan is
+//! the contract with the compiler.
 //!
-//! Kernels (CPU), the graph executor, optimizers, data loaders, training loop,
-//! metrics and checkpoints. Depends on `distc-ir` only: the plan is the contract.
+//! # Layers
+//!
+//! The runtime is in layers that depend one way (a test, `tests/layers.rs`, reads every
+//! file's imports and fails on an import against the arrows):
+//!
+//! ```text
+//!           run      programs, roles, data, checkpoints on disk, memory accounting,
+//!         /  |  \    the one worker loop, thread and MPI launchers, the launch entry
+//!       ps   |  cuda   parameter servers | the CUDA backend (codegen, cuBLAS, NCCL)
+//!       | \  |  / |
+//!      cpu  comm  |    the CPU backend | the Communicator trait and its transports
+//!         \  |   /
+//!           core     values, config, errors, schedule, executor, backend families
+//! ```
+//!
+//! | layer | owns | may import |
+//! | --- | --- | --- |
+//! | [`core`] | values, config, errors, the schedule and executor, the backend traits | — |
+//! | [`cpu`] | the CPU backend: kernels, optimizers, allocator tuning | core |
+//! | [`comm`] | the `Communicator` trait, in-process and MPI transports | core |
+//! | [`cuda`] | the CUDA backend: libraries, NVRTC codegen, cuBLAS, memory plan, graphs, NCCL | core, comm |
+//! | [`ps`] | parameter servers: state machine, wire format, client | core, cpu |
+//! | [`run`] | everything that makes a training run out of the above | all |
 
-pub mod arena;
-pub mod backend;
-pub mod checkpoint;
 pub mod comm;
-pub mod config;
+pub mod core;
+pub mod cpu;
 pub mod cuda;
-pub mod data;
-pub mod device;
-pub mod error;
-pub mod exec;
-pub mod init;
-pub mod kernels;
-pub mod memory;
-pub mod metrics;
-pub mod optim;
-pub mod output;
 pub mod ps;
-pub mod roles;
-pub mod trace;
-pub mod train;
-pub mod value;
-pub mod worker;
+pub mod run;
 
-pub use config::{DataSpec, OptimizerSpec, RunConfig};
-pub use error::{Result, RuntimeError};
-pub use value::{Slices, Tensor, Value};
+pub use crate::core::config::{DataSpec, OptimizerSpec, RunConfig};
+pub use crate::core::error::{Result, RuntimeError};
+pub use crate::core::value::{Slices, Tensor, Value};

@@ -4,8 +4,9 @@
 //! relative. Without a GPU the GPU tests print why they skip and pass.
 
 use distc_ir::{DType, Graph, Op, Shape, TensorType, ValueId};
+use distc_runtime::core::backend::{Device, Transfer};
+use distc_runtime::core::exec::{Executor, Mode};
 use distc_runtime::cuda::{CudaBackend, CudaError, CudaLib, CudaOptions};
-use distc_runtime::exec::{Executor, Mode};
 use distc_runtime::Tensor;
 use ndarray::{ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
@@ -131,7 +132,6 @@ fn new_without_a_gpu_is_an_error_naming_what_is_missing() {
     let (g, _, _) = forward_graph();
     match CudaBackend::new(0, &g, CudaOptions::default()) {
         Ok(b) => {
-            use distc_runtime::backend::Backend;
             eprintln!("a GPU is here: {}", b.name());
         }
         Err(e) => {
@@ -192,7 +192,6 @@ fn forward_kernels_match_the_cpu() {
     let want = cpu.run(&feeds, &params, Mode::Train, 1).expect("cpu run");
     let mut ex = Executor::with_backend(&g, gpu).expect("cuda executor");
     let up = |ex: &mut Executor<CudaBackend>, m: &HashMap<String, Tensor>| {
-        use distc_runtime::backend::Backend;
         m.iter()
             .map(|(k, t)| {
                 (

@@ -3,7 +3,7 @@
 //! sharding rule (N workers of batch b == one worker of batch N*b), and errors.
 
 use distc_ir::TensorType;
-use distc_runtime::data::{data_dir, zipf_cdf, Batch, DataSource};
+use distc_runtime::run::data::{data_dir, zipf_cdf, Batch, DataSource};
 use distc_runtime::{DataSpec, RuntimeError, Tensor};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

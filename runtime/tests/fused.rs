@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use distc_ir::{BinaryFn, DType, FusedExpr, FusedStep, Op, UnaryFn};
-use distc_runtime::kernels::{eval, eval_op, Arg, KernelCtx};
+use distc_runtime::cpu::kernels::{eval, eval_op, Arg, KernelCtx};
 use distc_runtime::{Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 

@@ -2,9 +2,9 @@
 //! initialisation, and checkpoint round trips.
 
 use distc_ir::{Init, TensorType};
-use distc_runtime::checkpoint;
-use distc_runtime::init::{fans, init_param};
-use distc_runtime::optim::{Optimizer, STEP_KEY};
+use distc_runtime::core::checkpoint;
+use distc_runtime::core::init::{fans, init_param};
+use distc_runtime::cpu::optim::{Optimizer, STEP_KEY};
 use distc_runtime::{OptimizerSpec, Slices, Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;

@@ -1,8 +1,8 @@
 //! Parameter servers: sync/async/stale semantics, sharding, byte counts, errors.
 
 use distc_ir::{DType, Init, TensorType};
-use distc_runtime::init::init_param;
-use distc_runtime::optim::Optimizer;
+use distc_runtime::core::init::init_param;
+use distc_runtime::cpu::optim::Optimizer;
 use distc_runtime::ps::{self, PsConfig, PsSync, ShardSpec};
 use distc_runtime::{OptimizerSpec, Slices, Tensor, Value};
 use ndarray::{ArrayD, IxDyn};

@@ -5,9 +5,9 @@
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_runtime::data::data_dir;
-use distc_runtime::metrics::StepMetrics;
-use distc_runtime::train::{train, TrainOptions};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::metrics::StepMetrics;
+use distc_runtime::run::train::{train, TrainOptions};
 use distc_tests::{example, EXAMPLES};
 use std::time::Duration;
 

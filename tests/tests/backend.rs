@@ -1,16 +1,15 @@
-//! The backend-generic device loop (`distc_runtime::device::train_on`, what `--device
-//! cuda` runs) computes on the CPU backend exactly what the in-process trainer
-//! computes for one worker: same losses, bitwise the same weights, on every example.
+//! The one worker loop over a backend other than the CPU's own: on a wrapped CPU
+//! backend it computes exactly what the CPU trainer computes (same losses, bitwise the
+//! same weights) on every example, for one worker as for distributed plans, and a
+//! backend with its own communicator trains and counts what the host path does.
 
 use distc::{compile_file, CompileOptions};
-use distc_runtime::backend::Cpu;
-use distc_runtime::data::data_dir;
-use distc_runtime::device::train_on;
-use distc_runtime::train::{train, TrainOptions};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::train::{train, train_with, TrainOptions};
 use distc_tests::{example, EXAMPLES};
 
 #[test]
-fn the_device_loop_on_the_cpu_backend_equals_the_trainer_bitwise() {
+fn one_worker_on_another_backend_equals_the_cpu_trainer_bitwise() {
     for name in EXAMPLES {
         let c = compile_file(&example(name), &CompileOptions::default()).expect("compiles");
         if c.config.data.needs_files() && data_dir(None).is_none() {
@@ -27,12 +26,23 @@ fn the_device_loop_on_the_cpu_backend_equals_the_trainer_bitwise() {
             Ok(())
         })
         .expect("trains");
+        let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut device_losses = Vec::new();
-        let got = train_on(Cpu, &c.programs.worker, &c.config, &opts, &mut |m| {
-            device_losses.push(m.loss);
-            Ok(())
-        })
+        let got = train_with(
+            c.programs(1),
+            &c.config,
+            &opts,
+            &mut |m| {
+                device_losses.push(m.loss);
+                Ok(())
+            },
+            |_, _| Ok(Wrapped::new(&kernels)),
+        )
         .expect("trains on the backend");
+        assert!(
+            kernels.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{name}"
+        );
         assert_eq!(trainer_losses, device_losses, "{name}: losses differ");
         assert_eq!(expected.params.len(), got.params.len(), "{name}");
         for (var, w) in &expected.params {
@@ -47,43 +57,11 @@ fn the_device_loop_on_the_cpu_backend_equals_the_trainer_bitwise() {
 }
 
 #[test]
-fn the_device_loop_refuses_a_plan_that_communicates() {
-    let c = compile_file(
-        &example("dense_mlp.dsl"),
-        &CompileOptions {
-            strategy: distc_passes::placement::StrategyConfig {
-                strategy: distc_passes::placement::Strategy::Allreduce,
-                workers: 2,
-                ..Default::default()
-            },
-            ..Default::default()
-        },
-    )
-    .expect("compiles");
-    let err = train_on(
-        Cpu,
-        &c.programs.worker,
-        &c.config,
-        &TrainOptions {
-            steps: Some(1),
-            ..Default::default()
-        },
-        &mut |_| Ok(()),
-    )
-    .expect_err("a distributed plan is refused");
-    let text = err.to_string();
-    assert!(
-        text.contains("communicates") && text.contains("--strategy single"),
-        "{text}"
-    );
-}
-
-#[test]
-fn the_device_loop_profiles_each_op_and_reads_no_outputs_while_training() {
+fn the_loop_on_another_backend_profiles_each_op_and_still_evaluates() {
     let c = compile_file(&example("dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
-    let report = train_on(
-        Cpu,
-        &c.programs.worker,
+    let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let report = train_with(
+        c.programs(1),
         &c.config,
         &TrainOptions {
             steps: Some(2),
@@ -91,6 +69,7 @@ fn the_device_loop_profiles_each_op_and_reads_no_outputs_while_training() {
             ..Default::default()
         },
         &mut |_| Ok(()),
+        |_, _| Ok(Wrapped::new(&kernels)),
     )
     .expect("trains");
     let profile = report.profile.expect("a profile");
@@ -131,26 +110,47 @@ impl Wrapped {
 mod wrapped {
     use super::Wrapped;
     use distc_ir::{NodeId, Op, TensorType, ValueType};
-    use distc_runtime::backend::{Backend, BackendArg, Cpu, KernelError, Started, ValueRef};
     use distc_runtime::comm::ByteCount;
-    use distc_runtime::exec::Schedule;
-    use distc_runtime::kernels::KernelCtx;
-    use distc_runtime::optim::Optimizer;
+    use distc_runtime::core::backend::{
+        BackendArg, Capture, Device, DeviceCollectives, KernelError, Kernels, OptimizerState,
+        Started, Transfer, ValueRef,
+    };
+    use distc_runtime::core::exec::Schedule;
+    use distc_runtime::cpu::kernels::KernelCtx;
+    use distc_runtime::cpu::optim::Optimizer;
+    use distc_runtime::cpu::Cpu;
     use distc_runtime::{OptimizerSpec, Tensor, Value};
     use std::borrow::Cow;
     use std::collections::HashMap;
     use std::sync::atomic::Ordering;
 
-    impl Backend for Wrapped {
+    impl Device for Wrapped {
         type Value = Value;
+
         type Tensor = Tensor;
-        type Optimizer = Optimizer;
+
         fn name(&self) -> String {
             "wrapped-cpu".into()
         }
+
+        fn value_type(v: &Value) -> ValueType {
+            Cpu::value_type(v)
+        }
+
+        fn value_bytes(v: &Value) -> u64 {
+            Cpu::value_bytes(v)
+        }
+
+        fn tensor_type(t: &Tensor) -> TensorType {
+            Cpu::tensor_type(t)
+        }
+    }
+
+    impl Kernels for Wrapped {
         fn prepare(&mut self, s: &Schedule) -> Result<(), KernelError> {
             Cpu.prepare(s)
         }
+
         fn eval(
             &mut self,
             node: NodeId,
@@ -161,27 +161,41 @@ mod wrapped {
             self.kernels.fetch_add(1, Ordering::Relaxed);
             Cpu.eval(node, op, args, ctx)
         }
-        fn value_type(v: &Value) -> ValueType {
-            Cpu::value_type(v)
-        }
-        fn value_bytes(v: &Value) -> u64 {
-            Cpu::value_bytes(v)
-        }
-        fn tensor_type(t: &Tensor) -> TensorType {
-            Cpu::tensor_type(t)
-        }
+
         fn filled(&mut self, ty: &TensorType, v: f64) -> Result<Tensor, KernelError> {
             Cpu.filled(ty, v)
         }
+
+        fn copy_tensor(&mut self, t: &Tensor) -> Result<Value, KernelError> {
+            Cpu.copy_tensor(t)
+        }
+
+        fn copy_value(&mut self, v: &Value) -> Result<Value, KernelError> {
+            Cpu.copy_value(v)
+        }
+
+        fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
+            Cpu.add(a, b)
+        }
+
+        fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
+            Cpu.scale(v, k)
+        }
+    }
+
+    impl Transfer for Wrapped {
         fn upload(&mut self, name: &str, t: Tensor) -> Result<Tensor, KernelError> {
             Cpu.upload(name, t)
         }
+
         fn download(&mut self, t: &Tensor) -> Result<Tensor, KernelError> {
             Cpu.download(t)
         }
+
         fn to_host(&mut self, v: Value) -> Result<Value, KernelError> {
             Cpu.to_host(v)
         }
+
         fn from_host(
             &mut self,
             at: Option<(NodeId, usize)>,
@@ -189,24 +203,18 @@ mod wrapped {
         ) -> Result<Value, KernelError> {
             Cpu.from_host(at, v)
         }
+
         fn host_tensor<'s>(
             &mut self,
             v: ValueRef<'s, Value, Tensor>,
         ) -> Result<Cow<'s, Tensor>, KernelError> {
             Cpu.host_tensor(v)
         }
-        fn copy_tensor(&mut self, t: &Tensor) -> Result<Value, KernelError> {
-            Cpu.copy_tensor(t)
-        }
-        fn copy_value(&mut self, v: &Value) -> Result<Value, KernelError> {
-            Cpu.copy_value(v)
-        }
-        fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
-            Cpu.add(a, b)
-        }
-        fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
-            Cpu.scale(v, k)
-        }
+    }
+
+    impl OptimizerState for Wrapped {
+        type Optimizer = Optimizer;
+
         fn optimizer(
             &mut self,
             spec: &OptimizerSpec,
@@ -214,6 +222,7 @@ mod wrapped {
         ) -> Result<Optimizer, KernelError> {
             Cpu.optimizer(spec, params)
         }
+
         fn update(
             &mut self,
             opt: &mut Optimizer,
@@ -222,12 +231,19 @@ mod wrapped {
         ) -> Result<(), KernelError> {
             Cpu.update(opt, params, grads)
         }
+
         fn optimizer_bytes(opt: &Optimizer) -> u64 {
             Cpu::optimizer_bytes(opt)
         }
+
         fn optimizer_slots(opt: &Optimizer) -> &'static [&'static str] {
             Cpu::optimizer_slots(opt)
         }
+    }
+
+    impl Capture for Wrapped {}
+
+    impl DeviceCollectives for Wrapped {
         // No optimizer_state / load_optimizer_state: the defaults refuse, as a
         // device backend's do today.
         fn start_collective(
@@ -240,12 +256,13 @@ mod wrapped {
                 None => Ok(Started::Host(v)),
                 Some(c) => {
                     self.collectives.fetch_add(1, Ordering::Relaxed);
-                    distc_runtime::worker::collective(c.as_mut(), op, v)
+                    distc_runtime::run::worker::collective(c.as_mut(), op, v)
                         .map(Started::Device)
                         .map_err(|e| KernelError::Invalid(e.to_string()))
                 }
             }
         }
+
         fn collective_bytes(&self) -> ByteCount {
             self.own.as_ref().map(|c| c.bytes()).unwrap_or_default()
         }
@@ -279,7 +296,6 @@ fn compile_strategy(
 #[test]
 fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
     use distc_passes::placement::Strategy;
-    use distc_runtime::train::train_with;
     for (strategy, workers, servers, zero) in [
         (Strategy::Allreduce, 2, 0, 0),
         (Strategy::Hybrid, 2, 1, 0),
@@ -330,7 +346,7 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
     let c = compile_file(&example("dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
     let opts = TrainOptions {
         steps: Some(1),
-        checkpoint: Some(distc_runtime::train::CheckpointEvery {
+        checkpoint: Some(distc_runtime::run::train::CheckpointEvery {
             path: dir.join("state.safetensors"),
             every: 1,
             saved_by: "test".into(),
@@ -338,7 +354,7 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
         ..Default::default()
     };
     let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let err = distc_runtime::train::train_with(
+    let err = distc_runtime::run::train::train_with(
         c.programs(1),
         &c.config,
         &opts,
@@ -365,7 +381,6 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
 fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does() {
     use distc_passes::placement::Strategy;
     use distc_runtime::comm::{in_process, Communicator};
-    use distc_runtime::train::train_with;
     use std::sync::{Arc, Mutex};
     for (model, strategy, workers, servers, zero) in [
         ("sparse_lm.dsl", Strategy::Allreduce, 2, 0, 0),

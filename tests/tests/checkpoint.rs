@@ -5,8 +5,8 @@
 use distc::verify::compare;
 use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_runtime::checkpoint::{load_state, TrainingState};
-use distc_runtime::train::{train, CheckpointEvery, TrainOptions, TrainReport};
+use distc_runtime::core::checkpoint::{load_state, TrainingState};
+use distc_runtime::run::train::{train, CheckpointEvery, TrainOptions, TrainReport};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -209,7 +209,7 @@ fn a_state_that_does_not_fit_is_refused() {
     // A weights file is not a training state.
     let weights = dir.join("weights.safetensors");
     let t = distc_runtime::Tensor::F32(ndarray::ArrayD::zeros(ndarray::IxDyn(&[2])));
-    distc_runtime::checkpoint::save(&weights, &[("w".into(), &t)], Default::default())
+    distc_runtime::core::checkpoint::save(&weights, &[("w".into(), &t)], Default::default())
         .expect("saves");
     let err = load_state(&weights).err().expect("refused").to_string();
     assert!(

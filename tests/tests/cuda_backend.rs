@@ -5,11 +5,9 @@
 //! libraries) each test prints why it skips and passes.
 
 use distc::{compile_file, CompileOptions};
-use distc_runtime::backend::Cpu;
 use distc_runtime::cuda::{CudaBackend, CudaOptions};
-use distc_runtime::data::data_dir;
-use distc_runtime::device::train_on;
-use distc_runtime::train::{TrainOptions, TrainReport};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::train::{train, train_with, Programs, TrainOptions, TrainReport};
 use distc_tests::{example, EXAMPLES};
 
 fn run(name: &str, steps: usize, opts: Option<CudaOptions>) -> Option<(TrainReport, Vec<f64>)> {
@@ -23,22 +21,21 @@ fn run(name: &str, steps: usize, opts: Option<CudaOptions>) -> Option<(TrainRepo
         ..Default::default()
     };
     let mut losses = Vec::new();
+    // The one worker loop, on the CPU or on the GPU.
+    let programs = Programs::single(&c.programs.worker);
+    let mut on_step = |m: &distc_runtime::run::metrics::StepMetrics| {
+        losses.push(m.loss);
+        Ok(())
+    };
     let report = match opts {
-        None => train_on(Cpu, &c.programs.worker, &c.config, &topts, &mut |m| {
-            losses.push(m.loss);
-            Ok(())
-        }),
+        None => train(programs, &c.config, &topts, &mut on_step),
         Some(o) => {
-            let b = match CudaBackend::new(0, &c.programs.worker, o) {
-                Ok(b) => b,
-                Err(e) => {
-                    println!("SKIP {name} on CUDA: {e}");
-                    return None;
-                }
-            };
-            train_on(b, &c.programs.worker, &c.config, &topts, &mut |m| {
-                losses.push(m.loss);
-                Ok(())
+            if let Err(e) = CudaBackend::new(0, &c.programs.worker, o) {
+                println!("SKIP {name} on CUDA: {e}");
+                return None;
+            }
+            train_with(programs, &c.config, &topts, &mut on_step, |_, _| {
+                Ok(CudaBackend::new(0, &c.programs.worker, o)?)
             })
         }
     }
@@ -157,7 +154,7 @@ fn nccl_with_one_rank_trains_what_the_host_path_trains() {
     use distc_passes::placement::{Strategy, StrategyConfig};
     use distc_runtime::cuda::nccl::Collectives;
     use distc_runtime::cuda::{probe, worker_backend, CudaLib, LibDirs};
-    use distc_runtime::train::train_with;
+    use distc_runtime::run::train::train_with;
     let dirs = LibDirs::from_env();
     if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
         println!("skipping: {e}");

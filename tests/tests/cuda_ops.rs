@@ -43,10 +43,11 @@ use distc_ir::{
     BinaryFn, DType, FusedExpr, FusedStep, Graph, NodeId, Op, Shape, TensorType, UnaryFn, ValueId,
     ValueType,
 };
-use distc_runtime::backend::{Backend, Cpu};
+use distc_runtime::core::backend::Backend;
+use distc_runtime::core::exec::{Executor, Mode};
+use distc_runtime::cpu::Cpu;
 use distc_runtime::cuda::codegen::{generate, optimizer_kernels, sparse_bound};
 use distc_runtime::cuda::{nvrtc, CudaBackend, CudaError, CudaOptions};
-use distc_runtime::exec::{Executor, Mode};
 use distc_runtime::{OptimizerSpec, Tensor};
 use ndarray::{ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};

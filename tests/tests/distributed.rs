@@ -5,9 +5,9 @@
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileOptions, Compiled};
 use distc_passes::placement::{Strategy, StrategyConfig, SyncMode};
-use distc_runtime::data::data_dir;
 use distc_runtime::ps::PsSync;
-use distc_runtime::train::{train, TrainOptions, TrainReport};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::train::{train, TrainOptions, TrainReport};
 use distc_tests::example;
 use std::time::Duration;
 
@@ -53,7 +53,7 @@ fn run(
     sync: PsSync,
     steps: usize,
     global_data: bool,
-) -> (TrainReport, Vec<distc_runtime::metrics::StepMetrics>) {
+) -> (TrainReport, Vec<distc_runtime::run::metrics::StepMetrics>) {
     let opts = TrainOptions {
         sync,
         steps: Some(steps),
@@ -180,9 +180,9 @@ fn async_and_stale_servers_train() {
 
 /// Mean loss of the first and of the last five steps: one step's loss on one small
 /// batch is too noisy to compare.
-fn loss_ends(lines: &[distc_runtime::metrics::StepMetrics]) -> (f64, f64) {
+fn loss_ends(lines: &[distc_runtime::run::metrics::StepMetrics]) -> (f64, f64) {
     let k = 5.min(lines.len());
-    let mean = |s: &[distc_runtime::metrics::StepMetrics]| {
+    let mean = |s: &[distc_runtime::run::metrics::StepMetrics]| {
         s.iter().map(|m| m.loss).sum::<f64>() / s.len() as f64
     };
     (mean(&lines[..k]), mean(&lines[lines.len() - k..]))

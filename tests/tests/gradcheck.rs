@@ -5,7 +5,7 @@
 
 use distc_ir::{DType, Graph, Op, Shape, TensorType, ValueId};
 use distc_passes::{autodiff::Autodiff, Pass, PassCx};
-use distc_runtime::exec::{Executor, Mode};
+use distc_runtime::core::exec::{Executor, Mode};
 use distc_runtime::{Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
@@ -65,7 +65,11 @@ impl Builder {
     }
 }
 
-fn loss_of(exec: &mut Executor, b: &Builder, params: &HashMap<String, Tensor>) -> f64 {
+fn loss_of(
+    exec: &mut Executor<distc_runtime::cpu::Cpu>,
+    b: &Builder,
+    params: &HashMap<String, Tensor>,
+) -> f64 {
     let out = exec.run(&b.feeds, params, Mode::Train, 1).expect("runs");
     out.loss.expect("loss")
 }

@@ -4,7 +4,7 @@
 use distc::verify::{verify, VerifyError, VerifyOptions};
 use distc::{compile_file, CompileOptions, Plan};
 use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_runtime::train::{train, TrainOptions};
+use distc_runtime::run::train::{train, TrainOptions};
 use distc_tests::{example, EXAMPLES};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -254,7 +254,7 @@ fn verify_refuses_what_it_cannot_compare() {
 /// and worker count (floats needing 17 digits included: measured densities, 512/3).
 #[test]
 fn every_compiled_plan_loads() {
-    let have_data = distc_runtime::data::data_dir(None).is_some();
+    let have_data = distc_runtime::run::data::data_dir(None).is_some();
     let dir = std::env::temp_dir().join(format!("distc-issue9-plans-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
     for name in EXAMPLES {

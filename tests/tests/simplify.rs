@@ -4,9 +4,9 @@
 use distc::dsl::compile_source;
 use distc_ir::print;
 use distc_passes::{autodiff::Autodiff, simplify::Simplify, Pass, PassCx};
-use distc_runtime::data::DataSource;
-use distc_runtime::exec::{Executor, Mode};
-use distc_runtime::train::{init_params, input_types};
+use distc_runtime::core::exec::{Executor, Mode};
+use distc_runtime::run::data::DataSource;
+use distc_runtime::run::train::{init_params, input_types};
 
 const MODEL: &str = r#"
 model redundant {

@@ -2,8 +2,8 @@
 //! short (debug builds); the full runs are the examples' own configurations.
 
 use distc::{compile_file, CompileOptions};
-use distc_runtime::data::data_dir;
-use distc_runtime::train::{train, Programs, TrainOptions, TrainReport};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::train::{train, Programs, TrainOptions, TrainReport};
 use distc_tests::example;
 
 fn run(name: &str, batch: Option<usize>, steps: usize) -> Option<TrainReport> {
@@ -60,7 +60,7 @@ fn sparse_lm_loss_falls_and_only_touched_rows_move() {
         },
     )
     .expect("compiles");
-    let init = distc_runtime::train::init_params(&c.programs.worker, c.config.seed);
+    let init = distc_runtime::run::train::init_params(&c.programs.worker, c.config.seed);
     let r = run("sparse_lm.dsl", Some(32), 20).expect("synthetic data needs no files");
     assert!(
         r.final_loss < r.first_loss,

@@ -11,7 +11,7 @@
 //! not be on a real network either.
 
 use super::{chunk_range, ByteCount, Communicator};
-use crate::error::RuntimeError;
+use crate::core::error::RuntimeError;
 use std::fmt;
 use std::ops::{Add, Div};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};

@@ -24,27 +24,9 @@ pub mod mpi;
 
 pub use inprocess::{in_process, InProcessComm};
 
-use crate::error::RuntimeError;
+use crate::core::error::RuntimeError;
 
-/// Bytes a rank has sent and received, cumulative.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ByteCount {
-    /// Payload bytes this rank has sent.
-    pub sent: u64,
-    /// Payload bytes this rank has received.
-    pub received: u64,
-}
-
-impl std::ops::Sub for ByteCount {
-    type Output = ByteCount;
-    /// The bytes moved between two readings (`later - earlier`), e.g. for one step.
-    fn sub(self, earlier: ByteCount) -> ByteCount {
-        ByteCount {
-            sent: self.sent.saturating_sub(earlier.sent),
-            received: self.received.saturating_sub(earlier.received),
-        }
-    }
-}
+pub use crate::core::value::ByteCount;
 
 /// Collective and point-to-point communication among `size()` ranks. One object per
 /// rank, owned by that rank's thread (`Send`, not `Sync`).

@@ -11,7 +11,7 @@
 //!
 //! [`Backend::prepare`] makes the static memory plan: every value the training plan
 //! computes and every node's scratch buffers get a fixed offset in one arena
-//! ([`crate::arena::plan`]), allocated once. A [`Launch::Alias`] output (a reshape) is
+//! ([`crate::core::arena::plan`]), allocated once. A [`Launch::Alias`] output (a reshape) is
 //! its input's buffer: the chain shares the first buffer, which lives until the last
 //! use of any member. Gradients live to the end of the plan, since the optimizer reads
 //! them after the run. So a step allocates nothing, and a step can be captured into a
@@ -75,13 +75,15 @@ use super::codegen::{
 };
 use super::nccl::NcclComm;
 use super::{nvrtc, probe, CudaError, CudaLib, LibDirs};
-use crate::arena::{self, Block};
-use crate::backend::{Backend, BackendArg, KernelError, Started, ValueRef};
 use crate::comm::ByteCount;
-use crate::config::OptimizerSpec;
-use crate::exec::Schedule;
-use crate::kernels::KernelCtx;
-use crate::value::{Slices, Tensor, Value};
+use crate::core::arena::{self, Block};
+use crate::core::backend::{
+    BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
+    OptimizerState, Started, Transfer, ValueRef,
+};
+use crate::core::config::OptimizerSpec;
+use crate::core::exec::{Mode, Schedule};
+use crate::core::value::{Slices, Tensor, Value};
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::driver::{
     result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule,
@@ -982,15 +984,29 @@ fn input_key(graph: &Graph, node: NodeId, i: usize) -> Option<(NodeId, usize)> {
         .map(|v| (v.node, v.port as usize))
 }
 
-impl Backend for CudaBackend {
+impl Device for CudaBackend {
     type Value = DeviceValue;
+
     type Tensor = DeviceTensor;
-    type Optimizer = CudaOptimizer;
 
     fn name(&self) -> String {
         format!("cuda:{} ({})", self.ordinal, self.device_name)
     }
 
+    fn value_type(v: &DeviceValue) -> ValueType {
+        v.ty.clone()
+    }
+
+    fn value_bytes(v: &DeviceValue) -> u64 {
+        codegen::value_bytes(&v.ty) as u64
+    }
+
+    fn tensor_type(t: &DeviceTensor) -> TensorType {
+        t.ty.clone()
+    }
+}
+
+impl Kernels for CudaBackend {
     fn prepare(&mut self, schedule: &Schedule) -> Result<(), KernelError> {
         self.no_capture("planning memory")?;
         self.bind()?;
@@ -1212,18 +1228,6 @@ impl Backend for CudaBackend {
         Ok(outs)
     }
 
-    fn value_type(v: &DeviceValue) -> ValueType {
-        v.ty.clone()
-    }
-
-    fn value_bytes(v: &DeviceValue) -> u64 {
-        codegen::value_bytes(&v.ty) as u64
-    }
-
-    fn tensor_type(t: &DeviceTensor) -> TensorType {
-        t.ty.clone()
-    }
-
     fn filled(&mut self, ty: &TensorType, value: f64) -> Result<DeviceTensor, KernelError> {
         self.bind()?;
         let bytes = host_bytes(&Tensor::filled(ty, value))?;
@@ -1234,6 +1238,40 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn copy_tensor(&mut self, t: &DeviceTensor) -> Result<DeviceValue, KernelError> {
+        // Values are never written after they are computed (see the module doc), so a
+        // copy shares the bytes.
+        Ok(DeviceValue {
+            ptr: t.ptr,
+            ty: ValueType::Tensor(t.ty.clone()),
+        })
+    }
+
+    fn copy_value(&mut self, v: &DeviceValue) -> Result<DeviceValue, KernelError> {
+        Ok(v.clone())
+    }
+
+    fn add(&mut self, _a: DeviceValue, _b: DeviceValue) -> Result<DeviceValue, KernelError> {
+        Err(invalid(
+            "gradient accumulation is not supported on the CUDA backend yet",
+        ))
+    }
+
+    fn scale(&mut self, _v: DeviceValue, _k: f64) -> Result<DeviceValue, KernelError> {
+        Err(invalid(
+            "gradient accumulation is not supported on the CUDA backend yet",
+        ))
+    }
+
+    fn set_step(&mut self, step: u64) -> Result<(), KernelError> {
+        self.no_capture("setting the step")?;
+        self.bind()?;
+        self.kernel_step = step;
+        Ok(self.write_steps()?)
+    }
+}
+
+impl Transfer for CudaBackend {
     fn upload(&mut self, name: &str, t: Tensor) -> Result<DeviceTensor, KernelError> {
         self.no_capture(&format!("uploading `{name}`"))?;
         self.bind()?;
@@ -1355,19 +1393,6 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn copy_tensor(&mut self, t: &DeviceTensor) -> Result<DeviceValue, KernelError> {
-        // Values are never written after they are computed (see the module doc), so a
-        // copy shares the bytes.
-        Ok(DeviceValue {
-            ptr: t.ptr,
-            ty: ValueType::Tensor(t.ty.clone()),
-        })
-    }
-
-    fn copy_value(&mut self, v: &DeviceValue) -> Result<DeviceValue, KernelError> {
-        Ok(v.clone())
-    }
-
     fn read_scalar(
         &mut self,
         v: ValueRef<'_, DeviceValue, DeviceTensor>,
@@ -1415,17 +1440,20 @@ impl Backend for CudaBackend {
         Ok(Some(f64::from(slot[0])))
     }
 
-    fn add(&mut self, _a: DeviceValue, _b: DeviceValue) -> Result<DeviceValue, KernelError> {
-        Err(invalid(
-            "gradient accumulation is not supported on the CUDA backend yet",
-        ))
+    fn synchronize(&mut self) -> Result<(), KernelError> {
+        self.no_capture("synchronizing")?;
+        self.bind()?;
+        self.await_all_collectives()?;
+        Ok(sync(&self.stream)?)
     }
 
-    fn scale(&mut self, _v: DeviceValue, _k: f64) -> Result<DeviceValue, KernelError> {
-        Err(invalid(
-            "gradient accumulation is not supported on the CUDA backend yet",
-        ))
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        Some((self.allocated, self.peak))
     }
+}
+
+impl OptimizerState for CudaBackend {
+    type Optimizer = CudaOptimizer;
 
     fn optimizer(
         &mut self,
@@ -1594,62 +1622,14 @@ impl Backend for CudaBackend {
     fn optimizer_slots(opt: &CudaOptimizer) -> &'static [&'static str] {
         opt.slot_names
     }
+}
 
-    fn synchronize(&mut self) -> Result<(), KernelError> {
-        self.no_capture("synchronizing")?;
-        self.bind()?;
-        self.await_all_collectives()?;
-        Ok(sync(&self.stream)?)
-    }
-
-    fn start_collective(
-        &mut self,
-        node: NodeId,
-        op: &Op,
-        v: DeviceValue,
-    ) -> Result<Started<DeviceValue>, KernelError> {
-        if !self.nccl_runs(node) {
-            return Ok(Started::Host(v));
-        }
-        self.no_capture("an NCCL collective")?;
-        self.bind()?;
-        let out_ty = self
-            .graph
-            .node(node)
-            .outputs
-            .first()
-            .cloned()
-            .ok_or_else(|| invalid(format!("{node}: a collective with no output")))?;
-        let off = *self.out_offsets.get(&(node, 0)).ok_or_else(|| {
-            invalid(format!(
-                "{node}: the collective's output has no buffer (prepare not run?)"
-            ))
-        })?;
-        let out = self.arena_base + off as u64;
-        // The input may itself be a collective's result still in flight.
-        self.await_collectives(&[v.ptr])?;
-        let nccl = self
-            .nccl
-            .as_mut()
-            .ok_or_else(|| invalid("no NCCL communicator"))?;
-        nccl.issue(node, op, &self.stream, v.ptr, &v.ty, out, &out_ty)?;
-        let bytes = codegen::value_bytes(&out_ty) as u64;
-        self.in_flight.push((out, out + bytes.max(1), node));
-        Ok(Started::Device(DeviceValue {
-            ptr: out,
-            ty: out_ty,
-        }))
-    }
-
-    fn collective_bytes(&self) -> ByteCount {
-        self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default()
-    }
-
-    fn set_step(&mut self, step: u64) -> Result<(), KernelError> {
-        self.no_capture("setting the step")?;
-        self.bind()?;
-        self.kernel_step = step;
-        Ok(self.write_steps()?)
+impl Capture for CudaBackend {
+    // A step that communicates runs eagerly: NCCL calls are not captured yet (a
+    // replayed graph would also have to count their bytes), and a host collective or
+    // a pull is a round trip no graph can hold.
+    fn can_capture(&self, schedule: &Schedule) -> bool {
+        self.opts.graphs && !schedule.has_collective(Mode::Train)
     }
 
     fn begin_capture(&mut self) -> Result<bool, KernelError> {
@@ -1705,9 +1685,50 @@ impl Backend for CudaBackend {
         self.loss_pending = self.graph_loss;
         Ok(())
     }
+}
 
-    fn device_memory(&self) -> Option<(u64, u64)> {
-        Some((self.allocated, self.peak))
+impl DeviceCollectives for CudaBackend {
+    fn start_collective(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        v: DeviceValue,
+    ) -> Result<Started<DeviceValue>, KernelError> {
+        if !self.nccl_runs(node) {
+            return Ok(Started::Host(v));
+        }
+        self.no_capture("an NCCL collective")?;
+        self.bind()?;
+        let out_ty = self
+            .graph
+            .node(node)
+            .outputs
+            .first()
+            .cloned()
+            .ok_or_else(|| invalid(format!("{node}: a collective with no output")))?;
+        let off = *self.out_offsets.get(&(node, 0)).ok_or_else(|| {
+            invalid(format!(
+                "{node}: the collective's output has no buffer (prepare not run?)"
+            ))
+        })?;
+        let out = self.arena_base + off as u64;
+        // The input may itself be a collective's result still in flight.
+        self.await_collectives(&[v.ptr])?;
+        let nccl = self
+            .nccl
+            .as_mut()
+            .ok_or_else(|| invalid("no NCCL communicator"))?;
+        nccl.issue(node, op, &self.stream, v.ptr, &v.ty, out, &out_ty)?;
+        let bytes = codegen::value_bytes(&out_ty) as u64;
+        self.in_flight.push((out, out + bytes.max(1), node));
+        Ok(Started::Device(DeviceValue {
+            ptr: out,
+            ty: out_ty,
+        }))
+    }
+
+    fn collective_bytes(&self) -> ByteCount {
+        self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default()
     }
 }
 

@@ -240,6 +240,19 @@ pub enum CudaError {
     },
 }
 
+// The core knows no device's error type: a CUDA error travels boxed.
+impl From<CudaError> for crate::core::backend::KernelError {
+    fn from(e: CudaError) -> Self {
+        crate::core::backend::KernelError::Device(Box::new(e))
+    }
+}
+
+impl From<CudaError> for crate::core::error::RuntimeError {
+    fn from(e: CudaError) -> Self {
+        crate::core::error::RuntimeError::Backend(Box::new(e))
+    }
+}
+
 /// Where a missing library was looked for, to follow "`file` was".
 fn searched_text(searched: &[PathBuf]) -> String {
     let loader = "by the dynamic loader (LD_LIBRARY_PATH as set when distc started, \
@@ -398,7 +411,7 @@ pub fn worker_backend(
     ordinal: usize,
     collectives: nccl::Collectives,
     comm: &mut dyn crate::comm::Communicator,
-) -> Result<CudaBackend, crate::error::RuntimeError> {
+) -> Result<CudaBackend, crate::core::error::RuntimeError> {
     let mut backend = CudaBackend::new(ordinal, graph, opts)?;
     // Every rank holds the same program, so every rank skips the bootstrap alike.
     let has_collective = graph

@@ -45,7 +45,7 @@
 use super::backend::drv_err;
 use super::{probe, CudaError, CudaLib, LibDirs};
 use crate::comm::{ByteCount, Communicator};
-use crate::error::RuntimeError;
+use crate::core::error::RuntimeError;
 use cudarc::driver::{
     result as drv, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
     DevicePtr, LaunchConfig, PushKernelArg,
@@ -202,7 +202,7 @@ pub fn bootstrap(
         // This rank's own missing library says best where to look.
         Err(m) => {
             return Err(match found {
-                Err(e) => RuntimeError::Cuda(Box::new(e)),
+                Err(e) => RuntimeError::Backend(Box::new(e)),
                 Ok(_) => RuntimeError::Config(m),
             })
         }
@@ -222,7 +222,7 @@ pub fn bootstrap(
     }
     comm.broadcast(&mut buf, 0)?;
     if let Some(e) = own {
-        return Err(RuntimeError::Cuda(Box::new(e)));
+        return Err(RuntimeError::Backend(Box::new(e)));
     }
     if buf[0] != 1 {
         return Err(RuntimeError::Config(

@@ -5,8 +5,8 @@ use super::server::slice_rows;
 use super::transport::WorkerLink;
 use super::wire::{Reply, Request};
 use super::{cfg_err, concat_rows, ShardList};
-use crate::error::Result;
-use crate::value::{Slices, Tensor, Value};
+use crate::core::error::Result;
+use crate::core::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -150,7 +150,7 @@ impl PsClient {
     }
 
     /// Remembers the first error, so every later call returns it.
-    fn fail(&mut self, e: crate::error::RuntimeError) -> crate::error::RuntimeError {
+    fn fail(&mut self, e: crate::core::error::RuntimeError) -> crate::core::error::RuntimeError {
         if self.failed.is_none() {
             self.failed = Some(e.to_string());
         }

@@ -2,7 +2,7 @@
 //! optimizer to them, and serve workers' pulls and pushes over a transport.
 //!
 //! * [`start`] launches one thread per server; each shard starts as rows
-//!   `start..end` of [`crate::init::init_param`] of the whole variable, so a partitioned variable
+//!   `start..end` of [`crate::core::init::init_param`] of the whole variable, so a partitioned variable
 //!   starts exactly as the one-device variable would.
 //! * Workers talk to the servers through a [`PsClient`] (one per worker rank).
 //!   Dense pulls/pushes are split by row ranges; sparse pulls send each server only
@@ -39,9 +39,9 @@ pub mod wire;
 pub use client::PsClient;
 pub use server::{serve, Server, ServerOutcome};
 
-use crate::config::OptimizerSpec;
-use crate::error::{Result, RuntimeError};
-use crate::value::Tensor;
+use crate::core::config::OptimizerSpec;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::value::Tensor;
 use distc_ir::{DType, Init, TensorType};
 use ndarray::Axis;
 use std::collections::HashMap;
@@ -96,11 +96,11 @@ pub struct PsConfig {
     pub sync: PsSync,
     /// The optimizer the servers apply.
     pub optimizer: OptimizerSpec,
-    /// Run seed for [`crate::init::init_param`].
+    /// Run seed for [`crate::core::init::init_param`].
     pub seed: u64,
     /// A resumed run's state: shards start from its rows and optimizer slots, at its
     /// step, instead of the initialisers.
-    pub resume: Option<std::sync::Arc<crate::checkpoint::TrainingState>>,
+    pub resume: Option<std::sync::Arc<crate::core::checkpoint::TrainingState>>,
 }
 
 /// What a server did, when: one message handled (`pull emb`, `push emb`) or one

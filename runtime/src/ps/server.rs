@@ -6,11 +6,11 @@
 use super::transport::ServerLink;
 use super::wire::{Reply, Request};
 use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
-use crate::checkpoint::TrainingState;
-use crate::error::{Result, RuntimeError};
-use crate::init::{init_param, init_rows};
-use crate::optim::{Optimizer, STEP_KEY};
-use crate::value::{Slices, Tensor, Value};
+use crate::core::checkpoint::TrainingState;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::init::{init_param, init_rows};
+use crate::core::value::{Slices, Tensor, Value};
+use crate::cpu::optim::{Optimizer, STEP_KEY};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! [`super::PsClient`] run unchanged over any of them. Two implementations: in-process
 //! channels ([`in_process_links`]) and MPI point-to-point (`comm::mpi`, feature `mpi`).
 
-use crate::error::{Result, RuntimeError};
+use crate::core::error::{Result, RuntimeError};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 

@@ -11,7 +11,7 @@
 //! row-major order; row ids of sparse values are 8 bytes each, as the metrics count
 //! them. A result is a byte (0 ok, 1 error) then the value or the error's text.
 
-use crate::value::{Slices, Tensor, Value};
+use crate::core::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 
 /// What a worker asks of a server.

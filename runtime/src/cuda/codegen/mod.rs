@@ -892,7 +892,7 @@ pub fn check_launches<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::OptimizerSpec;
+    use crate::core::config::OptimizerSpec;
 
     #[test]
     fn signatures_classify_every_c_parameter() {

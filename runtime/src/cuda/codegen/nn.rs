@@ -11,7 +11,7 @@
 
 use super::index::transpose_map;
 use super::{want_f32, Gemm, KArg, Launch, NodeCx, INDEX};
-use crate::kernels::ConvGeom as Geom;
+use crate::core::geom::ConvGeom as Geom;
 use distc_ir::TensorType;
 
 /// `a @ b` on rank-2 tensors, either side transposed: one cuBLAS product (see

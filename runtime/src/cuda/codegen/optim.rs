@@ -1,4 +1,4 @@
-//! Optimizer updates on the device, the rules of `crate::optim` (read there for the
+//! Optimizer updates on the device, the rules of `crate::cpu::optim` (read there for the
 //! semantics): SGD, SGD with momentum and Adam, each fused into one pass over a dense
 //! variable, and a row-wise form for an `IndexedSlices` gradient that touches only
 //! the rows it holds (repeated rows summed first, in order of appearance, then the
@@ -12,7 +12,7 @@
 
 use super::sparse::{unique_launches, UniqueSink};
 use super::{flit, row_len, CodegenError, KArg, KernelSet, Launch, NodeCx, NodeLaunch, INDEX};
-use crate::config::OptimizerSpec;
+use crate::core::config::OptimizerSpec;
 use distc_ir::{DType, TensorType, ValueType};
 
 /// The update of one variable.
@@ -34,7 +34,7 @@ pub struct OptimizerPlan {
     pub source: String,
     /// Slots per variable, each of the variable's shape and dtype, zeroed before the
     /// first step: none for SGD, `["momentum"]` with momentum, `["m", "v"]` for Adam
-    /// (the names `crate::optim::Optimizer::slot_names` gives, so checkpoints agree).
+    /// (the names `crate::cpu::optim::Optimizer::slot_names` gives, so checkpoints agree).
     pub slot_names: &'static [&'static str],
     /// One update per variable, in the order given.
     pub vars: Vec<VarUpdate>,

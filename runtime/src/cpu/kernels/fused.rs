@@ -22,7 +22,7 @@
 //! `fast_exp`), so a fused graph computes what the unfused one does.
 
 use super::{cow, shape_str, val, Arg, Elem};
-use crate::value::Value;
+use crate::core::value::Value;
 use distc_ir::shape::broadcast_shapes;
 use distc_ir::{BinaryFn, FusedExpr, FusedStep, UnaryFn};
 use ndarray::{ArrayD, CowArray, IxDyn};

@@ -22,9 +22,9 @@
 //!
 //! f32 and f64 variables are supported; slots have the variable's dtype.
 
-use crate::config::OptimizerSpec;
-use crate::error::{Result, RuntimeError};
-use crate::value::{Tensor, Value};
+use crate::core::config::OptimizerSpec;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::value::{Tensor, Value};
 use ndarray::{ArrayD, IxDyn, Zip};
 use num_traits::Float;
 use std::collections::hash_map::Entry;

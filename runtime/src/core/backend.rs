@@ -1,5 +1,5 @@
-//! Where a plan's kernels run. The [`Executor`](crate::exec::Executor) computes what
-//! is independent of any device once (the [`Schedule`](crate::exec::Schedule): order,
+//! Where a plan's kernels run. The [`Executor`](crate::core::exec::Executor) computes what
+//! is independent of any device once (the [`Schedule`](crate::core::exec::Schedule): order,
 //! slots, last uses) and its run loop is generic over a [`Backend`], which owns the
 //! buffers: the CPU backend ([`Cpu`]) holds host ndarrays, a GPU backend device
 //! memory.
@@ -13,14 +13,10 @@
 //! ([`Backend::to_host`], [`Backend::from_host`]); on the CPU backend both are moves,
 //! not copies.
 
-use crate::comm::ByteCount;
-use crate::config::OptimizerSpec;
-use crate::cuda::CudaError;
-use crate::error::RuntimeError;
-use crate::exec::Schedule;
-use crate::kernels::{self, KernelCtx};
-use crate::optim::Optimizer;
-use crate::value::{Tensor, Value};
+use crate::core::config::OptimizerSpec;
+use crate::core::error::RuntimeError;
+use crate::core::exec::Schedule;
+use crate::core::value::{ByteCount, Tensor, Value};
 use distc_ir::{NodeId, Op, TensorType, ValueType};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -33,9 +29,9 @@ pub enum KernelError {
     /// The kernel rejected its inputs.
     #[error("{0}")]
     Invalid(String),
-    /// The device failed.
+    /// The device failed (its own error, boxed: the core knows no device's types).
     #[error(transparent)]
-    Device(#[from] CudaError),
+    Device(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl From<String> for KernelError {
@@ -63,18 +59,38 @@ pub enum ValueRef<'s, V, T> {
     Tensor(&'s T),
 }
 
-/// A device that runs kernels on its own buffers.
-pub trait Backend {
+/// What a kernel may know about the step it runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelCtx {
+    /// The training step (dropout masks depend on it).
+    pub step: u64,
+    /// Training (dropout active) or evaluation (dropout is the identity).
+    pub training: bool,
+    /// This worker's rank and the number of workers: a per-sample dropout mask indexes
+    /// an element by its position in the global batch, rank `r`'s rows after those of
+    /// ranks `0..r` (equal batches per worker).
+    pub rank: usize,
+}
+
+/// The buffers of a device: what every family is over.
+pub trait Device {
     /// A computed value in an executor slot: a tensor or `IndexedSlices`.
     type Value: Send;
     /// A dense tensor the backend holds across steps: variables, feeds, constants.
     type Tensor;
-    /// The optimizer state of the variables the backend holds.
-    type Optimizer;
 
     /// The backend's name, for messages (`cpu`, `cuda:0`).
     fn name(&self) -> String;
+    /// The IR type of a value (slices at their actual row count).
+    fn value_type(v: &Self::Value) -> ValueType;
+    /// Bytes a value holds, as the memory accounting counts them.
+    fn value_bytes(v: &Self::Value) -> u64;
+    /// The IR type of a tensor.
+    fn tensor_type(t: &Self::Tensor) -> TensorType;
+}
 
+/// Running the ops of a plan.
+pub trait Kernels: Device {
     /// Called once with the schedule the executor will run, before any kernel: a
     /// device backend plans its memory and compiles its kernels here.
     fn prepare(&mut self, _schedule: &Schedule) -> Result<(), KernelError> {
@@ -90,15 +106,25 @@ pub trait Backend {
         ctx: &KernelCtx,
     ) -> Result<Vec<Self::Value>, KernelError>;
 
-    /// The IR type of a value (slices at their actual row count).
-    fn value_type(v: &Self::Value) -> ValueType;
-    /// Bytes a value holds, as the memory accounting counts them.
-    fn value_bytes(v: &Self::Value) -> u64;
-    /// The IR type of a tensor.
-    fn tensor_type(t: &Self::Tensor) -> TensorType;
-
     /// A tensor of type `ty` with every element `value` (a `constant` node).
     fn filled(&mut self, ty: &TensorType, value: f64) -> Result<Self::Tensor, KernelError>;
+    /// A computed value holding a copy of a tensor.
+    fn copy_tensor(&mut self, t: &Self::Tensor) -> Result<Self::Value, KernelError>;
+    /// A copy of a computed value.
+    fn copy_value(&mut self, v: &Self::Value) -> Result<Self::Value, KernelError>;
+    /// `a + b` of two micro-batch gradients (slices: rows concatenated).
+    fn add(&mut self, a: Self::Value, b: Self::Value) -> Result<Self::Value, KernelError>;
+    /// `v * k` (slices: their rows).
+    fn scale(&mut self, v: Self::Value, k: f64) -> Result<Self::Value, KernelError>;
+    /// Sets the step the next kernels see (dropout masks, Adam's bias correction). A
+    /// device backend keeps it in device memory, so a replayed graph reads the new one.
+    fn set_step(&mut self, _step: u64) -> Result<(), KernelError> {
+        Ok(())
+    }
+}
+
+/// Moving values between the host and the device.
+pub trait Transfer: Device {
     /// Moves host tensor `name` to the backend (a feed of the batch, an initial
     /// variable); a device backend copies each name into the same buffer every step.
     fn upload(&mut self, name: &str, t: Tensor) -> Result<Self::Tensor, KernelError>;
@@ -123,14 +149,8 @@ pub trait Backend {
         &mut self,
         v: ValueRef<'s, Self::Value, Self::Tensor>,
     ) -> Result<Cow<'s, Tensor>, KernelError>;
-
-    /// A computed value holding a copy of a tensor.
-    fn copy_tensor(&mut self, t: &Self::Tensor) -> Result<Self::Value, KernelError>;
-    /// A copy of a computed value.
-    fn copy_value(&mut self, v: &Self::Value) -> Result<Self::Value, KernelError>;
-
     /// The scalar a `loss` sink reads. `None` when the value is not on the host yet (a
-    /// device step being captured into a graph): [`Backend::pending_scalar`] has it
+    /// device step being captured into a graph): [`Transfer::pending_scalar`] has it
     /// once the step is done.
     fn read_scalar(
         &mut self,
@@ -138,15 +158,31 @@ pub trait Backend {
     ) -> Result<Option<f64>, KernelError> {
         Ok(self.host_tensor(v)?.scalar_f64())
     }
-    /// The scalar [`Backend::read_scalar`] deferred, after [`Backend::synchronize`].
+    /// The scalar [`Transfer::read_scalar`] deferred, after [`Transfer::synchronize`].
     fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
         Ok(None)
     }
+    /// Moves a tensor the backend holds to the host (a copy on a device; a move on
+    /// the CPU).
+    fn move_to_host(&mut self, t: Self::Tensor) -> Result<Tensor, KernelError> {
+        self.download(&t)
+    }
+    /// Waits until everything issued has finished (for timing a step); a no-op on a
+    /// backend that runs synchronously.
+    fn synchronize(&mut self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    /// Bytes of device memory in use and at its peak, where the backend has its own
+    /// memory (`None` on the host).
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
 
-    /// `a + b` of two micro-batch gradients (slices: rows concatenated).
-    fn add(&mut self, a: Self::Value, b: Self::Value) -> Result<Self::Value, KernelError>;
-    /// `v * k` (slices: their rows).
-    fn scale(&mut self, v: Self::Value, k: f64) -> Result<Self::Value, KernelError>;
+/// The optimizer state the backend holds beside the variables, and the update.
+pub trait OptimizerState: Device {
+    /// The optimizer state of the variables the backend holds.
+    type Optimizer;
 
     /// The optimizer `spec` describes, for the variables `params`.
     fn optimizer(
@@ -167,7 +203,7 @@ pub trait Backend {
     /// cores are left over); a no-op elsewhere.
     fn parallel_updates(_opt: &mut Self::Optimizer, _on: bool) {}
     /// The optimizer state on the host, for a training state on disk: `VAR/SLOT`
-    /// tensors and the step count, as [`Optimizer::state`] names them.
+    /// tensors and the step count (`VAR/SLOT` names, the CPU optimizer's).
     fn optimizer_state(
         &mut self,
         _opt: &Self::Optimizer,
@@ -177,7 +213,8 @@ pub trait Backend {
             self.name()
         )))
     }
-    /// Loads a resumed optimizer state (names as [`Backend::optimizer_state`] gives).
+    /// Loads a resumed optimizer state (names as [`OptimizerState::optimizer_state`]
+    /// gives).
     fn load_optimizer_state(
         &mut self,
         _opt: &mut Self::Optimizer,
@@ -190,27 +227,25 @@ pub trait Backend {
     }
     /// The names of each variable's optimizer slots (`momentum`; Adam's `m`, `v`).
     fn optimizer_slots(opt: &Self::Optimizer) -> &'static [&'static str];
-    /// Moves a tensor the backend holds to the host (a copy on a device; a move on
-    /// the CPU).
-    fn move_to_host(&mut self, t: Self::Tensor) -> Result<Tensor, KernelError> {
-        self.download(&t)
-    }
-    /// Waits until everything issued has finished (for timing a step); a no-op on a
-    /// backend that runs synchronously.
-    fn synchronize(&mut self) -> Result<(), KernelError> {
-        Ok(())
-    }
-    /// Sets the step the next kernels see (dropout masks, Adam's bias correction). A
-    /// device backend keeps it in device memory, so a replayed graph reads the new one.
-    fn set_step(&mut self, _step: u64) -> Result<(), KernelError> {
-        Ok(())
+}
+
+/// Recording a training step (its kernels and its update) into a graph and replaying
+/// it. The worker loop captures a step after its warm-up steps when
+/// [`Capture::can_capture`] says the step has no host round trip, then replays it.
+pub trait Capture: Device {
+    /// Whether a training step of `schedule` can be captured: the backend records
+    /// graphs, and every collective the step makes runs on the device
+    /// ([`DeviceCollectives`]); the worker loop also checks that the step neither
+    /// pulls nor pushes. Default: no graphs.
+    fn can_capture(&self, _schedule: &Schedule) -> bool {
+        false
     }
     /// Starts recording everything issued (a step and its update) into a graph instead
     /// of running it. `false`: this backend has no graphs, nothing changed.
     fn begin_capture(&mut self) -> Result<bool, KernelError> {
         Ok(false)
     }
-    /// Ends the recording [`Backend::begin_capture`] started; the graph is kept.
+    /// Ends the recording [`Capture::begin_capture`] started; the graph is kept.
     fn end_capture(&mut self) -> Result<(), KernelError> {
         Ok(())
     }
@@ -220,12 +255,10 @@ pub trait Backend {
             "this backend records no graphs".into(),
         ))
     }
-    /// Bytes of device memory in use and at its peak, where the backend has its own
-    /// memory (`None` on the host).
-    fn device_memory(&self) -> Option<(u64, u64)> {
-        None
-    }
+}
 
+/// Collectives on the device's own buffers, by the backend's own communicator.
+pub trait DeviceCollectives: Device {
     /// Starts collective `op` (node `node`) on `v` with the backend's own communicator
     /// (NCCL on device buffers), when it has one for this op: the result is a value the
     /// backend orders its readers after, so the executor neither waits nor copies.
@@ -244,6 +277,11 @@ pub trait Backend {
         ByteCount::default()
     }
 }
+
+/// A device that runs a plan: every family. Implemented for whatever has them all.
+pub trait Backend: Kernels + Transfer + OptimizerState + Capture + DeviceCollectives {}
+
+impl<T: Kernels + Transfer + OptimizerState + Capture + DeviceCollectives> Backend for T {}
 
 /// What [`Backend::start_collective`] did with a value.
 pub enum Started<V> {
@@ -288,148 +326,4 @@ pub(crate) fn all_to_host<B: Backend>(
             Ok((name, t))
         })
         .collect()
-}
-
-/// The CPU backend: host ndarrays and the kernels of [`crate::kernels`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
-
-impl Backend for Cpu {
-    type Value = Value;
-    type Tensor = Tensor;
-    type Optimizer = Optimizer;
-
-    fn name(&self) -> String {
-        "cpu".into()
-    }
-
-    fn eval(
-        &mut self,
-        _node: NodeId,
-        op: &Op,
-        args: Vec<BackendArg<'_, Value, Tensor>>,
-        ctx: &KernelCtx,
-    ) -> Result<Vec<Value>, KernelError> {
-        let args = args
-            .into_iter()
-            .map(|a| match a {
-                BackendArg::Owned(v) => kernels::Arg::Owned(v),
-                BackendArg::Borrowed(v) => kernels::Arg::Borrowed(v),
-                BackendArg::BorrowedTensor(t) => kernels::Arg::BorrowedTensor(t),
-            })
-            .collect();
-        Ok(kernels::eval(op, args, ctx)?)
-    }
-
-    fn value_type(v: &Value) -> ValueType {
-        v.value_type()
-    }
-
-    fn value_bytes(v: &Value) -> u64 {
-        v.bytes() as u64
-    }
-
-    fn tensor_type(t: &Tensor) -> TensorType {
-        t.tensor_type()
-    }
-
-    fn filled(&mut self, ty: &TensorType, value: f64) -> Result<Tensor, KernelError> {
-        Ok(Tensor::filled(ty, value))
-    }
-
-    fn upload(&mut self, _name: &str, t: Tensor) -> Result<Tensor, KernelError> {
-        Ok(t)
-    }
-
-    fn download(&mut self, t: &Tensor) -> Result<Tensor, KernelError> {
-        Ok(t.clone())
-    }
-
-    fn to_host(&mut self, v: Value) -> Result<Value, KernelError> {
-        Ok(v)
-    }
-
-    fn from_host(&mut self, _at: Option<(NodeId, usize)>, v: Value) -> Result<Value, KernelError> {
-        Ok(v)
-    }
-
-    fn host_tensor<'s>(
-        &mut self,
-        v: ValueRef<'s, Value, Tensor>,
-    ) -> Result<Cow<'s, Tensor>, KernelError> {
-        match v {
-            ValueRef::Value(Value::Tensor(t)) | ValueRef::Tensor(t) => Ok(Cow::Borrowed(t)),
-            ValueRef::Value(s) => Err(KernelError::Invalid(format!(
-                "needs a tensor, got {}",
-                s.value_type()
-            ))),
-        }
-    }
-
-    fn copy_tensor(&mut self, t: &Tensor) -> Result<Value, KernelError> {
-        Ok(Value::Tensor(t.clone()))
-    }
-
-    fn copy_value(&mut self, v: &Value) -> Result<Value, KernelError> {
-        Ok(v.clone())
-    }
-
-    fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
-        Ok(crate::value::add_values(a, b)?)
-    }
-
-    fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
-        Ok(crate::value::scale_value(v, k)?)
-    }
-
-    fn optimizer(
-        &mut self,
-        spec: &OptimizerSpec,
-        _params: &HashMap<String, Tensor>,
-    ) -> Result<Optimizer, KernelError> {
-        Ok(Optimizer::new(spec))
-    }
-
-    fn update(
-        &mut self,
-        opt: &mut Optimizer,
-        params: &mut HashMap<String, Tensor>,
-        grads: Vec<(String, Value)>,
-    ) -> Result<(), KernelError> {
-        opt.step(params, &grads)
-            .map_err(|e| KernelError::Invalid(e.to_string()))
-    }
-
-    fn optimizer_bytes(opt: &Optimizer) -> u64 {
-        opt.state_bytes()
-    }
-
-    fn parallel_updates(opt: &mut Optimizer, on: bool) {
-        opt.set_parallel(on);
-    }
-
-    fn optimizer_state(&mut self, opt: &Optimizer) -> Result<Vec<(String, Tensor)>, KernelError> {
-        Ok(opt
-            .state()
-            .into_iter()
-            .map(|(k, t)| (k, t.clone()))
-            .collect())
-    }
-
-    fn load_optimizer_state(
-        &mut self,
-        opt: &mut Optimizer,
-        state: &HashMap<String, Tensor>,
-    ) -> Result<(), KernelError> {
-        opt.load_state(state)
-            .map_err(|e| KernelError::Invalid(e.to_string()))
-    }
-
-    fn optimizer_slots(opt: &Optimizer) -> &'static [&'static str] {
-        opt.slot_names()
-    }
-
-    fn move_to_host(&mut self, t: Tensor) -> Result<Tensor, KernelError> {
-        Ok(t)
-    }
 }

@@ -17,20 +17,20 @@ pub enum RuntimeError {
         message: String,
     },
     /// The device failed while running a node (a driver call, a kernel launch).
-    #[error("{node} ({op}) on the GPU: {source}")]
+    #[error("{node} ({op}) on the device: {source}")]
     Device {
         /// The node, as `%N`.
         node: String,
         /// The op's mnemonic.
         op: &'static str,
-        /// The driver's or the compiler's error (boxed: it is large, and every
-        /// runtime result carries this enum).
-        source: Box<crate::cuda::CudaError>,
+        /// The device's own error (a driver call, a kernel compiler), boxed: the core
+        /// knows no device's error type.
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// CUDA could not be set up (a missing library, no GPU, a kernel that does not
-    /// compile).
+    /// A device could not be set up (a missing library, no GPU, a kernel that does not
+    /// compile): the device's own error, boxed.
     #[error(transparent)]
-    Cuda(Box<crate::cuda::CudaError>),
+    Backend(Box<dyn std::error::Error + Send + Sync>),
     /// The graph reads an input the feed does not provide.
     #[error("no value fed for input `{0}`")]
     MissingInput(String),
@@ -56,12 +56,6 @@ pub enum RuntimeError {
         /// The OS error.
         source: std::io::Error,
     },
-}
-
-impl From<crate::cuda::CudaError> for RuntimeError {
-    fn from(e: crate::cuda::CudaError) -> RuntimeError {
-        RuntimeError::Cuda(Box::new(e))
-    }
 }
 
 /// Shorthand for runtime results.

@@ -16,9 +16,9 @@
 //! compiler measured a batch to touch, when the caller knows them. A plan that would not
 //! fit in the machine's available memory is refused with the figures ([`check`]).
 
-use crate::config::{OptimizerSpec, RunConfig};
-use crate::exec::{MemoryUse, Mode, Schedule};
-use crate::train::{input_types, Programs};
+use crate::core::config::{OptimizerSpec, RunConfig};
+use crate::core::exec::{MemoryUse, Mode, Schedule};
+use crate::run::train::{input_types, Programs};
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -127,7 +127,7 @@ pub fn gib(b: u128) -> String {
 
 /// Optimizer slots per variable.
 pub fn slots(spec: &OptimizerSpec) -> u64 {
-    crate::optim::Optimizer::new(spec).slot_names().len() as u64
+    crate::cpu::optim::Optimizer::new(spec).slot_names().len() as u64
 }
 
 /// The variable a row-sparse gradient node belongs to: following its single users to

@@ -4,7 +4,7 @@
 //! runs in one buffer.
 
 use super::{cow, shape_str, standard, val, Arg, Elem, KernelCtx};
-use crate::value::Value;
+use crate::core::value::Value;
 use distc_ir::shape::broadcast_shapes;
 use ndarray::IxDyn;
 

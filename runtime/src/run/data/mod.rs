@@ -55,9 +55,9 @@ mod synthetic;
 pub use files::MOVIELENS_SPLIT_SEED;
 pub use synthetic::zipf_cdf;
 
-use crate::config::DataSpec;
-use crate::error::{Result, RuntimeError};
-use crate::value::Tensor;
+use crate::core::config::DataSpec;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::value::Tensor;
 use distc_ir::{DType, TensorType};
 use ndarray::{ArrayD, IxDyn};
 use rand::seq::SliceRandom;

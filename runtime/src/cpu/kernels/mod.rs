@@ -28,11 +28,10 @@ mod fused;
 mod layout;
 mod nn;
 
-pub(crate) use nn::Geom as ConvGeom;
 mod reduce;
 mod sparse;
 
-use crate::value::{Slices, Tensor, Value};
+use crate::core::value::{Slices, Tensor, Value};
 use distc_ir::{DType, Op};
 use ndarray::{ArrayD, ArrayViewD, CowArray, IxDyn, LinalgScalar, ScalarOperand};
 use num_traits::{Float, One, Zero};
@@ -40,18 +39,7 @@ use std::fmt::Debug;
 use std::iter::Sum;
 use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
 
-/// What a kernel may know about the step it runs in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KernelCtx {
-    /// The training step (dropout masks depend on it).
-    pub step: u64,
-    /// Training (dropout active) or evaluation (dropout is the identity).
-    pub training: bool,
-    /// This worker's rank and the number of workers: a per-sample dropout mask indexes
-    /// an element by its position in the global batch, rank `r`'s rows after those of
-    /// ranks `0..r` (equal batches per worker).
-    pub rank: usize,
-}
+pub use crate::core::backend::KernelCtx;
 
 /// One input of a kernel: owned (the kernel may reuse its buffer) or borrowed.
 #[derive(Debug)]

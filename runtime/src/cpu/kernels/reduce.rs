@@ -9,7 +9,7 @@
 //! its gradient are exp-bound.
 
 use super::{cow, shape_str, standard, tensor, val, view, Arg, Elem};
-use crate::value::Value;
+use crate::core::value::Value;
 use distc_ir::shape::broadcasts_to;
 use ndarray::{ArrayD, ArrayViewD, Axis, CowArray, IxDyn, Zip};
 

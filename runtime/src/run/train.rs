@@ -1,28 +1,30 @@
 //! One training loop for every role and transport, and its in-process launcher.
 //!
-//! [`crate::worker::run_worker`] is the loop: data, timing, metrics, evaluation,
+//! [`crate::run::worker::run_worker`] is the loop: data, timing, metrics, evaluation,
 //! NaN stop, profile and trace are written once, for one device (one worker, no
 //! servers) as for N workers and S servers. [`train`] runs a plan's ranks as threads
-//! of this process (the embedded default; see [`crate::roles`] for the mapping):
+//! of this process (the embedded default; see [`crate::core::roles`] for the mapping):
 //! servers over in-process links, workers over an in-process communicator, and the
 //! caller's thread joins the workers' step reports into one metrics line per step
-//! ([`Coordinator`]). The MPI launcher (`crate::comm::mpi`) runs the same loop, one
-//! rank per process.
+//! ([`Coordinator`]), which also assembles the run's [`TrainReport`]. The MPI launcher
+//! (`crate::run::mpi`) runs the same loop and the same coordinator, one rank per
+//! process. One device is the one-worker case, on the CPU or a GPU alike.
 
-use crate::backend::{upload_all, Backend, Cpu};
-use crate::checkpoint::TrainingState;
 use crate::comm::{in_process, Communicator};
-use crate::config::RunConfig;
-use crate::data::{data_dir, DataSource};
-use crate::error::{Result, RuntimeError};
-use crate::exec::{CommHook, Executor, Mode};
-use crate::init::init_param;
-use crate::metrics::{EvalMetrics, Profile, StepMetrics};
+use crate::core::backend::{upload_all, Backend};
+use crate::core::checkpoint::TrainingState;
+use crate::core::config::RunConfig;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::exec::{CommHook, Executor, Mode};
+use crate::core::init::init_param;
+use crate::core::roles::Role;
+use crate::core::value::Tensor;
+use crate::cpu::Cpu;
 use crate::ps::{self, PsConfig, PsSync, ShardSpec};
-use crate::roles::Role;
-use crate::trace::Span;
-use crate::value::Tensor;
-use crate::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
+use crate::run::data::{data_dir, DataSource};
+use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
+use crate::run::trace::Span;
+use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
 use distc_ir::{Graph, Op, TensorType};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -315,6 +317,31 @@ impl<'a> Coordinator<'a> {
     }
 }
 
+impl Coordinator<'_> {
+    /// The run's report once every step is in: the losses, evaluation and time the
+    /// coordinator saw, the variables, worker 0's profile and every role's spans. The
+    /// one place a [`TrainReport`] is made, for threads and MPI ranks alike.
+    pub fn finish(
+        self,
+        params: HashMap<String, Tensor>,
+        profile: Option<Profile>,
+        spans: Vec<Span>,
+    ) -> TrainReport {
+        TrainReport {
+            steps: self.steps,
+            first_loss: self.first_loss,
+            final_loss: self.final_loss,
+            eval: self.eval,
+            train_time: self.train_time,
+            samples_per_sec: (self.steps * self.workers * self.batch) as f64
+                / self.train_time.as_secs_f64().max(1e-9),
+            params,
+            profile,
+            spans,
+        }
+    }
+}
+
 /// Shards of every server program: `shard` sources, by server.
 pub fn server_shards(
     servers: &[Graph],
@@ -445,7 +472,7 @@ pub fn train(
 /// worker's thread (several workers may share one device). `comm` is the workers'
 /// in-process communicator, for a device communicator's bootstrap; collectives go
 /// through the host unless the backend runs them itself
-/// ([`Backend::start_collective`](crate::backend::Backend::start_collective)).
+/// ([`Backend::start_collective`](crate::core::backend::Backend::start_collective)).
 pub fn train_with<B: Backend>(
     programs: Programs<'_>,
     config: &RunConfig,
@@ -583,17 +610,5 @@ pub fn train_with<B: Backend>(
             counters: Vec::new(),
         }));
     }
-    let c = coordinator;
-    Ok(TrainReport {
-        steps: c.steps,
-        first_loss: c.first_loss,
-        final_loss: c.final_loss,
-        eval: c.eval,
-        train_time: c.train_time,
-        samples_per_sec: (c.steps * n * k * config.batch) as f64
-            / c.train_time.as_secs_f64().max(1e-9),
-        params,
-        profile: w0.profile,
-        spans,
-    })
+    Ok(coordinator.finish(params, w0.profile, spans))
 }

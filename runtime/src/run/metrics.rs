@@ -38,7 +38,7 @@ pub struct StepMetrics {
     pub eval: Option<EvalMetrics>,
     /// What worker 0 held in this step, by category (bytes): `params`, `gradients`,
     /// `optimizer`, `activations` (peak), `comm_buffers` (peak).
-    pub memory: crate::memory::MemoryByCategory,
+    pub memory: crate::run::memory::MemoryByCategory,
     /// GPU memory distc's allocations hold on worker 0 after the step, bytes (GPU
     /// runs only).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -11,7 +11,7 @@
 //! rank >= 3: `dims[1]*r`, `dims[0]*r` with `r` the product of `dims[2..]`); rank 1:
 //! `dims[0]` both; scalars: 1.
 
-use crate::value::Tensor;
+use crate::core::value::Tensor;
 use distc_ir::{DType, Init, TensorType};
 use ndarray::{ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};

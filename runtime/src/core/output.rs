@@ -11,7 +11,7 @@
 //! are named `.NAME.distc-tmp-PID`, so the next write of the same target removes those
 //! whose process is gone.
 
-use crate::error::{Result, RuntimeError};
+use crate::core::error::{Result, RuntimeError};
 use std::path::{Path, PathBuf};
 
 fn refuse(path: &Path, message: impl Into<String>) -> RuntimeError {

@@ -10,8 +10,8 @@
 //! The exact bit streams differ from numpy's; the distributions are the specified ones.
 
 use super::ColData;
-use crate::config::DataSpec;
-use crate::error::{Result, RuntimeError};
+use crate::core::config::DataSpec;
+use crate::core::error::{Result, RuntimeError};
 use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
 use rand_pcg::Pcg64;

@@ -5,7 +5,7 @@
 
 use super::sparse::slices;
 use super::{shape_str, tensor, Arg, Elem};
-use crate::value::{Slices, Value};
+use crate::core::value::{Slices, Value};
 use distc_ir::Shape;
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;

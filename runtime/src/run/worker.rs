@@ -14,21 +14,22 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
-use crate::backend::{all_to_host, backend_error, upload_all, Backend, Cpu};
-use crate::checkpoint::{StateIndex, TrainingState};
 use crate::comm::{ByteCount, Communicator};
-use crate::config::RunConfig;
-use crate::data::DataSource;
-use crate::error::{Result, RuntimeError};
-use crate::exec::{CommHook, Executor, Mode, Pending};
-use crate::memory::MemoryByCategory;
-use crate::metrics::{EvalMetrics, Profile};
-use crate::optim::STEP_KEY;
+use crate::core::backend::{all_to_host, backend_error, upload_all, Backend};
+use crate::core::checkpoint::{StateIndex, TrainingState};
+use crate::core::config::RunConfig;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::exec::{CommHook, Executor, Mode, Pending};
+use crate::core::roles::Role;
+use crate::core::value::{Slices, Tensor, Value};
+use crate::cpu::optim::STEP_KEY;
+use crate::cpu::Cpu;
 use crate::ps::PsClient;
-use crate::roles::Role;
-use crate::trace::Span;
-use crate::train::{evaluate, init_params, Programs, TrainOptions};
-use crate::value::{Slices, Tensor, Value};
+use crate::run::data::DataSource;
+use crate::run::memory::MemoryByCategory;
+use crate::run::metrics::{EvalMetrics, Profile};
+use crate::run::trace::Span;
+use crate::run::train::{evaluate, init_params, Programs, TrainOptions};
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
@@ -658,8 +659,10 @@ fn run_steps<B: Backend>(
             params.insert(name, t);
         }
     }
-    crate::exec::warm_allocator();
     let mut exec = Executor::with_backend(programs.worker, backend)?;
+    // Training reads back no `output` sink (the prediction and target are for
+    // evaluation): on a device that would be a copy and a wait every step.
+    exec.set_train_outputs(false);
     exec.set_rank(rank);
     exec.set_profiling(opts.profile && rank == 0);
     let device = exec.backend().name();
@@ -702,48 +705,111 @@ fn run_steps<B: Backend>(
     });
     hook.take_waited();
     let k = data.len();
+    // CUDA graphs, a mode of this loop: after WARMUP eager steps (which also settle
+    // every lazy setup, cuBLAS's included), one step and its update are captured, and
+    // that graph is replayed for that step and every later one. Only where the step
+    // has no host round trip: one batch per step, no pull or push, every collective
+    // on the device, and the backend records graphs (the CPU's does not: every step
+    // runs eagerly). Profiling times each node's kernels (the executor waits for
+    // them), which a replayed graph cannot: a profiled run runs eagerly.
+    let capturable =
+        k == 1 && !opts.profile && !st.exec.schedule().has_server_ops() && st.exec.can_capture();
+    let mut graph = if capturable {
+        GraphState::Untried
+    } else {
+        GraphState::Off
+    };
+    let mut captured_memory = None;
+    // While a replayed step runs on the device, the next step's batch is drawn and
+    // staged (uploads are ordered after the replay on the device's stream, so the
+    // buffers the graph reads are overwritten only once it is done).
+    let mut prefetched: Option<HashMap<String, B::Tensor>> = None;
     for step in first..=steps {
-        let batches = data
-            .iter_mut()
-            .map(DataSource::next_batch)
-            .collect::<Result<Vec<_>>>()?;
+        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
+        let checkpoint_now = opts
+            .checkpoint
+            .as_ref()
+            .is_some_and(|c| step % c.every == 0 || step == steps);
         hook.step = step as u64;
-        let start = Instant::now();
-        // Micro-batches: the last one communicates and hands the gradients over.
-        let mut micro_loss = 0.0;
-        let mut last = None;
-        for (m, batch) in batches.into_iter().enumerate() {
-            st.exec.set_rank(rank * k + m);
-            let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
-            let batch = upload_all(st.exec.backend(), batch)?;
-            let o = st
-                .exec
-                .run_with(&batch, &st.params, mode, step as u64, Some(&mut *hook))?;
-            micro_loss += o.loss.unwrap_or(f64::NAN);
-            last = Some(o);
-        }
-        let Some(mut out) = last else {
-            return Err(RuntimeError::Config(format!(
-                "worker {rank}: no data source"
-            )));
+        let (fed, start) = match prefetched.take() {
+            Some(feeds) => (vec![feeds], Instant::now()),
+            None => {
+                let batches = data
+                    .iter_mut()
+                    .map(DataSource::next_batch)
+                    .collect::<Result<Vec<_>>>()?;
+                let start = Instant::now();
+                let fed = batches
+                    .into_iter()
+                    .map(|b| upload_all(st.exec.backend(), b))
+                    .collect::<Result<Vec<_>>>()?;
+                (fed, start)
+            }
         };
-        out.loss = Some(micro_loss / k as f64);
-        let updating = Instant::now();
-        st.exec
-            .backend()
-            .update(&mut st.optimizer, &mut st.params, out.grads)
-            .map_err(|e| backend_error(&device, "applying the update", e))?;
-        st.exec
-            .backend()
-            .synchronize()
-            .map_err(|e| backend_error(&device, "finishing the step", e))?;
+        if graph == GraphState::Untried && step >= first + WARMUP {
+            graph = capture_step(st, &fed[0], step, rank, &mut *hook)?;
+        }
+        let (loss, updating, used) = if graph == GraphState::Replaying {
+            let backend = st.exec.backend();
+            backend
+                .set_step(step as u64)
+                .map_err(|e| backend_error(&device, "setting the step", e))?;
+            backend
+                .replay()
+                .map_err(|e| backend_error(&device, "replaying the step's CUDA graph", e))?;
+            // Not before an evaluation or a checkpoint: they read the same buffers.
+            if step < steps && !eval_now && !checkpoint_now {
+                let next = data[0].next_batch()?;
+                prefetched = Some(upload_all(st.exec.backend(), next)?);
+            }
+            let backend = st.exec.backend();
+            backend
+                .synchronize()
+                .map_err(|e| backend_error(&device, "finishing the step", e))?;
+            let loss = backend
+                .pending_scalar()
+                .map_err(|e| backend_error(&device, "reading the loss", e))?
+                .unwrap_or(f64::NAN);
+            (loss, Instant::now(), captured_memory.unwrap_or_default())
+        } else {
+            // Micro-batches: the last one communicates and hands the gradients over.
+            let mut micro_loss = 0.0;
+            let mut last = None;
+            for (m, batch) in fed.into_iter().enumerate() {
+                st.exec.set_rank(rank * k + m);
+                let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
+                let o =
+                    st.exec
+                        .run_with(&batch, &st.params, mode, step as u64, Some(&mut *hook))?;
+                micro_loss += o.loss.unwrap_or(f64::NAN);
+                last = Some(o);
+            }
+            let Some(out) = last else {
+                return Err(RuntimeError::Config(format!(
+                    "worker {rank}: no data source"
+                )));
+            };
+            let used = st.exec.measured_memory();
+            let updating = Instant::now();
+            st.exec
+                .backend()
+                .update(&mut st.optimizer, &mut st.params, out.grads)
+                .map_err(|e| backend_error(&device, "applying the update", e))?;
+            st.exec
+                .backend()
+                .synchronize()
+                .map_err(|e| backend_error(&device, "finishing the step", e))?;
+            (micro_loss / k as f64, updating, used)
+        };
+        if graph == GraphState::Replaying && captured_memory.is_none() {
+            captured_memory = Some(used);
+        }
         st.profile.optimizer += updating.elapsed();
         let elapsed = start.elapsed();
         if opts.trace {
             st.step_spans
                 .push((step as u64, start, updating, start + elapsed));
         }
-        let loss = out.loss.unwrap_or(f64::NAN);
         if !loss.is_finite() {
             return Err(RuntimeError::Config(format!(
                 "the loss became {loss} at step {step} on worker {rank}: lower the learning rate"
@@ -753,7 +819,6 @@ fn run_steps<B: Backend>(
         st.profile.step_time += elapsed;
         st.profile.comm_wait += waited;
         let (sent, received, moved) = byte_deltas(st, hook);
-        let used = st.exec.measured_memory();
         let memory = MemoryByCategory {
             params: st
                 .params
@@ -790,10 +855,8 @@ fn run_steps<B: Backend>(
         } else {
             None
         };
-        if let Some(c) = &opts.checkpoint {
-            if step % c.every == 0 || step == steps {
-                save_training_state(c, st, programs, config, rank, step, hook)?;
-            }
+        if let (Some(c), true) = (&opts.checkpoint, checkpoint_now) {
+            save_training_state(c, st, programs, config, rank, step, hook)?;
         }
         report(StepReport {
             rank,
@@ -810,6 +873,65 @@ fn run_steps<B: Backend>(
         })?;
     }
     Ok(())
+}
+
+/// Eager steps before a training step is captured into a CUDA graph.
+const WARMUP: usize = 2;
+
+/// Where a worker's loop is with CUDA graphs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GraphState {
+    /// Not tried yet (waiting for the warm-up steps).
+    Untried,
+    /// Every step runs eagerly: the backend has no graphs, or the step has a host
+    /// round trip.
+    Off,
+    /// A step is captured: it is replayed from now on.
+    Replaying,
+}
+
+/// Records step `step` and its update while the backend captures (nothing runs; the
+/// caller replays the graph for this step too). `Off` where the backend declines.
+fn capture_step<B: Backend>(
+    st: &mut Loop<B>,
+    feeds: &HashMap<String, B::Tensor>,
+    step: usize,
+    rank: usize,
+    hook: &mut WorkerHook,
+) -> Result<GraphState> {
+    let device = st.exec.backend().name();
+    let backend = st.exec.backend();
+    backend
+        .set_step(step as u64)
+        .map_err(|e| backend_error(&device, "setting the step", e))?;
+    let on = backend
+        .begin_capture()
+        .map_err(|e| backend_error(&device, "starting a CUDA graph capture", e))?;
+    if !on {
+        return Ok(GraphState::Off);
+    }
+    st.exec.set_rank(rank);
+    let captured = st
+        .exec
+        .run_with(feeds, &st.params, Mode::Train, step as u64, Some(hook))
+        .and_then(|out| {
+            st.exec
+                .backend()
+                .update(&mut st.optimizer, &mut st.params, out.grads)
+                .map_err(|e| backend_error(&device, "applying the update", e))
+        });
+    let ended = st.exec.backend().end_capture();
+    let hint = "; run with --no-cuda-graph to train without a graph";
+    captured.map_err(|e| {
+        RuntimeError::Config(format!(
+            "{device}: step {step} could not be captured into a CUDA graph: {e}{hint}"
+        ))
+    })?;
+    ended.map_err(|e| {
+        let e = backend_error(&device, "ending the CUDA graph capture", e);
+        RuntimeError::Config(format!("{e}{hint}"))
+    })?;
+    Ok(GraphState::Replaying)
 }
 
 /// The initial variables of `graph`: the resumed state's where it has them (checked
@@ -879,7 +1001,7 @@ fn resumed_slots(
 /// worker gathers with it (a collective, so every worker calls this at the same steps).
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
-    c: &crate::train::CheckpointEvery,
+    c: &crate::run::train::CheckpointEvery,
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
@@ -949,7 +1071,7 @@ fn save_training_state<B: Backend>(
     );
     if let Some(ps) = hook.ps.as_mut() {
         let parts = ps.snapshot(step as u64)?;
-        let whole = crate::ps::assemble(parts, &crate::train::pulled_types(programs.worker))?;
+        let whole = crate::ps::assemble(parts, &crate::run::train::pulled_types(programs.worker))?;
         for (k, t) in whole {
             if k.contains('/') {
                 slots.insert(k, t);
@@ -958,7 +1080,7 @@ fn save_training_state<B: Backend>(
             }
         }
     }
-    let k = crate::train::micro_batches(programs.worker);
+    let k = crate::run::train::micro_batches(programs.worker);
     let index = StateIndex {
         format: String::new(),
         model: programs.worker.name.clone(),
@@ -969,7 +1091,7 @@ fn save_training_state<B: Backend>(
         variables: Vec::new(),
         optimizer_state: Vec::new(),
     };
-    crate::checkpoint::save_state(&c.path, &TrainingState::new(index, params, slots))
+    crate::core::checkpoint::save_state(&c.path, &TrainingState::new(index, params, slots))
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.

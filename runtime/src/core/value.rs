@@ -136,6 +136,45 @@ pub struct Slices {
     pub dense_shape: Vec<usize>,
 }
 
+impl Slices {
+    /// The dense tensor these rows stand for (rows of a repeated index summed), for a
+    /// sink that hands a sparse value to the host.
+    pub fn to_dense(&self) -> Result<Tensor, String> {
+        fn scatter<A: Copy + Default + std::ops::AddAssign>(
+            s: &Slices,
+            values: &ArrayD<A>,
+        ) -> Result<ArrayD<A>, String> {
+            let rows = s.dense_shape.first().copied().unwrap_or(0);
+            let row: usize = s.dense_shape.iter().skip(1).product();
+            let mut out = vec![A::default(); rows * row];
+            let values = values.as_standard_layout();
+            let src = values
+                .as_slice()
+                .ok_or("slices values are not contiguous")?;
+            for (k, &id) in s.indices.iter().enumerate() {
+                if id < 0 || id as usize >= rows {
+                    return Err(format!(
+                        "index {id} (position {k}) is outside the {rows} rows of {}",
+                        Shape(s.dense_shape.clone())
+                    ));
+                }
+                let Some(from) = src.get(k * row..(k + 1) * row) else {
+                    return Err(format!("slices hold fewer than {} rows", k + 1));
+                };
+                for (d, &v) in out[id as usize * row..][..row].iter_mut().zip(from) {
+                    *d += v;
+                }
+            }
+            ArrayD::from_shape_vec(IxDyn(&s.dense_shape), out).map_err(|e| e.to_string())
+        }
+        match &self.values {
+            Tensor::F32(v) => Ok(Tensor::F32(scatter(self, v)?)),
+            Tensor::F64(v) => Ok(Tensor::F64(scatter(self, v)?)),
+            Tensor::I32(_) => Err("slices of i32 values".into()),
+        }
+    }
+}
+
 /// The value of one output port at run time.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
@@ -252,4 +291,24 @@ pub(crate) fn scale_value(v: Value, k: f64) -> std::result::Result<Value, String
             Value::Slices(s)
         }
     })
+}
+
+/// Bytes a rank has sent and received, cumulative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByteCount {
+    /// Payload bytes this rank has sent.
+    pub sent: u64,
+    /// Payload bytes this rank has received.
+    pub received: u64,
+}
+
+impl std::ops::Sub for ByteCount {
+    type Output = ByteCount;
+    /// The bytes moved between two readings (`later - earlier`), e.g. for one step.
+    fn sub(self, earlier: ByteCount) -> ByteCount {
+        ByteCount {
+            sent: self.sent.saturating_sub(earlier.sent),
+            received: self.received.saturating_sub(earlier.received),
+        }
+    }
 }

@@ -18,8 +18,8 @@
 //!   held out. Both splits keep the file order.
 
 use super::{mix, Column, Loaded, Table};
-use crate::config::DataSpec;
-use crate::error::{Result, RuntimeError};
+use crate::core::config::DataSpec;
+use crate::core::error::{Result, RuntimeError};
 use flate2::read::GzDecoder;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;

@@ -5,8 +5,8 @@
 //! the target, so a crash never leaves a half-written checkpoint under the real name.
 //! Every error names the file.
 
-use crate::error::{Result, RuntimeError};
-use crate::value::Tensor;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::value::Tensor;
 use ndarray::{ArrayD, IxDyn};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 use std::borrow::Cow;
@@ -67,7 +67,7 @@ pub fn save(
             return Err(data_err(path, format!("tensor `{name}` is listed twice")));
         }
     }
-    crate::output::write_atomic(path, |tmp| {
+    crate::core::output::write_atomic(path, |tmp| {
         let views = params.iter().map(|(n, t)| (n.as_str(), TensorView(t)));
         let meta = (!metadata.is_empty()).then(|| metadata.clone());
         safetensors::serialize_to_file(views, meta, tmp)
@@ -152,7 +152,7 @@ pub struct StateIndex {
     /// What wrote it, for people: strategy, workers, ZeRO stage.
     pub saved_by: String,
     /// The optimizer, for people (its state is the tensors named `VAR/SLOT` and
-    /// [`crate::optim::STEP_KEY`]).
+    /// [`crate::cpu::optim::STEP_KEY`]).
     pub optimizer: String,
     /// The variables, whole, stored under their own names.
     pub variables: Vec<String>,
@@ -171,7 +171,7 @@ pub struct TrainingState {
     pub index: StateIndex,
     /// Variables by name.
     pub params: HashMap<String, Tensor>,
-    /// Optimizer state as [`crate::optim::Optimizer::state`] names it.
+    /// Optimizer state as [`crate::cpu::optim::Optimizer::state`] names it.
     pub optimizer: HashMap<String, Tensor>,
 }
 

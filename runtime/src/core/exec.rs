@@ -13,10 +13,11 @@
 //! checked against the type the IR gave it, so a kernel bug or a bad feed is an error
 //! naming the node or the input, never a panic or a silently wrong shape.
 
-use crate::backend::{Backend, BackendArg, Cpu, KernelError, Started, ValueRef};
-use crate::error::{Result, RuntimeError};
-use crate::kernels::{self, Arg, KernelCtx};
-use crate::value::{Tensor, Value};
+use crate::core::backend::{
+    Backend, BackendArg, Device, KernelCtx, KernelError, Started, ValueRef,
+};
+use crate::core::error::{Result, RuntimeError};
+use crate::core::value::{Tensor, Value};
 use distc_ir::{Graph, NodeId, Op, TensorType, ValueId, ValueType};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -213,7 +214,7 @@ enum Slot<'a, B: Backend> {
 
 /// Runs one graph on a [`Backend`] (the CPU's by default); compiled once, run once
 /// per step.
-pub struct Executor<B: Backend = Cpu> {
+pub struct Executor<B: Backend> {
     backend: B,
     schedule: Schedule,
     /// The filled tensor of each `constant` node, by node position.
@@ -374,7 +375,14 @@ impl Schedule {
             .unwrap_or(1)
     }
 
-    /// Whether a run in `mode` takes part in a collective (every worker must run it).
+    /// Whether the program pulls from or pushes to parameter servers.
+    pub fn has_server_ops(&self) -> bool {
+        self.nodes
+            .iter()
+            .any(|n| n.op.is_communication() && !n.op.is_collective())
+    }
+
+    /// Whether a run in `mode` makes a collective.
     pub fn has_collective(&self, mode: Mode) -> bool {
         let plan = match mode {
             Mode::Train => &self.train,
@@ -435,20 +443,12 @@ impl Schedule {
     }
 }
 
-impl Executor<Cpu> {
-    /// Compiles `graph` for the CPU: its [`Schedule`] and constants.
-    pub fn new(graph: &Graph) -> Result<Executor<Cpu>> {
-        warm_allocator();
-        Executor::with_backend(graph, Cpu)
-    }
-}
-
 impl<B: Backend> Executor<B> {
     /// Compiles `graph` for `backend`: its [`Schedule`] and constants.
     pub fn with_backend(graph: &Graph, mut backend: B) -> Result<Executor<B>> {
         let schedule = Schedule::new(graph)?;
         backend.prepare(&schedule).map_err(|e| match e {
-            KernelError::Device(e) => RuntimeError::from(e),
+            KernelError::Device(e) => RuntimeError::Backend(e),
             KernelError::Invalid(m) => RuntimeError::Config(m),
         })?;
         let constants = schedule
@@ -473,6 +473,11 @@ impl<B: Backend> Executor<B> {
             accumulated: HashMap::new(),
             train_outputs: true,
         })
+    }
+
+    /// Whether the backend can capture a training step of this schedule into a graph.
+    pub fn can_capture(&self) -> bool {
+        self.backend.can_capture(&self.schedule)
     }
 
     /// The backend the kernels run on.
@@ -741,14 +746,7 @@ impl<B: Backend> Executor<B> {
                     let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
                     let v = match backend.to_host(v).map_err(backend_err)? {
                         Value::Tensor(t) => t,
-                        s @ Value::Slices(_) => {
-                            let dense = kernels::eval(&Op::Densify, vec![Arg::Owned(s)], &ctx)
-                                .map_err(kernel_err)?;
-                            match dense.into_iter().next() {
-                                Some(Value::Tensor(t)) => t,
-                                _ => return Err(kernel_err("densify gave no tensor".into())),
-                            }
-                        }
+                        Value::Slices(s) => s.to_dense().map_err(kernel_err)?,
                     };
                     out.outputs.push((name.clone(), v));
                 }
@@ -858,33 +856,8 @@ fn device_err(node: &Node, e: KernelError) -> RuntimeError {
         KernelError::Device(source) => RuntimeError::Device {
             node: node.id.to_string(),
             op: node.op.mnemonic(),
-            source: Box::new(source),
+            source,
         },
-    }
-}
-
-/// Makes the allocator keep freed intermediates for the next step.
-///
-/// A step frees most of its buffers at its end. glibc's malloc serves blocks above its
-/// mmap threshold (128 KiB at first, at most 32 MiB) with fresh mappings and returns
-/// free memory at the top of the heap to the OS; either way the next step page-faults
-/// its buffers in again (measured: 1400 faults and a quarter of the time of a step of
-/// the MNIST CNN; a 51 MB densified embedding gradient took 35 ms a step to fault in,
-/// five times its memset). So, as a caching allocator would, every block comes from
-/// the heap and freed memory stays with the process: `M_MMAP_MAX = 0` and no trimming.
-/// Once per process; elsewhere than glibc, a no-op.
-pub fn warm_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        // SAFETY: mallopt only changes malloc's tuning parameters; both values are in
-        // range (glibc refuses out-of-range ones by returning 0, which changes nothing).
-        #[allow(unsafe_code)]
-        ONCE.call_once(|| unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 1);
-            libc::mallopt(libc::M_MMAP_MAX, 0);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        });
     }
 }
 
@@ -967,7 +940,7 @@ fn plan(nodes: &[Node], included: &[bool], n_slots: usize) -> Vec<Step> {
 }
 
 /// The inputs of one kernel on backend `B`.
-type KernelArgs<'s, B> = Vec<BackendArg<'s, <B as Backend>::Value, <B as Backend>::Tensor>>;
+type KernelArgs<'s, B> = Vec<BackendArg<'s, <B as Device>::Value, <B as Device>::Tensor>>;
 
 /// The kernel arguments: values at their last use are moved out of their slots,
 /// the others borrowed.

@@ -3,7 +3,7 @@
 //! copy; everything else is copied once into a standard-layout result.
 
 use super::{cow, shape_str, standard, val, view, Arg, Scalar};
-use crate::value::Value;
+use crate::core::value::Value;
 use ndarray::{ArrayD, Axis, CowArray, IxDyn, Slice};
 
 /// Same elements in row-major order, new shape.

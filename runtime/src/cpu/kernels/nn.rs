@@ -9,7 +9,8 @@
 //! `dy_n @ cols_nᵀ` over the batch.
 
 use super::{cow, shape_str, standard, val, view, Arg, Elem};
-use crate::value::Value;
+use crate::core::geom::ConvGeom as Geom;
+use crate::core::value::Value;
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, CowArray, Ix2, IxDyn};
 
@@ -161,82 +162,8 @@ pub(super) fn layer_norm_grad<A: Elem>(
     Ok(vec![val(dx), val(vec1(dgamma)?), val(vec1(dbeta)?)])
 }
 
-/// The geometry of a convolution: `x [n,c,h,w]`, `w [o,c,kh,kw]`, output `[n,o,oh,ow]`
-/// (the CUDA code generator lays its kernels out by the same one).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Geom {
-    pub(crate) n: usize,
-    pub(crate) c: usize,
-    pub(crate) h: usize,
-    pub(crate) w: usize,
-    pub(crate) o: usize,
-    pub(crate) kh: usize,
-    pub(crate) kw: usize,
-    pub(crate) stride: usize,
-    pub(crate) pad: usize,
-    pub(crate) oh: usize,
-    pub(crate) ow: usize,
-}
-
+// The CPU kernels' own walks over the geometry.
 impl Geom {
-    pub(crate) fn new(x: &[usize], w: &[usize], stride: usize, pad: usize) -> Result<Geom, String> {
-        if x.len() != 4 || w.len() != 4 {
-            return Err(format!(
-                "needs x [N,C,H,W] and w [O,C,KH,KW], got {} and {}",
-                shape_str(x),
-                shape_str(w)
-            ));
-        }
-        if x[1] != w[1] {
-            return Err(format!(
-                "channels differ: x {} has {}, w {} has {}",
-                shape_str(x),
-                x[1],
-                shape_str(w),
-                w[1]
-            ));
-        }
-        if stride == 0 {
-            return Err("stride must be at least 1".into());
-        }
-        let (ph, pw) = (x[2] + 2 * pad, x[3] + 2 * pad);
-        if w[2] > ph || w[3] > pw || w[2] == 0 || w[3] == 0 {
-            return Err(format!(
-                "filter {} does not fit the padded input {}",
-                shape_str(w),
-                shape_str(x)
-            ));
-        }
-        Ok(Geom {
-            n: x[0],
-            c: x[1],
-            h: x[2],
-            w: x[3],
-            o: w[0],
-            kh: w[2],
-            kw: w[3],
-            stride,
-            pad,
-            oh: (ph - w[2]) / stride + 1,
-            ow: (pw - w[3]) / stride + 1,
-        })
-    }
-
-    /// Rows of the column matrix: `c * kh * kw`.
-    pub(crate) fn k(&self) -> usize {
-        self.c * self.kh * self.kw
-    }
-    /// Output positions per image: `oh * ow`.
-    pub(crate) fn p(&self) -> usize {
-        self.oh * self.ow
-    }
-    /// Elements of one input image.
-    fn chw(&self) -> usize {
-        self.c * self.h * self.w
-    }
-    pub(crate) fn out_dims(&self) -> [usize; 4] {
-        [self.n, self.o, self.oh, self.ow]
-    }
     /// The input coordinate read by output coordinate `o` at kernel offset `k`, if it
     /// is inside the image (not padding).
     fn src(&self, o: usize, k: usize, size: usize) -> Option<usize> {

@@ -6,7 +6,7 @@
 //! builds a dense tensor, adding repeated rows up.
 
 use super::{cow, shape_str, standard, val, view, Arg, Elem};
-use crate::value::{Slices, Value};
+use crate::core::value::{Slices, Value};
 use distc_ir::TensorType;
 use ndarray::{ArrayD, ArrayViewD, IxDyn};
 

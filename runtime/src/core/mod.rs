@@ -1,0 +1,32 @@
+//! The core: what every device, transport and role shares, and nothing that knows any
+//! of them.
+//!
+//! - [`value`]: host tensors, `IndexedSlices`, byte counts.
+//! - [`config`]: a run's settings from the plan (data source, optimizer, batch, steps).
+//! - [`error`]: [`error::RuntimeError`]; a device's own errors arrive boxed.
+//! - [`exec`]: the schedule (order, slots, last uses) and the executor that runs it
+//!   over any [`backend::Backend`].
+//! - [`backend`]: the backend families (kernels, transfer, optimizer state, capture,
+//!   device collectives).
+//! - [`arena`]: the static memory plan a device backend lays its buffers out by.
+//! - [`geom`]: convolution geometry, shared by the CPU kernels and CUDA codegen.
+//! - [`init`]: seeded variable initialisers.
+//! - [`roles`]: the documented mapping from a rank to its role (worker or server).
+//! - [`checkpoint`] and [`output`]: the training-state format on disk and atomic writes.
+//!
+//! Depends on `distc-ir` only. The CPU backend (`crate::cpu`), the CUDA backend
+//! (`crate::cuda`), communication (`crate::comm`), parameter servers (`crate::ps`) and
+//! the run layer (`crate::run`) depend on it, never the other way; a test
+//! (`runtime/tests/layers.rs`) holds every file to that.
+
+pub mod arena;
+pub mod backend;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod exec;
+pub mod geom;
+pub mod init;
+pub mod output;
+pub mod roles;
+pub mod value;

@@ -1,0 +1,204 @@
+//! The one launch entry: the CLI (and `verify`) hand a loaded plan's programs and the
+//! run's options to [`launch`], which decides the device, the transport and the roles.
+//!
+//! | device | transport | what runs |
+//! | --- | --- | --- |
+//! | CPU | in-process | every rank a thread of this process ([`crate::run::train::train`]) |
+//! | CPU | MPI | this process is one rank of an `mpirun` job (`crate::run::mpi`) |
+//! | GPU | in-process | every worker a thread with a CUDA backend of its own |
+//! | GPU | MPI | this process is one rank; its worker has a CUDA backend |
+//!
+//! Whatever the row, a worker runs the one worker loop ([`crate::run::worker`]); on a
+//! GPU the loop captures a step into a CUDA graph where the backend can
+//! ([`crate::core::backend::Capture`]). Parameter servers always run on the CPU.
+
+use crate::comm::Communicator;
+use crate::core::config::RunConfig;
+use crate::core::error::Result;
+use crate::cuda::nccl::Collectives;
+use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
+use crate::run::metrics::StepMetrics;
+use crate::run::train::{train, train_with, Programs, TrainOptions, TrainReport};
+use std::path::{Path, PathBuf};
+
+/// Where a run's workers compute.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The CPU backend.
+    #[default]
+    Cpu,
+    /// CUDA GPUs.
+    Cuda(GpuOptions),
+}
+
+/// How a GPU run uses its GPUs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// The GPU of every worker when `gpus` is not given.
+    pub ordinal: usize,
+    /// Worker `r` on the `r`-th of these (wrapping).
+    pub gpus: Option<Vec<usize>>,
+    /// cuBLAS with TF32 tensor cores.
+    pub tf32: bool,
+    /// Capture a step into a CUDA graph and replay it where the step allows.
+    pub graphs: bool,
+    /// Which communicator the collectives use.
+    pub collectives: Collectives,
+}
+
+impl Default for GpuOptions {
+    fn default() -> GpuOptions {
+        GpuOptions {
+            ordinal: 0,
+            gpus: None,
+            tf32: false,
+            graphs: true,
+            collectives: Collectives::Auto,
+        }
+    }
+}
+
+impl GpuOptions {
+    /// The GPU of worker `rank`.
+    pub fn gpu_of(&self, rank: usize) -> usize {
+        match &self.gpus {
+            Some(g) if !g.is_empty() => g[rank % g.len()],
+            _ => self.ordinal,
+        }
+    }
+}
+
+/// How a run's ranks are connected.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Threads of this process.
+    #[default]
+    InProcess,
+    /// This process is one rank of an `mpirun` job.
+    Mpi(MpiRun),
+}
+
+/// What every rank of an MPI run is told beyond the programs and options.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MpiRun {
+    /// The plan's hash, compared across ranks at start-up.
+    pub plan_hash: String,
+    /// Parameter servers S.
+    pub servers: usize,
+    /// The global metrics file (rank 0); every worker also writes its own lines to this
+    /// path with `.rankR` before the extension.
+    pub metrics: Option<PathBuf>,
+    /// Where each rank writes its own spans (`.rankR` inserted), when tracing.
+    pub trace: Option<PathBuf>,
+    /// The command to suggest when started outside `mpirun` (the `-np` is added).
+    pub command: String,
+}
+
+/// `path` with `.rankR` before its extension: `m.jsonl` -> `m.rank1.jsonl`.
+pub fn rank_path(path: &Path, rank: usize) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Everything a run needs: the plan's programs and settings, and where it runs.
+#[derive(Clone, Debug)]
+pub struct Launch<'a> {
+    /// The plan's programs.
+    pub programs: Programs<'a>,
+    /// The plan's settings.
+    pub config: &'a RunConfig,
+    /// The run's options.
+    pub opts: TrainOptions,
+    /// Where the workers compute.
+    pub device: DeviceChoice,
+    /// How the ranks are connected.
+    pub transport: TransportChoice,
+}
+
+/// Trains as `run` says. `on_step` sees each step's metrics line. Returns the run's
+/// report; under MPI, ranks other than 0 return `None` (rank 0 reports).
+pub fn launch(
+    run: &Launch<'_>,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+) -> Result<Option<TrainReport>> {
+    let Launch {
+        programs,
+        config,
+        opts,
+        device,
+        transport,
+    } = run;
+    match (device, transport) {
+        (DeviceChoice::Cpu, TransportChoice::InProcess) => {
+            train(*programs, config, opts, on_step).map(Some)
+        }
+        (DeviceChoice::Cpu, TransportChoice::Mpi(m)) => {
+            mpi_ranks(*programs, config, opts, m, on_step, &|_, _| {
+                Ok(crate::cpu::Cpu)
+            })
+        }
+        (DeviceChoice::Cuda(gpu), transport) => {
+            require_gpu(gpu)?;
+            let worker = programs.worker;
+            let make = |rank: usize, comm: &mut dyn Communicator| -> Result<CudaBackend> {
+                let opts = CudaOptions {
+                    tf32: gpu.tf32,
+                    graphs: gpu.graphs,
+                };
+                crate::cuda::worker_backend(worker, opts, gpu.gpu_of(rank), gpu.collectives, comm)
+            };
+            match transport {
+                TransportChoice::InProcess => {
+                    train_with(*programs, config, opts, on_step, make).map(Some)
+                }
+                TransportChoice::Mpi(m) => mpi_ranks(*programs, config, opts, m, on_step, &make),
+            }
+        }
+    }
+}
+
+/// The libraries and the GPU a GPU run needs, probed before anything starts: NCCL
+/// first where `--collectives nccl` asks for it, so a missing library is named first.
+fn require_gpu(gpu: &GpuOptions) -> Result<()> {
+    let dirs = LibDirs::from_env();
+    if gpu.collectives == Collectives::Nccl {
+        crate::cuda::probe(CudaLib::Nccl, &dirs)?;
+    }
+    crate::cuda::require_gpu(&dirs)?;
+    Ok(())
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_ranks<B: crate::core::backend::Backend>(
+    programs: Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    m: &MpiRun,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+) -> Result<Option<TrainReport>> {
+    crate::run::mpi::run_with(programs, config, opts, m, on_step, make)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_ranks<B: crate::core::backend::Backend>(
+    _: Programs<'_>,
+    _: &RunConfig,
+    _: &TrainOptions,
+    _: &MpiRun,
+    _: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    _: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+) -> Result<Option<TrainReport>> {
+    Err(crate::core::error::RuntimeError::Config(NO_MPI.into()))
+}
+
+/// What a build without the `mpi` feature says when asked for MPI.
+pub const NO_MPI: &str = "--transport mpi: this distc was built without MPI; install OpenMPI \
+     (scripts/install-mpi.sh) and build with `cargo build --release --features mpi`";

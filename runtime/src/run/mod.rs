@@ -1,0 +1,23 @@
+//! The run layer: what makes a training run out of the layers below.
+//!
+//! - [`launch`]: the one entry the CLI calls with a loaded plan and its options; it
+//!   decides device, transport and roles.
+//! - [`train`]: the plan's programs, run options, the [`train::TrainReport`], and the
+//!   in-process launcher (ranks as threads) with the coordinator that joins the
+//!   workers' step reports into metrics lines.
+//! - [`worker`]: the one training loop, for every device, role and transport; a CUDA
+//!   graph's capture and replay is a mode of it.
+//! - [`mpi`] (feature `mpi`): the MPI launcher, one rank per process, with the same
+//!   loop and coordinator.
+//! - [`data`]: data sources; [`memory`]: memory
+//!   accounting; [`metrics`] and [`trace`]: what a run reports.
+
+pub mod data;
+pub mod launch;
+pub mod memory;
+pub mod metrics;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod trace;
+pub mod train;
+pub mod worker;

@@ -1,0 +1,115 @@
+//! The runtime's layers depend one way (see the crate doc): every source file's code
+//! (comments aside) names only `crate::` paths of its own layer or of layers below it.
+//! The table here is the crate doc's; the arrows form no cycle, so neither can the
+//! imports.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Each layer and the layers it may name.
+const ALLOWED: &[(&str, &[&str])] = &[
+    ("core", &["core"]),
+    ("cpu", &["core", "cpu"]),
+    ("comm", &["core", "comm"]),
+    ("cuda", &["core", "comm", "cuda"]),
+    ("ps", &["core", "cpu", "ps"]),
+    ("run", &["core", "cpu", "comm", "cuda", "ps", "run"]),
+];
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("readable source folder") {
+        let path = entry.expect("an entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The layers a file's code names, with the first line naming each.
+fn named_layers(text: &str) -> BTreeMap<String, (usize, String)> {
+    let mut named = BTreeMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let code = line.trim_start();
+        if code.starts_with("//") {
+            continue;
+        }
+        let mut rest = code;
+        while let Some(at) = rest.find("crate::") {
+            let after = &rest[at + "crate::".len()..];
+            let name: String = after
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            // `distc_runtime::crate::` cannot occur; a path like `$crate::` is a macro's.
+            let preceded_by_dollar = rest[..at].ends_with('$');
+            if !name.is_empty() && !preceded_by_dollar {
+                named
+                    .entry(name)
+                    .or_insert_with(|| (i + 1, line.trim().to_string()));
+            }
+            rest = after;
+        }
+    }
+    named
+}
+
+#[test]
+fn every_file_names_only_its_own_layer_or_layers_below() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    files.sort();
+    let layers: Vec<&str> = ALLOWED.iter().map(|(l, _)| *l).collect();
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let rel = file.strip_prefix(&src).expect("under src");
+        let Some(layer) = rel.components().next().and_then(|c| c.as_os_str().to_str()) else {
+            continue;
+        };
+        if layer == "lib.rs" {
+            continue;
+        }
+        let allowed = ALLOWED
+            .iter()
+            .find(|(l, _)| *l == layer)
+            .map(|(_, a)| *a)
+            .unwrap_or_else(|| {
+                panic!(
+                    "{}: a folder that is no layer: add it to the table",
+                    rel.display()
+                )
+            });
+        let text = std::fs::read_to_string(file).expect("readable source");
+        checked += 1;
+        for (named, (line, code)) in named_layers(&text) {
+            if layers.contains(&named.as_str()) && !allowed.contains(&named.as_str()) {
+                wrong.push(format!(
+                    "{}:{line}: layer `{layer}` names `crate::{named}`: {code}",
+                    rel.display()
+                ));
+            }
+        }
+    }
+    assert!(
+        checked > 30,
+        "only {checked} files found under {}",
+        src.display()
+    );
+    assert!(
+        wrong.is_empty(),
+        "imports against the layers:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_checker_sees_an_upward_import() {
+    let named = named_layers(
+        "use crate::core::value::Tensor;\n// crate::run in a comment\nfn f() { crate::run::x() }\n",
+    );
+    assert_eq!(named.keys().collect::<Vec<_>>(), ["core", "run"]);
+    assert_eq!(named["run"].0, 3);
+}
