@@ -861,6 +861,7 @@ fn verify_mpi(
 }
 
 /// `distc verify`: the library's check, printed.
+#[allow(clippy::too_many_arguments)]
 fn verify_cmd(
     file: &Path,
     compile: &CompileArgs,

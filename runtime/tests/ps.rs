@@ -333,6 +333,8 @@ fn byte_counts_of_sparse_traffic() {
 }
 
 #[test]
+// `expect_err` needs the cluster to be `Debug`; it holds threads and links.
+#[allow(clippy::err_expect)]
 fn errors_name_server_variable_and_id() {
     // f64 variables are refused.
     let mut f64_spec = spec("d", &[4], 0, 4);

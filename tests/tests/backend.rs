@@ -361,8 +361,7 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
         &mut |_| Ok(()),
         |_, _| Ok(Wrapped::new(&kernels)),
     )
-    .err()
-    .expect("refused")
+    .expect_err("refused")
     .to_string();
     assert!(
         err.contains("wrapped-cpu") && err.contains("training state"),

@@ -187,8 +187,7 @@ fn a_state_that_does_not_fit_is_refused() {
         ..Default::default()
     };
     let err = train(c.programs(1), &c.config, &opts, &mut |_| Ok(()))
-        .err()
-        .expect("another model's state is refused")
+        .expect_err("another model's state is refused")
         .to_string();
     assert!(err.contains("has no variable `w1`"), "{err}");
     // A run that would end before the state's step.
@@ -199,8 +198,7 @@ fn a_state_that_does_not_fit_is_refused() {
         ..Default::default()
     };
     let err = train(c.programs(1), &c.config, &opts, &mut |_| Ok(()))
-        .err()
-        .expect("nothing to resume")
+        .expect_err("nothing to resume")
         .to_string();
     assert!(
         err.contains("at step 2") && err.contains("--steps above 2"),
@@ -211,7 +209,7 @@ fn a_state_that_does_not_fit_is_refused() {
     let t = distc_runtime::Tensor::F32(ndarray::ArrayD::zeros(ndarray::IxDyn(&[2])));
     distc_runtime::core::checkpoint::save(&weights, &[("w".into(), &t)], Default::default())
         .expect("saves");
-    let err = load_state(&weights).err().expect("refused").to_string();
+    let err = load_state(&weights).expect_err("refused").to_string();
     assert!(
         err.contains("weights.safetensors") && err.contains("cannot be resumed"),
         "{err}"

@@ -151,8 +151,7 @@ fn checkpointing_lowers_the_peak_of_activations() {
             ..Default::default()
         },
     )
-    .err()
-    .expect("a budget of 0.01 MiB cannot be met")
+    .expect_err("a budget of 0.01 MiB cannot be met")
     .to_string();
     assert!(
         err.contains("--remat 0.01") && err.contains("the smallest is"),
