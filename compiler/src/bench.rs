@@ -202,12 +202,14 @@ fn one(
             String::from_utf8_lossy(&status.stderr)
         );
     }
-    let plan_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan)?)?;
-    let predicted = plan_json["dist"]["vars"].as_array().map_or(0.0, |v| {
-        v.iter()
-            .filter_map(|x| x["predicted_bytes_per_step"].as_f64())
-            .sum()
-    });
+    let (loaded, _) = crate::Plan::load(&plan)?;
+    let predicted: f64 = loaded
+        .dist
+        .iter()
+        .flat_map(|d| &d.vars)
+        .map(|v| v.predicted_bytes_per_step)
+        .sum();
+    let batch = loaded.config.batch;
     let threads = (cores() / n).max(1);
     let (mut runs, mut sent, mut received, mut moved) = (Vec::new(), 0.0, 0.0, 0.0);
     for run in 0..s.runs {
@@ -267,11 +269,9 @@ fn one(
         // Each line's samples_per_sec is N*B over that step's wall time.
         let seconds: f64 = timed
             .iter()
-            .filter_map(|l| {
-                Some(batch_of(&plan_json)? as f64 * n as f64 / l["samples_per_sec"].as_f64()?)
-            })
+            .filter_map(|l| Some(batch as f64 * n as f64 / l["samples_per_sec"].as_f64()?))
             .sum();
-        let samples = (batch_of(&plan_json).unwrap_or(0) * n * timed.len()) as f64;
+        let samples = (batch * n * timed.len()) as f64;
         runs.push(samples / seconds.max(1e-9));
         let mean = |key: &str| {
             timed.iter().filter_map(|l| l[key].as_f64()).sum::<f64>() / timed.len().max(1) as f64
@@ -294,10 +294,6 @@ fn one(
         bytes_moved_per_step: moved,
         predicted_bytes_per_step: predicted,
     })
-}
-
-fn batch_of(plan: &serde_json::Value) -> Option<usize> {
-    plan["config"]["batch"].as_u64().map(|b| b as usize)
 }
 
 /// `distc bench --compile`: compile time against graph size. Deep MLPs (see

@@ -7,6 +7,7 @@ use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{
     Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode,
 };
+use distc_passes::program_set::ProgramSet;
 use distc_runtime::core::output::{check_outputs, write_file};
 use distc_runtime::cuda::nccl::Collectives;
 use distc_runtime::ps::PsSync;
@@ -578,40 +579,36 @@ fn ps_sync(s: SyncMode) -> PsSync {
     }
 }
 
-/// Everything a run needs from a plan, however it was obtained.
+/// Everything a run needs from a plan, however it was obtained: loaded (its programs
+/// parsed and verified by `Plan::load`) or just compiled (the compiler's own graphs).
 struct Runnable<'a> {
     plan: &'a Plan,
-    graph: &'a distc_ir::Graph,
-    init: Option<distc_ir::Graph>,
-    servers: Vec<distc_ir::Graph>,
-    finalize: Option<distc_ir::Graph>,
+    programs: &'a ProgramSet,
 }
 
 impl<'a> Runnable<'a> {
-    fn new(plan: &'a Plan, graph: &'a distc_ir::Graph) -> Result<Runnable<'a>> {
+    fn new(plan: &'a Plan, programs: &'a ProgramSet) -> Result<Runnable<'a>> {
         plan.check_runnable().map_err(anyhow::Error::msg)?;
-        let (init, servers) = plan.programs()?;
-        Ok(Runnable {
-            plan,
-            graph,
-            init,
-            servers,
-            finalize: plan.final_program()?,
-        })
+        Ok(Runnable { plan, programs })
     }
 
     fn programs(&self) -> Programs<'_> {
-        Programs {
-            worker: self.graph,
-            init: self.init.as_ref(),
-            servers: &self.servers,
-            finalize: self.finalize.as_ref(),
-            workers: self.plan.settings.workers,
-        }
+        program_view(self.programs, self.plan.settings.workers)
     }
 
     fn memory(&self, steps: usize, preload: bool) -> Result<memory::MemoryEstimate> {
         plan_memory(self.plan, &self.programs(), steps, preload)
+    }
+}
+
+/// The runtime's view of a plan's programs.
+fn program_view(p: &ProgramSet, workers: usize) -> Programs<'_> {
+    Programs {
+        worker: &p.worker,
+        init: p.init.as_ref(),
+        servers: &p.servers,
+        finalize: p.finalize.as_ref(),
+        workers,
     }
 }
 
@@ -651,7 +648,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         every: args.checkpoint_every.unwrap_or(usize::MAX),
         saved_by: format!(
             "{} with {} workers{}",
-            plan.strategy,
+            plan.strategy.name(),
             plan.settings.workers,
             match plan.settings.zero {
                 0 => String::new(),
@@ -666,7 +663,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         // together see the batches one device of batch N*b would (WORKLOADS.md's
         // seed + rank streams have the same distribution); asynchronous ones give each
         // worker its own stream.
-        global_data: plan.strategy != "single" && plan.settings.sync == SyncMode::Sync,
+        global_data: plan.strategy != StrategyKind::Single && plan.settings.sync == SyncMode::Sync,
         preload: args.preload,
         profile: args.profile,
         trace: args.trace.is_some(),
@@ -821,7 +818,7 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
         let mut line = format!(
             "{} ({}, {} workers): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
             plan.model,
-            plan.strategy,
+            plan.strategy.name(),
             plan.settings.workers,
             report.steps,
             report.train_time.as_secs_f64(),
@@ -1065,16 +1062,8 @@ fn real_main(cli: Cli) -> Result<()> {
             }
         }
         Command::Explain { plan, format } => {
-            let (p, graph) = Plan::load(&plan)?;
-            let (init, servers) = p.programs()?;
-            let finalize = p.final_program()?;
-            let programs = Programs {
-                worker: &graph,
-                init: init.as_ref(),
-                servers: &servers,
-                finalize: finalize.as_ref(),
-                workers: p.settings.workers,
-            };
+            let (p, programs) = Plan::load(&plan)?;
+            let programs = program_view(&programs, p.settings.workers);
             let mem = plan_memory(&p, &programs, p.config.steps, false)?;
             match format {
                 ExplainFormat::Json => out(&format!(
@@ -1085,8 +1074,8 @@ fn real_main(cli: Cli) -> Result<()> {
             }
         }
         Command::Run { plan, run } => {
-            let (p, graph) = Plan::load(&plan)?;
-            let r = Runnable::new(&p, &graph)?;
+            let (p, programs) = Plan::load(&plan)?;
+            let r = Runnable::new(&p, &programs)?;
             run_plan(&r, &run, &[&plan])?;
         }
         Command::Train {
@@ -1099,7 +1088,7 @@ fn real_main(cli: Cli) -> Result<()> {
             compile.fuse |= matches!(run.device, Device::Cuda(_));
             let c = compile_or_report(&file, &compile_opts(&compile, run.data.as_deref()))?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
-            let r = Runnable::new(&plan, &c.programs.worker)?;
+            let r = Runnable::new(&plan, &c.programs)?;
             run_plan(&r, &run, &[&file])?;
         }
         Command::Ir { file, after, batch } => {
@@ -1163,7 +1152,12 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
     use std::fmt::Write as _;
     let mut s = format!(
         "plan {} ({}): strategy {}, {} workers, {} servers, batch {} per worker\n",
-        p.model, p.source, p.strategy, p.settings.workers, p.settings.servers, p.config.batch
+        p.model,
+        p.source,
+        p.strategy.name(),
+        p.settings.workers,
+        p.settings.servers,
+        p.config.batch
     );
     let _ = writeln!(
         s,
@@ -1213,8 +1207,11 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
             placement_text(v),
             v.bucket.map_or("-".into(), |b| b.to_string()),
             mib(v.predicted_bytes_per_step),
-            v.runner_up
-                .map_or("-".into(), |(m, b)| format!("{} {}", m.name(), mib(b))),
+            v.runner_up.map_or("-".into(), |r| format!(
+                "{} {}",
+                r.placement.name(),
+                mib(r.predicted_bytes_per_step)
+            )),
         );
     }
     for b in &d.buckets {
@@ -1257,35 +1254,13 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
 
 /// The explain JSON (the table's content, for programs).
 fn explain_json(p: &Plan, mem: &memory::MemoryEstimate) -> serde_json::Value {
-    let vars: Vec<serde_json::Value> = p
-        .dist
-        .iter()
-        .flat_map(|d| &d.vars)
-        .map(|v| {
-            serde_json::json!({
-                "name": v.name,
-                "shape": v.shape,
-                "bytes": v.bytes,
-                "kind": v.kind,
-                "density": v.density,
-                "rows_touched": v.rows_touched,
-                "rows_source": v.rows_source,
-                "placement": v.placement,
-                "shards": v.shards,
-                "bucket": v.bucket,
-                "predicted_bytes_per_step": v.predicted_bytes_per_step,
-                "runner_up": v.runner_up.map(|(m, b)| serde_json::json!({"placement": m, "predicted_bytes_per_step": b})),
-                "reason": v.reason,
-            })
-        })
-        .collect();
     serde_json::json!({
         "model": p.model,
-        "strategy": p.strategy,
+        "strategy": p.strategy.name(),
         "workers": p.settings.workers,
         "servers": p.settings.servers,
         "batch_per_worker": p.config.batch,
-        "variables": vars,
+        "variables": p.dist.as_ref().map(|d| d.vars.clone()).unwrap_or_default(),
         "buckets": p.dist.as_ref().map(|d| d.buckets.clone()).unwrap_or_default(),
         "unreached": p.dist.as_ref().map(|d| d.unreached.clone()).unwrap_or_default(),
         "predicted_bytes_per_step_per_worker": p.dist.as_ref().map_or(0.0, |d| d.predicted_bytes_per_step_per_worker()),

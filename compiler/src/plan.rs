@@ -3,7 +3,8 @@
 //! each pass did, and a content hash so a damaged or edited plan is refused.
 
 use distc_ir::Graph;
-use distc_passes::placement::{DistPlan, StrategyConfig};
+use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
+use distc_passes::program_set::ProgramSet;
 use distc_runtime::RunConfig;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -38,7 +39,7 @@ pub struct Plan {
     /// The DSL file it came from.
     pub source: String,
     /// The strategy (`single` for one device).
-    pub strategy: String,
+    pub strategy: Strategy,
     /// How to run it.
     pub config: RunConfig,
     /// What the passes did.
@@ -101,7 +102,7 @@ fn content_hash(p: &Plan) -> String {
     let finalize = p.finalize.clone().unwrap_or_default();
     for part in [
         p.model.as_str(),
-        p.strategy.as_str(),
+        p.strategy.name(),
         config.as_str(),
         settings.as_str(),
         dist.as_str(),
@@ -134,7 +135,7 @@ impl Plan {
             version: PLAN_VERSION,
             model: c.programs.worker.name.clone(),
             source: source.into(),
-            strategy: settings.strategy.name().into(),
+            strategy: settings.strategy,
             config: c.config.clone(),
             passes,
             settings: settings.clone(),
@@ -164,36 +165,6 @@ impl Plan {
         distc_runtime::core::output::write_file(path, text.as_bytes()).map_err(refused)
     }
 
-    /// The workers' final program, if any.
-    pub fn final_program(&self) -> Result<Option<Graph>, PlanError> {
-        self.finalize
-            .as_ref()
-            .map(|text| {
-                distc_ir::parse(text).map_err(|e| PlanError::Invalid {
-                    path: PathBuf::from(&self.source),
-                    message: format!("final program: {e}"),
-                })
-            })
-            .transpose()
-    }
-
-    /// The workers' init program and the server programs.
-    pub fn programs(&self) -> Result<(Option<Graph>, Vec<Graph>), PlanError> {
-        let parse = |text: &String| {
-            distc_ir::parse(text).map_err(|e| PlanError::Invalid {
-                path: PathBuf::from(&self.source),
-                message: format!("plan program: {e}"),
-            })
-        };
-        let init = self.init.as_ref().map(parse).transpose()?;
-        let servers = self
-            .servers
-            .iter()
-            .map(parse)
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((init, servers))
-    }
-
     /// Fails, saying why, if the plan cannot be trained.
     pub fn check_runnable(&self) -> Result<(), String> {
         match &self.not_runnable {
@@ -207,18 +178,17 @@ impl Plan {
     /// Fields that contradict each other or name nothing distc knows.
     fn check_fields(&self) -> Result<(), String> {
         let s = &self.settings;
-        if self.strategy != s.strategy.name() {
+        if self.strategy != s.strategy {
             return Err(format!(
-                "field `strategy`: `{}` is not a strategy distc knows (single, allreduce, ps, \
-                 hybrid, auto) or differs from the settings' `{}`",
-                self.strategy,
+                "field `strategy`: `{}` differs from the settings' `{}`",
+                self.strategy.name(),
                 s.strategy.name()
             ));
         }
         if s.workers == 0 {
             return Err("field `settings.workers`: 0; a plan has at least one worker".into());
         }
-        if self.strategy == "single" && (s.workers != 1 || s.servers != 0) {
+        if self.strategy == Strategy::Single && (s.workers != 1 || s.servers != 0) {
             return Err(format!(
                 "fields `settings.workers`/`settings.servers`: {} workers and {} servers for \
                  the one-device strategy `single`",
@@ -235,9 +205,9 @@ impl Plan {
         Ok(())
     }
 
-    /// Reads a plan and its graph, refusing other formats, other versions, damaged
-    /// content and graphs that do not verify.
-    pub fn load(path: &Path) -> Result<(Plan, Graph), PlanError> {
+    /// Reads a plan and its programs, parsed and verified once, refusing other formats,
+    /// other versions, damaged content and programs that do not verify.
+    pub fn load(path: &Path) -> Result<(Plan, ProgramSet), PlanError> {
         let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io {
             path: path.to_path_buf(),
             source,
@@ -266,19 +236,28 @@ impl Plan {
             return Err(invalid("its content does not match its hash: the file is damaged or was edited; recompile it".into()));
         }
         plan.check_fields().map_err(&invalid)?;
-        let graph = distc_ir::parse(&plan.graph).map_err(|e| invalid(format!("graph: {e}")))?;
-        distc_ir::verify(&graph).map_err(|e| invalid(format!("graph does not verify:\n{e}")))?;
-        for (i, text) in plan
+        let parse = |what: &str, text: &str| -> Result<Graph, PlanError> {
+            let g = distc_ir::parse(text).map_err(|e| invalid(format!("{what}: {e}")))?;
+            distc_ir::verify(&g).map_err(|e| invalid(format!("{what} does not verify:\n{e}")))?;
+            Ok(g)
+        };
+        let mut programs = ProgramSet::new(parse("graph", &plan.graph)?);
+        programs.init = plan
             .init
+            .as_deref()
+            .map(|t| parse("init program", t))
+            .transpose()?;
+        programs.servers = plan
+            .servers
             .iter()
-            .chain(&plan.servers)
-            .chain(&plan.finalize)
             .enumerate()
-        {
-            let g = distc_ir::parse(text).map_err(|e| invalid(format!("program {i}: {e}")))?;
-            distc_ir::verify(&g)
-                .map_err(|e| invalid(format!("program {i} does not verify:\n{e}")))?;
-        }
-        Ok((plan, graph))
+            .map(|(i, t)| parse(&format!("server program {i}"), t))
+            .collect::<Result<_, _>>()?;
+        programs.finalize = plan
+            .finalize
+            .as_deref()
+            .map(|t| parse("final program", t))
+            .transpose()?;
+        Ok((plan, programs))
     }
 }

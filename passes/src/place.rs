@@ -6,7 +6,7 @@
 //! unchanged (the `distribute` pass rewrites it).
 
 use crate::cost::{cost, VarCost};
-use crate::placement::{Kind, Mechanism, Shard, Strategy, VarPlacement};
+use crate::placement::{Kind, Mechanism, RunnerUp, Shard, Strategy, VarPlacement};
 use crate::{Pass, PassCx, PassError, PassStats};
 use distc_ir::Graph;
 
@@ -63,7 +63,10 @@ impl Pass for Place {
                 .min_by(|a, b| cost(**a, c, &cfg).time.total_cmp(&cost(**b, c, &cfg).time));
             v.placement = chosen;
             v.predicted_bytes_per_step = chosen_cost.bytes;
-            v.runner_up = runner.map(|m| (*m, cost(*m, c, &cfg).bytes));
+            v.runner_up = runner.map(|m| RunnerUp {
+                placement: *m,
+                predicted_bytes_per_step: cost(*m, c, &cfg).bytes,
+            });
             let ms = |m: Mechanism| format!("{} {:.3} ms", m.name(), cost(m, c, &cfg).time * 1e3);
             v.reason = match (cfg.strategy, runner) {
                 (Strategy::Single, _) => "one device".into(),

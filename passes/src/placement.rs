@@ -225,9 +225,18 @@ pub struct VarPlacement {
     /// Predicted bytes per step per worker under the chosen mechanism.
     pub predicted_bytes_per_step: f64,
     /// The best other mechanism and its predicted bytes per step per worker.
-    pub runner_up: Option<(Mechanism, f64)>,
+    pub runner_up: Option<RunnerUp>,
     /// Why this mechanism (the cost model's times, or the strategy's rule).
     pub reason: String,
+}
+
+/// The mechanism the cost model would have picked next for a variable, and its cost.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunnerUp {
+    /// The mechanism.
+    pub placement: Mechanism,
+    /// Its predicted bytes per step per worker.
+    pub predicted_bytes_per_step: f64,
 }
 
 /// One fusion bucket.
