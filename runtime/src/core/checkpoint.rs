@@ -13,6 +13,10 @@ use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
+/// The name under which an optimizer state reports its step count (completed steps,
+/// an f64 scalar), on every backend.
+pub const STEP_KEY: &str = "optimizer/step";
+
 /// A tensor as a safetensors view (bytes produced on demand, little-endian).
 struct TensorView<'a>(&'a Tensor);
 
@@ -152,7 +156,7 @@ pub struct StateIndex {
     /// What wrote it, for people: strategy, workers, ZeRO stage.
     pub saved_by: String,
     /// The optimizer, for people (its state is the tensors named `VAR/SLOT` and
-    /// [`crate::cpu::optim::STEP_KEY`]).
+    /// [`STEP_KEY`]).
     pub optimizer: String,
     /// The variables, whole, stored under their own names.
     pub variables: Vec<String>,

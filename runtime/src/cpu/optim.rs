@@ -33,8 +33,7 @@ use std::collections::{BTreeMap, HashMap};
 /// Dense updates of at least this many elements run on the rayon pool.
 const PAR_MIN: usize = 1 << 15;
 
-/// The name under which [`Optimizer::state`] reports the step count.
-pub const STEP_KEY: &str = "optimizer/step";
+pub use crate::core::checkpoint::STEP_KEY;
 
 /// The float element types the optimizer updates.
 trait Elem: Float + Send + Sync + std::fmt::Debug + 'static {

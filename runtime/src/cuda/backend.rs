@@ -81,6 +81,7 @@ use crate::core::backend::{
     BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
     OptimizerState, Started, Transfer, ValueRef,
 };
+use crate::core::checkpoint::STEP_KEY;
 use crate::core::config::OptimizerSpec;
 use crate::core::exec::{Mode, Schedule};
 use crate::core::value::{Slices, Tensor, Value};
@@ -161,6 +162,8 @@ impl std::fmt::Debug for CudaOptimizer {
 }
 
 struct VarState {
+    /// The variable's type, which each of its slots has.
+    ty: TensorType,
     update: VarUpdate,
     slot_ptrs: Vec<u64>,
     scratch_offsets: Vec<usize>,
@@ -1529,6 +1532,7 @@ impl OptimizerState for CudaBackend {
             states.insert(
                 name.clone(),
                 VarState {
+                    ty: ty.clone(),
                     update: u,
                     slot_ptrs,
                     scratch_offsets,
@@ -1617,6 +1621,71 @@ impl OptimizerState for CudaBackend {
 
     fn optimizer_bytes(opt: &CudaOptimizer) -> u64 {
         opt.slot_bytes
+    }
+
+    // The state's names and types are the CPU optimizer's (`VAR/SLOT`, and the step
+    // count under STEP_KEY), so a training state moves between devices.
+    fn optimizer_state(
+        &mut self,
+        opt: &CudaOptimizer,
+    ) -> Result<Vec<(String, Tensor)>, KernelError> {
+        self.no_capture("reading the optimizer state")?;
+        self.bind()?;
+        self.await_all_collectives()?;
+        sync(&self.stream)?;
+        let mut names: Vec<&String> = opt.vars.keys().collect();
+        names.sort();
+        let mut out = Vec::new();
+        for name in names {
+            let var = &opt.vars[name];
+            for (slot, ptr) in opt.slot_names.iter().zip(&var.slot_ptrs) {
+                out.push((format!("{name}/{slot}"), self.read_dense(*ptr, &var.ty)?));
+            }
+        }
+        out.push((
+            STEP_KEY.to_string(),
+            Tensor::F64(ndarray::arr0(self.opt_steps as f64).into_dyn()),
+        ));
+        Ok(out)
+    }
+
+    fn load_optimizer_state(
+        &mut self,
+        opt: &mut CudaOptimizer,
+        state: &HashMap<String, Tensor>,
+    ) -> Result<(), KernelError> {
+        self.no_capture("loading the optimizer state")?;
+        self.bind()?;
+        for (name, var) in &opt.vars {
+            for (slot, ptr) in opt.slot_names.iter().zip(&var.slot_ptrs) {
+                let key = format!("{name}/{slot}");
+                let Some(t) = state.get(&key) else {
+                    return Err(invalid(format!(
+                        "optimizer state: variable `{name}` lacks its slot `{key}`"
+                    )));
+                };
+                if t.tensor_type() != var.ty {
+                    return Err(invalid(format!(
+                        "optimizer state: `{key}` is {}, the variable is {}",
+                        t.tensor_type(),
+                        var.ty
+                    )));
+                }
+                htod(&self.stream, *ptr, &host_bytes(t)?)?;
+            }
+        }
+        if let Some(t) = state.get(STEP_KEY) {
+            let s = t.scalar_f64().unwrap_or(-1.0);
+            if !(s >= 0.0 && s.fract() == 0.0) {
+                return Err(invalid(format!(
+                    "optimizer state: `{STEP_KEY}` is {s}, not a step count"
+                )));
+            }
+            self.opt_steps = s as u64;
+            self.write_steps()?;
+        }
+        sync(&self.stream)?;
+        Ok(())
     }
 
     fn optimizer_slots(opt: &CudaOptimizer) -> &'static [&'static str] {
