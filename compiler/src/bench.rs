@@ -203,12 +203,13 @@ fn one(
         );
     }
     let (loaded, _) = crate::Plan::load(&plan)?;
-    let predicted: f64 = loaded
+    let predicted = loaded
         .dist
         .iter()
         .flat_map(|d| &d.vars)
         .map(|v| v.predicted_bytes_per_step)
-        .sum();
+        // A fold from +0: an empty f64 sum is -0, which prints as "-0".
+        .fold(0.0, |a, b| a + b);
     let batch = loaded.config.batch;
     let threads = (cores() / n).max(1);
     let (mut runs, mut sent, mut received, mut moved) = (Vec::new(), 0.0, 0.0, 0.0);

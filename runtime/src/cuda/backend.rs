@@ -9,7 +9,7 @@
 //! the plan's CUDA code ([`codegen::generate`]), compiles it with NVRTC to a CUBIN for
 //! the device's own `sm_XY` and resolves every kernel once.
 //!
-//! [`Backend::prepare`] makes the static memory plan: every value the training plan
+//! [`Kernels::prepare`] makes the static memory plan: every value the training plan
 //! computes and every node's scratch buffers get a fixed offset in one arena
 //! ([`crate::core::arena::plan`]), allocated once. A [`Launch::Alias`] output (a reshape) is
 //! its input's buffer: the chain shares the first buffer, which lives until the last
@@ -22,7 +22,7 @@
 //! A computed value ([`DeviceValue`]) is a device address and its IR type: its bytes
 //! belong to the arena (or to a persistent tensor, see below), not to the handle.
 //! Values are immutable on this backend: every kernel writes only its own outputs and
-//! scratch, never its inputs, so [`Backend::copy_value`] and [`Backend::copy_tensor`]
+//! scratch, never its inputs, so [`Kernels::copy_value`] and [`Kernels::copy_tensor`]
 //! return a handle to the same bytes instead of copying (the executor only copies a
 //! value a sink takes while a later node still reads it; the copy is read, never
 //! written). An `IndexedSlices` value is the layout of [`codegen::SlicesLayout`], its
@@ -31,41 +31,43 @@
 //!
 //! A persistent tensor ([`DeviceTensor`]) is a variable, a feed or a constant, whose
 //! memory the backend keeps: one buffer per `(name, bytes)` given to
-//! [`Backend::upload`], reused by every later upload of that name and size (so a
+//! [`Transfer::upload`], reused by every later upload of that name and size (so a
 //! captured graph, which holds addresses, sees each step's batch), with a pinned host
-//! staging buffer; constants from [`Backend::filled`].
+//! staging buffer; constants from [`Kernels::filled`].
 //!
 //! # The step counters
 //!
 //! Two `u64`s in device memory: the step the node kernels see ([`KArg::Step`] of a
-//! node, what the CPU's `KernelCtx::step` holds: set by [`Backend::set_step`], or
-//! by [`Backend::eval`] when a run's step differs outside a capture) and the
+//! node, what the CPU's `KernelCtx::step` holds: set by [`Kernels::set_step`], or
+//! by [`Kernels::eval`] when a run's step differs outside a capture) and the
 //! optimizer's completed steps ([`KArg::Step`] of an update: Adam's `t - 1`, counted
 //! by the backend). Both are written from pinned memory by one async copy, so a
 //! replayed graph reads the current ones.
 //!
 //! # Graphs
 //!
-//! With [`CudaOptions::graphs`], [`Backend::begin_capture`] starts a stream capture;
+//! With [`CudaOptions::graphs`], [`Capture::begin_capture`] starts a stream capture;
 //! the executor's run and the update are recorded (not run), the loss read becomes a
-//! copy into a pinned slot ([`Backend::read_scalar`] returns `None`,
-//! [`Backend::pending_scalar`] has it after each replay). Nothing may allocate,
+//! copy into a pinned slot ([`Transfer::read_scalar`] returns `None`,
+//! [`Transfer::pending_scalar`] has it after each replay). Nothing may allocate,
 //! upload or synchronize while capturing: those paths return an error instead.
-//! [`Backend::to_host`] (an `output` sink of the training plan) gives zeros of the
+//! [`Transfer::to_host`] (an `output` sink of the training plan) gives zeros of the
 //! value's type while capturing: the captured step's outputs are not used.
 //!
 //! # Not supported (clear errors)
 //!
 //! f64 graphs (gradient checks run on the CPU), gradient accumulation (`accumulate`,
-//! [`Backend::add`], [`Backend::scale`]), CUDA graphs of a step that communicates
-//! (the worker loop runs eagerly).
+//! [`Kernels::add`], [`Kernels::scale`]), CUDA graphs of a step whose collectives run
+//! on the host (the worker loop runs it eagerly). A step whose collectives all run on
+//! NCCL is captured with them: the NCCL calls and their events become graph nodes,
+//! and each replay adds the bytes the recorded collectives move.
 //!
 //! # Communication
 //!
-//! In a distributed plan's worker, [`Backend::from_host`] writes a pulled or
+//! In a distributed plan's worker, [`Transfer::from_host`] writes a pulled or
 //! host-reduced value into its node's planned buffer. With an NCCL communicator
 //! ([`CudaBackend::attach_nccl`], [`super::nccl`]) the plan's collectives run on
-//! device buffers on a second stream: [`Backend::start_collective`] issues them after
+//! device buffers on a second stream: [`DeviceCollectives::start_collective`] issues them after
 //! an event on the compute stream, and every reader of a result (a kernel, a copy to
 //! the host, the update) first makes the compute stream wait for the collective's
 //! `done` event.
@@ -290,6 +292,14 @@ pub struct CudaBackend {
     capture_update: bool,
     graph_loss: bool,
     graph_update: bool,
+    /// NCCL bytes when the capture began, and the bytes one replay of the graph
+    /// moves (counted when the collectives were recorded, not run).
+    capture_bytes_at: ByteCount,
+    graph_bytes: ByteCount,
+    /// Bytes the recorded-not-run collectives counted (subtracted), and the bytes of
+    /// every replay (added), so the metrics count what ran.
+    bytes_not_run: ByteCount,
+    bytes_replayed: ByteCount,
     allocated: u64,
     peak: u64,
 
@@ -389,7 +399,7 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
     Ok(out)
 }
 
-/// Zeros of type `ty` (slices: no rows), what [`Backend::to_host`] gives while a
+/// Zeros of type `ty` (slices: no rows), what [`Transfer::to_host`] gives while a
 /// capture records (nothing has run yet).
 fn placeholder(ty: &ValueType) -> Value {
     match ty {
@@ -542,6 +552,10 @@ impl CudaBackend {
             capture_update: false,
             graph_loss: false,
             graph_update: false,
+            capture_bytes_at: ByteCount::default(),
+            graph_bytes: ByteCount::default(),
+            bytes_not_run: ByteCount::default(),
+            bytes_replayed: ByteCount::default(),
             allocated,
             peak: allocated,
             stream,
@@ -595,7 +609,7 @@ impl CudaBackend {
 
     /// Joins the NCCL communicator rank 0's `id` names, as `rank` of `size`: from then
     /// on the plan's collectives run on device buffers ([`super::nccl`]). Before
-    /// [`Backend::prepare`], whose memory plan keeps their inputs alive while they run.
+    /// [`Kernels::prepare`], whose memory plan keeps their inputs alive while they run.
     pub fn attach_nccl(
         &mut self,
         rank: usize,
@@ -1694,11 +1708,17 @@ impl OptimizerState for CudaBackend {
 }
 
 impl Capture for CudaBackend {
-    // A step that communicates runs eagerly: NCCL calls are not captured yet (a
-    // replayed graph would also have to count their bytes), and a host collective or
-    // a pull is a round trip no graph can hold.
+    // A collective on the host is a round trip no graph can hold; NCCL collectives
+    // on device buffers are captured with the step.
     fn can_capture(&self, schedule: &Schedule) -> bool {
-        self.opts.graphs && !schedule.has_collective(Mode::Train)
+        self.opts.graphs
+            && (!schedule.has_collective(Mode::Train)
+                || self
+                    .graph
+                    .node_ids()
+                    .into_iter()
+                    .filter(|&id| self.graph.op(id).is_collective())
+                    .all(|id| self.nccl_runs(id)))
     }
 
     fn begin_capture(&mut self) -> Result<bool, KernelError> {
@@ -1716,6 +1736,7 @@ impl Capture for CudaBackend {
         self.capturing = true;
         self.capture_loss = false;
         self.capture_update = false;
+        self.capture_bytes_at = self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default();
         Ok(true)
     }
 
@@ -1723,6 +1744,8 @@ impl Capture for CudaBackend {
         if !self.capturing {
             return Err(invalid("end_capture without begin_capture"));
         }
+        // Every collective's stream joins the captured one before the capture ends.
+        self.await_all_collectives()?;
         self.capturing = false;
         self.bind()?;
         let g = self
@@ -1734,6 +1757,10 @@ impl Capture for CudaBackend {
         self.graph_exec = Some(g);
         self.graph_loss = self.capture_loss;
         self.graph_update = self.capture_update;
+        let now = self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default();
+        self.graph_bytes = now - self.capture_bytes_at;
+        self.bytes_not_run.sent += self.graph_bytes.sent;
+        self.bytes_not_run.received += self.graph_bytes.received;
         self.loss_pending = false;
         Ok(())
     }
@@ -1751,6 +1778,8 @@ impl Capture for CudaBackend {
         if self.graph_update {
             self.opt_steps += 1;
         }
+        self.bytes_replayed.sent += self.graph_bytes.sent;
+        self.bytes_replayed.received += self.graph_bytes.received;
         self.loss_pending = self.graph_loss;
         Ok(())
     }
@@ -1766,7 +1795,9 @@ impl DeviceCollectives for CudaBackend {
         if !self.nccl_runs(node) {
             return Ok(Started::Host(v));
         }
-        self.no_capture("an NCCL collective")?;
+        // Under a capture the NCCL call and its events are recorded into the graph
+        // (NCCL 2.9 and later); the communicator's scratch and events exist by then
+        // (the warm-up steps made them), so nothing is allocated.
         self.bind()?;
         let out_ty = self
             .graph
@@ -1797,7 +1828,11 @@ impl DeviceCollectives for CudaBackend {
     }
 
     fn collective_bytes(&self) -> ByteCount {
-        self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default()
+        let counted = self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default();
+        ByteCount {
+            sent: counted.sent - self.bytes_not_run.sent + self.bytes_replayed.sent,
+            received: counted.received - self.bytes_not_run.received + self.bytes_replayed.received,
+        }
     }
 }
 
