@@ -66,7 +66,7 @@ enum Command {
         data: Option<PathBuf>,
         /// Seconds any collective or server request may take before the run stops
         /// with an error naming it.
-        #[arg(long, default_value_t = 300.0, value_parser = positive_finite, allow_negative_numbers = true, value_name = "SECONDS")]
+        #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
         timeout: f64,
         /// How the distributed run's ranks run: `inprocess` (threads) or `mpi` (this
         /// process is one rank of `mpirun -np N+S distc verify ... --transport mpi`;
@@ -273,6 +273,20 @@ fn positive_finite(s: &str) -> Result<f64, String> {
     }
 }
 
+/// The longest `--timeout`: a year. Above about 1.8e19 s a duration overflows; no wait
+/// needs more than this.
+const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// A timeout in seconds: above 0 and at most [`MAX_TIMEOUT_SECS`].
+fn timeout_secs(s: &str) -> Result<f64, String> {
+    match positive_finite(s)? {
+        x if x <= MAX_TIMEOUT_SECS => Ok(x),
+        x => Err(format!(
+            "{x} s is more than a year ({MAX_TIMEOUT_SECS} s), the longest timeout"
+        )),
+    }
+}
+
 /// A quantity that may be 0 but not negative (a latency, a tolerance).
 fn non_negative_finite(s: &str) -> Result<f64, String> {
     match finite(s)? {
@@ -394,7 +408,7 @@ struct RunArgs {
     profile: bool,
     /// Seconds any collective or server request may take before the run stops with an
     /// error naming the op and the ranks that did not arrive.
-    #[arg(long, default_value_t = 300.0, value_parser = positive_finite, allow_negative_numbers = true, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
     timeout: f64,
     /// How the ranks run: `inprocess` (threads of this process) or `mpi` (this process
     /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping).
@@ -589,6 +603,7 @@ struct Runnable<'a> {
 impl<'a> Runnable<'a> {
     fn new(plan: &'a Plan, programs: &'a ProgramSet) -> Result<Runnable<'a>> {
         plan.check_runnable().map_err(anyhow::Error::msg)?;
+        distc::pipeline::check_settings(&plan.config)?;
         Ok(Runnable { plan, programs })
     }
 
@@ -667,6 +682,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         preload: args.preload,
         profile: args.profile,
         trace: args.trace.is_some(),
+        evaluate: true,
         sync: ps_sync(plan.settings.sync),
         timeout: Duration::from_secs_f64(args.timeout),
         checkpoint,
@@ -939,13 +955,45 @@ fn verify_cmd(
     Ok(())
 }
 
+/// An error and its causes, joined by `: `, each cause left out when the text before
+/// it already says it (an error whose message includes its source's, as `path: OS
+/// error` does, would otherwise print the OS error twice).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
+}
+
+/// Restores the default action of SIGPIPE, which Rust's runtime ignores: output into a
+/// closed pipe (`distc bench | head`) then ends distc quietly, as it ends any Unix tool,
+/// instead of failing a write in whatever printed.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a
+    // valid disposition for SIGPIPE.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() {
     // Before anything allocates (data is loaded before the first executor exists) and
     // before any thread starts, so every block follows the same malloc settings.
     distc_runtime::cpu::warm_allocator();
+    restore_sigpipe();
     let cli = Cli::parse();
     if let Err(e) = real_main(cli) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
 }
@@ -962,6 +1010,7 @@ fn real_main(cli: Cli) -> Result<()> {
             distc_runtime::core::output::check_output(&output, &[&file])?;
             let start = std::time::Instant::now();
             let c = compile_or_report(&file, &compile_opts(&compile, data.as_deref()))?;
+            distc::pipeline::check_settings(&c.config)?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             plan.save(&output, &[&file])?;
             for r in &c.records {
@@ -1087,6 +1136,7 @@ fn real_main(cli: Cli) -> Result<()> {
             // A GPU runs each fused group as one generated kernel.
             compile.fuse |= matches!(run.device, Device::Cuda(_));
             let c = compile_or_report(&file, &compile_opts(&compile, run.data.as_deref()))?;
+            distc::pipeline::check_settings(&c.config)?;
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             let r = Runnable::new(&plan, &c.programs)?;
             run_plan(&r, &run, &[&file])?;

@@ -117,6 +117,9 @@ pub enum CompileError {
         /// Where the last good IR was written, one file per program.
         last_good: Vec<PathBuf>,
     },
+    /// The train block's settings cannot work with the model as compiled.
+    #[error("{0}")]
+    Settings(String),
     /// A flag names a pass that does not exist.
     #[error("unknown pass `{name}`; the passes are: {}", .known.join(", "))]
     UnknownPass {
@@ -157,6 +160,20 @@ fn write(path: &Path, text: &str) -> Result<(), CompileError> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Refuses train-block settings that would fail only at the end of a training run,
+/// so `compile` and `train` fail before step 1 instead. (`verify` trains without
+/// evaluating, so it does not ask.)
+pub fn check_settings(config: &RunConfig) -> Result<(), CompileError> {
+    if let Some(e) = config.eval_samples.filter(|&e| e < config.batch) {
+        return Err(CompileError::Settings(format!(
+            "eval_samples = {e} is smaller than one batch ({}): the evaluation after the \
+             last step would have no data; give eval_samples of at least {} or leave it out",
+            config.batch, config.batch
+        )));
+    }
+    Ok(())
 }
 
 /// Compiles DSL `src` (read from `file_name`).

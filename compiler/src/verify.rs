@@ -151,6 +151,8 @@ fn train_options(opts: &VerifyOptions) -> TrainOptions {
         steps: Some(opts.steps),
         data_dir: opts.compile.data_dir.clone(),
         global_data: true,
+        // Verification compares weights: no evaluation, so no evaluation data needed.
+        evaluate: false,
         timeout: opts.timeout,
         ..TrainOptions::default()
     }

@@ -80,7 +80,8 @@ impl Pass for Remat {
                              activations ({:.2} MiB without checkpointing) down to {mib} MiB; \
                              the smallest is {:.2} MiB ({}); give a budget of at least that",
                             plain as f64 / MIB,
-                            smallest.0 as f64 / MIB,
+                            // Rounded up: the budget printed must itself be met.
+                            (smallest.0 as f64 / MIB * 100.0).ceil() / 100.0,
                             smallest.1
                         ))
                     })?

@@ -103,6 +103,28 @@ fn five_steps_with_cuda_graphs_match_the_cpu() {
     }
 }
 
+/// On the GPU, replayed steps (a CUDA graph captured after the warm-up) compute what
+/// eager steps compute, bitwise: the same kernels, launched by the graph.
+#[test]
+fn replayed_steps_equal_eager_ones_bitwise_on_the_gpu() {
+    for name in EXAMPLES {
+        let eager = CudaOptions {
+            tf32: false,
+            graphs: false,
+        };
+        let Some((want, wl)) = run(name, 5, Some(eager)) else {
+            continue;
+        };
+        let Some((got, gl)) = run(name, 5, Some(CudaOptions::default())) else {
+            continue;
+        };
+        assert_eq!(gl, wl, "{name}: losses differ");
+        for (var, w) in &want.params {
+            assert!(got.params.get(var) == Some(w), "{name}: `{var}` differs");
+        }
+    }
+}
+
 /// `distc verify --device cuda`: allreduce, ps and hybrid with 2 workers sharing the
 /// GPU (collectives through the host) against one device on the GPU, for both
 /// standard workloads (issue 11).

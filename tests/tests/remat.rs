@@ -157,4 +157,16 @@ fn checkpointing_lowers_the_peak_of_activations() {
         err.contains("--remat 0.01") && err.contains("the smallest is"),
         "{err}"
     );
+    // The budget it names is met (issue 20: it was rounded down, 0.16 for 0.163).
+    let named: f64 = err
+        .split("the smallest is ")
+        .nth(1)
+        .and_then(|r| r.split(" MiB").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no budget in {err}"));
+    let (met, _, _) = activations(RematPolicy::Budget(named));
+    assert!(
+        mib(met) <= named,
+        "--remat {named} from the error is not met: {met} B"
+    );
 }

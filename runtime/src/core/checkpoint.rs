@@ -71,13 +71,18 @@ pub fn save(
             return Err(data_err(path, format!("tensor `{name}` is listed twice")));
         }
     }
+    // Serialised in memory and written through distc's own temporary name: safetensors'
+    // `serialize_to_file` keeps a temporary file of its own, which a process killed
+    // midway leaves behind under a name no later write cleans up.
+    let views = params.iter().map(|(n, t)| (n.as_str(), TensorView(t)));
+    let meta = (!metadata.is_empty()).then(|| metadata.clone());
+    let bytes = safetensors::serialize(views, meta)
+        .map_err(|e| data_err(path, format!("cannot serialise the tensors: {e}")))?;
     crate::core::output::write_atomic(path, |tmp| {
-        let views = params.iter().map(|(n, t)| (n.as_str(), TensorView(t)));
-        let meta = (!metadata.is_empty()).then(|| metadata.clone());
-        safetensors::serialize_to_file(views, meta, tmp)
-            .map_err(|e| data_err(path, format!("cannot write checkpoint: {e}")))?;
-        std::fs::File::open(tmp)
-            .and_then(|f| f.sync_all())
+        use std::io::Write;
+        let mut f = std::fs::File::create(tmp).map_err(io_err(tmp))?;
+        f.write_all(&bytes)
+            .and_then(|()| f.sync_all())
             .map_err(io_err(tmp))
     })
 }

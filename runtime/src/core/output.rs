@@ -54,6 +54,32 @@ pub fn check_output(path: &Path, inputs: &[&Path]) -> Result<()> {
             ));
         }
     }
+    probe_writable(path)
+}
+
+/// Fails now, not after training, where `path` could not be written: its folder is
+/// made (as the write would make it) and a probe file is created in it and removed.
+fn probe_writable(path: &Path) -> Result<()> {
+    let (tmp, _) = temp_path(path)?;
+    let dir = tmp.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| {
+        refuse(
+            path,
+            format!("cannot make its folder {}: {e}", dir.display()),
+        )
+    })?;
+    let probe = dir.join(format!(
+        "{}.probe",
+        tmp.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    ));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))?;
+    let _ = std::fs::remove_file(&probe);
     Ok(())
 }
 

@@ -77,6 +77,9 @@ pub struct TrainOptions {
     pub profile: bool,
     /// Record spans for a Chrome trace.
     pub trace: bool,
+    /// Evaluate on the held-out data after the last step (and every `eval_every`
+    /// steps); off, a run needs no evaluation data (`distc verify` compares weights).
+    pub evaluate: bool,
     /// Parameter-server synchronisation.
     pub sync: PsSync,
     /// Bound on any wait for a collective or a server's answer.
@@ -108,6 +111,7 @@ impl Default for TrainOptions {
             preload: false,
             profile: false,
             trace: false,
+            evaluate: true,
             sync: PsSync::Sync,
             timeout: ps::DEFAULT_TIMEOUT,
             checkpoint: None,

@@ -725,7 +725,8 @@ fn run_steps<B: Backend>(
     // buffers the graph reads are overwritten only once it is done).
     let mut prefetched: Option<HashMap<String, B::Tensor>> = None;
     for step in first..=steps {
-        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
+        let eval_now = opts.evaluate
+            && (step == steps || (config.eval_every > 0 && step % config.eval_every == 0));
         let checkpoint_now = opts
             .checkpoint
             .as_ref()
@@ -833,7 +834,6 @@ fn run_steps<B: Backend>(
         if opts.trace {
             st.memory.push((step as u64, Instant::now(), memory));
         }
-        let eval_now = step == steps || (config.eval_every > 0 && step % config.eval_every == 0);
         // Worker 0 reports the evaluation; when evaluating takes collectives (ZeRO's
         // gathered parameters), every worker takes part.
         let eval = if eval_now && (rank == 0 || st.exec.schedule().has_collective(Mode::Eval)) {
