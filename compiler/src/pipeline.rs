@@ -289,7 +289,11 @@ fn cuda_source(worker: &Graph) -> String {
 
 /// Compiles the DSL file at `path`.
 pub fn compile_file(path: &Path, opts: &CompileOptions) -> Result<Compiled, CompileError> {
-    let src = std::fs::read_to_string(path).map_err(|source| CompileError::Read {
+    let src = distc_runtime::core::output::read_regular_text(
+        path,
+        distc_runtime::core::output::TEXT_INPUT_LIMIT,
+    )
+    .map_err(|source| CompileError::Read {
         path: path.to_path_buf(),
         source,
     })?;

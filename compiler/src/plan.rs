@@ -208,7 +208,11 @@ impl Plan {
     /// Reads a plan and its programs, parsed and verified once, refusing other formats,
     /// other versions, damaged content and programs that do not verify.
     pub fn load(path: &Path) -> Result<(Plan, ProgramSet), PlanError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Io {
+        let text = distc_runtime::core::output::read_regular_text(
+            path,
+            distc_runtime::core::output::TEXT_INPUT_LIMIT,
+        )
+        .map_err(|source| PlanError::Io {
             path: path.to_path_buf(),
             source,
         })?;

@@ -196,7 +196,11 @@ fn number(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
 
 /// Reads one metrics file into a run labelled `label`.
 fn read_run(path: &Path, label: String) -> Result<Run, PlotError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PlotError::Read {
+    let text = distc_runtime::core::output::read_regular_text(
+        path,
+        distc_runtime::core::output::TEXT_INPUT_LIMIT,
+    )
+    .map_err(|source| PlotError::Read {
         path: path.to_path_buf(),
         source,
     })?;

@@ -75,7 +75,13 @@ pub fn save(
     // `serialize_to_file` keeps a temporary file of its own, which a process killed
     // midway leaves behind under a name no later write cleans up.
     let views = params.iter().map(|(n, t)| (n.as_str(), TensorView(t)));
-    let meta = (!metadata.is_empty()).then(|| metadata.clone());
+    let mut metadata = metadata;
+    let sums: Vec<String> = params
+        .iter()
+        .map(|(n, t)| format!("{n}={:08x}", crc32fast::hash(&TensorView(t).data())))
+        .collect();
+    metadata.insert(CHECKSUM_KEY.to_string(), sums.join("\n"));
+    let meta = Some(metadata);
     let bytes = safetensors::serialize(views, meta)
         .map_err(|e| data_err(path, format!("cannot serialise the tensors: {e}")))?;
     crate::core::output::write_atomic(path, |tmp| {
@@ -90,16 +96,33 @@ pub fn save(
 /// Reads a checkpoint written by [`save`] (or any safetensors file of f32, f64 and
 /// i32 tensors): the tensors by name and the metadata.
 pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes = crate::core::output::read_regular(path, u64::MAX).map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
+    // Files distc wrote carry a CRC-32 per tensor; other safetensors files load as they are.
+    let sums: HashMap<&str, &str> = metadata
+        .get(CHECKSUM_KEY)
+        .map(|text| text.lines().filter_map(|l| l.rsplit_once('=')).collect())
+        .unwrap_or_default();
     let mut tensors = HashMap::new();
     for (name, view) in st.iter() {
         let shape = IxDyn(view.shape());
         let data = view.data();
+        if let Some(want) = sums.get(name) {
+            let got = format!("{:08x}", crc32fast::hash(data));
+            if got != *want {
+                return Err(data_err(
+                    path,
+                    format!(
+                        "tensor `{name}` does not match its checksum (CRC-32 {got}, stored \
+                         {want}): the file is damaged"
+                    ),
+                ));
+            }
+        }
         let bad = |e: ndarray::ShapeError| data_err(path, format!("tensor `{name}`: {e}"));
         let t = match view.dtype() {
             Dtype::F32 => Tensor::F32(
@@ -138,10 +161,20 @@ pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, Str
                 ))
             }
         };
+        // A NaN or an infinity would spread through training and be saved again.
+        if t.to_f64_vec().iter().any(|x| !x.is_finite()) {
+            return Err(data_err(
+                path,
+                format!("tensor `{name}` holds NaN or infinite values; refusing to load it"),
+            ));
+        }
         tensors.insert(name.to_string(), t);
     }
     Ok((tensors, metadata))
 }
+
+/// The metadata key of the per-tensor checksums (`name=crc32hex`, one per line).
+pub const CHECKSUM_KEY: &str = "distc_crc32";
 
 /// The metadata key of a training state's JSON index.
 pub const INDEX_KEY: &str = "distc_index";

@@ -167,3 +167,45 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
         })
     })
 }
+
+/// Reads a whole input file (a model, a plan, a metrics file, a checkpoint, a data
+/// file), refusing what is not a regular file (`/dev/zero`, a FIFO: they never end or
+/// never answer) and a file above `limit` bytes, and reading no more than the size
+/// the file had when opened.
+pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    // Looked at before opening: opening a FIFO blocks until a writer comes.
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            if meta.is_dir() {
+                "it is a directory, not a file"
+            } else {
+                "not a regular file (a device, a pipe or a socket)"
+            },
+        ));
+    }
+    if meta.len() > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{} bytes, more than the {limit} this input may have",
+                meta.len()
+            ),
+        ));
+    }
+    let f = std::fs::File::open(path)?;
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.take(meta.len()).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// [`read_regular`] as UTF-8 text.
+pub fn read_regular_text(path: &Path, limit: u64) -> std::io::Result<String> {
+    String::from_utf8(read_regular(path, limit)?)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()))
+}
+
+/// The most a model, plan or metrics file distc reads may hold.
+pub const TEXT_INPUT_LIMIT: u64 = 1 << 30;

@@ -84,7 +84,7 @@ fn check_dir(dir: &Path, what: &str) -> Result<()> {
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|source| RuntimeError::Io {
+    crate::core::output::read_regular(path, u64::MAX).map_err(|source| RuntimeError::Io {
         path: path.to_path_buf(),
         source,
     })
