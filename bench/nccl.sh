@@ -4,8 +4,9 @@
 #
 #   1. NCCL overhead at world size 1: the one-device loop (`--device cuda
 #      --no-cuda-graph`) against one worker of an allreduce plan whose collectives go
-#      through NCCL (`--strategy allreduce --workers 1 --collectives nccl`, eager
-#      too: the worker loop does not capture graphs), for W1 sparse_lm and W2 dense_mlp.
+#      through NCCL (`--strategy allreduce --workers 1 --collectives nccl
+#      --no-cuda-graph`, eager too), for W1 sparse_lm and W2 dense_mlp; then both with
+#      CUDA graphs (the one loop captures NCCL collectives with the step).
 #   2. Two workers sharing the one GPU: distc (`--workers 2 --collectives host`,
 #      worker threads, host-staged collectives) against PyTorch DDP with 2 processes
 #      on the same GPU, gloo backend (bench/pytorch/ddp_bench.py --device cuda).
@@ -64,7 +65,9 @@ run_distc() {  # run_distc NAME WORKLOAD FLAGS...
 }
 for w in sparse_lm dense_mlp; do
   run_distc single "$w" --no-cuda-graph
-  run_distc nccl1 "$w" --strategy allreduce --workers 1 --collectives nccl
+  run_distc nccl1 "$w" --strategy allreduce --workers 1 --collectives nccl --no-cuda-graph
+  run_distc single_graphs "$w"
+  run_distc nccl1_graphs "$w" --strategy allreduce --workers 1 --collectives nccl
   run_distc host2 "$w" --strategy allreduce --workers 2 --collectives host
 done
 say "PyTorch DDP, 2 processes on the GPU, gloo"
@@ -89,11 +92,12 @@ if os.path.exists(f"{d}/ddp.jsonl"):
             j = json.loads(l)
             ddp[j["workload"]] = j["samples_per_sec"]
 f = lambda v: "failed" if v is None else f"{v:,.0f}"
-print("| workload | single (eager) | NCCL, 1 worker | overhead | distc 2 workers, 1 GPU | DDP gloo 2 procs, 1 GPU | distc / DDP |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+print("| workload | single (eager) | NCCL, 1 worker | overhead | single (graphs) | NCCL, 1 worker (graphs) | overhead | distc 2 workers, 1 GPU | DDP gloo 2 procs, 1 GPU | distc / DDP |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+over = lambda a, b: "" if not (a and b) else f"{(a / b - 1) * 100:+.1f}%"
 for w in ("sparse_lm", "dense_mlp"):
     s, n, h, p = distc("single", w), distc("nccl1", w), distc("host2", w), ddp.get(w)
-    over = "" if not (s and n) else f"{(s / n - 1) * 100:+.1f}%"
+    sg, ng = distc("single_graphs", w), distc("nccl1_graphs", w)
     rat = "" if not (h and p) else f"{h / p:.2f}x"
-    print(f"| {w} | {f(s)} | {f(n)} | {over} | {f(h)} | {f(p)} | {rat} |")
+    print(f"| {w} | {f(s)} | {f(n)} | {over(s, n)} | {f(sg)} | {f(ng)} | {over(sg, ng)} | {f(h)} | {f(p)} | {rat} |")
 PY

@@ -112,7 +112,7 @@
 //! | `steps` | at least 1 | required |
 //! | `seed` | a whole number | default 0 |
 //! | `eval_every` | evaluate every this many steps; 0: only at the end | default 0 |
-//! | `eval_samples` | evaluate on at most this many samples | default: all |
+//! | `eval_samples` | evaluate on at most this many samples (at least one batch: `compile` refuses fewer) | default: all |
 
 mod args;
 mod ast;
