@@ -520,11 +520,20 @@ fn draw<DB: DrawingBackend>(
     root.present().map_err(drawing)
 }
 
-/// A range around `values` with a little room, never empty.
+/// The largest magnitude an axis spans: beyond it the axis's span, its padding or its
+/// ticks overflow to infinity, and drawing such an axis never ends.
+const AXIS_LIMIT: f64 = 1e300;
+
+/// A range around the finite `values` with a little room, never empty and never
+/// beyond [`AXIS_LIMIT`] (a loss of 1e308 is drawn at the edge); `None` when no value
+/// is finite.
 fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> Option<std::ops::Range<f64>> {
-    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .map(|v| v.clamp(-AXIS_LIMIT, AXIS_LIMIT))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
     if !lo.is_finite() || !hi.is_finite() {
         return None;
     }
@@ -569,7 +578,9 @@ fn step_tick(v: f64) -> String {
 /// decimals as the axis's `span` needs to tell ticks apart (0.82, 0.84; 2, 4).
 fn tick(v: f64, span: f64) -> String {
     let a = v.abs();
-    if a >= 1e6 {
+    if a >= 1e9 {
+        format!("{v:.1e}")
+    } else if a >= 1e6 {
         format!("{:.1}M", v / 1e6)
     } else if a >= 1e4 {
         format!("{:.1}k", v / 1e3)
@@ -633,6 +644,10 @@ fn draw_lines<DB: DrawingBackend>(
         return no_data(area, title);
     };
     let span = y.end - y.start;
+    let (ylo, yhi) = (y.start, y.end);
+    // What is drawn stays on the axis: a value past it (a loss of 1e308) at its edge,
+    // a non-finite one left out (plotters' pixel arithmetic overflows otherwise).
+    let on_axis = move |&(x, v): &(f64, f64)| v.is_finite().then(|| (x, v.clamp(ylo, yhi)));
     let legend = legend_position(series, &y);
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 20))
@@ -655,7 +670,7 @@ fn draw_lines<DB: DrawingBackend>(
         let colour = RUN_COLOURS[run % RUN_COLOURS.len()];
         chart
             .draw_series(LineSeries::new(
-                points.iter().copied(),
+                points.iter().filter_map(on_axis),
                 colour.stroke_width(2),
             ))
             .map_err(drawing)?
@@ -663,7 +678,12 @@ fn draw_lines<DB: DrawingBackend>(
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
         if markers {
             chart
-                .draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+                .draw_series(
+                    points
+                        .iter()
+                        .filter_map(on_axis)
+                        .map(|p| Circle::new(p, 3, colour.filled())),
+                )
                 .map_err(drawing)?;
         }
     }

@@ -520,3 +520,56 @@ fn gpu_workers_under_mpirun_without_a_gpu_or_nccl_say_what_is_missing() {
         assert!(!t.contains("panicked"), "{t}");
     }
 }
+
+/// Issue 20: ranks started with different `--steps` timed out at the last step of the
+/// shorter one; the start-up check now compares every setting that must agree and
+/// names the one that differs.
+#[test]
+fn ranks_started_with_other_settings_are_refused_at_start_up() {
+    let a = compile(
+        "examples/dense_mlp.dsl",
+        "allreduce",
+        2,
+        0,
+        "steps.plan.json",
+    );
+    let rank = |steps: &str| {
+        [
+            "-np",
+            "1",
+            env!("CARGO_BIN_EXE_distc"),
+            "run",
+            s(&a),
+            "--transport",
+            "mpi",
+            "--timeout",
+            "20",
+            "--steps",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .chain([steps.to_string()])
+        .collect::<Vec<_>>()
+    };
+    let start = std::time::Instant::now();
+    let o = Command::new("mpirun")
+        .args(MPIRUN)
+        .args(rank("3"))
+        .arg(":")
+        .args(rank("5"))
+        .current_dir(root())
+        .env("MATMUL_NUM_THREADS", "1")
+        .output()
+        .expect("mpirun");
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("rank 1 runs with other settings: --steps=5 (rank 0: --steps=3)"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "refused only after {:?}",
+        start.elapsed()
+    );
+}

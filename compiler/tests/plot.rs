@@ -265,3 +265,44 @@ fn a_quantity_without_a_drawable_point_says_no_data() {
     );
     assert!(svg.contains("training loss") && svg.contains("throughput"));
 }
+
+/// Issue 20: a loss of ±1e308 or samples/s of f64::MAX made the axis span infinite and
+/// `distc plot` spun at 100% CPU; axes now stop at ±1e300 and leave non-finite values
+/// out. The plot must finish (the test kills it after 60 s) and write the picture.
+#[test]
+fn extreme_and_non_finite_values_plot_and_end() {
+    let dir = tmp("extreme");
+    let metrics = dir.join("extreme.jsonl");
+    let lines: Vec<String> = [
+        (1, 1e308, 1000.0),
+        (2, -1e308, f64::MAX),
+        (3, 2.0, 1e-300),
+        (4, 1.5, 900.0),
+    ]
+    .iter()
+    .map(|&(step, loss, samples)| step_line(step, loss, samples, 3 << 20))
+    .collect();
+    std::fs::write(&metrics, lines.join("\n") + "\n").expect("write");
+    let out = dir.join("extreme.png");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_distc"))
+        .args(["plot", s(&metrics), "-o", s(&out)])
+        .current_dir(common::root())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("waits") {
+            break st;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("distc plot did not end within 60 s on extreme values");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(out.exists(), "no picture written");
+    let _ = std::fs::remove_dir_all(&dir);
+}

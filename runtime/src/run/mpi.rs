@@ -115,6 +115,32 @@ impl ServerLink for MpiServerLink {
     }
 }
 
+/// Bytes of a rank's start-up record: plan hash, world size and settings.
+const RECORD: usize = 1024;
+
+/// The run settings every rank must share, as `name=value` words: steps, the
+/// synchronisation, how data is read, evaluation, tracing (every rank sends spans),
+/// checkpoints (a collective on ZeRO workers) and the resumed step.
+fn agreed_settings(config: &RunConfig, opts: &TrainOptions) -> Vec<String> {
+    vec![
+        format!("--steps={}", opts.steps.unwrap_or(config.steps)),
+        format!("sync={}", opts.sync),
+        format!("global_data={}", opts.global_data),
+        format!("evaluate={}", opts.evaluate),
+        format!("--trace={}", opts.trace),
+        format!(
+            "--checkpoint-every={}",
+            opts.checkpoint
+                .as_ref()
+                .map_or("none".to_string(), |c| c.every.to_string())
+        ),
+        format!(
+            "--resume-step={}",
+            opts.resume.as_ref().map_or(0, |s| s.index.step)
+        ),
+    ]
+}
+
 /// Dies loudly: prints the rank's error and stops every rank of the job.
 fn fail(
     world: &SimpleCommunicator,
@@ -153,43 +179,59 @@ pub fn run_with<B: Backend>(
         workers: programs.workers,
         servers: mpi_run.servers,
     };
-    // Start-up checks, decided from data every rank has, so every rank decides alike.
-    let record = format!("{}\t{}", mpi_run.plan_hash, roles.world());
-    let mut mine = [0u8; 96];
+    // Start-up checks, decided from data every rank has, so every rank decides alike:
+    // the plan, the job's size, and every run setting that must agree across ranks (a
+    // rank with other --steps would leave the others waiting at its last step).
+    let record = format!(
+        "{}\t{}\t{}",
+        mpi_run.plan_hash,
+        roles.world(),
+        agreed_settings(config, opts).join(" ")
+    );
+    let mut mine = [0u8; RECORD];
     let n = record.len().min(mine.len());
     mine[..n].copy_from_slice(&record.as_bytes()[..n]);
-    let mut all = vec![0u8; 96 * size];
+    let mut all = vec![0u8; RECORD * size];
     world.all_gather_into(&mine[..], &mut all[..]);
     let text = |r: usize| {
-        String::from_utf8_lossy(&all[r * 96..(r + 1) * 96])
+        String::from_utf8_lossy(&all[r * RECORD..(r + 1) * RECORD])
             .trim_end_matches('\0')
             .to_string()
     };
+    let fields = |r: usize| -> Vec<String> { text(r).split('\t').map(str::to_string).collect() };
     let differ: Vec<String> = (1..size)
         .filter(|&r| text(r) != text(0))
         .map(|r| {
-            let (h, w) = text(r)
-                .split_once('\t')
-                .map(|(a, b)| (a.to_string(), b.to_string()))
-                .unwrap_or_default();
-            let (h0, w0) = text(0)
-                .split_once('\t')
-                .map(|(a, b)| (a.to_string(), b.to_string()))
-                .unwrap_or_default();
+            let (f, f0) = (fields(r), fields(0));
+            let field = |v: &[String], i: usize| v.get(i).cloned().unwrap_or_default();
+            let (h, h0) = (field(&f, 0), field(&f0, 0));
             if h != h0 {
                 format!(
                     "rank {r} runs another plan (hash {}… vs rank 0's {}…)",
                     &h[..h.len().min(12)],
                     &h0[..h0.len().min(12)]
                 )
+            } else if field(&f, 1) != field(&f0, 1) {
+                format!(
+                    "rank {r}'s plan needs {} ranks, rank 0's {}",
+                    field(&f, 1),
+                    field(&f0, 1)
+                )
             } else {
-                format!("rank {r}'s plan needs {w} ranks, rank 0's {w0}")
+                let (mine, theirs) = (field(&f, 2), field(&f0, 2));
+                let odd: Vec<String> = mine
+                    .split(' ')
+                    .zip(theirs.split(' '))
+                    .filter(|(a, b)| a != b)
+                    .map(|(a, b)| format!("{a} (rank 0: {b})"))
+                    .collect();
+                format!("rank {r} runs with other settings: {}", odd.join(", "))
             }
         })
         .collect();
     if !differ.is_empty() {
         return Err(RuntimeError::Config(format!(
-            "rank {rank}: the ranks do not run the same plan: {}",
+            "rank {rank}: the ranks do not run the same plan alike: {}",
             differ.join("; ")
         )));
     }
