@@ -105,8 +105,8 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
     std::fs::create_dir_all(&s.dir)
         .with_context(|| format!("cannot create {}", s.dir.display()))?;
     let mut rows = Vec::new();
-    println!(
-        "{:<10} {:<16} {:>7} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12} {:>7}",
+    crate::console::out(&format!(
+        "{:<10} {:<16} {:>7} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12} {:>7}\n",
         "workload",
         "strategy",
         "workers",
@@ -117,7 +117,7 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
         "moved B",
         "predicted B",
         "error"
-    );
+    ));
     for w in &s.workloads {
         let Some((_, src)) = WORKLOADS.iter().find(|(n, _)| n == w) else {
             bail!("unknown workload `{w}`; the workloads are sparse_lm and dense_mlp");
@@ -144,8 +144,7 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                 } else {
                     "-".into()
                 };
-                println!(
-                    "{:<10} {:<16} {:>7} {:>7} {:>10.0} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>7}",
+                crate::console::out(&format!("{:<10} {:<16} {:>7} {:>7} {:>10.0} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>7}\n",
                     r.workload,
                     r.strategy,
                     r.workers,
@@ -156,7 +155,7 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                     r.bytes_moved_per_step,
                     r.predicted_bytes_per_step,
                     error
-                );
+                ));
             }
         }
     }
@@ -470,10 +469,9 @@ pub fn run_compile(s: &CompileBenchSettings) -> Result<Vec<CompileRow>> {
         .iter()
         .map(|n| Ok((n.clone(), compile_config(n, s.workers, s.servers)?)))
         .collect::<Result<Vec<_>>>()?;
-    println!(
-        "{:<16} {:>6} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8}  slowest passes (ms, verifier included)",
+    crate::console::out(&format!("{:<16} {:>6} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8}  slowest passes (ms, verifier included)\n",
         "strategy", "layers", "nodes", "lower s", "passes s", "other s", "plan s", "total s"
-    );
+    ));
     let mut rows = Vec::new();
     for &target in &s.nodes {
         let layers = target.saturating_sub(deep_model_nodes(0)) / 11;
@@ -496,8 +494,8 @@ pub fn run_compile(s: &CompileBenchSettings) -> Result<Vec<CompileRow>> {
                 .take(3)
                 .map(|(n, p, v)| format!("{n} {:.0}", (p + v) * 1e3))
                 .collect();
-            println!(
-                "{:<16} {:>6} {:>7} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}",
+            crate::console::out(&format!(
+                "{:<16} {:>6} {:>7} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}\n",
                 r.strategy,
                 r.layers,
                 r.autodiff_nodes,
@@ -507,7 +505,7 @@ pub fn run_compile(s: &CompileBenchSettings) -> Result<Vec<CompileRow>> {
                 r.plan_s,
                 r.total_s,
                 slowest.join(", ")
-            );
+            ));
             rows.push(r);
         }
     }

@@ -1,6 +1,7 @@
 //! The distc compiler: the DSL, the pass pipeline, plans and the CLI's commands.
 
 pub mod bench;
+pub mod console;
 pub mod dsl;
 pub mod pipeline;
 pub mod plan;

@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use distc::console::{err, out};
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{
@@ -559,29 +560,13 @@ fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
         Ok(c) => Ok(c),
         Err(CompileError::Dsl(e)) => {
             if std::io::stderr().is_terminal() {
-                eprintln!("{:?}", miette::Report::new(*e));
+                err(&format!("{:?}\n", miette::Report::new(*e)));
             } else {
-                eprintln!("{}", e.render_plain());
+                err(&format!("{}\n", e.render_plain()));
             }
             bail!("could not compile {}", file.display())
         }
         Err(e) => Err(e.into()),
-    }
-}
-
-/// Writes to standard output; a closed pipe (`distc explain plan | head -1`) ends
-/// the program quietly, as it would a Unix tool, once everything else is done.
-fn out(text: &str) {
-    let mut stdout = std::io::stdout().lock();
-    if let Err(e) = stdout
-        .write_all(text.as_bytes())
-        .and_then(|()| stdout.flush())
-    {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
-        }
-        eprintln!("error: cannot write to standard output: {e}");
-        std::process::exit(1);
     }
 }
 
@@ -973,27 +958,13 @@ fn error_chain(e: &anyhow::Error) -> String {
     text
 }
 
-/// Restores the default action of SIGPIPE, which Rust's runtime ignores: output into a
-/// closed pipe (`distc bench | head`) then ends distc quietly, as it ends any Unix tool,
-/// instead of failing a write in whatever printed.
-fn restore_sigpipe() {
-    #[cfg(unix)]
-    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a
-    // valid disposition for SIGPIPE.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
-}
-
 fn main() {
     // Before anything allocates (data is loaded before the first executor exists) and
     // before any thread starts, so every block follows the same malloc settings.
     distc_runtime::cpu::warm_allocator();
-    restore_sigpipe();
     let cli = Cli::parse();
     if let Err(e) = real_main(cli) {
-        eprintln!("error: {}", error_chain(&e));
+        err(&format!("error: {}\n", error_chain(&e)));
         std::process::exit(1);
     }
 }
@@ -1014,21 +985,23 @@ fn real_main(cli: Cli) -> Result<()> {
             let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
             plan.save(&output, &[&file])?;
             for r in &c.records {
-                eprintln!("  {r}");
+                err(&format!("  {r}\n"));
             }
             if let Some(m) = &c.measurement {
-                eprintln!("  sparsity {m}");
+                err(&format!("  sparsity {m}\n"));
             }
             if let Some(why) = &c.not_runnable {
-                eprintln!("  note: `distc run` will refuse this plan: {why}");
+                err(&format!(
+                    "  note: `distc run` will refuse this plan: {why}\n"
+                ));
             }
-            eprintln!(
-                "wrote {} ({} nodes, {} server programs) in {:.2} s",
+            err(&format!(
+                "wrote {} ({} nodes, {} server programs) in {:.2} s\n",
                 output.display(),
                 c.programs.worker.node_count(),
                 c.programs.servers.len(),
                 start.elapsed().as_secs_f64()
-            );
+            ));
         }
         Command::Verify {
             file,
@@ -1157,7 +1130,11 @@ fn real_main(cli: Cli) -> Result<()> {
             labels,
         } => {
             let panels = distc::plot::plot(&files, &output, &distc::plot::PlotOptions { labels })?;
-            eprintln!("wrote {} ({})", output.display(), panels.join(", "));
+            err(&format!(
+                "wrote {} ({})\n",
+                output.display(),
+                panels.join(", ")
+            ));
         }
     }
     Ok(())

@@ -63,9 +63,9 @@ fn a_timeout_beyond_a_year_is_refused_by_the_parser() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `compile ... 2>&1 | head -c 10` panicked on the broken pipe: output into a closed
-/// pipe now ends distc as it ends any Unix tool (SIGPIPE), never with a panic (exit
-/// status 101).
+/// `compile ... 2>&1 | head -c 10` and `bench ... | head` panicked on the broken pipe:
+/// everything the CLI prints goes through `distc::console` now, so a closed output
+/// never panics (exit status 101).
 #[test]
 fn a_closed_output_pipe_never_panics() {
     let dir = temp_dir("issue20-pipe");
