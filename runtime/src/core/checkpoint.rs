@@ -101,11 +101,17 @@ pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, Str
         .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
-    let metadata = meta.metadata().clone().unwrap_or_default();
-    // Files distc wrote carry a CRC-32 per tensor; other safetensors files load as they are.
-    let sums: HashMap<&str, &str> = metadata
-        .get(CHECKSUM_KEY)
-        .map(|text| text.lines().filter_map(|l| l.rsplit_once('=')).collect())
+    let mut metadata = meta.metadata().clone().unwrap_or_default();
+    // Files distc wrote carry a CRC-32 per tensor; other safetensors files load as they
+    // are. The checksums are the file's own: the caller gets its metadata without them.
+    let sums: HashMap<String, String> = metadata
+        .remove(CHECKSUM_KEY)
+        .map(|text| {
+            text.lines()
+                .filter_map(|l| l.rsplit_once('='))
+                .map(|(n, c)| (n.to_string(), c.to_string()))
+                .collect()
+        })
         .unwrap_or_default();
     let mut tensors = HashMap::new();
     for (name, view) in st.iter() {
