@@ -411,7 +411,7 @@ fn replayed_steps_equal_eager_ones_bitwise_on_every_example() {
         };
         let mut eager = Vec::new();
         let want = train(c.programs(1), &c.config, &opts, &mut |m| {
-            eager.push(m.loss);
+            eager.push((m.loss, m.memory));
             Ok(())
         })
         .expect("trains eagerly");
@@ -422,7 +422,7 @@ fn replayed_steps_equal_eager_ones_bitwise_on_every_example() {
             &c.config,
             &opts,
             &mut |m| {
-                replayed.push(m.loss);
+                replayed.push((m.loss, m.memory));
                 Ok(())
             },
             |_, _| Ok(taped::Taped::new(&captures, &replays)),
@@ -431,7 +431,8 @@ fn replayed_steps_equal_eager_ones_bitwise_on_every_example() {
         // Two warm-up steps, one capture, steps 3 to 6 replayed.
         assert_eq!(captures.load(Ordering::Relaxed), 1, "{name}: captures");
         assert_eq!(replays.load(Ordering::Relaxed), 4, "{name}: replays");
-        assert_eq!(eager, replayed, "{name}: losses differ");
+        // Losses, and the memory metrics of replayed steps (measured at the capture).
+        assert_eq!(eager, replayed, "{name}: losses or memory differ");
         for (var, w) in &want.params {
             assert!(got.params.get(var) == Some(w), "{name}: `{var}` differs");
         }

@@ -19,7 +19,7 @@ use crate::core::backend::{all_to_host, backend_error, upload_all, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::exec::{CommHook, Executor, Mode, Pending};
+use crate::core::exec::{CommHook, Executor, MemoryUse, Mode, Pending};
 use crate::core::roles::Role;
 use crate::core::value::{Slices, Tensor, Value};
 use crate::cpu::optim::STEP_KEY;
@@ -719,7 +719,6 @@ fn run_steps<B: Backend>(
     } else {
         GraphState::Off
     };
-    let mut captured_memory = None;
     // While a replayed step runs on the device, the next step's batch is drawn and
     // staged (uploads are ordered after the replay on the device's stream, so the
     // buffers the graph reads are overwritten only once it is done).
@@ -750,7 +749,7 @@ fn run_steps<B: Backend>(
         if graph == GraphState::Untried && step >= first + WARMUP {
             graph = capture_step(st, &fed[0], step, rank, &mut *hook)?;
         }
-        let (loss, updating, used) = if graph == GraphState::Replaying {
+        let (loss, updating, used) = if let GraphState::Replaying(captured) = graph {
             let backend = st.exec.backend();
             backend
                 .set_step(step as u64)
@@ -771,7 +770,7 @@ fn run_steps<B: Backend>(
                 .pending_scalar()
                 .map_err(|e| backend_error(&device, "reading the loss", e))?
                 .unwrap_or(f64::NAN);
-            (loss, Instant::now(), captured_memory.unwrap_or_default())
+            (loss, Instant::now(), captured)
         } else {
             // Micro-batches: the last one communicates and hands the gradients over.
             let mut micro_loss = 0.0;
@@ -802,9 +801,6 @@ fn run_steps<B: Backend>(
                 .map_err(|e| backend_error(&device, "finishing the step", e))?;
             (micro_loss / k as f64, updating, used)
         };
-        if graph == GraphState::Replaying && captured_memory.is_none() {
-            captured_memory = Some(used);
-        }
         st.profile.optimizer += updating.elapsed();
         let elapsed = start.elapsed();
         if opts.trace {
@@ -886,12 +882,14 @@ enum GraphState {
     /// Every step runs eagerly: the backend has no graphs, or the step has a host
     /// round trip.
     Off,
-    /// A step is captured: it is replayed from now on.
-    Replaying,
+    /// A step is captured: it is replayed from now on. What the captured step holds
+    /// (measured while it was recorded), for the metrics of replayed steps.
+    Replaying(MemoryUse),
 }
 
 /// Records step `step` and its update while the backend captures (nothing runs; the
-/// caller replays the graph for this step too). `Off` where the backend declines.
+/// caller replays the graph for this step too), measuring what the step holds. `Off`
+/// where the backend declines.
 fn capture_step<B: Backend>(
     st: &mut Loop<B>,
     feeds: &HashMap<String, B::Tensor>,
@@ -915,14 +913,16 @@ fn capture_step<B: Backend>(
         .exec
         .run_with(feeds, &st.params, Mode::Train, step as u64, Some(hook))
         .and_then(|out| {
+            let used = st.exec.measured_memory();
             st.exec
                 .backend()
                 .update(&mut st.optimizer, &mut st.params, out.grads)
                 .map_err(|e| backend_error(&device, "applying the update", e))
+                .map(|()| used)
         });
     let ended = st.exec.backend().end_capture();
     let hint = "; run with --no-cuda-graph to train without a graph";
-    captured.map_err(|e| {
+    let used = captured.map_err(|e| {
         RuntimeError::Config(format!(
             "{device}: step {step} could not be captured into a CUDA graph: {e}{hint}"
         ))
@@ -931,7 +931,7 @@ fn capture_step<B: Backend>(
         let e = backend_error(&device, "ending the CUDA graph capture", e);
         RuntimeError::Config(format!("{e}{hint}"))
     })?;
-    Ok(GraphState::Replaying)
+    Ok(GraphState::Replaying(used))
 }
 
 /// The initial variables of `graph`: the resumed state's where it has them (checked
