@@ -6,9 +6,11 @@ use distc::console::{err, out};
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::placement::{
-    Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode,
+    Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
+    MAX_RANKS,
 };
 use distc_passes::program_set::ProgramSet;
+use distc_runtime::core::config::MAX_BATCH;
 use distc_runtime::core::output::{check_outputs, write_file};
 use distc_runtime::cuda::nccl::Collectives;
 use distc_runtime::ps::PsSync;
@@ -22,6 +24,8 @@ use distc_runtime::run::train::{CheckpointEvery, Programs, TrainOptions, TrainRe
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// distc: write a model once for one device; compile, inspect and train it.
@@ -100,17 +104,17 @@ enum Command {
         #[arg(long)]
         compile: bool,
         /// Graph sizes of --compile, nodes after autodiff (each at least 1).
-        #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 30_000, 100_000], value_parser = at_least_one)]
+        #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 30_000, 100_000], value_parser = graph_nodes)]
         nodes: Vec<usize>,
         /// Worker counts (each at least 1).
-        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4], value_parser = at_least_one)]
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4], value_parser = rank_count)]
         workers: Vec<usize>,
         /// Runs per configuration (at least 1; the median is reported; default 3). With
         /// --compile: compiles per configuration, the fastest reported (default 1).
         #[arg(long, value_parser = at_least_one)]
         runs: Option<usize>,
         /// Parameter servers of ps, hybrid and auto plans (default: as many as workers).
-        #[arg(long, value_parser = at_least_one)]
+        #[arg(long, value_parser = rank_count)]
         servers: Option<usize>,
         /// Warm-up steps.
         #[arg(long, default_value_t = 10)]
@@ -166,7 +170,7 @@ enum Command {
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
         /// Bind the batch dimension B to this instead of the train block's batch.
-        #[arg(long, value_parser = at_least_one)]
+        #[arg(long, value_parser = batch_size)]
         batch: Option<usize>,
     },
     /// Print the graph in Graphviz DOT (pipe into `dot -Tsvg`).
@@ -177,7 +181,7 @@ enum Command {
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
         /// Bind the batch dimension B to this instead of the train block's batch.
-        #[arg(long, value_parser = at_least_one)]
+        #[arg(long, value_parser = batch_size)]
         batch: Option<usize>,
     },
     /// Draw metrics files (`train`/`run --metrics`) as one picture: loss, evaluation
@@ -250,6 +254,49 @@ fn parse_remat(s: &str) -> Result<RematPolicy, String> {
 }
 
 /// A count flag: a whole number of at least 1.
+/// A scratch folder removed when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A whole number in `lo..=hi`, named in the error.
+fn whole_in(s: &str, lo: usize, hi: usize) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+        Ok(n) => Err(format!("{n} is out of range: give {lo} to {hi}")),
+        Err(_) => Err(format!("`{s}` is not a whole number from {lo} to {hi}")),
+    }
+}
+
+/// Workers or servers of a plan: at least 1, at most [`MAX_RANKS`].
+fn rank_count(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_RANKS)
+}
+
+/// Parameter servers: 0 (none, or as the strategy decides) to [`MAX_RANKS`].
+fn server_count(s: &str) -> Result<usize, String> {
+    whole_in(s, 0, MAX_RANKS)
+}
+
+/// Nodes of a generated benchmark graph: 1 to 10 million.
+fn graph_nodes(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, 10_000_000)
+}
+
+/// A batch: 1 to [`MAX_BATCH`] samples.
+fn batch_size(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_BATCH)
+}
+
+/// Micro-batches of gradient accumulation: 1 to [`MAX_MICRO_BATCHES`].
+fn micro_batches(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_MICRO_BATCHES)
+}
+
 fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("0 is not allowed: give at least 1".into()),
@@ -314,13 +361,13 @@ struct CompileArgs {
     #[arg(long, value_name = "PASS")]
     disable_pass: Vec<String>,
     /// Bind the batch dimension B to this instead of the train block's batch.
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, value_parser = batch_size)]
     batch: Option<usize>,
     /// Worker count N (data-parallel replicas; more than 1 needs a distributed strategy).
-    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 1, value_parser = rank_count)]
     workers: usize,
     /// Parameter-server count S (ps, hybrid and auto).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = server_count)]
     servers: usize,
     /// Parameter-server synchronisation: sync, async or stale:K (ps, hybrid, auto).
     #[arg(long, default_value = "sync", value_parser = parse_sync)]
@@ -344,7 +391,7 @@ struct CompileArgs {
     /// Gradient accumulation: K micro-batches of the plan's batch per step, one update
     /// and one round of communication per step (the same update as one device with
     /// batch N*K*b; the activations of one micro-batch).
-    #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "K")]
+    #[arg(long, default_value_t = 1, value_parser = micro_batches, value_name = "K")]
     accumulate: usize,
     /// Activation checkpointing: `layers` keeps only the activations entering each
     /// layer (matmul, conv2d) and recomputes the rest in the backward pass; a number
@@ -723,7 +770,12 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     } else {
         None
     };
+    // Ctrl-C stops at the end of the running step (the metrics so far are kept) and
+    // says which training state is on disk; a second one stops at once.
+    let interrupt = (args.transport == Transport::Inprocess).then(interrupt_flag);
+    let mut last_step = 0;
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
+        last_step = m.step;
         if let (None, Some(p)) = (&metrics, &args.metrics) {
             let f = std::fs::File::create(p).map_err(|source| distc_runtime::RuntimeError::Io {
                 path: p.clone(),
@@ -746,6 +798,9 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
                 m.loss, m.samples_per_sec
             ));
         }
+        if interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+            return Err(distc_runtime::RuntimeError::Config(INTERRUPTED.into()));
+        }
         Ok(())
     };
     let run = Launch {
@@ -765,11 +820,63 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     if let Some(mut w) = metrics {
         w.flush().context("cannot write the metrics file")?;
     }
+    if interrupt.is_some_and(|f| f.load(Ordering::SeqCst)) && result.is_err() {
+        bail!("{}", interrupted_note(args, last_step));
+    }
     match result? {
         Some(report) => finish_run(plan, args, &report),
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
     }
+}
+
+const INTERRUPTED: &str = "interrupted (Ctrl-C)";
+
+/// Set by the first Ctrl-C; a second one exits at once. Installed once per process.
+fn interrupt_flag() -> Arc<AtomicBool> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicBool::new(false));
+        let seen = flag.clone();
+        let installed = ctrlc::set_handler(move || {
+            if seen.swap(true, Ordering::SeqCst) {
+                err("\ninterrupted again: stopping now, writing nothing more\n");
+                std::process::exit(130);
+            }
+            err("\ninterrupted: stopping after this step (Ctrl-C again stops at once)\n");
+        });
+        if let Err(e) = installed {
+            err(&format!("warning: Ctrl-C will stop at once: {e}\n"));
+        }
+        flag
+    })
+    .clone()
+}
+
+/// What a run stopped by Ctrl-C leaves: the metrics so far, and the training state of
+/// the last checkpoint step, if any. No final state is written: workers stop where
+/// each is, and a state must be one step of all of them.
+fn interrupted_note(args: &RunArgs, step: usize) -> String {
+    // Read back, not computed: workers may have finished (and saved) a step beyond
+    // the last one reported.
+    let state = match &args.checkpoint {
+        Some(path) => match distc_runtime::core::checkpoint::load_state(path) {
+            Ok(st) => format!(
+                "the last training state written is of step {} in {} (resume with --resume)",
+                st.index.step,
+                path.display()
+            ),
+            Err(_) => format!("{} holds no training state", path.display()),
+        },
+        None => "no training state was written (--checkpoint FILE \
+                 --checkpoint-every K keeps one)"
+            .into(),
+    };
+    let saved = match &args.save {
+        Some(p) => format!("; --save {} was not written", p.display()),
+        None => String::new(),
+    };
+    format!("{INTERRUPTED} after step {step}: no final checkpoint was written; {state}{saved}")
 }
 
 /// Where a run's workers compute, from --device and the GPU flags.
@@ -964,8 +1071,14 @@ fn main() {
     distc_runtime::cpu::warm_allocator();
     let cli = Cli::parse();
     if let Err(e) = real_main(cli) {
-        err(&format!("error: {}\n", error_chain(&e)));
-        std::process::exit(1);
+        let text = error_chain(&e);
+        err(&format!("error: {text}\n"));
+        // 128 + SIGINT, as shells report a job stopped by Ctrl-C.
+        std::process::exit(if text.starts_with(INTERRUPTED) {
+            130
+        } else {
+            1
+        });
     }
 }
 
@@ -1078,6 +1191,8 @@ fn real_main(cli: Cli) -> Result<()> {
                 },
                 no_cuda_graph,
             };
+            // The scratch plans and metrics go with the run, however it ends.
+            let _scratch = RemoveOnDrop(settings.dir.clone());
             let rows = distc::bench::run(&settings)?;
             if let Some(path) = json {
                 write_file(&path, serde_json::to_string_pretty(&rows)?.as_bytes())?;

@@ -108,9 +108,9 @@ pub enum CompileError {
     /// The DSL is wrong.
     #[error("{0}")]
     Dsl(Box<DslError>),
-    /// A pass failed; the last good IR of every program was written to `last_good`
-    /// (the worker program first).
-    #[error("{error}\nthe IR before that pass is in {}", show_paths(.last_good))]
+    /// A pass failed; with `--dump-ir`, the last good IR of every program was written
+    /// to `last_good` (the worker program first).
+    #[error("{error}\n{}", last_good_note(.last_good))]
     Pipeline {
         /// The failure.
         error: PipelineError,
@@ -138,9 +138,12 @@ pub enum CompileError {
     },
 }
 
-fn show_paths(paths: &[PathBuf]) -> String {
+fn last_good_note(paths: &[PathBuf]) -> String {
+    if paths.is_empty() {
+        return "give --dump-ir DIR to keep the IR before that pass".into();
+    }
     let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
-    names.join(", ")
+    format!("the IR before that pass is in {}", names.join(", "))
 }
 
 /// Writes every program of `p` into `dir` as `{stem}.ir`, `{stem}.server0.ir`,
@@ -166,14 +169,8 @@ fn write(path: &Path, text: &str) -> Result<(), CompileError> {
 /// so `compile` and `train` fail before step 1 instead. (`verify` trains without
 /// evaluating, so it does not ask.)
 pub fn check_settings(config: &RunConfig) -> Result<(), CompileError> {
-    if let Some(e) = config.eval_samples.filter(|&e| e < config.batch) {
-        return Err(CompileError::Settings(format!(
-            "eval_samples = {e} is smaller than one batch ({}): the evaluation after the \
-             last step would have no data; give eval_samples of at least {} or leave it out",
-            config.batch, config.batch
-        )));
-    }
-    Ok(())
+    config.check().map_err(CompileError::Settings)?;
+    config.check_evaluation().map_err(CompileError::Settings)
 }
 
 /// Compiles DSL `src` (read from `file_name`).
@@ -191,6 +188,7 @@ pub fn compile(
             });
         }
     }
+    opts.strategy.check().map_err(CompileError::Settings)?;
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let assumptions = program.assumptions;
@@ -198,6 +196,16 @@ pub fn compile(
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
     config.batch = program.batch_symbol_value;
+    // What `run` would refuse, refused now: the settings' ranges, and the model's
+    // inputs and the ids it indexes with against the data source.
+    config.check().map_err(CompileError::Settings)?;
+    distc_runtime::run::data::check_model(
+        &programs.worker,
+        &config.data,
+        config.batch,
+        &config.data.id_bounds(),
+    )
+    .map_err(|e| CompileError::Settings(e.to_string()))?;
     let lowered_nodes = programs.worker.node_count();
     if let Some(dir) = &opts.dump_ir {
         std::fs::create_dir_all(dir).map_err(|source| CompileError::Write {
@@ -252,6 +260,13 @@ pub fn compile(
     }
     match result {
         Ok(records) => {
+            if opts.stop_after.is_none() {
+                // The plan's loader checks the same: a compile never writes a plan
+                // `run` would refuse.
+                programs
+                    .check_consistency(&opts.strategy, cx.dist.as_ref())
+                    .map_err(|e| CompileError::Settings(format!("internal error: {e}")))?;
+            }
             if let (Some(dir), None) = (&opts.dump_ir, &opts.stop_after) {
                 write(&dir.join(CUDA_DUMP), &cuda_source(&programs.worker))?;
             }
@@ -267,9 +282,13 @@ pub fn compile(
             })
         }
         Err(error) => {
-            let dir = opts.dump_ir.clone().unwrap_or_else(std::env::temp_dir);
-            let stem = format!("distc-before-{}", error.pass);
-            let last_good = write_programs(&dir, &stem, &error.last_good)?;
+            // Written only where the user asked for IR: nothing appears unasked.
+            let last_good = match &opts.dump_ir {
+                Some(dir) => {
+                    write_programs(dir, &format!("before-{}", error.pass), &error.last_good)?
+                }
+                None => Vec::new(),
+            };
             Err(CompileError::Pipeline { error, last_good })
         }
     }

@@ -206,3 +206,100 @@ fn eval_samples_below_a_batch_is_refused_before_training() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A failing pass wrote `distc-before-PASS.ir` into the current folder (later the
+/// system's temporary folder) unasked; now it writes only into `--dump-ir`'s folder
+/// and otherwise says how to get it.
+#[test]
+fn a_failing_pass_writes_nothing_unasked() {
+    let dir = temp_dir("issue20-dump");
+    let (cwd, tmp, dump) = (dir.join("cwd"), dir.join("tmp"), dir.join("dump"));
+    for d in [&cwd, &tmp] {
+        std::fs::create_dir_all(d).expect("mkdir");
+    }
+    let model = root().join("examples/mlp.dsl");
+    let compile = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_distc"))
+            .args(["compile", s(&model), "--strategy", "ps", "--workers", "2"])
+            .args(["-o", s(&cwd.join("plan.json"))])
+            .args(extra)
+            .current_dir(&cwd)
+            .env("TMPDIR", &tmp)
+            .output()
+            .expect("runs")
+    };
+    let o = compile(&[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("give --dump-ir DIR"), "{}", text(&o));
+    for d in [&cwd, &tmp] {
+        let left: Vec<_> = std::fs::read_dir(d).expect("ls").flatten().collect();
+        assert!(left.is_empty(), "{} holds {left:?}", d.display());
+    }
+    let o = compile(&["--dump-ir", s(&dump)]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(dump.join("before-place.ir").is_file(), "{}", text(&o));
+}
+
+/// `--workers`, `--servers` and `--nodes` of 2^32 or 2^63-1 aborted or panicked in
+/// the compiler; the parser now bounds them (exit 2), naming the range.
+#[test]
+fn rank_and_graph_counts_are_bounded_by_the_parser() {
+    for big in ["4294967296", "9223372036854775807"] {
+        refused(
+            &[
+                "compile",
+                "examples/mlp.dsl",
+                "-o",
+                "x.json",
+                "--servers",
+                big,
+            ],
+            "out of range",
+        );
+        refused(
+            &[
+                "compile",
+                "examples/mlp.dsl",
+                "-o",
+                "x.json",
+                "--workers",
+                big,
+            ],
+            "out of range",
+        );
+        refused(&["bench", "--compile", "--nodes", big], "out of range");
+    }
+    refused(
+        &[
+            "compile",
+            "examples/mlp.dsl",
+            "-o",
+            "x.json",
+            "--batch",
+            "99999999999",
+        ],
+        "out of range",
+    );
+}
+
+/// `verify --batch 300000000` aborted allocating 9.6 GB: verify skipped the memory
+/// estimate `run` applies. The estimate now guards every run at the one launch entry,
+/// so verify refuses it naming the figures.
+#[test]
+fn verify_applies_the_memory_estimate() {
+    let o = distc(&[
+        "verify",
+        "examples/dense_mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--batch",
+        "300000000",
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("this run needs about"), "{}", text(&o));
+    assert!(!text(&o).contains("panicked"), "{}", text(&o));
+}

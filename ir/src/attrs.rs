@@ -312,9 +312,15 @@ impl<'a> Attrs<'a> {
     fn shapes(&mut self, key: &str) -> Result<Vec<Shape>, String> {
         let mut out = Vec::new();
         while self.items.iter().any(|(k, _)| k == key) {
-            out.push(Shape(self.list(key)?));
+            out.push(self.shape(key)?);
         }
         Ok(out)
+    }
+    /// A shape attribute, refused when it holds more than `MAX_ELEMENTS` elements.
+    fn shape(&mut self, key: &str) -> Result<Shape, String> {
+        let dims = self.list(key)?;
+        Shape::check_size(&dims).map_err(|e| format!("{}: `{key}`: {e}", self.op))?;
+        Ok(Shape(dims))
     }
     fn init(&mut self, key: &str) -> Result<Init, String> {
         match self.take(key) {
@@ -463,7 +469,7 @@ pub fn op_from_parts(
             keep_dims: a.flag("keep_dims")?,
         },
         "reshape" => Op::Reshape {
-            shape: Shape(a.list("shape")?),
+            shape: a.shape("shape")?,
         },
         "transpose" => Op::Transpose {
             perm: a.list("perm")?,
@@ -502,10 +508,10 @@ pub fn op_from_parts(
                 .map_err(|e| format!("fused: {e}"))?,
         },
         "sum_to" => Op::SumTo {
-            shape: Shape(a.list("shape")?),
+            shape: a.shape("shape")?,
         },
         "broadcast_to" => Op::BroadcastTo {
-            shape: Shape(a.list("shape")?),
+            shape: a.shape("shape")?,
         },
         "relu_grad" => Op::ReluGrad,
         "sigmoid_grad" => Op::SigmoidGrad,
@@ -560,7 +566,7 @@ pub fn op_from_parts(
         },
         "all_gather_dense" => Op::AllGatherDense {
             workers: a.int("workers")?,
-            shape: Shape(a.list("shape")?),
+            shape: a.shape("shape")?,
         },
         "accumulate" => Op::Accumulate {
             micro: a.int("micro")?,

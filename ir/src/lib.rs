@@ -28,5 +28,5 @@ pub use op::{Init, Op, ReduceOp};
 pub use parse::{parse, ParseError};
 pub use print::print;
 pub use shape::{infer, ShapeError};
-pub use types::{DType, Shape, TensorType, ValueType};
+pub use types::{DType, Shape, TensorType, ValueType, MAX_ELEMENTS};
 pub use verify::{verify, VerifyError};

@@ -208,6 +208,7 @@ fn tensor_type(p: Pair<Rule>) -> Result<TensorType, ParseError> {
             usize::try_from(v).map_err(|_| at(&d, "dimensions are non-negative"))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    Shape::check_size(&dims).map_err(|e| at(&p, &e))?;
     Ok(TensorType {
         dtype,
         shape: Shape(dims),
@@ -223,10 +224,13 @@ fn value_type(p: Pair<Rule>) -> Result<ValueType, ParseError> {
                 return Err(at(&p, "expected indexed_slices(TYPE, nnz=N)"));
             };
             let nnz = usize::try_from(int(&n)?).map_err(|_| at(&n, "nnz is non-negative"))?;
-            Ok(ValueType::IndexedSlices {
-                dense: tensor_type(t)?,
-                nnz,
-            })
+            let dense = tensor_type(t)?;
+            // The rows carried, as one tensor: `nnz` rows of the dense type's row.
+            let rows: Vec<usize> = std::iter::once(nnz)
+                .chain(dense.dims().iter().skip(1).copied())
+                .collect();
+            Shape::check_size(&rows).map_err(|e| at(&n, &e))?;
+            Ok(ValueType::IndexedSlices { dense, nnz })
         }
         _ => Err(at(&p, "expected a type")),
     }

@@ -55,7 +55,25 @@ impl fmt::Display for DType {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Shape(pub Vec<usize>);
 
+/// The most elements one tensor of the IR may hold (2^48, 1 PiB of f32): far beyond any
+/// model, and far enough from `usize::MAX` that byte counts and sums of them never
+/// overflow.
+pub const MAX_ELEMENTS: usize = 1 << 48;
+
 impl Shape {
+    /// Refuses a shape of more than [`MAX_ELEMENTS`] elements (a damaged or hostile
+    /// text IR would otherwise overflow every size computed from it).
+    pub fn check_size(dims: &[usize]) -> Result<(), String> {
+        let mut n: usize = 1;
+        for &d in dims {
+            n = match n.checked_mul(d) {
+                Some(n) if n <= MAX_ELEMENTS => n,
+                _ => return Err(format!("the shape {dims:?} has more than 2^48 elements")),
+            };
+        }
+        Ok(())
+    }
+
     /// The shape of a scalar.
     pub fn scalar() -> Shape {
         Shape(Vec::new())

@@ -353,3 +353,19 @@ fn fused_errors_name_the_problem() {
     let e = verify_err("add(in0, in1)", "%0, %1");
     assert!(e.contains("dtypes differ"), "{e}");
 }
+
+/// Issue 20 (found by the plan fuzzer): a dimension of 2^63-1 in a plan's text IR
+/// overflowed the element count in shape inference and panicked; types, row-sparse
+/// types and shape attributes beyond 2^48 elements are refused by the parser, naming
+/// the line.
+#[test]
+fn sizes_beyond_the_element_limit_are_refused_when_parsed() {
+    for text in [
+        "graph g {\n  %0 = input{name=\"x\"} : f32[9223372036854775807, 128]\n}\n",
+        "graph g {\n  %0 = input{name=\"x\"} : f32[4, 4]\n  %1 = reshape{shape=[4294967296, 4294967296]} %0 : f32[16]\n}\n",
+        "graph g {\n  %0 = input{name=\"x\"} : indexed_slices(f32[4, 65536], nnz=9223372036854775807)\n}\n",
+    ] {
+        let e = distc_ir::parse(text).expect_err("refused").to_string();
+        assert!(e.contains("more than 2^48 elements"), "{e}");
+    }
+}

@@ -129,6 +129,75 @@ fn one() -> usize {
     1
 }
 
+/// The most workers, or servers, a plan may name.
+pub const MAX_RANKS: usize = 1 << 20;
+
+/// The most micro-batches a step may accumulate.
+pub const MAX_MICRO_BATCHES: usize = 1 << 16;
+
+impl StrategyConfig {
+    /// Every setting's range, and the settings that contradict the strategy: what the
+    /// command line refuses by flag, refused here by field for a plan whoever wrote it.
+    pub fn check(&self) -> Result<(), String> {
+        let name = self.strategy.name();
+        let field = |f: &str, rule: &str, x: &dyn std::fmt::Display| {
+            Err(format!("`{f}` must be {rule}, found {x}"))
+        };
+        if !(1..=MAX_RANKS).contains(&self.workers) {
+            return field("workers", &format!("in 1..={MAX_RANKS}"), &self.workers);
+        }
+        if self.servers > MAX_RANKS {
+            return field("servers", &format!("at most {MAX_RANKS}"), &self.servers);
+        }
+        if !(1..=MAX_MICRO_BATCHES).contains(&self.accumulate) {
+            return field(
+                "accumulate",
+                &format!("in 1..={MAX_MICRO_BATCHES}"),
+                &self.accumulate,
+            );
+        }
+        if self.zero > 3 {
+            return field("zero", "0, 1, 2 or 3", &self.zero);
+        }
+        for (f, x) in [
+            ("bucket_mb", self.bucket_mb),
+            ("first_bucket_mb", self.first_bucket_mb),
+            ("latency", self.latency),
+        ] {
+            if !(x.is_finite() && x >= 0.0) {
+                return field(f, "a finite number of at least 0", &x);
+            }
+        }
+        if !(self.bandwidth.is_finite() && self.bandwidth > 0.0) {
+            return field("bandwidth", "a positive finite number", &self.bandwidth);
+        }
+        if self.partition_bytes == 0 {
+            return field("partition_bytes", "positive", &self.partition_bytes);
+        }
+        if let RematPolicy::Budget(mib) = self.remat {
+            if !(mib.is_finite() && mib > 0.0) {
+                return field("remat", "a positive finite budget in MiB", &mib);
+            }
+        }
+        match self.strategy {
+            Strategy::Single if self.workers != 1 || self.servers != 0 => Err(format!(
+                "{} workers and {} servers under `single`, one device: it has 1 and 0",
+                self.workers, self.servers
+            )),
+            Strategy::Single | Strategy::Allreduce if self.sync != SyncMode::Sync => Err(format!(
+                "sync `{}` under `{name}`: all-reduce is synchronous; only servers apply \
+                 pushes asynchronously",
+                self.sync
+            )),
+            Strategy::Single | Strategy::Ps if self.zero != 0 => Err(format!(
+                "ZeRO {} under `{name}`, which all-reduces nothing to shard",
+                self.zero
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Default for StrategyConfig {
     fn default() -> StrategyConfig {
         StrategyConfig {

@@ -138,3 +138,178 @@ impl ProgramSet {
         }
     }
 }
+
+/// One shard of a server-held variable as the programs name it: (var, server, start
+/// row, end row).
+type ShardRef = (String, usize, usize, usize);
+
+impl ProgramSet {
+    /// Checks that the programs agree with each other, with the strategy's settings
+    /// and with the placement table: every shard a worker pulls or pushes is held by the
+    /// server it names with those rows, and every shard a server holds is used; a
+    /// server program only holds and serves shards; a variable the table places on
+    /// servers is pulled, one it replicates is a worker variable; ZeRO chunks come with
+    /// the final program that makes the whole variables again. The verifier checks
+    /// each program alone; a plan someone edited (and re-hashed) can still break these.
+    pub fn check_consistency(
+        &self,
+        settings: &crate::placement::StrategyConfig,
+        dist: Option<&crate::placement::DistPlan>,
+    ) -> Result<(), String> {
+        use crate::placement::Mechanism;
+        use distc_ir::{Op, ZERO_SHARD_SUFFIX};
+        use std::collections::{BTreeSet, HashSet};
+        if self.servers.len() != settings.servers && !self.servers.is_empty() {
+            return Err(format!(
+                "{} server programs for `settings.servers` = {}",
+                self.servers.len(),
+                settings.servers
+            ));
+        }
+        // What the worker reads from servers, and what the servers hold.
+        let mut used: BTreeSet<ShardRef> = BTreeSet::new();
+        let mut pulled: HashSet<&str> = HashSet::new();
+        for id in self.worker.node_ids() {
+            match self.worker.op(id) {
+                Op::Pull { var, shards, .. }
+                | Op::SparsePull { var, shards, .. }
+                | Op::Push { var, shards }
+                | Op::SparsePush { var, shards } => {
+                    pulled.insert(var);
+                    for &(s, a, b) in shards {
+                        used.insert((var.clone(), s, a, b));
+                    }
+                }
+                op @ (Op::Shard { .. } | Op::Serve { .. }) => {
+                    return Err(format!(
+                        "the worker program holds `{}`, a server's op",
+                        op.mnemonic()
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let mut held: BTreeSet<ShardRef> = BTreeSet::new();
+        for (i, g) in self.servers.iter().enumerate() {
+            for id in g.node_ids() {
+                match g.op(id) {
+                    Op::Shard {
+                        var, start, end, ..
+                    } => {
+                        held.insert((var.clone(), i, *start, *end));
+                    }
+                    Op::Serve { .. } => {}
+                    op => {
+                        return Err(format!(
+                            "server program {i} holds `{}`; a server program only holds \
+                             and serves shards",
+                            op.mnemonic()
+                        ))
+                    }
+                }
+            }
+        }
+        if let Some((var, s, a, b)) = used.difference(&held).next() {
+            return Err(format!(
+                "the worker program reads rows {a}..{b} of `{var}` from server {s}, which \
+                 does not hold them"
+            ));
+        }
+        if let Some((var, s, a, b)) = held.difference(&used).next() {
+            return Err(format!(
+                "server {s} holds rows {a}..{b} of `{var}`, which no worker reads"
+            ));
+        }
+        // ZeRO chunks and the final program.
+        let chunks: Vec<String> = self
+            .worker
+            .params()
+            .into_iter()
+            .filter_map(|(_, n, _)| n.strip_suffix(ZERO_SHARD_SUFFIX).map(str::to_string))
+            .collect();
+        if !chunks.is_empty() && settings.zero == 0 {
+            return Err(format!(
+                "the worker program holds ZeRO chunks (`{}{ZERO_SHARD_SUFFIX}`) but \
+                 `settings.zero` is 0",
+                chunks[0]
+            ));
+        }
+        match &self.finalize {
+            None if !chunks.is_empty() => {
+                return Err(format!(
+                    "the worker program holds ZeRO chunks (`{}{ZERO_SHARD_SUFFIX}`) but the \
+                     plan has no final program to make the whole variables from them",
+                    chunks[0]
+                ))
+            }
+            Some(_) if chunks.is_empty() => {
+                return Err("a final program, but no ZeRO chunks for it to gather".into())
+            }
+            Some(fin) => {
+                let made: HashSet<String> =
+                    fin.outputs().into_iter().map(|(name, _)| name).collect();
+                if let Some(v) = chunks.iter().find(|v| !made.contains(*v)) {
+                    return Err(format!(
+                        "the final program does not make `{v}` from its ZeRO chunk"
+                    ));
+                }
+            }
+            None => {}
+        }
+        // The placement table against the programs.
+        let Some(dist) = dist else { return Ok(()) };
+        let params: HashSet<String> = self
+            .worker
+            .params()
+            .into_iter()
+            .map(|(_, n, _)| n.strip_suffix(ZERO_SHARD_SUFFIX).unwrap_or(n).to_string())
+            .collect();
+        for v in &dist.vars {
+            let on_servers = v.placement == Mechanism::Ps;
+            if on_servers && !pulled.contains(v.name.as_str()) {
+                return Err(format!(
+                    "the placement table puts `{}` on servers; the worker program does not \
+                     pull it",
+                    v.name
+                ));
+            }
+            if !on_servers && !params.contains(&v.name) {
+                return Err(format!(
+                    "the placement table replicates `{}` ({}); the worker program has no \
+                     such variable",
+                    v.name,
+                    v.placement.name()
+                ));
+            }
+            let table: BTreeSet<ShardRef> = v
+                .shards
+                .iter()
+                .map(|s| (v.name.clone(), s.server, s.start, s.end))
+                .collect();
+            let programs: BTreeSet<ShardRef> =
+                held.iter().filter(|s| s.0 == v.name).cloned().collect();
+            if table != programs {
+                return Err(format!(
+                    "the placement table's shards of `{}` differ from those the server \
+                     programs hold",
+                    v.name
+                ));
+            }
+        }
+        let listed: HashSet<&str> = dist
+            .vars
+            .iter()
+            .map(|v| v.name.as_str())
+            .chain(dist.unreached.iter().map(String::as_str))
+            .collect();
+        if let Some(v) = params
+            .iter()
+            .map(String::as_str)
+            .chain(pulled.iter().copied())
+            .find(|v| !listed.contains(v))
+        {
+            return Err(format!("`{v}` is not in the placement table"));
+        }
+        Ok(())
+    }
+}

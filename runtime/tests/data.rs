@@ -344,8 +344,8 @@ fn errors_name_what_is_wrong() {
         "{err}"
     );
     // An existing directory without the dataset names the dataset's directory.
-    let empty = std::env::temp_dir().join(format!("distc-empty-{}", std::process::id()));
-    std::fs::create_dir_all(&empty).expect("mkdir");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let empty = tmp.path();
     let err = DataSource::open(
         &DataSpec::Ptb { context: 3 },
         Some(&empty),
@@ -388,4 +388,64 @@ fn errors_name_what_is_wrong() {
 #[test]
 fn data_dir_resolution() {
     assert_eq!(data_dir(Some(Path::new("/x"))), Some(PathBuf::from("/x")));
+}
+
+/// Issue 20: a resumed run skips to its data position in O(1) on synthetic sources
+/// (a position of 1e19 samples hung a linear fast-forward): skipping `k` steps'
+/// samples gives the batch drawing `k` batches gives, on both streams, for odd
+/// feature counts too (the Gaussian source draws normals in pairs); a skip of 2^61
+/// steps returns at once, and a position past any stream is refused.
+#[test]
+fn synthetic_sources_skip_in_constant_time() {
+    let odd = DataSpec::GaussianClasses {
+        features: 5,
+        classes: 3,
+    };
+    for (spec, fields) in [
+        (
+            zipf(),
+            vec![
+                ("ids", TensorType::i32(vec![4, 8])),
+                ("label", TensorType::i32(vec![4])),
+            ],
+        ),
+        (
+            odd,
+            vec![
+                ("x", TensorType::f32(vec![4, 5])),
+                ("label", TensorType::i32(vec![4])),
+            ],
+        ),
+    ] {
+        let s = shapes(&fields);
+        for global in [false, true] {
+            let open = || {
+                let open = if global {
+                    DataSource::open_global
+                } else {
+                    DataSource::open
+                };
+                open(&spec, None, &s, 4, 7, 1, 3).expect("open")
+            };
+            let mut walked = open();
+            for _ in 0..5 {
+                walked.next_batch().expect("batch");
+            }
+            let mut skipped = open();
+            skipped.skip_samples(5 * 4 * 3).expect("skip");
+            assert_eq!(
+                walked.next_batch().expect("batch"),
+                skipped.next_batch().expect("batch"),
+                "{} (global stream: {global})",
+                spec.name()
+            );
+            let started = std::time::Instant::now();
+            open().skip_samples(1 << 61).expect("a far skip");
+            assert!(started.elapsed().as_secs() < 5);
+            let err = open()
+                .skip_samples(10_000_000_000_000_000_000)
+                .expect_err("past any stream");
+            assert!(err.to_string().contains("beyond any stream"), "{err}");
+        }
+    }
 }

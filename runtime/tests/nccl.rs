@@ -10,23 +10,18 @@ use distc_runtime::cuda::{probe, CudaError, CudaLib, LibDirs};
 use distc_runtime::RuntimeError;
 
 /// A folder of this test's own under the system's temporary folder, removed on drop.
-struct TempDir(std::path::PathBuf);
+struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("distc-nccl-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("temp dir");
+        let p = tempfile::Builder::new()
+            .prefix(&format!("distc-nccl-{name}-"))
+            .tempdir()
+            .expect("temp dir");
         TempDir(p)
     }
     fn path(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path()
     }
 }
 

@@ -320,7 +320,8 @@ fn init_is_deterministic_per_name() {
 
 #[test]
 fn checkpoint_round_trip() {
-    let dir = std::env::temp_dir().join(format!("distc-ckpt-{}", std::process::id()));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path();
     let path = dir.join("sub").join("model.safetensors");
     let a = t32(&[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.5]);
     let b = Tensor::F64(ArrayD::from_shape_vec(IxDyn(&[2]), vec![0.1, -1e300]).expect("s"));

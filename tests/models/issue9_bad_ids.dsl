@@ -1,5 +1,5 @@
 # Issue 9, A.4: ids outside the table (the data's vocabulary is larger than the
-# table). Every strategy must report the cause and end, never hang.
+# table). Since issue 20, compile refuses it naming `ids` and the lookup.
 model bad_ids {
   input ids:   i32[B, 4]
   input label: i32[B]

@@ -1,4 +1,5 @@
 # Issue 9, A.4: labels outside the classes (the data has 10 classes, the model 3).
+# Since issue 20, compile refuses it naming `label` and the cross-entropy.
 model bad_labels {
   input x:     f32[B, 8]
   input label: i32[B]

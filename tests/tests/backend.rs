@@ -341,8 +341,8 @@ fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
 
 #[test]
 fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
-    let dir = std::env::temp_dir().join(format!("distc-backend-state-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path();
     let c = compile_file(&example("dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
     let opts = TrainOptions {
         steps: Some(1),

@@ -14,11 +14,12 @@ fn model(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-checkpoint-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+/// A folder of the test's own, removed when it ends.
+fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("distc-checkpoint-{name}-"))
+        .tempdir()
+        .expect("temp dir")
 }
 
 fn layout(strategy: Strategy, workers: usize, servers: usize, zero: u8) -> StrategyConfig {
@@ -66,7 +67,8 @@ fn run(
 
 #[test]
 fn resuming_gives_bitwise_the_uninterrupted_weights() {
-    let dir = temp_dir("bitwise");
+    let tmp = temp_dir("bitwise");
+    let dir = tmp.path();
     // Adam over a sparse embedding (lazy rows, bias correction) and plain SGD.
     for (name, file) in [
         ("sparse_adam", model("tests/models/issue9_sparse_adam.dsl")),
@@ -103,7 +105,8 @@ fn resuming_gives_bitwise_the_uninterrupted_weights() {
 
 #[test]
 fn a_state_resumes_under_another_layout() {
-    let dir = temp_dir("layouts");
+    let tmp = temp_dir("layouts");
+    let dir = tmp.path();
     let file = model("tests/models/issue9_sparse_adam.dsl");
     // Saved from hybrid with 4 workers (the embedding's rows and Adam slots on two
     // servers) and from ZeRO 3 with 4 workers (every dense variable in chunks).
@@ -168,7 +171,8 @@ fn resume_under_layouts_of_two(file: &Path, state: &TrainingState) {
 
 #[test]
 fn a_state_that_does_not_fit_is_refused() {
-    let dir = temp_dir("refused");
+    let tmp = temp_dir("refused");
+    let dir = tmp.path();
     let sparse = model("tests/models/issue9_sparse_adam.dsl");
     let state_file = dir.join("sparse.safetensors");
     run(

@@ -29,11 +29,28 @@ pub fn text(o: &Output) -> String {
     )
 }
 
-/// `$TMPDIR/distc-LABEL-PID`, created.
+/// `target/tmp/distc-LABEL-PID` (cargo's scratch folder for integration tests, not
+/// the system's /tmp), created; the folders of earlier runs of this label whose
+/// process is gone are removed first, so runs do not pile up.
 pub fn temp_dir(label: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("distc-{label}-{}", std::process::id()));
+    let base = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let prefix = format!("distc-{label}-");
+    for e in std::fs::read_dir(base).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix(&prefix)
+            .and_then(|p| p.parse::<u32>().ok());
+        if pid.is_some_and(|p| p != std::process::id() && !alive(p)) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    let dir = base.join(format!("{prefix}{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
     dir
+}
+
+fn alive(pid: u32) -> bool {
+    distc_runtime::core::output::process_alive(pid)
 }
 
 /// Runs `distc ARGS` and checks it fails with exit status 1 or 2 (clap's usage

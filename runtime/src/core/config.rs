@@ -126,3 +126,156 @@ pub struct RunConfig {
     /// Evaluate on at most this many held-out samples (None: all).
     pub eval_samples: Option<usize>,
 }
+
+/// The largest id an `i32` id field can hold, plus one: a vocabulary or class count
+/// beyond it cannot be represented in the id tensors.
+pub const MAX_IDS: usize = 1 << 31;
+
+/// Refuses a value outside a range, naming the field: `what` must be `rule`, found `x`.
+fn out_of_range(what: &str, rule: &str, x: impl std::fmt::Display) -> String {
+    format!("{what} must be {rule}, found {x}")
+}
+
+fn count_in(what: &str, x: usize, max: usize) -> Result<(), String> {
+    if x == 0 || x > max {
+        return Err(out_of_range(what, &format!("in 1..={max}"), x));
+    }
+    Ok(())
+}
+
+impl DataSpec {
+    /// Every field's range: counts positive, id counts representable as `i32` ids,
+    /// fractions and exponents where they mean something. The DSL checks the same
+    /// ranges with spans; a plan's values are checked here whoever wrote them.
+    pub fn check(&self) -> Result<(), String> {
+        let name = self.name();
+        let field = |f: &str| format!("data source `{name}`: `{f}`");
+        match *self {
+            DataSpec::Mnist => Ok(()),
+            DataSpec::Ptb { context } => count_in(&field("context"), context, 1 << 20),
+            DataSpec::Movielens { test_fraction } => {
+                if !(test_fraction > 0.0 && test_fraction < 1.0) {
+                    return Err(out_of_range(
+                        &field("test_fraction"),
+                        "in (0, 1)",
+                        test_fraction,
+                    ));
+                }
+                Ok(())
+            }
+            DataSpec::ZipfTokens {
+                vocab,
+                context,
+                classes,
+                s,
+            } => {
+                count_in(&field("vocab"), vocab, MAX_IDS - 1)?;
+                count_in(&field("context"), context, 1 << 20)?;
+                count_in(&field("classes"), classes, MAX_IDS - 1)?;
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(out_of_range(&field("s"), "a positive finite number", s));
+                }
+                Ok(())
+            }
+            DataSpec::GaussianClasses { features, classes } => {
+                count_in(&field("features"), features, 1 << 24)?;
+                count_in(&field("classes"), classes, MAX_IDS - 1)
+            }
+        }
+    }
+
+    /// The exclusive bound of each id field that the source's settings alone fix
+    /// (file sources whose vocabulary the files decide report theirs when opened).
+    pub fn id_bounds(&self) -> Vec<(&'static str, usize)> {
+        match *self {
+            DataSpec::Mnist => vec![("label", 10)],
+            DataSpec::ZipfTokens { vocab, classes, .. } => {
+                vec![("ids", vocab), ("label", classes)]
+            }
+            DataSpec::GaussianClasses { classes, .. } => vec![("label", classes)],
+            DataSpec::Ptb { .. } | DataSpec::Movielens { .. } => Vec::new(),
+        }
+    }
+
+    /// Bytes the source holds besides its batches: the Zipf sampler's table.
+    pub fn table_bytes(&self) -> u128 {
+        match *self {
+            DataSpec::ZipfTokens { vocab, .. } => 8 * vocab as u128,
+            _ => 0,
+        }
+    }
+}
+
+impl OptimizerSpec {
+    /// Every hyper-parameter's range (the DSL's ranges).
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |what: &str, x: f64| {
+            if x.is_finite() && x > 0.0 {
+                Ok(())
+            } else {
+                Err(out_of_range(what, "a positive finite number", x))
+            }
+        };
+        let decay = |what: &str, x: f64| {
+            if (0.0..1.0).contains(&x) {
+                Ok(())
+            } else {
+                Err(out_of_range(what, "in [0, 1)", x))
+            }
+        };
+        match *self {
+            OptimizerSpec::Sgd { lr, momentum } => {
+                positive("sgd: the learning rate `lr`", lr)?;
+                decay("sgd: `momentum`", momentum)
+            }
+            OptimizerSpec::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                positive("adam: the learning rate `lr`", lr)?;
+                decay("adam: `beta1`", beta1)?;
+                decay("adam: `beta2`", beta2)?;
+                positive("adam: `eps`", eps)
+            }
+        }
+    }
+
+    /// The optimizer's name in the DSL (and in a checkpoint's index).
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => "sgd",
+            OptimizerSpec::Sgd { .. } => "momentum",
+            OptimizerSpec::Adam { .. } => "adam",
+        }
+    }
+}
+
+/// The most samples one worker's batch may hold.
+pub const MAX_BATCH: usize = 1 << 32;
+
+impl RunConfig {
+    /// Every setting's range: the data source's, the optimizer's and the batch's. A
+    /// plan is checked here whoever wrote it: its hash proves it is what was written,
+    /// not that it is sound.
+    pub fn check(&self) -> Result<(), String> {
+        self.data.check()?;
+        self.optimizer.check()?;
+        count_in("`batch`", self.batch, MAX_BATCH)
+    }
+
+    /// Refuses an evaluation that would find no data after the last step (a run that
+    /// evaluates; `verify` does not).
+    pub fn check_evaluation(&self) -> Result<(), String> {
+        match self.eval_samples {
+            Some(e) if e < self.batch => Err(format!(
+                "eval_samples = {e} is smaller than one batch ({}): the evaluation after \
+                 the last step would have no data; give eval_samples of at least {} or \
+                 leave it out",
+                self.batch, self.batch
+            )),
+            _ => Ok(()),
+        }
+    }
+}

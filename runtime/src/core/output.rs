@@ -115,6 +115,20 @@ fn temp_path(path: &Path) -> Result<(PathBuf, String)> {
     ))
 }
 
+/// Whether process `pid` is running: it exists and is not a zombie (a killed writer
+/// whose parent has not reaped it yet still has a `/proc` entry, in state `Z`).
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // `pid (comm) state ...`: comm may hold spaces and parentheses, so the state is
+        // the first field after the last `)`.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
 /// Removes temporary files of `prefix` in `dir` left by processes that are gone.
 fn remove_stale(dir: &Path, prefix: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -128,8 +142,7 @@ fn remove_stale(dir: &Path, prefix: &str) {
         else {
             continue;
         };
-        let alive = Path::new("/proc").join(pid.to_string()).exists();
-        if !alive && pid != std::process::id() {
+        if !process_alive(pid) && pid != std::process::id() {
             let _ = std::fs::remove_file(e.path());
         }
     }

@@ -13,8 +13,9 @@
 //! ([`crate::core::backend::Capture`]). Parameter servers always run on the CPU.
 
 use crate::comm::Communicator;
+use crate::core::checkpoint::{TrainingState, STEP_KEY};
 use crate::core::config::RunConfig;
-use crate::core::error::Result;
+use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
 use crate::run::metrics::StepMetrics;
@@ -135,6 +136,7 @@ pub fn launch(
         device,
         transport,
     } = run;
+    check_run(run)?;
     match (device, transport) {
         (DeviceChoice::Cpu, TransportChoice::InProcess) => {
             train(*programs, config, opts, on_step).map(Some)
@@ -166,6 +168,85 @@ pub fn launch(
 
 /// The libraries and the GPU a GPU run needs, probed before anything starts: NCCL
 /// first where `--collectives nccl` asks for it, so a missing library is named first.
+/// What would fail at the first step or later, refused before anything is allocated,
+/// whoever made the plan: the settings' ranges, the model against its data source, a
+/// resumed state against the model and optimizer, and the memory the run will hold.
+fn check_run(run: &Launch<'_>) -> Result<()> {
+    let (programs, config, opts) = (&run.programs, run.config, &run.opts);
+    config.check().map_err(RuntimeError::Config)?;
+    if opts.evaluate {
+        config.check_evaluation().map_err(RuntimeError::Config)?;
+    }
+    crate::run::data::check_model(
+        programs.worker,
+        &config.data,
+        config.batch,
+        &config.data.id_bounds(),
+    )?;
+    if let Some(state) = opts.resume.as_deref() {
+        check_resume(state, programs, config)?;
+    }
+    let steps = opts.steps.unwrap_or(config.steps);
+    let est = crate::run::memory::estimate(
+        programs,
+        config,
+        steps,
+        opts.preload,
+        &std::collections::HashMap::new(),
+    )?;
+    match run.transport {
+        TransportChoice::InProcess => {
+            crate::run::memory::check(est.in_process_total(), &est.describe())
+        }
+        TransportChoice::Mpi(_) => {
+            let need = est.per_worker() + est.eval;
+            crate::run::memory::check(
+                need,
+                &format!("{} per worker process", crate::run::memory::gib(need)),
+            )
+        }
+    }
+    .map_err(RuntimeError::Config)
+}
+
+/// Refuses a training state written for another model or by another optimizer: its
+/// optimizer state would be dropped, or missing, without a word.
+fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConfig) -> Result<()> {
+    let model = &programs.worker.name;
+    if &state.index.model != model {
+        return Err(RuntimeError::Config(format!(
+            "the training state is of model `{}`, this plan trains `{model}`",
+            state.index.model
+        )));
+    }
+    let wanted = crate::cpu::optim::Optimizer::new(&config.optimizer).slot_names();
+    let mut held: Vec<&str> = state
+        .optimizer
+        .keys()
+        .filter(|k| k.as_str() != STEP_KEY)
+        .filter_map(|k| k.rsplit_once('/').map(|(_, slot)| slot))
+        .collect();
+    held.sort_unstable();
+    held.dedup();
+    let mut want: Vec<&str> = wanted.to_vec();
+    want.sort_unstable();
+    if held != want {
+        let slots = |s: &[&str]| match s {
+            [] => "no state".to_string(),
+            s => format!("state {}", s.join(", ")),
+        };
+        return Err(RuntimeError::Config(format!(
+            "the training state was saved by optimizer {} ({}); this plan trains with {} \
+             ({}): resume with the optimizer that wrote it, or start afresh",
+            state.index.optimizer,
+            slots(&held),
+            config.optimizer.name(),
+            slots(&want),
+        )));
+    }
+    Ok(())
+}
+
 fn require_gpu(gpu: &GpuOptions) -> Result<()> {
     let dirs = LibDirs::from_env();
     if gpu.collectives == Collectives::Nccl {
@@ -196,7 +277,7 @@ fn mpi_ranks<B: crate::core::backend::Backend>(
     _: &mut dyn FnMut(&StepMetrics) -> Result<()>,
     _: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
-    Err(crate::core::error::RuntimeError::Config(NO_MPI.into()))
+    Err(RuntimeError::Config(NO_MPI.into()))
 }
 
 /// What a build without the `mpi` feature says when asked for MPI.

@@ -223,7 +223,9 @@ pub fn estimate(
             comm_buffers: step.comm_buffers,
         },
         servers,
-        data: batch_bytes.saturating_mul(batches),
+        data: batch_bytes
+            .saturating_mul(batches)
+            .saturating_add(config.data.table_bytes()),
         eval: per_sample.saturating_mul(eval_samples),
         workers,
         in_process_overhead: workers.saturating_mul(workers).saturating_mul(128),

@@ -21,7 +21,7 @@ use crate::core::roles::Role;
 use crate::core::value::Tensor;
 use crate::cpu::Cpu;
 use crate::ps::{self, PsConfig, PsSync, ShardSpec};
-use crate::run::data::{data_dir, DataSource};
+use crate::run::data::{check_model, data_dir, DataSource};
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
@@ -438,6 +438,16 @@ pub fn open_data(
                 rank * k + m,
                 programs.workers * k,
             )?;
+            if m == 0 {
+                // File sources know their id ranges (a vocabulary) only once read.
+                let info = source.info();
+                let bounds: Vec<(&str, usize)> = info
+                    .id_bounds
+                    .iter()
+                    .map(|(f, b)| (f.as_str(), *b))
+                    .collect();
+                check_model(programs.worker, &config.data, config.batch, &bounds)?;
+            }
             let mut steps = opts.steps.unwrap_or(config.steps);
             if let Some(state) = &opts.resume {
                 source.skip_samples(state.index.samples)?;

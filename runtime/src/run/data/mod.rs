@@ -451,17 +451,25 @@ impl DataSource {
     /// draw and drop whole steps of this source's layout (`samples` / global batch),
     /// which is the same stream when the layout is the one that was saved.
     pub fn skip_samples(&mut self, samples: u64) -> Result<()> {
+        if samples > MAX_POSITION {
+            return Err(RuntimeError::Config(format!(
+                "the training state's data position, {samples} samples, is beyond any \
+                 stream (at most 2^62): the state is damaged"
+            )));
+        }
         let global = (self.batch * self.workers) as u64;
-        match &mut self.cursor {
-            Cursor::Files(s) => s.base += samples,
-            Cursor::Synthetic(_) => {
-                let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
-                let mut cursor = self.cursor.clone();
-                for _ in 0..samples / global.max(1) {
-                    self.draw(&mut cursor, &need);
-                }
-                self.cursor = cursor;
+        let per_draw = if self.global_stream {
+            self.batch * self.workers
+        } else {
+            self.batch
+        };
+        match (&mut self.cursor, &self.backing) {
+            (Cursor::Files(s), _) => s.base += samples,
+            // Every draw consumes the same number of generator outputs: skip them at once.
+            (Cursor::Synthetic(rng), Backing::Synthetic(g)) => {
+                rng.advance(u128::from(samples / global.max(1)) * g.draws(per_draw));
             }
+            _ => {}
         }
         Ok(())
     }
@@ -721,6 +729,10 @@ fn out_fields(spec: &DataSpec, shapes: &HashMap<String, TensorType>) -> Result<V
     Ok(out)
 }
 
+/// The furthest data position a resumed run may start at: far beyond any run, and far
+/// enough from `u64::MAX` that positions computed from it never overflow.
+const MAX_POSITION: u64 = 1 << 62;
+
 /// Mixes two 64-bit values into a seed (splitmix64 finaliser).
 pub(crate) fn mix(a: u64, b: u64) -> u64 {
     let mut z = a ^ b
@@ -729,4 +741,101 @@ pub(crate) fn mix(a: u64, b: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// Checks a model against its data source before anything runs, so that what would
+/// fail at the first step (or, for an id out of range, at some later one) fails now:
+/// every model input is a field of the source with its dtype and values per sample
+/// (see [`DataSource::open`]), its first dimension is the `batch` the loader will
+/// make, and every id field the model indexes with fits what it indexes: a lookup
+/// table's rows, a cross-entropy's classes. `bounds` are the id fields' exclusive
+/// bounds ([`DataSpec::id_bounds`], or [`SourceInfo::id_bounds`] once files are read).
+pub fn check_model(
+    graph: &distc_ir::Graph,
+    spec: &DataSpec,
+    batch: usize,
+    bounds: &[(&str, usize)],
+) -> Result<()> {
+    let shapes = crate::run::train::input_types(graph);
+    out_fields(spec, &shapes)?;
+    let mut names: Vec<&String> = shapes.keys().collect();
+    names.sort();
+    for name in names {
+        let ty = &shapes[name];
+        if ty.dims().first() != Some(&batch) {
+            return Err(RuntimeError::Config(format!(
+                "the model input `{name}` is {ty}, but the data loader makes batches of \
+                 {batch} samples (the first dimension is the batch)"
+            )));
+        }
+    }
+    check_indices(graph, spec, bounds)
+}
+
+/// The model input a value is read from, through ops that move ids without changing
+/// them.
+fn id_origin(g: &distc_ir::Graph, mut v: distc_ir::ValueId) -> Option<&str> {
+    use distc_ir::Op;
+    loop {
+        match g.op(v.node) {
+            Op::Input { name, .. } => return Some(name),
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Slice { .. } => {
+                v = *g.node(v.node).inputs.first()?;
+            }
+            _ => return None,
+        }
+    }
+}
+
+fn check_indices(g: &distc_ir::Graph, spec: &DataSpec, bounds: &[(&str, usize)]) -> Result<()> {
+    use distc_ir::Op;
+    let bound = |v: distc_ir::ValueId| {
+        let field = id_origin(g, v)?;
+        bounds
+            .iter()
+            .find(|(f, _)| *f == field)
+            .map(|&(f, b)| (f, b))
+    };
+    let dims = |v: distc_ir::ValueId| -> Vec<usize> {
+        g.try_value_type(v)
+            .and_then(|t| t.tensor())
+            .map(|t| t.dims().to_vec())
+            .unwrap_or_default()
+    };
+    for id in g.topo_order() {
+        let inputs = &g.node(id).inputs;
+        // (id operand, how many it may index, what it indexes)
+        let (ids, room, what) = match g.op(id) {
+            Op::Embedding if inputs.len() == 2 => (
+                inputs[1],
+                dims(inputs[0]).first().copied(),
+                "rows of the lookup table",
+            ),
+            Op::SparsePull { table, .. } if !inputs.is_empty() => (
+                inputs[0],
+                table.dims().first().copied(),
+                "rows of the table",
+            ),
+            Op::SoftmaxCrossEntropy if inputs.len() == 2 => (
+                inputs[1],
+                dims(inputs[0]).last().copied(),
+                "classes of the logits",
+            ),
+            _ => continue,
+        };
+        let (Some((field, b)), Some(room)) = (bound(ids), room) else {
+            continue;
+        };
+        if b > room {
+            return Err(RuntimeError::Config(format!(
+                "data source `{}` gives `{field}` values up to {}, but %{} ({}) has {room} \
+                 {what}: make it {b} wide, or narrow the data source",
+                spec.name(),
+                b - 1,
+                id.0,
+                g.op(id).mnemonic(),
+            )));
+        }
+    }
+    Ok(())
 }

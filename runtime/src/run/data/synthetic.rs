@@ -5,15 +5,19 @@
 //!   (row-major, sample after sample) and is `searchsorted(cdf, u, side='right')`,
 //!   clamped to `vocab-1`. `label = ids[:, context-1] mod classes`.
 //! * `gaussian_classes` (W2): per batch, first `x ~ N(0,1)` f32 `[n, features]`
-//!   row-major, then `n` labels uniform in `0..classes`.
+//!   row-major, then `n` labels uniform in `0..classes`. The normals come in pairs
+//!   from two uniforms each (Box-Muller) and a label from one (multiply-shift), so a
+//!   batch consumes a number of generator outputs fixed by its size, as a Zipf batch
+//!   does (one per id).
 //!
-//! The exact bit streams differ from numpy's; the distributions are the specified ones.
+//! A fixed consumption per batch is what lets a resumed run skip to its data position
+//! in O(1) (`Pcg64::advance`) however far into the stream it is. The exact bit streams
+//! differ from numpy's; the distributions are the specified ones.
 
 use super::ColData;
 use crate::core::config::DataSpec;
 use crate::core::error::{Result, RuntimeError};
-use rand::Rng;
-use rand_distr::{Distribution, StandardNormal};
+use rand::{Rng, RngCore};
 use rand_pcg::Pcg64;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,32 +44,19 @@ impl Generator {
                 spec.name()
             )))
         };
+        spec.check().map_err(RuntimeError::Config)?;
         match *spec {
             DataSpec::ZipfTokens {
                 vocab,
                 context,
                 classes,
                 s,
-            } => {
-                if vocab == 0 || vocab > i32::MAX as usize {
-                    return bad(format!("vocab {vocab} is not in 1..=2^31-1"));
-                }
-                if context == 0 || classes == 0 || classes > i32::MAX as usize {
-                    return bad("context and classes must be positive".into());
-                }
-                if !s.is_finite() {
-                    return bad(format!("the Zipf exponent {s} is not finite"));
-                }
-                Ok(Generator::Zipf {
-                    cdf: Arc::new(zipf_cdf(vocab, s)),
-                    context,
-                    classes,
-                })
-            }
+            } => Ok(Generator::Zipf {
+                cdf: Arc::new(zipf_cdf(vocab, s)),
+                context,
+                classes,
+            }),
             DataSpec::GaussianClasses { features, classes } => {
-                if features == 0 || classes == 0 || classes > i32::MAX as usize {
-                    return bad("features and classes must be positive".into());
-                }
                 Ok(Generator::Gaussian { features, classes })
             }
             _ => bad("not a synthetic source".into()),
@@ -112,16 +103,41 @@ impl Generator {
                 vec![ColData::I32(ids), ColData::I32(labels)]
             }
             Generator::Gaussian { features, classes } => {
-                let x: Vec<f32> = (0..n * features)
-                    .map(|_| StandardNormal.sample(&mut *rng))
-                    .collect();
+                let mut x = Vec::with_capacity(n * features + 1);
+                while x.len() < n * features {
+                    let (a, b) = box_muller(rng);
+                    x.push(a);
+                    x.push(b);
+                }
+                x.truncate(n * features);
                 let labels: Vec<i32> = (0..n)
-                    .map(|_| rng.random_range(0..*classes as u32) as i32)
+                    .map(|_| ((u128::from(rng.next_u64()) * *classes as u128) >> 64) as i32)
                     .collect();
                 vec![ColData::F32(x), ColData::I32(labels)]
             }
         }
     }
+}
+
+impl Generator {
+    /// Generator outputs (`u64`s) that [`Generator::generate`] of `n` samples consumes.
+    pub(crate) fn draws(&self, n: usize) -> u128 {
+        let n = n as u128;
+        match self {
+            Generator::Zipf { context, .. } => n * *context as u128,
+            Generator::Gaussian { features, .. } => (n * *features as u128).div_ceil(2) * 2 + n,
+        }
+    }
+}
+
+/// Two independent standard normals from two uniforms (Box-Muller).
+fn box_muller(rng: &mut Pcg64) -> (f32, f32) {
+    // (0, 1]: the logarithm of 0 is not finite.
+    let u1 = ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+    let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    let r = (-2.0 * u1.ln()).sqrt();
+    let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+    ((r * c) as f32, (r * s) as f32)
 }
 
 /// The truncated Zipf cdf: `cumsum(p) / sum(p)` with `p_k = (k+1)^-s`, in f64.

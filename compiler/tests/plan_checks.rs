@@ -1,0 +1,184 @@
+//! Issue 20: a plan's hash proves it is what was written, not that it is sound. Each
+//! case edits one field of a compiled plan, re-hashes it as a careful forger would,
+//! and `Plan::load` must refuse it naming what is wrong; before, every one of these
+//! loaded (and ran, aborted or trained nonsense). Models that `run` would refuse are
+//! refused by `compile` too.
+
+use distc::{compile, CompileOptions, Plan};
+use distc_passes::placement::{Strategy, StrategyConfig};
+use serde_json::{json, Value};
+use std::path::Path;
+
+fn source(name: &str) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::read_to_string(root.join("examples").join(name)).expect("example")
+}
+
+fn plan_of(example: &str, strategy: StrategyConfig) -> Value {
+    let opts = CompileOptions {
+        strategy: strategy.clone(),
+        ..CompileOptions::default()
+    };
+    let c = compile(example, &source(example), &opts).expect("compiles");
+    serde_json::to_value(Plan::new(&c, example, &strategy)).expect("json")
+}
+
+fn distributed(strategy: Strategy, servers: usize, zero: u8) -> StrategyConfig {
+    StrategyConfig {
+        strategy,
+        workers: 2,
+        servers,
+        zero,
+        ..StrategyConfig::default()
+    }
+}
+
+/// Writes `plan` re-hashed and loads it.
+fn load_sealed(plan: Value) -> Result<(), String> {
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut p: Plan = serde_json::from_value(plan).map_err(|e| format!("serde: {e}"))?;
+    p.seal();
+    let path = dir.path().join("plan.json");
+    p.save(&path, &[]).expect("save");
+    Plan::load(&path).map(|_| ()).map_err(|e| e.to_string())
+}
+
+fn refused(plan: Value, want: &str) {
+    match load_sealed(plan) {
+        Ok(()) => panic!("a plan that should be refused ({want}) loaded"),
+        Err(e) => assert!(e.contains(want), "expected {want:?} in: {e}"),
+    }
+}
+
+fn edit(mut plan: Value, pointer: &str, value: Value) -> Value {
+    *plan
+        .pointer_mut(pointer)
+        .unwrap_or_else(|| panic!("no {pointer}")) = value;
+    plan
+}
+
+#[test]
+fn untouched_plans_load() {
+    for (example, s) in [
+        ("sparse_lm.dsl", distributed(Strategy::Hybrid, 2, 0)),
+        ("mlp.dsl", distributed(Strategy::Allreduce, 0, 3)),
+        ("mlp.dsl", StrategyConfig::default()),
+    ] {
+        load_sealed(plan_of(example, s)).expect("a compiled plan loads");
+    }
+}
+
+#[test]
+fn settings_out_of_range_are_refused() {
+    let mlp = plan_of("mlp.dsl", distributed(Strategy::Allreduce, 0, 0));
+    let lm = plan_of("sparse_lm.dsl", StrategyConfig::default());
+    refused(
+        edit(mlp.clone(), "/config/optimizer/lr", json!(-1.0)),
+        "`lr`",
+    );
+    refused(
+        edit(mlp.clone(), "/config/optimizer/eps", json!(0.0)),
+        "`eps`",
+    );
+    refused(
+        edit(mlp.clone(), "/config/optimizer/beta1", json!(2.0)),
+        "`beta1`",
+    );
+    refused(edit(lm.clone(), "/config/data/s", json!(0.0)), "`s`");
+    refused(
+        edit(lm.clone(), "/config/data/vocab", json!(1u64 << 31)),
+        "`vocab`",
+    );
+    refused(edit(mlp.clone(), "/settings/zero", json!(4)), "`zero`");
+    refused(
+        edit(mlp.clone(), "/settings/accumulate", json!(0)),
+        "`accumulate`",
+    );
+    refused(
+        edit(mlp.clone(), "/settings/sync", json!({"mode": "async"})),
+        "sync `async` under `allreduce`",
+    );
+    // The graph was bound to the plan's batch: a loader making other batches would
+    // feed it tensors of the wrong size (1e9 aborted allocating).
+    refused(
+        edit(mlp.clone(), "/config/batch", json!(1_000_000_000u64)),
+        "batches of 1000000000",
+    );
+    refused(
+        edit(mlp, "/settings/workers", json!(1u64 << 40)),
+        "`workers`",
+    );
+}
+
+#[test]
+fn programs_that_disagree_with_the_placement_are_refused() {
+    let hybrid = plan_of("sparse_lm.dsl", distributed(Strategy::Hybrid, 2, 0));
+    refused(
+        edit(hybrid.clone(), "/settings/servers", json!(3)),
+        "2 server programs for `settings.servers` = 3",
+    );
+    // A worker program where a server program belongs.
+    let worker = hybrid["graph"].clone();
+    refused(
+        edit(hybrid.clone(), "/servers/1", worker),
+        "server program 1 holds",
+    );
+    // Server 1 dropped: the worker still reads its rows.
+    let mut one = hybrid.clone();
+    one["servers"].as_array_mut().expect("servers").pop();
+    one["settings"]["servers"] = json!(1);
+    refused(one, "from server 1, which does not hold them");
+    // The table says other rows than the programs.
+    let mut table = hybrid.clone();
+    let vars = table["dist"]["vars"].as_array_mut().expect("vars");
+    let emb = vars.iter_mut().find(|v| v["name"] == "emb").expect("emb");
+    emb["shards"][0]["end"] = json!(40000);
+    refused(table, "shards of `emb` differ");
+    // A replicated variable the table sends to servers.
+    let mut moved = hybrid;
+    let vars = moved["dist"]["vars"].as_array_mut().expect("vars");
+    let w1 = vars.iter_mut().find(|v| v["name"] == "w1").expect("w1");
+    w1["placement"] = json!("ps");
+    refused(moved, "puts `w1` on servers");
+}
+
+#[test]
+fn zero_chunks_without_their_final_program_are_refused() {
+    let z3 = plan_of("mlp.dsl", distributed(Strategy::Allreduce, 0, 3));
+    let mut cut = z3.clone();
+    cut.as_object_mut().expect("object").remove("finalize");
+    refused(cut, "no final program");
+    refused(edit(z3, "/settings/zero", json!(0)), "`settings.zero` is 0");
+}
+
+fn compile_error(src: &str) -> String {
+    match compile("model.dsl", src, &CompileOptions::default()) {
+        Ok(_) => panic!("compiled, but run would refuse it:\n{src}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn compile_refuses_what_run_would() {
+    let lm = source("sparse_lm.dsl");
+    // Classes beyond what i32 labels hold.
+    let e = compile_error(&lm.replace("classes = 1000", "classes = 2147483648"));
+    assert!(e.contains("`classes`"), "{e}");
+    // Logits narrower than the labels the source gives.
+    let narrow = lm
+        .replace("f32[512, 1000]", "f32[512, 10]")
+        .replace("f32[1000]", "f32[10]");
+    let e = compile_error(&narrow);
+    assert!(
+        e.contains("`label` values up to 999") && e.contains("10 classes of the logits"),
+        "{e}"
+    );
+    // A vocabulary larger than the table's rows.
+    let e = compile_error(&lm.replace("vocab = 100000", "vocab = 200000"));
+    assert!(
+        e.contains("`ids` values up to 199999") && e.contains("100000 rows of the lookup table"),
+        "{e}"
+    );
+    // The same in-range model compiles.
+    compile("model.dsl", &lm, &CompileOptions::default()).expect("the example compiles");
+}
