@@ -348,7 +348,7 @@ fn errors_name_what_is_wrong() {
     let empty = tmp.path();
     let err = DataSource::open(
         &DataSpec::Ptb { context: 3 },
-        Some(&empty),
+        Some(empty),
         &HashMap::new(),
         8,
         0,
@@ -362,13 +362,12 @@ fn errors_name_what_is_wrong() {
         "{err}"
     );
     std::fs::create_dir_all(empty.join("mnist")).expect("mkdir");
-    let err = DataSource::open(&DataSpec::Mnist, Some(&empty), &HashMap::new(), 8, 0, 0, 1)
+    let err = DataSource::open(&DataSpec::Mnist, Some(empty), &HashMap::new(), 8, 0, 0, 1)
         .expect_err("no files");
     assert!(
         err.to_string().contains("train-images-idx3-ubyte.gz"),
         "{err}"
     );
-    std::fs::remove_dir_all(&empty).expect("rmdir");
     // No directory at all names the ways to give one.
     let err =
         DataSource::open(&DataSpec::Mnist, None, &HashMap::new(), 8, 0, 0, 1).expect_err("no dir");

@@ -368,7 +368,6 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
         "{err}"
     );
     assert!(!dir.join("state.safetensors").exists());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A backend that runs the plan's collectives on a communicator of its own (as the

@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod codegen;
+pub mod emu;
 pub mod nccl;
 pub mod nvrtc;
 

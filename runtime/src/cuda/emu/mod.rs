@@ -1,0 +1,177 @@
+//! The GPU emulator's kernels (issue 21): the CUDA C a plan generates, compiled by the
+//! system C++ compiler with `cuda_emu.h`, which gives CUDA's built-ins their meaning on
+//! a CPU, into a shared library loaded at run time.
+//!
+//! A launch runs every block of the grid in turn; each CUDA thread of a block is a
+//! fiber with a stack of its own, so `__syncthreads` is a real barrier over the block
+//! and `__shfl_xor_sync` / `__ballot_sync` exchange values between the 32 lanes of a
+//! warp as on a GPU. Arguments are passed as `cuLaunchKernel` takes them: one pointer
+//! per parameter, to a value of the parameter's own type, so a wrong argument gives a
+//! wrong result here too. A barrier some threads of a block never reach is reported
+//! by name instead of hanging.
+//!
+//! What this cannot show: speed, memory ordering between blocks running at once (they
+//! run one after another), and anything the hardware or driver does on its own.
+
+// Loading a compiled library and calling into it is FFI: each unsafe block says why it
+// holds.
+#![allow(unsafe_code)]
+
+use std::ffi::{c_char, c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use thiserror::Error;
+
+/// The header every emulated translation unit is compiled with.
+pub const HEADER: &str = include_str!("cuda_emu.h");
+
+/// What went wrong compiling or running an emulated kernel.
+#[derive(Debug, Error)]
+pub enum EmuError {
+    /// The C++ compiler could not be run, or refused the source.
+    #[error("compiling the kernels for the GPU emulator with `{compiler}`: {message}")]
+    Compile {
+        /// The compiler run.
+        compiler: String,
+        /// Its message (the first lines of its log).
+        message: String,
+    },
+    /// The compiled library could not be loaded, or lacks a kernel.
+    #[error("loading the emulated kernels: {0}")]
+    Load(String),
+    /// A launch failed (a bad geometry, a barrier not every thread reached).
+    #[error("kernel `{kernel}` (grid {grid:?}, block {block:?}): {message}")]
+    Launch {
+        /// The kernel.
+        kernel: String,
+        /// Its grid.
+        grid: [u32; 3],
+        /// Its block.
+        block: [u32; 3],
+        /// What went wrong.
+        message: String,
+    },
+}
+
+type LaunchFn = unsafe extern "C" fn(*const u32, *const u32, *mut *mut c_void) -> *const c_char;
+
+/// One translation unit's kernels, compiled for the CPU.
+#[derive(Debug)]
+pub struct EmuModule {
+    lib: libloading::Library,
+}
+
+/// The C++ compiler: `CXX`, else `c++`.
+fn compiler() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".into())
+}
+
+/// A fresh scratch folder for one compile, removed once the library is loaded.
+fn scratch() -> std::io::Result<PathBuf> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "distc-emu-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+impl EmuModule {
+    /// Compiles `source` (CUDA C as NVRTC would get it) with a launcher for each of
+    /// `kernels`, and loads it.
+    pub fn compile(source: &str, kernels: &[&str]) -> Result<EmuModule, EmuError> {
+        let cxx = compiler();
+        let fail = |message: String| EmuError::Compile {
+            compiler: cxx.clone(),
+            message,
+        };
+        let dir = scratch().map_err(|e| fail(format!("a scratch folder: {e}")))?;
+        let result = Self::compile_in(&dir, &cxx, source, kernels);
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    }
+
+    fn compile_in(
+        dir: &Path,
+        cxx: &str,
+        source: &str,
+        kernels: &[&str],
+    ) -> Result<EmuModule, EmuError> {
+        let fail = |message: String| EmuError::Compile {
+            compiler: cxx.to_string(),
+            message,
+        };
+        let header = dir.join("cuda_emu.h");
+        let unit = dir.join("kernels.cpp");
+        let lib = dir.join("kernels.so");
+        let mut text = String::with_capacity(source.len() + 64 * kernels.len());
+        text.push_str(source);
+        text.push('\n');
+        for k in kernels {
+            text.push_str(&format!("DISTC_EMU_EXPORT({k})\n"));
+        }
+        std::fs::write(&header, HEADER).map_err(|e| fail(e.to_string()))?;
+        std::fs::write(&unit, text).map_err(|e| fail(e.to_string()))?;
+        let out = Command::new(cxx)
+            .args(["-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-include"])
+            .arg(&header)
+            .arg(&unit)
+            .arg("-o")
+            .arg(&lib)
+            .output()
+            .map_err(|e| fail(format!("cannot run it: {e}")))?;
+        if !out.status.success() {
+            let log = String::from_utf8_lossy(&out.stderr);
+            let head: Vec<&str> = log.lines().take(20).collect();
+            return Err(fail(head.join("\n")));
+        }
+        // SAFETY: the library is the one just compiled from our own source; loading it
+        // runs no initialisers beyond the C++ runtime's.
+        let lib =
+            unsafe { libloading::Library::new(&lib) }.map_err(|e| EmuError::Load(e.to_string()))?;
+        Ok(EmuModule { lib })
+    }
+
+    /// Launches `kernel` over `grid` blocks of `block` threads; `args` holds one pointer
+    /// per kernel parameter, to a value of that parameter's type (as `cuLaunchKernel`).
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number and types, and every device
+    /// pointer among them must point to memory the kernel may use as it does.
+    pub unsafe fn launch(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        args: &mut [*mut c_void],
+    ) -> Result<(), EmuError> {
+        let fail = |message: String| EmuError::Launch {
+            kernel: kernel.to_string(),
+            grid,
+            block,
+            message,
+        };
+        if grid.contains(&0) {
+            return Err(fail("a grid with a zero dimension".into()));
+        }
+        let symbol = format!("distc_emu_launch_{kernel}");
+        // SAFETY: every exported launcher has this signature (DISTC_EMU_EXPORT).
+        let f: libloading::Symbol<LaunchFn> = unsafe { self.lib.get(symbol.as_bytes()) }
+            .map_err(|_| EmuError::Load(format!("no kernel `{kernel}` in the module")))?;
+        // SAFETY: the caller vouches for the arguments; the launcher reads three
+        // dimensions from each array.
+        let err = unsafe { f(grid.as_ptr(), block.as_ptr(), args.as_mut_ptr()) };
+        if err.is_null() {
+            Ok(())
+        } else {
+            // SAFETY: the launcher returns a static C string.
+            let message = unsafe { CStr::from_ptr(err) }
+                .to_string_lossy()
+                .into_owned();
+            Err(fail(message))
+        }
+    }
+}
