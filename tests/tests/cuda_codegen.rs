@@ -17,6 +17,7 @@ use distc_runtime::cuda::codegen::{
     generate, optimizer_kernels, sparse_bound, value_bytes, DevicePlan, Gemm, KArg, Launch,
     NodeLaunch, OptimizerPlan, BLOCK,
 };
+use distc_runtime::cuda::emu::blas::{sgemm_strided_batched, SgemmCall};
 use distc_runtime::cuda::nvrtc;
 use distc_runtime::OptimizerSpec;
 use distc_tests::{example, nvrtc_or_skip, EXAMPLES};
@@ -209,36 +210,9 @@ fn covered_by_output(op: &Op) -> bool {
     )
 }
 
-/// A column-major `sgemm` (strided-batched) as cuBLAS defines it, on plain slices.
+/// The emulator's cuBLAS (column-major, as cuBLAS defines it) on plain slices.
 fn sgemm(g: &Gemm, a: &[f32], b: &[f32], c: &mut [f32]) {
-    let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-    for bi in 0..g.batch as usize {
-        let (ao, bo, co) = (
-            bi * g.stride_a as usize,
-            bi * g.stride_b as usize,
-            bi * g.stride_c as usize,
-        );
-        for i in 0..m {
-            for j in 0..n {
-                let mut acc = 0.0f32;
-                for p in 0..k {
-                    let av = if g.transa {
-                        a[ao + p + i * g.lda as usize]
-                    } else {
-                        a[ao + i + p * g.lda as usize]
-                    };
-                    let bv = if g.transb {
-                        b[bo + j + p * g.ldb as usize]
-                    } else {
-                        b[bo + p + j * g.ldb as usize]
-                    };
-                    acc += av * bv;
-                }
-                let at = co + i + j * g.ldc as usize;
-                c[at] = g.alpha * acc + g.beta * c[at];
-            }
-        }
-    }
+    sgemm_strided_batched(&SgemmCall::of(g), a, b, c).expect("a valid cuBLAS call");
 }
 
 #[test]
@@ -736,4 +710,40 @@ fn f64_graphs_are_refused_by_name() {
         }
         other => panic!("expected an unsupported-op error, got {other:?}"),
     }
+}
+
+/// The emulator's cuBLAS refuses what cuBLAS refuses and names a product that would
+/// reach past a buffer: the row-major call issued as if cuBLAS were row-major (the
+/// classic swap) is caught, on a non-square product where the swap matters.
+#[test]
+fn the_emulated_gemm_catches_a_row_major_swap() {
+    let (m, n, k) = (3, 5, 4);
+    let g = Gemm::row_major(
+        (KArg::Input(0), false),
+        (KArg::Input(1), false),
+        KArg::Output(0),
+        (m, n, k),
+        1,
+        (0, 0, 0),
+    )
+    .expect("fits");
+    let (x, w) = (vec![1.0f32; m * k], vec![1.0f32; k * n]);
+    let mut y = vec![0.0f32; m * n];
+    let right = SgemmCall::of(&g);
+    sgemm_strided_batched(&right, &w, &x, &mut y).expect("the mapped call fits");
+    // Operands in row-major order, dimensions unswapped: cuBLAS's A is then x.
+    let swapped = SgemmCall {
+        m,
+        n,
+        k,
+        lda: k,
+        ldb: n,
+        ldc: n,
+        ..right
+    };
+    let e = sgemm_strided_batched(&swapped, &x, &w, &mut y).expect_err("caught");
+    assert!(e.contains("lda") || e.contains("reaches element"), "{e}");
+    let bad_ld = SgemmCall { ldc: 1, ..right };
+    let e = sgemm_strided_batched(&bad_ld, &w, &x, &mut y).expect_err("refused");
+    assert!(e.contains("CUBLAS_STATUS_INVALID_VALUE"), "{e}");
 }

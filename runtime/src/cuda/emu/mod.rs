@@ -17,6 +17,8 @@
 // holds.
 #![allow(unsafe_code)]
 
+pub mod blas;
+
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::process::Command;

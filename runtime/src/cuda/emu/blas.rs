@@ -1,0 +1,146 @@
+//! The emulator's cuBLAS: `cublasSgemmStridedBatched` as cuBLAS defines it, on host
+//! slices. Column-major: element `(i, j)` of a matrix with leading dimension `ld` is
+//! at `i + j * ld`; `op(A)` is `m x k`, `op(B)` is `k x n`, `C` is `m x n`. The
+//! arguments cuBLAS refuses (`CUBLAS_STATUS_INVALID_VALUE`) are refused here, and a
+//! product that would read or write past a buffer is an error naming the buffer,
+//! where a GPU would read garbage or fault: a row-major/column-major swap shows up
+//! as one or the other.
+
+/// One strided-batched product's parameters, in cuBLAS's terms.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgemmCall {
+    /// `op(A) = Aᵀ`.
+    pub transa: bool,
+    /// `op(B) = Bᵀ`.
+    pub transb: bool,
+    /// Rows of `op(A)` and `C`.
+    pub m: usize,
+    /// Columns of `op(B)` and `C`.
+    pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: usize,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Leading dimension of `A`.
+    pub lda: usize,
+    /// Elements between consecutive `A`s.
+    pub stride_a: usize,
+    /// Leading dimension of `B`.
+    pub ldb: usize,
+    /// Elements between consecutive `B`s.
+    pub stride_b: usize,
+    /// Scale of `C`'s old contents (0: `C` is only written, never read).
+    pub beta: f32,
+    /// Leading dimension of `C`.
+    pub ldc: usize,
+    /// Elements between consecutive `C`s.
+    pub stride_c: usize,
+    /// Products in the batch.
+    pub batch: usize,
+}
+
+/// The last element a strided batch of `rows x cols` column-major matrices touches,
+/// plus one.
+fn extent(rows: usize, cols: usize, ld: usize, stride: usize, batch: usize) -> usize {
+    if rows == 0 || cols == 0 || batch == 0 {
+        return 0;
+    }
+    (batch - 1) * stride + (cols - 1) * ld + rows
+}
+
+/// Runs `call` on `a`, `b` and `c` (each the whole buffer cuBLAS was given).
+pub fn sgemm_strided_batched(
+    call: &SgemmCall,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) -> Result<(), String> {
+    let g = call;
+    // op(A) is m x k: A is stored m x k, or k x m when transposed.
+    let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
+    let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
+    for (name, ld, rows) in [
+        ("lda", g.lda, a_rows),
+        ("ldb", g.ldb, b_rows),
+        ("ldc", g.ldc, g.m),
+    ] {
+        if ld < rows.max(1) {
+            return Err(format!(
+                "cuBLAS refuses {name} = {ld}: it must be at least {} (CUBLAS_STATUS_INVALID_VALUE)",
+                rows.max(1)
+            ));
+        }
+    }
+    for (name, need, have) in [
+        (
+            "A",
+            extent(a_rows, a_cols, g.lda, g.stride_a, g.batch),
+            a.len(),
+        ),
+        (
+            "B",
+            extent(b_rows, b_cols, g.ldb, g.stride_b, g.batch),
+            b.len(),
+        ),
+        ("C", extent(g.m, g.n, g.ldc, g.stride_c, g.batch), c.len()),
+    ] {
+        if need > have {
+            return Err(format!(
+                "the product reaches element {} of {name}, which holds {have}: a leading \
+                 dimension, stride or transpose does not fit the buffer",
+                need - 1
+            ));
+        }
+    }
+    for bi in 0..g.batch {
+        let (ao, bo, co) = (bi * g.stride_a, bi * g.stride_b, bi * g.stride_c);
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut acc = 0.0f32;
+                for p in 0..g.k {
+                    let av = if g.transa {
+                        a[ao + p + i * g.lda]
+                    } else {
+                        a[ao + i + p * g.lda]
+                    };
+                    let bv = if g.transb {
+                        b[bo + j + p * g.ldb]
+                    } else {
+                        b[bo + p + j * g.ldb]
+                    };
+                    acc += av * bv;
+                }
+                let at = co + i + j * g.ldc;
+                // beta = 0 never reads C (it may hold NaN), as cuBLAS documents.
+                c[at] = if g.beta == 0.0 {
+                    g.alpha * acc
+                } else {
+                    g.alpha * acc + g.beta * c[at]
+                };
+            }
+        }
+    }
+    Ok(())
+}
+
+impl SgemmCall {
+    /// The call a generated [`crate::cuda::codegen::Gemm`] makes.
+    pub fn of(g: &crate::cuda::codegen::Gemm) -> SgemmCall {
+        SgemmCall {
+            transa: g.transa,
+            transb: g.transb,
+            m: g.m as usize,
+            n: g.n as usize,
+            k: g.k as usize,
+            alpha: g.alpha,
+            lda: g.lda as usize,
+            stride_a: g.stride_a as usize,
+            ldb: g.ldb as usize,
+            stride_b: g.stride_b as usize,
+            beta: g.beta,
+            ldc: g.ldc as usize,
+            stride_c: g.stride_c as usize,
+            batch: g.batch as usize,
+        }
+    }
+}
