@@ -109,3 +109,97 @@ fn a_divergent_warp_exchange_is_reported() {
         .to_string();
     assert!(e.contains("1024"), "{e}");
 }
+
+mod device {
+    use distc_runtime::cuda::emu::device::{Captured, EmuDevice, EmuFault};
+
+    fn ok(_: &mut [*mut u8]) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// One stream writes, another reads with no event between: a race, named. The
+    /// same read after an event recorded on the writer and waited on is fine.
+    #[test]
+    fn a_cross_stream_read_without_an_event_is_a_race() {
+        let mut d = EmuDevice::new();
+        let (s0, s1) = (d.stream(), d.stream());
+        let p = d.alloc(16).expect("alloc");
+        d.copy_htod(s0, p, 0, &[1; 16]).expect("copy");
+        let e = d.launch(s1, "reader", &[p], &[], ok).expect_err("a race");
+        assert!(matches!(e, EmuFault::Race { .. }), "{e}");
+        let ev = d.event();
+        d.record_event(s0, ev).expect("record");
+        d.wait_event(s1, ev).expect("wait");
+        d.launch(s1, "reader", &[p], &[], ok)
+            .expect("ordered by the event");
+        // An event recorded before the write does not order it.
+        let early = d.event();
+        d.record_event(s0, early).expect("record");
+        d.memset(s0, p, 0, 0, 16).expect("memset");
+        d.wait_event(s1, early).expect("wait");
+        let e = d.launch(s1, "writer", &[], &[p], ok).expect_err("a race");
+        assert!(e.to_string().contains("writes it after stream"), "{e}");
+    }
+
+    /// Allocating or freeing while a stream is captured is refused; a captured
+    /// graph records without running, and its replay runs with every check.
+    #[test]
+    fn allocating_during_capture_is_refused_and_graphs_replay() {
+        let mut d = EmuDevice::new();
+        let s = d.stream();
+        let p = d.alloc(8).expect("alloc");
+        d.copy_htod(s, p, 0, &[0; 8]).expect("copy");
+        d.begin_capture(s).expect("capture");
+        assert!(matches!(d.alloc(4), Err(EmuFault::DuringCapture(..))));
+        assert!(matches!(d.free(p), Err(EmuFault::DuringCapture(..))));
+        d.memset(s, p, 0, 7, 8).expect("recorded");
+        let mut ran = 0;
+        d.launch(s, "k", &[p], &[p], |_| {
+            ran += 1;
+            Ok(())
+        })
+        .expect("recorded");
+        let graph = d.end_capture(s).expect("graph");
+        assert_eq!(ran, 0, "a captured launch ran");
+        assert_eq!(graph.len(), 2);
+        assert!(matches!(graph[0], Captured::Memset { value: 7, .. }));
+        let mut byte = [0u8; 1];
+        d.copy_dtoh(s, p, 0, &mut byte).expect("read");
+        assert_eq!(byte[0], 0, "a captured memset ran at capture");
+        let mut labels = Vec::new();
+        d.replay(s, &graph, &mut |l, _| {
+            labels.push(l.to_string());
+            Ok(())
+        })
+        .expect("replays");
+        d.copy_dtoh(s, p, 0, &mut byte).expect("read");
+        assert_eq!((byte[0], labels), (7, vec!["k".to_string()]));
+    }
+
+    /// Reading bytes never written (a copy out, or a launch's input) is named; so is
+    /// a copy past an allocation's end.
+    #[test]
+    fn uninitialised_reads_and_out_of_bounds_copies_are_named() {
+        let mut d = EmuDevice::new();
+        let s = d.stream();
+        let p = d.alloc(8).expect("alloc");
+        d.copy_htod(s, p, 0, &[1; 4]).expect("half");
+        let mut out = [0u8; 8];
+        let e = d.copy_dtoh(s, p, 0, &mut out).expect_err("uninitialised");
+        assert!(matches!(e, EmuFault::Uninitialised { start: 4, .. }), "{e}");
+        let e = d.launch(s, "k", &[p], &[], ok).expect_err("uninitialised");
+        assert!(e.to_string().contains("kernel `k` reads bytes 4..8"), "{e}");
+        let e = d.copy_htod(s, p, 4, &[0; 8]).expect_err("past the end");
+        assert!(
+            matches!(
+                e,
+                EmuFault::OutOfBounds {
+                    size: 8,
+                    end: 12,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}

@@ -18,6 +18,7 @@
 #![allow(unsafe_code)]
 
 pub mod blas;
+pub mod device;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,470 @@
+//! The emulator's device memory, streams, events and graph capture: what the driver
+//! does with them, and the checks a real GPU only punishes sometimes.
+//!
+//! Device memory is host memory, one allocation per `alloc`, addressed by the handle
+//! the emulator returns. For each allocation it records which bytes were ever written
+//! and which stream last wrote it with which work; an event records a stream's
+//! position, and a stream that waits on it may then touch what came before. The checks:
+//!
+//! * **race**: a stream touches an allocation that another stream wrote, with no event
+//!   recorded after that write and waited on by this stream;
+//! * **capture**: memory allocated or freed while a stream is being captured (a graph
+//!   replays addresses: they must exist before capture and outlive the graph);
+//! * **uninitialised read**: a copy to the host, or a launch that reads, touches bytes
+//!   never written;
+//! * **bounds**: a copy, a memset or a declared access outside its allocation.
+//!
+//! Launches declare what they read and write (the CUDA backend knows it from each
+//! launch's inputs and outputs); the kernel itself runs through [`super::EmuModule`].
+//! Operations run in order per stream, at once: the emulator has one timeline, so an
+//! ordering bug shows up as a check firing, not as a wrong number.
+
+use std::collections::HashMap;
+use thiserror::Error;
+
+/// A device allocation, as the emulator hands it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevPtr(pub u64);
+
+/// A stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Stream(pub u32);
+
+/// An event: a stream's position when it was recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Event(pub u32);
+
+/// What a check found.
+#[derive(Debug, Error, PartialEq)]
+pub enum EmuFault {
+    /// Two streams touch one allocation with no event between them.
+    #[error(
+        "race on allocation {ptr:?}: stream {now:?} {what} it after stream {writer:?} wrote \
+         it (operation {op}) with no event recorded after that write and waited on by stream \
+         {now:?}"
+    )]
+    Race {
+        /// The allocation.
+        ptr: DevPtr,
+        /// The stream that wrote it last.
+        writer: Stream,
+        /// That stream's operation number.
+        op: u64,
+        /// The stream touching it now.
+        now: Stream,
+        /// `reads` or `writes`.
+        what: &'static str,
+    },
+    /// Memory allocated or freed during a capture.
+    #[error("{0} while stream {1:?} is being captured: a graph replays addresses, so memory must be allocated before capture and freed after the graph")]
+    DuringCapture(&'static str, Stream),
+    /// Bytes read that were never written.
+    #[error("{what} reads bytes {start}..{end} of allocation {ptr:?}, never written")]
+    Uninitialised {
+        /// The allocation.
+        ptr: DevPtr,
+        /// First byte never written.
+        start: usize,
+        /// One past the last byte read.
+        end: usize,
+        /// What read them.
+        what: String,
+    },
+    /// An access outside its allocation (or to no allocation).
+    #[error("{what} touches bytes {start}..{end} of allocation {ptr:?}, which holds {size}")]
+    OutOfBounds {
+        /// The allocation.
+        ptr: DevPtr,
+        /// First byte touched.
+        start: usize,
+        /// One past the last.
+        end: usize,
+        /// The allocation's size (0: no such allocation).
+        size: usize,
+        /// What touched them.
+        what: String,
+    },
+    /// An unknown stream, event or allocation, or a capture misuse.
+    #[error("{0}")]
+    Misuse(String),
+}
+
+struct Allocation {
+    bytes: Vec<u8>,
+    written: Vec<bool>,
+    /// The stream that wrote it last and that stream's operation number then.
+    last_write: Option<(Stream, u64)>,
+}
+
+/// One captured operation: recorded, not run, while its stream is captured; run by
+/// [`EmuDevice::replay`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Captured {
+    /// A memset.
+    Memset {
+        /// Where.
+        dst: (DevPtr, usize),
+        /// The byte.
+        value: u8,
+        /// Bytes.
+        len: usize,
+    },
+    /// A launch with its declared accesses (the kernel runs on replay through the
+    /// caller, which the graph hands back in order).
+    Launch {
+        /// The caller's label for it.
+        label: String,
+        /// Allocations it reads.
+        reads: Vec<DevPtr>,
+        /// Allocations it writes.
+        writes: Vec<DevPtr>,
+    },
+}
+
+/// The emulated device.
+#[derive(Default)]
+pub struct EmuDevice {
+    allocs: HashMap<DevPtr, Allocation>,
+    next_ptr: u64,
+    /// Per stream: operations issued so far, and for each other stream the operation
+    /// number up to which this stream has waited on it (through events).
+    streams: HashMap<Stream, (u64, HashMap<Stream, u64>)>,
+    events: HashMap<Event, Option<(Stream, u64)>>,
+    capturing: Option<(Stream, Vec<Captured>)>,
+    next_id: u32,
+}
+
+impl EmuDevice {
+    /// A device with stream 0.
+    pub fn new() -> EmuDevice {
+        let mut d = EmuDevice {
+            next_ptr: 1 << 20,
+            ..EmuDevice::default()
+        };
+        d.streams.insert(Stream(0), (0, HashMap::new()));
+        d
+    }
+
+    /// A new stream.
+    pub fn stream(&mut self) -> Stream {
+        self.next_id += 1;
+        let s = Stream(self.next_id);
+        self.streams.insert(s, (0, HashMap::new()));
+        s
+    }
+
+    /// A new event, never recorded.
+    pub fn event(&mut self) -> Event {
+        self.next_id += 1;
+        let e = Event(self.next_id);
+        self.events.insert(e, None);
+        e
+    }
+
+    /// Allocates `size` bytes (contents never written).
+    pub fn alloc(&mut self, size: usize) -> Result<DevPtr, EmuFault> {
+        if let Some((s, _)) = &self.capturing {
+            return Err(EmuFault::DuringCapture("memory allocated", *s));
+        }
+        let p = DevPtr(self.next_ptr);
+        self.next_ptr += (size.max(1) as u64).div_ceil(256) * 256 + 256;
+        self.allocs.insert(
+            p,
+            Allocation {
+                bytes: vec![0; size],
+                written: vec![false; size],
+                last_write: None,
+            },
+        );
+        Ok(p)
+    }
+
+    /// Frees an allocation.
+    pub fn free(&mut self, p: DevPtr) -> Result<(), EmuFault> {
+        if let Some((s, _)) = &self.capturing {
+            return Err(EmuFault::DuringCapture("memory freed", *s));
+        }
+        self.allocs
+            .remove(&p)
+            .map(|_| ())
+            .ok_or_else(|| EmuFault::Misuse(format!("freeing {p:?}, which is not allocated")))
+    }
+
+    fn tick(&mut self, s: Stream) -> Result<u64, EmuFault> {
+        let (ops, _) = self
+            .streams
+            .get_mut(&s)
+            .ok_or_else(|| EmuFault::Misuse(format!("no stream {s:?}")))?;
+        *ops += 1;
+        Ok(*ops)
+    }
+
+    /// Checks that `s` may touch `p` (ordered after its last write) and that
+    /// `start..end` lies inside it.
+    fn touch(
+        &self,
+        s: Stream,
+        p: DevPtr,
+        (start, end): (usize, usize),
+        write: bool,
+        what: &str,
+    ) -> Result<(), EmuFault> {
+        let a = self.allocs.get(&p).ok_or_else(|| EmuFault::OutOfBounds {
+            ptr: p,
+            start,
+            end,
+            size: 0,
+            what: what.to_string(),
+        })?;
+        if end > a.bytes.len() || start > end {
+            return Err(EmuFault::OutOfBounds {
+                ptr: p,
+                start,
+                end,
+                size: a.bytes.len(),
+                what: what.to_string(),
+            });
+        }
+        if let Some((writer, op)) = a.last_write {
+            let waited = self
+                .streams
+                .get(&s)
+                .and_then(|(_, w)| w.get(&writer))
+                .copied()
+                .unwrap_or(0);
+            if writer != s && waited < op {
+                return Err(EmuFault::Race {
+                    ptr: p,
+                    writer,
+                    op,
+                    now: s,
+                    what: if write { "writes" } else { "reads" },
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_written(
+        &self,
+        p: DevPtr,
+        start: usize,
+        end: usize,
+        what: &str,
+    ) -> Result<(), EmuFault> {
+        let a = &self.allocs[&p];
+        if let Some(k) = a.written[start..end].iter().position(|w| !w) {
+            return Err(EmuFault::Uninitialised {
+                ptr: p,
+                start: start + k,
+                end,
+                what: what.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    fn wrote(&mut self, s: Stream, op: u64, p: DevPtr, start: usize, end: usize) {
+        let a = self.allocs.get_mut(&p).expect("checked");
+        a.written[start..end].iter_mut().for_each(|w| *w = true);
+        a.last_write = Some((s, op));
+    }
+
+    /// Copies host bytes into `p` at `offset`, on stream `s`.
+    pub fn copy_htod(
+        &mut self,
+        s: Stream,
+        p: DevPtr,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), EmuFault> {
+        let end = offset + src.len();
+        self.touch(s, p, (offset, end), true, "a host-to-device copy")?;
+        let op = self.tick(s)?;
+        self.allocs.get_mut(&p).expect("checked").bytes[offset..end].copy_from_slice(src);
+        self.wrote(s, op, p, offset, end);
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes of `p` from `offset` to the host, on stream `s`.
+    pub fn copy_dtoh(
+        &mut self,
+        s: Stream,
+        p: DevPtr,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), EmuFault> {
+        let end = offset + dst.len();
+        self.touch(s, p, (offset, end), false, "a device-to-host copy")?;
+        self.check_written(p, offset, end, "a device-to-host copy")?;
+        self.tick(s)?;
+        dst.copy_from_slice(&self.allocs[&p].bytes[offset..end]);
+        Ok(())
+    }
+
+    /// Sets `len` bytes of `p` from `offset` to `value`, on stream `s` (recorded when
+    /// capturing).
+    pub fn memset(
+        &mut self,
+        s: Stream,
+        p: DevPtr,
+        offset: usize,
+        value: u8,
+        len: usize,
+    ) -> Result<(), EmuFault> {
+        let end = offset + len;
+        self.touch(s, p, (offset, end), true, "a memset")?;
+        if self.is_capturing(s) {
+            return self.record(
+                s,
+                Captured::Memset {
+                    dst: (p, offset),
+                    value,
+                    len,
+                },
+            );
+        }
+        let op = self.tick(s)?;
+        self.allocs.get_mut(&p).expect("checked").bytes[offset..end].fill(value);
+        self.wrote(s, op, p, offset, end);
+        Ok(())
+    }
+
+    /// Checks and records a kernel launch on stream `s` that reads `reads` whole and
+    /// writes `writes` (whole allocations, as the backend's launches declare them),
+    /// then runs `kernel` (which gets each allocation's host address in order: reads,
+    /// then writes).
+    pub fn launch(
+        &mut self,
+        s: Stream,
+        label: &str,
+        reads: &[DevPtr],
+        writes: &[DevPtr],
+        kernel: impl FnOnce(&mut [*mut u8]) -> Result<(), String>,
+    ) -> Result<(), EmuFault> {
+        let what = format!("kernel `{label}`");
+        for &p in reads {
+            let len = self.allocs.get(&p).map_or(0, |a| a.bytes.len());
+            self.touch(s, p, (0, len), false, &what)?;
+            self.check_written(p, 0, len, &what)?;
+        }
+        for &p in writes {
+            let len = self.allocs.get(&p).map_or(0, |a| a.bytes.len());
+            self.touch(s, p, (0, len), true, &what)?;
+        }
+        if self.is_capturing(s) {
+            return self.record(
+                s,
+                Captured::Launch {
+                    label: label.to_string(),
+                    reads: reads.to_vec(),
+                    writes: writes.to_vec(),
+                },
+            );
+        }
+        let op = self.tick(s)?;
+        let mut ptrs: Vec<*mut u8> = reads
+            .iter()
+            .chain(writes)
+            .map(|p| self.allocs.get_mut(p).expect("checked").bytes.as_mut_ptr())
+            .collect();
+        kernel(&mut ptrs).map_err(EmuFault::Misuse)?;
+        for &p in writes {
+            let len = self.allocs[&p].bytes.len();
+            self.wrote(s, op, p, 0, len);
+        }
+        Ok(())
+    }
+
+    /// Records stream `s`'s position in `e`.
+    pub fn record_event(&mut self, s: Stream, e: Event) -> Result<(), EmuFault> {
+        let ops = self
+            .streams
+            .get(&s)
+            .map(|(ops, _)| *ops)
+            .ok_or_else(|| EmuFault::Misuse(format!("no stream {s:?}")))?;
+        let slot = self
+            .events
+            .get_mut(&e)
+            .ok_or_else(|| EmuFault::Misuse(format!("no event {e:?}")))?;
+        *slot = Some((s, ops));
+        Ok(())
+    }
+
+    /// Makes stream `s` wait for event `e`: what its stream did before it is ordered
+    /// before what `s` does next.
+    pub fn wait_event(&mut self, s: Stream, e: Event) -> Result<(), EmuFault> {
+        let Some(Some((other, at))) = self.events.get(&e).copied() else {
+            return Err(EmuFault::Misuse(format!(
+                "stream {s:?} waits on event {e:?}, never recorded"
+            )));
+        };
+        let (_, waited) = self
+            .streams
+            .get_mut(&s)
+            .ok_or_else(|| EmuFault::Misuse(format!("no stream {s:?}")))?;
+        let w = waited.entry(other).or_insert(0);
+        *w = (*w).max(at);
+        Ok(())
+    }
+
+    fn record(&mut self, s: Stream, op: Captured) -> Result<(), EmuFault> {
+        match &mut self.capturing {
+            Some((cs, ops)) if *cs == s => {
+                ops.push(op);
+                Ok(())
+            }
+            _ => Err(EmuFault::Misuse(format!("{s:?} is not being captured"))),
+        }
+    }
+
+    /// Runs a captured graph on stream `s`, every operation with its checks;
+    /// `kernel(label, pointers)` runs a captured launch's kernel.
+    pub fn replay(
+        &mut self,
+        s: Stream,
+        graph: &[Captured],
+        kernel: &mut dyn FnMut(&str, &mut [*mut u8]) -> Result<(), String>,
+    ) -> Result<(), EmuFault> {
+        for op in graph {
+            match op {
+                Captured::Memset { dst, value, len } => {
+                    self.memset(s, dst.0, dst.1, *value, *len)?
+                }
+                Captured::Launch {
+                    label,
+                    reads,
+                    writes,
+                } => self.launch(s, label, reads, writes, |p| kernel(label, p))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts capturing stream `s`.
+    pub fn begin_capture(&mut self, s: Stream) -> Result<(), EmuFault> {
+        if let Some((c, _)) = &self.capturing {
+            return Err(EmuFault::Misuse(format!(
+                "capture begun on {s:?} while {c:?} is being captured"
+            )));
+        }
+        self.capturing = Some((s, Vec::new()));
+        Ok(())
+    }
+
+    /// Ends the capture of `s`, handing back its operations (a graph).
+    pub fn end_capture(&mut self, s: Stream) -> Result<Vec<Captured>, EmuFault> {
+        match self.capturing.take() {
+            Some((c, ops)) if c == s => Ok(ops),
+            other => {
+                self.capturing = other;
+                Err(EmuFault::Misuse(format!("{s:?} is not being captured")))
+            }
+        }
+    }
+
+    /// Whether stream `s` is being captured.
+    pub fn is_capturing(&self, s: Stream) -> bool {
+        self.capturing.as_ref().is_some_and(|(c, _)| *c == s)
+    }
+}
