@@ -121,6 +121,9 @@ pub enum Captured {
     },
 }
 
+/// Runs a replayed launch's kernel: its label and its allocations' host addresses.
+pub type KernelRunner<'a> = dyn FnMut(&str, &mut [*mut u8]) -> Result<(), String> + 'a;
+
 /// The emulated device.
 #[derive(Default)]
 pub struct EmuDevice {
@@ -424,7 +427,7 @@ impl EmuDevice {
         &mut self,
         s: Stream,
         graph: &[Captured],
-        kernel: &mut dyn FnMut(&str, &mut [*mut u8]) -> Result<(), String>,
+        kernel: &mut KernelRunner<'_>,
     ) -> Result<(), EmuFault> {
         for op in graph {
             match op {
