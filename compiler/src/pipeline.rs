@@ -260,9 +260,10 @@ pub fn compile(
     }
     match result {
         Ok(records) => {
-            if opts.stop_after.is_none() {
+            if not_runnable(opts).is_none() {
                 // The plan's loader checks the same: a compile never writes a plan
-                // `run` would refuse.
+                // `run` would refuse. (A plan cut short, or with a pass training
+                // needs disabled, is for reading, and refused by `run` as such.)
                 programs
                     .check_consistency(&opts.strategy, cx.dist.as_ref())
                     .map_err(|e| CompileError::Settings(format!("internal error: {e}")))?;

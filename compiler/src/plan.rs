@@ -273,16 +273,20 @@ impl Plan {
         plan.config
             .check()
             .map_err(|e| unsound(format!("config: {e}")))?;
-        programs
-            .check_consistency(&plan.settings, plan.dist.as_ref())
-            .map_err(unsound)?;
-        distc_runtime::run::data::check_model(
-            &programs.worker,
-            &plan.config.data,
-            plan.config.batch,
-            &plan.config.data.id_bounds(),
-        )
-        .map_err(|e| unsound(e.to_string()))?;
+        // A plan cut short (`--stop-after`, a disabled pass) holds programs half-way
+        // through the pipeline: readable, and refused by `run` for what it is.
+        if plan.not_runnable.is_none() {
+            programs
+                .check_consistency(&plan.settings, plan.dist.as_ref())
+                .map_err(unsound)?;
+            distc_runtime::run::data::check_model(
+                &programs.worker,
+                &plan.config.data,
+                plan.config.batch,
+                &plan.config.data.id_bounds(),
+            )
+            .map_err(|e| unsound(e.to_string()))?;
+        }
         Ok((plan, programs))
     }
 

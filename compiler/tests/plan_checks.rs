@@ -182,3 +182,48 @@ fn compile_refuses_what_run_would() {
     // The same in-range model compiles.
     compile("model.dsl", &lm, &CompileOptions::default()).expect("the example compiles");
 }
+
+/// Found by the DSL fuzzer: a plan cut short (`--stop-after`, a disabled pass) was
+/// refused by its own compile ("internal error") or by its loader; it is for reading
+/// and loads (`run` refuses it for what it is). A seed of 2^53 with dropout wrote a
+/// dropout seed the text IR could not hold; it loads now.
+#[test]
+fn plans_cut_short_and_large_seeds_load() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let model =
+        std::fs::read_to_string(root.join("tests/models/issue9_sparse_adam.dsl")).expect("model");
+    let hybrid = distributed(Strategy::Hybrid, 2, 0);
+    for opts in [
+        CompileOptions {
+            strategy: hybrid.clone(),
+            disabled: vec!["distribute".into()],
+            ..CompileOptions::default()
+        },
+        CompileOptions {
+            strategy: hybrid.clone(),
+            stop_after: Some("place".into()),
+            ..CompileOptions::default()
+        },
+    ] {
+        let c = compile("m.dsl", &model, &opts).expect("compiles");
+        let plan = serde_json::to_value(Plan::new(&c, "m.dsl", &hybrid)).expect("json");
+        load_sealed(plan).expect("a plan cut short loads");
+    }
+    let dropout =
+        std::fs::read_to_string(root.join("tests/models/issue9_dropout.dsl")).expect("model");
+    let big = dropout
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with("seed") {
+                "  seed = 9223372036854776".to_string()
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let c = compile("d.dsl", &big, &CompileOptions::default()).expect("compiles");
+    let plan =
+        serde_json::to_value(Plan::new(&c, "d.dsl", &StrategyConfig::default())).expect("json");
+    load_sealed(plan).expect("a large seed's plan loads");
+}

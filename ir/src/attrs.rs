@@ -260,6 +260,19 @@ impl<'a> Attrs<'a> {
             None => Err(self.missing(key)),
         }
     }
+    /// A `workers` attribute: 1 to [`crate::MAX_WORKERS`] (a damaged plan's huge count
+    /// would overflow every chunk size computed from it).
+    fn workers(&mut self) -> Result<usize, String> {
+        let w = self.int("workers")?;
+        if w == 0 || w > crate::MAX_WORKERS {
+            return Err(format!(
+                "{}: `workers` must be 1 to {}, found {w}",
+                self.op,
+                crate::MAX_WORKERS
+            ));
+        }
+        Ok(w)
+    }
     fn float(&mut self, key: &str) -> Result<f64, String> {
         match self.take(key) {
             Some(AttrValue::Float(x)) => Ok(x),
@@ -557,22 +570,22 @@ pub fn op_from_parts(
             reduce: a.reduce("reduce")?,
         },
         "all_gather" => Op::AllGather {
-            workers: a.int("workers")?,
+            workers: a.workers()?,
             reduce: a.reduce("reduce")?,
         },
         "reduce_scatter" => Op::ReduceScatter {
-            workers: a.int("workers")?,
+            workers: a.workers()?,
             reduce: a.reduce("reduce")?,
         },
         "all_gather_dense" => Op::AllGatherDense {
-            workers: a.int("workers")?,
+            workers: a.workers()?,
             shape: a.shape("shape")?,
         },
         "accumulate" => Op::Accumulate {
             micro: a.int("micro")?,
         },
         "take_chunk" => Op::TakeChunk {
-            workers: a.int("workers")?,
+            workers: a.workers()?,
         },
         "broadcast" => Op::Broadcast {
             root: a.int("root")?,
@@ -583,10 +596,10 @@ pub fn op_from_parts(
             shapes: a.shapes("shape")?,
         },
         "pack_chunks" => Op::PackChunks {
-            workers: a.int("workers")?,
+            workers: a.workers()?,
         },
         "unpack_chunks" => Op::UnpackChunks {
-            workers: a.int("workers")?,
+            workers: a.workers()?,
             shapes: a.shapes("shape")?,
         },
         "pull" => Op::Pull {

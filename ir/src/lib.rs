@@ -23,6 +23,9 @@ pub use graph::{Graph, GraphError, Node, NodeId, ValueId};
 /// the zero pass names shards so, and the runtime finds them so when it writes or
 /// resumes a training state.
 pub const ZERO_SHARD_SUFFIX: &str = ".zero";
+/// The most workers a collective of the IR may name (the compiler's limit on
+/// `--workers`).
+pub const MAX_WORKERS: usize = 1 << 20;
 pub use fused::{BinaryFn, FusedExpr, FusedStep, UnaryFn};
 pub use op::{Init, Op, ReduceOp};
 pub use parse::{parse, ParseError};

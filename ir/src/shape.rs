@@ -136,6 +136,10 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         }
         Op::AllGather { workers, .. } => match inputs[0] {
             ValueType::IndexedSlices { dense, nnz } if *workers >= 1 => {
+                let rows: Vec<usize> = std::iter::once(nnz.saturating_mul(*workers))
+                    .chain(dense.dims().iter().skip(1).copied())
+                    .collect();
+                Shape::check_size(&rows).map_err(err)?;
                 Ok(vec![ValueType::IndexedSlices {
                     dense: dense.clone(),
                     nnz: nnz * workers,

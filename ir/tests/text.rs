@@ -369,3 +369,13 @@ fn sizes_beyond_the_element_limit_are_refused_when_parsed() {
         assert!(e.contains("more than 2^48 elements"), "{e}");
     }
 }
+
+/// Issue 20 (found by the plan fuzzer): `workers=2^63-1` on `pack_chunks` /
+/// `unpack_chunks` overflowed the chunk count in shape inference; a `workers`
+/// attribute is 1 to 2^20, refused by the parser otherwise.
+#[test]
+fn worker_counts_beyond_the_limit_are_refused_when_parsed() {
+    let text = "graph g {\n  %0 = param{name=\"w\", init=zeros} : f32[12]\n  %1 = unpack_chunks{workers=9223372036854775807, shape=[4], shape=[4], shape=[4]} %0 : (f32[4], f32[4], f32[4])\n}\n";
+    let e = distc_ir::parse(text).expect_err("refused").to_string();
+    assert!(e.contains("`workers` must be 1 to 1048576"), "{e}");
+}

@@ -130,7 +130,7 @@ fn one() -> usize {
 }
 
 /// The most workers, or servers, a plan may name.
-pub const MAX_RANKS: usize = 1 << 20;
+pub const MAX_RANKS: usize = distc_ir::MAX_WORKERS;
 
 /// The most micro-batches a step may accumulate.
 pub const MAX_MICRO_BATCHES: usize = 1 << 16;

@@ -376,7 +376,9 @@ const OPS: &[DslOp] = &[
                     r
                 }
             };
-            let seed = cx.seed.wrapping_mul(1000).wrapping_add(cx.dropouts);
+            // Within i64: the text IR's integers are signed (a seed of 2^53 made a
+            // plan its own loader refused). Seeds below 2^53 are unchanged by the mask.
+            let seed = cx.seed.wrapping_mul(1000).wrapping_add(cx.dropouts) & (i64::MAX as u64);
             cx.dropouts += 1;
             Ok(Op::Dropout {
                 rate,
