@@ -19,19 +19,22 @@
 //!
 //! Never a hang: a collective that does not complete in time makes the rank send its
 //! status (op, IR node, step) to every rank, collect the others' for a moment, print
-//! which ranks arrived at that op and which did not, and abort the job.
+//! which ranks arrived at that op and which did not, and abort the job. Sends are
+//! non-blocking too ([`Outgoing`]): a blocking `MPI_Send` of a large message waits, with
+//! no deadline and a core spinning, until the receiver takes it, which a stalled rank
+//! never does.
 
 use super::{chunk_range, ByteCount, Communicator};
 use crate::core::error::RuntimeError;
 use crate::core::roles::Roles;
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
-use mpi::request::{scope, Request, Scope};
+use mpi::request::{scope, Request, Scope, StaticScope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::Communicator as _;
 use mpi::traits::*;
 use mpi::Tag;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub(crate) const TAG_REQUEST: Tag = 101;
@@ -72,6 +75,185 @@ impl Backoff {
     }
 }
 
+/// How often the suspension clock ticks, and the gap between ticks that counts as this
+/// process having been suspended.
+const TICK: Duration = Duration::from_millis(100);
+const SUSPENSION: Duration = Duration::from_secs(1);
+
+/// The suspension clock: time this process spent suspended (gaps in the ticker's
+/// ticks) and when the ticker last ticked.
+struct Clock {
+    suspended: Duration,
+    last_tick: Instant,
+}
+
+static CLOCK: OnceLock<Mutex<Clock>> = OnceLock::new();
+
+fn clock() -> std::sync::MutexGuard<'static, Clock> {
+    let c = CLOCK.get_or_init(|| {
+        let _ = std::thread::Builder::new()
+            .name("suspension-clock".into())
+            .spawn(|| loop {
+                std::thread::sleep(TICK);
+                let mut c = clock();
+                let now = Instant::now();
+                let gap = now.saturating_duration_since(c.last_tick);
+                if gap > SUSPENSION {
+                    c.suspended += gap - TICK;
+                }
+                c.last_tick = now;
+            });
+        Mutex::new(Clock {
+            suspended: Duration::ZERO,
+            last_tick: Instant::now(),
+        })
+    });
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Time this process has spent suspended (`SIGSTOP`, or starved of the CPU for more
+/// than a second) since it first asked. A stalled rank that is continued (`mpirun`
+/// sends `SIGCONT` before it kills one) must not blame the ranks it waited on for its
+/// own lost time: every deadline on a peer leaves this time out.
+pub(crate) fn suspended() -> Duration {
+    let c = clock();
+    // A gap the ticker has not seen yet (it may wake after the thread asking).
+    let gap = c.last_tick.elapsed();
+    let unseen = if gap > SUSPENSION {
+        gap - TICK
+    } else {
+        Duration::ZERO
+    };
+    c.suspended + unseen
+}
+
+/// A moment to measure a wait on a peer from: [`Since::waited`] leaves out the time
+/// this process was suspended meanwhile.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Since {
+    at: Instant,
+    suspended: Duration,
+}
+
+impl Since {
+    pub(crate) fn now() -> Since {
+        Since {
+            suspended: suspended(),
+            at: Instant::now(),
+        }
+    }
+
+    /// Time since then that this process was running.
+    pub(crate) fn waited(&self) -> Duration {
+        let lost = suspended().saturating_sub(self.suspended);
+        self.at.elapsed().saturating_sub(lost)
+    }
+}
+
+/// A point-to-point send that owns its buffer, started non-blocking (`MPI_Isend`, or
+/// `MPI_Issend` when the sender must learn that the receiver took it) and polled with
+/// [`Outgoing::done`], so a sender can give up on a receiver that stopped answering.
+/// Dropped while still active, the request is freed and the buffer leaked (MPI may still
+/// read it): that happens only on the way to aborting the job.
+pub(crate) struct Outgoing {
+    req: Option<Request<'static, [u8], StaticScope>>,
+    buf: Vec<u8>,
+    /// The destination rank in the communicator it was sent on.
+    pub(crate) to: usize,
+    /// When it was started.
+    pub(crate) since: Since,
+}
+
+// SAFETY: the request is an MPI handle, used under MPI_THREAD_MULTIPLE by one thread at
+// a time (whoever owns the `Outgoing`); the buffer is plain bytes.
+#[allow(unsafe_code)]
+unsafe impl Send for Outgoing {}
+
+impl Outgoing {
+    /// Starts sending `buf` to rank `to` of `comm` with `tag`; `synchronous`: completes
+    /// only once the receiver has matched it (`MPI_Issend`).
+    pub(crate) fn start(
+        comm: &SimpleCommunicator,
+        to: usize,
+        tag: Tag,
+        buf: Vec<u8>,
+        synchronous: bool,
+    ) -> Outgoing {
+        // SAFETY: the slice is `buf`'s heap allocation, which this `Outgoing` owns and
+        // neither changes nor frees while the request is active: `done` drops the
+        // request only once MPI has completed it, and `Drop` leaks the buffer of a request
+        // still active. Moving the `Outgoing` moves the `Vec`, not its allocation.
+        #[allow(unsafe_code)]
+        let data: &'static [u8] = unsafe { std::slice::from_raw_parts(buf.as_ptr(), buf.len()) };
+        let p = comm.process_at_rank(to as i32);
+        let req = if synchronous {
+            p.immediate_synchronous_send_with_tag(StaticScope, data, tag)
+        } else {
+            p.immediate_send_with_tag(StaticScope, data, tag)
+        };
+        Outgoing {
+            req: Some(req),
+            buf,
+            to,
+            since: Since::now(),
+        }
+    }
+
+    /// Whether the send has completed (the buffer is MPI's no more).
+    pub(crate) fn done(&mut self) -> bool {
+        match self.req.take() {
+            None => true,
+            Some(r) => match r.test() {
+                Ok(_) => true,
+                Err(r) => {
+                    self.req = Some(r);
+                    false
+                }
+            },
+        }
+    }
+
+    /// Polls until the send completes or it has waited `timeout`; whether it completed.
+    pub(crate) fn wait_for(&mut self, timeout: Duration) -> bool {
+        let mut backoff = Backoff(0);
+        loop {
+            if self.done() {
+                return true;
+            }
+            if self.since.waited() >= timeout {
+                return false;
+            }
+            backoff.wait();
+        }
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        if self.done() {
+            return;
+        }
+        if let Some(r) = self.req.take() {
+            // SAFETY: the request is active and dropped here; MPI_Request_free lets the
+            // send go on without a handle, so its buffer must outlive it: leaked.
+            #[allow(unsafe_code)]
+            unsafe {
+                let (mut raw, _, _) = r.into_raw();
+                mpi::ffi::MPI_Request_free(&mut raw);
+            }
+            std::mem::forget(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+/// Which ranks a timed-out wait names as missing: the workers (a collective among
+/// them) or every rank of the job.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Among {
+    Workers,
+    World,
+}
+
 /// What one rank is doing when a collective times out, as sent to the others.
 fn status_line(rank: usize, label: &str) -> String {
     format!("{rank}\t{label}")
@@ -80,15 +262,25 @@ fn status_line(rank: usize, label: &str) -> String {
 /// Reports a timed-out collective on every rank that can still speak, then aborts
 /// the job. `label` names the op, IR node and step.
 fn timed_out(ctl: &Comm, roles: Roles, rank: usize, label: &str, timeout: Duration) -> ! {
-    let world = &ctl.0;
+    report_and_abort(&ctl.0, roles, rank, label, timeout, Among::Workers)
+}
+
+/// [`timed_out`] on any communicator spanning the world (ranks are world ranks), naming
+/// as missing the ranks of `among` that did not report being at `label`.
+pub(crate) fn report_and_abort(
+    world: &SimpleCommunicator,
+    roles: Roles,
+    rank: usize,
+    label: &str,
+    timeout: Duration,
+    among: Among,
+) -> ! {
     let mine = status_line(rank, label);
-    for other in 0..world.size() as usize {
-        if other != rank {
-            world
-                .process_at_rank(other as i32)
-                .send_with_tag(mine.as_bytes(), TAG_STATUS);
-        }
-    }
+    // Never blocking: a stalled rank never takes its copy.
+    let _sent: Vec<Outgoing> = (0..world.size() as usize)
+        .filter(|&other| other != rank)
+        .map(|other| Outgoing::start(world, other, TAG_STATUS, mine.clone().into_bytes(), false))
+        .collect();
     // Ranks stuck in the same collective time out at about the same moment.
     let grace = Instant::now() + Duration::from_secs(2);
     let mut arrived = vec![rank];
@@ -117,13 +309,15 @@ fn timed_out(ctl: &Comm, roles: Roles, rank: usize, label: &str, timeout: Durati
         }
     }
     arrived.sort_unstable();
-    let missing: Vec<usize> = (0..roles.workers)
-        .filter(|r| !arrived.contains(r))
-        .collect();
+    let (everyone, who) = match among {
+        Among::Workers => (roles.workers, "workers"),
+        Among::World => (roles.world(), "ranks"),
+    };
+    let missing: Vec<usize> = (0..everyone).filter(|r| !arrived.contains(r)).collect();
     let role = roles.role(rank).map_or("?".into(), |r| r.to_string());
     let mut m = format!(
         "error: rank {rank} ({role}): {label} did not complete within {:.0} s (--timeout); \
-         ranks that arrived: {arrived:?}; workers that did not: {missing:?}",
+         ranks that arrived: {arrived:?}; {who} that did not: {missing:?}",
         timeout.as_secs_f64()
     );
     if !elsewhere.is_empty() {
@@ -174,14 +368,14 @@ impl MpiComm {
 impl MpiComm {
     /// Polls `req` until it completes; past the deadline, reports and aborts.
     fn finish<'a, D: ?Sized, S: Scope<'a>>(&self, mut req: Request<'a, D, S>) {
-        let deadline = Instant::now() + self.timeout;
+        let since = Since::now();
         let mut backoff = Backoff(0);
         loop {
             match req.test() {
                 Ok(_) => return,
                 Err(r) => req = r,
             }
-            if Instant::now() >= deadline {
+            if since.waited() >= self.timeout {
                 // An MPI collective cannot be cancelled: the job stops here.
                 timed_out(
                     &self.ctl,
@@ -425,11 +619,19 @@ impl Communicator for MpiComm {
                 self.size
             )));
         }
-        self.comm
-            .0
-            .process_at_rank(to as i32)
-            .send_with_tag(&data[..], TAG_P2P);
-        self.bytes.sent += data.len() as u64;
+        let n = data.len() as u64;
+        // Bounded like a collective: a peer that never receives stops the job here.
+        let mut out = Outgoing::start(&self.comm.0, to, TAG_P2P, data, false);
+        if !out.wait_for(self.timeout) {
+            timed_out(
+                &self.ctl,
+                self.roles,
+                self.world_rank,
+                &self.label,
+                self.timeout,
+            );
+        }
+        self.bytes.sent += n;
         Ok(())
     }
     fn recv(&mut self, from: usize) -> std::result::Result<Vec<u8>, RuntimeError> {
@@ -439,7 +641,7 @@ impl Communicator for MpiComm {
                 self.size
             )));
         }
-        let deadline = Instant::now() + self.timeout;
+        let since = Since::now();
         let mut backoff = Backoff(0);
         loop {
             let p = self.comm.0.process_at_rank(from as i32);
@@ -448,7 +650,7 @@ impl Communicator for MpiComm {
                 self.bytes.received += data.len() as u64;
                 return Ok(data);
             }
-            if Instant::now() >= deadline {
+            if since.waited() >= self.timeout {
                 timed_out(
                     &self.ctl,
                     self.roles,

@@ -1,5 +1,11 @@
 //! A worker's handle on the parameter servers: splits pulls and pushes by shard,
 //! sends them over its [`WorkerLink`] and gathers the replies by tag.
+//!
+//! A wait for an answer lasts the timeout, plus a grace in which a server that waits on
+//! another worker itself says which (it fails the request at the same timeout, counted
+//! from the request's arrival): only a server that says nothing is blamed. Time this
+//! process spent suspended (a `SIGSTOP`, a starved machine) does not count against the
+//! servers.
 
 use super::server::slice_rows;
 use super::transport::WorkerLink;
@@ -58,6 +64,29 @@ fn layout(
 /// The index in `sh` (sorted, contiguous from 0) of the shard holding row `id`.
 fn shard_of(sh: &[(usize, usize, usize)], id: usize) -> usize {
     sh.partition_point(|&(_, a, _)| a <= id).saturating_sub(1)
+}
+
+/// How much longer than the timeout a worker waits for a server's own explanation of a
+/// late answer.
+fn grace(timeout: Duration) -> Duration {
+    timeout.min(Duration::from_secs(2))
+}
+
+/// A wait on the link that returned this much later than asked was a suspended process,
+/// not a silent server.
+const SUSPENDED: Duration = Duration::from_secs(1);
+
+/// Waits on `link` for at most `wait`; pushes `deadline` back by any time the process
+/// spent suspended meanwhile.
+fn recv_until(link: &mut dyn WorkerLink, deadline: &mut Instant) -> Result<Option<Vec<u8>>> {
+    let asked = deadline.saturating_duration_since(Instant::now());
+    let t = Instant::now();
+    let got = link.recv(asked)?;
+    let late = t.elapsed().saturating_sub(asked);
+    if late > SUSPENDED {
+        *deadline += late;
+    }
+    Ok(got)
 }
 
 fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
@@ -170,10 +199,9 @@ impl PsClient {
     ) -> Result<Vec<Option<Tensor>>> {
         let mut parts: Vec<Option<Tensor>> = vec![None; sh.len()];
         let mut left: HashMap<u64, usize> = asked.iter().copied().collect();
-        let deadline = Instant::now() + self.timeout;
+        let mut deadline = Instant::now() + self.timeout + grace(self.timeout);
         while !left.is_empty() {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            let got = self.link()?.recv(wait);
+            let got = recv_until(&mut **self.link()?, &mut deadline);
             let bytes = match got {
                 Ok(Some(b)) => b,
                 Ok(None) => {
@@ -461,7 +489,9 @@ impl PsClient {
             asked.insert(tag, s);
         }
         if !collect {
-            return Ok(Vec::new());
+            // Every request delivered before this worker ends.
+            let r = self.link()?.flush();
+            return r.map(|()| Vec::new()).map_err(|e| self.fail(e));
         }
         self.collect_shards(asked, "shutdown")
     }
@@ -486,10 +516,9 @@ impl PsClient {
         what: &str,
     ) -> Result<Vec<(String, usize, Tensor)>> {
         let mut out = Vec::new();
-        let deadline = Instant::now() + self.timeout;
+        let mut deadline = Instant::now() + self.timeout + grace(self.timeout);
         while !asked.is_empty() {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            let bytes = match self.link()?.recv(wait)? {
+            let bytes = match recv_until(&mut **self.link()?, &mut deadline)? {
                 Some(b) => b,
                 None => {
                     let mut silent: Vec<usize> = asked.values().copied().collect();

@@ -45,6 +45,8 @@ use crate::core::value::Tensor;
 use distc_ir::{DType, Init, TensorType};
 use ndarray::Axis;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use transport::{in_process_links, InProcessWorkerLink};
@@ -245,6 +247,8 @@ pub struct PsCluster {
     handles: Vec<JoinHandle<Result<ServerOutcome>>>,
     workers: usize,
     timeout: Duration,
+    /// The servers' own timeout (nanoseconds, 0: none), read by their links.
+    server_timeout: Arc<AtomicU64>,
     vars: HashMap<String, TensorType>,
 }
 
@@ -268,7 +272,9 @@ pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> 
         .pop()
         .ok_or_else(|| cfg_err("no control link".into()))?;
     let mut handles = Vec::new();
+    let server_timeout = Arc::new(AtomicU64::new(0));
     for (id, (list, mut link)) in shards.iter().zip(server_links).enumerate() {
+        link.timeout_ns = server_timeout.clone();
         let mut server = Server::new(id, list, &cfg)?;
         server.set_tracing(trace);
         let h = std::thread::Builder::new()
@@ -283,6 +289,7 @@ pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> 
         handles,
         workers: cfg.workers,
         timeout: DEFAULT_TIMEOUT,
+        server_timeout,
         vars,
     })
 }
@@ -299,9 +306,12 @@ pub struct ClusterOutcome {
 }
 
 impl PsCluster {
-    /// Bounds every wait of the clients handed out from now on.
+    /// Bounds every wait of the clients handed out from now on, and every wait of the
+    /// servers on a worker (which then name the worker a late pull waits for).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.server_timeout.store(ns, Ordering::Relaxed);
     }
 
     /// The client of worker `rank` (once per rank; move it into the worker's thread).

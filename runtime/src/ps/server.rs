@@ -2,8 +2,14 @@
 //! shard, answers pulls when the sync mode allows. [`Server::handle`] takes one
 //! request and returns the replies it releases, addressed by worker rank; it knows
 //! nothing of how messages travel. [`serve`] runs it over a [`ServerLink`].
+//!
+//! With a timeout ([`Server::set_timeout`], `--timeout` under MPI), nothing waits on a
+//! worker for longer: a pull, a training-state snapshot or a shutdown that has waited
+//! that long fails the server with an error naming the workers it waits for (those that
+//! did not push the step it needs, or did not finish), which every waiting worker gets
+//! as its answer. The worker that stalled is named, not the server.
 
-use super::transport::ServerLink;
+use super::transport::{Incoming, ServerLink};
 use super::wire::{Reply, Request};
 use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
 use crate::core::checkpoint::TrainingState;
@@ -225,6 +231,18 @@ struct Waiting {
     ids: Option<Vec<usize>>,
     step: u64,
     tag: u64,
+    /// When it arrived.
+    since: Instant,
+}
+
+/// `worker rank 0`, `worker ranks 0 and 2`, `worker ranks 0, 1 and 2`.
+fn worker_ranks(ranks: &[usize]) -> String {
+    let r: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match r.as_slice() {
+        [one] => format!("worker rank {one}"),
+        [init @ .., last] => format!("worker ranks {} and {last}", init.join(", ")),
+        [] => "no worker".into(),
+    }
 }
 
 /// One parameter server's state.
@@ -237,10 +255,14 @@ pub struct Server {
     failed: Option<String>,
     /// Per worker: it has sent `Shutdown` or `Abort`.
     finished: Vec<bool>,
-    /// Workers that asked for the shards at shutdown, with their tags.
-    collectors: Vec<(usize, u64)>,
-    /// Snapshots asked for `(worker, tag, step)`, answered once the step is applied.
-    snapshots: Vec<(usize, u64, u64)>,
+    /// Workers that asked for the shards at shutdown, with their tags and when.
+    collectors: Vec<(usize, u64, Instant)>,
+    /// Snapshots asked for `(worker, tag, step, when)`, answered once the step is applied.
+    snapshots: Vec<(usize, u64, u64, Instant)>,
+    /// How long anything may wait on a worker (none: forever).
+    timeout: Option<Duration>,
+    /// Per worker: when its last message came.
+    heard: Vec<Option<Instant>>,
     /// Record a span per message (for traces).
     tracing: bool,
     spans: Vec<ServerSpan>,
@@ -292,6 +314,8 @@ impl Server {
             finished: vec![false; cfg.workers],
             collectors: Vec::new(),
             snapshots: Vec::new(),
+            timeout: None,
+            heard: vec![None; cfg.workers],
             tracing: false,
             spans: Vec::new(),
             busy: Duration::ZERO,
@@ -301,6 +325,140 @@ impl Server {
     /// Records a span per message handled and per update applied from now on.
     pub fn set_tracing(&mut self, on: bool) {
         self.tracing = on;
+    }
+
+    /// Bounds every wait on a worker by `timeout` (see the module doc).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = Some(timeout);
+    }
+
+    /// Moves every wait on a worker `by` later (time this process was suspended, which
+    /// is no worker's fault).
+    pub fn postpone(&mut self, by: Duration) {
+        for w in &mut self.waiting {
+            w.since += by;
+        }
+        for s in &mut self.snapshots {
+            s.3 += by;
+        }
+        for c in &mut self.collectors {
+            c.2 += by;
+        }
+        for h in self.heard.iter_mut().flatten() {
+            *h += by;
+        }
+    }
+
+    /// When the oldest wait on a worker times out (none: nothing waits, or no timeout).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let t = self.timeout?;
+        if self.failed.is_some() {
+            return None;
+        }
+        let pulls = self.waiting.iter().map(|w| w.since);
+        let snaps = self.snapshots.iter().map(|s| s.3);
+        let colls = self.collectors.iter().map(|c| c.2);
+        pulls.chain(snaps).chain(colls).min().map(|since| since + t)
+    }
+
+    /// Fails the server when a wait on a worker has lasted the timeout by `now`, naming
+    /// the workers it waits for; returns the replies that answers (every waiting pull,
+    /// snapshot and shutdown gets the error).
+    pub fn expire(&mut self, now: Instant) -> Vec<(usize, Reply)> {
+        let mut out = Vec::new();
+        let Some(t) = self.timeout else {
+            return out;
+        };
+        if self.failed.is_some() {
+            return out;
+        }
+        let secs = t.as_secs_f64();
+        let mut why = None;
+        if let Some(w) = self.waiting.iter().find(|w| now >= w.since + t) {
+            if let Some(shard) = self.shards.get(&w.key) {
+                let what = format!("pull of `{}` at step {}", shard.var, w.step);
+                why = Some(self.blame(shard, w.step, &what, secs, now));
+            }
+        }
+        if why.is_none() {
+            if let Some(&(_, _, step, _)) = self.snapshots.iter().find(|s| now >= s.3 + t) {
+                let what = format!("training state at step {step}");
+                why = self
+                    .shards
+                    .values()
+                    .find(|s| !s.ready(self.sync, step + 1))
+                    .map(|s| self.blame(s, step + 1, &what, secs, now))
+                    .or_else(|| Some(format!("{what}: not ready within {secs:.0} s (--timeout)")));
+            }
+        }
+        if why.is_none() {
+            if let Some(&(by, _, _)) = self.collectors.iter().find(|c| now >= c.2 + t) {
+                let left: Vec<usize> = (0..self.workers).filter(|&r| !self.finished[r]).collect();
+                why = Some(format!(
+                    "the end of the run: {} did not finish within {secs:.0} s (--timeout) of \
+                     worker {by}{}",
+                    worker_ranks(&left),
+                    self.silence(&left, now)
+                ));
+            }
+        }
+        let Some(why) = why else {
+            return out;
+        };
+        self.fail(why.clone());
+        self.wake(&mut out);
+        for (to, tag, _) in std::mem::take(&mut self.collectors) {
+            out.push((
+                to,
+                Reply::Shards {
+                    tag,
+                    result: Err(why.clone()),
+                },
+            ));
+        }
+        out
+    }
+
+    /// Why a wait for `shard` to be ready for `step` lasted the timeout: the workers
+    /// that did not push the step it needs.
+    fn blame(&self, shard: &Shard, step: u64, what: &str, secs: f64, now: Instant) -> String {
+        let need = match self.sync {
+            PsSync::Sync => shard.applied + 1,
+            PsSync::Stale(k) => step.saturating_sub(u64::from(k) + 1),
+            PsSync::Async => 0,
+        };
+        let behind: Vec<usize> = (0..self.workers)
+            .filter(|&r| shard.last[r] < need)
+            .collect();
+        if behind.is_empty() {
+            return format!(
+                "{what}: parameter server {} could not answer within {secs:.0} s (--timeout)",
+                self.id
+            );
+        }
+        format!(
+            "{what}: {} did not push step {need} of `{}` within {secs:.0} s (--timeout){}",
+            worker_ranks(&behind),
+            shard.var,
+            self.silence(&behind, now)
+        )
+    }
+
+    /// `; nothing came from worker rank 0 for 5.2 s`: the longest any of `ranks` has
+    /// been silent (empty when they were heard from recently).
+    fn silence(&self, ranks: &[usize], now: Instant) -> String {
+        let quiet = ranks
+            .iter()
+            .filter_map(|&r| self.heard[r].map(|h| (r, now.saturating_duration_since(h))))
+            .max_by_key(|&(_, d)| d);
+        match quiet {
+            Some((r, d)) if d >= Duration::from_secs(1) => format!(
+                "; parameter server {} heard nothing from worker rank {r} for {:.1} s",
+                self.id,
+                d.as_secs_f64()
+            ),
+            _ => String::new(),
+        }
     }
 
     /// Whether every worker has finished (the server has nothing more to do).
@@ -322,6 +480,9 @@ impl Server {
             Request::Shutdown { .. } | Request::Abort { .. } | Request::Snapshot { .. } => None,
         };
         let mut out = Vec::new();
+        if let Some(h) = self.heard.get_mut(from) {
+            *h = Some(t0);
+        }
         if from >= self.workers {
             self.fail(format!(
                 "a message from worker {from} (there are {} workers)",
@@ -354,14 +515,14 @@ impl Server {
                 Request::Shutdown { tag, collect } => {
                     self.finished[from] = true;
                     if collect {
-                        self.collectors.push((from, tag));
+                        self.collectors.push((from, tag, t0));
                     }
                 }
                 Request::Abort { reason } => {
                     self.finished[from] = true;
                     self.fail(format!("worker {from} failed: {reason}"));
                 }
-                Request::Snapshot { tag, step } => self.snapshots.push((from, tag, step)),
+                Request::Snapshot { tag, step } => self.snapshots.push((from, tag, step, t0)),
             }
         }
         self.wake(&mut out);
@@ -450,6 +611,7 @@ impl Server {
                 ids,
                 step,
                 tag,
+                since: Instant::now(),
             }),
         }
     }
@@ -508,7 +670,7 @@ impl Server {
     /// Answers the waiting pulls that may proceed now (all of them, with the error,
     /// if the server has failed).
     fn wake(&mut self, out: &mut Vec<(usize, Reply)>) {
-        for (from, tag, step) in std::mem::take(&mut self.snapshots) {
+        for (from, tag, step, since) in std::mem::take(&mut self.snapshots) {
             // Once every shard could answer a pull of the next step.
             if self.failed.is_some() || self.shards.values().all(|s| s.ready(self.sync, step + 1)) {
                 let result = match &self.failed {
@@ -517,7 +679,7 @@ impl Server {
                 };
                 out.push((from, Reply::Shards { tag, result }));
             } else {
-                self.snapshots.push((from, tag, step));
+                self.snapshots.push((from, tag, step, since));
             }
         }
         let waiting = std::mem::take(&mut self.waiting);
@@ -577,7 +739,7 @@ impl Server {
                 },
             ));
         }
-        for (to, tag) in std::mem::take(&mut self.collectors) {
+        for (to, tag, _) in std::mem::take(&mut self.collectors) {
             let result = match &self.failed {
                 Some(e) => Err(e.clone()),
                 None => Ok(self.values()),
@@ -652,26 +814,221 @@ fn apply_complete_steps(
 }
 
 /// Serves requests arriving on `link` until every worker has finished (or no worker
-/// can send any more); returns the server's shards, error and spans.
+/// can send any more), expiring waits on workers as [`Server::expire`] says; returns the
+/// server's shards, error and spans once its replies are delivered. A link error (a
+/// worker that did not take a reply in time) is returned.
 pub fn serve(mut server: Server, link: &mut dyn ServerLink) -> Result<ServerOutcome> {
+    let mut suspended = link.suspended();
     while !server.done() {
-        let (from, bytes) = match link.recv() {
-            Ok(m) => m,
+        if let Some(t) = link.timeout() {
+            server.set_timeout(t);
+        }
+        let wait = server
+            .next_deadline()
+            .map(|d| d.saturating_duration_since(Instant::now()));
+        let got = link.recv(wait)?;
+        let now_suspended = link.suspended();
+        if now_suspended > suspended {
+            server.postpone(now_suspended - suspended);
+            suspended = now_suspended;
+        }
+        let mut replies = match got {
+            Incoming::Request(from, bytes) => match Request::decode(&bytes) {
+                Ok(req) => server.handle(from, req),
+                Err(e) => {
+                    return Err(RuntimeError::Config(format!(
+                        "parameter server {}: a malformed message from worker {from}: {e}",
+                        server.id
+                    )))
+                }
+            },
+            Incoming::Idle => Vec::new(),
             // Every worker is gone without finishing: nothing can reach this server.
-            Err(_) => break,
+            Incoming::Closed => break,
         };
-        let replies = match Request::decode(&bytes) {
-            Ok(req) => server.handle(from, req),
-            Err(e) => {
-                return Err(RuntimeError::Config(format!(
-                    "parameter server {}: a malformed message from worker {from}: {e}",
-                    server.id
-                )))
-            }
-        };
+        replies.extend(server.expire(Instant::now()));
         for (to, reply) in replies {
             link.send(to, reply.encode())?;
         }
     }
+    link.flush()?;
     Ok(server.into_outcome())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::config::OptimizerSpec;
+    use distc_ir::{Init, TensorType};
+
+    fn config(workers: usize, sync: PsSync) -> PsConfig {
+        PsConfig {
+            workers,
+            sync,
+            optimizer: OptimizerSpec::Sgd {
+                lr: 0.1,
+                momentum: 0.0,
+            },
+            seed: 1,
+            resume: None,
+        }
+    }
+
+    fn shard() -> ShardSpec {
+        ShardSpec {
+            var: "v".into(),
+            full: TensorType::f32(vec![4, 2]),
+            init: Init::Uniform { lo: -1.0, hi: 1.0 },
+            start: 0,
+            end: 4,
+        }
+    }
+
+    fn push(step: u64) -> Request {
+        Request::Push {
+            var: "v".into(),
+            start: 0,
+            end: 4,
+            step,
+            grad: Value::Tensor(Tensor::F32(ArrayD::zeros(IxDyn(&[4, 2])))),
+        }
+    }
+
+    fn pull(tag: u64, step: u64) -> Request {
+        Request::Pull {
+            tag,
+            var: "v".into(),
+            start: 0,
+            end: 4,
+            ids: None,
+            step,
+        }
+    }
+
+    fn failed(replies: &[(usize, Reply)]) -> Vec<(usize, String)> {
+        replies
+            .iter()
+            .filter_map(|(to, r)| match r {
+                Reply::Failed { error, .. } => Some((*to, error.clone())),
+                Reply::Shards { result: Err(e), .. } => Some((*to, e.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Issue 20: a pull waiting on a worker that stopped pushing fails at the timeout,
+    /// naming that worker and the step it did not push (sync and stale); a server with
+    /// no timeout waits on.
+    #[test]
+    fn a_late_pull_names_the_worker_it_waits_for() {
+        let t = Duration::from_millis(50);
+        for (sync, pushed, asked, missing) in [
+            (
+                PsSync::Sync,
+                1,
+                2,
+                "worker rank 1 did not push step 1 of `v`",
+            ),
+            (
+                PsSync::Stale(1),
+                2,
+                3,
+                "worker rank 1 did not push step 1 of `v`",
+            ),
+        ] {
+            let mut s = Server::new(0, &[shard()], &config(2, sync)).expect("server");
+            s.set_timeout(t);
+            for step in 1..=pushed {
+                assert!(s.handle(0, push(step)).is_empty());
+            }
+            assert!(s.handle(0, pull(7, asked)).is_empty(), "{sync}: waits");
+            let due = s.next_deadline().expect("a deadline");
+            assert!(
+                s.expire(due - Duration::from_millis(1)).is_empty(),
+                "{sync}"
+            );
+            let out = failed(&s.expire(due));
+            assert_eq!(out.len(), 1, "{sync}: {out:?}");
+            assert_eq!(out[0].0, 0);
+            assert!(out[0].1.contains(missing), "{sync}: {}", out[0].1);
+            assert!(out[0].1.contains("(--timeout)"), "{}", out[0].1);
+            // Later requests get the same error; nothing is left to expire.
+            assert!(s.next_deadline().is_none());
+            let again = failed(&s.handle(1, pull(8, 1)));
+            assert_eq!(again[0].1, out[0].1);
+        }
+        let mut s = Server::new(0, &[shard()], &config(2, PsSync::Sync)).expect("server");
+        assert!(s.handle(0, push(1)).is_empty());
+        assert!(s.handle(0, pull(7, 2)).is_empty());
+        assert!(s.next_deadline().is_none());
+        assert!(s
+            .expire(Instant::now() + Duration::from_secs(3600))
+            .is_empty());
+    }
+
+    /// Time the server's process was suspended postpones its deadlines; a shutdown
+    /// that waits for another worker names it.
+    #[test]
+    fn suspension_postpones_and_a_late_shutdown_names_who_did_not_finish() {
+        let t = Duration::from_millis(50);
+        let mut s = Server::new(0, &[shard()], &config(3, PsSync::Async)).expect("server");
+        s.set_timeout(t);
+        assert!(s
+            .handle(
+                1,
+                Request::Shutdown {
+                    tag: 3,
+                    collect: false
+                }
+            )
+            .is_empty());
+        assert!(s
+            .handle(
+                0,
+                Request::Shutdown {
+                    tag: 4,
+                    collect: true
+                }
+            )
+            .is_empty());
+        let due = s.next_deadline().expect("a deadline");
+        s.postpone(Duration::from_secs(10));
+        assert_eq!(s.next_deadline(), Some(due + Duration::from_secs(10)));
+        assert!(s.expire(due).is_empty());
+        let out = failed(&s.expire(due + Duration::from_secs(10)));
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].0, 0);
+        assert!(
+            out[0].1.contains("worker rank 2 did not finish"),
+            "{}",
+            out[0].1
+        );
+    }
+
+    /// In-process servers take the cluster's timeout: a worker that never pushes is
+    /// named in the other worker's error, not the server.
+    #[test]
+    fn in_process_clients_learn_which_worker_a_pull_waited_for() {
+        let mut c =
+            super::super::start(vec![vec![shard()]], config(2, PsSync::Sync)).expect("cluster");
+        c.set_timeout(Duration::from_millis(200));
+        let mut w0 = c.client(0);
+        let _w1 = c.client(1);
+        let sh = [(0, 0, 4)];
+        w0.pull("v", &sh, 1).expect("step 1");
+        w0.push("v", &sh, &Tensor::F32(ArrayD::zeros(IxDyn(&[4, 2]))), 1)
+            .expect("push");
+        let start = Instant::now();
+        let e = w0
+            .pull("v", &sh, 2)
+            .expect_err("worker 1 never pushes")
+            .to_string();
+        assert!(e.contains("worker rank 1 did not push step 1"), "{e}");
+        assert!(!e.contains("did not answer"), "{e}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+    }
 }

@@ -5,24 +5,59 @@
 //! channels ([`in_process_links`]) and MPI point-to-point (`comm::mpi`, feature `mpi`).
 
 use crate::core::error::{Result, RuntimeError};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A worker's end: requests to servers by index, replies addressed to this worker.
 pub trait WorkerLink: Send {
-    /// Sends an encoded request to server `server` without waiting for it.
+    /// Sends an encoded request to server `server` without waiting for it. A link that
+    /// delivers later fails a later call once a server has not taken a message in time.
     fn send(&mut self, server: usize, msg: Vec<u8>) -> Result<()>;
     /// The next reply to this worker, waiting at most `timeout`; `None` on timeout.
     fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>>;
+    /// Waits until every request sent has been delivered; fails, naming the server,
+    /// when one is not taken in time.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What a server's [`ServerLink::recv`] got.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A request and the worker rank that sent it.
+    Request(usize, Vec<u8>),
+    /// Nothing within the time asked for.
+    Idle,
+    /// No worker can send any more.
+    Closed,
 }
 
 /// A server's end: requests from any worker, replies to a worker by rank.
 pub trait ServerLink: Send {
-    /// The next request and the worker rank that sent it; an error once no worker can
-    /// send any more.
-    fn recv(&mut self) -> Result<(usize, Vec<u8>)>;
-    /// Sends an encoded reply to worker `worker`.
+    /// The next request, waiting at most `timeout` (with `None`, until one comes or no
+    /// worker can send any more). An error is the link's own: a worker that did not take
+    /// a reply in time, a message from a rank that is no worker.
+    fn recv(&mut self, timeout: Option<Duration>) -> Result<Incoming>;
+    /// Sends an encoded reply to worker `worker` without waiting for it.
     fn send(&mut self, worker: usize, msg: Vec<u8>) -> Result<()>;
+    /// How long this process has been suspended in all (time a server's waits on
+    /// workers leave out); zero where the link cannot tell.
+    fn suspended(&self) -> Duration {
+        Duration::ZERO
+    }
+    /// The bound on the server's waits on workers, where the link carries one (the
+    /// run's `--timeout`, which may be set after the server started).
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
+    /// Waits until every reply sent has been delivered; fails, naming the worker, when
+    /// one is not taken in time.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// An in-process worker link.
@@ -36,6 +71,8 @@ pub struct InProcessWorkerLink {
 pub struct InProcessServerLink {
     requests: Receiver<(usize, Vec<u8>)>,
     to_workers: Vec<Sender<Vec<u8>>>,
+    /// The servers' timeout in nanoseconds (0: none), shared with whoever sets it.
+    pub(crate) timeout_ns: Arc<AtomicU64>,
 }
 
 /// Links between `workers` workers and `servers` servers of one process, by rank and
@@ -60,6 +97,7 @@ pub fn in_process_links(
         .map(|requests| InProcessServerLink {
             requests,
             to_workers: rep_tx.clone(),
+            timeout_ns: Arc::new(AtomicU64::new(0)),
         })
         .collect();
     (worker_links, server_links)
@@ -95,10 +133,25 @@ impl WorkerLink for InProcessWorkerLink {
 }
 
 impl ServerLink for InProcessServerLink {
-    fn recv(&mut self) -> Result<(usize, Vec<u8>)> {
-        self.requests
-            .recv()
-            .map_err(|_| RuntimeError::Config("every worker has gone".into()))
+    fn recv(&mut self, timeout: Option<Duration>) -> Result<Incoming> {
+        let got = match timeout {
+            None => self
+                .requests
+                .recv()
+                .map_err(|_| RecvTimeoutError::Disconnected),
+            Some(t) => self.requests.recv_timeout(t),
+        };
+        Ok(match got {
+            Ok((from, msg)) => Incoming::Request(from, msg),
+            Err(RecvTimeoutError::Timeout) => Incoming::Idle,
+            Err(RecvTimeoutError::Disconnected) => Incoming::Closed,
+        })
+    }
+    fn timeout(&self) -> Option<Duration> {
+        match self.timeout_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
     }
     fn send(&mut self, worker: usize, msg: Vec<u8>) -> Result<()> {
         // A worker that has gone no longer waits for the reply: dropping it is right.

@@ -9,14 +9,25 @@
 //! A rank's error is printed by that rank, which then aborts the job (MPI has no other
 //! way to stop ranks blocked in a collective); a killed rank makes `mpirun` stop the
 //! others. The communicator and its timeouts are [`crate::comm::mpi`]'s.
+//!
+//! Every wait on another rank is bounded by `--timeout` and names the rank it waited
+//! for: the start-up check and the barriers at the start and the end, requests to
+//! servers and their replies (sent non-blocking: a server never waits on one worker
+//! while others wait on it), step reports (sent synchronous, so a worker learns that
+//! rank 0 stopped taking them), rank 0's wait for the other workers' reports (a worker
+//! silent for longer than the timeout while another reported is named) and the trace
+//! spans.
 
-use crate::comm::mpi::{Backoff, Comm, MpiComm, TAG_REPLY, TAG_REPORT, TAG_REQUEST, TAG_SPANS};
+use crate::comm::mpi::{
+    report_and_abort, suspended, Among, Backoff, Comm, MpiComm, Outgoing, Since, TAG_REPLY,
+    TAG_REPORT, TAG_REQUEST, TAG_SPANS,
+};
 use crate::comm::Communicator;
 use crate::core::backend::Backend;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
-use crate::ps::transport::{ServerLink, WorkerLink};
+use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
 use crate::run::launch::{rank_path, MpiRun};
 use crate::run::metrics::StepMetrics;
@@ -25,17 +36,80 @@ use crate::run::train::{
     open_data, pulled_types, server_shards, Coordinator, Programs, TrainOptions, TrainReport,
 };
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
+use mpi::request::{scope, Request, Scope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::Communicator as _;
 use mpi::traits::*;
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-/// A worker's link to the servers (ranks `N..N+S`).
+/// Sends not yet taken by their receivers, oldest first; an error naming the receiver
+/// once the oldest has waited `timeout`.
+struct Sends {
+    pending: VecDeque<Outgoing>,
+    timeout: Duration,
+}
+
+impl Sends {
+    fn new(timeout: Duration) -> Sends {
+        Sends {
+            pending: VecDeque::new(),
+            timeout,
+        }
+    }
+
+    /// Forgets the sends that completed; the receiver of the oldest one still waiting,
+    /// if it has waited the timeout.
+    fn late(&mut self) -> Option<usize> {
+        self.pending.retain_mut(|o| !o.done());
+        let t = self.timeout;
+        self.pending
+            .iter()
+            .find(|o| o.since.waited() >= t)
+            .map(|o| o.to)
+    }
+
+    /// Waits until every send completes; the receiver of the first that does not within
+    /// the timeout.
+    fn flush(&mut self) -> Option<usize> {
+        let mut backoff = Backoff(0);
+        while !self.pending.is_empty() {
+            if let Some(to) = self.late() {
+                return Some(to);
+            }
+            backoff.wait();
+        }
+        None
+    }
+}
+
+/// A worker's link to the servers (ranks `N..N+S`). Requests go out non-blocking; one a
+/// server has not taken within the timeout fails the next call.
 struct MpiWorkerLink {
     comm: Arc<Comm>,
     workers: usize,
+    sends: Sends,
+}
+
+impl MpiWorkerLink {
+    fn check(&mut self) -> Result<()> {
+        let workers = self.workers;
+        match self.sends.late() {
+            Some(o) => Err(server_late(o, workers, self.sends.timeout)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Server rank `to` did not take a request.
+fn server_late(to: usize, workers: usize, timeout: Duration) -> RuntimeError {
+    RuntimeError::Config(format!(
+        "parameter server {} (rank {to}) did not take a request within {:.0} s (--timeout)",
+        to.saturating_sub(workers),
+        timeout.as_secs_f64()
+    ))
 }
 
 impl WorkerLink for MpiWorkerLink {
@@ -46,16 +120,28 @@ impl WorkerLink for MpiWorkerLink {
                 msg.len()
             ))
         })?;
-        self.comm
-            .0
-            .process_at_rank((self.workers + server) as i32)
-            .send_with_tag(&msg[..], TAG_REQUEST);
+        self.check()?;
+        self.sends.pending.push_back(Outgoing::start(
+            &self.comm.0,
+            self.workers + server,
+            TAG_REQUEST,
+            msg,
+            false,
+        ));
         Ok(())
     }
+    fn flush(&mut self) -> Result<()> {
+        let workers = self.workers;
+        match self.sends.flush() {
+            Some(o) => Err(server_late(o, workers, self.sends.timeout)),
+            None => Ok(()),
+        }
+    }
     fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>> {
-        let deadline = Instant::now() + timeout;
+        let since = Since::now();
         let mut backoff = Backoff(0);
         loop {
+            self.check()?;
             if let Some((msg, st)) = self
                 .comm
                 .0
@@ -64,7 +150,7 @@ impl WorkerLink for MpiWorkerLink {
             {
                 return Ok(Some((msg, st).matched_receive_vec::<u8>().0));
             }
-            if Instant::now() >= deadline {
+            if since.waited() >= timeout {
                 return Ok(None);
             }
             backoff.wait();
@@ -72,16 +158,41 @@ impl WorkerLink for MpiWorkerLink {
     }
 }
 
-/// A server's link to the workers (ranks `0..N`).
+/// A server's link to the workers (ranks `0..N`). Replies go out non-blocking, so a
+/// worker that stopped taking them holds up no other; one not taken within the timeout
+/// fails the server, naming that worker.
 struct MpiServerLink {
     comm: Arc<Comm>,
     workers: usize,
+    server: usize,
+    sends: Sends,
+}
+
+impl MpiServerLink {
+    fn check(&mut self) -> Result<()> {
+        let (server, rank) = (self.server, self.workers + self.server);
+        match self.sends.late() {
+            Some(o) => Err(worker_late(o, server, rank, self.sends.timeout)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Worker rank `to` did not take a server's reply.
+fn worker_late(to: usize, server: usize, rank: usize, timeout: Duration) -> RuntimeError {
+    RuntimeError::Config(format!(
+        "worker rank {to} did not take a reply of parameter server {server} (rank {rank}) \
+         within {:.0} s (--timeout)",
+        timeout.as_secs_f64()
+    ))
 }
 
 impl ServerLink for MpiServerLink {
-    fn recv(&mut self) -> Result<(usize, Vec<u8>)> {
+    fn recv(&mut self, timeout: Option<Duration>) -> Result<Incoming> {
+        let since = Since::now();
         let mut backoff = Backoff(0);
         loop {
+            self.check()?;
             if let Some((msg, st)) = self
                 .comm
                 .0
@@ -95,7 +206,10 @@ impl ServerLink for MpiServerLink {
                         "a request from rank {from}, which is no worker"
                     )));
                 }
-                return Ok((from, data));
+                return Ok(Incoming::Request(from, data));
+            }
+            if timeout.is_some_and(|t| since.waited() >= t) {
+                return Ok(Incoming::Idle);
             }
             backoff.wait();
         }
@@ -107,11 +221,48 @@ impl ServerLink for MpiServerLink {
                 msg.len()
             ))
         })?;
-        self.comm
-            .0
-            .process_at_rank(worker as i32)
-            .send_with_tag(&msg[..], TAG_REPLY);
-        Ok(())
+        self.sends
+            .pending
+            .push_back(Outgoing::start(&self.comm.0, worker, TAG_REPLY, msg, false));
+        self.check()
+    }
+    fn suspended(&self) -> Duration {
+        suspended()
+    }
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.sends.timeout)
+    }
+    fn flush(&mut self) -> Result<()> {
+        let (server, rank) = (self.server, self.workers + self.server);
+        match self.sends.flush() {
+            Some(o) => Err(worker_late(o, server, rank, self.sends.timeout)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Polls `req` until it completes; past `timeout`, reports which ranks of `among` did
+/// not reach `label` and aborts the job.
+fn complete_or_abort<'a, D: ?Sized, S: Scope<'a>>(
+    mut req: Request<'a, D, S>,
+    comm: &SimpleCommunicator,
+    roles: Roles,
+    rank: usize,
+    label: &str,
+    timeout: Duration,
+    among: Among,
+) {
+    let since = Since::now();
+    let mut backoff = Backoff(0);
+    loop {
+        match req.test() {
+            Ok(_) => return,
+            Err(r) => req = r,
+        }
+        if since.waited() >= timeout {
+            report_and_abort(comm, roles, rank, label, timeout, among);
+        }
+        backoff.wait();
     }
 }
 
@@ -192,7 +343,18 @@ pub fn run_with<B: Backend>(
     let n = record.len().min(mine.len());
     mine[..n].copy_from_slice(&record.as_bytes()[..n]);
     let mut all = vec![0u8; RECORD * size];
-    world.all_gather_into(&mine[..], &mut all[..]);
+    scope(|sc| {
+        let req = world.immediate_all_gather_into(sc, &mine[..], &mut all[..]);
+        complete_or_abort(
+            req,
+            &world,
+            roles,
+            rank,
+            "the start-up check",
+            opts.timeout,
+            Among::World,
+        );
+    });
     let text = |r: usize| {
         String::from_utf8_lossy(&all[r * RECORD..(r + 1) * RECORD])
             .trim_end_matches('\0')
@@ -276,11 +438,19 @@ pub fn run_with<B: Backend>(
     let workers_comm = world.split_by_color(color);
     let ps_comm = Arc::new(Comm(world.duplicate()));
     let ctl = Arc::new(Comm(world.duplicate()));
-    world.barrier();
+    complete_or_abort(
+        ctl.0.immediate_barrier(),
+        &ctl.0,
+        roles,
+        rank,
+        "the start of the run",
+        opts.timeout,
+        Among::World,
+    );
     let t0 = Instant::now();
     let result = match role {
         Some(Role::Server(s)) => run_server(programs, config, opts, roles, s, &ps_comm, t0)
-            .map(|spans| send_spans(&ctl, rank, spans, opts, mpi_run)),
+            .and_then(|spans| send_spans(&ctl, rank, spans, opts, mpi_run)),
         Some(Role::Worker(r)) => {
             let comm = match workers_comm {
                 Some(c) => Comm(c),
@@ -294,6 +464,16 @@ pub fn run_with<B: Backend>(
     };
     match result {
         Ok(report) => {
+            // MPI_Finalize waits for every rank with no deadline: a bounded barrier first.
+            complete_or_abort(
+                ctl.0.immediate_barrier(),
+                &ctl.0,
+                roles,
+                rank,
+                "the end of the run",
+                opts.timeout,
+                Among::World,
+            );
             // Communicators are freed before MPI_Finalize (dropping the universe).
             drop(ps_comm);
             drop(ctl);
@@ -326,9 +506,12 @@ fn run_server(
     };
     let mut server = Server::new(s, &mine, &cfg)?;
     server.set_tracing(opts.trace);
+    server.set_timeout(opts.timeout);
     let mut link = MpiServerLink {
         comm: ps_comm.clone(),
         workers: roles.workers,
+        server: s,
+        sends: Sends::new(opts.timeout),
     };
     let outcome = ps::serve(server, &mut link)?;
     // The server's failure reached the workers as replies; they report it.
@@ -359,16 +542,22 @@ fn send_spans(
     spans: Vec<Span>,
     opts: &TrainOptions,
     mpi_run: &MpiRun,
-) -> Option<TrainReport> {
+) -> Result<Option<TrainReport>> {
     if opts.trace {
         let text = serde_json::to_vec(&spans).unwrap_or_default();
         if let Some(path) = &mpi_run.trace {
             let trace = crate::run::trace::chrome_trace(&spans).to_string();
             let _ = crate::core::output::write_file(&rank_path(path, rank), trace.as_bytes());
         }
-        ctl.0.process_at_rank(0).send_with_tag(&text[..], TAG_SPANS);
+        let mut out = Outgoing::start(&ctl.0, 0, TAG_SPANS, text, false);
+        if !out.wait_for(opts.timeout) {
+            return Err(RuntimeError::Config(format!(
+                "worker rank 0 did not take this rank's trace spans within {:.0} s (--timeout)",
+                opts.timeout.as_secs_f64()
+            )));
+        }
     }
-    None
+    Ok(None)
 }
 
 /// A worker's local metrics line from its own report.
@@ -417,6 +606,7 @@ fn run_worker_rank<B: Backend>(
             Box::new(MpiWorkerLink {
                 comm: ps_comm.clone(),
                 workers: roles.workers,
+                sends: Sends::new(opts.timeout),
             }),
             opts.timeout,
         )
@@ -433,6 +623,12 @@ fn run_worker_rank<B: Backend>(
     let batch = config.batch;
     let (local_tx, local_rx) = mpsc::channel::<StepReport>();
     let ctl_sender = ctl.clone();
+    // Reports to rank 0 go out synchronous: one rank 0 has not taken within the timeout
+    // means rank 0 stopped (nothing else tells a worker that runs on alone, as under
+    // async parameter servers).
+    let mut reports = Sends::new(opts.timeout);
+    let mut report_steps: VecDeque<usize> = VecDeque::new();
+    let last_step = opts.steps.unwrap_or(config.steps);
     let report = move |rep: StepReport| -> Result<()> {
         if let Some(w) = local.as_mut() {
             let line = serde_json::to_string(&local_line(&rep, batch))
@@ -452,10 +648,27 @@ fn run_worker_rank<B: Backend>(
         } else {
             let bytes =
                 serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
-            ctl_sender
-                .0
-                .process_at_rank(0)
-                .send_with_tag(&bytes[..], TAG_REPORT);
+            reports
+                .pending
+                .push_back(Outgoing::start(&ctl_sender.0, 0, TAG_REPORT, bytes, true));
+            report_steps.push_back(rep.step);
+            let late = if rep.step == last_step {
+                reports.flush().is_some()
+            } else {
+                reports.late().is_some()
+            };
+            // Reports complete in order: the steps of those still pending are the last.
+            while report_steps.len() > reports.pending.len() {
+                report_steps.pop_front();
+            }
+            if late {
+                return Err(RuntimeError::Config(format!(
+                    "worker rank 0 did not take worker {r}'s report of step {} within {:.0} s \
+                     (--timeout): rank 0 stopped answering",
+                    report_steps.front().copied().unwrap_or(rep.step),
+                    reports.timeout.as_secs_f64()
+                )));
+            }
             Ok(())
         }
     };
@@ -492,10 +705,29 @@ fn run_worker_rank<B: Backend>(
         let mut backoff = Backoff(0);
         let mut worker = Some(worker);
         let mut outcome = None;
+        // The coordinator's own errors stop the job at once: returning would wait for
+        // worker 0's thread, which may be waiting on the rank at fault.
+        let stop = |e: RuntimeError| -> ! {
+            fail(&SimpleCommunicator::world(), 0, Some(Role::Worker(0)), &e)
+        };
+        // Per worker: (reports taken, when the last came, its step). A worker other than
+        // 0 that sends none for longer than the timeout while another reports (or after
+        // worker 0 has ended) has stopped: nothing else would notice under async servers.
+        let mut heard = vec![(0usize, Since::now(), done); roles.workers];
+        let take = |rep: StepReport,
+                    coordinator: &mut Coordinator<'_>,
+                    heard: &mut Vec<(usize, Since, usize)>| {
+            if let Some(h) = heard.get_mut(rep.rank) {
+                *h = (h.0 + 1, Since::now(), rep.step);
+            }
+            if let Err(e) = coordinator.add(rep) {
+                stop(e);
+            }
+        };
         while received < expected {
             let mut got = false;
             while let Ok(rep) = local_rx.try_recv() {
-                coordinator.add(rep)?;
+                take(rep, &mut coordinator, &mut heard);
                 received += 1;
                 got = true;
             }
@@ -505,9 +737,12 @@ fn run_worker_rank<B: Backend>(
                 .immediate_matched_probe_with_tag(TAG_REPORT)
             {
                 let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
-                let rep: StepReport = serde_json::from_slice(&bytes)
-                    .map_err(|e| RuntimeError::Config(format!("a malformed step report: {e}")))?;
-                coordinator.add(rep)?;
+                match serde_json::from_slice::<StepReport>(&bytes) {
+                    Ok(rep) => take(rep, &mut coordinator, &mut heard),
+                    Err(e) => stop(RuntimeError::Config(format!(
+                        "a malformed step report: {e}"
+                    ))),
+                }
                 received += 1;
                 got = true;
             }
@@ -522,6 +757,28 @@ fn run_worker_rank<B: Backend>(
             if got {
                 backoff = Backoff(0);
             } else {
+                // How long ago the newest report came (now, once worker 0 has ended).
+                let newest = if outcome.is_some() {
+                    Duration::ZERO
+                } else {
+                    heard.iter().map(|h| h.1.waited()).min().unwrap_or_default()
+                };
+                let silent = (1..roles.workers).find(|&w| {
+                    heard[w].0 < steps && heard[w].1.waited().saturating_sub(newest) > opts.timeout
+                });
+                if let Some(w) = silent {
+                    stop(RuntimeError::Config(format!(
+                        "worker rank {w} sent no step report after step {} for {:.0} s \
+                         (--timeout) while {}: it stopped answering",
+                        heard[w].2,
+                        opts.timeout.as_secs_f64(),
+                        if outcome.is_some() {
+                            "worker 0 had finished"
+                        } else {
+                            "other workers went on"
+                        }
+                    )));
+                }
                 backoff.wait();
             }
         }
@@ -534,8 +791,27 @@ fn run_worker_rank<B: Backend>(
         };
         let mut spans = outcome.spans;
         if opts.trace {
-            for _ in 1..roles.world() {
-                let (bytes, _) = ctl.0.any_process().receive_vec_with_tag::<u8>(TAG_SPANS);
+            let mut left: Vec<usize> = (1..roles.world()).collect();
+            let since = Since::now();
+            let mut backoff = Backoff(0);
+            while !left.is_empty() {
+                let Some((msg, st)) = ctl
+                    .0
+                    .any_process()
+                    .immediate_matched_probe_with_tag(TAG_SPANS)
+                else {
+                    if since.waited() >= opts.timeout {
+                        return Err(RuntimeError::Config(format!(
+                            "rank(s) {left:?} did not send their trace spans within {:.0} s \
+                             (--timeout)",
+                            opts.timeout.as_secs_f64()
+                        )));
+                    }
+                    backoff.wait();
+                    continue;
+                };
+                let (bytes, st) = (msg, st).matched_receive_vec::<u8>();
+                left.retain(|&r| r != st.source_rank() as usize);
                 let theirs: Vec<Span> = serde_json::from_slice(&bytes)
                     .map_err(|e| RuntimeError::Config(format!("malformed spans: {e}")))?;
                 spans.extend(theirs);
