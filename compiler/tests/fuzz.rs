@@ -47,7 +47,6 @@ use distc::{compile, CompileOptions, Plan};
 use distc_passes::placement::{RematPolicy, Strategy, StrategyConfig, SyncMode};
 use distc_runtime::core::checkpoint;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 use std::cell::RefCell;
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
@@ -978,33 +977,12 @@ fn mutate_json(rng: &mut Rng, v: &mut Value, text: &Mutator<'_>, log: &mut Vec<S
 // Plans.
 // ---------------------------------------------------------------------------------
 
-/// `compiler/src/plan.rs`'s content hash (private there), so that mutated plans still
-/// pass the hash check and reach the parser and verifier.
+/// The content hash `Plan::load` checks, so that mutated plans still pass the hash
+/// check and reach the parser and verifier.
 fn content_hash(p: &Plan) -> String {
-    let mut h = Sha256::new();
-    let config = serde_json::to_string(&p.config).unwrap_or_default();
-    let settings = serde_json::to_string(&p.settings).unwrap_or_default();
-    let dist = serde_json::to_string(&p.dist).unwrap_or_default();
-    let init = p.init.clone().unwrap_or_default();
-    let servers = p.servers.join("\n");
-    let not_runnable = p.not_runnable.clone().unwrap_or_default();
-    let finalize = p.finalize.clone().unwrap_or_default();
-    for part in [
-        p.model.as_str(),
-        p.strategy.name(),
-        config.as_str(),
-        settings.as_str(),
-        dist.as_str(),
-        p.graph.as_str(),
-        init.as_str(),
-        servers.as_str(),
-        not_runnable.as_str(),
-        finalize.as_str(),
-    ] {
-        h.update(part.as_bytes());
-        h.update([0u8]);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    let mut sealed = p.clone();
+    sealed.seal();
+    sealed.hash
 }
 
 /// Puts the right hash into plan text whose `"hash"` is a plain string, if it still

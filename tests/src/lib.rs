@@ -44,3 +44,25 @@ pub fn nvrtc_or_skip(test: &str) -> bool {
         }
     }
 }
+
+/// The optimizer's CUDA kernels for every variable `g` has a gradient of, as the CUDA
+/// backend builds them.
+pub fn optimizer_plan(
+    g: &distc_ir::Graph,
+    spec: &distc_runtime::core::config::OptimizerSpec,
+) -> distc_runtime::cuda::codegen::OptimizerPlan {
+    use distc_runtime::cuda::codegen::{optimizer_kernels, sparse_bound};
+    let params: Vec<(String, distc_ir::TensorType, Option<usize>)> = g
+        .param_grads()
+        .into_iter()
+        .filter_map(|(name, v)| {
+            let ty = g
+                .params()
+                .into_iter()
+                .find(|(_, n, _)| *n == name)
+                .map(|(_, _, t)| t.clone())?;
+            Some((name, ty, sparse_bound(g.value_type(v))))
+        })
+        .collect();
+    optimizer_kernels(spec, &params, 1.0).expect("optimizer kernels")
+}

@@ -14,8 +14,7 @@ use distc::{compile_file, CompileOptions, Compiled};
 use distc_ir::{Graph, Op, ValueType};
 use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_runtime::cuda::codegen::{
-    generate, optimizer_kernels, sparse_bound, value_bytes, DevicePlan, Gemm, KArg, Launch,
-    NodeLaunch, OptimizerPlan, BLOCK,
+    generate, value_bytes, DevicePlan, Gemm, KArg, Launch, NodeLaunch, OptimizerPlan, BLOCK,
 };
 use distc_runtime::cuda::emu::blas::{sgemm_strided_batched, SgemmCall};
 use distc_runtime::cuda::nvrtc;
@@ -49,20 +48,7 @@ fn compile(name: &str, strategy: Strategy, workers: usize, servers: usize, fuse:
 
 /// The optimizer's kernels for every variable the program has a gradient of.
 fn optimizer_plan(c: &Compiled) -> OptimizerPlan {
-    let g = &c.programs.worker;
-    let params: Vec<(String, distc_ir::TensorType, Option<usize>)> = g
-        .param_grads()
-        .into_iter()
-        .filter_map(|(name, v)| {
-            let ty = g
-                .params()
-                .into_iter()
-                .find(|(_, n, _)| *n == name)
-                .map(|(_, _, t)| t.clone())?;
-            Some((name, ty, sparse_bound(g.value_type(v))))
-        })
-        .collect();
-    optimizer_kernels(&c.config.optimizer, &params, 1.0).expect("optimizer kernels")
+    distc_tests::optimizer_plan(&c.programs.worker, &c.config.optimizer)
 }
 
 /// Checks a CUBIN is a CUDA ELF image holding `names`.

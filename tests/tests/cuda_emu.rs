@@ -5,7 +5,7 @@
 
 use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_runtime::cuda::codegen::{generate, kernel_signatures, optimizer_kernels, sparse_bound};
+use distc_runtime::cuda::codegen::{generate, kernel_signatures};
 use distc_runtime::cuda::emu::EmuModule;
 use distc_tests::{example, EXAMPLES};
 
@@ -38,20 +38,7 @@ fn every_generated_kernel_compiles_for_the_emulator() {
             let g = &c.programs.worker;
             let plan = generate(g).unwrap_or_else(|e| panic!("{what}: {e}"));
             let kernels = emulate(&plan.source, &what);
-            let params: Vec<_> = g
-                .param_grads()
-                .into_iter()
-                .filter_map(|(var, v)| {
-                    let ty = g
-                        .params()
-                        .into_iter()
-                        .find(|(_, n, _)| *n == var)
-                        .map(|(_, _, t)| t.clone())?;
-                    Some((var, ty, sparse_bound(g.value_type(v))))
-                })
-                .collect();
-            let opt = optimizer_kernels(&c.config.optimizer, &params, 1.0)
-                .unwrap_or_else(|e| panic!("{what} optimizer: {e}"));
+            let opt = distc_tests::optimizer_plan(g, &c.config.optimizer);
             let updates = emulate(&opt.source, &format!("{what} optimizer"));
             eprintln!("{what}: {kernels} kernels and {updates} optimizer kernels emulated");
         }
