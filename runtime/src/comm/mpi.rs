@@ -259,6 +259,28 @@ fn status_line(rank: usize, label: &str) -> String {
     format!("{rank}\t{label}")
 }
 
+/// Polls `req` until it completes, backing off; once it has waited `timeout` (time
+/// this rank spent suspended not counted), `abort` ends the job.
+pub(crate) fn complete_or<'a, D: ?Sized, S: Scope<'a>>(
+    mut req: Request<'a, D, S>,
+    timeout: Duration,
+    abort: impl FnOnce() -> std::convert::Infallible,
+) {
+    let since = Since::now();
+    let mut backoff = Backoff(0);
+    loop {
+        match req.test() {
+            Ok(_) => return,
+            Err(r) => req = r,
+        }
+        if since.waited() >= timeout {
+            // Uninhabited: `abort` never returns.
+            abort();
+        }
+        backoff.wait();
+    }
+}
+
 /// Reports a timed-out collective on every rank that can still speak, then aborts
 /// the job. `label` names the op, IR node and step.
 fn timed_out(ctl: &Comm, roles: Roles, rank: usize, label: &str, timeout: Duration) -> ! {
@@ -367,26 +389,17 @@ impl MpiComm {
 
 impl MpiComm {
     /// Polls `req` until it completes; past the deadline, reports and aborts.
-    fn finish<'a, D: ?Sized, S: Scope<'a>>(&self, mut req: Request<'a, D, S>) {
-        let since = Since::now();
-        let mut backoff = Backoff(0);
-        loop {
-            match req.test() {
-                Ok(_) => return,
-                Err(r) => req = r,
-            }
-            if since.waited() >= self.timeout {
-                // An MPI collective cannot be cancelled: the job stops here.
-                timed_out(
-                    &self.ctl,
-                    self.roles,
-                    self.world_rank,
-                    &self.label,
-                    self.timeout,
-                );
-            }
-            backoff.wait();
-        }
+    fn finish<'a, D: ?Sized, S: Scope<'a>>(&self, req: Request<'a, D, S>) {
+        // An MPI collective cannot be cancelled: the job stops here.
+        complete_or(req, self.timeout, || {
+            timed_out(
+                &self.ctl,
+                self.roles,
+                self.world_rank,
+                &self.label,
+                self.timeout,
+            )
+        })
     }
 
     /// Bytes of a ring all-reduce of `len` elements of `size` bytes (as the in-process

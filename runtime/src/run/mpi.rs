@@ -19,8 +19,8 @@
 //! spans.
 
 use crate::comm::mpi::{
-    report_and_abort, suspended, Among, Backoff, Comm, MpiComm, Outgoing, Since, TAG_REPLY,
-    TAG_REPORT, TAG_REQUEST, TAG_SPANS,
+    complete_or, report_and_abort, suspended, Among, Backoff, Comm, MpiComm, Outgoing, Since,
+    TAG_REPLY, TAG_REPORT, TAG_REQUEST, TAG_SPANS,
 };
 use crate::comm::Communicator;
 use crate::core::backend::Backend;
@@ -244,7 +244,7 @@ impl ServerLink for MpiServerLink {
 /// Polls `req` until it completes; past `timeout`, reports which ranks of `among` did
 /// not reach `label` and aborts the job.
 fn complete_or_abort<'a, D: ?Sized, S: Scope<'a>>(
-    mut req: Request<'a, D, S>,
+    req: Request<'a, D, S>,
     comm: &SimpleCommunicator,
     roles: Roles,
     rank: usize,
@@ -252,18 +252,9 @@ fn complete_or_abort<'a, D: ?Sized, S: Scope<'a>>(
     timeout: Duration,
     among: Among,
 ) {
-    let since = Since::now();
-    let mut backoff = Backoff(0);
-    loop {
-        match req.test() {
-            Ok(_) => return,
-            Err(r) => req = r,
-        }
-        if since.waited() >= timeout {
-            report_and_abort(comm, roles, rank, label, timeout, among);
-        }
-        backoff.wait();
-    }
+    complete_or(req, timeout, || {
+        report_and_abort(comm, roles, rank, label, timeout, among)
+    })
 }
 
 /// Bytes of a rank's start-up record: plan hash, world size and settings.
