@@ -642,10 +642,6 @@ impl<'a> Runnable<'a> {
     fn programs(&self) -> Programs<'_> {
         program_view(self.programs, self.plan.settings.workers)
     }
-
-    fn memory(&self, steps: usize, preload: bool) -> Result<memory::MemoryEstimate> {
-        plan_memory(self.plan, &self.programs(), steps, preload)
-    }
 }
 
 /// The runtime's view of a plan's programs.
@@ -667,12 +663,7 @@ fn plan_memory(
     steps: usize,
     preload: bool,
 ) -> Result<memory::MemoryEstimate> {
-    let touched: std::collections::HashMap<String, f64> = plan
-        .dist
-        .iter()
-        .flat_map(|d| &d.vars)
-        .map(|v| (v.name.clone(), v.rows_touched))
-        .collect();
+    let touched = distc::verify::rows_touched(plan.dist.as_ref());
     let rows = memory::expected_rows(programs.worker, &touched);
     Ok(memory::estimate(
         programs,
@@ -747,17 +738,8 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     if args.gpus.as_ref().is_some_and(Vec::is_empty) {
         bail!("--gpus: give at least one GPU number (0,1,...)");
     }
+    // The memory estimate is checked by `launch`, before anything is allocated.
     let steps = args.steps.unwrap_or(plan.config.steps);
-    let estimate = r.memory(steps, args.preload)?;
-    match args.transport {
-        Transport::Inprocess => memory::check(estimate.in_process_total(), &estimate.describe()),
-        // One rank per process: each checks what it will hold.
-        Transport::Mpi => {
-            let need = estimate.per_worker() + estimate.eval;
-            memory::check(need, &format!("{} per worker process", memory::gib(need)))
-        }
-    }
-    .map_err(anyhow::Error::msg)?;
     // Created at the first line: under MPI only rank 0 writes the global lines.
     let mut metrics: Option<std::io::BufWriter<std::fs::File>> = None;
     let bar = if !args.quiet && std::io::stderr().is_terminal() {
@@ -812,6 +794,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
             Transport::Inprocess => TransportChoice::InProcess,
             Transport::Mpi => TransportChoice::Mpi(mpi_run_options(plan, args)),
         },
+        rows_touched: distc::verify::rows_touched(plan.dist.as_ref()),
     };
     let result = launch(&run, &mut on_step).map_err(anyhow::Error::from);
     if let Some(b) = bar {

@@ -169,10 +169,19 @@ fn run(
         opts: train_options(opts),
         device: device_choice(opts),
         transport: TransportChoice::InProcess,
+        rows_touched: rows_touched(c.dist.as_ref()),
     };
     let report = launch(&run, &mut |_| Ok(()))?
         .ok_or_else(|| VerifyError::Mismatch("the in-process run gave no report".into()))?;
     Ok(report.params)
+}
+
+/// The rows a batch touches of each sparse variable, as the compiler measured them.
+pub fn rows_touched(dist: Option<&distc_passes::placement::DistPlan>) -> HashMap<String, f64> {
+    dist.iter()
+        .flat_map(|d| &d.vars)
+        .map(|v| (v.name.clone(), v.rows_touched))
+        .collect()
 }
 
 /// Refuses options that compare nothing.
@@ -239,6 +248,7 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
             trace: None,
             command: std::env::args().collect::<Vec<_>>().join(" "),
         }),
+        rows_touched: rows_touched(dist.dist.as_ref()),
     };
     let report = launch(&run, &mut |_| Ok(()))?;
     match report {

@@ -20,6 +20,7 @@ use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
 use crate::run::metrics::StepMetrics;
 use crate::run::train::{train, train_with, Programs, TrainOptions, TrainReport};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Where a run's workers compute.
@@ -121,6 +122,9 @@ pub struct Launch<'a> {
     pub device: DeviceChoice,
     /// How the ranks are connected.
     pub transport: TransportChoice,
+    /// Rows a batch touches of each sparse variable, as the compiler measured them
+    /// (for the memory estimate; empty: the bounds the types give).
+    pub rows_touched: HashMap<String, f64>,
 }
 
 /// Trains as `run` says. `on_step` sees each step's metrics line. Returns the run's
@@ -135,6 +139,7 @@ pub fn launch(
         opts,
         device,
         transport,
+        rows_touched: _,
     } = run;
     check_run(run)?;
     match (device, transport) {
@@ -187,13 +192,8 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
         check_resume(state, programs, config)?;
     }
     let steps = opts.steps.unwrap_or(config.steps);
-    let est = crate::run::memory::estimate(
-        programs,
-        config,
-        steps,
-        opts.preload,
-        &std::collections::HashMap::new(),
-    )?;
+    let rows = crate::run::memory::expected_rows(programs.worker, &run.rows_touched);
+    let est = crate::run::memory::estimate(programs, config, steps, opts.preload, &rows)?;
     match run.transport {
         TransportChoice::InProcess => {
             crate::run::memory::check(est.in_process_total(), &est.describe())
