@@ -438,8 +438,9 @@ pub fn open_data(
                 rank * k + m,
                 programs.workers * k,
             )?;
-            if m == 0 {
-                // File sources know their id ranges (a vocabulary) only once read.
+            if m == 0 && config.data.needs_files() {
+                // File sources know their id ranges (a vocabulary) only once read;
+                // synthetic sources' were checked with the settings at launch.
                 let info = source.info();
                 let bounds: Vec<(&str, usize)> = info
                     .id_bounds
