@@ -635,7 +635,13 @@ fn conv_out(
     if stride == 0 {
         return Err("stride must be at least 1".into());
     }
-    let (h, wi) = (xd[2] + 2 * padding, xd[3] + 2 * padding);
+    let padded = |d: usize| {
+        padding
+            .checked_mul(2)
+            .and_then(|p| p.checked_add(d))
+            .ok_or_else(|| format!("padding {padding} is too large for {x}"))
+    };
+    let (h, wi) = (padded(xd[2])?, padded(xd[3])?);
     if wd[2] > h || wd[3] > wi {
         return Err(format!("filter {w} is larger than the padded input {x}"));
     }
@@ -661,4 +667,28 @@ fn pool_out(x: &TensorType, kernel: usize, stride: usize) -> Result<Vec<usize>, 
         (d[2] - kernel) / stride + 1,
         (d[3] - kernel) / stride + 1,
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the plan fuzzer: a padding near `usize::MAX` overflowed the padded
+    /// size instead of being refused.
+    #[test]
+    fn a_huge_padding_is_refused() {
+        let x = ValueType::Tensor(TensorType::f32(vec![1, 1, 4, 4]));
+        let w = ValueType::Tensor(TensorType::f32(vec![1, 1, 3, 3]));
+        let op = Op::Conv2d {
+            stride: 1,
+            padding: usize::MAX / 2 + 1,
+        };
+        let e = infer(&op, &[&x, &w]).expect_err("refused");
+        assert!(e.to_string().contains("too large"), "{e}");
+        let op = Op::Conv2d {
+            stride: 1,
+            padding: 1,
+        };
+        assert!(infer(&op, &[&x, &w]).is_ok());
+    }
 }

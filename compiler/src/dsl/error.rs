@@ -2,7 +2,10 @@
 //! and its plain rustc-style rendering, plus the "did you mean" helper.
 
 use super::ast::Span;
-use miette::{Diagnostic, LabeledSpan, NamedSource, SourceCode};
+use miette::{
+    Diagnostic, LabeledSpan, MietteError, MietteSpanContents, NamedSource, SourceCode, SourceSpan,
+    SpanContents,
+};
 use std::fmt;
 
 /// A diagnostic without its source: what the parser and the lowering produce.
@@ -50,6 +53,90 @@ pub struct DslError(Box<Inner>);
 struct Inner {
     diag: Diag,
     source: NamedSource<String>,
+    /// The error's line cut to a readable width, when it is longer than that.
+    window: Option<LineWindow>,
+}
+
+/// Lines longer than this (in characters) are shown as a window around the error:
+/// nobody reads a 60,000-column line, and miette's renderer cannot pad a caret past
+/// column 65,535 (it panics).
+const MAX_SHOWN_CHARS: usize = 160;
+/// How many characters of the line a window shows before the error's start.
+const SHOWN_BEFORE: usize = 60;
+
+/// A window of one long source line: `…` where it was cut, the error's span inside it.
+struct LineWindow {
+    name: String,
+    text: String,
+    /// Byte range of the (clipped) span in `text`.
+    span: std::ops::Range<usize>,
+    /// 0-based line and column (chars) of the span's start in the file.
+    line: usize,
+    col: usize,
+}
+
+impl LineWindow {
+    /// The window of `span`'s line, if that line is too long to show whole.
+    fn of(name: &str, src: &str, span: Span) -> Option<LineWindow> {
+        let loc = locate(src, span.start);
+        let chars: Vec<char> = src[loc.line_start..loc.line_end].chars().collect();
+        if chars.len() <= MAX_SHOWN_CHARS {
+            return None;
+        }
+        let at = loc.col - 1;
+        let end_col = at
+            + src[span.start..span.end.clamp(span.start, loc.line_end)]
+                .chars()
+                .count();
+        let first = at.saturating_sub(SHOWN_BEFORE);
+        let last = (first + MAX_SHOWN_CHARS).min(chars.len());
+        let piece = |a: usize, b: usize| display(&chars[a..b].iter().collect::<String>());
+        let mut text = String::new();
+        if first > 0 {
+            text.push('…');
+        }
+        text.push_str(&piece(first, at.min(last)));
+        let start = text.len();
+        text.push_str(&piece(at.min(last), end_col.clamp(at, last)));
+        let end = text.len();
+        text.push_str(&piece(end_col.clamp(at, last), last));
+        if last < chars.len() {
+            text.push('…');
+        }
+        Some(LineWindow {
+            name: name.to_string(),
+            text,
+            span: start..end,
+            line: loc.line - 1,
+            col: at,
+        })
+    }
+}
+
+impl SourceCode for LineWindow {
+    fn read_span<'a>(
+        &'a self,
+        span: &SourceSpan,
+        before: usize,
+        after: usize,
+    ) -> Result<Box<dyn SpanContents<'a> + 'a>, MietteError> {
+        let inner = self.text.read_span(span, before, after)?;
+        // The window is one line: the file's line, and the column of the error's
+        // start in the file when the span read is the error's own.
+        let column = if span.offset() == self.span.start {
+            self.col
+        } else {
+            inner.column()
+        };
+        Ok(Box::new(MietteSpanContents::new_named(
+            self.name.clone(),
+            inner.data(),
+            *inner.span(),
+            self.line + inner.line(),
+            column,
+            inner.line_count(),
+        )))
+    }
 }
 
 impl DslError {
@@ -58,9 +145,11 @@ impl DslError {
         // boundaries; clamp anyway so that no rendering can slice a char in two.
         diag.span.start = floor_boundary(src, diag.span.start);
         diag.span.end = floor_boundary(src, diag.span.end.max(diag.span.start));
+        let window = LineWindow::of(file_name, src, diag.span);
         DslError(Box::new(Inner {
             diag,
             source: NamedSource::new(file_name, src.to_string()),
+            window,
         }))
     }
 
@@ -110,12 +199,22 @@ impl DslError {
         let src = self.0.source.inner();
         let d = &self.0.diag;
         let loc = locate(src, d.span.start);
-        let line = &src[loc.line_start..loc.line_end];
-        let before = &src[loc.line_start..d.span.start];
-        let end = d.span.end.clamp(d.span.start, loc.line_end);
-        let under = &src[d.span.start..end];
-        let pad = display(before).chars().count();
-        let width = display(under).chars().count().max(1);
+        let (line, pad, width) = match &self.0.window {
+            Some(w) => (
+                w.text.clone(),
+                w.text[..w.span.start].chars().count(),
+                w.text[w.span.clone()].chars().count(),
+            ),
+            None => {
+                let end = d.span.end.clamp(d.span.start, loc.line_end);
+                (
+                    display(&src[loc.line_start..loc.line_end]),
+                    display(&src[loc.line_start..d.span.start]).chars().count(),
+                    display(&src[d.span.start..end]).chars().count(),
+                )
+            }
+        };
+        let width = width.max(1);
         let num = loc.line.to_string();
         let gutter = " ".repeat(num.len());
         let mut out = String::new();
@@ -127,7 +226,7 @@ impl DslError {
             loc.col
         ));
         out.push_str(&format!("{gutter} |\n"));
-        out.push_str(&format!("{num} | {}\n", display(line)));
+        out.push_str(&format!("{num} | {line}\n"));
         let carets = format!("{}{}", " ".repeat(pad), "^".repeat(width));
         if d.label.is_empty() {
             out.push_str(&format!("{gutter} | {carets}\n"));
@@ -176,13 +275,19 @@ impl Diagnostic for DslError {
     }
 
     fn source_code(&self) -> Option<&dyn SourceCode> {
-        Some(&self.0.source)
+        match &self.0.window {
+            Some(w) => Some(w),
+            None => Some(&self.0.source),
+        }
     }
 
     fn labels(&self) -> Option<Box<dyn Iterator<Item = LabeledSpan> + '_>> {
         let d = &self.0.diag;
         let label = (!d.label.is_empty()).then(|| d.label.clone());
-        let span = (d.span.start, d.span.end - d.span.start);
+        let span = match &self.0.window {
+            Some(w) => (w.span.start, w.span.len()),
+            None => (d.span.start, d.span.end - d.span.start),
+        };
         Some(Box::new(std::iter::once(
             LabeledSpan::new_primary_with_span(label, span),
         )))
@@ -328,6 +433,43 @@ mod tests {
             Some("did you mean `glorot`?")
         );
         assert_eq!(did_you_mean("zzz", ["glorot", "he"]), None);
+    }
+
+    /// Found by the DSL fuzzer: an error past column 65,535 made miette panic.
+    #[test]
+    fn long_line_shows_a_window() {
+        let at = 70_000;
+        let src = format!("{}bad rest{}\nnext\n", "x".repeat(at), "y".repeat(at));
+        let diag = Diag::new(
+            Span {
+                start: at,
+                end: at + 3,
+            },
+            "no such thing",
+            "here",
+        );
+        let e = DslError::new("m.dsl", &src, diag);
+        let plain = e.render_plain();
+        assert!(
+            plain.contains(&format!("--> m.dsl:1:{}", at + 1)),
+            "{plain}"
+        );
+        let shown = plain.lines().nth(3).unwrap();
+        assert!(
+            shown.starts_with("1 | …x") && shown.ends_with('…'),
+            "{shown}"
+        );
+        assert!(shown.chars().count() < MAX_SHOWN_CHARS + 10, "{shown}");
+        let caret = plain.lines().nth(4).unwrap();
+        let col = caret.chars().position(|c| c == '^').unwrap();
+        let under: String = shown.chars().skip(col).take(3).collect();
+        assert_eq!(under, "bad", "{plain}");
+        let fancy = format!("{:?}", miette::Report::new(e));
+        assert!(fancy.contains(&format!("m.dsl:1:{}", at + 1)), "{fancy}");
+        assert!(
+            fancy.contains("bad rest") && fancy.contains("here"),
+            "{fancy}"
+        );
     }
 
     #[test]
