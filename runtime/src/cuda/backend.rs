@@ -75,8 +75,12 @@
 use super::codegen::{
     self, CParam, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate,
 };
+use super::driver::{
+    Access, ArgVal, CudarcDriver, DeviceComm, Driver, HostBuf, KernelHandle, KernelLaunch, Region,
+};
+use super::emu::blas::SgemmCall;
 use super::nccl::NcclComm;
-use super::{nvrtc, probe, CudaError, CudaLib, LibDirs};
+use super::{probe, CudaError, CudaLib, LibDirs};
 use crate::comm::ByteCount;
 use crate::core::arena::{self, Block};
 use crate::core::backend::{
@@ -87,22 +91,17 @@ use crate::core::checkpoint::STEP_KEY;
 use crate::core::config::OptimizerSpec;
 use crate::core::exec::{Mode, Schedule};
 use crate::core::value::{Slices, Tensor, Value};
-use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
-use cudarc::driver::{
-    result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule,
-    CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
-};
+use cudarc::driver::result as drv;
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use ndarray::{ArrayD, IxDyn};
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// Alignment of every buffer in the arena (cudaMalloc's own alignment).
 const ALIGN: usize = 256;
-/// cuBLAS workspace, set explicitly so cuBLAS never allocates (a captured graph
-/// cannot): NVIDIA's recommendation for Hopper.
-const CUBLAS_WORKSPACE: usize = 32 << 20;
+/// The environment variable that runs the CUDA backend on the GPU emulator
+/// ([`super::emu`]) instead of a GPU: `1` (anything but empty or `0`).
+pub const EMULATOR_ENV: &str = "DISTC_CUDA_EMULATOR";
 
 /// How the CUDA backend runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +111,10 @@ pub struct CudaOptions {
     pub tf32: bool,
     /// Capture a training step into a CUDA graph and replay it.
     pub graphs: bool,
+    /// Run on the GPU emulator ([`super::emu::EmuDriver`]): the same kernels, copies,
+    /// products and graphs, executed and checked on the CPU. Default: whether
+    /// [`EMULATOR_ENV`] is set.
+    pub emulator: bool,
 }
 
 impl Default for CudaOptions {
@@ -119,8 +122,14 @@ impl Default for CudaOptions {
         CudaOptions {
             tf32: false,
             graphs: true,
+            emulator: emulator_requested(),
         }
     }
+}
+
+/// Whether [`EMULATOR_ENV`] asks for the emulator.
+pub fn emulator_requested() -> bool {
+    std::env::var_os(EMULATOR_ENV).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// A computed value on the device: its address and IR type (bytes owned elsewhere).
@@ -150,8 +159,6 @@ pub struct CudaOptimizer {
     scratch_base: u64,
     slot_bytes: u64,
     slot_names: &'static [&'static str],
-    _scratch: Option<CudaSlice<u8>>,
-    _module: Option<Arc<CudaModule>>,
 }
 
 impl std::fmt::Debug for CudaOptimizer {
@@ -169,41 +176,21 @@ struct VarState {
     update: VarUpdate,
     slot_ptrs: Vec<u64>,
     scratch_offsets: Vec<usize>,
-    _slots: Vec<CudaSlice<u8>>,
 }
 
 /// One persistent named buffer and its pinned staging copy.
 struct Named {
-    _buf: CudaSlice<u8>,
     ptr: u64,
-    staging: PinnedHostSlice<u8>,
-    /// Recorded after the last copy out of `staging`: waited for before refilling it.
-    copied: CudaEvent,
+    staging: HostBuf,
 }
 
-/// The cuBLAS handle, destroyed on drop.
-struct Blas(cublas_sys::cublasHandle_t);
-
-impl Drop for Blas {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from cublasCreate and is destroyed only here; the
-        // context it belongs to outlives it (CudaBackend declares `blas` before `ctx`).
-        #[allow(unsafe_code)]
-        let _ = unsafe { cublas_result::destroy_handle(self.0) };
-    }
+/// What the backend adds to the driver's [`ArgVal`].
+trait ArgCheck: Sized {
+    fn fits(self, p: CParam) -> bool;
+    fn scalar(k: &KArg, rank: usize, training: bool) -> Option<Result<Self, KernelError>>;
 }
 
-/// A kernel argument by value, in the C type the codegen doc gives it.
-#[derive(Clone, Copy, Debug)]
-enum ArgVal {
-    /// A pointer or a 64-bit integer.
-    U64(u64),
-    I32(i32),
-    U32(u32),
-    F32(f32),
-}
-
-impl ArgVal {
+impl ArgCheck for ArgVal {
     /// Whether this value is what a C parameter of class `p` takes (8 bytes for a
     /// pointer or a 64-bit integer; 4 bytes of the right kind otherwise).
     fn fits(self, p: CParam) -> bool {
@@ -241,35 +228,26 @@ impl ArgVal {
 
 /// A loaded kernel and its C parameters' classes (checked at every launch).
 struct Kernel {
-    f: CudaFunction,
+    handle: KernelHandle,
     params: Vec<CParam>,
 }
 
 /// The CUDA backend: one GPU, one stream, a static arena (see the module doc).
 pub struct CudaBackend {
-    // Dropped first: the NCCL communicator, the graph, the handle and every buffer
-    // before the streams and context they belong to (fields drop in declaration order).
-    nccl: Option<NcclComm>,
+    // Dropped first: the NCCL communicator before the driver whose device it uses
+    // (fields drop in declaration order); the driver owns every buffer.
+    nccl: Option<Box<dyn DeviceComm>>,
     /// Results of NCCL collectives not yet waited for on the compute stream: the
     /// bytes `[start, end)` and the node.
     in_flight: Vec<(u64, u64, NodeId)>,
-    graph_exec: Option<CudaGraph>,
-    blas: Blas,
     funcs: HashMap<String, Kernel>,
-    _module: Arc<CudaModule>,
-    arena: Option<CudaSlice<u8>>,
+    has_arena: bool,
     named: HashMap<(String, usize), Named>,
-    constants: Vec<CudaSlice<u8>>,
-    from_host: Vec<CudaSlice<u8>>,
-    _steps_dev: CudaSlice<u64>,
-    steps_host: PinnedHostSlice<u64>,
-    steps_copied: CudaEvent,
-    loss_host: PinnedHostSlice<f32>,
-    /// `loss_host`'s address, taken once: the capture path must not call
-    /// `PinnedHostSlice::as_mut_slice`, which synchronizes an event (a call a stream
-    /// capture in progress may refuse, invalidating it).
-    loss_slot: usize,
-    _workspace: CudaSlice<u8>,
+    /// The step counters' pinned copy (two u64) and the loss's (one f32).
+    steps_host: HostBuf,
+    loss_host: HostBuf,
+    /// Whether the device checks accesses: launches then carry their regions.
+    checked: bool,
 
     ordinal: usize,
     device_name: String,
@@ -303,8 +281,7 @@ pub struct CudaBackend {
     allocated: u64,
     peak: u64,
 
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
+    dev: Box<dyn Driver>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -324,13 +301,6 @@ pub(super) fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaEr
     }
 }
 
-fn blas_err(call: &'static str) -> impl Fn(cublas_result::CublasError) -> CudaError {
-    move |e| CudaError::Cublas {
-        call,
-        code: format!("{:?}", e.0),
-    }
-}
-
 fn invalid(m: impl Into<String>) -> KernelError {
     KernelError::Invalid(m.into())
 }
@@ -338,46 +308,6 @@ fn invalid(m: impl Into<String>) -> KernelError {
 /// Whether a type holds an f64 anywhere.
 fn is_f64(t: &ValueType) -> bool {
     t.dense_type().dtype == DType::F64
-}
-
-/// The address of a buffer (event tracking is off: the returned guard does nothing).
-fn addr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
-    let (p, _guard) = s.device_ptr(stream);
-    p
-}
-
-/// `bytes` of fresh device memory (contents undefined), at least 256.
-fn alloc_bytes(stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>, CudaError> {
-    // SAFETY: the memory is uninitialised; every user writes before reading (arena
-    // values are written by the node that computes them, uploads copy in first).
-    #[allow(unsafe_code)]
-    let s = unsafe { stream.alloc::<u8>(bytes.max(ALIGN)) };
-    s.map_err(drv_err("cuMemAllocAsync"))
-}
-
-/// Async copy of `src` (host) to `dst` (device), on `stream`.
-fn htod<T>(stream: &CudaStream, dst: u64, src: &[T]) -> Result<(), CudaError> {
-    // SAFETY: callers pass a live device buffer of at least `size_of_val(src)` bytes;
-    // `src` is pinned memory kept alive and unchanged until the copy is done (its
-    // event is waited for before it is written again), or pageable memory, which the
-    // driver stages before returning.
-    #[allow(unsafe_code)]
-    let r = unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) };
-    r.map_err(drv_err("cuMemcpyHtoDAsync"))
-}
-
-/// Async copy of `dst.len()` elements from `src` (device) to `dst` (host).
-fn dtoh<T>(stream: &CudaStream, dst: &mut [T], src: u64) -> Result<(), CudaError> {
-    // SAFETY: callers pass a live device buffer holding at least `size_of_val(dst)`
-    // bytes, and synchronize the stream before reading `dst` (pageable) or read a
-    // pinned `dst` only after a synchronize.
-    #[allow(unsafe_code)]
-    let r = unsafe { drv::memcpy_dtoh_async(dst, src, stream.cu_stream()) };
-    r.map_err(drv_err("cuMemcpyDtoHAsync"))
-}
-
-fn sync(stream: &CudaStream) -> Result<(), CudaError> {
-    stream.synchronize().map_err(drv_err("cuStreamSynchronize"))
 }
 
 /// A host tensor's bytes, row-major.
@@ -434,108 +364,54 @@ impl CudaBackend {
     pub fn new(ordinal: usize, graph: &Graph, opts: CudaOptions) -> Result<CudaBackend, CudaError> {
         // What this backend cannot run is refused first: it needs no GPU to say so.
         Self::check_graph(graph)?;
-        let dirs = LibDirs::from_env();
-        probe(CudaLib::Driver, &dirs)?;
-        probe(CudaLib::Cublas, &dirs)?;
-        probe(CudaLib::Nvrtc, &dirs)?;
-        let n = super::require_gpu(&dirs)?;
-        if ordinal >= n {
-            return Err(CudaError::NoDevice(format!(
-                "GPU {ordinal} was asked for; the CUDA driver sees {n} (0..{n})"
-            )));
-        }
-        let ctx = CudaContext::new(ordinal).map_err(drv_err("cuDevicePrimaryCtxRetain"))?;
-        // SAFETY: called before any buffer exists; every buffer is used on the one
-        // stream below only, so no cross-stream synchronization is needed.
-        #[allow(unsafe_code)]
-        unsafe {
-            ctx.disable_event_tracking()
+        let dev: Box<dyn Driver> = if opts.emulator {
+            Box::new(super::emu::EmuDriver::new(ordinal)?)
+        } else {
+            let dirs = LibDirs::from_env();
+            probe(CudaLib::Driver, &dirs)?;
+            probe(CudaLib::Cublas, &dirs)?;
+            probe(CudaLib::Nvrtc, &dirs)?;
+            let n = super::require_gpu(&dirs)?;
+            if ordinal >= n {
+                return Err(CudaError::NoDevice(format!(
+                    "GPU {ordinal} was asked for; the CUDA driver sees {n} (0..{n})"
+                )));
+            }
+            Box::new(CudarcDriver::new(ordinal, opts.tf32)?)
         };
-        let stream = ctx.new_stream().map_err(drv_err("cuStreamCreate"))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(drv_err("cuDeviceGetAttribute"))?;
-        let arch = format!("sm_{major}{minor}");
-        let device_name = ctx.name().map_err(drv_err("cuDeviceGetName"))?;
+        Self::with_driver(dev, ordinal, graph, opts)
+    }
 
+    /// The backend for `graph` on the device `dev` drives (see [`super::driver`]).
+    pub(crate) fn with_driver(
+        mut dev: Box<dyn Driver>,
+        ordinal: usize,
+        graph: &Graph,
+        opts: CudaOptions,
+    ) -> Result<CudaBackend, CudaError> {
         let DevicePlan { source, nodes } = codegen::generate(graph)?;
-        let cubin = nvrtc::compile_cubin(&source, &format!("{}.cu", graph.name), &arch)?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(drv_err("cuModuleLoadData"))?;
         let mut names = Vec::new();
         for (_, nl) in &nodes {
             kernel_names(nl.launches.iter().chain(&nl.step_start), &mut names);
         }
-        let funcs = load_functions(&module, &source, &names)?;
-
-        // cuBLAS on our stream, with its own workspace (no allocation inside a graph).
-        let handle = cublas_result::create_handle().map_err(blas_err("cublasCreate"))?;
-        let blas = Blas(handle);
-        let workspace = alloc_bytes(&stream, CUBLAS_WORKSPACE)?;
-        let ws_ptr = addr(&workspace, &stream);
-        let mode = if opts.tf32 {
-            cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
-        // SAFETY: the handle is live; the stream and the workspace outlive it (the
-        // backend drops `blas` before them); the workspace holds CUBLAS_WORKSPACE bytes.
-        #[allow(unsafe_code)]
-        unsafe {
-            cublas_result::set_stream(blas.0, stream.cu_stream() as _)
-                .map_err(blas_err("cublasSetStream"))?;
-            cublas_sys::cublasSetWorkspace_v2(blas.0, ws_ptr as *mut _, CUBLAS_WORKSPACE)
-                .result()
-                .map_err(blas_err("cublasSetWorkspace"))?;
-            cublas_sys::cublasSetMathMode(blas.0, mode)
-                .result()
-                .map_err(blas_err("cublasSetMathMode"))?;
-        }
-
-        let steps_dev = stream
-            .alloc_zeros::<u64>(2)
-            .map_err(drv_err("cuMemAllocAsync"))?;
-        let steps_ptr = addr(&steps_dev, &stream);
-        // SAFETY: pinned host memory, uninitialised: written before every copy out of
-        // it (steps) or written by a device copy before it is read (loss). Flags 0:
-        // not write-combined, since the host reads the loss slot.
-        #[allow(unsafe_code)]
-        let (steps_host, loss_host) = unsafe {
-            (
-                ctx.alloc_pinned_with_flags::<u64>(2, 0)
-                    .map_err(drv_err("cuMemHostAlloc"))?,
-                ctx.alloc_pinned_with_flags::<f32>(1, 0)
-                    .map_err(drv_err("cuMemHostAlloc"))?,
-            )
-        };
-        let mut loss_host = loss_host;
-        let loss_slot = loss_host
-            .as_mut_ptr()
-            .map_err(drv_err("cuEventSynchronize"))? as usize;
-        let steps_copied = ctx.new_event(None).map_err(drv_err("cuEventCreate"))?;
-        sync(&stream)?;
-        let allocated = (CUBLAS_WORKSPACE + ALIGN) as u64;
+        let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
+        let steps_ptr = dev.alloc(16, true)?;
+        let steps_host = dev.host_buffer(16)?;
+        let loss_host = dev.host_buffer(4)?;
+        dev.synchronize()?;
+        let allocated = (super::driver::CUBLAS_WORKSPACE + ALIGN) as u64;
         Ok(CudaBackend {
             nccl: None,
             in_flight: Vec::new(),
-            graph_exec: None,
-            blas,
             funcs,
-            _module: module,
-            arena: None,
+            has_arena: false,
             named: HashMap::new(),
-            constants: Vec::new(),
-            from_host: Vec::new(),
-            _steps_dev: steps_dev,
             steps_host,
-            steps_copied,
             loss_host,
-            loss_slot,
-            _workspace: workspace,
+            checked: dev.checks_accesses(),
             ordinal,
-            device_name,
-            arch,
+            device_name: dev.device_name().to_string(),
+            arch: dev.arch().to_string(),
             opts,
             graph: graph.clone(),
             plan: nodes.into_iter().collect(),
@@ -558,8 +434,7 @@ impl CudaBackend {
             bytes_replayed: ByteCount::default(),
             allocated,
             peak: allocated,
-            stream,
-            ctx,
+            dev,
         })
     }
 
@@ -592,8 +467,7 @@ impl CudaBackend {
     /// The GPU's UUID (`GPU-xxxxxxxx-...`), which names it across processes (NCCL's
     /// bootstrap compares them: one rank per GPU).
     pub fn gpu_uuid(&self) -> Result<String, CudaError> {
-        let u = self.ctx.uuid().map_err(drv_err("cuDeviceGetUuid"))?;
-        let b: Vec<u8> = u.bytes.iter().map(|&c| c as u8).collect();
+        let b = self.dev.uuid()?;
         let hex = |r: std::ops::Range<usize>| -> String {
             b[r].iter().map(|x| format!("{x:02x}")).collect()
         };
@@ -616,12 +490,12 @@ impl CudaBackend {
         size: usize,
         id: [u8; 128],
     ) -> Result<(), CudaError> {
-        if self.arena.is_some() {
+        if self.has_arena {
             return Err(CudaError::Invalid(
                 "NCCL must be attached before the memory plan is made".into(),
             ));
         }
-        self.nccl = Some(NcclComm::new(&self.ctx, &self.arch, rank, size, id)?);
+        self.nccl = Some(self.dev.communicator(rank, size, id)?);
         Ok(())
     }
 
@@ -638,14 +512,14 @@ impl CudaBackend {
     /// Makes the compute stream wait for the collectives whose results hold any of
     /// `ptrs` (no host wait).
     fn await_collectives(&mut self, ptrs: &[u64]) -> Result<(), CudaError> {
-        let Some(nccl) = &self.nccl else {
+        let Some(nccl) = &mut self.nccl else {
             return Ok(());
         };
         let mut k = 0;
         while k < self.in_flight.len() {
             let (start, end, node) = self.in_flight[k];
             if ptrs.iter().any(|&p| p >= start && p < end) {
-                nccl.order_after(node, &self.stream)?;
+                nccl.order_after(node)?;
                 self.in_flight.swap_remove(k);
             } else {
                 k += 1;
@@ -656,18 +530,16 @@ impl CudaBackend {
 
     /// Makes the compute stream wait for every collective in flight.
     fn await_all_collectives(&mut self) -> Result<(), CudaError> {
-        if let Some(nccl) = &self.nccl {
+        if let Some(nccl) = &mut self.nccl {
             for (_, _, node) in self.in_flight.drain(..) {
-                nccl.order_after(node, &self.stream)?;
+                nccl.order_after(node)?;
             }
         }
         Ok(())
     }
 
     fn bind(&self) -> Result<(), CudaError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(drv_err("cuCtxSetCurrent"))
+        self.dev.bind()
     }
 
     fn track(&mut self, bytes: usize) {
@@ -692,20 +564,11 @@ impl CudaBackend {
         if self.dev_steps == Some(want) {
             return Ok(());
         }
-        // The previous copy out of the pinned buffer must be done before refilling it.
-        self.steps_copied
-            .synchronize()
-            .map_err(drv_err("cuEventSynchronize"))?;
-        let host = self
-            .steps_host
-            .as_mut_slice()
-            .map_err(drv_err("cuEventSynchronize"))?;
-        host[0] = want.0;
-        host[1] = want.1;
-        htod(&self.stream, self.steps_ptr, &host[..2])?;
-        self.steps_copied
-            .record(&self.stream)
-            .map_err(drv_err("cuEventRecord"))?;
+        // The previous copy out of the pinned buffer is done before it is refilled.
+        let host = self.dev.host_bytes(self.steps_host)?;
+        host[..8].copy_from_slice(&want.0.to_ne_bytes());
+        host[8..16].copy_from_slice(&want.1.to_ne_bytes());
+        self.dev.upload(self.steps_host, self.steps_ptr, 16)?;
         self.dev_steps = Some(want);
         Ok(())
     }
@@ -715,23 +578,10 @@ impl CudaBackend {
         let key = (name.to_string(), bytes);
         if !self.named.contains_key(&key) {
             self.no_capture(&format!("allocating a buffer for `{name}`"))?;
-            let buf = alloc_bytes(&self.stream, bytes)?;
-            let ptr = addr(&buf, &self.stream);
-            // SAFETY: pinned host memory, uninitialised: always filled before a copy.
-            #[allow(unsafe_code)]
-            let staging = unsafe { self.ctx.alloc_pinned::<u8>(bytes.max(1)) }
-                .map_err(drv_err("cuMemHostAlloc"))?;
-            let copied = self.ctx.new_event(None).map_err(drv_err("cuEventCreate"))?;
+            let ptr = self.dev.alloc(bytes, false)?;
+            let staging = self.dev.host_buffer(bytes.max(1))?;
             self.track(bytes);
-            self.named.insert(
-                key.clone(),
-                Named {
-                    _buf: buf,
-                    ptr,
-                    staging,
-                    copied,
-                },
-            );
+            self.named.insert(key.clone(), Named { ptr, staging });
         }
         self.named
             .get_mut(&key)
@@ -739,257 +589,211 @@ impl CudaBackend {
     }
 
     /// A fresh device buffer holding `bytes` (kept until the backend is dropped).
-    fn owned_copy(&mut self, bytes: &[u8], constant: bool) -> Result<u64, KernelError> {
+    fn owned_copy(&mut self, bytes: &[u8]) -> Result<u64, KernelError> {
         self.no_capture("allocating a buffer")?;
-        let buf = alloc_bytes(&self.stream, bytes.len())?;
-        let ptr = addr(&buf, &self.stream);
-        if !bytes.is_empty() {
-            htod(&self.stream, ptr, bytes)?;
-        }
-        sync(&self.stream)?;
+        let ptr = self.dev.alloc(bytes.len(), false)?;
+        self.dev.htod(ptr, bytes)?;
+        self.dev.synchronize()?;
         self.track(bytes.len());
-        if constant {
-            self.constants.push(buf);
-        } else {
-            self.from_host.push(buf);
-        }
         Ok(ptr)
     }
 
     /// Reads a dense tensor of type `ty` at `ptr` back to the host.
-    fn read_dense(&self, ptr: u64, ty: &TensorType) -> Result<Tensor, KernelError> {
+    fn read_dense(&mut self, ptr: u64, ty: &TensorType) -> Result<Tensor, KernelError> {
         self.no_capture("reading a tensor back")?;
         self.bind()?;
         let dim = IxDyn(ty.dims());
         let n = ty.dims().iter().product::<usize>();
-        let t = match ty.dtype {
-            DType::F32 => {
-                let mut v = vec![0f32; n];
-                if n > 0 {
-                    dtoh(&self.stream, &mut v, ptr)?;
-                }
-                sync(&self.stream)?;
-                Tensor::F32(ArrayD::from_shape_vec(dim, v).map_err(|e| invalid(e.to_string()))?)
-            }
-            DType::I32 => {
-                let mut v = vec![0i32; n];
-                if n > 0 {
-                    dtoh(&self.stream, &mut v, ptr)?;
-                }
-                sync(&self.stream)?;
-                Tensor::I32(ArrayD::from_shape_vec(dim, v).map_err(|e| invalid(e.to_string()))?)
-            }
-            DType::F64 => return Err(invalid("the CUDA backend holds no f64 tensors")),
-        };
-        Ok(t)
+        let mut bytes = vec![0u8; 4 * n];
+        if ty.dtype == DType::F64 {
+            return Err(invalid("the CUDA backend holds no f64 tensors"));
+        }
+        self.dev.read(ptr, &mut bytes)?;
+        let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+        let bad = |e: ndarray::ShapeError| invalid(e.to_string());
+        Ok(match ty.dtype {
+            DType::I32 => Tensor::I32(
+                ArrayD::from_shape_vec(dim, words.map(i32::from_ne_bytes).collect())
+                    .map_err(bad)?,
+            ),
+            _ => Tensor::F32(
+                ArrayD::from_shape_vec(dim, words.map(f32::from_ne_bytes).collect())
+                    .map_err(bad)?,
+            ),
+        })
     }
 
     /// Reads a value (dense or slices) back to the host.
-    fn read_value(&self, v: &DeviceValue) -> Result<Value, KernelError> {
+    fn read_value(&mut self, v: &DeviceValue) -> Result<Value, KernelError> {
         let Some(layout) = codegen::SlicesLayout::of(&v.ty) else {
             return Ok(Value::Tensor(self.read_dense(v.ptr, v.ty.dense_type())?));
         };
         self.no_capture("reading slices back")?;
         let dense = v.ty.dense_type();
-        let mut count = [0i32; 1];
-        dtoh(&self.stream, &mut count, v.ptr)?;
-        sync(&self.stream)?;
-        let rows = usize::try_from(count[0]).unwrap_or(0).min(layout.nnz);
-        let mut indices = vec![0i32; rows];
-        let mut values = vec![0f32; rows * layout.row];
-        if rows > 0 {
-            dtoh(
-                &self.stream,
-                &mut indices,
-                v.ptr + layout.indices_offset as u64,
-            )?;
-            if !values.is_empty() {
-                dtoh(
-                    &self.stream,
-                    &mut values,
-                    v.ptr + layout.values_offset as u64,
-                )?;
-            }
-        }
-        sync(&self.stream)?;
+        let mut count = [0u8; 4];
+        self.dev.read(v.ptr, &mut count)?;
+        let rows = usize::try_from(i32::from_ne_bytes(count))
+            .unwrap_or(0)
+            .min(layout.nnz);
+        let mut indices = vec![0u8; 4 * rows];
+        let mut values = vec![0u8; 4 * rows * layout.row];
+        self.dev
+            .read(v.ptr + layout.indices_offset as u64, &mut indices)?;
+        self.dev
+            .read(v.ptr + layout.values_offset as u64, &mut values)?;
+        let word = |c: &[u8]| [c[0], c[1], c[2], c[3]];
         let mut shape = vec![rows];
         shape.extend_from_slice(dense.dims().get(1..).unwrap_or(&[]));
         Ok(Value::Slices(Slices {
-            indices,
+            indices: indices
+                .chunks_exact(4)
+                .map(|c| i32::from_ne_bytes(word(c)))
+                .collect(),
             values: Tensor::F32(
-                ArrayD::from_shape_vec(IxDyn(&shape), values)
-                    .map_err(|e| invalid(e.to_string()))?,
+                ArrayD::from_shape_vec(
+                    IxDyn(&shape),
+                    values
+                        .chunks_exact(4)
+                        .map(|c| f32::from_ne_bytes(word(c)))
+                        .collect(),
+                )
+                .map_err(|e| invalid(e.to_string()))?,
             ),
             dense_shape: dense.dims().to_vec(),
         }))
     }
+}
 
-    /// Issues `launches` on the stream, each argument resolved by `arg`.
-    fn issue(
-        &self,
-        launches: &[Launch],
-        funcs: &HashMap<String, Kernel>,
-        arg: &dyn Fn(&KArg) -> Result<ArgVal, KernelError>,
-        what: &dyn Fn() -> String,
-    ) -> Result<(), KernelError> {
-        let ptr = |k: &KArg| match arg(k)? {
-            ArgVal::U64(p) => Ok(p),
-            other => Err(invalid(format!(
-                "{}: {k:?} is {other:?}, not a buffer",
-                what()
-            ))),
-        };
-        for l in launches {
-            match l {
-                Launch::Kernel {
-                    name,
-                    grid,
-                    block,
-                    shared_bytes,
-                    args,
-                } => {
-                    let Kernel { f, params } = funcs.get(name).ok_or_else(|| {
-                        invalid(format!("{}: kernel `{name}` not loaded", what()))
-                    })?;
-                    let vals = args.iter().map(arg).collect::<Result<Vec<_>, _>>()?;
-                    // Each value in its parameter's C type, or no launch (garbage on
-                    // the GPU otherwise).
-                    if vals.len() != params.len()
-                        || vals.iter().zip(params).any(|(v, p)| !v.fits(*p))
-                    {
-                        return Err(invalid(format!(
-                            "{}: kernel `{name}` takes {params:?}, its launch passes {vals:?}",
-                            what()
-                        )));
-                    }
-                    if *shared_bytes > 48 * 1024 {
-                        f.set_attribute(
-                            drv_sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            *shared_bytes as i32,
-                        )
-                        .map_err(drv_err("cuFuncSetAttribute"))?;
-                    }
-                    let cfg = LaunchConfig {
-                        grid_dim: (grid[0], grid[1], grid[2]),
-                        block_dim: (block[0], block[1], block[2]),
-                        shared_mem_bytes: *shared_bytes,
-                    };
-                    let mut b = self.stream.launch_builder(f);
-                    for v in &vals {
-                        match v {
-                            ArgVal::U64(x) => b.arg(x),
-                            ArgVal::I32(x) => b.arg(x),
-                            ArgVal::U32(x) => b.arg(x),
-                            ArgVal::F32(x) => b.arg(x),
-                        };
-                    }
-                    // SAFETY: the arguments are the kernel's parameters in order, each
-                    // in the C type the codegen doc gives its KArg (pointers and 64-bit
-                    // integers as u64, 32-bit integers, floats); `vals` outlives the
-                    // launch call (the driver copies parameters at launch). Pointers are
-                    // live buffers of the sizes the plan gave (arena, tensors, slots).
-                    #[allow(unsafe_code)]
-                    let r = unsafe { b.launch(cfg) };
-                    r.map_err(|e| CudaError::Driver {
-                        call: "cuLaunchKernel",
-                        code: format!("{:?} (kernel {name}, {})", e.0, what()),
-                    })?;
-                }
-                Launch::Gemm(g) => {
-                    let (a, b, c) = (ptr(&g.a)?, ptr(&g.b)?, ptr(&g.c)?);
-                    let i = |v: u32| {
-                        i32::try_from(v)
-                            .map_err(|_| invalid(format!("{}: {v} exceeds cuBLAS's int", what())))
-                    };
-                    let l = |v: u64| {
-                        i64::try_from(v)
-                            .map_err(|_| invalid(format!("{}: stride {v} too large", what())))
-                    };
-                    let op = |t: bool| {
-                        if t {
-                            cublas_sys::cublasOperation_t::CUBLAS_OP_T
-                        } else {
-                            cublas_sys::cublasOperation_t::CUBLAS_OP_N
-                        }
-                    };
-                    if g.m == 0 || g.n == 0 || g.batch == 0 {
-                        continue;
-                    }
-                    // SAFETY: a, b, c are live device buffers holding the matrices the
-                    // plan's Gemm describes (codegen's row-major mapping); alpha and beta
-                    // are host scalars (the handle's default pointer mode) read during
-                    // the call; the handle is bound to our stream.
-                    #[allow(unsafe_code)]
-                    let r = unsafe {
-                        cublas_result::sgemm_strided_batched(
-                            self.blas.0,
-                            op(g.transa),
-                            op(g.transb),
-                            i(g.m)?,
-                            i(g.n)?,
-                            i(g.k)?,
-                            &g.alpha,
-                            a as *const f32,
-                            i(g.lda)?,
-                            l(g.stride_a)?,
-                            b as *const f32,
-                            i(g.ldb)?,
-                            l(g.stride_b)?,
-                            &g.beta,
-                            c as *mut f32,
-                            i(g.ldc)?,
-                            l(g.stride_c)?,
-                            i(g.batch)?,
-                        )
-                    };
-                    r.map_err(|e| CudaError::Cublas {
-                        call: "cublasSgemmStridedBatched",
-                        code: format!("{:?} ({})", e.0, what()),
-                    })?;
-                }
-                Launch::Memset { buf, bytes } => {
-                    let p = ptr(buf)?;
-                    let n = usize::try_from(*bytes).map_err(|_| invalid("memset too large"))?;
-                    if n > 0 {
-                        // SAFETY: `p` is a live buffer of at least `bytes` bytes.
-                        #[allow(unsafe_code)]
-                        let r = unsafe { drv::memset_d8_async(p, 0, n, self.stream.cu_stream()) };
-                        r.map_err(drv_err("cuMemsetD8Async"))?;
-                    }
-                }
-                Launch::Alias { .. } => {}
-                Launch::Host => {
+/// How a launch's argument resolves: its value, and for a pointer the bytes it may
+/// touch and how (asked only of a driver that checks accesses).
+struct Args<'a> {
+    value: &'a dyn Fn(&KArg) -> Result<ArgVal, KernelError>,
+    extent: &'a dyn Fn(&KArg) -> Option<(usize, Access)>,
+    what: &'a dyn Fn() -> String,
+}
+
+/// Issues `launches` on the driver's compute stream, each argument resolved by `args`.
+fn issue(
+    dev: &mut dyn Driver,
+    launches: &[Launch],
+    funcs: &HashMap<String, Kernel>,
+    args: &Args<'_>,
+) -> Result<(), KernelError> {
+    let what = args.what;
+    let checked = dev.checks_accesses();
+    let ptr = |k: &KArg| match (args.value)(k)? {
+        ArgVal::U64(p) => Ok(p),
+        other => Err(invalid(format!(
+            "{}: {k:?} is {other:?}, not a buffer",
+            what()
+        ))),
+    };
+    let bytes = |k: &KArg| {
+        if checked {
+            (args.extent)(k).map_or(0, |(b, _)| b)
+        } else {
+            0
+        }
+    };
+    for l in launches {
+        match l {
+            Launch::Kernel {
+                name,
+                grid,
+                block,
+                shared_bytes,
+                args: kargs,
+            } => {
+                let Kernel { handle, params } = funcs
+                    .get(name)
+                    .ok_or_else(|| invalid(format!("{}: kernel `{name}` not loaded", what())))?;
+                let vals = kargs
+                    .iter()
+                    .map(args.value)
+                    .collect::<Result<Vec<_>, _>>()?;
+                // Each value in its parameter's C type, or no launch (garbage on the
+                // GPU otherwise).
+                if vals.len() != params.len() || vals.iter().zip(params).any(|(v, p)| !v.fits(*p)) {
                     return Err(invalid(format!(
-                        "{}: runs on the host; the CUDA backend has no kernel for it",
+                        "{}: kernel `{name}` takes {params:?}, its launch passes {vals:?}",
                         what()
-                    )))
+                    )));
                 }
+                let regions: Vec<Region> = if checked {
+                    kargs
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(arg, k)| {
+                            (args.extent)(k).map(|(bytes, access)| Region { arg, bytes, access })
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let what = what();
+                dev.launch(&KernelLaunch {
+                    kernel: *handle,
+                    name,
+                    grid: *grid,
+                    block: *block,
+                    shared_bytes: *shared_bytes,
+                    args: &vals,
+                    regions: &regions,
+                    what: &what,
+                })?;
+            }
+            Launch::Gemm(g) => {
+                if g.m == 0 || g.n == 0 || g.batch == 0 {
+                    continue;
+                }
+                let gemm = super::driver::Gemm {
+                    call: SgemmCall::of(g),
+                    a: ptr(&g.a)?,
+                    b: ptr(&g.b)?,
+                    c: ptr(&g.c)?,
+                    bytes: [bytes(&g.a), bytes(&g.b), bytes(&g.c)],
+                };
+                dev.sgemm(&gemm, &what())?;
+            }
+            Launch::Memset { buf, bytes } => {
+                let p = ptr(buf)?;
+                let n = usize::try_from(*bytes).map_err(|_| invalid("memset too large"))?;
+                dev.memset_zero(p, n)?;
+            }
+            Launch::Alias { .. } => {}
+            Launch::Host => {
+                return Err(invalid(format!(
+                    "{}: runs on the host; the CUDA backend has no kernel for it",
+                    what()
+                )))
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 fn load_functions(
-    module: &Arc<CudaModule>,
+    dev: &mut dyn Driver,
     source: &str,
+    file: &str,
     names: &[String],
 ) -> Result<HashMap<String, Kernel>, CudaError> {
     let sigs = codegen::kernel_signatures(source).map_err(CudaError::Invalid)?;
-    names
+    let params = names
         .iter()
         .map(|n| {
-            let params = sigs
-                .get(n)
+            sigs.get(n)
                 .cloned()
-                .ok_or_else(|| CudaError::Invalid(format!("kernel `{n}` is not in the source")))?;
-            let f = module.load_function(n).map_err(|e| CudaError::Driver {
-                call: "cuModuleGetFunction",
-                code: format!("{:?} (kernel {n})", e.0),
-            })?;
-            Ok((n.clone(), Kernel { f, params }))
+                .ok_or_else(|| CudaError::Invalid(format!("kernel `{n}` is not in the source")))
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    let handles = dev.load_module(source, file, names)?;
+    Ok(names
+        .iter()
+        .cloned()
+        .zip(handles.into_iter().zip(params))
+        .map(|(n, (handle, params))| (n, Kernel { handle, params }))
+        .collect())
 }
 
 /// The source value of a node input: `(producer, port)`.
@@ -1128,10 +932,9 @@ impl Kernels for CudaBackend {
             }
         }
         let plan = arena::plan(&blocks, ALIGN);
-        let arena = alloc_bytes(&self.stream, plan.size)?;
-        self.arena_base = addr(&arena, &self.stream);
+        self.arena_base = self.dev.alloc(plan.size, false)?;
         self.track(plan.size);
-        self.arena = Some(arena);
+        self.has_arena = true;
         self.out_offsets.clear();
         self.scratch_offsets.clear();
         let offset_of: HashMap<(NodeId, usize), usize> = keys
@@ -1149,7 +952,7 @@ impl Kernels for CudaBackend {
         for (key, &off) in scratch_keys.iter().zip(&plan.offsets[keys.len()..]) {
             self.scratch_offsets.insert(*key, off);
         }
-        sync(&self.stream)?;
+        self.dev.synchronize()?;
         Ok(())
     }
 
@@ -1176,6 +979,26 @@ impl Kernels for CudaBackend {
                 BackendArg::BorrowedTensor(t) => t.ptr,
             })
             .collect();
+        // What each input holds, for a driver that checks reads.
+        let in_extents: Vec<(usize, Access)> = if self.checked {
+            args.iter()
+                .map(|a| {
+                    let ty = match a {
+                        BackendArg::Owned(v) => v.ty.clone(),
+                        BackendArg::Borrowed(v) => v.ty.clone(),
+                        BackendArg::BorrowedTensor(t) => ValueType::Tensor(t.ty.clone()),
+                    };
+                    let access = if codegen::SlicesLayout::of(&ty).is_some() {
+                        Access::ReadCounted
+                    } else {
+                        Access::Read
+                    };
+                    (codegen::value_bytes(&ty), access)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         self.await_collectives(&ins)?;
         let nl = self
             .plan
@@ -1209,6 +1032,19 @@ impl Kernels for CudaBackend {
         }
         let base = self.arena_base;
         let steps = self.steps_ptr;
+        if self.checked {
+            // A node's outputs and scratch hold nothing until it writes them.
+            for (j, o) in outs.iter().enumerate() {
+                if alias.is_none() || j > 0 {
+                    self.dev.fresh(o.ptr, codegen::value_bytes(&o.ty))?;
+                }
+            }
+            for (s, &bytes) in nl.scratch_bytes.iter().enumerate() {
+                if let Some(off) = self.scratch_offsets.get(&(node, s)) {
+                    self.dev.fresh(base + *off as u64, bytes)?;
+                }
+            }
+        }
         let arg = |k: &KArg| -> Result<ArgVal, KernelError> {
             Ok(match k {
                 KArg::Input(i) => ArgVal::U64(
@@ -1241,14 +1077,30 @@ impl Kernels for CudaBackend {
                 }
             })
         };
-        self.issue(&nl.launches, &self.funcs, &arg, &what)?;
+        let extent = |k: &KArg| -> Option<(usize, Access)> {
+            match k {
+                KArg::Input(i) => in_extents.get(*i).copied(),
+                KArg::Output(j) => outs
+                    .get(*j)
+                    .map(|o| (codegen::value_bytes(&o.ty), Access::Write)),
+                KArg::Scratch(s) => nl.scratch_bytes.get(*s).map(|&b| (b, Access::Write)),
+                KArg::Step => Some((16, Access::Read)),
+                _ => None,
+            }
+        };
+        let args = Args {
+            value: &arg,
+            extent: &extent,
+            what: &what,
+        };
+        issue(self.dev.as_mut(), &nl.launches, &self.funcs, &args)?;
         Ok(outs)
     }
 
     fn filled(&mut self, ty: &TensorType, value: f64) -> Result<DeviceTensor, KernelError> {
         self.bind()?;
         let bytes = host_bytes(&Tensor::filled(ty, value))?;
-        let ptr = self.owned_copy(&bytes, true)?;
+        let ptr = self.owned_copy(&bytes)?;
         Ok(DeviceTensor {
             ptr,
             ty: ty.clone(),
@@ -1295,26 +1147,15 @@ impl Transfer for CudaBackend {
         let ty = t.tensor_type();
         let bytes = host_bytes(&t)?;
         drop(t);
-        let stream = self.stream.clone();
         let named = self.named_buffer(name, bytes.len())?;
-        // The previous copy out of the staging buffer must be done before refilling it.
-        named
-            .copied
-            .synchronize()
-            .map_err(drv_err("cuEventSynchronize"))?;
+        let (ptr, staging) = (named.ptr, named.staging);
         if !bytes.is_empty() {
-            let staging = named
-                .staging
-                .as_mut_slice()
-                .map_err(drv_err("cuEventSynchronize"))?;
-            staging[..bytes.len()].copy_from_slice(&bytes);
-            htod(&stream, named.ptr, &staging[..bytes.len()])?;
-            named
-                .copied
-                .record(&stream)
-                .map_err(drv_err("cuEventRecord"))?;
+            // The previous copy out of the staging buffer is done before it is refilled.
+            let host = self.dev.host_bytes(staging)?;
+            host[..bytes.len()].copy_from_slice(&bytes);
+            self.dev.upload(staging, ptr, bytes.len())?;
         }
-        Ok(DeviceTensor { ptr: named.ptr, ty })
+        Ok(DeviceTensor { ptr, ty })
     }
 
     fn download(&mut self, t: &DeviceTensor) -> Result<Tensor, KernelError> {
@@ -1384,13 +1225,11 @@ impl Transfer for CudaBackend {
                 )));
             }
             let ptr = self.arena_base + off as u64;
-            if !bytes.is_empty() {
-                htod(&self.stream, ptr, &bytes)?;
-            }
-            sync(&self.stream)?;
+            self.dev.htod(ptr, &bytes)?;
+            self.dev.synchronize()?;
             return Ok(DeviceValue { ptr, ty });
         }
-        let ptr = self.owned_copy(&bytes, false)?;
+        let ptr = self.owned_copy(&bytes)?;
         Ok(DeviceValue { ptr, ty })
     }
 
@@ -1427,19 +1266,14 @@ impl Transfer for CudaBackend {
         }
         self.await_collectives(&[ptr])?;
         if self.capturing {
-            // SAFETY: `loss_slot` is the address of `loss_host` (one pinned f32, alive as
-            // long as the backend); the host reads it only after a synchronize
-            // (`pending_scalar`), never while a replay may write it.
-            #[allow(unsafe_code)]
-            let slot = unsafe { std::slice::from_raw_parts_mut(self.loss_slot as *mut f32, 1) };
-            dtoh(&self.stream, slot, ptr)?;
+            // Into the pinned slot, read after each replay (`pending_scalar`).
+            self.dev.download(self.loss_host, ptr, 4)?;
             self.capture_loss = true;
             return Ok(None);
         }
-        let mut x = [0f32; 1];
-        dtoh(&self.stream, &mut x, ptr)?;
-        sync(&self.stream)?;
-        Ok(Some(f64::from(x[0])))
+        let mut x = [0u8; 4];
+        self.dev.read(ptr, &mut x)?;
+        Ok(Some(f64::from(f32::from_ne_bytes(x))))
     }
 
     fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
@@ -1448,20 +1282,19 @@ impl Transfer for CudaBackend {
         }
         self.no_capture("reading the loss")?;
         self.bind()?;
-        sync(&self.stream)?;
+        self.dev.synchronize()?;
         self.loss_pending = false;
-        let slot = self
-            .loss_host
-            .as_slice()
-            .map_err(drv_err("cuEventSynchronize"))?;
-        Ok(Some(f64::from(slot[0])))
+        let slot = self.dev.host_bytes(self.loss_host)?;
+        Ok(Some(f64::from(f32::from_ne_bytes([
+            slot[0], slot[1], slot[2], slot[3],
+        ]))))
     }
 
     fn synchronize(&mut self) -> Result<(), KernelError> {
         self.no_capture("synchronizing")?;
         self.bind()?;
         self.await_all_collectives()?;
-        Ok(sync(&self.stream)?)
+        Ok(self.dev.synchronize()?)
     }
 
     fn device_memory(&self) -> Option<(u64, u64)> {
@@ -1505,34 +1338,22 @@ impl OptimizerState for CudaBackend {
             slot_names,
             vars: updates,
         } = codegen::optimizer_kernels(spec, &vars, 1.0).map_err(CudaError::from)?;
-        let (module, funcs) = if updates.iter().any(|u| !u.launches.is_empty()) {
-            let cubin = nvrtc::compile_cubin(&source, "distc_optimizer.cu", &self.arch)?;
-            let module = self
-                .ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                .map_err(drv_err("cuModuleLoadData"))?;
+        let funcs = if updates.iter().any(|u| !u.launches.is_empty()) {
             let mut names = Vec::new();
             for u in &updates {
                 kernel_names(u.launches.iter(), &mut names);
             }
-            let funcs = load_functions(&module, &source, &names)?;
-            (Some(module), funcs)
+            load_functions(self.dev.as_mut(), &source, "distc_optimizer.cu", &names)?
         } else {
-            (None, HashMap::new())
+            HashMap::new()
         };
         let mut states = HashMap::new();
         let mut scratch_size = 0usize;
         let mut slot_bytes = 0u64;
         for (u, (name, ty, _)) in updates.into_iter().zip(&vars) {
-            let mut slots = Vec::new();
             let mut slot_ptrs = Vec::new();
             for _ in slot_names.iter() {
-                let s = self
-                    .stream
-                    .alloc_zeros::<u8>(ty.bytes().max(ALIGN))
-                    .map_err(drv_err("cuMemAllocAsync"))?;
-                slot_ptrs.push(addr(&s, &self.stream));
-                slots.push(s);
+                slot_ptrs.push(self.dev.alloc(ty.bytes(), true)?);
                 self.track(ty.bytes());
                 slot_bytes += ty.bytes() as u64;
             }
@@ -1550,27 +1371,22 @@ impl OptimizerState for CudaBackend {
                     update: u,
                     slot_ptrs,
                     scratch_offsets,
-                    _slots: slots,
                 },
             );
         }
-        let scratch = if scratch_size > 0 {
-            let s = alloc_bytes(&self.stream, scratch_size)?;
+        let scratch_base = if scratch_size > 0 {
             self.track(scratch_size);
-            Some(s)
+            self.dev.alloc(scratch_size, false)?
         } else {
-            None
+            0
         };
-        let scratch_base = scratch.as_ref().map_or(0, |s| addr(s, &self.stream));
-        sync(&self.stream)?;
+        self.dev.synchronize()?;
         Ok(CudaOptimizer {
             funcs,
             vars: states,
             scratch_base,
             slot_bytes,
             slot_names,
-            _scratch: scratch,
-            _module: module,
         })
     }
 
@@ -1622,7 +1438,30 @@ impl OptimizerState for CudaBackend {
                     other => return Err(invalid(format!("{}: node argument {other:?}", what()))),
                 })
             };
-            self.issue(&var.update.launches, &opt.funcs, &arg, &what)?;
+            let g_access = if codegen::SlicesLayout::of(&g.ty).is_some() {
+                Access::ReadCounted
+            } else {
+                Access::Read
+            };
+            let extent = |k: &KArg| -> Option<(usize, Access)> {
+                match k {
+                    KArg::Param | KArg::Slot(_) => Some((var.ty.bytes(), Access::ReadWrite)),
+                    KArg::Grad => Some((codegen::value_bytes(&g.ty), g_access)),
+                    KArg::Step => Some((8, Access::Read)),
+                    KArg::Scratch(s) => var
+                        .update
+                        .scratch_bytes
+                        .get(*s)
+                        .map(|&b| (b, Access::Write)),
+                    _ => None,
+                }
+            };
+            let args = Args {
+                value: &arg,
+                extent: &extent,
+                what: &what,
+            };
+            issue(self.dev.as_mut(), &var.update.launches, &opt.funcs, &args)?;
         }
         if self.capturing {
             // Recorded, not run: the replay counts the step.
@@ -1646,7 +1485,7 @@ impl OptimizerState for CudaBackend {
         self.no_capture("reading the optimizer state")?;
         self.bind()?;
         self.await_all_collectives()?;
-        sync(&self.stream)?;
+        self.dev.synchronize()?;
         let mut names: Vec<&String> = opt.vars.keys().collect();
         names.sort();
         let mut out = Vec::new();
@@ -1685,7 +1524,7 @@ impl OptimizerState for CudaBackend {
                         var.ty
                     )));
                 }
-                htod(&self.stream, *ptr, &host_bytes(t)?)?;
+                self.dev.htod(*ptr, &host_bytes(t)?)?;
             }
         }
         if let Some(t) = state.get(STEP_KEY) {
@@ -1698,7 +1537,7 @@ impl OptimizerState for CudaBackend {
             self.opt_steps = s as u64;
             self.write_steps()?;
         }
-        sync(&self.stream)?;
+        self.dev.synchronize()?;
         Ok(())
     }
 
@@ -1729,14 +1568,11 @@ impl Capture for CudaBackend {
         self.bind()?;
         // Counters on the device are current (the graph reads them at each replay).
         self.write_steps()?;
-        self.graph_exec = None;
-        self.stream
-            .begin_capture(drv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(drv_err("cuStreamBeginCapture"))?;
+        self.dev.begin_capture()?;
         self.capturing = true;
         self.capture_loss = false;
         self.capture_update = false;
-        self.capture_bytes_at = self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default();
+        self.capture_bytes_at = self.nccl.as_ref().map(|c| c.bytes()).unwrap_or_default();
         Ok(true)
     }
 
@@ -1748,16 +1584,12 @@ impl Capture for CudaBackend {
         self.await_all_collectives()?;
         self.capturing = false;
         self.bind()?;
-        let g = self
-            .stream
-            .end_capture(drv_sys::CUgraphInstantiate_flags(0))
-            .map_err(drv_err("cuStreamEndCapture / cuGraphInstantiate"))?
-            .ok_or_else(|| invalid("the captured CUDA graph is empty"))?;
-        g.upload().map_err(drv_err("cuGraphUpload"))?;
-        self.graph_exec = Some(g);
+        if !self.dev.end_capture()? {
+            return Err(invalid("the captured CUDA graph is empty"));
+        }
         self.graph_loss = self.capture_loss;
         self.graph_update = self.capture_update;
-        let now = self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default();
+        let now = self.nccl.as_ref().map(|c| c.bytes()).unwrap_or_default();
         self.graph_bytes = now - self.capture_bytes_at;
         self.bytes_not_run.sent += self.graph_bytes.sent;
         self.bytes_not_run.received += self.graph_bytes.received;
@@ -1770,11 +1602,7 @@ impl Capture for CudaBackend {
         self.bind()?;
         // The graph reads the counters from device memory: make them current.
         self.write_steps()?;
-        let g = self
-            .graph_exec
-            .as_ref()
-            .ok_or_else(|| invalid("no CUDA graph was captured"))?;
-        g.launch().map_err(drv_err("cuGraphLaunch"))?;
+        self.dev.replay()?;
         if self.graph_update {
             self.opt_steps += 1;
         }
@@ -1818,7 +1646,7 @@ impl DeviceCollectives for CudaBackend {
             .nccl
             .as_mut()
             .ok_or_else(|| invalid("no NCCL communicator"))?;
-        nccl.issue(node, op, &self.stream, v.ptr, &v.ty, out, &out_ty)?;
+        nccl.issue(node, op, v.ptr, &v.ty, out, &out_ty)?;
         let bytes = codegen::value_bytes(&out_ty) as u64;
         self.in_flight.push((out, out + bytes.max(1), node));
         Ok(Started::Device(DeviceValue {
@@ -1828,7 +1656,7 @@ impl DeviceCollectives for CudaBackend {
     }
 
     fn collective_bytes(&self) -> ByteCount {
-        let counted = self.nccl.as_ref().map(NcclComm::bytes).unwrap_or_default();
+        let counted = self.nccl.as_ref().map(|c| c.bytes()).unwrap_or_default();
         ByteCount {
             sent: counted.sent - self.bytes_not_run.sent + self.bytes_replayed.sent,
             received: counted.received - self.bytes_not_run.received + self.bytes_replayed.received,

@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod codegen;
+pub mod driver;
 pub mod emu;
 pub mod nccl;
 pub mod nvrtc;
@@ -419,7 +420,13 @@ pub fn worker_backend(
         .node_ids()
         .into_iter()
         .any(|id| graph.op(id).is_collective());
-    if collectives != nccl::Collectives::Host && has_collective {
+    if opts.emulator && collectives == nccl::Collectives::Nccl && has_collective {
+        return Err(CudaError::Invalid(
+            "the GPU emulator runs no NCCL: use --collectives host (or auto) with it".into(),
+        )
+        .into());
+    }
+    if !opts.emulator && collectives != nccl::Collectives::Host && has_collective {
         let gpu = backend.gpu_uuid()?;
         if let Some(id) = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())? {
             backend.attach_nccl(comm.rank(), comm.size(), id)?;

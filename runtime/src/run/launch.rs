@@ -158,6 +158,7 @@ pub fn launch(
                 let opts = CudaOptions {
                     tf32: gpu.tf32,
                     graphs: gpu.graphs,
+                    ..CudaOptions::default()
                 };
                 crate::cuda::worker_backend(worker, opts, gpu.gpu_of(rank), gpu.collectives, comm)
             };
@@ -248,6 +249,10 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
 }
 
 fn require_gpu(gpu: &GpuOptions) -> Result<()> {
+    // The emulator needs no library and no GPU (and cannot run NCCL yet: it says so).
+    if crate::cuda::backend::emulator_requested() {
+        return Ok(());
+    }
     let dirs = LibDirs::from_env();
     if gpu.collectives == Collectives::Nccl {
         crate::cuda::probe(CudaLib::Nccl, &dirs)?;

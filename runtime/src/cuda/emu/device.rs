@@ -19,8 +19,39 @@
 //! Operations run in order per stream, at once: the emulator has one timeline, so an
 //! ordering bug shows up as a check firing, not as a wrong number.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use thiserror::Error;
+
+/// A `u64` buffer's bytes.
+fn bytes_of_mut(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: a u64 slice is plain bytes, 8 per element; u8 has alignment 1.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), v.len() * 8)
+    }
+}
+
+/// What never-written device memory holds, word by word: a NaN as an f32 (so a value
+/// read past its end or before it was written spoils the result) and an unlikely
+/// `int`. A word a kernel leaves holding it counts as not written.
+pub const POISON: [u8; 4] = 0x7FBA_DBADu32.to_ne_bytes();
+
+/// Bytes of poison on each side of a buffer a kernel gets: a write there is out of
+/// bounds.
+const GUARD: usize = 64;
+
+/// What a launch may do with one buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Touch {
+    /// The device address.
+    pub addr: u64,
+    /// Bytes from it.
+    pub len: usize,
+    /// Bytes from the start that must have been written before (0: none).
+    pub must_be_written: usize,
+    /// Whether the launch writes it.
+    pub write: bool,
+}
 
 /// A device allocation, as the emulator hands it out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -127,7 +158,7 @@ pub type KernelRunner<'a> = dyn FnMut(&str, &mut [*mut u8]) -> Result<(), String
 /// The emulated device.
 #[derive(Default)]
 pub struct EmuDevice {
-    allocs: HashMap<DevPtr, Allocation>,
+    allocs: BTreeMap<DevPtr, Allocation>,
     next_ptr: u64,
     /// Per stream: operations issued so far, and for each other stream the operation
     /// number up to which this stream has waited on it (through events).
@@ -174,7 +205,7 @@ impl EmuDevice {
         self.allocs.insert(
             p,
             Allocation {
-                bytes: vec![0; size],
+                bytes: POISON.repeat(size.div_ceil(4))[..size].to_vec(),
                 written: vec![false; size],
                 last_write: None,
             },
@@ -330,6 +361,133 @@ impl EmuDevice {
         let op = self.tick(s)?;
         self.allocs.get_mut(&p).expect("checked").bytes[offset..end].fill(value);
         self.wrote(s, op, p, offset, end);
+        Ok(())
+    }
+
+    /// The allocation holding `len` bytes at device address `addr`, and the offset.
+    pub fn locate(&self, addr: u64, len: usize, what: &str) -> Result<(DevPtr, usize), EmuFault> {
+        let hit = self.allocs.range(..=DevPtr(addr)).next_back();
+        match hit {
+            Some((p, a)) if addr - p.0 <= a.bytes.len() as u64 => {
+                let off = (addr - p.0) as usize;
+                if off + len > a.bytes.len() {
+                    return Err(EmuFault::OutOfBounds {
+                        ptr: *p,
+                        start: off,
+                        end: off + len,
+                        size: a.bytes.len(),
+                        what: what.to_string(),
+                    });
+                }
+                Ok((*p, off))
+            }
+            _ => Err(EmuFault::OutOfBounds {
+                ptr: DevPtr(addr),
+                start: 0,
+                end: len,
+                size: 0,
+                what: what.to_string(),
+            }),
+        }
+    }
+
+    /// Marks `len` bytes at `addr` as never written (poisoned), as a buffer is before
+    /// the node that computes it runs.
+    pub fn fresh(&mut self, addr: u64, len: usize) -> Result<(), EmuFault> {
+        let (p, off) = self.locate(addr, len, "a fresh buffer")?;
+        let a = self.allocs.get_mut(&p).expect("located");
+        for (k, b) in a.bytes[off..off + len].iter_mut().enumerate() {
+            *b = POISON[(off + k) % 4];
+        }
+        a.written[off..off + len].fill(false);
+        Ok(())
+    }
+
+    /// Checks and runs a launch on stream `s` that touches `touches`: each must lie in
+    /// an allocation, be ordered after its last write by another stream, and have its
+    /// leading `must_be_written` bytes written. The kernel gets, for each, a copy with
+    /// [`GUARD`] bytes of poison on both sides (8-aligned): a write into the guard is
+    /// out of bounds, a read there or of a never-written word gives NaN. Afterwards
+    /// the words a kernel changed in a written buffer count as written. While `s` is
+    /// captured, only the checks run (the caller records the launch).
+    pub fn run(
+        &mut self,
+        s: Stream,
+        what: &str,
+        touches: &[Touch],
+        kernel: impl FnOnce(&mut [*mut u8]) -> Result<(), String>,
+    ) -> Result<(), EmuFault> {
+        let mut at = Vec::with_capacity(touches.len());
+        for t in touches {
+            let (p, off) = self.locate(t.addr, t.len, what)?;
+            self.touch(s, p, (off, off + t.len), t.write, what)?;
+            self.check_written(p, off, off + t.must_be_written.min(t.len), what)?;
+            at.push((p, off));
+        }
+        if self.is_capturing(s) {
+            return Ok(());
+        }
+        let op = self.tick(s)?;
+        let mut copies: Vec<Vec<u64>> = touches
+            .iter()
+            .zip(&at)
+            .map(|(t, (p, off))| {
+                let mut buf =
+                    vec![
+                        u64::from_ne_bytes([POISON, POISON].concat().try_into().expect("8"));
+                        (t.len + 2 * GUARD).div_ceil(8)
+                    ];
+                let bytes = bytes_of_mut(&mut buf);
+                bytes[GUARD..GUARD + t.len]
+                    .copy_from_slice(&self.allocs[p].bytes[*off..off + t.len]);
+                buf
+            })
+            .collect();
+        let mut ptrs: Vec<*mut u8> = copies
+            .iter_mut()
+            .map(|c| bytes_of_mut(c)[GUARD..].as_mut_ptr())
+            .collect();
+        kernel(&mut ptrs).map_err(EmuFault::Misuse)?;
+        for (k, (t, (p, off))) in touches.iter().zip(&at).enumerate() {
+            let c = bytes_of_mut(&mut copies[k]);
+            let guard_hit = c[..GUARD]
+                .iter()
+                .chain(&c[GUARD + t.len..])
+                .enumerate()
+                .find(|(i, b)| **b != POISON[i % 4]);
+            if let Some((i, _)) = guard_hit {
+                let (start, end) = if i < GUARD {
+                    (0, GUARD - i)
+                } else {
+                    (t.len, t.len + i - GUARD + 1)
+                };
+                return Err(EmuFault::OutOfBounds {
+                    ptr: *p,
+                    start: if i < GUARD { 0 } else { off + start },
+                    end: off + end,
+                    size: t.len,
+                    what: format!(
+                        "{what} (buffer {k}, {} bytes at offset {off}: it wrote {} its end)",
+                        t.len,
+                        if i < GUARD { "before" } else { "past" }
+                    ),
+                });
+            }
+            if !t.write {
+                continue;
+            }
+            let a = self.allocs.get_mut(p).expect("located");
+            let new = &c[GUARD..GUARD + t.len];
+            let old = &mut a.bytes[*off..off + t.len];
+            for w in (0..t.len).step_by(4) {
+                let e = (w + 4).min(t.len);
+                if new[w..e] != old[w..e] {
+                    a.written[off + w..off + e].fill(true);
+                }
+            }
+            old.copy_from_slice(new);
+            a.last_write = Some((s, op));
+        }
         Ok(())
     }
 

@@ -19,6 +19,9 @@
 
 pub mod blas;
 pub mod device;
+pub mod driver;
+
+pub use driver::EmuDriver;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
