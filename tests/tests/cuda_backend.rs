@@ -56,6 +56,7 @@ fn one_step_on_cuda_matches_the_cpu() {
         let no_graphs = CudaOptions {
             tf32: false,
             graphs: false,
+            ..Default::default()
         };
         let Some((got, gl)) = run(name, 1, Some(no_graphs)) else {
             continue;
@@ -111,6 +112,7 @@ fn replayed_steps_equal_eager_ones_bitwise_on_the_gpu() {
         let eager = CudaOptions {
             tf32: false,
             graphs: false,
+            ..Default::default()
         };
         let Some((want, wl)) = run(name, 5, Some(eager)) else {
             continue;

@@ -365,6 +365,7 @@ fn gpu(case: &str, g: &Graph) -> Option<CudaBackend> {
     let opts = CudaOptions {
         tf32: false,
         graphs: false,
+        ..Default::default()
     };
     match CudaBackend::new(0, g, opts) {
         Ok(b) => Some(b),

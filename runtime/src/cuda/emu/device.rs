@@ -409,7 +409,7 @@ impl EmuDevice {
     /// [`GUARD`] bytes of poison on both sides (8-aligned): a write into the guard is
     /// out of bounds, a read there or of a never-written word gives NaN. Afterwards
     /// the words a kernel changed in a written buffer count as written. While `s` is
-    /// captured, only the checks run (the caller records the launch).
+    /// captured, only the bounds are checked (the caller records the launch).
     pub fn run(
         &mut self,
         s: Stream,
@@ -419,13 +419,16 @@ impl EmuDevice {
     ) -> Result<(), EmuFault> {
         let mut at = Vec::with_capacity(touches.len());
         for t in touches {
-            let (p, off) = self.locate(t.addr, t.len, what)?;
-            self.touch(s, p, (off, off + t.len), t.write, what)?;
-            self.check_written(p, off, off + t.must_be_written.min(t.len), what)?;
-            at.push((p, off));
+            at.push(self.locate(t.addr, t.len, what)?);
         }
+        // Nothing runs while capturing, so what memory holds then says nothing about
+        // the replay: the ordering and written checks run at each replay.
         if self.is_capturing(s) {
             return Ok(());
+        }
+        for (t, &(p, off)) in touches.iter().zip(&at) {
+            self.touch(s, p, (off, off + t.len), t.write, what)?;
+            self.check_written(p, off, off + t.must_be_written.min(t.len), what)?;
         }
         let op = self.tick(s)?;
         let mut copies: Vec<Vec<u64>> = touches
