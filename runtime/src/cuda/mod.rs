@@ -420,13 +420,20 @@ pub fn worker_backend(
         .node_ids()
         .into_iter()
         .any(|id| graph.op(id).is_collective());
-    if opts.emulator && collectives == nccl::Collectives::Nccl && has_collective {
-        return Err(CudaError::Invalid(
-            "the GPU emulator runs no NCCL: use --collectives host (or auto) with it".into(),
-        )
-        .into());
+    if opts.emulator && collectives != nccl::Collectives::Host && has_collective {
+        // Emulated NCCL: every rank has it and a device of its own; rank 0's id names
+        // the communicator to the threads of this process.
+        let mut id = [0u8; 128];
+        if comm.rank() == 0 {
+            id = emu::nccl::unique_id();
+        }
+        let mut buf = id.to_vec();
+        comm.broadcast(&mut buf, 0)?;
+        id.copy_from_slice(&buf);
+        backend.attach_nccl(comm.rank(), comm.size(), id)?;
+        return Ok(backend);
     }
-    if !opts.emulator && collectives != nccl::Collectives::Host && has_collective {
+    if collectives != nccl::Collectives::Host && has_collective {
         let gpu = backend.gpu_uuid()?;
         if let Some(id) = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())? {
             backend.attach_nccl(comm.rank(), comm.size(), id)?;

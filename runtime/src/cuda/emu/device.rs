@@ -123,8 +123,21 @@ pub enum EmuFault {
 struct Allocation {
     bytes: Vec<u8>,
     written: Vec<bool>,
-    /// The stream that wrote it last and that stream's operation number then.
-    last_write: Option<(Stream, u64)>,
+    /// Per 4-byte word, the stream that wrote it last and that stream's operation
+    /// number then: streams may write different parts of one allocation at once (a
+    /// collective's result and a kernel's output in one arena).
+    last_write: Vec<Option<(Stream, u64)>>,
+}
+
+impl Allocation {
+    fn words(start: usize, end: usize) -> std::ops::Range<usize> {
+        start / 4..end.div_ceil(4)
+    }
+
+    fn wrote(&mut self, s: Stream, op: u64, start: usize, end: usize) {
+        self.written[start..end].fill(true);
+        self.last_write[Self::words(start, end)].fill(Some((s, op)));
+    }
 }
 
 /// One captured operation: recorded, not run, while its stream is captured; run by
@@ -207,7 +220,7 @@ impl EmuDevice {
             Allocation {
                 bytes: POISON.repeat(size.div_ceil(4))[..size].to_vec(),
                 written: vec![false; size],
-                last_write: None,
+                last_write: vec![None; size.div_ceil(4)],
             },
         );
         Ok(p)
@@ -259,14 +272,16 @@ impl EmuDevice {
                 what: what.to_string(),
             });
         }
-        if let Some((writer, op)) = a.last_write {
-            let waited = self
-                .streams
-                .get(&s)
-                .and_then(|(_, w)| w.get(&writer))
-                .copied()
-                .unwrap_or(0);
-            if writer != s && waited < op {
+        let waits = self.streams.get(&s).map(|(_, w)| w);
+        let mut last = None;
+        for (writer, op) in a.last_write[Allocation::words(start, end)].iter().flatten() {
+            if *writer == s || last == Some((*writer, *op)) {
+                continue;
+            }
+            last = Some((*writer, *op));
+            let (writer, op) = (*writer, *op);
+            let waited = waits.and_then(|w| w.get(&writer)).copied().unwrap_or(0);
+            if waited < op {
                 return Err(EmuFault::Race {
                     ptr: p,
                     writer,
@@ -299,9 +314,10 @@ impl EmuDevice {
     }
 
     fn wrote(&mut self, s: Stream, op: u64, p: DevPtr, start: usize, end: usize) {
-        let a = self.allocs.get_mut(&p).expect("checked");
-        a.written[start..end].iter_mut().for_each(|w| *w = true);
-        a.last_write = Some((s, op));
+        self.allocs
+            .get_mut(&p)
+            .expect("checked")
+            .wrote(s, op, start, end);
     }
 
     /// Copies host bytes into `p` at `offset`, on stream `s`.
@@ -489,7 +505,7 @@ impl EmuDevice {
                 }
             }
             old.copy_from_slice(new);
-            a.last_write = Some((s, op));
+            a.last_write[Allocation::words(*off, off + t.len)].fill(Some((s, op)));
         }
         Ok(())
     }

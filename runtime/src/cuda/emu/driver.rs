@@ -15,13 +15,17 @@
 //! needs it is refused by name).
 
 use super::blas::sgemm_strided_batched;
-use super::device::{EmuDevice, EmuFault, Stream, Touch};
+use super::device::{EmuDevice, EmuFault, Event, Stream, Touch};
+use super::nccl::{CommCore, EmuComm};
 use super::EmuModule;
 use crate::cuda::driver::{
     Access, ArgVal, DeviceComm, Driver, Gemm, HostBuf, KernelHandle, KernelLaunch, Region,
 };
 use crate::cuda::CudaError;
+use distc_ir::{NodeId, Op, ValueType};
+use std::cell::RefCell;
 use std::ffi::c_void;
+use std::rc::Rc;
 
 impl From<EmuFault> for CudaError {
     fn from(e: EmuFault) -> CudaError {
@@ -36,7 +40,7 @@ impl From<super::EmuError> for CudaError {
 }
 
 /// One operation recorded while the compute stream was captured.
-enum Recorded {
+pub(super) enum Recorded {
     Launch {
         kernel: KernelHandle,
         name: String,
@@ -50,15 +54,33 @@ enum Recorded {
     Memset(u64, usize),
     Fresh(u64, usize),
     Download(HostBuf, u64, usize),
+    /// An event recorded on a stream, or a stream waiting on one.
+    Record(Stream, Event),
+    Wait(Stream, Event),
+    /// A collective on the emulated communicator.
+    Collective {
+        comm: Rc<RefCell<CommCore>>,
+        node: NodeId,
+        op: Op,
+        input: u64,
+        in_ty: ValueType,
+        output: u64,
+        out_ty: ValueType,
+    },
+}
+
+/// What the driver and its communicator share: the device and the capture.
+pub(super) struct Shared {
+    pub(super) dev: EmuDevice,
+    pub(super) capture: Option<Vec<Recorded>>,
 }
 
 /// The emulated GPU (see the module doc).
 pub struct EmuDriver {
-    dev: EmuDevice,
+    shared: Rc<RefCell<Shared>>,
     compute: Stream,
     modules: Vec<(EmuModule, Vec<String>)>,
     host: Vec<Vec<u8>>,
-    capture: Option<Vec<Recorded>>,
     graph: Option<Vec<Recorded>>,
     name: String,
 }
@@ -67,18 +89,24 @@ impl EmuDriver {
     /// Emulated GPU `ordinal`.
     pub fn new(ordinal: usize) -> Result<EmuDriver, CudaError> {
         Ok(EmuDriver {
-            dev: EmuDevice::new(),
+            shared: Rc::new(RefCell::new(Shared {
+                dev: EmuDevice::new(),
+                capture: None,
+            })),
             compute: Stream(0),
             modules: Vec::new(),
             host: Vec::new(),
-            capture: None,
             graph: None,
             name: format!("GPU emulator {ordinal}, on the CPU"),
         })
     }
 
     fn capturing(&self) -> bool {
-        self.capture.is_some()
+        self.shared.borrow().capture.is_some()
+    }
+
+    fn dev(&self) -> std::cell::RefMut<'_, EmuDevice> {
+        std::cell::RefMut::map(self.shared.borrow_mut(), |s| &mut s.dev)
     }
 
     fn no_capture(&self, what: &str) -> Result<(), CudaError> {
@@ -148,38 +176,42 @@ impl EmuDriver {
         let what = format!("kernel `{}` ({})", k.name, k.what);
         let (grid, block) = (k.grid, k.block);
         let mut err = None;
-        self.dev.run(self.compute, &what, &touches, |ptrs| {
-            // Each argument as cuLaunchKernel takes it: a pointer to its value; a
-            // buffer's value is the host address of its guarded copy.
-            let mut vals: Vec<u64> = k
-                .args
-                .iter()
-                .map(|a| match *a {
-                    ArgVal::U64(x) => x,
-                    ArgVal::I32(x) => u64::from(x as u32),
-                    ArgVal::U32(x) => u64::from(x),
-                    ArgVal::F32(x) => u64::from(x.to_bits()),
+        let compute = self.compute;
+        self.shared
+            .borrow_mut()
+            .dev
+            .run(compute, &what, &touches, |ptrs| {
+                // Each argument as cuLaunchKernel takes it: a pointer to its value; a
+                // buffer's value is the host address of its guarded copy.
+                let mut vals: Vec<u64> = k
+                    .args
+                    .iter()
+                    .map(|a| match *a {
+                        ArgVal::U64(x) => x,
+                        ArgVal::I32(x) => u64::from(x as u32),
+                        ArgVal::U32(x) => u64::from(x),
+                        ArgVal::F32(x) => u64::from(x.to_bits()),
+                    })
+                    .collect();
+                for (r, p) in k.regions.iter().zip(ptrs.iter()) {
+                    vals[r.arg] = *p as u64;
+                }
+                let mut argp: Vec<*mut c_void> = vals
+                    .iter_mut()
+                    .map(|v| (v as *mut u64).cast::<c_void>())
+                    .collect();
+                // SAFETY: the backend checked every value against the kernel's parameter
+                // classes; 4-byte values sit in the low bytes of their u64 (little-endian
+                // x86-64 and aarch64), where the launcher reads them; every pointer is a
+                // guarded copy of the bytes the backend says the kernel may touch.
+                #[allow(unsafe_code)]
+                let r = unsafe { module.launch(name, grid, block, &mut argp) };
+                r.map_err(|e| {
+                    let m = e.to_string();
+                    err = Some(e);
+                    m
                 })
-                .collect();
-            for (r, p) in k.regions.iter().zip(ptrs.iter()) {
-                vals[r.arg] = *p as u64;
-            }
-            let mut argp: Vec<*mut c_void> = vals
-                .iter_mut()
-                .map(|v| (v as *mut u64).cast::<c_void>())
-                .collect();
-            // SAFETY: the backend checked every value against the kernel's parameter
-            // classes; 4-byte values sit in the low bytes of their u64 (little-endian
-            // x86-64 and aarch64), where the launcher reads them; every pointer is a
-            // guarded copy of the bytes the backend says the kernel may touch.
-            #[allow(unsafe_code)]
-            let r = unsafe { module.launch(name, grid, block, &mut argp) };
-            r.map_err(|e| {
-                let m = e.to_string();
-                err = Some(e);
-                m
-            })
-        })?;
+            })?;
         match err {
             Some(e) => Err(e.into()),
             None => Ok(()),
@@ -209,7 +241,7 @@ impl EmuDriver {
             },
         ];
         let what = format!("cublasSgemmStridedBatched ({what})");
-        self.dev.run(self.compute, &what, &touches, |p| {
+        self.dev().run(self.compute, &what, &touches, |p| {
             let f = |k: usize| g.bytes[k] / 4;
             // SAFETY: each pointer is an 8-aligned guarded copy of `g.bytes[k]` bytes.
             #[allow(unsafe_code)]
@@ -229,15 +261,15 @@ impl EmuDriver {
         if bytes == 0 {
             return Ok(());
         }
-        let (p, off) = self.dev.locate(dst, bytes, "a memset")?;
-        self.dev.memset(self.compute, p, off, 0, bytes)?;
+        let (p, off) = self.dev().locate(dst, bytes, "a memset")?;
+        self.dev().memset(self.compute, p, off, 0, bytes)?;
         Ok(())
     }
 
     fn run_download(&mut self, b: HostBuf, src: u64, bytes: usize) -> Result<(), CudaError> {
-        let (p, off) = self.dev.locate(src, bytes, "a device-to-host copy")?;
+        let (p, off) = self.dev().locate(src, bytes, "a device-to-host copy")?;
         let mut tmp = vec![0u8; bytes];
-        self.dev.copy_dtoh(self.compute, p, off, &mut tmp)?;
+        self.dev().copy_dtoh(self.compute, p, off, &mut tmp)?;
         self.host_buf(b, bytes)?[..bytes].copy_from_slice(&tmp);
         Ok(())
     }
@@ -264,13 +296,30 @@ impl EmuDriver {
             }),
             Recorded::Gemm(g, what) => self.run_gemm(g, what),
             Recorded::Memset(dst, bytes) => self.run_memset(*dst, *bytes),
-            Recorded::Fresh(dst, bytes) => Ok(self.dev.fresh(*dst, *bytes)?),
+            Recorded::Fresh(dst, bytes) => Ok(self.dev().fresh(*dst, *bytes)?),
             Recorded::Download(b, src, bytes) => self.run_download(*b, *src, *bytes),
+            Recorded::Record(s, e) => Ok(self.dev().record_event(*s, *e)?),
+            Recorded::Wait(s, e) => Ok(self.dev().wait_event(*s, *e)?),
+            Recorded::Collective {
+                comm,
+                node,
+                op,
+                input,
+                in_ty,
+                output,
+                out_ty,
+            } => comm.borrow_mut().run(
+                &mut self.shared.borrow_mut().dev,
+                *node,
+                op,
+                (*input, in_ty),
+                (*output, out_ty),
+            ),
         }
     }
 
     fn record(&mut self, r: Recorded) {
-        if let Some(c) = &mut self.capture {
+        if let Some(c) = &mut self.shared.borrow_mut().capture {
             c.push(r);
         }
     }
@@ -338,9 +387,9 @@ impl Driver for EmuDriver {
 
     fn alloc(&mut self, bytes: usize, zeroed: bool) -> Result<u64, CudaError> {
         let bytes = bytes.max(256);
-        let p = self.dev.alloc(bytes)?;
+        let p = self.dev().alloc(bytes)?;
         if zeroed {
-            self.dev.memset(self.compute, p, 0, 0, bytes)?;
+            self.dev().memset(self.compute, p, 0, 0, bytes)?;
         }
         Ok(p.0)
     }
@@ -350,8 +399,8 @@ impl Driver for EmuDriver {
             return Ok(());
         }
         self.no_capture("a copy from pageable host memory")?;
-        let (p, off) = self.dev.locate(dst, src.len(), "a host-to-device copy")?;
-        self.dev.copy_htod(self.compute, p, off, src)?;
+        let (p, off) = self.dev().locate(dst, src.len(), "a host-to-device copy")?;
+        self.dev().copy_htod(self.compute, p, off, src)?;
         Ok(())
     }
 
@@ -360,8 +409,8 @@ impl Driver for EmuDriver {
         if dst.is_empty() {
             return Ok(());
         }
-        let (p, off) = self.dev.locate(src, dst.len(), "a device-to-host copy")?;
-        self.dev.copy_dtoh(self.compute, p, off, dst)?;
+        let (p, off) = self.dev().locate(src, dst.len(), "a device-to-host copy")?;
+        self.dev().copy_dtoh(self.compute, p, off, dst)?;
         Ok(())
     }
 
@@ -375,7 +424,7 @@ impl Driver for EmuDriver {
         if self.capturing() {
             return Ok(());
         }
-        Ok(self.dev.fresh(dst, bytes)?)
+        Ok(self.dev().fresh(dst, bytes)?)
     }
 
     fn host_buffer(&mut self, bytes: usize) -> Result<HostBuf, CudaError> {
@@ -394,8 +443,8 @@ impl Driver for EmuDriver {
         }
         self.no_capture("an upload")?;
         let src = self.host_buf(b, bytes)?[..bytes].to_vec();
-        let (p, off) = self.dev.locate(dst, bytes, "a host-to-device copy")?;
-        self.dev.copy_htod(self.compute, p, off, &src)?;
+        let (p, off) = self.dev().locate(dst, bytes, "a host-to-device copy")?;
+        self.dev().copy_htod(self.compute, p, off, &src)?;
         Ok(())
     }
 
@@ -404,7 +453,7 @@ impl Driver for EmuDriver {
             return Ok(());
         }
         if self.capturing() {
-            self.dev.locate(src, bytes, "a device-to-host copy")?;
+            self.dev().locate(src, bytes, "a device-to-host copy")?;
             self.record(Recorded::Download(b, src, bytes));
             return Ok(());
         }
@@ -417,15 +466,17 @@ impl Driver for EmuDriver {
     }
 
     fn begin_capture(&mut self) -> Result<(), CudaError> {
-        self.dev.begin_capture(self.compute)?;
-        self.capture = Some(Vec::new());
+        let compute = self.compute;
+        self.dev().begin_capture(compute)?;
+        self.shared.borrow_mut().capture = Some(Vec::new());
         self.graph = None;
         Ok(())
     }
 
     fn end_capture(&mut self) -> Result<bool, CudaError> {
-        self.dev.end_capture(self.compute)?;
-        let ops = self.capture.take().unwrap_or_default();
+        let compute = self.compute;
+        self.dev().end_capture(compute)?;
+        let ops = self.shared.borrow_mut().capture.take().unwrap_or_default();
         let any = !ops.is_empty();
         self.graph = any.then_some(ops);
         Ok(any)
@@ -443,12 +494,18 @@ impl Driver for EmuDriver {
 
     fn communicator(
         &mut self,
-        _rank: usize,
-        _size: usize,
-        _id: [u8; 128],
+        rank: usize,
+        size: usize,
+        id: [u8; 128],
     ) -> Result<Box<dyn DeviceComm>, CudaError> {
-        Err(CudaError::Invalid(
-            "the GPU emulator runs no NCCL yet: run its collectives on the host".into(),
-        ))
+        let stream = self.dev().stream();
+        Ok(Box::new(EmuComm::join(
+            self.shared.clone(),
+            self.compute,
+            stream,
+            rank,
+            size,
+            id,
+        )?))
     }
 }

@@ -20,6 +20,7 @@
 pub mod blas;
 pub mod device;
 pub mod driver;
+pub mod nccl;
 
 pub use driver::EmuDriver;
 

@@ -1,0 +1,443 @@
+//! Emulated NCCL (issue 21): the workers of one process, each with an emulated
+//! device, join a communicator by the id rank 0 made ([`unique_id`]); each collective
+//! is an exchange among them, computed on every rank from every rank's input as NCCL
+//! defines it, so the multi-rank NCCL paths of the backend run where one GPU (or
+//! none) is all there is.
+//!
+//! As on a GPU, a collective runs on the communicator's own stream: it waits for the
+//! compute stream's `ready` event before reading its input and records `done` after
+//! writing its output. The emulated device checks that ordering: a kernel on the
+//! compute stream reading the result before the backend made it wait for `done` is a
+//! race, named. The bytes counted are the ones NCCL's ring moves, as the real
+//! communicator counts them.
+
+use super::device::{EmuDevice, Event, Stream};
+use super::driver::{Recorded, Shared};
+use crate::comm::ByteCount;
+use crate::cuda::codegen::SlicesLayout;
+use crate::cuda::nccl::ring_all_reduce_bytes;
+use crate::cuda::{driver::DeviceComm, CudaError};
+use distc_ir::{NodeId, Op, ReduceOp, ValueType};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+/// How long a rank waits for the others to reach a collective before it says so.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// The ranks of one communicator meeting at each collective.
+struct Group {
+    size: usize,
+    state: Mutex<Round>,
+    turn: Condvar,
+}
+
+#[derive(Default)]
+struct Round {
+    deposits: Vec<Option<Vec<u8>>>,
+    arrived: usize,
+    results: Option<Arc<Vec<Vec<u8>>>>,
+    taken: usize,
+}
+
+impl Group {
+    /// Every rank's bytes, once every rank has given its own.
+    fn exchange(
+        &self,
+        rank: usize,
+        bytes: Vec<u8>,
+        what: &str,
+    ) -> Result<Arc<Vec<Vec<u8>>>, CudaError> {
+        let timeout = |m: String| CudaError::Nccl {
+            call: "emulated collective",
+            code: m,
+        };
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| timeout("a rank panicked".into()))?;
+        // The previous round's results are still being taken.
+        while st.results.is_some() {
+            let (g, t) = self
+                .turn
+                .wait_timeout(st, WAIT)
+                .map_err(|_| timeout("a rank panicked".into()))?;
+            st = g;
+            if t.timed_out() {
+                return Err(timeout(format!(
+                    "rank {rank} waited {WAIT:?} to start {what}"
+                )));
+            }
+        }
+        if st.deposits.len() != self.size {
+            st.deposits = vec![None; self.size];
+        }
+        st.deposits[rank] = Some(bytes);
+        st.arrived += 1;
+        if st.arrived == self.size {
+            let all = st
+                .deposits
+                .iter_mut()
+                .map(|d| d.take().unwrap_or_default())
+                .collect();
+            st.results = Some(Arc::new(all));
+            st.arrived = 0;
+            self.turn.notify_all();
+        }
+        while st.results.is_none() {
+            let (g, t) = self
+                .turn
+                .wait_timeout(st, WAIT)
+                .map_err(|_| timeout("a rank panicked".into()))?;
+            st = g;
+            if t.timed_out() && st.results.is_none() {
+                return Err(timeout(format!(
+                    "rank {rank} waited {WAIT:?} for the other ranks to reach {what}"
+                )));
+            }
+        }
+        let out = st.results.clone().expect("present");
+        st.taken += 1;
+        if st.taken == self.size {
+            st.taken = 0;
+            st.results = None;
+            self.turn.notify_all();
+        }
+        Ok(out)
+    }
+}
+
+/// The communicators of this process, by id.
+fn groups() -> &'static Mutex<HashMap<[u8; 128], Arc<Group>>> {
+    static G: OnceLock<Mutex<HashMap<[u8; 128], Arc<Group>>>> = OnceLock::new();
+    G.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// A fresh communicator id (rank 0's part of the bootstrap): unique in the process.
+pub fn unique_id() -> [u8; 128] {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(1);
+    let mut id = [0u8; 128];
+    id[..8].copy_from_slice(&N.fetch_add(1, Ordering::Relaxed).to_ne_bytes());
+    id[8..12].copy_from_slice(&std::process::id().to_ne_bytes());
+    id
+}
+
+/// One rank's side of a communicator: its stream, events and the group.
+pub struct CommCore {
+    rank: usize,
+    size: usize,
+    compute: Stream,
+    stream: Stream,
+    events: HashMap<NodeId, (Event, Event)>,
+    group: Arc<Group>,
+    bytes: ByteCount,
+}
+
+/// The rank's communicator, as the backend holds it.
+pub struct EmuComm {
+    core: Rc<RefCell<CommCore>>,
+    shared: Rc<RefCell<Shared>>,
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn bytes_of(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+impl EmuComm {
+    /// Joins communicator `id` as `rank` of `size`, on stream `stream` of the device.
+    pub(super) fn join(
+        shared: Rc<RefCell<Shared>>,
+        compute: Stream,
+        stream: Stream,
+        rank: usize,
+        size: usize,
+        id: [u8; 128],
+    ) -> Result<EmuComm, CudaError> {
+        if rank >= size {
+            return Err(CudaError::Invalid(format!("rank {rank} of {size}")));
+        }
+        let group = {
+            let mut g = groups()
+                .lock()
+                .map_err(|_| CudaError::Invalid("communicator registry poisoned".into()))?;
+            g.entry(id)
+                .or_insert_with(|| {
+                    Arc::new(Group {
+                        size,
+                        state: Mutex::new(Round::default()),
+                        turn: Condvar::new(),
+                    })
+                })
+                .clone()
+        };
+        if group.size != size {
+            return Err(CudaError::Invalid(format!(
+                "a communicator of {} ranks joined as one of {size}",
+                group.size
+            )));
+        }
+        Ok(EmuComm {
+            core: Rc::new(RefCell::new(CommCore {
+                rank,
+                size,
+                compute,
+                stream,
+                events: HashMap::new(),
+                group,
+                bytes: ByteCount::default(),
+            })),
+            shared,
+        })
+    }
+}
+
+impl CommCore {
+    fn count(&mut self, sent: u64, received: u64) {
+        self.bytes.sent += sent;
+        self.bytes.received += received;
+    }
+
+    /// Reads this rank's part on the communicator's stream: a dense value whole, a
+    /// slices value as its count and that many rows.
+    fn read_input(
+        &self,
+        dev: &mut EmuDevice,
+        at: u64,
+        ty: &ValueType,
+    ) -> Result<Vec<u8>, CudaError> {
+        let mut read = |addr: u64, len: usize| -> Result<Vec<u8>, CudaError> {
+            let mut b = vec![0u8; len];
+            if len > 0 {
+                let (p, off) = dev.locate(addr, len, "a collective's input")?;
+                dev.copy_dtoh(self.stream, p, off, &mut b)?;
+            }
+            Ok(b)
+        };
+        match SlicesLayout::of(ty) {
+            None => read(at, crate::cuda::codegen::value_bytes(ty)),
+            Some(l) => {
+                let head = read(at, 4)?;
+                let count = i32::from_ne_bytes([head[0], head[1], head[2], head[3]]);
+                let rows = usize::try_from(count).unwrap_or(0).min(l.nnz);
+                let mut out = head;
+                out.extend(read(at + l.indices_offset as u64, 4 * rows)?);
+                out.extend(read(at + l.values_offset as u64, 4 * rows * l.row)?);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Runs node `node`'s collective: the exchange, then this rank's output written
+    /// on the communicator's stream, then `done` recorded.
+    pub(super) fn run(
+        &mut self,
+        dev: &mut EmuDevice,
+        node: NodeId,
+        op: &Op,
+        (input, in_ty): (u64, &ValueType),
+        (output, out_ty): (u64, &ValueType),
+    ) -> Result<(), CudaError> {
+        let (ready, done) = self.events[&node];
+        dev.wait_event(self.stream, ready)?;
+        let mine = self.read_input(dev, input, in_ty)?;
+        let what = format!("{node} ({})", op.mnemonic());
+        let all = self.group.exchange(self.rank, mine, &what)?;
+        let (n, rank) = (self.size, self.rank);
+        let elems = |t: &ValueType| t.dense_type().dims().iter().product::<usize>();
+        let reduce = |parts: Vec<Vec<f32>>, r: &ReduceOp| -> Vec<f32> {
+            let mut acc = vec![0f32; parts.first().map_or(0, Vec::len)];
+            for p in &parts {
+                for (a, x) in acc.iter_mut().zip(p) {
+                    *a += x;
+                }
+            }
+            if *r == ReduceOp::Mean {
+                acc.iter_mut().for_each(|a| *a /= n as f32);
+            }
+            acc
+        };
+        let result: Vec<u8> = match (op, in_ty) {
+            (Op::AllReduce { reduce: r }, ValueType::Tensor(_)) => {
+                let b = ring_all_reduce_bytes(elems(in_ty), n, rank);
+                self.count(b.sent, b.received);
+                bytes_of(&reduce(all.iter().map(|p| f32s(p)).collect(), r))
+            }
+            (Op::Broadcast { root }, ValueType::Tensor(_)) => {
+                let src = all.get(*root).ok_or_else(|| {
+                    CudaError::Invalid(format!("{what}: root {root} of {n} ranks"))
+                })?;
+                if n > 1 {
+                    let b = src.len() as u64;
+                    let next = (rank + 1) % n;
+                    self.count(
+                        if next != *root { b } else { 0 },
+                        if rank != *root { b } else { 0 },
+                    );
+                }
+                src.clone()
+            }
+            (Op::ReduceScatter { workers, reduce: r }, ValueType::Tensor(_)) => {
+                self.check_workers(op, *workers)?;
+                let len = elems(in_ty);
+                let chunk = len.div_ceil(n);
+                let parts = all
+                    .iter()
+                    .map(|p| {
+                        let mut v = f32s(p);
+                        v.resize(chunk * n, 0.0);
+                        v[rank * chunk..(rank + 1) * chunk].to_vec()
+                    })
+                    .collect();
+                let b = 4 * (n as u64 - 1) * chunk as u64;
+                self.count(b, b);
+                bytes_of(&reduce(parts, r))
+            }
+            (Op::AllGatherDense { workers, .. }, ValueType::Tensor(_)) => {
+                self.check_workers(op, *workers)?;
+                let total = elems(out_ty);
+                let mut v: Vec<f32> = all.iter().flat_map(|p| f32s(p)).collect();
+                v.resize(total, 0.0);
+                let b = 4 * (n as u64 - 1) * elems(in_ty) as u64;
+                self.count(b, b);
+                bytes_of(&v)
+            }
+            (Op::AllGather { reduce: r, .. }, ValueType::IndexedSlices { .. }) => {
+                let (Some(part), Some(whole)) = (SlicesLayout::of(in_ty), SlicesLayout::of(out_ty))
+                else {
+                    return Err(CudaError::Invalid(format!(
+                        "{what}: all_gather of non-slices"
+                    )));
+                };
+                let scale = if *r == ReduceOp::Mean {
+                    1.0 / n as f32
+                } else {
+                    1.0
+                };
+                let mut out = vec![0u8; whole.bytes];
+                let mut total = 0usize;
+                for p in all.iter() {
+                    let rows = (p.len() - 4) / (4 + 4 * part.row);
+                    let (ids, vals) = p[4..].split_at(4 * rows);
+                    let at = whole.indices_offset + 4 * total;
+                    out[at..at + ids.len()].copy_from_slice(ids);
+                    let scaled: Vec<f32> = f32s(vals).iter().map(|x| x * scale).collect();
+                    let at = whole.values_offset + 4 * total * part.row;
+                    out[at..at + 4 * scaled.len()].copy_from_slice(&bytes_of(&scaled));
+                    total += rows;
+                }
+                out[..4].copy_from_slice(&(total as i32).to_ne_bytes());
+                let b = (n as u64 - 1) * part.bytes as u64;
+                self.count(b, b);
+                // Only what was gathered: the rows past the count stay unwritten.
+                let used = whole.values_offset + 4 * total * part.row;
+                self.write(dev, output, &out[..4 + 4 * total], 0)?;
+                self.write(
+                    dev,
+                    output,
+                    &out[whole.values_offset..used],
+                    whole.values_offset,
+                )?;
+                dev.record_event(self.stream, done)?;
+                return Ok(());
+            }
+            (op, t) => {
+                return Err(CudaError::Invalid(format!(
+                    "{node}: NCCL has no {} of {t}",
+                    op.mnemonic()
+                )))
+            }
+        };
+        self.write(dev, output, &result, 0)?;
+        dev.record_event(self.stream, done)?;
+        Ok(())
+    }
+
+    fn write(
+        &self,
+        dev: &mut EmuDevice,
+        output: u64,
+        bytes: &[u8],
+        at: usize,
+    ) -> Result<(), CudaError> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let (p, off) = dev.locate(output + at as u64, bytes.len(), "a collective's output")?;
+        dev.copy_htod(self.stream, p, off, bytes)?;
+        Ok(())
+    }
+
+    fn check_workers(&self, op: &Op, workers: usize) -> Result<(), CudaError> {
+        if workers == self.size {
+            Ok(())
+        } else {
+            Err(CudaError::Invalid(format!(
+                "{} for {workers} workers on an NCCL communicator of {}",
+                op.mnemonic(),
+                self.size
+            )))
+        }
+    }
+}
+
+impl DeviceComm for EmuComm {
+    fn issue(
+        &mut self,
+        node: NodeId,
+        op: &Op,
+        input: u64,
+        in_ty: &ValueType,
+        output: u64,
+        out_ty: &ValueType,
+    ) -> Result<(), CudaError> {
+        let mut shared = self.shared.borrow_mut();
+        let mut core = self.core.borrow_mut();
+        if !core.events.contains_key(&node) {
+            let (ready, done) = (shared.dev.event(), shared.dev.event());
+            core.events.insert(node, (ready, done));
+        }
+        let (ready, _) = core.events[&node];
+        let compute = core.compute;
+        if let Some(c) = &mut shared.capture {
+            c.push(Recorded::Record(compute, ready));
+            c.push(Recorded::Collective {
+                comm: self.core.clone(),
+                node,
+                op: op.clone(),
+                input,
+                in_ty: in_ty.clone(),
+                output,
+                out_ty: out_ty.clone(),
+            });
+            return Ok(());
+        }
+        shared.dev.record_event(compute, ready)?;
+        core.run(&mut shared.dev, node, op, (input, in_ty), (output, out_ty))
+    }
+
+    fn order_after(&mut self, node: NodeId) -> Result<(), CudaError> {
+        let core = self.core.borrow();
+        let Some(&(_, done)) = core.events.get(&node) else {
+            return Ok(());
+        };
+        let mut shared = self.shared.borrow_mut();
+        if let Some(c) = &mut shared.capture {
+            c.push(Recorded::Wait(core.compute, done));
+            return Ok(());
+        }
+        Ok(shared.dev.wait_event(core.compute, done)?)
+    }
+
+    fn bytes(&self) -> ByteCount {
+        self.core.borrow().bytes
+    }
+}
