@@ -203,3 +203,36 @@ mod device {
         );
     }
 }
+
+/// Kernels with no barrier, exchange or shared memory (directly or through a helper)
+/// run as plain loops; the others as fibers. A barrier the analysis missed is
+/// reported by the plain loop, not run wrongly.
+#[test]
+fn barrier_free_kernels_run_as_plain_loops() {
+    let src = format!(
+        "{}\nextern \"C\" __global__ void partial(const float* x, float* out) {{\n    __shared__ float sh[32];\n    out[blockIdx.x] = block_sum(x[threadIdx.x], sh);\n}}\nextern \"C\" __global__ void twice(const float* x, float* y) {{ y[threadIdx.x] = 2.0f * x[threadIdx.x]; }}\nextern \"C\" __global__ void helper_user(const float* x, float* y) {{ wrap(x, y); }}\n",
+        prelude()
+    );
+    let src = src.replace(
+        "extern \"C\" __global__ void helper_user",
+        "__device__ void wrap(const float* x, float* y) { __syncthreads(); y[0] = x[0]; }\nextern \"C\" __global__ void helper_user",
+    );
+    let fibers = distc_runtime::cuda::emu::needs_fibers(&src);
+    assert!(
+        fibers.contains("partial") && fibers.contains("block_sum"),
+        "{fibers:?}"
+    );
+    assert!(
+        fibers.contains("helper_user") && fibers.contains("wrap"),
+        "{fibers:?}"
+    );
+    assert!(!fibers.contains("twice"), "{fibers:?}");
+    let m = EmuModule::compile(&src, &["twice"]).expect("compiles");
+    let x: Vec<f32> = (0..64).map(|i| i as f32).collect();
+    let mut y = vec![0f32; 64];
+    let (mut xp, mut yp) = (x.as_ptr(), y.as_mut_ptr());
+    let mut args = [arg(&mut xp), arg(&mut yp)];
+    // SAFETY: two arguments of the kernel's types; x and y hold 64 floats.
+    unsafe { m.launch("twice", [1, 1, 1], [64, 1, 1], &mut args) }.expect("runs");
+    assert_eq!(y[63], 126.0);
+}

@@ -27,8 +27,21 @@ struct dim3 { unsigned x, y, z; };
 
 namespace distc_emu {
 
+// Switching fibers: GCC's and Clang's __builtin_setjmp/__builtin_longjmp save and
+// restore only the stack and frame pointers and the resume address (the compiler
+// spills the rest), with no signal-mask system call, unlike swapcontext. A fiber is
+// entered the first time by moving the stack pointer to its stack (x86-64, aarch64);
+// elsewhere ucontext does every switch.
+#if defined(__x86_64__) || defined(__aarch64__)
+#define DISTC_EMU_FAST_SWITCH 1
+#else
+#define DISTC_EMU_FAST_SWITCH 0
+#endif
+
 struct Fiber {
   ucontext_t ctx;
+  void* jb[5];
+  bool started;
   uint3 tid;
   int state;  // 0 running, 1 at a barrier, 2 at a warp exchange, 3 done
 };
@@ -38,23 +51,38 @@ struct Block {
   unsigned n;
   Fiber* cur;
   ucontext_t sched;
+  void* sched_jb[5];
   uint3 bid;
   dim3 bdim;
   dim3 gdim;
   // A warp's exchange slots: what each lane put in, and how many lanes are waiting.
   unsigned long long slots[1024];
   const char* error;
+  // A kernel with no barrier, exchange or shared memory runs as a plain loop over its
+  // threads (no fibers); reaching a barrier then is a mistake of that analysis.
+  bool plain;
 };
 
 inline thread_local Block* block = nullptr;
 
 inline Fiber* self() { return block->cur; }
 
+// A separate function: __builtin_longjmp may not share one with __builtin_setjmp.
+[[gnu::noinline]] inline void jump(void** to) { __builtin_longjmp(to, 1); }
+
 // Back to the scheduler until it resumes this fiber.
 inline void yield_with(int state) {
+  if (block->plain) {
+    block->error = "a barrier or warp exchange in a kernel run as a plain loop (the emulator judged it barrier-free)";
+    return;
+  }
   Fiber* f = self();
   f->state = state;
+#if DISTC_EMU_FAST_SWITCH
+  if (__builtin_setjmp(f->jb) == 0) jump(block->sched_jb);
+#else
   swapcontext(&f->ctx, &block->sched);
+#endif
 }
 
 }  // namespace distc_emu
@@ -132,7 +160,23 @@ inline thread_local void* entry_arg = nullptr;
 inline void fiber_main() {
   entry(entry_arg);
   block->cur->state = 3;
+#if DISTC_EMU_FAST_SWITCH
+  jump(block->sched_jb);
+#endif
 }
+
+#if DISTC_EMU_FAST_SWITCH
+// Runs fiber_main on the stack ending at `top` (16-byte aligned); it never returns
+// here: the fiber ends by jumping back to the scheduler.
+[[gnu::noinline]] inline void enter(char* top) {
+#if defined(__x86_64__)
+  asm volatile("mov %0, %%rsp\n\tcall *%1\n\t" ::"r"(top), "r"(&fiber_main) : "memory");
+#else
+  asm volatile("mov sp, %0\n\tblr %1\n\t" ::"r"(top), "r"(&fiber_main) : "memory", "x30");
+#endif
+  __builtin_unreachable();
+}
+#endif
 
 constexpr std::size_t STACK = 64 * 1024;
 
@@ -148,11 +192,14 @@ inline const char* run_block(Block& b, char* stacks, void (*fn)(void*), void* ar
     Fiber& f = b.fibers[i];
     f.state = 0;
     f.tid = uint3{i % b.bdim.x, (i / b.bdim.x) % b.bdim.y, i / (b.bdim.x * b.bdim.y)};
+    f.started = false;
+#if !DISTC_EMU_FAST_SWITCH
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = stacks + i * STACK;
     f.ctx.uc_stack.ss_size = STACK;
     f.ctx.uc_link = &b.sched;
     makecontext(&f.ctx, fiber_main, 0);
+#endif
   }
   for (;;) {
     unsigned at_barrier = 0, at_exchange = 0, done = 0;
@@ -160,7 +207,18 @@ inline const char* run_block(Block& b, char* stacks, void (*fn)(void*), void* ar
       Fiber& f = b.fibers[i];
       if (f.state == 0) {
         b.cur = &f;
+#if DISTC_EMU_FAST_SWITCH
+        if (__builtin_setjmp(b.sched_jb) == 0) {
+          if (!f.started) {
+            f.started = true;
+            char* top = stacks + (i + 1) * STACK;
+            enter(reinterpret_cast<char*>(reinterpret_cast<std::uintptr_t>(top) & ~std::uintptr_t(15)));
+          }
+          jump(f.jb);
+        }
+#else
         swapcontext(&b.sched, &f.ctx);
+#endif
       }
       at_barrier += f.state == 1;
       at_exchange += f.state == 2;
@@ -196,6 +254,16 @@ inline const char* run_block(Block& b, char* stacks, void (*fn)(void*), void* ar
 
 // One exported launcher per kernel: `distc_emu_launch_NAME(grid, block, args)` runs
 // every block of the grid; returns null, or what went wrong.
+#define DISTC_EMU_EXPORT_PLAIN(K)                                                        \
+  static void distc_emu_thunk_##K(void* args) {                                         \
+    distc_emu::call_with(K, static_cast<void**>(args),                                 \
+                         std::make_index_sequence<distc_emu::arity(K)>{});              \
+  }                                                                                      \
+  extern "C" const char* distc_emu_launch_##K(const unsigned* grid, const unsigned* blk, \
+                                               void** args) {                           \
+    return distc_emu::launch_plain(grid, blk, args, distc_emu_thunk_##K);               \
+  }
+
 #define DISTC_EMU_EXPORT(K)                                                              \
   static void distc_emu_thunk_##K(void* args) {                                         \
     distc_emu::call_with(K, static_cast<void**>(args),                                 \
@@ -226,6 +294,31 @@ inline const char* launch(const unsigned* grid, const unsigned* blk, void** args
         b.bid = uint3{x, y, z};
         const char* e = run_block(b, stacks.data(), thunk, args);
         if (e) return e;
+      }
+  return nullptr;
+}
+
+// A barrier-free kernel: every thread of every block in turn, as plain calls.
+inline const char* launch_plain(const unsigned* grid, const unsigned* blk, void** args,
+                                void (*thunk)(void*)) {
+  Fiber f{};
+  Block b{};
+  b.bdim = dim3{blk[0], blk[1], blk[2]};
+  b.gdim = dim3{grid[0], grid[1], grid[2]};
+  b.n = blk[0] * blk[1] * blk[2];
+  if (b.n == 0 || b.n > 1024) return "a block of 0 or more than 1024 threads";
+  b.cur = &f;
+  b.plain = true;
+  block = &b;
+  for (unsigned z = 0; z < grid[2]; ++z)
+    for (unsigned y = 0; y < grid[1]; ++y)
+      for (unsigned x = 0; x < grid[0]; ++x) {
+        b.bid = uint3{x, y, z};
+        for (unsigned i = 0; i < b.n; ++i) {
+          f.tid = uint3{i % b.bdim.x, (i / b.bdim.x) % b.bdim.y, i / (b.bdim.x * b.bdim.y)};
+          thunk(args);
+          if (b.error) return b.error;
+        }
       }
   return nullptr;
 }

@@ -62,6 +62,86 @@ pub enum EmuError {
 
 type LaunchFn = unsafe extern "C" fn(*const u32, *const u32, *mut *mut c_void) -> *const c_char;
 
+/// The functions of `source` that need their threads as fibers: those that use a
+/// barrier, a warp exchange or shared memory, or call a function that does. The rest
+/// run as a plain loop over their threads, which is far faster (no context switch per
+/// thread). A function is a top-level `name(...) { ... }`; a call is its name followed
+/// by `(` in a body. Should the analysis miss one, the plain loop reports the barrier
+/// it reaches instead of running it.
+pub fn needs_fibers(source: &str) -> std::collections::HashSet<String> {
+    const MARKS: [&str; 5] = [
+        "__syncthreads",
+        "__shfl",
+        "__ballot_sync",
+        "__shared__",
+        "__syncwarp",
+    ];
+    let bodies = functions(source);
+    let mut marked: std::collections::HashSet<String> = bodies
+        .iter()
+        .filter(|(_, body)| MARKS.iter().any(|m| body.contains(m)))
+        .map(|(name, _)| name.clone())
+        .collect();
+    loop {
+        let before = marked.len();
+        for (name, body) in &bodies {
+            if !marked.contains(name) && marked.iter().any(|m| calls(body, m)) {
+                marked.insert(name.clone());
+            }
+        }
+        if marked.len() == before {
+            return marked;
+        }
+    }
+}
+
+/// Whether `body` calls `name`: the name as a whole identifier followed by `(`.
+fn calls(body: &str, name: &str) -> bool {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    body.match_indices(name).any(|(at, _)| {
+        let before = body[..at].chars().next_back().is_none_or(|c| !ident(c));
+        let after = body[at + name.len()..].trim_start();
+        before && after.starts_with('(') || before && after.starts_with('<')
+    })
+}
+
+/// The top-level functions of C source: name and body.
+fn functions(source: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let (mut depth, mut head_start, mut body_start) = (0usize, 0usize, 0usize);
+    let mut name = None;
+    for (i, c) in source.char_indices() {
+        match c {
+            '{' => {
+                if depth == 0 {
+                    let head = &source[head_start..i];
+                    name = head.find('(').map(|p| {
+                        let before = head[..p].trim_end();
+                        let start = before
+                            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                            .map_or(0, |k| k + 1);
+                        before[start..].to_string()
+                    });
+                    body_start = i + 1;
+                }
+                depth += 1;
+            }
+            '}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    if let Some(n) = name.take() {
+                        out.push((n, source[body_start..i].to_string()));
+                    }
+                    head_start = i + 1;
+                }
+            }
+            ';' if depth == 0 => head_start = i + 1,
+            _ => {}
+        }
+    }
+    out
+}
+
 /// One translation unit's kernels, compiled for the CPU.
 #[derive(Debug)]
 pub struct EmuModule {
@@ -117,8 +197,13 @@ impl EmuModule {
         let mut text = String::with_capacity(source.len() + 64 * kernels.len());
         text.push_str(source);
         text.push('\n');
+        let fibers = needs_fibers(source);
         for k in kernels {
-            text.push_str(&format!("DISTC_EMU_EXPORT({k})\n"));
+            if fibers.contains(*k) {
+                text.push_str(&format!("DISTC_EMU_EXPORT({k})\n"));
+            } else {
+                text.push_str(&format!("DISTC_EMU_EXPORT_PLAIN({k})\n"));
+            }
         }
         std::fs::write(&header, HEADER).map_err(|e| fail(e.to_string()))?;
         std::fs::write(&unit, text).map_err(|e| fail(e.to_string()))?;
