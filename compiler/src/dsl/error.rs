@@ -454,14 +454,14 @@ mod tests {
             plain.contains(&format!("--> m.dsl:1:{}", at + 1)),
             "{plain}"
         );
-        let shown = plain.lines().nth(3).unwrap();
+        let shown = plain.lines().nth(3).expect("a source line");
         assert!(
             shown.starts_with("1 | …x") && shown.ends_with('…'),
             "{shown}"
         );
         assert!(shown.chars().count() < MAX_SHOWN_CHARS + 10, "{shown}");
-        let caret = plain.lines().nth(4).unwrap();
-        let col = caret.chars().position(|c| c == '^').unwrap();
+        let caret = plain.lines().nth(4).expect("a caret line");
+        let col = caret.chars().position(|c| c == '^').expect("a caret");
         let under: String = shown.chars().skip(col).take(3).collect();
         assert_eq!(under, "bad", "{plain}");
         let fancy = format!("{:?}", miette::Report::new(e));

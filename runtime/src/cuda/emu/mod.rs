@@ -101,7 +101,7 @@ fn calls(body: &str, name: &str) -> bool {
     body.match_indices(name).any(|(at, _)| {
         let before = body[..at].chars().next_back().is_none_or(|c| !ident(c));
         let after = body[at + name.len()..].trim_start();
-        before && after.starts_with('(') || before && after.starts_with('<')
+        before && (after.starts_with('(') || after.starts_with('<'))
     })
 }
 

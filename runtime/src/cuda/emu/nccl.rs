@@ -401,11 +401,10 @@ impl DeviceComm for EmuComm {
     ) -> Result<(), CudaError> {
         let mut shared = self.shared.borrow_mut();
         let mut core = self.core.borrow_mut();
-        if !core.events.contains_key(&node) {
-            let (ready, done) = (shared.dev.event(), shared.dev.event());
-            core.events.insert(node, (ready, done));
-        }
-        let (ready, _) = core.events[&node];
+        let (ready, _) = *core
+            .events
+            .entry(node)
+            .or_insert_with(|| (shared.dev.event(), shared.dev.event()));
         let compute = core.compute;
         if let Some(c) = &mut shared.capture {
             c.push(Recorded::Record(compute, ready));

@@ -1,0 +1,137 @@
+//! Two NCCL ranks on the GPU emulator (issue 21): each worker a thread with an
+//! emulated device of its own, the plan's collectives on emulated NCCL (device
+//! buffers, the communicator's own stream, ready/done events), CUDA graphs on, against
+//! the same strategy trained on the CPU through the host: allreduce (dense, and the
+//! all-gather of sparse rows), hybrid with a server, parameter servers, ZeRO 3. The
+//! multi-rank NCCL paths a one-GPU machine cannot run. Needs the system C++ compiler,
+//! no GPU.
+
+use distc::{compile_file, CompileOptions};
+use distc_passes::placement::{Strategy, StrategyConfig};
+use distc_runtime::core::config::OptimizerSpec;
+use distc_runtime::cuda::nccl::Collectives;
+use distc_runtime::cuda::{worker_backend, CudaOptions};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::train::{train, train_with, TrainOptions, TrainReport};
+use distc_tests::example;
+
+const STEPS: usize = 3;
+
+fn run(name: &str, strategy: Strategy, servers: usize, zero: u8) {
+    let what = format!("{name} {strategy:?} servers {servers} zero {zero}");
+    let c = compile_file(
+        &example(name),
+        &CompileOptions {
+            strategy: StrategyConfig {
+                strategy,
+                workers: 2,
+                servers,
+                zero,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    if c.config.data.needs_files() && data_dir(None).is_none() {
+        println!("skipping {what}: DISTC_DATA not set");
+        return;
+    }
+    // SGD with momentum: an update proportional to the gradient, so a collective that
+    // sums where it should average (or drops a rank) shows in the weights; Adam's
+    // update hides a gradient's scale. (The Adam kernels: tests/tests/cuda_ops.rs.)
+    let mut config = c.config.clone();
+    config.optimizer = OptimizerSpec::Sgd {
+        lr: 0.05,
+        momentum: 0.9,
+    };
+    let opts = TrainOptions {
+        steps: Some(STEPS),
+        ..Default::default()
+    };
+    let mut cpu_losses = Vec::new();
+    let cpu: TrainReport = train(c.programs(2), &config, &opts, &mut |m| {
+        cpu_losses.push(m.loss);
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+    let emulated = CudaOptions {
+        tf32: false,
+        graphs: true,
+        emulator: true,
+    };
+    let mut emu_losses = Vec::new();
+    let emu = train_with(
+        c.programs(2),
+        &config,
+        &opts,
+        &mut |m| {
+            emu_losses.push(m.loss);
+            Ok(())
+        },
+        |rank, comm| worker_backend(&c.programs.worker, emulated, rank, Collectives::Nccl, comm),
+    )
+    .unwrap_or_else(|e| panic!("{what} on emulated NCCL: {e}"));
+    println!("{what}: emulated {emu_losses:?}\n{what}: cpu      {cpu_losses:?}");
+    assert_eq!(emu_losses.len(), STEPS, "{what}");
+    for (s, (a, b)) in emu_losses.iter().zip(&cpu_losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs().max(1e-6),
+            "{what}: step {}: loss {a} emulated, {b} on the CPU",
+            s + 1
+        );
+    }
+    // Per variable, elements within 1e-3 of its largest magnitude (the GPU suite's
+    // verify tolerance), but for a few: a pre-activation within rounding of a relu's
+    // kink takes the other side on another summation order, which changes that
+    // sample's contribution to the unit's bias and weights (dense_mlp's b2[497] by 2%,
+    // and 1e-4 of b1 through w2's column 497). Those few must still be within 5%.
+    for (var, w) in &cpu.params {
+        let got = emu
+            .params
+            .get(var)
+            .unwrap_or_else(|| panic!("{what}: no `{var}`"));
+        let (g, w) = (got.to_f64_vec(), w.to_f64_vec());
+        let scale = w.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+        let mut off = 0usize;
+        for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+            if (a - b).abs() > 1e-3 * scale {
+                off += 1;
+                assert!(
+                    (a - b).abs() <= 5e-2 * scale,
+                    "{what}: `{var}`[{i}]: {a} emulated, {b} on the CPU"
+                );
+            }
+        }
+        assert!(
+            off <= 2 + w.len() / 200,
+            "{what}: `{var}`: {off} of {} elements differ by more than 1e-3 of {scale}",
+            w.len()
+        );
+    }
+}
+
+#[test]
+fn allreduce_dense() {
+    run("dense_mlp.dsl", Strategy::Allreduce, 0, 0);
+}
+
+#[test]
+fn allreduce_sparse_rows_all_gathered() {
+    run("recsys.dsl", Strategy::Allreduce, 0, 0);
+}
+
+#[test]
+fn hybrid_with_a_server() {
+    run("recsys.dsl", Strategy::Hybrid, 1, 0);
+}
+
+#[test]
+fn parameter_servers() {
+    run("recsys.dsl", Strategy::Ps, 2, 0);
+}
+
+#[test]
+fn zero_3_reduce_scatters_and_gathers_chunks() {
+    run("dense_mlp.dsl", Strategy::Allreduce, 0, 3);
+}
