@@ -71,7 +71,7 @@ fn launch(s: &mut Setup, k: usize, n: i32, x_bytes: usize) -> Result<(), String>
             shared_bytes: 0,
             args: &args,
             regions: &regions,
-            what: "test",
+            what: &|| "test".to_string(),
         })
         .map_err(|e| e.to_string())
 }

@@ -730,7 +730,6 @@ fn issue(
                 } else {
                     Vec::new()
                 };
-                let what = what();
                 dev.launch(&KernelLaunch {
                     kernel: *handle,
                     name,
@@ -739,7 +738,7 @@ fn issue(
                     shared_bytes: *shared_bytes,
                     args: &vals,
                     regions: &regions,
-                    what: &what,
+                    what,
                 })?;
             }
             Launch::Gemm(g) => {
@@ -753,7 +752,7 @@ fn issue(
                     c: ptr(&g.c)?,
                     bytes: [bytes(&g.a), bytes(&g.b), bytes(&g.c)],
                 };
-                dev.sgemm(&gemm, &what())?;
+                dev.sgemm(&gemm, what)?;
             }
             Launch::Memset { buf, bytes } => {
                 let p = ptr(buf)?;

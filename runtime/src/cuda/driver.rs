@@ -81,7 +81,6 @@ pub struct Region {
 }
 
 /// One kernel launch, as `cuLaunchKernel` takes it.
-#[derive(Debug)]
 pub struct KernelLaunch<'a> {
     /// The kernel.
     pub kernel: KernelHandle,
@@ -97,8 +96,9 @@ pub struct KernelLaunch<'a> {
     pub args: &'a [ArgVal],
     /// The pointer arguments' extents (empty unless [`Driver::checks_accesses`]).
     pub regions: &'a [Region],
-    /// What the launch is for (the node or update), for errors.
-    pub what: &'a str,
+    /// What the launch is for (the node or update), for errors: made only when one
+    /// is reported, so a launch formats nothing.
+    pub what: &'a dyn Fn() -> String,
 }
 
 /// A strided-batched SGEMM and the bytes each of its matrices' buffers holds from the
@@ -144,7 +144,7 @@ pub trait Driver {
     /// Launches a kernel on the compute stream.
     fn launch(&mut self, k: &KernelLaunch<'_>) -> Result<(), CudaError>;
     /// A cuBLAS strided-batched SGEMM on the compute stream.
-    fn sgemm(&mut self, g: &Gemm, what: &str) -> Result<(), CudaError>;
+    fn sgemm(&mut self, g: &Gemm, what: &dyn Fn() -> String) -> Result<(), CudaError>;
 
     /// `bytes` of device memory (at least 256), zeroed or uninitialised.
     fn alloc(&mut self, bytes: usize, zeroed: bool) -> Result<u64, CudaError>;
@@ -418,19 +418,19 @@ impl Driver for CudarcDriver {
         let r = unsafe { b.launch(cfg) };
         r.map(|_| ()).map_err(|e| CudaError::Driver {
             call: "cuLaunchKernel",
-            code: format!("{:?} (kernel {}, {})", e.0, k.name, k.what),
+            code: format!("{:?} (kernel {}, {})", e.0, k.name, (k.what)()),
         })
     }
 
-    fn sgemm(&mut self, g: &Gemm, what: &str) -> Result<(), CudaError> {
+    fn sgemm(&mut self, g: &Gemm, what: &dyn Fn() -> String) -> Result<(), CudaError> {
         let c = &g.call;
         let i = |v: usize| {
             i32::try_from(v)
-                .map_err(|_| CudaError::Invalid(format!("{what}: {v} exceeds cuBLAS's int")))
+                .map_err(|_| CudaError::Invalid(format!("{}: {v} exceeds cuBLAS's int", what())))
         };
         let l = |v: usize| {
             i64::try_from(v)
-                .map_err(|_| CudaError::Invalid(format!("{what}: stride {v} too large")))
+                .map_err(|_| CudaError::Invalid(format!("{}: stride {v} too large", what())))
         };
         let op = |t: bool| {
             if t {
@@ -468,7 +468,7 @@ impl Driver for CudarcDriver {
         };
         r.map_err(|e| CudaError::Cublas {
             call: "cublasSgemmStridedBatched",
-            code: format!("{:?} ({what})", e.0),
+            code: format!("{:?} ({})", e.0, what()),
         })
     }
 

@@ -154,13 +154,28 @@ pub fn launch(
         (DeviceChoice::Cuda(gpu), transport) => {
             require_gpu(gpu)?;
             let worker = programs.worker;
+            let cuda = CudaOptions {
+                tf32: gpu.tf32,
+                graphs: gpu.graphs,
+                ..CudaOptions::default()
+            };
+            // Emulated NCCL ranks are threads of one process: MPI ranks go through the
+            // host (`auto`), or are refused by name (`nccl`).
+            let mut collectives = gpu.collectives;
+            if cuda.emulator && matches!(transport, TransportChoice::Mpi(_)) {
+                match collectives {
+                    Collectives::Nccl => {
+                        return Err(RuntimeError::Config(
+                            "--collectives nccl: the GPU emulator's NCCL ranks are threads of \
+                             one process, not MPI ranks; use --collectives host (or auto)"
+                                .into(),
+                        ))
+                    }
+                    _ => collectives = Collectives::Host,
+                }
+            }
             let make = |rank: usize, comm: &mut dyn Communicator| -> Result<CudaBackend> {
-                let opts = CudaOptions {
-                    tf32: gpu.tf32,
-                    graphs: gpu.graphs,
-                    ..CudaOptions::default()
-                };
-                crate::cuda::worker_backend(worker, opts, gpu.gpu_of(rank), gpu.collectives, comm)
+                crate::cuda::worker_backend(worker, cuda, gpu.gpu_of(rank), collectives, comm)
             };
             match transport {
                 TransportChoice::InProcess => {

@@ -159,7 +159,9 @@ impl EmuDriver {
             let Some(ArgVal::U64(addr)) = k.args.get(r.arg) else {
                 return Err(CudaError::Invalid(format!(
                     "{}: argument {} of kernel `{}` has a region but is not a pointer",
-                    k.what, r.arg, k.name
+                    (k.what)(),
+                    r.arg,
+                    k.name
                 )));
             };
             touches.push(Touch {
@@ -173,7 +175,7 @@ impl EmuDriver {
                 write: matches!(r.access, Access::Write | Access::ReadWrite),
             });
         }
-        let what = format!("kernel `{}` ({})", k.name, k.what);
+        let what = format!("kernel `{}` ({})", k.name, (k.what)());
         let (grid, block) = (k.grid, k.block);
         let mut err = None;
         let compute = self.compute;
@@ -292,7 +294,7 @@ impl EmuDriver {
                 shared_bytes: 0,
                 args,
                 regions,
-                what,
+                what: &|| what.clone(),
             }),
             Recorded::Gemm(g, what) => self.run_gemm(g, what),
             Recorded::Memset(dst, bytes) => self.run_memset(*dst, *bytes),
@@ -374,15 +376,16 @@ impl Driver for EmuDriver {
                 block: k.block,
                 args: k.args.to_vec(),
                 regions: k.regions.to_vec(),
-                what: k.what.to_string(),
+                what: (k.what)(),
             });
         }
         self.run_launch(k)
     }
 
-    fn sgemm(&mut self, g: &Gemm, what: &str) -> Result<(), CudaError> {
-        self.record(Recorded::Gemm(*g, what.to_string()));
-        self.run_gemm(g, what)
+    fn sgemm(&mut self, g: &Gemm, what: &dyn Fn() -> String) -> Result<(), CudaError> {
+        let what = what();
+        self.record(Recorded::Gemm(*g, what.clone()));
+        self.run_gemm(g, &what)
     }
 
     fn alloc(&mut self, bytes: usize, zeroed: bool) -> Result<u64, CudaError> {
