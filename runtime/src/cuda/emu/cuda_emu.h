@@ -254,25 +254,18 @@ inline const char* run_block(Block& b, char* stacks, void (*fn)(void*), void* ar
 
 // One exported launcher per kernel: `distc_emu_launch_NAME(grid, block, args)` runs
 // every block of the grid; returns null, or what went wrong.
-#define DISTC_EMU_EXPORT_PLAIN(K)                                                        \
+// `RUN` is `launch` (fibers) or `launch_plain` (a loop over the threads).
+#define DISTC_EMU_EXPORT_WITH(K, RUN)                                                    \
   static void distc_emu_thunk_##K(void* args) {                                         \
     distc_emu::call_with(K, static_cast<void**>(args),                                 \
                          std::make_index_sequence<distc_emu::arity(K)>{});              \
   }                                                                                      \
   extern "C" const char* distc_emu_launch_##K(const unsigned* grid, const unsigned* blk, \
                                                void** args) {                           \
-    return distc_emu::launch_plain(grid, blk, args, distc_emu_thunk_##K);               \
+    return distc_emu::RUN(grid, blk, args, distc_emu_thunk_##K);                        \
   }
-
-#define DISTC_EMU_EXPORT(K)                                                              \
-  static void distc_emu_thunk_##K(void* args) {                                         \
-    distc_emu::call_with(K, static_cast<void**>(args),                                 \
-                         std::make_index_sequence<distc_emu::arity(K)>{});              \
-  }                                                                                      \
-  extern "C" const char* distc_emu_launch_##K(const unsigned* grid, const unsigned* blk, \
-                                               void** args) {                           \
-    return distc_emu::launch(grid, blk, args, distc_emu_thunk_##K);                     \
-  }
+#define DISTC_EMU_EXPORT(K) DISTC_EMU_EXPORT_WITH(K, launch)
+#define DISTC_EMU_EXPORT_PLAIN(K) DISTC_EMU_EXPORT_WITH(K, launch_plain)
 
 namespace distc_emu {
 // Every block of the grid, one after another, on this thread.
