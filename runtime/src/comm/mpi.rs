@@ -388,18 +388,21 @@ impl MpiComm {
 }
 
 impl MpiComm {
+    /// Reports this rank's stalled wait and aborts the job.
+    fn timed_out(&self) -> ! {
+        timed_out(
+            &self.ctl,
+            self.roles,
+            self.world_rank,
+            &self.label,
+            self.timeout,
+        )
+    }
+
     /// Polls `req` until it completes; past the deadline, reports and aborts.
     fn finish<'a, D: ?Sized, S: Scope<'a>>(&self, req: Request<'a, D, S>) {
         // An MPI collective cannot be cancelled: the job stops here.
-        complete_or(req, self.timeout, || {
-            timed_out(
-                &self.ctl,
-                self.roles,
-                self.world_rank,
-                &self.label,
-                self.timeout,
-            )
-        })
+        complete_or(req, self.timeout, || self.timed_out())
     }
 
     /// Bytes of a ring all-reduce of `len` elements of `size` bytes (as the in-process
@@ -636,13 +639,7 @@ impl Communicator for MpiComm {
         // Bounded like a collective: a peer that never receives stops the job here.
         let mut out = Outgoing::start(&self.comm.0, to, TAG_P2P, data, false);
         if !out.wait_for(self.timeout) {
-            timed_out(
-                &self.ctl,
-                self.roles,
-                self.world_rank,
-                &self.label,
-                self.timeout,
-            );
+            self.timed_out();
         }
         self.bytes.sent += n;
         Ok(())
@@ -664,13 +661,7 @@ impl Communicator for MpiComm {
                 return Ok(data);
             }
             if since.waited() >= self.timeout {
-                timed_out(
-                    &self.ctl,
-                    self.roles,
-                    self.world_rank,
-                    &self.label,
-                    self.timeout,
-                );
+                self.timed_out();
             }
             backoff.wait();
         }
