@@ -426,7 +426,6 @@ impl NcclComm {
                 .map_err(drv_err("cuStreamWaitEvent"))?;
         }
         let n = self.size;
-        let n64 = n as u64;
         let stream = self.stream.cu_stream();
         let nccl_stream = stream as nccl_sys::cudaStream_t;
         let comm = self.raw.0;
@@ -454,8 +453,6 @@ impl NcclComm {
                     )
                 }
                 .map_err(nccl_err("ncclAllReduce"))?;
-                let b = ring_all_reduce_bytes(len, n, self.rank);
-                self.count(b.sent, b.received);
             }
             (Op::Broadcast { root }, ValueType::Tensor(_)) => {
                 let len = elems(in_ty);
@@ -474,14 +471,6 @@ impl NcclComm {
                     )
                 }
                 .map_err(nccl_err("ncclBroadcast"))?;
-                if n > 1 {
-                    let b = 4 * len as u64;
-                    let next = (self.rank + 1) % n;
-                    self.count(
-                        if next != *root { b } else { 0 },
-                        if self.rank != *root { b } else { 0 },
-                    );
-                }
             }
             (Op::ReduceScatter { workers, reduce }, ValueType::Tensor(_)) => {
                 check_workers(op, *workers, n)?;
@@ -516,8 +505,6 @@ impl NcclComm {
                     )
                 }
                 .map_err(nccl_err("ncclReduceScatter"))?;
-                let b = 4 * (n64 - 1) * chunk as u64;
-                self.count(b, b);
             }
             (Op::AllGatherDense { workers, .. }, ValueType::Tensor(_)) => {
                 check_workers(op, *workers, n)?;
@@ -548,8 +535,6 @@ impl NcclComm {
                     unsafe { drv::memcpy_dtod_async(output, recv, 4 * total, stream) }
                         .map_err(drv_err("cuMemcpyDtoDAsync"))?;
                 }
-                let b = 4 * (n64 - 1) * chunk as u64;
-                self.count(b, b);
             }
             (Op::AllGather { reduce, .. }, ValueType::IndexedSlices { .. }) => {
                 let (Some(part), Some(whole)) = (SlicesLayout::of(in_ty), SlicesLayout::of(out_ty))
@@ -608,8 +593,6 @@ impl NcclComm {
                     call: "cuLaunchKernel",
                     code: format!("{:?} (kernel {COMPACT_KERNEL}, {node})", e.0),
                 })?;
-                let b = (n64 - 1) * part.bytes as u64;
-                self.count(b, b);
             }
             (op, t) => {
                 return Err(CudaError::Invalid(format!(
@@ -618,6 +601,8 @@ impl NcclComm {
                 )))
             }
         }
+        let b = collective_bytes(op, in_ty, n, self.rank);
+        self.count(b.sent, b.received);
         self.events[&node]
             .done
             .record(&self.stream)
@@ -626,7 +611,35 @@ impl NcclComm {
     }
 }
 
-fn check_workers(op: &Op, workers: usize, n: usize) -> Result<(), CudaError> {
+/// The bytes rank `rank` of `n` sends and receives in the collective `op` of a value
+/// of type `in_ty`, as NCCL's ring moves them (and as the host path
+/// counts them): what every communicator, real or emulated, reports.
+pub(crate) fn collective_bytes(op: &Op, in_ty: &ValueType, n: usize, rank: usize) -> ByteCount {
+    let elems = |t: &ValueType| t.dense_type().dims().iter().product::<usize>();
+    let others = n.saturating_sub(1) as u64;
+    let both = |b: u64| ByteCount {
+        sent: b,
+        received: b,
+    };
+    match (op, in_ty) {
+        (Op::AllReduce { .. }, _) => ring_all_reduce_bytes(elems(in_ty), n, rank),
+        (Op::Broadcast { root }, _) if n > 1 => {
+            let b = 4 * elems(in_ty) as u64;
+            ByteCount {
+                sent: if (rank + 1) % n != *root { b } else { 0 },
+                received: if rank != *root { b } else { 0 },
+            }
+        }
+        (Op::ReduceScatter { .. }, _) => both(4 * others * elems(in_ty).div_ceil(n.max(1)) as u64),
+        (Op::AllGatherDense { .. }, _) => both(4 * others * elems(in_ty) as u64),
+        (Op::AllGather { .. }, ValueType::IndexedSlices { .. }) => {
+            both(others * SlicesLayout::of(in_ty).map_or(0, |l| l.bytes) as u64)
+        }
+        _ => ByteCount::default(),
+    }
+}
+
+pub(crate) fn check_workers(op: &Op, workers: usize, n: usize) -> Result<(), CudaError> {
     if workers == n {
         Ok(())
     } else {

@@ -8,14 +8,14 @@
 //! compute stream's `ready` event before reading its input and records `done` after
 //! writing its output. The emulated device checks that ordering: a kernel on the
 //! compute stream reading the result before the backend made it wait for `done` is a
-//! race, named. The bytes counted are the ones NCCL's ring moves, as the real
-//! communicator counts them.
+//! race, named. The bytes counted are the real communicator's
+//! ([`crate::cuda::nccl::collective_bytes`]).
 
 use super::device::{EmuDevice, Event, Stream};
 use super::driver::{Recorded, Shared};
 use crate::comm::ByteCount;
 use crate::cuda::codegen::SlicesLayout;
-use crate::cuda::nccl::ring_all_reduce_bytes;
+use crate::cuda::nccl::{check_workers, collective_bytes};
 use crate::cuda::{driver::DeviceComm, CudaError};
 use distc_ir::{NodeId, Op, ReduceOp, ValueType};
 use std::cell::RefCell;
@@ -201,11 +201,6 @@ impl EmuComm {
 }
 
 impl CommCore {
-    fn count(&mut self, sent: u64, received: u64) {
-        self.bytes.sent += sent;
-        self.bytes.received += received;
-    }
-
     /// Reads this rank's part on the communicator's stream: a dense value whole, a
     /// slices value as its count and that many rows.
     fn read_input(
@@ -265,28 +260,22 @@ impl CommCore {
             }
             acc
         };
-        let result: Vec<u8> = match (op, in_ty) {
+        // What this rank's output gets: (offset, bytes) pieces.
+        let writes: Vec<(usize, Vec<u8>)> = match (op, in_ty) {
             (Op::AllReduce { reduce: r }, ValueType::Tensor(_)) => {
-                let b = ring_all_reduce_bytes(elems(in_ty), n, rank);
-                self.count(b.sent, b.received);
-                bytes_of(&reduce(all.iter().map(|p| f32s(p)).collect(), r))
+                vec![(
+                    0,
+                    bytes_of(&reduce(all.iter().map(|p| f32s(p)).collect(), r)),
+                )]
             }
             (Op::Broadcast { root }, ValueType::Tensor(_)) => {
                 let src = all.get(*root).ok_or_else(|| {
                     CudaError::Invalid(format!("{what}: root {root} of {n} ranks"))
                 })?;
-                if n > 1 {
-                    let b = src.len() as u64;
-                    let next = (rank + 1) % n;
-                    self.count(
-                        if next != *root { b } else { 0 },
-                        if rank != *root { b } else { 0 },
-                    );
-                }
-                src.clone()
+                vec![(0, src.clone())]
             }
             (Op::ReduceScatter { workers, reduce: r }, ValueType::Tensor(_)) => {
-                self.check_workers(op, *workers)?;
+                check_workers(op, *workers, n)?;
                 let len = elems(in_ty);
                 let chunk = len.div_ceil(n);
                 let parts = all
@@ -297,18 +286,14 @@ impl CommCore {
                         v[rank * chunk..(rank + 1) * chunk].to_vec()
                     })
                     .collect();
-                let b = 4 * (n as u64 - 1) * chunk as u64;
-                self.count(b, b);
-                bytes_of(&reduce(parts, r))
+                vec![(0, bytes_of(&reduce(parts, r)))]
             }
             (Op::AllGatherDense { workers, .. }, ValueType::Tensor(_)) => {
-                self.check_workers(op, *workers)?;
+                check_workers(op, *workers, n)?;
                 let total = elems(out_ty);
                 let mut v: Vec<f32> = all.iter().flat_map(|p| f32s(p)).collect();
                 v.resize(total, 0.0);
-                let b = 4 * (n as u64 - 1) * elems(in_ty) as u64;
-                self.count(b, b);
-                bytes_of(&v)
+                vec![(0, bytes_of(&v))]
             }
             (Op::AllGather { reduce: r, .. }, ValueType::IndexedSlices { .. }) => {
                 let (Some(part), Some(whole)) = (SlicesLayout::of(in_ty), SlicesLayout::of(out_ty))
@@ -335,19 +320,12 @@ impl CommCore {
                     total += rows;
                 }
                 out[..4].copy_from_slice(&(total as i32).to_ne_bytes());
-                let b = (n as u64 - 1) * part.bytes as u64;
-                self.count(b, b);
                 // Only what was gathered: the rows past the count stay unwritten.
                 let used = whole.values_offset + 4 * total * part.row;
-                self.write(dev, output, &out[..4 + 4 * total], 0)?;
-                self.write(
-                    dev,
-                    output,
-                    &out[whole.values_offset..used],
-                    whole.values_offset,
-                )?;
-                dev.record_event(self.stream, done)?;
-                return Ok(());
+                vec![
+                    (0, out[..4 + 4 * total].to_vec()),
+                    (whole.values_offset, out[whole.values_offset..used].to_vec()),
+                ]
             }
             (op, t) => {
                 return Err(CudaError::Invalid(format!(
@@ -356,7 +334,12 @@ impl CommCore {
                 )))
             }
         };
-        self.write(dev, output, &result, 0)?;
+        for (at, bytes) in &writes {
+            self.write(dev, output, bytes, *at)?;
+        }
+        let b = collective_bytes(op, in_ty, n, rank);
+        self.bytes.sent += b.sent;
+        self.bytes.received += b.received;
         dev.record_event(self.stream, done)?;
         Ok(())
     }
@@ -374,18 +357,6 @@ impl CommCore {
         let (p, off) = dev.locate(output + at as u64, bytes.len(), "a collective's output")?;
         dev.copy_htod(self.stream, p, off, bytes)?;
         Ok(())
-    }
-
-    fn check_workers(&self, op: &Op, workers: usize) -> Result<(), CudaError> {
-        if workers == self.size {
-            Ok(())
-        } else {
-            Err(CudaError::Invalid(format!(
-                "{} for {workers} workers on an NCCL communicator of {}",
-                op.mnemonic(),
-                self.size
-            )))
-        }
     }
 }
 
