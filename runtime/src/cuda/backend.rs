@@ -346,6 +346,17 @@ fn placeholder(ty: &ValueType) -> Value {
     }
 }
 
+/// The bytes of a value of type `ty` a kernel reading it may touch, and how: a slices
+/// value's rows past its count were never written, so only the count must be.
+fn read_extent(ty: &ValueType) -> (usize, Access) {
+    let access = if codegen::SlicesLayout::of(ty).is_some() {
+        Access::ReadCounted
+    } else {
+        Access::Read
+    };
+    (codegen::value_bytes(ty), access)
+}
+
 /// Every kernel name a list of launches uses.
 fn kernel_names<'a>(launches: impl Iterator<Item = &'a Launch>, out: &mut Vec<String>) {
     for l in launches {
@@ -981,18 +992,10 @@ impl Kernels for CudaBackend {
         // What each input holds, for a driver that checks reads.
         let in_extents: Vec<(usize, Access)> = if self.checked {
             args.iter()
-                .map(|a| {
-                    let ty = match a {
-                        BackendArg::Owned(v) => v.ty.clone(),
-                        BackendArg::Borrowed(v) => v.ty.clone(),
-                        BackendArg::BorrowedTensor(t) => ValueType::Tensor(t.ty.clone()),
-                    };
-                    let access = if codegen::SlicesLayout::of(&ty).is_some() {
-                        Access::ReadCounted
-                    } else {
-                        Access::Read
-                    };
-                    (codegen::value_bytes(&ty), access)
+                .map(|a| match a {
+                    BackendArg::Owned(v) => read_extent(&v.ty),
+                    BackendArg::Borrowed(v) => read_extent(&v.ty),
+                    BackendArg::BorrowedTensor(t) => read_extent(&ValueType::Tensor(t.ty.clone())),
                 })
                 .collect()
         } else {
@@ -1437,15 +1440,11 @@ impl OptimizerState for CudaBackend {
                     other => return Err(invalid(format!("{}: node argument {other:?}", what()))),
                 })
             };
-            let g_access = if codegen::SlicesLayout::of(&g.ty).is_some() {
-                Access::ReadCounted
-            } else {
-                Access::Read
-            };
+            let g_extent = read_extent(&g.ty);
             let extent = |k: &KArg| -> Option<(usize, Access)> {
                 match k {
                     KArg::Param | KArg::Slot(_) => Some((var.ty.bytes(), Access::ReadWrite)),
-                    KArg::Grad => Some((codegen::value_bytes(&g.ty), g_access)),
+                    KArg::Grad => Some(g_extent),
                     KArg::Step => Some((8, Access::Read)),
                     KArg::Scratch(s) => var
                         .update
