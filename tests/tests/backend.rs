@@ -174,12 +174,23 @@ mod wrapped {
             Cpu.copy_value(v)
         }
 
-        fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
-            Cpu.add(a, b)
+        fn accumulate(
+            &mut self,
+            node: NodeId,
+            sum: Option<Value>,
+            value: Value,
+            micro: usize,
+        ) -> Result<Value, KernelError> {
+            Cpu.accumulate(node, sum, value, micro)
         }
 
-        fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
-            Cpu.scale(v, k)
+        fn accumulated(
+            &mut self,
+            node: NodeId,
+            sum: Value,
+            micro: usize,
+        ) -> Result<Value, KernelError> {
+            Cpu.accumulated(node, sum, micro)
         }
     }
 

@@ -217,12 +217,18 @@ mod taped {
         }
         // No plan here accumulates micro-batches (a step with several is never
         // captured anyway).
-        fn add(&mut self, _: Cell, _: Cell) -> Result<Cell, KernelError> {
+        fn accumulate(
+            &mut self,
+            _: NodeId,
+            _: Option<Cell>,
+            _: Cell,
+            _: usize,
+        ) -> Result<Cell, KernelError> {
             Err(KernelError::Invalid(
                 "no accumulation on this backend".into(),
             ))
         }
-        fn scale(&mut self, _: Cell, _: f64) -> Result<Cell, KernelError> {
+        fn accumulated(&mut self, _: NodeId, _: Cell, _: usize) -> Result<Cell, KernelError> {
             Err(KernelError::Invalid(
                 "no accumulation on this backend".into(),
             ))

@@ -3,7 +3,8 @@
 //! buffers, the communicator's own stream, ready/done events), CUDA graphs on, against
 //! the same strategy trained on the CPU through the host: allreduce (dense, and the
 //! all-gather of sparse rows), hybrid with a server, parameter servers, ZeRO 3. The
-//! multi-rank NCCL paths a one-GPU machine cannot run. Needs the system C++ compiler,
+//! multi-rank NCCL paths a one-GPU machine cannot run. Gradient accumulation too
+//! (dense, sparse, with ZeRO 3): CUDA graphs are off for a step of several micro-batches. Needs the system C++ compiler,
 //! no GPU.
 
 use distc::{compile_file, CompileOptions};
@@ -17,8 +18,8 @@ use distc_tests::example;
 
 const STEPS: usize = 3;
 
-fn run(name: &str, strategy: Strategy, servers: usize, zero: u8) {
-    let what = format!("{name} {strategy:?} servers {servers} zero {zero}");
+fn run(name: &str, strategy: Strategy, servers: usize, zero: u8, accumulate: usize) {
+    let what = format!("{name} {strategy:?} servers {servers} zero {zero} accumulate {accumulate}");
     let c = compile_file(
         &example(name),
         &CompileOptions {
@@ -27,6 +28,7 @@ fn run(name: &str, strategy: Strategy, servers: usize, zero: u8) {
                 workers: 2,
                 servers,
                 zero,
+                accumulate,
                 ..Default::default()
             },
             ..Default::default()
@@ -113,25 +115,42 @@ fn run(name: &str, strategy: Strategy, servers: usize, zero: u8) {
 
 #[test]
 fn allreduce_dense() {
-    run("dense_mlp.dsl", Strategy::Allreduce, 0, 0);
+    run("dense_mlp.dsl", Strategy::Allreduce, 0, 0, 1);
 }
 
 #[test]
 fn allreduce_sparse_rows_all_gathered() {
-    run("recsys.dsl", Strategy::Allreduce, 0, 0);
+    run("recsys.dsl", Strategy::Allreduce, 0, 0, 1);
 }
 
 #[test]
 fn hybrid_with_a_server() {
-    run("recsys.dsl", Strategy::Hybrid, 1, 0);
+    run("recsys.dsl", Strategy::Hybrid, 1, 0, 1);
 }
 
 #[test]
 fn parameter_servers() {
-    run("recsys.dsl", Strategy::Ps, 2, 0);
+    run("recsys.dsl", Strategy::Ps, 2, 0, 1);
 }
 
 #[test]
 fn zero_3_reduce_scatters_and_gathers_chunks() {
-    run("dense_mlp.dsl", Strategy::Allreduce, 0, 3);
+    run("dense_mlp.dsl", Strategy::Allreduce, 0, 3, 1);
+}
+
+// Gradient accumulation: each micro-batch's gradient added into a buffer that lives
+// across the step (cleared on its first micro-batch), dense, and sparse rows appended.
+#[test]
+fn accumulation_dense() {
+    run("dense_mlp.dsl", Strategy::Allreduce, 0, 0, 2);
+}
+
+#[test]
+fn accumulation_sparse_rows_with_a_server() {
+    run("recsys.dsl", Strategy::Hybrid, 1, 0, 2);
+}
+
+#[test]
+fn accumulation_with_zero_3() {
+    run("dense_mlp.dsl", Strategy::Allreduce, 0, 3, 3);
 }

@@ -35,9 +35,8 @@
 //! has none), and `coverage_table_matches_the_cases` checks that every op in every
 //! case is in the table and every group really runs the ops the table gives it.
 //!
-//! `accumulate` runs on the CPU in a plain graph (a micro-batch run, then the last);
-//! the CUDA backend refuses it (gradient accumulation is not supported there yet), and
-//! its case asserts that refusal with a clear error instead of comparing.
+//! `accumulate` runs a micro-batch run, then the last, with other feeds: on the CPU it
+//! must give the mean of the two gradients, and CUDA must match the CPU.
 
 use distc_ir::{
     BinaryFn, DType, FusedExpr, FusedStep, Graph, NodeId, Op, Shape, TensorType, UnaryFn, ValueId,
@@ -1306,9 +1305,9 @@ fn accumulate_cases() -> Vec<Case> {
 #[test]
 fn accumulate() {
     for (case, sparse) in accumulate_cases().into_iter().zip([false, true]) {
-        // On the CPU: the mean of the two micro-batches' gradients.
-        let r = execute(&case, Cpu);
-        check_cpu(&case, &r);
+        // On the CPU: the mean of the two micro-batches' gradients; then the GPU
+        // against the CPU.
+        let r = check(&case);
         let got = nth(&r, 1, 0).to_f64_vec();
         let reference = accumulate_case(sparse, false);
         let each = execute(&reference, Cpu);
@@ -1321,22 +1320,6 @@ fn accumulate() {
                 "{}[{i}]: {a}, the mean is {b}",
                 case.name
             );
-        }
-        // On the GPU: refused before any GPU work, with a message naming the op.
-        match CudaBackend::new(0, &case.g, CudaOptions::default()) {
-            Ok(_) => panic!(
-                "{}: the CUDA backend accepts accumulate now: compare it with the CPU here",
-                case.name
-            ),
-            Err(e) => {
-                let text = e.to_string();
-                assert!(
-                    matches!(e, CudaError::Invalid(_)) && text.contains("accumulate"),
-                    "{}: {text}",
-                    case.name
-                );
-                println!("{}: the CUDA backend refuses it: {text}", case.name);
-            }
         }
     }
 }
@@ -1394,17 +1377,14 @@ fn coverage_table_matches_the_cases() {
 // ---------------------------------------------------------------------------------
 
 /// What `CudaBackend::new` does before it needs a GPU, for every case: the device
-/// plan is generated (every case but `accumulate`, which the backend refuses) and,
+/// plan is generated and,
 /// where NVRTC is found, its source compiles to an sm_90 CUBIN; so do the optimizer
 /// kernels of `optimizer_updates`.
 #[test]
 fn every_case_generates_cuda_that_compiles() {
     let nvrtc = distc_tests::nvrtc_or_skip("every_case_generates_cuda_that_compiles");
     let mut graphs: Vec<(String, Graph)> = Vec::new();
-    for (group, build) in GROUPS {
-        if *group == "accumulate" {
-            continue;
-        }
+    for (_, build) in GROUPS {
         graphs.extend(build().into_iter().map(|c| (c.name, c.g)));
     }
     let (g, _, _) = optimizer_graph();

@@ -112,10 +112,23 @@ pub trait Kernels: Device {
     fn copy_tensor(&mut self, t: &Self::Tensor) -> Result<Self::Value, KernelError>;
     /// A copy of a computed value.
     fn copy_value(&mut self, v: &Self::Value) -> Result<Self::Value, KernelError>;
-    /// `a + b` of two micro-batch gradients (slices: rows concatenated).
-    fn add(&mut self, a: Self::Value, b: Self::Value) -> Result<Self::Value, KernelError>;
-    /// `v * k` (slices: their rows).
-    fn scale(&mut self, v: Self::Value, k: f64) -> Result<Self::Value, KernelError>;
+    /// One micro-batch's `value` into the running sum of the `accumulate` node `node`
+    /// (over `micro` micro-batches); `sum` is what this step's earlier micro-batches
+    /// gave, `None` on its first. Slices: rows concatenated, in micro-batch order.
+    fn accumulate(
+        &mut self,
+        node: NodeId,
+        sum: Option<Self::Value>,
+        value: Self::Value,
+        micro: usize,
+    ) -> Result<Self::Value, KernelError>;
+    /// The step's gradient from the running sum after its last micro-batch: the mean.
+    fn accumulated(
+        &mut self,
+        node: NodeId,
+        sum: Self::Value,
+        micro: usize,
+    ) -> Result<Self::Value, KernelError>;
     /// Sets the step the next kernels see (dropout masks, Adam's bias correction). A
     /// device backend keeps it in device memory, so a replayed graph reads the new one.
     fn set_step(&mut self, _step: u64) -> Result<(), KernelError> {

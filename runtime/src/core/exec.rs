@@ -713,17 +713,16 @@ impl<B: Backend> Executor<B> {
                 Op::Accumulate { micro } => {
                     let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
                     tally.free_released(&mut held, &st.uses);
-                    let sum = match accumulated.remove(&st.node) {
-                        None => v,
-                        Some(acc) => backend.add(acc, v).map_err(backend_err)?,
-                    };
+                    let sum = backend
+                        .accumulate(node.id, accumulated.remove(&st.node), v, *micro)
+                        .map_err(backend_err)?;
                     if mode == Mode::Micro {
                         accumulated.insert(st.node, sum);
                     } else if let (Some(&(slot, _)), Some(true)) =
                         (node.outputs.first(), st.keep.first())
                     {
                         let mean = backend
-                            .scale(sum, 1.0 / *micro as f64)
+                            .accumulated(node.id, sum, *micro)
                             .map_err(backend_err)?;
                         let bytes = B::value_bytes(&mean);
                         held[slot] = (false, bytes);

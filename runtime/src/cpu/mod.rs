@@ -88,12 +88,26 @@ impl Kernels for Cpu {
         Ok(v.clone())
     }
 
-    fn add(&mut self, a: Value, b: Value) -> Result<Value, KernelError> {
-        Ok(crate::core::value::add_values(a, b)?)
+    fn accumulate(
+        &mut self,
+        _node: NodeId,
+        sum: Option<Value>,
+        value: Value,
+        _micro: usize,
+    ) -> Result<Value, KernelError> {
+        Ok(match sum {
+            None => value,
+            Some(sum) => crate::core::value::add_values(sum, value)?,
+        })
     }
 
-    fn scale(&mut self, v: Value, k: f64) -> Result<Value, KernelError> {
-        Ok(crate::core::value::scale_value(v, k)?)
+    fn accumulated(
+        &mut self,
+        _node: NodeId,
+        sum: Value,
+        micro: usize,
+    ) -> Result<Value, KernelError> {
+        Ok(crate::core::value::scale_value(sum, 1.0 / micro as f64)?)
     }
 }
 

@@ -29,6 +29,11 @@
 //! row count on the device; its handle carries the type's bound (the executor accepts
 //! `nnz <=` the bound).
 //!
+//! The one exception is gradient accumulation: an `accumulate` node's output has its
+//! own buffer outside the arena, cleared on a step's first micro-batch, and each
+//! micro-batch adds its gradient (divided by the micro-batch count) into it
+//! ([`Kernels::accumulate`]). Nothing reads it before the step's last micro-batch.
+//!
 //! A persistent tensor ([`DeviceTensor`]) is a variable, a feed or a constant, whose
 //! memory the backend keeps: one buffer per `(name, bytes)` given to
 //! [`Transfer::upload`], reused by every later upload of that name and size (so a
@@ -56,9 +61,9 @@
 //!
 //! # Not supported (clear errors)
 //!
-//! f64 graphs (gradient checks run on the CPU), gradient accumulation (`accumulate`,
-//! [`Kernels::add`], [`Kernels::scale`]), CUDA graphs of a step whose collectives run
-//! on the host (the worker loop runs it eagerly). A step whose collectives all run on
+//! f64 graphs (gradient checks run on the CPU), CUDA graphs of a step whose
+//! collectives run on the host or of a step of several micro-batches (the worker loop
+//! runs those eagerly). A step whose collectives all run on
 //! NCCL is captured with them: the NCCL calls and their events become graph nodes,
 //! and each replay adds the bytes the recorded collectives move.
 //!
@@ -258,6 +263,10 @@ pub struct CudaBackend {
     arena_base: u64,
     out_offsets: HashMap<(NodeId, usize), usize>,
     scratch_offsets: HashMap<(NodeId, usize), usize>,
+    /// The buffer of each `accumulate` node's output: outside the arena, since it
+    /// holds the running sum across a step's micro-batches while the arena's other
+    /// values are recomputed.
+    accumulators: HashMap<NodeId, u64>,
     steps_ptr: u64,
     /// The step node kernels should see, and the optimizer's completed steps.
     kernel_step: u64,
@@ -429,6 +438,7 @@ impl CudaBackend {
             arena_base: 0,
             out_offsets: HashMap::new(),
             scratch_offsets: HashMap::new(),
+            accumulators: HashMap::new(),
             steps_ptr,
             kernel_step: 0,
             opt_steps: 0,
@@ -453,12 +463,6 @@ impl CudaBackend {
     fn check_graph(graph: &Graph) -> Result<(), CudaError> {
         for id in graph.node_ids() {
             let node = graph.node(id);
-            if let Op::Accumulate { .. } = node.op {
-                return Err(CudaError::Invalid(format!(
-                    "{id} (accumulate): gradient accumulation is not supported on the CUDA \
-                     backend yet; compile without micro-batches or train on the CPU"
-                )));
-            }
             if let Some(t) = node.outputs.iter().find(|t| is_f64(t)) {
                 return Err(CudaError::Invalid(format!(
                     "{id} ({}): {t}: the CUDA backend runs f32 (and i32 ids); f64 graphs \
@@ -848,6 +852,11 @@ impl Kernels for CudaBackend {
             .collect();
         let end = position.len();
         let lifetimes = schedule.lifetimes();
+        let accumulating: Vec<NodeId> = schedule
+            .order()
+            .filter(|(_, op)| matches!(op, Op::Accumulate { .. }))
+            .map(|(id, _)| id)
+            .collect();
         // Each computed value's buffer: its own (`Some(self)`), an earlier value's (an
         // alias chain's root), or `None` (an alias of a variable, feed or constant).
         let mut root: HashMap<(NodeId, usize), Option<(NodeId, usize)>> = HashMap::new();
@@ -869,7 +878,7 @@ impl Kernels for CudaBackend {
                 _ => Some(key),
             };
             root.insert(key, r);
-            if let Some(r) = r {
+            if let Some(r) = r.filter(|r| !accumulating.contains(&r.0)) {
                 let e = span
                     .entry(r)
                     .or_insert((codegen::value_bytes(&lt.ty), lt.first, lt.last));
@@ -924,11 +933,6 @@ impl Kernels for CudaBackend {
         plan_ids.sort();
         for id in plan_ids {
             let nl = &self.plan[id];
-            if !nl.step_start.is_empty() {
-                return Err(invalid(format!(
-                    "{id}: per-step launches (gradient accumulation) are not supported on the CUDA backend"
-                )));
-            }
             let Some(&pos) = position.get(id) else {
                 continue;
             };
@@ -961,6 +965,22 @@ impl Kernels for CudaBackend {
         }
         for (key, &off) in scratch_keys.iter().zip(&plan.offsets[keys.len()..]) {
             self.scratch_offsets.insert(*key, off);
+        }
+        for id in accumulating {
+            if self.accumulators.contains_key(&id) {
+                continue;
+            }
+            let ty = self
+                .graph
+                .node(id)
+                .outputs
+                .first()
+                .cloned()
+                .ok_or_else(|| invalid(format!("{id} (accumulate): has no output")))?;
+            let bytes = codegen::value_bytes(&ty).max(4);
+            let ptr = self.dev.alloc(bytes, false)?;
+            self.track(bytes);
+            self.accumulators.insert(id, ptr);
         }
         self.dev.synchronize()?;
         Ok(())
@@ -1122,16 +1142,83 @@ impl Kernels for CudaBackend {
         Ok(v.clone())
     }
 
-    fn add(&mut self, _a: DeviceValue, _b: DeviceValue) -> Result<DeviceValue, KernelError> {
-        Err(invalid(
-            "gradient accumulation is not supported on the CUDA backend yet",
-        ))
+    /// The node's launches add `value / micro` into its accumulator, after the
+    /// node's `step_start` launches cleared it on a step's first micro-batch, so the
+    /// sum is already the mean.
+    fn accumulate(
+        &mut self,
+        node: NodeId,
+        sum: Option<DeviceValue>,
+        value: DeviceValue,
+        _micro: usize,
+    ) -> Result<DeviceValue, KernelError> {
+        self.bind()?;
+        let what = || format!("{node} (accumulate)");
+        let acc = *self
+            .accumulators
+            .get(&node)
+            .ok_or_else(|| invalid(format!("{}: has no accumulator (prepare not run?)", what())))?;
+        if sum.as_ref().is_some_and(|s| s.ptr != acc) {
+            return Err(invalid(format!(
+                "{}: the running sum is not the node's accumulator",
+                what()
+            )));
+        }
+        let ty = self
+            .graph
+            .node(node)
+            .outputs
+            .first()
+            .cloned()
+            .ok_or_else(|| invalid(format!("{}: has no output", what())))?;
+        self.await_collectives(&[value.ptr])?;
+        let nl = self
+            .plan
+            .get(&node)
+            .ok_or_else(|| invalid(format!("{}: not in the device plan", what())))?;
+        let arg = |k: &KArg| -> Result<ArgVal, KernelError> {
+            match k {
+                KArg::Input(0) => Ok(ArgVal::U64(value.ptr)),
+                KArg::Output(0) => Ok(ArgVal::U64(acc)),
+                // Scalars only: the rank and the training flag are no argument of
+                // an accumulation.
+                scalar => ArgVal::scalar(scalar, 0, true).unwrap_or_else(|| {
+                    Err(invalid(format!("{}: {scalar:?} is not a value", what())))
+                }),
+            }
+        };
+        let (in_bytes, in_access) = read_extent(&value.ty);
+        let out_bytes = codegen::value_bytes(&ty);
+        let out_access = match ty {
+            ValueType::Tensor(_) => Access::ReadWrite,
+            ValueType::IndexedSlices { .. } => Access::Append,
+        };
+        let extent = |k: &KArg| -> Option<(usize, Access)> {
+            match k {
+                KArg::Input(0) => Some((in_bytes, in_access)),
+                KArg::Output(0) => Some((out_bytes, out_access)),
+                _ => None,
+            }
+        };
+        let args = Args {
+            value: &arg,
+            extent: &extent,
+            what: &what,
+        };
+        if sum.is_none() {
+            issue(self.dev.as_mut(), &nl.step_start, &self.funcs, &args)?;
+        }
+        issue(self.dev.as_mut(), &nl.launches, &self.funcs, &args)?;
+        Ok(DeviceValue { ptr: acc, ty })
     }
 
-    fn scale(&mut self, _v: DeviceValue, _k: f64) -> Result<DeviceValue, KernelError> {
-        Err(invalid(
-            "gradient accumulation is not supported on the CUDA backend yet",
-        ))
+    fn accumulated(
+        &mut self,
+        _node: NodeId,
+        sum: DeviceValue,
+        _micro: usize,
+    ) -> Result<DeviceValue, KernelError> {
+        Ok(sum)
     }
 
     fn set_step(&mut self, step: u64) -> Result<(), KernelError> {

@@ -67,6 +67,9 @@ pub enum Access {
     Write,
     /// Read and written in place (a variable or an optimizer slot).
     ReadWrite,
+    /// Rows appended after its leading `i32` row count, which must be written (an
+    /// `IndexedSlices` accumulator).
+    Append,
 }
 
 /// The bytes a pointer argument may touch.

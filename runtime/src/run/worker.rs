@@ -731,23 +731,29 @@ fn run_steps<B: Backend>(
             .as_ref()
             .is_some_and(|c| step % c.every == 0 || step == steps);
         hook.step = step as u64;
-        let (fed, start) = match prefetched.take() {
-            Some(feeds) => (vec![feeds], Instant::now()),
+        // The first micro-batch on the device; the others stay on the host until they
+        // run, since a device backend keeps one buffer per feed, which an upload
+        // overwrites.
+        let (fed, later, start) = match prefetched.take() {
+            Some(feeds) => (feeds, Vec::new(), Instant::now()),
             None => {
-                let batches = data
+                let mut batches = data
                     .iter_mut()
                     .map(DataSource::next_batch)
                     .collect::<Result<Vec<_>>>()?;
                 let start = Instant::now();
-                let fed = batches
-                    .into_iter()
-                    .map(|b| upload_all(st.exec.backend(), b))
-                    .collect::<Result<Vec<_>>>()?;
-                (fed, start)
+                if batches.is_empty() {
+                    return Err(RuntimeError::Config(format!(
+                        "worker {rank}: no data source"
+                    )));
+                }
+                let rest = batches.split_off(1);
+                let fed = upload_all(st.exec.backend(), batches.remove(0))?;
+                (fed, rest, start)
             }
         };
         if graph == GraphState::Untried && step >= first + WARMUP {
-            graph = capture_step(st, &fed[0], step, rank, &mut *hook)?;
+            graph = capture_step(st, &fed, step, rank, &mut *hook)?;
         }
         let (loss, updating, used) = if let GraphState::Replaying(captured) = graph {
             let backend = st.exec.backend();
@@ -775,7 +781,21 @@ fn run_steps<B: Backend>(
             // Micro-batches: the last one communicates and hands the gradients over.
             let mut micro_loss = 0.0;
             let mut last = None;
-            for (m, batch) in fed.into_iter().enumerate() {
+            let sources = 1 + later.len();
+            let mut later = later.into_iter();
+            let mut first_batch = Some(fed);
+            for m in 0..k {
+                let batch = match first_batch.take() {
+                    Some(b) => b,
+                    None => {
+                        let b = later.next().ok_or_else(|| {
+                            RuntimeError::Config(format!(
+                                "worker {rank}: {k} micro-batches a step, {sources} data sources"
+                            ))
+                        })?;
+                        upload_all(st.exec.backend(), b)?
+                    }
+                };
                 st.exec.set_rank(rank * k + m);
                 let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
                 let o =

@@ -169,10 +169,10 @@ impl EmuDriver {
                 len: r.bytes,
                 must_be_written: match r.access {
                     Access::Read | Access::ReadWrite => r.bytes,
-                    Access::ReadCounted => 4,
+                    Access::ReadCounted | Access::Append => 4,
                     Access::Write => 0,
                 },
-                write: matches!(r.access, Access::Write | Access::ReadWrite),
+                write: matches!(r.access, Access::Write | Access::ReadWrite | Access::Append),
             });
         }
         let what = format!("kernel `{}` ({})", k.name, (k.what)());
