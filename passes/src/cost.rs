@@ -162,3 +162,114 @@ pub fn elementwise_cost(g: &Graph, id: NodeId) -> Option<ComputeCost> {
         bytes,
     })
 }
+
+/// Floating-point operations of one node's kernel, from its types: what the pipeline
+/// pass balances stages by. A product counts a multiply and an add per term (`2mnk`);
+/// an element-wise op its formula's ops per result element (as [`elementwise_cost`]);
+/// a reduction or a normalisation a few per input element; moving data (layout,
+/// lookups, communication, sources and sinks) none. Estimates for balancing, not a
+/// timing model: a kernel's speed depends on more than its flops.
+pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
+    let node = g.node(id);
+    let numel = |t: &ValueType| t.dense_type().shape.dims().iter().product::<usize>() as f64;
+    let input = |i: usize| node.inputs.get(i).map_or(0.0, |v| numel(g.value_type(*v)));
+    let input_dims = |i: usize| {
+        node.inputs
+            .get(i)
+            .map(|v| g.value_type(*v).dense_type().shape.dims().to_vec())
+            .unwrap_or_default()
+    };
+    let out = node.outputs.first().map_or(0.0, numel);
+    match &node.op {
+        Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Neg
+        | Op::Relu
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Exp
+        | Op::Log
+        | Op::Fused { .. }
+        | Op::BroadcastTo { .. }
+        | Op::ReluGrad
+        | Op::SigmoidGrad
+        | Op::TanhGrad => elementwise_cost(g, id).map_or(0.0, |c| c.flops),
+        Op::MatMul {
+            transpose_a,
+            transpose_b: _,
+        } => {
+            // The inner dimension from `a`: its last axis, or the one before when
+            // transposed; every output element sums that many products.
+            let a = input_dims(0);
+            let k = match (a.len(), transpose_a) {
+                (0, _) => 1,
+                (1, _) => a[0],
+                (n, false) => a[n - 1],
+                (n, true) => a[n - 2],
+            };
+            2.0 * out * k as f64
+        }
+        Op::Conv2d { .. } => {
+            // Each output element: C * KH * KW multiply-adds (the filter's [O,C,KH,KW]).
+            let w = input_dims(1);
+            let per: usize = w.iter().skip(1).product();
+            2.0 * out * per as f64
+        }
+        Op::Conv2dGradInput { .. } => {
+            // As many products as the forward convolution: dy's elements times C*KH*KW.
+            let w = input_dims(1);
+            let per: usize = w.iter().skip(1).product();
+            2.0 * input(0) * per as f64
+        }
+        Op::Conv2dGradFilter { filter, .. } => {
+            let per: usize = filter.dims().iter().skip(1).product();
+            2.0 * input(0) * per as f64
+        }
+        Op::MaxPool2d { kernel, .. } => out * (kernel * kernel) as f64,
+        Op::MaxPool2dGrad { kernel, .. } => input(0) * (kernel * kernel) as f64,
+        // Max, subtract, exponentiate, sum, divide (and a log).
+        Op::Softmax { .. } | Op::LogSoftmax { .. } => 5.0 * input(0),
+        Op::SoftmaxGrad { .. } | Op::LogSoftmaxGrad { .. } => 4.0 * input(0),
+        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => 6.0 * input(0),
+        Op::Mse | Op::MseGrad => 3.0 * input(0),
+        // Mean, variance, normalise, scale and shift.
+        Op::LayerNorm { .. } => 8.0 * input(0),
+        Op::LayerNormGrad { .. } => 12.0 * input(1),
+        Op::Dropout { .. } | Op::DropoutGrad { .. } => 2.0 * out,
+        Op::Sum { .. } | Op::Mean { .. } | Op::SumTo { .. } => input(0),
+        Op::EmbeddingGrad { .. } | Op::Densify | Op::UniqueRows => out,
+        Op::Accumulate { .. } => 2.0 * out,
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Constant { .. }
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Embedding
+        | Op::ConcatSlices
+        | Op::RowMask
+        | Op::Sparsify
+        | Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::Broadcast { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGatherDense { .. }
+        | Op::TakeChunk { .. }
+        | Op::Pack
+        | Op::Unpack { .. }
+        | Op::PackChunks { .. }
+        | Op::UnpackChunks { .. }
+        | Op::Pull { .. }
+        | Op::SparsePull { .. }
+        | Op::Push { .. }
+        | Op::SparsePush { .. }
+        | Op::Shard { .. }
+        | Op::Serve { .. }
+        | Op::Loss
+        | Op::ParamGrad { .. }
+        | Op::Output { .. } => 0.0,
+    }
+}

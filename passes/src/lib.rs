@@ -10,6 +10,7 @@ pub mod distribute;
 pub mod fusion;
 pub mod kernel_fusion;
 pub mod manager;
+pub mod pipeline;
 pub mod place;
 pub mod placement;
 pub mod precision;
