@@ -211,6 +211,10 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("init", A::Init(init.clone())),
         ],
         Op::Serve { var } => vec![("var", A::Str(var.clone()))],
+        Op::Send { stage, tag } | Op::Recv { stage, tag, .. } => vec![
+            ("stage", A::Int(*stage as i64)),
+            ("tag", A::Str(tag.clone())),
+        ],
         Op::ParamGrad { param } => vec![("param", A::Str(param.clone()))],
         Op::Output { name } => vec![("name", A::Str(name.clone()))],
     }
@@ -629,6 +633,15 @@ pub fn op_from_parts(
         },
         "serve" => Op::Serve {
             var: a.string("var")?,
+        },
+        "send" => Op::Send {
+            stage: a.int("stage")?,
+            tag: a.string("tag")?,
+        },
+        "recv" => Op::Recv {
+            stage: a.int("stage")?,
+            tag: a.string("tag")?,
+            ty: source_ty()?,
         },
         "loss" => Op::Loss,
         "param_grad" => Op::ParamGrad {

@@ -425,6 +425,24 @@ pub enum Op {
         /// The variable.
         var: String,
     },
+    /// Sends its input to pipeline stage `stage` as `tag`, once per micro-batch: a
+    /// value the pipeline pass's cut makes cross stages. A sink.
+    Send {
+        /// The receiving stage.
+        stage: usize,
+        /// What the receiver names it.
+        tag: String,
+    },
+    /// The value pipeline stage `stage` sends as `tag`, of the current micro-batch.
+    /// No inputs.
+    Recv {
+        /// The sending stage.
+        stage: usize,
+        /// What the sender names it.
+        tag: String,
+        /// Its type.
+        ty: TensorType,
+    },
 
     // ---- sinks ----
     /// Marks the scalar training objective.
@@ -512,6 +530,8 @@ impl Op {
             Op::SparsePush { .. } => "sparse_push",
             Op::Shard { .. } => "shard",
             Op::Serve { .. } => "serve",
+            Op::Send { .. } => "send",
+            Op::Recv { .. } => "recv",
             Op::Loss => "loss",
             Op::ParamGrad { .. } => "param_grad",
             Op::Output { .. } => "output",
@@ -528,6 +548,7 @@ impl Op {
                 | Op::Push { .. }
                 | Op::SparsePush { .. }
                 | Op::Serve { .. }
+                | Op::Send { .. }
         )
     }
 
@@ -540,6 +561,7 @@ impl Op {
                 | Op::Constant { .. }
                 | Op::Pull { .. }
                 | Op::Shard { .. }
+                | Op::Recv { .. }
         )
     }
 
@@ -560,7 +582,12 @@ impl Op {
         self.is_collective()
             || matches!(
                 self,
-                Op::Pull { .. } | Op::SparsePull { .. } | Op::Push { .. } | Op::SparsePush { .. }
+                Op::Pull { .. }
+                    | Op::SparsePull { .. }
+                    | Op::Push { .. }
+                    | Op::SparsePush { .. }
+                    | Op::Send { .. }
+                    | Op::Recv { .. }
             )
     }
 
@@ -571,7 +598,8 @@ impl Op {
             | Op::Param { .. }
             | Op::Constant { .. }
             | Op::Pull { .. }
-            | Op::Shard { .. } => Some(0),
+            | Op::Shard { .. }
+            | Op::Recv { .. } => Some(0),
             Op::AllReduce { .. }
             | Op::AllGather { .. }
             | Op::Broadcast { .. }
@@ -585,7 +613,8 @@ impl Op {
             | Op::SparsePull { .. }
             | Op::Push { .. }
             | Op::SparsePush { .. }
-            | Op::Serve { .. } => Some(1),
+            | Op::Serve { .. }
+            | Op::Send { .. } => Some(1),
             Op::Neg
             | Op::Relu
             | Op::Sigmoid

@@ -113,7 +113,8 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         | Op::Param { ty, .. }
         | Op::Constant { ty, .. }
         | Op::Pull { ty, .. }
-        | Op::Shard { ty, .. } => one(ty.clone()),
+        | Op::Shard { ty, .. }
+        | Op::Recv { ty, .. } => one(ty.clone()),
         Op::AllReduce { .. } | Op::Broadcast { .. } => one(float(0)?.clone()),
         Op::ReduceScatter { workers, .. } | Op::TakeChunk { workers } => {
             let t = float(0)?;
@@ -239,6 +240,8 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             t => Err(err(format!("input {t} is dense, IndexedSlices are needed"))),
         },
         Op::Serve { .. } => Ok(vec![]),
+        // Dense only: slices are refused with the other dense-only ops above.
+        Op::Send { .. } => Ok(vec![]),
         Op::MatMul {
             transpose_a,
             transpose_b,

@@ -495,7 +495,9 @@ fn vjp(
         | Op::Output { .. }
         | Op::Push { .. }
         | Op::SparsePush { .. }
-        | Op::Serve { .. } => vec![],
+        | Op::Serve { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. } => vec![],
     })
 }
 

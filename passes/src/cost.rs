@@ -268,6 +268,8 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         | Op::SparsePush { .. }
         | Op::Shard { .. }
         | Op::Serve { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. }
         | Op::Loss
         | Op::ParamGrad { .. }
         | Op::Output { .. } => 0.0,

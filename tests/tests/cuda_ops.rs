@@ -222,7 +222,9 @@ fn covering_group(op: &Op) -> Cover {
         | Op::AllGatherDense { .. }
         | Op::SparsePull { .. }
         | Op::Push { .. }
-        | Op::SparsePush { .. } => NotAKernel(COMM),
+        | Op::SparsePush { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. } => NotAKernel(COMM),
         Op::MatMul { .. } => Group("matmul"),
         Op::Add | Op::Sub | Op::Mul | Op::Div => Group("elementwise"),
         Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => Group("elementwise"),

@@ -263,7 +263,9 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         | Op::Push { .. }
         | Op::SparsePush { .. }
         | Op::Shard { .. }
-        | Op::Serve { .. } => {
+        | Op::Serve { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. } => {
             return Err("moves data between workers or servers: it runs on a communicator, which this executor does not have".into())
         }
         Op::Pack => float!(dt, A => comm::pack::<A>(&args))?,

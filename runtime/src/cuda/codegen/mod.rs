@@ -684,7 +684,9 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
         | Op::Push { .. }
         | Op::SparsePush { .. }
         | Op::Shard { .. }
-        | Op::Serve { .. } => {
+        | Op::Serve { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. } => {
             cx.out.launches.push(Launch::Host);
             Ok(())
         }
