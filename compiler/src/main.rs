@@ -9,6 +9,7 @@ use distc_passes::placement::{
     Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
     MAX_RANKS,
 };
+use distc_passes::pipeline::schedule::ScheduleKind;
 use distc_passes::program_set::ProgramSet;
 use distc_runtime::core::config::MAX_BATCH;
 use distc_runtime::core::output::{check_outputs, write_file};
@@ -297,6 +298,10 @@ fn micro_batches(s: &str) -> Result<usize, String> {
     whole_in(s, 1, MAX_MICRO_BATCHES)
 }
 
+fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
+    s.parse().map_err(|e: distc_passes::pipeline::schedule::ScheduleError| e.to_string())
+}
+
 fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("0 is not allowed: give at least 1".into()),
@@ -404,6 +409,20 @@ struct CompileArgs {
     /// runs in one pass over memory; the values computed are the same.
     #[arg(long)]
     fuse: bool,
+    /// Pipeline parallelism: cut the model into P stages (balanced by the cost model's
+    /// FLOPs and memory), each with its forward and backward program, run as P
+    /// workers passing activations and their gradients (`distc explain` shows the cut).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "P")]
+    pipeline: usize,
+    /// Micro-batches per step of a pipeline (--pipeline), each of the plan's batch:
+    /// one update per step, the same as one device with batch M*b.
+    #[arg(long, default_value_t = 1, value_parser = micro_batches, value_name = "M")]
+    micro_batches: usize,
+    /// The pipeline's order of forwards and backwards: `1f1b` (one forward, one
+    /// backward; at most P micro-batches' activations alive per stage) or `gpipe` (all
+    /// forwards, then all backwards).
+    #[arg(long, default_value = "1f1b", value_parser = parse_schedule, value_name = "gpipe|1f1b")]
+    schedule: ScheduleKind,
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
@@ -520,6 +539,14 @@ fn strategy_kind(s: Strategy) -> StrategyKind {
 
 /// Refuses flags that the strategy would accept and then ignore.
 fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
+    if a.micro_batches > 1 && a.pipeline == 1 {
+        bail!(
+            "--micro-batches {} splits a pipeline's step; without --pipeline use \
+             --accumulate {} for the same update",
+            a.micro_batches,
+            a.micro_batches
+        );
+    }
     let name = strategy_kind(a.strategy).name();
     match a.strategy {
         Strategy::Single => {
@@ -586,6 +613,9 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         accumulate: a.accumulate,
         remat: a.remat,
         fuse: a.fuse,
+        pipeline: a.pipeline,
+        micro_batches: a.micro_batches,
+        schedule: a.schedule,
         ..StrategyConfig::default()
     }
 }
@@ -652,6 +682,7 @@ fn program_view(p: &ProgramSet, workers: usize) -> Programs<'_> {
         servers: &p.servers,
         finalize: p.finalize.as_ref(),
         workers,
+        pipeline: p.pipeline.as_ref(),
     }
 }
 

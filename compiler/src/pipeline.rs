@@ -7,7 +7,7 @@ use distc_ir::Graph;
 use distc_ir::{Op, TensorType};
 use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
 use distc_passes::{
-    known_pass_names, pipeline, run_pipeline, PassCx, PassRecord, PipelineError, ProgramSet,
+    known_pass_names, passes_for, run_pipeline, PassCx, PassRecord, PipelineError, ProgramSet,
 };
 use distc_runtime::run::data::{data_dir, DataSource};
 use distc_runtime::RunConfig;
@@ -64,7 +64,7 @@ const REQUIRED_PASSES: [&str; 4] = ["autodiff", "sparsity_analysis", "place", "d
 
 /// Why the options make a plan that cannot be trained, if they do.
 fn not_runnable(opts: &CompileOptions) -> Option<String> {
-    let passes: Vec<String> = pipeline(opts.strategy.strategy)
+    let passes: Vec<String> = passes_for(&opts.strategy)
         .iter()
         .map(|p| p.name())
         .collect();
@@ -90,6 +90,7 @@ impl Compiled {
             servers: &self.programs.servers,
             finalize: self.programs.finalize.as_ref(),
             workers,
+            pipeline: self.programs.pipeline.as_ref(),
         }
     }
 }
@@ -226,7 +227,7 @@ pub fn compile(
             not_runnable: not_runnable(opts),
         });
     }
-    let passes = pipeline(opts.strategy.strategy);
+    let passes = passes_for(&opts.strategy);
     let (measured_ids, measurement) = if opts.strategy.strategy == Strategy::Single {
         (HashMap::new(), None)
     } else {

@@ -189,11 +189,12 @@ fn check(opts: &VerifyOptions) -> Result<(), VerifyError> {
     let s = &opts.compile.strategy;
     // One device against itself compares something only when a rewrite changed the
     // program: gradient accumulation, recomputation or kernel fusion.
-    let rewritten = s.accumulate > 1 || s.remat != RematPolicy::Off || s.fuse;
+    let rewritten = s.accumulate > 1 || s.remat != RematPolicy::Off || s.fuse || s.pipeline > 1;
     if s.strategy == Strategy::Single && !rewritten {
         return Err(VerifyError::Refused(
-            "verify compares a distributed strategy, --accumulate, --remat or --fuse with one \
-             plain device: give --strategy allreduce, ps, hybrid or auto, or one of those flags"
+            "verify compares a distributed strategy, --pipeline, --accumulate, --remat or --fuse \
+             with one plain device: give --strategy allreduce, ps, hybrid or auto, or one of \
+             those flags"
                 .into(),
         ));
     }
@@ -266,7 +267,8 @@ fn one_device_against(
 ) -> Result<VerifyReport, VerifyError> {
     let s = &opts.compile.strategy;
     let n = s.workers;
-    let k = s.accumulate.max(1);
+    // Micro-batches per step, of accumulation or of a pipeline.
+    let k = s.accumulate.max(1) * if s.pipeline > 1 { s.micro_batches.max(1) } else { 1 };
     let single_opts = CompileOptions {
         batch: Some(dist.config.batch * n * k),
         data_dir: opts.compile.data_dir.clone(),

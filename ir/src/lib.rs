@@ -12,6 +12,7 @@ pub mod fused;
 pub mod graph;
 pub mod op;
 pub mod parse;
+pub mod pipeline;
 pub mod print;
 pub mod shape;
 pub mod types;

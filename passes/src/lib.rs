@@ -189,9 +189,20 @@ pub fn pipeline(strategy: placement::Strategy) -> Vec<Box<dyn Pass>> {
     }
 }
 
+/// The passes a compile with `cfg` runs: the strategy's, then the pipeline rewrite
+/// when `--pipeline` asks for stages.
+pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
+    let mut passes = pipeline(cfg.strategy);
+    if cfg.pipeline > 1 {
+        passes.push(Box::new(pipeline::split::PipelineSplit));
+    }
+    passes
+}
+
 /// Every pass name the pipelines know, for `--after`, `--stop-after` and `--disable-pass`.
 pub fn known_pass_names() -> Vec<String> {
     let mut names: Vec<String> = distributed_pipeline().iter().map(|p| p.name()).collect();
     names.insert(0, "lower".to_string());
+    names.push(pipeline::split::PipelineSplit.name());
     names
 }

@@ -94,6 +94,15 @@ pub struct StrategyConfig {
     /// Kernel fusion: collapse chains of element-wise ops into `fused` nodes.
     #[serde(default)]
     pub fuse: bool,
+    /// Pipeline stages P (1: no pipeline).
+    #[serde(default = "one")]
+    pub pipeline: usize,
+    /// Micro-batches per step of a pipeline.
+    #[serde(default = "one")]
+    pub micro_batches: usize,
+    /// The pipeline's order of forwards and backwards.
+    #[serde(default)]
+    pub schedule: distc_ir::pipeline::schedule::ScheduleKind,
 }
 
 /// Which activations the remat pass drops after the forward pass and recomputes in
@@ -215,6 +224,9 @@ impl Default for StrategyConfig {
             accumulate: 1,
             remat: RematPolicy::Off,
             fuse: false,
+            pipeline: 1,
+            micro_batches: 1,
+            schedule: Default::default(),
         }
     }
 }

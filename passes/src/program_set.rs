@@ -8,6 +8,7 @@
 //! `--dump-ir` writes every program that exists, so none travels unseen.
 //! (`distc_runtime::run::train::Programs` is the runtime's borrowed view of the same four.)
 
+use distc_ir::pipeline::PipelineProgram;
 use distc_ir::{verify, Graph, VerifyError};
 use std::fmt;
 use thiserror::Error;
@@ -23,6 +24,9 @@ pub struct ProgramSet {
     pub init: Option<Graph>,
     /// The workers' final program (whole variables gathered from ZeRO shards).
     pub finalize: Option<Graph>,
+    /// The stages' programs and schedule (`--pipeline`; the worker program is then the
+    /// whole one-device graph they were cut from).
+    pub pipeline: Option<PipelineProgram>,
 }
 
 /// Which program of a [`ProgramSet`]: how messages name it and how dump files end.
@@ -36,6 +40,13 @@ pub enum ProgramRole {
     Init,
     /// The workers' final program.
     Final,
+    /// A pipeline stage's forward (`backward: false`) or backward program.
+    Stage {
+        /// The stage.
+        stage: usize,
+        /// Whether the backward program.
+        backward: bool,
+    },
 }
 
 impl ProgramRole {
@@ -48,6 +59,12 @@ impl ProgramRole {
             ProgramRole::Server(s) => format!(".server{s}"),
             ProgramRole::Init => ".init".into(),
             ProgramRole::Final => ".final".into(),
+            ProgramRole::Stage { stage, backward } => {
+                format!(
+                    ".stage{stage}.{}",
+                    if backward { "backward" } else { "forward" }
+                )
+            }
         }
     }
 }
@@ -59,6 +76,11 @@ impl fmt::Display for ProgramRole {
             ProgramRole::Server(s) => write!(f, "server {s}"),
             ProgramRole::Init => f.write_str("init"),
             ProgramRole::Final => f.write_str("final"),
+            ProgramRole::Stage { stage, backward } => write!(
+                f,
+                "stage {stage} {}",
+                if *backward { "backward" } else { "forward" }
+            ),
         }
     }
 }
@@ -98,6 +120,7 @@ impl ProgramSet {
             servers: Vec::new(),
             init: None,
             finalize: None,
+            pipeline: None,
         }
     }
 
@@ -113,6 +136,26 @@ impl ProgramSet {
             )
             .chain(self.init.iter().map(|g| (ProgramRole::Init, g)))
             .chain(self.finalize.iter().map(|g| (ProgramRole::Final, g)))
+            .chain(self.pipeline.iter().flat_map(|p| {
+                p.stages.iter().enumerate().flat_map(|(stage, s)| {
+                    [
+                        (
+                            ProgramRole::Stage {
+                                stage,
+                                backward: false,
+                            },
+                            &s.forward,
+                        ),
+                        (
+                            ProgramRole::Stage {
+                                stage,
+                                backward: true,
+                            },
+                            &s.backward,
+                        ),
+                    ]
+                })
+            }))
     }
 
     /// The program of `role`, if the set has it.
@@ -122,6 +165,10 @@ impl ProgramSet {
             ProgramRole::Server(s) => self.servers.get(s),
             ProgramRole::Init => self.init.as_ref(),
             ProgramRole::Final => self.finalize.as_ref(),
+            ProgramRole::Stage { stage, backward } => {
+                let s = self.pipeline.as_ref()?.stages.get(stage)?;
+                Some(if backward { &s.backward } else { &s.forward })
+            }
         }
     }
 

@@ -12,11 +12,12 @@
 //! that bound to within the bisection's precision).
 //!
 //! **Backward nodes** (every other kernel) go where their forward op went, which the
-//! graph does not record, so it is recovered from what they touch: a node that reads
-//! a variable runs on that variable's stage (`dx = dy @ w^T` needs `w`); any other
-//! runs on the earliest stage among its readers, a `param_grad` sink being on its
-//! variable's stage (`dw = x^T @ dy` feeds `w`'s gradient; a `relu_grad` feeds the
-//! products of its layer). Reverse topological order settles readers first.
+//! graph does not record, so it is recovered from what they read: the latest stage of
+//! the variables (`dx = dy @ w^T` needs `w`) and forward values (`relu_grad` reads its
+//! pre-activation) they read, but never a stage before one of their readers', since a
+//! gradient can only travel to an earlier stage (its backward runs later). A node that
+//! reads neither goes with its latest reader, a `param_grad` sink being on its
+//! variable's stage. Reverse topological order settles readers first.
 //!
 //! **Sources** are not placed: a variable is held by every stage whose kernels read
 //! it. One held by several stages (a tied embedding) has its gradients summed across
@@ -166,7 +167,9 @@ pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
             var_stage.insert(name.to_string(), s);
         }
     }
-    // Backward: a variable's reader on its stage, else the earliest reader's stage.
+    // Backward: where its forward op is, as far as what it reads shows it (a variable's
+    // stage, a forward value's stage), and never before a reader (gradients only flow
+    // to earlier stages, whose backward runs later).
     for id in order.iter().rev() {
         let op = g.op(*id);
         if forward.contains(id) || op.is_source() {
@@ -175,21 +178,22 @@ pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
         let s = match op {
             Op::ParamGrad { param } => var_stage.get(param).copied(),
             _ => {
-                let reads_var = g
+                let hint = g
                     .node(*id)
                     .inputs
                     .iter()
                     .filter_map(|v| match g.op(v.node) {
                         Op::Param { name, .. } => var_stage.get(name).copied(),
+                        _ if forward.contains(&v.node) => stage_of.get(&v.node).copied(),
                         _ => None,
                     })
                     .max();
-                reads_var.or_else(|| {
-                    g.user_nodes(*id)
-                        .iter()
-                        .filter_map(|u| stage_of.get(u).copied())
-                        .min()
-                })
+                let readers = g
+                    .user_nodes(*id)
+                    .iter()
+                    .filter_map(|u| stage_of.get(u).copied())
+                    .max();
+                hint.max(readers)
             }
         };
         stage_of.insert(*id, s.unwrap_or(stages - 1));

@@ -173,6 +173,8 @@ pub struct StepOutputs<V = Value> {
     pub grads: Vec<(String, V)>,
     /// One tensor per `output` sink, in graph order (slices are densified).
     pub outputs: Vec<(String, Tensor)>,
+    /// One value per `send` sink, in graph order: `(stage, tag, value)`.
+    pub sent: Vec<(usize, String, V)>,
 }
 
 /// One node, with its inputs and outputs as slot numbers.
@@ -299,8 +301,9 @@ impl Schedule {
         let needed = needed_for(&nodes, slot_of.len(), |op| {
             matches!(op, Op::Loss | Op::Output { .. })
         });
+        // A pipeline stage's sends carry every micro-batch to the next stage.
         let micro = needed_for(&nodes, slot_of.len(), |op| {
-            matches!(op, Op::Loss | Op::Accumulate { .. })
+            matches!(op, Op::Loss | Op::Accumulate { .. } | Op::Send { .. })
         });
         Ok(Schedule {
             train: plan(&nodes, &all, slot_of.len()),
@@ -505,6 +508,21 @@ impl<B: Backend> Executor<B> {
         params: &HashMap<String, B::Tensor>,
         mode: Mode,
         step: u64,
+        comm: Option<&mut (dyn CommHook + 'h)>,
+    ) -> Result<StepOutputs<B::Value>> {
+        self.run_stage(feeds, params, &mut HashMap::new(), mode, step, comm)
+    }
+
+    /// [`Executor::run_with`] for a pipeline stage's program: each `recv` takes the
+    /// value of its tag out of `received`, and each `send`'s value is handed back in
+    /// [`StepOutputs::sent`].
+    pub fn run_stage<'h>(
+        &mut self,
+        feeds: &HashMap<String, B::Tensor>,
+        params: &HashMap<String, B::Tensor>,
+        received: &mut HashMap<String, B::Value>,
+        mode: Mode,
+        step: u64,
         mut comm: Option<&mut (dyn CommHook + 'h)>,
     ) -> Result<StepOutputs<B::Value>> {
         let Executor {
@@ -543,6 +561,7 @@ impl<B: Backend> Executor<B> {
             loss: None,
             grads: Vec::new(),
             outputs: Vec::new(),
+            sent: Vec::new(),
         };
         for st in plan {
             let node = &nodes[st.node];
@@ -563,6 +582,40 @@ impl<B: Backend> Executor<B> {
                         slots[u.slot] = Slot::Owned(v);
                     }
                 }
+            }
+            match &node.op {
+                Op::Recv { stage, tag, ty } => {
+                    let v = received.remove(tag).ok_or_else(|| {
+                        kernel_err(format!(
+                            "stage {stage} sent nothing named `{tag}` for this micro-batch"
+                        ))
+                    })?;
+                    let got = B::value_type(&v);
+                    if !fits(&got, &ValueType::Tensor(ty.clone())) {
+                        return Err(kernel_err(format!(
+                            "stage {stage} sent `{tag}` as {got}, the graph says {ty}"
+                        )));
+                    }
+                    if let (Some(&(slot, _)), Some(true)) = (node.outputs.first(), st.keep.first())
+                    {
+                        let bytes = B::value_bytes(&v);
+                        held[slot] = (false, bytes);
+                        tally.add(false, bytes);
+                        slots[slot] = Slot::Owned(v);
+                    }
+                    continue;
+                }
+                Op::Send { stage, tag } => {
+                    let u = st
+                        .uses
+                        .first()
+                        .ok_or_else(|| kernel_err("a send needs one input".into()))?;
+                    let v = take(backend, &mut slots, u).map_err(backend_err)?;
+                    tally.free_released(&mut held, &st.uses);
+                    out.sent.push((*stage, tag.clone(), v));
+                    continue;
+                }
+                _ => {}
             }
             let started = Instant::now();
             let no_comm = || {

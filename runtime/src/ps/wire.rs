@@ -501,3 +501,26 @@ impl Reply {
         }
     }
 }
+
+/// Named values as one message: a pipeline stage's sends of one micro-batch to one
+/// stage.
+pub fn encode_values(values: &[(String, Value)]) -> Vec<u8> {
+    let mut w = Writer(Vec::new());
+    w.usize(values.len());
+    for (name, v) in values {
+        w.str(name);
+        w.value(v);
+    }
+    w.0
+}
+
+/// The values of [`encode_values`]; a truncated or malformed message is an error.
+pub fn decode_values(buf: &[u8]) -> Result<Vec<(String, Value)>, String> {
+    let mut r = Reader { buf, at: 0 };
+    let n = r.count(9)?;
+    let values = (0..n)
+        .map(|_| Ok((r.str()?, r.value()?)))
+        .collect::<Decoded<Vec<_>>>()?;
+    r.end()?;
+    Ok(values)
+}

@@ -9,6 +9,7 @@
 //!   graph's capture and replay is a mode of it.
 //! - [`mpi`] (feature `mpi`): the MPI launcher, one rank per process, with the same
 //!   loop and coordinator.
+//! - [`pipeline`]: a pipelined plan's stages as threads, each walking its schedule.
 //! - [`data`]: data sources; [`memory`]: memory
 //!   accounting; [`metrics`] and [`trace`]: what a run reports.
 
@@ -18,6 +19,7 @@ pub mod memory;
 pub mod metrics;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod pipeline;
 pub mod trace;
 pub mod train;
 pub mod worker;

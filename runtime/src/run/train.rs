@@ -25,6 +25,7 @@ use crate::run::data::{check_model, data_dir, DataSource};
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
+use distc_ir::pipeline::PipelineProgram;
 use distc_ir::{Graph, Op, TensorType};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -45,6 +46,9 @@ pub struct Programs<'g> {
     pub finalize: Option<&'g Graph>,
     /// Workers N.
     pub workers: usize,
+    /// The stages' programs and schedule of a pipelined plan (`--pipeline`); `worker`
+    /// is then the one-device graph they were cut from.
+    pub pipeline: Option<&'g PipelineProgram>,
 }
 
 impl<'g> Programs<'g> {
@@ -56,6 +60,15 @@ impl<'g> Programs<'g> {
             servers: &[],
             finalize: None,
             workers: 1,
+            pipeline: None,
+        }
+    }
+
+    /// Micro-batches per step: a pipeline's, or the worker program's accumulation.
+    pub fn micro_batches(&self) -> usize {
+        match self.pipeline {
+            Some(p) => p.micro_batches,
+            None => micro_batches(self.worker),
         }
     }
 }
@@ -426,7 +439,7 @@ pub fn open_data(
     } else {
         DataSource::open
     };
-    let k = micro_batches(programs.worker);
+    let k = programs.micro_batches();
     (0..k)
         .map(|m| {
             let mut source = open(

@@ -33,11 +33,16 @@ use std::str::FromStr;
 use thiserror::Error;
 
 /// Which static order of forwards and backwards each stage runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum ScheduleKind {
     /// All forwards, then all backwards.
+    #[serde(rename = "gpipe")]
     GPipe,
     /// Warm-up forwards, then one forward and one backward in turn, then a flush.
+    #[default]
+    #[serde(rename = "1f1b")]
     OneFOneB,
 }
 

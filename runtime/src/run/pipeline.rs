@@ -1,0 +1,432 @@
+//! A pipelined plan's stages as threads of this process, one per stage, each running
+//! its forward and backward programs in the order its schedule says.
+//!
+//! Every step, stage s draws the step's M micro-batches (each stage reads the feeds
+//! its programs need: stage 0 the features, the loss's stage the labels), then walks
+//! its communication program ([`distc_ir::pipeline::schedule::program`]): a `recv`
+//! waits for one message from a neighbour, a computation runs the forward or backward
+//! program of one micro-batch, a `send` ships what that computation sent to the
+//! neighbour. What a forward sends to its own stage is the stash: kept per micro-batch
+//! until that micro-batch's backward. The backward programs accumulate the gradients
+//! (`accumulate{micro=M}`): the last micro-batch's backward hands the mean over the
+//! step to the optimizer, as gradient accumulation does on one device.
+//!
+//! Messages go through the communicator among the stages (its `send`/`recv`, bounded
+//! by `--timeout`, counted in the metrics' bytes). Stage s of this launcher is rank s.
+
+use crate::comm::{in_process, Communicator};
+use crate::core::backend::OptimizerState;
+use crate::core::config::RunConfig;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::exec::{Executor, Mode};
+use crate::core::value::{Tensor, Value};
+use crate::cpu::Cpu;
+use crate::ps::wire::{decode_values, encode_values};
+use crate::run::data::{data_dir, DataSource};
+use crate::run::memory::MemoryByCategory;
+use crate::run::metrics::StepMetrics;
+use crate::run::trace::Span;
+use crate::run::train::{init_params, input_types, Coordinator, TrainOptions, TrainReport};
+use crate::run::worker::StepReport;
+use distc_ir::pipeline::schedule::{Action, Carried, Step};
+use distc_ir::pipeline::PipelineProgram;
+use distc_ir::{Graph, Op};
+use std::collections::HashMap;
+use std::sync::{mpsc, Mutex};
+use std::time::Instant;
+
+/// One stage's account of one step.
+#[derive(Debug)]
+struct StageReport {
+    step: usize,
+    /// The mean loss of the step's micro-batches, on the stage holding the loss.
+    loss: Option<f64>,
+    step_sec: f64,
+    comm_wait_sec: f64,
+    bytes_sent: u64,
+    bytes_received: u64,
+    memory: MemoryByCategory,
+}
+
+/// What a stage hands back when it ends.
+#[derive(Debug, Default)]
+struct StageOutcome {
+    params: HashMap<String, Tensor>,
+    spans: Vec<Span>,
+}
+
+/// The variables a stage's programs read.
+fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
+    let mut names: Vec<String> = graphs
+        .iter()
+        .flat_map(|g| g.params().into_iter().map(|(_, n, _)| n.to_string()))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Trains a pipelined plan, its stages as threads: `whole` is the one-device graph the
+/// stages were cut from (for the data's shapes and the variables' initial values).
+pub fn train_pipeline(
+    whole: &Graph,
+    program: &PipelineProgram,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+) -> Result<TrainReport> {
+    let stages = program.stages.len();
+    let micro = program.micro_batches;
+    let steps_of = program
+        .programs()
+        .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
+    if opts.resume.is_some() || opts.checkpoint.is_some() {
+        return Err(RuntimeError::Config(
+            "a pipelined run cannot write or resume a training state yet".into(),
+        ));
+    }
+    let dir = data_dir(opts.data_dir.as_deref());
+    let open = if opts.global_data {
+        DataSource::open_global
+    } else {
+        DataSource::open
+    };
+    let shapes = input_types(whole);
+    let steps = opts.steps.unwrap_or(config.steps);
+    // Every stage draws the same micro-batches: part m of M of the step's batch.
+    let sources = (0..stages)
+        .map(|_| {
+            (0..micro)
+                .map(|m| {
+                    let mut s = open(
+                        &config.data,
+                        dir.as_deref(),
+                        &shapes,
+                        config.batch,
+                        config.seed,
+                        m,
+                        micro,
+                    )?;
+                    if opts.preload {
+                        s.preload(steps)?;
+                    }
+                    Ok(s)
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let initial = init_params(whole, config.seed);
+    let comms: Vec<Box<dyn Communicator>> = in_process(stages)
+        .into_iter()
+        .map(|mut c| {
+            c.set_timeout(Some(opts.timeout));
+            Box::new(c) as Box<dyn Communicator>
+        })
+        .collect();
+    let first_error: Mutex<Option<String>> = Mutex::new(None);
+    let t0 = Instant::now();
+    let (tx, rx) = mpsc::channel::<StageReport>();
+    let mut coordinator = Coordinator::new(1, config.batch * micro, false, on_step);
+    let mut coordinator_error = None;
+    let mut outcomes = Vec::new();
+    std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for (s, (comm, data)) in comms.into_iter().zip(sources).enumerate() {
+            let graphs = &program.stages[s];
+            let names = stage_variables([&graphs.forward, &graphs.backward]);
+            let params: HashMap<String, Tensor> = names
+                .iter()
+                .filter_map(|n| initial.get(n).map(|t| (n.clone(), t.clone())))
+                .collect();
+            let stage = Stage {
+                stage: s,
+                steps: &steps_of[s],
+                forward: &graphs.forward,
+                backward: &graphs.backward,
+                micro,
+                comm,
+                data,
+                params,
+                trace: opts.trace,
+                t0,
+            };
+            let tx = tx.clone();
+            let first_error = &first_error;
+            let h = std::thread::Builder::new()
+                .name(format!("stage-{s}"))
+                .spawn_scoped(scope, move || {
+                    let r = stage.run(config, steps, &tx);
+                    if let Err(e) = &r {
+                        let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                        slot.get_or_insert_with(|| format!("stage {s}: {e}"));
+                    }
+                    r
+                });
+            handles.push(h);
+        }
+        drop(tx);
+        let mut pending: HashMap<usize, Vec<StageReport>> = HashMap::new();
+        for r in rx.iter() {
+            let step = r.step;
+            let reports = pending.entry(step).or_default();
+            reports.push(r);
+            if reports.len() < stages {
+                continue;
+            }
+            let reports = pending.remove(&step).unwrap_or_default();
+            if let Err(e) = coordinator.add(combine(step, &reports)) {
+                coordinator_error = Some(e);
+                break;
+            }
+        }
+        drop(rx);
+        for (s, h) in handles.into_iter().enumerate() {
+            outcomes.push(match h {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("stage {s} panicked")))),
+                Err(e) => Err(RuntimeError::Config(format!(
+                    "stage {s}: cannot start: {e}"
+                ))),
+            });
+        }
+    });
+    if let Some(e) = coordinator_error {
+        return Err(e);
+    }
+    let mut params = HashMap::new();
+    let mut spans = Vec::new();
+    for (s, o) in outcomes.into_iter().enumerate() {
+        match o {
+            Ok(o) => {
+                params.extend(o.params);
+                spans.extend(o.spans);
+            }
+            Err(e) => {
+                let cause = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+                return Err(RuntimeError::Config(
+                    cause.unwrap_or_else(|| format!("stage {s}: {e}")),
+                ));
+            }
+        }
+    }
+    Ok(coordinator.finish(params, None, spans))
+}
+
+/// One metrics line of a step from every stage's report: the loss stage's loss, the
+/// slowest stage's time, bytes and memory summed over the stages.
+fn combine(step: usize, reports: &[StageReport]) -> StepReport {
+    let loss = reports.iter().find_map(|r| r.loss).unwrap_or(f64::NAN);
+    let slowest = reports
+        .iter()
+        .max_by(|a, b| a.step_sec.total_cmp(&b.step_sec));
+    let sum = |f: fn(&StageReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let memory = MemoryByCategory {
+        params: sum(|r| r.memory.params),
+        gradients: sum(|r| r.memory.gradients),
+        optimizer: sum(|r| r.memory.optimizer),
+        activations: sum(|r| r.memory.activations),
+        comm_buffers: sum(|r| r.memory.comm_buffers),
+    };
+    StepReport {
+        rank: 0,
+        step,
+        loss,
+        step_sec: slowest.map_or(0.0, |r| r.step_sec),
+        comm_wait_sec: slowest.map_or(0.0, |r| r.comm_wait_sec),
+        bytes_sent: sum(|r| r.bytes_sent),
+        bytes_received: sum(|r| r.bytes_received),
+        bytes_moved: sum(|r| r.bytes_sent),
+        eval: None,
+        memory,
+        device_memory: None,
+    }
+}
+
+/// One stage's thread.
+struct Stage<'a> {
+    stage: usize,
+    steps: &'a [Step],
+    forward: &'a Graph,
+    backward: &'a Graph,
+    micro: usize,
+    comm: Box<dyn Communicator>,
+    data: Vec<DataSource>,
+    params: HashMap<String, Tensor>,
+    trace: bool,
+    t0: Instant,
+}
+
+/// Bytes of the values held for micro-batches in flight.
+fn held_bytes(maps: &[HashMap<String, Value>]) -> u64 {
+    maps.iter()
+        .flat_map(|m| m.values())
+        .map(|v| v.bytes() as u64)
+        .sum()
+}
+
+impl Stage<'_> {
+    fn run(
+        mut self,
+        config: &RunConfig,
+        steps: usize,
+        report: &mpsc::Sender<StageReport>,
+    ) -> Result<StageOutcome> {
+        let s = self.stage;
+        let mut fwd = Executor::new(self.forward)?;
+        fwd.set_train_outputs(false);
+        let mut bwd = Executor::new(self.backward)?;
+        let mut backend = Cpu;
+        let mut optimizer = backend
+            .optimizer(&config.optimizer, &self.params)
+            .map_err(|e| RuntimeError::Config(format!("creating the optimizer: {e}")))?;
+        let has_loss = self
+            .forward
+            .node_ids()
+            .iter()
+            .any(|id| matches!(self.forward.op(*id), Op::Loss));
+        let us = |t: Instant| t.saturating_duration_since(self.t0).as_secs_f64() * 1e6;
+        let mut spans = Vec::new();
+        let mut last_bytes = self.comm.bytes();
+        for step in 1..=steps {
+            let feeds = self
+                .data
+                .iter_mut()
+                .map(DataSource::next_batch)
+                .collect::<Result<Vec<_>>>()?;
+            let start = Instant::now();
+            let mut waited = 0.0;
+            // Per micro-batch: what its forward receives, what its backward receives
+            // (the stash and the gradients), what waits to be sent, by stage.
+            let mut fwd_in: Vec<HashMap<String, Value>> = vec![HashMap::new(); self.micro];
+            let mut bwd_in: Vec<HashMap<String, Value>> = vec![HashMap::new(); self.micro];
+            let mut outbox: HashMap<(usize, usize), Vec<(String, Value)>> = HashMap::new();
+            let mut loss = 0.0;
+            let mut grads = Vec::new();
+            let mut backwards = 0;
+            let mut peak = MemoryByCategory::default();
+            for op in self.steps {
+                match *op {
+                    Step::Recv { from, what, micro } => {
+                        let t = Instant::now();
+                        let bytes = self.comm.recv(from).map_err(|e| {
+                            RuntimeError::Config(format!(
+                                "step {step}: waiting for the {what} of micro-batch {micro} \
+                                 from stage {from}: {e}"
+                            ))
+                        })?;
+                        waited += t.elapsed().as_secs_f64();
+                        let values = decode_values(&bytes).map_err(|e| {
+                            RuntimeError::Config(format!(
+                                "step {step}: the {what} of micro-batch {micro} from stage \
+                                 {from}: {e}"
+                            ))
+                        })?;
+                        let into = match what {
+                            Carried::Activation => &mut fwd_in[micro],
+                            Carried::Gradient => &mut bwd_in[micro],
+                        };
+                        into.extend(values);
+                    }
+                    Step::Send { to, micro, .. } => {
+                        let values = outbox.remove(&(to, micro)).unwrap_or_default();
+                        self.comm.send(to, encode_values(&values))?;
+                    }
+                    Step::Compute(action) => {
+                        let began = Instant::now();
+                        let (m, out, run) = match action {
+                            Action::Forward(m) => {
+                                fwd.set_rank(m);
+                                let mut received = std::mem::take(&mut fwd_in[m]);
+                                let out = fwd.run_stage(
+                                    &feeds[m],
+                                    &self.params,
+                                    &mut received,
+                                    Mode::Train,
+                                    step as u64,
+                                    None,
+                                )?;
+                                (m, out, fwd.measured_memory())
+                            }
+                            Action::Backward(m) => {
+                                bwd.set_rank(m);
+                                backwards += 1;
+                                let mode = if backwards == self.micro {
+                                    Mode::Train
+                                } else {
+                                    Mode::Micro
+                                };
+                                let mut received = std::mem::take(&mut bwd_in[m]);
+                                let out = bwd.run_stage(
+                                    &feeds[m],
+                                    &self.params,
+                                    &mut received,
+                                    mode,
+                                    step as u64,
+                                    None,
+                                )?;
+                                (m, out, bwd.measured_memory())
+                            }
+                        };
+                        // The live stash and messages beside this run's own peak.
+                        let held = held_bytes(&fwd_in) + held_bytes(&bwd_in);
+                        peak.activations = peak.activations.max(run.activations + held);
+                        peak.gradients = peak.gradients.max(run.gradients);
+                        loss += out.loss.unwrap_or(0.0);
+                        for (to, tag, v) in out.sent {
+                            if to == s {
+                                bwd_in[m].insert(tag, v);
+                            } else {
+                                outbox.entry((to, m)).or_default().push((tag, v));
+                            }
+                        }
+                        if !out.grads.is_empty() {
+                            grads = out.grads;
+                        }
+                        if self.trace {
+                            spans.push(Span {
+                                track: format!("stage {s}"),
+                                name: action.to_string(),
+                                node: None,
+                                step: step as u64,
+                                bytes: None,
+                                start_us: us(began),
+                                dur_us: began.elapsed().as_secs_f64() * 1e6,
+                                counters: Vec::new(),
+                            });
+                        }
+                    }
+                }
+            }
+            backend
+                .update(&mut optimizer, &mut self.params, grads)
+                .map_err(|e| RuntimeError::Config(format!("applying the update: {e}")))?;
+            let loss = has_loss.then_some(loss / self.micro as f64);
+            if let Some(l) = loss.filter(|l| !l.is_finite()) {
+                return Err(RuntimeError::Config(format!(
+                    "the loss became {l} at step {step}: lower the learning rate"
+                )));
+            }
+            let bytes = self.comm.bytes();
+            peak.params = self.params.values().map(|t| t.bytes() as u64).sum();
+            peak.optimizer = Cpu::optimizer_bytes(&optimizer);
+            let r = StageReport {
+                step,
+                loss,
+                step_sec: start.elapsed().as_secs_f64(),
+                comm_wait_sec: waited,
+                bytes_sent: bytes.sent - last_bytes.sent,
+                bytes_received: bytes.received - last_bytes.received,
+                memory: peak,
+            };
+            last_bytes = bytes;
+            if report.send(r).is_err() {
+                return Err(RuntimeError::Config("the run was stopped".into()));
+            }
+        }
+        Ok(StageOutcome {
+            params: self.params,
+            spans,
+        })
+    }
+}
