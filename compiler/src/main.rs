@@ -5,11 +5,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use distc::console::{err, out};
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
+use distc_passes::pipeline::schedule::ScheduleKind;
 use distc_passes::placement::{
     Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
     MAX_RANKS,
 };
-use distc_passes::pipeline::schedule::ScheduleKind;
 use distc_passes::program_set::ProgramSet;
 use distc_runtime::core::config::MAX_BATCH;
 use distc_runtime::core::output::{check_outputs, write_file};
@@ -298,8 +298,21 @@ fn micro_batches(s: &str) -> Result<usize, String> {
     whole_in(s, 1, MAX_MICRO_BATCHES)
 }
 
+/// `, pipeline of 4 stages x 8 micro-batches (1f1b)` for a pipelined plan, else nothing.
+fn pipeline_words(s: &StrategyConfig) -> String {
+    if s.pipeline > 1 {
+        format!(
+            ", pipeline of {} stages x {} micro-batches ({})",
+            s.pipeline, s.micro_batches, s.schedule
+        )
+    } else {
+        String::new()
+    }
+}
+
 fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
-    s.parse().map_err(|e: distc_passes::pipeline::schedule::ScheduleError| e.to_string())
+    s.parse()
+        .map_err(|e: distc_passes::pipeline::schedule::ScheduleError| e.to_string())
 }
 
 fn at_least_one(s: &str) -> Result<usize, String> {
@@ -938,10 +951,11 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
     }
     if !args.quiet {
         let mut line = format!(
-            "{} ({}, {} workers): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
+            "{} ({}, {} workers{}): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
             plan.model,
             plan.strategy.name(),
             plan.settings.workers,
+            pipeline_words(&plan.settings),
             report.steps,
             report.train_time.as_secs_f64(),
             report.first_loss,
@@ -1024,7 +1038,7 @@ fn verify_cmd(
     let name = match opts.compile.strategy.zero {
         0 => report.strategy.name().to_string(),
         z => format!("{} (ZeRO {z})", report.strategy.name()),
-    };
+    } + &pipeline_words(&opts.compile.strategy);
     let mut text = String::new();
     for v in &report.vars {
         text += &format!(

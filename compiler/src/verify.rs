@@ -268,7 +268,12 @@ fn one_device_against(
     let s = &opts.compile.strategy;
     let n = s.workers;
     // Micro-batches per step, of accumulation or of a pipeline.
-    let k = s.accumulate.max(1) * if s.pipeline > 1 { s.micro_batches.max(1) } else { 1 };
+    let k = s.accumulate.max(1)
+        * if s.pipeline > 1 {
+            s.micro_batches.max(1)
+        } else {
+            1
+        };
     let single_opts = CompileOptions {
         batch: Some(dist.config.batch * n * k),
         data_dir: opts.compile.data_dir.clone(),

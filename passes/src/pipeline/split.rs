@@ -250,7 +250,8 @@ impl Pass for PipelineSplit {
             return Err(PassError::Precondition(format!(
                 "--pipeline with --strategy {} and {} workers: pipeline x data parallelism is \
                  not supported yet; give --strategy single --workers 1",
-                cfg.strategy.name(), cfg.workers
+                cfg.strategy.name(),
+                cfg.workers
             )));
         }
         if cfg.accumulate > 1 {

@@ -26,7 +26,9 @@ use crate::run::data::{data_dir, DataSource};
 use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::StepMetrics;
 use crate::run::trace::Span;
-use crate::run::train::{init_params, input_types, Coordinator, TrainOptions, TrainReport};
+use crate::run::train::{
+    evaluate, init_params, input_types, Coordinator, TrainOptions, TrainReport,
+};
 use crate::run::worker::StepReport;
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::PipelineProgram;
@@ -94,6 +96,21 @@ pub fn train_pipeline(
     let shapes = input_types(whole);
     let steps = opts.steps.unwrap_or(config.steps);
     // Every stage draws the same micro-batches: part m of M of the step's batch.
+    // Evaluation runs the one-device graph on the trained variables, after the last
+    // step (its own source: the stages' sources are theirs).
+    let eval_source = if opts.evaluate {
+        Some(open(
+            &config.data,
+            dir.as_deref(),
+            &shapes,
+            config.batch,
+            config.seed,
+            0,
+            1,
+        )?)
+    } else {
+        None
+    };
     let sources = (0..stages)
         .map(|_| {
             (0..micro)
@@ -210,7 +227,19 @@ pub fn train_pipeline(
             }
         }
     }
-    Ok(coordinator.finish(params, None, spans))
+    let mut report = coordinator.finish(params, None, spans);
+    if let Some(data) = eval_source {
+        let mut exec = Executor::new(whole)?;
+        report.eval = Some(evaluate(
+            &mut exec,
+            &report.params,
+            &data,
+            config,
+            steps as u64 + 1,
+            None,
+        )?);
+    }
+    Ok(report)
 }
 
 /// One metrics line of a step from every stage's report: the loss stage's loss, the
