@@ -142,29 +142,11 @@ pub fn launch(
         rows_touched: _,
     } = run;
     check_run(run)?;
-    if let Some(pipeline) = programs.pipeline {
-        return match (device, transport, programs.workers) {
-            (DeviceChoice::Cpu, TransportChoice::InProcess, 1) => {
-                crate::run::pipeline::train_pipeline(
-                    programs.worker,
-                    pipeline,
-                    config,
-                    opts,
-                    on_step,
-                )
-                .map(Some)
-            }
-            (DeviceChoice::Cuda(_), ..) => Err(RuntimeError::Config(
-                "a pipelined plan runs on the CPU only for now: drop --device cuda".into(),
-            )),
-            (_, TransportChoice::Mpi(_), _) => Err(RuntimeError::Config(
-                "a pipelined plan runs its stages as threads only for now: drop --transport mpi"
-                    .into(),
-            )),
-            (_, _, n) => Err(RuntimeError::Config(format!(
-                "a pipelined plan with {n} workers (pipeline x data parallelism) is not                  supported yet: give --workers 1"
-            ))),
-        };
+    if programs.pipeline.is_some() && matches!(transport, TransportChoice::Mpi(_)) {
+        return Err(RuntimeError::Config(
+            "a pipelined plan runs its stages as threads only for now: drop --transport mpi"
+                .into(),
+        ));
     }
     match (device, transport) {
         (DeviceChoice::Cpu, TransportChoice::InProcess) => {

@@ -493,6 +493,22 @@ pub fn train(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
+    if let Some(pipeline) = programs.pipeline {
+        if programs.workers != 1 {
+            return Err(RuntimeError::Config(format!(
+                "a pipelined plan with {} workers (pipeline x data parallelism) is not \
+                 supported yet: give --workers 1",
+                programs.workers
+            )));
+        }
+        return crate::run::pipeline::train_pipeline(
+            programs.worker,
+            pipeline,
+            config,
+            opts,
+            on_step,
+        );
+    }
     train_with(programs, config, opts, on_step, |_, _| Ok(Cpu))
 }
 
@@ -508,6 +524,11 @@ pub fn train_with<B: Backend>(
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
     make: impl Fn(usize, &mut dyn Communicator) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
+    if programs.pipeline.is_some() {
+        return Err(RuntimeError::Config(
+            "a pipelined plan runs on the CPU only for now: drop --device cuda".into(),
+        ));
+    }
     let make = &make;
     let n = programs.workers;
     if n == 0 {

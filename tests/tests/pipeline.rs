@@ -1,0 +1,282 @@
+//! Pipeline parallelism (issue 22): a pipelined run equals one device with the same
+//! global batch, under both schedules, on the deep example and on models written
+//! here; it equals gradient accumulation bitwise; what is not supported is refused.
+
+use distc::verify::{compare, verify, VerifyOptions};
+use distc::{compile, CompileOptions, Compiled};
+use distc_passes::pipeline::schedule::ScheduleKind;
+use distc_passes::placement::{Strategy, StrategyConfig};
+use distc_runtime::run::data::data_dir;
+use distc_runtime::run::train::{train, TrainOptions};
+use distc_runtime::Tensor;
+use distc_tests::example;
+use std::collections::HashMap;
+use std::time::Duration;
+
+fn pipelined(stages: usize, micro: usize, schedule: ScheduleKind) -> StrategyConfig {
+    StrategyConfig {
+        pipeline: stages,
+        micro_batches: micro,
+        schedule,
+        ..Default::default()
+    }
+}
+
+fn verify_opts(strategy: StrategyConfig, batch: Option<usize>) -> VerifyOptions {
+    VerifyOptions {
+        compile: CompileOptions {
+            strategy,
+            batch,
+            ..Default::default()
+        },
+        steps: 3,
+        tolerance: 1e-5,
+        timeout: Duration::from_secs(60),
+        device: None,
+    }
+}
+
+/// A deep tanh MLP on synthetic data, its layers `width` wide, with a skip connection
+/// from the first hidden layer to the last (a value that crosses several stages).
+fn deep_with_skip(layers: usize, width: usize) -> String {
+    let mut s = format!("model deep {{\n  input x: f32[B, 32]\n  input label: i32[B]\n");
+    s += &format!("  param wi: f32[32, {width}] = glorot\n");
+    for k in 0..layers {
+        s += &format!(
+            "  param w{k}: f32[{width}, {width}] = glorot\n  param b{k}: f32[{width}] = zeros\n"
+        );
+    }
+    s += &format!("  param wo: f32[{width}, 10] = glorot\n");
+    s += "  h0 = tanh(x @ wi)\n";
+    for k in 0..layers {
+        s += &format!("  h{} = tanh(h{k} @ w{k} + b{k})\n", k + 1);
+    }
+    s += &format!(
+        "  minimize softmax_cross_entropy((h{layers} + h0) @ wo, label)\n}}\n\
+         train {{\n  data = gaussian_classes(features = 32, classes = 10)\n  batch = 16\n  \
+         optimizer = sgd(lr = 0.2)\n  steps = 3\n  seed = 11\n}}\n"
+    );
+    s
+}
+
+fn write_model(name: &str, src: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(name);
+    std::fs::write(&path, src).expect("write model");
+    (dir, path)
+}
+
+fn assert_passes(what: &str, r: &distc::verify::VerifyReport) {
+    let w = r.worst().expect("variables");
+    assert!(
+        r.passed(),
+        "{what}: `{}` differs by {:.2e} (tolerance {:.0e})",
+        w.name,
+        w.relative,
+        r.tolerance
+    );
+}
+
+#[test]
+fn deep_example_matches_one_device_for_both_schedules() {
+    if data_dir(None).is_none() {
+        println!("skipping: DISTC_DATA not set (deep_mlp trains on MNIST)");
+        return;
+    }
+    for (stages, micro) in [(2, 4), (4, 4), (4, 8)] {
+        for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            let r = verify(
+                &example("deep_mlp.dsl"),
+                &verify_opts(pipelined(stages, micro, schedule), Some(16)),
+            )
+            .unwrap_or_else(|e| panic!("P={stages} M={micro} {schedule}: {e}"));
+            assert_passes(&format!("deep_mlp P={stages} M={micro} {schedule}"), &r);
+            assert_eq!(r.global_batch, 16 * micro);
+        }
+    }
+}
+
+#[test]
+fn a_skip_connection_across_stages_matches_one_device() {
+    let (_dir, path) = write_model("skip.dsl", &deep_with_skip(6, 24));
+    for stages in [2, 3, 5] {
+        for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            let r = verify(&path, &verify_opts(pipelined(stages, 3, schedule), None))
+                .unwrap_or_else(|e| panic!("P={stages} {schedule}: {e}"));
+            assert_passes(&format!("skip P={stages} {schedule}"), &r);
+        }
+    }
+}
+
+#[test]
+fn sparse_embedding_model_matches_one_device() {
+    // sparse_lm: an embedding's row-sparse gradient stays on its stage.
+    let r = verify(
+        &example("sparse_lm.dsl"),
+        &verify_opts(pipelined(2, 2, ScheduleKind::OneFOneB), Some(32)),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_passes("sparse_lm P=2", &r);
+}
+
+fn trained(c: &Compiled) -> HashMap<String, Tensor> {
+    let opts = TrainOptions {
+        steps: Some(3),
+        global_data: true,
+        evaluate: false,
+        ..TrainOptions::default()
+    };
+    train(c.programs(1), &c.config, &opts, &mut |_| Ok(()))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .params
+}
+
+#[test]
+fn a_pipeline_is_bitwise_gradient_accumulation() {
+    // The same micro-batches, the same kernels, the same accumulation order: the stages
+    // and their messages change where values are computed, not what.
+    let src = deep_with_skip(4, 16);
+    for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+        let piped = compile(
+            "skip.dsl",
+            &src,
+            &CompileOptions {
+                strategy: pipelined(3, 4, schedule),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let accumulated = compile(
+            "skip.dsl",
+            &src,
+            &CompileOptions {
+                strategy: StrategyConfig {
+                    accumulate: 4,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let errors =
+            compare(&trained(&accumulated), &trained(&piped)).unwrap_or_else(|e| panic!("{e}"));
+        for e in errors {
+            assert_eq!(
+                e.relative, 0.0,
+                "{schedule}: `{}` differs by {:.2e}",
+                e.name, e.relative
+            );
+        }
+    }
+}
+
+fn refusal(strategy: StrategyConfig, src: &str) -> String {
+    match compile(
+        "m.dsl",
+        src,
+        &CompileOptions {
+            strategy,
+            ..Default::default()
+        },
+    ) {
+        Ok(_) => panic!("compiled"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn unsupported_combinations_are_refused_by_name() {
+    let src = deep_with_skip(2, 8);
+    let data_parallel = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 2,
+        ..pipelined(2, 2, ScheduleKind::OneFOneB)
+    };
+    let e = refusal(data_parallel, &src);
+    assert!(e.contains("pipeline x data parallelism"), "{e}");
+    let accumulate = StrategyConfig {
+        accumulate: 2,
+        ..pipelined(2, 2, ScheduleKind::OneFOneB)
+    };
+    let e = refusal(accumulate, &src);
+    assert!(e.contains("--accumulate 2 with --pipeline"), "{e}");
+    let e = refusal(pipelined(500, 2, ScheduleKind::GPipe), &src);
+    assert!(e.contains("too few to cut into 500 stages"), "{e}");
+}
+
+#[test]
+fn a_variable_shared_by_two_stages_is_refused() {
+    // The input projection's transpose reused as the output layer, cut apart.
+    let src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+        param e: f32[16, 16] = glorot\n  param w1: f32[16, 16] = glorot\n  \
+        param w2: f32[16, 16] = glorot\n  h = tanh(tanh(tanh(x @ e) @ w1) @ w2)\n  \
+        minimize softmax_cross_entropy(h @ e, label)\n}\n\
+        train {\n  data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
+        optimizer = sgd(lr = 0.1)\n  steps = 1\n  seed = 1\n}\n";
+    let e = refusal(pipelined(2, 2, ScheduleKind::OneFOneB), src);
+    assert!(e.contains("variable `e` is read on stages [0, 1]"), "{e}");
+}
+
+#[test]
+fn every_stage_program_round_trips_and_the_cut_is_what_explain_counts() {
+    let c = compile(
+        "skip.dsl",
+        &deep_with_skip(6, 24),
+        &CompileOptions {
+            strategy: pipelined(3, 2, ScheduleKind::OneFOneB),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let p = c.programs.pipeline.as_ref().expect("a pipeline");
+    assert_eq!(p.stages.len(), 3);
+    for (s, st) in p.stages.iter().enumerate() {
+        for g in [&st.forward, &st.backward] {
+            let text = distc_ir::print(g);
+            let back = distc_ir::parse(&text).unwrap_or_else(|e| panic!("stage {s}: {e}"));
+            assert_eq!(&back, g, "stage {s} does not round-trip");
+        }
+    }
+    // The skip value h0 leaves stage 0 once and is relayed by stage 1 to stage 2.
+    let sends = |g: &distc_ir::Graph, to: usize| {
+        g.node_ids()
+            .into_iter()
+            .filter(|id| matches!(g.op(*id), distc_ir::Op::Send { stage, .. } if *stage == to))
+            .count()
+    };
+    assert!(
+        sends(&p.stages[0].forward, 1) >= 2,
+        "h0 and the layer output"
+    );
+    assert!(
+        sends(&p.stages[1].forward, 2) >= 2,
+        "h0 relayed, and the layer output"
+    );
+    // Every variable lives on exactly one stage.
+    let mut held: Vec<String> = p
+        .stages
+        .iter()
+        .flat_map(|st| {
+            let mut v: Vec<String> = st
+                .forward
+                .params()
+                .into_iter()
+                .chain(st.backward.params())
+                .map(|(_, n, _)| n.to_string())
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        })
+        .collect();
+    held.sort();
+    let mut all: Vec<String> = c
+        .programs
+        .worker
+        .params()
+        .into_iter()
+        .map(|(_, n, _)| n.to_string())
+        .collect();
+    all.sort();
+    assert_eq!(held, all);
+}
