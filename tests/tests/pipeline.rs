@@ -280,3 +280,30 @@ fn every_stage_program_round_trips_and_the_cut_is_what_explain_counts() {
     all.sort();
     assert_eq!(held, all);
 }
+
+#[test]
+fn split_snapshot_of_a_three_layer_model_in_two_stages() {
+    let src = "model small {\n  input x: f32[B, 4]\n  input label: i32[B]\n  \
+        param w1: f32[4, 4] = glorot\n  param w2: f32[4, 4] = glorot\n  \
+        param w3: f32[4, 3] = glorot\n  h1 = tanh(x @ w1)\n  h2 = tanh(h1 @ w2)\n  \
+        minimize softmax_cross_entropy(h2 @ w3, label)\n}\n\
+        train {\n  data = gaussian_classes(features = 4, classes = 3)\n  batch = 2\n  \
+        optimizer = sgd(lr = 0.1)\n  steps = 1\n  seed = 1\n}\n";
+    let c = compile(
+        "small.dsl",
+        src,
+        &CompileOptions {
+            strategy: pipelined(2, 2, ScheduleKind::OneFOneB),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let p = c.programs.pipeline.as_ref().expect("a pipeline");
+    let text: String = p
+        .stages
+        .iter()
+        .flat_map(|st| [distc_ir::print(&st.forward), distc_ir::print(&st.backward)])
+        .collect::<Vec<_>>()
+        .join("\n");
+    insta::assert_snapshot!("pipeline_split_small_p2_m2", text);
+}
