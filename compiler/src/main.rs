@@ -1235,7 +1235,11 @@ fn real_main(cli: Cli) -> Result<()> {
                     "{}\n",
                     serde_json::to_string_pretty(&explain_json(&p, &mem))?
                 )),
-                ExplainFormat::Table => out(&explain_table(&p, &mem)),
+                ExplainFormat::Table => out(&format!(
+                    "{}{}",
+                    explain_table(&p, &mem),
+                    explain_pipeline(&p, programs.worker)?
+                )),
             }
         }
         Command::Run { plan, run } => {
@@ -1315,6 +1319,65 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
         }
         m => m.name().to_string(),
     }
+}
+
+/// Per pipeline stage: what it holds, its FLOPs, the activations it stashes, the
+/// bytes it exchanges, and the bubble its schedule predicts. Empty for other plans.
+fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
+    use distc_ir::pipeline::schedule;
+    use std::fmt::Write as _;
+    let stages = p.settings.pipeline;
+    if stages <= 1 {
+        return Ok(String::new());
+    }
+    let micro = p.settings.micro_batches;
+    let kind = p.settings.schedule;
+    let plan = distc_passes::pipeline::stages::partition(worker, stages)?;
+    let forward: Vec<f64> = plan.stats.iter().map(|st| st.forward_flops).collect();
+    let backward: Vec<f64> = plan.stats.iter().map(|st| st.backward_flops).collect();
+    let sim = schedule::simulate(
+        &schedule::programs(kind, stages, micro)?,
+        &forward,
+        &backward,
+    )?;
+    let mut s = format!(
+        "pipeline: {stages} stages x {micro} micro-batches of {} ({kind}); bubble predicted \
+         (P-1)/(M+P-1) = {:.1}%, {:.1}% with these stages' FLOPs\n",
+        p.config.batch,
+        100.0 * schedule::predicted_bubble(stages, micro),
+        100.0 * sim.bubble
+    );
+    let _ = writeln!(
+        s,
+        "{:<6} {:>10} {:>11} {:>11} {:>12} {:>9} {:>12} {:>13} {:>13}  variables",
+        "stage",
+        "params",
+        "fwd MFLOP",
+        "bwd MFLOP",
+        "stash/micro",
+        "in flight",
+        "peak stash",
+        "p2p sent/step",
+        "p2p recv/step"
+    );
+    for (k, st) in plan.stats.iter().enumerate() {
+        let in_flight = sim.peak_alive.get(k).copied().unwrap_or(micro);
+        let _ = writeln!(
+            s,
+            "{:<6} {:>10} {:>11.2} {:>11.2} {:>12} {:>9} {:>12} {:>13} {:>13}  {}",
+            k,
+            mib(st.param_bytes as f64),
+            st.forward_flops / 1e6,
+            st.backward_flops / 1e6,
+            mib(st.stashed_bytes as f64),
+            in_flight,
+            mib((st.stashed_bytes * in_flight) as f64),
+            mib((st.sent_bytes * micro) as f64),
+            mib((st.received_bytes * micro) as f64),
+            st.variables.join(" ")
+        );
+    }
+    Ok(s)
 }
 
 /// The explain table: one row per variable, then totals.

@@ -2,6 +2,7 @@
 //! graph as text IR (what `--dump-ir` shows is what runs), the run configuration, what
 //! each pass did, and a content hash so a damaged or edited plan is refused.
 
+use distc_ir::pipeline::{PipelineProgram, StageGraphs};
 use distc_ir::Graph;
 use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
 use distc_passes::program_set::ProgramSet;
@@ -57,6 +58,10 @@ pub struct Plan {
     /// The workers' final program in text IR (whole variables from ZeRO shards).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finalize: Option<String>,
+    /// Each pipeline stage's forward and backward program in text IR (`--pipeline`;
+    /// micro-batches and schedule are in the settings).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<(String, String)>,
     /// Why the plan cannot be trained (a flag cut the pipeline short), if so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_runnable: Option<String>,
@@ -115,6 +120,12 @@ fn content_hash(p: &Plan) -> String {
         h.update(part.as_bytes());
         h.update([0u8]);
     }
+    for (forward, backward) in &p.stages {
+        for part in [forward, backward] {
+            h.update(part.as_bytes());
+            h.update([0u8]);
+        }
+    }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -145,6 +156,13 @@ impl Plan {
             servers: c.programs.servers.iter().map(distc_ir::print).collect(),
             not_runnable: c.not_runnable.clone(),
             finalize: c.programs.finalize.as_ref().map(distc_ir::print),
+            stages: c
+                .programs
+                .pipeline
+                .iter()
+                .flat_map(|p| &p.stages)
+                .map(|s| (distc_ir::print(&s.forward), distc_ir::print(&s.backward)))
+                .collect(),
             hash: String::new(),
         };
         p.hash = content_hash(&p);
@@ -262,6 +280,40 @@ impl Plan {
             .as_deref()
             .map(|t| parse("final program", t))
             .transpose()?;
+        if !plan.stages.is_empty() {
+            let stages = plan
+                .stages
+                .iter()
+                .enumerate()
+                .map(|(i, (f, b))| {
+                    Ok(StageGraphs {
+                        forward: parse(&format!("stage {i} forward program"), f)?,
+                        backward: parse(&format!("stage {i} backward program"), b)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, PlanError>>()?;
+            if stages.len() != plan.settings.pipeline {
+                return Err(invalid(format!(
+                    "it holds {} stage programs for --pipeline {}",
+                    stages.len(),
+                    plan.settings.pipeline
+                )));
+            }
+            let program = PipelineProgram {
+                stages,
+                micro_batches: plan.settings.micro_batches,
+                schedule: plan.settings.schedule,
+            };
+            let steps = program.programs().map_err(|e| invalid(e.to_string()))?;
+            distc_ir::pipeline::schedule::check(&steps)
+                .map_err(|e| invalid(format!("its pipeline schedule: {e}")))?;
+            programs.pipeline = Some(program);
+        } else if plan.settings.pipeline > 1 && plan.not_runnable.is_none() {
+            return Err(invalid(format!(
+                "--pipeline {} without stage programs",
+                plan.settings.pipeline
+            )));
+        }
         let unsound = |e: String| {
             invalid(format!(
                 "{e} (the plan is intact but not sound: recompile it)"

@@ -144,8 +144,7 @@ pub fn launch(
     check_run(run)?;
     if programs.pipeline.is_some() && matches!(transport, TransportChoice::Mpi(_)) {
         return Err(RuntimeError::Config(
-            "a pipelined plan runs its stages as threads only for now: drop --transport mpi"
-                .into(),
+            "a pipelined plan runs its stages as threads only for now: drop --transport mpi".into(),
         ));
     }
     match (device, transport) {
