@@ -31,6 +31,7 @@ fn program_set() -> ProgramSet {
         ],
         init: None,
         finalize: None,
+        pipeline: None,
     }
 }
 

@@ -39,7 +39,7 @@ fn verify_opts(strategy: StrategyConfig, batch: Option<usize>) -> VerifyOptions 
 /// A deep tanh MLP on synthetic data, its layers `width` wide, with a skip connection
 /// from the first hidden layer to the last (a value that crosses several stages).
 fn deep_with_skip(layers: usize, width: usize) -> String {
-    let mut s = format!("model deep {{\n  input x: f32[B, 32]\n  input label: i32[B]\n");
+    let mut s = "model deep {\n  input x: f32[B, 32]\n  input label: i32[B]\n".to_string();
     s += &format!("  param wi: f32[32, {width}] = glorot\n");
     for k in 0..layers {
         s += &format!(
