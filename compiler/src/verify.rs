@@ -266,7 +266,12 @@ fn one_device_against(
     many: &HashMap<String, Tensor>,
 ) -> Result<VerifyReport, VerifyError> {
     let s = &opts.compile.strategy;
-    let n = s.workers;
+    // A pipeline's N workers are N/P replicas of its P stages.
+    let n = if s.pipeline > 1 {
+        (s.workers / s.pipeline).max(1)
+    } else {
+        s.workers
+    };
     // Micro-batches per step, of accumulation or of a pipeline.
     let k = s.accumulate.max(1)
         * if s.pipeline > 1 {
@@ -287,7 +292,7 @@ fn one_device_against(
     }
     Ok(VerifyReport {
         strategy: s.strategy,
-        workers: n,
+        workers: s.workers,
         global_batch: dist.config.batch * n * k,
         steps: opts.steps,
         vars,

@@ -189,14 +189,17 @@ pub fn pipeline(strategy: placement::Strategy) -> Vec<Box<dyn Pass>> {
     }
 }
 
-/// The passes a compile with `cfg` runs: the strategy's, then the pipeline rewrite
-/// when `--pipeline` asks for stages.
+/// The passes a compile with `cfg` runs: the strategy's, or with `--pipeline` the
+/// one-device passes and the pipeline rewrite.
 pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
-    let mut passes = pipeline(cfg.strategy);
     if cfg.pipeline > 1 {
+        // The stages are cut from the one-device program; the split averages each
+        // stage's gradients over the pipeline's replicas itself.
+        let mut passes = single_pipeline();
         passes.push(Box::new(pipeline::split::PipelineSplit));
+        return passes;
     }
-    passes
+    pipeline(cfg.strategy)
 }
 
 /// Every pass name the pipelines know, for `--after`, `--stop-after` and `--disable-pass`.

@@ -119,6 +119,32 @@ fn sparse_embedding_model_matches_one_device() {
     assert_passes("sparse_lm P=2", &r);
 }
 
+#[test]
+fn replicas_of_a_pipeline_match_one_device() {
+    // N workers = N/P replicas of P stages: each stage's gradients averaged over its
+    // replicas (bucketed all-reduces; the embedding's rows all-gathered).
+    let (_dir, path) = write_model("skip.dsl", &deep_with_skip(4, 16));
+    for (workers, stages) in [(4, 2), (6, 3)] {
+        let s = StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers,
+            ..pipelined(stages, 2, ScheduleKind::OneFOneB)
+        };
+        let r = verify(&path, &verify_opts(s, None))
+            .unwrap_or_else(|e| panic!("N={workers} P={stages}: {e}"));
+        assert_passes(&format!("skip N={workers} P={stages}"), &r);
+        assert_eq!(r.global_batch, 16 * 2 * workers / stages);
+    }
+    let s = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 4,
+        ..pipelined(2, 2, ScheduleKind::GPipe)
+    };
+    let r = verify(&example("sparse_lm.dsl"), &verify_opts(s, Some(16)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_passes("sparse_lm N=4 P=2", &r);
+}
+
 fn trained(c: &Compiled) -> HashMap<String, Tensor> {
     let opts = TrainOptions {
         steps: Some(3),
@@ -187,13 +213,32 @@ fn refusal(strategy: StrategyConfig, src: &str) -> String {
 #[test]
 fn unsupported_combinations_are_refused_by_name() {
     let src = deep_with_skip(2, 8);
-    let data_parallel = StrategyConfig {
+    let uneven = StrategyConfig {
         strategy: Strategy::Allreduce,
-        workers: 2,
+        workers: 3,
         ..pipelined(2, 2, ScheduleKind::OneFOneB)
     };
-    let e = refusal(data_parallel, &src);
-    assert!(e.contains("pipeline x data parallelism"), "{e}");
+    let e = refusal(uneven, &src);
+    assert!(
+        e.contains("--workers 3 is not a multiple of --pipeline 2"),
+        "{e}"
+    );
+    let servers = StrategyConfig {
+        strategy: Strategy::Ps,
+        workers: 2,
+        servers: 1,
+        ..pipelined(2, 2, ScheduleKind::OneFOneB)
+    };
+    let e = refusal(servers, &src);
+    assert!(e.contains("--strategy ps"), "{e}");
+    let zero = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 4,
+        zero: 1,
+        ..pipelined(2, 2, ScheduleKind::OneFOneB)
+    };
+    let e = refusal(zero, &src);
+    assert!(e.contains("--zero 1 with --pipeline"), "{e}");
     let accumulate = StrategyConfig {
         accumulate: 2,
         ..pipelined(2, 2, ScheduleKind::OneFOneB)

@@ -27,11 +27,14 @@
 //! ```
 //! The one-device graph stays the worker program, for reading and for `explain`.
 
+use crate::fusion::Fusion;
 use crate::pipeline::schedule::{self, ScheduleKind};
 use crate::pipeline::stages::{partition, StagePlan};
+use crate::placement::{Strategy, StrategyConfig};
+use crate::schedule::Schedule;
 use crate::{needs_program_set, Pass, PassCx, PassError, PassStats, ProgramSet};
 use distc_ir::pipeline::{PipelineProgram, StageGraphs};
-use distc_ir::{Graph, NodeId, Op, ValueId};
+use distc_ir::{Graph, NodeId, Op, ReduceOp, ValueId};
 use std::collections::{HashMap, HashSet};
 
 /// Which program of a stage.
@@ -229,6 +232,58 @@ fn count_sends(g: &Graph) -> usize {
         .count()
 }
 
+/// Replicas of the pipeline: `--workers N` over `--pipeline P` stages (allreduce only).
+fn replicas(cfg: &StrategyConfig) -> Result<usize, PassError> {
+    let stages = cfg.pipeline.max(1);
+    match cfg.strategy {
+        Strategy::Single if cfg.workers <= 1 => Ok(1),
+        Strategy::Allreduce if cfg.workers % stages == 0 && cfg.workers >= stages => {
+            Ok(cfg.workers / stages)
+        }
+        Strategy::Allreduce => Err(PassError::Precondition(format!(
+            "--workers {} is not a multiple of --pipeline {stages}: N workers run N/P \
+             replicas of the P stages",
+            cfg.workers
+        ))),
+        s => Err(PassError::Precondition(format!(
+            "--pipeline with --strategy {} and {} workers is not supported: replicas of a \
+             pipeline average their gradients with --strategy allreduce",
+            s.name(),
+            cfg.workers
+        ))),
+    }
+}
+
+/// Puts the mean over the replicas between every accumulated gradient of `g` and its
+/// sink: an `all_reduce` of a dense one, `unique_rows` then `all_gather` of rows.
+fn average_over_replicas(g: &mut Graph, replicas: usize) -> Result<usize, PassError> {
+    let mut n = 0;
+    for id in g.node_ids() {
+        if !matches!(g.op(id), Op::ParamGrad { .. }) {
+            continue;
+        }
+        let grad = g.node(id).inputs[0];
+        let reduced = if g.value_type(grad).is_sparse() {
+            let unique = g.add(Op::UniqueRows, vec![grad])?;
+            let op = Op::AllGather {
+                workers: replicas,
+                reduce: ReduceOp::Mean,
+            };
+            g.add(op, vec![unique.into()])?
+        } else {
+            g.add(
+                Op::AllReduce {
+                    reduce: ReduceOp::Mean,
+                },
+                vec![grad],
+            )?
+        };
+        g.set_input(id, 0, reduced.into());
+        n += 1;
+    }
+    Ok(n)
+}
+
 /// The pipeline pass: cuts the worker program into `--pipeline` stages and adds their
 /// programs and schedule to the set, refusing a schedule that could deadlock.
 pub struct PipelineSplit;
@@ -245,15 +300,8 @@ impl Pass for PipelineSplit {
         if stages == 1 {
             return Ok(PassStats::default().count("stages", 1));
         }
-        let cfg = &cx.strategy;
-        if cfg.workers > 1 || cfg.strategy != crate::placement::Strategy::Single {
-            return Err(PassError::Precondition(format!(
-                "--pipeline with --strategy {} and {} workers: pipeline x data parallelism is \
-                 not supported yet; give --strategy single --workers 1",
-                cfg.strategy.name(),
-                cfg.workers
-            )));
-        }
+        let cfg = cx.strategy.clone();
+        let replicas = replicas(&cfg)?;
         if cfg.accumulate > 1 {
             return Err(PassError::Precondition(format!(
                 "--accumulate {} with --pipeline: a pipeline's micro-batches accumulate \
@@ -261,9 +309,33 @@ impl Pass for PipelineSplit {
                 cfg.accumulate
             )));
         }
+        if cfg.zero > 0 {
+            return Err(PassError::Precondition(format!(
+                "--zero {} with --pipeline is not supported yet: each stage holds its own \
+                 variables whole",
+                cfg.zero
+            )));
+        }
         let plan =
             partition(&p.worker, stages).map_err(|e| PassError::Precondition(e.to_string()))?;
-        let graphs = split(&p.worker, &plan, micro)?;
+        let mut graphs = split(&p.worker, &plan, micro)?;
+        let mut collectives = 0;
+        if replicas > 1 {
+            // Each stage's gradients, once accumulated, are averaged over its replicas,
+            // bucketed and scheduled as a data-parallel worker program's are.
+            let mut stage_cx = PassCx {
+                strategy: StrategyConfig {
+                    workers: replicas,
+                    ..cfg.clone()
+                },
+                ..PassCx::default()
+            };
+            for st in &mut graphs {
+                collectives += average_over_replicas(&mut st.backward, replicas)?;
+                Fusion.run(&mut st.backward, &mut stage_cx)?;
+                Schedule.run(&mut st.backward, &mut stage_cx)?;
+            }
+        }
         let program = PipelineProgram {
             stages: graphs,
             micro_batches: micro,
@@ -288,6 +360,8 @@ impl Pass for PipelineSplit {
             .count("kernels", kernels)
             .count("crossings", crossings)
             .count("sends", sends)
+            .count("replicas", replicas)
+            .count("collectives", collectives)
             .with_note(format!(
                 "{kind}, simulated bubble {:.1}% (predicted {:.1}%)",
                 100.0 * sim.bubble,

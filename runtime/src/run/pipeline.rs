@@ -18,7 +18,7 @@ use crate::comm::{in_process, Communicator};
 use crate::core::backend::OptimizerState;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::exec::{Executor, Mode};
+use crate::core::exec::{CommHook, Executor, Mode, Pending};
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
@@ -29,10 +29,10 @@ use crate::run::trace::Span;
 use crate::run::train::{
     evaluate, init_params, input_types, Coordinator, TrainOptions, TrainReport,
 };
-use crate::run::worker::StepReport;
+use crate::run::worker::{collective, StepReport};
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::PipelineProgram;
-use distc_ir::{Graph, Op};
+use distc_ir::{Graph, NodeId, Op};
 use std::collections::HashMap;
 use std::sync::{mpsc, Mutex};
 use std::time::Instant;
@@ -73,11 +73,17 @@ fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
 pub fn train_pipeline(
     whole: &Graph,
     program: &PipelineProgram,
+    replicas: usize,
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
     let stages = program.stages.len();
+    if replicas == 0 {
+        return Err(RuntimeError::Config(
+            "a pipeline needs at least one replica".into(),
+        ));
+    }
     let micro = program.micro_batches;
     let steps_of = program
         .programs()
@@ -95,7 +101,6 @@ pub fn train_pipeline(
     };
     let shapes = input_types(whole);
     let steps = opts.steps.unwrap_or(config.steps);
-    // Every stage draws the same micro-batches: part m of M of the step's batch.
     // Evaluation runs the one-device graph on the trained variables, after the last
     // step (its own source: the stages' sources are theirs).
     let eval_source = if opts.evaluate {
@@ -111,8 +116,11 @@ pub fn train_pipeline(
     } else {
         None
     };
-    let sources = (0..stages)
-        .map(|_| {
+    // Every stage of replica r draws the same micro-batches: part r*M + m of the
+    // R*M parts of the step's global batch, as data parallelism with accumulation does.
+    let sources = (0..replicas * stages)
+        .map(|w| {
+            let r = w / stages;
             (0..micro)
                 .map(|m| {
                     let mut s = open(
@@ -121,8 +129,8 @@ pub fn train_pipeline(
                         &shapes,
                         config.batch,
                         config.seed,
-                        m,
-                        micro,
+                        r * micro + m,
+                        replicas * micro,
                     )?;
                     if opts.preload {
                         s.preload(steps)?;
@@ -133,22 +141,39 @@ pub fn train_pipeline(
         })
         .collect::<Result<Vec<_>>>()?;
     let initial = init_params(whole, config.seed);
-    let comms: Vec<Box<dyn Communicator>> = in_process(stages)
-        .into_iter()
-        .map(|mut c| {
-            c.set_timeout(Some(opts.timeout));
-            Box::new(c) as Box<dyn Communicator>
-        })
+    let linked = |n: usize| -> Vec<Box<dyn Communicator>> {
+        in_process(n)
+            .into_iter()
+            .map(|mut c| {
+                c.set_timeout(Some(opts.timeout));
+                Box::new(c) as Box<dyn Communicator>
+            })
+            .collect()
+    };
+    // Worker w is stage w % P of replica w / P: its stages talk over one communicator
+    // per replica, its replicas average gradients over one per stage.
+    let mut stage_links: Vec<Option<Box<dyn Communicator>>> = (0..replicas)
+        .flat_map(|_| linked(stages))
+        .map(Some)
+        .collect();
+    let mut replica_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..stages)
+        .map(|_| linked(replicas).into_iter().map(Some).collect())
         .collect();
     let first_error: Mutex<Option<String>> = Mutex::new(None);
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel::<StageReport>();
-    let mut coordinator = Coordinator::new(1, config.batch * micro, false, on_step);
+    let mut coordinator = Coordinator::new(1, config.batch * micro * replicas, false, on_step);
     let mut coordinator_error = None;
     let mut outcomes = Vec::new();
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
-        for (s, (comm, data)) in comms.into_iter().zip(sources).enumerate() {
+        for (w, data) in sources.into_iter().enumerate() {
+            let (r, s) = (w / stages, w % stages);
+            let (Some(comm), Some(replica_comm)) =
+                (stage_links[w].take(), replica_links[s][r].take())
+            else {
+                continue;
+            };
             let graphs = &program.stages[s];
             let names = stage_variables([&graphs.forward, &graphs.backward]);
             let params: HashMap<String, Tensor> = names
@@ -157,6 +182,8 @@ pub fn train_pipeline(
                 .collect();
             let stage = Stage {
                 stage: s,
+                replica: r,
+                replicas: ReplicaHook { comm: replica_comm },
                 steps: &steps_of[s],
                 forward: &graphs.forward,
                 backward: &graphs.backward,
@@ -170,14 +197,14 @@ pub fn train_pipeline(
             let tx = tx.clone();
             let first_error = &first_error;
             let h = std::thread::Builder::new()
-                .name(format!("stage-{s}"))
+                .name(format!("stage-{s}-replica-{r}"))
                 .spawn_scoped(scope, move || {
-                    let r = stage.run(config, steps, &tx);
-                    if let Err(e) = &r {
+                    let result = stage.run(config, steps, &tx);
+                    if let Err(e) = &result {
                         let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                        slot.get_or_insert_with(|| format!("stage {s}: {e}"));
+                        slot.get_or_insert_with(|| format!("{}: {e}", worker_name(s, r, replicas)));
                     }
-                    r
+                    result
                 });
             handles.push(h);
         }
@@ -187,7 +214,7 @@ pub fn train_pipeline(
             let step = r.step;
             let reports = pending.entry(step).or_default();
             reports.push(r);
-            if reports.len() < stages {
+            if reports.len() < stages * replicas {
                 continue;
             }
             let reports = pending.remove(&step).unwrap_or_default();
@@ -198,13 +225,12 @@ pub fn train_pipeline(
         }
         drop(rx);
         for (s, h) in handles.into_iter().enumerate() {
+            let name = worker_name(s % stages, s / stages, replicas);
             outcomes.push(match h {
                 Ok(h) => h
                     .join()
-                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("stage {s} panicked")))),
-                Err(e) => Err(RuntimeError::Config(format!(
-                    "stage {s}: cannot start: {e}"
-                ))),
+                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("{name} panicked")))),
+                Err(e) => Err(RuntimeError::Config(format!("{name}: cannot start: {e}"))),
             });
         }
     });
@@ -213,17 +239,20 @@ pub fn train_pipeline(
     }
     let mut params = HashMap::new();
     let mut spans = Vec::new();
-    for (s, o) in outcomes.into_iter().enumerate() {
+    for (w, o) in outcomes.into_iter().enumerate() {
         match o {
             Ok(o) => {
-                params.extend(o.params);
+                // Replicas hold the same variables: replica 0's.
+                if w < stages {
+                    params.extend(o.params);
+                }
                 spans.extend(o.spans);
             }
             Err(e) => {
                 let cause = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
-                return Err(RuntimeError::Config(
-                    cause.unwrap_or_else(|| format!("stage {s}: {e}")),
-                ));
+                return Err(RuntimeError::Config(cause.unwrap_or_else(|| {
+                    format!("{}: {e}", worker_name(w % stages, w / stages, replicas))
+                })));
             }
         }
     }
@@ -242,10 +271,75 @@ pub fn train_pipeline(
     Ok(report)
 }
 
-/// One metrics line of a step from every stage's report: the loss stage's loss, the
+/// `stage 2` alone, `stage 2 of replica 1` among several.
+fn worker_name(stage: usize, replica: usize, replicas: usize) -> String {
+    if replicas > 1 {
+        format!("stage {stage} of replica {replica}")
+    } else {
+        format!("stage {stage}")
+    }
+}
+
+/// A stage's collectives among its replicas, run where the executor starts them (a
+/// stage's gradients are ready only at its last backward, with nothing left to overlap).
+struct ReplicaHook {
+    comm: Box<dyn Communicator>,
+}
+
+/// A collective already done.
+struct Done(Value);
+
+impl Pending for Done {
+    fn wait(self: Box<Self>) -> Result<Value> {
+        Ok(self.0)
+    }
+}
+
+impl CommHook for ReplicaHook {
+    fn start_collective(
+        &mut self,
+        _node: NodeId,
+        op: &Op,
+        v: Value,
+        _step: u64,
+    ) -> Result<Box<dyn Pending>> {
+        Ok(Box::new(Done(collective(&mut *self.comm, op, v)?)))
+    }
+
+    fn pull(&mut self, var: &str, _: &[(usize, usize, usize)], _: u64) -> Result<Tensor> {
+        Err(no_servers(var))
+    }
+
+    fn sparse_pull(
+        &mut self,
+        var: &str,
+        _: &[(usize, usize, usize)],
+        _: &Tensor,
+        _: u64,
+    ) -> Result<Tensor> {
+        Err(no_servers(var))
+    }
+
+    fn push(&mut self, var: &str, _: &[(usize, usize, usize)], _: Value, _: u64) -> Result<()> {
+        Err(no_servers(var))
+    }
+}
+
+fn no_servers(var: &str) -> RuntimeError {
+    RuntimeError::Config(format!(
+        "`{var}` is on a parameter server, which a pipelined plan does not have"
+    ))
+}
+
+/// One metrics line of a step from every stage's report: the loss stages' mean loss, the
 /// slowest stage's time, bytes and memory summed over the stages.
 fn combine(step: usize, reports: &[StageReport]) -> StepReport {
-    let loss = reports.iter().find_map(|r| r.loss).unwrap_or(f64::NAN);
+    let losses: Vec<f64> = reports.iter().filter_map(|r| r.loss).collect();
+    let loss = if losses.is_empty() {
+        f64::NAN
+    } else {
+        losses.iter().sum::<f64>() / losses.len() as f64
+    };
     let slowest = reports
         .iter()
         .max_by(|a, b| a.step_sec.total_cmp(&b.step_sec));
@@ -275,6 +369,8 @@ fn combine(step: usize, reports: &[StageReport]) -> StepReport {
 /// One stage's thread.
 struct Stage<'a> {
     stage: usize,
+    replica: usize,
+    replicas: ReplicaHook,
     steps: &'a [Step],
     forward: &'a Graph,
     backward: &'a Graph,
@@ -365,7 +461,7 @@ impl Stage<'_> {
                         let began = Instant::now();
                         let (m, out, run) = match action {
                             Action::Forward(m) => {
-                                fwd.set_rank(m);
+                                fwd.set_rank(self.replica * self.micro + m);
                                 let mut received = std::mem::take(&mut fwd_in[m]);
                                 let out = fwd.run_stage(
                                     &feeds[m],
@@ -378,7 +474,7 @@ impl Stage<'_> {
                                 (m, out, fwd.measured_memory())
                             }
                             Action::Backward(m) => {
-                                bwd.set_rank(m);
+                                bwd.set_rank(self.replica * self.micro + m);
                                 backwards += 1;
                                 let mode = if backwards == self.micro {
                                     Mode::Train
@@ -392,7 +488,7 @@ impl Stage<'_> {
                                     &mut received,
                                     mode,
                                     step as u64,
-                                    None,
+                                    Some(&mut self.replicas),
                                 )?;
                                 (m, out, bwd.measured_memory())
                             }

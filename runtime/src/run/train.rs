@@ -494,16 +494,19 @@ pub fn train(
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
     if let Some(pipeline) = programs.pipeline {
-        if programs.workers != 1 {
+        // One worker is the pipeline alone; N workers are N/P replicas of it.
+        let stages = pipeline.stages.len().max(1);
+        if programs.workers > 1 && programs.workers % stages != 0 {
             return Err(RuntimeError::Config(format!(
-                "a pipelined plan with {} workers (pipeline x data parallelism) is not \
-                 supported yet: give --workers 1",
+                "{} workers cannot run replicas of {stages} pipeline stages: give a multiple \
+                 of {stages}",
                 programs.workers
             )));
         }
         return crate::run::pipeline::train_pipeline(
             programs.worker,
             pipeline,
+            (programs.workers / stages).max(1),
             config,
             opts,
             on_step,
