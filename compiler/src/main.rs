@@ -962,6 +962,9 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
             report.final_loss,
             report.samples_per_sec
         );
+        if let Some(b) = report.pipeline_bubble {
+            line += &format!(", pipeline bubble {:.1}% measured", 100.0 * b);
+        }
         if let Some(e) = &report.eval {
             line += &format!("; eval_loss {:.4}", e.eval_loss);
             if let Some(a) = e.eval_accuracy {

@@ -302,6 +302,16 @@ pub struct ByteCount {
     pub received: u64,
 }
 
+impl std::ops::Add for ByteCount {
+    type Output = ByteCount;
+    fn add(self, o: ByteCount) -> ByteCount {
+        ByteCount {
+            sent: self.sent + o.sent,
+            received: self.received + o.received,
+        }
+    }
+}
+
 impl std::ops::Sub for ByteCount {
     type Output = ByteCount;
     /// The bytes moved between two readings (`later - earlier`), e.g. for one step.

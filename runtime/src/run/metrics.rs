@@ -46,6 +46,34 @@ pub struct StepMetrics {
     /// The most GPU memory held at once so far, bytes (GPU runs only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_memory_peak: Option<u64>,
+    /// Per stage of a pipelined run (replica 0's stages), and its measured bubble.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineStep>,
+}
+
+/// A pipelined step, measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct PipelineStep {
+    /// 1 - (time the stages computed) / (stages x the slowest stage's step time): the
+    /// share of stage time spent waiting.
+    pub bubble: f64,
+    /// Stage 0 first.
+    pub stages: Vec<StageStep>,
+}
+
+/// One stage's step.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StageStep {
+    /// Seconds its forwards and backwards ran.
+    pub busy_sec: f64,
+    /// Seconds of its step (update included).
+    pub step_sec: f64,
+    /// Peak bytes of computed values, the stash of micro-batches in flight included.
+    pub activations: u64,
+    /// Bytes it sent to other stages and replicas.
+    pub bytes_sent: u64,
+    /// Bytes it received.
+    pub bytes_received: u64,
 }
 
 /// One evaluation over the held-out data.

@@ -24,7 +24,7 @@ use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::data::{data_dir, DataSource};
 use crate::run::memory::MemoryByCategory;
-use crate::run::metrics::StepMetrics;
+use crate::run::metrics::{PipelineStep, StageStep, StepMetrics};
 use crate::run::trace::Span;
 use crate::run::train::{
     evaluate, init_params, input_types, Coordinator, TrainOptions, TrainReport,
@@ -40,7 +40,11 @@ use std::time::Instant;
 /// One stage's account of one step.
 #[derive(Debug)]
 struct StageReport {
+    stage: usize,
+    replica: usize,
     step: usize,
+    /// Seconds its forwards and backwards ran.
+    busy_sec: f64,
     /// The mean loss of the step's micro-batches, on the stage holding the loss.
     loss: Option<f64>,
     step_sec: f64,
@@ -334,6 +338,25 @@ fn no_servers(var: &str) -> RuntimeError {
 /// One metrics line of a step from every stage's report: the loss stages' mean loss, the
 /// slowest stage's time, bytes and memory summed over the stages.
 fn combine(step: usize, reports: &[StageReport]) -> StepReport {
+    let mut first: Vec<&StageReport> = reports.iter().filter(|r| r.replica == 0).collect();
+    first.sort_by_key(|r| r.stage);
+    let stages: Vec<StageStep> = first
+        .iter()
+        .map(|r| StageStep {
+            busy_sec: r.busy_sec,
+            step_sec: r.step_sec,
+            activations: r.memory.activations,
+            bytes_sent: r.bytes_sent,
+            bytes_received: r.bytes_received,
+        })
+        .collect();
+    let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
+    let busy: f64 = stages.iter().map(|s| s.busy_sec).sum();
+    let bubble = if longest > 0.0 {
+        (1.0 - busy / (stages.len() as f64 * longest)).max(0.0)
+    } else {
+        0.0
+    };
     let losses: Vec<f64> = reports.iter().filter_map(|r| r.loss).collect();
     let loss = if losses.is_empty() {
         f64::NAN
@@ -363,6 +386,7 @@ fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         eval: None,
         memory,
         device_memory: None,
+        pipeline: Some(PipelineStep { bubble, stages }),
     }
 }
 
@@ -412,7 +436,7 @@ impl Stage<'_> {
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let us = |t: Instant| t.saturating_duration_since(self.t0).as_secs_f64() * 1e6;
         let mut spans = Vec::new();
-        let mut last_bytes = self.comm.bytes();
+        let mut last_bytes = self.comm.bytes() + self.replicas.comm.bytes();
         for step in 1..=steps {
             let feeds = self
                 .data
@@ -421,6 +445,7 @@ impl Stage<'_> {
                 .collect::<Result<Vec<_>>>()?;
             let start = Instant::now();
             let mut waited = 0.0;
+            let mut busy = 0.0;
             // Per micro-batch: what its forward receives, what its backward receives
             // (the stash and the gradients), what waits to be sent, by stage.
             let mut fwd_in: Vec<HashMap<String, Value>> = vec![HashMap::new(); self.micro];
@@ -508,6 +533,7 @@ impl Stage<'_> {
                         if !out.grads.is_empty() {
                             grads = out.grads;
                         }
+                        busy += began.elapsed().as_secs_f64();
                         if self.trace {
                             spans.push(Span {
                                 track: format!("stage {s}"),
@@ -532,10 +558,13 @@ impl Stage<'_> {
                     "the loss became {l} at step {step}: lower the learning rate"
                 )));
             }
-            let bytes = self.comm.bytes();
+            let bytes = self.comm.bytes() + self.replicas.comm.bytes();
             peak.params = self.params.values().map(|t| t.bytes() as u64).sum();
             peak.optimizer = Cpu::optimizer_bytes(&optimizer);
             let r = StageReport {
+                stage: s,
+                replica: self.replica,
+                busy_sec: busy,
                 step,
                 loss,
                 step_sec: start.elapsed().as_secs_f64(),

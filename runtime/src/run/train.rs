@@ -156,6 +156,8 @@ pub struct TrainReport {
     pub profile: Option<Profile>,
     /// Trace spans, when asked for.
     pub spans: Vec<Span>,
+    /// The mean measured bubble of a pipelined run's steps.
+    pub pipeline_bubble: Option<f64>,
 }
 
 /// Initial values of every variable of `graph`, from the seed.
@@ -260,6 +262,8 @@ pub struct Coordinator<'a> {
     pub eval: Option<EvalMetrics>,
     /// Sum over steps of the slowest worker's step time.
     pub train_time: Duration,
+    /// Sum and count of the pipelined steps' measured bubbles.
+    bubbles: (f64, usize),
 }
 
 impl<'a> Coordinator<'a> {
@@ -281,6 +285,7 @@ impl<'a> Coordinator<'a> {
             final_loss: f64::NAN,
             eval: None,
             train_time: Duration::ZERO,
+            bubbles: (0.0, 0),
         }
     }
 
@@ -305,6 +310,10 @@ impl<'a> Coordinator<'a> {
         self.steps += 1;
         self.train_time += Duration::from_secs_f64(slowest);
         let r0 = &reports[0];
+        if let Some(p) = &r0.pipeline {
+            self.bubbles.0 += p.bubble;
+            self.bubbles.1 += 1;
+        }
         if r0.eval.is_some() {
             self.eval.clone_from(&r0.eval);
         }
@@ -330,6 +339,7 @@ impl<'a> Coordinator<'a> {
             memory: r0.memory,
             gpu_memory: r0.device_memory.map(|m| m.0),
             gpu_memory_peak: r0.device_memory.map(|m| m.1),
+            pipeline: r0.pipeline.clone(),
         })
     }
 }
@@ -355,6 +365,7 @@ impl Coordinator<'_> {
             params,
             profile,
             spans,
+            pipeline_bubble: (self.bubbles.1 > 0).then(|| self.bubbles.0 / self.bubbles.1 as f64),
         }
     }
 }

@@ -62,6 +62,9 @@ pub struct StepReport {
     pub memory: MemoryByCategory,
     /// Device memory in use after the step and its peak so far, bytes (GPU workers).
     pub device_memory: Option<(u64, u64)>,
+    /// Per stage, of a pipelined run.
+    #[serde(default)]
+    pub pipeline: Option<crate::run::metrics::PipelineStep>,
 }
 
 /// The first error of a run, with the role that hit it. Shared by every rank of a
@@ -886,6 +889,7 @@ fn run_steps<B: Backend>(
             bytes_moved: moved,
             eval,
             device_memory: st.exec.backend().device_memory(),
+            pipeline: None,
         })?;
     }
     Ok(())
