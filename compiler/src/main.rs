@@ -1350,6 +1350,22 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
         100.0 * schedule::predicted_bubble(stages, micro),
         100.0 * sim.bubble
     );
+    let replicas = (p.settings.workers / stages).max(1);
+    if replicas > 1 {
+        let _ = writeln!(
+            s,
+            "replicas: {replicas} ({} workers / {stages} stages); each stage all-reduces its \
+             gradients among its replicas once a step (a ring sends 2(R-1)/R of them: {})",
+            p.settings.workers,
+            plan.stats
+                .iter()
+                .map(
+                    |st| mib(st.param_bytes as f64 * 2.0 * (replicas - 1) as f64 / replicas as f64)
+                )
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let _ = writeln!(
         s,
         "{:<6} {:>10} {:>11} {:>11} {:>12} {:>9} {:>12} {:>13} {:>13}  variables",

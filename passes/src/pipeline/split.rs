@@ -237,7 +237,7 @@ fn replicas(cfg: &StrategyConfig) -> Result<usize, PassError> {
     let stages = cfg.pipeline.max(1);
     match cfg.strategy {
         Strategy::Single if cfg.workers <= 1 => Ok(1),
-        Strategy::Allreduce if cfg.workers % stages == 0 && cfg.workers >= stages => {
+        Strategy::Allreduce if cfg.workers.is_multiple_of(stages) && cfg.workers >= stages => {
             Ok(cfg.workers / stages)
         }
         Strategy::Allreduce => Err(PassError::Precondition(format!(

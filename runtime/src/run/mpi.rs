@@ -568,6 +568,7 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
         memory: r.memory,
         gpu_memory: r.device_memory.map(|m| m.0),
         gpu_memory_peak: r.device_memory.map(|m| m.1),
+        pipeline: r.pipeline.clone(),
     }
 }
 

@@ -507,7 +507,7 @@ pub fn train(
     if let Some(pipeline) = programs.pipeline {
         // One worker is the pipeline alone; N workers are N/P replicas of it.
         let stages = pipeline.stages.len().max(1);
-        if programs.workers > 1 && programs.workers % stages != 0 {
+        if programs.workers > 1 && !programs.workers.is_multiple_of(stages) {
             return Err(RuntimeError::Config(format!(
                 "{} workers cannot run replicas of {stages} pipeline stages: give a multiple \
                  of {stages}",
