@@ -46,6 +46,40 @@ for t in gpu-bin/distc-*; do
     tail -40 "$results/$name.log"
   fi
 done
+# The user's commands on the GPU: verify (a distributed plan on the GPU against one
+# device), --profile (where a step's time goes), NCCL with one rank.
+cli() {  # cli NAME ARGS...: runs gpu-bin/distc ARGS, logs to NAME.log
+  local name=$1
+  shift
+  echo "== cli $name: distc $*"
+  if gpu-bin/distc "$@" >"$results/cli.$name.log" 2>&1; then
+    tail -12 "$results/cli.$name.log"
+  else
+    failed=1
+    echo "FAILED: distc $*"
+    tail -40 "$results/cli.$name.log"
+  fi
+}
+data=()
+[ -n "${DISTC_DATA:-}" ] && data=(--data "$DISTC_DATA")
+for ex in mlp sparse_lm recsys; do
+  cli "verify.$ex" verify "examples/$ex.dsl" --strategy allreduce --workers 2 --steps 3 \
+    --device cuda "${data[@]}"
+done
+cli verify.hybrid verify examples/recsys.dsl --strategy hybrid --workers 2 --servers 1 --steps 3 \
+  --device cuda "${data[@]}"
+for w in sparse_lm dense_mlp; do
+  cli "profile.$w" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile "${data[@]}"
+  cli "profile.$w.nograph" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile \
+    --no-cuda-graph "${data[@]}"
+done
+# Where NCCL with one rank spends its extra time (the same plan as bench/nccl.sh's).
+for w in sparse_lm dense_mlp; do
+  cli "profile.$w.nccl1" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile \
+    --strategy allreduce --workers 1 --collectives nccl "${data[@]}"
+done
+[ "${SUITE_ONLY:-0}" = 1 ] && exit $failed
+
 RESULTS="$results" bash bench/gpu.sh gpu-bin/distc 2>&1 | tee "$results/bench.txt"
 RESULTS="$results/nccl" bash bench/nccl.sh gpu-bin/distc 2>&1 | tee "$results/nccl.txt"
 exit $failed

@@ -128,6 +128,9 @@ def worker(rank, world, port, workload, threads, warmup, steps, queue, device="c
         torch.set_num_threads(threads)
         dev = torch.device(device)
         if dev.type == "cuda":
+            # "cuda" alone names no GPU, which set_device refuses: the first one then.
+            if dev.index is None:
+                dev = torch.device("cuda", 0)
             torch.cuda.set_device(dev)
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32, as distc's default
             torch.backends.cudnn.allow_tf32 = False

@@ -171,7 +171,8 @@ pub trait Transfer: Device {
     ) -> Result<Option<f64>, KernelError> {
         Ok(self.host_tensor(v)?.scalar_f64())
     }
-    /// The scalar [`Transfer::read_scalar`] deferred, after [`Transfer::synchronize`].
+    /// The scalar [`Transfer::read_scalar`] deferred: the loss of the oldest replay
+    /// not read yet ([`Capture::replay`]), waiting for that replay alone.
     fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
         Ok(None)
     }
@@ -262,7 +263,9 @@ pub trait Capture: Device {
     fn end_capture(&mut self) -> Result<(), KernelError> {
         Ok(())
     }
-    /// Runs the recorded graph once (after the batch was uploaded and the step set).
+    /// Issues the recorded graph once (after the batch was uploaded and the step set).
+    /// Two replays may be in flight: the next step's is issued before this one's loss
+    /// is read ([`Transfer::pending_scalar`], once per replay, in order).
     fn replay(&mut self) -> Result<(), KernelError> {
         Err(KernelError::Invalid(
             "this backend records no graphs".into(),

@@ -100,7 +100,7 @@ use cudarc::driver::result as drv;
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use ndarray::{ArrayD, IxDyn};
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 /// Alignment of every buffer in the arena (cudaMalloc's own alignment).
 const ALIGN: usize = 256;
@@ -250,7 +250,9 @@ pub struct CudaBackend {
     named: HashMap<(String, usize), Named>,
     /// The step counters' pinned copy (two u64) and the loss's (one f32).
     steps_host: HostBuf,
-    loss_host: HostBuf,
+    /// Pinned slots a replayed step's loss is copied into, used in turn, so that
+    /// the next step can be replayed before this one's loss is read.
+    loss_slots: [HostBuf; LOSS_SLOTS],
     /// Whether the device checks accesses: launches then carry their regions.
     checked: bool,
 
@@ -273,7 +275,11 @@ pub struct CudaBackend {
     opt_steps: u64,
     /// What the device's counters hold (after the copies issued).
     dev_steps: Option<(u64, u64)>,
-    loss_pending: bool,
+    /// The captured step's loss on the device (copied out after each replay).
+    graph_loss_at: Option<u64>,
+    /// Replays issued and not yet accounted for, oldest first.
+    pending: VecDeque<PendingReplay>,
+    replays: usize,
     capturing: bool,
     capture_loss: bool,
     capture_update: bool,
@@ -301,6 +307,16 @@ impl std::fmt::Debug for CudaBackend {
             .field("opts", &self.opts)
             .finish_non_exhaustive()
     }
+}
+
+/// Replayed steps that may be in flight at once: the one being read and the next.
+const LOSS_SLOTS: usize = 2;
+
+/// A replay issued, not yet read.
+#[derive(Debug)]
+struct PendingReplay {
+    /// Its loss slot, when the graph computes a loss.
+    loss_slot: Option<usize>,
 }
 
 pub(super) fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaError {
@@ -417,7 +433,7 @@ impl CudaBackend {
         let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
         let steps_ptr = dev.alloc(16, true)?;
         let steps_host = dev.host_buffer(16)?;
-        let loss_host = dev.host_buffer(4)?;
+        let loss_slots = [dev.host_buffer(4)?, dev.host_buffer(4)?];
         dev.synchronize()?;
         let allocated = (super::driver::CUBLAS_WORKSPACE + ALIGN) as u64;
         Ok(CudaBackend {
@@ -427,7 +443,7 @@ impl CudaBackend {
             has_arena: false,
             named: HashMap::new(),
             steps_host,
-            loss_host,
+            loss_slots,
             checked: dev.checks_accesses(),
             ordinal,
             device_name: dev.device_name().to_string(),
@@ -443,7 +459,9 @@ impl CudaBackend {
             kernel_step: 0,
             opt_steps: 0,
             dev_steps: Some((0, 0)),
-            loss_pending: false,
+            graph_loss_at: None,
+            pending: VecDeque::new(),
+            replays: 0,
             capturing: false,
             capture_loss: false,
             capture_update: false,
@@ -1355,8 +1373,8 @@ impl Transfer for CudaBackend {
         }
         self.await_collectives(&[ptr])?;
         if self.capturing {
-            // Into the pinned slot, read after each replay (`pending_scalar`).
-            self.dev.download(self.loss_host, ptr, 4)?;
+            // Copied out after each replay, into a slot of its own (`pending_scalar`).
+            self.graph_loss_at = Some(ptr);
             self.capture_loss = true;
             return Ok(None);
         }
@@ -1366,16 +1384,22 @@ impl Transfer for CudaBackend {
     }
 
     fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
-        if !self.loss_pending {
+        let Some(done) = self.pending.pop_front() else {
             return Ok(None);
-        }
+        };
         self.no_capture("reading the loss")?;
         self.bind()?;
-        self.dev.synchronize()?;
-        self.loss_pending = false;
-        let slot = self.dev.host_bytes(self.loss_host)?;
+        // A replay's bytes count once its step is read, so that a step's metrics
+        // hold its own collectives when the next step is already issued.
+        self.bytes_replayed.sent += self.graph_bytes.sent;
+        self.bytes_replayed.received += self.graph_bytes.received;
+        let Some(slot) = done.loss_slot else {
+            return Ok(None);
+        };
+        // Waits for that replay's copy out, not for the replays issued after it.
+        let b = self.dev.host_bytes(self.loss_slots[slot])?;
         Ok(Some(f64::from(f32::from_ne_bytes([
-            slot[0], slot[1], slot[2], slot[3],
+            b[0], b[1], b[2], b[3],
         ]))))
     }
 
@@ -1678,7 +1702,7 @@ impl Capture for CudaBackend {
         self.graph_bytes = now - self.capture_bytes_at;
         self.bytes_not_run.sent += self.graph_bytes.sent;
         self.bytes_not_run.received += self.graph_bytes.received;
-        self.loss_pending = false;
+        self.pending.clear();
         Ok(())
     }
 
@@ -1687,13 +1711,26 @@ impl Capture for CudaBackend {
         self.bind()?;
         // The graph reads the counters from device memory: make them current.
         self.write_steps()?;
+        if self.pending.len() >= LOSS_SLOTS {
+            return Err(invalid(format!(
+                "{LOSS_SLOTS} replayed steps are not read yet (pending_scalar): a loss slot \
+                 would be overwritten"
+            )));
+        }
         self.dev.replay()?;
         if self.graph_update {
             self.opt_steps += 1;
         }
-        self.bytes_replayed.sent += self.graph_bytes.sent;
-        self.bytes_replayed.received += self.graph_bytes.received;
-        self.loss_pending = self.graph_loss;
+        let loss_slot = match (self.graph_loss, self.graph_loss_at) {
+            (true, Some(at)) => {
+                let slot = self.replays % LOSS_SLOTS;
+                self.dev.download(self.loss_slots[slot], at, 4)?;
+                Some(slot)
+            }
+            _ => None,
+        };
+        self.replays += 1;
+        self.pending.push_back(PendingReplay { loss_slot });
         Ok(())
     }
 }

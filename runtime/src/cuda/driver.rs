@@ -51,7 +51,7 @@ pub struct KernelHandle {
     pub index: u32,
 }
 
-/// A pinned host buffer of the driver's, with the event of its last upload.
+/// A pinned host buffer of the driver's, with the event of its last copy in or out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HostBuf(pub usize);
 
@@ -167,13 +167,14 @@ pub trait Driver {
 
     /// A pinned host buffer of `bytes`.
     fn host_buffer(&mut self, bytes: usize) -> Result<HostBuf, CudaError>;
-    /// The buffer's bytes, once its last upload has left it.
+    /// The buffer's bytes, once its last copy (an upload out of it, a download into
+    /// it) has finished.
     fn host_bytes(&mut self, b: HostBuf) -> Result<&mut [u8], CudaError>;
     /// Copies the first `bytes` of `b` to `dst` on the compute stream, and records the
     /// buffer's event.
     fn upload(&mut self, b: HostBuf, dst: u64, bytes: usize) -> Result<(), CudaError>;
-    /// Copies `bytes` at `src` into `b` on the compute stream (capturable): read it
-    /// after [`Driver::synchronize`].
+    /// Copies `bytes` at `src` into `b` on the compute stream, and records the
+    /// buffer's event: [`Driver::host_bytes`] then waits for this copy alone.
     fn download(&mut self, b: HostBuf, src: u64, bytes: usize) -> Result<(), CudaError>;
     /// Waits for all work issued on the compute stream.
     fn synchronize(&mut self) -> Result<(), CudaError>;
@@ -583,13 +584,16 @@ impl Driver for CudarcDriver {
             return Ok(());
         }
         // SAFETY: the pinned buffer lives as long as the driver; the host reads it
-        // only after a synchronize, never while a copy (or a replay) may write it.
+        // through `host_bytes`, which first waits for the event recorded below.
         #[allow(unsafe_code)]
         let r = unsafe {
             let dst = std::slice::from_raw_parts_mut(p.ptr as *mut u8, bytes);
             drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
         };
-        r.map_err(drv_err("cuMemcpyDtoHAsync"))
+        r.map_err(drv_err("cuMemcpyDtoHAsync"))?;
+        p.uploaded
+            .record(&self.stream)
+            .map_err(drv_err("cuEventRecord"))
     }
 
     fn synchronize(&mut self) -> Result<(), CudaError> {

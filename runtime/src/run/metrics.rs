@@ -96,6 +96,8 @@ pub struct EvalMetrics {
 pub struct Profile {
     /// Steps profiled.
     pub steps: usize,
+    /// The run's first steps, left out of the profile (one-time setup).
+    pub warmup: usize,
     /// Wall time of those steps (forward, backward, update, waits).
     pub step_time: Duration,
     /// Kernel time by op mnemonic: `(op, total, calls)`, most expensive first.
@@ -120,7 +122,15 @@ impl Profile {
             .max()
             .unwrap_or(0)
             .max(12);
-        let mut out = format!(
+        let mut out = if self.warmup > 0 {
+            format!(
+                "profile of {} steps (the first {} left out: one-time setup)\n",
+                self.steps, self.warmup
+            )
+        } else {
+            format!("profile of {} steps\n", self.steps)
+        };
+        out += &format!(
             "{:<w$} {:>10} {:>7} {:>10}\n",
             "op", "ms/step", "share", "calls/step"
         );

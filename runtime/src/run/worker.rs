@@ -696,7 +696,7 @@ fn run_steps<B: Backend>(
         params,
         optimizer,
         profile: Profile {
-            steps,
+            steps: steps + 1 - first,
             ..Profile::default()
         },
         step_spans: Vec::new(),
@@ -726,6 +726,8 @@ fn run_steps<B: Backend>(
     // staged (uploads are ordered after the replay on the device's stream, so the
     // buffers the graph reads are overwritten only once it is done).
     let mut prefetched: Option<HashMap<String, B::Tensor>> = None;
+    // Whether this step's replay was issued already, behind the previous step's.
+    let mut issued = false;
     for step in first..=steps {
         let eval_now = opts.evaluate
             && (step == steps || (config.eval_every > 0 && step % config.eval_every == 0));
@@ -734,6 +736,16 @@ fn run_steps<B: Backend>(
             .as_ref()
             .is_some_and(|c| step % c.every == 0 || step == steps);
         hook.step = step as u64;
+        // The first steps load modules, pick cuBLAS algorithms and fault pages in, once
+        // per run: a profile of a run long enough leaves them out.
+        if opts.profile && step == first + WARMUP && steps + 1 - first >= 4 * WARMUP {
+            st.exec.reset_profile();
+            st.profile = Profile {
+                steps: steps + 1 - step,
+                warmup: WARMUP,
+                ..Profile::default()
+            };
+        }
         // The first micro-batch on the device; the others stay on the host until they
         // run, since a device backend keeps one buffer per feed, which an upload
         // overwrites.
@@ -759,23 +771,31 @@ fn run_steps<B: Backend>(
             graph = capture_step(st, &fed, step, rank, &mut *hook)?;
         }
         let (loss, updating, used) = if let GraphState::Replaying(captured) = graph {
-            let backend = st.exec.backend();
-            backend
-                .set_step(step as u64)
-                .map_err(|e| backend_error(&device, "setting the step", e))?;
-            backend
-                .replay()
-                .map_err(|e| backend_error(&device, "replaying the step's CUDA graph", e))?;
-            // Not before an evaluation or a checkpoint: they read the same buffers.
-            if step < steps && !eval_now && !checkpoint_now {
+            let replay = |backend: &mut B, step: usize| {
+                backend
+                    .set_step(step as u64)
+                    .map_err(|e| backend_error(&device, "setting the step", e))?;
+                backend
+                    .replay()
+                    .map_err(|e| backend_error(&device, "replaying the step's CUDA graph", e))
+            };
+            if !issued {
+                replay(st.exec.backend(), step)?;
+            }
+            // The next step's batch is staged and its replay issued before this
+            // step's loss is read: the device runs it while the host reports this one
+            // (uploads and replays are ordered on the device's stream, so the graph's
+            // buffers are overwritten only once this step is done). Not before an
+            // evaluation or a checkpoint: they read the same buffers.
+            issued = step < steps && !eval_now && !checkpoint_now;
+            if issued {
                 let next = data[0].next_batch()?;
                 prefetched = Some(upload_all(st.exec.backend(), next)?);
+                replay(st.exec.backend(), step + 1)?;
             }
-            let backend = st.exec.backend();
-            backend
-                .synchronize()
-                .map_err(|e| backend_error(&device, "finishing the step", e))?;
-            let loss = backend
+            let loss = st
+                .exec
+                .backend()
                 .pending_scalar()
                 .map_err(|e| backend_error(&device, "reading the loss", e))?
                 .unwrap_or(f64::NAN);
