@@ -300,3 +300,71 @@ fn nccl_with_one_rank_trains_what_the_host_path_trains() {
         }
     }
 }
+
+/// `--preload` on the GPU keeps every batch in device memory and feeds a step by a
+/// copy within the device: the same batches, in the same order, as host-fed steps,
+/// eager and replayed (the CUDA graph reads the feed buffers the copies fill), so
+/// the losses and the trained weights are bitwise equal.
+#[test]
+fn preloaded_batches_held_on_the_gpu_train_what_host_fed_batches_train() {
+    let dirs = distc_runtime::cuda::LibDirs::from_env();
+    if !emulator_requested() {
+        if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
+            println!("skipping: {e}");
+            return;
+        }
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("small.dsl");
+    std::fs::write(
+        &file,
+        "model small {\n  input x: f32[B, 24]\n  input label: i32[B]\n  \
+         param w1: f32[24, 16] = glorot\n  param b1: f32[16] = zeros\n  \
+         param w2: f32[16, 5] = glorot\n  param b2: f32[5] = zeros\n  \
+         logits = relu(x @ w1 + b1) @ w2 + b2\n  \
+         minimize softmax_cross_entropy(logits, label)\n}\n\n\
+         train {\n  data = gaussian_classes(features = 24, classes = 5)\n  batch = 8\n  \
+         optimizer = adam(lr = 0.01)\n  steps = 7\n  seed = 5\n  eval_samples = 16\n}\n",
+    )
+    .expect("writes the model");
+    let c = compile_file(&file, &CompileOptions::default()).expect("compiles");
+    let programs = Programs::single(&c.programs.worker);
+    let run = |preload: bool, graphs: bool| {
+        let mut losses = Vec::new();
+        let topts = TrainOptions {
+            steps: Some(7),
+            preload,
+            ..Default::default()
+        };
+        let cuda = CudaOptions {
+            tf32: false,
+            graphs,
+            ..Default::default()
+        };
+        let report = train_with(
+            programs,
+            &c.config,
+            &topts,
+            &mut |m: &distc_runtime::run::metrics::StepMetrics| {
+                losses.push(m.loss);
+                Ok(())
+            },
+            |_, _| Ok(CudaBackend::new(0, &c.programs.worker, cuda)?),
+        )
+        .unwrap_or_else(|e| panic!("preload {preload}, graphs {graphs}: {e}"));
+        (losses, report.params)
+    };
+    for graphs in [false, true] {
+        let (host_losses, host_params) = run(false, graphs);
+        let (held_losses, held_params) = run(true, graphs);
+        assert_eq!(host_losses.len(), 7);
+        assert_eq!(held_losses, host_losses, "graphs {graphs}: losses");
+        for (name, t) in &host_params {
+            assert_eq!(
+                held_params.get(name),
+                Some(t),
+                "graphs {graphs}: `{name}` differs"
+            );
+        }
+    }
+}

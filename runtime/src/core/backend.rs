@@ -176,6 +176,22 @@ pub trait Transfer: Device {
     fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
         Ok(None)
     }
+    /// Keeps a preloaded batch in the backend's own memory for [`Transfer::feed_held`]:
+    /// its id, or `None` where holding gains nothing (the CPU's tensors are host
+    /// memory already).
+    fn hold_batch(
+        &mut self,
+        _batch: &HashMap<String, Tensor>,
+    ) -> Result<Option<usize>, KernelError> {
+        Ok(None)
+    }
+    /// The feeds of held batch `id`, copied into the buffers [`Transfer::upload`]
+    /// fills (so a captured graph reads them), without crossing from the host.
+    fn feed_held(&mut self, id: usize) -> Result<HashMap<String, Self::Tensor>, KernelError> {
+        Err(KernelError::Invalid(format!(
+            "this backend holds no batches (batch {id} asked for)"
+        )))
+    }
     /// Moves a tensor the backend holds to the host (a copy on a device; a move on
     /// the CPU).
     fn move_to_host(&mut self, t: Self::Tensor) -> Result<Tensor, KernelError> {

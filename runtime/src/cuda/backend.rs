@@ -189,6 +189,14 @@ struct Named {
     staging: HostBuf,
 }
 
+/// A feed of a batch held on the device ([`Transfer::hold_batch`]).
+#[derive(Debug)]
+struct HeldFeed {
+    name: String,
+    ptr: u64,
+    ty: TensorType,
+}
+
 /// What the backend adds to the driver's [`ArgVal`].
 trait ArgCheck: Sized {
     fn fits(self, p: CParam) -> bool;
@@ -279,6 +287,8 @@ pub struct CudaBackend {
     graph_loss_at: Option<u64>,
     /// Replays issued and not yet accounted for, oldest first.
     pending: VecDeque<PendingReplay>,
+    /// Preloaded batches in device memory, by id.
+    held: Vec<Vec<HeldFeed>>,
     replays: usize,
     capturing: bool,
     capture_loss: bool,
@@ -352,6 +362,33 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
         }
     }
     Ok(out)
+}
+
+/// Writes a host tensor's bytes, row-major, into `out` (exactly its size).
+fn write_host_bytes(t: &Tensor, out: &mut [u8]) -> Result<(), KernelError> {
+    if out.len() != t.bytes() {
+        return Err(invalid(format!(
+            "a {}-byte buffer for a {}-byte tensor",
+            out.len(),
+            t.bytes()
+        )));
+    }
+    match t {
+        Tensor::F32(a) => out
+            .chunks_exact_mut(4)
+            .zip(a.iter())
+            .for_each(|(o, x)| o.copy_from_slice(&x.to_ne_bytes())),
+        Tensor::I32(a) => out
+            .chunks_exact_mut(4)
+            .zip(a.iter())
+            .for_each(|(o, x)| o.copy_from_slice(&x.to_ne_bytes())),
+        Tensor::F64(_) => {
+            return Err(invalid(
+                "an f64 tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
+            ))
+        }
+    }
+    Ok(())
 }
 
 /// Zeros of type `ty` (slices: no rows), what [`Transfer::to_host`] gives while a
@@ -461,6 +498,7 @@ impl CudaBackend {
             dev_steps: Some((0, 0)),
             graph_loss_at: None,
             pending: VecDeque::new(),
+            held: Vec::new(),
             replays: 0,
             capturing: false,
             capture_loss: false,
@@ -1252,21 +1290,65 @@ impl Transfer for CudaBackend {
         self.no_capture(&format!("uploading `{name}`"))?;
         self.bind()?;
         let ty = t.tensor_type();
-        let bytes = host_bytes(&t)?;
-        drop(t);
-        let named = self.named_buffer(name, bytes.len())?;
+        let len = t.bytes();
+        let named = self.named_buffer(name, len)?;
         let (ptr, staging) = (named.ptr, named.staging);
-        if !bytes.is_empty() {
+        if len > 0 {
             // The previous copy out of the staging buffer is done before it is refilled.
+            // Written straight into it: a batch crosses the host's memory once.
             let host = self.dev.host_bytes(staging)?;
-            host[..bytes.len()].copy_from_slice(&bytes);
-            self.dev.upload(staging, ptr, bytes.len())?;
+            write_host_bytes(&t, &mut host[..len])?;
+            self.dev.upload(staging, ptr, len)?;
         }
         Ok(DeviceTensor { ptr, ty })
     }
 
     fn download(&mut self, t: &DeviceTensor) -> Result<Tensor, KernelError> {
         self.read_dense(t.ptr, &t.ty)
+    }
+
+    fn hold_batch(
+        &mut self,
+        batch: &HashMap<String, Tensor>,
+    ) -> Result<Option<usize>, KernelError> {
+        self.no_capture("holding a batch")?;
+        self.bind()?;
+        let mut feeds = Vec::with_capacity(batch.len());
+        for (name, t) in batch {
+            let len = t.bytes();
+            let mut bytes = vec![0u8; len];
+            write_host_bytes(t, &mut bytes)?;
+            let ptr = self.dev.alloc(len, false)?;
+            self.track(len);
+            self.dev.htod(ptr, &bytes)?;
+            feeds.push(HeldFeed {
+                name: name.clone(),
+                ptr,
+                ty: t.tensor_type(),
+            });
+        }
+        self.held.push(feeds);
+        Ok(Some(self.held.len() - 1))
+    }
+
+    fn feed_held(&mut self, id: usize) -> Result<HashMap<String, DeviceTensor>, KernelError> {
+        self.no_capture("feeding a held batch")?;
+        self.bind()?;
+        let feeds: Vec<(String, u64, TensorType)> = self
+            .held
+            .get(id)
+            .ok_or_else(|| invalid(format!("no held batch {id} (of {})", self.held.len())))?
+            .iter()
+            .map(|f| (f.name.clone(), f.ptr, f.ty.clone()))
+            .collect();
+        let mut out = HashMap::with_capacity(feeds.len());
+        for (name, src, ty) in feeds {
+            let len = ty.bytes();
+            let dst = self.named_buffer(&name, len)?.ptr;
+            self.dev.copy(dst, src, len)?;
+            out.insert(name, DeviceTensor { ptr: dst, ty });
+        }
+        Ok(out)
     }
 
     fn to_host(&mut self, v: DeviceValue) -> Result<Value, KernelError> {

@@ -158,6 +158,8 @@ pub trait Driver {
     fn read(&mut self, src: u64, dst: &mut [u8]) -> Result<(), CudaError>;
     /// Zeroes `bytes` at `dst`, on the compute stream.
     fn memset_zero(&mut self, dst: u64, bytes: usize) -> Result<(), CudaError>;
+    /// Copies `bytes` at device address `src` to `dst`, on the compute stream.
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError>;
     /// Marks `bytes` at `dst` as holding nothing yet: a node's outputs and scratch
     /// before it runs. Nothing on a GPU; the emulator poisons them, so that a value
     /// its producer did not write is read as never written.
@@ -515,6 +517,17 @@ impl Driver for CudarcDriver {
             r.map_err(drv_err("cuMemcpyDtoHAsync"))?;
         }
         self.synchronize()
+    }
+
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: `src` and `dst` are live device buffers of at least `bytes` bytes,
+        // ordered on the one compute stream.
+        #[allow(unsafe_code)]
+        let r = unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) };
+        r.map_err(drv_err("cuMemcpyDtoDAsync"))
     }
 
     fn memset_zero(&mut self, dst: u64, bytes: usize) -> Result<(), CudaError> {

@@ -33,7 +33,7 @@ use crate::run::train::{evaluate, init_params, Programs, TrainOptions};
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -728,6 +728,28 @@ fn run_steps<B: Backend>(
     let mut prefetched: Option<HashMap<String, B::Tensor>> = None;
     // Whether this step's replay was issued already, behind the previous step's.
     let mut issued = false;
+    // Preloaded batches go to the device once where the backend keeps them (a GPU):
+    // a step's feeds are then a copy within device memory, not a host-to-device
+    // transfer. One batch a step only: micro-batches are fed by the loop below.
+    let mut held: VecDeque<usize> = VecDeque::new();
+    if opts.preload && k == 1 {
+        let mut batches = data[0].take_preloaded().into_iter();
+        while let Some(b) = batches.next() {
+            match st
+                .exec
+                .backend()
+                .hold_batch(&b)
+                .map_err(|e| backend_error(&device, "holding the preloaded batches", e))?
+            {
+                Some(id) => held.push_back(id),
+                None => {
+                    // Not kept: served from the host as before.
+                    data[0].restore_preloaded(std::iter::once(b).chain(batches).collect());
+                    break;
+                }
+            }
+        }
+    }
     for step in first..=steps {
         let eval_now = opts.evaluate
             && (step == steps || (config.eval_every > 0 && step % config.eval_every == 0));
@@ -751,6 +773,11 @@ fn run_steps<B: Backend>(
         // overwrites.
         let (fed, later, start) = match prefetched.take() {
             Some(feeds) => (feeds, Vec::new(), Instant::now()),
+            None if !held.is_empty() => {
+                let start = Instant::now();
+                let fed = feed_held(st.exec.backend(), &mut held, &device)?;
+                (fed, Vec::new(), start)
+            }
             None => {
                 let mut batches = data
                     .iter_mut()
@@ -789,8 +816,12 @@ fn run_steps<B: Backend>(
             // evaluation or a checkpoint: they read the same buffers.
             issued = step < steps && !eval_now && !checkpoint_now;
             if issued {
-                let next = data[0].next_batch()?;
-                prefetched = Some(upload_all(st.exec.backend(), next)?);
+                prefetched = Some(if held.is_empty() {
+                    let next = data[0].next_batch()?;
+                    upload_all(st.exec.backend(), next)?
+                } else {
+                    feed_held(st.exec.backend(), &mut held, &device)?
+                });
                 replay(st.exec.backend(), step + 1)?;
             }
             let loss = st
@@ -913,6 +944,20 @@ fn run_steps<B: Backend>(
         })?;
     }
     Ok(())
+}
+
+/// The feeds of the next batch the backend holds (`Transfer::hold_batch`).
+fn feed_held<B: Backend>(
+    backend: &mut B,
+    held: &mut VecDeque<usize>,
+    device: &str,
+) -> Result<HashMap<String, B::Tensor>> {
+    let id = held
+        .pop_front()
+        .ok_or_else(|| RuntimeError::Config("no held batch is left".into()))?;
+    backend
+        .feed_held(id)
+        .map_err(|e| backend_error(device, "feeding a held batch", e))
 }
 
 /// Eager steps before a training step is captured into a CUDA graph.

@@ -417,6 +417,23 @@ impl Driver for EmuDriver {
         Ok(())
     }
 
+    fn copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.no_capture("a device-to-device copy")?;
+        let mut tmp = vec![0u8; bytes];
+        let (p, off) = self
+            .dev()
+            .locate(src, bytes, "a device-to-device copy's source")?;
+        self.dev().copy_dtoh(self.compute, p, off, &mut tmp)?;
+        let (q, off) = self
+            .dev()
+            .locate(dst, bytes, "a device-to-device copy's target")?;
+        self.dev().copy_htod(self.compute, q, off, &tmp)?;
+        Ok(())
+    }
+
     fn memset_zero(&mut self, dst: u64, bytes: usize) -> Result<(), CudaError> {
         self.record(Recorded::Memset(dst, bytes));
         self.run_memset(dst, bytes)

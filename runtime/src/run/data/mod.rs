@@ -485,6 +485,20 @@ impl DataSource {
         Ok(())
     }
 
+    /// Hands over the preloaded batches not served yet, in order (a device backend
+    /// keeps them in its own memory); [`DataSource::next_batch`] then continues after
+    /// them.
+    pub fn take_preloaded(&mut self) -> Vec<Batch> {
+        self.preloaded.drain(..).collect()
+    }
+
+    /// Puts batches [`DataSource::take_preloaded`] took back in front, in order.
+    pub fn restore_preloaded(&mut self, batches: Vec<Batch>) {
+        for b in batches.into_iter().rev() {
+            self.preloaded.push_front(b);
+        }
+    }
+
     /// The held-out evaluation data in batches of `batch`, at most `max_samples`
     /// samples; the last partial batch is dropped (see the module doc).
     pub fn eval_batches(&self, max_samples: Option<usize>) -> Result<Vec<Batch>> {
