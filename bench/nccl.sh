@@ -66,6 +66,8 @@ run_distc() {  # run_distc NAME WORKLOAD FLAGS...
 for w in sparse_lm dense_mlp; do
   run_distc single "$w" --no-cuda-graph
   run_distc nccl1 "$w" --strategy allreduce --workers 1 --collectives nccl --no-cuda-graph
+  # The same plan (bucket packing, sparse compaction) with its collectives on the host.
+  run_distc host1 "$w" --strategy allreduce --workers 1 --collectives host --no-cuda-graph
   run_distc single_graphs "$w"
   run_distc nccl1_graphs "$w" --strategy allreduce --workers 1 --collectives nccl
   run_distc host2 "$w" --strategy allreduce --workers 2 --collectives host
@@ -92,12 +94,13 @@ if os.path.exists(f"{d}/ddp.jsonl"):
             j = json.loads(l)
             ddp[j["workload"]] = j["samples_per_sec"]
 f = lambda v: "failed" if v is None else f"{v:,.0f}"
-print("| workload | single (eager) | NCCL, 1 worker | overhead | single (graphs) | NCCL, 1 worker (graphs) | overhead | distc 2 workers, 1 GPU | DDP gloo 2 procs, 1 GPU | distc / DDP |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+print("| workload | single (eager) | host, 1 worker (same plan) | NCCL, 1 worker | NCCL vs same plan | NCCL vs single | single (graphs) | NCCL, 1 worker (graphs) | overhead | distc 2 workers, 1 GPU | DDP gloo 2 procs, 1 GPU | distc / DDP |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 over = lambda a, b: "" if not (a and b) else f"{(a / b - 1) * 100:+.1f}%"
 for w in ("sparse_lm", "dense_mlp"):
     s, n, h, p = distc("single", w), distc("nccl1", w), distc("host2", w), ddp.get(w)
+    h1 = distc("host1", w)
     sg, ng = distc("single_graphs", w), distc("nccl1_graphs", w)
     rat = "" if not (h and p) else f"{h / p:.2f}x"
-    print(f"| {w} | {f(s)} | {f(n)} | {over(s, n)} | {f(sg)} | {f(ng)} | {over(sg, ng)} | {f(h)} | {f(p)} | {rat} |")
+    print(f"| {w} | {f(s)} | {f(h1)} | {f(n)} | {over(h1, n)} | {over(s, n)} | {f(sg)} | {f(ng)} | {over(sg, ng)} | {f(h)} | {f(p)} | {rat} |")
 PY
