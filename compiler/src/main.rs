@@ -479,7 +479,8 @@ struct RunArgs {
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// Draw every step's batch before the first step, so step times and samples/s
-    /// measure training alone (as `distc bench` does).
+    /// measure training alone (as `distc bench` does); on a GPU the batches are then
+    /// held in device memory.
     #[arg(long)]
     preload: bool,
     /// Print where the step time went (worker 0 of a distributed run): kernel time per
