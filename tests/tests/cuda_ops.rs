@@ -1036,6 +1036,18 @@ fn sparse_cases() -> Vec<Case> {
     c.output(s);
     c.test(Op::UniqueRows, vec![s]);
     cases.push(c);
+    // A hot row over many chunks (id 5 at every third of 300 positions: more than
+    // the rows whose loads go ahead at once in each chunk, plus a remainder), among
+    // rows seen once or a few times.
+    let hot: Vec<i32> = (0..300)
+        .map(|k| if k % 3 == 0 { 5 } else { (k * 7 % 40) as i32 })
+        .collect();
+    for width in [4, 40] {
+        let mut c = Case::new("sparse", format!("unique_rows, a hot row, width {width}"));
+        let s = slices(&mut c, &hot, 40, width);
+        c.test(Op::UniqueRows, vec![s]);
+        cases.push(c);
+    }
     let mut c = Case::new("sparse", "densify");
     let s = slices(&mut c, &ids, 10, 4);
     c.test(Op::Densify, vec![s]);

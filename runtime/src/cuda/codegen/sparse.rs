@@ -13,8 +13,7 @@
 //! per unique row finds that id's occurrences in position order (a ballot and a block
 //! scan per chunk, in shared memory) and adds their rows in that order, scanning only
 //! from the id's first to its last occurrence (`atomicMax` beside the `atomicMin` of
-//! (1)): a row seen once scans one chunk, not the batch (on an H100 the whole-batch
-//! scan made W1's sparse update 99 µs of a 176 µs step). No float
+//! (1)), with [`LOADS_AHEAD`] rows' loads in flight at once. No float
 //! atomics, so the sums have the same bits every run. `unique_rows`, `densify` and the
 //! sparse optimizer updates share steps (1)-(3) and differ only in what step (3)
 //! writes.
@@ -24,6 +23,11 @@ use super::{row_len, want_f32, want_i32, KArg, Launch, NodeCx, INDEX};
 /// Most column accumulators a thread keeps while summing a row's occurrences; wider
 /// rows are done in tiles of `block * MAX_COLS` columns (each tile scans again).
 const MAX_COLS: usize = 8;
+/// Rows of one id whose loads are issued before the first is added (in order): a hot
+/// id (Zipf's first ids, a tenth of a batch's lookups) otherwise waits out one memory
+/// latency per occurrence, which on an H100 made W1's sparse update 99 µs of a
+/// 176 µs step.
+const LOADS_AHEAD: usize = 8;
 
 /// `(table [V, ..], ids) -> [ids.., table.dims[1..]]`: one thread per output element;
 /// an id outside the table reads zeros.
@@ -375,8 +379,9 @@ pub(crate) fn unique_launches(
     let cols = row.div_ceil(block).clamp(1, MAX_COLS);
     let tile = block * cols;
     let gather = format!(
-        "// sum repeated rows of {row} elements{what}\nextern \"C\" __global__ void KNAME(const void* s, const int* lead, const int* last, const int* ucount, u64 nnz{params}) {{\n    __shared__ int sh[33];\n    __shared__ int list[{block}];\n    u64 u = blockIdx.x;\n    if (u >= (u64)*ucount) return;\n    u64 count = (u64)*sl_count((void*)s);\n    if (count > nnz) count = nnz;\n    const int* idx = sl_idx((void*)s);\n    const float* val = sl_val((void*)s, nnz);\n    u64 k0 = (u64)lead[u];\n    int id = idx[k0];\n    u64 end = (u64)last[id] + 1;\n    if (end > count) end = count;\n    if (threadIdx.x == 0) {{ {per_row} }}\n    for (u64 c0 = 0; c0 < {row}ull; c0 += {tile}ull) {{\n        float acc[{cols}];\n        for (int t = 0; t < {cols}; ++t) acc[t] = 0.0f;\n        for (u64 b0 = k0; b0 < end; b0 += {block}ull) {{\n            u64 k = b0 + threadIdx.x;\n            int total;\n            int flag = k < end && idx[k] == id;\n            int p = block_scan(flag, sh, &total);\n            if (flag) list[p] = (int)k;\n            __syncthreads();\n            for (int m = 0; m < total; ++m) {{\n                const float* src = val + (u64)list[m] * {row}ull;\n                for (int t = 0; t < {cols}; ++t) {{\n                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n                    if (c < {row}ull) acc[t] += src[c];\n                }}\n            }}\n            __syncthreads();\n        }}\n        for (int t = 0; t < {cols}; ++t) {{\n            u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n            if (c < {row}ull) {{ float g = acc[t]; {per_col} }}\n        }}\n    }}\n}}\n",
+        "// sum repeated rows of {row} elements{what}\nextern \"C\" __global__ void KNAME(const void* s, const int* lead, const int* last, const int* ucount, u64 nnz{params}) {{\n    __shared__ int sh[33];\n    __shared__ int list[{block}];\n    u64 u = blockIdx.x;\n    if (u >= (u64)*ucount) return;\n    u64 count = (u64)*sl_count((void*)s);\n    if (count > nnz) count = nnz;\n    const int* idx = sl_idx((void*)s);\n    const float* val = sl_val((void*)s, nnz);\n    u64 k0 = (u64)lead[u];\n    int id = idx[k0];\n    u64 end = (u64)last[id] + 1;\n    if (end > count) end = count;\n    if (threadIdx.x == 0) {{ {per_row} }}\n    for (u64 c0 = 0; c0 < {row}ull; c0 += {tile}ull) {{\n        float acc[{cols}];\n        for (int t = 0; t < {cols}; ++t) acc[t] = 0.0f;\n        for (u64 b0 = k0; b0 < end; b0 += {block}ull) {{\n            u64 k = b0 + threadIdx.x;\n            int total;\n            int flag = k < end && idx[k] == id;\n            int p = block_scan(flag, sh, &total);\n            if (flag) list[p] = (int)k;\n            __syncthreads();\n            int m = 0;\n            for (; m + {AHEAD} <= total; m += {AHEAD}) {{\n                for (int t = 0; t < {cols}; ++t) {{\n                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n                    if (c < {row}ull) {{\n                        float v[{AHEAD}];\n                        for (int j = 0; j < {AHEAD}; ++j) v[j] = val[(u64)list[m + j] * {row}ull + c];\n                        for (int j = 0; j < {AHEAD}; ++j) acc[t] += v[j];\n                    }}\n                }}\n            }}\n            for (; m < total; ++m) {{\n                const float* src = val + (u64)list[m] * {row}ull;\n                for (int t = 0; t < {cols}; ++t) {{\n                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n                    if (c < {row}ull) acc[t] += src[c];\n                }}\n            }}\n            __syncthreads();\n        }}\n        for (int t = 0; t < {cols}; ++t) {{\n            u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n            if (c < {row}ull) {{ float g = acc[t]; {per_col} }}\n        }}\n    }}\n}}\n",
         what = format_args!(": {}", sink.base),
+        AHEAD = LOADS_AHEAD,
         params = sink.params,
         per_row = sink.per_row,
         per_col = sink.per_col,
