@@ -1040,7 +1040,7 @@ fn sparse_cases() -> Vec<Case> {
     // the rows whose loads go ahead at once in each chunk, plus a remainder), among
     // rows seen once or a few times.
     let hot: Vec<i32> = (0..300)
-        .map(|k| if k % 3 == 0 { 5 } else { (k * 7 % 40) as i32 })
+        .map(|k| if k % 3 == 0 { 5 } else { k * 7 % 40 })
         .collect();
     for width in [4, 40] {
         let mut c = Case::new("sparse", format!("unique_rows, a hot row, width {width}"));
