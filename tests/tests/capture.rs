@@ -88,7 +88,9 @@ mod taped {
         optimizer: Option<Arc<Mutex<Optimizer>>>,
         loss_cell: Option<Cell>,
         graph_loss: Option<Cell>,
-        pending: Option<f64>,
+        // One loss per replay not read yet: the worker issues a step's successor
+        // before it reads the step's loss.
+        pending: std::collections::VecDeque<Option<f64>>,
     }
 
     impl Taped {
@@ -103,7 +105,7 @@ mod taped {
                 optimizer: None,
                 loss_cell: None,
                 graph_loss: None,
-                pending: None,
+                pending: std::collections::VecDeque::new(),
             }
         }
 
@@ -295,7 +297,7 @@ mod taped {
             Ok(self.host_tensor(v)?.scalar_f64())
         }
         fn pending_scalar(&mut self) -> Result<Option<f64>, KernelError> {
-            Ok(self.pending.take())
+            Ok(self.pending.pop_front().flatten())
         }
     }
 
@@ -388,13 +390,14 @@ mod taped {
                     }
                 }
             }
-            self.pending = match &self.graph_loss {
+            let loss = match &self.graph_loss {
                 Some(c) => match read(c)? {
                     Value::Tensor(t) => t.scalar_f64(),
                     _ => None,
                 },
                 None => None,
             };
+            self.pending.push_back(loss);
             self.replays.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
