@@ -696,3 +696,167 @@ fn a_stalled_worker_under_async_servers_is_named_by_rank_0() {
     );
     assert!(!t.contains("did not answer"), "{t}");
 }
+
+/// Issue 22: a pipelined plan's stages as MPI ranks (rank w is stage w % P of replica
+/// w / P) train the weights its stage threads train, bitwise: activations and gradients
+/// cross ranks as the bytes they cross threads, and two replicas sum in one order on
+/// both transports. Every rank writes its stage's lines, every stage of every replica
+/// is a track of the merged trace, and a job of the wrong size names the mapping.
+#[test]
+fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
+    for (workers, pipeline, micro, schedule) in
+        [(1, 2, 4, "1f1b"), (1, 3, 3, "gpipe"), (4, 2, 2, "1f1b")]
+    {
+        let what = format!("dense_mlp {workers} workers, {pipeline} stages x {micro} ({schedule})");
+        let (p, m) = (pipeline.to_string(), micro.to_string());
+        // One replica is the single-device program cut; more are data-parallel.
+        let strategy = if workers > 1 { "allreduce" } else { "single" };
+        let plan = compile_with(
+            "examples/dense_mlp.dsl",
+            strategy,
+            workers,
+            0,
+            "pipeline.plan.json",
+            &[
+                "--pipeline",
+                &p,
+                "--micro-batches",
+                &m,
+                "--schedule",
+                schedule,
+            ],
+        );
+        let (one, many) = (tmp("stages.safetensors"), tmp("ranks.safetensors"));
+        let o = distc(&["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]);
+        assert!(o.status.success(), "{what}: {}", text(&o));
+        let (metrics, trace) = (tmp("pm.jsonl"), tmp("pt.json"));
+        let ranks = pipeline * workers.div_ceil(pipeline);
+        let o = mpirun(
+            ranks,
+            &[
+                "run",
+                s(&plan),
+                "--steps",
+                "3",
+                "-q",
+                "--save",
+                s(&many),
+                "--transport",
+                "mpi",
+                "--metrics",
+                s(&metrics),
+                "--trace",
+                s(&trace),
+            ],
+        );
+        assert!(o.status.success(), "{what}: {}", text(&o));
+        let d = max_difference(&one, &many);
+        assert!(d == 0.0, "{what}: MPI ranks and threads differ by {d:.2e}");
+        let lines = std::fs::read_to_string(&metrics).expect("global metrics");
+        assert_eq!(lines.lines().count(), 3, "{what}");
+        let first: serde_json::Value =
+            serde_json::from_str(lines.lines().next().unwrap_or("")).expect("a metrics line");
+        let stages = first["pipeline"]["stages"].as_array().map_or(0, Vec::len);
+        assert_eq!(stages, pipeline, "{what}: {first}");
+        for r in 0..ranks {
+            let own =
+                std::fs::read_to_string(tmp(&format!("pm.rank{r}.jsonl"))).expect("rank metrics");
+            assert_eq!(own.lines().count(), 3, "{what}: rank {r}");
+        }
+        let merged: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&trace).expect("merged trace"))
+                .expect("json");
+        let tracks: Vec<String> = merged["traceEvents"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter(|e| e["ph"] == "M")
+            .filter_map(|e| e["args"]["name"].as_str().map(String::from))
+            .collect();
+        let last = if ranks > pipeline {
+            format!("stage {} of replica 1", pipeline - 1)
+        } else {
+            format!("stage {}", pipeline - 1)
+        };
+        assert!(tracks.contains(&last), "{what}: {last} not in {tracks:?}");
+    }
+    let plan = compile_with(
+        "examples/dense_mlp.dsl",
+        "allreduce",
+        4,
+        0,
+        "pipeline.plan.json",
+        &["--pipeline", "2", "--micro-batches", "2"],
+    );
+    let o = mpirun(
+        3,
+        &["run", s(&plan), "--steps", "1", "-q", "--transport", "mpi"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("2 pipeline stages x 2 replicas: rank w is stage w % 2 of replica w / 2"),
+        "{}",
+        text(&o)
+    );
+}
+
+/// Issue 22: `verify --pipeline` under mpirun, with a replica per pair of ranks.
+#[test]
+fn verify_of_a_pipeline_runs_under_mpirun() {
+    for (np, strategy, workers, schedule) in
+        [(2, "single", "1", "gpipe"), (4, "allreduce", "4", "1f1b")]
+    {
+        let o = mpirun(
+            np,
+            &[
+                "verify",
+                "examples/dense_mlp.dsl",
+                "--strategy",
+                strategy,
+                "--workers",
+                workers,
+                "--pipeline",
+                "2",
+                "--micro-batches",
+                "3",
+                "--schedule",
+                schedule,
+                "--batch",
+                "8",
+                "--steps",
+                "2",
+                "--transport",
+                "mpi",
+            ],
+        );
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(text(&o).contains("largest relative error"), "{}", text(&o));
+    }
+}
+
+/// Issue 22: a stage rank that stops answering is named by its neighbour within the
+/// timeout: which stage waited, at which step, for what, from or to which stage.
+#[test]
+fn a_stalled_stage_rank_is_named_by_its_neighbour() {
+    let plan = compile_with(
+        "examples/dense_mlp.dsl",
+        "single",
+        1,
+        0,
+        "stall.plan.json",
+        &["--pipeline", "2", "--micro-batches", "2"],
+    );
+    let (child, pid) = long_run_of(&plan, 2, "3", 1);
+    Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .expect("stop");
+    let (o, _) = wait_at_most(child, pid, Duration::from_secs(40), "pipeline");
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("did not complete within 3 s"), "{t}");
+    assert!(
+        t.contains("stage 0, step") && (t.contains("from stage 1") || t.contains("to stage 1")),
+        "{t}"
+    );
+}

@@ -43,6 +43,7 @@ pub(crate) const TAG_REPORT: Tag = 103;
 pub(crate) const TAG_SPANS: Tag = 104;
 pub(crate) const TAG_STATUS: Tag = 105;
 pub(crate) const TAG_P2P: Tag = 106;
+pub(crate) const TAG_PARAMS: Tag = 107;
 
 /// A communicator shared by threads.
 pub(crate) struct Comm(pub(crate) SimpleCommunicator);
@@ -363,21 +364,22 @@ pub struct MpiComm {
 }
 
 impl MpiComm {
-    /// Worker `rank`'s communicator over `comm` (the workers' split of the world);
+    /// World rank `world_rank`'s communicator over `comm` (the workers' split of the
+    /// world, or a pipeline's split by stage or replica: its rank there is its own);
     /// `ctl` carries the status messages of a timed-out collective.
     pub(crate) fn new(
         comm: Comm,
         ctl: Arc<Comm>,
         roles: Roles,
-        rank: usize,
+        world_rank: usize,
         timeout: Duration,
     ) -> MpiComm {
-        let size = comm.0.size() as usize;
+        let (rank, size) = (comm.0.rank() as usize, comm.0.size() as usize);
         MpiComm {
             comm,
             ctl,
             roles,
-            world_rank: rank,
+            world_rank,
             rank,
             size,
             timeout,

@@ -142,9 +142,9 @@ pub fn launch(
         rows_touched: _,
     } = run;
     check_run(run)?;
-    if programs.pipeline.is_some() && matches!(transport, TransportChoice::Mpi(_)) {
+    if programs.pipeline.is_some() && matches!(device, DeviceChoice::Cuda(_)) {
         return Err(RuntimeError::Config(
-            "a pipelined plan runs its stages as threads only for now: drop --transport mpi".into(),
+            "a pipelined plan runs on the CPU only for now: drop --device cuda".into(),
         ));
     }
     match (device, transport) {

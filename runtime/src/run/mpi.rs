@@ -18,6 +18,8 @@
 //! silent for longer than the timeout while another reported is named) and the trace
 //! spans.
 
+mod pipeline;
+
 use crate::comm::mpi::{
     complete_or, report_and_abort, suspended, Among, Backoff, Comm, MpiComm, Outgoing, Since,
     TAG_REPLY, TAG_REPORT, TAG_REQUEST, TAG_SPANS,
@@ -283,6 +285,16 @@ fn agreed_settings(config: &RunConfig, opts: &TrainOptions) -> Vec<String> {
     ]
 }
 
+/// `2 stages x 2 replicas: rank w is stage w % 2 of replica w / 2`.
+pub fn pipeline_ranks(stages: usize, ranks: usize) -> String {
+    let stages = stages.max(1);
+    format!(
+        "{stages} pipeline stages x {} replicas: rank w is stage w % {stages} of replica w / \
+         {stages}",
+        ranks / stages
+    )
+}
+
 /// Dies loudly: prints the rank's error and stops every rank of the job.
 fn fail(
     world: &SimpleCommunicator,
@@ -318,7 +330,7 @@ pub fn run_with<B: Backend>(
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     let roles = Roles {
-        workers: programs.workers,
+        workers: programs.worker_ranks()?,
         servers: mpi_run.servers,
     };
     // Start-up checks, decided from data every rank has, so every rank decides alike:
@@ -392,20 +404,24 @@ pub fn run_with<B: Backend>(
         let line = format!("mpirun -np {} {}", roles.world(), mpi_run.command);
         return Err(RuntimeError::Config(if size == 1 {
             format!(
-                "--transport mpi: this plan has {} workers and {} servers, so it runs as {} \
-                 processes; start it with\n  {line}\n(as root add --allow-run-as-root; with \
-                 more ranks than cores, --oversubscribe)",
-                roles.workers,
-                roles.servers,
+                "--transport mpi: this plan has {}, so it runs as {} processes; start it \
+                 with\n  {line}\n(as root add --allow-run-as-root; with more ranks than \
+                 cores, --oversubscribe)",
+                match programs.pipeline {
+                    Some(p) => pipeline_ranks(p.stages.len(), roles.workers),
+                    None => format!("{} workers and {} servers", roles.workers, roles.servers),
+                },
                 roles.world()
             )
         } else {
             format!(
-                "rank {rank}: the job has {size} ranks, the plan needs {} ({} workers, {} \
-                 servers); start it with\n  {line}",
+                "rank {rank}: the job has {size} ranks, the plan needs {} ({}); start it \
+                 with\n  {line}",
                 roles.world(),
-                roles.workers,
-                roles.servers
+                match programs.pipeline {
+                    Some(p) => pipeline_ranks(p.stages.len(), roles.workers),
+                    None => format!("{} workers, {} servers", roles.workers, roles.servers),
+                }
             )
         }));
     }
@@ -442,6 +458,12 @@ pub fn run_with<B: Backend>(
     let result = match role {
         Some(Role::Server(s)) => run_server(programs, config, opts, roles, s, &ps_comm, t0)
             .and_then(|spans| send_spans(&ctl, rank, spans, opts, mpi_run)),
+        Some(Role::Worker(_)) if programs.pipeline.is_some() => {
+            drop(workers_comm);
+            pipeline::run_stage_rank(
+                programs, config, opts, mpi_run, roles, &world, rank, &ctl, t0, on_step,
+            )
+        }
         Some(Role::Worker(r)) => {
             let comm = match workers_comm {
                 Some(c) => Comm(c),
@@ -549,6 +571,56 @@ fn send_spans(
         }
     }
     Ok(None)
+}
+
+/// Rank 0 takes every other rank's trace spans into `spans` (when tracing), and writes
+/// its own (the tracks named from `own`) to its rank's trace file.
+fn gather_spans(
+    ctl: &Comm,
+    ranks: usize,
+    opts: &TrainOptions,
+    mpi_run: &MpiRun,
+    own: &str,
+    spans: &mut Vec<Span>,
+) -> Result<()> {
+    if !opts.trace {
+        return Ok(());
+    }
+    let mut left: Vec<usize> = (1..ranks).collect();
+    let since = Since::now();
+    let mut backoff = Backoff(0);
+    while !left.is_empty() {
+        let Some((msg, st)) = ctl
+            .0
+            .any_process()
+            .immediate_matched_probe_with_tag(TAG_SPANS)
+        else {
+            if since.waited() >= opts.timeout {
+                return Err(RuntimeError::Config(format!(
+                    "rank(s) {left:?} did not send their trace spans within {:.0} s \
+                     (--timeout)",
+                    opts.timeout.as_secs_f64()
+                )));
+            }
+            backoff.wait();
+            continue;
+        };
+        let (bytes, st) = (msg, st).matched_receive_vec::<u8>();
+        left.retain(|&r| r != st.source_rank() as usize);
+        let theirs: Vec<Span> = serde_json::from_slice(&bytes)
+            .map_err(|e| RuntimeError::Config(format!("malformed spans: {e}")))?;
+        spans.extend(theirs);
+    }
+    if let Some(path) = &mpi_run.trace {
+        let mine: Vec<Span> = spans
+            .iter()
+            .filter(|s| s.track.starts_with(own))
+            .cloned()
+            .collect();
+        let trace = crate::run::trace::chrome_trace(&mine).to_string();
+        crate::core::output::write_file(&rank_path(path, 0), trace.as_bytes())?;
+    }
+    Ok(())
 }
 
 /// A worker's local metrics line from its own report.
@@ -782,42 +854,7 @@ fn run_worker_rank<B: Backend>(
             (None, None) => return Err(RuntimeError::Config("worker 0 vanished".into())),
         };
         let mut spans = outcome.spans;
-        if opts.trace {
-            let mut left: Vec<usize> = (1..roles.world()).collect();
-            let since = Since::now();
-            let mut backoff = Backoff(0);
-            while !left.is_empty() {
-                let Some((msg, st)) = ctl
-                    .0
-                    .any_process()
-                    .immediate_matched_probe_with_tag(TAG_SPANS)
-                else {
-                    if since.waited() >= opts.timeout {
-                        return Err(RuntimeError::Config(format!(
-                            "rank(s) {left:?} did not send their trace spans within {:.0} s \
-                             (--timeout)",
-                            opts.timeout.as_secs_f64()
-                        )));
-                    }
-                    backoff.wait();
-                    continue;
-                };
-                let (bytes, st) = (msg, st).matched_receive_vec::<u8>();
-                left.retain(|&r| r != st.source_rank() as usize);
-                let theirs: Vec<Span> = serde_json::from_slice(&bytes)
-                    .map_err(|e| RuntimeError::Config(format!("malformed spans: {e}")))?;
-                spans.extend(theirs);
-            }
-            if let Some(path) = &mpi_run.trace {
-                let own: Vec<Span> = spans
-                    .iter()
-                    .filter(|s| s.track.starts_with("worker 0"))
-                    .cloned()
-                    .collect();
-                let trace = crate::run::trace::chrome_trace(&own).to_string();
-                crate::core::output::write_file(&rank_path(path, 0), trace.as_bytes())?;
-            }
-        }
+        gather_spans(ctl, roles.world(), opts, mpi_run, "worker 0", &mut spans)?;
         let types = ps::check_shards(&server_shards(
             programs.servers,
             &pulled_types(programs.worker),

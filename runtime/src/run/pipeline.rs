@@ -32,17 +32,20 @@ use crate::run::train::{
 use crate::run::worker::{collective, StepReport};
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::PipelineProgram;
+use distc_ir::TensorType;
 use distc_ir::{Graph, NodeId, Op};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{mpsc, Mutex};
 use std::time::Instant;
 
 /// One stage's account of one step.
-#[derive(Debug)]
-struct StageReport {
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct StageReport {
     stage: usize,
     replica: usize,
-    step: usize,
+    pub(crate) step: usize,
     /// Seconds its forwards and backwards ran.
     busy_sec: f64,
     /// The mean loss of the step's micro-batches, on the stage holding the loss.
@@ -54,11 +57,18 @@ struct StageReport {
     memory: MemoryByCategory,
 }
 
+impl StageReport {
+    /// The worker that sent it, of a pipeline of `stages` stages.
+    pub(crate) fn worker(&self, stages: usize) -> usize {
+        self.replica * stages + self.stage
+    }
+}
+
 /// What a stage hands back when it ends.
 #[derive(Debug, Default)]
-struct StageOutcome {
-    params: HashMap<String, Tensor>,
-    spans: Vec<Span>,
+pub(crate) struct StageOutcome {
+    pub(crate) params: HashMap<String, Tensor>,
+    pub(crate) spans: Vec<Span>,
 }
 
 /// The variables a stage's programs read.
@@ -72,6 +82,213 @@ fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
     names
 }
 
+/// What every stage of a pipelined run shares, on threads or MPI ranks alike: the
+/// programs, each stage's schedule, the data's shapes and the variables' initial values.
+/// Worker w is stage w % P of replica w / P.
+pub(crate) struct PipelineRun<'a> {
+    /// The one-device graph the stages were cut from.
+    whole: &'a Graph,
+    program: &'a PipelineProgram,
+    /// Copies of the pipeline, each a slice of the global batch (data parallelism).
+    pub(crate) replicas: usize,
+    steps_of: Vec<Vec<Step>>,
+    shapes: HashMap<String, TensorType>,
+    initial: HashMap<String, Tensor>,
+    dir: Option<PathBuf>,
+    /// Steps of the run.
+    pub(crate) steps: usize,
+}
+
+impl<'a> PipelineRun<'a> {
+    /// `replicas` copies of `program`'s stages, cut from `whole`; refuses what a
+    /// pipelined run cannot do.
+    pub(crate) fn new(
+        whole: &'a Graph,
+        program: &'a PipelineProgram,
+        replicas: usize,
+        config: &RunConfig,
+        opts: &TrainOptions,
+    ) -> Result<PipelineRun<'a>> {
+        if replicas == 0 {
+            return Err(RuntimeError::Config(
+                "a pipeline needs at least one replica".into(),
+            ));
+        }
+        let steps_of = program
+            .programs()
+            .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
+        if opts.resume.is_some() || opts.checkpoint.is_some() {
+            return Err(RuntimeError::Config(
+                "a pipelined run cannot write or resume a training state yet".into(),
+            ));
+        }
+        Ok(PipelineRun {
+            whole,
+            program,
+            replicas,
+            steps_of,
+            shapes: input_types(whole),
+            initial: init_params(whole, config.seed),
+            dir: data_dir(opts.data_dir.as_deref()),
+            steps: opts.steps.unwrap_or(config.steps),
+        })
+    }
+
+    /// Stages of one replica.
+    pub(crate) fn stages(&self) -> usize {
+        self.program.stages.len()
+    }
+
+    /// Workers of the run: every stage of every replica.
+    pub(crate) fn workers(&self) -> usize {
+        self.stages() * self.replicas
+    }
+
+    fn open(
+        &self,
+        config: &RunConfig,
+        opts: &TrainOptions,
+        part: usize,
+        parts: usize,
+    ) -> Result<DataSource> {
+        let open = if opts.global_data {
+            DataSource::open_global
+        } else {
+            DataSource::open
+        };
+        open(
+            &config.data,
+            self.dir.as_deref(),
+            &self.shapes,
+            config.batch,
+            config.seed,
+            part,
+            parts,
+        )
+    }
+
+    /// Worker `w`'s data: one source per micro-batch. Every stage of replica r draws
+    /// the same micro-batches: part r*M + m of the R*M parts of the step's global batch,
+    /// as data parallelism with accumulation does.
+    pub(crate) fn sources(
+        &self,
+        config: &RunConfig,
+        opts: &TrainOptions,
+        w: usize,
+    ) -> Result<Vec<DataSource>> {
+        let (r, micro) = (w / self.stages(), self.program.micro_batches);
+        (0..micro)
+            .map(|m| {
+                let mut s = self.open(config, opts, r * micro + m, self.replicas * micro)?;
+                if opts.preload {
+                    s.preload(self.steps)?;
+                }
+                Ok(s)
+            })
+            .collect()
+    }
+
+    /// Worker `w`'s stage: `comm` links it to the other stages of its replica (rank =
+    /// stage), `replica_comm` to its stage in the other replicas (rank = replica).
+    pub(crate) fn stage(
+        &self,
+        w: usize,
+        comm: Box<dyn Communicator>,
+        replica_comm: Box<dyn Communicator>,
+        data: Vec<DataSource>,
+        opts: &TrainOptions,
+        t0: Instant,
+    ) -> Stage<'_> {
+        let (r, s) = (w / self.stages(), w % self.stages());
+        let graphs = &self.program.stages[s];
+        let params: HashMap<String, Tensor> = stage_variables([&graphs.forward, &graphs.backward])
+            .into_iter()
+            .filter_map(|n| self.initial.get(&n).map(|t| (n, t.clone())))
+            .collect();
+        Stage {
+            stage: s,
+            replica: r,
+            replicas: ReplicaHook { comm: replica_comm },
+            steps: &self.steps_of[s],
+            forward: &graphs.forward,
+            backward: &graphs.backward,
+            micro: self.program.micro_batches,
+            comm,
+            data,
+            params,
+            trace: opts.trace,
+            t0,
+        }
+    }
+
+    /// The coordinator of the run's metrics lines (one per step, from every stage).
+    pub(crate) fn coordinator<'c>(
+        &self,
+        config: &RunConfig,
+        on_step: &'c mut dyn FnMut(&StepMetrics) -> Result<()>,
+    ) -> Coordinator<'c> {
+        Coordinator::new(
+            1,
+            config.batch * self.program.micro_batches * self.replicas,
+            false,
+            on_step,
+        )
+    }
+
+    /// The run's report from the coordinator, replica 0's variables and every stage's
+    /// spans; evaluation runs the one-device graph on the trained variables.
+    pub(crate) fn finish(
+        &self,
+        coordinator: Coordinator<'_>,
+        params: HashMap<String, Tensor>,
+        spans: Vec<Span>,
+        config: &RunConfig,
+        opts: &TrainOptions,
+    ) -> Result<TrainReport> {
+        let mut report = coordinator.finish(params, None, spans);
+        if opts.evaluate {
+            // Its own source: the stages' sources are theirs.
+            let data = self.open(config, opts, 0, 1)?;
+            let mut exec = Executor::new(self.whole)?;
+            report.eval = Some(evaluate(
+                &mut exec,
+                &report.params,
+                &data,
+                config,
+                self.steps as u64 + 1,
+                None,
+            )?);
+        }
+        Ok(report)
+    }
+}
+
+/// Steps' reports from every stage, joined into one line per step once all are in.
+#[derive(Default)]
+pub(crate) struct StageReports {
+    pending: HashMap<usize, Vec<StageReport>>,
+}
+
+impl StageReports {
+    /// Takes one stage's report; hands the coordinator the step's line when it is the
+    /// step's last (of `workers`).
+    pub(crate) fn add(
+        &mut self,
+        r: StageReport,
+        workers: usize,
+        coordinator: &mut Coordinator<'_>,
+    ) -> Result<()> {
+        let step = r.step;
+        let reports = self.pending.entry(step).or_default();
+        reports.push(r);
+        if reports.len() < workers {
+            return Ok(());
+        }
+        let reports = self.pending.remove(&step).unwrap_or_default();
+        coordinator.add(combine(step, &reports))
+    }
+}
+
 /// Trains a pipelined plan, its stages as threads: `whole` is the one-device graph the
 /// stages were cut from (for the data's shapes and the variables' initial values).
 pub fn train_pipeline(
@@ -82,69 +299,11 @@ pub fn train_pipeline(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
-    let stages = program.stages.len();
-    if replicas == 0 {
-        return Err(RuntimeError::Config(
-            "a pipeline needs at least one replica".into(),
-        ));
-    }
-    let micro = program.micro_batches;
-    let steps_of = program
-        .programs()
-        .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
-    if opts.resume.is_some() || opts.checkpoint.is_some() {
-        return Err(RuntimeError::Config(
-            "a pipelined run cannot write or resume a training state yet".into(),
-        ));
-    }
-    let dir = data_dir(opts.data_dir.as_deref());
-    let open = if opts.global_data {
-        DataSource::open_global
-    } else {
-        DataSource::open
-    };
-    let shapes = input_types(whole);
-    let steps = opts.steps.unwrap_or(config.steps);
-    // Evaluation runs the one-device graph on the trained variables, after the last
-    // step (its own source: the stages' sources are theirs).
-    let eval_source = if opts.evaluate {
-        Some(open(
-            &config.data,
-            dir.as_deref(),
-            &shapes,
-            config.batch,
-            config.seed,
-            0,
-            1,
-        )?)
-    } else {
-        None
-    };
-    // Every stage of replica r draws the same micro-batches: part r*M + m of the
-    // R*M parts of the step's global batch, as data parallelism with accumulation does.
-    let sources = (0..replicas * stages)
-        .map(|w| {
-            let r = w / stages;
-            (0..micro)
-                .map(|m| {
-                    let mut s = open(
-                        &config.data,
-                        dir.as_deref(),
-                        &shapes,
-                        config.batch,
-                        config.seed,
-                        r * micro + m,
-                        replicas * micro,
-                    )?;
-                    if opts.preload {
-                        s.preload(steps)?;
-                    }
-                    Ok(s)
-                })
-                .collect::<Result<Vec<_>>>()
-        })
+    let run = PipelineRun::new(whole, program, replicas, config, opts)?;
+    let (stages, workers) = (run.stages(), run.workers());
+    let sources = (0..workers)
+        .map(|w| run.sources(config, opts, w))
         .collect::<Result<Vec<_>>>()?;
-    let initial = init_params(whole, config.seed);
     let linked = |n: usize| -> Vec<Box<dyn Communicator>> {
         in_process(n)
             .into_iter()
@@ -154,8 +313,8 @@ pub fn train_pipeline(
             })
             .collect()
     };
-    // Worker w is stage w % P of replica w / P: its stages talk over one communicator
-    // per replica, its replicas average gradients over one per stage.
+    // Its stages talk over one communicator per replica, its replicas average gradients
+    // over one per stage.
     let mut stage_links: Vec<Option<Box<dyn Communicator>>> = (0..replicas)
         .flat_map(|_| linked(stages))
         .map(Some)
@@ -166,7 +325,7 @@ pub fn train_pipeline(
     let first_error: Mutex<Option<String>> = Mutex::new(None);
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel::<StageReport>();
-    let mut coordinator = Coordinator::new(1, config.batch * micro * replicas, false, on_step);
+    let mut coordinator = run.coordinator(config, on_step);
     let mut coordinator_error = None;
     let mut outcomes = Vec::new();
     std::thread::scope(|scope| {
@@ -178,32 +337,16 @@ pub fn train_pipeline(
             else {
                 continue;
             };
-            let graphs = &program.stages[s];
-            let names = stage_variables([&graphs.forward, &graphs.backward]);
-            let params: HashMap<String, Tensor> = names
-                .iter()
-                .filter_map(|n| initial.get(n).map(|t| (n.clone(), t.clone())))
-                .collect();
-            let stage = Stage {
-                stage: s,
-                replica: r,
-                replicas: ReplicaHook { comm: replica_comm },
-                steps: &steps_of[s],
-                forward: &graphs.forward,
-                backward: &graphs.backward,
-                micro,
-                comm,
-                data,
-                params,
-                trace: opts.trace,
-                t0,
-            };
+            let stage = run.stage(w, comm, replica_comm, data, opts, t0);
             let tx = tx.clone();
             let first_error = &first_error;
             let h = std::thread::Builder::new()
                 .name(format!("stage-{s}-replica-{r}"))
                 .spawn_scoped(scope, move || {
-                    let result = stage.run(config, steps, &tx);
+                    let result = stage.run(config, run.steps, &mut |r| {
+                        tx.send(r)
+                            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
+                    });
                     if let Err(e) = &result {
                         let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
                         slot.get_or_insert_with(|| format!("{}: {e}", worker_name(s, r, replicas)));
@@ -213,16 +356,9 @@ pub fn train_pipeline(
             handles.push(h);
         }
         drop(tx);
-        let mut pending: HashMap<usize, Vec<StageReport>> = HashMap::new();
+        let mut reports = StageReports::default();
         for r in rx.iter() {
-            let step = r.step;
-            let reports = pending.entry(step).or_default();
-            reports.push(r);
-            if reports.len() < stages * replicas {
-                continue;
-            }
-            let reports = pending.remove(&step).unwrap_or_default();
-            if let Err(e) = coordinator.add(combine(step, &reports)) {
+            if let Err(e) = reports.add(r, workers, &mut coordinator) {
                 coordinator_error = Some(e);
                 break;
             }
@@ -260,23 +396,11 @@ pub fn train_pipeline(
             }
         }
     }
-    let mut report = coordinator.finish(params, None, spans);
-    if let Some(data) = eval_source {
-        let mut exec = Executor::new(whole)?;
-        report.eval = Some(evaluate(
-            &mut exec,
-            &report.params,
-            &data,
-            config,
-            steps as u64 + 1,
-            None,
-        )?);
-    }
-    Ok(report)
+    run.finish(coordinator, params, spans, config, opts)
 }
 
 /// `stage 2` alone, `stage 2 of replica 1` among several.
-fn worker_name(stage: usize, replica: usize, replicas: usize) -> String {
+pub(crate) fn worker_name(stage: usize, replica: usize, replicas: usize) -> String {
     if replicas > 1 {
         format!("stage {stage} of replica {replica}")
     } else {
@@ -337,8 +461,10 @@ fn no_servers(var: &str) -> RuntimeError {
 
 /// One metrics line of a step from every stage's report: the loss stages' mean loss, the
 /// slowest stage's time, bytes and memory summed over the stages.
-fn combine(step: usize, reports: &[StageReport]) -> StepReport {
-    let mut first: Vec<&StageReport> = reports.iter().filter(|r| r.replica == 0).collect();
+pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
+    // One replica's stages (the first present: a rank's own line has its replica alone).
+    let shown = reports.iter().map(|r| r.replica).min().unwrap_or(0);
+    let mut first: Vec<&StageReport> = reports.iter().filter(|r| r.replica == shown).collect();
     first.sort_by_key(|r| r.stage);
     let stages: Vec<StageStep> = first
         .iter()
@@ -390,8 +516,8 @@ fn combine(step: usize, reports: &[StageReport]) -> StepReport {
     }
 }
 
-/// One stage's thread.
-struct Stage<'a> {
+/// One stage of one replica: a thread, or an MPI rank.
+pub(crate) struct Stage<'a> {
     stage: usize,
     replica: usize,
     replicas: ReplicaHook,
@@ -415,11 +541,12 @@ fn held_bytes(maps: &[HashMap<String, Value>]) -> u64 {
 }
 
 impl Stage<'_> {
-    fn run(
+    /// Runs `steps` steps, handing each step's account to `report`.
+    pub(crate) fn run(
         mut self,
         config: &RunConfig,
         steps: usize,
-        report: &mpsc::Sender<StageReport>,
+        report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
         let s = self.stage;
         let mut fwd = Executor::new(self.forward)?;
@@ -435,6 +562,7 @@ impl Stage<'_> {
             .iter()
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let us = |t: Instant| t.saturating_duration_since(self.t0).as_secs_f64() * 1e6;
+        let track = worker_name(s, self.replica, self.replicas.comm.size());
         let mut spans = Vec::new();
         let mut last_bytes = self.comm.bytes() + self.replicas.comm.bytes();
         for step in 1..=steps {
@@ -459,6 +587,11 @@ impl Stage<'_> {
                 match *op {
                     Step::Recv { from, what, micro } => {
                         let t = Instant::now();
+                        // What an MPI rank's report names when the neighbour never comes.
+                        self.comm.set_label(&format!(
+                            "stage {s}, step {step}: the receive of the {what} of \
+                             micro-batch {micro} from stage {from}"
+                        ));
                         let bytes = self.comm.recv(from).map_err(|e| {
                             RuntimeError::Config(format!(
                                 "step {step}: waiting for the {what} of micro-batch {micro} \
@@ -478,7 +611,11 @@ impl Stage<'_> {
                         };
                         into.extend(values);
                     }
-                    Step::Send { to, micro, .. } => {
+                    Step::Send { to, what, micro } => {
+                        self.comm.set_label(&format!(
+                            "stage {s}, step {step}: the send of the {what} of micro-batch \
+                             {micro} to stage {to}"
+                        ));
                         let values = outbox.remove(&(to, micro)).unwrap_or_default();
                         self.comm.send(to, encode_values(&values))?;
                     }
@@ -536,7 +673,7 @@ impl Stage<'_> {
                         busy += began.elapsed().as_secs_f64();
                         if self.trace {
                             spans.push(Span {
-                                track: format!("stage {s}"),
+                                track: track.clone(),
                                 name: action.to_string(),
                                 node: None,
                                 step: step as u64,
@@ -574,9 +711,7 @@ impl Stage<'_> {
                 memory: peak,
             };
             last_bytes = bytes;
-            if report.send(r).is_err() {
-                return Err(RuntimeError::Config("the run was stopped".into()));
-            }
+            report(r)?;
         }
         Ok(StageOutcome {
             params: self.params,

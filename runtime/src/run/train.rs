@@ -64,6 +64,24 @@ impl<'g> Programs<'g> {
         }
     }
 
+    /// Worker ranks the plan runs as: its workers, or for a pipeline every stage of
+    /// each of its N/P replicas (one replica when N < P). N not a multiple of P is an
+    /// error.
+    pub fn worker_ranks(&self) -> Result<usize> {
+        let Some(pipeline) = self.pipeline else {
+            return Ok(self.workers);
+        };
+        let stages = pipeline.stages.len().max(1);
+        if self.workers > 1 && !self.workers.is_multiple_of(stages) {
+            return Err(RuntimeError::Config(format!(
+                "{} workers cannot run replicas of {stages} pipeline stages: give a multiple \
+                 of {stages}",
+                self.workers
+            )));
+        }
+        Ok(stages * (self.workers / stages).max(1))
+    }
+
     /// Micro-batches per step: a pipeline's, or the worker program's accumulation.
     pub fn micro_batches(&self) -> usize {
         match self.pipeline {
@@ -507,17 +525,10 @@ pub fn train(
     if let Some(pipeline) = programs.pipeline {
         // One worker is the pipeline alone; N workers are N/P replicas of it.
         let stages = pipeline.stages.len().max(1);
-        if programs.workers > 1 && !programs.workers.is_multiple_of(stages) {
-            return Err(RuntimeError::Config(format!(
-                "{} workers cannot run replicas of {stages} pipeline stages: give a multiple \
-                 of {stages}",
-                programs.workers
-            )));
-        }
         return crate::run::pipeline::train_pipeline(
             programs.worker,
             pipeline,
-            (programs.workers / stages).max(1),
+            programs.worker_ranks()? / stages,
             config,
             opts,
             on_step,

@@ -1,0 +1,271 @@
+//! A pipelined plan's stages as MPI ranks: `mpirun -np P*R` for P stages and R
+//! replicas, rank w is stage w % P of replica w / P, as the threads of
+//! [`crate::run::pipeline`] are.
+//!
+//! The world is split twice: by replica (a stage's rank there is its stage), over which
+//! activations go forward and their gradients back; and by stage (a replica's rank there
+//! is its replica), over which a stage's gradients are averaged among its replicas. Each
+//! rank runs the stage loop the threads run. Rank 0 runs its stage on a thread and joins
+//! every rank's step reports into the metrics lines; after the last step, replica 0's
+//! stages send it their variables, and, when tracing, every rank its spans.
+//!
+//! Every wait is bounded by `--timeout`: a neighbour that does not send or receive is
+//! named by the waiting rank (the label says which stage, step, micro-batch and message),
+//! a report or variables rank 0 does not take, by their sender.
+
+use super::{fail, gather_spans, local_line, send_spans, Sends};
+use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS, TAG_REPORT};
+use crate::core::config::RunConfig;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::roles::{Role, Roles};
+use crate::core::value::Value;
+use crate::ps::wire::{decode_values, encode_values};
+use crate::run::launch::{rank_path, MpiRun};
+use crate::run::metrics::StepMetrics;
+use crate::run::pipeline::{combine, worker_name, PipelineRun, StageReport, StageReports};
+use crate::run::train::{Programs, TrainOptions, TrainReport};
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use std::io::Write;
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+/// Runs this rank's stage of a pipelined plan; rank 0 returns the run's report.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_stage_rank(
+    programs: Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    mpi_run: &MpiRun,
+    roles: Roles,
+    world: &SimpleCommunicator,
+    rank: usize,
+    ctl: &Arc<Comm>,
+    t0: Instant,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+) -> Result<Option<TrainReport>> {
+    let Some(pipeline) = programs.pipeline else {
+        return Err(RuntimeError::Config("the plan has no pipeline".into()));
+    };
+    let stages = pipeline.stages.len().max(1);
+    let run = PipelineRun::new(
+        programs.worker,
+        pipeline,
+        roles.workers / stages,
+        config,
+        opts,
+    )?;
+    let (replica, stage) = (rank / stages, rank % stages);
+    // Collectives over the world: every rank splits, in the same order.
+    let by_replica = world.split_by_color_with_key(Color::with_value(replica as i32), stage as i32);
+    let by_stage = world.split_by_color_with_key(Color::with_value(stage as i32), replica as i32);
+    let (Some(by_replica), Some(by_stage)) = (by_replica, by_stage) else {
+        return Err(RuntimeError::Config(format!(
+            "rank {rank}: not in its replica's or its stage's communicator"
+        )));
+    };
+    let link = |c: SimpleCommunicator| -> Box<dyn crate::comm::Communicator> {
+        Box::new(MpiComm::new(
+            Comm(c),
+            ctl.clone(),
+            roles,
+            rank,
+            opts.timeout,
+        ))
+    };
+    let data = run.sources(config, opts, rank)?;
+    let me = run.stage(rank, link(by_replica), link(by_stage), data, opts, t0);
+    let name = worker_name(stage, replica, run.replicas);
+    let last_step = run.steps;
+    let micro_batch = config.batch;
+    let mut local = match &mpi_run.metrics {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(rank_path(p, rank)).map_err(|source| RuntimeError::Io {
+                path: rank_path(p, rank),
+                source,
+            })?,
+        )),
+        None => None,
+    };
+    // This rank's own line: its stage's step (a micro-batch's samples per step's second).
+    let mut write_local = move |rep: &StageReport| -> Result<()> {
+        let Some(w) = local.as_mut() else {
+            return Ok(());
+        };
+        let step = rep.step;
+        let line = local_line(&combine(step, std::slice::from_ref(rep)), micro_batch);
+        let text = serde_json::to_string(&line).map_err(|e| RuntimeError::Config(e.to_string()))?;
+        writeln!(w, "{text}").map_err(|source| RuntimeError::Io {
+            path: "metrics".into(),
+            source,
+        })?;
+        if step == last_step {
+            let _ = w.flush();
+        }
+        Ok(())
+    };
+    if rank != 0 {
+        let mut reports = Sends::new(opts.timeout);
+        let outcome = me.run(config, run.steps, &mut |rep| {
+            write_local(&rep)?;
+            let step = rep.step;
+            let bytes =
+                serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
+            reports
+                .pending
+                .push_back(Outgoing::start(&ctl.0, 0, TAG_REPORT, bytes, true));
+            let late = if step == last_step {
+                reports.flush().is_some()
+            } else {
+                reports.late().is_some()
+            };
+            if late {
+                return Err(RuntimeError::Config(format!(
+                    "rank 0 did not take {name}'s report of step {step} (or one before it) \
+                     within {:.0} s (--timeout): rank 0 stopped answering",
+                    opts.timeout.as_secs_f64()
+                )));
+            }
+            Ok(())
+        })?;
+        if replica == 0 {
+            let values: Vec<(String, Value)> = outcome
+                .params
+                .into_iter()
+                .map(|(n, t)| (n, Value::Tensor(t)))
+                .collect();
+            let mut out = Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_values(&values), true);
+            if !out.wait_for(opts.timeout) {
+                return Err(RuntimeError::Config(format!(
+                    "rank 0 did not take the trained variables of {name} within {:.0} s \
+                     (--timeout)",
+                    opts.timeout.as_secs_f64()
+                )));
+            }
+        }
+        return send_spans(ctl, rank, outcome.spans, opts, mpi_run);
+    }
+    // Rank 0: its stage on a thread, the coordinator here.
+    let workers = run.workers();
+    let mut coordinator = run.coordinator(config, on_step);
+    let (tx, rx) = mpsc::channel::<StageReport>();
+    let stop = |e: RuntimeError| -> ! {
+        // Another rank may be waiting on this one: the job ends here.
+        fail(&SimpleCommunicator::world(), 0, Some(Role::Worker(0)), &e)
+    };
+    let outcome = std::thread::scope(|scope| -> Result<_> {
+        let handle = std::thread::Builder::new()
+            .name("stage-0-replica-0".into())
+            .spawn_scoped(scope, move || {
+                me.run(config, run.steps, &mut |rep| {
+                    write_local(&rep)?;
+                    tx.send(rep)
+                        .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
+                })
+            })
+            .map_err(|e| RuntimeError::Config(format!("{name}: cannot start: {e}")))?;
+        let mut handle = Some(handle);
+        let mut outcome = None;
+        let mut reports = StageReports::default();
+        let mut heard = vec![0usize; workers];
+        let (mut received, expected) = (0, run.steps * workers);
+        let mut quiet = Since::now();
+        let mut backoff = Backoff(0);
+        while received < expected {
+            let mut got: Vec<StageReport> = rx.try_iter().collect();
+            if let Some((msg, st)) = ctl
+                .0
+                .any_process()
+                .immediate_matched_probe_with_tag(TAG_REPORT)
+            {
+                let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
+                match serde_json::from_slice::<StageReport>(&bytes) {
+                    Ok(rep) => got.push(rep),
+                    Err(e) => stop(RuntimeError::Config(format!(
+                        "a malformed stage report: {e}"
+                    ))),
+                }
+            }
+            // Its own stage failing ends the job with that stage's error.
+            if let Some(h) = handle.take_if(|h| h.is_finished()) {
+                outcome = Some(
+                    h.join()
+                        .map_err(|_| RuntimeError::Config(format!("{name} panicked")))??,
+                );
+            }
+            if got.is_empty() {
+                // Each rank bounds its own waits on its neighbours; this one catches a
+                // rank that went silent without one noticing.
+                if quiet.waited() > 2 * opts.timeout {
+                    let fewest = heard.iter().copied().min().unwrap_or(0);
+                    let behind: Vec<usize> = (0..workers).filter(|&w| heard[w] == fewest).collect();
+                    stop(RuntimeError::Config(format!(
+                        "no stage reported a step for {:.0} s (twice --timeout); ranks \
+                         {behind:?} reported {fewest} of {} steps",
+                        2.0 * opts.timeout.as_secs_f64(),
+                        run.steps
+                    )));
+                }
+                backoff.wait();
+                continue;
+            }
+            backoff = Backoff(0);
+            quiet = Since::now();
+            for rep in got {
+                if let Some(h) = heard.get_mut(rep.worker(stages)) {
+                    *h += 1;
+                }
+                received += 1;
+                if let Err(e) = reports.add(rep, workers, &mut coordinator) {
+                    stop(e);
+                }
+            }
+        }
+        match (outcome, handle) {
+            (Some(o), _) => Ok(o),
+            (None, Some(h)) => h
+                .join()
+                .map_err(|_| RuntimeError::Config(format!("{name} panicked")))?,
+            (None, None) => Err(RuntimeError::Config(format!("{name} vanished"))),
+        }
+    })?;
+    let mut params = outcome.params;
+    // Replica 0's other stages' variables.
+    for from in 1..stages {
+        let since = Since::now();
+        let mut backoff = Backoff(0);
+        let bytes = loop {
+            let p = ctl.0.process_at_rank(from as i32);
+            if let Some((msg, st)) = p.immediate_matched_probe_with_tag(TAG_PARAMS) {
+                break (msg, st).matched_receive_vec::<u8>().0;
+            }
+            if since.waited() >= opts.timeout {
+                return Err(RuntimeError::Config(format!(
+                    "rank {from} ({}) did not send its trained variables within {:.0} s \
+                     (--timeout)",
+                    worker_name(from, 0, run.replicas),
+                    opts.timeout.as_secs_f64()
+                )));
+            }
+            backoff.wait();
+        };
+        let values = decode_values(&bytes)
+            .map_err(|e| RuntimeError::Config(format!("rank {from}'s trained variables: {e}")))?;
+        for (n, v) in values {
+            match v {
+                Value::Tensor(t) => {
+                    params.insert(n, t);
+                }
+                Value::Slices(_) => {
+                    return Err(RuntimeError::Config(format!(
+                        "rank {from} sent `{n}` as row slices, not a variable"
+                    )))
+                }
+            }
+        }
+    }
+    let mut spans = outcome.spans;
+    gather_spans(ctl, workers, opts, mpi_run, "stage 0", &mut spans)?;
+    run.finish(coordinator, params, spans, config, opts)
+        .map(Some)
+}
