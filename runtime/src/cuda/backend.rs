@@ -278,6 +278,10 @@ pub struct CudaBackend {
     /// values are recomputed.
     accumulators: HashMap<NodeId, u64>,
     steps_ptr: u64,
+    /// Where a captured step copies its loss the moment it is computed: outside the
+    /// arena, so the step's later kernels cannot reuse it before the copy out after
+    /// the replay.
+    loss_ptr: u64,
     /// The step node kernels should see, and the optimizer's completed steps.
     kernel_step: u64,
     opt_steps: u64,
@@ -469,10 +473,11 @@ impl CudaBackend {
         }
         let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
         let steps_ptr = dev.alloc(16, true)?;
+        let loss_ptr = dev.alloc(4, true)?;
         let steps_host = dev.host_buffer(16)?;
         let loss_slots = [dev.host_buffer(4)?, dev.host_buffer(4)?];
         dev.synchronize()?;
-        let allocated = (super::driver::CUBLAS_WORKSPACE + ALIGN) as u64;
+        let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN) as u64;
         Ok(CudaBackend {
             nccl: None,
             in_flight: Vec::new(),
@@ -493,6 +498,7 @@ impl CudaBackend {
             scratch_offsets: HashMap::new(),
             accumulators: HashMap::new(),
             steps_ptr,
+            loss_ptr,
             kernel_step: 0,
             opt_steps: 0,
             dev_steps: Some((0, 0)),
@@ -1455,8 +1461,10 @@ impl Transfer for CudaBackend {
         }
         self.await_collectives(&[ptr])?;
         if self.capturing {
-            // Copied out after each replay, into a slot of its own (`pending_scalar`).
-            self.graph_loss_at = Some(ptr);
+            // Kept aside within the graph (its arena slot is reused later in the step),
+            // copied out after each replay into a slot of its own (`pending_scalar`).
+            self.dev.copy(self.loss_ptr, ptr, 4)?;
+            self.graph_loss_at = Some(self.loss_ptr);
             self.capture_loss = true;
             return Ok(None);
         }

@@ -57,6 +57,7 @@ pub(crate) struct StageReport {
     memory: MemoryByCategory,
 }
 
+#[cfg(feature = "mpi")]
 impl StageReport {
     /// The worker that sent it, of a pipeline of `stages` stages.
     pub(crate) fn worker(&self, stages: usize) -> usize {

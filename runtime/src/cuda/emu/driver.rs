@@ -54,6 +54,8 @@ pub(super) enum Recorded {
     Memset(u64, usize),
     Fresh(u64, usize),
     Download(HostBuf, u64, usize),
+    /// A device-to-device copy: target, source, bytes.
+    Copy(u64, u64, usize),
     /// An event recorded on a stream, or a stream waiting on one.
     Record(Stream, Event),
     Wait(Stream, Event),
@@ -276,6 +278,19 @@ impl EmuDriver {
         Ok(())
     }
 
+    fn run_copy(&mut self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        let mut tmp = vec![0u8; bytes];
+        let (p, off) = self
+            .dev()
+            .locate(src, bytes, "a device-to-device copy's source")?;
+        self.dev().copy_dtoh(self.compute, p, off, &mut tmp)?;
+        let (q, off) = self
+            .dev()
+            .locate(dst, bytes, "a device-to-device copy's target")?;
+        self.dev().copy_htod(self.compute, q, off, &tmp)?;
+        Ok(())
+    }
+
     fn replay_one(&mut self, r: &Recorded) -> Result<(), CudaError> {
         match r {
             Recorded::Launch {
@@ -300,6 +315,7 @@ impl EmuDriver {
             Recorded::Memset(dst, bytes) => self.run_memset(*dst, *bytes),
             Recorded::Fresh(dst, bytes) => Ok(self.dev().fresh(*dst, *bytes)?),
             Recorded::Download(b, src, bytes) => self.run_download(*b, *src, *bytes),
+            Recorded::Copy(dst, src, bytes) => self.run_copy(*dst, *src, *bytes),
             Recorded::Record(s, e) => Ok(self.dev().record_event(*s, *e)?),
             Recorded::Wait(s, e) => Ok(self.dev().wait_event(*s, *e)?),
             Recorded::Collective {
@@ -421,17 +437,15 @@ impl Driver for EmuDriver {
         if bytes == 0 {
             return Ok(());
         }
-        self.no_capture("a device-to-device copy")?;
-        let mut tmp = vec![0u8; bytes];
-        let (p, off) = self
-            .dev()
-            .locate(src, bytes, "a device-to-device copy's source")?;
-        self.dev().copy_dtoh(self.compute, p, off, &mut tmp)?;
-        let (q, off) = self
-            .dev()
-            .locate(dst, bytes, "a device-to-device copy's target")?;
-        self.dev().copy_htod(self.compute, q, off, &tmp)?;
-        Ok(())
+        if self.capturing() {
+            self.dev()
+                .locate(src, bytes, "a device-to-device copy's source")?;
+            self.dev()
+                .locate(dst, bytes, "a device-to-device copy's target")?;
+            self.record(Recorded::Copy(dst, src, bytes));
+            return Ok(());
+        }
+        self.run_copy(dst, src, bytes)
     }
 
     fn memset_zero(&mut self, dst: u64, bytes: usize) -> Result<(), CudaError> {
