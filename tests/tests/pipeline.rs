@@ -249,17 +249,93 @@ fn unsupported_combinations_are_refused_by_name() {
     assert!(e.contains("too few to cut into 500 stages"), "{e}");
 }
 
+/// A model whose input projection `e` is also its output layer (tied), `layers` tanh
+/// layers between: `e` is read on the first stage and the last.
+fn tied(layers: usize) -> String {
+    let mut s = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+                 param e: f32[16, 16] = glorot\n"
+        .to_string();
+    for k in 0..layers {
+        s += &format!("  param w{k}: f32[16, 16] = glorot\n");
+    }
+    s += "  h0 = tanh(x @ e)\n";
+    for k in 0..layers {
+        s += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
+    }
+    s += &format!(
+        "  minimize softmax_cross_entropy(h{layers} @ e, label)\n}}\n\
+         train {{\n  data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
+         optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}}\n"
+    );
+    s
+}
+
 #[test]
-fn a_variable_shared_by_two_stages_is_refused() {
-    // The input projection's transpose reused as the output layer, cut apart.
-    let src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
-        param e: f32[16, 16] = glorot\n  param w1: f32[16, 16] = glorot\n  \
-        param w2: f32[16, 16] = glorot\n  h = tanh(tanh(tanh(x @ e) @ w1) @ w2)\n  \
-        minimize softmax_cross_entropy(h @ e, label)\n}\n\
-        train {\n  data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
-        optimizer = sgd(lr = 0.1)\n  steps = 1\n  seed = 1\n}\n";
-    let e = refusal(pipelined(2, 2, ScheduleKind::OneFOneB), src);
-    assert!(e.contains("variable `e` is read on stages [0, 1]"), "{e}");
+fn a_variable_tied_across_stages_is_updated_once_and_matches_one_device() {
+    // The stage of its first use updates `e` with every stage's gradient contribution
+    // (sent back to it like any gradient), then sends the updated value to the others.
+    let src = tied(4);
+    for (stages, schedule) in [
+        (2, ScheduleKind::OneFOneB),
+        (3, ScheduleKind::GPipe),
+        (4, ScheduleKind::OneFOneB),
+    ] {
+        let c = compile(
+            "tied.dsl",
+            &src,
+            &CompileOptions {
+                strategy: pipelined(stages, 2, schedule),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("P={stages}: {e}"));
+        let program = c.programs.pipeline.as_ref().expect("a pipeline");
+        let ties = program.tied();
+        assert_eq!(ties.len(), 1, "P={stages}: {ties:?}");
+        assert_eq!(
+            (
+                ties[0].name.as_str(),
+                ties[0].owner,
+                ties[0].holders.clone()
+            ),
+            ("e", 0, vec![stages - 1]),
+            "P={stages}"
+        );
+        let accumulated = compile(
+            "tied.dsl",
+            &src,
+            &CompileOptions {
+                strategy: StrategyConfig {
+                    accumulate: 2,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let errors =
+            compare(&trained(&accumulated), &trained(&c)).unwrap_or_else(|e| panic!("{e}"));
+        for e in errors {
+            assert_eq!(
+                e.relative, 0.0,
+                "P={stages} {schedule}: `{}` differs by {:.2e}",
+                e.name, e.relative
+            );
+        }
+        let (_dir, path) = write_model("tied.dsl", &src);
+        let r = verify(&path, &verify_opts(pipelined(stages, 2, schedule), None))
+            .unwrap_or_else(|e| panic!("P={stages}: {e}"));
+        assert_passes(&format!("tied P={stages} {schedule}"), &r);
+    }
+    // Two replicas: each owner averages over its replicas, then updates its holders.
+    let (_dir, path) = write_model("tied.dsl", &src);
+    let s = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 4,
+        ..pipelined(2, 2, ScheduleKind::OneFOneB)
+    };
+    let r = verify(&path, &verify_opts(s, None)).unwrap_or_else(|e| panic!("{e}"));
+    assert_passes("tied N=4 P=2", &r);
 }
 
 #[test]

@@ -174,12 +174,6 @@ fn phase_name(p: Phase) -> &'static str {
 /// The forward and backward program of every stage of `g` cut as `plan` says, each
 /// gradient accumulated over `micro` micro-batches.
 pub fn split(g: &Graph, plan: &StagePlan, micro: usize) -> Result<Vec<StageGraphs>, PassError> {
-    if let Some((name, held)) = plan.tied.first() {
-        return Err(PassError::Precondition(format!(
-            "variable `{name}` is read on stages {held:?}: a variable shared by several \
-             stages is not supported yet; cut elsewhere or use fewer stages"
-        )));
-    }
     let p = plan.stages;
     let named = |s: usize, what: &str| Graph::new(format!("{}.stage{s}.{what}", g.name));
     let mut b = Builder {

@@ -20,8 +20,12 @@
 //! variable's stage. Reverse topological order settles readers first.
 //!
 //! **Sources** are not placed: a variable is held by every stage whose kernels read
-//! it. One held by several stages (a tied embedding) has its gradients summed across
-//! them ([`StagePlan::tied`]). Inputs and constants are fed or built where read.
+//! it. One held by several stages (a tied embedding) is updated on the first
+//! ([`StagePlan::tied`]): the gradient contributions of the others travel back to it
+//! like any gradient and are summed there as on one device, and the updated value goes
+//! to the other holders after each step. A backward kernel reading a tied variable
+//! goes to the first of its stages that its readers allow. Inputs and constants are
+//! fed or built where read.
 //!
 //! **Crossings** are the values a stage reads from another: forward values going
 //! to a later stage travel after that micro-batch's forward; every value going to an
@@ -161,11 +165,21 @@ pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
             .filter_map(|u| stage_of.get(u).copied())
             .min()
     };
+    // A variable's update runs on the first stage reading it; a tied one is read
+    // forward on several.
     let mut var_stage: HashMap<String, usize> = HashMap::new();
+    let mut var_readers: HashMap<String, Vec<usize>> = HashMap::new();
     for (id, name, _) in g.params() {
         if let Some(s) = param_stage(&stage_of, id) {
             var_stage.insert(name.to_string(), s);
         }
+        let read: BTreeSet<usize> = g
+            .user_nodes(id)
+            .iter()
+            .filter(|u| forward.contains(u))
+            .filter_map(|u| stage_of.get(u).copied())
+            .collect();
+        var_readers.insert(name.to_string(), read.into_iter().collect());
     }
     // Backward: where its forward op is, as far as what it reads shows it (a variable's
     // stage, a forward value's stage), and never before a reader (gradients only flow
@@ -178,20 +192,29 @@ pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
         let s = match op {
             Op::ParamGrad { param } => var_stage.get(param).copied(),
             _ => {
+                let readers = g
+                    .user_nodes(*id)
+                    .iter()
+                    .filter_map(|u| stage_of.get(u).copied())
+                    .max();
                 let hint = g
                     .node(*id)
                     .inputs
                     .iter()
                     .filter_map(|v| match g.op(v.node) {
-                        Op::Param { name, .. } => var_stage.get(name).copied(),
+                        // Of a tied variable's stages, the first its readers allow: the
+                        // backward of the use there (`dx = dy @ w^T` of the later use
+                        // has its readers on that stage or the one before).
+                        Op::Param { name, .. } => var_readers.get(name).and_then(|held| {
+                            let floor = readers.unwrap_or(0);
+                            held.iter()
+                                .copied()
+                                .find(|&s| s >= floor)
+                                .or(held.last().copied())
+                        }),
                         _ if forward.contains(&v.node) => stage_of.get(&v.node).copied(),
                         _ => None,
                     })
-                    .max();
-                let readers = g
-                    .user_nodes(*id)
-                    .iter()
-                    .filter_map(|u| stage_of.get(u).copied())
                     .max();
                 hint.max(readers)
             }

@@ -31,7 +31,7 @@ use crate::run::train::{
 };
 use crate::run::worker::{collective, StepReport};
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
-use distc_ir::pipeline::PipelineProgram;
+use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
@@ -93,6 +93,7 @@ pub(crate) struct PipelineRun<'a> {
     /// Copies of the pipeline, each a slice of the global batch (data parallelism).
     pub(crate) replicas: usize,
     steps_of: Vec<Vec<Step>>,
+    tied: Vec<TiedVariable>,
     shapes: HashMap<String, TensorType>,
     initial: HashMap<String, Tensor>,
     dir: Option<PathBuf>,
@@ -128,6 +129,7 @@ impl<'a> PipelineRun<'a> {
             program,
             replicas,
             steps_of,
+            tied: program.tied(),
             shapes: input_types(whole),
             initial: init_params(whole, config.seed),
             dir: data_dir(opts.data_dir.as_deref()),
@@ -208,6 +210,7 @@ impl<'a> PipelineRun<'a> {
             .collect();
         Stage {
             stage: s,
+            tied: &self.tied,
             replica: r,
             replicas: ReplicaHook { comm: replica_comm },
             steps: &self.steps_of[s],
@@ -520,6 +523,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
 /// One stage of one replica: a thread, or an MPI rank.
 pub(crate) struct Stage<'a> {
     stage: usize,
+    tied: &'a [TiedVariable],
     replica: usize,
     replicas: ReplicaHook,
     steps: &'a [Step],
@@ -531,6 +535,59 @@ pub(crate) struct Stage<'a> {
     params: HashMap<String, Tensor>,
     trace: bool,
     t0: Instant,
+}
+
+impl Stage<'_> {
+    /// Brings every tied variable's copies up to date after the update: its owner sends
+    /// the updated value to each holder ([`PipelineProgram::tied`] says in which order).
+    fn exchange_tied(&mut self, step: usize) -> Result<()> {
+        let s = self.stage;
+        for t in self.tied {
+            if t.owner == s {
+                let value = self.params.get(&t.name).cloned().ok_or_else(|| {
+                    RuntimeError::Config(format!("stage {s} does not hold `{}`", t.name))
+                })?;
+                let msg = encode_values(&[(t.name.clone(), Value::Tensor(value))]);
+                for &h in &t.holders {
+                    self.comm.set_label(&format!(
+                        "stage {s}, step {step}: the send of the updated `{}` to stage {h}",
+                        t.name
+                    ));
+                    self.comm.send(h, msg.clone())?;
+                }
+            } else if t.holders.contains(&s) {
+                let from = t.owner;
+                self.comm.set_label(&format!(
+                    "stage {s}, step {step}: the receive of the updated `{}` from stage {from}",
+                    t.name
+                ));
+                let bytes = self.comm.recv(from).map_err(|e| {
+                    RuntimeError::Config(format!(
+                        "step {step}: waiting for the updated `{}` from stage {from}: {e}",
+                        t.name
+                    ))
+                })?;
+                let values = decode_values(&bytes).map_err(|e| {
+                    RuntimeError::Config(format!("the updated `{}` from stage {from}: {e}", t.name))
+                })?;
+                for (name, v) in values {
+                    match (name == t.name, v) {
+                        (true, Value::Tensor(x)) => {
+                            self.params.insert(name, x);
+                        }
+                        (_, v) => {
+                            return Err(RuntimeError::Config(format!(
+                                "stage {from} sent `{name}` ({}) for the updated `{}`",
+                                v.value_type(),
+                                t.name
+                            )))
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Bytes of the values held for micro-batches in flight.
@@ -562,7 +619,8 @@ impl Stage<'_> {
             .node_ids()
             .iter()
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
-        let us = |t: Instant| t.saturating_duration_since(self.t0).as_secs_f64() * 1e6;
+        let t0 = self.t0;
+        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
         let track = worker_name(s, self.replica, self.replicas.comm.size());
         let mut spans = Vec::new();
         let mut last_bytes = self.comm.bytes() + self.replicas.comm.bytes();
@@ -690,6 +748,9 @@ impl Stage<'_> {
             backend
                 .update(&mut optimizer, &mut self.params, grads)
                 .map_err(|e| RuntimeError::Config(format!("applying the update: {e}")))?;
+            let t = Instant::now();
+            self.exchange_tied(step)?;
+            waited += t.elapsed().as_secs_f64();
             let loss = has_loss.then_some(loss / self.micro as f64);
             if let Some(l) = loss.filter(|l| !l.is_finite()) {
                 return Err(RuntimeError::Config(format!(
