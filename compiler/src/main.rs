@@ -1380,6 +1380,22 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
         "p2p sent/step",
         "p2p recv/step"
     );
+    // A tied variable goes from its first stage to the others once a step.
+    let (mut tied_sent, mut tied_received) = (vec![0usize; stages], vec![0usize; stages]);
+    let var_bytes: std::collections::HashMap<String, usize> = worker
+        .params()
+        .into_iter()
+        .map(|(_, n, t)| (n.to_string(), t.bytes()))
+        .collect();
+    for (name, held) in &plan.tied {
+        let bytes = var_bytes.get(name).copied().unwrap_or(0);
+        if let Some((&owner, rest)) = held.split_first() {
+            tied_sent[owner] += bytes * rest.len();
+            for &h in rest {
+                tied_received[h] += bytes;
+            }
+        }
+    }
     for (k, st) in plan.stats.iter().enumerate() {
         let in_flight = sim.peak_alive.get(k).copied().unwrap_or(micro);
         let _ = writeln!(
@@ -1392,10 +1408,21 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
             mib(st.stashed_bytes as f64),
             in_flight,
             mib((st.stashed_bytes * in_flight) as f64),
-            mib((st.sent_bytes * micro) as f64),
-            mib((st.received_bytes * micro) as f64),
+            mib((st.sent_bytes * micro + tied_sent[k]) as f64),
+            mib((st.received_bytes * micro + tied_received[k]) as f64),
             st.variables.join(" ")
         );
+    }
+    for (name, held) in &plan.tied {
+        if let Some((owner, rest)) = held.split_first() {
+            let _ = writeln!(
+                s,
+                "tied: `{name}` is read on stages {held:?}: stage {owner} sums every stage's \
+                 gradient of it and updates it, then sends it to stage(s) {rest:?} after each \
+                 step ({} each)",
+                mib(var_bytes.get(name).copied().unwrap_or(0) as f64)
+            );
+        }
     }
     Ok(s)
 }

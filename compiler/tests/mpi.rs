@@ -780,6 +780,50 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
         };
         assert!(tracks.contains(&last), "{what}: {last} not in {tracks:?}");
     }
+    // A variable tied across stages 0 and 2: stage 0 sends its update to rank 2.
+    let model = tmp("tied.dsl");
+    let mut src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+                   param e: f32[16, 16] = glorot\n"
+        .to_string();
+    for k in 0..4 {
+        src += &format!("  param w{k}: f32[16, 16] = glorot\n");
+    }
+    src += "  h0 = tanh(x @ e)\n";
+    for k in 0..4 {
+        src += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
+    }
+    src += "  minimize softmax_cross_entropy(h4 @ e, label)\n}\ntrain {\n  \
+            data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
+            optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}\n";
+    std::fs::write(&model, src).expect("writes the model");
+    let plan = compile_with(
+        s(&model),
+        "single",
+        1,
+        0,
+        "tied.plan.json",
+        &["--pipeline", "3", "--micro-batches", "2"],
+    );
+    let (one, many) = (tmp("tied.safetensors"), tmp("tied.mpi.safetensors"));
+    let o = distc(&["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]);
+    assert!(o.status.success(), "tied: {}", text(&o));
+    let o = mpirun(
+        3,
+        &[
+            "run",
+            s(&plan),
+            "--steps",
+            "3",
+            "-q",
+            "--save",
+            s(&many),
+            "--transport",
+            "mpi",
+        ],
+    );
+    assert!(o.status.success(), "tied: {}", text(&o));
+    let d = max_difference(&one, &many);
+    assert!(d == 0.0, "tied: MPI ranks and threads differ by {d:.2e}");
     let plan = compile_with(
         "examples/dense_mlp.dsl",
         "allreduce",
