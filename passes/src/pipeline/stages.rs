@@ -6,7 +6,8 @@
 //! sinks). Their kernels, in the graph's topological order, are cut into P non-empty
 //! contiguous runs: any prefix of a topological order is closed under inputs, so every
 //! forward value flows to its own stage or a later one. Each kernel weighs its share
-//! of the forward flops ([`crate::cost::node_flops`]) plus its share of the memory
+//! of the flops ([`crate::cost::node_flops`]: its own and those of the backward kernels
+//! that go with it) plus its share of the memory
 //! (its results, and the variables it is the first to read); the cut minimises the
 //! heaviest stage (a bisection on the bound, packed greedily, so it is optimal for
 //! that bound to within the bisection's precision).
@@ -145,7 +146,7 @@ pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
             stages,
         });
     }
-    let weights = kernel_weights(g, &kernels);
+    let weights = kernel_weights(g, &order, &forward, &kernels);
     let cut = cut(&weights, stages);
     let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
     for (k, id) in kernels.iter().enumerate() {
@@ -307,8 +308,14 @@ fn forward_nodes(g: &Graph, order: &[NodeId]) -> HashSet<NodeId> {
     seen
 }
 
-/// Each forward kernel's share of the flops plus its share of the memory.
-fn kernel_weights(g: &Graph, kernels: &[NodeId]) -> Vec<f64> {
+/// Each forward kernel's share of the flops (its own, and its backward's) plus its
+/// share of the memory.
+fn kernel_weights(
+    g: &Graph,
+    order: &[NodeId],
+    forward: &HashSet<NodeId>,
+    kernels: &[NodeId],
+) -> Vec<f64> {
     let mut first_reader: HashMap<NodeId, usize> = HashMap::new();
     for (k, id) in kernels.iter().enumerate() {
         for v in &g.node(*id).inputs {
@@ -317,7 +324,55 @@ fn kernel_weights(g: &Graph, kernels: &[NodeId]) -> Vec<f64> {
             }
         }
     }
-    let flops: Vec<f64> = kernels.iter().map(|id| node_flops(g, *id)).collect();
+    let mut flops: Vec<f64> = kernels.iter().map(|id| node_flops(g, *id)).collect();
+    // A backward kernel's flops count with the forward kernel it goes with, found as
+    // the cut places it (reverse order, readers first): the latest of the forward
+    // results and variables it reads and of where its readers went, a `param_grad`
+    // going with its variable's first reader. The backward is about twice the forward,
+    // but not everywhere (the first layer computes no input gradient): a cut by
+    // forward flops alone leaves the stages' steps unequal.
+    let index: HashMap<NodeId, usize> =
+        kernels.iter().enumerate().map(|(k, id)| (*id, k)).collect();
+    let mut with: HashMap<NodeId, usize> = HashMap::new();
+    for id in order.iter().rev() {
+        let op = g.op(*id);
+        if forward.contains(id) || op.is_source() {
+            continue;
+        }
+        let k = if let Op::ParamGrad { .. } = op {
+            g.node(*id)
+                .inputs
+                .iter()
+                .find_map(|v| first_reader.get(&v.node).copied())
+                .or_else(|| {
+                    g.params()
+                        .into_iter()
+                        .find(|(_, n, _)| matches!(op, Op::ParamGrad { param } if param == n))
+                        .and_then(|(p, _, _)| first_reader.get(&p).copied())
+                })
+        } else {
+            let read = g
+                .node(*id)
+                .inputs
+                .iter()
+                .filter_map(|v| index.get(&v.node).or_else(|| first_reader.get(&v.node)))
+                .copied()
+                .max();
+            let readers = g
+                .user_nodes(*id)
+                .iter()
+                .filter_map(|u| with.get(u))
+                .copied()
+                .max();
+            read.max(readers)
+        };
+        if let Some(k) = k {
+            with.insert(*id, k);
+            if !op.is_sink() {
+                flops[k] += node_flops(g, *id);
+            }
+        }
+    }
     let mut memory: Vec<f64> = kernels
         .iter()
         .map(|id| g.node(*id).outputs.iter().map(|t| t.bytes() as f64).sum())
