@@ -1336,7 +1336,11 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
     }
     let micro = p.settings.micro_batches;
     let kind = p.settings.schedule;
-    let plan = distc_passes::pipeline::stages::partition(worker, stages)?;
+    let plan = distc_passes::pipeline::stages::partition_with(
+        worker,
+        stages,
+        p.settings.stage_marks.as_ref(),
+    )?;
     let forward: Vec<f64> = plan.stats.iter().map(|st| st.forward_flops).collect();
     let backward: Vec<f64> = plan.stats.iter().map(|st| st.backward_flops).collect();
     let sim = schedule::simulate(

@@ -56,6 +56,9 @@ pub struct Compiled {
     /// Why the plan cannot be trained, when a flag cut the pipeline short (a plan
     /// without gradients or without its communication is for reading, not running).
     pub not_runnable: Option<String>,
+    /// The stages the model's `pipeline_stage` markers give its variables, when it has
+    /// markers and is pipelined (`--pipeline`); one device ignores the markers.
+    pub stage_marks: Option<std::collections::BTreeMap<String, usize>>,
 }
 
 /// The passes a plan needs to be trained: without them it has no gradients, or its
@@ -193,6 +196,7 @@ pub fn compile(
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let assumptions = program.assumptions;
+    let stage_marks = program.stage_marks.filter(|_| opts.strategy.pipeline > 1);
     let mut programs = ProgramSet::new(program.graph);
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
@@ -225,6 +229,7 @@ pub fn compile(
             measurement: None,
             assumptions,
             not_runnable: not_runnable(opts),
+            stage_marks,
         });
     }
     let passes = passes_for(&opts.strategy);
@@ -236,7 +241,10 @@ pub fn compile(
     };
     let mut cx = PassCx {
         disabled: opts.disabled.clone(),
-        strategy: opts.strategy.clone(),
+        strategy: StrategyConfig {
+            stage_marks: stage_marks.clone(),
+            ..opts.strategy.clone()
+        },
         measured_ids,
         ..Default::default()
     };
@@ -281,6 +289,7 @@ pub fn compile(
                 measurement,
                 assumptions,
                 not_runnable: not_runnable(opts),
+                stage_marks,
             })
         }
         Err(error) => {

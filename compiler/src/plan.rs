@@ -149,7 +149,10 @@ impl Plan {
             strategy: settings.strategy,
             config: c.config.clone(),
             passes,
-            settings: settings.clone(),
+            settings: StrategyConfig {
+                stage_marks: c.stage_marks.clone(),
+                ..settings.clone()
+            },
             dist: c.dist.clone(),
             graph: distc_ir::print(&c.programs.worker),
             init: c.programs.init.as_ref().map(distc_ir::print),

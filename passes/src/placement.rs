@@ -103,6 +103,10 @@ pub struct StrategyConfig {
     /// The pipeline's order of forwards and backwards.
     #[serde(default)]
     pub schedule: distc_ir::pipeline::schedule::ScheduleKind,
+    /// The stage of each variable as the model's `pipeline_stage` markers say (the
+    /// stage of the statement first using it); none: stages balanced by cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_marks: Option<std::collections::BTreeMap<String, usize>>,
 }
 
 /// Which activations the remat pass drops after the forward pass and recomputes in
@@ -227,6 +231,7 @@ impl Default for StrategyConfig {
             pipeline: 1,
             micro_batches: 1,
             schedule: Default::default(),
+            stage_marks: None,
         }
     }
 }

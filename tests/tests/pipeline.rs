@@ -428,3 +428,63 @@ fn split_snapshot_of_a_three_layer_model_in_two_stages() {
         .join("\n");
     insta::assert_snapshot!("pipeline_split_small_p2_m2", text);
 }
+
+/// `deep_with_skip` with a `pipeline_stage` marker before each layer in `before`.
+fn marked(layers: usize, width: usize, before: &[usize]) -> String {
+    let src = deep_with_skip(layers, width);
+    let mut out = String::new();
+    for line in src.lines() {
+        let starts = before
+            .iter()
+            .any(|k| line.trim_start().starts_with(&format!("h{} = ", k + 1)));
+        if starts {
+            out += "  pipeline_stage\n";
+        }
+        out += line;
+        out += "\n";
+    }
+    out
+}
+
+#[test]
+fn pipeline_stage_markers_place_the_layers_and_match_one_device() {
+    // Markers before layers 1 and 4 of six: stage 0 holds wi, w0 and b0; stage 1 the
+    // layers 1 to 3; stage 2 the rest. The cost model would cut elsewhere.
+    let src = marked(6, 24, &[1, 4]);
+    let (_dir, path) = write_model("marked.dsl", &src);
+    for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+        let c = compile(
+            "marked.dsl",
+            &src,
+            &CompileOptions {
+                strategy: pipelined(3, 2, schedule),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let p = c.programs.pipeline.as_ref().expect("a pipeline");
+        let held = |s: usize| -> Vec<String> {
+            let mut v: Vec<String> = p.stages[s]
+                .forward
+                .params()
+                .into_iter()
+                .map(|(_, n, _)| n.to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(held(0), ["b0", "w0", "wi"], "{schedule}");
+        assert_eq!(held(1), ["b1", "b2", "b3", "w1", "w2", "w3"], "{schedule}");
+        assert_eq!(held(2), ["b4", "b5", "w4", "w5", "wo"], "{schedule}");
+        let r = verify(&path, &verify_opts(pipelined(3, 2, schedule), None))
+            .unwrap_or_else(|e| panic!("{schedule}: {e}"));
+        assert_passes(&format!("marked {schedule}"), &r);
+    }
+    // One device ignores the markers; another stage count is refused by name.
+    compile("marked.dsl", &src, &CompileOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let e = refusal(pipelined(2, 2, ScheduleKind::OneFOneB), &src);
+    assert!(
+        e.contains("markers make 3 stages, --pipeline asks for 2"),
+        "{e}"
+    );
+}

@@ -94,6 +94,11 @@ pub enum Stmt {
         /// The value.
         value: Expr,
     },
+    /// `pipeline_stage`: the statements after it start the next pipeline stage.
+    StageMark {
+        /// The marker.
+        span: Span,
+    },
     /// `minimize expr`.
     Minimize {
         /// The objective.

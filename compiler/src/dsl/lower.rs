@@ -7,7 +7,7 @@ use super::ast::{Arg, BinOp, Dim, Expr, ExprKind, Ident, InitExpr, Model, Span, 
 use super::error::{backticked, close_names, did_you_mean, line_of, Diag};
 use distc_ir::{DType, Graph, GraphError, Init, Op, Shape, TensorType, ValueId};
 use distc_runtime::DataSpec;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 type R<T> = Result<T, Diag>;
 
@@ -553,6 +553,9 @@ struct Binding {
 /// What the lowering of a model produces.
 pub(crate) struct Lowered {
     pub graph: Graph,
+    /// With `pipeline_stage` markers: each variable's stage, the stage of the
+    /// statement first using it.
+    pub stage_marks: Option<BTreeMap<String, usize>>,
 }
 
 struct Lowerer<'a> {
@@ -589,7 +592,14 @@ pub(crate) fn lower_model(
         loss_parts: HashMap::new(),
     };
     let mut minimized: Option<Span> = None;
+    // The markers so far, and the stage of each variable used so far.
+    let mut marks: Vec<Span> = Vec::new();
+    let mut stage_of: BTreeMap<String, usize> = BTreeMap::new();
     for stmt in &model.stmts {
+        if let Stmt::StageMark { span } = stmt {
+            marks.push(*span);
+            continue;
+        }
         match stmt {
             Stmt::Input { name, ty, .. } => {
                 cx.define_check(name)?;
@@ -641,6 +651,12 @@ pub(crate) fn lower_model(
                 cx.minimize(expr)?;
                 minimized = Some(*span);
             }
+            Stmt::StageMark { .. } => {}
+        }
+        for (id, name, _) in cx.graph.params() {
+            if !stage_of.contains_key(name) && !cx.graph.user_nodes(id).is_empty() {
+                stage_of.insert(name.to_string(), marks.len());
+            }
         }
     }
     if minimized.is_none() {
@@ -651,7 +667,37 @@ pub(crate) fn lower_model(
         )
         .help("end the model with the objective, e.g. `minimize softmax_cross_entropy(logits, label)`"));
     }
-    Ok(Lowered { graph: cx.graph })
+    let stage_marks = if marks.is_empty() {
+        None
+    } else {
+        // Every stage starts with a variable of its own: the markers cut between
+        // layers, not inside one.
+        for stage in 0..=marks.len() {
+            if stage_of.values().any(|&s| s == stage) {
+                continue;
+            }
+            return Err(if stage == 0 {
+                Diag::new(
+                    marks[0],
+                    "no variable is used before the first `pipeline_stage`",
+                    "stage 0 would hold nothing",
+                )
+                .help("put the marker after the statements of the first layers")
+            } else {
+                Diag::new(
+                    marks[stage - 1],
+                    format!("the stage this marker starts (stage {stage}) uses no variable first"),
+                    "an empty stage",
+                )
+                .help("a stage starts with the first statement using a variable not used before; move the marker before such a statement, or drop it")
+            });
+        }
+        Some(stage_of)
+    };
+    Ok(Lowered {
+        graph: cx.graph,
+        stage_marks,
+    })
 }
 
 fn lower_init(init: &InitExpr) -> R<Init> {

@@ -138,6 +138,9 @@ pub struct Program {
     pub batch_symbol_value: usize,
     /// Where the model breaks what data parallelism assumes (see [`batch::assumptions`]).
     pub assumptions: Vec<String>,
+    /// With `pipeline_stage` markers: each variable's pipeline stage (the stage of the
+    /// statement first using it).
+    pub stage_marks: Option<std::collections::BTreeMap<String, usize>>,
 }
 
 /// Parses and lowers a DSL file. `file_name` is shown in diagnostics.
@@ -204,7 +207,8 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
         Some(b) => b,
         None => t.config.batch,
     };
-    let mut graph = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?.graph;
+    let lowered = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?;
+    let (mut graph, stage_marks) = (lowered.graph, lowered.stage_marks);
     // The axes that depend on B are those whose length changes with it.
     let mut assumptions = Vec::new();
     let other = batch
@@ -221,5 +225,6 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
         config: t.config,
         batch_symbol_value: batch,
         assumptions,
+        stage_marks,
     })
 }

@@ -205,8 +205,10 @@ fn want_of_rule(rule: Rule) -> Option<Want> {
         | Rule::param_decl
         | Rule::minimize
         | Rule::let_stmt
+        | Rule::stage_mark
         | Rule::kw_input
         | Rule::kw_param
+        | Rule::kw_stage
         | Rule::kw_minimize => Want::Statement,
         Rule::train_entry => Want::TrainEntry,
         Rule::model | Rule::train | Rule::kw_model | Rule::kw_train => Want::Block,
@@ -230,7 +232,7 @@ fn want_of_token(token: &str) -> Option<Want> {
         t if t.len() > 2 && t.contains("..") => return None,
         "+" | "-" | "*" | "/" | "@" => Want::Operator,
         "model" | "train" => Want::Block,
-        "input" | "param" | "minimize" => Want::Statement,
+        "input" | "param" | "minimize" | "pipeline_stage" => Want::Statement,
         "e" | "E" | "." => Want::Number,
         t => Want::Token(t.to_string()),
     })
@@ -533,6 +535,7 @@ fn build_stmt(p: Pair<'_, Rule>) -> R<Stmt> {
             let expr = build_expr(next(&mut it, at, "objective")?)?;
             Ok(Stmt::Minimize { expr, span: at })
         }
+        Rule::stage_mark => Ok(Stmt::StageMark { span: at }),
         Rule::let_stmt => {
             let name = ident(next(&mut it, at, "name")?);
             let value = build_expr(next(&mut it, at, "value")?)?;

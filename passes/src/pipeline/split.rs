@@ -29,7 +29,7 @@
 
 use crate::fusion::Fusion;
 use crate::pipeline::schedule::{self, ScheduleKind};
-use crate::pipeline::stages::{partition, StagePlan};
+use crate::pipeline::stages::{partition_with, StagePlan};
 use crate::placement::{Strategy, StrategyConfig};
 use crate::schedule::Schedule;
 use crate::{needs_program_set, Pass, PassCx, PassError, PassStats, ProgramSet};
@@ -310,8 +310,8 @@ impl Pass for PipelineSplit {
                 cfg.zero
             )));
         }
-        let plan =
-            partition(&p.worker, stages).map_err(|e| PassError::Precondition(e.to_string()))?;
+        let plan = partition_with(&p.worker, stages, cfg.stage_marks.as_ref())
+            .map_err(|e| PassError::Precondition(e.to_string()))?;
         let mut graphs = split(&p.worker, &plan, micro)?;
         let mut collectives = 0;
         if replicas > 1 {

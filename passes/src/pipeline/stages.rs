@@ -12,6 +12,10 @@
 //! heaviest stage (a bisection on the bound, packed greedily, so it is optimal for
 //! that bound to within the bisection's precision).
 //!
+//! With `pipeline_stage` markers in the model, the cut is the user's instead: each
+//! variable is on the stage of the statement that first uses it, and each forward
+//! kernel on the latest stage of its variables and inputs ([`partition_with`]).
+//!
 //! **Backward nodes** (every other kernel) go where their forward op went, which the
 //! graph does not record, so it is recovered from what they read: the latest stage of
 //! the variables (`dx = dy @ w^T` needs `w`) and forward values (`relu_grad` reads its
@@ -54,6 +58,29 @@ pub enum StageError {
         kernels: usize,
         /// Stages asked for.
         stages: usize,
+    },
+    /// The model's markers make another number of stages than asked for.
+    #[error(
+        "the model's pipeline_stage markers make {marked} stages, --pipeline asks for \
+         {stages}: give --pipeline {marked}, or move the markers"
+    )]
+    Marked {
+        /// Stages the markers make.
+        marked: usize,
+        /// Stages asked for.
+        stages: usize,
+    },
+    /// A marked stage got no kernel: its variables are all read by kernels that also
+    /// read a later stage's values.
+    #[error(
+        "marked stage {stage} computes nothing of its own: its variables ({variables}) are \
+         read only by operations on later stages; move its pipeline_stage marker"
+    )]
+    EmptyMarkedStage {
+        /// The empty stage.
+        stage: usize,
+        /// Its variables.
+        variables: String,
     },
     /// No `loss` sink: nothing says what is forward.
     #[error("the graph has no loss: pipeline stages cut a trained graph")]
@@ -125,8 +152,20 @@ pub struct StagePlan {
     pub tied: Vec<(String, Vec<usize>)>,
 }
 
-/// Cuts `g` into `stages` stages (see the module doc).
+/// Cuts `g` into `stages` stages balanced by the cost model (see the module doc).
 pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
+    partition_with(g, stages, None)
+}
+
+/// Cuts `g` into `stages` stages: where the model's `pipeline_stage` markers say when
+/// `marks` is given (each variable's stage: the stage of the statement first using
+/// it), else balanced by the cost model. A marked cut puts each forward kernel on the
+/// latest stage of the variables it reads and of its inputs.
+pub fn partition_with(
+    g: &Graph,
+    stages: usize,
+    marks: Option<&BTreeMap<String, usize>>,
+) -> Result<StagePlan, StageError> {
     if stages == 0 {
         return Err(StageError::NoStages);
     }
@@ -146,8 +185,10 @@ pub fn partition(g: &Graph, stages: usize) -> Result<StagePlan, StageError> {
             stages,
         });
     }
-    let weights = kernel_weights(g, &order, &forward, &kernels);
-    let cut = cut(&weights, stages);
+    let cut = match marks {
+        Some(marks) => marked_cut(g, &kernels, marks, stages)?,
+        None => cut(&kernel_weights(g, &order, &forward, &kernels), stages),
+    };
     let mut stage_of: HashMap<NodeId, usize> = HashMap::new();
     for (k, id) in kernels.iter().enumerate() {
         stage_of.insert(*id, cut[k]);
@@ -439,6 +480,48 @@ fn cut(weights: &[f64], stages: usize) -> Vec<usize> {
     // the bound allows and leaves one kernel per later stage); the fallback is even
     // runs by count.
     best.unwrap_or_else(|| (0..n).map(|k| k * stages / n).collect())
+}
+
+/// The stage of each of `kernels` (in topological order) as the markers say: the
+/// latest of its variables' marked stages and its inputs' stages.
+fn marked_cut(
+    g: &Graph,
+    kernels: &[NodeId],
+    marks: &BTreeMap<String, usize>,
+    stages: usize,
+) -> Result<Vec<usize>, StageError> {
+    let marked = marks.values().max().map_or(1, |m| m + 1);
+    if marked != stages {
+        return Err(StageError::Marked { marked, stages });
+    }
+    let mut at: HashMap<NodeId, usize> = HashMap::new();
+    let mut cut = Vec::with_capacity(kernels.len());
+    for id in kernels {
+        let s = g
+            .node(*id)
+            .inputs
+            .iter()
+            .filter_map(|v| match g.op(v.node) {
+                Op::Param { name, .. } => marks.get(name).copied(),
+                _ => at.get(&v.node).copied(),
+            })
+            .max()
+            .unwrap_or(0);
+        at.insert(*id, s);
+        cut.push(s);
+    }
+    if let Some(empty) = (0..stages).find(|s| !cut.contains(s)) {
+        let vars: Vec<String> = marks
+            .iter()
+            .filter(|(_, &s)| s == empty)
+            .map(|(n, _)| format!("`{n}`"))
+            .collect();
+        return Err(StageError::EmptyMarkedStage {
+            stage: empty,
+            variables: vars.join(", "),
+        });
+    }
+    Ok(cut)
 }
 
 /// The stage of the first input's producer that has one.
