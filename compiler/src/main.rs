@@ -423,8 +423,9 @@ struct CompileArgs {
     #[arg(long)]
     fuse: bool,
     /// Pipeline parallelism: cut the model into P stages (balanced by the cost model's
-    /// FLOPs and memory), each with its forward and backward program, run as P
-    /// workers passing activations and their gradients (`distc explain` shows the cut).
+    /// FLOPs and memory, or where the model's `pipeline_stage` lines say), each with its
+    /// forward and backward program, run as P workers passing activations and their
+    /// gradients (`distc explain` shows the cut).
     #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "P")]
     pipeline: usize,
     /// Micro-batches per step of a pipeline (--pipeline), each of the plan's batch:
@@ -492,7 +493,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
     timeout: f64,
     /// How the ranks run: `inprocess` (threads of this process) or `mpi` (this process
-    /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping).
+    /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping: a
+    /// pipeline's rank w is stage w % P of replica w / P).
     #[arg(long, value_enum, default_value = "inprocess")]
     transport: Transport,
     /// Where the kernels run: `cpu`, or `cuda` / `cuda:N` (GPU N, default 0). A
