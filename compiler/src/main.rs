@@ -1244,7 +1244,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 ExplainFormat::Table => out(&format!(
                     "{}{}",
                     explain_table(&p, &mem),
-                    explain_pipeline(&p, programs.worker)?
+                    explain_pipeline(&p, programs.worker, programs.pipeline)?
                 )),
             }
         }
@@ -1329,7 +1329,11 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
 
 /// Per pipeline stage: what it holds, its FLOPs, the activations it stashes, the
 /// bytes it exchanges, and the bubble its schedule predicts. Empty for other plans.
-fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
+fn explain_pipeline(
+    p: &Plan,
+    worker: &distc_ir::Graph,
+    program: Option<&distc_ir::pipeline::PipelineProgram>,
+) -> Result<String> {
     use distc_ir::pipeline::schedule;
     use std::fmt::Write as _;
     let stages = p.settings.pipeline;
@@ -1375,7 +1379,7 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
     }
     let _ = writeln!(
         s,
-        "{:<6} {:>10} {:>11} {:>11} {:>12} {:>9} {:>12} {:>13} {:>13}  variables",
+        "{:<6} {:>10} {:>11} {:>11} {:>12} {:>9} {:>12} {:>12} {:>13} {:>13}  variables",
         "stage",
         "params",
         "fwd MFLOP",
@@ -1383,6 +1387,7 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
         "stash/micro",
         "in flight",
         "peak stash",
+        "activations",
         "p2p sent/step",
         "p2p recv/step"
     );
@@ -1402,11 +1407,25 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
             }
         }
     }
+    // A stage's activations at their peak: the larger of its forward's and backward's
+    // own peak, beside the stash of the micro-batches in flight (what the metrics'
+    // per-stage `activations` measure).
+    let own_peak = |k: usize| -> usize {
+        program.and_then(|pr| pr.stages.get(k)).map_or(0, |st| {
+            [&st.forward, &st.backward]
+                .iter()
+                .map(|g| {
+                    distc_passes::remat::peak_activation_bytes_without_gradients(g, &g.topo_order())
+                })
+                .max()
+                .unwrap_or(0)
+        })
+    };
     for (k, st) in plan.stats.iter().enumerate() {
         let in_flight = sim.peak_alive.get(k).copied().unwrap_or(micro);
         let _ = writeln!(
             s,
-            "{:<6} {:>10} {:>11.2} {:>11.2} {:>12} {:>9} {:>12} {:>13} {:>13}  {}",
+            "{:<6} {:>10} {:>11.2} {:>11.2} {:>12} {:>9} {:>12} {:>12} {:>13} {:>13}  {}",
             k,
             mib(st.param_bytes as f64),
             st.forward_flops / 1e6,
@@ -1414,6 +1433,7 @@ fn explain_pipeline(p: &Plan, worker: &distc_ir::Graph) -> Result<String> {
             mib(st.stashed_bytes as f64),
             in_flight,
             mib((st.stashed_bytes * in_flight) as f64),
+            mib((st.stashed_bytes * in_flight + own_peak(k)) as f64),
             mib((st.sent_bytes * micro + tied_sent[k]) as f64),
             mib((st.received_bytes * micro + tied_received[k]) as f64),
             st.variables.join(" ")

@@ -319,6 +319,20 @@ fn emit_copies(
 /// value freed after its last reader (sources excluded: they are parameters, feeds
 /// and constants, not activations).
 pub fn peak_activation_bytes(g: &Graph, order: &[NodeId]) -> usize {
+    peak_bytes_of(g, order, |op| !op.is_source())
+}
+
+/// [`peak_activation_bytes`] as a run's metrics count activations: the accumulated
+/// gradients (`accumulate` results, which a run holds as gradients) left out too.
+pub fn peak_activation_bytes_without_gradients(g: &Graph, order: &[NodeId]) -> usize {
+    peak_bytes_of(g, order, |op| {
+        !op.is_source() && !matches!(op, distc_ir::Op::Accumulate { .. })
+    })
+}
+
+/// The most bytes alive at once of the values of nodes `counted` says, each freed
+/// after its last reader.
+fn peak_bytes_of(g: &Graph, order: &[NodeId], counted: impl Fn(&distc_ir::Op) -> bool) -> usize {
     let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     let mut last_use: HashMap<NodeId, usize> = HashMap::new();
     for (i, &id) in order.iter().enumerate() {
@@ -331,7 +345,7 @@ pub fn peak_activation_bytes(g: &Graph, order: &[NodeId]) -> usize {
     let (mut live, mut peak) = (0usize, 0usize);
     for (i, &id) in order.iter().enumerate() {
         let node = g.node(id);
-        if !node.op.is_source() {
+        if counted(&node.op) {
             let bytes: usize = node.outputs.iter().map(|t| t.bytes()).sum();
             live += bytes;
             peak = peak.max(live);
