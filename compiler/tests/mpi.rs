@@ -794,7 +794,7 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
     }
     src += "  minimize softmax_cross_entropy(h4 @ e, label)\n}\ntrain {\n  \
             data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
-            optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}\n";
+            optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n  eval_every = 2\n}\n";
     std::fs::write(&model, src).expect("writes the model");
     let plan = compile_with(
         s(&model),
@@ -805,7 +805,18 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
         &["--pipeline", "3", "--micro-batches", "2"],
     );
     let (one, many) = (tmp("tied.safetensors"), tmp("tied.mpi.safetensors"));
-    let o = distc(&["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]);
+    let (m1, mm) = (tmp("tied.jsonl"), tmp("tied.mpi.jsonl"));
+    let o = distc(&[
+        "run",
+        s(&plan),
+        "--steps",
+        "3",
+        "-q",
+        "--save",
+        s(&one),
+        "--metrics",
+        s(&m1),
+    ]);
     assert!(o.status.success(), "tied: {}", text(&o));
     let o = mpirun(
         3,
@@ -819,11 +830,27 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
             s(&many),
             "--transport",
             "mpi",
+            "--metrics",
+            s(&mm),
         ],
     );
     assert!(o.status.success(), "tied: {}", text(&o));
     let d = max_difference(&one, &many);
     assert!(d == 0.0, "tied: MPI ranks and threads differ by {d:.2e}");
+    // Evaluated after steps 2 and 3 on both transports, from the same variables.
+    let evals = |p: &Path| -> Vec<(u64, f64)> {
+        std::fs::read_to_string(p)
+            .expect("metrics")
+            .lines()
+            .filter_map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).ok()?;
+                Some((v["step"].as_u64()?, v["eval_loss"].as_f64()?))
+            })
+            .collect()
+    };
+    let (threads, ranks) = (evals(&m1), evals(&mm));
+    assert_eq!(threads.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 3]);
+    assert_eq!(threads, ranks);
     let plan = compile_with(
         "examples/dense_mlp.dsl",
         "allreduce",

@@ -488,3 +488,47 @@ fn pipeline_stage_markers_place_the_layers_and_match_one_device() {
         "{e}"
     );
 }
+
+#[test]
+fn a_pipelined_run_evaluates_every_eval_every_steps_as_accumulation_does() {
+    // Every 2 steps of 5 and after the last, the coordinator evaluates the whole model on replica 0's
+    // variables: the same variables, bit for bit, as one device accumulating the same
+    // micro-batches, so the same evaluation.
+    let src = deep_with_skip(4, 16).replace("  seed = 11\n", "  seed = 11\n  eval_every = 2\n");
+    let evals = |strategy: StrategyConfig| {
+        let c = compile(
+            "skip.dsl",
+            &src,
+            &CompileOptions {
+                strategy,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let opts = TrainOptions {
+            steps: Some(5),
+            global_data: true,
+            ..TrainOptions::default()
+        };
+        let mut lines = Vec::new();
+        let report = train(c.programs(1), &c.config, &opts, &mut |m| {
+            lines.push((m.step, m.eval.as_ref().map(|e| e.eval_loss)));
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        (lines, report.eval.map(|e| e.eval_loss))
+    };
+    let piped = evals(pipelined(3, 4, ScheduleKind::OneFOneB));
+    let accumulated = evals(StrategyConfig {
+        accumulate: 4,
+        ..Default::default()
+    });
+    let at: Vec<usize> = piped
+        .0
+        .iter()
+        .filter(|l| l.1.is_some())
+        .map(|l| l.0)
+        .collect();
+    assert_eq!(at, [2, 4, 5], "{:?}", piped.0);
+    assert_eq!(piped, accumulated);
+}

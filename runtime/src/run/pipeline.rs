@@ -24,7 +24,7 @@ use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::data::{data_dir, DataSource};
 use crate::run::memory::MemoryByCategory;
-use crate::run::metrics::{PipelineStep, StageStep, StepMetrics};
+use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep, StepMetrics};
 use crate::run::trace::Span;
 use crate::run::train::{
     evaluate, init_params, input_types, Coordinator, TrainOptions, TrainReport,
@@ -55,6 +55,10 @@ pub(crate) struct StageReport {
     bytes_sent: u64,
     bytes_received: u64,
     memory: MemoryByCategory,
+    /// At a step with an evaluation (`eval_every`), replica 0's stages hand over
+    /// their variables (a copy), for the coordinator to evaluate the whole model.
+    #[serde(skip)]
+    pub(crate) params: Option<HashMap<String, Tensor>>,
 }
 
 #[cfg(feature = "mpi")]
@@ -99,6 +103,8 @@ pub(crate) struct PipelineRun<'a> {
     dir: Option<PathBuf>,
     /// Steps of the run.
     pub(crate) steps: usize,
+    /// The train block's `eval_every`.
+    eval_every: usize,
 }
 
 impl<'a> PipelineRun<'a> {
@@ -134,6 +140,7 @@ impl<'a> PipelineRun<'a> {
             initial: init_params(whole, config.seed),
             dir: data_dir(opts.data_dir.as_deref()),
             steps: opts.steps.unwrap_or(config.steps),
+            eval_every: config.eval_every,
         })
     }
 
@@ -221,6 +228,8 @@ impl<'a> PipelineRun<'a> {
             data,
             params,
             trace: opts.trace,
+            evaluate: opts.evaluate,
+            eval_every: self.eval_every,
             t0,
         }
     }
@@ -239,31 +248,39 @@ impl<'a> PipelineRun<'a> {
         )
     }
 
-    /// The run's report from the coordinator, replica 0's variables and every stage's
-    /// spans; evaluation runs the one-device graph on the trained variables.
-    pub(crate) fn finish(
+    /// What evaluates the one-device graph on the stages' variables, when the run
+    /// evaluates: its own data source (the stages' sources are theirs).
+    pub(crate) fn evaluator(
         &self,
-        coordinator: Coordinator<'_>,
-        params: HashMap<String, Tensor>,
-        spans: Vec<Span>,
         config: &RunConfig,
         opts: &TrainOptions,
-    ) -> Result<TrainReport> {
-        let mut report = coordinator.finish(params, None, spans);
-        if opts.evaluate {
-            // Its own source: the stages' sources are theirs.
-            let data = self.open(config, opts, 0, 1)?;
-            let mut exec = Executor::new(self.whole)?;
-            report.eval = Some(evaluate(
-                &mut exec,
-                &report.params,
-                &data,
-                config,
-                self.steps as u64 + 1,
-                None,
-            )?);
+    ) -> Result<Option<Evaluator>> {
+        if !opts.evaluate {
+            return Ok(None);
         }
-        Ok(report)
+        Ok(Some(Evaluator {
+            exec: Executor::new(self.whole)?,
+            data: self.open(config, opts, 0, 1)?,
+            config: config.clone(),
+        }))
+    }
+}
+
+/// Evaluates the whole model (the one-device graph) on the held-out data.
+pub(crate) struct Evaluator {
+    exec: Executor<Cpu>,
+    data: DataSource,
+    config: RunConfig,
+}
+
+impl Evaluator {
+    /// The evaluation of `params` as of `step`.
+    pub(crate) fn evaluate(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        step: u64,
+    ) -> Result<EvalMetrics> {
+        evaluate(&mut self.exec, params, &self.data, &self.config, step, None)
     }
 }
 
@@ -276,11 +293,14 @@ pub(crate) struct StageReports {
 impl StageReports {
     /// Takes one stage's report; hands the coordinator the step's line when it is the
     /// step's last (of `workers`).
+    /// At a step with an evaluation, `evaluate` gets the variables the reports carry
+    /// and returns the evaluation (it adds any a stage sent otherwise).
     pub(crate) fn add(
         &mut self,
         r: StageReport,
         workers: usize,
         coordinator: &mut Coordinator<'_>,
+        evaluate: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<EvalMetrics>,
     ) -> Result<()> {
         let step = r.step;
         let reports = self.pending.entry(step).or_default();
@@ -288,8 +308,17 @@ impl StageReports {
         if reports.len() < workers {
             return Ok(());
         }
-        let reports = self.pending.remove(&step).unwrap_or_default();
-        coordinator.add(combine(step, &reports))
+        let mut reports = self.pending.remove(&step).unwrap_or_default();
+        let mut line = combine(step, &reports);
+        let mut carried = reports
+            .iter_mut()
+            .filter_map(|r| r.params.take())
+            .peekable();
+        if carried.peek().is_some() {
+            let params: HashMap<String, Tensor> = carried.flatten().collect();
+            line.eval = Some(evaluate(step, params)?);
+        }
+        coordinator.add(line)
     }
 }
 
@@ -330,6 +359,7 @@ pub fn train_pipeline(
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel::<StageReport>();
     let mut coordinator = run.coordinator(config, on_step);
+    let mut evaluator = run.evaluator(config, opts)?;
     let mut coordinator_error = None;
     let mut outcomes = Vec::new();
     std::thread::scope(|scope| {
@@ -361,8 +391,12 @@ pub fn train_pipeline(
         }
         drop(tx);
         let mut reports = StageReports::default();
+        let mut evaluate = |step: usize, params: HashMap<String, Tensor>| match &mut evaluator {
+            Some(e) => e.evaluate(&params, step as u64),
+            None => Err(RuntimeError::Config("no evaluation was asked for".into())),
+        };
         for r in rx.iter() {
-            if let Err(e) = reports.add(r, workers, &mut coordinator) {
+            if let Err(e) = reports.add(r, workers, &mut coordinator, &mut evaluate) {
                 coordinator_error = Some(e);
                 break;
             }
@@ -400,7 +434,8 @@ pub fn train_pipeline(
             }
         }
     }
-    run.finish(coordinator, params, spans, config, opts)
+    // The last step's line carries the final evaluation, and so does the report.
+    Ok(coordinator.finish(params, None, spans))
 }
 
 /// `stage 2` alone, `stage 2 of replica 1` among several.
@@ -534,6 +569,9 @@ pub(crate) struct Stage<'a> {
     data: Vec<DataSource>,
     params: HashMap<String, Tensor>,
     trace: bool,
+    /// Whether the run evaluates: after the last step, and every `eval_every` steps.
+    evaluate: bool,
+    eval_every: usize,
     t0: Instant,
 }
 
@@ -760,7 +798,10 @@ impl Stage<'_> {
             let bytes = self.comm.bytes() + self.replicas.comm.bytes();
             peak.params = self.params.values().map(|t| t.bytes() as u64).sum();
             peak.optimizer = Cpu::optimizer_bytes(&optimizer);
+            let eval_now = self.evaluate
+                && (step == steps || (self.eval_every > 0 && step % self.eval_every == 0));
             let r = StageReport {
+                params: (eval_now && self.replica == 0).then(|| self.params.clone()),
                 stage: s,
                 replica: self.replica,
                 busy_sec: busy,

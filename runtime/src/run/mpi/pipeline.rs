@@ -18,14 +18,16 @@ use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS, TAG_
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
-use crate::core::value::Value;
+use crate::core::value::{Tensor, Value};
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::launch::{rank_path, MpiRun};
+use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
 use crate::run::pipeline::{combine, worker_name, PipelineRun, StageReport, StageReports};
 use crate::run::train::{Programs, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
+use std::collections::HashMap;
 use std::io::Write;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
@@ -106,9 +108,19 @@ pub(super) fn run_stage_rank(
     };
     if rank != 0 {
         let mut reports = Sends::new(opts.timeout);
-        let outcome = me.run(config, run.steps, &mut |rep| {
+        let outcome = me.run(config, run.steps, &mut |mut rep| {
             write_local(&rep)?;
             let step = rep.step;
+            // An evaluation's variables go first, taken when rank 0 evaluates the step.
+            if let Some(params) = rep.params.take() {
+                reports.pending.push_back(Outgoing::start(
+                    &ctl.0,
+                    0,
+                    TAG_PARAMS,
+                    encode_params(params),
+                    true,
+                ));
+            }
             let bytes =
                 serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
             reports
@@ -129,12 +141,8 @@ pub(super) fn run_stage_rank(
             Ok(())
         })?;
         if replica == 0 {
-            let values: Vec<(String, Value)> = outcome
-                .params
-                .into_iter()
-                .map(|(n, t)| (n, Value::Tensor(t)))
-                .collect();
-            let mut out = Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_values(&values), true);
+            let mut out =
+                Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_params(outcome.params), true);
             if !out.wait_for(opts.timeout) {
                 return Err(RuntimeError::Config(format!(
                     "rank 0 did not take the trained variables of {name} within {:.0} s \
@@ -148,6 +156,17 @@ pub(super) fn run_stage_rank(
     // Rank 0: its stage on a thread, the coordinator here.
     let workers = run.workers();
     let mut coordinator = run.coordinator(config, on_step);
+    let mut evaluator = run.evaluator(config, opts)?;
+    // At an evaluation step, replica 0's other stages send their variables.
+    let mut evaluate = |step: usize, mut params: HashMap<String, Tensor>| -> Result<EvalMetrics> {
+        for from in 1..stages {
+            params.extend(receive_params(ctl, from, opts, run.replicas, step)?);
+        }
+        match &mut evaluator {
+            Some(e) => e.evaluate(&params, step as u64),
+            None => Err(RuntimeError::Config("no evaluation was asked for".into())),
+        }
+    };
     let (tx, rx) = mpsc::channel::<StageReport>();
     let stop = |e: RuntimeError| -> ! {
         // Another rank may be waiting on this one: the job ends here.
@@ -216,7 +235,7 @@ pub(super) fn run_stage_rank(
                     *h += 1;
                 }
                 received += 1;
-                if let Err(e) = reports.add(rep, workers, &mut coordinator) {
+                if let Err(e) = reports.add(rep, workers, &mut coordinator, &mut evaluate) {
                     stop(e);
                 }
             }
@@ -230,42 +249,64 @@ pub(super) fn run_stage_rank(
         }
     })?;
     let mut params = outcome.params;
-    // Replica 0's other stages' variables.
+    // Replica 0's other stages' trained variables.
     for from in 1..stages {
-        let since = Since::now();
-        let mut backoff = Backoff(0);
-        let bytes = loop {
-            let p = ctl.0.process_at_rank(from as i32);
-            if let Some((msg, st)) = p.immediate_matched_probe_with_tag(TAG_PARAMS) {
-                break (msg, st).matched_receive_vec::<u8>().0;
-            }
-            if since.waited() >= opts.timeout {
-                return Err(RuntimeError::Config(format!(
-                    "rank {from} ({}) did not send its trained variables within {:.0} s \
-                     (--timeout)",
-                    worker_name(from, 0, run.replicas),
-                    opts.timeout.as_secs_f64()
-                )));
-            }
-            backoff.wait();
-        };
-        let values = decode_values(&bytes)
-            .map_err(|e| RuntimeError::Config(format!("rank {from}'s trained variables: {e}")))?;
-        for (n, v) in values {
-            match v {
-                Value::Tensor(t) => {
-                    params.insert(n, t);
-                }
-                Value::Slices(_) => {
-                    return Err(RuntimeError::Config(format!(
-                        "rank {from} sent `{n}` as row slices, not a variable"
-                    )))
-                }
-            }
-        }
+        params.extend(receive_params(ctl, from, opts, run.replicas, run.steps)?);
     }
     let mut spans = outcome.spans;
     gather_spans(ctl, workers, opts, mpi_run, "stage 0", &mut spans)?;
-    run.finish(coordinator, params, spans, config, opts)
-        .map(Some)
+    Ok(Some(coordinator.finish(params, None, spans)))
+}
+
+/// Variables as one message.
+fn encode_params(params: HashMap<String, Tensor>) -> Vec<u8> {
+    let values: Vec<(String, Value)> = params
+        .into_iter()
+        .map(|(n, t)| (n, Value::Tensor(t)))
+        .collect();
+    encode_values(&values)
+}
+
+/// The variables rank `from` (stage `from` of replica 0) sends after `step`, waiting at
+/// most the timeout.
+fn receive_params(
+    ctl: &Comm,
+    from: usize,
+    opts: &TrainOptions,
+    replicas: usize,
+    step: usize,
+) -> Result<HashMap<String, Tensor>> {
+    let since = Since::now();
+    let mut backoff = Backoff(0);
+    let bytes = loop {
+        let p = ctl.0.process_at_rank(from as i32);
+        if let Some((msg, st)) = p.immediate_matched_probe_with_tag(TAG_PARAMS) {
+            break (msg, st).matched_receive_vec::<u8>().0;
+        }
+        if since.waited() >= opts.timeout {
+            return Err(RuntimeError::Config(format!(
+                "rank {from} ({}) did not send its variables of step {step} within {:.0} s \
+                 (--timeout)",
+                worker_name(from, 0, replicas),
+                opts.timeout.as_secs_f64()
+            )));
+        }
+        backoff.wait();
+    };
+    let values = decode_values(&bytes)
+        .map_err(|e| RuntimeError::Config(format!("rank {from}'s variables: {e}")))?;
+    let mut params = HashMap::new();
+    for (n, v) in values {
+        match v {
+            Value::Tensor(t) => {
+                params.insert(n, t);
+            }
+            Value::Slices(_) => {
+                return Err(RuntimeError::Config(format!(
+                    "rank {from} sent `{n}` as row slices, not a variable"
+                )))
+            }
+        }
+    }
+    Ok(params)
 }
