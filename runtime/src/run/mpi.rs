@@ -400,6 +400,11 @@ pub fn run_with<B: Backend>(
             differ.join("; ")
         )));
     }
+    // What the job's ranks are: `3 workers and 1 servers`, or a pipeline's mapping.
+    let layout = |and: &str| match programs.pipeline {
+        Some(p) => pipeline_ranks(p.stages.len(), roles.workers),
+        None => format!("{} workers{and} {} servers", roles.workers, roles.servers),
+    };
     if size != roles.world() {
         let line = format!("mpirun -np {} {}", roles.world(), mpi_run.command);
         return Err(RuntimeError::Config(if size == 1 {
@@ -407,10 +412,7 @@ pub fn run_with<B: Backend>(
                 "--transport mpi: this plan has {}, so it runs as {} processes; start it \
                  with\n  {line}\n(as root add --allow-run-as-root; with more ranks than \
                  cores, --oversubscribe)",
-                match programs.pipeline {
-                    Some(p) => pipeline_ranks(p.stages.len(), roles.workers),
-                    None => format!("{} workers and {} servers", roles.workers, roles.servers),
-                },
+                layout(" and"),
                 roles.world()
             )
         } else {
@@ -418,10 +420,7 @@ pub fn run_with<B: Backend>(
                 "rank {rank}: the job has {size} ranks, the plan needs {} ({}); start it \
                  with\n  {line}",
                 roles.world(),
-                match programs.pipeline {
-                    Some(p) => pipeline_ranks(p.stages.len(), roles.workers),
-                    None => format!("{} workers, {} servers", roles.workers, roles.servers),
-                }
+                layout(",")
             )
         }));
     }
@@ -623,6 +622,19 @@ fn gather_spans(
     Ok(())
 }
 
+/// The file of rank `rank`'s own metrics lines (`--metrics` with `.rankR`), if asked.
+fn rank_metrics(
+    mpi_run: &MpiRun,
+    rank: usize,
+) -> Result<Option<std::io::BufWriter<std::fs::File>>> {
+    let Some(p) = &mpi_run.metrics else {
+        return Ok(None);
+    };
+    let path = rank_path(p, rank);
+    let file = std::fs::File::create(&path).map_err(|source| RuntimeError::Io { path, source })?;
+    Ok(Some(std::io::BufWriter::new(file)))
+}
+
 /// A worker's local metrics line from its own report.
 fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
     StepMetrics {
@@ -675,15 +687,7 @@ fn run_worker_rank<B: Backend>(
             opts.timeout,
         )
     });
-    let mut local = match &mpi_run.metrics {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(rank_path(p, r)).map_err(|source| RuntimeError::Io {
-                path: rank_path(p, r),
-                source,
-            })?,
-        )),
-        None => None,
-    };
+    let mut local = rank_metrics(mpi_run, r)?;
     let batch = config.batch;
     let (local_tx, local_rx) = mpsc::channel::<StepReport>();
     let ctl_sender = ctl.clone();

@@ -585,7 +585,7 @@ impl Stage<'_> {
                 let value = self.params.get(&t.name).cloned().ok_or_else(|| {
                     RuntimeError::Config(format!("stage {s} does not hold `{}`", t.name))
                 })?;
-                let msg = encode_values(&[(t.name.clone(), Value::Tensor(value))]);
+                let msg = encode_params(HashMap::from([(t.name.clone(), value)]));
                 for &h in &t.holders {
                     self.comm.set_label(&format!(
                         "stage {s}, step {step}: the send of the updated `{}` to stage {h}",
@@ -605,27 +605,42 @@ impl Stage<'_> {
                         t.name
                     ))
                 })?;
-                let values = decode_values(&bytes).map_err(|e| {
+                let values = decode_params(&bytes).map_err(|e| {
                     RuntimeError::Config(format!("the updated `{}` from stage {from}: {e}", t.name))
                 })?;
-                for (name, v) in values {
-                    match (name == t.name, v) {
-                        (true, Value::Tensor(x)) => {
-                            self.params.insert(name, x);
-                        }
-                        (_, v) => {
-                            return Err(RuntimeError::Config(format!(
-                                "stage {from} sent `{name}` ({}) for the updated `{}`",
-                                v.value_type(),
-                                t.name
-                            )))
-                        }
+                for (name, x) in values {
+                    if name != t.name {
+                        return Err(RuntimeError::Config(format!(
+                            "stage {from} sent `{name}` for the updated `{}`",
+                            t.name
+                        )));
                     }
+                    self.params.insert(name, x);
                 }
             }
         }
         Ok(())
     }
+}
+
+/// Variables as one message (a tied variable's update, or a stage's variables).
+pub(crate) fn encode_params(params: HashMap<String, Tensor>) -> Vec<u8> {
+    let values: Vec<(String, Value)> = params
+        .into_iter()
+        .map(|(n, t)| (n, Value::Tensor(t)))
+        .collect();
+    encode_values(&values)
+}
+
+/// The variables of an [`encode_params`] message.
+pub(crate) fn decode_params(bytes: &[u8]) -> std::result::Result<HashMap<String, Tensor>, String> {
+    decode_values(bytes)?
+        .into_iter()
+        .map(|(n, v)| match v {
+            Value::Tensor(t) => Ok((n, t)),
+            v => Err(format!("`{n}` is {}, not a variable", v.value_type())),
+        })
+        .collect()
 }
 
 /// Bytes of the values held for micro-batches in flight.

@@ -13,17 +13,18 @@
 //! named by the waiting rank (the label says which stage, step, micro-batch and message),
 //! a report or variables rank 0 does not take, by their sender.
 
-use super::{fail, gather_spans, local_line, send_spans, Sends};
+use super::{fail, gather_spans, local_line, rank_metrics, send_spans, Sends};
 use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS, TAG_REPORT};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
-use crate::core::value::{Tensor, Value};
-use crate::ps::wire::{decode_values, encode_values};
-use crate::run::launch::{rank_path, MpiRun};
+use crate::core::value::Tensor;
+use crate::run::launch::MpiRun;
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
-use crate::run::pipeline::{combine, worker_name, PipelineRun, StageReport, StageReports};
+use crate::run::pipeline::{
+    combine, decode_params, encode_params, worker_name, PipelineRun, StageReport, StageReports,
+};
 use crate::run::train::{Programs, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
@@ -80,15 +81,7 @@ pub(super) fn run_stage_rank(
     let name = worker_name(stage, replica, run.replicas);
     let last_step = run.steps;
     let micro_batch = config.batch;
-    let mut local = match &mpi_run.metrics {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(rank_path(p, rank)).map_err(|source| RuntimeError::Io {
-                path: rank_path(p, rank),
-                source,
-            })?,
-        )),
-        None => None,
-    };
+    let mut local = rank_metrics(mpi_run, rank)?;
     // This rank's own line: its stage's step (a micro-batch's samples per step's second).
     let mut write_local = move |rep: &StageReport| -> Result<()> {
         let Some(w) = local.as_mut() else {
@@ -258,15 +251,6 @@ pub(super) fn run_stage_rank(
     Ok(Some(coordinator.finish(params, None, spans)))
 }
 
-/// Variables as one message.
-fn encode_params(params: HashMap<String, Tensor>) -> Vec<u8> {
-    let values: Vec<(String, Value)> = params
-        .into_iter()
-        .map(|(n, t)| (n, Value::Tensor(t)))
-        .collect();
-    encode_values(&values)
-}
-
 /// The variables rank `from` (stage `from` of replica 0) sends after `step`, waiting at
 /// most the timeout.
 fn receive_params(
@@ -293,20 +277,5 @@ fn receive_params(
         }
         backoff.wait();
     };
-    let values = decode_values(&bytes)
-        .map_err(|e| RuntimeError::Config(format!("rank {from}'s variables: {e}")))?;
-    let mut params = HashMap::new();
-    for (n, v) in values {
-        match v {
-            Value::Tensor(t) => {
-                params.insert(n, t);
-            }
-            Value::Slices(_) => {
-                return Err(RuntimeError::Config(format!(
-                    "rank {from} sent `{n}` as row slices, not a variable"
-                )))
-            }
-        }
-    }
-    Ok(params)
+    decode_params(&bytes).map_err(|e| RuntimeError::Config(format!("rank {from}'s variables: {e}")))
 }
