@@ -200,21 +200,10 @@ pub fn partition_with(
             stage_of.insert(*id, s);
         }
     }
-    let param_stage = |stage_of: &HashMap<NodeId, usize>, p: NodeId| {
-        g.user_nodes(p)
-            .iter()
-            .filter(|u| forward.contains(u))
-            .filter_map(|u| stage_of.get(u).copied())
-            .min()
-    };
-    // A variable's update runs on the first stage reading it; a tied one is read
-    // forward on several.
-    let mut var_stage: HashMap<String, usize> = HashMap::new();
+    // The stages reading each variable forward, ascending: its update runs on the
+    // first; a tied one is read on several.
     let mut var_readers: HashMap<String, Vec<usize>> = HashMap::new();
     for (id, name, _) in g.params() {
-        if let Some(s) = param_stage(&stage_of, id) {
-            var_stage.insert(name.to_string(), s);
-        }
         let read: BTreeSet<usize> = g
             .user_nodes(id)
             .iter()
@@ -232,7 +221,7 @@ pub fn partition_with(
             continue;
         }
         let s = match op {
-            Op::ParamGrad { param } => var_stage.get(param).copied(),
+            Op::ParamGrad { param } => var_readers.get(param).and_then(|r| r.first().copied()),
             _ => {
                 let readers = g
                     .user_nodes(*id)
@@ -357,11 +346,14 @@ fn kernel_weights(
     forward: &HashSet<NodeId>,
     kernels: &[NodeId],
 ) -> Vec<f64> {
+    // Each variable's first forward reader, by node and by name.
     let mut first_reader: HashMap<NodeId, usize> = HashMap::new();
+    let mut first_reader_of: HashMap<&str, usize> = HashMap::new();
     for (k, id) in kernels.iter().enumerate() {
         for v in &g.node(*id).inputs {
-            if matches!(g.op(v.node), Op::Param { .. }) {
+            if let Op::Param { name, .. } = g.op(v.node) {
                 first_reader.entry(v.node).or_insert(k);
+                first_reader_of.entry(name.as_str()).or_insert(k);
             }
         }
     }
@@ -380,17 +372,8 @@ fn kernel_weights(
         if forward.contains(id) || op.is_source() {
             continue;
         }
-        let k = if let Op::ParamGrad { .. } = op {
-            g.node(*id)
-                .inputs
-                .iter()
-                .find_map(|v| first_reader.get(&v.node).copied())
-                .or_else(|| {
-                    g.params()
-                        .into_iter()
-                        .find(|(_, n, _)| matches!(op, Op::ParamGrad { param } if param == n))
-                        .and_then(|(p, _, _)| first_reader.get(&p).copied())
-                })
+        let k = if let Op::ParamGrad { param } = op {
+            first_reader_of.get(param.as_str()).copied()
         } else {
             let read = g
                 .node(*id)
