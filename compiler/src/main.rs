@@ -732,13 +732,14 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         path: path.clone(),
         every: args.checkpoint_every.unwrap_or(usize::MAX),
         saved_by: format!(
-            "{} with {} workers{}",
+            "{} with {} workers{}{}",
             plan.strategy.name(),
             plan.settings.workers,
             match plan.settings.zero {
                 0 => String::new(),
                 z => format!(", ZeRO {z}"),
-            }
+            },
+            pipeline_words(&plan.settings)
         ),
     });
     Ok(TrainOptions {

@@ -781,21 +781,7 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
         assert!(tracks.contains(&last), "{what}: {last} not in {tracks:?}");
     }
     // A variable tied across stages 0 and 2: stage 0 sends its update to rank 2.
-    let model = tmp("tied.dsl");
-    let mut src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
-                   param e: f32[16, 16] = glorot\n"
-        .to_string();
-    for k in 0..4 {
-        src += &format!("  param w{k}: f32[16, 16] = glorot\n");
-    }
-    src += "  h0 = tanh(x @ e)\n";
-    for k in 0..4 {
-        src += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
-    }
-    src += "  minimize softmax_cross_entropy(h4 @ e, label)\n}\ntrain {\n  \
-            data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
-            optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n  eval_every = 2\n}\n";
-    std::fs::write(&model, src).expect("writes the model");
+    let model = tied_model("tied.dsl", "sgd(lr = 0.1)");
     let plan = compile_with(
         s(&model),
         "single",
@@ -869,6 +855,97 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
         "{}",
         text(&o)
     );
+}
+
+/// A model whose first layer's weight `e` is also its output layer (tied), with 4 tanh
+/// layers between, on synthetic data; evaluated every 2 steps.
+fn tied_model(name: &str, optimizer: &str) -> PathBuf {
+    let model = tmp(name);
+    let mut src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+                   param e: f32[16, 16] = glorot\n"
+        .to_string();
+    for k in 0..4 {
+        src += &format!("  param w{k}: f32[16, 16] = glorot\n");
+    }
+    src += "  h0 = tanh(x @ e)\n";
+    for k in 0..4 {
+        src += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
+    }
+    src += &format!(
+        "  minimize softmax_cross_entropy(h4 @ e, label)\n}}\ntrain {{\n  \
+         data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
+         optimizer = {optimizer}\n  steps = 3\n  seed = 1\n  eval_every = 2\n}}\n"
+    );
+    std::fs::write(&model, src).expect("writes the model");
+    model
+}
+
+/// Issue 22: a pipelined run's training state written under mpirun (every stage rank
+/// of replica 0 sends rank 0 its variables and Adam slots; the tied variable's from its
+/// owner) resumes bitwise under mpirun and under threads.
+#[test]
+fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
+    let model = tied_model("tied-adam.dsl", "adam(lr = 0.01)");
+    let plan = compile_with(
+        s(&model),
+        "allreduce",
+        6,
+        0,
+        "tied-state.plan.json",
+        &["--pipeline", "3", "--micro-batches", "2"],
+    );
+    let whole = tmp("piped-whole.safetensors");
+    let o = distc(&["run", s(&plan), "--steps", "4", "-q", "--save", s(&whole)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let state = tmp("piped-state.safetensors");
+    let mpi = |extra: &[&str]| {
+        let mut args = vec!["run", s(&plan), "-q", "--transport", "mpi"];
+        args.extend_from_slice(extra);
+        let o = mpirun(6, &args);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+    };
+    mpi(&[
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint",
+        s(&state),
+    ]);
+    let written = checkpoint::load_state(&state).expect("the state loads");
+    assert_eq!(written.index.step, 2);
+    assert!(
+        written.index.saved_by.contains("pipeline of 3 stages"),
+        "{:?}",
+        written.index
+    );
+    assert!(written.optimizer.contains_key("e/v"), "{:?}", written.index);
+    let (resumed_mpi, resumed_threads) = (
+        tmp("piped-mpi.safetensors"),
+        tmp("piped-threads.safetensors"),
+    );
+    mpi(&[
+        "--steps",
+        "4",
+        "--resume",
+        s(&state),
+        "--save",
+        s(&resumed_mpi),
+    ]);
+    let o = distc(&[
+        "run",
+        s(&plan),
+        "--steps",
+        "4",
+        "-q",
+        "--resume",
+        s(&state),
+        "--save",
+        s(&resumed_threads),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(max_difference(&whole, &resumed_mpi), 0.0);
+    assert_eq!(max_difference(&whole, &resumed_threads), 0.0);
 }
 
 /// Issue 22: `verify --pipeline` under mpirun, with a replica per pair of ranks.

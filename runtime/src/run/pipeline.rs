@@ -16,6 +16,7 @@
 
 use crate::comm::{in_process, Communicator};
 use crate::core::backend::OptimizerState;
+use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Mode, Pending};
@@ -27,9 +28,9 @@ use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep, StepMetrics};
 use crate::run::trace::Span;
 use crate::run::train::{
-    evaluate, init_params, input_types, Coordinator, TrainOptions, TrainReport,
+    evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
 };
-use crate::run::worker::{collective, StepReport};
+use crate::run::worker::{collective, first_step, initial_values, resumed_slots, StepReport};
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
@@ -37,7 +38,7 @@ use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{mpsc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 /// One stage's account of one step.
@@ -55,10 +56,15 @@ pub(crate) struct StageReport {
     bytes_sent: u64,
     bytes_received: u64,
     memory: MemoryByCategory,
-    /// At a step with an evaluation (`eval_every`), replica 0's stages hand over
-    /// their variables (a copy), for the coordinator to evaluate the whole model.
+    /// At a step with an evaluation (`eval_every`) or a checkpoint, replica 0's stages
+    /// hand over their variables (a copy), for the coordinator to evaluate the whole
+    /// model or write its training state.
     #[serde(skip)]
     pub(crate) params: Option<HashMap<String, Tensor>>,
+    /// At a checkpoint, replica 0's stages hand over the optimizer state of the
+    /// variables they update (a tied variable's holders leave it to its owner).
+    #[serde(skip)]
+    pub(crate) slots: Option<HashMap<String, Tensor>>,
 }
 
 #[cfg(feature = "mpi")]
@@ -87,9 +93,15 @@ fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
     names
 }
 
+/// Whether a step is one of those every `every` steps of a run ending at `last`, or the
+/// last (an evaluation's or a checkpoint's steps; `every` 0 is the last alone).
+fn due(step: usize, last: usize, every: usize) -> bool {
+    step == last || (every > 0 && step % every == 0)
+}
+
 /// What every stage of a pipelined run shares, on threads or MPI ranks alike: the
-/// programs, each stage's schedule, the data's shapes and the variables' initial values.
-/// Worker w is stage w % P of replica w / P.
+/// programs, each stage's schedule, the data's shapes and the variables' initial values
+/// (a resumed state's where the run resumes one). Worker w is stage w % P of replica w / P.
 pub(crate) struct PipelineRun<'a> {
     /// The one-device graph the stages were cut from.
     whole: &'a Graph,
@@ -103,8 +115,16 @@ pub(crate) struct PipelineRun<'a> {
     dir: Option<PathBuf>,
     /// Steps of the run.
     pub(crate) steps: usize,
+    /// The first step it runs: 1, or the one after a resumed state's.
+    pub(crate) first: usize,
     /// The train block's `eval_every`.
     eval_every: usize,
+    resume: Option<Arc<TrainingState>>,
+    checkpoint: Option<CheckpointEvery>,
+    /// The one-device step's samples: the data position a checkpoint records.
+    samples_per_step: usize,
+    model: String,
+    optimizer: String,
 }
 
 impl<'a> PipelineRun<'a> {
@@ -125,11 +145,8 @@ impl<'a> PipelineRun<'a> {
         let steps_of = program
             .programs()
             .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
-        if opts.resume.is_some() || opts.checkpoint.is_some() {
-            return Err(RuntimeError::Config(
-                "a pipelined run cannot write or resume a training state yet".into(),
-            ));
-        }
+        let steps = opts.steps.unwrap_or(config.steps);
+        let resume = opts.resume.as_deref();
         Ok(PipelineRun {
             whole,
             program,
@@ -137,11 +154,74 @@ impl<'a> PipelineRun<'a> {
             steps_of,
             tied: program.tied(),
             shapes: input_types(whole),
-            initial: init_params(whole, config.seed),
+            // The state is whole, whatever wrote it: checked against the whole model.
+            initial: initial_values(whole, config.seed, resume)?,
             dir: data_dir(opts.data_dir.as_deref()),
-            steps: opts.steps.unwrap_or(config.steps),
+            steps,
+            first: first_step(resume, steps)?,
             eval_every: config.eval_every,
+            resume: opts.resume.clone(),
+            checkpoint: opts.checkpoint.clone(),
+            samples_per_step: config.batch * program.micro_batches * replicas,
+            model: whole.name.clone(),
+            optimizer: format!("{:?}", config.optimizer),
         })
+    }
+
+    /// Steps this run runs.
+    pub(crate) fn steps_to_run(&self) -> usize {
+        self.steps + 1 - self.first
+    }
+
+    /// Whether the run writes its training state after `step`.
+    pub(crate) fn checkpoints_at(&self, step: usize) -> bool {
+        self.checkpoint
+            .as_ref()
+            .is_some_and(|c| due(step, self.steps, c.every))
+    }
+
+    /// What the coordinator does with replica 0's variables and optimizer state after
+    /// `step`: writes the training state if the step is a checkpoint's, and returns the
+    /// evaluation if it is an evaluation's.
+    pub(crate) fn take_state(
+        &self,
+        step: usize,
+        params: HashMap<String, Tensor>,
+        slots: HashMap<String, Tensor>,
+        evaluator: &mut Option<Evaluator>,
+    ) -> Result<Option<EvalMetrics>> {
+        if let (Some(c), true) = (&self.checkpoint, self.checkpoints_at(step)) {
+            let index = StateIndex {
+                format: String::new(),
+                model: self.model.clone(),
+                step: step as u64,
+                samples: (step * self.samples_per_step) as u64,
+                saved_by: c.saved_by.clone(),
+                optimizer: self.optimizer.clone(),
+                variables: Vec::new(),
+                optimizer_state: Vec::new(),
+            };
+            let missing: Vec<&str> = self
+                .initial
+                .keys()
+                .filter(|n| !params.contains_key(*n))
+                .map(String::as_str)
+                .collect();
+            if !missing.is_empty() {
+                return Err(RuntimeError::Config(format!(
+                    "the training state of step {step} lacks {missing:?}: a stage did not \
+                     hand its variables over"
+                )));
+            }
+            let state = TrainingState::new(index, params.clone(), slots);
+            crate::core::checkpoint::save_state(&c.path, &state)?;
+        }
+        match evaluator {
+            Some(e) if due(step, self.steps, self.eval_every) => {
+                e.evaluate(&params, step as u64).map(Some)
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Stages of one replica.
@@ -190,8 +270,11 @@ impl<'a> PipelineRun<'a> {
         (0..micro)
             .map(|m| {
                 let mut s = self.open(config, opts, r * micro + m, self.replicas * micro)?;
+                if let Some(state) = &self.resume {
+                    s.skip_samples(state.index.samples)?;
+                }
                 if opts.preload {
-                    s.preload(self.steps)?;
+                    s.preload(self.steps_to_run())?;
                 }
                 Ok(s)
             })
@@ -215,7 +298,16 @@ impl<'a> PipelineRun<'a> {
             .into_iter()
             .filter_map(|n| self.initial.get(&n).map(|t| (n, t.clone())))
             .collect();
+        let updated = |name: &str| !self.tied.iter().any(|t| t.name == name && t.owner != s);
+        let resumed_slots = self.resume.as_deref().map(|state| {
+            let mut slots = resumed_slots(state, &params, 1, 0);
+            slots.retain(|k, _| k.rsplit_once('/').is_none_or(|(var, _)| updated(var)));
+            slots
+        });
         Stage {
+            first: self.first,
+            checkpoint_every: self.checkpoint.as_ref().map(|c| c.every),
+            resumed_slots,
             stage: s,
             tied: &self.tied,
             replica: r,
@@ -293,14 +385,19 @@ pub(crate) struct StageReports {
 impl StageReports {
     /// Takes one stage's report; hands the coordinator the step's line when it is the
     /// step's last (of `workers`).
-    /// At a step with an evaluation, `evaluate` gets the variables the reports carry
-    /// and returns the evaluation (it adds any a stage sent otherwise).
+    /// At a step with an evaluation or a checkpoint, `take_state` gets the variables and
+    /// optimizer state the reports carry (it adds any a stage sent otherwise) and
+    /// returns the evaluation, if the step has one.
     pub(crate) fn add(
         &mut self,
         r: StageReport,
         workers: usize,
         coordinator: &mut Coordinator<'_>,
-        evaluate: &mut dyn FnMut(usize, HashMap<String, Tensor>) -> Result<EvalMetrics>,
+        take_state: &mut dyn FnMut(
+            usize,
+            HashMap<String, Tensor>,
+            HashMap<String, Tensor>,
+        ) -> Result<Option<EvalMetrics>>,
     ) -> Result<()> {
         let step = r.step;
         let reports = self.pending.entry(step).or_default();
@@ -310,13 +407,18 @@ impl StageReports {
         }
         let mut reports = self.pending.remove(&step).unwrap_or_default();
         let mut line = combine(step, &reports);
+        let slots: HashMap<String, Tensor> = reports
+            .iter_mut()
+            .filter_map(|r| r.slots.take())
+            .flatten()
+            .collect();
         let mut carried = reports
             .iter_mut()
             .filter_map(|r| r.params.take())
             .peekable();
         if carried.peek().is_some() {
             let params: HashMap<String, Tensor> = carried.flatten().collect();
-            line.eval = Some(evaluate(step, params)?);
+            line.eval = take_state(step, params, slots)?;
         }
         coordinator.add(line)
     }
@@ -391,12 +493,10 @@ pub fn train_pipeline(
         }
         drop(tx);
         let mut reports = StageReports::default();
-        let mut evaluate = |step: usize, params: HashMap<String, Tensor>| match &mut evaluator {
-            Some(e) => e.evaluate(&params, step as u64),
-            None => Err(RuntimeError::Config("no evaluation was asked for".into())),
-        };
+        let mut take_state =
+            |step, params, slots| run.take_state(step, params, slots, &mut evaluator);
         for r in rx.iter() {
-            if let Err(e) = reports.add(r, workers, &mut coordinator, &mut evaluate) {
+            if let Err(e) = reports.add(r, workers, &mut coordinator, &mut take_state) {
                 coordinator_error = Some(e);
                 break;
             }
@@ -558,6 +658,13 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
 /// One stage of one replica: a thread, or an MPI rank.
 pub(crate) struct Stage<'a> {
     stage: usize,
+    /// The first step it runs (after a resumed state's).
+    first: usize,
+    /// Hands its variables and optimizer state over every so many steps (and after
+    /// the last) when the run writes checkpoints.
+    checkpoint_every: Option<usize>,
+    /// A resumed state's optimizer state of the variables it updates.
+    resumed_slots: Option<HashMap<String, Tensor>>,
     tied: &'a [TiedVariable],
     replica: usize,
     replicas: ReplicaHook,
@@ -623,6 +730,28 @@ impl Stage<'_> {
     }
 }
 
+impl Stage<'_> {
+    /// The optimizer state of the variables this stage updates: a tied variable's
+    /// holders leave its slots to its owner, whose are the ones its updates used.
+    fn updated_slots(
+        &self,
+        backend: &mut Cpu,
+        optimizer: &crate::cpu::optim::Optimizer,
+    ) -> Result<HashMap<String, Tensor>> {
+        let s = self.stage;
+        let mut slots: HashMap<String, Tensor> = backend
+            .optimizer_state(optimizer)
+            .map_err(|e| RuntimeError::Config(format!("reading the optimizer state: {e}")))?
+            .into_iter()
+            .collect();
+        slots.retain(|k, _| {
+            k.rsplit_once('/')
+                .is_none_or(|(var, _)| !self.tied.iter().any(|t| t.name == var && t.owner != s))
+        });
+        Ok(slots)
+    }
+}
+
 /// Variables as one message (a tied variable's update, or a stage's variables).
 pub(crate) fn encode_params(params: HashMap<String, Tensor>) -> Vec<u8> {
     let values: Vec<(String, Value)> = params
@@ -667,6 +796,11 @@ impl Stage<'_> {
         let mut optimizer = backend
             .optimizer(&config.optimizer, &self.params)
             .map_err(|e| RuntimeError::Config(format!("creating the optimizer: {e}")))?;
+        if let Some(slots) = self.resumed_slots.take() {
+            backend
+                .load_optimizer_state(&mut optimizer, &slots)
+                .map_err(|e| RuntimeError::Config(format!("loading the optimizer state: {e}")))?;
+        }
         let has_loss = self
             .forward
             .node_ids()
@@ -677,7 +811,7 @@ impl Stage<'_> {
         let track = worker_name(s, self.replica, self.replicas.comm.size());
         let mut spans = Vec::new();
         let mut last_bytes = self.comm.bytes() + self.replicas.comm.bytes();
-        for step in 1..=steps {
+        for step in self.first..=steps {
             let feeds = self
                 .data
                 .iter_mut()
@@ -813,10 +947,17 @@ impl Stage<'_> {
             let bytes = self.comm.bytes() + self.replicas.comm.bytes();
             peak.params = self.params.values().map(|t| t.bytes() as u64).sum();
             peak.optimizer = Cpu::optimizer_bytes(&optimizer);
-            let eval_now = self.evaluate
-                && (step == steps || (self.eval_every > 0 && step % self.eval_every == 0));
+            let eval_now = self.evaluate && due(step, steps, self.eval_every);
+            let checkpoint_now = self.checkpoint_every.is_some_and(|e| due(step, steps, e));
+            let slots = if checkpoint_now && self.replica == 0 {
+                Some(self.updated_slots(&mut backend, &optimizer)?)
+            } else {
+                None
+            };
             let r = StageReport {
-                params: (eval_now && self.replica == 0).then(|| self.params.clone()),
+                params: ((eval_now || checkpoint_now) && self.replica == 0)
+                    .then(|| self.params.clone()),
+                slots,
                 stage: s,
                 replica: self.replica,
                 busy_sec: busy,

@@ -682,15 +682,7 @@ fn run_steps<B: Backend>(
             .load_optimizer_state(&mut optimizer, &slots)
             .map_err(|e| backend_error(&device, "loading the optimizer state", e))?;
     }
-    let first = resume.map_or(1, |s| s.index.step as usize + 1);
-    if first > steps {
-        return Err(RuntimeError::Config(format!(
-            "the training state is at step {}, and this run ends at step {steps}: give \
-             --steps above {}",
-            first - 1,
-            first - 1
-        )));
-    }
+    let first = first_step(resume, steps)?;
     let st = state.insert(Loop {
         exec,
         params,
@@ -1023,10 +1015,24 @@ fn capture_step<B: Backend>(
     Ok(GraphState::Replaying(used))
 }
 
+/// The first step a run of `steps` steps runs: the one after the resumed state's.
+pub(crate) fn first_step(resume: Option<&TrainingState>, steps: usize) -> Result<usize> {
+    let first = resume.map_or(1, |s| s.index.step as usize + 1);
+    if first > steps {
+        return Err(RuntimeError::Config(format!(
+            "the training state is at step {}, and this run ends at step {steps}: give \
+             --steps above {}",
+            first - 1,
+            first - 1
+        )));
+    }
+    Ok(first)
+}
+
 /// The initial variables of `graph`: the resumed state's where it has them (checked
 /// against the model's types), else the seeded initialisers'. A ZeRO chunk (`w.zero`)
 /// is not in a state: the init program makes it from the whole `w`.
-fn initial_values(
+pub(crate) fn initial_values(
     graph: &distc_ir::Graph,
     seed: u64,
     resume: Option<&TrainingState>,
@@ -1061,7 +1067,7 @@ fn initial_values(
 
 /// The optimizer state this worker holds of a resumed state: the slots of its
 /// variables, a ZeRO chunk's slots cut from the whole ones as `take_chunk` cuts.
-fn resumed_slots(
+pub(crate) fn resumed_slots(
     state: &TrainingState,
     params: &HashMap<String, Tensor>,
     workers: usize,

@@ -104,13 +104,14 @@ pub(super) fn run_stage_rank(
         let outcome = me.run(config, run.steps, &mut |mut rep| {
             write_local(&rep)?;
             let step = rep.step;
-            // An evaluation's variables go first, taken when rank 0 evaluates the step.
-            if let Some(params) = rep.params.take() {
+            // An evaluation's or a checkpoint's variables go first, then a checkpoint's
+            // optimizer state: rank 0 takes them in that order when the step is complete.
+            for carried in [rep.params.take(), rep.slots.take()].into_iter().flatten() {
                 reports.pending.push_back(Outgoing::start(
                     &ctl.0,
                     0,
                     TAG_PARAMS,
-                    encode_params(params),
+                    encode_params(carried),
                     true,
                 ));
             }
@@ -150,15 +151,19 @@ pub(super) fn run_stage_rank(
     let workers = run.workers();
     let mut coordinator = run.coordinator(config, on_step);
     let mut evaluator = run.evaluator(config, opts)?;
-    // At an evaluation step, replica 0's other stages send their variables.
-    let mut evaluate = |step: usize, mut params: HashMap<String, Tensor>| -> Result<EvalMetrics> {
+    // At an evaluation or a checkpoint, replica 0's other stages send their variables,
+    // and at a checkpoint their optimizer state after them.
+    let mut take_state = |step: usize,
+                          mut params: HashMap<String, Tensor>,
+                          mut slots: HashMap<String, Tensor>|
+     -> Result<Option<EvalMetrics>> {
         for from in 1..stages {
             params.extend(receive_params(ctl, from, opts, run.replicas, step)?);
+            if run.checkpoints_at(step) {
+                slots.extend(receive_params(ctl, from, opts, run.replicas, step)?);
+            }
         }
-        match &mut evaluator {
-            Some(e) => e.evaluate(&params, step as u64),
-            None => Err(RuntimeError::Config("no evaluation was asked for".into())),
-        }
+        run.take_state(step, params, slots, &mut evaluator)
     };
     let (tx, rx) = mpsc::channel::<StageReport>();
     let stop = |e: RuntimeError| -> ! {
@@ -180,7 +185,7 @@ pub(super) fn run_stage_rank(
         let mut outcome = None;
         let mut reports = StageReports::default();
         let mut heard = vec![0usize; workers];
-        let (mut received, expected) = (0, run.steps * workers);
+        let (mut received, expected) = (0, run.steps_to_run() * workers);
         let mut quiet = Since::now();
         let mut backoff = Backoff(0);
         while received < expected {
@@ -215,7 +220,7 @@ pub(super) fn run_stage_rank(
                         "no stage reported a step for {:.0} s (twice --timeout); ranks \
                          {behind:?} reported {fewest} of {} steps",
                         2.0 * opts.timeout.as_secs_f64(),
-                        run.steps
+                        run.steps_to_run()
                     )));
                 }
                 backoff.wait();
@@ -228,7 +233,7 @@ pub(super) fn run_stage_rank(
                     *h += 1;
                 }
                 received += 1;
-                if let Err(e) = reports.add(rep, workers, &mut coordinator, &mut evaluate) {
+                if let Err(e) = reports.add(rep, workers, &mut coordinator, &mut take_state) {
                     stop(e);
                 }
             }
