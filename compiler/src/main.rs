@@ -315,6 +315,54 @@ fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
         .map_err(|e: distc_passes::pipeline::schedule::ScheduleError| e.to_string())
 }
 
+/// A device mesh: workers along the data, model and pipeline axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mesh {
+    data: usize,
+    model: usize,
+    pipe: usize,
+}
+
+/// `data=D,model=T[,pipe=P]`, each at least 1.
+fn parse_mesh(s: &str) -> Result<Mesh, String> {
+    let mut m = Mesh {
+        data: 1,
+        model: 1,
+        pipe: 1,
+    };
+    for part in s.split(',') {
+        let (axis, n) = part
+            .split_once('=')
+            .ok_or_else(|| format!("`{part}` is not AXIS=N (axes: data, model, pipe)"))?;
+        let n = at_least_one(n.trim())?;
+        if n > 1 << 20 {
+            return Err(format!("{axis}={n}: at most 2^20 workers on an axis"));
+        }
+        match axis.trim() {
+            "data" => m.data = n,
+            "model" => m.model = n,
+            "pipe" => m.pipe = n,
+            other => return Err(format!("`{other}` is not an axis: data, model or pipe")),
+        }
+    }
+    if m.data * m.model * m.pipe > 1 << 20 {
+        return Err("more than 2^20 workers in all".into());
+    }
+    Ok(m)
+}
+
+/// `VAR=DIM`.
+fn parse_shard(s: &str) -> Result<(String, usize), String> {
+    let (var, dim) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}` is not VAR=DIM (the variable and the dimension split)"))?;
+    let dim = dim
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| format!("`{dim}` is not a dimension (0, 1, ...)"))?;
+    Ok((var.trim().to_string(), dim))
+}
+
 fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("0 is not allowed: give at least 1".into()),
@@ -437,6 +485,16 @@ struct CompileArgs {
     /// forwards, then all backwards).
     #[arg(long, default_value = "1f1b", value_parser = parse_schedule, value_name = "gpipe|1f1b")]
     schedule: ScheduleKind,
+    /// A device mesh, `data=D,model=T[,pipe=P]` (instead of --workers and --pipeline):
+    /// D x T x P workers, worker w at model rank w % T of data rank w / T. The model
+    /// axis splits variables over T workers (tensor parallelism; the Megatron rule picks
+    /// the pairs of matmuls unless --shard names them), the data axis all-reduces
+    /// gradients among the D copies.
+    #[arg(long, value_parser = parse_mesh, value_name = "data=D,model=T", conflicts_with_all = ["workers", "pipeline"])]
+    mesh: Option<Mesh>,
+    /// Split variable VAR along dimension DIM over the mesh's model axis (repeatable).
+    #[arg(long, value_parser = parse_shard, value_name = "VAR=DIM", requires = "mesh")]
+    shard: Vec<(String, usize)>,
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
@@ -565,6 +623,7 @@ fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     }
     let name = strategy_kind(a.strategy).name();
     match a.strategy {
+        Strategy::Single if a.mesh.is_some() => {}
         Strategy::Single => {
             if a.workers > 1 {
                 bail!(
@@ -616,6 +675,24 @@ fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
 }
 
 fn strategy_config(a: &CompileArgs) -> StrategyConfig {
+    if let Some(m) = a.mesh {
+        // A data axis all-reduces: `single` is one data replica.
+        let strategy = match strategy_kind(a.strategy) {
+            StrategyKind::Single if m.data > 1 => StrategyKind::Allreduce,
+            s => s,
+        };
+        return StrategyConfig {
+            strategy,
+            workers: m.data * m.model * m.pipe,
+            model: m.model,
+            pipeline: m.pipe,
+            shard: a.shard.iter().cloned().collect(),
+            ..strategy_config(&CompileArgs {
+                mesh: None,
+                ..a.clone()
+            })
+        };
+    }
     StrategyConfig {
         strategy: strategy_kind(a.strategy),
         workers: a.workers,

@@ -189,7 +189,11 @@ fn check(opts: &VerifyOptions) -> Result<(), VerifyError> {
     let s = &opts.compile.strategy;
     // One device against itself compares something only when a rewrite changed the
     // program: gradient accumulation, recomputation or kernel fusion.
-    let rewritten = s.accumulate > 1 || s.remat != RematPolicy::Off || s.fuse || s.pipeline > 1;
+    let rewritten = s.accumulate > 1
+        || s.remat != RematPolicy::Off
+        || s.fuse
+        || s.pipeline > 1
+        || s.model > 1;
     if s.strategy == Strategy::Single && !rewritten {
         return Err(VerifyError::Refused(
             "verify compares a distributed strategy, --pipeline, --accumulate, --remat or --fuse \
@@ -266,11 +270,12 @@ fn one_device_against(
     many: &HashMap<String, Tensor>,
 ) -> Result<VerifyReport, VerifyError> {
     let s = &opts.compile.strategy;
-    // A pipeline's N workers are N/P replicas of its P stages.
+    // A pipeline's N workers are N/P replicas of its P stages; a mesh's model axis
+    // trains T workers on one batch.
     let n = if s.pipeline > 1 {
         (s.workers / s.pipeline).max(1)
     } else {
-        s.workers
+        s.workers / s.model.max(1)
     };
     // Micro-batches per step, of accumulation or of a pipeline.
     let k = s.accumulate.max(1)

@@ -178,6 +178,13 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("shape", list(shape.dims())),
         ],
         Op::TakeChunk { workers } => vec![("workers", A::Int(*workers as i64))],
+        Op::ModelEnter { parts } | Op::ModelAllReduce { parts } => {
+            vec![("parts", A::Int(*parts as i64))]
+        }
+        Op::ModelGather { dim, parts } | Op::ModelSplit { dim, parts } => vec![
+            ("dim", A::Int(*dim as i64)),
+            ("parts", A::Int(*parts as i64)),
+        ],
         Op::Accumulate { micro } => vec![("micro", A::Int(*micro as i64))],
         Op::UniqueRows | Op::Pack => vec![],
         Op::Unpack { shapes } => shapes.iter().map(|s| ("shape", list(s.dims()))).collect(),
@@ -590,6 +597,20 @@ pub fn op_from_parts(
         },
         "take_chunk" => Op::TakeChunk {
             workers: a.workers()?,
+        },
+        "model_enter" => Op::ModelEnter {
+            parts: a.int("parts")?,
+        },
+        "model_all_reduce" => Op::ModelAllReduce {
+            parts: a.int("parts")?,
+        },
+        "model_gather" => Op::ModelGather {
+            dim: a.int("dim")?,
+            parts: a.int("parts")?,
+        },
+        "model_split" => Op::ModelSplit {
+            dim: a.int("dim")?,
+            parts: a.int("parts")?,
         },
         "broadcast" => Op::Broadcast {
             root: a.int("root")?,

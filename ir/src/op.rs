@@ -337,6 +337,35 @@ pub enum Op {
         /// Worker count.
         workers: usize,
     },
+    // ---- tensor parallelism: the model axis of a mesh (`tensor_parallel` pass) ----
+    /// Megatron's `f`: the value, unchanged, entering computations split over the
+    /// `parts` workers of the model axis; its gradient is summed over them.
+    ModelEnter {
+        /// Workers of the model axis.
+        parts: usize,
+    },
+    /// Megatron's `g`: the sum over the model axis of every worker's partial value;
+    /// its gradient enters the split computations unchanged (`model_enter`).
+    ModelAllReduce {
+        /// Workers of the model axis.
+        parts: usize,
+    },
+    /// Every model-axis worker's shard, concatenated along `dim` in rank order; its
+    /// gradient is this worker's shard of the gradient (`model_split`).
+    ModelGather {
+        /// The dimension the shards split.
+        dim: usize,
+        /// Workers of the model axis.
+        parts: usize,
+    },
+    /// This worker's shard along `dim` (equal parts, in rank order) of a value every
+    /// model-axis worker holds whole; local. Its gradient is gathered (`model_gather`).
+    ModelSplit {
+        /// The dimension split.
+        dim: usize,
+        /// Workers of the model axis.
+        parts: usize,
+    },
     /// Gradient accumulation over `micro` micro-batches: the first `micro - 1` runs of
     /// a step add the gradient into a buffer the executor keeps (and nothing after this
     /// op runs); the last outputs the mean of all `micro` (slices: concatenated, values
@@ -520,6 +549,10 @@ impl Op {
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGatherDense { .. } => "all_gather_dense",
             Op::TakeChunk { .. } => "take_chunk",
+            Op::ModelEnter { .. } => "model_enter",
+            Op::ModelAllReduce { .. } => "model_all_reduce",
+            Op::ModelGather { .. } => "model_gather",
+            Op::ModelSplit { .. } => "model_split",
             Op::Pack => "pack",
             Op::Unpack { .. } => "unpack",
             Op::PackChunks { .. } => "pack_chunks",
@@ -565,7 +598,8 @@ impl Op {
         )
     }
 
-    /// Whether the op is a collective among the workers (every worker runs it).
+    /// Whether the op is a collective among the workers (every worker runs it): over
+    /// the data axis, or over the model axis for the `model_*` ones.
     pub fn is_collective(&self) -> bool {
         matches!(
             self,
@@ -574,7 +608,12 @@ impl Op {
                 | Op::Broadcast { .. }
                 | Op::ReduceScatter { .. }
                 | Op::AllGatherDense { .. }
-        )
+        ) || self.is_model_collective()
+    }
+
+    /// Whether the op is a collective over the model axis of a mesh.
+    pub fn is_model_collective(&self) -> bool {
+        matches!(self, Op::ModelAllReduce { .. } | Op::ModelGather { .. })
     }
 
     /// Whether the op moves data between workers or servers.
@@ -606,6 +645,10 @@ impl Op {
             | Op::ReduceScatter { .. }
             | Op::AllGatherDense { .. }
             | Op::TakeChunk { .. }
+            | Op::ModelEnter { .. }
+            | Op::ModelAllReduce { .. }
+            | Op::ModelGather { .. }
+            | Op::ModelSplit { .. }
             | Op::Accumulate { .. }
             | Op::UniqueRows
             | Op::Unpack { .. }

@@ -116,6 +116,30 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         | Op::Shard { ty, .. }
         | Op::Recv { ty, .. } => one(ty.clone()),
         Op::AllReduce { .. } | Op::Broadcast { .. } => one(float(0)?.clone()),
+        Op::ModelEnter { parts } | Op::ModelAllReduce { parts } => {
+            if *parts == 0 {
+                return Err(err("needs at least one worker on the model axis".into()));
+            }
+            one(float(0)?.clone())
+        }
+        Op::ModelGather { dim, parts } | Op::ModelSplit { dim, parts } => {
+            let t = float(0)?;
+            axis_ok(t, *dim)?;
+            let mut dims = t.dims().to_vec();
+            if *parts == 0 {
+                return Err(err("needs at least one worker on the model axis".into()));
+            }
+            if matches!(op, Op::ModelGather { .. }) {
+                dims[*dim] *= parts;
+            } else if dims[*dim] % parts != 0 {
+                return Err(err(format!(
+                    "dimension {dim} of {t} does not split into {parts} equal parts"
+                )));
+            } else {
+                dims[*dim] /= parts;
+            }
+            one(TensorType::new(t.dtype, Shape(dims)))
+        }
         Op::ReduceScatter { workers, .. } | Op::TakeChunk { workers } => {
             let t = float(0)?;
             if *workers == 0 {

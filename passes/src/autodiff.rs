@@ -293,6 +293,28 @@ fn vjp(
             vec![da, db]
         }
         Op::Neg => vec![Some(un(g, Op::Neg, dy)?)],
+        // Every model-axis worker computes the loss whole, so a replicated value's
+        // gradient is the same on each: what enters split computations gets its
+        // gradient summed over them, and a sum hands the gradient back unchanged;
+        // gathering and splitting swap.
+        Op::ModelEnter { parts } => vec![Some(un(g, Op::ModelAllReduce { parts: *parts }, dy)?)],
+        Op::ModelAllReduce { parts } => vec![Some(un(g, Op::ModelEnter { parts: *parts }, dy)?)],
+        Op::ModelGather { dim, parts } => vec![Some(un(
+            g,
+            Op::ModelSplit {
+                dim: *dim,
+                parts: *parts,
+            },
+            dy,
+        )?)],
+        Op::ModelSplit { dim, parts } => vec![Some(un(
+            g,
+            Op::ModelGather {
+                dim: *dim,
+                parts: *parts,
+            },
+            dy,
+        )?)],
         Op::Relu => vec![Some(bin(g, Op::ReluGrad, dy, x[0])?)],
         Op::Sigmoid => vec![Some(bin(g, Op::SigmoidGrad, dy, y)?)],
         Op::Tanh => vec![Some(bin(g, Op::TanhGrad, dy, y)?)],

@@ -258,6 +258,10 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         | Op::ReduceScatter { .. }
         | Op::AllGatherDense { .. }
         | Op::TakeChunk { .. }
+        | Op::ModelEnter { .. }
+        | Op::ModelAllReduce { .. }
+        | Op::ModelGather { .. }
+        | Op::ModelSplit { .. }
         | Op::Pack
         | Op::Unpack { .. }
         | Op::PackChunks { .. }

@@ -90,7 +90,13 @@ impl Pass for Distribute {
         let mut servers: Vec<Graph> = (0..cx.strategy.servers)
             .map(|s| Graph::new(format!("{}.server{s}", g.name)))
             .collect();
-        let mut init = Graph::new(format!("{}.init", g.name));
+        // Tensor parallelism's init program, when there is one, already cuts each
+        // worker's part of the split variables from the one-device values: every worker
+        // makes the same, so those need no broadcast.
+        let mut init = p
+            .init
+            .take()
+            .unwrap_or_else(|| Graph::new(format!("{}.init", g.name)));
         let (mut collectives, mut ps_ops) = (0, 0);
         let index = Index::new(g);
         for v in &plan.vars {
@@ -128,6 +134,9 @@ impl Pass for Distribute {
                     }
                     g.set_input(sink, 0, grad);
                     collectives += 1;
+                    if v.name.ends_with(crate::tensor_parallel::MODEL_SHARD_SUFFIX) {
+                        continue;
+                    }
                     let p = init.add(
                         Op::Param {
                             name: v.name.clone(),

@@ -19,6 +19,7 @@ pub mod remat;
 pub mod schedule;
 pub mod simplify;
 pub mod sparsity;
+pub mod tensor_parallel;
 pub mod zero;
 
 use distc_ir::Graph;
@@ -192,6 +193,13 @@ pub fn pipeline(strategy: placement::Strategy) -> Vec<Box<dyn Pass>> {
 /// The passes a compile with `cfg` runs: the strategy's, or with `--pipeline` the
 /// one-device passes and the pipeline rewrite.
 pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
+    if cfg.model > 1 {
+        // The shardings are propagated through the forward program, and autodiff
+        // differentiates the collectives they need.
+        let mut passes = pipeline(cfg.strategy);
+        passes.insert(0, Box::new(tensor_parallel::TensorParallel));
+        return passes;
+    }
     if cfg.pipeline > 1 {
         // The stages are cut from the one-device program; the split averages each
         // stage's gradients over the pipeline's replicas itself.
@@ -207,5 +215,6 @@ pub fn known_pass_names() -> Vec<String> {
     let mut names: Vec<String> = distributed_pipeline().iter().map(|p| p.name()).collect();
     names.insert(0, "lower".to_string());
     names.push(pipeline::split::PipelineSplit.name());
+    names.insert(1, tensor_parallel::TensorParallel.name());
     names
 }

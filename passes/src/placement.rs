@@ -107,6 +107,14 @@ pub struct StrategyConfig {
     /// stage of the statement first using it); none: stages balanced by cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage_marks: Option<std::collections::BTreeMap<String, usize>>,
+    /// Workers T of the model axis (tensor parallelism; 1: none). Worker w is model
+    /// rank w % T of data rank w / T.
+    #[serde(default = "one")]
+    pub model: usize,
+    /// Variables split over the model axis, `var -> dim` (the model's `shard` marks
+    /// and `--shard`); none: the Megatron rule picks them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub shard: std::collections::BTreeMap<String, usize>,
 }
 
 /// Which activations the remat pass drops after the forward pass and recomputes in
@@ -192,6 +200,43 @@ impl StrategyConfig {
                 return field("remat", "a positive finite budget in MiB", &mib);
             }
         }
+        if self.model == 0 || self.model > MAX_RANKS {
+            return field("model", &format!("in 1..={MAX_RANKS}"), &self.model);
+        }
+        if self.model > 1 {
+            if !self.workers.is_multiple_of(self.model) {
+                return Err(format!(
+                    "{} workers cannot form a mesh with a model axis of {}: give a multiple",
+                    self.workers, self.model
+                ));
+            }
+            let refused = [
+                (self.pipeline > 1, "--pipeline"),
+                (self.zero > 0, "--zero"),
+                (self.servers > 0, "parameter servers"),
+                (self.accumulate > 1, "--accumulate"),
+            ];
+            if let Some((_, what)) = refused.iter().find(|r| r.0) {
+                return Err(format!(
+                    "{what} with a model axis (tensor parallelism) is not supported yet"
+                ));
+            }
+            if self.strategy == Strategy::Single && self.workers != self.model {
+                return Err(format!(
+                    "{} workers under `single` with a model axis of {}: one data replica \
+                     is {} workers",
+                    self.workers, self.model, self.model
+                ));
+            }
+            return match self.strategy {
+                Strategy::Single | Strategy::Allreduce => Ok(()),
+                s => Err(format!(
+                    "`{}` with a model axis (tensor parallelism) is not supported yet: use \
+                     `single` or `allreduce`",
+                    s.name()
+                )),
+            };
+        }
         match self.strategy {
             Strategy::Single if self.workers != 1 || self.servers != 0 => Err(format!(
                 "{} workers and {} servers under `single`, one device: it has 1 and 0",
@@ -232,6 +277,8 @@ impl Default for StrategyConfig {
             micro_batches: 1,
             schedule: Default::default(),
             stage_marks: None,
+            model: 1,
+            shard: Default::default(),
         }
     }
 }

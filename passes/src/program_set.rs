@@ -274,7 +274,25 @@ impl ProgramSet {
             .into_iter()
             .filter_map(|(_, n, _)| n.strip_suffix(ZERO_SHARD_SUFFIX).map(str::to_string))
             .collect();
-        if !chunks.is_empty() && settings.zero == 0 {
+        // Tensor parallelism's parts are gathered by the same final program.
+        let parts: Vec<String> = self
+            .worker
+            .params()
+            .into_iter()
+            .filter_map(|(_, n, _)| {
+                n.strip_suffix(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
+                    .map(str::to_string)
+            })
+            .collect();
+        if !parts.is_empty() && settings.model <= 1 {
+            return Err(format!(
+                "the worker program holds a model-axis part (`{}{}`) but `settings.model` is 1",
+                parts[0],
+                crate::tensor_parallel::MODEL_SHARD_SUFFIX
+            ));
+        }
+        let chunks: Vec<String> = chunks.into_iter().chain(parts).collect();
+        if !chunks.is_empty() && settings.zero == 0 && settings.model <= 1 {
             return Err(format!(
                 "the worker program holds ZeRO chunks (`{}{ZERO_SHARD_SUFFIX}`) but \
                  `settings.zero` is 0",

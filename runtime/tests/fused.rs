@@ -13,6 +13,7 @@ const CTX: KernelCtx = KernelCtx {
     step: 0,
     training: true,
     rank: 0,
+    model_rank: 0,
 };
 
 /// Deterministic values in [-2, 2), none exactly 0.

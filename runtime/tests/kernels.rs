@@ -1016,6 +1016,7 @@ fn mixed_dtypes_are_an_error_not_a_panic() {
         step: 0,
         training: true,
         rank: 0,
+        model_rank: 0,
     };
     let e = eval_op(&op, &[&a, &b], &ctx).unwrap_err();
     assert!(e.contains("f64") && e.contains("f32"), "{e}");
@@ -1486,6 +1487,7 @@ fn chunked_buckets_cut_and_join_as_take_chunk_does() {
         step: 0,
         training: true,
         rank,
+        model_rank: 0,
     };
     let packed = eval_op(&Op::PackChunks { workers }, &[&a, &b], &ctx(0)).unwrap();
     let Some(Value::Tensor(Tensor::F32(flat))) = packed.first() else {

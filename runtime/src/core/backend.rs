@@ -70,6 +70,8 @@ pub struct KernelCtx {
     /// an element by its position in the global batch, rank `r`'s rows after those of
     /// ranks `0..r` (equal batches per worker).
     pub rank: usize,
+    /// This worker's rank on the model axis of a mesh (tensor parallelism's shards).
+    pub model_rank: usize,
 }
 
 /// The buffers of a device: what every family is over.

@@ -225,6 +225,8 @@ pub struct Executor<B: Backend> {
     profile: HashMap<&'static str, (Duration, u64)>,
     /// The worker's rank, for per-sample dropout masks (see [`KernelCtx::rank`]).
     rank: usize,
+    /// The worker's rank on a mesh's model axis (see [`KernelCtx::model_rank`]).
+    model_rank: usize,
     /// What the last run held at its peak.
     measured: MemoryUse,
     /// Gradient sums of the micro-batches of the current step, by node position.
@@ -472,6 +474,7 @@ impl<B: Backend> Executor<B> {
             profiling: false,
             profile: HashMap::new(),
             rank: 0,
+            model_rank: 0,
             measured: MemoryUse::default(),
             accumulated: HashMap::new(),
             train_outputs: true,
@@ -539,6 +542,7 @@ impl<B: Backend> Executor<B> {
             profiling,
             profile,
             rank,
+            model_rank,
             measured,
             accumulated,
             train_outputs,
@@ -555,6 +559,7 @@ impl<B: Backend> Executor<B> {
             step,
             training: mode != Mode::Eval,
             rank: *rank,
+            model_rank: *model_rank,
         };
         let mut slots: Vec<Slot<'_, B>> = (0..*n_slots).map(|_| Slot::Empty).collect();
         let mut out = StepOutputs {
@@ -663,7 +668,9 @@ impl<B: Backend> Executor<B> {
                     | Op::AllGather { .. }
                     | Op::Broadcast { .. }
                     | Op::ReduceScatter { .. }
-                    | Op::AllGatherDense { .. }),
+                    | Op::AllGatherDense { .. }
+                    | Op::ModelAllReduce { .. }
+                    | Op::ModelGather { .. }),
                     Some(c),
                 ) => {
                     let v = take(
@@ -700,7 +707,9 @@ impl<B: Backend> Executor<B> {
                     | Op::AllGather { .. }
                     | Op::Broadcast { .. }
                     | Op::ReduceScatter { .. }
-                    | Op::AllGatherDense { .. },
+                    | Op::AllGatherDense { .. }
+                    | Op::ModelAllReduce { .. }
+                    | Op::ModelGather { .. },
                     None,
                 ) => return Err(no_comm()),
                 _ => None,
@@ -864,6 +873,12 @@ impl<B: Backend> Executor<B> {
     /// its samples in the global batch for per-sample dropout masks.
     pub fn set_rank(&mut self, rank: usize) {
         self.rank = rank;
+    }
+
+    /// Sets the worker's rank on the model axis of a mesh: which shard a
+    /// `model_split` takes.
+    pub fn set_model_rank(&mut self, rank: usize) {
+        self.model_rank = rank;
     }
 
     /// Whether a training run reads its `output` sinks (on by default; evaluation

@@ -746,6 +746,7 @@ fn run_worker_rank<B: Backend>(
         opts,
         rank: r,
         comm: Box::new(mpi_comm),
+        model_comm: None,
         ps,
         data,
         report: Box::new(report),

@@ -282,6 +282,8 @@ pub struct Coordinator<'a> {
     pub train_time: Duration,
     /// Sum and count of the pipelined steps' measured bubbles.
     bubbles: (f64, usize),
+    /// Workers of a model axis, who train on the same samples (1: none).
+    pub model_axis: usize,
 }
 
 impl<'a> Coordinator<'a> {
@@ -304,6 +306,7 @@ impl<'a> Coordinator<'a> {
             eval: None,
             train_time: Duration::ZERO,
             bubbles: (0.0, 0),
+            model_axis: 1,
         }
     }
 
@@ -345,7 +348,8 @@ impl<'a> Coordinator<'a> {
         (self.on_step)(&StepMetrics {
             step,
             loss,
-            samples_per_sec: (self.workers * self.batch) as f64 / slowest.max(1e-9),
+            samples_per_sec: (self.workers / self.model_axis.max(1) * self.batch) as f64
+                / slowest.max(1e-9),
             compute_sec: (r0.step_sec - r0.comm_wait_sec).max(0.0),
             comm_wait_sec: r0.comm_wait_sec,
             bytes_sent_per_worker: list(|r| r.bytes_sent),
@@ -378,7 +382,8 @@ impl Coordinator<'_> {
             final_loss: self.final_loss,
             eval: self.eval,
             train_time: self.train_time,
-            samples_per_sec: (self.steps * self.workers * self.batch) as f64
+            samples_per_sec: (self.steps * self.workers / self.model_axis.max(1) * self.batch)
+                as f64
                 / self.train_time.as_secs_f64().max(1e-9),
             params,
             profile,
@@ -469,6 +474,9 @@ pub fn open_data(
         DataSource::open
     };
     let k = programs.micro_batches();
+    // A model axis's workers read the same batch: the data is split over data ranks.
+    let t = crate::run::worker::model_parts(programs.worker);
+    let (rank, workers) = (rank / t, programs.workers / t);
     (0..k)
         .map(|m| {
             let mut source = open(
@@ -478,7 +486,7 @@ pub fn open_data(
                 config.batch,
                 config.seed,
                 rank * k + m,
-                programs.workers * k,
+                workers * k,
             )?;
             if m == 0 && config.data.needs_files() {
                 // File sources know their id ranges (a vocabulary) only once read;
@@ -579,11 +587,33 @@ pub fn train_with<B: Backend>(
         c.set_timeout(opts.timeout);
         Some(c)
     };
-    let comms: Vec<Box<dyn Communicator>> = in_process(n)
-        .into_iter()
-        .map(|mut c| {
-            c.set_timeout(Some(opts.timeout));
-            Box::new(c) as Box<dyn Communicator>
+    let linked = |size: usize| -> Vec<Option<Box<dyn Communicator>>> {
+        in_process(size)
+            .into_iter()
+            .map(|mut c| {
+                c.set_timeout(Some(opts.timeout));
+                Some(Box::new(c) as Box<dyn Communicator>)
+            })
+            .collect()
+    };
+    // A mesh of D data ranks by T model ranks, worker w at (w / T, w % T): the data
+    // axis links the workers of one model rank, the model axis those of one data rank.
+    let t = crate::run::worker::model_parts(programs.worker);
+    if t > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
+        return Err(RuntimeError::Config(
+            "a run with a model axis (tensor parallelism) cannot write or resume a training \
+             state yet"
+                .into(),
+        ));
+    }
+    let d = n / t;
+    let mut data_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..t).map(|_| linked(d)).collect();
+    let mut model_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..d).map(|_| linked(t)).collect();
+    let comms: Vec<(Box<dyn Communicator>, Option<Box<dyn Communicator>>)> = (0..n)
+        .filter_map(|w| {
+            let comm = data_links[w % t][w / t].take()?;
+            let model = if t > 1 { model_links[w / t][w % t].take() } else { None };
+            Some((comm, model))
         })
         .collect();
     let errors = ErrorSlot::default();
@@ -592,11 +622,12 @@ pub fn train_with<B: Backend>(
     let k = micro_batches(programs.worker);
     let mut coordinator =
         Coordinator::new(n, config.batch * k, n > 1 || cluster.is_some(), on_step);
+    coordinator.model_axis = t;
     let mut outcomes: Vec<Option<WorkerOutcome>> = Vec::new();
     let mut coordinator_error = None;
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
-        for (rank, (comm, data)) in comms.into_iter().zip(sources).enumerate() {
+        for (rank, ((comm, model_comm), data)) in comms.into_iter().zip(sources).enumerate() {
             let tx = report_tx.clone();
             let setup = WorkerSetup {
                 programs,
@@ -604,6 +635,7 @@ pub fn train_with<B: Backend>(
                 opts,
                 rank,
                 comm,
+                model_comm,
                 ps: cluster.as_mut().map(|c| c.client(rank)),
                 data,
                 report: Box::new(move |r| {

@@ -97,6 +97,9 @@ pub struct WorkerSetup<'a> {
     pub opts: &'a TrainOptions,
     /// This worker's rank in `0..programs.workers`.
     pub rank: usize,
+    /// The communicator among the workers of this worker's model-axis group (tensor
+    /// parallelism), when the plan has a model axis.
+    pub model_comm: Option<Box<dyn Communicator>>,
     /// The communicator among the workers.
     pub comm: Box<dyn Communicator>,
     /// The parameter servers, when the plan has any.
@@ -148,6 +151,85 @@ impl Pending for Waiting {
 
 fn shape_err(e: ndarray::ShapeError) -> RuntimeError {
     RuntimeError::Config(e.to_string())
+}
+
+/// A collective already done.
+struct Done(Value);
+
+impl Pending for Done {
+    fn wait(self: Box<Self>) -> Result<Value> {
+        Ok(self.0)
+    }
+}
+
+/// Runs one collective over the model axis: a sum, or the shards concatenated along
+/// their split dimension in rank order.
+fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
+    let n = comm.size();
+    let Value::Tensor(Tensor::F32(mut a)) = value else {
+        return Err(RuntimeError::Config(format!("{op} of a value that is not f32")));
+    };
+    match op {
+        Op::ModelAllReduce { parts } | Op::ModelGather { parts, .. } if *parts != n => {
+            Err(RuntimeError::Config(format!(
+                "{op} for {parts} workers on a model axis of {n}"
+            )))
+        }
+        Op::ModelAllReduce { .. } => {
+            let mut a = a.as_standard_layout().into_owned();
+            let buf = a.as_slice_mut().ok_or_else(|| {
+                RuntimeError::Config("model_all_reduce of a non-contiguous tensor".into())
+            })?;
+            comm.all_reduce(buf, false)?;
+            Ok(Value::Tensor(Tensor::F32(a)))
+        }
+        Op::ModelGather { dim, .. } => {
+            a = a.as_standard_layout().into_owned();
+            let shape = a.shape().to_vec();
+            let mine: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let parts = comm
+                .all_gather(mine)?
+                .into_iter()
+                .map(|p| {
+                    let v: Vec<f32> = p
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
+            let whole = ndarray::concatenate(ndarray::Axis(*dim), &views).map_err(shape_err)?;
+            Ok(Value::Tensor(Tensor::F32(whole)))
+        }
+        _ => Err(RuntimeError::Config(format!("{op} is not a model-axis collective"))),
+    }
+}
+
+/// Workers on the model axis of a plan: the largest `parts` of its `model_*` ops (1
+/// without tensor parallelism).
+pub fn model_parts(worker: &distc_ir::Graph) -> usize {
+    worker
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match worker.op(id) {
+            Op::ModelEnter { parts }
+            | Op::ModelAllReduce { parts }
+            | Op::ModelGather { parts, .. }
+            | Op::ModelSplit { parts, .. } => Some(*parts),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// Sets an executor's ranks from worker `rank`: its data rank (dropout's rows, ZeRO's
+/// chunk; `micro` micro-batches a step) and its model rank (tensor parallelism's shard).
+fn set_ranks<B: Backend>(exec: &mut Executor<B>, programs: &Programs<'_>, rank: usize, micro: Option<(usize, usize)>) {
+    let t = model_parts(programs.worker);
+    let data_rank = rank / t;
+    exec.set_rank(micro.map_or(data_rank, |(k, m)| data_rank * k + m));
+    exec.set_model_rank(rank % t);
 }
 
 /// Runs one collective on a communicator.
@@ -322,6 +404,8 @@ struct WorkerHook {
     /// While tracing: where the worker blocked on which collective.
     wait_spans: WaitSpans,
     waited_shared: Arc<Mutex<Duration>>,
+    /// The model axis's communicator, and the bytes it had moved at the last report.
+    model: Option<(Box<dyn Communicator>, ByteCount)>,
 }
 
 impl WorkerHook {
@@ -349,6 +433,19 @@ impl CommHook for WorkerHook {
         v: Value,
         step: u64,
     ) -> Result<Box<dyn Pending>> {
+        if op.is_model_collective() {
+            // On the forward path, the next op reads it at once: nothing to overlap.
+            let Some((comm, _)) = self.model.as_mut() else {
+                return Err(RuntimeError::Config(format!(
+                    "{node} ({op}) runs over the model axis, and this worker has no \
+                     model-axis communicator"
+                )));
+            };
+            let start = Instant::now();
+            let v = model_collective(&mut **comm, op, v)?;
+            self.waited += start.elapsed();
+            return Ok(Box::new(Done(v)));
+        }
         let (reply, rx) = mpsc::channel();
         self.to_comm
             .send(Request {
@@ -492,6 +589,7 @@ pub fn run_worker_on<B: Backend>(
         opts,
         rank,
         mut comm,
+        model_comm,
         ps,
         mut data,
         mut report,
@@ -520,6 +618,10 @@ pub fn run_worker_on<B: Backend>(
         waited: Duration::ZERO,
         wait_spans: Arc::new(Mutex::new(Vec::new())),
         waited_shared: Arc::new(Mutex::new(Duration::ZERO)),
+        model: model_comm.map(|c| {
+            let b = c.bytes();
+            (c, b)
+        }),
     };
     let mut state = None;
     let mut result = made.and_then(|backend| {
@@ -544,7 +646,7 @@ pub fn run_worker_on<B: Backend>(
         result = all_to_host(st.exec.backend(), params).map(|p| host_params = p);
     }
     if let (Ok(()), Some(fin)) = (&result, programs.finalize) {
-        result = finalize(fin, &mut host_params, rank, &mut hook);
+        result = finalize(fin, &programs, &mut host_params, rank, &mut hook);
     }
     let mut server_shards = Vec::new();
     if result.is_ok() {
@@ -617,12 +719,13 @@ pub fn run_worker_on<B: Backend>(
 /// shards it reads.
 fn finalize(
     fin: &distc_ir::Graph,
+    programs: &Programs<'_>,
     params: &mut HashMap<String, Tensor>,
     rank: usize,
     hook: &mut WorkerHook,
 ) -> Result<()> {
     let mut exec = Executor::new(fin)?;
-    exec.set_rank(rank);
+    set_ranks(&mut exec, programs, rank, None);
     let out = exec.run_with(&HashMap::new(), params, Mode::Train, 0, Some(hook))?;
     for (_, name, _) in fin.params() {
         params.remove(name);
@@ -653,7 +756,7 @@ fn run_steps<B: Backend>(
     let mut params = initial_values(programs.worker, config.seed, resume)?;
     if let Some(init) = programs.init {
         let mut exec = Executor::new(init)?;
-        exec.set_rank(rank);
+        set_ranks(&mut exec, programs, rank, None);
         // The init program reads the one-device initial values, whole (or the resumed
         // ones) and makes this worker's part of them.
         let whole = initial_values(init, config.seed, resume)?;
@@ -666,7 +769,7 @@ fn run_steps<B: Backend>(
     // Training reads back no `output` sink (the prediction and target are for
     // evaluation): on a device that would be a copy and a wait every step.
     exec.set_train_outputs(false);
-    exec.set_rank(rank);
+    set_ranks(&mut exec, programs, rank, None);
     exec.set_profiling(opts.profile && rank == 0);
     let device = exec.backend().name();
     let slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
@@ -842,7 +945,7 @@ fn run_steps<B: Backend>(
                         upload_all(st.exec.backend(), b)?
                     }
                 };
-                st.exec.set_rank(rank * k + m);
+                set_ranks(&mut st.exec, programs, rank, Some((k, m)));
                 let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
                 let o =
                     st.exec
@@ -989,6 +1092,7 @@ fn capture_step<B: Backend>(
     if !on {
         return Ok(GraphState::Off);
     }
+    // CUDA graphs: no model axis (tensor parallelism runs on the CPU backend).
     st.exec.set_rank(rank);
     let captured = st
         .exec
@@ -1190,19 +1294,29 @@ fn save_training_state<B: Backend>(
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.
-fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &WorkerHook) -> (u64, u64, u64) {
+fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &mut WorkerHook) -> (u64, u64, u64) {
     let mut now = st.last;
     while let Ok(b) = st.bytes_rx.try_recv() {
         now = b;
     }
     let ps_now = hook.ps.as_ref().map_or((0, 0), PsClient::bytes);
+    // The model axis's collectives run on this thread, beside the data axis's.
+    let model = match hook.model.as_mut() {
+        Some((c, last)) => {
+            let now = c.bytes();
+            let d = now - *last;
+            *last = now;
+            d
+        }
+        None => ByteCount::default(),
+    };
     let device_now = st.exec.backend().collective_bytes();
     let dd = device_now - st.device_last;
     st.device_last = device_now;
     let d = now - st.last;
     let d = ByteCount {
-        sent: d.sent + dd.sent,
-        received: d.received + dd.received,
+        sent: d.sent + dd.sent + model.sent,
+        received: d.received + dd.received + model.received,
     };
     // To servers: pushes and pulls' ids; from them: pulled values.
     let (to_ps, from_ps) = (ps_now.0 - st.ps_last.0, ps_now.1 - st.ps_last.1);

@@ -258,6 +258,8 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         | Op::Broadcast { .. }
         | Op::ReduceScatter { .. }
         | Op::AllGatherDense { .. }
+        | Op::ModelAllReduce { .. }
+        | Op::ModelGather { .. }
         | Op::Pull { .. }
         | Op::SparsePull { .. }
         | Op::Push { .. }
@@ -281,6 +283,20 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::UniqueRows => {
             let [s] = split(args)?;
             float!(dt, A => comm::unique_rows::<A>(&s))?
+        }
+        Op::ModelEnter { .. } => {
+            let [x] = split(args)?;
+            match x {
+                Arg::Owned(v) => v,
+                Arg::Borrowed(v) => v.clone(),
+                Arg::BorrowedTensor(t) => Value::Tensor(t.clone()),
+            }
+        }
+        Op::ModelSplit { dim, parts } => {
+            let [x] = split(args)?;
+            let len = x.tensor().and_then(|t| t.shape().get(*dim).copied()).unwrap_or(0) / parts;
+            let start = ctx.model_rank * len;
+            any!(dt, T => layout::slice::<T>(&x, *dim, start, start + len))?
         }
         Op::TakeChunk { workers } => {
             let [x] = split(args)?;

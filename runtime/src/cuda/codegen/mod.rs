@@ -669,6 +669,13 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
         )));
     }
     match op {
+        Op::ModelEnter { .. }
+        | Op::ModelAllReduce { .. }
+        | Op::ModelGather { .. }
+        | Op::ModelSplit { .. } => Err(NodeError::Unsupported(format!(
+            "{}: tensor parallelism runs on the CPU backend for now",
+            op.mnemonic()
+        ))),
         Op::Input { .. }
         | Op::Param { .. }
         | Op::Loss

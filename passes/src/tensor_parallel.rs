@@ -1,0 +1,505 @@
+//! Tensor parallelism (`--mesh model=T`): variables split along one dimension over the
+//! T workers of the model axis, and every value's sharding propagated through the
+//! one-device forward graph, before autodiff.
+//!
+//! A value is whole on every model-axis worker, split along one dimension (each worker
+//! holds an equal part, in rank order), or partial (each holds a term of a sum). Each op
+//! keeps its inputs' sharding where its arithmetic allows it (a matmul of a whole value
+//! by a column-split weight is column-split; of a column-split value by a row-split
+//! weight, partial; element-wise ops, softmax off the split axis, sums and layer norm
+//! off it); elsewhere its inputs are made whole first: a `model_gather` of a split
+//! value, a `model_all_reduce` of a partial one. A whole operand meeting a split one in
+//! an element-wise op is cut with `model_split` (local), and a whole value entering a
+//! column-split matmul goes through `model_enter`, so that its gradient, partial on each
+//! worker, is summed. Autodiff then differentiates the rewritten graph with the
+//! collectives' own rules (all-reduce and enter swap; gather and split swap): every
+//! worker computes the loss whole, so a whole value's gradient is whole on each.
+//!
+//! Which variables split: those named in the model (`shard(DIM)` after a `param`) or
+//! by `--shard VAR=DIM`; with none named, the Megatron rule: a matmul whose weight's
+//! result reaches a second matmul's left operand through element-wise ops only splits
+//! its weight by columns and the second's by rows (one all-reduce forward and one
+//! backward per pair). A split variable `w` becomes `w.tp` of its local shape; the init
+//! program cuts each worker's part from the one-device value and the final program
+//! gathers it back, so a run starts and ends with the one-device variables.
+
+use crate::{PassCx, PassError, PassStats};
+use distc_ir::{Graph, NodeId, Op, Shape, TensorType, ValueId};
+use std::collections::{BTreeMap, HashMap};
+
+/// How a variable's local part is named: `w` is held as `w.tp`.
+pub const MODEL_SHARD_SUFFIX: &str = ".tp";
+
+/// The local part's name of variable `var`.
+pub fn shard_name(var: &str) -> String {
+    format!("{var}{MODEL_SHARD_SUFFIX}")
+}
+
+/// Where a value lives on the model axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharding {
+    /// Every worker holds it all.
+    Whole,
+    /// Each worker holds its equal part along this dimension.
+    Split(usize),
+    /// Each worker holds a term; the value is their sum.
+    Partial,
+}
+
+impl std::fmt::Display for Sharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Sharding::Whole => f.write_str("whole"),
+            Sharding::Split(d) => write!(f, "split({d})"),
+            Sharding::Partial => f.write_str("partial"),
+        }
+    }
+}
+
+/// The variables the Megatron rule splits, `var -> dim`: per pair of matmuls joined by
+/// element-wise ops, the first weight by columns (1) and the second by rows (0).
+pub fn megatron_pairs(g: &Graph) -> BTreeMap<String, usize> {
+    let param_of = |v: ValueId| match g.op(v.node) {
+        Op::Param { name, ty, .. } if ty.shape.rank() == 2 => Some(name.clone()),
+        _ => None,
+    };
+    let plain = |id: NodeId| {
+        matches!(
+            g.op(id),
+            Op::MatMul {
+                transpose_a: false,
+                transpose_b: false
+            }
+        )
+    };
+    let mut out = BTreeMap::new();
+    for id in g.topo_order() {
+        if !plain(id) {
+            continue;
+        }
+        let Some(first) = param_of(g.node(id).inputs[1]) else {
+            continue;
+        };
+        if out.contains_key(&first) {
+            continue;
+        }
+        // Follow the result through element-wise ops with one user each.
+        let mut v: ValueId = id.into();
+        let second = loop {
+            let users = g.users(v);
+            let [(user, slot)] = users.as_slice() else {
+                break None;
+            };
+            match g.op(*user) {
+                Op::MatMul { .. } if plain(*user) && *slot == 0 => {
+                    break param_of(g.node(*user).inputs[1]);
+                }
+                Op::Add
+                | Op::Sub
+                | Op::Mul
+                | Op::Relu
+                | Op::Tanh
+                | Op::Sigmoid
+                | Op::Neg
+                | Op::Exp => v = (*user).into(),
+                _ => break None,
+            }
+        };
+        if let Some(second) = second.filter(|s| *s != first && !out.contains_key(s)) {
+            out.insert(first, 1);
+            out.insert(second, 0);
+        }
+    }
+    out
+}
+
+/// What the rewrite made beside the worker program.
+#[derive(Debug, Default)]
+pub struct Rewritten {
+    /// Cuts each worker's part from the one-device variables.
+    pub init: Graph,
+    /// Gathers the whole variables back.
+    pub finalize: Graph,
+    /// Every value's sharding in the rewritten program.
+    pub sharding: HashMap<ValueId, Sharding>,
+    /// Collectives inserted: `(op mnemonic, count)`.
+    pub inserted: BTreeMap<&'static str, usize>,
+}
+
+/// Rewrites the forward program `g` for `parts` workers on the model axis, splitting
+/// `split` (`var -> dim`).
+pub fn rewrite(
+    g: &Graph,
+    parts: usize,
+    split: &BTreeMap<String, usize>,
+) -> Result<(Graph, Rewritten), PassError> {
+    let mut r = Rewriter {
+        old: g,
+        new: Graph::new(g.name.clone()),
+        parts,
+        map: HashMap::new(),
+        out: Rewritten {
+            init: Graph::new(g.name.clone()),
+            finalize: Graph::new(g.name.clone()),
+            ..Rewritten::default()
+        },
+    };
+    for var in split.keys() {
+        if !g.params().iter().any(|(_, n, _)| n == var) {
+            let known: Vec<&str> = g.params().into_iter().map(|(_, n, _)| n).collect();
+            return Err(PassError::Precondition(format!(
+                "`{var}` is sharded, and the model has no variable of that name (it has {})",
+                known.join(", ")
+            )));
+        }
+    }
+    for id in g.topo_order() {
+        r.node(id, split)?;
+    }
+    let Rewriter { new, mut out, .. } = r;
+    out.init.remove_dead();
+    Ok((new, out))
+}
+
+struct Rewriter<'a> {
+    old: &'a Graph,
+    new: Graph,
+    parts: usize,
+    /// Old value -> (new value, its sharding).
+    map: HashMap<ValueId, (ValueId, Sharding)>,
+    out: Rewritten,
+}
+
+impl Rewriter<'_> {
+    fn add(&mut self, op: Op, inputs: Vec<ValueId>, s: Sharding) -> Result<ValueId, PassError> {
+        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. })
+        {
+            *self.out.inserted.entry(op.mnemonic()).or_default() += 1;
+        }
+        let v: ValueId = self.new.add(op, inputs)?.into();
+        self.out.sharding.insert(v, s);
+        Ok(v)
+    }
+
+    fn rank(&self, v: ValueId) -> usize {
+        self.new.tensor_type(v).shape.rank()
+    }
+
+    /// `v` whole on every worker.
+    fn whole(&mut self, (v, s): (ValueId, Sharding)) -> Result<ValueId, PassError> {
+        let parts = self.parts;
+        match s {
+            Sharding::Whole => Ok(v),
+            Sharding::Split(dim) => self.add(Op::ModelGather { dim, parts }, vec![v], Sharding::Whole),
+            Sharding::Partial => self.add(Op::ModelAllReduce { parts }, vec![v], Sharding::Whole),
+        }
+    }
+
+    /// This worker's part along `dim` of whole `v` (local).
+    fn cut(&mut self, v: ValueId, dim: usize) -> Result<ValueId, PassError> {
+        let parts = self.parts;
+        let size = self.new.tensor_type(v).dims()[dim];
+        if size % parts != 0 {
+            return Err(PassError::Precondition(format!(
+                "{} does not split into {parts} equal parts along dimension {dim} (size {size})",
+                self.new.tensor_type(v)
+            )));
+        }
+        self.add(Op::ModelSplit { dim, parts }, vec![v], Sharding::Split(dim))
+    }
+
+    fn node(&mut self, id: NodeId, split: &BTreeMap<String, usize>) -> Result<(), PassError> {
+        let node = self.old.node(id).clone();
+        let ins: Vec<(ValueId, Sharding)> = node.inputs.iter().map(|v| self.map[v]).collect();
+        let parts = self.parts;
+        let (op, inputs, s) = match &node.op {
+            Op::Param { name, ty, init } if split.contains_key(name) => {
+                let dim = split[name];
+                let local = self.local_type(name, ty, dim)?;
+                let v = self.add(
+                    Op::Param {
+                        name: shard_name(name),
+                        ty: local.clone(),
+                        init: init.clone(),
+                    },
+                    vec![],
+                    Sharding::Split(dim),
+                )?;
+                self.map.insert(id.into(), (v, Sharding::Split(dim)));
+                self.init_and_final(name, ty, &local, init, dim)?;
+                return Ok(());
+            }
+            op if op.is_source() => (op.clone(), vec![], Sharding::Whole),
+            Op::MatMul {
+                transpose_a: false,
+                transpose_b: false,
+            } if self.old.tensor_type(node.inputs[0]).shape.rank() == 2
+                && self.old.tensor_type(node.inputs[1]).shape.rank() == 2 =>
+            {
+                let (a, b) = (ins[0], ins[1]);
+                let a = match a.1 {
+                    Sharding::Partial => (self.whole(a)?, Sharding::Whole),
+                    _ => a,
+                };
+                let b = match b.1 {
+                    Sharding::Partial => (self.whole(b)?, Sharding::Whole),
+                    _ => b,
+                };
+                match (a.1, b.1) {
+                    (Sharding::Whole, Sharding::Whole) => (node.op.clone(), vec![a.0, b.0], Sharding::Whole),
+                    // Column-parallel: the whole left operand enters the split computation.
+                    (Sharding::Whole, Sharding::Split(1)) => {
+                        let x = self.add(Op::ModelEnter { parts }, vec![a.0], Sharding::Whole)?;
+                        (node.op.clone(), vec![x, b.0], Sharding::Split(1))
+                    }
+                    // Row-parallel: partial sums of the contraction.
+                    (Sharding::Split(1), Sharding::Split(0)) => {
+                        (node.op.clone(), vec![a.0, b.0], Sharding::Partial)
+                    }
+                    (Sharding::Whole, Sharding::Split(0)) => {
+                        let x = self.cut(a.0, 1)?;
+                        (node.op.clone(), vec![x, b.0], Sharding::Partial)
+                    }
+                    // Rows of the batch split: the same rows of the result.
+                    (Sharding::Split(0), Sharding::Whole) => {
+                        (node.op.clone(), vec![a.0, b.0], Sharding::Split(0))
+                    }
+                    _ => {
+                        let (x, w) = (self.whole(a)?, self.whole(b)?);
+                        (node.op.clone(), vec![x, w], Sharding::Whole)
+                    }
+                }
+            }
+            Op::Add | Op::Sub | Op::Mul | Op::Div => self.elementwise(&node.op, &ins)?,
+            Op::Neg => (node.op.clone(), vec![ins[0].0], ins[0].1),
+            Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => match ins[0].1 {
+                Sharding::Partial => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
+                s => (node.op.clone(), vec![ins[0].0], s),
+            },
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => match ins[0].1 {
+                Sharding::Split(d) if d != *axis => (node.op.clone(), vec![ins[0].0], Sharding::Split(d)),
+                _ => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
+            },
+            Op::Sum { axes, keep_dims } | Op::Mean { axes, keep_dims } => {
+                let is_sum = matches!(node.op, Op::Sum { .. });
+                match ins[0].1 {
+                    Sharding::Partial => (node.op.clone(), vec![ins[0].0], Sharding::Partial),
+                    Sharding::Split(d) if axes.contains(&d) && is_sum => {
+                        (node.op.clone(), vec![ins[0].0], Sharding::Partial)
+                    }
+                    Sharding::Split(d) if !axes.contains(&d) => {
+                        let d = if *keep_dims {
+                            d
+                        } else {
+                            d - axes.iter().filter(|a| **a < d).count()
+                        };
+                        (node.op.clone(), vec![ins[0].0], Sharding::Split(d))
+                    }
+                    _ => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
+                }
+            }
+            Op::LayerNorm { .. } => {
+                let last = self.rank(ins[0].0).saturating_sub(1);
+                match ins[0].1 {
+                    Sharding::Split(d) if d != last => {
+                        let (gamma, beta) = (self.whole(ins[1])?, self.whole(ins[2])?);
+                        (node.op.clone(), vec![ins[0].0, gamma, beta], Sharding::Split(d))
+                    }
+                    _ => {
+                        let all = ins.iter().map(|v| self.whole(*v)).collect::<Result<_, _>>()?;
+                        (node.op.clone(), all, Sharding::Whole)
+                    }
+                }
+            }
+            // A table split by columns looks up each worker's columns of every row.
+            Op::Embedding if ins[0].1 == Sharding::Split(1) => {
+                let ids = self.whole(ins[1])?;
+                let d = self.old.tensor_type(node.inputs[1]).shape.rank();
+                (node.op.clone(), vec![ins[0].0, ids], Sharding::Split(d))
+            }
+            // Everything else, sinks included, reads whole values.
+            op => {
+                let all = ins.iter().map(|v| self.whole(*v)).collect::<Result<_, _>>()?;
+                (op.clone(), all, Sharding::Whole)
+            }
+        };
+        let new_id = self.new.add(op, inputs)?;
+        for port in 0..node.outputs.len() {
+            let v = new_id.out(port as u16);
+            // Extra ports (none among the ops that keep a sharding) are whole.
+            let s = if port == 0 { s } else { Sharding::Whole };
+            self.out.sharding.insert(v, s);
+            self.map.insert(id.out(port as u16), (v, s));
+        }
+        Ok(())
+    }
+
+    /// An element-wise op with broadcasting: partial terms stay partial where the op is
+    /// linear in them; split operands agreeing on the result's dimension stay split, with
+    /// the whole operands cut to match.
+    fn elementwise(
+        &mut self,
+        op: &Op,
+        ins: &[(ValueId, Sharding)],
+    ) -> Result<(Op, Vec<ValueId>, Sharding), PassError> {
+        let partial: Vec<bool> = ins.iter().map(|v| v.1 == Sharding::Partial).collect();
+        let linear = match op {
+            Op::Add | Op::Sub => partial.iter().all(|p| *p),
+            Op::Mul => {
+                partial.iter().filter(|p| **p).count() == 1
+                    && ins.iter().all(|v| v.1 != Sharding::Partial || v.1 == Sharding::Whole)
+                    && ins.iter().all(|v| !matches!(v.1, Sharding::Split(_)))
+            }
+            Op::Div => partial == [true, false] && ins[1].1 == Sharding::Whole,
+            _ => false,
+        };
+        if partial.iter().any(|p| *p) {
+            if linear {
+                return Ok((op.clone(), ins.iter().map(|v| v.0).collect(), Sharding::Partial));
+            }
+            let mut whole = Vec::new();
+            for v in ins {
+                whole.push(match v.1 {
+                    Sharding::Partial => (self.whole(*v)?, Sharding::Whole),
+                    _ => *v,
+                });
+            }
+            return self.elementwise(op, &whole);
+        }
+        let out_rank = ins.iter().map(|v| self.rank(v.0)).max().unwrap_or(0);
+        let dims: Vec<Option<usize>> = ins
+            .iter()
+            .map(|v| match v.1 {
+                Sharding::Split(d) => Some(d + out_rank - self.rank(v.0)),
+                _ => None,
+            })
+            .collect();
+        let split: Vec<usize> = dims.iter().flatten().copied().collect();
+        let Some(&d) = split.first() else {
+            return Ok((op.clone(), ins.iter().map(|v| v.0).collect(), Sharding::Whole));
+        };
+        if split.iter().any(|x| *x != d) {
+            let all = ins.iter().map(|v| self.whole(*v)).collect::<Result<_, _>>()?;
+            return Ok((op.clone(), all, Sharding::Whole));
+        }
+        let mut inputs = Vec::new();
+        for v in ins {
+            if v.1 != Sharding::Whole {
+                inputs.push(v.0);
+                continue;
+            }
+            // The whole operand's dimension under the result's split one, if it has one
+            // of more than one element (else it broadcasts as it is).
+            let offset = out_rank - self.rank(v.0);
+            let cut = d
+                .checked_sub(offset)
+                .filter(|k| self.new.tensor_type(v.0).dims()[*k] > 1);
+            inputs.push(match cut {
+                Some(k) => self.cut(v.0, k)?,
+                None => v.0,
+            });
+        }
+        Ok((op.clone(), inputs, Sharding::Split(d)))
+    }
+
+    fn local_type(&self, name: &str, ty: &TensorType, dim: usize) -> Result<TensorType, PassError> {
+        let parts = self.parts;
+        let dims = ty.dims();
+        if dim >= dims.len() {
+            return Err(PassError::Precondition(format!(
+                "`{name}` ({ty}) is sharded along dimension {dim}, and it has {}",
+                dims.len()
+            )));
+        }
+        if dims[dim] % parts != 0 {
+            return Err(PassError::Precondition(format!(
+                "`{name}` ({ty}) does not split into {parts} equal parts along dimension \
+                 {dim} (size {}): give a model axis dividing it",
+                dims[dim]
+            )));
+        }
+        let mut local = dims.to_vec();
+        local[dim] /= parts;
+        Ok(TensorType::new(ty.dtype, Shape(local)))
+    }
+
+    /// The init program's cut of `name` and the final program's gather of it.
+    fn init_and_final(
+        &mut self,
+        name: &str,
+        ty: &TensorType,
+        local: &TensorType,
+        init: &distc_ir::Init,
+        dim: usize,
+    ) -> Result<(), PassError> {
+        let parts = self.parts;
+        let i = &mut self.out.init;
+        let whole = i.add(
+            Op::Param {
+                name: name.to_string(),
+                ty: ty.clone(),
+                init: init.clone(),
+            },
+            vec![],
+        )?;
+        let mine = i.add(Op::ModelSplit { dim, parts }, vec![whole.into()])?;
+        i.add(
+            Op::Output {
+                name: shard_name(name),
+            },
+            vec![mine.into()],
+        )?;
+        let f = &mut self.out.finalize;
+        let part = f.add(
+            Op::Param {
+                name: shard_name(name),
+                ty: local.clone(),
+                init: init.clone(),
+            },
+            vec![],
+        )?;
+        let back = f.add(Op::ModelGather { dim, parts }, vec![part.into()])?;
+        f.add(
+            Op::Output {
+                name: name.to_string(),
+            },
+            vec![back.into()],
+        )?;
+        Ok(())
+    }
+}
+
+/// The pass: runs on the one-device forward program when the mesh has a model axis.
+pub struct TensorParallel;
+
+impl crate::Pass for TensorParallel {
+    fn run(&self, _g: &mut Graph, _cx: &mut PassCx) -> Result<PassStats, PassError> {
+        Err(crate::needs_program_set("tensor_parallel"))
+    }
+
+    fn run_programs(
+        &self,
+        p: &mut crate::ProgramSet,
+        cx: &mut PassCx,
+    ) -> Result<PassStats, PassError> {
+        let parts = cx.strategy.model;
+        if parts <= 1 {
+            return Ok(PassStats::default().with_note("no model axis"));
+        }
+        let split = if cx.strategy.shard.is_empty() {
+            megatron_pairs(&p.worker)
+        } else {
+            cx.strategy.shard.clone()
+        };
+        let (g, r) = rewrite(&p.worker, parts, &split)?;
+        p.worker = g;
+        p.init = (r.init.node_count() > 0).then_some(r.init);
+        p.finalize = (r.finalize.node_count() > 0).then_some(r.finalize);
+        let mut stats = PassStats::default().count("sharded", split.len());
+        for (op, n) in &r.inserted {
+            stats = stats.count(op, *n);
+        }
+        let list: Vec<String> = split.iter().map(|(v, d)| format!("{v}:{d}")).collect();
+        Ok(stats.with_note(format!("split over {parts}: {}", list.join(" "))))
+    }
+}
