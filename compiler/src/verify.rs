@@ -189,11 +189,8 @@ fn check(opts: &VerifyOptions) -> Result<(), VerifyError> {
     let s = &opts.compile.strategy;
     // One device against itself compares something only when a rewrite changed the
     // program: gradient accumulation, recomputation or kernel fusion.
-    let rewritten = s.accumulate > 1
-        || s.remat != RematPolicy::Off
-        || s.fuse
-        || s.pipeline > 1
-        || s.model > 1;
+    let rewritten =
+        s.accumulate > 1 || s.remat != RematPolicy::Off || s.fuse || s.pipeline > 1 || s.model > 1;
     if s.strategy == Strategy::Single && !rewritten {
         return Err(VerifyError::Refused(
             "verify compares a distributed strategy, --pipeline, --accumulate, --remat or --fuse \

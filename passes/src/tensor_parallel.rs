@@ -172,8 +172,7 @@ struct Rewriter<'a> {
 
 impl Rewriter<'_> {
     fn add(&mut self, op: Op, inputs: Vec<ValueId>, s: Sharding) -> Result<ValueId, PassError> {
-        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. })
-        {
+        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. }) {
             *self.out.inserted.entry(op.mnemonic()).or_default() += 1;
         }
         let v: ValueId = self.new.add(op, inputs)?.into();
@@ -190,7 +189,9 @@ impl Rewriter<'_> {
         let parts = self.parts;
         match s {
             Sharding::Whole => Ok(v),
-            Sharding::Split(dim) => self.add(Op::ModelGather { dim, parts }, vec![v], Sharding::Whole),
+            Sharding::Split(dim) => {
+                self.add(Op::ModelGather { dim, parts }, vec![v], Sharding::Whole)
+            }
             Sharding::Partial => self.add(Op::ModelAllReduce { parts }, vec![v], Sharding::Whole),
         }
     }
@@ -199,7 +200,7 @@ impl Rewriter<'_> {
     fn cut(&mut self, v: ValueId, dim: usize) -> Result<ValueId, PassError> {
         let parts = self.parts;
         let size = self.new.tensor_type(v).dims()[dim];
-        if size % parts != 0 {
+        if !size.is_multiple_of(parts) {
             return Err(PassError::Precondition(format!(
                 "{} does not split into {parts} equal parts along dimension {dim} (size {size})",
                 self.new.tensor_type(v)
@@ -246,7 +247,9 @@ impl Rewriter<'_> {
                     _ => b,
                 };
                 match (a.1, b.1) {
-                    (Sharding::Whole, Sharding::Whole) => (node.op.clone(), vec![a.0, b.0], Sharding::Whole),
+                    (Sharding::Whole, Sharding::Whole) => {
+                        (node.op.clone(), vec![a.0, b.0], Sharding::Whole)
+                    }
                     // Column-parallel: the whole left operand enters the split computation.
                     (Sharding::Whole, Sharding::Split(1)) => {
                         let x = self.add(Op::ModelEnter { parts }, vec![a.0], Sharding::Whole)?;
@@ -277,7 +280,9 @@ impl Rewriter<'_> {
                 s => (node.op.clone(), vec![ins[0].0], s),
             },
             Op::Softmax { axis } | Op::LogSoftmax { axis } => match ins[0].1 {
-                Sharding::Split(d) if d != *axis => (node.op.clone(), vec![ins[0].0], Sharding::Split(d)),
+                Sharding::Split(d) if d != *axis => {
+                    (node.op.clone(), vec![ins[0].0], Sharding::Split(d))
+                }
                 _ => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
             },
             Op::Sum { axes, keep_dims } | Op::Mean { axes, keep_dims } => {
@@ -303,10 +308,17 @@ impl Rewriter<'_> {
                 match ins[0].1 {
                     Sharding::Split(d) if d != last => {
                         let (gamma, beta) = (self.whole(ins[1])?, self.whole(ins[2])?);
-                        (node.op.clone(), vec![ins[0].0, gamma, beta], Sharding::Split(d))
+                        (
+                            node.op.clone(),
+                            vec![ins[0].0, gamma, beta],
+                            Sharding::Split(d),
+                        )
                     }
                     _ => {
-                        let all = ins.iter().map(|v| self.whole(*v)).collect::<Result<_, _>>()?;
+                        let all = ins
+                            .iter()
+                            .map(|v| self.whole(*v))
+                            .collect::<Result<_, _>>()?;
                         (node.op.clone(), all, Sharding::Whole)
                     }
                 }
@@ -319,7 +331,10 @@ impl Rewriter<'_> {
             }
             // Everything else, sinks included, reads whole values.
             op => {
-                let all = ins.iter().map(|v| self.whole(*v)).collect::<Result<_, _>>()?;
+                let all = ins
+                    .iter()
+                    .map(|v| self.whole(*v))
+                    .collect::<Result<_, _>>()?;
                 (op.clone(), all, Sharding::Whole)
             }
         };
@@ -347,7 +362,9 @@ impl Rewriter<'_> {
             Op::Add | Op::Sub => partial.iter().all(|p| *p),
             Op::Mul => {
                 partial.iter().filter(|p| **p).count() == 1
-                    && ins.iter().all(|v| v.1 != Sharding::Partial || v.1 == Sharding::Whole)
+                    && ins
+                        .iter()
+                        .all(|v| v.1 != Sharding::Partial || v.1 == Sharding::Whole)
                     && ins.iter().all(|v| !matches!(v.1, Sharding::Split(_)))
             }
             Op::Div => partial == [true, false] && ins[1].1 == Sharding::Whole,
@@ -355,7 +372,11 @@ impl Rewriter<'_> {
         };
         if partial.iter().any(|p| *p) {
             if linear {
-                return Ok((op.clone(), ins.iter().map(|v| v.0).collect(), Sharding::Partial));
+                return Ok((
+                    op.clone(),
+                    ins.iter().map(|v| v.0).collect(),
+                    Sharding::Partial,
+                ));
             }
             let mut whole = Vec::new();
             for v in ins {
@@ -376,10 +397,17 @@ impl Rewriter<'_> {
             .collect();
         let split: Vec<usize> = dims.iter().flatten().copied().collect();
         let Some(&d) = split.first() else {
-            return Ok((op.clone(), ins.iter().map(|v| v.0).collect(), Sharding::Whole));
+            return Ok((
+                op.clone(),
+                ins.iter().map(|v| v.0).collect(),
+                Sharding::Whole,
+            ));
         };
         if split.iter().any(|x| *x != d) {
-            let all = ins.iter().map(|v| self.whole(*v)).collect::<Result<_, _>>()?;
+            let all = ins
+                .iter()
+                .map(|v| self.whole(*v))
+                .collect::<Result<_, _>>()?;
             return Ok((op.clone(), all, Sharding::Whole));
         }
         let mut inputs = Vec::new();
@@ -411,7 +439,7 @@ impl Rewriter<'_> {
                 dims.len()
             )));
         }
-        if dims[dim] % parts != 0 {
+        if !dims[dim].is_multiple_of(parts) {
             return Err(PassError::Precondition(format!(
                 "`{name}` ({ty}) does not split into {parts} equal parts along dimension \
                  {dim} (size {}): give a model axis dividing it",

@@ -225,6 +225,12 @@ fn covering_group(op: &Op) -> Cover {
         | Op::SparsePush { .. }
         | Op::Send { .. }
         | Op::Recv { .. } => NotAKernel(COMM),
+        Op::ModelEnter { .. }
+        | Op::ModelAllReduce { .. }
+        | Op::ModelGather { .. }
+        | Op::ModelSplit { .. } => NotAKernel(
+            "tensor parallelism: the CUDA backend refuses it by name (CPU backend only for now)",
+        ),
         Op::MatMul { .. } => Group("matmul"),
         Op::Add | Op::Sub | Op::Mul | Op::Div => Group("elementwise"),
         Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => Group("elementwise"),

@@ -57,7 +57,9 @@ fn megatron_pairs_on_a_model_axis_match_one_device() {
     // The pair one layer down (`--shard w2=1 --shard w3=0`): h1, whole and needing its
     // gradient for w1, enters the split computation, so its gradient is summed.
     let s = StrategyConfig {
-        shard: [("w2".to_string(), 1), ("w3".to_string(), 0)].into_iter().collect(),
+        shard: [("w2".to_string(), 1), ("w3".to_string(), 0)]
+            .into_iter()
+            .collect(),
         ..mesh(1, 2)
     };
     let r = verify(&example("dense_mlp.dsl"), &verify_opts(s)).unwrap_or_else(|e| panic!("{e}"));
@@ -87,8 +89,14 @@ fn the_rewrite_of_a_pair_of_matmuls_is_megatrons_f_and_g() {
     // row-parallel partial sums are summed before b2 (`g`); backward: the gradient
     // enters back through `g`'s rule, x (an input) needs no gradient, and b1's cut
     // gathers its gradient.
-    assert!(ir.contains("param{name=\"w1.tp\", init=glorot} : f32[8,8]"), "{ir}");
-    assert!(ir.contains("param{name=\"w2.tp\", init=glorot} : f32[8,4]"), "{ir}");
+    assert!(
+        ir.contains("param{name=\"w1.tp\", init=glorot} : f32[8,8]"),
+        "{ir}"
+    );
+    assert!(
+        ir.contains("param{name=\"w2.tp\", init=glorot} : f32[8,4]"),
+        "{ir}"
+    );
     assert_eq!(count("model_all_reduce"), 1, "{ir}");
     assert_eq!(count("model_enter"), 2, "{ir}");
     assert_eq!(count("model_gather"), 1, "{ir}");
@@ -111,5 +119,8 @@ fn a_variable_that_does_not_split_evenly_is_refused_by_name() {
         Ok(_) => panic!("a split into 7 parts compiled"),
         Err(e) => e.to_string(),
     };
-    assert!(err.contains("`w1`") && err.contains("7 equal parts"), "{err}");
+    assert!(
+        err.contains("`w1`") && err.contains("7 equal parts"),
+        "{err}"
+    );
 }

@@ -672,6 +672,13 @@ fn run_worker_rank<B: Backend>(
     make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
+    let t = crate::run::worker::model_parts(programs.worker);
+    if t > 1 {
+        return Err(RuntimeError::Config(format!(
+            "the plan has a model axis of {t} (tensor parallelism), which runs as threads \
+             of one process for now: drop --transport mpi"
+        )));
+    }
     let data = open_data(&programs, config, opts, r)?;
     let mpi_comm = MpiComm::new(comm, ctl.clone(), roles, r, opts.timeout);
     let ps = (roles.servers > 0).then(|| {

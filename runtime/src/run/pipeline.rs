@@ -96,7 +96,7 @@ fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
 /// Whether a step is one of those every `every` steps of a run ending at `last`, or the
 /// last (an evaluation's or a checkpoint's steps; `every` 0 is the last alone).
 fn due(step: usize, last: usize, every: usize) -> bool {
-    step == last || (every > 0 && step % every == 0)
+    step == last || (every > 0 && step.is_multiple_of(every))
 }
 
 /// What every stage of a pipelined run shares, on threads or MPI ranks alike: the
@@ -376,6 +376,11 @@ impl Evaluator {
     }
 }
 
+/// What the coordinator does with a step's variables and optimizer state (see
+/// [`StageReports::add`]).
+pub(crate) type TakeState<'a> = dyn FnMut(usize, HashMap<String, Tensor>, HashMap<String, Tensor>) -> Result<Option<EvalMetrics>>
+    + 'a;
+
 /// Steps' reports from every stage, joined into one line per step once all are in.
 #[derive(Default)]
 pub(crate) struct StageReports {
@@ -393,11 +398,7 @@ impl StageReports {
         r: StageReport,
         workers: usize,
         coordinator: &mut Coordinator<'_>,
-        take_state: &mut dyn FnMut(
-            usize,
-            HashMap<String, Tensor>,
-            HashMap<String, Tensor>,
-        ) -> Result<Option<EvalMetrics>>,
+        take_state: &mut TakeState<'_>,
     ) -> Result<()> {
         let step = r.step;
         let reports = self.pending.entry(step).or_default();

@@ -607,12 +607,19 @@ pub fn train_with<B: Backend>(
         ));
     }
     let d = n / t;
-    let mut data_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..t).map(|_| linked(d)).collect();
-    let mut model_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..d).map(|_| linked(t)).collect();
-    let comms: Vec<(Box<dyn Communicator>, Option<Box<dyn Communicator>>)> = (0..n)
+    let mut data_links: Vec<Vec<Option<Box<dyn Communicator>>>> =
+        (0..t).map(|_| linked(d)).collect();
+    let mut model_links: Vec<Vec<Option<Box<dyn Communicator>>>> =
+        (0..d).map(|_| linked(t)).collect();
+    type Links = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
+    let comms: Vec<Links> = (0..n)
         .filter_map(|w| {
             let comm = data_links[w % t][w / t].take()?;
-            let model = if t > 1 { model_links[w / t][w % t].take() } else { None };
+            let model = if t > 1 {
+                model_links[w / t][w % t].take()
+            } else {
+                None
+            };
             Some((comm, model))
         })
         .collect();

@@ -167,14 +167,14 @@ impl Pending for Done {
 fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
     let n = comm.size();
     let Value::Tensor(Tensor::F32(mut a)) = value else {
-        return Err(RuntimeError::Config(format!("{op} of a value that is not f32")));
+        return Err(RuntimeError::Config(format!(
+            "{op} of a value that is not f32"
+        )));
     };
     match op {
-        Op::ModelAllReduce { parts } | Op::ModelGather { parts, .. } if *parts != n => {
-            Err(RuntimeError::Config(format!(
-                "{op} for {parts} workers on a model axis of {n}"
-            )))
-        }
+        Op::ModelAllReduce { parts } | Op::ModelGather { parts, .. } if *parts != n => Err(
+            RuntimeError::Config(format!("{op} for {parts} workers on a model axis of {n}")),
+        ),
         Op::ModelAllReduce { .. } => {
             let mut a = a.as_standard_layout().into_owned();
             let buf = a.as_slice_mut().ok_or_else(|| {
@@ -202,7 +202,9 @@ fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Resul
             let whole = ndarray::concatenate(ndarray::Axis(*dim), &views).map_err(shape_err)?;
             Ok(Value::Tensor(Tensor::F32(whole)))
         }
-        _ => Err(RuntimeError::Config(format!("{op} is not a model-axis collective"))),
+        _ => Err(RuntimeError::Config(format!(
+            "{op} is not a model-axis collective"
+        ))),
     }
 }
 
@@ -225,7 +227,12 @@ pub fn model_parts(worker: &distc_ir::Graph) -> usize {
 
 /// Sets an executor's ranks from worker `rank`: its data rank (dropout's rows, ZeRO's
 /// chunk; `micro` micro-batches a step) and its model rank (tensor parallelism's shard).
-fn set_ranks<B: Backend>(exec: &mut Executor<B>, programs: &Programs<'_>, rank: usize, micro: Option<(usize, usize)>) {
+fn set_ranks<B: Backend>(
+    exec: &mut Executor<B>,
+    programs: &Programs<'_>,
+    rank: usize,
+    micro: Option<(usize, usize)>,
+) {
     let t = model_parts(programs.worker);
     let data_rank = rank / t;
     exec.set_rank(micro.map_or(data_rank, |(k, m)| data_rank * k + m));
