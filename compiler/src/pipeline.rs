@@ -59,6 +59,9 @@ pub struct Compiled {
     /// The stages the model's `pipeline_stage` markers give its variables, when it has
     /// markers and is pipelined (`--pipeline`); one device ignores the markers.
     pub stage_marks: Option<std::collections::BTreeMap<String, usize>>,
+    /// The variables split over the model axis as the model's `shard` marks and
+    /// `--shard` say (none: the Megatron rule chose).
+    pub shards: std::collections::BTreeMap<String, usize>,
 }
 
 /// The passes a plan needs to be trained: without them it has no gradients, or its
@@ -197,6 +200,14 @@ pub fn compile(
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let assumptions = program.assumptions;
     let stage_marks = program.stage_marks.filter(|_| opts.strategy.pipeline > 1);
+    // The model's `shard(DIM)` marks, with `--shard` taking precedence; one device
+    // ignores them.
+    let mut shards = if opts.strategy.model > 1 {
+        program.shards
+    } else {
+        Default::default()
+    };
+    shards.extend(opts.strategy.shard.clone());
     let mut programs = ProgramSet::new(program.graph);
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
@@ -230,6 +241,7 @@ pub fn compile(
             assumptions,
             not_runnable: not_runnable(opts),
             stage_marks,
+            shards,
         });
     }
     let passes = passes_for(&opts.strategy);
@@ -243,6 +255,7 @@ pub fn compile(
         disabled: opts.disabled.clone(),
         strategy: StrategyConfig {
             stage_marks: stage_marks.clone(),
+            shard: shards.clone(),
             ..opts.strategy.clone()
         },
         measured_ids,
@@ -290,6 +303,7 @@ pub fn compile(
                 assumptions,
                 not_runnable: not_runnable(opts),
                 stage_marks,
+                shards,
             })
         }
         Err(error) => {

@@ -151,6 +151,7 @@ impl Plan {
             passes,
             settings: StrategyConfig {
                 stage_marks: c.stage_marks.clone(),
+                shard: c.shards.clone(),
                 ..settings.clone()
             },
             dist: c.dist.clone(),

@@ -273,6 +273,41 @@ impl Rewriter<'_> {
                     }
                 }
             }
+            // Output channels split as matmul's columns, input channels as its rows.
+            Op::Conv2d { .. } => {
+                let (x, w) = (ins[0], ins[1]);
+                let x = match x.1 {
+                    Sharding::Partial => (self.whole(x)?, Sharding::Whole),
+                    _ => x,
+                };
+                match (x.1, w.1) {
+                    (Sharding::Whole, Sharding::Whole) => {
+                        (node.op.clone(), vec![x.0, w.0], Sharding::Whole)
+                    }
+                    (Sharding::Whole, Sharding::Split(0)) => {
+                        let e = self.add(Op::ModelEnter { parts }, vec![x.0], Sharding::Whole)?;
+                        (node.op.clone(), vec![e, w.0], Sharding::Split(1))
+                    }
+                    (Sharding::Split(1), Sharding::Split(1)) => {
+                        (node.op.clone(), vec![x.0, w.0], Sharding::Partial)
+                    }
+                    (Sharding::Whole, Sharding::Split(1)) => {
+                        let c = self.cut(x.0, 1)?;
+                        (node.op.clone(), vec![c, w.0], Sharding::Partial)
+                    }
+                    _ => {
+                        let (a, b) = (self.whole(x)?, self.whole(w)?);
+                        (node.op.clone(), vec![a, b], Sharding::Whole)
+                    }
+                }
+            }
+            // Pooling is per sample and channel.
+            Op::MaxPool2d { .. } => match ins[0].1 {
+                Sharding::Split(d) if d < 2 => {
+                    (node.op.clone(), vec![ins[0].0], Sharding::Split(d))
+                }
+                _ => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
+            },
             Op::Add | Op::Sub | Op::Mul | Op::Div => self.elementwise(&node.op, &ins)?,
             Op::Neg => (node.op.clone(), vec![ins[0].0], ins[0].1),
             Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => match ins[0].1 {

@@ -84,6 +84,8 @@ pub enum Stmt {
         ty: TypeExpr,
         /// Its initialiser.
         init: InitExpr,
+        /// `shard(DIM)`: the dimension it splits along over a model axis, and the mark.
+        shard: Option<(usize, Span)>,
         /// The whole statement.
         span: Span,
     },

@@ -556,6 +556,8 @@ pub(crate) struct Lowered {
     /// With `pipeline_stage` markers: each variable's stage, the stage of the
     /// statement first using it.
     pub stage_marks: Option<BTreeMap<String, usize>>,
+    /// The variables marked `shard(DIM)`: split along DIM over a model axis.
+    pub shards: BTreeMap<String, usize>,
 }
 
 struct Lowerer<'a> {
@@ -595,6 +597,7 @@ pub(crate) fn lower_model(
     // The markers so far, and the stage of each variable used so far.
     let mut marks: Vec<Span> = Vec::new();
     let mut stage_of: BTreeMap<String, usize> = BTreeMap::new();
+    let mut shards: BTreeMap<String, usize> = BTreeMap::new();
     for stmt in &model.stmts {
         if let Stmt::StageMark { span } = stmt {
             marks.push(*span);
@@ -615,9 +618,31 @@ pub(crate) fn lower_model(
                 )?;
                 cx.define(name, Val::Tensor(v), "an input");
             }
-            Stmt::Param { name, ty, init, .. } => {
+            Stmt::Param {
+                name,
+                ty,
+                init,
+                shard,
+                ..
+            } => {
                 cx.define_check(name)?;
                 let t = cx.param_type(ty)?;
+                if let Some((dim, span)) = *shard {
+                    let rank = t.shape.rank();
+                    if dim >= rank {
+                        return Err(Diag::new(
+                            span,
+                            format!(
+                                "`{}` ({t}) has {rank} dimension{}; shard({dim}) names dimension {dim}",
+                                name.name,
+                                if rank == 1 { "" } else { "s" }
+                            ),
+                            "no such dimension",
+                        )
+                        .help(format!("dimensions count from 0: shard(0) .. shard({})", rank.saturating_sub(1))));
+                    }
+                    shards.insert(name.name.clone(), dim);
+                }
                 let init = lower_init(init)?;
                 let v = cx.add(
                     Op::Param {
@@ -697,6 +722,7 @@ pub(crate) fn lower_model(
     Ok(Lowered {
         graph: cx.graph,
         stage_marks,
+        shards,
     })
 }
 

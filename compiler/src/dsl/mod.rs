@@ -141,6 +141,8 @@ pub struct Program {
     /// With `pipeline_stage` markers: each variable's pipeline stage (the stage of the
     /// statement first using it).
     pub stage_marks: Option<std::collections::BTreeMap<String, usize>>,
+    /// The variables marked `shard(DIM)`.
+    pub shards: std::collections::BTreeMap<String, usize>,
 }
 
 /// Parses and lowers a DSL file. `file_name` is shown in diagnostics.
@@ -208,7 +210,7 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
         None => t.config.batch,
     };
     let lowered = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?;
-    let (mut graph, stage_marks) = (lowered.graph, lowered.stage_marks);
+    let (mut graph, stage_marks, shards) = (lowered.graph, lowered.stage_marks, lowered.shards);
     // The axes that depend on B are those whose length changes with it.
     let mut assumptions = Vec::new();
     let other = batch
@@ -226,5 +228,6 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
         batch_symbol_value: batch,
         assumptions,
         stage_marks,
+        shards,
     })
 }
