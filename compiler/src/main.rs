@@ -1320,9 +1320,10 @@ fn real_main(cli: Cli) -> Result<()> {
                     serde_json::to_string_pretty(&explain_json(&p, &mem))?
                 )),
                 ExplainFormat::Table => out(&format!(
-                    "{}{}",
+                    "{}{}{}",
                     explain_table(&p, &mem),
-                    explain_pipeline(&p, programs.worker, programs.pipeline)?
+                    explain_pipeline(&p, programs.worker, programs.pipeline)?,
+                    explain_mesh(&p, programs.worker)
                 )),
             }
         }
@@ -1403,6 +1404,86 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
         }
         m => m.name().to_string(),
     }
+}
+
+/// A mesh with a model axis: how ranks map to coordinates, each split variable, each
+/// model-axis collective with the bytes a worker sends for it per step. Empty for
+/// other plans.
+fn explain_mesh(p: &Plan, worker: &distc_ir::Graph) -> String {
+    use distc_passes::tensor_parallel::{self as tp, MODEL_SHARD_SUFFIX};
+    use std::fmt::Write as _;
+    let t = p.settings.model;
+    if t <= 1 {
+        return String::new();
+    }
+    let d = p.settings.workers / t;
+    let mut s = format!(
+        "mesh: data={d} x model={t} ({} workers): worker w is model rank w % {t} of data rank \
+         w / {t}; the data axis links the workers of one model rank, the model axis those of \
+         one data rank\n",
+        p.settings.workers
+    );
+    let _ = writeln!(
+        s,
+        "model axis: variables split (the model's shard marks and --shard, else the \
+         Megatron rule's pairs of matmuls)"
+    );
+    let _ = writeln!(
+        s,
+        "  {:<10} {:<16} {:>5} {:<16} {:>12}",
+        "variable", "whole", "dim", "per worker", "bytes"
+    );
+    for (_, name, ty) in worker.params() {
+        let Some(var) = name.strip_suffix(MODEL_SHARD_SUFFIX) else {
+            continue;
+        };
+        let dim = p.settings.shard.get(var).copied();
+        let mut whole = ty.dims().to_vec();
+        if let Some(k) = dim {
+            whole[k] *= t;
+        }
+        let dims = |d: &[usize]| {
+            format!(
+                "[{}]",
+                d.iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+        };
+        let _ = writeln!(
+            s,
+            "  {:<10} {:<16} {:>5} {:<16} {:>12}",
+            var,
+            dims(&whole),
+            dim.map_or("-".into(), |k| k.to_string()),
+            dims(ty.dims()),
+            mib(ty.bytes() as f64)
+        );
+    }
+    let _ = writeln!(s, "model-axis collectives per step (worker program):");
+    let mut total = 0.0;
+    for id in worker.topo_order() {
+        if !worker.op(id).is_model_collective() {
+            continue;
+        }
+        let bytes = tp::sent_bytes(worker, id);
+        total += bytes;
+        let ty = worker.tensor_type(worker.node(id).inputs[0]);
+        let _ = writeln!(
+            s,
+            "  {id:<6} {:<36} {:<18} sends {:>12}",
+            worker.op(id).to_string(),
+            ty.to_string(),
+            mib(bytes)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "predicted model-axis bytes per step per worker: {} ({total:.0} bytes)",
+        mib(total)
+    );
+    s
 }
 
 /// Per pipeline stage: what it holds, its FLOPs, the activations it stashes, the

@@ -303,7 +303,9 @@ pub fn compile(
                 assumptions,
                 not_runnable: not_runnable(opts),
                 stage_marks,
-                shards,
+                // As the tensor_parallel pass chose them (the Megatron rule's, unless
+                // the model or --shard named them).
+                shards: cx.strategy.shard.clone(),
             })
         }
         Err(error) => {

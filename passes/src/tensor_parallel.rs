@@ -555,6 +555,8 @@ impl crate::Pass for TensorParallel {
             cx.strategy.shard.clone()
         };
         let (g, r) = rewrite(&p.worker, parts, &split)?;
+        // What was split, for the plan's settings and `explain`.
+        cx.strategy.shard = split.clone();
         p.worker = g;
         p.init = (r.init.node_count() > 0).then_some(r.init);
         p.finalize = (r.finalize.node_count() > 0).then_some(r.finalize);
@@ -565,4 +567,30 @@ impl crate::Pass for TensorParallel {
         let list: Vec<String> = split.iter().map(|(v, d)| format!("{v}:{d}")).collect();
         Ok(stats.with_note(format!("split over {parts}: {}", list.join(" "))))
     }
+}
+
+/// Bytes one worker sends over the model axis when node `id` of `g` runs, as the ring
+/// collectives count them: a `model_all_reduce` of `b` bytes sends `2 (T-1)/T b`
+/// (reduce-scatter, then all-gather, of `b/T` chunks), a `model_gather` of a `b`-byte
+/// part sends `(T-1) b`; every other op, nothing.
+pub fn sent_bytes(g: &Graph, id: NodeId) -> f64 {
+    let node = g.node(id);
+    let input = || {
+        node.inputs
+            .first()
+            .map_or(0.0, |v| g.tensor_type(*v).bytes() as f64)
+    };
+    match &node.op {
+        Op::ModelAllReduce { parts } => {
+            let t = *parts as f64;
+            2.0 * (t - 1.0) / t * input()
+        }
+        Op::ModelGather { parts, .. } => (*parts as f64 - 1.0) * input(),
+        _ => 0.0,
+    }
+}
+
+/// Bytes one worker sends over the model axis per step of program `g`.
+pub fn predicted_bytes_per_step(g: &Graph) -> f64 {
+    g.node_ids().into_iter().map(|id| sent_bytes(g, id)).sum()
 }

@@ -221,3 +221,38 @@ fn shard_marks_in_the_model_split_what_they_name() {
         assert_passes(&format!("marked model={model}"), &r);
     }
 }
+
+#[test]
+fn measured_model_axis_bytes_equal_predicted() {
+    use distc_passes::tensor_parallel::predicted_bytes_per_step;
+    use distc_runtime::run::train::{train, TrainOptions};
+    for model in [2, 4] {
+        let c = distc::compile_file(
+            &example("dense_mlp.dsl"),
+            &CompileOptions {
+                strategy: mesh(1, model),
+                batch: Some(16),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let predicted = predicted_bytes_per_step(&c.programs.worker);
+        // Forward: [16,1024] summed; backward: b1's gradient gathered ([1024/T] parts).
+        let t = model as f64;
+        let want = 2.0 * (t - 1.0) / t * (16.0 * 1024.0 * 4.0) + (t - 1.0) * 1024.0 / t * 4.0;
+        assert_eq!(predicted, want, "model={model}");
+        let opts = TrainOptions {
+            steps: Some(2),
+            global_data: true,
+            evaluate: false,
+            ..TrainOptions::default()
+        };
+        let mut sent = Vec::new();
+        train(c.programs(model), &c.config, &opts, &mut |m| {
+            sent.push(m.bytes_sent);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sent, vec![predicted as u64; 2], "model={model}");
+    }
+}
