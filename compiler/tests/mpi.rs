@@ -948,6 +948,66 @@ fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
     assert_eq!(max_difference(&whole, &resumed_threads), 0.0);
 }
 
+/// Issue 23: a mesh's workers as MPI ranks (worker r is model rank r % T of data rank
+/// r / T; the workers' communicator split by each) train what threads train: two
+/// ranks on an axis sum in one order on both transports.
+#[test]
+fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
+    for (mesh, np) in [("data=1,model=2", 2), ("data=2,model=2", 4)] {
+        let plan = tmp("mesh.plan.json");
+        let o = distc(&[
+            "compile",
+            "examples/dense_mlp.dsl",
+            "--mesh",
+            mesh,
+            "--batch",
+            "16",
+            "-o",
+            s(&plan),
+        ]);
+        assert!(o.status.success(), "{mesh}: {}", text(&o));
+        let (one, many) = (tmp("mesh-threads.safetensors"), tmp("mesh-mpi.safetensors"));
+        let o = distc(&["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]);
+        assert!(o.status.success(), "{mesh}: {}", text(&o));
+        let o = mpirun(
+            np,
+            &[
+                "run",
+                s(&plan),
+                "--steps",
+                "3",
+                "-q",
+                "--save",
+                s(&many),
+                "--transport",
+                "mpi",
+            ],
+        );
+        assert!(o.status.success(), "{mesh}: {}", text(&o));
+        let d = max_difference(&one, &many);
+        assert!(d == 0.0, "{mesh}: MPI ranks and threads differ by {d:.2e}");
+    }
+    let o = mpirun(
+        2,
+        &[
+            "verify",
+            "examples/dense_mlp.dsl",
+            "--mesh",
+            "data=1,model=2",
+            "--batch",
+            "16",
+            "--steps",
+            "2",
+            "--tolerance",
+            "1e-5",
+            "--transport",
+            "mpi",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("largest relative error"), "{}", text(&o));
+}
+
 /// Issue 22: `verify --pipeline` under mpirun, with a replica per pair of ranks.
 #[test]
 fn verify_of_a_pipeline_runs_under_mpirun() {

@@ -145,6 +145,11 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("stride", A::Int(*stride as i64)),
         ],
         Op::EmbeddingGrad { table } => vec![("table", A::Type(table.clone()))],
+        Op::ModelEmbedding { parts } => vec![("parts", A::Int(*parts as i64))],
+        Op::ModelEmbeddingGrad { table, parts } => vec![
+            ("table", A::Type(table.clone())),
+            ("parts", A::Int(*parts as i64)),
+        ],
         Op::Conv2dGradInput {
             stride,
             padding,
@@ -420,6 +425,12 @@ pub const MNEMONICS: &[&str] = &[
     "all_reduce",
     "all_gather",
     "broadcast",
+    "model_enter",
+    "model_all_reduce",
+    "model_gather",
+    "model_split",
+    "model_embedding",
+    "model_embedding_grad",
     "unique_rows",
     "pack",
     "unpack",
@@ -550,6 +561,13 @@ pub fn op_from_parts(
         "mse_grad" => Op::MseGrad,
         "embedding_grad" => Op::EmbeddingGrad {
             table: a.ty("table")?,
+        },
+        "model_embedding" => Op::ModelEmbedding {
+            parts: a.int("parts")?,
+        },
+        "model_embedding_grad" => Op::ModelEmbeddingGrad {
+            table: a.ty("table")?,
+            parts: a.int("parts")?,
         },
         "dropout_grad" => Op::DropoutGrad {
             rate: a.float("rate")?,

@@ -366,6 +366,22 @@ pub enum Op {
         /// Workers of the model axis.
         parts: usize,
     },
+    /// The vocabulary-parallel lookup: `(table part, ids)` where this worker holds rows
+    /// `rank * R .. (rank + 1) * R` of the table (`R` the part's rows): the rows of
+    /// the ids in that range, zeros for the others; summed over the model axis, the
+    /// whole lookup.
+    ModelEmbedding {
+        /// Workers of the model axis.
+        parts: usize,
+    },
+    /// The gradient of a `model_embedding` into its table part: `IndexedSlices` of the
+    /// ids in this worker's range (local row numbers), at most one per id.
+    ModelEmbeddingGrad {
+        /// Type of the table part.
+        table: TensorType,
+        /// Workers of the model axis.
+        parts: usize,
+    },
     /// Gradient accumulation over `micro` micro-batches: the first `micro - 1` runs of
     /// a step add the gradient into a buffer the executor keeps (and nothing after this
     /// op runs); the last outputs the mean of all `micro` (slices: concatenated, values
@@ -553,6 +569,8 @@ impl Op {
             Op::ModelAllReduce { .. } => "model_all_reduce",
             Op::ModelGather { .. } => "model_gather",
             Op::ModelSplit { .. } => "model_split",
+            Op::ModelEmbedding { .. } => "model_embedding",
+            Op::ModelEmbeddingGrad { .. } => "model_embedding_grad",
             Op::Pack => "pack",
             Op::Unpack { .. } => "unpack",
             Op::PackChunks { .. } => "pack_chunks",
@@ -697,6 +715,8 @@ impl Op {
             | Op::SoftmaxGrad { .. }
             | Op::LogSoftmaxGrad { .. }
             | Op::EmbeddingGrad { .. }
+            | Op::ModelEmbedding { .. }
+            | Op::ModelEmbeddingGrad { .. }
             | Op::Conv2dGradInput { .. }
             | Op::Conv2dGradFilter { .. }
             | Op::MaxPool2dGrad { .. } => Some(2),

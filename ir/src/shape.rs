@@ -390,7 +390,7 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             dims[*axis] = end - start;
             one(TensorType::new(t.dtype, dims))
         }
-        Op::Embedding => {
+        Op::Embedding | Op::ModelEmbedding { .. } => {
             let (table, ids) = (float(0)?, dense[1]);
             if table.shape.rank() < 2 {
                 return Err(err(format!(
@@ -496,7 +496,7 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             }
             one(same_type(1, 2)?)
         }
-        Op::EmbeddingGrad { table } => {
+        Op::EmbeddingGrad { table } | Op::ModelEmbeddingGrad { table, .. } => {
             let (dy, ids) = (float(0)?, dense[1]);
             if ids.dtype != DType::I32 {
                 return Err(err(format!("ids must be i32, got {ids}")));

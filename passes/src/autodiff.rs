@@ -409,6 +409,14 @@ fn vjp(
             let table = g.tensor_type(x[0]).clone();
             vec![Some(bin(g, Op::EmbeddingGrad { table }, dy, x[1])?), None]
         }
+        Op::ModelEmbedding { parts } => {
+            let table = g.tensor_type(x[0]).clone();
+            let op = Op::ModelEmbeddingGrad {
+                table,
+                parts: *parts,
+            };
+            vec![Some(bin(g, op, dy, x[1])?), None]
+        }
         Op::SoftmaxCrossEntropy => {
             let d = g.add(Op::SoftmaxCrossEntropyGrad, vec![dy, x[0], x[1]])?;
             vec![Some(d.into()), None]
@@ -490,6 +498,7 @@ fn vjp(
         | Op::SoftmaxCrossEntropyGrad
         | Op::MseGrad
         | Op::EmbeddingGrad { .. }
+        | Op::ModelEmbeddingGrad { .. }
         | Op::DropoutGrad { .. }
         | Op::LayerNormGrad { .. }
         | Op::Conv2dGradInput { .. }

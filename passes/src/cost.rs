@@ -41,7 +41,7 @@ pub struct Cost {
 
 /// The cost of moving `v`'s gradient (and, for `Ps`, its values) with `m`.
 pub fn cost(m: Mechanism, v: VarCost, cfg: &StrategyConfig) -> Cost {
-    let n = cfg.workers as f64;
+    let n = cfg.data_workers() as f64;
     let s = cfg.servers.max(1) as f64;
     let (alpha, beta) = (cfg.latency, 1.0 / cfg.bandwidth);
     let row_wire = v.row_bytes + INDEX_BYTES;
@@ -239,7 +239,9 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         Op::LayerNormGrad { .. } => 12.0 * input(1),
         Op::Dropout { .. } | Op::DropoutGrad { .. } => 2.0 * out,
         Op::Sum { .. } | Op::Mean { .. } | Op::SumTo { .. } => input(0),
-        Op::EmbeddingGrad { .. } | Op::Densify | Op::UniqueRows => out,
+        Op::EmbeddingGrad { .. } | Op::ModelEmbeddingGrad { .. } | Op::Densify | Op::UniqueRows => {
+            out
+        }
         Op::Accumulate { .. } => 2.0 * out,
         Op::Input { .. }
         | Op::Param { .. }
@@ -249,6 +251,7 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         | Op::Concat { .. }
         | Op::Slice { .. }
         | Op::Embedding
+        | Op::ModelEmbedding { .. }
         | Op::ConcatSlices
         | Op::RowMask
         | Op::Sparsify

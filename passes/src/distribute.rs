@@ -86,7 +86,7 @@ impl Pass for Distribute {
             .dist
             .clone()
             .ok_or_else(|| PassError::Precondition("distribute needs the placement".into()))?;
-        let workers = cx.strategy.workers;
+        let workers = cx.strategy.data_workers();
         let mut servers: Vec<Graph> = (0..cx.strategy.servers)
             .map(|s| Graph::new(format!("{}.server{s}", g.name)))
             .collect();

@@ -256,6 +256,14 @@ impl StrategyConfig {
     }
 }
 
+impl StrategyConfig {
+    /// Workers on the data axis: the copies among which gradients are averaged (all of
+    /// them without a model axis).
+    pub fn data_workers(&self) -> usize {
+        (self.workers / self.model.max(1)).max(1)
+    }
+}
+
 impl Default for StrategyConfig {
     fn default() -> StrategyConfig {
         StrategyConfig {

@@ -228,7 +228,9 @@ fn covering_group(op: &Op) -> Cover {
         Op::ModelEnter { .. }
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }
-        | Op::ModelSplit { .. } => NotAKernel(
+        | Op::ModelSplit { .. }
+        | Op::ModelEmbedding { .. }
+        | Op::ModelEmbeddingGrad { .. } => NotAKernel(
             "tensor parallelism: the CUDA backend refuses it by name (CPU backend only for now)",
         ),
         Op::MatMul { .. } => Group("matmul"),

@@ -672,13 +672,32 @@ fn run_worker_rank<B: Backend>(
     make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
+    // A mesh with a model axis of T: worker r is model rank r % T of data rank r / T.
+    // Every worker splits the workers' communicator twice, in the same order.
     let t = crate::run::worker::model_parts(programs.worker);
-    if t > 1 {
-        return Err(RuntimeError::Config(format!(
-            "the plan has a model axis of {t} (tensor parallelism), which runs as threads \
-             of one process for now: drop --transport mpi"
-        )));
-    }
+    let (comm, model_comm) = if t > 1 {
+        let by_model_rank = comm
+            .0
+            .split_by_color_with_key(Color::with_value((r % t) as i32), (r / t) as i32);
+        let by_data_rank = comm
+            .0
+            .split_by_color_with_key(Color::with_value((r / t) as i32), (r % t) as i32);
+        let (Some(data_axis), Some(model_axis)) = (by_model_rank, by_data_rank) else {
+            return Err(RuntimeError::Config(format!(
+                "worker {r}: not in its data axis's or its model axis's communicator"
+            )));
+        };
+        let model: Box<dyn Communicator> = Box::new(MpiComm::new(
+            Comm(model_axis),
+            ctl.clone(),
+            roles,
+            r,
+            opts.timeout,
+        ));
+        (Comm(data_axis), Some(model))
+    } else {
+        (comm, None)
+    };
     let data = open_data(&programs, config, opts, r)?;
     let mpi_comm = MpiComm::new(comm, ctl.clone(), roles, r, opts.timeout);
     let ps = (roles.servers > 0).then(|| {
@@ -753,7 +772,7 @@ fn run_worker_rank<B: Backend>(
         opts,
         rank: r,
         comm: Box::new(mpi_comm),
-        model_comm: None,
+        model_comm,
         ps,
         data,
         report: Box::new(report),
@@ -771,6 +790,7 @@ fn run_worker_rank<B: Backend>(
     let steps = opts.steps.unwrap_or(config.steps).saturating_sub(done);
     let k = crate::run::train::micro_batches(programs.worker);
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
+    coordinator.model_axis = t;
     std::thread::scope(|scope| -> Result<Option<TrainReport>> {
         let worker = std::thread::Builder::new()
             .name("worker-0".into())

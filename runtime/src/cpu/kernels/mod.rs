@@ -459,6 +459,14 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
             let [dy, ids] = split(args)?;
             float!(dt, A => sparse::embedding_grad::<A>(dy, &ids, table))?
         }
+        Op::ModelEmbedding { .. } => {
+            let [table, ids] = split(args)?;
+            float!(dt, A => sparse::model_embedding::<A>(&table, &ids, ctx.model_rank))?
+        }
+        Op::ModelEmbeddingGrad { table, .. } => {
+            let [dy, ids] = split(args)?;
+            float!(dt, A => sparse::model_embedding_grad::<A>(dy, &ids, table, ctx.model_rank))?
+        }
         Op::DropoutGrad {
             rate,
             seed,

@@ -251,3 +251,92 @@ pub(super) fn sparsify<A: Elem>(x: &Arg<'_>, mask: &Arg<'_>) -> Result<Value, St
         dense_shape: x.shape().to_vec(),
     }))
 }
+
+/// The vocabulary-parallel lookup: `table` is part `rank` of a table split by rows
+/// (rows `rank * R .. (rank + 1) * R` of the whole), so each id in that range gets its
+/// row and every other id zeros. Summed over the parts, the whole table's lookup.
+pub(super) fn model_embedding<A: Elem>(
+    table: &Arg<'_>,
+    ids: &Arg<'_>,
+    rank: usize,
+) -> Result<Value, String> {
+    let table = view::<A>(table, 0)?;
+    let ids = view::<i32>(ids, 1)?;
+    if table.ndim() < 2 {
+        return Err(format!(
+            "the table must have rank 2 or more, got {}",
+            shape_str(table.shape())
+        ));
+    }
+    let rows = table.shape()[0];
+    let first = rank * rows;
+    let row = row_len(table.shape());
+    let table = table.as_standard_layout();
+    let data = table.as_slice().ok_or("the table is not contiguous")?;
+    let mut out = vec![A::zero(); ids.len() * row];
+    for (k, &id) in ids.iter().enumerate() {
+        if id < 0 {
+            return Err(format!("id {id} (position {k}) is negative"));
+        }
+        let local = (id as usize).wrapping_sub(first);
+        if local < rows {
+            out[k * row..(k + 1) * row].copy_from_slice(&data[local * row..(local + 1) * row]);
+        }
+    }
+    let mut dims = ids.shape().to_vec();
+    dims.extend_from_slice(&table.shape()[1..]);
+    ArrayD::from_shape_vec(IxDyn(&dims), out)
+        .map(val)
+        .map_err(|e| format!("model_embedding output {}: {e}", shape_str(&dims)))
+}
+
+/// The gradient of [`model_embedding`] into its table part: the ids in this part's
+/// range, as local row numbers, with their rows of `dy`; other ids contribute nothing
+/// (no row, so a lazily updated optimizer leaves the rows they would name alone).
+pub(super) fn model_embedding_grad<A: Elem>(
+    dy: Arg<'_>,
+    ids: &Arg<'_>,
+    table: &TensorType,
+    rank: usize,
+) -> Result<Value, String> {
+    let ids = view::<i32>(ids, 1)?;
+    let dy = cow::<A>(dy, 0)?;
+    let dims = table.dims();
+    if table.dtype != A::DTYPE || dims.len() < 2 {
+        return Err(format!(
+            "cannot take the gradient of a lookup into {table} from {}",
+            A::DTYPE
+        ));
+    }
+    let mut want = ids.shape().to_vec();
+    want.extend_from_slice(&dims[1..]);
+    if dy.shape() != want.as_slice() {
+        return Err(format!(
+            "dy is {}, expected {} for ids {} into {table}",
+            shape_str(dy.shape()),
+            shape_str(&want),
+            shape_str(ids.shape())
+        ));
+    }
+    let (rows, row) = (dims[0], row_len(dims));
+    let first = rank * rows;
+    let dy = standard(dy);
+    let flat = dy.as_slice().ok_or("dy is not contiguous")?;
+    let (mut indices, mut values) = (Vec::new(), Vec::new());
+    for (k, &id) in ids.iter().enumerate() {
+        let local = (id.max(0) as usize).wrapping_sub(first);
+        if id >= 0 && local < rows {
+            indices.push(local as i32);
+            values.extend_from_slice(&flat[k * row..(k + 1) * row]);
+        }
+    }
+    let mut vdims = vec![indices.len()];
+    vdims.extend_from_slice(&dims[1..]);
+    let values = ArrayD::from_shape_vec(IxDyn(&vdims), values)
+        .map_err(|e| format!("slices values {}: {e}", shape_str(&vdims)))?;
+    Ok(Value::Slices(Slices {
+        indices,
+        values: A::wrap(values),
+        dense_shape: dims.to_vec(),
+    }))
+}

@@ -672,7 +672,9 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
         Op::ModelEnter { .. }
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }
-        | Op::ModelSplit { .. } => Err(NodeError::Unsupported(format!(
+        | Op::ModelSplit { .. }
+        | Op::ModelEmbedding { .. }
+        | Op::ModelEmbeddingGrad { .. } => Err(NodeError::Unsupported(format!(
             "{}: tensor parallelism runs on the CPU backend for now",
             op.mnemonic()
         ))),
