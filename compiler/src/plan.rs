@@ -210,11 +210,14 @@ impl Plan {
         if s.workers == 0 {
             return Err("field `settings.workers`: 0; a plan has at least one worker".into());
         }
-        if self.strategy == Strategy::Single && (s.workers != 1 || s.servers != 0) {
+        // `single` is one device, or one data replica split over a model axis.
+        if self.strategy == Strategy::Single && (s.workers != s.model.max(1) || s.servers != 0) {
             return Err(format!(
                 "fields `settings.workers`/`settings.servers`: {} workers and {} servers for \
-                 the one-device strategy `single`",
-                s.workers, s.servers
+                 the one-device strategy `single` (with a model axis of {})",
+                s.workers,
+                s.servers,
+                s.model.max(1)
             ));
         }
         if self.servers.len() > s.servers {

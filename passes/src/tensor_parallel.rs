@@ -362,7 +362,11 @@ impl Rewriter<'_> {
             // in its rows, zeros for the others; the sum over the workers is the lookup.
             Op::Embedding if ins[0].1 == Sharding::Split(0) => {
                 let ids = self.whole(ins[1])?;
-                (Op::ModelEmbedding { parts }, vec![ins[0].0, ids], Sharding::Partial)
+                (
+                    Op::ModelEmbedding { parts },
+                    vec![ins[0].0, ids],
+                    Sharding::Partial,
+                )
             }
             // A table split by columns looks up each worker's columns of every row.
             Op::Embedding if ins[0].1 == Sharding::Split(1) => {

@@ -169,13 +169,18 @@ fn mlp_lm_and_cnn_on_real_data_match_one_device() {
     // gathered before the loss). Adam as written (2e-4, see mlp above: 8e-5 with the
     // output layer split alone), SGD within 1e-5 (measured 1.7e-7).
     let src = std::fs::read_to_string(example("lm.dsl")).expect("example");
-    let sgd = src.replace("optimizer    = adam(lr = 0.002)", "optimizer    = sgd(lr = 0.5)");
+    let sgd = src.replace(
+        "optimizer    = adam(lr = 0.002)",
+        "optimizer    = sgd(lr = 0.5)",
+    );
     assert_ne!(src, sgd, "lm.dsl's optimizer line changed");
     let lm_sgd = tmp.path().join("lm_sgd.dsl");
     std::fs::write(&lm_sgd, sgd).expect("writes the model");
     for model in [2, 4] {
         let s = StrategyConfig {
-            shard: [("emb".to_string(), 0), ("w2".to_string(), 1)].into_iter().collect(),
+            shard: [("emb".to_string(), 0), ("w2".to_string(), 1)]
+                .into_iter()
+                .collect(),
             ..mesh(1, model)
         };
         let r = verify(&lm_sgd, &on_data(s.clone()))
@@ -185,8 +190,8 @@ fn mlp_lm_and_cnn_on_real_data_match_one_device() {
             tolerance: 2e-4,
             ..on_data(s)
         };
-        let r = verify(&example("lm.dsl"), &adam)
-            .unwrap_or_else(|e| panic!("lm model={model}: {e}"));
+        let r =
+            verify(&example("lm.dsl"), &adam).unwrap_or_else(|e| panic!("lm model={model}: {e}"));
         assert_passes(&format!("lm (adam) model={model}"), &r);
     }
     // Output channels of k1 split, input channels of k2: its sums are partial.

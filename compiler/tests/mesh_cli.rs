@@ -1,0 +1,111 @@
+//! `--mesh` and `--shard` from the command line (issue 23): `explain`'s mesh section, a
+//! plan file that runs and saves the whole variables, and bad flags refused by name.
+
+use std::path::PathBuf;
+
+mod common;
+
+use common::{distc, text};
+
+fn tmp(name: &str) -> PathBuf {
+    common::temp_dir("mesh-cli").join(name)
+}
+
+fn arg(p: &std::path::Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn explain_shows_the_mesh_the_split_variables_and_the_collectives() {
+    let plan = tmp("tp.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/dense_mlp.dsl",
+        "--mesh",
+        "data=2,model=2",
+        "--batch",
+        "16",
+        "-o",
+        arg(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("split over 2: w1:1 w2:0"), "{}", text(&o));
+    let o = distc(&["explain", arg(&plan)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    for want in [
+        "mesh: data=2 x model=2 (4 workers): worker w is model rank w % 2 of data rank w / 2",
+        "w1         [784,1024]           1 [784,512]",
+        "w2         [1024,1024]          0 [512,1024]",
+        "model_all_reduce{parts=2}",
+        "model_gather{dim=0, parts=2}",
+        // 2 (T-1)/T x 16 x 1024 x 4 bytes forward, (T-1) x 512 x 4 bytes of b1's gradient.
+        "predicted model-axis bytes per step per worker: 66.0 KiB (67584 bytes)",
+    ] {
+        assert!(t.contains(want), "`{want}` not in:\n{t}");
+    }
+    // The plan runs from its file; --save holds the whole variables.
+    let saved = tmp("tp.safetensors");
+    let o = distc(&[
+        "run",
+        arg(&plan),
+        "--steps",
+        "2",
+        "-q",
+        "--save",
+        arg(&saved),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (vars, _) = distc_runtime::core::checkpoint::load(&saved).expect("saved");
+    assert_eq!(vars["w1"].shape(), [784, 1024]);
+    assert!(!vars.contains_key("w1.tp"));
+}
+
+#[test]
+fn bad_meshes_and_shards_are_refused_by_name() {
+    for (args, want) in [
+        (vec!["--mesh", "data=2,modle=2"], "`modle` is not an axis"),
+        (vec!["--mesh", "data=2,model=0"], "0 is not allowed"),
+        (
+            vec!["--mesh", "model=2", "--workers", "2"],
+            "cannot be used with",
+        ),
+        (vec!["--shard", "w1=1"], "--mesh"),
+        (
+            vec!["--mesh", "model=3"],
+            "`w1` (f32[784,1024]) does not split into 3 equal parts",
+        ),
+        (
+            vec!["--mesh", "model=2", "--shard", "w9=0"],
+            "no variable of that name",
+        ),
+        (
+            vec!["--mesh", "model=2", "--shard", "w1=2"],
+            "`w1` (f32[784,1024]) is sharded along dimension 2",
+        ),
+        (
+            vec![
+                "--mesh",
+                "data=2,model=2",
+                "--strategy",
+                "allreduce",
+                "--zero",
+                "3",
+            ],
+            "--zero with a model axis",
+        ),
+    ] {
+        let never = tmp("never.plan.json");
+        let mut a = vec!["compile", "examples/dense_mlp.dsl", "-o", arg(&never)];
+        a.extend(args.iter().copied());
+        let o = distc(&a);
+        assert!(!o.status.success(), "{args:?} compiled");
+        assert!(
+            text(&o).contains(want),
+            "{args:?}: `{want}` not in {}",
+            text(&o)
+        );
+        assert!(!text(&o).contains("panicked"), "{args:?}: {}", text(&o));
+        assert!(!never.exists(), "{args:?} wrote a plan");
+    }
+}
