@@ -237,70 +237,12 @@ impl Rewriter<'_> {
             } if self.old.tensor_type(node.inputs[0]).shape.rank() == 2
                 && self.old.tensor_type(node.inputs[1]).shape.rank() == 2 =>
             {
-                let (a, b) = (ins[0], ins[1]);
-                let a = match a.1 {
-                    Sharding::Partial => (self.whole(a)?, Sharding::Whole),
-                    _ => a,
-                };
-                let b = match b.1 {
-                    Sharding::Partial => (self.whole(b)?, Sharding::Whole),
-                    _ => b,
-                };
-                match (a.1, b.1) {
-                    (Sharding::Whole, Sharding::Whole) => {
-                        (node.op.clone(), vec![a.0, b.0], Sharding::Whole)
-                    }
-                    // Column-parallel: the whole left operand enters the split computation.
-                    (Sharding::Whole, Sharding::Split(1)) => {
-                        let x = self.add(Op::ModelEnter { parts }, vec![a.0], Sharding::Whole)?;
-                        (node.op.clone(), vec![x, b.0], Sharding::Split(1))
-                    }
-                    // Row-parallel: partial sums of the contraction.
-                    (Sharding::Split(1), Sharding::Split(0)) => {
-                        (node.op.clone(), vec![a.0, b.0], Sharding::Partial)
-                    }
-                    (Sharding::Whole, Sharding::Split(0)) => {
-                        let x = self.cut(a.0, 1)?;
-                        (node.op.clone(), vec![x, b.0], Sharding::Partial)
-                    }
-                    // Rows of the batch split: the same rows of the result.
-                    (Sharding::Split(0), Sharding::Whole) => {
-                        (node.op.clone(), vec![a.0, b.0], Sharding::Split(0))
-                    }
-                    _ => {
-                        let (x, w) = (self.whole(a)?, self.whole(b)?);
-                        (node.op.clone(), vec![x, w], Sharding::Whole)
-                    }
-                }
+                // A weight split by columns (its outputs), or both operands along the
+                // contracted dimension.
+                self.contraction(&node.op, &ins, (1, 1), (1, 0))?
             }
             // Output channels split as matmul's columns, input channels as its rows.
-            Op::Conv2d { .. } => {
-                let (x, w) = (ins[0], ins[1]);
-                let x = match x.1 {
-                    Sharding::Partial => (self.whole(x)?, Sharding::Whole),
-                    _ => x,
-                };
-                match (x.1, w.1) {
-                    (Sharding::Whole, Sharding::Whole) => {
-                        (node.op.clone(), vec![x.0, w.0], Sharding::Whole)
-                    }
-                    (Sharding::Whole, Sharding::Split(0)) => {
-                        let e = self.add(Op::ModelEnter { parts }, vec![x.0], Sharding::Whole)?;
-                        (node.op.clone(), vec![e, w.0], Sharding::Split(1))
-                    }
-                    (Sharding::Split(1), Sharding::Split(1)) => {
-                        (node.op.clone(), vec![x.0, w.0], Sharding::Partial)
-                    }
-                    (Sharding::Whole, Sharding::Split(1)) => {
-                        let c = self.cut(x.0, 1)?;
-                        (node.op.clone(), vec![c, w.0], Sharding::Partial)
-                    }
-                    _ => {
-                        let (a, b) = (self.whole(x)?, self.whole(w)?);
-                        (node.op.clone(), vec![a, b], Sharding::Whole)
-                    }
-                }
-            }
+            Op::Conv2d { .. } => self.contraction(&node.op, &ins, (0, 1), (1, 1))?,
             // Pooling is per sample and channel.
             Op::MaxPool2d { .. } => match ins[0].1 {
                 Sharding::Split(d) if d < 2 => {
@@ -392,6 +334,46 @@ impl Rewriter<'_> {
             self.map.insert(id.out(port as u16), (v, s));
         }
         Ok(())
+    }
+
+    /// `op(x, w)`, contracting x's dimension `x_in` with w's `w_in`: `w` split along
+    /// `w_out` (its output features) makes the result split along `result`, `x`
+    /// entering whole (Megatron's column-parallel layer); both split along the
+    /// contracted dimensions make partial sums (row-parallel), a whole `x` being cut to
+    /// match; `x` split by samples (dimension 0) and `w` whole keep the samples split.
+    fn contraction(
+        &mut self,
+        op: &Op,
+        ins: &[(ValueId, Sharding)],
+        (w_out, result): (usize, usize),
+        (x_in, w_in): (usize, usize),
+    ) -> Result<(Op, Vec<ValueId>, Sharding), PassError> {
+        let parts = self.parts;
+        let mut operand = |v: (ValueId, Sharding)| match v.1 {
+            Sharding::Partial => self.whole(v).map(|w| (w, Sharding::Whole)),
+            _ => Ok(v),
+        };
+        let (x, w) = (operand(ins[0])?, operand(ins[1])?);
+        use Sharding::{Split, Whole};
+        Ok(match (x.1, w.1) {
+            (Whole, Whole) => (op.clone(), vec![x.0, w.0], Whole),
+            (Whole, Split(d)) if d == w_out => {
+                let e = self.add(Op::ModelEnter { parts }, vec![x.0], Whole)?;
+                (op.clone(), vec![e, w.0], Split(result))
+            }
+            (Split(a), Split(b)) if a == x_in && b == w_in => {
+                (op.clone(), vec![x.0, w.0], Sharding::Partial)
+            }
+            (Whole, Split(b)) if b == w_in => {
+                let c = self.cut(x.0, x_in)?;
+                (op.clone(), vec![c, w.0], Sharding::Partial)
+            }
+            (Split(0), Whole) => (op.clone(), vec![x.0, w.0], Split(0)),
+            _ => {
+                let (a, b) = (self.whole(x)?, self.whole(w)?);
+                (op.clone(), vec![a, b], Whole)
+            }
+        })
     }
 
     /// An element-wise op with broadcasting: partial terms stay partial where the op is

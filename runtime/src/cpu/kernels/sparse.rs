@@ -31,6 +31,19 @@ fn check_ids(ids: &ArrayViewD<'_, i32>, rows: usize) -> Result<(), String> {
 
 /// `(table [V, ..], ids) -> [ids.., table.dims[1..]]`: one row copy per id.
 pub(super) fn embedding<A: Elem>(table: &Arg<'_>, ids: &Arg<'_>) -> Result<Value, String> {
+    let rows = view::<A>(table, 0)?.shape().first().copied().unwrap_or(0);
+    check_ids(&view::<i32>(ids, 1)?, rows)?;
+    lookup::<A>(table, ids, "embedding", |id| Some(id as usize))
+}
+
+/// The rows `row_of(id)` names of `table` (rank 2 or more), one per id, in the ids'
+/// shape; zeros where it names none.
+fn lookup<A: Elem>(
+    table: &Arg<'_>,
+    ids: &Arg<'_>,
+    op: &str,
+    row_of: impl Fn(i32) -> Option<usize>,
+) -> Result<Value, String> {
     let table = view::<A>(table, 0)?;
     let ids = view::<i32>(ids, 1)?;
     if table.ndim() < 2 {
@@ -40,20 +53,20 @@ pub(super) fn embedding<A: Elem>(table: &Arg<'_>, ids: &Arg<'_>) -> Result<Value
         ));
     }
     let rows = table.shape()[0];
-    check_ids(&ids, rows)?;
     let row = row_len(table.shape());
     let table = table.as_standard_layout();
     let data = table.as_slice().ok_or("the table is not contiguous")?;
-    let mut out = Vec::with_capacity(ids.len() * row);
-    for &id in ids.iter() {
-        let at = id as usize * row;
-        out.extend_from_slice(&data[at..at + row]);
+    let mut out = vec![A::zero(); ids.len() * row];
+    for (k, &id) in ids.iter().enumerate() {
+        if let Some(r) = row_of(id).filter(|r| *r < rows) {
+            out[k * row..(k + 1) * row].copy_from_slice(&data[r * row..(r + 1) * row]);
+        }
     }
     let mut dims = ids.shape().to_vec();
     dims.extend_from_slice(&table.shape()[1..]);
     ArrayD::from_shape_vec(IxDyn(&dims), out)
         .map(val)
-        .map_err(|e| format!("embedding output {}: {e}", shape_str(&dims)))
+        .map_err(|e| format!("{op} output {}: {e}", shape_str(&dims)))
 }
 
 /// `(dy, ids) -> IndexedSlices`: indices are the ids flattened, values are `dy`
@@ -260,34 +273,18 @@ pub(super) fn model_embedding<A: Elem>(
     ids: &Arg<'_>,
     rank: usize,
 ) -> Result<Value, String> {
-    let table = view::<A>(table, 0)?;
-    let ids = view::<i32>(ids, 1)?;
-    if table.ndim() < 2 {
-        return Err(format!(
-            "the table must have rank 2 or more, got {}",
-            shape_str(table.shape())
-        ));
-    }
-    let rows = table.shape()[0];
+    let rows = view::<A>(table, 0)?.shape().first().copied().unwrap_or(0);
     let first = rank * rows;
-    let row = row_len(table.shape());
-    let table = table.as_standard_layout();
-    let data = table.as_slice().ok_or("the table is not contiguous")?;
-    let mut out = vec![A::zero(); ids.len() * row];
-    for (k, &id) in ids.iter().enumerate() {
-        if id < 0 {
-            return Err(format!("id {id} (position {k}) is negative"));
-        }
-        let local = (id as usize).wrapping_sub(first);
-        if local < rows {
-            out[k * row..(k + 1) * row].copy_from_slice(&data[local * row..(local + 1) * row]);
-        }
+    if let Some((k, id)) = view::<i32>(ids, 1)?
+        .iter()
+        .enumerate()
+        .find(|(_, id)| **id < 0)
+    {
+        return Err(format!("id {id} (position {k}) is negative"));
     }
-    let mut dims = ids.shape().to_vec();
-    dims.extend_from_slice(&table.shape()[1..]);
-    ArrayD::from_shape_vec(IxDyn(&dims), out)
-        .map(val)
-        .map_err(|e| format!("model_embedding output {}: {e}", shape_str(&dims)))
+    lookup::<A>(table, ids, "model_embedding", |id| {
+        (id as usize).checked_sub(first)
+    })
 }
 
 /// The gradient of [`model_embedding`] into its table part: the ids in this part's
