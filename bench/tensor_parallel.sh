@@ -35,7 +35,7 @@ model=bench/models/wide.dsl
 measure() {
   local name="$1"
   shift
-  "$distc" compile "$model" -o "$out/$name.plan.json" "$@" >/dev/null
+  "$distc" compile "$model" -o "$out/$name.plan.json" "$@" >/dev/null 2>&1
   "$distc" explain "$out/$name.plan.json" > "$out/$name.explain.txt"
   local rows=()
   for r in $(seq 1 "$runs"); do
