@@ -56,11 +56,16 @@ impl std::fmt::Display for Sharding {
     }
 }
 
-/// The variables the Megatron rule splits, `var -> dim`: per pair of matmuls joined by
-/// element-wise ops, the first weight by columns (1) and the second by rows (0).
-pub fn megatron_pairs(g: &Graph) -> BTreeMap<String, usize> {
-    let param_of = |v: ValueId| match g.op(v.node) {
-        Op::Param { name, ty, .. } if ty.shape.rank() == 2 => Some(name.clone()),
+/// The variables the Megatron rule splits over `parts` workers, `var -> dim`: per pair
+/// of matmuls joined by element-wise ops, the first weight by columns (1) and the
+/// second by rows (0), where those split evenly.
+pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
+    let param_of = |v: ValueId, dim: usize| match g.op(v.node) {
+        Op::Param { name, ty, .. }
+            if ty.shape.rank() == 2 && ty.dims()[dim].is_multiple_of(parts) =>
+        {
+            Some(name.clone())
+        }
         _ => None,
     };
     let plain = |id: NodeId| {
@@ -77,7 +82,7 @@ pub fn megatron_pairs(g: &Graph) -> BTreeMap<String, usize> {
         if !plain(id) {
             continue;
         }
-        let Some(first) = param_of(g.node(id).inputs[1]) else {
+        let Some(first) = param_of(g.node(id).inputs[1], 1) else {
             continue;
         };
         if out.contains_key(&first) {
@@ -92,7 +97,7 @@ pub fn megatron_pairs(g: &Graph) -> BTreeMap<String, usize> {
             };
             match g.op(*user) {
                 Op::MatMul { .. } if plain(*user) && *slot == 0 => {
-                    break param_of(g.node(*user).inputs[1]);
+                    break param_of(g.node(*user).inputs[1], 0);
                 }
                 Op::Add
                 | Op::Sub
@@ -196,6 +201,13 @@ impl Rewriter<'_> {
         }
     }
 
+    /// Whole `v` entering a split computation (Megatron's `f`): its gradient, partial
+    /// on each worker, is summed over them.
+    fn enter(&mut self, v: ValueId) -> Result<ValueId, PassError> {
+        let parts = self.parts;
+        self.add(Op::ModelEnter { parts }, vec![v], Sharding::Whole)
+    }
+
     /// This worker's part along `dim` of whole `v` (local).
     fn cut(&mut self, v: ValueId, dim: usize) -> Result<ValueId, PassError> {
         let parts = self.parts;
@@ -283,8 +295,10 @@ impl Rewriter<'_> {
             Op::LayerNorm { .. } => {
                 let last = self.rank(ins[0].0).saturating_sub(1);
                 match ins[0].1 {
+                    // gamma and beta's gradients sum over the split rows: they enter.
                     Sharding::Split(d) if d != last => {
                         let (gamma, beta) = (self.whole(ins[1])?, self.whole(ins[2])?);
+                        let (gamma, beta) = (self.enter(gamma)?, self.enter(beta)?);
                         (
                             node.op.clone(),
                             vec![ins[0].0, gamma, beta],
@@ -348,7 +362,6 @@ impl Rewriter<'_> {
         (w_out, result): (usize, usize),
         (x_in, w_in): (usize, usize),
     ) -> Result<(Op, Vec<ValueId>, Sharding), PassError> {
-        let parts = self.parts;
         let mut operand = |v: (ValueId, Sharding)| match v.1 {
             Sharding::Partial => self.whole(v).map(|w| (w, Sharding::Whole)),
             _ => Ok(v),
@@ -358,7 +371,7 @@ impl Rewriter<'_> {
         Ok(match (x.1, w.1) {
             (Whole, Whole) => (op.clone(), vec![x.0, w.0], Whole),
             (Whole, Split(d)) if d == w_out => {
-                let e = self.add(Op::ModelEnter { parts }, vec![x.0], Whole)?;
+                let e = self.enter(x.0)?;
                 (op.clone(), vec![e, w.0], Split(result))
             }
             (Split(a), Split(b)) if a == x_in && b == w_in => {
@@ -368,7 +381,11 @@ impl Rewriter<'_> {
                 let c = self.cut(x.0, x_in)?;
                 (op.clone(), vec![c, w.0], Sharding::Partial)
             }
-            (Split(0), Whole) => (op.clone(), vec![x.0, w.0], Split(0)),
+            // The weight's gradient sums over the split samples: it enters.
+            (Split(0), Whole) => {
+                let e = self.enter(w.0)?;
+                (op.clone(), vec![x.0, e], Split(0))
+            }
             _ => {
                 let (a, b) = (self.whole(x)?, self.whole(w)?);
                 (op.clone(), vec![a, b], Whole)
@@ -385,18 +402,9 @@ impl Rewriter<'_> {
         ins: &[(ValueId, Sharding)],
     ) -> Result<(Op, Vec<ValueId>, Sharding), PassError> {
         let partial: Vec<bool> = ins.iter().map(|v| v.1 == Sharding::Partial).collect();
-        let linear = match op {
-            Op::Add | Op::Sub => partial.iter().all(|p| *p),
-            Op::Mul => {
-                partial.iter().filter(|p| **p).count() == 1
-                    && ins
-                        .iter()
-                        .all(|v| v.1 != Sharding::Partial || v.1 == Sharding::Whole)
-                    && ins.iter().all(|v| !matches!(v.1, Sharding::Split(_)))
-            }
-            Op::Div => partial == [true, false] && ins[1].1 == Sharding::Whole,
-            _ => false,
-        };
+        // Only a sum of partial terms stays partial: a partial times a whole value
+        // would give the whole value a partial gradient.
+        let linear = matches!(op, Op::Add | Op::Sub) && partial.iter().all(|p| *p);
         if partial.iter().any(|p| *p) {
             if linear {
                 return Ok((
@@ -444,14 +452,16 @@ impl Rewriter<'_> {
                 continue;
             }
             // The whole operand's dimension under the result's split one, if it has one
-            // of more than one element (else it broadcasts as it is).
+            // of more than one element: cut to match. Else it broadcasts along the split
+            // dimension, so each worker's gradient for it sums over its part alone: it
+            // enters the split computation, and its gradient is summed over the workers.
             let offset = out_rank - self.rank(v.0);
             let cut = d
                 .checked_sub(offset)
                 .filter(|k| self.new.tensor_type(v.0).dims()[*k] > 1);
             inputs.push(match cut {
                 Some(k) => self.cut(v.0, k)?,
-                None => v.0,
+                None => self.enter(v.0)?,
             });
         }
         Ok((op.clone(), inputs, Sharding::Split(d)))
@@ -542,7 +552,7 @@ impl crate::Pass for TensorParallel {
             return Ok(PassStats::default().with_note("no model axis"));
         }
         let split = if cx.strategy.shard.is_empty() {
-            megatron_pairs(&p.worker)
+            megatron_pairs(&p.worker, parts)
         } else {
             cx.strategy.shard.clone()
         };

@@ -303,3 +303,27 @@ fn measured_bytes_per_step_equal_predicted() {
         }
     }
 }
+
+#[test]
+fn a_whole_value_broadcast_along_the_split_dimension_gets_its_gradient_summed() {
+    // `relu(x @ w1) * g` with `g = sigmoid(x @ wg)` of shape [B, 1]: g broadcasts along
+    // w1's split columns, so each worker's gradient for it covers its columns alone and
+    // must be summed (it enters the split computation). The Megatron rule passes over
+    // wg (one column does not split) and pairs w1 with w2.
+    let src = "model gated {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+               param w1: f32[8, 16] = glorot\n  param wg: f32[8, 1] = glorot\n  \
+               param w2: f32[16, 4] = glorot\n  \
+               g = sigmoid(x @ wg)\n  h = relu(x @ w1) * g\n  \
+               minimize softmax_cross_entropy(h @ w2, label)\n}\n\
+               train {\n  data = gaussian_classes(features = 8, classes = 4)\n  batch = 8\n  \
+               optimizer = sgd(lr = 0.5)\n  steps = 3\n  seed = 9\n}\n";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gated.dsl");
+    std::fs::write(&path, src).expect("writes the model");
+    for model in [2, 4] {
+        let r = verify(&path, &verify_opts(mesh(1, model)))
+            .unwrap_or_else(|e| panic!("model={model}: {e}"));
+        assert_passes(&format!("gated model={model}"), &r);
+        assert!(r.vars.iter().any(|v| v.name == "wg"));
+    }
+}
