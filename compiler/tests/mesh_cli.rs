@@ -72,8 +72,12 @@ fn bad_meshes_and_shards_are_refused_by_name() {
         ),
         (vec!["--shard", "w1=1"], "--mesh"),
         (
-            vec!["--mesh", "model=3"],
+            vec!["--mesh", "model=3", "--shard", "w1=1"],
             "`w1` (f32[784,1024]) does not split into 3 equal parts",
+        ),
+        (
+            vec!["--mesh", "model=3"],
+            "the Megatron rule found no pair of matmuls",
         ),
         (
             vec!["--mesh", "model=2", "--shard", "w9=0"],

@@ -556,6 +556,13 @@ impl crate::Pass for TensorParallel {
         } else {
             cx.strategy.shard.clone()
         };
+        if split.is_empty() {
+            return Err(PassError::Precondition(format!(
+                "nothing to split over a model axis of {parts}: the Megatron rule found no \
+                 pair of matmuls whose weights split into {parts} equal parts; name the \
+                 variables with shard(DIM) in the model or --shard VAR=DIM"
+            )));
+        }
         let (g, r) = rewrite(&p.worker, parts, &split)?;
         // What was split, for the plan's settings and `explain`.
         cx.strategy.shard = split.clone();
