@@ -30,7 +30,7 @@ use crate::run::trace::Span;
 use crate::run::train::{
     evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
 };
-use crate::run::worker::{collective, first_step, initial_values, resumed_slots, StepReport};
+use crate::run::worker::{collective, first_step, initial_values, resumed_slots, Done, StepReport};
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
@@ -552,15 +552,6 @@ pub(crate) fn worker_name(stage: usize, replica: usize, replicas: usize) -> Stri
 /// stage's gradients are ready only at its last backward, with nothing left to overlap).
 struct ReplicaHook {
     comm: Box<dyn Communicator>,
-}
-
-/// A collective already done.
-struct Done(Value);
-
-impl Pending for Done {
-    fn wait(self: Box<Self>) -> Result<Value> {
-        Ok(self.0)
-    }
 }
 
 impl CommHook for ReplicaHook {

@@ -154,7 +154,7 @@ fn shape_err(e: ndarray::ShapeError) -> RuntimeError {
 }
 
 /// A collective already done.
-struct Done(Value);
+pub(crate) struct Done(pub(crate) Value);
 
 impl Pending for Done {
     fn wait(self: Box<Self>) -> Result<Value> {
@@ -225,18 +225,22 @@ pub fn model_parts(worker: &distc_ir::Graph) -> usize {
         .unwrap_or(1)
 }
 
-/// Sets an executor's ranks from worker `rank`: its data rank (dropout's rows, ZeRO's
-/// chunk; `micro` micro-batches a step) and its model rank (tensor parallelism's shard).
+/// Worker `rank`'s place on the plan's mesh: `(data rank, model rank)`.
+fn mesh_ranks(programs: &Programs<'_>, rank: usize) -> (usize, usize) {
+    let t = model_parts(programs.worker);
+    (rank / t, rank % t)
+}
+
+/// Sets an executor's ranks from the worker's [`mesh_ranks`]: its data rank (dropout's
+/// rows, ZeRO's chunk; micro-batch `m` of `k` a step) and its model rank (tensor
+/// parallelism's shard).
 fn set_ranks<B: Backend>(
     exec: &mut Executor<B>,
-    programs: &Programs<'_>,
-    rank: usize,
+    (data_rank, model_rank): (usize, usize),
     micro: Option<(usize, usize)>,
 ) {
-    let t = model_parts(programs.worker);
-    let data_rank = rank / t;
     exec.set_rank(micro.map_or(data_rank, |(k, m)| data_rank * k + m));
-    exec.set_model_rank(rank % t);
+    exec.set_model_rank(model_rank);
 }
 
 /// Runs one collective on a communicator.
@@ -732,7 +736,7 @@ fn finalize(
     hook: &mut WorkerHook,
 ) -> Result<()> {
     let mut exec = Executor::new(fin)?;
-    set_ranks(&mut exec, programs, rank, None);
+    set_ranks(&mut exec, mesh_ranks(programs, rank), None);
     let out = exec.run_with(&HashMap::new(), params, Mode::Train, 0, Some(hook))?;
     for (_, name, _) in fin.params() {
         params.remove(name);
@@ -761,9 +765,11 @@ fn run_steps<B: Backend>(
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let resume = opts.resume.as_deref();
     let mut params = initial_values(programs.worker, config.seed, resume)?;
+    // Found once: the step loop sets them for every micro-batch.
+    let ranks = mesh_ranks(programs, rank);
     if let Some(init) = programs.init {
         let mut exec = Executor::new(init)?;
-        set_ranks(&mut exec, programs, rank, None);
+        set_ranks(&mut exec, ranks, None);
         // The init program reads the one-device initial values, whole (or the resumed
         // ones) and makes this worker's part of them.
         let whole = initial_values(init, config.seed, resume)?;
@@ -776,7 +782,7 @@ fn run_steps<B: Backend>(
     // Training reads back no `output` sink (the prediction and target are for
     // evaluation): on a device that would be a copy and a wait every step.
     exec.set_train_outputs(false);
-    set_ranks(&mut exec, programs, rank, None);
+    set_ranks(&mut exec, ranks, None);
     exec.set_profiling(opts.profile && rank == 0);
     let device = exec.backend().name();
     let slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
@@ -952,7 +958,7 @@ fn run_steps<B: Backend>(
                         upload_all(st.exec.backend(), b)?
                     }
                 };
-                set_ranks(&mut st.exec, programs, rank, Some((k, m)));
+                set_ranks(&mut st.exec, ranks, Some((k, m)));
                 let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
                 let o =
                     st.exec

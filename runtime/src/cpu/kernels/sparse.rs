@@ -69,6 +69,32 @@ fn lookup<A: Elem>(
         .map_err(|e| format!("{op} output {}: {e}", shape_str(&dims)))
 }
 
+/// That `dy` (of type `A`) is a lookup's result gradient for ids of shape `ids` into
+/// `table`: the ids' shape followed by a row's.
+fn check_lookup_grad<A: Elem>(
+    dy: &[usize],
+    ids: &[usize],
+    table: &TensorType,
+) -> Result<(), String> {
+    if table.dtype != A::DTYPE || table.dims().len() < 2 {
+        return Err(format!(
+            "cannot take the gradient of a lookup into {table} from {}",
+            A::DTYPE
+        ));
+    }
+    let mut want = ids.to_vec();
+    want.extend_from_slice(&table.dims()[1..]);
+    if dy != want.as_slice() {
+        return Err(format!(
+            "dy is {}, expected {} for ids {} into {table}",
+            shape_str(dy),
+            shape_str(&want),
+            shape_str(ids)
+        ));
+    }
+    Ok(())
+}
+
 /// `(dy, ids) -> IndexedSlices`: indices are the ids flattened, values are `dy`
 /// reshaped to `[nnz, table.dims[1..]]` (no copy when `dy` is owned).
 pub(super) fn embedding_grad<A: Elem>(
@@ -78,22 +104,7 @@ pub(super) fn embedding_grad<A: Elem>(
 ) -> Result<Value, String> {
     let ids = view::<i32>(ids, 1)?;
     let dy = cow::<A>(dy, 0)?;
-    if table.dtype != A::DTYPE || table.dims().len() < 2 {
-        return Err(format!(
-            "cannot take the gradient of a lookup into {table} from {}",
-            A::DTYPE
-        ));
-    }
-    let mut want = ids.shape().to_vec();
-    want.extend_from_slice(&table.dims()[1..]);
-    if dy.shape() != want.as_slice() {
-        return Err(format!(
-            "dy is {}, expected {} for ids {} into {table}",
-            shape_str(dy.shape()),
-            shape_str(&want),
-            shape_str(ids.shape())
-        ));
-    }
+    check_lookup_grad::<A>(dy.shape(), ids.shape(), table)?;
     check_ids(&ids, table.dims()[0])?;
     let indices: Vec<i32> = ids.iter().copied().collect();
     let mut vdims = vec![indices.len()];
@@ -298,23 +309,8 @@ pub(super) fn model_embedding_grad<A: Elem>(
 ) -> Result<Value, String> {
     let ids = view::<i32>(ids, 1)?;
     let dy = cow::<A>(dy, 0)?;
+    check_lookup_grad::<A>(dy.shape(), ids.shape(), table)?;
     let dims = table.dims();
-    if table.dtype != A::DTYPE || dims.len() < 2 {
-        return Err(format!(
-            "cannot take the gradient of a lookup into {table} from {}",
-            A::DTYPE
-        ));
-    }
-    let mut want = ids.shape().to_vec();
-    want.extend_from_slice(&dims[1..]);
-    if dy.shape() != want.as_slice() {
-        return Err(format!(
-            "dy is {}, expected {} for ids {} into {table}",
-            shape_str(dy.shape()),
-            shape_str(&want),
-            shape_str(ids.shape())
-        ));
-    }
     let (rows, row) = (dims[0], row_len(dims));
     let first = rank * rows;
     let dy = standard(dy);
