@@ -298,9 +298,20 @@ fn micro_batches(s: &str) -> Result<usize, String> {
     whole_in(s, 1, MAX_MICRO_BATCHES)
 }
 
-/// `, pipeline of 4 stages x 8 micro-batches (1f1b)` for a pipelined plan, else nothing.
+/// `, pipeline of 4 stages x 8 micro-batches (1f1b)` for a pipelined plan, `, mesh
+/// data=2 x model=2 x pipe=2, 4 micro-batches (1f1b)` for a mesh with a model axis,
+/// else nothing.
 fn pipeline_words(s: &StrategyConfig) -> String {
-    if s.pipeline > 1 {
+    if s.model > 1 {
+        let mut w = format!(", mesh data={} x model={}", s.data_workers(), s.model);
+        if s.pipeline > 1 {
+            w += &format!(
+                " x pipe={}, {} micro-batches ({})",
+                s.pipeline, s.micro_batches, s.schedule
+            );
+        }
+        w
+    } else if s.pipeline > 1 {
         format!(
             ", pipeline of {} stages x {} micro-batches ({})",
             s.pipeline, s.micro_batches, s.schedule
@@ -613,7 +624,8 @@ fn strategy_kind(s: Strategy) -> StrategyKind {
 
 /// Refuses flags that the strategy would accept and then ignore.
 fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
-    if a.micro_batches > 1 && a.pipeline == 1 {
+    let stages = a.mesh.map_or(a.pipeline, |m| m.pipe);
+    if a.micro_batches > 1 && stages == 1 {
         bail!(
             "--micro-batches {} splits a pipeline's step; without --pipeline use \
              --accumulate {} for the same update",
@@ -1416,13 +1428,25 @@ fn explain_mesh(p: &Plan, worker: &distc_ir::Graph) -> String {
     if t <= 1 {
         return String::new();
     }
-    let d = p.settings.workers / t;
-    let mut s = format!(
-        "mesh: data={d} x model={t} ({} workers): worker w is model rank w % {t} of data rank \
-         w / {t}; the data axis links the workers of one model rank, the model axis those of \
-         one data rank\n",
-        p.settings.workers
-    );
+    let pipe = p.settings.pipeline.max(1);
+    let d = p.settings.data_workers();
+    let mut s = if pipe > 1 {
+        format!(
+            "mesh: data={d} x model={t} x pipe={pipe} ({} workers): worker w is model rank \
+             w % {t} of stage (w / {t}) % {pipe} of data rank w / {}; the model axis links the \
+             workers of one stage of one replica, the pipeline the stages of one model rank of \
+             one replica, the data axis one stage's model rank across replicas\n",
+            p.settings.workers,
+            t * pipe
+        )
+    } else {
+        format!(
+            "mesh: data={d} x model={t} ({} workers): worker w is model rank w % {t} of data \
+             rank w / {t}; the data axis links the workers of one model rank, the model axis \
+             those of one data rank\n",
+            p.settings.workers
+        )
+    };
     let _ = writeln!(
         s,
         "model axis: variables split (the model's shard marks and --shard, else the \
@@ -1520,13 +1544,18 @@ fn explain_pipeline(
         100.0 * schedule::predicted_bubble(stages, micro),
         100.0 * sim.bubble
     );
-    let replicas = (p.settings.workers / stages).max(1);
+    let replicas = p.settings.data_workers();
     if replicas > 1 {
         let _ = writeln!(
             s,
-            "replicas: {replicas} ({} workers / {stages} stages); each stage all-reduces its \
+            "replicas: {replicas} ({} workers / {stages} stages{}); each stage all-reduces its \
              gradients among its replicas once a step (a ring sends 2(R-1)/R of them: {})",
             p.settings.workers,
+            if p.settings.model > 1 {
+                format!(" / {} model ranks", p.settings.model)
+            } else {
+                String::new()
+            },
             plan.stats
                 .iter()
                 .map(

@@ -210,8 +210,10 @@ impl Plan {
         if s.workers == 0 {
             return Err("field `settings.workers`: 0; a plan has at least one worker".into());
         }
-        // `single` is one device, or one data replica split over a model axis.
-        if self.strategy == Strategy::Single && (s.workers != s.model.max(1) || s.servers != 0) {
+        // `single` is one device, or one data replica split over a model axis (and a
+        // mesh's pipeline stages).
+        let replica = [s.model.max(1), s.model.max(1) * s.pipeline.max(1)];
+        if self.strategy == Strategy::Single && (!replica.contains(&s.workers) || s.servers != 0) {
             return Err(format!(
                 "fields `settings.workers`/`settings.servers`: {} workers and {} servers for \
                  the one-device strategy `single` (with a model axis of {})",

@@ -269,11 +269,7 @@ fn one_device_against(
     let s = &opts.compile.strategy;
     // A pipeline's N workers are N/P replicas of its P stages; a mesh's model axis
     // trains T workers on one batch.
-    let n = if s.pipeline > 1 {
-        (s.workers / s.pipeline).max(1)
-    } else {
-        s.workers / s.model.max(1)
-    };
+    let n = s.data_workers();
     // Micro-batches per step, of accumulation or of a pipeline.
     let k = s.accumulate.max(1)
         * if s.pipeline > 1 {

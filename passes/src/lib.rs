@@ -196,7 +196,14 @@ pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
     if cfg.model > 1 {
         // The shardings are propagated through the forward program, and autodiff
         // differentiates the collectives they need.
-        let mut passes = pipeline(cfg.strategy);
+        let mut passes = if cfg.pipeline > 1 {
+            // Stages cut from the sharded program: each is T workers wide.
+            let mut passes = single_pipeline();
+            passes.push(Box::new(pipeline::split::PipelineSplit));
+            passes
+        } else {
+            pipeline(cfg.strategy)
+        };
         passes.insert(0, Box::new(tensor_parallel::TensorParallel));
         return passes;
     }

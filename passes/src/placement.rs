@@ -211,7 +211,6 @@ impl StrategyConfig {
                 ));
             }
             let refused = [
-                (self.pipeline > 1, "--pipeline"),
                 (self.zero > 0, "--zero"),
                 (self.servers > 0, "parameter servers"),
                 (self.accumulate > 1, "--accumulate"),
@@ -221,11 +220,21 @@ impl StrategyConfig {
                     "{what} with a model axis (tensor parallelism) is not supported yet"
                 ));
             }
-            if self.strategy == Strategy::Single && self.workers != self.model {
+            let replica = self.model * self.pipeline.max(1);
+            if !self.workers.is_multiple_of(replica) {
+                return Err(format!(
+                    "{} workers cannot form a mesh of model={} x pipe={}: give a multiple \
+                     of {replica}",
+                    self.workers,
+                    self.model,
+                    self.pipeline.max(1)
+                ));
+            }
+            if self.strategy == Strategy::Single && self.workers != replica {
                 return Err(format!(
                     "{} workers under `single` with a model axis of {}: one data replica \
-                     is {} workers",
-                    self.workers, self.model, self.model
+                     is {replica} workers",
+                    self.workers, self.model
                 ));
             }
             return match self.strategy {
@@ -258,9 +267,9 @@ impl StrategyConfig {
 
 impl StrategyConfig {
     /// Workers on the data axis: the copies among which gradients are averaged (all of
-    /// them without a model axis).
+    /// them without a model axis or pipeline stages).
     pub fn data_workers(&self) -> usize {
-        (self.workers / self.model.max(1)).max(1)
+        (self.workers / (self.model.max(1) * self.pipeline.max(1))).max(1)
     }
 }
 

@@ -226,13 +226,15 @@ fn count_sends(g: &Graph) -> usize {
         .count()
 }
 
-/// Replicas of the pipeline: `--workers N` over `--pipeline P` stages (allreduce only).
+/// Replicas of the pipeline: `--workers N` over `--pipeline P` stages (allreduce only),
+/// each stage T workers wide on a mesh's model axis.
 fn replicas(cfg: &StrategyConfig) -> Result<usize, PassError> {
     let stages = cfg.pipeline.max(1);
+    let lanes = cfg.workers / cfg.model.max(1);
     match cfg.strategy {
-        Strategy::Single if cfg.workers <= 1 => Ok(1),
-        Strategy::Allreduce if cfg.workers.is_multiple_of(stages) && cfg.workers >= stages => {
-            Ok(cfg.workers / stages)
+        Strategy::Single if lanes <= 1 || lanes == stages => Ok(1),
+        Strategy::Allreduce if lanes.is_multiple_of(stages) && lanes >= stages => {
+            Ok(lanes / stages)
         }
         Strategy::Allreduce => Err(PassError::Precondition(format!(
             "--workers {} is not a multiple of --pipeline {stages}: N workers run N/P \

@@ -13,6 +13,12 @@
 //!
 //! Messages go through the communicator among the stages (its `send`/`recv`, bounded
 //! by `--timeout`, counted in the metrics' bytes). Stage s of this launcher is rank s.
+//!
+//! On a mesh with a model axis of T (tensor parallelism), each stage is T workers, one
+//! per model rank: each runs the stage's sharded programs on its part of the split
+//! variables, joined to the other model ranks of its stage by a model-axis
+//! communicator, and to the same model rank of the neighbouring stages by the
+//! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
 use crate::comm::{in_process, Communicator};
 use crate::core::backend::OptimizerState;
@@ -30,7 +36,11 @@ use crate::run::trace::Span;
 use crate::run::train::{
     evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
 };
-use crate::run::worker::{collective, first_step, initial_values, resumed_slots, Done, StepReport};
+use crate::run::train::Programs;
+use crate::run::worker::{
+    collective, first_step, initial_values, model_collective, model_parts, resumed_slots, Done,
+    StepReport,
+};
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
@@ -46,6 +56,9 @@ use std::time::Instant;
 pub(crate) struct StageReport {
     stage: usize,
     replica: usize,
+    /// Its rank on the model axis (0 without one).
+    #[serde(default)]
+    model_rank: usize,
     pub(crate) step: usize,
     /// Seconds its forwards and backwards ran.
     busy_sec: f64,
@@ -69,9 +82,9 @@ pub(crate) struct StageReport {
 
 #[cfg(feature = "mpi")]
 impl StageReport {
-    /// The worker that sent it, of a pipeline of `stages` stages.
-    pub(crate) fn worker(&self, stages: usize) -> usize {
-        self.replica * stages + self.stage
+    /// The worker that sent it, of a pipeline of `stages` stages `model` workers wide.
+    pub(crate) fn worker(&self, stages: usize, model: usize) -> usize {
+        (self.replica * stages + self.stage) * model + self.model_rank
     }
 }
 
@@ -101,13 +114,23 @@ fn due(step: usize, last: usize, every: usize) -> bool {
 
 /// What every stage of a pipelined run shares, on threads or MPI ranks alike: the
 /// programs, each stage's schedule, the data's shapes and the variables' initial values
-/// (a resumed state's where the run resumes one). Worker w is stage w % P of replica w / P.
+/// (a resumed state's where the run resumes one). Worker w is model rank w % T of stage
+/// (w / T) % P of replica w / (T P) (T = 1 without a model axis).
 pub(crate) struct PipelineRun<'a> {
-    /// The one-device graph the stages were cut from.
+    /// The graph the stages were cut from: the one-device graph, sharded on a mesh with
+    /// a model axis.
     whole: &'a Graph,
     program: &'a PipelineProgram,
     /// Copies of the pipeline, each a slice of the global batch (data parallelism).
     pub(crate) replicas: usize,
+    /// Workers T of each stage on the model axis (1: none).
+    pub(crate) model_axis: usize,
+    /// Cuts each model rank's part of the split variables from the whole ones.
+    shard: Option<&'a Graph>,
+    /// Per model rank, its part of each split variable (`w.tp`) at the start.
+    parts: Vec<HashMap<String, Tensor>>,
+    /// Each split variable's part, whole name and dimension: `(w.tp, w, dim)`.
+    split: Vec<(String, String, usize)>,
     steps_of: Vec<Vec<Step>>,
     tied: Vec<TiedVariable>,
     shapes: HashMap<String, TensorType>,
@@ -128,20 +151,38 @@ pub(crate) struct PipelineRun<'a> {
 }
 
 impl<'a> PipelineRun<'a> {
-    /// `replicas` copies of `program`'s stages, cut from `whole`; refuses what a
-    /// pipelined run cannot do.
+    /// `replicas` copies of the pipelined plan's stages (T workers wide on a model
+    /// axis); refuses what a pipelined run cannot do.
     pub(crate) fn new(
-        whole: &'a Graph,
-        program: &'a PipelineProgram,
+        programs: &Programs<'a>,
         replicas: usize,
         config: &RunConfig,
         opts: &TrainOptions,
     ) -> Result<PipelineRun<'a>> {
+        let (whole, init, finalize) = (programs.worker, programs.init, programs.finalize);
+        let Some(program) = programs.pipeline else {
+            return Err(RuntimeError::Config("the plan has no pipeline".into()));
+        };
         if replicas == 0 {
             return Err(RuntimeError::Config(
                 "a pipeline needs at least one replica".into(),
             ));
         }
+        let model_axis = model_parts(whole);
+        if model_axis > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
+            return Err(RuntimeError::Config(
+                "a run with a model axis (tensor parallelism) cannot write or resume a training \
+                 state yet"
+                    .into(),
+            ));
+        }
+        let split = finalize.map(split_variables).unwrap_or_default();
+        let parts = (0..model_axis)
+            .map(|m| match init {
+                Some(init) => shard_for(init, m, &initial_values(init, config.seed, None)?),
+                None => Ok(HashMap::new()),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let steps_of = program
             .programs()
             .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
@@ -151,6 +192,10 @@ impl<'a> PipelineRun<'a> {
             whole,
             program,
             replicas,
+            model_axis,
+            shard: init,
+            parts,
+            split,
             steps_of,
             tied: program.tied(),
             shapes: input_types(whole),
@@ -188,7 +233,7 @@ impl<'a> PipelineRun<'a> {
         step: usize,
         params: HashMap<String, Tensor>,
         slots: HashMap<String, Tensor>,
-        evaluator: &mut Option<Evaluator>,
+        evaluator: &mut Option<Evaluator<'_>>,
     ) -> Result<Option<EvalMetrics>> {
         if let (Some(c), true) = (&self.checkpoint, self.checkpoints_at(step)) {
             let index = StateIndex {
@@ -229,9 +274,20 @@ impl<'a> PipelineRun<'a> {
         self.program.stages.len()
     }
 
-    /// Workers of the run: every stage of every replica.
+    /// Workers of the run: every model rank of every stage of every replica.
     pub(crate) fn workers(&self) -> usize {
-        self.stages() * self.replicas
+        self.stages() * self.replicas * self.model_axis
+    }
+
+    /// Worker `w`'s place: `(replica, stage, model rank)`.
+    pub(crate) fn coordinates(&self, w: usize) -> (usize, usize, usize) {
+        let (t, p) = (self.model_axis, self.stages());
+        (w / (t * p), (w / t) % p, w % t)
+    }
+
+    /// The worker at `(replica, stage, model rank)`.
+    pub(crate) fn worker_at(&self, replica: usize, stage: usize, model_rank: usize) -> usize {
+        (replica * self.stages() + stage) * self.model_axis + model_rank
     }
 
     fn open(
@@ -266,7 +322,7 @@ impl<'a> PipelineRun<'a> {
         opts: &TrainOptions,
         w: usize,
     ) -> Result<Vec<DataSource>> {
-        let (r, micro) = (w / self.stages(), self.program.micro_batches);
+        let (r, micro) = (self.coordinates(w).0, self.program.micro_batches);
         (0..micro)
             .map(|m| {
                 let mut s = self.open(config, opts, r * micro + m, self.replicas * micro)?;
@@ -282,21 +338,33 @@ impl<'a> PipelineRun<'a> {
     }
 
     /// Worker `w`'s stage: `comm` links it to the other stages of its replica (rank =
-    /// stage), `replica_comm` to its stage in the other replicas (rank = replica).
+    /// stage), `replica_comm` to its stage in the other replicas (rank = replica),
+    /// `model_comm` to the other model ranks of its stage (rank = model rank).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn stage(
         &self,
         w: usize,
         comm: Box<dyn Communicator>,
         replica_comm: Box<dyn Communicator>,
+        model_comm: Option<Box<dyn Communicator>>,
         data: Vec<DataSource>,
         opts: &TrainOptions,
         t0: Instant,
     ) -> Stage<'_> {
-        let (r, s) = (w / self.stages(), w % self.stages());
+        let (r, s, m) = self.coordinates(w);
         let graphs = &self.program.stages[s];
         let params: HashMap<String, Tensor> = stage_variables([&graphs.forward, &graphs.backward])
             .into_iter()
-            .filter_map(|n| self.initial.get(&n).map(|t| (n, t.clone())))
+            .filter_map(|n| {
+                let t = self.parts[m].get(&n).or_else(|| self.initial.get(&n))?;
+                Some((n, t.clone()))
+            })
+            .collect();
+        let split = self
+            .split
+            .iter()
+            .filter(|(part, _, _)| params.contains_key(part))
+            .cloned()
             .collect();
         let updated = |name: &str| !self.tied.iter().any(|t| t.name == name && t.owner != s);
         let resumed_slots = self.resume.as_deref().map(|state| {
@@ -311,7 +379,12 @@ impl<'a> PipelineRun<'a> {
             stage: s,
             tied: &self.tied,
             replica: r,
-            replicas: ReplicaHook { comm: replica_comm },
+            model_rank: m,
+            split,
+            hook: StageHook {
+                replicas: Some(replica_comm),
+                model: model_comm,
+            },
             steps: &self.steps_of[s],
             forward: &graphs.forward,
             backward: &graphs.backward,
@@ -346,33 +419,117 @@ impl<'a> PipelineRun<'a> {
         &self,
         config: &RunConfig,
         opts: &TrainOptions,
-    ) -> Result<Option<Evaluator>> {
+    ) -> Result<Option<Evaluator<'a>>> {
         if !opts.evaluate {
             return Ok(None);
         }
         Ok(Some(Evaluator {
             exec: Executor::new(self.whole)?,
+            whole: self.whole,
+            shard: self.shard,
+            model_axis: self.model_axis,
             data: self.open(config, opts, 0, 1)?,
             config: config.clone(),
         }))
     }
 }
 
-/// Evaluates the whole model (the one-device graph) on the held-out data.
-pub(crate) struct Evaluator {
+/// The variables a final program gathers: `(w.tp, w, dim)` for each
+/// `output{name=w}(model_gather{dim}(param{name=w.tp}))`.
+fn split_variables(fin: &Graph) -> Vec<(String, String, usize)> {
+    let mut out = Vec::new();
+    for id in fin.node_ids() {
+        let Op::Output { name } = fin.op(id) else {
+            continue;
+        };
+        let gather = fin.node(id).inputs[0].node;
+        let Op::ModelGather { dim, .. } = fin.op(gather) else {
+            continue;
+        };
+        if let Op::Param { name: part, .. } = fin.op(fin.node(gather).inputs[0].node) {
+            out.push((part.clone(), name.clone(), *dim));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Model rank `m`'s part of the split variables: the init program's outputs, run on the
+/// whole variables (its cuts are local: no collective).
+fn shard_for(
+    init: &Graph,
+    m: usize,
+    whole: &HashMap<String, Tensor>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut exec = Executor::new(init)?;
+    exec.set_model_rank(m);
+    let out = exec.run_with(&HashMap::new(), whole, Mode::Train, 0, None)?;
+    Ok(out.outputs.into_iter().collect())
+}
+
+/// Evaluates the whole model on the held-out data: the one-device graph, or on a model
+/// axis of T the sharded graph as T workers (threads) on the variables' parts.
+pub(crate) struct Evaluator<'a> {
     exec: Executor<Cpu>,
+    whole: &'a Graph,
+    shard: Option<&'a Graph>,
+    model_axis: usize,
     data: DataSource,
     config: RunConfig,
 }
 
-impl Evaluator {
-    /// The evaluation of `params` as of `step`.
+impl Evaluator<'_> {
+    /// The evaluation of `params` (whole) as of `step`.
     pub(crate) fn evaluate(
         &mut self,
         params: &HashMap<String, Tensor>,
         step: u64,
     ) -> Result<EvalMetrics> {
-        evaluate(&mut self.exec, params, &self.data, &self.config, step, None)
+        let (t, Some(shard)) = (self.model_axis, self.shard) else {
+            return evaluate(&mut self.exec, params, &self.data, &self.config, step, None);
+        };
+        if t <= 1 {
+            return evaluate(&mut self.exec, params, &self.data, &self.config, step, None);
+        }
+        // Each model rank's variables: the replicated ones and its parts of the split.
+        let mut mine = Vec::with_capacity(t);
+        for m in 0..t {
+            let mut p = params.clone();
+            p.extend(shard_for(shard, m, params)?);
+            mine.push(p);
+        }
+        let (whole, data, config) = (self.whole, &self.data, &self.config);
+        let mut results = Vec::new();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = in_process(t)
+                .into_iter()
+                .zip(&mine)
+                .enumerate()
+                .map(|(m, (comm, p))| {
+                    scope.spawn(move || -> Result<EvalMetrics> {
+                        let mut exec = Executor::new(whole)?;
+                        exec.set_model_rank(m);
+                        let mut hook = StageHook {
+                            replicas: None,
+                            model: Some(Box::new(comm)),
+                        };
+                        evaluate(&mut exec, p, data, config, step, Some(&mut hook))
+                    })
+                })
+                .collect();
+            for h in handles {
+                results.push(h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Config("an evaluation thread panicked".into()))
+                }));
+            }
+        });
+        // Every model rank computes the same metrics: rank 0's.
+        let mut first = None;
+        for r in results {
+            let r = r?;
+            first.get_or_insert(r);
+        }
+        first.ok_or_else(|| RuntimeError::Config("no model rank evaluated".into()))
     }
 }
 
@@ -428,15 +585,14 @@ impl StageReports {
 /// Trains a pipelined plan, its stages as threads: `whole` is the one-device graph the
 /// stages were cut from (for the data's shapes and the variables' initial values).
 pub fn train_pipeline(
-    whole: &Graph,
-    program: &PipelineProgram,
+    programs: &Programs<'_>,
     replicas: usize,
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
-    let run = PipelineRun::new(whole, program, replicas, config, opts)?;
-    let (stages, workers) = (run.stages(), run.workers());
+    let run = PipelineRun::new(programs, replicas, config, opts)?;
+    let (stages, workers, t) = (run.stages(), run.workers(), run.model_axis);
     let sources = (0..workers)
         .map(|w| run.sources(config, opts, w))
         .collect::<Result<Vec<_>>>()?;
@@ -449,14 +605,17 @@ pub fn train_pipeline(
             })
             .collect()
     };
-    // Its stages talk over one communicator per replica, its replicas average gradients
-    // over one per stage.
-    let mut stage_links: Vec<Option<Box<dyn Communicator>>> = (0..replicas)
-        .flat_map(|_| linked(stages))
-        .map(Some)
+    // Its stages talk over one communicator per replica and model rank, its replicas
+    // average gradients over one per stage and model rank, a stage's model ranks run
+    // their collectives over one per replica and stage.
+    let mut stage_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..replicas * t)
+        .map(|_| linked(stages).into_iter().map(Some).collect())
         .collect();
-    let mut replica_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..stages)
+    let mut replica_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..stages * t)
         .map(|_| linked(replicas).into_iter().map(Some).collect())
+        .collect();
+    let mut model_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..replicas * stages)
+        .map(|_| linked(t).into_iter().map(Some).collect())
         .collect();
     let first_error: Mutex<Option<String>> = Mutex::new(None);
     let t0 = Instant::now();
@@ -468,17 +627,20 @@ pub fn train_pipeline(
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for (w, data) in sources.into_iter().enumerate() {
-            let (r, s) = (w / stages, w % stages);
-            let (Some(comm), Some(replica_comm)) =
-                (stage_links[w].take(), replica_links[s][r].take())
-            else {
+            let (r, s, m) = run.coordinates(w);
+            let (Some(comm), Some(replica_comm), Some(model_comm)) = (
+                stage_links[r * t + m][s].take(),
+                replica_links[s * t + m][r].take(),
+                model_links[r * stages + s][m].take(),
+            ) else {
                 continue;
             };
-            let stage = run.stage(w, comm, replica_comm, data, opts, t0);
+            let model_comm = (t > 1).then_some(model_comm);
+            let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
             let tx = tx.clone();
             let first_error = &first_error;
             let h = std::thread::Builder::new()
-                .name(format!("stage-{s}-replica-{r}"))
+                .name(format!("stage-{s}-replica-{r}-model-{m}"))
                 .spawn_scoped(scope, move || {
                     let result = stage.run(config, run.steps, &mut |r| {
                         tx.send(r)
@@ -503,8 +665,9 @@ pub fn train_pipeline(
             }
         }
         drop(rx);
-        for (s, h) in handles.into_iter().enumerate() {
-            let name = worker_name(s % stages, s / stages, replicas);
+        for (w, h) in handles.into_iter().enumerate() {
+            let (r, s, _) = run.coordinates(w);
+            let name = worker_name(s, r, replicas);
             outcomes.push(match h {
                 Ok(h) => h
                     .join()
@@ -521,8 +684,9 @@ pub fn train_pipeline(
     for (w, o) in outcomes.into_iter().enumerate() {
         match o {
             Ok(o) => {
-                // Replicas hold the same variables: replica 0's.
-                if w < stages {
+                // Replicas (and a stage's model ranks, once gathered) hold the same
+                // variables: replica 0's.
+                if w < stages * t {
                     params.extend(o.params);
                 }
                 spans.extend(o.spans);
@@ -530,7 +694,8 @@ pub fn train_pipeline(
             Err(e) => {
                 let cause = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
                 return Err(RuntimeError::Config(cause.unwrap_or_else(|| {
-                    format!("{}: {e}", worker_name(w % stages, w / stages, replicas))
+                    let (r, s, _) = run.coordinates(w);
+                    format!("{}: {e}", worker_name(s, r, replicas))
                 })));
             }
         }
@@ -548,13 +713,26 @@ pub(crate) fn worker_name(stage: usize, replica: usize, replicas: usize) -> Stri
     }
 }
 
-/// A stage's collectives among its replicas, run where the executor starts them (a
-/// stage's gradients are ready only at its last backward, with nothing left to overlap).
-struct ReplicaHook {
-    comm: Box<dyn Communicator>,
+/// A stage's collectives, run where the executor starts them: among its replicas (a
+/// stage's gradients are ready only at its last backward, with nothing left to overlap),
+/// and among the model ranks of the stage.
+struct StageHook {
+    replicas: Option<Box<dyn Communicator>>,
+    model: Option<Box<dyn Communicator>>,
 }
 
-impl CommHook for ReplicaHook {
+impl StageHook {
+    /// Bytes sent and received over its communicators.
+    fn bytes(&self) -> crate::comm::ByteCount {
+        let mut b = crate::comm::ByteCount::default();
+        for c in [&self.replicas, &self.model].into_iter().flatten() {
+            b = b + c.bytes();
+        }
+        b
+    }
+}
+
+impl CommHook for StageHook {
     fn start_collective(
         &mut self,
         _node: NodeId,
@@ -562,7 +740,22 @@ impl CommHook for ReplicaHook {
         v: Value,
         _step: u64,
     ) -> Result<Box<dyn Pending>> {
-        Ok(Box::new(Done(collective(&mut *self.comm, op, v)?)))
+        let (comm, axis) = if op.is_model_collective() {
+            (&mut self.model, "model axis")
+        } else {
+            (&mut self.replicas, "replicas")
+        };
+        let Some(comm) = comm else {
+            return Err(RuntimeError::Config(format!(
+                "{op} in a pipeline stage without a communicator among its {axis}"
+            )));
+        };
+        let done = if op.is_model_collective() {
+            model_collective(&mut **comm, op, v)?
+        } else {
+            collective(&mut **comm, op, v)?
+        };
+        Ok(Box::new(Done(done)))
     }
 
     fn pull(&mut self, var: &str, _: &[(usize, usize, usize)], _: u64) -> Result<Tensor> {
@@ -595,7 +788,16 @@ fn no_servers(var: &str) -> RuntimeError {
 pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
     // One replica's stages (the first present: a rank's own line has its replica alone).
     let shown = reports.iter().map(|r| r.replica).min().unwrap_or(0);
-    let mut first: Vec<&StageReport> = reports.iter().filter(|r| r.replica == shown).collect();
+    let lane = reports
+        .iter()
+        .filter(|r| r.replica == shown)
+        .map(|r| r.model_rank)
+        .min()
+        .unwrap_or(0);
+    let mut first: Vec<&StageReport> = reports
+        .iter()
+        .filter(|r| r.replica == shown && r.model_rank == lane)
+        .collect();
     first.sort_by_key(|r| r.stage);
     let stages: Vec<StageStep> = first
         .iter()
@@ -659,7 +861,11 @@ pub(crate) struct Stage<'a> {
     resumed_slots: Option<HashMap<String, Tensor>>,
     tied: &'a [TiedVariable],
     replica: usize,
-    replicas: ReplicaHook,
+    /// Its rank on the model axis (0 without one).
+    model_rank: usize,
+    /// The split variables it holds a part of: `(w.tp, w, dim)`.
+    split: Vec<(String, String, usize)>,
+    hook: StageHook,
     steps: &'a [Step],
     forward: &'a Graph,
     backward: &'a Graph,
@@ -744,6 +950,40 @@ impl Stage<'_> {
     }
 }
 
+impl Stage<'_> {
+    /// Its variables, whole: on a model axis, each split variable's parts gathered from
+    /// the stage's model ranks (a collective: every model rank calls it at the same step).
+    fn whole_params(&mut self) -> Result<HashMap<String, Tensor>> {
+        let mut out = self.params.clone();
+        for (part, name, dim) in &self.split {
+            let Some(comm) = self.hook.model.as_mut() else {
+                return Err(RuntimeError::Config(format!(
+                    "`{part}` is split over a model axis this stage has no communicator for"
+                )));
+            };
+            let Some(t) = out.remove(part) else {
+                continue;
+            };
+            let gather = Op::ModelGather {
+                dim: *dim,
+                parts: comm.size(),
+            };
+            match model_collective(&mut **comm, &gather, Value::Tensor(t))? {
+                Value::Tensor(w) => {
+                    out.insert(name.clone(), w);
+                }
+                v => {
+                    return Err(RuntimeError::Config(format!(
+                        "gathering `{part}` gave {}",
+                        v.value_type()
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// Variables as one message (a tied variable's update, or a stage's variables).
 pub(crate) fn encode_params(params: HashMap<String, Tensor>) -> Vec<u8> {
     let values: Vec<(String, Value)> = params
@@ -783,7 +1023,9 @@ impl Stage<'_> {
         let s = self.stage;
         let mut fwd = Executor::new(self.forward)?;
         fwd.set_train_outputs(false);
+        fwd.set_model_rank(self.model_rank);
         let mut bwd = Executor::new(self.backward)?;
+        bwd.set_model_rank(self.model_rank);
         let mut backend = Cpu;
         let mut optimizer = backend
             .optimizer(&config.optimizer, &self.params)
@@ -800,9 +1042,17 @@ impl Stage<'_> {
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let t0 = self.t0;
         let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-        let track = worker_name(s, self.replica, self.replicas.comm.size());
+        let replicas = self.hook.replicas.as_ref().map_or(1, |c| c.size());
+        let track = match &self.hook.model {
+            Some(c) if c.size() > 1 => format!(
+                "{}, model rank {}",
+                worker_name(s, self.replica, replicas),
+                self.model_rank
+            ),
+            _ => worker_name(s, self.replica, replicas),
+        };
         let mut spans = Vec::new();
-        let mut last_bytes = self.comm.bytes() + self.replicas.comm.bytes();
+        let mut last_bytes = self.comm.bytes() + self.hook.bytes();
         for step in self.first..=steps {
             let feeds = self
                 .data
@@ -869,7 +1119,7 @@ impl Stage<'_> {
                                     &mut received,
                                     Mode::Train,
                                     step as u64,
-                                    None,
+                                    Some(&mut self.hook),
                                 )?;
                                 (m, out, fwd.measured_memory())
                             }
@@ -888,7 +1138,7 @@ impl Stage<'_> {
                                     &mut received,
                                     mode,
                                     step as u64,
-                                    Some(&mut self.replicas),
+                                    Some(&mut self.hook),
                                 )?;
                                 (m, out, bwd.measured_memory())
                             }
@@ -936,7 +1186,7 @@ impl Stage<'_> {
                     "the loss became {l} at step {step}: lower the learning rate"
                 )));
             }
-            let bytes = self.comm.bytes() + self.replicas.comm.bytes();
+            let bytes = self.comm.bytes() + self.hook.bytes();
             peak.params = self.params.values().map(|t| t.bytes() as u64).sum();
             peak.optimizer = Cpu::optimizer_bytes(&optimizer);
             let eval_now = self.evaluate && due(step, steps, self.eval_every);
@@ -946,12 +1196,19 @@ impl Stage<'_> {
             } else {
                 None
             };
+            // Replica 0's model rank 0 hands the stage's variables over, whole.
+            let params = if (eval_now || checkpoint_now) && self.replica == 0 {
+                let whole = self.whole_params()?;
+                (self.model_rank == 0).then_some(whole)
+            } else {
+                None
+            };
             let r = StageReport {
-                params: ((eval_now || checkpoint_now) && self.replica == 0)
-                    .then(|| self.params.clone()),
+                params,
                 slots,
                 stage: s,
                 replica: self.replica,
+                model_rank: self.model_rank,
                 busy_sec: busy,
                 step,
                 loss,
@@ -965,7 +1222,7 @@ impl Stage<'_> {
             report(r)?;
         }
         Ok(StageOutcome {
-            params: self.params,
+            params: self.whole_params()?,
             spans,
         })
     }

@@ -533,10 +533,10 @@ pub fn train(
     if let Some(pipeline) = programs.pipeline {
         // One worker is the pipeline alone; N workers are N/P replicas of it.
         let stages = pipeline.stages.len().max(1);
+        let t = crate::run::worker::model_parts(programs.worker);
         return crate::run::pipeline::train_pipeline(
-            programs.worker,
-            pipeline,
-            programs.worker_ranks()? / stages,
+            &programs,
+            programs.worker_ranks()? / (stages * t),
             config,
             opts,
             on_step,

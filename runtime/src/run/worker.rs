@@ -164,7 +164,7 @@ impl Pending for Done {
 
 /// Runs one collective over the model axis: a sum, or the shards concatenated along
 /// their split dimension in rank order.
-fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
+pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
     let n = comm.size();
     let Value::Tensor(Tensor::F32(mut a)) = value else {
         return Err(RuntimeError::Config(format!(

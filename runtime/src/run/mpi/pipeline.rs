@@ -51,20 +51,26 @@ pub(super) fn run_stage_rank(
         return Err(RuntimeError::Config("the plan has no pipeline".into()));
     };
     let stages = pipeline.stages.len().max(1);
-    let run = PipelineRun::new(
-        programs.worker,
-        pipeline,
-        roles.workers / stages,
-        config,
-        opts,
-    )?;
-    let (replica, stage) = (rank / stages, rank % stages);
-    // Collectives over the world: every rank splits, in the same order.
-    let by_replica = world.split_by_color_with_key(Color::with_value(replica as i32), stage as i32);
-    let by_stage = world.split_by_color_with_key(Color::with_value(stage as i32), replica as i32);
-    let (Some(by_replica), Some(by_stage)) = (by_replica, by_stage) else {
+    let t = crate::run::worker::model_parts(programs.worker);
+    let run = PipelineRun::new(&programs, roles.workers / (stages * t), config, opts)?;
+    let (replica, stage, m) = run.coordinates(rank);
+    // Collectives over the world: every rank splits, in the same order. The pipeline
+    // links one model rank's stages of a replica, the replicas one stage's model rank,
+    // the model axis one stage's model ranks of a replica.
+    let color = |c: usize| Color::with_value(c as i32);
+    let by_replica = world.split_by_color_with_key(color(replica * t + m), stage as i32);
+    let by_stage = world.split_by_color_with_key(color(stage * t + m), replica as i32);
+    let by_model = if t > 1 {
+        world
+            .split_by_color_with_key(color(replica * stages + stage), m as i32)
+            .map(Some)
+    } else {
+        Some(None)
+    };
+    let (Some(by_replica), Some(by_stage), Some(by_model)) = (by_replica, by_stage, by_model)
+    else {
         return Err(RuntimeError::Config(format!(
-            "rank {rank}: not in its replica's or its stage's communicator"
+            "rank {rank}: not in its replica's, its stage's or its model axis's communicator"
         )));
     };
     let link = |c: SimpleCommunicator| -> Box<dyn crate::comm::Communicator> {
@@ -77,7 +83,15 @@ pub(super) fn run_stage_rank(
         ))
     };
     let data = run.sources(config, opts, rank)?;
-    let me = run.stage(rank, link(by_replica), link(by_stage), data, opts, t0);
+    let me = run.stage(
+        rank,
+        link(by_replica),
+        link(by_stage),
+        by_model.map(link),
+        data,
+        opts,
+        t0,
+    );
     let name = worker_name(stage, replica, run.replicas);
     let last_step = run.steps;
     let micro_batch = config.batch;
@@ -134,7 +148,7 @@ pub(super) fn run_stage_rank(
             }
             Ok(())
         })?;
-        if replica == 0 {
+        if replica == 0 && m == 0 {
             let mut out =
                 Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_params(outcome.params), true);
             if !out.wait_for(opts.timeout) {
@@ -158,9 +172,9 @@ pub(super) fn run_stage_rank(
                           mut slots: HashMap<String, Tensor>|
      -> Result<Option<EvalMetrics>> {
         for from in 1..stages {
-            params.extend(receive_params(ctl, from, opts, run.replicas, step)?);
+            params.extend(receive_params(ctl, &run, from, opts, step)?);
             if run.checkpoints_at(step) {
-                slots.extend(receive_params(ctl, from, opts, run.replicas, step)?);
+                slots.extend(receive_params(ctl, &run, from, opts, step)?);
             }
         }
         run.take_state(step, params, slots, &mut evaluator)
@@ -229,7 +243,7 @@ pub(super) fn run_stage_rank(
             backoff = Backoff(0);
             quiet = Since::now();
             for rep in got {
-                if let Some(h) = heard.get_mut(rep.worker(stages)) {
+                if let Some(h) = heard.get_mut(rep.worker(stages, t)) {
                     *h += 1;
                 }
                 received += 1;
@@ -249,22 +263,23 @@ pub(super) fn run_stage_rank(
     let mut params = outcome.params;
     // Replica 0's other stages' trained variables.
     for from in 1..stages {
-        params.extend(receive_params(ctl, from, opts, run.replicas, run.steps)?);
+        params.extend(receive_params(ctl, &run, from, opts, run.steps)?);
     }
     let mut spans = outcome.spans;
     gather_spans(ctl, workers, opts, mpi_run, "stage 0", &mut spans)?;
     Ok(Some(coordinator.finish(params, None, spans)))
 }
 
-/// The variables rank `from` (stage `from` of replica 0) sends after `step`, waiting at
-/// most the timeout.
+/// The variables stage `stage` of replica 0 (its model rank 0) sends after `step`,
+/// waiting at most the timeout.
 fn receive_params(
     ctl: &Comm,
-    from: usize,
+    run: &PipelineRun<'_>,
+    stage: usize,
     opts: &TrainOptions,
-    replicas: usize,
     step: usize,
 ) -> Result<HashMap<String, Tensor>> {
+    let from = run.worker_at(0, stage, 0);
     let since = Since::now();
     let mut backoff = Backoff(0);
     let bytes = loop {
@@ -276,7 +291,7 @@ fn receive_params(
             return Err(RuntimeError::Config(format!(
                 "rank {from} ({}) did not send its variables of step {step} within {:.0} s \
                  (--timeout)",
-                worker_name(from, 0, replicas),
+                worker_name(stage, 0, run.replicas),
                 opts.timeout.as_secs_f64()
             )));
         }
