@@ -62,6 +62,67 @@ fn explain_shows_the_mesh_the_split_variables_and_the_collectives() {
 }
 
 #[test]
+fn a_mesh_with_a_pipe_axis_explains_its_coordinates_and_trains_whole_variables() {
+    let plan = tmp("tp-pipe.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/dense_mlp.dsl",
+        "--mesh",
+        "data=2,model=2,pipe=2",
+        "--micro-batches",
+        "2",
+        "--batch",
+        "16",
+        "-o",
+        arg(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&["explain", arg(&plan)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    for want in [
+        "mesh: data=2 x model=2 x pipe=2 (8 workers): worker w is model rank w % 2 of stage \
+         (w / 2) % 2 of data rank w / 4",
+        "replicas: 2 (8 workers / 2 stages / 2 model ranks)",
+        "w1.tp b1",
+        "model_all_reduce{parts=2}",
+    ] {
+        assert!(t.contains(want), "`{want}` not in:\n{t}");
+    }
+    let saved = tmp("tp-pipe.safetensors");
+    let o = distc(&[
+        "run",
+        arg(&plan),
+        "--steps",
+        "2",
+        "-q",
+        "--save",
+        arg(&saved),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (vars, _) = distc_runtime::core::checkpoint::load(&saved).expect("saved");
+    assert_eq!(vars["w1"].shape(), [784, 1024]);
+    assert_eq!(vars["w2"].shape(), [1024, 1024]);
+    assert!(!vars.keys().any(|k| k.ends_with(".tp")), "{:?}", vars.keys());
+    // A training state of a model axis is refused by name, before any step.
+    let o = distc(&[
+        "run",
+        arg(&plan),
+        "--steps",
+        "2",
+        "-q",
+        "--checkpoint",
+        arg(&tmp("tp-pipe.state")),
+    ]);
+    assert!(!o.status.success(), "a checkpoint of a model axis was written");
+    assert!(
+        text(&o).contains("cannot write or resume a training state yet"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
 fn bad_meshes_and_shards_are_refused_by_name() {
     for (args, want) in [
         (vec!["--mesh", "data=2,modle=2"], "`modle` is not an axis"),
@@ -97,6 +158,10 @@ fn bad_meshes_and_shards_are_refused_by_name() {
                 "3",
             ],
             "--zero with a model axis",
+        ),
+        (
+            vec!["--mesh", "model=2,pipe=64"],
+            "too few to cut into 64 stages",
         ),
     ] {
         let never = tmp("never.plan.json");

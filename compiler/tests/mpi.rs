@@ -953,9 +953,15 @@ fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
 /// ranks on an axis sum in one order on both transports.
 #[test]
 fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
-    for (mesh, np) in [("data=1,model=2", 2), ("data=2,model=2", 4)] {
+    for (mesh, np, micro) in [
+        ("data=1,model=2", 2, "1"),
+        ("data=2,model=2", 4, "1"),
+        // Stages two workers wide: a model-axis communicator per stage of a replica.
+        ("data=1,model=2,pipe=2", 4, "2"),
+        ("data=2,model=2,pipe=2", 8, "2"),
+    ] {
         let plan = tmp("mesh.plan.json");
-        let o = distc(&[
+        let mut args = vec![
             "compile",
             "examples/dense_mlp.dsl",
             "--mesh",
@@ -964,7 +970,11 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
             "16",
             "-o",
             s(&plan),
-        ]);
+        ];
+        if micro != "1" {
+            args.extend(["--micro-batches", micro]);
+        }
+        let o = distc(&args);
         assert!(o.status.success(), "{mesh}: {}", text(&o));
         let (one, many) = (tmp("mesh-threads.safetensors"), tmp("mesh-mpi.safetensors"));
         let o = distc(&["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]);
@@ -1006,6 +1016,31 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("largest relative error"), "{}", text(&o));
+    let o = mpirun(
+        4,
+        &[
+            "verify",
+            "examples/dense_mlp.dsl",
+            "--mesh",
+            "data=1,model=2,pipe=2",
+            "--micro-batches",
+            "2",
+            "--batch",
+            "16",
+            "--steps",
+            "2",
+            "--tolerance",
+            "1e-5",
+            "--transport",
+            "mpi",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("mesh data=1 x model=2 x pipe=2, 2 micro-batches"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// Issue 22: `verify --pipeline` under mpirun, with a replica per pair of ranks.

@@ -4,6 +4,7 @@
 
 use distc::verify::{verify, VerifyOptions};
 use distc::{compile, CompileOptions};
+use distc_ir::pipeline::schedule::ScheduleKind;
 use distc_passes::placement::{Strategy, StrategyConfig};
 use distc_tests::example;
 use std::time::Duration;
@@ -18,6 +19,16 @@ fn mesh(data: usize, model: usize) -> StrategyConfig {
         workers: data * model,
         model,
         ..Default::default()
+    }
+}
+
+/// A mesh of `data` x `model` x `pipe` workers, `micro` micro-batches a step.
+fn mesh3(data: usize, model: usize, pipe: usize, micro: usize) -> StrategyConfig {
+    StrategyConfig {
+        workers: data * model * pipe,
+        pipeline: pipe,
+        micro_batches: micro,
+        ..mesh(data, model)
     }
 }
 
@@ -325,5 +336,62 @@ fn a_whole_value_broadcast_along_the_split_dimension_gets_its_gradient_summed() 
             .unwrap_or_else(|e| panic!("model={model}: {e}"));
         assert_passes(&format!("gated model={model}"), &r);
         assert!(r.vars.iter().any(|v| v.name == "wg"));
+    }
+}
+
+#[test]
+fn data_model_and_pipe_meshes_match_one_device() {
+    // Stages T workers wide: the Megatron pair's all-reduce runs inside a stage, the
+    // activations cross stages per model rank, replicas average per stage and rank.
+    for (data, model, pipe, micro, schedule) in [
+        (1, 2, 2, 2, ScheduleKind::OneFOneB),
+        (2, 2, 2, 2, ScheduleKind::GPipe),
+        (1, 4, 2, 1, ScheduleKind::OneFOneB),
+    ] {
+        let what = format!("data={data} x model={model} x pipe={pipe}, {micro} micro ({schedule})");
+        let s = StrategyConfig {
+            schedule,
+            ..mesh3(data, model, pipe, micro)
+        };
+        let r = verify(&example("dense_mlp.dsl"), &verify_opts(s))
+            .unwrap_or_else(|e| panic!("dense_mlp {what}: {e}"));
+        assert_passes(&format!("dense_mlp {what}"), &r);
+        assert_eq!(r.global_batch, 16 * data * micro, "{what}");
+    }
+    let Some(dir) = distc_runtime::run::data::data_dir(None) else {
+        eprintln!("SKIP: no data directory (DISTC_DATA) for Penn Treebank and MNIST");
+        return;
+    };
+    let on_data = |strategy: StrategyConfig| VerifyOptions {
+        compile: CompileOptions {
+            data_dir: Some(dir.clone()),
+            ..verify_opts(strategy).compile
+        },
+        ..verify_opts(StrategyConfig::default())
+    };
+    // lm, vocabulary-parallel (SGD: see mlp_lm_and_cnn_on_real_data_match_one_device),
+    // and cnn with its channels split, each stage of each replica two workers wide.
+    let src = std::fs::read_to_string(example("lm.dsl")).expect("example");
+    let sgd = src.replace(
+        "optimizer    = adam(lr = 0.002)",
+        "optimizer    = sgd(lr = 0.5)",
+    );
+    assert_ne!(src, sgd, "lm.dsl's optimizer line changed");
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let lm_sgd = tmp.path().join("lm_sgd.dsl");
+    std::fs::write(&lm_sgd, sgd).expect("writes the model");
+    for (model, shard) in [
+        (&lm_sgd, [("emb", 0), ("w2", 1)]),
+        (&example("cnn.dsl"), [("k1", 0), ("k2", 1)]),
+    ] {
+        for data in [1, 2] {
+            let s = StrategyConfig {
+                shard: shard.iter().map(|(v, d)| (v.to_string(), *d)).collect(),
+                ..mesh3(data, 2, 2, 2)
+            };
+            let r = verify(model, &on_data(s))
+                .unwrap_or_else(|e| panic!("{} data={data}: {e}", model.display()));
+            assert_passes(&format!("{} data={data}", model.display()), &r);
+        }
     }
 }
