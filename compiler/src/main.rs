@@ -167,12 +167,19 @@ enum Command {
     Ir {
         /// The model (.dsl).
         file: PathBuf,
-        /// Stop after this pass: lower, autodiff, simplify, dead_code.
+        /// Stop after this pass: lower, autodiff, simplify, dead_code (with --mesh,
+        /// tensor_parallel: every value's sharding beside it).
         #[arg(long, value_name = "PASS")]
         after: Option<String>,
         /// Bind the batch dimension B to this instead of the train block's batch.
         #[arg(long, value_parser = batch_size)]
         batch: Option<usize>,
+        /// The program of one worker of this mesh, `data=D,model=T[,pipe=P]`.
+        #[arg(long, value_parser = parse_mesh, value_name = "data=D,model=T")]
+        mesh: Option<Mesh>,
+        /// Split variable VAR along dimension DIM over the mesh's model axis (repeatable).
+        #[arg(long, value_parser = parse_shard, value_name = "VAR=DIM", requires = "mesh")]
+        shard: Vec<(String, usize)>,
     },
     /// Print the graph in Graphviz DOT (pipe into `dot -Tsvg`).
     Dot {
@@ -686,24 +693,33 @@ fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     Ok(())
 }
 
+/// `base` on mesh `m`, splitting `shard` over its model axis.
+fn mesh_strategy(m: Mesh, shard: &[(String, usize)], base: StrategyConfig) -> StrategyConfig {
+    // A data axis all-reduces: `single` is one data replica.
+    let strategy = match base.strategy {
+        StrategyKind::Single if m.data > 1 => StrategyKind::Allreduce,
+        s => s,
+    };
+    StrategyConfig {
+        strategy,
+        workers: m.data * m.model * m.pipe,
+        model: m.model,
+        pipeline: m.pipe,
+        shard: shard.iter().cloned().collect(),
+        ..base
+    }
+}
+
 fn strategy_config(a: &CompileArgs) -> StrategyConfig {
     if let Some(m) = a.mesh {
-        // A data axis all-reduces: `single` is one data replica.
-        let strategy = match strategy_kind(a.strategy) {
-            StrategyKind::Single if m.data > 1 => StrategyKind::Allreduce,
-            s => s,
-        };
-        return StrategyConfig {
-            strategy,
-            workers: m.data * m.model * m.pipe,
-            model: m.model,
-            pipeline: m.pipe,
-            shard: a.shard.iter().cloned().collect(),
-            ..strategy_config(&CompileArgs {
+        return mesh_strategy(
+            m,
+            &a.shard,
+            strategy_config(&CompileArgs {
                 mesh: None,
                 ..a.clone()
-            })
-        };
+            }),
+        );
     }
     StrategyConfig {
         strategy: strategy_kind(a.strategy),
@@ -1358,9 +1374,29 @@ fn real_main(cli: Cli) -> Result<()> {
             let r = Runnable::new(&plan, &c.programs)?;
             run_plan(&r, &run, &[&file])?;
         }
-        Command::Ir { file, after, batch } => {
-            out(&distc_ir::print(
-                &compile_until(&file, after, batch)?.programs.worker,
+        Command::Ir {
+            file,
+            after,
+            batch,
+            mesh,
+            shard,
+        } => {
+            let strategy = match mesh {
+                Some(m) => mesh_strategy(m, &shard, StrategyConfig::default()),
+                None => StrategyConfig::default(),
+            };
+            let c = compile_or_report(
+                &file,
+                &CompileOptions {
+                    stop_after: after,
+                    batch,
+                    strategy,
+                    ..Default::default()
+                },
+            )?;
+            out(&distc_ir::print::print_with_notes(
+                &c.programs.worker,
+                &c.programs.worker_notes,
             ));
         }
         Command::Dot { file, after, batch } => {

@@ -7,7 +7,8 @@ use distc_ir::Graph;
 use distc_ir::{Op, TensorType};
 use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
 use distc_passes::{
-    known_pass_names, passes_for, run_pipeline, PassCx, PassRecord, PipelineError, ProgramSet,
+    known_pass_names, passes_for, run_pipeline, PassCx, PassRecord, PipelineError, ProgramRole,
+    ProgramSet,
 };
 use distc_runtime::run::data::{data_dir, DataSource};
 use distc_runtime::RunConfig;
@@ -159,7 +160,11 @@ fn write_programs(dir: &Path, stem: &str, p: &ProgramSet) -> Result<Vec<PathBuf>
     p.iter()
         .map(|(role, g)| {
             let path = dir.join(format!("{stem}{}.ir", role.file_suffix()));
-            write(&path, &distc_ir::print(g))?;
+            let text = match role {
+                ProgramRole::Worker => distc_ir::print::print_with_notes(g, &p.worker_notes),
+                _ => distc_ir::print(g),
+            };
+            write(&path, &text)?;
             Ok(path)
         })
         .collect()

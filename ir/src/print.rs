@@ -72,10 +72,23 @@ pub fn node_line(g: &Graph, num: &HashMap<NodeId, usize>, id: NodeId) -> String 
 
 /// The whole graph as text IR.
 pub fn print(g: &Graph) -> String {
+    print_with_notes(g, &HashMap::new())
+}
+
+/// The whole graph as text IR, each node's line ending with a comment of what `notes`
+/// say of its results (`// split(1)`), which the parser skips.
+pub fn print_with_notes(g: &Graph, notes: &HashMap<ValueId, String>) -> String {
     let num = numbering(g);
     let mut s = format!("graph {} {{\n", g.name);
     for id in g.topo_order() {
-        let _ = writeln!(s, "  {}", node_line(g, &num, id));
+        let _ = write!(s, "  {}", node_line(g, &num, id));
+        let said: Vec<&str> = (0..g.node(id).outputs.len())
+            .filter_map(|port| notes.get(&id.out(port as u16)).map(String::as_str))
+            .collect();
+        if !said.is_empty() {
+            let _ = write!(s, "  // {}", said.join(", "));
+        }
+        s.push('\n');
     }
     s.push_str("}\n");
     s

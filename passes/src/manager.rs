@@ -75,6 +75,7 @@ pub fn run_pipeline(
         let before = p.clone();
         let start = Instant::now();
         let nodes_before = p.worker.node_count();
+        p.worker_notes.clear();
         let stats = pass.run_programs(p, cx).map_err(|e| PipelineError {
             pass: name.clone(),
             message: e.to_string(),

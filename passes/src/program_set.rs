@@ -9,7 +9,8 @@
 //! (`distc_runtime::run::train::Programs` is the runtime's borrowed view of the same four.)
 
 use distc_ir::pipeline::PipelineProgram;
-use distc_ir::{verify, Graph, VerifyError};
+use distc_ir::{verify, Graph, ValueId, VerifyError};
+use std::collections::HashMap;
 use std::fmt;
 use thiserror::Error;
 
@@ -27,6 +28,10 @@ pub struct ProgramSet {
     /// The stages' programs and schedule (`--pipeline`; the worker program is then the
     /// whole one-device graph they were cut from).
     pub pipeline: Option<PipelineProgram>,
+    /// What the last pass said of the worker program's values (the tensor-parallel
+    /// pass: each one's sharding), printed beside them in IR dumps. Cleared before every
+    /// pass: a note never outlives the graph it describes.
+    pub worker_notes: HashMap<ValueId, String>,
 }
 
 /// Which program of a [`ProgramSet`]: how messages name it and how dump files end.
@@ -121,6 +126,7 @@ impl ProgramSet {
             init: None,
             finalize: None,
             pipeline: None,
+            worker_notes: HashMap::new(),
         }
     }
 

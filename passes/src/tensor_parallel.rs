@@ -567,6 +567,12 @@ impl crate::Pass for TensorParallel {
         // What was split, for the plan's settings and `explain`.
         cx.strategy.shard = split.clone();
         p.worker = g;
+        // The dump after this pass shows every value's sharding.
+        p.worker_notes = r
+            .sharding
+            .iter()
+            .map(|(v, s)| (*v, s.to_string()))
+            .collect();
         p.init = (r.init.node_count() > 0).then_some(r.init);
         p.finalize = (r.finalize.node_count() > 0).then_some(r.finalize);
         let mut stats = PassStats::default().count("sharded", split.len());

@@ -32,6 +32,7 @@ fn program_set() -> ProgramSet {
         init: None,
         finalize: None,
         pipeline: None,
+        worker_notes: Default::default(),
     }
 }
 

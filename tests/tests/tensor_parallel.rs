@@ -115,6 +115,36 @@ fn the_rewrite_of_a_pair_of_matmuls_is_megatrons_f_and_g() {
 }
 
 #[test]
+fn the_ir_after_the_sharding_pass_shows_every_values_sharding() {
+    let c = compile(
+        "mlp.dsl",
+        &std::fs::read_to_string(example("dense_mlp.dsl")).expect("example"),
+        &CompileOptions {
+            strategy: mesh(1, 2),
+            stop_after: Some("tensor_parallel".into()),
+            batch: Some(4),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ir = distc_ir::print::print_with_notes(&c.programs.worker, &c.programs.worker_notes);
+    // Every line with a result says where it lives; sinks have none.
+    for line in ir.lines().filter(|l| l.contains(" = ")) {
+        assert!(
+            ["// whole", "// split(", "// partial"]
+                .iter()
+                .any(|n| line.contains(n)),
+            "no sharding on `{line}`"
+        );
+    }
+    assert!(ir.contains("matmul %12, %4 : f32[4,1024]  // partial"), "{ir}");
+    // The notes are comments: the text parses back to the same graph.
+    let back = distc_ir::parse(&ir).unwrap_or_else(|e| panic!("{e}\n{ir}"));
+    assert_eq!(distc_ir::print(&back), distc_ir::print(&c.programs.worker));
+    insta::assert_snapshot!(ir);
+}
+
+#[test]
 fn a_variable_that_does_not_split_evenly_is_refused_by_name() {
     let err = match compile(
         "dense.dsl",

@@ -286,6 +286,7 @@ impl<'a> PipelineRun<'a> {
     }
 
     /// The worker at `(replica, stage, model rank)`.
+    #[cfg(feature = "mpi")]
     pub(crate) fn worker_at(&self, replica: usize, stage: usize, model_rank: usize) -> usize {
         (replica * self.stages() + stage) * self.model_axis + model_rank
     }
