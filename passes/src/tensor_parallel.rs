@@ -263,6 +263,36 @@ impl Rewriter<'_> {
                 _ => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
             },
             Op::Add | Op::Sub | Op::Mul | Op::Div => self.elementwise(&node.op, &ins)?,
+            // Same elements: a sum stays a sum, and a split survives where its parts are
+            // still equal blocks of one output dimension.
+            Op::Reshape { shape } => match ins[0].1 {
+                Sharding::Partial => (node.op.clone(), vec![ins[0].0], Sharding::Partial),
+                Sharding::Split(d) => {
+                    let whole = self.old.tensor_type(node.inputs[0]).dims().to_vec();
+                    match reshaped_split(&whole, d, shape.dims(), parts) {
+                        Some(k) => {
+                            let mut local = shape.dims().to_vec();
+                            local[k] /= parts;
+                            (
+                                Op::Reshape {
+                                    shape: Shape(local),
+                                },
+                                vec![ins[0].0],
+                                Sharding::Split(k),
+                            )
+                        }
+                        None => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
+                    }
+                }
+                Sharding::Whole => (node.op.clone(), vec![ins[0].0], Sharding::Whole),
+            },
+            Op::Transpose { perm } => match ins[0].1 {
+                Sharding::Split(d) => {
+                    let k = perm.iter().position(|p| *p == d).unwrap_or(d);
+                    (node.op.clone(), vec![ins[0].0], Sharding::Split(k))
+                }
+                s => (node.op.clone(), vec![ins[0].0], s),
+            },
             Op::Neg => (node.op.clone(), vec![ins[0].0], ins[0].1),
             Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => match ins[0].1 {
                 Sharding::Partial => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
@@ -380,6 +410,12 @@ impl Rewriter<'_> {
             (Whole, Split(b)) if b == w_in => {
                 let c = self.cut(x.0, x_in)?;
                 (op.clone(), vec![c, w.0], Sharding::Partial)
+            }
+            // x split along the contracted dimension: the whole weight is cut to match
+            // (its gradient, split, is gathered back) and the sums are partial.
+            (Split(a), Whole) if a == x_in => {
+                let c = self.cut(w.0, w_in)?;
+                (op.clone(), vec![x.0, c], Sharding::Partial)
             }
             // The weight's gradient sums over the split samples: it enters.
             (Split(0), Whole) => {
@@ -534,6 +570,25 @@ impl Rewriter<'_> {
     }
 }
 
+/// The output dimension a reshape of `from`, split into `parts` along `dim`, stays split
+/// along: the one after the same leading elements whose size `parts` divides (each
+/// worker's contiguous block of the flattened trailing dimensions is then an equal block
+/// of it). None where the parts would interleave.
+fn reshaped_split(from: &[usize], dim: usize, to: &[usize], parts: usize) -> Option<usize> {
+    let lead: usize = from[..dim].iter().product();
+    let mut prefix = 1;
+    for (k, &n) in to.iter().enumerate() {
+        if prefix == lead && n > 1 && n.is_multiple_of(parts) {
+            return Some(k);
+        }
+        prefix *= n;
+        if prefix > lead {
+            return None;
+        }
+    }
+    None
+}
+
 /// The pass: runs on the one-device forward program when the mesh has a model axis.
 pub struct TensorParallel;
 
@@ -608,4 +663,22 @@ pub fn sent_bytes(g: &Graph, id: NodeId) -> f64 {
 /// Bytes one worker sends over the model axis per step of program `g`.
 pub fn predicted_bytes_per_step(g: &Graph) -> f64 {
     g.node_ids().into_iter().map(|id| sent_bytes(g, id)).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reshaped_split;
+
+    #[test]
+    fn a_reshape_keeps_a_split_where_the_parts_stay_blocks() {
+        // Channels split, flattened with the pixels after them: blocks of the row.
+        assert_eq!(reshaped_split(&[4, 16, 7, 7], 1, &[4, 784], 2), Some(1));
+        // A split dimension cut in two: the outer one carries it.
+        assert_eq!(reshaped_split(&[4, 16], 1, &[4, 4, 4], 2), Some(1));
+        assert_eq!(reshaped_split(&[4, 16], 1, &[4, 4, 4], 8), None);
+        // Features split, flattened after the positions before them: interleaved.
+        assert_eq!(reshaped_split(&[4, 8, 32], 2, &[4, 256], 2), None);
+        // Size-1 dimensions before the split one are passed over.
+        assert_eq!(reshaped_split(&[1, 16], 1, &[1, 1, 16], 4), Some(2));
+    }
 }

@@ -235,18 +235,39 @@ fn mlp_lm_and_cnn_on_real_data_match_one_device() {
             verify(&example("lm.dsl"), &adam).unwrap_or_else(|e| panic!("lm model={model}: {e}"));
         assert_passes(&format!("lm (adam) model={model}"), &r);
     }
-    // Output channels of k1 split, input channels of k2: its sums are partial.
+    // Output channels of k1 split, input channels of k2: its sums are partial. And k2's
+    // output channels split: the reshape keeps them split (blocks of each row), so the
+    // classifier's rows are cut to match and its sums are partial.
     for model in [2, 4] {
-        let s = StrategyConfig {
-            shard: [("k1".to_string(), 0), ("k2".to_string(), 1)]
-                .into_iter()
-                .collect(),
-            ..mesh(1, model)
-        };
-        let r = verify(&example("cnn.dsl"), &on_data(s))
-            .unwrap_or_else(|e| panic!("cnn model={model}: {e}"));
-        assert_passes(&format!("cnn model={model}"), &r);
+        for shard in [vec![("k1", 0), ("k2", 1)], vec![("k2", 0)]] {
+            let s = StrategyConfig {
+                shard: shard.iter().map(|(v, d)| (v.to_string(), *d)).collect(),
+                ..mesh(1, model)
+            };
+            let r = verify(&example("cnn.dsl"), &on_data(s))
+                .unwrap_or_else(|e| panic!("cnn model={model} {shard:?}: {e}"));
+            assert_passes(&format!("cnn model={model} {shard:?}"), &r);
+        }
     }
+    let c = compile(
+        "cnn.dsl",
+        &std::fs::read_to_string(example("cnn.dsl")).expect("example"),
+        &CompileOptions {
+            strategy: StrategyConfig {
+                shard: [("k2".to_string(), 0)].into_iter().collect(),
+                ..mesh(1, 2)
+            },
+            stop_after: Some("tensor_parallel".into()),
+            batch: Some(4),
+            data_dir: Some(dir.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ir = distc_ir::print::print_with_notes(&c.programs.worker, &c.programs.worker_notes);
+    assert!(ir.contains("reshape{shape=[4,392]}"), "{ir}");
+    assert!(ir.contains(": f32[4,10]  // partial"), "{ir}");
+    assert!(!ir.contains("model_gather"), "{ir}");
 }
 
 #[test]
