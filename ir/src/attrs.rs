@@ -186,7 +186,9 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
         Op::ModelEnter { parts } | Op::ModelAllReduce { parts } => {
             vec![("parts", A::Int(*parts as i64))]
         }
-        Op::ModelGather { dim, parts } | Op::ModelSplit { dim, parts } => vec![
+        Op::ModelGather { dim, parts }
+        | Op::ModelSplit { dim, parts }
+        | Op::ModelReduceScatter { dim, parts } => vec![
             ("dim", A::Int(*dim as i64)),
             ("parts", A::Int(*parts as i64)),
         ],
@@ -627,6 +629,10 @@ pub fn op_from_parts(
             parts: a.int("parts")?,
         },
         "model_split" => Op::ModelSplit {
+            dim: a.int("dim")?,
+            parts: a.int("parts")?,
+        },
+        "model_reduce_scatter" => Op::ModelReduceScatter {
             dim: a.int("dim")?,
             parts: a.int("parts")?,
         },

@@ -366,6 +366,16 @@ pub enum Op {
         /// Workers of the model axis.
         parts: usize,
     },
+    /// The sum over the model axis of every worker's partial value, each worker keeping
+    /// its shard along `dim` (equal parts, in rank order): for a consumer that is itself
+    /// split, half the bytes of an all-reduce. Its gradient is gathered
+    /// (`model_gather`): reduce-scatter and all-gather swap.
+    ModelReduceScatter {
+        /// The dimension the result splits.
+        dim: usize,
+        /// Workers of the model axis.
+        parts: usize,
+    },
     /// The vocabulary-parallel lookup: `(table part, ids)` where this worker holds rows
     /// `rank * R .. (rank + 1) * R` of the table (`R` the part's rows): the rows of
     /// the ids in that range, zeros for the others; summed over the model axis, the
@@ -569,6 +579,7 @@ impl Op {
             Op::ModelAllReduce { .. } => "model_all_reduce",
             Op::ModelGather { .. } => "model_gather",
             Op::ModelSplit { .. } => "model_split",
+            Op::ModelReduceScatter { .. } => "model_reduce_scatter",
             Op::ModelEmbedding { .. } => "model_embedding",
             Op::ModelEmbeddingGrad { .. } => "model_embedding_grad",
             Op::Pack => "pack",
@@ -631,7 +642,10 @@ impl Op {
 
     /// Whether the op is a collective over the model axis of a mesh.
     pub fn is_model_collective(&self) -> bool {
-        matches!(self, Op::ModelAllReduce { .. } | Op::ModelGather { .. })
+        matches!(
+            self,
+            Op::ModelAllReduce { .. } | Op::ModelGather { .. } | Op::ModelReduceScatter { .. }
+        )
     }
 
     /// Whether the op moves data between workers or servers.
@@ -667,6 +681,7 @@ impl Op {
             | Op::ModelAllReduce { .. }
             | Op::ModelGather { .. }
             | Op::ModelSplit { .. }
+            | Op::ModelReduceScatter { .. }
             | Op::Accumulate { .. }
             | Op::UniqueRows
             | Op::Unpack { .. }

@@ -122,7 +122,9 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             }
             one(float(0)?.clone())
         }
-        Op::ModelGather { dim, parts } | Op::ModelSplit { dim, parts } => {
+        Op::ModelGather { dim, parts }
+        | Op::ModelSplit { dim, parts }
+        | Op::ModelReduceScatter { dim, parts } => {
             let t = float(0)?;
             axis_ok(t, *dim)?;
             let mut dims = t.dims().to_vec();

@@ -307,7 +307,7 @@ fn vjp(
             },
             dy,
         )?)],
-        Op::ModelSplit { dim, parts } => vec![Some(un(
+        Op::ModelSplit { dim, parts } | Op::ModelReduceScatter { dim, parts } => vec![Some(un(
             g,
             Op::ModelGather {
                 dim: *dim,

@@ -265,6 +265,7 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }
         | Op::ModelSplit { .. }
+        | Op::ModelReduceScatter { .. }
         | Op::Pack
         | Op::Unpack { .. }
         | Op::PackChunks { .. }

@@ -177,7 +177,8 @@ struct Rewriter<'a> {
 
 impl Rewriter<'_> {
     fn add(&mut self, op: Op, inputs: Vec<ValueId>, s: Sharding) -> Result<ValueId, PassError> {
-        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. }) {
+        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. })
+        {
             *self.out.inserted.entry(op.mnemonic()).or_default() += 1;
         }
         let v: ValueId = self.new.add(op, inputs)?.into();
@@ -449,14 +450,33 @@ impl Rewriter<'_> {
                     Sharding::Partial,
                 ));
             }
-            let mut whole = Vec::new();
+            // Beside a split operand, a partial one is reduce-scattered to match it (half
+            // an all-reduce's bytes); elsewhere it is summed whole.
+            let out_rank = ins.iter().map(|v| self.rank(v.0)).max().unwrap_or(0);
+            let split = ins.iter().find_map(|v| match v.1 {
+                Sharding::Split(d) => Some(d + out_rank - self.rank(v.0)),
+                _ => None,
+            });
+            let mut summed = Vec::new();
             for v in ins {
-                whole.push(match v.1 {
-                    Sharding::Partial => (self.whole(*v)?, Sharding::Whole),
-                    _ => *v,
+                if v.1 != Sharding::Partial {
+                    summed.push(*v);
+                    continue;
+                }
+                let dims = self.new.tensor_type(v.0).dims().to_vec();
+                let k = split
+                    .and_then(|d| d.checked_sub(out_rank - dims.len()))
+                    .filter(|k| dims[*k] > 1 && dims[*k].is_multiple_of(self.parts));
+                summed.push(match k {
+                    Some(k) => {
+                        let parts = self.parts;
+                        let s = Sharding::Split(k);
+                        (self.add(Op::ModelReduceScatter { dim: k, parts }, vec![v.0], s)?, s)
+                    }
+                    None => (self.whole(*v)?, Sharding::Whole),
                 });
             }
-            return self.elementwise(op, &whole);
+            return self.elementwise(op, &summed);
         }
         let out_rank = ins.iter().map(|v| self.rank(v.0)).max().unwrap_or(0);
         let dims: Vec<Option<usize>> = ins
@@ -656,6 +676,10 @@ pub fn sent_bytes(g: &Graph, id: NodeId) -> f64 {
             2.0 * (t - 1.0) / t * input()
         }
         Op::ModelGather { parts, .. } => (*parts as f64 - 1.0) * input(),
+        Op::ModelReduceScatter { parts, .. } => {
+            let t = *parts as f64;
+            (t - 1.0) / t * input()
+        }
         _ => 0.0,
     }
 }

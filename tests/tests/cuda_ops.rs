@@ -229,6 +229,7 @@ fn covering_group(op: &Op) -> Cover {
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }
         | Op::ModelSplit { .. }
+        | Op::ModelReduceScatter { .. }
         | Op::ModelEmbedding { .. }
         | Op::ModelEmbeddingGrad { .. } => NotAKernel(
             "tensor parallelism: the CUDA backend refuses it by name (CPU backend only for now)",

@@ -446,3 +446,74 @@ fn data_model_and_pipe_meshes_match_one_device() {
         }
     }
 }
+
+#[test]
+fn a_partial_sum_beside_a_split_value_is_reduce_scattered() {
+    // `(relu(x @ w1) @ w2) * sigmoid(x @ w3)`: the row-parallel product is partial, the
+    // gate split by columns; the product is reduce-scattered to the gate's columns
+    // (its gradient gathered back), and the classifier's rows are cut to match.
+    let src = "model scattered {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+               param w1: f32[8, 16] = glorot\n  param w2: f32[16, 8] = glorot\n  \
+               param w3: f32[8, 8] = glorot\n  param w4: f32[8, 4] = glorot\n  \
+               param b4: f32[4] = zeros\n  \
+               y = (relu(x @ w1) @ w2) * sigmoid(x @ w3)\n  \
+               minimize softmax_cross_entropy(y @ w4 + b4, label)\n}\n\
+               train {\n  data = gaussian_classes(features = 8, classes = 4)\n  batch = 8\n  \
+               optimizer = sgd(lr = 0.5)\n  steps = 3\n  seed = 4\n}\n";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("scattered.dsl");
+    std::fs::write(&path, src).expect("writes the model");
+    let shard = |model| StrategyConfig {
+        shard: [("w1", 1), ("w2", 0), ("w3", 1)]
+            .iter()
+            .map(|(v, d)| (v.to_string(), *d))
+            .collect(),
+        ..mesh(1, model)
+    };
+    for model in [2, 4] {
+        let c = compile(
+            "scattered.dsl",
+            src,
+            &CompileOptions {
+                strategy: shard(model),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let ir = distc_ir::print::print(&c.programs.worker);
+        let count = |op: &str| ir.matches(&format!(" {op}{{")).count();
+        assert_eq!(count("model_reduce_scatter"), 1, "{ir}");
+        // Forward: the logits' partial sums; backward: the scattered product's
+        // gradient and w4's cut rows' gradient gathered.
+        assert_eq!(count("model_all_reduce"), 1, "{ir}");
+        assert_eq!(count("model_gather"), 2, "{ir}");
+        let r = verify(&path, &verify_opts(shard(model)))
+            .unwrap_or_else(|e| panic!("model={model}: {e}"));
+        assert_passes(&format!("scattered model={model}"), &r);
+        // What the workers send is what the plan predicts: a reduce-scatter sends
+        // (T-1)/T of its input.
+        use distc_passes::tensor_parallel::predicted_bytes_per_step;
+        use distc_runtime::run::train::{train, TrainOptions};
+        let predicted = predicted_bytes_per_step(&c.programs.worker);
+        let (b, t) = (8.0, model as f64);
+        let want = (t - 1.0) / t * (b * 8.0 * 4.0)
+            + 2.0 * (t - 1.0) / t * (b * 4.0 * 4.0)
+            + (t - 1.0) * (b * 8.0 / t * 4.0)
+            + (t - 1.0) * (8.0 / t * 4.0 * 4.0);
+        assert_eq!(predicted, want, "model={model}");
+        let opts = TrainOptions {
+            steps: Some(2),
+            evaluate: false,
+            ..TrainOptions::default()
+        };
+        let mut sent = Vec::new();
+        train(c.programs(model), &c.config, &opts, &mut |m| {
+            sent.push(m.bytes_sent as f64);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for measured in sent {
+            assert_eq!(measured, predicted, "model={model}");
+        }
+    }
+}

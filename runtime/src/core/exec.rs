@@ -670,7 +670,8 @@ impl<B: Backend> Executor<B> {
                     | Op::ReduceScatter { .. }
                     | Op::AllGatherDense { .. }
                     | Op::ModelAllReduce { .. }
-                    | Op::ModelGather { .. }),
+                    | Op::ModelGather { .. }
+                    | Op::ModelReduceScatter { .. }),
                     Some(c),
                 ) => {
                     let v = take(
@@ -709,7 +710,8 @@ impl<B: Backend> Executor<B> {
                     | Op::ReduceScatter { .. }
                     | Op::AllGatherDense { .. }
                     | Op::ModelAllReduce { .. }
-                    | Op::ModelGather { .. },
+                    | Op::ModelGather { .. }
+                    | Op::ModelReduceScatter { .. },
                     None,
                 ) => return Err(no_comm()),
                 _ => None,

@@ -162,8 +162,8 @@ impl Pending for Done {
     }
 }
 
-/// Runs one collective over the model axis: a sum, or the shards concatenated along
-/// their split dimension in rank order.
+/// Runs one collective over the model axis: a sum, the sum's shard of this rank, or the
+/// shards concatenated along their split dimension in rank order.
 pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
     let n = comm.size();
     let Value::Tensor(Tensor::F32(mut a)) = value else {
@@ -172,9 +172,15 @@ pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Valu
         )));
     };
     match op {
-        Op::ModelAllReduce { parts } | Op::ModelGather { parts, .. } if *parts != n => Err(
-            RuntimeError::Config(format!("{op} for {parts} workers on a model axis of {n}")),
-        ),
+        Op::ModelAllReduce { parts }
+        | Op::ModelGather { parts, .. }
+        | Op::ModelReduceScatter { parts, .. }
+            if *parts != n =>
+        {
+            Err(RuntimeError::Config(format!(
+                "{op} for {parts} workers on a model axis of {n}"
+            )))
+        }
         Op::ModelAllReduce { .. } => {
             let mut a = a.as_standard_layout().into_owned();
             let buf = a.as_slice_mut().ok_or_else(|| {
@@ -182,6 +188,30 @@ pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Valu
             })?;
             comm.all_reduce(buf, false)?;
             Ok(Value::Tensor(Tensor::F32(a)))
+        }
+        Op::ModelReduceScatter { dim, .. } => {
+            // With `dim` leading, each rank's shard is one contiguous chunk of the sum.
+            let rank = a.ndim();
+            let mut perm: Vec<usize> = vec![*dim];
+            perm.extend((0..rank).filter(|k| k != dim));
+            let moved = a.permuted_axes(IxDyn(&perm)).as_standard_layout().into_owned();
+            let mut shape = moved.shape().to_vec();
+            if shape[0] % n != 0 {
+                return Err(RuntimeError::Config(format!(
+                    "{op} of a value whose dimension {dim} ({}) does not split into {n}",
+                    shape[0]
+                )));
+            }
+            let flat: Vec<f32> = moved.iter().copied().collect();
+            let mine = comm.reduce_scatter(&flat, false)?;
+            shape[0] /= n;
+            let part = ArrayD::from_shape_vec(IxDyn(&shape), mine).map_err(shape_err)?;
+            let mut back = vec![0; rank];
+            for (k, p) in perm.iter().enumerate() {
+                back[*p] = k;
+            }
+            let part = part.permuted_axes(IxDyn(&back)).as_standard_layout().into_owned();
+            Ok(Value::Tensor(Tensor::F32(part)))
         }
         Op::ModelGather { dim, .. } => {
             a = a.as_standard_layout().into_owned();
@@ -218,7 +248,8 @@ pub fn model_parts(worker: &distc_ir::Graph) -> usize {
             Op::ModelEnter { parts }
             | Op::ModelAllReduce { parts }
             | Op::ModelGather { parts, .. }
-            | Op::ModelSplit { parts, .. } => Some(*parts),
+            | Op::ModelSplit { parts, .. }
+            | Op::ModelReduceScatter { parts, .. } => Some(*parts),
             _ => None,
         })
         .max()

@@ -260,6 +260,7 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         | Op::AllGatherDense { .. }
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }
+        | Op::ModelReduceScatter { .. }
         | Op::Pull { .. }
         | Op::SparsePull { .. }
         | Op::Push { .. }

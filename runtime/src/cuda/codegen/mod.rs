@@ -673,6 +673,7 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }
         | Op::ModelSplit { .. }
+        | Op::ModelReduceScatter { .. }
         | Op::ModelEmbedding { .. }
         | Op::ModelEmbeddingGrad { .. } => Err(NodeError::Unsupported(format!(
             "{}: tensor parallelism runs on the CPU backend for now",
