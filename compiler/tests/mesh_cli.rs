@@ -151,13 +151,13 @@ fn bad_meshes_and_shards_are_refused_by_name() {
         (
             vec![
                 "--mesh",
-                "data=2,model=2",
+                "data=2,model=2,pipe=2",
                 "--strategy",
                 "allreduce",
                 "--zero",
                 "3",
             ],
-            "--zero with a model axis",
+            "--zero 3 with --pipeline is not supported yet",
         ),
         (
             vec!["--mesh", "model=2,pipe=64"],

@@ -953,12 +953,14 @@ fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
 /// ranks on an axis sum in one order on both transports.
 #[test]
 fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
-    for (mesh, np, micro) in [
-        ("data=1,model=2", 2, "1"),
-        ("data=2,model=2", 4, "1"),
+    for (mesh, np, extra) in [
+        ("data=1,model=2", 2, &[][..]),
+        ("data=2,model=2", 4, &[]),
+        // ZeRO along the data axis: chunks of each model rank's parts.
+        ("data=2,model=2", 4, &["--strategy", "allreduce", "--zero", "3"]),
         // Stages two workers wide: a model-axis communicator per stage of a replica.
-        ("data=1,model=2,pipe=2", 4, "2"),
-        ("data=2,model=2,pipe=2", 8, "2"),
+        ("data=1,model=2,pipe=2", 4, &["--micro-batches", "2"]),
+        ("data=2,model=2,pipe=2", 8, &["--micro-batches", "2"]),
     ] {
         let plan = tmp("mesh.plan.json");
         let mut args = vec![
@@ -971,9 +973,7 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
             "-o",
             s(&plan),
         ];
-        if micro != "1" {
-            args.extend(["--micro-batches", micro]);
-        }
+        args.extend(extra);
         let o = distc(&args);
         assert!(o.status.success(), "{mesh}: {}", text(&o));
         let (one, many) = (tmp("mesh-threads.safetensors"), tmp("mesh-mpi.safetensors"));

@@ -211,7 +211,6 @@ impl StrategyConfig {
                 ));
             }
             let refused = [
-                (self.zero > 0, "--zero"),
                 (self.servers > 0, "parameter servers"),
                 (self.accumulate > 1, "--accumulate"),
             ];
@@ -228,6 +227,12 @@ impl StrategyConfig {
                     self.workers,
                     self.model,
                     self.pipeline.max(1)
+                ));
+            }
+            if self.zero > 0 && self.data_workers() <= 1 {
+                return Err(format!(
+                    "ZeRO {} shards over the data axis, and this mesh has one data replica",
+                    self.zero
                 ));
             }
             if self.strategy == Strategy::Single && self.workers != replica {

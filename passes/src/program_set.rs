@@ -278,7 +278,13 @@ impl ProgramSet {
             .worker
             .params()
             .into_iter()
-            .filter_map(|(_, n, _)| n.strip_suffix(ZERO_SHARD_SUFFIX).map(str::to_string))
+            .filter_map(|(_, n, _)| n.strip_suffix(ZERO_SHARD_SUFFIX))
+            // A chunk of a model-axis part: the final program makes the whole variable.
+            .map(|n| {
+                n.strip_suffix(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
+                    .unwrap_or(n)
+                    .to_string()
+            })
             .collect();
         // Tensor parallelism's parts are gathered by the same final program.
         let parts: Vec<String> = self

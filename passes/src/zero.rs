@@ -128,7 +128,7 @@ impl Pass for Zero {
                 "ZeRO stage {stage}: the stages are 1, 2 and 3"
             )));
         }
-        let n = cx.strategy.workers;
+        let n = cx.strategy.data_workers();
         let mut plan = cx
             .dist
             .clone()
@@ -138,7 +138,13 @@ impl Pass for Zero {
             .init
             .take()
             .unwrap_or_else(|| Graph::new(format!("{}.init", g.name)));
-        let mut fin = Graph::new(format!("{}.final", g.name));
+        // A final program already there (a model axis's gathers) reads what this one
+        // gathers from the chunks.
+        let mut fin = p
+            .finalize
+            .take()
+            .unwrap_or_else(|| Graph::new(format!("{}.final", g.name)));
+        let fin_params = ByName::new(&fin, param_name);
         let (mut sharded, mut gathers) = (0, 0);
         let (mut params, mut sinks) = (ByName::new(g, param_name), ByName::new(g, sink_name));
         let (mut init_params, mut init_outputs) = (
@@ -229,13 +235,20 @@ impl Pass for Zero {
                 vec![chunk.into()],
             )?;
             sinks.added(g, &shard, s);
-            // Init: each worker's chunk of the one-device value, instead of a broadcast.
+            // Init: each worker's chunk of the one-device value, instead of a broadcast;
+            // of what the init program makes of it otherwise (a model axis's part).
+            let mut made_by_init = None;
             if let Some(out) = init_outputs.get(&init, &name) {
+                let v = init.node(out).inputs[0];
+                if !matches!(init.op(v.node), Op::Broadcast { .. }) {
+                    made_by_init = Some(v);
+                }
                 init.remove(out);
             }
-            let full = match init_params.get(&init, &name) {
-                Some(full) => full,
-                None => {
+            let full = match (made_by_init, init_params.get(&init, &name)) {
+                (Some(v), _) => v,
+                (None, Some(full)) => full.into(),
+                (None, None) => {
                     let full = init.add(
                         Op::Param {
                             name: name.clone(),
@@ -245,10 +258,10 @@ impl Pass for Zero {
                         vec![],
                     )?;
                     init_params.added(&init, &name, full);
-                    full
+                    full.into()
                 }
             };
-            let mine = init.add(Op::TakeChunk { workers: n }, vec![full.into()])?;
+            let mine = init.add(Op::TakeChunk { workers: n }, vec![full])?;
             let out = init.add(
                 Op::Output {
                     name: shard.clone(),
@@ -266,7 +279,15 @@ impl Pass for Zero {
                 vec![],
             )?;
             let whole = fin.add(gather_op, vec![sp.into()])?;
-            fin.add(Op::Output { name: name.clone() }, vec![whole.into()])?;
+            match fin_params.get(&fin, &name) {
+                Some(read) => {
+                    fin.replace_all_uses(read.into(), whole.into());
+                    fin.remove(read);
+                }
+                None => {
+                    fin.add(Op::Output { name: name.clone() }, vec![whole.into()])?;
+                }
+            }
             // Bytes a worker sends per step, counted as the ring counts them.
             let (nf, b) = (n as f64, (c * n * ty.dtype.size()) as f64);
             let per_chunk = b / nf;

@@ -318,12 +318,15 @@ fn shard_marks_in_the_model_split_what_they_name() {
 fn measured_bytes_per_step_equal_predicted() {
     use distc_passes::tensor_parallel::predicted_bytes_per_step;
     use distc_runtime::run::train::{train, TrainOptions};
-    for (data, model) in [(1, 2), (1, 4), (2, 2)] {
-        let what = format!("data={data} model={model}");
+    for (data, model, zero) in [(1, 2, 0), (1, 4, 0), (2, 2, 0), (2, 2, 3)] {
+        let what = format!("data={data} model={model} zero={zero}");
         let c = distc::compile_file(
             &example("dense_mlp.dsl"),
             &CompileOptions {
-                strategy: mesh(data, model),
+                strategy: StrategyConfig {
+                    zero,
+                    ..mesh(data, model)
+                },
                 batch: Some(16),
                 ..Default::default()
             },
@@ -364,6 +367,48 @@ fn measured_bytes_per_step_equal_predicted() {
             );
         }
     }
+}
+
+#[test]
+fn zero_shards_each_part_over_the_data_axis() {
+    // Each model rank's part of a split variable (and every whole one) is cut into
+    // chunks over the D data workers: init cuts the part, then its chunk; the final
+    // program gathers the chunks, then the parts.
+    for zero in [1, 2, 3] {
+        let s = StrategyConfig {
+            zero,
+            ..mesh(2, 2)
+        };
+        let c = distc::compile_file(
+            &example("dense_mlp.dsl"),
+            &CompileOptions {
+                strategy: s.clone(),
+                batch: Some(16),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("zero={zero}: {e}"));
+        let params: Vec<String> = c
+            .programs
+            .worker
+            .params()
+            .into_iter()
+            .map(|(_, n, _)| n.to_string())
+            .collect();
+        assert!(params.contains(&"w1.tp.zero".to_string()), "{params:?}");
+        assert!(params.contains(&"w3.zero".to_string()), "{params:?}");
+        let r = verify(&example("dense_mlp.dsl"), &verify_opts(s))
+            .unwrap_or_else(|e| panic!("zero={zero}: {e}"));
+        assert_passes(&format!("data=2 x model=2, ZeRO {zero}"), &r);
+    }
+    // One data replica has nothing to shard over.
+    let e = StrategyConfig {
+        zero: 1,
+        ..mesh(1, 2)
+    }
+    .check()
+    .expect_err("ZeRO on one data replica");
+    assert!(e.contains("one data replica"), "{e}");
 }
 
 #[test]
