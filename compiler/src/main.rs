@@ -504,10 +504,11 @@ struct CompileArgs {
     #[arg(long, default_value = "1f1b", value_parser = parse_schedule, value_name = "gpipe|1f1b")]
     schedule: ScheduleKind,
     /// A device mesh, `data=D,model=T[,pipe=P]` (instead of --workers and --pipeline):
-    /// D x T x P workers, worker w at model rank w % T of data rank w / T. The model
-    /// axis splits variables over T workers (tensor parallelism; the Megatron rule picks
-    /// the pairs of matmuls unless --shard names them), the data axis all-reduces
-    /// gradients among the D copies.
+    /// D x T x P workers, worker w at model rank w % T of stage (w / T) % P of data rank
+    /// w / (T P). The model axis splits variables over T workers (tensor parallelism;
+    /// the Megatron rule picks the pairs of matmuls unless --shard names them), the pipe
+    /// axis cuts the model into P stages each T workers wide (with --micro-batches), the
+    /// data axis all-reduces gradients among the D copies (--zero shards them there).
     #[arg(long, value_parser = parse_mesh, value_name = "data=D,model=T", conflicts_with_all = ["workers", "pipeline"])]
     mesh: Option<Mesh>,
     /// Split variable VAR along dimension DIM over the mesh's model axis (repeatable).
