@@ -103,7 +103,11 @@ fn a_mesh_with_a_pipe_axis_explains_its_coordinates_and_trains_whole_variables()
     let (vars, _) = distc_runtime::core::checkpoint::load(&saved).expect("saved");
     assert_eq!(vars["w1"].shape(), [784, 1024]);
     assert_eq!(vars["w2"].shape(), [1024, 1024]);
-    assert!(!vars.keys().any(|k| k.ends_with(".tp")), "{:?}", vars.keys());
+    assert!(
+        !vars.keys().any(|k| k.ends_with(".tp")),
+        "{:?}",
+        vars.keys()
+    );
     // A training state of a model axis is refused by name, before any step.
     let o = distc(&[
         "run",
@@ -114,7 +118,10 @@ fn a_mesh_with_a_pipe_axis_explains_its_coordinates_and_trains_whole_variables()
         "--checkpoint",
         arg(&tmp("tp-pipe.state")),
     ]);
-    assert!(!o.status.success(), "a checkpoint of a model axis was written");
+    assert!(
+        !o.status.success(),
+        "a checkpoint of a model axis was written"
+    );
     assert!(
         text(&o).contains("cannot write or resume a training state yet"),
         "{}",

@@ -957,7 +957,11 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
         ("data=1,model=2", 2, &[][..]),
         ("data=2,model=2", 4, &[]),
         // ZeRO along the data axis: chunks of each model rank's parts.
-        ("data=2,model=2", 4, &["--strategy", "allreduce", "--zero", "3"]),
+        (
+            "data=2,model=2",
+            4,
+            &["--strategy", "allreduce", "--zero", "3"],
+        ),
         // Stages two workers wide: a model-axis communicator per stage of a replica.
         ("data=1,model=2,pipe=2", 4, &["--micro-batches", "2"]),
         ("data=2,model=2,pipe=2", 8, &["--micro-batches", "2"]),

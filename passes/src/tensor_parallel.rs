@@ -177,8 +177,7 @@ struct Rewriter<'a> {
 
 impl Rewriter<'_> {
     fn add(&mut self, op: Op, inputs: Vec<ValueId>, s: Sharding) -> Result<ValueId, PassError> {
-        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. })
-        {
+        if op.is_model_collective() || matches!(op, Op::ModelEnter { .. } | Op::ModelSplit { .. }) {
             *self.out.inserted.entry(op.mnemonic()).or_default() += 1;
         }
         let v: ValueId = self.new.add(op, inputs)?.into();
@@ -471,7 +470,10 @@ impl Rewriter<'_> {
                     Some(k) => {
                         let parts = self.parts;
                         let s = Sharding::Split(k);
-                        (self.add(Op::ModelReduceScatter { dim: k, parts }, vec![v.0], s)?, s)
+                        (
+                            self.add(Op::ModelReduceScatter { dim: k, parts }, vec![v.0], s)?,
+                            s,
+                        )
                     }
                     None => (self.whole(*v)?, Sharding::Whole),
                 });

@@ -137,7 +137,10 @@ fn the_ir_after_the_sharding_pass_shows_every_values_sharding() {
             "no sharding on `{line}`"
         );
     }
-    assert!(ir.contains("matmul %12, %4 : f32[4,1024]  // partial"), "{ir}");
+    assert!(
+        ir.contains("matmul %12, %4 : f32[4,1024]  // partial"),
+        "{ir}"
+    );
     // The notes are comments: the text parses back to the same graph.
     let back = distc_ir::parse(&ir).unwrap_or_else(|e| panic!("{e}\n{ir}"));
     assert_eq!(distc_ir::print(&back), distc_ir::print(&c.programs.worker));
@@ -375,10 +378,7 @@ fn zero_shards_each_part_over_the_data_axis() {
     // chunks over the D data workers: init cuts the part, then its chunk; the final
     // program gathers the chunks, then the parts.
     for zero in [1, 2, 3] {
-        let s = StrategyConfig {
-            zero,
-            ..mesh(2, 2)
-        };
+        let s = StrategyConfig { zero, ..mesh(2, 2) };
         let c = distc::compile_file(
             &example("dense_mlp.dsl"),
             &CompileOptions {

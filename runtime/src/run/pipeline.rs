@@ -33,10 +33,10 @@ use crate::run::data::{data_dir, DataSource};
 use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep, StepMetrics};
 use crate::run::trace::Span;
+use crate::run::train::Programs;
 use crate::run::train::{
     evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
 };
-use crate::run::train::Programs;
 use crate::run::worker::{
     collective, first_step, initial_values, model_collective, model_parts, resumed_slots, Done,
     StepReport,

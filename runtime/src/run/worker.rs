@@ -164,7 +164,11 @@ impl Pending for Done {
 
 /// Runs one collective over the model axis: a sum, the sum's shard of this rank, or the
 /// shards concatenated along their split dimension in rank order.
-pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
+pub(crate) fn model_collective(
+    comm: &mut dyn Communicator,
+    op: &Op,
+    value: Value,
+) -> Result<Value> {
     let n = comm.size();
     let Value::Tensor(Tensor::F32(mut a)) = value else {
         return Err(RuntimeError::Config(format!(
@@ -194,7 +198,10 @@ pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Valu
             let rank = a.ndim();
             let mut perm: Vec<usize> = vec![*dim];
             perm.extend((0..rank).filter(|k| k != dim));
-            let moved = a.permuted_axes(IxDyn(&perm)).as_standard_layout().into_owned();
+            let moved = a
+                .permuted_axes(IxDyn(&perm))
+                .as_standard_layout()
+                .into_owned();
             let mut shape = moved.shape().to_vec();
             if shape[0] % n != 0 {
                 return Err(RuntimeError::Config(format!(
@@ -210,7 +217,10 @@ pub(crate) fn model_collective(comm: &mut dyn Communicator, op: &Op, value: Valu
             for (k, p) in perm.iter().enumerate() {
                 back[*p] = k;
             }
-            let part = part.permuted_axes(IxDyn(&back)).as_standard_layout().into_owned();
+            let part = part
+                .permuted_axes(IxDyn(&back))
+                .as_standard_layout()
+                .into_owned();
             Ok(Value::Tensor(Tensor::F32(part)))
         }
         Op::ModelGather { dim, .. } => {
