@@ -2,7 +2,7 @@
 //! `attrs_of` and `op_from_parts` are inverse: the round-trip tests hold them to it.
 
 use crate::op::{Init, Op, ReduceOp};
-use crate::types::{Shape, TensorType, ValueType};
+use crate::types::{DType, Shape, TensorType, ValueType};
 use std::fmt;
 
 /// One attribute value in the text IR.
@@ -110,6 +110,7 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             }
             v
         }
+        Op::Cast { to } => vec![("to", A::Str(to.name().to_string()))],
         Op::Reshape { shape } | Op::SumTo { shape } | Op::BroadcastTo { shape } => {
             vec![("shape", list(shape.dims()))]
         }
@@ -396,6 +397,7 @@ pub const MNEMONICS: &[&str] = &[
     "sum",
     "mean",
     "reshape",
+    "cast",
     "transpose",
     "concat",
     "slice",
@@ -508,6 +510,17 @@ pub fn op_from_parts(
         "reshape" => Op::Reshape {
             shape: a.shape("shape")?,
         },
+        "cast" => {
+            let name = a.string("to")?;
+            match DType::from_name(&name) {
+                Some(to) if to.is_float() => Op::Cast { to },
+                _ => {
+                    return Err(format!(
+                        "cast: `to` is \"{name}\"; a float type is needed (f32, f64, bf16, f16)"
+                    ))
+                }
+            }
+        }
         "transpose" => Op::Transpose {
             perm: a.list("perm")?,
         },

@@ -3,7 +3,7 @@
 //! new op does not compile until each of them handles it.
 
 use crate::fused::FusedExpr;
-use crate::types::{Shape, TensorType};
+use crate::types::{DType, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -135,6 +135,12 @@ pub enum Op {
         axes: Vec<usize>,
         /// Keep reduced axes with size 1.
         keep_dims: bool,
+    },
+    /// The same values in float type `to` (mixed precision: `bf16`/`f16` and `f32`),
+    /// rounded to nearest even; its gradient is cast back to the input's type.
+    Cast {
+        /// The result's float type.
+        to: DType,
     },
     /// Same elements, new shape.
     Reshape {
@@ -537,6 +543,7 @@ impl Op {
             Op::Sum { .. } => "sum",
             Op::Mean { .. } => "mean",
             Op::Reshape { .. } => "reshape",
+            Op::Cast { .. } => "cast",
             Op::Transpose { .. } => "transpose",
             Op::Concat { .. } => "concat",
             Op::Slice { .. } => "slice",
@@ -702,6 +709,7 @@ impl Op {
             | Op::Sum { .. }
             | Op::Mean { .. }
             | Op::Reshape { .. }
+            | Op::Cast { .. }
             | Op::Transpose { .. }
             | Op::Slice { .. }
             | Op::Dropout { .. }

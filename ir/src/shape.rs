@@ -332,6 +332,13 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             }
             one(TensorType::new(t.dtype, dims))
         }
+        Op::Cast { to } => {
+            let t = float(0)?;
+            if !to.is_float() {
+                return Err(err(format!("casts to {to}: a float type is needed")));
+            }
+            one(TensorType::new(*to, t.shape.clone()))
+        }
         Op::Reshape { shape } => {
             let t = dense[0];
             if shape.numel() != t.shape.numel() {

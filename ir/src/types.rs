@@ -12,19 +12,29 @@ pub enum DType {
     F64,
     /// 32-bit signed integer: ids and labels.
     I32,
+    /// bfloat16: f32's exponent range, 8 bits of mantissa (mixed precision).
+    BF16,
+    /// IEEE half precision: 5 exponent bits, 11 of mantissa (mixed precision, with
+    /// loss scaling).
+    F16,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
+            DType::BF16 | DType::F16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::F64 => 8,
         }
     }
     /// Whether values of this type carry gradients.
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
+        matches!(self, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    }
+    /// Whether a 16-bit float (computed in f32 inside a kernel, stored in 16 bits).
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16)
     }
     /// The spelling in the text IR and the DSL.
     pub fn name(self) -> &'static str {
@@ -32,14 +42,18 @@ impl DType {
             DType::F32 => "f32",
             DType::F64 => "f64",
             DType::I32 => "i32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
         }
     }
-    /// Parses `f32`, `f64` or `i32`.
+    /// Parses `f32`, `f64`, `i32`, `bf16` or `f16`.
     pub fn from_name(s: &str) -> Option<DType> {
         match s {
             "f32" => Some(DType::F32),
             "f64" => Some(DType::F64),
             "i32" => Some(DType::I32),
+            "bf16" => Some(DType::BF16),
+            "f16" => Some(DType::F16),
             _ => None,
         }
     }

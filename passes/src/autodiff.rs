@@ -346,6 +346,12 @@ fn vjp(
             let shape = Shape(dims(g, x[0]));
             vec![Some(un(g, Op::Reshape { shape }, dy)?)]
         }
+        // The gradient in the input's type: a 16-bit use of an f32 master variable
+        // hands the optimizer an f32 gradient.
+        Op::Cast { .. } => {
+            let to = g.tensor_type(x[0]).dtype;
+            vec![Some(un(g, Op::Cast { to }, dy)?)]
+        }
         Op::Transpose { perm } => {
             let mut inv = vec![0; perm.len()];
             for (i, &p) in perm.iter().enumerate() {

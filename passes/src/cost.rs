@@ -193,6 +193,7 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         | Op::Log
         | Op::Fused { .. }
         | Op::BroadcastTo { .. }
+        | Op::Cast { .. }
         | Op::ReluGrad
         | Op::SigmoidGrad
         | Op::TanhGrad => elementwise_cost(g, id).map_or(0.0, |c| c.flops),

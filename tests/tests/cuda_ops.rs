@@ -234,6 +234,9 @@ fn covering_group(op: &Op) -> Cover {
         | Op::ModelEmbeddingGrad { .. } => NotAKernel(
             "tensor parallelism: the CUDA backend refuses it by name (CPU backend only for now)",
         ),
+        Op::Cast { .. } => NotAKernel(
+            "mixed precision: the CUDA backend refuses cast by name (CPU backend only for now)",
+        ),
         Op::MatMul { .. } => Group("matmul"),
         Op::Add | Op::Sub | Op::Mul | Op::Div => Group("elementwise"),
         Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => Group("elementwise"),

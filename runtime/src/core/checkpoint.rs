@@ -26,6 +26,8 @@ impl View for TensorView<'_> {
             Tensor::F32(_) => Dtype::F32,
             Tensor::F64(_) => Dtype::F64,
             Tensor::I32(_) => Dtype::I32,
+            Tensor::BF16(_) => Dtype::BF16,
+            Tensor::F16(_) => Dtype::F16,
         }
     }
     fn shape(&self) -> &[usize] {
@@ -36,6 +38,8 @@ impl View for TensorView<'_> {
             Tensor::F32(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Tensor::F64(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Tensor::I32(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Tensor::BF16(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Tensor::F16(a) => a.iter().flat_map(|x| x.to_le_bytes()).collect(),
         };
         Cow::Owned(bytes)
     }
@@ -160,10 +164,30 @@ pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, Str
                 )
                 .map_err(bad)?,
             ),
+            Dtype::BF16 => Tensor::BF16(
+                ArrayD::from_shape_vec(
+                    shape,
+                    data.chunks_exact(2)
+                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
+            Dtype::F16 => Tensor::F16(
+                ArrayD::from_shape_vec(
+                    shape,
+                    data.chunks_exact(2)
+                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
             other => {
                 return Err(data_err(
                     path,
-                    format!("tensor `{name}` is {other}; checkpoints hold f32, f64 and i32"),
+                    format!(
+                        "tensor `{name}` is {other}; checkpoints hold f32, f64, i32, bf16 and f16"
+                    ),
                 ))
             }
         };

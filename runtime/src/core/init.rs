@@ -108,5 +108,11 @@ pub fn init_rows(
         DType::I32 => Tensor::I32(ArrayD::from_shape_simple_fn(shape, || {
             draw().round() as i32
         })),
+        DType::BF16 => Tensor::BF16(ArrayD::from_shape_simple_fn(shape, || {
+            half::bf16::from_f64(draw())
+        })),
+        DType::F16 => Tensor::F16(ArrayD::from_shape_simple_fn(shape, || {
+            half::f16::from_f64(draw())
+        })),
     }
 }

@@ -13,6 +13,10 @@ pub enum Tensor {
     F64(ArrayD<f64>),
     /// i32 elements (ids, labels).
     I32(ArrayD<i32>),
+    /// bfloat16 elements (mixed precision; kernels compute in f32).
+    BF16(ArrayD<half::bf16>),
+    /// IEEE half elements (mixed precision; kernels compute in f32).
+    F16(ArrayD<half::f16>),
 }
 
 impl Tensor {
@@ -23,6 +27,8 @@ impl Tensor {
             DType::F32 => Tensor::F32(ArrayD::from_elem(dim, value as f32)),
             DType::F64 => Tensor::F64(ArrayD::from_elem(dim, value)),
             DType::I32 => Tensor::I32(ArrayD::from_elem(dim, value as i32)),
+            DType::BF16 => Tensor::BF16(ArrayD::from_elem(dim, half::bf16::from_f64(value))),
+            DType::F16 => Tensor::F16(ArrayD::from_elem(dim, half::f16::from_f64(value))),
         }
     }
     /// A tensor of zeros of type `t`.
@@ -32,6 +38,8 @@ impl Tensor {
             DType::F32 => Tensor::F32(ArrayD::zeros(shape)),
             DType::F64 => Tensor::F64(ArrayD::zeros(shape)),
             DType::I32 => Tensor::I32(ArrayD::zeros(shape)),
+            DType::BF16 => Tensor::BF16(ArrayD::from_elem(shape, half::bf16::ZERO)),
+            DType::F16 => Tensor::F16(ArrayD::from_elem(shape, half::f16::ZERO)),
         }
     }
     /// The element type.
@@ -40,6 +48,8 @@ impl Tensor {
             Tensor::F32(_) => DType::F32,
             Tensor::F64(_) => DType::F64,
             Tensor::I32(_) => DType::I32,
+            Tensor::BF16(_) => DType::BF16,
+            Tensor::F16(_) => DType::F16,
         }
     }
     /// The dimensions.
@@ -48,6 +58,8 @@ impl Tensor {
             Tensor::F32(a) => a.shape(),
             Tensor::F64(a) => a.shape(),
             Tensor::I32(a) => a.shape(),
+            Tensor::BF16(a) => a.shape(),
+            Tensor::F16(a) => a.shape(),
         }
     }
     /// The IR type of this tensor.
@@ -87,6 +99,8 @@ impl Tensor {
             Tensor::F32(a) => Tensor::F32(cut(a, workers, rank)),
             Tensor::F64(a) => Tensor::F64(cut(a, workers, rank)),
             Tensor::I32(a) => Tensor::I32(cut(a, workers, rank)),
+            Tensor::BF16(a) => Tensor::BF16(cut(a, workers, rank)),
+            Tensor::F16(a) => Tensor::F16(cut(a, workers, rank)),
         }
     }
     /// The f32 array, if this is f32.
@@ -116,7 +130,31 @@ impl Tensor {
             Tensor::F32(a) => a.iter().map(|&x| x as f64).collect(),
             Tensor::F64(a) => a.iter().copied().collect(),
             Tensor::I32(a) => a.iter().map(|&x| x as f64).collect(),
+            Tensor::BF16(a) => a.iter().map(|x| x.to_f64()).collect(),
+            Tensor::F16(a) => a.iter().map(|x| x.to_f64()).collect(),
         }
+    }
+    /// The same values as float type `to`, rounded to nearest even (a `cast`); None
+    /// for an i32 tensor or target.
+    pub fn cast(&self, to: DType) -> Option<Tensor> {
+        let f32s: ArrayD<f32> = match self {
+            Tensor::F32(a) => a.clone(),
+            Tensor::F64(a) if to == DType::F64 => return Some(Tensor::F64(a.clone())),
+            Tensor::F64(a) => a.mapv(|x| x as f32),
+            Tensor::BF16(a) => a.mapv(half::bf16::to_f32),
+            Tensor::F16(a) => a.mapv(half::f16::to_f32),
+            Tensor::I32(_) => return None,
+        };
+        Some(match to {
+            DType::F32 => Tensor::F32(f32s),
+            DType::F64 => Tensor::F64(match self {
+                Tensor::F64(a) => a.clone(),
+                _ => f32s.mapv(|x| x as f64),
+            }),
+            DType::BF16 => Tensor::BF16(f32s.mapv(half::bf16::from_f32)),
+            DType::F16 => Tensor::F16(f32s.mapv(half::f16::from_f32)),
+            DType::I32 => return None,
+        })
     }
     /// A scalar's value as f64 (the first element of any tensor).
     pub fn scalar_f64(&self) -> Option<f64> {
@@ -171,6 +209,7 @@ impl Slices {
             Tensor::F32(v) => Ok(Tensor::F32(scatter(self, v)?)),
             Tensor::F64(v) => Ok(Tensor::F64(scatter(self, v)?)),
             Tensor::I32(_) => Err("slices of i32 values".into()),
+            t => Err(format!("slices of {} values", t.dtype())),
         }
     }
 }
@@ -282,6 +321,7 @@ pub(crate) fn scale_value(v: Value, k: f64) -> std::result::Result<Value, String
                 Ok(Tensor::F64(a))
             }
             Tensor::I32(_) => Err("an i32 gradient".into()),
+            t => Err(format!("a {} gradient (scaled in f32)", t.dtype())),
         }
     }
     Ok(match v {

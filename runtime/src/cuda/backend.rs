@@ -359,10 +359,11 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
         Tensor::I32(a) => a
             .iter()
             .for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
-        Tensor::F64(_) => {
-            return Err(invalid(
-                "an f64 tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
-            ))
+        t @ (Tensor::F64(_) | Tensor::BF16(_) | Tensor::F16(_)) => {
+            return Err(invalid(format!(
+                "an {} tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
+                t.dtype()
+            )))
         }
     }
     Ok(out)
@@ -386,10 +387,11 @@ fn write_host_bytes(t: &Tensor, out: &mut [u8]) -> Result<(), KernelError> {
             .chunks_exact_mut(4)
             .zip(a.iter())
             .for_each(|(o, x)| o.copy_from_slice(&x.to_ne_bytes())),
-        Tensor::F64(_) => {
-            return Err(invalid(
-                "an f64 tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
-            ))
+        t @ (Tensor::F64(_) | Tensor::BF16(_) | Tensor::F16(_)) => {
+            return Err(invalid(format!(
+                "an {} tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
+                t.dtype()
+            )))
         }
     }
     Ok(())

@@ -171,6 +171,11 @@ pub fn check_shards(shards: &[Vec<ShardSpec>]) -> Result<HashMap<String, TensorT
                 DType::F32 => {}
                 DType::F64 => return Err(err("f64 variables are not served".into())),
                 DType::I32 => return Err(err("i32 variables are not served".into())),
+                d @ (DType::BF16 | DType::F16) => {
+                    return Err(err(format!(
+                        "{d} variables are not served (masters are f32)"
+                    )))
+                }
             }
             let rows = rows_of(sp.full.dims());
             if sp.start >= sp.end || sp.end > rows {

@@ -46,6 +46,10 @@ pub(crate) fn slice_rows(t: &Tensor, start: usize, end: usize) -> Tensor {
         Tensor::F32(a) => Tensor::F32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
         Tensor::F64(a) => Tensor::F64(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
         Tensor::I32(a) => Tensor::I32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
+        Tensor::BF16(a) => {
+            Tensor::BF16(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned())
+        }
+        Tensor::F16(a) => Tensor::F16(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
     }
 }
 

@@ -121,6 +121,8 @@ impl Writer {
             Tensor::F32(a) => (0u8, a.shape()),
             Tensor::F64(a) => (1, a.shape()),
             Tensor::I32(a) => (2, a.shape()),
+            Tensor::BF16(a) => (3, a.shape()),
+            Tensor::F16(a) => (4, a.shape()),
         };
         self.u8(code);
         self.usize(dims.len());
@@ -140,6 +142,16 @@ impl Writer {
             }
             Tensor::I32(a) => {
                 self.0.reserve(a.len() * 4);
+                a.iter()
+                    .for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
+            }
+            Tensor::BF16(a) => {
+                self.0.reserve(a.len() * 2);
+                a.iter()
+                    .for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
+            }
+            Tensor::F16(a) => {
+                self.0.reserve(a.len() * 2);
                 a.iter()
                     .for_each(|x| self.0.extend_from_slice(&x.to_le_bytes()));
             }
@@ -237,7 +249,11 @@ impl<'a> Reader<'a> {
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or("tensor size overflows")?;
-        let size = if code == 1 { 8 } else { 4 };
+        let size = match code {
+            1 => 8,
+            3 | 4 => 2,
+            _ => 4,
+        };
         let raw = self.bytes(n.checked_mul(size).ok_or("tensor size overflows")?)?;
         let shape = IxDyn(&dims);
         let bad = |e: ndarray::ShapeError| e.to_string();
@@ -269,6 +285,24 @@ impl<'a> Reader<'a> {
                     shape,
                     raw.chunks_exact(4)
                         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
+            3 => Tensor::BF16(
+                ArrayD::from_shape_vec(
+                    shape,
+                    raw.chunks_exact(2)
+                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                )
+                .map_err(bad)?,
+            ),
+            4 => Tensor::F16(
+                ArrayD::from_shape_vec(
+                    shape,
+                    raw.chunks_exact(2)
+                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
                         .collect(),
                 )
                 .map_err(bad)?,

@@ -204,6 +204,8 @@ macro_rules! float {
                 $body
             }
             DType::I32 => Err(String::from("needs float tensors, got i32")),
+            // `eval` runs 16-bit inputs as f32 before any kernel sees them.
+            DType::BF16 | DType::F16 => Err(format!("{} reached a kernel uncast", $dt)),
         }
     };
 }
@@ -224,8 +226,46 @@ macro_rules! any {
                 type $T = i32;
                 $body
             }
+            DType::BF16 | DType::F16 => Err(format!("{} reached a kernel uncast", $dt)),
         }
     };
+}
+
+/// A 16-bit float input as f32 (other inputs as they are).
+fn widen(a: Arg<'_>) -> Result<Value, String> {
+    let wide = |t: Tensor| match t.dtype() {
+        d if d.is_half() => t
+            .cast(DType::F32)
+            .ok_or_else(|| format!("cannot widen {d}")),
+        _ => Ok(t),
+    };
+    let v = match a {
+        Arg::Owned(v) => v,
+        Arg::Borrowed(v) => v.clone(),
+        Arg::BorrowedTensor(t) => Value::Tensor(t.clone()),
+    };
+    Ok(match v {
+        Value::Tensor(t) => Value::Tensor(wide(t)?),
+        Value::Slices(s) => Value::Slices(Slices {
+            values: wide(s.values)?,
+            ..s
+        }),
+    })
+}
+
+/// A kernel's f32 result rounded back to the 16-bit type `to`.
+fn narrow(v: Value, to: DType) -> Result<Value, String> {
+    let round = |t: Tensor| match t.dtype() {
+        DType::F32 => t.cast(to).ok_or_else(|| format!("cannot round to {to}")),
+        _ => Ok(t),
+    };
+    Ok(match v {
+        Value::Tensor(t) => Value::Tensor(round(t)?),
+        Value::Slices(s) => Value::Slices(Slices {
+            values: round(s.values)?,
+            ..s
+        }),
+    })
 }
 
 /// Evaluates `op` on borrowed inputs. Sources and sinks are the executor's business
@@ -243,7 +283,28 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         _ => {}
     }
     let dt = args.first().map_or(DType::F32, Arg::dtype);
+    if let Op::Cast { to } = op {
+        let [x] = split(args)?;
+        let t = x.tensor().ok_or("casts a dense tensor")?;
+        let cast = t
+            .cast(*to)
+            .ok_or_else(|| format!("cannot cast {} to {to}", t.tensor_type()))?;
+        return Ok(vec![Value::Tensor(cast)]);
+    }
+    // 16-bit floats are stored in 16 bits and computed in f32: every kernel runs on the
+    // inputs widened, and its float results are rounded back to the inputs' type.
+    if let Some(half) = args.iter().map(Arg::dtype).find(|d| d.is_half()) {
+        let wide = args
+            .into_iter()
+            .map(|a| widen(a).map(Arg::Owned))
+            .collect::<Result<Vec<_>, String>>()?;
+        return eval(op, wide, ctx)?
+            .into_iter()
+            .map(|v| narrow(v, half))
+            .collect();
+    }
     let out: Value = match op {
+        Op::Cast { .. } => unreachable!("cast is evaluated above"),
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {
             return Err("a source: the executor provides its value, not a kernel".into())
         }

@@ -228,7 +228,9 @@ pub(crate) fn constant(cx: &mut NodeCx<'_>, value: f64, ty: &TensorType) -> Resu
     let bits: u32 = match ty.dtype {
         DType::F32 => (value as f32).to_bits(),
         DType::I32 => (value as i32) as u32,
-        DType::F64 => return Err(format!("a constant of {ty}: the GPU runs f32 and i32")),
+        DType::F64 | DType::BF16 | DType::F16 => {
+            return Err(format!("a constant of {ty}: the GPU runs f32 and i32"))
+        }
     };
     let n = ty.shape.numel();
     if bits == 0 {

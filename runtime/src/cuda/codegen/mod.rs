@@ -679,6 +679,9 @@ fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
             "{}: tensor parallelism runs on the CPU backend for now",
             op.mnemonic()
         ))),
+        Op::Cast { .. } => Err(NodeError::Unsupported(
+            "cast: mixed precision runs on the CPU backend for now".into(),
+        )),
         Op::Input { .. }
         | Op::Param { .. }
         | Op::Loss
