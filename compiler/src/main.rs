@@ -7,7 +7,7 @@ use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::pipeline::schedule::ScheduleKind;
 use distc_passes::placement::{
-    Mechanism, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
+    Mechanism, Precision, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
     MAX_RANKS,
 };
 use distc_passes::program_set::ProgramSet;
@@ -503,6 +503,13 @@ struct CompileArgs {
     /// forwards, then all backwards).
     #[arg(long, default_value = "1f1b", value_parser = parse_schedule, value_name = "gpipe|1f1b")]
     schedule: ScheduleKind,
+    /// The arithmetic's precision: `fp32`, or `bf16`/`fp16` where the mixed_precision
+    /// pass's lists allow it (matmuls, convolutions, lookups and the element-wise chains
+    /// between them in 16 bits; losses, softmax, exp, log, layer norm and reductions to
+    /// a scalar in f32). Variables stay f32 master copies; gradients reach the optimizer
+    /// in f32. fp16 scales the loss dynamically.
+    #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
+    precision: Precision,
     /// A device mesh, `data=D,model=T[,pipe=P]` (instead of --workers and --pipeline):
     /// D x T x P workers, worker w at model rank w % T of stage (w / T) % P of data rank
     /// w / (T P). The model axis splits variables over T workers (tensor parallelism;
@@ -738,6 +745,7 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         pipeline: a.pipeline,
         micro_batches: a.micro_batches,
         schedule: a.schedule,
+        precision: a.precision,
         ..StrategyConfig::default()
     }
 }
@@ -1152,12 +1160,25 @@ fn verify_cmd(
         0 => report.strategy.name().to_string(),
         z => format!("{} (ZeRO {z})", report.strategy.name()),
     } + &pipeline_words(&opts.compile.strategy);
+    let precision = opts.compile.strategy.precision;
+    let name = if precision == Precision::Fp32 {
+        name
+    } else {
+        format!("{name}, {precision}")
+    };
     let mut text = String::new();
     for v in &report.vars {
         text += &format!(
-            "  {:<10} max |one device - {name}| / max |w| = {:.2e}\n",
+            "  {:<10} max |one device - {name}| / max |w| = {:.2e}",
             v.name, v.relative
         );
+        if let Some(e) = v.precision_effect {
+            text += &format!(
+                " (one device {precision} vs f32: {e:.2e}; allowed {:.2e})",
+                v.allowed(tolerance)
+            );
+        }
+        text.push('\n');
     }
     let worst = report
         .worst()
@@ -1172,10 +1193,22 @@ fn verify_cmd(
     );
     out(&text);
     if !report.passed() {
-        let mut why = format!(
-            "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e}",
-            worst.name, worst.relative
-        );
+        let failing = report
+            .vars
+            .iter()
+            .find(|v| v.relative > v.allowed(tolerance))
+            .unwrap_or(worst);
+        let mut why = match failing.precision_effect {
+            None => format!(
+                "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e}",
+                failing.name, failing.relative
+            ),
+            Some(e) => format!(
+                "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e} plus \
+                 twice what {precision} itself changes on one device ({e:.2e})",
+                failing.name, failing.relative
+            ),
+        };
         if !report.assumptions.is_empty() {
             why += "\ndata parallelism assumes the loss is a mean over the batch and that \
                     nothing is computed across samples; this model does not:";

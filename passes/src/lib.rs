@@ -10,6 +10,7 @@ pub mod distribute;
 pub mod fusion;
 pub mod kernel_fusion;
 pub mod manager;
+pub mod mixed_precision;
 pub mod pipeline;
 pub mod place;
 pub mod placement;
@@ -193,6 +194,19 @@ pub fn pipeline(strategy: placement::Strategy) -> Vec<Box<dyn Pass>> {
 /// The passes a compile with `cfg` runs: the strategy's, or with `--pipeline` the
 /// one-device passes and the pipeline rewrite.
 pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
+    let mut passes = strategy_passes(cfg);
+    if cfg.precision != placement::Precision::Fp32 {
+        // On the forward program (sharded first, with a model axis), before autodiff.
+        let at = passes
+            .iter()
+            .position(|p| p.name() == autodiff::Autodiff.name())
+            .unwrap_or(0);
+        passes.insert(at, Box::new(mixed_precision::MixedPrecision));
+    }
+    passes
+}
+
+fn strategy_passes(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
     if cfg.model > 1 {
         // The shardings are propagated through the forward program, and autodiff
         // differentiates the collectives they need.
@@ -223,5 +237,6 @@ pub fn known_pass_names() -> Vec<String> {
     names.insert(0, "lower".to_string());
     names.push(pipeline::split::PipelineSplit.name());
     names.insert(1, tensor_parallel::TensorParallel.name());
+    names.insert(2, mixed_precision::MixedPrecision.name());
     names
 }

@@ -115,6 +115,53 @@ pub struct StrategyConfig {
     /// and `--shard`); none: the Megatron rule picks them.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub shard: std::collections::BTreeMap<String, usize>,
+    /// The forward and backward arithmetic's precision (`--precision`): variables
+    /// stay f32 master copies whatever it is.
+    #[serde(default)]
+    pub precision: Precision,
+}
+
+/// `--precision`: f32 throughout, or 16-bit arithmetic where the mixed-precision
+/// pass's lists allow it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 everywhere.
+    #[default]
+    Fp32,
+    /// bfloat16 (f32's range): no loss scaling needed.
+    Bf16,
+    /// IEEE half, with dynamic loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    /// `fp32`, `bf16` or `fp16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Precision, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" => Ok(Precision::Fp16),
+            _ => Err(format!("`{s}` is not a precision: fp32, bf16 or fp16")),
+        }
+    }
 }
 
 /// Which activations the remat pass drops after the forward pass and recomputes in
@@ -300,6 +347,7 @@ impl Default for StrategyConfig {
             schedule: Default::default(),
             stage_marks: None,
             model: 1,
+            precision: Precision::Fp32,
             shard: Default::default(),
         }
     }

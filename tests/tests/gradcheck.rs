@@ -93,7 +93,13 @@ fn dense(v: &Value) -> Vec<f64> {
 
 /// Adds a loss reducing `y` with random weights, differentiates, and compares every
 /// variable's gradient with central differences. Returns the sparse gradient names.
-fn check(mut b: Builder, y: ValueId) -> Vec<String> {
+fn check(b: Builder, y: ValueId) -> Vec<String> {
+    check_with(b, y, EPS, TOL)
+}
+
+/// [`check`] with another finite-difference step and tolerance (for values that pass
+/// through a narrower type).
+fn check_with(mut b: Builder, y: ValueId, eps: f64, tol: f64) -> Vec<String> {
     let yt = b.g.tensor_type(y).clone();
     let loss = if yt.shape.rank() == 0 {
         y
@@ -151,10 +157,10 @@ fn check(mut b: Builder, y: ValueId) -> Vec<String> {
                 }
                 loss_of(&mut fwd, &b, &params)
             };
-            let numeric = (at(EPS) - at(-EPS)) / (2.0 * EPS);
+            let numeric = (at(eps) - at(-eps)) / (2.0 * eps);
             let err = (analytic[i] - numeric).abs() / numeric.abs().max(1.0);
             assert!(
-                err < TOL,
+                err < tol,
                 "{}: d loss / d {name}[{i}]: autodiff {} vs finite differences {numeric} (error {err:.2e})",
                 b.g.name,
                 analytic[i]
@@ -403,4 +409,25 @@ fn variable_used_twice_sums_its_gradients() {
     let e = b.op(Op::Embedding, vec![t, i]);
     let y = b.op(Op::Add, vec![e, t]);
     assert!(check(b, y).is_empty());
+}
+
+#[test]
+fn cast_passes_the_gradient_back_in_the_inputs_type() {
+    // Through f32 and back, with tanh computed in f32: a step of 1e-3 keeps the
+    // truncation error near 1e-7 and f32's rounding near 1e-4.
+    let mut b = Builder::new("cast_f32");
+    let x = b.param("x", &[3, 4], -1.0, 1.0);
+    let narrow = b.op(Op::Cast { to: DType::F32 }, vec![x]);
+    let t = b.op(Op::Tanh, vec![narrow]);
+    let y = b.op(Op::Cast { to: DType::F64 }, vec![t]);
+    check_with(b, y, 1e-3, 1e-3);
+    // Through 16 bits, linearly: the rounding (2^-8 of a value near 1 for bf16, 2^-11
+    // for f16) is a small part of a step of 0.5.
+    for (name, half, tol) in [("cast_bf16", DType::BF16, 1e-2), ("cast_f16", DType::F16, 2e-3)] {
+        let mut b = Builder::new(name);
+        let x = b.param("x", &[3, 4], -1.0, 1.0);
+        let narrow = b.op(Op::Cast { to: half }, vec![x]);
+        let y = b.op(Op::Cast { to: DType::F64 }, vec![narrow]);
+        check_with(b, y, 0.5, tol);
+    }
 }
