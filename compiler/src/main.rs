@@ -7,8 +7,8 @@ use distc::verify::{verify, VerifyOptions};
 use distc::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use distc_passes::pipeline::schedule::ScheduleKind;
 use distc_passes::placement::{
-    Mechanism, Precision, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
-    MAX_RANKS,
+    Mechanism, Precision, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode,
+    MAX_MICRO_BATCHES, MAX_RANKS,
 };
 use distc_passes::program_set::ProgramSet;
 use distc_runtime::core::config::MAX_BATCH;

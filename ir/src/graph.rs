@@ -14,6 +14,10 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fmt;
 
+/// The input a backward pass starts from under fp16's dynamic loss scaling: the
+/// runtime feeds the current scale (the gradients are unscaled before the update).
+pub const LOSS_SCALE: &str = "loss_scale";
+
 /// A node of the graph. `Display` is its text-IR spelling, `%7`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId(pub u32);
@@ -342,15 +346,23 @@ impl Graph {
             .collect()
     }
 
-    /// Model inputs in node order: `(node, name, type)`.
+    /// Model inputs in node order: `(node, name, type)`; the data's, not the loss
+    /// scale ([`LOSS_SCALE`]) the runtime feeds itself.
     pub fn inputs(&self) -> Vec<(NodeId, &str, &TensorType)> {
         self.topo_order()
             .into_iter()
             .filter_map(|id| match self.op(id) {
-                Op::Input { name, ty } => Some((id, name.as_str(), ty)),
+                Op::Input { name, ty } if name != LOSS_SCALE => Some((id, name.as_str(), ty)),
                 _ => None,
             })
             .collect()
+    }
+
+    /// Whether the backward pass starts from the runtime's loss scale (fp16).
+    pub fn scales_loss(&self) -> bool {
+        self.node_ids()
+            .into_iter()
+            .any(|id| matches!(self.op(id), Op::Input { name, .. } if name == LOSS_SCALE))
     }
 
     /// The value marked by the `loss` sink, if any.

@@ -18,7 +18,7 @@ pub mod shape;
 pub mod types;
 pub mod verify;
 
-pub use graph::{Graph, GraphError, Node, NodeId, ValueId};
+pub use graph::{Graph, GraphError, Node, NodeId, ValueId, LOSS_SCALE};
 
 /// The suffix of the variable holding a worker's ZeRO shard of variable `w` (`w.zero`):
 /// the zero pass names shards so, and the runtime finds them so when it writes or

@@ -23,7 +23,7 @@ use std::collections::{HashMap, HashSet};
 pub struct Autodiff;
 
 impl Pass for Autodiff {
-    fn run(&self, g: &mut Graph, _cx: &mut PassCx) -> Result<PassStats, PassError> {
+    fn run(&self, g: &mut Graph, cx: &mut PassCx) -> Result<PassStats, PassError> {
         let nodes_before = g.node_count();
         let loss = g
             .loss()
@@ -37,13 +37,25 @@ impl Pass for Autodiff {
         let active = active_nodes(g, &order, loss.node);
         let mut grads: HashMap<ValueId, Vec<ValueId>> = HashMap::new();
         let loss_ty = g.tensor_type(loss).clone();
-        let seed = g.add(
-            Op::Constant {
-                value: 1.0,
-                ty: loss_ty,
-            },
-            vec![],
-        )?;
+        // fp16 scales the loss (so small gradients do not flush to zero): the backward
+        // pass starts from the scale the runtime feeds, and the runtime unscales.
+        let seed = if cx.strategy.precision == crate::placement::Precision::Fp16 {
+            g.add(
+                Op::Input {
+                    name: distc_ir::LOSS_SCALE.to_string(),
+                    ty: loss_ty,
+                },
+                vec![],
+            )?
+        } else {
+            g.add(
+                Op::Constant {
+                    value: 1.0,
+                    ty: loss_ty,
+                },
+                vec![],
+            )?
+        };
         grads.insert(loss, vec![seed.into()]);
         let mut param_grads = Vec::new();
         for &id in order.iter().rev() {

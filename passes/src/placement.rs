@@ -247,6 +247,25 @@ impl StrategyConfig {
                 return field("remat", "a positive finite budget in MiB", &mib);
             }
         }
+        if self.precision == Precision::Fp16 {
+            // The loss scale is applied where the worker updates its variables.
+            let refused = [
+                (
+                    self.servers > 0,
+                    "parameter servers (they apply the updates)",
+                ),
+                (
+                    self.pipeline > 1,
+                    "--pipeline (each stage updates its own variables)",
+                ),
+            ];
+            if let Some((_, what)) = refused.iter().find(|r| r.0) {
+                return Err(format!(
+                    "--precision fp16 (dynamic loss scaling) with {what} is not supported yet: \
+                     use bf16, which needs no scaling"
+                ));
+            }
+        }
         if self.model == 0 || self.model > MAX_RANKS {
             return field("model", &format!("in 1..={MAX_RANKS}"), &self.model);
         }

@@ -423,7 +423,10 @@ fn cast_passes_the_gradient_back_in_the_inputs_type() {
     check_with(b, y, 1e-3, 1e-3);
     // Through 16 bits, linearly: the rounding (2^-8 of a value near 1 for bf16, 2^-11
     // for f16) is a small part of a step of 0.5.
-    for (name, half, tol) in [("cast_bf16", DType::BF16, 1e-2), ("cast_f16", DType::F16, 2e-3)] {
+    for (name, half, tol) in [
+        ("cast_bf16", DType::BF16, 1e-2),
+        ("cast_f16", DType::F16, 2e-3),
+    ] {
         let mut b = Builder::new(name);
         let x = b.param("x", &[3, 4], -1.0, 1.0);
         let narrow = b.op(Op::Cast { to: half }, vec![x]);

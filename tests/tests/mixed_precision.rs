@@ -49,7 +49,10 @@ fn sixteen_bit_types_and_casts_print_and_parse() {
 
 #[test]
 fn the_pass_puts_products_in_16_bits_losses_in_f32_and_keeps_f32_masters() {
-    for (precision, half) in [(Precision::Bf16, DType::BF16), (Precision::Fp16, DType::F16)] {
+    for (precision, half) in [
+        (Precision::Bf16, DType::BF16),
+        (Precision::Fp16, DType::F16),
+    ] {
         let c = compile(
             "two.dsl",
             TWO_LAYERS,
@@ -79,7 +82,11 @@ fn the_pass_puts_products_in_16_bits_losses_in_f32_and_keeps_f32_masters() {
         }
         // w1 is read by a matmul (16 bits) and by the f32 penalty: cast once, for the
         // matmul; b1's add follows the 16-bit product.
-        assert_eq!(ir.matches(&format!("cast{{to=\"{half}\"}} %2")).count(), 1, "{ir}");
+        assert_eq!(
+            ir.matches(&format!("cast{{to=\"{half}\"}} %2")).count(),
+            1,
+            "{ir}"
+        );
         if precision == Precision::Bf16 {
             insta::assert_snapshot!(ir);
         }
@@ -132,8 +139,13 @@ fn a_bf16_plan_verifies_against_one_device_in_bf16() {
         assert!(r.passed(), "{workers} workers: {:?}", r.vars);
         // bf16 does change the weights, and by more than the f32 tolerance.
         let w1 = r.vars.iter().find(|v| v.name == "w1").expect("w1");
-        let effect = w1.precision_effect.expect("a bf16 plan measures bf16's effect");
-        assert!(effect > 1e-4 && effect < 5e-2, "w1: bf16 vs f32 {effect:.2e}");
+        let effect = w1
+            .precision_effect
+            .expect("a bf16 plan measures bf16's effect");
+        assert!(
+            effect > 1e-4 && effect < 5e-2,
+            "w1: bf16 vs f32 {effect:.2e}"
+        );
     }
 }
 
@@ -173,5 +185,168 @@ fn mnist_in_bf16_reaches_the_accuracy_of_f32() {
     let (fp32, bf16) = (accuracy[0], accuracy[1]);
     eprintln!("mlp after 1500 steps: fp32 accuracy {fp32:.4}, bf16 {bf16:.4}");
     assert!(bf16 >= 0.97, "bf16 reached {bf16:.4}");
-    assert!((fp32 - bf16).abs() < 0.005, "fp32 {fp32:.4}, bf16 {bf16:.4}");
+    assert!(
+        (fp32 - bf16).abs() < 0.005,
+        "fp32 {fp32:.4}, bf16 {bf16:.4}"
+    );
+}
+
+/// A model whose loss is multiplied by `factor` (with the learning rate divided by it,
+/// the same training as factor 1 in exact arithmetic).
+fn scaled_loss_model(factor: &str, lr: &str) -> String {
+    format!(
+        "model tiny {{\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+         param w1: f32[8, 16] = glorot\n  param w2: f32[16, 4] = glorot\n  \
+         minimize {factor} * softmax_cross_entropy(relu(x @ w1) @ w2, label)\n}}\n\
+         train {{\n  data = gaussian_classes(features = 8, classes = 4)\n  batch = 16\n  \
+         optimizer = sgd(lr = {lr})\n  steps = 60\n  seed = 7\n}}\n"
+    )
+}
+
+#[test]
+fn gradients_that_underflow_fp16_survive_with_the_loss_scale() {
+    use distc_runtime::core::exec::{Executor, Mode};
+    // A loss of 1e-8 of the cross-entropy: its gradient at the logits (about 1e-8 / 16)
+    // is below fp16's smallest subnormal (6e-8), so the 16-bit backward pass has only
+    // zeros; scaled by 2^16 it is a normal fp16 number.
+    let src = scaled_loss_model("0.00000001", "50000000.0");
+    let c = compile(
+        "tiny.dsl",
+        &src,
+        &CompileOptions {
+            strategy: with(Precision::Fp16),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let g = &c.programs.worker;
+    assert!(g.scales_loss());
+    let params = distc_runtime::run::train::init_params(g, 7);
+    let mut data = distc_runtime::run::data::DataSource::open(
+        &c.config.data,
+        None,
+        &distc_runtime::run::train::input_types(g),
+        16,
+        7,
+        0,
+        1,
+    )
+    .expect("data");
+    let feeds = data.next_batch().expect("a batch");
+    let mut exec = Executor::new(g).expect("executor");
+    let mut w1 = |scale: f64| {
+        exec.set_loss_scale(scale).expect("scale");
+        let out = exec.run(&feeds, &params, Mode::Train, 1).expect("a step");
+        let (_, grad) = out
+            .grads
+            .into_iter()
+            .find(|(n, _)| n == "w1")
+            .expect("w1's gradient");
+        grad.tensor().expect("dense").to_f64_vec()
+    };
+    let unscaled = w1(1.0);
+    assert!(unscaled.iter().all(|x| *x == 0.0), "fp16 kept {unscaled:?}");
+    let scaled = w1(65536.0);
+    assert!(
+        scaled.iter().any(|x| *x != 0.0),
+        "the scaled gradient underflowed too"
+    );
+    // Training: fp16 with its loss scale follows fp32.
+    let mut finals = Vec::new();
+    for precision in [Precision::Fp32, Precision::Fp16] {
+        let c = compile(
+            "tiny.dsl",
+            &src,
+            &CompileOptions {
+                strategy: with(precision),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut losses = Vec::new();
+        let opts = TrainOptions {
+            evaluate: false,
+            ..TrainOptions::default()
+        };
+        train(c.programs(1), &c.config, &opts, &mut |m| {
+            losses.push(m.loss);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{precision}: {e}"));
+        let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+        let (first, last) = (mean(&losses[..10]), mean(&losses[losses.len() - 10..]));
+        assert!(
+            last < 0.95 * first,
+            "{precision}: loss {first:e} -> {last:e}"
+        );
+        finals.push(last);
+    }
+    let rel = (finals[0] - finals[1]).abs() / finals[0];
+    assert!(rel < 0.05, "fp32 {:e}, fp16 {:e}", finals[0], finals[1]);
+}
+
+#[test]
+fn overflowing_steps_are_skipped_on_every_worker_alike() {
+    // A loss of 1000 cross-entropies: scaled by 2^16 its gradients overflow fp16
+    // (65504), so the first steps are skipped and halve the scale until they fit.
+    let src = scaled_loss_model("1000.0", "0.0005");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("big.dsl");
+    std::fs::write(&path, &src).expect("writes the model");
+    let s = |workers, zero| StrategyConfig {
+        strategy: if workers > 1 {
+            Strategy::Allreduce
+        } else {
+            Strategy::Single
+        },
+        workers,
+        zero,
+        precision: Precision::Fp16,
+        ..Default::default()
+    };
+    let c = distc::compile_file(
+        &path,
+        &CompileOptions {
+            strategy: s(2, 1),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let opts = TrainOptions {
+        evaluate: false,
+        global_data: true,
+        ..TrainOptions::default()
+    };
+    let mut last = None;
+    train(c.programs(2), &c.config, &opts, &mut |m| {
+        last = Some((m.loss_scale, m.skipped_steps));
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (scale, skipped) = last.expect("steps");
+    let (scale, skipped) = (scale.expect("a scale"), skipped.expect("a count"));
+    assert!(
+        skipped > 0 && scale < 65536.0,
+        "scale {scale}, {skipped} skipped"
+    );
+    assert_eq!(scale, 65536.0 / f64::powi(2.0, skipped as i32));
+    // ZeRO 1: each worker checks its own chunk; had one skipped a step the other took,
+    // the variables would part ways. They equal one device's fp16 run.
+    for (workers, zero) in [(2, 0), (2, 1)] {
+        let r = verify(
+            &path,
+            &VerifyOptions {
+                compile: CompileOptions {
+                    strategy: s(workers, zero),
+                    ..Default::default()
+                },
+                steps: 12,
+                tolerance: 1e-4,
+                timeout: Duration::from_secs(60),
+                device: None,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(r.passed(), "{workers} workers, ZeRO {zero}: {:?}", r.vars);
+    }
 }

@@ -229,6 +229,18 @@ pub trait OptimizerState: Device {
         params: &mut HashMap<String, Self::Tensor>,
         grads: Vec<(String, Self::Value)>,
     ) -> Result<(), KernelError>;
+    /// Multiplies every gradient by `factor` (the inverse of fp16's loss scale) and
+    /// says whether every one was finite (an overflowed step is skipped).
+    fn unscale(
+        &mut self,
+        _grads: &mut [(String, Self::Value)],
+        _factor: f64,
+    ) -> Result<bool, KernelError> {
+        Err(KernelError::Invalid(format!(
+            "{} cannot scale the loss yet: train --precision fp16 on the CPU",
+            self.name()
+        )))
+    }
     /// Bytes of optimizer state.
     fn optimizer_bytes(opt: &Self::Optimizer) -> u64;
     /// Whether the optimizer may spread one update over threads (the CPU's, when

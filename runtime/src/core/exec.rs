@@ -18,7 +18,7 @@ use crate::core::backend::{
 };
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::{Tensor, Value};
-use distc_ir::{Graph, NodeId, Op, TensorType, ValueId, ValueType};
+use distc_ir::{Graph, NodeId, Op, TensorType, ValueId, ValueType, LOSS_SCALE};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -233,6 +233,8 @@ pub struct Executor<B: Backend> {
     accumulated: HashMap<usize, B::Value>,
     /// Whether training runs read their `output` sinks.
     train_outputs: bool,
+    /// The loss scale a backward pass starts from (fp16), fed as input `loss_scale`.
+    loss_scale: Option<B::Tensor>,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -478,6 +480,7 @@ impl<B: Backend> Executor<B> {
             measured: MemoryUse::default(),
             accumulated: HashMap::new(),
             train_outputs: true,
+            loss_scale: None,
         })
     }
 
@@ -546,6 +549,7 @@ impl<B: Backend> Executor<B> {
             measured,
             accumulated,
             train_outputs,
+            loss_scale,
         } = self;
         let mut tally = Tally::default();
         // Bytes and category of the value in each slot, for freeing.
@@ -738,6 +742,7 @@ impl<B: Backend> Executor<B> {
                 Op::Input { name, ty } => {
                     let t = feeds
                         .get(name)
+                        .or_else(|| loss_scale.as_ref().filter(|_| name == LOSS_SCALE))
                         .ok_or_else(|| RuntimeError::MissingInput(name.clone()))?;
                     check_type::<B>(t, ty, || format!("input `{name}`: fed"))?;
                     Some(t)
@@ -875,6 +880,20 @@ impl<B: Backend> Executor<B> {
     /// its samples in the global batch for per-sample dropout masks.
     pub fn set_rank(&mut self, rank: usize) {
         self.rank = rank;
+    }
+
+    /// Sets the loss scale the backward pass starts from (input `loss_scale`, fp16).
+    pub fn set_loss_scale(&mut self, scale: f64) -> Result<()> {
+        let t = Tensor::F32(ndarray::ArrayD::from_elem(
+            ndarray::IxDyn(&[]),
+            scale as f32,
+        ));
+        let t = self
+            .backend
+            .upload(LOSS_SCALE, t)
+            .map_err(|e| RuntimeError::Config(format!("uploading the loss scale: {e}")))?;
+        self.loss_scale = Some(t);
+        Ok(())
     }
 
     /// Sets the worker's rank on the model axis of a mesh: which shard a

@@ -167,6 +167,33 @@ impl OptimizerState for Cpu {
             .map_err(|e| KernelError::Invalid(e.to_string()))
     }
 
+    fn unscale(&mut self, grads: &mut [(String, Value)], factor: f64) -> Result<bool, KernelError> {
+        let mut finite = true;
+        let mut scale = |t: &mut Tensor| match t {
+            Tensor::F32(a) => {
+                finite &= a.iter().all(|x| x.is_finite());
+                a.mapv_inplace(|x| x * factor as f32);
+                Ok(())
+            }
+            Tensor::F64(a) => {
+                finite &= a.iter().all(|x| x.is_finite());
+                a.mapv_inplace(|x| x * factor);
+                Ok(())
+            }
+            t => Err(KernelError::Invalid(format!(
+                "a {} gradient: gradients reach the optimizer in f32",
+                t.dtype()
+            ))),
+        };
+        for (_, g) in grads.iter_mut() {
+            match g {
+                Value::Tensor(t) => scale(t)?,
+                Value::Slices(s) => scale(&mut s.values)?,
+            }
+        }
+        Ok(finite)
+    }
+
     fn optimizer_bytes(opt: &Optimizer) -> u64 {
         opt.state_bytes()
     }

@@ -49,6 +49,12 @@ pub struct StepMetrics {
     /// Per stage of a pipelined run (replica 0's stages), and its measured bubble.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineStep>,
+    /// fp16's loss scale after the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Steps skipped so far because their gradients overflowed (fp16).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<usize>,
 }
 
 /// A pipelined step, measured.

@@ -653,6 +653,8 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
         gpu_memory: r.device_memory.map(|m| m.0),
         gpu_memory_peak: r.device_memory.map(|m| m.1),
         pipeline: r.pipeline.clone(),
+        loss_scale: r.loss_scale.map(|s| s.0),
+        skipped_steps: r.loss_scale.map(|s| s.1),
     }
 }
 

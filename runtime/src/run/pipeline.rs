@@ -847,6 +847,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         memory,
         device_memory: None,
         pipeline: Some(PipelineStep { bubble, stages }),
+        loss_scale: None,
     }
 }
 

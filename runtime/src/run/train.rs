@@ -362,6 +362,8 @@ impl<'a> Coordinator<'a> {
             gpu_memory: r0.device_memory.map(|m| m.0),
             gpu_memory_peak: r0.device_memory.map(|m| m.1),
             pipeline: r0.pipeline.clone(),
+            loss_scale: r0.loss_scale.map(|s| s.0),
+            skipped_steps: r0.loss_scale.map(|s| s.1),
         })
     }
 }

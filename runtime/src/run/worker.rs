@@ -65,6 +65,9 @@ pub struct StepReport {
     /// Per stage, of a pipelined run.
     #[serde(default)]
     pub pipeline: Option<crate::run::metrics::PipelineStep>,
+    /// fp16's loss scale after the step, and the steps skipped so far for overflow.
+    #[serde(default)]
+    pub loss_scale: Option<(f64, usize)>,
 }
 
 /// The first error of a run, with the role that hit it. Shared by every rank of a
@@ -151,6 +154,80 @@ impl Pending for Waiting {
 
 fn shape_err(e: ndarray::ShapeError) -> RuntimeError {
     RuntimeError::Config(e.to_string())
+}
+
+/// fp16's dynamic loss scaling, as PyTorch's GradScaler: the backward pass starts
+/// from `scale` (2^16 at first); a step whose gradients overflowed is skipped and halves
+/// it, and 2000 finite steps in a row double it.
+#[derive(Debug)]
+pub(crate) struct LossScaler {
+    pub(crate) scale: f64,
+    /// Finite steps since the scale last changed.
+    good: usize,
+    /// Steps skipped so far.
+    pub(crate) skipped: usize,
+}
+
+/// Finite steps in a row after which the loss scale doubles.
+pub const LOSS_SCALE_GROWTH_INTERVAL: usize = 2000;
+/// The first loss scale.
+pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
+
+impl Default for LossScaler {
+    fn default() -> LossScaler {
+        LossScaler {
+            scale: INITIAL_LOSS_SCALE,
+            good: 0,
+            skipped: 0,
+        }
+    }
+}
+
+impl LossScaler {
+    /// The scale after a step whose gradients were (`finite`) or were not all finite.
+    pub(crate) fn after(&mut self, finite: bool) {
+        if finite {
+            self.good += 1;
+            if self.good == LOSS_SCALE_GROWTH_INTERVAL {
+                self.scale *= 2.0;
+                self.good = 0;
+            }
+        } else {
+            self.scale /= 2.0;
+            self.good = 0;
+            self.skipped += 1;
+        }
+    }
+}
+
+/// Whether every worker's gradients were finite: a flag summed over the data axis and
+/// the model axis.
+fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> {
+    let flag = || {
+        Value::Tensor(Tensor::F32(ArrayD::from_elem(
+            IxDyn(&[1]),
+            if finite { 0.0 } else { 1.0 },
+        )))
+    };
+    let sum = Op::AllReduce {
+        reduce: ReduceOp::Sum,
+    };
+    let over_data = hook
+        .start_collective(NodeId(u32::MAX), &sum, flag(), step as u64)?
+        .wait()?;
+    let mut bad = over_data
+        .tensor()
+        .and_then(Tensor::scalar_f64)
+        .unwrap_or(1.0);
+    if let Some((comm, _)) = hook.model.as_mut() {
+        let parts = comm.size();
+        let over_model = model_collective(&mut **comm, &Op::ModelAllReduce { parts }, flag())?;
+        bad += over_model
+            .tensor()
+            .and_then(Tensor::scalar_f64)
+            .unwrap_or(1.0);
+    }
+    Ok(bad == 0.0)
 }
 
 /// A collective already done.
@@ -864,8 +941,14 @@ fn run_steps<B: Backend>(
     // on the device, and the backend records graphs (the CPU's does not: every step
     // runs eagerly). Profiling times each node's kernels (the executor waits for
     // them), which a replayed graph cannot: a profiled run runs eagerly.
-    let capturable =
-        k == 1 && !opts.profile && !st.exec.schedule().has_server_ops() && st.exec.can_capture();
+    // fp16: the backward pass starts from the loss scale; a step reads its gradients
+    // back to unscale them (a host round trip: no CUDA graph).
+    let mut scaler = programs.worker.scales_loss().then(LossScaler::default);
+    let capturable = k == 1
+        && scaler.is_none()
+        && !opts.profile
+        && !st.exec.schedule().has_server_ops()
+        && st.exec.can_capture();
     let mut graph = if capturable {
         GraphState::Untried
     } else {
@@ -987,6 +1070,9 @@ fn run_steps<B: Backend>(
             let sources = 1 + later.len();
             let mut later = later.into_iter();
             let mut first_batch = Some(fed);
+            if let Some(s) = &scaler {
+                st.exec.set_loss_scale(s.scale)?;
+            }
             for m in 0..k {
                 let batch = match first_batch.take() {
                     Some(b) => b,
@@ -1014,10 +1100,28 @@ fn run_steps<B: Backend>(
             };
             let used = st.exec.measured_memory();
             let updating = Instant::now();
-            st.exec
-                .backend()
-                .update(&mut st.optimizer, &mut st.params, out.grads)
-                .map_err(|e| backend_error(&device, "applying the update", e))?;
+            let mut grads = out.grads;
+            let apply = match scaler.as_mut() {
+                None => true,
+                Some(s) => {
+                    let finite = st
+                        .exec
+                        .backend()
+                        .unscale(&mut grads, 1.0 / s.scale)
+                        .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
+                    // Every worker skips the same steps (a ZeRO chunk or a model-axis
+                    // part may overflow on one worker alone).
+                    let finite = all_finite(hook, finite, step)?;
+                    s.after(finite);
+                    finite
+                }
+            };
+            if apply {
+                st.exec
+                    .backend()
+                    .update(&mut st.optimizer, &mut st.params, grads)
+                    .map_err(|e| backend_error(&device, "applying the update", e))?;
+            }
             st.exec
                 .backend()
                 .synchronize()
@@ -1090,6 +1194,7 @@ fn run_steps<B: Backend>(
             eval,
             device_memory: st.exec.backend().device_memory(),
             pipeline: None,
+            loss_scale: scaler.as_ref().map(|s| (s.scale, s.skipped)),
         })?;
     }
     Ok(())
@@ -1446,4 +1551,29 @@ fn worker_spans(
         )
     }));
     spans
+}
+
+#[cfg(test)]
+mod loss_scale_tests {
+    use super::{LossScaler, INITIAL_LOSS_SCALE, LOSS_SCALE_GROWTH_INTERVAL};
+
+    #[test]
+    fn an_overflow_halves_the_scale_and_2000_finite_steps_double_it() {
+        let mut s = LossScaler::default();
+        assert_eq!(s.scale, INITIAL_LOSS_SCALE);
+        s.after(false);
+        assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 1));
+        for _ in 0..LOSS_SCALE_GROWTH_INTERVAL - 1 {
+            s.after(true);
+        }
+        assert_eq!(s.scale, INITIAL_LOSS_SCALE / 2.0);
+        // An overflow restarts the count.
+        s.after(false);
+        for _ in 0..LOSS_SCALE_GROWTH_INTERVAL - 1 {
+            s.after(true);
+        }
+        assert_eq!(s.scale, INITIAL_LOSS_SCALE / 4.0);
+        s.after(true);
+        assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 2));
+    }
 }
