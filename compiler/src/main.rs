@@ -510,6 +510,11 @@ struct CompileArgs {
     /// in f32. fp16 scales the loss dynamically.
     #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
     precision: Precision,
+    /// What dense gradient all-reduces send: `fp32`, or `bf16`/`fp16` (half the bytes;
+    /// each worker's gradient divided by N before the sum, sums accumulated in f32 at
+    /// each receiver, the optimizer still given f32).
+    #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
+    grad_wire: Precision,
     /// A device mesh, `data=D,model=T[,pipe=P]` (instead of --workers and --pipeline):
     /// D x T x P workers, worker w at model rank w % T of stage (w / T) % P of data rank
     /// w / (T P). The model axis splits variables over T workers (tensor parallelism;
@@ -746,6 +751,7 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         micro_batches: a.micro_batches,
         schedule: a.schedule,
         precision: a.precision,
+        grad_wire: a.grad_wire,
         ..StrategyConfig::default()
     }
 }
@@ -1165,6 +1171,10 @@ fn verify_cmd(
         name
     } else {
         format!("{name}, {precision}")
+    };
+    let name = match opts.compile.strategy.grad_wire {
+        Precision::Fp32 => name,
+        wire => format!("{name}, {wire} wire"),
     };
     let mut text = String::new();
     for v in &report.vars {

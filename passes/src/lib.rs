@@ -8,6 +8,7 @@ pub mod cost;
 pub mod dead_code;
 pub mod distribute;
 pub mod fusion;
+pub mod grad_wire;
 pub mod kernel_fusion;
 pub mod manager;
 pub mod mixed_precision;
@@ -203,6 +204,15 @@ pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
             .unwrap_or(0);
         passes.insert(at, Box::new(mixed_precision::MixedPrecision));
     }
+    if cfg.grad_wire != placement::Precision::Fp32 {
+        // On the buckets gradient fusion made.
+        if let Some(at) = passes
+            .iter()
+            .position(|p| p.name() == fusion::Fusion.name())
+        {
+            passes.insert(at + 1, Box::new(grad_wire::GradWire));
+        }
+    }
     passes
 }
 
@@ -238,5 +248,6 @@ pub fn known_pass_names() -> Vec<String> {
     names.push(pipeline::split::PipelineSplit.name());
     names.insert(1, tensor_parallel::TensorParallel.name());
     names.insert(2, mixed_precision::MixedPrecision.name());
+    names.push(grad_wire::GradWire.name());
     names
 }

@@ -119,6 +119,10 @@ pub struct StrategyConfig {
     /// stay f32 master copies whatever it is.
     #[serde(default)]
     pub precision: Precision,
+    /// What dense gradient all-reduces send (`--grad-wire`): f32, or 16-bit values
+    /// (each worker's divided by N first, sums accumulated in f32).
+    #[serde(default)]
+    pub grad_wire: Precision,
 }
 
 /// `--precision`: f32 throughout, or 16-bit arithmetic where the mixed-precision
@@ -247,6 +251,23 @@ impl StrategyConfig {
                 return field("remat", "a positive finite budget in MiB", &mib);
             }
         }
+        if self.grad_wire != Precision::Fp32 {
+            if self.zero > 0 {
+                return Err(format!(
+                    "--grad-wire {} with --zero is not supported yet: ZeRO's reduce-scatters \
+                     send f32",
+                    self.grad_wire
+                ));
+            }
+            if matches!(self.strategy, Strategy::Single | Strategy::Ps) {
+                return Err(format!(
+                    "--grad-wire {} sets what gradient all-reduces send; `{}` all-reduces none \
+                     (use allreduce, hybrid or auto)",
+                    self.grad_wire,
+                    self.strategy.name()
+                ));
+            }
+        }
         if self.precision == Precision::Fp16 {
             // The loss scale is applied where the worker updates its variables.
             let refused = [
@@ -367,6 +388,7 @@ impl Default for StrategyConfig {
             stage_marks: None,
             model: 1,
             precision: Precision::Fp32,
+            grad_wire: Precision::Fp32,
             shard: Default::default(),
         }
     }

@@ -73,6 +73,108 @@ pub trait Communicator: Send {
     fn set_label(&mut self, _label: &str) {}
 }
 
+/// A 16-bit wire's element: `x` rounded to `wire` (bf16 or f16), as little-endian bytes.
+fn encode_half(xs: &[f32], wire: distc_ir::DType) -> Vec<u8> {
+    match wire {
+        distc_ir::DType::F16 => xs
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        _ => xs
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// The values of an [`encode_half`] message.
+fn decode_half(bytes: &[u8], wire: distc_ir::DType) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|c| match wire {
+            distc_ir::DType::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            _ => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        })
+        .collect()
+}
+
+/// Sends `out` to its rank and receives from `from`: odd ranks receive first, so a
+/// ring whose sends wait for their receiver (MPI's) cannot have every rank sending.
+fn exchange(
+    comm: &mut dyn Communicator,
+    (to, out): (usize, Vec<u8>),
+    from: usize,
+) -> Result<Vec<u8>, RuntimeError> {
+    if comm.rank() % 2 == 1 {
+        let got = comm.recv(from)?;
+        comm.send(to, out)?;
+        Ok(got)
+    } else {
+        comm.send(to, out)?;
+        comm.recv(from)
+    }
+}
+
+/// All-reduce of `buf` with 16-bit values on the wire (`wire`: bf16 or f16): the ring of
+/// [`Communicator::all_reduce`] over the communicator's `send`/`recv`, each chunk sent
+/// rounded to 16 bits and what arrives added in f32. With `mean` every rank divides its
+/// contribution by N before the sum (an f16 sum of N gradients may overflow where
+/// their mean does not). Each rank rounds its own reduced chunk as it sends it, so every
+/// rank ends with the same values. Sends `2 (N-1)/N` times half the f32 bytes.
+pub fn all_reduce_wire(
+    comm: &mut dyn Communicator,
+    buf: &mut [f32],
+    mean: bool,
+    wire: distc_ir::DType,
+) -> Result<(), RuntimeError> {
+    let (n, r, len) = (comm.size(), comm.rank(), buf.len());
+    if mean && n > 1 {
+        let d = n as f32;
+        buf.iter_mut().for_each(|x| *x /= d);
+    }
+    if n <= 1 {
+        let rounded = decode_half(&encode_half(buf, wire), wire);
+        buf.copy_from_slice(&rounded);
+        return Ok(());
+    }
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let malformed = |what: &str| {
+        RuntimeError::Config(format!(
+            "rank {prev} sent a malformed {what} during a 16-bit all-reduce"
+        ))
+    };
+    // Reduce-scatter: at step s rank r sends chunk r-s-1 and adds chunk r-s-2.
+    for s in 0..n - 1 {
+        let send_c = (r + 2 * n - s - 1) % n;
+        let recv_c = (r + 2 * n - s - 2) % n;
+        let out = encode_half(&buf[chunk_range(len, n, send_c)], wire);
+        let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
+        let range = chunk_range(len, n, recv_c);
+        if theirs.len() != range.len() {
+            return Err(malformed("chunk"));
+        }
+        for (a, b) in buf[range].iter_mut().zip(theirs) {
+            *a += b;
+        }
+    }
+    // This rank's reduced chunk as everyone will have it, then the all-gather.
+    let own = chunk_range(len, n, r);
+    let rounded = decode_half(&encode_half(&buf[own.clone()], wire), wire);
+    buf[own].copy_from_slice(&rounded);
+    for s in 0..n - 1 {
+        let send_c = (r + n - s) % n;
+        let recv_c = (r + 2 * n - s - 1) % n;
+        let out = encode_half(&buf[chunk_range(len, n, send_c)], wire);
+        let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
+        let range = chunk_range(len, n, recv_c);
+        if theirs.len() != range.len() {
+            return Err(malformed("reduced chunk"));
+        }
+        buf[range].copy_from_slice(&theirs);
+    }
+    Ok(())
+}
+
 /// The element range of chunk `i` when `len` elements are split into `n` nearly equal
 /// chunks, the first `len % n` one element longer. Collectives that scatter use it.
 pub fn chunk_range(len: usize, n: usize, i: usize) -> std::ops::Range<usize> {

@@ -30,7 +30,7 @@ use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::{EvalMetrics, Profile};
 use crate::run::trace::Span;
 use crate::run::train::{evaluate, init_params, Programs, TrainOptions};
-use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
+use distc_ir::{DType, NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
@@ -365,6 +365,22 @@ fn set_ranks<B: Backend>(
 pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
     let n = comm.size();
     match (op, value) {
+        // A 16-bit gradient wire (`--grad-wire`).
+        (Op::AllReduce { reduce }, Value::Tensor(t)) if t.dtype().is_half() => {
+            let wire = t.dtype();
+            let wide = t.cast(DType::F32).and_then(|w| w.as_f32().cloned());
+            let Some(mut a) = wide.map(|a| a.as_standard_layout().into_owned()) else {
+                return Err(RuntimeError::Config(format!("all_reduce of {wire}")));
+            };
+            let buf = a.as_slice_mut().ok_or_else(|| {
+                RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
+            })?;
+            crate::comm::all_reduce_wire(comm, buf, *reduce == ReduceOp::Mean, wire)?;
+            let back = Tensor::F32(a).cast(wire).ok_or_else(|| {
+                RuntimeError::Config(format!("all_reduce: cannot round to {wire}"))
+            })?;
+            Ok(Value::Tensor(back))
+        }
         (Op::AllReduce { reduce }, Value::Tensor(Tensor::F32(mut a))) => {
             let buf = a.as_slice_mut().ok_or_else(|| {
                 RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
