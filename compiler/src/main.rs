@@ -1392,10 +1392,11 @@ fn real_main(cli: Cli) -> Result<()> {
                     serde_json::to_string_pretty(&explain_json(&p, &mem))?
                 )),
                 ExplainFormat::Table => out(&format!(
-                    "{}{}{}",
+                    "{}{}{}{}",
                     explain_table(&p, &mem),
                     explain_pipeline(&p, programs.worker, programs.pipeline)?,
-                    explain_mesh(&p, programs.worker)
+                    explain_mesh(&p, programs.worker),
+                    explain_precision(&p, programs.worker)
                 )),
             }
         }
@@ -1496,6 +1497,72 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
         }
         m => m.name().to_string(),
     }
+}
+
+/// Mixed precision and a 16-bit gradient wire: what runs in 16 bits, the f32 master
+/// variables beside their 16-bit copies, the 16-bit and f32 values a step makes, and
+/// the loss scaling. Empty for an f32 plan.
+fn explain_precision(p: &Plan, worker: &distc_ir::Graph) -> String {
+    use distc_ir::{DType, Op};
+    use std::fmt::Write as _;
+    let (precision, wire) = (p.settings.precision, p.settings.grad_wire);
+    let mut s = String::new();
+    if precision != Precision::Fp32 {
+        let (mut masters, mut copies, mut half, mut full, mut casts) = (0usize, 0, 0, 0, 0);
+        for id in worker.node_ids() {
+            let node = worker.node(id);
+            let bytes: usize = node.outputs.iter().map(|t| t.dense_type().bytes()).sum();
+            match &node.op {
+                Op::Param { ty, .. } => masters += ty.bytes(),
+                Op::Cast { to } if to.is_half() => {
+                    casts += 1;
+                    if matches!(worker.op(node.inputs[0].node), Op::Param { .. }) {
+                        copies += bytes;
+                    } else {
+                        half += bytes;
+                    }
+                }
+                op if op.is_source() || op.is_sink() => {}
+                _ => {
+                    let halfs = node.outputs.iter().any(|t| t.dense_type().dtype.is_half());
+                    if halfs {
+                        half += bytes;
+                    } else if node
+                        .outputs
+                        .iter()
+                        .any(|t| t.dense_type().dtype == DType::F32)
+                    {
+                        full += bytes;
+                    }
+                }
+            }
+        }
+        let _ = writeln!(
+            s,
+            "precision: {precision} (pass mixed_precision; {casts} casts down): variables \
+             stay f32 masters ({}), cast each step to 16-bit copies ({}); values a step \
+             makes: {} in 16 bits, {} in f32; gradients reach the optimizer in f32",
+            mib(masters as f64),
+            mib(copies as f64),
+            mib(half as f64),
+            mib(full as f64)
+        );
+        if precision == Precision::Fp16 {
+            let _ = writeln!(
+                s,
+                "loss scaling: dynamic, from 2^16: a step whose gradients overflow is \
+                 skipped on every worker and halves it; 2000 finite steps double it"
+            );
+        }
+    }
+    if wire != Precision::Fp32 {
+        let _ = writeln!(
+            s,
+            "gradient wire: {wire}: each dense all-reduce sends 16-bit values (each \
+             worker's divided by N first, sums accumulated in f32), half the bytes of f32"
+        );
+    }
+    s
 }
 
 /// A mesh with a model axis: how ranks map to coordinates, each split variable, each

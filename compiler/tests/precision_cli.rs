@@ -1,0 +1,104 @@
+//! `--precision` and `--grad-wire` from the command line (issue 24): `explain`'s
+//! precision section, and what is refused by name.
+
+use std::path::PathBuf;
+
+mod common;
+
+use common::{distc, text};
+
+fn tmp(name: &str) -> PathBuf {
+    common::temp_dir("precision-cli").join(name)
+}
+
+fn arg(p: &std::path::Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn explain_shows_the_masters_the_16_bit_copies_and_the_wire() {
+    let plan = tmp("bf16.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/dense_mlp.dsl",
+        "--precision",
+        "fp16",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--grad-wire",
+        "bf16",
+        "--batch",
+        "16",
+        "-o",
+        arg(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("mixed_precision"), "{}", text(&o));
+    assert!(text(&o).contains("grad_wire"), "{}", text(&o));
+    let o = distc(&["explain", arg(&plan)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    for want in [
+        // dense_mlp: 7.1 MiB of f32 variables, whose 16-bit copies are half that.
+        "precision: fp16 (pass mixed_precision; ",
+        "variables stay f32 masters (7.11 MiB), cast each step to 16-bit copies (3.55 MiB)",
+        "loss scaling: dynamic, from 2^16",
+        "gradient wire: bf16",
+    ] {
+        assert!(t.contains(want), "`{want}` not in:\n{t}");
+    }
+    // The plan runs from its file, and its metrics carry the loss scale.
+    let metrics = tmp("fp16.metrics.jsonl");
+    let o = distc(&[
+        "run",
+        arg(&plan),
+        "--steps",
+        "2",
+        "-q",
+        "--metrics",
+        arg(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let lines = std::fs::read_to_string(&metrics).expect("metrics");
+    assert!(lines.contains("\"loss_scale\":65536.0"), "{lines}");
+}
+
+#[test]
+fn what_a_precision_cannot_do_is_refused_by_name() {
+    for (args, want) in [
+        (vec!["--precision", "fp64"], "`fp64` is not a precision"),
+        (vec!["--grad-wire", "bf16"], "`single` all-reduces none"),
+        (
+            vec!["--precision", "fp16", "--pipeline", "2"],
+            "--precision fp16 (dynamic loss scaling) with --pipeline",
+        ),
+        (
+            vec![
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "2",
+                "--zero",
+                "1",
+                "--grad-wire",
+                "fp16",
+            ],
+            "--grad-wire fp16 with --zero",
+        ),
+    ] {
+        let never = tmp("never.plan.json");
+        let mut a = vec!["compile", "examples/dense_mlp.dsl", "-o", arg(&never)];
+        a.extend(args.iter().copied());
+        let o = distc(&a);
+        assert!(!o.status.success(), "{args:?} compiled");
+        assert!(
+            text(&o).contains(want),
+            "{args:?}: `{want}` not in {}",
+            text(&o)
+        );
+        assert!(!text(&o).contains("panicked"), "{args:?}: {}", text(&o));
+        assert!(!never.exists(), "{args:?} wrote a plan");
+    }
+}
