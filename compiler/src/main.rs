@@ -180,6 +180,9 @@ enum Command {
         /// Split variable VAR along dimension DIM over the mesh's model axis (repeatable).
         #[arg(long, value_parser = parse_shard, value_name = "VAR=DIM", requires = "mesh")]
         shard: Vec<(String, usize)>,
+        /// The arithmetic's precision (`--after mixed_precision` shows the casts).
+        #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
+        precision: Precision,
     },
     /// Print the graph in Graphviz DOT (pipe into `dot -Tsvg`).
     Dot {
@@ -1425,10 +1428,15 @@ fn real_main(cli: Cli) -> Result<()> {
             batch,
             mesh,
             shard,
+            precision,
         } => {
+            let base = StrategyConfig {
+                precision,
+                ..StrategyConfig::default()
+            };
             let strategy = match mesh {
-                Some(m) => mesh_strategy(m, &shard, StrategyConfig::default()),
-                None => StrategyConfig::default(),
+                Some(m) => mesh_strategy(m, &shard, base),
+                None => base,
             };
             let c = compile_or_report(
                 &file,
