@@ -248,6 +248,10 @@ pub fn known_pass_names() -> Vec<String> {
     names.push(pipeline::split::PipelineSplit.name());
     names.insert(1, tensor_parallel::TensorParallel.name());
     names.insert(2, mixed_precision::MixedPrecision.name());
-    names.push(grad_wire::GradWire.name());
+    let fusion = names.iter().position(|n| *n == fusion::Fusion.name());
+    names.insert(
+        fusion.map_or(names.len(), |f| f + 1),
+        grad_wire::GradWire.name(),
+    );
     names
 }

@@ -862,14 +862,26 @@ impl Lowerer<'_> {
     // ------------------------------------------------------------ types
 
     fn dtype(&self, ty: &TypeExpr) -> R<DType> {
-        DType::from_name(&ty.dtype.name).ok_or_else(|| {
-            Diag::new(
+        // A model is written in f32: 16-bit arithmetic is a compile flag, and its
+        // variables stay f32 masters.
+        match DType::from_name(&ty.dtype.name) {
+            Some(d) if !d.is_half() => Ok(d),
+            Some(d) => Err(Diag::new(
+                ty.dtype.span,
+                format!("`{d}` is not an element type of a model"),
+                "not a model type",
+            )
+            .help(
+                "write the model in f32 and compile with --precision bf16 or fp16: 16-bit \
+                 arithmetic where it is safe, f32 master variables",
+            )),
+            None => Err(Diag::new(
                 ty.dtype.span,
                 format!("unknown element type `{}`", ty.dtype.name),
                 "not a type",
             )
-            .help("the element types are f32, f64 and i32")
-        })
+            .help("the element types are f32, f64 and i32")),
+        }
     }
 
     fn number_dim(&self, text: &str, at: Span) -> R<usize> {

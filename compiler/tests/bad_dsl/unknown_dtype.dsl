@@ -3,7 +3,7 @@ model mlp {
   input x:     f32[B, 20]
   input label: i32[B]
 
-  param w1: f16[20, 32] = glorot
+  param w1: f8[20, 32] = glorot
   param b1: f32[32]     = zeros
   param w2: f32[32, 4]  = glorot
   param b2: f32[4]      = zeros
