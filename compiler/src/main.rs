@@ -1217,9 +1217,12 @@ fn verify_cmd(
                 failing.name, failing.relative
             ),
             Some(e) => format!(
-                "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e} plus \
-                 twice what {precision} itself changes on one device ({e:.2e})",
-                failing.name, failing.relative
+                "`{}` differs by {:.2e} (relative), beyond the tolerance ({:.1e}, at least \
+                 {precision}'s own) plus twice what {precision} itself changes on one device \
+                 ({e:.2e})",
+                failing.name,
+                failing.relative,
+                tolerance.max(failing.half_rtol)
             ),
         };
         if !report.assumptions.is_empty() {

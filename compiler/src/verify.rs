@@ -42,14 +42,17 @@ pub struct VarError {
     /// Under 16-bit precision, the same measure between one device in that precision
     /// and one device in f32: the precision's own effect on this variable.
     pub precision_effect: Option<f64>,
+    /// Under 16-bit precision, the type's own relative tolerance (torch.testing's:
+    /// 1.6e-2 for bf16, 1e-3 for f16), the least the tolerance is taken to be.
+    pub half_rtol: f64,
 }
 
 impl VarError {
-    /// The most `relative` may be: the tolerance, plus twice the precision's own
-    /// effect under 16 bits (two runs rounding differently each stray from the f32
-    /// one by about that much).
+    /// The most `relative` may be: the tolerance (at least the 16-bit type's), plus
+    /// twice the precision's own effect under 16 bits (two runs rounding differently
+    /// each stray from the f32 one by about that much).
     pub fn allowed(&self, tolerance: f64) -> f64 {
-        tolerance + 2.0 * self.precision_effect.unwrap_or(0.0)
+        tolerance.max(self.half_rtol) + 2.0 * self.precision_effect.unwrap_or(0.0)
     }
 }
 
@@ -145,6 +148,7 @@ pub fn compare(
                 name: name.clone(),
                 relative,
                 precision_effect: None,
+                half_rtol: 0.0,
             })
         })
         .collect()
@@ -317,8 +321,14 @@ fn one_device_against(
         };
         let full = run(&compile_file(file, &f32_opts)?, opts, 1)?;
         let effect = compare(&full, &one).map_err(VerifyError::Mismatch)?;
+        let half_rtol = if s.precision == Precision::Bf16 {
+            1.6e-2
+        } else {
+            1e-3
+        };
         for (v, e) in vars.iter_mut().zip(effect) {
             v.precision_effect = Some(e.relative);
+            v.half_rtol = half_rtol;
         }
     }
     if vars.is_empty() {
