@@ -147,6 +147,33 @@ fn a_bf16_plan_verifies_against_one_device_in_bf16() {
             "w1: bf16 vs f32 {effect:.2e}"
         );
     }
+    // A regression: sparse_lm's output bias, summed over 16 rows in bf16 on each worker
+    // and over 32 on one device, differed by 1.4e-3 where bf16 changed it by 3.1e-4
+    // alone; the type's own tolerance (1.6e-2) covers that rounding.
+    let Some(dir) = distc_runtime::run::data::data_dir(None) else {
+        eprintln!("SKIP: no data directory (DISTC_DATA) for Penn Treebank");
+        return;
+    };
+    let opts = VerifyOptions {
+        compile: CompileOptions {
+            strategy: StrategyConfig {
+                strategy: Strategy::Hybrid,
+                workers: 2,
+                servers: 1,
+                precision: Precision::Bf16,
+                ..Default::default()
+            },
+            batch: Some(16),
+            data_dir: Some(dir),
+            ..Default::default()
+        },
+        steps: 3,
+        tolerance: 1e-4,
+        timeout: Duration::from_secs(60),
+        device: None,
+    };
+    let r = verify(&example("sparse_lm.dsl"), &opts).unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.passed(), "sparse_lm hybrid bf16: {:?}", r.vars);
 }
 
 #[test]
