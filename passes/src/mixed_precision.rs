@@ -126,14 +126,6 @@ pub fn rewrite(g: &mut Graph, half: DType) -> Result<usize, PassError> {
             }
         }
     }
-    // Users were rewired to casts made later in the order: re-infer everything once
-    // more in the new order.
-    for id in g.topo_order() {
-        let op = g.op(id).clone();
-        if !op.is_source() {
-            g.replace_op(id, op)?;
-        }
-    }
     Ok(inserted)
 }
 

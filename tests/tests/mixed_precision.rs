@@ -176,39 +176,53 @@ fn a_bf16_plan_verifies_against_one_device_in_bf16() {
     assert!(r.passed(), "sparse_lm hybrid bf16: {:?}", r.vars);
 }
 
+/// The last evaluation of example `model` trained `steps` steps in `precision` on the
+/// data in `dir`.
+fn last_evaluation(
+    model: &str,
+    precision: Precision,
+    steps: usize,
+    dir: &std::path::Path,
+) -> distc_runtime::run::metrics::EvalMetrics {
+    let c = distc::compile_file(
+        &example(model),
+        &CompileOptions {
+            strategy: with(precision),
+            data_dir: Some(dir.to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{model}: {e}"));
+    let opts = TrainOptions {
+        steps: Some(steps),
+        data_dir: Some(dir.to_path_buf()),
+        evaluate: true,
+        ..TrainOptions::default()
+    };
+    let mut last = None;
+    train(c.programs(1), &c.config, &opts, &mut |m| {
+        if let Some(e) = &m.eval {
+            last = Some(e.clone());
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{model} {precision}: {e}"));
+    last.expect("an evaluation")
+}
+
 #[test]
 fn mnist_in_bf16_reaches_the_accuracy_of_f32() {
     let Some(dir) = distc_runtime::run::data::data_dir(None) else {
         eprintln!("SKIP: no data directory (DISTC_DATA) for MNIST");
         return;
     };
-    let mut accuracy = Vec::new();
-    for precision in [Precision::Fp32, Precision::Bf16] {
-        let c = distc::compile_file(
-            &example("mlp.dsl"),
-            &CompileOptions {
-                strategy: with(precision),
-                data_dir: Some(dir.clone()),
-                ..Default::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        let opts = TrainOptions {
-            steps: Some(1500),
-            data_dir: Some(dir.clone()),
-            evaluate: true,
-            ..TrainOptions::default()
-        };
-        let mut last = None;
-        train(c.programs(1), &c.config, &opts, &mut |m| {
-            if let Some(e) = &m.eval {
-                last = e.eval_accuracy;
-            }
-            Ok(())
+    let accuracy: Vec<f64> = [Precision::Fp32, Precision::Bf16]
+        .into_iter()
+        .map(|p| {
+            let e = last_evaluation("mlp.dsl", p, 1500, &dir);
+            e.eval_accuracy.expect("an evaluation with an accuracy")
         })
-        .unwrap_or_else(|e| panic!("{precision}: {e}"));
-        accuracy.push(last.expect("an evaluation with an accuracy"));
-    }
+        .collect();
     let (fp32, bf16) = (accuracy[0], accuracy[1]);
     eprintln!("mlp after 1500 steps: fp32 accuracy {fp32:.4}, bf16 {bf16:.4}");
     assert!(bf16 >= 0.97, "bf16 reached {bf16:.4}");
@@ -493,33 +507,10 @@ fn lm_and_sparse_lm_in_bf16_end_where_f32_does_after_200_steps() {
     // Measured (200 steps, eval loss): lm f32 6.7852, bf16 6.7854, fp16 6.7853;
     // sparse_lm f32 5.2670, bf16 5.2661, fp16 5.2669. Held to 1% of f32.
     for model in ["lm.dsl", "sparse_lm.dsl"] {
-        let mut eval = Vec::new();
-        for precision in [Precision::Fp32, Precision::Bf16] {
-            let c = distc::compile_file(
-                &example(model),
-                &CompileOptions {
-                    strategy: with(precision),
-                    data_dir: Some(dir.clone()),
-                    ..Default::default()
-                },
-            )
-            .unwrap_or_else(|e| panic!("{model}: {e}"));
-            let opts = TrainOptions {
-                steps: Some(200),
-                data_dir: Some(dir.clone()),
-                evaluate: true,
-                ..TrainOptions::default()
-            };
-            let mut last = None;
-            train(c.programs(1), &c.config, &opts, &mut |m| {
-                if let Some(e) = &m.eval {
-                    last = Some(e.eval_loss);
-                }
-                Ok(())
-            })
-            .unwrap_or_else(|e| panic!("{model} {precision}: {e}"));
-            eval.push(last.expect("an evaluation"));
-        }
+        let eval: Vec<f64> = [Precision::Fp32, Precision::Bf16]
+            .into_iter()
+            .map(|p| last_evaluation(model, p, 200, &dir).eval_loss)
+            .collect();
         let rel = (eval[1] - eval[0]).abs() / eval[0];
         eprintln!("{model}: eval loss f32 {:.4}, bf16 {:.4}", eval[0], eval[1]);
         assert!(

@@ -32,6 +32,20 @@ fn mesh3(data: usize, model: usize, pipe: usize, micro: usize) -> StrategyConfig
     }
 }
 
+/// examples/lm.dsl with SGD instead of Adam (whose first steps amplify rounding), written
+/// into `dir`.
+fn lm_with_sgd(dir: &std::path::Path) -> std::path::PathBuf {
+    let src = std::fs::read_to_string(example("lm.dsl")).expect("example");
+    let sgd = src.replace(
+        "optimizer    = adam(lr = 0.002)",
+        "optimizer    = sgd(lr = 0.5)",
+    );
+    assert_ne!(src, sgd, "lm.dsl's optimizer line changed");
+    let path = dir.join("lm_sgd.dsl");
+    std::fs::write(&path, sgd).expect("writes the model");
+    path
+}
+
 fn verify_opts(strategy: StrategyConfig) -> VerifyOptions {
     VerifyOptions {
         compile: CompileOptions {
@@ -212,14 +226,7 @@ fn mlp_lm_and_cnn_on_real_data_match_one_device() {
     // up its ids, the lookups summed) and the output layer by columns (the logits
     // gathered before the loss). Adam as written (2e-4, see mlp above: 8e-5 with the
     // output layer split alone), SGD within 1e-5 (measured 1.7e-7).
-    let src = std::fs::read_to_string(example("lm.dsl")).expect("example");
-    let sgd = src.replace(
-        "optimizer    = adam(lr = 0.002)",
-        "optimizer    = sgd(lr = 0.5)",
-    );
-    assert_ne!(src, sgd, "lm.dsl's optimizer line changed");
-    let lm_sgd = tmp.path().join("lm_sgd.dsl");
-    std::fs::write(&lm_sgd, sgd).expect("writes the model");
+    let lm_sgd = lm_with_sgd(tmp.path());
     for model in [2, 4] {
         let s = StrategyConfig {
             shard: [("emb".to_string(), 0), ("w2".to_string(), 1)]
@@ -467,15 +474,8 @@ fn data_model_and_pipe_meshes_match_one_device() {
     };
     // lm, vocabulary-parallel (SGD: see mlp_lm_and_cnn_on_real_data_match_one_device),
     // and cnn with its channels split, each stage of each replica two workers wide.
-    let src = std::fs::read_to_string(example("lm.dsl")).expect("example");
-    let sgd = src.replace(
-        "optimizer    = adam(lr = 0.002)",
-        "optimizer    = sgd(lr = 0.5)",
-    );
-    assert_ne!(src, sgd, "lm.dsl's optimizer line changed");
     let tmp = tempfile::tempdir().expect("temp dir");
-    let lm_sgd = tmp.path().join("lm_sgd.dsl");
-    std::fs::write(&lm_sgd, sgd).expect("writes the model");
+    let lm_sgd = lm_with_sgd(tmp.path());
     for (model, shard) in [
         (&lm_sgd, [("emb", 0), ("w2", 1)]),
         (&example("cnn.dsl"), [("k1", 0), ("k2", 1)]),

@@ -147,10 +147,7 @@ impl Tensor {
         };
         Some(match to {
             DType::F32 => Tensor::F32(f32s),
-            DType::F64 => Tensor::F64(match self {
-                Tensor::F64(a) => a.clone(),
-                _ => f32s.mapv(|x| x as f64),
-            }),
+            DType::F64 => Tensor::F64(f32s.mapv(|x| x as f64)),
             DType::BF16 => Tensor::BF16(f32s.mapv(half::bf16::from_f32)),
             DType::F16 => Tensor::F16(f32s.mapv(half::f16::from_f32)),
             DType::I32 => return None,

@@ -38,8 +38,8 @@ use crate::run::train::{
     evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
 };
 use crate::run::worker::{
-    collective, first_step, initial_values, model_collective, model_parts, resumed_slots, Done,
-    StepReport,
+    collective, first_step, initial_values, model_collective, model_parts, refuse_model_axis_state,
+    resumed_slots, Done, StepReport,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -169,18 +169,16 @@ impl<'a> PipelineRun<'a> {
             ));
         }
         let model_axis = model_parts(whole);
-        if model_axis > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
-            return Err(RuntimeError::Config(
-                "a run with a model axis (tensor parallelism) cannot write or resume a training \
-                 state yet"
-                    .into(),
-            ));
-        }
+        refuse_model_axis_state(model_axis, opts)?;
         let split = finalize.map(split_variables).unwrap_or_default();
+        // The one-device values the init program cuts each model rank's parts from.
+        let whole_values = init
+            .map(|init| initial_values(init, config.seed, None))
+            .transpose()?;
         let parts = (0..model_axis)
-            .map(|m| match init {
-                Some(init) => shard_for(init, m, &initial_values(init, config.seed, None)?),
-                None => Ok(HashMap::new()),
+            .map(|m| match (init, &whole_values) {
+                (Some(init), Some(values)) => shard_for(init, m, values),
+                _ => Ok(HashMap::new()),
             })
             .collect::<Result<Vec<_>>>()?;
         let steps_of = program
@@ -486,12 +484,10 @@ impl Evaluator<'_> {
         params: &HashMap<String, Tensor>,
         step: u64,
     ) -> Result<EvalMetrics> {
-        let (t, Some(shard)) = (self.model_axis, self.shard) else {
+        let t = self.model_axis;
+        let Some(shard) = self.shard.filter(|_| t > 1) else {
             return evaluate(&mut self.exec, params, &self.data, &self.config, step, None);
         };
-        if t <= 1 {
-            return evaluate(&mut self.exec, params, &self.data, &self.config, step, None);
-        }
         // Each model rank's variables: the replicated ones and its parts of the split.
         let mut mine = Vec::with_capacity(t);
         for m in 0..t {
@@ -525,12 +521,11 @@ impl Evaluator<'_> {
             }
         });
         // Every model rank computes the same metrics: rank 0's.
-        let mut first = None;
-        for r in results {
-            let r = r?;
-            first.get_or_insert(r);
-        }
-        first.ok_or_else(|| RuntimeError::Config("no model rank evaluated".into()))
+        let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+        results
+            .into_iter()
+            .next()
+            .ok_or_else(|| RuntimeError::Config("no model rank evaluated".into()))
     }
 }
 

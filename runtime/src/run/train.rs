@@ -601,13 +601,7 @@ pub fn train_with<B: Backend>(
     // A mesh of D data ranks by T model ranks, worker w at (w / T, w % T): the data
     // axis links the workers of one model rank, the model axis those of one data rank.
     let t = crate::run::worker::model_parts(programs.worker);
-    if t > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
-        return Err(RuntimeError::Config(
-            "a run with a model axis (tensor parallelism) cannot write or resume a training \
-             state yet"
-                .into(),
-        ));
-    }
+    crate::run::worker::refuse_model_axis_state(t, opts)?;
     let d = n / t;
     let mut data_links: Vec<Vec<Option<Box<dyn Communicator>>>> =
         (0..t).map(|_| linked(d)).collect();

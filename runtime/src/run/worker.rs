@@ -343,6 +343,19 @@ pub fn model_parts(worker: &distc_ir::Graph) -> usize {
         .unwrap_or(1)
 }
 
+/// Refuses a training state on disk for a run with a model axis of `t` (its parts are
+/// not gathered into one yet), threads and pipeline stages alike.
+pub(crate) fn refuse_model_axis_state(t: usize, opts: &TrainOptions) -> Result<()> {
+    if t > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
+        return Err(RuntimeError::Config(
+            "a run with a model axis (tensor parallelism) cannot write or resume a training \
+             state yet"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Worker `rank`'s place on the plan's mesh: `(data rank, model rank)`.
 fn mesh_ranks(programs: &Programs<'_>, rank: usize) -> (usize, usize) {
     let t = model_parts(programs.worker);
