@@ -111,7 +111,7 @@ fn a_divergent_warp_exchange_is_reported() {
 }
 
 mod device {
-    use distc_runtime::cuda::emu::device::{Captured, EmuDevice, EmuFault};
+    use distc_runtime::cuda::emu::device::{Captured, EmuDevice, EmuFault, Touch};
 
     fn ok(_: &mut [*mut u8]) -> Result<(), String> {
         Ok(())
@@ -174,6 +174,37 @@ mod device {
         .expect("replays");
         d.copy_dtoh(s, p, 0, &mut byte).expect("read");
         assert_eq!((byte[0], labels), (7, vec!["k".to_string()]));
+    }
+
+    /// A 16-bit tensor's buffer need not be a whole number of 4-byte words: writing
+    /// all of it is no fault, and one byte more is. (The guard after a buffer was
+    /// checked as if the buffer ended on a word, so a 370-byte bf16 tensor's kernel
+    /// was said to write past its end.)
+    #[test]
+    fn buffers_of_any_length_are_guarded_byte_by_byte() {
+        let mut d = EmuDevice::new();
+        let s = d.stream();
+        let p = d.alloc(8).expect("alloc");
+        let t = Touch {
+            addr: p.0,
+            len: 6,
+            must_be_written: 0,
+            write: true,
+        };
+        let fill = |n: usize| {
+            move |ptrs: &mut [*mut u8]| {
+                // SAFETY: the emulator hands the kernel its buffer with a 64-byte guard
+                // on each side; writing one byte past the 6 lands in the guard.
+                unsafe { std::ptr::write_bytes(ptrs[0], 1, n) };
+                Ok(())
+            }
+        };
+        d.run(s, "k", &[t], fill(6)).expect("writes its 6 bytes");
+        let e = d.run(s, "k", &[t], fill(7)).expect_err("one byte past");
+        assert!(
+            matches!(e, EmuFault::OutOfBounds { end: 7, .. }),
+            "{e}"
+        );
     }
 
     /// Reading bytes never written (a copy out, or a launch's input) is named; so is

@@ -10,8 +10,16 @@
 //!
 //! ```text
 //! |gpu - cpu| <= 1e-4 * max(1, |cpu|)     f32 outputs
+//! |gpu - cpu| <= 2^-7 * max(1, |cpu|)     bf16 outputs (one unit in the last place)
+//! |gpu - cpu| <= 2^-10 * max(1, |cpu|)    f16 outputs (one unit in the last place)
 //!  gpu == cpu                             integer outputs
 //! ```
+//!
+//! The 16-bit group (`half`) casts f32 inputs to bf16 or f16 as the precision pass
+//! does, then runs the op under test on the 16-bit values: `cast` both ways, `matmul`
+//! (a GemmEx on the device) and ops the device runs on widened f32 copies. Both
+//! backends compute in f32 and round once, so only a sum taken in another order may
+//! round to the neighbouring 16-bit value.
 //!
 //! The optimizer updates are compared the same way: two steps of SGD, SGD with
 //! momentum and Adam on a dense gradient and on a sparse (IndexedSlices, repeated
@@ -234,9 +242,7 @@ fn covering_group(op: &Op) -> Cover {
         | Op::ModelEmbeddingGrad { .. } => NotAKernel(
             "tensor parallelism: the CUDA backend refuses it by name (CPU backend only for now)",
         ),
-        Op::Cast { .. } => NotAKernel(
-            "mixed precision: the CUDA backend refuses cast by name (CPU backend only for now)",
-        ),
+        Op::Cast { .. } => Group("half"),
         Op::MatMul { .. } => Group("matmul"),
         Op::Add | Op::Sub | Op::Mul | Op::Div => Group("elementwise"),
         Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => Group("elementwise"),
@@ -321,6 +327,7 @@ const GROUPS: &[(&str, CaseBuilder)] = &[
     ("packing", packing_cases),
     ("fused", fused_cases),
     ("accumulate", accumulate_cases),
+    ("half", half_cases),
 ];
 
 fn cases_of(group: &str) -> Vec<Case> {
@@ -402,11 +409,16 @@ fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor) {
         assert_eq!(g, c, "{what}: integer results differ");
         return;
     }
+    let tol = match cpu.dtype() {
+        DType::BF16 => 2f64.powi(-7),
+        DType::F16 => 2f64.powi(-10),
+        _ => TOL,
+    };
     let (g, c) = (gpu.to_f64_vec(), cpu.to_f64_vec());
     for (i, (a, b)) in g.iter().zip(&c).enumerate() {
         assert!(
-            (a - b).abs() <= TOL * b.abs().max(1.0),
-            "{what}[{i}]: {a} on CUDA, {b} on the CPU (tolerance {TOL} * max(1, |cpu|))"
+            (a - b).abs() <= tol * b.abs().max(1.0),
+            "{what}[{i}]: {a} on CUDA, {b} on the CPU (tolerance {tol} * max(1, |cpu|))"
         );
     }
 }
@@ -608,6 +620,75 @@ fn matmul_cases() -> Vec<Case> {
 #[test]
 fn matmul() {
     run_group("matmul");
+}
+
+fn half_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for to in [DType::BF16, DType::F16] {
+        let cast = Op::Cast { to };
+        let mut c = Case::new("half", format!("cast f32 to {to} and back"));
+        let x = c.input(&[37, 5], -300.0, 300.0);
+        let h = c.test(cast.clone(), vec![x]);
+        c.test(Op::Cast { to: DType::F32 }, vec![h[0]]);
+        cases.push(c);
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let (m, k, n) = (17, 33, 9);
+            let mut c = Case::new("half", format!("matmul {to} {m}x{k}x{n} ta={ta} tb={tb}"));
+            let a = c.x(&if ta { [k, m] } else { [m, k] });
+            let b = c.x(&if tb { [n, k] } else { [k, n] });
+            let a = c.op(cast.clone(), vec![a]);
+            let b = c.op(cast.clone(), vec![b]);
+            c.test(
+                Op::MatMul {
+                    transpose_a: ta,
+                    transpose_b: tb,
+                },
+                vec![a, b],
+            );
+            cases.push(c);
+        }
+        // Ops the device runs on widened copies: broadcasting, a reduction, a layout
+        // change, an alias and a convolution (whose f32 GEMMs read the widened input).
+        let mut c = Case::new("half", format!("add relu sum transpose reshape {to}"));
+        let x = c.x(&[6, 8]);
+        let b = c.x(&[8]);
+        let (x, b) = (c.op(cast.clone(), vec![x]), c.op(cast.clone(), vec![b]));
+        let y = c.test(Op::Add, vec![x, b]);
+        let r = c.test(Op::Relu, vec![y[0]]);
+        c.test(
+            Op::Sum {
+                axes: vec![0],
+                keep_dims: false,
+            },
+            vec![r[0]],
+        );
+        c.test(Op::Transpose { perm: vec![1, 0] }, vec![r[0]]);
+        c.test(
+            Op::Reshape {
+                shape: Shape(vec![4, 12]),
+            },
+            vec![r[0]],
+        );
+        cases.push(c);
+        let mut c = Case::new("half", format!("conv2d {to}"));
+        let x = c.x(&[2, 3, 6, 6]);
+        let w = c.x(&[4, 3, 3, 3]);
+        let (x, w) = (c.op(cast.clone(), vec![x]), c.op(cast.clone(), vec![w]));
+        c.test(
+            Op::Conv2d {
+                stride: 1,
+                padding: 1,
+            },
+            vec![x, w],
+        );
+        cases.push(c);
+    }
+    cases
+}
+
+#[test]
+fn half() {
+    run_group("half");
 }
 
 fn softmax_cases() -> Vec<Case> {

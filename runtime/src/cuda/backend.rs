@@ -183,6 +183,14 @@ struct VarState {
     scratch_offsets: Vec<usize>,
 }
 
+/// fp16's unscaling on the device: the kernels (dense and slices gradients) and a
+/// device `i32` they set on an infinity or a NaN.
+struct Unscale {
+    dense: String,
+    slices: String,
+    flag: u64,
+}
+
 /// One persistent named buffer and its pinned staging copy.
 struct Named {
     ptr: u64,
@@ -254,6 +262,8 @@ pub struct CudaBackend {
     /// bytes `[start, end)` and the node.
     in_flight: Vec<(u64, u64, NodeId)>,
     funcs: HashMap<String, Kernel>,
+    /// fp16's unscaling kernels and their overflow flag, when the graph scales its loss.
+    unscale: Option<Unscale>,
     has_arena: bool,
     named: HashMap<(String, usize), Named>,
     /// The step counters' pinned copy (two u64) and the loss's (one f32).
@@ -359,12 +369,13 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, KernelError> {
         Tensor::I32(a) => a
             .iter()
             .for_each(|x| out.extend_from_slice(&x.to_ne_bytes())),
-        t @ (Tensor::F64(_) | Tensor::BF16(_) | Tensor::F16(_)) => {
-            return Err(invalid(format!(
-                "an {} tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
-                t.dtype()
-            )))
-        }
+        Tensor::BF16(a) => a
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_bits().to_ne_bytes())),
+        Tensor::F16(a) => a
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_bits().to_ne_bytes())),
+        Tensor::F64(_) => return Err(no_f64()),
     }
     Ok(out)
 }
@@ -387,14 +398,21 @@ fn write_host_bytes(t: &Tensor, out: &mut [u8]) -> Result<(), KernelError> {
             .chunks_exact_mut(4)
             .zip(a.iter())
             .for_each(|(o, x)| o.copy_from_slice(&x.to_ne_bytes())),
-        t @ (Tensor::F64(_) | Tensor::BF16(_) | Tensor::F16(_)) => {
-            return Err(invalid(format!(
-                "an {} tensor cannot go to the GPU: the CUDA backend runs f32 (and i32 ids)",
-                t.dtype()
-            )))
-        }
+        Tensor::BF16(a) => out
+            .chunks_exact_mut(2)
+            .zip(a.iter())
+            .for_each(|(o, x)| o.copy_from_slice(&x.to_bits().to_ne_bytes())),
+        Tensor::F16(a) => out
+            .chunks_exact_mut(2)
+            .zip(a.iter())
+            .for_each(|(o, x)| o.copy_from_slice(&x.to_bits().to_ne_bytes())),
+        Tensor::F64(_) => return Err(no_f64()),
     }
     Ok(())
+}
+
+fn no_f64() -> KernelError {
+    invalid("an f64 tensor cannot go to the GPU: the CUDA backend holds f32, bf16, f16 and i32")
 }
 
 /// Zeros of type `ty` (slices: no rows), what [`Transfer::to_host`] gives while a
@@ -468,14 +486,29 @@ impl CudaBackend {
         graph: &Graph,
         opts: CudaOptions,
     ) -> Result<CudaBackend, CudaError> {
-        let DevicePlan { source, nodes } = codegen::generate(graph)?;
+        let DevicePlan {
+            source,
+            nodes,
+            unscale,
+        } = codegen::generate(graph)?;
         let mut names = Vec::new();
         for (_, nl) in &nodes {
             kernel_names(nl.launches.iter().chain(&nl.step_start), &mut names);
         }
+        if let Some((dense, slices)) = &unscale {
+            names.extend([dense.clone(), slices.clone()]);
+        }
         let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
         let steps_ptr = dev.alloc(16, true)?;
         let loss_ptr = dev.alloc(4, true)?;
+        let unscale = match unscale {
+            Some((dense, slices)) => Some(Unscale {
+                dense,
+                slices,
+                flag: dev.alloc(4, true)?,
+            }),
+            None => None,
+        };
         let steps_host = dev.host_buffer(16)?;
         let loss_slots = [dev.host_buffer(4)?, dev.host_buffer(4)?];
         dev.synchronize()?;
@@ -484,6 +517,7 @@ impl CudaBackend {
             nccl: None,
             in_flight: Vec::new(),
             funcs,
+            unscale,
             has_arena: false,
             named: HashMap::new(),
             steps_host,
@@ -683,14 +717,23 @@ impl CudaBackend {
         self.bind()?;
         let dim = IxDyn(ty.dims());
         let n = ty.dims().iter().product::<usize>();
-        let mut bytes = vec![0u8; 4 * n];
+        let mut bytes = vec![0u8; ty.dtype.size() * n];
         if ty.dtype == DType::F64 {
             return Err(invalid("the CUDA backend holds no f64 tensors"));
         }
         self.dev.read(ptr, &mut bytes)?;
         let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+        let halves = bytes.chunks_exact(2).map(|c| u16::from_ne_bytes([c[0], c[1]]));
         let bad = |e: ndarray::ShapeError| invalid(e.to_string());
         Ok(match ty.dtype {
+            DType::BF16 => Tensor::BF16(
+                ArrayD::from_shape_vec(dim, halves.map(half::bf16::from_bits).collect())
+                    .map_err(bad)?,
+            ),
+            DType::F16 => Tensor::F16(
+                ArrayD::from_shape_vec(dim, halves.map(half::f16::from_bits).collect())
+                    .map_err(bad)?,
+            ),
             DType::I32 => Tensor::I32(
                 ArrayD::from_shape_vec(dim, words.map(i32::from_ne_bytes).collect())
                     .map_err(bad)?,
@@ -1671,6 +1714,79 @@ impl OptimizerState for CudaBackend {
             self.opt_steps += 1;
         }
         Ok(())
+    }
+
+    // On the device, then one 4-byte read of the overflow flag: the host must know
+    // whether to skip the step, as PyTorch's GradScaler reads its found-inf flag.
+    fn unscale(
+        &mut self,
+        grads: &mut [(String, DeviceValue)],
+        factor: f64,
+    ) -> Result<bool, KernelError> {
+        let Some(u) = &self.unscale else {
+            return Err(invalid(
+                "this plan does not scale its loss (only an fp16 plan is unscaled)",
+            ));
+        };
+        let (dense, slices, flag) = (u.dense.clone(), u.slices.clone(), u.flag);
+        self.no_capture("unscaling the gradients")?;
+        self.bind()?;
+        self.await_all_collectives()?;
+        self.dev.memset_zero(flag, 4)?;
+        for (name, g) in grads.iter() {
+            let factor = KArg::F32(factor as f32);
+            let (kernel, n, args, access) = match codegen::SlicesLayout::of(&g.ty) {
+                None => {
+                    let n = g.ty.dense_type().dims().iter().product::<usize>();
+                    let args = vec![KArg::Grad, factor, KArg::U64(n as u64), KArg::Scratch(0)];
+                    (dense.clone(), n, args, Access::ReadWrite)
+                }
+                Some(l) => {
+                    let (nnz, row) = (KArg::U64(l.nnz as u64), KArg::U64(l.row as u64));
+                    let args = vec![KArg::Grad, nnz, row, factor, KArg::Scratch(0)];
+                    (slices.clone(), l.nnz * l.row, args, Access::ReadWriteCounted)
+                }
+            };
+            if n == 0 {
+                continue;
+            }
+            let launch = Launch::Kernel {
+                name: kernel,
+                grid: [codegen::blocks_for(n).map_err(invalid)?, 1, 1],
+                block: [codegen::BLOCK, 1, 1],
+                shared_bytes: 0,
+                args,
+            };
+            let what = || format!("unscaling the gradient of `{name}`");
+            let value = |k: &KArg| -> Result<ArgVal, KernelError> {
+                match k {
+                    KArg::Grad => Ok(ArgVal::U64(g.ptr)),
+                    KArg::Scratch(0) => Ok(ArgVal::U64(flag)),
+                    _ => ArgVal::scalar(k, 0, true).unwrap_or_else(|| {
+                        Err(invalid(format!("{}: {k:?} is not a value", what())))
+                    }),
+                }
+            };
+            let extent = |k: &KArg| match k {
+                KArg::Grad => Some((codegen::value_bytes(&g.ty), access)),
+                KArg::Scratch(0) => Some((4, Access::ReadWrite)),
+                _ => None,
+            };
+            let args = Args {
+                value: &value,
+                extent: &extent,
+                what: &what,
+            };
+            issue(
+                self.dev.as_mut(),
+                std::slice::from_ref(&launch),
+                &self.funcs,
+                &args,
+            )?;
+        }
+        let mut bad = [0u8; 4];
+        self.dev.read(flag, &mut bad)?;
+        Ok(i32::from_ne_bytes(bad) == 0)
     }
 
     fn optimizer_bytes(opt: &CudaOptimizer) -> u64 {

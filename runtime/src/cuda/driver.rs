@@ -25,7 +25,7 @@ use cudarc::driver::{
     result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule,
     CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
-use distc_ir::{NodeId, Op, ValueType};
+use distc_ir::{DType, NodeId, Op, ValueType};
 use std::sync::Arc;
 
 /// A kernel argument by value, in the C type the codegen doc gives it.
@@ -67,6 +67,9 @@ pub enum Access {
     Write,
     /// Read and written in place (a variable or an optimizer slot).
     ReadWrite,
+    /// Read and written in place; only its leading `i32` row count need be written (an
+    /// `IndexedSlices` gradient unscaled in place).
+    ReadWriteCounted,
     /// Rows appended after its leading `i32` row count, which must be written (an
     /// `IndexedSlices` accumulator).
     Append,
@@ -445,6 +448,49 @@ impl Driver for CudarcDriver {
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
+        if c.dtype.is_half() {
+            let ty = if c.dtype == DType::BF16 {
+                cublas_sys::cudaDataType::CUDA_R_16BF
+            } else {
+                cublas_sys::cudaDataType::CUDA_R_16F
+            };
+            // SAFETY: as below; with CUBLAS_COMPUTE_32F, alpha and beta are host f32s,
+            // and A, B and C hold 16-bit elements of type `ty`.
+            #[allow(unsafe_code)]
+            let r = unsafe {
+                cublas_result::gemm_strided_batched_ex(
+                    self.blas.0,
+                    op(c.transa),
+                    op(c.transb),
+                    i(c.m)?,
+                    i(c.n)?,
+                    i(c.k)?,
+                    (&c.alpha as *const f32).cast(),
+                    g.a as *const std::ffi::c_void,
+                    ty,
+                    i(c.lda)?,
+                    l(c.stride_a)?,
+                    g.b as *const std::ffi::c_void,
+                    ty,
+                    i(c.ldb)?,
+                    l(c.stride_b)?,
+                    (&c.beta as *const f32).cast(),
+                    g.c as *mut std::ffi::c_void,
+                    ty,
+                    i(c.ldc)?,
+                    l(c.stride_c)?,
+                    i(c.batch)?,
+                    // f32 accumulation; the default algorithm uses the tensor cores for
+                    // 16-bit inputs.
+                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            return r.map_err(|e| CudaError::Cublas {
+                call: "cublasGemmStridedBatchedEx",
+                code: format!("{:?} ({})", e.0, what()),
+            });
+        }
         // SAFETY: a, b, c are live device buffers holding the matrices the plan's
         // Gemm describes (codegen's row-major mapping); alpha and beta are host
         // scalars (the handle's default pointer mode) read during the call; the

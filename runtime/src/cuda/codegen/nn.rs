@@ -10,16 +10,21 @@
 //! atomics, so results have the same bits every run.
 
 use super::index::transpose_map;
-use super::{want_f32, Gemm, KArg, Launch, NodeCx, INDEX};
+use super::{half, want_f32, Gemm, KArg, Launch, NodeCx, INDEX};
 use crate::core::geom::ConvGeom as Geom;
 use distc_ir::TensorType;
 
 /// `a @ b` on rank-2 tensors, either side transposed: one cuBLAS product (see
-/// [`Gemm::row_major`] for the mapping), or a memset when the inner size is 0.
+/// [`Gemm::row_major`] for the mapping) in the operands' own type (f32, or bf16/f16
+/// with f32 accumulation), or a memset when the inner size is 0.
 pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), String> {
     let (a, b, y) = (cx.tin(0)?.clone(), cx.tin(1)?.clone(), cx.tout(0)?.clone());
-    want_f32(&a, "input 0")?;
-    want_f32(&b, "input 1")?;
+    let dtype = a.dtype;
+    if half::c_type(dtype).is_none() || b.dtype != dtype || y.dtype != dtype {
+        return Err(format!(
+            "{a} @ {b} -> {y}: a GPU product reads and writes one of f32, bf16 or f16"
+        ));
+    }
     let (&[a0, a1], &[b0, b1]) = (a.dims(), b.dims()) else {
         return Err(format!("needs rank-2 operands, got {a} and {b}"));
     };
@@ -38,11 +43,11 @@ pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), Stri
     if k == 0 {
         cx.out.launches.push(Launch::Memset {
             buf: KArg::Output(0),
-            bytes: (4 * m * n) as u64,
+            bytes: (dtype.size() * m * n) as u64,
         });
         return Ok(());
     }
-    let g = Gemm::row_major(
+    let mut g = Gemm::row_major(
         (KArg::Input(0), ta),
         (KArg::Input(1), tb),
         KArg::Output(0),
@@ -50,6 +55,7 @@ pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), Stri
         1,
         (0, 0, 0),
     )?;
+    g.dtype = dtype;
     cx.out.launches.push(Launch::Gemm(g));
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The emulator's cuBLAS: `cublasSgemmStridedBatched` as cuBLAS defines it, on host
-//! slices. Column-major: element `(i, j)` of a matrix with leading dimension `ld` is
+//! slices, and `cublasGemmStridedBatchedEx` for bf16 and f16 matrices with f32
+//! accumulation ([`gemm_ex_16`]). Column-major: element `(i, j)` of a matrix with leading dimension `ld` is
 //! at `i + j * ld`; `op(A)` is `m x k`, `op(B)` is `k x n`, `C` is `m x n`. The
 //! arguments cuBLAS refuses (`CUBLAS_STATUS_INVALID_VALUE`) are refused here, and a
 //! product that would read or write past a buffer is an error naming the buffer,
@@ -9,6 +10,8 @@
 /// One strided-batched product's parameters, in cuBLAS's terms.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgemmCall {
+    /// The element type of `A`, `B` and `C` (f32, or bf16/f16 for GemmEx).
+    pub dtype: distc_ir::DType,
     /// `op(A) = Aᵀ`.
     pub transa: bool,
     /// `op(B) = Bᵀ`.
@@ -123,10 +126,51 @@ pub fn sgemm_strided_batched(
     Ok(())
 }
 
+/// `cublasGemmStridedBatchedEx` on 16-bit matrices (each element the bits of a bf16 or
+/// an f16, as `call.dtype` says) with `CUBLAS_COMPUTE_32F`: the products are summed in
+/// f32 and each result is rounded to 16 bits once, as on the tensor cores (whose
+/// summation order may differ in the last f32 bits).
+pub fn gemm_ex_16(
+    call: &SgemmCall,
+    a: &[u16],
+    b: &[u16],
+    c: &mut [u16],
+) -> Result<(), String> {
+    use distc_ir::DType;
+    let (widen, narrow): (fn(u16) -> f32, fn(f32) -> u16) = match call.dtype {
+        DType::BF16 => (
+            |x| half::bf16::from_bits(x).to_f32(),
+            |v| half::bf16::from_f32(v).to_bits(),
+        ),
+        DType::F16 => (
+            |x| half::f16::from_bits(x).to_f32(),
+            |v| half::f16::from_f32(v).to_bits(),
+        ),
+        other => return Err(format!("GemmEx here takes bf16 or f16 matrices, not {}", other.name())),
+    };
+    let wa: Vec<f32> = a.iter().map(|&x| widen(x)).collect();
+    let wb: Vec<f32> = b.iter().map(|&x| widen(x)).collect();
+    // beta = 0 never reads C: its old bits are widened but not used.
+    let mut wc: Vec<f32> = c.iter().map(|&x| widen(x)).collect();
+    sgemm_strided_batched(call, &wa, &wb, &mut wc)?;
+    // Only the elements the product wrote change: the rest keep their bits.
+    let g = call;
+    for bi in 0..g.batch {
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let at = bi * g.stride_c + i + j * g.ldc;
+                c[at] = narrow(wc[at]);
+            }
+        }
+    }
+    Ok(())
+}
+
 impl SgemmCall {
     /// The call a generated [`crate::cuda::codegen::Gemm`] makes.
     pub fn of(g: &crate::cuda::codegen::Gemm) -> SgemmCall {
         SgemmCall {
+            dtype: g.dtype,
             transa: g.transa,
             transb: g.transb,
             m: g.m as usize,

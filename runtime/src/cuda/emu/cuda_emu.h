@@ -134,6 +134,32 @@ inline unsigned __ballot_sync(unsigned, int pred) {
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+
+// The generated prelude's 16-bit conversions (its `widen` and `narrow`), with the
+// rounding the GPU's cvt.rn gives: bf16 by its bits, f16 through the compiler's own
+// IEEE _Float16.
+#define DISTC_EMULATED 1
+namespace distc_emu {
+inline float bf16_to_f32(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+inline unsigned short f32_to_bf16(float v) {
+    unsigned x;
+    std::memcpy(&x, &v, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);
+    return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline float f16_to_f32(unsigned short b) {
+    _Float16 h;
+    std::memcpy(&h, &b, 2);
+    return (float)h;
+}
+inline unsigned short f32_to_f16(float v) {
+    _Float16 h = (_Float16)v;
+    unsigned short b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+}  // namespace distc_emu
 
 template <typename T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
 template <typename T> inline T atomicMin(T* p, T v) { T old = *p; if (v < old) *p = v; return old; }

@@ -469,12 +469,14 @@ impl EmuDevice {
         kernel(&mut ptrs).map_err(EmuFault::Misuse)?;
         for (k, (t, (p, off))) in touches.iter().zip(&at).enumerate() {
             let c = bytes_of_mut(&mut copies[k]);
-            let guard_hit = c[..GUARD]
-                .iter()
-                .chain(&c[GUARD + t.len..])
-                .enumerate()
-                .find(|(i, b)| **b != POISON[i % 4]);
-            if let Some((i, _)) = guard_hit {
+            // The poison lies word-aligned from the copy's start, so a guard byte is
+            // checked against its own position (a 2-byte tensor's length need not be a
+            // multiple of 4).
+            let guard_hit = (0..GUARD)
+                .chain(GUARD + t.len..c.len())
+                .find(|&at| c[at] != POISON[at % 4])
+                .map(|at| if at < GUARD { at } else { at - t.len });
+            if let Some(i) = guard_hit {
                 let (start, end) = if i < GUARD {
                     (0, GUARD - i)
                 } else {

@@ -14,7 +14,7 @@
 //! ordering between blocks running at once, and NCCL (not emulated yet: a run that
 //! needs it is refused by name).
 
-use super::blas::sgemm_strided_batched;
+use super::blas::{gemm_ex_16, sgemm_strided_batched};
 use super::device::{EmuDevice, EmuFault, Event, Stream, Touch};
 use super::nccl::{CommCore, EmuComm};
 use super::EmuModule;
@@ -171,10 +171,13 @@ impl EmuDriver {
                 len: r.bytes,
                 must_be_written: match r.access {
                     Access::Read | Access::ReadWrite => r.bytes,
-                    Access::ReadCounted | Access::Append => 4,
+                    Access::ReadCounted | Access::ReadWriteCounted | Access::Append => 4,
                     Access::Write => 0,
                 },
-                write: matches!(r.access, Access::Write | Access::ReadWrite | Access::Append),
+                write: matches!(
+                    r.access,
+                    Access::Write | Access::ReadWrite | Access::ReadWriteCounted | Access::Append
+                ),
             });
         }
         let what = format!("kernel `{}` ({})", k.name, (k.what)());
@@ -244,6 +247,23 @@ impl EmuDriver {
                 write: true,
             },
         ];
+        if c.dtype.is_half() {
+            let what = format!("cublasGemmStridedBatchedEx ({what})");
+            self.dev().run(self.compute, &what, &touches, |p| {
+                let f = |k: usize| g.bytes[k] / 2;
+                // SAFETY: each pointer is an 8-aligned guarded copy of `g.bytes[k]` bytes.
+                #[allow(unsafe_code)]
+                let (a, b, cc) = unsafe {
+                    (
+                        std::slice::from_raw_parts(p[0].cast::<u16>(), f(0)),
+                        std::slice::from_raw_parts(p[1].cast::<u16>(), f(1)),
+                        std::slice::from_raw_parts_mut(p[2].cast::<u16>(), f(2)),
+                    )
+                };
+                gemm_ex_16(c, a, b, cc)
+            })?;
+            return Ok(());
+        }
         let what = format!("cublasSgemmStridedBatched ({what})");
         self.dev().run(self.compute, &what, &touches, |p| {
             let f = |k: usize| g.bytes[k] / 4;
