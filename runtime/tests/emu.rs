@@ -201,10 +201,7 @@ mod device {
         };
         d.run(s, "k", &[t], fill(6)).expect("writes its 6 bytes");
         let e = d.run(s, "k", &[t], fill(7)).expect_err("one byte past");
-        assert!(
-            matches!(e, EmuFault::OutOfBounds { end: 7, .. }),
-            "{e}"
-        );
+        assert!(matches!(e, EmuFault::OutOfBounds { end: 7, .. }), "{e}");
     }
 
     /// Reading bytes never written (a copy out, or a launch's input) is named; so is

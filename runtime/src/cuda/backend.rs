@@ -723,7 +723,9 @@ impl CudaBackend {
         }
         self.dev.read(ptr, &mut bytes)?;
         let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
-        let halves = bytes.chunks_exact(2).map(|c| u16::from_ne_bytes([c[0], c[1]]));
+        let halves = bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_ne_bytes([c[0], c[1]]));
         let bad = |e: ndarray::ShapeError| invalid(e.to_string());
         Ok(match ty.dtype {
             DType::BF16 => Tensor::BF16(
@@ -1744,7 +1746,12 @@ impl OptimizerState for CudaBackend {
                 Some(l) => {
                     let (nnz, row) = (KArg::U64(l.nnz as u64), KArg::U64(l.row as u64));
                     let args = vec![KArg::Grad, nnz, row, factor, KArg::Scratch(0)];
-                    (slices.clone(), l.nnz * l.row, args, Access::ReadWriteCounted)
+                    (
+                        slices.clone(),
+                        l.nnz * l.row,
+                        args,
+                        Access::ReadWriteCounted,
+                    )
                 }
             };
             if n == 0 {

@@ -649,9 +649,7 @@ pub fn generate(graph: &Graph) -> Result<DevicePlan, CodegenError> {
         half::lower(&node.op, &mut cx).map_err(|e| e.at(id, &node.op))?;
         nodes.push((id, cx.out));
     }
-    let unscale = graph
-        .scales_loss()
-        .then(|| half::unscale_kernels(&mut ks));
+    let unscale = graph.scales_loss().then(|| half::unscale_kernels(&mut ks));
     let source = ks.source();
     // Every launch against its kernel's C parameters: a mismatch is a codegen bug that
     // would hand the GPU garbage, so it is caught here, where no GPU is needed.

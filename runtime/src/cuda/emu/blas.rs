@@ -130,12 +130,7 @@ pub fn sgemm_strided_batched(
 /// an f16, as `call.dtype` says) with `CUBLAS_COMPUTE_32F`: the products are summed in
 /// f32 and each result is rounded to 16 bits once, as on the tensor cores (whose
 /// summation order may differ in the last f32 bits).
-pub fn gemm_ex_16(
-    call: &SgemmCall,
-    a: &[u16],
-    b: &[u16],
-    c: &mut [u16],
-) -> Result<(), String> {
+pub fn gemm_ex_16(call: &SgemmCall, a: &[u16], b: &[u16], c: &mut [u16]) -> Result<(), String> {
     use distc_ir::DType;
     let (widen, narrow): (fn(u16) -> f32, fn(f32) -> u16) = match call.dtype {
         DType::BF16 => (
@@ -146,7 +141,12 @@ pub fn gemm_ex_16(
             |x| half::f16::from_bits(x).to_f32(),
             |v| half::f16::from_f32(v).to_bits(),
         ),
-        other => return Err(format!("GemmEx here takes bf16 or f16 matrices, not {}", other.name())),
+        other => {
+            return Err(format!(
+                "GemmEx here takes bf16 or f16 matrices, not {}",
+                other.name()
+            ))
+        }
     };
     let wa: Vec<f32> = a.iter().map(|&x| widen(x)).collect();
     let wb: Vec<f32> = b.iter().map(|&x| widen(x)).collect();
