@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Single-GPU benchmark: distc against PyTorch on the same GPU, same models
 # (WORKLOADS.md W1 sparse_lm, W2 dense_mlp), same batches, plain SGD, fp32 on both
-# sides (TF32 off). For a GPU machine with no Rust toolchain: distc comes prebuilt.
+# sides (TF32 off); then mixed precision: distc --precision bf16 beside PyTorch's
+# torch.autocast(bfloat16) (gpu_bench.py --amp bf16), fp32 weights on both sides. For a GPU machine with no Rust toolchain: distc comes prebuilt.
 #
 #   here:    cargo build --release && mkdir -p gpu-bin && cp target/release/distc gpu-bin/
 #   there:   bash bench/gpu.sh [DISTC] [DATA_DIR]
@@ -80,9 +81,10 @@ say "$gpu; $("$distc" --version 2>/dev/null || echo '?'); $runs run(s) of $warmu
 # ---------------------------------------------------------------- distc
 total=$((warmup + steps))
 for w in sparse_lm dense_mlp; do
-  for g in graphs nograph; do
+  for g in graphs nograph bf16; do
     flags=()
     [ "$g" = nograph ] && flags+=(--no-cuda-graph)
+    [ "$g" = bf16 ] && flags+=(--precision bf16)
     [ -n "$data" ] && flags+=(--data "$data")
     for r in $(seq 1 "$runs"); do
       m="$results/distc.$w.$g.run$r.jsonl"
@@ -105,6 +107,10 @@ say "PyTorch: bench/pytorch/gpu_bench.py --mode ${modes[*]}"
 "$py" bench/pytorch/gpu_bench.py --workload sparse_lm dense_mlp --mode "${modes[@]}" --device cuda \
   --warmup "$warmup" --steps "$steps" --runs "$runs" >"$results/torch.jsonl" \
   || say "  some PyTorch configuration failed (see the \"error\" fields in $results/torch.jsonl)"
+say "PyTorch autocast bf16: bench/pytorch/gpu_bench.py --amp bf16 --mode eager graphs"
+"$py" bench/pytorch/gpu_bench.py --workload sparse_lm dense_mlp --mode eager graphs --amp bf16 \
+  --device cuda --warmup "$warmup" --steps "$steps" --runs "$runs" >"$results/torch_bf16.jsonl" \
+  || say "  some PyTorch autocast configuration failed (see $results/torch_bf16.jsonl)"
 
 # ---------------------------------------------------------------- table
 RESULTS_DIR="$results" WARMUP="$warmup" GPU="$gpu" python3 - <<'PY' | tee "$results/table.md"
@@ -164,5 +170,22 @@ for w in ("sparse_lm", "dense_mlp"):
 print("\nRatios and targets use distc with CUDA graphs (its default); PyTorch: B / median step time.")
 for n in notes:
     print(f"- {n}")
+
+# Mixed precision: distc --precision bf16 (CUDA graphs) beside PyTorch autocast(bf16).
+amp = {}
+apath = os.path.join(d, "torch_bf16.jsonl")
+if os.path.exists(apath):
+    for line in open(apath):
+        if line.strip():
+            t = json.loads(line)
+            if "error" not in t:
+                amp[(t["workload"], t["mode"])] = t["samples_per_sec_median_step"]
+print("\nbf16: distc --precision bf16 against PyTorch autocast(bfloat16), fp32 weights on both sides\n")
+print("| workload | distc fp32 | distc bf16 | bf16 / fp32 | torch autocast eager | torch autocast graphs | distc bf16 / autocast graphs |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+for w in ("sparse_lm", "dense_mlp"):
+    f, b = distc(w, "graphs"), distc(w, "bf16")
+    ae, ag = amp.get((w, "eager")), amp.get((w, "graphs"))
+    print(f"| {w} | {fmt(f)} | {fmt(b)} | {ratio(b, f)} | {fmt(ae)} | {fmt(ag)} | {ratio(b, ag)} |")
 PY
 say "raw metrics, logs and torch.jsonl: $results"

@@ -53,6 +53,7 @@ Usage:
   python3 bench/pytorch/gpu_bench.py --device cpu --mode eager --warmup 1 --steps 2 --runs 1
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -94,6 +95,20 @@ def tf32_state():
 
 # ---------------------------------------------------------------- the step
 
+# --amp bf16: each forward pass (and so its backward) under torch.autocast in bfloat16,
+# the weights and the optimizer in fp32: PyTorch's mixed precision, beside distc's
+# --precision bf16. The weight cache is off so that a captured graph recasts the
+# weights on every replay, as each step must.
+AMP = "fp32"
+
+
+def amp():
+    if AMP == "bf16":
+        return torch.autocast(device_type="cuda" if torch.cuda.is_available() else "cpu",
+                              dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
 class RowsEmbeddingSGD:
     """sparse_lm with the embedding's gradient kept as the gradient of the gathered
     rows and applied as emb.index_add_(ids, -lr * grad_rows): SGD on the touched
@@ -108,8 +123,9 @@ class RowsEmbeddingSGD:
     def step(self, ids, y):
         m = self.model
         rows = m.emb.weight[ids].requires_grad_(True)  # [B, C, E], a leaf
-        logits = m.fc2(F.relu(m.fc1(rows.reshape(ids.shape[0], -1))))
-        loss = F.cross_entropy(logits, y)
+        with amp():
+            logits = m.fc2(F.relu(m.fc1(rows.reshape(ids.shape[0], -1))))
+            loss = F.cross_entropy(logits, y)
         loss.backward()
         self.opt.step()
         with torch.no_grad():
@@ -129,7 +145,8 @@ def make_trainer(workload, emb_grad, device):
     opt = torch.optim.SGD(model.parameters(), lr=w["lr"])  # no momentum, no decay
 
     def step(x, y):
-        loss = F.cross_entropy(model(x), y)  # mean over the batch
+        with amp():
+            loss = F.cross_entropy(model(x), y)  # mean over the batch
         loss.backward()
         opt.step()
         return loss
@@ -146,7 +163,8 @@ def make_compiled(workload, emb_grad, device):
 
     @torch.compile(mode="reduce-overhead")
     def forward_loss(x, y):
-        return F.cross_entropy(model(x), y)
+        with amp():
+            return F.cross_entropy(model(x), y)
 
     @torch.compile(mode="reduce-overhead")
     def opt_step():
@@ -334,7 +352,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    ap.add_argument("--amp", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: forward passes under torch.autocast(bfloat16), fp32 weights (default fp32)")
     args = ap.parse_args()
+    global AMP
+    AMP = args.amp
     if args.runs < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--runs and --steps must be at least 1, --warmup at least 0")
 
@@ -372,7 +394,7 @@ def main():
             log(f"{workload} {mode}: B={w['B']}, SGD lr {w['lr']}, {args.warmup} warm-up + {args.steps} timed "
                 f"steps, {args.runs} run(s)" + (f"; embedding gradient {emb_grad}: {note}" if emb_grad else ""))
             line = {"system": "pytorch", "workload": workload, "mode": mode, "device": str(device),
-                    "device_name": name, "batch": w["B"], "lr": w["lr"], "precision": "fp32",
+                    "device_name": name, "batch": w["B"], "lr": w["lr"], "precision": args.amp,
                     **tf32_state(), "emb_grad": emb_grad, "emb_grad_note": note,
                     "warmup": args.warmup, "steps": args.steps, "torch": torch.__version__}
             try:

@@ -22,7 +22,8 @@
 //!
 //! # Buffers
 //!
-//! A dense value is a row-major array of its dtype (`float` for f32, `int` for i32);
+//! A dense value is a row-major array of its dtype (`float` for f32, `int` for i32,
+//! `bf16` and `f16` for the 16-bit types, see `codegen/half.rs`);
 //! [`value_bytes`] gives its size. An `IndexedSlices { dense: [R, ..], nnz }` value is
 //! one buffer ([`SlicesLayout`]):
 //!

@@ -132,7 +132,9 @@ pub fn sgemm_strided_batched(
 /// summation order may differ in the last f32 bits).
 pub fn gemm_ex_16(call: &SgemmCall, a: &[u16], b: &[u16], c: &mut [u16]) -> Result<(), String> {
     use distc_ir::DType;
-    let (widen, narrow): (fn(u16) -> f32, fn(f32) -> u16) = match call.dtype {
+    type Widen = fn(u16) -> f32;
+    type Narrow = fn(f32) -> u16;
+    let (widen, narrow): (Widen, Narrow) = match call.dtype {
         DType::BF16 => (
             |x| half::bf16::from_bits(x).to_f32(),
             |v| half::bf16::from_f32(v).to_bits(),
