@@ -361,3 +361,116 @@ fn checkpoint_round_trip() {
     let dup = vec![("a".to_string(), &a), ("a".to_string(), &a)];
     assert!(checkpoint::save(&path, &dup, HashMap::new()).is_err());
 }
+
+/// The learning-rate schedules against their formulas written out by hand (issue 25,
+/// item 2): warm-up 4 of a 14-update run, then each decay.
+#[test]
+fn schedule_factors_match_their_formulas() {
+    use distc_runtime::{Decay, LrSchedule};
+    let s = |decay| LrSchedule { warmup: 4, decay };
+    let total = 14;
+    let warm = s(Decay::Constant);
+    let f: Vec<f64> = (0..6).map(|t| warm.factor(t, total)).collect();
+    close(&f, &[0.25, 0.5, 0.75, 1.0, 1.0, 1.0], 1e-15);
+    // Cosine to 0: half-way through the 10 updates after the warm-up (t = 9) is 0.5.
+    let cos = s(Decay::Cosine { final_factor: 0.0 });
+    close(
+        &[
+            cos.factor(4, total),
+            cos.factor(9, total),
+            cos.factor(6, total),
+        ],
+        &[1.0, 0.5, 0.5 * (1.0 + (std::f64::consts::PI * 0.2).cos())],
+        1e-12,
+    );
+    // Quadratic to 0.1: 0.1 + 0.9 * (1 - 0.5)^2 at t = 9.
+    let poly = s(Decay::Poly {
+        power: 2.0,
+        final_factor: 0.1,
+    });
+    close(&[poly.factor(9, total)], &[0.325], 1e-12);
+    // Halved every 3 updates after the warm-up.
+    let step = s(Decay::Step {
+        every: 3,
+        gamma: 0.5,
+    });
+    let f: Vec<f64> = [4, 6, 7, 10, 13]
+        .iter()
+        .map(|&t| step.factor(t, total))
+        .collect();
+    close(&f, &[1.0, 1.0, 0.5, 0.25, 0.125], 1e-15);
+    assert!(LrSchedule::default().is_constant() && !warm.is_constant());
+    for bad in [
+        Decay::Step {
+            every: 0,
+            gamma: 0.5,
+        },
+        Decay::Step {
+            every: 1,
+            gamma: 1.5,
+        },
+        Decay::Cosine { final_factor: -0.1 },
+        Decay::Poly {
+            power: 0.0,
+            final_factor: 0.0,
+        },
+    ] {
+        assert!(s(bad.clone()).check().is_err(), "{bad:?} accepted");
+    }
+}
+
+/// SGD with momentum following a schedule: each update is `v = mu v + g; w -= lr_t v`
+/// with `lr_t = lr * factor(t)`, computed here step by step; a second optimizer that
+/// resumes from the first's state after 3 updates goes on at update 3 of the schedule.
+#[test]
+fn an_optimizer_follows_its_schedule_and_resumes_mid_schedule() {
+    use distc_runtime::{Decay, LrSchedule};
+    let schedule = LrSchedule {
+        warmup: 2,
+        decay: Decay::Cosine { final_factor: 0.1 },
+    };
+    let (lr, mu, total) = (0.5, 0.9, 6u64);
+    let grads = [1.0, -2.0, 0.5, 3.0, -1.0, 2.0];
+    let (mut w, mut v) = (1.0f64, 0.0f64);
+    let mut want = Vec::new();
+    for (t, g) in grads.iter().enumerate() {
+        v = mu * v + g;
+        w -= lr * schedule.factor(t as u64, total) * v;
+        want.push(w);
+    }
+    let mut opt = Optimizer::new(&sgd(lr, mu));
+    opt.follow(&schedule, total);
+    let mut p = t32(&[1], &[1.0]);
+    let mut got = Vec::new();
+    let mut resumed = None;
+    for (t, g) in grads.iter().enumerate() {
+        if t == 3 {
+            let state: HashMap<String, Tensor> = opt
+                .state()
+                .into_iter()
+                .map(|(k, v)| (k, v.clone()))
+                .collect();
+            let mut o = Optimizer::new(&sgd(lr, mu));
+            o.follow(&schedule, total);
+            o.load_state(&state).expect("state");
+            resumed = Some((o, p.clone()));
+        }
+        let g = Value::Tensor(t32(&[1], &[*g as f32]));
+        opt.apply("w", &mut p, &g, 1.0).expect("apply");
+        opt.end_step();
+        got.push(vals(&p)[0]);
+    }
+    close(&got, &want, 1e-5);
+    let (mut o, mut q) = resumed.expect("resumed");
+    assert!((o.lr() - lr * schedule.factor(3, total)).abs() < 1e-12);
+    for g in &grads[3..] {
+        o.apply("w", &mut q, &Value::Tensor(t32(&[1], &[*g as f32])), 1.0)
+            .expect("apply");
+        o.end_step();
+    }
+    assert_eq!(
+        vals(&q),
+        vals(&p),
+        "the resumed optimizer left its schedule"
+    );
+}

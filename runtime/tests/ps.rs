@@ -74,6 +74,8 @@ fn cfg(sync: PsSync, optimizer: OptimizerSpec) -> PsConfig {
         workers: 2,
         sync,
         optimizer,
+        lr_schedule: Default::default(),
+        total_steps: 1,
         seed: SEED,
         resume: None,
     }

@@ -1,10 +1,10 @@
-//! The `train` block to a [`RunConfig`]: data source, batch, optimizer, steps, seed
-//! and evaluation settings, each checked and located.
+//! The `train` block to a [`RunConfig`]: data source, batch, optimizer, learning-rate
+//! schedule, steps, seed and evaluation settings, each checked and located.
 
 use super::args::{self, bind, describe, Sig};
 use super::ast::{Arg, Expr, ExprKind, Ident, Span, TrainBlock};
 use super::error::{did_you_mean, line_of, Diag};
-use distc_runtime::{DataSpec, OptimizerSpec, RunConfig};
+use distc_runtime::{DataSpec, Decay, LrSchedule, OptimizerSpec, RunConfig};
 
 type R<T> = Result<T, Diag>;
 
@@ -17,6 +17,7 @@ const KEYS: &[(&str, bool)] = &[
     ("seed", false),
     ("eval_every", false),
     ("eval_samples", false),
+    ("lr_schedule", false),
 ];
 
 const SOURCES: &[Sig] = &[
@@ -67,6 +68,29 @@ const OPTIMIZERS: &[Sig] = &[
             ("eps", false),
         ],
         usage: "adam(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8)",
+    },
+];
+
+const SCHEDULES: &[Sig] = &[
+    Sig {
+        name: "constant",
+        params: &[("warmup", false)],
+        usage: "constant(warmup = 0)",
+    },
+    Sig {
+        name: "step",
+        params: &[("every", true), ("gamma", false), ("warmup", false)],
+        usage: "step(every, gamma = 0.1, warmup = 0)",
+    },
+    Sig {
+        name: "cosine",
+        params: &[("warmup", false), ("final", false)],
+        usage: "cosine(warmup = 0, final = 0)",
+    },
+    Sig {
+        name: "poly",
+        params: &[("power", false), ("warmup", false), ("final", false)],
+        usage: "poly(power = 1, warmup = 0, final = 0)",
     },
 ];
 
@@ -139,6 +163,10 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
         eval_samples: match get("eval_samples") {
             Some(e) => Some(args::usize_(e, "`eval_samples`", 1)?),
             None => None,
+        },
+        lr_schedule: match get("lr_schedule") {
+            Some(e) => lower_schedule(e)?,
+            None => LrSchedule::default(),
         },
     };
     Ok(Train {
@@ -286,6 +314,64 @@ fn hyper(v: Option<&Expr>, what: &str, default: f64, open_lo: bool, lo: f64, hi:
         ));
     }
     Ok(x)
+}
+
+/// A factor in `[0, 1]`, or `(0, 1]` when `open_lo`.
+fn fraction(v: Option<&Expr>, what: &str, default: f64, open_lo: bool) -> R<f64> {
+    let Some(v) = v else { return Ok(default) };
+    let x = args::float(v, what)?;
+    if (open_lo && x <= 0.0) || x < 0.0 || x > 1.0 {
+        let range = if open_lo { "(0, 1]" } else { "[0, 1]" };
+        return Err(Diag::new(
+            v.span,
+            format!("{what} must be in {range}, found {x}"),
+            "out of range",
+        ));
+    }
+    Ok(x)
+}
+
+fn lower_schedule(e: &Expr) -> R<LrSchedule> {
+    let (name, args) = call_parts(
+        e,
+        "a learning-rate schedule",
+        "lr_schedule = cosine(warmup = 100)",
+    )?;
+    let sig = find(
+        SCHEDULES,
+        name,
+        "learning-rate schedule",
+        "a learning-rate schedule",
+    )?;
+    let slots = bind(sig, "learning-rate schedule", e.span, args)?;
+    let arg = |key: &str| {
+        sig.params
+            .iter()
+            .position(|(k, _)| *k == key)
+            .and_then(|i| slots[i])
+            .map(|a| &a.value)
+    };
+    let warmup = match arg("warmup") {
+        Some(v) => args::usize_(v, "`warmup`", 0)?,
+        None => 0,
+    };
+    let final_factor = fraction(arg("final"), "`final`", 0.0, false)?;
+    let decay = match sig.name {
+        "constant" => Decay::Constant,
+        "step" => Decay::Step {
+            every: match arg("every") {
+                Some(v) => args::usize_(v, "`every`", 1)?,
+                None => 1,
+            },
+            gamma: fraction(arg("gamma"), "`gamma`", 0.1, true)?,
+        },
+        "cosine" => Decay::Cosine { final_factor },
+        _ => Decay::Poly {
+            power: hyper(arg("power"), "`power`", 1.0, true, 0.0, f64::INFINITY)?,
+            final_factor,
+        },
+    };
+    Ok(LrSchedule { warmup, decay })
 }
 
 fn lower_optimizer(e: &Expr) -> R<OptimizerSpec> {

@@ -13,7 +13,7 @@
 //! ([`Backend::to_host`], [`Backend::from_host`]); on the CPU backend both are moves,
 //! not copies.
 
-use crate::core::config::OptimizerSpec;
+use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::RuntimeError;
 use crate::core::exec::Schedule;
 use crate::core::value::{ByteCount, Tensor, Value};
@@ -229,6 +229,24 @@ pub trait OptimizerState: Device {
         params: &mut HashMap<String, Self::Tensor>,
         grads: Vec<(String, Self::Value)>,
     ) -> Result<(), KernelError>;
+    /// Makes the optimizer follow a learning-rate schedule over a run of `total`
+    /// updates (from the update count it holds, so a resumed run goes on where it
+    /// stopped). A constant schedule needs nothing.
+    fn follow_schedule(
+        &mut self,
+        _opt: &mut Self::Optimizer,
+        schedule: &LrSchedule,
+        _total: u64,
+    ) -> Result<(), KernelError> {
+        if schedule.is_constant() {
+            return Ok(());
+        }
+        Err(KernelError::Invalid(format!(
+            "{} cannot follow a learning-rate schedule yet: train with an lr_schedule on \
+             the CPU",
+            self.name()
+        )))
+    }
     /// Multiplies every gradient by `factor` (the inverse of fp16's loss scale) and
     /// says whether every one was finite (an overflowed step is skipped).
     fn unscale(

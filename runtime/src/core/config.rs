@@ -108,6 +108,115 @@ pub enum OptimizerSpec {
     },
 }
 
+/// How the learning rate moves over a run (the train block's `lr_schedule`): a linear
+/// warm-up over the first `warmup` updates, then a decay over the rest of the run.
+/// Update `t` (0-based, counted by the optimizer, so a resumed run goes on where it
+/// stopped) uses `lr * factor(t, total)`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    /// Updates of linear warm-up: update `t < warmup` uses `(t + 1) / warmup` of the
+    /// learning rate (Goyal et al.'s gradual warm-up).
+    pub warmup: usize,
+    /// What follows the warm-up.
+    pub decay: Decay,
+}
+
+/// The learning rate's decay after the warm-up, over `p = (t - warmup) / (total -
+/// warmup)` of the rest of the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Decay {
+    /// The learning rate as written.
+    #[default]
+    Constant,
+    /// Multiplied by `gamma` every `every` updates (PyTorch's StepLR).
+    Step {
+        /// Updates between two drops.
+        every: usize,
+        /// Each drop's factor, in (0, 1].
+        gamma: f64,
+    },
+    /// Half a cosine from 1 down to `final_factor` (PyTorch's CosineAnnealingLR).
+    Cosine {
+        /// The factor at the end of the run, in [0, 1].
+        final_factor: f64,
+    },
+    /// `final + (1 - final) * (1 - p)^power` (polynomial decay; power 1 is linear).
+    Poly {
+        /// The exponent, positive.
+        power: f64,
+        /// The factor at the end of the run, in [0, 1].
+        final_factor: f64,
+    },
+}
+
+impl LrSchedule {
+    /// Whether every update uses the learning rate as written.
+    pub fn is_constant(&self) -> bool {
+        self.warmup == 0 && self.decay == Decay::Constant
+    }
+
+    /// The learning rate's factor at update `t` (0-based) of a run of `total` updates.
+    pub fn factor(&self, t: u64, total: u64) -> f64 {
+        let warmup = self.warmup as u64;
+        if t < warmup {
+            return (t + 1) as f64 / warmup as f64;
+        }
+        let after = t - warmup;
+        let p = (after as f64 / total.saturating_sub(warmup).max(1) as f64).min(1.0);
+        match self.decay {
+            Decay::Constant => 1.0,
+            Decay::Step { every, gamma } => {
+                gamma.powi(i32::try_from(after / every.max(1) as u64).unwrap_or(i32::MAX))
+            }
+            Decay::Cosine { final_factor: f } => {
+                f + (1.0 - f) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
+            }
+            Decay::Poly {
+                power,
+                final_factor: f,
+            } => f + (1.0 - f) * (1.0 - p).powf(power),
+        }
+    }
+
+    /// The ranges of the settings (a plan is checked whoever wrote it).
+    pub fn check(&self) -> Result<(), String> {
+        let unit = |what: &str, x: f64| {
+            if (0.0..=1.0).contains(&x) {
+                Ok(())
+            } else {
+                Err(format!("lr_schedule: {what} must be in [0, 1], found {x}"))
+            }
+        };
+        match self.decay {
+            Decay::Constant => Ok(()),
+            Decay::Step { every, gamma } => {
+                if every == 0 {
+                    return Err("lr_schedule: `every` must be at least 1".into());
+                }
+                if !(gamma > 0.0 && gamma <= 1.0) {
+                    return Err(format!(
+                        "lr_schedule: `gamma` must be in (0, 1], found {gamma}"
+                    ));
+                }
+                Ok(())
+            }
+            Decay::Cosine { final_factor } => unit("`final`", final_factor),
+            Decay::Poly {
+                power,
+                final_factor,
+            } => {
+                if !(power > 0.0 && power.is_finite()) {
+                    return Err(format!(
+                        "lr_schedule: `power` must be positive, found {power}"
+                    ));
+                }
+                unit("`final`", final_factor)
+            }
+        }
+    }
+}
+
 /// How to run training.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
@@ -117,6 +226,9 @@ pub struct RunConfig {
     pub batch: usize,
     /// The optimizer.
     pub optimizer: OptimizerSpec,
+    /// The learning rate's warm-up and decay (constant when the train block sets none).
+    #[serde(default, skip_serializing_if = "LrSchedule::is_constant")]
+    pub lr_schedule: LrSchedule,
     /// Training steps.
     pub steps: usize,
     /// Seed of initialisation, data order and dropout.
@@ -262,6 +374,7 @@ impl RunConfig {
     pub fn check(&self) -> Result<(), String> {
         self.data.check()?;
         self.optimizer.check()?;
+        self.lr_schedule.check()?;
         count_in("`batch`", self.batch, MAX_BATCH)
     }
 

@@ -11,7 +11,7 @@ use crate::core::backend::{
     BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
     OptimizerState, Transfer, ValueRef,
 };
-use crate::core::config::OptimizerSpec;
+use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::Result;
 use crate::core::exec::{Executor, Schedule};
 use crate::core::value::{Tensor, Value};
@@ -155,6 +155,16 @@ impl OptimizerState for Cpu {
         _params: &HashMap<String, Tensor>,
     ) -> Result<Optimizer, KernelError> {
         Ok(Optimizer::new(spec))
+    }
+
+    fn follow_schedule(
+        &mut self,
+        opt: &mut Optimizer,
+        schedule: &LrSchedule,
+        total: u64,
+    ) -> Result<(), KernelError> {
+        opt.follow(schedule, total);
+        Ok(())
     }
 
     fn update(

@@ -22,7 +22,7 @@
 //!
 //! f32 and f64 variables are supported; slots have the variable's dtype.
 
-use crate::core::config::OptimizerSpec;
+use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::{Tensor, Value};
 use ndarray::{ArrayD, IxDyn, Zip};
@@ -80,11 +80,32 @@ enum Rule {
     Adam { lr: f64, b1: f64, b2: f64, eps: f64 },
 }
 
+impl Rule {
+    /// The same rule with its learning rate multiplied by `f`.
+    fn scaled(self, f: f64) -> Rule {
+        match self {
+            Rule::Sgd { lr } => Rule::Sgd { lr: lr * f },
+            Rule::Momentum { lr, mu } => Rule::Momentum { lr: lr * f, mu },
+            Rule::Adam { lr, b1, b2, eps } => Rule::Adam {
+                lr: lr * f,
+                b1,
+                b2,
+                eps,
+            },
+        }
+    }
+}
+
 /// An optimizer with its per-variable slots.
 #[derive(Debug)]
 pub struct Optimizer {
     spec: OptimizerSpec,
+    /// The rule as the spec gives it.
+    base: Rule,
+    /// The rule of the next update: `base` with the schedule's learning rate.
     rule: Rule,
+    /// The learning-rate schedule and the run's updates, when one is followed.
+    schedule: Option<(LrSchedule, u64)>,
     /// Variable name -> its slots, in [`Optimizer::slot_names`] order.
     slots: BTreeMap<String, Vec<Tensor>>,
     /// Completed steps.
@@ -115,12 +136,35 @@ impl Optimizer {
         };
         Optimizer {
             spec: spec.clone(),
+            base: rule,
             rule,
+            schedule: None,
             slots: BTreeMap::new(),
             steps: 0,
             parallel: true,
             step_tensor: step_tensor(0),
         }
+    }
+
+    /// Follows `schedule` over a run of `total` updates from the next update on (the
+    /// update count, restored with the state, says where in the schedule it is).
+    pub fn follow(&mut self, schedule: &LrSchedule, total: u64) {
+        self.schedule = (!schedule.is_constant()).then(|| (schedule.clone(), total));
+        self.refresh_rule();
+    }
+
+    /// The learning rate the next update uses.
+    pub fn lr(&self) -> f64 {
+        match self.rule {
+            Rule::Sgd { lr } | Rule::Momentum { lr, .. } | Rule::Adam { lr, .. } => lr,
+        }
+    }
+
+    fn refresh_rule(&mut self) {
+        self.rule = match &self.schedule {
+            Some((s, total)) => self.base.scaled(s.factor(self.steps, *total)),
+            None => self.base,
+        };
     }
 
     /// Bytes of every slot the optimizer holds.
@@ -230,6 +274,7 @@ impl Optimizer {
     pub fn end_step(&mut self) {
         self.steps += 1;
         self.step_tensor = step_tensor(self.steps);
+        self.refresh_rule();
     }
 
     /// Serialisable state: each slot as `"<variable>/<slot>"` (sorted by variable),
@@ -265,6 +310,7 @@ impl Optimizer {
                 }
                 self.steps = s as u64;
                 self.step_tensor = step_tensor(self.steps);
+                self.refresh_rule();
                 continue;
             }
             let Some((var, slot)) = key.rsplit_once('/') else {

@@ -98,6 +98,10 @@ pub struct PsConfig {
     pub sync: PsSync,
     /// The optimizer the servers apply.
     pub optimizer: OptimizerSpec,
+    /// Its learning-rate schedule, over a run of `total_steps` updates.
+    pub lr_schedule: crate::core::config::LrSchedule,
+    /// The run's steps (the schedule's length).
+    pub total_steps: u64,
     /// Run seed for [`crate::core::init::init_param`].
     pub seed: u64,
     /// A resumed run's state: shards start from its rows and optimizer slots, at its

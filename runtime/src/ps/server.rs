@@ -103,6 +103,7 @@ impl Shard {
         // A server is one thread, as a server process would be one core's worth; its
         // updates stay on it rather than taking the workers' cores via rayon.
         let mut opt = Optimizer::new(&cfg.optimizer);
+        opt.follow(&cfg.lr_schedule, cfg.total_steps);
         opt.set_parallel(false);
         Shard {
             var,
@@ -873,6 +874,8 @@ mod tests {
                 lr: 0.1,
                 momentum: 0.0,
             },
+            lr_schedule: Default::default(),
+            total_steps: 1,
             seed: 1,
             resume: None,
         }

@@ -513,6 +513,8 @@ fn run_server(
         workers: roles.workers,
         sync: opts.sync,
         optimizer: config.optimizer.clone(),
+        lr_schedule: config.lr_schedule.clone(),
+        total_steps: opts.steps.unwrap_or(config.steps) as u64,
         seed: config.seed,
         resume: opts.resume.clone(),
     };

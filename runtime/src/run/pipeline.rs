@@ -1027,6 +1027,9 @@ impl Stage<'_> {
         let mut optimizer = backend
             .optimizer(&config.optimizer, &self.params)
             .map_err(|e| RuntimeError::Config(format!("creating the optimizer: {e}")))?;
+        backend
+            .follow_schedule(&mut optimizer, &config.lr_schedule, steps as u64)
+            .map_err(|e| RuntimeError::Config(format!("the learning-rate schedule: {e}")))?;
         if let Some(slots) = self.resumed_slots.take() {
             backend
                 .load_optimizer_state(&mut optimizer, &slots)

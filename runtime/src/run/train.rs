@@ -582,6 +582,8 @@ pub fn train_with<B: Backend>(
             workers: n,
             sync: opts.sync,
             optimizer: config.optimizer.clone(),
+            lr_schedule: config.lr_schedule.clone(),
+            total_steps: opts.steps.unwrap_or(config.steps) as u64,
             seed: config.seed,
             resume: opts.resume.clone(),
         };

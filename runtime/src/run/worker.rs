@@ -938,6 +938,9 @@ fn run_steps<B: Backend>(
         .backend()
         .optimizer(&config.optimizer, &params)
         .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
+    exec.backend()
+        .follow_schedule(&mut optimizer, &config.lr_schedule, steps as u64)
+        .map_err(|e| backend_error(&device, "setting the learning-rate schedule", e))?;
     // Workers that fill the cores keep their updates on their own thread.
     B::parallel_updates(&mut optimizer, cores > workers);
     if let Some(slots) = slots {
