@@ -320,7 +320,7 @@ fn hyper(v: Option<&Expr>, what: &str, default: f64, open_lo: bool, lo: f64, hi:
 fn fraction(v: Option<&Expr>, what: &str, default: f64, open_lo: bool) -> R<f64> {
     let Some(v) = v else { return Ok(default) };
     let x = args::float(v, what)?;
-    if (open_lo && x <= 0.0) || x < 0.0 || x > 1.0 {
+    if (open_lo && x <= 0.0) || !(0.0..=1.0).contains(&x) {
         let range = if open_lo { "(0, 1]" } else { "[0, 1]" };
         return Err(Diag::new(
             v.span,
