@@ -1398,11 +1398,12 @@ fn real_main(cli: Cli) -> Result<()> {
                     serde_json::to_string_pretty(&explain_json(&p, &mem))?
                 )),
                 ExplainFormat::Table => out(&format!(
-                    "{}{}{}{}",
+                    "{}{}{}{}{}",
                     explain_table(&p, &mem),
                     explain_pipeline(&p, programs.worker, programs.pipeline)?,
                     explain_mesh(&p, programs.worker),
-                    explain_precision(&p, programs.worker)
+                    explain_precision(&p, programs.worker),
+                    explain_lr(&p.config)
                 )),
             }
         }
@@ -1513,6 +1514,51 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
 /// Mixed precision and a 16-bit gradient wire: what runs in 16 bits, the f32 master
 /// variables beside their 16-bit copies, the 16-bit and f32 values a step makes, and
 /// the loss scaling. Empty for an f32 plan.
+/// The learning rate: the linear scaling rule's arithmetic and the schedule, with the
+/// rate at a few updates of the run (nothing for a constant rate as written).
+fn explain_lr(config: &distc_runtime::RunConfig) -> String {
+    use distc_runtime::Decay;
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let lr = config.optimizer.lr();
+    if let Some(l) = &config.lr_scaling {
+        let _ = writeln!(
+            s,
+            "learning rate: {lr} = {} x {} / {} (linear scaling rule: a step's {} samples \
+             over the train block's batch of {})",
+            l.base_lr, l.global_batch, l.batch, l.global_batch, l.batch
+        );
+    }
+    let sched = &config.lr_schedule;
+    if !sched.is_constant() {
+        let decay = match sched.decay {
+            Decay::Constant => "then constant".to_string(),
+            Decay::Step { every, gamma } => format!("then x {gamma} every {every} updates"),
+            Decay::Cosine { final_factor } => format!("then cosine to {final_factor} x"),
+            Decay::Poly {
+                power,
+                final_factor,
+            } => format!("then polynomial (power {power}) to {final_factor} x"),
+        };
+        let total = config.steps as u64;
+        let at: Vec<String> = [0, sched.warmup as u64, total / 2, total.saturating_sub(1)]
+            .into_iter()
+            .filter(|&t| t < total)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|t| format!("update {}: {:.4e}", t + 1, lr * sched.factor(t, total)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "learning-rate schedule: linear warm-up over {} updates, {decay} over {} steps ({})",
+            sched.warmup,
+            total,
+            at.join(", ")
+        );
+    }
+    s
+}
+
 fn explain_precision(p: &Plan, worker: &distc_ir::Graph) -> String {
     use distc_ir::{DType, Op};
     use std::fmt::Write as _;

@@ -217,6 +217,11 @@ pub fn compile(
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
     config.batch = program.batch_symbol_value;
+    // The linear scaling rule, now that a step's global batch is known.
+    if let Some(s) = &mut config.lr_scaling {
+        s.global_batch = config.batch * opts.strategy.batches_per_step();
+        config.optimizer = config.optimizer.with_lr(s.base_lr * s.factor());
+    }
     // What `run` would refuse, refused now: the settings' ranges, and the model's
     // inputs and the ids it indexes with against the data source.
     config.check().map_err(CompileError::Settings)?;
@@ -294,6 +299,7 @@ pub fn compile(
                 programs
                     .check_consistency(&opts.strategy, cx.dist.as_ref())
                     .map_err(|e| CompileError::Settings(format!("internal error: {e}")))?;
+                check_layer_wise(&config, &opts.strategy, &programs)?;
             }
             if let (Some(dir), None) = (&opts.dump_ir, &opts.stop_after) {
                 write(&dir.join(CUDA_DUMP), &cuda_source(&programs.worker))?;
@@ -349,6 +355,36 @@ pub fn compile_file(path: &Path, opts: &CompileOptions) -> Result<Compiled, Comp
         source,
     })?;
     compile(&path.display().to_string(), &src, opts)
+}
+
+/// LARS and LAMB scale each variable's update by the norms of the whole variable and
+/// its whole gradient: every worker must hold both whole (a lookup's rows are applied as
+/// the dense gradient they stand for).
+fn check_layer_wise(
+    config: &RunConfig,
+    s: &StrategyConfig,
+    programs: &ProgramSet,
+) -> Result<(), CompileError> {
+    if !config.optimizer.is_layer_wise() {
+        return Ok(());
+    }
+    let name = config.optimizer.name();
+    let split = if s.zero > 0 {
+        Some("--zero shards each variable's optimizer state over the workers")
+    } else if s.model > 1 {
+        Some("a model axis splits variables over workers")
+    } else if !programs.servers.is_empty() {
+        Some("parameter servers hold rows of the variables")
+    } else {
+        None
+    };
+    if let Some(why) = split {
+        return Err(CompileError::Settings(format!(
+            "{name}'s trust ratio needs each variable whole on one worker, and {why}: use \
+             --strategy single or allreduce, without --zero or a model axis"
+        )));
+    }
+    Ok(())
 }
 
 /// Batches sampled to measure how many distinct ids a worker's batch holds.

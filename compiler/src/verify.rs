@@ -290,18 +290,11 @@ fn one_device_against(
 ) -> Result<VerifyReport, VerifyError> {
     let s = &opts.compile.strategy;
     // A pipeline's N workers are N/P replicas of its P stages; a mesh's model axis
-    // trains T workers on one batch.
-    let n = s.data_workers();
-    // Micro-batches per step, of accumulation or of a pipeline.
-    let k = s.accumulate.max(1)
-        * if s.pipeline > 1 {
-            s.micro_batches.max(1)
-        } else {
-            1
-        };
+    // trains T workers on one batch; accumulation and a pipeline add micro-batches.
+    let global_batch = dist.config.batch * s.batches_per_step();
     // One device in the same precision: a bf16 plan is checked against bf16.
     let single_opts = CompileOptions {
-        batch: Some(dist.config.batch * n * k),
+        batch: Some(global_batch),
         data_dir: opts.compile.data_dir.clone(),
         strategy: StrategyConfig {
             precision: s.precision,
@@ -337,7 +330,7 @@ fn one_device_against(
     Ok(VerifyReport {
         strategy: s.strategy,
         workers: s.workers,
-        global_batch: dist.config.batch * n * k,
+        global_batch,
         steps: opts.steps,
         vars,
         tolerance: opts.tolerance,

@@ -363,6 +363,18 @@ impl StrategyConfig {
     pub fn data_workers(&self) -> usize {
         (self.workers / (self.model.max(1) * self.pipeline.max(1))).max(1)
     }
+
+    /// Batches of the per-worker size in one step's update: one per data-parallel
+    /// worker, times the micro-batches of accumulation or of a pipeline.
+    pub fn batches_per_step(&self) -> usize {
+        let micro = self.accumulate.max(1)
+            * if self.pipeline > 1 {
+                self.micro_batches.max(1)
+            } else {
+                1
+            };
+        self.data_workers() * micro
+    }
 }
 
 impl Default for StrategyConfig {

@@ -32,6 +32,8 @@ pub mod cuda;
 pub mod ps;
 pub mod run;
 
-pub use crate::core::config::{DataSpec, Decay, LrSchedule, OptimizerSpec, RunConfig};
+pub use crate::core::config::{
+    DataSpec, Decay, LinearScaling, LrSchedule, OptimizerSpec, RunConfig,
+};
 pub use crate::core::error::{Result, RuntimeError};
 pub use crate::core::value::{Slices, Tensor, Value};

@@ -474,3 +474,97 @@ fn an_optimizer_follows_its_schedule_and_resumes_mid_schedule() {
         "the resumed optimizer left its schedule"
     );
 }
+
+/// LARS and LAMB (issue 25, item 2) against their papers' updates written out here in
+/// f64, over three steps of a 3-element variable, the first from a zero variable (a
+/// zero norm: trust ratio 1) for LAMB; a sparse gradient updates as its dense form.
+#[test]
+fn lars_and_lamb_match_their_formulas() {
+    let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let grads = [[0.5, -1.0, 2.0], [1.5, 0.25, -0.5], [-1.0, 1.0, 0.75]];
+    // LARS: d = g + wd w; trust = eta |w| / (|g| + wd |w|); v = mu v + lr trust d; w -= v.
+    let (lr, mu, wd, eta) = (0.5, 0.9, 0.01, 0.02);
+    let mut w = vec![1.0, -2.0, 0.5];
+    let mut v = [0.0; 3];
+    let mut want = Vec::new();
+    for g in &grads {
+        let (nw, ng) = (norm(&w), norm(g));
+        let trust = eta * nw / (ng + wd * nw);
+        for i in 0..3 {
+            v[i] = mu * v[i] + lr * trust * (g[i] + wd * w[i]);
+            w[i] -= v[i];
+        }
+        want.push(w.clone());
+    }
+    let spec = OptimizerSpec::Lars {
+        lr,
+        momentum: mu,
+        weight_decay: wd,
+        trust: eta,
+    };
+    check_steps(&spec, &[1.0, -2.0, 0.5], &grads, &want);
+    // LAMB: Adam's moments with bias correction, r = m^/(sqrt(v^)+eps) + wd w,
+    // w -= lr (|w| / |r|) r, with ratio 1 when |w| = 0.
+    let (lr, b1, b2, eps, wd) = (0.1, 0.9, 0.999, 1e-6, 0.01);
+    let mut w = vec![0.0; 3];
+    let (mut m, mut v) = (vec![0.0; 3], vec![0.0; 3]);
+    let mut want = Vec::new();
+    for (t, g) in grads.iter().enumerate() {
+        let t = (t + 1) as i32;
+        let mut r = vec![0.0; 3];
+        for i in 0..3 {
+            m[i] = b1 * m[i] + (1.0 - b1) * g[i];
+            v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+            let (mh, vh) = (m[i] / (1.0 - b1.powi(t)), v[i] / (1.0 - b2.powi(t)));
+            r[i] = mh / (vh.sqrt() + eps) + wd * w[i];
+        }
+        let (nw, nr) = (norm(&w), norm(&r));
+        let trust = if nw > 0.0 && nr > 0.0 { nw / nr } else { 1.0 };
+        for i in 0..3 {
+            w[i] -= lr * trust * r[i];
+        }
+        want.push(w.clone());
+    }
+    let spec = OptimizerSpec::Lamb {
+        lr,
+        beta1: b1,
+        beta2: b2,
+        eps,
+        weight_decay: wd,
+    };
+    check_steps(&spec, &[0.0; 3], &grads, &want);
+}
+
+/// Runs `spec` from `w0` over `grads`, one step each, against `want` after each step
+/// (f32 variables: within 1e-6 of the f64 reference, relative to its largest element).
+fn check_steps(spec: &OptimizerSpec, w0: &[f32], grads: &[[f64; 3]], want: &[Vec<f64>]) {
+    let mut opt = Optimizer::new(spec);
+    let mut p = t32(&[3], w0);
+    for (g, want) in grads.iter().zip(want) {
+        let g: Vec<f32> = g.iter().map(|&x| x as f32).collect();
+        opt.apply("w", &mut p, &Value::Tensor(t32(&[3], &g)), 1.0)
+            .expect("apply");
+        opt.end_step();
+        let scale = want.iter().fold(0.0f64, |a, b| a.max(b.abs()));
+        close(&vals(&p), want, 1e-6 * scale.max(1.0));
+    }
+    // Rows (repeated ones summed) update as the dense gradient they stand for.
+    let rows = Value::Slices(Slices {
+        indices: vec![2, 0, 2],
+        values: t32(&[3, 1], &[1.0, -2.0, 0.5]),
+        dense_shape: vec![3, 1],
+    });
+    let dense = Value::Tensor(t32(&[3, 1], &[-2.0, 0.0, 1.5]));
+    let (mut a, mut b) = (Optimizer::new(spec), Optimizer::new(spec));
+    let (mut pa, mut pb) = (
+        t32(&[3, 1], &[1.0, 2.0, 3.0]),
+        t32(&[3, 1], &[1.0, 2.0, 3.0]),
+    );
+    for _ in 0..2 {
+        a.apply("w", &mut pa, &rows, 1.0).expect("rows");
+        b.apply("w", &mut pb, &dense, 1.0).expect("dense");
+        a.end_step();
+        b.end_step();
+    }
+    assert_eq!(vals(&pa), vals(&pb), "rows and their dense gradient differ");
+}

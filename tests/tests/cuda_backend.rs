@@ -93,7 +93,9 @@ fn one_step_on_cuda_matches_the_cpu() {
         let init = init_params(&c.programs.worker, c.config.seed);
         let adam_lr = match c.config.optimizer {
             OptimizerSpec::Adam { lr, .. } => Some(lr),
-            OptimizerSpec::Sgd { .. } => None,
+            OptimizerSpec::Sgd { .. } | OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => {
+                None
+            }
         };
         for (var, w) in &want.params {
             let g = got

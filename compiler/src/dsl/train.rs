@@ -4,7 +4,7 @@
 use super::args::{self, bind, describe, Sig};
 use super::ast::{Arg, Expr, ExprKind, Ident, Span, TrainBlock};
 use super::error::{did_you_mean, line_of, Diag};
-use distc_runtime::{DataSpec, Decay, LrSchedule, OptimizerSpec, RunConfig};
+use distc_runtime::{DataSpec, Decay, LinearScaling, LrSchedule, OptimizerSpec, RunConfig};
 
 type R<T> = Result<T, Diag>;
 
@@ -18,6 +18,7 @@ const KEYS: &[(&str, bool)] = &[
     ("eval_every", false),
     ("eval_samples", false),
     ("lr_schedule", false),
+    ("lr_scaling", false),
 ];
 
 const SOURCES: &[Sig] = &[
@@ -69,6 +70,27 @@ const OPTIMIZERS: &[Sig] = &[
         ],
         usage: "adam(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8)",
     },
+    Sig {
+        name: "lars",
+        params: &[
+            ("lr", true),
+            ("momentum", false),
+            ("weight_decay", false),
+            ("trust", false),
+        ],
+        usage: "lars(lr, momentum = 0.9, weight_decay = 0, trust = 0.001)",
+    },
+    Sig {
+        name: "lamb",
+        params: &[
+            ("lr", true),
+            ("beta1", false),
+            ("beta2", false),
+            ("eps", false),
+            ("weight_decay", false),
+        ],
+        usage: "lamb(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-6, weight_decay = 0)",
+    },
 ];
 
 const SCHEDULES: &[Sig] = &[
@@ -91,6 +113,19 @@ const SCHEDULES: &[Sig] = &[
         name: "poly",
         params: &[("power", false), ("warmup", false), ("final", false)],
         usage: "poly(power = 1, warmup = 0, final = 0)",
+    },
+];
+
+const SCALINGS: &[Sig] = &[
+    Sig {
+        name: "none",
+        params: &[],
+        usage: "none()",
+    },
+    Sig {
+        name: "linear",
+        params: &[],
+        usage: "linear()",
     },
 ];
 
@@ -168,7 +203,25 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
             Some(e) => lower_schedule(e)?,
             None => LrSchedule::default(),
         },
+        lr_scaling: None,
     };
+    let mut config = config;
+    if let Some(e) = get("lr_scaling") {
+        let (name, args) = call_parts(e, "a learning-rate scaling", "lr_scaling = linear()")?;
+        let sig = find(
+            SCALINGS,
+            name,
+            "learning-rate scaling",
+            "a learning-rate scaling",
+        )?;
+        bind(sig, "learning-rate scaling", e.span, args)?;
+        // Until compile knows the strategy, the global batch is the train block's.
+        config.lr_scaling = (sig.name == "linear").then(|| LinearScaling {
+            batch: config.batch,
+            global_batch: config.batch,
+            base_lr: config.optimizer.lr(),
+        });
+    }
     Ok(Train {
         config,
         batch_span: batch.span,
@@ -391,6 +444,19 @@ fn lower_optimizer(e: &Expr) -> R<OptimizerSpec> {
         "sgd" => OptimizerSpec::Sgd {
             lr,
             momentum: hyper(val(1), "`momentum`", 0.0, false, 0.0, 1.0)?,
+        },
+        "lars" => OptimizerSpec::Lars {
+            lr,
+            momentum: hyper(val(1), "`momentum`", 0.9, false, 0.0, 1.0)?,
+            weight_decay: hyper(val(2), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
+            trust: hyper(val(3), "`trust`", 0.001, true, 0.0, f64::INFINITY)?,
+        },
+        "lamb" => OptimizerSpec::Lamb {
+            lr,
+            beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
+            beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
+            eps: hyper(val(3), "`eps`", 1e-6, true, 0.0, f64::INFINITY)?,
+            weight_decay: hyper(val(4), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
         },
         _ => OptimizerSpec::Adam {
             lr,

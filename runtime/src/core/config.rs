@@ -106,6 +106,34 @@ pub enum OptimizerSpec {
         /// Added to the denominator.
         eps: f64,
     },
+    /// LARS (You et al. 2017), layer-wise trust ratio with momentum, per variable:
+    /// `d = g + wd w; trust = eta |w| / (|g| + wd |w|)` (1 when a norm is 0);
+    /// `v = momentum v + lr trust d; w -= v`.
+    Lars {
+        /// Learning rate (the global one the trust ratio scales).
+        lr: f64,
+        /// Momentum.
+        momentum: f64,
+        /// Weight decay.
+        weight_decay: f64,
+        /// The trust coefficient `eta`.
+        trust: f64,
+    },
+    /// LAMB (You et al. 2019): Adam's bias-corrected moments, then per variable
+    /// `r = m^ / (sqrt(v^) + eps) + wd w; w -= lr (|w| / |r|) r` (ratio 1 when a norm
+    /// is 0).
+    Lamb {
+        /// Learning rate.
+        lr: f64,
+        /// First-moment decay.
+        beta1: f64,
+        /// Second-moment decay.
+        beta2: f64,
+        /// Added to the denominator.
+        eps: f64,
+        /// Weight decay.
+        weight_decay: f64,
+    },
 }
 
 /// How the learning rate moves over a run (the train block's `lr_schedule`): a linear
@@ -217,6 +245,28 @@ impl LrSchedule {
     }
 }
 
+/// The linear scaling rule (the train block's `lr_scaling = linear()`, Goyal et al.):
+/// the learning rate written for the train block's batch, multiplied by the global
+/// batch of a step over that batch. `compile` applies it once it knows the strategy;
+/// the plan's optimizer holds the scaled rate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinearScaling {
+    /// The train block's batch, which `lr` was written for.
+    pub batch: usize,
+    /// The samples of one step: per-worker batch x data-parallel workers x
+    /// micro-batches.
+    pub global_batch: usize,
+    /// The learning rate as written.
+    pub base_lr: f64,
+}
+
+impl LinearScaling {
+    /// The factor the learning rate is multiplied by.
+    pub fn factor(&self) -> f64 {
+        self.global_batch as f64 / self.batch as f64
+    }
+}
+
 /// How to run training.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
@@ -229,6 +279,9 @@ pub struct RunConfig {
     /// The learning rate's warm-up and decay (constant when the train block sets none).
     #[serde(default, skip_serializing_if = "LrSchedule::is_constant")]
     pub lr_schedule: LrSchedule,
+    /// The linear scaling rule, when the train block asks for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_scaling: Option<LinearScaling>,
     /// Training steps.
     pub steps: usize,
     /// Seed of initialisation, data order and dropout.
@@ -319,6 +372,28 @@ impl DataSpec {
 }
 
 impl OptimizerSpec {
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerSpec::Sgd { lr, .. }
+            | OptimizerSpec::Adam { lr, .. }
+            | OptimizerSpec::Lars { lr, .. }
+            | OptimizerSpec::Lamb { lr, .. } => lr,
+        }
+    }
+
+    /// The same optimizer with learning rate `lr`.
+    pub fn with_lr(&self, lr: f64) -> OptimizerSpec {
+        let mut o = self.clone();
+        match &mut o {
+            OptimizerSpec::Sgd { lr: l, .. }
+            | OptimizerSpec::Adam { lr: l, .. }
+            | OptimizerSpec::Lars { lr: l, .. }
+            | OptimizerSpec::Lamb { lr: l, .. } => *l = lr,
+        }
+        o
+    }
+
     /// Every hyper-parameter's range (the DSL's ranges).
     pub fn check(&self) -> Result<(), String> {
         let positive = |what: &str, x: f64| {
@@ -351,6 +426,30 @@ impl OptimizerSpec {
                 decay("adam: `beta2`", beta2)?;
                 positive("adam: `eps`", eps)
             }
+            OptimizerSpec::Lars {
+                lr,
+                momentum,
+                weight_decay,
+                trust,
+            } => {
+                positive("lars: the learning rate `lr`", lr)?;
+                decay("lars: `momentum`", momentum)?;
+                decay("lars: `weight_decay`", weight_decay)?;
+                positive("lars: `trust`", trust)
+            }
+            OptimizerSpec::Lamb {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                positive("lamb: the learning rate `lr`", lr)?;
+                decay("lamb: `beta1`", beta1)?;
+                decay("lamb: `beta2`", beta2)?;
+                decay("lamb: `weight_decay`", weight_decay)?;
+                positive("lamb: `eps`", eps)
+            }
         }
     }
 
@@ -360,7 +459,18 @@ impl OptimizerSpec {
             OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => "sgd",
             OptimizerSpec::Sgd { .. } => "momentum",
             OptimizerSpec::Adam { .. } => "adam",
+            OptimizerSpec::Lars { .. } => "lars",
+            OptimizerSpec::Lamb { .. } => "lamb",
         }
+    }
+
+    /// Whether the update of a variable needs the whole variable and its whole
+    /// gradient (a layer-wise trust ratio): LARS and LAMB.
+    pub fn is_layer_wise(&self) -> bool {
+        matches!(
+            self,
+            OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. }
+        )
     }
 }
 
@@ -375,6 +485,18 @@ impl RunConfig {
         self.data.check()?;
         self.optimizer.check()?;
         self.lr_schedule.check()?;
+        if let Some(s) = &self.lr_scaling {
+            let lr = s.base_lr * s.factor();
+            if s.batch == 0 || s.global_batch == 0 || (self.optimizer.lr() - lr).abs() > 1e-9 * lr {
+                return Err(format!(
+                    "lr_scaling: the learning rate {} is not {} x {} / {}",
+                    self.optimizer.lr(),
+                    s.base_lr,
+                    s.global_batch,
+                    s.batch
+                ));
+            }
+        }
         count_in("`batch`", self.batch, MAX_BATCH)
     }
 

@@ -75,9 +75,32 @@ impl Elem for f64 {
 /// The update rule with its hyper-parameters.
 #[derive(Clone, Copy, Debug)]
 enum Rule {
-    Sgd { lr: f64 },
-    Momentum { lr: f64, mu: f64 },
-    Adam { lr: f64, b1: f64, b2: f64, eps: f64 },
+    Sgd {
+        lr: f64,
+    },
+    Momentum {
+        lr: f64,
+        mu: f64,
+    },
+    Adam {
+        lr: f64,
+        b1: f64,
+        b2: f64,
+        eps: f64,
+    },
+    Lars {
+        lr: f64,
+        mu: f64,
+        wd: f64,
+        eta: f64,
+    },
+    Lamb {
+        lr: f64,
+        b1: f64,
+        b2: f64,
+        eps: f64,
+        wd: f64,
+    },
 }
 
 impl Rule {
@@ -91,6 +114,25 @@ impl Rule {
                 b1,
                 b2,
                 eps,
+            },
+            Rule::Lars { lr, mu, wd, eta } => Rule::Lars {
+                lr: lr * f,
+                mu,
+                wd,
+                eta,
+            },
+            Rule::Lamb {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            } => Rule::Lamb {
+                lr: lr * f,
+                b1,
+                b2,
+                eps,
+                wd,
             },
         }
     }
@@ -133,6 +175,30 @@ impl Optimizer {
                 b2: beta2,
                 eps,
             },
+            OptimizerSpec::Lars {
+                lr,
+                momentum,
+                weight_decay,
+                trust,
+            } => Rule::Lars {
+                lr,
+                mu: momentum,
+                wd: weight_decay,
+                eta: trust,
+            },
+            OptimizerSpec::Lamb {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => Rule::Lamb {
+                lr,
+                b1: beta1,
+                b2: beta2,
+                eps,
+                wd: weight_decay,
+            },
         };
         Optimizer {
             spec: spec.clone(),
@@ -156,7 +222,11 @@ impl Optimizer {
     /// The learning rate the next update uses.
     pub fn lr(&self) -> f64 {
         match self.rule {
-            Rule::Sgd { lr } | Rule::Momentum { lr, .. } | Rule::Adam { lr, .. } => lr,
+            Rule::Sgd { lr }
+            | Rule::Momentum { lr, .. }
+            | Rule::Adam { lr, .. }
+            | Rule::Lars { lr, .. }
+            | Rule::Lamb { lr, .. } => lr,
         }
     }
 
@@ -191,8 +261,8 @@ impl Optimizer {
     pub fn slot_names(&self) -> &'static [&'static str] {
         match self.rule {
             Rule::Sgd { .. } => &[],
-            Rule::Momentum { .. } => &["momentum"],
-            Rule::Adam { .. } => &["m", "v"],
+            Rule::Momentum { .. } | Rule::Lars { .. } => &["momentum"],
+            Rule::Adam { .. } | Rule::Lamb { .. } => &["m", "v"],
         }
     }
 
@@ -423,6 +493,67 @@ impl Optimizer {
                     z.for_each(f)
                 }
             }
+            // The trust ratios need the whole variable's norms first: two passes, the
+            // norms summed in f64 in element order (the same bits every run).
+            Rule::Lars { lr, mu, wd, eta } => {
+                let (w_norm, g_norm) = (norm(w.iter().copied()), scale * norm(g.iter().copied()));
+                let trust = if w_norm > 0.0 && g_norm > 0.0 {
+                    eta * w_norm / (g_norm + wd * w_norm)
+                } else {
+                    1.0
+                };
+                let (step, mu, wd) = (T::of(lr * trust), T::of(mu), T::of(wd));
+                let slots = self.slots_for::<T>(name, w.shape())?;
+                let v = slot_arr(name, &mut slots[0])?;
+                Zip::from(w).and(g).and(v).for_each(|w, &g, v| {
+                    *v = mu * *v + step * (g * sc + wd * *w);
+                    *w = *w - *v;
+                });
+            }
+            Rule::Lamb {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            } => {
+                let t = (self.steps + 1) as f64;
+                let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
+                let (c1, c2) = (T::of(1.0 - b1), T::of(1.0 - b2));
+                let (b1, b2, eps, wd) = (T::of(b1), T::of(b2), T::of(eps), T::of(wd));
+                let slots = self.slots_for::<T>(name, w.shape())?;
+                let [m, v] = slots.as_mut_slice() else {
+                    return Err(slot_count(name));
+                };
+                let (m, v) = (slot_arr(name, m)?, slot_arr(name, v)?);
+                let ratio = |w: T, m: T, v: T| (m / bc1) / ((v / bc2).sqrt() + eps) + wd * w;
+                Zip::from(&*w)
+                    .and(g)
+                    .and(&mut *m)
+                    .and(&mut *v)
+                    .for_each(|_, &g, m, v| {
+                        let g = g * sc;
+                        *m = b1 * *m + c1 * g;
+                        *v = b2 * *v + c2 * g * g;
+                    });
+                let w_norm = norm(w.iter().copied());
+                let r_norm = norm(
+                    Zip::from(&*w)
+                        .and(&*m)
+                        .and(&*v)
+                        .map_collect(|&w, &m, &v| ratio(w, m, v))
+                        .into_iter(),
+                );
+                let trust = if w_norm > 0.0 && r_norm > 0.0 {
+                    w_norm / r_norm
+                } else {
+                    1.0
+                };
+                let step = T::of(lr * trust);
+                Zip::from(w).and(&*m).and(&*v).for_each(|w, &m, &v| {
+                    *w = *w - step * ratio(*w, m, v);
+                });
+            }
         }
         Ok(())
     }
@@ -502,6 +633,24 @@ impl Optimizer {
                     }
                 }
             }
+            // The trust ratio is over the whole variable, and the momentum moves every
+            // row: the rows are applied as the dense gradient they stand for.
+            Rule::Lars { .. } | Rule::Lamb { .. } => {
+                let mut dense = ArrayD::<T>::zeros(IxDyn(&shape));
+                let ds = dense
+                    .as_slice_mut()
+                    .ok_or_else(|| err("non-contiguous gradient".into()))?;
+                for (at, from) in touched {
+                    ds[at..at + row].copy_from_slice(&sums[from..from + row]);
+                }
+                let mut w = ArrayD::from_shape_vec(IxDyn(&shape), ws.to_vec())
+                    .map_err(|e| err(e.to_string()))?;
+                self.dense(name, &mut w, &dense, scale)?;
+                let new = w
+                    .as_slice()
+                    .ok_or_else(|| err("non-contiguous variable".into()))?;
+                ws.copy_from_slice(new);
+            }
             Rule::Adam { lr, b1, b2, eps } => {
                 let t = (self.steps + 1) as f64;
                 let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
@@ -529,6 +678,16 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// The Euclidean norm, summed in f64 in the order given.
+fn norm<T: Elem>(xs: impl Iterator<Item = T>) -> f64 {
+    xs.map(|x| {
+        let x = x.to_f64().unwrap_or(f64::NAN);
+        x * x
+    })
+    .sum::<f64>()
+    .sqrt()
 }
 
 fn step_tensor(steps: u64) -> Tensor {

@@ -59,8 +59,15 @@ struct Adam {
     b2d: String,
 }
 
-fn rule(spec: &OptimizerSpec) -> Rule {
-    match *spec {
+/// The rule's kernel text, or why the GPU has none.
+fn rule(spec: &OptimizerSpec) -> Result<Rule, String> {
+    Ok(match *spec {
+        OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => {
+            return Err(format!(
+                "{} (a layer-wise trust ratio) runs on the CPU backend for now",
+                spec.name()
+            ))
+        }
         OptimizerSpec::Sgd { lr, momentum: 0.0 } => Rule::Sgd { lr: flit(lr) },
         OptimizerSpec::Sgd { lr, momentum } => Rule::Momentum {
             lr: flit(lr),
@@ -82,7 +89,7 @@ fn rule(spec: &OptimizerSpec) -> Rule {
             b1d: format!("{beta1:?}"),
             b2d: format!("{beta2:?}"),
         }),
-    }
+    })
 }
 
 impl Rule {
@@ -163,7 +170,10 @@ pub fn optimizer_kernels(
     params: &[(String, TensorType, Option<usize>)],
     grad_scale: f64,
 ) -> Result<OptimizerPlan, CodegenError> {
-    let rule = rule(spec);
+    let rule = rule(spec).map_err(|reason| CodegenError::Optimizer {
+        var: params.first().map_or_else(String::new, |p| p.0.clone()),
+        reason,
+    })?;
     let mut ks = KernelSet::default();
     let mut vars = Vec::with_capacity(params.len());
     for (name, ty, bound) in params {

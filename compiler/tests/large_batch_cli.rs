@@ -1,0 +1,276 @@
+//! Learning-rate schedules from the train block (issue 25, item 2): a distributed plan
+//! that follows one (all-reduce, and hybrid, whose parameter servers follow it too)
+//! trains what one device trains; a schedule changes what is trained; a schedule out
+//! of range is a located error.
+
+use std::path::PathBuf;
+
+mod common;
+
+use common::{distc, root, s, text};
+
+/// `example` with `lr_schedule = SCHEDULE` added after its optimizer line, written
+/// to a temporary file.
+fn with_schedule(example: &str, schedule: &str) -> PathBuf {
+    let src = std::fs::read_to_string(root().join("examples").join(example)).expect("example");
+    let at = src.find("  optimizer").expect("an optimizer line");
+    let end = at + src[at..].find('\n').expect("a line end") + 1;
+    let text = format!("{}  lr_schedule = {schedule}\n{}", &src[..end], &src[end..]);
+    let path = common::temp_dir("schedule-cli").join(format!(
+        "{}-{}",
+        schedule.replace(|c: char| !c.is_ascii_alphanumeric(), "_"),
+        example
+    ));
+    std::fs::write(&path, text).expect("write");
+    path
+}
+
+#[test]
+fn distributed_plans_follow_the_schedule_as_one_device_does() {
+    let dense = with_schedule("dense_mlp.dsl", "cosine(warmup = 2, final = 0.1)");
+    let o = distc(&[
+        "verify",
+        s(&dense),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "4",
+        "--batch",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let sparse = with_schedule("sparse_lm.dsl", "step(every = 1, gamma = 0.5, warmup = 1)");
+    let o = distc(&[
+        "verify",
+        s(&sparse),
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "--steps",
+        "3",
+        "--batch",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// The losses of `steps` steps of `file`.
+fn losses(file: &str, steps: &str) -> Vec<f64> {
+    let m = common::temp_dir("schedule-cli").join(format!(
+        "{}.jsonl",
+        file.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+    ));
+    let o = distc(&[
+        "train",
+        file,
+        "--steps",
+        steps,
+        "--batch",
+        "16",
+        "-q",
+        "--metrics",
+        s(&m),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let lines = std::fs::read_to_string(&m).expect("metrics");
+    lines
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            v["loss"].as_f64().expect("a loss")
+        })
+        .collect()
+}
+
+#[test]
+fn a_schedule_changes_what_is_trained() {
+    let plain = root().join("examples/dense_mlp.dsl");
+    let slow = with_schedule("dense_mlp.dsl", "constant(warmup = 1000)");
+    let (a, b) = (losses(s(&plain), "3"), losses(s(&slow), "3"));
+    // The first loss is the untrained model's in both; after it, a warm-up of 1000
+    // updates has moved the weights 1/1000 as far, so every later loss differs.
+    assert_eq!(a[0], b[0], "{a:?} {b:?}");
+    assert!(
+        a[1..].iter().zip(&b[1..]).all(|(x, y)| x != y),
+        "{a:?} {b:?}"
+    );
+}
+
+#[test]
+fn a_schedule_out_of_range_is_a_located_error() {
+    let bad = with_schedule("dense_mlp.dsl", "step(every = 10, gamma = 2)");
+    let o = distc(&[
+        "compile",
+        s(&bad),
+        "-o",
+        s(&common::temp_dir("schedule-cli").join("never.json")),
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(t.contains("`gamma` must be in (0, 1], found 2"), "{t}");
+    assert!(
+        t.contains(":23:") && t.contains('^'),
+        "no line, column and caret: {t}"
+    );
+    let bad = with_schedule("dense_mlp.dsl", "cosin(warmup = 10)");
+    let o = distc(&[
+        "compile",
+        s(&bad),
+        "-o",
+        s(&common::temp_dir("schedule-cli").join("never.json")),
+    ]);
+    assert!(text(&o).contains("cosine"), "no suggestion: {}", text(&o));
+}
+
+/// The linear scaling rule: the plan's learning rate is the written one times a step's
+/// global batch over the train block's batch, `explain` shows the arithmetic and the
+/// schedule, and `verify` holds (one device with the global batch gets the same rate).
+#[test]
+fn linear_scaling_multiplies_the_rate_by_the_global_batch() {
+    let file = with_schedule(
+        "dense_mlp.dsl",
+        "cosine(warmup = 10, final = 0.1)\n  lr_scaling = linear()",
+    );
+    let plan = common::temp_dir("schedule-cli").join("scaled.plan.json");
+    let o = distc(&[
+        "compile",
+        s(&file),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "4",
+        "--batch",
+        "32",
+        "--accumulate",
+        "2",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&["explain", s(&plan)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    // dense_mlp's train block: sgd(lr = 0.05), batch 128; 4 workers x 32 x 2 = 256.
+    for want in [
+        "learning rate: 0.1 = 0.05 x 256 / 128",
+        "learning-rate schedule: linear warm-up over 10 updates, then cosine to 0.1 x",
+        "update 1: 1.0000e-2",
+        "update 11: 1.0000e-1",
+    ] {
+        assert!(t.contains(want), "`{want}` not in:\n{t}");
+    }
+    let o = distc(&[
+        "compile",
+        s(&file),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--batch",
+        "32",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&distc(&["explain", s(&plan)]));
+    assert!(t.contains("learning rate: 0.025 = 0.05 x 64 / 128"), "{t}");
+    let o = distc(&[
+        "verify",
+        s(&file),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "--batch",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// `example` with its optimizer line replaced by `optimizer = OPTIMIZER`.
+fn with_optimizer(example: &str, optimizer: &str) -> PathBuf {
+    let src = std::fs::read_to_string(root().join("examples").join(example)).expect("example");
+    let at = src.find("  optimizer").expect("an optimizer line");
+    let end = at + src[at..].find('\n').expect("a line end");
+    let text = format!("{}  optimizer = {optimizer}{}", &src[..at], &src[end..]);
+    let path = common::temp_dir("schedule-cli").join(format!(
+        "{}-{}",
+        optimizer.replace(|c: char| !c.is_ascii_alphanumeric(), "_"),
+        example
+    ));
+    std::fs::write(&path, text).expect("write");
+    path
+}
+
+/// LARS and LAMB train under all-reduce as one device does; where a worker would not
+/// hold a whole variable and its whole dense gradient, `compile` refuses by name.
+#[test]
+fn lars_and_lamb_verify_and_are_refused_where_a_variable_is_not_whole() {
+    let lars = with_optimizer(
+        "dense_mlp.dsl",
+        "lars(lr = 2.0, momentum = 0.9, trust = 0.001)",
+    );
+    let lamb = with_optimizer("dense_mlp.dsl", "lamb(lr = 0.01, weight_decay = 0.01)");
+    for file in [&lars, &lamb] {
+        let o = distc(&[
+            "verify",
+            s(file),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--steps",
+            "3",
+            "--batch",
+            "16",
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let plan = common::temp_dir("schedule-cli").join("refused.plan.json");
+    let o = distc(&[
+        "compile",
+        s(&lars),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--zero",
+        "1",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(
+        text(&o).contains("lars's trust ratio needs each variable whole"),
+        "{}",
+        text(&o)
+    );
+    // A lookup's rows are applied as the dense gradient they stand for (one device);
+    // parameter servers hold rows of the table, which the trust ratio cannot see.
+    let sparse = with_optimizer("sparse_lm.dsl", "lamb(lr = 0.01)");
+    let o = distc(&["compile", s(&sparse), "-o", s(&plan)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&[
+        "compile",
+        s(&sparse),
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(
+        text(&o).contains("parameter servers hold rows"),
+        "{}",
+        text(&o)
+    );
+}
