@@ -532,6 +532,45 @@ struct CompileArgs {
     /// Latency per message for the cost model, seconds (0 or more).
     #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
     latency: f64,
+    /// Workers per node: worker w is on node w / L, and each dense all-reduce runs as
+    /// one ring or as a hierarchical all-reduce (within nodes, then across them),
+    /// whichever the cost model predicts faster from the two links (see --link).
+    #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+    ranks_per_node: Option<u32>,
+    /// A link of the cost model, `intra=BW,LAT` (between workers of one node; default
+    /// 100e9 B/s, 5e-6 s) or `inter=BW,LAT` (between nodes: the same as --bandwidth and
+    /// --latency), in bytes/s and seconds. Repeatable.
+    #[arg(long, value_name = "KIND=BW,LAT", value_parser = parse_link)]
+    link: Vec<(LinkKind, distc_passes::placement::Link)>,
+}
+
+/// Which link `--link` sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LinkKind {
+    Intra,
+    Inter,
+}
+
+/// `intra=BW,LAT` or `inter=BW,LAT`.
+fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), String> {
+    let (kind, rest) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: write intra=BW,LAT or inter=BW,LAT"))?;
+    let kind = match kind {
+        "intra" => LinkKind::Intra,
+        "inter" => LinkKind::Inter,
+        other => return Err(format!("`{other}` is not a link: intra or inter")),
+    };
+    let (bw, lat) = rest
+        .split_once(',')
+        .ok_or_else(|| format!("`{rest}`: write a bandwidth and a latency, BW,LAT"))?;
+    Ok((
+        kind,
+        distc_passes::placement::Link {
+            bandwidth: positive_finite(bw.trim())?,
+            latency: non_negative_finite(lat.trim())?,
+        },
+    ))
 }
 
 #[derive(Args, Clone)]
@@ -737,6 +776,8 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
             }),
         );
     }
+    let link = |kind: LinkKind| a.link.iter().rev().find(|l| l.0 == kind).map(|l| l.1);
+    let inter = link(LinkKind::Inter);
     StrategyConfig {
         strategy: strategy_kind(a.strategy),
         workers: a.workers,
@@ -744,8 +785,11 @@ fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         sync: a.sync,
         bucket_mb: a.bucket_mb,
         sparse_as_dense: a.sparse_as_dense,
-        bandwidth: a.bandwidth,
-        latency: a.latency,
+        bandwidth: inter.map_or(a.bandwidth, |l| l.bandwidth),
+        latency: inter.map_or(a.latency, |l| l.latency),
+        ranks_per_node: a.ranks_per_node.map_or(0, |l| l as usize),
+        intra_link: link(LinkKind::Intra)
+            .unwrap_or_else(distc_passes::placement::Link::default_intra),
         zero: a.zero.unwrap_or(0),
         accumulate: a.accumulate,
         remat: a.remat,
@@ -1398,11 +1442,12 @@ fn real_main(cli: Cli) -> Result<()> {
                     serde_json::to_string_pretty(&explain_json(&p, &mem))?
                 )),
                 ExplainFormat::Table => out(&format!(
-                    "{}{}{}{}{}",
+                    "{}{}{}{}{}{}",
                     explain_table(&p, &mem),
                     explain_pipeline(&p, programs.worker, programs.pipeline)?,
                     explain_mesh(&p, programs.worker),
                     explain_precision(&p, programs.worker),
+                    explain_nodes(&p.settings, programs.worker),
                     explain_lr(&p.config)
                 )),
             }
@@ -1514,6 +1559,67 @@ fn placement_text(v: &distc_passes::placement::VarPlacement) -> String {
 /// Mixed precision and a 16-bit gradient wire: what runs in 16 bits, the f32 master
 /// variables beside their 16-bit copies, the 16-bit and f32 values a step makes, and
 /// the loss scaling. Empty for an f32 plan.
+/// `--ranks-per-node`: the nodes and links, and for each dense all-reduce the cost
+/// model's choice, both predicted times and the bytes a worker sends over each link.
+fn explain_nodes(s: &StrategyConfig, worker: &distc_ir::Graph) -> String {
+    use distc_ir::{DType, Op, ValueType};
+    use distc_passes::hierarchy::{flat_fraction, hierarchical_fractions};
+    use std::fmt::Write as _;
+    let local = s.ranks_per_node;
+    if local == 0 {
+        return String::new();
+    }
+    let n = s.data_workers();
+    let link = |bw: f64, lat: f64| format!("{:.3e} B/s, {:.1} us", bw, lat * 1e6);
+    let mut out = format!(
+        "nodes: {} of {local} workers each (--ranks-per-node); links: within a node {}, \
+         between nodes {}\n",
+        n.div_ceil(local),
+        link(s.intra_link.bandwidth, s.intra_link.latency),
+        link(s.bandwidth, s.latency)
+    );
+    for id in worker.topo_order() {
+        let Op::AllReduce { ranks_per_node, .. } = *worker.op(id) else {
+            continue;
+        };
+        let bytes = match worker.value_type(worker.node(id).inputs[0]) {
+            ValueType::Tensor(t) if t.dtype == DType::F32 => t.bytes() as f64,
+            _ => continue,
+        };
+        let (flat, hier) = distc_passes::placement::all_reduce_seconds(bytes, n, local, s);
+        let sends = if ranks_per_node > 1 {
+            let (within, across) = hierarchical_fractions(n, local);
+            format!(
+                "each worker sends {} within its node and {} across nodes",
+                mib(within * bytes),
+                mib(across * bytes)
+            )
+        } else if n > local {
+            format!(
+                "the ring's {} node-edge workers each send {} across nodes, the others as \
+                 much within their node",
+                n / local,
+                mib(flat_fraction(n) * bytes)
+            )
+        } else {
+            format!(
+                "each worker sends {} within its node",
+                mib(flat_fraction(n) * bytes)
+            )
+        };
+        let _ =
+            writeln!(
+            out,
+            "  all-reduce {id} ({}): {}; predicted {:.3} ms flat, {:.3} ms hierarchical; {sends}",
+            mib(bytes),
+            if ranks_per_node > 1 { "hierarchical" } else { "flat" },
+            flat * 1e3,
+            hier * 1e3
+        );
+    }
+    out
+}
+
 /// The learning rate: the linear scaling rule's arithmetic and the schedule, with the
 /// rate at a few updates of the run (nothing for a constant rate as written).
 fn explain_lr(config: &distc_runtime::RunConfig) -> String {

@@ -236,7 +236,7 @@ fn dsl_errors_are_diagnostics_with_a_caret() {
 fn unknown_passes_are_listed_with_the_valid_ones() {
     let o = distc(&["ir", "examples/mlp.dsl", "--after", "fusoin"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, tensor_parallel, mixed_precision, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, grad_wire, kernel_fusion, schedule, pipeline_split"), "{}", text(&o));
+    assert!(text(&o).contains("unknown pass `fusoin`; the passes are: lower, tensor_parallel, mixed_precision, autodiff, simplify, dead_code, accumulate, remat, sparsity_analysis, place, distribute, zero, fusion, grad_wire, hierarchy, kernel_fusion, schedule, pipeline_split"), "{}", text(&o));
 }
 
 #[test]

@@ -1160,3 +1160,52 @@ fn a_bf16_gradient_wire_under_mpirun_trains_what_threads_train() {
         assert_eq!(bytes[1] * 2, bytes[0], "{np} ranks: {bytes:?}");
     }
 }
+
+/// Issue 25: hierarchical all-reduces (`--ranks-per-node`) over MPI ranks, a ring within
+/// each node and one across the nodes over the communicator's own sends and receives,
+/// train bitwise what threads train, and each rank sends what a flat ring sends in all
+/// (the hierarchy moves bytes between links, it does not save any).
+#[test]
+fn hierarchical_all_reduces_under_mpirun_train_what_threads_train() {
+    for (np, local) in [(4usize, "2"), (6, "3")] {
+        let plan = compile_with(
+            "examples/dense_mlp.dsl",
+            "allreduce",
+            np,
+            0,
+            "nodes.plan.json",
+            &["--ranks-per-node", local],
+        );
+        let (one, many) = (
+            tmp("nodes-threads.safetensors"),
+            tmp("nodes-mpi.safetensors"),
+        );
+        let metrics = tmp("nodes.metrics.jsonl");
+        let o = distc(&["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]);
+        assert!(o.status.success(), "{np}: {}", text(&o));
+        let o = mpirun(
+            np,
+            &[
+                "run",
+                s(&plan),
+                "--steps",
+                "3",
+                "-q",
+                "--save",
+                s(&many),
+                "--metrics",
+                s(&metrics),
+                "--transport",
+                "mpi",
+            ],
+        );
+        assert!(o.status.success(), "{np}: {}", text(&o));
+        let d = max_difference(&one, &many);
+        assert!(
+            d == 0.0,
+            "{np} ranks in nodes of {local}: differ by {d:.2e}"
+        );
+        let explained = text(&distc(&["explain", s(&plan)]));
+        assert!(explained.contains("hierarchical; predicted"), "{explained}");
+    }
+}

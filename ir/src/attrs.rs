@@ -169,7 +169,16 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("padding", A::Int(*padding as i64)),
             ("filter", list(filter.dims())),
         ],
-        Op::AllReduce { reduce } => vec![("reduce", A::Str(reduce_name(*reduce).into()))],
+        Op::AllReduce {
+            reduce,
+            ranks_per_node,
+        } => {
+            let mut v = vec![("reduce", A::Str(reduce_name(*reduce).into()))];
+            if *ranks_per_node > 0 {
+                v.push(("ranks_per_node", A::Int(*ranks_per_node as i64)));
+            }
+            v
+        }
         Op::AllGather { workers, reduce } => vec![
             ("workers", A::Int(*workers as i64)),
             ("reduce", A::Str(reduce_name(*reduce).into())),
@@ -612,6 +621,15 @@ pub fn op_from_parts(
         "sparsify" => Op::Sparsify,
         "all_reduce" => Op::AllReduce {
             reduce: a.reduce("reduce")?,
+            ranks_per_node: match a.take("ranks_per_node") {
+                None => 0,
+                Some(AttrValue::Int(l)) if (2..=crate::MAX_WORKERS as i64).contains(&l) => {
+                    l as usize
+                }
+                Some(v) => {
+                    return Err(a.mistyped("ranks_per_node", "2 or more (absent: flat)", &v))
+                }
+            },
         },
         "all_gather" => Op::AllGather {
             workers: a.workers()?,

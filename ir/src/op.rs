@@ -306,6 +306,10 @@ pub enum Op {
     AllReduce {
         /// Sum or mean.
         reduce: ReduceOp,
+        /// 0: one ring over every worker. `L > 1`: hierarchical over nodes of `L`
+        /// consecutive workers (Horovod's): a reduce-scatter within each node, an
+        /// all-reduce of each slice across the nodes, an all-gather within each node.
+        ranks_per_node: usize,
     },
     /// Gathers every worker's `IndexedSlices` (the values scaled by `1/workers` for a
     /// mean); the result carries up to `workers` times the rows.

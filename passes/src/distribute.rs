@@ -112,6 +112,7 @@ impl Pass for Distribute {
                     let mut grad = g.node(sink).inputs[0];
                     let mean = Op::AllReduce {
                         reduce: ReduceOp::Mean,
+                        ranks_per_node: 0,
                     };
                     if v.placement == Mechanism::Allreduce && g.value_type(grad).is_sparse() {
                         // Densified for the all-reduce, then sparse again over the rows

@@ -231,6 +231,7 @@ impl Pass for Fusion {
             let reduce = g.add(
                 Op::AllReduce {
                     reduce: ReduceOp::Mean,
+                    ranks_per_node: 0,
                 },
                 vec![pack.into()],
             )?;

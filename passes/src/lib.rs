@@ -9,6 +9,7 @@ pub mod dead_code;
 pub mod distribute;
 pub mod fusion;
 pub mod grad_wire;
+pub mod hierarchy;
 pub mod kernel_fusion;
 pub mod manager;
 pub mod mixed_precision;
@@ -213,6 +214,15 @@ pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
             passes.insert(at + 1, Box::new(grad_wire::GradWire));
         }
     }
+    if cfg.ranks_per_node > 1 {
+        // On the buckets, as the wire left them.
+        if let Some(at) = passes
+            .iter()
+            .rposition(|p| [fusion::Fusion.name(), grad_wire::GradWire.name()].contains(&p.name()))
+        {
+            passes.insert(at + 1, Box::new(hierarchy::Hierarchy));
+        }
+    }
     passes
 }
 
@@ -252,6 +262,10 @@ pub fn known_pass_names() -> Vec<String> {
     names.insert(
         fusion.map_or(names.len(), |f| f + 1),
         grad_wire::GradWire.name(),
+    );
+    names.insert(
+        fusion.map_or(names.len(), |f| f + 2),
+        hierarchy::Hierarchy.name(),
     );
     names
 }

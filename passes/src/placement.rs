@@ -123,6 +123,59 @@ pub struct StrategyConfig {
     /// (each worker's divided by N first, sums accumulated in f32).
     #[serde(default)]
     pub grad_wire: Precision,
+    /// Workers per node L (`--ranks-per-node`; 0: every worker on one node). Worker w
+    /// is on node w / L; `bandwidth` and `latency` are then the link between nodes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ranks_per_node: usize,
+    /// The link between two workers of one node (`--link intra=BW,LAT`).
+    #[serde(default = "Link::default_intra")]
+    pub intra_link: Link,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
+}
+
+/// A link of the cost model: `bytes / bandwidth + messages * latency`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// Bytes per second (1/beta).
+    pub bandwidth: f64,
+    /// Seconds per message (alpha).
+    pub latency: f64,
+}
+
+impl Link {
+    /// Within a node: NVLink-class, 100 GB/s and 5 us a message, unless `--link intra`
+    /// says otherwise.
+    pub fn default_intra() -> Link {
+        Link {
+            bandwidth: 100e9,
+            latency: 5e-6,
+        }
+    }
+}
+
+/// Predicted seconds of one all-reduce of `bytes` over `n` workers in nodes of `local`:
+/// `(flat ring, hierarchical)`. A flat ring's 2(N-1) steps each move `bytes/N` and wait
+/// on the slowest link, between nodes; the hierarchical all-reduce's 2(L-1) steps move
+/// `bytes/L` within the node and its 2(M-1) steps `bytes/(L M)` between the M nodes.
+pub fn all_reduce_seconds(bytes: f64, n: usize, local: usize, cfg: &StrategyConfig) -> (f64, f64) {
+    let inter = Link {
+        bandwidth: cfg.bandwidth,
+        latency: cfg.latency,
+    };
+    let intra = cfg.intra_link;
+    let ring = |m: usize, chunk: f64, link: Link| {
+        2.0 * (m as f64 - 1.0) * (link.latency + chunk / link.bandwidth)
+    };
+    let n = n.max(1);
+    let local = local.clamp(1, n);
+    let nodes = n / local;
+    let flat_link = if nodes > 1 { inter } else { intra };
+    let flat = ring(n, bytes / n as f64, flat_link);
+    let hier = ring(local, bytes / local as f64, intra) + ring(nodes, bytes / n as f64, inter);
+    (flat, hier)
 }
 
 /// `--precision`: f32 throughout, or 16-bit arithmetic where the mixed-precision
@@ -217,6 +270,29 @@ impl StrategyConfig {
         };
         if !(1..=MAX_RANKS).contains(&self.workers) {
             return field("workers", &format!("in 1..={MAX_RANKS}"), &self.workers);
+        }
+        if self.ranks_per_node > 0 {
+            if self.model > 1 || self.pipeline > 1 {
+                return Err(
+                    "--ranks-per-node with a model axis or a pipeline is not supported yet".into(),
+                );
+            }
+            if !self.workers.is_multiple_of(self.ranks_per_node) {
+                return Err(format!(
+                    "{} workers cannot fill nodes of {}: give a multiple of \
+                     --ranks-per-node",
+                    self.workers, self.ranks_per_node
+                ));
+            }
+        }
+        for (what, l) in [("intra", self.intra_link)] {
+            if !(l.bandwidth > 0.0 && l.bandwidth.is_finite() && l.latency >= 0.0) {
+                return Err(format!(
+                    "the {what}-node link must have a bandwidth above 0 and a latency of \
+                     0 or more, found {} B/s and {} s",
+                    l.bandwidth, l.latency
+                ));
+            }
         }
         if self.servers > MAX_RANKS {
             return field("servers", &format!("at most {MAX_RANKS}"), &self.servers);
@@ -390,6 +466,8 @@ impl Default for StrategyConfig {
             partition_bytes: 8 << 20,
             bandwidth: 1.25e9,
             latency: 25e-6,
+            ranks_per_node: 0,
+            intra_link: Link::default_intra(),
             zero: 0,
             accumulate: 1,
             remat: RematPolicy::Off,

@@ -378,3 +378,53 @@ fn usable_as_trait_object() {
     });
     assert_eq!(sums, vec![3.0, 3.0]);
 }
+
+/// The hierarchical all-reduce (issue 25, item 1) over nodes of 2 and 3 ranks gives the
+/// sum (or mean) of every rank's buffer, the same bits on every rank; each rank's bytes
+/// per link are what `hierarchical_bytes` predicts, and the communicator counted their
+/// sum; fewer bytes cross nodes than a flat ring sends.
+#[test]
+fn hierarchical_all_reduce_sums_like_the_ring_and_sends_what_is_predicted() {
+    use distc_runtime::comm::{hierarchical_all_reduce, hierarchical_bytes};
+    for (n, local) in [(2, 2), (4, 2), (6, 3), (6, 2), (8, 4)] {
+        for len in [1, 7, 12, 1001] {
+            for mean in [false, true] {
+                let results = on_ranks(n, |mut c| {
+                    let mut buf = data(c.rank(), len);
+                    let links =
+                        hierarchical_all_reduce(&mut c, &mut buf, mean, local).expect("runs");
+                    (buf, links, c.bytes())
+                });
+                for i in 0..len {
+                    let mut want: f64 = (0..n).map(|r| data(r, len)[i] as f64).sum();
+                    if mean {
+                        want /= n as f64;
+                    }
+                    assert!(
+                        close(results[0].0[i], want),
+                        "n={n} L={local} len={len} i={i}"
+                    );
+                }
+                for (r, (buf, links, bytes)) in results.iter().enumerate() {
+                    let what = format!("n={n} L={local} len={len} rank {r}");
+                    assert_eq!(
+                        buf.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        results[0].0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "{what}: differs from rank 0"
+                    );
+                    assert_eq!(*links, hierarchical_bytes(len, n, local, r), "{what}");
+                    assert_eq!(bytes.sent, links.intra_node + links.inter_node, "{what}");
+                    if n > local && len >= n {
+                        let flat = 2.0 * (n as f64 - 1.0) / n as f64 * 4.0 * len as f64;
+                        assert!((links.inter_node as f64) < flat, "{what}");
+                    }
+                }
+            }
+        }
+    }
+    let e = on_ranks(3, |mut c| {
+        let mut buf = vec![1.0; 4];
+        hierarchical_all_reduce(&mut c, &mut buf, false, 2).expect_err("3 ranks, nodes of 2")
+    });
+    assert!(message(e.into_iter().next().expect("rank 0")).contains("multiple of 2"));
+}

@@ -270,6 +270,7 @@ fn average_over_replicas(g: &mut Graph, replicas: usize) -> Result<usize, PassEr
             g.add(
                 Op::AllReduce {
                     reduce: ReduceOp::Mean,
+                    ranks_per_node: 0,
                 },
                 vec![grad],
             )?

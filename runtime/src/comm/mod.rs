@@ -184,3 +184,175 @@ pub fn chunk_range(len: usize, n: usize, i: usize) -> std::ops::Range<usize> {
     let size = base + usize::from(i < rem);
     start..start + size
 }
+
+/// Payload bytes one rank sent over each kind of link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkBytes {
+    /// To ranks on its own node.
+    pub intra_node: u64,
+    /// To ranks on other nodes.
+    pub inter_node: u64,
+}
+
+/// [`exchange`] within a ring of ranks: position `pos` in the ring decides who receives
+/// first (odd positions), so a ring of ranks of one parity cannot have every rank
+/// sending.
+fn exchange_at(
+    comm: &mut dyn Communicator,
+    pos: usize,
+    (to, out): (usize, Vec<u8>),
+    from: usize,
+) -> Result<Vec<u8>, RuntimeError> {
+    if pos % 2 == 1 {
+        let got = comm.recv(from)?;
+        comm.send(to, out)?;
+        Ok(got)
+    } else {
+        comm.send(to, out)?;
+        comm.recv(from)
+    }
+}
+
+fn f32_bytes(xs: &[f32]) -> Vec<u8> {
+    xs.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32s_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A ring reduce-scatter over `ring` (ranks in ring order; this rank is `ring[pos]`):
+/// afterwards chunk `pos` of `ring.len()` ([`chunk_range`]) of `buf` holds the ring's
+/// sum. Returns the bytes sent.
+fn ring_reduce_scatter(
+    comm: &mut dyn Communicator,
+    ring: &[usize],
+    pos: usize,
+    buf: &mut [f32],
+) -> Result<u64, RuntimeError> {
+    let (m, len) = (ring.len(), buf.len());
+    let (next, prev) = (ring[(pos + 1) % m], ring[(pos + m - 1) % m]);
+    let mut sent = 0;
+    for s in 0..m.saturating_sub(1) {
+        let send_c = (pos + 2 * m - s - 1) % m;
+        let recv_c = (pos + 2 * m - s - 2) % m;
+        let out = f32_bytes(&buf[chunk_range(len, m, send_c)]);
+        sent += out.len() as u64;
+        let theirs = f32s_of(&exchange_at(comm, pos, (next, out), prev)?);
+        let range = chunk_range(len, m, recv_c);
+        if theirs.len() != range.len() {
+            return Err(RuntimeError::Config(format!(
+                "rank {prev} sent a malformed chunk during a hierarchical all-reduce"
+            )));
+        }
+        for (a, b) in buf[range].iter_mut().zip(theirs) {
+            *a += b;
+        }
+    }
+    Ok(sent)
+}
+
+/// A ring all-gather over `ring`: chunk `i` of `buf` comes from `ring[i]`, which holds
+/// it. Returns the bytes sent.
+fn ring_all_gather(
+    comm: &mut dyn Communicator,
+    ring: &[usize],
+    pos: usize,
+    buf: &mut [f32],
+) -> Result<u64, RuntimeError> {
+    let (m, len) = (ring.len(), buf.len());
+    let (next, prev) = (ring[(pos + 1) % m], ring[(pos + m - 1) % m]);
+    let mut sent = 0;
+    for s in 0..m.saturating_sub(1) {
+        let send_c = (pos + m - s) % m;
+        let recv_c = (pos + 2 * m - s - 1) % m;
+        let out = f32_bytes(&buf[chunk_range(len, m, send_c)]);
+        sent += out.len() as u64;
+        let theirs = f32s_of(&exchange_at(comm, pos, (next, out), prev)?);
+        let range = chunk_range(len, m, recv_c);
+        if theirs.len() != range.len() {
+            return Err(RuntimeError::Config(format!(
+                "rank {prev} sent a malformed chunk during a hierarchical all-reduce"
+            )));
+        }
+        buf[range].copy_from_slice(&theirs);
+    }
+    Ok(sent)
+}
+
+/// Horovod's hierarchical all-reduce over nodes of `local` consecutive ranks: a ring
+/// reduce-scatter within each node leaves local rank `l` with slice `l` of the node's
+/// sum; the ranks holding slice `l` on every node all-reduce it in a ring across the
+/// nodes; a ring all-gather within each node hands every slice to every rank. Each rank
+/// sends `2 (L-1)/L` of the buffer within its node and `2 (M-1)/M` of its slice
+/// (`1/L` of the buffer) across nodes, against a flat ring's `2 (N-1)/N` of the buffer,
+/// whose every step waits on the slowest link. Every rank ends with the same values
+/// (each slice is summed by one rank's ring and then copied). With `mean` the sum is
+/// divided by N at the end, as the flat ring does.
+pub fn hierarchical_all_reduce(
+    comm: &mut dyn Communicator,
+    buf: &mut [f32],
+    mean: bool,
+    local: usize,
+) -> Result<LinkBytes, RuntimeError> {
+    let (n, r) = (comm.size(), comm.rank());
+    if local < 2 || !n.is_multiple_of(local) {
+        return Err(RuntimeError::Config(format!(
+            "a hierarchical all-reduce over nodes of {local} ranks needs a multiple of \
+             {local} ranks (at least 2 per node), not {n}"
+        )));
+    }
+    let (nodes, node, l) = (n / local, r / local, r % local);
+    let within: Vec<usize> = (0..local).map(|i| node * local + i).collect();
+    let across: Vec<usize> = (0..nodes).map(|k| k * local + l).collect();
+    let mut bytes = LinkBytes {
+        intra_node: ring_reduce_scatter(comm, &within, l, buf)?,
+        ..Default::default()
+    };
+    let slice = chunk_range(buf.len(), local, l);
+    if nodes > 1 {
+        bytes.inter_node += ring_reduce_scatter(comm, &across, node, &mut buf[slice.clone()])?;
+        bytes.inter_node += ring_all_gather(comm, &across, node, &mut buf[slice])?;
+    }
+    bytes.intra_node += ring_all_gather(comm, &within, l, buf)?;
+    if mean {
+        let d = n as f32;
+        buf.iter_mut().for_each(|x| *x /= d);
+    }
+    Ok(bytes)
+}
+
+/// The bytes one rank sends in a hierarchical all-reduce of `elems` f32 over nodes of
+/// `local` ranks out of `n` (rank `rank`): what [`hierarchical_all_reduce`] returns.
+pub fn hierarchical_bytes(elems: usize, n: usize, local: usize, rank: usize) -> LinkBytes {
+    let (nodes, l) = (n / local.max(1), rank % local.max(1));
+    // Each ring phase sends m-1 chunks, in its schedule's order (the reduce-scatter's
+    // first chunk is pos-1's, the all-gather's pos's own).
+    let chunks = |len: usize, m: usize, pos: usize, scatter: bool| -> u64 {
+        (0..m.saturating_sub(1))
+            .map(|s| {
+                let c = if scatter {
+                    (pos + 2 * m - s - 1) % m
+                } else {
+                    (pos + m - s) % m
+                };
+                4 * chunk_range(len, m, c).len() as u64
+            })
+            .sum()
+    };
+    let slice = chunk_range(elems, local, l).len();
+    let intra = chunks(elems, local, l, true) + chunks(elems, local, l, false);
+    let inter = if nodes > 1 {
+        let node = rank / local;
+        chunks(slice, nodes, node, true) + chunks(slice, nodes, node, false)
+    } else {
+        0
+    };
+    LinkBytes {
+        intra_node: intra,
+        inter_node: inter,
+    }
+}

@@ -436,7 +436,7 @@ impl NcclComm {
         let f32t = nccl_sys::ncclDataType_t::ncclFloat32;
         let elems = |t: &ValueType| t.dense_type().dims().iter().product::<usize>();
         match (op, in_ty) {
-            (Op::AllReduce { reduce }, ValueType::Tensor(_)) => {
+            (Op::AllReduce { reduce, .. }, ValueType::Tensor(_)) => {
                 let len = elems(in_ty);
                 // SAFETY: `input` and `output` are live device buffers of `len` f32
                 // (the plan's types); the stream belongs to the communicator's device.

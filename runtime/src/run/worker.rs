@@ -211,6 +211,7 @@ fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> 
     };
     let sum = Op::AllReduce {
         reduce: ReduceOp::Sum,
+        ranks_per_node: 0,
     };
     let over_data = hook
         .start_collective(NodeId(u32::MAX), &sum, flag(), step as u64)?
@@ -379,7 +380,7 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
     let n = comm.size();
     match (op, value) {
         // A 16-bit gradient wire (`--grad-wire`).
-        (Op::AllReduce { reduce }, Value::Tensor(t)) if t.dtype().is_half() => {
+        (Op::AllReduce { reduce, .. }, Value::Tensor(t)) if t.dtype().is_half() => {
             let wire = t.dtype();
             let wide = t.cast(DType::F32).and_then(|w| w.as_f32().cloned());
             let Some(mut a) = wide.map(|a| a.as_standard_layout().into_owned()) else {
@@ -394,14 +395,25 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
             })?;
             Ok(Value::Tensor(back))
         }
-        (Op::AllReduce { reduce }, Value::Tensor(Tensor::F32(mut a))) => {
+        (
+            Op::AllReduce {
+                reduce,
+                ranks_per_node,
+            },
+            Value::Tensor(Tensor::F32(mut a)),
+        ) => {
             let buf = a.as_slice_mut().ok_or_else(|| {
                 RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
             })?;
-            comm.all_reduce(buf, *reduce == ReduceOp::Mean)?;
+            let mean = *reduce == ReduceOp::Mean;
+            if *ranks_per_node > 1 {
+                crate::comm::hierarchical_all_reduce(comm, buf, mean, *ranks_per_node)?;
+            } else {
+                comm.all_reduce(buf, mean)?;
+            }
             Ok(Value::Tensor(Tensor::F32(a)))
         }
-        (Op::AllReduce { reduce }, Value::Tensor(Tensor::F64(mut a))) => {
+        (Op::AllReduce { reduce, .. }, Value::Tensor(Tensor::F64(mut a))) => {
             let buf = a.as_slice_mut().ok_or_else(|| {
                 RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
             })?;

@@ -262,7 +262,7 @@ impl CommCore {
         };
         // What this rank's output gets: (offset, bytes) pieces.
         let writes: Vec<(usize, Vec<u8>)> = match (op, in_ty) {
-            (Op::AllReduce { reduce: r }, ValueType::Tensor(_)) => {
+            (Op::AllReduce { reduce: r, .. }, ValueType::Tensor(_)) => {
                 vec![(
                     0,
                     bytes_of(&reduce(all.iter().map(|p| f32s(p)).collect(), r)),
