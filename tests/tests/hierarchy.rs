@@ -94,14 +94,14 @@ fn hierarchical_all_reduces_train_what_one_device_trains() {
 
 #[test]
 fn nodes_that_do_not_divide_the_workers_are_refused() {
-    let e = compile_file(
+    let Err(e) = compile_file(
         &example("dense_mlp.dsl"),
         &CompileOptions {
             strategy: nodes(6, 4, Link::default_intra()),
             ..Default::default()
         },
-    )
-    .err()
-    .expect("refused");
+    ) else {
+        panic!("6 workers in nodes of 4 compiled");
+    };
     assert!(e.to_string().contains("cannot fill nodes of 4"), "{e}");
 }
