@@ -36,23 +36,35 @@ export DISTC_REPO="$PWD"
 nvidia-smi -L | tee "$results/gpu.txt"
 
 failed=0
+# Each test binary in its own process, all at once (the GPU is shared by processes;
+# tests inside a binary run one at a time), each stopped after TEST_TIMEOUT seconds
+# so that one hang cannot eat a lease. FILTER narrows every binary's tests.
+test_timeout="${TEST_TIMEOUT:-400}"
+pids=()
 for t in gpu-bin/distc-*; do
   name=$(basename "$t")
+  timeout "$test_timeout" "$t" --nocapture --test-threads 1 ${FILTER:-} >"$results/$name.log" 2>&1 &
+  pids+=("$!:$name")
+done
+for p in "${pids[@]}"; do
+  pid=${p%%:*} name=${p#*:}
   echo "== $name"
-  if "$t" --nocapture --test-threads 1 >"$results/$name.log" 2>&1; then
+  if wait "$pid"; then
     grep -E "^test result|skipping" "$results/$name.log" | tail -5
   else
     failed=1
-    tail -40 "$results/$name.log"
+    grep -E "^test .* FAILED|^test result|panicked" "$results/$name.log" | head -20
+    tail -25 "$results/$name.log"
   fi
 done
+[ "${TESTS_ONLY:-0}" = 1 ] && exit $failed
 # The user's commands on the GPU: verify (a distributed plan on the GPU against one
 # device), --profile (where a step's time goes), NCCL with one rank.
 cli() {  # cli NAME ARGS...: runs gpu-bin/distc ARGS, logs to NAME.log
   local name=$1
   shift
   echo "== cli $name: distc $*"
-  if gpu-bin/distc "$@" >"$results/cli.$name.log" 2>&1; then
+  if timeout "${CLI_TIMEOUT:-120}" gpu-bin/distc "$@" >"$results/cli.$name.log" 2>&1; then
     tail -12 "$results/cli.$name.log"
   else
     failed=1

@@ -87,6 +87,9 @@ struct Case {
     rank: usize,
     rng: Pcg64,
     outputs: usize,
+    /// CUDA must give the CPU's bits, not just values within the tolerance (sums
+    /// whose order is specified).
+    exact: bool,
 }
 
 fn f32t(dims: &[usize]) -> TensorType {
@@ -124,6 +127,7 @@ impl Case {
             }],
             rank: 0,
             outputs: 0,
+            exact: false,
         }
     }
 
@@ -423,6 +427,14 @@ fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor) {
     }
 }
 
+fn assert_same_bits(what: &str, gpu: &Tensor, cpu: &Tensor) {
+    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shapes differ");
+    let (g, c) = (gpu.to_f64_vec(), cpu.to_f64_vec());
+    if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != c[i].to_bits()) {
+        panic!("{what}[{i}]: {} on CUDA, {} on the CPU (the same bits expected)", g[i], c[i]);
+    }
+}
+
 /// What every CPU result must satisfy: the graph's type, finite values.
 fn check_cpu(case: &Case, results: &Results) {
     let want: HashMap<String, ValueType> = case
@@ -484,7 +496,12 @@ fn check(case: &Case) -> Results {
                 let d = g
                     .get(name)
                     .unwrap_or_else(|| panic!("{}: run {r}: no `{name}` on CUDA", case.name));
-                assert_close(&format!("{}: run {r}: `{name}`", case.name), d, c);
+                let what = format!("{}: run {r}: `{name}`", case.name);
+                if case.exact {
+                    assert_same_bits(&what, d, c);
+                } else {
+                    assert_close(&what, d, c);
+                }
             }
         }
     }
@@ -1135,12 +1152,25 @@ fn sparse_cases() -> Vec<Case> {
     let hot: Vec<i32> = (0..300)
         .map(|k| if k % 3 == 0 { 5 } else { k * 7 % 40 })
         .collect();
+    // Summed in order of appearance, as on the CPU: the same bits.
     for width in [4, 40] {
         let mut c = Case::new("sparse", format!("unique_rows, a hot row, width {width}"));
+        c.exact = true;
         let s = slices(&mut c, &hot, 40, width);
         c.test(Op::UniqueRows, vec![s]);
+        c.test(Op::Densify, vec![s]);
         cases.push(c);
     }
+    // A row seen more often than one block sorts in shared memory (4096 times; here
+    // about 4180): summed by scanning the batch instead, in the same order.
+    let hottest: Vec<i32> = (0..4600)
+        .map(|k| if k % 11 == 3 { k % 7 } else { 2 })
+        .collect();
+    let mut c = Case::new("sparse", "unique_rows, a row seen over 4096 times");
+    c.exact = true;
+    let s = slices(&mut c, &hottest, 8, 3);
+    c.test(Op::UniqueRows, vec![s]);
+    cases.push(c);
     let mut c = Case::new("sparse", "densify");
     let s = slices(&mut c, &ids, 10, 4);
     c.test(Op::Densify, vec![s]);

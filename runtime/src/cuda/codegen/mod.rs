@@ -452,6 +452,28 @@ __device__ int block_scan(int flag, int* sh, int* total) {
     *total = sh[32];
     return sh[w] + before;
 }
+// The same for any non-negative ints: a butterfly within each warp (at each level a
+// lane in the upper half adds the lower half's sum), then the warps' sums.
+__device__ int block_sum_scan(int v, int* sh, int* total) {
+    unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int incl = v, group = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int other = __shfl_xor_sync(0xffffffffu, group, o);
+        if (lane & o) incl += other;
+        group += other;
+    }
+    __syncthreads();
+    if (lane == 31) sh[w] = incl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (unsigned i = 0; i < (blockDim.x >> 5); ++i) { int c = sh[i]; sh[i] = acc; acc += c; }
+        sh[32] = acc;
+    }
+    __syncthreads();
+    *total = sh[32];
+    return sh[w] + incl - v;
+}
 "#;
 
 /// The deduplicated kernels of one translation unit.

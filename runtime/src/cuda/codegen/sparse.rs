@@ -6,17 +6,19 @@
 //! are sized for the type's `nnz` bound, threads past `count` doing nothing.
 //!
 //! **Repeated rows** ([`unique_launches`]) are summed deterministically, in the order
-//! the CPU sums them: (1) a `V`-sized scratch gets each row id's first position by
-//! `atomicMin` (an integer minimum: the same result whatever the order); (2) one block
-//! scans the positions, keeping each id's first occurrence, so unique rows come in
-//! first-occurrence order, and writes the unique count to device memory; (3) one block
-//! per unique row finds that id's occurrences in position order (a ballot and a block
-//! scan per chunk, in shared memory) and adds their rows in that order, scanning only
-//! from the id's first to its last occurrence (`atomicMax` beside the `atomicMin` of
-//! (1)), with [`LOADS_AHEAD`] rows' loads in flight at once. No float
-//! atomics, so the sums have the same bits every run. `unique_rows`, `densify` and the
-//! sparse optimizer updates share steps (1)-(3) and differ only in what step (3)
-//! writes.
+//! the CPU sums them, in work proportional to the lookups: (1) a `V`-sized scratch
+//! gets each row id's first position by `atomicMin` (an integer minimum: the same
+//! result whatever the order) and its number of occurrences by `atomicAdd`; (2) one
+//! block scans the positions, keeping each id's first occurrence, so unique rows come
+//! in first-occurrence order, and gives each its slot and, by a scan of the counts,
+//! the start of its list of positions; (3) one thread per position appends itself to
+//! its id's list (in any order); (4) one block per unique row sorts its list in
+//! shared memory (bitonic), which restores the order of appearance, and adds the rows
+//! in that order with [`LOADS_AHEAD`] rows' loads in flight at once. An id seen more
+//! than [`SORT_CAP`] times in one batch is summed by scanning the batch from its first
+//! occurrence instead (a ballot and a block scan per chunk). No float atomics, so the
+//! sums have the same bits every run. `unique_rows`, `densify` and the sparse
+//! optimizer updates share steps (1)-(4) and differ only in what step (4) writes.
 
 use super::{row_len, want_f32, want_i32, KArg, Launch, NodeCx, INDEX};
 
@@ -28,6 +30,9 @@ const MAX_COLS: usize = 8;
 /// latency per occurrence, which on an H100 made W1's sparse update 99 µs of a
 /// 176 µs step.
 const LOADS_AHEAD: usize = 8;
+/// Most occurrences of one id sorted in shared memory (16 KiB); an id seen more often
+/// in one batch is summed by scanning the batch from its first occurrence instead.
+pub(crate) const SORT_CAP: usize = 4096;
 
 /// `(table [V, ..], ids) -> [ids.., table.dims[1..]]`: one thread per output element;
 /// an id outside the table reads zeros.
@@ -333,68 +338,182 @@ pub(crate) fn unique_launches(
     sink: UniqueSink,
 ) -> Result<(), String> {
     let first = cx.scratch(4 * rows);
-    let last = cx.scratch(4 * rows);
+    // Occurrences per id from `claim`; `leaders` then overwrites each id's entry with
+    // its unique slot, which `fill` reads.
+    let tally = cx.scratch(4 * rows);
     let lead = cx.scratch(4 * nnz);
+    let start = cx.scratch(4 * (nnz + 1));
+    let cursor = cx.scratch(4 * nnz);
+    let list = cx.scratch(4 * nnz);
     let count = match count_out {
         Some(k) => k,
         None => cx.scratch(4),
     };
     let u = |v: usize| KArg::U64(v as u64);
     let reset = format!(
-        "extern \"C\" __global__ void KNAME(int* first, int* last, u64 n) {{\n{INDEX}    first[i] = 0x7fffffff;\n    last[i] = -1;\n}}\n"
+        "extern \"C\" __global__ void KNAME(int* first, int* tally, u64 n) {{\n{INDEX}    first[i] = 0x7fffffff;\n    tally[i] = 0;\n}}\n"
     );
-    let claim = "extern \"C\" __global__ void KNAME(const void* s, int* first, int* last, u64 nnz, u64 rows) {
+    let claim = "extern \"C\" __global__ void KNAME(const void* s, int* first, int* tally, u64 nnz, u64 rows) {
     u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= nnz || k >= (u64)*sl_count((void*)s)) return;
     int id = sl_idx((void*)s)[k];
     if (id >= 0 && (u64)id < rows) {
         atomicMin(&first[id], (int)k);
-        atomicMax(&last[id], (int)k);
+        atomicAdd(&tally[id], 1);
     }
 }
 "
     .to_string();
-    let leaders = "extern \"C\" __global__ void KNAME(const void* s, const int* first, int* lead, int* ucount, u64 nnz, u64 rows) {
+    let leaders = "extern \"C\" __global__ void KNAME(const void* s, const int* first, int* tally, int* lead, int* start, int* cursor, int* ucount, u64 nnz, u64 rows) {
     __shared__ int sh[33];
     u64 count = (u64)*sl_count((void*)s);
     if (count > nnz) count = nnz;
-    int carry = 0;
+    int carry = 0, offset = 0;
     for (u64 k0 = 0; k0 < count; k0 += blockDim.x) {
         u64 k = k0 + threadIdx.x;
-        int flag = 0;
+        int flag = 0, n = 0, id = -1;
         if (k < count) {
-            int id = sl_idx((void*)s)[k];
+            id = sl_idx((void*)s)[k];
             flag = id >= 0 && (u64)id < rows && first[id] == (int)k;
+            if (flag) n = tally[id];
         }
-        int total;
+        int total, ntotal;
         int p = carry + block_scan(flag, sh, &total);
-        if (flag) lead[p] = (int)k;
+        int o = offset + block_sum_scan(n, sh, &ntotal);
+        if (flag) { lead[p] = (int)k; start[p] = o; cursor[p] = 0; tally[id] = p; }
         carry += total;
+        offset += ntotal;
     }
-    if (threadIdx.x == 0) *ucount = carry;
+    if (threadIdx.x == 0) { *ucount = carry; start[carry] = offset; }
+}
+"
+    .to_string();
+    // Positions are taken last first: on a GPU the appends come in any order, and the
+    // emulator, which runs threads in order, then hands the sort reversed lists.
+    let fill = "extern \"C\" __global__ void KNAME(const void* s, const int* slot, const int* start, int* cursor, int* list, u64 nnz, u64 rows) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 count = (u64)*sl_count((void*)s);
+    if (count > nnz) count = nnz;
+    if (t >= count) return;
+    u64 k = count - 1 - t;
+    int id = sl_idx((void*)s)[k];
+    if (id >= 0 && (u64)id < rows) {
+        int u = slot[id];
+        list[start[u] + atomicAdd(&cursor[u], 1)] = (int)k;
+    }
 }
 "
     .to_string();
     let block = (row.div_ceil(32) * 32).clamp(32, 256);
     let cols = row.div_ceil(block).clamp(1, MAX_COLS);
     let tile = block * cols;
+    // Adds the rows at positions `pos[0..total)` (in that order) into `acc`.
+    let add_listed = |pos: &str| {
+        format!(
+            "int m = 0;
+            for (; m + {AHEAD} <= total; m += {AHEAD}) {{
+                for (int t = 0; t < {cols}; ++t) {{
+                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;
+                    if (c < {row}ull) {{
+                        float v[{AHEAD}];
+                        for (int j = 0; j < {AHEAD}; ++j) v[j] = val[(u64){pos}[m + j] * {row}ull + c];
+                        for (int j = 0; j < {AHEAD}; ++j) acc[t] += v[j];
+                    }}
+                }}
+            }}
+            for (; m < total; ++m) {{
+                const float* src = val + (u64){pos}[m] * {row}ull;
+                for (int t = 0; t < {cols}; ++t) {{
+                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;
+                    if (c < {row}ull) acc[t] += src[c];
+                }}
+            }}",
+            AHEAD = LOADS_AHEAD,
+        )
+    };
+    let tile_open = format!(
+        "for (u64 c0 = 0; c0 < {row}ull; c0 += {tile}ull) {{
+            float acc[{cols}];
+            for (int t = 0; t < {cols}; ++t) acc[t] = 0.0f;"
+    );
+    let tile_close = format!(
+        "for (int t = 0; t < {cols}; ++t) {{
+                u64 c = c0 + (u64)t * {block}ull + threadIdx.x;
+                if (c < {row}ull) {{ float g = acc[t]; {per_col} }}
+            }}
+        }}",
+        per_col = sink.per_col,
+    );
     let gather = format!(
-        "// sum repeated rows of {row} elements{what}\nextern \"C\" __global__ void KNAME(const void* s, const int* lead, const int* last, const int* ucount, u64 nnz{params}) {{\n    __shared__ int sh[33];\n    __shared__ int list[{block}];\n    u64 u = blockIdx.x;\n    if (u >= (u64)*ucount) return;\n    u64 count = (u64)*sl_count((void*)s);\n    if (count > nnz) count = nnz;\n    const int* idx = sl_idx((void*)s);\n    const float* val = sl_val((void*)s, nnz);\n    u64 k0 = (u64)lead[u];\n    int id = idx[k0];\n    u64 end = (u64)last[id] + 1;\n    if (end > count) end = count;\n    if (threadIdx.x == 0) {{ {per_row} }}\n    for (u64 c0 = 0; c0 < {row}ull; c0 += {tile}ull) {{\n        float acc[{cols}];\n        for (int t = 0; t < {cols}; ++t) acc[t] = 0.0f;\n        for (u64 b0 = k0; b0 < end; b0 += {block}ull) {{\n            u64 k = b0 + threadIdx.x;\n            int total;\n            int flag = k < end && idx[k] == id;\n            int p = block_scan(flag, sh, &total);\n            if (flag) list[p] = (int)k;\n            __syncthreads();\n            int m = 0;\n            for (; m + {AHEAD} <= total; m += {AHEAD}) {{\n                for (int t = 0; t < {cols}; ++t) {{\n                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n                    if (c < {row}ull) {{\n                        float v[{AHEAD}];\n                        for (int j = 0; j < {AHEAD}; ++j) v[j] = val[(u64)list[m + j] * {row}ull + c];\n                        for (int j = 0; j < {AHEAD}; ++j) acc[t] += v[j];\n                    }}\n                }}\n            }}\n            for (; m < total; ++m) {{\n                const float* src = val + (u64)list[m] * {row}ull;\n                for (int t = 0; t < {cols}; ++t) {{\n                    u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n                    if (c < {row}ull) acc[t] += src[c];\n                }}\n            }}\n            __syncthreads();\n        }}\n        for (int t = 0; t < {cols}; ++t) {{\n            u64 c = c0 + (u64)t * {block}ull + threadIdx.x;\n            if (c < {row}ull) {{ float g = acc[t]; {per_col} }}\n        }}\n    }}\n}}\n",
-        what = format_args!(": {}", sink.base),
-        AHEAD = LOADS_AHEAD,
+        "// sum repeated rows of {row} elements: {base}
+extern \"C\" __global__ void KNAME(const void* s, const int* lead, const int* start, const int* list, const int* ucount, u64 nnz{params}) {{
+    __shared__ int sh[33];
+    __shared__ int order[{SORT_CAP}];
+    u64 u = blockIdx.x;
+    if (u >= (u64)*ucount) return;
+    u64 count = (u64)*sl_count((void*)s);
+    if (count > nnz) count = nnz;
+    const int* idx = sl_idx((void*)s);
+    const float* val = sl_val((void*)s, nnz);
+    u64 k0 = (u64)lead[u];
+    int id = idx[k0];
+    int from = start[u], len = start[u + 1] - from;
+    if (threadIdx.x == 0) {{ {per_row} }}
+    if (len <= {SORT_CAP}) {{
+        // The id's positions, filled in any order: sorted, they are the order of appearance.
+        int n2 = 1;
+        while (n2 < len) n2 <<= 1;
+        for (int i = threadIdx.x; i < n2; i += blockDim.x) order[i] = i < len ? list[from + i] : 0x7fffffff;
+        __syncthreads();
+        for (int size = 2; size <= n2; size <<= 1) {{
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {{
+                for (int i = threadIdx.x; i < (n2 >> 1); i += blockDim.x) {{
+                    int lo = 2 * stride * (i / stride) + i % stride, hi = lo + stride;
+                    int a = order[lo], b = order[hi];
+                    if ((a > b) == ((lo & size) == 0)) {{ order[lo] = b; order[hi] = a; }}
+                }}
+                __syncthreads();
+            }}
+        }}
+        int total = len;
+        {tile_open}
+            {sorted_add}
+            {tile_close}
+    }} else {{
+        // Too many to sort in shared memory: scan the positions from the first one,
+        // a chunk at a time, keeping this id's.
+        __shared__ int chunk[{block}];
+        {tile_open}
+            for (u64 b0 = k0; b0 < count; b0 += {block}ull) {{
+                u64 k = b0 + threadIdx.x;
+                int total;
+                int flag = k < count && idx[k] == id;
+                int p = block_scan(flag, sh, &total);
+                if (flag) chunk[p] = (int)k;
+                __syncthreads();
+                {chunk_add}
+                __syncthreads();
+            }}
+            {tile_close}
+    }}
+}}
+",
+        base = sink.base,
         params = sink.params,
         per_row = sink.per_row,
-        per_col = sink.per_col,
+        sorted_add = add_listed("order"),
+        chunk_add = add_listed("chunk"),
     );
     let reset = cx.kernel("unique_reset", reset);
     let claim = cx.kernel("unique_claim", claim);
     let leaders = cx.kernel("unique_leaders", leaders);
+    let fill = cx.kernel("unique_fill", fill);
     let gather = cx.kernel(sink.base, gather);
-    cx.launch_1d(&reset, rows, vec![first.clone(), last.clone(), u(rows)])?;
+    cx.launch_1d(&reset, rows, vec![first.clone(), tally.clone(), u(rows)])?;
     cx.launch_1d(
         &claim,
         nnz,
-        vec![src.clone(), first.clone(), last.clone(), u(nnz), u(rows)],
+        vec![src.clone(), first.clone(), tally.clone(), u(nnz), u(rows)],
     )?;
     cx.launch(
         &leaders,
@@ -403,15 +522,31 @@ pub(crate) fn unique_launches(
         vec![
             src.clone(),
             first,
+            tally.clone(),
             lead.clone(),
+            start.clone(),
+            cursor.clone(),
             count.clone(),
             u(nnz),
             u(rows),
         ],
     );
+    cx.launch_1d(
+        &fill,
+        nnz,
+        vec![
+            src.clone(),
+            tally,
+            start.clone(),
+            cursor,
+            list.clone(),
+            u(nnz),
+            u(rows),
+        ],
+    )?;
     if nnz > 0 {
         let grid = u32::try_from(nnz).map_err(|_| format!("{nnz} rows are too many blocks"))?;
-        let mut args = vec![src, lead, last, count, u(nnz)];
+        let mut args = vec![src, lead, start, list, count, u(nnz)];
         args.extend(sink.args);
         cx.launch(&gather, [grid, 1, 1], block as u32, args);
     }
