@@ -7,7 +7,7 @@
 #
 #   bash scripts/gpu-kernels.sh [WORKLOAD...]     (default: sparse_lm dense_mlp)
 #
-# Environment: STEPS (8), PYTHON (python3, with the nvidia-* CUDA 13 wheels),
+# Environment: FLAGS (more flags for distc train, e.g. "--precision bf16"), STEPS (8), PYTHON (python3, with the nvidia-* CUDA 13 wheels),
 # RESULTS (a folder for the raw ncu output; default a temp folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,9 +33,12 @@ data=()
 [ $# -gt 0 ] || set -- sparse_lm dense_mlp
 for w in "$@"; do
   echo "== $w: $steps steps, CUDA graphs, every kernel timed by ncu"
-  ncu --graph-profiling node --metrics gpu__time_duration.sum --print-summary per-kernel \
+  # --clock-control none: the card's clocks as the training runs find them (ncu's
+  # default locks them to the base clock, which stretches every kernel).
+  ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum \
+    --print-summary per-kernel \
     gpu-bin/distc train "examples/$w.dsl" --device cuda --steps "$steps" --preload --quiet \
-    "${data[@]}" >"$results/ncu.$w.txt" 2>&1 || echo "ncu failed on $w (see $results/ncu.$w.txt)"
+    ${FLAGS:-} "${data[@]}" >"$results/ncu.$w.txt" 2>&1 || echo "ncu failed on $w (see $results/ncu.$w.txt)"
   # Kernel name, invocations and mean duration, longest total first.
   "$py" - "$results/ncu.$w.txt" <<'PY'
 import re, sys

@@ -84,6 +84,8 @@ for w in sparse_lm dense_mlp; do
   cli "profile.$w" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile "${data[@]}"
   cli "profile.$w.nograph" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile \
     --no-cuda-graph "${data[@]}"
+  cli "profile.$w.bf16" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile \
+    --precision bf16 "${data[@]}"
 done
 # Where NCCL with one rank spends its extra time (the same plan as bench/nccl.sh's).
 for w in sparse_lm dense_mlp; do
@@ -93,5 +95,6 @@ done
 [ "${SUITE_ONLY:-0}" = 1 ] && exit $failed
 
 RESULTS="$results" bash bench/gpu.sh gpu-bin/distc 2>&1 | tee "$results/bench.txt"
-RESULTS="$results/nccl" bash bench/nccl.sh gpu-bin/distc 2>&1 | tee "$results/nccl.txt"
+[ "${BENCH_NCCL:-1}" = 1 ] &&
+  RESULTS="$results/nccl" bash bench/nccl.sh gpu-bin/distc 2>&1 | tee "$results/nccl.txt"
 exit $failed

@@ -687,6 +687,57 @@ fn half_cases() -> Vec<Case> {
             vec![r[0]],
         );
         cases.push(c);
+        // Ops with kernels of their own for 16-bit operands (widened as read, narrowed
+        // as written): every activation and its gradient, broadcasting binaries, a
+        // fused chain, sum_to, mean and broadcast_to.
+        let mut c = Case::new("half", format!("element-wise and reductions in {to}"));
+        let x = c.input(&[5, 7], -2.0, 2.0);
+        let d = c.x(&[5, 7]);
+        let b = c.input(&[7], 0.5, 2.0);
+        let (x, d, b) = (
+            c.op(cast.clone(), vec![x]),
+            c.op(cast.clone(), vec![d]),
+            c.op(cast.clone(), vec![b]),
+        );
+        for op in [Op::Neg, Op::Relu, Op::Sigmoid, Op::Tanh, Op::Exp] {
+            let y = c.test(op.clone(), vec![x]);
+            let grad = match op {
+                Op::Relu => Some(Op::ReluGrad),
+                Op::Sigmoid => Some(Op::SigmoidGrad),
+                Op::Tanh => Some(Op::TanhGrad),
+                _ => None,
+            };
+            if let Some(g) = grad {
+                c.test(g, vec![d, y[0]]);
+            }
+        }
+        for op in [Op::Add, Op::Sub, Op::Mul, Op::Div] {
+            c.test(op, vec![x, b]);
+        }
+        c.test(Op::Mul, vec![x, d]);
+        let e = c.test(Op::Exp, vec![b]);
+        c.test(Op::Log, vec![e[0]]);
+        c.test(Op::Fused { expr: fused_expr() }, vec![x, b, b]);
+        c.test(
+            Op::SumTo {
+                shape: Shape(vec![7]),
+            },
+            vec![d],
+        );
+        c.test(
+            Op::Mean {
+                axes: vec![1],
+                keep_dims: true,
+            },
+            vec![d],
+        );
+        c.test(
+            Op::BroadcastTo {
+                shape: Shape(vec![5, 7]),
+            },
+            vec![b],
+        );
+        cases.push(c);
         let mut c = Case::new("half", format!("conv2d {to}"));
         let x = c.x(&[2, 3, 6, 6]);
         let w = c.x(&[4, 3, 3, 3]);
@@ -1146,10 +1197,9 @@ fn sparse_cases() -> Vec<Case> {
     c.output(s);
     c.test(Op::UniqueRows, vec![s]);
     cases.push(c);
-    // A hot row over many chunks (id 5 at every third of 300 positions: more than
-    // the rows whose loads go ahead at once in each chunk, plus a remainder), among
-    // rows seen once or a few times.
-    let hot: Vec<i32> = (0..300)
+    // A hot row (id 5 at every third of 330 positions: 110 = 3 rounds of 32 loads
+    // ahead, one of 8, and 6 one at a time), among rows seen once or a few times.
+    let hot: Vec<i32> = (0..330)
         .map(|k| if k % 3 == 0 { 5 } else { k * 7 % 40 })
         .collect();
     // Summed in order of appearance, as on the CPU: the same bits.

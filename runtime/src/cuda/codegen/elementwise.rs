@@ -8,7 +8,7 @@
 //! reads element `i` before writing element `i`.
 
 use super::index::broadcast_map;
-use super::{flit, want_f32, KArg, Launch, NodeCx, INDEX};
+use super::{flit, want_f32, want_float, KArg, Launch, NodeCx, INDEX};
 use distc_ir::{BinaryFn, DType, FusedExpr, FusedStep, TensorType, UnaryFn};
 
 /// A unary op of the IR.
@@ -90,13 +90,16 @@ impl Bin {
 
 /// `y = f(x)`, one kernel per function for every size.
 pub(crate) fn unary(cx: &mut NodeCx<'_>, f: Un) -> Result<(), String> {
-    let x = cx.tin(0)?.clone();
-    want_f32(&x, "input 0")?;
+    let (x, y) = (cx.tin(0)?.clone(), cx.tout(0)?.clone());
+    let (ex, ey) = (want_float(&x, "input 0")?, want_float(&y, "the output")?);
     let n = x.shape.numel();
     let f = f.func();
     let text = format!(
-        "extern \"C\" __global__ void KNAME(const float* x, float* y, u64 n) {{\n{INDEX}    float v = x[i];\n    y[i] = {};\n}}\n",
-        unary_expr(f, "v")
+        "extern \"C\" __global__ void KNAME(const {}* x, {}* y, u64 n) {{\n{INDEX}    float v = {};\n    {}\n}}\n",
+        ex.c(),
+        ey.c(),
+        ex.load("x[i]"),
+        ey.store("y", "i", &unary_expr(f, "v")),
     );
     let name = cx.kernel(f.name(), text);
     cx.launch_1d(
@@ -110,8 +113,11 @@ pub(crate) fn unary(cx: &mut NodeCx<'_>, f: Un) -> Result<(), String> {
 /// output's shape, else one with each operand's broadcast map baked in.
 pub(crate) fn binary(cx: &mut NodeCx<'_>, f: Bin) -> Result<(), String> {
     let (a, b, y) = (cx.tin(0)?.clone(), cx.tin(1)?.clone(), cx.tout(0)?.clone());
-    want_f32(&a, "input 0")?;
-    want_f32(&b, "input 1")?;
+    let (ea, eb, ey) = (
+        want_float(&a, "input 0")?,
+        want_float(&b, "input 1")?,
+        want_float(&y, "the output")?,
+    );
     let n = y.shape.numel();
     let f = f.func();
     let ma = broadcast_map(a.dims(), y.dims())
@@ -119,17 +125,23 @@ pub(crate) fn binary(cx: &mut NodeCx<'_>, f: Bin) -> Result<(), String> {
     let mb = broadcast_map(b.dims(), y.dims())
         .ok_or_else(|| format!("{b} does not broadcast to the output {y}"))?;
     let same = ma.is_identity() && mb.is_identity() && a.dims() == y.dims() && b.dims() == y.dims();
+    let params = format!(
+        "const {}* a, const {}* b, {}* y, u64 n",
+        ea.c(),
+        eb.c(),
+        ey.c()
+    );
     let text = if same {
         format!(
-            "extern \"C\" __global__ void KNAME(const float* a, const float* b, float* y, u64 n) {{\n{INDEX}    y[i] = {};\n}}\n",
-            binary_expr(f, "a[i]", "b[i]")
+            "extern \"C\" __global__ void KNAME({params}) {{\n{INDEX}    {}\n}}\n",
+            ey.store("y", "i", &binary_expr(f, &ea.load("a[i]"), &eb.load("b[i]")))
         )
     } else {
         format!(
-            "// {a} {op} {b} -> {y}\nextern \"C\" __global__ void KNAME(const float* a, const float* b, float* y, u64 n) {{\n{INDEX}    {}\n    {}\n    y[i] = {};\n}}\n",
+            "// {a} {op} {b} -> {y}\nextern \"C\" __global__ void KNAME({params}) {{\n{INDEX}    {}\n    {}\n    {}\n}}\n",
             ma.emit("ia", "i"),
             mb.emit("ib", "i"),
-            binary_expr(f, "a[ia]", "b[ib]"),
+            ey.store("y", "i", &binary_expr(f, &ea.load("a[ia]"), &eb.load("b[ib]"))),
             op = f.name(),
         )
     };
@@ -153,19 +165,37 @@ pub(crate) fn binary(cx: &mut NodeCx<'_>, f: Bin) -> Result<(), String> {
 
 /// `(dy, saved) -> dx` of relu, sigmoid and tanh (operands of one shape).
 pub(crate) fn grad(cx: &mut NodeCx<'_>, g: Grad) -> Result<(), String> {
-    let (d, s) = (cx.tin(0)?.clone(), cx.tin(1)?.clone());
-    want_f32(&d, "dy")?;
-    if d != s {
+    let (d, s, y) = (cx.tin(0)?.clone(), cx.tin(1)?.clone(), cx.tout(0)?.clone());
+    let (ed, es, ey) = (
+        want_float(&d, "dy")?,
+        want_float(&s, "the saved value")?,
+        want_float(&y, "the output")?,
+    );
+    if d.dims() != s.dims() {
         return Err(format!("dy {d} and the saved value {s} differ"));
     }
     let n = d.shape.numel();
     let (base, expr) = match g {
-        Grad::Relu => ("relu_grad", "s[i] > 0.0f ? d[i] : 0.0f"),
-        Grad::Sigmoid => ("sigmoid_grad", "d[i] * s[i] * (1.0f - s[i])"),
-        Grad::Tanh => ("tanh_grad", "d[i] * (1.0f - s[i] * s[i])"),
+        Grad::Relu => ("relu_grad", "sv > 0.0f ? dv : 0.0f"),
+        Grad::Sigmoid => ("sigmoid_grad", "dv * sv * (1.0f - sv)"),
+        Grad::Tanh => ("tanh_grad", "dv * (1.0f - sv * sv)"),
+    };
+    // f32 operands keep the kernels' old text (and their snapshots).
+    let body = if [ed, es, ey].iter().all(|e| e.c() == "float") {
+        format!("y[i] = {};", expr.replace("sv", "s[i]").replace("dv", "d[i]"))
+    } else {
+        format!(
+            "float dv = {}, sv = {};\n    {}",
+            ed.load("d[i]"),
+            es.load("s[i]"),
+            ey.store("y", "i", expr)
+        )
     };
     let text = format!(
-        "extern \"C\" __global__ void KNAME(const float* d, const float* s, float* y, u64 n) {{\n{INDEX}    y[i] = {expr};\n}}\n"
+        "extern \"C\" __global__ void KNAME(const {}* d, const {}* s, {}* y, u64 n) {{\n{INDEX}    {body}\n}}\n",
+        ed.c(),
+        es.c(),
+        ey.c()
     );
     let name = cx.kernel(base, text);
     cx.launch_1d(
@@ -260,15 +290,17 @@ pub fn fused_kernel(
     inputs: &[TensorType],
     output: &TensorType,
 ) -> Result<String, String> {
-    want_f32(output, "the output")?;
+    let ey = want_float(output, "the output")?;
     if expr.steps.is_empty() {
         return Err("the fused expression has no steps".into());
     }
     let mut params = Vec::new();
+    let mut elems = Vec::new();
     let mut maps = String::new();
     for (k, t) in inputs.iter().enumerate() {
-        want_f32(t, &format!("input {k}"))?;
-        params.push(format!("const float* in{k}"));
+        let e = want_float(t, &format!("input {k}"))?;
+        params.push(format!("const {}* in{k}", e.c()));
+        elems.push(e);
         let m = broadcast_map(t.dims(), output.dims())
             .ok_or_else(|| format!("input {k} {t} does not broadcast to the output {output}"))?;
         if t.dims() == output.dims() {
@@ -294,7 +326,7 @@ pub fn fused_kernel(
                         inputs.len()
                     ));
                 }
-                format!("in{k}[o{k}]")
+                elems[*k].load(&format!("in{k}[o{k}]"))
             }
             FusedStep::Const(c) => flit(*c),
             FusedStep::Unary(f, a) => unary_expr(*f, &arg(*a)?),
@@ -303,13 +335,14 @@ pub fn fused_kernel(
         body.push_str(&format!("    float s{s} = {e};\n"));
     }
     let last = expr.steps.len() - 1;
-    params.push("float* y".into());
+    params.push(format!("{}* y", ey.c()));
     params.push("u64 n".into());
     let shapes: Vec<String> = inputs.iter().map(|t| t.to_string()).collect();
     Ok(format!(
-        "// fused ({}) -> {output}\nextern \"C\" __global__ void KNAME({}) {{\n{INDEX}{maps}{body}    y[i] = s{last};\n}}\n",
+        "// fused ({}) -> {output}\nextern \"C\" __global__ void KNAME({}) {{\n{INDEX}{maps}{body}    {}\n}}\n",
         shapes.join(", "),
-        params.join(", ")
+        params.join(", "),
+        ey.store("y", "i", &format!("s{last}"))
     ))
 }
 

@@ -1,11 +1,17 @@
 //! 16-bit values on the device (`--precision bf16|fp16`).
 //!
 //! A bf16 or f16 value is stored in 16 bits (`bf16` / `f16` in the prelude, the bits of
-//! `__nv_bfloat16` / `__half`). Three ops meet them:
+//! `__nv_bfloat16` / `__half`). Ops meet them in four ways:
 //!
 //! - `cast` has its own kernels, one per pair of types, rounding to nearest even.
 //! - `matmul` with 16-bit operands is one cuBLAS GemmEx: 16-bit `A`, `B` and `C`, f32
 //!   accumulation (`CUBLAS_COMPUTE_32F`), on the tensor cores (see [`super::nn`]).
+//! - Element-wise maths (fused chains included), the activation gradients, sums,
+//!   means, `sum_to` and `broadcast_to` have kernels per operand type: each element
+//!   is widened to f32 as it is read and narrowed as it is written (the prelude's
+//!   `widen` and `narrow`), so they cost one launch and 16-bit traffic. These are the
+//!   ops between a 16-bit matmul and the next, where most of a 16-bit step's
+//!   launches are.
 //! - Every other op with a 16-bit operand runs its f32 kernels on f32 copies: each
 //!   16-bit input is widened into a scratch buffer first and each 16-bit output
 //!   narrowed from one after. This is what the CPU backend does inside its kernels,
@@ -48,6 +54,26 @@ pub(super) fn lower(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
     match op {
         Op::Cast { .. } => node_kernels(op, cx),
         Op::MatMul { .. } if same_dtype(cx) => node_kernels(op, cx),
+        // Element-wise maths and plain reductions read and write 16 bits themselves
+        // (widen, compute in f32, narrow): no copies, one launch.
+        Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Neg
+        | Op::Relu
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Exp
+        | Op::Log
+        | Op::ReluGrad
+        | Op::SigmoidGrad
+        | Op::TanhGrad
+        | Op::Fused { .. }
+        | Op::Sum { .. }
+        | Op::Mean { .. }
+        | Op::SumTo { .. }
+        | Op::BroadcastTo { .. } => node_kernels(op, cx),
         _ => widened(op, cx),
     }
 }

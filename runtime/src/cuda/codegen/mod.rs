@@ -607,6 +607,45 @@ impl NodeCx<'_> {
     }
 }
 
+/// The C type of a float operand a kernel reads and writes in its own storage (f32,
+/// or bf16 and f16 through the prelude's `widen` and `narrow`, computing in f32).
+pub(crate) fn want_float(t: &TensorType, what: &str) -> Result<Elem, String> {
+    match t.dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(Elem(t.dtype)),
+        DType::F64 | DType::I32 => Err(format!(
+            "{what} is {t}; the GPU runs f32, bf16 and f16 (and i32 ids)"
+        )),
+    }
+}
+
+/// How a kernel stores a float operand: f32 as `float`, 16-bit types in 16 bits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Elem(DType);
+
+impl Elem {
+    pub(crate) fn c(self) -> &'static str {
+        half::c_type(self.0).unwrap_or("float")
+    }
+
+    /// The f32 value of `e` (an element of this type).
+    pub(crate) fn load(self, e: &str) -> String {
+        if self.0 == DType::F32 {
+            e.to_string()
+        } else {
+            format!("widen({e})")
+        }
+    }
+
+    /// The statement storing the f32 value `v` at `ptr[at]`.
+    pub(crate) fn store(self, ptr: &str, at: &str, v: &str) -> String {
+        if self.0 == DType::F32 {
+            format!("{ptr}[{at}] = {v};")
+        } else {
+            format!("narrow({ptr} + {at}, {v});")
+        }
+    }
+}
+
 /// Checks a dense type is f32 (the device trains in f32).
 pub(crate) fn want_f32(t: &TensorType, what: &str) -> Result<(), String> {
     if t.dtype == DType::F32 {

@@ -8,7 +8,7 @@
 //! of the kept and the reduced axes are baked in.
 
 use super::index::{broadcast_map, reduction_maps};
-use super::{flit, want_f32, want_i32, KArg, NodeCx, INDEX};
+use super::{flit, want_f32, want_float, want_i32, Elem, KArg, NodeCx, INDEX};
 use distc_ir::shape::broadcasts_to;
 use distc_ir::TensorType;
 
@@ -33,6 +33,8 @@ fn reduce_kernel(
     mean: bool,
     outputs: usize,
 ) -> Result<(), String> {
+    let ex = want_float(x, "input 0")?;
+    let ey: Elem = want_float(cx.tout(0)?, "the output")?;
     let (kept, red) = reduction_maps(x.dims(), axes);
     if kept.len() != outputs {
         return Err(format!(
@@ -47,9 +49,13 @@ fn reduce_kernel(
         "acc".into()
     };
     let text = format!(
-        "// {what} of {x} over axes {axes:?}\nextern \"C\" __global__ void KNAME(const float* x, float* y) {{\n    __shared__ float sh[32];\n    u64 o = blockIdx.x;\n    {}\n    float acc = 0.0f;\n    for (u64 r = threadIdx.x; r < {count}ull; r += blockDim.x) {{\n        {}\n        acc += x[base + off];\n    }}\n    acc = block_sum(acc, sh);\n    if (threadIdx.x == 0) y[o] = {fin};\n}}\n",
+        "// {what} of {x} over axes {axes:?}\nextern \"C\" __global__ void KNAME(const {}* x, {}* y) {{\n    __shared__ float sh[32];\n    u64 o = blockIdx.x;\n    {}\n    float acc = 0.0f;\n    for (u64 r = threadIdx.x; r < {count}ull; r += blockDim.x) {{\n        {}\n        acc += {};\n    }}\n    acc = block_sum(acc, sh);\n    if (threadIdx.x == 0) {}\n}}\n",
+        ex.c(),
+        ey.c(),
         kept.emit("base", "o"),
         red.emit("off", "r"),
+        ex.load("x[base + off]"),
+        ey.store("y", "o", &fin),
         what = if mean { "mean" } else { "sum" },
     );
     let name = cx.kernel(if mean { "mean" } else { "sum" }, text);
@@ -67,7 +73,6 @@ fn reduce_kernel(
 /// Sum or mean over `axes` (sorted, distinct): kept size-1 axes do not move data.
 pub(crate) fn sum_axes(cx: &mut NodeCx<'_>, axes: &[usize], mean: bool) -> Result<(), String> {
     let x = cx.tin(0)?.clone();
-    want_f32(&x, "input 0")?;
     if axes.windows(2).any(|w| w[0] >= w[1]) || axes.iter().any(|&a| a >= x.dims().len()) {
         return Err(format!(
             "axes {axes:?} are not sorted, distinct axes of {x}"
@@ -80,7 +85,6 @@ pub(crate) fn sum_axes(cx: &mut NodeCx<'_>, axes: &[usize], mean: bool) -> Resul
 /// Sums `x` down to the output's shape over its broadcast axes.
 pub(crate) fn sum_to(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let (x, y) = (cx.tin(0)?.clone(), cx.tout(0)?.clone());
-    want_f32(&x, "input 0")?;
     if !broadcasts_to(y.dims(), x.dims()) {
         return Err(format!("{x} cannot be summed down to {y}"));
     }
@@ -94,12 +98,19 @@ pub(crate) fn sum_to(cx: &mut NodeCx<'_>) -> Result<(), String> {
 /// Broadcasts `x` to the output's shape: one thread per output element.
 pub(crate) fn broadcast_to(cx: &mut NodeCx<'_>) -> Result<(), String> {
     let (x, y) = (cx.tin(0)?.clone(), cx.tout(0)?.clone());
-    want_f32(&x, "input 0")?;
+    let (ex, ey) = (want_float(&x, "input 0")?, want_float(&y, "the output")?);
     let map = broadcast_map(x.dims(), y.dims())
         .ok_or_else(|| format!("{x} does not broadcast to {y}"))?;
     let n = y.shape.numel();
+    let copy = if ex == ey {
+        "y[i] = x[o];".to_string()
+    } else {
+        ey.store("y", "i", &ex.load("x[o]"))
+    };
     let text = format!(
-        "// broadcast {x} to {y}\nextern \"C\" __global__ void KNAME(const float* x, float* y, u64 n) {{\n{INDEX}    {}\n    y[i] = x[o];\n}}\n",
+        "// broadcast {x} to {y}\nextern \"C\" __global__ void KNAME(const {}* x, {}* y, u64 n) {{\n{INDEX}    {}\n    {copy}\n}}\n",
+        ex.c(),
+        ey.c(),
         map.emit("o", "i")
     );
     let name = cx.kernel("broadcast", text);

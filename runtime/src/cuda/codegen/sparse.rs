@@ -14,9 +14,9 @@
 //! the start of its list of positions; (3) one thread per position appends itself to
 //! its id's list (in any order); (4) one block per unique row sorts its list in
 //! shared memory (bitonic), which restores the order of appearance, and adds the rows
-//! in that order with [`LOADS_AHEAD`] rows' loads in flight at once. An id seen more
-//! than [`SORT_CAP`] times in one batch is summed by scanning the batch from its first
-//! occurrence instead (a ballot and a block scan per chunk). No float atomics, so the
+//! in that order with up to 32 rows' loads in flight at once ([`LOADS_AHEAD`]). An id
+//! seen more than [`SORT_CAP`] times in one batch is summed by scanning the batch from
+//! its first occurrence instead (a ballot and a block scan per chunk). No float atomics, so the
 //! sums have the same bits every run. `unique_rows`, `densify` and the sparse
 //! optimizer updates share steps (1)-(4) and differ only in what step (4) writes.
 
@@ -25,11 +25,11 @@ use super::{row_len, want_f32, want_i32, KArg, Launch, NodeCx, INDEX};
 /// Most column accumulators a thread keeps while summing a row's occurrences; wider
 /// rows are done in tiles of `block * MAX_COLS` columns (each tile scans again).
 const MAX_COLS: usize = 8;
-/// Rows of one id whose loads are issued before the first is added (in order): a hot
-/// id (Zipf's first ids, a tenth of a batch's lookups) otherwise waits out one memory
-/// latency per occurrence, which on an H100 made W1's sparse update 99 µs of a
-/// 176 µs step.
-const LOADS_AHEAD: usize = 8;
+/// Rows of one id whose loads are issued before the first is added (in order), in
+/// rounds of 32, then 8, then one at a time: a hot id (Zipf's first ids, a tenth of a
+/// batch's lookups) otherwise waits out one memory latency per occurrence, which on
+/// an H100 made W1's sparse update 99 µs of a 176 µs step.
+const LOADS_AHEAD: [usize; 2] = [32, 8];
 /// Most occurrences of one id sorted in shared memory (16 KiB); an id seen more often
 /// in one batch is summed by scanning the batch from its first occurrence instead.
 pub(crate) const SORT_CAP: usize = 4096;
@@ -409,27 +409,33 @@ pub(crate) fn unique_launches(
     let tile = block * cols;
     // Adds the rows at positions `pos[0..total)` (in that order) into `acc`.
     let add_listed = |pos: &str| {
-        format!(
-            "int m = 0;
-            for (; m + {AHEAD} <= total; m += {AHEAD}) {{
+        let mut text = "int m = 0;".to_string();
+        for ahead in LOADS_AHEAD {
+            text.push_str(&format!(
+                "
+            for (; m + {ahead} <= total; m += {ahead}) {{
                 for (int t = 0; t < {cols}; ++t) {{
                     u64 c = c0 + (u64)t * {block}ull + threadIdx.x;
                     if (c < {row}ull) {{
-                        float v[{AHEAD}];
-                        for (int j = 0; j < {AHEAD}; ++j) v[j] = val[(u64){pos}[m + j] * {row}ull + c];
-                        for (int j = 0; j < {AHEAD}; ++j) acc[t] += v[j];
+                        float v[{ahead}];
+                        for (int j = 0; j < {ahead}; ++j) v[j] = val[(u64){pos}[m + j] * {row}ull + c];
+                        for (int j = 0; j < {ahead}; ++j) acc[t] += v[j];
                     }}
                 }}
-            }}
+            }}"
+            ));
+        }
+        text.push_str(&format!(
+            "
             for (; m < total; ++m) {{
                 const float* src = val + (u64){pos}[m] * {row}ull;
                 for (int t = 0; t < {cols}; ++t) {{
                     u64 c = c0 + (u64)t * {block}ull + threadIdx.x;
                     if (c < {row}ull) acc[t] += src[c];
                 }}
-            }}",
-            AHEAD = LOADS_AHEAD,
-        )
+            }}"
+        ));
+        text
     };
     let tile_open = format!(
         "for (u64 c0 = 0; c0 < {row}ull; c0 += {tile}ull) {{
