@@ -431,7 +431,10 @@ fn assert_same_bits(what: &str, gpu: &Tensor, cpu: &Tensor) {
     assert_eq!(gpu.shape(), cpu.shape(), "{what}: shapes differ");
     let (g, c) = (gpu.to_f64_vec(), cpu.to_f64_vec());
     if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != c[i].to_bits()) {
-        panic!("{what}[{i}]: {} on CUDA, {} on the CPU (the same bits expected)", g[i], c[i]);
+        panic!(
+            "{what}[{i}]: {} on CUDA, {} on the CPU (the same bits expected)",
+            g[i], c[i]
+        );
     }
 }
 

@@ -134,7 +134,11 @@ pub(crate) fn binary(cx: &mut NodeCx<'_>, f: Bin) -> Result<(), String> {
     let text = if same {
         format!(
             "extern \"C\" __global__ void KNAME({params}) {{\n{INDEX}    {}\n}}\n",
-            ey.store("y", "i", &binary_expr(f, &ea.load("a[i]"), &eb.load("b[i]")))
+            ey.store(
+                "y",
+                "i",
+                &binary_expr(f, &ea.load("a[i]"), &eb.load("b[i]"))
+            )
         )
     } else {
         format!(
@@ -182,7 +186,10 @@ pub(crate) fn grad(cx: &mut NodeCx<'_>, g: Grad) -> Result<(), String> {
     };
     // f32 operands keep the kernels' old text (and their snapshots).
     let body = if [ed, es, ey].iter().all(|e| e.c() == "float") {
-        format!("y[i] = {};", expr.replace("sv", "s[i]").replace("dv", "d[i]"))
+        format!(
+            "y[i] = {};",
+            expr.replace("sv", "s[i]").replace("dv", "d[i]")
+        )
     } else {
         format!(
             "float dv = {}, sv = {};\n    {}",

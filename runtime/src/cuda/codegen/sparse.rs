@@ -26,9 +26,9 @@ use super::{row_len, want_f32, want_i32, KArg, Launch, NodeCx, INDEX};
 /// rows are done in tiles of `block * MAX_COLS` columns (each tile scans again).
 const MAX_COLS: usize = 8;
 /// Rows of one id whose loads are issued before the first is added (in order), in
-/// rounds of 32, then 8, then one at a time: a hot id (Zipf's first ids, a tenth of a
-/// batch's lookups) otherwise waits out one memory latency per occurrence, which on
-/// an H100 made W1's sparse update 99 µs of a 176 µs step.
+/// rounds of 32, then 8, then the rest (fewer than 8) at once: a hot id (Zipf's first
+/// ids, a tenth of a batch's lookups) otherwise waits out one memory latency per
+/// occurrence, which on an H100 made W1's sparse update 99 µs of a 176 µs step.
 const LOADS_AHEAD: [usize; 2] = [32, 8];
 /// Most occurrences of one id sorted in shared memory (16 KiB); an id seen more often
 /// in one batch is summed by scanning the batch from its first occurrence instead.
@@ -425,13 +425,20 @@ pub(crate) fn unique_launches(
             }}"
             ));
         }
+        // The last few in one round too: loads past the list are skipped, and so are
+        // their adds (adding a zero would turn a -0 sum into +0).
+        let last = LOADS_AHEAD[LOADS_AHEAD.len() - 1];
         text.push_str(&format!(
             "
-            for (; m < total; ++m) {{
-                const float* src = val + (u64){pos}[m] * {row}ull;
+            if (m < total) {{
+                int rest = total - m;
                 for (int t = 0; t < {cols}; ++t) {{
                     u64 c = c0 + (u64)t * {block}ull + threadIdx.x;
-                    if (c < {row}ull) acc[t] += src[c];
+                    if (c < {row}ull) {{
+                        float v[{last}];
+                        for (int j = 0; j < {last}; ++j) if (j < rest) v[j] = val[(u64){pos}[m + j] * {row}ull + c];
+                        for (int j = 0; j < {last}; ++j) if (j < rest) acc[t] += v[j];
+                    }}
                 }}
             }}"
         ));
