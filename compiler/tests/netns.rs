@@ -6,7 +6,9 @@
 //! ranks talk over TCP across the links as on three machines; and removes everything
 //! it made. Then faults on those links: delay and loss (`tc netem`), and a link taken
 //! down in the middle of a run. Where namespaces cannot be made (no root, no
-//! CAP_NET_ADMIN, no `ip`), each test says so and skips.
+//! CAP_NET_ADMIN, no `ip`), each test says so and skips. Each host has its own host
+//! name (a UTS namespace), so MPI reports one processor name per host: a plan's
+//! nodes are checked against them.
 #![cfg(feature = "mpi")]
 
 use distc_runtime::core::checkpoint;
@@ -28,6 +30,8 @@ const SUBNET: &str = "10.251.0";
 struct Cluster {
     prefix: String,
     hosts: usize,
+    /// Ranks a host takes (the hostfile's slots).
+    slots: usize,
     dir: PathBuf,
 }
 
@@ -45,7 +49,7 @@ fn ip(args: &[&str]) -> Result<(), String> {
 
 impl Cluster {
     /// Makes the namespaces and links, or says why it cannot (the test then skips).
-    fn new(label: &str, hosts: usize) -> Result<Cluster, String> {
+    fn new(label: &str, hosts: usize, slots: usize) -> Result<Cluster, String> {
         static MADE: AtomicUsize = AtomicUsize::new(0);
         let prefix = format!(
             "distc{}-{label}{}",
@@ -54,7 +58,12 @@ impl Cluster {
         );
         let dir = common::temp_dir("netns").join(&prefix);
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        let c = Cluster { prefix, hosts, dir };
+        let c = Cluster {
+            prefix,
+            hosts,
+            slots,
+            dir,
+        };
         // From here on Drop removes whatever was made.
         let hub = c.hub();
         ip(&["netns", "add", &hub])?;
@@ -89,11 +98,13 @@ impl Cluster {
             ip(&["netns", "exec", &hub, "ip", "link", "set", &p, "up"])?;
         }
         let hostfile: String = (0..hosts)
-            .map(|i| format!("{} slots=1\n", Cluster::addr(i)))
+            .map(|i| format!("{} slots={slots}\n", Cluster::addr(i)))
             .collect();
         std::fs::write(c.dir.join("hosts"), hostfile).map_err(|e| e.to_string())?;
         // mpirun starts a daemon on each host as `AGENT HOST COMMAND...`, as it would
-        // with ssh; here the agent runs the command inside that host's namespace.
+        // with ssh; here the agent runs the command inside that host's namespace,
+        // under the host's own name (a UTS namespace of its own), which MPI reports
+        // as the processor name.
         let cases: String = (0..hosts)
             .map(|i| format!("  {}) ns={} ;;\n", Cluster::addr(i), c.ns(i)))
             .collect();
@@ -101,7 +112,7 @@ impl Cluster {
         std::fs::write(
             &agent,
             format!(
-                "#!/bin/sh\nhost=$1\nshift\ncase $host in\n{cases}  *) echo \"no host $host\" >&2; exit 1 ;;\nesac\nexec ip netns exec $ns /bin/sh -c \"$*\"\n"
+                "#!/bin/sh\nhost=$1\nshift\ncase $host in\n{cases}  *) echo \"no host $host\" >&2; exit 1 ;;\nesac\nexec ip netns exec $ns unshare --uts /bin/sh -c \"hostname $ns && $*\"\n"
             ),
         )
         .map_err(|e| e.to_string())?;
@@ -145,36 +156,39 @@ impl Cluster {
 
     /// `mpirun` started on host 0, one rank per host, its traffic on the hosts' links.
     fn mpirun(&self, args: &[&str]) -> Command {
+        self.mpirun_with(&[], args)
+    }
+
+    /// [`Cluster::mpirun`] with more options for mpirun itself (`--map-by node`).
+    fn mpirun_with(&self, options: &[&str], args: &[&str]) -> Command {
         let mut c = Command::new("ip");
         let net = format!("{SUBNET}.0/24");
-        c.args([
-            "netns",
-            "exec",
-            &self.ns(0),
-            "mpirun",
-            "--allow-run-as-root",
-        ])
-        .args(["--hostfile", s(&self.dir.join("hosts"))])
-        .args(["--mca", "plm_rsh_agent", s(&self.dir.join("agent"))])
-        .args(["--mca", "btl", "tcp,self"])
-        .args(["--mca", "btl_tcp_if_include", &net])
-        .args(["--mca", "oob_tcp_if_include", &net])
-        // Three daemons on one machine each publish its hwloc topology in shared
-        // memory at one address, and OpenMPI 4.1's daemons crash doing so at times
-        // (seen here, two starts in seven): no runtime control component.
-        .args(["--mca", "rtc", "^hwloc"])
-        // mpirun notices a host it cannot reach by TCP keepalives on its idle link to
-        // that host's daemon: in 13 s, not OpenMPI's default 8 minutes. (A rank's
-        // --timeout, shorter, reports first; the namespace's tcp_retries2 then ends
-        // the sends that can no longer arrive.)
-        .args(["--mca", "oob_tcp_keepalive_time", "10"])
-        .args(["--mca", "oob_tcp_keepalive_intvl", "1"])
-        .args(["--mca", "oob_tcp_keepalive_probes", "3"])
-        .args(["-x", "MATMUL_NUM_THREADS=1"])
-        .args(["-np", &self.hosts.to_string()])
-        .arg(env!("CARGO_BIN_EXE_distc"))
-        .args(args)
-        .current_dir(root());
+        let ns0 = self.ns(0);
+        c.args(["netns", "exec", &ns0, "unshare", "--uts", "sh", "-c"])
+            .args([r#"hostname "$0" && exec "$@""#, &ns0])
+            .args(["mpirun", "--allow-run-as-root"])
+            .args(["--hostfile", s(&self.dir.join("hosts"))])
+            .args(["--mca", "plm_rsh_agent", s(&self.dir.join("agent"))])
+            .args(["--mca", "btl", "tcp,self"])
+            .args(["--mca", "btl_tcp_if_include", &net])
+            .args(["--mca", "oob_tcp_if_include", &net])
+            // Three daemons on one machine each publish its hwloc topology in shared
+            // memory at one address, and OpenMPI 4.1's daemons crash doing so at times
+            // (seen here, two starts in seven): no runtime control component.
+            .args(["--mca", "rtc", "^hwloc"])
+            // mpirun notices a host it cannot reach by TCP keepalives on its idle link to
+            // that host's daemon: in 13 s, not OpenMPI's default 8 minutes. (A rank's
+            // --timeout, shorter, reports first; the namespace's tcp_retries2 then ends
+            // the sends that can no longer arrive.)
+            .args(["--mca", "oob_tcp_keepalive_time", "10"])
+            .args(["--mca", "oob_tcp_keepalive_intvl", "1"])
+            .args(["--mca", "oob_tcp_keepalive_probes", "3"])
+            .args(["-x", "MATMUL_NUM_THREADS=1"])
+            .args(["-np", &(self.hosts * self.slots).to_string()])
+            .args(options)
+            .arg(env!("CARGO_BIN_EXE_distc"))
+            .args(args)
+            .current_dir(root());
         c
     }
 
@@ -206,7 +220,12 @@ fn cluster(label: &str) -> Option<Cluster> {
         println!("skipping: no mpirun (install OpenMPI: scripts/install-mpi.sh)");
         return None;
     }
-    match Cluster::new(label, 3) {
+    cluster_of(label, 3, 1)
+}
+
+/// [`cluster`] of `hosts` hosts taking `slots` ranks each.
+fn cluster_of(label: &str, hosts: usize, slots: usize) -> Option<Cluster> {
+    match Cluster::new(label, hosts, slots) {
         Ok(c) => Some(c),
         Err(e) => {
             println!("skipping: cannot make network namespaces here: {e}");
@@ -477,4 +496,67 @@ fn a_link_down_mid_run_ends_the_job_naming_the_rank_and_the_state_resumes() {
         same_weights(&whole, &resumed),
         "the state written before the fault does not resume to what one process trains"
     );
+}
+
+/// dense_mlp all-reduced by 4 workers in nodes of 2
+/// (`--ranks-per-node 2`, whose buckets the cost model sends hierarchically).
+fn nodes_plan(c: &Cluster) -> PathBuf {
+    let plan = c.dir.join("nodes.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/dense_mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "--batch",
+        "16",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let p = std::fs::read_to_string(&plan).expect("the plan");
+    assert!(
+        p.contains("ranks_per_node"),
+        "no hierarchical all-reduce in the plan"
+    );
+    plan
+}
+
+#[test]
+fn a_plans_nodes_are_the_hosts_mpi_reports_or_the_job_is_refused() {
+    let Some(c) = cluster_of("nodes", 2, 2) else {
+        return;
+    };
+    let plan = nodes_plan(&c);
+    let one = trained_in_one_process(&c, &plan);
+    // mpirun's default placement fills each host's slots in rank order: workers 0-1 on
+    // the first host, 2-3 on the second, as the plan's nodes.
+    let across = c.dir.join("nodes.safetensors");
+    let run = |extra: &[&str], save: &Path| {
+        let mut args = vec!["run", s(&plan), "--steps", "4", "-q", "--transport", "mpi"];
+        args.extend(["--save", s(save)]);
+        c.mpirun_with(extra, &args).output().expect("mpirun")
+    };
+    let o = run(&[], &across);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        same_weights(&one, &across),
+        "4 workers in 2 hosts' nodes trained other weights than one process"
+    );
+    // Round-robin placement: workers 0 and 2 on the first host, 1 and 3 on the second.
+    let o = run(&["--map-by", "node"], &c.dir.join("refused.safetensors"));
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains(&format!(
+            "worker 0 on {0}, worker 1 on {1}, worker 2 on {0}, worker 3 on {1}",
+            c.ns(0),
+            c.ns(1)
+        )),
+        "{t}"
+    );
+    assert!(t.contains("--map-by ppr:2:node"), "{t}");
 }

@@ -428,3 +428,41 @@ fn hierarchical_all_reduce_sums_like_the_ring_and_sends_what_is_predicted() {
     });
     assert!(message(e.into_iter().next().expect("rank 0")).contains("multiple of 2"));
 }
+
+#[test]
+fn worker_hosts_are_checked_against_the_plans_nodes() {
+    use distc_runtime::comm::check_nodes;
+    let check = |names: &[&str], local: usize| {
+        let hosts: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        check_nodes(&hosts, local)
+    };
+    let refused = |names: &[&str], local: usize| match check(names, local) {
+        Err(e) => e,
+        Ok(note) => panic!("{names:?} in nodes of {local} accepted ({note:?})"),
+    };
+    let noted = |names: &[&str], local: usize| match check(names, local) {
+        Ok(Some(note)) => note,
+        other => panic!("{names:?} in nodes of {local}: no note ({other:?})"),
+    };
+    // Nodes of 2 on hosts of 2, in rank order: as planned.
+    assert_eq!(check(&["a", "a", "b", "b"], 2), Ok(None));
+    // Round-robin placement: a node of the plan spans two hosts.
+    let e = refused(&["a", "b", "a", "b"], 2);
+    assert!(
+        e.contains("worker 0 on a, worker 1 on b, worker 2 on a, worker 3 on b"),
+        "{e}"
+    );
+    assert!(e.contains("--map-by ppr:2:node"), "{e}");
+    // Hosts of 4 for a plan of nodes of 2: the flag that fits is named.
+    let e = refused(&["a", "a", "a", "a", "b", "b", "b", "b"], 2);
+    assert!(e.contains("workers 0-3 on a, workers 4-7 on b"), "{e}");
+    assert!(e.contains("compile with --ranks-per-node 4"), "{e}");
+    // One host for everything: nodes emulated on one machine, allowed with a note.
+    let note = noted(&["a", "a", "a", "a"], 2);
+    assert!(note.contains("all 4 workers run on a"), "{note}");
+    // No hierarchy in the plan: a hint where the hosts come in equal blocks, else none.
+    assert!(noted(&["a", "a", "b", "b"], 0).contains("--ranks-per-node 2"));
+    assert_eq!(check(&["a", "a", "a"], 0), Ok(None));
+    assert_eq!(check(&["a", "b", "a"], 0), Ok(None));
+    assert_eq!(check(&["a", "a", "b"], 0), Ok(None));
+}

@@ -356,3 +356,88 @@ pub fn hierarchical_bytes(elems: usize, n: usize, local: usize, rank: usize) -> 
         inter_node: inter,
     }
 }
+
+/// How the workers' hosts (`hosts[w]`, one name per worker rank, from the MPI
+/// processor names) meet a plan whose hierarchical all-reduces take nodes of `local`
+/// consecutive workers (0: the plan has none).
+///
+/// `Err` when the workers span several hosts and disagree with the plan: a node of the
+/// plan spans hosts, or a host holds workers of several nodes; the message shows where
+/// each worker runs and what to do. `Ok` with a note when one host holds every worker
+/// (nodes emulated on one machine), or when the plan has no hierarchy but the workers
+/// sit on several hosts in equal blocks (what `--ranks-per-node` would describe);
+/// else `Ok(None)`.
+pub fn check_nodes(hosts: &[String], local: usize) -> Result<Option<String>, String> {
+    // Runs of consecutive workers on one host: (host, first, last).
+    let mut runs: Vec<(&str, usize, usize)> = Vec::new();
+    for (w, h) in hosts.iter().enumerate() {
+        match runs.last_mut() {
+            Some((last, _, end)) if *last == h.as_str() => *end = w,
+            _ => runs.push((h, w, w)),
+        }
+    }
+    let layout = runs
+        .iter()
+        .map(|(h, a, b)| {
+            if a == b {
+                format!("worker {a} on {h}")
+            } else {
+                format!("workers {a}-{b} on {h}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let distinct = {
+        let mut names: Vec<&str> = runs.iter().map(|r| r.0).collect();
+        names.sort_unstable();
+        names.dedup();
+        names.len()
+    };
+    // Every host one block, all blocks the same size: the `--ranks-per-node` that
+    // describes this job.
+    let block = runs[..]
+        .first()
+        .map(|r| r.2 - r.1 + 1)
+        .filter(|&k| runs.len() == distinct && runs.iter().all(|r| r.2 - r.1 + 1 == k));
+    if local < 2 {
+        return Ok(match block {
+            Some(k) if k >= 2 && runs.len() >= 2 => Some(format!(
+                "the {} workers run on {} hosts, {k} each ({layout}): compiled with \
+                 --ranks-per-node {k}, the plan's all-reduces could run hierarchically \
+                 where the cost model finds it faster",
+                hosts.len(),
+                runs.len()
+            )),
+            _ => None,
+        });
+    }
+    if distinct == 1 {
+        // One machine standing in for several nodes (a test, a rehearsal): allowed.
+        return Ok(Some(format!(
+            "all {} workers run on {}: the plan's nodes of {local} share its links",
+            hosts.len(),
+            runs[0].0
+        )));
+    }
+    let fits = hosts.iter().enumerate().all(|(w, h)| {
+        hosts
+            .iter()
+            .enumerate()
+            .all(|(v, g)| (w / local == v / local) == (h == g))
+    });
+    if fits {
+        return Ok(None);
+    }
+    let fix = match block {
+        Some(k) if k >= 2 => format!("compile with --ranks-per-node {k}"),
+        Some(_) => "compile without --ranks-per-node (one worker a host)".to_string(),
+        None => format!(
+            "start {local} ranks on each host, in rank order (mpirun --map-by \
+             ppr:{local}:node), or compile without --ranks-per-node"
+        ),
+    };
+    Err(format!(
+        "the plan's hierarchical all-reduces take nodes of {local} consecutive workers \
+         (--ranks-per-node {local}), but {layout}: {fix}"
+    ))
+}

@@ -295,6 +295,65 @@ pub fn pipeline_ranks(stages: usize, ranks: usize) -> String {
     )
 }
 
+/// Bytes of a rank's host name in the start-up exchange.
+const HOST: usize = 256;
+
+/// The workers' hosts (MPI processor names) against the plan's nodes
+/// ([`crate::comm::check_nodes`]): a plan whose hierarchical all-reduces group workers
+/// other than their hosts do is refused on every rank alike; rank 0 prints the notes.
+/// Data-parallel plans only (a pipeline's or a model axis's ranks are not grouped).
+fn check_worker_hosts(
+    world: &SimpleCommunicator,
+    programs: Programs<'_>,
+    roles: Roles,
+    rank: usize,
+    opts: &TrainOptions,
+) -> Result<()> {
+    use distc_ir::Op;
+    let g = programs.worker;
+    let ops = || g.node_ids().into_iter().map(|id| g.op(id));
+    if programs.pipeline.is_some() || ops().any(|op| op.mnemonic().starts_with("model_")) {
+        return Ok(());
+    }
+    let local = ops()
+        .filter_map(|op| match op {
+            Op::AllReduce { ranks_per_node, .. } => Some(*ranks_per_node),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let name = mpi::environment::processor_name().unwrap_or_default();
+    let mut mine = [0u8; HOST];
+    let n = name.len().min(HOST);
+    mine[..n].copy_from_slice(&name.as_bytes()[..n]);
+    let mut all = vec![0u8; HOST * world.size() as usize];
+    scope(|sc| {
+        let req = world.immediate_all_gather_into(sc, &mine[..], &mut all[..]);
+        complete_or_abort(
+            req,
+            world,
+            roles,
+            rank,
+            "the host names' exchange",
+            opts.timeout,
+            Among::World,
+        );
+    });
+    let hosts: Vec<String> = (0..roles.workers)
+        .map(|r| {
+            String::from_utf8_lossy(&all[r * HOST..(r + 1) * HOST])
+                .trim_end_matches('\0')
+                .to_string()
+        })
+        .collect();
+    match crate::comm::check_nodes(&hosts, local) {
+        Ok(Some(note)) if rank == 0 => eprintln!("note: {note}"),
+        Ok(_) => {}
+        Err(e) => return Err(RuntimeError::Config(e)),
+    }
+    Ok(())
+}
+
 /// Dies loudly: prints the rank's error and stops every rank of the job.
 fn fail(
     world: &SimpleCommunicator,
@@ -429,6 +488,7 @@ pub fn run_with<B: Backend>(
             "this MPI gives thread level {threading:?}; distc needs MPI_THREAD_MULTIPLE"
         )));
     }
+    check_worker_hosts(&world, programs, roles, rank, opts)?;
     // From here on, a rank that fails stops the job: the others may be waiting for it.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
