@@ -179,25 +179,15 @@ pub(crate) fn grad(cx: &mut NodeCx<'_>, g: Grad) -> Result<(), String> {
         return Err(format!("dy {d} and the saved value {s} differ"));
     }
     let n = d.shape.numel();
+    // Each operand read through its type (a plain read for f32, so f32 kernels are
+    // what they were).
+    let (dv, sv) = (ed.load("d[i]"), es.load("s[i]"));
     let (base, expr) = match g {
-        Grad::Relu => ("relu_grad", "sv > 0.0f ? dv : 0.0f"),
-        Grad::Sigmoid => ("sigmoid_grad", "dv * sv * (1.0f - sv)"),
-        Grad::Tanh => ("tanh_grad", "dv * (1.0f - sv * sv)"),
+        Grad::Relu => ("relu_grad", format!("{sv} > 0.0f ? {dv} : 0.0f")),
+        Grad::Sigmoid => ("sigmoid_grad", format!("{dv} * {sv} * (1.0f - {sv})")),
+        Grad::Tanh => ("tanh_grad", format!("{dv} * (1.0f - {sv} * {sv})")),
     };
-    // f32 operands keep the kernels' old text (and their snapshots).
-    let body = if [ed, es, ey].iter().all(|e| e.c() == "float") {
-        format!(
-            "y[i] = {};",
-            expr.replace("sv", "s[i]").replace("dv", "d[i]")
-        )
-    } else {
-        format!(
-            "float dv = {}, sv = {};\n    {}",
-            ed.load("d[i]"),
-            es.load("s[i]"),
-            ey.store("y", "i", expr)
-        )
-    };
+    let body = ey.store("y", "i", &expr);
     let text = format!(
         "extern \"C\" __global__ void KNAME(const {}* d, const {}* s, {}* y, u64 n) {{\n{INDEX}    {body}\n}}\n",
         ed.c(),
