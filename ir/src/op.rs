@@ -651,6 +651,31 @@ impl Op {
         ) || self.is_model_collective()
     }
 
+    /// Whether the op is element-wise arithmetic: each output element computed from
+    /// the same element of each input (numpy broadcasting), in f32 whatever the
+    /// storage. The unary and binary maths, the activation gradients, `broadcast_to`,
+    /// and fused chains of them; not `cast`, which changes the type.
+    pub fn is_elementwise_math(&self) -> bool {
+        matches!(
+            self,
+            Op::Add
+                | Op::Sub
+                | Op::Mul
+                | Op::Div
+                | Op::Neg
+                | Op::Relu
+                | Op::Sigmoid
+                | Op::Tanh
+                | Op::Exp
+                | Op::Log
+                | Op::ReluGrad
+                | Op::SigmoidGrad
+                | Op::TanhGrad
+                | Op::BroadcastTo { .. }
+                | Op::Fused { .. }
+        )
+    }
+
     /// Whether the op is a collective over the model axis of a mesh.
     pub fn is_model_collective(&self) -> bool {
         matches!(

@@ -131,25 +131,7 @@ fn float_result(g: &Graph, id: NodeId) -> Option<&TensorType> {
 /// Whether `id` may be a member of a group (constants are absorbed separately).
 fn fusible(g: &Graph, id: NodeId) -> bool {
     let node = g.node(id);
-    let op_ok = matches!(
-        node.op,
-        Op::Add
-            | Op::Sub
-            | Op::Mul
-            | Op::Div
-            | Op::Neg
-            | Op::Relu
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Exp
-            | Op::Log
-            | Op::ReluGrad
-            | Op::SigmoidGrad
-            | Op::TanhGrad
-            | Op::BroadcastTo { .. }
-            | Op::Fused { .. }
-    );
-    op_ok
+    node.op.is_elementwise_math()
         && float_result(g, id).is_some()
         && node
             .inputs

@@ -56,24 +56,11 @@ pub(super) fn lower(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
         Op::MatMul { .. } if same_dtype(cx) => node_kernels(op, cx),
         // Element-wise maths and plain reductions read and write 16 bits themselves
         // (widen, compute in f32, narrow): no copies, one launch.
-        Op::Add
-        | Op::Sub
-        | Op::Mul
-        | Op::Div
-        | Op::Neg
-        | Op::Relu
-        | Op::Sigmoid
-        | Op::Tanh
-        | Op::Exp
-        | Op::Log
-        | Op::ReluGrad
-        | Op::SigmoidGrad
-        | Op::TanhGrad
-        | Op::Fused { .. }
-        | Op::Sum { .. }
-        | Op::Mean { .. }
-        | Op::SumTo { .. }
-        | Op::BroadcastTo { .. } => node_kernels(op, cx),
+        op if op.is_elementwise_math()
+            || matches!(op, Op::Sum { .. } | Op::Mean { .. } | Op::SumTo { .. }) =>
+        {
+            node_kernels(op, cx)
+        }
         _ => widened(op, cx),
     }
 }
