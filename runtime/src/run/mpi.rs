@@ -261,6 +261,8 @@ fn complete_or_abort<'a, D: ?Sized, S: Scope<'a>>(
 
 /// Bytes of a rank's start-up record: plan hash, world size and settings.
 const RECORD: usize = 1024;
+/// Bytes of a rank's host name (MPI's processor name), sent after its record.
+const HOST: usize = 256;
 
 /// The run settings every rank must share, as `name=value` words: steps, the
 /// synchronisation, how data is read, evaluation, tracing (every rank sends spans),
@@ -295,58 +297,27 @@ pub fn pipeline_ranks(stages: usize, ranks: usize) -> String {
     )
 }
 
-/// Bytes of a rank's host name in the start-up exchange.
-const HOST: usize = 256;
-
-/// The workers' hosts (MPI processor names) against the plan's nodes
-/// ([`crate::comm::check_nodes`]): a plan whose hierarchical all-reduces group workers
-/// other than their hosts do is refused on every rank alike; rank 0 prints the notes.
-/// Data-parallel plans only (a pipeline's or a model axis's ranks are not grouped).
-fn check_worker_hosts(
-    world: &SimpleCommunicator,
-    programs: Programs<'_>,
-    roles: Roles,
-    rank: usize,
-    opts: &TrainOptions,
-) -> Result<()> {
+/// The workers' hosts (`hosts[w]`, from the start-up exchange) against the plan's
+/// nodes ([`crate::comm::check_nodes`]): a plan whose hierarchical all-reduces group
+/// workers other than their hosts do is refused on every rank alike; rank 0 prints the
+/// notes. Data-parallel plans only (a pipeline's or a model axis's ranks are not
+/// grouped).
+fn check_worker_hosts(programs: Programs<'_>, hosts: &[String], rank: usize) -> Result<()> {
     use distc_ir::Op;
     let g = programs.worker;
-    let ops = || g.node_ids().into_iter().map(|id| g.op(id));
-    if programs.pipeline.is_some() || ops().any(|op| op.mnemonic().starts_with("model_")) {
+    if programs.pipeline.is_some() || crate::run::worker::model_parts(g) > 1 {
         return Ok(());
     }
-    let local = ops()
-        .filter_map(|op| match op {
+    let local = g
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match g.op(id) {
             Op::AllReduce { ranks_per_node, .. } => Some(*ranks_per_node),
             _ => None,
         })
         .max()
         .unwrap_or(0);
-    let name = mpi::environment::processor_name().unwrap_or_default();
-    let mut mine = [0u8; HOST];
-    let n = name.len().min(HOST);
-    mine[..n].copy_from_slice(&name.as_bytes()[..n]);
-    let mut all = vec![0u8; HOST * world.size() as usize];
-    scope(|sc| {
-        let req = world.immediate_all_gather_into(sc, &mine[..], &mut all[..]);
-        complete_or_abort(
-            req,
-            world,
-            roles,
-            rank,
-            "the host names' exchange",
-            opts.timeout,
-            Among::World,
-        );
-    });
-    let hosts: Vec<String> = (0..roles.workers)
-        .map(|r| {
-            String::from_utf8_lossy(&all[r * HOST..(r + 1) * HOST])
-                .trim_end_matches('\0')
-                .to_string()
-        })
-        .collect();
-    match crate::comm::check_nodes(&hosts, local) {
+    match crate::comm::check_nodes(hosts, local) {
         Ok(Some(note)) if rank == 0 => eprintln!("note: {note}"),
         Ok(_) => {}
         Err(e) => return Err(RuntimeError::Config(e)),
@@ -401,10 +372,15 @@ pub fn run_with<B: Backend>(
         roles.world(),
         agreed_settings(config, opts).join(" ")
     );
-    let mut mine = [0u8; RECORD];
-    let n = record.len().min(mine.len());
-    mine[..n].copy_from_slice(&record.as_bytes()[..n]);
-    let mut all = vec![0u8; RECORD * size];
+    // The host name travels with the record, for the nodes' check below; only the
+    // record must agree.
+    let host = mpi::environment::processor_name().unwrap_or_default();
+    let mut mine = [0u8; RECORD + HOST];
+    for (field, text) in [(0..RECORD, &record), (RECORD..RECORD + HOST, &host)] {
+        let n = text.len().min(field.len());
+        mine[field.start..field.start + n].copy_from_slice(&text.as_bytes()[..n]);
+    }
+    let mut all = vec![0u8; (RECORD + HOST) * size];
     scope(|sc| {
         let req = world.immediate_all_gather_into(sc, &mine[..], &mut all[..]);
         complete_or_abort(
@@ -417,11 +393,13 @@ pub fn run_with<B: Backend>(
             Among::World,
         );
     });
-    let text = |r: usize| {
-        String::from_utf8_lossy(&all[r * RECORD..(r + 1) * RECORD])
+    let slot = |r: usize, at: std::ops::Range<usize>| {
+        let base = r * (RECORD + HOST);
+        String::from_utf8_lossy(&all[base + at.start..base + at.end])
             .trim_end_matches('\0')
             .to_string()
     };
+    let text = |r: usize| slot(r, 0..RECORD);
     let fields = |r: usize| -> Vec<String> { text(r).split('\t').map(str::to_string).collect() };
     let differ: Vec<String> = (1..size)
         .filter(|&r| text(r) != text(0))
@@ -488,7 +466,10 @@ pub fn run_with<B: Backend>(
             "this MPI gives thread level {threading:?}; distc needs MPI_THREAD_MULTIPLE"
         )));
     }
-    check_worker_hosts(&world, programs, roles, rank, opts)?;
+    let hosts: Vec<String> = (0..roles.workers)
+        .map(|r| slot(r, RECORD..RECORD + HOST))
+        .collect();
+    check_worker_hosts(programs, &hosts, rank)?;
     // From here on, a rank that fails stops the job: the others may be waiting for it.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
