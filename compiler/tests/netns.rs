@@ -192,39 +192,55 @@ impl Cluster {
         c
     }
 
-    /// Kills what still runs in the namespaces (a rank cut off from its job).
-    fn kill_all(&self) {
-        for ns in (0..self.hosts).map(|i| self.ns(i)).chain([self.hub()]) {
-            if let Ok(o) = Command::new("ip").args(["netns", "pids", &ns]).output() {
-                for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
-                    let _ = Command::new("kill").args(["-KILL", pid]).status();
-                }
-            }
-        }
+    /// Every namespace the cluster made: the hosts', then the hub's.
+    fn namespaces(&self) -> Vec<String> {
+        (0..self.hosts)
+            .map(|i| self.ns(i))
+            .chain([self.hub()])
+            .collect()
+    }
+
+    /// The processes running in namespace `ns`.
+    fn pids(ns: &str) -> Vec<String> {
+        Command::new("ip")
+            .args(["netns", "pids", ns])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        self.kill_all();
-        for ns in (0..self.hosts).map(|i| self.ns(i)).chain([self.hub()]) {
+        // Whatever still runs there first (a rank cut off from its job).
+        for ns in self.namespaces() {
+            for pid in Cluster::pids(&ns) {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            }
+        }
+        for ns in self.namespaces() {
             let _ = ip(&["netns", "del", &ns]);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
-/// The cluster, or `None` after saying why the test skips.
+/// Three hosts taking one rank each, or `None` after saying why the test skips.
 fn cluster(label: &str) -> Option<Cluster> {
-    if Command::new("mpirun").arg("--version").output().is_err() {
-        println!("skipping: no mpirun (install OpenMPI: scripts/install-mpi.sh)");
-        return None;
-    }
     cluster_of(label, 3, 1)
 }
 
 /// [`cluster`] of `hosts` hosts taking `slots` ranks each.
 fn cluster_of(label: &str, hosts: usize, slots: usize) -> Option<Cluster> {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        println!("skipping: no mpirun (install OpenMPI: scripts/install-mpi.sh)");
+        return None;
+    }
     match Cluster::new(label, hosts, slots) {
         Ok(c) => Some(c),
         Err(e) => {
@@ -234,26 +250,31 @@ fn cluster_of(label: &str, hosts: usize, slots: usize) -> Option<Cluster> {
     }
 }
 
+/// `distc compile MODEL FLAGS.. --batch 16` into the cluster's folder as `name`.
+fn compile(c: &Cluster, name: &str, model: &str, flags: &[&str]) -> PathBuf {
+    let plan = c.dir.join(name);
+    let mut args = vec!["compile", model];
+    args.extend_from_slice(flags);
+    args.extend(["--batch", "16", "-o", s(&plan)]);
+    let o = distc(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    plan
+}
+
 /// sparse_lm as a hybrid plan for 2 workers and 1 server (the embedding on the
 /// server, the dense layers all-reduced): 3 ranks, one per host.
 fn hybrid_plan(c: &Cluster) -> PathBuf {
-    let plan = c.dir.join("plan.json");
-    let o = distc(&[
-        "compile",
-        "examples/sparse_lm.dsl",
-        "--strategy",
-        "hybrid",
-        "--workers",
-        "2",
-        "--servers",
-        "1",
-        "--batch",
-        "16",
-        "-o",
-        s(&plan),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    plan
+    let flags = ["--strategy", "hybrid", "--workers", "2", "--servers", "1"];
+    compile(c, "plan.json", "examples/sparse_lm.dsl", &flags)
+}
+
+/// `mpirun [OPTIONS] distc run PLAN --steps 4 --transport mpi FLAGS.. --save SAVE`
+/// across the cluster.
+fn run_across(c: &Cluster, options: &[&str], plan: &Path, flags: &[&str], save: &Path) -> Output {
+    let mut args = vec!["run", s(plan), "--steps", "4", "-q", "--transport", "mpi"];
+    args.extend_from_slice(flags);
+    args.extend(["--save", s(save)]);
+    c.mpirun_with(options, &args).output().expect("mpirun")
 }
 
 /// Whether two saved models hold the same bits.
@@ -284,20 +305,7 @@ fn a_hybrid_plan_across_three_hosts_trains_what_one_process_trains() {
     let one = trained_in_one_process(&c, &plan);
     let across = c.dir.join("hosts.safetensors");
     let before: Vec<u64> = (0..3).map(|i| c.tx_bytes(i)).collect();
-    let o = c
-        .mpirun(&[
-            "run",
-            s(&plan),
-            "--steps",
-            "4",
-            "-q",
-            "--transport",
-            "mpi",
-            "--save",
-            s(&across),
-        ])
-        .output()
-        .expect("mpirun");
+    let o = run_across(&c, &[], &plan, &[], &across);
     assert!(o.status.success(), "{}", text(&o));
     // Every host's link carried the job: at least the 4 steps' dense gradients
     // (w1 alone is 2 MiB a step) from each worker, requests from the server's host.
@@ -356,22 +364,7 @@ fn slow_and_lossy_links_change_nothing_but_the_time() {
     let applied = degrade_links(&c);
     let across = c.dir.join("slow.safetensors");
     let start = Instant::now();
-    let o = c
-        .mpirun(&[
-            "run",
-            s(&plan),
-            "--steps",
-            "4",
-            "-q",
-            "--transport",
-            "mpi",
-            "--timeout",
-            "120",
-            "--save",
-            s(&across),
-        ])
-        .output()
-        .expect("mpirun");
+    let o = run_across(&c, &[], &plan, &["--timeout", "120"], &across);
     assert!(o.status.success(), "{applied}: {}", text(&o));
     let stats = text(&c.on(2, &["tc", "-s", "qdisc", "show", "dev", "v2"]));
     println!(
@@ -398,11 +391,7 @@ fn wait_for(child: Child, limit: Duration) -> Option<Output> {
 fn distc_left(c: &Cluster) -> Vec<String> {
     let mut left = Vec::new();
     for i in 0..c.hosts {
-        let o = Command::new("ip")
-            .args(["netns", "pids", &c.ns(i)])
-            .output()
-            .expect("ip netns pids");
-        for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+        for pid in Cluster::pids(&c.ns(i)) {
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
             if comm.trim() == "distc" {
                 left.push(format!("pid {pid} on host {i}"));
@@ -501,22 +490,15 @@ fn a_link_down_mid_run_ends_the_job_naming_the_rank_and_the_state_resumes() {
 /// dense_mlp all-reduced by 4 workers in nodes of 2
 /// (`--ranks-per-node 2`, whose buckets the cost model sends hierarchically).
 fn nodes_plan(c: &Cluster) -> PathBuf {
-    let plan = c.dir.join("nodes.plan.json");
-    let o = distc(&[
-        "compile",
-        "examples/dense_mlp.dsl",
+    let flags = [
         "--strategy",
         "allreduce",
         "--workers",
         "4",
         "--ranks-per-node",
         "2",
-        "--batch",
-        "16",
-        "-o",
-        s(&plan),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
+    ];
+    let plan = compile(c, "nodes.plan.json", "examples/dense_mlp.dsl", &flags);
     let p = std::fs::read_to_string(&plan).expect("the plan");
     assert!(
         p.contains("ranks_per_node"),
@@ -535,19 +517,15 @@ fn a_plans_nodes_are_the_hosts_mpi_reports_or_the_job_is_refused() {
     // mpirun's default placement fills each host's slots in rank order: workers 0-1 on
     // the first host, 2-3 on the second, as the plan's nodes.
     let across = c.dir.join("nodes.safetensors");
-    let run = |extra: &[&str], save: &Path| {
-        let mut args = vec!["run", s(&plan), "--steps", "4", "-q", "--transport", "mpi"];
-        args.extend(["--save", s(save)]);
-        c.mpirun_with(extra, &args).output().expect("mpirun")
-    };
-    let o = run(&[], &across);
+    let o = run_across(&c, &[], &plan, &[], &across);
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         same_weights(&one, &across),
         "4 workers in 2 hosts' nodes trained other weights than one process"
     );
     // Round-robin placement: workers 0 and 2 on the first host, 1 and 3 on the second.
-    let o = run(&["--map-by", "node"], &c.dir.join("refused.safetensors"));
+    let refused = c.dir.join("refused.safetensors");
+    let o = run_across(&c, &["--map-by", "node"], &plan, &[], &refused);
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(
