@@ -6,6 +6,7 @@ pub mod dsl;
 pub mod pipeline;
 pub mod plan;
 pub mod plot;
+pub mod simulate;
 pub mod verify;
 
 pub use pipeline::{compile, compile_file, CompileError, CompileOptions, Compiled};

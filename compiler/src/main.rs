@@ -195,6 +195,65 @@ enum Command {
         #[arg(long, value_parser = batch_size)]
         batch: Option<usize>,
     },
+    /// Predict a plan's step on more workers than this machine has: step time, each
+    /// collective's time, how much of it the backward pass hides, scaling efficiency
+    /// and memory per worker, from the plan's own schedule, a profile of one worker on
+    /// this machine and an alpha-beta model of the links (`--link`, or measured by
+    /// `distc calibrate`). Data-parallel plans (all-reduce, servers, ZeRO).
+    Simulate {
+        /// The plan written by `distc compile` (its model is compiled again for the
+        /// target's workers, nodes and links).
+        plan: PathBuf,
+        /// Data-parallel workers to simulate (default: the plan's).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+        workers: Option<u32>,
+        /// Workers per node: nodes of L consecutive workers, each bucket all-reduced as
+        /// one ring or hierarchically, whichever the cost model predicts faster.
+        #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+        ranks_per_node: Option<u32>,
+        /// A link, `intra=BW,LAT` or `inter=BW,LAT` (bytes/s, seconds). Repeatable.
+        #[arg(long, value_name = "KIND=BW,LAT", value_parser = parse_link)]
+        link: Vec<(LinkKind, distc_passes::placement::Link)>,
+        /// A link as `distc calibrate` measured it, `intra=FILE` or `inter=FILE`.
+        #[arg(long, value_name = "KIND=FILE", value_parser = parse_calibration_flag)]
+        calibration: Vec<(LinkKind, PathBuf)>,
+        /// Steps of the profiling run on one worker (the first ones left out).
+        #[arg(long, default_value_t = 6, value_parser = at_least_one)]
+        profile_steps: usize,
+        /// Take op times from this trace of the plan (`distc run PLAN --trace FILE`,
+        /// worker 0) instead of profiling one worker.
+        #[arg(long, value_name = "TRACE.json")]
+        trace: Option<PathBuf>,
+        /// Data directory (default: $DISTC_DATA).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+        /// Output format.
+        #[arg(long, value_enum, default_value = "table")]
+        format: ExplainFormat,
+    },
+    /// Measure the link the collectives run on: all-reduces of growing buffers over N
+    /// ranks (threads, or the ranks of `mpirun -np N distc calibrate --transport mpi`),
+    /// and the alpha-beta fit of them that `distc simulate --calibration` reads.
+    Calibrate {
+        /// `inprocess` (threads) or `mpi` (each rank of mpirun one rank of the ring).
+        #[arg(long, value_enum, default_value = "inprocess")]
+        transport: Transport,
+        /// Ranks of the in-process ring (at least 2).
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+        workers: usize,
+        /// Buffer sizes in bytes (default: 4 KiB to 16 MiB, by 4x).
+        #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
+        sizes: Vec<usize>,
+        /// Timed all-reduces per size (the median is kept).
+        #[arg(long, default_value_t = 7, value_parser = at_least_one)]
+        reps: usize,
+        /// Seconds a collective may take before the run stops with an error naming it.
+        #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
+        timeout: f64,
+        /// Where to write the calibration (JSON).
+        #[arg(short, long, value_name = "CALIBRATION.json")]
+        output: Option<PathBuf>,
+    },
     /// Draw metrics files (`train`/`run --metrics`) as one picture: loss, evaluation
     /// metrics, samples/s and memory by category over steps, the runs overlaid.
     Plot {
@@ -549,6 +608,189 @@ struct CompileArgs {
 enum LinkKind {
     Intra,
     Inter,
+}
+
+/// `intra=FILE` or `inter=FILE`.
+fn parse_calibration_flag(s: &str) -> Result<(LinkKind, PathBuf), String> {
+    match s.split_once('=') {
+        Some(("intra", f)) => Ok((LinkKind::Intra, PathBuf::from(f))),
+        Some(("inter", f)) => Ok((LinkKind::Inter, PathBuf::from(f))),
+        _ => Err(format!("`{s}`: write intra=FILE or inter=FILE")),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn simulate_cmd(
+    plan_path: &Path,
+    workers: Option<usize>,
+    ranks_per_node: Option<usize>,
+    links: &[(LinkKind, distc_passes::placement::Link)],
+    calibrations: &[(LinkKind, PathBuf)],
+    profile_steps: usize,
+    trace: Option<&Path>,
+    data: Option<&Path>,
+    format: ExplainFormat,
+) -> Result<()> {
+    use distc::simulate::{self as sim, Calibration};
+    let (p, programs) = Plan::load(plan_path)?;
+    p.check_runnable().map_err(anyhow::Error::msg)?;
+    let mut target = sim::Target {
+        workers,
+        ranks_per_node,
+        inter: None,
+        intra: None,
+        data_dir: data.map(Path::to_path_buf),
+    };
+    let mut copy_bandwidth = None;
+    for (kind, path) in calibrations {
+        let text = distc_runtime::core::output::read_regular_text(
+            path,
+            distc_runtime::core::output::TEXT_INPUT_LIMIT,
+        )
+        .with_context(|| format!("{}", path.display()))?;
+        let c: Calibration = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a calibration from distc calibrate", path.display()))?;
+        copy_bandwidth = Some(c.copy_bandwidth);
+        match kind {
+            LinkKind::Intra => target.intra = Some(c.link),
+            LinkKind::Inter => target.inter = Some(c.link),
+        }
+    }
+    for (kind, l) in links {
+        match kind {
+            LinkKind::Intra => target.intra = Some(*l),
+            LinkKind::Inter => target.inter = Some(*l),
+        }
+    }
+    let (compiled, settings) = sim::retarget(&p, &programs, &target).map_err(anyhow::Error::msg)?;
+    let single = sim::single_program(&p, data).map_err(anyhow::Error::msg)?;
+    let copy_bandwidth =
+        copy_bandwidth.unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
+    let profile = match trace {
+        Some(path) => {
+            let text = distc_runtime::core::output::read_regular_text(
+                path,
+                distc_runtime::core::output::TEXT_INPUT_LIMIT,
+            )
+            .with_context(|| format!("{}", path.display()))?;
+            let spans = sim::spans_from_trace(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let first = spans.iter().map(|s| s.step).min().unwrap_or(0);
+            let last = spans.iter().map(|s| s.step).max().unwrap_or(0);
+            let skip = if last - first >= 3 { 2 } else { 0 };
+            sim::ComputeProfile::from_spans(
+                &programs.worker,
+                &spans,
+                first + skip,
+                copy_bandwidth,
+                format!("worker 0 of the run traced in {}", path.display()),
+            )
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+        }
+        None => sim::profile_here(&single, profile_steps, data, copy_bandwidth)
+            .map_err(anyhow::Error::msg)?,
+    };
+    let touched = distc::verify::rows_touched(compiled.dist.as_ref());
+    let rows = memory::expected_rows(&compiled.programs.worker, &touched);
+    let mem = memory::estimate(
+        &compiled.programs(settings.workers),
+        &compiled.config,
+        1,
+        false,
+        &rows,
+    )?;
+    let links = sim::Links {
+        intra: settings.intra_link,
+        inter: distc_passes::placement::Link {
+            bandwidth: settings.bandwidth,
+            latency: settings.latency,
+        },
+    };
+    let s = sim::simulate(
+        &compiled.programs.worker,
+        &single.programs.worker,
+        &settings,
+        links,
+        &profile,
+        &rows,
+        mem.per_worker(),
+    );
+    match format {
+        ExplainFormat::Json => out(&format!("{}\n", serde_json::to_string_pretty(&s)?)),
+        ExplainFormat::Table => out(&s.render(&p, &profile)),
+    }
+    Ok(())
+}
+
+fn calibrate_cmd(
+    transport: Transport,
+    workers: usize,
+    sizes: Vec<usize>,
+    reps: usize,
+    timeout: f64,
+    output: Option<&Path>,
+) -> Result<()> {
+    use distc::simulate::Calibration;
+    if let Some(path) = output {
+        distc_runtime::core::output::check_output(path, &[])?;
+    }
+    let sizes = if sizes.is_empty() {
+        (0..6).map(|k| 4096usize << (2 * k)).collect()
+    } else {
+        sizes
+    };
+    let (samples, ranks, hosts) = match transport {
+        Transport::Inprocess => {
+            if workers < 2 {
+                bail!("calibration needs at least 2 ranks (--workers 2 or more)");
+            }
+            let s = distc_runtime::comm::calibrate::sweep_in_process(workers, &sizes, reps)?;
+            (Some(s), workers, 1)
+        }
+        Transport::Mpi => calibrate_mpi(&sizes, reps, timeout)?,
+    };
+    let Some(samples) = samples else {
+        return Ok(());
+    };
+    let c = Calibration::fit(
+        match transport {
+            Transport::Inprocess => "inprocess",
+            Transport::Mpi => "mpi",
+        },
+        ranks,
+        hosts,
+        samples,
+        distc_runtime::comm::calibrate::copy_bandwidth(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    out(&c.render());
+    if let Some(path) = output {
+        write_file(path, serde_json::to_string_pretty(&c)?.as_bytes())?;
+        err(&format!("wrote {}\n", path.display()));
+    }
+    Ok(())
+}
+
+type CalibrationSamples = (Option<Vec<distc_runtime::comm::calibrate::Sample>>, usize, usize);
+
+#[cfg(feature = "mpi")]
+fn calibrate_mpi(sizes: &[usize], reps: usize, timeout: f64) -> Result<CalibrationSamples> {
+    let got = distc_runtime::run::mpi::calibrate(sizes, reps, Duration::from_secs_f64(timeout))?;
+    Ok(match got {
+        Some((samples, hosts)) => {
+            let ranks = hosts.len();
+            let mut distinct = hosts;
+            distinct.sort();
+            distinct.dedup();
+            (Some(samples), ranks, distinct.len())
+        }
+        None => (None, 0, 0),
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn calibrate_mpi(_: &[usize], _: usize, _: f64) -> Result<CalibrationSamples> {
+    bail!("this distc was built without MPI: build it with `--features mpi`")
 }
 
 /// `intra=BW,LAT` or `inter=BW,LAT`.
@@ -1452,6 +1694,35 @@ fn real_main(cli: Cli) -> Result<()> {
                 )),
             }
         }
+        Command::Simulate {
+            plan,
+            workers,
+            ranks_per_node,
+            link,
+            calibration,
+            profile_steps,
+            trace,
+            data,
+            format,
+        } => simulate_cmd(
+            &plan,
+            workers.map(|n| n as usize),
+            ranks_per_node.map(|n| n as usize),
+            &link,
+            &calibration,
+            profile_steps,
+            trace.as_deref(),
+            data.as_deref(),
+            format,
+        )?,
+        Command::Calibrate {
+            transport,
+            workers,
+            sizes,
+            reps,
+            timeout,
+            output,
+        } => calibrate_cmd(transport, workers, sizes, reps, timeout, output.as_deref())?,
         Command::Run { plan, run } => {
             let (p, programs) = Plan::load(&plan)?;
             let r = Runnable::new(&p, &programs)?;

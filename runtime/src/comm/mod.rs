@@ -18,6 +18,7 @@
 //! communicator closes its own channels, so the failure spreads along the ring to every
 //! rank instead of leaving some of them waiting.
 
+pub mod calibrate;
 mod inprocess;
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -941,3 +941,36 @@ fn run_worker_rank<B: Backend>(
         Ok(Some(coordinator.finish(params, outcome.profile, spans)))
     })
 }
+
+/// `distc calibrate` under `mpirun`: [`crate::comm::calibrate::sweep`] over every rank
+/// of the job, each a worker. Rank 0 returns the samples and every rank's host name
+/// (so the caller knows whether the ring crossed machines); the others return `None`.
+pub fn calibrate(
+    sizes: &[usize],
+    reps: usize,
+    timeout: Duration,
+) -> Result<Option<(Vec<crate::comm::calibrate::Sample>, Vec<String>)>> {
+    let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+        .ok_or_else(|| {
+            RuntimeError::Config("MPI was already initialised in this process".into())
+        })?;
+    let world = universe.world();
+    let size = world.size() as usize;
+    let rank = world.rank() as usize;
+    let roles = Roles {
+        workers: size,
+        servers: 0,
+    };
+    let ctl = Arc::new(Comm(world.duplicate()));
+    let mut comm = MpiComm::new(Comm(world.duplicate()), ctl, roles, rank, timeout);
+    let host = mpi::environment::processor_name().unwrap_or_default();
+    let hosts = comm
+        .all_gather(host.into_bytes())?
+        .into_iter()
+        .map(|h| String::from_utf8_lossy(&h).into_owned())
+        .collect();
+    let samples = crate::comm::calibrate::sweep(&mut comm, sizes, reps)?;
+    comm.barrier()?;
+    drop(comm);
+    Ok((rank == 0).then_some((samples, hosts)))
+}

@@ -1,0 +1,976 @@
+//! `distc simulate` and `distc calibrate`: what a plan would do on more workers than
+//! this machine has. One worker's step is replayed from the plan's own schedule, the
+//! program order the executor follows: compute ops one after another on the worker's
+//! thread, each taking the time a profile measured for an op of its kind and types;
+//! collectives in the order they are started on the worker's one communication
+//! thread, each taking the time the alpha-beta model gives it for the target's workers
+//! and links; an op that reads a collective's result waits for it, as the executor's
+//! `wait` does. The step's end, less what the worker computed, is the communication
+//! the backward pass did not hide.
+//!
+//! The alpha-beta parameters come from `--link` or from `distc calibrate`, which times
+//! all-reduces of growing buffers on the real transport (threads, or MPI ranks over
+//! whatever network `mpirun` uses) and fits `2 (N-1) (alpha + bytes / (N bandwidth))`
+//! to them by least squares.
+
+use crate::plan::Plan;
+use distc_ir::{Graph, NodeId, Op, ValueType};
+use distc_passes::cost::INDEX_BYTES;
+use distc_passes::placement::{all_reduce_seconds, Link, StrategyConfig};
+use distc_runtime::comm::calibrate::Sample;
+use distc_runtime::run::trace::Span;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// What `distc calibrate` measured, and the link it fitted.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    /// `inprocess` or `mpi`.
+    pub transport: String,
+    /// Ranks in the ring.
+    pub ranks: usize,
+    /// Distinct hosts among them (1: the ring never left the machine).
+    pub hosts: usize,
+    /// Median seconds per all-reduce by buffer size.
+    pub samples: Vec<Sample>,
+    /// The fitted link.
+    pub link: Link,
+    /// Each sample's time as the fitted link predicts it, in the order of `samples`.
+    pub predicted: Vec<f64>,
+    /// Bytes per second of a memory copy on this machine (packing and unpacking).
+    pub copy_bandwidth: f64,
+}
+
+impl Calibration {
+    /// Fits `t = 2 (N-1) alpha + 2 (N-1)/N bytes / bandwidth` to `samples` by least
+    /// squares, each sample weighted by 1/t so small and large buffers count alike
+    /// (relative error); a negative fitted latency or inverse bandwidth is refitted as 0.
+    pub fn fit(
+        transport: &str,
+        ranks: usize,
+        hosts: usize,
+        samples: Vec<Sample>,
+        copy_bandwidth: f64,
+    ) -> Result<Calibration, String> {
+        if ranks < 2 || samples.len() < 2 {
+            return Err(format!(
+                "a fit needs 2 or more ranks and 2 or more buffer sizes ({ranks} ranks, {} sizes)",
+                samples.len()
+            ));
+        }
+        let n = ranks as f64;
+        // t = a x + b y, with x = 2 (N-1), y = 2 (N-1)/N bytes; a = alpha, b = 1/bw.
+        let rows: Vec<(f64, f64, f64)> = samples
+            .iter()
+            .map(|s| {
+                let w = 1.0 / s.seconds.max(1e-12);
+                (w * 2.0 * (n - 1.0), w * 2.0 * (n - 1.0) / n * s.bytes as f64, w * s.seconds)
+            })
+            .collect();
+        let dot = |f: &dyn Fn(&(f64, f64, f64)) -> f64| rows.iter().map(f).sum::<f64>();
+        let (xx, xy, yy) = (dot(&|r| r.0 * r.0), dot(&|r| r.0 * r.1), dot(&|r| r.1 * r.1));
+        let (xt, yt) = (dot(&|r| r.0 * r.2), dot(&|r| r.1 * r.2));
+        let det = xx * yy - xy * xy;
+        let (mut a, mut b) = if det.abs() > 1e-300 {
+            ((xt * yy - yt * xy) / det, (yt * xx - xt * xy) / det)
+        } else {
+            (0.0, yt / yy.max(1e-300))
+        };
+        if a < 0.0 {
+            a = 0.0;
+            b = yt / yy.max(1e-300);
+        }
+        if b <= 0.0 {
+            // Time does not grow with size here: the largest buffer's rate bounds it.
+            let last = samples.last().expect("two samples");
+            b = last.seconds / (2.0 * (n - 1.0) / n * last.bytes as f64).max(1.0);
+            a = (xt / xx.max(1e-300)).max(0.0);
+        }
+        let link = Link {
+            bandwidth: 1.0 / b,
+            latency: a,
+        };
+        let predicted = samples
+            .iter()
+            .map(|s| ring_all_reduce(s.bytes as f64, ranks, link))
+            .collect();
+        Ok(Calibration {
+            transport: transport.into(),
+            ranks,
+            hosts,
+            samples,
+            link,
+            predicted,
+            copy_bandwidth,
+        })
+    }
+
+    /// A table of the samples against the fit, and the fitted link.
+    pub fn render(&self) -> String {
+        let mut out = format!(
+            "{} ranks over {} ({} host{}); all-reduce, median of the repetitions\n{:>12} {:>12} {:>12} {:>8}\n",
+            self.ranks,
+            self.transport,
+            self.hosts,
+            if self.hosts == 1 { "" } else { "s" },
+            "bytes",
+            "measured us",
+            "fitted us",
+            "error"
+        );
+        for (s, p) in self.samples.iter().zip(&self.predicted) {
+            out += &format!(
+                "{:>12} {:>12.1} {:>12.1} {:>7.1}%\n",
+                s.bytes,
+                s.seconds * 1e6,
+                p * 1e6,
+                100.0 * (p - s.seconds) / s.seconds
+            );
+        }
+        out += &format!(
+            "link: bandwidth {:.4e} B/s, latency {:.3e} s (--link KIND={:.4e},{:.3e}); copies \
+             {:.3e} B/s\n",
+            self.link.bandwidth,
+            self.link.latency,
+            self.link.bandwidth,
+            self.link.latency,
+            self.copy_bandwidth
+        );
+        out
+    }
+}
+
+/// A flat ring all-reduce of `bytes` over `n` ranks on `link`.
+pub fn ring_all_reduce(bytes: f64, n: usize, link: Link) -> f64 {
+    let n = n.max(1) as f64;
+    2.0 * (n - 1.0) * (link.latency + bytes / n / link.bandwidth)
+}
+
+/// What an op costs to compute, from a profile of one worker on this machine.
+#[derive(Clone, Debug, Default)]
+pub struct ComputeProfile {
+    /// Where the times come from, for people.
+    pub source: String,
+    /// Median seconds by [`signature`] (op with attributes, input and output types).
+    pub by_signature: HashMap<String, f64>,
+    /// By mnemonic: (seconds, elements read and written) summed over measured ops,
+    /// for an op of a kind measured at other sizes.
+    pub by_mnemonic: HashMap<&'static str, (f64, f64)>,
+    /// Seconds of the optimizer per byte of gradient it applies.
+    pub optimizer_per_byte: f64,
+    /// Median measured step of the profiled run.
+    pub measured_step: f64,
+    /// Bytes per second of a copy: the cost of an op of a kind never measured.
+    pub copy_bandwidth: f64,
+}
+
+/// An op's identity for its cost: the op with its attributes, its input types and its
+/// result types (a `matmul` of other shapes, or a `conv2d` of another stride, is
+/// another op).
+pub fn signature(g: &Graph, id: NodeId) -> String {
+    let n = g.node(id);
+    let ins: Vec<String> = n
+        .inputs
+        .iter()
+        .map(|v| format!("{:?}", g.value_type(*v)))
+        .collect();
+    format!("{:?} ({}) -> {:?}", n.op, ins.join(", "), n.outputs)
+}
+
+/// Elements an op reads and writes.
+fn elements(g: &Graph, id: NodeId) -> f64 {
+    let n = g.node(id);
+    let count = |t: &ValueType| t.bytes() as f64 / 4.0;
+    n.inputs.iter().map(|v| count(g.value_type(*v))).sum::<f64>()
+        + n.outputs.iter().map(count).sum::<f64>()
+}
+
+/// Bytes of the gradients a worker's optimizer applies in a step (slices: their rows).
+fn applied_bytes(g: &Graph) -> f64 {
+    g.param_grads()
+        .iter()
+        .map(|(_, v)| g.value_type(*v).bytes() as f64)
+        .sum()
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+impl ComputeProfile {
+    /// From the spans of worker 0 of a run of `g` (one span per node run, and an
+    /// `update` and a `step N` span per step), leaving out steps before `from_step`.
+    pub fn from_spans(
+        g: &Graph,
+        spans: &[Span],
+        from_step: u64,
+        copy_bandwidth: f64,
+        source: String,
+    ) -> Result<ComputeProfile, String> {
+        let ids: HashMap<String, NodeId> =
+            g.node_ids().into_iter().map(|id| (id.to_string(), id)).collect();
+        let mut per_node: HashMap<NodeId, Vec<f64>> = HashMap::new();
+        let (mut updates, mut steps) = (Vec::new(), Vec::new());
+        for s in spans
+            .iter()
+            .filter(|s| s.track == "worker 0" && s.step >= from_step)
+        {
+            match &s.node {
+                Some(node) if !s.name.starts_with("wait ") => {
+                    if let Some(id) = ids.get(node) {
+                        per_node.entry(*id).or_default().push(s.dur_us * 1e-6);
+                    }
+                }
+                Some(_) => {}
+                None if s.name == "update" => updates.push(s.dur_us * 1e-6),
+                None if s.name.starts_with("step ") => steps.push(s.dur_us * 1e-6),
+                None => {}
+            }
+        }
+        if per_node.is_empty() {
+            return Err("the profile holds no op of the program's worker 0".into());
+        }
+        let mut by_sig: HashMap<String, Vec<f64>> = HashMap::new();
+        let mut by_mnemonic: HashMap<&'static str, (f64, f64)> = HashMap::new();
+        for (id, mut times) in per_node {
+            let t = median(&mut times);
+            by_sig.entry(signature(g, id)).or_default().push(t);
+            let e = by_mnemonic.entry(g.op(id).mnemonic()).or_default();
+            e.0 += t;
+            e.1 += elements(g, id);
+        }
+        let by_signature = by_sig
+            .into_iter()
+            .map(|(k, v)| (k, v.iter().sum::<f64>() / v.len() as f64))
+            .collect();
+        let applied = applied_bytes(g);
+        Ok(ComputeProfile {
+            source,
+            by_signature,
+            by_mnemonic,
+            optimizer_per_byte: if applied > 0.0 {
+                median(&mut updates) / applied
+            } else {
+                0.0
+            },
+            measured_step: median(&mut steps),
+            copy_bandwidth,
+        })
+    }
+
+    /// Seconds of op `id` of `g`, and how it was found: no kernel (a source or a sink),
+    /// the same op measured, the same kind at another size (scaled by elements), or a
+    /// copy of its bytes.
+    pub fn op_seconds(&self, g: &Graph, id: NodeId) -> (f64, &'static str) {
+        // Sources are borrowed and sinks hand their value over: no kernel runs.
+        if matches!(
+            g.op(id),
+            Op::Input { .. }
+                | Op::Param { .. }
+                | Op::Constant { .. }
+                | Op::Loss
+                | Op::ParamGrad { .. }
+                | Op::Output { .. }
+        ) {
+            return (0.0, "free");
+        }
+        if let Some(t) = self.by_signature.get(&signature(g, id)) {
+            return (*t, "measured");
+        }
+        let elems = elements(g, id);
+        if let Some((t, e)) = self.by_mnemonic.get(g.op(id).mnemonic()) {
+            if *e > 0.0 {
+                return (t * elems / e, "scaled");
+            }
+        }
+        (elems * 4.0 / self.copy_bandwidth.max(1.0), "copy")
+    }
+}
+
+/// The links a simulation uses: within a node, and between nodes (or between any two
+/// workers when the plan has no nodes).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Links {
+    /// Between workers of one node.
+    pub intra: Link,
+    /// Between nodes.
+    pub inter: Link,
+}
+
+/// One communication op of the simulated step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommOp {
+    /// The IR node.
+    pub node: String,
+    /// Its op.
+    pub op: String,
+    /// Bytes of the buffer (one worker's).
+    pub bytes: f64,
+    /// Seconds as the plan runs it.
+    pub seconds: f64,
+    /// An all-reduce's seconds as one ring and as a hierarchy (when the plan has nodes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flat_seconds: Option<f64>,
+    /// ... and hierarchically.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hierarchical_seconds: Option<f64>,
+    /// `flat`, `hierarchical`, `ring` or `servers`.
+    pub how: String,
+    /// When it starts and ends, seconds from the step's start.
+    pub start: f64,
+    /// End.
+    pub end: f64,
+}
+
+/// A simulated step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Simulation {
+    /// Workers.
+    pub workers: usize,
+    /// Workers per node (0: no nodes).
+    pub ranks_per_node: usize,
+    /// The links.
+    pub links: Links,
+    /// Seconds of one worker's step.
+    pub step: f64,
+    /// Seconds the worker computed (ops and optimizer).
+    pub compute: f64,
+    /// Seconds of communication in all (the communication thread's busy time).
+    pub comm: f64,
+    /// Seconds the worker waited on communication (the part not hidden).
+    pub exposed_comm: f64,
+    /// `1 - exposed / comm`: the share of communication the compute hid.
+    pub overlap: f64,
+    /// One device's step (same per-worker batch, no communication), simulated from the
+    /// same profile.
+    pub single_step: f64,
+    /// `single_step / step`: samples per second per worker against one device's.
+    pub scaling_efficiency: f64,
+    /// Bytes one worker holds (variables, gradients, optimizer state, peak activations,
+    /// buckets, its batch).
+    pub memory_per_worker: u128,
+    /// How many ops' times were measured, scaled from another size, or priced as copies
+    /// (sources and sinks, which run no kernel, are none of them).
+    pub op_times: (usize, usize, usize),
+    /// Each communication op, in the order started.
+    pub comms: Vec<CommOp>,
+}
+
+/// The seconds, and the label, of communication op `id` of `g` for `cfg`'s workers on
+/// `links`; `rows`: the expected rows of slices all-gathered (as
+/// [`distc_runtime::run::memory::expected_rows`] gives them).
+fn comm_seconds(
+    g: &Graph,
+    id: NodeId,
+    cfg: &StrategyConfig,
+    links: Links,
+    rows: &HashMap<NodeId, usize>,
+) -> (f64, f64, Option<(f64, f64)>, &'static str) {
+    let n = cfg.data_workers().max(1);
+    let local = cfg.ranks_per_node;
+    let nodes = if local > 0 { n / local.min(n) } else { n };
+    let ring_link = if local <= 1 || nodes > 1 {
+        links.inter
+    } else {
+        links.intra
+    };
+    let node = g.node(id);
+    let in_bytes = node
+        .inputs
+        .first()
+        .map_or(0.0, |v| g.value_type(*v).bytes() as f64);
+    let out_bytes = node.outputs.first().map_or(0.0, |t| t.bytes() as f64);
+    let nf = n as f64;
+    let model_cfg = StrategyConfig {
+        bandwidth: links.inter.bandwidth,
+        latency: links.inter.latency,
+        intra_link: links.intra,
+        ..cfg.clone()
+    };
+    match g.op(id) {
+        Op::AllReduce { ranks_per_node, .. } => {
+            let (flat, hier) = all_reduce_seconds(in_bytes, n, local.max(1), &model_cfg);
+            let both = (local > 1 && nodes > 1).then_some((flat, hier));
+            if *ranks_per_node > 1 {
+                (hier, in_bytes, both, "hierarchical")
+            } else {
+                (flat, in_bytes, both, "flat")
+            }
+        }
+        Op::AllGather { workers, .. } => {
+            // A worker's slice: its expected rows, else the static bound.
+            let slice = match (rows.get(&id), node.outputs.first()) {
+                (Some(r), Some(ValueType::IndexedSlices { dense, .. })) => {
+                    let row: usize = dense.dims().iter().skip(1).product();
+                    (*r as f64 / (*workers).max(1) as f64)
+                        * (row as f64 * dense.dtype.size() as f64 + INDEX_BYTES)
+                }
+                _ => in_bytes,
+            };
+            let t = (nf - 1.0) * (ring_link.latency + slice / ring_link.bandwidth);
+            (t, slice, None, "ring")
+        }
+        Op::ReduceScatter { .. } => {
+            let t = (nf - 1.0) * (ring_link.latency + in_bytes / nf / ring_link.bandwidth);
+            (t, in_bytes, None, "ring")
+        }
+        Op::AllGatherDense { .. } => {
+            let t = (nf - 1.0) * (ring_link.latency + out_bytes / nf / ring_link.bandwidth);
+            (t, out_bytes, None, "ring")
+        }
+        Op::Broadcast { .. } => {
+            let t = (nf - 1.0) * ring_link.latency + in_bytes / ring_link.bandwidth;
+            (t, in_bytes, None, "ring")
+        }
+        op => {
+            // A server's link carries every worker's share of what it holds: N/S times
+            // a worker's bytes when the workers outnumber the servers.
+            let bytes = match op {
+                Op::Pull { .. } | Op::SparsePull { .. } => out_bytes,
+                _ => in_bytes,
+            };
+            let fan_in = (nf / cfg.servers.max(1) as f64).max(1.0);
+            let t = links.inter.latency + bytes * fan_in / links.inter.bandwidth;
+            (t, bytes, None, "servers")
+        }
+    }
+}
+
+/// Ops a worker's thread waits for itself: a pull answers before the program goes on.
+fn blocking(op: &Op) -> bool {
+    matches!(op, Op::Pull { .. } | Op::SparsePull { .. })
+}
+
+/// Replays one step of worker program `g` for `cfg`'s workers on `links`, with op times
+/// from `profile`; `single` is the one-device program of the same model and batch (for
+/// the scaling efficiency), `memory_per_worker` what the caller estimated.
+pub fn simulate(
+    g: &Graph,
+    single: &Graph,
+    cfg: &StrategyConfig,
+    links: Links,
+    profile: &ComputeProfile,
+    rows: &HashMap<NodeId, usize>,
+    memory_per_worker: u128,
+) -> Simulation {
+    let mut done: HashMap<NodeId, f64> = HashMap::new();
+    let (mut clock, mut comm_free, mut compute, mut waited, mut comm) =
+        (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let mut counts = (0, 0, 0);
+    let mut comms = Vec::new();
+    for id in g.topo_order() {
+        let node = g.node(id);
+        let ready = node
+            .inputs
+            .iter()
+            .map(|v| done.get(&v.node).copied().unwrap_or(0.0))
+            .fold(0.0, f64::max);
+        if node.op.is_communication() {
+            let (seconds, bytes, both, how) = comm_seconds(g, id, cfg, links, rows);
+            let start = if blocking(&node.op) {
+                // The worker's thread is the one waiting.
+                let s = clock.max(ready);
+                waited += s + seconds - clock;
+                clock = s + seconds;
+                s
+            } else {
+                let s = ready.max(comm_free).max(clock);
+                comm_free = s + seconds;
+                s
+            };
+            comm += seconds;
+            done.insert(id, start + seconds);
+            comms.push(CommOp {
+                node: id.to_string(),
+                op: node.op.mnemonic().into(),
+                bytes,
+                seconds,
+                flat_seconds: both.map(|b| b.0),
+                hierarchical_seconds: both.map(|b| b.1),
+                how: how.into(),
+                start,
+                end: start + seconds,
+            });
+        } else {
+            let (t, how) = profile.op_seconds(g, id);
+            match how {
+                "measured" => counts.0 += 1,
+                "scaled" => counts.1 += 1,
+                "copy" => counts.2 += 1,
+                _ => {}
+            }
+            if ready > clock {
+                waited += ready - clock;
+                clock = ready;
+            }
+            clock += t;
+            compute += t;
+            done.insert(id, clock);
+        }
+    }
+    // The step's last collectives (a sink reads nothing back) end it too.
+    let end = done.values().copied().fold(clock, f64::max);
+    waited += end - clock;
+    let optimizer = profile.optimizer_per_byte * applied_bytes(g);
+    let step = end + optimizer;
+    let single_step = single
+        .topo_order()
+        .into_iter()
+        .map(|id| profile.op_seconds(single, id).0)
+        .sum::<f64>()
+        + profile.optimizer_per_byte * applied_bytes(single);
+    Simulation {
+        workers: cfg.workers,
+        ranks_per_node: cfg.ranks_per_node,
+        links,
+        step,
+        compute: compute + optimizer,
+        comm,
+        exposed_comm: waited,
+        overlap: if comm > 0.0 { 1.0 - waited / comm } else { 1.0 },
+        single_step,
+        scaling_efficiency: if step > 0.0 { single_step / step } else { 1.0 },
+        memory_per_worker,
+        op_times: counts,
+        comms,
+    }
+}
+
+impl Simulation {
+    /// A summary and one line per communication op.
+    pub fn render(&self, plan: &Plan, profile: &ComputeProfile) -> String {
+        let ms = |s: f64| s * 1e3;
+        let nodes = if self.ranks_per_node > 0 {
+            format!(
+                " in {} nodes of {}",
+                self.workers / self.ranks_per_node.max(1),
+                self.ranks_per_node
+            )
+        } else {
+            String::new()
+        };
+        let mut out = format!(
+            "{} ({}) on {} workers{nodes}\nlinks: intra {:.3e} B/s {:.2e} s, inter {:.3e} B/s \
+             {:.2e} s\ncompute: {} ({} ops measured, {} scaled from another size, {} priced \
+             as copies)\n",
+            plan.model,
+            plan.strategy.name(),
+            self.workers,
+            self.links.intra.bandwidth,
+            self.links.intra.latency,
+            self.links.inter.bandwidth,
+            self.links.inter.latency,
+            profile.source,
+            self.op_times.0,
+            self.op_times.1,
+            self.op_times.2,
+        );
+        out += &format!(
+            "step {:.3} ms: compute {:.3} ms, communication {:.3} ms of which {:.3} ms \
+             exposed (overlap {:.1}%)\none device {:.3} ms a step: scaling efficiency \
+             {:.1}%\nmemory per worker {}\n",
+            ms(self.step),
+            ms(self.compute),
+            ms(self.comm),
+            ms(self.exposed_comm),
+            100.0 * self.overlap,
+            ms(self.single_step),
+            100.0 * self.scaling_efficiency,
+            distc_runtime::run::memory::gib(self.memory_per_worker),
+        );
+        if !self.comms.is_empty() {
+            out += &format!(
+                "{:<8} {:<16} {:>12} {:>13} {:>10} {:>10} {:>10} {:>10}\n",
+                "node", "op", "bytes", "how", "ms", "flat ms", "hier ms", "start ms"
+            );
+            for c in &self.comms {
+                let opt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.3}", ms(x)));
+                out += &format!(
+                    "{:<8} {:<16} {:>12.0} {:>13} {:>10.3} {:>10} {:>10} {:>10.3}\n",
+                    c.node,
+                    c.op,
+                    c.bytes,
+                    c.how,
+                    ms(c.seconds),
+                    opt(c.flat_seconds),
+                    opt(c.hierarchical_seconds),
+                    ms(c.start)
+                );
+            }
+        }
+        out
+    }
+}
+
+/// What `distc simulate` asks for beyond the plan.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Workers (data-parallel) to simulate; none: the plan's.
+    pub workers: Option<usize>,
+    /// Workers per node; none: the plan's.
+    pub ranks_per_node: Option<usize>,
+    /// Link between nodes; none: the plan's (`--bandwidth`, `--latency`).
+    pub inter: Option<Link>,
+    /// Link within a node; none: the plan's.
+    pub intra: Option<Link>,
+    /// Data directory for the profiling run and the sparsity measurement.
+    pub data_dir: Option<std::path::PathBuf>,
+}
+
+/// The plan's programs as they would be compiled for `target`: the plan's own when
+/// nothing changes, else its model compiled again from `plan.source` with the plan's
+/// settings but the target's workers, nodes and links (the hierarchy pass then decides
+/// flat or hierarchical per bucket for those). The model must still compile to the
+/// plan at the plan's own settings, or the simulation would be of another model.
+pub fn retarget(
+    plan: &Plan,
+    programs: &distc_passes::program_set::ProgramSet,
+    target: &Target,
+) -> Result<(crate::Compiled, StrategyConfig), String> {
+    let s = &plan.settings;
+    if s.model > 1 || s.pipeline > 1 {
+        return Err(
+            "simulate covers data-parallel plans (all-reduce, servers, ZeRO); this plan has a \
+             model axis or pipeline stages"
+                .into(),
+        );
+    }
+    let mut settings = s.clone();
+    if let Some(n) = target.workers {
+        settings.workers = n;
+    }
+    if let Some(l) = target.ranks_per_node {
+        settings.ranks_per_node = l;
+    }
+    if let Some(l) = target.inter {
+        settings.bandwidth = l.bandwidth;
+        settings.latency = l.latency;
+    }
+    if let Some(l) = target.intra {
+        settings.intra_link = l;
+    }
+    if settings.strategy == distc_passes::placement::Strategy::Single && settings.workers > 1 {
+        return Err(format!(
+            "the plan is `single`, one device: compile it with a distributed strategy to \
+             simulate {} workers",
+            settings.workers
+        ));
+    }
+    settings.check().map_err(|e| format!("the simulated settings: {e}"))?;
+    let compile = |strategy: &StrategyConfig| {
+        let opts = crate::CompileOptions {
+            batch: Some(plan.config.batch),
+            strategy: strategy.clone(),
+            data_dir: target.data_dir.clone(),
+            ..Default::default()
+        };
+        crate::compile_file(std::path::Path::new(&plan.source), &opts)
+            .map_err(|e| format!("compiling {} again: {e}", plan.source))
+    };
+    let own = compile(s)?;
+    if distc_ir::print(&own.programs.worker) != plan.graph {
+        return Err(format!(
+            "{} no longer compiles to this plan (the model changed, or the plan was \
+             compiled with other flags): compile the plan again",
+            plan.source
+        ));
+    }
+    if settings == *s {
+        let _ = programs;
+        return Ok((own, settings));
+    }
+    Ok((compile(&settings)?, settings))
+}
+
+/// The one-device program of the plan's model and batch.
+pub fn single_program(plan: &Plan, data_dir: Option<&std::path::Path>) -> Result<crate::Compiled, String> {
+    let single = StrategyConfig {
+        strategy: distc_passes::placement::Strategy::Single,
+        workers: 1,
+        servers: 0,
+        sync: distc_passes::placement::SyncMode::Sync,
+        zero: 0,
+        ranks_per_node: 0,
+        grad_wire: distc_passes::placement::Precision::Fp32,
+        ..plan.settings.clone()
+    };
+    let opts = crate::CompileOptions {
+        batch: Some(plan.config.batch),
+        strategy: single,
+        data_dir: data_dir.map(std::path::Path::to_path_buf),
+        ..Default::default()
+    };
+    crate::compile_file(std::path::Path::new(&plan.source), &opts)
+        .map_err(|e| format!("compiling {} for one device: {e}", plan.source))
+}
+
+/// Profiles `single` (the plan's model on one device) on this machine's CPU for
+/// `steps` steps, the first ones (allocation, first touches) left out.
+pub fn profile_here(
+    single: &crate::Compiled,
+    steps: usize,
+    data_dir: Option<&std::path::Path>,
+    copy_bandwidth: f64,
+) -> Result<ComputeProfile, String> {
+    let opts = distc_runtime::run::train::TrainOptions {
+        steps: Some(steps.max(2)),
+        data_dir: data_dir.map(std::path::Path::to_path_buf),
+        global_data: true,
+        trace: true,
+        evaluate: false,
+        ..Default::default()
+    };
+    let report = distc_runtime::run::train::train(
+        single.programs(1),
+        &single.config,
+        &opts,
+        &mut |_| Ok(()),
+    )
+    .map_err(|e| format!("the profiling run: {e}"))?;
+    let first = report.spans.iter().map(|s| s.step).min().unwrap_or(0);
+    let skip = if steps >= 4 { 2 } else { 1 };
+    ComputeProfile::from_spans(
+        &single.programs.worker,
+        &report.spans,
+        first + skip,
+        copy_bandwidth,
+        format!(
+            "one worker profiled on this machine's CPU ({} steps, the first {skip} left out)",
+            steps.max(2)
+        ),
+    )
+}
+
+/// Worker 0's spans from a Chrome trace that `distc run --trace` wrote.
+pub fn spans_from_trace(text: &str) -> Result<Vec<Span>, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not a trace (JSON): {e}"))?;
+    let events = v
+        .get("traceEvents")
+        .and_then(|e| e.as_array())
+        .or_else(|| v.as_array())
+        .ok_or("not a Chrome trace: no traceEvents")?;
+    let mut tracks: HashMap<u64, String> = HashMap::new();
+    for e in events {
+        if e.get("ph").and_then(|p| p.as_str()) == Some("M") {
+            if let (Some(tid), Some(name)) = (
+                e.get("tid").and_then(|t| t.as_u64()),
+                e.pointer("/args/name").and_then(|n| n.as_str()),
+            ) {
+                tracks.insert(tid, name.to_string());
+            }
+        }
+    }
+    let mut spans = Vec::new();
+    for e in events {
+        if e.get("ph").and_then(|p| p.as_str()) != Some("X") {
+            continue;
+        }
+        let track = e
+            .get("tid")
+            .and_then(|t| t.as_u64())
+            .and_then(|t| tracks.get(&t))
+            .cloned()
+            .unwrap_or_default();
+        spans.push(Span {
+            track,
+            name: e.get("name").and_then(|n| n.as_str()).unwrap_or("").into(),
+            node: e.pointer("/args/node").and_then(|n| n.as_str()).map(Into::into),
+            step: e.pointer("/args/step").and_then(|s| s.as_u64()).unwrap_or(0),
+            bytes: None,
+            start_us: e.get("ts").and_then(|t| t.as_f64()).unwrap_or(0.0),
+            dur_us: e.get("dur").and_then(|t| t.as_f64()).unwrap_or(0.0),
+            counters: Vec::new(),
+        });
+    }
+    Ok(spans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distc_passes::placement::Strategy;
+
+    const MODEL: &str = "model m {
+  input x: f32[B, 64]
+  input label: i32[B]
+  param w1: f32[64, 256] = glorot
+  param b1: f32[256] = zeros
+  param w2: f32[256, 256] = glorot
+  param w3: f32[256, 10] = glorot
+  minimize softmax_cross_entropy(relu(relu(x @ w1 + b1) @ w2) @ w3, label)
+}
+train {
+  data = gaussian_classes(features = 64, classes = 10)
+  batch = 8
+  optimizer = sgd(lr = 0.1)
+  steps = 4
+  seed = 1
+}";
+
+    fn compiled(cfg: &StrategyConfig) -> crate::Compiled {
+        let opts = crate::CompileOptions {
+            strategy: cfg.clone(),
+            ..Default::default()
+        };
+        crate::compile("m.dsl", MODEL, &opts).expect("compiles")
+    }
+
+    fn allreduce(workers: usize, local: usize, bucket_mb: f64) -> StrategyConfig {
+        StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers,
+            ranks_per_node: local,
+            bucket_mb,
+            first_bucket_mb: bucket_mb,
+            ..Default::default()
+        }
+    }
+
+    /// Every op priced as a copy at 1 GB/s, the optimizer at 1 ns a byte.
+    fn profile() -> ComputeProfile {
+        ComputeProfile {
+            copy_bandwidth: 1e9,
+            optimizer_per_byte: 1e-9,
+            ..Default::default()
+        }
+    }
+
+    fn run(cfg: &StrategyConfig, links: Links) -> Simulation {
+        let c = compiled(cfg);
+        let single = compiled(&StrategyConfig::default());
+        simulate(
+            &c.programs.worker,
+            &single.programs.worker,
+            cfg,
+            links,
+            &profile(),
+            &HashMap::new(),
+            0,
+        )
+    }
+
+    fn link(bandwidth: f64, latency: f64) -> Link {
+        Link {
+            bandwidth,
+            latency,
+        }
+    }
+
+    #[test]
+    fn the_fit_recovers_the_link_that_made_the_samples() {
+        let truth = link(3e9, 40e-6);
+        let samples = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+            .iter()
+            .map(|&b| Sample {
+                bytes: b,
+                seconds: ring_all_reduce(b as f64, 4, truth),
+            })
+            .collect();
+        let c = Calibration::fit("inprocess", 4, 1, samples, 1e10).unwrap();
+        assert!((c.link.bandwidth / truth.bandwidth - 1.0).abs() < 1e-9, "{:?}", c.link);
+        assert!((c.link.latency / truth.latency - 1.0).abs() < 1e-9, "{:?}", c.link);
+        for (s, p) in c.samples.iter().zip(&c.predicted) {
+            assert!((p / s.seconds - 1.0).abs() < 1e-9);
+        }
+        assert!(Calibration::fit("inprocess", 1, 1, c.samples.clone(), 1e10).is_err());
+    }
+
+    #[test]
+    fn a_free_network_costs_nothing_and_the_step_is_the_one_device_step() {
+        let s = run(&allreduce(8, 0, 25.0), Links {
+            intra: link(1e30, 0.0),
+            inter: link(1e30, 0.0),
+        });
+        assert!(!s.comms.is_empty());
+        assert!(s.exposed_comm < 1e-12, "{s:?}");
+        // The worker's program computes what one device computes, plus packing.
+        assert!(s.compute >= s.single_step, "{s:?}");
+        assert!(s.scaling_efficiency > 0.5 && s.scaling_efficiency <= 1.0, "{s:?}");
+    }
+
+    #[test]
+    fn the_step_is_compute_plus_the_waits_and_overlap_is_what_was_hidden() {
+        for bucket in [0.0, 0.1, 25.0] {
+            let s = run(&allreduce(16, 0, bucket), Links {
+                intra: link(100e9, 5e-6),
+                inter: link(1e8, 50e-6),
+            });
+            assert!((s.step - s.compute - s.exposed_comm).abs() < 1e-12, "{s:?}");
+            assert!(s.exposed_comm <= s.comm + 1e-12, "{s:?}");
+            let busy: f64 = s.comms.iter().map(|c| c.end - c.start).sum();
+            assert!((busy - s.comm).abs() < 1e-12);
+            // One communication thread: no two collectives at once.
+            for w in s.comms.windows(2) {
+                assert!(w[1].start >= w[0].end - 1e-15, "{:?}", s.comms);
+            }
+        }
+        // Small buckets start while the backward pass runs: some of it is hidden.
+        let s = run(&allreduce(16, 0, 0.0), Links {
+            intra: link(100e9, 5e-6),
+            inter: link(1e9, 5e-6),
+        });
+        assert!(s.comms.len() > 1 && s.overlap > 0.0, "{s:?}");
+    }
+
+    #[test]
+    fn a_slow_link_between_nodes_makes_buckets_hierarchical_and_the_step_faster() {
+        let links = Links {
+            intra: link(100e9, 5e-6),
+            inter: link(1e9, 100e-6),
+        };
+        let hier = run(&allreduce(64, 8, 25.0), links);
+        let flat = run(&allreduce(64, 0, 25.0), links);
+        let reduces: Vec<&CommOp> = hier.comms.iter().filter(|c| c.op == "all_reduce").collect();
+        assert!(!reduces.is_empty());
+        for c in reduces {
+            assert_eq!(c.how, "hierarchical", "{c:?}");
+            let (f, h) = (c.flat_seconds.unwrap(), c.hierarchical_seconds.unwrap());
+            assert!(h < f && c.seconds == h, "{c:?}");
+        }
+        assert!(hier.step < flat.step, "{} vs {}", hier.step, flat.step);
+        assert!(flat.comms.iter().all(|c| c.how != "hierarchical"));
+    }
+
+    #[test]
+    fn op_times_come_from_the_same_op_then_the_same_kind_then_a_copy() {
+        let c = compiled(&StrategyConfig::default());
+        let g = &c.programs.worker;
+        let matmuls: Vec<NodeId> = g
+            .topo_order()
+            .into_iter()
+            .filter(|id| g.op(*id).mnemonic() == "matmul")
+            .collect();
+        let spans: Vec<Span> = [1u64, 2, 3]
+            .iter()
+            .map(|&step| Span {
+                track: "worker 0".into(),
+                name: "matmul".into(),
+                node: Some(matmuls[0].to_string()),
+                step,
+                bytes: None,
+                start_us: 0.0,
+                dur_us: 10.0 * step as f64,
+                counters: Vec::new(),
+            })
+            .collect();
+        let p = ComputeProfile::from_spans(g, &spans, 2, 1e9, "test".into()).unwrap();
+        // Steps 2 and 3: 20 and 30 us, the median of two is the later.
+        let (t, how) = p.op_seconds(g, matmuls[0]);
+        assert!((t - 30e-6).abs() < 1e-15 && how == "measured", "{t} {how}");
+        let other = *matmuls
+            .iter()
+            .find(|id| signature(g, **id) != signature(g, matmuls[0]))
+            .unwrap();
+        let (t, how) = p.op_seconds(g, other);
+        assert_eq!(how, "scaled");
+        assert!((t - 30e-6 * elements(g, other) / elements(g, matmuls[0])).abs() < 1e-15);
+        let relu = g.topo_order().into_iter().find(|id| g.op(*id).mnemonic() == "relu").unwrap();
+        assert_eq!(p.op_seconds(g, relu), (elements(g, relu) * 4.0 / 1e9, "copy"));
+        assert!(ComputeProfile::from_spans(g, &[], 0, 1e9, "empty".into()).is_err());
+    }
+}
