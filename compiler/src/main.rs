@@ -642,6 +642,9 @@ fn simulate_cmd(
         data_dir: data.map(Path::to_path_buf),
     };
     let mut copy_bandwidth = None;
+    let mut calibrated_bytes = 0usize;
+    let mut measured = Vec::new();
+    let links_given: Vec<LinkKind> = links.iter().map(|l| l.0).collect();
     for (kind, path) in calibrations {
         let text = distc_runtime::core::output::read_regular_text(
             path,
@@ -651,6 +654,8 @@ fn simulate_cmd(
         let c: Calibration = serde_json::from_str(&text)
             .with_context(|| format!("{}: not a calibration from distc calibrate", path.display()))?;
         copy_bandwidth = Some(c.copy_bandwidth);
+        measured.push((*kind, c.ring_steps()));
+        calibrated_bytes = calibrated_bytes.max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
         match kind {
             LinkKind::Intra => target.intra = Some(c.link),
             LinkKind::Inter => target.inter = Some(c.link),
@@ -699,13 +704,22 @@ fn simulate_cmd(
         false,
         &rows,
     )?;
-    let links = sim::Links {
-        intra: settings.intra_link,
-        inter: distc_passes::placement::Link {
+    let mut links = sim::Links::new(
+        settings.intra_link,
+        distc_passes::placement::Link {
             bandwidth: settings.bandwidth,
             latency: settings.latency,
         },
-    };
+    );
+    // A link given by --link is a line; one calibrated keeps its measured sizes.
+    for (kind, steps) in measured {
+        let given = links_given.contains(&kind);
+        match kind {
+            LinkKind::Intra if !given => links.intra_measured = steps,
+            LinkKind::Inter if !given => links.inter_measured = steps,
+            _ => {}
+        }
+    }
     let s = sim::simulate(
         &compiled.programs.worker,
         &single.programs.worker,
@@ -718,6 +732,14 @@ fn simulate_cmd(
     match format {
         ExplainFormat::Json => out(&format!("{}\n", serde_json::to_string_pretty(&s)?)),
         ExplainFormat::Table => out(&s.render(&p, &profile)),
+    }
+    let largest = s.comms.iter().map(|c| c.bytes).fold(0.0, f64::max);
+    if calibrated_bytes > 0 && largest > calibrated_bytes as f64 {
+        err(&format!(
+            "note: a collective of {largest:.0} bytes is beyond the calibration's largest \
+             buffer ({calibrated_bytes} bytes): its time is extrapolated (calibrate with \
+             --sizes up to it)\n"
+        ));
     }
     Ok(())
 }

@@ -16,7 +16,7 @@
 use crate::plan::Plan;
 use distc_ir::{Graph, NodeId, Op, ValueType};
 use distc_passes::cost::INDEX_BYTES;
-use distc_passes::placement::{all_reduce_seconds, Link, StrategyConfig};
+use distc_passes::placement::{Link, StrategyConfig};
 use distc_runtime::comm::calibrate::Sample;
 use distc_runtime::run::trace::Span;
 use serde::{Deserialize, Serialize};
@@ -137,6 +137,18 @@ impl Calibration {
             self.copy_bandwidth
         );
         out
+    }
+}
+
+impl Calibration {
+    /// One ring step's seconds by message size as measured: each sample's buffer over
+    /// the ranks, and its time over the ring's `2 (N-1)` steps.
+    pub fn ring_steps(&self) -> Vec<(f64, f64)> {
+        let n = self.ranks.max(2) as f64;
+        self.samples
+            .iter()
+            .map(|s| (s.bytes as f64 / n, s.seconds / (2.0 * (n - 1.0))))
+            .collect()
     }
 }
 
@@ -293,12 +305,62 @@ impl ComputeProfile {
 
 /// The links a simulation uses: within a node, and between nodes (or between any two
 /// workers when the plan has no nodes).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Links {
     /// Between workers of one node.
     pub intra: Link,
     /// Between nodes.
     pub inter: Link,
+    /// Measured ring steps `(message bytes, seconds)` of the link within a node, by
+    /// size (from a calibration; empty: the alpha-beta line alone).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub intra_measured: Vec<(f64, f64)>,
+    /// ... and of the link between nodes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inter_measured: Vec<(f64, f64)>,
+}
+
+impl Links {
+    /// The two links, as lines.
+    pub fn new(intra: Link, inter: Link) -> Links {
+        Links {
+            intra,
+            inter,
+            intra_measured: Vec::new(),
+            inter_measured: Vec::new(),
+        }
+    }
+
+    /// Seconds of one message of `bytes` on the link between nodes (`inter`) or within
+    /// one. Where a calibration measured the link, between two measured sizes the time
+    /// is interpolated between them, and beyond them it goes on from the nearest at the
+    /// fitted bandwidth: a transport's protocol changes with the size (eager, then
+    /// rendezvous; a queue that starts to drop) bend the line that one alpha and beta
+    /// draw, and the buckets' own sizes are the ones that matter.
+    pub fn message(&self, inter: bool, bytes: f64) -> f64 {
+        let (link, measured) = if inter {
+            (self.inter, &self.inter_measured)
+        } else {
+            (self.intra, &self.intra_measured)
+        };
+        let line = |from: (f64, f64)| from.1 + (bytes - from.0) / link.bandwidth;
+        match measured.as_slice() {
+            [] => link.latency + bytes / link.bandwidth,
+            [only] => line(*only).max(0.0),
+            points => {
+                if bytes <= points[0].0 {
+                    return line(points[0]).max(link.latency.min(points[0].1));
+                }
+                for w in points.windows(2) {
+                    let ((m0, t0), (m1, t1)) = (w[0], w[1]);
+                    if bytes <= m1 {
+                        return t0 + (t1 - t0) * (bytes - m0) / (m1 - m0).max(1e-300);
+                    }
+                }
+                line(*points.last().expect("two points"))
+            }
+        }
+    }
 }
 
 /// One communication op of the simulated step.
@@ -367,17 +429,15 @@ fn comm_seconds(
     g: &Graph,
     id: NodeId,
     cfg: &StrategyConfig,
-    links: Links,
+    links: &Links,
     rows: &HashMap<NodeId, usize>,
 ) -> (f64, f64, Option<(f64, f64)>, &'static str) {
     let n = cfg.data_workers().max(1);
     let local = cfg.ranks_per_node;
     let nodes = if local > 0 { n / local.min(n) } else { n };
-    let ring_link = if local <= 1 || nodes > 1 {
-        links.inter
-    } else {
-        links.intra
-    };
+    // A ring over every worker crosses nodes whenever there is more than one.
+    let across = local <= 1 || nodes > 1;
+    let msg = |inter: bool, bytes: f64| links.message(inter, bytes);
     let node = g.node(id);
     let in_bytes = node
         .inputs
@@ -385,15 +445,14 @@ fn comm_seconds(
         .map_or(0.0, |v| g.value_type(*v).bytes() as f64);
     let out_bytes = node.outputs.first().map_or(0.0, |t| t.bytes() as f64);
     let nf = n as f64;
-    let model_cfg = StrategyConfig {
-        bandwidth: links.inter.bandwidth,
-        latency: links.inter.latency,
-        intra_link: links.intra,
-        ..cfg.clone()
-    };
     match g.op(id) {
         Op::AllReduce { ranks_per_node, .. } => {
-            let (flat, hier) = all_reduce_seconds(in_bytes, n, local.max(1), &model_cfg);
+            // As `placement::all_reduce_seconds` prices them, each ring step a message.
+            let flat = 2.0 * (nf - 1.0) * msg(across, in_bytes / nf);
+            let l = local.clamp(1, n) as f64;
+            let m = (n / local.clamp(1, n)) as f64;
+            let hier = 2.0 * (l - 1.0) * msg(false, in_bytes / l)
+                + 2.0 * (m - 1.0) * msg(true, in_bytes / nf);
             let both = (local > 1 && nodes > 1).then_some((flat, hier));
             if *ranks_per_node > 1 {
                 (hier, in_bytes, both, "hierarchical")
@@ -411,19 +470,20 @@ fn comm_seconds(
                 }
                 _ => in_bytes,
             };
-            let t = (nf - 1.0) * (ring_link.latency + slice / ring_link.bandwidth);
+            let t = (nf - 1.0) * msg(across, slice);
             (t, slice, None, "ring")
         }
         Op::ReduceScatter { .. } => {
-            let t = (nf - 1.0) * (ring_link.latency + in_bytes / nf / ring_link.bandwidth);
+            let t = (nf - 1.0) * msg(across, in_bytes / nf);
             (t, in_bytes, None, "ring")
         }
         Op::AllGatherDense { .. } => {
-            let t = (nf - 1.0) * (ring_link.latency + out_bytes / nf / ring_link.bandwidth);
+            let t = (nf - 1.0) * msg(across, out_bytes / nf);
             (t, out_bytes, None, "ring")
         }
         Op::Broadcast { .. } => {
-            let t = (nf - 1.0) * ring_link.latency + in_bytes / ring_link.bandwidth;
+            // Pipelined along the ring: one message's time, then a latency a hop.
+            let t = msg(across, in_bytes) + (nf - 2.0).max(0.0) * msg(across, 0.0);
             (t, in_bytes, None, "ring")
         }
         op => {
@@ -434,7 +494,7 @@ fn comm_seconds(
                 _ => in_bytes,
             };
             let fan_in = (nf / cfg.servers.max(1) as f64).max(1.0);
-            let t = links.inter.latency + bytes * fan_in / links.inter.bandwidth;
+            let t = msg(true, bytes * fan_in);
             (t, bytes, None, "servers")
         }
     }
@@ -470,7 +530,7 @@ pub fn simulate(
             .map(|v| done.get(&v.node).copied().unwrap_or(0.0))
             .fold(0.0, f64::max);
         if node.op.is_communication() {
-            let (seconds, bytes, both, how) = comm_seconds(g, id, cfg, links, rows);
+            let (seconds, bytes, both, how) = comm_seconds(g, id, cfg, &links, rows);
             let start = if blocking(&node.op) {
                 // The worker's thread is the one waiting.
                 let s = clock.max(ready);
@@ -881,11 +941,33 @@ train {
     }
 
     #[test]
+    fn a_calibrated_link_gives_back_its_measurements_and_interpolates_between_them() {
+        let samples: Vec<Sample> = [(1 << 16, 2e-3), (1 << 20, 0.1), (1 << 22, 0.9)]
+            .iter()
+            .map(|&(bytes, seconds)| Sample { bytes, seconds })
+            .collect();
+        let c = Calibration::fit("mpi", 3, 3, samples, 1e10).unwrap();
+        let mut links = Links::new(link(100e9, 5e-6), c.link);
+        links.inter_measured = c.ring_steps();
+        // An all-reduce of a measured size over the measured ranks takes what it took.
+        for s in &c.samples {
+            let t = 2.0 * 2.0 * links.message(true, s.bytes as f64 / 3.0);
+            assert!((t / s.seconds - 1.0).abs() < 1e-9, "{t} vs {s:?}");
+        }
+        let steps = c.ring_steps();
+        let mid = links.message(true, (steps[0].0 + steps[1].0) / 2.0);
+        assert!((mid - (steps[0].1 + steps[1].1) / 2.0).abs() < 1e-12);
+        // Beyond the largest: on at the fitted bandwidth.
+        let last = steps[2];
+        let beyond = links.message(true, last.0 + 1e6);
+        assert!((beyond - last.1 - 1e6 / c.link.bandwidth).abs() < 1e-12);
+        // The other link was given as a line.
+        assert_eq!(links.message(false, 1e6), 5e-6 + 1e6 / 100e9);
+    }
+
+    #[test]
     fn a_free_network_costs_nothing_and_the_step_is_the_one_device_step() {
-        let s = run(&allreduce(8, 0, 25.0), Links {
-            intra: link(1e30, 0.0),
-            inter: link(1e30, 0.0),
-        });
+        let s = run(&allreduce(8, 0, 25.0), Links::new(link(1e30, 0.0), link(1e30, 0.0)));
         assert!(!s.comms.is_empty());
         assert!(s.exposed_comm < 1e-12, "{s:?}");
         // The worker's program computes what one device computes, plus packing.
@@ -896,10 +978,7 @@ train {
     #[test]
     fn the_step_is_compute_plus_the_waits_and_overlap_is_what_was_hidden() {
         for bucket in [0.0, 0.1, 25.0] {
-            let s = run(&allreduce(16, 0, bucket), Links {
-                intra: link(100e9, 5e-6),
-                inter: link(1e8, 50e-6),
-            });
+            let s = run(&allreduce(16, 0, bucket), Links::new(link(100e9, 5e-6), link(1e8, 50e-6)));
             assert!((s.step - s.compute - s.exposed_comm).abs() < 1e-12, "{s:?}");
             assert!(s.exposed_comm <= s.comm + 1e-12, "{s:?}");
             let busy: f64 = s.comms.iter().map(|c| c.end - c.start).sum();
@@ -910,20 +989,14 @@ train {
             }
         }
         // Small buckets start while the backward pass runs: some of it is hidden.
-        let s = run(&allreduce(16, 0, 0.0), Links {
-            intra: link(100e9, 5e-6),
-            inter: link(1e9, 5e-6),
-        });
+        let s = run(&allreduce(16, 0, 0.0), Links::new(link(100e9, 5e-6), link(1e9, 5e-6)));
         assert!(s.comms.len() > 1 && s.overlap > 0.0, "{s:?}");
     }
 
     #[test]
     fn a_slow_link_between_nodes_makes_buckets_hierarchical_and_the_step_faster() {
-        let links = Links {
-            intra: link(100e9, 5e-6),
-            inter: link(1e9, 100e-6),
-        };
-        let hier = run(&allreduce(64, 8, 25.0), links);
+        let links = Links::new(link(100e9, 5e-6), link(1e9, 100e-6));
+        let hier = run(&allreduce(64, 8, 25.0), links.clone());
         let flat = run(&allreduce(64, 0, 25.0), links);
         let reduces: Vec<&CommOp> = hier.comms.iter().filter(|c| c.op == "all_reduce").collect();
         assert!(!reduces.is_empty());
