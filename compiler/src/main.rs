@@ -220,8 +220,9 @@ enum Command {
         /// Steps of the profiling run on one worker (the first ones left out).
         #[arg(long, default_value_t = 6, value_parser = at_least_one)]
         profile_steps: usize,
-        /// Take op times from this trace of the plan (`distc run PLAN --trace FILE`,
-        /// worker 0) instead of profiling one worker.
+        /// Take op times from worker 0 of this trace instead of profiling one worker:
+        /// a trace of the plan (`distc run PLAN --trace FILE`) or of its model on one
+        /// device with the plan's batch (`distc train MODEL --batch B --trace FILE`).
         #[arg(long, value_name = "TRACE.json")]
         trace: Option<PathBuf>,
         /// Data directory (default: $DISTC_DATA).
@@ -683,8 +684,20 @@ fn simulate_cmd(
             let first = spans.iter().map(|s| s.step).min().unwrap_or(0);
             let last = spans.iter().map(|s| s.step).max().unwrap_or(0);
             let skip = if last - first >= 3 { 2 } else { 0 };
+            // A trace of this plan, or of its model on one device (`distc train MODEL
+            // --trace`): the one whose ops the spans name.
+            let traced = [&programs.worker, &single.programs.worker]
+                .into_iter()
+                .find(|g| sim::spans_match(g, &spans))
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}: a trace of neither this plan nor its model on one device \
+                         (with the plan's batch)",
+                        path.display()
+                    )
+                })?;
             sim::ComputeProfile::from_spans(
-                &programs.worker,
+                traced,
                 &spans,
                 first + skip,
                 copy_bandwidth,

@@ -232,7 +232,7 @@ impl ComputeProfile {
             .filter(|s| s.track == "worker 0" && s.step >= from_step)
         {
             match &s.node {
-                Some(node) if !s.name.starts_with("wait ") => {
+                Some(node) if is_op_span(s) => {
                     if let Some(id) = ids.get(node) {
                         per_node.entry(*id).or_default().push(s.dur_us * 1e-6);
                     }
@@ -803,6 +803,32 @@ pub fn profile_here(
             steps.max(2)
         ),
     )
+}
+
+/// Whether a span of a node is its kernel's: not the worker's wait for a collective,
+/// not the issuing of one (whose time is the link model's).
+fn is_op_span(s: &Span) -> bool {
+    s.node.is_some() && !s.name.starts_with("wait ") && !s.name.starts_with("issue ")
+}
+
+/// Whether every op span of worker 0 in `spans` names a node of `g` of its op, and
+/// some do: whether the spans are of a run of `g`.
+pub fn spans_match(g: &Graph, spans: &[Span]) -> bool {
+    let ops: HashMap<String, &'static str> = g
+        .node_ids()
+        .into_iter()
+        .map(|id| (id.to_string(), g.op(id).mnemonic()))
+        .collect();
+    let mut any = false;
+    for s in spans.iter().filter(|s| s.track == "worker 0") {
+        if let Some(node) = s.node.as_ref().filter(|_| is_op_span(s)) {
+            if ops.get(node) != Some(&s.name.as_str()) {
+                return false;
+            }
+            any = true;
+        }
+    }
+    any
 }
 
 /// Worker 0's spans from a Chrome trace that `distc run --trace` wrote.
