@@ -5,7 +5,8 @@ the DSL, for `distc simulate` (the reference case of 1024-GPU ResNet-50 training
 The DSL has no loops, so the 53 convolutions are generated. Differences from the
 ImageNet network, because the data here are 32x32: the stem is one 3x3 convolution
 (no 7x7 stride-2 convolution, no max pool), and there is no batch normalisation
-(the DSL has none); every bottleneck, projection and the 2048x1000 classifier are
+(the DSL has none; each block's last convolution starts at zero instead, as Goyal
+et al. start the last batch-norm scale of each block at zero); every bottleneck, projection and the 2048x1000 classifier are
 ResNet-50's. Run: python3 scripts/gen-resnet50.py > bench/models/resnet50.dsl
 """
 
@@ -25,8 +26,8 @@ def param(name, shape, init):
     params.append(f"  param {name}: f32[{', '.join(map(str, shape))}] = {init}")
 
 
-def conv(name, x, cin, cout, k, stride=1):
-    param(name, [cout, cin, k, k], "he")
+def conv(name, x, cin, cout, k, stride=1, init="he"):
+    param(name, [cout, cin, k, k], init)
     pad = k // 2
     return f"conv2d({x}, {name}, stride = {stride}, padding = {pad})"
 
@@ -39,7 +40,9 @@ for s, (width, blocks, stride) in enumerate(STAGES, start=1):
         p = f"s{s}b{b}"
         lines.append(f"  {p}a = relu({conv(p + 'k1', x, cin, width, 1)})")
         lines.append(f"  {p}b = relu({conv(p + 'k2', p + 'a', width, width, 3, st)})")
-        lines.append(f"  {p}c = {conv(p + 'k3', p + 'b', width, 4 * width, 1)}")
+        # Zero, as Goyal et al. zero each block's last batch-norm scale: a block starts
+        # as its shortcut, and 16 of them do not blow the activations up.
+        lines.append(f"  {p}c = {conv(p + 'k3', p + 'b', width, 4 * width, 1, init='zeros')}")
         if b == 0:
             short = conv(p + "proj", x, cin, 4 * width, 1, st)
         else:
@@ -66,7 +69,7 @@ print()
 print("train {")
 print("  data      = gaussian_classes(features = 3072, classes = 1000)")
 print("  batch     = 32")
-print("  optimizer = sgd(lr = 0.1)")
+print("  optimizer = sgd(lr = 0.001)")
 print("  steps     = 10")
 print("  seed      = 1")
 print("}")

@@ -7,56 +7,56 @@ model resnet50 {
   param stem: f32[64, 3, 3, 3] = he
   param s1b0k1: f32[64, 64, 1, 1] = he
   param s1b0k2: f32[64, 64, 3, 3] = he
-  param s1b0k3: f32[256, 64, 1, 1] = he
+  param s1b0k3: f32[256, 64, 1, 1] = zeros
   param s1b0proj: f32[256, 64, 1, 1] = he
   param s1b1k1: f32[64, 256, 1, 1] = he
   param s1b1k2: f32[64, 64, 3, 3] = he
-  param s1b1k3: f32[256, 64, 1, 1] = he
+  param s1b1k3: f32[256, 64, 1, 1] = zeros
   param s1b2k1: f32[64, 256, 1, 1] = he
   param s1b2k2: f32[64, 64, 3, 3] = he
-  param s1b2k3: f32[256, 64, 1, 1] = he
+  param s1b2k3: f32[256, 64, 1, 1] = zeros
   param s2b0k1: f32[128, 256, 1, 1] = he
   param s2b0k2: f32[128, 128, 3, 3] = he
-  param s2b0k3: f32[512, 128, 1, 1] = he
+  param s2b0k3: f32[512, 128, 1, 1] = zeros
   param s2b0proj: f32[512, 256, 1, 1] = he
   param s2b1k1: f32[128, 512, 1, 1] = he
   param s2b1k2: f32[128, 128, 3, 3] = he
-  param s2b1k3: f32[512, 128, 1, 1] = he
+  param s2b1k3: f32[512, 128, 1, 1] = zeros
   param s2b2k1: f32[128, 512, 1, 1] = he
   param s2b2k2: f32[128, 128, 3, 3] = he
-  param s2b2k3: f32[512, 128, 1, 1] = he
+  param s2b2k3: f32[512, 128, 1, 1] = zeros
   param s2b3k1: f32[128, 512, 1, 1] = he
   param s2b3k2: f32[128, 128, 3, 3] = he
-  param s2b3k3: f32[512, 128, 1, 1] = he
+  param s2b3k3: f32[512, 128, 1, 1] = zeros
   param s3b0k1: f32[256, 512, 1, 1] = he
   param s3b0k2: f32[256, 256, 3, 3] = he
-  param s3b0k3: f32[1024, 256, 1, 1] = he
+  param s3b0k3: f32[1024, 256, 1, 1] = zeros
   param s3b0proj: f32[1024, 512, 1, 1] = he
   param s3b1k1: f32[256, 1024, 1, 1] = he
   param s3b1k2: f32[256, 256, 3, 3] = he
-  param s3b1k3: f32[1024, 256, 1, 1] = he
+  param s3b1k3: f32[1024, 256, 1, 1] = zeros
   param s3b2k1: f32[256, 1024, 1, 1] = he
   param s3b2k2: f32[256, 256, 3, 3] = he
-  param s3b2k3: f32[1024, 256, 1, 1] = he
+  param s3b2k3: f32[1024, 256, 1, 1] = zeros
   param s3b3k1: f32[256, 1024, 1, 1] = he
   param s3b3k2: f32[256, 256, 3, 3] = he
-  param s3b3k3: f32[1024, 256, 1, 1] = he
+  param s3b3k3: f32[1024, 256, 1, 1] = zeros
   param s3b4k1: f32[256, 1024, 1, 1] = he
   param s3b4k2: f32[256, 256, 3, 3] = he
-  param s3b4k3: f32[1024, 256, 1, 1] = he
+  param s3b4k3: f32[1024, 256, 1, 1] = zeros
   param s3b5k1: f32[256, 1024, 1, 1] = he
   param s3b5k2: f32[256, 256, 3, 3] = he
-  param s3b5k3: f32[1024, 256, 1, 1] = he
+  param s3b5k3: f32[1024, 256, 1, 1] = zeros
   param s4b0k1: f32[512, 1024, 1, 1] = he
   param s4b0k2: f32[512, 512, 3, 3] = he
-  param s4b0k3: f32[2048, 512, 1, 1] = he
+  param s4b0k3: f32[2048, 512, 1, 1] = zeros
   param s4b0proj: f32[2048, 1024, 1, 1] = he
   param s4b1k1: f32[512, 2048, 1, 1] = he
   param s4b1k2: f32[512, 512, 3, 3] = he
-  param s4b1k3: f32[2048, 512, 1, 1] = he
+  param s4b1k3: f32[2048, 512, 1, 1] = zeros
   param s4b2k1: f32[512, 2048, 1, 1] = he
   param s4b2k2: f32[512, 512, 3, 3] = he
-  param s4b2k3: f32[2048, 512, 1, 1] = he
+  param s4b2k3: f32[2048, 512, 1, 1] = zeros
   param fc: f32[2048, 1000] = glorot
   param fc_b: f32[1000] = zeros
 
@@ -133,7 +133,7 @@ model resnet50 {
 train {
   data      = gaussian_classes(features = 3072, classes = 1000)
   batch     = 32
-  optimizer = sgd(lr = 0.1)
+  optimizer = sgd(lr = 0.001)
   steps     = 10
   seed      = 1
 }
