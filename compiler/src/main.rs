@@ -652,11 +652,13 @@ fn simulate_cmd(
             distc_runtime::core::output::TEXT_INPUT_LIMIT,
         )
         .with_context(|| format!("{}", path.display()))?;
-        let c: Calibration = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not a calibration from distc calibrate", path.display()))?;
+        let c: Calibration = serde_json::from_str(&text).with_context(|| {
+            format!("{}: not a calibration from distc calibrate", path.display())
+        })?;
         copy_bandwidth = Some(c.copy_bandwidth);
         measured.push((*kind, c.ring_steps()));
-        calibrated_bytes = calibrated_bytes.max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
+        calibrated_bytes =
+            calibrated_bytes.max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
         match kind {
             LinkKind::Intra => target.intra = Some(c.link),
             LinkKind::Inter => target.inter = Some(c.link),
@@ -806,7 +808,11 @@ fn calibrate_cmd(
     Ok(())
 }
 
-type CalibrationSamples = (Option<Vec<distc_runtime::comm::calibrate::Sample>>, usize, usize);
+type CalibrationSamples = (
+    Option<Vec<distc_runtime::comm::calibrate::Sample>>,
+    usize,
+    usize,
+);
 
 #[cfg(feature = "mpi")]
 fn calibrate_mpi(sizes: &[usize], reps: usize, timeout: f64) -> Result<CalibrationSamples> {

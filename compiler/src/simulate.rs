@@ -64,11 +64,19 @@ impl Calibration {
             .iter()
             .map(|s| {
                 let w = 1.0 / s.seconds.max(1e-12);
-                (w * 2.0 * (n - 1.0), w * 2.0 * (n - 1.0) / n * s.bytes as f64, w * s.seconds)
+                (
+                    w * 2.0 * (n - 1.0),
+                    w * 2.0 * (n - 1.0) / n * s.bytes as f64,
+                    w * s.seconds,
+                )
             })
             .collect();
         let dot = |f: &dyn Fn(&(f64, f64, f64)) -> f64| rows.iter().map(f).sum::<f64>();
-        let (xx, xy, yy) = (dot(&|r| r.0 * r.0), dot(&|r| r.0 * r.1), dot(&|r| r.1 * r.1));
+        let (xx, xy, yy) = (
+            dot(&|r| r.0 * r.0),
+            dot(&|r| r.0 * r.1),
+            dot(&|r| r.1 * r.1),
+        );
         let (xt, yt) = (dot(&|r| r.0 * r.2), dot(&|r| r.1 * r.2));
         let det = xx * yy - xy * xy;
         let (mut a, mut b) = if det.abs() > 1e-300 {
@@ -193,7 +201,10 @@ pub fn signature(g: &Graph, id: NodeId) -> String {
 fn elements(g: &Graph, id: NodeId) -> f64 {
     let n = g.node(id);
     let count = |t: &ValueType| t.bytes() as f64 / 4.0;
-    n.inputs.iter().map(|v| count(g.value_type(*v))).sum::<f64>()
+    n.inputs
+        .iter()
+        .map(|v| count(g.value_type(*v)))
+        .sum::<f64>()
         + n.outputs.iter().map(count).sum::<f64>()
 }
 
@@ -223,8 +234,11 @@ impl ComputeProfile {
         copy_bandwidth: f64,
         source: String,
     ) -> Result<ComputeProfile, String> {
-        let ids: HashMap<String, NodeId> =
-            g.node_ids().into_iter().map(|id| (id.to_string(), id)).collect();
+        let ids: HashMap<String, NodeId> = g
+            .node_ids()
+            .into_iter()
+            .map(|id| (id.to_string(), id))
+            .collect();
         let mut per_node: HashMap<NodeId, Vec<f64>> = HashMap::new();
         let (mut updates, mut steps) = (Vec::new(), Vec::new());
         for s in spans
@@ -720,7 +734,9 @@ pub fn retarget(
             settings.workers
         ));
     }
-    settings.check().map_err(|e| format!("the simulated settings: {e}"))?;
+    settings
+        .check()
+        .map_err(|e| format!("the simulated settings: {e}"))?;
     let compile = |strategy: &StrategyConfig| {
         let opts = crate::CompileOptions {
             batch: Some(plan.config.batch),
@@ -747,7 +763,10 @@ pub fn retarget(
 }
 
 /// The one-device program of the plan's model and batch.
-pub fn single_program(plan: &Plan, data_dir: Option<&std::path::Path>) -> Result<crate::Compiled, String> {
+pub fn single_program(
+    plan: &Plan,
+    data_dir: Option<&std::path::Path>,
+) -> Result<crate::Compiled, String> {
     let single = StrategyConfig {
         strategy: distc_passes::placement::Strategy::Single,
         workers: 1,
@@ -865,8 +884,14 @@ pub fn spans_from_trace(text: &str) -> Result<Vec<Span>, String> {
         spans.push(Span {
             track,
             name: e.get("name").and_then(|n| n.as_str()).unwrap_or("").into(),
-            node: e.pointer("/args/node").and_then(|n| n.as_str()).map(Into::into),
-            step: e.pointer("/args/step").and_then(|s| s.as_u64()).unwrap_or(0),
+            node: e
+                .pointer("/args/node")
+                .and_then(|n| n.as_str())
+                .map(Into::into),
+            step: e
+                .pointer("/args/step")
+                .and_then(|s| s.as_u64())
+                .unwrap_or(0),
             bytes: None,
             start_us: e.get("ts").and_then(|t| t.as_f64()).unwrap_or(0.0),
             dur_us: e.get("dur").and_then(|t| t.as_f64()).unwrap_or(0.0),
@@ -941,10 +966,7 @@ train {
     }
 
     fn link(bandwidth: f64, latency: f64) -> Link {
-        Link {
-            bandwidth,
-            latency,
-        }
+        Link { bandwidth, latency }
     }
 
     #[test]
@@ -957,9 +979,17 @@ train {
                 seconds: ring_all_reduce(b as f64, 4, truth),
             })
             .collect();
-        let c = Calibration::fit("inprocess", 4, 1, samples, 1e10).unwrap();
-        assert!((c.link.bandwidth / truth.bandwidth - 1.0).abs() < 1e-9, "{:?}", c.link);
-        assert!((c.link.latency / truth.latency - 1.0).abs() < 1e-9, "{:?}", c.link);
+        let c = Calibration::fit("inprocess", 4, 1, samples, 1e10).expect("the test's own input");
+        assert!(
+            (c.link.bandwidth / truth.bandwidth - 1.0).abs() < 1e-9,
+            "{:?}",
+            c.link
+        );
+        assert!(
+            (c.link.latency / truth.latency - 1.0).abs() < 1e-9,
+            "{:?}",
+            c.link
+        );
         for (s, p) in c.samples.iter().zip(&c.predicted) {
             assert!((p / s.seconds - 1.0).abs() < 1e-9);
         }
@@ -972,7 +1002,7 @@ train {
             .iter()
             .map(|&(bytes, seconds)| Sample { bytes, seconds })
             .collect();
-        let c = Calibration::fit("mpi", 3, 3, samples, 1e10).unwrap();
+        let c = Calibration::fit("mpi", 3, 3, samples, 1e10).expect("the test's own input");
         let mut links = Links::new(link(100e9, 5e-6), c.link);
         links.inter_measured = c.ring_steps();
         // An all-reduce of a measured size over the measured ranks takes what it took.
@@ -993,18 +1023,27 @@ train {
 
     #[test]
     fn a_free_network_costs_nothing_and_the_step_is_the_one_device_step() {
-        let s = run(&allreduce(8, 0, 25.0), Links::new(link(1e30, 0.0), link(1e30, 0.0)));
+        let s = run(
+            &allreduce(8, 0, 25.0),
+            Links::new(link(1e30, 0.0), link(1e30, 0.0)),
+        );
         assert!(!s.comms.is_empty());
         assert!(s.exposed_comm < 1e-12, "{s:?}");
         // The worker's program computes what one device computes, plus packing.
         assert!(s.compute >= s.single_step, "{s:?}");
-        assert!(s.scaling_efficiency > 0.5 && s.scaling_efficiency <= 1.0, "{s:?}");
+        assert!(
+            s.scaling_efficiency > 0.5 && s.scaling_efficiency <= 1.0,
+            "{s:?}"
+        );
     }
 
     #[test]
     fn the_step_is_compute_plus_the_waits_and_overlap_is_what_was_hidden() {
         for bucket in [0.0, 0.1, 25.0] {
-            let s = run(&allreduce(16, 0, bucket), Links::new(link(100e9, 5e-6), link(1e8, 50e-6)));
+            let s = run(
+                &allreduce(16, 0, bucket),
+                Links::new(link(100e9, 5e-6), link(1e8, 50e-6)),
+            );
             assert!((s.step - s.compute - s.exposed_comm).abs() < 1e-12, "{s:?}");
             assert!(s.exposed_comm <= s.comm + 1e-12, "{s:?}");
             let busy: f64 = s.comms.iter().map(|c| c.end - c.start).sum();
@@ -1015,7 +1054,10 @@ train {
             }
         }
         // Small buckets start while the backward pass runs: some of it is hidden.
-        let s = run(&allreduce(16, 0, 0.0), Links::new(link(100e9, 5e-6), link(1e9, 5e-6)));
+        let s = run(
+            &allreduce(16, 0, 0.0),
+            Links::new(link(100e9, 5e-6), link(1e9, 5e-6)),
+        );
         assert!(s.comms.len() > 1 && s.overlap > 0.0, "{s:?}");
     }
 
@@ -1028,7 +1070,10 @@ train {
         assert!(!reduces.is_empty());
         for c in reduces {
             assert_eq!(c.how, "hierarchical", "{c:?}");
-            let (f, h) = (c.flat_seconds.unwrap(), c.hierarchical_seconds.unwrap());
+            let (f, h) = (
+                c.flat_seconds.expect("the test's own input"),
+                c.hierarchical_seconds.expect("the test's own input"),
+            );
             assert!(h < f && c.seconds == h, "{c:?}");
         }
         assert!(hier.step < flat.step, "{} vs {}", hier.step, flat.step);
@@ -1057,19 +1102,27 @@ train {
                 counters: Vec::new(),
             })
             .collect();
-        let p = ComputeProfile::from_spans(g, &spans, 2, 1e9, "test".into()).unwrap();
+        let p = ComputeProfile::from_spans(g, &spans, 2, 1e9, "test".into())
+            .expect("the test's own input");
         // Steps 2 and 3: 20 and 30 us, the median of two is the later.
         let (t, how) = p.op_seconds(g, matmuls[0]);
         assert!((t - 30e-6).abs() < 1e-15 && how == "measured", "{t} {how}");
         let other = *matmuls
             .iter()
             .find(|id| signature(g, **id) != signature(g, matmuls[0]))
-            .unwrap();
+            .expect("the test's own input");
         let (t, how) = p.op_seconds(g, other);
         assert_eq!(how, "scaled");
         assert!((t - 30e-6 * elements(g, other) / elements(g, matmuls[0])).abs() < 1e-15);
-        let relu = g.topo_order().into_iter().find(|id| g.op(*id).mnemonic() == "relu").unwrap();
-        assert_eq!(p.op_seconds(g, relu), (elements(g, relu) * 4.0 / 1e9, "copy"));
+        let relu = g
+            .topo_order()
+            .into_iter()
+            .find(|id| g.op(*id).mnemonic() == "relu")
+            .expect("the test's own input");
+        assert_eq!(
+            p.op_seconds(g, relu),
+            (elements(g, relu) * 4.0 / 1e9, "copy")
+        );
         assert!(ComputeProfile::from_spans(g, &[], 0, 1e9, "empty".into()).is_err());
     }
 }

@@ -1209,3 +1209,60 @@ fn hierarchical_all_reduces_under_mpirun_train_what_threads_train() {
         assert!(explained.contains("hierarchical; predicted"), "{explained}");
     }
 }
+
+/// `distc calibrate` under mpirun (issue 25, item 3): the ranks of the job are the
+/// ring, rank 0 writes the fit, and the link it fitted reproduces what it timed
+/// closely enough for `distc simulate` to read it.
+#[test]
+fn calibrate_under_mpirun_times_the_ranks_ring() {
+    let cal = tmp("calibration.json");
+    let o = mpirun(
+        3,
+        &[
+            "calibrate",
+            "--transport",
+            "mpi",
+            "--sizes",
+            "4096,262144,1048576",
+            "--reps",
+            "3",
+            "-o",
+            s(&cal),
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    // Only rank 0 prints the table.
+    assert_eq!(
+        text(&o).matches("link: bandwidth").count(),
+        1,
+        "{}",
+        text(&o)
+    );
+    let c: distc::simulate::Calibration =
+        serde_json::from_str(&std::fs::read_to_string(&cal).expect("the calibration"))
+            .expect("its JSON");
+    assert_eq!(
+        (c.transport.as_str(), c.ranks, c.hosts),
+        ("mpi", 3, 1),
+        "{c:?}"
+    );
+    assert_eq!(c.samples.len(), 3);
+    assert!(c.link.bandwidth > 0.0 && c.link.latency >= 0.0, "{c:?}");
+    let plan = compile(
+        "examples/dense_mlp.dsl",
+        "allreduce",
+        3,
+        0,
+        "calibrated.json",
+    );
+    let o = distc(&[
+        "simulate",
+        s(&plan),
+        "--calibration",
+        &format!("inter={}", s(&cal)),
+        "--profile-steps",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("on 3 workers"), "{}", text(&o));
+}

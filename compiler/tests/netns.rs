@@ -568,16 +568,28 @@ fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
     let cal = c.dir.join("calibration.json");
     let o = c
         .mpirun(&[
-            "calibrate", "--transport", "mpi", "--sizes", "65536,1048576,4194304,8388608",
-            "--reps", "3", "-o", s(&cal),
+            "calibrate",
+            "--transport",
+            "mpi",
+            "--sizes",
+            "65536,1048576,4194304,8388608",
+            "--reps",
+            "3",
+            "-o",
+            s(&cal),
         ])
         .output()
         .expect("mpirun");
     assert!(o.status.success(), "{applied}: {}", text(&o));
     println!("{applied}\n{}", text(&o));
     let calibration: distc::simulate::Calibration =
-        serde_json::from_str(&std::fs::read_to_string(&cal).unwrap()).unwrap();
-    assert_eq!((calibration.ranks, calibration.hosts), (3, 3), "{calibration:?}");
+        serde_json::from_str(&std::fs::read_to_string(&cal).expect("the calibration"))
+            .expect("its JSON");
+    assert_eq!(
+        (calibration.ranks, calibration.hosts),
+        (3, 3),
+        "{calibration:?}"
+    );
     let plan = compile(
         &c,
         "mlp.json",
@@ -587,18 +599,34 @@ fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
     let trace = c.dir.join("trace.json");
     let o = c
         .mpirun(&[
-            "run", s(&plan), "--steps", "8", "-q", "--transport", "mpi", "--timeout", "120",
-            "--trace", s(&trace),
+            "run",
+            s(&plan),
+            "--steps",
+            "8",
+            "-q",
+            "--transport",
+            "mpi",
+            "--timeout",
+            "120",
+            "--trace",
+            s(&trace),
         ])
         .output()
         .expect("mpirun");
     assert!(o.status.success(), "{}", text(&o));
     let measured = measured_step(&trace);
     // Each collective's median on worker 0's communication thread, beside its prediction.
-    let spans = distc::simulate::spans_from_trace(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let spans =
+        distc::simulate::spans_from_trace(&std::fs::read_to_string(&trace).expect("present"))
+            .expect("present");
     let mut comm: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
-    for sp in spans.iter().filter(|sp| sp.track == "worker 0 comm" && sp.step >= 2) {
-        comm.entry(sp.name.clone()).or_default().push(sp.dur_us * 1e-3);
+    for sp in spans
+        .iter()
+        .filter(|sp| sp.track == "worker 0 comm" && sp.step >= 2)
+    {
+        comm.entry(sp.name.clone())
+            .or_default()
+            .push(sp.dur_us * 1e-3);
     }
     for (name, mut d) in comm {
         d.sort_by(f64::total_cmp);
@@ -615,15 +643,15 @@ fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
         let o = distc(&args);
         assert!(o.status.success(), "{}", text(&o));
         let sim: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
-        let predicted = sim["step"].as_f64().unwrap();
+        let predicted = sim["step"].as_f64().expect("present");
         let reduces = sim["comms"]
             .as_array()
-            .unwrap()
+            .expect("present")
             .iter()
             .filter(|c| c["op"] == "all_reduce")
             .count();
         assert!(reduces > 0 && predicted > 0.0, "{sim}");
-        for c in sim["comms"].as_array().unwrap() {
+        for c in sim["comms"].as_array().expect("present") {
             println!(
                 "predicted {} {}: {:.1} ms",
                 c["op"].as_str().unwrap_or(""),

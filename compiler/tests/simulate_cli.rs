@@ -1,6 +1,7 @@
 //! `distc calibrate` and `distc simulate` from the command line (issue 25, item 3):
 //! what they write, that a plan simulated on many workers in nodes picks the
 //! all-reduce the links favour, where op times come from, and the refusals.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 
@@ -33,7 +34,14 @@ fn setup(label: &str) -> (PathBuf, PathBuf) {
     std::fs::write(&model, MODEL).unwrap();
     let plan = dir.join("plan.json");
     let o = distc(&[
-        "compile", s(&model), "--strategy", "allreduce", "--workers", "2", "-o", s(&plan),
+        "compile",
+        s(&model),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "-o",
+        s(&plan),
     ]);
     assert!(o.status.success(), "{}", text(&o));
     (dir, plan)
@@ -47,7 +55,14 @@ fn json(o: &std::process::Output) -> serde_json::Value {
 fn calibration(dir: &Path) -> PathBuf {
     let cal = dir.join("cal.json");
     let o = distc(&[
-        "calibrate", "--workers", "3", "--sizes", "4096,65536,1048576", "--reps", "3", "-o",
+        "calibrate",
+        "--workers",
+        "3",
+        "--sizes",
+        "4096,65536,1048576",
+        "--reps",
+        "3",
+        "-o",
         s(&cal),
     ]);
     assert!(o.status.success(), "{}", text(&o));
@@ -81,15 +96,31 @@ fn a_slow_link_between_nodes_makes_every_bucket_hierarchical_at_scale() {
     let cal = calibration(&dir);
     let inter = format!("inter={}", s(&cal));
     let sim = |extra: &[&str]| {
-        let mut args = vec!["simulate", s(&plan), "--profile-steps", "3", "--format", "json"];
+        let mut args = vec![
+            "simulate",
+            s(&plan),
+            "--profile-steps",
+            "3",
+            "--format",
+            "json",
+        ];
         args.extend_from_slice(extra);
         json(&distc(&args))
     };
     let hier = sim(&[
-        "--workers", "64", "--ranks-per-node", "8", "--calibration", &inter, "--link",
+        "--workers",
+        "64",
+        "--ranks-per-node",
+        "8",
+        "--calibration",
+        &inter,
+        "--link",
         "intra=1e12,1e-7",
     ]);
-    assert_eq!((hier["workers"].as_u64(), hier["ranks_per_node"].as_u64()), (Some(64), Some(8)));
+    assert_eq!(
+        (hier["workers"].as_u64(), hier["ranks_per_node"].as_u64()),
+        (Some(64), Some(8))
+    );
     let reduces: Vec<&serde_json::Value> = hier["comms"]
         .as_array()
         .unwrap()
@@ -101,7 +132,10 @@ fn a_slow_link_between_nodes_makes_every_bucket_hierarchical_at_scale() {
         // A link within the node thousands of times faster: the hierarchy wins, and the
         // plan (compiled again for 64 workers) runs it.
         assert_eq!(c["how"], "hierarchical", "{c}");
-        assert!(c["hierarchical_seconds"].as_f64() < c["flat_seconds"].as_f64(), "{c}");
+        assert!(
+            c["hierarchical_seconds"].as_f64() < c["flat_seconds"].as_f64(),
+            "{c}"
+        );
     }
     let step = hier["step"].as_f64().unwrap();
     let parts = hier["compute"].as_f64().unwrap() + hier["exposed_comm"].as_f64().unwrap();
@@ -112,9 +146,21 @@ fn a_slow_link_between_nodes_makes_every_bucket_hierarchical_at_scale() {
     // The same plan at its own 2 workers, and as a table for people.
     let own = sim(&["--calibration", &inter]);
     assert_eq!(own["workers"], 2);
-    let o = distc(&["simulate", s(&plan), "--profile-steps", "3", "--workers", "16"]);
+    let o = distc(&[
+        "simulate",
+        s(&plan),
+        "--profile-steps",
+        "3",
+        "--workers",
+        "16",
+    ]);
     assert!(o.status.success(), "{}", text(&o));
-    for want in ["on 16 workers", "scaling efficiency", "all_reduce", "memory per worker"] {
+    for want in [
+        "on 16 workers",
+        "scaling efficiency",
+        "all_reduce",
+        "memory per worker",
+    ] {
         assert!(text(&o).contains(want), "{want}: {}", text(&o));
     }
 }
@@ -133,7 +179,14 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
         let o = distc(&args);
         assert!(o.status.success(), "{}", text(&o));
         let sim = json(&distc(&[
-            "simulate", s(&plan), "--workers", "8", "--trace", s(&trace), "--format", "json",
+            "simulate",
+            s(&plan),
+            "--workers",
+            "8",
+            "--trace",
+            s(&trace),
+            "--format",
+            "json",
         ]));
         let (measured, _, copies) = (
             sim["op_times"][0].as_u64().unwrap(),
@@ -148,7 +201,15 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
     }
     // A trace of another model is refused.
     let other = dir.join("other.trace.json");
-    let o = distc(&["train", "examples/dense_mlp.dsl", "--steps", "2", "-q", "--trace", s(&other)]);
+    let o = distc(&[
+        "train",
+        "examples/dense_mlp.dsl",
+        "--steps",
+        "2",
+        "-q",
+        "--trace",
+        s(&other),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     refused(
         &["simulate", s(&plan), "--trace", s(&other)],
@@ -160,22 +221,54 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
 fn simulate_refuses_what_it_cannot_simulate_and_says_why() {
     let (dir, plan) = setup("refusals");
     refused(
-        &["simulate", s(&plan), "--workers", "12", "--ranks-per-node", "8"],
+        &[
+            "simulate",
+            s(&plan),
+            "--workers",
+            "12",
+            "--ranks-per-node",
+            "8",
+        ],
         "cannot fill nodes of 8",
     );
     refused(
-        &["simulate", s(&plan), "--calibration", "inter=/nonexistent/cal.json"],
+        &[
+            "simulate",
+            s(&plan),
+            "--calibration",
+            "inter=/nonexistent/cal.json",
+        ],
         "/nonexistent/cal.json",
     );
-    refused(&["simulate", s(&plan), "--calibration", "across=x"], "intra=FILE or inter=FILE");
+    refused(
+        &["simulate", s(&plan), "--calibration", "across=x"],
+        "intra=FILE or inter=FILE",
+    );
     // One device cannot be simulated on many workers.
     let single = dir.join("single.json");
-    let o = distc(&["compile", s(&dir.join("wide.dsl")), "--strategy", "single", "-o", s(&single)]);
+    let o = distc(&[
+        "compile",
+        s(&dir.join("wide.dsl")),
+        "--strategy",
+        "single",
+        "-o",
+        s(&single),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
-    refused(&["simulate", s(&single), "--workers", "4"], "compile it with a distributed strategy");
+    refused(
+        &["simulate", s(&single), "--workers", "4"],
+        "compile it with a distributed strategy",
+    );
     // The model changed since the plan was compiled: the simulation would be of another.
-    std::fs::write(dir.join("wide.dsl"), MODEL.replace("x @ w1 + b1", "x @ w1 - b1")).unwrap();
-    refused(&["simulate", s(&plan), "--workers", "4"], "no longer compiles to this plan");
+    std::fs::write(
+        dir.join("wide.dsl"),
+        MODEL.replace("x @ w1 + b1", "x @ w1 - b1"),
+    )
+    .unwrap();
+    refused(
+        &["simulate", s(&plan), "--workers", "4"],
+        "no longer compiles to this plan",
+    );
     // The model's file is gone: the message names it.
     std::fs::remove_file(dir.join("wide.dsl")).unwrap();
     refused(&["simulate", s(&plan), "--workers", "4"], "wide.dsl");

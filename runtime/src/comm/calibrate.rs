@@ -29,7 +29,10 @@ pub fn sweep(comm: &mut dyn Communicator, sizes: &[usize], reps: usize) -> Resul
     let mut out = Vec::with_capacity(sizes.len());
     for &bytes in sizes {
         let mut buf = vec![1.0f32; (bytes / 4).max(1)];
-        comm.set_label(&format!("calibration all-reduce of {} bytes", buf.len() * 4));
+        comm.set_label(&format!(
+            "calibration all-reduce of {} bytes",
+            buf.len() * 4
+        ));
         comm.all_reduce(&mut buf, true)?;
         let mut times = Vec::with_capacity(reps.max(1));
         for _ in 0..reps.max(1) {
@@ -91,17 +94,21 @@ mod tests {
 
     #[test]
     fn a_sweep_times_every_size_on_every_rank() {
-        let samples = sweep_in_process(3, &[4, 4096, 1 << 16], 3).unwrap();
+        let samples = sweep_in_process(3, &[4, 4096, 1 << 16], 3).expect("three ranks time");
         assert_eq!(
             samples.iter().map(|s| s.bytes).collect::<Vec<_>>(),
             vec![4, 4096, 1 << 16]
         );
-        assert!(samples.iter().all(|s| s.seconds > 0.0 && s.seconds.is_finite()));
+        assert!(samples
+            .iter()
+            .all(|s| s.seconds > 0.0 && s.seconds.is_finite()));
     }
 
     #[test]
     fn one_rank_is_refused() {
-        let e = sweep_in_process(1, &[4], 1).unwrap_err().to_string();
+        let e = sweep_in_process(1, &[4], 1)
+            .expect_err("one rank is refused")
+            .to_string();
         assert!(e.contains("at least 2 ranks"), "{e}");
     }
 }

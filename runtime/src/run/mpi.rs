@@ -950,8 +950,8 @@ pub fn calibrate(
     reps: usize,
     timeout: Duration,
 ) -> Result<Option<(Vec<crate::comm::calibrate::Sample>, Vec<String>)>> {
-    let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-        .ok_or_else(|| {
+    let (universe, _) =
+        mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or_else(|| {
             RuntimeError::Config("MPI was already initialised in this process".into())
         })?;
     let world = universe.world();
