@@ -22,7 +22,10 @@ steps="${STEPS:-30}"
 command -v mpirun >/dev/null || { echo "simulate.sh: no mpirun (bash scripts/install-mpi.sh)" >&2; exit 1; }
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-mpi=(mpirun --oversubscribe --bind-to none)
+# One GEMM thread a rank (the profile too): N ranks on this machine's cores, not N
+# times its threads.
+export MATMUL_NUM_THREADS=1
+mpi=(mpirun --oversubscribe --bind-to none -x MATMUL_NUM_THREADS)
 [ "$(id -u)" = 0 ] && mpi+=(--allow-run-as-root)
 
 # The median step of worker 0 in a Chrome trace, milliseconds.
@@ -59,7 +62,7 @@ for n in 1 2 3 4; do
     cal=(--calibration "inter=$work/c$n.json")
     link=$(python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['link']; print(f\"{l['bandwidth']:.3g} B/s, {l['latency'] * 1e6:.1f} us\")" "$work/c$n.json")
   fi
-  "$distc" simulate "$work/p$n.json" "${cal[@]}" --format json >"$work/s$n.json"
+  "$distc" simulate "$work/p$n.json" "${cal[@]}" --profile-steps 12 --format json >"$work/s$n.json"
   "$distc" simulate "$work/p$n.json" "${cal[@]}" --trace "$work/t$n.json" --format json >"$work/r$n.json"
   m=$(measured "$work/t$n.json")
   a=$(field "$work/s$n.json" step)

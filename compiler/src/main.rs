@@ -242,7 +242,7 @@ enum Command {
         /// Ranks of the in-process ring (at least 2).
         #[arg(long, default_value_t = 2, value_parser = at_least_one)]
         workers: usize,
-        /// Buffer sizes in bytes (default: 4 KiB to 16 MiB, by 4x).
+        /// Buffer sizes in bytes (default: 4 KiB to 64 MiB, by 4x: as large as buckets).
         #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
         sizes: Vec<usize>,
         /// Timed all-reduces per size (the median is kept).
@@ -772,7 +772,7 @@ fn calibrate_cmd(
         distc_runtime::core::output::check_output(path, &[])?;
     }
     let sizes = if sizes.is_empty() {
-        (0..6).map(|k| 4096usize << (2 * k)).collect()
+        (0..8).map(|k| 4096usize << (2 * k)).collect()
     } else {
         sizes
     };
