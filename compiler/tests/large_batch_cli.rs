@@ -164,6 +164,27 @@ fn linear_scaling_multiplies_the_rate_by_the_global_batch() {
     ] {
         assert!(t.contains(want), "`{want}` not in:\n{t}");
     }
+    // Every metrics line carries the rate its update used: the warm-up's tenths of
+    // 0.1, then half a cosine over the run's last 2 updates (0.1, then 0.55 x 0.1).
+    let m = common::temp_dir("schedule-cli").join("scaled.jsonl");
+    let o = distc(&["run", s(&plan), "--steps", "12", "-q", "--metrics", s(&m)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let rates: Vec<f64> = std::fs::read_to_string(&m)
+        .expect("metrics")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            v["lr"].as_f64().expect("a learning rate in every line")
+        })
+        .collect();
+    let want: Vec<f64> = (1..=10)
+        .map(|t| 0.1 * t as f64 / 10.0)
+        .chain([0.1, 0.055])
+        .collect();
+    assert_eq!(rates.len(), want.len());
+    for (got, want) in rates.iter().zip(&want) {
+        assert!((got - want).abs() < 1e-9, "{rates:?} against {want}");
+    }
     let o = distc(&[
         "compile",
         s(&file),

@@ -261,6 +261,11 @@ pub trait OptimizerState: Device {
     }
     /// Bytes of optimizer state.
     fn optimizer_bytes(opt: &Self::Optimizer) -> u64;
+    /// The learning rate the next update uses (after warm-up, decay and scaling), where
+    /// the backend's optimizer keeps it.
+    fn learning_rate(_opt: &Self::Optimizer) -> Option<f64> {
+        None
+    }
     /// Whether the optimizer may spread one update over threads (the CPU's, when
     /// cores are left over); a no-op elsewhere.
     fn parallel_updates(_opt: &mut Self::Optimizer, _on: bool) {}

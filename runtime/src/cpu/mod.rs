@@ -208,6 +208,10 @@ impl OptimizerState for Cpu {
         opt.state_bytes()
     }
 
+    fn learning_rate(opt: &Optimizer) -> Option<f64> {
+        Some(opt.lr())
+    }
+
     fn parallel_updates(opt: &mut Optimizer, on: bool) {
         opt.set_parallel(on);
     }

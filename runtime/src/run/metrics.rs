@@ -55,6 +55,10 @@ pub struct StepMetrics {
     /// Steps skipped so far because their gradients overflowed (fp16).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped_steps: Option<usize>,
+    /// The learning rate worker 0's update used this step (warm-up, decay and the
+    /// linear scaling rule applied).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
 }
 
 /// A pipelined step, measured.

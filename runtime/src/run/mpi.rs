@@ -698,6 +698,7 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
         pipeline: r.pipeline.clone(),
         loss_scale: r.loss_scale.map(|s| s.0),
         skipped_steps: r.loss_scale.map(|s| s.1),
+        lr: r.lr,
     }
 }
 

@@ -843,6 +843,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         device_memory: None,
         pipeline: Some(PipelineStep { bubble, stages }),
         loss_scale: None,
+        lr: None,
     }
 }
 

@@ -364,6 +364,7 @@ impl<'a> Coordinator<'a> {
             pipeline: r0.pipeline.clone(),
             loss_scale: r0.loss_scale.map(|s| s.0),
             skipped_steps: r0.loss_scale.map(|s| s.1),
+            lr: r0.lr,
         })
     }
 }

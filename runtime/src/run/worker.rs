@@ -68,6 +68,9 @@ pub struct StepReport {
     /// fp16's loss scale after the step, and the steps skipped so far for overflow.
     #[serde(default)]
     pub loss_scale: Option<(f64, usize)>,
+    /// The learning rate of this step's update.
+    #[serde(default)]
+    pub lr: Option<f64>,
 }
 
 /// The first error of a run, with the role that hit it. Shared by every rank of a
@@ -1027,6 +1030,9 @@ fn run_steps<B: Backend>(
         }
     }
     for step in first..=steps {
+        // Before this step's update moves it on; a backend that does not keep it runs
+        // no schedule (it refuses one), so the rate is the train block's.
+        let lr = B::learning_rate(&st.optimizer).unwrap_or_else(|| config.optimizer.lr());
         let eval_now = opts.evaluate
             && (step == steps || (config.eval_every > 0 && step % config.eval_every == 0));
         let checkpoint_now = opts
@@ -1239,6 +1245,7 @@ fn run_steps<B: Backend>(
             device_memory: st.exec.backend().device_memory(),
             pipeline: None,
             loss_scale: scaler.as_ref().map(|s| (s.scale, s.skipped)),
+            lr: Some(lr),
         })?;
     }
     Ok(())
