@@ -239,15 +239,16 @@ enum Command {
         /// `inprocess` (threads) or `mpi` (each rank of mpirun one rank of the ring).
         #[arg(long, value_enum, default_value = "inprocess")]
         transport: Transport,
-        /// Ranks of the in-process ring (at least 2).
-        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-        workers: usize,
-        /// Buffer sizes in bytes (default: 4 KiB to 64 MiB, by 4x: as large as buckets).
-        #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
-        sizes: Vec<usize>,
-        /// Timed all-reduces per size (the median is kept).
-        #[arg(long, default_value_t = 7, value_parser = at_least_one)]
-        reps: usize,
+        /// Ranks of the in-process ring (2 to 256 threads).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(2..=256))]
+        workers: u16,
+        /// Buffer sizes in bytes, each 4 to 1 GiB (default: 4 KiB to 64 MiB, by 4x: as
+        /// large as buckets).
+        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(4..=1 << 30))]
+        sizes: Vec<u32>,
+        /// Timed all-reduces per size, 1 to 1000 (the median is kept).
+        #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        reps: u16,
         /// Seconds a collective may take before the run stops with an error naming it.
         #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
         timeout: f64,
@@ -778,8 +779,18 @@ fn calibrate_cmd(
     };
     let (samples, ranks, hosts) = match transport {
         Transport::Inprocess => {
-            if workers < 2 {
-                bail!("calibration needs at least 2 ranks (--workers 2 or more)");
+            let largest = sizes.iter().copied().max().unwrap_or(0) as u128;
+            // Each thread holds one buffer of the size it times.
+            let need = largest * workers as u128;
+            if let Some(have) = memory::available().filter(|have| need > *have) {
+                bail!(
+                    "{} ranks of {} each need {}; the machine has {} available: give smaller \
+                     --sizes or fewer --workers",
+                    workers,
+                    memory::gib(largest),
+                    memory::gib(need),
+                    memory::gib(have)
+                );
             }
             let s = distc_runtime::comm::calibrate::sweep_in_process(workers, &sizes, reps)?;
             (Some(s), workers, 1)
@@ -1763,7 +1774,14 @@ fn real_main(cli: Cli) -> Result<()> {
             reps,
             timeout,
             output,
-        } => calibrate_cmd(transport, workers, sizes, reps, timeout, output.as_deref())?,
+        } => calibrate_cmd(
+            transport,
+            workers.into(),
+            sizes.into_iter().map(|b| b as usize).collect(),
+            reps.into(),
+            timeout,
+            output.as_deref(),
+        )?,
         Command::Run { plan, run } => {
             let (p, programs) = Plan::load(&plan)?;
             let r = Runnable::new(&p, &programs)?;

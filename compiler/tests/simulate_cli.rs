@@ -87,7 +87,8 @@ fn calibrate_writes_the_samples_and_the_link_fitted_to_them() {
     assert_eq!(bytes, vec![4096, 65536, 1048576]);
     assert!(c["link"]["bandwidth"].as_f64().unwrap() > 0.0);
     assert!(c["link"]["latency"].as_f64().unwrap() >= 0.0);
-    refused(&["calibrate", "--workers", "1"], "at least 2 ranks");
+    refused(&["calibrate", "--workers", "1"], "1 is not in 2..=256");
+    refused(&["calibrate", "--sizes", "0"], "0 is not in 4..=1073741824");
 }
 
 #[test]
