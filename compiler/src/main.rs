@@ -671,7 +671,7 @@ fn simulate_cmd(
             LinkKind::Inter => target.inter = Some(*l),
         }
     }
-    let (compiled, settings) = sim::retarget(&p, &programs, &target).map_err(anyhow::Error::msg)?;
+    let (compiled, settings) = sim::retarget(&p, &target).map_err(anyhow::Error::msg)?;
     let single = sim::single_program(&p, data).map_err(anyhow::Error::msg)?;
     let copy_bandwidth =
         copy_bandwidth.unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);

@@ -700,11 +700,7 @@ pub struct Target {
 /// settings but the target's workers, nodes and links (the hierarchy pass then decides
 /// flat or hierarchical per bucket for those). The model must still compile to the
 /// plan at the plan's own settings, or the simulation would be of another model.
-pub fn retarget(
-    plan: &Plan,
-    programs: &distc_passes::program_set::ProgramSet,
-    target: &Target,
-) -> Result<(crate::Compiled, StrategyConfig), String> {
+pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, StrategyConfig), String> {
     let s = &plan.settings;
     if s.model > 1 || s.pipeline > 1 {
         return Err(
@@ -756,7 +752,6 @@ pub fn retarget(
         ));
     }
     if settings == *s {
-        let _ = programs;
         return Ok((own, settings));
     }
     Ok((compile(&settings)?, settings))
