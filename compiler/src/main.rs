@@ -647,12 +647,15 @@ fn simulate_cmd(
     let mut calibrated_bytes = 0usize;
     let mut measured = Vec::new();
     let links_given: Vec<LinkKind> = links.iter().map(|l| l.0).collect();
-    for (kind, path) in calibrations {
-        let text = distc_runtime::core::output::read_regular_text(
+    let read = |path: &Path| {
+        distc_runtime::core::output::read_regular_text(
             path,
             distc_runtime::core::output::TEXT_INPUT_LIMIT,
         )
-        .with_context(|| format!("{}", path.display()))?;
+        .with_context(|| format!("{}", path.display()))
+    };
+    for (kind, path) in calibrations {
+        let text = read(path)?;
         let c: Calibration = serde_json::from_str(&text).with_context(|| {
             format!("{}: not a calibration from distc calibrate", path.display())
         })?;
@@ -677,12 +680,8 @@ fn simulate_cmd(
         copy_bandwidth.unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
     let profile = match trace {
         Some(path) => {
-            let text = distc_runtime::core::output::read_regular_text(
-                path,
-                distc_runtime::core::output::TEXT_INPUT_LIMIT,
-            )
-            .with_context(|| format!("{}", path.display()))?;
-            let spans = sim::spans_from_trace(&text)
+            let text = read(path)?;
+            let spans = distc_runtime::run::trace::spans_of_chrome_trace(&text)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             let first = spans.iter().map(|s| s.step).min().unwrap_or(0);
             let last = spans.iter().map(|s| s.step).max().unwrap_or(0);

@@ -16,7 +16,7 @@
 use crate::plan::Plan;
 use distc_ir::{Graph, NodeId, Op, ValueType};
 use distc_passes::cost::INDEX_BYTES;
-use distc_passes::placement::{Link, StrategyConfig};
+use distc_passes::placement::{all_reduce_seconds_by, Link, StrategyConfig};
 use distc_runtime::comm::calibrate::Sample;
 use distc_runtime::run::trace::Span;
 use serde::{Deserialize, Serialize};
@@ -162,8 +162,10 @@ impl Calibration {
 
 /// A flat ring all-reduce of `bytes` over `n` ranks on `link`.
 pub fn ring_all_reduce(bytes: f64, n: usize, link: Link) -> f64 {
-    let n = n.max(1) as f64;
-    2.0 * (n - 1.0) * (link.latency + bytes / n / link.bandwidth)
+    all_reduce_seconds_by(bytes, n, 1, |_, chunk| {
+        link.latency + chunk / link.bandwidth
+    })
+    .0
 }
 
 /// What an op costs to compute, from a profile of one worker on this machine.
@@ -461,12 +463,7 @@ fn comm_seconds(
     let nf = n as f64;
     match g.op(id) {
         Op::AllReduce { ranks_per_node, .. } => {
-            // As `placement::all_reduce_seconds` prices them, each ring step a message.
-            let flat = 2.0 * (nf - 1.0) * msg(across, in_bytes / nf);
-            let l = local.clamp(1, n) as f64;
-            let m = (n / local.clamp(1, n)) as f64;
-            let hier = 2.0 * (l - 1.0) * msg(false, in_bytes / l)
-                + 2.0 * (m - 1.0) * msg(true, in_bytes / nf);
+            let (flat, hier) = all_reduce_seconds_by(in_bytes, n, local, msg);
             let both = (local > 1 && nodes > 1).then_some((flat, hier));
             if *ranks_per_node > 1 {
                 (hier, in_bytes, both, "hierarchical")
@@ -843,57 +840,6 @@ pub fn spans_match(g: &Graph, spans: &[Span]) -> bool {
         }
     }
     any
-}
-
-/// Worker 0's spans from a Chrome trace that `distc run --trace` wrote.
-pub fn spans_from_trace(text: &str) -> Result<Vec<Span>, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("not a trace (JSON): {e}"))?;
-    let events = v
-        .get("traceEvents")
-        .and_then(|e| e.as_array())
-        .or_else(|| v.as_array())
-        .ok_or("not a Chrome trace: no traceEvents")?;
-    let mut tracks: HashMap<u64, String> = HashMap::new();
-    for e in events {
-        if e.get("ph").and_then(|p| p.as_str()) == Some("M") {
-            if let (Some(tid), Some(name)) = (
-                e.get("tid").and_then(|t| t.as_u64()),
-                e.pointer("/args/name").and_then(|n| n.as_str()),
-            ) {
-                tracks.insert(tid, name.to_string());
-            }
-        }
-    }
-    let mut spans = Vec::new();
-    for e in events {
-        if e.get("ph").and_then(|p| p.as_str()) != Some("X") {
-            continue;
-        }
-        let track = e
-            .get("tid")
-            .and_then(|t| t.as_u64())
-            .and_then(|t| tracks.get(&t))
-            .cloned()
-            .unwrap_or_default();
-        spans.push(Span {
-            track,
-            name: e.get("name").and_then(|n| n.as_str()).unwrap_or("").into(),
-            node: e
-                .pointer("/args/node")
-                .and_then(|n| n.as_str())
-                .map(Into::into),
-            step: e
-                .pointer("/args/step")
-                .and_then(|s| s.as_u64())
-                .unwrap_or(0),
-            bytes: None,
-            start_us: e.get("ts").and_then(|t| t.as_f64()).unwrap_or(0.0),
-            dur_us: e.get("dur").and_then(|t| t.as_f64()).unwrap_or(0.0),
-            counters: Vec::new(),
-        });
-    }
-    Ok(spans)
 }
 
 #[cfg(test)]

@@ -543,7 +543,7 @@ fn a_plans_nodes_are_the_hosts_mpi_reports_or_the_job_is_refused() {
 /// left out, in seconds.
 fn measured_step(trace: &Path) -> f64 {
     let text = std::fs::read_to_string(trace).expect("the run's trace");
-    let spans = distc::simulate::spans_from_trace(&text).expect("a trace");
+    let spans = distc_runtime::run::trace::spans_of_chrome_trace(&text).expect("a trace");
     let mut steps: Vec<(u64, f64)> = spans
         .iter()
         .filter(|s| s.track == "worker 0" && s.name.starts_with("step "))
@@ -616,9 +616,10 @@ fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
     assert!(o.status.success(), "{}", text(&o));
     let measured = measured_step(&trace);
     // Each collective's median on worker 0's communication thread, beside its prediction.
-    let spans =
-        distc::simulate::spans_from_trace(&std::fs::read_to_string(&trace).expect("present"))
-            .expect("present");
+    let spans = distc_runtime::run::trace::spans_of_chrome_trace(
+        &std::fs::read_to_string(&trace).expect("present"),
+    )
+    .expect("present");
     let mut comm: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     for sp in spans
         .iter()

@@ -166,15 +166,28 @@ pub fn all_reduce_seconds(bytes: f64, n: usize, local: usize, cfg: &StrategyConf
         latency: cfg.latency,
     };
     let intra = cfg.intra_link;
-    let ring = |m: usize, chunk: f64, link: Link| {
-        2.0 * (m as f64 - 1.0) * (link.latency + chunk / link.bandwidth)
-    };
+    all_reduce_seconds_by(bytes, n, local, |across, chunk| {
+        let link = if across { inter } else { intra };
+        link.latency + chunk / link.bandwidth
+    })
+}
+
+/// [`all_reduce_seconds`] with each ring step priced by `message(across, bytes)`: one
+/// message of `bytes` between nodes (`across`) or within one. The hierarchy pass
+/// prices a message on the two links' lines; `distc simulate` on a calibration's
+/// measured sizes.
+pub fn all_reduce_seconds_by(
+    bytes: f64,
+    n: usize,
+    local: usize,
+    message: impl Fn(bool, f64) -> f64,
+) -> (f64, f64) {
+    let ring = |m: usize, chunk: f64, across: bool| 2.0 * (m as f64 - 1.0) * message(across, chunk);
     let n = n.max(1);
     let local = local.clamp(1, n);
     let nodes = n / local;
-    let flat_link = if nodes > 1 { inter } else { intra };
-    let flat = ring(n, bytes / n as f64, flat_link);
-    let hier = ring(local, bytes / local as f64, intra) + ring(nodes, bytes / n as f64, inter);
+    let flat = ring(n, bytes / n as f64, nodes > 1);
+    let hier = ring(local, bytes / local as f64, false) + ring(nodes, bytes / n as f64, true);
     (flat, hier)
 }
 

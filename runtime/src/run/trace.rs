@@ -65,3 +65,95 @@ pub fn chrome_trace(spans: &[Span]) -> serde_json::Value {
     }));
     serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }
+
+/// The slice spans of a Chrome trace [`chrome_trace`] wrote, each on its track: what
+/// `distc simulate --trace` reads back. Counter events are left out.
+pub fn spans_of_chrome_trace(text: &str) -> Result<Vec<Span>, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not a trace (JSON): {e}"))?;
+    let events = v
+        .get("traceEvents")
+        .and_then(|e| e.as_array())
+        .or_else(|| v.as_array())
+        .ok_or("not a Chrome trace: no traceEvents")?;
+    let phase = |e: &serde_json::Value| e.get("ph").and_then(|p| p.as_str()).map(str::to_owned);
+    let tracks: std::collections::HashMap<u64, String> = events
+        .iter()
+        .filter(|e| phase(e).as_deref() == Some("M"))
+        .filter_map(|e| {
+            let tid = e.get("tid")?.as_u64()?;
+            Some((tid, e.pointer("/args/name")?.as_str()?.to_string()))
+        })
+        .collect();
+    Ok(events
+        .iter()
+        .filter(|e| phase(e).as_deref() == Some("X"))
+        .map(|e| Span {
+            track: e
+                .get("tid")
+                .and_then(|t| t.as_u64())
+                .and_then(|t| tracks.get(&t))
+                .cloned()
+                .unwrap_or_default(),
+            name: e.get("name").and_then(|n| n.as_str()).unwrap_or("").into(),
+            node: e
+                .pointer("/args/node")
+                .and_then(|n| n.as_str())
+                .map(Into::into),
+            step: e
+                .pointer("/args/step")
+                .and_then(|s| s.as_u64())
+                .unwrap_or(0),
+            bytes: e.pointer("/args/bytes").and_then(|b| b.as_u64()),
+            start_us: e.get("ts").and_then(|t| t.as_f64()).unwrap_or(0.0),
+            dur_us: e.get("dur").and_then(|t| t.as_f64()).unwrap_or(0.0),
+            counters: Vec::new(),
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chrome_trace_reads_back_as_the_spans_it_was_written_from() {
+        let span = |track: &str, name: &str, node: Option<&str>, bytes: Option<u64>| Span {
+            track: track.into(),
+            name: name.into(),
+            node: node.map(Into::into),
+            step: 3,
+            bytes,
+            start_us: 12.5,
+            dur_us: 4.25,
+            counters: Vec::new(),
+        };
+        let slices = vec![
+            span("worker 0", "matmul", Some("%7"), None),
+            span("worker 0 comm", "all_reduce %9", Some("%9"), Some(4096)),
+            span("worker 1", "step 3", None, None),
+        ];
+        let mut all = slices.clone();
+        all.push(Span {
+            counters: vec![("activations".into(), 64)],
+            ..span("worker 0 memory", "memory", None, None)
+        });
+        let text = chrome_trace(&all).to_string();
+        let back = spans_of_chrome_trace(&text).expect("a trace");
+        let key = |s: &Span| {
+            (
+                s.track.clone(),
+                s.name.clone(),
+                s.node.clone(),
+                s.bytes,
+                s.step,
+            )
+        };
+        assert_eq!(
+            back.iter().map(key).collect::<Vec<_>>(),
+            slices.iter().map(key).collect::<Vec<_>>()
+        );
+        assert!(back.iter().all(|s| s.start_us == 12.5 && s.dur_us == 4.25));
+        assert!(spans_of_chrome_trace("{}").is_err());
+    }
+}
