@@ -851,7 +851,8 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
     );
     assert!(!o.status.success());
     assert!(
-        text(&o).contains("2 pipeline stages x 2 replicas: rank w is stage w % 2 of replica w / 2"),
+        text(&o)
+            .contains("2 replicas x 2 pipeline stages: worker w is stage w % 2 of replica w / 2"),
         "{}",
         text(&o)
     );

@@ -178,13 +178,17 @@ impl InProcessComm {
     }
 
     /// Closes every channel (peers waiting on this rank see it hang up) and returns
-    /// the error that caused it.
-    fn fail(&mut self, message: String) -> RuntimeError {
+    /// the error that caused it: what peer rank `peer` did (or did not do) during `op`.
+    fn peer_failed(&mut self, peer: usize, op: Op, message: String) -> RuntimeError {
         self.to.clear();
         self.from.clear();
-        let e = self.err(&message);
-        self.closed = Some(message);
-        e
+        self.closed = Some(message.clone());
+        RuntimeError::Peer {
+            rank: self.rank,
+            peer,
+            op: op.to_string(),
+            message,
+        }
     }
 
     fn check_open(&self, op: Op) -> Result<(), RuntimeError> {
@@ -220,7 +224,7 @@ impl InProcessComm {
             None => false,
         };
         if !sent {
-            return Err(self.fail(format!("peer rank {to} hung up during {op}")));
+            return Err(self.peer_failed(to, op, format!("peer rank {to} hung up during {op}")));
         }
         self.bytes.sent += n;
         Ok(())
@@ -237,17 +241,26 @@ impl InProcessComm {
                 self.bytes.received += msg.payload.wire_bytes();
                 Ok(msg)
             }
-            Ok(msg) => Err(self.fail(format!(
-                "expected a {op} message from rank {from}, got {}: ranks called different operations",
-                msg.op
-            ))),
+            Ok(msg) => Err(self.peer_failed(
+                from,
+                op,
+                format!(
+                    "expected a {op} message from rank {from}, got {}: ranks called different \
+                     operations",
+                    msg.op
+                ),
+            )),
             Err(RecvTimeoutError::Disconnected) => {
-                Err(self.fail(format!("peer rank {from} hung up during {op}")))
+                Err(self.peer_failed(from, op, format!("peer rank {from} hung up during {op}")))
             }
-            Err(RecvTimeoutError::Timeout) => Err(self.fail(format!(
-                "no message from rank {from} within {:?} during {op}",
-                self.timeout.unwrap_or_default()
-            ))),
+            Err(RecvTimeoutError::Timeout) => Err(self.peer_failed(
+                from,
+                op,
+                format!(
+                    "no message from rank {from} within {:?} during {op}",
+                    self.timeout.unwrap_or_default()
+                ),
+            )),
         }
     }
 
@@ -278,9 +291,11 @@ impl InProcessComm {
             let msg = self.recv_msg(prev, op)?;
             lens = (lens.0.min(msg.lens.0), lens.1.max(msg.lens.1));
             let Some(theirs) = T::unwrap(msg.payload) else {
-                return Err(self.fail(format!(
-                    "rank {prev} sent a different element type during {op}"
-                )));
+                return Err(self.peer_failed(
+                    prev,
+                    op,
+                    format!("rank {prev} sent a different element type during {op}"),
+                ));
             };
             let range = chunk_range(len, n, recv_c);
             if theirs.len() == range.len() {
@@ -326,7 +341,11 @@ impl InProcessComm {
                     buf[range].copy_from_slice(&theirs);
                 }
                 _ => {
-                    return Err(self.fail(format!("rank {prev} sent a malformed chunk during {op}")))
+                    return Err(self.peer_failed(
+                        prev,
+                        op,
+                        format!("rank {prev} sent a malformed chunk during {op}"),
+                    ))
                 }
             }
         }
@@ -346,9 +365,11 @@ impl InProcessComm {
             match self.recv_msg(prev, op)?.payload {
                 Payload::Bytes(v) => blocks[recv_b] = v,
                 _ => {
-                    return Err(
-                        self.fail(format!("rank {prev} sent a non-byte message during {op}"))
-                    )
+                    return Err(self.peer_failed(
+                        prev,
+                        op,
+                        format!("rank {prev} sent a non-byte message during {op}"),
+                    ))
                 }
             }
         }
@@ -414,7 +435,11 @@ impl Communicator for InProcessComm {
         }
         let msg = self.recv_msg(prev, op)?;
         let Payload::Bytes(data) = msg.payload else {
-            return Err(self.fail(format!("rank {prev} sent a non-byte message during {op}")));
+            return Err(self.peer_failed(
+                prev,
+                op,
+                format!("rank {prev} sent a non-byte message during {op}"),
+            ));
         };
         if next != root {
             self.send_msg(next, op, msg.lens, Payload::Bytes(data.clone()))?;
@@ -453,7 +478,11 @@ impl Communicator for InProcessComm {
         self.check_rank(from, "source", op)?;
         match self.recv_msg(from, op)?.payload {
             Payload::Bytes(v) => Ok(v),
-            _ => Err(self.fail(format!("rank {from} sent a non-byte message during {op}"))),
+            _ => Err(self.peer_failed(
+                from,
+                op,
+                format!("rank {from} sent a non-byte message during {op}"),
+            )),
         }
     }
 

@@ -48,6 +48,31 @@ pub enum RuntimeError {
     /// The configuration does not fit the model.
     #[error("{0}")]
     Config(String),
+    /// The user stopped the run (Ctrl-C): the text says what was kept.
+    #[error("{0}")]
+    Interrupted(String),
+    /// Another rank hung up, sent what the protocol does not allow, or did not answer
+    /// within the timeout.
+    #[error("rank {rank}: {message}")]
+    Peer {
+        /// This rank, on the communicator that saw it.
+        rank: usize,
+        /// The rank that failed or did not answer.
+        peer: usize,
+        /// The operation that waited on it (`all_reduce`, `recv`, ...).
+        op: String,
+        /// What happened.
+        message: String,
+    },
+    /// A rank's error, named by its place in the run (`worker 3`, `stage 1 of replica
+    /// 0`, `server 0`): the error keeps its kind, so the exit code follows the cause.
+    #[error("{who}: {source}")]
+    Rank {
+        /// The rank's name on the mesh.
+        who: String,
+        /// Its error.
+        source: Box<RuntimeError>,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {
@@ -56,6 +81,36 @@ pub enum RuntimeError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+impl RuntimeError {
+    /// `self` as the error of the rank named `who`, unless it names one already.
+    pub fn of_rank(self, who: impl Into<String>) -> RuntimeError {
+        match self {
+            e @ RuntimeError::Rank { .. } => e,
+            e => RuntimeError::Rank {
+                who: who.into(),
+                source: Box::new(e),
+            },
+        }
+    }
+
+    /// The error under any rank naming: what decides what the caller does.
+    pub fn cause(&self) -> &RuntimeError {
+        match self {
+            RuntimeError::Rank { source, .. } => source.cause(),
+            e => e,
+        }
+    }
+
+    /// The process's exit status for this error: 130 for an interrupt (128 + SIGINT, as
+    /// shells report a job stopped by Ctrl-C), 1 for every other failure.
+    pub fn exit_code(&self) -> i32 {
+        match self.cause() {
+            RuntimeError::Interrupted(_) => 130,
+            _ => 1,
+        }
+    }
 }
 
 /// Shorthand for runtime results.

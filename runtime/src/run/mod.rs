@@ -1,5 +1,7 @@
 //! The run layer: what makes a training run out of the layers below.
 //!
+//! - [`mesh`]: the plan's ranks arranged as data x pipe x model (plus servers), made
+//!   once from the plan; the one place a rank becomes a coordinate and a name.
 //! - [`launch`]: the one entry the CLI calls with a loaded plan and its options; it
 //!   decides device, transport and roles.
 //! - [`train`]: the plan's programs, run options, the [`train::TrainReport`], and the
@@ -16,6 +18,7 @@
 pub mod data;
 pub mod launch;
 pub mod memory;
+pub mod mesh;
 pub mod metrics;
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -32,6 +32,7 @@ use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
 use crate::run::launch::{rank_path, MpiRun};
+use crate::run::mesh::{Axis, Mesh};
 use crate::run::metrics::StepMetrics;
 use crate::run::trace::Span;
 use crate::run::train::{
@@ -287,25 +288,20 @@ fn agreed_settings(config: &RunConfig, opts: &TrainOptions) -> Vec<String> {
     ]
 }
 
-/// `2 stages x 2 replicas: rank w is stage w % 2 of replica w / 2`.
-pub fn pipeline_ranks(stages: usize, ranks: usize) -> String {
-    let stages = stages.max(1);
-    format!(
-        "{stages} pipeline stages x {} replicas: rank w is stage w % {stages} of replica w / \
-         {stages}",
-        ranks / stages
-    )
-}
-
 /// The workers' hosts (`hosts[w]`, from the start-up exchange) against the plan's
 /// nodes ([`crate::comm::check_nodes`]): a plan whose hierarchical all-reduces group
 /// workers other than their hosts do is refused on every rank alike; rank 0 prints the
 /// notes. Data-parallel plans only (a pipeline's or a model axis's ranks are not
 /// grouped).
-fn check_worker_hosts(programs: Programs<'_>, hosts: &[String], rank: usize) -> Result<()> {
+fn check_worker_hosts(
+    programs: Programs<'_>,
+    mesh: &Mesh,
+    hosts: &[String],
+    rank: usize,
+) -> Result<()> {
     use distc_ir::Op;
     let g = programs.worker;
-    if programs.pipeline.is_some() || crate::run::worker::model_parts(g) > 1 {
+    if !mesh.data_parallel_only() {
         return Ok(());
     }
     let local = g
@@ -359,10 +355,12 @@ pub fn run_with<B: Backend>(
         })?;
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
-    let roles = Roles {
-        workers: programs.worker_ranks()?,
+    // The plan's servers as the plan's settings count them: every one is a rank.
+    let mesh = Mesh {
         servers: mpi_run.servers,
+        ..Mesh::of(&programs)?
     };
+    let roles = mesh.roles();
     // Start-up checks, decided from data every rank has, so every rank decides alike:
     // the plan, the job's size, and every run setting that must agree across ranks (a
     // rank with other --steps would leave the others waiting at its last step).
@@ -437,10 +435,13 @@ pub fn run_with<B: Backend>(
             differ.join("; ")
         )));
     }
-    // What the job's ranks are: `3 workers and 1 servers`, or a pipeline's mapping.
-    let layout = |and: &str| match programs.pipeline {
-        Some(p) => pipeline_ranks(p.stages.len(), roles.workers),
-        None => format!("{} workers{and} {} servers", roles.workers, roles.servers),
+    // What the job's ranks are: `3 workers and 1 servers`, or the mesh's mapping.
+    let layout = |and: &str| {
+        if mesh.data_parallel_only() {
+            format!("{} workers{and} {} servers", roles.workers, roles.servers)
+        } else {
+            mesh.describe()
+        }
     };
     if size != roles.world() {
         let line = format!("mpirun -np {} {}", roles.world(), mpi_run.command);
@@ -469,7 +470,7 @@ pub fn run_with<B: Backend>(
     let hosts: Vec<String> = (0..roles.workers)
         .map(|r| slot(r, RECORD..RECORD + HOST))
         .collect();
-    check_worker_hosts(programs, &hosts, rank)?;
+    check_worker_hosts(programs, &mesh, &hosts, rank)?;
     // From here on, a rank that fails stops the job: the others may be waiting for it.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -498,10 +499,10 @@ pub fn run_with<B: Backend>(
     let result = match role {
         Some(Role::Server(s)) => run_server(programs, config, opts, roles, s, &ps_comm, t0)
             .and_then(|spans| send_spans(&ctl, rank, spans, opts, mpi_run)),
-        Some(Role::Worker(_)) if programs.pipeline.is_some() => {
+        Some(Role::Worker(_)) if mesh.pipelined => {
             drop(workers_comm);
             pipeline::run_stage_rank(
-                programs, config, opts, mpi_run, roles, &world, rank, &ctl, t0, on_step,
+                programs, mesh, config, opts, mpi_run, &world, rank, &ctl, t0, on_step,
             )
         }
         Some(Role::Worker(r)) => {
@@ -510,7 +511,7 @@ pub fn run_with<B: Backend>(
                 None => fail(&world, rank, role, &"not in the workers' communicator"),
             };
             run_worker_rank(
-                programs, config, opts, mpi_run, roles, r, comm, &ps_comm, &ctl, t0, on_step, make,
+                programs, mesh, config, opts, mpi_run, r, comm, &ps_comm, &ctl, t0, on_step, make,
             )
         }
         None => Err(RuntimeError::Config(format!("rank {rank} has no role"))),
@@ -705,10 +706,10 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
 #[allow(clippy::too_many_arguments)]
 fn run_worker_rank<B: Backend>(
     programs: Programs<'_>,
+    mesh: Mesh,
     config: &RunConfig,
     opts: &TrainOptions,
     mpi_run: &MpiRun,
-    roles: Roles,
     r: usize,
     comm: Comm,
     ps_comm: &Arc<Comm>,
@@ -718,17 +719,16 @@ fn run_worker_rank<B: Backend>(
     make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
-    // A mesh with a model axis of T: worker r is model rank r % T of data rank r / T.
-    // Every worker splits the workers' communicator twice, in the same order.
-    let t = crate::run::worker::model_parts(programs.worker);
-    let (comm, model_comm) = if t > 1 {
-        let by_model_rank = comm
-            .0
-            .split_by_color_with_key(Color::with_value((r % t) as i32), (r / t) as i32);
-        let by_data_rank = comm
-            .0
-            .split_by_color_with_key(Color::with_value((r / t) as i32), (r % t) as i32);
-        let (Some(data_axis), Some(model_axis)) = (by_model_rank, by_data_rank) else {
+    // A mesh with a model axis: every worker splits the workers' communicator by its
+    // group on the data axis, then on the model axis, in the same order.
+    let roles = mesh.roles();
+    let (comm, model_comm) = if mesh.model > 1 {
+        let split = |axis: Axis| {
+            let (group, key) = mesh.group(axis, r);
+            comm.0
+                .split_by_color_with_key(Color::with_value(group as i32), key as i32)
+        };
+        let (Some(data_axis), Some(model_axis)) = (split(Axis::Data), split(Axis::Model)) else {
             return Err(RuntimeError::Config(format!(
                 "worker {r}: not in its data axis's or its model axis's communicator"
             )));
@@ -744,7 +744,7 @@ fn run_worker_rank<B: Backend>(
     } else {
         (comm, None)
     };
-    let data = open_data(&programs, config, opts, r)?;
+    let data = open_data(&programs, &mesh, config, opts, r)?;
     let mpi_comm = MpiComm::new(comm, ctl.clone(), roles, r, opts.timeout);
     let ps = (roles.servers > 0).then(|| {
         PsClient::new(
@@ -817,6 +817,7 @@ fn run_worker_rank<B: Backend>(
         config,
         opts,
         rank: r,
+        mesh,
         comm: Box::new(mpi_comm),
         model_comm,
         ps,
@@ -836,7 +837,7 @@ fn run_worker_rank<B: Backend>(
     let steps = opts.steps.unwrap_or(config.steps).saturating_sub(done);
     let k = crate::run::train::micro_batches(programs.worker);
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
-    coordinator.model_axis = t;
+    coordinator.model_axis = mesh.model;
     std::thread::scope(|scope| -> Result<Option<TrainReport>> {
         let worker = std::thread::Builder::new()
             .name("worker-0".into())

@@ -26,20 +26,22 @@ use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Mode, Pending};
+use crate::core::roles::Role;
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::data::{data_dir, DataSource};
 use crate::run::memory::MemoryByCategory;
+use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep, StepMetrics};
 use crate::run::trace::Span;
-use crate::run::train::Programs;
+use crate::run::train::{axis_links, take_link, Programs};
 use crate::run::train::{
     evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
 };
 use crate::run::worker::{
-    collective, first_step, initial_values, model_collective, model_parts, refuse_model_axis_state,
-    resumed_slots, Done, StepReport,
+    collective, first_step, initial_values, model_collective, refuse_model_axis_state,
+    resumed_slots, Done, ErrorSlot, StepReport,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -48,7 +50,7 @@ use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 /// One stage's account of one step.
@@ -82,9 +84,13 @@ pub(crate) struct StageReport {
 
 #[cfg(feature = "mpi")]
 impl StageReport {
-    /// The worker that sent it, of a pipeline of `stages` stages `model` workers wide.
-    pub(crate) fn worker(&self, stages: usize, model: usize) -> usize {
-        (self.replica * stages + self.stage) * model + self.model_rank
+    /// The worker that sent it.
+    pub(crate) fn worker(&self, mesh: &Mesh) -> usize {
+        mesh.worker(Coord {
+            replica: self.replica,
+            stage: self.stage,
+            model: self.model_rank,
+        })
     }
 }
 
@@ -121,10 +127,9 @@ pub(crate) struct PipelineRun<'a> {
     /// a model axis.
     whole: &'a Graph,
     program: &'a PipelineProgram,
-    /// Copies of the pipeline, each a slice of the global batch (data parallelism).
-    pub(crate) replicas: usize,
-    /// Workers T of each stage on the model axis (1: none).
-    pub(crate) model_axis: usize,
+    /// The plan's mesh: copies of the pipeline (replicas, each a slice of the global
+    /// batch), its stages, and the workers of each stage on the model axis.
+    pub(crate) mesh: Mesh,
     /// Cuts each model rank's part of the split variables from the whole ones.
     shard: Option<&'a Graph>,
     /// Per model rank, its part of each split variable (`w.tp`) at the start.
@@ -151,11 +156,11 @@ pub(crate) struct PipelineRun<'a> {
 }
 
 impl<'a> PipelineRun<'a> {
-    /// `replicas` copies of the pipelined plan's stages (T workers wide on a model
+    /// The pipelined plan's stages on `mesh` (its replicas, T workers wide on a model
     /// axis); refuses what a pipelined run cannot do.
     pub(crate) fn new(
         programs: &Programs<'a>,
-        replicas: usize,
+        mesh: Mesh,
         config: &RunConfig,
         opts: &TrainOptions,
     ) -> Result<PipelineRun<'a>> {
@@ -163,12 +168,14 @@ impl<'a> PipelineRun<'a> {
         let Some(program) = programs.pipeline else {
             return Err(RuntimeError::Config("the plan has no pipeline".into()));
         };
-        if replicas == 0 {
-            return Err(RuntimeError::Config(
-                "a pipeline needs at least one replica".into(),
-            ));
+        if mesh.data == 0 || mesh.pipe != program.stages.len().max(1) {
+            return Err(RuntimeError::Config(format!(
+                "a pipeline of {} stages cannot run on {}",
+                program.stages.len(),
+                mesh.describe()
+            )));
         }
-        let model_axis = model_parts(whole);
+        let (replicas, model_axis) = (mesh.data, mesh.model);
         refuse_model_axis_state(model_axis, opts)?;
         let split = finalize.map(split_variables).unwrap_or_default();
         // The one-device values the init program cuts each model rank's parts from.
@@ -189,8 +196,7 @@ impl<'a> PipelineRun<'a> {
         Ok(PipelineRun {
             whole,
             program,
-            replicas,
-            model_axis,
+            mesh,
             shard: init,
             parts,
             split,
@@ -267,26 +273,15 @@ impl<'a> PipelineRun<'a> {
         }
     }
 
-    /// Stages of one replica.
-    pub(crate) fn stages(&self) -> usize {
-        self.program.stages.len()
-    }
-
     /// Workers of the run: every model rank of every stage of every replica.
     pub(crate) fn workers(&self) -> usize {
-        self.stages() * self.replicas * self.model_axis
+        self.mesh.workers()
     }
 
     /// Worker `w`'s place: `(replica, stage, model rank)`.
     pub(crate) fn coordinates(&self, w: usize) -> (usize, usize, usize) {
-        let (t, p) = (self.model_axis, self.stages());
-        (w / (t * p), (w / t) % p, w % t)
-    }
-
-    /// The worker at `(replica, stage, model rank)`.
-    #[cfg(feature = "mpi")]
-    pub(crate) fn worker_at(&self, replica: usize, stage: usize, model_rank: usize) -> usize {
-        (replica * self.stages() + stage) * self.model_axis + model_rank
+        let c = self.mesh.coord(w);
+        (c.replica, c.stage, c.model)
     }
 
     fn open(
@@ -324,7 +319,7 @@ impl<'a> PipelineRun<'a> {
         let (r, micro) = (self.coordinates(w).0, self.program.micro_batches);
         (0..micro)
             .map(|m| {
-                let mut s = self.open(config, opts, r * micro + m, self.replicas * micro)?;
+                let mut s = self.open(config, opts, r * micro + m, self.mesh.data * micro)?;
                 if let Some(state) = &self.resume {
                     s.skip_samples(state.index.samples)?;
                 }
@@ -372,6 +367,7 @@ impl<'a> PipelineRun<'a> {
             slots
         });
         Stage {
+            name: self.mesh.name(w),
             first: self.first,
             checkpoint_every: self.checkpoint.as_ref().map(|c| c.every),
             resumed_slots,
@@ -406,7 +402,7 @@ impl<'a> PipelineRun<'a> {
     ) -> Coordinator<'c> {
         Coordinator::new(
             1,
-            config.batch * self.program.micro_batches * self.replicas,
+            config.batch * self.program.micro_batches * self.mesh.data,
             false,
             on_step,
         )
@@ -426,7 +422,7 @@ impl<'a> PipelineRun<'a> {
             exec: Executor::new(self.whole)?,
             whole: self.whole,
             shard: self.shard,
-            model_axis: self.model_axis,
+            model_axis: self.mesh.model,
             data: self.open(config, opts, 0, 1)?,
             config: config.clone(),
         }))
@@ -582,38 +578,31 @@ impl StageReports {
 /// stages were cut from (for the data's shapes and the variables' initial values).
 pub fn train_pipeline(
     programs: &Programs<'_>,
-    replicas: usize,
+    mesh: Mesh,
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
-    let run = PipelineRun::new(programs, replicas, config, opts)?;
-    let (stages, workers, t) = (run.stages(), run.workers(), run.model_axis);
+    let run = PipelineRun::new(programs, mesh, config, opts)?;
+    let workers = run.workers();
     let sources = (0..workers)
         .map(|w| run.sources(config, opts, w))
         .collect::<Result<Vec<_>>>()?;
-    let linked = |n: usize| -> Vec<Box<dyn Communicator>> {
+    let linked = |n: usize| -> Vec<Option<Box<dyn Communicator>>> {
         in_process(n)
             .into_iter()
             .map(|mut c| {
                 c.set_timeout(Some(opts.timeout));
-                Box::new(c) as Box<dyn Communicator>
+                Some(Box::new(c) as Box<dyn Communicator>)
             })
             .collect()
     };
-    // Its stages talk over one communicator per replica and model rank, its replicas
-    // average gradients over one per stage and model rank, a stage's model ranks run
-    // their collectives over one per replica and stage.
-    let mut stage_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..replicas * t)
-        .map(|_| linked(stages).into_iter().map(Some).collect())
-        .collect();
-    let mut replica_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..stages * t)
-        .map(|_| linked(replicas).into_iter().map(Some).collect())
-        .collect();
-    let mut model_links: Vec<Vec<Option<Box<dyn Communicator>>>> = (0..replicas * stages)
-        .map(|_| linked(t).into_iter().map(Some).collect())
-        .collect();
-    let first_error: Mutex<Option<String>> = Mutex::new(None);
+    // Its stages talk over the pipe axis, its replicas average gradients over the data
+    // axis, a stage's model ranks run their collectives over the model axis.
+    let mut stage_links = axis_links(&mesh, Axis::Pipe, &linked);
+    let mut replica_links = axis_links(&mesh, Axis::Data, &linked);
+    let mut model_links = axis_links(&mesh, Axis::Model, &linked);
+    let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel::<StageReport>();
     let mut coordinator = run.coordinator(config, on_step);
@@ -623,18 +612,22 @@ pub fn train_pipeline(
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for (w, data) in sources.into_iter().enumerate() {
-            let (r, s, m) = run.coordinates(w);
+            let Coord {
+                replica: r,
+                stage: s,
+                model: m,
+            } = mesh.coord(w);
             let (Some(comm), Some(replica_comm), Some(model_comm)) = (
-                stage_links[r * t + m][s].take(),
-                replica_links[s * t + m][r].take(),
-                model_links[r * stages + s][m].take(),
+                take_link(&mut stage_links, &mesh, Axis::Pipe, w),
+                take_link(&mut replica_links, &mesh, Axis::Data, w),
+                take_link(&mut model_links, &mesh, Axis::Model, w),
             ) else {
                 continue;
             };
-            let model_comm = (t > 1).then_some(model_comm);
+            let model_comm = (mesh.model > 1).then_some(model_comm);
             let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
             let tx = tx.clone();
-            let first_error = &first_error;
+            let errors = &errors;
             let h = std::thread::Builder::new()
                 .name(format!("stage-{s}-replica-{r}-model-{m}"))
                 .spawn_scoped(scope, move || {
@@ -642,11 +635,12 @@ pub fn train_pipeline(
                         tx.send(r)
                             .map_err(|_| RuntimeError::Config("the run was stopped".into()))
                     });
-                    if let Err(e) = &result {
-                        let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                        slot.get_or_insert_with(|| format!("{}: {e}", worker_name(s, r, replicas)));
-                    }
-                    result
+                    // The cause first: its neighbours fail next, seeing it hang up.
+                    result.map_err(|e| {
+                        let message = e.to_string();
+                        errors.record(Role::Worker(w), e);
+                        RuntimeError::Config(message)
+                    })
                 });
             handles.push(h);
         }
@@ -662,8 +656,7 @@ pub fn train_pipeline(
         }
         drop(rx);
         for (w, h) in handles.into_iter().enumerate() {
-            let (r, s, _) = run.coordinates(w);
-            let name = worker_name(s, r, replicas);
+            let name = mesh.name(w);
             outcomes.push(match h {
                 Ok(h) => h
                     .join()
@@ -682,31 +675,22 @@ pub fn train_pipeline(
             Ok(o) => {
                 // Replicas (and a stage's model ranks, once gathered) hold the same
                 // variables: replica 0's.
-                if w < stages * t {
+                if mesh.coord(w).replica == 0 {
                     params.extend(o.params);
                 }
                 spans.extend(o.spans);
             }
             Err(e) => {
-                let cause = first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
-                return Err(RuntimeError::Config(cause.unwrap_or_else(|| {
-                    let (r, s, _) = run.coordinates(w);
-                    format!("{}: {e}", worker_name(s, r, replicas))
-                })));
+                return Err(match errors.take() {
+                    Some((Role::Worker(first), cause)) => cause.of_rank(mesh.name(first)),
+                    Some((Role::Server(s), cause)) => cause.of_rank(format!("server {s}")),
+                    None => e.of_rank(mesh.name(w)),
+                });
             }
         }
     }
     // The last step's line carries the final evaluation, and so does the report.
     Ok(coordinator.finish(params, None, spans))
-}
-
-/// `stage 2` alone, `stage 2 of replica 1` among several.
-pub(crate) fn worker_name(stage: usize, replica: usize, replicas: usize) -> String {
-    if replicas > 1 {
-        format!("stage {stage} of replica {replica}")
-    } else {
-        format!("stage {stage}")
-    }
 }
 
 /// A stage's collectives, run where the executor starts them: among its replicas (a
@@ -849,6 +833,8 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
 
 /// One stage of one replica: a thread, or an MPI rank.
 pub(crate) struct Stage<'a> {
+    /// Its worker's name on the mesh, for messages and trace tracks.
+    name: String,
     stage: usize,
     /// The first step it runs (after a resumed state's).
     first: usize,
@@ -1043,15 +1029,7 @@ impl Stage<'_> {
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let t0 = self.t0;
         let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-        let replicas = self.hook.replicas.as_ref().map_or(1, |c| c.size());
-        let track = match &self.hook.model {
-            Some(c) if c.size() > 1 => format!(
-                "{}, model rank {}",
-                worker_name(s, self.replica, replicas),
-                self.model_rank
-            ),
-            _ => worker_name(s, self.replica, replicas),
-        };
+        let track = self.name.clone();
         let mut spans = Vec::new();
         let mut last_bytes = self.comm.bytes() + self.hook.bytes();
         for step in self.first..=steps {

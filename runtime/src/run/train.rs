@@ -22,6 +22,7 @@ use crate::core::value::Tensor;
 use crate::cpu::Cpu;
 use crate::ps::{self, PsConfig, PsSync, ShardSpec};
 use crate::run::data::{check_model, data_dir, DataSource};
+use crate::run::mesh::{Axis, Mesh};
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
@@ -62,24 +63,6 @@ impl<'g> Programs<'g> {
             workers: 1,
             pipeline: None,
         }
-    }
-
-    /// Worker ranks the plan runs as: its workers, or for a pipeline every stage of
-    /// each of its N/P replicas (one replica when N < P). N not a multiple of P is an
-    /// error.
-    pub fn worker_ranks(&self) -> Result<usize> {
-        let Some(pipeline) = self.pipeline else {
-            return Ok(self.workers);
-        };
-        let stages = pipeline.stages.len().max(1);
-        if self.workers > 1 && !self.workers.is_multiple_of(stages) {
-            return Err(RuntimeError::Config(format!(
-                "{} workers cannot run replicas of {stages} pipeline stages: give a multiple \
-                 of {stages}",
-                self.workers
-            )));
-        }
-        Ok(stages * (self.workers / stages).max(1))
     }
 
     /// Micro-batches per step: a pipeline's, or the worker program's accumulation.
@@ -396,6 +379,29 @@ impl Coordinator<'_> {
     }
 }
 
+/// One in-process communicator per group of `axis`, each end in its slot until a
+/// worker takes it ([`take_link`]).
+pub(crate) fn axis_links(
+    mesh: &Mesh,
+    axis: Axis,
+    linked: &dyn Fn(usize) -> Vec<Option<Box<dyn Communicator>>>,
+) -> Vec<Vec<Option<Box<dyn Communicator>>>> {
+    (0..mesh.groups(axis))
+        .map(|_| linked(mesh.size(axis)))
+        .collect()
+}
+
+/// Worker `w`'s end of its group's communicator on `axis`.
+pub(crate) fn take_link(
+    links: &mut [Vec<Option<Box<dyn Communicator>>>],
+    mesh: &Mesh,
+    axis: Axis,
+    w: usize,
+) -> Option<Box<dyn Communicator>> {
+    let (group, rank) = mesh.group(axis, w);
+    links.get_mut(group)?.get_mut(rank)?.take()
+}
+
 /// Shards of every server program: `shard` sources, by server.
 pub fn server_shards(
     servers: &[Graph],
@@ -466,6 +472,7 @@ pub fn micro_batches(worker: &Graph) -> usize {
 /// the `N*K` parts of the global batch.
 pub fn open_data(
     programs: &Programs<'_>,
+    mesh: &Mesh,
     config: &RunConfig,
     opts: &TrainOptions,
     rank: usize,
@@ -477,9 +484,8 @@ pub fn open_data(
         DataSource::open
     };
     let k = programs.micro_batches();
-    // A model axis's workers read the same batch: the data is split over data ranks.
-    let t = crate::run::worker::model_parts(programs.worker);
-    let (rank, workers) = (rank / t, programs.workers / t);
+    // A model axis's workers read the same batch: the data is split over replicas.
+    let (rank, workers) = (mesh.coord(rank).replica, mesh.data);
     (0..k)
         .map(|m| {
             let mut source = open(
@@ -516,10 +522,10 @@ pub fn open_data(
 }
 
 /// The error a run ends with: the first one recorded (the cause), named by role.
-fn first_error(errors: &ErrorSlot, fallback: RuntimeError) -> RuntimeError {
+fn first_error(errors: &ErrorSlot, mesh: &Mesh, fallback: RuntimeError) -> RuntimeError {
     match errors.take() {
-        Some((Role::Worker(r), e)) => RuntimeError::Config(format!("worker {r}: {e}")),
-        Some((Role::Server(s), e)) => RuntimeError::Config(format!("server {s}: {e}")),
+        Some((Role::Worker(r), e)) => e.of_rank(mesh.name(r)),
+        Some((Role::Server(s), e)) => e.of_rank(format!("server {s}")),
         None => fallback,
     }
 }
@@ -533,17 +539,9 @@ pub fn train(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
-    if let Some(pipeline) = programs.pipeline {
-        // One worker is the pipeline alone; N workers are N/P replicas of it.
-        let stages = pipeline.stages.len().max(1);
-        let t = crate::run::worker::model_parts(programs.worker);
-        return crate::run::pipeline::train_pipeline(
-            &programs,
-            programs.worker_ranks()? / (stages * t),
-            config,
-            opts,
-            on_step,
-        );
+    let mesh = Mesh::of(&programs)?;
+    if mesh.pipelined {
+        return crate::run::pipeline::train_pipeline(&programs, mesh, config, opts, on_step);
     }
     train_with(programs, config, opts, on_step, |_, _| Ok(Cpu))
 }
@@ -566,15 +564,13 @@ pub fn train_with<B: Backend>(
         ));
     }
     let make = &make;
-    let n = programs.workers;
-    if n == 0 {
-        return Err(RuntimeError::Config("the plan has no workers".into()));
-    }
+    let mesh = Mesh::of(&programs)?;
+    let n = mesh.workers();
     let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
     let server_types = ps::check_shards(&shards)?;
     // Data first, so a missing file fails before any thread starts.
     let sources = (0..n)
-        .map(|rank| open_data(&programs, config, opts, rank))
+        .map(|rank| open_data(&programs, &mesh, config, opts, rank))
         .collect::<Result<Vec<_>>>()?;
     let mut cluster = if shards.is_empty() {
         None
@@ -601,21 +597,17 @@ pub fn train_with<B: Backend>(
             })
             .collect()
     };
-    // A mesh of D data ranks by T model ranks, worker w at (w / T, w % T): the data
-    // axis links the workers of one model rank, the model axis those of one data rank.
-    let t = crate::run::worker::model_parts(programs.worker);
-    crate::run::worker::refuse_model_axis_state(t, opts)?;
-    let d = n / t;
-    let mut data_links: Vec<Vec<Option<Box<dyn Communicator>>>> =
-        (0..t).map(|_| linked(d)).collect();
-    let mut model_links: Vec<Vec<Option<Box<dyn Communicator>>>> =
-        (0..d).map(|_| linked(t)).collect();
+    // The data axis links the replicas of one model rank, the model axis the model
+    // ranks of one replica: one in-process communicator per group of each axis.
+    crate::run::worker::refuse_model_axis_state(mesh.model, opts)?;
+    let mut data_links = axis_links(&mesh, Axis::Data, &linked);
+    let mut model_links = axis_links(&mesh, Axis::Model, &linked);
     type Links = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
     let comms: Vec<Links> = (0..n)
         .filter_map(|w| {
-            let comm = data_links[w % t][w / t].take()?;
-            let model = if t > 1 {
-                model_links[w / t][w % t].take()
+            let comm = take_link(&mut data_links, &mesh, Axis::Data, w)?;
+            let model = if mesh.model > 1 {
+                take_link(&mut model_links, &mesh, Axis::Model, w)
             } else {
                 None
             };
@@ -628,7 +620,7 @@ pub fn train_with<B: Backend>(
     let k = micro_batches(programs.worker);
     let mut coordinator =
         Coordinator::new(n, config.batch * k, n > 1 || cluster.is_some(), on_step);
-    coordinator.model_axis = t;
+    coordinator.model_axis = mesh.model;
     let mut outcomes: Vec<Option<WorkerOutcome>> = Vec::new();
     let mut coordinator_error = None;
     std::thread::scope(|scope| {
@@ -640,6 +632,7 @@ pub fn train_with<B: Backend>(
                 config,
                 opts,
                 rank,
+                mesh,
                 comm,
                 model_comm,
                 ps: cluster.as_mut().map(|c| c.client(rank)),
@@ -691,12 +684,13 @@ pub fn train_with<B: Backend>(
     if outcomes.iter().any(Option::is_none) {
         return Err(first_error(
             &errors,
+            &mesh,
             RuntimeError::Config("a worker failed".into()),
         ));
     }
     let servers = match servers_outcome.transpose() {
         Ok(s) => s,
-        Err(e) => return Err(first_error(&errors, e)),
+        Err(e) => return Err(first_error(&errors, &mesh, e)),
     };
     let mut outcomes: Vec<WorkerOutcome> = outcomes.into_iter().flatten().collect();
     let mut spans: Vec<Span> = outcomes

@@ -27,6 +27,7 @@ use crate::cpu::Cpu;
 use crate::ps::PsClient;
 use crate::run::data::DataSource;
 use crate::run::memory::MemoryByCategory;
+use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, Profile};
 use crate::run::trace::Span;
 use crate::run::train::{evaluate, init_params, Programs, TrainOptions};
@@ -101,8 +102,10 @@ pub struct WorkerSetup<'a> {
     pub config: &'a RunConfig,
     /// The run options.
     pub opts: &'a TrainOptions,
-    /// This worker's rank in `0..programs.workers`.
+    /// This worker's rank in `0..mesh.workers()`.
     pub rank: usize,
+    /// The plan's mesh: this worker's place, and who shares its samples.
+    pub mesh: Mesh,
     /// The communicator among the workers of this worker's model-axis group (tensor
     /// parallelism), when the plan has a model axis.
     pub model_comm: Option<Box<dyn Communicator>>,
@@ -329,24 +332,6 @@ pub(crate) fn model_collective(
     }
 }
 
-/// Workers on the model axis of a plan: the largest `parts` of its `model_*` ops (1
-/// without tensor parallelism).
-pub fn model_parts(worker: &distc_ir::Graph) -> usize {
-    worker
-        .node_ids()
-        .into_iter()
-        .filter_map(|id| match worker.op(id) {
-            Op::ModelEnter { parts }
-            | Op::ModelAllReduce { parts }
-            | Op::ModelGather { parts, .. }
-            | Op::ModelSplit { parts, .. }
-            | Op::ModelReduceScatter { parts, .. } => Some(*parts),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(1)
-}
-
 /// Refuses a training state on disk for a run with a model axis of `t` (its parts are
 /// not gathered into one yet), threads and pipeline stages alike.
 pub(crate) fn refuse_model_axis_state(t: usize, opts: &TrainOptions) -> Result<()> {
@@ -361,9 +346,9 @@ pub(crate) fn refuse_model_axis_state(t: usize, opts: &TrainOptions) -> Result<(
 }
 
 /// Worker `rank`'s place on the plan's mesh: `(data rank, model rank)`.
-fn mesh_ranks(programs: &Programs<'_>, rank: usize) -> (usize, usize) {
-    let t = model_parts(programs.worker);
-    (rank / t, rank % t)
+fn mesh_ranks(mesh: &Mesh, rank: usize) -> (usize, usize) {
+    let c = mesh.coord(rank);
+    (c.replica, c.model)
 }
 
 /// Sets an executor's ranks from the worker's [`mesh_ranks`]: its data rank (dropout's
@@ -761,6 +746,7 @@ pub fn run_worker_on<B: Backend>(
         config,
         opts,
         rank,
+        mesh,
         mut comm,
         model_comm,
         ps,
@@ -803,7 +789,7 @@ pub fn run_worker_on<B: Backend>(
             &programs,
             config,
             opts,
-            rank,
+            (rank, &mesh),
             &mut data,
             &mut *report,
             &mut hook,
@@ -819,7 +805,7 @@ pub fn run_worker_on<B: Backend>(
         result = all_to_host(st.exec.backend(), params).map(|p| host_params = p);
     }
     if let (Ok(()), Some(fin)) = (&result, programs.finalize) {
-        result = finalize(fin, &programs, &mut host_params, rank, &mut hook);
+        result = finalize(fin, &mesh, &mut host_params, rank, &mut hook);
     }
     let mut server_shards = Vec::new();
     if result.is_ok() {
@@ -892,13 +878,13 @@ pub fn run_worker_on<B: Backend>(
 /// shards it reads.
 fn finalize(
     fin: &distc_ir::Graph,
-    programs: &Programs<'_>,
+    mesh: &Mesh,
     params: &mut HashMap<String, Tensor>,
     rank: usize,
     hook: &mut WorkerHook,
 ) -> Result<()> {
     let mut exec = Executor::new(fin)?;
-    set_ranks(&mut exec, mesh_ranks(programs, rank), None);
+    set_ranks(&mut exec, mesh_ranks(mesh, rank), None);
     let out = exec.run_with(&HashMap::new(), params, Mode::Train, 0, Some(hook))?;
     for (_, name, _) in fin.params() {
         params.remove(name);
@@ -915,20 +901,20 @@ fn run_steps<B: Backend>(
     programs: &Programs<'_>,
     config: &RunConfig,
     opts: &TrainOptions,
-    rank: usize,
+    (rank, mesh): (usize, &Mesh),
     data: &mut [DataSource],
     report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
     hook: &mut WorkerHook,
     (bytes_rx, bytes_start): (mpsc::Receiver<ByteCount>, ByteCount),
     state: &mut Option<Loop<B>>,
 ) -> Result<()> {
-    let workers = programs.workers;
+    let workers = mesh.workers();
     let steps = opts.steps.unwrap_or(config.steps);
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let resume = opts.resume.as_deref();
     let mut params = initial_values(programs.worker, config.seed, resume)?;
     // Found once: the step loop sets them for every micro-batch.
-    let ranks = mesh_ranks(programs, rank);
+    let ranks = mesh_ranks(mesh, rank);
     if let Some(init) = programs.init {
         let mut exec = Executor::new(init)?;
         set_ranks(&mut exec, ranks, None);

@@ -17,13 +17,14 @@ use super::{fail, gather_spans, local_line, rank_metrics, send_spans, Sends};
 use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS, TAG_REPORT};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::roles::{Role, Roles};
+use crate::core::roles::Role;
 use crate::core::value::Tensor;
 use crate::run::launch::MpiRun;
+use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
 use crate::run::pipeline::{
-    combine, decode_params, encode_params, worker_name, PipelineRun, StageReport, StageReports,
+    combine, decode_params, encode_params, PipelineRun, StageReport, StageReports,
 };
 use crate::run::train::{Programs, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
@@ -37,33 +38,32 @@ use std::time::Instant;
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_stage_rank(
     programs: Programs<'_>,
+    mesh: Mesh,
     config: &RunConfig,
     opts: &TrainOptions,
     mpi_run: &MpiRun,
-    roles: Roles,
     world: &SimpleCommunicator,
     rank: usize,
     ctl: &Arc<Comm>,
     t0: Instant,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<Option<TrainReport>> {
-    let Some(pipeline) = programs.pipeline else {
-        return Err(RuntimeError::Config("the plan has no pipeline".into()));
+    let roles = mesh.roles();
+    let stages = mesh.pipe;
+    let run = PipelineRun::new(&programs, mesh, config, opts)?;
+    let (replica, _, m) = run.coordinates(rank);
+    // Collectives over the world: every rank splits, in the same order, by its group
+    // on each axis. The pipe axis links one model rank's stages of a replica, the data
+    // axis the replicas of one stage's model rank, the model axis one stage's model
+    // ranks of a replica.
+    let split = |axis: Axis| {
+        let (group, key) = mesh.group(axis, rank);
+        world.split_by_color_with_key(Color::with_value(group as i32), key as i32)
     };
-    let stages = pipeline.stages.len().max(1);
-    let t = crate::run::worker::model_parts(programs.worker);
-    let run = PipelineRun::new(&programs, roles.workers / (stages * t), config, opts)?;
-    let (replica, stage, m) = run.coordinates(rank);
-    // Collectives over the world: every rank splits, in the same order. The pipeline
-    // links one model rank's stages of a replica, the replicas one stage's model rank,
-    // the model axis one stage's model ranks of a replica.
-    let color = |c: usize| Color::with_value(c as i32);
-    let by_replica = world.split_by_color_with_key(color(replica * t + m), stage as i32);
-    let by_stage = world.split_by_color_with_key(color(stage * t + m), replica as i32);
-    let by_model = if t > 1 {
-        world
-            .split_by_color_with_key(color(replica * stages + stage), m as i32)
-            .map(Some)
+    let by_replica = split(Axis::Pipe);
+    let by_stage = split(Axis::Data);
+    let by_model = if mesh.model > 1 {
+        split(Axis::Model).map(Some)
     } else {
         Some(None)
     };
@@ -92,7 +92,7 @@ pub(super) fn run_stage_rank(
         opts,
         t0,
     );
-    let name = worker_name(stage, replica, run.replicas);
+    let name = mesh.name(rank);
     let last_step = run.steps;
     let micro_batch = config.batch;
     let mut local = rank_metrics(mpi_run, rank)?;
@@ -243,7 +243,7 @@ pub(super) fn run_stage_rank(
             backoff = Backoff(0);
             quiet = Since::now();
             for rep in got {
-                if let Some(h) = heard.get_mut(rep.worker(stages, t)) {
+                if let Some(h) = heard.get_mut(rep.worker(&mesh)) {
                     *h += 1;
                 }
                 received += 1;
@@ -279,7 +279,11 @@ fn receive_params(
     opts: &TrainOptions,
     step: usize,
 ) -> Result<HashMap<String, Tensor>> {
-    let from = run.worker_at(0, stage, 0);
+    let from = run.mesh.worker(Coord {
+        replica: 0,
+        stage,
+        model: 0,
+    });
     let since = Since::now();
     let mut backoff = Backoff(0);
     let bytes = loop {
@@ -291,7 +295,7 @@ fn receive_params(
             return Err(RuntimeError::Config(format!(
                 "rank {from} ({}) did not send its variables of step {step} within {:.0} s \
                  (--timeout)",
-                worker_name(stage, 0, run.replicas),
+                run.mesh.name(from),
                 opts.timeout.as_secs_f64()
             )));
         }
