@@ -1,7 +1,8 @@
 //! The runtime's layers depend one way (see the crate doc): every source file's code
 //! (comments aside) names only `crate::` paths of its own layer or of layers below it.
 //! The table here is the crate doc's; the arrows form no cycle, so neither can the
-//! imports.
+//! imports. Inside the run layer, its sub-layers (the `run` module's doc) are held to
+//! the same rule.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,27 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("run", &["core", "cpu", "comm", "cuda", "ps", "run"]),
 ];
 
+/// The run layer's sub-layers, bottom first, and the modules of each.
+const RUN_LAYERS: &[(&str, &[&str])] = &[
+    (
+        "base",
+        &[
+            "mesh", "programs", "data", "eval", "memory", "metrics", "trace",
+        ],
+    ),
+    ("roles", &["worker", "pipeline"]),
+    ("coordinator", &["coordinator"]),
+    ("transport", &["train", "mpi"]),
+    ("launch", &["launch"]),
+];
+
+/// The sub-layer of a run module, as its index in [`RUN_LAYERS`].
+fn run_layer(module: &str) -> Option<usize> {
+    RUN_LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&module))
+}
+
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("readable source folder") {
         let path = entry.expect("an entry").path();
@@ -29,6 +51,12 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
 
 /// The layers a file's code names, with the first line naming each.
 fn named_layers(text: &str) -> BTreeMap<String, (usize, String)> {
+    named_after(text, "crate::")
+}
+
+/// The names that follow `prefix` in a file's code (comments aside), with the first
+/// line naming each.
+fn named_after(text: &str, prefix: &str) -> BTreeMap<String, (usize, String)> {
     let mut named = BTreeMap::new();
     for (i, line) in text.lines().enumerate() {
         let code = line.trim_start();
@@ -36,8 +64,8 @@ fn named_layers(text: &str) -> BTreeMap<String, (usize, String)> {
             continue;
         }
         let mut rest = code;
-        while let Some(at) = rest.find("crate::") {
-            let after = &rest[at + "crate::".len()..];
+        while let Some(at) = rest.find(prefix) {
+            let after = &rest[at + prefix.len()..];
             let name: String = after
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_')
@@ -112,4 +140,67 @@ fn the_checker_sees_an_upward_import() {
     );
     assert_eq!(named.keys().collect::<Vec<_>>(), ["core", "run"]);
     assert_eq!(named["run"].0, 3);
+}
+
+#[test]
+fn every_run_module_names_only_its_own_sub_layer_or_those_below() {
+    let run = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/run");
+    let mut files = Vec::new();
+    sources(&run, &mut files);
+    files.sort();
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let rel = file.strip_prefix(&run).expect("under src/run");
+        let Some(first) = rel.components().next().and_then(|c| c.as_os_str().to_str()) else {
+            continue;
+        };
+        let module = first.trim_end_matches(".rs");
+        if module == "mod" {
+            continue;
+        }
+        let Some(mine) = run_layer(module) else {
+            panic!(
+                "run/{}: a module in no sub-layer: add it to RUN_LAYERS",
+                rel.display()
+            );
+        };
+        let text = std::fs::read_to_string(file).expect("readable source");
+        checked += 1;
+        for (named, (line, code)) in named_after(&text, "crate::run::") {
+            match run_layer(&named) {
+                Some(theirs) if theirs > mine => wrong.push(format!(
+                    "run/{}:{line}: `{module}` ({}) names `crate::run::{named}` ({}): {code}",
+                    rel.display(),
+                    RUN_LAYERS[mine].0,
+                    RUN_LAYERS[theirs].0
+                )),
+                Some(_) => {}
+                None => wrong.push(format!(
+                    "run/{}:{line}: names `crate::run::{named}`, in no sub-layer: {code}",
+                    rel.display()
+                )),
+            }
+        }
+    }
+    assert!(
+        checked > 10,
+        "only {checked} files found under {}",
+        run.display()
+    );
+    assert!(
+        wrong.is_empty(),
+        "imports against the run layer's sub-layers:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_run_checker_sees_a_role_naming_its_launcher() {
+    let named = named_after(
+        "use crate::run::mesh::Mesh;\nfn f() { crate::run::launch::x() }\n",
+        "crate::run::",
+    );
+    assert_eq!(named.keys().collect::<Vec<_>>(), ["launch", "mesh"]);
+    assert!(run_layer("launch") > run_layer("worker"));
 }

@@ -19,9 +19,13 @@ use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
 use crate::run::metrics::StepMetrics;
-use crate::run::train::{train, train_with, Programs, TrainOptions, TrainReport};
+use crate::run::programs::{Programs, TrainOptions, TrainReport};
+use crate::run::train::{train, train_with};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+
+// What the CLI names beside `launch`, where it has always found it.
+pub use crate::run::metrics::rank_path;
+pub use crate::run::programs::MpiRun;
 
 /// Where a run's workers compute.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -78,35 +82,6 @@ pub enum TransportChoice {
     InProcess,
     /// This process is one rank of an `mpirun` job.
     Mpi(MpiRun),
-}
-
-/// What every rank of an MPI run is told beyond the programs and options.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MpiRun {
-    /// The plan's hash, compared across ranks at start-up.
-    pub plan_hash: String,
-    /// Parameter servers S.
-    pub servers: usize,
-    /// The global metrics file (rank 0); every worker also writes its own lines to this
-    /// path with `.rankR` before the extension.
-    pub metrics: Option<PathBuf>,
-    /// Where each rank writes its own spans (`.rankR` inserted), when tracing.
-    pub trace: Option<PathBuf>,
-    /// The command to suggest when started outside `mpirun` (the `-np` is added).
-    pub command: String,
-}
-
-/// `path` with `.rankR` before its extension: `m.jsonl` -> `m.rank1.jsonl`.
-pub fn rank_path(path: &Path, rank: usize) -> PathBuf {
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name = match path.extension() {
-        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
-        None => format!("{stem}.rank{rank}"),
-    };
-    path.with_file_name(name)
 }
 
 /// Everything a run needs: the plan's programs and settings, and where it runs.

@@ -18,7 +18,7 @@
 
 use crate::core::config::{OptimizerSpec, RunConfig};
 use crate::core::exec::{MemoryUse, Mode, Schedule};
-use crate::run::train::{input_types, Programs};
+use crate::run::programs::{input_types, Programs};
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

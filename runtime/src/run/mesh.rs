@@ -26,7 +26,7 @@
 
 use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
-use crate::run::train::Programs;
+use crate::run::programs::Programs;
 use distc_ir::{Graph, Op};
 
 /// An axis of the mesh.

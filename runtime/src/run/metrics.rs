@@ -5,10 +5,11 @@
 //! (classification) or `eval_rmse` (regression).
 
 use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// One training step.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct StepMetrics {
     /// 1-based step number.
     pub step: usize,
@@ -165,4 +166,17 @@ impl Profile {
         line("step", self.step_time, None);
         out
     }
+}
+
+/// `path` with `.rankR` before its extension: `m.jsonl` -> `m.rank1.jsonl`.
+pub fn rank_path(path: &Path, rank: usize) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
 }

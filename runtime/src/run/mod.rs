@@ -1,21 +1,17 @@
-//! The run layer: what makes a training run out of the layers below.
+//! The run layer: what makes a training run out of the layers below. Its modules
+//! are in sub-layers that depend one way (`runtime/tests/layers.rs` holds them to it):
 //!
-//! - [`mesh`]: the plan's ranks arranged as data x pipe x model (plus servers), made
-//!   once from the plan; the one place a rank becomes a coordinate and a name.
-//! - [`launch`]: the one entry the CLI calls with a loaded plan and its options; it
-//!   decides device, transport and roles.
-//! - [`train`]: the plan's programs, run options, the [`train::TrainReport`], and the
-//!   in-process launcher (ranks as threads) with the coordinator that joins the
-//!   workers' step reports into metrics lines.
-//! - [`worker`]: the one training loop, for every device, role and transport; a CUDA
-//!   graph's capture and replay is a mode of it.
-//! - [`mpi`] (feature `mpi`): the MPI launcher, one rank per process, with the same
-//!   loop and coordinator.
-//! - [`pipeline`]: a pipelined plan's stages as threads, each walking its schedule.
-//! - [`data`]: data sources; [`memory`]: memory
-//!   accounting; [`metrics`] and [`trace`]: what a run reports.
+//! | sub-layer | modules | owns |
+//! | --- | --- | --- |
+//! | base | [`mesh`], [`programs`], [`data`], [`eval`], [`memory`], [`metrics`], [`trace`] | the mesh (the one place a rank becomes a coordinate and a name), the plan's programs and the run's options, data sources, evaluation, memory accounting, what a run reports |
+//! | roles | [`worker`], [`pipeline`] | what a rank runs: the worker loop (a CUDA graph's capture and replay is a mode of it), a pipeline stage's schedule |
+//! | coordinator | [`coordinator`] | the one place a step report becomes a metrics line, and a run's report |
+//! | transport | [`train`] (threads), `mpi` (feature `mpi`, one rank per process) | spawning the roles the mesh gives, linking each axis, joining, the first error |
+//! | launch | [`launch`] | the one entry the CLI calls: the checks, the device, the transport |
 
+pub mod coordinator;
 pub mod data;
+pub mod eval;
 pub mod launch;
 pub mod memory;
 pub mod mesh;
@@ -23,6 +19,7 @@ pub mod metrics;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;
+pub mod programs;
 pub mod trace;
 pub mod train;
 pub mod worker;

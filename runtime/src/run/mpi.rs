@@ -31,13 +31,14 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
-use crate::run::launch::{rank_path, MpiRun};
+use crate::run::coordinator::{metrics_line, Coordinator};
 use crate::run::mesh::{Axis, Mesh};
+use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
-use crate::run::trace::Span;
-use crate::run::train::{
-    open_data, pulled_types, server_shards, Coordinator, Programs, TrainOptions, TrainReport,
+use crate::run::programs::{
+    open_data, pulled_types, server_shards, MpiRun, Programs, TrainOptions, TrainReport,
 };
+use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
 use mpi::request::{scope, Request, Scope};
 use mpi::topology::{Color, SimpleCommunicator};
@@ -681,26 +682,7 @@ fn rank_metrics(
 
 /// A worker's local metrics line from its own report.
 fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
-    StepMetrics {
-        step: r.step,
-        loss: r.loss,
-        samples_per_sec: batch as f64 / r.step_sec.max(1e-9),
-        compute_sec: (r.step_sec - r.comm_wait_sec).max(0.0),
-        comm_wait_sec: r.comm_wait_sec,
-        bytes_sent: r.bytes_sent,
-        bytes_received: r.bytes_received,
-        bytes_moved: r.bytes_moved,
-        bytes_sent_per_worker: vec![],
-        bytes_received_per_worker: vec![],
-        eval: r.eval.clone(),
-        memory: r.memory,
-        gpu_memory: r.device_memory.map(|m| m.0),
-        gpu_memory_peak: r.device_memory.map(|m| m.1),
-        pipeline: r.pipeline.clone(),
-        loss_scale: r.loss_scale.map(|s| s.0),
-        skipped_steps: r.loss_scale.map(|s| s.1),
-        lr: r.lr,
-    }
+    metrics_line(std::slice::from_ref(r), batch, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -835,7 +817,7 @@ fn run_worker_rank<B: Backend>(
     // A resumed run reports the steps after the state's.
     let done = opts.resume.as_ref().map_or(0, |s| s.index.step as usize);
     let steps = opts.steps.unwrap_or(config.steps).saturating_sub(done);
-    let k = crate::run::train::micro_batches(programs.worker);
+    let k = crate::run::programs::micro_batches(programs.worker);
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
     coordinator.model_axis = mesh.model;
     std::thread::scope(|scope| -> Result<Option<TrainReport>> {

@@ -26,22 +26,19 @@ use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Mode, Pending};
-use crate::core::roles::Role;
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::data::{data_dir, DataSource};
+use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
-use crate::run::mesh::{Axis, Coord, Mesh};
-use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep, StepMetrics};
+use crate::run::mesh::Mesh;
+use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep};
+use crate::run::programs::{input_types, CheckpointEvery, Programs, TrainOptions};
 use crate::run::trace::Span;
-use crate::run::train::{axis_links, take_link, Programs};
-use crate::run::train::{
-    evaluate, input_types, CheckpointEvery, Coordinator, TrainOptions, TrainReport,
-};
 use crate::run::worker::{
     collective, first_step, initial_values, model_collective, refuse_model_axis_state,
-    resumed_slots, Done, ErrorSlot, StepReport,
+    resumed_slots, Done, StepReport,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -50,7 +47,7 @@ use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One stage's account of one step.
@@ -86,7 +83,7 @@ pub(crate) struct StageReport {
 impl StageReport {
     /// The worker that sent it.
     pub(crate) fn worker(&self, mesh: &Mesh) -> usize {
-        mesh.worker(Coord {
+        mesh.worker(crate::run::mesh::Coord {
             replica: self.replica,
             stage: self.stage,
             model: self.model_rank,
@@ -215,6 +212,12 @@ impl<'a> PipelineRun<'a> {
             model: whole.name.clone(),
             optimizer: format!("{:?}", config.optimizer),
         })
+    }
+
+    /// Samples of one step, over every replica: what a metrics line's throughput
+    /// counts.
+    pub(crate) fn samples_per_step(&self) -> usize {
+        self.samples_per_step
     }
 
     /// Steps this run runs.
@@ -394,20 +397,6 @@ impl<'a> PipelineRun<'a> {
         }
     }
 
-    /// The coordinator of the run's metrics lines (one per step, from every stage).
-    pub(crate) fn coordinator<'c>(
-        &self,
-        config: &RunConfig,
-        on_step: &'c mut dyn FnMut(&StepMetrics) -> Result<()>,
-    ) -> Coordinator<'c> {
-        Coordinator::new(
-            1,
-            config.batch * self.program.micro_batches * self.mesh.data,
-            false,
-            on_step,
-        )
-    }
-
     /// What evaluates the one-device graph on the stages' variables, when the run
     /// evaluates: its own data source (the stages' sources are theirs).
     pub(crate) fn evaluator(
@@ -523,174 +512,6 @@ impl Evaluator<'_> {
             .next()
             .ok_or_else(|| RuntimeError::Config("no model rank evaluated".into()))
     }
-}
-
-/// What the coordinator does with a step's variables and optimizer state (see
-/// [`StageReports::add`]).
-pub(crate) type TakeState<'a> = dyn FnMut(usize, HashMap<String, Tensor>, HashMap<String, Tensor>) -> Result<Option<EvalMetrics>>
-    + 'a;
-
-/// Steps' reports from every stage, joined into one line per step once all are in.
-#[derive(Default)]
-pub(crate) struct StageReports {
-    pending: HashMap<usize, Vec<StageReport>>,
-}
-
-impl StageReports {
-    /// Takes one stage's report; hands the coordinator the step's line when it is the
-    /// step's last (of `workers`).
-    /// At a step with an evaluation or a checkpoint, `take_state` gets the variables and
-    /// optimizer state the reports carry (it adds any a stage sent otherwise) and
-    /// returns the evaluation, if the step has one.
-    pub(crate) fn add(
-        &mut self,
-        r: StageReport,
-        workers: usize,
-        coordinator: &mut Coordinator<'_>,
-        take_state: &mut TakeState<'_>,
-    ) -> Result<()> {
-        let step = r.step;
-        let reports = self.pending.entry(step).or_default();
-        reports.push(r);
-        if reports.len() < workers {
-            return Ok(());
-        }
-        let mut reports = self.pending.remove(&step).unwrap_or_default();
-        let mut line = combine(step, &reports);
-        let slots: HashMap<String, Tensor> = reports
-            .iter_mut()
-            .filter_map(|r| r.slots.take())
-            .flatten()
-            .collect();
-        let mut carried = reports
-            .iter_mut()
-            .filter_map(|r| r.params.take())
-            .peekable();
-        if carried.peek().is_some() {
-            let params: HashMap<String, Tensor> = carried.flatten().collect();
-            line.eval = take_state(step, params, slots)?;
-        }
-        coordinator.add(line)
-    }
-}
-
-/// Trains a pipelined plan, its stages as threads: `whole` is the one-device graph the
-/// stages were cut from (for the data's shapes and the variables' initial values).
-pub fn train_pipeline(
-    programs: &Programs<'_>,
-    mesh: Mesh,
-    config: &RunConfig,
-    opts: &TrainOptions,
-    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-) -> Result<TrainReport> {
-    let run = PipelineRun::new(programs, mesh, config, opts)?;
-    let workers = run.workers();
-    let sources = (0..workers)
-        .map(|w| run.sources(config, opts, w))
-        .collect::<Result<Vec<_>>>()?;
-    let linked = |n: usize| -> Vec<Option<Box<dyn Communicator>>> {
-        in_process(n)
-            .into_iter()
-            .map(|mut c| {
-                c.set_timeout(Some(opts.timeout));
-                Some(Box::new(c) as Box<dyn Communicator>)
-            })
-            .collect()
-    };
-    // Its stages talk over the pipe axis, its replicas average gradients over the data
-    // axis, a stage's model ranks run their collectives over the model axis.
-    let mut stage_links = axis_links(&mesh, Axis::Pipe, &linked);
-    let mut replica_links = axis_links(&mesh, Axis::Data, &linked);
-    let mut model_links = axis_links(&mesh, Axis::Model, &linked);
-    let errors = ErrorSlot::default();
-    let t0 = Instant::now();
-    let (tx, rx) = mpsc::channel::<StageReport>();
-    let mut coordinator = run.coordinator(config, on_step);
-    let mut evaluator = run.evaluator(config, opts)?;
-    let mut coordinator_error = None;
-    let mut outcomes = Vec::new();
-    std::thread::scope(|scope| {
-        let mut handles = Vec::new();
-        for (w, data) in sources.into_iter().enumerate() {
-            let Coord {
-                replica: r,
-                stage: s,
-                model: m,
-            } = mesh.coord(w);
-            let (Some(comm), Some(replica_comm), Some(model_comm)) = (
-                take_link(&mut stage_links, &mesh, Axis::Pipe, w),
-                take_link(&mut replica_links, &mesh, Axis::Data, w),
-                take_link(&mut model_links, &mesh, Axis::Model, w),
-            ) else {
-                continue;
-            };
-            let model_comm = (mesh.model > 1).then_some(model_comm);
-            let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
-            let tx = tx.clone();
-            let errors = &errors;
-            let h = std::thread::Builder::new()
-                .name(format!("stage-{s}-replica-{r}-model-{m}"))
-                .spawn_scoped(scope, move || {
-                    let result = stage.run(config, run.steps, &mut |r| {
-                        tx.send(r)
-                            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
-                    });
-                    // The cause first: its neighbours fail next, seeing it hang up.
-                    result.map_err(|e| {
-                        let message = e.to_string();
-                        errors.record(Role::Worker(w), e);
-                        RuntimeError::Config(message)
-                    })
-                });
-            handles.push(h);
-        }
-        drop(tx);
-        let mut reports = StageReports::default();
-        let mut take_state =
-            |step, params, slots| run.take_state(step, params, slots, &mut evaluator);
-        for r in rx.iter() {
-            if let Err(e) = reports.add(r, workers, &mut coordinator, &mut take_state) {
-                coordinator_error = Some(e);
-                break;
-            }
-        }
-        drop(rx);
-        for (w, h) in handles.into_iter().enumerate() {
-            let name = mesh.name(w);
-            outcomes.push(match h {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("{name} panicked")))),
-                Err(e) => Err(RuntimeError::Config(format!("{name}: cannot start: {e}"))),
-            });
-        }
-    });
-    if let Some(e) = coordinator_error {
-        return Err(e);
-    }
-    let mut params = HashMap::new();
-    let mut spans = Vec::new();
-    for (w, o) in outcomes.into_iter().enumerate() {
-        match o {
-            Ok(o) => {
-                // Replicas (and a stage's model ranks, once gathered) hold the same
-                // variables: replica 0's.
-                if mesh.coord(w).replica == 0 {
-                    params.extend(o.params);
-                }
-                spans.extend(o.spans);
-            }
-            Err(e) => {
-                return Err(match errors.take() {
-                    Some((Role::Worker(first), cause)) => cause.of_rank(mesh.name(first)),
-                    Some((Role::Server(s), cause)) => cause.of_rank(format!("server {s}")),
-                    None => e.of_rank(mesh.name(w)),
-                });
-            }
-        }
-    }
-    // The last step's line carries the final evaluation, and so does the report.
-    Ok(coordinator.finish(params, None, spans))
 }
 
 /// A stage's collectives, run where the executor starts them: among its replicas (a

@@ -26,11 +26,12 @@ use crate::cpu::optim::STEP_KEY;
 use crate::cpu::Cpu;
 use crate::ps::PsClient;
 use crate::run::data::DataSource;
+use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, Profile};
+use crate::run::programs::{init_params, Programs, TrainOptions};
 use crate::run::trace::Span;
-use crate::run::train::{evaluate, init_params, Programs, TrainOptions};
 use distc_ir::{DType, NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
@@ -1396,7 +1397,7 @@ pub(crate) fn resumed_slots(
 /// worker gathers with it (a collective, so every worker calls this at the same steps).
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
-    c: &crate::run::train::CheckpointEvery,
+    c: &crate::run::programs::CheckpointEvery,
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
@@ -1466,7 +1467,8 @@ fn save_training_state<B: Backend>(
     );
     if let Some(ps) = hook.ps.as_mut() {
         let parts = ps.snapshot(step as u64)?;
-        let whole = crate::ps::assemble(parts, &crate::run::train::pulled_types(programs.worker))?;
+        let whole =
+            crate::ps::assemble(parts, &crate::run::programs::pulled_types(programs.worker))?;
         for (k, t) in whole {
             if k.contains('/') {
                 slots.insert(k, t);
@@ -1475,7 +1477,7 @@ fn save_training_state<B: Backend>(
             }
         }
     }
-    let k = crate::run::train::micro_batches(programs.worker);
+    let k = crate::run::programs::micro_batches(programs.worker);
     let index = StateIndex {
         format: String::new(),
         model: programs.worker.name.clone(),

@@ -770,7 +770,7 @@ pub fn check_model(
     batch: usize,
     bounds: &[(&str, usize)],
 ) -> Result<()> {
-    let shapes = crate::run::train::input_types(graph);
+    let shapes = crate::run::programs::input_types(graph);
     out_fields(spec, &shapes)?;
     let mut names: Vec<&String> = shapes.keys().collect();
     names.sort();

@@ -19,14 +19,12 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::core::value::Tensor;
-use crate::run::launch::MpiRun;
+use crate::run::coordinator::{Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
-use crate::run::pipeline::{
-    combine, decode_params, encode_params, PipelineRun, StageReport, StageReports,
-};
-use crate::run::train::{Programs, TrainOptions, TrainReport};
+use crate::run::pipeline::{combine, decode_params, encode_params, PipelineRun, StageReport};
+use crate::run::programs::{MpiRun, Programs, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use std::collections::HashMap;
@@ -163,7 +161,7 @@ pub(super) fn run_stage_rank(
     }
     // Rank 0: its stage on a thread, the coordinator here.
     let workers = run.workers();
-    let mut coordinator = run.coordinator(config, on_step);
+    let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts)?;
     // At an evaluation or a checkpoint, replica 0's other stages send their variables,
     // and at a checkpoint their optimizer state after them.

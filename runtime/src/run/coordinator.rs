@@ -1,0 +1,221 @@
+//! The coordinator: joins the roles' step reports into one metrics line per step and,
+//! at the end, the run's [`TrainReport`], for threads and MPI ranks alike. A metrics
+//! line is made in one place, [`metrics_line`], from one report (a rank's own line) or
+//! from every worker's (the run's line).
+
+use crate::core::error::Result;
+use crate::core::value::Tensor;
+use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
+use crate::run::pipeline::{combine, PipelineRun, StageReport};
+use crate::run::programs::TrainReport;
+use crate::run::trace::Span;
+use crate::run::worker::StepReport;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The metrics line of one step from its reports, sorted by rank: the mean loss, the
+/// throughput of `samples` over the slowest report's time, report 0's times, bytes,
+/// memory and evaluation, and, when `per_worker`, every report's bytes.
+pub fn metrics_line(reports: &[StepReport], samples: usize, per_worker: bool) -> StepMetrics {
+    let n = reports.len().max(1) as f64;
+    let loss = reports.iter().map(|r| r.loss).sum::<f64>() / n;
+    let slowest = reports.iter().map(|r| r.step_sec).fold(0.0, f64::max);
+    let list = |f: fn(&StepReport) -> u64| {
+        if per_worker {
+            reports.iter().map(f).collect()
+        } else {
+            Vec::new()
+        }
+    };
+    let Some(r0) = reports.first() else {
+        return StepMetrics::default();
+    };
+    StepMetrics {
+        step: r0.step,
+        loss,
+        samples_per_sec: samples as f64 / slowest.max(1e-9),
+        compute_sec: (r0.step_sec - r0.comm_wait_sec).max(0.0),
+        comm_wait_sec: r0.comm_wait_sec,
+        bytes_sent_per_worker: list(|r| r.bytes_sent),
+        bytes_received_per_worker: list(|r| r.bytes_received),
+        bytes_sent: r0.bytes_sent,
+        bytes_received: r0.bytes_received,
+        bytes_moved: r0.bytes_moved,
+        eval: r0.eval.clone(),
+        memory: r0.memory,
+        gpu_memory: r0.device_memory.map(|m| m.0),
+        gpu_memory_peak: r0.device_memory.map(|m| m.1),
+        pipeline: r0.pipeline.clone(),
+        loss_scale: r0.loss_scale.map(|s| s.0),
+        skipped_steps: r0.loss_scale.map(|s| s.1),
+        lr: r0.lr,
+    }
+}
+
+/// Joins the workers' step reports into one metrics line per step: loss (mean over
+/// workers), global samples per second (over the slowest worker's step time), worker
+/// 0's times and bytes, every worker's bytes, and worker 0's evaluation.
+pub struct Coordinator<'a> {
+    workers: usize,
+    batch: usize,
+    /// Whether lines carry per-worker byte lists (plans that communicate).
+    per_worker: bool,
+    pending: HashMap<usize, Vec<StepReport>>,
+    on_step: &'a mut dyn FnMut(&StepMetrics) -> Result<()>,
+    /// Steps completed.
+    pub steps: usize,
+    /// Mean loss of the first step.
+    pub first_loss: f64,
+    /// Mean loss of the last step.
+    pub final_loss: f64,
+    /// The last evaluation.
+    pub eval: Option<EvalMetrics>,
+    /// Sum over steps of the slowest worker's step time.
+    pub train_time: Duration,
+    /// Sum and count of the pipelined steps' measured bubbles.
+    bubbles: (f64, usize),
+    /// Workers of a model axis, who train on the same samples (1: none).
+    pub model_axis: usize,
+}
+
+impl<'a> Coordinator<'a> {
+    /// A coordinator of `workers` workers of `batch` samples each.
+    pub fn new(
+        workers: usize,
+        batch: usize,
+        per_worker: bool,
+        on_step: &'a mut dyn FnMut(&StepMetrics) -> Result<()>,
+    ) -> Coordinator<'a> {
+        Coordinator {
+            workers,
+            batch,
+            per_worker,
+            pending: HashMap::new(),
+            on_step,
+            steps: 0,
+            first_loss: f64::NAN,
+            final_loss: f64::NAN,
+            eval: None,
+            train_time: Duration::ZERO,
+            bubbles: (0.0, 0),
+            model_axis: 1,
+        }
+    }
+
+    /// Takes one worker's report; writes the step's line once every worker's is in.
+    pub fn add(&mut self, r: StepReport) -> Result<()> {
+        let step = r.step;
+        let reports = self.pending.entry(step).or_default();
+        reports.push(r);
+        if reports.len() < self.workers {
+            return Ok(());
+        }
+        let mut reports = self.pending.remove(&step).unwrap_or_default();
+        reports.sort_by_key(|r| r.rank);
+        let samples = self.workers / self.model_axis.max(1) * self.batch;
+        let line = metrics_line(&reports, samples, self.per_worker);
+        // The first step this run ran (a resumed run starts after the state's step).
+        if self.steps == 0 {
+            self.first_loss = line.loss;
+        }
+        self.final_loss = line.loss;
+        self.steps += 1;
+        let slowest = reports.iter().map(|r| r.step_sec).fold(0.0, f64::max);
+        self.train_time += Duration::from_secs_f64(slowest);
+        if let Some(p) = &line.pipeline {
+            self.bubbles.0 += p.bubble;
+            self.bubbles.1 += 1;
+        }
+        if line.eval.is_some() {
+            self.eval.clone_from(&line.eval);
+        }
+        (self.on_step)(&line)
+    }
+}
+
+impl Coordinator<'_> {
+    /// The run's report once every step is in: the losses, evaluation and time the
+    /// coordinator saw, the variables, worker 0's profile and every role's spans. The
+    /// one place a [`TrainReport`] is made, for threads and MPI ranks alike.
+    pub fn finish(
+        self,
+        params: HashMap<String, Tensor>,
+        profile: Option<Profile>,
+        spans: Vec<Span>,
+    ) -> TrainReport {
+        TrainReport {
+            steps: self.steps,
+            first_loss: self.first_loss,
+            final_loss: self.final_loss,
+            eval: self.eval,
+            train_time: self.train_time,
+            samples_per_sec: (self.steps * self.workers / self.model_axis.max(1) * self.batch)
+                as f64
+                / self.train_time.as_secs_f64().max(1e-9),
+            params,
+            profile,
+            spans,
+            pipeline_bubble: (self.bubbles.1 > 0).then(|| self.bubbles.0 / self.bubbles.1 as f64),
+        }
+    }
+}
+
+impl<'a> Coordinator<'a> {
+    /// The coordinator of a pipelined run's metrics lines: one per step, from every
+    /// stage's reports joined by [`StageReports`].
+    pub(crate) fn of_pipeline(
+        run: &PipelineRun<'_>,
+        on_step: &'a mut dyn FnMut(&StepMetrics) -> Result<()>,
+    ) -> Coordinator<'a> {
+        Coordinator::new(1, run.samples_per_step(), false, on_step)
+    }
+}
+
+/// What the coordinator does with a step's variables and optimizer state (see
+/// [`StageReports::add`]).
+pub(crate) type TakeState<'a> = dyn FnMut(usize, HashMap<String, Tensor>, HashMap<String, Tensor>) -> Result<Option<EvalMetrics>>
+    + 'a;
+
+/// Steps' reports from every stage, joined into one line per step once all are in.
+#[derive(Default)]
+pub(crate) struct StageReports {
+    pending: HashMap<usize, Vec<StageReport>>,
+}
+
+impl StageReports {
+    /// Takes one stage's report; hands the coordinator the step's line when it is the
+    /// step's last (of `workers`).
+    /// At a step with an evaluation or a checkpoint, `take_state` gets the variables and
+    /// optimizer state the reports carry (it adds any a stage sent otherwise) and
+    /// returns the evaluation, if the step has one.
+    pub(crate) fn add(
+        &mut self,
+        r: StageReport,
+        workers: usize,
+        coordinator: &mut Coordinator<'_>,
+        take_state: &mut TakeState<'_>,
+    ) -> Result<()> {
+        let step = r.step;
+        let reports = self.pending.entry(step).or_default();
+        reports.push(r);
+        if reports.len() < workers {
+            return Ok(());
+        }
+        let mut reports = self.pending.remove(&step).unwrap_or_default();
+        let mut line = combine(step, &reports);
+        let slots: HashMap<String, Tensor> = reports
+            .iter_mut()
+            .filter_map(|r| r.slots.take())
+            .flatten()
+            .collect();
+        let mut carried = reports
+            .iter_mut()
+            .filter_map(|r| r.params.take())
+            .peekable();
+        if carried.peek().is_some() {
+            let params: HashMap<String, Tensor> = carried.flatten().collect();
+            line.eval = take_state(step, params, slots)?;
+        }
+        coordinator.add(line)
+    }
+}

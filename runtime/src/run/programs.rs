@@ -1,0 +1,304 @@
+//! What a run is, below every role and transport: the plan's programs, the run's
+//! options, what training produced, and what every role derives from the programs
+//! alone (initial values, input shapes, server shards, a worker's data).
+
+use crate::core::checkpoint::TrainingState;
+use crate::core::config::RunConfig;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::init::init_param;
+use crate::core::value::Tensor;
+use crate::ps::{self, PsSync, ShardSpec};
+use crate::run::data::{check_model, data_dir, DataSource};
+use crate::run::mesh::Mesh;
+use crate::run::metrics::{EvalMetrics, Profile};
+use crate::run::trace::Span;
+use distc_ir::pipeline::PipelineProgram;
+use distc_ir::{Graph, Op, TensorType};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The programs of a plan: the SPMD worker program (the one-device graph for one
+/// device), the workers' init program and one program per parameter server.
+#[derive(Clone, Copy, Debug)]
+pub struct Programs<'g> {
+    /// The worker program.
+    pub worker: &'g Graph,
+    /// Broadcasts replicated variables from rank 0, if any.
+    pub init: Option<&'g Graph>,
+    /// One per parameter server.
+    pub servers: &'g [Graph],
+    /// Gathers whole variables from the workers' shards after the last step (ZeRO).
+    pub finalize: Option<&'g Graph>,
+    /// Workers N.
+    pub workers: usize,
+    /// The stages' programs and schedule of a pipelined plan (`--pipeline`); `worker`
+    /// is then the one-device graph they were cut from.
+    pub pipeline: Option<&'g PipelineProgram>,
+}
+
+impl<'g> Programs<'g> {
+    /// One device: the graph alone.
+    pub fn single(graph: &'g Graph) -> Programs<'g> {
+        Programs {
+            worker: graph,
+            init: None,
+            servers: &[],
+            finalize: None,
+            workers: 1,
+            pipeline: None,
+        }
+    }
+
+    /// Micro-batches per step: a pipeline's, or the worker program's accumulation.
+    pub fn micro_batches(&self) -> usize {
+        match self.pipeline {
+            Some(p) => p.micro_batches,
+            None => micro_batches(self.worker),
+        }
+    }
+}
+
+/// Options of a run that are not part of the plan.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Overrides the plan's step count.
+    pub steps: Option<usize>,
+    /// Data directory (else `DISTC_DATA`).
+    pub data_dir: Option<PathBuf>,
+    /// Synthetic sources slice one global stream (see `DataSource::open_global`), so
+    /// N workers of batch b see what one device of batch N*b sees. Synchronous plans
+    /// and verification use it; asynchronous ones seed worker r with seed + r.
+    pub global_data: bool,
+    /// Draw every step's batch before the first step (see [`DataSource::preload`]).
+    pub preload: bool,
+    /// Time every kernel, the optimizer and the waits of worker 0 (see [`Profile`]).
+    pub profile: bool,
+    /// Record spans for a Chrome trace.
+    pub trace: bool,
+    /// Evaluate on the held-out data after the last step (and every `eval_every`
+    /// steps); off, a run needs no evaluation data (`distc verify` compares weights).
+    pub evaluate: bool,
+    /// Parameter-server synchronisation.
+    pub sync: PsSync,
+    /// Bound on any wait for a collective or a server's answer.
+    pub timeout: Duration,
+    /// Write the training state every so many steps (worker 0 writes it).
+    pub checkpoint: Option<CheckpointEvery>,
+    /// Continue from this state: its variables, optimizer state, step and data
+    /// position replace the initial ones.
+    pub resume: Option<Arc<TrainingState>>,
+}
+
+/// Where and how often a run writes its [`TrainingState`].
+#[derive(Clone, Debug)]
+pub struct CheckpointEvery {
+    /// The file (rewritten atomically each time).
+    pub path: PathBuf,
+    /// Every this many steps (at least 1).
+    pub every: usize,
+    /// What trains, for the index: strategy, workers, ZeRO stage.
+    pub saved_by: String,
+}
+
+impl Default for TrainOptions {
+    fn default() -> TrainOptions {
+        TrainOptions {
+            steps: None,
+            data_dir: None,
+            global_data: false,
+            preload: false,
+            profile: false,
+            trace: false,
+            evaluate: true,
+            sync: PsSync::Sync,
+            timeout: ps::DEFAULT_TIMEOUT,
+            checkpoint: None,
+            resume: None,
+        }
+    }
+}
+
+/// What training produced.
+#[derive(Debug)]
+pub struct TrainReport {
+    /// Steps run.
+    pub steps: usize,
+    /// Loss of the first step (mean over workers).
+    pub first_loss: f64,
+    /// Loss of the last step (mean over workers).
+    pub final_loss: f64,
+    /// The last evaluation.
+    pub eval: Option<EvalMetrics>,
+    /// Wall time of the training steps (the slowest worker's, summed; evaluation and
+    /// data loading excluded).
+    pub train_time: Duration,
+    /// Global samples per second over all steps.
+    pub samples_per_sec: f64,
+    /// Every variable after training: replicated ones from worker 0, server-held ones
+    /// reassembled from their shards.
+    pub params: HashMap<String, Tensor>,
+    /// Where worker 0's step time went, when asked for.
+    pub profile: Option<Profile>,
+    /// Trace spans, when asked for.
+    pub spans: Vec<Span>,
+    /// The mean measured bubble of a pipelined run's steps.
+    pub pipeline_bubble: Option<f64>,
+}
+
+/// Initial values of every variable of `graph`, from the seed.
+pub fn init_params(graph: &Graph, seed: u64) -> HashMap<String, Tensor> {
+    graph
+        .topo_order()
+        .into_iter()
+        .filter_map(|id| match graph.op(id) {
+            Op::Param { name, ty, init } => Some((name.clone(), init_param(name, ty, init, seed))),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The model inputs of `graph` by name, for the data source to shape its fields.
+pub fn input_types(graph: &Graph) -> HashMap<String, TensorType> {
+    graph
+        .inputs()
+        .into_iter()
+        .map(|(_, n, t)| (n.to_string(), t.clone()))
+        .collect()
+}
+
+/// Shards of every server program: `shard` sources, by server.
+pub fn server_shards(
+    servers: &[Graph],
+    full: &HashMap<String, TensorType>,
+) -> Result<Vec<Vec<ShardSpec>>> {
+    servers
+        .iter()
+        .map(|g| {
+            g.topo_order()
+                .into_iter()
+                .filter_map(|id| match g.op(id) {
+                    Op::Shard {
+                        var,
+                        start,
+                        end,
+                        init,
+                        ..
+                    } => Some((var.clone(), *start, *end, init.clone())),
+                    _ => None,
+                })
+                .map(|(var, start, end, init)| {
+                    let full = full.get(&var).cloned().ok_or_else(|| {
+                        RuntimeError::Config(format!(
+                            "server program holds `{var}`, which no worker reads"
+                        ))
+                    })?;
+                    Ok(ShardSpec {
+                        var,
+                        full,
+                        init,
+                        start,
+                        end,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The full type of every server-held variable, from the worker program's pulls.
+pub fn pulled_types(worker: &Graph) -> HashMap<String, TensorType> {
+    worker
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match worker.op(id) {
+            Op::Pull { var, ty, .. } => Some((var.clone(), ty.clone())),
+            Op::SparsePull { var, table, .. } => Some((var.clone(), table.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Micro-batches per step of a worker program (gradient accumulation; 1 without).
+pub fn micro_batches(worker: &Graph) -> usize {
+    worker
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match worker.op(id) {
+            Op::Accumulate { micro } => Some(*micro),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// Opens worker `rank`'s data (its shard of the plan's source), preloaded if asked:
+/// one source per micro-batch, micro-batch `m` of worker `r` being part `r*K + m` of
+/// the `N*K` parts of the global batch.
+pub fn open_data(
+    programs: &Programs<'_>,
+    mesh: &Mesh,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    rank: usize,
+) -> Result<Vec<DataSource>> {
+    let dir = data_dir(opts.data_dir.as_deref());
+    let open = if opts.global_data {
+        DataSource::open_global
+    } else {
+        DataSource::open
+    };
+    let k = programs.micro_batches();
+    // A model axis's workers read the same batch: the data is split over replicas.
+    let (rank, workers) = (mesh.coord(rank).replica, mesh.data);
+    (0..k)
+        .map(|m| {
+            let mut source = open(
+                &config.data,
+                dir.as_deref(),
+                &input_types(programs.worker),
+                config.batch,
+                config.seed,
+                rank * k + m,
+                workers * k,
+            )?;
+            if m == 0 && config.data.needs_files() {
+                // File sources know their id ranges (a vocabulary) only once read;
+                // synthetic sources' were checked with the settings at launch.
+                let info = source.info();
+                let bounds: Vec<(&str, usize)> = info
+                    .id_bounds
+                    .iter()
+                    .map(|(f, b)| (f.as_str(), *b))
+                    .collect();
+                check_model(programs.worker, &config.data, config.batch, &bounds)?;
+            }
+            let mut steps = opts.steps.unwrap_or(config.steps);
+            if let Some(state) = &opts.resume {
+                source.skip_samples(state.index.samples)?;
+                steps = steps.saturating_sub(state.index.step as usize);
+            }
+            if opts.preload {
+                source.preload(steps)?;
+            }
+            Ok(source)
+        })
+        .collect()
+}
+
+/// What every rank of an MPI run is told beyond the programs and options.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MpiRun {
+    /// The plan's hash, compared across ranks at start-up.
+    pub plan_hash: String,
+    /// Parameter servers S.
+    pub servers: usize,
+    /// The global metrics file (rank 0); every worker also writes its own lines to this
+    /// path with `.rankR` before the extension.
+    pub metrics: Option<PathBuf>,
+    /// Where each rank writes its own spans (`.rankR` inserted), when tracing.
+    pub trace: Option<PathBuf>,
+    /// The command to suggest when started outside `mpirun` (the `-np` is added).
+    pub command: String,
+}
