@@ -94,7 +94,7 @@ use crate::core::backend::{
 };
 use crate::core::checkpoint::STEP_KEY;
 use crate::core::config::OptimizerSpec;
-use crate::core::exec::{Mode, Schedule};
+use crate::core::schedule::{Mode, Schedule};
 use crate::core::value::{Slices, Tensor, Value};
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use ndarray::{ArrayD, IxDyn};
