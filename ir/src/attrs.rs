@@ -244,6 +244,27 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
     }
 }
 
+/// An op as the text IR spells it: the mnemonic, then its attributes in braces
+/// (`param{name="w", init=glorot}`). Lives beside [`attrs_of`] so that `op` needs
+/// nothing from this module.
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.mnemonic())?;
+        let attrs = attrs_of(self);
+        if !attrs.is_empty() {
+            f.write_str("{")?;
+            for (i, (k, v)) in attrs.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{k}={v}")?;
+            }
+            f.write_str("}")?;
+        }
+        Ok(())
+    }
+}
+
 fn reduce_name(r: ReduceOp) -> &'static str {
     match r {
         ReduceOp::Sum => "sum",

@@ -784,21 +784,3 @@ impl Op {
         }
     }
 }
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.mnemonic())?;
-        let attrs = crate::attrs::attrs_of(self);
-        if !attrs.is_empty() {
-            f.write_str("{")?;
-            for (i, (k, v)) in attrs.iter().enumerate() {
-                if i > 0 {
-                    f.write_str(", ")?;
-                }
-                write!(f, "{k}={v}")?;
-            }
-            f.write_str("}")?;
-        }
-        Ok(())
-    }
-}

@@ -151,121 +151,133 @@ fn snake_case(s: &str) -> String {
     out
 }
 
-/// The passes every pipeline starts with: differentiation and the rewrites of one
-/// device's program.
-fn device_passes() -> Vec<Box<dyn Pass>> {
+// The pipelines are plain data: one list per kind of pipeline, every pass it can run
+// in order, each with the option it waits for. `passes_for` keeps the passes whose
+// option holds; `known_pass_names` reads the same lists, so the two cannot drift.
+
+/// What a pass in a pipeline's list waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum When {
+    /// Every compile runs it.
+    Always,
+    /// A model axis (`--model` above 1): the forward program is sharded first.
+    ModelAxis,
+    /// Compute below fp32 (`--precision`): on the forward program, before autodiff.
+    Precision,
+    /// Gradients sent below fp32 (`--grad-wire`): on the buckets fusion made.
+    GradWire,
+    /// Several ranks per node (`--ranks-per-node`): on the buckets, as the wire left them.
+    RanksPerNode,
+}
+
+impl When {
+    fn holds(self, cfg: &placement::StrategyConfig) -> bool {
+        match self {
+            When::Always => true,
+            When::ModelAxis => cfg.model > 1,
+            When::Precision => cfg.precision != placement::Precision::Fp32,
+            When::GradWire => cfg.grad_wire != placement::Precision::Fp32,
+            When::RanksPerNode => cfg.ranks_per_node > 1,
+        }
+    }
+}
+
+/// A pipeline's list: each pass with what it waits for.
+type PassList = Vec<(When, Box<dyn Pass>)>;
+
+fn always(p: impl Pass + 'static) -> (When, Box<dyn Pass>) {
+    (When::Always, Box::new(p))
+}
+
+fn when(w: When, p: impl Pass + 'static) -> (When, Box<dyn Pass>) {
+    (w, Box::new(p))
+}
+
+/// One device (`--strategy single`): differentiation and the rewrites of one device's
+/// program.
+fn single_pipeline() -> PassList {
     vec![
-        Box::new(autodiff::Autodiff),
-        Box::new(simplify::Simplify::default()),
-        Box::new(dead_code::DeadCode),
-        Box::new(accumulate::Accumulate),
-        Box::new(remat::Remat),
+        when(When::ModelAxis, tensor_parallel::TensorParallel),
+        when(When::Precision, mixed_precision::MixedPrecision),
+        always(autodiff::Autodiff),
+        always(simplify::Simplify::default()),
+        always(dead_code::DeadCode),
+        always(accumulate::Accumulate),
+        always(remat::Remat),
+        always(kernel_fusion::KernelFusion),
     ]
 }
 
-/// The passes of the single-device training pipeline, in order.
-pub fn single_pipeline() -> Vec<Box<dyn Pass>> {
-    let mut passes = device_passes();
-    passes.push(Box::new(kernel_fusion::KernelFusion));
-    passes
+/// Every other strategy: the device passes, then analysis, placement, the rewrite,
+/// gradient fusion, kernel fusion (after every pass that makes element-wise ops) and
+/// scheduling.
+fn distributed_pipeline() -> PassList {
+    vec![
+        when(When::ModelAxis, tensor_parallel::TensorParallel),
+        when(When::Precision, mixed_precision::MixedPrecision),
+        always(autodiff::Autodiff),
+        always(simplify::Simplify::default()),
+        always(dead_code::DeadCode),
+        always(accumulate::Accumulate),
+        always(remat::Remat),
+        always(sparsity::SparsityAnalysis),
+        always(place::Place),
+        always(distribute::Distribute),
+        always(zero::Zero),
+        always(fusion::Fusion),
+        when(When::GradWire, grad_wire::GradWire),
+        when(When::RanksPerNode, hierarchy::Hierarchy),
+        always(kernel_fusion::KernelFusion),
+        always(schedule::Schedule),
+    ]
 }
 
-/// The passes of a distributed training pipeline (every strategy but `single`): the
-/// device passes, then analysis, placement, the rewrite, gradient fusion, kernel fusion
-/// (after every pass that makes element-wise ops) and scheduling.
-pub fn distributed_pipeline() -> Vec<Box<dyn Pass>> {
-    let mut passes = device_passes();
-    passes.push(Box::new(sparsity::SparsityAnalysis));
-    passes.push(Box::new(place::Place));
-    passes.push(Box::new(distribute::Distribute));
-    passes.push(Box::new(zero::Zero));
-    passes.push(Box::new(fusion::Fusion));
-    passes.push(Box::new(kernel_fusion::KernelFusion));
-    passes.push(Box::new(schedule::Schedule));
-    passes
+/// Pipeline stages (`--pipeline` above 1, whatever the strategy): the stages are cut
+/// from the one-device program (sharded first, with a model axis: each stage is then T
+/// workers wide); the split averages each stage's gradients over the replicas itself.
+fn split_pipeline() -> PassList {
+    vec![
+        when(When::ModelAxis, tensor_parallel::TensorParallel),
+        when(When::Precision, mixed_precision::MixedPrecision),
+        always(autodiff::Autodiff),
+        always(simplify::Simplify::default()),
+        always(dead_code::DeadCode),
+        always(accumulate::Accumulate),
+        always(remat::Remat),
+        always(kernel_fusion::KernelFusion),
+        always(pipeline::split::PipelineSplit),
+    ]
 }
 
-/// The pipeline of a strategy.
-pub fn pipeline(strategy: placement::Strategy) -> Vec<Box<dyn Pass>> {
-    match strategy {
-        placement::Strategy::Single => single_pipeline(),
-        _ => distributed_pipeline(),
-    }
-}
-
-/// The passes a compile with `cfg` runs: the strategy's, or with `--pipeline` the
-/// one-device passes and the pipeline rewrite.
+/// The passes a compile with `cfg` runs, in order: its kind of pipeline's list, less
+/// the passes whose option is off.
 pub fn passes_for(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
-    let mut passes = strategy_passes(cfg);
-    if cfg.precision != placement::Precision::Fp32 {
-        // On the forward program (sharded first, with a model axis), before autodiff.
-        let at = passes
-            .iter()
-            .position(|p| p.name() == autodiff::Autodiff.name())
-            .unwrap_or(0);
-        passes.insert(at, Box::new(mixed_precision::MixedPrecision));
-    }
-    if cfg.grad_wire != placement::Precision::Fp32 {
-        // On the buckets gradient fusion made.
-        if let Some(at) = passes
-            .iter()
-            .position(|p| p.name() == fusion::Fusion.name())
-        {
-            passes.insert(at + 1, Box::new(grad_wire::GradWire));
-        }
-    }
-    if cfg.ranks_per_node > 1 {
-        // On the buckets, as the wire left them.
-        if let Some(at) = passes
-            .iter()
-            .rposition(|p| [fusion::Fusion.name(), grad_wire::GradWire.name()].contains(&p.name()))
-        {
-            passes.insert(at + 1, Box::new(hierarchy::Hierarchy));
-        }
-    }
-    passes
+    let list = if cfg.pipeline > 1 {
+        split_pipeline()
+    } else if cfg.strategy == placement::Strategy::Single {
+        single_pipeline()
+    } else {
+        distributed_pipeline()
+    };
+    list.into_iter()
+        .filter(|(w, _)| w.holds(cfg))
+        .map(|(_, p)| p)
+        .collect()
 }
 
-fn strategy_passes(cfg: &placement::StrategyConfig) -> Vec<Box<dyn Pass>> {
-    if cfg.model > 1 {
-        // The shardings are propagated through the forward program, and autodiff
-        // differentiates the collectives they need.
-        let mut passes = if cfg.pipeline > 1 {
-            // Stages cut from the sharded program: each is T workers wide.
-            let mut passes = single_pipeline();
-            passes.push(Box::new(pipeline::split::PipelineSplit));
-            passes
-        } else {
-            pipeline(cfg.strategy)
-        };
-        passes.insert(0, Box::new(tensor_parallel::TensorParallel));
-        return passes;
-    }
-    if cfg.pipeline > 1 {
-        // The stages are cut from the one-device program; the split averages each
-        // stage's gradients over the pipeline's replicas itself.
-        let mut passes = single_pipeline();
-        passes.push(Box::new(pipeline::split::PipelineSplit));
-        return passes;
-    }
-    pipeline(cfg.strategy)
-}
-
-/// Every pass name the pipelines know, for `--after`, `--stop-after` and `--disable-pass`.
+/// Every pass name the pipelines know, for `--after`, `--stop-after` and
+/// `--disable-pass`: `lower` (the DSL front end), then the lists' passes, each where
+/// it first appears.
 pub fn known_pass_names() -> Vec<String> {
-    let mut names: Vec<String> = distributed_pipeline().iter().map(|p| p.name()).collect();
-    names.insert(0, "lower".to_string());
-    names.push(pipeline::split::PipelineSplit.name());
-    names.insert(1, tensor_parallel::TensorParallel.name());
-    names.insert(2, mixed_precision::MixedPrecision.name());
-    let fusion = names.iter().position(|n| *n == fusion::Fusion.name());
-    names.insert(
-        fusion.map_or(names.len(), |f| f + 1),
-        grad_wire::GradWire.name(),
-    );
-    names.insert(
-        fusion.map_or(names.len(), |f| f + 2),
-        hierarchy::Hierarchy.name(),
-    );
+    let mut names = vec!["lower".to_string()];
+    for (_, p) in [distributed_pipeline(), single_pipeline(), split_pipeline()]
+        .into_iter()
+        .flatten()
+    {
+        let name = p.name();
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
     names
 }

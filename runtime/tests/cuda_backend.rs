@@ -5,7 +5,8 @@
 
 use distc_ir::{DType, Graph, Op, Shape, TensorType, ValueId};
 use distc_runtime::core::backend::{Device, Transfer};
-use distc_runtime::core::exec::{Executor, Mode};
+use distc_runtime::core::exec::Executor;
+use distc_runtime::core::schedule::Mode;
 use distc_runtime::cuda::{CudaBackend, CudaError, CudaLib, CudaOptions};
 use distc_runtime::Tensor;
 use ndarray::{ArrayD, IxDyn};

@@ -6,7 +6,8 @@
 #![allow(clippy::unwrap_used)]
 
 use distc_ir::{DType, Graph, NodeId, Op, Shape, TensorType, ValueId};
-use distc_runtime::core::exec::{Executor, Mode, StepOutputs};
+use distc_runtime::core::exec::{Executor, StepOutputs};
+use distc_runtime::core::schedule::Mode;
 use distc_runtime::cpu::kernels::{eval_op, KernelCtx};
 use distc_runtime::{Tensor, Value};
 use ndarray::{ArrayD, IxDyn};

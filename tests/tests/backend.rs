@@ -115,7 +115,7 @@ mod wrapped {
         BackendArg, Capture, Device, DeviceCollectives, KernelError, Kernels, OptimizerState,
         Started, Transfer, ValueRef,
     };
-    use distc_runtime::core::exec::Schedule;
+    use distc_runtime::core::schedule::Schedule;
     use distc_runtime::cpu::kernels::KernelCtx;
     use distc_runtime::cpu::optim::Optimizer;
     use distc_runtime::cpu::Cpu;

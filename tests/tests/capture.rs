@@ -21,7 +21,7 @@ mod taped {
         BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
         OptimizerState, Transfer, ValueRef,
     };
-    use distc_runtime::core::exec::Schedule;
+    use distc_runtime::core::schedule::Schedule;
     use distc_runtime::cpu::kernels::{self, Arg};
     use distc_runtime::cpu::optim::Optimizer;
     use distc_runtime::{OptimizerSpec, Tensor, Value};

@@ -168,32 +168,19 @@ fn check_args(g: &Graph, id: distc_ir::NodeId, nl: &NodeLaunch, args: &[&KArg], 
 }
 
 /// The element count a 1-D kernel over a node's output must cover, for the ops whose
-/// kernels take one thread per output element.
+/// kernels take one thread per output element: the element-wise maths (as the IR
+/// defines it, [`Op::is_elementwise_math`]) and a few more.
 fn covered_by_output(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Add
-            | Op::Sub
-            | Op::Mul
-            | Op::Div
-            | Op::Neg
-            | Op::Relu
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Exp
-            | Op::Log
-            | Op::ReluGrad
-            | Op::SigmoidGrad
-            | Op::TanhGrad
-            | Op::MseGrad
-            | Op::Dropout { .. }
-            | Op::DropoutGrad { .. }
-            | Op::BroadcastTo { .. }
-            | Op::Transpose { .. }
-            | Op::Embedding
-            | Op::MaxPool2d { .. }
-            | Op::Fused { .. }
-    )
+    op.is_elementwise_math()
+        || matches!(
+            op,
+            Op::MseGrad
+                | Op::Dropout { .. }
+                | Op::DropoutGrad { .. }
+                | Op::Transpose { .. }
+                | Op::Embedding
+                | Op::MaxPool2d { .. }
+        )
 }
 
 /// The emulator's cuBLAS (column-major, as cuBLAS defines it) on plain slices.

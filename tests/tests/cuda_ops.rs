@@ -51,7 +51,8 @@ use distc_ir::{
     ValueType,
 };
 use distc_runtime::core::backend::Backend;
-use distc_runtime::core::exec::{Executor, Mode};
+use distc_runtime::core::exec::Executor;
+use distc_runtime::core::schedule::Mode;
 use distc_runtime::cpu::Cpu;
 use distc_runtime::cuda::codegen::{generate, optimizer_kernels, sparse_bound};
 use distc_runtime::cuda::{nvrtc, CudaBackend, CudaError, CudaOptions};

@@ -4,8 +4,8 @@
 
 use distc::{compile_file, CompileOptions};
 use distc_ir::{parse, print, verify};
+use distc_passes::passes_for;
 use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_passes::single_pipeline;
 use std::path::{Path, PathBuf};
 
 fn examples() -> Vec<PathBuf> {
@@ -34,7 +34,11 @@ fn ir_after_every_pass() {
             .expect("name")
             .to_string();
         let names: Vec<String> = std::iter::once("lower".to_string())
-            .chain(single_pipeline().iter().map(|p| p.name()))
+            .chain(
+                passes_for(&StrategyConfig::default())
+                    .iter()
+                    .map(|p| p.name()),
+            )
             .collect();
         for (i, pass) in names.iter().enumerate() {
             // A no-op without --remat: remat.rs snapshots it with a policy.

@@ -5,7 +5,8 @@
 
 use distc_ir::{DType, Graph, Op, Shape, TensorType, ValueId};
 use distc_passes::{autodiff::Autodiff, Pass, PassCx};
-use distc_runtime::core::exec::{Executor, Mode};
+use distc_runtime::core::exec::Executor;
+use distc_runtime::core::schedule::Mode;
 use distc_runtime::{Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};

@@ -246,7 +246,8 @@ fn scaled_loss_model(factor: &str, lr: &str) -> String {
 
 #[test]
 fn gradients_that_underflow_fp16_survive_with_the_loss_scale() {
-    use distc_runtime::core::exec::{Executor, Mode};
+    use distc_runtime::core::exec::Executor;
+    use distc_runtime::core::schedule::Mode;
     // A loss of 1e-8 of the cross-entropy: its gradient at the logits (about 1e-8 / 16)
     // is below fp16's smallest subnormal (6e-8), so the 16-bit backward pass has only
     // zeros; scaled by 2^16 it is a normal fp16 number.

@@ -4,7 +4,8 @@
 use distc::dsl::compile_source;
 use distc_ir::print;
 use distc_passes::{autodiff::Autodiff, simplify::Simplify, Pass, PassCx};
-use distc_runtime::core::exec::{Executor, Mode};
+use distc_runtime::core::exec::Executor;
+use distc_runtime::core::schedule::Mode;
 use distc_runtime::run::data::DataSource;
 use distc_runtime::run::train::{init_params, input_types};
 

@@ -1,5 +1,5 @@
 //! Where a plan's kernels run. The [`Executor`](crate::core::exec::Executor) computes what
-//! is independent of any device once (the [`Schedule`](crate::core::exec::Schedule): order,
+//! is independent of any device once (the [`Schedule`](crate::core::schedule::Schedule): order,
 //! slots, last uses) and its run loop is generic over a [`Backend`], which owns the
 //! buffers: the CPU backend ([`Cpu`]) holds host ndarrays, a GPU backend device
 //! memory.
@@ -15,7 +15,7 @@
 
 use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::RuntimeError;
-use crate::core::exec::Schedule;
+use crate::core::schedule::Schedule;
 use crate::core::value::{ByteCount, Tensor, Value};
 use distc_ir::{NodeId, Op, TensorType, ValueType};
 use std::borrow::Cow;

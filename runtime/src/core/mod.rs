@@ -4,8 +4,9 @@
 //! - [`value`]: host tensors, `IndexedSlices`, byte counts.
 //! - [`config`]: a run's settings from the plan (data source, optimizer, batch, steps).
 //! - [`error`]: [`error::RuntimeError`]; a device's own errors arrive boxed.
-//! - [`exec`]: the schedule (order, slots, last uses) and the executor that runs it
-//!   over any [`backend::Backend`].
+//! - [`schedule`]: the schedule (order, slots, plans with last uses) and the memory
+//!   rule that predicts and measures a step's peak ([`schedule::MemoryUse`]).
+//! - [`exec`]: the executor that runs a schedule over any [`backend::Backend`].
 //! - [`backend`]: the backend families (kernels, transfer, optimizer state, capture,
 //!   device collectives).
 //! - [`arena`]: the static memory plan a device backend lays its buffers out by.
@@ -29,4 +30,5 @@ pub mod geom;
 pub mod init;
 pub mod output;
 pub mod roles;
+pub mod schedule;
 pub mod value;

@@ -13,7 +13,8 @@ use crate::core::backend::{
 };
 use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::Result;
-use crate::core::exec::{Executor, Schedule};
+use crate::core::exec::Executor;
+use crate::core::schedule::Schedule;
 use crate::core::value::{Tensor, Value};
 use distc_ir::{Graph, NodeId, Op, TensorType, ValueType};
 use optim::Optimizer;

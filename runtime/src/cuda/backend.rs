@@ -94,9 +94,8 @@ use crate::core::backend::{
 };
 use crate::core::checkpoint::STEP_KEY;
 use crate::core::config::OptimizerSpec;
-use crate::core::exec::{Mode, Schedule};
+use crate::core::schedule::{Mode, Schedule};
 use crate::core::value::{Slices, Tensor, Value};
-use cudarc::driver::result as drv;
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use ndarray::{ArrayD, IxDyn};
 use std::borrow::Cow;
@@ -341,13 +340,6 @@ const LOSS_SLOTS: usize = 2;
 struct PendingReplay {
     /// Its loss slot, when the graph computes a loss.
     loss_slot: Option<usize>,
-}
-
-pub(super) fn drv_err(call: &'static str) -> impl Fn(drv::DriverError) -> CudaError {
-    move |e| CudaError::Driver {
-        call,
-        code: format!("{:?}", e.0),
-    }
 }
 
 fn invalid(m: impl Into<String>) -> KernelError {

@@ -15,9 +15,8 @@
 //! ([`Driver::checks_accesses`]), the bytes each pointer argument may touch and how
 //! ([`Region`]); the real driver is never asked to build them.
 
-use super::backend::drv_err;
 use super::nccl::NcclComm;
-use super::{nvrtc, CudaError};
+use super::{drv_err, nvrtc, CudaError};
 use crate::comm::ByteCount;
 use crate::cuda::emu::blas::SgemmCall;
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};

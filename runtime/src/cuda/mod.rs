@@ -255,6 +255,15 @@ impl From<CudaError> for crate::core::error::RuntimeError {
     }
 }
 
+/// Turns a failed driver call into a [`CudaError::Driver`] naming the call, for
+/// `map_err` in the driver and NCCL files.
+fn drv_err(call: &'static str) -> impl Fn(cudarc::driver::result::DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        call,
+        code: format!("{:?}", e.0),
+    }
+}
+
 /// Where a missing library was looked for, to follow "`file` was".
 fn searched_text(searched: &[PathBuf]) -> String {
     let loader = "by the dynamic loader (LD_LIBRARY_PATH as set when distc started, \

@@ -42,8 +42,7 @@
 //! broadcasts it, and every rank joins the communicator. NCCL refuses two ranks on one
 //! GPU, so workers sharing a GPU use the host path.
 
-use super::backend::drv_err;
-use super::{probe, CudaError, CudaLib, LibDirs};
+use super::{drv_err, probe, CudaError, CudaLib, LibDirs};
 use crate::comm::{ByteCount, Communicator};
 use crate::core::error::RuntimeError;
 use cudarc::driver::{
