@@ -16,15 +16,13 @@ use crate::core::backend::{
     Backend, BackendArg, Device, KernelCtx, KernelError, Started, ValueRef,
 };
 use crate::core::error::{Result, RuntimeError};
-use crate::core::schedule::{is_comm_buffer, type_bytes, Node, Tally, Use};
+use crate::core::schedule::{
+    is_comm_buffer, type_bytes, MemoryUse, Mode, Node, Schedule, Tally, Use,
+};
 use crate::core::value::{Tensor, Value};
 use distc_ir::{Graph, NodeId, Op, TensorType, ValueType, LOSS_SCALE};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-
-// The run layer (`crate::run`, reworked elsewhere) still names these through `exec`;
-// everything else imports them from `core::schedule`. Drop this once it does too.
-pub use crate::core::schedule::{MemoryUse, Mode, Schedule};
 
 /// A collective started on a communication thread: its value, when it is needed.
 pub trait Pending: Send {

@@ -4,7 +4,8 @@
 use crate::core::backend::{upload_all, Backend};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::exec::{CommHook, Executor, Mode};
+use crate::core::exec::{CommHook, Executor};
+use crate::core::schedule::Mode;
 use crate::core::value::Tensor;
 use crate::run::data::DataSource;
 use crate::run::metrics::EvalMetrics;

@@ -17,7 +17,7 @@
 //! fit in the machine's available memory is refused with the figures ([`check`]).
 
 use crate::core::config::{OptimizerSpec, RunConfig};
-use crate::core::exec::{MemoryUse, Mode, Schedule};
+use crate::core::schedule::{MemoryUse, Mode, Schedule};
 use crate::run::programs::{input_types, Programs};
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
