@@ -359,3 +359,35 @@ fn lars_with_warm_up_at_8_times_the_batch_reaches_the_small_batch_accuracy() {
         "batch 512 unchanged {unchanged}, batch 64 {small}"
     );
 }
+
+/// The rate each update used (`lr`) in a pipelined run's metrics lines (issue 34: the
+/// stage loop reports it as the worker loop does): the same warm-up and cosine as one
+/// device's lines.
+#[test]
+fn a_pipelined_run_reports_the_rate_each_update_used() {
+    let file = with_schedule("dense_mlp.dsl", "cosine(warmup = 4, final = 0.1)");
+    let dir = common::temp_dir("schedule-cli");
+    let rates = |name: &str, flags: &[&str]| -> Vec<f64> {
+        let plan = dir.join(format!("{name}.plan.json"));
+        let mut args = vec!["compile", s(&file), "-o", s(&plan)];
+        args.extend_from_slice(flags);
+        let o = distc(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        let m = dir.join(format!("{name}.jsonl"));
+        let o = distc(&["run", s(&plan), "--steps", "6", "-q", "--metrics", s(&m)]);
+        assert!(o.status.success(), "{}", text(&o));
+        std::fs::read_to_string(&m)
+            .expect("metrics")
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("json");
+                v["lr"].as_f64().expect("a learning rate in every line")
+            })
+            .collect()
+    };
+    let one = rates("lr-one", &[]);
+    let piped = rates("lr-piped", &["--pipeline", "2", "--micro-batches", "2"]);
+    assert_eq!(one.len(), 6);
+    assert_eq!(one, piped, "one device's rates against the pipeline's");
+    assert!(one[0] < one[3], "no warm-up in {one:?}");
+}

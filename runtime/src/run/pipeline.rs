@@ -60,6 +60,9 @@ pub(crate) struct StageReport {
     #[serde(default)]
     model_rank: usize,
     pub(crate) step: usize,
+    /// The learning rate of this step's update.
+    #[serde(default)]
+    lr: Option<f64>,
     /// Seconds its forwards and backwards ran.
     busy_sec: f64,
     /// The mean loss of the step's micro-batches, on the stage holding the loss.
@@ -649,7 +652,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         device_memory: None,
         pipeline: Some(PipelineStep { bubble, stages }),
         loss_scale: None,
-        lr: None,
+        lr: first.first().and_then(|r| r.lr),
     }
 }
 
@@ -855,6 +858,8 @@ impl Stage<'_> {
         let mut spans = Vec::new();
         let mut last_bytes = self.comm.bytes() + self.hook.bytes();
         for step in self.first..=steps {
+            // Before this step's update moves it on (as the worker loop reads it).
+            let lr = Cpu::learning_rate(&optimizer).unwrap_or_else(|| config.optimizer.lr());
             let feeds = self
                 .data
                 .iter_mut()
@@ -1012,6 +1017,7 @@ impl Stage<'_> {
                 model_rank: self.model_rank,
                 busy_sec: busy,
                 step,
+                lr: Some(lr),
                 loss,
                 step_sec: start.elapsed().as_secs_f64(),
                 comm_wait_sec: waited,

@@ -142,10 +142,39 @@ fn functions(source: &str) -> Vec<(String, String)> {
     out
 }
 
-/// One translation unit's kernels, compiled for the CPU.
-#[derive(Debug)]
+/// One translation unit's kernels, compiled for the CPU. Identical units share one
+/// loaded library: its state is all thread-local (a block's shared memory, its
+/// fibers), so two contexts launching from their own threads cannot see each other.
+#[derive(Debug, Clone)]
 pub struct EmuModule {
-    lib: libloading::Library,
+    lib: std::sync::Arc<libloading::Library>,
+}
+
+/// Where compiled units are kept across processes: `DISTC_EMU_CACHE`, when set (CI
+/// points it into its scratch folder). Unset, nothing is written outside each compile's
+/// own scratch folder.
+pub const CACHE_ENV: &str = "DISTC_EMU_CACHE";
+
+/// The flags every unit is compiled with (part of a unit's identity).
+const FLAGS: [&str; 6] = ["-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-include"];
+
+/// Units compiled (or found in the cache) by this process, by their text's hash: the
+/// text itself is kept to tell a collision from a hit.
+type Loaded = std::collections::HashMap<u64, Vec<(String, EmuModule)>>;
+
+fn loaded() -> &'static std::sync::Mutex<Loaded> {
+    static LOADED: std::sync::OnceLock<std::sync::Mutex<Loaded>> = std::sync::OnceLock::new();
+    LOADED.get_or_init(Default::default)
+}
+
+/// A unit's identity: the compiler, its flags, the header and the unit's text.
+fn unit_key(cxx: &str, text: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same in every process of this build, so the key
+    // names a cache file as well as a map entry.
+    let mut h = std::hash::DefaultHasher::new();
+    (cxx, FLAGS, HEADER, text).hash(&mut h);
+    h.finish()
 }
 
 /// The C++ compiler: `CXX`, else `c++`.
@@ -166,26 +195,137 @@ fn scratch() -> std::io::Result<PathBuf> {
     Ok(dir)
 }
 
+/// The translation unit of `source`: the source, then a launcher for each of
+/// `kernels` (fibers where a kernel needs them).
+fn unit_text(source: &str, kernels: &[&str]) -> String {
+    let mut text = String::with_capacity(source.len() + 64 * kernels.len());
+    text.push_str(source);
+    text.push('\n');
+    let fibers = needs_fibers(source);
+    for k in kernels {
+        if fibers.contains(*k) {
+            text.push_str(&format!("DISTC_EMU_EXPORT({k})\n"));
+        } else {
+            text.push_str(&format!("DISTC_EMU_EXPORT_PLAIN({k})\n"));
+        }
+    }
+    text
+}
+
+/// Loads a compiled unit.
+fn load(lib: &Path) -> Result<EmuModule, EmuError> {
+    // SAFETY: the library was compiled from our own source (just now, or into the
+    // cache by an earlier run of this build); loading it runs no initialisers beyond
+    // the C++ runtime's.
+    let lib =
+        unsafe { libloading::Library::new(lib) }.map_err(|e| EmuError::Load(e.to_string()))?;
+    Ok(EmuModule {
+        lib: std::sync::Arc::new(lib),
+    })
+}
+
+/// The cache folder, when `DISTC_EMU_CACHE` names one.
+fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os(CACHE_ENV).map(PathBuf::from)
+}
+
+/// The cache's files of unit `key`: the library and the text it was compiled from.
+fn cache_files(dir: &Path, key: u64) -> (PathBuf, PathBuf) {
+    (
+        dir.join(format!("{key:016x}.so")),
+        dir.join(format!("{key:016x}.cpp")),
+    )
+}
+
+/// The cached library of unit `key`, if the cache holds one compiled from `text`.
+fn cached(dir: &Path, key: u64, text: &str) -> Option<EmuModule> {
+    let (lib, unit) = cache_files(dir, key);
+    if std::fs::read_to_string(&unit).ok()? != text {
+        return None;
+    }
+    load(&lib).ok()
+}
+
+/// Keeps a compiled unit in the cache, when there is one: written beside and renamed
+/// into place, so a reader never sees half a file. A cache that cannot be written
+/// only costs the next compile.
+fn store(dir: &Path, key: u64, text: &str, lib: &Path) {
+    let (to_lib, to_unit) = cache_files(dir, key);
+    let side = |to: &Path| {
+        let name = to.file_name().map(|n| n.to_string_lossy().into_owned());
+        to.with_file_name(format!(
+            "{}.{}.part",
+            name.unwrap_or_default(),
+            std::process::id()
+        ))
+    };
+    let (lib_side, unit_side) = (side(&to_lib), side(&to_unit));
+    let _ = to_lib
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::copy(lib, &lib_side))
+        .and_then(|_| std::fs::rename(&lib_side, &to_lib))
+        .and_then(|()| std::fs::write(&unit_side, text))
+        .and_then(|()| std::fs::rename(&unit_side, &to_unit));
+}
+
 impl EmuModule {
+    /// Whether `self` and `other` run from one loaded library (one compile).
+    pub fn shares_library(&self, other: &EmuModule) -> bool {
+        std::sync::Arc::ptr_eq(&self.lib, &other.lib)
+    }
+
     /// Compiles `source` (CUDA C as NVRTC would get it) with a launcher for each of
     /// `kernels`, and loads it.
     pub fn compile(source: &str, kernels: &[&str]) -> Result<EmuModule, EmuError> {
         let cxx = compiler();
-        let fail = |message: String| EmuError::Compile {
-            compiler: cxx.clone(),
-            message,
+        let text = unit_text(source, kernels);
+        let key = unit_key(&cxx, &text);
+        let same = |entries: &Vec<(String, EmuModule)>| {
+            entries
+                .iter()
+                .find(|(t, _)| *t == text)
+                .map(|(_, m)| m.clone())
         };
-        let dir = scratch().map_err(|e| fail(format!("a scratch folder: {e}")))?;
-        let result = Self::compile_in(&dir, &cxx, source, kernels);
-        let _ = std::fs::remove_dir_all(&dir);
-        result
+        if let Some(m) = loaded()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .and_then(same)
+        {
+            return Ok(m);
+        }
+        let cache = cache_dir();
+        let module = match cache.as_deref().and_then(|d| cached(d, key, &text)) {
+            Some(m) => m,
+            None => {
+                let fail = |message: String| EmuError::Compile {
+                    compiler: cxx.clone(),
+                    message,
+                };
+                let dir = scratch().map_err(|e| fail(format!("a scratch folder: {e}")))?;
+                let result =
+                    Self::compile_in(&dir, &cxx, &text, cache.as_deref().map(|d| (d, key)));
+                let _ = std::fs::remove_dir_all(&dir);
+                result?
+            }
+        };
+        loaded()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key)
+            .or_default()
+            .push((text, module.clone()));
+        Ok(module)
     }
 
+    /// Compiles `text` in the scratch folder `dir` and loads it; kept in the cache
+    /// folder under its key, when there is one.
     fn compile_in(
         dir: &Path,
         cxx: &str,
-        source: &str,
-        kernels: &[&str],
+        text: &str,
+        cache: Option<(&Path, u64)>,
     ) -> Result<EmuModule, EmuError> {
         let fail = |message: String| EmuError::Compile {
             compiler: cxx.to_string(),
@@ -194,21 +334,10 @@ impl EmuModule {
         let header = dir.join("cuda_emu.h");
         let unit = dir.join("kernels.cpp");
         let lib = dir.join("kernels.so");
-        let mut text = String::with_capacity(source.len() + 64 * kernels.len());
-        text.push_str(source);
-        text.push('\n');
-        let fibers = needs_fibers(source);
-        for k in kernels {
-            if fibers.contains(*k) {
-                text.push_str(&format!("DISTC_EMU_EXPORT({k})\n"));
-            } else {
-                text.push_str(&format!("DISTC_EMU_EXPORT_PLAIN({k})\n"));
-            }
-        }
         std::fs::write(&header, HEADER).map_err(|e| fail(e.to_string()))?;
         std::fs::write(&unit, text).map_err(|e| fail(e.to_string()))?;
         let out = Command::new(cxx)
-            .args(["-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-include"])
+            .args(FLAGS)
             .arg(&header)
             .arg(&unit)
             .arg("-o")
@@ -220,11 +349,10 @@ impl EmuModule {
             let head: Vec<&str> = log.lines().take(20).collect();
             return Err(fail(head.join("\n")));
         }
-        // SAFETY: the library is the one just compiled from our own source; loading it
-        // runs no initialisers beyond the C++ runtime's.
-        let lib =
-            unsafe { libloading::Library::new(&lib) }.map_err(|e| EmuError::Load(e.to_string()))?;
-        Ok(EmuModule { lib })
+        if let Some((to, key)) = cache {
+            store(to, key, text, &lib);
+        }
+        load(&lib)
     }
 
     /// Launches `kernel` over `grid` blocks of `block` threads; `args` holds one pointer
@@ -265,5 +393,41 @@ impl EmuModule {
                 .into_owned();
             Err(fail(message))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UNIT: &str = "__global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }";
+
+    #[test]
+    fn a_unit_compiled_twice_is_compiled_once() {
+        let a = EmuModule::compile(UNIT, &["twice"]).expect("compiles");
+        let b = EmuModule::compile(UNIT, &["twice"]).expect("compiles");
+        assert!(a.shares_library(&b));
+        let other =
+            EmuModule::compile(&format!("{UNIT}\n// another unit"), &["twice"]).expect("compiles");
+        assert!(!a.shares_library(&other));
+    }
+
+    #[test]
+    fn the_cache_gives_back_only_the_unit_it_was_given() {
+        let dir = scratch().expect("a scratch folder");
+        let cache = dir.join("cache");
+        let text = unit_text(UNIT, &["twice"]);
+        let key = unit_key(&compiler(), &text);
+        assert!(cached(&cache, key, &text).is_none(), "an empty cache hit");
+        let work = dir.join("work");
+        std::fs::create_dir_all(&work).expect("a folder");
+        EmuModule::compile_in(&work, &compiler(), &text, Some((&cache, key))).expect("compiles");
+        assert!(
+            cached(&cache, key, &text).is_some(),
+            "the stored unit is not found"
+        );
+        // Another text under the same key (a collision, or a changed header) misses.
+        assert!(cached(&cache, key, &format!("{text} ")).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
