@@ -13,7 +13,7 @@ tests=(
   "distc-tests cuda_ops"
   "distc-tests cuda_backend"
   "distc-tests backend"
-  "distc-runtime cuda_backend"
+  "distc-runtime cuda_device"
   "distc-runtime cuda"
   "distc-runtime nccl"
 )

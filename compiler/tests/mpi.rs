@@ -92,6 +92,7 @@ fn max_difference(a: &Path, b: &Path) -> f64 {
 
 #[test]
 fn mpi_ranks_train_the_weights_threads_train() {
+    let _one = common::one_job_at_a_time();
     for (model, strategy, workers, servers) in [
         ("examples/dense_mlp.dsl", "allreduce", 2, 0),
         ("examples/dense_mlp.dsl", "allreduce", 3, 0),
@@ -152,6 +153,7 @@ fn mpi_ranks_train_the_weights_threads_train() {
 
 #[test]
 fn traces_of_every_rank_merge_into_one() {
+    let _one = common::one_job_at_a_time();
     let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "trace.plan.json");
     let t = tmp("t.json");
     let o = mpirun(
@@ -191,6 +193,7 @@ fn traces_of_every_rank_merge_into_one() {
 
 #[test]
 fn verify_runs_under_mpirun() {
+    let _one = common::one_job_at_a_time();
     let o = mpirun(
         3,
         &[
@@ -214,6 +217,7 @@ fn verify_runs_under_mpirun() {
 
 #[test]
 fn ranks_check_they_run_one_plan_of_the_right_size() {
+    let _one = common::one_job_at_a_time();
     let a = compile("examples/dense_mlp.dsl", "allreduce", 2, 0, "a.plan.json");
     let b = compile("examples/sparse_lm.dsl", "allreduce", 2, 0, "b.plan.json");
     // Two plans in one job: mpirun's MPMD form gives rank 1 the other one.
@@ -265,6 +269,7 @@ fn ranks_check_they_run_one_plan_of_the_right_size() {
 // issue 20; a loss that overflows is an error of the workers at run time.
 #[test]
 fn one_ranks_error_reaches_the_user_and_ends_the_job() {
+    let _one = common::one_job_at_a_time();
     for (strategy, servers) in [("ps", 1), ("allreduce", 0)] {
         let plan = compile(
             "tests/models/issue9_diverges.dsl",
@@ -382,6 +387,7 @@ fn long_run_of(plan: &Path, np: usize, timeout: &str, rank: usize) -> (Child, u3
 
 #[test]
 fn a_killed_rank_stops_every_rank_naming_it() {
+    let _one = common::one_job_at_a_time();
     let (child, pid) = long_run("30");
     let killed = Instant::now();
     Command::new("kill")
@@ -400,6 +406,7 @@ fn a_killed_rank_stops_every_rank_naming_it() {
 
 #[test]
 fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
+    let _one = common::one_job_at_a_time();
     let (child, pid) = long_run("3");
     Command::new("kill")
         .args(["-STOP", &pid.to_string()])
@@ -433,6 +440,7 @@ fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
 
 #[test]
 fn a_training_state_written_under_mpirun_resumes_bitwise() {
+    let _one = common::one_job_at_a_time();
     let plan = compile("examples/sparse_lm.dsl", "hybrid", 2, 1, "state.plan.json");
     let whole = tmp("state-whole.safetensors");
     let o = distc(&["run", s(&plan), "--steps", "4", "-q", "--save", s(&whole)]);
@@ -486,6 +494,7 @@ fn a_training_state_written_under_mpirun_resumes_bitwise() {
 /// the message naming what is missing, exit non-zero, no hang and no panic.
 #[test]
 fn gpu_workers_under_mpirun_without_a_gpu_or_nccl_say_what_is_missing() {
+    let _one = common::one_job_at_a_time();
     let have_gpu =
         distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env()).is_ok();
     if have_gpu {
@@ -544,6 +553,7 @@ fn gpu_workers_under_mpirun_without_a_gpu_or_nccl_say_what_is_missing() {
 /// names the one that differs.
 #[test]
 fn ranks_started_with_other_settings_are_refused_at_start_up() {
+    let _one = common::one_job_at_a_time();
     let a = compile(
         "examples/dense_mlp.dsl",
         "allreduce",
@@ -630,6 +640,7 @@ fn wait_at_most(child: Child, stopped: u32, limit: Duration, what: &str) -> (Out
 /// seconds, naming worker rank 0 and blaming no server.
 #[test]
 fn a_stalled_worker_under_parameter_servers_is_named_in_every_sync_mode() {
+    let _one = common::one_job_at_a_time();
     for (model, strategy, sync) in [
         ("examples/dense_mlp.dsl", "ps", "sync"),
         ("examples/dense_mlp.dsl", "ps", "async"),
@@ -672,6 +683,7 @@ fn a_stalled_worker_under_parameter_servers_is_named_in_every_sync_mode() {
 /// for the timeout while worker 0 went on.
 #[test]
 fn a_stalled_worker_under_async_servers_is_named_by_rank_0() {
+    let _one = common::one_job_at_a_time();
     let plan = compile_with(
         "examples/dense_mlp.dsl",
         "ps",
@@ -704,6 +716,7 @@ fn a_stalled_worker_under_async_servers_is_named_by_rank_0() {
 /// is a track of the merged trace, and a job of the wrong size names the mapping.
 #[test]
 fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
+    let _one = common::one_job_at_a_time();
     for (workers, pipeline, micro, schedule) in
         [(1, 2, 4, "1f1b"), (1, 3, 3, "gpipe"), (4, 2, 2, "1f1b")]
     {
@@ -886,6 +899,7 @@ fn tied_model(name: &str, optimizer: &str) -> PathBuf {
 /// owner) resumes bitwise under mpirun and under threads.
 #[test]
 fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
+    let _one = common::one_job_at_a_time();
     let model = tied_model("tied-adam.dsl", "adam(lr = 0.01)");
     let plan = compile_with(
         s(&model),
@@ -954,6 +968,7 @@ fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
 /// ranks on an axis sum in one order on both transports.
 #[test]
 fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
+    let _one = common::one_job_at_a_time();
     for (mesh, np, extra) in [
         ("data=1,model=2", 2, &[][..]),
         ("data=2,model=2", 4, &[]),
@@ -1051,6 +1066,7 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
 /// Issue 22: `verify --pipeline` under mpirun, with a replica per pair of ranks.
 #[test]
 fn verify_of_a_pipeline_runs_under_mpirun() {
+    let _one = common::one_job_at_a_time();
     for (np, strategy, workers, schedule) in
         [(2, "single", "1", "gpipe"), (4, "allreduce", "4", "1f1b")]
     {
@@ -1086,6 +1102,7 @@ fn verify_of_a_pipeline_runs_under_mpirun() {
 /// timeout: which stage waited, at which step, for what, from or to which stage.
 #[test]
 fn a_stalled_stage_rank_is_named_by_its_neighbour() {
+    let _one = common::one_job_at_a_time();
     let plan = compile_with(
         "examples/dense_mlp.dsl",
         "single",
@@ -1113,6 +1130,7 @@ fn a_stalled_stage_rank_is_named_by_its_neighbour() {
 /// sends and receives) trains bitwise what threads train, with half the f32 wire's bytes.
 #[test]
 fn a_bf16_gradient_wire_under_mpirun_trains_what_threads_train() {
+    let _one = common::one_job_at_a_time();
     for np in [2usize, 3] {
         let mut bytes = Vec::new();
         for wire in ["fp32", "bf16"] {
@@ -1168,6 +1186,7 @@ fn a_bf16_gradient_wire_under_mpirun_trains_what_threads_train() {
 /// (the hierarchy moves bytes between links, it does not save any).
 #[test]
 fn hierarchical_all_reduces_under_mpirun_train_what_threads_train() {
+    let _one = common::one_job_at_a_time();
     for (np, local) in [(4usize, "2"), (6, "3")] {
         let plan = compile_with(
             "examples/dense_mlp.dsl",
@@ -1216,6 +1235,7 @@ fn hierarchical_all_reduces_under_mpirun_train_what_threads_train() {
 /// closely enough for `distc simulate` to read it.
 #[test]
 fn calibrate_under_mpirun_times_the_ranks_ring() {
+    let _one = common::one_job_at_a_time();
     let cal = tmp("calibration.json");
     let o = mpirun(
         3,

@@ -300,6 +300,7 @@ fn trained_in_one_process(c: &Cluster, plan: &Path) -> PathBuf {
 
 #[test]
 fn a_hybrid_plan_across_three_hosts_trains_what_one_process_trains() {
+    let _one = common::one_job_at_a_time();
     let Some(c) = cluster("same") else { return };
     let plan = hybrid_plan(&c);
     let one = trained_in_one_process(&c, &plan);
@@ -358,6 +359,7 @@ fn degrade_links(c: &Cluster) -> String {
 
 #[test]
 fn slow_and_lossy_links_change_nothing_but_the_time() {
+    let _one = common::one_job_at_a_time();
     let Some(c) = cluster("slow") else { return };
     let plan = hybrid_plan(&c);
     let one = trained_in_one_process(&c, &plan);
@@ -403,6 +405,7 @@ fn distc_left(c: &Cluster) -> Vec<String> {
 
 #[test]
 fn a_link_down_mid_run_ends_the_job_naming_the_rank_and_the_state_resumes() {
+    let _one = common::one_job_at_a_time();
     let Some(c) = cluster("down") else { return };
     let plan = hybrid_plan(&c);
     let (state, metrics) = (c.dir.join("state.safetensors"), c.dir.join("m.jsonl"));
@@ -509,6 +512,7 @@ fn nodes_plan(c: &Cluster) -> PathBuf {
 
 #[test]
 fn a_plans_nodes_are_the_hosts_mpi_reports_or_the_job_is_refused() {
+    let _one = common::one_job_at_a_time();
     let Some(c) = cluster_of("nodes", 2, 2) else {
         return;
     };
@@ -563,6 +567,7 @@ fn measured_step(trace: &Path) -> f64 {
 /// the plan's collectives.
 #[test]
 fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
+    let _one = common::one_job_at_a_time();
     let Some(c) = cluster("sim") else { return };
     let applied = degrade_links(&c);
     let cal = c.dir.join("calibration.json");

@@ -74,3 +74,13 @@ pub fn refused(args: &[&str], want: &str) {
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("utf8")
 }
+
+/// Held for the whole of a test that starts several processes which wait on each other
+/// with timeouts (MPI jobs, network-namespace hosts): such tests run one at a time even
+/// inside `cargo test --workspace`, as with `--test-threads 1`, so two jobs never share
+/// this machine's cores and stall each other past their timeouts.
+pub fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static JOBS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that failed while holding it leaves nothing to repair.
+    JOBS.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -21,7 +21,7 @@
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
 use crate::comm::{in_process, Communicator};
-use crate::core::backend::OptimizerState;
+use crate::core::backend::{backend_error, upload_all, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -692,13 +692,22 @@ pub(crate) struct Stage<'a> {
 impl Stage<'_> {
     /// Brings every tied variable's copies up to date after the update: its owner sends
     /// the updated value to each holder ([`PipelineProgram::tied`] says in which order).
-    fn exchange_tied(&mut self, step: usize) -> Result<()> {
+    fn exchange_tied<B: Backend>(
+        &mut self,
+        step: usize,
+        backend: &mut B,
+        params: &mut HashMap<String, B::Tensor>,
+    ) -> Result<()> {
         let s = self.stage;
+        let device = backend.name();
         for t in self.tied {
             if t.owner == s {
-                let value = self.params.get(&t.name).cloned().ok_or_else(|| {
+                let held = params.get(&t.name).ok_or_else(|| {
                     RuntimeError::Config(format!("stage {s} does not hold `{}`", t.name))
                 })?;
+                let value = backend
+                    .download(held)
+                    .map_err(|e| backend_error(&device, "reading a tied variable", e))?;
                 let msg = encode_params(HashMap::from([(t.name.clone(), value)]));
                 for &h in &t.holders {
                     self.comm.set_label(&format!(
@@ -729,7 +738,10 @@ impl Stage<'_> {
                             t.name
                         )));
                     }
-                    self.params.insert(name, x);
+                    let x = backend
+                        .upload(&name, x)
+                        .map_err(|e| backend_error(&device, "writing a tied variable", e))?;
+                    params.insert(name, x);
                 }
             }
         }
@@ -740,15 +752,16 @@ impl Stage<'_> {
 impl Stage<'_> {
     /// The optimizer state of the variables this stage updates: a tied variable's
     /// holders leave its slots to its owner, whose are the ones its updates used.
-    fn updated_slots(
+    fn updated_slots<B: Backend>(
         &self,
-        backend: &mut Cpu,
-        optimizer: &crate::cpu::optim::Optimizer,
+        backend: &mut B,
+        optimizer: &B::Optimizer,
     ) -> Result<HashMap<String, Tensor>> {
         let s = self.stage;
+        let device = backend.name();
         let mut slots: HashMap<String, Tensor> = backend
             .optimizer_state(optimizer)
-            .map_err(|e| RuntimeError::Config(format!("reading the optimizer state: {e}")))?
+            .map_err(|e| backend_error(&device, "reading the optimizer state", e))?
             .into_iter()
             .collect();
         slots.retain(|k, _| {
@@ -762,8 +775,19 @@ impl Stage<'_> {
 impl Stage<'_> {
     /// Its variables, whole: on a model axis, each split variable's parts gathered from
     /// the stage's model ranks (a collective: every model rank calls it at the same step).
-    fn whole_params(&mut self) -> Result<HashMap<String, Tensor>> {
-        let mut out = self.params.clone();
+    fn whole_params<B: Backend>(
+        &mut self,
+        backend: &mut B,
+        params: &HashMap<String, B::Tensor>,
+    ) -> Result<HashMap<String, Tensor>> {
+        let device = backend.name();
+        let mut out = HashMap::with_capacity(params.len());
+        for (name, t) in params {
+            let host = backend
+                .download(t)
+                .map_err(|e| backend_error(&device, "reading the variables", e))?;
+            out.insert(name.clone(), host);
+        }
         for (part, name, dim) in &self.split {
             let Some(comm) = self.hook.model.as_mut() else {
                 return Err(RuntimeError::Config(format!(
@@ -814,38 +838,65 @@ pub(crate) fn decode_params(bytes: &[u8]) -> std::result::Result<HashMap<String,
 }
 
 /// Bytes of the values held for micro-batches in flight.
-fn held_bytes(maps: &[HashMap<String, Value>]) -> u64 {
+fn held_bytes<B: Backend>(maps: &[HashMap<String, B::Value>]) -> u64 {
     maps.iter()
         .flat_map(|m| m.values())
-        .map(|v| v.bytes() as u64)
+        .map(B::value_bytes)
         .sum()
 }
 
 impl Stage<'_> {
-    /// Runs `steps` steps, handing each step's account to `report`.
+    /// Runs `steps` steps on the CPU, handing each step's account to `report`.
     pub(crate) fn run(
+        self,
+        config: &RunConfig,
+        steps: usize,
+        report: &mut dyn FnMut(StageReport) -> Result<()>,
+    ) -> Result<StageOutcome> {
+        self.run_on(&mut |_| Ok(Cpu), config, steps, report)
+    }
+
+    /// Runs `steps` steps with its kernels on the backends `make` creates (one for the
+    /// forward program, one for the backward program and the update; they share the
+    /// variables), handing each step's account to `report`. `make` gets the stage's
+    /// communicator among its replicas (the pipeline's where it has none), for a device
+    /// communicator's bootstrap. Messages between stages and the variables a stage
+    /// hands over go through the host.
+    pub(crate) fn run_on<B: Backend>(
         mut self,
+        make: &mut dyn FnMut(&mut dyn Communicator) -> Result<B>,
         config: &RunConfig,
         steps: usize,
         report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
         let s = self.stage;
-        let mut fwd = Executor::new(self.forward)?;
+        let mut made = || match self.hook.replicas.as_mut() {
+            Some(c) => make(&mut **c),
+            None => make(&mut *self.comm),
+        };
+        let (forward_backend, backward_backend) = (made()?, made()?);
+        let mut fwd = Executor::with_backend(self.forward, forward_backend)?;
         fwd.set_train_outputs(false);
         fwd.set_model_rank(self.model_rank);
-        let mut bwd = Executor::new(self.backward)?;
+        let mut bwd = Executor::with_backend(self.backward, backward_backend)?;
         bwd.set_model_rank(self.model_rank);
-        let mut backend = Cpu;
-        let mut optimizer = backend
-            .optimizer(&config.optimizer, &self.params)
-            .map_err(|e| RuntimeError::Config(format!("creating the optimizer: {e}")))?;
-        backend
+        let device = bwd.backend().name();
+        let fail = |what: &'static str| {
+            let device = device.clone();
+            move |e| backend_error(&device, what, e)
+        };
+        let mut params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
+        let mut optimizer = bwd
+            .backend()
+            .optimizer(&config.optimizer, &params)
+            .map_err(fail("creating the optimizer"))?;
+        bwd.backend()
             .follow_schedule(&mut optimizer, &config.lr_schedule, steps as u64)
-            .map_err(|e| RuntimeError::Config(format!("the learning-rate schedule: {e}")))?;
+            .map_err(fail("setting the learning-rate schedule"))?;
         if let Some(slots) = self.resumed_slots.take() {
-            backend
+            bwd.backend()
                 .load_optimizer_state(&mut optimizer, &slots)
-                .map_err(|e| RuntimeError::Config(format!("loading the optimizer state: {e}")))?;
+                .map_err(fail("loading the optimizer state"))?;
         }
         let has_loss = self
             .forward
@@ -859,19 +910,21 @@ impl Stage<'_> {
         let mut last_bytes = self.comm.bytes() + self.hook.bytes();
         for step in self.first..=steps {
             // Before this step's update moves it on (as the worker loop reads it).
-            let lr = Cpu::learning_rate(&optimizer).unwrap_or_else(|| config.optimizer.lr());
+            let lr = B::learning_rate(&optimizer).unwrap_or_else(|| config.optimizer.lr());
             let feeds = self
                 .data
                 .iter_mut()
-                .map(DataSource::next_batch)
+                .map(|d| d.next_batch().and_then(|b| upload_all(fwd.backend(), b)))
                 .collect::<Result<Vec<_>>>()?;
             let start = Instant::now();
             let mut waited = 0.0;
             let mut busy = 0.0;
             // Per micro-batch: what its forward receives, what its backward receives
             // (the stash and the gradients), what waits to be sent, by stage.
-            let mut fwd_in: Vec<HashMap<String, Value>> = vec![HashMap::new(); self.micro];
-            let mut bwd_in: Vec<HashMap<String, Value>> = vec![HashMap::new(); self.micro];
+            let mut fwd_in: Vec<HashMap<String, B::Value>> =
+                (0..self.micro).map(|_| HashMap::new()).collect();
+            let mut bwd_in: Vec<HashMap<String, B::Value>> =
+                (0..self.micro).map(|_| HashMap::new()).collect();
             let mut outbox: HashMap<(usize, usize), Vec<(String, Value)>> = HashMap::new();
             let mut loss = 0.0;
             let mut grads = Vec::new();
@@ -899,11 +952,16 @@ impl Stage<'_> {
                                  {from}: {e}"
                             ))
                         })?;
-                        let into = match what {
-                            Carried::Activation => &mut fwd_in[micro],
-                            Carried::Gradient => &mut bwd_in[micro],
+                        let (into, backend) = match what {
+                            Carried::Activation => (&mut fwd_in[micro], fwd.backend()),
+                            Carried::Gradient => (&mut bwd_in[micro], bwd.backend()),
                         };
-                        into.extend(values);
+                        for (tag, v) in values {
+                            let v = backend
+                                .from_host(None, v)
+                                .map_err(fail("receiving a message"))?;
+                            into.insert(tag, v);
+                        }
                     }
                     Step::Send { to, what, micro } => {
                         self.comm.set_label(&format!(
@@ -915,19 +973,19 @@ impl Stage<'_> {
                     }
                     Step::Compute(action) => {
                         let began = Instant::now();
-                        let (m, out, run) = match action {
+                        let (m, out, run, forward) = match action {
                             Action::Forward(m) => {
                                 fwd.set_rank(self.replica * self.micro + m);
                                 let mut received = std::mem::take(&mut fwd_in[m]);
                                 let out = fwd.run_stage(
                                     &feeds[m],
-                                    &self.params,
+                                    &params,
                                     &mut received,
                                     Mode::Train,
                                     step as u64,
                                     Some(&mut self.hook),
                                 )?;
-                                (m, out, fwd.measured_memory())
+                                (m, out, fwd.measured_memory(), true)
                             }
                             Action::Backward(m) => {
                                 bwd.set_rank(self.replica * self.micro + m);
@@ -940,17 +998,17 @@ impl Stage<'_> {
                                 let mut received = std::mem::take(&mut bwd_in[m]);
                                 let out = bwd.run_stage(
                                     &feeds[m],
-                                    &self.params,
+                                    &params,
                                     &mut received,
                                     mode,
                                     step as u64,
                                     Some(&mut self.hook),
                                 )?;
-                                (m, out, bwd.measured_memory())
+                                (m, out, bwd.measured_memory(), false)
                             }
                         };
                         // The live stash and messages beside this run's own peak.
-                        let held = held_bytes(&fwd_in) + held_bytes(&bwd_in);
+                        let held = held_bytes::<B>(&fwd_in) + held_bytes::<B>(&bwd_in);
                         peak.activations = peak.activations.max(run.activations + held);
                         peak.gradients = peak.gradients.max(run.gradients);
                         loss += out.loss.unwrap_or(0.0);
@@ -958,6 +1016,12 @@ impl Stage<'_> {
                             if to == s {
                                 bwd_in[m].insert(tag, v);
                             } else {
+                                let backend = if forward {
+                                    fwd.backend()
+                                } else {
+                                    bwd.backend()
+                                };
+                                let v = backend.to_host(v).map_err(fail("sending a message"))?;
                                 outbox.entry((to, m)).or_default().push((tag, v));
                             }
                         }
@@ -980,11 +1044,11 @@ impl Stage<'_> {
                     }
                 }
             }
-            backend
-                .update(&mut optimizer, &mut self.params, grads)
-                .map_err(|e| RuntimeError::Config(format!("applying the update: {e}")))?;
+            bwd.backend()
+                .update(&mut optimizer, &mut params, grads)
+                .map_err(fail("applying the update"))?;
             let t = Instant::now();
-            self.exchange_tied(step)?;
+            self.exchange_tied(step, bwd.backend(), &mut params)?;
             waited += t.elapsed().as_secs_f64();
             let loss = has_loss.then_some(loss / self.micro as f64);
             if let Some(l) = loss.filter(|l| !l.is_finite()) {
@@ -993,18 +1057,21 @@ impl Stage<'_> {
                 )));
             }
             let bytes = self.comm.bytes() + self.hook.bytes();
-            peak.params = self.params.values().map(|t| t.bytes() as u64).sum();
-            peak.optimizer = Cpu::optimizer_bytes(&optimizer);
+            peak.params = params
+                .values()
+                .map(|t| B::tensor_type(t).bytes() as u64)
+                .sum();
+            peak.optimizer = B::optimizer_bytes(&optimizer);
             let eval_now = self.evaluate && due(step, steps, self.eval_every);
             let checkpoint_now = self.checkpoint_every.is_some_and(|e| due(step, steps, e));
             let slots = if checkpoint_now && self.replica == 0 {
-                Some(self.updated_slots(&mut backend, &optimizer)?)
+                Some(self.updated_slots(bwd.backend(), &optimizer)?)
             } else {
                 None
             };
             // Replica 0's model rank 0 hands the stage's variables over, whole.
             let params = if (eval_now || checkpoint_now) && self.replica == 0 {
-                let whole = self.whole_params()?;
+                let whole = self.whole_params(bwd.backend(), &params)?;
                 (self.model_rank == 0).then_some(whole)
             } else {
                 None
@@ -1029,7 +1096,7 @@ impl Stage<'_> {
             report(r)?;
         }
         Ok(StageOutcome {
-            params: self.whole_params()?,
+            params: self.whole_params(bwd.backend(), &params)?,
             spans,
         })
     }

@@ -94,13 +94,11 @@ pub fn train_with<B: Backend>(
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
     make: impl Fn(usize, &mut dyn Communicator) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
-    if programs.pipeline.is_some() {
-        return Err(RuntimeError::Config(
-            "a pipelined plan runs on the CPU only for now: drop --device cuda".into(),
-        ));
+    let mesh = Mesh::of(&programs)?;
+    if mesh.pipelined {
+        return train_pipeline_with(&programs, mesh, config, opts, on_step, make);
     }
     let make = &make;
-    let mesh = Mesh::of(&programs)?;
     let n = mesh.workers();
     let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
     let server_types = ps::check_shards(&shards)?;
@@ -264,6 +262,20 @@ pub fn train_pipeline(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
+    train_pipeline_with(programs, mesh, config, opts, on_step, |_, _| Ok(Cpu))
+}
+
+/// [`train_pipeline`], each stage's kernels on the backends `make(worker, comm)`
+/// creates on that stage's thread (see [`crate::run::pipeline::Stage::run_on`]).
+pub fn train_pipeline_with<B: Backend>(
+    programs: &Programs<'_>,
+    mesh: Mesh,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: impl Fn(usize, &mut dyn Communicator) -> Result<B> + Sync,
+) -> Result<TrainReport> {
+    let make = &make;
     let run = PipelineRun::new(programs, mesh, config, opts)?;
     let workers = run.workers();
     let sources = (0..workers)
@@ -312,7 +324,7 @@ pub fn train_pipeline(
             let h = std::thread::Builder::new()
                 .name(format!("stage-{s}-replica-{r}-model-{m}"))
                 .spawn_scoped(scope, move || {
-                    let result = stage.run(config, run.steps, &mut |r| {
+                    let result = stage.run_on(&mut |c| make(w, c), config, run.steps, &mut |r| {
                         tx.send(r)
                             .map_err(|_| RuntimeError::Config("the run was stopped".into()))
                     });
