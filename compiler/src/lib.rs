@@ -1,8 +1,11 @@
 //! The distc compiler: the DSL, the pass pipeline, plans and the CLI's commands.
 
 pub mod bench;
+pub mod cli;
+pub mod commands;
 pub mod console;
 pub mod dsl;
+pub mod explain;
 pub mod pipeline;
 pub mod plan;
 pub mod plot;

@@ -91,14 +91,19 @@ fn not_runnable(opts: &CompileOptions) -> Option<String> {
 impl Compiled {
     /// Its programs, borrowed for a run with `workers` workers.
     pub fn programs(&self, workers: usize) -> distc_runtime::run::train::Programs<'_> {
-        distc_runtime::run::train::Programs {
-            worker: &self.programs.worker,
-            init: self.programs.init.as_ref(),
-            servers: &self.programs.servers,
-            finalize: self.programs.finalize.as_ref(),
-            workers,
-            pipeline: self.programs.pipeline.as_ref(),
-        }
+        program_view(&self.programs, workers)
+    }
+}
+
+/// The runtime's view of a plan's programs, for a run with `workers` workers.
+pub fn program_view(p: &ProgramSet, workers: usize) -> distc_runtime::run::train::Programs<'_> {
+    distc_runtime::run::train::Programs {
+        worker: &p.worker,
+        init: p.init.as_ref(),
+        servers: &p.servers,
+        finalize: p.finalize.as_ref(),
+        workers,
+        pipeline: p.pipeline.as_ref(),
     }
 }
 

@@ -18,6 +18,7 @@ use distc_ir::{Graph, NodeId, Op, ValueType};
 use distc_passes::cost::INDEX_BYTES;
 use distc_passes::placement::{all_reduce_seconds_by, Link, StrategyConfig};
 use distc_runtime::comm::calibrate::Sample;
+use distc_runtime::run::launch::{launch, DeviceChoice, Launch, TransportChoice};
 use distc_runtime::run::trace::Span;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -795,13 +796,19 @@ pub fn profile_here(
         evaluate: false,
         ..Default::default()
     };
-    let report = distc_runtime::run::train::train(
-        single.programs(1),
-        &single.config,
-        &opts,
-        &mut |_| Ok(()),
-    )
-    .map_err(|e| format!("the profiling run: {e}"))?;
+    // Through the one launch entry, so the run is checked (settings, data, memory) as
+    // `distc run` checks it.
+    let run = Launch {
+        programs: single.programs(1),
+        config: &single.config,
+        opts,
+        device: DeviceChoice::Cpu,
+        transport: TransportChoice::InProcess,
+        rows_touched: crate::verify::rows_touched(single.dist.as_ref()),
+    };
+    let report = launch(&run, &mut |_| Ok(()))
+        .map_err(|e| format!("the profiling run: {e}"))?
+        .ok_or("the profiling run: an in-process run gave no report")?;
     let first = report.spans.iter().map(|s| s.step).min().unwrap_or(0);
     let skip = if steps >= 4 { 2 } else { 1 };
     ComputeProfile::from_spans(

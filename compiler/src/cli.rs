@@ -1,0 +1,670 @@
+//! The command line's arguments, shared by several commands: the compile and run flags,
+//! the value parsers that check each flag's value before a command starts, and their
+//! translation into the library's options. The binary's `Cli` lists the commands; the
+//! flags live here so that `commands` takes them without a copy.
+
+use anyhow::{bail, Result};
+use clap::{Args, ValueEnum};
+use distc_passes::pipeline::schedule::ScheduleKind;
+use distc_passes::placement::{
+    Precision, RematPolicy, Strategy as StrategyKind, StrategyConfig, SyncMode, MAX_MICRO_BATCHES,
+    MAX_RANKS,
+};
+use distc_runtime::core::config::MAX_BATCH;
+use std::path::{Path, PathBuf};
+
+use crate::CompileOptions;
+
+// The `--strategy` values (the passes' `Strategy` without clap's derive).
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Strategy {
+    /// One device: no communication.
+    Single,
+    /// Replicated variables; dense gradients all-reduced, sparse ones all-gathered.
+    Allreduce,
+    /// Every variable on parameter servers (large ones row-partitioned).
+    Ps,
+    /// Sparse variables on parameter servers, dense ones all-reduced.
+    Hybrid,
+    /// Per variable, by the cost model.
+    Auto,
+}
+
+// `--format` of `explain` and `simulate`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExplainFormat {
+    /// A table for people.
+    Table,
+    /// JSON for programs.
+    Json,
+}
+
+/// How the ranks of a distributed plan run.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Transport {
+    /// Every rank a thread of this process (the default).
+    Inprocess,
+    /// Every rank a process started by `mpirun` (build with `--features mpi`).
+    Mpi,
+}
+
+/// `sync`, `async` or `stale:K`.
+pub fn parse_sync(s: &str) -> Result<SyncMode, String> {
+    match s {
+        "sync" => Ok(SyncMode::Sync),
+        "async" => Ok(SyncMode::Async),
+        _ => match s.strip_prefix("stale:").map(str::parse::<u32>) {
+            Some(Ok(k)) => Ok(SyncMode::Stale(k)),
+            _ => Err(format!("`{s}` is not sync, async or stale:K")),
+        },
+    }
+}
+
+/// `off`, `layers` or a budget in MiB above 0.
+pub fn parse_remat(s: &str) -> Result<RematPolicy, String> {
+    match s {
+        "off" => Ok(RematPolicy::Off),
+        "layers" => Ok(RematPolicy::Layers),
+        _ => match s.parse::<f64>() {
+            Ok(mib) if mib.is_finite() && mib > 0.0 => Ok(RematPolicy::Budget(mib)),
+            Ok(_) => Err(format!("`{s}` is not a budget above 0 MiB")),
+            Err(_) => Err(format!("`{s}` is not `off`, `layers` or a budget in MiB")),
+        },
+    }
+}
+
+/// A whole number in `lo..=hi`, named in the error.
+pub fn whole_in(s: &str, lo: usize, hi: usize) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+        Ok(n) => Err(format!("{n} is out of range: give {lo} to {hi}")),
+        Err(_) => Err(format!("`{s}` is not a whole number from {lo} to {hi}")),
+    }
+}
+
+/// Workers or servers of a plan: at least 1, at most [`MAX_RANKS`].
+pub fn rank_count(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_RANKS)
+}
+
+/// Parameter servers: 0 (none, or as the strategy decides) to [`MAX_RANKS`].
+pub fn server_count(s: &str) -> Result<usize, String> {
+    whole_in(s, 0, MAX_RANKS)
+}
+
+/// Nodes of a generated benchmark graph: 1 to 10 million.
+pub fn graph_nodes(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, 10_000_000)
+}
+
+/// A batch: 1 to [`MAX_BATCH`] samples.
+pub fn batch_size(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_BATCH)
+}
+
+/// Micro-batches of gradient accumulation: 1 to [`MAX_MICRO_BATCHES`].
+pub fn micro_batches(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_MICRO_BATCHES)
+}
+
+/// `gpipe` or `1f1b`.
+pub fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
+    s.parse()
+        .map_err(|e: distc_passes::pipeline::schedule::ScheduleError| e.to_string())
+}
+
+/// A device mesh: workers along the data, model and pipeline axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    /// Data-parallel replicas.
+    pub data: usize,
+    /// Workers a variable is split over.
+    pub model: usize,
+    /// Pipeline stages.
+    pub pipe: usize,
+}
+
+/// `data=D,model=T[,pipe=P]`, each at least 1.
+pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
+    let mut m = Mesh {
+        data: 1,
+        model: 1,
+        pipe: 1,
+    };
+    for part in s.split(',') {
+        let (axis, n) = part
+            .split_once('=')
+            .ok_or_else(|| format!("`{part}` is not AXIS=N (axes: data, model, pipe)"))?;
+        let n = at_least_one(n.trim())?;
+        if n > 1 << 20 {
+            return Err(format!("{axis}={n}: at most 2^20 workers on an axis"));
+        }
+        match axis.trim() {
+            "data" => m.data = n,
+            "model" => m.model = n,
+            "pipe" => m.pipe = n,
+            other => return Err(format!("`{other}` is not an axis: data, model or pipe")),
+        }
+    }
+    if m.data * m.model * m.pipe > 1 << 20 {
+        return Err("more than 2^20 workers in all".into());
+    }
+    Ok(m)
+}
+
+/// `VAR=DIM`.
+pub fn parse_shard(s: &str) -> Result<(String, usize), String> {
+    let (var, dim) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}` is not VAR=DIM (the variable and the dimension split)"))?;
+    let dim = dim
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| format!("`{dim}` is not a dimension (0, 1, ...)"))?;
+    Ok((var.trim().to_string(), dim))
+}
+
+/// A count flag: a whole number of at least 1.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("0 is not allowed: give at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a whole number")),
+    }
+}
+
+/// A number that is neither infinite nor NaN.
+pub fn finite(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() => Ok(x),
+        Ok(x) => Err(format!("`{x}` is not a finite number")),
+        Err(_) => Err(format!("`{s}` is not a number")),
+    }
+}
+
+/// A quantity that must be above 0 (a bandwidth, a size, a time).
+pub fn positive_finite(s: &str) -> Result<f64, String> {
+    match finite(s)? {
+        x if x > 0.0 => Ok(x),
+        x => Err(format!("{x} is not above 0")),
+    }
+}
+
+/// The longest `--timeout`: a year. Above about 1.8e19 s a duration overflows; no wait
+/// needs more than this.
+pub const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// A timeout in seconds: above 0 and at most [`MAX_TIMEOUT_SECS`].
+pub fn timeout_secs(s: &str) -> Result<f64, String> {
+    match positive_finite(s)? {
+        x if x <= MAX_TIMEOUT_SECS => Ok(x),
+        x => Err(format!(
+            "{x} s is more than a year ({MAX_TIMEOUT_SECS} s), the longest timeout"
+        )),
+    }
+}
+
+/// A quantity that may be 0 but not negative (a latency, a tolerance).
+pub fn non_negative_finite(s: &str) -> Result<f64, String> {
+    match finite(s)? {
+        x if x >= 0.0 => Ok(x),
+        x => Err(format!("{x} is negative")),
+    }
+}
+
+// The flags of `compile`, `train` and `verify`.
+#[derive(Args, Clone)]
+pub struct CompileArgs {
+    /// Distribution strategy.
+    #[arg(long, value_enum, default_value = "single")]
+    pub strategy: Strategy,
+    /// Write the IR after every pass into DIR, one numbered file per pass and program:
+    /// the worker program as NN-PASS.ir, and from distribute on each other program
+    /// beside it (NN-PASS.server0.ir ..., NN-PASS.init.ir, NN-PASS.final.ir).
+    #[arg(long, value_name = "DIR")]
+    pub dump_ir: Option<PathBuf>,
+    /// Stop the pipeline after this pass (the plan is then for reading: `run` refuses it).
+    #[arg(long, value_name = "PASS")]
+    pub stop_after: Option<String>,
+    /// Skip a pass (repeatable; skipping autodiff, sparsity_analysis, place or
+    /// distribute makes a plan `run` refuses).
+    #[arg(long, value_name = "PASS")]
+    pub disable_pass: Vec<String>,
+    /// Bind the batch dimension B to this instead of the train block's batch.
+    #[arg(long, value_parser = batch_size)]
+    pub batch: Option<usize>,
+    /// Worker count N (data-parallel replicas; more than 1 needs a distributed strategy).
+    #[arg(long, default_value_t = 1, value_parser = rank_count)]
+    pub workers: usize,
+    /// Parameter-server count S (ps, hybrid and auto).
+    #[arg(long, default_value_t = 0, value_parser = server_count)]
+    pub servers: usize,
+    /// Parameter-server synchronisation: sync, async or stale:K (ps, hybrid, auto).
+    #[arg(long, default_value = "sync", value_parser = parse_sync)]
+    pub sync: SyncMode,
+    /// Bucket size cap for fused all-reduces, MiB (above 0).
+    #[arg(long, default_value_t = 25.0, value_parser = positive_finite, allow_negative_numbers = true)]
+    pub bucket_mb: f64,
+    /// All-reduce sparse gradients as dense tensors instead of all-gathering their
+    /// rows (allreduce and auto); the update stays the one-device update of the rows
+    /// the global batch touched.
+    #[arg(long)]
+    pub sparse_as_dense: bool,
+    /// Link bandwidth for the cost model, bytes/s (above 0; default: 10 Gbit/s).
+    #[arg(long, default_value_t = 1.25e9, value_parser = positive_finite, allow_negative_numbers = true)]
+    pub bandwidth: f64,
+    /// ZeRO stage of the all-reduced dense variables (allreduce, hybrid, auto): 1
+    /// shards the optimizer state over the workers, 2 also the gradients
+    /// (reduce-scatter), 3 also the parameters (gathered before each use).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
+    pub zero: Option<u8>,
+    /// Gradient accumulation: K micro-batches of the plan's batch per step, one update
+    /// and one round of communication per step (the same update as one device with
+    /// batch N*K*b; the activations of one micro-batch).
+    #[arg(long, default_value_t = 1, value_parser = micro_batches, value_name = "K")]
+    pub accumulate: usize,
+    /// Activation checkpointing: `layers` keeps only the activations entering each
+    /// layer (matmul, conv2d) and recomputes the rest in the backward pass; a number
+    /// is a budget in MiB for the peak of activations, met with the fewest
+    /// recomputations; `off` (the default) keeps every activation.
+    #[arg(long, default_value = "off", value_parser = parse_remat, value_name = "layers|MIB")]
+    pub remat: RematPolicy,
+    /// Kernel fusion: collapse each chain of element-wise ops (a layer's bias add and
+    /// activation, the activation gradients) into one `fused` node, which the runtime
+    /// runs in one pass over memory; the values computed are the same.
+    #[arg(long)]
+    pub fuse: bool,
+    /// Pipeline parallelism: cut the model into P stages (balanced by the cost model's
+    /// FLOPs and memory, or where the model's `pipeline_stage` lines say), each with its
+    /// forward and backward program, run as P workers passing activations and their
+    /// gradients (`distc explain` shows the cut).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "P")]
+    pub pipeline: usize,
+    /// Micro-batches per step of a pipeline (--pipeline), each of the plan's batch:
+    /// one update per step, the same as one device with batch M*b.
+    #[arg(long, default_value_t = 1, value_parser = micro_batches, value_name = "M")]
+    pub micro_batches: usize,
+    /// The pipeline's order of forwards and backwards: `1f1b` (one forward, one
+    /// backward; at most P micro-batches' activations alive per stage) or `gpipe` (all
+    /// forwards, then all backwards).
+    #[arg(long, default_value = "1f1b", value_parser = parse_schedule, value_name = "gpipe|1f1b")]
+    pub schedule: ScheduleKind,
+    /// The arithmetic's precision: `fp32`, or `bf16`/`fp16` where the mixed_precision
+    /// pass's lists allow it (matmuls, convolutions, lookups and the element-wise chains
+    /// between them in 16 bits; losses, softmax, exp, log, layer norm and reductions to
+    /// a scalar in f32). Variables stay f32 master copies; gradients reach the optimizer
+    /// in f32. fp16 scales the loss dynamically.
+    #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
+    pub precision: Precision,
+    /// What dense gradient all-reduces send: `fp32`, or `bf16`/`fp16` (half the bytes;
+    /// each worker's gradient divided by N before the sum, sums accumulated in f32 at
+    /// each receiver, the optimizer still given f32).
+    #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
+    pub grad_wire: Precision,
+    /// A device mesh, `data=D,model=T[,pipe=P]` (instead of --workers and --pipeline):
+    /// D x T x P workers, worker w at model rank w % T of stage (w / T) % P of data rank
+    /// w / (T P). The model axis splits variables over T workers (tensor parallelism;
+    /// the Megatron rule picks the pairs of matmuls unless --shard names them), the pipe
+    /// axis cuts the model into P stages each T workers wide (with --micro-batches), the
+    /// data axis all-reduces gradients among the D copies (--zero shards them there).
+    #[arg(long, value_parser = parse_mesh, value_name = "data=D,model=T", conflicts_with_all = ["workers", "pipeline"])]
+    pub mesh: Option<Mesh>,
+    /// Split variable VAR along dimension DIM over the mesh's model axis (repeatable).
+    #[arg(long, value_parser = parse_shard, value_name = "VAR=DIM", requires = "mesh")]
+    pub shard: Vec<(String, usize)>,
+    /// Latency per message for the cost model, seconds (0 or more).
+    #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
+    pub latency: f64,
+    /// Workers per node: worker w is on node w / L, and each dense all-reduce runs as
+    /// one ring or as a hierarchical all-reduce (within nodes, then across them),
+    /// whichever the cost model predicts faster from the two links (see --link).
+    #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+    pub ranks_per_node: Option<u32>,
+    /// A link of the cost model, `intra=BW,LAT` (between workers of one node; default
+    /// 100e9 B/s, 5e-6 s) or `inter=BW,LAT` (between nodes: the same as --bandwidth and
+    /// --latency), in bytes/s and seconds. Repeatable.
+    #[arg(long, value_name = "KIND=BW,LAT", value_parser = parse_link)]
+    pub link: Vec<(LinkKind, distc_passes::placement::Link)>,
+}
+
+/// Which link `--link` sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkKind {
+    /// Between workers of one node.
+    Intra,
+    /// Between nodes.
+    Inter,
+}
+
+/// `intra=FILE` or `inter=FILE`.
+pub fn parse_calibration_flag(s: &str) -> Result<(LinkKind, PathBuf), String> {
+    match s.split_once('=') {
+        Some(("intra", f)) => Ok((LinkKind::Intra, PathBuf::from(f))),
+        Some(("inter", f)) => Ok((LinkKind::Inter, PathBuf::from(f))),
+        _ => Err(format!("`{s}`: write intra=FILE or inter=FILE")),
+    }
+}
+
+/// `intra=BW,LAT` or `inter=BW,LAT`.
+pub fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), String> {
+    let (kind, rest) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: write intra=BW,LAT or inter=BW,LAT"))?;
+    let kind = match kind {
+        "intra" => LinkKind::Intra,
+        "inter" => LinkKind::Inter,
+        other => return Err(format!("`{other}` is not a link: intra or inter")),
+    };
+    let (bw, lat) = rest
+        .split_once(',')
+        .ok_or_else(|| format!("`{rest}`: write a bandwidth and a latency, BW,LAT"))?;
+    Ok((
+        kind,
+        distc_passes::placement::Link {
+            bandwidth: positive_finite(bw.trim())?,
+            latency: non_negative_finite(lat.trim())?,
+        },
+    ))
+}
+
+// The flags of `run` and `train`.
+#[derive(Args, Clone)]
+pub struct RunArgs {
+    /// Override the number of training steps (at least 1).
+    #[arg(long, value_parser = at_least_one)]
+    pub steps: Option<usize>,
+    /// Write per-step metrics as JSON lines to FILE (under MPI, each rank also writes
+    /// its own lines to FILE with `.rankR` before the extension).
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+    /// Data directory (default: $DISTC_DATA).
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
+    /// Save the trained variables to FILE (safetensors).
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
+    /// Write the training state (variables, optimizer state, step, data position) to
+    /// FILE at the end, and every K steps with --checkpoint-every: one safetensors
+    /// file with a JSON index in its metadata, rewritten atomically.
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: Option<PathBuf>,
+    /// Write the --checkpoint file every K steps (at least 1).
+    #[arg(long, value_parser = at_least_one, value_name = "K", requires = "checkpoint")]
+    pub checkpoint_every: Option<usize>,
+    /// Continue a run from a --checkpoint file: its variables, optimizer state and data
+    /// position, from the step after its own up to --steps (or the plan's steps). The
+    /// plan may use another strategy, worker count or ZeRO stage than the run that
+    /// wrote it.
+    #[arg(long, value_name = "FILE")]
+    pub resume: Option<PathBuf>,
+    /// No progress bar and no summary.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Write a Chrome trace (open in Perfetto) to FILE: per worker a track of its steps
+    /// and IR nodes and a track of its collectives; per server a track of the pulls,
+    /// pushes and updates it handled.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Draw every step's batch before the first step, so step times and samples/s
+    /// measure training alone (as `distc bench` does); on a GPU the batches are then
+    /// held in device memory.
+    #[arg(long)]
+    pub preload: bool,
+    /// Print where the step time went (worker 0 of a distributed run): kernel time per
+    /// op, the optimizer, communication waits and the executor's own work.
+    #[arg(long)]
+    pub profile: bool,
+    /// Seconds any collective or server request may take before the run stops with an
+    /// error naming the op and the ranks that did not arrive.
+    #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
+    pub timeout: f64,
+    /// How the ranks run: `inprocess` (threads of this process) or `mpi` (this process
+    /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping: a
+    /// pipeline's rank w is stage w % P of replica w / P).
+    #[arg(long, value_enum, default_value = "inprocess")]
+    pub transport: Transport,
+    /// Where the kernels run: `cpu`, or `cuda` / `cuda:N` (GPU N, default 0). A
+    /// distributed plan's workers run on that GPU (or on --gpus); servers stay on the
+    /// CPU. The CUDA libraries are loaded at run time: point distc at them with
+    /// DISTC_CUDA_LIB_DIR (or LD_LIBRARY_PATH).
+    #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
+    pub device: Device,
+    /// With --device cuda: the GPU of each worker, worker i on the i-th of the list
+    /// (`0,1,2,3`; more workers than GPUs wrap around). Under --transport mpi, worker
+    /// rank i takes the i-th. Default: every worker on --device's GPU.
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub gpus: Option<Vec<usize>>,
+    /// With --device cuda: how the workers' collectives run. `nccl`: NCCL on device
+    /// buffers, on a stream of their own (needs libnccl.so and one GPU per worker);
+    /// `host`: through host memory and the in-process or MPI communicator (workers
+    /// may share a GPU); `auto`: nccl when every worker has its own GPU and found the
+    /// library, else host.
+    #[arg(long, default_value = "auto", value_name = "auto|nccl|host")]
+    pub collectives: distc_runtime::cuda::nccl::Collectives,
+    /// On a GPU: run every step eagerly instead of replaying the step captured into a
+    /// CUDA graph after warm-up (for comparison).
+    #[arg(long)]
+    pub no_cuda_graph: bool,
+    /// On a GPU: let cuBLAS use TF32 tensor cores for matrix products (faster, about
+    /// 10 mantissa bits); by default they compute in full fp32.
+    #[arg(long)]
+    pub tf32: bool,
+}
+
+// The flags of `bench`.
+#[derive(Args, Clone)]
+pub struct BenchArgs {
+    /// Workloads: sparse_lm, dense_mlp.
+    #[arg(long, value_delimiter = ',', default_values_t = ["sparse_lm".to_string(), "dense_mlp".to_string()])]
+    pub workloads: Vec<String>,
+    /// Strategies: single, allreduce, allreduce_dense (sparse gradients densified:
+    /// all-reduce everything), ps, hybrid, auto; with --compile also
+    /// allreduce_zero3 (ZeRO stage 3 and --accumulate 2). Default:
+    /// single,allreduce_dense,allreduce,hybrid,ps; with --compile:
+    /// single,allreduce,hybrid,allreduce_zero3.
+    #[arg(long, value_delimiter = ',')]
+    pub strategies: Option<Vec<String>>,
+    /// Measure compile time instead of training: deep MLPs generated in memory
+    /// with about --nodes nodes after autodiff, compiled (all passes, verifier and
+    /// plan included) with each strategy and the largest --workers; prints nodes,
+    /// times and the slowest passes.
+    #[arg(long)]
+    pub compile: bool,
+    /// Graph sizes of --compile, nodes after autodiff (each at least 1).
+    #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 30_000, 100_000], value_parser = graph_nodes)]
+    pub nodes: Vec<usize>,
+    /// Worker counts (each at least 1).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4], value_parser = rank_count)]
+    pub workers: Vec<usize>,
+    /// Runs per configuration (at least 1; the median is reported; default 3). With
+    /// --compile: compiles per configuration, the fastest reported (default 1).
+    #[arg(long, value_parser = at_least_one)]
+    pub runs: Option<usize>,
+    /// Parameter servers of ps, hybrid and auto plans (default: as many as workers).
+    #[arg(long, value_parser = rank_count)]
+    pub servers: Option<usize>,
+    /// Warm-up steps.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// Timed steps (at least 1).
+    #[arg(long, default_value_t = 50, value_parser = at_least_one)]
+    pub steps: usize,
+    /// How workers run: `inprocess` (threads of one process) or `mpi` (each
+    /// configuration an `mpirun` job, one process per rank).
+    #[arg(long, value_enum, default_value = "inprocess")]
+    pub transport: Transport,
+    /// Write the rows as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Where the runs' kernels run: cpu, or cuda / cuda:N (one-device plans:
+    /// `--strategies single --workers 1`; plans are compiled with --fuse).
+    #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
+    pub device: Device,
+    /// With --device cuda: no CUDA graph replay (see `distc run --no-cuda-graph`).
+    #[arg(long)]
+    pub no_cuda_graph: bool,
+}
+
+/// Where a run's kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend.
+    Cpu,
+    /// GPU N.
+    Cuda(usize),
+}
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Device::Cuda(n)),
+            _ => Err(format!("`{s}`: give cpu, cuda or cuda:N (N a GPU number)")),
+        },
+    }
+}
+
+/// The passes' strategy of a `--strategy` value.
+pub fn strategy_kind(s: Strategy) -> StrategyKind {
+    match s {
+        Strategy::Single => StrategyKind::Single,
+        Strategy::Allreduce => StrategyKind::Allreduce,
+        Strategy::Ps => StrategyKind::Ps,
+        Strategy::Hybrid => StrategyKind::Hybrid,
+        Strategy::Auto => StrategyKind::Auto,
+    }
+}
+
+/// Refuses flags that the strategy would accept and then ignore.
+pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
+    let stages = a.mesh.map_or(a.pipeline, |m| m.pipe);
+    if a.micro_batches > 1 && stages == 1 {
+        bail!(
+            "--micro-batches {} splits a pipeline's step; without --pipeline use \
+             --accumulate {} for the same update",
+            a.micro_batches,
+            a.micro_batches
+        );
+    }
+    let name = strategy_kind(a.strategy).name();
+    match a.strategy {
+        Strategy::Single if a.mesh.is_some() => {}
+        Strategy::Single => {
+            if a.workers > 1 {
+                bail!(
+                    "--workers {} needs a distributed strategy (--strategy allreduce, ps, hybrid \
+                     or auto); --strategy single is one device",
+                    a.workers
+                );
+            }
+            if a.servers > 0 {
+                bail!("--servers {} needs --strategy ps, hybrid or auto; --strategy single has no servers", a.servers);
+            }
+        }
+        Strategy::Allreduce => {
+            if a.servers > 0 {
+                bail!(
+                    "--servers {}: --strategy allreduce places nothing on parameter servers; \
+                     use --strategy hybrid or ps to use them",
+                    a.servers
+                );
+            }
+        }
+        Strategy::Ps | Strategy::Hybrid | Strategy::Auto => {}
+    }
+    if a.sync != SyncMode::Sync && matches!(a.strategy, Strategy::Single | Strategy::Allreduce) {
+        bail!(
+            "--sync {} sets how parameter servers apply pushes; --strategy {name} has none \
+             (all-reduce is synchronous)",
+            a.sync
+        );
+    }
+    if let (Some(z), Strategy::Single | Strategy::Ps) = (a.zero, a.strategy) {
+        bail!(
+            "--zero {z} shards all-reduced variables over the workers; --strategy {name} \
+             all-reduces none (use allreduce, hybrid or auto)"
+        );
+    }
+    if a.sparse_as_dense
+        && matches!(
+            a.strategy,
+            Strategy::Single | Strategy::Ps | Strategy::Hybrid
+        )
+    {
+        bail!(
+            "--sparse-as-dense changes how sparse gradients are all-reduced; under --strategy \
+             {name} none are (use allreduce or auto)"
+        );
+    }
+    Ok(())
+}
+
+/// `base` on mesh `m`, splitting `shard` over its model axis.
+pub fn mesh_strategy(m: Mesh, shard: &[(String, usize)], base: StrategyConfig) -> StrategyConfig {
+    // A data axis all-reduces: `single` is one data replica.
+    let strategy = match base.strategy {
+        StrategyKind::Single if m.data > 1 => StrategyKind::Allreduce,
+        s => s,
+    };
+    StrategyConfig {
+        strategy,
+        workers: m.data * m.model * m.pipe,
+        model: m.model,
+        pipeline: m.pipe,
+        shard: shard.iter().cloned().collect(),
+        ..base
+    }
+}
+
+/// The strategy the compile flags describe.
+pub fn strategy_config(a: &CompileArgs) -> StrategyConfig {
+    if let Some(m) = a.mesh {
+        return mesh_strategy(
+            m,
+            &a.shard,
+            strategy_config(&CompileArgs {
+                mesh: None,
+                ..a.clone()
+            }),
+        );
+    }
+    let link = |kind: LinkKind| a.link.iter().rev().find(|l| l.0 == kind).map(|l| l.1);
+    let inter = link(LinkKind::Inter);
+    StrategyConfig {
+        strategy: strategy_kind(a.strategy),
+        workers: a.workers,
+        servers: a.servers,
+        sync: a.sync,
+        bucket_mb: a.bucket_mb,
+        sparse_as_dense: a.sparse_as_dense,
+        bandwidth: inter.map_or(a.bandwidth, |l| l.bandwidth),
+        latency: inter.map_or(a.latency, |l| l.latency),
+        ranks_per_node: a.ranks_per_node.map_or(0, |l| l as usize),
+        intra_link: link(LinkKind::Intra)
+            .unwrap_or_else(distc_passes::placement::Link::default_intra),
+        zero: a.zero.unwrap_or(0),
+        accumulate: a.accumulate,
+        remat: a.remat,
+        fuse: a.fuse,
+        pipeline: a.pipeline,
+        micro_batches: a.micro_batches,
+        schedule: a.schedule,
+        precision: a.precision,
+        grad_wire: a.grad_wire,
+        ..StrategyConfig::default()
+    }
+}
+
+/// The compiler's options from the compile flags, reading data from `data`.
+pub fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
+    CompileOptions {
+        dump_ir: a.dump_ir.clone(),
+        stop_after: a.stop_after.clone(),
+        disabled: a.disable_pass.clone(),
+        batch: a.batch,
+        strategy: strategy_config(a),
+        data_dir: data.map(Path::to_path_buf),
+    }
+}

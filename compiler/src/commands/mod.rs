@@ -1,0 +1,206 @@
+//! Each `distc` command's work, given its parsed flags: what it compiles, runs or
+//! reads, and what it prints. The binary only parses the command line and calls one
+//! of these; the flags themselves are in [`crate::cli`].
+//!
+//! `run` owns training a plan (`run`, `train`) and checking a strategy (`verify`);
+//! `simulate` owns predicting a plan on other machines (`simulate`, `calibrate`). The
+//! small commands are here.
+
+pub mod run;
+pub mod simulate;
+
+use crate::cli::{
+    check_strategy_flags, compile_opts, mesh_strategy, strategy_config, BenchArgs, CompileArgs,
+    Device, ExplainFormat, Mesh, Transport,
+};
+use crate::console::{err, out};
+use crate::{compile_file, CompileError, CompileOptions, Compiled, Plan};
+use anyhow::{bail, Result};
+use distc_passes::placement::{Precision, StrategyConfig};
+use distc_runtime::core::output::write_file;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+/// `distc compile`: the plan of `file` written to `output`, what each pass did on
+/// standard error.
+pub fn compile(
+    file: &Path,
+    compile: &CompileArgs,
+    output: &Path,
+    data: Option<&Path>,
+) -> Result<()> {
+    check_strategy_flags(compile)?;
+    distc_runtime::core::output::check_output(output, &[file])?;
+    let start = std::time::Instant::now();
+    let c = compile_or_report(file, &compile_opts(compile, data))?;
+    crate::pipeline::check_settings(&c.config)?;
+    let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(compile));
+    plan.save(output, &[file])?;
+    for r in &c.records {
+        err(&format!("  {r}\n"));
+    }
+    if let Some(m) = &c.measurement {
+        err(&format!("  sparsity {m}\n"));
+    }
+    if let Some(why) = &c.not_runnable {
+        err(&format!(
+            "  note: `distc run` will refuse this plan: {why}\n"
+        ));
+    }
+    err(&format!(
+        "wrote {} ({} nodes, {} server programs) in {:.2} s\n",
+        output.display(),
+        c.programs.worker.node_count(),
+        c.programs.servers.len(),
+        start.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
+/// `distc bench`: the training benchmark, or with `--compile` the compile-time one.
+pub fn bench(a: &BenchArgs) -> Result<()> {
+    if let Some(path) = &a.json {
+        distc_runtime::core::output::check_output(path, &[])?;
+    }
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    if a.compile {
+        let settings = crate::bench::CompileBenchSettings {
+            nodes: a.nodes.clone(),
+            strategies: a
+                .strategies
+                .clone()
+                .unwrap_or_else(|| names(&["single", "allreduce", "hybrid", "allreduce_zero3"])),
+            workers: a.workers.iter().copied().max().unwrap_or(2),
+            servers: a.servers,
+            runs: a.runs.unwrap_or(1),
+        };
+        let rows = crate::bench::run_compile(&settings)?;
+        if let Some(path) = &a.json {
+            write_file(path, serde_json::to_string_pretty(&rows)?.as_bytes())?;
+        }
+        return Ok(());
+    }
+    let strategies = a
+        .strategies
+        .clone()
+        .unwrap_or_else(|| names(&["single", "allreduce_dense", "allreduce", "hybrid", "ps"]));
+    let dir = std::env::temp_dir().join(format!("distc-bench-{}", std::process::id()));
+    let settings = crate::bench::BenchSettings {
+        workloads: a.workloads.clone(),
+        strategies,
+        workers: a.workers.clone(),
+        runs: a.runs.unwrap_or(3),
+        servers: a.servers,
+        warmup: a.warmup,
+        steps: a.steps,
+        mpi: a.transport == Transport::Mpi,
+        dir,
+        device: match a.device {
+            Device::Cpu => None,
+            Device::Cuda(n) => Some(format!("cuda:{n}")),
+        },
+        no_cuda_graph: a.no_cuda_graph,
+    };
+    // The scratch plans and metrics go with the run, however it ends.
+    let _scratch = RemoveOnDrop(settings.dir.clone());
+    let rows = crate::bench::run(&settings)?;
+    if let Some(path) = &a.json {
+        write_file(path, serde_json::to_string_pretty(&rows)?.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// A scratch folder removed when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `distc explain`: the plan at `plan` explained (see [`crate::explain`]).
+pub fn explain(plan: &Path, format: ExplainFormat) -> Result<()> {
+    let (p, programs) = Plan::load(plan)?;
+    match format {
+        ExplainFormat::Json => out(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&crate::explain::json(&p, &programs)?)?
+        )),
+        ExplainFormat::Table => out(&crate::explain::text(&p, &programs)?),
+    }
+    Ok(())
+}
+
+/// `distc ir`: the text IR of one worker's program after pass `after`.
+pub fn ir(
+    file: &Path,
+    after: Option<String>,
+    batch: Option<usize>,
+    mesh: Option<Mesh>,
+    shard: &[(String, usize)],
+    precision: Precision,
+) -> Result<()> {
+    let base = StrategyConfig {
+        precision,
+        ..StrategyConfig::default()
+    };
+    let strategy = match mesh {
+        Some(m) => mesh_strategy(m, shard, base),
+        None => base,
+    };
+    let c = compile_or_report(
+        file,
+        &CompileOptions {
+            stop_after: after,
+            batch,
+            strategy,
+            ..Default::default()
+        },
+    )?;
+    out(&distc_ir::print::print_with_notes(
+        &c.programs.worker,
+        &c.programs.worker_notes,
+    ));
+    Ok(())
+}
+
+/// `distc dot`: the one-device program after pass `after`, in Graphviz DOT.
+pub fn dot(file: &Path, after: Option<String>, batch: Option<usize>) -> Result<()> {
+    let opts = CompileOptions {
+        stop_after: after,
+        batch,
+        ..Default::default()
+    };
+    out(&distc_ir::dot::to_dot(
+        &compile_or_report(file, &opts)?.programs.worker,
+    ));
+    Ok(())
+}
+
+/// `distc plot`: the metrics files drawn into `output`.
+pub fn plot(files: &[PathBuf], output: &Path, labels: Vec<String>) -> Result<()> {
+    let panels = crate::plot::plot(files, output, &crate::plot::PlotOptions { labels })?;
+    err(&format!(
+        "wrote {} ({})\n",
+        output.display(),
+        panels.join(", ")
+    ));
+    Ok(())
+}
+
+/// Compiles, printing DSL errors as diagnostics.
+pub fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
+    match compile_file(file, opts) {
+        Ok(c) => Ok(c),
+        Err(CompileError::Dsl(e)) => {
+            if std::io::stderr().is_terminal() {
+                err(&format!("{:?}\n", miette::Report::new(*e)));
+            } else {
+                err(&format!("{}\n", e.render_plain()));
+            }
+            bail!("could not compile {}", file.display())
+        }
+        Err(e) => Err(e.into()),
+    }
+}

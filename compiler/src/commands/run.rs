@@ -1,0 +1,496 @@
+//! Training a plan and checking a strategy: `distc run` (a saved plan), `distc train`
+//! (a model compiled and run at once) and `distc verify` (N workers against one
+//! device). Every run goes through the runtime's one launch entry
+//! ([`distc_runtime::run::launch::launch`]); this module turns the flags into its
+//! options and reports what the run did: metrics file, progress bar, `--save`, trace,
+//! summary, profile, and what a Ctrl-C left on disk.
+
+use crate::cli::{
+    check_strategy_flags, compile_opts, strategy_config, CompileArgs, Device, RunArgs, Transport,
+};
+use crate::commands::compile_or_report;
+use crate::console::{err, out};
+use crate::verify::VerifyOptions;
+use crate::Plan;
+use anyhow::{bail, Context, Result};
+use distc_passes::placement::{Precision, Strategy as StrategyKind, StrategyConfig, SyncMode};
+use distc_passes::program_set::ProgramSet;
+use distc_runtime::core::output::{check_outputs, write_file};
+use distc_runtime::cuda::nccl::Collectives;
+use distc_runtime::ps::PsSync;
+use distc_runtime::run::launch::{
+    launch, DeviceChoice, GpuOptions, Launch, MpiRun, TransportChoice,
+};
+use distc_runtime::run::metrics::StepMetrics;
+use distc_runtime::run::trace::chrome_trace;
+use distc_runtime::run::train::{CheckpointEvery, Programs, TrainOptions, TrainReport};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `distc run`: trains the plan at `plan` as `args` say.
+pub fn run(plan: &Path, args: &RunArgs) -> Result<()> {
+    let (p, programs) = Plan::load(plan)?;
+    let r = Runnable::new(&p, &programs)?;
+    run_plan(&r, args, &[plan])
+}
+
+/// `distc train`: compiles `file` as `compile` says and trains it as `args` say.
+pub fn train(file: &Path, compile: &CompileArgs, args: &RunArgs) -> Result<()> {
+    check_strategy_flags(compile)?;
+    let mut compile = compile.clone();
+    // A GPU runs each fused group as one generated kernel.
+    compile.fuse |= matches!(args.device, Device::Cuda(_));
+    let c = compile_or_report(file, &compile_opts(&compile, args.data.as_deref()))?;
+    crate::pipeline::check_settings(&c.config)?;
+    let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
+    let r = Runnable::new(&plan, &c.programs)?;
+    run_plan(&r, args, &[file])
+}
+
+/// `, pipeline of 4 stages x 8 micro-batches (1f1b)` for a pipelined plan, `, mesh
+/// data=2 x model=2 x pipe=2, 4 micro-batches (1f1b)` for a mesh with a model axis,
+/// else nothing.
+fn pipeline_words(s: &StrategyConfig) -> String {
+    if s.model > 1 {
+        let mut w = format!(", mesh data={} x model={}", s.data_workers(), s.model);
+        if s.pipeline > 1 {
+            w += &format!(
+                " x pipe={}, {} micro-batches ({})",
+                s.pipeline, s.micro_batches, s.schedule
+            );
+        }
+        w
+    } else if s.pipeline > 1 {
+        format!(
+            ", pipeline of {} stages x {} micro-batches ({})",
+            s.pipeline, s.micro_batches, s.schedule
+        )
+    } else {
+        String::new()
+    }
+}
+
+fn ps_sync(s: SyncMode) -> PsSync {
+    match s {
+        SyncMode::Sync => PsSync::Sync,
+        SyncMode::Async => PsSync::Async,
+        SyncMode::Stale(k) => PsSync::Stale(k),
+    }
+}
+
+/// Everything a run needs from a plan, however it was obtained: loaded (its programs
+/// parsed and verified by `Plan::load`) or just compiled (the compiler's own graphs).
+struct Runnable<'a> {
+    plan: &'a Plan,
+    programs: &'a ProgramSet,
+}
+
+impl<'a> Runnable<'a> {
+    fn new(plan: &'a Plan, programs: &'a ProgramSet) -> Result<Runnable<'a>> {
+        plan.check_runnable().map_err(anyhow::Error::msg)?;
+        crate::pipeline::check_settings(&plan.config)?;
+        Ok(Runnable { plan, programs })
+    }
+
+    fn programs(&self) -> Programs<'_> {
+        crate::pipeline::program_view(self.programs, self.plan.settings.workers)
+    }
+}
+
+fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
+    let resume = match &args.resume {
+        Some(path) => Some(std::sync::Arc::new(
+            distc_runtime::core::checkpoint::load_state(path)?,
+        )),
+        None => None,
+    };
+    let checkpoint = args.checkpoint.as_ref().map(|path| CheckpointEvery {
+        path: path.clone(),
+        every: args.checkpoint_every.unwrap_or(usize::MAX),
+        saved_by: format!(
+            "{} with {} workers{}{}",
+            plan.strategy.name(),
+            plan.settings.workers,
+            match plan.settings.zero {
+                0 => String::new(),
+                z => format!(", ZeRO {z}"),
+            },
+            pipeline_words(&plan.settings)
+        ),
+    });
+    Ok(TrainOptions {
+        steps: args.steps,
+        data_dir: args.data.clone(),
+        // Synchronous plans read one global stream sliced by rank, so the workers
+        // together see the batches one device of batch N*b would (WORKLOADS.md's
+        // seed + rank streams have the same distribution); asynchronous ones give each
+        // worker its own stream.
+        global_data: plan.strategy != StrategyKind::Single && plan.settings.sync == SyncMode::Sync,
+        preload: args.preload,
+        profile: args.profile,
+        trace: args.trace.is_some(),
+        evaluate: true,
+        sync: ps_sync(plan.settings.sync),
+        timeout: Duration::from_secs_f64(args.timeout),
+        checkpoint,
+        resume,
+    })
+}
+
+/// Trains a plan as the flags say and reports: metrics file, progress bar, `--save`,
+/// trace, summary and profile. `inputs` are the files the command read (never
+/// overwritten).
+fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
+    let plan = r.plan;
+    let outputs: Vec<&Path> = [&args.metrics, &args.save, &args.trace, &args.checkpoint]
+        .into_iter()
+        .flatten()
+        .map(PathBuf::as_path)
+        .collect();
+    check_outputs(&outputs, inputs)?;
+    if args.device == Device::Cpu
+        && (args.no_cuda_graph
+            || args.tf32
+            || args.gpus.is_some()
+            || args.collectives != Collectives::Auto)
+    {
+        bail!(
+            "--no-cuda-graph, --tf32, --gpus and --collectives are GPU settings: give \
+             --device cuda with them"
+        );
+    }
+    if args.gpus.as_ref().is_some_and(Vec::is_empty) {
+        bail!("--gpus: give at least one GPU number (0,1,...)");
+    }
+    // The memory estimate is checked by `launch`, before anything is allocated.
+    let steps = args.steps.unwrap_or(plan.config.steps);
+    // Created at the first line: under MPI only rank 0 writes the global lines.
+    let mut metrics: Option<std::io::BufWriter<std::fs::File>> = None;
+    let bar = if !args.quiet && std::io::stderr().is_terminal() {
+        let b = ProgressBar::new(steps as u64);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed} < {eta}]")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    // Ctrl-C stops at the end of the running step (the metrics so far are kept) and
+    // says which training state is on disk; a second one stops at once.
+    let interrupt = (args.transport == Transport::Inprocess).then(interrupt_flag);
+    let mut last_step = 0;
+    let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
+        last_step = m.step;
+        if let (None, Some(p)) = (&metrics, &args.metrics) {
+            let f = std::fs::File::create(p).map_err(|source| distc_runtime::RuntimeError::Io {
+                path: p.clone(),
+                source,
+            })?;
+            metrics = Some(std::io::BufWriter::new(f));
+        }
+        if let Some(w) = metrics.as_mut() {
+            let line = serde_json::to_string(m)
+                .map_err(|e| distc_runtime::RuntimeError::Config(e.to_string()))?;
+            writeln!(w, "{line}").map_err(|source| distc_runtime::RuntimeError::Io {
+                path: args.metrics.clone().unwrap_or_default(),
+                source,
+            })?;
+        }
+        if let Some(b) = &bar {
+            b.set_position(m.step as u64);
+            b.set_message(format!(
+                "loss {:.4}  {:.0} samples/s",
+                m.loss, m.samples_per_sec
+            ));
+        }
+        if interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+            return Err(distc_runtime::RuntimeError::Config(INTERRUPTED.into()));
+        }
+        Ok(())
+    };
+    let run = Launch {
+        programs: r.programs(),
+        config: &plan.config,
+        opts: train_options(plan, args)?,
+        device: device_choice(args.device, args),
+        transport: match args.transport {
+            Transport::Inprocess => TransportChoice::InProcess,
+            Transport::Mpi => TransportChoice::Mpi(mpi_run_options(plan, args)),
+        },
+        rows_touched: crate::verify::rows_touched(plan.dist.as_ref()),
+    };
+    let result = launch(&run, &mut on_step).map_err(anyhow::Error::from);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if let Some(mut w) = metrics {
+        w.flush().context("cannot write the metrics file")?;
+    }
+    if interrupt.is_some_and(|f| f.load(Ordering::SeqCst)) && result.is_err() {
+        bail!("{}", interrupted_note(args, last_step));
+    }
+    match result? {
+        Some(report) => finish_run(plan, args, &report),
+        // Another rank than 0 of an MPI job: rank 0 reports.
+        None => Ok(()),
+    }
+}
+
+/// How the error of a run stopped by Ctrl-C begins (the binary exits with 130 on it).
+pub const INTERRUPTED: &str = "interrupted (Ctrl-C)";
+
+/// Set by the first Ctrl-C; a second one exits at once. Installed once per process.
+fn interrupt_flag() -> Arc<AtomicBool> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicBool::new(false));
+        let seen = flag.clone();
+        let installed = ctrlc::set_handler(move || {
+            if seen.swap(true, Ordering::SeqCst) {
+                err("\ninterrupted again: stopping now, writing nothing more\n");
+                std::process::exit(130);
+            }
+            err("\ninterrupted: stopping after this step (Ctrl-C again stops at once)\n");
+        });
+        if let Err(e) = installed {
+            err(&format!("warning: Ctrl-C will stop at once: {e}\n"));
+        }
+        flag
+    })
+    .clone()
+}
+
+/// What a run stopped by Ctrl-C leaves: the metrics so far, and the training state of
+/// the last checkpoint step, if any. No final state is written: workers stop where
+/// each is, and a state must be one step of all of them.
+fn interrupted_note(args: &RunArgs, step: usize) -> String {
+    // Read back, not computed: workers may have finished (and saved) a step beyond
+    // the last one reported.
+    let state = match &args.checkpoint {
+        Some(path) => match distc_runtime::core::checkpoint::load_state(path) {
+            Ok(st) => format!(
+                "the last training state written is of step {} in {} (resume with --resume)",
+                st.index.step,
+                path.display()
+            ),
+            Err(_) => format!("{} holds no training state", path.display()),
+        },
+        None => "no training state was written (--checkpoint FILE \
+                 --checkpoint-every K keeps one)"
+            .into(),
+    };
+    let saved = match &args.save {
+        Some(p) => format!("; --save {} was not written", p.display()),
+        None => String::new(),
+    };
+    format!("{INTERRUPTED} after step {step}: no final checkpoint was written; {state}{saved}")
+}
+
+/// Where a run's workers compute, from --device and the GPU flags.
+fn device_choice(device: Device, args: &RunArgs) -> DeviceChoice {
+    match device {
+        Device::Cpu => DeviceChoice::Cpu,
+        Device::Cuda(ordinal) => DeviceChoice::Cuda(GpuOptions {
+            ordinal,
+            gpus: args.gpus.clone(),
+            tf32: args.tf32,
+            graphs: !args.no_cuda_graph,
+            collectives: args.collectives,
+        }),
+    }
+}
+
+/// What every rank of an MPI run is told about the plan and the command.
+fn mpi_run_options(plan: &Plan, args: &RunArgs) -> MpiRun {
+    MpiRun {
+        plan_hash: plan.hash.clone(),
+        servers: plan.settings.servers,
+        metrics: args.metrics.clone(),
+        trace: args.trace.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    }
+}
+
+/// What every run does once trained: save, trace, summary, profile.
+fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
+    if let Some(path) = &args.save {
+        let mut named: Vec<(String, &distc_runtime::Tensor)> =
+            report.params.iter().map(|(k, v)| (k.clone(), v)).collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let meta = [
+            ("model".to_string(), plan.model.clone()),
+            ("steps".to_string(), report.steps.to_string()),
+        ]
+        .into_iter()
+        .collect();
+        distc_runtime::core::checkpoint::save(path, &named, meta)?;
+    }
+    if let Some(path) = &args.trace {
+        let text = serde_json::to_string(&chrome_trace(&report.spans))?;
+        write_file(path, text.as_bytes())?;
+    }
+    if !args.quiet {
+        let mut line = format!(
+            "{} ({}, {} workers{}): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
+            plan.model,
+            plan.strategy.name(),
+            plan.settings.workers,
+            pipeline_words(&plan.settings),
+            report.steps,
+            report.train_time.as_secs_f64(),
+            report.first_loss,
+            report.final_loss,
+            report.samples_per_sec
+        );
+        if let Some(b) = report.pipeline_bubble {
+            line += &format!(", pipeline bubble {:.1}% measured", 100.0 * b);
+        }
+        if let Some(e) = &report.eval {
+            line += &format!("; eval_loss {:.4}", e.eval_loss);
+            if let Some(a) = e.eval_accuracy {
+                line += &format!(", eval_accuracy {:.4}", a);
+            }
+            if let Some(r) = e.eval_rmse {
+                line += &format!(", eval_rmse {:.4}", r);
+            }
+            line += &format!(" ({} samples)", e.eval_samples);
+        }
+        out(&format!("{line}\n"));
+    }
+    if let Some(p) = &report.profile {
+        out(&p.render());
+    }
+    Ok(())
+}
+
+#[cfg(feature = "mpi")]
+use crate::verify::verify_mpi;
+
+#[cfg(not(feature = "mpi"))]
+fn verify_mpi(
+    _: &Path,
+    _: &VerifyOptions,
+) -> Result<Option<crate::verify::VerifyReport>, crate::verify::VerifyError> {
+    Err(crate::verify::VerifyError::Refused(
+        distc_runtime::run::launch::NO_MPI.into(),
+    ))
+}
+
+/// `distc verify`: the library's check ([`crate::verify`]), printed.
+#[allow(clippy::too_many_arguments)]
+pub fn verify(
+    file: &Path,
+    compile: &CompileArgs,
+    steps: usize,
+    tolerance: f64,
+    data: Option<&Path>,
+    timeout: f64,
+    transport: Transport,
+    device: Device,
+) -> Result<()> {
+    check_strategy_flags(compile)?;
+    let device = match (device, transport) {
+        (Device::Cpu, _) => None,
+        (Device::Cuda(n), Transport::Inprocess) => Some(n),
+        (Device::Cuda(_), Transport::Mpi) => bail!(
+            "--device cuda verifies with worker threads on one GPU; --transport mpi runs on the CPU"
+        ),
+    };
+    let opts = VerifyOptions {
+        compile: compile_opts(compile, data),
+        steps,
+        tolerance,
+        timeout: Duration::from_secs_f64(timeout),
+        device,
+    };
+    let result = match transport {
+        Transport::Inprocess => crate::verify::verify(file, &opts).map(Some),
+        Transport::Mpi => verify_mpi(file, &opts),
+    };
+    let report = match result {
+        Err(crate::verify::VerifyError::Compile(e)) => {
+            // DSL errors print as diagnostics.
+            compile_or_report(file, &opts.compile)?;
+            return Err(e.into());
+        }
+        // Another rank than 0 of an MPI job: rank 0 reports.
+        Ok(None) => return Ok(()),
+        Ok(Some(r)) => r,
+        Err(e) => return Err(e.into()),
+    };
+    let name = match opts.compile.strategy.zero {
+        0 => report.strategy.name().to_string(),
+        z => format!("{} (ZeRO {z})", report.strategy.name()),
+    } + &pipeline_words(&opts.compile.strategy);
+    let precision = opts.compile.strategy.precision;
+    let name = if precision == Precision::Fp32 {
+        name
+    } else {
+        format!("{name}, {precision}")
+    };
+    let name = match opts.compile.strategy.grad_wire {
+        Precision::Fp32 => name,
+        wire => format!("{name}, {wire} wire"),
+    };
+    let mut text = String::new();
+    for v in &report.vars {
+        text += &format!(
+            "  {:<10} max |one device - {name}| / max |w| = {:.2e}",
+            v.name, v.relative
+        );
+        if let Some(e) = v.precision_effect {
+            text += &format!(
+                " (one device {precision} vs f32: {e:.2e}; allowed {:.2e})",
+                v.allowed(tolerance)
+            );
+        }
+        text.push('\n');
+    }
+    let worst = report
+        .worst()
+        .ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
+    text += &format!(
+        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: largest relative error {:.2e} (`{}`), tolerance {tolerance:.0e}\n",
+        file.display(),
+        report.workers,
+        report.global_batch,
+        worst.relative,
+        worst.name
+    );
+    out(&text);
+    if !report.passed() {
+        let failing = report
+            .vars
+            .iter()
+            .find(|v| v.relative > v.allowed(tolerance))
+            .unwrap_or(worst);
+        let mut why = match failing.precision_effect {
+            None => format!(
+                "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e}",
+                failing.name, failing.relative
+            ),
+            Some(e) => format!(
+                "`{}` differs by {:.2e} (relative), beyond the tolerance ({:.1e}, at least \
+                 {precision}'s own) plus twice what {precision} itself changes on one device \
+                 ({e:.2e})",
+                failing.name,
+                failing.relative,
+                tolerance.max(failing.half_rtol)
+            ),
+        };
+        if !report.assumptions.is_empty() {
+            why += "\ndata parallelism assumes the loss is a mean over the batch and that \
+                    nothing is computed across samples; this model does not:";
+            for a in &report.assumptions {
+                why += &format!("\n  - {a}");
+            }
+        }
+        bail!("{why}");
+    }
+    Ok(())
+}

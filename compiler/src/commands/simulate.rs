@@ -1,0 +1,240 @@
+//! `distc simulate` and `distc calibrate` as commands: the flags turned into a target
+//! and a link model, the profile taken (from a trace, or from a profiling run here),
+//! and the prediction or the fit printed. The model itself is [`crate::simulate`].
+
+use crate::cli::{ExplainFormat, LinkKind, Transport};
+use crate::console::{err, out};
+use crate::Plan;
+use anyhow::{bail, Context, Result};
+use distc_runtime::core::output::write_file;
+use distc_runtime::run::memory;
+use std::path::{Path, PathBuf};
+#[cfg(feature = "mpi")]
+use std::time::Duration;
+
+/// `distc simulate`: the plan at `plan_path` predicted on `workers` workers (default:
+/// the plan's) of `ranks_per_node` per node, over the links given or calibrated.
+#[allow(clippy::too_many_arguments)]
+pub fn simulate(
+    plan_path: &Path,
+    workers: Option<usize>,
+    ranks_per_node: Option<usize>,
+    links: &[(LinkKind, distc_passes::placement::Link)],
+    calibrations: &[(LinkKind, PathBuf)],
+    profile_steps: usize,
+    trace: Option<&Path>,
+    data: Option<&Path>,
+    format: ExplainFormat,
+) -> Result<()> {
+    use crate::simulate::{self as sim, Calibration};
+    let (p, programs) = Plan::load(plan_path)?;
+    p.check_runnable().map_err(anyhow::Error::msg)?;
+    let mut target = sim::Target {
+        workers,
+        ranks_per_node,
+        inter: None,
+        intra: None,
+        data_dir: data.map(Path::to_path_buf),
+    };
+    let mut copy_bandwidth = None;
+    let mut calibrated_bytes = 0usize;
+    let mut measured = Vec::new();
+    let links_given: Vec<LinkKind> = links.iter().map(|l| l.0).collect();
+    let read = |path: &Path| {
+        distc_runtime::core::output::read_regular_text(
+            path,
+            distc_runtime::core::output::TEXT_INPUT_LIMIT,
+        )
+        .with_context(|| format!("{}", path.display()))
+    };
+    for (kind, path) in calibrations {
+        let text = read(path)?;
+        let c: Calibration = serde_json::from_str(&text).with_context(|| {
+            format!("{}: not a calibration from distc calibrate", path.display())
+        })?;
+        copy_bandwidth = Some(c.copy_bandwidth);
+        measured.push((*kind, c.ring_steps()));
+        calibrated_bytes =
+            calibrated_bytes.max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
+        match kind {
+            LinkKind::Intra => target.intra = Some(c.link),
+            LinkKind::Inter => target.inter = Some(c.link),
+        }
+    }
+    for (kind, l) in links {
+        match kind {
+            LinkKind::Intra => target.intra = Some(*l),
+            LinkKind::Inter => target.inter = Some(*l),
+        }
+    }
+    let (compiled, settings) = sim::retarget(&p, &target).map_err(anyhow::Error::msg)?;
+    let single = sim::single_program(&p, data).map_err(anyhow::Error::msg)?;
+    let copy_bandwidth =
+        copy_bandwidth.unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
+    let profile = match trace {
+        Some(path) => {
+            let text = read(path)?;
+            let spans = distc_runtime::run::trace::spans_of_chrome_trace(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let first = spans.iter().map(|s| s.step).min().unwrap_or(0);
+            let last = spans.iter().map(|s| s.step).max().unwrap_or(0);
+            let skip = if last - first >= 3 { 2 } else { 0 };
+            // A trace of this plan, or of its model on one device (`distc train MODEL
+            // --trace`): the one whose ops the spans name.
+            let traced = [&programs.worker, &single.programs.worker]
+                .into_iter()
+                .find(|g| sim::spans_match(g, &spans))
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}: a trace of neither this plan nor its model on one device \
+                         (with the plan's batch)",
+                        path.display()
+                    )
+                })?;
+            sim::ComputeProfile::from_spans(
+                traced,
+                &spans,
+                first + skip,
+                copy_bandwidth,
+                format!("worker 0 of the run traced in {}", path.display()),
+            )
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+        }
+        None => sim::profile_here(&single, profile_steps, data, copy_bandwidth)
+            .map_err(anyhow::Error::msg)?,
+    };
+    let touched = crate::verify::rows_touched(compiled.dist.as_ref());
+    let rows = memory::expected_rows(&compiled.programs.worker, &touched);
+    let mem = memory::estimate(
+        &compiled.programs(settings.workers),
+        &compiled.config,
+        1,
+        false,
+        &rows,
+    )?;
+    let mut links = sim::Links::new(
+        settings.intra_link,
+        distc_passes::placement::Link {
+            bandwidth: settings.bandwidth,
+            latency: settings.latency,
+        },
+    );
+    // A link given by --link is a line; one calibrated keeps its measured sizes.
+    for (kind, steps) in measured {
+        let given = links_given.contains(&kind);
+        match kind {
+            LinkKind::Intra if !given => links.intra_measured = steps,
+            LinkKind::Inter if !given => links.inter_measured = steps,
+            _ => {}
+        }
+    }
+    let s = sim::simulate(
+        &compiled.programs.worker,
+        &single.programs.worker,
+        &settings,
+        links,
+        &profile,
+        &rows,
+        mem.per_worker(),
+    );
+    match format {
+        ExplainFormat::Json => out(&format!("{}\n", serde_json::to_string_pretty(&s)?)),
+        ExplainFormat::Table => out(&s.render(&p, &profile)),
+    }
+    let largest = s.comms.iter().map(|c| c.bytes).fold(0.0, f64::max);
+    if calibrated_bytes > 0 && largest > calibrated_bytes as f64 {
+        err(&format!(
+            "note: a collective of {largest:.0} bytes is beyond the calibration's largest \
+             buffer ({calibrated_bytes} bytes): its time is extrapolated (calibrate with \
+             --sizes up to it)\n"
+        ));
+    }
+    Ok(())
+}
+
+/// `distc calibrate`: all-reduces of `sizes` bytes (default: 4 KiB to 64 MiB) timed
+/// over the transport's ranks, the alpha-beta fit printed and written to `output`.
+pub fn calibrate(
+    transport: Transport,
+    workers: usize,
+    sizes: Vec<usize>,
+    reps: usize,
+    timeout: f64,
+    output: Option<&Path>,
+) -> Result<()> {
+    use crate::simulate::Calibration;
+    if let Some(path) = output {
+        distc_runtime::core::output::check_output(path, &[])?;
+    }
+    let sizes = if sizes.is_empty() {
+        (0..8).map(|k| 4096usize << (2 * k)).collect()
+    } else {
+        sizes
+    };
+    let (samples, ranks, hosts) = match transport {
+        Transport::Inprocess => {
+            let largest = sizes.iter().copied().max().unwrap_or(0) as u128;
+            // Each thread holds one buffer of the size it times.
+            let need = largest * workers as u128;
+            if let Some(have) = memory::available().filter(|have| need > *have) {
+                bail!(
+                    "{} ranks of {} each need {}; the machine has {} available: give smaller \
+                     --sizes or fewer --workers",
+                    workers,
+                    memory::gib(largest),
+                    memory::gib(need),
+                    memory::gib(have)
+                );
+            }
+            let s = distc_runtime::comm::calibrate::sweep_in_process(workers, &sizes, reps)?;
+            (Some(s), workers, 1)
+        }
+        Transport::Mpi => calibrate_mpi(&sizes, reps, timeout)?,
+    };
+    let Some(samples) = samples else {
+        return Ok(());
+    };
+    let c = Calibration::fit(
+        match transport {
+            Transport::Inprocess => "inprocess",
+            Transport::Mpi => "mpi",
+        },
+        ranks,
+        hosts,
+        samples,
+        distc_runtime::comm::calibrate::copy_bandwidth(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    out(&c.render());
+    if let Some(path) = output {
+        write_file(path, serde_json::to_string_pretty(&c)?.as_bytes())?;
+        err(&format!("wrote {}\n", path.display()));
+    }
+    Ok(())
+}
+
+type CalibrationSamples = (
+    Option<Vec<distc_runtime::comm::calibrate::Sample>>,
+    usize,
+    usize,
+);
+
+#[cfg(feature = "mpi")]
+fn calibrate_mpi(sizes: &[usize], reps: usize, timeout: f64) -> Result<CalibrationSamples> {
+    let got = distc_runtime::run::mpi::calibrate(sizes, reps, Duration::from_secs_f64(timeout))?;
+    Ok(match got {
+        Some((samples, hosts)) => {
+            let ranks = hosts.len();
+            let mut distinct = hosts;
+            distinct.sort();
+            distinct.dedup();
+            (Some(samples), ranks, distinct.len())
+        }
+        None => (None, 0, 0),
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn calibrate_mpi(_: &[usize], _: usize, _: f64) -> Result<CalibrationSamples> {
+    bail!("this distc was built without MPI: build it with `--features mpi`")
+}
