@@ -9,9 +9,10 @@ use distc::cli::{
     parse_link, parse_mesh, parse_shard, timeout_secs, BenchArgs, CompileArgs, Device,
     ExplainFormat, LinkKind, Mesh, RunArgs, Transport,
 };
-use distc::commands::{self, run::INTERRUPTED};
+use distc::commands;
 use distc::console::err;
 use distc_passes::placement::Precision;
+use distc_runtime::RuntimeError;
 use std::path::PathBuf;
 
 /// distc: write a model once for one device; compile, inspect and train it.
@@ -238,14 +239,12 @@ fn main() {
     }
 }
 
-/// The status distc exits with after `e`: 130 (128 + SIGINT, as shells report a job
-/// stopped by Ctrl-C) for a run stopped by Ctrl-C, else 1.
+/// The status distc exits with after `e`, chosen by the runtime error's kind where
+/// there is one ([`RuntimeError::exit_code`]: 130 for a run stopped by Ctrl-C), else 1.
 fn exit_code(e: &anyhow::Error) -> i32 {
-    if error_chain(e).starts_with(INTERRUPTED) {
-        130
-    } else {
-        1
-    }
+    e.chain()
+        .find_map(|cause| cause.downcast_ref::<RuntimeError>())
+        .map_or(1, RuntimeError::exit_code)
 }
 
 fn dispatch(command: Command) -> Result<()> {

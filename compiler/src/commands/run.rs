@@ -209,7 +209,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
             ));
         }
         if interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
-            return Err(distc_runtime::RuntimeError::Config(INTERRUPTED.into()));
+            return Err(distc_runtime::RuntimeError::Interrupted(INTERRUPTED.into()));
         }
         Ok(())
     };
@@ -232,7 +232,9 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         w.flush().context("cannot write the metrics file")?;
     }
     if interrupt.is_some_and(|f| f.load(Ordering::SeqCst)) && result.is_err() {
-        bail!("{}", interrupted_note(args, last_step));
+        return Err(
+            distc_runtime::RuntimeError::Interrupted(interrupted_note(args, last_step)).into(),
+        );
     }
     match result? {
         Some(report) => finish_run(plan, args, &report),
