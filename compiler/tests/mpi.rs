@@ -1287,3 +1287,38 @@ fn calibrate_under_mpirun_times_the_ranks_ring() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("on 3 workers"), "{}", text(&o));
 }
+
+/// A job of the wrong size for a mesh names the whole mapping, the model axis included
+/// (issue 35, item 9: it gave a pipeline's mapping without it); the mapping is the
+/// mesh's own (`run::mesh::Mesh::describe`), as every launcher uses it.
+#[test]
+fn a_wrong_sized_job_of_a_mesh_names_every_axis_of_the_mapping() {
+    let _one = common::one_job_at_a_time();
+    let plan = tmp("mesh3-size.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/dense_mlp.dsl",
+        "--mesh",
+        "data=1,model=2,pipe=2",
+        "--micro-batches",
+        "2",
+        "--batch",
+        "16",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = mpirun(
+        3,
+        &["run", s(&plan), "--steps", "1", "-q", "--transport", "mpi"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains(
+            "1 replica x 2 pipeline stages x 2 model ranks: worker w is model rank w % 2 of \
+             stage (w / 2) % 2 of replica w / 4"
+        ),
+        "{}",
+        text(&o)
+    );
+}

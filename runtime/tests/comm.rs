@@ -32,10 +32,13 @@ fn close(a: f32, b: f64) -> bool {
     (a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0)
 }
 
+/// The text of a communicator's error: a peer's failure (hung up, silent, another
+/// operation) or a misuse of the communicator itself.
 fn message(e: RuntimeError) -> String {
     match e {
         RuntimeError::Config(m) => m,
-        other => panic!("expected a Config error, got {other:?}"),
+        e @ RuntimeError::Peer { .. } => e.to_string(),
+        other => panic!("expected a Config or Peer error, got {other:?}"),
     }
 }
 
@@ -336,7 +339,16 @@ fn a_silent_peer_times_out_when_a_timeout_is_set() {
     let _silent = comms.pop();
     let mut c = comms.pop().expect("rank 0");
     c.set_timeout(Some(Duration::from_millis(100)));
-    let e = message(c.all_reduce(&mut [1.0, 2.0], false).expect_err("timeout"));
+    let e = c.all_reduce(&mut [1.0, 2.0], false).expect_err("timeout");
+    // A peer's failure is its own kind of error, naming the peer and the operation.
+    match &e {
+        RuntimeError::Peer { rank, peer, op, .. } => {
+            assert_eq!((*rank, *peer), (0, 1), "{e}");
+            assert_eq!(op, "all_reduce", "{e}");
+        }
+        other => panic!("expected a Peer error, got {other:?}"),
+    }
+    let e = message(e);
     assert!(e.contains("rank 0") && e.contains("within"), "{e}");
 }
 

@@ -350,6 +350,88 @@ fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
     }
 }
 
+/// Pipelined and mesh plans (issue 34: the stage loop and the model axis are modes of
+/// the one loop over any backend): on the wrapped backend every stage, replica and
+/// model rank computes bitwise what the CPU computes, losses and weights.
+#[test]
+fn pipelines_and_meshes_on_another_backend_train_what_the_cpu_trains() {
+    use distc_ir::pipeline::schedule::ScheduleKind;
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    // (what, data, model, pipe, micro-batches, schedule)
+    let layouts = [
+        ("pipeline 2, GPipe", 1, 1, 2, 2, ScheduleKind::GPipe),
+        (
+            "2 replicas of pipeline 2, 1F1B",
+            2,
+            1,
+            2,
+            2,
+            ScheduleKind::OneFOneB,
+        ),
+        ("mesh data=2 model=2", 2, 2, 1, 1, ScheduleKind::GPipe),
+        ("mesh model=2 pipe=2", 1, 2, 2, 2, ScheduleKind::OneFOneB),
+    ];
+    for (what, data, model, pipe, micro, schedule) in layouts {
+        let workers = data * model * pipe;
+        let strategy = StrategyConfig {
+            strategy: if data > 1 {
+                Strategy::Allreduce
+            } else {
+                Strategy::Single
+            },
+            workers,
+            model,
+            pipeline: pipe,
+            micro_batches: micro,
+            schedule,
+            ..Default::default()
+        };
+        let c = compile_file(
+            &example("dense_mlp.dsl"),
+            &CompileOptions {
+                strategy,
+                batch: Some(16),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let opts = TrainOptions {
+            steps: Some(3),
+            global_data: true,
+            ..Default::default()
+        };
+        let mut cpu_losses = Vec::new();
+        let expected = train(c.programs(workers), &c.config, &opts, &mut |m| {
+            cpu_losses.push(m.loss);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+        let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut losses = Vec::new();
+        let got = train_with(
+            c.programs(workers),
+            &c.config,
+            &opts,
+            &mut |m| {
+                losses.push(m.loss);
+                Ok(())
+            },
+            |_, _| Ok(Wrapped::new(&kernels)),
+        )
+        .unwrap_or_else(|e| panic!("{what} on the wrapped backend: {e}"));
+        assert!(
+            kernels.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{what}: no kernel ran on the backend"
+        );
+        assert_eq!(cpu_losses.len(), 3, "{what}");
+        assert_eq!(cpu_losses, losses, "{what}: losses differ");
+        assert_eq!(expected.params.len(), got.params.len(), "{what}");
+        for (var, w) in &expected.params {
+            assert!(got.params.get(var) == Some(w), "{what}: `{var}` differs");
+        }
+    }
+}
+
 #[test]
 fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
     let tmp = tempfile::tempdir().expect("tmp");

@@ -49,6 +49,73 @@ use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+/// The one stall policy of rank 0's coordinator, for every kind of plan: a worker that
+/// sends no step report for longer than the timeout while another reports (or after
+/// rank 0's own role has ended) has stopped. Each rank also bounds its own waits on its
+/// peers; this catches a rank that went silent without any peer noticing (as under
+/// asynchronous servers, or a stage whose neighbours are blocked on it).
+struct StallInspector {
+    /// Per worker: reports taken, when the last came, its step.
+    heard: Vec<(usize, Since, usize)>,
+    /// Reports each worker sends in all.
+    expected: usize,
+    timeout: Duration,
+}
+
+impl StallInspector {
+    fn new(workers: usize, expected: usize, first_step: usize, timeout: Duration) -> Self {
+        StallInspector {
+            heard: vec![(0, Since::now(), first_step); workers],
+            expected,
+            timeout,
+        }
+    }
+
+    /// Worker `w` reported `step`.
+    fn heard(&mut self, w: usize, step: usize) {
+        if let Some(h) = self.heard.get_mut(w) {
+            *h = (h.0 + 1, Since::now(), step);
+        }
+    }
+
+    /// The stalled worker other than rank 0's own, if one is, with the step it last
+    /// reported, as an error naming it on the mesh. `own_done`: rank 0's own role has
+    /// ended, so every other report is overdue from now on.
+    fn stalled(&self, mesh: &Mesh, own_done: bool) -> Option<RuntimeError> {
+        // How long ago the newest report came (now, once rank 0's own role has ended).
+        let newest = if own_done {
+            Duration::ZERO
+        } else {
+            self.heard
+                .iter()
+                .map(|h| h.1.waited())
+                .min()
+                .unwrap_or_default()
+        };
+        let w = (1..self.heard.len()).find(|&w| {
+            let (taken, since, _) = &self.heard[w];
+            *taken < self.expected && since.waited().saturating_sub(newest) > self.timeout
+        })?;
+        Some(RuntimeError::Peer {
+            rank: 0,
+            peer: w,
+            op: "step report".into(),
+            message: format!(
+                "worker rank {w} ({}) sent no step report after step {} for {:.0} s \
+                 (--timeout) while {}: it stopped answering",
+                mesh.name(w),
+                self.heard[w].2,
+                self.timeout.as_secs_f64(),
+                if own_done {
+                    "worker 0 had finished"
+                } else {
+                    "other workers went on"
+                }
+            ),
+        })
+    }
+}
+
 /// Sends not yet taken by their receivers, oldest first; an error naming the receiver
 /// once the oldest has waited `timeout`.
 struct Sends {
@@ -835,24 +902,18 @@ fn run_worker_rank<B: Backend>(
         let stop = |e: RuntimeError| -> ! {
             fail(&SimpleCommunicator::world(), 0, Some(Role::Worker(0)), &e)
         };
-        // Per worker: (reports taken, when the last came, its step). A worker other than
-        // 0 that sends none for longer than the timeout while another reports (or after
-        // worker 0 has ended) has stopped: nothing else would notice under async servers.
-        let mut heard = vec![(0usize, Since::now(), done); roles.workers];
-        let take = |rep: StepReport,
-                    coordinator: &mut Coordinator<'_>,
-                    heard: &mut Vec<(usize, Since, usize)>| {
-            if let Some(h) = heard.get_mut(rep.rank) {
-                *h = (h.0 + 1, Since::now(), rep.step);
-            }
-            if let Err(e) = coordinator.add(rep) {
-                stop(e);
-            }
-        };
+        let mut stalls = StallInspector::new(roles.workers, steps, done, opts.timeout);
+        let take =
+            |rep: StepReport, coordinator: &mut Coordinator<'_>, stalls: &mut StallInspector| {
+                stalls.heard(rep.rank, rep.step);
+                if let Err(e) = coordinator.add(rep) {
+                    stop(e);
+                }
+            };
         while received < expected {
             let mut got = false;
             while let Ok(rep) = local_rx.try_recv() {
-                take(rep, &mut coordinator, &mut heard);
+                take(rep, &mut coordinator, &mut stalls);
                 received += 1;
                 got = true;
             }
@@ -863,7 +924,7 @@ fn run_worker_rank<B: Backend>(
             {
                 let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
                 match serde_json::from_slice::<StepReport>(&bytes) {
-                    Ok(rep) => take(rep, &mut coordinator, &mut heard),
+                    Ok(rep) => take(rep, &mut coordinator, &mut stalls),
                     Err(e) => stop(RuntimeError::Config(format!(
                         "a malformed step report: {e}"
                     ))),
@@ -882,27 +943,8 @@ fn run_worker_rank<B: Backend>(
             if got {
                 backoff = Backoff(0);
             } else {
-                // How long ago the newest report came (now, once worker 0 has ended).
-                let newest = if outcome.is_some() {
-                    Duration::ZERO
-                } else {
-                    heard.iter().map(|h| h.1.waited()).min().unwrap_or_default()
-                };
-                let silent = (1..roles.workers).find(|&w| {
-                    heard[w].0 < steps && heard[w].1.waited().saturating_sub(newest) > opts.timeout
-                });
-                if let Some(w) = silent {
-                    stop(RuntimeError::Config(format!(
-                        "worker rank {w} sent no step report after step {} for {:.0} s \
-                         (--timeout) while {}: it stopped answering",
-                        heard[w].2,
-                        opts.timeout.as_secs_f64(),
-                        if outcome.is_some() {
-                            "worker 0 had finished"
-                        } else {
-                            "other workers went on"
-                        }
-                    )));
+                if let Some(e) = stalls.stalled(&mesh, outcome.is_some()) {
+                    stop(e);
                 }
                 backoff.wait();
             }

@@ -13,7 +13,7 @@
 //! named by the waiting rank (the label says which stage, step, micro-batch and message),
 //! a report or variables rank 0 does not take, by their sender.
 
-use super::{fail, gather_spans, local_line, rank_metrics, send_spans, Sends};
+use super::{fail, gather_spans, local_line, rank_metrics, send_spans, Sends, StallInspector};
 use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS, TAG_REPORT};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -196,9 +196,9 @@ pub(super) fn run_stage_rank(
         let mut handle = Some(handle);
         let mut outcome = None;
         let mut reports = StageReports::default();
-        let mut heard = vec![0usize; workers];
+        let mut stalls =
+            StallInspector::new(workers, run.steps_to_run(), run.first - 1, opts.timeout);
         let (mut received, expected) = (0, run.steps_to_run() * workers);
-        let mut quiet = Since::now();
         let mut backoff = Backoff(0);
         while received < expected {
             let mut got: Vec<StageReport> = rx.try_iter().collect();
@@ -223,27 +223,15 @@ pub(super) fn run_stage_rank(
                 );
             }
             if got.is_empty() {
-                // Each rank bounds its own waits on its neighbours; this one catches a
-                // rank that went silent without one noticing.
-                if quiet.waited() > 2 * opts.timeout {
-                    let fewest = heard.iter().copied().min().unwrap_or(0);
-                    let behind: Vec<usize> = (0..workers).filter(|&w| heard[w] == fewest).collect();
-                    stop(RuntimeError::Config(format!(
-                        "no stage reported a step for {:.0} s (twice --timeout); ranks \
-                         {behind:?} reported {fewest} of {} steps",
-                        2.0 * opts.timeout.as_secs_f64(),
-                        run.steps_to_run()
-                    )));
+                if let Some(e) = stalls.stalled(&mesh, outcome.is_some()) {
+                    stop(e);
                 }
                 backoff.wait();
                 continue;
             }
             backoff = Backoff(0);
-            quiet = Since::now();
             for rep in got {
-                if let Some(h) = heard.get_mut(rep.worker(&mesh)) {
-                    *h += 1;
-                }
+                stalls.heard(rep.worker(&mesh), rep.step);
                 received += 1;
                 if let Err(e) = reports.add(rep, workers, &mut coordinator, &mut take_state) {
                     stop(e);
