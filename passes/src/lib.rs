@@ -193,10 +193,10 @@ fn when(w: When, p: impl Pass + 'static) -> (When, Box<dyn Pass>) {
     (w, Box::new(p))
 }
 
-/// One device (`--strategy single`): differentiation and the rewrites of one device's
-/// program.
-fn single_pipeline() -> PassList {
-    vec![
+/// The passes every list starts with, on the one-device program: sharding on a model
+/// axis, 16-bit arithmetic, differentiation and its clean-up, accumulation, remat.
+fn with_device_passes(then: PassList) -> PassList {
+    let mut passes = vec![
         when(When::ModelAxis, tensor_parallel::TensorParallel),
         when(When::Precision, mixed_precision::MixedPrecision),
         always(autodiff::Autodiff),
@@ -204,22 +204,22 @@ fn single_pipeline() -> PassList {
         always(dead_code::DeadCode),
         always(accumulate::Accumulate),
         always(remat::Remat),
-        always(kernel_fusion::KernelFusion),
-    ]
+    ];
+    passes.extend(then);
+    passes
+}
+
+/// One device (`--strategy single`): differentiation and the rewrites of one device's
+/// program.
+fn single_pipeline() -> PassList {
+    with_device_passes(vec![always(kernel_fusion::KernelFusion)])
 }
 
 /// Every other strategy: the device passes, then analysis, placement, the rewrite,
 /// gradient fusion, kernel fusion (after every pass that makes element-wise ops) and
 /// scheduling.
 fn distributed_pipeline() -> PassList {
-    vec![
-        when(When::ModelAxis, tensor_parallel::TensorParallel),
-        when(When::Precision, mixed_precision::MixedPrecision),
-        always(autodiff::Autodiff),
-        always(simplify::Simplify::default()),
-        always(dead_code::DeadCode),
-        always(accumulate::Accumulate),
-        always(remat::Remat),
+    with_device_passes(vec![
         always(sparsity::SparsityAnalysis),
         always(place::Place),
         always(distribute::Distribute),
@@ -229,24 +229,17 @@ fn distributed_pipeline() -> PassList {
         when(When::RanksPerNode, hierarchy::Hierarchy),
         always(kernel_fusion::KernelFusion),
         always(schedule::Schedule),
-    ]
+    ])
 }
 
 /// Pipeline stages (`--pipeline` above 1, whatever the strategy): the stages are cut
 /// from the one-device program (sharded first, with a model axis: each stage is then T
 /// workers wide); the split averages each stage's gradients over the replicas itself.
 fn split_pipeline() -> PassList {
-    vec![
-        when(When::ModelAxis, tensor_parallel::TensorParallel),
-        when(When::Precision, mixed_precision::MixedPrecision),
-        always(autodiff::Autodiff),
-        always(simplify::Simplify::default()),
-        always(dead_code::DeadCode),
-        always(accumulate::Accumulate),
-        always(remat::Remat),
+    with_device_passes(vec![
         always(kernel_fusion::KernelFusion),
         always(pipeline::split::PipelineSplit),
-    ]
+    ])
 }
 
 /// The passes a compile with `cfg` runs, in order: its kind of pipeline's list, less

@@ -314,39 +314,48 @@ fn distributed_workers_on_another_backend_train_what_the_cpu_workers_train() {
         (Strategy::Allreduce, 2, 0, 3),
     ] {
         let c = compile_strategy("sparse_lm.dsl", strategy, workers, servers, zero);
-        let opts = TrainOptions {
-            steps: Some(3),
-            global_data: true,
-            ..Default::default()
-        };
-        let mut cpu_losses = Vec::new();
-        let expected = train(c.programs(workers), &c.config, &opts, &mut |m| {
-            cpu_losses.push(m.loss);
-            Ok(())
-        })
-        .expect("trains on the CPU");
-        let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut losses = Vec::new();
-        let got = train_with(
-            c.programs(workers),
-            &c.config,
-            &opts,
-            &mut |m| {
-                losses.push(m.loss);
-                Ok(())
-            },
-            |_, _| Ok(Wrapped::new(&kernels)),
-        )
-        .expect("trains on the wrapped backend");
         let what = format!("{strategy:?} x{workers} zero {zero}");
-        assert!(
-            kernels.load(std::sync::atomic::Ordering::Relaxed) > 0,
-            "{what}: no kernel ran on the backend"
-        );
-        assert_eq!(cpu_losses, losses, "{what}: losses differ");
-        for (var, w) in &expected.params {
-            assert!(got.params.get(var) == Some(w), "{what}: `{var}` differs");
-        }
+        cpu_against_wrapped(&what, &c, workers);
+    }
+}
+
+/// Trains `c` with `workers` for 3 steps (one global data stream) on the CPU and on the
+/// wrapped backend; the losses and every variable must be bitwise the same, and the
+/// wrapped backend must have run kernels.
+fn cpu_against_wrapped(what: &str, c: &distc::Compiled, workers: usize) {
+    let opts = TrainOptions {
+        steps: Some(3),
+        global_data: true,
+        ..Default::default()
+    };
+    let mut cpu_losses = Vec::new();
+    let expected = train(c.programs(workers), &c.config, &opts, &mut |m| {
+        cpu_losses.push(m.loss);
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+    let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut losses = Vec::new();
+    let got = train_with(
+        c.programs(workers),
+        &c.config,
+        &opts,
+        &mut |m| {
+            losses.push(m.loss);
+            Ok(())
+        },
+        |_, _| Ok(Wrapped::new(&kernels)),
+    )
+    .unwrap_or_else(|e| panic!("{what} on the wrapped backend: {e}"));
+    assert!(
+        kernels.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "{what}: no kernel ran on the backend"
+    );
+    assert_eq!(cpu_losses.len(), 3, "{what}");
+    assert_eq!(cpu_losses, losses, "{what}: losses differ");
+    assert_eq!(expected.params.len(), got.params.len(), "{what}");
+    for (var, w) in &expected.params {
+        assert!(got.params.get(var) == Some(w), "{what}: `{var}` differs");
     }
 }
 
@@ -400,40 +409,7 @@ fn pipelines_and_meshes_on_another_backend_train_what_the_cpu_trains() {
             },
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-        let opts = TrainOptions {
-            steps: Some(3),
-            global_data: true,
-            ..Default::default()
-        };
-        let mut cpu_losses = Vec::new();
-        let expected = train(c.programs(workers), &c.config, &opts, &mut |m| {
-            cpu_losses.push(m.loss);
-            Ok(())
-        })
-        .unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
-        let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut losses = Vec::new();
-        let got = train_with(
-            c.programs(workers),
-            &c.config,
-            &opts,
-            &mut |m| {
-                losses.push(m.loss);
-                Ok(())
-            },
-            |_, _| Ok(Wrapped::new(&kernels)),
-        )
-        .unwrap_or_else(|e| panic!("{what} on the wrapped backend: {e}"));
-        assert!(
-            kernels.load(std::sync::atomic::Ordering::Relaxed) > 0,
-            "{what}: no kernel ran on the backend"
-        );
-        assert_eq!(cpu_losses.len(), 3, "{what}");
-        assert_eq!(cpu_losses, losses, "{what}: losses differ");
-        assert_eq!(expected.params.len(), got.params.len(), "{what}");
-        for (var, w) in &expected.params {
-            assert!(got.params.get(var) == Some(w), "{what}: `{var}` differs");
-        }
+        cpu_against_wrapped(what, &c, workers);
     }
 }
 

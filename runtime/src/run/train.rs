@@ -34,15 +34,23 @@ pub use crate::run::programs::{
     CheckpointEvery, Programs, TrainOptions, TrainReport,
 };
 
-/// One in-process communicator per group of `axis`, each end in its slot until a
-/// worker takes it ([`take_link`]).
+/// One in-process communicator per group of `axis`, its waits bounded by the run's
+/// timeout, each end in its slot until a worker takes it ([`take_link`]).
 pub(crate) fn axis_links(
     mesh: &Mesh,
     axis: Axis,
-    linked: &dyn Fn(usize) -> Vec<Option<Box<dyn Communicator>>>,
+    opts: &TrainOptions,
 ) -> Vec<Vec<Option<Box<dyn Communicator>>>> {
     (0..mesh.groups(axis))
-        .map(|_| linked(mesh.size(axis)))
+        .map(|_| {
+            in_process(mesh.size(axis))
+                .into_iter()
+                .map(|mut c| {
+                    c.set_timeout(Some(opts.timeout));
+                    Some(Box::new(c) as Box<dyn Communicator>)
+                })
+                .collect()
+        })
         .collect()
 }
 
@@ -122,20 +130,11 @@ pub fn train_with<B: Backend>(
         c.set_timeout(opts.timeout);
         Some(c)
     };
-    let linked = |size: usize| -> Vec<Option<Box<dyn Communicator>>> {
-        in_process(size)
-            .into_iter()
-            .map(|mut c| {
-                c.set_timeout(Some(opts.timeout));
-                Some(Box::new(c) as Box<dyn Communicator>)
-            })
-            .collect()
-    };
     // The data axis links the replicas of one model rank, the model axis the model
     // ranks of one replica: one in-process communicator per group of each axis.
     crate::run::worker::refuse_model_axis_state(mesh.model, opts)?;
-    let mut data_links = axis_links(&mesh, Axis::Data, &linked);
-    let mut model_links = axis_links(&mesh, Axis::Model, &linked);
+    let mut data_links = axis_links(&mesh, Axis::Data, opts);
+    let mut model_links = axis_links(&mesh, Axis::Model, opts);
     type Links = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
     let comms: Vec<Links> = (0..n)
         .filter_map(|w| {
@@ -281,20 +280,11 @@ pub fn train_pipeline_with<B: Backend>(
     let sources = (0..workers)
         .map(|w| run.sources(config, opts, w))
         .collect::<Result<Vec<_>>>()?;
-    let linked = |n: usize| -> Vec<Option<Box<dyn Communicator>>> {
-        in_process(n)
-            .into_iter()
-            .map(|mut c| {
-                c.set_timeout(Some(opts.timeout));
-                Some(Box::new(c) as Box<dyn Communicator>)
-            })
-            .collect()
-    };
     // Its stages talk over the pipe axis, its replicas average gradients over the data
     // axis, a stage's model ranks run their collectives over the model axis.
-    let mut stage_links = axis_links(&mesh, Axis::Pipe, &linked);
-    let mut replica_links = axis_links(&mesh, Axis::Data, &linked);
-    let mut model_links = axis_links(&mesh, Axis::Model, &linked);
+    let mut stage_links = axis_links(&mesh, Axis::Pipe, opts);
+    let mut replica_links = axis_links(&mesh, Axis::Data, opts);
+    let mut model_links = axis_links(&mesh, Axis::Model, opts);
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel::<StageReport>();
