@@ -3,7 +3,8 @@
 //! 1e-4 relative of the largest weight change scale) and four steps with CUDA graphs
 //! (losses within 1e-3 relative, and bitwise what eager steps give). Needs a GPU, or the GPU emulator
 //! (`DISTC_CUDA_EMULATOR=1`, as CI runs it): without either (or without the CUDA
-//! libraries) each test prints why it skips and passes.
+//! libraries) each test prints why it skips and passes. The emulator runs the examples
+//! at a batch of 32.
 
 use distc::{compile_file, CompileOptions};
 use distc_runtime::core::config::OptimizerSpec;
@@ -14,6 +15,9 @@ use distc_runtime::run::train::{
     init_params, train, train_with, Programs, TrainOptions, TrainReport,
 };
 use distc_tests::{example, EXAMPLES};
+
+/// Samples a batch of the examples on the GPU emulator.
+const EMULATED_BATCH: usize = 32;
 
 fn run(name: &str, steps: usize, opts: Option<CudaOptions>) -> Option<(TrainReport, Vec<f64>)> {
     run_compiled(name, &CompileOptions::default(), steps, opts).map(|(r, l, _)| (r, l))
@@ -26,7 +30,14 @@ fn run_compiled(
     steps: usize,
     opts: Option<CudaOptions>,
 ) -> Option<(TrainReport, Vec<f64>, Vec<Option<f64>>)> {
-    let c = compile_file(&example(name), copts).expect("compiles");
+    // The emulator runs every GPU thread on this machine's two cores: it runs the
+    // examples at a smaller batch (every kernel, every shape but the batch's, the same
+    // comparisons); a GPU runs them as written.
+    let mut copts = copts.clone();
+    if emulator_requested() && copts.batch.is_none() {
+        copts.batch = Some(EMULATED_BATCH);
+    }
+    let c = compile_file(&example(name), &copts).expect("compiles");
     if c.config.data.needs_files() && data_dir(None).is_none() {
         println!("skipping {name}: DISTC_DATA not set");
         return None;
@@ -281,6 +292,7 @@ fn verify_on_the_gpu_passes_for_allreduce_ps_and_hybrid() {
                         servers,
                         ..Default::default()
                     },
+                    batch: emulated.then_some(EMULATED_BATCH),
                     ..Default::default()
                 },
                 steps: 3,
@@ -334,6 +346,7 @@ fn nccl_with_one_rank_trains_what_the_host_path_trains() {
                     zero,
                     ..Default::default()
                 },
+                batch: Some(EMULATED_BATCH),
                 ..Default::default()
             },
         )
