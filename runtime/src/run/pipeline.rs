@@ -846,16 +846,6 @@ fn held_bytes<B: Backend>(maps: &[HashMap<String, B::Value>]) -> u64 {
 }
 
 impl Stage<'_> {
-    /// Runs `steps` steps on the CPU, handing each step's account to `report`.
-    pub(crate) fn run(
-        self,
-        config: &RunConfig,
-        steps: usize,
-        report: &mut dyn FnMut(StageReport) -> Result<()>,
-    ) -> Result<StageOutcome> {
-        self.run_on(&mut |_| Ok(Cpu), config, steps, report)
-    }
-
     /// Runs `steps` steps with its kernels on the backends `make` creates (one for the
     /// forward program, one for the backward program and the update; they share the
     /// variables), handing each step's account to `report`. `make` gets the stage's
