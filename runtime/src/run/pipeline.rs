@@ -870,11 +870,9 @@ impl Stage<'_> {
         fwd.set_model_rank(self.model_rank);
         let mut bwd = Executor::with_backend(self.backward, backward_backend)?;
         bwd.set_model_rank(self.model_rank);
-        let device = bwd.backend().name();
-        let fail = |what: &'static str| {
-            let device = device.clone();
-            move |e| backend_error(&device, what, e)
-        };
+        let device_name = bwd.backend().name();
+        let device = device_name.as_str();
+        let fail = |what: &'static str| move |e| backend_error(device, what, e);
         let mut params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
         let mut optimizer = bwd
             .backend()

@@ -364,11 +364,7 @@ pub fn train_pipeline_with<B: Backend>(
                 spans.extend(o.spans);
             }
             Err(e) => {
-                return Err(match errors.take() {
-                    Some((Role::Worker(first), cause)) => cause.of_rank(mesh.name(first)),
-                    Some((Role::Server(s), cause)) => cause.of_rank(format!("server {s}")),
-                    None => e.of_rank(mesh.name(w)),
-                });
+                return Err(first_error(&errors, &mesh, e.of_rank(mesh.name(w))));
             }
         }
     }
