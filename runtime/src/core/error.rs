@@ -48,6 +48,14 @@ pub enum RuntimeError {
     /// The configuration does not fit the model.
     #[error("{0}")]
     Config(String),
+    /// The loss became NaN or infinite: training stops at that step.
+    #[error("the loss became {loss} at step {step}: lower the learning rate")]
+    Diverged {
+        /// The step whose loss it was.
+        step: usize,
+        /// The loss.
+        loss: f64,
+    },
     /// The user stopped the run (Ctrl-C): the text says what was kept.
     #[error("{0}")]
     Interrupted(String),

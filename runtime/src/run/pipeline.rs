@@ -20,7 +20,7 @@
 //! communicator, and to the same model rank of the neighbouring stages by the
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
-use crate::comm::{in_process, Communicator};
+use crate::comm::{in_process, ByteCount, Communicator};
 use crate::core::backend::{backend_error, upload_all, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
@@ -36,6 +36,7 @@ use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep};
 use crate::run::programs::{input_types, CheckpointEvery, Programs, TrainOptions};
+use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::worker::{
     collective, first_step, initial_values, model_collective, refuse_model_axis_state,
@@ -113,12 +114,6 @@ fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
     names
 }
 
-/// Whether a step is one of those every `every` steps of a run ending at `last`, or the
-/// last (an evaluation's or a checkpoint's steps; `every` 0 is the last alone).
-fn due(step: usize, last: usize, every: usize) -> bool {
-    step == last || (every > 0 && step.is_multiple_of(every))
-}
-
 /// What every stage of a pipelined run shares, on threads or MPI ranks alike: the
 /// programs, each stage's schedule, the data's shapes and the variables' initial values
 /// (a resumed state's where the run resumes one). Worker w is model rank w % T of stage
@@ -146,8 +141,8 @@ pub(crate) struct PipelineRun<'a> {
     pub(crate) steps: usize,
     /// The first step it runs: 1, or the one after a resumed state's.
     pub(crate) first: usize,
-    /// The train block's `eval_every`.
-    eval_every: usize,
+    /// Which steps evaluate and which write a checkpoint.
+    cadence: Cadence,
     resume: Option<Arc<TrainingState>>,
     checkpoint: Option<CheckpointEvery>,
     /// The one-device step's samples: the data position a checkpoint records.
@@ -209,7 +204,7 @@ impl<'a> PipelineRun<'a> {
             dir: data_dir(opts.data_dir.as_deref()),
             steps,
             first: first_step(resume, steps)?,
-            eval_every: config.eval_every,
+            cadence: Cadence::of(config, opts),
             resume: opts.resume.clone(),
             checkpoint: opts.checkpoint.clone(),
             samples_per_step: config.batch * program.micro_batches * replicas,
@@ -231,9 +226,7 @@ impl<'a> PipelineRun<'a> {
 
     /// Whether the run writes its training state after `step`.
     pub(crate) fn checkpoints_at(&self, step: usize) -> bool {
-        self.checkpoint
-            .as_ref()
-            .is_some_and(|c| due(step, self.steps, c.every))
+        self.cadence.at(step).checkpoint
     }
 
     /// What the coordinator does with replica 0's variables and optimizer state after
@@ -273,7 +266,7 @@ impl<'a> PipelineRun<'a> {
             crate::core::checkpoint::save_state(&c.path, &state)?;
         }
         match evaluator {
-            Some(e) if due(step, self.steps, self.eval_every) => {
+            Some(e) if self.cadence.evaluates_at(step) => {
                 e.evaluate(&params, step as u64).map(Some)
             }
             _ => Ok(None),
@@ -376,7 +369,7 @@ impl<'a> PipelineRun<'a> {
         Stage {
             name: self.mesh.name(w),
             first: self.first,
-            checkpoint_every: self.checkpoint.as_ref().map(|c| c.every),
+            cadence: self.cadence,
             resumed_slots,
             stage: s,
             tied: &self.tied,
@@ -395,8 +388,6 @@ impl<'a> PipelineRun<'a> {
             data,
             params,
             trace: opts.trace,
-            evaluate: opts.evaluate,
-            eval_every: self.eval_every,
             t0,
         }
     }
@@ -663,9 +654,9 @@ pub(crate) struct Stage<'a> {
     stage: usize,
     /// The first step it runs (after a resumed state's).
     first: usize,
-    /// Hands its variables and optimizer state over every so many steps (and after
-    /// the last) when the run writes checkpoints.
-    checkpoint_every: Option<usize>,
+    /// Which steps evaluate and which write a checkpoint: at those, replica 0's
+    /// stages hand their variables (and at a checkpoint their optimizer state) over.
+    cadence: Cadence,
     /// A resumed state's optimizer state of the variables it updates.
     resumed_slots: Option<HashMap<String, Tensor>>,
     tied: &'a [TiedVariable],
@@ -683,9 +674,6 @@ pub(crate) struct Stage<'a> {
     data: Vec<DataSource>,
     params: HashMap<String, Tensor>,
     trace: bool,
-    /// Whether the run evaluates: after the last step, and every `eval_every` steps.
-    evaluate: bool,
-    eval_every: usize,
     t0: Instant,
 }
 
@@ -845,21 +833,20 @@ fn held_bytes<B: Backend>(maps: &[HashMap<String, B::Value>]) -> u64 {
         .sum()
 }
 
-impl Stage<'_> {
-    /// Runs `steps` steps with its kernels on the backends `make` creates (one for the
-    /// forward program, one for the backward program and the update; they share the
-    /// variables), handing each step's account to `report`. `make` gets the stage's
-    /// communicator among its replicas (the pipeline's where it has none), for a device
-    /// communicator's bootstrap. Messages between stages and the variables a stage
-    /// hands over go through the host.
+impl<'a> Stage<'a> {
+    /// Runs its steps in the one step loop with its schedule as the body, its kernels
+    /// on the backends `make` creates (one for the forward program, one for the
+    /// backward program and the update; they share the variables), handing each step's
+    /// account to `report`. `make` gets the stage's communicator among its replicas
+    /// (the pipeline's where it has none), for a device communicator's bootstrap.
+    /// Messages between stages and the variables a stage hands over go through the
+    /// host.
     pub(crate) fn run_on<B: Backend>(
         mut self,
         make: &mut dyn FnMut(&mut dyn Communicator) -> Result<B>,
         config: &RunConfig,
-        steps: usize,
         report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
-        let s = self.stage;
         let mut made = || match self.hook.replicas.as_mut() {
             Some(c) => make(&mut **c),
             None => make(&mut *self.comm),
@@ -870,16 +857,19 @@ impl Stage<'_> {
         fwd.set_model_rank(self.model_rank);
         let mut bwd = Executor::with_backend(self.backward, backward_backend)?;
         bwd.set_model_rank(self.model_rank);
-        let device_name = bwd.backend().name();
-        let device = device_name.as_str();
-        let fail = |what: &'static str| move |e| backend_error(device, what, e);
-        let mut params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
+        let device = bwd.backend().name();
+        let fail = |what: &'static str| |e| backend_error(&device, what, e);
+        let params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
         let mut optimizer = bwd
             .backend()
             .optimizer(&config.optimizer, &params)
             .map_err(fail("creating the optimizer"))?;
         bwd.backend()
-            .follow_schedule(&mut optimizer, &config.lr_schedule, steps as u64)
+            .follow_schedule(
+                &mut optimizer,
+                &config.lr_schedule,
+                self.cadence.last as u64,
+            )
             .map_err(fail("setting the learning-rate schedule"))?;
         if let Some(slots) = self.resumed_slots.take() {
             bwd.backend()
@@ -891,201 +881,276 @@ impl Stage<'_> {
             .node_ids()
             .iter()
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
-        let t0 = self.t0;
-        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-        let track = self.name.clone();
-        let mut spans = Vec::new();
-        let mut last_bytes = self.comm.bytes() + self.hook.bytes();
-        for step in self.first..=steps {
-            // Before this step's update moves it on (as the worker loop reads it).
-            let lr = B::learning_rate(&optimizer).unwrap_or_else(|| config.optimizer.lr());
-            let feeds = self
-                .data
-                .iter_mut()
-                .map(|d| d.next_batch().and_then(|b| upload_all(fwd.backend(), b)))
-                .collect::<Result<Vec<_>>>()?;
-            let start = Instant::now();
-            let mut waited = 0.0;
-            let mut busy = 0.0;
-            // Per micro-batch: what its forward receives, what its backward receives
-            // (the stash and the gradients), what waits to be sent, by stage.
-            let mut fwd_in: Vec<HashMap<String, B::Value>> =
-                (0..self.micro).map(|_| HashMap::new()).collect();
-            let mut bwd_in: Vec<HashMap<String, B::Value>> =
-                (0..self.micro).map(|_| HashMap::new()).collect();
-            let mut outbox: HashMap<(usize, usize), Vec<(String, Value)>> = HashMap::new();
-            let mut loss = 0.0;
-            let mut grads = Vec::new();
-            let mut backwards = 0;
-            let mut peak = MemoryByCategory::default();
-            for op in self.steps {
-                match *op {
-                    Step::Recv { from, what, micro } => {
-                        let t = Instant::now();
-                        // What an MPI rank's report names when the neighbour never comes.
-                        self.comm.set_label(&format!(
-                            "stage {s}, step {step}: the receive of the {what} of \
-                             micro-batch {micro} from stage {from}"
-                        ));
-                        let bytes = self.comm.recv(from).map_err(|e| {
-                            RuntimeError::Config(format!(
-                                "step {step}: waiting for the {what} of micro-batch {micro} \
-                                 from stage {from}: {e}"
-                            ))
-                        })?;
-                        waited += t.elapsed().as_secs_f64();
-                        let values = decode_values(&bytes).map_err(|e| {
-                            RuntimeError::Config(format!(
-                                "step {step}: the {what} of micro-batch {micro} from stage \
-                                 {from}: {e}"
-                            ))
-                        })?;
-                        let (into, backend) = match what {
-                            Carried::Activation => (&mut fwd_in[micro], fwd.backend()),
-                            Carried::Gradient => (&mut bwd_in[micro], bwd.backend()),
-                        };
-                        for (tag, v) in values {
-                            let v = backend
-                                .from_host(None, v)
-                                .map_err(fail("receiving a message"))?;
-                            into.insert(tag, v);
-                        }
-                    }
-                    Step::Send { to, what, micro } => {
-                        self.comm.set_label(&format!(
-                            "stage {s}, step {step}: the send of the {what} of micro-batch \
-                             {micro} to stage {to}"
-                        ));
-                        let values = outbox.remove(&(to, micro)).unwrap_or_default();
-                        self.comm.send(to, encode_values(&values))?;
-                    }
-                    Step::Compute(action) => {
-                        let began = Instant::now();
-                        let (m, out, run, forward) = match action {
-                            Action::Forward(m) => {
-                                fwd.set_rank(self.replica * self.micro + m);
-                                let mut received = std::mem::take(&mut fwd_in[m]);
-                                let out = fwd.run_stage(
-                                    &feeds[m],
-                                    &params,
-                                    &mut received,
-                                    Mode::Train,
-                                    step as u64,
-                                    Some(&mut self.hook),
-                                )?;
-                                (m, out, fwd.measured_memory(), true)
-                            }
-                            Action::Backward(m) => {
-                                bwd.set_rank(self.replica * self.micro + m);
-                                backwards += 1;
-                                let mode = if backwards == self.micro {
-                                    Mode::Train
-                                } else {
-                                    Mode::Micro
-                                };
-                                let mut received = std::mem::take(&mut bwd_in[m]);
-                                let out = bwd.run_stage(
-                                    &feeds[m],
-                                    &params,
-                                    &mut received,
-                                    mode,
-                                    step as u64,
-                                    Some(&mut self.hook),
-                                )?;
-                                (m, out, bwd.measured_memory(), false)
-                            }
-                        };
-                        // The live stash and messages beside this run's own peak.
-                        let held = held_bytes::<B>(&fwd_in) + held_bytes::<B>(&bwd_in);
-                        peak.activations = peak.activations.max(run.activations + held);
-                        peak.gradients = peak.gradients.max(run.gradients);
-                        loss += out.loss.unwrap_or(0.0);
-                        for (to, tag, v) in out.sent {
-                            if to == s {
-                                bwd_in[m].insert(tag, v);
-                            } else {
-                                let backend = if forward {
-                                    fwd.backend()
-                                } else {
-                                    bwd.backend()
-                                };
-                                let v = backend.to_host(v).map_err(fail("sending a message"))?;
-                                outbox.entry((to, m)).or_default().push((tag, v));
-                            }
-                        }
-                        if !out.grads.is_empty() {
-                            grads = out.grads;
-                        }
-                        busy += began.elapsed().as_secs_f64();
-                        if self.trace {
-                            spans.push(Span {
-                                track: track.clone(),
-                                name: action.to_string(),
-                                node: None,
-                                step: step as u64,
-                                bytes: None,
-                                start_us: us(began),
-                                dur_us: began.elapsed().as_secs_f64() * 1e6,
-                                counters: Vec::new(),
-                            });
-                        }
-                    }
-                }
-            }
-            bwd.backend()
-                .update(&mut optimizer, &mut params, grads)
-                .map_err(fail("applying the update"))?;
-            let t = Instant::now();
-            self.exchange_tied(step, bwd.backend(), &mut params)?;
-            waited += t.elapsed().as_secs_f64();
-            let loss = has_loss.then_some(loss / self.micro as f64);
-            if let Some(l) = loss.filter(|l| !l.is_finite()) {
-                return Err(RuntimeError::Config(format!(
-                    "the loss became {l} at step {step}: lower the learning rate"
-                )));
-            }
-            let bytes = self.comm.bytes() + self.hook.bytes();
-            peak.params = params
-                .values()
-                .map(|t| B::tensor_type(t).bytes() as u64)
-                .sum();
-            peak.optimizer = B::optimizer_bytes(&optimizer);
-            let eval_now = self.evaluate && due(step, steps, self.eval_every);
-            let checkpoint_now = self.checkpoint_every.is_some_and(|e| due(step, steps, e));
-            let slots = if checkpoint_now && self.replica == 0 {
-                Some(self.updated_slots(bwd.backend(), &optimizer)?)
-            } else {
-                None
-            };
-            // Replica 0's model rank 0 hands the stage's variables over, whole.
-            let params = if (eval_now || checkpoint_now) && self.replica == 0 {
-                let whole = self.whole_params(bwd.backend(), &params)?;
-                (self.model_rank == 0).then_some(whole)
-            } else {
-                None
-            };
-            let r = StageReport {
-                params,
-                slots,
-                stage: s,
-                replica: self.replica,
-                model_rank: self.model_rank,
-                busy_sec: busy,
-                step,
-                lr: Some(lr),
-                loss,
-                step_sec: start.elapsed().as_secs_f64(),
-                comm_wait_sec: waited,
-                bytes_sent: bytes.sent - last_bytes.sent,
-                bytes_received: bytes.received - last_bytes.received,
-                memory: peak,
-            };
-            last_bytes = bytes;
-            report(r)?;
+        let last_bytes = self.comm.bytes() + self.hook.bytes();
+        let (first, cadence, t0) = (self.first, self.cadence, self.t0);
+        let mut trace = StepTrace::default();
+        let mut body = ScheduleStep {
+            stage: &mut self,
+            fwd,
+            bwd,
+            params,
+            optimizer,
+            config,
+            has_loss,
+            device: device.clone(),
+            spans: Vec::new(),
+            last_bytes,
+        };
+        let traced = body.stage.trace.then_some(&mut trace);
+        run_steps(&mut body, first, cadence, traced, report)?;
+        let ScheduleStep {
+            mut bwd,
+            params,
+            mut spans,
+            ..
+        } = body;
+        if self.trace {
+            spans.extend(trace.spans(&self.name, t0));
         }
         Ok(StageOutcome {
             params: self.whole_params(bwd.backend(), &params)?,
             spans,
         })
+    }
+}
+
+/// A stage's step: its schedule's instructions (GPipe or 1F1B), then the update and
+/// the tied variables' exchange.
+struct ScheduleStep<'s, 'a, B: Backend> {
+    stage: &'s mut Stage<'a>,
+    fwd: Executor<B>,
+    bwd: Executor<B>,
+    params: HashMap<String, B::Tensor>,
+    optimizer: B::Optimizer,
+    config: &'s RunConfig,
+    /// Whether its forward program holds the loss (the last stage's does).
+    has_loss: bool,
+    /// The backend's name, for its errors.
+    device: String,
+    /// A span per computation, while tracing.
+    spans: Vec<Span>,
+    last_bytes: ByteCount,
+}
+
+/// What a stage's step hands from its body to its report.
+struct ScheduleRan {
+    /// Seconds its forwards and backwards ran.
+    busy: f64,
+    /// Seconds it waited for its neighbours.
+    waited: f64,
+}
+
+impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
+    type Detail = ScheduleRan;
+    type Report = StageReport;
+
+    fn learning_rate(&self) -> f64 {
+        B::learning_rate(&self.optimizer).unwrap_or_else(|| self.config.optimizer.lr())
+    }
+
+    fn run_step(&mut self, step: usize, _: Due) -> Result<Ran<ScheduleRan>> {
+        let me = &mut *self.stage;
+        let (fwd, bwd) = (&mut self.fwd, &mut self.bwd);
+        let device = self.device.as_str();
+        let fail = |what: &'static str| move |e| backend_error(device, what, e);
+        let s = me.stage;
+        let t0 = me.t0;
+        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
+        let feeds = me
+            .data
+            .iter_mut()
+            .map(|d| d.next_batch().and_then(|b| upload_all(fwd.backend(), b)))
+            .collect::<Result<Vec<_>>>()?;
+        let start = Instant::now();
+        let mut waited = 0.0;
+        let mut busy = 0.0;
+        // Per micro-batch: what its forward receives, what its backward receives (the
+        // stash and the gradients), what waits to be sent, by stage.
+        let mut fwd_in: Vec<HashMap<String, B::Value>> =
+            (0..me.micro).map(|_| HashMap::new()).collect();
+        let mut bwd_in: Vec<HashMap<String, B::Value>> =
+            (0..me.micro).map(|_| HashMap::new()).collect();
+        let mut outbox: HashMap<(usize, usize), Vec<(String, Value)>> = HashMap::new();
+        let mut loss = 0.0;
+        let mut grads = Vec::new();
+        let mut backwards = 0;
+        let mut peak = MemoryByCategory::default();
+        for op in me.steps {
+            match *op {
+                Step::Recv { from, what, micro } => {
+                    let t = Instant::now();
+                    // What an MPI rank's report names when the neighbour never comes.
+                    me.comm.set_label(&format!(
+                        "stage {s}, step {step}: the receive of the {what} of micro-batch \
+                         {micro} from stage {from}"
+                    ));
+                    let bytes = me.comm.recv(from).map_err(|e| {
+                        RuntimeError::Config(format!(
+                            "step {step}: waiting for the {what} of micro-batch {micro} \
+                             from stage {from}: {e}"
+                        ))
+                    })?;
+                    waited += t.elapsed().as_secs_f64();
+                    let values = decode_values(&bytes).map_err(|e| {
+                        RuntimeError::Config(format!(
+                            "step {step}: the {what} of micro-batch {micro} from stage \
+                             {from}: {e}"
+                        ))
+                    })?;
+                    let (into, backend) = match what {
+                        Carried::Activation => (&mut fwd_in[micro], fwd.backend()),
+                        Carried::Gradient => (&mut bwd_in[micro], bwd.backend()),
+                    };
+                    for (tag, v) in values {
+                        let v = backend
+                            .from_host(None, v)
+                            .map_err(fail("receiving a message"))?;
+                        into.insert(tag, v);
+                    }
+                }
+                Step::Send { to, what, micro } => {
+                    me.comm.set_label(&format!(
+                        "stage {s}, step {step}: the send of the {what} of micro-batch \
+                         {micro} to stage {to}"
+                    ));
+                    let values = outbox.remove(&(to, micro)).unwrap_or_default();
+                    me.comm.send(to, encode_values(&values))?;
+                }
+                Step::Compute(action) => {
+                    let began = Instant::now();
+                    let (m, out, run, forward) = match action {
+                        Action::Forward(m) => {
+                            fwd.set_rank(me.replica * me.micro + m);
+                            let mut received = std::mem::take(&mut fwd_in[m]);
+                            let out = fwd.run_stage(
+                                &feeds[m],
+                                &self.params,
+                                &mut received,
+                                Mode::Train,
+                                step as u64,
+                                Some(&mut me.hook),
+                            )?;
+                            (m, out, fwd.measured_memory(), true)
+                        }
+                        Action::Backward(m) => {
+                            bwd.set_rank(me.replica * me.micro + m);
+                            backwards += 1;
+                            let mode = if backwards == me.micro {
+                                Mode::Train
+                            } else {
+                                Mode::Micro
+                            };
+                            let mut received = std::mem::take(&mut bwd_in[m]);
+                            let out = bwd.run_stage(
+                                &feeds[m],
+                                &self.params,
+                                &mut received,
+                                mode,
+                                step as u64,
+                                Some(&mut me.hook),
+                            )?;
+                            (m, out, bwd.measured_memory(), false)
+                        }
+                    };
+                    // The live stash and messages beside this run's own peak.
+                    let held = held_bytes::<B>(&fwd_in) + held_bytes::<B>(&bwd_in);
+                    peak.activations = peak.activations.max(run.activations + held);
+                    peak.gradients = peak.gradients.max(run.gradients);
+                    loss += out.loss.unwrap_or(0.0);
+                    for (to, tag, v) in out.sent {
+                        if to == s {
+                            bwd_in[m].insert(tag, v);
+                        } else {
+                            let backend = if forward {
+                                fwd.backend()
+                            } else {
+                                bwd.backend()
+                            };
+                            let v = backend.to_host(v).map_err(fail("sending a message"))?;
+                            outbox.entry((to, m)).or_default().push((tag, v));
+                        }
+                    }
+                    if !out.grads.is_empty() {
+                        grads = out.grads;
+                    }
+                    busy += began.elapsed().as_secs_f64();
+                    if me.trace {
+                        self.spans.push(Span {
+                            track: me.name.clone(),
+                            name: action.to_string(),
+                            node: None,
+                            step: step as u64,
+                            bytes: None,
+                            start_us: us(began),
+                            dur_us: began.elapsed().as_secs_f64() * 1e6,
+                            counters: Vec::new(),
+                        });
+                    }
+                }
+            }
+        }
+        let updating = Instant::now();
+        bwd.backend()
+            .update(&mut self.optimizer, &mut self.params, grads)
+            .map_err(fail("applying the update"))?;
+        let t = Instant::now();
+        me.exchange_tied(step, bwd.backend(), &mut self.params)?;
+        waited += t.elapsed().as_secs_f64();
+        peak.params = self
+            .params
+            .values()
+            .map(|t| B::tensor_type(t).bytes() as u64)
+            .sum();
+        peak.optimizer = B::optimizer_bytes(&self.optimizer);
+        Ok(Ran {
+            loss: self.has_loss.then_some(loss / me.micro as f64),
+            start,
+            updating,
+            memory: peak,
+            detail: ScheduleRan { busy, waited },
+        })
+    }
+
+    fn account(
+        &mut self,
+        step: usize,
+        due: Due,
+        ran: Ran<ScheduleRan>,
+        timed: Timed,
+        lr: f64,
+    ) -> Result<StageReport> {
+        let me = &mut *self.stage;
+        let bytes = me.comm.bytes() + me.hook.bytes();
+        let slots = if due.checkpoint && me.replica == 0 {
+            Some(me.updated_slots(self.bwd.backend(), &self.optimizer)?)
+        } else {
+            None
+        };
+        // Replica 0's model rank 0 hands the stage's variables over, whole, for the
+        // coordinator to evaluate the model or write the training state.
+        let params = if (due.eval || due.checkpoint) && me.replica == 0 {
+            let whole = me.whole_params(self.bwd.backend(), &self.params)?;
+            (me.model_rank == 0).then_some(whole)
+        } else {
+            None
+        };
+        let report = StageReport {
+            params,
+            slots,
+            stage: me.stage,
+            replica: me.replica,
+            model_rank: me.model_rank,
+            busy_sec: ran.detail.busy,
+            step,
+            lr: Some(lr),
+            loss: ran.loss,
+            step_sec: timed.seconds(),
+            comm_wait_sec: ran.detail.waited,
+            bytes_sent: bytes.sent - self.last_bytes.sent,
+            bytes_received: bytes.received - self.last_bytes.received,
+            memory: ran.memory,
+        };
+        self.last_bytes = bytes;
+        Ok(report)
     }
 }

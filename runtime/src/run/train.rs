@@ -314,7 +314,7 @@ pub fn train_pipeline_with<B: Backend>(
             let h = std::thread::Builder::new()
                 .name(format!("stage-{s}-replica-{r}-model-{m}"))
                 .spawn_scoped(scope, move || {
-                    let result = stage.run_on(&mut |c| make(w, c), config, run.steps, &mut |r| {
+                    let result = stage.run_on(&mut |c| make(w, c), config, &mut |r| {
                         tx.send(r)
                             .map_err(|_| RuntimeError::Config("the run was stopped".into()))
                     });

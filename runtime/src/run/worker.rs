@@ -32,6 +32,7 @@ use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, Profile};
 use crate::run::programs::{init_params, Programs, TrainOptions};
+use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use distc_ir::{DType, NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
@@ -719,10 +720,6 @@ struct Loop<B: Backend> {
     params: HashMap<String, B::Tensor>,
     optimizer: B::Optimizer,
     profile: Profile,
-    /// `(step, start, update start, end)` per step, while tracing.
-    step_spans: Vec<(u64, Instant, Instant, Instant)>,
-    /// Memory by category at the end of each step, while tracing.
-    memory: Vec<(u64, Instant, MemoryByCategory)>,
     bytes_rx: mpsc::Receiver<ByteCount>,
     last: ByteCount,
     ps_last: (u64, u64),
@@ -785,8 +782,9 @@ pub fn run_worker_on<B: Backend>(
         }),
     };
     let mut state = None;
+    let mut step_trace = StepTrace::default();
     let mut result = made.and_then(|backend| {
-        run_steps(
+        train_worker(
             backend,
             &programs,
             config,
@@ -797,6 +795,7 @@ pub fn run_worker_on<B: Backend>(
             &mut hook,
             (bytes_rx, bytes_start),
             &mut state,
+            &mut step_trace,
         )
     });
     // The variables back on the host, then whole from the shards, on every worker
@@ -844,25 +843,15 @@ pub fn run_worker_on<B: Backend>(
     let mut spans = Vec::new();
     if opts.trace {
         let wait_spans = std::mem::take(&mut *wait_spans.lock().unwrap_or_else(|p| p.into_inner()));
-        spans = worker_spans(
+        spans = step_trace.spans(&format!("worker {rank}"), t0);
+        spans.extend(worker_spans(
             rank,
             t0,
-            &st.step_spans,
+            &step_trace.steps,
             &node_spans,
             &wait_spans,
             span_rx.try_iter().collect(),
-        );
-        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-        spans.extend(st.memory.iter().map(|(step, at, m)| Span {
-            track: format!("worker {rank} memory"),
-            name: "memory".into(),
-            node: None,
-            step: *step,
-            bytes: None,
-            start_us: us(*at),
-            dur_us: 0.0,
-            counters: m.named().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-        }));
+        ));
     }
     let profile = (opts.profile && rank == 0).then(|| Profile {
         ops: st.exec.profile(),
@@ -895,10 +884,10 @@ fn finalize(
     Ok(())
 }
 
-/// Initialises and runs every step; `state` holds what the steps built, for the
-/// outcome (also when a step fails).
+/// Initialises the worker and runs every step in the one step loop with its body;
+/// `state` holds what the steps built, for the outcome (also when a step fails).
 #[allow(clippy::too_many_arguments)]
-fn run_steps<B: Backend>(
+fn train_worker<B: Backend>(
     backend: B,
     programs: &Programs<'_>,
     config: &RunConfig,
@@ -909,6 +898,7 @@ fn run_steps<B: Backend>(
     hook: &mut WorkerHook,
     (bytes_rx, bytes_start): (mpsc::Receiver<ByteCount>, ByteCount),
     state: &mut Option<Loop<B>>,
+    trace: &mut StepTrace,
 ) -> Result<()> {
     let workers = mesh.workers();
     let steps = opts.steps.unwrap_or(config.steps);
@@ -960,8 +950,6 @@ fn run_steps<B: Backend>(
             steps: steps + 1 - first,
             ..Profile::default()
         },
-        step_spans: Vec::new(),
-        memory: Vec::new(),
         bytes_rx,
         last: bytes_start,
         ps_last: (0, 0),
@@ -969,7 +957,7 @@ fn run_steps<B: Backend>(
     });
     hook.take_waited();
     let k = data.len();
-    // CUDA graphs, a mode of this loop: after WARMUP eager steps (which also settle
+    // CUDA graphs, a mode of this body: after WARMUP eager steps (which also settle
     // every lazy setup, cuBLAS's included), one step and its update are captured, and
     // that graph is replayed for that step and every later one. Only where the step
     // has no host round trip: one batch per step, no pull or push, every collective
@@ -978,26 +966,20 @@ fn run_steps<B: Backend>(
     // them), which a replayed graph cannot: a profiled run runs eagerly.
     // fp16: the backward pass starts from the loss scale; a step reads its gradients
     // back to unscale them (a host round trip: no CUDA graph).
-    let mut scaler = programs.worker.scales_loss().then(LossScaler::default);
+    let scaler = programs.worker.scales_loss().then(LossScaler::default);
     let capturable = k == 1
         && scaler.is_none()
         && !opts.profile
         && !st.exec.schedule().has_server_ops()
         && st.exec.can_capture();
-    let mut graph = if capturable {
+    let graph = if capturable {
         GraphState::Untried
     } else {
         GraphState::Off
     };
-    // While a replayed step runs on the device, the next step's batch is drawn and
-    // staged (uploads are ordered after the replay on the device's stream, so the
-    // buffers the graph reads are overwritten only once it is done).
-    let mut prefetched: Option<HashMap<String, B::Tensor>> = None;
-    // Whether this step's replay was issued already, behind the previous step's.
-    let mut issued = false;
     // Preloaded batches go to the device once where the backend keeps them (a GPU):
     // a step's feeds are then a copy within device memory, not a host-to-device
-    // transfer. One batch a step only: micro-batches are fed by the loop below.
+    // transfer. One batch a step only: micro-batches are fed by the body below.
     let mut held: VecDeque<usize> = VecDeque::new();
     if opts.preload && k == 1 {
         let mut batches = data[0].take_preloaded().into_iter();
@@ -1017,20 +999,74 @@ fn run_steps<B: Backend>(
             }
         }
     }
-    for step in first..=steps {
-        // Before this step's update moves it on; a backend that does not keep it runs
-        // no schedule (it refuses one), so the rate is the train block's.
-        let lr = B::learning_rate(&st.optimizer).unwrap_or_else(|| config.optimizer.lr());
-        let eval_now = opts.evaluate
-            && (step == steps || (config.eval_every > 0 && step % config.eval_every == 0));
-        let checkpoint_now = opts
-            .checkpoint
-            .as_ref()
-            .is_some_and(|c| step % c.every == 0 || step == steps);
+    let mut body = WorkerStep {
+        st,
+        hook,
+        data,
+        programs,
+        config,
+        opts,
+        rank,
+        ranks,
+        first,
+        device,
+        scaler,
+        graph,
+        prefetched: None,
+        issued: false,
+        held,
+    };
+    let trace = opts.trace.then_some(trace);
+    run_steps(&mut body, first, Cadence::of(config, opts), trace, report)
+}
+
+/// A worker's step: its program once per micro-batch and the update, or the replay of
+/// the step's captured CUDA graph.
+struct WorkerStep<'s, 'p, B: Backend> {
+    st: &'s mut Loop<B>,
+    hook: &'s mut WorkerHook,
+    data: &'s mut [DataSource],
+    programs: &'s Programs<'p>,
+    config: &'s RunConfig,
+    opts: &'s TrainOptions,
+    rank: usize,
+    /// Its ranks on the mesh's data and model axes, set before each micro-batch.
+    ranks: (usize, usize),
+    first: usize,
+    /// The backend's name, for its errors.
+    device: String,
+    scaler: Option<LossScaler>,
+    graph: GraphState,
+    /// While a replayed step runs on the device, the next step's batch is drawn and
+    /// staged (uploads are ordered after the replay on the device's stream, so the
+    /// buffers the graph reads are overwritten only once it is done).
+    prefetched: Option<HashMap<String, B::Tensor>>,
+    /// Whether this step's replay was issued already, behind the previous step's.
+    issued: bool,
+    /// The preloaded batches the backend holds, in order.
+    held: VecDeque<usize>,
+}
+
+impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
+    type Detail = ();
+    type Report = StepReport;
+
+    fn learning_rate(&self) -> f64 {
+        // A backend that does not keep the rate runs no schedule (it refuses one): the
+        // rate is the train block's.
+        B::learning_rate(&self.st.optimizer).unwrap_or_else(|| self.config.optimizer.lr())
+    }
+
+    fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {
+        let (rank, first) = (self.rank, self.first);
+        let steps = Cadence::of(self.config, self.opts).last;
+        let device = self.device.as_str();
+        let st = &mut *self.st;
+        let hook = &mut *self.hook;
         hook.step = step as u64;
         // The first steps load modules, pick cuBLAS algorithms and fault pages in, once
         // per run: a profile of a run long enough leaves them out.
-        if opts.profile && step == first + WARMUP && steps + 1 - first >= 4 * WARMUP {
+        if self.opts.profile && step == first + WARMUP && steps + 1 - first >= 4 * WARMUP {
             st.exec.reset_profile();
             st.profile = Profile {
                 steps: steps + 1 - step,
@@ -1041,15 +1077,16 @@ fn run_steps<B: Backend>(
         // The first micro-batch on the device; the others stay on the host until they
         // run, since a device backend keeps one buffer per feed, which an upload
         // overwrites.
-        let (fed, later, start) = match prefetched.take() {
+        let (fed, later, start) = match self.prefetched.take() {
             Some(feeds) => (feeds, Vec::new(), Instant::now()),
-            None if !held.is_empty() => {
+            None if !self.held.is_empty() => {
                 let start = Instant::now();
-                let fed = feed_held(st.exec.backend(), &mut held, &device)?;
+                let fed = feed_held(st.exec.backend(), &mut self.held, device)?;
                 (fed, Vec::new(), start)
             }
             None => {
-                let mut batches = data
+                let mut batches = self
+                    .data
                     .iter_mut()
                     .map(DataSource::next_batch)
                     .collect::<Result<Vec<_>>>()?;
@@ -1064,19 +1101,19 @@ fn run_steps<B: Backend>(
                 (fed, rest, start)
             }
         };
-        if graph == GraphState::Untried && step >= first + WARMUP {
-            graph = capture_step(st, &fed, step, rank, &mut *hook)?;
+        if self.graph == GraphState::Untried && step >= first + WARMUP {
+            self.graph = capture_step(st, &fed, step, rank, &mut *hook)?;
         }
-        let (loss, updating, used) = if let GraphState::Replaying(captured) = graph {
+        let (loss, updating, used) = if let GraphState::Replaying(captured) = self.graph {
             let replay = |backend: &mut B, step: usize| {
                 backend
                     .set_step(step as u64)
-                    .map_err(|e| backend_error(&device, "setting the step", e))?;
+                    .map_err(|e| backend_error(device, "setting the step", e))?;
                 backend
                     .replay()
-                    .map_err(|e| backend_error(&device, "replaying the step's CUDA graph", e))
+                    .map_err(|e| backend_error(device, "replaying the step's CUDA graph", e))
             };
-            if !issued {
+            if !self.issued {
                 replay(st.exec.backend(), step)?;
             }
             // The next step's batch is staged and its replay issued before this
@@ -1084,13 +1121,13 @@ fn run_steps<B: Backend>(
             // (uploads and replays are ordered on the device's stream, so the graph's
             // buffers are overwritten only once this step is done). Not before an
             // evaluation or a checkpoint: they read the same buffers.
-            issued = step < steps && !eval_now && !checkpoint_now;
-            if issued {
-                prefetched = Some(if held.is_empty() {
-                    let next = data[0].next_batch()?;
+            self.issued = !due.last && !due.eval && !due.checkpoint;
+            if self.issued {
+                self.prefetched = Some(if self.held.is_empty() {
+                    let next = self.data[0].next_batch()?;
                     upload_all(st.exec.backend(), next)?
                 } else {
-                    feed_held(st.exec.backend(), &mut held, &device)?
+                    feed_held(st.exec.backend(), &mut self.held, device)?
                 });
                 replay(st.exec.backend(), step + 1)?;
             }
@@ -1098,17 +1135,18 @@ fn run_steps<B: Backend>(
                 .exec
                 .backend()
                 .pending_scalar()
-                .map_err(|e| backend_error(&device, "reading the loss", e))?
+                .map_err(|e| backend_error(device, "reading the loss", e))?
                 .unwrap_or(f64::NAN);
             (loss, Instant::now(), captured)
         } else {
             // Micro-batches: the last one communicates and hands the gradients over.
+            let k = self.data.len();
             let mut micro_loss = 0.0;
             let mut last = None;
             let sources = 1 + later.len();
             let mut later = later.into_iter();
             let mut first_batch = Some(fed);
-            if let Some(s) = &scaler {
+            if let Some(s) = &self.scaler {
                 st.exec.set_loss_scale(s.scale)?;
             }
             for m in 0..k {
@@ -1123,7 +1161,7 @@ fn run_steps<B: Backend>(
                         upload_all(st.exec.backend(), b)?
                     }
                 };
-                set_ranks(&mut st.exec, ranks, Some((k, m)));
+                set_ranks(&mut st.exec, self.ranks, Some((k, m)));
                 let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
                 let o =
                     st.exec
@@ -1139,14 +1177,14 @@ fn run_steps<B: Backend>(
             let used = st.exec.measured_memory();
             let updating = Instant::now();
             let mut grads = out.grads;
-            let apply = match scaler.as_mut() {
+            let apply = match self.scaler.as_mut() {
                 None => true,
                 Some(s) => {
                     let finite = st
                         .exec
                         .backend()
                         .unscale(&mut grads, 1.0 / s.scale)
-                        .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
+                        .map_err(|e| backend_error(device, "unscaling the gradients", e))?;
                     // Every worker skips the same steps (a ZeRO chunk or a model-axis
                     // part may overflow on one worker alone).
                     let finite = all_finite(hook, finite, step)?;
@@ -1158,29 +1196,14 @@ fn run_steps<B: Backend>(
                 st.exec
                     .backend()
                     .update(&mut st.optimizer, &mut st.params, grads)
-                    .map_err(|e| backend_error(&device, "applying the update", e))?;
+                    .map_err(|e| backend_error(device, "applying the update", e))?;
             }
             st.exec
                 .backend()
                 .synchronize()
-                .map_err(|e| backend_error(&device, "finishing the step", e))?;
+                .map_err(|e| backend_error(device, "finishing the step", e))?;
             (micro_loss / k as f64, updating, used)
         };
-        st.profile.optimizer += updating.elapsed();
-        let elapsed = start.elapsed();
-        if opts.trace {
-            st.step_spans
-                .push((step as u64, start, updating, start + elapsed));
-        }
-        if !loss.is_finite() {
-            return Err(RuntimeError::Config(format!(
-                "the loss became {loss} at step {step} on worker {rank}: lower the learning rate"
-            )));
-        }
-        let waited = hook.take_waited();
-        st.profile.step_time += elapsed;
-        st.profile.comm_wait += waited;
-        let (sent, received, moved) = byte_deltas(st, hook);
         let memory = MemoryByCategory {
             params: st
                 .params
@@ -1192,39 +1215,61 @@ fn run_steps<B: Backend>(
             activations: used.activations,
             comm_buffers: used.comm_buffers,
         };
-        if opts.trace {
-            st.memory.push((step as u64, Instant::now(), memory));
-        }
+        Ok(Ran {
+            loss: Some(loss),
+            start,
+            updating,
+            memory,
+            detail: (),
+        })
+    }
+
+    fn account(
+        &mut self,
+        step: usize,
+        due: Due,
+        ran: Ran<()>,
+        timed: Timed,
+        lr: f64,
+    ) -> Result<StepReport> {
+        let rank = self.rank;
+        let st = &mut *self.st;
+        let hook = &mut *self.hook;
+        st.profile.optimizer += timed.end - timed.updating;
+        let waited = hook.take_waited();
+        st.profile.step_time += timed.end - timed.start;
+        st.profile.comm_wait += waited;
+        let (sent, received, moved) = byte_deltas(st, hook);
         // Worker 0 reports the evaluation; when evaluating takes collectives (ZeRO's
         // gathered parameters), every worker takes part.
-        let eval = if eval_now && (rank == 0 || st.exec.schedule().has_collective(Mode::Eval)) {
+        let eval = if due.eval && (rank == 0 || st.exec.schedule().has_collective(Mode::Eval)) {
             // Evaluation is not training: keep its kernels out of the profile, and its
             // traffic out of the next step's bytes.
             st.exec.set_profiling(false);
             let e = evaluate(
                 &mut st.exec,
                 &st.params,
-                &data[0],
-                config,
+                &self.data[0],
+                self.config,
                 step as u64 + 1,
                 Some(&mut *hook),
             )?;
-            st.exec.set_profiling(opts.profile);
+            st.exec.set_profiling(self.opts.profile);
             hook.take_waited();
             byte_deltas(st, hook);
             (rank == 0).then_some(e)
         } else {
             None
         };
-        if let (Some(c), true) = (&opts.checkpoint, checkpoint_now) {
-            save_training_state(c, st, programs, config, rank, step, hook)?;
+        if let (Some(c), true) = (&self.opts.checkpoint, due.checkpoint) {
+            save_training_state(c, st, self.programs, self.config, rank, step, hook)?;
         }
-        report(StepReport {
+        Ok(StepReport {
             rank,
             step,
-            memory,
-            loss,
-            step_sec: elapsed.as_secs_f64(),
+            memory: ran.memory,
+            loss: ran.loss.unwrap_or(f64::NAN),
+            step_sec: timed.seconds(),
             comm_wait_sec: waited.as_secs_f64(),
             bytes_sent: sent,
             bytes_received: received,
@@ -1232,11 +1277,10 @@ fn run_steps<B: Backend>(
             eval,
             device_memory: st.exec.backend().device_memory(),
             pipeline: None,
-            loss_scale: scaler.as_ref().map(|s| (s.scale, s.skipped)),
+            loss_scale: self.scaler.as_ref().map(|s| (s.scale, s.skipped)),
             lr: Some(lr),
-        })?;
+        })
     }
-    Ok(())
 }
 
 /// The feeds of the next batch the backend holds (`Transfer::hold_batch`).
@@ -1532,7 +1576,7 @@ fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &mut WorkerHook) -> (u64, u64
 fn worker_spans(
     rank: usize,
     t0: Instant,
-    step_spans: &[(u64, Instant, Instant, Instant)],
+    step_spans: &[(u64, Timed)],
     node_spans: &[(NodeId, &'static str, u64, Instant, Instant)],
     wait_spans: &[(NodeId, u64, Instant, Instant)],
     comm_spans: Vec<CommSpan>,
@@ -1558,8 +1602,16 @@ fn worker_spans(
             backward_from.entry(step).or_insert(s);
         }
     }
-    for &(step, s, updating, e) in step_spans {
-        spans.push(span(&track, format!("step {step}"), None, step, s, e));
+    // Each step's own span is the loop's ([`StepTrace::spans`]).
+    for &(
+        step,
+        Timed {
+            start: s,
+            updating,
+            end: e,
+        },
+    ) in step_spans
+    {
         let b = backward_from.get(&step).copied().unwrap_or(s);
         spans.push(span(&track, "forward".into(), None, step, s, b));
         spans.push(span(&track, "backward".into(), None, step, b, updating));

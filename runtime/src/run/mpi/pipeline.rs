@@ -114,7 +114,7 @@ pub(super) fn run_stage_rank(
     };
     if rank != 0 {
         let mut reports = Sends::new(opts.timeout);
-        let outcome = me.run_on(&mut |_| Ok(Cpu), config, run.steps, &mut |mut rep| {
+        let outcome = me.run_on(&mut |_| Ok(Cpu), config, &mut |mut rep| {
             write_local(&rep)?;
             let step = rep.step;
             // An evaluation's or a checkpoint's variables go first, then a checkpoint's
@@ -187,7 +187,7 @@ pub(super) fn run_stage_rank(
         let handle = std::thread::Builder::new()
             .name("stage-0-replica-0".into())
             .spawn_scoped(scope, move || {
-                me.run_on(&mut |_| Ok(Cpu), config, run.steps, &mut |rep| {
+                me.run_on(&mut |_| Ok(Cpu), config, &mut |rep| {
                     write_local(&rep)?;
                     tx.send(rep)
                         .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
