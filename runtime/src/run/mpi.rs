@@ -19,10 +19,11 @@
 //! spans.
 
 mod pipeline;
+mod reports;
 
 use crate::comm::mpi::{
     complete_or, report_and_abort, suspended, Among, Backoff, Comm, MpiComm, Outgoing, Since,
-    TAG_REPLY, TAG_REPORT, TAG_REQUEST, TAG_SPANS,
+    TAG_REPLY, TAG_REQUEST, TAG_SPANS,
 };
 use crate::comm::Communicator;
 use crate::core::backend::Backend;
@@ -44,77 +45,11 @@ use mpi::request::{scope, Request, Scope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::Communicator as _;
 use mpi::traits::*;
+use reports::{drain_on_rank0, ToRank0};
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-
-/// The one stall policy of rank 0's coordinator, for every kind of plan: a worker that
-/// sends no step report for longer than the timeout while another reports (or after
-/// rank 0's own role has ended) has stopped. Each rank also bounds its own waits on its
-/// peers; this catches a rank that went silent without any peer noticing (as under
-/// asynchronous servers, or a stage whose neighbours are blocked on it).
-struct StallInspector {
-    /// Per worker: reports taken, when the last came, its step.
-    heard: Vec<(usize, Since, usize)>,
-    /// Reports each worker sends in all.
-    expected: usize,
-    timeout: Duration,
-}
-
-impl StallInspector {
-    fn new(workers: usize, expected: usize, first_step: usize, timeout: Duration) -> Self {
-        StallInspector {
-            heard: vec![(0, Since::now(), first_step); workers],
-            expected,
-            timeout,
-        }
-    }
-
-    /// Worker `w` reported `step`.
-    fn heard(&mut self, w: usize, step: usize) {
-        if let Some(h) = self.heard.get_mut(w) {
-            *h = (h.0 + 1, Since::now(), step);
-        }
-    }
-
-    /// The stalled worker other than rank 0's own, if one is, with the step it last
-    /// reported, as an error naming it on the mesh. `own_done`: rank 0's own role has
-    /// ended, so every other report is overdue from now on.
-    fn stalled(&self, mesh: &Mesh, own_done: bool) -> Option<RuntimeError> {
-        // How long ago the newest report came (now, once rank 0's own role has ended).
-        let newest = if own_done {
-            Duration::ZERO
-        } else {
-            self.heard
-                .iter()
-                .map(|h| h.1.waited())
-                .min()
-                .unwrap_or_default()
-        };
-        let w = (1..self.heard.len()).find(|&w| {
-            let (taken, since, _) = &self.heard[w];
-            *taken < self.expected && since.waited().saturating_sub(newest) > self.timeout
-        })?;
-        Some(RuntimeError::Peer {
-            rank: 0,
-            peer: w,
-            op: "step report".into(),
-            message: format!(
-                "worker rank {w} ({}) sent no step report after step {} for {:.0} s \
-                 (--timeout) while {}: it stopped answering",
-                mesh.name(w),
-                self.heard[w].2,
-                self.timeout.as_secs_f64(),
-                if own_done {
-                    "worker 0 had finished"
-                } else {
-                    "other workers went on"
-                }
-            ),
-        })
-    }
-}
 
 /// Sends not yet taken by their receivers, oldest first; an error naming the receiver
 /// once the oldest has waited `timeout`.
@@ -810,58 +745,23 @@ fn run_worker_rank<B: Backend>(
     });
     let mut local = rank_metrics(mpi_run, r)?;
     let batch = config.batch;
-    let (local_tx, local_rx) = mpsc::channel::<StepReport>();
-    let ctl_sender = ctl.clone();
-    // Reports to rank 0 go out synchronous: one rank 0 has not taken within the timeout
-    // means rank 0 stopped (nothing else tells a worker that runs on alone, as under
-    // async parameter servers).
-    let mut reports = Sends::new(opts.timeout);
-    let mut report_steps: VecDeque<usize> = VecDeque::new();
     let last_step = opts.steps.unwrap_or(config.steps);
-    let report = move |rep: StepReport| -> Result<()> {
-        if let Some(w) = local.as_mut() {
-            let line = serde_json::to_string(&local_line(&rep, batch))
-                .map_err(|e| RuntimeError::Config(e.to_string()))?;
-            writeln!(w, "{line}").map_err(|source| RuntimeError::Io {
-                path: PathBuf::from("metrics"),
-                source,
-            })?;
-            if rep.step == opts.steps.unwrap_or(config.steps) {
-                let _ = w.flush();
-            }
+    let mut write_local = move |rep: &StepReport| -> Result<()> {
+        let Some(w) = local.as_mut() else {
+            return Ok(());
+        };
+        let line = serde_json::to_string(&local_line(rep, batch))
+            .map_err(|e| RuntimeError::Config(e.to_string()))?;
+        writeln!(w, "{line}").map_err(|source| RuntimeError::Io {
+            path: PathBuf::from("metrics"),
+            source,
+        })?;
+        if rep.step == last_step {
+            let _ = w.flush();
         }
-        if r == 0 {
-            local_tx
-                .send(rep)
-                .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
-        } else {
-            let bytes =
-                serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
-            reports
-                .pending
-                .push_back(Outgoing::start(&ctl_sender.0, 0, TAG_REPORT, bytes, true));
-            report_steps.push_back(rep.step);
-            let late = if rep.step == last_step {
-                reports.flush().is_some()
-            } else {
-                reports.late().is_some()
-            };
-            // Reports complete in order: the steps of those still pending are the last.
-            while report_steps.len() > reports.pending.len() {
-                report_steps.pop_front();
-            }
-            if late {
-                return Err(RuntimeError::Config(format!(
-                    "worker rank 0 did not take worker {r}'s report of step {} within {:.0} s \
-                     (--timeout): rank 0 stopped answering",
-                    report_steps.front().copied().unwrap_or(rep.step),
-                    reports.timeout.as_secs_f64()
-                )));
-            }
-            Ok(())
-        }
+        Ok(())
     };
-    let setup = WorkerSetup {
+    let setup = |report| WorkerSetup {
         programs,
         config,
         opts,
@@ -871,101 +771,53 @@ fn run_worker_rank<B: Backend>(
         model_comm,
         ps,
         data,
-        report: Box::new(report),
+        report,
         t0,
         errors: ErrorSlot::default(),
     };
     if r != 0 {
-        let outcome = run_worker_on(setup, |c| make(r, c))?;
+        let mut to_rank0 = ToRank0::new(r, &mesh, last_step, opts.timeout);
+        let report = move |rep: StepReport| {
+            write_local(&rep)?;
+            to_rank0.send(ctl, rep.step, Vec::new(), &rep)
+        };
+        let outcome = run_worker_on(setup(Box::new(report)), |c| make(r, c))?;
         let _ = send_spans(ctl, r, outcome.spans, opts, mpi_run);
         return Ok(None);
     }
-    // Rank 0: the worker on a thread, the coordinator here.
-    // A resumed run reports the steps after the state's.
+    // Rank 0: the worker on a thread, the coordinator here. A resumed run reports the
+    // steps after the state's.
     let done = opts.resume.as_ref().map_or(0, |s| s.index.step as usize);
-    let steps = opts.steps.unwrap_or(config.steps).saturating_sub(done);
+    let steps = last_step.saturating_sub(done);
     let k = crate::run::programs::micro_batches(programs.worker);
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
     coordinator.model_axis = mesh.model;
-    std::thread::scope(|scope| -> Result<Option<TrainReport>> {
-        let worker = std::thread::Builder::new()
-            .name("worker-0".into())
-            .spawn_scoped(scope, move || run_worker_on(setup, |c| make(r, c)))
-            .map_err(|e| RuntimeError::Config(format!("worker 0: cannot start: {e}")))?;
-        let expected = steps * roles.workers;
-        let mut received = 0;
-        let mut backoff = Backoff(0);
-        let mut worker = Some(worker);
-        let mut outcome = None;
-        // The coordinator's own errors stop the job at once: returning would wait for
-        // worker 0's thread, which may be waiting on the rank at fault.
-        let stop = |e: RuntimeError| -> ! {
-            fail(&SimpleCommunicator::world(), 0, Some(Role::Worker(0)), &e)
+    let worker = |tx: mpsc::Sender<StepReport>| {
+        let report = move |rep: StepReport| {
+            write_local(&rep)?;
+            tx.send(rep)
+                .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
         };
-        let mut stalls = StallInspector::new(roles.workers, steps, done, opts.timeout);
-        let take =
-            |rep: StepReport, coordinator: &mut Coordinator<'_>, stalls: &mut StallInspector| {
-                stalls.heard(rep.rank, rep.step);
-                if let Err(e) = coordinator.add(rep) {
-                    stop(e);
-                }
-            };
-        while received < expected {
-            let mut got = false;
-            while let Ok(rep) = local_rx.try_recv() {
-                take(rep, &mut coordinator, &mut stalls);
-                received += 1;
-                got = true;
-            }
-            if let Some((msg, st)) = ctl
-                .0
-                .any_process()
-                .immediate_matched_probe_with_tag(TAG_REPORT)
-            {
-                let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
-                match serde_json::from_slice::<StepReport>(&bytes) {
-                    Ok(rep) => take(rep, &mut coordinator, &mut stalls),
-                    Err(e) => stop(RuntimeError::Config(format!(
-                        "a malformed step report: {e}"
-                    ))),
-                }
-                received += 1;
-                got = true;
-            }
-            // Worker 0 may end first (its reports are all in the channel): an error
-            // stops the job now; otherwise the other workers' reports are awaited.
-            if let Some(w) = worker.take_if(|w| w.is_finished()) {
-                outcome = Some(
-                    w.join()
-                        .map_err(|_| RuntimeError::Config("worker 0 panicked".into()))??,
-                );
-            }
-            if got {
-                backoff = Backoff(0);
-            } else {
-                if let Some(e) = stalls.stalled(&mesh, outcome.is_some()) {
-                    stop(e);
-                }
-                backoff.wait();
-            }
-        }
-        let outcome = match (outcome, worker) {
-            (Some(o), _) => o,
-            (None, Some(w)) => w
-                .join()
-                .map_err(|_| RuntimeError::Config("worker 0 panicked".into()))??,
-            (None, None) => return Err(RuntimeError::Config("worker 0 vanished".into())),
-        };
-        let mut spans = outcome.spans;
-        gather_spans(ctl, roles.world(), opts, mpi_run, "worker 0", &mut spans)?;
-        let types = ps::check_shards(&server_shards(
-            programs.servers,
-            &pulled_types(programs.worker),
-        )?)?;
-        let mut params = outcome.params;
-        params.extend(ps::assemble(outcome.server_shards, &types)?);
-        Ok(Some(coordinator.finish(params, outcome.profile, spans)))
-    })
+        run_worker_on(setup(Box::new(report)), |c| make(r, c))
+    };
+    let outcome = drain_on_rank0(
+        "worker-0",
+        &mesh,
+        ctl,
+        (steps, done),
+        opts.timeout,
+        worker,
+        &mut |rep| coordinator.add(rep),
+    )?;
+    let mut spans = outcome.spans;
+    gather_spans(ctl, roles.world(), opts, mpi_run, "worker 0", &mut spans)?;
+    let types = ps::check_shards(&server_shards(
+        programs.servers,
+        &pulled_types(programs.worker),
+    )?)?;
+    let mut params = outcome.params;
+    params.extend(ps::assemble(outcome.server_shards, &types)?);
+    Ok(Some(coordinator.finish(params, outcome.profile, spans)))
 }
 
 /// `distc calibrate` under `mpirun`: [`crate::comm::calibrate::sweep`] over every rank

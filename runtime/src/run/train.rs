@@ -20,9 +20,9 @@ use crate::ps::{self, PsConfig};
 use crate::run::coordinator::{Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::StepMetrics;
-use crate::run::pipeline::{PipelineRun, StageReport};
+use crate::run::pipeline::PipelineRun;
 use crate::run::trace::Span;
-use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerOutcome, WorkerSetup};
+use crate::run::worker::{run_worker_on, ErrorSlot, WorkerSetup};
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::Instant;
@@ -72,6 +72,97 @@ fn first_error(errors: &ErrorSlot, mesh: &Mesh, fallback: RuntimeError) -> Runti
         Some((Role::Server(s), e)) => e.of_rank(format!("server {s}")),
         None => fallback,
     }
+}
+
+/// A role's end of the report channel: once the coordinator takes no more reports
+/// (the caller stopped the run, or another role failed), the role's next report fails
+/// and the role stops.
+pub(crate) fn reporter<R: Send>(tx: mpsc::Sender<R>) -> impl FnMut(R) -> Result<()> + Send {
+    move |r| {
+        tx.send(r)
+            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
+    }
+}
+
+/// The thread transport's one runner: each role on a thread of its own, named, and
+/// its reports drained into `sink` on the caller's thread (the coordinator) until
+/// every role is done. An error from `sink` ends the drain, so the roles see their
+/// reports refused and stop. Returns each role's result in order (a panic or a thread
+/// that did not start among them) and `sink`'s error.
+pub(crate) fn run_roles<R, O, F>(
+    roles: Vec<(String, F)>,
+    sink: &mut dyn FnMut(R) -> Result<()>,
+) -> (Vec<Result<O>>, Option<RuntimeError>)
+where
+    R: Send,
+    O: Send,
+    F: FnOnce(mpsc::Sender<R>) -> Result<O> + Send,
+{
+    let (tx, rx) = mpsc::channel::<R>();
+    let mut sink_error = None;
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = roles
+            .into_iter()
+            .map(|(name, role)| {
+                let tx = tx.clone();
+                let h = std::thread::Builder::new()
+                    .name(name.clone())
+                    .spawn_scoped(scope, move || role(tx));
+                (name, h)
+            })
+            .collect();
+        drop(tx);
+        for r in rx.iter() {
+            if let Err(e) = sink(r) {
+                sink_error = Some(e);
+                break;
+            }
+        }
+        drop(rx);
+        handles
+            .into_iter()
+            .map(|(name, h)| match h {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("{name} panicked")))),
+                Err(e) => Err(RuntimeError::Config(format!("{name}: cannot start: {e}"))),
+            })
+            .collect()
+    });
+    (results, sink_error)
+}
+
+/// Every role's outcome, or the run's error: the coordinator's if it stopped the run,
+/// else the first error recorded (the cause; roles record theirs as they fail, before
+/// their peers see them hang up), worker w being the w-th role.
+fn settle<O>(
+    results: Vec<Result<O>>,
+    coordinator_error: Option<RuntimeError>,
+    errors: &ErrorSlot,
+    mesh: &Mesh,
+) -> Result<Vec<O>> {
+    if let Some(e) = coordinator_error {
+        return Err(e);
+    }
+    let mut outcomes = Vec::with_capacity(results.len());
+    let mut failed = false;
+    for (w, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(o) => outcomes.push(o),
+            Err(e) => {
+                errors.record(Role::Worker(w), e);
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        return Err(first_error(
+            errors,
+            mesh,
+            RuntimeError::Config("a worker failed".into()),
+        ));
+    }
+    Ok(outcomes)
 }
 
 /// Trains a plan with its N workers and S servers as threads of this process (one
@@ -149,83 +240,44 @@ pub fn train_with<B: Backend>(
         .collect();
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
-    let (report_tx, report_rx) = mpsc::channel::<StepReport>();
     let k = micro_batches(programs.worker);
     let mut coordinator =
         Coordinator::new(n, config.batch * k, n > 1 || cluster.is_some(), on_step);
     coordinator.model_axis = mesh.model;
-    let mut outcomes: Vec<Option<WorkerOutcome>> = Vec::new();
-    let mut coordinator_error = None;
-    std::thread::scope(|scope| {
-        let mut handles = Vec::new();
-        for (rank, ((comm, model_comm), data)) in comms.into_iter().zip(sources).enumerate() {
-            let tx = report_tx.clone();
-            let setup = WorkerSetup {
-                programs,
-                config,
-                opts,
-                rank,
-                mesh,
-                comm,
-                model_comm,
-                ps: cluster.as_mut().map(|c| c.client(rank)),
-                data,
-                report: Box::new(move |r| {
-                    tx.send(r)
-                        .map_err(|_| RuntimeError::Config("the run was stopped".into()))
-                }),
-                t0,
-                errors: errors.clone(),
+    let roles = comms
+        .into_iter()
+        .zip(sources)
+        .enumerate()
+        .map(|(rank, ((comm, model_comm), data))| {
+            let ps = cluster.as_mut().map(|c| c.client(rank));
+            let errors = errors.clone();
+            let role = move |tx| {
+                let setup = WorkerSetup {
+                    programs,
+                    config,
+                    opts,
+                    rank,
+                    mesh,
+                    comm,
+                    model_comm,
+                    ps,
+                    data,
+                    report: Box::new(reporter(tx)),
+                    t0,
+                    errors,
+                };
+                run_worker_on(setup, |c| make(rank, c))
             };
-            let h = std::thread::Builder::new()
-                .name(format!("worker-{rank}"))
-                .spawn_scoped(scope, move || run_worker_on(setup, |c| make(rank, c)));
-            handles.push(h);
-        }
-        drop(report_tx);
-        // The coordinator: a metrics line per step once every worker reported it. If
-        // the caller stops the run, the workers see their reports refused and stop.
-        for r in report_rx.iter() {
-            if let Err(e) = coordinator.add(r) {
-                coordinator_error = Some(e);
-                break;
-            }
-        }
-        drop(report_rx);
-        for (rank, h) in handles.into_iter().enumerate() {
-            let outcome = match h {
-                Ok(h) => h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Config(format!("worker {rank} panicked")))
-                }),
-                Err(e) => Err(RuntimeError::Config(format!(
-                    "worker {rank}: cannot start: {e}"
-                ))),
-            };
-            match outcome {
-                Ok(o) => outcomes.push(Some(o)),
-                Err(e) => {
-                    errors.record(Role::Worker(rank), e);
-                    outcomes.push(None);
-                }
-            }
-        }
-    });
+            (format!("worker-{rank}"), role)
+        })
+        .collect();
+    let (results, coordinator_error) = run_roles(roles, &mut |r| coordinator.add(r));
     let servers_outcome = cluster.as_mut().map(|c| c.stop());
-    if let Some(e) = coordinator_error {
-        return Err(e);
-    }
-    if outcomes.iter().any(Option::is_none) {
-        return Err(first_error(
-            &errors,
-            &mesh,
-            RuntimeError::Config("a worker failed".into()),
-        ));
-    }
+    let mut outcomes = settle(results, coordinator_error, &errors, &mesh)?;
     let servers = match servers_outcome.transpose() {
         Ok(s) => s,
         Err(e) => return Err(first_error(&errors, &mesh, e)),
     };
-    let mut outcomes: Vec<WorkerOutcome> = outcomes.into_iter().flatten().collect();
     let mut spans: Vec<Span> = outcomes
         .iter_mut()
         .flat_map(|o| std::mem::take(&mut o.spans))
@@ -287,86 +339,53 @@ pub fn train_pipeline_with<B: Backend>(
     let mut model_links = axis_links(&mesh, Axis::Model, opts);
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
-    let (tx, rx) = mpsc::channel::<StageReport>();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts)?;
-    let mut coordinator_error = None;
-    let mut outcomes = Vec::new();
-    std::thread::scope(|scope| {
-        let mut handles = Vec::new();
-        for (w, data) in sources.into_iter().enumerate() {
-            let Coord {
-                replica: r,
-                stage: s,
-                model: m,
-            } = mesh.coord(w);
-            let (Some(comm), Some(replica_comm), Some(model_comm)) = (
-                take_link(&mut stage_links, &mesh, Axis::Pipe, w),
-                take_link(&mut replica_links, &mesh, Axis::Data, w),
-                take_link(&mut model_links, &mesh, Axis::Model, w),
-            ) else {
-                continue;
-            };
-            let model_comm = (mesh.model > 1).then_some(model_comm);
-            let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
-            let tx = tx.clone();
-            let errors = &errors;
-            let h = std::thread::Builder::new()
-                .name(format!("stage-{s}-replica-{r}-model-{m}"))
-                .spawn_scoped(scope, move || {
-                    let result = stage.run_on(&mut |c| make(w, c), config, &mut |r| {
-                        tx.send(r)
-                            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
-                    });
-                    // The cause first: its neighbours fail next, seeing it hang up.
-                    result.map_err(|e| {
-                        let message = e.to_string();
-                        errors.record(Role::Worker(w), e);
-                        RuntimeError::Config(message)
-                    })
-                });
-            handles.push(h);
-        }
-        drop(tx);
-        let mut reports = StageReports::default();
-        let mut take_state =
-            |step, params, slots| run.take_state(step, params, slots, &mut evaluator);
-        for r in rx.iter() {
-            if let Err(e) = reports.add(r, workers, &mut coordinator, &mut take_state) {
-                coordinator_error = Some(e);
-                break;
-            }
-        }
-        drop(rx);
-        for (w, h) in handles.into_iter().enumerate() {
-            let name = mesh.name(w);
-            outcomes.push(match h {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("{name} panicked")))),
-                Err(e) => Err(RuntimeError::Config(format!("{name}: cannot start: {e}"))),
-            });
-        }
-    });
-    if let Some(e) = coordinator_error {
-        return Err(e);
+    let mut roles = Vec::with_capacity(workers);
+    for (w, data) in sources.into_iter().enumerate() {
+        let Coord {
+            replica: r,
+            stage: s,
+            model: m,
+        } = mesh.coord(w);
+        let (Some(comm), Some(replica_comm), Some(model_comm)) = (
+            take_link(&mut stage_links, &mesh, Axis::Pipe, w),
+            take_link(&mut replica_links, &mesh, Axis::Data, w),
+            take_link(&mut model_links, &mesh, Axis::Model, w),
+        ) else {
+            continue;
+        };
+        let model_comm = (mesh.model > 1).then_some(model_comm);
+        let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
+        let errors = &errors;
+        let role = move |tx| {
+            let result = stage.run_on(&mut |c| make(w, c), config, &mut reporter(tx));
+            // The cause first: its neighbours fail next, seeing it hang up.
+            result.map_err(|e| {
+                let message = e.to_string();
+                errors.record(Role::Worker(w), e);
+                RuntimeError::Config(message)
+            })
+        };
+        roles.push((format!("stage-{s}-replica-{r}-model-{m}"), role));
     }
+    let mut reports = StageReports::default();
+    let mut take_state = |step, params, slots| run.take_state(step, params, slots, &mut evaluator);
+    let (results, coordinator_error) = run_roles(roles, &mut |r| {
+        reports.add(r, workers, &mut coordinator, &mut take_state)
+    });
     let mut params = HashMap::new();
     let mut spans = Vec::new();
-    for (w, o) in outcomes.into_iter().enumerate() {
-        match o {
-            Ok(o) => {
-                // Replicas (and a stage's model ranks, once gathered) hold the same
-                // variables: replica 0's.
-                if mesh.coord(w).replica == 0 {
-                    params.extend(o.params);
-                }
-                spans.extend(o.spans);
-            }
-            Err(e) => {
-                return Err(first_error(&errors, &mesh, e.of_rank(mesh.name(w))));
-            }
+    for (w, o) in settle(results, coordinator_error, &errors, &mesh)?
+        .into_iter()
+        .enumerate()
+    {
+        // Replicas (and a stage's model ranks, once gathered) hold the same variables:
+        // replica 0's.
+        if mesh.coord(w).replica == 0 {
+            params.extend(o.params);
         }
+        spans.extend(o.spans);
     }
     // The last step's line carries the final evaluation, and so does the report.
     Ok(coordinator.finish(params, None, spans))

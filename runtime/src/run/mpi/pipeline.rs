@@ -13,11 +13,11 @@
 //! named by the waiting rank (the label says which stage, step, micro-batch and message),
 //! a report or variables rank 0 does not take, by their sender.
 
-use super::{fail, gather_spans, local_line, rank_metrics, send_spans, Sends, StallInspector};
-use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS, TAG_REPORT};
+use super::reports::{drain_on_rank0, ToRank0};
+use super::{gather_spans, local_line, rank_metrics, send_spans};
+use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::roles::Role;
 use crate::core::value::Tensor;
 use crate::cpu::Cpu;
 use crate::run::coordinator::{Coordinator, StageReports};
@@ -113,39 +113,17 @@ pub(super) fn run_stage_rank(
         Ok(())
     };
     if rank != 0 {
-        let mut reports = Sends::new(opts.timeout);
+        let mut to_rank0 = ToRank0::new(rank, &mesh, last_step, opts.timeout);
         let outcome = me.run_on(&mut |_| Ok(Cpu), config, &mut |mut rep| {
             write_local(&rep)?;
-            let step = rep.step;
             // An evaluation's or a checkpoint's variables go first, then a checkpoint's
             // optimizer state: rank 0 takes them in that order when the step is complete.
-            for carried in [rep.params.take(), rep.slots.take()].into_iter().flatten() {
-                reports.pending.push_back(Outgoing::start(
-                    &ctl.0,
-                    0,
-                    TAG_PARAMS,
-                    encode_params(carried),
-                    true,
-                ));
-            }
-            let bytes =
-                serde_json::to_vec(&rep).map_err(|e| RuntimeError::Config(e.to_string()))?;
-            reports
-                .pending
-                .push_back(Outgoing::start(&ctl.0, 0, TAG_REPORT, bytes, true));
-            let late = if step == last_step {
-                reports.flush().is_some()
-            } else {
-                reports.late().is_some()
-            };
-            if late {
-                return Err(RuntimeError::Config(format!(
-                    "rank 0 did not take {name}'s report of step {step} (or one before it) \
-                     within {:.0} s (--timeout): rank 0 stopped answering",
-                    opts.timeout.as_secs_f64()
-                )));
-            }
-            Ok(())
+            let ahead = [rep.params.take(), rep.slots.take()]
+                .into_iter()
+                .flatten()
+                .map(|carried| (TAG_PARAMS, encode_params(carried)))
+                .collect();
+            to_rank0.send(ctl, rep.step, ahead, &rep)
         })?;
         if replica == 0 && m == 0 {
             let mut out =
@@ -178,75 +156,23 @@ pub(super) fn run_stage_rank(
         }
         run.take_state(step, params, slots, &mut evaluator)
     };
-    let (tx, rx) = mpsc::channel::<StageReport>();
-    let stop = |e: RuntimeError| -> ! {
-        // Another rank may be waiting on this one: the job ends here.
-        fail(&SimpleCommunicator::world(), 0, Some(Role::Worker(0)), &e)
+    let stage = |tx: mpsc::Sender<StageReport>| {
+        me.run_on(&mut |_| Ok(Cpu), config, &mut |rep| {
+            write_local(&rep)?;
+            tx.send(rep)
+                .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
+        })
     };
-    let outcome = std::thread::scope(|scope| -> Result<_> {
-        let handle = std::thread::Builder::new()
-            .name("stage-0-replica-0".into())
-            .spawn_scoped(scope, move || {
-                me.run_on(&mut |_| Ok(Cpu), config, &mut |rep| {
-                    write_local(&rep)?;
-                    tx.send(rep)
-                        .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
-                })
-            })
-            .map_err(|e| RuntimeError::Config(format!("{name}: cannot start: {e}")))?;
-        let mut handle = Some(handle);
-        let mut outcome = None;
-        let mut reports = StageReports::default();
-        let mut stalls =
-            StallInspector::new(workers, run.steps_to_run(), run.first - 1, opts.timeout);
-        let (mut received, expected) = (0, run.steps_to_run() * workers);
-        let mut backoff = Backoff(0);
-        while received < expected {
-            let mut got: Vec<StageReport> = rx.try_iter().collect();
-            if let Some((msg, st)) = ctl
-                .0
-                .any_process()
-                .immediate_matched_probe_with_tag(TAG_REPORT)
-            {
-                let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
-                match serde_json::from_slice::<StageReport>(&bytes) {
-                    Ok(rep) => got.push(rep),
-                    Err(e) => stop(RuntimeError::Config(format!(
-                        "a malformed stage report: {e}"
-                    ))),
-                }
-            }
-            // Its own stage failing ends the job with that stage's error.
-            if let Some(h) = handle.take_if(|h| h.is_finished()) {
-                outcome = Some(
-                    h.join()
-                        .map_err(|_| RuntimeError::Config(format!("{name} panicked")))??,
-                );
-            }
-            if got.is_empty() {
-                if let Some(e) = stalls.stalled(&mesh, outcome.is_some()) {
-                    stop(e);
-                }
-                backoff.wait();
-                continue;
-            }
-            backoff = Backoff(0);
-            for rep in got {
-                stalls.heard(rep.worker(&mesh), rep.step);
-                received += 1;
-                if let Err(e) = reports.add(rep, workers, &mut coordinator, &mut take_state) {
-                    stop(e);
-                }
-            }
-        }
-        match (outcome, handle) {
-            (Some(o), _) => Ok(o),
-            (None, Some(h)) => h
-                .join()
-                .map_err(|_| RuntimeError::Config(format!("{name} panicked")))?,
-            (None, None) => Err(RuntimeError::Config(format!("{name} vanished"))),
-        }
-    })?;
+    let mut reports = StageReports::default();
+    let outcome = drain_on_rank0(
+        "stage-0-replica-0",
+        &run.mesh,
+        ctl,
+        (run.steps_to_run(), run.first - 1),
+        opts.timeout,
+        stage,
+        &mut |rep| reports.add(rep, workers, &mut coordinator, &mut take_state),
+    )?;
     let mut params = outcome.params;
     // Replica 0's other stages' trained variables.
     for from in 1..stages {
