@@ -664,3 +664,78 @@ fn a_pipelined_run_resumes_bitwise_and_its_state_resumes_under_accumulation() {
     let (resumed, _) = run_with_state(&replicated, 4, 5, None, Some(&states[0]));
     assert_bitwise("N=4 P=2 from step 2", &whole, &resumed);
 }
+
+#[test]
+fn a_variable_no_op_reads_is_carried_whole_into_checkpoints_and_the_trained_model() {
+    // Issue 35, item 1: no stage holds `unused`; it used to fail the run at its end
+    // ("a stage did not hand its variables over"), losing the checkpoint and the
+    // trained variables. On one device it never changes, and so it must here.
+    let src = deep_with_skip(3, 8)
+        .replace(
+            "  param wo:",
+            "  param unused: f32[4, 3] = glorot\n  param wo:",
+        )
+        .replace("optimizer = sgd(lr = 0.2)", "optimizer = adam(lr = 0.01)");
+    let with = |strategy: StrategyConfig| {
+        compile(
+            "unused.dsl",
+            &src,
+            &CompileOptions {
+                strategy,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let accumulated = with(StrategyConfig {
+        accumulate: 2,
+        ..Default::default()
+    });
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let acc_file = tmp.path().join("accumulated.safetensors");
+    let (acc_params, acc_states) = run_with_state(&accumulated, 1, 3, Some((&acc_file, 2)), None);
+    assert!(acc_params.contains_key("unused"));
+    for (what, workers, strategy) in [
+        ("one pipeline", 1, pipelined(2, 2, ScheduleKind::GPipe)),
+        (
+            "two replicas",
+            2,
+            StrategyConfig {
+                strategy: Strategy::Allreduce,
+                workers: 2,
+                ..pipelined(2, 1, ScheduleKind::OneFOneB)
+            },
+        ),
+    ] {
+        let piped = with(strategy);
+        let file = tmp.path().join(format!("{workers}.safetensors"));
+        let (params, states) = run_with_state(&piped, workers, 3, Some((&file, 2)), None);
+        assert_eq!(states.len(), 2, "{what}: a state at steps 2 and 3");
+        assert!(
+            params.get("unused") == acc_params.get("unused"),
+            "{what}: `unused` is carried as it is"
+        );
+        if workers == 1 {
+            assert_bitwise(what, &acc_params, &params);
+            for (p, a) in states.iter().zip(&acc_states) {
+                assert_bitwise(&format!("{what}: variables"), &a.params, &p.params);
+                assert_bitwise(
+                    &format!("{what}: optimizer state"),
+                    &a.optimizer,
+                    &p.optimizer,
+                );
+            }
+        }
+        // Its state resumes on one device, `unused`'s slots among the others.
+        let (resumed, _) = run_with_state(&accumulated, 1, 3, None, Some(&states[0]));
+        if workers == 1 {
+            assert_bitwise(
+                &format!("{what}, resumed by accumulation"),
+                &acc_params,
+                &resumed,
+            );
+        }
+        let (again, _) = run_with_state(&piped, workers, 3, None, Some(&states[0]));
+        assert_bitwise(&format!("{what}, resumed"), &params, &again);
+    }
+}

@@ -362,7 +362,11 @@ pub enum Started<V> {
 
 /// A backend's error outside a node, naming the backend and what it was doing.
 pub(crate) fn backend_error(device: &str, what: &str, e: KernelError) -> RuntimeError {
-    RuntimeError::Config(format!("{device}: {what}: {e}"))
+    RuntimeError::DeviceCall {
+        device: device.to_string(),
+        what: what.to_string(),
+        message: e.to_string(),
+    }
 }
 
 /// Uploads every tensor of `host` to `backend` (on the CPU: moved, not copied).

@@ -27,6 +27,17 @@ pub enum RuntimeError {
         /// knows no device's error type.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The device failed outside a node: creating the optimizer, an update, a copy, a
+    /// CUDA graph's replay.
+    #[error("{device}: {what}: {message}")]
+    DeviceCall {
+        /// The backend's name (`cpu`, `cuda:0`).
+        device: String,
+        /// What it was doing.
+        what: String,
+        /// Its own error's text.
+        message: String,
+    },
     /// A device could not be set up (a missing library, no GPU, a kernel that does not
     /// compile): the device's own error, boxed.
     #[error(transparent)]

@@ -21,7 +21,7 @@
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
 use crate::comm::{in_process, ByteCount, Communicator};
-use crate::core::backend::{backend_error, upload_all, Backend};
+use crate::core::backend::{backend_error, upload_all, Backend, OptimizerState};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -47,7 +47,7 @@ use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -136,6 +136,11 @@ pub(crate) struct PipelineRun<'a> {
     tied: Vec<TiedVariable>,
     shapes: HashMap<String, TensorType>,
     initial: HashMap<String, Tensor>,
+    /// The variables no stage reads, whole, and their optimizer state: on one device
+    /// no gradient reaches them and they never change, so the run carries them as
+    /// they are into its checkpoints and its trained variables.
+    carried: HashMap<String, Tensor>,
+    carried_slots: HashMap<String, Tensor>,
     dir: Option<PathBuf>,
     /// Steps of the run.
     pub(crate) steps: usize,
@@ -189,6 +194,20 @@ impl<'a> PipelineRun<'a> {
             .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
         let steps = opts.steps.unwrap_or(config.steps);
         let resume = opts.resume.as_deref();
+        // The state is whole, whatever wrote it: checked against the whole model.
+        let initial = initial_values(whole, config.seed, resume)?;
+        let read: HashSet<String> = program
+            .stages
+            .iter()
+            .flat_map(|g| stage_variables([&g.forward, &g.backward]))
+            .chain(split.iter().map(|(_, whole, _)| whole.clone()))
+            .collect();
+        let carried: HashMap<String, Tensor> = initial
+            .iter()
+            .filter(|(n, _)| !read.contains(*n))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect();
+        let carried_slots = carried_slots(&carried, config, resume)?;
         Ok(PipelineRun {
             whole,
             program,
@@ -199,8 +218,9 @@ impl<'a> PipelineRun<'a> {
             steps_of,
             tied: program.tied(),
             shapes: input_types(whole),
-            // The state is whole, whatever wrote it: checked against the whole model.
-            initial: initial_values(whole, config.seed, resume)?,
+            initial,
+            carried,
+            carried_slots,
             dir: data_dir(opts.data_dir.as_deref()),
             steps,
             first: first_step(resume, steps)?,
@@ -236,9 +256,11 @@ impl<'a> PipelineRun<'a> {
         &self,
         step: usize,
         params: HashMap<String, Tensor>,
-        slots: HashMap<String, Tensor>,
+        mut slots: HashMap<String, Tensor>,
         evaluator: &mut Option<Evaluator<'_>>,
     ) -> Result<Option<EvalMetrics>> {
+        let params = self.with_carried(params);
+        slots.extend(self.carried_slots.clone());
         if let (Some(c), true) = (&self.checkpoint, self.checkpoints_at(step)) {
             let index = StateIndex {
                 format: String::new(),
@@ -271,6 +293,15 @@ impl<'a> PipelineRun<'a> {
             }
             _ => Ok(None),
         }
+    }
+
+    /// The stages' variables and those no stage reads: the whole model's.
+    pub(crate) fn with_carried(
+        &self,
+        mut params: HashMap<String, Tensor>,
+    ) -> HashMap<String, Tensor> {
+        params.extend(self.carried.clone());
+        params
     }
 
     /// Workers of the run: every model rank of every stage of every replica.
@@ -411,6 +442,36 @@ impl<'a> PipelineRun<'a> {
             config: config.clone(),
         }))
     }
+}
+
+/// The optimizer state of the variables no stage reads: a resumed state's, or what a
+/// fresh optimizer gives them (their step count left to the stages).
+fn carried_slots(
+    carried: &HashMap<String, Tensor>,
+    config: &RunConfig,
+    resume: Option<&TrainingState>,
+) -> Result<HashMap<String, Tensor>> {
+    if carried.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let slots: Vec<(String, Tensor)> = match resume {
+        Some(state) => resumed_slots(state, carried, 1, 0).into_iter().collect(),
+        None => {
+            let mut cpu = Cpu;
+            let optimizer = cpu
+                .optimizer(&config.optimizer, carried)
+                .map_err(|e| backend_error("cpu", "creating the optimizer", e))?;
+            cpu.optimizer_state(&optimizer)
+                .map_err(|e| backend_error("cpu", "reading the optimizer state", e))?
+        }
+    };
+    Ok(slots
+        .into_iter()
+        .filter(|(key, _)| {
+            key.rsplit_once('/')
+                .is_some_and(|(var, _)| carried.contains_key(var))
+        })
+        .collect())
 }
 
 /// The variables a final program gathers: `(w.tp, w, dim)` for each

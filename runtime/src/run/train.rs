@@ -388,5 +388,5 @@ pub fn train_pipeline_with<B: Backend>(
         spans.extend(o.spans);
     }
     // The last step's line carries the final evaluation, and so does the report.
-    Ok(coordinator.finish(params, None, spans))
+    Ok(coordinator.finish(run.with_carried(params), None, spans))
 }

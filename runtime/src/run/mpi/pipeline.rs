@@ -180,7 +180,11 @@ pub(super) fn run_stage_rank(
     }
     let mut spans = outcome.spans;
     gather_spans(ctl, workers, opts, mpi_run, "stage 0", &mut spans)?;
-    Ok(Some(coordinator.finish(params, None, spans)))
+    Ok(Some(coordinator.finish(
+        run.with_carried(params),
+        None,
+        spans,
+    )))
 }
 
 /// The variables stage `stage` of replica 0 (its model rank 0) sends after `step`,
