@@ -1126,6 +1126,54 @@ fn a_stalled_stage_rank_is_named_by_its_neighbour() {
     );
 }
 
+/// Issue 35, item 9: on a mesh, a stalled rank's peers wait in model-axis and data-axis
+/// collectives; each report names the op it waited in (not "the start"), and the rank
+/// that sent no status at all, the stopped one, is named apart.
+#[test]
+fn a_stalled_rank_of_a_mesh_is_named_and_every_wait_says_its_op() {
+    let _one = common::one_job_at_a_time();
+    let plan = tmp("stall-mesh.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/dense_mlp.dsl",
+        "--mesh",
+        "data=2,model=2",
+        "--batch",
+        "16",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (child, pid) = long_run_of(&plan, 4, "3", 3);
+    Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .expect("stop");
+    let (o, _) = wait_at_most(child, pid, Duration::from_secs(40), "mesh");
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    let reports: Vec<&str> = t
+        .lines()
+        .filter(|l| l.contains("did not complete within"))
+        .collect();
+    assert!(!reports.is_empty(), "{t}");
+    for r in &reports {
+        assert!(!r.contains("the start did not complete"), "{r}");
+        assert!(r.contains(" at step "), "no op named: {r}");
+    }
+    let silent = |r: &str| -> Vec<String> {
+        r.split("(stopped, or busy outside any wait): [")
+            .nth(1)
+            .and_then(|rest| rest.split(']').next())
+            .map(|l| l.split(", ").map(String::from).collect())
+            .unwrap_or_default()
+    };
+    assert!(
+        reports.iter().any(|r| silent(r).contains(&"3".to_string())),
+        "rank 3 is not named apart: {t}"
+    );
+}
+
 /// Issue 24: a 16-bit gradient wire over MPI ranks (a ring of the communicator's own
 /// sends and receives) trains bitwise what threads train, with half the f32 wire's bytes.
 #[test]

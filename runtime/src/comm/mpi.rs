@@ -288,6 +288,9 @@ fn timed_out(ctl: &Comm, roles: Roles, rank: usize, label: &str, timeout: Durati
     report_and_abort(&ctl.0, roles, rank, label, timeout, Among::Workers)
 }
 
+/// How long a rank that timed out collects the others' status before it reports.
+const GRACE: Duration = Duration::from_secs(2);
+
 /// [`timed_out`] on any communicator spanning the world (ranks are world ranks), naming
 /// as missing the ranks of `among` that did not report being at `label`.
 pub(crate) fn report_and_abort(
@@ -305,9 +308,12 @@ pub(crate) fn report_and_abort(
         .map(|other| Outgoing::start(world, other, TAG_STATUS, mine.clone().into_bytes(), false))
         .collect();
     // Ranks stuck in the same collective time out at about the same moment.
-    let grace = Instant::now() + Duration::from_secs(2);
+    let grace = Instant::now() + GRACE;
     let mut arrived = vec![rank];
     let mut elsewhere = Vec::new();
+    // Every rank that answered at all: one that did not is stopped or stuck outside
+    // any bounded wait, the likely cause, so it is named apart.
+    let mut heard = vec![rank];
     let mut backoff = Backoff(0);
     while Instant::now() < grace {
         if let Some((msg, st)) = world
@@ -322,6 +328,7 @@ pub(crate) fn report_and_abort(
                 .and_then(|r| r.parse().ok())
                 .unwrap_or(usize::MAX);
             let theirs = parts.next().unwrap_or("");
+            heard.push(r);
             if theirs == label {
                 arrived.push(r);
             } else {
@@ -345,6 +352,14 @@ pub(crate) fn report_and_abort(
     );
     if !elsewhere.is_empty() {
         m += &format!(" ({})", elsewhere.join("; "));
+    }
+    let silent: Vec<usize> = (0..everyone).filter(|r| !heard.contains(r)).collect();
+    if !silent.is_empty() {
+        m += &format!(
+            "; {who} that sent no status within {} s (stopped, or busy outside any \
+             wait): {silent:?}",
+            GRACE.as_secs()
+        );
     }
     eprintln!("{m}");
     world.abort(3)

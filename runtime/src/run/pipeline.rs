@@ -39,7 +39,7 @@ use crate::run::programs::{input_types, CheckpointEvery, Programs, TrainOptions}
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::worker::{
-    collective, first_step, initial_values, model_collective, refuse_model_axis_state,
+    collective, first_step, initial_values, model_collective, op_label, refuse_model_axis_state,
     resumed_slots, Done, StepReport,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
@@ -592,10 +592,10 @@ impl StageHook {
 impl CommHook for StageHook {
     fn start_collective(
         &mut self,
-        _node: NodeId,
+        node: NodeId,
         op: &Op,
         v: Value,
-        _step: u64,
+        step: u64,
     ) -> Result<Box<dyn Pending>> {
         let (comm, axis) = if op.is_model_collective() {
             (&mut self.model, "model axis")
@@ -607,9 +607,11 @@ impl CommHook for StageHook {
                 "{op} in a pipeline stage without a communicator among its {axis}"
             )));
         };
+        let label = op_label(op, node, step);
         let done = if op.is_model_collective() {
-            model_collective(&mut **comm, op, v)?
+            model_collective(&mut **comm, op, v, &label)?
         } else {
+            comm.set_label(&label);
             collective(&mut **comm, op, v)?
         };
         Ok(Box::new(Done(done)))
@@ -850,7 +852,8 @@ impl Stage<'_> {
                 dim: *dim,
                 parts: comm.size(),
             };
-            match model_collective(&mut **comm, &gather, Value::Tensor(t))? {
+            let label = format!("the gathering of `{name}` from the stage's model ranks");
+            match model_collective(&mut **comm, &gather, Value::Tensor(t), &label)? {
                 Value::Tensor(w) => {
                     out.insert(name.clone(), w);
                 }

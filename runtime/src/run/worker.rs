@@ -231,7 +231,9 @@ fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> 
         .unwrap_or(1.0);
     if let Some((comm, _)) = hook.model.as_mut() {
         let parts = comm.size();
-        let over_model = model_collective(&mut **comm, &Op::ModelAllReduce { parts }, flag())?;
+        let op = Op::ModelAllReduce { parts };
+        let label = op_label(&op, NodeId(u32::MAX), step as u64);
+        let over_model = model_collective(&mut **comm, &op, flag(), &label)?;
         bad += over_model
             .tensor()
             .and_then(Tensor::scalar_f64)
@@ -249,13 +251,25 @@ impl Pending for Done {
     }
 }
 
+/// What a communicator names when one of its operations fails or times out: the op,
+/// its IR node and the step (`all_reduce %25 at step 12`), on every axis alike.
+pub(crate) fn op_label(op: &Op, node: NodeId, step: u64) -> String {
+    if node == NodeId(u32::MAX) {
+        return format!("the {} of step {step}'s overflow check", op.mnemonic());
+    }
+    format!("{} {node} at step {step}", op.mnemonic())
+}
+
 /// Runs one collective over the model axis: a sum, the sum's shard of this rank, or the
-/// shards concatenated along their split dimension in rank order.
+/// shards concatenated along their split dimension in rank order. `label` names it
+/// ([`op_label`]) for a failure or a timeout.
 pub(crate) fn model_collective(
     comm: &mut dyn Communicator,
     op: &Op,
     value: Value,
+    label: &str,
 ) -> Result<Value> {
+    comm.set_label(label);
     let n = comm.size();
     let Value::Tensor(Tensor::F32(mut a)) = value else {
         return Err(RuntimeError::Config(format!(
@@ -528,12 +542,7 @@ fn comm_thread(
     bytes: mpsc::Sender<ByteCount>,
 ) {
     for req in rx {
-        comm.set_label(&format!(
-            "{} {} at step {}",
-            req.op.mnemonic(),
-            req.node,
-            req.step
-        ));
+        comm.set_label(&op_label(&req.op, req.node, req.step));
         let before = comm.bytes();
         let start = Instant::now();
         let r = collective(comm.as_mut(), &req.op, req.value);
@@ -603,7 +612,7 @@ impl CommHook for WorkerHook {
                 )));
             };
             let start = Instant::now();
-            let v = model_collective(&mut **comm, op, v)?;
+            let v = model_collective(&mut **comm, op, v, &op_label(op, node, step))?;
             self.waited += start.elapsed();
             return Ok(Box::new(Done(v)));
         }
