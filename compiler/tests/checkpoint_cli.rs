@@ -147,6 +147,143 @@ fn a_state_of_another_optimizer_model_or_position_is_refused() {
     );
 }
 
+/// Issue 35, item 5: LARS keeps momentum-SGD's slot and LAMB Adam's, so a state of
+/// one resumed into the other with exit 0; a state with one variable's slot removed
+/// loaded, that slot restarting at 0; an index at step 2^64-1 wrapped. Each is refused.
+#[test]
+fn a_state_is_checked_for_its_optimizer_every_slot_and_its_step() {
+    let src = std::fs::read_to_string(common::root().join(MODEL)).expect("model");
+    let with = |name: &str, optimizer: &str| {
+        let path = tmp(name);
+        std::fs::write(&path, src.replace("adam(lr = 0.01)", optimizer)).expect("write");
+        path
+    };
+    let state_of = |model: &PathBuf, name: &str| {
+        let state = tmp(name);
+        let o = distc(&[
+            "train",
+            s(model),
+            "--steps",
+            "2",
+            "-q",
+            "--checkpoint",
+            s(&state),
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        state
+    };
+    let momentum = with("momentum.dsl", "sgd(lr = 0.01, momentum = 0.9)");
+    let lars = with("lars.dsl", "lars(lr = 0.01, momentum = 0.9)");
+    let adam = with("adam.dsl", "adam(lr = 0.01)");
+    let lamb = with("lamb.dsl", "lamb(lr = 0.01)");
+    for (from, into, want) in [
+        (
+            &momentum,
+            &lars,
+            "saved by optimizer momentum (state momentum); this plan trains with lars",
+        ),
+        (
+            &lars,
+            &momentum,
+            "saved by optimizer lars (state momentum); this plan trains with momentum",
+        ),
+        (
+            &adam,
+            &lamb,
+            "saved by optimizer adam (state m, v); this plan trains with lamb",
+        ),
+    ] {
+        let state = state_of(from, "kind.st");
+        refused(
+            &[
+                "train",
+                s(into),
+                "-q",
+                "--steps",
+                "4",
+                "--resume",
+                s(&state),
+            ],
+            want,
+        );
+    }
+    // The same optimizer resumes (the check refuses the kind, not the run).
+    let state = state_of(&adam, "adam.st");
+    let o = distc(&[
+        "train",
+        s(&adam),
+        "-q",
+        "--steps",
+        "4",
+        "--resume",
+        s(&state),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+
+    // Rewritten files: one slot removed (the index lists what the file holds, so it
+    // still loads), a slot of another shape, the step at 2^64-1.
+    let rewrite = |name: &str, edit: &dyn Fn(&mut checkpoint::TrainingState)| {
+        let mut st = checkpoint::load_state(&state).expect("state");
+        edit(&mut st);
+        let st = checkpoint::TrainingState::new(st.index.clone(), st.params, st.optimizer);
+        let path = tmp(name);
+        checkpoint::save_state(&path, &st).expect("save");
+        path
+    };
+    let no_slot = rewrite("no-slot.st", &|st| {
+        st.optimizer.remove("w/m").expect("w/m");
+    });
+    refused(
+        &[
+            "train",
+            s(&adam),
+            "-q",
+            "--steps",
+            "4",
+            "--resume",
+            s(&no_slot),
+        ],
+        "has `w` without its optimizer state `w/m`",
+    );
+    let reshaped = rewrite("reshaped.st", &|st| {
+        let b = st.optimizer["b/v"].clone();
+        st.optimizer.insert("w/v".into(), b);
+    });
+    refused(
+        &[
+            "train",
+            s(&adam),
+            "-q",
+            "--steps",
+            "4",
+            "--resume",
+            s(&reshaped),
+        ],
+        "`w/v` is f32[6], its variable `w` f32[32,6]",
+    );
+    let stray = rewrite("stray.st", &|st| {
+        let b = st.optimizer["b/v"].clone();
+        st.optimizer.insert("gone/v".into(), b);
+    });
+    refused(
+        &[
+            "train",
+            s(&adam),
+            "-q",
+            "--steps",
+            "4",
+            "--resume",
+            s(&stray),
+        ],
+        "optimizer state `gone/v` of no variable it holds",
+    );
+    let far = rewrite("far-step.st", &|st| st.index.step = u64::MAX);
+    refused(
+        &["train", s(&adam), "-q", "--steps", "4", "--resume", s(&far)],
+        "beyond any run",
+    );
+}
+
 /// Issue 20: Ctrl-C ended a run at once, saying nothing. Now the run stops after its
 /// step with status 130, keeps every metrics line, and says which training state is on
 /// disk; that state loads and is of the step it names.

@@ -234,6 +234,39 @@ pub struct StateIndex {
 
 const STATE_FORMAT: &str = "distc-training-state";
 
+/// The furthest step a state may record: beyond it, the step count would overflow
+/// the arithmetic of the steps after it, so such an index is damage.
+pub const MAX_STEP: u64 = 1 << 62;
+
+impl StateIndex {
+    /// The kind of optimizer that wrote the state, as the DSL names it (`sgd`,
+    /// `momentum`, `adam`, `lars`, `lamb`), read from its description (`Sgd { lr: 0.1,
+    /// momentum: 0.9 }`); `None` when the description names none.
+    pub fn optimizer_kind(&self) -> Option<&'static str> {
+        let d = self.optimizer.trim();
+        let word: String = d.chars().take_while(|c| c.is_alphanumeric()).collect();
+        match word.to_ascii_lowercase().as_str() {
+            "sgd" => {
+                let momentum = d
+                    .split("momentum:")
+                    .nth(1)
+                    .and_then(|rest| {
+                        rest.split([',', '}'])
+                            .next()
+                            .and_then(|v| v.trim().parse::<f64>().ok())
+                    })
+                    .unwrap_or(0.0);
+                Some(if momentum == 0.0 { "sgd" } else { "momentum" })
+            }
+            "momentum" => Some("momentum"),
+            "adam" => Some("adam"),
+            "lars" => Some("lars"),
+            "lamb" => Some("lamb"),
+            _ => None,
+        }
+    }
+}
+
 /// A run's state at the end of a step, whole whatever the layout that trained it (a
 /// variable on servers or in ZeRO chunks is stored as one tensor), so a run under
 /// another strategy, worker count or ZeRO stage can resume it.
@@ -282,6 +315,15 @@ pub fn load_state(path: &Path) -> Result<TrainingState> {
         return Err(data_err(
             path,
             format!("format `{}` is not {STATE_FORMAT}", index.format),
+        ));
+    }
+    if index.step > MAX_STEP {
+        return Err(data_err(
+            path,
+            format!(
+                "its index is at step {}, beyond any run (at most 2^62): the state is damaged",
+                index.step
+            ),
         ));
     }
     let mut take = |names: &[String]| -> Result<HashMap<String, Tensor>> {

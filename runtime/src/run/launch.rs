@@ -226,7 +226,10 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
     held.dedup();
     let mut want: Vec<&str> = wanted.to_vec();
     want.sort_unstable();
-    if held != want {
+    // LARS and momentum-SGD keep the same slot, as do LAMB and Adam: the slots alone
+    // do not tell the optimizer.
+    let kind = state.index.optimizer_kind();
+    if held != want || kind != Some(config.optimizer.name()) {
         let slots = |s: &[&str]| match s {
             [] => "no state".to_string(),
             s => format!("state {}", s.join(", ")),
@@ -234,10 +237,44 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
         return Err(RuntimeError::Config(format!(
             "the training state was saved by optimizer {} ({}); this plan trains with {} \
              ({}): resume with the optimizer that wrote it, or start afresh",
-            state.index.optimizer,
+            kind.unwrap_or(&state.index.optimizer),
             slots(&held),
             config.optimizer.name(),
             slots(&want),
+        )));
+    }
+    // Every variable has every slot, of its own type: a slot missing would restart at
+    // zero without a word.
+    for (var, t) in &state.params {
+        for slot in wanted {
+            let key = format!("{var}/{slot}");
+            match state.optimizer.get(&key) {
+                None => {
+                    return Err(RuntimeError::Config(format!(
+                        "the training state has `{var}` without its optimizer state \
+                         `{key}`: the file is damaged or was edited"
+                    )))
+                }
+                Some(s) if s.tensor_type() != t.tensor_type() => {
+                    return Err(RuntimeError::Config(format!(
+                        "the training state's `{key}` is {}, its variable `{var}` {}: the \
+                         file is damaged or was edited",
+                        s.tensor_type(),
+                        t.tensor_type()
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    if let Some(stray) = state.optimizer.keys().find(|k| {
+        k.as_str() != STEP_KEY
+            && k.rsplit_once('/')
+                .is_none_or(|(var, _)| !state.params.contains_key(var))
+    }) {
+        return Err(RuntimeError::Config(format!(
+            "the training state holds optimizer state `{stray}` of no variable it holds: \
+             the file is damaged or was edited"
         )));
     }
     Ok(())
