@@ -13,7 +13,7 @@ use crate::console::{err, out};
 use crate::verify::VerifyOptions;
 use crate::Plan;
 use anyhow::{bail, Context, Result};
-use distc_passes::placement::{Precision, Strategy as StrategyKind, StrategyConfig, SyncMode};
+use distc_passes::placement::{Precision, StrategyConfig, SyncMode};
 use distc_passes::program_set::ProgramSet;
 use distc_runtime::core::output::{check_outputs, write_file};
 use distc_runtime::cuda::nccl::Collectives;
@@ -125,11 +125,12 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
     Ok(TrainOptions {
         steps: args.steps,
         data_dir: args.data.clone(),
-        // Synchronous plans read one global stream sliced by rank, so the workers
-        // together see the batches one device of batch N*b would (WORKLOADS.md's
-        // seed + rank streams have the same distribution); asynchronous ones give each
-        // worker its own stream.
-        global_data: plan.strategy != StrategyKind::Single && plan.settings.sync == SyncMode::Sync,
+        // Synchronous plans read one global stream sliced by rank and micro-batch, so
+        // the workers and micro-batches of a step together see the batch one device of
+        // batch N*M*b would, sample for sample, however the step is cut (WORKLOADS.md's
+        // seed + rank streams, which `distc bench` keeps, have the same distribution);
+        // asynchronous ones give each worker its own stream.
+        global_data: plan.settings.sync == SyncMode::Sync,
         preload: args.preload,
         profile: args.profile,
         trace: args.trace.is_some(),
