@@ -131,6 +131,7 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
         model: 1,
         pipe: 1,
     };
+    let mut seen = std::collections::BTreeSet::new();
     for part in s.split(',') {
         let (axis, n) = part
             .split_once('=')
@@ -139,7 +140,11 @@ pub fn parse_mesh(s: &str) -> Result<Mesh, String> {
         if n > 1 << 20 {
             return Err(format!("{axis}={n}: at most 2^20 workers on an axis"));
         }
-        match axis.trim() {
+        let axis = axis.trim();
+        if !seen.insert(axis.to_string()) {
+            return Err(format!("the {axis} axis is given twice"));
+        }
+        match axis {
             "data" => m.data = n,
             "model" => m.model = n,
             "pipe" => m.pipe = n,
@@ -187,6 +192,23 @@ pub fn positive_finite(s: &str) -> Result<f64, String> {
     match finite(s)? {
         x if x > 0.0 => Ok(x),
         x => Err(format!("{x} is not above 0")),
+    }
+}
+
+/// A link's bandwidth for the cost model, bytes/s: from 1 B/s to 1 PB/s (beyond
+/// either, the predicted times are not numbers a plan can be made of).
+pub fn link_bandwidth(s: &str) -> Result<f64, String> {
+    match positive_finite(s)? {
+        x if (1.0..=1e15).contains(&x) => Ok(x),
+        x => Err(format!("{x} B/s is not a link's bandwidth (1 to 1e15 B/s)")),
+    }
+}
+
+/// A link's latency per message for the cost model, seconds: from 0 to 10 s.
+pub fn link_latency(s: &str) -> Result<f64, String> {
+    match non_negative_finite(s)? {
+        x if x <= 10.0 => Ok(x),
+        x => Err(format!("{x} s is not a link's latency (0 to 10 s)")),
     }
 }
 
@@ -251,7 +273,7 @@ pub struct CompileArgs {
     #[arg(long)]
     pub sparse_as_dense: bool,
     /// Link bandwidth for the cost model, bytes/s (above 0; default: 10 Gbit/s).
-    #[arg(long, default_value_t = 1.25e9, value_parser = positive_finite, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.25e9, value_parser = link_bandwidth, allow_negative_numbers = true)]
     pub bandwidth: f64,
     /// ZeRO stage of the all-reduced dense variables (allreduce, hybrid, auto): 1
     /// shards the optimizer state over the workers, 2 also the gradients
@@ -287,8 +309,9 @@ pub struct CompileArgs {
     /// The pipeline's order of forwards and backwards: `1f1b` (one forward, one
     /// backward; at most P micro-batches' activations alive per stage) or `gpipe` (all
     /// forwards, then all backwards).
-    #[arg(long, default_value = "1f1b", value_parser = parse_schedule, value_name = "gpipe|1f1b")]
-    pub schedule: ScheduleKind,
+    /// Default `1f1b`.
+    #[arg(long, value_parser = parse_schedule, value_name = "gpipe|1f1b")]
+    pub schedule: Option<ScheduleKind>,
     /// The arithmetic's precision: `fp32`, or `bf16`/`fp16` where the mixed_precision
     /// pass's lists allow it (matmuls, convolutions, lookups and the element-wise chains
     /// between them in 16 bits; losses, softmax, exp, log, layer norm and reductions to
@@ -313,7 +336,7 @@ pub struct CompileArgs {
     #[arg(long, value_parser = parse_shard, value_name = "VAR=DIM", requires = "mesh")]
     pub shard: Vec<(String, usize)>,
     /// Latency per message for the cost model, seconds (0 or more).
-    #[arg(long, default_value_t = 25e-6, value_parser = non_negative_finite, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 25e-6, value_parser = link_latency, allow_negative_numbers = true)]
     pub latency: f64,
     /// Workers per node: worker w is on node w / L, and each dense all-reduce runs as
     /// one ring or as a hierarchical all-reduce (within nodes, then across them),
@@ -361,8 +384,8 @@ pub fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), 
     Ok((
         kind,
         distc_passes::placement::Link {
-            bandwidth: positive_finite(bw.trim())?,
-            latency: non_negative_finite(lat.trim())?,
+            bandwidth: link_bandwidth(bw.trim())?,
+            latency: link_latency(lat.trim())?,
         },
     ))
 }
@@ -537,68 +560,144 @@ pub fn strategy_kind(s: Strategy) -> StrategyKind {
     }
 }
 
-/// Refuses flags that the strategy would accept and then ignore.
+/// One rule of [`check_strategy_flags`]: a flag given where the plan it describes
+/// would not use it.
+struct Ignored {
+    /// The flag was given.
+    given: bool,
+    /// The plan would use it.
+    used: bool,
+    /// What the user reads: the flag, and why it would do nothing here.
+    why: String,
+}
+
+/// Refuses flags that the plan would accept and then ignore, one table for every flag:
+/// each rule says when a flag was given, when the plan uses it, and what to say.
 pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     let stages = a.mesh.map_or(a.pipeline, |m| m.pipe);
-    if a.micro_batches > 1 && stages == 1 {
-        bail!(
-            "--micro-batches {} splits a pipeline's step; without --pipeline use \
-             --accumulate {} for the same update",
-            a.micro_batches,
-            a.micro_batches
-        );
-    }
+    let model = a.mesh.map_or(1, |m| m.model);
+    let replicas = a.mesh.map_or(a.workers, |m| m.data);
     let name = strategy_kind(a.strategy).name();
-    match a.strategy {
-        Strategy::Single if a.mesh.is_some() => {}
-        Strategy::Single => {
-            if a.workers > 1 {
-                bail!(
-                    "--workers {} needs a distributed strategy (--strategy allreduce, ps, hybrid \
-                     or auto); --strategy single is one device",
-                    a.workers
-                );
-            }
-            if a.servers > 0 {
-                bail!("--servers {} needs --strategy ps, hybrid or auto; --strategy single has no servers", a.servers);
-            }
-        }
-        Strategy::Allreduce => {
-            if a.servers > 0 {
-                bail!(
-                    "--servers {}: --strategy allreduce places nothing on parameter servers; \
-                     use --strategy hybrid or ps to use them",
-                    a.servers
-                );
-            }
-        }
-        Strategy::Ps | Strategy::Hybrid | Strategy::Auto => {}
+    let single = a.strategy == Strategy::Single && a.mesh.is_none_or(|m| m.data == 1);
+    // Dense gradients are all-reduced among replicas: what the wire and the node
+    // grouping act on. A pipeline's replicas all-reduce in the stage loop, which has no
+    // 16-bit wire nor hierarchy yet.
+    let all_reduces = !single && a.strategy != Strategy::Ps && replicas > 1;
+    let rules = [
+        Ignored {
+            given: a.micro_batches > 1,
+            used: stages > 1,
+            why: format!(
+                "--micro-batches {} splits a pipeline's step; without --pipeline use \
+                 --accumulate {} for the same update",
+                a.micro_batches, a.micro_batches
+            ),
+        },
+        Ignored {
+            given: a.schedule.is_some(),
+            used: stages > 1,
+            why: format!(
+                "--schedule {} orders a pipeline's micro-batches; give --pipeline P (or \
+                 --mesh ...,pipe=P) with it",
+                a.schedule.unwrap_or_default()
+            ),
+        },
+        Ignored {
+            given: a.workers > 1 && a.mesh.is_none(),
+            used: a.strategy != Strategy::Single,
+            why: format!(
+                "--workers {} needs a distributed strategy (--strategy allreduce, ps, hybrid \
+                 or auto); --strategy single is one device",
+                a.workers
+            ),
+        },
+        Ignored {
+            given: a.servers > 0,
+            used: matches!(a.strategy, Strategy::Ps | Strategy::Hybrid | Strategy::Auto),
+            why: format!(
+                "--servers {}: --strategy {name} places nothing on parameter servers; use \
+                 --strategy hybrid or ps to use them",
+                a.servers
+            ),
+        },
+        Ignored {
+            given: a.sync != SyncMode::Sync,
+            used: !matches!(a.strategy, Strategy::Single | Strategy::Allreduce),
+            why: format!(
+                "--sync {} sets how parameter servers apply pushes; --strategy {name} has none \
+                 (all-reduce is synchronous)",
+                a.sync
+            ),
+        },
+        Ignored {
+            given: a.zero.is_some(),
+            used: !single && a.strategy != Strategy::Ps,
+            why: format!(
+                "--zero {} shards all-reduced variables over the workers; --strategy {name} \
+                 all-reduces none (use allreduce, hybrid or auto)",
+                a.zero.unwrap_or(0)
+            ),
+        },
+        Ignored {
+            given: a.sparse_as_dense,
+            used: matches!(a.strategy, Strategy::Allreduce | Strategy::Auto),
+            why: format!(
+                "--sparse-as-dense changes how sparse gradients are all-reduced; under \
+                 --strategy {name} none are (use allreduce or auto)"
+            ),
+        },
+        Ignored {
+            given: !a.shard.is_empty(),
+            used: model > 1,
+            why: format!(
+                "--shard {}={} splits a variable over the model axis; this mesh has none \
+                 (give --mesh ...,model=T with T above 1)",
+                a.shard.first().map_or("", |s| s.0.as_str()),
+                a.shard.first().map_or(0, |s| s.1)
+            ),
+        },
+        Ignored {
+            given: a.grad_wire != Precision::Fp32,
+            used: all_reduces && stages == 1,
+            why: format!(
+                "--grad-wire {} sets what gradient all-reduces send; {} (use more than one \
+                 worker under allreduce, hybrid or auto, without a pipeline)",
+                a.grad_wire,
+                if stages > 1 {
+                    "a pipeline's replicas send theirs in f32"
+                } else {
+                    "this plan all-reduces no gradient"
+                }
+            ),
+        },
+        Ignored {
+            given: a.ranks_per_node.is_some(),
+            used: all_reduces && stages == 1,
+            why: format!(
+                "--ranks-per-node {} groups workers into nodes for hierarchical all-reduces; \
+                 {} (use more than one worker under allreduce, hybrid or auto, without a \
+                 pipeline)",
+                a.ranks_per_node.unwrap_or(0),
+                if stages > 1 {
+                    "a pipeline's replicas all-reduce flat"
+                } else {
+                    "this plan all-reduces no gradient"
+                }
+            ),
+        },
+        Ignored {
+            given: !a.link.is_empty(),
+            used: a.ranks_per_node.is_some(),
+            why: "--link sets the links within and between nodes; give --ranks-per-node L \
+                  to group the workers into nodes (--bandwidth and --latency set the one \
+                  link otherwise)"
+                .to_string(),
+        },
+    ];
+    match rules.into_iter().find(|r| r.given && !r.used) {
+        Some(r) => bail!("{}", r.why),
+        None => Ok(()),
     }
-    if a.sync != SyncMode::Sync && matches!(a.strategy, Strategy::Single | Strategy::Allreduce) {
-        bail!(
-            "--sync {} sets how parameter servers apply pushes; --strategy {name} has none \
-             (all-reduce is synchronous)",
-            a.sync
-        );
-    }
-    if let (Some(z), Strategy::Single | Strategy::Ps) = (a.zero, a.strategy) {
-        bail!(
-            "--zero {z} shards all-reduced variables over the workers; --strategy {name} \
-             all-reduces none (use allreduce, hybrid or auto)"
-        );
-    }
-    if a.sparse_as_dense
-        && matches!(
-            a.strategy,
-            Strategy::Single | Strategy::Ps | Strategy::Hybrid
-        )
-    {
-        bail!(
-            "--sparse-as-dense changes how sparse gradients are all-reduced; under --strategy \
-             {name} none are (use allreduce or auto)"
-        );
-    }
-    Ok(())
 }
 
 /// `base` on mesh `m`, splitting `shard` over its model axis.
@@ -610,7 +709,13 @@ pub fn mesh_strategy(m: Mesh, shard: &[(String, usize)], base: StrategyConfig) -
     };
     StrategyConfig {
         strategy,
-        workers: m.data * m.model * m.pipe,
+        // One replica of a pipeline under `single` counts as one worker, as with
+        // --pipeline P: its stages are the pipeline's.
+        workers: if strategy == StrategyKind::Single && m.model == 1 {
+            1
+        } else {
+            m.data * m.model * m.pipe
+        },
         model: m.model,
         pipeline: m.pipe,
         shard: shard.iter().cloned().collect(),
@@ -650,7 +755,7 @@ pub fn strategy_config(a: &CompileArgs) -> StrategyConfig {
         fuse: a.fuse,
         pipeline: a.pipeline,
         micro_batches: a.micro_batches,
-        schedule: a.schedule,
+        schedule: a.schedule.unwrap_or_default(),
         precision: a.precision,
         grad_wire: a.grad_wire,
         ..StrategyConfig::default()

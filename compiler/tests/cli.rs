@@ -457,3 +457,134 @@ fn a_single_device_run_writes_the_same_trace_as_a_worker() {
         "{counters:?}"
     );
 }
+
+/// Issue 35, item 11: flags the plan would accept and then ignore, and values beyond
+/// any link, are refused naming the flag (one table of rules in `check_strategy_flags`,
+/// and the value parsers); nothing is written.
+#[test]
+fn flags_a_plan_would_ignore_are_refused_by_name() {
+    for (args, want) in [
+        (
+            vec!["--schedule", "gpipe"],
+            "--schedule gpipe orders a pipeline's",
+        ),
+        (
+            vec![
+                "--strategy",
+                "ps",
+                "--workers",
+                "2",
+                "--servers",
+                "1",
+                "--ranks-per-node",
+                "2",
+            ],
+            "--ranks-per-node 2 groups workers into nodes",
+        ),
+        (
+            vec![
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "4",
+                "--pipeline",
+                "2",
+                "--ranks-per-node",
+                "2",
+            ],
+            "a pipeline's replicas all-reduce flat",
+        ),
+        (vec!["--link", "intra=1e9,1e-6"], "--link sets the links"),
+        (
+            vec![
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "2",
+                "--link",
+                "intra=1e9,1e-6",
+            ],
+            "give --ranks-per-node L",
+        ),
+        (
+            vec!["--mesh", "model=2,model=4"],
+            "the model axis is given twice",
+        ),
+        (
+            vec!["--mesh", "data=2", "--shard", "w1=0"],
+            "--shard w1=0 splits a variable",
+        ),
+        (
+            vec![
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "4",
+                "--ranks-per-node",
+                "2",
+                "--link",
+                "intra=1e-300,1e-6",
+            ],
+            "is not a link's bandwidth",
+        ),
+        (vec!["--latency", "1e300"], "is not a link's latency"),
+        (
+            vec![
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "4",
+                "--pipeline",
+                "2",
+                "--grad-wire",
+                "bf16",
+            ],
+            "a pipeline's replicas send theirs in f32",
+        ),
+    ] {
+        let never = tmp("ignored.plan.json");
+        let mut a = vec![
+            "compile",
+            "examples/dense_mlp.dsl",
+            "-o",
+            never.to_str().expect("utf-8"),
+        ];
+        a.extend(args.iter().copied());
+        let o = distc(&a);
+        assert!(!o.status.success(), "{args:?} compiled");
+        assert!(
+            text(&o).contains(want),
+            "{args:?}: `{want}` not in {}",
+            text(&o)
+        );
+        assert!(!text(&o).contains("panicked"), "{args:?}: {}", text(&o));
+        assert!(!never.exists(), "{args:?} wrote a plan");
+    }
+    // Where they act, the same flags compile: `--mesh pipe=2` is `--pipeline 2` (it was
+    // refused as "2 workers under `single`").
+    for args in [
+        vec!["--mesh", "pipe=2"],
+        vec!["--pipeline", "2", "--schedule", "gpipe"],
+        vec![
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--link",
+            "intra=1e10,1e-6",
+        ],
+    ] {
+        let plan = tmp("acts.plan.json");
+        let mut a = vec![
+            "compile",
+            "examples/dense_mlp.dsl",
+            "-o",
+            plan.to_str().expect("utf-8"),
+        ];
+        a.extend(args.iter().copied());
+        let o = distc(&a);
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+    }
+}

@@ -69,7 +69,10 @@ fn explain_shows_the_masters_the_16_bit_copies_and_the_wire() {
 fn what_a_precision_cannot_do_is_refused_by_name() {
     for (args, want) in [
         (vec!["--precision", "fp64"], "`fp64` is not a precision"),
-        (vec!["--grad-wire", "bf16"], "`single` all-reduces none"),
+        (
+            vec!["--grad-wire", "bf16"],
+            "--grad-wire bf16 sets what gradient all-reduces send; this plan all-reduces no gradient",
+        ),
         (
             vec!["--precision", "fp16", "--pipeline", "2"],
             "--precision fp16 (dynamic loss scaling) with --pipeline",
