@@ -181,6 +181,9 @@ struct Run {
     /// By category, in drawing order; bytes. Every category has a point at every step
     /// that reported memory (0 where a line lacked it), so they stack point by point.
     memory: Vec<(String, Points)>,
+    /// A pipelined run: its lines' memory is replica 0's stages summed, not one
+    /// worker's.
+    pipelined: bool,
 }
 
 /// A number under `key`: `None` when absent or `null` (non-finite when written).
@@ -249,6 +252,7 @@ fn read_run(path: &Path, label: String) -> Result<Run, PlotError> {
                 points.extend(number(obj, key).map_err(malformed)?.map(|v| (step, v)));
             }
         }
+        run.pipelined |= obj.get("pipeline").is_some_and(|p| !p.is_null());
         match obj.get("memory") {
             None | Some(Value::Null) => {}
             Some(Value::Object(m)) => {
@@ -344,6 +348,8 @@ enum Panel<'a> {
     Memory {
         run: usize,
         label: &'a str,
+        /// The run is pipelined: its memory is its stages' summed.
+        stages: bool,
         categories: &'a [(String, Points)],
         /// The colour of each category: one colour per category name over all runs.
         colours: Vec<RGBColor>,
@@ -357,6 +363,11 @@ impl Panel<'_> {
     fn title(&self) -> String {
         match self {
             Panel::Lines { title, .. } => title.clone(),
+            Panel::Memory {
+                label,
+                stages: true,
+                ..
+            } => format!("memory of replica 0's stages, summed: {label}"),
             Panel::Memory { label, .. } => format!("memory of worker 0: {label}"),
         }
     }
@@ -422,6 +433,7 @@ fn panels(runs: &[Run]) -> Vec<Panel<'_>> {
             panels.push(Panel::Memory {
                 run: i,
                 label: &r.label,
+                stages: r.pipelined,
                 categories: &r.memory,
                 colours: r.memory.iter().map(|(name, _)| colour(name)).collect(),
                 top_mib,
@@ -565,6 +577,12 @@ fn steps_range<'a>(points: impl Iterator<Item = &'a Points>) -> Option<std::ops:
     Some(lo..hi.max(lo + 1.0))
 }
 
+/// How many step ticks an axis of `steps` gets: about ten, and never more than the
+/// whole steps it spans (fractional ticks would print as repeated whole numbers).
+fn step_labels(steps: &std::ops::Range<f64>) -> usize {
+    ((steps.end - steps.start).floor() as usize + 1).clamp(2, 10)
+}
+
 /// Steps are whole numbers: 1200, not 1200.00.
 fn step_tick(v: f64) -> String {
     if v.abs() >= 1e5 {
@@ -644,6 +662,7 @@ fn draw_lines<DB: DrawingBackend>(
         return no_data(area, title);
     };
     let span = y.end - y.start;
+    let x_labels = step_labels(&x);
     let (ylo, yhi) = (y.start, y.end);
     // What is drawn stays on the axis: a value past it (a loss of 1e308) at its edge,
     // a non-finite one left out (plotters' pixel arithmetic overflows otherwise).
@@ -661,6 +680,7 @@ fn draw_lines<DB: DrawingBackend>(
         .bold_line_style(GRID)
         .light_line_style(TRANSPARENT)
         .x_desc("step")
+        .x_labels(x_labels)
         .y_desc(y_label)
         .x_label_formatter(&|v| step_tick(*v))
         .y_label_formatter(&|v| tick(*v, span))
@@ -741,6 +761,7 @@ fn draw_memory<DB: DrawingBackend>(
         return no_data(area, title);
     };
     let span = y.end - y.start;
+    let x_labels = step_labels(&x);
     let (width, _) = area.dim_in_pixel();
     let (plot_area, legend_area) =
         area.split_horizontally(width.saturating_sub(MEMORY_LEGEND_WIDTH));
@@ -761,6 +782,7 @@ fn draw_memory<DB: DrawingBackend>(
         .bold_line_style(GRID)
         .light_line_style(TRANSPARENT)
         .x_desc("step")
+        .x_labels(x_labels)
         .y_desc("MiB")
         .x_label_formatter(&|v| step_tick(*v))
         .y_label_formatter(&|v| tick(*v, span))
@@ -828,6 +850,15 @@ mod tests {
                 files: 3
             })
         ));
+    }
+
+    #[test]
+    fn a_few_steps_get_one_tick_per_whole_step_at_most() {
+        // Evaluations on steps 30 and 31 only: ticks 30, 30.1, ... printed as "30 30 30
+        // 31 31" before.
+        assert_eq!(step_labels(&(30.0..31.0)), 2);
+        assert_eq!(step_labels(&(1.0..5.0)), 5);
+        assert_eq!(step_labels(&(0.0..1000.0)), 10);
     }
 
     #[test]

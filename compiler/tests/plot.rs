@@ -306,3 +306,41 @@ fn extreme_and_non_finite_values_plot_and_end() {
     assert!(out.exists(), "no picture written");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 35, item 12: a pipelined run's memory is its stages' summed, and its title
+/// says so (it read "memory of worker 0"); evaluation points on two steps get one
+/// tick per step (they read "30 30 30 31 31").
+#[test]
+fn a_pipelined_runs_memory_says_it_sums_the_stages_and_few_steps_get_whole_ticks() {
+    let dir = tmp("stages");
+    let path = dir.join("piped.jsonl");
+    let lines: Vec<String> = (30..=31)
+        .map(|step| {
+            let line = step_line(step, 1.0, 100.0, 1 << 20);
+            let eval = r#","eval_loss":0.9,"eval_accuracy":0.5"#;
+            let pipeline = r#","pipeline":{"bubble":0.2,"stages":[]}}"#;
+            format!("{}{eval}{pipeline}", &line[..line.len() - 1])
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n") + "\n").expect("write");
+    let out = dir.join("piped.svg");
+    let o = distc(&["plot", s(&path), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert!(
+        svg.contains("memory of replica 0&apos;s stages, summed")
+            || svg.contains("memory of replica 0's stages, summed"),
+        "title"
+    );
+    assert!(!svg.contains("memory of worker 0"));
+    // Every step tick is a whole step, each printed once per panel's axis.
+    let ticks: Vec<&str> = svg
+        .split('>')
+        .filter_map(|t| t.split('<').next())
+        .map(str::trim)
+        .filter(|t| *t == "30" || *t == "31" || *t == "30.5")
+        .collect();
+    let thirty = ticks.iter().filter(|t| **t == "30").count();
+    let thirty_one = ticks.iter().filter(|t| **t == "31").count();
+    assert!(thirty > 0 && thirty == thirty_one, "ticks: {ticks:?}");
+}
