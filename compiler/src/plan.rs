@@ -267,6 +267,13 @@ impl Plan {
             return Err(invalid("its content does not match its hash: the file is damaged or was edited; recompile it".into()));
         }
         plan.check_fields().map_err(&invalid)?;
+        // The settings first: they size what is built from the programs (a schedule
+        // of `micro_batches` steps).
+        plan.settings.check().map_err(|e| {
+            invalid(format!(
+                "settings: {e} (the plan is intact but not sound: recompile it)"
+            ))
+        })?;
         let parse = |what: &str, text: &str| -> Result<Graph, PlanError> {
             let g = distc_ir::parse(text).map_err(|e| invalid(format!("{what}: {e}")))?;
             distc_ir::verify(&g).map_err(|e| invalid(format!("{what} does not verify:\n{e}")))?;
@@ -328,9 +335,6 @@ impl Plan {
                 "{e} (the plan is intact but not sound: recompile it)"
             ))
         };
-        plan.settings
-            .check()
-            .map_err(|e| unsound(format!("settings: {e}")))?;
         plan.config
             .check()
             .map_err(|e| unsound(format!("config: {e}")))?;

@@ -227,3 +227,117 @@ fn plans_cut_short_and_large_seeds_load() {
         serde_json::to_value(Plan::new(&c, "d.dsl", &StrategyConfig::default())).expect("json");
     load_sealed(plan).expect("a large seed's plan loads");
 }
+
+/// Issue 35, item 3: edited and re-hashed plans of the newer kinds (pipelines, meshes,
+/// ZeRO 3, hierarchies) that loaded and panicked, ran on for minutes, or trained
+/// another model. Each is refused at load, naming what disagrees.
+#[test]
+fn plans_of_pipelines_meshes_and_hierarchies_are_checked_against_their_settings() {
+    let piped = plan_of(
+        "dense_mlp.dsl",
+        StrategyConfig {
+            pipeline: 2,
+            micro_batches: 2,
+            ..StrategyConfig::default()
+        },
+    );
+    load_sealed(piped.clone()).expect("a compiled pipeline loads");
+    for (micro, want) in [
+        (json!(u64::MAX), "`micro_batches`"),
+        (json!(1u64 << 32), "`micro_batches`"),
+        (json!(65_537), "`micro_batches`"),
+    ] {
+        refused(edit(piped.clone(), "/settings/micro_batches", micro), want);
+    }
+    refused(
+        edit(piped.clone(), "/settings/accumulate", json!(2)),
+        "--accumulate 2 with --pipeline",
+    );
+    // Stage 1's forward reads stage 0's first variable instead of its own.
+    let mut swapped = piped.clone();
+    let stage0 = swapped["stages"][0][0]
+        .as_str()
+        .expect("stage 0")
+        .to_string();
+    let stage1 = swapped["stages"][1][0]
+        .as_str()
+        .expect("stage 1")
+        .to_string();
+    let name = |text: &str| -> String {
+        let at = text.find("param{name=\"").expect("a variable") + 12;
+        text[at..at + text[at..].find('"').expect("end")].to_string()
+    };
+    let (theirs, mine) = (name(&stage0), name(&stage1));
+    let shape = |text: &str, v: &str| -> String {
+        let line = text
+            .lines()
+            .find(|l| l.contains(&format!("param{{name=\"{v}\"")))
+            .expect("its line");
+        line[line.rfind(':').expect("type")..].to_string()
+    };
+    if shape(&stage0, &theirs) == shape(&stage1, &mine) {
+        swapped["stages"][1][0] =
+            json!(stage1.replace(&format!("\"{mine}\""), &format!("\"{theirs}\"")));
+        refused(swapped, "and no pipeline stage does");
+    }
+
+    let mesh = plan_of(
+        "dense_mlp.dsl",
+        StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: 4,
+            model: 2,
+            ..StrategyConfig::default()
+        },
+    );
+    load_sealed(mesh.clone()).expect("a compiled mesh loads");
+    refused(
+        edit(mesh.clone(), "/init", Value::Null),
+        "no init program to cut them from the model's values",
+    );
+    let zero3 = plan_of("mlp.dsl", distributed(Strategy::Allreduce, 0, 3));
+    refused(
+        edit(zero3, "/init", Value::Null),
+        "no init program to cut them from the model's values",
+    );
+    // A shard map naming a dimension the variable lacks (explain panicked on it).
+    let mut shard = mesh.clone();
+    shard["settings"]["shard"] = json!({"w1": 7});
+    refused(shard, "splits `w1` along dimension 7; it has 2");
+    let one_replica = plan_of(
+        "dense_mlp.dsl",
+        StrategyConfig {
+            pipeline: 2,
+            workers: 1,
+            ..StrategyConfig::default()
+        },
+    );
+    refused(
+        edit(one_replica, "/settings/zero", json!(1)),
+        "--zero 1 on a mesh of one data replica",
+    );
+    // Hierarchical all-reduces without the nodes they run over.
+    let hier = plan_of(
+        "dense_mlp.dsl",
+        StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: 4,
+            ranks_per_node: 2,
+            intra_link: distc_passes::placement::Link {
+                bandwidth: 1e12,
+                latency: 1e-7,
+            },
+            bandwidth: 1e8,
+            ..StrategyConfig::default()
+        },
+    );
+    if hier["graph"]
+        .as_str()
+        .is_some_and(|g| g.contains("ranks_per_node=2"))
+    {
+        refused(
+            edit(hier, "/settings/ranks_per_node", json!(0)),
+            "runs over nodes of 2 workers, and `settings.ranks_per_node` is 0",
+        );
+    }
+}

@@ -320,6 +320,46 @@ impl StrategyConfig {
         if self.zero > 3 {
             return field("zero", "0, 1, 2 or 3", &self.zero);
         }
+        if !(1..=MAX_RANKS).contains(&self.pipeline) {
+            return field("pipeline", &format!("in 1..={MAX_RANKS}"), &self.pipeline);
+        }
+        if !(1..=MAX_MICRO_BATCHES).contains(&self.micro_batches) {
+            return field(
+                "micro_batches",
+                &format!("in 1..={MAX_MICRO_BATCHES}"),
+                &self.micro_batches,
+            );
+        }
+        // Settings that contradict each other: each would train something else than
+        // they describe, or ignore one of them (a plan file may say anything).
+        let contradictions = [
+            (
+                self.pipeline > 1 && self.accumulate > 1,
+                format!(
+                    "--accumulate {} with --pipeline: a pipeline's micro-batches are \
+                     --micro-batches",
+                    self.accumulate
+                ),
+            ),
+            (
+                self.pipeline == 1 && self.micro_batches > 1,
+                format!(
+                    "--micro-batches {} without --pipeline: use --accumulate for the same \
+                     update",
+                    self.micro_batches
+                ),
+            ),
+            (
+                self.zero > 0 && (self.pipeline > 1 || self.model > 1) && self.data_workers() <= 1,
+                format!(
+                    "--zero {} on a mesh of one data replica: ZeRO shards over the data axis",
+                    self.zero
+                ),
+            ),
+        ];
+        if let Some((_, what)) = contradictions.into_iter().find(|c| c.0) {
+            return Err(what);
+        }
         for (f, x) in [
             ("bucket_mb", self.bucket_mb),
             ("first_bucket_mb", self.first_bucket_mb),

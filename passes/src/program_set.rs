@@ -210,7 +210,7 @@ impl ProgramSet {
         dist: Option<&crate::placement::DistPlan>,
     ) -> Result<(), String> {
         use crate::placement::Mechanism;
-        use distc_ir::{Op, ZERO_SHARD_SUFFIX};
+        use distc_ir::{Graph, Op, ZERO_SHARD_SUFFIX};
         use std::collections::{BTreeSet, HashSet};
         if self.servers.len() != settings.servers && !self.servers.is_empty() {
             return Err(format!(
@@ -332,6 +332,98 @@ impl ProgramSet {
                 }
             }
             None => {}
+        }
+        // Parts and chunks of variables are made by the init program from the one-device
+        // values: without it each worker would initialise its part on its own, another
+        // model.
+        if let Some(v) = chunks.first() {
+            let made: HashSet<String> = self
+                .init
+                .iter()
+                .flat_map(|g| g.outputs().into_iter().map(|(name, _)| name))
+                .collect();
+            let read: Vec<String> = self
+                .worker
+                .params()
+                .into_iter()
+                .map(|(_, n, _)| n.to_string())
+                .filter(|n| {
+                    n.ends_with(ZERO_SHARD_SUFFIX)
+                        || n.ends_with(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
+                })
+                .collect();
+            if let Some(part) = read.iter().find(|n| !made.contains(*n)) {
+                return Err(match &self.init {
+                    None => format!(
+                        "the worker program holds parts of variables (`{part}`, of `{v}`) \
+                         and the plan has no init program to cut them from the model's \
+                         values"
+                    ),
+                    Some(_) => format!("the init program does not make `{part}`"),
+                });
+            }
+        }
+        for (var, dim) in &settings.shard {
+            let rank = self
+                .worker
+                .params()
+                .into_iter()
+                .find(|(_, n, _)| {
+                    *n == var.as_str()
+                        || n.strip_suffix(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
+                            == Some(var.as_str())
+                })
+                .map(|(_, _, t)| t.shape.rank());
+            match rank {
+                Some(r) if *dim < r => {}
+                Some(r) => {
+                    return Err(format!(
+                        "`settings.shard` splits `{var}` along dimension {dim}; it has {r}"
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "`settings.shard` names `{var}`, which the worker program does not hold"
+                    ))
+                }
+            }
+        }
+        // An all-reduce grouped into nodes needs the nodes the settings give.
+        for id in self.worker.node_ids() {
+            if let Op::AllReduce { ranks_per_node, .. } = self.worker.op(id) {
+                if *ranks_per_node > 0 && *ranks_per_node != settings.ranks_per_node {
+                    return Err(format!(
+                        "the worker program's all_reduce {id} runs over nodes of \
+                         {ranks_per_node} workers, and `settings.ranks_per_node` is {}",
+                        settings.ranks_per_node
+                    ));
+                }
+            }
+        }
+        // The stages read the variables the model reads: one variable read in place of
+        // another would train both wrong.
+        if let Some(p) = &self.pipeline {
+            let read_by = |g: &Graph| -> BTreeSet<String> {
+                g.params()
+                    .into_iter()
+                    .filter(|(id, _, _)| !g.user_nodes(*id).is_empty())
+                    .map(|(_, n, _)| n.to_string())
+                    .collect()
+            };
+            let whole = read_by(&self.worker);
+            let stages: BTreeSet<String> = p
+                .stages
+                .iter()
+                .flat_map(|s| read_by(&s.forward).into_iter().chain(read_by(&s.backward)))
+                .collect();
+            if let Some(v) = whole.difference(&stages).next() {
+                return Err(format!("the model reads `{v}`, and no pipeline stage does"));
+            }
+            if let Some(v) = stages.difference(&whole).next() {
+                return Err(format!(
+                    "a pipeline stage reads `{v}`, which the model does not"
+                ));
+            }
         }
         // The placement table against the programs.
         let Some(dist) = dist else { return Ok(()) };

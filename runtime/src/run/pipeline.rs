@@ -196,11 +196,21 @@ impl<'a> PipelineRun<'a> {
         let resume = opts.resume.as_deref();
         // The state is whole, whatever wrote it: checked against the whole model.
         let initial = initial_values(whole, config.seed, resume)?;
+        // Read by a stage, split over the model axis, or read by the model itself (a
+        // stage that should read it and does not is the plan's error, not a variable
+        // to carry).
         let read: HashSet<String> = program
             .stages
             .iter()
             .flat_map(|g| stage_variables([&g.forward, &g.backward]))
             .chain(split.iter().map(|(_, whole, _)| whole.clone()))
+            .chain(
+                whole
+                    .params()
+                    .into_iter()
+                    .filter(|(id, _, _)| !whole.user_nodes(*id).is_empty())
+                    .map(|(_, n, _)| n.to_string()),
+            )
             .collect();
         let carried: HashMap<String, Tensor> = initial
             .iter()
