@@ -97,6 +97,15 @@ pub fn graph_nodes(s: &str) -> Result<usize, String> {
     whole_in(s, 1, 10_000_000)
 }
 
+/// The most steps `simulate --profile-steps` runs: a profile settles in a few steps,
+/// and 1000 of ResNet-50 on a CPU already take an hour.
+pub const MAX_PROFILE_STEPS: usize = 1000;
+
+/// Steps of `simulate`'s profiling run: 1 to [`MAX_PROFILE_STEPS`].
+pub fn profile_steps(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_PROFILE_STEPS)
+}
+
 /// A batch: 1 to [`MAX_BATCH`] samples.
 pub fn batch_size(s: &str) -> Result<usize, String> {
     whole_in(s, 1, MAX_BATCH)
@@ -345,6 +354,19 @@ pub fn parse_calibration_flag(s: &str) -> Result<(LinkKind, PathBuf), String> {
     }
 }
 
+/// A link's bandwidth in bytes/s: finite and at least
+/// [`MIN_BANDWIDTH`](crate::simulate::MIN_BANDWIDTH) (below it a bucket's time is
+/// infinite).
+pub fn link_bandwidth(s: &str) -> Result<f64, String> {
+    use crate::simulate::MIN_BANDWIDTH;
+    match positive_finite(s)? {
+        x if x >= MIN_BANDWIDTH => Ok(x),
+        x => Err(format!(
+            "{x:?} B/s is below {MIN_BANDWIDTH:?} B/s, the slowest link"
+        )),
+    }
+}
+
 /// `intra=BW,LAT` or `inter=BW,LAT`.
 pub fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), String> {
     let (kind, rest) = s
@@ -361,7 +383,7 @@ pub fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), 
     Ok((
         kind,
         distc_passes::placement::Link {
-            bandwidth: positive_finite(bw.trim())?,
+            bandwidth: link_bandwidth(bw.trim())?,
             latency: non_negative_finite(lat.trim())?,
         },
     ))
