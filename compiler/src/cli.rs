@@ -97,6 +97,15 @@ pub fn graph_nodes(s: &str) -> Result<usize, String> {
     whole_in(s, 1, 10_000_000)
 }
 
+/// The most steps `simulate --profile-steps` runs: a profile settles in a few steps,
+/// and 1000 of ResNet-50 on a CPU already take an hour.
+pub const MAX_PROFILE_STEPS: usize = 1000;
+
+/// Steps of `simulate`'s profiling run: 1 to [`MAX_PROFILE_STEPS`].
+pub fn profile_steps(s: &str) -> Result<usize, String> {
+    whole_in(s, 1, MAX_PROFILE_STEPS)
+}
+
 /// A batch: 1 to [`MAX_BATCH`] samples.
 pub fn batch_size(s: &str) -> Result<usize, String> {
     whole_in(s, 1, MAX_BATCH)
@@ -195,12 +204,15 @@ pub fn positive_finite(s: &str) -> Result<f64, String> {
     }
 }
 
-/// A link's bandwidth for the cost model, bytes/s: from 1 B/s to 1 PB/s (beyond
-/// either, the predicted times are not numbers a plan can be made of).
+/// A link's bandwidth for the cost model, bytes/s: from
+/// [`MIN_BANDWIDTH`](crate::simulate::MIN_BANDWIDTH) (1 B/s) to 1 PB/s (beyond either,
+/// the predicted times are not numbers a plan can be made of).
 pub fn link_bandwidth(s: &str) -> Result<f64, String> {
     match positive_finite(s)? {
-        x if (1.0..=1e15).contains(&x) => Ok(x),
-        x => Err(format!("{x} B/s is not a link's bandwidth (1 to 1e15 B/s)")),
+        x if (crate::simulate::MIN_BANDWIDTH..=1e15).contains(&x) => Ok(x),
+        x => Err(format!(
+            "{x:?} B/s is not a link's bandwidth (1 to 1e15 B/s)"
+        )),
     }
 }
 
@@ -208,7 +220,7 @@ pub fn link_bandwidth(s: &str) -> Result<f64, String> {
 pub fn link_latency(s: &str) -> Result<f64, String> {
     match non_negative_finite(s)? {
         x if x <= 10.0 => Ok(x),
-        x => Err(format!("{x} s is not a link's latency (0 to 10 s)")),
+        x => Err(format!("{x:?} s is not a link's latency (0 to 10 s)")),
     }
 }
 

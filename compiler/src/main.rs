@@ -6,11 +6,12 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use distc::cli::{
     at_least_one, batch_size, non_negative_finite, parse_calibration_flag, parse_device,
-    parse_link, parse_mesh, parse_shard, timeout_secs, BenchArgs, CompileArgs, Device,
-    ExplainFormat, LinkKind, Mesh, RunArgs, Transport,
+    parse_link, parse_mesh, parse_shard, profile_steps, timeout_secs, BenchArgs, CompileArgs,
+    Device, ExplainFormat, LinkKind, Mesh, RunArgs, Transport,
 };
 use distc::commands;
 use distc::console::err;
+use distc::simulate::SAMPLE_BYTES;
 use distc_passes::placement::Precision;
 use distc_runtime::RuntimeError;
 use std::path::PathBuf;
@@ -156,8 +157,8 @@ enum Command {
         /// A link as `distc calibrate` measured it, `intra=FILE` or `inter=FILE`.
         #[arg(long, value_name = "KIND=FILE", value_parser = parse_calibration_flag)]
         calibration: Vec<(LinkKind, PathBuf)>,
-        /// Steps of the profiling run on one worker (the first ones left out).
-        #[arg(long, default_value_t = 6, value_parser = at_least_one)]
+        /// Steps of the profiling run on one worker (the first ones left out), 1 to 1000.
+        #[arg(long, default_value_t = 6, value_parser = profile_steps)]
         profile_steps: usize,
         /// Take op times from worker 0 of this trace instead of profiling one worker:
         /// a trace of the plan (`distc run PLAN --trace FILE`) or of its model on one
@@ -181,9 +182,10 @@ enum Command {
         /// Ranks of the in-process ring (2 to 256 threads).
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(2..=256))]
         workers: u16,
-        /// Buffer sizes in bytes, each 4 to 1 GiB (default: 4 KiB to 64 MiB, by 4x: as
-        /// large as buckets).
-        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(4..=1 << 30))]
+        /// Buffer sizes in bytes, each 4 to 1 GiB, 2 or more, each once (default: 4 KiB
+        /// to 64 MiB, by 4x: as large as buckets).
+        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(
+            *SAMPLE_BYTES.start() as i64..=*SAMPLE_BYTES.end() as i64))]
         sizes: Vec<u32>,
         /// Timed all-reduces per size, 1 to 1000 (the median is kept).
         #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u16).range(1..=1000))]

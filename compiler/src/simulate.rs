@@ -16,7 +16,7 @@
 use crate::plan::Plan;
 use distc_ir::{Graph, NodeId, Op, ValueType};
 use distc_passes::cost::INDEX_BYTES;
-use distc_passes::placement::{all_reduce_seconds_by, Link, StrategyConfig};
+use distc_passes::placement::{all_reduce_seconds_by, Link, StrategyConfig, MAX_RANKS};
 use distc_runtime::comm::calibrate::Sample;
 use distc_runtime::run::launch::{launch, DeviceChoice, Launch, TransportChoice};
 use distc_runtime::run::trace::Span;
@@ -42,7 +42,126 @@ pub struct Calibration {
     pub copy_bandwidth: f64,
 }
 
+/// The smallest and largest buffer a calibration times, in bytes (`calibrate --sizes`):
+/// one f32 to 1 GiB.
+pub const SAMPLE_BYTES: std::ops::RangeInclusive<usize> = 4..=1 << 30;
+
+/// The most seconds a calibration sample or a fitted latency may hold: the longest
+/// `--timeout`, past which `calibrate` stops a collective. A larger time in a file was
+/// not measured, and sums of such times overflow (a step of `inf` ms).
+pub const MAX_SAMPLE_SECONDS: f64 = crate::cli::MAX_TIMEOUT_SECS;
+
+/// The slowest link or copy a simulation takes, in bytes/s. A bandwidth of 5e-324 is
+/// finite and above 0, yet a bucket's time over it is infinite; no network is slower
+/// than a byte a second.
+pub const MIN_BANDWIDTH: f64 = 1.0;
+
+/// Refuses buffer sizes that cannot be fitted (`what` names them for the message: a
+/// flag or a field): a size given twice (two times for one size make the interpolation
+/// between them divide by 0) or fewer than 2 sizes (any line goes through one point).
+pub fn check_sizes(what: &str, sizes: &[usize]) -> Result<(), String> {
+    let mut sorted = sizes.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!(
+            "{what}: {} bytes is given more than once: give each buffer size once",
+            w[0]
+        ));
+    }
+    if sorted.len() < 2 {
+        return Err(format!(
+            "{what}: {} buffer size{}; a fit needs 2 or more",
+            sorted.len(),
+            if sorted.len() == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(())
+}
+
 impl Calibration {
+    /// A calibration file's text, parsed and [checked](Calibration::check).
+    pub fn from_json(text: &str) -> Result<Calibration, String> {
+        let c: Calibration = serde_json::from_str(text)
+            .map_err(|e| format!("not a calibration from `distc calibrate`: {e}"))?;
+        c.check()?;
+        Ok(c)
+    }
+
+    /// Every field in the range `calibrate` writes, else the first that is not, named
+    /// as in the file with its value: ranks 2 to [`MAX_RANKS`], hosts 1 to the ranks,
+    /// 2 or more buffer sizes (each once, in [`SAMPLE_BYTES`]), times finite, above 0
+    /// and at most [`MAX_SAMPLE_SECONDS`], bandwidths finite and at least
+    /// [`MIN_BANDWIDTH`]. The simulation
+    /// sums and divides by these numbers: one out of range gives a negative, infinite
+    /// or NaN prediction instead of an error.
+    pub fn check(&self) -> Result<(), String> {
+        // Numbers as `{:?}` writes them: 1e308, not 309 digits.
+        let out = |field: &str, x: &dyn std::fmt::Debug, rule: &str| {
+            Err(format!("`{field}` {x:?} is out of range: {rule}"))
+        };
+        if !matches!(self.transport.as_str(), "inprocess" | "mpi") {
+            return out("transport", &self.transport, "give inprocess or mpi");
+        }
+        if !(2..=MAX_RANKS).contains(&self.ranks) {
+            return out("ranks", &self.ranks, &format!("give 2 to {MAX_RANKS}"));
+        }
+        if !(1..=self.ranks).contains(&self.hosts) {
+            return out(
+                "hosts",
+                &self.hosts,
+                &format!("give 1 to the ranks ({})", self.ranks),
+            );
+        }
+        let sizes: Vec<usize> = self.samples.iter().map(|s| s.bytes).collect();
+        check_sizes("`samples`", &sizes)?;
+        let seconds = format!("give a time above 0 and at most {MAX_SAMPLE_SECONDS:e} s");
+        for (i, s) in self.samples.iter().enumerate() {
+            if !SAMPLE_BYTES.contains(&s.bytes) {
+                return out(
+                    &format!("samples[{i}].bytes"),
+                    &s.bytes,
+                    &format!("give {} to {}", SAMPLE_BYTES.start(), SAMPLE_BYTES.end()),
+                );
+            }
+            if !(s.seconds > 0.0 && s.seconds <= MAX_SAMPLE_SECONDS) {
+                return out(&format!("samples[{i}].seconds"), &s.seconds, &seconds);
+            }
+        }
+        if self.predicted.len() != self.samples.len() {
+            return Err(format!(
+                "`predicted` holds {} times for {} samples: one each",
+                self.predicted.len(),
+                self.samples.len()
+            ));
+        }
+        for (i, p) in self.predicted.iter().enumerate() {
+            if !(p.is_finite() && *p >= 0.0) {
+                return out(
+                    &format!("predicted[{i}]"),
+                    p,
+                    "give a finite time of 0 or more",
+                );
+            }
+        }
+        let bandwidth = format!("give a finite number of bytes/s, at least {MIN_BANDWIDTH:?}");
+        for (field, x) in [
+            ("link.bandwidth", self.link.bandwidth),
+            ("copy_bandwidth", self.copy_bandwidth),
+        ] {
+            if !(x.is_finite() && x >= MIN_BANDWIDTH) {
+                return out(field, &x, &bandwidth);
+            }
+        }
+        if !(0.0..=MAX_SAMPLE_SECONDS).contains(&self.link.latency) {
+            return out(
+                "link.latency",
+                &self.link.latency,
+                &format!("give 0 to {MAX_SAMPLE_SECONDS:e} s"),
+            );
+        }
+        Ok(())
+    }
+
     /// Fits `t = 2 (N-1) alpha + 2 (N-1)/N bytes / bandwidth` to `samples` by least
     /// squares, each sample weighted by 1/t so small and large buffers count alike
     /// (relative error); a negative fitted latency or inverse bandwidth is refitted as 0.
@@ -53,12 +172,11 @@ impl Calibration {
         samples: Vec<Sample>,
         copy_bandwidth: f64,
     ) -> Result<Calibration, String> {
-        if ranks < 2 || samples.len() < 2 {
-            return Err(format!(
-                "a fit needs 2 or more ranks and 2 or more buffer sizes ({ranks} ranks, {} sizes)",
-                samples.len()
-            ));
+        if ranks < 2 {
+            return Err(format!("a fit needs 2 or more ranks ({ranks} ranks)"));
         }
+        let sizes: Vec<usize> = samples.iter().map(|s| s.bytes).collect();
+        check_sizes("the buffer sizes", &sizes)?;
         let n = ranks as f64;
         // t = a x + b y, with x = 2 (N-1), y = 2 (N-1)/N bytes; a = alpha, b = 1/bw.
         let rows: Vec<(f64, f64, f64)> = samples
@@ -103,7 +221,7 @@ impl Calibration {
             .iter()
             .map(|s| ring_all_reduce(s.bytes as f64, ranks, link))
             .collect();
-        Ok(Calibration {
+        let c = Calibration {
             transport: transport.into(),
             ranks,
             hosts,
@@ -111,7 +229,10 @@ impl Calibration {
             link,
             predicted,
             copy_bandwidth,
-        })
+        };
+        // What `calibrate` writes, `simulate` reads: the same checks.
+        c.check()?;
+        Ok(c)
     }
 
     /// A table of the samples against the fit, and the fitted link.
@@ -150,14 +271,18 @@ impl Calibration {
 }
 
 impl Calibration {
-    /// One ring step's seconds by message size as measured: each sample's buffer over
-    /// the ranks, and its time over the ring's `2 (N-1)` steps.
+    /// One ring step's seconds by message size as measured, smallest first (as
+    /// [`Links::message`] interpolates them; `--sizes` may give them in any order):
+    /// each sample's buffer over the ranks, and its time over the ring's `2 (N-1)` steps.
     pub fn ring_steps(&self) -> Vec<(f64, f64)> {
         let n = self.ranks.max(2) as f64;
-        self.samples
+        let mut steps: Vec<(f64, f64)> = self
+            .samples
             .iter()
             .map(|s| (s.bytes as f64 / n, s.seconds / (2.0 * (n - 1.0))))
-            .collect()
+            .collect();
+        steps.sort_by(|a, b| a.0.total_cmp(&b.0));
+        steps
     }
 }
 
@@ -289,6 +414,20 @@ impl ComputeProfile {
             measured_step: median(&mut steps),
             copy_bandwidth,
         })
+    }
+
+    /// From the spans of a trace file of a run of `g` ([`check_spans_of`]): the first
+    /// 2 steps left out (allocation, first touches) when it holds 4 or more.
+    pub fn from_trace(
+        g: &Graph,
+        spans: &[Span],
+        copy_bandwidth: f64,
+        source: String,
+    ) -> Result<ComputeProfile, String> {
+        let first = spans.iter().map(|s| s.step).min().unwrap_or(0);
+        let last = spans.iter().map(|s| s.step).max().unwrap_or(0);
+        let skip = if last - first >= 3 { 2 } else { 0 };
+        ComputeProfile::from_spans(g, spans, first + skip, copy_bandwidth, source)
     }
 
     /// Seconds of op `id` of `g`, and how it was found: no kernel (a source or a sink),
@@ -829,24 +968,56 @@ fn is_op_span(s: &Span) -> bool {
     s.node.is_some() && !s.name.starts_with("wait ") && !s.name.starts_with("issue ")
 }
 
-/// Whether every op span of worker 0 in `spans` names a node of `g` of its op, and
-/// some do: whether the spans are of a run of `g`.
-pub fn spans_match(g: &Graph, spans: &[Span]) -> bool {
-    let ops: HashMap<String, &'static str> = g
+/// Whether `spans` are of a run of `g`: every op span of worker 0 names a node of `g`
+/// of its op and of its input and output types, and some do. Node ids and op names
+/// repeat between models (every MLP has a `%5 = matmul`); the types tell them apart.
+/// Else the error names the first span that differs, and how.
+pub fn check_spans_of(g: &Graph, spans: &[Span]) -> Result<(), String> {
+    let nodes: HashMap<String, NodeId> = g
         .node_ids()
         .into_iter()
-        .map(|id| (id.to_string(), g.op(id).mnemonic()))
+        .map(|id| (id.to_string(), id))
         .collect();
     let mut any = false;
     for s in spans.iter().filter(|s| s.track == "worker 0") {
-        if let Some(node) = s.node.as_ref().filter(|_| is_op_span(s)) {
-            if ops.get(node) != Some(&s.name.as_str()) {
-                return false;
-            }
-            any = true;
+        let Some(node) = s.node.as_ref().filter(|_| is_op_span(s)) else {
+            continue;
+        };
+        let Some(&id) = nodes.get(node) else {
+            return Err(format!(
+                "the trace's {node} (`{}`) is no node of the program",
+                s.name
+            ));
+        };
+        let op = g.op(id).mnemonic();
+        if op != s.name {
+            return Err(format!(
+                "the trace's {node} is a `{}`, the program's a `{op}`",
+                s.name
+            ));
         }
+        let types = distc_runtime::run::trace::node_types(g, id);
+        match &s.types {
+            None => {
+                return Err(format!(
+                    "the trace's {node} (`{op}`) has no types (a trace from an older \
+                     distc: trace the run again)"
+                ))
+            }
+            Some(t) if *t != types => {
+                return Err(format!(
+                    "the trace's {node} (`{op}`) is {t}, the program's {types}"
+                ))
+            }
+            Some(_) => {}
+        }
+        any = true;
     }
-    any
+    if any {
+        Ok(())
+    } else {
+        Err("the trace holds no op of worker 0".into())
+    }
 }
 
 #[cfg(test)]
@@ -942,6 +1113,69 @@ train {
             assert!((p / s.seconds - 1.0).abs() < 1e-9);
         }
         assert!(Calibration::fit("inprocess", 1, 1, c.samples.clone(), 1e10).is_err());
+    }
+
+    #[test]
+    fn a_fit_needs_two_distinct_sizes_and_measured_steps_come_smallest_first() {
+        let sample = |bytes, seconds| Sample { bytes, seconds };
+        let e = Calibration::fit("inprocess", 2, 1, vec![sample(4, 1e-5); 3], 1e10)
+            .expect_err("one size thrice");
+        assert!(e.contains("4 bytes is given more than once"), "{e}");
+        // Sizes given largest first: interpolated between the right neighbours.
+        let c = Calibration::fit(
+            "inprocess",
+            2,
+            1,
+            vec![
+                sample(1 << 20, 1e-3),
+                sample(1 << 16, 1e-4),
+                sample(1 << 12, 1e-5),
+            ],
+            1e10,
+        )
+        .expect("the test's own input");
+        let steps = c.ring_steps();
+        assert!(steps.windows(2).all(|w| w[0].0 < w[1].0), "{steps:?}");
+        let mut links = Links::new(c.link, c.link);
+        links.inter_measured = steps.clone();
+        let mid = links.message(true, (steps[0].0 + steps[1].0) / 2.0);
+        assert!(
+            (mid - (steps[0].1 + steps[1].1) / 2.0).abs() < 1e-15,
+            "{mid}"
+        );
+    }
+
+    #[test]
+    fn a_trace_matches_a_program_by_op_and_types_and_names_the_first_op_that_differs() {
+        let c = compiled(&StrategyConfig::default());
+        let g = &c.programs.worker;
+        let id = g
+            .topo_order()
+            .into_iter()
+            .find(|id| g.op(*id).mnemonic() == "matmul")
+            .expect("the test's own input");
+        let span = |types: Option<String>| Span {
+            track: "worker 0".into(),
+            name: "matmul".into(),
+            node: Some(id.to_string()),
+            types,
+            step: 1,
+            bytes: None,
+            start_us: 0.0,
+            dur_us: 1.0,
+            counters: Vec::new(),
+        };
+        let own = distc_runtime::run::trace::node_types(g, id);
+        assert_eq!(check_spans_of(g, &[span(Some(own.clone()))]), Ok(()));
+        let other = own.replace("64", "32");
+        let e = check_spans_of(g, &[span(Some(other.clone()))]).expect_err("other types");
+        assert_eq!(
+            e,
+            format!("the trace's {id} (`matmul`) is {other}, the program's {own}")
+        );
+        let e = check_spans_of(g, &[span(None)]).expect_err("no types");
+        assert!(e.contains("has no types"), "{e}");
+        assert!(check_spans_of(g, &[]).is_err());
     }
 
     #[test]
@@ -1043,6 +1277,7 @@ train {
                 track: "worker 0".into(),
                 name: "matmul".into(),
                 node: Some(matmuls[0].to_string()),
+                types: Some(distc_runtime::run::trace::node_types(g, matmuls[0])),
                 step,
                 bytes: None,
                 start_us: 0.0,

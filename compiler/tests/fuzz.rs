@@ -1,6 +1,6 @@
-//! Fuzzing (issue 20): a seeded mutation fuzzer over the four things distc reads from
-//! outside — DSL text, plan JSON, checkpoint files and command lines — for a bounded
-//! time. No input may panic or hang; refusing it with an error is what distc should do.
+//! Fuzzing (issue 20): a seeded mutation fuzzer over what distc reads from outside —
+//! DSL text, plan JSON, checkpoint files, command lines, and `simulate`'s calibrations
+//! and traces — for a bounded time. No input may panic or hang; refusing it with an error is what distc should do.
 //!
 //! Each target starts from a seed corpus of the repository's own files (`examples/`,
 //! `tests/models/`, `compiler/tests/bad_dsl/`, `compiler/tests/fuzz/`) and of files made
@@ -21,6 +21,9 @@
 //!   explain, ir, dot, plot, bench) in a fresh temporary folder, sometimes with one of
 //!   its input files mutated; it must exit with 0, 1 or 2 within the time limit and
 //!   never print a panic.
+//! - `simulate`: a calibration (`distc calibrate -o`) and a trace (`distc train
+//!   --trace`), mutated, read as `distc simulate` reads them, in this process; one it
+//!   accepts is simulated, and must give finite times.
 //!
 //! Besides panics and hangs, an input fails when distc contradicts itself: an error
 //! that calls itself an `internal error`, or a compiled plan that does not load. In-process
@@ -2297,4 +2300,173 @@ fn cli() {
         },
         false,
     );
+}
+
+// ---------------------------------------------------------------------------------
+// Target 5: `simulate`'s input files (calibrations and traces), read in this process.
+// ---------------------------------------------------------------------------------
+
+/// Whether a simulated step is made of finite, non-negative times: what a file
+/// `simulate` accepts must give (not `inf` ms, a NaN% overlap or a negative efficiency).
+fn finite_step(s: &distc::simulate::Simulation) -> Result<Outcome, Fail> {
+    let times = [
+        ("step", s.step),
+        ("compute", s.compute),
+        ("comm", s.comm),
+        ("exposed_comm", s.exposed_comm),
+        ("single_step", s.single_step),
+        ("scaling_efficiency", s.scaling_efficiency),
+    ];
+    for (name, x) in times {
+        if !(x.is_finite() && x >= 0.0) {
+            return Err(Fail::Wrong(format!(
+                "accepted, but the simulated {name} is {x}"
+            )));
+        }
+    }
+    if !s.overlap.is_finite() {
+        return Err(Fail::Wrong(format!(
+            "accepted, but the overlap is {}",
+            s.overlap
+        )));
+    }
+    Ok(Outcome::Accepted)
+}
+
+/// `simulate --calibration FILE` and `simulate --trace FILE`: a calibration written by
+/// `distc calibrate` and a trace by `distc train --trace`, mutated, read as `simulate`
+/// reads them (`Calibration::from_json`; `spans_of_chrome_trace`, `check_spans_of`
+/// against the model on one device, `ComputeProfile::from_trace`), then simulated on 2
+/// workers: an accepted file must give finite times.
+#[test]
+fn simulate_files() {
+    use distc::simulate::{self as sim, Calibration, ComputeProfile, Links};
+    use std::sync::Arc;
+    let work = temp_dir();
+    let dir = work.path();
+    make_fixtures(dir, false);
+    distc_ok(
+        dir,
+        &[
+            "calibrate",
+            "--workers",
+            "2",
+            "--sizes",
+            "4096,65536,1048576",
+            "--reps",
+            "1",
+            "-o",
+            "cal.json",
+        ],
+    );
+    distc_ok(
+        dir,
+        &[
+            "train",
+            "m.dsl",
+            "--steps",
+            "5",
+            "-q",
+            "--trace",
+            "trace.json",
+        ],
+    );
+    let read = |n: &str| std::fs::read(dir.join(n)).expect("a fixture");
+    let seeds: Files = vec![
+        ("cal.json".into(), read("cal.json")),
+        ("trace.json".into(), read("trace.json")),
+    ];
+    let corpus: Vec<Vec<u8>> = seeds.iter().map(|(_, b)| b.clone()).collect();
+    // The programs the files are read against: m.dsl on one device, and on 2 workers.
+    let src = std::fs::read_to_string(dir.join("m.dsl")).expect("m.dsl");
+    let compiled = |strategy: &StrategyConfig| {
+        let opts = CompileOptions {
+            strategy: strategy.clone(),
+            ..Default::default()
+        };
+        compile("m.dsl", &src, &opts).expect("m.dsl compiles")
+    };
+    let cfg = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 2,
+        ..StrategyConfig::default()
+    };
+    let single = Arc::new(compiled(&StrategyConfig::default()).programs.worker);
+    let worker = Arc::new(compiled(&cfg).programs.worker);
+    let cfg = Arc::new(cfg);
+    // The seeds are accepted: the target starts from files simulate reads.
+    let own = spans_profile(&single, &seeds[1].1).expect("the trace's own profile");
+    Calibration::from_json(&String::from_utf8_lossy(&seeds[0].1)).expect("the calibration");
+    let own = Arc::new(own);
+    let json = Mutator {
+        numbers: &lists().extremes,
+        words: &lists().json,
+        corpus: &corpus,
+        raw: true,
+    };
+    fuzz(
+        "simulate",
+        |rng, _| {
+            let (name, seed) = rng.pick(&seeds).clone();
+            let mut log = vec![format!("from {name}")];
+            let t = if rng.chance(1, 3) {
+                let mut t = seed;
+                json.mutate_any(rng, &mut t, &mut log);
+                t
+            } else {
+                let mut v: Value = serde_json::from_slice(&seed).expect("JSON");
+                for _ in 0..rng.count() {
+                    mutate_json(rng, &mut v, &json, &mut log);
+                }
+                v.to_string().into_bytes()
+            };
+            let (single, worker, cfg, own) =
+                (single.clone(), worker.clone(), cfg.clone(), own.clone());
+            Case {
+                what: log.join("\n"),
+                files: vec![(name.clone(), t.clone())],
+                run: Box::new(move || {
+                    let (links, profile) = if name == "cal.json" {
+                        match Calibration::from_json(&String::from_utf8_lossy(&t)) {
+                            Err(e) => return refused(e),
+                            Ok(c) => {
+                                let _ = c.render();
+                                let mut links = Links::new(c.link, c.link);
+                                links.inter_measured = c.ring_steps();
+                                links.intra_measured = c.ring_steps();
+                                (links, (*own).clone())
+                            }
+                        }
+                    } else {
+                        match spans_profile(&single, &t) {
+                            Err(e) => return refused(e),
+                            Ok(p) => {
+                                let l = distc_passes::placement::Link::default_intra();
+                                (Links::new(l, l), p)
+                            }
+                        }
+                    };
+                    let s = sim::simulate(
+                        &worker,
+                        &single,
+                        &cfg,
+                        links,
+                        &profile,
+                        &Default::default(),
+                        0,
+                    );
+                    finite_step(&s)
+                }),
+            }
+        },
+        true,
+    );
+
+    /// A trace file's profile of `g`, as `simulate --trace` takes it.
+    fn spans_profile(g: &distc_ir::Graph, bytes: &[u8]) -> Result<ComputeProfile, String> {
+        let spans =
+            distc_runtime::run::trace::spans_of_chrome_trace(&String::from_utf8_lossy(bytes))?;
+        sim::check_spans_of(g, &spans)?;
+        ComputeProfile::from_trace(g, &spans, 1e10, "fuzz".into())
+    }
 }

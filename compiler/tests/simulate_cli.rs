@@ -274,3 +274,254 @@ fn simulate_refuses_what_it_cannot_simulate_and_says_why() {
     std::fs::remove_file(dir.join("wide.dsl")).unwrap();
     refused(&["simulate", s(&plan), "--workers", "4"], "wide.dsl");
 }
+
+/// A calibration as `distc calibrate` writes one (3 ranks on one host), for tests to
+/// damage one field of.
+fn calibration_json() -> serde_json::Value {
+    serde_json::json!({
+        "transport": "inprocess",
+        "ranks": 3,
+        "hosts": 1,
+        "samples": [
+            {"bytes": 4096, "seconds": 2e-5},
+            {"bytes": 65536, "seconds": 6e-5},
+            {"bytes": 1048576, "seconds": 6e-4}
+        ],
+        "link": {"bandwidth": 2e9, "latency": 5e-6},
+        "predicted": [2e-5, 6e-5, 6e-4],
+        "copy_bandwidth": 1e10
+    })
+}
+
+#[test]
+fn a_calibration_out_of_range_is_refused_naming_its_file_field_and_value() {
+    let (dir, plan) = setup("bad-calibration");
+    let cal = dir.join("cal.json");
+    let simulate = |c: &serde_json::Value| {
+        std::fs::write(&cal, c.to_string()).unwrap();
+        let inter = format!("inter={}", s(&cal));
+        distc(&[
+            "simulate",
+            s(&plan),
+            "--profile-steps",
+            "2",
+            "--calibration",
+            &inter,
+        ])
+    };
+    // The file as calibrate writes it is read.
+    let o = simulate(&calibration_json());
+    assert!(o.status.success(), "{}", text(&o));
+    for (pointer, value, want) in [
+        // "communication -5.5 ms"
+        (
+            "/samples/1/seconds",
+            serde_json::json!(-5.5e-3),
+            "`samples[1].seconds` -0.0055",
+        ),
+        // "step inf ms, NaN% overlap"
+        (
+            "/samples/0/seconds",
+            serde_json::json!(1e308),
+            "`samples[0].seconds` 1e308",
+        ),
+        (
+            "/samples/2/seconds",
+            serde_json::json!(0.0),
+            "`samples[2].seconds` 0.0",
+        ),
+        // A 127 s step: two times for one size.
+        (
+            "/samples/2/bytes",
+            serde_json::json!(65536),
+            "65536 bytes is given more than once",
+        ),
+        (
+            "/samples/0/bytes",
+            serde_json::json!(0),
+            "`samples[0].bytes` 0",
+        ),
+        (
+            "/ranks",
+            serde_json::json!(u64::MAX),
+            "`ranks` 18446744073709551615",
+        ),
+        ("/ranks", serde_json::json!(1), "`ranks` 1"),
+        ("/hosts", serde_json::json!(0), "`hosts` 0"),
+        ("/hosts", serde_json::json!(4), "`hosts` 4"),
+        (
+            "/copy_bandwidth",
+            serde_json::json!(0.0),
+            "`copy_bandwidth` 0.0",
+        ),
+        (
+            "/copy_bandwidth",
+            serde_json::json!(-1.0),
+            "`copy_bandwidth` -1.0",
+        ),
+        (
+            "/link/bandwidth",
+            serde_json::json!(-2e9),
+            "`link.bandwidth` -2000000000.0",
+        ),
+        (
+            "/link/latency",
+            serde_json::json!(-1e-6),
+            "`link.latency` -1e-6",
+        ),
+        (
+            "/predicted/0",
+            serde_json::json!(-1.0),
+            "`predicted[0]` -1.0",
+        ),
+        (
+            "/transport",
+            serde_json::json!("tcp"),
+            "`transport` \"tcp\"",
+        ),
+    ] {
+        let mut c = calibration_json();
+        *c.pointer_mut(pointer).unwrap() = value;
+        let o = simulate(&c);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{pointer}: {t}");
+        assert!(
+            t.contains(want) && t.contains(s(&cal)),
+            "{pointer}: {want:?} in {t}"
+        );
+        assert!(!t.contains("panicked"), "{t}");
+    }
+    // One size: any line goes through it.
+    let mut c = calibration_json();
+    c["samples"].as_array_mut().unwrap().truncate(1);
+    c["predicted"].as_array_mut().unwrap().truncate(1);
+    let o = simulate(&c);
+    assert!(
+        text(&o).contains("`samples`: 1 buffer size; a fit needs 2 or more"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn calibrate_refuses_sizes_it_cannot_fit_before_timing_them() {
+    refused(
+        &["calibrate", "--sizes", "4,4,4"],
+        "--sizes 4,4,4: 4 bytes is given more than once",
+    );
+    // Whole f32s: 5 bytes is timed as 4.
+    refused(
+        &["calibrate", "--sizes", "4,5"],
+        "--sizes 4,5: 4 bytes is given more than once",
+    );
+    refused(
+        &["calibrate", "--sizes", "4096"],
+        "--sizes 4096: 1 buffer size; a fit needs 2 or more",
+    );
+}
+
+#[test]
+fn simulate_refuses_counts_and_bandwidths_out_of_range() {
+    let (_, plan) = setup("flag-ranges");
+    refused(
+        &[
+            "simulate",
+            s(&plan),
+            "--profile-steps",
+            "18446744073709551615",
+        ],
+        "18446744073709551615 is out of range: give 1 to 1000",
+    );
+    refused(
+        &["simulate", s(&plan), "--profile-steps", "1001"],
+        "1001 is out of range: give 1 to 1000",
+    );
+    // Finite and above 0, yet a bucket over it takes forever.
+    refused(
+        &["simulate", s(&plan), "--link", "inter=5e-324,0"],
+        "5e-324 B/s is not a link's bandwidth",
+    );
+    refused(
+        &["simulate", s(&plan), "--link", "intra=-1,0"],
+        "-1 is not above 0",
+    );
+}
+
+/// The trace file at `path` with `edit` applied to its first op span of worker 0.
+fn edit_first_op_span(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array_mut().unwrap();
+    let worker0 = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["args"]["name"] == "worker 0")
+        .unwrap()["tid"]
+        .clone();
+    let op = events
+        .iter_mut()
+        .find(|e| e["ph"] == "X" && e["tid"] == worker0 && e["name"] == "matmul")
+        .unwrap();
+    edit(op);
+    std::fs::write(path, t.to_string()).unwrap();
+}
+
+#[test]
+fn a_trace_with_negative_times_or_of_another_model_with_the_same_ops_is_refused() {
+    let (dir, plan) = setup("bad-trace");
+    let model = dir.join("wide.dsl");
+    let trace = dir.join("own.trace.json");
+    let o = distc(&[
+        "train",
+        s(&model),
+        "--steps",
+        "3",
+        "-q",
+        "--trace",
+        s(&trace),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let simulate = |t: &Path| distc(&["simulate", s(&plan), "--workers", "4", "--trace", s(t)]);
+    assert!(simulate(&trace).status.success());
+    // "scaling efficiency -109.9%"
+    edit_first_op_span(&trace, |e| e["dur"] = serde_json::json!(-5000.0));
+    refused(
+        &["simulate", s(&plan), "--trace", s(&trace)],
+        "`dur` -5000.0 is not a duration",
+    );
+    let o = simulate(&trace);
+    assert!(text(&o).contains(s(&trace)) && text(&o).contains("(`matmul` of %"));
+    edit_first_op_span(&trace, |e| e["dur"] = serde_json::json!(1e308));
+    refused(
+        &["simulate", s(&plan), "--trace", s(&trace)],
+        "`dur` 1e308 is not a duration",
+    );
+    // The same model, narrower: every node has the id and the op of the plan's, but
+    // not its types.
+    let narrow = dir.join("narrow.dsl");
+    std::fs::write(&narrow, MODEL.replace("128", "64")).unwrap();
+    let other = dir.join("narrow.trace.json");
+    let o = distc(&[
+        "train",
+        s(&narrow),
+        "--steps",
+        "3",
+        "-q",
+        "--trace",
+        s(&other),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = simulate(&other);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains(s(&other)) && t.contains("a trace of neither this plan nor its model"),
+        "{t}"
+    );
+    // The op named, with both shapes.
+    assert!(
+        t.contains("(`matmul`) is f32[16,64], f32[64,512] -> f32[16,512], the program's")
+            && t.contains("f32[16,128], f32[128,512] -> f32[16,512]"),
+        "{t}"
+    );
+    assert!(!t.contains("panicked"), "{t}");
+}

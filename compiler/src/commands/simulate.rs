@@ -49,9 +49,8 @@ pub fn simulate(
     };
     for (kind, path) in calibrations {
         let text = read(path)?;
-        let c: Calibration = serde_json::from_str(&text).with_context(|| {
-            format!("{}: not a calibration from distc calibrate", path.display())
-        })?;
+        let c = Calibration::from_json(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         copy_bandwidth = Some(c.copy_bandwidth);
         measured.push((*kind, c.ring_steps()));
         calibrated_bytes =
@@ -76,25 +75,23 @@ pub fn simulate(
             let text = read(path)?;
             let spans = distc_runtime::run::trace::spans_of_chrome_trace(&text)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-            let first = spans.iter().map(|s| s.step).min().unwrap_or(0);
-            let last = spans.iter().map(|s| s.step).max().unwrap_or(0);
-            let skip = if last - first >= 3 { 2 } else { 0 };
             // A trace of this plan, or of its model on one device (`distc train MODEL
-            // --trace`): the one whose ops the spans name.
-            let traced = [&programs.worker, &single.programs.worker]
-                .into_iter()
-                .find(|g| sim::spans_match(g, &spans))
-                .ok_or_else(|| {
-                    anyhow::anyhow!(
+            // --trace`): the one whose ops, with their types, the spans name.
+            let traced = match sim::check_spans_of(&programs.worker, &spans) {
+                Ok(()) => &programs.worker,
+                Err(plan) => match sim::check_spans_of(&single.programs.worker, &spans) {
+                    Ok(()) => &single.programs.worker,
+                    Err(one) => bail!(
                         "{}: a trace of neither this plan nor its model on one device \
-                         (with the plan's batch)",
+                         (with the plan's batch): against the plan, {plan}; against the \
+                         model on one device, {one}",
                         path.display()
-                    )
-                })?;
-            sim::ComputeProfile::from_spans(
+                    ),
+                },
+            };
+            sim::ComputeProfile::from_trace(
                 traced,
                 &spans,
-                first + skip,
                 copy_bandwidth,
                 format!("worker 0 of the run traced in {}", path.display()),
             )
@@ -171,6 +168,21 @@ pub fn calibrate(
     } else {
         sizes
     };
+    // Before the sweep: the sizes as it times them, in whole f32s (`--sizes 4,5` is one
+    // size twice).
+    let timed: Vec<usize> = sizes.iter().map(|b| (b / 4).max(1) * 4).collect();
+    crate::simulate::check_sizes(
+        &format!(
+            "--sizes {}",
+            sizes
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        &timed,
+    )
+    .map_err(anyhow::Error::msg)?;
     let (samples, ranks, hosts) = match transport {
         Transport::Inprocess => {
             let largest = sizes.iter().copied().max().unwrap_or(0) as u128;

@@ -585,6 +585,7 @@ fn run_server(
                 None => sp.name,
             },
             node: None,
+            types: None,
             step: sp.step,
             bytes: None,
             start_us: us(sp.start),

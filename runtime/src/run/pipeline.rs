@@ -1153,6 +1153,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                             track: me.name.clone(),
                             name: action.to_string(),
                             node: None,
+                            types: None,
                             step: step as u64,
                             bytes: None,
                             start_us: us(began),

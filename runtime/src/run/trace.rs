@@ -8,7 +8,31 @@
 //! MPI, since the start-up barrier every rank leaves together), so the spans of every
 //! rank merge into one file.
 
+use distc_ir::{Graph, NodeId};
 use serde::{Deserialize, Serialize};
+
+/// The longest span a trace may hold, in microseconds (about 11.6 days). No span of a
+/// run lasts longer, and below it sums of spans stay far from overflowing; a longer
+/// one (or a negative, infinite or NaN one) is a damaged file.
+pub const MAX_SPAN_US: f64 = 1e12;
+
+/// A node's input and output types as the text IR spells them,
+/// `f32[16,128], f32[128,512] -> f32[16,512]`: what a trace records of each node span
+/// so that a reader can tell whose program it is.
+pub fn node_types(g: &Graph, id: NodeId) -> String {
+    let n = g.node(id);
+    let list = |types: Vec<String>| types.join(", ");
+    format!(
+        "{} -> {}",
+        list(
+            n.inputs
+                .iter()
+                .map(|v| g.value_type(*v).to_string())
+                .collect()
+        ),
+        list(n.outputs.iter().map(ToString::to_string).collect())
+    )
+}
 
 /// One span of a trace: who, what, when.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -19,6 +43,11 @@ pub struct Span {
     pub name: String,
     /// IR node (`%12`), when the span is a node.
     pub node: Option<String>,
+    /// The node's input and output types ([`node_types`]), when the span is a node's:
+    /// node ids and op names repeat between models, so these are what tell a trace of
+    /// this program from a trace of another (`distc simulate --trace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub types: Option<String>,
     /// Training step.
     pub step: u64,
     /// Bytes sent, for a collective.
@@ -49,7 +78,7 @@ pub fn chrome_trace(spans: &[Span]) -> serde_json::Value {
             serde_json::json!({
                 "ph": "X", "pid": 1, "tid": tid(&s.track), "name": s.name,
                 "ts": s.start_us, "dur": s.dur_us,
-                "args": {"node": s.node, "step": s.step, "bytes": s.bytes},
+                "args": {"node": s.node, "types": s.types, "step": s.step, "bytes": s.bytes},
             })
         } else {
             let args: serde_json::Map<String, serde_json::Value> = s
@@ -67,7 +96,9 @@ pub fn chrome_trace(spans: &[Span]) -> serde_json::Value {
 }
 
 /// The slice spans of a Chrome trace [`chrome_trace`] wrote, each on its track: what
-/// `distc simulate --trace` reads back. Counter events are left out.
+/// `distc simulate --trace` reads back. Counter events are left out. A slice whose
+/// start or duration is not a number, or whose duration is negative or longer than
+/// [`MAX_SPAN_US`], is refused, naming the event: the times are what a reader sums.
 pub fn spans_of_chrome_trace(text: &str) -> Result<Vec<Span>, String> {
     let v: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("not a trace (JSON): {e}"))?;
@@ -85,31 +116,66 @@ pub fn spans_of_chrome_trace(text: &str) -> Result<Vec<Span>, String> {
             Some((tid, e.pointer("/args/name")?.as_str()?.to_string()))
         })
         .collect();
-    Ok(events
-        .iter()
-        .filter(|e| phase(e).as_deref() == Some("X"))
-        .map(|e| Span {
+    let mut spans = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        if phase(e).as_deref() != Some("X") {
+            continue;
+        }
+        let name: String = e.get("name").and_then(|n| n.as_str()).unwrap_or("").into();
+        let node: Option<String> = e
+            .pointer("/args/node")
+            .and_then(|n| n.as_str())
+            .map(Into::into);
+        let step = e
+            .pointer("/args/step")
+            .and_then(|s| s.as_u64())
+            .unwrap_or(0);
+        // `traceEvents[7]` (`matmul` of %3, step 2): ..., the event as a reader finds it.
+        let at = || {
+            let of = node
+                .as_ref()
+                .map(|n| format!(" of {n}"))
+                .unwrap_or_default();
+            format!("traceEvents[{i}] (`{name}`{of}, step {step})")
+        };
+        let time = |field: &str| -> Result<f64, String> {
+            match e.get(field) {
+                None => Ok(0.0),
+                Some(x) => match x.as_f64() {
+                    Some(t) if t.is_finite() => Ok(t),
+                    _ => Err(format!("{}: `{field}` {x} is not a number", at())),
+                },
+            }
+        };
+        let start_us = time("ts")?;
+        let dur_us = time("dur")?;
+        if !(0.0..=MAX_SPAN_US).contains(&dur_us) {
+            return Err(format!(
+                "{}: `dur` {dur_us:?} is not a duration: give 0 to {MAX_SPAN_US:e} microseconds",
+                at()
+            ));
+        }
+        spans.push(Span {
             track: e
                 .get("tid")
                 .and_then(|t| t.as_u64())
                 .and_then(|t| tracks.get(&t))
                 .cloned()
                 .unwrap_or_default(),
-            name: e.get("name").and_then(|n| n.as_str()).unwrap_or("").into(),
-            node: e
-                .pointer("/args/node")
+            types: e
+                .pointer("/args/types")
                 .and_then(|n| n.as_str())
                 .map(Into::into),
-            step: e
-                .pointer("/args/step")
-                .and_then(|s| s.as_u64())
-                .unwrap_or(0),
+            name,
+            node,
+            step,
             bytes: e.pointer("/args/bytes").and_then(|b| b.as_u64()),
-            start_us: e.get("ts").and_then(|t| t.as_f64()).unwrap_or(0.0),
-            dur_us: e.get("dur").and_then(|t| t.as_f64()).unwrap_or(0.0),
+            start_us,
+            dur_us,
             counters: Vec::new(),
-        })
-        .collect())
+        });
+    }
+    Ok(spans)
 }
 
 #[cfg(test)]
@@ -122,6 +188,7 @@ mod tests {
             track: track.into(),
             name: name.into(),
             node: node.map(Into::into),
+            types: node.map(|_| "f32[2,3], f32[3,4] -> f32[2,4]".into()),
             step: 3,
             bytes,
             start_us: 12.5,
@@ -145,6 +212,7 @@ mod tests {
                 s.track.clone(),
                 s.name.clone(),
                 s.node.clone(),
+                s.types.clone(),
                 s.bytes,
                 s.step,
             )
@@ -155,5 +223,25 @@ mod tests {
         );
         assert!(back.iter().all(|s| s.start_us == 12.5 && s.dur_us == 4.25));
         assert!(spans_of_chrome_trace("{}").is_err());
+    }
+
+    #[test]
+    fn a_slice_whose_duration_is_negative_huge_or_not_a_number_is_refused_by_its_event() {
+        let event = |dur: &str| {
+            format!(
+                r#"{{"traceEvents": [{{"ph": "X", "tid": 0, "name": "matmul", "ts": 1,
+                   "dur": {dur}, "args": {{"node": "%7", "step": 2}}}}]}}"#
+            )
+        };
+        assert!(spans_of_chrome_trace(&event("0")).is_ok());
+        for (dur, want) in [
+            ("-5", "`dur` -5.0 is not a duration"),
+            ("1e308", "`dur` 1e308 is not a duration"),
+            ("\"5\"", "`dur` \"5\" is not a number"),
+        ] {
+            let e = spans_of_chrome_trace(&event(dur)).expect_err(dur);
+            assert!(e.contains(want), "{e}");
+            assert!(e.contains("traceEvents[0] (`matmul` of %7, step 2)"), "{e}");
+        }
     }
 }

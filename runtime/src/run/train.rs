@@ -294,6 +294,7 @@ pub fn train_with<B: Backend>(
                 None => s.name,
             },
             node: None,
+            types: None,
             step: s.step,
             bytes: None,
             start_us: us(s.start),

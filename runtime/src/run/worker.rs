@@ -854,6 +854,7 @@ pub fn run_worker_on<B: Backend>(
         let wait_spans = std::mem::take(&mut *wait_spans.lock().unwrap_or_else(|p| p.into_inner()));
         spans = step_trace.spans(&format!("worker {rank}"), t0);
         spans.extend(worker_spans(
+            programs.worker,
             rank,
             t0,
             &step_trace.steps,
@@ -1581,8 +1582,9 @@ fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &mut WorkerHook) -> (u64, u64
     )
 }
 
-/// A worker's trace spans from what it recorded.
+/// A worker's trace spans from what it recorded of its program `g`.
 fn worker_spans(
+    g: &distc_ir::Graph,
     rank: usize,
     t0: Instant,
     step_spans: &[(u64, Timed)],
@@ -1596,6 +1598,7 @@ fn worker_spans(
         track: track.to_string(),
         name,
         node: node.map(|n: NodeId| n.to_string()),
+        types: node.map(|n| crate::run::trace::node_types(g, n)),
         step,
         bytes: None,
         start_us: us(s),
