@@ -105,8 +105,13 @@ fn settings_out_of_range_are_refused() {
         "batches of 1000000000",
     );
     refused(
-        edit(mlp, "/settings/workers", json!(1u64 << 40)),
+        edit(mlp.clone(), "/settings/workers", json!(1u64 << 40)),
         "`workers`",
+    );
+    // Finite and above 0, yet every predicted time over it is infinite.
+    refused(
+        edit(mlp, "/settings/bandwidth", json!(5e-324)),
+        "`bandwidth` must be a finite number of at least 1",
     );
 }
 

@@ -298,10 +298,11 @@ impl StrategyConfig {
                 ));
             }
         }
+        // A byte a second is the slowest link (below it a bucket's time is infinite).
         for (what, l) in [("intra", self.intra_link)] {
-            if !(l.bandwidth > 0.0 && l.bandwidth.is_finite() && l.latency >= 0.0) {
+            if !(l.bandwidth >= 1.0 && l.bandwidth.is_finite() && l.latency >= 0.0) {
                 return Err(format!(
-                    "the {what}-node link must have a bandwidth above 0 and a latency of \
+                    "the {what}-node link must have a bandwidth of at least 1 B/s and a latency of \
                      0 or more, found {} B/s and {} s",
                     l.bandwidth, l.latency
                 ));
@@ -369,8 +370,12 @@ impl StrategyConfig {
                 return field(f, "a finite number of at least 0", &x);
             }
         }
-        if !(self.bandwidth.is_finite() && self.bandwidth > 0.0) {
-            return field("bandwidth", "a positive finite number", &self.bandwidth);
+        if !(self.bandwidth.is_finite() && self.bandwidth >= 1.0) {
+            return field(
+                "bandwidth",
+                "a finite number of at least 1 (B/s)",
+                &self.bandwidth,
+            );
         }
         if self.partition_bytes == 0 {
             return field("partition_bytes", "positive", &self.partition_bytes);
