@@ -633,3 +633,68 @@ fn every_op_runs_in_the_precision_the_readme_lists() {
     }
     insta::assert_snapshot!(ir);
 }
+
+/// Issue 35, item 2: the loss scale and the skipped-step count were not part of the
+/// training state: a resumed fp16 run restarted at 2^16, skipped steps the
+/// uninterrupted run did not, and ended elsewhere. They are kept, and the resumed run
+/// ends bit for bit where the uninterrupted one does, scale and count included.
+#[test]
+fn an_fp16_run_resumes_its_loss_scale_and_skipped_steps_bitwise() {
+    use distc_runtime::core::checkpoint::{load_state, LOSS_SCALE_KEY};
+    use distc_runtime::run::train::CheckpointEvery;
+    use std::sync::Arc;
+    let src = scaled_loss_model("1000.0", "0.0005");
+    let c = compile(
+        "big.dsl",
+        &src,
+        &CompileOptions {
+            strategy: with(Precision::Fp16),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("fp16.state");
+    let run = |steps: usize,
+               save: bool,
+               resume: Option<Arc<distc_runtime::core::checkpoint::TrainingState>>| {
+        let opts = TrainOptions {
+            steps: Some(steps),
+            evaluate: false,
+            checkpoint: save.then(|| CheckpointEvery {
+                path: file.clone(),
+                every: steps,
+                saved_by: "test".into(),
+            }),
+            resume,
+            ..TrainOptions::default()
+        };
+        let mut last = None;
+        let report = train(c.programs(1), &c.config, &opts, &mut |m| {
+            last = Some((m.loss_scale, m.skipped_steps));
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        (report.params, last.expect("steps"))
+    };
+    let (whole, (scale, skipped)) = run(8, false, None);
+    assert!(
+        skipped.is_some_and(|s| s > 0),
+        "no step overflowed: {skipped:?}"
+    );
+    // Stopped after step 2, when the scale has already come down.
+    run(2, true, None);
+    let state = load_state(&file).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        state.optimizer.contains_key(LOSS_SCALE_KEY),
+        "no loss scale kept"
+    );
+    let (resumed, (scale_again, skipped_again)) = run(8, false, Some(Arc::new(state)));
+    assert_eq!((scale, skipped), (scale_again, skipped_again));
+    for (name, w) in &whole {
+        assert!(
+            resumed.get(name) == Some(w),
+            "`{name}` differs after the resume"
+        );
+    }
+}

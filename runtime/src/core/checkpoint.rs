@@ -17,6 +17,11 @@ use std::path::Path;
 /// an f64 scalar), on every backend.
 pub const STEP_KEY: &str = "optimizer/step";
 
+/// The name under which an fp16 run's loss scaler is kept: `[scale, finite steps since
+/// it last changed, steps skipped]` as f64s, so a resumed run scales and skips as the
+/// uninterrupted one does.
+pub const LOSS_SCALE_KEY: &str = "optimizer/loss_scale";
+
 /// A tensor as a safetensors view (bytes produced on demand, little-endian).
 struct TensorView<'a>(&'a Tensor);
 

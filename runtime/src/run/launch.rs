@@ -13,7 +13,7 @@
 //! ([`crate::core::backend::Capture`]). Parameter servers always run on the CPU.
 
 use crate::comm::Communicator;
-use crate::core::checkpoint::{TrainingState, STEP_KEY};
+use crate::core::checkpoint::{TrainingState, LOSS_SCALE_KEY, STEP_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
@@ -219,7 +219,7 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
     let mut held: Vec<&str> = state
         .optimizer
         .keys()
-        .filter(|k| k.as_str() != STEP_KEY)
+        .filter(|k| k.as_str() != STEP_KEY && k.as_str() != LOSS_SCALE_KEY)
         .filter_map(|k| k.rsplit_once('/').map(|(_, slot)| slot))
         .collect();
     held.sort_unstable();
@@ -269,6 +269,7 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
     }
     if let Some(stray) = state.optimizer.keys().find(|k| {
         k.as_str() != STEP_KEY
+            && k.as_str() != LOSS_SCALE_KEY
             && k.rsplit_once('/')
                 .is_none_or(|(var, _)| !state.params.contains_key(var))
     }) {

@@ -16,7 +16,7 @@
 
 use crate::comm::{ByteCount, Communicator};
 use crate::core::backend::{all_to_host, backend_error, upload_all, Backend};
-use crate::core::checkpoint::{StateIndex, TrainingState};
+use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Pending};
@@ -193,6 +193,38 @@ impl Default for LossScaler {
 }
 
 impl LossScaler {
+    /// Its state as a training state keeps it ([`LOSS_SCALE_KEY`]).
+    pub(crate) fn to_tensor(&self) -> Tensor {
+        let v = vec![self.scale, self.good as f64, self.skipped as f64];
+        Tensor::F64(
+            ArrayD::from_shape_vec(IxDyn(&[3]), v).unwrap_or_else(|_| ArrayD::zeros(IxDyn(&[3]))),
+        )
+    }
+
+    /// The scaler a training state kept, checked: a positive finite scale, whole
+    /// counts.
+    pub(crate) fn from_tensor(t: &Tensor) -> Result<LossScaler> {
+        let bad = || {
+            RuntimeError::Config(format!(
+                "the training state's `{LOSS_SCALE_KEY}` is not [scale, finite steps, skipped \
+                 steps]: the file is damaged or was edited"
+            ))
+        };
+        let Tensor::F64(a) = t else { return Err(bad()) };
+        let v: Vec<f64> = a.iter().copied().collect();
+        let count = |x: f64| (x >= 0.0 && x.fract() == 0.0 && x < 9e15).then_some(x as usize);
+        match v.as_slice() {
+            [scale, good, skipped] if scale.is_finite() && *scale > 0.0 => Ok(LossScaler {
+                scale: *scale,
+                good: count(*good)
+                    .filter(|g| *g < LOSS_SCALE_GROWTH_INTERVAL)
+                    .ok_or_else(bad)?,
+                skipped: count(*skipped).ok_or_else(bad)?,
+            }),
+            _ => Err(bad()),
+        }
+    }
+
     /// The scale after a step whose gradients were (`finite`) or were not all finite.
     pub(crate) fn after(&mut self, finite: bool) {
         if finite {
@@ -976,7 +1008,11 @@ fn train_worker<B: Backend>(
     // them), which a replayed graph cannot: a profiled run runs eagerly.
     // fp16: the backward pass starts from the loss scale; a step reads its gradients
     // back to unscale them (a host round trip: no CUDA graph).
-    let scaler = programs.worker.scales_loss().then(LossScaler::default);
+    let scaler = match resume.and_then(|r| r.optimizer.get(LOSS_SCALE_KEY)) {
+        _ if !programs.worker.scales_loss() => None,
+        Some(t) => Some(LossScaler::from_tensor(t)?),
+        None => Some(LossScaler::default()),
+    };
     let capturable = k == 1
         && scaler.is_none()
         && !opts.profile
@@ -1272,7 +1308,16 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             None
         };
         if let (Some(c), true) = (&self.opts.checkpoint, due.checkpoint) {
-            save_training_state(c, st, self.programs, self.config, rank, step, hook)?;
+            let scaler = self.scaler.as_ref();
+            save_training_state(
+                c,
+                st,
+                self.programs,
+                self.config,
+                (rank, step),
+                scaler,
+                hook,
+            )?;
         }
         Ok(StepReport {
             rank,
@@ -1456,8 +1501,8 @@ fn save_training_state<B: Backend>(
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
-    rank: usize,
-    step: usize,
+    (rank, step): (usize, usize),
+    scaler: Option<&LossScaler>,
     hook: &mut WorkerHook,
 ) -> Result<()> {
     let device = st.exec.backend().name();
@@ -1531,6 +1576,9 @@ fn save_training_state<B: Backend>(
                 params.insert(k, t);
             }
         }
+    }
+    if let Some(s) = scaler {
+        slots.insert(LOSS_SCALE_KEY.to_string(), s.to_tensor());
     }
     let k = crate::run::programs::micro_batches(programs.worker);
     let index = StateIndex {
@@ -1660,6 +1708,29 @@ fn worker_spans(
 #[cfg(test)]
 mod loss_scale_tests {
     use super::{LossScaler, INITIAL_LOSS_SCALE, LOSS_SCALE_GROWTH_INTERVAL};
+    use crate::core::value::Tensor;
+    use ndarray::{ArrayD, IxDyn};
+
+    #[test]
+    fn a_kept_scaler_comes_back_as_it_was_and_a_damaged_one_is_refused() {
+        let mut s = LossScaler::default();
+        s.after(false);
+        s.after(true);
+        let back = LossScaler::from_tensor(&s.to_tensor()).expect("kept");
+        assert_eq!((back.scale, back.good, back.skipped), (s.scale, 1, 1));
+        let of =
+            |v: Vec<f64>| Tensor::F64(ArrayD::from_shape_vec(IxDyn(&[v.len()]), v).expect("shape"));
+        for bad in [
+            of(vec![0.0, 0.0, 0.0]),
+            of(vec![f64::INFINITY, 0.0, 0.0]),
+            of(vec![1024.0, 0.5, 0.0]),
+            of(vec![1024.0, LOSS_SCALE_GROWTH_INTERVAL as f64, 0.0]),
+            of(vec![1024.0, 0.0, -1.0]),
+            of(vec![1024.0, 0.0]),
+        ] {
+            assert!(LossScaler::from_tensor(&bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn an_overflow_halves_the_scale_and_2000_finite_steps_double_it() {
