@@ -1054,6 +1054,7 @@ fn train_worker<B: Backend>(
         opts,
         rank,
         ranks,
+        replicas: mesh.data,
         first,
         device,
         scaler,
@@ -1078,6 +1079,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     rank: usize,
     /// Its ranks on the mesh's data and model axes, set before each micro-batch.
     ranks: (usize, usize),
+    /// Data-parallel replicas: the workers whose gradients are averaged.
+    replicas: usize,
     first: usize,
     /// The backend's name, for its errors.
     device: String,
@@ -1192,8 +1195,14 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             let sources = 1 + later.len();
             let mut later = later.into_iter();
             let mut first_batch = Some(fed);
+            // Each of the step's N x K batches starts its backward pass from its share
+            // of the scale, so that its 16-bit values are what one device's are for its
+            // samples in the global batch (N times larger otherwise: N workers' means
+            // over b samples against one mean over N b); the averages over workers and
+            // micro-batches then give the global gradient times that share.
+            let share = (self.replicas * k) as f64;
             if let Some(s) = &self.scaler {
-                st.exec.set_loss_scale(s.scale)?;
+                st.exec.set_loss_scale(s.scale / share)?;
             }
             for m in 0..k {
                 let batch = match first_batch.take() {
@@ -1229,7 +1238,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     let finite = st
                         .exec
                         .backend()
-                        .unscale(&mut grads, 1.0 / s.scale)
+                        .unscale(&mut grads, share / s.scale)
                         .map_err(|e| backend_error(device, "unscaling the gradients", e))?;
                     // Every worker skips the same steps (a ZeRO chunk or a model-axis
                     // part may overflow on one worker alone).
