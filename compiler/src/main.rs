@@ -51,9 +51,11 @@ enum Command {
         #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         steps: usize,
         /// Largest relative difference allowed (max |a-b| / max |a|, per variable), a
-        /// finite number of at least 0.
-        #[arg(long, default_value_t = 1e-4, value_parser = non_negative_finite, allow_negative_numbers = true)]
-        tolerance: f64,
+        /// finite number of at least 0. Given, it decides alone; by default 1e-4, raised
+        /// under 16 bits to the types' own tolerance plus twice the precision's effect
+        /// (each variable's allowance is printed).
+        #[arg(long, value_parser = non_negative_finite, allow_negative_numbers = true)]
+        tolerance: Option<f64>,
         /// Data directory (default: $DISTC_DATA).
         #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,

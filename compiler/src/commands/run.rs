@@ -385,18 +385,22 @@ fn verify_mpi(
 }
 
 /// `distc verify`: the library's check ([`crate::verify`]), printed.
+/// `verify`'s tolerance when `--tolerance` is not given.
+pub const DEFAULT_TOLERANCE: f64 = 1e-4;
+
 #[allow(clippy::too_many_arguments)]
 pub fn verify(
     file: &Path,
     compile: &CompileArgs,
     steps: usize,
-    tolerance: f64,
+    given: Option<f64>,
     data: Option<&Path>,
     timeout: f64,
     transport: Transport,
     device: Device,
 ) -> Result<()> {
     check_strategy_flags(compile)?;
+    let tolerance = given.unwrap_or(DEFAULT_TOLERANCE);
     let device = match (device, transport) {
         (Device::Cpu, _) => None,
         (Device::Cuda(n), Transport::Inprocess) => Some(n),
@@ -440,6 +444,11 @@ pub fn verify(
         Precision::Fp32 => name,
         wire => format!("{name}, {wire} wire"),
     };
+    // An explicit --tolerance decides alone; by default each variable's allowance does.
+    let allowed = |v: &crate::verify::VarError| match given {
+        Some(t) => t,
+        None => v.allowed(tolerance),
+    };
     let mut text = String::new();
     for v in &report.vars {
         text += &format!(
@@ -447,18 +456,28 @@ pub fn verify(
             v.name, v.relative
         );
         if let Some(e) = v.precision_effect {
-            text += &format!(
-                " (one device {precision} vs f32: {e:.2e}; allowed {:.2e})",
-                v.allowed(tolerance)
-            );
+            text += &format!(" (one device {precision} vs f32: {e:.2e})");
+        }
+        match given {
+            Some(t) => text += &format!("; allowed {t:.1e} (--tolerance)"),
+            None => text += &format!("; allowed {}", v.allowance(tolerance)),
         }
         text.push('\n');
     }
     let worst = report
         .worst()
         .ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
+    let raised = report
+        .vars
+        .iter()
+        .any(|v| v.half_rtol > 0.0 || v.precision_effect.is_some());
+    let decides = match given {
+        Some(t) => format!("tolerance {t:.0e}"),
+        None if raised => format!("tolerance {tolerance:.0e}, raised per variable as above"),
+        None => format!("tolerance {tolerance:.0e}"),
+    };
     text += &format!(
-        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: largest relative error {:.2e} (`{}`), tolerance {tolerance:.0e}\n",
+        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: largest relative error {:.2e} (`{}`), {decides}\n",
         file.display(),
         report.workers,
         report.global_batch,
@@ -466,16 +485,32 @@ pub fn verify(
         worst.name
     );
     out(&text);
-    if !report.passed() {
+    let passed = match given {
+        Some(t) => report.passed_within(t),
+        None => report.passed(),
+    };
+    if !passed {
         let failing = report
             .vars
             .iter()
-            .find(|v| v.relative > v.allowed(tolerance))
+            .find(|v| v.relative > allowed(v))
             .unwrap_or(worst);
         let mut why = match failing.precision_effect {
+            _ if given.is_some()
+                || failing.half_rtol == 0.0 && failing.precision_effect.is_none() =>
+            {
+                format!(
+                    "`{}` differs by {:.2e} (relative), beyond the tolerance {:.1e}",
+                    failing.name,
+                    failing.relative,
+                    allowed(failing)
+                )
+            }
             None => format!(
-                "`{}` differs by {:.2e} (relative), beyond the tolerance {tolerance:.0e}",
-                failing.name, failing.relative
+                "`{}` differs by {:.2e} (relative), beyond the allowance {}",
+                failing.name,
+                failing.relative,
+                failing.allowance(tolerance)
             ),
             Some(e) => format!(
                 "`{}` differs by {:.2e} (relative), beyond the tolerance ({:.1e}, at least \
