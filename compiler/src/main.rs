@@ -181,9 +181,10 @@ enum Command {
         /// `inprocess` (threads) or `mpi` (each rank of mpirun one rank of the ring).
         #[arg(long, value_enum, default_value = "inprocess")]
         transport: Transport,
-        /// Ranks of the in-process ring (2 to 256 threads).
-        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(2..=256))]
-        workers: u16,
+        /// Ranks of the in-process ring (2 to 256 threads; default 2). Under
+        /// `--transport mpi` the ring is mpirun's ranks.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(2..=256))]
+        workers: Option<u16>,
         /// Buffer sizes in bytes, each 4 to 1 GiB, 2 or more, each once (default: 4 KiB
         /// to 64 MiB, by 4x: as large as buckets).
         #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(
@@ -310,7 +311,7 @@ fn dispatch(command: Command) -> Result<()> {
             output,
         } => commands::simulate::calibrate(
             transport,
-            workers.into(),
+            workers,
             sizes.into_iter().map(|b| b as usize).collect(),
             reps.into(),
             timeout,

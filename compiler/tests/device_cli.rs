@@ -154,3 +154,32 @@ fn nccl_asked_for_without_the_library_names_it_and_how_to_point_distc_at_it() {
         assert!(t.contains("DISTC_CUDA_LIB_DIR"), "{t}");
     }
 }
+
+/// Issue 35, item 11: the emulator accepted `--device cuda:7` and `--gpus 0,2^64-1`;
+/// a GPU that does not exist is refused by number, on the emulator (one GPU) as on a
+/// machine's driver.
+#[test]
+fn a_gpu_that_does_not_exist_is_refused_by_number() {
+    for (args, want) in [
+        (
+            vec!["--device", "cuda:7"],
+            "--device cuda: GPU 7 does not exist",
+        ),
+        (
+            vec!["--device", "cuda", "--gpus", "0,18446744073709551615"],
+            "--gpus: GPU 18446744073709551615 does not exist",
+        ),
+    ] {
+        let mut all = vec!["train", "examples/mlp.dsl", "--steps", "1", "-q"];
+        all.extend(args);
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_distc"))
+            .args(&all)
+            .current_dir(common::root())
+            .env("DISTC_CUDA_EMULATOR", "1")
+            .output()
+            .expect("distc");
+        assert_eq!(o.status.code(), Some(1), "{all:?}: {}", text(&o));
+        assert!(text(&o).contains(want), "{all:?}: {}", text(&o));
+        assert!(!text(&o).contains("panicked"), "{}", text(&o));
+    }
+}

@@ -525,3 +525,24 @@ fn a_trace_with_negative_times_or_of_another_model_with_the_same_ops_is_refused(
     );
     assert!(!t.contains("panicked"), "{t}");
 }
+
+/// Issue 35, item 11: `calibrate --timeout` did nothing in-process (1e-9 s timed as
+/// usual) and `--workers` did nothing under MPI. The in-process ring waits at most the
+/// timeout, naming the wait; `--workers` with `--transport mpi` is refused.
+#[test]
+fn calibrate_flags_act_or_are_refused() {
+    let o = distc(&["calibrate", "--timeout", "1e-9", "--sizes", "4096,65536"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("rank 0: no message from rank 1"),
+        "{}",
+        text(&o)
+    );
+    let o = distc(&["calibrate", "--transport", "mpi", "--workers", "4"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("--workers 4 sizes the in-process ring"),
+        "{}",
+        text(&o)
+    );
+}

@@ -153,7 +153,7 @@ pub fn simulate(
 /// over the transport's ranks, the alpha-beta fit printed and written to `output`.
 pub fn calibrate(
     transport: Transport,
-    workers: usize,
+    workers: Option<u16>,
     sizes: Vec<usize>,
     reps: usize,
     timeout: f64,
@@ -183,6 +183,14 @@ pub fn calibrate(
         &timed,
     )
     .map_err(anyhow::Error::msg)?;
+    // The in-process ring's size is --workers; under MPI it is mpirun's -np.
+    let workers = match (transport, workers) {
+        (Transport::Mpi, Some(n)) => bail!(
+            "--workers {n} sizes the in-process ring; under --transport mpi the ring is \
+             mpirun's ranks (-np)"
+        ),
+        (_, n) => usize::from(n.unwrap_or(2)),
+    };
     let (samples, ranks, hosts) = match transport {
         Transport::Inprocess => {
             let largest = sizes.iter().copied().max().unwrap_or(0) as u128;
@@ -198,7 +206,12 @@ pub fn calibrate(
                     memory::gib(have)
                 );
             }
-            let s = distc_runtime::comm::calibrate::sweep_in_process(workers, &sizes, reps)?;
+            let s = distc_runtime::comm::calibrate::sweep_in_process(
+                workers,
+                &sizes,
+                reps,
+                Duration::from_secs_f64(timeout),
+            )?;
             (Some(s), workers, 1)
         }
         Transport::Mpi => calibrate_mpi(&sizes, reps, timeout)?,

@@ -52,23 +52,32 @@ pub fn sweep(comm: &mut dyn Communicator, sizes: &[usize], reps: usize) -> Resul
 
 /// [`sweep`] over `ranks` threads of this process (the in-process transport); rank
 /// 0's samples.
-pub fn sweep_in_process(ranks: usize, sizes: &[usize], reps: usize) -> Result<Vec<Sample>> {
+pub fn sweep_in_process(
+    ranks: usize,
+    sizes: &[usize],
+    reps: usize,
+    timeout: std::time::Duration,
+) -> Result<Vec<Sample>> {
     let comms = in_process(ranks);
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|mut c| s.spawn(move || sweep(&mut c, sizes, reps)))
+            .map(|mut c| {
+                c.set_timeout(Some(timeout));
+                s.spawn(move || sweep(&mut c, sizes, reps))
+            })
             .collect();
         let mut results = handles.into_iter().map(|h| {
             h.join()
                 .unwrap_or_else(|_| Err(RuntimeError::Config("a calibration rank panicked".into())))
         });
-        let first = results.next().unwrap_or_else(|| Ok(Vec::new()));
-        // Every rank's error matters, rank 0's samples are the answer.
+        let first = results.next().unwrap_or_else(|| Ok(Vec::new()))?;
+        // Every rank's error matters (rank 0's first: a timeout there makes the others
+        // see it hang up), rank 0's samples are the answer.
         for r in results {
             r?;
         }
-        first
+        Ok(first)
     })
 }
 
@@ -94,7 +103,13 @@ mod tests {
 
     #[test]
     fn a_sweep_times_every_size_on_every_rank() {
-        let samples = sweep_in_process(3, &[4, 4096, 1 << 16], 3).expect("three ranks time");
+        let samples = sweep_in_process(
+            3,
+            &[4, 4096, 1 << 16],
+            3,
+            std::time::Duration::from_secs(60),
+        )
+        .expect("three ranks time");
         assert_eq!(
             samples.iter().map(|s| s.bytes).collect::<Vec<_>>(),
             vec![4, 4096, 1 << 16]
@@ -106,7 +121,7 @@ mod tests {
 
     #[test]
     fn one_rank_is_refused() {
-        let e = sweep_in_process(1, &[4], 1)
+        let e = sweep_in_process(1, &[4], 1, std::time::Duration::from_secs(60))
             .expect_err("one rank is refused")
             .to_string();
         assert!(e.contains("at least 2 ranks"), "{e}");

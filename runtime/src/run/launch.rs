@@ -282,15 +282,33 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
 }
 
 fn require_gpu(gpu: &GpuOptions) -> Result<()> {
-    // The emulator needs no library and no GPU (and cannot run NCCL yet: it says so).
-    if crate::cuda::backend::emulator_requested() {
-        return Ok(());
+    // The emulator needs no library and no GPU (and cannot run NCCL yet: it says so);
+    // it is one device.
+    let count = if crate::cuda::backend::emulator_requested() {
+        1
+    } else {
+        let dirs = LibDirs::from_env();
+        if gpu.collectives == Collectives::Nccl {
+            crate::cuda::probe(CudaLib::Nccl, &dirs)?;
+        }
+        crate::cuda::require_gpu(&dirs)?;
+        crate::cuda::device_count(&dirs)?
+    };
+    let named = match &gpu.gpus {
+        Some(list) => list.iter().map(|g| ("--gpus", *g)).collect(),
+        None => vec![("--device cuda", gpu.ordinal)],
+    };
+    if let Some((flag, g)) = named.into_iter().find(|(_, g)| *g >= count) {
+        return Err(RuntimeError::Config(format!(
+            "{flag}: GPU {g} does not exist; this machine has {count} (0 to {}){}",
+            count.saturating_sub(1),
+            if crate::cuda::backend::emulator_requested() {
+                " under the emulator, which is one GPU"
+            } else {
+                ""
+            }
+        )));
     }
-    let dirs = LibDirs::from_env();
-    if gpu.collectives == Collectives::Nccl {
-        crate::cuda::probe(CudaLib::Nccl, &dirs)?;
-    }
-    crate::cuda::require_gpu(&dirs)?;
     Ok(())
 }
 
