@@ -212,7 +212,10 @@ impl Plan {
         }
         // `single` is one device, or one data replica split over a model axis (and a
         // mesh's pipeline stages).
-        let replica = [s.model.max(1), s.model.max(1) * s.pipeline.max(1)];
+        let replica = [
+            s.model.max(1),
+            s.model.max(1).saturating_mul(s.pipeline.max(1)),
+        ];
         if self.strategy == Strategy::Single && (!replica.contains(&s.workers) || s.servers != 0) {
             return Err(format!(
                 "fields `settings.workers`/`settings.servers`: {} workers and {} servers for \
@@ -266,14 +269,14 @@ impl Plan {
         if content_hash(&plan) != plan.hash {
             return Err(invalid("its content does not match its hash: the file is damaged or was edited; recompile it".into()));
         }
-        plan.check_fields().map_err(&invalid)?;
-        // The settings first: they size what is built from the programs (a schedule
-        // of `micro_batches` steps).
+        // The settings first, range-checked: the fields' checks and what is built from
+        // the programs are sized by them (a schedule of `micro_batches` steps).
         plan.settings.check().map_err(|e| {
             invalid(format!(
                 "settings: {e} (the plan is intact but not sound: recompile it)"
             ))
         })?;
+        plan.check_fields().map_err(&invalid)?;
         let parse = |what: &str, text: &str| -> Result<Graph, PlanError> {
             let g = distc_ir::parse(text).map_err(|e| invalid(format!("{what}: {e}")))?;
             distc_ir::verify(&g).map_err(|e| invalid(format!("{what} does not verify:\n{e}")))?;

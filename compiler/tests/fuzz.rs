@@ -47,7 +47,7 @@
 //! process (not a panic: an allocation failure, a stack overflow) can be found.
 
 use distc::{compile, CompileOptions, Plan};
-use distc_passes::placement::{RematPolicy, Strategy, StrategyConfig, SyncMode};
+use distc_passes::placement::{Precision, RematPolicy, Strategy, StrategyConfig, SyncMode};
 use distc_runtime::core::checkpoint;
 use serde_json::Value;
 use std::cell::RefCell;
@@ -1421,6 +1421,63 @@ fn make_fixtures(dir: &Path, runs: bool) -> Files {
             "-o",
             "c.json",
         ],
+        // The newer kinds: a pipeline with replicas, a mesh with a model axis, 16-bit
+        // arithmetic and wire, hierarchical all-reduces.
+        &[
+            "compile",
+            "mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "4",
+            "--pipeline",
+            "2",
+            "--micro-batches",
+            "2",
+            "--schedule",
+            "gpipe",
+            "-o",
+            "pp.json",
+        ],
+        &[
+            "compile",
+            "mlp.dsl",
+            "--mesh",
+            "data=2,model=2",
+            "-o",
+            "mesh.json",
+        ],
+        &["compile", "m.dsl", "--precision", "fp16", "-o", "fp16.json"],
+        &[
+            "compile",
+            "mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--precision",
+            "bf16",
+            "--grad-wire",
+            "bf16",
+            "-o",
+            "bf16.json",
+        ],
+        &[
+            "compile",
+            "mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--link",
+            "intra=1e12,1e-7",
+            "--bandwidth",
+            "1e8",
+            "-o",
+            "hier.json",
+        ],
     ] {
         distc_ok(dir, args);
     }
@@ -1496,8 +1553,34 @@ fn named(files: &[(String, Vec<u8>)], suffixes: &[&str]) -> Vec<Vec<u8>> {
 /// accepts), chosen at random.
 fn random_options(rng: &mut Rng, empty_data: &Path, log: &mut Vec<String>) -> CompileOptions {
     let base = StrategyConfig::default();
-    let strategy = match rng.below(8) {
+    let strategy = match rng.below(12) {
         0..=2 => base,
+        8 => StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: *rng.pick(&[2, 4]),
+            pipeline: 2,
+            micro_batches: 1 + rng.below(3),
+            ..base
+        },
+        9 => StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: 4,
+            model: 2,
+            ..base
+        },
+        10 => StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: *rng.pick(&[1, 2]),
+            precision: *rng.pick(&[Precision::Bf16, Precision::Fp16]),
+            ..base
+        },
+        11 => StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: 4,
+            ranks_per_node: 2,
+            grad_wire: *rng.pick(&[Precision::Fp32, Precision::Bf16]),
+            ..base
+        },
         3 => StrategyConfig {
             strategy: Strategy::Allreduce,
             workers: 2,

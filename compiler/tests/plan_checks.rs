@@ -258,6 +258,12 @@ fn plans_of_pipelines_meshes_and_hierarchies_are_checked_against_their_settings(
         edit(piped.clone(), "/settings/accumulate", json!(2)),
         "--accumulate 2 with --pipeline",
     );
+    // Found by the plan fuzz target: the fields' check multiplied it before the range
+    // check (an overflow panic).
+    refused(
+        edit(piped.clone(), "/settings/pipeline", json!(u64::MAX)),
+        "`pipeline`",
+    );
     // Stage 1's forward reads stage 0's first variable instead of its own.
     let mut swapped = piped.clone();
     let stage0 = swapped["stages"][0][0]
