@@ -10,9 +10,28 @@ use crate::types::{TensorType, ValueType};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
+use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fmt;
+
+thread_local! {
+    /// See [`query_work`].
+    static QUERY_WORK: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The nodes and edges that this thread's graph queries have visited so far:
+/// [`Graph::node_ids`], [`Graph::topo_order`], [`Graph::users`], [`Graph::user_nodes`]
+/// and those built on them ([`Graph::params`], ...). Tests compare it at two model
+/// sizes to hold an algorithm linear without a clock: a loop that rescans the graph
+/// per statement or per variable grows fourfold when the model doubles.
+pub fn query_work() -> u64 {
+    QUERY_WORK.with(Cell::get)
+}
+
+fn count_work(visited: usize) {
+    QUERY_WORK.with(|w| w.set(w.get().saturating_add(visited as u64)));
+}
 
 /// The input a backward pass starts from under fp16's dynamic loss scaling: the
 /// runtime feeds the current scale (the gradients are unscaled before the update).
@@ -184,6 +203,7 @@ impl Graph {
 
     /// Node ids in index order.
     pub fn node_ids(&self) -> Vec<NodeId> {
+        count_work(self.g.node_count());
         self.g
             .node_indices()
             .map(|i| NodeId(i.index() as u32))
@@ -192,6 +212,7 @@ impl Graph {
 
     /// Nodes in a deterministic topological order: among ready nodes the lowest id first.
     pub fn topo_order(&self) -> Vec<NodeId> {
+        count_work(self.g.node_count() + self.g.edge_count());
         // Indexed by node index (removed slots stay 0 and are never reached).
         let mut indegree = vec![0u32; petgraph::visit::NodeIndexable::node_bound(&self.g)];
         let mut ready = BinaryHeap::new();
@@ -235,6 +256,7 @@ impl Graph {
                 (self.node(user).inputs[slot] == v).then_some((user, slot))
             })
             .collect();
+        count_work(out.len());
         out.sort();
         out.dedup();
         out
@@ -247,6 +269,7 @@ impl Graph {
             .neighbors_directed(id.index(), Direction::Outgoing)
             .map(|i| NodeId(i.index() as u32))
             .collect();
+        count_work(out.len());
         out.sort();
         out.dedup();
         out

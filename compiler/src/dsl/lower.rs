@@ -594,9 +594,10 @@ pub(crate) fn lower_model(
         loss_parts: HashMap::new(),
     };
     let mut minimized: Option<Span> = None;
-    // The markers so far, and the stage of each variable used so far.
+    // The markers so far, and per statement other than a marker: the node count after
+    // it and the markers before it (see `stage_of_variables`).
     let mut marks: Vec<Span> = Vec::new();
-    let mut stage_of: BTreeMap<String, usize> = BTreeMap::new();
+    let mut ends: Vec<StatementEnd> = Vec::new();
     let mut shards: BTreeMap<String, usize> = BTreeMap::new();
     for stmt in &model.stmts {
         if let Stmt::StageMark { span } = stmt {
@@ -678,11 +679,10 @@ pub(crate) fn lower_model(
             }
             Stmt::StageMark { .. } => {}
         }
-        for (id, name, _) in cx.graph.params() {
-            if !stage_of.contains_key(name) && !cx.graph.user_nodes(id).is_empty() {
-                stage_of.insert(name.to_string(), marks.len());
-            }
-        }
+        ends.push(StatementEnd {
+            nodes: cx.graph.node_count(),
+            marks: marks.len(),
+        });
     }
     if minimized.is_none() {
         return Err(Diag::new(
@@ -695,6 +695,7 @@ pub(crate) fn lower_model(
     let stage_marks = if marks.is_empty() {
         None
     } else {
+        let stage_of = stage_of_variables(&cx.graph, &ends);
         // Every stage starts with a variable of its own: the markers cut between
         // layers, not inside one.
         for stage in 0..=marks.len() {
@@ -724,6 +725,33 @@ pub(crate) fn lower_model(
         stage_marks,
         shards,
     })
+}
+
+/// Where a statement other than a `pipeline_stage` marker ended: the graph's node count
+/// after it, and the markers before it (its stage).
+#[derive(Clone, Copy)]
+struct StatementEnd {
+    nodes: usize,
+    marks: usize,
+}
+
+/// Each variable's stage: the stage of the statement that added its first user. Lowering
+/// only adds nodes, so node ids count up in statement order and the statement that
+/// added node `n` is the first whose end count exceeds `n`. Found once at the end: asking
+/// after every statement which variables had gained a user rescanned the whole graph
+/// per statement, quadratic (issue 35 item 13).
+fn stage_of_variables(graph: &Graph, ends: &[StatementEnd]) -> BTreeMap<String, usize> {
+    graph
+        .params()
+        .into_iter()
+        .filter_map(|(id, name, _)| {
+            // `user_nodes` is in id order: the first is the earliest user.
+            let first = graph.user_nodes(id).first()?.0 as usize;
+            let stmt = ends.partition_point(|end| end.nodes <= first);
+            // Every node is added by a statement, so `stmt` is one of them.
+            Some((name.to_string(), ends[stmt].marks))
+        })
+        .collect()
 }
 
 fn lower_init(init: &InitExpr) -> R<Init> {
