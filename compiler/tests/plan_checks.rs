@@ -302,6 +302,19 @@ fn plans_of_pipelines_meshes_and_hierarchies_are_checked_against_their_settings(
         },
     );
     load_sealed(mesh.clone()).expect("a compiled mesh loads");
+    // Its ZeRO 3 chunks are flat: the shard map's dimensions are the whole variable's
+    // (the MPI mesh test found this check refusing a sound plan).
+    let mesh_zero3 = plan_of(
+        "dense_mlp.dsl",
+        StrategyConfig {
+            strategy: Strategy::Allreduce,
+            workers: 4,
+            model: 2,
+            zero: 3,
+            ..StrategyConfig::default()
+        },
+    );
+    load_sealed(mesh_zero3).expect("a compiled mesh with ZeRO 3 loads");
     refused(
         edit(mesh.clone(), "/init", Value::Null),
         "no init program to cut them from the model's values",

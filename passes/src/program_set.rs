@@ -364,10 +364,13 @@ impl ProgramSet {
             }
         }
         for (var, dim) in &settings.shard {
+            // The whole variable's rank: the init program reads it whole (a ZeRO chunk
+            // of a part is flat), else the worker holds it or its part.
             let rank = self
-                .worker
-                .params()
-                .into_iter()
+                .init
+                .iter()
+                .flat_map(|g| g.params())
+                .chain(self.worker.params())
                 .find(|(_, n, _)| {
                     *n == var.as_str()
                         || n.strip_suffix(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
