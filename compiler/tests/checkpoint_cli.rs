@@ -222,66 +222,56 @@ fn a_state_is_checked_for_its_optimizer_every_slot_and_its_step() {
 
     // Rewritten files: one slot removed (the index lists what the file holds, so it
     // still loads), a slot of another shape, the step at 2^64-1.
-    let rewrite = |name: &str, edit: &dyn Fn(&mut checkpoint::TrainingState)| {
+    type Edit = fn(&mut checkpoint::TrainingState);
+    let cases: [(&str, Edit, &str); 4] = [
+        (
+            "no-slot.st",
+            |st| {
+                st.optimizer.remove("w/m").expect("w/m");
+            },
+            "has `w` without its optimizer state `w/m`",
+        ),
+        (
+            "reshaped.st",
+            |st| {
+                let b = st.optimizer["b/v"].clone();
+                st.optimizer.insert("w/v".into(), b);
+            },
+            "`w/v` is f32[6], its variable `w` f32[32,6]",
+        ),
+        (
+            "stray.st",
+            |st| {
+                let b = st.optimizer["b/v"].clone();
+                st.optimizer.insert("gone/v".into(), b);
+            },
+            "optimizer state `gone/v` of no variable it holds",
+        ),
+        (
+            "far-step.st",
+            |st| st.index.step = u64::MAX,
+            "beyond any run",
+        ),
+    ];
+    for (name, edit, want) in cases {
         let mut st = checkpoint::load_state(&state).expect("state");
         edit(&mut st);
         let st = checkpoint::TrainingState::new(st.index.clone(), st.params, st.optimizer);
         let path = tmp(name);
         checkpoint::save_state(&path, &st).expect("save");
-        path
-    };
-    let no_slot = rewrite("no-slot.st", &|st| {
-        st.optimizer.remove("w/m").expect("w/m");
-    });
-    refused(
-        &[
-            "train",
-            s(&adam),
-            "-q",
-            "--steps",
-            "4",
-            "--resume",
-            s(&no_slot),
-        ],
-        "has `w` without its optimizer state `w/m`",
-    );
-    let reshaped = rewrite("reshaped.st", &|st| {
-        let b = st.optimizer["b/v"].clone();
-        st.optimizer.insert("w/v".into(), b);
-    });
-    refused(
-        &[
-            "train",
-            s(&adam),
-            "-q",
-            "--steps",
-            "4",
-            "--resume",
-            s(&reshaped),
-        ],
-        "`w/v` is f32[6], its variable `w` f32[32,6]",
-    );
-    let stray = rewrite("stray.st", &|st| {
-        let b = st.optimizer["b/v"].clone();
-        st.optimizer.insert("gone/v".into(), b);
-    });
-    refused(
-        &[
-            "train",
-            s(&adam),
-            "-q",
-            "--steps",
-            "4",
-            "--resume",
-            s(&stray),
-        ],
-        "optimizer state `gone/v` of no variable it holds",
-    );
-    let far = rewrite("far-step.st", &|st| st.index.step = u64::MAX);
-    refused(
-        &["train", s(&adam), "-q", "--steps", "4", "--resume", s(&far)],
-        "beyond any run",
-    );
+        refused(
+            &[
+                "train",
+                s(&adam),
+                "-q",
+                "--steps",
+                "4",
+                "--resume",
+                s(&path),
+            ],
+            want,
+        );
+    }
 }
 
 /// Issue 20: Ctrl-C ended a run at once, saying nothing. Now the run stops after its

@@ -543,14 +543,7 @@ fn flags_a_plan_would_ignore_are_refused_by_name() {
         ),
     ] {
         let never = tmp("ignored.plan.json");
-        let mut a = vec![
-            "compile",
-            "examples/dense_mlp.dsl",
-            "-o",
-            never.to_str().expect("utf-8"),
-        ];
-        a.extend(args.iter().copied());
-        let o = distc(&a);
+        let o = compile_dense(&never, &args);
         assert!(!o.status.success(), "{args:?} compiled");
         assert!(
             text(&o).contains(want),
@@ -576,15 +569,19 @@ fn flags_a_plan_would_ignore_are_refused_by_name() {
             "intra=1e10,1e-6",
         ],
     ] {
-        let plan = tmp("acts.plan.json");
-        let mut a = vec![
-            "compile",
-            "examples/dense_mlp.dsl",
-            "-o",
-            plan.to_str().expect("utf-8"),
-        ];
-        a.extend(args.iter().copied());
-        let o = distc(&a);
+        let o = compile_dense(&tmp("acts.plan.json"), &args);
         assert!(o.status.success(), "{args:?}: {}", text(&o));
     }
+}
+
+/// `distc compile examples/dense_mlp.dsl -o PLAN` with `args`.
+fn compile_dense(plan: &Path, args: &[&str]) -> std::process::Output {
+    let mut a = vec![
+        "compile",
+        "examples/dense_mlp.dsl",
+        "-o",
+        plan.to_str().expect("utf-8"),
+    ];
+    a.extend(args.iter().copied());
+    distc(&a)
 }

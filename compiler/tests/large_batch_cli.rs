@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 mod common;
 
-use common::{distc, root, s, text};
+use common::{distc, max_difference, root, s, text};
 
 /// `example` with `lr_schedule = SCHEDULE` added after its optimizer line, written
 /// to a temporary file.
@@ -392,25 +392,6 @@ fn a_pipelined_run_reports_the_rate_each_update_used() {
     assert!(one[0] < one[3], "no warm-up in {one:?}");
 }
 
-/// The relative difference of the largest element, over every variable of two weight
-/// files.
-fn weights_apart(a: &std::path::Path, b: &std::path::Path) -> f64 {
-    let (a, _) = distc_runtime::core::checkpoint::load(a).expect("weights");
-    let (b, _) = distc_runtime::core::checkpoint::load(b).expect("weights");
-    assert_eq!(a.len(), b.len());
-    let mut worst: f64 = 0.0;
-    for (name, x) in &a {
-        let (x, y) = (x.to_f64_vec(), b[name].to_f64_vec());
-        let scale = x.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
-        let d = x
-            .iter()
-            .zip(&y)
-            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
-        worst = worst.max(d / scale);
-    }
-    worst
-}
-
 /// Issue 35, item 7: `--accumulate M` and a one-replica pipeline of M micro-batches
 /// promise the update of one device with batch M*b. With synthetic data each
 /// micro-batch drew its own stream (seed + m), so they trained on other samples
@@ -437,7 +418,7 @@ fn micro_batches_draw_the_samples_of_the_whole_batch() {
                 &["--batch", "16", "--pipeline", "2", "--micro-batches", "2"],
             ),
         ] {
-            let apart = weights_apart(&whole, &save(name, args));
+            let apart = max_difference(&whole, &save(name, args));
             // Summation order alone: the mean of two means against one mean.
             assert!(apart < 1e-5, "{example}, {name}: {apart:e} from batch 32");
         }

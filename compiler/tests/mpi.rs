@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{distc, root, s, text};
+use common::{distc, max_difference, root, s, text};
 
 fn tmp(name: &str) -> PathBuf {
     common::temp_dir("mpi").join(name)
@@ -73,23 +73,6 @@ fn compile_with(
 }
 
 /// Largest relative difference over every variable of two checkpoints.
-fn max_difference(a: &Path, b: &Path) -> f64 {
-    let (a, _) = checkpoint::load(a).expect("checkpoint");
-    let (b, _) = checkpoint::load(b).expect("checkpoint");
-    assert_eq!(a.len(), b.len());
-    let mut worst: f64 = 0.0;
-    for (name, x) in &a {
-        let (x, y) = (x.to_f64_vec(), b[name].to_f64_vec());
-        let scale = x.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
-        let d = x
-            .iter()
-            .zip(&y)
-            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
-        worst = worst.max(d / scale);
-    }
-    worst
-}
-
 #[test]
 fn mpi_ranks_train_the_weights_threads_train() {
     let _one = common::one_job_at_a_time();

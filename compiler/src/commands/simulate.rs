@@ -210,7 +210,7 @@ pub fn calibrate(
                 workers,
                 &sizes,
                 reps,
-                Duration::from_secs_f64(timeout),
+                std::time::Duration::from_secs_f64(timeout),
             )?;
             (Some(s), workers, 1)
         }

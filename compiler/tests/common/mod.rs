@@ -84,3 +84,23 @@ pub fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     // A test that failed while holding it leaves nothing to repair.
     JOBS.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// `max |a - b| / max |a|` over the variables of two weight files (`--save`), the
+/// largest: 0 when they are equal bit for bit.
+pub fn max_difference(a: &Path, b: &Path) -> f64 {
+    use distc_runtime::core::checkpoint;
+    let (a, _) = checkpoint::load(a).expect("weights");
+    let (b, _) = checkpoint::load(b).expect("weights");
+    assert_eq!(a.len(), b.len(), "the files hold other variables");
+    let mut worst: f64 = 0.0;
+    for (name, x) in &a {
+        let (x, y) = (x.to_f64_vec(), b[name].to_f64_vec());
+        let scale = x.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
+        let d = x
+            .iter()
+            .zip(&y)
+            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+        worst = worst.max(d / scale);
+    }
+    worst
+}
