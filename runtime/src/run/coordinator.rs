@@ -3,7 +3,7 @@
 //! line is made in one place, [`metrics_line`], from one report (a rank's own line) or
 //! from every worker's (the run's line).
 
-use crate::core::error::Result;
+use crate::core::error::{Result, RuntimeError};
 use crate::core::value::Tensor;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::pipeline::{combine, PipelineRun, StageReport};
@@ -11,6 +11,7 @@ use crate::run::programs::TrainReport;
 use crate::run::trace::Span;
 use crate::run::worker::StepReport;
 use std::collections::HashMap;
+use std::sync::mpsc;
 use std::time::Duration;
 
 /// The metrics line of one step from its reports, sorted by rank: the mean loss, the
@@ -217,5 +218,15 @@ impl StageReports {
             line.eval = take_state(step, params, slots)?;
         }
         coordinator.add(line)
+    }
+}
+
+/// A role's end of the channel to the coordinator, on threads and on MPI's rank 0
+/// alike: once the coordinator takes no more reports (the caller stopped the run, or
+/// another role failed), the role's next report fails and the role stops.
+pub(crate) fn reporter<R: Send>(tx: mpsc::Sender<R>) -> impl FnMut(R) -> Result<()> + Send {
+    move |r| {
+        tx.send(r)
+            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
     }
 }

@@ -32,7 +32,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
-use crate::run::coordinator::{metrics_line, Coordinator};
+use crate::run::coordinator::{metrics_line, reporter, Coordinator};
 use crate::run::mesh::{Axis, Mesh};
 use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
@@ -794,10 +794,10 @@ fn run_worker_rank<B: Backend>(
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
     coordinator.model_axis = mesh.model;
     let worker = |tx: mpsc::Sender<StepReport>| {
+        let mut to_coordinator = reporter(tx);
         let report = move |rep: StepReport| {
             write_local(&rep)?;
-            tx.send(rep)
-                .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
+            to_coordinator(rep)
         };
         run_worker_on(setup(Box::new(report)), |c| make(r, c))
     };

@@ -17,7 +17,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::cpu::Cpu;
 use crate::ps::{self, PsConfig};
-use crate::run::coordinator::{Coordinator, StageReports};
+use crate::run::coordinator::{reporter, Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::StepMetrics;
 use crate::run::pipeline::PipelineRun;
@@ -71,16 +71,6 @@ fn first_error(errors: &ErrorSlot, mesh: &Mesh, fallback: RuntimeError) -> Runti
         Some((Role::Worker(r), e)) => e.of_rank(mesh.name(r)),
         Some((Role::Server(s), e)) => e.of_rank(format!("server {s}")),
         None => fallback,
-    }
-}
-
-/// A role's end of the report channel: once the coordinator takes no more reports
-/// (the caller stopped the run, or another role failed), the role's next report fails
-/// and the role stops.
-pub(crate) fn reporter<R: Send>(tx: mpsc::Sender<R>) -> impl FnMut(R) -> Result<()> + Send {
-    move |r| {
-        tx.send(r)
-            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
     }
 }
 

@@ -1056,6 +1056,7 @@ fn train_worker<B: Backend>(
         ranks,
         replicas: mesh.data,
         first,
+        last: steps,
         device,
         scaler,
         graph,
@@ -1082,6 +1083,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     /// Data-parallel replicas: the workers whose gradients are averaged.
     replicas: usize,
     first: usize,
+    /// The run's last step.
+    last: usize,
     /// The backend's name, for its errors.
     device: String,
     scaler: Option<LossScaler>,
@@ -1107,8 +1110,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
     }
 
     fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {
-        let (rank, first) = (self.rank, self.first);
-        let steps = Cadence::of(self.config, self.opts).last;
+        let (rank, first, steps) = (self.rank, self.first, self.last);
         let device = self.device.as_str();
         let st = &mut *self.st;
         let hook = &mut *self.hook;

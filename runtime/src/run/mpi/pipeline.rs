@@ -20,7 +20,7 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::Tensor;
 use crate::cpu::Cpu;
-use crate::run::coordinator::{Coordinator, StageReports};
+use crate::run::coordinator::{reporter, Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
@@ -157,10 +157,10 @@ pub(super) fn run_stage_rank(
         run.take_state(step, params, slots, &mut evaluator)
     };
     let stage = |tx: mpsc::Sender<StageReport>| {
+        let mut to_coordinator = reporter(tx);
         me.run_on(&mut |_| Ok(Cpu), config, &mut |rep| {
             write_local(&rep)?;
-            tx.send(rep)
-                .map_err(|_| RuntimeError::Config("the coordinator stopped".into()))
+            to_coordinator(rep)
         })
     };
     let mut reports = StageReports::default();
