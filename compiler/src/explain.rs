@@ -399,43 +399,24 @@ fn explain_pipeline(
         "bwd MFLOP",
         "stash/micro",
         "in flight",
-        "peak stash",
+        "held",
         "activations",
         "p2p sent/step",
         "p2p recv/step"
     );
-    // A tied variable goes from its first stage to the others once a step.
-    let (mut tied_sent, mut tied_received) = (vec![0usize; stages], vec![0usize; stages]);
     let var_bytes: std::collections::HashMap<String, usize> = worker
         .params()
         .into_iter()
         .map(|(_, n, t)| (n.to_string(), t.bytes()))
         .collect();
-    for (name, held) in &plan.tied {
-        let bytes = var_bytes.get(name).copied().unwrap_or(0);
-        if let Some((&owner, rest)) = held.split_first() {
-            tied_sent[owner] += bytes * rest.len();
-            for &h in rest {
-                tied_received[h] += bytes;
-            }
-        }
-    }
-    // A stage's activations at their peak: the larger of its forward's and backward's
-    // own peak, beside the stash of the micro-batches in flight (what the metrics'
-    // per-stage `activations` measure).
-    let own_peak = |k: usize| -> usize {
-        program.and_then(|pr| pr.stages.get(k)).map_or(0, |st| {
-            [&st.forward, &st.backward]
-                .iter()
-                .map(|g| {
-                    distc_passes::remat::peak_activation_bytes_without_gradients(g, &g.topo_order())
-                })
-                .max()
-                .unwrap_or(0)
-        })
+    // What the runtime measures of each stage, read off the stage programs themselves:
+    // values relayed through a middle stage and what a stage receives are counted.
+    let predicted = match program {
+        Some(pr) => memory::pipeline_stages(pr, &p.config.optimizer)?,
+        None => Vec::new(),
     };
     for (k, st) in plan.stats.iter().enumerate() {
-        let in_flight = sim.peak_alive.get(k).copied().unwrap_or(micro);
+        let e = predicted.get(k).cloned().unwrap_or_default();
         let _ = writeln!(
             s,
             "{:<6} {:>10} {:>11.2} {:>11.2} {:>12} {:>9} {:>12} {:>12} {:>13} {:>13}  {}",
@@ -443,12 +424,12 @@ fn explain_pipeline(
             mib(st.param_bytes as f64),
             st.forward_flops / 1e6,
             st.backward_flops / 1e6,
-            mib(st.stashed_bytes as f64),
-            in_flight,
-            mib((st.stashed_bytes * in_flight) as f64),
-            mib((st.stashed_bytes * in_flight + own_peak(k)) as f64),
-            mib((st.sent_bytes * micro + tied_sent[k]) as f64),
-            mib((st.received_bytes * micro + tied_received[k]) as f64),
+            mib(e.stash_per_micro as f64),
+            e.in_flight,
+            mib(e.held_peak as f64),
+            mib(e.memory.activations as f64),
+            mib(e.sent as f64),
+            mib(e.received as f64),
             st.variables.join(" ")
         );
     }

@@ -395,7 +395,7 @@ fn a_stalled_rank_makes_the_others_report_who_did_not_arrive() {
         .args(["-STOP", &pid.to_string()])
         .status()
         .expect("stop");
-    let (o, _) = wait_at_most(child, pid, Duration::from_secs(40), "allreduce");
+    let (o, _) = wait_at_most(child, Some(pid), Duration::from_secs(40), "allreduce");
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("did not complete within 3 s"), "{t}");
@@ -587,7 +587,12 @@ fn ranks_started_with_other_settings_are_refused_at_start_up() {
 
 /// Waits for `child` at most `limit`; a job still running then is killed (mpirun, and
 /// `stopped`, a rank it may leave behind) and the test fails: a hang must not block CI.
-fn wait_at_most(child: Child, stopped: u32, limit: Duration, what: &str) -> (Output, Duration) {
+fn wait_at_most(
+    child: Child,
+    stopped: Option<u32>,
+    limit: Duration,
+    what: &str,
+) -> (Output, Duration) {
     let start = Instant::now();
     let mpirun = child.id();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -602,7 +607,9 @@ fn wait_at_most(child: Child, stopped: u32, limit: Duration, what: &str) -> (Out
             .status();
     };
     // The stopped rank may outlive the job; it must not outlive the test.
-    kill(stopped);
+    if let Some(pid) = stopped {
+        kill(pid);
+    }
     match got {
         Ok(o) => (o.expect("waits"), took),
         Err(_) => {
@@ -637,7 +644,7 @@ fn a_stalled_worker_under_parameter_servers_is_named_in_every_sync_mode() {
             .args(["-STOP", &pid.to_string()])
             .status()
             .expect("stop");
-        let (o, took) = wait_at_most(child, pid, Duration::from_secs(40), &what);
+        let (o, took) = wait_at_most(child, Some(pid), Duration::from_secs(40), &what);
         let t = text(&o);
         println!("{what}: the job ended {took:?} after worker rank 0 stopped");
         assert!(!o.status.success(), "{what}: {t}");
@@ -680,7 +687,7 @@ fn a_stalled_worker_under_async_servers_is_named_by_rank_0() {
         .args(["-STOP", &pid.to_string()])
         .status()
         .expect("stop");
-    let (o, took) = wait_at_most(child, pid, Duration::from_secs(40), "async, rank 1");
+    let (o, took) = wait_at_most(child, Some(pid), Duration::from_secs(40), "async, rank 1");
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(took < Duration::from_secs(30), "took {took:?}: {t}");
@@ -1099,7 +1106,7 @@ fn a_stalled_stage_rank_is_named_by_its_neighbour() {
         .args(["-STOP", &pid.to_string()])
         .status()
         .expect("stop");
-    let (o, _) = wait_at_most(child, pid, Duration::from_secs(40), "pipeline");
+    let (o, _) = wait_at_most(child, Some(pid), Duration::from_secs(40), "pipeline");
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("did not complete within 3 s"), "{t}");
@@ -1132,7 +1139,7 @@ fn a_stalled_rank_of_a_mesh_is_named_and_every_wait_says_its_op() {
         .args(["-STOP", &pid.to_string()])
         .status()
         .expect("stop");
-    let (o, _) = wait_at_most(child, pid, Duration::from_secs(40), "mesh");
+    let (o, _) = wait_at_most(child, Some(pid), Duration::from_secs(40), "mesh");
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     let reports: Vec<&str> = t
@@ -1352,4 +1359,84 @@ fn a_wrong_sized_job_of_a_mesh_names_every_axis_of_the_mapping() {
         "{}",
         text(&o)
     );
+}
+
+/// Issue 35, item 10: Ctrl-C to mpirun (which sends every rank SIGTERM, then SIGKILL
+/// about a second later) stops a pipelined job with rank 0's word on what is on disk, and no rank leaves the temporary file of a checkpoint it was writing (a large
+/// variable no op reads makes each step mostly that write).
+#[test]
+fn ctrl_c_to_mpirun_stops_a_pipelined_job_saying_what_is_on_disk() {
+    let _one = common::one_job_at_a_time();
+    let model = tmp("interrupted.dsl");
+    let src = std::fs::read_to_string(tied_model("interrupted-tied.dsl", "sgd(lr = 0.1)"))
+        .expect("reads the model")
+        .replace(
+            "param e: f32[16, 16] = glorot\n",
+            "param e: f32[16, 16] = glorot\n  param unread: f32[1024, 2048] = zeros\n",
+        );
+    std::fs::write(&model, src).expect("writes the model");
+    let plan = compile_with(
+        s(&model),
+        "allreduce",
+        2,
+        0,
+        "interrupted.plan.json",
+        &["--pipeline", "2", "--micro-batches", "2"],
+    );
+    let dir = common::temp_dir("mpi-interrupted");
+    let state = dir.join("interrupted.state.safetensors");
+    let metrics = dir.join("interrupted.jsonl");
+    let mut child = mpirun_cmd(
+        2,
+        &[
+            "run",
+            s(&plan),
+            "--steps",
+            "1000000",
+            "-q",
+            "--transport",
+            "mpi",
+            "--checkpoint",
+            s(&state),
+            "--checkpoint-every",
+            "1",
+            "--metrics",
+            s(&metrics),
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("mpirun");
+    let start = Instant::now();
+    while checkpoint::load_state(&state).map_or(0, |st| st.index.step) < 3 {
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("waits");
+            panic!("the run did not start: {}", text(&o));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    let (o, _) = wait_at_most(child, None, Duration::from_secs(30), "interrupted");
+    let t = text(&o);
+    // The ranks exit with 130; mpirun (OpenMPI 4.1.4) exits with 1 after a Ctrl-C to
+    // itself whatever they return.
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("interrupted (Ctrl-C) after step") && t.contains("last training state written"),
+        "{t}"
+    );
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .expect("reads the folder")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("distc-tmp"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}\n{t}");
+    let written = checkpoint::load_state(&state).expect("the last state is whole");
+    assert!(written.index.step >= 3, "{:?}", written.index);
 }

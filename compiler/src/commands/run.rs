@@ -27,7 +27,7 @@ use distc_runtime::run::train::{CheckpointEvery, Programs, TrainOptions, TrainRe
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -183,10 +183,28 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     };
     // Ctrl-C stops at the end of the running step (the metrics so far are kept) and
     // says which training state is on disk; a second one stops at once.
-    let interrupt = (args.transport == Transport::Inprocess).then(interrupt_flag);
-    let mut last_step = 0;
+    let reported = Arc::new(AtomicUsize::new(0));
+    let interrupt = match args.transport {
+        Transport::Inprocess => Some(interrupt_flag()),
+        Transport::Mpi => {
+            let (args, reported) = (args.clone(), reported.clone());
+            // Rank 0 writes the states: it says which one it wrote last without reading
+            // it back (mpirun's SIGKILL follows its SIGTERM within a second or so).
+            stop_at_once_on_interrupt(move || {
+                world_rank_is_0().then(|| {
+                    let written = distc_runtime::core::checkpoint::last_state_written();
+                    let state = args.checkpoint.clone().map(|path| {
+                        let step = written.filter(|(p, _)| *p == path).map(|(_, s)| s);
+                        (path, step)
+                    });
+                    note_on_disk(&args, reported.load(Ordering::SeqCst), state)
+                })
+            });
+            None
+        }
+    };
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
-        last_step = m.step;
+        reported.store(m.step, Ordering::SeqCst);
         if let (None, Some(p)) = (&metrics, &args.metrics) {
             let f = std::fs::File::create(p).map_err(|source| distc_runtime::RuntimeError::Io {
                 path: p.clone(),
@@ -233,9 +251,11 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         w.flush().context("cannot write the metrics file")?;
     }
     if interrupt.is_some_and(|f| f.load(Ordering::SeqCst)) && result.is_err() {
-        return Err(
-            distc_runtime::RuntimeError::Interrupted(interrupted_note(args, last_step)).into(),
-        );
+        return Err(distc_runtime::RuntimeError::Interrupted(interrupted_note(
+            args,
+            reported.load(Ordering::SeqCst),
+        ))
+        .into());
     }
     match result? {
         Some(report) => finish_run(plan, args, &report),
@@ -256,6 +276,7 @@ fn interrupt_flag() -> Arc<AtomicBool> {
         let installed = ctrlc::set_handler(move || {
             if seen.swap(true, Ordering::SeqCst) {
                 err("\ninterrupted again: stopping now, writing nothing more\n");
+                distc_runtime::core::output::remove_temp_files_in_flight();
                 std::process::exit(130);
             }
             err("\ninterrupted: stopping after this step (Ctrl-C again stops at once)\n");
@@ -268,21 +289,57 @@ fn interrupt_flag() -> Arc<AtomicBool> {
     .clone()
 }
 
+/// Under MPI, where mpirun turns Ctrl-C into SIGTERM to every rank and SIGKILL seconds
+/// later, ranks cannot agree on a step to stop after: each stops at once, removing the
+/// temporary file of a write it is in (the file it was to replace stays whole), and
+/// rank 0 says what is on disk (`note`). Exits with 130, as in-process.
+fn stop_at_once_on_interrupt(note: impl Fn() -> Option<String> + Send + 'static) {
+    let installed = ctrlc::set_handler(move || {
+        distc_runtime::core::output::remove_temp_files_in_flight();
+        if let Some(note) = note() {
+            err(&format!("\nerror: {note}\n"));
+        }
+        std::process::exit(130);
+    });
+    if let Err(e) = installed {
+        err(&format!("warning: Ctrl-C will stop at once: {e}\n"));
+    }
+}
+
+/// Whether this process is rank 0 of its MPI job, read from what the launcher sets
+/// (before MPI starts: a signal may come at any time); true when none says.
+fn world_rank_is_0() -> bool {
+    ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok())
+        .is_none_or(|r| r.trim() == "0")
+}
+
 /// What a run stopped by Ctrl-C leaves: the metrics so far, and the training state of
 /// the last checkpoint step, if any. No final state is written: workers stop where
 /// each is, and a state must be one step of all of them.
 fn interrupted_note(args: &RunArgs, step: usize) -> String {
     // Read back, not computed: workers may have finished (and saved) a step beyond
     // the last one reported.
-    let state = match &args.checkpoint {
-        Some(path) => match distc_runtime::core::checkpoint::load_state(path) {
-            Ok(st) => format!(
-                "the last training state written is of step {} in {} (resume with --resume)",
-                st.index.step,
-                path.display()
-            ),
-            Err(_) => format!("{} holds no training state", path.display()),
-        },
+    let state = args.checkpoint.as_ref().map(|path| {
+        let step = distc_runtime::core::checkpoint::load_state(path)
+            .ok()
+            .map(|st| st.index.step);
+        (path.clone(), step)
+    });
+    note_on_disk(args, step, state)
+}
+
+/// What the run left, `state` being the checkpoint file and the step of the state in it
+/// (`None`: it holds none).
+fn note_on_disk(args: &RunArgs, step: usize, state: Option<(PathBuf, Option<u64>)>) -> String {
+    let state = match state {
+        Some((path, Some(written))) => format!(
+            "the last training state written is of step {written} in {} (resume with \
+             --resume)",
+            path.display()
+        ),
+        Some((path, None)) => format!("{} holds no training state", path.display()),
         None => "no training state was written (--checkpoint FILE \
                  --checkpoint-every K keeps one)"
             .into(),

@@ -300,7 +300,21 @@ pub fn save_state(path: &Path, state: &TrainingState) -> Result<()> {
         path,
         &named,
         [(INDEX_KEY.to_string(), index)].into_iter().collect(),
-    )
+    )?;
+    *last_written() = Some((path.to_path_buf(), state.index.step));
+    Ok(())
+}
+
+fn last_written() -> std::sync::MutexGuard<'static, Option<(std::path::PathBuf, u64)>> {
+    static LAST: std::sync::Mutex<Option<(std::path::PathBuf, u64)>> = std::sync::Mutex::new(None);
+    LAST.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The file and step of the last training state this process wrote, if any: what a
+/// process about to exit on a signal says is on disk, without reading it back.
+pub fn last_state_written() -> Option<(std::path::PathBuf, u64)> {
+    last_written().clone()
 }
 
 /// Reads a training state written by [`save_state`]; a plain weights file (`--save`)

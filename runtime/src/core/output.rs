@@ -9,7 +9,8 @@
 //!
 //! A process killed while writing leaves its temporary file behind. Temporary files
 //! are named `.NAME.distc-tmp-PID`, so the next write of the same target removes those
-//! whose process is gone.
+//! whose process is gone; a process stopped by a signal it handles removes its own
+//! first ([`remove_temp_files_in_flight`]).
 
 use crate::core::error::{Result, RuntimeError};
 use std::path::{Path, PathBuf};
@@ -159,6 +160,7 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
         source,
     })?;
     remove_stale(&dir, &prefix);
+    in_flight().push(tmp.clone());
     let result = write(&tmp).and_then(|()| {
         std::fs::rename(&tmp, path).map_err(|source| RuntimeError::Io {
             path: path.to_path_buf(),
@@ -168,7 +170,25 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
+    in_flight().retain(|p| p != &tmp);
     result
+}
+
+/// The temporary files this process is writing now.
+fn in_flight() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    static FILES: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    FILES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Removes the temporary files this process is writing, for a process about to exit
+/// in the middle of a write (a signal's handler): what they were to replace stays as
+/// it was.
+pub fn remove_temp_files_in_flight() {
+    for tmp in in_flight().drain(..) {
+        let _ = std::fs::remove_file(tmp);
+    }
 }
 
 /// [`write_atomic`] of bytes.

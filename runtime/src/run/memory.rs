@@ -19,6 +19,8 @@
 use crate::core::config::{OptimizerSpec, RunConfig};
 use crate::core::schedule::{MemoryUse, Mode, Schedule};
 use crate::run::programs::{input_types, Programs};
+use distc_ir::pipeline::schedule::{Action, Carried, Step};
+use distc_ir::pipeline::PipelineProgram;
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -59,8 +61,11 @@ impl MemoryByCategory {
 /// Bytes a run needs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MemoryEstimate {
-    /// One worker (they all run the same program).
+    /// One worker (they all run the same program); of a pipeline, its largest stage.
     pub worker: MemoryByCategory,
+    /// Each stage of a pipelined plan, stage 0 first (each of its replicas and model
+    /// ranks holds as much); empty for other plans.
+    pub stages: Vec<MemoryByCategory>,
     /// Each server.
     pub servers: Vec<MemoryByCategory>,
     /// Data one worker holds: its batch, or every batch when preloading.
@@ -86,8 +91,17 @@ impl MemoryEstimate {
 
     /// Every rank as threads of one process.
     pub fn in_process_total(&self) -> u128 {
-        self.per_worker()
-            .saturating_mul(self.workers)
+        let ranks = if self.stages.is_empty() {
+            self.per_worker().saturating_mul(self.workers)
+        } else {
+            // Each stage is held by as many ranks as there are replicas and model ranks.
+            let per_stage = (self.workers / self.stages.len() as u128).max(1);
+            self.stages
+                .iter()
+                .map(|st| (u128::from(st.total()) + self.data).saturating_mul(per_stage))
+                .fold(0u128, u128::saturating_add)
+        };
+        ranks
             .saturating_add(self.eval)
             .saturating_add(self.all_servers())
             .saturating_add(self.in_process_overhead)
@@ -96,9 +110,28 @@ impl MemoryEstimate {
     /// One line for people: the total and its parts.
     pub fn describe(&self) -> String {
         let w = &self.worker;
+        let (who, ranks) = if self.stages.is_empty() {
+            (
+                "per worker".to_string(),
+                format!("x {} workers", self.workers),
+            )
+        } else {
+            (
+                format!("the largest of {} stages", self.stages.len()),
+                format!(
+                    "(stages: {}) x {} ranks each",
+                    self.stages
+                        .iter()
+                        .map(|st| gib(u128::from(st.total()) + self.data))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    (self.workers / self.stages.len() as u128).max(1)
+                ),
+            )
+        };
         format!(
-            "{} in one process: per worker {} (variables {}, gradients {}, optimizer state \
-             {}, peak activations {}, buckets {}, data {}) x {} workers, evaluation set {}, \
+            "{} in one process: {who} {} (variables {}, gradients {}, optimizer state \
+             {}, peak activations {}, buckets {}, data {}) {ranks}, evaluation set {}, \
              servers {}",
             gib(self.in_process_total()),
             gib(self.per_worker()),
@@ -108,7 +141,6 @@ impl MemoryEstimate {
             gib(w.activations.into()),
             gib(w.comm_buffers.into()),
             gib(self.data),
-            self.workers,
             gib(self.eval),
             gib(self.all_servers()),
         )
@@ -214,14 +246,27 @@ pub fn estimate(
         })
         .collect();
     let workers = programs.workers as u128;
-    Ok(MemoryEstimate {
-        worker: MemoryByCategory {
+    let stages: Vec<MemoryByCategory> = match programs.pipeline {
+        Some(p) => pipeline_stages(p, &config.optimizer)?
+            .into_iter()
+            .map(|st| st.memory)
+            .collect(),
+        None => Vec::new(),
+    };
+    let worker = stages
+        .iter()
+        .copied()
+        .max_by_key(MemoryByCategory::total)
+        .unwrap_or(MemoryByCategory {
             params,
             gradients: step.gradients,
             optimizer: params.saturating_mul(slots),
             activations: step.activations,
             comm_buffers: step.comm_buffers,
-        },
+        });
+    Ok(MemoryEstimate {
+        worker,
+        stages,
         servers,
         data: batch_bytes
             .saturating_mul(batches)
@@ -251,4 +296,155 @@ pub fn check(need: u128, what: &str) -> Result<(), String> {
         )),
         _ => Ok(()),
     }
+}
+
+/// One pipeline stage's step, predicted from its own programs by the rule its run
+/// measures with: what it holds, its peak activations with the stash and the messages
+/// of the micro-batches in flight, and the bytes it exchanges with other stages.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StageEstimate {
+    /// Its memory by category; `activations` is the peak beside the held messages.
+    pub memory: MemoryByCategory,
+    /// Bytes its forward keeps for its own backward, per micro-batch.
+    pub stash_per_micro: u64,
+    /// The most micro-batches whose forward ran and whose backward did not.
+    pub in_flight: usize,
+    /// Bytes of stash and received messages held at that peak's largest.
+    pub held_peak: u64,
+    /// Bytes of values it sends to other stages per step (tied variables' updates
+    /// included), message framing left out.
+    pub sent: u64,
+    /// Bytes it receives per step.
+    pub received: u64,
+}
+
+/// Every stage of `pipeline`, as its run counts it ([`StageEstimate`]): the stage's
+/// schedule is walked message by message, holding what arrives until the computation
+/// that reads it, as the runtime's stage holds it.
+pub fn pipeline_stages(
+    pipeline: &PipelineProgram,
+    optimizer: &OptimizerSpec,
+) -> crate::Result<Vec<StageEstimate>> {
+    let programs = pipeline
+        .programs()
+        .map_err(|e| crate::RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
+    let tied = pipeline.tied();
+    let slots = slots(optimizer);
+    let mut out = Vec::with_capacity(pipeline.stages.len());
+    for (s, (st, steps)) in pipeline.stages.iter().zip(&programs).enumerate() {
+        let fwd = Schedule::new(&st.forward)?;
+        let bwd = Schedule::new(&st.backward)?;
+        let forward = fwd.predicted_memory(Mode::Train);
+        let backward = [Mode::Micro, Mode::Train].map(|m| bwd.predicted_memory(m));
+        // Bytes of the messages each phase receives from (or, to itself: the stash) a stage.
+        let received = |g: &Graph, from: usize| -> u64 {
+            g.node_ids()
+                .into_iter()
+                .filter_map(|id| match g.op(id) {
+                    Op::Recv { stage, ty, .. } if *stage == from => Some(ty.bytes() as u64),
+                    _ => None,
+                })
+                .sum()
+        };
+        let sent = |g: &Graph, to: &dyn Fn(usize) -> bool| -> u64 {
+            g.node_ids()
+                .into_iter()
+                .filter_map(|id| match g.op(id) {
+                    Op::Send { stage, .. } if to(*stage) => {
+                        Some(g.value_type(g.node(id).inputs[0]).bytes() as u64)
+                    }
+                    _ => None,
+                })
+                .sum()
+        };
+        let stash = sent(&st.forward, &|to| to == s);
+        let micro = pipeline.micro_batches;
+        let (mut fwd_in, mut bwd_in) = (vec![0u64; micro], vec![0u64; micro]);
+        let (mut peak, mut held_peak, mut alive, mut in_flight, mut backwards) = (0, 0, 0, 0, 0);
+        let (mut bytes_in, mut bytes_out) = (0u64, 0u64);
+        for step in steps {
+            match *step {
+                Step::Recv {
+                    from,
+                    what,
+                    micro: m,
+                } => {
+                    let (into, g) = match what {
+                        Carried::Activation => (&mut fwd_in, &st.forward),
+                        Carried::Gradient => (&mut bwd_in, &st.backward),
+                    };
+                    let b = received(g, from);
+                    into[m] += b;
+                    bytes_in += b;
+                }
+                Step::Send { to, what, .. } => {
+                    let g = match what {
+                        Carried::Activation => &st.forward,
+                        Carried::Gradient => &st.backward,
+                    };
+                    bytes_out += sent(g, &|t| t == to);
+                }
+                Step::Compute(action) => {
+                    let run = match action {
+                        Action::Forward(m) => {
+                            fwd_in[m] = 0;
+                            alive += 1;
+                            forward.activations
+                        }
+                        Action::Backward(m) => {
+                            bwd_in[m] = 0;
+                            alive -= 1;
+                            backwards += 1;
+                            backward[usize::from(backwards == micro)].activations
+                        }
+                    };
+                    in_flight = in_flight.max(alive);
+                    let held: u64 = fwd_in.iter().chain(&bwd_in).sum();
+                    if run + held > peak {
+                        peak = run + held;
+                        held_peak = held;
+                    }
+                    if let Action::Forward(m) = action {
+                        bwd_in[m] += stash;
+                    }
+                }
+            }
+        }
+        let mut params: Vec<(String, u64)> = [&st.forward, &st.backward]
+            .iter()
+            .flat_map(|g| g.params())
+            .map(|(_, n, t)| (n.to_string(), t.bytes() as u64))
+            .collect();
+        params.sort();
+        params.dedup();
+        let var_bytes = |name: &str| params.iter().find(|(n, _)| n == name).map_or(0, |p| p.1);
+        // A tied variable's holders keep no optimizer state for it.
+        let updated: u64 = params
+            .iter()
+            .filter(|(n, _)| !tied.iter().any(|t| &t.name == n && t.owner != s))
+            .map(|(_, b)| b)
+            .sum();
+        for t in &tied {
+            if t.owner == s {
+                bytes_out += var_bytes(&t.name) * t.holders.len() as u64;
+            } else if t.holders.contains(&s) {
+                bytes_in += var_bytes(&t.name);
+            }
+        }
+        out.push(StageEstimate {
+            memory: MemoryByCategory {
+                params: params.iter().map(|(_, b)| b).sum(),
+                gradients: backward[1].gradients,
+                optimizer: updated.saturating_mul(slots),
+                activations: peak,
+                comm_buffers: forward.comm_buffers.max(backward[1].comm_buffers),
+            },
+            stash_per_micro: stash,
+            in_flight,
+            held_peak,
+            sent: bytes_out,
+            received: bytes_in,
+        });
+    }
+    Ok(out)
 }
