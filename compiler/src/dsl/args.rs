@@ -153,9 +153,23 @@ pub(crate) fn describe(e: &Expr) -> String {
         ExprKind::Number(s) => format!("the number {s}"),
         ExprKind::Neg(_) if literal(e).is_some() => "a negative number".into(),
         ExprKind::Name(n) => format!("`{n}`"),
+        ExprKind::Str(t) => format!("the string \"{t}\""),
         ExprKind::Call { name, .. } => format!("a call to `{}`", name.name),
         ExprKind::List(_) => "a list".into(),
         ExprKind::Binary { .. } | ExprKind::Neg(_) => "an expression".into(),
+    }
+}
+
+/// A string literal (a data file's path), not empty.
+pub(crate) fn string(e: &Expr, what: &str) -> R<String> {
+    match &e.kind {
+        ExprKind::Str(t) if !t.trim().is_empty() => Ok(t.clone()),
+        ExprKind::Str(_) => Err(Diag::new(e.span, format!("{what} is empty"), "empty")),
+        _ => Err(Diag::new(
+            e.span,
+            format!("{what} must be a string, found {}", describe(e)),
+            "expected a string in double quotes",
+        )),
     }
 }
 

@@ -205,6 +205,8 @@ pub enum ExprKind {
     Number(String),
     /// A name.
     Name(String),
+    /// A string literal, without its quotes: a data file's path.
+    Str(String),
     /// `lhs op rhs`.
     Binary {
         /// The operator.

@@ -989,6 +989,10 @@ impl Lowerer<'_> {
 
     /// The input must be a field of the data source, of the same dtype and size.
     fn check_field(&self, name: &Ident, t: &TensorType, ty: &TypeExpr) -> R<()> {
+        // Checked against the file when the source opens, before step 1.
+        if self.data.fields_from_model() {
+            return Ok(());
+        }
         let fields = self.data.fields();
         let source = format!("{}()", self.data.name());
         let per_sample: usize = t.dims()[1..].iter().product();
@@ -1117,6 +1121,12 @@ impl Lowerer<'_> {
                 )),
             },
             ExprKind::Name(n) => self.lookup(n, e.span),
+            ExprKind::Str(_) => Err(Diag::new(
+                e.span,
+                "a string is not a value of the model",
+                "not a tensor or a number",
+            )
+            .help("strings name data files, in the train block's `data = ...`")),
             ExprKind::Neg(x) => match self.expr(x)? {
                 Val::Number(v) => Ok(Val::Number(-v)),
                 Val::Tensor(v) => {

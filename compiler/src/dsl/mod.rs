@@ -197,7 +197,7 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
             ))
         }
     };
-    let t = train::lower_train(train, src)?;
+    let mut t = train::lower_train(train, src)?;
     let batch = match batch_override {
         Some(0) => {
             return Err(Diag::new(
@@ -211,6 +211,19 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
     };
     let lowered = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?;
     let (mut graph, stage_marks, shards) = (lowered.graph, lowered.stage_marks, lowered.shards);
+    // A source whose file names the fields reads what the model's inputs declare.
+    if t.config.data.fields_from_model() {
+        let mut inputs: Vec<_> = distc_runtime::run::programs::input_types(&graph)
+            .into_iter()
+            .map(|(name, ty)| distc_runtime::FieldSpec {
+                name,
+                dtype: ty.dtype,
+                per_sample: ty.dims()[1..].iter().product(),
+            })
+            .collect();
+        inputs.sort_by(|a, b| a.name.cmp(&b.name));
+        t.config.data = t.config.data.clone().with_fields(inputs);
+    }
     // The axes that depend on B are those whose length changes with it.
     let mut assumptions = Vec::new();
     let other = batch

@@ -197,6 +197,7 @@ fn want_of_rule(rule: Rule) -> Option<Want> {
         | Rule::list
         | Rule::neg_op => Want::Expression,
         Rule::number => Want::Number,
+        Rule::string => Want::Expression,
         Rule::ident => Want::Name,
         Rule::tensor_type => Want::Type,
         Rule::dim => Want::Dim,
@@ -757,6 +758,16 @@ fn build_expr_kind(p: Pair<'_, Rule>) -> R<(Expr, usize)> {
             },
             1,
         )),
+        Rule::string => {
+            let quoted = p.as_str();
+            Ok((
+                Expr {
+                    kind: ExprKind::Str(quoted[1..quoted.len() - 1].to_string()),
+                    span: at,
+                },
+                1,
+            ))
+        }
         Rule::call => {
             let mut it = p.into_inner();
             let name = ident(next(&mut it, at, "op name")?);

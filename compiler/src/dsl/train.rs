@@ -52,6 +52,26 @@ const SOURCES: &[Sig] = &[
         params: &[("features", true), ("classes", true)],
         usage: "gaussian_classes(features, classes)",
     },
+    Sig {
+        name: "tokens",
+        params: &[
+            ("path", true),
+            ("context", true),
+            ("eval_path", false),
+            ("dtype", false),
+        ],
+        usage: "tokens(path = \"train.bin\", context, eval_path = \"val.bin\", dtype = \"u16\")",
+    },
+    Sig {
+        name: "tensors",
+        params: &[("path", true), ("eval_path", false)],
+        usage: "tensors(path = \"train.safetensors\", eval_path = \"test.safetensors\")",
+    },
+    Sig {
+        name: "csv",
+        params: &[("path", true), ("eval_path", false)],
+        usage: "csv(path = \"train.csv\", eval_path = \"test.csv\")",
+    },
 ];
 
 const OPTIMIZERS: &[Sig] = &[
@@ -342,11 +362,49 @@ fn lower_data(e: &Expr) -> R<DataSpec> {
                 s,
             }
         }
-        _ => DataSpec::GaussianClasses {
+        "gaussian_classes" => DataSpec::GaussianClasses {
             features: count(0, "`features`")?,
             classes: count(1, "`classes`")?,
         },
+        "tokens" => {
+            let width = match val(3) {
+                None => 2,
+                Some(v) => match args::string(v, "`dtype`")?.as_str() {
+                    "u16" => 2,
+                    "u32" => 4,
+                    other => {
+                        return Err(Diag::new(
+                            v.span,
+                            format!("a token file holds \"u16\" or \"u32\" ids, not \"{other}\""),
+                            "unknown token type",
+                        ))
+                    }
+                },
+            };
+            DataSpec::Tokens {
+                path: path(val(0), e.span)?,
+                eval_path: val(2).map(|v| args::string(v, "`eval_path`")).transpose()?,
+                width,
+                context: count(1, "`context`")?,
+            }
+        }
+        "tensors" => DataSpec::Tensors {
+            path: path(val(0), e.span)?,
+            eval_path: val(1).map(|v| args::string(v, "`eval_path`")).transpose()?,
+            fields: Vec::new(),
+        },
+        _ => DataSpec::Csv {
+            path: path(val(0), e.span)?,
+            eval_path: val(1).map(|v| args::string(v, "`eval_path`")).transpose()?,
+            fields: Vec::new(),
+        },
     })
+}
+
+/// A file source's required `path`.
+fn path(v: Option<&Expr>, call: Span) -> R<String> {
+    let v = v.ok_or_else(|| Diag::new(call, "missing `path`", "the data file"))?;
+    args::string(v, "`path`")
 }
 
 /// A hyper-parameter in `lo..hi` (`lo` excluded when `open_lo`, `hi` always excluded).

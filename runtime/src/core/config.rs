@@ -45,6 +45,55 @@ pub enum DataSpec {
         /// Number of classes.
         classes: usize,
     },
+    /// A flat binary stream of token ids, little-endian u16 or u32 with no header (the
+    /// nanoGPT and llm.c `.bin` layout): `tokens` i32[B, context] is a window of the
+    /// stream and `targets` i32[B, context] the window one token later. Sample `i` is
+    /// the window starting at token `i`; training draws every start once an epoch in a
+    /// seeded permutation. Evaluation: `eval_path`'s windows in order, `context`
+    /// apart.
+    Tokens {
+        /// The training stream, relative to the data directory or absolute.
+        path: String,
+        /// The held-out stream, if any.
+        eval_path: Option<String>,
+        /// Bytes per token: 2 (`"u16"`) or 4 (`"u32"`).
+        width: usize,
+        /// Tokens per sample.
+        context: usize,
+    },
+    /// Named arrays whose first axis is the sample axis, from a `.safetensors` file, a
+    /// `.npz` archive or a folder of `.npy` files (one per name): each model input
+    /// reads the array of its name. `fields` are the model's inputs (name, dtype,
+    /// values per sample), set by the compiler and checked against the file.
+    Tensors {
+        /// The training arrays, relative to the data directory or absolute.
+        path: String,
+        /// The held-out arrays, if any.
+        eval_path: Option<String>,
+        /// What the model reads.
+        fields: Vec<FieldSpec>,
+    },
+    /// A CSV file with a header row: each model input reads the column of its name,
+    /// one value per sample (f32 inputs read numbers, i32 inputs whole numbers).
+    Csv {
+        /// The training rows, relative to the data directory or absolute.
+        path: String,
+        /// The held-out rows, if any.
+        eval_path: Option<String>,
+        /// What the model reads (the compiler sets them from the model's inputs).
+        fields: Vec<FieldSpec>,
+    },
+}
+
+/// A field a model reads from a file source whose fields the file names.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FieldSpec {
+    /// The array or column name, and the model input's.
+    pub name: String,
+    /// The model input's element type.
+    pub dtype: distc_ir::DType,
+    /// Values per sample.
+    pub per_sample: usize,
 }
 
 impl DataSpec {
@@ -56,11 +105,14 @@ impl DataSpec {
             DataSpec::Movielens { .. } => "movielens",
             DataSpec::ZipfTokens { .. } => "zipf_tokens",
             DataSpec::GaussianClasses { .. } => "gaussian_classes",
+            DataSpec::Tokens { .. } => "tokens",
+            DataSpec::Tensors { .. } => "tensors",
+            DataSpec::Csv { .. } => "csv",
         }
     }
 
-    /// The fields one sample provides: name, dtype name, and elements per sample.
-    pub fn fields(&self) -> Vec<(&'static str, distc_ir::DType, usize)> {
+    /// The fields one sample provides: name, dtype, and elements per sample.
+    pub fn fields(&self) -> Vec<(&str, distc_ir::DType, usize)> {
         use distc_ir::DType::{F32, I32};
         match self {
             DataSpec::Mnist => vec![("image", F32, 784), ("label", I32, 1)],
@@ -72,14 +124,36 @@ impl DataSpec {
             DataSpec::GaussianClasses { features, .. } => {
                 vec![("x", F32, *features), ("label", I32, 1)]
             }
+            DataSpec::Tokens { context, .. } => {
+                vec![("tokens", I32, *context), ("targets", I32, *context)]
+            }
+            DataSpec::Tensors { fields, .. } | DataSpec::Csv { fields, .. } => fields
+                .iter()
+                .map(|f| (f.name.as_str(), f.dtype, f.per_sample))
+                .collect(),
         }
+    }
+
+    /// Whether the file names the fields, and each model input declares one
+    /// ([`DataSpec::with_fields`]).
+    pub fn fields_from_model(&self) -> bool {
+        matches!(self, DataSpec::Tensors { .. } | DataSpec::Csv { .. })
+    }
+
+    /// The source reading `fields` (for [`DataSpec::fields_from_model`] sources; the
+    /// others are returned as they are).
+    pub fn with_fields(mut self, declared: Vec<FieldSpec>) -> DataSpec {
+        if let DataSpec::Tensors { fields, .. } | DataSpec::Csv { fields, .. } = &mut self {
+            *fields = declared;
+        }
+        self
     }
 
     /// Whether the source reads files from the data directory.
     pub fn needs_files(&self) -> bool {
-        matches!(
+        !matches!(
             self,
-            DataSpec::Mnist | DataSpec::Ptb { .. } | DataSpec::Movielens { .. }
+            DataSpec::ZipfTokens { .. } | DataSpec::GaussianClasses { .. }
         )
     }
 }
@@ -346,6 +420,23 @@ impl DataSpec {
                 count_in(&field("features"), features, 1 << 24)?;
                 count_in(&field("classes"), classes, MAX_IDS - 1)
             }
+            DataSpec::Tokens { width, context, .. } => {
+                if width != 2 && width != 4 {
+                    return Err(format!(
+                        "data source `{name}`: a token is 2 (u16) or 4 (u32) bytes, not {width}"
+                    ));
+                }
+                count_in(&field("context"), context, 1 << 20)
+            }
+            DataSpec::Tensors { ref fields, .. } | DataSpec::Csv { ref fields, .. } => {
+                for (k, f) in fields.iter().enumerate() {
+                    count_in(&field(&f.name), f.per_sample, 1 << 30)?;
+                    if fields[..k].iter().any(|g| g.name == f.name) {
+                        return Err(format!("data source `{name}`: `{}` is read twice", f.name));
+                    }
+                }
+                Ok(())
+            }
         }
     }
 
@@ -358,7 +449,7 @@ impl DataSpec {
                 vec![("ids", vocab), ("label", classes)]
             }
             DataSpec::GaussianClasses { classes, .. } => vec![("label", classes)],
-            DataSpec::Ptb { .. } | DataSpec::Movielens { .. } => Vec::new(),
+            _ => Vec::new(),
         }
     }
 

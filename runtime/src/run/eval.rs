@@ -29,6 +29,9 @@ pub fn evaluate<'h, B: Backend>(
     }
     let (mut loss, mut n, mut correct, mut sq, mut classified, mut regressed) =
         (0.0, 0usize, 0usize, 0.0, false, false);
+    // Predictions scored: a sample may hold several (a token model predicts each
+    // position of its window).
+    let (mut labels_seen, mut values_seen) = (0usize, 0usize);
     for batch in batches {
         let b = batch.values().next().map_or(0, |t| t.shape()[0]);
         let feeds = upload_all(exec.backend(), batch)?;
@@ -50,9 +53,11 @@ pub fn evaluate<'h, B: Backend>(
                                 .fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
                         correct += usize::from(arg as i32 == l);
                     }
+                    labels_seen += labels.len();
                 }
                 (p, t) if p.shape() == t.shape() => {
                     regressed = true;
+                    values_seen += t.len();
                     sq += p
                         .to_f64_vec()
                         .iter()
@@ -66,8 +71,8 @@ pub fn evaluate<'h, B: Backend>(
     }
     Ok(EvalMetrics {
         eval_loss: loss / n as f64,
-        eval_accuracy: classified.then(|| correct as f64 / n as f64),
-        eval_rmse: regressed.then(|| (sq / n as f64).sqrt()),
+        eval_accuracy: classified.then(|| correct as f64 / labels_seen.max(1) as f64),
+        eval_rmse: regressed.then(|| (sq / values_seen.max(1) as f64).sqrt()),
         eval_samples: n,
     })
 }

@@ -35,25 +35,59 @@ pub const MOVIELENS_SPLIT_SEED: u64 = 0x6d6c_3130_306b;
 type Cache = Mutex<HashMap<(String, PathBuf), Arc<Loaded>>>;
 
 /// Loads (or finds in the process-wide cache) the data of a file source.
-pub(crate) fn load(spec: &DataSpec, dir: &Path) -> Result<Arc<Loaded>> {
+pub(crate) fn load(spec: &DataSpec, dir: Option<&Path>) -> Result<Arc<Loaded>> {
     static CACHE: OnceLock<Cache> = OnceLock::new();
-    if !dir.is_dir() {
-        return Err(data_err(
-            dir,
-            "the data directory does not exist (set --data or DISTC_DATA)",
-        ));
+    let builtin = matches!(
+        spec,
+        DataSpec::Mnist | DataSpec::Ptb { .. } | DataSpec::Movielens { .. }
+    );
+    match dir {
+        None if builtin => {
+            return Err(RuntimeError::Config(format!(
+                "data source `{}` reads files: give the data directory with --data or set \
+                 DISTC_DATA",
+                spec.name()
+            )))
+        }
+        Some(d) if !d.is_dir() => {
+            return Err(data_err(
+                d,
+                "the data directory does not exist (set --data or DISTC_DATA)",
+            ))
+        }
+        _ => {}
     }
-    let key = (format!("{spec:?}"), dir.to_path_buf());
+    let key = (
+        format!("{spec:?}"),
+        dir.map(Path::to_path_buf).unwrap_or_default(),
+    );
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
     // Loading under the lock: concurrent openers of one source decode it once.
     let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(l) = map.get(&key) {
         return Ok(l.clone());
     }
-    let loaded = Arc::new(match *spec {
-        DataSpec::Mnist => mnist(&dir.join("mnist"))?,
-        DataSpec::Ptb { context } => ptb(&dir.join("ptb"), context)?,
-        DataSpec::Movielens { test_fraction } => movielens(&dir.join("ml-100k"), test_fraction)?,
+    let under = |sub: &str| dir.map(|d| d.join(sub)).unwrap_or_default();
+    let loaded = Arc::new(match spec {
+        DataSpec::Mnist => mnist(&under("mnist"))?,
+        DataSpec::Ptb { context } => ptb(&under("ptb"), *context)?,
+        DataSpec::Movielens { test_fraction } => movielens(&under("ml-100k"), *test_fraction)?,
+        DataSpec::Tokens {
+            path,
+            eval_path,
+            width,
+            context,
+        } => super::user_files::tokens(dir, path, eval_path.as_deref(), *width, *context)?,
+        DataSpec::Tensors {
+            path,
+            eval_path,
+            fields,
+        } => super::user_files::tensors(dir, path, eval_path.as_deref(), fields)?,
+        DataSpec::Csv {
+            path,
+            eval_path,
+            fields,
+        } => super::user_files::csv(dir, path, eval_path.as_deref(), fields)?,
         _ => {
             return Err(RuntimeError::Config(format!(
                 "data source `{}` reads no files",

@@ -51,6 +51,7 @@
 
 mod files;
 mod synthetic;
+mod user_files;
 
 pub use files::MOVIELENS_SPLIT_SEED;
 pub use synthetic::zipf_cdf;
@@ -132,6 +133,14 @@ pub(crate) enum Column {
         offset: usize,
         width: usize,
     },
+    /// Windows of a memory-mapped token file: sample `i` is its tokens
+    /// `[i*stride + offset, i*stride + offset + width)`.
+    Tokens {
+        stream: Arc<user_files::TokenStream>,
+        stride: usize,
+        offset: usize,
+        width: usize,
+    },
 }
 
 impl Column {
@@ -171,6 +180,18 @@ impl Column {
                 let mut out = Vec::with_capacity(idx.len() * width);
                 for &i in idx {
                     out.extend_from_slice(&stream[i + offset..i + offset + width]);
+                }
+                ColData::I32(out)
+            }
+            Column::Tokens {
+                stream,
+                stride,
+                offset,
+                width,
+            } => {
+                let mut out = Vec::with_capacity(idx.len() * width);
+                for &i in idx {
+                    stream.extend(&mut out, i * stride + offset, *width);
                 }
                 ColData::I32(out)
             }
@@ -347,18 +368,11 @@ impl DataSource {
         }
         let fields = out_fields(spec, shapes)?;
         let (backing, cursor) = if spec.needs_files() {
-            let dir = dir.ok_or_else(|| {
-                RuntimeError::Config(format!(
-                    "data source `{}` reads files: give the data directory with --data \
-                     or set DISTC_DATA",
-                    spec.name()
-                ))
-            })?;
             let loaded = files::load(spec, dir)?;
             let n = loaded.train.len;
             if n == 0 {
                 return Err(RuntimeError::Data {
-                    path: dir.to_path_buf(),
+                    path: dir.map(Path::to_path_buf).unwrap_or_default(),
                     message: format!("data source `{}` has no training samples", spec.name()),
                 });
             }

@@ -1,0 +1,562 @@
+//! The sources whose files a user names in the train block, each path relative to the
+//! data directory or absolute:
+//!
+//! * `tokens`: a flat stream of little-endian u16 or u32 token ids with no header (the
+//!   nanoGPT and llm.c `.bin` layout), memory-mapped: a batch reads only its windows,
+//!   and a resumed run starts at its position without reading what came before.
+//!   Training sample `i` is the window at token `i` (`tokens`) and the window one token
+//!   later (`targets`); evaluation takes the held-out stream's windows in order,
+//!   `context` apart.
+//! * `tensors`: named arrays whose first axis is the sample axis, from a `.safetensors`
+//!   file, a `.npz` archive or a folder of `.npy` files. Each model input reads the
+//!   array of its name, converted to the input's type (integers to i32 only when every
+//!   value fits).
+//! * `csv`: a table with a header row; each model input reads the column of its name,
+//!   one value per sample.
+//!
+//! What a file lacks or holds wrongly is an error naming the file (and, for CSV, the
+//! line and column), raised when the source is opened, before step 1.
+
+use super::{Column, Loaded, Table};
+use crate::core::config::FieldSpec;
+use crate::core::error::{Result, RuntimeError};
+use distc_ir::DType;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn data_err(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::Data {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// `path` as the train block wrote it, under the data directory unless absolute.
+pub(crate) fn resolve(dir: Option<&Path>, path: &str) -> Result<PathBuf> {
+    let p = Path::new(path);
+    if p.is_absolute() {
+        return Ok(p.to_path_buf());
+    }
+    match dir {
+        Some(d) => Ok(d.join(p)),
+        None => Err(RuntimeError::Config(format!(
+            "the data file \"{path}\" is relative to the data directory: give it with \
+             --data or set DISTC_DATA (or write an absolute path)"
+        ))),
+    }
+}
+
+/// A token file mapped into memory, `width` bytes a token.
+#[derive(Debug)]
+pub(crate) struct TokenStream {
+    map: memmap2::Mmap,
+    width: usize,
+}
+
+impl TokenStream {
+    fn open(path: &Path, width: usize) -> Result<TokenStream> {
+        let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let meta = file.metadata().map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if !meta.is_file() {
+            return Err(data_err(path, "is not a regular file"));
+        }
+        if meta.len() % width as u64 != 0 {
+            return Err(data_err(
+                path,
+                format!(
+                    "{} bytes is not a whole number of {}-byte tokens: is `dtype` right?",
+                    meta.len(),
+                    width
+                ),
+            ));
+        }
+        if meta.len() == 0 {
+            return Err(data_err(path, "is empty"));
+        }
+        // SAFETY: the map is read-only and this process never writes the file; a file
+        // truncated by another process while mapped is outside what distc can guard.
+        #[allow(unsafe_code)]
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| data_err(path, format!("cannot map it into memory: {e}")))?;
+        Ok(TokenStream { map, width })
+    }
+
+    fn len(&self) -> usize {
+        self.map.len() / self.width
+    }
+
+    fn get(&self, i: usize) -> u32 {
+        let b = &self.map[i * self.width..(i + 1) * self.width];
+        match self.width {
+            2 => u32::from(u16::from_le_bytes([b[0], b[1]])),
+            _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+
+    /// Tokens `[start, start + n)` as i32 ids.
+    pub(crate) fn extend(&self, out: &mut Vec<i32>, start: usize, n: usize) {
+        out.extend((start..start + n).map(|i| self.get(i) as i32));
+    }
+
+    /// The largest id plus one, after checking every id fits an i32.
+    fn bound(&self, path: &Path) -> Result<usize> {
+        let mut max = 0u32;
+        for i in 0..self.len() {
+            max = max.max(self.get(i));
+        }
+        if max > i32::MAX as u32 {
+            return Err(data_err(
+                path,
+                format!("holds the id {max}, beyond i32: is `dtype` right?"),
+            ));
+        }
+        Ok(max as usize + 1)
+    }
+}
+
+/// `tokens(path, eval_path, dtype, context)`.
+pub(crate) fn tokens(
+    dir: Option<&Path>,
+    path: &str,
+    eval_path: Option<&str>,
+    width: usize,
+    context: usize,
+) -> Result<Loaded> {
+    let open = |p: &str| -> Result<(PathBuf, Arc<TokenStream>)> {
+        let path = resolve(dir, p)?;
+        let s = TokenStream::open(&path, width)?;
+        if s.len() <= context {
+            return Err(data_err(
+                &path,
+                format!(
+                    "holds {} tokens: a sample needs context + 1 = {}",
+                    s.len(),
+                    context + 1
+                ),
+            ));
+        }
+        Ok((path, Arc::new(s)))
+    };
+    let (train_path, train) = open(path)?;
+    let mut bound = train.bound(&train_path)?;
+    let windows = |stream: &Arc<TokenStream>, stride: usize| {
+        [0, 1].map(|offset| Column::Tokens {
+            stream: stream.clone(),
+            stride,
+            offset,
+            width: context,
+        })
+    };
+    let eval = match eval_path {
+        Some(p) => {
+            let (eval_path, stream) = open(p)?;
+            bound = bound.max(stream.bound(&eval_path)?);
+            Table {
+                len: (stream.len() - 1) / context,
+                cols: windows(&stream, context).to_vec(),
+            }
+        }
+        None => Table {
+            len: 0,
+            cols: windows(&train, context).to_vec(),
+        },
+    };
+    Ok(Loaded {
+        train: Table {
+            len: train.len() - context,
+            cols: windows(&train, 1).to_vec(),
+        },
+        eval,
+        id_bounds: [("tokens", bound), ("targets", bound)]
+            .map(|(f, b)| (f.to_string(), b))
+            .into(),
+    })
+}
+
+/// One array as read from a file: its shape and its values.
+enum Array {
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+}
+
+/// A field's column from `values` (`n` samples), converted to the field's type.
+fn column(path: &Path, f: &FieldSpec, n: usize, values: Array) -> Result<Column> {
+    let per = f.per_sample;
+    match (f.dtype, values) {
+        (DType::F32 | DType::F64, Array::F64(v)) => Ok(Column::F32 {
+            data: Arc::new(v.into_iter().map(|x| x as f32).collect()),
+            per,
+        }),
+        (DType::F32 | DType::F64, Array::I64(v)) => Ok(Column::F32 {
+            data: Arc::new(v.into_iter().map(|x| x as f32).collect()),
+            per,
+        }),
+        (DType::I32, Array::I64(v)) => {
+            let mut out = Vec::with_capacity(n * per);
+            for (k, x) in v.into_iter().enumerate() {
+                out.push(i32::try_from(x).map_err(|_| {
+                    data_err(
+                        path,
+                        format!(
+                            "`{}` holds {x} at sample {}, beyond the i32 the model reads",
+                            f.name,
+                            k / per.max(1)
+                        ),
+                    )
+                })?);
+            }
+            Ok(Column::I32 {
+                data: Arc::new(out),
+                per,
+            })
+        }
+        (DType::I32, Array::F64(_)) => Err(data_err(
+            path,
+            format!(
+                "`{}` holds floating-point values, but the model reads it as i32 ids: \
+                 store integers, or declare the input f32",
+                f.name
+            ),
+        )),
+        (d, _) => Err(data_err(
+            path,
+            format!(
+                "`{}`: the model reads it as {d}, which no data file provides",
+                f.name
+            ),
+        )),
+    }
+}
+
+/// Checks an array's shape against a field and the other fields' sample count.
+fn check_shape(path: &Path, f: &FieldSpec, shape: &[usize], n: &mut Option<usize>) -> Result<()> {
+    let Some((&samples, rest)) = shape.split_first() else {
+        return Err(data_err(
+            path,
+            format!(
+                "`{}` is a scalar: its first axis must be the samples",
+                f.name
+            ),
+        ));
+    };
+    let per: usize = rest.iter().product();
+    if per != f.per_sample {
+        return Err(data_err(
+            path,
+            format!(
+                "`{}` has shape {shape:?}: {per} value(s) per sample, but the model's input \
+                 reads {}",
+                f.name, f.per_sample
+            ),
+        ));
+    }
+    match *n {
+        Some(m) if m != samples => Err(data_err(
+            path,
+            format!(
+                "`{}` has {samples} samples, but the fields before it have {m}",
+                f.name
+            ),
+        )),
+        _ => {
+            *n = Some(samples);
+            Ok(())
+        }
+    }
+}
+
+/// `tensors(path, eval_path)`: the training and held-out tables.
+pub(crate) fn tensors(
+    dir: Option<&Path>,
+    path: &str,
+    eval_path: Option<&str>,
+    fields: &[FieldSpec],
+) -> Result<Loaded> {
+    let train = tensor_table(&resolve(dir, path)?, fields)?;
+    let eval = match eval_path {
+        Some(p) => tensor_table(&resolve(dir, p)?, fields)?,
+        None => empty_like(&train),
+    };
+    Ok(Loaded {
+        train,
+        eval,
+        id_bounds: HashMap::new(),
+    })
+}
+
+fn empty_like(t: &Table) -> Table {
+    Table {
+        len: 0,
+        cols: t.cols.clone(),
+    }
+}
+
+fn tensor_table(path: &Path, fields: &[FieldSpec]) -> Result<Table> {
+    let name = path.to_string_lossy();
+    let arrays: Vec<(Vec<usize>, Array)> = if path.is_dir() {
+        fields
+            .iter()
+            .map(|f| npy(&path.join(format!("{}.npy", f.name)), f))
+            .collect::<Result<_>>()?
+    } else if name.ends_with(".safetensors") {
+        safetensors_arrays(path, fields)?
+    } else if name.ends_with(".npz") {
+        let mut archive = npyz::npz::NpzArchive::open(path).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut out = Vec::with_capacity(fields.len());
+        for f in fields {
+            let file = archive
+                .by_name(&f.name)
+                .map_err(|e| data_err(path, format!("cannot read `{}`: {e}", f.name)))?
+                .ok_or_else(|| missing(path, f))?;
+            out.push(npy_values(path, f, file)?);
+        }
+        out
+    } else if !path.exists() {
+        return Err(data_err(path, "not found"));
+    } else {
+        return Err(data_err(
+            path,
+            "is not a .safetensors file, a .npz archive or a folder of .npy files",
+        ));
+    };
+    let mut n = None;
+    let mut cols = Vec::with_capacity(fields.len());
+    for (f, (shape, values)) in fields.iter().zip(arrays) {
+        check_shape(path, f, &shape, &mut n)?;
+        cols.push(column(path, f, shape[0], values)?);
+    }
+    Ok(Table {
+        len: n.unwrap_or(0),
+        cols,
+    })
+}
+
+fn missing(path: &Path, f: &FieldSpec) -> RuntimeError {
+    data_err(
+        path,
+        format!(
+            "has no array `{}`, which the model's input of that name reads",
+            f.name
+        ),
+    )
+}
+
+fn npy(path: &Path, f: &FieldSpec) -> Result<(Vec<usize>, Array)> {
+    let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let npy = npyz::NpyFile::new(std::io::BufReader::new(file))
+        .map_err(|e| data_err(path, format!("not a .npy file: {e}")))?;
+    npy_values(path, f, npy)
+}
+
+fn npy_values<R: std::io::Read>(
+    path: &Path,
+    f: &FieldSpec,
+    npy: npyz::NpyFile<R>,
+) -> Result<(Vec<usize>, Array)> {
+    use npyz::TypeChar;
+    let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
+    let npyz::DType::Plain(ty) = npy.dtype() else {
+        return Err(data_err(
+            path,
+            format!("`{}` is a structured array; store plain numbers", f.name),
+        ));
+    };
+    let bad = |e: std::io::Error| data_err(path, format!("`{}`: {e}", f.name));
+    let values = match (ty.type_char(), ty.size_field()) {
+        (TypeChar::Float, 4) => Array::F64(
+            npy.into_vec::<f32>()
+                .map_err(bad)?
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+        ),
+        (TypeChar::Float, 8) => Array::F64(npy.into_vec::<f64>().map_err(bad)?),
+        (TypeChar::Int, 1) => Array::I64(widen(npy.into_vec::<i8>().map_err(bad)?)),
+        (TypeChar::Int, 2) => Array::I64(widen(npy.into_vec::<i16>().map_err(bad)?)),
+        (TypeChar::Int, 4) => Array::I64(widen(npy.into_vec::<i32>().map_err(bad)?)),
+        (TypeChar::Int, 8) => Array::I64(npy.into_vec::<i64>().map_err(bad)?),
+        (TypeChar::Uint, 1) => Array::I64(widen(npy.into_vec::<u8>().map_err(bad)?)),
+        (TypeChar::Uint, 2) => Array::I64(widen(npy.into_vec::<u16>().map_err(bad)?)),
+        (TypeChar::Uint, 4) => Array::I64(widen(npy.into_vec::<u32>().map_err(bad)?)),
+        (TypeChar::Bool, 1) => Array::I64(
+            npy.into_vec::<bool>()
+                .map_err(bad)?
+                .into_iter()
+                .map(i64::from)
+                .collect(),
+        ),
+        _ => {
+            return Err(data_err(
+                path,
+                format!(
+                    "`{}` holds {ty}, which distc does not read (floats, integers up to \
+                     64 bits, booleans)",
+                    f.name
+                ),
+            ))
+        }
+    };
+    Ok((shape, values))
+}
+
+fn widen<T: Into<i64>>(v: Vec<T>) -> Vec<i64> {
+    v.into_iter().map(Into::into).collect()
+}
+
+fn safetensors_arrays(path: &Path, fields: &[FieldSpec]) -> Result<Vec<(Vec<usize>, Array)>> {
+    use safetensors::Dtype;
+    let bytes =
+        crate::core::output::read_regular(path, u64::MAX).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| data_err(path, format!("not a safetensors file: {e}")))?;
+    let mut out = Vec::with_capacity(fields.len());
+    for f in fields {
+        let view = st.tensor(&f.name).map_err(|_| missing(path, f))?;
+        let data = view.data();
+        macro_rules! le {
+            ($t:ty, $n:expr) => {
+                data.chunks_exact($n)
+                    .map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $n])))
+            };
+        }
+        let values = match view.dtype() {
+            Dtype::F32 => Array::F64(le!(f32, 4).map(f64::from).collect()),
+            Dtype::F64 => Array::F64(le!(f64, 8).collect()),
+            Dtype::F16 => Array::F64(le!(half::f16, 2).map(f64::from).collect()),
+            Dtype::BF16 => Array::F64(le!(half::bf16, 2).map(f64::from).collect()),
+            Dtype::I8 => Array::I64(le!(i8, 1).map(i64::from).collect()),
+            Dtype::I16 => Array::I64(le!(i16, 2).map(i64::from).collect()),
+            Dtype::I32 => Array::I64(le!(i32, 4).map(i64::from).collect()),
+            Dtype::I64 => Array::I64(le!(i64, 8).collect()),
+            Dtype::U8 => Array::I64(le!(u8, 1).map(i64::from).collect()),
+            Dtype::U16 => Array::I64(le!(u16, 2).map(i64::from).collect()),
+            Dtype::U32 => Array::I64(le!(u32, 4).map(i64::from).collect()),
+            Dtype::BOOL => Array::I64(data.iter().map(|&b| i64::from(b != 0)).collect()),
+            other => {
+                return Err(data_err(
+                    path,
+                    format!("`{}` holds {other:?}, which distc does not read", f.name),
+                ))
+            }
+        };
+        out.push((view.shape().to_vec(), values));
+    }
+    Ok(out)
+}
+
+/// `csv(path, eval_path)`: the training and held-out tables.
+pub(crate) fn csv(
+    dir: Option<&Path>,
+    path: &str,
+    eval_path: Option<&str>,
+    fields: &[FieldSpec],
+) -> Result<Loaded> {
+    let train = csv_table(&resolve(dir, path)?, fields)?;
+    let eval = match eval_path {
+        Some(p) => csv_table(&resolve(dir, p)?, fields)?,
+        None => empty_like(&train),
+    };
+    Ok(Loaded {
+        train,
+        eval,
+        id_bounds: HashMap::new(),
+    })
+}
+
+fn csv_table(path: &Path, fields: &[FieldSpec]) -> Result<Table> {
+    let mut reader = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .trim(csv::Trim::All)
+        .from_path(path)
+        .map_err(|e| data_err(path, e.to_string()))?;
+    let headers = reader
+        .headers()
+        .map_err(|e| data_err(path, format!("line 1 (the header): {e}")))?
+        .clone();
+    let mut at = Vec::with_capacity(fields.len());
+    for f in fields {
+        if f.per_sample != 1 {
+            return Err(data_err(
+                path,
+                format!(
+                    "the model's input `{}` reads {} values per sample; a CSV column gives one",
+                    f.name, f.per_sample
+                ),
+            ));
+        }
+        let col = headers.iter().position(|h| h == f.name).ok_or_else(|| {
+            data_err(
+                path,
+                format!(
+                    "line 1 (the header) has no column `{}`, which the model's input of \
+                     that name reads (columns: {})",
+                    f.name,
+                    headers.iter().collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })?;
+        at.push(col);
+    }
+    let mut floats: Vec<Vec<f64>> = vec![Vec::new(); fields.len()];
+    let mut ints: Vec<Vec<i64>> = vec![Vec::new(); fields.len()];
+    for record in reader.records() {
+        let record = record.map_err(|e| data_err(path, e.to_string()))?;
+        let line = record.position().map_or(0, |p| p.line());
+        for (k, (f, &col)) in fields.iter().zip(&at).enumerate() {
+            let text = record.get(col).unwrap_or("");
+            let where_ = || format!("line {line}, column {} (`{}`)", col + 1, f.name);
+            if f.dtype == DType::I32 {
+                let v: i64 = text.parse().map_err(|_| {
+                    data_err(
+                        path,
+                        format!(
+                            "{}: `{text}` is not a whole number (the input is i32)",
+                            where_()
+                        ),
+                    )
+                })?;
+                ints[k].push(v);
+            } else {
+                let v: f64 = text.parse().map_err(|_| {
+                    data_err(path, format!("{}: `{text}` is not a number", where_()))
+                })?;
+                floats[k].push(v);
+            }
+        }
+    }
+    let mut n = None;
+    let mut cols = Vec::with_capacity(fields.len());
+    for (k, f) in fields.iter().enumerate() {
+        let values = if f.dtype == DType::I32 {
+            Array::I64(std::mem::take(&mut ints[k]))
+        } else {
+            Array::F64(std::mem::take(&mut floats[k]))
+        };
+        let len = match &values {
+            Array::F64(v) => v.len(),
+            Array::I64(v) => v.len(),
+        };
+        check_shape(path, f, &[len], &mut n)?;
+        cols.push(column(path, f, len, values)?);
+    }
+    Ok(Table {
+        len: n.unwrap_or(0),
+        cols,
+    })
+}
