@@ -241,6 +241,18 @@ fn want_of_token(token: &str) -> Option<Want> {
     })
 }
 
+/// Where the last string opened on `line` (outside comments) is, if it is not closed.
+fn unclosed_quote(line: &str) -> Option<usize> {
+    let code = line.split('#').next().unwrap_or("");
+    let mut open = None;
+    for (i, c) in code.char_indices() {
+        if c == '"' {
+            open = if open.is_some() { None } else { Some(i) };
+        }
+    }
+    open
+}
+
 /// A pest failure as a diagnostic: "expected X or Y, found Z".
 ///
 /// pest reports the furthest position where a *rule* failed, with those rules; with
@@ -256,6 +268,17 @@ fn syntax_error(src: &str, e: &pest::error::Error<Rule>) -> Diag {
         .as_ref()
         .map_or(rule_pos, |a| a.max_position.max(rule_pos));
     let pos = floor_boundary(src, pos);
+    // A string left open runs to the end of its line, where nothing can follow it.
+    let line_start = src[..pos].rfind('\n').map_or(0, |i| i + 1);
+    if let Some(open) = unclosed_quote(&src[line_start..pos]) {
+        let at = line_start + open;
+        return Diag::new(
+            Span::new(at, at + 1),
+            "this string is not closed",
+            "opened here",
+        )
+        .help("a string ends with `\"` on the line where it starts");
+    }
     let mut wants = BTreeSet::new();
     match &e.variant {
         ErrorVariant::ParsingError { positives, .. } => {
@@ -388,7 +411,7 @@ fn dangling(src: &str, pos: usize) -> Option<Diag> {
 fn simplify(wants: &mut BTreeSet<Want>) {
     if wants.contains(&Want::Expression) {
         // Tokens and rules that only start an expression.
-        for t in ["(", "["] {
+        for t in ["(", "[", "\""] {
             wants.remove(&Want::Token(t.into()));
         }
         wants.remove(&Want::Name);

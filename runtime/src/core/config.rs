@@ -149,6 +149,17 @@ impl DataSpec {
         self
     }
 
+    /// Whether the source has a held-out set to evaluate on (a file source a user
+    /// names has one only with its `eval_path`).
+    pub fn has_held_out(&self) -> bool {
+        match self {
+            DataSpec::Tokens { eval_path, .. }
+            | DataSpec::Tensors { eval_path, .. }
+            | DataSpec::Csv { eval_path, .. } => eval_path.is_some(),
+            _ => true,
+        }
+    }
+
     /// Whether the source reads files from the data directory.
     pub fn needs_files(&self) -> bool {
         !matches!(

@@ -117,6 +117,11 @@ pub fn launch(
         rows_touched: _,
     } = run;
     check_run(run)?;
+    // A file source without `eval_path` has nothing held out to evaluate on.
+    let opts = &TrainOptions {
+        evaluate: opts.evaluate && config.data.has_held_out(),
+        ..opts.clone()
+    };
     if programs.pipeline.is_some() && matches!(device, DeviceChoice::Cuda(_)) {
         return Err(RuntimeError::Config(
             "a pipelined plan runs on the CPU only for now: drop --device cuda".into(),

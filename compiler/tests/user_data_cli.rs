@@ -1,0 +1,242 @@
+//! Data a user brings, from the command line (issue 36, item 1): Penn Treebank as a
+//! token file made by scripts/ptb-tokens.py trains examples/ptb_tokens.dsl and reads
+//! the built-in `ptb()` stream; a safetensors and a CSV dataset train, and verify
+//! against one device under 3 workers; a malformed file stops the run before step 1,
+//! named.
+
+use distc_ir::{DType, TensorType};
+use distc_runtime::run::data::DataSource;
+use distc_runtime::DataSpec;
+use std::collections::HashMap;
+use std::path::Path;
+
+mod common;
+
+use common::{distc, root, s, text};
+
+/// A separable 3-class problem: class k's points sit around (2k, -2k, k, 0).
+fn points(n: usize, seed: usize) -> (Vec<f32>, Vec<i64>) {
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let k = (i * 7 + seed) % 3;
+        let jitter = |j: usize| (((i * 31 + j * 17 + seed) % 11) as f32 - 5.0) * 0.05;
+        x.extend(
+            [2.0 * k as f32, -2.0 * k as f32, k as f32, 0.0]
+                .iter()
+                .enumerate()
+                .map(|(j, v)| v + jitter(j)),
+        );
+        y.push(k as i64);
+    }
+    (x, y)
+}
+
+fn write_safetensors(path: &Path, n: usize, seed: usize) {
+    let (x, y) = points(n, seed);
+    let xb: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let yb: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let views = vec![
+        (
+            "features",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, 4], &xb)
+                .expect("view"),
+        ),
+        (
+            "label",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![n], &yb)
+                .expect("view"),
+        ),
+    ];
+    safetensors::serialize_to_file(views, None, path).expect("writes");
+}
+
+fn model(data: &str) -> String {
+    format!(
+        "model points {{\n  input features: f32[B, 4]\n  input label: i32[B]\n  \
+         param w: f32[4, 3] = glorot\n  param b: f32[3] = zeros\n  \
+         minimize softmax_cross_entropy(features @ w + b, label)\n}}\n\
+         train {{\n  data = {data}\n  batch = 12\n  optimizer = sgd(lr = 0.3)\n  \
+         steps = 60\n  seed = 2\n  eval_samples = 120\n}}\n"
+    )
+}
+
+fn eval_accuracy(out: &str) -> f64 {
+    out.split("eval_accuracy ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no eval_accuracy in\n{out}"))
+}
+
+#[test]
+fn a_safetensors_dataset_trains_and_verifies_under_three_workers() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_safetensors(&dir.path().join("train.safetensors"), 240, 0);
+    write_safetensors(&dir.path().join("test.safetensors"), 120, 1);
+    let m = dir.path().join("points.dsl");
+    std::fs::write(
+        &m,
+        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
+    )
+    .expect("writes");
+    let o = distc(&["train", s(&m), "--data", s(dir.path())]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(eval_accuracy(&text(&o)) > 0.9, "{}", text(&o));
+    let o = distc(&[
+        "verify",
+        s(&m),
+        "--data",
+        s(dir.path()),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "3",
+        "--steps",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+#[test]
+fn a_csv_dataset_trains_and_a_bad_cell_stops_the_run_before_step_1() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (x, y) = points(240, 0);
+    let mut csv = "label,a,b,c,d\n".to_string();
+    for (i, l) in y.iter().enumerate() {
+        let r = &x[i * 4..i * 4 + 4];
+        csv += &format!("{l},{},{},{},{}\n", r[0], r[1], r[2], r[3]);
+    }
+    std::fs::write(dir.path().join("train.csv"), &csv).expect("writes");
+    let src = "model points {\n  input a: f32[B]\n  input b: f32[B]\n  input label: i32[B]\n  \
+               param w: f32[2, 3] = glorot\n  param c: f32[3] = zeros\n  \
+               x = concat(reshape(a, [B, 1]), reshape(b, [B, 1]), axis = 1)\n  \
+               minimize softmax_cross_entropy(x @ w + c, label)\n}\n\
+               train {\n  data = csv(path = \"train.csv\", eval_path = \"train.csv\")\n  \
+               batch = 12\n  optimizer = sgd(lr = 0.3)\n  steps = 300\n  seed = 2\n}\n";
+    let m = dir.path().join("points.dsl");
+    std::fs::write(&m, src).expect("writes");
+    let o = distc(&["train", s(&m), "--data", s(dir.path())]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(eval_accuracy(&text(&o)) > 0.9, "{}", text(&o));
+    // A bad cell: the run stops before its first step, naming the file, line and column.
+    std::fs::write(
+        dir.path().join("train.csv"),
+        csv.replacen("\n1,", "\n1,oops-", 1),
+    )
+    .expect("writes");
+    let metrics = dir.path().join("m.jsonl");
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--data",
+        s(dir.path()),
+        "--metrics",
+        s(&metrics),
+    ]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("train.csv") && t.contains("column 2 (`a`)"),
+        "{t}"
+    );
+    assert!(!metrics.exists(), "a step ran: {t}");
+}
+
+#[test]
+fn a_missing_data_file_is_named() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("points.dsl");
+    std::fs::write(&m, model(r#"tensors(path = "nowhere.safetensors")"#)).expect("writes");
+    let o = distc(&["train", s(&m), "--data", s(dir.path())]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("nowhere.safetensors"), "{}", text(&o));
+}
+
+/// PTB through the generic source: the script's token file is the built-in `ptb()`
+/// stream, and the example trains from it.
+#[test]
+fn ptb_as_a_token_file_is_the_built_in_stream_and_trains_the_example() {
+    let Some(data) = std::env::var_os("DISTC_DATA").filter(|d| !d.is_empty()) else {
+        println!("skipping: DISTC_DATA not set");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let made = std::process::Command::new("python3")
+        .arg(root().join("scripts/ptb-tokens.py"))
+        .arg(Path::new(&data).join("ptb"))
+        .arg(dir.path().join("ptb-tokens"))
+        .output()
+        .expect("python3 runs");
+    assert!(made.status.success(), "{}", text(&made));
+    let shapes = |fields: &[(&str, usize)]| -> HashMap<String, TensorType> {
+        fields
+            .iter()
+            .map(|(n, per)| {
+                let dims = if *per == 1 { vec![4] } else { vec![4, *per] };
+                (n.to_string(), TensorType::new(DType::I32, dims))
+            })
+            .collect()
+    };
+    let tokens = DataSource::open(
+        &DataSpec::Tokens {
+            path: "ptb-tokens/train.bin".into(),
+            eval_path: Some("ptb-tokens/valid.bin".into()),
+            width: 2,
+            context: 16,
+        },
+        Some(dir.path()),
+        &shapes(&[("tokens", 16), ("targets", 16)]),
+        4,
+        1,
+        0,
+        1,
+    )
+    .expect("the token file opens");
+    let ptb = DataSource::open(
+        &DataSpec::Ptb { context: 16 },
+        Some(Path::new(&data)),
+        &shapes(&[("context", 16), ("next", 1)]),
+        4,
+        1,
+        0,
+        1,
+    )
+    .expect("ptb opens");
+    for start in [0, 1000, 500_000] {
+        let (a, b) = (
+            tokens.train_slice(start, 1).expect("slice"),
+            ptb.train_slice(start, 1).expect("slice"),
+        );
+        assert_eq!(
+            a["tokens"].to_f64_vec(),
+            b["context"].to_f64_vec(),
+            "window {start}"
+        );
+        assert_eq!(
+            a["targets"].to_f64_vec()[15],
+            b["next"].to_f64_vec()[0],
+            "next {start}"
+        );
+    }
+    let o = distc(&[
+        "train",
+        "examples/ptb_tokens.dsl",
+        "--data",
+        s(dir.path()),
+        "--steps",
+        "30",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("eval_loss"), "{}", text(&o));
+}
+
+#[test]
+fn a_source_without_eval_path_trains_without_evaluating() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_safetensors(&dir.path().join("train.safetensors"), 48, 0);
+    let m = dir.path().join("points.dsl");
+    std::fs::write(&m, model(r#"tensors(path = "train.safetensors")"#)).expect("writes");
+    let o = distc(&["train", s(&m), "--data", s(dir.path()), "--steps", "5"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("eval_loss"), "{}", text(&o));
+}
