@@ -432,6 +432,16 @@ pub struct RunArgs {
     /// wrote it.
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
+    /// Start from the weights in a safetensors FILE (written by `--save`, by PyTorch's
+    /// `safetensors.torch.save_file`, or anything else): each variable takes the
+    /// tensor of its name, shapes checked, at step 0 with fresh optimizer state. The
+    /// file and the model must name the same variables, unless --init-partial.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
+    /// With --init: a variable the file lacks keeps the model's initializer, and a
+    /// tensor no variable is named is ignored (both are listed).
+    #[arg(long, requires = "init")]
+    pub init_partial: bool,
     /// No progress bar and no summary.
     #[arg(long, short)]
     pub quiet: bool,

@@ -232,10 +232,14 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         }
         Ok(())
     };
+    let mut opts = train_options(plan, args)?;
+    if let Some(path) = &args.init {
+        opts.resume = Some(initial_weights(plan, &r.programs(), path, args)?);
+    }
     let run = Launch {
         programs: r.programs(),
         config: &plan.config,
-        opts: train_options(plan, args)?,
+        opts,
         device: device_choice(args.device, args),
         transport: match args.transport {
             Transport::Inprocess => TransportChoice::InProcess,
@@ -262,6 +266,41 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
     }
+}
+
+/// The state a run starts from with `--init FILE`: the file's weights, by name, as a
+/// step-0 training state (every layout starts from it as it resumes one); what was
+/// set and what was not is said unless `--quiet`.
+fn initial_weights(
+    plan: &Plan,
+    programs: &Programs<'_>,
+    path: &Path,
+    args: &RunArgs,
+) -> Result<Arc<distc_runtime::core::checkpoint::TrainingState>> {
+    let (weights, _) = distc_runtime::core::checkpoint::load(path)?;
+    let (state, report) = distc_runtime::run::programs::state_from_weights(
+        programs,
+        &plan.config,
+        &weights,
+        args.init_partial,
+    )
+    .with_context(|| format!("--init {}", path.display()))?;
+    if !args.quiet {
+        let mut line = format!(
+            "--init {}: {} of {} variables set",
+            path.display(),
+            report.set.len(),
+            report.set.len() + report.missing.len()
+        );
+        if !report.missing.is_empty() {
+            line += &format!("; keeping their initializer: {}", report.missing.join(", "));
+        }
+        if !report.unused.is_empty() {
+            line += &format!("; not in the model: {}", report.unused.join(", "));
+        }
+        err(&format!("{line}\n"));
+    }
+    Ok(Arc::new(state))
 }
 
 /// How the error of a run stopped by Ctrl-C begins (the binary exits with 130 on it).

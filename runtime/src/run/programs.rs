@@ -302,3 +302,139 @@ pub struct MpiRun {
     /// The command to suggest when started outside `mpirun` (the `-np` is added).
     pub command: String,
 }
+
+/// What `--init` found, for people: the variables set from the file, and the names
+/// on either side without a match.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct InitReport {
+    /// Variables the file set.
+    pub set: Vec<String>,
+    /// Variables of the model the file lacks (they keep the model's initializer).
+    pub missing: Vec<String>,
+    /// Tensors of the file no variable of the model is named.
+    pub unused: Vec<String>,
+}
+
+/// Every variable of a plan, whole, with its initial value from the seed: the worker
+/// program's own (not a ZeRO chunk), the init program's (the whole values it cuts into
+/// shards and model-axis parts), and the servers' (whole types from the workers'
+/// pulls). Sorted by name.
+pub fn whole_variables(programs: &Programs<'_>, seed: u64) -> Result<Vec<(String, Tensor)>> {
+    let mut out: HashMap<String, Tensor> = HashMap::new();
+    for g in std::iter::once(programs.worker).chain(programs.init) {
+        for (name, t) in init_params(g, seed) {
+            if !name.ends_with(distc_ir::ZERO_SHARD_SUFFIX) {
+                out.insert(name, t);
+            }
+        }
+    }
+    for shards in server_shards(programs.servers, &pulled_types(programs.worker))? {
+        for sp in shards {
+            out.entry(sp.var.clone())
+                .or_insert_with(|| init_param(&sp.var, &sp.full, &sp.init, seed));
+        }
+    }
+    let mut v: Vec<(String, Tensor)> = out.into_iter().collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(v)
+}
+
+/// The training state a run starts from when its initial weights come from a file
+/// (`--init`): step 0, the data at its start, each variable of the plan (whole, as
+/// [`whole_variables`] finds them) from `weights` by name and shape, fresh optimizer
+/// state (zero slots, which is what every optimizer starts from). A variable the file
+/// lacks is an error unless `partial`, when it keeps its initializer; a tensor of the
+/// file that no variable is named is an error unless `partial`. Every layout starts
+/// from such a state as it resumes one, so the same weights reach every worker,
+/// stage, shard and server.
+pub fn state_from_weights(
+    programs: &Programs<'_>,
+    config: &RunConfig,
+    weights: &HashMap<String, Tensor>,
+    partial: bool,
+) -> Result<(TrainingState, InitReport)> {
+    use crate::core::checkpoint::{StateIndex, STEP_KEY};
+    let whole = whole_variables(programs, config.seed)?;
+    let variables: Vec<(String, TensorType)> = whole
+        .iter()
+        .map(|(n, t)| (n.clone(), t.tensor_type()))
+        .collect();
+    let mut params: HashMap<String, Tensor> = whole.into_iter().collect();
+    let mut report = InitReport::default();
+    for (name, ty) in &variables {
+        match weights.get(name) {
+            Some(t) if t.shape() == ty.dims() => {
+                let t = t.cast(ty.dtype).ok_or_else(|| {
+                    RuntimeError::Config(format!(
+                        "`{name}` is {:?} in the file; the model's `{name}` is {ty}",
+                        t.dtype()
+                    ))
+                })?;
+                params.insert(name.clone(), t);
+                report.set.push(name.clone());
+            }
+            Some(t) => {
+                return Err(RuntimeError::Config(format!(
+                    "`{name}` has shape {:?} in the file; the model's `{name}` is {ty}",
+                    t.shape()
+                )))
+            }
+            None => report.missing.push(name.clone()),
+        }
+    }
+    report.unused = weights
+        .keys()
+        .filter(|k| !variables.iter().any(|(n, _)| n == *k))
+        .cloned()
+        .collect();
+    report.unused.sort();
+    if !partial && !(report.missing.is_empty() && report.unused.is_empty()) {
+        let list = |v: &[String]| {
+            if v.is_empty() {
+                "none".into()
+            } else {
+                v.join(", ")
+            }
+        };
+        return Err(RuntimeError::Config(format!(
+            "the file and the model do not name the same variables: the model's {} \
+             are not in the file, and the file's {} are not the model's (--init-partial \
+             keeps the model's initializer for the first and ignores the second)",
+            list(&report.missing),
+            list(&report.unused)
+        )));
+    }
+    let slots = crate::cpu::optim::Optimizer::new(&config.optimizer).slot_names();
+    let mut optimizer: HashMap<String, Tensor> = HashMap::new();
+    for (name, ty) in &variables {
+        for slot in slots {
+            optimizer.insert(format!("{name}/{slot}"), Tensor::zeros(ty));
+        }
+    }
+    optimizer.insert(
+        STEP_KEY.to_string(),
+        Tensor::F64(ndarray::arr0(0.0).into_dyn()),
+    );
+    let index = StateIndex {
+        format: "distc-training-state".into(),
+        model: programs.worker.name.clone(),
+        step: 0,
+        samples: 0,
+        saved_by: "--init".into(),
+        optimizer: format!("{:?}", config.optimizer),
+        variables: variables.iter().map(|(n, _)| n.clone()).collect(),
+        optimizer_state: {
+            let mut k: Vec<String> = optimizer.keys().cloned().collect();
+            k.sort();
+            k
+        },
+    };
+    Ok((
+        TrainingState {
+            index,
+            params,
+            optimizer,
+        },
+        report,
+    ))
+}
