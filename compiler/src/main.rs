@@ -105,6 +105,59 @@ enum Command {
         #[command(flatten)]
         run: RunArgs,
     },
+    /// Evaluate trained weights on the model's held-out data, without training: prints
+    /// the metrics and, with --metrics, writes them as one JSON line.
+    Eval {
+        /// The model (.dsl).
+        file: PathBuf,
+        /// The weights: a safetensors file by variable name (`--save`, PyTorch's...).
+        #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+        init: Option<PathBuf>,
+        /// With --init: variables the file lacks keep their initializer.
+        #[arg(long, requires = "init")]
+        init_partial: bool,
+        /// The weights of a training state (`--checkpoint`).
+        #[arg(long, value_name = "FILE")]
+        resume: Option<PathBuf>,
+        /// The data directory (default: DISTC_DATA).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
+        /// Samples per evaluation batch (default: the train block's batch).
+        #[arg(long, value_parser = distc::cli::batch_size, value_name = "N")]
+        batch: Option<usize>,
+        /// Evaluate on at most N samples (default: the train block's eval_samples).
+        #[arg(long, value_parser = distc::cli::at_least_one, value_name = "N")]
+        eval_samples: Option<usize>,
+        /// Write the metrics as one JSON line to FILE.
+        #[arg(long, value_name = "FILE")]
+        metrics: Option<PathBuf>,
+    },
+    /// Write the model's `prediction` for every sample of a file of inputs, as
+    /// safetensors.
+    Predict {
+        /// The model (.dsl).
+        file: PathBuf,
+        /// The weights: a safetensors file by variable name.
+        #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+        init: Option<PathBuf>,
+        /// With --init: variables the file lacks keep their initializer.
+        #[arg(long, requires = "init")]
+        init_partial: bool,
+        /// The weights of a training state (`--checkpoint`).
+        #[arg(long, value_name = "FILE")]
+        resume: Option<PathBuf>,
+        /// The inputs: a safetensors file holding an array per model input, by name,
+        /// the samples along the first axis (an input only the loss reads, a label,
+        /// may be left out).
+        #[arg(long, value_name = "FILE")]
+        input: PathBuf,
+        /// Where to write the predictions (the tensor `prediction`, one row a sample).
+        #[arg(long, short, value_name = "FILE")]
+        output: PathBuf,
+        /// Samples per batch (default: the train block's batch).
+        #[arg(long, value_parser = distc::cli::batch_size, value_name = "N")]
+        batch: Option<usize>,
+    },
     /// Print the text IR of a model after a pass (default: after the last).
     Ir {
         /// The model (.dsl).
@@ -328,6 +381,46 @@ fn dispatch(command: Command) -> Result<()> {
             precision,
         } => commands::ir(&file, after, batch, mesh, &shard, precision),
         Command::Dot { file, after, batch } => commands::dot(&file, after, batch),
+        Command::Eval {
+            file,
+            init,
+            init_partial,
+            resume,
+            data,
+            batch,
+            eval_samples,
+            metrics,
+        } => commands::eval::eval(
+            &file,
+            &commands::eval::Weights {
+                init: init.as_deref(),
+                partial: init_partial,
+                resume: resume.as_deref(),
+            },
+            data.as_deref(),
+            batch,
+            eval_samples,
+            metrics.as_ref(),
+        ),
+        Command::Predict {
+            file,
+            init,
+            init_partial,
+            resume,
+            input,
+            output,
+            batch,
+        } => commands::eval::predict(
+            &file,
+            &commands::eval::Weights {
+                init: init.as_deref(),
+                partial: init_partial,
+                resume: resume.as_deref(),
+            },
+            &input,
+            &output,
+            batch,
+        ),
         Command::Plot {
             files,
             output,

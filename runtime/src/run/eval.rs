@@ -76,3 +76,167 @@ pub fn evaluate<'h, B: Backend>(
         eval_samples: n,
     })
 }
+
+/// Evaluation alone (`distc eval`): `params` (whole variables) of the one-device
+/// `graph` on the held-out data of `config`, read from `dir`, at most `max_samples`.
+pub fn evaluate_weights(
+    graph: &distc_ir::Graph,
+    config: &RunConfig,
+    params: &HashMap<String, Tensor>,
+    dir: Option<&std::path::Path>,
+) -> Result<EvalMetrics> {
+    if !config.data.has_held_out() {
+        return Err(RuntimeError::Config(format!(
+            "data source `{}` has no held-out set: give it an `eval_path`",
+            config.data.name()
+        )));
+    }
+    let data = DataSource::open(
+        &config.data,
+        dir,
+        &crate::run::programs::input_types(graph),
+        config.batch,
+        config.seed,
+        0,
+        1,
+    )?;
+    let mut exec = Executor::new(graph)?;
+    let params = upload_all(exec.backend(), params.clone())?;
+    evaluate(&mut exec, &params, &data, config, 0, None)
+}
+
+/// The model's `prediction` output for every sample of `inputs` (whole arrays whose
+/// first axis is the sample axis, by input name), in batches of `batch`: the
+/// predictions of all samples, concatenated. An input the file lacks is fed zeros
+/// when `prediction` does not depend on it (a label only the loss reads); otherwise
+/// it is an error naming it.
+pub fn predict(
+    graph: &distc_ir::Graph,
+    params: &HashMap<String, Tensor>,
+    inputs: &HashMap<String, Tensor>,
+    batch: usize,
+) -> Result<Tensor> {
+    use distc_ir::Op;
+    let Some(output) = graph
+        .node_ids()
+        .into_iter()
+        .find(|&id| matches!(graph.op(id), Op::Output { name } if name == "prediction"))
+    else {
+        return Err(RuntimeError::Config(format!(
+            "model `{}` has no `prediction` output (a loss names its prediction)",
+            graph.name
+        )));
+    };
+    let needed = ancestors(graph, output);
+    let types = crate::run::programs::input_types(graph);
+    let mut samples = None;
+    for (name, t) in inputs {
+        if let Some(ty) = types.get(name) {
+            let per: usize = ty.dims()[1..].iter().product();
+            let n = t.shape().first().copied().unwrap_or(0);
+            if t.len() != n * per {
+                return Err(RuntimeError::Config(format!(
+                    "`{name}` has shape {:?}: the model's input is {ty}, {per} value(s) per \
+                     sample",
+                    t.shape()
+                )));
+            }
+            match samples {
+                Some(m) if m != n => {
+                    return Err(RuntimeError::Config(format!(
+                        "`{name}` has {n} samples, the other inputs {m}"
+                    )))
+                }
+                _ => samples = Some(n),
+            }
+        }
+    }
+    let n = samples.ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "the file holds none of the model's inputs ({})",
+            types.keys().cloned().collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    for (id, name, _) in graph.inputs() {
+        if !inputs.contains_key(name) && needed.contains(&id) {
+            return Err(RuntimeError::Config(format!(
+                "the file has no `{name}`, which the model's prediction reads"
+            )));
+        }
+    }
+    let mut exec = Executor::new(graph)?;
+    let params = upload_all(exec.backend(), params.clone())?;
+    let (mut values, mut row_shape): (Vec<f64>, Vec<usize>) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    while start < n {
+        // The graph's batch is fixed: a last, partial batch is padded, its padding cut.
+        let b = batch.min(n - start);
+        let mut feeds = HashMap::new();
+        for (name, ty) in &types {
+            let per: usize = ty.dims()[1..].iter().product();
+            let rows = match inputs.get(name) {
+                Some(t) => padded_rows(t, start * per, b * per, ty),
+                None => Tensor::zeros(ty),
+            };
+            feeds.insert(name.clone(), rows);
+        }
+        let feeds = upload_all(exec.backend(), feeds)?;
+        let out = exec.run_with(&feeds, &params, Mode::Eval, 0, None)?;
+        let pred = out
+            .outputs
+            .into_iter()
+            .find(|(k, _)| k == "prediction")
+            .map(|(_, t)| t)
+            .ok_or_else(|| RuntimeError::Config("the run made no `prediction`".into()))?;
+        let shape = pred.shape().to_vec();
+        let per: usize = shape[1..].iter().product();
+        values.extend_from_slice(&pred.to_f64_vec()[..b * per]);
+        row_shape = shape[1..].to_vec();
+        start += b;
+    }
+    let mut shape = vec![n];
+    shape.extend(row_shape);
+    ndarray::ArrayD::from_shape_vec(
+        ndarray::IxDyn(&shape),
+        values.into_iter().map(|v| v as f32).collect(),
+    )
+    .map(Tensor::F32)
+    .map_err(|e| RuntimeError::Config(format!("the predictions: {e}")))
+}
+
+/// The nodes `id` is computed from, itself included.
+fn ancestors(
+    g: &distc_ir::Graph,
+    id: distc_ir::NodeId,
+) -> std::collections::HashSet<distc_ir::NodeId> {
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![id];
+    while let Some(n) = stack.pop() {
+        if seen.insert(n) {
+            stack.extend(g.node(n).inputs.iter().map(|v| v.node));
+        }
+    }
+    seen
+}
+
+/// `len` values of `t` from `from` (row-major), zero-padded to a whole batch of `ty`.
+fn padded_rows(t: &Tensor, from: usize, len: usize, ty: &distc_ir::TensorType) -> Tensor {
+    let all = t.to_f64_vec();
+    let mut v = all[from..from + len].to_vec();
+    v.resize(ty.shape.numel(), 0.0);
+    let dims = ndarray::IxDyn(ty.dims());
+    match ty.dtype {
+        distc_ir::DType::I32 => Tensor::I32(
+            ndarray::ArrayD::from_shape_vec(dims, v.into_iter().map(|x| x as i32).collect())
+                .unwrap_or_else(|_| ndarray::ArrayD::zeros(ndarray::IxDyn(ty.dims()))),
+        ),
+        distc_ir::DType::F64 => Tensor::F64(
+            ndarray::ArrayD::from_shape_vec(dims, v)
+                .unwrap_or_else(|_| ndarray::ArrayD::zeros(ndarray::IxDyn(ty.dims()))),
+        ),
+        _ => Tensor::F32(
+            ndarray::ArrayD::from_shape_vec(dims, v.into_iter().map(|x| x as f32).collect())
+                .unwrap_or_else(|_| ndarray::ArrayD::zeros(ndarray::IxDyn(ty.dims()))),
+        ),
+    }
+}

@@ -1,0 +1,129 @@
+//! `distc eval` and `distc predict`: a model's trained weights (`--init`, `--resume`)
+//! on its held-out data, or on a file of inputs, without training.
+
+use crate::console::{err, out};
+use crate::{CompileOptions, Compiled};
+use anyhow::{bail, Context, Result};
+use distc_runtime::core::checkpoint;
+use distc_runtime::Tensor;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Where the weights come from, as the flags say.
+pub struct Weights<'a> {
+    /// `--init FILE`: weights by name.
+    pub init: Option<&'a Path>,
+    /// `--init-partial`.
+    pub partial: bool,
+    /// `--resume FILE`: a training state's variables.
+    pub resume: Option<&'a Path>,
+}
+
+/// The one-device program of `file`, with its batch overridden by `batch`.
+fn one_device(file: &Path, batch: Option<usize>, data: Option<&Path>) -> Result<Compiled> {
+    let opts = CompileOptions {
+        batch,
+        data_dir: data.map(Path::to_path_buf),
+        ..Default::default()
+    };
+    crate::commands::compile_or_report(file, &opts)
+}
+
+/// The whole variables the run evaluates with, checked against the model.
+fn params(c: &Compiled, w: &Weights<'_>) -> Result<HashMap<String, Tensor>> {
+    let (weights, partial, what) = match (w.init, w.resume) {
+        (Some(p), None) => (
+            checkpoint::load(p)?.0,
+            w.partial,
+            format!("--init {}", p.display()),
+        ),
+        (None, Some(p)) => (
+            checkpoint::load_state(p)?.params,
+            false,
+            format!("--resume {}", p.display()),
+        ),
+        _ => bail!("give the weights to evaluate: --init FILE.safetensors or --resume STATE"),
+    };
+    let (state, report) = distc_runtime::run::programs::state_from_weights(
+        &c.programs(1),
+        &c.config,
+        &weights,
+        partial,
+    )
+    .with_context(|| what.clone())?;
+    if partial && !report.missing.is_empty() {
+        err(&format!(
+            "{what}: keeping their initializer: {}\n",
+            report.missing.join(", ")
+        ));
+    }
+    Ok(state.params)
+}
+
+/// `distc eval`: the metrics of the weights on the held-out data, printed and, with
+/// `metrics`, written as one JSON line.
+pub fn eval(
+    file: &Path,
+    weights: &Weights<'_>,
+    data: Option<&Path>,
+    batch: Option<usize>,
+    eval_samples: Option<usize>,
+    metrics: Option<&PathBuf>,
+) -> Result<()> {
+    if let Some(m) = metrics {
+        distc_runtime::core::output::check_output(m, &[file])?;
+    }
+    let mut c = one_device(file, batch, data)?;
+    if eval_samples.is_some() {
+        c.config.eval_samples = eval_samples;
+    }
+    c.config.check_evaluation().map_err(anyhow::Error::msg)?;
+    let params = params(&c, weights)?;
+    let dir = distc_runtime::run::data::data_dir(data);
+    let m = distc_runtime::run::eval::evaluate_weights(
+        &c.programs.worker,
+        &c.config,
+        &params,
+        dir.as_deref(),
+    )?;
+    let mut line = format!("{}: eval_loss {:.4}", c.programs.worker.name, m.eval_loss);
+    if let Some(a) = m.eval_accuracy {
+        line += &format!(", eval_accuracy {a:.4}");
+    }
+    if let Some(r) = m.eval_rmse {
+        line += &format!(", eval_rmse {r:.4}");
+    }
+    out(&format!("{line} ({} samples)\n", m.eval_samples));
+    if let Some(path) = metrics {
+        let json = serde_json::to_string(&m)?;
+        distc_runtime::core::output::write_file(path, format!("{json}\n").as_bytes())?;
+    }
+    Ok(())
+}
+
+/// `distc predict`: the model's `prediction` for every sample of `input` (a
+/// safetensors file of the model's inputs by name), written to `output` as the tensor
+/// `prediction`.
+pub fn predict(
+    file: &Path,
+    weights: &Weights<'_>,
+    input: &Path,
+    output: &Path,
+    batch: Option<usize>,
+) -> Result<()> {
+    distc_runtime::core::output::check_output(output, &[file, input])?;
+    let c = one_device(file, batch, None)?;
+    let params = params(&c, weights)?;
+    let (inputs, _) = checkpoint::load(input)?;
+    let pred =
+        distc_runtime::run::eval::predict(&c.programs.worker, &params, &inputs, c.config.batch)
+            .with_context(|| format!("--input {}", input.display()))?;
+    let samples = pred.shape().first().copied().unwrap_or(0);
+    checkpoint::save(output, &[("prediction".to_string(), &pred)], HashMap::new())?;
+    err(&format!(
+        "wrote {}: `prediction` {:?} for {samples} samples\n",
+        output.display(),
+        pred.shape()
+    ));
+    Ok(())
+}

@@ -1,0 +1,141 @@
+//! Evaluation without training (issue 36, item 3): `distc eval` of a run's saved
+//! weights (or its training state) gives the metrics the run's own last evaluation
+//! gave; `distc predict` writes the model's prediction for a file of inputs, equal to
+//! the model computed by hand, whatever the batch (a partial last batch included).
+
+use distc_runtime::core::checkpoint;
+
+mod common;
+
+use common::{distc, s, text};
+
+const MODEL: &str = "model lin {\n  input x: f32[B, 5]\n  input label: i32[B]\n  \
+    param w: f32[5, 3] = glorot\n  param b: f32[3] = zeros\n  \
+    minimize softmax_cross_entropy(x @ w + b, label)\n}\n\
+    train {\n  data = gaussian_classes(features = 5, classes = 3)\n  batch = 8\n  \
+    optimizer = sgd(lr = 0.1)\n  steps = 20\n  seed = 4\n  eval_samples = 64\n}\n";
+
+fn last_eval(metrics: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(metrics).expect("metrics");
+    let last: serde_json::Value =
+        serde_json::from_str(text.lines().last().expect("a line")).expect("json");
+    // The metrics line holds the evaluation's fields beside the step's.
+    ["eval_loss", "eval_accuracy", "eval_samples"]
+        .iter()
+        .map(|k| (k.to_string(), last[*k].clone()))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+#[test]
+fn eval_of_saved_weights_is_the_runs_own_last_evaluation() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("lin.dsl");
+    std::fs::write(&m, MODEL).expect("writes");
+    let (w, st, metrics) = (
+        dir.path().join("w.safetensors"),
+        dir.path().join("st.safetensors"),
+        dir.path().join("m.jsonl"),
+    );
+    let o = distc(&[
+        "train",
+        s(&m),
+        "-q",
+        "--save",
+        s(&w),
+        "--checkpoint",
+        s(&st),
+        "--metrics",
+        s(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let trained = last_eval(&metrics);
+    assert!(trained["eval_loss"].is_number(), "{trained}");
+    for weights in [["--init", s(&w)], ["--resume", s(&st)]] {
+        let e = dir.path().join("e.jsonl");
+        let o = distc(&["eval", s(&m), weights[0], weights[1], "--metrics", s(&e)]);
+        assert!(o.status.success(), "{}", text(&o));
+        let got: serde_json::Value =
+            serde_json::from_str(std::fs::read_to_string(&e).expect("written").trim())
+                .expect("json");
+        assert_eq!(got, trained, "{weights:?}");
+        assert!(text(&o).contains("eval_accuracy"), "{}", text(&o));
+    }
+    let o = distc(&["eval", s(&m)]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--init"), "{}", text(&o));
+}
+
+#[test]
+fn predict_writes_the_models_prediction_for_every_sample() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("lin.dsl");
+    std::fs::write(&m, MODEL).expect("writes");
+    let w = dir.path().join("w.safetensors");
+    let o = distc(&["train", s(&m), "-q", "--save", s(&w)]);
+    assert!(o.status.success(), "{}", text(&o));
+    // 11 samples: one batch of 8 and a partial one; no label (only the loss reads it).
+    let n = 11;
+    let x: Vec<f32> = (0..n * 5)
+        .map(|i| ((i * 37) % 17) as f32 / 8.0 - 1.0)
+        .collect();
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let write = |path: &std::path::Path, name: &str| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, 5], &bytes)
+                .expect("view");
+        safetensors::serialize_to_file(vec![(name, view)], None, path).expect("writes");
+    };
+    let input = dir.path().join("in.safetensors");
+    write(&input, "x");
+    let out = dir.path().join("pred.safetensors");
+    let o = distc(&[
+        "predict",
+        s(&m),
+        "--init",
+        s(&w),
+        "--input",
+        s(&input),
+        "-o",
+        s(&out),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (pred, _) = checkpoint::load(&out).expect("loads");
+    let pred = &pred["prediction"];
+    assert_eq!(pred.shape(), &[n, 3]);
+    let (weights, _) = checkpoint::load(&w).expect("weights");
+    let (wv, bv) = (weights["w"].to_f64_vec(), weights["b"].to_f64_vec());
+    let got = pred.to_f64_vec();
+    for i in 0..n {
+        for k in 0..3 {
+            let want: f64 = (0..5)
+                .map(|j| f64::from(x[i * 5 + j]) * wv[j * 3 + k])
+                .sum::<f64>()
+                + bv[k];
+            assert!(
+                (got[i * 3 + k] - want).abs() < 1e-5,
+                "sample {i}, class {k}: {} against {want}",
+                got[i * 3 + k]
+            );
+        }
+    }
+    // An input the prediction reads, missing: named.
+    let empty = dir.path().join("none.safetensors");
+    write(&empty, "features");
+    let o = distc(&[
+        "predict",
+        s(&m),
+        "--init",
+        s(&w),
+        "--input",
+        s(&empty),
+        "-o",
+        s(&out),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("none of the model's inputs"),
+        "{}",
+        text(&o)
+    );
+}
