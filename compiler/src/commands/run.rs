@@ -232,10 +232,12 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         }
         Ok(())
     };
+    let opts = train_options(plan, args)?;
+    let resumed = opts.resume.as_ref().map(|s| s.index.step);
     let run = Launch {
         programs: r.programs(),
         config: &plan.config,
-        opts: train_options(plan, args)?,
+        opts,
         device: device_choice(args.device, args),
         transport: match args.transport {
             Transport::Inprocess => TransportChoice::InProcess,
@@ -258,7 +260,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .into());
     }
     match result? {
-        Some(report) => finish_run(plan, args, &report),
+        Some(report) => finish_run(plan, args, &report, resumed),
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
     }
@@ -376,8 +378,39 @@ fn mpi_run_options(plan: &Plan, args: &RunArgs) -> MpiRun {
     }
 }
 
-/// What every run does once trained: save, trace, summary, profile.
-fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
+/// `2 workers`, `1 worker`.
+fn workers_word(n: usize) -> String {
+    match n {
+        1 => "1 worker".into(),
+        n => format!("{n} workers"),
+    }
+}
+
+/// How the summary names a plan's layout: `allreduce, 4 workers`, `pipeline of 2
+/// stages x 4 micro-batches (1f1b), 2 workers`, `allreduce, 4 workers, mesh data=2 x
+/// model=2`. A pipeline or mesh over `single` is named by its layout alone (it is no
+/// one-device run).
+pub fn layout_words(plan: &Plan) -> String {
+    let s = &plan.settings;
+    let words = pipeline_words(s);
+    // A pipeline over `single` keeps `workers` at 1; each stage is a worker.
+    let workers = workers_word(s.workers.max(s.model.max(1) * s.pipeline.max(1)));
+    match plan.strategy {
+        distc_passes::placement::Strategy::Single if !words.is_empty() => {
+            format!("{}, {workers}", words.trim_start_matches(", "))
+        }
+        _ => format!("{}, {workers}{words}", plan.strategy.name()),
+    }
+}
+
+/// What every run does once trained: save, trace, summary, profile. `resumed`: the
+/// step of the state `--resume` gave.
+fn finish_run(
+    plan: &Plan,
+    args: &RunArgs,
+    report: &TrainReport,
+    resumed: Option<u64>,
+) -> Result<()> {
     if let Some(path) = &args.save {
         let mut named: Vec<(String, &distc_runtime::Tensor)> =
             report.params.iter().map(|(k, v)| (k.clone(), v)).collect();
@@ -395,12 +428,14 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
         write_file(path, text.as_bytes())?;
     }
     if !args.quiet {
+        let resumed = match resumed {
+            Some(step) => format!(" resumed from step {step}"),
+            None => String::new(),
+        };
         let mut line = format!(
-            "{} ({}, {} workers{}): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
+            "{} ({}): {} steps{resumed} in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
             plan.model,
-            plan.strategy.name(),
-            plan.settings.workers,
-            pipeline_words(&plan.settings),
+            layout_words(plan),
             report.steps,
             report.train_time.as_secs_f64(),
             report.first_loss,
@@ -501,10 +536,31 @@ pub fn verify(
         Precision::Fp32 => name,
         wire => format!("{name}, {wire} wire"),
     };
+    let (text, failure) = verify_verdict(&report, file, &name, precision, given)?;
+    out(&text);
+    match failure {
+        Some(why) => bail!("{why}"),
+        None => Ok(()),
+    }
+}
+
+/// What `distc verify` prints of `report` (one line per variable and the summary) and,
+/// if it failed, why. The summary and the failure name the same variable: the one
+/// furthest beyond its own allowance ([`VerifyReport::worst_within`]).
+pub fn verify_verdict(
+    report: &crate::verify::VerifyReport,
+    file: &Path,
+    name: &str,
+    precision: Precision,
+    given: Option<f64>,
+) -> Result<(String, Option<String>)> {
+    let tolerance = report.tolerance;
+    let steps = report.steps;
     // An explicit --tolerance decides alone; by default each variable's allowance does.
-    let allowed = |v: &crate::verify::VarError| match given {
-        Some(t) => t,
-        None => v.allowed(tolerance),
+    let allowed = |v: &crate::verify::VarError| report.allowed_for(v, given);
+    let allowance = |v: &crate::verify::VarError| match given {
+        Some(t) => format!("{t:.1e} (--tolerance)"),
+        None => v.allowance(tolerance),
     };
     let mut text = String::new();
     for v in &report.vars {
@@ -515,14 +571,10 @@ pub fn verify(
         if let Some(e) = v.precision_effect {
             text += &format!(" (one device {precision} vs f32: {e:.2e})");
         }
-        match given {
-            Some(t) => text += &format!("; allowed {t:.1e} (--tolerance)"),
-            None => text += &format!("; allowed {}", v.allowance(tolerance)),
-        }
-        text.push('\n');
+        text += &format!("; allowed {}\n", allowance(v));
     }
     let worst = report
-        .worst()
+        .worst_within(given)
         .ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
     let raised = report
         .vars
@@ -534,24 +586,17 @@ pub fn verify(
         None => format!("tolerance {tolerance:.0e}"),
     };
     text += &format!(
-        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: largest relative error {:.2e} (`{}`), {decides}\n",
+        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: worst relative error {:.2e} (`{}`, allowed {}), {decides}\n",
         file.display(),
         report.workers,
         report.global_batch,
         worst.relative,
-        worst.name
+        worst.name,
+        allowance(worst)
     );
-    out(&text);
-    let passed = match given {
-        Some(t) => report.passed_within(t),
-        None => report.passed(),
-    };
-    if !passed {
-        let failing = report
-            .vars
-            .iter()
-            .find(|v| v.relative > allowed(v))
-            .unwrap_or(worst);
+    // The worst variable against its allowance decides: the failure names it too.
+    if worst.relative > allowed(worst) {
+        let failing = worst;
         let mut why = match failing.precision_effect {
             _ if given.is_some()
                 || failing.half_rtol == 0.0 && failing.precision_effect.is_none() =>
@@ -585,7 +630,7 @@ pub fn verify(
                 why += &format!("\n  - {a}");
             }
         }
-        bail!("{why}");
+        return Ok((text, Some(why)));
     }
-    Ok(())
+    Ok((text, None))
 }
