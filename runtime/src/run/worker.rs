@@ -974,7 +974,11 @@ fn train_worker<B: Backend>(
         .optimizer(&config.optimizer, &params)
         .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
     exec.backend()
-        .follow_schedule(&mut optimizer, &config.lr_schedule, steps as u64)
+        .follow_schedule(
+            &mut optimizer,
+            &config.lr_schedule,
+            crate::run::steps::lr_horizon(config),
+        )
         .map_err(|e| backend_error(&device, "setting the learning-rate schedule", e))?;
     // Workers that fill the cores keep their updates on their own thread.
     B::parallel_updates(&mut optimizer, cores > workers);
