@@ -280,6 +280,65 @@ fn ir_after_a_distributed_pass_prints_the_distributed_programs() {
     );
 }
 
+/// Issue 36, item 7.5: the step after an evaluation counted the other workers' wait for
+/// worker 0's evaluation (1,800 samples/s instead of 40,000). The evaluation's seconds
+/// are its own (`eval_sec`); the next step, a few ms, is far shorter than an evaluation
+/// of thousands of batches.
+#[test]
+fn evaluation_time_is_not_the_next_steps() {
+    let dir = common::temp_dir("cli").join("eval-time");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let model = dir.join("m.dsl");
+    std::fs::write(
+        &model,
+        "model m {
+  input x: f32[B, 32]
+  input label: i32[B]
+  param w1: f32[32, 256] = glorot
+  param w2: f32[256, 4] = glorot
+  minimize softmax_cross_entropy(relu(x @ w1) @ w2, label)
+}
+train {
+  data = gaussian_classes(features = 32, classes = 4)
+  batch = 4
+  optimizer = sgd(lr = 0.1)
+  steps = 8
+  seed = 5
+  eval_every = 3
+  eval_samples = 40000
+}
+",
+    )
+    .expect("model");
+    let metrics = dir.join("m.jsonl");
+    let o = distc(&[
+        "train",
+        model.to_str().expect("utf8"),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "-q",
+        "--metrics",
+        metrics.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let lines = metrics_lines(&metrics);
+    assert_eq!(lines.len(), 8);
+    for after in [3, 6] {
+        let eval = lines[after - 1]["eval_sec"].as_f64().expect("eval_sec");
+        let next = &lines[after];
+        assert!(next.get("eval_sec").is_none(), "{next}");
+        // Two workers of batch 4 a step.
+        let step_sec = 8.0 / next["samples_per_sec"].as_f64().expect("samples/s");
+        assert!(
+            step_sec < eval,
+            "step {} took {step_sec} s, the evaluation before it {eval} s",
+            after + 1
+        );
+    }
+}
+
 #[test]
 fn a_distributed_run_writes_metrics_per_worker_and_a_trace() {
     let metrics = tmp("hybrid.jsonl");

@@ -21,6 +21,7 @@ pub fn evaluate<'h, B: Backend>(
     step: u64,
     mut comm: Option<&mut (dyn CommHook + 'h)>,
 ) -> Result<EvalMetrics> {
+    let start = std::time::Instant::now();
     let batches = data.eval_batches(config.eval_samples)?;
     if batches.is_empty() {
         return Err(RuntimeError::Config(
@@ -69,5 +70,6 @@ pub fn evaluate<'h, B: Backend>(
         eval_accuracy: classified.then(|| correct as f64 / n as f64),
         eval_rmse: regressed.then(|| (sq / n as f64).sqrt()),
         eval_samples: n,
+        eval_sec: start.elapsed().as_secs_f64(),
     })
 }
