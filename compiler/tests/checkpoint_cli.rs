@@ -377,6 +377,12 @@ fn ctrl_c_stops_after_the_step_and_says_what_is_on_disk() {
         "state of step {at}, stopped at {step}"
     );
     assert!(err.contains(&format!("of step {at}")), "{err}");
+    if at > step {
+        assert!(
+            err.contains(&format!("the metrics end at step {step}")),
+            "{err}"
+        );
+    }
     let lines = std::fs::read_to_string(&metrics)
         .expect("metrics")
         .lines()

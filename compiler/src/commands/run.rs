@@ -197,7 +197,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
                         let step = written.filter(|(p, _)| *p == path).map(|(_, s)| s);
                         (path, step)
                     });
-                    note_on_disk(&args, reported.load(Ordering::SeqCst), state)
+                    note_on_disk(args.save.as_deref(), reported.load(Ordering::SeqCst), state)
                 })
             });
             None
@@ -329,13 +329,23 @@ fn interrupted_note(args: &RunArgs, step: usize) -> String {
             .map(|st| st.index.step);
         (path.clone(), step)
     });
-    note_on_disk(args, step, state)
+    note_on_disk(args.save.as_deref(), step, state)
 }
 
-/// What the run left, `state` being the checkpoint file and the step of the state in it
-/// (`None`: it holds none).
-fn note_on_disk(args: &RunArgs, step: usize, state: Option<(PathBuf, Option<u64>)>) -> String {
+/// What the run left after the metrics' last step `step`, `state` being the checkpoint
+/// file and the step of the state in it (`None`: it holds none), `save` the unwritten
+/// `--save`.
+fn note_on_disk(save: Option<&Path>, step: usize, state: Option<(PathBuf, Option<u64>)>) -> String {
     let state = match state {
+        // Workers run ahead of the coordinator: one may have saved a step whose line
+        // the stop kept out of the metrics.
+        Some((path, Some(written))) if written > step as u64 => format!(
+            "the last training state written is of step {written} in {} (resume with \
+             --resume); the metrics end at step {step}: the workers finished step \
+             {written} and wrote its state before the stop reached them, and its line was \
+             not written",
+            path.display()
+        ),
         Some((path, Some(written))) => format!(
             "the last training state written is of step {written} in {} (resume with \
              --resume)",
@@ -346,7 +356,7 @@ fn note_on_disk(args: &RunArgs, step: usize, state: Option<(PathBuf, Option<u64>
                  --checkpoint-every K keeps one)"
             .into(),
     };
-    let saved = match &args.save {
+    let saved = match save {
         Some(p) => format!("; --save {} was not written", p.display()),
         None => String::new(),
     };
@@ -633,4 +643,24 @@ pub fn verify_verdict(
         return Ok((text, Some(why)));
     }
     Ok((text, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 36, item 7: a state of a step past the metrics' last line says so.
+    #[test]
+    fn a_state_past_the_metrics_says_where_the_metrics_end() {
+        let state = |step| Some((PathBuf::from("s.st"), Some(step)));
+        let ahead = note_on_disk(None, 239, state(240));
+        assert!(
+            ahead.starts_with("interrupted (Ctrl-C) after step 239:")
+                && ahead.contains("state written is of step 240 in s.st")
+                && ahead.contains("the metrics end at step 239"),
+            "{ahead}"
+        );
+        let behind = note_on_disk(None, 239, state(238));
+        assert!(!behind.contains("the metrics end"), "{behind}");
+    }
 }
