@@ -278,6 +278,14 @@ fn ir_after_a_distributed_pass_prints_the_distributed_programs() {
         "{}",
         text(&o)
     );
+    // `dot` draws the one-device program: the same refusal.
+    let o = distc(&["dot", "examples/sparse_lm.dsl", "--after", "fusion"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("pass `fusion` does not run"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// Issue 36, item 7.5: the step after an evaluation counted the other workers' wait for

@@ -144,21 +144,7 @@ pub fn ir(
     check_strategy_flags(compile)?;
     let mut opts = compile_opts(compile, data);
     opts.stop_after = after.or(opts.stop_after);
-    if let Some(stop) = &opts.stop_after {
-        let passes: Vec<String> = distc_passes::passes_for(&opts.strategy)
-            .iter()
-            .map(|p| p.name())
-            .collect();
-        if distc_passes::known_pass_names().contains(stop) && !passes.contains(stop) {
-            bail!(
-                "pass `{stop}` does not run for this strategy ({}): its passes are {}; give \
-                 the strategy flags (e.g. `--strategy allreduce --workers 2`), or see every \
-                 pass's programs with `distc compile FILE ... --dump-ir DIR`",
-                opts.strategy.strategy.name(),
-                passes.join(", ")
-            );
-        }
-    }
+    check_stop_runs(&opts)?;
     let c = compile_or_report(file, &opts)?;
     let mut text = String::new();
     for (role, g) in c.programs.iter() {
@@ -176,6 +162,28 @@ pub fn ir(
     Ok(())
 }
 
+/// Refuses a `--after` pass that the strategy's pipeline does not run: stopping there
+/// never happens, and the program printed would be the last pass's.
+fn check_stop_runs(opts: &CompileOptions) -> Result<()> {
+    let Some(stop) = &opts.stop_after else {
+        return Ok(());
+    };
+    let passes: Vec<String> = distc_passes::passes_for(&opts.strategy)
+        .iter()
+        .map(|p| p.name())
+        .collect();
+    if distc_passes::known_pass_names().contains(stop) && !passes.contains(stop) {
+        bail!(
+            "pass `{stop}` does not run for this strategy ({}): its passes are {}; give the \
+             strategy flags to `distc ir` (e.g. `--strategy allreduce --workers 2`), or see \
+             every pass's programs with `distc compile FILE ... --dump-ir DIR`",
+            opts.strategy.strategy.name(),
+            passes.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// `distc dot`: the one-device program after pass `after`, in Graphviz DOT.
 pub fn dot(file: &Path, after: Option<String>, batch: Option<usize>) -> Result<()> {
     let opts = CompileOptions {
@@ -183,6 +191,7 @@ pub fn dot(file: &Path, after: Option<String>, batch: Option<usize>) -> Result<(
         batch,
         ..Default::default()
     };
+    check_stop_runs(&opts)?;
     out(&distc_ir::dot::to_dot(
         &compile_or_report(file, &opts)?.programs.worker,
     ));
