@@ -26,8 +26,9 @@ run() {
   local workers=1
   [ "${1:-}" = --workers ] && workers=$2
   local dsl="$work/$label.dsl"
+  # The schedule's horizon is the train block's steps (not --steps): set them.
   sed -e "s|^  optimizer .*|  optimizer    = $opt|" -e "s|^  eval_samples .*|  eval_samples = 10000|" \
-    examples/cnn.dsl >"$dsl"
+    -e "s|^  steps .*|  steps        = $steps|" examples/cnn.dsl >"$dsl"
   [ -n "$sched" ] && sed -i "s|^  optimizer .*|&\n  lr_schedule  = $sched|" "$dsl"
   local out
   out=$("$distc" train "$dsl" --batch "$batch" --steps "$steps" --data "$data" "$@" 2>&1 | tail -1)

@@ -6,13 +6,12 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use distc::cli::{
     at_least_one, batch_size, non_negative_finite, parse_calibration_flag, parse_device,
-    parse_link, parse_mesh, parse_shard, profile_steps, timeout_secs, BenchArgs, CompileArgs,
-    Device, ExplainFormat, LinkKind, Mesh, RunArgs, Transport,
+    parse_link, profile_steps, timeout_secs, BenchArgs, CompileArgs, Device, ExplainFormat,
+    LinkKind, RunArgs, Transport,
 };
 use distc::commands;
 use distc::console::err;
 use distc::simulate::SAMPLE_BYTES;
-use distc_passes::placement::Precision;
 use distc_runtime::RuntimeError;
 use std::path::PathBuf;
 
@@ -162,22 +161,17 @@ enum Command {
     Ir {
         /// The model (.dsl).
         file: PathBuf,
-        /// Stop after this pass: lower, autodiff, simplify, dead_code (with --mesh,
-        /// tensor_parallel: every value's sharding beside it).
-        #[arg(long, value_name = "PASS")]
+        /// Stop after this pass (default: after the last). With the strategy flags
+        /// (`--strategy allreduce --workers 2`, `--mesh`, `--zero 1`, ...) the
+        /// distributed programs after it: the worker's, then each other one.
+        #[arg(long, value_name = "PASS", conflicts_with = "stop_after")]
         after: Option<String>,
-        /// Bind the batch dimension B to this instead of the train block's batch.
-        #[arg(long, value_parser = batch_size)]
-        batch: Option<usize>,
-        /// The program of one worker of this mesh, `data=D,model=T[,pipe=P]`.
-        #[arg(long, value_parser = parse_mesh, value_name = "data=D,model=T")]
-        mesh: Option<Mesh>,
-        /// Split variable VAR along dimension DIM over the mesh's model axis (repeatable).
-        #[arg(long, value_parser = parse_shard, value_name = "VAR=DIM", requires = "mesh")]
-        shard: Vec<(String, usize)>,
-        /// The arithmetic's precision (`--after mixed_precision` shows the casts).
-        #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
-        precision: Precision,
+        #[command(flatten)]
+        compile: CompileArgs,
+        /// Data directory, read to measure how many embedding rows a batch touches
+        /// (default: $DISTC_DATA).
+        #[arg(long, value_name = "DIR")]
+        data: Option<PathBuf>,
     },
     /// Print the graph in Graphviz DOT (pipe into `dot -Tsvg`).
     Dot {
@@ -202,6 +196,9 @@ enum Command {
         /// Data-parallel workers to simulate (default: the plan's).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
         workers: Option<u32>,
+        /// Parameter servers to simulate (default: the plan's); ps, hybrid and auto.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+        servers: Option<u32>,
         /// Workers per node: nodes of L consecutive workers, each bucket all-reduced as
         /// one ring or hierarchically, whichever the cost model predicts faster.
         #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
@@ -337,6 +334,7 @@ fn dispatch(command: Command) -> Result<()> {
         Command::Simulate {
             plan,
             workers,
+            servers,
             ranks_per_node,
             link,
             calibration,
@@ -347,6 +345,7 @@ fn dispatch(command: Command) -> Result<()> {
         } => commands::simulate::simulate(
             &plan,
             workers.map(|n| n as usize),
+            servers.map(|n| n as usize),
             ranks_per_node.map(|n| n as usize),
             &link,
             &calibration,
@@ -375,11 +374,9 @@ fn dispatch(command: Command) -> Result<()> {
         Command::Ir {
             file,
             after,
-            batch,
-            mesh,
-            shard,
-            precision,
-        } => commands::ir(&file, after, batch, mesh, &shard, precision),
+            compile,
+            data,
+        } => commands::ir(&file, after, &compile, data.as_deref()),
         Command::Dot { file, after, batch } => commands::dot(&file, after, batch),
         Command::Eval {
             file,

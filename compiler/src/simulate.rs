@@ -549,6 +549,12 @@ pub struct CommOp {
 pub struct Simulation {
     /// Workers.
     pub workers: usize,
+    /// Parameter servers (0: none).
+    #[serde(default)]
+    pub servers: usize,
+    /// Seconds of the step's ops on the servers' links (pulls and pushes).
+    #[serde(default)]
+    pub server_comm: f64,
     /// Workers per node (0: no nodes).
     pub ranks_per_node: usize,
     /// The links.
@@ -734,8 +740,15 @@ pub fn simulate(
         .map(|id| profile.op_seconds(single, id).0)
         .sum::<f64>()
         + profile.optimizer_per_byte * applied_bytes(single);
+    let server_comm = comms
+        .iter()
+        .filter(|c| c.how == "servers")
+        .map(|c| c.seconds)
+        .sum();
     Simulation {
         workers: cfg.workers,
+        servers: cfg.servers,
+        server_comm,
         ranks_per_node: cfg.ranks_per_node,
         links,
         step,
@@ -752,6 +765,23 @@ pub fn simulate(
 }
 
 impl Simulation {
+    /// Why the servers bound the step, if they do: their links' time is over half of
+    /// it and each server serves several workers, which more servers would share.
+    pub fn servers_note(&self) -> Option<String> {
+        (self.servers > 0 && self.workers > self.servers && self.server_comm > 0.5 * self.step)
+            .then(|| {
+                format!(
+                    "note: the {} parameter server(s) are the bottleneck: each link carries \
+                     the pulls and pushes of {:.0} workers, {:.3} ms of the {:.3} ms step; \
+                     simulate more servers with --servers N",
+                    self.servers,
+                    self.workers as f64 / self.servers as f64,
+                    self.server_comm * 1e3,
+                    self.step * 1e3
+                )
+            })
+    }
+
     /// A summary and one line per communication op.
     pub fn render(&self, plan: &Plan, profile: &ComputeProfile) -> String {
         let ms = |s: f64| s * 1e3;
@@ -764,8 +794,13 @@ impl Simulation {
         } else {
             String::new()
         };
+        let servers = match self.servers {
+            0 => String::new(),
+            1 => " and 1 server".into(),
+            n => format!(" and {n} servers"),
+        };
         let mut out = format!(
-            "{} ({}) on {} workers{nodes}\nlinks: intra {:.3e} B/s {:.2e} s, inter {:.3e} B/s \
+            "{} ({}) on {} workers{nodes}{servers}\nlinks: intra {:.3e} B/s {:.2e} s, inter {:.3e} B/s \
              {:.2e} s\ncompute: {} ({} ops measured, {} scaled from another size, {} priced \
              as copies)\n",
             plan.model,
@@ -793,6 +828,10 @@ impl Simulation {
             100.0 * self.scaling_efficiency,
             distc_runtime::run::memory::gib(self.memory_per_worker),
         );
+        if let Some(note) = self.servers_note() {
+            out += &note;
+            out.push('\n');
+        }
         if !self.comms.is_empty() {
             out += &format!(
                 "{:<8} {:<16} {:>12} {:>13} {:>10} {:>10} {:>10} {:>10}\n",
@@ -824,6 +863,8 @@ pub struct Target {
     pub workers: Option<usize>,
     /// Workers per node; none: the plan's.
     pub ranks_per_node: Option<usize>,
+    /// Parameter servers; none: the plan's.
+    pub servers: Option<usize>,
     /// Link between nodes; none: the plan's (`--bandwidth`, `--latency`).
     pub inter: Option<Link>,
     /// Link within a node; none: the plan's.
@@ -852,6 +893,9 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, Strate
     }
     if let Some(l) = target.ranks_per_node {
         settings.ranks_per_node = l;
+    }
+    if let Some(n) = target.servers {
+        settings.servers = n;
     }
     if let Some(l) = target.inter {
         settings.bandwidth = l.bandwidth;

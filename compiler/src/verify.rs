@@ -105,11 +105,34 @@ pub struct VerifyReport {
 }
 
 impl VerifyReport {
-    /// The variable that differs most.
+    /// What `v` may differ by: an explicit `--tolerance` decides alone; by default each
+    /// variable's own [`VarError::allowed`].
+    pub fn allowed_for(&self, v: &VarError, explicit: Option<f64>) -> f64 {
+        explicit.unwrap_or_else(|| v.allowed(self.tolerance))
+    }
+
+    /// The variable that decides the verdict: the largest error relative to its own
+    /// allowance (allowances differ per variable under 16 bits, so the largest
+    /// error alone may pass while a smaller one fails).
+    pub fn worst_within(&self, explicit: Option<f64>) -> Option<&VarError> {
+        let share = |v: &VarError| {
+            let allowed = self.allowed_for(v, explicit);
+            match () {
+                _ if allowed > 0.0 => v.relative / allowed,
+                _ if v.relative > 0.0 => f64::INFINITY,
+                _ => 0.0,
+            }
+        };
+        self.vars.iter().max_by(|a, b| {
+            share(a)
+                .total_cmp(&share(b))
+                .then(a.relative.total_cmp(&b.relative))
+        })
+    }
+
+    /// [`VerifyReport::worst_within`] each variable's default allowance.
     pub fn worst(&self) -> Option<&VarError> {
-        self.vars
-            .iter()
-            .max_by(|a, b| a.relative.total_cmp(&b.relative))
+        self.worst_within(None)
     }
 
     /// Whether every variable is within the tolerance (and, under 16 bits, within its

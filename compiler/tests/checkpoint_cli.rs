@@ -43,13 +43,18 @@ fn train_resume_and_refusals() {
         MODEL,
         "--steps",
         "5",
-        "-q",
         "--resume",
         s(&state),
         "--save",
         s(&resumed),
     ]);
     assert!(o.status.success(), "{}", text(&o));
+    // Issue 36, item 7.4: one worker in the singular, and the resumption said.
+    let summary = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        summary.contains("(single, 1 worker): 2 steps resumed from step 3 in"),
+        "{summary}"
+    );
     let (a, _) = checkpoint::load(&whole).expect("weights");
     let (b, _) = checkpoint::load(&resumed).expect("weights");
     assert_eq!(a, b, "the resumed run ended elsewhere");
@@ -71,6 +76,62 @@ fn train_resume_and_refusals() {
         all.extend(args.iter().copied());
         refused(&all, want);
     }
+}
+
+/// Issue 36, item 7.6: the schedule's horizon is the plan's `steps`, not `--steps`: a
+/// run stopped at 100 and resumed to 200 follows the curve of the run of 200 (it used
+/// to decay to the floor at 100 and jump back up at 101). Past the horizon the rate
+/// stays at the schedule's final factor.
+#[test]
+fn a_resumed_run_follows_the_plans_learning_rate_schedule() {
+    let model = tmp("cosine.dsl");
+    let text_of = std::fs::read_to_string(common::root().join(MODEL)).expect("model");
+    let text_of = text_of.replace(
+        "steps     = 4",
+        "steps     = 200\n  lr_schedule = cosine(warmup = 50, final = 0.1)",
+    );
+    std::fs::write(&model, text_of).expect("write");
+    let (whole, state, resumed, metrics) = (
+        tmp("cos-whole.st"),
+        tmp("cos-state.st"),
+        tmp("cos-resumed.st"),
+        tmp("cos-long.jsonl"),
+    );
+    let train = |args: &[&str]| {
+        let o = distc(&[&["train", s(&model), "-q"][..], args].concat());
+        assert!(o.status.success(), "{}", text(&o));
+    };
+    train(&["--steps", "200", "--save", s(&whole)]);
+    train(&["--steps", "100", "--checkpoint", s(&state)]);
+    train(&[
+        "--steps",
+        "200",
+        "--resume",
+        s(&state),
+        "--save",
+        s(&resumed),
+    ]);
+    let (a, _) = checkpoint::load(&whole).expect("weights");
+    let (b, _) = checkpoint::load(&resumed).expect("weights");
+    assert_eq!(a, b, "the resumed run followed another schedule");
+    // Beyond the plan's 200 steps: the final factor, 0.1 of adam's 0.01.
+    train(&["--steps", "210", "--metrics", s(&metrics)]);
+    let lrs: Vec<f64> = std::fs::read_to_string(&metrics)
+        .expect("metrics")
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json")["lr"]
+                .as_f64()
+                .expect("lr")
+        })
+        .collect();
+    assert_eq!(lrs.len(), 210);
+    assert!(
+        lrs[200..].iter().all(|&lr| (lr - 1e-3).abs() < 1e-12),
+        "{:?}",
+        &lrs[190..]
+    );
+    assert!(lrs[100] > 1e-3 + 1e-6, "{}", lrs[100]);
 }
 
 /// Issue 20: an Adam state resumed into a momentum-SGD model lost its state without a
@@ -316,6 +377,12 @@ fn ctrl_c_stops_after_the_step_and_says_what_is_on_disk() {
         "state of step {at}, stopped at {step}"
     );
     assert!(err.contains(&format!("of step {at}")), "{err}");
+    if at > step {
+        assert!(
+            err.contains(&format!("the metrics end at step {step}")),
+            "{err}"
+        );
+    }
     let lines = std::fs::read_to_string(&metrics)
         .expect("metrics")
         .lines()

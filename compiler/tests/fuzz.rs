@@ -1911,7 +1911,7 @@ const SUBCOMMAND_FLAGS: &[(&str, &str)] = &[
         "@compile --steps --tolerance --data --timeout --transport --device",
     ),
     ("explain", "--format"),
-    ("ir", "--after --batch"),
+    ("ir", "@compile --after --data"),
     ("dot", "--after --batch"),
     ("plot", "-o --output --label"),
     (

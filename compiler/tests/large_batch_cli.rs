@@ -165,7 +165,8 @@ fn linear_scaling_multiplies_the_rate_by_the_global_batch() {
         assert!(t.contains(want), "`{want}` not in:\n{t}");
     }
     // Every metrics line carries the rate its update used: the warm-up's tenths of
-    // 0.1, then half a cosine over the run's last 2 updates (0.1, then 0.55 x 0.1).
+    // 0.1, then half a cosine over the plan's 90 steps after it (the horizon is the
+    // train block's 100 steps, whatever --steps says).
     let m = common::temp_dir("schedule-cli").join("scaled.jsonl");
     let o = distc(&["run", s(&plan), "--steps", "12", "-q", "--metrics", s(&m)]);
     assert!(o.status.success(), "{}", text(&o));
@@ -177,9 +178,10 @@ fn linear_scaling_multiplies_the_rate_by_the_global_batch() {
             v["lr"].as_f64().expect("a learning rate in every line")
         })
         .collect();
+    let cosine = |t: f64| 0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t / 90.0).cos());
     let want: Vec<f64> = (1..=10)
         .map(|t| 0.1 * t as f64 / 10.0)
-        .chain([0.1, 0.055])
+        .chain([0.1, 0.1 * cosine(1.0)])
         .collect();
     assert_eq!(rates.len(), want.len());
     for (got, want) in rates.iter().zip(&want) {
@@ -309,6 +311,9 @@ fn cnn_accuracy(optimizer: &str, schedule: Option<&str>, batch: &str, steps: &st
             }
         } else if line.trim_start().starts_with("eval_samples") {
             dsl.push_str("  eval_samples = 10000\n");
+        } else if line.trim_start().starts_with("steps") {
+            // The schedule's horizon is the plan's steps, not --steps.
+            dsl.push_str(&format!("  steps = {steps}\n"));
         } else {
             dsl.push_str(line);
             dsl.push('\n');

@@ -98,9 +98,14 @@ fn compile_explain_and_run_a_pipelined_plan() {
         arg(&metrics),
         "--trace",
         arg(&trace),
-        "-q",
     ]);
     assert!(o.status.success(), "{}", text(&o));
+    // Issue 36, item 7.4: the summary names the pipeline, not `single`.
+    let summary = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        summary.contains("(pipeline of 3 stages x 4 micro-batches (gpipe), 3 workers): 3 steps"),
+        "{summary}"
+    );
     let lines = metrics_lines(&metrics);
     assert_eq!(lines.len(), 3);
     for l in &lines {

@@ -166,6 +166,60 @@ fn a_slow_link_between_nodes_makes_every_bucket_hierarchical_at_scale() {
     }
 }
 
+/// Issue 36, item 7.3: a plan's one server simulated at 64 workers carries every
+/// worker's pulls and pushes: the table says the servers bound the step, and
+/// `--servers N` simulates another count, which shares that load.
+#[test]
+fn simulate_names_servers_as_the_bottleneck_and_takes_a_server_count() {
+    let dir = temp_dir("simulate").join("servers");
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("wide.dsl");
+    std::fs::write(&model, MODEL).unwrap();
+    let plan = dir.join("ps.json");
+    let o = distc(&[
+        "compile",
+        s(&model),
+        "--strategy",
+        "ps",
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    // A slow link, so the servers' share dwarfs any CPU's compute.
+    let sim = |servers: &str| {
+        let mut args = vec![
+            "simulate",
+            s(&plan),
+            "--profile-steps",
+            "2",
+            "--workers",
+            "64",
+            "--link",
+            "inter=1e7,1e-4",
+        ];
+        if !servers.is_empty() {
+            args.extend(["--servers", servers]);
+        }
+        let o = distc(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        text(&o)
+    };
+    let one = sim("");
+    assert!(one.contains("on 64 workers and 1 server"), "{one}");
+    assert!(
+        one.contains("note: the 1 parameter server(s) are the bottleneck")
+            && one.contains("--servers N"),
+        "{one}"
+    );
+    let many = sim("64");
+    assert!(many.contains("on 64 workers and 64 servers"), "{many}");
+    assert!(!many.contains("bottleneck"), "{many}");
+}
+
 #[test]
 fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
     let (dir, plan) = setup("trace");

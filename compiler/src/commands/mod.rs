@@ -11,13 +11,12 @@ pub mod run;
 pub mod simulate;
 
 use crate::cli::{
-    check_strategy_flags, compile_opts, mesh_strategy, strategy_config, BenchArgs, CompileArgs,
-    Device, ExplainFormat, Mesh, Transport,
+    check_strategy_flags, compile_opts, strategy_config, BenchArgs, CompileArgs, Device,
+    ExplainFormat, Transport,
 };
 use crate::console::{err, out};
 use crate::{compile_file, CompileError, CompileOptions, Compiled, Plan};
 use anyhow::{bail, Result};
-use distc_passes::placement::{Precision, StrategyConfig};
 use distc_runtime::core::output::write_file;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -133,36 +132,56 @@ pub fn explain(plan: &Path, format: ExplainFormat) -> Result<()> {
     Ok(())
 }
 
-/// `distc ir`: the text IR of one worker's program after pass `after`.
+/// `distc ir`: the programs after pass `after` (default: the last) of the compilation
+/// the flags describe: the worker program, then every other program that exists after
+/// that pass (servers, init, final, pipeline stages). A pass the strategy does not run
+/// is refused, naming the ones it does.
 pub fn ir(
     file: &Path,
     after: Option<String>,
-    batch: Option<usize>,
-    mesh: Option<Mesh>,
-    shard: &[(String, usize)],
-    precision: Precision,
+    compile: &CompileArgs,
+    data: Option<&Path>,
 ) -> Result<()> {
-    let base = StrategyConfig {
-        precision,
-        ..StrategyConfig::default()
+    check_strategy_flags(compile)?;
+    let mut opts = compile_opts(compile, data);
+    opts.stop_after = after.or(opts.stop_after);
+    check_stop_runs(&opts)?;
+    let c = compile_or_report(file, &opts)?;
+    let mut text = String::new();
+    for (role, g) in c.programs.iter() {
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text += &match role {
+            distc_passes::ProgramRole::Worker => {
+                distc_ir::print::print_with_notes(g, &c.programs.worker_notes)
+            }
+            _ => distc_ir::print(g),
+        };
+    }
+    out(&text);
+    Ok(())
+}
+
+/// Refuses a `--after` pass that the strategy's pipeline does not run: stopping there
+/// never happens, and the program printed would be the last pass's.
+fn check_stop_runs(opts: &CompileOptions) -> Result<()> {
+    let Some(stop) = &opts.stop_after else {
+        return Ok(());
     };
-    let strategy = match mesh {
-        Some(m) => mesh_strategy(m, shard, base),
-        None => base,
-    };
-    let c = compile_or_report(
-        file,
-        &CompileOptions {
-            stop_after: after,
-            batch,
-            strategy,
-            ..Default::default()
-        },
-    )?;
-    out(&distc_ir::print::print_with_notes(
-        &c.programs.worker,
-        &c.programs.worker_notes,
-    ));
+    let passes: Vec<String> = distc_passes::passes_for(&opts.strategy)
+        .iter()
+        .map(|p| p.name())
+        .collect();
+    if distc_passes::known_pass_names().contains(stop) && !passes.contains(stop) {
+        bail!(
+            "pass `{stop}` does not run for this strategy ({}): its passes are {}; give the \
+             strategy flags to `distc ir` (e.g. `--strategy allreduce --workers 2`), or see \
+             every pass's programs with `distc compile FILE ... --dump-ir DIR`",
+            opts.strategy.strategy.name(),
+            passes.join(", ")
+        );
+    }
     Ok(())
 }
 
@@ -173,6 +192,7 @@ pub fn dot(file: &Path, after: Option<String>, batch: Option<usize>) -> Result<(
         batch,
         ..Default::default()
     };
+    check_stop_runs(&opts)?;
     out(&distc_ir::dot::to_dot(
         &compile_or_report(file, &opts)?.programs.worker,
     ));

@@ -197,7 +197,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
                         let step = written.filter(|(p, _)| *p == path).map(|(_, s)| s);
                         (path, step)
                     });
-                    note_on_disk(&args, reported.load(Ordering::SeqCst), state)
+                    note_on_disk(args.save.as_deref(), reported.load(Ordering::SeqCst), state)
                 })
             });
             None
@@ -233,6 +233,8 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         Ok(())
     };
     let mut opts = train_options(plan, args)?;
+    // A run started from --init weights is at step 0: not a resumed run.
+    let resumed = opts.resume.as_ref().map(|s| s.index.step);
     if let Some(path) = &args.init {
         opts.resume = Some(initial_weights(plan, &r.programs(), path, args)?);
     }
@@ -262,7 +264,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .into());
     }
     match result? {
-        Some(report) => finish_run(plan, args, &report),
+        Some(report) => finish_run(plan, args, &report, resumed),
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
     }
@@ -366,13 +368,23 @@ fn interrupted_note(args: &RunArgs, step: usize) -> String {
             .map(|st| st.index.step);
         (path.clone(), step)
     });
-    note_on_disk(args, step, state)
+    note_on_disk(args.save.as_deref(), step, state)
 }
 
-/// What the run left, `state` being the checkpoint file and the step of the state in it
-/// (`None`: it holds none).
-fn note_on_disk(args: &RunArgs, step: usize, state: Option<(PathBuf, Option<u64>)>) -> String {
+/// What the run left after the metrics' last step `step`, `state` being the checkpoint
+/// file and the step of the state in it (`None`: it holds none), `save` the unwritten
+/// `--save`.
+fn note_on_disk(save: Option<&Path>, step: usize, state: Option<(PathBuf, Option<u64>)>) -> String {
     let state = match state {
+        // Workers run ahead of the coordinator: one may have saved a step whose line
+        // the stop kept out of the metrics.
+        Some((path, Some(written))) if written > step as u64 => format!(
+            "the last training state written is of step {written} in {} (resume with \
+             --resume); the metrics end at step {step}: the workers finished step \
+             {written} and wrote its state before the stop reached them, and its line was \
+             not written",
+            path.display()
+        ),
         Some((path, Some(written))) => format!(
             "the last training state written is of step {written} in {} (resume with \
              --resume)",
@@ -383,7 +395,7 @@ fn note_on_disk(args: &RunArgs, step: usize, state: Option<(PathBuf, Option<u64>
                  --checkpoint-every K keeps one)"
             .into(),
     };
-    let saved = match &args.save {
+    let saved = match save {
         Some(p) => format!("; --save {} was not written", p.display()),
         None => String::new(),
     };
@@ -415,8 +427,39 @@ fn mpi_run_options(plan: &Plan, args: &RunArgs) -> MpiRun {
     }
 }
 
-/// What every run does once trained: save, trace, summary, profile.
-fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
+/// `2 workers`, `1 worker`.
+fn workers_word(n: usize) -> String {
+    match n {
+        1 => "1 worker".into(),
+        n => format!("{n} workers"),
+    }
+}
+
+/// How the summary names a plan's layout: `allreduce, 4 workers`, `pipeline of 2
+/// stages x 4 micro-batches (1f1b), 2 workers`, `allreduce, 4 workers, mesh data=2 x
+/// model=2`. A pipeline or mesh over `single` is named by its layout alone (it is no
+/// one-device run).
+pub fn layout_words(plan: &Plan) -> String {
+    let s = &plan.settings;
+    let words = pipeline_words(s);
+    // A pipeline over `single` keeps `workers` at 1; each stage is a worker.
+    let workers = workers_word(s.workers.max(s.model.max(1) * s.pipeline.max(1)));
+    match plan.strategy {
+        distc_passes::placement::Strategy::Single if !words.is_empty() => {
+            format!("{}, {workers}", words.trim_start_matches(", "))
+        }
+        _ => format!("{}, {workers}{words}", plan.strategy.name()),
+    }
+}
+
+/// What every run does once trained: save, trace, summary, profile. `resumed`: the
+/// step of the state `--resume` gave.
+fn finish_run(
+    plan: &Plan,
+    args: &RunArgs,
+    report: &TrainReport,
+    resumed: Option<u64>,
+) -> Result<()> {
     if let Some(path) = &args.save {
         let mut named: Vec<(String, &distc_runtime::Tensor)> =
             report.params.iter().map(|(k, v)| (k.clone(), v)).collect();
@@ -434,12 +477,14 @@ fn finish_run(plan: &Plan, args: &RunArgs, report: &TrainReport) -> Result<()> {
         write_file(path, text.as_bytes())?;
     }
     if !args.quiet {
+        let resumed = match resumed {
+            Some(step) => format!(" resumed from step {step}"),
+            None => String::new(),
+        };
         let mut line = format!(
-            "{} ({}, {} workers{}): {} steps in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
+            "{} ({}): {} steps{resumed} in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
             plan.model,
-            plan.strategy.name(),
-            plan.settings.workers,
-            pipeline_words(&plan.settings),
+            layout_words(plan),
             report.steps,
             report.train_time.as_secs_f64(),
             report.first_loss,
@@ -540,10 +585,31 @@ pub fn verify(
         Precision::Fp32 => name,
         wire => format!("{name}, {wire} wire"),
     };
+    let (text, failure) = verify_verdict(&report, file, &name, precision, given)?;
+    out(&text);
+    match failure {
+        Some(why) => bail!("{why}"),
+        None => Ok(()),
+    }
+}
+
+/// What `distc verify` prints of `report` (one line per variable and the summary) and,
+/// if it failed, why. The summary and the failure name the same variable: the one
+/// furthest beyond its own allowance ([`VerifyReport::worst_within`]).
+pub fn verify_verdict(
+    report: &crate::verify::VerifyReport,
+    file: &Path,
+    name: &str,
+    precision: Precision,
+    given: Option<f64>,
+) -> Result<(String, Option<String>)> {
+    let tolerance = report.tolerance;
+    let steps = report.steps;
     // An explicit --tolerance decides alone; by default each variable's allowance does.
-    let allowed = |v: &crate::verify::VarError| match given {
-        Some(t) => t,
-        None => v.allowed(tolerance),
+    let allowed = |v: &crate::verify::VarError| report.allowed_for(v, given);
+    let allowance = |v: &crate::verify::VarError| match given {
+        Some(t) => format!("{t:.1e} (--tolerance)"),
+        None => v.allowance(tolerance),
     };
     let mut text = String::new();
     for v in &report.vars {
@@ -554,14 +620,10 @@ pub fn verify(
         if let Some(e) = v.precision_effect {
             text += &format!(" (one device {precision} vs f32: {e:.2e})");
         }
-        match given {
-            Some(t) => text += &format!("; allowed {t:.1e} (--tolerance)"),
-            None => text += &format!("; allowed {}", v.allowance(tolerance)),
-        }
-        text.push('\n');
+        text += &format!("; allowed {}\n", allowance(v));
     }
     let worst = report
-        .worst()
+        .worst_within(given)
         .ok_or_else(|| anyhow::anyhow!("the model has no variables"))?;
     let raised = report
         .vars
@@ -573,24 +635,17 @@ pub fn verify(
         None => format!("tolerance {tolerance:.0e}"),
     };
     text += &format!(
-        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: largest relative error {:.2e} (`{}`), {decides}\n",
+        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: worst relative error {:.2e} (`{}`, allowed {}), {decides}\n",
         file.display(),
         report.workers,
         report.global_batch,
         worst.relative,
-        worst.name
+        worst.name,
+        allowance(worst)
     );
-    out(&text);
-    let passed = match given {
-        Some(t) => report.passed_within(t),
-        None => report.passed(),
-    };
-    if !passed {
-        let failing = report
-            .vars
-            .iter()
-            .find(|v| v.relative > allowed(v))
-            .unwrap_or(worst);
+    // The worst variable against its allowance decides: the failure names it too.
+    if worst.relative > allowed(worst) {
+        let failing = worst;
         let mut why = match failing.precision_effect {
             _ if given.is_some()
                 || failing.half_rtol == 0.0 && failing.precision_effect.is_none() =>
@@ -624,7 +679,27 @@ pub fn verify(
                 why += &format!("\n  - {a}");
             }
         }
-        bail!("{why}");
+        return Ok((text, Some(why)));
     }
-    Ok(())
+    Ok((text, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 36, item 7: a state of a step past the metrics' last line says so.
+    #[test]
+    fn a_state_past_the_metrics_says_where_the_metrics_end() {
+        let state = |step| Some((PathBuf::from("s.st"), Some(step)));
+        let ahead = note_on_disk(None, 239, state(240));
+        assert!(
+            ahead.starts_with("interrupted (Ctrl-C) after step 239:")
+                && ahead.contains("state written is of step 240 in s.st")
+                && ahead.contains("the metrics end at step 239"),
+            "{ahead}"
+        );
+        let behind = note_on_disk(None, 239, state(238));
+        assert!(!behind.contains("the metrics end"), "{behind}");
+    }
 }

@@ -18,6 +18,7 @@ use std::time::Duration;
 pub fn simulate(
     plan_path: &Path,
     workers: Option<usize>,
+    servers: Option<usize>,
     ranks_per_node: Option<usize>,
     links: &[(LinkKind, distc_passes::placement::Link)],
     calibrations: &[(LinkKind, PathBuf)],
@@ -32,6 +33,7 @@ pub fn simulate(
     let mut target = sim::Target {
         workers,
         ranks_per_node,
+        servers,
         inter: None,
         intra: None,
         data_dir: data.map(Path::to_path_buf),

@@ -21,6 +21,7 @@ pub fn evaluate<'h, B: Backend>(
     step: u64,
     mut comm: Option<&mut (dyn CommHook + 'h)>,
 ) -> Result<EvalMetrics> {
+    let start = std::time::Instant::now();
     let batches = data.eval_batches(config.eval_samples)?;
     if batches.is_empty() {
         return Err(RuntimeError::Config(
@@ -74,6 +75,7 @@ pub fn evaluate<'h, B: Backend>(
         eval_accuracy: classified.then(|| correct as f64 / labels_seen.max(1) as f64),
         eval_rmse: regressed.then(|| (sq / values_seen.max(1) as f64).sqrt()),
         eval_samples: n,
+        eval_sec: start.elapsed().as_secs_f64(),
     })
 }
 

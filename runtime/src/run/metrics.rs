@@ -100,6 +100,10 @@ pub struct EvalMetrics {
     pub eval_rmse: Option<f64>,
     /// Samples evaluated.
     pub eval_samples: usize,
+    /// Seconds of the evaluation, the other workers' wait for it included; no
+    /// step's time includes them.
+    #[serde(default)]
+    pub eval_sec: f64,
 }
 
 /// Where one worker's step time went, summed over the profiled steps.

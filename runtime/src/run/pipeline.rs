@@ -942,7 +942,7 @@ impl<'a> Stage<'a> {
             .follow_schedule(
                 &mut optimizer,
                 &config.lr_schedule,
-                self.cadence.last as u64,
+                crate::run::steps::lr_horizon(config),
             )
             .map_err(fail("setting the learning-rate schedule"))?;
         if let Some(slots) = self.resumed_slots.take() {

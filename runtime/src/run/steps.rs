@@ -15,6 +15,13 @@ use crate::run::programs::TrainOptions;
 use crate::run::trace::Span;
 use std::time::Instant;
 
+/// The learning-rate schedule's horizon: the plan's steps (the train block's), not
+/// `--steps`, so a run resumed to a later step follows the curve of one that never
+/// stopped. Updates past it keep the schedule's final factor.
+pub(crate) fn lr_horizon(config: &RunConfig) -> u64 {
+    config.steps as u64
+}
+
 /// Which steps of a run evaluate and which write a checkpoint.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cadence {

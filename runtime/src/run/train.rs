@@ -203,7 +203,7 @@ pub fn train_with<B: Backend>(
             sync: opts.sync,
             optimizer: config.optimizer.clone(),
             lr_schedule: config.lr_schedule.clone(),
-            total_steps: opts.steps.unwrap_or(config.steps) as u64,
+            total_steps: crate::run::steps::lr_horizon(config),
             seed: config.seed,
             resume: opts.resume.clone(),
         };

@@ -25,7 +25,7 @@ use crate::core::schedule::{MemoryUse, Mode};
 use crate::core::value::{Slices, Tensor, Value};
 use crate::cpu::optim::STEP_KEY;
 use crate::cpu::Cpu;
-use crate::ps::PsClient;
+use crate::ps::{PsClient, PsSync};
 use crate::run::data::DataSource;
 use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
@@ -142,10 +142,11 @@ pub struct WorkerOutcome {
 /// Where a worker blocked on which collective: `(node, step, start, end)`.
 type WaitSpans = Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>;
 
-/// A collective handed to the communication thread.
+/// A collective handed to the communication thread; `op` none: a barrier (its
+/// value comes back as it went).
 struct Request {
     node: NodeId,
-    op: Op,
+    op: Option<Op>,
     value: Value,
     step: u64,
     reply: mpsc::Sender<Result<Value>>,
@@ -574,15 +575,20 @@ fn comm_thread(
     bytes: mpsc::Sender<ByteCount>,
 ) {
     for req in rx {
-        comm.set_label(&op_label(&req.op, req.node, req.step));
+        let Some(op) = req.op else {
+            comm.set_label(&format!("the barrier after step {}'s evaluation", req.step));
+            let _ = req.reply.send(comm.barrier().map(|()| req.value));
+            continue;
+        };
+        comm.set_label(&op_label(&op, req.node, req.step));
         let before = comm.bytes();
         let start = Instant::now();
-        let r = collective(comm.as_mut(), &req.op, req.value);
+        let r = collective(comm.as_mut(), &op, req.value);
         let end = Instant::now();
         let after = comm.bytes();
         let _ = spans.send(CommSpan {
             node: req.node,
-            op: req.op.mnemonic(),
+            op: op.mnemonic(),
             step: req.step,
             bytes: after.sent - before.sent,
             start,
@@ -619,6 +625,24 @@ impl WorkerHook {
         })
     }
 
+    /// Returns once every worker of the data axis has called it after step `step`
+    /// (through the communication thread, behind the collectives issued before).
+    fn barrier(&mut self, step: u64) -> Result<()> {
+        let (reply, rx) = mpsc::channel();
+        self.to_comm
+            .send(Request {
+                node: NodeId(u32::MAX),
+                op: None,
+                value: Value::Tensor(Tensor::F32(ArrayD::zeros(IxDyn(&[0])))),
+                step,
+                reply,
+            })
+            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?;
+        rx.recv()
+            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?
+            .map(|_| ())
+    }
+
     /// The waits of the step so far, servers' and collectives' together.
     fn take_waited(&mut self) -> Duration {
         let collectives =
@@ -652,7 +676,7 @@ impl CommHook for WorkerHook {
         self.to_comm
             .send(Request {
                 node,
-                op: op.clone(),
+                op: Some(op.clone()),
                 value: v,
                 step,
                 reply,
@@ -974,7 +998,11 @@ fn train_worker<B: Backend>(
         .optimizer(&config.optimizer, &params)
         .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
     exec.backend()
-        .follow_schedule(&mut optimizer, &config.lr_schedule, steps as u64)
+        .follow_schedule(
+            &mut optimizer,
+            &config.lr_schedule,
+            crate::run::steps::lr_horizon(config),
+        )
         .map_err(|e| backend_error(&device, "setting the learning-rate schedule", e))?;
     // Workers that fill the cores keep their updates on their own thread.
     B::parallel_updates(&mut optimizer, cores > workers);
@@ -1299,6 +1327,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         let (sent, received, moved) = byte_deltas(st, hook);
         // Worker 0 reports the evaluation; when evaluating takes collectives (ZeRO's
         // gathered parameters), every worker takes part.
+        let eval_start = Instant::now();
         let eval = if due.eval && (rank == 0 || st.exec.schedule().has_collective(Mode::Eval)) {
             // Evaluation is not training: keep its kernels out of the profile, and its
             // traffic out of the next step's bytes.
@@ -1317,6 +1346,18 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             (rank == 0).then_some(e)
         } else {
             None
+        };
+        // The other workers wait for worker 0's evaluation here, not in the next step's
+        // first collective, where it would count as that step's time.
+        let eval = if due.eval && self.replicas > 1 && self.opts.sync == PsSync::Sync {
+            hook.barrier(step as u64)?;
+            hook.take_waited();
+            eval.map(|e| EvalMetrics {
+                eval_sec: eval_start.elapsed().as_secs_f64(),
+                ..e
+            })
+        } else {
+            eval
         };
         if let (Some(c), true) = (&self.opts.checkpoint, due.checkpoint) {
             let scaler = self.scaler.as_ref();
