@@ -26,4 +26,5 @@ train {
   steps     = 300
   seed      = 5
   eval_samples = 2048
+  metrics   = [accuracy, top_k(5), perplexity]
 }

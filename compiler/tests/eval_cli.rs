@@ -142,3 +142,60 @@ fn predict_writes_the_models_prediction_for_every_sample() {
         text(&o)
     );
 }
+
+/// Issue 36, item 4: the metrics a train block declares are what an evaluation
+/// reports: top-k of all classes is 1, top-1 is the accuracy, perplexity is
+/// `exp(eval_loss)`; a metric that does not fit the loss is refused at compile time.
+#[test]
+fn declared_metrics_are_reported_and_checked_against_the_loss() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("lin.dsl");
+    let metrics = dir.path().join("m.jsonl");
+    for (list, check) in [("[top_k(3), perplexity]", 0), ("[accuracy, top_k(1)]", 1)] {
+        let src = MODEL.replace(
+            "eval_samples = 64\n",
+            &format!("eval_samples = 64\n  metrics = {list}\n"),
+        );
+        std::fs::write(&m, src).expect("writes");
+        let o = distc(&["train", s(&m), "-q", "--metrics", s(&metrics)]);
+        assert!(o.status.success(), "{}", text(&o));
+        let e = last_eval(&metrics);
+        let line: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(&metrics)
+                .expect("m")
+                .lines()
+                .last()
+                .expect("line"),
+        )
+        .expect("json");
+        if check == 0 {
+            assert_eq!(line["eval_top_k_accuracy"], 1.0, "{line}");
+            assert!(
+                line["eval_accuracy"].is_null(),
+                "only what is declared: {line}"
+            );
+            let (p, l) = (
+                line["eval_perplexity"].as_f64().expect("perplexity"),
+                e["eval_loss"].as_f64().expect("loss"),
+            );
+            assert!((p - l.exp()).abs() < 1e-9 * p, "{p} against exp({l})");
+        } else {
+            assert_eq!(line["eval_top_k_accuracy"], line["eval_accuracy"], "{line}");
+        }
+    }
+    std::fs::write(
+        &m,
+        MODEL.replace(
+            "eval_samples = 64\n",
+            "eval_samples = 64\n  metrics = [rmse]\n",
+        ),
+    )
+    .expect("writes");
+    let o = distc(&["train", s(&m), "-q"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("`rmse`") && text(&o).contains("(`mse`)"),
+        "{}",
+        text(&o)
+    );
+}

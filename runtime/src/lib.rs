@@ -33,7 +33,7 @@ pub mod ps;
 pub mod run;
 
 pub use crate::core::config::{
-    DataSpec, Decay, FieldSpec, LinearScaling, LrSchedule, OptimizerSpec, RunConfig,
+    DataSpec, Decay, FieldSpec, LinearScaling, LrSchedule, Metric, OptimizerSpec, RunConfig,
 };
 pub use crate::core::error::{Result, RuntimeError};
 pub use crate::core::value::{Slices, Tensor, Value};

@@ -86,14 +86,7 @@ pub fn eval(
         &params,
         dir.as_deref(),
     )?;
-    let mut line = format!("{}: eval_loss {:.4}", c.programs.worker.name, m.eval_loss);
-    if let Some(a) = m.eval_accuracy {
-        line += &format!(", eval_accuracy {a:.4}");
-    }
-    if let Some(r) = m.eval_rmse {
-        line += &format!(", eval_rmse {r:.4}");
-    }
-    out(&format!("{line} ({} samples)\n", m.eval_samples));
+    out(&format!("{}: {}\n", c.programs.worker.name, m.describe()));
     if let Some(path) = metrics {
         let json = serde_json::to_string(&m)?;
         distc_runtime::core::output::write_file(path, format!("{json}\n").as_bytes())?;

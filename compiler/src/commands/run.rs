@@ -495,14 +495,7 @@ fn finish_run(
             line += &format!(", pipeline bubble {:.1}% measured", 100.0 * b);
         }
         if let Some(e) = &report.eval {
-            line += &format!("; eval_loss {:.4}", e.eval_loss);
-            if let Some(a) = e.eval_accuracy {
-                line += &format!(", eval_accuracy {:.4}", a);
-            }
-            if let Some(r) = e.eval_rmse {
-                line += &format!(", eval_rmse {:.4}", r);
-            }
-            line += &format!(" ({} samples)", e.eval_samples);
+            line += &format!("; {}", e.describe());
         }
         out(&format!("{line}\n"));
     }

@@ -211,6 +211,30 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
     };
     let lowered = lower::lower_model(model, batch, t.config.seed, &t.config.data, src)?;
     let (mut graph, stage_marks, shards) = (lowered.graph, lowered.stage_marks, lowered.shards);
+    // A metric scores what the loss compares: a classifier's or a regression's.
+    if let Some(span) = t.metrics_span {
+        let has =
+            |f: fn(&distc_ir::Op) -> bool| graph.node_ids().into_iter().any(|id| f(graph.op(id)));
+        let classifies = has(|op| matches!(op, distc_ir::Op::SoftmaxCrossEntropy));
+        let regresses = has(|op| matches!(op, distc_ir::Op::Mse));
+        for m in &t.config.metrics {
+            let (ok, needs) = if m.classifies() {
+                (classifies, "a classifier's (`softmax_cross_entropy`) loss")
+            } else {
+                (regresses, "a regression's (`mse`) loss")
+            };
+            if !ok {
+                return Err(Diag::new(
+                    span,
+                    format!(
+                        "the metric `{}` scores {needs}, which this model does not minimize",
+                        m.name()
+                    ),
+                    "does not fit the loss",
+                ));
+            }
+        }
+    }
     // A source whose file names the fields reads what the model's inputs declare.
     if t.config.data.fields_from_model() {
         let mut inputs: Vec<_> = distc_runtime::run::programs::input_types(&graph)

@@ -19,6 +19,30 @@ const KEYS: &[(&str, bool)] = &[
     ("eval_samples", false),
     ("lr_schedule", false),
     ("lr_scaling", false),
+    ("metrics", false),
+];
+
+const METRICS: &[Sig] = &[
+    Sig {
+        name: "accuracy",
+        params: &[],
+        usage: "accuracy",
+    },
+    Sig {
+        name: "top_k",
+        params: &[("k", true)],
+        usage: "top_k(5)",
+    },
+    Sig {
+        name: "perplexity",
+        params: &[],
+        usage: "perplexity",
+    },
+    Sig {
+        name: "rmse",
+        params: &[],
+        usage: "rmse",
+    },
 ];
 
 const SOURCES: &[Sig] = &[
@@ -154,6 +178,8 @@ pub(crate) struct Train {
     pub config: RunConfig,
     /// The `batch = ...` value.
     pub batch_span: Span,
+    /// The `metrics = [...]` value, if set.
+    pub metrics_span: Option<Span>,
 }
 
 /// Checks and lowers the train block.
@@ -224,6 +250,10 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
             None => LrSchedule::default(),
         },
         lr_scaling: None,
+        metrics: match get("metrics") {
+            Some(e) => lower_metrics(e)?,
+            None => Vec::new(),
+        },
     };
     let mut config = config;
     if let Some(e) = get("lr_scaling") {
@@ -245,7 +275,64 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
     Ok(Train {
         config,
         batch_span: batch.span,
+        metrics_span: get("metrics").map(|e| e.span),
     })
+}
+
+/// `metrics = [accuracy, top_k(5), perplexity, rmse]`: each at most once.
+fn lower_metrics(e: &Expr) -> R<Vec<distc_runtime::Metric>> {
+    use distc_runtime::Metric;
+    let ExprKind::List(items) = &e.kind else {
+        return Err(Diag::new(
+            e.span,
+            format!("`metrics` is a list, found {}", describe(e)),
+            "expected `[...]`",
+        )
+        .help("e.g. `metrics = [accuracy, top_k(5)]`"));
+    };
+    let mut out: Vec<Metric> = Vec::new();
+    for item in items {
+        let (name, args) = match &item.kind {
+            ExprKind::Name(n) => (
+                Ident {
+                    name: n.clone(),
+                    span: item.span,
+                },
+                &[][..],
+            ),
+            ExprKind::Call { name, args } => (name.clone(), args.as_slice()),
+            _ => {
+                return Err(Diag::new(
+                    item.span,
+                    format!("expected a metric, found {}", describe(item)),
+                    "not a metric",
+                ))
+            }
+        };
+        let sig = find(METRICS, &name, "metric", "a metric")?;
+        let slots = bind(sig, "metric", item.span, args)?;
+        let metric = match sig.name {
+            "accuracy" => Metric::Accuracy,
+            "top_k" => Metric::TopK {
+                k: match slots[0] {
+                    Some(a) => args::usize_(&a.value, "`k`", 1)?,
+                    None => 1,
+                },
+            },
+            "perplexity" => Metric::Perplexity,
+            _ => Metric::Rmse,
+        };
+        let same_kind = |m: &Metric| std::mem::discriminant(m) == std::mem::discriminant(&metric);
+        if out.iter().any(same_kind) {
+            return Err(Diag::new(
+                item.span,
+                format!("`{}` is listed twice", sig.name),
+                "again",
+            ));
+        }
+        out.push(metric);
+    }
+    Ok(out)
 }
 
 fn example(key: &str) -> &'static str {

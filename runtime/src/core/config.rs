@@ -375,6 +375,44 @@ pub struct RunConfig {
     pub eval_every: usize,
     /// Evaluate on at most this many held-out samples (None: all).
     pub eval_samples: Option<usize>,
+    /// What an evaluation reports besides the loss (the train block's `metrics`);
+    /// empty: accuracy for a classifier, RMSE for a regression.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metrics: Vec<Metric>,
+}
+
+/// A metric an evaluation reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Metric {
+    /// The fraction of arg-max predictions equal to the label.
+    Accuracy,
+    /// The fraction of labels among the `k` largest logits.
+    TopK {
+        /// How many of the largest logits count.
+        k: usize,
+    },
+    /// `exp` of the mean cross-entropy per prediction: for token models.
+    Perplexity,
+    /// Root mean squared error of a regression.
+    Rmse,
+}
+
+impl Metric {
+    /// As the train block writes it.
+    pub fn name(&self) -> String {
+        match self {
+            Metric::Accuracy => "accuracy".into(),
+            Metric::TopK { k } => format!("top_k({k})"),
+            Metric::Perplexity => "perplexity".into(),
+            Metric::Rmse => "rmse".into(),
+        }
+    }
+
+    /// Whether it scores a classifier (a cross-entropy loss), not a regression.
+    pub fn classifies(&self) -> bool {
+        !matches!(self, Metric::Rmse)
+    }
 }
 
 /// The largest id an `i32` id field can hold, plus one: a vocabulary or class count

@@ -33,6 +33,11 @@ pub fn evaluate<'h, B: Backend>(
     // Predictions scored: a sample may hold several (a token model predicts each
     // position of its window).
     let (mut labels_seen, mut values_seen) = (0usize, 0usize);
+    let top_k = config.metrics.iter().find_map(|m| match m {
+        crate::core::config::Metric::TopK { k } => Some(*k),
+        _ => None,
+    });
+    let mut in_top_k = 0usize;
     for batch in batches {
         let b = batch.values().next().map_or(0, |t| t.shape()[0]);
         let feeds = upload_all(exec.backend(), batch)?;
@@ -53,6 +58,12 @@ pub fn evaluate<'h, B: Backend>(
                                 .enumerate()
                                 .fold(0, |best, (j, &v)| if v > row[best] { j } else { best });
                         correct += usize::from(arg as i32 == l);
+                        if let (Some(k), Some(&at)) =
+                            (top_k, usize::try_from(l).ok().and_then(|l| row.get(l)))
+                        {
+                            // Ties count for the label: fewer than k logits above it.
+                            in_top_k += usize::from(row.iter().filter(|&&v| v > at).count() < k);
+                        }
                     }
                     labels_seen += labels.len();
                 }
@@ -70,10 +81,22 @@ pub fn evaluate<'h, B: Backend>(
             }
         }
     }
+    use crate::core::config::Metric;
+    let eval_loss = loss / n as f64;
+    // Declared metrics decide what is reported; none declared: accuracy or RMSE.
+    let wants = |m: Metric| config.metrics.is_empty() || config.metrics.contains(&m);
     Ok(EvalMetrics {
-        eval_loss: loss / n as f64,
-        eval_accuracy: classified.then(|| correct as f64 / labels_seen.max(1) as f64),
-        eval_rmse: regressed.then(|| (sq / values_seen.max(1) as f64).sqrt()),
+        eval_loss,
+        eval_accuracy: (classified && wants(Metric::Accuracy))
+            .then(|| correct as f64 / labels_seen.max(1) as f64),
+        eval_rmse: (regressed && wants(Metric::Rmse))
+            .then(|| (sq / values_seen.max(1) as f64).sqrt()),
+        eval_top_k_accuracy: top_k
+            .filter(|_| classified)
+            .map(|_| in_top_k as f64 / labels_seen.max(1) as f64),
+        eval_top_k: top_k.filter(|_| classified),
+        eval_perplexity: (classified && config.metrics.contains(&Metric::Perplexity))
+            .then(|| eval_loss.exp()),
         eval_samples: n,
         eval_sec: start.elapsed().as_secs_f64(),
     })

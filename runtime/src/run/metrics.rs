@@ -98,12 +98,41 @@ pub struct EvalMetrics {
     /// Root mean squared error (regression).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_rmse: Option<f64>,
+    /// The fraction of labels among the `eval_top_k` largest logits (`top_k(k)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_top_k_accuracy: Option<f64>,
+    /// The `k` of `eval_top_k_accuracy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_top_k: Option<usize>,
+    /// `exp(eval_loss)` of a cross-entropy model (`perplexity`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_perplexity: Option<f64>,
     /// Samples evaluated.
     pub eval_samples: usize,
     /// Seconds of the evaluation, the other workers' wait for it included; no
     /// step's time includes them.
     #[serde(default)]
     pub eval_sec: f64,
+}
+
+impl EvalMetrics {
+    /// One line for people: `eval_loss 0.1234, eval_accuracy 0.9700 (10000 samples)`.
+    pub fn describe(&self) -> String {
+        let mut line = format!("eval_loss {:.4}", self.eval_loss);
+        if let Some(a) = self.eval_accuracy {
+            line += &format!(", eval_accuracy {a:.4}");
+        }
+        if let (Some(a), Some(k)) = (self.eval_top_k_accuracy, self.eval_top_k) {
+            line += &format!(", eval_top{k}_accuracy {a:.4}");
+        }
+        if let Some(p) = self.eval_perplexity {
+            line += &format!(", eval_perplexity {p:.2}");
+        }
+        if let Some(r) = self.eval_rmse {
+            line += &format!(", eval_rmse {r:.4}");
+        }
+        format!("{line} ({} samples)", self.eval_samples)
+    }
 }
 
 /// Where one worker's step time went, summed over the profiled steps.
