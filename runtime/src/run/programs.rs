@@ -388,7 +388,8 @@ pub fn state_from_weights(
         .cloned()
         .collect();
     report.unused.sort();
-    if !partial && !(report.missing.is_empty() && report.unused.is_empty()) {
+    let all_named = report.missing.is_empty() && report.unused.is_empty();
+    if !partial && !all_named {
         let list = |v: &[String]| {
             if v.is_empty() {
                 "none".into()
