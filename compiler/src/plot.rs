@@ -153,6 +153,14 @@ enum Format {
 }
 
 impl Format {
+    /// How lines reach this format's backend.
+    fn strokes(self) -> Strokes {
+        match self {
+            Format::Svg => Strokes::Polyline,
+            Format::Png => Strokes::Segments,
+        }
+    }
+
     fn of(path: &Path) -> Result<Format, PlotError> {
         let ext = path
             .extension()
@@ -165,6 +173,18 @@ impl Format {
             }),
         }
     }
+}
+
+/// How a line series is handed to the backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strokes {
+    /// One polyline per series: an SVG viewer strokes it itself.
+    Polyline,
+    /// One 2-pixel segment at a time, kept a pixel inside the plotting area. plotters'
+    /// bitmap backend turns a wide polyline into one polygon: every sharp turn of a
+    /// noisy series spikes its outline (out of the panel, unclipped), and where the
+    /// outline crosses itself the even-odd fill leaves holes (a line of speckles).
+    Segments,
 }
 
 /// `(step, value)` points of one quantity of one run.
@@ -472,6 +492,7 @@ pub fn plot(
             draw(
                 SVGBackend::with_string(&mut svg, size).into_drawing_area(),
                 &panels,
+                format.strokes(),
             )?;
             svg.into_bytes()
         }
@@ -480,6 +501,7 @@ pub fn plot(
             draw(
                 BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(),
                 &panels,
+                format.strokes(),
             )?;
             encode_png(&rgb, size)?
         }
@@ -508,6 +530,7 @@ fn drawing<E: std::fmt::Display>(e: E) -> PlotError {
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
     panels: &[Panel],
+    strokes: Strokes,
 ) -> Result<(), PlotError> {
     root.fill(&WHITE).map_err(drawing)?;
     let rows = panels.len().div_ceil(2);
@@ -519,7 +542,7 @@ fn draw<DB: DrawingBackend>(
                 y_label,
                 series,
                 markers,
-            } => draw_lines(area, title, y_label, series, *markers)?,
+            } => draw_lines(area, title, y_label, series, *markers, strokes)?,
             Panel::Memory {
                 run,
                 categories,
@@ -655,6 +678,7 @@ fn draw_lines<DB: DrawingBackend>(
     y_label: &str,
     series: &[(usize, &str, &Points)],
     markers: bool,
+    strokes: Strokes,
 ) -> Result<(), PlotError> {
     let x = steps_range(series.iter().map(|s| s.2));
     let y = range(series.iter().flat_map(|s| s.2.iter().map(|p| p.1)), false);
@@ -688,11 +712,20 @@ fn draw_lines<DB: DrawingBackend>(
         .map_err(drawing)?;
     for &(run, label, points) in series {
         let colour = RUN_COLOURS[run % RUN_COLOURS.len()];
+        let line = match strokes {
+            Strokes::Polyline => points.iter().filter_map(on_axis).collect(),
+            Strokes::Segments => {
+                draw_segments(
+                    chart.plotting_area(),
+                    points.iter().filter_map(on_axis),
+                    colour.stroke_width(2),
+                )?;
+                Vec::new()
+            }
+        };
+        // The legend entry comes with a series; for segments it is an empty one.
         chart
-            .draw_series(LineSeries::new(
-                points.iter().filter_map(on_axis),
-                colour.stroke_width(2),
-            ))
+            .draw_series(LineSeries::new(line, colour.stroke_width(2)))
             .map_err(drawing)?
             .label(label)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
@@ -715,6 +748,34 @@ fn draw_lines<DB: DrawingBackend>(
         .label_font(("sans-serif", 14))
         .draw()
         .map_err(drawing)
+}
+
+/// A line through `points` drawn one segment at a time (see [`Strokes::Segments`]).
+fn draw_segments<DB: DrawingBackend, CT: CoordTranslate<From = (f64, f64)>>(
+    area: &DrawingArea<DB, CT>,
+    points: impl Iterator<Item = (f64, f64)>,
+    style: ShapeStyle,
+) -> Result<(), PlotError> {
+    let (x0, y0) = area.get_base_pixel();
+    let (w, h) = area.dim_in_pixel();
+    // A stroke reaches half its width past its points: keep them that far inside.
+    let r = (style.stroke_width / 2) as i32;
+    let (right, bottom) = ((w as i32 - 1 - r).max(r), (h as i32 - 1 - r).max(r));
+    let mut pixels: Vec<(i32, i32)> = points
+        .map(|p| {
+            let (x, y) = area.map_coordinate(&p);
+            ((x - x0).clamp(r, right), (y - y0).clamp(r, bottom))
+        })
+        .collect();
+    // Many steps share a pixel on a long run; a segment of no length draws nothing.
+    pixels.dedup();
+    let screen = area.strip_coord_spec();
+    for pair in pixels.windows(2) {
+        screen
+            .draw(&PathElement::new(pair.to_vec(), style))
+            .map_err(drawing)?;
+    }
+    Ok(())
 }
 
 /// `colour` a third of the way to white: fills that do not shout over the lines.
