@@ -30,6 +30,10 @@ use std::path::{Path, PathBuf};
 /// DejaVu Sans (Bitstream Vera licence: `compiler/assets/DejaVuSans-LICENSE`).
 static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 
+/// The family [`FONT`] is registered under: its own name, which the SVG's
+/// `font-family` carries, so a viewer draws the font the labels were measured with.
+const FAMILY: &str = "DejaVu Sans";
+
 /// Width of the picture; two panels side by side.
 const WIDTH: u32 = 1200;
 /// Height of one row of panels.
@@ -482,7 +486,7 @@ pub fn plot(
         .map(|(label, path)| read_run(path, label))
         .collect::<Result<Vec<_>, _>>()?;
     let panels = panels(&runs);
-    register_font("sans-serif", FontStyle::Normal, FONT)
+    register_font(FAMILY, FontStyle::Normal, FONT)
         .map_err(|_| PlotError::Draw("the bundled font is not a font".into()))?;
     let rows = panels.len().div_ceil(2) as u32;
     let size = (WIDTH, ROW_HEIGHT * rows);
@@ -656,17 +660,11 @@ fn no_data<DB: DrawingBackend>(
     title: &str,
 ) -> Result<(), PlotError> {
     let (w, h) = area.dim_in_pixel();
-    area.draw_text(
-        title,
-        &("sans-serif", 20).into_font().color(&BLACK),
-        (10, 10),
-    )
-    .map_err(drawing)?;
+    area.draw_text(title, &(FAMILY, 20).into_font().color(&BLACK), (10, 10))
+        .map_err(drawing)?;
     area.draw_text(
         "no data",
-        &("sans-serif", 18)
-            .into_font()
-            .color(&RGBColor(127, 127, 127)),
+        &(FAMILY, 18).into_font().color(&RGBColor(127, 127, 127)),
         (w as i32 / 2 - 30, h as i32 / 2),
     )
     .map_err(drawing)
@@ -693,7 +691,7 @@ fn draw_lines<DB: DrawingBackend>(
     let on_axis = move |&(x, v): &(f64, f64)| v.is_finite().then(|| (x, v.clamp(ylo, yhi)));
     let legend = legend_position(series, &y);
     let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 20))
+        .caption(title, (FAMILY, 20))
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(60)
@@ -703,6 +701,7 @@ fn draw_lines<DB: DrawingBackend>(
         .configure_mesh()
         .bold_line_style(GRID)
         .light_line_style(TRANSPARENT)
+        .label_style((FAMILY, 12))
         .x_desc("step")
         .x_labels(x_labels)
         .y_desc(y_label)
@@ -745,7 +744,7 @@ fn draw_lines<DB: DrawingBackend>(
         .position(legend)
         .background_style(WHITE.mix(0.85))
         .border_style(RGBColor(190, 190, 190))
-        .label_font(("sans-serif", 14))
+        .label_font((FAMILY, 14))
         .draw()
         .map_err(drawing)
 }
@@ -829,7 +828,7 @@ fn draw_memory<DB: DrawingBackend>(
     let mut chart = ChartBuilder::on(&plot_area)
         .caption(
             title,
-            ("sans-serif", 20)
+            (FAMILY, 20)
                 .into_font()
                 .color(&RUN_COLOURS[run % RUN_COLOURS.len()]),
         )
@@ -842,6 +841,7 @@ fn draw_memory<DB: DrawingBackend>(
         .configure_mesh()
         .bold_line_style(GRID)
         .light_line_style(TRANSPARENT)
+        .label_style((FAMILY, 12))
         .x_desc("step")
         .x_labels(x_labels)
         .y_desc("MiB")
@@ -860,7 +860,7 @@ fn draw_memory<DB: DrawingBackend>(
             .map_err(drawing)?;
     }
     // The legend reads top to bottom as the stack does.
-    let font = ("sans-serif", 14).into_font().color(&BLACK);
+    let font = (FAMILY, 14).into_font().color(&BLACK);
     for (row, ((name, _), colour)) in shown.iter().rev().enumerate() {
         let y = 50 + 22 * row as i32;
         legend_area

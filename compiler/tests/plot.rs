@@ -555,3 +555,21 @@ fn png_lines_of_a_long_run_are_connected_and_stay_in_their_panels() {
         &outside[..outside.len().min(10)]
     );
 }
+
+/// Issue 36, item 6: the SVG named a generic `sans-serif`, so a viewer drew its own
+/// font, not the one plotters measured the labels with; it names the bundled family.
+#[test]
+fn svg_names_the_bundled_font() {
+    let dir = tmp("font");
+    let (one, _) = two_runs(&dir);
+    let out = dir.join("font.svg");
+    let o = distc(&["plot", s(&one), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    let families: BTreeSet<&str> = svg
+        .split("font-family=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .collect();
+    assert_eq!(families, BTreeSet::from(["DejaVu Sans"]));
+}
