@@ -573,3 +573,123 @@ fn svg_names_the_bundled_font() {
         .collect();
     assert_eq!(families, BTreeSet::from(["DejaVu Sans"]));
 }
+
+/// Writes `losses` as a run's metrics, one step each, throughput a steady 5000/s (its
+/// ticks, 4500 to 5500, never read like a loss's).
+fn losses_run(path: &Path, losses: &[f64]) {
+    let lines: Vec<String> = losses
+        .iter()
+        .enumerate()
+        .map(|(i, loss)| {
+            format!(
+                r#"{{"step":{},"loss":{loss},"samples_per_sec":5000.0}}"#,
+                i + 1
+            )
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").expect("write");
+}
+
+/// The text of every `<text>` element of an SVG.
+fn svg_texts(svg: &str) -> Vec<&str> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| t.split('>').nth(1))
+        .filter_map(|t| t.split('<').next())
+        .map(str::trim)
+        .collect()
+}
+
+/// Issue 36, item 6: `--log-y` draws the loss on a log axis; a loss of 0 or below has
+/// no place on it and is left out, and the user is told how many.
+#[test]
+fn log_y_puts_the_loss_on_a_log_axis_and_leaves_out_what_is_not_positive() {
+    let dir = tmp("log-y");
+    let path = dir.join("loss.jsonl");
+    // 10 down to 0.015: under 1000x and never rising, so linear unless asked.
+    let mut losses: Vec<f64> = (0..40).map(|i| 10.0 * 0.85f64.powi(i)).collect();
+    losses.extend([0.0, -1.0]);
+    losses_run(&path, &losses);
+    let out = dir.join("loss.svg");
+
+    let o = distc(&["plot", s(&path), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert!(!svg_texts(&svg).contains(&"0.1"), "linear by default");
+    assert!(!text(&o).contains("log axis"), "{}", text(&o));
+
+    let o = distc(&["plot", s(&path), "-o", s(&out), "--log-y"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("training loss: 2 values at or below 0 left out of the log axis"),
+        "{}",
+        text(&o)
+    );
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    let texts = svg_texts(&svg);
+    for tick in ["0.1", "1", "10"] {
+        assert!(texts.contains(&tick), "no tick {tick}: {texts:?}");
+    }
+    assert!(texts.contains(&"loss (log scale)"), "{texts:?}");
+
+    // The bitmap backend too, and a loss with no positive value at all.
+    let o = distc(&["plot", s(&path), "-o", s(&dir.join("loss.png")), "--log-y"]);
+    assert!(o.status.success(), "{}", text(&o));
+    losses_run(&path, &[0.0, -2.0, -3.0]);
+    let o = distc(&["plot", s(&path), "-o", s(&out), "--log-y"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("3 values at or below 0"), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert_eq!(svg.matches("no data").count(), 1);
+}
+
+/// Issue 36, item 6: a run that diverges squashes every other run's loss flat against
+/// the bottom of a linear axis; its loss panel goes to a log axis by itself, and says
+/// why. A run that merely converges stays linear.
+#[test]
+fn a_diverging_run_puts_the_loss_on_a_log_axis_by_itself() {
+    let dir = tmp("diverge");
+    let steady = dir.join("steady.jsonl");
+    let blown = dir.join("blown.jsonl");
+    losses_run(
+        &steady,
+        &(1..=40).map(|i| 2.3 / f64::from(i)).collect::<Vec<_>>(),
+    );
+    losses_run(
+        &blown,
+        &(0..40).map(|i| 2.3 * 1.5f64.powi(i)).collect::<Vec<_>>(),
+    );
+    let out = dir.join("runs.svg");
+
+    let o = distc(&["plot", s(&steady), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("log axis"), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert!(!svg_texts(&svg).contains(&"loss (log scale)"));
+
+    let o = distc(&["plot", s(&steady), s(&blown), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("training loss: on a log axis"),
+        "{}",
+        text(&o)
+    );
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    let texts = svg_texts(&svg);
+    for tick in ["0.1", "1", "1000", "10k", "1M"] {
+        assert!(texts.contains(&tick), "no tick {tick}: {texts:?}");
+    }
+
+    // Rising tenfold is divergence too, though the values span far less than 1000x.
+    losses_run(
+        &blown,
+        &(0..40).map(|i| 2.0 + f64::from(i)).collect::<Vec<_>>(),
+    );
+    let o = distc(&["plot", s(&blown), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("training loss: on a log axis"),
+        "{}",
+        text(&o)
+    );
+}
