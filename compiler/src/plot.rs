@@ -705,7 +705,9 @@ const LOG_FLOOR: f64 = 1e-300;
 
 /// A log axis's range around the positive finite `values`, a twentieth of its decades
 /// to spare at each end (half a decade around a single value), within [`LOG_FLOOR`]
-/// and [`AXIS_LIMIT`]; `None` when no value is positive.
+/// and [`AXIS_LIMIT`], and out to the powers of ten around it where it holds none
+/// (plotters' log ticks start at a power of ten: 2 to 8 would get no tick at all);
+/// `None` when no value is positive.
 fn log_range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> {
     let (lo, hi) = values
         .filter(|v| v.is_finite() && *v > 0.0)
@@ -718,7 +720,11 @@ fn log_range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> 
     }
     let pad = if hi > lo { (hi - lo) * 0.05 } else { 0.5 };
     let (floor, limit) = (LOG_FLOOR.log10(), AXIS_LIMIT.log10());
-    Some(10f64.powf((lo - pad).max(floor))..10f64.powf((hi + pad).min(limit)))
+    let (mut lo, mut hi) = ((lo - pad).max(floor), (hi + pad).min(limit));
+    if lo.ceil() > hi {
+        (lo, hi) = (lo.floor(), hi.ceil());
+    }
+    Some(10f64.powf(lo)..10f64.powf(hi))
 }
 
 fn steps_range<'a>(points: impl Iterator<Item = &'a Points>) -> Option<std::ops::Range<f64>> {
@@ -865,7 +871,12 @@ fn draw_lines<DB: DrawingBackend>(
         let chart = builder
             .build_cartesian_2d(x, y.log_scale())
             .map_err(drawing)?;
-        lines.draw(chart, &format!("{y_label} (log scale)"), &|v| log_tick(*v))
+        let y_label = if y_label.is_empty() {
+            "log scale".to_string()
+        } else {
+            format!("{y_label} (log scale)")
+        };
+        lines.draw(chart, &y_label, &|v| log_tick(*v))
     } else {
         let span = y.end - y.start;
         let chart = builder.build_cartesian_2d(x, y).map_err(drawing)?;
@@ -1124,6 +1135,46 @@ mod tests {
         assert_eq!(step_labels(&(30.0..31.0)), 2);
         assert_eq!(step_labels(&(1.0..5.0)), 5);
         assert_eq!(step_labels(&(0.0..1000.0)), 10);
+    }
+
+    #[test]
+    fn log_ticks_are_short_and_free_of_float_noise() {
+        assert_eq!(log_tick(0.1 * 3.0), "0.3");
+        assert_eq!(log_tick(0.002), "0.002");
+        assert_eq!(log_tick(1.0), "1");
+        assert_eq!(log_tick(20.0), "20");
+        assert_eq!(log_tick(1000.0), "1000");
+        assert_eq!(log_tick(2e4), "20k");
+        assert_eq!(log_tick(1e7), "10M");
+        assert_eq!(log_tick(1e-5), "1e-5");
+    }
+
+    #[test]
+    fn a_log_range_holds_a_power_of_ten_and_only_positive_values() {
+        let r = log_range([2.0, 8.0, 0.0, -1.0, f64::NAN].into_iter());
+        assert_eq!(r, Some(1.0..10.0));
+        let r = log_range([0.01, 100.0].into_iter()).expect("a range");
+        assert!(r.start < 0.01 && r.start > 0.005 && r.end > 100.0 && r.end < 200.0);
+        assert_eq!(log_range([0.0, -2.0].into_iter()), None);
+        // The least subnormal and the largest float still make a finite range.
+        let r = log_range([5e-324, f64::MAX].into_iter()).expect("a range");
+        assert!(r.start > 0.0 && r.end.is_finite());
+    }
+
+    #[test]
+    fn a_run_diverged_when_its_loss_spans_1000x_or_rises_10x() {
+        let steady: Points = (1..=40).map(|i| (i as f64, 2.3 / i as f64)).collect();
+        let blown: Points = (0..40).map(|i| (i as f64, 2.3 * 1.5f64.powi(i))).collect();
+        let rising: Points = (0..40).map(|i| (i as f64, 2.0 + i as f64)).collect();
+        let mut negative = steady.clone();
+        negative.push((41.0, -1.0));
+        negative.push((42.0, 1e9));
+        assert_eq!(diverged(&[(0, "s", &steady)]), None);
+        assert!(diverged(&[(0, "s", &steady), (1, "b", &blown)])
+            .is_some_and(|why| why.contains("more than 1000x")));
+        assert!(diverged(&[(0, "r", &rising)]).is_some_and(|why| why.contains("r rose")));
+        // A value at or below 0 keeps the axis linear: a log one would leave it out.
+        assert_eq!(diverged(&[(0, "n", &negative)]), None);
     }
 
     #[test]
