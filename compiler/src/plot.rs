@@ -474,56 +474,47 @@ fn short(v: f64) -> String {
 /// The panels the runs call for, in reading order; a loss panel put on a log axis, or
 /// values one leaves out, noted in `notes`.
 fn panels<'a>(runs: &'a [Run], log_y: bool, notes: &mut Vec<String>) -> Vec<Panel<'a>> {
-    let lines = |title: &str,
-                 y_label,
-                 markers,
-                 loss: bool,
-                 notes: &mut Vec<String>,
-                 get: &dyn Fn(&Run) -> Option<&Points>| {
-        let series: Vec<(usize, &str, &Points)> = runs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| get(r).map(|p| (i, r.label.as_str(), p)))
-            .collect();
-        let log_y = loss
-            && (log_y
-                || diverged(&series).is_some_and(|why| {
-                    notes.push(format!(
-                        "{title}: on a log axis, as {why} (--log-y asks for it always)"
-                    ));
-                    true
-                }));
-        let left_out = values(&series).filter(|v| *v <= 0.0).count();
-        if log_y && left_out > 0 {
-            notes.push(format!(
-                "{title}: {left_out} values at or below 0 left out of the log axis"
-            ));
-        }
-        Panel::Lines {
-            title: title.to_string(),
-            y_label,
-            series,
-            markers,
-            log_y,
-        }
-    };
-    let mut panels = vec![lines("training loss", "loss", false, true, notes, &|r| {
+    let mut lines =
+        |title: &str, y_label, markers, loss: bool, get: &dyn Fn(&Run) -> Option<&Points>| {
+            let series: Vec<(usize, &str, &Points)> = runs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| get(r).map(|p| (i, r.label.as_str(), p)))
+                .collect();
+            let log_y = loss
+                && (log_y
+                    || diverged(&series).is_some_and(|why| {
+                        notes.push(format!(
+                            "{title}: on a log axis, as {why} (--log-y asks for it always)"
+                        ));
+                        true
+                    }));
+            let left_out = values(&series).filter(|v| *v <= 0.0).count();
+            if log_y && left_out > 0 {
+                notes.push(format!(
+                    "{title}: {left_out} values at or below 0 left out of the log axis"
+                ));
+            }
+            Panel::Lines {
+                title: title.to_string(),
+                y_label,
+                series,
+                markers,
+                log_y,
+            }
+        };
+    let mut panels = vec![lines("training loss", "loss", false, true, &|r| {
         Some(&r.loss)
     })];
     for (key, title) in EVAL_METRICS {
         if runs.iter().any(|r| r.eval.contains_key(key)) {
             let loss = key == "eval_loss";
-            panels.push(lines(title, "", true, loss, notes, &|r| r.eval.get(key)));
+            panels.push(lines(title, "", true, loss, &|r| r.eval.get(key)));
         }
     }
-    panels.push(lines(
-        "throughput",
-        "samples/s",
-        false,
-        false,
-        notes,
-        &|r| Some(&r.samples_per_sec),
-    ));
+    panels.push(lines("throughput", "samples/s", false, false, &|r| {
+        Some(&r.samples_per_sec)
+    }));
     if runs.iter().any(|r| !r.memory.is_empty()) {
         let known = MemoryByCategory::default().named().map(|(name, _)| name);
         let others: BTreeSet<&str> = runs
@@ -719,8 +710,8 @@ fn log_range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> 
         return None;
     }
     let pad = if hi > lo { (hi - lo) * 0.05 } else { 0.5 };
-    let (floor, limit) = (LOG_FLOOR.log10(), AXIS_LIMIT.log10());
-    let (mut lo, mut hi) = ((lo - pad).max(floor), (hi + pad).min(limit));
+    let (least, most) = (LOG_FLOOR.log10(), AXIS_LIMIT.log10());
+    let (mut lo, mut hi) = ((lo - pad).max(least), (hi + pad).min(most));
     if lo.ceil() > hi {
         (lo, hi) = (lo.floor(), hi.ceil());
     }
