@@ -262,6 +262,13 @@ enum Command {
         /// Legend label of a run (repeat once per file, in order; default: file names).
         #[arg(long = "label", value_name = "TEXT")]
         labels: Vec<String>,
+        /// Draw the loss panels (training and eval loss) on a log y axis; values at or
+        /// below 0 are left out, and counted in a note. Without it a loss panel goes to
+        /// a log axis by itself when a run diverged: all its values are positive and
+        /// the largest is over 1000x the smallest, or a run's loss rose above 10x its
+        /// first value.
+        #[arg(long)]
+        log_y: bool,
     },
 }
 
@@ -422,6 +429,7 @@ fn dispatch(command: Command) -> Result<()> {
             files,
             output,
             labels,
-        } => commands::plot(&files, &output, labels),
+            log_y,
+        } => commands::plot(&files, &output, &distc::plot::PlotOptions { labels, log_y }),
     }
 }

@@ -20,6 +20,8 @@
 
 use distc_runtime::core::output::{check_output, write_file};
 use distc_runtime::run::memory::MemoryByCategory;
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
@@ -29,6 +31,10 @@ use std::path::{Path, PathBuf};
 
 /// DejaVu Sans (Bitstream Vera licence: `compiler/assets/DejaVuSans-LICENSE`).
 static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// The family [`FONT`] is registered under: its own name, which the SVG's
+/// `font-family` carries, so a viewer draws the font the labels were measured with.
+const FAMILY: &str = "DejaVu Sans";
 
 /// Width of the picture; two panels side by side.
 const WIDTH: u32 = 1200;
@@ -78,11 +84,30 @@ const EVAL_METRICS: [(&str, &str); 3] = [
     ("eval_rmse", "eval RMSE"),
 ];
 
+/// A loss panel goes to a log axis by itself when its values span more than this
+/// many times over ...
+const LOG_SPAN: f64 = 1e3;
+/// ... or a run's loss rises above this many times its first value: a run diverged,
+/// and on a linear axis it would squash every other run flat.
+const DIVERGED: f64 = 10.0;
+
 /// What `distc plot` may be asked besides its files.
 #[derive(Clone, Debug, Default)]
 pub struct PlotOptions {
     /// Legend label of each run, in the order of the files; empty: the file names.
     pub labels: Vec<String>,
+    /// The loss panels on a log axis, whatever their values.
+    pub log_y: bool,
+}
+
+/// What was drawn.
+#[derive(Clone, Debug, Default)]
+pub struct Plotted {
+    /// The panels' titles, in reading order.
+    pub panels: Vec<String>,
+    /// What the picture alone does not say: a panel put on a log axis by itself, values
+    /// a log axis left out.
+    pub notes: Vec<String>,
 }
 
 /// Why no picture was drawn.
@@ -153,6 +178,14 @@ enum Format {
 }
 
 impl Format {
+    /// How lines reach this format's backend.
+    fn strokes(self) -> Strokes {
+        match self {
+            Format::Svg => Strokes::Polyline,
+            Format::Png => Strokes::Segments,
+        }
+    }
+
     fn of(path: &Path) -> Result<Format, PlotError> {
         let ext = path
             .extension()
@@ -165,6 +198,18 @@ impl Format {
             }),
         }
     }
+}
+
+/// How a line series is handed to the backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strokes {
+    /// One polyline per series: an SVG viewer strokes it itself.
+    Polyline,
+    /// One 2-pixel segment at a time, kept a pixel inside the plotting area. plotters'
+    /// bitmap backend turns a wide polyline into one polygon: every sharp turn of a
+    /// noisy series spikes its outline (out of the panel, unclipped), and where the
+    /// outline crosses itself the even-odd fill leaves holes (a line of speckles).
+    Segments,
 }
 
 /// `(step, value)` points of one quantity of one run.
@@ -343,6 +388,8 @@ enum Panel<'a> {
         series: Vec<(usize, &'a str, &'a Points)>,
         /// Dots on the points: evaluations are few and far apart.
         markers: bool,
+        /// A log y axis (loss panels only).
+        log_y: bool,
     },
     /// One run's memory, categories stacked (bytes, drawn in MiB).
     Memory {
@@ -373,26 +420,99 @@ impl Panel<'_> {
     }
 }
 
-/// The panels the runs call for, in reading order.
-fn panels(runs: &[Run]) -> Vec<Panel<'_>> {
-    let lines =
-        |title: &str, y_label, markers, get: &dyn Fn(&Run) -> Option<&Points>| Panel::Lines {
-            title: title.to_string(),
-            y_label,
-            series: runs
+/// The finite values of a panel's series.
+fn values<'a>(series: &'a [(usize, &str, &Points)]) -> impl Iterator<Item = f64> + 'a {
+    series
+        .iter()
+        .flat_map(|s| s.2.iter().map(|p| p.1))
+        .filter(|v| v.is_finite())
+}
+
+/// Why a loss panel goes to a log axis without `--log-y`: its values span more than
+/// [`LOG_SPAN`] times over, or a run's loss rose above [`DIVERGED`] times its first
+/// value. `None`: it stays linear, as it does whenever a value is 0 or below (a log
+/// axis would leave it out).
+fn diverged(series: &[(usize, &str, &Points)]) -> Option<String> {
+    if values(series).any(|v| v <= 0.0) {
+        return None;
+    }
+    let (lo, hi) = values(series).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    if hi > LOG_SPAN * lo {
+        return Some(format!(
+            "its values span {} to {}, more than {LOG_SPAN}x",
+            short(lo),
+            short(hi)
+        ));
+    }
+    series.iter().find_map(|&(_, label, points)| {
+        let mut finite = points.iter().map(|p| p.1).filter(|v| v.is_finite());
+        let first = finite.next()?;
+        let top = finite.fold(first, f64::max);
+        (top > DIVERGED * first).then(|| {
+            format!(
+                "{label} rose from {} to {}, above {DIVERGED}x its first value",
+                short(first),
+                short(top)
+            )
+        })
+    })
+}
+
+/// A number for a note: three significant digits.
+fn short(v: f64) -> String {
+    let a = v.abs();
+    if (1e-3..1e5).contains(&a) {
+        let decimals = (2 - a.log10().floor() as i32).clamp(0, 5) as usize;
+        format!("{v:.decimals$}")
+    } else {
+        format!("{v:.2e}")
+    }
+}
+
+/// The panels the runs call for, in reading order; a loss panel put on a log axis, or
+/// values one leaves out, noted in `notes`.
+fn panels<'a>(runs: &'a [Run], log_y: bool, notes: &mut Vec<String>) -> Vec<Panel<'a>> {
+    let mut lines =
+        |title: &str, y_label, markers, loss: bool, get: &dyn Fn(&Run) -> Option<&Points>| {
+            let series: Vec<(usize, &str, &Points)> = runs
                 .iter()
                 .enumerate()
                 .filter_map(|(i, r)| get(r).map(|p| (i, r.label.as_str(), p)))
-                .collect(),
-            markers,
+                .collect();
+            let log_y = loss
+                && (log_y
+                    || diverged(&series).is_some_and(|why| {
+                        notes.push(format!(
+                            "{title}: on a log axis, as {why} (--log-y asks for it always)"
+                        ));
+                        true
+                    }));
+            let left_out = values(&series).filter(|v| *v <= 0.0).count();
+            if log_y && left_out > 0 {
+                notes.push(format!(
+                    "{title}: {left_out} values at or below 0 left out of the log axis"
+                ));
+            }
+            Panel::Lines {
+                title: title.to_string(),
+                y_label,
+                series,
+                markers,
+                log_y,
+            }
         };
-    let mut panels = vec![lines("training loss", "loss", false, &|r| Some(&r.loss))];
+    let mut panels = vec![lines("training loss", "loss", false, true, &|r| {
+        Some(&r.loss)
+    })];
     for (key, title) in EVAL_METRICS {
         if runs.iter().any(|r| r.eval.contains_key(key)) {
-            panels.push(lines(title, "", true, &|r| r.eval.get(key)));
+            let loss = key == "eval_loss";
+            panels.push(lines(title, "", true, loss, &|r| r.eval.get(key)));
         }
     }
-    panels.push(lines("throughput", "samples/s", false, &|r| {
+    panels.push(lines("throughput", "samples/s", false, false, &|r| {
         Some(&r.samples_per_sec)
     }));
     if runs.iter().any(|r| !r.memory.is_empty()) {
@@ -444,12 +564,11 @@ fn panels(runs: &[Run]) -> Vec<Panel<'_>> {
 }
 
 /// Draws `inputs` (metrics files, one run each) into `output` (`.svg` or `.png`).
-/// Returns the titles of the panels drawn.
 pub fn plot(
     inputs: &[PathBuf],
     output: &Path,
     options: &PlotOptions,
-) -> Result<Vec<String>, PlotError> {
+) -> Result<Plotted, PlotError> {
     if inputs.is_empty() {
         return Err(PlotError::NoInputs);
     }
@@ -461,8 +580,9 @@ pub fn plot(
         .zip(inputs)
         .map(|(label, path)| read_run(path, label))
         .collect::<Result<Vec<_>, _>>()?;
-    let panels = panels(&runs);
-    register_font("sans-serif", FontStyle::Normal, FONT)
+    let mut notes = Vec::new();
+    let panels = panels(&runs, options.log_y, &mut notes);
+    register_font(FAMILY, FontStyle::Normal, FONT)
         .map_err(|_| PlotError::Draw("the bundled font is not a font".into()))?;
     let rows = panels.len().div_ceil(2) as u32;
     let size = (WIDTH, ROW_HEIGHT * rows);
@@ -472,6 +592,7 @@ pub fn plot(
             draw(
                 SVGBackend::with_string(&mut svg, size).into_drawing_area(),
                 &panels,
+                format.strokes(),
             )?;
             svg.into_bytes()
         }
@@ -480,12 +601,16 @@ pub fn plot(
             draw(
                 BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(),
                 &panels,
+                format.strokes(),
             )?;
             encode_png(&rgb, size)?
         }
     };
     write_file(output, &bytes)?;
-    Ok(panels.iter().map(Panel::title).collect())
+    Ok(Plotted {
+        panels: panels.iter().map(Panel::title).collect(),
+        notes,
+    })
 }
 
 fn encode_png(rgb: &[u8], (width, height): (u32, u32)) -> Result<Vec<u8>, PlotError> {
@@ -508,6 +633,7 @@ fn drawing<E: std::fmt::Display>(e: E) -> PlotError {
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
     panels: &[Panel],
+    strokes: Strokes,
 ) -> Result<(), PlotError> {
     root.fill(&WHITE).map_err(drawing)?;
     let rows = panels.len().div_ceil(2);
@@ -519,7 +645,8 @@ fn draw<DB: DrawingBackend>(
                 y_label,
                 series,
                 markers,
-            } => draw_lines(area, title, y_label, series, *markers)?,
+                log_y,
+            } => draw_lines(area, title, y_label, series, *markers, *log_y, strokes)?,
             Panel::Memory {
                 run,
                 categories,
@@ -562,6 +689,33 @@ fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> Option<std::ops:
             lo - pad
         })..hi + pad,
     )
+}
+
+/// The smallest value a log axis reaches down to (a loss of 5e-324 is drawn at it).
+const LOG_FLOOR: f64 = 1e-300;
+
+/// A log axis's range around the positive finite `values`, a twentieth of its decades
+/// to spare at each end (half a decade around a single value), within [`LOG_FLOOR`]
+/// and [`AXIS_LIMIT`], and out to the powers of ten around it where it holds none
+/// (plotters' log ticks start at a power of ten: 2 to 8 would get no tick at all);
+/// `None` when no value is positive.
+fn log_range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .map(|v| v.clamp(LOG_FLOOR, AXIS_LIMIT).log10())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    if !lo.is_finite() || !hi.is_finite() {
+        return None;
+    }
+    let pad = if hi > lo { (hi - lo) * 0.05 } else { 0.5 };
+    let (least, most) = (LOG_FLOOR.log10(), AXIS_LIMIT.log10());
+    let (mut lo, mut hi) = ((lo - pad).max(least), (hi + pad).min(most));
+    if lo.ceil() > hi {
+        (lo, hi) = (lo.floor(), hi.ceil());
+    }
+    Some(10f64.powf(lo)..10f64.powf(hi))
 }
 
 fn steps_range<'a>(points: impl Iterator<Item = &'a Points>) -> Option<std::ops::Range<f64>> {
@@ -609,19 +763,46 @@ fn tick(v: f64, span: f64) -> String {
     }
 }
 
+/// A log axis's ticks: 1, 2, ... 9 times a power of ten ("0.02", "3", "10k", "1M"),
+/// tiny ones as "1e-5".
+fn log_tick(v: f64) -> String {
+    let a = v.abs();
+    if !(1e-3..1e9).contains(&a) {
+        return format!("{v:.0e}");
+    }
+    let (v, suffix) = if a >= 1e6 {
+        (v / 1e6, "M")
+    } else if a >= 1e4 {
+        (v / 1e3, "k")
+    } else {
+        (v, "")
+    };
+    // Two significant digits, then what is zero dropped (0.30000000000000004: "0.3").
+    let decimals = (1 - v.abs().log10().floor() as i32).max(0) as usize;
+    let digits = format!("{v:.decimals$}");
+    let digits = if digits.contains('.') {
+        digits.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &digits
+    };
+    format!("{digits}{suffix}")
+}
+
 /// Where the legend hides the least: away from where the series end, which is where
 /// a reader looks (loss ends low, accuracy high).
 fn legend_position(
     series: &[(usize, &str, &Points)],
     y: &std::ops::Range<f64>,
+    log_y: bool,
 ) -> SeriesLabelPosition {
+    let at = |v: f64| if log_y { v.max(y.start).log10() } else { v };
     let ends: Vec<f64> = series
         .iter()
         .filter_map(|s| s.2.last())
-        .map(|p| p.1)
+        .map(|p| at(p.1))
         .collect();
     let mean = ends.iter().sum::<f64>() / ends.len().max(1) as f64;
-    if mean > y.start + (y.end - y.start) * 2.0 / 3.0 {
+    if mean > at(y.start) + (at(y.end) - at(y.start)) * 2.0 / 3.0 {
         SeriesLabelPosition::LowerRight
     } else {
         SeriesLabelPosition::UpperRight
@@ -633,88 +814,173 @@ fn no_data<DB: DrawingBackend>(
     title: &str,
 ) -> Result<(), PlotError> {
     let (w, h) = area.dim_in_pixel();
-    area.draw_text(
-        title,
-        &("sans-serif", 20).into_font().color(&BLACK),
-        (10, 10),
-    )
-    .map_err(drawing)?;
+    area.draw_text(title, &(FAMILY, 20).into_font().color(&BLACK), (10, 10))
+        .map_err(drawing)?;
     area.draw_text(
         "no data",
-        &("sans-serif", 18)
-            .into_font()
-            .color(&RGBColor(127, 127, 127)),
+        &(FAMILY, 18).into_font().color(&RGBColor(127, 127, 127)),
         (w as i32 / 2 - 30, h as i32 / 2),
     )
     .map_err(drawing)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn draw_lines<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     title: &str,
     y_label: &str,
     series: &[(usize, &str, &Points)],
     markers: bool,
+    log_y: bool,
+    strokes: Strokes,
 ) -> Result<(), PlotError> {
     let x = steps_range(series.iter().map(|s| s.2));
-    let y = range(series.iter().flat_map(|s| s.2.iter().map(|p| p.1)), false);
+    let y = if log_y {
+        log_range(values(series))
+    } else {
+        range(values(series), false)
+    };
     let (Some(x), Some(y)) = (x, y) else {
         return no_data(area, title);
     };
-    let span = y.end - y.start;
-    let x_labels = step_labels(&x);
-    let (ylo, yhi) = (y.start, y.end);
-    // What is drawn stays on the axis: a value past it (a loss of 1e308) at its edge,
-    // a non-finite one left out (plotters' pixel arithmetic overflows otherwise).
-    let on_axis = move |&(x, v): &(f64, f64)| v.is_finite().then(|| (x, v.clamp(ylo, yhi)));
-    let legend = legend_position(series, &y);
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 20))
+    let lines = Lines {
+        series,
+        markers,
+        strokes,
+        x_labels: step_labels(&x),
+        legend: legend_position(series, &y, log_y),
+        y: y.clone(),
+        log_y,
+    };
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(title, (FAMILY, 20))
         .margin(10)
         .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(x, y)
-        .map_err(drawing)?;
-    chart
-        .configure_mesh()
-        .bold_line_style(GRID)
-        .light_line_style(TRANSPARENT)
-        .x_desc("step")
-        .x_labels(x_labels)
-        .y_desc(y_label)
-        .x_label_formatter(&|v| step_tick(*v))
-        .y_label_formatter(&|v| tick(*v, span))
-        .draw()
-        .map_err(drawing)?;
-    for &(run, label, points) in series {
-        let colour = RUN_COLOURS[run % RUN_COLOURS.len()];
-        chart
-            .draw_series(LineSeries::new(
-                points.iter().filter_map(on_axis),
-                colour.stroke_width(2),
-            ))
-            .map_err(drawing)?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
-        if markers {
-            chart
-                .draw_series(
-                    points
-                        .iter()
-                        .filter_map(on_axis)
-                        .map(|p| Circle::new(p, 3, colour.filled())),
-                )
-                .map_err(drawing)?;
-        }
+        .y_label_area_size(60);
+    if log_y {
+        let chart = builder
+            .build_cartesian_2d(x, y.log_scale())
+            .map_err(drawing)?;
+        let y_label = if y_label.is_empty() {
+            "log scale".to_string()
+        } else {
+            format!("{y_label} (log scale)")
+        };
+        lines.draw(chart, &y_label, &|v| log_tick(*v))
+    } else {
+        let span = y.end - y.start;
+        let chart = builder.build_cartesian_2d(x, y).map_err(drawing)?;
+        lines.draw(chart, y_label, &|v| tick(*v, span))
     }
-    chart
-        .configure_series_labels()
-        .position(legend)
-        .background_style(WHITE.mix(0.85))
-        .border_style(RGBColor(190, 190, 190))
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(drawing)
+}
+
+/// A line panel's series and how to draw them, on a linear or a log y axis.
+struct Lines<'a> {
+    series: &'a [(usize, &'a str, &'a Points)],
+    markers: bool,
+    strokes: Strokes,
+    x_labels: usize,
+    legend: SeriesLabelPosition,
+    y: std::ops::Range<f64>,
+    log_y: bool,
+}
+
+impl Lines<'_> {
+    fn draw<'c, DB: DrawingBackend + 'c, Y: Ranged<ValueType = f64> + ValueFormatter<f64>>(
+        self,
+        mut chart: ChartContext<'c, DB, Cartesian2d<RangedCoordf64, Y>>,
+        y_label: &str,
+        y_tick: &dyn Fn(&f64) -> String,
+    ) -> Result<(), PlotError> {
+        let (ylo, yhi, log_y) = (self.y.start, self.y.end, self.log_y);
+        // What is drawn stays on the axis: a value past it (a loss of 1e308) at its
+        // edge, a non-finite one left out (plotters' pixel arithmetic overflows
+        // otherwise), and so is one at or below 0 on a log axis.
+        let on_axis = move |&(x, v): &(f64, f64)| {
+            (v.is_finite() && (!log_y || v > 0.0)).then(|| (x, v.clamp(ylo, yhi)))
+        };
+        chart
+            .configure_mesh()
+            .bold_line_style(GRID)
+            .light_line_style(TRANSPARENT)
+            .label_style((FAMILY, 12))
+            .x_desc("step")
+            .x_labels(self.x_labels)
+            .y_desc(y_label)
+            .x_label_formatter(&|v| step_tick(*v))
+            .y_label_formatter(y_tick)
+            .draw()
+            .map_err(drawing)?;
+        for &(run, label, points) in self.series {
+            let colour = RUN_COLOURS[run % RUN_COLOURS.len()];
+            let line = match self.strokes {
+                Strokes::Polyline => points.iter().filter_map(on_axis).collect(),
+                Strokes::Segments => {
+                    draw_segments(
+                        chart.plotting_area(),
+                        points.iter().filter_map(on_axis),
+                        colour.stroke_width(2),
+                    )?;
+                    Vec::new()
+                }
+            };
+            // The legend entry comes with a series; for segments it is an empty one.
+            chart
+                .draw_series(LineSeries::new(line, colour.stroke_width(2)))
+                .map_err(drawing)?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2))
+                });
+            if self.markers {
+                chart
+                    .draw_series(
+                        points
+                            .iter()
+                            .filter_map(on_axis)
+                            .map(|p| Circle::new(p, 3, colour.filled())),
+                    )
+                    .map_err(drawing)?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .position(self.legend)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(190, 190, 190))
+            .label_font((FAMILY, 14))
+            .draw()
+            .map_err(drawing)
+    }
+}
+
+/// A line through `points` drawn one segment at a time (see [`Strokes::Segments`]).
+fn draw_segments<DB: DrawingBackend, CT: CoordTranslate<From = (f64, f64)>>(
+    area: &DrawingArea<DB, CT>,
+    points: impl Iterator<Item = (f64, f64)>,
+    style: ShapeStyle,
+) -> Result<(), PlotError> {
+    let (x0, y0) = area.get_base_pixel();
+    let (w, h) = area.dim_in_pixel();
+    // A stroke reaches half its width past its points: keep them that far inside.
+    let r = (style.stroke_width / 2) as i32;
+    let (right, bottom) = ((w as i32 - 1 - r).max(r), (h as i32 - 1 - r).max(r));
+    let mut pixels: Vec<(i32, i32)> = points
+        .map(|p| {
+            let (x, y) = area.map_coordinate(&p);
+            ((x - x0).clamp(r, right), (y - y0).clamp(r, bottom))
+        })
+        .collect();
+    // Many steps share a pixel on a long run; a segment of no length draws nothing.
+    pixels.dedup();
+    let screen = area.strip_coord_spec();
+    for pair in pixels.windows(2) {
+        screen
+            .draw(&PathElement::new(pair.to_vec(), style))
+            .map_err(drawing)?;
+    }
+    Ok(())
 }
 
 /// `colour` a third of the way to white: fills that do not shout over the lines.
@@ -768,7 +1034,7 @@ fn draw_memory<DB: DrawingBackend>(
     let mut chart = ChartBuilder::on(&plot_area)
         .caption(
             title,
-            ("sans-serif", 20)
+            (FAMILY, 20)
                 .into_font()
                 .color(&RUN_COLOURS[run % RUN_COLOURS.len()]),
         )
@@ -781,6 +1047,7 @@ fn draw_memory<DB: DrawingBackend>(
         .configure_mesh()
         .bold_line_style(GRID)
         .light_line_style(TRANSPARENT)
+        .label_style((FAMILY, 12))
         .x_desc("step")
         .x_labels(x_labels)
         .y_desc("MiB")
@@ -799,7 +1066,7 @@ fn draw_memory<DB: DrawingBackend>(
             .map_err(drawing)?;
     }
     // The legend reads top to bottom as the stack does.
-    let font = ("sans-serif", 14).into_font().color(&BLACK);
+    let font = (FAMILY, 14).into_font().color(&BLACK);
     for (row, ((name, _), colour)) in shown.iter().rev().enumerate() {
         let y = 50 + 22 * row as i32;
         legend_area
@@ -859,6 +1126,46 @@ mod tests {
         assert_eq!(step_labels(&(30.0..31.0)), 2);
         assert_eq!(step_labels(&(1.0..5.0)), 5);
         assert_eq!(step_labels(&(0.0..1000.0)), 10);
+    }
+
+    #[test]
+    fn log_ticks_are_short_and_free_of_float_noise() {
+        assert_eq!(log_tick(0.1 * 3.0), "0.3");
+        assert_eq!(log_tick(0.002), "0.002");
+        assert_eq!(log_tick(1.0), "1");
+        assert_eq!(log_tick(20.0), "20");
+        assert_eq!(log_tick(1000.0), "1000");
+        assert_eq!(log_tick(2e4), "20k");
+        assert_eq!(log_tick(1e7), "10M");
+        assert_eq!(log_tick(1e-5), "1e-5");
+    }
+
+    #[test]
+    fn a_log_range_holds_a_power_of_ten_and_only_positive_values() {
+        let r = log_range([2.0, 8.0, 0.0, -1.0, f64::NAN].into_iter());
+        assert_eq!(r, Some(1.0..10.0));
+        let r = log_range([0.01, 100.0].into_iter()).expect("a range");
+        assert!(r.start < 0.01 && r.start > 0.005 && r.end > 100.0 && r.end < 200.0);
+        assert_eq!(log_range([0.0, -2.0].into_iter()), None);
+        // The least subnormal and the largest float still make a finite range.
+        let r = log_range([5e-324, f64::MAX].into_iter()).expect("a range");
+        assert!(r.start > 0.0 && r.end.is_finite());
+    }
+
+    #[test]
+    fn a_run_diverged_when_its_loss_spans_1000x_or_rises_10x() {
+        let steady: Points = (1..=40).map(|i| (i as f64, 2.3 / i as f64)).collect();
+        let blown: Points = (0..40).map(|i| (i as f64, 2.3 * 1.5f64.powi(i))).collect();
+        let rising: Points = (0..40).map(|i| (i as f64, 2.0 + i as f64)).collect();
+        let mut negative = steady.clone();
+        negative.push((41.0, -1.0));
+        negative.push((42.0, 1e9));
+        assert_eq!(diverged(&[(0, "s", &steady)]), None);
+        assert!(diverged(&[(0, "s", &steady), (1, "b", &blown)])
+            .is_some_and(|why| why.contains("more than 1000x")));
+        assert!(diverged(&[(0, "r", &rising)]).is_some_and(|why| why.contains("r rose")));
+        // A value at or below 0 keeps the axis linear: a log one would leave it out.
+        assert_eq!(diverged(&[(0, "n", &negative)]), None);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `distc plot`: metrics files in, pictures out; and the errors a user meets.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 mod common;
@@ -343,4 +344,352 @@ fn a_pipelined_runs_memory_says_it_sums_the_stages_and_few_steps_get_whole_ticks
     let thirty = ticks.iter().filter(|t| **t == "30").count();
     let thirty_one = ticks.iter().filter(|t| **t == "31").count();
     assert!(thirty > 0 && thirty == thirty_one, "ticks: {ticks:?}");
+}
+
+/// A picture read back from a PNG, RGB.
+struct Picture {
+    width: usize,
+    height: usize,
+    rgb: Vec<u8>,
+}
+
+/// A rectangle of pixels, `x0..x1` by `y0..y1`.
+#[derive(Clone, Copy, Debug)]
+struct Rect {
+    x0: usize,
+    y0: usize,
+    x1: usize,
+    y1: usize,
+}
+
+impl Rect {
+    fn contains(&self, x: usize, y: usize) -> bool {
+        (self.x0..self.x1).contains(&x) && (self.y0..self.y1).contains(&y)
+    }
+}
+
+impl Picture {
+    fn read(path: &Path) -> Picture {
+        let file = std::io::BufReader::new(std::fs::File::open(path).expect("png written"));
+        let mut reader = png::Decoder::new(file).read_info().expect("a PNG");
+        let mut rgb = vec![0; reader.output_buffer_size().expect("a size")];
+        let info = reader.next_frame(&mut rgb).expect("a frame");
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        rgb.truncate(info.buffer_size());
+        Picture {
+            width: info.width as usize,
+            height: info.height as usize,
+            rgb,
+        }
+    }
+
+    fn at(&self, x: usize, y: usize) -> [u8; 3] {
+        let i = (y * self.width + x) * 3;
+        [self.rgb[i], self.rgb[i + 1], self.rgb[i + 2]]
+    }
+
+    /// The first run's blue (31, 119, 180), whole or blended with white at a line's
+    /// edge; grey and black (text, grid, axes) are not.
+    fn ink(&self, x: usize, y: usize) -> bool {
+        let [r, _, b] = self.at(x, y);
+        i32::from(b) - i32::from(r) > 40
+    }
+
+    /// The longest straight run of black pixels in `cell`: `(start, end, at)` along
+    /// columns (`vertical`) or rows.
+    fn longest_black(&self, cell: Rect, vertical: bool) -> (usize, usize, usize) {
+        let (outer, inner) = if vertical {
+            (cell.x0..cell.x1, cell.y0..cell.y1)
+        } else {
+            (cell.y0..cell.y1, cell.x0..cell.x1)
+        };
+        let mut best = (0, 0, 0);
+        for a in outer {
+            let mut start = None;
+            for b in inner.clone().chain([usize::MAX]) {
+                let (x, y) = if vertical { (a, b) } else { (b, a) };
+                let black = b != usize::MAX && self.at(x, y) == [0, 0, 0];
+                match (black, start) {
+                    (true, None) => start = Some(b),
+                    (false, Some(s)) => {
+                        if b - s > best.1 - best.0 {
+                            best = (s, b, a);
+                        }
+                        start = None;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        best
+    }
+
+    /// The plotting rectangle of the chart in `cell`: right of its y axis (the longest
+    /// black column) and above its x axis (the longest black row).
+    fn plotting_rect(&self, cell: Rect) -> Rect {
+        let (top, _, y_axis) = self.longest_black(cell, true);
+        let (_, right, x_axis) = self.longest_black(cell, false);
+        Rect {
+            x0: y_axis + 1,
+            y0: top,
+            x1: right,
+            y1: x_axis,
+        }
+    }
+
+    /// The 8-connected pieces of ink in `rect`, largest first, each as the columns it
+    /// reaches.
+    fn ink_pieces(&self, rect: Rect) -> Vec<BTreeSet<usize>> {
+        let mut seen = vec![false; self.width * self.height];
+        let mut pieces = Vec::new();
+        for y in rect.y0..rect.y1 {
+            for x in rect.x0..rect.x1 {
+                if seen[y * self.width + x] || !self.ink(x, y) {
+                    continue;
+                }
+                let mut columns = BTreeSet::new();
+                let mut stack = vec![(x, y)];
+                seen[y * self.width + x] = true;
+                while let Some((px, py)) = stack.pop() {
+                    columns.insert(px);
+                    for (nx, ny) in [
+                        (px.wrapping_sub(1), py.wrapping_sub(1)),
+                        (px, py.wrapping_sub(1)),
+                        (px + 1, py.wrapping_sub(1)),
+                        (px.wrapping_sub(1), py),
+                        (px + 1, py),
+                        (px.wrapping_sub(1), py + 1),
+                        (px, py + 1),
+                        (px + 1, py + 1),
+                    ] {
+                        if rect.contains(nx, ny) && !seen[ny * self.width + nx] && self.ink(nx, ny)
+                        {
+                            seen[ny * self.width + nx] = true;
+                            stack.push((nx, ny));
+                        }
+                    }
+                }
+                pieces.push(columns);
+            }
+        }
+        pieces.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        pieces
+    }
+}
+
+/// Issue 36, item 6: a PNG of 3,000 steps drew its lines as speckles, and throughput's
+/// zigzag sent spikes out of its panel; plotters turned each whole 2-pixel line into
+/// one polygon, spiked at every sharp turn and left blank where it crossed itself.
+#[test]
+fn png_lines_of_a_long_run_are_connected_and_stay_in_their_panels() {
+    let dir = tmp("long");
+    let path = dir.join("long.jsonl");
+    let lines: Vec<String> = (1..=3000)
+        .map(|step| {
+            // Noise step to step, as a real run has: every segment turns sharply.
+            let sign = if step % 2 == 0 { 1.0 } else { -1.0 };
+            let noise = sign * ((step * 7919) % 13) as f64 / 13.0;
+            let loss = 2.3 * (-(step as f64) / 800.0).exp() + 0.2 + 0.05 * noise;
+            step_line(step + 100, loss, 1000.0 + 300.0 * noise, 3 << 20)
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n") + "\n").expect("write");
+    let out = dir.join("long.png");
+    let o = distc(&["plot", s(&path), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let picture = Picture::read(&out);
+    // Loss and throughput side by side, the memory panel below the loss.
+    assert_eq!((picture.width, picture.height), (1200, 2 * 340));
+    let cell = |column: usize, row: usize| Rect {
+        x0: 600 * column,
+        y0: 340 * row,
+        x1: 600 * (column + 1),
+        y1: 340 * (row + 1),
+    };
+    let memory = cell(0, 1);
+    // The two panels are laid out alike; the loss's axes are the ones a spike of the
+    // throughput cannot hide.
+    let loss = picture.plotting_rect(cell(0, 0));
+    let rects = [
+        loss,
+        Rect {
+            x0: loss.x0 + 600,
+            x1: loss.x1 + 600,
+            ..loss
+        },
+    ];
+    for (name, rect) in ["loss", "throughput"].iter().zip(rects) {
+        assert!(
+            rect.x1 > rect.x0 + 400 && rect.y1 > rect.y0 + 200,
+            "{name}: plotting area {rect:?}"
+        );
+        let pieces = picture.ink_pieces(rect);
+        // The line runs the whole axis (steps 101 to 3100) as one piece; the only other
+        // piece is the legend's sample of it.
+        let line = pieces.first().cloned().unwrap_or_default();
+        let (first, last) = (line.first().copied(), line.last().copied());
+        assert!(
+            first.is_some_and(|x| x <= rect.x0 + 2) && last.is_some_and(|x| x + 3 >= rect.x1),
+            "{name}: the line's largest piece runs from column {first:?} to {last:?} in {rect:?}"
+        );
+        assert!(
+            pieces.len() <= 2,
+            "{name}: the line is broken into {} pieces",
+            pieces.len()
+        );
+    }
+    let mut outside = Vec::new();
+    for y in 0..picture.height {
+        for x in 0..picture.width {
+            // The memory panel's title is in the run's colour.
+            let allowed = memory.contains(x, y) || rects.iter().any(|r| r.contains(x, y));
+            if !allowed && picture.ink(x, y) {
+                outside.push((x, y));
+            }
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "{} pixels of the run's colour outside the plotting areas, first {:?}",
+        outside.len(),
+        &outside[..outside.len().min(10)]
+    );
+}
+
+/// Issue 36, item 6: the SVG named a generic `sans-serif`, so a viewer drew its own
+/// font, not the one plotters measured the labels with; it names the bundled family.
+#[test]
+fn svg_names_the_bundled_font() {
+    let dir = tmp("font");
+    let (one, _) = two_runs(&dir);
+    let out = dir.join("font.svg");
+    let o = distc(&["plot", s(&one), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    let families: BTreeSet<&str> = svg
+        .split("font-family=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .collect();
+    assert_eq!(families, BTreeSet::from(["DejaVu Sans"]));
+}
+
+/// Writes `losses` as a run's metrics, one step each, throughput a steady 5000/s (its
+/// ticks, 4500 to 5500, never read like a loss's).
+fn losses_run(path: &Path, losses: &[f64]) {
+    let lines: Vec<String> = losses
+        .iter()
+        .enumerate()
+        .map(|(i, loss)| {
+            format!(
+                r#"{{"step":{},"loss":{loss},"samples_per_sec":5000.0}}"#,
+                i + 1
+            )
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").expect("write");
+}
+
+/// The text of every `<text>` element of an SVG.
+fn svg_texts(svg: &str) -> Vec<&str> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| t.split('>').nth(1))
+        .filter_map(|t| t.split('<').next())
+        .map(str::trim)
+        .collect()
+}
+
+/// Issue 36, item 6: `--log-y` draws the loss on a log axis; a loss of 0 or below has
+/// no place on it and is left out, and the user is told how many.
+#[test]
+fn log_y_puts_the_loss_on_a_log_axis_and_leaves_out_what_is_not_positive() {
+    let dir = tmp("log-y");
+    let path = dir.join("loss.jsonl");
+    // 10 down to 0.015: under 1000x and never rising, so linear unless asked.
+    let mut losses: Vec<f64> = (0..40).map(|i| 10.0 * 0.85f64.powi(i)).collect();
+    losses.extend([0.0, -1.0]);
+    losses_run(&path, &losses);
+    let out = dir.join("loss.svg");
+
+    let o = distc(&["plot", s(&path), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert!(!svg_texts(&svg).contains(&"0.1"), "linear by default");
+    assert!(!text(&o).contains("log axis"), "{}", text(&o));
+
+    let o = distc(&["plot", s(&path), "-o", s(&out), "--log-y"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("training loss: 2 values at or below 0 left out of the log axis"),
+        "{}",
+        text(&o)
+    );
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    let texts = svg_texts(&svg);
+    for tick in ["0.1", "1", "10"] {
+        assert!(texts.contains(&tick), "no tick {tick}: {texts:?}");
+    }
+    assert!(texts.contains(&"loss (log scale)"), "{texts:?}");
+
+    // The bitmap backend too, and a loss with no positive value at all.
+    let o = distc(&["plot", s(&path), "-o", s(&dir.join("loss.png")), "--log-y"]);
+    assert!(o.status.success(), "{}", text(&o));
+    losses_run(&path, &[0.0, -2.0, -3.0]);
+    let o = distc(&["plot", s(&path), "-o", s(&out), "--log-y"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("3 values at or below 0"), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert_eq!(svg.matches("no data").count(), 1);
+}
+
+/// Issue 36, item 6: a run that diverges squashes every other run's loss flat against
+/// the bottom of a linear axis; its loss panel goes to a log axis by itself, and says
+/// why. A run that merely converges stays linear.
+#[test]
+fn a_diverging_run_puts_the_loss_on_a_log_axis_by_itself() {
+    let dir = tmp("diverge");
+    let steady = dir.join("steady.jsonl");
+    let blown = dir.join("blown.jsonl");
+    losses_run(
+        &steady,
+        &(1..=40).map(|i| 2.3 / f64::from(i)).collect::<Vec<_>>(),
+    );
+    losses_run(
+        &blown,
+        &(0..40).map(|i| 2.3 * 1.5f64.powi(i)).collect::<Vec<_>>(),
+    );
+    let out = dir.join("runs.svg");
+
+    let o = distc(&["plot", s(&steady), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("log axis"), "{}", text(&o));
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    assert!(!svg_texts(&svg).contains(&"loss (log scale)"));
+
+    let o = distc(&["plot", s(&steady), s(&blown), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("training loss: on a log axis"),
+        "{}",
+        text(&o)
+    );
+    let svg = std::fs::read_to_string(&out).expect("svg written");
+    let texts = svg_texts(&svg);
+    for tick in ["0.1", "1", "1000", "10k", "1M"] {
+        assert!(texts.contains(&tick), "no tick {tick}: {texts:?}");
+    }
+
+    // Rising tenfold is divergence too, though the values span far less than 1000x.
+    losses_run(
+        &blown,
+        &(0..40).map(|i| 2.0 + f64::from(i)).collect::<Vec<_>>(),
+    );
+    let o = distc(&["plot", s(&blown), "-o", s(&out)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("training loss: on a log axis"),
+        "{}",
+        text(&o)
+    );
 }

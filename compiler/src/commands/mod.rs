@@ -200,13 +200,16 @@ pub fn dot(file: &Path, after: Option<String>, batch: Option<usize>) -> Result<(
 }
 
 /// `distc plot`: the metrics files drawn into `output`.
-pub fn plot(files: &[PathBuf], output: &Path, labels: Vec<String>) -> Result<()> {
-    let panels = crate::plot::plot(files, output, &crate::plot::PlotOptions { labels })?;
+pub fn plot(files: &[PathBuf], output: &Path, options: &crate::plot::PlotOptions) -> Result<()> {
+    let plotted = crate::plot::plot(files, output, options)?;
     err(&format!(
         "wrote {} ({})\n",
         output.display(),
-        panels.join(", ")
+        plotted.panels.join(", ")
     ));
+    for note in &plotted.notes {
+        err(&format!("note: {note}\n"));
+    }
     Ok(())
 }
 
