@@ -66,8 +66,14 @@ pub struct Compiled {
 }
 
 /// The passes a plan needs to be trained: without them it has no gradients, or its
-/// workers do not communicate.
-const REQUIRED_PASSES: [&str; 4] = ["autodiff", "sparsity_analysis", "place", "distribute"];
+/// workers do not communicate, or its pipeline stages have no programs.
+const REQUIRED_PASSES: [&str; 5] = [
+    "autodiff",
+    "sparsity_analysis",
+    "place",
+    "distribute",
+    "pipeline_split",
+];
 
 /// Why the options make a plan that cannot be trained, if they do.
 fn not_runnable(opts: &CompileOptions) -> Option<String> {

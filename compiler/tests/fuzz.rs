@@ -1868,7 +1868,7 @@ const VALUES: &str = "single allreduce ps hybrid auto sync async stale:0 stale:1
     out.st out.jsonl out.svg out.png out.pdf . .. ../up.json nodir/x.json m.dsl p.json h.json
     ck.st w.st mt.jsonl ir x é -q --steps";
 
-const SUBCOMMANDS: &str = "compile train run verify explain ir dot plot bench help x";
+const SUBCOMMANDS: &str = "compile train run verify explain ir dot plot bench eval predict help x";
 
 /// Values worth giving each flag that takes one (`@budget` for the budget values,
 /// `@path` for file names, `@number` for the extreme numbers).
@@ -1913,7 +1913,15 @@ const SUBCOMMAND_FLAGS: &[(&str, &str)] = &[
     ("explain", "--format"),
     ("ir", "@compile --after --data"),
     ("dot", "--after --batch"),
-    ("plot", "-o --output --label"),
+    ("plot", "-o --output --label --log-y"),
+    (
+        "eval",
+        "--init --init-partial --resume --data --batch --eval-samples --metrics",
+    ),
+    (
+        "predict",
+        "--init --init-partial --resume --input -o --output --batch",
+    ),
     (
         "bench",
         "--workloads --strategies --compile --nodes --workers --runs --servers --warmup \
@@ -1926,11 +1934,11 @@ const COMPILE_FLAGS: &str = "--strategy --dump-ir --stop-after --disable-pass --
     --latency";
 
 const RUN_FLAGS: &str = "--steps --metrics --data --save --checkpoint --checkpoint-every --resume
-    -q --trace --preload --profile --timeout --transport --device --gpus --collectives
+    --init --init-partial -q --trace --preload --profile --timeout --transport --device --gpus --collectives
     --no-cuda-graph --tf32";
 
 const SWITCHES: &str = "--sparse-as-dense --fuse -q --quiet --preload --profile --no-cuda-graph
-    --tf32 --compile --help -h --version -V";
+    --tf32 --compile --log-y --init-partial --help -h --version -V";
 
 const PASSES: &str = "lower autodiff simplify dead_code accumulate remat sparsity_analysis place
     distribute zero fusion kernel_fusion schedule bogus";

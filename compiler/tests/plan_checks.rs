@@ -365,3 +365,25 @@ fn plans_of_pipelines_meshes_and_hierarchies_are_checked_against_their_settings(
         );
     }
 }
+
+/// Found by the DSL fuzz target: `--pipeline 2 --disable-pass pipeline_split` wrote a
+/// plan that did not load ("--pipeline 2 without stage programs"). The split is a pass
+/// training needs: the plan is readable, and marked for `run` to refuse.
+#[test]
+fn a_pipeline_without_its_split_is_a_plan_for_reading() {
+    let strategy = StrategyConfig {
+        pipeline: 2,
+        micro_batches: 2,
+        ..StrategyConfig::default()
+    };
+    let opts = CompileOptions {
+        strategy: strategy.clone(),
+        disabled: vec!["pipeline_split".into()],
+        ..CompileOptions::default()
+    };
+    let c = compile("deep_mlp.dsl", &source("deep_mlp.dsl"), &opts).expect("compiles");
+    let why = c.not_runnable.clone().expect("marked as not runnable");
+    assert!(why.contains("pipeline_split"), "{why}");
+    let plan = serde_json::to_value(Plan::new(&c, "deep_mlp.dsl", &strategy)).expect("json");
+    load_sealed(plan).expect("the plan loads, for reading");
+}
