@@ -71,6 +71,10 @@ enum Command {
         /// distributed run share it, exchanging through the host); default `cpu`.
         #[arg(long, default_value = "cpu", value_parser = parse_device, value_name = "DEVICE")]
         device: Device,
+        /// Both sides start from the weights of this safetensors FILE, by variable name
+        /// (as `train --init`); the file and the model must name the same variables.
+        #[arg(long, value_name = "FILE")]
+        init: Option<PathBuf>,
     },
     /// Benchmark the standard workloads (WORKLOADS.md): each strategy with 1, 2 and 4
     /// workers; 10 warm-up and 50 timed steps, median of 3 runs. With --compile:
@@ -326,6 +330,7 @@ fn dispatch(command: Command) -> Result<()> {
             timeout,
             transport,
             device,
+            init,
         } => commands::run::verify(
             &file,
             &compile,
@@ -335,6 +340,7 @@ fn dispatch(command: Command) -> Result<()> {
             timeout,
             transport,
             device,
+            init.as_deref(),
         ),
         Command::Bench { bench } => commands::bench(&bench),
         Command::Explain { plan, format } => commands::explain(&plan, format),

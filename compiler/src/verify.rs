@@ -30,6 +30,9 @@ pub struct VerifyOptions {
     /// Run both sides' workers on this GPU (CUDA backend, collectives through the
     /// host); `None`: the CPU.
     pub device: Option<usize>,
+    /// The weights both sides start from (`--init`), by variable name; `None`: the
+    /// model's initializers.
+    pub init: Option<std::sync::Arc<HashMap<String, Tensor>>>,
 }
 
 /// One variable's comparison.
@@ -243,10 +246,21 @@ fn run(
     opts: &VerifyOptions,
     workers: usize,
 ) -> Result<HashMap<String, Tensor>, VerifyError> {
+    let mut train = train_options(opts);
+    if let Some(weights) = &opts.init {
+        let (state, _) = distc_runtime::run::programs::state_from_weights(
+            &c.programs(workers),
+            &c.config,
+            weights,
+            false,
+        )
+        .map_err(|e| VerifyError::Refused(format!("--init: {e}")))?;
+        train.resume = Some(std::sync::Arc::new(state));
+    }
     let run = Launch {
         programs: c.programs(workers),
         config: &c.config,
-        opts: train_options(opts),
+        opts: train,
         device: device_choice(opts),
         transport: TransportChoice::InProcess,
         rows_touched: rows_touched(c.dist.as_ref()),

@@ -227,3 +227,44 @@ print(float(t["w1"][0, 0]))
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("4 of 4 variables set"), "{}", text(&o));
 }
+
+#[test]
+fn verify_starts_both_sides_from_the_file() {
+    let (dir, m) = setup();
+    // Weights far from the model's own: both sides must start from them to agree.
+    let scaled: HashMap<String, distc_runtime::Tensor> = initial_values(&m)
+        .into_iter()
+        .map(|(k, v)| {
+            let t = distc_runtime::Tensor::F32(v.as_f32().expect("f32").mapv(|x| 3.0 * x + 0.25));
+            (k, t)
+        })
+        .collect();
+    let w = dir.path().join("w.safetensors");
+    save(&w, &scaled);
+    let o = distc(&[
+        "verify",
+        s(&m),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--init",
+        s(&w),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut partial = scaled.clone();
+    partial.remove("b1");
+    save(&w, &partial);
+    let o = distc(&[
+        "verify",
+        s(&m),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--init",
+        s(&w),
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("b1"), "{}", text(&o));
+}

@@ -48,6 +48,7 @@ fn accumulation_trains_what_one_device_trains() {
                 tolerance: 2e-4,
                 timeout: Duration::from_secs(60),
                 device: None,
+                init: None,
             };
             let r = verify(&file, &opts).unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
             let w = r.worst().expect("variables").clone();

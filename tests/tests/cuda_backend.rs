@@ -300,6 +300,7 @@ fn verify_on_the_gpu_passes_for_allreduce_ps_and_hybrid() {
                 tolerance: 1e-3,
                 timeout: std::time::Duration::from_secs(120),
                 device: Some(0),
+                init: None,
             };
             let report = verify(&example(name), &opts)
                 .unwrap_or_else(|e| panic!("{name} {strategy:?}: {e}"));

@@ -98,6 +98,7 @@ fn matches_one_device(name: &str, strategy: Strategy, servers: usize) {
         tolerance: 1e-4,
         timeout: Duration::from_secs(120),
         device: None,
+        init: None,
     };
     let report = verify(&example(name), &opts).expect("verifies");
     let worst = report.worst().expect("variables");

@@ -82,6 +82,7 @@ fn hierarchical_all_reduces_train_what_one_device_trains() {
             tolerance: 1e-4,
             timeout: Duration::from_secs(60),
             device: None,
+            init: None,
         };
         let r = verify(&example("dense_mlp.dsl"), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(

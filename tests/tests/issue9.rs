@@ -34,6 +34,7 @@ fn verify_opts(s: StrategyConfig, steps: usize) -> VerifyOptions {
         tolerance: 1e-4,
         timeout: Duration::from_secs(60),
         device: None,
+        init: None,
     }
 }
 

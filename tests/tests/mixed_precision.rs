@@ -134,6 +134,7 @@ fn a_bf16_plan_verifies_against_one_device_in_bf16() {
             tolerance: 1e-4,
             timeout: Duration::from_secs(60),
             device: None,
+            init: None,
         };
         let r = verify(&example("dense_mlp.dsl"), &opts).unwrap_or_else(|e| panic!("{e}"));
         assert!(r.passed(), "{workers} workers: {:?}", r.vars);
@@ -171,6 +172,7 @@ fn a_bf16_plan_verifies_against_one_device_in_bf16() {
         tolerance: 1e-4,
         timeout: Duration::from_secs(60),
         device: None,
+        init: None,
     };
     let r = verify(&example("sparse_lm.dsl"), &opts).unwrap_or_else(|e| panic!("{e}"));
     assert!(r.passed(), "sparse_lm hybrid bf16: {:?}", r.vars);
@@ -386,6 +388,7 @@ fn overflowing_steps_are_skipped_on_every_worker_alike() {
                 tolerance: 1e-4,
                 timeout: Duration::from_secs(60),
                 device: None,
+                init: None,
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -478,6 +481,7 @@ fn a_16_bit_gradient_wire_halves_the_bytes_and_matches_the_f32_wire() {
                     tolerance,
                     timeout: Duration::from_secs(60),
                     device: None,
+                    init: None,
                 },
             )
             .unwrap_or_else(|e| panic!("{e}"));
@@ -733,6 +737,7 @@ fn workers_and_micro_batches_in_fp16_overflow_where_one_device_does() {
                 tolerance: 1e-5,
                 timeout: Duration::from_secs(60),
                 device: None,
+                init: None,
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));

@@ -36,6 +36,7 @@ fn verify_opts(strategy: StrategyConfig, batch: Option<usize>) -> VerifyOptions 
         tolerance: 1e-5,
         timeout: Duration::from_secs(60),
         device: None,
+        init: None,
     }
 }
 

@@ -52,6 +52,7 @@ fn recomputation_trains_what_one_device_trains() {
                 tolerance: 1e-5,
                 timeout: Duration::from_secs(60),
                 device: None,
+                init: None,
             };
             let r = verify(&file, &opts).unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
             let w = r.worst().expect("variables").clone();

@@ -57,6 +57,7 @@ fn verify_opts(strategy: StrategyConfig) -> VerifyOptions {
         tolerance: 1e-5,
         timeout: Duration::from_secs(60),
         device: None,
+        init: None,
     }
 }
 

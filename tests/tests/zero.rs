@@ -53,6 +53,7 @@ fn every_stage_trains_what_one_device_trains() {
                 tolerance: 1e-4,
                 timeout: Duration::from_secs(60),
                 device: None,
+                init: None,
             };
             let r = verify(&file, &opts).unwrap_or_else(|e| panic!("{name} zero {zero}: {e}"));
             let w = r.worst().expect("variables").clone();

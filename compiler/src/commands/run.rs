@@ -532,9 +532,14 @@ pub fn verify(
     timeout: f64,
     transport: Transport,
     device: Device,
+    init: Option<&Path>,
 ) -> Result<()> {
     check_strategy_flags(compile)?;
     let tolerance = given.unwrap_or(DEFAULT_TOLERANCE);
+    let init = match init {
+        Some(path) => Some(Arc::new(distc_runtime::core::checkpoint::load(path)?.0)),
+        None => None,
+    };
     let device = match (device, transport) {
         (Device::Cpu, _) => None,
         (Device::Cuda(n), Transport::Inprocess) => Some(n),
@@ -548,6 +553,7 @@ pub fn verify(
         tolerance,
         timeout: Duration::from_secs_f64(timeout),
         device,
+        init,
     };
     let result = match transport {
         Transport::Inprocess => crate::verify::verify(file, &opts).map(Some),
