@@ -402,6 +402,32 @@ pub fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), 
     ))
 }
 
+/// Where `eval` and `predict` take the weights from.
+#[derive(Args, Clone)]
+pub struct WeightsArgs {
+    /// The weights: a safetensors file by variable name (`--save`, PyTorch's
+    /// `safetensors.torch.save_file`).
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
+    /// With --init: variables the file lacks keep their initializer.
+    #[arg(long, requires = "init")]
+    pub init_partial: bool,
+    /// The weights of a training state (`--checkpoint`).
+    #[arg(long, value_name = "FILE")]
+    pub resume: Option<PathBuf>,
+}
+
+impl WeightsArgs {
+    /// The flags as [`crate::commands::eval::Weights`].
+    pub fn weights(&self) -> crate::commands::eval::Weights<'_> {
+        crate::commands::eval::Weights {
+            init: self.init.as_deref(),
+            partial: self.init_partial,
+            resume: self.resume.as_deref(),
+        }
+    }
+}
+
 // The flags of `run` and `train`.
 #[derive(Args, Clone)]
 pub struct RunArgs {

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use distc::cli::{
     at_least_one, batch_size, non_negative_finite, parse_calibration_flag, parse_device,
     parse_link, profile_steps, timeout_secs, BenchArgs, CompileArgs, Device, ExplainFormat,
-    LinkKind, RunArgs, Transport,
+    LinkKind, RunArgs, Transport, WeightsArgs,
 };
 use distc::commands;
 use distc::console::err;
@@ -113,23 +113,16 @@ enum Command {
     Eval {
         /// The model (.dsl).
         file: PathBuf,
-        /// The weights: a safetensors file by variable name (`--save`, PyTorch's...).
-        #[arg(long, value_name = "FILE", conflicts_with = "resume")]
-        init: Option<PathBuf>,
-        /// With --init: variables the file lacks keep their initializer.
-        #[arg(long, requires = "init")]
-        init_partial: bool,
-        /// The weights of a training state (`--checkpoint`).
-        #[arg(long, value_name = "FILE")]
-        resume: Option<PathBuf>,
+        #[command(flatten)]
+        weights: WeightsArgs,
         /// The data directory (default: DISTC_DATA).
         #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,
         /// Samples per evaluation batch (default: the train block's batch).
-        #[arg(long, value_parser = distc::cli::batch_size, value_name = "N")]
+        #[arg(long, value_parser = batch_size, value_name = "N")]
         batch: Option<usize>,
         /// Evaluate on at most N samples (default: the train block's eval_samples).
-        #[arg(long, value_parser = distc::cli::at_least_one, value_name = "N")]
+        #[arg(long, value_parser = at_least_one, value_name = "N")]
         eval_samples: Option<usize>,
         /// Write the metrics as one JSON line to FILE.
         #[arg(long, value_name = "FILE")]
@@ -140,15 +133,8 @@ enum Command {
     Predict {
         /// The model (.dsl).
         file: PathBuf,
-        /// The weights: a safetensors file by variable name.
-        #[arg(long, value_name = "FILE", conflicts_with = "resume")]
-        init: Option<PathBuf>,
-        /// With --init: variables the file lacks keep their initializer.
-        #[arg(long, requires = "init")]
-        init_partial: bool,
-        /// The weights of a training state (`--checkpoint`).
-        #[arg(long, value_name = "FILE")]
-        resume: Option<PathBuf>,
+        #[command(flatten)]
+        weights: WeightsArgs,
         /// The inputs: a safetensors file holding an array per model input, by name,
         /// the samples along the first axis (an input only the loss reads, a label,
         /// may be left out).
@@ -158,7 +144,7 @@ enum Command {
         #[arg(long, short, value_name = "FILE")]
         output: PathBuf,
         /// Samples per batch (default: the train block's batch).
-        #[arg(long, value_parser = distc::cli::batch_size, value_name = "N")]
+        #[arg(long, value_parser = batch_size, value_name = "N")]
         batch: Option<usize>,
     },
     /// Print the text IR of a model after a pass (default: after the last).
@@ -393,20 +379,14 @@ fn dispatch(command: Command) -> Result<()> {
         Command::Dot { file, after, batch } => commands::dot(&file, after, batch),
         Command::Eval {
             file,
-            init,
-            init_partial,
-            resume,
+            weights,
             data,
             batch,
             eval_samples,
             metrics,
         } => commands::eval::eval(
             &file,
-            &commands::eval::Weights {
-                init: init.as_deref(),
-                partial: init_partial,
-                resume: resume.as_deref(),
-            },
+            &weights.weights(),
             data.as_deref(),
             batch,
             eval_samples,
@@ -414,23 +394,11 @@ fn dispatch(command: Command) -> Result<()> {
         ),
         Command::Predict {
             file,
-            init,
-            init_partial,
-            resume,
+            weights,
             input,
             output,
             batch,
-        } => commands::eval::predict(
-            &file,
-            &commands::eval::Weights {
-                init: init.as_deref(),
-                partial: init_partial,
-                resume: resume.as_deref(),
-            },
-            &input,
-            &output,
-            batch,
-        ),
+        } => commands::eval::predict(&file, &weights.weights(), &input, &output, batch),
         Command::Plot {
             files,
             output,

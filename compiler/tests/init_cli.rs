@@ -240,31 +240,25 @@ fn verify_starts_both_sides_from_the_file() {
         })
         .collect();
     let w = dir.path().join("w.safetensors");
+    let verify = || {
+        distc(&[
+            "verify",
+            s(&m),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--init",
+            s(&w),
+        ])
+    };
     save(&w, &scaled);
-    let o = distc(&[
-        "verify",
-        s(&m),
-        "--strategy",
-        "allreduce",
-        "--workers",
-        "2",
-        "--init",
-        s(&w),
-    ]);
+    let o = verify();
     assert!(o.status.success(), "{}", text(&o));
     let mut partial = scaled.clone();
     partial.remove("b1");
     save(&w, &partial);
-    let o = distc(&[
-        "verify",
-        s(&m),
-        "--strategy",
-        "allreduce",
-        "--workers",
-        "2",
-        "--init",
-        s(&w),
-    ]);
+    let o = verify();
     assert!(!o.status.success());
     assert!(text(&o).contains("b1"), "{}", text(&o));
 }
