@@ -64,7 +64,7 @@ fn eval_accuracy(out: &str) -> f64 {
     out.split("eval_accuracy ")
         .nth(1)
         .and_then(|t| t.split_whitespace().next())
-        .and_then(|t| t.parse().ok())
+        .and_then(|t| t.trim_end_matches(',').parse().ok())
         .unwrap_or_else(|| panic!("no eval_accuracy in\n{out}"))
 }
 
@@ -239,4 +239,32 @@ fn a_source_without_eval_path_trains_without_evaluating() {
     let o = distc(&["train", s(&m), "--data", s(dir.path()), "--steps", "5"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(!text(&o).contains("eval_loss"), "{}", text(&o));
+}
+
+/// MNIST through the generic source: scripts/mnist-safetensors.py's files train
+/// examples/mnist_tensors.dsl.
+#[test]
+fn mnist_as_safetensors_trains_the_example() {
+    let Some(data) = std::env::var_os("DISTC_DATA").filter(|d| !d.is_empty()) else {
+        println!("skipping: DISTC_DATA not set");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let made = std::process::Command::new("python3")
+        .arg(root().join("scripts/mnist-safetensors.py"))
+        .arg(Path::new(&data).join("mnist"))
+        .arg(dir.path().join("mnist-st"))
+        .output()
+        .expect("python3 runs");
+    assert!(made.status.success(), "{}", text(&made));
+    let o = distc(&[
+        "train",
+        "examples/mnist_tensors.dsl",
+        "--data",
+        s(dir.path()),
+        "--steps",
+        "150",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(eval_accuracy(&text(&o)) > 0.8, "{}", text(&o));
 }
