@@ -17,7 +17,7 @@ pub fn text(plan: &Plan, programs: &ProgramSet) -> Result<String> {
     let mem = plan_memory(plan, &programs)?;
     Ok(format!(
         "{}{}{}{}{}{}",
-        explain_table(plan, &mem),
+        explain_table(plan, &mem, &memory_frozen(&programs)),
         explain_pipeline(plan, programs.worker, programs.pipeline)?,
         explain_mesh(plan, programs.worker),
         explain_precision(plan, programs.worker),
@@ -30,7 +30,7 @@ pub fn text(plan: &Plan, programs: &ProgramSet) -> Result<String> {
 pub fn json(plan: &Plan, programs: &ProgramSet) -> Result<serde_json::Value> {
     let programs = program_view(programs, plan.settings.workers);
     let mem = plan_memory(plan, &programs)?;
-    Ok(explain_json(plan, &mem))
+    Ok(explain_json(plan, &mem, &memory_frozen(&programs)))
 }
 
 /// The memory estimate of a plan's own steps: sparse gradients at the rows the compiler
@@ -45,6 +45,11 @@ fn plan_memory(plan: &Plan, programs: &Programs<'_>) -> Result<memory::MemoryEst
         false,
         &rows,
     )?)
+}
+
+/// The plan's frozen variables (`frozen` in the DSL).
+fn memory_frozen(programs: &Programs<'_>) -> std::collections::BTreeSet<String> {
+    distc_runtime::run::programs::frozen_variables(programs)
 }
 
 fn mib(b: f64) -> String {
@@ -448,7 +453,11 @@ fn explain_pipeline(
 }
 
 /// The explain table: one row per variable, then totals.
-fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
+fn explain_table(
+    p: &Plan,
+    mem: &memory::MemoryEstimate,
+    frozen: &std::collections::BTreeSet<String>,
+) -> String {
     use std::fmt::Write as _;
     let mut s = format!(
         "plan {} ({}): strategy {}, {} workers, {} servers, batch {} per worker\n",
@@ -459,6 +468,13 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
         p.settings.servers,
         p.config.batch
     );
+    if !frozen.is_empty() {
+        let _ = writeln!(
+            s,
+            "frozen (held as they start: no gradient, no optimizer state, no traffic): {}",
+            frozen.iter().cloned().collect::<Vec<_>>().join(", ")
+        );
+    }
     let _ = writeln!(
         s,
         "memory (estimate, {} steps): {}",
@@ -523,11 +539,17 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
             mib(b.bytes as f64)
         );
     }
-    if !d.unreached.is_empty() {
+    let unreached: Vec<&str> = d
+        .unreached
+        .iter()
+        .filter(|v| !frozen.contains(*v))
+        .map(String::as_str)
+        .collect();
+    if !unreached.is_empty() {
         let _ = writeln!(
             s,
             "no gradient reaches: {} (no bucket, no traffic)",
-            d.unreached.join(", ")
+            unreached.join(", ")
         );
     }
     for v in d
@@ -553,7 +575,11 @@ fn explain_table(p: &Plan, mem: &memory::MemoryEstimate) -> String {
 }
 
 /// The explain JSON (the table's content, for programs).
-fn explain_json(p: &Plan, mem: &memory::MemoryEstimate) -> serde_json::Value {
+fn explain_json(
+    p: &Plan,
+    mem: &memory::MemoryEstimate,
+    frozen: &std::collections::BTreeSet<String>,
+) -> serde_json::Value {
     serde_json::json!({
         "model": p.model,
         "strategy": p.strategy.name(),
@@ -563,6 +589,7 @@ fn explain_json(p: &Plan, mem: &memory::MemoryEstimate) -> serde_json::Value {
         "variables": p.dist.as_ref().map(|d| d.vars.clone()).unwrap_or_default(),
         "buckets": p.dist.as_ref().map(|d| d.buckets.clone()).unwrap_or_default(),
         "unreached": p.dist.as_ref().map(|d| d.unreached.clone()).unwrap_or_default(),
+        "frozen": frozen,
         "predicted_bytes_per_step_per_worker": p.dist.as_ref().map_or(0.0, |d| d.predicted_bytes_per_step_per_worker()),
         "memory": {
             "worker": mem.worker,

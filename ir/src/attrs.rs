@@ -57,10 +57,18 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
     use AttrValue as A;
     match op {
         Op::Input { name, .. } => vec![("name", A::Str(name.clone()))],
-        Op::Param { name, init, .. } => vec![
-            ("name", A::Str(name.clone())),
-            ("init", A::Init(init.clone())),
-        ],
+        Op::Param {
+            name, init, frozen, ..
+        } => {
+            let mut v = vec![
+                ("name", A::Str(name.clone())),
+                ("init", A::Init(init.clone())),
+            ];
+            if *frozen {
+                v.push(("frozen", A::Bool(true)));
+            }
+            v
+        }
         Op::Constant { value, .. } => vec![("value", A::Float(*value))],
         Op::MatMul {
             transpose_a,
@@ -504,6 +512,7 @@ pub fn op_from_parts(
             name: a.string("name")?,
             init: a.init("init")?,
             ty: source_ty()?,
+            frozen: a.flag("frozen")?,
         },
         "constant" => Op::Constant {
             value: a.float("value")?,

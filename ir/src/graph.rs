@@ -369,6 +369,19 @@ impl Graph {
             .collect()
     }
 
+    /// The names of the variables marked `frozen` (never trained), sorted.
+    pub fn frozen_params(&self) -> std::collections::BTreeSet<String> {
+        self.node_ids()
+            .into_iter()
+            .filter_map(|id| match self.op(id) {
+                Op::Param {
+                    name, frozen: true, ..
+                } => Some(name.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Model inputs in node order: `(node, name, type)`; the data's, not the loss
     /// scale ([`LOSS_SCALE`]) the runtime feeds itself.
     pub fn inputs(&self) -> Vec<(NodeId, &str, &TensorType)> {

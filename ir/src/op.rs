@@ -75,6 +75,9 @@ pub enum Op {
         ty: TensorType,
         /// Its initialiser.
         init: Init,
+        /// Held as it starts (its initializer or `--init`'s value): no gradient, no
+        /// optimizer state, no communication.
+        frozen: bool,
     },
     /// A tensor filled with one value. No inputs.
     Constant {

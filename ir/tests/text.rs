@@ -63,6 +63,8 @@ fn random_graph(seed: u64) -> Graph {
                     },
                 ][i % 3]
                     .clone(),
+                // Some frozen, so the text format's flag round-trips.
+                frozen: i % 4 == 0,
             },
             1 => Op::Input {
                 name: format!("x{i}"),
@@ -90,6 +92,7 @@ fn random_graph(seed: u64) -> Graph {
                 name: "table".into(),
                 ty: TensorType::f32(vec![10, 4]),
                 init: Init::Zeros,
+                frozen: false,
             },
             vec![],
         )
@@ -155,6 +158,7 @@ fn random_graph(seed: u64) -> Graph {
                             name: format!("gamma{}", g.node_count()),
                             ty: TensorType::f32(vec![last]),
                             init: Init::Ones,
+                            frozen: false,
                         },
                         vec![],
                     )

@@ -96,10 +96,11 @@ impl Pass for Autodiff {
             }
         }
         let reached: HashSet<&str> = param_grads.iter().map(|(n, _)| n.as_str()).collect();
+        let frozen = g.frozen_params();
         let unreached: Vec<String> = g
             .params()
             .iter()
-            .filter(|(_, n, _)| !reached.contains(n))
+            .filter(|(_, n, _)| !reached.contains(n) && !frozen.contains(*n))
             .map(|(_, n, _)| n.to_string())
             .collect();
         let n_grads = param_grads.len();
@@ -113,7 +114,8 @@ impl Pass for Autodiff {
             .count("added", g.node_count().saturating_sub(nodes_before))
             .count("gradients", n_grads)
             .count("sparse", sparse)
-            .count("unreached", unreached.len());
+            .count("unreached", unreached.len())
+            .count("frozen", frozen.len());
         if !unreached.is_empty() {
             stats.note = Some(format!("no gradient reaches {}", unreached.join(", ")));
         }
@@ -126,7 +128,8 @@ fn active_nodes(g: &Graph, order: &[NodeId], loss: NodeId) -> HashSet<NodeId> {
     let mut from_params: HashSet<NodeId> = HashSet::new();
     for &id in order {
         let n = g.node(id);
-        if matches!(n.op, Op::Param { .. })
+        // A frozen variable is not trained: no gradient flows to it.
+        if matches!(n.op, Op::Param { frozen: false, .. })
             || n.inputs.iter().any(|v| from_params.contains(&v.node))
         {
             from_params.insert(id);

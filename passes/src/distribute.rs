@@ -69,7 +69,12 @@ impl Index {
     fn param_of(&self, g: &Graph, name: &str) -> Option<(NodeId, TensorType, distc_ir::Init)> {
         let id = *self.params.get(name)?;
         match &g.get(id)?.op {
-            Op::Param { name: n, ty, init } if n == name => Some((id, ty.clone(), init.clone())),
+            Op::Param {
+                name: n,
+                ty,
+                init,
+                frozen: false,
+            } if n == name => Some((id, ty.clone(), init.clone())),
             _ => None,
         }
     }
@@ -143,6 +148,7 @@ impl Pass for Distribute {
                             name: v.name.clone(),
                             ty: ty.clone(),
                             init: init_spec,
+                            frozen: false,
                         },
                         vec![],
                     )?;

@@ -29,10 +29,16 @@ impl Pass for PromoteF64 {
                     ty: promote(&ty),
                     name,
                 },
-                Op::Param { name, ty, init } => Op::Param {
+                Op::Param {
+                    name,
+                    ty,
+                    init,
+                    frozen,
+                } => Op::Param {
                     ty: promote(&ty),
                     name,
                     init,
+                    frozen,
                 },
                 Op::Constant { value, ty } => Op::Constant {
                     ty: promote(&ty),

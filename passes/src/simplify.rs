@@ -679,6 +679,7 @@ mod tests {
                         name: format!("w{i}"),
                         ty: t(vec![4, 4]),
                         init: Init::Glorot,
+                        frozen: false,
                     },
                     vec![],
                 )

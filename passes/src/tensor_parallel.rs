@@ -226,7 +226,7 @@ impl Rewriter<'_> {
         let ins: Vec<(ValueId, Sharding)> = node.inputs.iter().map(|v| self.map[v]).collect();
         let parts = self.parts;
         let (op, inputs, s) = match &node.op {
-            Op::Param { name, ty, init } if split.contains_key(name) => {
+            Op::Param { name, ty, init, .. } if split.contains_key(name) => {
                 let dim = split[name];
                 let local = self.local_type(name, ty, dim)?;
                 let v = self.add(
@@ -234,6 +234,7 @@ impl Rewriter<'_> {
                         name: shard_name(name),
                         ty: local.clone(),
                         init: init.clone(),
+                        frozen: false,
                     },
                     vec![],
                     Sharding::Split(dim),
@@ -562,6 +563,7 @@ impl Rewriter<'_> {
                 name: name.to_string(),
                 ty: ty.clone(),
                 init: init.clone(),
+                frozen: false,
             },
             vec![],
         )?;
@@ -578,6 +580,7 @@ impl Rewriter<'_> {
                 name: shard_name(name),
                 ty: local.clone(),
                 init: init.clone(),
+                frozen: false,
             },
             vec![],
         )?;

@@ -180,6 +180,7 @@ impl Pass for Zero {
                     name: shard.clone(),
                     ty: shard_ty.clone(),
                     init: init_spec.clone(),
+                    frozen: false,
                 },
                 vec![],
             )?;
@@ -254,6 +255,7 @@ impl Pass for Zero {
                             name: name.clone(),
                             ty: ty.clone(),
                             init: init_spec.clone(),
+                            frozen: false,
                         },
                         vec![],
                     )?;
@@ -275,6 +277,7 @@ impl Pass for Zero {
                     name: shard.clone(),
                     ty: shard_ty,
                     init: init_spec,
+                    frozen: false,
                 },
                 vec![],
             )?;

@@ -59,6 +59,7 @@ fn forward_graph() -> (Graph, HashMap<String, Tensor>, HashMap<String, Tensor>) 
                 name: "p".into(),
                 ty: f32_type(&[8, 32]),
                 init: distc_ir::Init::Zeros,
+                frozen: false,
             },
             vec![],
         )

@@ -82,6 +82,7 @@ impl G {
                     name: name.into(),
                     ty,
                     init: distc_ir::Init::Zeros,
+                    frozen: false,
                 },
                 vec![],
             )

@@ -1626,6 +1626,7 @@ fn optimizer_graph() -> (Graph, HashMap<String, Tensor>, Vec<HashMap<String, Ten
                 name: name.into(),
                 ty: f32t(dims),
                 init: distc_ir::Init::Zeros,
+                frozen: false,
             },
             vec![],
         )

@@ -49,6 +49,7 @@ impl Builder {
             name: name.into(),
             ty: f64t(dims),
             init: distc_ir::Init::Zeros,
+            frozen: false,
         };
         self.g.add(op, vec![]).expect("param").into()
     }

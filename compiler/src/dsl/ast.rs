@@ -86,6 +86,8 @@ pub enum Stmt {
         init: InitExpr,
         /// `shard(DIM)`: the dimension it splits along over a model axis, and the mark.
         shard: Option<(usize, Span)>,
+        /// `frozen`: not trained.
+        frozen: bool,
         /// The whole statement.
         span: Span,
     },

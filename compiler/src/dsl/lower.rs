@@ -624,6 +624,7 @@ pub(crate) fn lower_model(
                 ty,
                 init,
                 shard,
+                frozen,
                 ..
             } => {
                 cx.define_check(name)?;
@@ -650,6 +651,7 @@ pub(crate) fn lower_model(
                         name: name.name.clone(),
                         ty: t,
                         init,
+                        frozen: *frozen,
                     },
                     vec![],
                     name.span,

@@ -208,6 +208,7 @@ fn want_of_rule(rule: Rule) -> Option<Want> {
         | Rule::let_stmt
         | Rule::stage_mark
         | Rule::shard_mark
+        | Rule::kw_frozen
         | Rule::kw_shard
         | Rule::kw_input
         | Rule::kw_param
@@ -549,32 +550,35 @@ fn build_stmt(p: Pair<'_, Rule>) -> R<Stmt> {
             let name = ident(next(&mut it, at, "param name")?);
             let ty = build_type(next(&mut it, at, "param type")?)?;
             let init = build_init(next(&mut it, at, "initialiser")?)?;
-            let shard = match it.next() {
-                Some(mark) => {
-                    let span = span(&mark);
-                    let number = mark
-                        .into_inner()
-                        .find(|p| p.as_rule() == Rule::number)
-                        .ok_or_else(|| Diag::new(span, "`shard` needs a dimension", "here"))?;
-                    let dim = number.as_str().parse::<usize>().map_err(|_| {
-                        Diag::new(
-                            span,
-                            format!(
-                                "`shard({})`: a dimension is a whole number 0, 1, ...",
-                                number.as_str()
-                            ),
-                            "not a dimension",
-                        )
-                    })?;
-                    Some((dim, span))
+            let (mut shard, mut frozen) = (None, false);
+            for mark in it.by_ref() {
+                if mark.as_rule() == Rule::kw_frozen {
+                    frozen = true;
+                    continue;
                 }
-                None => None,
-            };
+                let span = span(&mark);
+                let number = mark
+                    .into_inner()
+                    .find(|p| p.as_rule() == Rule::number)
+                    .ok_or_else(|| Diag::new(span, "`shard` needs a dimension", "here"))?;
+                let dim = number.as_str().parse::<usize>().map_err(|_| {
+                    Diag::new(
+                        span,
+                        format!(
+                            "`shard({})`: a dimension is a whole number 0, 1, ...",
+                            number.as_str()
+                        ),
+                        "not a dimension",
+                    )
+                })?;
+                shard = Some((dim, span));
+            }
             Ok(Stmt::Param {
                 name,
                 ty,
                 init,
                 shard,
+                frozen,
                 span: at,
             })
         }

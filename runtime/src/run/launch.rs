@@ -249,8 +249,9 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
         )));
     }
     // Every variable has every slot, of its own type: a slot missing would restart at
-    // zero without a word.
-    for (var, t) in &state.params {
+    // zero without a word. A frozen variable has none.
+    let frozen = crate::run::programs::frozen_variables(programs);
+    for (var, t) in state.params.iter().filter(|(v, _)| !frozen.contains(*v)) {
         for slot in wanted {
             let key = format!("{var}/{slot}");
             match state.optimizer.get(&key) {

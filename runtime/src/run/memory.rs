@@ -217,6 +217,15 @@ pub fn estimate(
         .map(|(_, _, t)| t.bytes() as u64)
         .sum();
     let slots = slots(&config.optimizer);
+    // A frozen variable keeps no optimizer state.
+    let frozen = crate::run::programs::frozen_variables(programs);
+    let trained: u64 = programs
+        .worker
+        .params()
+        .iter()
+        .filter(|(_, n, _)| !frozen.contains(*n))
+        .map(|(_, _, t)| t.bytes() as u64)
+        .sum();
     let step: MemoryUse = Schedule::new(programs.worker)?.predicted_memory_with(Mode::Train, rows);
     let inputs = input_types(programs.worker);
     let batch_bytes: u128 = inputs.values().map(|t| t.bytes() as u128).sum();
@@ -260,7 +269,7 @@ pub fn estimate(
         .unwrap_or(MemoryByCategory {
             params,
             gradients: step.gradients,
-            optimizer: params.saturating_mul(slots),
+            optimizer: trained.saturating_mul(slots),
             activations: step.activations,
             comm_buffers: step.comm_buffers,
         });
@@ -418,10 +427,13 @@ pub fn pipeline_stages(
         params.sort();
         params.dedup();
         let var_bytes = |name: &str| params.iter().find(|(n, _)| n == name).map_or(0, |p| p.1);
-        // A tied variable's holders keep no optimizer state for it.
+        // A tied variable's holders keep no optimizer state for it, nor does a frozen
+        // variable's stage.
+        let frozen = st.forward.frozen_params();
         let updated: u64 = params
             .iter()
             .filter(|(n, _)| !tied.iter().any(|t| &t.name == n && t.owner != s))
+            .filter(|(n, _)| !frozen.contains(n))
             .map(|(_, b)| b)
             .sum();
         for t in &tied {

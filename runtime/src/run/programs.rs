@@ -153,7 +153,9 @@ pub fn init_params(graph: &Graph, seed: u64) -> HashMap<String, Tensor> {
         .topo_order()
         .into_iter()
         .filter_map(|id| match graph.op(id) {
-            Op::Param { name, ty, init } => Some((name.clone(), init_param(name, ty, init, seed))),
+            Op::Param { name, ty, init, .. } => {
+                Some((name.clone(), init_param(name, ty, init, seed)))
+            }
             _ => None,
         })
         .collect()
@@ -303,6 +305,22 @@ pub struct MpiRun {
     pub command: String,
 }
 
+/// The variables a plan holds without training them (`frozen` in the DSL): no
+/// gradient, no optimizer state.
+pub fn frozen_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<String> {
+    let mut out = programs.worker.frozen_params();
+    for g in programs.init.into_iter().chain(programs.servers) {
+        out.extend(g.frozen_params());
+    }
+    if let Some(p) = programs.pipeline {
+        for st in &p.stages {
+            out.extend(st.forward.frozen_params());
+            out.extend(st.backward.frozen_params());
+        }
+    }
+    out
+}
+
 /// What `--init` found, for people: the variables set from the file, and the names
 /// on either side without a match.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -406,8 +424,9 @@ pub fn state_from_weights(
         )));
     }
     let slots = crate::cpu::optim::Optimizer::new(&config.optimizer).slot_names();
+    let frozen = frozen_variables(programs);
     let mut optimizer: HashMap<String, Tensor> = HashMap::new();
-    for (name, ty) in &variables {
+    for (name, ty) in variables.iter().filter(|(n, _)| !frozen.contains(n)) {
         for slot in slots {
             optimizer.insert(format!("{name}/{slot}"), Tensor::zeros(ty));
         }
