@@ -1056,7 +1056,16 @@ impl Lowerer<'_> {
 
     fn add(&mut self, op: Op, inputs: Vec<ValueId>, at: Span, label: &str) -> R<ValueId> {
         match self.graph.add(op, inputs) {
-            Ok(id) => Ok(id.out(0)),
+            Ok(id) => {
+                // A result past the limit fails here, where it is written, not when a
+                // plan holding it is loaded.
+                let v = id.out(0);
+                let ty = self.graph.try_value_type(v).map(|t| t.dense_type().clone());
+                if let Some(t) = ty {
+                    check_size(&t, at)?;
+                }
+                Ok(v)
+            }
             Err(GraphError::Shape(e)) => Err(Diag::new(
                 at,
                 format!("shape mismatch in {}: {}", e.op, e.message),
@@ -1528,7 +1537,7 @@ fn check_size(t: &TensorType, at: Span) -> R<()> {
             _ => {
                 return Err(Diag::new(
                     at,
-                    format!("this tensor has more than {MAX_ELEMENTS} elements"),
+                    format!("this tensor ({t}) has more than 2^40 elements"),
                     "too large",
                 ))
             }
