@@ -694,6 +694,9 @@ fn range(values: impl Iterator<Item = f64>, from_zero: bool) -> Option<std::ops:
 /// The smallest value a log axis reaches down to (a loss of 5e-324 is drawn at it).
 const LOG_FLOOR: f64 = 1e-300;
 
+/// The most decades a log axis spans.
+const LOG_DECADES: f64 = 24.0;
+
 /// A log axis's range around the positive finite `values`, a twentieth of its decades
 /// to spare at each end (half a decade around a single value), within [`LOG_FLOOR`]
 /// and [`AXIS_LIMIT`], and out to the powers of ten around it where it holds none
@@ -712,6 +715,9 @@ fn log_range(values: impl Iterator<Item = f64>) -> Option<std::ops::Range<f64>> 
     let pad = if hi > lo { (hi - lo) * 0.05 } else { 0.5 };
     let (least, most) = (LOG_FLOOR.log10(), AXIS_LIMIT.log10());
     let (mut lo, mut hi) = ((lo - pad).max(least), (hi + pad).min(most));
+    // plotters lays out every decade's ticks: hundreds of decades (1e-320 beside 3e38
+    // in a damaged file) took minutes. Below the top's LOG_DECADES the axis stops.
+    lo = lo.max(hi - LOG_DECADES);
     if lo.ceil() > hi {
         (lo, hi) = (lo.floor(), hi.ceil());
     }
@@ -1150,6 +1156,11 @@ mod tests {
         // The least subnormal and the largest float still make a finite range.
         let r = log_range([5e-324, f64::MAX].into_iter()).expect("a range");
         assert!(r.start > 0.0 && r.end.is_finite());
+        // The cli fuzz target's hang: 1e-320 beside 3.4e38 made a 358-decade axis,
+        // whose ticks plotters laid out for minutes. The axis keeps the top decades.
+        let r = log_range([1e-320, 3.4e38].into_iter()).expect("a range");
+        let decades = (r.end / r.start).log10();
+        assert!(decades <= LOG_DECADES + 1e-9 && r.end >= 3.4e38, "{r:?}");
     }
 
     #[test]
