@@ -191,6 +191,12 @@ pub fn predict(
     }
     let mut exec = Executor::new(graph)?;
     let params = upload_all(exec.backend(), params.clone())?;
+    // Each input's values once, not once per batch.
+    let flat: HashMap<&str, Vec<f64>> = inputs
+        .iter()
+        .filter(|(name, _)| types.contains_key(name.as_str()))
+        .map(|(name, t)| (name.as_str(), t.to_f64_vec()))
+        .collect();
     let (mut values, mut row_shape): (Vec<f64>, Vec<usize>) = (Vec::new(), Vec::new());
     let mut start = 0;
     while start < n {
@@ -199,8 +205,8 @@ pub fn predict(
         let mut feeds = HashMap::new();
         for (name, ty) in &types {
             let per: usize = ty.dims()[1..].iter().product();
-            let rows = match inputs.get(name) {
-                Some(t) => padded_rows(t, start * per, b * per, ty),
+            let rows = match flat.get(name.as_str()) {
+                Some(all) => padded_rows(all, start * per, b * per, ty),
                 None => Tensor::zeros(ty),
             };
             feeds.insert(name.clone(), rows);
@@ -244,9 +250,8 @@ fn ancestors(
     seen
 }
 
-/// `len` values of `t` from `from` (row-major), zero-padded to a whole batch of `ty`.
-fn padded_rows(t: &Tensor, from: usize, len: usize, ty: &distc_ir::TensorType) -> Tensor {
-    let all = t.to_f64_vec();
+/// `len` values of `all` from `from` (row-major), zero-padded to a whole batch of `ty`.
+fn padded_rows(all: &[f64], from: usize, len: usize, ty: &distc_ir::TensorType) -> Tensor {
     let mut v = all[from..from + len].to_vec();
     v.resize(ty.shape.numel(), 0.0);
     let dims = ndarray::IxDyn(ty.dims());
