@@ -29,6 +29,23 @@ pub enum UnaryFn {
     Log,
     /// `1` where `x > 0`, else `0` (the derivative of relu).
     Step,
+    /// `sqrt(x)`.
+    Sqrt,
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    /// `x * Φ(x)`, `Φ` the standard normal CDF (`torch.nn.functional.gelu`).
+    Gelu,
+    /// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`
+    /// (`gelu(approximate="tanh")`, GPT-2's).
+    GeluTanh,
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// The derivative of `gelu` at `x` (its gradient rule reads it).
+    GeluDerivative,
+    /// The derivative of `gelu_tanh` at `x`.
+    GeluTanhDerivative,
+    /// The derivative of `silu` at `x`.
+    SiluDerivative,
 }
 
 /// A two-argument element-wise function.
@@ -42,6 +59,24 @@ pub enum BinaryFn {
     Mul,
     /// `a / b`.
     Div,
+    /// `a` to the power `b`.
+    Pow,
+    /// `1` where `a < b`, else `0`.
+    Less,
+    /// `1` where `a <= b`, else `0`.
+    LessEqual,
+    /// `1` where `a > b`, else `0`.
+    Greater,
+    /// `1` where `a >= b`, else `0`.
+    GreaterEqual,
+    /// `1` where `a == b`, else `0`.
+    Equal,
+    /// `1` where `a != b`, else `0`.
+    NotEqual,
+    /// `b` where `a != 0`, else exactly `0` (even where `b` is infinite or NaN): the
+    /// half of `where(c, x, y) = keep(c, x) + keep(c == 0, y)` that masks, so a `-inf`
+    /// on the side not chosen never reaches the sum.
+    Keep,
 }
 
 /// One step of a [`FusedExpr`]; operands are indices of earlier steps.
@@ -75,6 +110,14 @@ impl UnaryFn {
             UnaryFn::Exp => "exp",
             UnaryFn::Log => "log",
             UnaryFn::Step => "step",
+            UnaryFn::Sqrt => "sqrt",
+            UnaryFn::Rsqrt => "rsqrt",
+            UnaryFn::Gelu => "gelu",
+            UnaryFn::GeluTanh => "gelu_tanh",
+            UnaryFn::Silu => "silu",
+            UnaryFn::GeluDerivative => "gelu_derivative",
+            UnaryFn::GeluTanhDerivative => "gelu_tanh_derivative",
+            UnaryFn::SiluDerivative => "silu_derivative",
         }
     }
 }
@@ -87,13 +130,21 @@ impl BinaryFn {
             BinaryFn::Sub => "sub",
             BinaryFn::Mul => "mul",
             BinaryFn::Div => "div",
+            BinaryFn::Pow => "pow",
+            BinaryFn::Less => "less",
+            BinaryFn::LessEqual => "less_equal",
+            BinaryFn::Greater => "greater",
+            BinaryFn::GreaterEqual => "greater_equal",
+            BinaryFn::Equal => "equal",
+            BinaryFn::NotEqual => "not_equal",
+            BinaryFn::Keep => "keep",
         }
     }
 }
 
 impl UnaryFn {
     /// Every unary function, for parsing and tests.
-    pub const ALL: [UnaryFn; 7] = [
+    pub const ALL: [UnaryFn; 15] = [
         UnaryFn::Neg,
         UnaryFn::Relu,
         UnaryFn::Sigmoid,
@@ -101,12 +152,126 @@ impl UnaryFn {
         UnaryFn::Exp,
         UnaryFn::Log,
         UnaryFn::Step,
+        UnaryFn::Sqrt,
+        UnaryFn::Rsqrt,
+        UnaryFn::Gelu,
+        UnaryFn::GeluTanh,
+        UnaryFn::Silu,
+        UnaryFn::GeluDerivative,
+        UnaryFn::GeluTanhDerivative,
+        UnaryFn::SiluDerivative,
     ];
+
+    /// The value at `x`, in f64: the reference the kernels (f32 loops, generated GPU
+    /// code) are tested against.
+    pub fn eval(self, x: f64) -> f64 {
+        let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+        match self {
+            UnaryFn::Neg => -x,
+            UnaryFn::Relu => {
+                if x > 0.0 {
+                    x
+                } else {
+                    0.0
+                }
+            }
+            UnaryFn::Sigmoid => sigmoid(x),
+            UnaryFn::Tanh => x.tanh(),
+            UnaryFn::Exp => x.exp(),
+            UnaryFn::Log => x.ln(),
+            UnaryFn::Step => f64::from(u8::from(x > 0.0)),
+            UnaryFn::Sqrt => x.sqrt(),
+            UnaryFn::Rsqrt => 1.0 / x.sqrt(),
+            UnaryFn::Gelu => x * normal_cdf(x),
+            UnaryFn::GeluTanh => 0.5 * x * (1.0 + gelu_tanh_inner(x).tanh()),
+            UnaryFn::Silu => x * sigmoid(x),
+            UnaryFn::GeluDerivative => normal_cdf(x) + x * normal_pdf(x),
+            UnaryFn::GeluTanhDerivative => {
+                let t = gelu_tanh_inner(x).tanh();
+                let du = GELU_TANH_C * (1.0 + 3.0 * GELU_TANH_K * x * x);
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+            }
+            UnaryFn::SiluDerivative => {
+                let s = sigmoid(x);
+                s * (1.0 + x * (1.0 - s))
+            }
+        }
+    }
+}
+
+/// `√(2/π)`, GELU's tanh approximation's scale.
+pub const GELU_TANH_C: f64 = 0.797_884_560_802_865_4;
+/// The cubic coefficient of GELU's tanh approximation.
+pub const GELU_TANH_K: f64 = 0.044_715;
+
+fn gelu_tanh_inner(x: f64) -> f64 {
+    GELU_TANH_C * (x + GELU_TANH_K * x * x * x)
+}
+
+/// `Φ(x)`, the standard normal CDF.
+fn normal_cdf(x: f64) -> f64 {
+    0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))
+}
+
+/// `φ(x)`, the standard normal density.
+fn normal_pdf(x: f64) -> f64 {
+    (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
 }
 
 impl BinaryFn {
     /// Every binary function, for parsing and tests.
-    pub const ALL: [BinaryFn; 4] = [BinaryFn::Add, BinaryFn::Sub, BinaryFn::Mul, BinaryFn::Div];
+    pub const ALL: [BinaryFn; 12] = [
+        BinaryFn::Add,
+        BinaryFn::Sub,
+        BinaryFn::Mul,
+        BinaryFn::Div,
+        BinaryFn::Pow,
+        BinaryFn::Less,
+        BinaryFn::LessEqual,
+        BinaryFn::Greater,
+        BinaryFn::GreaterEqual,
+        BinaryFn::Equal,
+        BinaryFn::NotEqual,
+        BinaryFn::Keep,
+    ];
+
+    /// The value at `(a, b)`, in f64 (see [`UnaryFn::eval`]).
+    pub fn eval(self, a: f64, b: f64) -> f64 {
+        let truth = |t: bool| f64::from(u8::from(t));
+        match self {
+            BinaryFn::Add => a + b,
+            BinaryFn::Sub => a - b,
+            BinaryFn::Mul => a * b,
+            BinaryFn::Div => a / b,
+            BinaryFn::Pow => a.powf(b),
+            BinaryFn::Less => truth(a < b),
+            BinaryFn::LessEqual => truth(a <= b),
+            BinaryFn::Greater => truth(a > b),
+            BinaryFn::GreaterEqual => truth(a >= b),
+            BinaryFn::Equal => truth(a == b),
+            BinaryFn::NotEqual => truth(a != b),
+            BinaryFn::Keep => {
+                if a != 0.0 {
+                    b
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+
+    /// Whether the result is a 0/1 truth value, with no gradient to either operand.
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinaryFn::Less
+                | BinaryFn::LessEqual
+                | BinaryFn::Greater
+                | BinaryFn::GreaterEqual
+                | BinaryFn::Equal
+                | BinaryFn::NotEqual
+        )
+    }
 }
 
 impl FusedStep {
@@ -254,22 +419,22 @@ impl FusedExpr {
 
 /// Builds steps, sharing equal leaves (an input read twice is one step).
 #[derive(Default)]
-struct Builder {
-    steps: Vec<FusedStep>,
+pub(crate) struct Builder {
+    pub(crate) steps: Vec<FusedStep>,
 }
 
 impl Builder {
-    fn push(&mut self, s: FusedStep) -> usize {
+    pub(crate) fn push(&mut self, s: FusedStep) -> usize {
         self.steps.push(s);
         self.steps.len() - 1
     }
-    fn input(&mut self, k: usize) -> usize {
+    pub(crate) fn input(&mut self, k: usize) -> usize {
         match self.steps.iter().position(|s| *s == FusedStep::Input(k)) {
             Some(i) => i,
             None => self.push(FusedStep::Input(k)),
         }
     }
-    fn constant(&mut self, c: f64) -> usize {
+    pub(crate) fn constant(&mut self, c: f64) -> usize {
         let found = self.steps.iter().position(|s| match s {
             FusedStep::Const(x) => x.to_bits() == c.to_bits(),
             _ => false,

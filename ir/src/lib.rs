@@ -9,6 +9,7 @@
 pub mod attrs;
 pub mod dot;
 pub mod fused;
+mod fused_grad;
 pub mod graph;
 pub mod op;
 pub mod parse;
@@ -28,6 +29,7 @@ pub const ZERO_SHARD_SUFFIX: &str = ".zero";
 /// `--workers`).
 pub const MAX_WORKERS: usize = 1 << 20;
 pub use fused::{BinaryFn, FusedExpr, FusedStep, UnaryFn};
+pub use fused_grad::InputGradient;
 pub use op::{Init, Op, ReduceOp};
 pub use parse::{parse, ParseError};
 pub use print::print;

@@ -502,12 +502,27 @@ fn vjp(
             dy,
             x[0],
         )?)],
-        Op::Fused { .. } => {
-            return Err(PassError::Precondition(format!(
-                "{id} ({}): a fused element-wise node has no gradient rule: kernel fusion \
-                 runs after autodiff, so differentiate the unfused graph",
-                node.op
-            )))
+        Op::Fused { expr } => {
+            // Element-wise ops written as expressions (gelu, pow, where, ...) and
+            // fused nodes alike: each input's gradient is an expression too.
+            let grads = expr
+                .input_gradients(x.len())
+                .map_err(|e| PassError::Precondition(format!("{id} ({}): {e}", node.op)))?;
+            let mut out = Vec::with_capacity(x.len());
+            for (k, grad) in grads.into_iter().enumerate() {
+                let Some(grad) = grad.filter(|_| needs[k]) else {
+                    out.push(None);
+                    continue;
+                };
+                let inputs: Vec<ValueId> =
+                    grad.inputs.iter().map(|i| i.map_or(dy, |j| x[j])).collect();
+                let d = match grad.expr.steps.as_slice() {
+                    [distc_ir::FusedStep::Input(j)] => inputs[*j],
+                    _ => g.add(Op::Fused { expr: grad.expr }, inputs)?.into(),
+                };
+                out.push(Some(sum_to(g, d, x[k])?));
+            }
+            out
         }
         Op::SumTo { .. }
         | Op::BroadcastTo { .. }

@@ -65,6 +65,13 @@ fn unfused(expr: &FusedExpr, inputs: &[Value], dtype: DType) -> Value {
                     UnaryFn::Exp => Op::Exp,
                     UnaryFn::Log => Op::Log,
                     UnaryFn::Step => unreachable!("above"),
+                    // No op of their own: the f64 reference, element by element.
+                    other => {
+                        let Value::Tensor(x) = &vals[a] else { panic!() };
+                        let data = x.to_f64_vec().into_iter().map(|v| other.eval(v)).collect();
+                        vals.push(Value::Tensor(tensor(dtype, x.shape(), data)));
+                        continue;
+                    }
                 };
                 one(eval_op(&op, &[&vals[a]], &CTX).unwrap())
             }
@@ -74,6 +81,10 @@ fn unfused(expr: &FusedExpr, inputs: &[Value], dtype: DType) -> Value {
                     BinaryFn::Sub => Op::Sub,
                     BinaryFn::Mul => Op::Mul,
                     BinaryFn::Div => Op::Div,
+                    // No op of their own: a one-step fused node (its simplest loop).
+                    other => Op::Fused {
+                        expr: format!("{}(in0, in1)", other.name()).parse().unwrap(),
+                    },
                 };
                 one(eval_op(&op, &[&vals[a], &vals[b]], &CTX).unwrap())
             }
@@ -134,6 +145,32 @@ fn check(text: &str, shapes: &[&[usize]]) {
             close(&got.1, &format!("input {k} owned"));
         }
     }
+}
+
+#[test]
+fn the_expression_functions() {
+    for f in [
+        "gelu",
+        "gelu_tanh",
+        "silu",
+        "gelu_derivative",
+        "gelu_tanh_derivative",
+        "silu_derivative",
+    ] {
+        check(&format!("mul({f}(add(in0, in1)), in0)"), &[&[3, 70], &[70]]);
+    }
+    check(
+        "add(sqrt(mul(in0, in0)), rsqrt(add(mul(in1, in1), 1.0)))",
+        &[&[3, 70], &[3, 1]],
+    );
+    check(
+        "t0 = greater(in0, in1); add(keep(t0, pow(mul(in0, in0), 0.5)), keep(equal(t0, 0.0), in1))",
+        &[&[5, 70], &[70]],
+    );
+    check(
+        "add(add(less(in0, in1), less_equal(in0, 0.5)), add(greater_equal(in1, in0), not_equal(in0, in1)))",
+        &[&[4, 33], &[4, 1]],
+    );
 }
 
 #[test]

@@ -300,6 +300,14 @@ fn unary_step(f: UnaryFn) -> usize {
         UnaryFn::Exp => 10,
         UnaryFn::Log => 9,
         UnaryFn::Step => 12,
+        UnaryFn::Sqrt => 18,
+        UnaryFn::Rsqrt => 19,
+        UnaryFn::Gelu => 20,
+        UnaryFn::GeluTanh => 21,
+        UnaryFn::Silu => 22,
+        UnaryFn::GeluDerivative => 23,
+        UnaryFn::GeluTanhDerivative => 24,
+        UnaryFn::SiluDerivative => 25,
     }
 }
 
@@ -310,6 +318,14 @@ fn binary_step(f: BinaryFn) -> usize {
         BinaryFn::Sub => 13,
         BinaryFn::Mul => 8,
         BinaryFn::Div => 11,
+        BinaryFn::Pow => 26,
+        BinaryFn::Less => 27,
+        BinaryFn::LessEqual => 28,
+        BinaryFn::Greater => 29,
+        BinaryFn::GreaterEqual => 30,
+        BinaryFn::Equal => 31,
+        BinaryFn::NotEqual => 32,
+        BinaryFn::Keep => 33,
     }
 }
 
@@ -1373,24 +1389,57 @@ fn fused_expr() -> FusedExpr {
     use UnaryFn as U;
     FusedExpr {
         steps: vec![
-            Input(0),               // 0: x
-            Input(1),               // 1: b
-            Input(2),               // 2: p > 0
-            Const(0.5),             // 3
-            Binary(B::Add, 0, 1),   // 4: x + b
-            Unary(U::Relu, 4),      // 5
-            Unary(U::Sigmoid, 0),   // 6
-            Unary(U::Tanh, 1),      // 7
-            Binary(B::Mul, 6, 7),   // 8
-            Unary(U::Log, 2),       // 9
-            Unary(U::Exp, 8),       // 10
-            Binary(B::Div, 10, 2),  // 11
-            Unary(U::Step, 4),      // 12
-            Binary(B::Sub, 5, 11),  // 13
-            Binary(B::Mul, 12, 3),  // 14
-            Unary(U::Neg, 9),       // 15
-            Binary(B::Add, 13, 14), // 16
-            Binary(B::Add, 16, 15), // 17
+            Input(0),                        // 0: x
+            Input(1),                        // 1: b
+            Input(2),                        // 2: p > 0
+            Const(0.5),                      // 3
+            Binary(B::Add, 0, 1),            // 4: x + b
+            Unary(U::Relu, 4),               // 5
+            Unary(U::Sigmoid, 0),            // 6
+            Unary(U::Tanh, 1),               // 7
+            Binary(B::Mul, 6, 7),            // 8
+            Unary(U::Log, 2),                // 9
+            Unary(U::Exp, 8),                // 10
+            Binary(B::Div, 10, 2),           // 11
+            Unary(U::Step, 4),               // 12
+            Binary(B::Sub, 5, 11),           // 13
+            Binary(B::Mul, 12, 3),           // 14
+            Unary(U::Neg, 9),                // 15
+            Binary(B::Add, 13, 14),          // 16
+            Binary(B::Add, 16, 15),          // 17
+            Unary(U::Sqrt, 2),               // 18
+            Unary(U::Rsqrt, 2),              // 19
+            Unary(U::Gelu, 0),               // 20
+            Unary(U::GeluTanh, 1),           // 21
+            Unary(U::Silu, 4),               // 22
+            Unary(U::GeluDerivative, 0),     // 23
+            Unary(U::GeluTanhDerivative, 1), // 24
+            Unary(U::SiluDerivative, 4),     // 25
+            Binary(B::Pow, 2, 3),            // 26: p^0.5
+            Binary(B::Less, 0, 1),           // 27
+            Binary(B::LessEqual, 0, 3),      // 28
+            Binary(B::Greater, 1, 3),        // 29
+            Binary(B::GreaterEqual, 0, 1),   // 30
+            Binary(B::Equal, 27, 30),        // 31
+            Binary(B::NotEqual, 27, 29),     // 32
+            Binary(B::Keep, 28, 20),         // 33
+            // 34..: the sum of 17..=33, so every step reaches the result.
+            Binary(B::Add, 17, 18),
+            Binary(B::Add, 34, 19),
+            Binary(B::Add, 35, 20),
+            Binary(B::Add, 36, 21),
+            Binary(B::Add, 37, 22),
+            Binary(B::Add, 38, 23),
+            Binary(B::Add, 39, 24),
+            Binary(B::Add, 40, 25),
+            Binary(B::Add, 41, 26),
+            Binary(B::Add, 42, 27),
+            Binary(B::Add, 43, 28),
+            Binary(B::Add, 44, 29),
+            Binary(B::Add, 45, 30),
+            Binary(B::Add, 46, 31),
+            Binary(B::Add, 47, 32),
+            Binary(B::Add, 48, 33),
         ],
     }
 }

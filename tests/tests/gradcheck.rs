@@ -242,6 +242,44 @@ fn elementwise_unary() {
     unary("log", Op::Log, 0.5, 2.0);
 }
 
+/// The element-wise functions written as expressions (`gelu`, `pow`, `where`, ...):
+/// autodiff's expression gradient, run by the fused CPU loop, with broadcasting.
+#[test]
+fn elementwise_expressions() {
+    let fused = |text: &str| Op::Fused {
+        expr: text.parse().expect("expression parses"),
+    };
+    for (f, lo, hi) in [
+        ("gelu", -2.0, 2.0),
+        ("gelu_tanh", -2.0, 2.0),
+        ("silu", -2.0, 2.0),
+        ("sqrt", 0.5, 2.0),
+        ("rsqrt", 0.5, 2.0),
+    ] {
+        unary(f, fused(&format!("{f}(in0)")), lo, hi);
+    }
+    unary("pow_3", fused("pow(in0, 3.0)"), -1.5, 1.5);
+    unary("pow_half", fused("pow(in0, 0.5)"), 0.5, 2.0);
+    binary("pow_both", fused("pow(in0, in1)"), &[3, 4], &[4], 0.5, 2.0);
+    // where(a > b, a * a, b): the mask broadcast from a row.
+    binary(
+        "where",
+        fused("t0 = greater(in0, in1); add(keep(t0, mul(in0, in0)), keep(equal(t0, 0.0), in1))"),
+        &[3, 4],
+        &[4],
+        -1.0,
+        1.0,
+    );
+    binary(
+        "maximum",
+        fused("add(keep(greater_equal(in0, in1), in0), keep(less(in0, in1), in1))"),
+        &[3, 4],
+        &[3, 1],
+        -1.0,
+        1.0,
+    );
+}
+
 #[test]
 fn softmax_and_log_softmax() {
     for axis in [0, 1] {

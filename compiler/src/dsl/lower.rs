@@ -5,7 +5,10 @@
 use super::args::{self, bind, describe, Sig, Signature};
 use super::ast::{Arg, BinOp, Dim, Expr, ExprKind, Ident, InitExpr, Model, Span, Stmt, TypeExpr};
 use super::error::{backticked, close_names, did_you_mean, line_of, Diag};
-use distc_ir::{DType, Graph, GraphError, Init, Op, Shape, TensorType, ValueId};
+use super::pointwise;
+use distc_ir::{
+    BinaryFn, DType, FusedExpr, Graph, GraphError, Init, Op, Shape, TensorType, UnaryFn, ValueId,
+};
 use distc_runtime::DataSpec;
 use std::collections::{BTreeMap, HashMap};
 
@@ -35,11 +38,13 @@ enum Takes {
     AnyTensor,
     /// A literal: a number, a boolean or a list.
     Literal,
+    /// A float tensor or a number (the operands of element-wise functions).
+    Operand,
 }
 
 impl Takes {
     fn is_tensor(self) -> bool {
-        self != Takes::Literal
+        !matches!(self, Takes::Literal | Takes::Operand)
     }
 }
 
@@ -88,6 +93,15 @@ const fn literal(name: &'static str) -> Param {
     }
 }
 
+/// A float tensor or a number.
+const fn operand(name: &'static str) -> Param {
+    Param {
+        name,
+        required: true,
+        takes: Takes::Operand,
+    }
+}
+
 /// A literal with a default.
 const fn optional(name: &'static str) -> Param {
     Param {
@@ -109,6 +123,12 @@ enum Lowering {
         operands: Takes,
         lower: fn(&mut Lowerer<'_>, &DslOp, Takes, &[Arg], Span) -> R<ValueId>,
     },
+    /// An element-wise function: one `fused` node over the tensor operands. The
+    /// function gets the bound call and returns the expression over the `Operand`
+    /// parameters in order (`in0` the first); a number written for one becomes a
+    /// constant of the expression. Its gradient, kernels and fusion are the fused
+    /// node's.
+    Elementwise(fn(&Call<'_>) -> R<FusedExpr>),
 }
 
 /// An op a model can call, defined in this one entry: its DSL name and parameters bind
@@ -220,6 +240,130 @@ const OPS: &[DslOp] = &[
         usage: "neg(x)",
         loss: false,
         lower: Lowering::Op(|_, _| Ok(Op::Neg)),
+    },
+    DslOp {
+        name: "gelu",
+        params: &[operand("x"), optional("approximate")],
+        usage: "gelu(x, approximate = \"none\")",
+        loss: false,
+        lower: Lowering::Elementwise(|c| {
+            let f = match c.arg(1) {
+                None => UnaryFn::Gelu,
+                Some(e) => match args::string(e, "`approximate`")?.as_str() {
+                    "none" => UnaryFn::Gelu,
+                    "tanh" => UnaryFn::GeluTanh,
+                    other => {
+                        return Err(Diag::new(
+                            e.span,
+                            format!("`approximate` is \"none\" or \"tanh\", found \"{other}\""),
+                            "unknown approximation",
+                        ))
+                    }
+                },
+            };
+            pointwise::unary(f)
+        }),
+    },
+    DslOp {
+        name: "silu",
+        params: &[operand("x")],
+        usage: "silu(x)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::unary(UnaryFn::Silu)),
+    },
+    DslOp {
+        name: "sqrt",
+        params: &[operand("x")],
+        usage: "sqrt(x)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::unary(UnaryFn::Sqrt)),
+    },
+    DslOp {
+        name: "rsqrt",
+        params: &[operand("x")],
+        usage: "rsqrt(x)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::unary(UnaryFn::Rsqrt)),
+    },
+    DslOp {
+        name: "pow",
+        params: &[operand("x"), operand("p")],
+        usage: "pow(x, p)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::Pow)),
+    },
+    DslOp {
+        name: "less",
+        params: &[operand("a"), operand("b")],
+        usage: "less(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::Less)),
+    },
+    DslOp {
+        name: "less_equal",
+        params: &[operand("a"), operand("b")],
+        usage: "less_equal(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::LessEqual)),
+    },
+    DslOp {
+        name: "greater",
+        params: &[operand("a"), operand("b")],
+        usage: "greater(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::Greater)),
+    },
+    DslOp {
+        name: "greater_equal",
+        params: &[operand("a"), operand("b")],
+        usage: "greater_equal(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::GreaterEqual)),
+    },
+    DslOp {
+        name: "equal",
+        params: &[operand("a"), operand("b")],
+        usage: "equal(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::Equal)),
+    },
+    DslOp {
+        name: "not_equal",
+        params: &[operand("a"), operand("b")],
+        usage: "not_equal(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::binary(BinaryFn::NotEqual)),
+    },
+    DslOp {
+        name: "where",
+        params: &[operand("cond"), operand("a"), operand("b")],
+        usage: "where(cond, a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::select()),
+    },
+    DslOp {
+        name: "maximum",
+        params: &[operand("a"), operand("b")],
+        usage: "maximum(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::maximum(true)),
+    },
+    DslOp {
+        name: "minimum",
+        params: &[operand("a"), operand("b")],
+        usage: "minimum(a, b)",
+        loss: false,
+        lower: Lowering::Elementwise(|_| pointwise::maximum(false)),
+    },
+    DslOp {
+        name: "rms_norm",
+        params: &[float("x"), float("gamma"), optional("eps")],
+        usage: "rms_norm(x, gamma, eps = 1e-6)",
+        loss: false,
+        lower: Lowering::Variadic {
+            operands: Takes::Float,
+            lower: |cx, def, _, args, span| cx.rms_norm(def, args, span),
+        },
     },
     DslOp {
         name: "softmax",
@@ -1247,6 +1391,9 @@ impl Lowerer<'_> {
             Lowering::Variadic { operands, lower } => {
                 return lower(self, def, operands, args, span).map(Val::Tensor)
             }
+            Lowering::Elementwise(build) => {
+                return self.elementwise(def, build, args, span).map(Val::Tensor)
+            }
         };
         let slots = bind(def, "op", span, args)?;
         let op_name = def.name;
@@ -1294,7 +1441,7 @@ impl Lowerer<'_> {
         match takes {
             Takes::Float => self.need_float(v, e, op),
             Takes::Indices => self.need_i32(v, e, op, param),
-            Takes::AnyTensor | Takes::Literal => Ok(()),
+            Takes::AnyTensor | Takes::Literal | Takes::Operand => Ok(()),
         }
     }
 
@@ -1318,6 +1465,117 @@ impl Lowerer<'_> {
             "not an op",
         )
         .maybe_help(help)
+    }
+
+    /// An element-wise function: each `Operand` parameter lowered (a tensor becomes an
+    /// input of the fused node, a number a constant of its expression), then one
+    /// `fused` node.
+    fn elementwise(
+        &mut self,
+        def: &DslOp,
+        build: fn(&Call<'_>) -> R<FusedExpr>,
+        args: &[Arg],
+        span: Span,
+    ) -> R<ValueId> {
+        let slots = bind(def, "op", span, args)?;
+        let mut operands = Vec::new();
+        let mut inputs: Vec<ValueId> = Vec::new();
+        for (p, slot) in def.params.iter().zip(&slots) {
+            let (Takes::Operand, Some(a)) = (p.takes, slot) else {
+                continue;
+            };
+            match self.expr(&a.value)? {
+                Val::Tensor(v) => {
+                    self.need_float(v, &a.value, def.name)?;
+                    operands.push(pointwise::Operand::Tensor(inputs.len()));
+                    inputs.push(v);
+                }
+                Val::Number(n) => operands.push(pointwise::Operand::Number(n)),
+            }
+        }
+        let Some(&first) = inputs.first() else {
+            return Err(Diag::new(
+                span,
+                format!(
+                    "`{}` needs at least one tensor operand, found only numbers",
+                    def.name
+                ),
+                "no tensor",
+            )
+            .help(format!("usage: {}", def.usage)));
+        };
+        let call = Call {
+            name: def.name,
+            span,
+            slots,
+            x: self.ty(first),
+        };
+        let expr = pointwise::substitute(&build(&call)?, &operands);
+        let types: Vec<String> = inputs.iter().map(|v| self.ty(*v).to_string()).collect();
+        let label = format!("{} of {}", def.name, types.join(", "));
+        self.add(Op::Fused { expr }, inputs, span, &label)
+    }
+
+    /// `rms_norm(x, gamma, eps)`: `x * rsqrt(mean(x * x, last axis) + eps) * gamma`, as
+    /// `torch.nn.RMSNorm`; three nodes the gradient, fusion and mixed precision treat
+    /// as they treat any.
+    fn rms_norm(&mut self, def: &DslOp, args: &[Arg], span: Span) -> R<ValueId> {
+        let slots = bind(def, "op", span, args)?;
+        let (Some(xa), Some(ga)) = (slots[0], slots[1]) else {
+            return Err(Diag::new(span, "rms_norm needs x and gamma", "")
+                .help(format!("usage: {}", def.usage)));
+        };
+        let x = self.tensor(&xa.value, "argument `x` of `rms_norm`")?;
+        self.need_float(x, &xa.value, def.name)?;
+        let gamma = self.tensor(&ga.value, "argument `gamma` of `rms_norm`")?;
+        self.need_float(gamma, &ga.value, def.name)?;
+        let eps = match slots[2] {
+            None => 1e-6,
+            Some(a) => {
+                let v = args::float(&a.value, "`eps`")?;
+                if v <= 0.0 {
+                    return Err(Diag::new(
+                        a.value.span,
+                        format!("`eps` must be positive, found {v}"),
+                        "must be > 0",
+                    ));
+                }
+                v
+            }
+        };
+        let (xt, gt) = (self.ty(x), self.ty(gamma));
+        let label = format!("rms_norm of {xt}, {gt}");
+        let Some(&d) = xt.dims().last() else {
+            return Err(Diag::new(
+                xa.value.span,
+                format!("rms_norm needs rank 1 or more, got {xt}"),
+                "a scalar",
+            ));
+        };
+        if gt.dims() != [d] {
+            return Err(Diag::new(
+                ga.value.span,
+                format!("shape mismatch in rms_norm: gamma must be [{d}] for {xt}, got {gt}"),
+                label,
+            ));
+        }
+        let parse = |t: &str| t.parse::<FusedExpr>().map_err(|e| Diag::new(span, e, ""));
+        let square = parse("mul(in0, in0)")?;
+        let sq = self.add(Op::Fused { expr: square }, vec![x], span, &label)?;
+        let last = xt.shape.rank() - 1;
+        let ms = self.add(
+            Op::Mean {
+                axes: vec![last],
+                keep_dims: true,
+            },
+            vec![sq],
+            span,
+            &label,
+        )?;
+        let scale = parse(&format!("rsqrt(add(in0, {eps:?}))"))?;
+        let r = self.add(Op::Fused { expr: scale }, vec![ms], span, &label)?;
+        let apply = parse("mul(mul(in0, in1), in2)")?;
+        self.add(Op::Fused { expr: apply }, vec![x, r, gamma], span, &label)
     }
 
     /// `concat([a, b], axis = 1)` or `concat(a, b, axis = 1)`: every operand takes
@@ -1647,6 +1905,21 @@ train {{
             ("layer_norm", "layer_norm(m, v, v, eps = 1e-3)"),
             ("conv2d", "conv2d(img, k, stride = 1, padding = 1)"),
             ("max_pool2d", "max_pool2d(img, kernel = 2, stride = 2)"),
+            ("gelu", "gelu(m, approximate = \"tanh\")"),
+            ("silu", "silu(m)"),
+            ("sqrt", "sqrt(m)"),
+            ("rsqrt", "rsqrt(m)"),
+            ("pow", "pow(m, 2)"),
+            ("less", "less(m, 0.5)"),
+            ("less_equal", "less_equal(m, v)"),
+            ("greater", "greater(0, m)"),
+            ("greater_equal", "greater_equal(m, m)"),
+            ("equal", "equal(m, 1)"),
+            ("not_equal", "not_equal(m, 1)"),
+            ("where", "where(greater(m, 0), m, -1e9)"),
+            ("maximum", "maximum(m, 0)"),
+            ("minimum", "minimum(m, v)"),
+            ("rms_norm", "rms_norm(m, v, eps = 1e-5)"),
         ])
     }
 

@@ -94,7 +94,14 @@
 //!   `embedding(table, ids)`, `softmax_cross_entropy(logits, labels)`,
 //!   `mse(prediction, target)`, `dropout(x, rate = 0.5)`,
 //!   `layer_norm(x, gamma, beta, eps = 1e-5)`, `conv2d(x, w, stride = 1, padding = 0)`,
-//!   `max_pool2d(x, kernel = 2, stride = kernel)`. Negative axes count from the end.
+//!   `max_pool2d(x, kernel = 2, stride = kernel)`, `rms_norm(x, gamma, eps = 1e-6)`.
+//!   Negative axes count from the end.
+//! - Element-wise functions, whose operands may be tensors (broadcast by numpy rules)
+//!   or numbers: `gelu(x, approximate = "none")` (or `"tanh"`), `silu(x)`, `sqrt(x)`,
+//!   `rsqrt(x)`, `pow(x, p)`, `less(a, b)`, `less_equal`, `greater`, `greater_equal`,
+//!   `equal`, `not_equal` (1 where true, 0 elsewhere, no gradient),
+//!   `where(cond, a, b)` (`a` where `cond` is not 0; the other side never reaches the
+//!   result, so `where(mask, scores, -1e9)` is exact), `maximum(a, b)`, `minimum(a, b)`.
 //!   The seed of the n-th `dropout` (from 0, in source order) is `seed * 1000 + n`.
 //! - `B` may appear only as the first dimension of an input and in reshape shapes.
 //! - `minimize e` makes `e` (a float scalar) the training loss. When `e` is
@@ -120,6 +127,7 @@ pub mod batch;
 mod error;
 mod lower;
 mod parser;
+mod pointwise;
 mod train;
 
 pub use error::DslError;

@@ -23,6 +23,7 @@
 
 use super::{cow, shape_str, val, Arg, Elem};
 use crate::core::value::Value;
+use distc_ir::fused::{GELU_TANH_C, GELU_TANH_K};
 use distc_ir::shape::broadcast_shapes;
 use distc_ir::{BinaryFn, FusedExpr, FusedStep, UnaryFn};
 use ndarray::{ArrayD, CowArray, IxDyn};
@@ -538,7 +539,47 @@ fn unary_fn<A: Elem>(f: UnaryFn) -> fn(A) -> A {
         UnaryFn::Exp => |v: A| v.exp(),
         UnaryFn::Log => |v: A| v.ln(),
         UnaryFn::Step => step,
+        UnaryFn::Sqrt => |v: A| v.sqrt(),
+        UnaryFn::Rsqrt => |v: A| A::one() / v.sqrt(),
+        UnaryFn::Gelu => gelu,
+        UnaryFn::GeluTanh => gelu_tanh,
+        UnaryFn::Silu => |v: A| v * sigmoid(v),
+        UnaryFn::GeluDerivative => gelu_derivative,
+        UnaryFn::GeluTanhDerivative => gelu_tanh_derivative,
+        UnaryFn::SiluDerivative => |v: A| {
+            let s = sigmoid(v);
+            s * (A::one() + v * (A::one() - s))
+        },
     }
+}
+
+#[inline(always)]
+fn normal_cdf<A: Elem>(v: A) -> A {
+    A::c(0.5) * (A::one() + (v * A::c(std::f64::consts::FRAC_1_SQRT_2)).erf())
+}
+
+#[inline(always)]
+fn gelu<A: Elem>(v: A) -> A {
+    v * normal_cdf(v)
+}
+
+#[inline(always)]
+fn gelu_derivative<A: Elem>(v: A) -> A {
+    let pdf = (A::c(-0.5) * v * v).exp() * A::c(1.0 / (2.0 * std::f64::consts::PI).sqrt());
+    normal_cdf(v) + v * pdf
+}
+
+#[inline(always)]
+fn gelu_tanh<A: Elem>(v: A) -> A {
+    let inner = A::c(GELU_TANH_C) * (v + A::c(GELU_TANH_K) * v * v * v);
+    A::c(0.5) * v * (A::one() + inner.tanh())
+}
+
+#[inline(always)]
+fn gelu_tanh_derivative<A: Elem>(v: A) -> A {
+    let t = (A::c(GELU_TANH_C) * (v + A::c(GELU_TANH_K) * v * v * v)).tanh();
+    let du = A::c(GELU_TANH_C) * (A::one() + A::c(3.0 * GELU_TANH_K) * v * v);
+    A::c(0.5) * (A::one() + t) + A::c(0.5) * v * (A::one() - t * t) * du
 }
 
 fn binary_fn<A: Elem>(f: BinaryFn) -> fn(A, A) -> A {
@@ -547,6 +588,23 @@ fn binary_fn<A: Elem>(f: BinaryFn) -> fn(A, A) -> A {
         BinaryFn::Sub => |x: A, y: A| x - y,
         BinaryFn::Mul => |x: A, y: A| x * y,
         BinaryFn::Div => |x: A, y: A| x / y,
+        BinaryFn::Pow => |x: A, y: A| x.powf(y),
+        BinaryFn::Less => |x: A, y: A| truth(x < y),
+        BinaryFn::LessEqual => |x: A, y: A| truth(x <= y),
+        BinaryFn::Greater => |x: A, y: A| truth(x > y),
+        BinaryFn::GreaterEqual => |x: A, y: A| truth(x >= y),
+        BinaryFn::Equal => |x: A, y: A| truth(x == y),
+        BinaryFn::NotEqual => |x: A, y: A| truth(x != y),
+        BinaryFn::Keep => |c: A, y: A| if c != A::zero() { y } else { A::zero() },
+    }
+}
+
+#[inline(always)]
+fn truth<A: Elem>(t: bool) -> A {
+    if t {
+        A::one()
+    } else {
+        A::zero()
     }
 }
 
@@ -587,6 +645,9 @@ fn run_instr<'s, A: Elem>(ins: Instr, src: &impl Fn(usize) -> Src<'s, A>, d: &mu
                 UnaryFn::Exp => unary_loop(x, d, |v: A| v.exp()),
                 UnaryFn::Log => unary_loop(x, d, |v: A| v.ln()),
                 UnaryFn::Step => unary_loop(x, d, step),
+                UnaryFn::Gelu => unary_loop(x, d, gelu),
+                UnaryFn::GeluTanh => unary_loop(x, d, gelu_tanh),
+                other => unary_loop(x, d, unary_fn::<A>(other)),
             }
         }
         Instr::Binary(f, a, b) => {
@@ -596,6 +657,7 @@ fn run_instr<'s, A: Elem>(ins: Instr, src: &impl Fn(usize) -> Src<'s, A>, d: &mu
                 BinaryFn::Sub => binary_loop(x, y, d, |a, b| a - b),
                 BinaryFn::Mul => binary_loop(x, y, d, |a, b| a * b),
                 BinaryFn::Div => binary_loop(x, y, d, |a, b| a / b),
+                other => binary_loop(x, y, d, binary_fn::<A>(other)),
             }
         }
         Instr::BinaryThen(f, g, a, b) => {
@@ -607,6 +669,10 @@ fn run_instr<'s, A: Elem>(ins: Instr, src: &impl Fn(usize) -> Src<'s, A>, d: &mu
                         BinaryFn::Sub => binary_loop(x, y, d, |a, b| $g(a - b)),
                         BinaryFn::Mul => binary_loop(x, y, d, |a, b| $g(a * b)),
                         BinaryFn::Div => binary_loop(x, y, d, |a, b| $g(a / b)),
+                        other => {
+                            let f = binary_fn::<A>(other);
+                            binary_loop(x, y, d, |a, b| $g(f(a, b)))
+                        }
                     }
                 };
             }
@@ -633,6 +699,10 @@ fn run_instr<'s, A: Elem>(ins: Instr, src: &impl Fn(usize) -> Src<'s, A>, d: &mu
                 (BinaryFn::Sub, _) => binary_loop(x, y, d, |a, b| a - h(b)),
                 (BinaryFn::Mul, _) => binary_loop(x, y, d, |a, b| a * h(b)),
                 (BinaryFn::Div, _) => binary_loop(x, y, d, |a, b| a / h(b)),
+                (other, _) => {
+                    let f = binary_fn::<A>(other);
+                    binary_loop(x, y, d, |a, b| f(a, h(b)))
+                }
             }
         }
     }

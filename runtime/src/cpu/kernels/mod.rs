@@ -113,6 +113,8 @@ pub trait Elem:
     /// `exp`, fast where that is safe: a branch-free polynomial for f32 (so loops over
     /// slices vectorise), the exact `exp` for f64 (gradient checks).
     fn fast_exp(self) -> Self;
+    /// The error function (GELU's normal CDF).
+    fn erf(self) -> Self;
 }
 
 macro_rules! scalar_impl {
@@ -149,6 +151,9 @@ impl Elem for f32 {
     fn fast_exp(self) -> f32 {
         expf(self)
     }
+    fn erf(self) -> f32 {
+        libm::erff(self)
+    }
 }
 impl Elem for f64 {
     fn c(x: f64) -> f64 {
@@ -157,6 +162,9 @@ impl Elem for f64 {
     #[inline(always)]
     fn fast_exp(self) -> f64 {
         self.exp()
+    }
+    fn erf(self) -> f64 {
+        libm::erf(self)
     }
 }
 

@@ -9,6 +9,7 @@
 
 use super::index::broadcast_map;
 use super::{flit, want_f32, want_float, KArg, Launch, NodeCx, INDEX};
+use distc_ir::fused::{GELU_TANH_C, GELU_TANH_K};
 use distc_ir::{BinaryFn, DType, FusedExpr, FusedStep, TensorType, UnaryFn};
 
 /// A unary op of the IR.
@@ -39,7 +40,7 @@ pub(crate) enum Grad {
     Tanh,
 }
 
-/// The C expression of a unary function of `v` (a float expression, used once).
+/// The C expression of a unary function of `v` (a variable: some read it twice).
 /// Written as the CPU kernels compute it: relu of NaN is 0, sigmoid is
 /// `1 / (1 + exp(-v))`.
 fn unary_expr(f: UnaryFn, v: &str) -> String {
@@ -51,6 +52,27 @@ fn unary_expr(f: UnaryFn, v: &str) -> String {
         UnaryFn::Exp => format!("expf({v})"),
         UnaryFn::Log => format!("logf({v})"),
         UnaryFn::Step => format!("({v} > 0.0f ? 1.0f : 0.0f)"),
+        UnaryFn::Sqrt => format!("sqrtf({v})"),
+        UnaryFn::Rsqrt => format!("(1.0f / sqrtf({v}))"),
+        UnaryFn::Gelu => format!("({v} * 0.5f * (1.0f + erff({v} * 0.70710678118654752f)))"),
+        UnaryFn::GeluTanh => format!(
+            "(0.5f * {v} * (1.0f + tanhf({c}f * ({v} + {k}f * {v} * {v} * {v}))))",
+            c = GELU_TANH_C,
+            k = GELU_TANH_K
+        ),
+        UnaryFn::Silu => format!("({v} / (1.0f + expf(-{v})))"),
+        UnaryFn::GeluDerivative => format!(
+            "(0.5f * (1.0f + erff({v} * 0.70710678118654752f)) + {v} * expf(-0.5f * {v} * {v}) * 0.3989422804014327f)"
+        ),
+        UnaryFn::GeluTanhDerivative => format!(
+            "(0.5f * (1.0f + tanhf({c}f * ({v} + {k}f * {v} * {v} * {v}))) + 0.5f * {v} * (1.0f - tanhf({c}f * ({v} + {k}f * {v} * {v} * {v})) * tanhf({c}f * ({v} + {k}f * {v} * {v} * {v}))) * {c}f * (1.0f + {k3}f * {v} * {v}))",
+            c = GELU_TANH_C,
+            k = GELU_TANH_K,
+            k3 = 3.0 * GELU_TANH_K
+        ),
+        UnaryFn::SiluDerivative => format!(
+            "((1.0f / (1.0f + expf(-{v}))) * (1.0f + {v} * (1.0f - 1.0f / (1.0f + expf(-{v})))))"
+        ),
     }
 }
 
@@ -60,7 +82,18 @@ fn binary_expr(f: BinaryFn, a: &str, b: &str) -> String {
         BinaryFn::Sub => "-",
         BinaryFn::Mul => "*",
         BinaryFn::Div => "/",
+        BinaryFn::Pow => return format!("powf({a}, {b})"),
+        BinaryFn::Keep => return format!("({a} != 0.0f ? {b} : 0.0f)"),
+        BinaryFn::Less => "<",
+        BinaryFn::LessEqual => "<=",
+        BinaryFn::Greater => ">",
+        BinaryFn::GreaterEqual => ">=",
+        BinaryFn::Equal => "==",
+        BinaryFn::NotEqual => "!=",
     };
+    if f.is_comparison() {
+        return format!("(({a} {op} {b}) ? 1.0f : 0.0f)");
+    }
     format!("({a} {op} {b})")
 }
 
