@@ -88,7 +88,8 @@ pub enum Op {
     },
 
     // ---- dense forward ops ----
-    /// `a @ b` on rank-2 tensors, either side optionally transposed.
+    /// `a @ b` as numpy's matmul: the last two dimensions multiply (either side
+    /// optionally transposed), the ones before them are a batch, broadcast.
     MatMul {
         /// Use `a` transposed.
         transpose_a: bool,

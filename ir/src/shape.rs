@@ -274,18 +274,22 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
         } => {
             same_float(0, 1)?;
             let (a, b) = (dense[0], dense[1]);
-            if a.shape.rank() != 2 || b.shape.rank() != 2 {
-                return Err(err(format!("needs rank-2 operands, got {a} and {b}")));
+            let (ra, rb) = (a.shape.rank(), b.shape.rank());
+            if ra < 2 || rb < 2 {
+                return Err(err(format!(
+                    "needs operands of rank 2 or more, got {a} and {b}"
+                )));
             }
+            let (ad, bd) = (a.dims(), b.dims());
             let (m, k1) = if *transpose_a {
-                (a.dims()[1], a.dims()[0])
+                (ad[ra - 1], ad[ra - 2])
             } else {
-                (a.dims()[0], a.dims()[1])
+                (ad[ra - 2], ad[ra - 1])
             };
             let (k2, n) = if *transpose_b {
-                (b.dims()[1], b.dims()[0])
+                (bd[rb - 1], bd[rb - 2])
             } else {
-                (b.dims()[0], b.dims()[1])
+                (bd[rb - 2], bd[rb - 1])
             };
             if k1 != k2 {
                 return Err(err(format!(
@@ -294,7 +298,16 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
                     if *transpose_b { "ᵀ" } else { "" },
                 )));
             }
-            one(TensorType::new(a.dtype, vec![m, n]))
+            // numpy's matmul: the dimensions before the last two are a batch, broadcast.
+            let Some(mut dims) = broadcast_shapes(&ad[..ra - 2], &bd[..rb - 2]) else {
+                return Err(err(format!(
+                    "batch dimensions {:?} and {:?} of {a} @ {b} do not broadcast",
+                    &ad[..ra - 2],
+                    &bd[..rb - 2]
+                )));
+            };
+            dims.extend([m, n]);
+            one(TensorType::new(a.dtype, dims))
         }
         Op::Add | Op::Sub | Op::Mul | Op::Div => {
             same_float(0, 1)?;

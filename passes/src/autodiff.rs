@@ -256,13 +256,16 @@ fn vjp(
                 (true, false) => ((mm(false, true), b, dy), (mm(false, false), a, dy)),
                 (true, true) => ((mm(true, true), b, dy), (mm(true, true), dy, a)),
             };
+            // A batch dimension an operand broadcast is summed back out of its gradient.
             let da = if needs[0] {
-                Some(bin(g, da.0, da.1, da.2)?)
+                let d = bin(g, da.0, da.1, da.2)?;
+                Some(sum_to(g, d, a)?)
             } else {
                 None
             };
             let db = if needs[1] {
-                Some(bin(g, db.0, db.1, db.2)?)
+                let d = bin(g, db.0, db.1, db.2)?;
+                Some(sum_to(g, d, b)?)
             } else {
                 None
             };

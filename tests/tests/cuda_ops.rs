@@ -651,6 +651,31 @@ fn matmul_cases() -> Vec<Case> {
             cases.push(c);
         }
     }
+    // Batched: one strided product, each side a full batch or one matrix for all.
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        for (ba, bb) in [(&[2, 3][..], &[2, 3][..]), (&[2, 3], &[]), (&[], &[4])] {
+            let (m, k, n) = (5, 7, 3);
+            let dims = |batch: &[usize], r: usize, c: usize, t: bool| {
+                let mut d = batch.to_vec();
+                d.extend(if t { [c, r] } else { [r, c] });
+                d
+            };
+            let mut c = Case::new(
+                "matmul",
+                format!("batched matmul {ba:?} {bb:?} ta={ta} tb={tb}"),
+            );
+            let a = c.x(&dims(ba, m, k, ta));
+            let b = c.x(&dims(bb, k, n, tb));
+            c.test(
+                Op::MatMul {
+                    transpose_a: ta,
+                    transpose_b: tb,
+                },
+                vec![a, b],
+            );
+            cases.push(c);
+        }
+    }
     cases
 }
 

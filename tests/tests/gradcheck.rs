@@ -207,6 +207,40 @@ fn matmul_all_transposes() {
     }
 }
 
+/// numpy's matmul: batches, broadcast batches (summed back out of the gradient) and
+/// every transpose.
+#[test]
+fn batched_matmul() {
+    let t = |d: &[usize], tr: bool| {
+        let mut d = d.to_vec();
+        let n = d.len();
+        if tr {
+            d.swap(n - 2, n - 1);
+        }
+        d
+    };
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        for (a, bd) in [
+            (&[2, 3, 4][..], &[2, 4, 5][..]),
+            (&[2, 3, 4], &[4, 5]),
+            (&[3, 4], &[2, 4, 5]),
+            (&[2, 1, 3, 4], &[3, 4, 5]),
+        ] {
+            binary(
+                &format!("matmul_{a:?}_{bd:?}_{ta}_{tb}"),
+                Op::MatMul {
+                    transpose_a: ta,
+                    transpose_b: tb,
+                },
+                &t(a, ta),
+                &t(bd, tb),
+                -1.0,
+                1.0,
+            );
+        }
+    }
+}
+
 #[test]
 fn elementwise_binary_with_broadcasting() {
     for (name, op) in [("add", Op::Add), ("sub", Op::Sub), ("mul", Op::Mul)] {

@@ -192,12 +192,23 @@ const OPS: &[DslOp] = &[
         ],
         usage: "matmul(a, b, transpose_a = false, transpose_b = false)",
         loss: false,
-        lower: Lowering::Op(|_, c| {
-            Ok(Op::MatMul {
-                transpose_a: opt_bool(c.arg(2), "`transpose_a`", false)?,
-                transpose_b: opt_bool(c.arg(3), "`transpose_b`", false)?,
-            })
-        }),
+        lower: Lowering::Variadic {
+            operands: Takes::Float,
+            lower: |cx, def, _, args, span| {
+                let slots = bind(def, "op", span, args)?;
+                let (Some(a), Some(b)) = (slots[0], slots[1]) else {
+                    return Err(Diag::new(span, "matmul needs a and b", "")
+                        .help(format!("usage: {}", def.usage)));
+                };
+                let x = cx.tensor(&a.value, "argument `a` of `matmul`")?;
+                cx.need_float(x, &a.value, def.name)?;
+                let y = cx.tensor(&b.value, "argument `b` of `matmul`")?;
+                cx.need_float(y, &b.value, def.name)?;
+                let ta = opt_bool(slots[2].map(|a| &a.value), "`transpose_a`", false)?;
+                let tb = opt_bool(slots[3].map(|a| &a.value), "`transpose_b`", false)?;
+                cx.matmul(x, y, (ta, tb), span)
+            },
+        },
     },
     DslOp {
         name: "relu",
@@ -1322,12 +1333,7 @@ impl Lowerer<'_> {
             };
             self.need_float(x, lhs, "@")?;
             self.need_float(y, rhs, "@")?;
-            let label = format!("{} @ {}", self.ty(x), self.ty(y));
-            let mm = Op::MatMul {
-                transpose_a: false,
-                transpose_b: false,
-            };
-            return self.add(mm, vec![x, y], op_span, &label).map(Val::Tensor);
+            return self.matmul(x, y, (false, false), op_span).map(Val::Tensor);
         }
         let (x, y) = match (a, b) {
             (Val::Number(x), Val::Number(y)) => {
@@ -1465,6 +1471,68 @@ impl Lowerer<'_> {
             "not an op",
         )
         .maybe_help(help)
+    }
+
+    /// `x @ y` as numpy's matmul. A batch times one matrix (`[B, T, C] @ [C, N]`) is
+    /// one product of `[B*T, C]` (reshapes around a rank-2 matmul, which the
+    /// tensor-parallel rule splits as any other); batches that broadcast each other
+    /// both ways are broadcast to the result's batch first, so a GPU runs one strided
+    /// product.
+    fn matmul(&mut self, x: ValueId, y: ValueId, (ta, tb): (bool, bool), at: Span) -> R<ValueId> {
+        let (xt, yt) = (self.ty(x), self.ty(y));
+        let label = format!("{xt} @ {yt}");
+        let mm = Op::MatMul {
+            transpose_a: ta,
+            transpose_b: tb,
+        };
+        let (xd, yd) = (xt.dims().to_vec(), yt.dims().to_vec());
+        if xd.len() < 2 || yd.len() < 2 {
+            return Err(Diag::new(
+                at,
+                format!("shape mismatch in matmul: needs operands of rank 2 or more, got {xt} and {yt}"),
+                label,
+            ));
+        }
+        if xd.len() > 2 && yd.len() == 2 && !ta {
+            let k = xd[xd.len() - 1];
+            let rows: usize = xd[..xd.len() - 1].iter().product();
+            let flat = self.add(
+                Op::Reshape {
+                    shape: Shape(vec![rows, k]),
+                },
+                vec![x],
+                at,
+                &label,
+            )?;
+            let p = self.add(mm, vec![flat, y], at, &label)?;
+            let n = self.ty(p).dims()[1];
+            let mut dims = xd[..xd.len() - 1].to_vec();
+            dims.push(n);
+            return self.add(Op::Reshape { shape: Shape(dims) }, vec![p], at, &label);
+        }
+        let (bx, by) = (&xd[..xd.len() - 2], &yd[..yd.len() - 2]);
+        let Some(batch) = distc_ir::shape::broadcast_shapes(bx, by) else {
+            return Err(Diag::new(
+                at,
+                format!(
+                    "shape mismatch in matmul: the batch dimensions {bx:?} of {xt} and {by:?} of {yt} do not broadcast"
+                ),
+                label,
+            ));
+        };
+        let count: usize = batch.iter().product();
+        let widen = |cx: &mut Self, v: ValueId, own: &[usize], dims: &[usize]| -> R<ValueId> {
+            let own_count: usize = own.iter().product();
+            if own_count == 1 || own_count == count {
+                return Ok(v);
+            }
+            let mut to = batch.clone();
+            to.extend_from_slice(&dims[dims.len() - 2..]);
+            cx.add(Op::BroadcastTo { shape: Shape(to) }, vec![v], at, &label)
+        };
+        let x = widen(self, x, bx, &xd)?;
+        let y = widen(self, y, by, &yd)?;
+        self.add(mm, vec![x, y], at, &label)
     }
 
     /// An element-wise function: each `Operand` parameter lowered (a tensor becomes an

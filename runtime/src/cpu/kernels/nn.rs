@@ -12,9 +12,11 @@ use super::{cow, shape_str, standard, val, view, Arg, Elem};
 use crate::core::geom::ConvGeom as Geom;
 use crate::core::value::Value;
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, CowArray, Ix2, IxDyn};
+use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewD, CowArray, Ix2, IxDyn};
 
-/// `a @ b` on rank-2 tensors, either side transposed (as a view).
+/// `a @ b` as numpy's matmul, either side transposed (as a view): rank-2 operands are
+/// one product; higher ranks one product per element of the broadcast batch, each
+/// written into its block of the output.
 pub(super) fn matmul<A: Elem>(
     a: &Arg<'_>,
     b: &Arg<'_>,
@@ -22,35 +24,87 @@ pub(super) fn matmul<A: Elem>(
     tb: bool,
 ) -> Result<Value, String> {
     let (a, b) = (view::<A>(a, 0)?, view::<A>(b, 1)?);
-    let rank_err = || {
-        format!(
-            "needs rank-2 operands, got {} and {}",
+    let (ra, rb) = (a.ndim(), b.ndim());
+    if ra < 2 || rb < 2 {
+        return Err(format!(
+            "needs operands of rank 2 or more, got {} and {}",
             shape_str(a.shape()),
             shape_str(b.shape())
-        )
+        ));
+    }
+    let inner = |x: &ArrayViewD<'_, A>, t: bool| {
+        let d = x.shape();
+        let (r, c) = (d[d.len() - 2], d[d.len() - 1]);
+        if t {
+            (c, r)
+        } else {
+            (r, c)
+        }
     };
-    let a2 = a
-        .view()
-        .into_dimensionality::<Ix2>()
-        .map_err(|_| rank_err())?;
-    let b2 = b
-        .view()
-        .into_dimensionality::<Ix2>()
-        .map_err(|_| rank_err())?;
-    let a2 = if ta { a2.reversed_axes() } else { a2 };
-    let b2 = if tb { b2.reversed_axes() } else { b2 };
-    if a2.ncols() != b2.nrows() {
+    let ((m, k), (k2, n)) = (inner(&a, ta), inner(&b, tb));
+    if k != k2 {
         return Err(format!(
-            "inner dimensions differ: {}{} @ {}{} ({} vs {})",
+            "inner dimensions differ: {}{} @ {}{} ({k} vs {k2})",
             shape_str(a.shape()),
             if ta { "ᵀ" } else { "" },
             shape_str(b.shape()),
             if tb { "ᵀ" } else { "" },
-            a2.ncols(),
-            b2.nrows()
         ));
     }
-    Ok(val(a2.dot(&b2).into_dyn()))
+    let (ba, bb) = (&a.shape()[..ra - 2], &b.shape()[..rb - 2]);
+    let batch = distc_ir::shape::broadcast_shapes(ba, bb).ok_or_else(|| {
+        format!(
+            "batch dimensions of {} @ {} do not broadcast",
+            shape_str(a.shape()),
+            shape_str(b.shape())
+        )
+    })?;
+    fn matrix<A>(x: ArrayViewD<'_, A>, t: bool) -> Result<ArrayView2<'_, A>, String> {
+        let x = x.into_dimensionality::<Ix2>().map_err(|e| e.to_string())?;
+        Ok(if t { x.reversed_axes() } else { x })
+    }
+    if batch.is_empty() {
+        let (a2, b2) = (matrix(a.view(), ta)?, matrix(b.view(), tb)?);
+        return Ok(val(a2.dot(&b2).into_dyn()));
+    }
+    let mut dims = batch.clone();
+    dims.extend([m, n]);
+    let mut out = ArrayD::<A>::zeros(IxDyn(&dims));
+    let count: usize = batch.iter().product();
+    // Operand `x`'s matrix for batch element `i`: its own index, broadcast dims at 0.
+    fn pick<'v, A>(
+        x: &'v ArrayViewD<'v, A>,
+        batch: &[usize],
+        own: &[usize],
+        i: usize,
+    ) -> ArrayViewD<'v, A> {
+        let mut rest = i;
+        let mut idx = vec![0usize; batch.len()];
+        for d in (0..batch.len()).rev() {
+            idx[d] = rest % batch[d];
+            rest /= batch[d];
+        }
+        let skip = batch.len() - own.len();
+        let mut v = x.view();
+        for (d, &size) in own.iter().enumerate() {
+            let at = if size == 1 { 0 } else { idx[skip + d] };
+            v = v.index_axis_move(ndarray::Axis(0), at);
+        }
+        v
+    }
+    {
+        let mut blocks = out
+            .view_mut()
+            .into_shape_with_order((count, m, n))
+            .map_err(|e| e.to_string())?;
+        for i in 0..count {
+            let a2 = matrix(pick(&a, &batch, ba, i), ta)?;
+            let b2 = matrix(pick(&b, &batch, bb, i), tb)?;
+            let mut c = blocks.index_axis_mut(ndarray::Axis(0), i);
+            general_mat_mul(A::one(), &a2, &b2, A::zero(), &mut c);
+        }
+    }
+    Ok(val(out))
 }
 
 /// Checks `gamma` (and `beta`) against the last axis of `x`; returns it.

@@ -25,25 +25,51 @@ pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), Stri
             "{a} @ {b} -> {y}: a GPU product reads and writes one of f32, bf16 or f16"
         ));
     }
-    let (&[a0, a1], &[b0, b1]) = (a.dims(), b.dims()) else {
-        return Err(format!("needs rank-2 operands, got {a} and {b}"));
-    };
+    let (ad, bd) = (a.dims(), b.dims());
+    let (ra, rb) = (ad.len(), bd.len());
+    if ra < 2 || rb < 2 {
+        return Err(format!("needs operands of rank 2 or more, got {a} and {b}"));
+    }
+    let (a0, a1, b0, b1) = (ad[ra - 2], ad[ra - 1], bd[rb - 2], bd[rb - 1]);
     let (m, k) = if ta { (a1, a0) } else { (a0, a1) };
     let (k2, n) = if tb { (b1, b0) } else { (b0, b1) };
-    if k != k2 || y.dims() != [m, n] {
+    let yd = y.dims();
+    let batch = &yd[..yd.len().saturating_sub(2)];
+    let count: usize = batch.iter().product();
+    if k != k2 || yd.len() < 2 || yd[yd.len() - 2..] != [m, n] {
         return Err(format!(
             "{a}{} @ {b}{} does not give {y}",
             if ta { "ᵀ" } else { "" },
             if tb { "ᵀ" } else { "" }
         ));
     }
-    if m == 0 || n == 0 {
+    // One strided-batched product: each operand's batch is the result's (stride: one
+    // matrix) or a single matrix for all (stride 0). Mixed broadcasts are not strided.
+    let stride = |own: &[usize], size: usize, x: &TensorType| -> Result<usize, String> {
+        let own_count: usize = own.iter().product();
+        if own_count == 1 {
+            Ok(0)
+        } else if own_count == count && own.len() <= batch.len() && own == &batch[batch.len() - own.len()..] {
+            Ok(size)
+        } else {
+            Err(format!(
+                "{a} @ {b}: the batch of {x} is neither the result's nor one matrix; a GPU \
+                 product needs one or the other (broadcast_to the result's batch first)"
+            ))
+        }
+    };
+    let strides = (
+        stride(&ad[..ra - 2], a0 * a1, &a)?,
+        stride(&bd[..rb - 2], b0 * b1, &b)?,
+        m * n,
+    );
+    if m == 0 || n == 0 || count == 0 {
         return Ok(());
     }
     if k == 0 {
         cx.out.launches.push(Launch::Memset {
             buf: KArg::Output(0),
-            bytes: (dtype.size() * m * n) as u64,
+            bytes: (dtype.size() * m * n * count) as u64,
         });
         return Ok(());
     }
@@ -52,8 +78,8 @@ pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), Stri
         (KArg::Input(1), tb),
         KArg::Output(0),
         (m, n, k),
-        1,
-        (0, 0, 0),
+        count,
+        strides,
     )?;
     g.dtype = dtype;
     cx.out.launches.push(Launch::Gemm(g));
