@@ -145,6 +145,9 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("per_sample", A::Bool(*per_sample)),
         ],
         Op::LayerNorm { eps } | Op::LayerNormGrad { eps } => vec![("eps", A::Float(*eps))],
+        Op::Attention { causal, scale } | Op::AttentionGrad { causal, scale } => {
+            vec![("causal", A::Bool(*causal)), ("scale", A::Float(*scale))]
+        }
         Op::Conv2d { stride, padding } => vec![
             ("stride", A::Int(*stride as i64)),
             ("padding", A::Int(*padding as i64)),
@@ -581,6 +584,14 @@ pub fn op_from_parts(
         },
         "layer_norm" => Op::LayerNorm {
             eps: a.float("eps")?,
+        },
+        "attention" => Op::Attention {
+            causal: a.flag("causal")?,
+            scale: a.float("scale")?,
+        },
+        "attention_grad" => Op::AttentionGrad {
+            causal: a.flag("causal")?,
+            scale: a.float("scale")?,
         },
         "conv2d" => Op::Conv2d {
             stride: a.int("stride")?,

@@ -194,6 +194,18 @@ pub enum Op {
         /// Added to the variance.
         eps: f64,
     },
+    /// Scaled dot-product attention: `(q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv]) ->
+    /// [.., Tq, Dv]`, `softmax(q kᵀ * scale) v` over the last two axes, the leading
+    /// axes (batch, heads) equal in all three. `causal`: query `i` attends keys `j <= i`
+    /// only (PyTorch's `is_causal`). One op, and its gradient one op, so a GPU runs a
+    /// fused kernel that never stores the `Tq x Tk` scores, and the tensor-parallel
+    /// pass splits it by heads.
+    Attention {
+        /// Mask keys after the query.
+        causal: bool,
+        /// Multiplies the scores (`1/sqrt(D)` by default in the DSL).
+        scale: f64,
+    },
     /// 2-D convolution, NCHW: `(x [N,C,H,W], w [O,C,KH,KW]) -> [N,O,OH,OW]`.
     Conv2d {
         /// Stride in both spatial dims.
@@ -266,6 +278,14 @@ pub enum Op {
     LayerNormGrad {
         /// Added to the variance.
         eps: f64,
+    },
+    /// `(dy, q, k, v) -> (dq, dk, dv)` of an attention: three outputs, the scores
+    /// recomputed rather than stored.
+    AttentionGrad {
+        /// As the forward op's.
+        causal: bool,
+        /// As the forward op's.
+        scale: f64,
     },
     /// `(dy, w) -> dx` of a convolution with input shape `input`.
     Conv2dGradInput {
@@ -560,6 +580,8 @@ impl Op {
             Op::Mse => "mse",
             Op::Dropout { .. } => "dropout",
             Op::LayerNorm { .. } => "layer_norm",
+            Op::Attention { .. } => "attention",
+            Op::AttentionGrad { .. } => "attention_grad",
             Op::Conv2d { .. } => "conv2d",
             Op::MaxPool2d { .. } => "max_pool2d",
             Op::Fused { .. } => "fused",
@@ -777,9 +799,11 @@ impl Op {
             | Op::Conv2dGradFilter { .. }
             | Op::MaxPool2dGrad { .. } => Some(2),
             Op::LayerNorm { .. }
+            | Op::Attention { .. }
             | Op::SoftmaxCrossEntropyGrad
             | Op::MseGrad
             | Op::LayerNormGrad { .. } => Some(3),
+            Op::AttentionGrad { .. } => Some(4),
             Op::Concat { .. }
             | Op::ConcatSlices
             | Op::Pack

@@ -39,6 +39,43 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     Some(out)
 }
 
+/// The result of attending `q [.., Tq, D]` over `k [.., Tk, D]`, `v [.., Tk, Dv]`:
+/// `[.., Tq, Dv]`.
+pub fn attention_shape(
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+) -> Result<TensorType, String> {
+    if !q.dtype.is_float() || k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(format!(
+            "q, k and v must be of one float type, got {q}, {k} and {v}"
+        ));
+    }
+    let r = q.shape.rank();
+    if r < 2 || k.shape.rank() != r || v.shape.rank() != r {
+        return Err(format!(
+            "q, k and v must be of one rank, 2 or more ([batch.., T, D]), got {q}, {k} and {v}"
+        ));
+    }
+    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+    if qd[..r - 2] != kd[..r - 2] || qd[..r - 2] != vd[..r - 2] {
+        return Err(format!(
+            "the leading (batch, head) dimensions of q, k and v differ: {q}, {k} and {v}"
+        ));
+    }
+    if qd[r - 1] != kd[r - 1] {
+        return Err(format!(
+            "q and k must have one feature size (last dimension), got {q} and {k}"
+        ));
+    }
+    if kd[r - 2] != vd[r - 2] {
+        return Err(format!("k and v must have one length (T), got {k} and {v}"));
+    }
+    let mut dims = qd.to_vec();
+    dims[r - 1] = vd[r - 1];
+    Ok(TensorType::new(q.dtype, dims))
+}
+
 /// Whether `from` broadcasts to exactly `to`.
 pub fn broadcasts_to(from: &[usize], to: &[usize]) -> bool {
     broadcast_shapes(from, to).as_deref() == Some(to)
@@ -536,6 +573,24 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
                 dense: table.clone(),
                 nnz: ids.shape.numel(),
             }])
+        }
+        Op::Attention { .. } => {
+            let out = attention_shape(dense[0], dense[1], dense[2]).map_err(err)?;
+            one(out)
+        }
+        Op::AttentionGrad { .. } => {
+            let out = attention_shape(dense[1], dense[2], dense[3]).map_err(err)?;
+            if dense[0] != &out {
+                return Err(err(format!(
+                    "dy is {}, the attention gives {out}",
+                    dense[0]
+                )));
+            }
+            Ok(vec![
+                dense[1].clone().into(),
+                dense[2].clone().into(),
+                dense[3].clone().into(),
+            ])
         }
         Op::LayerNormGrad { .. } => {
             let x = same_type(0, 1)?;

@@ -467,6 +467,14 @@ fn vjp(
             },
             dy,
         )?)],
+        Op::Attention { causal, scale } => {
+            let op = Op::AttentionGrad {
+                causal: *causal,
+                scale: *scale,
+            };
+            let n = g.add(op, vec![dy, x[0], x[1], x[2]])?;
+            vec![Some(n.out(0)), Some(n.out(1)), Some(n.out(2))]
+        }
         Op::LayerNorm { eps } => {
             let n = g.add(Op::LayerNormGrad { eps: *eps }, vec![dy, x[0], x[1]])?;
             vec![Some(n.out(0)), Some(n.out(1)), Some(n.out(2))]
@@ -540,6 +548,7 @@ fn vjp(
         | Op::ModelEmbeddingGrad { .. }
         | Op::DropoutGrad { .. }
         | Op::LayerNormGrad { .. }
+        | Op::AttentionGrad { .. }
         | Op::Conv2dGradInput { .. }
         | Op::Conv2dGradFilter { .. }
         | Op::MaxPool2dGrad { .. }

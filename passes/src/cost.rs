@@ -236,6 +236,22 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => 6.0 * input(0),
         Op::Mse | Op::MseGrad => 3.0 * input(0),
         // Mean, variance, normalise, scale and shift.
+        Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
+            // Two products of Tq x Tk x D (scores, then values), half of them masked
+            // when causal; the gradient recomputes the scores and makes four more.
+            let forward = matches!(node.op, Op::Attention { .. });
+            let (q, kv) = if forward {
+                (input_dims(0), input_dims(1))
+            } else {
+                (input_dims(1), input_dims(2))
+            };
+            let r = q.len();
+            let tk = kv.get(r.wrapping_sub(2)).copied().unwrap_or(1) as f64;
+            let products = if forward { 2.0 } else { 5.0 };
+            let masked = if *causal { 0.5 } else { 1.0 };
+            let qn: f64 = q.iter().map(|&d| d as f64).product();
+            2.0 * products * qn * tk * masked
+        }
         Op::LayerNorm { .. } => 8.0 * input(0),
         Op::LayerNormGrad { .. } => 12.0 * input(1),
         Op::Dropout { .. } | Op::DropoutGrad { .. } => 2.0 * out,

@@ -53,6 +53,7 @@ pub fn class(op: &Op, result_rank: Option<usize>) -> Class {
         | Op::Exp
         | Op::Log
         | Op::LayerNorm { .. }
+        | Op::Attention { .. }
         | Op::ModelEnter { .. }
         | Op::ModelAllReduce { .. }
         | Op::ModelGather { .. }

@@ -266,6 +266,7 @@ fn covering_group(op: &Op) -> Cover {
             Group("losses")
         }
         Op::LayerNorm { .. } | Op::LayerNormGrad { .. } => Group("layer_norm"),
+        Op::Attention { .. } | Op::AttentionGrad { .. } => Group("attention"),
         Op::Dropout { .. } | Op::DropoutGrad { .. } => Group("dropout"),
         Op::Conv2d { .. }
         | Op::Conv2dGradInput { .. }
@@ -342,6 +343,7 @@ const GROUPS: &[(&str, CaseBuilder)] = &[
     ("layout", layout_cases),
     ("losses", loss_cases),
     ("layer_norm", layer_norm_cases),
+    ("attention", attention_cases),
     ("dropout", dropout_cases),
     ("conv_pool", conv_pool_cases),
     ("sparse", sparse_cases),
@@ -1467,6 +1469,32 @@ fn fused_expr() -> FusedExpr {
             Binary(B::Add, 48, 33),
         ],
     }
+}
+
+fn attention_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for causal in [false, true] {
+        for (tq, tk) in [(5, 5), (3, 7)] {
+            let mut c = Case::new(
+                "attention",
+                format!("attention causal={causal} {tq}x{tk} and its gradient"),
+            );
+            let q = c.x(&[2, 3, tq, 4]);
+            let k = c.x(&[2, 3, tk, 4]);
+            let v = c.x(&[2, 3, tk, 6]);
+            let y = c.test(Op::Attention { causal, scale: 0.5 }, vec![q, k, v]);
+            let dy = c.x(&[2, 3, tq, 6]);
+            let _ = y;
+            c.test(Op::AttentionGrad { causal, scale: 0.5 }, vec![dy, q, k, v]);
+            cases.push(c);
+        }
+    }
+    cases
+}
+
+#[test]
+fn attention() {
+    run_group("attention");
 }
 
 fn fused_cases() -> Vec<Case> {

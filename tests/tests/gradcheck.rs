@@ -426,6 +426,22 @@ fn dropout() {
     );
 }
 
+/// Attention, plain and causal, with more keys than queries and a value size of its
+/// own: all three inputs' gradients from the one `attention_grad` op.
+#[test]
+fn attention() {
+    for causal in [false, true] {
+        for (tq, tk) in [(4, 4), (3, 5)] {
+            let mut b = Builder::new(&format!("attention_causal_{causal}_{tq}x{tk}"));
+            let q = b.param("q", &[2, 2, tq, 3], -1.0, 1.0);
+            let k = b.param("k", &[2, 2, tk, 3], -1.0, 1.0);
+            let v = b.param("v", &[2, 2, tk, 5], -1.0, 1.0);
+            let y = b.op(Op::Attention { causal, scale: 0.7 }, vec![q, k, v]);
+            check(b, y);
+        }
+    }
+}
+
 #[test]
 fn layer_norm() {
     let mut b = Builder::new("layer_norm");

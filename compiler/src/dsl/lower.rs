@@ -566,6 +566,37 @@ const OPS: &[DslOp] = &[
         }),
     },
     DslOp {
+        name: "attention",
+        params: &[
+            float("q"),
+            float("k"),
+            float("v"),
+            optional("causal"),
+            optional("scale"),
+        ],
+        usage: "attention(q, k, v, causal = false, scale = 1 / sqrt(D))",
+        loss: false,
+        lower: Lowering::Op(|_, c| {
+            let causal = opt_bool(c.arg(3), "`causal`", false)?;
+            let d = c.x.dims().last().copied().unwrap_or(1).max(1);
+            let scale = match c.arg(4) {
+                None => 1.0 / (d as f64).sqrt(),
+                Some(e) => {
+                    let v = args::float(e, "`scale`")?;
+                    if !v.is_finite() || v <= 0.0 {
+                        return Err(Diag::new(
+                            e.span,
+                            format!("`scale` must be a positive number, found {v}"),
+                            "must be > 0",
+                        ));
+                    }
+                    v
+                }
+            };
+            Ok(Op::Attention { causal, scale })
+        }),
+    },
+    DslOp {
         name: "conv2d",
         params: &[
             float("x"),
@@ -1489,7 +1520,9 @@ impl Lowerer<'_> {
         if xd.len() < 2 || yd.len() < 2 {
             return Err(Diag::new(
                 at,
-                format!("shape mismatch in matmul: needs operands of rank 2 or more, got {xt} and {yt}"),
+                format!(
+                    "shape mismatch in matmul: needs operands of rank 2 or more, got {xt} and {yt}"
+                ),
                 label,
             ));
         }
@@ -1988,6 +2021,10 @@ train {{
             ("maximum", "maximum(m, 0)"),
             ("minimum", "minimum(m, v)"),
             ("rms_norm", "rms_norm(m, v, eps = 1e-5)"),
+            (
+                "attention",
+                "attention(img, img, img, causal = true, scale = 0.5)",
+            ),
         ])
     }
 

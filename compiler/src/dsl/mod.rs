@@ -94,7 +94,10 @@
 //!   `embedding(table, ids)`, `softmax_cross_entropy(logits, labels)`,
 //!   `mse(prediction, target)`, `dropout(x, rate = 0.5)`,
 //!   `layer_norm(x, gamma, beta, eps = 1e-5)`, `conv2d(x, w, stride = 1, padding = 0)`,
-//!   `max_pool2d(x, kernel = 2, stride = kernel)`, `rms_norm(x, gamma, eps = 1e-6)`.
+//!   `max_pool2d(x, kernel = 2, stride = kernel)`, `rms_norm(x, gamma, eps = 1e-6)`,
+//!   `attention(q, k, v, causal = false, scale = 1 / sqrt(D))` (`q [.., Tq, D]`,
+//!   `k [.., Tk, D]`, `v [.., Tk, Dv]`, the leading axes batch and heads; causal: query
+//!   `i` attends keys `j <= i`).
 //!   Negative axes count from the end.
 //! - Element-wise functions, whose operands may be tensors (broadcast by numpy rules)
 //!   or numbers: `gelu(x, approximate = "none")` (or `"tanh"`), `silu(x)`, `sqrt(x)`,

@@ -22,6 +22,7 @@
 //! slice), `sparse` (embedding and `IndexedSlices`), `nn` (matmul, layer norm,
 //! convolution, pooling).
 
+mod attention;
 mod comm;
 mod elementwise;
 mod fused;
@@ -373,6 +374,10 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
             float!(dt, A => comm::take_chunk::<A>(&x, *workers, ctx.rank))?
         }
         Op::Fused { expr } => float!(dt, A => fused::fused::<A>(expr, args))?,
+        Op::AttentionGrad { causal, scale } => {
+            let [dy, q, k, v] = split(args)?;
+            return float!(dt, A => attention::attention_grad::<A>(&dy, &q, &k, &v, *causal, *scale));
+        }
         Op::LayerNormGrad { eps } => {
             let [dy, x, gamma] = split(args)?;
             return float!(dt, A => nn::layer_norm_grad::<A>(dy, &x, &gamma, *eps));
@@ -474,6 +479,10 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         } => {
             let [x] = split(args)?;
             float!(dt, A => elementwise::dropout::<A>(x, *rate, *seed, *per_sample, ctx))?
+        }
+        Op::Attention { causal, scale } => {
+            let [q, k, v] = split(args)?;
+            float!(dt, A => attention::attention::<A>(&q, &k, &v, *causal, *scale))?
         }
         Op::LayerNorm { eps } => {
             let [x, gamma, beta] = split(args)?;

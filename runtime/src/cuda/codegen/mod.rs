@@ -56,6 +56,7 @@
 //! for `cublasSgemmStridedBatched`; [`Gemm::row_major`] builds one from the row-major
 //! description and covers the four transpose cases of `matmul`.
 
+mod attention;
 mod elementwise;
 mod half;
 mod index;
@@ -850,6 +851,8 @@ pub(crate) fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError
         Op::Mse => Ok(reduce::mse(cx)?),
         Op::MseGrad => Ok(reduce::mse_grad(cx)?),
         Op::LayerNorm { eps } => Ok(reduce::layer_norm(cx, *eps)?),
+        Op::Attention { causal, scale } => Ok(attention::attention(cx, *causal, *scale)?),
+        Op::AttentionGrad { causal, scale } => Ok(attention::attention_grad(cx, *causal, *scale)?),
         Op::LayerNormGrad { eps } => Ok(reduce::layer_norm_grad(cx, *eps)?),
         Op::Reshape { .. } => Ok(layout::reshape(cx)?),
         Op::Transpose { perm } => Ok(layout::transpose(cx, perm)?),

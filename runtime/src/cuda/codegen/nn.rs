@@ -49,7 +49,10 @@ pub(crate) fn matmul(cx: &mut NodeCx<'_>, ta: bool, tb: bool) -> Result<(), Stri
         let own_count: usize = own.iter().product();
         if own_count == 1 {
             Ok(0)
-        } else if own_count == count && own.len() <= batch.len() && own == &batch[batch.len() - own.len()..] {
+        } else if own_count == count
+            && own.len() <= batch.len()
+            && own == &batch[batch.len() - own.len()..]
+        {
             Ok(size)
         } else {
             Err(format!(
