@@ -311,6 +311,7 @@ pub fn compile(
                     .check_consistency(&opts.strategy, cx.dist.as_ref())
                     .map_err(|e| CompileError::Settings(format!("internal error: {e}")))?;
                 check_layer_wise(&config, &opts.strategy, &programs)?;
+                check_clip_norm(&config, &opts.strategy, &programs)?;
             }
             if let (Some(dir), None) = (&opts.dump_ir, &opts.stop_after) {
                 write(&dir.join(CUDA_DUMP), &cuda_source(&programs.worker))?;
@@ -393,6 +394,34 @@ fn check_layer_wise(
         return Err(CompileError::Settings(format!(
             "{name}'s trust ratio needs each variable whole on one worker, and {why}: use \
              --strategy single or allreduce, without --zero or a model axis"
+        )));
+    }
+    Ok(())
+}
+
+/// `clip_norm` scales the gradient by the norm of the whole gradient, which the workers
+/// assemble from their parts; a server's rows and a pipeline stage's variables are not
+/// in reach of that sum yet.
+fn check_clip_norm(
+    config: &RunConfig,
+    s: &StrategyConfig,
+    programs: &ProgramSet,
+) -> Result<(), CompileError> {
+    if config.clip_norm.is_none() {
+        return Ok(());
+    }
+    let why = if !programs.servers.is_empty() {
+        Some("parameter servers apply the update to their rows, out of the workers' reach")
+    } else if s.pipeline > 1 {
+        Some("pipeline stages update their variables apart (not implemented yet)")
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(CompileError::Settings(format!(
+            "`clip_norm` needs the norm of the whole gradient before any update, and {why}: \
+             use --strategy single or allreduce (with --zero or a model axis if wanted), or \
+             remove `clip_norm`"
         )));
     }
     Ok(())

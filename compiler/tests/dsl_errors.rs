@@ -137,7 +137,8 @@ fn mlp_lowers_and_verifies() {
             lr: 0.01,
             beta1: 0.9,
             beta2: 0.99,
-            eps: 1e-8
+            eps: 1e-8,
+            weight_decay: 0.0,
         }
     );
     assert_eq!(

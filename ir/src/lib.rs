@@ -25,6 +25,8 @@ pub use graph::{Graph, GraphError, Node, NodeId, ValueId, LOSS_SCALE};
 /// the zero pass names shards so, and the runtime finds them so when it writes or
 /// resumes a training state.
 pub const ZERO_SHARD_SUFFIX: &str = ".zero";
+/// How a tensor-parallel variable's local part is named: `w` is held as `w.tp`.
+pub const MODEL_SHARD_SUFFIX: &str = ".tp";
 /// The most workers a collective of the IR may name (the compiler's limit on
 /// `--workers`).
 pub const MAX_WORKERS: usize = 1 << 20;

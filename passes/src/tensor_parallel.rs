@@ -27,8 +27,7 @@ use crate::{PassCx, PassError, PassStats};
 use distc_ir::{Graph, NodeId, Op, Shape, TensorType, ValueId};
 use std::collections::{BTreeMap, HashMap};
 
-/// How a variable's local part is named: `w` is held as `w.tp`.
-pub const MODEL_SHARD_SUFFIX: &str = ".tp";
+pub use distc_ir::MODEL_SHARD_SUFFIX;
 
 /// The local part's name of variable `var`.
 pub fn shard_name(var: &str) -> String {
@@ -99,6 +98,8 @@ pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
                 Op::MatMul { .. } if plain(*user) && *slot == 0 => {
                     break param_of(g.node(*user).inputs[1], 0);
                 }
+                // Element-wise ops, and the reshapes, transposes and attention of a
+                // multi-head block: q, k and v each reach the output projection.
                 Op::Add
                 | Op::Sub
                 | Op::Mul
@@ -106,11 +107,17 @@ pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
                 | Op::Tanh
                 | Op::Sigmoid
                 | Op::Neg
-                | Op::Exp => v = (*user).into(),
+                | Op::Exp
+                | Op::Fused { .. }
+                | Op::Reshape { .. }
+                | Op::Transpose { .. }
+                | Op::Attention { .. } => v = (*user).into(),
                 _ => break None,
             }
         };
-        if let Some(second) = second.filter(|s| *s != first && !out.contains_key(s)) {
+        // A second weight already split by rows takes more first weights: attention's
+        // q, k and v projections all feed its output projection.
+        if let Some(second) = second.filter(|s| *s != first && out.get(s).is_none_or(|d| *d == 0)) {
             out.insert(first, 1);
             out.insert(second, 0);
         }
@@ -263,7 +270,31 @@ impl Rewriter<'_> {
                 }
                 _ => (node.op.clone(), vec![self.whole(ins[0])?], Sharding::Whole),
             },
-            Op::Add | Op::Sub | Op::Mul | Op::Div => self.elementwise(&node.op, &ins)?,
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Fused { .. } => {
+                self.elementwise(&node.op, &ins)?
+            }
+            // Heads (any leading axis) split alike in q, k and v attend apart.
+            Op::Attention { .. } => {
+                let r = self.rank(ins[0].0);
+                match (ins[0].1, ins[1].1, ins[2].1) {
+                    (Sharding::Split(a), Sharding::Split(b), Sharding::Split(c))
+                        if a == b && b == c && a + 2 < r =>
+                    {
+                        (
+                            node.op.clone(),
+                            vec![ins[0].0, ins[1].0, ins[2].0],
+                            Sharding::Split(a),
+                        )
+                    }
+                    _ => {
+                        let all = ins
+                            .iter()
+                            .map(|v| self.whole(*v))
+                            .collect::<Result<_, _>>()?;
+                        (node.op.clone(), all, Sharding::Whole)
+                    }
+                }
+            }
             // Same elements: a sum stays a sum, and a split survives where its parts are
             // still equal blocks of one output dimension.
             Op::Reshape { shape } => match ins[0].1 {

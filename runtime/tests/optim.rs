@@ -34,6 +34,7 @@ fn adam() -> OptimizerSpec {
         beta1: 0.9,
         beta2: 0.999,
         eps: 1e-8,
+        weight_decay: 0.0,
     }
 }
 

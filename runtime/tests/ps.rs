@@ -76,6 +76,7 @@ fn cfg(sync: PsSync, optimizer: OptimizerSpec) -> PsConfig {
         optimizer,
         lr_schedule: Default::default(),
         total_steps: 1,
+        no_decay: Vec::new(),
         seed: SEED,
         resume: None,
     }
@@ -181,6 +182,7 @@ fn sync_adam_equals_single_device_mean() {
         beta1: 0.9,
         beta2: 0.999,
         eps: 1e-8,
+        weight_decay: 0.0,
     };
     let shards = vec![
         vec![spec("a", &[5, 3], 0, 2), spec("t", &[6, 4], 0, 4)],

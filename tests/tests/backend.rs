@@ -229,9 +229,10 @@ mod wrapped {
         fn optimizer(
             &mut self,
             spec: &OptimizerSpec,
+            no_decay: &[String],
             params: &HashMap<String, Tensor>,
         ) -> Result<Optimizer, KernelError> {
-            Cpu.optimizer(spec, params)
+            Cpu.optimizer(spec, no_decay, params)
         }
 
         fn update(

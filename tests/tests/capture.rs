@@ -307,6 +307,7 @@ mod taped {
         fn optimizer(
             &mut self,
             spec: &OptimizerSpec,
+            _: &[String],
             _: &HashMap<String, TCell>,
         ) -> Result<Self::Optimizer, KernelError> {
             let o = Arc::new(Mutex::new(Optimizer::new(spec)));

@@ -472,6 +472,7 @@ fn sparse_updates_never_touch_a_dense_gradient() {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
+            weight_decay: 0.0,
         },
     ] {
         let mut c = c.clone();

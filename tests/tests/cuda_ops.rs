@@ -1815,7 +1815,7 @@ fn train<B: Backend>(
     let mut vars = upload(ex.backend(), params);
     let mut opt = ex
         .backend()
-        .optimizer(spec, &vars)
+        .optimizer(spec, &[], &vars)
         .unwrap_or_else(|e| panic!("{on}: {spec:?}: {e}"));
     let mut after = Vec::new();
     for (i, feeds) in steps.iter().enumerate() {
@@ -1866,6 +1866,7 @@ fn optimizer_specs() -> [(&'static str, OptimizerSpec); 3] {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+                weight_decay: 0.0,
             },
         ),
     ]

@@ -502,7 +502,10 @@ const OPS: &[DslOp] = &[
         params: &[float("logits"), indices("labels")],
         usage: "softmax_cross_entropy(logits, labels)",
         loss: true,
-        lower: Lowering::Op(|_, _| Ok(Op::SoftmaxCrossEntropy)),
+        lower: Lowering::Variadic {
+            operands: Takes::Float,
+            lower: |cx, def, _, args, span| cx.cross_entropy(def, args, span),
+        },
     },
     DslOp {
         name: "mse",
@@ -1566,6 +1569,60 @@ impl Lowerer<'_> {
         let x = widen(self, x, bx, &xd)?;
         let y = widen(self, y, by, &yd)?;
         self.add(mm, vec![x, y], at, &label)
+    }
+
+    /// `softmax_cross_entropy(logits [.., K], labels [..])`: the mean over every
+    /// position (a language model's per-token loss, as `F.cross_entropy` of the
+    /// flattened logits); logits of rank 3 or more are flattened to `[N, K]` and the
+    /// labels to `[N]`, which evaluation then reads as prediction and target.
+    fn cross_entropy(&mut self, def: &DslOp, args: &[Arg], span: Span) -> R<ValueId> {
+        let slots = bind(def, "op", span, args)?;
+        let (Some(la), Some(ya)) = (slots[0], slots[1]) else {
+            return Err(
+                Diag::new(span, "softmax_cross_entropy needs logits and labels", "")
+                    .help(format!("usage: {}", def.usage)),
+            );
+        };
+        let mut logits = self.tensor(&la.value, "argument `logits` of `softmax_cross_entropy`")?;
+        self.need_float(logits, &la.value, def.name)?;
+        let mut labels = self.tensor(&ya.value, "argument `labels` of `softmax_cross_entropy`")?;
+        self.need_i32(labels, &ya.value, def.name, "labels")?;
+        let (lt, yt) = (self.ty(logits), self.ty(labels));
+        let label = format!("softmax_cross_entropy of {lt}, {yt}");
+        if lt.shape.rank() > 2 {
+            let ld = lt.dims();
+            let (rows, k) = (&ld[..ld.len() - 1], ld[ld.len() - 1]);
+            if yt.dims() != rows {
+                return Err(Diag::new(
+                    span,
+                    format!(
+                        "shape mismatch in softmax_cross_entropy: labels {yt} must have the logits' \
+                         leading dimensions {rows:?} (logits {lt})"
+                    ),
+                    label,
+                ));
+            }
+            let n: usize = rows.iter().product();
+            logits = self.add(
+                Op::Reshape {
+                    shape: Shape(vec![n, k]),
+                },
+                vec![logits],
+                span,
+                &label,
+            )?;
+            labels = self.add(
+                Op::Reshape {
+                    shape: Shape(vec![n]),
+                },
+                vec![labels],
+                span,
+                &label,
+            )?;
+        }
+        let out = self.add(Op::SoftmaxCrossEntropy, vec![logits, labels], span, &label)?;
+        self.loss_parts.insert(out, (logits, labels));
+        Ok(out)
     }
 
     /// An element-wise function: each `Operand` parameter lowered (a tensor becomes an

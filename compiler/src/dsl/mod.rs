@@ -246,6 +246,31 @@ fn compile(src: &str, batch_override: Option<usize>) -> Result<Program, Diag> {
             }
         }
     }
+    // Weight-decay exemptions, by name and by rank, resolved to the model's variables.
+    if !t.no_decay.is_empty() || t.decay_min_rank.is_some() {
+        let params = graph.params();
+        let mut exempt = std::collections::BTreeSet::new();
+        for (name, span) in &t.no_decay {
+            if !params.iter().any(|(_, n, _)| *n == name.as_str()) {
+                let names: Vec<&str> = params.iter().map(|(_, n, _)| *n).collect();
+                return Err(Diag::new(
+                    *span,
+                    format!("`no_decay` names `{name}`, which is not a variable of the model"),
+                    "not a variable",
+                )
+                .maybe_help(error::did_you_mean(name, names.iter().copied())));
+            }
+            exempt.insert(name.clone());
+        }
+        if let Some((rank, _)) = t.decay_min_rank {
+            for (_, n, ty) in &params {
+                if ty.shape.rank() < rank {
+                    exempt.insert(n.to_string());
+                }
+            }
+        }
+        t.config.no_decay = exempt.into_iter().collect();
+    }
     // A source whose file names the fields reads what the model's inputs declare.
     if t.config.data.fields_from_model() {
         let mut inputs: Vec<_> = distc_runtime::run::programs::input_types(&graph)

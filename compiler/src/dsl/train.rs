@@ -20,6 +20,9 @@ const KEYS: &[(&str, bool)] = &[
     ("lr_schedule", false),
     ("lr_scaling", false),
     ("metrics", false),
+    ("clip_norm", false),
+    ("no_decay", false),
+    ("decay_min_rank", false),
 ];
 
 const METRICS: &[Sig] = &[
@@ -115,6 +118,17 @@ const OPTIMIZERS: &[Sig] = &[
         usage: "adam(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8)",
     },
     Sig {
+        name: "adamw",
+        params: &[
+            ("lr", true),
+            ("beta1", false),
+            ("beta2", false),
+            ("eps", false),
+            ("weight_decay", false),
+        ],
+        usage: "adamw(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01)",
+    },
+    Sig {
         name: "lars",
         params: &[
             ("lr", true),
@@ -180,6 +194,11 @@ pub(crate) struct Train {
     pub batch_span: Span,
     /// The `metrics = [...]` value, if set.
     pub metrics_span: Option<Span>,
+    /// The variables `no_decay = [...]` names, each where it is written (checked
+    /// against the model's variables once it is lowered).
+    pub no_decay: Vec<(String, Span)>,
+    /// `decay_min_rank = r`: variables of lower rank skip the weight decay.
+    pub decay_min_rank: Option<(usize, Span)>,
 }
 
 /// Checks and lowers the train block.
@@ -254,7 +273,72 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
             Some(e) => lower_metrics(e)?,
             None => Vec::new(),
         },
+        no_decay: Vec::new(),
+        clip_norm: match get("clip_norm") {
+            Some(e) => {
+                let c = args::float(e, "`clip_norm`")?;
+                if !c.is_finite() || c <= 0.0 {
+                    return Err(Diag::new(
+                        e.span,
+                        format!("`clip_norm` must be a positive number, found {c}"),
+                        "must be > 0",
+                    ));
+                }
+                Some(c)
+            }
+            None => None,
+        },
     };
+    let no_decay = match get("no_decay") {
+        None => Vec::new(),
+        Some(e) => {
+            let ExprKind::List(items) = &e.kind else {
+                return Err(Diag::new(
+                    e.span,
+                    format!("`no_decay` is a list of variables, found {}", describe(e)),
+                    "not a list",
+                )
+                .help("e.g. `no_decay = [b1, ln_gain]`"));
+            };
+            let mut names = Vec::new();
+            for item in items {
+                let ExprKind::Name(n) = &item.kind else {
+                    return Err(Diag::new(
+                        item.span,
+                        format!(
+                            "`no_decay` lists variables by name, found {}",
+                            describe(item)
+                        ),
+                        "not a name",
+                    ));
+                };
+                names.push((n.clone(), item.span));
+            }
+            names
+        }
+    };
+    let decay_min_rank = match get("decay_min_rank") {
+        None => None,
+        Some(e) => Some((args::usize_(e, "`decay_min_rank`", 0)?, e.span)),
+    };
+    if !no_decay.is_empty() || decay_min_rank.is_some() {
+        if config.optimizer.weight_decay() == 0.0 {
+            let span = get("no_decay")
+                .or(get("decay_min_rank"))
+                .map_or(block.keyword, |e| e.span);
+            return Err(Diag::new(
+                span,
+                format!(
+                    "`{}` has no weight decay to exempt variables from",
+                    config.optimizer.name()
+                ),
+                "nothing to exempt from",
+            )
+            .help(
+                "set the optimizer's `weight_decay`, e.g. `adamw(lr = 3e-4, weight_decay = 0.1)`",
+            ));
+        }
+    }
     let mut config = config;
     if let Some(e) = get("lr_scaling") {
         let (name, args) = call_parts(e, "a learning-rate scaling", "lr_scaling = linear()")?;
@@ -276,6 +360,8 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
         config,
         batch_span: batch.span,
         metrics_span: get("metrics").map(|e| e.span),
+        no_decay,
+        decay_min_rank,
     })
 }
 
@@ -603,11 +689,19 @@ fn lower_optimizer(e: &Expr) -> R<OptimizerSpec> {
             eps: hyper(val(3), "`eps`", 1e-6, true, 0.0, f64::INFINITY)?,
             weight_decay: hyper(val(4), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
         },
+        "adamw" => OptimizerSpec::Adam {
+            lr,
+            beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
+            beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
+            eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
+            weight_decay: hyper(val(4), "`weight_decay`", 0.01, false, 0.0, 1.0)?,
+        },
         _ => OptimizerSpec::Adam {
             lr,
             beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
             beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
             eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
+            weight_decay: 0.0,
         },
     })
 }

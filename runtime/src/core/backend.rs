@@ -216,10 +216,12 @@ pub trait OptimizerState: Device {
     /// The optimizer state of the variables the backend holds.
     type Optimizer;
 
-    /// The optimizer `spec` describes, for the variables `params`.
+    /// The optimizer `spec` describes, for the variables `params`; the weight decay
+    /// skips the variables `no_decay`.
     fn optimizer(
         &mut self,
         spec: &OptimizerSpec,
+        no_decay: &[String],
         params: &HashMap<String, Self::Tensor>,
     ) -> Result<Self::Optimizer, KernelError>;
     /// Applies one step's gradients to the variables.
@@ -256,6 +258,14 @@ pub trait OptimizerState: Device {
     ) -> Result<bool, KernelError> {
         Err(KernelError::Invalid(format!(
             "{} cannot scale the loss yet: train --precision fp16 on the CPU",
+            self.name()
+        )))
+    }
+    /// The sum of the squares of each gradient's elements (of the dense gradient a
+    /// row-sparse one stands for), in f64: the parts of a gradient-norm clip.
+    fn grad_squares(&mut self, _grads: &[(String, Self::Value)]) -> Result<Vec<f64>, KernelError> {
+        Err(KernelError::Invalid(format!(
+            "{} cannot clip gradients yet: train with `clip_norm` on the CPU",
             self.name()
         )))
     }

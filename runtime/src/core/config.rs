@@ -180,7 +180,8 @@ pub enum OptimizerSpec {
         /// Momentum (0 for none).
         momentum: f64,
     },
-    /// Adam with bias correction.
+    /// Adam with bias correction; with `weight_decay > 0`, AdamW (the decay decoupled
+    /// from the gradient, as `torch.optim.AdamW`).
     Adam {
         /// Learning rate.
         lr: f64,
@@ -190,6 +191,9 @@ pub enum OptimizerSpec {
         beta2: f64,
         /// Added to the denominator.
         eps: f64,
+        /// Decoupled weight decay (0: Adam).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        weight_decay: f64,
     },
     /// LARS (You et al. 2017), layer-wise trust ratio with momentum, per variable:
     /// `d = g + wd w; trust = eta |w| / (|g| + wd |w|)` (1 when a norm is 0);
@@ -379,6 +383,14 @@ pub struct RunConfig {
     /// empty: accuracy for a classifier, RMSE for a regression.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub metrics: Vec<Metric>,
+    /// Variables the optimizer's weight decay skips (one-device names, sorted): the
+    /// train block's `no_decay` list and those below its `decay_min_rank`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_decay: Vec<String>,
+    /// Clip the gradient to this global norm before each update (the norm over every
+    /// variable's whole gradient, as `torch.nn.utils.clip_grad_norm_`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_norm: Option<f64>,
 }
 
 /// A metric an evaluation reports.
@@ -511,7 +523,21 @@ impl DataSpec {
     }
 }
 
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
+}
+
 impl OptimizerSpec {
+    /// The decoupled or L2 weight decay, 0 for none.
+    pub fn weight_decay(&self) -> f64 {
+        match *self {
+            OptimizerSpec::Sgd { .. } => 0.0,
+            OptimizerSpec::Adam { weight_decay, .. }
+            | OptimizerSpec::Lars { weight_decay, .. }
+            | OptimizerSpec::Lamb { weight_decay, .. } => weight_decay,
+        }
+    }
+
     /// The learning rate.
     pub fn lr(&self) -> f64 {
         match *self {
@@ -560,11 +586,14 @@ impl OptimizerSpec {
                 beta1,
                 beta2,
                 eps,
+                weight_decay,
             } => {
-                positive("adam: the learning rate `lr`", lr)?;
-                decay("adam: `beta1`", beta1)?;
-                decay("adam: `beta2`", beta2)?;
-                positive("adam: `eps`", eps)
+                let name = self.name();
+                positive(&format!("{name}: the learning rate `lr`"), lr)?;
+                decay(&format!("{name}: `beta1`"), beta1)?;
+                decay(&format!("{name}: `beta2`"), beta2)?;
+                decay(&format!("{name}: `weight_decay`"), weight_decay)?;
+                positive(&format!("{name}: `eps`"), eps)
             }
             OptimizerSpec::Lars {
                 lr,
@@ -598,6 +627,7 @@ impl OptimizerSpec {
         match self {
             OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => "sgd",
             OptimizerSpec::Sgd { .. } => "momentum",
+            OptimizerSpec::Adam { weight_decay, .. } if *weight_decay > 0.0 => "adamw",
             OptimizerSpec::Adam { .. } => "adam",
             OptimizerSpec::Lars { .. } => "lars",
             OptimizerSpec::Lamb { .. } => "lamb",

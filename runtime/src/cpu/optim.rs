@@ -7,6 +7,10 @@
 //!   `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //!   w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`, with one global step
 //!   count `t` (1 on the first step), advanced by [`Optimizer::end_step`].
+//! * AdamW (Adam with `weight_decay > 0`, as `torch.optim.AdamW`): the decay is
+//!   decoupled from the gradient, `w -= lr * wd * w` before Adam's step, with the
+//!   scheduled `lr`; variables exempt from decay ([`Optimizer::exempt_from_decay`])
+//!   take Adam's step alone. LARS and LAMB's decay honours the same exemptions.
 //!
 //! Every gradient is first multiplied by `scale` (e.g. `1/N` to average over workers).
 //!
@@ -87,6 +91,8 @@ enum Rule {
         b1: f64,
         b2: f64,
         eps: f64,
+        /// Decoupled weight decay (0: plain Adam).
+        wd: f64,
     },
     Lars {
         lr: f64,
@@ -104,16 +110,54 @@ enum Rule {
 }
 
 impl Rule {
+    /// The same rule without weight decay (a variable exempt from it).
+    fn without_decay(self) -> Rule {
+        match self {
+            Rule::Adam {
+                lr, b1, b2, eps, ..
+            } => Rule::Adam {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd: 0.0,
+            },
+            Rule::Lars { lr, mu, eta, .. } => Rule::Lars {
+                lr,
+                mu,
+                wd: 0.0,
+                eta,
+            },
+            Rule::Lamb {
+                lr, b1, b2, eps, ..
+            } => Rule::Lamb {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd: 0.0,
+            },
+            other => other,
+        }
+    }
+
     /// The same rule with its learning rate multiplied by `f`.
     fn scaled(self, f: f64) -> Rule {
         match self {
             Rule::Sgd { lr } => Rule::Sgd { lr: lr * f },
             Rule::Momentum { lr, mu } => Rule::Momentum { lr: lr * f, mu },
-            Rule::Adam { lr, b1, b2, eps } => Rule::Adam {
+            Rule::Adam {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            } => Rule::Adam {
                 lr: lr * f,
                 b1,
                 b2,
                 eps,
+                wd,
             },
             Rule::Lars { lr, mu, wd, eta } => Rule::Lars {
                 lr: lr * f,
@@ -156,6 +200,8 @@ pub struct Optimizer {
     step_tensor: Tensor,
     /// Large dense updates split over rayon's threads.
     parallel: bool,
+    /// Variables the weight decay skips (by their one-device names).
+    no_decay: std::collections::BTreeSet<String>,
 }
 
 impl Optimizer {
@@ -169,11 +215,13 @@ impl Optimizer {
                 beta1,
                 beta2,
                 eps,
+                weight_decay,
             } => Rule::Adam {
                 lr,
                 b1: beta1,
                 b2: beta2,
                 eps,
+                wd: weight_decay,
             },
             OptimizerSpec::Lars {
                 lr,
@@ -209,6 +257,26 @@ impl Optimizer {
             steps: 0,
             parallel: true,
             step_tensor: step_tensor(0),
+            no_decay: Default::default(),
+        }
+    }
+
+    /// Exempts the variables `names` (one-device names) from weight decay: their
+    /// tensor-parallel parts and ZeRO chunks (`w.tp`, `w.zero`) too.
+    pub fn exempt_from_decay(&mut self, names: &[String]) {
+        self.no_decay = names.iter().cloned().collect();
+    }
+
+    /// The rule for variable `name`: without decay where it is exempt.
+    fn rule_for(&self, name: &str) -> Rule {
+        let mut base = name;
+        for suffix in [distc_ir::ZERO_SHARD_SUFFIX, distc_ir::MODEL_SHARD_SUFFIX] {
+            base = base.strip_suffix(suffix).unwrap_or(base);
+        }
+        if self.no_decay.contains(base) {
+            self.rule.without_decay()
+        } else {
+            self.rule
         }
     }
 
@@ -443,7 +511,7 @@ impl Optimizer {
     ) -> Result<()> {
         let sc = T::of(scale);
         let par = self.parallel && w.len() >= PAR_MIN;
-        match self.rule {
+        match self.rule_for(name) {
             Rule::Sgd { lr } => {
                 let lr = T::of(lr);
                 let z = Zip::from(w).and(g);
@@ -469,11 +537,20 @@ impl Optimizer {
                     z.for_each(f)
                 }
             }
-            Rule::Adam { lr, b1, b2, eps } => {
+            Rule::Adam {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            } => {
                 let t = (self.steps + 1) as f64;
                 let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
                 // 1-b computed in f64: f32(0.999) is off by 5e-8, which is 5e-5 of 1-b2.
                 let (c1, c2) = (T::of(1.0 - b1), T::of(1.0 - b2));
+                // AdamW's decoupled decay, as torch: w *= 1 - lr * wd, then Adam's step.
+                let keep = T::of(1.0 - lr * wd);
+                let decays = wd != 0.0;
                 let (lr, b1, b2, eps) = (T::of(lr), T::of(b1), T::of(b2), T::of(eps));
                 let slots = self.slots_for::<T>(name, w.shape())?;
                 let [m, v] = slots.as_mut_slice() else {
@@ -485,6 +562,9 @@ impl Optimizer {
                     let g = g * sc;
                     *m = b1 * *m + c1 * g;
                     *v = b2 * *v + c2 * g * g;
+                    if decays {
+                        *w = *w * keep;
+                    }
                     *w = *w - lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
                 };
                 if par {
@@ -612,7 +692,7 @@ impl Optimizer {
             .ok_or_else(|| err("non-contiguous variable".into()))?;
         let sc = T::of(scale);
         let touched = uniq.iter().enumerate().map(|(k, &r)| (r * row, k * row));
-        match self.rule {
+        match self.rule_for(name) {
             Rule::Sgd { lr } => {
                 let lr = T::of(lr);
                 for (at, from) in touched {
@@ -651,11 +731,20 @@ impl Optimizer {
                     .ok_or_else(|| err("non-contiguous variable".into()))?;
                 ws.copy_from_slice(new);
             }
-            Rule::Adam { lr, b1, b2, eps } => {
+            Rule::Adam {
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            } => {
                 let t = (self.steps + 1) as f64;
                 let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
                 // 1-b computed in f64: f32(0.999) is off by 5e-8, which is 5e-5 of 1-b2.
                 let (c1, c2) = (T::of(1.0 - b1), T::of(1.0 - b2));
+                // AdamW on row-sparse gradients decays the touched rows only, lazily, as
+                // the moments are.
+                let keep = T::of(1.0 - lr * wd);
                 let (lr, b1, b2, eps) = (T::of(lr), T::of(b1), T::of(b2), T::of(eps));
                 let slots = self.slots_for::<T>(name, &shape)?;
                 let [m, v] = slots.as_mut_slice() else {
@@ -671,7 +760,7 @@ impl Optimizer {
                         let g = g * sc;
                         *m = b1 * *m + c1 * g;
                         *v = b2 * *v + c2 * g * g;
-                        *w = *w - lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
+                        *w = *w * keep - lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
                     }
                 }
             }

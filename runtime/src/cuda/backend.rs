@@ -1550,9 +1550,12 @@ impl OptimizerState for CudaBackend {
     fn optimizer(
         &mut self,
         spec: &OptimizerSpec,
+        no_decay: &[String],
         params: &HashMap<String, DeviceTensor>,
     ) -> Result<CudaOptimizer, KernelError> {
         self.no_capture("creating the optimizer")?;
+        // Exemptions only matter with a decay, which the GPU's rules refuse by name.
+        let _ = no_decay;
         self.bind()?;
         // Each trained variable's type and, for a sparse gradient, its row bound.
         let mut vars: Vec<(String, TensorType, Option<usize>)> = Vec::new();

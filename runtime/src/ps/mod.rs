@@ -102,6 +102,8 @@ pub struct PsConfig {
     pub lr_schedule: crate::core::config::LrSchedule,
     /// The run's steps (the schedule's length).
     pub total_steps: u64,
+    /// Variables the weight decay skips.
+    pub no_decay: Vec<String>,
     /// Run seed for [`crate::core::init::init_param`].
     pub seed: u64,
     /// A resumed run's state: shards start from its rows and optimizer slots, at its

@@ -103,6 +103,7 @@ impl Shard {
         // A server is one thread, as a server process would be one core's worth; its
         // updates stay on it rather than taking the workers' cores via rayon.
         let mut opt = Optimizer::new(&cfg.optimizer);
+        opt.exempt_from_decay(&cfg.no_decay);
         opt.follow(&cfg.lr_schedule, cfg.total_steps);
         opt.set_parallel(false);
         Shard {
@@ -876,6 +877,7 @@ mod tests {
             },
             lr_schedule: Default::default(),
             total_steps: 1,
+            no_decay: Vec::new(),
             seed: 1,
             resume: None,
         }

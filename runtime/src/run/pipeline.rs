@@ -469,7 +469,7 @@ fn carried_slots(
         None => {
             let mut cpu = Cpu;
             let optimizer = cpu
-                .optimizer(&config.optimizer, carried)
+                .optimizer(&config.optimizer, &config.no_decay, carried)
                 .map_err(|e| backend_error("cpu", "creating the optimizer", e))?;
             cpu.optimizer_state(&optimizer)
                 .map_err(|e| backend_error("cpu", "reading the optimizer state", e))?
@@ -936,7 +936,7 @@ impl<'a> Stage<'a> {
         let params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
         let mut optimizer = bwd
             .backend()
-            .optimizer(&config.optimizer, &params)
+            .optimizer(&config.optimizer, &config.no_decay, &params)
             .map_err(fail("creating the optimizer"))?;
         bwd.backend()
             .follow_schedule(

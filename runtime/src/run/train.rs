@@ -204,6 +204,7 @@ pub fn train_with<B: Backend>(
             optimizer: config.optimizer.clone(),
             lr_schedule: config.lr_schedule.clone(),
             total_steps: crate::run::steps::lr_horizon(config),
+            no_decay: config.no_decay.clone(),
             seed: config.seed,
             resume: opts.resume.clone(),
         };

@@ -275,6 +275,63 @@ fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> 
     Ok(bad == 0.0)
 }
 
+/// The norm of the whole gradient from this worker's parts: each part's square sum
+/// divided by the workers holding the same part (a whole gradient is held by every
+/// data-parallel replica and every model-axis worker; a ZeRO chunk by its model-axis
+/// workers; a tensor-parallel part by its replicas), then summed over every worker
+/// (data axis, then model axis). Data parallelism alone needs no communication: every
+/// worker holds the whole averaged gradient.
+fn global_norm(
+    hook: &mut WorkerHook,
+    names: &[&str],
+    squares: &[f64],
+    replicas: usize,
+    step: usize,
+) -> Result<f64> {
+    let parts = hook.model.as_ref().map_or(1, |(comm, _)| comm.size());
+    let chunked = |n: &str| n.ends_with(ZERO_SHARD_SUFFIX);
+    let split = |n: &str| {
+        n.strip_suffix(ZERO_SHARD_SUFFIX)
+            .unwrap_or(n)
+            .ends_with(distc_ir::MODEL_SHARD_SUFFIX)
+    };
+    if !names.iter().any(|n| chunked(n) || split(n)) {
+        return Ok(squares.iter().sum::<f64>().sqrt());
+    }
+    let own: f64 = names
+        .iter()
+        .zip(squares)
+        .map(|(n, s)| {
+            let over_data = if chunked(n) { 1 } else { replicas.max(1) };
+            let over_model = if split(n) { 1 } else { parts };
+            s / (over_data * over_model) as f64
+        })
+        .sum();
+    // Collectives carry f32 (every transport's type): the sums' relative error, 1e-7,
+    // moves the clip factor by as much.
+    let value = || Value::Tensor(Tensor::F32(ArrayD::from_elem(IxDyn(&[1]), own as f32)));
+    let sum = Op::AllReduce {
+        reduce: ReduceOp::Sum,
+        ranks_per_node: 0,
+    };
+    let mut total = hook
+        .start_collective(NodeId(u32::MAX), &sum, value(), step as u64)?
+        .wait()?
+        .tensor()
+        .and_then(Tensor::scalar_f64)
+        .unwrap_or(f64::NAN);
+    if let Some((comm, _)) = hook.model.as_mut() {
+        let op = Op::ModelAllReduce { parts };
+        let label = op_label(&op, NodeId(u32::MAX), step as u64);
+        let part = Value::Tensor(Tensor::F32(ArrayD::from_elem(IxDyn(&[1]), total as f32)));
+        total = model_collective(&mut **comm, &op, part, &label)?
+            .tensor()
+            .and_then(Tensor::scalar_f64)
+            .unwrap_or(f64::NAN);
+    }
+    Ok(total.max(0.0).sqrt())
+}
+
 /// A collective already done.
 pub(crate) struct Done(pub(crate) Value);
 
@@ -995,7 +1052,7 @@ fn train_worker<B: Backend>(
     let params = upload_all(exec.backend(), params)?;
     let mut optimizer = exec
         .backend()
-        .optimizer(&config.optimizer, &params)
+        .optimizer(&config.optimizer, &config.no_decay, &params)
         .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
     exec.backend()
         .follow_schedule(
@@ -1041,8 +1098,10 @@ fn train_worker<B: Backend>(
         Some(t) => Some(LossScaler::from_tensor(t)?),
         None => Some(LossScaler::default()),
     };
+    // A captured step replays the update as it was captured: no norm measured, no clip.
     let capturable = k == 1
         && scaler.is_none()
+        && config.clip_norm.is_none()
         && !opts.profile
         && !st.exec.schedule().has_server_ops()
         && st.exec.can_capture();
@@ -1277,6 +1336,24 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     finite
                 }
             };
+            if let (true, Some(max)) = (apply, self.config.clip_norm) {
+                let squares = st
+                    .exec
+                    .backend()
+                    .grad_squares(&grads)
+                    .map_err(|e| backend_error(device, "measuring the gradient's norm", e))?;
+                let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
+                let norm = global_norm(hook, &names, &squares, self.replicas, step)?;
+                // As torch.nn.utils.clip_grad_norm_: scaled by max / (norm + 1e-6) when
+                // that is below 1.
+                let factor = max / (norm + 1e-6);
+                if factor < 1.0 {
+                    st.exec
+                        .backend()
+                        .unscale(&mut grads, factor)
+                        .map_err(|e| backend_error(device, "clipping the gradients", e))?;
+                }
+            }
             if apply {
                 st.exec
                     .backend()

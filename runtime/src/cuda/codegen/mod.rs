@@ -1101,6 +1101,7 @@ mod tests {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+                weight_decay: 0.0,
             },
         ];
         let vars = vec![

@@ -73,11 +73,17 @@ fn rule(spec: &OptimizerSpec) -> Result<Rule, String> {
             lr: flit(lr),
             mu: flit(momentum),
         },
+        OptimizerSpec::Adam { weight_decay, .. } if weight_decay > 0.0 => {
+            return Err(format!(
+                "adamw (decoupled weight decay {weight_decay}) runs on the CPU backend for now"
+            ))
+        }
         OptimizerSpec::Adam {
             lr,
             beta1,
             beta2,
             eps,
+            ..
         } => Rule::Adam(Adam {
             lr: flit(lr),
             b1: flit(beta1),
