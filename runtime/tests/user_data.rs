@@ -235,6 +235,7 @@ fn tensors_spec(path: &str, eval: Option<&str>, f: Vec<FieldSpec>) -> DataSpec {
         path: path.into(),
         eval_path: eval.map(Into::into),
         fields: f,
+        in_order: false,
     }
 }
 

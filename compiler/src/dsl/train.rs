@@ -91,8 +91,8 @@ const SOURCES: &[Sig] = &[
     },
     Sig {
         name: "tensors",
-        params: &[("path", true), ("eval_path", false)],
-        usage: "tensors(path = \"train.safetensors\", eval_path = \"test.safetensors\")",
+        params: &[("path", true), ("eval_path", false), ("shuffle", false)],
+        usage: "tensors(path = \"train.safetensors\", eval_path = \"test.safetensors\", shuffle = true)",
     },
     Sig {
         name: "csv",
@@ -565,6 +565,10 @@ fn lower_data(e: &Expr) -> R<DataSpec> {
             path: path(val(0), e.span)?,
             eval_path: val(1).map(|v| args::string(v, "`eval_path`")).transpose()?,
             fields: Vec::new(),
+            in_order: !val(2)
+                .map(|v| args::boolean(v, "`shuffle`"))
+                .transpose()?
+                .unwrap_or(true),
         },
         _ => DataSpec::Csv {
             path: path(val(0), e.span)?,

@@ -72,6 +72,10 @@ pub enum DataSpec {
         eval_path: Option<String>,
         /// What the model reads.
         fields: Vec<FieldSpec>,
+        /// Train on the samples in file order, epoch after epoch (no shuffle): to
+        /// replay exactly the batches another system trained on.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        in_order: bool,
     },
     /// A CSV file with a header row: each model input reads the column of its name,
     /// one value per sample (f32 inputs read numbers, i32 inputs whole numbers).
@@ -109,6 +113,11 @@ impl DataSpec {
             DataSpec::Tensors { .. } => "tensors",
             DataSpec::Csv { .. } => "csv",
         }
+    }
+
+    /// Whether training samples come in file order instead of shuffled per epoch.
+    pub fn in_order(&self) -> bool {
+        matches!(self, DataSpec::Tensors { in_order: true, .. })
     }
 
     /// The fields one sample provides: name, dtype, and elements per sample.

@@ -82,6 +82,7 @@ pub(crate) fn load(spec: &DataSpec, dir: Option<&Path>) -> Result<Arc<Loaded>> {
             path,
             eval_path,
             fields,
+            ..
         } => super::user_files::tensors(dir, path, eval_path.as_deref(), fields)?,
         DataSpec::Csv {
             path,

@@ -231,6 +231,8 @@ struct OutField {
 struct Shuffled {
     n: usize,
     seed: u64,
+    /// File order, every epoch (the source's `shuffle = false`).
+    in_order: bool,
     /// The next step.
     step: u64,
     /// Stream position of step 0 (samples a resumed run skipped).
@@ -245,8 +247,10 @@ impl Shuffled {
             return p.clone();
         }
         let mut v: Vec<u32> = (0..self.n as u32).collect();
-        let mut rng = Pcg64::seed_from_u64(mix(mix(self.seed, 0x5417_f1e5), epoch));
-        v.shuffle(&mut rng);
+        if !self.in_order {
+            let mut rng = Pcg64::seed_from_u64(mix(mix(self.seed, 0x5417_f1e5), epoch));
+            v.shuffle(&mut rng);
+        }
         let p = Arc::new(v);
         self.perms.push((epoch, p.clone()));
         if self.perms.len() > 2 {
@@ -379,6 +383,7 @@ impl DataSource {
             let cursor = Cursor::Files(Shuffled {
                 n,
                 seed,
+                in_order: spec.in_order(),
                 step: 0,
                 base: 0,
                 perms: Vec::new(),
