@@ -117,12 +117,47 @@ pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
         };
         // A second weight already split by rows takes more first weights: attention's
         // q, k and v projections all feed its output projection.
-        if let Some(second) = second.filter(|s| *s != first && out.get(s).is_none_or(|d| *d == 0)) {
+        if let Some(second) =
+            second.filter(|s| *s != first && out.get(s).is_none_or(|d| *d == 0))
+        {
             out.insert(first, 1);
             out.insert(second, 0);
+            // The column-parallel layer's bias splits with its columns, as Megatron's:
+            // added whole, it would be cut each step and its gradient gathered.
+            if let Some(bias) = column_bias(g, id, parts) {
+                out.entry(bias).or_insert(0);
+            }
         }
     }
     out
+}
+
+/// The bias added to matmul `id`'s result (through reshapes): a rank-1 variable as
+/// long as the result's last dimension, split evenly.
+fn column_bias(g: &Graph, id: NodeId, parts: usize) -> Option<String> {
+    let cols = *g.tensor_type(id.into()).dims().last()?;
+    let mut v: ValueId = id.into();
+    loop {
+        let users = g.users(v);
+        let [(user, slot)] = users.as_slice() else {
+            return None;
+        };
+        match g.op(*user) {
+            Op::Reshape { shape } if shape.dims().last() == Some(&cols) => v = (*user).into(),
+            Op::Add => {
+                let other = g.node(*user).inputs[1 - *slot];
+                return match g.op(other.node) {
+                    Op::Param { name, ty, .. }
+                        if ty.dims() == [cols] && cols.is_multiple_of(parts) =>
+                    {
+                        Some(name.clone())
+                    }
+                    _ => None,
+                };
+            }
+            _ => return None,
+        }
+    }
 }
 
 /// What the rewrite made beside the worker program.
@@ -150,6 +185,8 @@ pub fn rewrite(
         new: Graph::new(g.name.clone()),
         parts,
         map: HashMap::new(),
+        entered: HashMap::new(),
+        cuts: HashMap::new(),
         out: Rewritten {
             init: Graph::new(g.name.clone()),
             finalize: Graph::new(g.name.clone()),
@@ -180,6 +217,10 @@ struct Rewriter<'a> {
     /// Old value -> (new value, its sharding).
     map: HashMap<ValueId, (ValueId, Sharding)>,
     out: Rewritten,
+    /// Values already entered or cut (a value read by several split computations,
+    /// as a block's input by q, k and v, enters once: one all-reduce of its gradient).
+    entered: HashMap<ValueId, ValueId>,
+    cuts: HashMap<(ValueId, usize), ValueId>,
 }
 
 impl Rewriter<'_> {
@@ -211,8 +252,13 @@ impl Rewriter<'_> {
     /// Whole `v` entering a split computation (Megatron's `f`): its gradient, partial
     /// on each worker, is summed over them.
     fn enter(&mut self, v: ValueId) -> Result<ValueId, PassError> {
+        if let Some(&e) = self.entered.get(&v) {
+            return Ok(e);
+        }
         let parts = self.parts;
-        self.add(Op::ModelEnter { parts }, vec![v], Sharding::Whole)
+        let e = self.add(Op::ModelEnter { parts }, vec![v], Sharding::Whole)?;
+        self.entered.insert(v, e);
+        Ok(e)
     }
 
     /// This worker's part along `dim` of whole `v` (local).
@@ -225,7 +271,12 @@ impl Rewriter<'_> {
                 self.new.tensor_type(v)
             )));
         }
-        self.add(Op::ModelSplit { dim, parts }, vec![v], Sharding::Split(dim))
+        if let Some(&c) = self.cuts.get(&(v, dim)) {
+            return Ok(c);
+        }
+        let c = self.add(Op::ModelSplit { dim, parts }, vec![v], Sharding::Split(dim))?;
+        self.cuts.insert((v, dim), c);
+        Ok(c)
     }
 
     fn node(&mut self, id: NodeId, split: &BTreeMap<String, usize>) -> Result<(), PassError> {

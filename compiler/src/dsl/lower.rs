@@ -761,6 +761,9 @@ struct Lowerer<'a> {
     dropouts: u64,
     /// The operands of each loss op's result: `(prediction, target)`.
     loss_parts: HashMap<ValueId, (ValueId, ValueId)>,
+    /// A batch flattened for a product, once per value: q, k and v projections of one
+    /// input read one reshape (which the tensor-parallel pass then enters once).
+    flattened: HashMap<ValueId, ValueId>,
 }
 
 /// Lowers a model with `B` bound to `batch`; inputs are checked against `data`.
@@ -781,6 +784,7 @@ pub(crate) fn lower_model(
         src,
         dropouts: 0,
         loss_parts: HashMap::new(),
+        flattened: HashMap::new(),
     };
     let mut minimized: Option<Span> = None;
     // The markers so far, and per statement other than a marker: the node count after
@@ -1532,14 +1536,21 @@ impl Lowerer<'_> {
         if xd.len() > 2 && yd.len() == 2 && !ta {
             let k = xd[xd.len() - 1];
             let rows: usize = xd[..xd.len() - 1].iter().product();
-            let flat = self.add(
-                Op::Reshape {
-                    shape: Shape(vec![rows, k]),
-                },
-                vec![x],
-                at,
-                &label,
-            )?;
+            let flat = match self.flattened.get(&x) {
+                Some(&f) => f,
+                None => {
+                    let f = self.add(
+                        Op::Reshape {
+                            shape: Shape(vec![rows, k]),
+                        },
+                        vec![x],
+                        at,
+                        &label,
+                    )?;
+                    self.flattened.insert(x, f);
+                    f
+                }
+            };
             let p = self.add(mm, vec![flat, y], at, &label)?;
             let n = self.ty(p).dims()[1];
             let mut dims = xd[..xd.len() - 1].to_vec();
