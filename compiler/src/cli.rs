@@ -326,8 +326,8 @@ pub struct CompileArgs {
     pub schedule: Option<ScheduleKind>,
     /// The arithmetic's precision: `fp32`, or `bf16`/`fp16` where the mixed_precision
     /// pass's lists allow it (matmuls, convolutions, lookups and the element-wise chains
-    /// between them in 16 bits; losses, softmax, exp, log, layer norm and reductions to
-    /// a scalar in f32). Variables stay f32 master copies; gradients reach the optimizer
+    /// between them in 16 bits; losses, softmax, exp, log, layer norm, attention and
+    /// reductions to a scalar in f32). Variables stay f32 master copies; gradients reach the optimizer
     /// in f32. fp16 scales the loss dynamically.
     #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
     pub precision: Precision,

@@ -533,7 +533,8 @@ const EVERY_LISTED_OP: &str = "model listed {\n  input x: f32[B, 8]\n  input lab
     param emb: f32[4, 4] = glorot\n  param w1: f32[8, 16] = glorot\n  \
     param gamma: f32[16] = ones\n  param beta: f32[16] = zeros\n  \
     param w2: f32[16, 4] = glorot\n  \
-    h = layer_norm(x @ w1, gamma, beta)\n  \
+    q = reshape(x @ w1, [B, 2, 8])\n  \
+    h = layer_norm(x @ w1 + reshape(attention(q, q, q, causal = true), [B, 16]), gamma, beta)\n  \
     y = tanh(h) @ w2 + embedding(emb, label)\n  \
     p = softmax(y) + log_softmax(y) + exp(y) + log(relu(y) + 1.0)\n  \
     minimize softmax_cross_entropy(y, label) + mse(p, y) + 0.001 * mean(sum(p, axes = [1]))\n}\n\
@@ -572,6 +573,7 @@ fn every_op_runs_in_the_precision_the_readme_lists() {
         "exp",
         "log",
         "layer_norm",
+        "attention",
     ] {
         assert!(
             documented.iter().any(|d| d == op),
@@ -626,6 +628,7 @@ fn every_op_runs_in_the_precision_the_readme_lists() {
     }
     for op in [
         "layer_norm",
+        "attention",
         "softmax",
         "log_softmax",
         "exp",
