@@ -113,6 +113,38 @@ fn adam_f64() {
     close(&vals(&w), &[0.900_000_002], 1e-12);
 }
 
+/// AdamW as torch.optim.AdamW: w *= 1 - lr wd, then Adam's step; an exempt variable
+/// (and its tensor-parallel part and ZeRO chunk) takes Adam's step alone.
+#[test]
+fn adamw_decays_decoupled_except_exempt_variables() {
+    let spec = OptimizerSpec::Adam {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.5,
+    };
+    assert_eq!(spec.name(), "adamw");
+    let mut o = Optimizer::new(&spec);
+    o.exempt_from_decay(&["b".to_string()]);
+    let g = Value::Tensor(Tensor::F64(
+        ArrayD::from_shape_vec(IxDyn(&[1]), vec![0.5]).expect("s"),
+    ));
+    let one = || Tensor::F64(ArrayD::from_shape_vec(IxDyn(&[1]), vec![2.0]).expect("shape"));
+    let (mut w, mut b, mut b_tp, mut b_zero) = (one(), one(), one(), one());
+    o.apply("w", &mut w, &g, 1.0).expect("apply");
+    o.apply("b", &mut b, &g, 1.0).expect("apply");
+    o.apply("b.tp", &mut b_tp, &g, 1.0).expect("apply");
+    o.apply("b.zero", &mut b_zero, &g, 1.0).expect("apply");
+    o.end_step();
+    // First step: m^ = g, v^ = g^2, so Adam's step is lr * g / (|g| + eps) ~ 0.1.
+    let adam_step = 0.1 * 0.5 / (0.5 + 1e-8);
+    close(&vals(&w), &[2.0 * (1.0 - 0.1 * 0.5) - adam_step], 1e-12);
+    for t in [&b, &b_tp, &b_zero] {
+        close(&vals(t), &[2.0 - adam_step], 1e-12);
+    }
+}
+
 #[test]
 fn sparse_sgd_equals_dense_of_scatter() {
     let (rows, row) = (6, 3);

@@ -16,6 +16,6 @@ model mlp {
 train {
   data      = gaussian_classes(features = 20, classes = 4)
   batch     = 64
-  optimizer = adamw(lr = 0.1)
+  optimizer = adagrad(lr = 0.1)
   steps     = 100
 }
