@@ -44,6 +44,45 @@ fn save(path: &Path, values: &HashMap<String, distc_runtime::Tensor>) {
     checkpoint::save(path, &named, HashMap::new()).expect("saves");
 }
 
+/// Regression (issue 37, found by bench/pytorch/parity.py): a run under AdamW refused
+/// its own `--init` ("saved by optimizer adam ... trains with adamw") and the training
+/// state it checkpointed: the state's optimizer kind did not know AdamW.
+#[test]
+fn adamw_runs_start_from_init_and_resume_their_own_state() {
+    let (dir, _) = setup();
+    let m = dir.path().join("small_adamw.dsl");
+    std::fs::write(
+        &m,
+        MODEL.replace("adam(lr = 0.01)", "adamw(lr = 0.01, weight_decay = 0.1)"),
+    )
+    .expect("writes");
+    let init = dir.path().join("init.safetensors");
+    save(&init, &initial_values(&m));
+    let (a, b, state) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+        dir.path().join("state.ckpt"),
+    );
+    let o = distc(&["train", s(&m), "-q", "--save", s(&a)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&["train", s(&m), "-q", "--init", s(&init), "--save", s(&b)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(max_difference(&a, &b), 0.0);
+    let o = distc(&[
+        "train",
+        s(&m),
+        "-q",
+        "--steps",
+        "2",
+        "--checkpoint",
+        s(&state),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&["train", s(&m), "-q", "--resume", s(&state), "--save", s(&b)]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(max_difference(&a, &b), 0.0, "2 steps, then 2 resumed");
+}
+
 #[test]
 fn the_models_own_initial_values_train_bitwise_in_every_layout() {
     let (dir, m) = setup();

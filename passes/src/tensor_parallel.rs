@@ -117,9 +117,7 @@ pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
         };
         // A second weight already split by rows takes more first weights: attention's
         // q, k and v projections all feed its output projection.
-        if let Some(second) =
-            second.filter(|s| *s != first && out.get(s).is_none_or(|d| *d == 0))
-        {
+        if let Some(second) = second.filter(|s| *s != first && out.get(s).is_none_or(|d| *d == 0)) {
             out.insert(first, 1);
             out.insert(second, 0);
             // The column-parallel layer's bias splits with its columns, as Megatron's:

@@ -126,7 +126,10 @@ fn the_rewrite_of_a_pair_of_matmuls_is_megatrons_f_and_g() {
     assert_eq!(count("model_all_reduce"), 1, "{ir}");
     assert_eq!(count("model_enter"), 2, "{ir}");
     assert_eq!(count("model_gather"), 0, "{ir}");
-    assert!(ir.contains("param{name=\"b1.tp\", init=zeros} : f32[8]"), "{ir}");
+    assert!(
+        ir.contains("param{name=\"b1.tp\", init=zeros} : f32[8]"),
+        "{ir}"
+    );
     insta::assert_snapshot!(ir);
 }
 

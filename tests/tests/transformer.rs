@@ -60,7 +60,10 @@ fn gpt(dir: &Path, clip: bool, marked: bool, sgd: bool) -> PathBuf {
         assert!(src.len() < before, "gpt.dsl no longer clips");
     }
     if marked {
-        assert!(src.contains("  a2 = layer_norm"), "gpt.dsl has fewer blocks");
+        assert!(
+            src.contains("  a2 = layer_norm"),
+            "gpt.dsl has fewer blocks"
+        );
         src = src.replace("  a2 = layer_norm", "  pipeline_stage\n  a2 = layer_norm");
     }
     let path = dir.join(format!("gpt_{clip}_{marked}_{sgd}.dsl"));
@@ -110,16 +113,52 @@ fn gpt_matches_one_device_under_data_parallel_layouts() {
     let model = gpt(dir.path(), true, false, false);
     let layouts = [
         ("allreduce", data_parallel(2)),
-        ("zero 1", StrategyConfig { zero: 1, ..data_parallel(2) }),
-        ("zero 2", StrategyConfig { zero: 2, ..data_parallel(2) }),
-        ("zero 3", StrategyConfig { zero: 3, ..data_parallel(2) }),
-        ("accumulate 2", StrategyConfig { accumulate: 2, ..data_parallel(2) }),
-        ("remat", StrategyConfig { remat: RematPolicy::Layers, ..data_parallel(2) }),
-        ("fuse", StrategyConfig { fuse: true, ..data_parallel(2) }),
+        (
+            "zero 1",
+            StrategyConfig {
+                zero: 1,
+                ..data_parallel(2)
+            },
+        ),
+        (
+            "zero 2",
+            StrategyConfig {
+                zero: 2,
+                ..data_parallel(2)
+            },
+        ),
+        (
+            "zero 3",
+            StrategyConfig {
+                zero: 3,
+                ..data_parallel(2)
+            },
+        ),
+        (
+            "accumulate 2",
+            StrategyConfig {
+                accumulate: 2,
+                ..data_parallel(2)
+            },
+        ),
+        (
+            "remat",
+            StrategyConfig {
+                remat: RematPolicy::Layers,
+                ..data_parallel(2)
+            },
+        ),
+        (
+            "fuse",
+            StrategyConfig {
+                fuse: true,
+                ..data_parallel(2)
+            },
+        ),
     ];
     for (what, s) in layouts {
-        let r = verify(&model, &opts(dir.path(), s, 1e-4))
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let r =
+            verify(&model, &opts(dir.path(), s, 1e-4)).unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_passes(what, &r);
     }
     // bf16: attention, GELU and the norms in f32 around 16-bit products; verify raises
@@ -168,8 +207,7 @@ fn gpt_matches_one_device_in_pipelines_and_with_servers() {
         ),
     ];
     for (what, model, s) in cases {
-        let r = verify(model, &opts(dir.path(), s, 1e-4))
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let r = verify(model, &opts(dir.path(), s, 1e-4)).unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_passes(what, &r);
     }
 }
@@ -228,7 +266,10 @@ fn gpt_on_a_model_axis_splits_heads_with_two_all_reduces_each_way_per_block() {
     for layer in 0..4 {
         for v in ["wq", "wk", "wv", "wo", "wfc", "wproj", "bq", "bv", "bfc"] {
             let name = format!("h{layer}_{v}");
-            assert!(split.contains_key(&name), "`{name}` is not split: {split:?}");
+            assert!(
+                split.contains_key(&name),
+                "`{name}` is not split: {split:?}"
+            );
         }
     }
     let ops = |name: &str| {
@@ -263,7 +304,12 @@ fn gpt_on_a_model_axis_splits_heads_with_two_all_reduces_each_way_per_block() {
     // which the runtime does beside the program (not an op of the IR, so not in the
     // program's prediction): 4 bytes a step.
     for (step, &measured) in sent.iter().enumerate() {
-        assert_eq!(measured, predicted + 4.0, "step {}: measured bytes", step + 1);
+        assert_eq!(
+            measured,
+            predicted + 4.0,
+            "step {}: measured bytes",
+            step + 1
+        );
     }
 }
 

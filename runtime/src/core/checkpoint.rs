@@ -250,21 +250,27 @@ impl StateIndex {
     pub fn optimizer_kind(&self) -> Option<&'static str> {
         let d = self.optimizer.trim();
         let word: String = d.chars().take_while(|c| c.is_alphanumeric()).collect();
+        let field = |name: &str| {
+            d.split(&format!("{name}:"))
+                .nth(1)
+                .and_then(|rest| {
+                    rest.split([',', '}'])
+                        .next()
+                        .and_then(|v| v.trim().parse::<f64>().ok())
+                })
+                .unwrap_or(0.0)
+        };
         match word.to_ascii_lowercase().as_str() {
-            "sgd" => {
-                let momentum = d
-                    .split("momentum:")
-                    .nth(1)
-                    .and_then(|rest| {
-                        rest.split([',', '}'])
-                            .next()
-                            .and_then(|v| v.trim().parse::<f64>().ok())
-                    })
-                    .unwrap_or(0.0);
-                Some(if momentum == 0.0 { "sgd" } else { "momentum" })
-            }
+            "sgd" => Some(if field("momentum") == 0.0 {
+                "sgd"
+            } else {
+                "momentum"
+            }),
             "momentum" => Some("momentum"),
+            // AdamW is Adam with a decay (OptimizerSpec::name's spelling).
+            "adam" if field("weight_decay") > 0.0 => Some("adamw"),
             "adam" => Some("adam"),
+            "adamw" => Some("adamw"),
             "lars" => Some("lars"),
             "lamb" => Some("lamb"),
             _ => None,
