@@ -21,6 +21,28 @@ use distc_runtime::core::output::write_file;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
+/// Under data parallelism, a statistic over the batch axis (a hand-written batch
+/// norm's mean and variance) is each worker's own: said at compile time, not left for
+/// `verify` to find.
+fn warn_per_worker_statistics(c: &Compiled, opts: &CompileOptions) {
+    let s = &opts.strategy;
+    let replicas = if s.pipeline > 1 {
+        s.workers
+    } else {
+        s.workers / s.model.max(1)
+    };
+    if replicas <= 1 || c.assumptions.is_empty() {
+        return;
+    }
+    err(&format!(
+        "warning: {replicas} data-parallel replicas each compute on their own batch what \
+         one device computes on the global batch, so this model trains differently:\n"
+    ));
+    for a in &c.assumptions {
+        err(&format!("  - {a}\n"));
+    }
+}
+
 /// `distc compile`: the plan of `file` written to `output`, what each pass did on
 /// standard error.
 pub fn compile(
@@ -216,7 +238,10 @@ pub fn plot(files: &[PathBuf], output: &Path, options: &crate::plot::PlotOptions
 /// Compiles, printing DSL errors as diagnostics.
 pub fn compile_or_report(file: &Path, opts: &CompileOptions) -> Result<Compiled> {
     match compile_file(file, opts) {
-        Ok(c) => Ok(c),
+        Ok(c) => {
+            warn_per_worker_statistics(&c, opts);
+            Ok(c)
+        }
         Err(CompileError::Dsl(e)) => {
             if std::io::stderr().is_terminal() {
                 err(&format!("{:?}\n", miette::Report::new(*e)));
