@@ -222,6 +222,7 @@ fn compact(steps: &[FusedStep]) -> InputGradient {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

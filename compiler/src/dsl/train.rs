@@ -321,23 +321,20 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
         None => None,
         Some(e) => Some((args::usize_(e, "`decay_min_rank`", 0)?, e.span)),
     };
-    if !no_decay.is_empty() || decay_min_rank.is_some() {
-        if config.optimizer.weight_decay() == 0.0 {
-            let span = get("no_decay")
-                .or(get("decay_min_rank"))
-                .map_or(block.keyword, |e| e.span);
-            return Err(Diag::new(
-                span,
-                format!(
-                    "`{}` has no weight decay to exempt variables from",
-                    config.optimizer.name()
-                ),
-                "nothing to exempt from",
-            )
-            .help(
-                "set the optimizer's `weight_decay`, e.g. `adamw(lr = 3e-4, weight_decay = 0.1)`",
-            ));
-        }
+    if (!no_decay.is_empty() || decay_min_rank.is_some()) && config.optimizer.weight_decay() == 0.0
+    {
+        let span = get("no_decay")
+            .or(get("decay_min_rank"))
+            .map_or(block.keyword, |e| e.span);
+        return Err(Diag::new(
+            span,
+            format!(
+                "`{}` has no weight decay to exempt variables from",
+                config.optimizer.name()
+            ),
+            "nothing to exempt from",
+        )
+        .help("set the optimizer's `weight_decay`, e.g. `adamw(lr = 3e-4, weight_decay = 0.1)`"));
     }
     let mut config = config;
     if let Some(e) = get("lr_scaling") {
