@@ -410,18 +410,14 @@ fn check_clip_norm(
     if config.clip_norm.is_none() {
         return Ok(());
     }
-    let why = if !programs.servers.is_empty() {
-        Some("parameter servers apply the update to their rows, out of the workers' reach")
-    } else if s.pipeline > 1 {
-        Some("pipeline stages update their variables apart (not implemented yet)")
-    } else {
-        None
-    };
+    let _ = s;
+    let why = (!programs.servers.is_empty())
+        .then_some("parameter servers apply the update to their rows, out of the workers' reach");
     if let Some(why) = why {
         return Err(CompileError::Settings(format!(
             "`clip_norm` needs the norm of the whole gradient before any update, and {why}: \
-             use --strategy single or allreduce (with --zero or a model axis if wanted), or \
-             remove `clip_norm`"
+             use --strategy single or allreduce (with --zero, a model axis or pipeline stages \
+             if wanted), or remove `clip_norm`"
         )));
     }
     Ok(())

@@ -751,6 +751,52 @@ pub(crate) struct Stage<'a> {
 }
 
 impl Stage<'_> {
+    /// The norm of the whole gradient: each stage's square sums of the variables it
+    /// updates (a tied variable's at its owner only; a ZeRO chunk summed over the
+    /// replicas, which otherwise hold the same averaged gradients; a model-axis part
+    /// summed over the model ranks, a whole variable counted once), then summed over
+    /// the stages of the replica.
+    fn global_norm(&mut self, names: &[&str], squares: &[f64], step: usize) -> Result<f64> {
+        let parts = self.hook.model.as_ref().map_or(1, |c| c.size());
+        let (mut whole, mut chunks, mut chunked) = (0.0, [0.0], false);
+        for (n, s) in names.iter().zip(squares) {
+            let base = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX);
+            let v = if base.unwrap_or(n).ends_with(distc_ir::MODEL_SHARD_SUFFIX) {
+                *s
+            } else {
+                s / parts as f64
+            };
+            match base {
+                Some(_) => {
+                    chunks[0] += v;
+                    chunked = true;
+                }
+                None => whole += v,
+            }
+        }
+        if let (true, Some(replicas)) = (chunked, self.hook.replicas.as_mut()) {
+            replicas.set_label(&format!(
+                "stage {}, step {step}: clip_norm's sum over the replicas",
+                self.stage
+            ));
+            replicas.all_reduce_f64(&mut chunks, false)?;
+        }
+        let mut own = [whole + chunks[0]];
+        if let Some(model) = self.hook.model.as_mut() {
+            model.set_label(&format!(
+                "stage {}, step {step}: clip_norm's sum over the model axis",
+                self.stage
+            ));
+            model.all_reduce_f64(&mut own, false)?;
+        }
+        self.comm.set_label(&format!(
+            "stage {}, step {step}: clip_norm's sum over the stages",
+            self.stage
+        ));
+        self.comm.all_reduce_f64(&mut own, false)?;
+        Ok(own[0].max(0.0).sqrt())
+    }
+
     /// Brings every tied variable's copies up to date after the update: its owner sends
     /// the updated value to each holder ([`PipelineProgram::tied`] says in which order).
     fn exchange_tied<B: Backend>(
@@ -1165,6 +1211,22 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             }
         }
         let updating = Instant::now();
+        let mut grads = grads;
+        if let Some(max) = self.config.clip_norm {
+            let squares = bwd
+                .backend()
+                .grad_squares(&grads)
+                .map_err(fail("measuring the gradient's norm"))?;
+            let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
+            let norm = me.global_norm(&names, &squares, step)?;
+            // As torch.nn.utils.clip_grad_norm_ (and the data-parallel loop).
+            let factor = max / (norm + 1e-6);
+            if factor < 1.0 {
+                bwd.backend()
+                    .unscale(&mut grads, factor)
+                    .map_err(fail("clipping the gradients"))?;
+            }
+        }
         bwd.backend()
             .update(&mut self.optimizer, &mut self.params, grads)
             .map_err(fail("applying the update"))?;
