@@ -64,5 +64,5 @@ pub fn optimizer_plan(
             Some((name, ty, sparse_bound(g.value_type(v))))
         })
         .collect();
-    optimizer_kernels(spec, &params, 1.0).expect("optimizer kernels")
+    optimizer_kernels(spec, &[], &params, 1.0).expect("optimizer kernels")
 }

@@ -1703,7 +1703,7 @@ fn every_case_generates_cuda_that_compiles() {
         "one sparse gradient"
     );
     for (label, spec) in optimizer_specs() {
-        let plan = optimizer_kernels(&spec, &vars, 1.0)
+        let plan = optimizer_kernels(&spec, &[], &vars, 1.0)
             .unwrap_or_else(|e| panic!("{label}: no optimizer kernels: {e}"));
         if nvrtc && !plan.source.is_empty() {
             nvrtc::compile_cubin(&plan.source, &format!("optimizer_{label}.cu"), "sm_90")
@@ -1807,6 +1807,7 @@ fn train<B: Backend>(
     backend: B,
     g: &Graph,
     spec: &OptimizerSpec,
+    no_decay: &[String],
     params: &HashMap<String, Tensor>,
     steps: &[HashMap<String, Tensor>],
 ) -> Vec<HashMap<String, Tensor>> {
@@ -1815,7 +1816,7 @@ fn train<B: Backend>(
     let mut vars = upload(ex.backend(), params);
     let mut opt = ex
         .backend()
-        .optimizer(spec, &[], &vars)
+        .optimizer(spec, no_decay, &vars)
         .unwrap_or_else(|e| panic!("{on}: {spec:?}: {e}"));
     let mut after = Vec::new();
     for (i, feeds) in steps.iter().enumerate() {
@@ -1843,7 +1844,7 @@ fn train<B: Backend>(
 }
 
 /// SGD, SGD with momentum and Adam.
-fn optimizer_specs() -> [(&'static str, OptimizerSpec); 3] {
+fn optimizer_specs() -> [(&'static str, OptimizerSpec); 4] {
     [
         (
             "sgd",
@@ -1869,6 +1870,17 @@ fn optimizer_specs() -> [(&'static str, OptimizerSpec); 3] {
                 weight_decay: 0.0,
             },
         ),
+        // Decoupled decay on `w`; `emb` exempt (see `optimizer_updates`).
+        (
+            "adamw",
+            OptimizerSpec::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+        ),
     ]
 }
 
@@ -1876,7 +1888,12 @@ fn optimizer_specs() -> [(&'static str, OptimizerSpec); 3] {
 fn optimizer_updates() {
     let (g, params, steps) = optimizer_graph();
     for (name, spec) in &optimizer_specs() {
-        let want = train(Cpu, &g, spec, &params, &steps);
+        let no_decay = if *name == "adamw" {
+            vec!["emb".to_string()]
+        } else {
+            Vec::new()
+        };
+        let want = train(Cpu, &g, spec, &no_decay, &params, &steps);
         // On the CPU: every touched value moved; the rows no step touches did not.
         let (w0, e0) = (params["w"].to_f64_vec(), params["emb"].to_f64_vec());
         let last = &want[1];
@@ -1890,7 +1907,7 @@ fn optimizer_updates() {
             assert_eq!(moved, row < 7, "{name}: emb row {row} moved: {moved}");
         }
         if let Some(gpu) = gpu(&format!("optimizer {name}"), &g) {
-            let got = train(gpu, &g, spec, &params, &steps);
+            let got = train(gpu, &g, spec, &no_decay, &params, &steps);
             for (s, (a, b)) in got.iter().zip(&want).enumerate() {
                 for var in ["w", "emb"] {
                     assert_close(

@@ -1554,8 +1554,7 @@ impl OptimizerState for CudaBackend {
         params: &HashMap<String, DeviceTensor>,
     ) -> Result<CudaOptimizer, KernelError> {
         self.no_capture("creating the optimizer")?;
-        // Exemptions only matter with a decay, which the GPU's rules refuse by name.
-        let _ = no_decay;
+
         self.bind()?;
         // Each trained variable's type and, for a sparse gradient, its row bound.
         let mut vars: Vec<(String, TensorType, Option<usize>)> = Vec::new();
@@ -1582,7 +1581,7 @@ impl OptimizerState for CudaBackend {
             source,
             slot_names,
             vars: updates,
-        } = codegen::optimizer_kernels(spec, &vars, 1.0).map_err(CudaError::from)?;
+        } = codegen::optimizer_kernels(spec, no_decay, &vars, 1.0).map_err(CudaError::from)?;
         let funcs = if updates.iter().any(|u| !u.launches.is_empty()) {
             let mut names = Vec::new();
             for u in &updates {

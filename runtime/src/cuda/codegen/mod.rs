@@ -1110,7 +1110,7 @@ mod tests {
             ("w".to_string(), TensorType::f32(vec![4, 3]), None),
         ];
         for spec in &specs {
-            let plan = optimizer_kernels(spec, &vars, 0.5).expect("an optimizer plan");
+            let plan = optimizer_kernels(spec, &[], &vars, 0.5).expect("an optimizer plan");
             let sigs = kernel_signatures(&plan.source).expect("parses");
             for v in &plan.vars {
                 assert!(

@@ -57,10 +57,13 @@ struct Adam {
     /// The decays as C double literals, for the bias correction.
     b1d: String,
     b2d: String,
+    /// AdamW's `1 - lr * wd`, where the variable decays.
+    keep: Option<String>,
 }
 
-/// The rule's kernel text, or why the GPU has none.
-fn rule(spec: &OptimizerSpec) -> Result<Rule, String> {
+/// The rule's kernel text, or why the GPU has none; `decays`: the variable takes the
+/// weight decay (it is not exempt).
+fn rule(spec: &OptimizerSpec, decays: bool) -> Result<Rule, String> {
     Ok(match *spec {
         OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => {
             return Err(format!(
@@ -73,18 +76,15 @@ fn rule(spec: &OptimizerSpec) -> Result<Rule, String> {
             lr: flit(lr),
             mu: flit(momentum),
         },
-        OptimizerSpec::Adam { weight_decay, .. } if weight_decay > 0.0 => {
-            return Err(format!(
-                "adamw (decoupled weight decay {weight_decay}) runs on the CPU backend for now"
-            ))
-        }
         OptimizerSpec::Adam {
             lr,
             beta1,
             beta2,
             eps,
-            ..
+            weight_decay,
         } => Rule::Adam(Adam {
+            // The learning rate is constant on the GPU (it refuses schedules).
+            keep: (decays && weight_decay > 0.0).then(|| flit(1.0 - lr * weight_decay)),
             lr: flit(lr),
             b1: flit(beta1),
             b2: flit(beta2),
@@ -127,7 +127,11 @@ impl Rule {
                 "float v = {mu} * s0[{at}] + {g} * sc; s0[{at}] = v; w[{at}] = w[{at}] - {lr} * v;"
             ),
             Rule::Adam(a) => format!(
-                "float gs = {g} * sc; float m = {b1} * s0[{at}] + {c1} * gs; float v = {b2} * s1[{at}] + {c2} * gs * gs; s0[{at}] = m; s1[{at}] = v; w[{at}] = w[{at}] - {lr} * (m / bc1) / (sqrtf(v / bc2) + {eps});",
+                "float gs = {g} * sc; float m = {b1} * s0[{at}] + {c1} * gs; float v = {b2} * s1[{at}] + {c2} * gs * gs; s0[{at}] = m; s1[{at}] = v; {decay}w[{at}] = w[{at}] - {lr} * (m / bc1) / (sqrtf(v / bc2) + {eps});",
+                decay = a
+                    .keep
+                    .as_ref()
+                    .map_or(String::new(), |k| format!("w[{at}] = w[{at}] * {k}; ")),
                 b1 = a.b1,
                 b2 = a.b2,
                 c1 = a.c1,
@@ -173,13 +177,25 @@ impl Rule {
 /// `nnz` rows (its type's bound; the launch reads the true count on the device).
 pub fn optimizer_kernels(
     spec: &OptimizerSpec,
+    no_decay: &[String],
     params: &[(String, TensorType, Option<usize>)],
     grad_scale: f64,
 ) -> Result<OptimizerPlan, CodegenError> {
-    let rule = rule(spec).map_err(|reason| CodegenError::Optimizer {
-        var: params.first().map_or_else(String::new, |p| p.0.clone()),
-        reason,
-    })?;
+    let rule_of = |decays: bool| {
+        rule(spec, decays).map_err(|reason| CodegenError::Optimizer {
+            var: params.first().map_or_else(String::new, |p| p.0.clone()),
+            reason,
+        })
+    };
+    let (rule, exempt_rule) = (rule_of(true)?, rule_of(false)?);
+    // A variable's exemption holds for its tensor-parallel part and ZeRO chunk too.
+    let exempt = |name: &str| {
+        let mut base = name;
+        for suffix in [distc_ir::ZERO_SHARD_SUFFIX, distc_ir::MODEL_SHARD_SUFFIX] {
+            base = base.strip_suffix(suffix).unwrap_or(base);
+        }
+        no_decay.iter().any(|n| n == base)
+    };
     let mut ks = KernelSet::default();
     let mut vars = Vec::with_capacity(params.len());
     for (name, ty, bound) in params {
@@ -196,9 +212,10 @@ pub fn optimizer_kernels(
             outs: Vec::new(),
             out: NodeLaunch::default(),
         };
+        let rule = if exempt(name) { &exempt_rule } else { &rule };
         match bound {
-            None => dense(&mut cx, &rule, ty, grad_scale).map_err(err)?,
-            Some(nnz) => sparse(&mut cx, &rule, ty, *nnz, grad_scale).map_err(err)?,
+            None => dense(&mut cx, rule, ty, grad_scale).map_err(err)?,
+            Some(nnz) => sparse(&mut cx, rule, ty, *nnz, grad_scale).map_err(err)?,
         }
         vars.push(VarUpdate {
             name: name.clone(),
