@@ -169,7 +169,9 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
                 return Err(err("needs at least one worker on the model axis".into()));
             }
             if matches!(op, Op::ModelGather { .. }) {
-                dims[*dim] *= parts;
+                dims[*dim] = dims[*dim].checked_mul(*parts).ok_or_else(|| {
+                    err(format!("{parts} parts of dimension {dim} of {t} overflow"))
+                })?;
             } else if dims[*dim] % parts != 0 {
                 return Err(err(format!(
                     "dimension {dim} of {t} does not split into {parts} equal parts"
@@ -794,5 +796,20 @@ mod tests {
             padding: 1,
         };
         assert!(infer(&op, &[&x, &w]).is_ok());
+    }
+
+    /// Found by the plan fuzzer once examples/gpt.dsl joined its corpus: a
+    /// `model_gather` of 2^63-1 parts overflowed the gathered dimension.
+    #[test]
+    fn a_huge_model_gather_is_refused() {
+        let x = ValueType::Tensor(TensorType::f32(vec![4, 2]));
+        let op = Op::ModelGather {
+            dim: 1,
+            parts: i64::MAX as usize,
+        };
+        let e = infer(&op, &[&x]).expect_err("refused");
+        assert!(e.to_string().contains("overflow"), "{e}");
+        let op = Op::ModelGather { dim: 1, parts: 2 };
+        assert!(infer(&op, &[&x]).is_ok());
     }
 }
