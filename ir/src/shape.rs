@@ -802,7 +802,7 @@ mod tests {
     /// `model_gather` of 2^63-1 parts overflowed the gathered dimension.
     #[test]
     fn a_huge_model_gather_is_refused() {
-        let x = ValueType::Tensor(TensorType::f32(vec![4, 2]));
+        let x = ValueType::Tensor(TensorType::f32(vec![2, 4]));
         let op = Op::ModelGather {
             dim: 1,
             parts: i64::MAX as usize,
