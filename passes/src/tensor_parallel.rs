@@ -235,6 +235,11 @@ impl Rewriter<'_> {
         self.new.tensor_type(v).shape.rank()
     }
 
+    /// Every input whole on every worker (an op that reads them so).
+    fn all_whole(&mut self, ins: &[(ValueId, Sharding)]) -> Result<Vec<ValueId>, PassError> {
+        ins.iter().map(|v| self.whole(*v)).collect()
+    }
+
     /// `v` whole on every worker.
     fn whole(&mut self, (v, s): (ValueId, Sharding)) -> Result<ValueId, PassError> {
         let parts = self.parts;
@@ -336,10 +341,7 @@ impl Rewriter<'_> {
                         )
                     }
                     _ => {
-                        let all = ins
-                            .iter()
-                            .map(|v| self.whole(*v))
-                            .collect::<Result<_, _>>()?;
+                        let all = self.all_whole(&ins)?;
                         (node.op.clone(), all, Sharding::Whole)
                     }
                 }
@@ -417,10 +419,7 @@ impl Rewriter<'_> {
                         )
                     }
                     _ => {
-                        let all = ins
-                            .iter()
-                            .map(|v| self.whole(*v))
-                            .collect::<Result<_, _>>()?;
+                        let all = self.all_whole(&ins)?;
                         (node.op.clone(), all, Sharding::Whole)
                     }
                 }
@@ -443,10 +442,7 @@ impl Rewriter<'_> {
             }
             // Everything else, sinks included, reads whole values.
             op => {
-                let all = ins
-                    .iter()
-                    .map(|v| self.whole(*v))
-                    .collect::<Result<_, _>>()?;
+                let all = self.all_whole(&ins)?;
                 (op.clone(), all, Sharding::Whole)
             }
         };
@@ -578,10 +574,7 @@ impl Rewriter<'_> {
             ));
         };
         if split.iter().any(|x| *x != d) {
-            let all = ins
-                .iter()
-                .map(|v| self.whole(*v))
-                .collect::<Result<_, _>>()?;
+            let all = self.all_whole(&ins)?;
             return Ok((op.clone(), all, Sharding::Whole));
         }
         let mut inputs = Vec::new();

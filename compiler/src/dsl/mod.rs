@@ -101,8 +101,9 @@
 //!   Negative axes count from the end.
 //! - Element-wise functions, whose operands may be tensors (broadcast by numpy rules)
 //!   or numbers: `gelu(x, approximate = "none")` (or `"tanh"`), `silu(x)`, `sqrt(x)`,
-//!   `rsqrt(x)`, `pow(x, p)`, `less(a, b)`, `less_equal`, `greater`, `greater_equal`,
-//!   `equal`, `not_equal` (1 where true, 0 elsewhere, no gradient),
+//!   `rsqrt(x)`, `pow(x, p)`, `less(a, b)`, `less_equal(a, b)`, `greater(a, b)`,
+//!   `greater_equal(a, b)`, `equal(a, b)`, `not_equal(a, b)` (1 where true, 0 elsewhere,
+//!   no gradient),
 //!   `where(cond, a, b)` (`a` where `cond` is not 0; the other side never reaches the
 //!   result, so `where(mask, scores, -1e9)` is exact), `maximum(a, b)`, `minimum(a, b)`.
 //!   The seed of the n-th `dropout` (from 0, in source order) is `seed * 1000 + n`.
