@@ -574,7 +574,7 @@ impl Rewriter<'_> {
             ));
         };
         if split.iter().any(|x| *x != d) {
-            let all = self.all_whole(&ins)?;
+            let all = self.all_whole(ins)?;
             return Ok((op.clone(), all, Sharding::Whole));
         }
         let mut inputs = Vec::new();
