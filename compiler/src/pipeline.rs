@@ -311,7 +311,7 @@ pub fn compile(
                     .check_consistency(&opts.strategy, cx.dist.as_ref())
                     .map_err(|e| CompileError::Settings(format!("internal error: {e}")))?;
                 check_layer_wise(&config, &opts.strategy, &programs)?;
-                check_clip_norm(&config, &opts.strategy, &programs)?;
+                check_clip_norm(&config, &programs)?;
             }
             if let (Some(dir), None) = (&opts.dump_ir, &opts.stop_after) {
                 write(&dir.join(CUDA_DUMP), &cuda_source(&programs.worker))?;
@@ -402,23 +402,25 @@ fn check_layer_wise(
 /// `clip_norm` scales the gradient by the norm of the whole gradient, which the workers
 /// assemble from their parts; a server's rows and a pipeline stage's variables are not
 /// in reach of that sum yet.
-fn check_clip_norm(
-    config: &RunConfig,
-    s: &StrategyConfig,
-    programs: &ProgramSet,
-) -> Result<(), CompileError> {
+fn check_clip_norm(config: &RunConfig, programs: &ProgramSet) -> Result<(), CompileError> {
     if config.clip_norm.is_none() {
         return Ok(());
     }
-    let _ = s;
-    let why = (!programs.servers.is_empty())
-        .then_some("parameter servers apply the update to their rows, out of the workers' reach");
-    if let Some(why) = why {
-        return Err(CompileError::Settings(format!(
-            "`clip_norm` needs the norm of the whole gradient before any update, and {why}: \
+    // A variable a server updates: its gradient is pushed (servers with nothing
+    // placed on them change nothing).
+    let w = &programs.worker;
+    let pushed = w
+        .node_ids()
+        .into_iter()
+        .any(|id| matches!(w.op(id), Op::Push { .. } | Op::SparsePush { .. }));
+    if pushed {
+        return Err(CompileError::Settings(
+            "`clip_norm` needs the norm of the whole gradient before any update, and \
+             parameter servers apply the update to their rows, out of the workers' reach: \
              use --strategy single or allreduce (with --zero, a model axis or pipeline stages \
              if wanted), or remove `clip_norm`"
-        )));
+                .into(),
+        ));
     }
     Ok(())
 }
