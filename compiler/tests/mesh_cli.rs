@@ -30,7 +30,11 @@ fn explain_shows_the_mesh_the_split_variables_and_the_collectives() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     // b1 splits with w1's columns (Megatron's column-parallel bias).
-    assert!(text(&o).contains("split over 2: b1:0 w1:1 w2:0"), "{}", text(&o));
+    assert!(
+        text(&o).contains("split over 2: b1:0 w1:1 w2:0"),
+        "{}",
+        text(&o)
+    );
     let o = distc(&["explain", arg(&plan)]);
     assert!(o.status.success(), "{}", text(&o));
     let t = text(&o);
