@@ -6,7 +6,7 @@ use distc_ir::{parse, print, verify, Graph, Op};
 use distc_passes::autodiff::Autodiff;
 use distc_passes::kernel_fusion::KernelFusion;
 use distc_passes::simplify::Simplify;
-use distc_passes::{Pass, PassCx, PassError, PassStats};
+use distc_passes::{Pass, PassCx, PassStats};
 
 const LAYER: &str = r#"graph layer {
   %0 = input{name="x"} : f32[4,8]
@@ -130,8 +130,11 @@ fn fused_groups_merge_with_earlier_fused_nodes() {
     );
 }
 
+/// Issue 37: a fused node is differentiable (the DSL's element-wise functions are fused
+/// nodes from the start): each input's gradient is an expression of its own, summed
+/// down to the input's shape. (Before, autodiff refused a fused node.)
 #[test]
-fn autodiff_refuses_a_fused_node() {
+fn autodiff_differentiates_a_fused_node_into_fused_nodes() {
     let text = r#"graph d {
   %0 = input{name="x"} : f32[4,8]
   %1 = param{name="b", init=zeros} : f32[8]
@@ -141,18 +144,17 @@ fn autodiff_refuses_a_fused_node() {
 }
 "#;
     let mut g = parse(text).expect("parses");
-    let e = Autodiff
+    Autodiff
         .run(&mut g, &mut PassCx::default())
-        .expect_err("a fused node has no gradient rule");
-    let PassError::Precondition(msg) = &e else {
-        panic!("{e:?}")
-    };
+        .expect("a fused node has a gradient");
+    let ir = distc_ir::print(&g);
+    // d/db: dy * step(x + b), then summed over the broadcast rows.
     assert!(
-        msg.contains(r#"fused{expr="relu(add(in0, in1))"}"#)
-            && msg.contains("no gradient rule")
-            && msg.contains("kernel fusion runs after autodiff"),
-        "{msg}"
+        ir.contains(r#"fused{expr="mul(in0, step(add(in1, in2)))"}"#),
+        "{ir}"
     );
+    assert!(ir.contains("sum_to{shape=[8]}"), "{ir}");
+    assert_eq!(g.param_grads().len(), 1, "{ir}");
 }
 
 #[test]
