@@ -215,10 +215,14 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         if let Some(w) = metrics.as_mut() {
             let line = serde_json::to_string(m)
                 .map_err(|e| distc_runtime::RuntimeError::Config(e.to_string()))?;
-            writeln!(w, "{line}").map_err(|source| distc_runtime::RuntimeError::Io {
-                path: args.metrics.clone().unwrap_or_default(),
-                source,
-            })?;
+            // A line per step reaches the disk at once: `tail -f` follows the run, and a
+            // rank stopped by mpirun (which cannot flush) leaves every step it reported.
+            writeln!(w, "{line}")
+                .and_then(|()| w.flush())
+                .map_err(|source| distc_runtime::RuntimeError::Io {
+                    path: args.metrics.clone().unwrap_or_default(),
+                    source,
+                })?;
         }
         if let Some(b) = &bar {
             b.set_position(m.step as u64);
@@ -339,6 +343,9 @@ fn stop_at_once_on_interrupt(note: impl Fn() -> Option<String> + Send + 'static)
         distc_runtime::core::output::remove_temp_files_in_flight();
         if let Some(note) = note() {
             err(&format!("\nerror: {note}\n"));
+            // mpirun forwards a rank's output only while it reads the rank's pipe; a
+            // moment before exiting lets it read the note before the rank is gone.
+            std::thread::sleep(std::time::Duration::from_millis(200));
         }
         std::process::exit(130);
     });
