@@ -224,6 +224,7 @@ pub fn compile(
         Default::default()
     };
     shards.extend(opts.strategy.shard.clone());
+    check_batch_statistics(&opts.strategy, &program.graph)?;
     let mut programs = ProgramSet::new(program.graph);
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
@@ -421,6 +422,43 @@ fn check_clip_norm(config: &RunConfig, programs: &ProgramSet) -> Result<(), Comp
              if wanted), or remove `clip_norm`"
                 .into(),
         ));
+    }
+    Ok(())
+}
+
+/// Batch norm's batch statistics (`replica_reduce`) and running ones (`assign`) are kept
+/// as one device keeps them by data-parallel workers; the layouts that would keep them
+/// otherwise are refused by name.
+fn check_batch_statistics(s: &StrategyConfig, g: &Graph) -> Result<(), CompileError> {
+    let (mut synced, mut running) = (false, None);
+    for id in g.node_ids() {
+        match g.op(id) {
+            Op::ReplicaReduce { .. } => synced = true,
+            Op::Assign { param } => running = running.or(Some(param.clone())),
+            _ => {}
+        }
+    }
+    let Some(var) = running.or_else(|| synced.then(|| "a synchronised statistic".into())) else {
+        return Ok(());
+    };
+    let refuse = |why: &str| {
+        Err(CompileError::Settings(format!(
+            "batch_norm (`{var}`): {why}; train it with data parallelism (--strategy \
+             allreduce, --zero 1-3), or normalise with layer_norm or rms_norm"
+        )))
+    };
+    if s.pipeline > 1 {
+        return refuse("pipeline stages do not keep running statistics yet");
+    }
+    if s.model > 1 {
+        return refuse("a mesh with a model axis does not keep running statistics yet");
+    }
+    if synced && s.accumulate > 1 {
+        return refuse(
+            "with --accumulate each micro-batch has its own batch statistics, which \
+             differ from the step's batch that one device normalises with (sync = false \
+             accepts per-micro-batch statistics)",
+        );
     }
     Ok(())
 }

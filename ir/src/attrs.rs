@@ -88,6 +88,7 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
         | Op::Mul
         | Op::Div
         | Op::Neg
+        | Op::TrainOrEval
         | Op::Relu
         | Op::Sigmoid
         | Op::Tanh
@@ -180,6 +181,7 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
             ("padding", A::Int(*padding as i64)),
             ("filter", list(filter.dims())),
         ],
+        Op::ReplicaReduce { reduce } => vec![("reduce", A::Str(reduce_name(*reduce).into()))],
         Op::AllReduce {
             reduce,
             ranks_per_node,
@@ -252,6 +254,7 @@ pub fn attrs_of(op: &Op) -> Vec<(&'static str, AttrValue)> {
         ],
         Op::ParamGrad { param } => vec![("param", A::Str(param.clone()))],
         Op::Output { name } => vec![("name", A::Str(name.clone()))],
+        Op::Assign { param } => vec![("param", A::Str(param.clone()))],
     }
 }
 
@@ -450,6 +453,8 @@ pub const MNEMONICS: &[&str] = &[
     "conv2d",
     "max_pool2d",
     "fused",
+    "replica_reduce",
+    "train_or_eval",
     "sum_to",
     "broadcast_to",
     "relu_grad",
@@ -488,6 +493,7 @@ pub const MNEMONICS: &[&str] = &[
     "loss",
     "param_grad",
     "output",
+    "assign",
 ];
 
 /// Builds an op from its mnemonic, attributes and (for sources) its result type.
@@ -767,6 +773,13 @@ pub fn op_from_parts(
         "output" => Op::Output {
             name: a.string("name")?,
         },
+        "assign" => Op::Assign {
+            param: a.string("param")?,
+        },
+        "replica_reduce" => Op::ReplicaReduce {
+            reduce: a.reduce("reduce")?,
+        },
+        "train_or_eval" => Op::TrainOrEval,
         other => {
             return Err(format!(
                 "unknown op `{other}`; known ops: {}",

@@ -229,6 +229,20 @@ pub enum Op {
         expr: FusedExpr,
     },
 
+    /// The sum or mean of a value over the data-parallel replicas: the identity on one
+    /// device; the distribute pass makes it an `all_reduce` among the workers (a sum of
+    /// a constant, the constant times the workers). Batch statistics synchronised across
+    /// workers (`batch_norm(.., sync = true)`) pass through it, and so do their
+    /// gradients: either reduction over replicas is its own adjoint.
+    ReplicaReduce {
+        /// Sum or mean.
+        reduce: ReduceOp,
+    },
+    /// `(in_training, in_evaluation)`: the first input in a training step, the second
+    /// in evaluation; the schedule computes only the one its mode reads (batch norm's
+    /// batch statistics against its running ones).
+    TrainOrEval,
+
     // ---- backward ops (introduced by autodiff) ----
     /// Sums `x` down to `shape` over broadcast dimensions (gradient of broadcasting).
     SumTo {
@@ -546,6 +560,12 @@ pub enum Op {
         /// Name of the result.
         name: String,
     },
+    /// The new value of the frozen variable `param`, written over it after each
+    /// training step (batch norm's running statistics); not run in evaluation.
+    Assign {
+        /// Name of the variable.
+        param: String,
+    },
 }
 
 impl Op {
@@ -634,6 +654,9 @@ impl Op {
             Op::Loss => "loss",
             Op::ParamGrad { .. } => "param_grad",
             Op::Output { .. } => "output",
+            Op::Assign { .. } => "assign",
+            Op::ReplicaReduce { .. } => "replica_reduce",
+            Op::TrainOrEval => "train_or_eval",
         }
     }
 
@@ -644,6 +667,7 @@ impl Op {
             Op::Loss
                 | Op::ParamGrad { .. }
                 | Op::Output { .. }
+                | Op::Assign { .. }
                 | Op::Push { .. }
                 | Op::SparsePush { .. }
                 | Op::Serve { .. }
@@ -776,7 +800,9 @@ impl Op {
             | Op::RowMask
             | Op::Loss
             | Op::ParamGrad { .. }
-            | Op::Output { .. } => Some(1),
+            | Op::Output { .. }
+            | Op::Assign { .. }
+            | Op::ReplicaReduce { .. } => Some(1),
             Op::MatMul { .. }
             | Op::Sparsify
             | Op::Add
@@ -797,7 +823,8 @@ impl Op {
             | Op::ModelEmbeddingGrad { .. }
             | Op::Conv2dGradInput { .. }
             | Op::Conv2dGradFilter { .. }
-            | Op::MaxPool2dGrad { .. } => Some(2),
+            | Op::MaxPool2dGrad { .. }
+            | Op::TrainOrEval => Some(2),
             Op::LayerNorm { .. }
             | Op::Attention { .. }
             | Op::SoftmaxCrossEntropyGrad

@@ -356,7 +356,18 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
                 None => Err(err(format!("shapes {a} and {b} do not broadcast"))),
             }
         }
-        Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log => one(float(0)?.clone()),
+        Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log | Op::ReplicaReduce { .. } => {
+            one(float(0)?.clone())
+        }
+        Op::TrainOrEval => {
+            let (a, b) = (float(0)?, float(1)?);
+            if a != b {
+                return Err(err(format!(
+                    "its training value is {a}, its evaluation value {b}: they must be one type"
+                )));
+            }
+            one(a.clone())
+        }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let t = float(0)?;
             axis_ok(t, *axis)?;
@@ -704,6 +715,10 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
             Ok(vec![])
         }
         Op::ParamGrad { .. } | Op::Output { .. } => Ok(vec![]),
+        Op::Assign { .. } => {
+            float(0)?;
+            Ok(vec![])
+        }
     }
 }
 

@@ -311,6 +311,11 @@ fn vjp(
             vec![da, db]
         }
         Op::Neg => vec![Some(un(g, Op::Neg, dy)?)],
+        // Each replica's value is the sum (mean) of all of theirs, so each gets the sum
+        // (mean) of their gradients: the map is its own adjoint.
+        op @ Op::ReplicaReduce { .. } => vec![Some(un(g, op.clone(), dy)?)],
+        // Training reads the first input; the second is evaluation's.
+        Op::TrainOrEval => vec![Some(dy), None],
         // Every model-axis worker computes the loss whole, so a replicated value's
         // gradient is the same on each: what enters split computations gets its
         // gradient summed over them, and a sum hands the gradient back unchanged;
@@ -572,6 +577,7 @@ fn vjp(
         Op::Loss
         | Op::ParamGrad { .. }
         | Op::Output { .. }
+        | Op::Assign { .. }
         | Op::Push { .. }
         | Op::SparsePush { .. }
         | Op::Serve { .. }

@@ -297,6 +297,9 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         | Op::Recv { .. }
         | Op::Loss
         | Op::ParamGrad { .. }
-        | Op::Output { .. } => 0.0,
+        | Op::Output { .. }
+        | Op::Assign { .. }
+        | Op::ReplicaReduce { .. }
+        | Op::TrainOrEval => 0.0,
     }
 }

@@ -103,6 +103,32 @@ impl Pass for Distribute {
             .take()
             .unwrap_or_else(|| Graph::new(format!("{}.init", g.name)));
         let (mut collectives, mut ps_ops) = (0, 0);
+        // Statistics synchronised across workers (and their gradients) are reduced
+        // over the workers; one worker is all of them. A count summed is known now.
+        if workers > 1 {
+            for id in g.node_ids() {
+                let Op::ReplicaReduce { reduce } = *g.op(id) else {
+                    continue;
+                };
+                let x = g.node(id).inputs[0];
+                if let (ReduceOp::Sum, Op::Constant { value, ty }) = (reduce, g.op(x.node)) {
+                    let total = Op::Constant {
+                        value: value * workers as f64,
+                        ty: ty.clone(),
+                    };
+                    let c = g.add(total, vec![])?;
+                    g.replace_all_uses(id.into(), c.into());
+                    g.remove(id);
+                    continue;
+                }
+                let op = Op::AllReduce {
+                    reduce,
+                    ranks_per_node: 0,
+                };
+                g.replace_op(id, op)?;
+                collectives += 1;
+            }
+        }
         let index = Index::new(g);
         for v in &plan.vars {
             let missing =

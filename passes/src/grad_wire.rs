@@ -29,6 +29,18 @@ impl Pass for GradWire {
             if !matches!(g.op(id), Op::AllReduce { .. }) {
                 continue;
             }
+            // Gradients on their way to the optimizer travel in 16 bits; the batch
+            // statistics a synchronised batch norm all-reduces (and their gradients,
+            // read again by the backward pass) keep f32.
+            let to_update = g.user_nodes(id).iter().all(|&u| {
+                matches!(
+                    g.op(u),
+                    Op::ParamGrad { .. } | Op::Unpack { .. } | Op::Sparsify | Op::TakeChunk { .. }
+                )
+            });
+            if !to_update {
+                continue;
+            }
             let x = g.node(id).inputs[0];
             match g.value_type(x) {
                 ValueType::Tensor(t) if t.dtype == DType::F32 => {}

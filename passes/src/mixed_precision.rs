@@ -61,7 +61,11 @@ pub fn class(op: &Op, result_rank: Option<usize>) -> Class {
         | Op::ModelReduceScatter { .. }
         | Op::Loss
         | Op::Output { .. }
-        | Op::ParamGrad { .. } => Class::Full,
+        | Op::ParamGrad { .. }
+        // Batch statistics and the running ones they update stay f32.
+        | Op::ReplicaReduce { .. }
+        | Op::TrainOrEval
+        | Op::Assign { .. } => Class::Full,
         // A sum or mean to a scalar (a loss, a metric) adds many terms: f32.
         Op::Sum { .. } | Op::Mean { .. } if result_rank == Some(0) => Class::Full,
         _ => Class::Follow,

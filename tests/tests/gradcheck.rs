@@ -524,3 +524,26 @@ fn cast_passes_the_gradient_back_in_the_inputs_type() {
         check_with(b, y, 0.5, tol);
     }
 }
+
+#[test]
+fn replica_reduce_and_train_or_eval() {
+    // On one device the reductions over replicas are the identity, and training reads
+    // train_or_eval's first input: batch norm's statistics flow through both.
+    for reduce in [distc_ir::ReduceOp::Mean, distc_ir::ReduceOp::Sum] {
+        let mut b = Builder::new(&format!("replica_reduce_{reduce:?}"));
+        let x = b.param("x", &[3, 4], -1.0, 1.0);
+        let running = b.param("running", &[1, 4], -1.0, 1.0);
+        let m = b.op(
+            Op::Mean {
+                axes: vec![0],
+                keep_dims: true,
+            },
+            vec![x],
+        );
+        let m = b.op(Op::ReplicaReduce { reduce }, vec![m]);
+        let m = b.op(Op::TrainOrEval, vec![m, running]);
+        let y = b.op(Op::Sub, vec![x, m]);
+        let y = b.op(Op::Mul, vec![y, y]);
+        check(b, y);
+    }
+}

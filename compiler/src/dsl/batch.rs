@@ -127,7 +127,12 @@ pub fn assumptions(g: &Graph, axes: &BatchAxes) -> Vec<String> {
         let over_batch = reduced_axes(&n.op, rank)
             .iter()
             .any(|a| in_axes.contains(a));
-        if !over_batch {
+        // A statistic averaged over the replicas (`batch_norm(.., sync = true)`) is the
+        // global batch's, as on one device.
+        let users = g.user_nodes(id);
+        let synchronised =
+            !users.is_empty() && users.iter().all(|&u| matches!(g.op(u), Op::ReplicaReduce { .. }));
+        if !over_batch || synchronised {
             continue;
         }
         let op = n.op.mnemonic();

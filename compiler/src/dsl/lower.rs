@@ -7,7 +7,8 @@ use super::ast::{Arg, BinOp, Dim, Expr, ExprKind, Ident, InitExpr, Model, Span, 
 use super::error::{backticked, close_names, did_you_mean, line_of, Diag};
 use super::pointwise;
 use distc_ir::{
-    BinaryFn, DType, FusedExpr, Graph, GraphError, Init, Op, Shape, TensorType, UnaryFn, ValueId,
+    BinaryFn, DType, FusedExpr, Graph, GraphError, Init, Op, ReduceOp, Shape, TensorType, UnaryFn,
+    ValueId,
 };
 use distc_runtime::DataSpec;
 use std::collections::{BTreeMap, HashMap};
@@ -374,6 +375,23 @@ const OPS: &[DslOp] = &[
         lower: Lowering::Variadic {
             operands: Takes::Float,
             lower: |cx, def, _, args, span| cx.rms_norm(def, args, span),
+        },
+    },
+    DslOp {
+        name: "batch_norm",
+        params: &[
+            float("x"),
+            float("gamma"),
+            float("beta"),
+            optional("momentum"),
+            optional("eps"),
+            optional("sync"),
+        ],
+        usage: "batch_norm(x, gamma, beta, momentum = 0.1, eps = 1e-5, sync = true)",
+        loss: false,
+        lower: Lowering::Variadic {
+            operands: Takes::Float,
+            lower: |cx, def, _, args, span| cx.batch_norm(def, args, span),
         },
     },
     DslOp {
@@ -1745,6 +1763,194 @@ impl Lowerer<'_> {
         let r = self.add(Op::Fused { expr: scale }, vec![ms], span, &label)?;
         let apply = parse("mul(mul(in0, in1), in2)")?;
         self.add(Op::Fused { expr: apply }, vec![x, r, gamma], span, &label)
+    }
+
+    /// `batch_norm(x, gamma, beta, momentum, eps, sync)` over every axis of `x` but 1
+    /// (channels), as PyTorch's BatchNorm1d/2d: a training step normalises with the
+    /// batch's mean and biased variance and moves the running statistics (frozen
+    /// variables `<gamma>_running_mean`, `<gamma>_running_var`, the variance unbiased)
+    /// by `momentum` towards them; evaluation normalises with the running ones. With
+    /// `sync`, the statistics are the global batch's under data parallelism (the
+    /// moments averaged over replicas, as SyncBatchNorm), so workers train as one
+    /// device.
+    fn batch_norm(&mut self, def: &DslOp, args: &[Arg], span: Span) -> R<ValueId> {
+        let slots = bind(def, "op", span, args)?;
+        let (Some(xa), Some(ga), Some(ba)) = (slots[0], slots[1], slots[2]) else {
+            return Err(Diag::new(span, "batch_norm needs x, gamma and beta", "")
+                .help(format!("usage: {}", def.usage)));
+        };
+        let x = self.tensor(&xa.value, "argument `x` of `batch_norm`")?;
+        self.need_float(x, &xa.value, def.name)?;
+        let gamma = self.tensor(&ga.value, "argument `gamma` of `batch_norm`")?;
+        self.need_float(gamma, &ga.value, def.name)?;
+        let beta = self.tensor(&ba.value, "argument `beta` of `batch_norm`")?;
+        self.need_float(beta, &ba.value, def.name)?;
+        let in_unit = |i: usize, what: &str, default: f64, open_zero: bool| -> R<f64> {
+            let Some(a) = slots[i] else {
+                return Ok(default);
+            };
+            let v = args::float(&a.value, what)?;
+            let ok = if open_zero {
+                v > 0.0 && v.is_finite()
+            } else {
+                (0.0..=1.0).contains(&v)
+            };
+            if !ok {
+                let want = if open_zero { "> 0" } else { "in [0, 1]" };
+                return Err(Diag::new(
+                    a.value.span,
+                    format!("{what} must be {want}, found {v}"),
+                    format!("must be {want}"),
+                ));
+            }
+            Ok(v)
+        };
+        let momentum = in_unit(3, "`momentum`", 0.1, false)?;
+        let eps = in_unit(4, "`eps`", 1e-5, true)?;
+        let sync = opt_bool(slots[5].map(|a| &a.value), "`sync`", true)?;
+        let (xt, gt, bt) = (self.ty(x), self.ty(gamma), self.ty(beta));
+        let label = format!("batch_norm of {xt}, {gt}, {bt}");
+        let dims = xt.dims().to_vec();
+        if dims.len() != 2 && dims.len() != 4 {
+            return Err(Diag::new(
+                xa.value.span,
+                format!("batch_norm normalises [B, C] or [B, C, H, W] (NCHW), got {xt}"),
+                label,
+            ));
+        }
+        let c = dims[1];
+        for (t, a, what) in [(&gt, ga, "gamma"), (&bt, ba, "beta")] {
+            if t.dims() != [c] {
+                return Err(Diag::new(
+                    a.value.span,
+                    format!("shape mismatch in batch_norm: {what} must be [{c}] for {xt}, got {t}"),
+                    label.clone(),
+                ));
+            }
+        }
+        // The running statistics are named after gamma, the variable the layer owns.
+        let owner = match self.graph.op(gamma.node) {
+            Op::Param { name, .. } => name.clone(),
+            _ => {
+                return Err(Diag::new(
+                    ga.value.span,
+                    "batch_norm's gamma must be a variable: its running statistics are \
+                     named after it",
+                    "not a `param`",
+                ))
+            }
+        };
+        let channels = TensorType::new(xt.dtype, Shape(vec![c]));
+        let mut running = Vec::new();
+        for (suffix, init) in [("running_mean", Init::Zeros), ("running_var", Init::Ones)] {
+            let name = format!("{owner}_{suffix}");
+            if self.graph.params().iter().any(|(_, n, _)| *n == name) {
+                return Err(Diag::new(
+                    ga.value.span,
+                    format!("`{name}` is taken: a second batch_norm with gamma `{owner}`?"),
+                    "names the running statistics",
+                )
+                .help("each batch_norm needs its own gamma"));
+            }
+            let op = Op::Param {
+                name,
+                ty: channels.clone(),
+                init,
+                frozen: true,
+            };
+            running.push(self.add(op, vec![], span, "")?);
+        }
+        let axes: Vec<usize> = (0..dims.len()).filter(|&a| a != 1).collect();
+        let stat_shape = Shape(
+            (0..dims.len())
+                .map(|a| if a == 1 { c } else { 1 })
+                .collect(),
+        );
+        let count: usize = axes.iter().map(|&a| dims[a]).product();
+        let parse = |t: &str| t.parse::<FusedExpr>().map_err(|e| Diag::new(span, e, ""));
+        let mean_op = Op::Mean {
+            axes: axes.clone(),
+            keep_dims: true,
+        };
+        let replicas = |cx: &mut Self, v: ValueId, reduce: ReduceOp| -> R<ValueId> {
+            if sync {
+                cx.add(Op::ReplicaReduce { reduce }, vec![v], span, &label)
+            } else {
+                Ok(v)
+            }
+        };
+        let m = self.add(mean_op.clone(), vec![x], span, &label)?;
+        let batch_mean = replicas(self, m, ReduceOp::Mean)?;
+        let sq = parse("mul(sub(in0, in1), sub(in0, in1))")?;
+        let sq = self.add(Op::Fused { expr: sq }, vec![x, batch_mean], span, &label)?;
+        let v = self.add(mean_op, vec![sq], span, &label)?;
+        let batch_var = replicas(self, v, ReduceOp::Mean)?;
+        let as_stat = Op::Reshape {
+            shape: stat_shape.clone(),
+        };
+        let as_channels = Op::Reshape {
+            shape: Shape(vec![c]),
+        };
+        let pick = |cx: &mut Self, batch: ValueId, run: ValueId| -> R<ValueId> {
+            let run = cx.add(as_stat.clone(), vec![run], span, &label)?;
+            cx.add(Op::TrainOrEval, vec![batch, run], span, &label)
+        };
+        let mean = pick(self, batch_mean, running[0])?;
+        let var = pick(self, batch_var, running[1])?;
+        let (g, b) = if dims.len() == 4 {
+            let per_channel = Op::Reshape {
+                shape: Shape(vec![c, 1, 1]),
+            };
+            (
+                self.add(per_channel.clone(), vec![gamma], span, &label)?,
+                self.add(per_channel, vec![beta], span, &label)?,
+            )
+        } else {
+            (gamma, beta)
+        };
+        let apply = parse(&format!(
+            "add(mul(mul(sub(in0, in1), rsqrt(add(in2, {eps:?}))), in3), in4)"
+        ))?;
+        let y = self.add(Op::Fused { expr: apply }, vec![x, mean, var, g, b], span, &label)?;
+        // The running statistics move towards the step's (the variance unbiased by the
+        // count over the global batch: the workers' counts summed).
+        let n = self.add(
+            Op::Constant {
+                value: count as f64,
+                ty: TensorType::new(xt.dtype, Shape::scalar()),
+            },
+            vec![],
+            span,
+            "",
+        )?;
+        let n = replicas(self, n, ReduceOp::Sum)?;
+        let keep = 1.0 - momentum;
+        let mean_c = self.add(as_channels.clone(), vec![batch_mean], span, &label)?;
+        let new_mean = parse(&format!("add(mul(in0, {keep:?}), mul(in1, {momentum:?}))"))?;
+        let new_mean = self.add(
+            Op::Fused { expr: new_mean },
+            vec![running[0], mean_c],
+            span,
+            &label,
+        )?;
+        let var_c = self.add(as_channels, vec![batch_var], span, &label)?;
+        let new_var = parse(&format!(
+            "add(mul(in0, {keep:?}), mul(mul(in1, div(in2, sub(in2, 1.0))), {momentum:?}))"
+        ))?;
+        let new_var = self.add(
+            Op::Fused { expr: new_var },
+            vec![running[1], var_c, n],
+            span,
+            &label,
+        )?;
+        for (v, (suffix, _)) in [new_mean, new_var]
+            .into_iter()
+            .zip([("running_mean", ()), ("running_var", ())])
+        {
+            let param = format!("{owner}_{suffix}");
+            self.add(Op::Assign { param }, vec![v], span, "")?;
+        }
+        Ok(y)
     }
 
     /// `concat([a, b], axis = 1)` or `concat(a, b, axis = 1)`: every operand takes

@@ -231,6 +231,13 @@ pub trait OptimizerState: Device {
         params: &mut HashMap<String, Self::Tensor>,
         grads: Vec<(String, Self::Value)>,
     ) -> Result<(), KernelError>;
+    /// Writes each value over the variable it names, a frozen one no optimizer updates
+    /// (batch norm's running statistics, from the step's `assign` sinks).
+    fn assign(
+        &mut self,
+        params: &mut HashMap<String, Self::Tensor>,
+        assigned: Vec<(String, Self::Value)>,
+    ) -> Result<(), KernelError>;
     /// Makes the optimizer follow a learning-rate schedule over a run of `total`
     /// updates (from the update count it holds, so a resumed run goes on where it
     /// stopped). A constant schedule needs nothing.

@@ -75,6 +75,9 @@ pub struct StepOutputs<V = Value> {
     pub outputs: Vec<(String, Tensor)>,
     /// One value per `send` sink, in graph order: `(stage, tag, value)`.
     pub sent: Vec<(usize, String, V)>,
+    /// One value per `assign` sink, in graph order (empty in evaluation): the new
+    /// value of a frozen variable, written over it with the step's update.
+    pub assigned: Vec<(String, V)>,
 }
 
 /// A slot's content during a run.
@@ -239,6 +242,7 @@ impl<B: Backend> Executor<B> {
             grads: Vec::new(),
             outputs: Vec::new(),
             sent: Vec::new(),
+            assigned: Vec::new(),
         };
         for st in plan {
             let node = &nodes[st.node];
@@ -472,6 +476,11 @@ impl<B: Backend> Executor<B> {
                     tally.gradients += B::value_bytes(&v);
                     tally.free_released(&mut held, &st.uses);
                     out.grads.push((param.clone(), v));
+                }
+                Op::Assign { param } => {
+                    let v = take(backend, &mut slots, first()?).map_err(backend_err)?;
+                    tally.free_released(&mut held, &st.uses);
+                    out.assigned.push((param.clone(), v));
                 }
                 Op::Output { .. } if mode != Mode::Eval && !*train_outputs => {
                     release(&mut slots, &st.uses);

@@ -202,17 +202,17 @@ impl Schedule {
             });
         }
         let all = vec![true; nodes.len()];
-        let needed = needed_for(&nodes, slot_of.len(), |op| {
+        let needed = needed_for(&nodes, slot_of.len(), Mode::Eval, |op| {
             matches!(op, Op::Loss | Op::Output { .. })
         });
         // A pipeline stage's sends carry every micro-batch to the next stage.
-        let micro = needed_for(&nodes, slot_of.len(), |op| {
+        let micro = needed_for(&nodes, slot_of.len(), Mode::Micro, |op| {
             matches!(op, Op::Loss | Op::Accumulate { .. } | Op::Send { .. })
         });
         Ok(Schedule {
-            train: plan(&nodes, &all, slot_of.len()),
-            eval: plan(&nodes, &needed, slot_of.len()),
-            micro: plan(&nodes, &micro, slot_of.len()),
+            train: plan(&nodes, &all, slot_of.len(), Mode::Train),
+            eval: plan(&nodes, &needed, slot_of.len(), Mode::Eval),
+            micro: plan(&nodes, &micro, slot_of.len(), Mode::Micro),
             slots: slot_of.len(),
             nodes,
         })
@@ -351,7 +351,22 @@ impl Schedule {
 }
 
 /// The nodes `root` picks and everything they read.
-fn needed_for(nodes: &[Node], n_slots: usize, root: impl Fn(&Op) -> bool) -> Vec<bool> {
+/// The input slots a node reads in `mode`: all of them, but one of `train_or_eval`'s
+/// two (the other side is not computed for it).
+fn reads(node: &Node, mode: Mode) -> &[usize] {
+    match (&node.op, mode) {
+        (Op::TrainOrEval, Mode::Eval) => &node.inputs[1..2],
+        (Op::TrainOrEval, _) => &node.inputs[..1],
+        _ => &node.inputs,
+    }
+}
+
+fn needed_for(
+    nodes: &[Node],
+    n_slots: usize,
+    mode: Mode,
+    root: impl Fn(&Op) -> bool,
+) -> Vec<bool> {
     let mut producer = vec![0; n_slots];
     for (i, n) in nodes.iter().enumerate() {
         for &(s, _) in &n.outputs {
@@ -370,17 +385,17 @@ fn needed_for(nodes: &[Node], n_slots: usize, root: impl Fn(&Op) -> bool) -> Vec
             continue;
         }
         needed[i] = true;
-        stack.extend(nodes[i].inputs.iter().map(|&s| producer[s]));
+        stack.extend(reads(&nodes[i], mode).iter().map(|&s| producer[s]));
     }
     needed
 }
 
 /// The steps running the `included` nodes in order, with last uses.
-fn plan(nodes: &[Node], included: &[bool], n_slots: usize) -> Vec<Step> {
+fn plan(nodes: &[Node], included: &[bool], n_slots: usize, mode: Mode) -> Vec<Step> {
     let order: Vec<usize> = (0..nodes.len()).filter(|&i| included[i]).collect();
     let mut last = vec![None; n_slots];
     for (k, &i) in order.iter().enumerate() {
-        for &s in &nodes[i].inputs {
+        for &s in reads(&nodes[i], mode) {
             last[s] = Some(k);
         }
     }
@@ -388,7 +403,7 @@ fn plan(nodes: &[Node], included: &[bool], n_slots: usize) -> Vec<Step> {
         .iter()
         .enumerate()
         .map(|(k, &i)| {
-            let ins = &nodes[i].inputs;
+            let ins = reads(&nodes[i], mode);
             let uses = ins
                 .iter()
                 .enumerate()

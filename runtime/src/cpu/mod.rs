@@ -181,6 +181,29 @@ impl OptimizerState for Cpu {
             .map_err(|e| KernelError::Invalid(e.to_string()))
     }
 
+    fn assign(
+        &mut self,
+        params: &mut HashMap<String, Tensor>,
+        assigned: Vec<(String, Value)>,
+    ) -> Result<(), KernelError> {
+        for (name, v) in assigned {
+            let slot = params
+                .get_mut(&name)
+                .ok_or_else(|| KernelError::Invalid(format!("assigns `{name}`, which it does not hold")))?;
+            match v {
+                Value::Tensor(t) if t.tensor_type() == slot.tensor_type() => *slot = t,
+                v => {
+                    return Err(KernelError::Invalid(format!(
+                        "assigns {} to `{name}`, which is {}",
+                        v.value_type(),
+                        slot.tensor_type()
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn grad_squares(&mut self, grads: &[(String, Value)]) -> Result<Vec<f64>, KernelError> {
         grads.iter().map(|(_, g)| square_sum(g)).collect()
     }

@@ -1634,6 +1634,30 @@ impl OptimizerState for CudaBackend {
         })
     }
 
+    /// A device copy into the variable's buffer, so a captured step writes it too.
+    fn assign(
+        &mut self,
+        params: &mut HashMap<String, DeviceTensor>,
+        assigned: Vec<(String, DeviceValue)>,
+    ) -> Result<(), KernelError> {
+        self.bind()?;
+        self.await_all_collectives()?;
+        for (name, v) in assigned {
+            let dst = params
+                .get(&name)
+                .ok_or_else(|| invalid(format!("assigns `{name}`, which it does not hold")))?;
+            if v.ty != ValueType::Tensor(dst.ty.clone()) {
+                return Err(invalid(format!(
+                    "assigns {} to `{name}`, which is {}",
+                    v.ty, dst.ty
+                )));
+            }
+            let bytes = codegen::value_bytes(&v.ty) as usize;
+            self.dev.copy(dst.ptr, v.ptr, bytes)?;
+        }
+        Ok(())
+    }
+
     fn update(
         &mut self,
         opt: &mut CudaOptimizer,

@@ -1190,6 +1190,14 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                             outbox.entry((to, m)).or_default().push((tag, v));
                         }
                     }
+                    if let Some((name, _)) = out.assigned.first() {
+                        // The compiler refuses such plans; a hand-made one stops here.
+                        return Err(RuntimeError::Config(format!(
+                            "{}: assigns `{name}` (running statistics), which pipeline \
+                             stages do not keep",
+                            me.name
+                        )));
+                    }
                     if !out.grads.is_empty() {
                         grads = out.grads;
                     }

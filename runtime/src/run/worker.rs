@@ -1360,6 +1360,12 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     .update(&mut st.optimizer, &mut st.params, grads)
                     .map_err(|e| backend_error(device, "applying the update", e))?;
             }
+            // Running statistics follow the forward pass, even of a skipped update (as
+            // PyTorch's with a gradient scaler).
+            st.exec
+                .backend()
+                .assign(&mut st.params, out.assigned)
+                .map_err(|e| backend_error(device, "writing the running statistics", e))?;
             st.exec
                 .backend()
                 .synchronize()
@@ -1525,10 +1531,13 @@ fn capture_step<B: Backend>(
         .run_with(feeds, &st.params, Mode::Train, step as u64, Some(hook))
         .and_then(|out| {
             let used = st.exec.measured_memory();
-            st.exec
-                .backend()
+            let backend = st.exec.backend();
+            backend
                 .update(&mut st.optimizer, &mut st.params, out.grads)
-                .map_err(|e| backend_error(&device, "applying the update", e))
+                .map_err(|e| backend_error(&device, "applying the update", e))?;
+            backend
+                .assign(&mut st.params, out.assigned)
+                .map_err(|e| backend_error(&device, "writing the running statistics", e))
                 .map(|()| used)
         });
     let ended = st.exec.backend().end_capture();

@@ -54,6 +54,15 @@ pub enum Arg<'a> {
 }
 
 impl Arg<'_> {
+    /// The value, taken when owned, else copied.
+    fn into_value(self) -> Value {
+        match self {
+            Arg::Owned(v) => v,
+            Arg::Borrowed(v) => v.clone(),
+            Arg::BorrowedTensor(t) => Value::Tensor(t.clone()),
+        }
+    }
+
     /// Whether the kernel may take this input's buffer.
     pub fn is_owned(&self) -> bool {
         matches!(self, Arg::Owned(_))
@@ -286,7 +295,12 @@ pub fn eval_op(op: &Op, inputs: &[&Value], ctx: &KernelCtx) -> Result<Vec<Value>
 /// Evaluates `op` on inputs that may be owned: an owned input's buffer may be reused
 /// for the result. Returns one value per output port of the op.
 pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, String> {
-    match op.arity() {
+    // `train_or_eval` is handed only the input its mode reads (see the schedule).
+    let arity = match op {
+        Op::TrainOrEval => Some(1),
+        op => op.arity(),
+    };
+    match arity {
         Some(n) if args.len() != n => return Err(format!("takes {n} inputs, got {}", args.len())),
         None if args.is_empty() => return Err("takes at least one input, got none".into()),
         _ => {}
@@ -317,7 +331,7 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {
             return Err("a source: the executor provides its value, not a kernel".into())
         }
-        Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } => {
+        Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } | Op::Assign { .. } => {
             return Err("a sink: the executor reads its input, not a kernel".into())
         }
         Op::Accumulate { .. } => {
@@ -446,6 +460,12 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         Op::Mean { axes, keep_dims } => {
             let [x] = split(args)?;
             float!(dt, A => reduce::sum::<A>(x, axes, *keep_dims, true))?
+        }
+        // One device is all the replicas; the schedule hands `train_or_eval` only the
+        // input its mode reads.
+        Op::ReplicaReduce { .. } | Op::TrainOrEval => {
+            let [x] = split(args)?;
+            x.into_value()
         }
         Op::Reshape { shape } => {
             let [x] = split(args)?;

@@ -48,6 +48,16 @@ pub(crate) fn reshape(cx: &mut NodeCx<'_>) -> Result<(), String> {
     Ok(())
 }
 
+/// The input, copied to the output's own buffer.
+pub(crate) fn copy(cx: &mut NodeCx<'_>) -> Result<(), String> {
+    let (x, y) = (cx.tin(0)?.clone(), cx.tout(0)?.clone());
+    if x != y {
+        return Err(format!("cannot copy {x} to {y}"));
+    }
+    let n = x.shape.numel();
+    copy2d(cx, KArg::Output(0), KArg::Input(0), 1, n, (n, 0), (n, 0))
+}
+
 /// Output axis `i` is input axis `perm[i]`: one thread per output element, the input
 /// offset from the baked permuted strides.
 pub(crate) fn transpose(cx: &mut NodeCx<'_>, perm: &[usize]) -> Result<(), String> {

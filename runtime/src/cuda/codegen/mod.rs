@@ -794,6 +794,7 @@ pub(crate) fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError
         | Op::Loss
         | Op::ParamGrad { .. }
         | Op::Output { .. }
+        | Op::Assign { .. }
         | Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::Broadcast { .. }
@@ -855,6 +856,10 @@ pub(crate) fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError
         Op::AttentionGrad { causal, scale } => Ok(attention::attention_grad(cx, *causal, *scale)?),
         Op::LayerNormGrad { eps } => Ok(reduce::layer_norm_grad(cx, *eps)?),
         Op::Reshape { .. } => Ok(layout::reshape(cx)?),
+        // One device is all the replicas (several are an all-reduce by then).
+        Op::ReplicaReduce { .. } => Ok(layout::reshape(cx)?),
+        // A copy of the one input the mode reads (the schedule passes no other).
+        Op::TrainOrEval => Ok(layout::copy(cx)?),
         Op::Transpose { perm } => Ok(layout::transpose(cx, perm)?),
         Op::Concat { axis } => Ok(layout::concat(cx, *axis)?),
         Op::Slice { axis, start, end } => Ok(layout::slice(cx, *axis, *start, *end)?),
