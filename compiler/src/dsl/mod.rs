@@ -97,7 +97,11 @@
 //!   `max_pool2d(x, kernel = 2, stride = kernel)`, `rms_norm(x, gamma, eps = 1e-6)`,
 //!   `attention(q, k, v, causal = false, scale = 1 / sqrt(D))` (`q [.., Tq, D]`,
 //!   `k [.., Tk, D]`, `v [.., Tk, Dv]`, the leading axes batch and heads; causal: query
-//!   `i` attends keys `j <= i`).
+//!   `i` attends keys `j <= i`),
+//!   `batch_norm(x, gamma, beta, momentum = 0.1, eps = 1e-5, sync = true)` (`x [B, C]`
+//!   or `[B, C, H, W]`; statistics over every axis but 1; running statistics as the
+//!   frozen variables `<gamma>_running_mean` and `<gamma>_running_var`, which
+//!   evaluation uses; `sync`: the global batch's statistics under data parallelism).
 //!   Negative axes count from the end.
 //! - Element-wise functions, whose operands may be tensors (broadcast by numpy rules)
 //!   or numbers: `gelu(x, approximate = "none")` (or `"tanh"`), `silu(x)`, `sqrt(x)`,
