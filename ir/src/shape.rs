@@ -356,9 +356,13 @@ pub fn infer(op: &Op, inputs: &[&ValueType]) -> Result<Vec<ValueType>, ShapeErro
                 None => Err(err(format!("shapes {a} and {b} do not broadcast"))),
             }
         }
-        Op::Neg | Op::Relu | Op::Sigmoid | Op::Tanh | Op::Exp | Op::Log | Op::ReplicaReduce { .. } => {
-            one(float(0)?.clone())
-        }
+        Op::Neg
+        | Op::Relu
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Exp
+        | Op::Log
+        | Op::ReplicaReduce { .. } => one(float(0)?.clone()),
         Op::TrainOrEval => {
             let (a, b) = (float(0)?, float(1)?);
             if a != b {

@@ -5,8 +5,8 @@
 //! the running statistics, not the batch's. The layouts that do not keep running
 //! statistics yet are refused by name.
 
-use distc::verify::{verify, VerifyOptions, VerifyReport};
 use distc::dsl::compile_source;
+use distc::verify::{verify, VerifyOptions, VerifyReport};
 use distc::CompileOptions;
 use distc_ir::Op;
 use distc_passes::placement::{Strategy, StrategyConfig};
@@ -95,11 +95,24 @@ fn synchronised_statistics_train_what_one_device_trains_running_statistics_inclu
     for (what, s) in layouts {
         let r = verify_text(&model(true), s);
         let names: Vec<&str> = r.vars.iter().map(|v| v.name.as_str()).collect();
-        for running in ["g1_running_mean", "g1_running_var", "g2_running_mean", "g2_running_var"] {
-            assert!(names.contains(&running), "{what}: {running} not compared: {names:?}");
+        for running in [
+            "g1_running_mean",
+            "g1_running_var",
+            "g2_running_mean",
+            "g2_running_var",
+        ] {
+            assert!(
+                names.contains(&running),
+                "{what}: {running} not compared: {names:?}"
+            );
         }
         let w = r.worst().expect("variables");
-        assert!(r.passed(), "{what}: `{}` differs by {:.2e}", w.name, w.relative);
+        assert!(
+            r.passed(),
+            "{what}: `{}` differs by {:.2e}",
+            w.name,
+            w.relative
+        );
     }
 }
 
@@ -130,7 +143,12 @@ fn the_graph_moves_running_statistics_in_training_and_reads_them_in_evaluation()
         .collect();
     assert_eq!(
         assigned,
-        ["g1_running_mean", "g1_running_var", "g2_running_mean", "g2_running_var"]
+        [
+            "g1_running_mean",
+            "g1_running_var",
+            "g2_running_mean",
+            "g2_running_var"
+        ]
     );
     let frozen = g.frozen_params();
     for name in &assigned {
@@ -161,7 +179,10 @@ fn layouts_that_do_not_keep_running_statistics_are_refused_by_name() {
         micro_batches: 2,
         ..workers(2)
     });
-    assert!(e.contains("batch_norm") && e.contains("pipeline stages"), "{e}");
+    assert!(
+        e.contains("batch_norm") && e.contains("pipeline stages"),
+        "{e}"
+    );
     let e = refused(StrategyConfig {
         model: 2,
         ..workers(2)

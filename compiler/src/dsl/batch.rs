@@ -130,8 +130,10 @@ pub fn assumptions(g: &Graph, axes: &BatchAxes) -> Vec<String> {
         // A statistic averaged over the replicas (`batch_norm(.., sync = true)`) is the
         // global batch's, as on one device.
         let users = g.user_nodes(id);
-        let synchronised =
-            !users.is_empty() && users.iter().all(|&u| matches!(g.op(u), Op::ReplicaReduce { .. }));
+        let synchronised = !users.is_empty()
+            && users
+                .iter()
+                .all(|&u| matches!(g.op(u), Op::ReplicaReduce { .. }));
         if !over_batch || synchronised {
             continue;
         }

@@ -1911,7 +1911,12 @@ impl Lowerer<'_> {
         let apply = parse(&format!(
             "add(mul(mul(sub(in0, in1), rsqrt(add(in2, {eps:?}))), in3), in4)"
         ))?;
-        let y = self.add(Op::Fused { expr: apply }, vec![x, mean, var, g, b], span, &label)?;
+        let y = self.add(
+            Op::Fused { expr: apply },
+            vec![x, mean, var, g, b],
+            span,
+            &label,
+        )?;
         // The running statistics move towards the step's (the variance unbiased by the
         // count over the global batch: the workers' counts summed).
         let n = self.add(

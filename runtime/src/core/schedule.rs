@@ -361,12 +361,7 @@ fn reads(node: &Node, mode: Mode) -> &[usize] {
     }
 }
 
-fn needed_for(
-    nodes: &[Node],
-    n_slots: usize,
-    mode: Mode,
-    root: impl Fn(&Op) -> bool,
-) -> Vec<bool> {
+fn needed_for(nodes: &[Node], n_slots: usize, mode: Mode, root: impl Fn(&Op) -> bool) -> Vec<bool> {
     let mut producer = vec![0; n_slots];
     for (i, n) in nodes.iter().enumerate() {
         for &(s, _) in &n.outputs {

@@ -187,9 +187,9 @@ impl OptimizerState for Cpu {
         assigned: Vec<(String, Value)>,
     ) -> Result<(), KernelError> {
         for (name, v) in assigned {
-            let slot = params
-                .get_mut(&name)
-                .ok_or_else(|| KernelError::Invalid(format!("assigns `{name}`, which it does not hold")))?;
+            let slot = params.get_mut(&name).ok_or_else(|| {
+                KernelError::Invalid(format!("assigns `{name}`, which it does not hold"))
+            })?;
             match v {
                 Value::Tensor(t) if t.tensor_type() == slot.tensor_type() => *slot = t,
                 v => {

@@ -527,6 +527,19 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                 ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)?,
             )))
         }
+        // f64 programs (gradient checks, float64 parity runs) start alike on every rank.
+        (Op::Broadcast { root }, Value::Tensor(Tensor::F64(a))) => {
+            let shape = a.shape().to_vec();
+            let mut bytes: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            comm.broadcast(&mut bytes, *root)?;
+            let v: Vec<f64> = bytes
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            Ok(Value::Tensor(Tensor::F64(
+                ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)?,
+            )))
+        }
         (Op::ReduceScatter { workers, reduce }, Value::Tensor(Tensor::F32(a))) => {
             if *workers != n {
                 return Err(RuntimeError::Config(format!(
