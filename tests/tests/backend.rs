@@ -244,6 +244,14 @@ mod wrapped {
             Cpu.update(opt, params, grads)
         }
 
+        fn assign(
+            &mut self,
+            params: &mut HashMap<String, Tensor>,
+            assigned: Vec<(String, Value)>,
+        ) -> Result<(), KernelError> {
+            Cpu.assign(params, assigned)
+        }
+
         fn optimizer_bytes(opt: &Optimizer) -> u64 {
             Cpu::optimizer_bytes(opt)
         }

@@ -333,6 +333,18 @@ mod taped {
                 .collect::<Result<Vec<_>, KernelError>>()?;
             Taped::apply(opt, &params, grads)
         }
+        fn assign(
+            &mut self,
+            _: &mut HashMap<String, TCell>,
+            assigned: Vec<(String, Cell)>,
+        ) -> Result<(), KernelError> {
+            match assigned.first() {
+                None => Ok(()),
+                Some((name, _)) => Err(KernelError::Invalid(format!(
+                    "the taped backend keeps no running statistics (`{name}`)"
+                ))),
+            }
+        }
         fn optimizer_bytes(opt: &Self::Optimizer) -> u64 {
             opt.lock().unwrap_or_else(|p| p.into_inner()).state_bytes()
         }

@@ -227,7 +227,13 @@ fn covering_group(op: &Op) -> Cover {
         // A source too, but the backend fills it (`Backend::filled`): compared.
         Op::Constant { .. } => Group("constant"),
         Op::Pull { .. } | Op::Shard { .. } => NotAKernel(SOURCE),
-        Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } | Op::Serve { .. } => NotAKernel(SINK),
+        Op::Loss
+        | Op::ParamGrad { .. }
+        | Op::Output { .. }
+        | Op::Assign { .. }
+        | Op::Serve { .. } => NotAKernel(SINK),
+        // One device's identity, and a copy of the side the mode reads.
+        Op::ReplicaReduce { .. } | Op::TrainOrEval => Group("layout"),
         Op::AllReduce { .. }
         | Op::AllGather { .. }
         | Op::Broadcast { .. }
@@ -958,6 +964,18 @@ fn layout_cases() -> Vec<Case> {
     let mut c = Case::new("layout", "concat one input");
     let x = c.x(&[2, 3]);
     c.test(Op::Concat { axis: 1 }, vec![x]);
+    cases.push(c);
+    // Batch norm's statistics on one device: the mean over replicas (an alias), then
+    // the training side of train_or_eval (a copy).
+    let mut c = Case::new("layout", "replica_reduce then train_or_eval");
+    let (x, running) = (c.x(&[1, 4, 1, 1]), c.x(&[1, 4, 1, 1]));
+    let m = c.test(
+        Op::ReplicaReduce {
+            reduce: distc_ir::ReduceOp::Mean,
+        },
+        vec![x],
+    );
+    c.test(Op::TrainOrEval, vec![m[0], running]);
     cases.push(c);
     for (axis, start, end) in [(0, 1, 3), (1, 0, 2), (2, 3, 5), (2, 0, 5)] {
         let mut c = Case::new("layout", format!("slice axis {axis} {start}..{end}"));

@@ -1652,7 +1652,7 @@ impl OptimizerState for CudaBackend {
                     v.ty, dst.ty
                 )));
             }
-            let bytes = codegen::value_bytes(&v.ty) as usize;
+            let bytes = codegen::value_bytes(&v.ty);
             self.dev.copy(dst.ptr, v.ptr, bytes)?;
         }
         Ok(())
