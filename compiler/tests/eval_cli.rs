@@ -199,3 +199,63 @@ fn declared_metrics_are_reported_and_checked_against_the_loss() {
         text(&o)
     );
 }
+
+/// Issue 37: a batch-normalised model's evaluation reads the running statistics the
+/// training moved, not the evaluation batch's own: `eval` of the saved weights is the
+/// run's last evaluation, and the same weights with other running statistics evaluate
+/// differently.
+#[test]
+fn eval_of_a_batch_normalised_model_reads_its_running_statistics() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("bn.dsl");
+    std::fs::write(
+        &m,
+        MODEL
+            .replace("model lin", "model bn")
+            .replace(
+                "param b: f32[3] = zeros\n",
+                "param b: f32[3] = zeros\n  param g: f32[5] = ones\n  param beta: f32[5] = zeros\n",
+            )
+            .replace("x @ w", "batch_norm(x, g, beta) @ w"),
+    )
+    .expect("writes");
+    let (w, metrics) = (dir.path().join("w.safetensors"), dir.path().join("m.jsonl"));
+    let o = distc(&[
+        "train",
+        s(&m),
+        "-q",
+        "--save",
+        s(&w),
+        "--metrics",
+        s(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let trained = last_eval(&metrics);
+    let eval = |weights: &std::path::Path| -> serde_json::Value {
+        let e = dir.path().join("e.jsonl");
+        let o = distc(&["eval", s(&m), "--init", s(weights), "--metrics", s(&e)]);
+        assert!(o.status.success(), "{}", text(&o));
+        serde_json::from_str(std::fs::read_to_string(&e).expect("written").trim()).expect("json")
+    };
+    let got = eval(&w);
+    assert_eq!(got["eval_loss"], trained["eval_loss"], "{got} vs {trained}");
+    let (mut weights, meta) = checkpoint::load(&w).expect("reads the weights");
+    let var = weights
+        .get_mut("g_running_var")
+        .expect("running variance saved");
+    let moved = var.to_f64_vec();
+    assert!(
+        moved.iter().any(|&v| v != 1.0),
+        "the running variance never moved: {moved:?}"
+    );
+    *var = distc_runtime::core::value::Tensor::filled(&var.tensor_type(), 100.0);
+    let other = dir.path().join("other.safetensors");
+    let list: Vec<(String, &distc_runtime::core::value::Tensor)> =
+        weights.iter().map(|(k, t)| (k.clone(), t)).collect();
+    checkpoint::save(&other, &list, meta).expect("writes the weights");
+    let changed = eval(&other);
+    assert_ne!(
+        changed["eval_loss"], got["eval_loss"],
+        "evaluation ignored the running variance"
+    );
+}

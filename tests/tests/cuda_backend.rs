@@ -481,3 +481,107 @@ fn preloaded_batches_held_on_the_gpu_train_what_host_fed_batches_train() {
         }
     }
 }
+
+/// Issue 38, item 2: a learning-rate schedule on the GPU (AdamW with decoupled decay
+/// and SGD with momentum, behind a warm-up and cosine decay) and a gradient-norm clip:
+/// the rate each update reads from device memory is the CPU's, step by step, with
+/// CUDA graphs as eagerly, and the weights follow the CPU's.
+#[test]
+fn learning_rate_schedules_and_clipping_on_the_gpu_follow_the_cpus() {
+    let dirs = distc_runtime::cuda::LibDirs::from_env();
+    if !emulator_requested() {
+        if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
+            println!("skipping: {e}");
+            return;
+        }
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    for optimizer in [
+        "adamw(lr = 0.01, weight_decay = 0.1)\n  decay_min_rank = 2",
+        "sgd(lr = 0.1, momentum = 0.9)",
+        // Clipped to a norm the gradients exceed: measured on the host, scaled on the
+        // device (such steps are not captured).
+        "adamw(lr = 0.01, weight_decay = 0.1)\n  clip_norm = 0.05",
+    ] {
+        let file = dir.path().join("scheduled.dsl");
+        std::fs::write(
+            &file,
+            format!(
+                "model small {{\n  input x: f32[B, 24]\n  input label: i32[B]\n  \
+                 param w1: f32[24, 16] = glorot\n  param b1: f32[16] = zeros\n  \
+                 param w2: f32[16, 5] = glorot\n  param b2: f32[5] = zeros\n  \
+                 logits = relu(x @ w1 + b1) @ w2 + b2\n  \
+                 minimize softmax_cross_entropy(logits, label)\n}}\n\n\
+                 train {{\n  data = gaussian_classes(features = 24, classes = 5)\n  batch = 8\n  \
+                 optimizer = {optimizer}\n  lr_schedule = cosine(warmup = 3, final = 0.1)\n  \
+                 steps = 8\n  seed = 5\n  eval_samples = 16\n}}\n"
+            ),
+        )
+        .expect("writes the model");
+        let c = compile_file(&file, &CompileOptions::default()).expect("compiles");
+        let programs = Programs::single(&c.programs.worker);
+        let topts = TrainOptions {
+            steps: Some(8),
+            ..Default::default()
+        };
+        let run = |cuda: Option<CudaOptions>| {
+            let (mut losses, mut rates) = (Vec::new(), Vec::new());
+            let mut on_step = |m: &distc_runtime::run::metrics::StepMetrics| {
+                losses.push(m.loss);
+                rates.push(m.lr);
+                Ok(())
+            };
+            let report = match cuda {
+                None => train(programs, &c.config, &topts, &mut on_step),
+                Some(o) => train_with(programs, &c.config, &topts, &mut on_step, |_, _| {
+                    Ok(CudaBackend::new(0, &c.programs.worker, o)?)
+                }),
+            }
+            .unwrap_or_else(|e| panic!("{optimizer}, {cuda:?}: {e}"));
+            (losses, rates, report.params)
+        };
+        let (cpu_losses, cpu_rates, cpu_params) = run(None);
+        let distinct: std::collections::BTreeSet<u64> = cpu_rates
+            .iter()
+            .filter_map(|r| r.map(f64::to_bits))
+            .collect();
+        assert!(
+            distinct.len() >= 6,
+            "{optimizer}: the schedule moved nothing: {cpu_rates:?}"
+        );
+        let mut eager = None;
+        for graphs in [false, true] {
+            let cuda = CudaOptions {
+                tf32: false,
+                graphs,
+                ..Default::default()
+            };
+            let (losses, rates, params) = run(Some(cuda));
+            assert_eq!(rates, cpu_rates, "{optimizer}, graphs {graphs}: the rates");
+            for (s, (a, b)) in losses.iter().zip(&cpu_losses).enumerate() {
+                assert!(
+                    close(*a, *b, 1e-4),
+                    "{optimizer}, graphs {graphs}: step {}: loss {a} on CUDA, {b} on the CPU",
+                    s + 1
+                );
+            }
+            for (var, w) in &cpu_params {
+                let got = params[var].to_f64_vec();
+                let want = w.to_f64_vec();
+                let d = largest_difference(&got, &want);
+                let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                assert!(
+                    d <= 1e-4 * scale.max(1e-3),
+                    "{optimizer}, graphs {graphs}: `{var}` differs by {d:.2e} (scale {scale:.2e})"
+                );
+            }
+            match &eager {
+                None => eager = Some((losses, params)),
+                Some((l, p)) => {
+                    assert_eq!(&losses, l, "{optimizer}: graphs against eager steps");
+                    assert_eq!(&params, p, "{optimizer}: graphs against eager steps");
+                }
+            }
+        }
+    }
+}

@@ -279,8 +279,9 @@ pub trait OptimizerState: Device {
     /// Bytes of optimizer state.
     fn optimizer_bytes(opt: &Self::Optimizer) -> u64;
     /// The learning rate the next update uses (after warm-up, decay and scaling), where
-    /// the backend's optimizer keeps it.
-    fn learning_rate(_opt: &Self::Optimizer) -> Option<f64> {
+    /// the backend's optimizer keeps it; `ahead` updates were issued already and are
+    /// not that one (a CUDA graph's replay issued behind the previous step's).
+    fn learning_rate(_opt: &Self::Optimizer, _ahead: u64) -> Option<f64> {
         None
     }
     /// Whether the optimizer may spread one update over threads (the CPU's, when

@@ -239,7 +239,7 @@ impl OptimizerState for Cpu {
         opt.state_bytes()
     }
 
-    fn learning_rate(opt: &Optimizer) -> Option<f64> {
+    fn learning_rate(opt: &Optimizer, _ahead: u64) -> Option<f64> {
         Some(opt.lr())
     }
 
@@ -302,7 +302,7 @@ pub fn warm_allocator() {
 
 /// The sum of squares of a gradient's elements, in f64; a row-sparse gradient's
 /// repeated rows summed first, so it is the dense gradient's.
-fn square_sum(g: &Value) -> Result<f64, KernelError> {
+pub(crate) fn square_sum(g: &Value) -> Result<f64, KernelError> {
     let dense = |t: &Tensor| -> Result<Vec<f64>, KernelError> {
         match t {
             Tensor::F32(_) | Tensor::F64(_) => Ok(t.to_f64_vec()),

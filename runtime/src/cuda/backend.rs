@@ -93,16 +93,22 @@ use crate::core::backend::{
     OptimizerState, Started, Transfer, ValueRef,
 };
 use crate::core::checkpoint::STEP_KEY;
-use crate::core::config::OptimizerSpec;
+use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::schedule::{Mode, Schedule};
 use crate::core::value::{Slices, Tensor, Value};
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use ndarray::{ArrayD, IxDyn};
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Alignment of every buffer in the arena (cudaMalloc's own alignment).
 const ALIGN: usize = 256;
+
+/// The step counters' bytes in device memory: the nodes' step, the optimizer's, and
+/// the learning rate of its next update with AdamW's decay factor (`codegen::Rate`).
+const STEPS_BYTES: usize = 24;
 /// The environment variable that runs the CUDA backend on the GPU emulator
 /// ([`super::emu`]) instead of a GPU: `1` (anything but empty or `0`).
 pub const EMULATOR_ENV: &str = "DISTC_CUDA_EMULATOR";
@@ -159,6 +165,9 @@ pub struct DeviceTensor {
 /// compiled update kernels.
 pub struct CudaOptimizer {
     funcs: HashMap<String, Kernel>,
+    /// The learning rate and schedule, and the updates done (the backend's count).
+    rate: codegen::Rate,
+    done: Arc<AtomicU64>,
     vars: HashMap<String, VarState>,
     scratch_base: u64,
     slot_bytes: u64,
@@ -293,9 +302,11 @@ pub struct CudaBackend {
     loss_ptr: u64,
     /// The step node kernels should see, and the optimizer's completed steps.
     kernel_step: u64,
-    opt_steps: u64,
+    opt_steps: Arc<AtomicU64>,
+    /// The optimizer's learning rate (and schedule), written beside its step.
+    rate: Option<codegen::Rate>,
     /// What the device's counters hold (after the copies issued).
-    dev_steps: Option<(u64, u64)>,
+    dev_steps: Option<(u64, u64, [u8; 8])>,
     /// The captured step's loss on the device (copied out after each replay).
     graph_loss_at: Option<u64>,
     /// Replays issued and not yet accounted for, oldest first.
@@ -491,7 +502,7 @@ impl CudaBackend {
             names.extend([dense.clone(), slices.clone()]);
         }
         let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
-        let steps_ptr = dev.alloc(16, true)?;
+        let steps_ptr = dev.alloc(STEPS_BYTES, true)?;
         let loss_ptr = dev.alloc(4, true)?;
         let unscale = match unscale {
             Some((dense, slices)) => Some(Unscale {
@@ -501,7 +512,7 @@ impl CudaBackend {
             }),
             None => None,
         };
-        let steps_host = dev.host_buffer(16)?;
+        let steps_host = dev.host_buffer(STEPS_BYTES)?;
         let loss_slots = [dev.host_buffer(4)?, dev.host_buffer(4)?];
         dev.synchronize()?;
         let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN) as u64;
@@ -528,8 +539,9 @@ impl CudaBackend {
             steps_ptr,
             loss_ptr,
             kernel_step: 0,
-            opt_steps: 0,
-            dev_steps: Some((0, 0)),
+            opt_steps: Arc::new(AtomicU64::new(0)),
+            rate: None,
+            dev_steps: Some((0, 0, [0; 8])),
             graph_loss_at: None,
             pending: VecDeque::new(),
             held: Vec::new(),
@@ -663,9 +675,19 @@ impl CudaBackend {
         }
     }
 
-    /// Copies the step counters to the device if they changed (outside a capture).
+    /// The optimizer's completed updates.
+    fn opt_done(&self) -> u64 {
+        self.opt_steps.load(Ordering::Relaxed)
+    }
+
+    /// Copies the step counters and the optimizer's rate for its next update to the
+    /// device if they changed (outside a capture).
     fn write_steps(&mut self) -> Result<(), CudaError> {
-        let want = (self.kernel_step, self.opt_steps);
+        let rate = self
+            .rate
+            .as_ref()
+            .map_or([0u8; 8], |r| r.bytes(self.opt_done()));
+        let want = (self.kernel_step, self.opt_done(), rate);
         if self.dev_steps == Some(want) {
             return Ok(());
         }
@@ -673,7 +695,9 @@ impl CudaBackend {
         let host = self.dev.host_bytes(self.steps_host)?;
         host[..8].copy_from_slice(&want.0.to_ne_bytes());
         host[8..16].copy_from_slice(&want.1.to_ne_bytes());
-        self.dev.upload(self.steps_host, self.steps_ptr, 16)?;
+        host[16..24].copy_from_slice(&rate);
+        self.dev
+            .upload(self.steps_host, self.steps_ptr, STEPS_BYTES)?;
         self.dev_steps = Some(want);
         Ok(())
     }
@@ -1625,8 +1649,12 @@ impl OptimizerState for CudaBackend {
             0
         };
         self.dev.synchronize()?;
+        let rate = codegen::Rate::of(spec);
+        self.rate = Some(rate.clone());
         Ok(CudaOptimizer {
             funcs,
+            rate,
+            done: self.opt_steps.clone(),
             vars: states,
             scratch_base,
             slot_bytes,
@@ -1711,7 +1739,8 @@ impl OptimizerState for CudaBackend {
                 match k {
                     KArg::Param | KArg::Slot(_) => Some((var.ty.bytes(), Access::ReadWrite)),
                     KArg::Grad => Some(g_extent),
-                    KArg::Step => Some((8, Access::Read)),
+                    // The step, then the rate (`codegen::Rate`).
+                    KArg::Step => Some((16, Access::Read)),
                     KArg::Scratch(s) => var
                         .update
                         .scratch_bytes
@@ -1731,7 +1760,7 @@ impl OptimizerState for CudaBackend {
             // Recorded, not run: the replay counts the step.
             self.capture_update = true;
         } else {
-            self.opt_steps += 1;
+            self.opt_steps.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -1743,10 +1772,24 @@ impl OptimizerState for CudaBackend {
         grads: &mut [(String, DeviceValue)],
         factor: f64,
     ) -> Result<bool, KernelError> {
+        if self.unscale.is_none() {
+            // Gradients clipped by a plan without fp16: the same kernels, compiled on
+            // first use.
+            self.no_capture("compiling the gradient-scaling kernels")?;
+            self.bind()?;
+            let (source, dense, slices) = codegen::unscale_unit();
+            let names = [dense.clone(), slices.clone()];
+            let funcs = load_functions(self.dev.as_mut(), &source, "distc_unscale.cu", &names)?;
+            self.funcs.extend(funcs);
+            let flag = self.dev.alloc(4, true)?;
+            self.unscale = Some(Unscale {
+                dense,
+                slices,
+                flag,
+            });
+        }
         let Some(u) = &self.unscale else {
-            return Err(invalid(
-                "this plan does not scale its loss (only an fp16 plan is unscaled)",
-            ));
+            return Err(invalid("no gradient-scaling kernels"));
         };
         let (dense, slices, flag) = (u.dense.clone(), u.slices.clone(), u.flag);
         self.no_capture("unscaling the gradients")?;
@@ -1814,6 +1857,38 @@ impl OptimizerState for CudaBackend {
         Ok(i32::from_ne_bytes(bad) == 0)
     }
 
+    // The rate lives beside the step in device memory: a schedule moves it there before
+    // each update or replay, so captured graphs follow it too.
+    fn follow_schedule(
+        &mut self,
+        opt: &mut CudaOptimizer,
+        schedule: &LrSchedule,
+        total: u64,
+    ) -> Result<(), KernelError> {
+        self.no_capture("following a learning-rate schedule")?;
+        self.bind()?;
+        opt.rate.follow(schedule, total);
+        self.rate = Some(opt.rate.clone());
+        Ok(self.write_steps()?)
+    }
+
+    fn learning_rate(opt: &CudaOptimizer, ahead: u64) -> Option<f64> {
+        let done = opt.done.load(Ordering::Relaxed);
+        Some(opt.rate.lr(done.saturating_sub(ahead)))
+    }
+
+    // Read back and summed on the host in f64, as the CPU sums (a clipped step is never
+    // captured: the host needs the norm before the update).
+    fn grad_squares(&mut self, grads: &[(String, DeviceValue)]) -> Result<Vec<f64>, KernelError> {
+        self.no_capture("measuring the gradient's norm")?;
+        self.bind()?;
+        self.await_all_collectives()?;
+        grads
+            .iter()
+            .map(|(_, g)| crate::cpu::square_sum(&self.read_value(g)?))
+            .collect()
+    }
+
     fn optimizer_bytes(opt: &CudaOptimizer) -> u64 {
         opt.slot_bytes
     }
@@ -1839,7 +1914,7 @@ impl OptimizerState for CudaBackend {
         }
         out.push((
             STEP_KEY.to_string(),
-            Tensor::F64(ndarray::arr0(self.opt_steps as f64).into_dyn()),
+            Tensor::F64(ndarray::arr0(self.opt_done() as f64).into_dyn()),
         ));
         Ok(out)
     }
@@ -1876,7 +1951,7 @@ impl OptimizerState for CudaBackend {
                     "optimizer state: `{STEP_KEY}` is {s}, not a step count"
                 )));
             }
-            self.opt_steps = s as u64;
+            self.opt_steps.store(s as u64, Ordering::Relaxed);
             self.write_steps()?;
         }
         self.dev.synchronize()?;
@@ -1952,7 +2027,7 @@ impl Capture for CudaBackend {
         }
         self.dev.replay()?;
         if self.graph_update {
-            self.opt_steps += 1;
+            self.opt_steps.fetch_add(1, Ordering::Relaxed);
         }
         let loss_slot = match (self.graph_loss, self.graph_loss_at) {
             (true, Some(at)) => {

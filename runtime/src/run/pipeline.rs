@@ -1065,7 +1065,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
     type Report = StageReport;
 
     fn learning_rate(&self) -> f64 {
-        B::learning_rate(&self.optimizer).unwrap_or_else(|| self.config.optimizer.lr())
+        B::learning_rate(&self.optimizer, 0).unwrap_or_else(|| self.config.optimizer.lr())
     }
 
     fn run_step(&mut self, step: usize, _: Due) -> Result<Ran<ScheduleRan>> {

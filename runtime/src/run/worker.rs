@@ -1206,7 +1206,8 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
     fn learning_rate(&self) -> f64 {
         // A backend that does not keep the rate runs no schedule (it refuses one): the
         // rate is the train block's.
-        B::learning_rate(&self.st.optimizer).unwrap_or_else(|| self.config.optimizer.lr())
+        B::learning_rate(&self.st.optimizer, u64::from(self.issued))
+            .unwrap_or_else(|| self.config.optimizer.lr())
     }
 
     fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {

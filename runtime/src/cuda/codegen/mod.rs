@@ -67,7 +67,15 @@ mod reduce;
 mod sparse;
 
 pub use index::{broadcast_map, StridedMap};
-pub use optim::{optimizer_kernels, sparse_bound, OptimizerPlan, VarUpdate};
+/// The gradient-scaling kernels alone, for a plan without fp16 whose gradients are
+/// clipped: the translation unit and the dense and slices kernels' names.
+pub(crate) fn unscale_unit() -> (String, String, String) {
+    let mut ks = KernelSet::default();
+    let (dense, slices) = half::unscale_kernels(&mut ks);
+    (ks.source(), dense, slices)
+}
+
+pub use optim::{optimizer_kernels, sparse_bound, OptimizerPlan, Rate, VarUpdate};
 
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use std::collections::HashMap;

@@ -8,7 +8,10 @@
 //!
 //! Adam's bias correction reads the step from device memory ([`KArg::Step`], the
 //! 0-based index of the step being run, so `t = step + 1`) and computes
-//! `1 - beta^t` in double precision, as the CPU does before rounding to f32.
+//! `1 - beta^t` in double precision, as the CPU does before rounding to f32. Beside
+//! the step lies the update's [`Rate`]: the learning rate and AdamW's `1 - lr * wd`,
+//! as f32, which the backend writes before each update (and replay), so a schedule
+//! moves them without new kernels or a new capture.
 
 use super::sparse::{unique_launches, UniqueSink};
 use super::{flit, row_len, CodegenError, KArg, KernelSet, Launch, NodeCx, NodeLaunch, INDEX};
@@ -40,15 +43,15 @@ pub struct OptimizerPlan {
     pub vars: Vec<VarUpdate>,
 }
 
-/// The rule with its constants as C literals.
+/// The rule with its constants as C literals; the learning rate is read from device
+/// memory (see [`Rate`]).
 enum Rule {
-    Sgd { lr: String },
-    Momentum { lr: String, mu: String },
+    Sgd,
+    Momentum { mu: String },
     Adam(Adam),
 }
 
 struct Adam {
-    lr: String,
     b1: String,
     b2: String,
     c1: String,
@@ -57,8 +60,55 @@ struct Adam {
     /// The decays as C double literals, for the bias correction.
     b1d: String,
     b2d: String,
-    /// AdamW's `1 - lr * wd`, where the variable decays.
-    keep: Option<String>,
+    /// Whether the variable takes AdamW's decay, `w *= 1 - lr * wd`.
+    decays: bool,
+}
+
+/// The learning rate an update reads from device memory, 8 bytes after the optimizer's
+/// step (the two f32s this writes), and AdamW's decay factor: as the CPU computes them,
+/// in f64 then rounded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rate {
+    lr: f64,
+    wd: f64,
+    schedule: Option<(crate::core::config::LrSchedule, u64)>,
+}
+
+impl Rate {
+    /// The rate of `spec` (constant until [`Rate::follow`]).
+    pub fn of(spec: &OptimizerSpec) -> Rate {
+        let wd = match *spec {
+            OptimizerSpec::Adam { weight_decay, .. } => weight_decay,
+            _ => 0.0,
+        };
+        Rate {
+            lr: spec.lr(),
+            wd,
+            schedule: None,
+        }
+    }
+
+    /// Follows `schedule` over a run of `total` updates.
+    pub fn follow(&mut self, schedule: &crate::core::config::LrSchedule, total: u64) {
+        self.schedule = (!schedule.is_constant()).then(|| (schedule.clone(), total));
+    }
+
+    /// The learning rate of the update after `done` updates.
+    pub fn lr(&self, done: u64) -> f64 {
+        match &self.schedule {
+            Some((s, total)) => self.lr * s.factor(done, *total),
+            None => self.lr,
+        }
+    }
+
+    /// The 8 bytes the kernels read: the learning rate and `1 - lr * wd`, as f32.
+    pub fn bytes(&self, done: u64) -> [u8; 8] {
+        let lr = self.lr(done);
+        let mut b = [0u8; 8];
+        b[..4].copy_from_slice(&(lr as f32).to_ne_bytes());
+        b[4..].copy_from_slice(&((1.0 - lr * self.wd) as f32).to_ne_bytes());
+        b
+    }
 }
 
 /// The rule's kernel text, or why the GPU has none; `decays`: the variable takes the
@@ -71,21 +121,16 @@ fn rule(spec: &OptimizerSpec, decays: bool) -> Result<Rule, String> {
                 spec.name()
             ))
         }
-        OptimizerSpec::Sgd { lr, momentum: 0.0 } => Rule::Sgd { lr: flit(lr) },
-        OptimizerSpec::Sgd { lr, momentum } => Rule::Momentum {
-            lr: flit(lr),
-            mu: flit(momentum),
-        },
+        OptimizerSpec::Sgd { momentum: 0.0, .. } => Rule::Sgd,
+        OptimizerSpec::Sgd { momentum, .. } => Rule::Momentum { mu: flit(momentum) },
         OptimizerSpec::Adam {
-            lr,
             beta1,
             beta2,
             eps,
             weight_decay,
+            ..
         } => Rule::Adam(Adam {
-            // The learning rate is constant on the GPU (it refuses schedules).
-            keep: (decays && weight_decay > 0.0).then(|| flit(1.0 - lr * weight_decay)),
-            lr: flit(lr),
+            decays: decays && weight_decay > 0.0,
             b1: flit(beta1),
             b2: flit(beta2),
             // 1-b in f64, then f32, as the CPU does (f32(0.999) is off by 5e-8).
@@ -101,20 +146,22 @@ fn rule(spec: &OptimizerSpec, decays: bool) -> Result<Rule, String> {
 impl Rule {
     fn slot_names(&self) -> &'static [&'static str] {
         match self {
-            Rule::Sgd { .. } => &[],
+            Rule::Sgd => &[],
             Rule::Momentum { .. } => &["momentum"],
             Rule::Adam(_) => &["m", "v"],
         }
     }
 
-    /// C run by every thread before its elements: the bias corrections.
+    /// C run by every thread before its elements: the rate, and Adam's bias
+    /// corrections.
     fn prologue(&self) -> String {
+        let rate = "const float lr_ = ((const float*)(step + 1))[0]; const float keep_ = ((const float*)(step + 1))[1];";
         match self {
             Rule::Adam(a) => format!(
-                "double t_ = (double)(*step + 1ull); float bc1 = (float)(1.0 - pow({}, t_)); float bc2 = (float)(1.0 - pow({}, t_));",
+                "{rate} double t_ = (double)(*step + 1ull); float bc1 = (float)(1.0 - pow({}, t_)); float bc2 = (float)(1.0 - pow({}, t_));",
                 a.b1d, a.b2d
             ),
-            _ => String::new(),
+            _ => rate.into(),
         }
     }
 
@@ -122,21 +169,21 @@ impl Rule {
     /// gradient `g` (a float expression evaluated once).
     fn update(&self, at: &str, g: &str) -> String {
         match self {
-            Rule::Sgd { lr } => format!("w[{at}] = w[{at}] - {lr} * ({g} * sc);"),
-            Rule::Momentum { lr, mu } => format!(
-                "float v = {mu} * s0[{at}] + {g} * sc; s0[{at}] = v; w[{at}] = w[{at}] - {lr} * v;"
+            Rule::Sgd => format!("w[{at}] = w[{at}] - lr_ * ({g} * sc);"),
+            Rule::Momentum { mu } => format!(
+                "float v = {mu} * s0[{at}] + {g} * sc; s0[{at}] = v; w[{at}] = w[{at}] - lr_ * v;"
             ),
             Rule::Adam(a) => format!(
-                "float gs = {g} * sc; float m = {b1} * s0[{at}] + {c1} * gs; float v = {b2} * s1[{at}] + {c2} * gs * gs; s0[{at}] = m; s1[{at}] = v; {decay}w[{at}] = w[{at}] - {lr} * (m / bc1) / (sqrtf(v / bc2) + {eps});",
-                decay = a
-                    .keep
-                    .as_ref()
-                    .map_or(String::new(), |k| format!("w[{at}] = w[{at}] * {k}; ")),
+                "float gs = {g} * sc; float m = {b1} * s0[{at}] + {c1} * gs; float v = {b2} * s1[{at}] + {c2} * gs * gs; s0[{at}] = m; s1[{at}] = v; {decay}w[{at}] = w[{at}] - lr_ * (m / bc1) / (sqrtf(v / bc2) + {eps});",
+                decay = if a.decays {
+                    format!("w[{at}] = w[{at}] * keep_; ")
+                } else {
+                    String::new()
+                },
                 b1 = a.b1,
                 b2 = a.b2,
                 c1 = a.c1,
                 c2 = a.c2,
-                lr = a.lr,
                 eps = a.eps,
             ),
         }
@@ -145,26 +192,26 @@ impl Rule {
     /// Kernel parameters after the variable: the slots and, for Adam, the step.
     fn params(&self) -> &'static str {
         match self {
-            Rule::Sgd { .. } => "",
-            Rule::Momentum { .. } => ", float* s0",
+            Rule::Sgd => ", const u64* step",
+            Rule::Momentum { .. } => ", float* s0, const u64* step",
             Rule::Adam(_) => ", float* s0, float* s1, const u64* step",
         }
     }
 
     fn args(&self) -> Vec<KArg> {
         match self {
-            Rule::Sgd { .. } => vec![],
-            Rule::Momentum { .. } => vec![KArg::Slot(0)],
+            Rule::Sgd => vec![KArg::Step],
+            Rule::Momentum { .. } => vec![KArg::Slot(0), KArg::Step],
             Rule::Adam(_) => vec![KArg::Slot(0), KArg::Slot(1), KArg::Step],
         }
     }
 
     fn base(&self, sparse: bool) -> &'static str {
         match (self, sparse) {
-            (Rule::Sgd { .. }, false) => "sgd",
+            (Rule::Sgd, false) => "sgd",
             (Rule::Momentum { .. }, false) => "momentum",
             (Rule::Adam(_), false) => "adam",
-            (Rule::Sgd { .. }, true) => "sparse_sgd",
+            (Rule::Sgd, true) => "sparse_sgd",
             (Rule::Momentum { .. }, true) => "sparse_momentum",
             (Rule::Adam(_), true) => "sparse_adam",
         }
