@@ -2301,6 +2301,10 @@ train {{
             ("minimum", "minimum(m, v)"),
             ("rms_norm", "rms_norm(m, v, eps = 1e-5)"),
             (
+                "batch_norm",
+                "batch_norm(m, v, v, momentum = 0.2, eps = 1e-3, sync = false)",
+            ),
+            (
                 "attention",
                 "attention(img, img, img, causal = true, scale = 0.5)",
             ),
