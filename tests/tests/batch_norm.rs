@@ -194,3 +194,28 @@ fn layouts_that_do_not_keep_running_statistics_are_refused_by_name() {
     });
     assert!(e.contains("batch_norm") && e.contains("micro-batch"), "{e}");
 }
+
+/// On the GPU (or its emulator, as CI runs it), workers sharing the device match one
+/// device, running statistics included: the values of `assign` sinks are copied over
+/// their variables after the run, so their buffers live to its end (a GPU run of
+/// examples/resnet.dsl found them overwritten by later kernels).
+#[test]
+fn on_the_gpu_running_statistics_match_one_device() {
+    if !distc_runtime::cuda::backend::emulator_requested() {
+        let dirs = distc_runtime::cuda::LibDirs::from_env();
+        if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
+            println!("skipping: {e}");
+            return;
+        }
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("bn.dsl");
+    std::fs::write(&path, model(true)).expect("writes the model");
+    let opts = VerifyOptions {
+        device: Some(0),
+        ..options(workers(2))
+    };
+    let r = verify(&path, &opts).expect("verify runs");
+    let w = r.worst().expect("variables");
+    assert!(r.passed(), "`{}` differs by {:.2e}", w.name, w.relative);
+}

@@ -1010,9 +1010,10 @@ impl Kernels for CudaBackend {
                 e.2 = e.2.max(lt.last);
             }
         }
-        // Gradients are read by the optimizer after the run: live to the end.
+        // Gradients are read by the optimizer after the run, and the values of assign
+        // sinks copied over their variables then: live to the end.
         for id in self.graph.node_ids() {
-            if let Op::ParamGrad { .. } = self.graph.op(id) {
+            if let Op::ParamGrad { .. } | Op::Assign { .. } = self.graph.op(id) {
                 if let Some(src) = input_key(&self.graph, id, 0) {
                     if let Some(Some(r)) = root.get(&src) {
                         if let Some(e) = span.get_mut(r) {
