@@ -221,6 +221,36 @@ pub enum Value {
 }
 
 impl Value {
+    /// The sum of squares of a gradient's elements, in f64 (a gradient-norm clip's
+    /// part); a row-sparse gradient's repeated rows summed first, so it is the dense
+    /// gradient's.
+    pub fn square_sum(&self) -> Result<f64, String> {
+        let dense = |t: &Tensor| -> Result<Vec<f64>, String> {
+            match t {
+                Tensor::F32(_) | Tensor::F64(_) => Ok(t.to_f64_vec()),
+                t => Err(format!(
+                    "a {} gradient: gradients reach the optimizer in f32",
+                    t.dtype()
+                )),
+            }
+        };
+        match self {
+            Value::Tensor(t) => Ok(dense(t)?.iter().map(|x| x * x).sum()),
+            Value::Slices(s) => {
+                let values = dense(&s.values)?;
+                let row = values.len() / s.indices.len().max(1);
+                let mut rows: std::collections::BTreeMap<i32, Vec<f64>> = Default::default();
+                for (k, &i) in s.indices.iter().enumerate() {
+                    let r = rows.entry(i).or_insert_with(|| vec![0.0; row]);
+                    for (a, b) in r.iter_mut().zip(&values[k * row..(k + 1) * row]) {
+                        *a += b;
+                    }
+                }
+                Ok(rows.values().flatten().map(|x| x * x).sum())
+            }
+        }
+    }
+
     /// The dense tensor, if this is one.
     pub fn tensor(&self) -> Option<&Tensor> {
         match self {

@@ -205,7 +205,10 @@ impl OptimizerState for Cpu {
     }
 
     fn grad_squares(&mut self, grads: &[(String, Value)]) -> Result<Vec<f64>, KernelError> {
-        grads.iter().map(|(_, g)| square_sum(g)).collect()
+        grads
+            .iter()
+            .map(|(_, g)| g.square_sum().map_err(KernelError::Invalid))
+            .collect()
     }
 
     fn unscale(&mut self, grads: &mut [(String, Value)], factor: f64) -> Result<bool, KernelError> {
@@ -297,34 +300,5 @@ pub fn warm_allocator() {
             libc::mallopt(libc::M_MMAP_MAX, 0);
             libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
         });
-    }
-}
-
-/// The sum of squares of a gradient's elements, in f64; a row-sparse gradient's
-/// repeated rows summed first, so it is the dense gradient's.
-pub(crate) fn square_sum(g: &Value) -> Result<f64, KernelError> {
-    let dense = |t: &Tensor| -> Result<Vec<f64>, KernelError> {
-        match t {
-            Tensor::F32(_) | Tensor::F64(_) => Ok(t.to_f64_vec()),
-            t => Err(KernelError::Invalid(format!(
-                "a {} gradient: gradients reach the optimizer in f32",
-                t.dtype()
-            ))),
-        }
-    };
-    match g {
-        Value::Tensor(t) => Ok(dense(t)?.iter().map(|x| x * x).sum()),
-        Value::Slices(s) => {
-            let values = dense(&s.values)?;
-            let row = values.len() / s.indices.len().max(1);
-            let mut rows: std::collections::BTreeMap<i32, Vec<f64>> = Default::default();
-            for (k, &i) in s.indices.iter().enumerate() {
-                let r = rows.entry(i).or_insert_with(|| vec![0.0; row]);
-                for (a, b) in r.iter_mut().zip(&values[k * row..(k + 1) * row]) {
-                    *a += b;
-                }
-            }
-            Ok(rows.values().flatten().map(|x| x * x).sum())
-        }
     }
 }

@@ -1886,7 +1886,7 @@ impl OptimizerState for CudaBackend {
         self.await_all_collectives()?;
         grads
             .iter()
-            .map(|(_, g)| crate::cpu::square_sum(&self.read_value(g)?))
+            .map(|(_, g)| self.read_value(g)?.square_sum().map_err(invalid))
             .collect()
     }
 
