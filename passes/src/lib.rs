@@ -7,6 +7,7 @@ pub mod autodiff;
 pub mod cost;
 pub mod dead_code;
 pub mod distribute;
+pub mod fused_rules;
 pub mod fusion;
 pub mod grad_wire;
 pub mod hierarchy;

@@ -14,7 +14,7 @@
 //! ```
 
 use crate::{Pass, PassCx, PassError, PassStats};
-use distc_ir::{infer, Graph, NodeId, Op, Shape, ValueId, ValueType};
+use distc_ir::{infer, FusedStep, Graph, NodeId, Op, Shape, ValueId, ValueType};
 use egg::{
     define_language, rewrite, Applier, DidMerge, Id, Language, PatternAst, Subst, Symbol, Var,
 };
@@ -398,6 +398,7 @@ impl Default for Simplify {
 impl Pass for Simplify {
     fn run(&self, g: &mut Graph, _cx: &mut PassCx) -> Result<PassStats, PassError> {
         let before = g.node_count();
+        let in_fused = simplify_fused(g)?;
         let order = g.topo_order();
         let Loaded {
             eg,
@@ -454,10 +455,64 @@ impl Pass for Simplify {
         let removed = before.saturating_sub(g.node_count());
         let mut stats = PassStats::default()
             .count("removed", removed)
-            .count("rewrites", applied);
+            .count("rewrites", applied + in_fused);
         stats.note = Some(format!("egg stopped: {stop}"));
         Ok(stats)
     }
+}
+
+/// Simplifies every `fused` node's expression ([`crate::fused_rules`]): the node is
+/// replaced by one reading only the inputs the simpler expression reads, or by its one
+/// input when the expression came down to it unbroadcast. Returns the nodes changed.
+fn simplify_fused(g: &mut Graph) -> Result<usize, PassError> {
+    let mut memo: HashMap<String, Option<distc_ir::FusedExpr>> = HashMap::new();
+    let mut changed = 0;
+    for id in g.node_ids() {
+        let Op::Fused { expr } = g.op(id) else {
+            continue;
+        };
+        let expr = expr.clone();
+        let Some(new) = memo
+            .entry(expr.to_string())
+            .or_insert_with(|| crate::fused_rules::simplify(&expr))
+            .clone()
+        else {
+            continue;
+        };
+        let inputs = g.node(id).inputs.clone();
+        let mut read = new.input_order();
+        read.sort_unstable();
+        if read.is_empty() {
+            // A constant: a fused node reads at least one input.
+            continue;
+        }
+        if let [FusedStep::Input(k)] = new.steps[..] {
+            if g.value_type(inputs[k]) == &g.node(id).outputs[0] {
+                g.replace_all_uses(id.into(), inputs[k]);
+                g.remove(id);
+                changed += 1;
+                continue;
+            }
+        }
+        let renumber: HashMap<usize, usize> =
+            read.iter().enumerate().map(|(n, &k)| (k, n)).collect();
+        let steps = new
+            .steps
+            .iter()
+            .map(|s| match *s {
+                FusedStep::Input(k) => FusedStep::Input(renumber[&k]),
+                ref s => s.clone(),
+            })
+            .collect();
+        let op = Op::Fused {
+            expr: distc_ir::FusedExpr { steps }.canonical(),
+        };
+        let node = g.add(op, read.iter().map(|&k| inputs[k]).collect())?;
+        g.replace_all_uses(id.into(), node.into());
+        g.remove(id);
+        changed += 1;
+    }
+    Ok(changed)
 }
 
 fn node_class<'a>(class: &'a HashMap<ValueId, Id>, g: &Graph, id: NodeId) -> Option<&'a Id> {

@@ -20,9 +20,10 @@ model redundant {
   a      = (x @ w) * 1 + 0                          # x*1, x+0
   t      = transpose(transpose(a))                  # double transpose
   r      = reshape(reshape(t, [B, 3, 2]), [B, 6])   # reshape chain back to the same shape
-  h      = tanh(r) / 1 - 0
+  h      = pow(tanh(r), 1) / 1 - 0                  # pow(x, 1) in a fused node
   same   = tanh(r)                                  # a common subexpression
-  logits = (h + same) @ v + b - -b                  # a - -b
+  sq     = pow(same, 2)                             # pow(x, 2) is x * x
+  logits = (h + same + sq) @ v + b - -b             # a - -b
   minimize softmax_cross_entropy(logits, label)
 }
 train {
