@@ -470,6 +470,31 @@ fn set_ranks<B: Backend>(
     exec.set_model_rank(model_rank);
 }
 
+/// `a` as rank `root` holds it, on every rank: its elements broadcast as little-endian
+/// bytes of `N` each.
+fn broadcast_array<T, const N: usize>(
+    comm: &mut dyn Communicator,
+    a: &ArrayD<T>,
+    root: usize,
+    to_bytes: fn(T) -> [u8; N],
+    from_bytes: fn([u8; N]) -> T,
+) -> Result<ArrayD<T>>
+where
+    T: Copy,
+{
+    let mut bytes: Vec<u8> = a.iter().flat_map(|&x| to_bytes(x)).collect();
+    comm.broadcast(&mut bytes, root)?;
+    let v: Vec<T> = bytes
+        .chunks_exact(N)
+        .map(|c| {
+            let mut b = [0u8; N];
+            b.copy_from_slice(c);
+            from_bytes(b)
+        })
+        .collect();
+    ArrayD::from_shape_vec(IxDyn(a.shape()), v).map_err(shape_err)
+}
+
 /// Runs one collective on a communicator.
 pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
     let n = comm.size();
@@ -515,31 +540,13 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
             comm.all_reduce_f64(buf, *reduce == ReduceOp::Mean)?;
             Ok(Value::Tensor(Tensor::F64(a)))
         }
-        (Op::Broadcast { root }, Value::Tensor(Tensor::F32(a))) => {
-            let shape = a.shape().to_vec();
-            let mut bytes: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
-            comm.broadcast(&mut bytes, *root)?;
-            let v: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            Ok(Value::Tensor(Tensor::F32(
-                ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)?,
-            )))
-        }
+        (Op::Broadcast { root }, Value::Tensor(Tensor::F32(a))) => Ok(Value::Tensor(Tensor::F32(
+            broadcast_array(comm, &a, *root, f32::to_le_bytes, f32::from_le_bytes)?,
+        ))),
         // f64 programs (gradient checks, float64 parity runs) start alike on every rank.
-        (Op::Broadcast { root }, Value::Tensor(Tensor::F64(a))) => {
-            let shape = a.shape().to_vec();
-            let mut bytes: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
-            comm.broadcast(&mut bytes, *root)?;
-            let v: Vec<f64> = bytes
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect();
-            Ok(Value::Tensor(Tensor::F64(
-                ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)?,
-            )))
-        }
+        (Op::Broadcast { root }, Value::Tensor(Tensor::F64(a))) => Ok(Value::Tensor(Tensor::F64(
+            broadcast_array(comm, &a, *root, f64::to_le_bytes, f64::from_le_bytes)?,
+        ))),
         (Op::ReduceScatter { workers, reduce }, Value::Tensor(Tensor::F32(a))) => {
             if *workers != n {
                 return Err(RuntimeError::Config(format!(
