@@ -45,6 +45,21 @@ pub fn nvrtc_or_skip(test: &str) -> bool {
     }
 }
 
+/// Whether a GPU test can run: the emulator was asked for (`DISTC_CUDA_EMULATOR=1`),
+/// or a GPU and the CUDA libraries are found. Otherwise it says why `test` skips.
+pub fn gpu_or_skip(test: &str) -> bool {
+    if distc_runtime::cuda::backend::emulator_requested() {
+        return true;
+    }
+    match distc_runtime::cuda::require_gpu(&distc_runtime::cuda::LibDirs::from_env()) {
+        Ok(_) => true,
+        Err(e) => {
+            println!("skipping {test}: {e}");
+            false
+        }
+    }
+}
+
 /// The optimizer's CUDA kernels for every variable `g` has a gradient of, as the CUDA
 /// backend builds them.
 pub fn optimizer_plan(

@@ -201,12 +201,8 @@ fn layouts_that_do_not_keep_running_statistics_are_refused_by_name() {
 /// examples/resnet.dsl found them overwritten by later kernels).
 #[test]
 fn on_the_gpu_running_statistics_match_one_device() {
-    if !distc_runtime::cuda::backend::emulator_requested() {
-        let dirs = distc_runtime::cuda::LibDirs::from_env();
-        if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
-            println!("skipping: {e}");
-            return;
-        }
+    if !distc_tests::gpu_or_skip("running statistics on the GPU") {
+        return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bn.dsl");

@@ -262,12 +262,7 @@ fn steps_with_cuda_graphs_match_the_cpu_and_eager_steps_bitwise() {
 fn verify_on_the_gpu_passes_for_allreduce_ps_and_hybrid() {
     use distc::verify::{verify, VerifyOptions};
     use distc_passes::placement::{Strategy, StrategyConfig};
-    let dirs = distc_runtime::cuda::LibDirs::from_env();
-    if let (Err(e), false) = (
-        distc_runtime::cuda::require_gpu(&dirs),
-        emulator_requested(),
-    ) {
-        println!("skipping: {e}");
+    if !distc_tests::gpu_or_skip("verify on the GPU") {
         return;
     }
     // On the emulator, sparse_lm under ps only: CI verifies its hybrid plan (with
@@ -420,12 +415,8 @@ fn nccl_with_one_rank_trains_what_the_host_path_trains() {
 /// the losses and the trained weights are bitwise equal.
 #[test]
 fn preloaded_batches_held_on_the_gpu_train_what_host_fed_batches_train() {
-    let dirs = distc_runtime::cuda::LibDirs::from_env();
-    if !emulator_requested() {
-        if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
-            println!("skipping: {e}");
-            return;
-        }
+    if !distc_tests::gpu_or_skip("preloaded batches") {
+        return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
     let file = dir.path().join("small.dsl");
@@ -488,12 +479,8 @@ fn preloaded_batches_held_on_the_gpu_train_what_host_fed_batches_train() {
 /// CUDA graphs as eagerly, and the weights follow the CPU's.
 #[test]
 fn learning_rate_schedules_and_clipping_on_the_gpu_follow_the_cpus() {
-    let dirs = distc_runtime::cuda::LibDirs::from_env();
-    if !emulator_requested() {
-        if let Err(e) = distc_runtime::cuda::require_gpu(&dirs) {
-            println!("skipping: {e}");
-            return;
-        }
+    if !distc_tests::gpu_or_skip("learning-rate schedules") {
+        return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
     for optimizer in [
