@@ -11,7 +11,10 @@
 # DATA_DIR  passed as --data (default $DISTC_DATA; both workloads' data is synthetic)
 # Environment: RUNS (3), WARMUP (10), STEPS (50), PYTHON (python3, with PyTorch and
 # the nvidia-* CUDA 13 wheels), TORCH_COMPILE=1 to add torch.compile(reduce-overhead),
-# RESULTS (a folder for the raw metrics and JSON lines; default a new temp folder).
+# RESULTS (a folder for the raw metrics and JSON lines; default a new temp folder),
+# MODELS (`workloads`, the default; `gpt2` for GPT-2 124M; `workloads gpt2` for both),
+# GPT2_BATCH (8), GPT2_PROFILE=1 to add a `--profile` run of GPT-2, GPT2_TIMEOUT (seconds
+# each GPT-2 command may run; 1800).
 #
 # distc: `distc train examples/W.dsl --device cuda --steps WARMUP+STEPS --preload
 # --metrics F`, with CUDA graphs (the default) and with --no-cuda-graph; a run's
@@ -78,8 +81,73 @@ export DISTC_CUDA_LIB_DIR="$shim:$libdirs"
 export LD_LIBRARY_PATH="$shim:$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 say "$gpu; $("$distc" --version 2>/dev/null || echo '?'); $runs run(s) of $warmup warm-up + $steps timed steps; raw results in $results"
 
-# ---------------------------------------------------------------- distc
+# MODELS picks the sections: `workloads` (W1, W2), `gpt2` (GPT-2 124M), or both.
+models=" ${MODELS:-workloads} "
+want() { [[ "$models" == *" $1 "* ]]; }
 total=$((warmup + steps))
+
+# ---------------------------------------------------------------- GPT-2 124M
+# scripts/gpt-dsl.py at GPT-2 124M size (12 layers, 768 wide, 12 heads, context 1024,
+# vocabulary 50,304), bf16 (f32 masters), AdamW with clipping as gpt.dsl trains, on
+# uniform random token ids (the speed does not depend on which ids they are); beside
+# it bench/pytorch/gpt_gpu_bench.py: the same model and batch in PyTorch eager and
+# under torch.compile, both with SDPA flash attention. tokens/s = samples/s x 1024.
+if want gpt2; then
+  g2="$results/gpt2"
+  mkdir -p "$g2/tok"
+  gb="${GPT2_BATCH:-8}"
+  "$py" - "$g2/tok" <<'PY'
+import sys
+import numpy as np
+r = np.random.default_rng(1)
+r.integers(0, 50304, 4_000_000, dtype=np.uint16).tofile(f"{sys.argv[1]}/train.bin")
+r.integers(0, 50304, 8 * 1025 + 1, dtype=np.uint16).tofile(f"{sys.argv[1]}/valid.bin")
+PY
+  "$py" scripts/gpt-dsl.py --layers 12 --dim 768 --heads 12 --context 1024 --vocab 50304 \
+    --batch "$gb" --steps "$total" --data tok >"$g2/gpt2-124m.dsl"
+  say "distc GPT-2 124M, bf16, batch $gb"
+  timeout "${GPT2_TIMEOUT:-1800}" "$distc" train "$g2/gpt2-124m.dsl" --data "$g2" --device cuda --precision bf16 \
+    --steps "$total" --preload --metrics "$g2/distc.jsonl" >"$g2/distc.log" 2>&1 \
+    || say "  distc FAILED: $(tail -3 "$g2/distc.log" | tr '\n' ' ')"
+  say "PyTorch GPT-2 124M: eager and compiled, SDPA flash attention"
+  timeout "${GPT2_TIMEOUT:-1800}" "$py" bench/pytorch/gpt_gpu_bench.py --batch "$gb" --warmup "$warmup" --steps "$steps" \
+    --runs "$runs" --modes eager compiled >"$g2/torch.jsonl" \
+    || say "  some PyTorch mode failed (see $g2/torch.jsonl)"
+  if [ "${GPT2_PROFILE:-0}" = 1 ]; then
+    say "distc GPT-2 124M --profile (where the step goes)"
+    timeout "${GPT2_TIMEOUT:-1800}" "$distc" train "$g2/gpt2-124m.dsl" --data "$g2" --device cuda --precision bf16 \
+      --steps 24 --profile >"$g2/profile.txt" 2>&1 || say "  profile run FAILED"
+  fi
+  RESULTS_DIR="$g2" WARMUP="$warmup" GPU="$gpu" python3 - <<'PY' | tee "$g2/table.md"
+import json, os, statistics
+d, warmup = os.environ["RESULTS_DIR"], int(os.environ["WARMUP"])
+rows = []
+lines = [json.loads(l) for l in open(f"{d}/distc.jsonl") if l.strip()] if os.path.exists(f"{d}/distc.jsonl") else []
+timed = [m for m in lines if m.get("step", 0) > warmup]
+if timed:
+    med = lambda k: statistics.median(m[k] for m in timed if m.get(k) is not None) if any(m.get(k) is not None for m in timed) else None
+    rows.append(("distc --precision bf16", med("samples_per_sec") * 1024, med("mfu"), lines[0]["loss"], None))
+else:
+    rows.append(("distc --precision bf16", None, None, None, "failed"))
+if os.path.exists(f"{d}/torch.jsonl"):
+    for l in open(f"{d}/torch.jsonl"):
+        if l.strip():
+            t = json.loads(l)
+            rows.append((f"PyTorch {t['mode']}", t.get("tokens_per_sec"), t.get("mfu"), t.get("first_loss"), t.get("error")))
+print(f"GPT-2 124M, {os.environ['GPU']}; tokens/s, median after {warmup} warm-up steps\n")
+print("| run | tokens/s | MFU | first loss | vs PyTorch compiled |")
+print("| --- | ---: | ---: | ---: | ---: |")
+comp = next((r[1] for r in rows if r[0] == "PyTorch compiled" and r[1]), None)
+for name, tps, mfu, loss, err in rows:
+    if err or tps is None:
+        print(f"| {name} | failed: {err} | | | |")
+        continue
+    print(f"| {name} | {tps:,.0f} | {'' if mfu is None else f'{100 * mfu:.1f}%'} | {loss:.4f} | {'' if not comp else f'{tps / comp:.2f}x'} |")
+PY
+fi
+
+# ---------------------------------------------------------------- distc
+if want workloads; then
 for w in sparse_lm dense_mlp; do
   for g in graphs nograph bf16; do
     flags=()
@@ -188,4 +256,5 @@ for w in ("sparse_lm", "dense_mlp"):
     ae, ag = amp.get((w, "eager")), amp.get((w, "graphs"))
     print(f"| {w} | {fmt(f)} | {fmt(b)} | {ratio(b, f)} | {fmt(ae)} | {fmt(ag)} | {ratio(b, ag)} |")
 PY
+fi
 say "raw metrics, logs and torch.jsonl: $results"

@@ -52,6 +52,9 @@ pub struct BenchRow {
     pub bytes_moved_per_step: f64,
     /// The plan's predicted bytes per step per worker.
     pub predicted_bytes_per_step: f64,
+    /// Median over runs of the timed steps' mean model FLOPs utilisation, where the
+    /// metrics carry it (see the metrics' `mfu`).
+    pub mfu: Option<f64>,
 }
 
 /// Settings of a benchmark.
@@ -106,7 +109,7 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
         .with_context(|| format!("cannot create {}", s.dir.display()))?;
     let mut rows = Vec::new();
     crate::console::out(&format!(
-        "{:<10} {:<16} {:>7} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12} {:>7}\n",
+        "{:<10} {:<16} {:>7} {:>7} {:>10} {:>12} {:>12} {:>12} {:>12} {:>7} {:>6}\n",
         "workload",
         "strategy",
         "workers",
@@ -116,7 +119,8 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
         "received B",
         "moved B",
         "predicted B",
-        "error"
+        "error",
+        "MFU"
     ));
     for w in &s.workloads {
         let Some((_, src)) = WORKLOADS.iter().find(|(n, _)| n == w) else {
@@ -144,7 +148,8 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                 } else {
                     "-".into()
                 };
-                crate::console::out(&format!("{:<10} {:<16} {:>7} {:>7} {:>10.0} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>7}\n",
+                let mfu = r.mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m));
+                crate::console::out(&format!("{:<10} {:<16} {:>7} {:>7} {:>10.0} {:>12.0} {:>12.0} {:>12.0} {:>12.0} {:>7} {:>6}\n",
                     r.workload,
                     r.strategy,
                     r.workers,
@@ -154,7 +159,8 @@ pub fn run(s: &BenchSettings) -> Result<Vec<BenchRow>> {
                     r.bytes_received_per_step,
                     r.bytes_moved_per_step,
                     r.predicted_bytes_per_step,
-                    error
+                    error,
+                    mfu
                 ));
             }
         }
@@ -212,6 +218,7 @@ fn one(
     let batch = loaded.config.batch;
     let threads = (cores() / n).max(1);
     let (mut runs, mut sent, mut received, mut moved) = (Vec::new(), 0.0, 0.0, 0.0);
+    let mut mfus = Vec::new();
     for run in 0..s.runs {
         let metrics = s.dir.join(format!("{w}-{strategy}-{n}-{run}.jsonl"));
         let run_args = [
@@ -276,6 +283,9 @@ fn one(
         let mean = |key: &str| {
             timed.iter().filter_map(|l| l[key].as_f64()).sum::<f64>() / timed.len().max(1) as f64
         };
+        if timed.iter().all(|l| l["mfu"].is_f64()) && !timed.is_empty() {
+            mfus.push(mean("mfu"));
+        }
         (sent, received, moved) = (
             mean("bytes_sent"),
             mean("bytes_received"),
@@ -293,6 +303,7 @@ fn one(
         bytes_received_per_step: received,
         bytes_moved_per_step: moved,
         predicted_bytes_per_step: predicted,
+        mfu: (!mfus.is_empty()).then(|| median(mfus)),
     })
 }
 

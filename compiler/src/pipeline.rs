@@ -63,6 +63,10 @@ pub struct Compiled {
     /// The variables split over the model axis as the model's `shard` marks and
     /// `--shard` say (none: the Megatron rule chose).
     pub shards: std::collections::BTreeMap<String, usize>,
+    /// The model's forward and backward FLOPs per sample: the cost model's count of the
+    /// one-device graph right after autodiff over its batch (none when autodiff did not
+    /// run).
+    pub flops_per_sample: Option<f64>,
 }
 
 /// The passes a plan needs to be trained: without them it has no gradients, or its
@@ -264,6 +268,7 @@ pub fn compile(
             not_runnable: not_runnable(opts),
             stage_marks,
             shards,
+            flops_per_sample: None,
         });
     }
     let passes = passes_for(&opts.strategy);
@@ -285,6 +290,7 @@ pub fn compile(
     };
     let mut index = 0;
     let mut dump_err = None;
+    let mut flops_per_sample = None;
     let result = run_pipeline(
         &mut programs,
         &passes,
@@ -292,6 +298,10 @@ pub fn compile(
         opts.stop_after.as_deref(),
         |name, p| {
             index += 1;
+            if name == "autodiff" {
+                flops_per_sample =
+                    Some(distc_passes::cost::graph_flops(&p.worker) / config.batch.max(1) as f64);
+            }
             if let Some(dir) = &opts.dump_ir {
                 if let Err(e) = write_programs(dir, &format!("{index:02}-{name}"), p) {
                     dump_err.get_or_insert(e);
@@ -330,6 +340,7 @@ pub fn compile(
                 // As the tensor_parallel pass chose them (the Megatron rule's, unless
                 // the model or --shard named them).
                 shards: cx.strategy.shard.clone(),
+                flops_per_sample,
             })
         }
         Err(error) => {

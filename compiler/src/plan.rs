@@ -65,6 +65,9 @@ pub struct Plan {
     /// Why the plan cannot be trained (a flag cut the pipeline short), if so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_runnable: Option<String>,
+    /// The model's forward and backward FLOPs per sample, for model FLOPs utilisation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_per_sample: Option<f64>,
     /// SHA-256 of the content above, hex.
     pub hash: String,
 }
@@ -159,6 +162,7 @@ impl Plan {
             init: c.programs.init.as_ref().map(distc_ir::print),
             servers: c.programs.servers.iter().map(distc_ir::print).collect(),
             not_runnable: c.not_runnable.clone(),
+            flops_per_sample: c.flops_per_sample,
             finalize: c.programs.finalize.as_ref().map(distc_ir::print),
             stages: c
                 .programs

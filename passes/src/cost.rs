@@ -163,6 +163,13 @@ pub fn elementwise_cost(g: &Graph, id: NodeId) -> Option<ComputeCost> {
     })
 }
 
+/// Floating-point operations of every node of `g` ([`node_flops`]): of the graph
+/// right after autodiff, the model's forward and backward FLOPs for its batch, what
+/// model FLOPs utilisation counts (no recompute, no optimizer, no communication).
+pub fn graph_flops(g: &Graph) -> f64 {
+    g.node_ids().into_iter().map(|id| node_flops(g, id)).sum()
+}
+
 /// Floating-point operations of one node's kernel, from its types: what the pipeline
 /// pass balances stages by. A product counts a multiply and an add per term (`2mnk`);
 /// an element-wise op its formula's ops per result element (as [`elementwise_cost`]);

@@ -139,6 +139,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         timeout: Duration::from_secs_f64(args.timeout),
         checkpoint,
         resume,
+        flops_per_sample: plan.flops_per_sample,
     })
 }
 
@@ -459,6 +460,15 @@ pub fn layout_words(plan: &Plan) -> String {
     }
 }
 
+/// `12.3 TFLOP/s`, `840 GFLOP/s`: a rate in the unit that keeps it readable.
+fn flops_words(f: f64) -> String {
+    match f {
+        f if f >= 1e12 => format!("{:.1} TFLOP/s", f / 1e12),
+        f if f >= 1e9 => format!("{:.1} GFLOP/s", f / 1e9),
+        f => format!("{:.1} MFLOP/s", f / 1e6),
+    }
+}
+
 /// What every run does once trained: save, trace, summary, profile. `resumed`: the
 /// step of the state `--resume` gave.
 fn finish_run(
@@ -498,6 +508,16 @@ fn finish_run(
             report.final_loss,
             report.samples_per_sec
         );
+        if let Some((mfu, peak, source)) = &report.mfu {
+            line += &format!(
+                ", {} model ({:.1}% MFU of {} peak: {source})",
+                flops_words(report.model_flops_per_sec.unwrap_or(0.0)),
+                100.0 * mfu,
+                flops_words(*peak)
+            );
+        } else if let Some(f) = report.model_flops_per_sec {
+            line += &format!(", {} model", flops_words(f));
+        }
         if let Some(b) = report.pipeline_bubble {
             line += &format!(", pipeline bubble {:.1}% measured", 100.0 * b);
         }

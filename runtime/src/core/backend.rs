@@ -17,7 +17,7 @@ use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::RuntimeError;
 use crate::core::schedule::Schedule;
 use crate::core::value::{ByteCount, Tensor, Value};
-use distc_ir::{NodeId, Op, TensorType, ValueType};
+use distc_ir::{DType, NodeId, Op, TensorType, ValueType};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use thiserror::Error;
@@ -207,6 +207,11 @@ pub trait Transfer: Device {
     /// Bytes of device memory in use and at its peak, where the backend has its own
     /// memory (`None` on the host).
     fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
+    /// The device this backend computes on and its peak rate for `products` (model
+    /// FLOPs utilisation is measured against it); `None` where it is not known.
+    fn peak_flops(&self, _products: DType) -> Option<crate::core::peak::DevicePeak> {
         None
     }
 }

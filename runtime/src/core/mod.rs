@@ -12,6 +12,7 @@
 //! - [`arena`]: the static memory plan a device backend lays its buffers out by.
 //! - [`geom`]: convolution geometry, shared by the CPU kernels and CUDA codegen.
 //! - [`init`]: seeded variable initialisers.
+//! - [`peak`]: devices' peak arithmetic rates, for model FLOPs utilisation.
 //! - [`roles`]: the documented mapping from a rank to its role (worker or server).
 //! - [`checkpoint`] and [`output`]: the training-state format on disk and atomic writes.
 //!
@@ -29,6 +30,7 @@ pub mod exec;
 pub mod geom;
 pub mod init;
 pub mod output;
+pub mod peak;
 pub mod roles;
 pub mod schedule;
 pub mod value;

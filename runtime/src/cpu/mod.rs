@@ -6,6 +6,7 @@
 
 pub mod kernels;
 pub mod optim;
+pub mod peak;
 
 use crate::core::backend::{
     BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
@@ -115,6 +116,10 @@ impl Kernels for Cpu {
 impl Transfer for Cpu {
     fn upload(&mut self, _name: &str, t: Tensor) -> Result<Tensor, KernelError> {
         Ok(t)
+    }
+
+    fn peak_flops(&self, products: distc_ir::DType) -> Option<crate::core::peak::DevicePeak> {
+        Some(peak::peak(products))
     }
 
     fn download(&mut self, t: &Tensor) -> Result<Tensor, KernelError> {

@@ -94,6 +94,7 @@ use crate::core::backend::{
 };
 use crate::core::checkpoint::STEP_KEY;
 use crate::core::config::{LrSchedule, OptimizerSpec};
+use crate::core::peak::{datasheet_peak, DevicePeak, Products};
 use crate::core::schedule::{Mode, Schedule};
 use crate::core::value::{Slices, Tensor, Value};
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
@@ -1566,6 +1567,21 @@ impl Transfer for CudaBackend {
 
     fn device_memory(&self) -> Option<(u64, u64)> {
         Some((self.allocated, self.peak))
+    }
+
+    fn peak_flops(&self, products: DType) -> Option<DevicePeak> {
+        // The emulator is no GPU of the table: it has no peak to measure against.
+        let products = Products::of(products, self.opts.tf32);
+        let (flops_per_sec, source) = datasheet_peak(&self.device_name, products)?;
+        let uuid = self.dev.uuid().ok()?;
+        Some(DevicePeak {
+            device: format!(
+                "cuda:{}",
+                uuid.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
+            flops_per_sec,
+            source,
+        })
     }
 }
 

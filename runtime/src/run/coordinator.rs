@@ -4,6 +4,7 @@
 //! from every worker's (the run's line).
 
 use crate::core::error::{Result, RuntimeError};
+use crate::core::peak::total_peak;
 use crate::core::value::Tensor;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::pipeline::{combine, PipelineRun, StageReport};
@@ -16,8 +17,15 @@ use std::time::Duration;
 
 /// The metrics line of one step from its reports, sorted by rank: the mean loss, the
 /// throughput of `samples` over the slowest report's time, report 0's times, bytes,
-/// memory and evaluation, and, when `per_worker`, every report's bytes.
-pub fn metrics_line(reports: &[StepReport], samples: usize, per_worker: bool) -> StepMetrics {
+/// memory and evaluation, and, when `per_worker`, every report's bytes. With the
+/// model's FLOPs per sample, the model's FLOPs per second, and their share of the
+/// peak of the distinct devices the reports ran on.
+pub fn metrics_line(
+    reports: &[StepReport],
+    samples: usize,
+    per_worker: bool,
+    flops_per_sample: Option<f64>,
+) -> StepMetrics {
     let n = reports.len().max(1) as f64;
     let loss = reports.iter().map(|r| r.loss).sum::<f64>() / n;
     let slowest = reports.iter().map(|r| r.step_sec).fold(0.0, f64::max);
@@ -31,10 +39,15 @@ pub fn metrics_line(reports: &[StepReport], samples: usize, per_worker: bool) ->
     let Some(r0) = reports.first() else {
         return StepMetrics::default();
     };
+    let samples_per_sec = samples as f64 / slowest.max(1e-9);
+    let model_flops_per_sec = flops_per_sample.map(|f| f * samples_per_sec);
+    let peak = total_peak(reports.iter().flat_map(|r| &r.peaks));
     StepMetrics {
         step: r0.step,
         loss,
-        samples_per_sec: samples as f64 / slowest.max(1e-9),
+        samples_per_sec,
+        model_flops_per_sec,
+        mfu: model_flops_per_sec.zip(peak).map(|(f, (p, _))| f / p),
         compute_sec: (r0.step_sec - r0.comm_wait_sec).max(0.0),
         comm_wait_sec: r0.comm_wait_sec,
         bytes_sent_per_worker: list(|r| r.bytes_sent),
@@ -77,6 +90,10 @@ pub struct Coordinator<'a> {
     bubbles: (f64, usize),
     /// Workers of a model axis, who train on the same samples (1: none).
     pub model_axis: usize,
+    /// The model's FLOPs per sample (forward and backward), where the plan says.
+    pub flops_per_sample: Option<f64>,
+    /// The summed peak of the devices of the last step and where it comes from.
+    peak: Option<(f64, String)>,
 }
 
 impl<'a> Coordinator<'a> {
@@ -100,6 +117,8 @@ impl<'a> Coordinator<'a> {
             train_time: Duration::ZERO,
             bubbles: (0.0, 0),
             model_axis: 1,
+            flops_per_sample: None,
+            peak: None,
         }
     }
 
@@ -114,7 +133,10 @@ impl<'a> Coordinator<'a> {
         let mut reports = self.pending.remove(&step).unwrap_or_default();
         reports.sort_by_key(|r| r.rank);
         let samples = self.workers / self.model_axis.max(1) * self.batch;
-        let line = metrics_line(&reports, samples, self.per_worker);
+        let line = metrics_line(&reports, samples, self.per_worker, self.flops_per_sample);
+        if let Some(p) = total_peak(reports.iter().flat_map(|r| &r.peaks)) {
+            self.peak = Some(p);
+        }
         // The first step this run ran (a resumed run starts after the state's step).
         if self.steps == 0 {
             self.first_loss = line.loss;
@@ -144,15 +166,20 @@ impl Coordinator<'_> {
         profile: Option<Profile>,
         spans: Vec<Span>,
     ) -> TrainReport {
+        let samples = (self.steps * self.workers / self.model_axis.max(1) * self.batch) as f64;
+        let seconds = self.train_time.as_secs_f64().max(1e-9);
+        let model_flops_per_sec = self.flops_per_sample.map(|f| f * samples / seconds);
         TrainReport {
+            model_flops_per_sec,
+            mfu: model_flops_per_sec
+                .zip(self.peak)
+                .map(|(f, (p, source))| (f / p, p, source)),
             steps: self.steps,
             first_loss: self.first_loss,
             final_loss: self.final_loss,
             eval: self.eval,
             train_time: self.train_time,
-            samples_per_sec: (self.steps * self.workers / self.model_axis.max(1) * self.batch)
-                as f64
-                / self.train_time.as_secs_f64().max(1e-9),
+            samples_per_sec: samples / seconds,
             params,
             profile,
             spans,
@@ -168,7 +195,9 @@ impl<'a> Coordinator<'a> {
         run: &PipelineRun<'_>,
         on_step: &'a mut dyn FnMut(&StepMetrics) -> Result<()>,
     ) -> Coordinator<'a> {
-        Coordinator::new(1, run.samples_per_step(), false, on_step)
+        let mut c = Coordinator::new(1, run.samples_per_step(), false, on_step);
+        c.flops_per_sample = run.flops_per_sample;
+        c
     }
 }
 

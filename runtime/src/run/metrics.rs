@@ -17,6 +17,16 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Global samples per second over this step.
     pub samples_per_sec: f64,
+    /// The model's FLOPs per second over this step: its forward and backward FLOPs per
+    /// sample (the cost model's count of the one-device program: no recompute, no
+    /// optimizer) times the samples per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_flops_per_sec: Option<f64>,
+    /// Model FLOPs utilisation: `model_flops_per_sec` over the summed peak of the
+    /// distinct devices the step ran on (a GPU's datasheet figure for the plan's
+    /// products, the CPU's measured matrix-product rate).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     /// Seconds worker 0 spent computing (forward, backward, update), waits excluded.
     pub compute_sec: f64,
     /// Seconds this worker spent waiting for communication (collectives and servers).

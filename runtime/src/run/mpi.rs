@@ -686,7 +686,7 @@ fn rank_metrics(
 
 /// A worker's local metrics line from its own report.
 fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
-    metrics_line(std::slice::from_ref(r), batch, false)
+    metrics_line(std::slice::from_ref(r), batch, false, None)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -794,6 +794,7 @@ fn run_worker_rank<B: Backend>(
     let k = crate::run::programs::micro_batches(programs.worker);
     let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
     coordinator.model_axis = mesh.model;
+    coordinator.flops_per_sample = opts.flops_per_sample;
     let worker = |tx: mpsc::Sender<StepReport>| {
         let mut to_coordinator = reporter(tx);
         let report = move |rep: StepReport| {

@@ -73,6 +73,9 @@ pub(crate) struct StageReport {
     bytes_sent: u64,
     bytes_received: u64,
     memory: MemoryByCategory,
+    /// Its device and that device's peak, where the backend knows it.
+    #[serde(default)]
+    peak: Option<crate::core::peak::DevicePeak>,
     /// At a step with an evaluation (`eval_every`) or a checkpoint, replica 0's stages
     /// hand over their variables (a copy), for the coordinator to evaluate the whole
     /// model or write its training state.
@@ -152,6 +155,8 @@ pub(crate) struct PipelineRun<'a> {
     checkpoint: Option<CheckpointEvery>,
     /// The one-device step's samples: the data position a checkpoint records.
     samples_per_step: usize,
+    /// The model's FLOPs per sample, for the metrics.
+    pub(crate) flops_per_sample: Option<f64>,
     model: String,
     optimizer: String,
 }
@@ -238,6 +243,7 @@ impl<'a> PipelineRun<'a> {
             resume: opts.resume.clone(),
             checkpoint: opts.checkpoint.clone(),
             samples_per_step: config.batch * program.micro_batches * replicas,
+            flops_per_sample: opts.flops_per_sample,
             model: whole.name.clone(),
             optimizer: format!("{:?}", config.optimizer),
         })
@@ -717,6 +723,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         pipeline: Some(PipelineStep { bubble, stages }),
         loss_scale: None,
         lr: first.first().and_then(|r| r.lr),
+        peaks: reports.iter().filter_map(|r| r.peak.clone()).collect(),
     }
 }
 
@@ -1003,8 +1010,12 @@ impl<'a> Stage<'a> {
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let last_bytes = self.comm.bytes() + self.hook.bytes();
         let (first, cadence, t0) = (self.first, self.cadence, self.t0);
+        let peak = bwd
+            .backend()
+            .peak_flops(crate::core::peak::products_dtype(self.forward));
         let mut trace = StepTrace::default();
         let mut body = ScheduleStep {
+            peak,
             stage: &mut self,
             fwd,
             bwd,
@@ -1047,6 +1058,8 @@ struct ScheduleStep<'s, 'a, B: Backend> {
     has_loss: bool,
     /// The backend's name, for its errors.
     device: String,
+    /// Its device's peak, for model FLOPs utilisation.
+    peak: Option<crate::core::peak::DevicePeak>,
     /// A span per computation, while tracing.
     spans: Vec<Span>,
     last_bytes: ByteCount,
@@ -1294,6 +1307,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             bytes_sent: bytes.sent - self.last_bytes.sent,
             bytes_received: bytes.received - self.last_bytes.received,
             memory: ran.memory,
+            peak: self.peak.clone(),
         };
         self.last_bytes = bytes;
         Ok(report)

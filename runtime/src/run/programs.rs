@@ -89,6 +89,9 @@ pub struct TrainOptions {
     /// Continue from this state: its variables, optimizer state, step and data
     /// position replace the initial ones.
     pub resume: Option<Arc<TrainingState>>,
+    /// The model's forward and backward FLOPs per sample, as the compiler counted
+    /// them, for the metrics' model FLOPs and utilisation (`None`: not reported).
+    pub flops_per_sample: Option<f64>,
 }
 
 /// Where and how often a run writes its [`TrainingState`].
@@ -116,6 +119,7 @@ impl Default for TrainOptions {
             timeout: ps::DEFAULT_TIMEOUT,
             checkpoint: None,
             resume: None,
+            flops_per_sample: None,
         }
     }
 }
@@ -145,6 +149,11 @@ pub struct TrainReport {
     pub spans: Vec<Span>,
     /// The mean measured bubble of a pipelined run's steps.
     pub pipeline_bubble: Option<f64>,
+    /// The model's FLOPs per second over all steps, where the plan counted them.
+    pub model_flops_per_sec: Option<f64>,
+    /// Model FLOPs utilisation over all steps, the devices' summed peak it is against
+    /// (FLOP/s) and where that figure comes from.
+    pub mfu: Option<(f64, f64, String)>,
 }
 
 /// Initial values of every variable of `graph`, from the seed.

@@ -235,6 +235,7 @@ pub fn train_with<B: Backend>(
     let mut coordinator =
         Coordinator::new(n, config.batch * k, n > 1 || cluster.is_some(), on_step);
     coordinator.model_axis = mesh.model;
+    coordinator.flops_per_sample = opts.flops_per_sample;
     let roles = comms
         .into_iter()
         .zip(sources)

@@ -75,6 +75,10 @@ pub struct StepReport {
     /// The learning rate of this step's update.
     #[serde(default)]
     pub lr: Option<f64>,
+    /// The devices the report's work ran on and their peaks (one for a worker, one per
+    /// stage for a pipeline's replica), where the backends know them.
+    #[serde(default)]
+    pub peaks: Vec<crate::core::peak::DevicePeak>,
 }
 
 /// The first error of a run, with the role that hit it. Shared by every rank of a
@@ -1152,8 +1156,13 @@ fn train_worker<B: Backend>(
             }
         }
     }
+    let peak = st
+        .exec
+        .backend()
+        .peak_flops(crate::core::peak::products_dtype(programs.worker));
     let mut body = WorkerStep {
         st,
+        peak,
         hook,
         data,
         programs,
@@ -1194,6 +1203,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     last: usize,
     /// The backend's name, for its errors.
     device: String,
+    /// Its device's peak for the plan's products, for model FLOPs utilisation.
+    peak: Option<crate::core::peak::DevicePeak>,
     scaler: Option<LossScaler>,
     graph: GraphState,
     /// While a replayed step runs on the device, the next step's batch is drawn and
@@ -1490,6 +1501,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             pipeline: None,
             loss_scale: self.scaler.as_ref().map(|s| (s.scale, s.skipped)),
             lr: Some(lr),
+            peaks: self.peak.iter().cloned().collect(),
         })
     }
 }
