@@ -1492,7 +1492,9 @@ fn fused_expr() -> FusedExpr {
 fn attention_cases() -> Vec<Case> {
     let mut cases = Vec::new();
     for causal in [false, true] {
-        for (tq, tk) in [(5, 5), (3, 7)] {
+        // Short slices (many in a warp), and slices of whole and partial warps: the key
+        // kernel starts a warp's causal loop at its first key.
+        for (tq, tk) in [(5, 5), (3, 7), (64, 64), (40, 40)] {
             let mut c = Case::new(
                 "attention",
                 format!("attention causal={causal} {tq}x{tk} and its gradient"),
