@@ -77,6 +77,7 @@
 //! the host, the update) first makes the compute stream wait for the collective's
 //! `done` event.
 
+use super::codegen::SQUARE_BLOCKS;
 use super::codegen::{
     self, CParam, DevicePlan, KArg, Launch, NodeLaunch, OptimizerPlan, VarUpdate,
 };
@@ -200,6 +201,15 @@ struct Unscale {
     flag: u64,
 }
 
+/// The gradient-norm kernel and its buffer of per-block partial sums (f64), made on a
+/// clipped plan's first step.
+struct GradNorm {
+    kernel: String,
+    partials: u64,
+    /// Partials the buffer holds.
+    capacity: usize,
+}
+
 /// One persistent named buffer and its pinned staging copy.
 struct Named {
     ptr: u64,
@@ -273,6 +283,7 @@ pub struct CudaBackend {
     funcs: HashMap<String, Kernel>,
     /// fp16's unscaling kernels and their overflow flag, when the graph scales its loss.
     unscale: Option<Unscale>,
+    grad_norm: Option<GradNorm>,
     has_arena: bool,
     named: HashMap<(String, usize), Named>,
     /// The step counters' pinned copy (two u64) and the loss's (one f32).
@@ -522,6 +533,7 @@ impl CudaBackend {
             in_flight: Vec::new(),
             funcs,
             unscale,
+            grad_norm: None,
             has_arena: false,
             named: HashMap::new(),
             steps_host,
@@ -1894,15 +1906,111 @@ impl OptimizerState for CudaBackend {
         Some(opt.rate.lr(done.saturating_sub(ahead)))
     }
 
-    // Read back and summed on the host in f64, as the CPU sums (a clipped step is never
-    // captured: the host needs the norm before the update).
+    // Dense gradients on the device: each cut into at most SQUARE_BLOCKS blocks, each
+    // block's squares summed in f64 in a fixed order, and the partials of every gradient
+    // read back at once and added on the host in order (a clipped step is never
+    // captured: the host needs the norm before the update). Slices are read back and
+    // summed as the CPU sums them (duplicate rows added first); they are small.
     fn grad_squares(&mut self, grads: &[(String, DeviceValue)]) -> Result<Vec<f64>, KernelError> {
         self.no_capture("measuring the gradient's norm")?;
         self.bind()?;
         self.await_all_collectives()?;
+        // Per gradient: its elements, blocks and first partial, when dense f32.
+        let mut cuts: Vec<Option<(usize, usize, usize)>> = Vec::with_capacity(grads.len());
+        let mut total = 0;
+        for (_, g) in grads {
+            let dense = g.ty.dense_type();
+            let cut = match (&g.ty, dense.dtype) {
+                (ValueType::Tensor(_), DType::F32) => {
+                    let n: usize = dense.dims().iter().product();
+                    let blocks = n.div_ceil(codegen::BLOCK as usize).clamp(1, SQUARE_BLOCKS);
+                    total += blocks;
+                    Some((n, blocks, total - blocks))
+                }
+                _ => None,
+            };
+            cuts.push(cut);
+        }
+        if total > 0 && self.grad_norm.as_ref().is_none_or(|n| n.capacity < total) {
+            let kernel = match self.grad_norm.take() {
+                Some(n) => n.kernel,
+                None => {
+                    let (source, name) = codegen::square_partials_unit();
+                    let names = [name.clone()];
+                    let funcs =
+                        load_functions(self.dev.as_mut(), &source, "distc_grad_norm.cu", &names)?;
+                    self.funcs.extend(funcs);
+                    name
+                }
+            };
+            let partials = self.dev.alloc(8 * total, false)?;
+            self.allocated += (8 * total) as u64;
+            self.peak = self.peak.max(self.allocated);
+            self.grad_norm = Some(GradNorm {
+                kernel,
+                partials,
+                capacity: total,
+            });
+        }
+        if let Some(norm) = &self.grad_norm {
+            for ((name, g), cut) in grads.iter().zip(&cuts) {
+                let Some((n, blocks, first)) = *cut else {
+                    continue;
+                };
+                let out = norm.partials + 8 * first as u64;
+                let launch = Launch::Kernel {
+                    name: norm.kernel.clone(),
+                    grid: [blocks as u32, 1, 1],
+                    block: [codegen::BLOCK, 1, 1],
+                    shared_bytes: 0,
+                    args: vec![KArg::Grad, KArg::U64(n as u64), KArg::Scratch(0)],
+                };
+                let what = || format!("the squares of the gradient of `{name}`");
+                let value = |k: &KArg| -> Result<ArgVal, KernelError> {
+                    match k {
+                        KArg::Grad => Ok(ArgVal::U64(g.ptr)),
+                        KArg::Scratch(0) => Ok(ArgVal::U64(out)),
+                        _ => ArgVal::scalar(k, 0, true).unwrap_or_else(|| {
+                            Err(invalid(format!("{}: {k:?} is not a value", what())))
+                        }),
+                    }
+                };
+                let extent = |k: &KArg| match k {
+                    KArg::Grad => Some((4 * n, Access::Read)),
+                    KArg::Scratch(0) => Some((8 * blocks, Access::Write)),
+                    _ => None,
+                };
+                let args = Args {
+                    value: &value,
+                    extent: &extent,
+                    what: &what,
+                };
+                issue(
+                    self.dev.as_mut(),
+                    std::slice::from_ref(&launch),
+                    &self.funcs,
+                    &args,
+                )?;
+            }
+        }
+        let mut bytes = vec![0u8; 8 * total];
+        if let Some(norm) = &self.grad_norm {
+            if total > 0 {
+                self.dev.read(norm.partials, &mut bytes)?;
+            }
+        }
+        let partial = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[8 * i..8 * i + 8]);
+            f64::from_ne_bytes(w)
+        };
         grads
             .iter()
-            .map(|(_, g)| self.read_value(g)?.square_sum().map_err(invalid))
+            .zip(&cuts)
+            .map(|((_, g), cut)| match *cut {
+                Some((_, blocks, first)) => Ok((first..first + blocks).map(partial).sum()),
+                None => self.read_value(g)?.square_sum().map_err(invalid),
+            })
             .collect()
     }
 

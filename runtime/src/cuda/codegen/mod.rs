@@ -64,6 +64,7 @@ mod layout;
 mod nn;
 mod optim;
 mod reduce;
+pub(crate) use reduce::SQUARE_BLOCKS;
 mod sparse;
 
 pub use index::{broadcast_map, StridedMap};
@@ -73,6 +74,14 @@ pub(crate) fn unscale_unit() -> (String, String, String) {
     let mut ks = KernelSet::default();
     let (dense, slices) = half::unscale_kernels(&mut ks);
     (ks.source(), dense, slices)
+}
+
+/// The gradient-norm kernel (`reduce::square_partials`) as its own compilation unit,
+/// for plans that clip by norm: (source, kernel name).
+pub(crate) fn square_partials_unit() -> (String, String) {
+    let mut ks = KernelSet::default();
+    let name = reduce::square_partials(&mut ks);
+    (ks.source(), name)
 }
 
 pub use optim::{optimizer_kernels, sparse_bound, OptimizerPlan, Rate, VarUpdate};

@@ -8,7 +8,7 @@
 //! of the kept and the reduced axes are baked in.
 
 use super::index::{broadcast_map, reduction_maps};
-use super::{flit, want_f32, want_float, want_i32, Elem, KArg, NodeCx, INDEX};
+use super::{flit, want_f32, want_float, want_i32, Elem, KArg, KernelSet, NodeCx, BLOCK, INDEX};
 use distc_ir::shape::broadcasts_to;
 use distc_ir::TensorType;
 
@@ -453,5 +453,22 @@ pub(crate) fn layer_norm_grad(cx: &mut NodeCx<'_>, eps: f64) -> Result<(), Strin
             KArg::Output(1),
             KArg::Output(2),
         ],
+    )
+}
+
+/// Most blocks one gradient's sum of squares is cut into: enough to fill a GPU, few
+/// enough that their partial sums are a small read.
+pub(crate) const SQUARE_BLOCKS: usize = 1024;
+
+/// `g[n] (f32) -> partial[gridDim.x] (f64)`: each block's sum of the squares of its
+/// grid-stride share of `g`, in f64 (as the CPU sums a gradient's squares), reduced in
+/// a fixed tree: the same bits every run. The host adds the partials in order.
+pub(crate) fn square_partials(ks: &mut KernelSet) -> String {
+    ks.add(
+        "square_partials",
+        format!(
+            "// the f64 sum of squares of each block's grid-stride share of g\nextern \"C\" __global__ void KNAME(const float* __restrict__ g, u64 n, double* __restrict__ partial) {{\n    __shared__ double sh[{block}];\n    double acc = 0.0;\n    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {{\n        double x = (double)g[i];\n        acc += x * x;\n    }}\n    sh[threadIdx.x] = acc;\n    __syncthreads();\n    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {{\n        if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];\n        __syncthreads();\n    }}\n    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];\n}}\n",
+            block = BLOCK
+        ),
     )
 }
