@@ -1492,9 +1492,10 @@ fn fused_expr() -> FusedExpr {
 fn attention_cases() -> Vec<Case> {
     let mut cases = Vec::new();
     for causal in [false, true] {
-        // Short slices (many in a warp), and slices of whole and partial warps: the key
-        // kernel starts a warp's causal loop at its first key.
-        for (tq, tk) in [(5, 5), (3, 7), (64, 64), (40, 40)] {
+        // Short slices, a slice of one whole block of rows (64), part of one, and
+        // slices of several blocks and tiles (the kernels walk keys and queries 64 at
+        // a time, a causal block stopping at its last row or starting at its first).
+        for (tq, tk) in [(5, 5), (3, 7), (64, 64), (40, 40), (70, 130), (130, 70)] {
             let mut c = Case::new(
                 "attention",
                 format!("attention causal={causal} {tq}x{tk} and its gradient"),
