@@ -409,9 +409,15 @@ pub(crate) fn layer_norm(cx: &mut NodeCx<'_>, eps: f64) -> Result<(), String> {
     Ok(())
 }
 
+/// Rows a thread of layer norm's column sums adds before the sums of the chunks are
+/// added: a [8192, 768] gradient's columns, one thread each over every row, left most
+/// of the GPU idle for a millisecond (GPT-2 124M).
+const LN_CHUNK: usize = 64;
+
 /// `(dy, x, gamma) -> (dx, dgamma, dbeta)`: one block per row computes `dx` and keeps
-/// the row's mean and `inv` in scratch; then one thread per column sums `dgamma` and
-/// `dbeta` over the rows in order (no atomics, the same bits every run).
+/// the row's mean and `inv` in scratch; then one thread per column and chunk of
+/// [`LN_CHUNK`] rows sums that chunk's `dgamma` and `dbeta` terms in order, and one
+/// thread per column adds the chunks in order (no atomics, the same bits every run).
 pub(crate) fn layer_norm_grad(cx: &mut NodeCx<'_>, eps: f64) -> Result<(), String> {
     let (dy, x, g) = (cx.tin(0)?.clone(), cx.tin(1)?.clone(), cx.tin(2)?.clone());
     if dy != x {
@@ -424,9 +430,16 @@ pub(crate) fn layer_norm_grad(cx: &mut NodeCx<'_>, eps: f64) -> Result<(), Strin
         df = flit(d as f64),
     );
     let rows_k = cx.kernel("layer_norm_grad_rows", text);
-    let cols_text = format!(
-        "// layer_norm_grad of {x}: dgamma and dbeta, one thread per column\nextern \"C\" __global__ void KNAME(const float* dy, const float* x, const float* stats, float* dgamma, float* dbeta) {{\n    u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (j >= {d}ull) return;\n    float g = 0.0f, b = 0.0f;\n    for (u64 r = 0; r < {rows}ull; ++r) {{\n        float v = dy[r * {d}ull + j];\n        g += v * (x[r * {d}ull + j] - stats[2 * r]) * stats[2 * r + 1];\n        b += v;\n    }}\n    dgamma[j] = g;\n    dbeta[j] = b;\n}}\n"
+    let chunks = rows.div_ceil(LN_CHUNK).max(1);
+    let chunk_text = format!(
+        "// layer_norm_grad of {x}: dgamma and dbeta terms of a chunk of {LN_CHUNK} rows, one thread per column and chunk\nextern \"C\" __global__ void KNAME(const float* dy, const float* x, const float* stats, float* part) {{\n    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= {cells}ull) return;\n    u64 c = i / {d}ull, j = i % {d}ull;\n    u64 r1 = (c + 1ull) * {LN_CHUNK}ull < {rows}ull ? (c + 1ull) * {LN_CHUNK}ull : {rows}ull;\n    float g = 0.0f, b = 0.0f;\n    for (u64 r = c * {LN_CHUNK}ull; r < r1; ++r) {{\n        float v = dy[r * {d}ull + j];\n        g += v * (x[r * {d}ull + j] - stats[2 * r]) * stats[2 * r + 1];\n        b += v;\n    }}\n    part[i] = g;\n    part[{cells}ull + i] = b;\n}}\n",
+        cells = chunks * d,
     );
+    let cols_text = format!(
+        "// layer_norm_grad of {x}: dgamma and dbeta, the chunks added in order, one thread per column\nextern \"C\" __global__ void KNAME(const float* part, float* dgamma, float* dbeta) {{\n    u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    if (j >= {d}ull) return;\n    float g = 0.0f, b = 0.0f;\n    for (u64 c = 0; c < {chunks}ull; ++c) {{\n        g += part[c * {d}ull + j];\n        b += part[{cells}ull + c * {d}ull + j];\n    }}\n    dgamma[j] = g;\n    dbeta[j] = b;\n}}\n",
+        cells = chunks * d,
+    );
+    let chunk_k = cx.kernel("layer_norm_grad_chunks", chunk_text);
     let cols_k = cx.kernel("layer_norm_grad_cols", cols_text);
     let stats = cx.scratch(8 * rows);
     if rows > 0 && d > 0 {
@@ -443,17 +456,13 @@ pub(crate) fn layer_norm_grad(cx: &mut NodeCx<'_>, eps: f64) -> Result<(), Strin
             ],
         );
     }
+    let part = cx.scratch(8 * chunks * d);
     cx.launch_1d(
-        &cols_k,
-        d,
-        vec![
-            KArg::Input(0),
-            KArg::Input(1),
-            stats,
-            KArg::Output(1),
-            KArg::Output(2),
-        ],
-    )
+        &chunk_k,
+        chunks * d,
+        vec![KArg::Input(0), KArg::Input(1), stats, part.clone()],
+    )?;
+    cx.launch_1d(&cols_k, d, vec![part, KArg::Output(1), KArg::Output(2)])
 }
 
 /// Most blocks one gradient's sum of squares is cut into: enough to fill a GPU, few
