@@ -2,7 +2,8 @@
 //! forward kernel runs one thread per query row with an online softmax (running max
 //! and sum, the output rescaled only when the max grows: the flash-attention
 //! recurrence); the gradient recomputes the scores, one thread per query row for `dq`
-//! (which also keeps each row's log-sum-exp and `rowsum(dy * y)` in scratch), then one
+//! (a first pass over the keys gives the row's log-sum-exp and `rowsum(dy * y)`, kept
+//! in scratch, with the same recurrence; a second, `dq`), then one
 //! thread per key row for `dk` and `dv`, summing over the queries in order: no atomics,
 //! the same bits every run.
 //!
@@ -201,17 +202,16 @@ pub(crate) fn attention_grad(cx: &mut NodeCx<'_>, causal: bool, scale: f64) -> R
         );
     let score = dot("sc", "qr", "kj", d);
     let dp = dot("dp", "dyr", "vj", dv);
-    let lse_body = format!(
-        "            const float* kj = ks + jj * {d}ull;\n            {score}\n            sc *= {sc};\n            if (sc > m) {{\n                l *= expf(m - sc);\n                m = sc;\n            }}\n            l += expf(sc - m);\n"
-    );
-    let delta_body = format!(
-        "            const float* kj = ks + jj * {d}ull;\n            const float* vj = vs + jj * {dv}ull;\n            {score}\n            sc *= {sc};\n            {dp}\n            delta += expf(sc - lse) * dp;\n"
+    // One pass gives both statistics: the running max, the softmax's running sum and
+    // the running sum of its terms times `dy . v_j`, both rescaled as the max grows.
+    let stats_body = format!(
+        "            const float* kj = ks + jj * {d}ull;\n            const float* vj = vs + jj * {dv}ull;\n            {score}\n            sc *= {sc};\n            {dp}\n            if (sc > m) {{\n                float corr = expf(m - sc);\n                l *= corr;\n                dsum *= corr;\n                m = sc;\n            }}\n            float p = expf(sc - m);\n            l += p;\n            dsum += p * dp;\n"
     );
     let dq_body = format!(
         "            const float* kj = ks + jj * {d}ull;\n            const float* vj = vs + jj * {dv}ull;\n            {score}\n            sc *= {sc};\n            {dp}\n            float ds = expf(sc - lse) * (dp - delta) * {sc};\n#pragma unroll\n            for (int e = 0; e < {d}; ++e) acc[e] += ds * kj[e];\n"
     );
     let rows_text = format!(
-        "// attention_grad: dq and each query row's statistics, tiles of {tile} keys\nextern \"C\" __global__ void KNAME(const float* dy, const float* q, const float* k, const float* v, float* dq, float* stats) {{\n    __shared__ float ks[{ksz}];\n    __shared__ float vs[{vsz}];\n{place}    u64 i = s * {tq}ull + t;\n    u64 lv = {live};\n{qr}{dyr}    float m = -3.0e38f, l = 0.0f;\n{lse_tiles}    float lse = m + logf(l);\n    float delta = 0.0f;\n{delta_tiles}{acc}{dq_tiles}    if (!row) return;\n    float* out = dq + i * {d}ull;\n#pragma unroll\n    for (int e = 0; e < {d}; ++e) out[e] = acc[e];\n    stats[2 * i] = lse;\n    stats[2 * i + 1] = delta;\n}}\n",
+        "// attention_grad: dq and each query row's statistics, tiles of {tile} keys\nextern \"C\" __global__ void KNAME(const float* dy, const float* q, const float* k, const float* v, float* dq, float* stats) {{\n    __shared__ float ks[{ksz}];\n    __shared__ float vs[{vsz}];\n{place}    u64 i = s * {tq}ull + t;\n    u64 lv = {live};\n{qr}{dyr}    float m = -3.0e38f, l = 0.0f, dsum = 0.0f;\n{stats_tiles}    float lse = m + logf(l);\n    float delta = l > 0.0f ? dsum / l : 0.0f;\n{acc}{dq_tiles}    if (!row) return;\n    float* out = dq + i * {d}ull;\n#pragma unroll\n    for (int e = 0; e < {d}; ++e) out[e] = acc[e];\n    stats[2 * i] = lse;\n    stats[2 * i + 1] = delta;\n}}\n",
         ksz = tile * d.max(1),
         vsz = tile * dv.max(1),
         place = place(tq),
@@ -219,8 +219,7 @@ pub(crate) fn attention_grad(cx: &mut NodeCx<'_>, causal: bool, scale: f64) -> R
         qr = load_row("qr", d, &format!("q + i * {d}ull")),
         dyr = load_row("dyr", dv, &format!("dy + i * {dv}ull")),
         acc = zeros("acc", d),
-        lse_tiles = key_tiles(&n, causal, tile, &fill_k, &lse_body),
-        delta_tiles = key_tiles(&n, causal, tile, &fill_kv, &delta_body),
+        stats_tiles = key_tiles(&n, causal, tile, &fill_kv, &stats_body),
         dq_tiles = key_tiles(&n, causal, tile, &fill_kv, &dq_body),
     );
     // Per key row j of slice s: the queries that attend it, in order, a tile of
