@@ -574,3 +574,53 @@ fn learning_rate_schedules_and_clipping_on_the_gpu_follow_the_cpus() {
         }
     }
 }
+
+/// `clip_norm` of a gradient of more than `SQUARE_BLOCKS` (1024) blocks of 256
+/// elements (`w1`, 307,200): the device sums its squares with every block walking the
+/// gradient grid-stride, and clips as the CPU does. SGD, whose step a wrong norm
+/// changes; at this initialisation the gradient's norm is far above 0.01, so every
+/// step is clipped.
+#[test]
+fn clipping_a_gradient_of_more_blocks_than_the_grid_follows_the_cpu() {
+    if !distc_tests::gpu_or_skip("clipping a large gradient") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("wide.dsl");
+    std::fs::write(
+        &file,
+        "model wide {\n  input x: f32[B, 600]\n  input label: i32[B]\n  \
+         param w1: f32[600, 512] = glorot\n  param w2: f32[512, 5] = glorot\n  \
+         logits = relu(x @ w1) @ w2\n  minimize softmax_cross_entropy(logits, label)\n}\n\n\
+         train {\n  data = gaussian_classes(features = 600, classes = 5)\n  batch = 4\n  \
+         optimizer = sgd(lr = 0.5)\n  clip_norm = 0.01\n  steps = 3\n  seed = 9\n  \
+         eval_samples = 8\n}\n",
+    )
+    .expect("writes the model");
+    let c = compile_file(&file, &CompileOptions::default()).expect("compiles");
+    let programs = Programs::single(&c.programs.worker);
+    let topts = TrainOptions {
+        steps: Some(3),
+        evaluate: false,
+        ..Default::default()
+    };
+    let cpu = train(programs, &c.config, &topts, &mut |_| Ok(())).expect("trains on the CPU");
+    let cuda = CudaOptions {
+        tf32: false,
+        ..Default::default()
+    };
+    let gpu = train_with(programs, &c.config, &topts, &mut |_| Ok(()), |_, _| {
+        Ok(CudaBackend::new(0, &c.programs.worker, cuda)?)
+    })
+    .expect("trains on the GPU");
+    let init = init_params(&c.programs.worker, c.config.seed);
+    for (var, w) in &cpu.params {
+        let want = w.to_f64_vec();
+        let moved = largest_difference(&want, &init[var].to_f64_vec());
+        let d = largest_difference(&gpu.params[var].to_f64_vec(), &want);
+        assert!(
+            d <= 1e-2 * moved,
+            "`{var}` differs by {d:.2e} on the GPU; the CPU's steps moved it {moved:.2e}"
+        );
+    }
+}

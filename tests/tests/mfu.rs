@@ -1,7 +1,8 @@
 //! Model FLOPs and their utilisation (MFU) in the metrics: the count is the model's
 //! forward and backward products (checked against a hand count of dense_mlp's), every
-//! line's model FLOP/s is that count times its samples per second, and worker threads
-//! that share the CPU are measured against its peak once.
+//! line's model FLOP/s is that count times its samples per second, worker threads
+//! that share the CPU are measured against its peak once, and a run too short to be
+//! worth the peak's measurement reports FLOP/s alone.
 
 use distc::{compile_file, CompileOptions, Compiled};
 use distc_passes::placement::{Strategy, StrategyConfig};
@@ -25,9 +26,9 @@ fn compile(batch: usize, strategy: Strategy, workers: usize) -> Compiled {
     .expect("compiles")
 }
 
-fn run(c: &Compiled, workers: usize) -> (TrainReport, Vec<StepMetrics>) {
+fn run(c: &Compiled, workers: usize, steps: usize) -> (TrainReport, Vec<StepMetrics>) {
     let opts = TrainOptions {
-        steps: Some(3),
+        steps: Some(steps),
         global_data: true,
         evaluate: false,
         flops_per_sample: c.flops_per_sample,
@@ -63,13 +64,15 @@ fn dense_mlp_flops_per_sample_are_its_products() {
 
 #[test]
 fn every_line_reports_model_flops_and_one_cpu_peak() {
-    let one = compile(16, Strategy::Single, 1);
-    let two = compile(8, Strategy::Allreduce, 2);
+    // Each worker computes 1.1e11 FLOPs or more (9.6e6 a sample), so it measures the
+    // CPU's peak (core::peak::MIN_WORK).
+    let (one, one_steps) = (compile(512, Strategy::Single, 1), 23);
+    let (two, two_steps) = (compile(256, Strategy::Allreduce, 2), 45);
     let per_sample = one.flops_per_sample.expect("counted");
     let mut ratios = Vec::new();
-    for (c, workers) in [(&one, 1), (&two, 2)] {
-        let (report, lines) = run(c, workers);
-        assert_eq!(lines.len(), 3);
+    for (c, workers, steps) in [(&one, 1, one_steps), (&two, 2, two_steps)] {
+        let (report, lines) = run(c, workers, steps);
+        assert_eq!(lines.len(), steps);
         for m in &lines {
             let f = m.model_flops_per_sec.expect("the plan counted its FLOPs");
             let want = c.flops_per_sample.expect("counted") * m.samples_per_sec;
@@ -96,4 +99,14 @@ fn every_line_reports_model_flops_and_one_cpu_peak() {
     for r in &ratios {
         assert!((r - first).abs() <= 1e-9 * first, "peaks {r} and {first}");
     }
+}
+
+#[test]
+fn a_short_run_reports_model_flops_without_measuring_a_peak() {
+    let c = compile(16, Strategy::Single, 1);
+    let (report, lines) = run(&c, 1, 3);
+    assert!(lines
+        .iter()
+        .all(|m| m.model_flops_per_sec.is_some() && m.mfu.is_none()));
+    assert!(report.model_flops_per_sec.is_some() && report.mfu.is_none());
 }

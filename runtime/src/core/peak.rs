@@ -9,6 +9,18 @@
 use distc_ir::{DType, Graph, Op};
 use serde::{Deserialize, Serialize};
 
+/// Model FLOPs a worker's run must have for it to ask its device's peak: the CPU's
+/// takes 80 ms to measure (`crate::cpu::peak`), which a run of 1e11 FLOPs (a second
+/// at 100 GFLOP/s) hardly notices and a test's few steps would; shorter runs report
+/// model FLOP/s without utilisation.
+pub const MIN_WORK: f64 = 1e11;
+
+/// Whether a worker that computes `samples` samples of `flops_per_sample` FLOPs in
+/// all asks its device's peak.
+pub fn worth_measuring(flops_per_sample: Option<f64>, samples: usize) -> bool {
+    flops_per_sample.is_some_and(|f| f * samples as f64 >= MIN_WORK)
+}
+
 /// One device's peak rate.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DevicePeak {

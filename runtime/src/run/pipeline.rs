@@ -418,6 +418,10 @@ impl<'a> PipelineRun<'a> {
             first: self.first,
             cadence: self.cadence,
             resumed_slots,
+            measure_peak: crate::core::peak::worth_measuring(
+                self.flops_per_sample,
+                self.samples_per_step * self.steps_to_run(),
+            ),
             stage: s,
             tied: &self.tied,
             replica: r,
@@ -739,6 +743,9 @@ pub(crate) struct Stage<'a> {
     cadence: Cadence,
     /// A resumed state's optimizer state of the variables it updates.
     resumed_slots: Option<HashMap<String, Tensor>>,
+    /// Whether the run is long enough to ask the device's peak (see
+    /// [`crate::core::peak::MIN_WORK`]).
+    measure_peak: bool,
     tied: &'a [TiedVariable],
     replica: usize,
     /// Its rank on the model axis (0 without one).
@@ -1010,9 +1017,12 @@ impl<'a> Stage<'a> {
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let last_bytes = self.comm.bytes() + self.hook.bytes();
         let (first, cadence, t0) = (self.first, self.cadence, self.t0);
-        let peak = bwd
-            .backend()
-            .peak_flops(crate::core::peak::products_dtype(self.forward));
+        let peak = if self.measure_peak {
+            bwd.backend()
+                .peak_flops(crate::core::peak::products_dtype(self.forward))
+        } else {
+            None
+        };
         let mut trace = StepTrace::default();
         let mut body = ScheduleStep {
             peak,

@@ -1156,10 +1156,14 @@ fn train_worker<B: Backend>(
             }
         }
     }
-    let peak = st
-        .exec
-        .backend()
-        .peak_flops(crate::core::peak::products_dtype(programs.worker));
+    let samples = config.batch * k * (steps + 1).saturating_sub(first);
+    let peak = if crate::core::peak::worth_measuring(opts.flops_per_sample, samples) {
+        st.exec
+            .backend()
+            .peak_flops(crate::core::peak::products_dtype(programs.worker))
+    } else {
+        None
+    };
     let mut body = WorkerStep {
         st,
         peak,
