@@ -10,10 +10,11 @@ use distc_ir::{DType, Graph, Op};
 use serde::{Deserialize, Serialize};
 
 /// Model FLOPs a worker's run must have for it to ask its device's peak: the CPU's
-/// takes 80 ms to measure (`crate::cpu::peak`), which a run of 1e11 FLOPs (a second
-/// at 100 GFLOP/s) hardly notices and a test's few steps would; shorter runs report
-/// model FLOP/s without utilisation.
-pub const MIN_WORK: f64 = 1e11;
+/// takes 80 ms to measure (`crate::cpu::peak`), before the first step, which a run of
+/// 1e10 FLOPs (a tenth of a second at 100 GFLOP/s; `distc bench`'s runs have more)
+/// can spare and a test's few steps of a small model would pay many times over;
+/// shorter runs report model FLOP/s without utilisation.
+pub const MIN_WORK: f64 = 1e10;
 
 /// Whether a worker that computes `samples` samples of `flops_per_sample` FLOPs in
 /// all asks its device's peak.
