@@ -825,6 +825,38 @@ struct Args<'a> {
     what: &'a dyn Fn() -> String,
 }
 
+/// Issues one kernel `launch` over a gradient: its `KArg::Grad` is the gradient at
+/// `grad` (its bytes and access), its `KArg::Scratch(0)` the buffer at `scratch`, and
+/// its other arguments values. What unscaling and the gradient's norm launch alike.
+fn issue_over_gradient(
+    dev: &mut dyn Driver,
+    funcs: &HashMap<String, Kernel>,
+    launch: Launch,
+    grad: (u64, usize, Access),
+    scratch: (u64, usize, Access),
+    what: &dyn Fn() -> String,
+) -> Result<(), KernelError> {
+    let value = |k: &KArg| -> Result<ArgVal, KernelError> {
+        match k {
+            KArg::Grad => Ok(ArgVal::U64(grad.0)),
+            KArg::Scratch(0) => Ok(ArgVal::U64(scratch.0)),
+            _ => ArgVal::scalar(k, 0, true)
+                .unwrap_or_else(|| Err(invalid(format!("{}: {k:?} is not a value", what())))),
+        }
+    };
+    let extent = |k: &KArg| match k {
+        KArg::Grad => Some((grad.1, grad.2)),
+        KArg::Scratch(0) => Some((scratch.1, scratch.2)),
+        _ => None,
+    };
+    let args = Args {
+        value: &value,
+        extent: &extent,
+        what,
+    };
+    issue(dev, std::slice::from_ref(&launch), funcs, &args)
+}
+
 /// Issues `launches` on the driver's compute stream, each argument resolved by `args`.
 fn issue(
     dev: &mut dyn Driver,
@@ -1854,31 +1886,13 @@ impl OptimizerState for CudaBackend {
                 shared_bytes: 0,
                 args,
             };
-            let what = || format!("unscaling the gradient of `{name}`");
-            let value = |k: &KArg| -> Result<ArgVal, KernelError> {
-                match k {
-                    KArg::Grad => Ok(ArgVal::U64(g.ptr)),
-                    KArg::Scratch(0) => Ok(ArgVal::U64(flag)),
-                    _ => ArgVal::scalar(k, 0, true).unwrap_or_else(|| {
-                        Err(invalid(format!("{}: {k:?} is not a value", what())))
-                    }),
-                }
-            };
-            let extent = |k: &KArg| match k {
-                KArg::Grad => Some((codegen::value_bytes(&g.ty), access)),
-                KArg::Scratch(0) => Some((4, Access::ReadWrite)),
-                _ => None,
-            };
-            let args = Args {
-                value: &value,
-                extent: &extent,
-                what: &what,
-            };
-            issue(
+            issue_over_gradient(
                 self.dev.as_mut(),
-                std::slice::from_ref(&launch),
                 &self.funcs,
-                &args,
+                launch,
+                (g.ptr, codegen::value_bytes(&g.ty), access),
+                (flag, 4, Access::ReadWrite),
+                &|| format!("unscaling the gradient of `{name}`"),
             )?;
         }
         let mut bad = [0u8; 4];
@@ -1965,31 +1979,13 @@ impl OptimizerState for CudaBackend {
                     shared_bytes: 0,
                     args: vec![KArg::Grad, KArg::U64(n as u64), KArg::Scratch(0)],
                 };
-                let what = || format!("the squares of the gradient of `{name}`");
-                let value = |k: &KArg| -> Result<ArgVal, KernelError> {
-                    match k {
-                        KArg::Grad => Ok(ArgVal::U64(g.ptr)),
-                        KArg::Scratch(0) => Ok(ArgVal::U64(out)),
-                        _ => ArgVal::scalar(k, 0, true).unwrap_or_else(|| {
-                            Err(invalid(format!("{}: {k:?} is not a value", what())))
-                        }),
-                    }
-                };
-                let extent = |k: &KArg| match k {
-                    KArg::Grad => Some((4 * n, Access::Read)),
-                    KArg::Scratch(0) => Some((8 * blocks, Access::Write)),
-                    _ => None,
-                };
-                let args = Args {
-                    value: &value,
-                    extent: &extent,
-                    what: &what,
-                };
-                issue(
+                issue_over_gradient(
                     self.dev.as_mut(),
-                    std::slice::from_ref(&launch),
                     &self.funcs,
-                    &args,
+                    launch,
+                    (g.ptr, 4 * n, Access::Read),
+                    (out, 8 * blocks, Access::Write),
+                    &|| format!("the squares of the gradient of `{name}`"),
                 )?;
             }
         }

@@ -114,7 +114,7 @@ fn dot(out: &str, a: &str, b: &str, len: usize) -> String {
     )
 }
 
-/// Keys query row `t` attends (of those before a tile at `j0`, the tile's `nt`).
+/// The C expression of how many keys query row `t` attends (keys `0..` that many).
 fn live(n: &Sizes, causal: bool) -> String {
     if causal {
         format!("(t + 1ull < {tk}ull ? t + 1ull : {tk}ull)", tk = n.tk)
