@@ -493,7 +493,8 @@ fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does
                 got_lines.push((m.loss, m.bytes_sent, m.bytes_received));
                 Ok(())
             },
-            |rank, host: &mut dyn Communicator| {
+            |site: distc_runtime::run::train::Site<'_>, host: &mut dyn Communicator| {
+                let rank = site.worker;
                 // The bootstrap: rank 0's token to everyone over the host communicator.
                 let mut token = if rank == 0 {
                     b"own-comm".to_vec()

@@ -76,7 +76,7 @@ fn run(name: &str, strategy: Strategy, servers: usize, zero: u8, accumulate: usi
             emu_losses.push(m.loss);
             Ok(())
         },
-        |rank, comm| worker_backend(&c.programs.worker, emulated, rank, Collectives::Nccl, comm),
+        |site, comm| worker_backend(site.program, emulated, site.worker, Collectives::Nccl, comm),
     )
     .unwrap_or_else(|e| panic!("{what} on emulated NCCL: {e}"));
     println!("{what}: emulated {emu_losses:?}\n{what}: cpu      {cpu_losses:?}");

@@ -22,8 +22,9 @@
 //! round to the neighbouring 16-bit value.
 //!
 //! The optimizer updates are compared the same way: two steps of SGD, SGD with
-//! momentum and Adam on a dense gradient and on a sparse (IndexedSlices, repeated
-//! rows) one, the CPU's `Backend::update` against the CUDA backend's.
+//! momentum, Adam, AdamW, LARS and LAMB on a dense gradient and on a sparse
+//! (IndexedSlices, repeated rows) one, the CPU's `Backend::update` against the CUDA
+//! backend's.
 //!
 //! Every case is `build graph + inputs` -> `run on the CPU` (with checks of its own:
 //! result types as the graph says, finite values, and per op what is known, e.g. the
@@ -86,6 +87,8 @@ struct Case {
     feeds: HashMap<String, Tensor>,
     runs: Vec<Run>,
     rank: usize,
+    /// The worker's rank on a mesh's model axis (its part of a split value).
+    model_rank: usize,
     rng: Pcg64,
     outputs: usize,
     /// CUDA must give the CPU's bits, not just values within the tolerance (sums
@@ -127,6 +130,7 @@ impl Case {
                 feeds: None,
             }],
             rank: 0,
+            model_rank: 0,
             outputs: 0,
             exact: false,
         }
@@ -244,15 +248,13 @@ fn covering_group(op: &Op) -> Cover {
         | Op::SparsePush { .. }
         | Op::Send { .. }
         | Op::Recv { .. } => NotAKernel(COMM),
+        Op::ModelAllReduce { .. } | Op::ModelGather { .. } | Op::ModelReduceScatter { .. } => {
+            NotAKernel(COMM)
+        }
         Op::ModelEnter { .. }
-        | Op::ModelAllReduce { .. }
-        | Op::ModelGather { .. }
         | Op::ModelSplit { .. }
-        | Op::ModelReduceScatter { .. }
         | Op::ModelEmbedding { .. }
-        | Op::ModelEmbeddingGrad { .. } => NotAKernel(
-            "tensor parallelism: the CUDA backend refuses it by name (CPU backend only for now)",
-        ),
+        | Op::ModelEmbeddingGrad { .. } => Group("model"),
         Op::Cast { .. } => Group("half"),
         Op::MatMul { .. } => Group("matmul"),
         Op::Add | Op::Sub | Op::Mul | Op::Div => Group("elementwise"),
@@ -357,6 +359,7 @@ const GROUPS: &[(&str, CaseBuilder)] = &[
     ("fused", fused_cases),
     ("accumulate", accumulate_cases),
     ("half", half_cases),
+    ("model", model_cases),
 ];
 
 fn cases_of(group: &str) -> Vec<Case> {
@@ -391,6 +394,7 @@ fn execute<B: Backend>(case: &Case, backend: B) -> Results {
     let mut ex = Executor::with_backend(&case.g, backend)
         .unwrap_or_else(|e| panic!("{} on {on}: {e}", case.name));
     ex.set_rank(case.rank);
+    ex.set_model_rank(case.model_rank);
     let params = HashMap::new();
     let mut out = Vec::new();
     for run in &case.runs {
@@ -989,6 +993,60 @@ fn layout_cases() -> Vec<Case> {
 #[test]
 fn layout() {
     run_group("layout");
+}
+
+/// The local halves of tensor parallelism, as model rank `m` of the axis: its part of
+/// a split value (along the first, a middle and the last dimension), the
+/// vocabulary-parallel lookup of a table part and its gradient's compaction (ids in
+/// the part's range, repeated, and outside it on both sides).
+fn model_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (dims, dim, parts, m) in [
+        (&[4usize, 6][..], 1, 3, 2),
+        (&[4, 6][..], 0, 2, 1),
+        (&[2, 6, 3][..], 1, 2, 1),
+    ] {
+        let mut c = Case::new(
+            "model",
+            format!("model_split {dims:?} dim {dim} of {parts}, rank {m}"),
+        );
+        c.model_rank = m;
+        let x = c.x(dims);
+        c.test(Op::ModelSplit { dim, parts }, vec![x]);
+        cases.push(c);
+    }
+    let mut c = Case::new("model", "model_enter [3, 5]");
+    let x = c.x(&[3, 5]);
+    c.test(Op::ModelEnter { parts: 2 }, vec![x]);
+    cases.push(c);
+    // A table of 10 rows in 2 parts of 5: rank 1 holds rows 5..10.
+    let ids = vec![7, 2, 5, 9, 7, 0, 4, 5];
+    for m in [0, 1] {
+        let mut c = Case::new("model", format!("model_embedding part {m} of 2"));
+        c.model_rank = m;
+        let t = c.x(&[5, 3]);
+        let i = c.feed(ids_tensor(&[2, 4], ids.clone()));
+        c.test(Op::ModelEmbedding { parts: 2 }, vec![t, i]);
+        cases.push(c);
+        let mut c = Case::new("model", format!("model_embedding_grad part {m} of 2"));
+        c.model_rank = m;
+        let dy = c.x(&[8, 3]);
+        let i = c.feed(ids_tensor(&[8], ids.clone()));
+        c.test(
+            Op::ModelEmbeddingGrad {
+                table: f32t(&[5, 3]),
+                parts: 2,
+            },
+            vec![dy, i],
+        );
+        cases.push(c);
+    }
+    cases
+}
+
+#[test]
+fn model() {
+    run_group("model");
 }
 
 fn loss_cases() -> Vec<Case> {
@@ -1865,8 +1923,8 @@ fn train<B: Backend>(
     after
 }
 
-/// SGD, SGD with momentum and Adam.
-fn optimizer_specs() -> [(&'static str, OptimizerSpec); 4] {
+/// SGD, SGD with momentum, Adam, AdamW, LARS and LAMB.
+fn optimizer_specs() -> [(&'static str, OptimizerSpec); 6] {
     [
         (
             "sgd",
@@ -1903,6 +1961,27 @@ fn optimizer_specs() -> [(&'static str, OptimizerSpec); 4] {
                 weight_decay: 0.1,
             },
         ),
+        // Trust ratios: every row moves (the momentum, and the decay); LAMB's `emb`
+        // is exempt from decay, so its untouched rows stay.
+        (
+            "lars",
+            OptimizerSpec::Lars {
+                lr: 0.5,
+                momentum: 0.9,
+                weight_decay: 0.01,
+                trust: 0.02,
+            },
+        ),
+        (
+            "lamb",
+            OptimizerSpec::Lamb {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-6,
+                weight_decay: 0.1,
+            },
+        ),
     ]
 }
 
@@ -1910,7 +1989,7 @@ fn optimizer_specs() -> [(&'static str, OptimizerSpec); 4] {
 fn optimizer_updates() {
     let (g, params, steps) = optimizer_graph();
     for (name, spec) in &optimizer_specs() {
-        let no_decay = if *name == "adamw" {
+        let no_decay = if *name == "adamw" || *name == "lamb" {
             vec!["emb".to_string()]
         } else {
             Vec::new()
@@ -1924,9 +2003,15 @@ fn optimizer_updates() {
             "{name}: the dense variable did not move everywhere"
         );
         let e = last["emb"].to_f64_vec();
+        // LARS applies a sparse gradient as the dense one it stands for, with decay.
+        let every_row = *name == "lars";
         for row in 0..10 {
             let moved = (0..3).any(|j| e[row * 3 + j] != e0[row * 3 + j]);
-            assert_eq!(moved, row < 7, "{name}: emb row {row} moved: {moved}");
+            assert_eq!(
+                moved,
+                every_row || row < 7,
+                "{name}: emb row {row} moved: {moved}"
+            );
         }
         if let Some(gpu) = gpu(&format!("optimizer {name}"), &g) {
             let got = train(gpu, &g, spec, &no_decay, &params, &steps);

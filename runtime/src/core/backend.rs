@@ -93,6 +93,17 @@ pub trait Device {
 
 /// Running the ops of a plan.
 pub trait Kernels: Device {
+    /// A backend for another program of the same worker, on this one's device: each
+    /// one's variables and feeds are the other's to read (a pipeline stage's forward
+    /// beside its backward). `None`: this backend has no such sharing, and the caller
+    /// makes a second backend its own way (on the CPU, tensors are shared anyway).
+    fn beside(&mut self, _program: &distc_ir::Graph) -> Result<Option<Self>, KernelError>
+    where
+        Self: Sized,
+    {
+        Ok(None)
+    }
+
     /// Called once with the schedule the executor will run, before any kernel: a
     /// device backend plans its memory and compiles its kernels here.
     fn prepare(&mut self, _schedule: &Schedule) -> Result<(), KernelError> {

@@ -191,13 +191,14 @@ impl<B: Backend> Executor<B> {
     }
 
     /// [`Executor::run_with`] for a pipeline stage's program: each `recv` takes the
-    /// value of its tag out of `received`, and each `send`'s value is handed back in
-    /// [`StepOutputs::sent`].
+    /// value of its tag out of `received` (host values: a device backend copies each
+    /// into its `recv`'s planned buffer, so a step allocates nothing), and each `send`'s
+    /// value is handed back in [`StepOutputs::sent`].
     pub fn run_stage<'h>(
         &mut self,
         feeds: &HashMap<String, B::Tensor>,
         params: &HashMap<String, B::Tensor>,
-        received: &mut HashMap<String, B::Value>,
+        received: &mut HashMap<String, Value>,
         mode: Mode,
         step: u64,
         mut comm: Option<&mut (dyn CommHook + 'h)>,
@@ -271,7 +272,7 @@ impl<B: Backend> Executor<B> {
                             "stage {stage} sent nothing named `{tag}` for this micro-batch"
                         ))
                     })?;
-                    let got = B::value_type(&v);
+                    let got = v.value_type();
                     if !fits(&got, &ValueType::Tensor(ty.clone())) {
                         return Err(kernel_err(format!(
                             "stage {stage} sent `{tag}` as {got}, the graph says {ty}"
@@ -279,6 +280,9 @@ impl<B: Backend> Executor<B> {
                     }
                     if let (Some(&(slot, _)), Some(true)) = (node.outputs.first(), st.keep.first())
                     {
+                        let v = backend
+                            .from_host(Some((node.id, 0)), v)
+                            .map_err(backend_err)?;
                         let bytes = B::value_bytes(&v);
                         held[slot] = (false, bytes);
                         tally.add(false, bytes);

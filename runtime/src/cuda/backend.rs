@@ -227,8 +227,17 @@ struct HeldFeed {
 /// What the backend adds to the driver's [`ArgVal`].
 trait ArgCheck: Sized {
     fn fits(self, p: CParam) -> bool;
-    fn scalar(k: &KArg, rank: usize, training: bool) -> Option<Result<Self, KernelError>>;
+    fn scalar(k: &KArg, ctx: &KernelCtx) -> Option<Result<Self, KernelError>>;
 }
+
+/// The context of a launch outside a node's kernels (optimizer updates, accumulation):
+/// they take no rank and always train.
+const OUTSIDE_NODES: KernelCtx = KernelCtx {
+    step: 0,
+    training: true,
+    rank: 0,
+    model_rank: 0,
+};
 
 impl ArgCheck for ArgVal {
     /// Whether this value is what a C parameter of class `p` takes (8 bytes for a
@@ -244,13 +253,15 @@ impl ArgCheck for ArgVal {
     }
 
     /// A by-value argument (not a buffer) in its C type; `None` for a buffer.
-    fn scalar(k: &KArg, rank: usize, training: bool) -> Option<Result<ArgVal, KernelError>> {
+    fn scalar(k: &KArg, ctx: &KernelCtx) -> Option<Result<ArgVal, KernelError>> {
+        let rank = |r: usize| match u32::try_from(r) {
+            Ok(r) => Ok(ArgVal::U32(r)),
+            Err(_) => Err(invalid(format!("rank {r} exceeds u32"))),
+        };
         Some(Ok(match k {
-            KArg::Rank => match u32::try_from(rank) {
-                Ok(r) => ArgVal::U32(r),
-                Err(_) => return Some(Err(invalid(format!("rank {rank} exceeds u32")))),
-            },
-            KArg::Training => ArgVal::U32(u32::from(training)),
+            KArg::Rank => return Some(rank(ctx.rank)),
+            KArg::ModelRank => return Some(rank(ctx.model_rank)),
+            KArg::Training => ArgVal::U32(u32::from(ctx.training)),
             KArg::I32(v) => ArgVal::I32(*v),
             KArg::U32(v) => ArgVal::U32(*v),
             KArg::F32(v) => ArgVal::F32(*v),
@@ -840,7 +851,7 @@ fn issue_over_gradient(
         match k {
             KArg::Grad => Ok(ArgVal::U64(grad.0)),
             KArg::Scratch(0) => Ok(ArgVal::U64(scratch.0)),
-            _ => ArgVal::scalar(k, 0, true)
+            _ => ArgVal::scalar(k, &OUTSIDE_NODES)
                 .unwrap_or_else(|| Err(invalid(format!("{}: {k:?} is not a value", what())))),
         }
     };
@@ -1012,6 +1023,18 @@ impl Device for CudaBackend {
 }
 
 impl Kernels for CudaBackend {
+    fn beside(&mut self, program: &Graph) -> Result<Option<CudaBackend>, KernelError> {
+        Self::check_graph(program)?;
+        self.bind()?;
+        let dev = self.dev.sibling()?;
+        Ok(Some(Self::with_driver(
+            dev,
+            self.ordinal,
+            program,
+            self.opts,
+        )?))
+    }
+
     fn prepare(&mut self, schedule: &Schedule) -> Result<(), KernelError> {
         self.no_capture("planning memory")?;
         self.bind()?;
@@ -1055,10 +1078,11 @@ impl Kernels for CudaBackend {
                 e.2 = e.2.max(lt.last);
             }
         }
-        // Gradients are read by the optimizer after the run, and the values of assign
-        // sinks copied over their variables then: live to the end.
+        // Gradients are read by the optimizer after the run, the values of assign
+        // sinks copied over their variables then, and what a pipeline stage sends read
+        // then to be sent: live to the end.
         for id in self.graph.node_ids() {
-            if let Op::ParamGrad { .. } | Op::Assign { .. } = self.graph.op(id) {
+            if let Op::ParamGrad { .. } | Op::Assign { .. } | Op::Send { .. } = self.graph.op(id) {
                 if let Some(src) = input_key(&self.graph, id, 0) {
                     if let Some(Some(r)) = root.get(&src) {
                         if let Some(e) = span.get_mut(r) {
@@ -1264,7 +1288,7 @@ impl Kernels for CudaBackend {
                     )))
                 }
                 scalar => {
-                    return ArgVal::scalar(scalar, ctx.rank, ctx.training).unwrap_or_else(|| {
+                    return ArgVal::scalar(scalar, ctx).unwrap_or_else(|| {
                         Err(invalid(format!("{}: {scalar:?} is not a value", what())))
                     })
                 }
@@ -1353,7 +1377,7 @@ impl Kernels for CudaBackend {
                 KArg::Output(0) => Ok(ArgVal::U64(acc)),
                 // Scalars only: the rank and the training flag are no argument of
                 // an accumulation.
-                scalar => ArgVal::scalar(scalar, 0, true).unwrap_or_else(|| {
+                scalar => ArgVal::scalar(scalar, &OUTSIDE_NODES).unwrap_or_else(|| {
                     Err(invalid(format!("{}: {scalar:?} is not a value", what())))
                 }),
             }
@@ -1788,7 +1812,7 @@ impl OptimizerState for CudaBackend {
                                 as u64,
                     ),
                     KArg::I32(_) | KArg::U32(_) | KArg::F32(_) | KArg::U64(_) => {
-                        return ArgVal::scalar(k, 0, true).unwrap_or_else(|| {
+                        return ArgVal::scalar(k, &OUTSIDE_NODES).unwrap_or_else(|| {
                             Err(invalid(format!("{}: {k:?} is not a value", what())))
                         })
                     }
@@ -2219,6 +2243,14 @@ impl DeviceCollectives for CudaBackend {
 mod tests {
     use super::*;
 
+    fn ranks(rank: usize, model_rank: usize) -> KernelCtx {
+        KernelCtx {
+            rank,
+            model_rank,
+            ..OUTSIDE_NODES
+        }
+    }
+
     /// Every argument role is packed as the C type the codegen gives it: buffers as
     /// 64-bit addresses, scalars as their own 32- or 64-bit values.
     #[test]
@@ -2229,6 +2261,7 @@ mod tests {
             KArg::Scratch(2),
             KArg::Step,
             KArg::Rank,
+            KArg::ModelRank,
             KArg::Training,
             KArg::I32(-3),
             KArg::U32(7),
@@ -2240,7 +2273,7 @@ mod tests {
         ];
         for k in &all {
             let class = CParam::of_arg(k);
-            let v = match ArgVal::scalar(k, 3, true) {
+            let v = match ArgVal::scalar(k, &ranks(3, 4)) {
                 Some(v) => v.expect("packs"),
                 // Buffers: a device address (`CUdeviceptr`, a u64).
                 None => ArgVal::U64(0xdead_0000),
@@ -2251,18 +2284,28 @@ mod tests {
             );
         }
         assert!(
-            matches!(ArgVal::scalar(&KArg::U64(1 << 40), 0, true), Some(Ok(ArgVal::U64(x))) if x == 1 << 40)
+            matches!(ArgVal::scalar(&KArg::U64(1 << 40), &OUTSIDE_NODES), Some(Ok(ArgVal::U64(x))) if x == 1 << 40)
         );
         assert!(matches!(
-            ArgVal::scalar(&KArg::Training, 0, false),
+            ArgVal::scalar(
+                &KArg::Training,
+                &KernelCtx {
+                    training: false,
+                    ..OUTSIDE_NODES
+                }
+            ),
             Some(Ok(ArgVal::U32(0)))
         ));
         assert!(matches!(
-            ArgVal::scalar(&KArg::Rank, 5, true),
+            ArgVal::scalar(&KArg::Rank, &ranks(5, 2)),
             Some(Ok(ArgVal::U32(5)))
         ));
         assert!(matches!(
-            ArgVal::scalar(&KArg::Rank, usize::MAX, true),
+            ArgVal::scalar(&KArg::ModelRank, &ranks(5, 2)),
+            Some(Ok(ArgVal::U32(2)))
+        ));
+        assert!(matches!(
+            ArgVal::scalar(&KArg::Rank, &ranks(usize::MAX, 0)),
             Some(Err(_))
         ));
     }

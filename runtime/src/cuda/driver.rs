@@ -133,6 +133,11 @@ pub trait Driver {
     fn uuid(&self) -> Result<[u8; 16], CudaError>;
     /// Makes the device current on the calling thread.
     fn bind(&self) -> Result<(), CudaError>;
+    /// A driver of the same device on the same stream, with kernels, host buffers and
+    /// a graph of its own: each one's buffers are the other's to read, in issue order.
+    /// For a second program of one worker (a pipeline stage's forward beside its
+    /// backward, sharing the variables and the batch).
+    fn sibling(&self) -> Result<Box<dyn Driver>, CudaError>;
     /// Whether launches must carry their [`Region`]s (the emulator checks them).
     fn checks_accesses(&self) -> bool {
         false
@@ -263,6 +268,7 @@ pub struct CudarcDriver {
     pinned: Vec<Pinned>,
     _workspace: CudaSlice<u8>,
     name: String,
+    tf32: bool,
     arch: String,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -280,6 +286,15 @@ impl CudarcDriver {
             ctx.disable_event_tracking()
         };
         let stream = ctx.new_stream().map_err(drv_err("cuStreamCreate"))?;
+        Self::on_stream(ctx, stream, tf32)
+    }
+
+    /// The driver issuing on `stream` of `ctx`, with a cuBLAS handle of its own.
+    fn on_stream(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        tf32: bool,
+    ) -> Result<CudarcDriver, CudaError> {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(drv_err("cuDeviceGetAttribute"))?;
@@ -319,6 +334,7 @@ impl CudarcDriver {
             pinned: Vec::new(),
             _workspace: workspace,
             name,
+            tf32,
             arch: format!("sm_{major}{minor}"),
             stream,
             ctx,
@@ -362,6 +378,15 @@ impl Driver for CudarcDriver {
         self.ctx
             .bind_to_thread()
             .map_err(drv_err("cuCtxSetCurrent"))
+    }
+
+    fn sibling(&self) -> Result<Box<dyn Driver>, CudaError> {
+        self.bind()?;
+        Ok(Box::new(Self::on_stream(
+            self.ctx.clone(),
+            self.stream.clone(),
+            self.tf32,
+        )?))
     }
 
     fn load_module(

@@ -425,10 +425,11 @@ pub fn worker_backend(
 ) -> Result<CudaBackend, crate::core::error::RuntimeError> {
     let mut backend = CudaBackend::new(ordinal, graph, opts)?;
     // Every rank holds the same program, so every rank skips the bootstrap alike.
-    let has_collective = graph
-        .node_ids()
-        .into_iter()
-        .any(|id| graph.op(id).is_collective());
+    // `comm` links the data axis: the model axis's collectives go through the host.
+    let has_collective = graph.node_ids().into_iter().any(|id| {
+        let op = graph.op(id);
+        op.is_collective() && !op.is_model_collective()
+    });
     if opts.emulator && collectives != nccl::Collectives::Host && has_collective {
         // Emulated NCCL: every rank has it and a device of its own; rank 0's id names
         // the communicator to the threads of this process.

@@ -19,7 +19,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
 use crate::run::metrics::StepMetrics;
-use crate::run::programs::{Programs, TrainOptions, TrainReport};
+use crate::run::programs::{Programs, Site, TrainOptions, TrainReport};
 use crate::run::train::{train, train_with};
 use std::collections::HashMap;
 
@@ -122,11 +122,6 @@ pub fn launch(
         evaluate: opts.evaluate && config.data.has_held_out(),
         ..opts.clone()
     };
-    if programs.pipeline.is_some() && matches!(device, DeviceChoice::Cuda(_)) {
-        return Err(RuntimeError::Config(
-            "a pipelined plan runs on the CPU only for now: drop --device cuda".into(),
-        ));
-    }
     match (device, transport) {
         (DeviceChoice::Cpu, TransportChoice::InProcess) => {
             train(*programs, config, opts, on_step).map(Some)
@@ -138,7 +133,6 @@ pub fn launch(
         }
         (DeviceChoice::Cuda(gpu), transport) => {
             require_gpu(gpu)?;
-            let worker = programs.worker;
             let cuda = CudaOptions {
                 tf32: gpu.tf32,
                 graphs: gpu.graphs,
@@ -159,8 +153,9 @@ pub fn launch(
                     _ => collectives = Collectives::Host,
                 }
             }
-            let make = |rank: usize, comm: &mut dyn Communicator| -> Result<CudaBackend> {
-                crate::cuda::worker_backend(worker, cuda, gpu.gpu_of(rank), collectives, comm)
+            let make = |site: Site<'_>, comm: &mut dyn Communicator| -> Result<CudaBackend> {
+                let gpu_of = gpu.gpu_of(site.worker);
+                crate::cuda::worker_backend(site.program, cuda, gpu_of, collectives, comm)
             };
             match transport {
                 TransportChoice::InProcess => {
@@ -325,7 +320,7 @@ fn mpi_ranks<B: crate::core::backend::Backend>(
     opts: &TrainOptions,
     m: &MpiRun,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     crate::run::mpi::run_with(programs, config, opts, m, on_step, make)
 }
@@ -337,7 +332,7 @@ fn mpi_ranks<B: crate::core::backend::Backend>(
     _: &TrainOptions,
     _: &MpiRun,
     _: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    _: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+    _: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     Err(RuntimeError::Config(NO_MPI.into()))
 }

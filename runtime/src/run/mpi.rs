@@ -37,7 +37,7 @@ use crate::run::mesh::{Axis, Mesh};
 use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
 use crate::run::programs::{
-    open_data, pulled_types, server_shards, MpiRun, Programs, TrainOptions, TrainReport,
+    open_data, pulled_types, server_shards, MpiRun, Programs, Site, TrainOptions, TrainReport,
 };
 use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
@@ -340,7 +340,7 @@ fn fail(
 
 /// Runs this process's rank of the plan under `mpirun`: a worker or a server as the
 /// rank-to-role mapping says, each worker rank's kernels on the backend
-/// `make(rank, comm)` creates (`comm`: the workers' MPI communicator, for a device
+/// `make(site, comm)` creates (`comm`: the workers' MPI communicator, for a device
 /// communicator's bootstrap); servers stay on the CPU. Rank 0 returns the run's report
 /// (metrics lines go to `on_step` there); the other ranks return `None`. An error on
 /// any rank stops the job.
@@ -350,7 +350,7 @@ pub fn run_with<B: Backend>(
     opts: &TrainOptions,
     mpi_run: &MpiRun,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .ok_or_else(|| {
@@ -505,7 +505,7 @@ pub fn run_with<B: Backend>(
         Some(Role::Worker(_)) if mesh.pipelined => {
             drop(workers_comm);
             pipeline::run_stage_rank(
-                programs, mesh, config, opts, mpi_run, &world, rank, &ctl, t0, on_step,
+                programs, mesh, config, opts, mpi_run, &world, rank, &ctl, t0, on_step, make,
             )
         }
         Some(Role::Worker(r)) => {
@@ -702,7 +702,7 @@ fn run_worker_rank<B: Backend>(
     ctl: &Arc<Comm>,
     t0: Instant,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(usize, &mut dyn Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
     // A mesh with a model axis: every worker splits the workers' communicator by its
@@ -783,7 +783,15 @@ fn run_worker_rank<B: Backend>(
             write_local(&rep)?;
             to_rank0.send(ctl, rep.step, Vec::new(), &rep)
         };
-        let outcome = run_worker_on(setup(Box::new(report)), |c| make(r, c))?;
+        let outcome = run_worker_on(setup(Box::new(report)), |c| {
+            make(
+                Site {
+                    worker: r,
+                    program: programs.worker,
+                },
+                c,
+            )
+        })?;
         let _ = send_spans(ctl, r, outcome.spans, opts, mpi_run);
         return Ok(None);
     }
@@ -801,7 +809,15 @@ fn run_worker_rank<B: Backend>(
             write_local(&rep)?;
             to_coordinator(rep)
         };
-        run_worker_on(setup(Box::new(report)), |c| make(r, c))
+        run_worker_on(setup(Box::new(report)), |c| {
+            make(
+                Site {
+                    worker: r,
+                    program: programs.worker,
+                },
+                c,
+            )
+        })
     };
     let outcome = drain_on_rank0(
         "worker-0",

@@ -960,11 +960,30 @@ pub(crate) fn decode_params(bytes: &[u8]) -> std::result::Result<HashMap<String,
 }
 
 /// Bytes of the values held for micro-batches in flight.
-fn held_bytes<B: Backend>(maps: &[HashMap<String, B::Value>]) -> u64 {
+fn held_bytes(maps: &[HashMap<String, Value>]) -> u64 {
     maps.iter()
         .flat_map(|m| m.values())
-        .map(B::value_bytes)
+        .map(|v| v.value_type().bytes() as u64)
         .sum()
+}
+
+/// Micro-batch `m`'s feeds, uploaded under names of their own (`x/micro1`): a device
+/// backend keeps one buffer per name, and a step's micro-batches are live together.
+fn upload_micro<B: Backend>(
+    backend: &mut B,
+    batch: HashMap<String, Tensor>,
+    m: usize,
+) -> Result<HashMap<String, B::Tensor>> {
+    let device = backend.name();
+    batch
+        .into_iter()
+        .map(|(name, t)| {
+            let t = backend
+                .upload(&format!("{name}/micro{m}"), t)
+                .map_err(|e| backend_error(&device, &format!("copying `{name}` in"), e))?;
+            Ok((name, t))
+        })
+        .collect()
 }
 
 impl<'a> Stage<'a> {
@@ -977,15 +996,25 @@ impl<'a> Stage<'a> {
     /// host.
     pub(crate) fn run_on<B: Backend>(
         mut self,
-        make: &mut dyn FnMut(&mut dyn Communicator) -> Result<B>,
+        make: &mut dyn FnMut(&Graph, &mut dyn Communicator) -> Result<B>,
         config: &RunConfig,
         report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
-        let mut made = || match self.hook.replicas.as_mut() {
-            Some(c) => make(&mut **c),
-            None => make(&mut *self.comm),
+        let (forward, backward) = (self.forward, self.backward);
+        let mut made = |program| match self.hook.replicas.as_mut() {
+            Some(c) => make(program, &mut **c),
+            None => make(program, &mut *self.comm),
         };
-        let (forward_backend, backward_backend) = (made()?, made()?);
+        // The forward runs beside the backward, on its device: the variables and the
+        // batch are uploaded once, for both.
+        let mut backward_backend = made(backward)?;
+        let forward_backend = match backward_backend
+            .beside(forward)
+            .map_err(|e| backend_error(&backward_backend.name(), "adding the forward program", e))?
+        {
+            Some(b) => b,
+            None => made(forward)?,
+        };
         let mut fwd = Executor::with_backend(self.forward, forward_backend)?;
         fwd.set_train_outputs(false);
         fwd.set_model_rank(self.model_rank);
@@ -1099,19 +1128,25 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         let s = me.stage;
         let t0 = me.t0;
         let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
+        // Each micro-batch in buffers of its own: all of a step's are live at once.
         let feeds = me
             .data
             .iter_mut()
-            .map(|d| d.next_batch().and_then(|b| upload_all(fwd.backend(), b)))
+            .enumerate()
+            .map(|(m, d)| {
+                d.next_batch()
+                    .and_then(|b| upload_micro(fwd.backend(), b, m))
+            })
             .collect::<Result<Vec<_>>>()?;
         let start = Instant::now();
         let mut waited = 0.0;
         let mut busy = 0.0;
         // Per micro-batch: what its forward receives, what its backward receives (the
-        // stash and the gradients), what waits to be sent, by stage.
-        let mut fwd_in: Vec<HashMap<String, B::Value>> =
+        // stash and the gradients), what waits to be sent, by stage. Held on the host:
+        // each run copies what it receives into its own buffers (on the CPU, moved).
+        let mut fwd_in: Vec<HashMap<String, Value>> =
             (0..me.micro).map(|_| HashMap::new()).collect();
-        let mut bwd_in: Vec<HashMap<String, B::Value>> =
+        let mut bwd_in: Vec<HashMap<String, Value>> =
             (0..me.micro).map(|_| HashMap::new()).collect();
         let mut outbox: HashMap<(usize, usize), Vec<(String, Value)>> = HashMap::new();
         let mut loss = 0.0;
@@ -1140,16 +1175,11 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                              {from}: {e}"
                         ))
                     })?;
-                    let (into, backend) = match what {
-                        Carried::Activation => (&mut fwd_in[micro], fwd.backend()),
-                        Carried::Gradient => (&mut bwd_in[micro], bwd.backend()),
+                    let into = match what {
+                        Carried::Activation => &mut fwd_in[micro],
+                        Carried::Gradient => &mut bwd_in[micro],
                     };
-                    for (tag, v) in values {
-                        let v = backend
-                            .from_host(None, v)
-                            .map_err(fail("receiving a message"))?;
-                        into.insert(tag, v);
-                    }
+                    into.extend(values);
                 }
                 Step::Send { to, what, micro } => {
                     me.comm.set_label(&format!(
@@ -1196,20 +1226,20 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                         }
                     };
                     // The live stash and messages beside this run's own peak.
-                    let held = held_bytes::<B>(&fwd_in) + held_bytes::<B>(&bwd_in);
+                    let held = held_bytes(&fwd_in) + held_bytes(&bwd_in);
                     peak.activations = peak.activations.max(run.activations + held);
                     peak.gradients = peak.gradients.max(run.gradients);
                     loss += out.loss.unwrap_or(0.0);
                     for (to, tag, v) in out.sent {
+                        let backend = if forward {
+                            fwd.backend()
+                        } else {
+                            bwd.backend()
+                        };
+                        let v = backend.to_host(v).map_err(fail("sending a message"))?;
                         if to == s {
                             bwd_in[m].insert(tag, v);
                         } else {
-                            let backend = if forward {
-                                fwd.backend()
-                            } else {
-                                bwd.backend()
-                            };
-                            let v = backend.to_host(v).map_err(fail("sending a message"))?;
                             outbox.entry((to, m)).or_default().push((tag, v));
                         }
                     }

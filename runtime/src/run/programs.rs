@@ -19,6 +19,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// What a backend is made for: a worker of the mesh and the program it will run on
+/// that backend (the worker program, or a pipeline stage's forward or backward). A
+/// device backend compiles its kernels for `program`.
+#[derive(Clone, Copy, Debug)]
+pub struct Site<'g> {
+    /// The worker (its rank in the plan's mesh).
+    pub worker: usize,
+    /// The program the backend runs.
+    pub program: &'g Graph,
+}
+
 /// The programs of a plan: the SPMD worker program (the one-device graph for one
 /// device), the workers' init program and one program per parameter server.
 #[derive(Clone, Copy, Debug)]

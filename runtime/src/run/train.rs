@@ -31,7 +31,7 @@ use std::time::Instant;
 pub use crate::run::eval::evaluate;
 pub use crate::run::programs::{
     init_params, input_types, micro_batches, open_data, pulled_types, server_shards,
-    CheckpointEvery, Programs, TrainOptions, TrainReport,
+    CheckpointEvery, Programs, Site, TrainOptions, TrainReport,
 };
 
 /// One in-process communicator per group of `axis`, its waits bounded by the run's
@@ -171,7 +171,7 @@ pub fn train(
     train_with(programs, config, opts, on_step, |_, _| Ok(Cpu))
 }
 
-/// [`train`], each worker's kernels on the backend `make(rank, comm)` creates on that
+/// [`train`], each worker's kernels on the backend `make(site, comm)` creates on that
 /// worker's thread (several workers may share one device). `comm` is the workers'
 /// in-process communicator, for a device communicator's bootstrap; collectives go
 /// through the host unless the backend runs them itself
@@ -181,7 +181,7 @@ pub fn train_with<B: Backend>(
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: impl Fn(usize, &mut dyn Communicator) -> Result<B> + Sync,
+    make: impl Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
     let mesh = Mesh::of(&programs)?;
     if mesh.pipelined {
@@ -258,7 +258,11 @@ pub fn train_with<B: Backend>(
                     t0,
                     errors,
                 };
-                run_worker_on(setup, |c| make(rank, c))
+                let site = Site {
+                    worker: rank,
+                    program: programs.worker,
+                };
+                run_worker_on(setup, |c| make(site, c))
             };
             (format!("worker-{rank}"), role)
         })
@@ -309,7 +313,7 @@ pub fn train_pipeline(
     train_pipeline_with(programs, mesh, config, opts, on_step, |_, _| Ok(Cpu))
 }
 
-/// [`train_pipeline`], each stage's kernels on the backends `make(worker, comm)`
+/// [`train_pipeline`], each stage's kernels on the backends `make(site, comm)`
 /// creates on that stage's thread (see [`crate::run::pipeline::Stage::run_on`]).
 pub fn train_pipeline_with<B: Backend>(
     programs: &Programs<'_>,
@@ -317,7 +321,7 @@ pub fn train_pipeline_with<B: Backend>(
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: impl Fn(usize, &mut dyn Communicator) -> Result<B> + Sync,
+    make: impl Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
     let make = &make;
     let run = PipelineRun::new(programs, mesh, config, opts)?;
@@ -352,7 +356,11 @@ pub fn train_pipeline_with<B: Backend>(
         let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
         let errors = &errors;
         let role = move |tx| {
-            let result = stage.run_on(&mut |c| make(w, c), config, &mut reporter(tx));
+            let result = stage.run_on(
+                &mut |program, c| make(Site { worker: w, program }, c),
+                config,
+                &mut reporter(tx),
+            );
             // The cause first: its neighbours fail next, seeing it hang up.
             result.map_err(|e| {
                 let message = e.to_string();

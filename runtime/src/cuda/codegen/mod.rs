@@ -41,7 +41,7 @@
 //!
 //! A kernel's arguments are passed in order, each as its C type: pointers (`Input`,
 //! `Output`, `Scratch`, `Step`, `Param`, `Grad`, `Slot`) as device addresses,
-//! `I32`/`U32`/`Rank`/`Training` as 32-bit integers, `F32` as `float`, `U64` as a
+//! `I32`/`U32`/`Rank`/`ModelRank`/`Training` as 32-bit integers, `F32` as `float`, `U64` as a
 //! 64-bit integer.
 //!
 //! # Matrix products
@@ -61,6 +61,7 @@ mod elementwise;
 mod half;
 mod index;
 mod layout;
+mod model;
 mod nn;
 mod optim;
 mod reduce;
@@ -114,6 +115,9 @@ pub enum KArg {
     Step,
     /// This worker's rank, as a 32-bit unsigned integer.
     Rank,
+    /// This worker's rank on the mesh's model axis (0 without one), as a 32-bit
+    /// unsigned integer: which part of a split variable it holds.
+    ModelRank,
     /// 1 in a training run, 0 in an evaluation run (dropout is the identity there),
     /// as a 32-bit unsigned integer.
     Training,
@@ -795,16 +799,11 @@ pub(crate) fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError
         )));
     }
     match op {
-        Op::ModelEnter { .. }
-        | Op::ModelAllReduce { .. }
-        | Op::ModelGather { .. }
-        | Op::ModelSplit { .. }
-        | Op::ModelReduceScatter { .. }
-        | Op::ModelEmbedding { .. }
-        | Op::ModelEmbeddingGrad { .. } => Err(NodeError::Unsupported(format!(
-            "{}: tensor parallelism runs on the CPU backend for now",
-            op.mnemonic()
-        ))),
+        // Identity forward; its gradient is the model-axis sum.
+        Op::ModelEnter { .. } => Ok(layout::reshape(cx)?),
+        Op::ModelSplit { dim, parts } => Ok(model::split(cx, *dim, *parts)?),
+        Op::ModelEmbedding { .. } => Ok(model::embedding(cx)?),
+        Op::ModelEmbeddingGrad { .. } => Ok(model::embedding_grad(cx)?),
         Op::Cast { .. } => Ok(half::cast(cx)?),
         Op::Input { .. }
         | Op::Param { .. }
@@ -817,6 +816,9 @@ pub(crate) fn node_kernels(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError
         | Op::Broadcast { .. }
         | Op::ReduceScatter { .. }
         | Op::AllGatherDense { .. }
+        | Op::ModelAllReduce { .. }
+        | Op::ModelGather { .. }
+        | Op::ModelReduceScatter { .. }
         | Op::Pull { .. }
         | Op::SparsePull { .. }
         | Op::Push { .. }
@@ -963,7 +965,7 @@ impl CParam {
             | KArg::Param
             | KArg::Grad
             | KArg::Slot(_) => CParam::Ptr,
-            KArg::Rank | KArg::Training | KArg::U32(_) => CParam::U32,
+            KArg::Rank | KArg::ModelRank | KArg::Training | KArg::U32(_) => CParam::U32,
             KArg::I32(_) => CParam::I32,
             KArg::F32(_) => CParam::F32,
             KArg::U64(_) => CParam::B64,

@@ -6,6 +6,13 @@
 //! never builds a dense gradient: its scratch is one i32 per table row (the first-
 //! occurrence table) and one per gradient row.
 //!
+//! LARS and LAMB scale each variable's step by a trust ratio of two norms over the
+//! whole variable ([`trust_dense`]): a pass for the norms (one block, f64 sums in a
+//! fixed tree, so the same bits every run), then the update, which reads them from
+//! scratch; LAMB first moves its moments, as the CPU does. A row-sparse gradient is
+//! applied as the dense gradient it stands for (the CPU's rule: the trust ratio is
+//! over the whole variable, and the momentum moves every row), summed into scratch.
+//!
 //! Adam's bias correction reads the step from device memory ([`KArg::Step`], the
 //! 0-based index of the step being run, so `t = step + 1`) and computes
 //! `1 - beta^t` in double precision, as the CPU does before rounding to f32. Beside
@@ -44,11 +51,25 @@ pub struct OptimizerPlan {
 }
 
 /// The rule with its constants as C literals; the learning rate is read from device
-/// memory (see [`Rate`]).
+/// memory (see [`Rate`]). Pointwise rules update each element from its own gradient;
+/// trust-ratio rules need the whole variable's norms first.
 enum Rule {
     Sgd,
-    Momentum { mu: String },
+    Momentum {
+        mu: String,
+    },
     Adam(Adam),
+    Lars {
+        mu: String,
+        /// The weight decay as a C float (the update) and a C double (the ratio).
+        wd: String,
+        wdd: String,
+        eta: String,
+    },
+    Lamb {
+        adam: Adam,
+        wd: String,
+    },
 }
 
 struct Adam {
@@ -114,13 +135,41 @@ impl Rate {
 /// The rule's kernel text, or why the GPU has none; `decays`: the variable takes the
 /// weight decay (it is not exempt).
 fn rule(spec: &OptimizerSpec, decays: bool) -> Result<Rule, String> {
+    let adam = |beta1: f64, beta2: f64, eps: f64, decays: bool| Adam {
+        decays,
+        b1: flit(beta1),
+        b2: flit(beta2),
+        // 1-b in f64, then f32, as the CPU does (f32(0.999) is off by 5e-8).
+        c1: flit(1.0 - beta1),
+        c2: flit(1.0 - beta2),
+        eps: flit(eps),
+        b1d: format!("{beta1:?}"),
+        b2d: format!("{beta2:?}"),
+    };
+    // An exempt variable's LARS and LAMB take no decay (the CPU's `without_decay`).
+    let wd_of = |wd: f64| if decays { wd } else { 0.0 };
     Ok(match *spec {
-        OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => {
-            return Err(format!(
-                "{} (a layer-wise trust ratio) runs on the CPU backend for now",
-                spec.name()
-            ))
-        }
+        OptimizerSpec::Lars {
+            momentum,
+            weight_decay,
+            trust,
+            ..
+        } => Rule::Lars {
+            mu: flit(momentum),
+            wd: flit(wd_of(weight_decay)),
+            wdd: format!("{:?}", wd_of(weight_decay)),
+            eta: format!("{trust:?}"),
+        },
+        OptimizerSpec::Lamb {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            ..
+        } => Rule::Lamb {
+            adam: adam(beta1, beta2, eps, false),
+            wd: flit(wd_of(weight_decay)),
+        },
         OptimizerSpec::Sgd { momentum: 0.0, .. } => Rule::Sgd,
         OptimizerSpec::Sgd { momentum, .. } => Rule::Momentum { mu: flit(momentum) },
         OptimizerSpec::Adam {
@@ -129,17 +178,7 @@ fn rule(spec: &OptimizerSpec, decays: bool) -> Result<Rule, String> {
             eps,
             weight_decay,
             ..
-        } => Rule::Adam(Adam {
-            decays: decays && weight_decay > 0.0,
-            b1: flit(beta1),
-            b2: flit(beta2),
-            // 1-b in f64, then f32, as the CPU does (f32(0.999) is off by 5e-8).
-            c1: flit(1.0 - beta1),
-            c2: flit(1.0 - beta2),
-            eps: flit(eps),
-            b1d: format!("{beta1:?}"),
-            b2d: format!("{beta2:?}"),
-        }),
+        } => Rule::Adam(adam(beta1, beta2, eps, decays && weight_decay > 0.0)),
     })
 }
 
@@ -147,8 +186,8 @@ impl Rule {
     fn slot_names(&self) -> &'static [&'static str] {
         match self {
             Rule::Sgd => &[],
-            Rule::Momentum { .. } => &["momentum"],
-            Rule::Adam(_) => &["m", "v"],
+            Rule::Momentum { .. } | Rule::Lars { .. } => &["momentum"],
+            Rule::Adam(_) | Rule::Lamb { .. } => &["m", "v"],
         }
     }
 
@@ -157,7 +196,7 @@ impl Rule {
     fn prologue(&self) -> String {
         let rate = "const float lr_ = ((const float*)(step + 1))[0]; const float keep_ = ((const float*)(step + 1))[1];";
         match self {
-            Rule::Adam(a) => format!(
+            Rule::Adam(a) | Rule::Lamb { adam: a, .. } => format!(
                 "{rate} double t_ = (double)(*step + 1ull); float bc1 = (float)(1.0 - pow({}, t_)); float bc2 = (float)(1.0 - pow({}, t_));",
                 a.b1d, a.b2d
             ),
@@ -166,9 +205,15 @@ impl Rule {
     }
 
     /// C updating element `at` of the variable (and its slots) with the scaled
-    /// gradient `g` (a float expression evaluated once).
+    /// gradient `g` (a float expression evaluated once). A trust-ratio rule's step is
+    /// `st_`, its learning rate times the trust ratio ([`trust_dense`]), and LAMB's
+    /// moments were moved by an earlier pass.
     fn update(&self, at: &str, g: &str) -> String {
         match self {
+            Rule::Lars { mu, wd, .. } => format!(
+                "float v = {mu} * s0[{at}] + st_ * ({g} * sc + {wd} * w[{at}]); s0[{at}] = v; w[{at}] = w[{at}] - v;"
+            ),
+            Rule::Lamb { .. } => format!("w[{at}] = w[{at}] - st_ * {};", self.lamb_ratio(at)),
             Rule::Sgd => format!("w[{at}] = w[{at}] - lr_ * ({g} * sc);"),
             Rule::Momentum { mu } => format!(
                 "float v = {mu} * s0[{at}] + {g} * sc; s0[{at}] = v; w[{at}] = w[{at}] - lr_ * v;"
@@ -189,20 +234,34 @@ impl Rule {
         }
     }
 
+    /// LAMB's update direction at `at`, in f32 as the CPU computes it: the
+    /// bias-corrected Adam ratio plus the decay.
+    fn lamb_ratio(&self, at: &str) -> String {
+        match self {
+            Rule::Lamb { adam, wd } => format!(
+                "((s0[{at}] / bc1) / (sqrtf(s1[{at}] / bc2) + {eps}) + {wd} * w[{at}])",
+                eps = adam.eps
+            ),
+            _ => "0.0f".into(),
+        }
+    }
+
     /// Kernel parameters after the variable: the slots and, for Adam, the step.
     fn params(&self) -> &'static str {
         match self {
             Rule::Sgd => ", const u64* step",
-            Rule::Momentum { .. } => ", float* s0, const u64* step",
-            Rule::Adam(_) => ", float* s0, float* s1, const u64* step",
+            Rule::Momentum { .. } | Rule::Lars { .. } => ", float* s0, const u64* step",
+            Rule::Adam(_) | Rule::Lamb { .. } => ", float* s0, float* s1, const u64* step",
         }
     }
 
     fn args(&self) -> Vec<KArg> {
         match self {
             Rule::Sgd => vec![KArg::Step],
-            Rule::Momentum { .. } => vec![KArg::Slot(0), KArg::Step],
-            Rule::Adam(_) => vec![KArg::Slot(0), KArg::Slot(1), KArg::Step],
+            Rule::Momentum { .. } | Rule::Lars { .. } => vec![KArg::Slot(0), KArg::Step],
+            Rule::Adam(_) | Rule::Lamb { .. } => {
+                vec![KArg::Slot(0), KArg::Slot(1), KArg::Step]
+            }
         }
     }
 
@@ -214,8 +273,104 @@ impl Rule {
             (Rule::Sgd, true) => "sparse_sgd",
             (Rule::Momentum { .. }, true) => "sparse_momentum",
             (Rule::Adam(_), true) => "sparse_adam",
+            (Rule::Lars { .. }, _) => "lars",
+            (Rule::Lamb { .. }, _) => "lamb",
         }
     }
+
+    /// Whether the rule scales its step by a trust ratio over the whole variable.
+    fn trusts(&self) -> bool {
+        matches!(self, Rule::Lars { .. } | Rule::Lamb { .. })
+    }
+
+    /// C computing `trust_` from the two norms' square sums `norms[0..2]` (the
+    /// variable's, and the gradient's or LAMB's direction's), as the CPU does in f64.
+    fn trust(&self, scale: f64) -> String {
+        match self {
+            Rule::Lars { wdd, eta, .. } => format!(
+                "double wn_ = sqrt(norms[0]), gn_ = {scale:?} * sqrt(norms[1]); double trust_ = (wn_ > 0.0 && gn_ > 0.0) ? {eta} * wn_ / (gn_ + {wdd} * wn_) : 1.0;"
+            ),
+            _ => "double wn_ = sqrt(norms[0]), rn_ = sqrt(norms[1]); double trust_ = (wn_ > 0.0 && rn_ > 0.0) ? wn_ / rn_ : 1.0;".into(),
+        }
+    }
+}
+
+/// Threads of the one block that sums a variable's norms.
+const NORM_BLOCK: u32 = 1024;
+
+/// A trust-ratio update of a dense gradient `grad` (the variable's own, or scratch a
+/// sparse gradient was summed into): LAMB's moments, then one block sums the squares
+/// of the variable and of the gradient (LARS) or of LAMB's direction into two f64s of
+/// scratch (a fixed tree: the same bits every run), then each element's update reads
+/// them and scales its step by the trust ratio.
+fn trust_dense(
+    cx: &mut NodeCx<'_>,
+    rule: &Rule,
+    ty: &TensorType,
+    scale: f64,
+    grad: KArg,
+) -> Result<(), String> {
+    let n = ty.shape.numel();
+    let u = |v: usize| KArg::U64(v as u64);
+    let params = rule.params();
+    if let Rule::Lamb { adam, .. } = rule {
+        let text = format!(
+            "extern \"C\" __global__ void KNAME(const float* g, u64 n, float sc{params}) {{\n{INDEX}    float gs = g[i] * sc; s0[i] = {b1} * s0[i] + {c1} * gs; s1[i] = {b2} * s1[i] + {c2} * gs * gs;\n}}\n",
+            b1 = adam.b1,
+            b2 = adam.b2,
+            c1 = adam.c1,
+            c2 = adam.c2,
+        );
+        let name = cx.kernel("lamb_moments", text);
+        let mut args = vec![grad.clone(), u(n), KArg::F32(scale as f32)];
+        args.extend(rule.args());
+        cx.launch_1d(&name, n, args)?;
+    }
+    let second = match rule {
+        Rule::Lamb { .. } => rule.lamb_ratio("i"),
+        _ => "g[i]".into(),
+    };
+    let norms = format!(
+        "extern \"C\" __global__ void KNAME(const float* w, const float* g, u64 n, double* norms{params}) {{
+    {pro}
+    __shared__ double sh[2 * {NORM_BLOCK}];
+    double a = 0.0, b = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {{
+        double x = (double)w[i], y = (double)({second});
+        a += x * x;
+        b += y * y;
+    }}
+    sh[threadIdx.x] = a;
+    sh[{NORM_BLOCK} + threadIdx.x] = b;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {{
+        if (threadIdx.x < s) {{
+            sh[threadIdx.x] += sh[threadIdx.x + s];
+            sh[{NORM_BLOCK} + threadIdx.x] += sh[{NORM_BLOCK} + threadIdx.x + s];
+        }}
+        __syncthreads();
+    }}
+    if (threadIdx.x == 0) {{ norms[0] = sh[0]; norms[1] = sh[{NORM_BLOCK}]; }}
+}}
+",
+        pro = rule.prologue(),
+    );
+    let norms = cx.kernel(&format!("{}_norms", rule.base(false)), norms);
+    let sums = cx.scratch(16);
+    let mut args = vec![KArg::Param, grad.clone(), u(n), sums.clone()];
+    args.extend(rule.args());
+    cx.launch(&norms, [1, 1, 1], NORM_BLOCK, args);
+    let text = format!(
+        "extern \"C\" __global__ void KNAME(float* w, const float* g, u64 n, float sc{params}, const double* norms) {{\n{INDEX}    {pro}\n    {trust}\n    const float st_ = (float)((double)lr_ * trust_);\n    {upd}\n}}\n",
+        pro = rule.prologue(),
+        trust = rule.trust(scale),
+        upd = rule.update("i", "g[i]"),
+    );
+    let name = cx.kernel(rule.base(false), text);
+    let mut args = vec![KArg::Param, grad, u(n), KArg::F32(scale as f32)];
+    args.extend(rule.args());
+    args.push(sums);
+    cx.launch_1d(&name, n, args)
 }
 
 /// The update kernels of `spec` for each `(name, type, sparse gradient)` variable;
@@ -290,6 +445,9 @@ pub fn optimizer_kernels(
 
 /// One pass over the variable: each thread updates one element and its slots.
 fn dense(cx: &mut NodeCx<'_>, rule: &Rule, ty: &TensorType, scale: f64) -> Result<(), String> {
+    if rule.trusts() {
+        return trust_dense(cx, rule, ty, scale, KArg::Grad);
+    }
     let n = ty.shape.numel();
     let text = format!(
         "extern \"C\" __global__ void KNAME(float* w, const float* g, u64 n, float sc{params}) {{\n{INDEX}    {pro}\n    {upd}\n}}\n",
@@ -324,6 +482,23 @@ fn sparse(
         ));
     };
     let row = row_len(ty);
+    if rule.trusts() {
+        // The rows summed into a dense gradient in scratch, zeros elsewhere.
+        let dense = cx.scratch(ty.bytes());
+        cx.out.launches.push(Launch::Memset {
+            buf: dense.clone(),
+            bytes: ty.bytes() as u64,
+        });
+        let sink = UniqueSink {
+            base: "densify",
+            params: ", float* y".into(),
+            per_row: String::new(),
+            per_col: format!("y[(u64)id * {row}ull + c] = g;"),
+            args: vec![dense.clone()],
+        };
+        unique_launches(cx, KArg::Grad, (rows, row, nnz), None, sink)?;
+        return trust_dense(cx, rule, ty, scale, dense);
+    }
     let mut args = vec![KArg::Param, KArg::F32(scale as f32)];
     args.extend(rule.args());
     let sink = UniqueSink {

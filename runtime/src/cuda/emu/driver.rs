@@ -383,6 +383,17 @@ impl Driver for EmuDriver {
         Ok(())
     }
 
+    fn sibling(&self) -> Result<Box<dyn Driver>, CudaError> {
+        Ok(Box::new(EmuDriver {
+            shared: self.shared.clone(),
+            compute: self.compute,
+            modules: Vec::new(),
+            host: Vec::new(),
+            graph: None,
+            name: self.name.clone(),
+        }))
+    }
+
     fn checks_accesses(&self) -> bool {
         true
     }

@@ -16,16 +16,16 @@
 use super::reports::{drain_on_rank0, ToRank0};
 use super::{gather_spans, local_line, rank_metrics, send_spans};
 use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS};
+use crate::core::backend::Backend;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::Tensor;
-use crate::cpu::Cpu;
 use crate::run::coordinator::{reporter, Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
 use crate::run::pipeline::{combine, decode_params, encode_params, PipelineRun, StageReport};
-use crate::run::programs::{MpiRun, Programs, TrainOptions, TrainReport};
+use crate::run::programs::{MpiRun, Programs, Site, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use std::collections::HashMap;
@@ -35,7 +35,7 @@ use std::time::Instant;
 
 /// Runs this rank's stage of a pipelined plan; rank 0 returns the run's report.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn run_stage_rank(
+pub(super) fn run_stage_rank<B: Backend>(
     programs: Programs<'_>,
     mesh: Mesh,
     config: &RunConfig,
@@ -46,6 +46,7 @@ pub(super) fn run_stage_rank(
     ctl: &Arc<Comm>,
     t0: Instant,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: &(dyn Fn(Site<'_>, &mut dyn crate::comm::Communicator) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     let roles = mesh.roles();
     let stages = mesh.pipe;
@@ -114,17 +115,29 @@ pub(super) fn run_stage_rank(
     };
     if rank != 0 {
         let mut to_rank0 = ToRank0::new(rank, &mesh, last_step, opts.timeout);
-        let outcome = me.run_on(&mut |_| Ok(Cpu), config, &mut |mut rep| {
-            write_local(&rep)?;
-            // An evaluation's or a checkpoint's variables go first, then a checkpoint's
-            // optimizer state: rank 0 takes them in that order when the step is complete.
-            let ahead = [rep.params.take(), rep.slots.take()]
-                .into_iter()
-                .flatten()
-                .map(|carried| (TAG_PARAMS, encode_params(carried)))
-                .collect();
-            to_rank0.send(ctl, rep.step, ahead, &rep)
-        })?;
+        let outcome = me.run_on(
+            &mut |program, c| {
+                make(
+                    Site {
+                        worker: rank,
+                        program,
+                    },
+                    c,
+                )
+            },
+            config,
+            &mut |mut rep| {
+                write_local(&rep)?;
+                // An evaluation's or a checkpoint's variables go first, then a checkpoint's
+                // optimizer state: rank 0 takes them in that order when the step is complete.
+                let ahead = [rep.params.take(), rep.slots.take()]
+                    .into_iter()
+                    .flatten()
+                    .map(|carried| (TAG_PARAMS, encode_params(carried)))
+                    .collect();
+                to_rank0.send(ctl, rep.step, ahead, &rep)
+            },
+        )?;
         if replica == 0 && m == 0 {
             let mut out =
                 Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_params(outcome.params), true);
@@ -158,10 +171,22 @@ pub(super) fn run_stage_rank(
     };
     let stage = |tx: mpsc::Sender<StageReport>| {
         let mut to_coordinator = reporter(tx);
-        me.run_on(&mut |_| Ok(Cpu), config, &mut |rep| {
-            write_local(&rep)?;
-            to_coordinator(rep)
-        })
+        me.run_on(
+            &mut |program, c| {
+                make(
+                    Site {
+                        worker: rank,
+                        program,
+                    },
+                    c,
+                )
+            },
+            config,
+            &mut |rep| {
+                write_local(&rep)?;
+                to_coordinator(rep)
+            },
+        )
     };
     let mut reports = StageReports::default();
     let outcome = drain_on_rank0(
