@@ -77,19 +77,6 @@ fn what_a_precision_cannot_do_is_refused_by_name() {
             vec!["--precision", "fp16", "--pipeline", "2"],
             "--precision fp16 (dynamic loss scaling) with --pipeline",
         ),
-        (
-            vec![
-                "--strategy",
-                "allreduce",
-                "--workers",
-                "2",
-                "--zero",
-                "1",
-                "--grad-wire",
-                "fp16",
-            ],
-            "--grad-wire fp16 with --zero",
-        ),
     ] {
         let never = tmp("never.plan.json");
         let mut a = vec!["compile", "examples/dense_mlp.dsl", "-o", arg(&never)];

@@ -145,7 +145,12 @@ impl Pass for Distribute {
                         reduce: ReduceOp::Mean,
                         ranks_per_node: 0,
                     };
-                    if v.placement == Mechanism::Allreduce && g.value_type(grad).is_sparse() {
+                    // One worker's rows are the global batch's: no compaction, no
+                    // gather (the optimizer sums repeated rows as one device does).
+                    let alone = workers == 1 && g.value_type(grad).is_sparse();
+                    if alone {
+                    } else if v.placement == Mechanism::Allreduce && g.value_type(grad).is_sparse()
+                    {
                         // Densified for the all-reduce, then sparse again over the rows
                         // the global batch touched (all-reduced beside it), so the
                         // optimizer updates those rows alone, as on one device.
@@ -165,7 +170,7 @@ impl Pass for Distribute {
                         grad = g.add(op, vec![unique.into()])?.into();
                     }
                     g.set_input(sink, 0, grad);
-                    collectives += 1;
+                    collectives += usize::from(!alone);
                     if v.name.ends_with(crate::tensor_parallel::MODEL_SHARD_SUFFIX) {
                         continue;
                     }

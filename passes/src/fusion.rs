@@ -218,7 +218,9 @@ impl Pass for Fusion {
                 vars: b.iter().map(|(_, n, _)| n.clone()).collect(),
                 bytes: b.iter().map(|(_, _, s)| s).sum(),
             });
-            if b.len() < 2 {
+            // One worker's all-reduces copy in place: a bucket's pack and unpack would
+            // be all of their cost.
+            if b.len() < 2 || cx.strategy.data_workers() == 1 {
                 continue;
             }
             fused += b.len();

@@ -1,5 +1,6 @@
 //! A 16-bit gradient wire (`--grad-wire bf16|fp16`): every dense gradient all-reduce
-//! (each fused bucket) sends 16-bit values instead of f32, halving the bytes on the wire.
+//! (each fused bucket), and ZeRO's reduce-scatters of gradients, send 16-bit values
+//! instead of f32, halving the bytes on the wire.
 //! The bucket is cast down before the all-reduce and its result cast back to f32, so the
 //! optimizer still gets f32 gradients; the runtime divides each worker's contribution by
 //! N before the sum (an fp16 sum of many workers' gradients would overflow otherwise)
@@ -26,7 +27,7 @@ impl Pass for GradWire {
         };
         let mut wired = 0;
         for id in g.topo_order() {
-            if !matches!(g.op(id), Op::AllReduce { .. }) {
+            if !matches!(g.op(id), Op::AllReduce { .. } | Op::ReduceScatter { .. }) {
                 continue;
             }
             // Gradients on their way to the optimizer travel in 16 bits; the batch
@@ -62,7 +63,11 @@ impl Pass for GradWire {
             let dense_too = cx.strategy.sparse_as_dense;
             for v in &mut d.vars {
                 if v.placement == Mechanism::Allreduce && (v.kind == Kind::Dense || dense_too) {
-                    v.predicted_bytes_per_step *= half.size() as f64 / DType::F32.size() as f64;
+                    // ZeRO's gathers of the variable's chunks stay f32.
+                    let gradient = v.predicted_bytes_per_step - v.gather_bytes_per_step;
+                    v.predicted_bytes_per_step = gradient * half.size() as f64
+                        / DType::F32.size() as f64
+                        + v.gather_bytes_per_step;
                 }
             }
             for b in &mut d.buckets {

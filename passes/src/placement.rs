@@ -385,22 +385,15 @@ impl StrategyConfig {
                 return field("remat", "a positive finite budget in MiB", &mib);
             }
         }
-        if self.grad_wire != Precision::Fp32 {
-            if self.zero > 0 {
-                return Err(format!(
-                    "--grad-wire {} with --zero is not supported yet: ZeRO's reduce-scatters \
-                     send f32",
-                    self.grad_wire
-                ));
-            }
-            if matches!(self.strategy, Strategy::Single | Strategy::Ps) {
-                return Err(format!(
-                    "--grad-wire {} sets what gradient all-reduces send; `{}` all-reduces none \
-                     (use allreduce, hybrid or auto)",
-                    self.grad_wire,
-                    self.strategy.name()
-                ));
-            }
+        if self.grad_wire != Precision::Fp32
+            && matches!(self.strategy, Strategy::Single | Strategy::Ps)
+        {
+            return Err(format!(
+                "--grad-wire {} sets what gradient all-reduces send; `{}` all-reduces none \
+                 (use allreduce, hybrid or auto)",
+                self.grad_wire,
+                self.strategy.name()
+            ));
         }
         if self.precision == Precision::Fp16 {
             // The loss scale is applied where the worker updates its variables.
@@ -616,6 +609,10 @@ pub struct VarPlacement {
     pub bucket: Option<usize>,
     /// Predicted bytes per step per worker under the chosen mechanism.
     pub predicted_bytes_per_step: f64,
+    /// Of those, the bytes that carry the variable itself (ZeRO's gathers of its
+    /// chunks), not its gradient: a 16-bit gradient wire leaves them in f32.
+    #[serde(default)]
+    pub gather_bytes_per_step: f64,
     /// The best other mechanism and its predicted bytes per step per worker.
     pub runner_up: Option<RunnerUp>,
     /// Why this mechanism (the cost model's times, or the strategy's rule).

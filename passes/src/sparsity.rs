@@ -80,6 +80,7 @@ impl Pass for SparsityAnalysis {
                 shards: vec![],
                 bucket: None,
                 predicted_bytes_per_step: 0.0,
+                gather_bytes_per_step: 0.0,
                 runner_up: None,
                 reason: String::new(),
             });

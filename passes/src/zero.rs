@@ -301,6 +301,7 @@ impl Pass for Zero {
                 (nf - 1.0) * per_chunk
             };
             v.predicted_bytes_per_step = reduce + made as f64 * gather;
+            v.gather_bytes_per_step = made as f64 * gather;
             sharded += 1;
         }
         // The all-reduces reduce-scatter replaced.

@@ -307,8 +307,9 @@ fn verify_on_the_gpu_passes_for_allreduce_ps_and_hybrid() {
 /// NCCL with one rank on the GPU: the API path end to end (bootstrap, communicator,
 /// every collective a plan uses on device buffers, the events). A one-rank all-reduce
 /// equals its input and a mean divides by one, so each plan trains what the host path
-/// trains with one worker: allreduce (dense and sparse: the padded all-gather of
-/// slices), hybrid with a server, and ZeRO 3 (reduce-scatter, all-gather of chunks).
+/// trains with one worker: allreduce (its dense gradients, unbucketed; a sparse one
+/// needs no collective with one worker), hybrid with a server, and ZeRO 3
+/// (reduce-scatter, all-gather of chunks).
 #[test]
 fn nccl_with_one_rank_trains_what_the_host_path_trains() {
     use distc_passes::placement::{Strategy, StrategyConfig};

@@ -8,7 +8,7 @@
 //! no GPU.
 
 use distc::{compile_file, CompileOptions};
-use distc_passes::placement::{Strategy, StrategyConfig};
+use distc_passes::placement::{Precision, Strategy, StrategyConfig};
 use distc_runtime::core::config::OptimizerSpec;
 use distc_runtime::cuda::nccl::Collectives;
 use distc_runtime::cuda::{worker_backend, CudaOptions};
@@ -21,7 +21,21 @@ const STEPS: usize = 3;
 const BATCH: usize = 32;
 
 fn run(name: &str, strategy: Strategy, servers: usize, zero: u8, accumulate: usize) {
-    let what = format!("{name} {strategy:?} servers {servers} zero {zero} accumulate {accumulate}");
+    run_wired(name, strategy, servers, zero, accumulate, Precision::Fp32);
+}
+
+/// [`run`] with the gradients' collectives sending `wire` values.
+fn run_wired(
+    name: &str,
+    strategy: Strategy,
+    servers: usize,
+    zero: u8,
+    accumulate: usize,
+    wire: Precision,
+) {
+    let what = format!(
+        "{name} {strategy:?} servers {servers} zero {zero} accumulate {accumulate} wire {wire}"
+    );
     let c = compile_file(
         &example(name),
         &CompileOptions {
@@ -31,6 +45,7 @@ fn run(name: &str, strategy: Strategy, servers: usize, zero: u8, accumulate: usi
                 servers,
                 zero,
                 accumulate,
+                grad_wire: wire,
                 ..Default::default()
             },
             // Every GPU thread runs on this machine's cores: a small batch keeps every
@@ -158,4 +173,30 @@ fn accumulation_sparse_rows_with_a_server() {
 #[test]
 fn accumulation_with_zero_3() {
     run("dense_mlp.dsl", Strategy::Allreduce, 0, 3, 3);
+}
+
+// A 16-bit gradient wire on NCCL (ncclBfloat16, ncclFloat16): the all-reduce of the
+// buckets, and ZeRO 3's reduce-scatters, against the host's 16-bit ring.
+#[test]
+fn bf16_wire_all_reduces_on_nccl() {
+    run_wired(
+        "dense_mlp.dsl",
+        Strategy::Allreduce,
+        0,
+        0,
+        1,
+        Precision::Bf16,
+    );
+}
+
+#[test]
+fn fp16_wire_reduce_scatters_with_zero_3() {
+    run_wired(
+        "dense_mlp.dsl",
+        Strategy::Allreduce,
+        0,
+        3,
+        1,
+        Precision::Fp16,
+    );
 }

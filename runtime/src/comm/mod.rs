@@ -129,6 +129,51 @@ pub fn all_reduce_wire(
     wire: distc_ir::DType,
 ) -> Result<(), RuntimeError> {
     let (n, r, len) = (comm.size(), comm.rank(), buf.len());
+    reduce_scatter_ring_wire(comm, buf, mean, wire)?;
+    if n <= 1 {
+        return Ok(());
+    }
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for s in 0..n - 1 {
+        let send_c = (r + n - s) % n;
+        let recv_c = (r + 2 * n - s - 1) % n;
+        let out = encode_half(&buf[chunk_range(len, n, send_c)], wire);
+        let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
+        let range = chunk_range(len, n, recv_c);
+        if theirs.len() != range.len() {
+            return Err(RuntimeError::Config(format!(
+                "rank {prev} sent a malformed reduced chunk during a 16-bit all-reduce"
+            )));
+        }
+        buf[range].copy_from_slice(&theirs);
+    }
+    Ok(())
+}
+
+/// Reduce-scatter with 16-bit values on the wire: this rank's chunk ([`chunk_range`]
+/// `r` of N) of the sum (with `mean`, each contribution divided by N first), rounded
+/// to `wire` as every rank would have it; the ring's first half of
+/// [`all_reduce_wire`]. Sends `(N-1)/N` times half the f32 bytes.
+pub fn reduce_scatter_wire(
+    comm: &mut dyn Communicator,
+    buf: &mut [f32],
+    mean: bool,
+    wire: distc_ir::DType,
+) -> Result<Vec<f32>, RuntimeError> {
+    reduce_scatter_ring_wire(comm, buf, mean, wire)?;
+    let (n, r) = (comm.size(), comm.rank());
+    Ok(buf[chunk_range(buf.len(), n, r)].to_vec())
+}
+
+/// The ring reduce-scatter in place: afterwards chunk `r` of `buf` holds the sum,
+/// rounded to `wire` (the other chunks hold partial sums).
+fn reduce_scatter_ring_wire(
+    comm: &mut dyn Communicator,
+    buf: &mut [f32],
+    mean: bool,
+    wire: distc_ir::DType,
+) -> Result<(), RuntimeError> {
+    let (n, r, len) = (comm.size(), comm.rank(), buf.len());
     if mean && n > 1 {
         let d = n as f32;
         buf.iter_mut().for_each(|x| *x /= d);
@@ -139,11 +184,6 @@ pub fn all_reduce_wire(
         return Ok(());
     }
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let malformed = |what: &str| {
-        RuntimeError::Config(format!(
-            "rank {prev} sent a malformed {what} during a 16-bit all-reduce"
-        ))
-    };
     // Reduce-scatter: at step s rank r sends chunk r-s-1 and adds chunk r-s-2.
     for s in 0..n - 1 {
         let send_c = (r + 2 * n - s - 1) % n;
@@ -152,27 +192,18 @@ pub fn all_reduce_wire(
         let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
         let range = chunk_range(len, n, recv_c);
         if theirs.len() != range.len() {
-            return Err(malformed("chunk"));
+            return Err(RuntimeError::Config(format!(
+                "rank {prev} sent a malformed chunk during a 16-bit reduce-scatter"
+            )));
         }
         for (a, b) in buf[range].iter_mut().zip(theirs) {
             *a += b;
         }
     }
-    // This rank's reduced chunk as everyone will have it, then the all-gather.
+    // This rank's reduced chunk as everyone will have it.
     let own = chunk_range(len, n, r);
     let rounded = decode_half(&encode_half(&buf[own.clone()], wire), wire);
     buf[own].copy_from_slice(&rounded);
-    for s in 0..n - 1 {
-        let send_c = (r + n - s) % n;
-        let recv_c = (r + 2 * n - s - 1) % n;
-        let out = encode_half(&buf[chunk_range(len, n, send_c)], wire);
-        let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
-        let range = chunk_range(len, n, recv_c);
-        if theirs.len() != range.len() {
-            return Err(malformed("reduced chunk"));
-        }
-        buf[range].copy_from_slice(&theirs);
-    }
     Ok(())
 }
 

@@ -351,18 +351,28 @@ impl NcclComm {
 
     /// Whether NCCL runs `op` on an input of type `input` (f32 only).
     pub fn supports(op: &Op, input: &ValueType) -> bool {
-        let f32_input = input.dense_type().dtype == distc_ir::DType::F32;
-        f32_input
-            && matches!(
-                (op, input),
-                (
-                    Op::AllReduce { .. }
-                        | Op::Broadcast { .. }
-                        | Op::ReduceScatter { .. }
-                        | Op::AllGatherDense { .. },
-                    ValueType::Tensor(_),
-                ) | (Op::AllGather { .. }, ValueType::IndexedSlices { .. })
+        use distc_ir::DType;
+        let dtype = input.dense_type().dtype;
+        // A 16-bit gradient wire's sums: NCCL reduces bf16 and fp16 itself.
+        let wired = matches!(
+            (op, input),
+            (
+                Op::AllReduce { .. } | Op::ReduceScatter { .. },
+                ValueType::Tensor(_)
             )
+        ) && matches!(dtype, DType::BF16 | DType::F16);
+        wired
+            || dtype == DType::F32
+                && matches!(
+                    (op, input),
+                    (
+                        Op::AllReduce { .. }
+                            | Op::Broadcast { .. }
+                            | Op::ReduceScatter { .. }
+                            | Op::AllGatherDense { .. },
+                        ValueType::Tensor(_),
+                    ) | (Op::AllGather { .. }, ValueType::IndexedSlices { .. })
+                )
     }
 
     /// Waits, on `compute`, for node `node`'s collective to be done.
@@ -433,19 +443,26 @@ impl NcclComm {
             ReduceOp::Sum => nccl_sys::ncclRedOp_t::ncclSum,
         };
         let f32t = nccl_sys::ncclDataType_t::ncclFloat32;
+        // The element type of a reduction: f32, or a 16-bit wire's.
+        let (wire, esize) = match in_ty.dense_type().dtype {
+            distc_ir::DType::BF16 => (nccl_sys::ncclDataType_t::ncclBfloat16, 2),
+            distc_ir::DType::F16 => (nccl_sys::ncclDataType_t::ncclFloat16, 2),
+            _ => (f32t, 4),
+        };
         let elems = |t: &ValueType| t.dense_type().dims().iter().product::<usize>();
         match (op, in_ty) {
             (Op::AllReduce { reduce, .. }, ValueType::Tensor(_)) => {
                 let len = elems(in_ty);
-                // SAFETY: `input` and `output` are live device buffers of `len` f32
-                // (the plan's types); the stream belongs to the communicator's device.
+                // SAFETY: `input` and `output` are live device buffers of `len` elements
+                // of `wire` (the plan's types); the stream belongs to the communicator's
+                // device.
                 #[allow(unsafe_code)]
                 unsafe {
                     nccl_result::all_reduce(
                         input as *const _,
                         output as *mut _,
                         len,
-                        f32t,
+                        wire,
                         red(reduce),
                         comm,
                         nccl_stream,
@@ -478,26 +495,27 @@ impl NcclComm {
                 let send = if chunk * n == len {
                     input
                 } else {
-                    let s = self.scratch(node, 4 * chunk * n)?;
-                    // SAFETY: `s` holds `4 chunk n` bytes, `input` `4 len`; both copies
-                    // are on this stream, before the NCCL call that reads `s`.
+                    let s = self.scratch(node, esize * chunk * n)?;
+                    // SAFETY: `s` holds `esize chunk n` bytes, `input` `esize len`; both
+                    // copies are on this stream, before the NCCL call that reads `s`.
                     #[allow(unsafe_code)]
                     unsafe {
-                        drv::memset_d8_async(s, 0, 4 * chunk * n, stream)
+                        drv::memset_d8_async(s, 0, esize * chunk * n, stream)
                             .map_err(drv_err("cuMemsetD8Async"))?;
-                        drv::memcpy_dtod_async(s, input, 4 * len, stream)
+                        drv::memcpy_dtod_async(s, input, esize * len, stream)
                             .map_err(drv_err("cuMemcpyDtoDAsync"))?;
                     }
                     s
                 };
-                // SAFETY: `send` holds `chunk n` f32, `output` `chunk` (the op's type).
+                // SAFETY: `send` holds `chunk n` elements of `wire`, `output` `chunk`
+                // (the op's type).
                 #[allow(unsafe_code)]
                 unsafe {
                     nccl_result::reduce_scatter(
                         send as *const _,
                         output as *mut _,
                         chunk,
-                        f32t,
+                        wire,
                         red(reduce),
                         comm,
                         nccl_stream,
@@ -620,8 +638,14 @@ pub(crate) fn collective_bytes(op: &Op, in_ty: &ValueType, n: usize, rank: usize
         sent: b,
         received: b,
     };
+    // A 16-bit wire's reductions move 2-byte elements.
+    let esize = in_ty.dense_type().dtype.size() as u64;
+    let wide = |b: ByteCount| ByteCount {
+        sent: b.sent / 4 * esize,
+        received: b.received / 4 * esize,
+    };
     match (op, in_ty) {
-        (Op::AllReduce { .. }, _) => ring_all_reduce_bytes(elems(in_ty), n, rank),
+        (Op::AllReduce { .. }, _) => wide(ring_all_reduce_bytes(elems(in_ty), n, rank)),
         (Op::Broadcast { root }, _) if n > 1 => {
             let b = 4 * elems(in_ty) as u64;
             ByteCount {
@@ -629,7 +653,9 @@ pub(crate) fn collective_bytes(op: &Op, in_ty: &ValueType, n: usize, rank: usize
                 received: if rank != *root { b } else { 0 },
             }
         }
-        (Op::ReduceScatter { .. }, _) => both(4 * others * elems(in_ty).div_ceil(n.max(1)) as u64),
+        (Op::ReduceScatter { .. }, _) => {
+            both(esize * others * elems(in_ty).div_ceil(n.max(1)) as u64)
+        }
         (Op::AllGatherDense { .. }, _) => both(4 * others * elems(in_ty) as u64),
         (Op::AllGather { .. }, ValueType::IndexedSlices { .. }) => {
             both(others * SlicesLayout::of(in_ty).map_or(0, |l| l.bytes) as u64)
@@ -671,6 +697,35 @@ mod tests {
 
     fn rec(found: bool, gpu: &str) -> Vec<u8> {
         record(found, gpu)
+    }
+
+    /// A 16-bit wire's reductions run on NCCL, in its element type and bytes; what
+    /// NCCL cannot reduce in 16 bits (a broadcast of variables) stays f32-only.
+    #[test]
+    fn sixteen_bit_reductions_run_on_nccl_in_their_own_bytes() {
+        use distc_ir::{DType, TensorType};
+        let t = |d| ValueType::Tensor(TensorType::new(d, vec![10]));
+        let mean = ReduceOp::Mean;
+        let all_reduce = Op::AllReduce {
+            reduce: mean,
+            ranks_per_node: 0,
+        };
+        let scatter = Op::ReduceScatter {
+            workers: 2,
+            reduce: mean,
+        };
+        for d in [DType::F32, DType::BF16, DType::F16] {
+            assert!(NcclComm::supports(&all_reduce, &t(d)), "{d}");
+            assert!(NcclComm::supports(&scatter, &t(d)), "{d}");
+        }
+        assert!(!NcclComm::supports(
+            &Op::Broadcast { root: 0 },
+            &t(DType::BF16)
+        ));
+        let f32_bytes = collective_bytes(&all_reduce, &t(DType::F32), 2, 0);
+        let bf16_bytes = collective_bytes(&all_reduce, &t(DType::BF16), 2, 0);
+        assert_eq!(bf16_bytes.sent * 2, f32_bytes.sent);
+        assert_eq!(collective_bytes(&scatter, &t(DType::F16), 2, 1).sent, 2 * 5);
     }
 
     #[test]

@@ -551,6 +551,28 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
         (Op::Broadcast { root }, Value::Tensor(Tensor::F64(a))) => Ok(Value::Tensor(Tensor::F64(
             broadcast_array(comm, &a, *root, f64::to_le_bytes, f64::from_le_bytes)?,
         ))),
+        // ZeRO's reduce-scatter on a 16-bit wire: its chunks padded to equal parts.
+        (Op::ReduceScatter { workers, reduce }, Value::Tensor(t)) if t.dtype().is_half() => {
+            if *workers != n {
+                return Err(RuntimeError::Config(format!(
+                    "reduce_scatter for {workers} workers on a communicator of {n}"
+                )));
+            }
+            let wire = t.dtype();
+            let Some(a) = t.cast(DType::F32).and_then(|w| w.as_f32().cloned()) else {
+                return Err(RuntimeError::Config(format!("reduce_scatter of {wire}")));
+            };
+            let mut flat: Vec<f32> = a.iter().copied().collect();
+            let c = flat.len().div_ceil(n);
+            flat.resize(c * n, 0.0);
+            let mine =
+                crate::comm::reduce_scatter_wire(comm, &mut flat, *reduce == ReduceOp::Mean, wire)?;
+            let part = ArrayD::from_shape_vec(IxDyn(&[c]), mine).map_err(shape_err)?;
+            let back = Tensor::F32(part).cast(wire).ok_or_else(|| {
+                RuntimeError::Config(format!("reduce_scatter: cannot round to {wire}"))
+            })?;
+            Ok(Value::Tensor(back))
+        }
         (Op::ReduceScatter { workers, reduce }, Value::Tensor(Tensor::F32(a))) => {
             if *workers != n {
                 return Err(RuntimeError::Config(format!(

@@ -142,6 +142,29 @@ pub struct EmuComm {
     shared: Rc<RefCell<Shared>>,
 }
 
+/// 16-bit values (`wire`: bf16 or f16, native byte order) widened to f32.
+fn halves(b: &[u8], wire: distc_ir::DType) -> Vec<f32> {
+    b.chunks_exact(2)
+        .map(|c| {
+            let bits = u16::from_ne_bytes([c[0], c[1]]);
+            match wire {
+                distc_ir::DType::F16 => half::f16::from_bits(bits).to_f32(),
+                _ => half::bf16::from_bits(bits).to_f32(),
+            }
+        })
+        .collect()
+}
+
+/// f32 values rounded to `wire`, in native byte order.
+fn half_bytes(v: &[f32], wire: distc_ir::DType) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| match wire {
+            distc_ir::DType::F16 => half::f16::from_f32(*x).to_bits().to_ne_bytes(),
+            _ => half::bf16::from_f32(*x).to_bits().to_ne_bytes(),
+        })
+        .collect()
+}
+
 fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
@@ -260,8 +283,37 @@ impl CommCore {
             }
             acc
         };
+        // A 16-bit gradient wire: each contribution widened, a mean's divided by N first
+        // (NCCL's average of floats), summed in f32 in rank order, rounded once.
+        let wire = in_ty.dense_type().dtype;
+        let half_sum = |parts: &[Vec<u8>], r: &ReduceOp, pad: usize| -> Vec<u8> {
+            let scale = if *r == ReduceOp::Mean {
+                1.0 / n as f32
+            } else {
+                1.0
+            };
+            let mut acc: Vec<f32> = Vec::new();
+            for p in parts {
+                let mut v = halves(p, wire);
+                v.resize(pad.max(v.len()), 0.0);
+                acc.resize(v.len(), 0.0);
+                for (a, x) in acc.iter_mut().zip(v) {
+                    *a += x * scale;
+                }
+            }
+            half_bytes(&acc, wire)
+        };
         // What this rank's output gets: (offset, bytes) pieces.
         let writes: Vec<(usize, Vec<u8>)> = match (op, in_ty) {
+            (Op::AllReduce { reduce: r, .. }, ValueType::Tensor(_)) if wire.is_half() => {
+                vec![(0, half_sum(&all, r, 0))]
+            }
+            (Op::ReduceScatter { workers, reduce: r }, ValueType::Tensor(_)) if wire.is_half() => {
+                check_workers(op, *workers, n)?;
+                let chunk = elems(in_ty).div_ceil(n);
+                let sum = half_sum(&all, r, chunk * n);
+                vec![(0, sum[2 * rank * chunk..2 * (rank + 1) * chunk].to_vec())]
+            }
             (Op::AllReduce { reduce: r, .. }, ValueType::Tensor(_)) => {
                 vec![(
                     0,
