@@ -461,7 +461,7 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
 #[test]
 fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does() {
     use distc_passes::placement::Strategy;
-    use distc_runtime::comm::{in_process, Communicator};
+    use distc_runtime::comm::in_process;
     use std::sync::{Arc, Mutex};
     for (model, strategy, workers, servers, zero) in [
         ("sparse_lm.dsl", Strategy::Allreduce, 2, 0, 0),
@@ -493,8 +493,9 @@ fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does
                 got_lines.push((m.loss, m.bytes_sent, m.bytes_received));
                 Ok(())
             },
-            |site: distc_runtime::run::train::Site<'_>, host: &mut dyn Communicator| {
-                let rank = site.worker;
+            |site: distc_runtime::run::train::Site<'_>,
+             links: distc_runtime::run::train::Links<'_>| {
+                let (rank, host) = (site.worker, links.data);
                 // The bootstrap: rank 0's token to everyone over the host communicator.
                 let mut token = if rank == 0 {
                     b"own-comm".to_vec()

@@ -36,18 +36,27 @@ fn run_wired(
     let what = format!(
         "{name} {strategy:?} servers {servers} zero {zero} accumulate {accumulate} wire {wire}"
     );
+    let s = StrategyConfig {
+        strategy,
+        workers: 2,
+        servers,
+        zero,
+        accumulate,
+        grad_wire: wire,
+        ..Default::default()
+    };
+    run_config(name, s, &what);
+}
+
+/// Trains `name` under `strategy` on the CPU and on emulated GPUs (NCCL on every axis
+/// the plan has collectives on, CUDA graphs on), and compares.
+fn run_config(name: &str, strategy: StrategyConfig, what: &str) {
+    let n = strategy.workers;
+    let model_axis = strategy.model > 1;
     let c = compile_file(
         &example(name),
         &CompileOptions {
-            strategy: StrategyConfig {
-                strategy,
-                workers: 2,
-                servers,
-                zero,
-                accumulate,
-                grad_wire: wire,
-                ..Default::default()
-            },
+            strategy,
             // Every GPU thread runs on this machine's cores: a small batch keeps every
             // kernel and collective, and the comparisons, at a fraction of the time.
             batch: Some(BATCH),
@@ -72,7 +81,7 @@ fn run_wired(
         ..Default::default()
     };
     let mut cpu_losses = Vec::new();
-    let cpu: TrainReport = train(c.programs(2), &config, &opts, &mut |m| {
+    let cpu: TrainReport = train(c.programs(n), &config, &opts, &mut |m| {
         cpu_losses.push(m.loss);
         Ok(())
     })
@@ -84,14 +93,25 @@ fn run_wired(
     };
     let mut emu_losses = Vec::new();
     let emu = train_with(
-        c.programs(2),
+        c.programs(n),
         &config,
         &opts,
         &mut |m| {
             emu_losses.push(m.loss);
             Ok(())
         },
-        |site, comm| worker_backend(site.program, emulated, site.worker, Collectives::Nccl, comm),
+        |site, links| {
+            let b = worker_backend(
+                site.program,
+                emulated,
+                site.worker,
+                Collectives::Nccl,
+                links,
+            )?;
+            // The model axis's collectives run on its own NCCL communicator.
+            assert_eq!(b.nccl_axes().1, model_axis, "{what}: model-axis NCCL");
+            Ok(b)
+        },
     )
     .unwrap_or_else(|e| panic!("{what} on emulated NCCL: {e}"));
     println!("{what}: emulated {emu_losses:?}\n{what}: cpu      {cpu_losses:?}");
@@ -199,4 +219,18 @@ fn fp16_wire_reduce_scatters_with_zero_3() {
         1,
         Precision::Fp16,
     );
+}
+
+// Tensor parallelism with a data axis: the model axis's sums (the Megatron pair's)
+// on a communicator of their own, the data axis's all-reduce on another, each rank's
+// step captured into a CUDA graph and replayed.
+#[test]
+fn model_and_data_axes_on_nccl() {
+    let s = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 4,
+        model: 2,
+        ..Default::default()
+    };
+    run_config("dense_mlp.dsl", s, "dense_mlp data 2 x model 2");
 }

@@ -291,6 +291,9 @@ pub struct CudaBackend {
     /// Results of NCCL collectives not yet waited for on the compute stream: the
     /// bytes `[start, end)` and the node.
     in_flight: Vec<(u64, u64, NodeId)>,
+    /// The model axis's NCCL communicator, where the mesh has one and NCCL runs it:
+    /// its all-reduces, and its gathers and reduce-scatters of contiguous parts.
+    model_nccl: Option<Box<dyn DeviceComm>>,
     funcs: HashMap<String, Kernel>,
     /// fp16's unscaling kernels and their overflow flag, when the graph scales its loss.
     unscale: Option<Unscale>,
@@ -542,6 +545,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             nccl: None,
             in_flight: Vec::new(),
+            model_nccl: None,
             funcs,
             unscale,
             grad_norm: None,
@@ -640,27 +644,71 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether the NCCL communicator runs node `id`'s op.
+    /// [`CudaBackend::attach_nccl`] for the model axis: `rank` of `size` model ranks.
+    pub fn attach_model_nccl(
+        &mut self,
+        rank: usize,
+        size: usize,
+        id: [u8; 128],
+    ) -> Result<(), CudaError> {
+        if self.has_arena {
+            return Err(CudaError::Invalid(
+                "NCCL must be attached before the memory plan is made".into(),
+            ));
+        }
+        self.model_nccl = Some(self.dev.communicator(rank, size, id)?);
+        Ok(())
+    }
+
+    /// Whether NCCL communicators are attached: the data axis's, the model axis's.
+    pub fn nccl_axes(&self) -> (bool, bool) {
+        (self.nccl.is_some(), self.model_nccl.is_some())
+    }
+
+    /// Whether an NCCL communicator runs node `id`'s op.
     fn nccl_runs(&self, id: NodeId) -> bool {
-        self.nccl.is_some()
-            && self.graph.get(id).is_some_and(|node| {
-                input_key(&self.graph, id, 0)
-                    .and_then(|(n, p)| self.graph.get(n).and_then(|m| m.outputs.get(p)))
-                    .is_some_and(|t| NcclComm::supports(&node.op, t))
-            })
+        let Some(node) = self.graph.get(id) else {
+            return false;
+        };
+        let attached = if node.op.is_model_collective() {
+            self.model_nccl.is_some()
+        } else {
+            self.nccl.is_some()
+        };
+        attached
+            && input_key(&self.graph, id, 0)
+                .and_then(|(n, p)| self.graph.get(n).and_then(|m| m.outputs.get(p)))
+                .is_some_and(|t| NcclComm::supports(&node.op, t))
+    }
+
+    /// The communicator that runs node `id`'s collective (see [`Self::nccl_runs`]).
+    fn comm_of(&mut self, id: NodeId) -> Option<&mut Box<dyn DeviceComm>> {
+        if self.graph.get(id)?.op.is_model_collective() {
+            self.model_nccl.as_mut()
+        } else {
+            self.nccl.as_mut()
+        }
+    }
+
+    /// Bytes both communicators have moved.
+    fn nccl_bytes(&self) -> ByteCount {
+        [&self.nccl, &self.model_nccl]
+            .into_iter()
+            .flatten()
+            .map(|c| c.bytes())
+            .fold(ByteCount::default(), |a, b| a + b)
     }
 
     /// Makes the compute stream wait for the collectives whose results hold any of
     /// `ptrs` (no host wait).
     fn await_collectives(&mut self, ptrs: &[u64]) -> Result<(), CudaError> {
-        let Some(nccl) = &mut self.nccl else {
-            return Ok(());
-        };
         let mut k = 0;
         while k < self.in_flight.len() {
             let (start, end, node) = self.in_flight[k];
             if ptrs.iter().any(|&p| p >= start && p < end) {
-                nccl.order_after(node)?;
+                if let Some(comm) = self.comm_of(node) {
+                    comm.order_after(node)?;
+                }
                 self.in_flight.swap_remove(k);
             } else {
                 k += 1;
@@ -671,9 +719,9 @@ impl CudaBackend {
 
     /// Makes the compute stream wait for every collective in flight.
     fn await_all_collectives(&mut self) -> Result<(), CudaError> {
-        if let Some(nccl) = &mut self.nccl {
-            for (_, _, node) in self.in_flight.drain(..) {
-                nccl.order_after(node)?;
+        for (_, _, node) in std::mem::take(&mut self.in_flight) {
+            if let Some(comm) = self.comm_of(node) {
+                comm.order_after(node)?;
             }
         }
         Ok(())
@@ -2134,7 +2182,7 @@ impl Capture for CudaBackend {
         self.capturing = true;
         self.capture_loss = false;
         self.capture_update = false;
-        self.capture_bytes_at = self.nccl.as_ref().map(|c| c.bytes()).unwrap_or_default();
+        self.capture_bytes_at = self.nccl_bytes();
         Ok(true)
     }
 
@@ -2151,7 +2199,7 @@ impl Capture for CudaBackend {
         }
         self.graph_loss = self.capture_loss;
         self.graph_update = self.capture_update;
-        let now = self.nccl.as_ref().map(|c| c.bytes()).unwrap_or_default();
+        let now = self.nccl_bytes();
         self.graph_bytes = now - self.capture_bytes_at;
         self.bytes_not_run.sent += self.graph_bytes.sent;
         self.bytes_not_run.received += self.graph_bytes.received;
@@ -2218,8 +2266,7 @@ impl DeviceCollectives for CudaBackend {
         // The input may itself be a collective's result still in flight.
         self.await_collectives(&[v.ptr])?;
         let nccl = self
-            .nccl
-            .as_mut()
+            .comm_of(node)
             .ok_or_else(|| invalid("no NCCL communicator"))?;
         nccl.issue(node, op, v.ptr, &v.ty, out, &out_ty)?;
         let bytes = codegen::value_bytes(&out_ty) as u64;
@@ -2231,7 +2278,7 @@ impl DeviceCollectives for CudaBackend {
     }
 
     fn collective_bytes(&self) -> ByteCount {
-        let counted = self.nccl.as_ref().map(|c| c.bytes()).unwrap_or_default();
+        let counted = self.nccl_bytes();
         ByteCount {
             sent: counted.sent - self.bytes_not_run.sent + self.bytes_replayed.sent,
             received: counted.received - self.bytes_not_run.received + self.bytes_replayed.received,

@@ -412,27 +412,53 @@ pub fn require_gpu(dirs: &LibDirs) -> Result<usize, CudaError> {
     }
 }
 
-/// The backend of worker `rank` of a distributed plan on GPU `ordinal`: a
-/// [`CudaBackend`] joined to the workers' NCCL communicator when `collectives` allows
-/// it ([`nccl::bootstrap`] over `comm`, the workers' host communicator), else one whose
-/// collectives go through the host. Every worker calls it on its own thread.
+/// The backend of a worker of a distributed plan on GPU `ordinal`: a [`CudaBackend`]
+/// joined to an NCCL communicator per mesh axis whose collectives its program has,
+/// when `collectives` allows it ([`nccl::bootstrap`] over that axis's host link in
+/// `links`), else one whose collectives go through the host. Every worker calls it on
+/// its own thread.
 pub fn worker_backend(
     graph: &distc_ir::Graph,
     opts: CudaOptions,
     ordinal: usize,
     collectives: nccl::Collectives,
-    comm: &mut dyn crate::comm::Communicator,
+    links: crate::run::programs::Links<'_>,
 ) -> Result<CudaBackend, crate::core::error::RuntimeError> {
     let mut backend = CudaBackend::new(ordinal, graph, opts)?;
-    // Every rank holds the same program, so every rank skips the bootstrap alike.
-    // `comm` links the data axis: the model axis's collectives go through the host.
-    let has_collective = graph.node_ids().into_iter().any(|id| {
-        let op = graph.op(id);
-        op.is_collective() && !op.is_model_collective()
-    });
-    if opts.emulator && collectives != nccl::Collectives::Host && has_collective {
-        // Emulated NCCL: every rank has it and a device of its own; rank 0's id names
-        // the communicator to the threads of this process.
+    if collectives == nccl::Collectives::Host {
+        return Ok(backend);
+    }
+    // Every rank of an axis holds the same program, so all of them bootstrap alike.
+    let has = |model: bool| {
+        graph.node_ids().into_iter().any(|id| {
+            let op = graph.op(id);
+            op.is_collective() && op.is_model_collective() == model
+        })
+    };
+    let crate::run::programs::Links { data, model } = links;
+    if has(false) {
+        if let Some(id) = nccl_id(&backend, data, opts, collectives)? {
+            backend.attach_nccl(data.rank(), data.size(), id)?;
+        }
+    }
+    if let (true, Some(model)) = (has(true), model) {
+        if let Some(id) = nccl_id(&backend, model, opts, collectives)? {
+            backend.attach_model_nccl(model.rank(), model.size(), id)?;
+        }
+    }
+    Ok(backend)
+}
+
+/// The id of the NCCL communicator the ranks of `comm` join, where they can: on the
+/// emulator every rank can (its ranks are threads of this process, each with a device
+/// of its own), rank 0's id sent to the others; on GPUs as [`nccl::bootstrap`] decides.
+fn nccl_id(
+    backend: &CudaBackend,
+    comm: &mut dyn crate::comm::Communicator,
+    opts: CudaOptions,
+    collectives: nccl::Collectives,
+) -> Result<Option<[u8; 128]>, crate::core::error::RuntimeError> {
+    if opts.emulator {
         let mut id = [0u8; 128];
         if comm.rank() == 0 {
             id = emu::nccl::unique_id();
@@ -440,14 +466,9 @@ pub fn worker_backend(
         let mut buf = id.to_vec();
         comm.broadcast(&mut buf, 0)?;
         id.copy_from_slice(&buf);
-        backend.attach_nccl(comm.rank(), comm.size(), id)?;
-        return Ok(backend);
+        return Ok(Some(id));
     }
-    if collectives != nccl::Collectives::Host && has_collective {
-        let gpu = backend.gpu_uuid()?;
-        if let Some(id) = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())? {
-            backend.attach_nccl(comm.rank(), comm.size(), id)?;
-        }
-    }
-    Ok(backend)
+    let gpu = backend.gpu_uuid()?;
+    let id = nccl::bootstrap(comm, collectives, &gpu, &LibDirs::from_env())?;
+    Ok(id)
 }

@@ -353,6 +353,24 @@ impl NcclComm {
     pub fn supports(op: &Op, input: &ValueType) -> bool {
         use distc_ir::DType;
         let dtype = input.dense_type().dtype;
+        // The model axis: its sums, and its gathers and reduce-scatters where each
+        // rank's part is one contiguous run (nothing but ones before the split
+        // dimension); other splits go through the host.
+        if op.is_model_collective() {
+            let ValueType::Tensor(t) = input else {
+                return false;
+            };
+            let contiguous = |dim: usize| t.dims().iter().take(dim).all(|&d| d == 1);
+            return dtype == DType::F32
+                && match op {
+                    Op::ModelAllReduce { .. } => true,
+                    Op::ModelGather { dim, .. } => contiguous(*dim),
+                    Op::ModelReduceScatter { dim, parts } => {
+                        contiguous(*dim) && t.dims().get(*dim).is_some_and(|d| d % parts == 0)
+                    }
+                    _ => false,
+                };
+        }
         // A 16-bit gradient wire's sums: NCCL reduces bf16 and fp16 itself.
         let wired = matches!(
             (op, input),
@@ -373,6 +391,27 @@ impl NcclComm {
                         ValueType::Tensor(_),
                     ) | (Op::AllGather { .. }, ValueType::IndexedSlices { .. })
                 )
+    }
+
+    /// The data-axis collective NCCL runs for `op` (output type `out_ty`): itself, or
+    /// for a model-axis collective of contiguous parts the equivalent one (a sum's
+    /// all-reduce, an all-gather, a reduce-scatter of equal chunks).
+    pub(crate) fn equivalent(op: &Op, out_ty: &ValueType) -> Op {
+        match *op {
+            Op::ModelAllReduce { .. } => Op::AllReduce {
+                reduce: ReduceOp::Sum,
+                ranks_per_node: 0,
+            },
+            Op::ModelGather { parts, .. } => Op::AllGatherDense {
+                workers: parts,
+                shape: out_ty.dense_type().shape.clone(),
+            },
+            Op::ModelReduceScatter { parts, .. } => Op::ReduceScatter {
+                workers: parts,
+                reduce: ReduceOp::Sum,
+            },
+            ref other => other.clone(),
+        }
     }
 
     /// Waits, on `compute`, for node `node`'s collective to be done.
@@ -419,6 +458,7 @@ impl NcclComm {
         output: u64,
         out_ty: &ValueType,
     ) -> Result<(), CudaError> {
+        let op = &Self::equivalent(op, out_ty);
         self.ctx
             .bind_to_thread()
             .map_err(drv_err("cuCtxSetCurrent"))?;

@@ -12,14 +12,13 @@
 //! GPU the loop captures a step into a CUDA graph where the backend can
 //! ([`crate::core::backend::Capture`]). Parameter servers always run on the CPU.
 
-use crate::comm::Communicator;
 use crate::core::checkpoint::{TrainingState, LOSS_SCALE_KEY, STEP_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
 use crate::run::metrics::StepMetrics;
-use crate::run::programs::{Programs, Site, TrainOptions, TrainReport};
+use crate::run::programs::{Links, Programs, Site, TrainOptions, TrainReport};
 use crate::run::train::{train, train_with};
 use std::collections::HashMap;
 
@@ -153,9 +152,9 @@ pub fn launch(
                     _ => collectives = Collectives::Host,
                 }
             }
-            let make = |site: Site<'_>, comm: &mut dyn Communicator| -> Result<CudaBackend> {
+            let make = |site: Site<'_>, links: Links<'_>| -> Result<CudaBackend> {
                 let gpu_of = gpu.gpu_of(site.worker);
-                crate::cuda::worker_backend(site.program, cuda, gpu_of, collectives, comm)
+                crate::cuda::worker_backend(site.program, cuda, gpu_of, collectives, links)
             };
             match transport {
                 TransportChoice::InProcess => {
@@ -320,7 +319,7 @@ fn mpi_ranks<B: crate::core::backend::Backend>(
     opts: &TrainOptions,
     m: &MpiRun,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     crate::run::mpi::run_with(programs, config, opts, m, on_step, make)
 }
@@ -332,7 +331,7 @@ fn mpi_ranks<B: crate::core::backend::Backend>(
     _: &TrainOptions,
     _: &MpiRun,
     _: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    _: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
+    _: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     Err(RuntimeError::Config(NO_MPI.into()))
 }

@@ -37,7 +37,8 @@ use crate::run::mesh::{Axis, Mesh};
 use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
 use crate::run::programs::{
-    open_data, pulled_types, server_shards, MpiRun, Programs, Site, TrainOptions, TrainReport,
+    open_data, pulled_types, server_shards, Links, MpiRun, Programs, Site, TrainOptions,
+    TrainReport,
 };
 use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
@@ -350,7 +351,7 @@ pub fn run_with<B: Backend>(
     opts: &TrainOptions,
     mpi_run: &MpiRun,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .ok_or_else(|| {
@@ -702,7 +703,7 @@ fn run_worker_rank<B: Backend>(
     ctl: &Arc<Comm>,
     t0: Instant,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
     // A mesh with a model axis: every worker splits the workers' communicator by its
@@ -783,13 +784,13 @@ fn run_worker_rank<B: Backend>(
             write_local(&rep)?;
             to_rank0.send(ctl, rep.step, Vec::new(), &rep)
         };
-        let outcome = run_worker_on(setup(Box::new(report)), |c| {
+        let outcome = run_worker_on(setup(Box::new(report)), |links| {
             make(
                 Site {
                     worker: r,
                     program: programs.worker,
                 },
-                c,
+                links,
             )
         })?;
         let _ = send_spans(ctl, r, outcome.spans, opts, mpi_run);
@@ -809,13 +810,13 @@ fn run_worker_rank<B: Backend>(
             write_local(&rep)?;
             to_coordinator(rep)
         };
-        run_worker_on(setup(Box::new(report)), |c| {
+        run_worker_on(setup(Box::new(report)), |links| {
             make(
                 Site {
                     worker: r,
                     program: programs.worker,
                 },
-                c,
+                links,
             )
         })
     };

@@ -35,7 +35,7 @@ use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep};
-use crate::run::programs::{input_types, CheckpointEvery, Programs, TrainOptions};
+use crate::run::programs::{input_types, CheckpointEvery, Links, Programs, TrainOptions};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::worker::{
@@ -996,14 +996,22 @@ impl<'a> Stage<'a> {
     /// host.
     pub(crate) fn run_on<B: Backend>(
         mut self,
-        make: &mut dyn FnMut(&Graph, &mut dyn Communicator) -> Result<B>,
+        make: &mut dyn FnMut(&Graph, Links<'_>) -> Result<B>,
         config: &RunConfig,
         report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
         let (forward, backward) = (self.forward, self.backward);
-        let mut made = |program| match self.hook.replicas.as_mut() {
-            Some(c) => make(program, &mut **c),
-            None => make(program, &mut *self.comm),
+        let mut made = |program| {
+            let data: &mut dyn Communicator = match self.hook.replicas.as_mut() {
+                Some(c) => &mut **c,
+                None => &mut *self.comm,
+            };
+            let model = self
+                .hook
+                .model
+                .as_mut()
+                .map(|c| &mut **c as &mut dyn Communicator);
+            make(program, Links { data, model })
         };
         // The forward runs beside the backward, on its device: the variables and the
         // batch are uploaded once, for both.

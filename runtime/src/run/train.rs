@@ -31,7 +31,7 @@ use std::time::Instant;
 pub use crate::run::eval::evaluate;
 pub use crate::run::programs::{
     init_params, input_types, micro_batches, open_data, pulled_types, server_shards,
-    CheckpointEvery, Programs, Site, TrainOptions, TrainReport,
+    CheckpointEvery, Links, Programs, Site, TrainOptions, TrainReport,
 };
 
 /// One in-process communicator per group of `axis`, its waits bounded by the run's
@@ -181,7 +181,7 @@ pub fn train_with<B: Backend>(
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: impl Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync,
+    make: impl Fn(Site<'_>, Links<'_>) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
     let mesh = Mesh::of(&programs)?;
     if mesh.pipelined {
@@ -262,7 +262,7 @@ pub fn train_with<B: Backend>(
                     worker: rank,
                     program: programs.worker,
                 };
-                run_worker_on(setup, |c| make(site, c))
+                run_worker_on(setup, |links| make(site, links))
             };
             (format!("worker-{rank}"), role)
         })
@@ -321,7 +321,7 @@ pub fn train_pipeline_with<B: Backend>(
     config: &RunConfig,
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: impl Fn(Site<'_>, &mut dyn Communicator) -> Result<B> + Sync,
+    make: impl Fn(Site<'_>, Links<'_>) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
     let make = &make;
     let run = PipelineRun::new(programs, mesh, config, opts)?;
@@ -357,7 +357,7 @@ pub fn train_pipeline_with<B: Backend>(
         let errors = &errors;
         let role = move |tx| {
             let result = stage.run_on(
-                &mut |program, c| make(Site { worker: w, program }, c),
+                &mut |program, links| make(Site { worker: w, program }, links),
                 config,
                 &mut reporter(tx),
             );

@@ -31,7 +31,7 @@ use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, Profile};
-use crate::run::programs::{init_params, Programs, TrainOptions};
+use crate::run::programs::{init_params, Links, Programs, TrainOptions};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use distc_ir::{DType, NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
@@ -906,7 +906,7 @@ pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
 /// bootstrap (NCCL's unique id from rank 0); what it moves is not counted in step 1.
 pub fn run_worker_on<B: Backend>(
     setup: WorkerSetup<'_>,
-    make: impl FnOnce(&mut dyn Communicator) -> Result<B>,
+    make: impl FnOnce(Links<'_>) -> Result<B>,
 ) -> Result<WorkerOutcome> {
     let WorkerSetup {
         programs,
@@ -915,14 +915,19 @@ pub fn run_worker_on<B: Backend>(
         rank,
         mesh,
         mut comm,
-        model_comm,
+        mut model_comm,
         ps,
         mut data,
         mut report,
         t0,
         errors,
     } = setup;
-    let made = make(&mut *comm);
+    let made = make(Links {
+        data: &mut *comm,
+        model: model_comm
+            .as_mut()
+            .map(|c| &mut **c as &mut dyn Communicator),
+    });
     let bytes_start = comm.bytes();
     let (to_comm, comm_rx) = mpsc::channel::<Request>();
     let (span_tx, span_rx) = mpsc::channel();
@@ -1583,7 +1588,6 @@ fn capture_step<B: Backend>(
     if !on {
         return Ok(GraphState::Off);
     }
-    // CUDA graphs: no model axis (tensor parallelism runs on the CPU backend).
     st.exec.set_rank(rank);
     let captured = st
         .exec

@@ -168,6 +168,10 @@ pub enum Captured {
 /// Runs a replayed launch's kernel: its label and its allocations' host addresses.
 pub type KernelRunner<'a> = dyn FnMut(&str, &mut [*mut u8]) -> Result<(), String> + 'a;
 
+/// Where an event was recorded: the stream, its operation number, and what it had
+/// waited for by then.
+type Recorded = (Stream, u64, HashMap<Stream, u64>);
+
 /// The emulated device.
 #[derive(Default)]
 pub struct EmuDevice {
@@ -176,7 +180,10 @@ pub struct EmuDevice {
     /// Per stream: operations issued so far, and for each other stream the operation
     /// number up to which this stream has waited on it (through events).
     streams: HashMap<Stream, (u64, HashMap<Stream, u64>)>,
-    events: HashMap<Event, Option<(Stream, u64)>>,
+    /// Per event: the stream and operation number it was recorded at, and what that
+    /// stream had waited for by then (ordering is transitive, as on a GPU: a stream
+    /// waiting on it is ordered after everything its recorder was ordered after).
+    events: HashMap<Event, Option<Recorded>>,
     capturing: Option<(Stream, Vec<Captured>)>,
     next_id: u32,
 }
@@ -560,23 +567,23 @@ impl EmuDevice {
 
     /// Records stream `s`'s position in `e`.
     pub fn record_event(&mut self, s: Stream, e: Event) -> Result<(), EmuFault> {
-        let ops = self
+        let (ops, waited) = self
             .streams
             .get(&s)
-            .map(|(ops, _)| *ops)
+            .map(|(ops, waited)| (*ops, waited.clone()))
             .ok_or_else(|| EmuFault::Misuse(format!("no stream {s:?}")))?;
         let slot = self
             .events
             .get_mut(&e)
             .ok_or_else(|| EmuFault::Misuse(format!("no event {e:?}")))?;
-        *slot = Some((s, ops));
+        *slot = Some((s, ops, waited));
         Ok(())
     }
 
     /// Makes stream `s` wait for event `e`: what its stream did before it is ordered
     /// before what `s` does next.
     pub fn wait_event(&mut self, s: Stream, e: Event) -> Result<(), EmuFault> {
-        let Some(Some((other, at))) = self.events.get(&e).copied() else {
+        let Some(Some((other, at, before))) = self.events.get(&e).cloned() else {
             return Err(EmuFault::Misuse(format!(
                 "stream {s:?} waits on event {e:?}, never recorded"
             )));
@@ -585,8 +592,10 @@ impl EmuDevice {
             .streams
             .get_mut(&s)
             .ok_or_else(|| EmuFault::Misuse(format!("no stream {s:?}")))?;
-        let w = waited.entry(other).or_insert(0);
-        *w = (*w).max(at);
+        for (t, n) in before.into_iter().chain([(other, at)]) {
+            let w = waited.entry(t).or_insert(0);
+            *w = (*w).max(n);
+        }
         Ok(())
     }
 
@@ -648,5 +657,34 @@ impl EmuDevice {
     /// Whether stream `s` is being captured.
     pub fn is_capturing(&self, s: Stream) -> bool {
         self.capturing.as_ref().is_some_and(|(c, _)| *c == s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream ordered after another only through a third (its event recorded after
+    /// it waited on the writer's) reads the write without a race, as on a GPU; a
+    /// stream that never waited races.
+    #[test]
+    fn ordering_through_events_is_transitive() {
+        let mut d = EmuDevice::new();
+        let (writer, middle, reader, stranger) = (d.stream(), d.stream(), d.stream(), d.stream());
+        let p = d.alloc(8).expect("alloc");
+        d.copy_htod(writer, p, 0, &[1; 8]).expect("write");
+        let (wrote, passed) = (d.event(), d.event());
+        d.record_event(writer, wrote).expect("record");
+        d.wait_event(middle, wrote).expect("wait");
+        d.record_event(middle, passed).expect("record");
+        d.wait_event(reader, passed).expect("wait");
+        let mut back = [0u8; 8];
+        d.copy_dtoh(reader, p, 0, &mut back)
+            .expect("ordered through the middle");
+        assert_eq!(back, [1; 8]);
+        let e = d
+            .copy_dtoh(stranger, p, 0, &mut back)
+            .expect_err("never waited");
+        assert!(matches!(e, EmuFault::Race { .. }), "{e}");
     }
 }

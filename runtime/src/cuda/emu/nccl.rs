@@ -264,6 +264,7 @@ impl CommCore {
         (input, in_ty): (u64, &ValueType),
         (output, out_ty): (u64, &ValueType),
     ) -> Result<(), CudaError> {
+        let op = &crate::cuda::nccl::NcclComm::equivalent(op, out_ty);
         let (ready, done) = self.events[&node];
         dev.wait_event(self.stream, ready)?;
         let mine = self.read_input(dev, input, in_ty)?;

@@ -25,7 +25,7 @@ use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
 use crate::run::pipeline::{combine, decode_params, encode_params, PipelineRun, StageReport};
-use crate::run::programs::{MpiRun, Programs, Site, TrainOptions, TrainReport};
+use crate::run::programs::{Links, MpiRun, Programs, Site, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use std::collections::HashMap;
@@ -46,7 +46,7 @@ pub(super) fn run_stage_rank<B: Backend>(
     ctl: &Arc<Comm>,
     t0: Instant,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(Site<'_>, &mut dyn crate::comm::Communicator) -> Result<B> + Sync),
+    make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     let roles = mesh.roles();
     let stages = mesh.pipe;
