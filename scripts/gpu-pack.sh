@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 tests=(
   "distc-tests cuda_ops"
   "distc-tests cuda_backend"
+  "distc-tests cuda_mesh"
   "distc-tests backend"
   "distc-runtime cuda_device"
   "distc-runtime cuda"

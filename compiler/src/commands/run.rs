@@ -322,8 +322,7 @@ fn interrupt_flag() -> Arc<AtomicBool> {
         let installed = ctrlc::set_handler(move || {
             if seen.swap(true, Ordering::SeqCst) {
                 err("\ninterrupted again: stopping now, writing nothing more\n");
-                distc_runtime::core::output::remove_temp_files_in_flight();
-                std::process::exit(130);
+                distc_runtime::core::output::exit_removing_temp_files(130);
             }
             err("\ninterrupted: stopping after this step (Ctrl-C again stops at once)\n");
         });
@@ -348,7 +347,8 @@ fn stop_at_once_on_interrupt(note: impl Fn() -> Option<String> + Send + 'static)
             // moment before exiting lets it read the note before the rank is gone.
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
-        std::process::exit(130);
+        // Training went on meanwhile: a checkpoint may have started writing.
+        distc_runtime::core::output::exit_removing_temp_files(130);
     });
     if let Err(e) = installed {
         err(&format!("warning: Ctrl-C will stop at once: {e}\n"));

@@ -184,11 +184,24 @@ fn in_flight() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
 
 /// Removes the temporary files this process is writing, for a process about to exit
 /// in the middle of a write (a signal's handler): what they were to replace stays as
-/// it was.
+/// it was. The files stay listed until their writers finish, so a writer that
+/// creates its file again after this (it was between listing and creating it) is
+/// caught by [`exit_removing_temp_files`].
 pub fn remove_temp_files_in_flight() {
-    for tmp in in_flight().drain(..) {
+    for tmp in in_flight().iter() {
         let _ = std::fs::remove_file(tmp);
     }
+}
+
+/// Exits with `code` after removing the temporary files in flight, holding the list
+/// until the process is gone: no write starts or finishes in between, so none is left
+/// behind (the training threads go on while a signal's handler runs).
+pub fn exit_removing_temp_files(code: i32) -> ! {
+    let files = in_flight();
+    for tmp in files.iter() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    std::process::exit(code)
 }
 
 /// [`write_atomic`] of bytes.
