@@ -635,12 +635,7 @@ impl CudaBackend {
         size: usize,
         id: [u8; 128],
     ) -> Result<(), CudaError> {
-        if self.has_arena {
-            return Err(CudaError::Invalid(
-                "NCCL must be attached before the memory plan is made".into(),
-            ));
-        }
-        self.nccl = Some(self.dev.communicator(rank, size, id)?);
+        self.nccl = Some(self.join_nccl(rank, size, id)?);
         Ok(())
     }
 
@@ -651,13 +646,24 @@ impl CudaBackend {
         size: usize,
         id: [u8; 128],
     ) -> Result<(), CudaError> {
+        self.model_nccl = Some(self.join_nccl(rank, size, id)?);
+        Ok(())
+    }
+
+    /// Joins the NCCL communicator `id` names, before the memory plan (which keeps a
+    /// collective's input alive while NCCL reads it) is made.
+    fn join_nccl(
+        &mut self,
+        rank: usize,
+        size: usize,
+        id: [u8; 128],
+    ) -> Result<Box<dyn DeviceComm>, CudaError> {
         if self.has_arena {
             return Err(CudaError::Invalid(
                 "NCCL must be attached before the memory plan is made".into(),
             ));
         }
-        self.model_nccl = Some(self.dev.communicator(rank, size, id)?);
-        Ok(())
+        self.dev.communicator(rank, size, id)
     }
 
     /// Whether NCCL communicators are attached: the data axis's, the model axis's.

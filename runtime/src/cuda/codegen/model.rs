@@ -52,35 +52,10 @@ pub(crate) fn split(cx: &mut NodeCx<'_>, dim: usize, parts: usize) -> Result<(),
 /// `rank * R .. (rank + 1) * R` of the whole): an id in that range reads its row, any
 /// other id zeros. Summed over the parts, the whole table's lookup.
 pub(crate) fn embedding(cx: &mut NodeCx<'_>) -> Result<(), String> {
-    let (table, ids, y) = (cx.tin(0)?.clone(), cx.tin(1)?.clone(), cx.tout(0)?.clone());
-    want_f32(&table, "the table part")?;
-    want_i32(&ids, "the ids")?;
-    if table.dims().len() < 2 {
-        return Err(format!("the table must have rank 2 or more, got {table}"));
-    }
-    let (rows, row) = (table.dims()[0], row_len(&table));
-    let n = ids.shape.numel() * row;
-    if y.shape.numel() != n {
-        return Err(format!("the output {y} does not hold {ids} rows of {row}"));
-    }
     let text = format!(
         "extern \"C\" __global__ void KNAME(const float* table, const int* ids, float* y, u64 n, u64 row, u64 rows, u32 rank) {{\n{INDEX}    long long local = (long long)ids[i / row] - (long long)rank * (long long)rows;\n    y[i] = (local >= 0 && (u64)local < rows) ? table[(u64)local * row + i % row] : 0.0f;\n}}\n"
     );
-    let name = cx.kernel("model_embedding", text);
-    let u = |v: usize| KArg::U64(v as u64);
-    cx.launch_1d(
-        &name,
-        n,
-        vec![
-            KArg::Input(0),
-            KArg::Input(1),
-            KArg::Output(0),
-            u(n),
-            u(row),
-            u(rows),
-            KArg::ModelRank,
-        ],
-    )
+    super::sparse::lookup(cx, "model_embedding", text, Some(KArg::ModelRank))
 }
 
 /// Threads of the one block that scans the ids.

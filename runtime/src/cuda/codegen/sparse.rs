@@ -37,6 +37,21 @@ pub(crate) const SORT_CAP: usize = 4096;
 /// `(table [V, ..], ids) -> [ids.., table.dims[1..]]`: one thread per output element;
 /// an id outside the table reads zeros.
 pub(crate) fn embedding(cx: &mut NodeCx<'_>) -> Result<(), String> {
+    let text = format!(
+        "extern \"C\" __global__ void KNAME(const float* table, const int* ids, float* y, u64 n, u64 row, u64 rows) {{\n{INDEX}    int id = ids[i / row];\n    y[i] = (id >= 0 && (u64)id < rows) ? table[(u64)id * row + i % row] : 0.0f;\n}}\n"
+    );
+    lookup(cx, "embedding", text, None)
+}
+
+/// A lookup kernel `text` (named from `base`) of the table (input 0) by the ids
+/// (input 1), checked and launched one thread per output element with
+/// `(table, ids, y, n, row, rows)` and, where given, a last argument.
+pub(crate) fn lookup(
+    cx: &mut NodeCx<'_>,
+    base: &str,
+    text: String,
+    last: Option<KArg>,
+) -> Result<(), String> {
     let (table, ids, y) = (cx.tin(0)?.clone(), cx.tin(1)?.clone(), cx.tout(0)?.clone());
     want_f32(&table, "the table")?;
     want_i32(&ids, "the ids")?;
@@ -48,22 +63,17 @@ pub(crate) fn embedding(cx: &mut NodeCx<'_>) -> Result<(), String> {
     if y.shape.numel() != n {
         return Err(format!("the output {y} does not hold {ids} rows of {row}"));
     }
-    let text = format!(
-        "extern \"C\" __global__ void KNAME(const float* table, const int* ids, float* y, u64 n, u64 row, u64 rows) {{\n{INDEX}    int id = ids[i / row];\n    y[i] = (id >= 0 && (u64)id < rows) ? table[(u64)id * row + i % row] : 0.0f;\n}}\n"
-    );
-    let name = cx.kernel("embedding", text);
-    cx.launch_1d(
-        &name,
-        n,
-        vec![
-            KArg::Input(0),
-            KArg::Input(1),
-            KArg::Output(0),
-            KArg::U64(n as u64),
-            KArg::U64(row as u64),
-            KArg::U64(rows as u64),
-        ],
-    )
+    let name = cx.kernel(base, text);
+    let mut args = vec![
+        KArg::Input(0),
+        KArg::Input(1),
+        KArg::Output(0),
+        KArg::U64(n as u64),
+        KArg::U64(row as u64),
+        KArg::U64(rows as u64),
+    ];
+    args.extend(last);
+    cx.launch_1d(&name, n, args)
 }
 
 /// `(dy, ids) -> IndexedSlices`: the ids as indices, `dy`'s rows as values (repeats
