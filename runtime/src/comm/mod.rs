@@ -74,6 +74,23 @@ pub trait Communicator: Send {
     fn set_label(&mut self, _label: &str) {}
 }
 
+/// The host communicators a backend is made with, to bootstrap its own over them: the
+/// worker's link on the data axis (a pipeline stage's to its replicas, or to its
+/// stages where it has no replicas), and on the model axis where the mesh has one.
+pub struct Links<'c> {
+    /// The data axis's.
+    pub data: &'c mut dyn Communicator,
+    /// The model axis's.
+    pub model: Option<&'c mut dyn Communicator>,
+}
+
+impl<'c> Links<'c> {
+    /// The data axis's link alone.
+    pub fn data(data: &'c mut dyn Communicator) -> Links<'c> {
+        Links { data, model: None }
+    }
+}
+
 /// A 16-bit wire's element: `x` rounded to `wire` (bf16 or f16), as little-endian bytes.
 fn encode_half(xs: &[f32], wire: distc_ir::DType) -> Vec<u8> {
     match wire {

@@ -422,7 +422,7 @@ pub fn worker_backend(
     opts: CudaOptions,
     ordinal: usize,
     collectives: nccl::Collectives,
-    links: crate::run::programs::Links<'_>,
+    links: crate::comm::Links<'_>,
 ) -> Result<CudaBackend, crate::core::error::RuntimeError> {
     let mut backend = CudaBackend::new(ordinal, graph, opts)?;
     if collectives == nccl::Collectives::Host {
@@ -435,7 +435,7 @@ pub fn worker_backend(
             op.is_collective() && op.is_model_collective() == model
         })
     };
-    let crate::run::programs::Links { data, model } = links;
+    let crate::comm::Links { data, model } = links;
     if has(false) {
         if let Some(id) = nccl_id(&backend, data, opts, collectives)? {
             backend.attach_nccl(data.rank(), data.size(), id)?;

@@ -30,22 +30,7 @@ pub struct Site<'g> {
     pub program: &'g Graph,
 }
 
-/// The host communicators a backend is made with, to bootstrap its own over them: the
-/// worker's link on the data axis (a pipeline stage's to its replicas, or to its
-/// stages where it has no replicas), and on the model axis where the mesh has one.
-pub struct Links<'c> {
-    /// The data axis's.
-    pub data: &'c mut dyn crate::comm::Communicator,
-    /// The model axis's.
-    pub model: Option<&'c mut dyn crate::comm::Communicator>,
-}
-
-impl<'c> Links<'c> {
-    /// The data axis's link alone.
-    pub fn data(data: &'c mut dyn crate::comm::Communicator) -> Links<'c> {
-        Links { data, model: None }
-    }
-}
+pub use crate::comm::Links;
 
 /// The programs of a plan: the SPMD worker program (the one-device graph for one
 /// device), the workers' init program and one program per parameter server.
