@@ -408,11 +408,21 @@ pub(crate) fn upload_all<B: Backend>(
     backend: &mut B,
     host: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, B::Tensor>, RuntimeError> {
+    upload_all_as(backend, host, |name| name.to_string())
+}
+
+/// [`upload_all`], each tensor held under the device name `as_named(name)` (a device
+/// backend keeps one buffer per name), returned under its own.
+pub(crate) fn upload_all_as<B: Backend>(
+    backend: &mut B,
+    host: HashMap<String, Tensor>,
+    as_named: impl Fn(&str) -> String,
+) -> Result<HashMap<String, B::Tensor>, RuntimeError> {
     let device = backend.name();
     host.into_iter()
         .map(|(name, t)| {
             let t = backend
-                .upload(&name, t)
+                .upload(&as_named(&name), t)
                 .map_err(|e| backend_error(&device, &format!("copying `{name}` in"), e))?;
             Ok((name, t))
         })

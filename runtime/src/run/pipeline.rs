@@ -21,7 +21,7 @@
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
 use crate::comm::{in_process, ByteCount, Communicator};
-use crate::core::backend::{backend_error, upload_all, Backend, OptimizerState};
+use crate::core::backend::{backend_error, upload_all, upload_all_as, Backend, OptimizerState};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -35,7 +35,7 @@ use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep};
-use crate::run::programs::{input_types, CheckpointEvery, Links, Programs, TrainOptions};
+use crate::run::programs::{input_types, CheckpointEvery, Links, Programs, Site, TrainOptions};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::worker::{
@@ -415,6 +415,7 @@ impl<'a> PipelineRun<'a> {
         });
         Stage {
             name: self.mesh.name(w),
+            worker: w,
             first: self.first,
             cadence: self.cadence,
             resumed_slots,
@@ -735,6 +736,8 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
 pub(crate) struct Stage<'a> {
     /// Its worker's name on the mesh, for messages and trace tracks.
     name: String,
+    /// Its worker (rank in the mesh), for the backends it makes.
+    worker: usize,
     stage: usize,
     /// The first step it runs (after a resumed state's).
     first: usize,
@@ -967,25 +970,6 @@ fn held_bytes(maps: &[HashMap<String, Value>]) -> u64 {
         .sum()
 }
 
-/// Micro-batch `m`'s feeds, uploaded under names of their own (`x/micro1`): a device
-/// backend keeps one buffer per name, and a step's micro-batches are live together.
-fn upload_micro<B: Backend>(
-    backend: &mut B,
-    batch: HashMap<String, Tensor>,
-    m: usize,
-) -> Result<HashMap<String, B::Tensor>> {
-    let device = backend.name();
-    batch
-        .into_iter()
-        .map(|(name, t)| {
-            let t = backend
-                .upload(&format!("{name}/micro{m}"), t)
-                .map_err(|e| backend_error(&device, &format!("copying `{name}` in"), e))?;
-            Ok((name, t))
-        })
-        .collect()
-}
-
 impl<'a> Stage<'a> {
     /// Runs its steps in the one step loop with its schedule as the body, its kernels
     /// on the backends `make` creates (one for the forward program, one for the
@@ -996,7 +980,7 @@ impl<'a> Stage<'a> {
     /// host.
     pub(crate) fn run_on<B: Backend>(
         mut self,
-        make: &mut dyn FnMut(&Graph, Links<'_>) -> Result<B>,
+        make: &dyn Fn(Site<'_>, Links<'_>) -> Result<B>,
         config: &RunConfig,
         report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
@@ -1011,7 +995,11 @@ impl<'a> Stage<'a> {
                 .model
                 .as_mut()
                 .map(|c| &mut **c as &mut dyn Communicator);
-            make(program, Links { data, model })
+            let site = Site {
+                worker: self.worker,
+                program,
+            };
+            make(site, Links { data, model })
         };
         // The forward runs beside the backward, on its device: the variables and the
         // batch are uploaded once, for both.
@@ -1143,7 +1131,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             .enumerate()
             .map(|(m, d)| {
                 d.next_batch()
-                    .and_then(|b| upload_micro(fwd.backend(), b, m))
+                    .and_then(|b| upload_all_as(fwd.backend(), b, |n| format!("{n}/micro{m}")))
             })
             .collect::<Result<Vec<_>>>()?;
         let start = Instant::now();

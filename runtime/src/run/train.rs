@@ -356,11 +356,7 @@ pub fn train_pipeline_with<B: Backend>(
         let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
         let errors = &errors;
         let role = move |tx| {
-            let result = stage.run_on(
-                &mut |program, links| make(Site { worker: w, program }, links),
-                config,
-                &mut reporter(tx),
-            );
+            let result = stage.run_on(make, config, &mut reporter(tx));
             // The cause first: its neighbours fail next, seeing it hang up.
             result.map_err(|e| {
                 let message = e.to_string();

@@ -115,29 +115,17 @@ pub(super) fn run_stage_rank<B: Backend>(
     };
     if rank != 0 {
         let mut to_rank0 = ToRank0::new(rank, &mesh, last_step, opts.timeout);
-        let outcome = me.run_on(
-            &mut |program, c| {
-                make(
-                    Site {
-                        worker: rank,
-                        program,
-                    },
-                    c,
-                )
-            },
-            config,
-            &mut |mut rep| {
-                write_local(&rep)?;
-                // An evaluation's or a checkpoint's variables go first, then a checkpoint's
-                // optimizer state: rank 0 takes them in that order when the step is complete.
-                let ahead = [rep.params.take(), rep.slots.take()]
-                    .into_iter()
-                    .flatten()
-                    .map(|carried| (TAG_PARAMS, encode_params(carried)))
-                    .collect();
-                to_rank0.send(ctl, rep.step, ahead, &rep)
-            },
-        )?;
+        let outcome = me.run_on(make, config, &mut |mut rep| {
+            write_local(&rep)?;
+            // An evaluation's or a checkpoint's variables go first, then a checkpoint's
+            // optimizer state: rank 0 takes them in that order when the step is complete.
+            let ahead = [rep.params.take(), rep.slots.take()]
+                .into_iter()
+                .flatten()
+                .map(|carried| (TAG_PARAMS, encode_params(carried)))
+                .collect();
+            to_rank0.send(ctl, rep.step, ahead, &rep)
+        })?;
         if replica == 0 && m == 0 {
             let mut out =
                 Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_params(outcome.params), true);
@@ -171,22 +159,10 @@ pub(super) fn run_stage_rank<B: Backend>(
     };
     let stage = |tx: mpsc::Sender<StageReport>| {
         let mut to_coordinator = reporter(tx);
-        me.run_on(
-            &mut |program, c| {
-                make(
-                    Site {
-                        worker: rank,
-                        program,
-                    },
-                    c,
-                )
-            },
-            config,
-            &mut |rep| {
-                write_local(&rep)?;
-                to_coordinator(rep)
-            },
-        )
+        me.run_on(make, config, &mut |rep| {
+            write_local(&rep)?;
+            to_coordinator(rep)
+        })
     };
     let mut reports = StageReports::default();
     let outcome = drain_on_rank0(
