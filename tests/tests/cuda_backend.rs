@@ -11,6 +11,7 @@ use distc_runtime::core::config::OptimizerSpec;
 use distc_runtime::cuda::backend::emulator_requested;
 use distc_runtime::cuda::{CudaBackend, CudaOptions};
 use distc_runtime::run::data::data_dir;
+use distc_runtime::run::metrics::StepMetrics;
 use distc_runtime::run::train::{
     init_params, train, train_with, Programs, TrainOptions, TrainReport,
 };
@@ -42,17 +43,28 @@ fn run_compiled(
         println!("skipping {name}: DISTC_DATA not set");
         return None;
     }
+    let (report, metrics) = train_plan(&c, steps, opts)?;
+    let losses = metrics.iter().map(|m| m.loss).collect();
+    let scales = metrics.iter().map(|m| m.loss_scale).collect();
+    Some((report, losses, scales))
+}
+
+/// `steps` steps of the compiled one-device plan through the one worker loop, on the
+/// CPU (`None`) or on CUDA, with every step's metrics; `None` where CUDA is missing.
+fn train_plan(
+    c: &distc::Compiled,
+    steps: usize,
+    opts: Option<CudaOptions>,
+) -> Option<(TrainReport, Vec<StepMetrics>)> {
+    let name = &c.programs.worker.name;
     let topts = TrainOptions {
         steps: Some(steps),
         ..Default::default()
     };
-    let mut losses = Vec::new();
-    let mut scales = Vec::new();
-    // The one worker loop, on the CPU or on the GPU.
+    let mut metrics = Vec::new();
     let programs = Programs::single(&c.programs.worker);
-    let mut on_step = |m: &distc_runtime::run::metrics::StepMetrics| {
-        losses.push(m.loss);
-        scales.push(m.loss_scale);
+    let mut on_step = |m: &StepMetrics| {
+        metrics.push(m.clone());
         Ok(())
     };
     let report = match opts {
@@ -68,7 +80,7 @@ fn run_compiled(
         }
     }
     .unwrap_or_else(|e| panic!("{name}: {e}"));
-    Some((report, losses, scales))
+    Some((report, metrics))
 }
 
 fn close(a: f64, b: f64, rtol: f64) -> bool {
@@ -207,6 +219,82 @@ fn sixteen_bit_plans_on_cuda_train_what_the_cpu_trains() {
                 );
             }
         }
+    }
+}
+
+/// fp16 in a CUDA graph (issue 38, item 2): a model whose loss is 1000 times a
+/// cross-entropy overflows fp16 at the first loss scales, so the scale comes down over
+/// 8 steps. From step 3 each step is a replay of the captured graph, which unscales
+/// the gradients on the device and skips the update there when one overflowed; the
+/// host reads only the flag, with the loss. Every step's loss, scale and skipped count
+/// and the final weights equal eager steps' bitwise (which read the flag back before
+/// updating), replays skip as eager steps do, and the scales are the CPU's.
+#[test]
+fn fp16_steps_in_a_cuda_graph_unscale_and_skip_on_the_device() {
+    use distc_passes::placement::{Precision, StrategyConfig};
+    let src = "model big {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+               param w1: f32[8, 16] = glorot\n  param w2: f32[16, 4] = glorot\n  \
+               minimize 1000.0 * softmax_cross_entropy(relu(x @ w1) @ w2, label)\n}\n\
+               train {\n  data = gaussian_classes(features = 8, classes = 4)\n  \
+               batch = 16\n  optimizer = adam(lr = 0.0005)\n  steps = 12\n  seed = 7\n}\n";
+    let copts = CompileOptions {
+        strategy: StrategyConfig {
+            precision: Precision::Fp16,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = distc::compile("big.dsl", src, &copts).unwrap_or_else(|e| panic!("{e}"));
+    let steps = 12;
+    let Some((_, cpu)) = train_plan(&c, steps, None) else {
+        return;
+    };
+    let eager = CudaOptions {
+        tf32: false,
+        graphs: false,
+        ..Default::default()
+    };
+    let graphs = CudaOptions {
+        tf32: false,
+        ..Default::default()
+    };
+    let Some((want, wm)) = train_plan(&c, steps, Some(eager)) else {
+        return;
+    };
+    let Some((got, gm)) = train_plan(&c, steps, Some(graphs)) else {
+        return;
+    };
+    let replayed: Vec<usize> = gm.iter().filter(|m| m.cuda_graph).map(|m| m.step).collect();
+    assert_eq!(replayed, (3..=steps).collect::<Vec<_>>(), "replayed steps");
+    assert!(wm.iter().all(|m| !m.cuda_graph));
+    let skipped = |m: &[StepMetrics]| m.iter().map(|m| m.skipped_steps).collect::<Vec<_>>();
+    let at_capture = gm[2].skipped_steps.unwrap_or(0);
+    let at_end = gm[steps - 1].skipped_steps.unwrap_or(0);
+    assert!(
+        at_capture >= 3 && at_end > at_capture && at_end < steps,
+        "replays should both skip and update: skipped {:?}",
+        skipped(&gm)
+    );
+    assert_eq!(
+        skipped(&gm),
+        skipped(&wm),
+        "skipped steps, graphs against eager"
+    );
+    assert_eq!(
+        skipped(&gm),
+        skipped(&cpu),
+        "skipped steps, graphs against the CPU"
+    );
+    let scales = |m: &[StepMetrics]| m.iter().map(|m| m.loss_scale).collect::<Vec<_>>();
+    assert_eq!(scales(&gm), scales(&wm));
+    assert_eq!(scales(&gm), scales(&cpu));
+    let losses = |m: &[StepMetrics]| m.iter().map(|m| m.loss).collect::<Vec<_>>();
+    assert_eq!(losses(&gm), losses(&wm), "losses, graphs against eager");
+    for (var, w) in &want.params {
+        assert!(
+            got.params.get(var) == Some(w),
+            "`{var}` differs between graphs and eager steps"
+        );
     }
 }
 

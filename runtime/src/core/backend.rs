@@ -358,6 +358,30 @@ pub trait Capture: Device {
             "this backend records no graphs".into(),
         ))
     }
+    /// fp16 in a captured step: multiplies every gradient by the factor of the last
+    /// [`Capture::set_unscale_factor`] (read at each replay) and, where one is not
+    /// finite, makes the update that follows skip the step, all on the device. Whether
+    /// a replay skipped comes with its loss: [`Capture::replayed_finite`].
+    fn unscale_on_device(
+        &mut self,
+        _grads: &mut [(String, Self::Value)],
+    ) -> Result<(), KernelError> {
+        Err(KernelError::Invalid(
+            "this backend records no graphs".into(),
+        ))
+    }
+    /// The factor (the inverse of the loss scale) the next replays unscale by.
+    fn set_unscale_factor(&mut self, _factor: f64) -> Result<(), KernelError> {
+        Err(KernelError::Invalid(
+            "this backend records no graphs".into(),
+        ))
+    }
+    /// Whether the replay whose loss [`Transfer::pending_scalar`] last returned had
+    /// finite gradients (and so made its update), for a step captured with
+    /// [`Capture::unscale_on_device`]; `None` for other steps.
+    fn replayed_finite(&mut self) -> Option<bool> {
+        None
+    }
 }
 
 /// Collectives on the device's own buffers, by the backend's own communicator.

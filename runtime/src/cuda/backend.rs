@@ -108,9 +108,15 @@ use std::sync::Arc;
 /// Alignment of every buffer in the arena (cudaMalloc's own alignment).
 const ALIGN: usize = 256;
 
-/// The step counters' bytes in device memory: the nodes' step, the optimizer's, and
-/// the learning rate of its next update with AdamW's decay factor (`codegen::Rate`).
-const STEPS_BYTES: usize = 24;
+/// The step counters' bytes in device memory: the nodes' step (u64), the optimizer's
+/// (u64), the learning rate of its next update with AdamW's decay factor
+/// (`codegen::Rate`, two f32), the skip flag the update kernels read
+/// (`codegen::SKIP_STEP`, a u32 an overflowed fp16 step raises on the device) and
+/// fp16's unscaling factor (f32), which the unscaling kernels read.
+const STEPS_BYTES: usize = 32;
+/// Where the skip flag and the unscaling factor lie in the counters.
+const SKIP_AT: u64 = 24;
+const FACTOR_AT: u64 = 28;
 /// The environment variable that runs the CUDA backend on the GPU emulator
 /// ([`super::emu`]) instead of a GPU: `1` (anything but empty or `0`).
 pub const EMULATOR_ENV: &str = "DISTC_CUDA_EMULATOR";
@@ -324,15 +330,19 @@ pub struct CudaBackend {
     steps_ptr: u64,
     /// Where a captured step copies its loss the moment it is computed: outside the
     /// arena, so the step's later kernels cannot reuse it before the copy out after
-    /// the replay.
+    /// the replay. Beside it (4 bytes on), a copy of the skip flag of a step that
+    /// unscales on the device.
     loss_ptr: u64,
     /// The step node kernels should see, and the optimizer's completed steps.
     kernel_step: u64,
     opt_steps: Arc<AtomicU64>,
     /// The optimizer's learning rate (and schedule), written beside its step.
     rate: Option<codegen::Rate>,
-    /// What the device's counters hold (after the copies issued).
-    dev_steps: Option<(u64, u64, [u8; 8])>,
+    /// fp16's unscaling factor, written beside the counters.
+    unscale_factor: f32,
+    /// What the device's counters hold (after the copies issued): the steps, the
+    /// rate and the factor (the skip flag is written zero with them).
+    dev_steps: Option<(u64, u64, [u8; 8], u32)>,
     /// The captured step's loss on the device (copied out after each replay).
     graph_loss_at: Option<u64>,
     /// Replays issued and not yet accounted for, oldest first.
@@ -343,8 +353,15 @@ pub struct CudaBackend {
     capturing: bool,
     capture_loss: bool,
     capture_update: bool,
+    /// Whether the captured step unscaled its gradients on the device
+    /// ([`Kernels::unscale_on_device`]): a replay's update then counts once its flag
+    /// is read, if the step was not skipped.
+    capture_scaled: bool,
     graph_loss: bool,
     graph_update: bool,
+    graph_scaled: bool,
+    /// Whether the last replay read had finite gradients (a scaled graph's).
+    last_finite: Option<bool>,
     /// NCCL bytes when the capture began, and the bytes one replay of the graph
     /// moves (counted when the collectives were recorded, not run).
     capture_bytes_at: ByteCount,
@@ -375,8 +392,12 @@ const LOSS_SLOTS: usize = 2;
 /// A replay issued, not yet read.
 #[derive(Debug)]
 struct PendingReplay {
-    /// Its loss slot, when the graph computes a loss.
-    loss_slot: Option<usize>,
+    /// Its pinned slot, when the graph computes a loss or unscales on the device: the
+    /// loss (f32), then the skip flag (u32).
+    slot: Option<usize>,
+    loss: bool,
+    /// Whether its update counts only if its flag says the step was not skipped.
+    scaled: bool,
 }
 
 fn invalid(m: impl Into<String>) -> KernelError {
@@ -529,7 +550,7 @@ impl CudaBackend {
         }
         let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
         let steps_ptr = dev.alloc(STEPS_BYTES, true)?;
-        let loss_ptr = dev.alloc(4, true)?;
+        let loss_ptr = dev.alloc(8, true)?;
         let unscale = match unscale {
             Some((dense, slices)) => Some(Unscale {
                 dense,
@@ -539,7 +560,7 @@ impl CudaBackend {
             None => None,
         };
         let steps_host = dev.host_buffer(STEPS_BYTES)?;
-        let loss_slots = [dev.host_buffer(4)?, dev.host_buffer(4)?];
+        let loss_slots = [dev.host_buffer(8)?, dev.host_buffer(8)?];
         dev.synchronize()?;
         let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN) as u64;
         Ok(CudaBackend {
@@ -569,7 +590,9 @@ impl CudaBackend {
             kernel_step: 0,
             opt_steps: Arc::new(AtomicU64::new(0)),
             rate: None,
-            dev_steps: Some((0, 0, [0; 8])),
+            unscale_factor: 1.0,
+            // Allocated zeroed.
+            dev_steps: Some((0, 0, [0; 8], 0)),
             graph_loss_at: None,
             pending: VecDeque::new(),
             held: Vec::new(),
@@ -577,8 +600,11 @@ impl CudaBackend {
             capturing: false,
             capture_loss: false,
             capture_update: false,
+            capture_scaled: false,
             graph_loss: false,
             graph_update: false,
+            graph_scaled: false,
+            last_finite: None,
             capture_bytes_at: ByteCount::default(),
             graph_bytes: ByteCount::default(),
             bytes_not_run: ByteCount::default(),
@@ -753,19 +779,83 @@ impl CudaBackend {
         }
     }
 
+    /// Multiplies every gradient by the factor in the counters (`FACTOR_AT`) and raises
+    /// `flag` (cleared first) if one was not finite: the kernels of [`Unscale`].
+    fn scale_gradients(
+        &mut self,
+        grads: &mut [(String, DeviceValue)],
+        flag: u64,
+    ) -> Result<(), KernelError> {
+        let Some(u) = &self.unscale else {
+            return Err(invalid("no gradient-scaling kernels"));
+        };
+        let (dense, slices) = (u.dense.clone(), u.slices.clone());
+        self.await_all_collectives()?;
+        self.dev.memset_zero(flag, 4)?;
+        let bufs = [
+            (flag, 4, Access::ReadWrite),
+            (self.steps_ptr + FACTOR_AT, 4, Access::Read),
+        ];
+        for (name, g) in grads.iter() {
+            let (kernel, n, args, access) = match codegen::SlicesLayout::of(&g.ty) {
+                None => {
+                    let n = g.ty.dense_type().dims().iter().product::<usize>();
+                    let args = vec![
+                        KArg::Grad,
+                        KArg::Scratch(1),
+                        KArg::U64(n as u64),
+                        KArg::Scratch(0),
+                    ];
+                    (dense.clone(), n, args, Access::ReadWrite)
+                }
+                Some(l) => {
+                    let (nnz, row) = (KArg::U64(l.nnz as u64), KArg::U64(l.row as u64));
+                    let args = vec![KArg::Grad, nnz, row, KArg::Scratch(1), KArg::Scratch(0)];
+                    (
+                        slices.clone(),
+                        l.nnz * l.row,
+                        args,
+                        Access::ReadWriteCounted,
+                    )
+                }
+            };
+            if n == 0 {
+                continue;
+            }
+            let launch = Launch::Kernel {
+                name: kernel,
+                grid: [codegen::blocks_for(n).map_err(invalid)?, 1, 1],
+                block: [codegen::BLOCK, 1, 1],
+                shared_bytes: 0,
+                args,
+            };
+            issue_over_gradient(
+                self.dev.as_mut(),
+                &self.funcs,
+                launch,
+                (g.ptr, codegen::value_bytes(&g.ty), access),
+                &bufs,
+                &|| format!("unscaling the gradient of `{name}`"),
+            )?;
+        }
+        Ok(())
+    }
+
     /// The optimizer's completed updates.
     fn opt_done(&self) -> u64 {
         self.opt_steps.load(Ordering::Relaxed)
     }
 
-    /// Copies the step counters and the optimizer's rate for its next update to the
-    /// device if they changed (outside a capture).
+    /// Copies the step counters, the optimizer's rate for its next update and the
+    /// unscaling factor to the device if they changed (outside a capture), and clears
+    /// the skip flag.
     fn write_steps(&mut self) -> Result<(), CudaError> {
         let rate = self
             .rate
             .as_ref()
             .map_or([0u8; 8], |r| r.bytes(self.opt_done()));
-        let want = (self.kernel_step, self.opt_done(), rate);
+        let factor = self.unscale_factor.to_bits();
+        let want = (self.kernel_step, self.opt_done(), rate, factor);
         if self.dev_steps == Some(want) {
             return Ok(());
         }
@@ -774,6 +864,8 @@ impl CudaBackend {
         host[..8].copy_from_slice(&want.0.to_ne_bytes());
         host[8..16].copy_from_slice(&want.1.to_ne_bytes());
         host[16..24].copy_from_slice(&rate);
+        host[SKIP_AT as usize..FACTOR_AT as usize].copy_from_slice(&0u32.to_ne_bytes());
+        host[FACTOR_AT as usize..STEPS_BYTES].copy_from_slice(&factor.to_ne_bytes());
         self.dev
             .upload(self.steps_host, self.steps_ptr, STEPS_BYTES)?;
         self.dev_steps = Some(want);
@@ -891,27 +983,30 @@ struct Args<'a> {
 }
 
 /// Issues one kernel `launch` over a gradient: its `KArg::Grad` is the gradient at
-/// `grad` (its bytes and access), its `KArg::Scratch(0)` the buffer at `scratch`, and
+/// `grad` (its bytes and access), its `KArg::Scratch(i)` the buffer `scratch[i]`, and
 /// its other arguments values. What unscaling and the gradient's norm launch alike.
 fn issue_over_gradient(
     dev: &mut dyn Driver,
     funcs: &HashMap<String, Kernel>,
     launch: Launch,
     grad: (u64, usize, Access),
-    scratch: (u64, usize, Access),
+    scratch: &[(u64, usize, Access)],
     what: &dyn Fn() -> String,
 ) -> Result<(), KernelError> {
     let value = |k: &KArg| -> Result<ArgVal, KernelError> {
         match k {
             KArg::Grad => Ok(ArgVal::U64(grad.0)),
-            KArg::Scratch(0) => Ok(ArgVal::U64(scratch.0)),
+            KArg::Scratch(i) => scratch
+                .get(*i)
+                .map(|b| ArgVal::U64(b.0))
+                .ok_or_else(|| invalid(format!("{}: no scratch {i}", what()))),
             _ => ArgVal::scalar(k, &OUTSIDE_NODES)
                 .unwrap_or_else(|| Err(invalid(format!("{}: {k:?} is not a value", what())))),
         }
     };
     let extent = |k: &KArg| match k {
         KArg::Grad => Some((grad.1, grad.2)),
-        KArg::Scratch(0) => Some((scratch.1, scratch.2)),
+        KArg::Scratch(i) => scratch.get(*i).map(|b| (b.1, b.2)),
         _ => None,
     };
     let args = Args {
@@ -1670,14 +1765,20 @@ impl Transfer for CudaBackend {
         // hold its own collectives when the next step is already issued.
         self.bytes_replayed.sent += self.graph_bytes.sent;
         self.bytes_replayed.received += self.graph_bytes.received;
-        let Some(slot) = done.loss_slot else {
+        let Some(slot) = done.slot else {
             return Ok(None);
         };
         // Waits for that replay's copy out, not for the replays issued after it.
         let b = self.dev.host_bytes(self.loss_slots[slot])?;
-        Ok(Some(f64::from(f32::from_ne_bytes([
-            b[0], b[1], b[2], b[3],
-        ]))))
+        let loss = f64::from(f32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+        let skipped = u32::from_ne_bytes([b[4], b[5], b[6], b[7]]) != 0;
+        if done.scaled {
+            self.last_finite = Some(!skipped);
+            if !skipped {
+                self.opt_steps.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(done.loss.then_some(loss))
     }
 
     fn synchronize(&mut self) -> Result<(), KernelError> {
@@ -1878,8 +1979,8 @@ impl OptimizerState for CudaBackend {
                 match k {
                     KArg::Param | KArg::Slot(_) => Some((var.ty.bytes(), Access::ReadWrite)),
                     KArg::Grad => Some(g_extent),
-                    // The step, then the rate (`codegen::Rate`).
-                    KArg::Step => Some((16, Access::Read)),
+                    // The step, the rate (`codegen::Rate`) and the skip flag.
+                    KArg::Step => Some(((SKIP_AT + 4 - 8) as usize, Access::Read)),
                     KArg::Scratch(s) => var
                         .update
                         .scratch_bytes
@@ -1927,52 +2028,12 @@ impl OptimizerState for CudaBackend {
                 flag,
             });
         }
-        let Some(u) = &self.unscale else {
-            return Err(invalid("no gradient-scaling kernels"));
-        };
-        let (dense, slices, flag) = (u.dense.clone(), u.slices.clone(), u.flag);
+        let flag = self.unscale.as_ref().map_or(0, |u| u.flag);
         self.no_capture("unscaling the gradients")?;
         self.bind()?;
-        self.await_all_collectives()?;
-        self.dev.memset_zero(flag, 4)?;
-        for (name, g) in grads.iter() {
-            let factor = KArg::F32(factor as f32);
-            let (kernel, n, args, access) = match codegen::SlicesLayout::of(&g.ty) {
-                None => {
-                    let n = g.ty.dense_type().dims().iter().product::<usize>();
-                    let args = vec![KArg::Grad, factor, KArg::U64(n as u64), KArg::Scratch(0)];
-                    (dense.clone(), n, args, Access::ReadWrite)
-                }
-                Some(l) => {
-                    let (nnz, row) = (KArg::U64(l.nnz as u64), KArg::U64(l.row as u64));
-                    let args = vec![KArg::Grad, nnz, row, factor, KArg::Scratch(0)];
-                    (
-                        slices.clone(),
-                        l.nnz * l.row,
-                        args,
-                        Access::ReadWriteCounted,
-                    )
-                }
-            };
-            if n == 0 {
-                continue;
-            }
-            let launch = Launch::Kernel {
-                name: kernel,
-                grid: [codegen::blocks_for(n).map_err(invalid)?, 1, 1],
-                block: [codegen::BLOCK, 1, 1],
-                shared_bytes: 0,
-                args,
-            };
-            issue_over_gradient(
-                self.dev.as_mut(),
-                &self.funcs,
-                launch,
-                (g.ptr, codegen::value_bytes(&g.ty), access),
-                (flag, 4, Access::ReadWrite),
-                &|| format!("unscaling the gradient of `{name}`"),
-            )?;
-        }
+        self.unscale_factor = factor as f32;
+        self.write_steps()?;
+        self.scale_gradients(grads, flag)?;
         let mut bad = [0u8; 4];
         self.dev.read(flag, &mut bad)?;
         Ok(i32::from_ne_bytes(bad) == 0)
@@ -2062,7 +2123,7 @@ impl OptimizerState for CudaBackend {
                     &self.funcs,
                     launch,
                     (g.ptr, 4 * n, Access::Read),
-                    (out, 8 * blocks, Access::Write),
+                    &[(out, 8 * blocks, Access::Write)],
                     &|| format!("the squares of the gradient of `{name}`"),
                 )?;
             }
@@ -2188,6 +2249,7 @@ impl Capture for CudaBackend {
         self.capturing = true;
         self.capture_loss = false;
         self.capture_update = false;
+        self.capture_scaled = false;
         self.capture_bytes_at = self.nccl_bytes();
         Ok(true)
     }
@@ -2205,12 +2267,49 @@ impl Capture for CudaBackend {
         }
         self.graph_loss = self.capture_loss;
         self.graph_update = self.capture_update;
+        self.graph_scaled = self.capture_scaled && self.capture_update;
         let now = self.nccl_bytes();
         self.graph_bytes = now - self.capture_bytes_at;
         self.bytes_not_run.sent += self.graph_bytes.sent;
         self.bytes_not_run.received += self.graph_bytes.received;
         self.pending.clear();
         Ok(())
+    }
+
+    // The factor and the flag are the counters' (written before each replay, read by
+    // the update kernels), so neither the scale nor the skip is a host round trip.
+    fn unscale_on_device(
+        &mut self,
+        grads: &mut [(String, DeviceValue)],
+    ) -> Result<(), KernelError> {
+        if !self.capturing {
+            return Err(invalid(
+                "unscaling on the device outside a capture: use unscale, which says whether \
+                 the gradients were finite",
+            ));
+        }
+        if self.unscale.is_none() {
+            return Err(invalid(
+                "the plan scales no loss: it has no gradient-scaling kernels to capture",
+            ));
+        }
+        let flag = self.steps_ptr + SKIP_AT;
+        self.scale_gradients(grads, flag)?;
+        // Copied out with the loss after each replay.
+        self.dev.copy(self.loss_ptr + 4, flag, 4)?;
+        self.capture_scaled = true;
+        Ok(())
+    }
+
+    fn set_unscale_factor(&mut self, factor: f64) -> Result<(), KernelError> {
+        self.no_capture("setting the unscaling factor")?;
+        self.bind()?;
+        self.unscale_factor = factor as f32;
+        Ok(self.write_steps()?)
+    }
+
+    fn replayed_finite(&mut self) -> Option<bool> {
+        self.last_finite.take()
     }
 
     fn replay(&mut self) -> Result<(), KernelError> {
@@ -2225,19 +2324,25 @@ impl Capture for CudaBackend {
             )));
         }
         self.dev.replay()?;
-        if self.graph_update {
+        if self.graph_update && !self.graph_scaled {
             self.opt_steps.fetch_add(1, Ordering::Relaxed);
         }
-        let loss_slot = match (self.graph_loss, self.graph_loss_at) {
-            (true, Some(at)) => {
-                let slot = self.replays % LOSS_SLOTS;
-                self.dev.download(self.loss_slots[slot], at, 4)?;
-                Some(slot)
-            }
-            _ => None,
-        };
+        let loss = self.graph_loss && self.graph_loss_at.is_some();
+        let slot = (loss || self.graph_scaled).then_some(self.replays % LOSS_SLOTS);
+        if let Some(slot) = slot {
+            // The loss and the skip flag, side by side (`loss_ptr`).
+            self.dev.download(self.loss_slots[slot], self.loss_ptr, 8)?;
+        }
+        if self.graph_scaled {
+            // The flag may be raised: the next counters' copy clears it.
+            self.dev_steps = None;
+        }
         self.replays += 1;
-        self.pending.push_back(PendingReplay { loss_slot });
+        self.pending.push_back(PendingReplay {
+            slot,
+            loss,
+            scaled: self.graph_scaled,
+        });
         Ok(())
     }
 }

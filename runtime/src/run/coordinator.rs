@@ -63,6 +63,7 @@ pub fn metrics_line(
         loss_scale: r0.loss_scale.map(|s| s.0),
         skipped_steps: r0.loss_scale.map(|s| s.1),
         lr: r0.lr,
+        cuda_graph: r0.cuda_graph,
     }
 }
 

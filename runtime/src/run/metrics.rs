@@ -70,6 +70,10 @@ pub struct StepMetrics {
     /// linear scaling rule applied).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// Whether worker 0's step was a replay of its captured CUDA graph (GPU runs, after
+    /// the warm-up steps, where the step has no host round trip).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cuda_graph: bool,
 }
 
 /// A pipelined step, measured.

@@ -727,6 +727,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         device_memory: None,
         pipeline: Some(PipelineStep { bubble, stages }),
         loss_scale: None,
+        cuda_graph: false,
         lr: first.first().and_then(|r| r.lr),
         peaks: reports.iter().filter_map(|r| r.peak.clone()).collect(),
     }

@@ -75,6 +75,9 @@ pub struct StepReport {
     /// The learning rate of this step's update.
     #[serde(default)]
     pub lr: Option<f64>,
+    /// Whether the step was a replay of the worker's captured CUDA graph.
+    #[serde(default)]
+    pub cuda_graph: bool,
     /// The devices the report's work ran on and their peaks (one for a worker, one per
     /// stage for a pipeline's replica), where the backends know them.
     #[serde(default)]
@@ -1142,16 +1145,26 @@ fn train_worker<B: Backend>(
     // on the device, and the backend records graphs (the CPU's does not: every step
     // runs eagerly). Profiling times each node's kernels (the executor waits for
     // them), which a replayed graph cannot: a profiled run runs eagerly.
-    // fp16: the backward pass starts from the loss scale; a step reads its gradients
-    // back to unscale them (a host round trip: no CUDA graph).
+    // fp16: the backward pass starts from the loss scale, and an overflowed step is
+    // skipped. A captured step unscales on the device and skips its update there; the
+    // host reads the flag with the loss and moves the scale before the next replay.
+    // Only where every worker sees the same flag without asking the others: each holds
+    // whole gradients, averaged over the data axis (an overflow on one worker is then
+    // an overflow on all), not a ZeRO chunk or a model-axis part.
     let scaler = match resume.and_then(|r| r.optimizer.get(LOSS_SCALE_KEY)) {
         _ if !programs.worker.scales_loss() => None,
         Some(t) => Some(LossScaler::from_tensor(t)?),
         None => Some(LossScaler::default()),
     };
+    let flags_agree = hook.model.is_none()
+        && programs
+            .worker
+            .params()
+            .iter()
+            .all(|(_, name, _)| !name.ends_with(ZERO_SHARD_SUFFIX));
     // A captured step replays the update as it was captured: no norm measured, no clip.
     let capturable = k == 1
-        && scaler.is_none()
+        && (scaler.is_none() || flags_agree)
         && config.clip_norm.is_none()
         && !opts.profile
         && !st.exec.schedule().has_server_ops()
@@ -1302,8 +1315,22 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 (fed, rest, start)
             }
         };
+        // fp16: the scale (fed) and its inverse (read by the unscaling kernels) of this
+        // step, before its capture or replay; one batch a step, so a share of 1/N.
+        let scaled = |st: &mut Loop<B>, s: Option<&LossScaler>, replicas: usize| -> Result<()> {
+            if let Some(s) = s {
+                st.exec.set_loss_scale(s.scale / replicas as f64)?;
+                st.exec
+                    .backend()
+                    .set_unscale_factor(replicas as f64 / s.scale)
+                    .map_err(|e| backend_error(device, "setting the loss scale", e))?;
+            }
+            Ok(())
+        };
         if self.graph == GraphState::Untried && step >= first + WARMUP {
-            self.graph = capture_step(st, &fed, step, rank, &mut *hook)?;
+            scaled(st, self.scaler.as_ref(), self.replicas)?;
+            let unscale = self.scaler.is_some();
+            self.graph = capture_step(st, &fed, step, rank, unscale, &mut *hook)?;
         }
         let (loss, updating, used) = if let GraphState::Replaying(captured) = self.graph {
             let replay = |backend: &mut B, step: usize| {
@@ -1315,14 +1342,16 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     .map_err(|e| backend_error(device, "replaying the step's CUDA graph", e))
             };
             if !self.issued {
+                scaled(st, self.scaler.as_ref(), self.replicas)?;
                 replay(st.exec.backend(), step)?;
             }
             // The next step's batch is staged and its replay issued before this
             // step's loss is read: the device runs it while the host reports this one
             // (uploads and replays are ordered on the device's stream, so the graph's
             // buffers are overwritten only once this step is done). Not before an
-            // evaluation or a checkpoint: they read the same buffers.
-            self.issued = !due.last && !due.eval && !due.checkpoint;
+            // evaluation or a checkpoint: they read the same buffers. Not with a loss
+            // scale: the next step's scale depends on whether this one overflowed.
+            self.issued = !due.last && !due.eval && !due.checkpoint && self.scaler.is_none();
             if self.issued {
                 self.prefetched = Some(if self.held.is_empty() {
                     let next = self.data[0].next_batch()?;
@@ -1338,6 +1367,15 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 .pending_scalar()
                 .map_err(|e| backend_error(device, "reading the loss", e))?
                 .unwrap_or(f64::NAN);
+            if let Some(s) = self.scaler.as_mut() {
+                let finite = st.exec.backend().replayed_finite().ok_or_else(|| {
+                    RuntimeError::Config(format!(
+                        "{device}: step {step}'s replay did not say whether its gradients \
+                         were finite"
+                    ))
+                })?;
+                s.after(finite);
+            }
             (loss, Instant::now(), captured)
         } else {
             // Micro-batches: the last one communicates and hands the gradients over.
@@ -1532,6 +1570,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             pipeline: None,
             loss_scale: self.scaler.as_ref().map(|s| (s.scale, s.skipped)),
             lr: Some(lr),
+            cuda_graph: matches!(self.graph, GraphState::Replaying(_)),
             peaks: self.peak.iter().cloned().collect(),
         })
     }
@@ -1569,12 +1608,14 @@ enum GraphState {
 
 /// Records step `step` and its update while the backend captures (nothing runs; the
 /// caller replays the graph for this step too), measuring what the step holds. `Off`
-/// where the backend declines.
+/// where the backend declines. With `unscale` (fp16), the gradients are unscaled and
+/// checked on the device, and an overflow skips the update there.
 fn capture_step<B: Backend>(
     st: &mut Loop<B>,
     feeds: &HashMap<String, B::Tensor>,
     step: usize,
     rank: usize,
+    unscale: bool,
     hook: &mut WorkerHook,
 ) -> Result<GraphState> {
     let device = st.exec.backend().name();
@@ -1592,9 +1633,14 @@ fn capture_step<B: Backend>(
     let captured = st
         .exec
         .run_with(feeds, &st.params, Mode::Train, step as u64, Some(hook))
-        .and_then(|out| {
+        .and_then(|mut out| {
             let used = st.exec.measured_memory();
             let backend = st.exec.backend();
+            if unscale {
+                backend
+                    .unscale_on_device(&mut out.grads)
+                    .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
+            }
             backend
                 .update(&mut st.optimizer, &mut st.params, out.grads)
                 .map_err(|e| backend_error(&device, "applying the update", e))?;

@@ -18,12 +18,20 @@
 //! `1 - beta^t` in double precision, as the CPU does before rounding to f32. Beside
 //! the step lies the update's [`Rate`]: the learning rate and AdamW's `1 - lr * wd`,
 //! as f32, which the backend writes before each update (and replay), so a schedule
-//! moves them without new kernels or a new capture.
+//! moves them without new kernels or a new capture. After the rate lies the skip flag
+//! ([`SKIP_STEP`]): an fp16 step captured into a CUDA graph unscales its gradients on
+//! the device, and an overflow there skips the update there, with no host round trip.
 
 use super::sparse::{unique_launches, UniqueSink};
 use super::{flit, row_len, CodegenError, KArg, KernelSet, Launch, NodeCx, NodeLaunch, INDEX};
 use crate::core::config::OptimizerSpec;
 use distc_ir::{DType, TensorType, ValueType};
+
+/// C that ends an update kernel's thread when the step is skipped: the flag after the
+/// rate (`step[2]`), which fp16's unscaling raises on the device when a gradient
+/// overflowed in a captured step (the backend keeps it zero otherwise). Uniform over
+/// the grid, so a block's barriers are passed by all its threads or none.
+pub(crate) const SKIP_STEP: &str = "if (((const unsigned int*)(step + 2))[0] != 0u) return;";
 
 /// The update of one variable.
 #[derive(Clone, Debug, PartialEq)]
@@ -191,16 +199,16 @@ impl Rule {
         }
     }
 
-    /// C run by every thread before its elements: the rate, and Adam's bias
-    /// corrections.
+    /// C run by every thread before its elements: the skip of an overflowed fp16 step
+    /// ([`SKIP_STEP`]), the rate, and Adam's bias corrections.
     fn prologue(&self) -> String {
-        let rate = "const float lr_ = ((const float*)(step + 1))[0]; const float keep_ = ((const float*)(step + 1))[1];";
+        let rate = format!("{SKIP_STEP} const float lr_ = ((const float*)(step + 1))[0]; const float keep_ = ((const float*)(step + 1))[1];");
         match self {
             Rule::Adam(a) | Rule::Lamb { adam: a, .. } => format!(
                 "{rate} double t_ = (double)(*step + 1ull); float bc1 = (float)(1.0 - pow({}, t_)); float bc2 = (float)(1.0 - pow({}, t_));",
                 a.b1d, a.b2d
             ),
-            _ => rate.into(),
+            _ => rate,
         }
     }
 
@@ -315,7 +323,7 @@ fn trust_dense(
     let params = rule.params();
     if let Rule::Lamb { adam, .. } = rule {
         let text = format!(
-            "extern \"C\" __global__ void KNAME(const float* g, u64 n, float sc{params}) {{\n{INDEX}    float gs = g[i] * sc; s0[i] = {b1} * s0[i] + {c1} * gs; s1[i] = {b2} * s1[i] + {c2} * gs * gs;\n}}\n",
+            "extern \"C\" __global__ void KNAME(const float* g, u64 n, float sc{params}) {{\n{INDEX}    {SKIP_STEP} float gs = g[i] * sc; s0[i] = {b1} * s0[i] + {c1} * gs; s1[i] = {b2} * s1[i] + {c2} * gs * gs;\n}}\n",
             b1 = adam.b1,
             b2 = adam.b2,
             c1 = adam.c1,
