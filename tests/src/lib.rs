@@ -66,7 +66,7 @@ pub fn optimizer_plan(
     g: &distc_ir::Graph,
     spec: &distc_runtime::core::config::OptimizerSpec,
 ) -> distc_runtime::cuda::codegen::OptimizerPlan {
-    use distc_runtime::cuda::codegen::{optimizer_kernels, sparse_bound};
+    use distc_runtime::cuda::codegen::{optimizer_kernels, sparse_bound, weight_copies};
     let params: Vec<(String, distc_ir::TensorType, Option<usize>)> = g
         .param_grads()
         .into_iter()
@@ -79,5 +79,6 @@ pub fn optimizer_plan(
             Some((name, ty, sparse_bound(g.value_type(v))))
         })
         .collect();
-    optimizer_kernels(spec, &[], &params, 1.0).expect("optimizer kernels")
+    let copies = weight_copies(g).into_values().collect();
+    optimizer_kernels(spec, &[], &params, &copies, 1.0).expect("optimizer kernels")
 }

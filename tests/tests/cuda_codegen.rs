@@ -159,7 +159,7 @@ fn check_args(g: &Graph, id: distc_ir::NodeId, nl: &NodeLaunch, args: &[&KArg], 
                 "{what}: scratch {k} of {}",
                 nl.scratch_bytes.len()
             ),
-            KArg::Param | KArg::Grad | KArg::Slot(_) => {
+            KArg::Param | KArg::Grad | KArg::Slot(_) | KArg::WeightCopy => {
                 panic!("{what}: an optimizer argument in a graph launch")
             }
             _ => {}

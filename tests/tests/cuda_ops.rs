@@ -1783,7 +1783,10 @@ fn every_case_generates_cuda_that_compiles() {
         "one sparse gradient"
     );
     for (label, spec) in optimizer_specs() {
-        let plan = optimizer_kernels(&spec, &[], &vars, 1.0)
+        let copies = distc_runtime::cuda::codegen::weight_copies(&g)
+            .into_values()
+            .collect();
+        let plan = optimizer_kernels(&spec, &[], &vars, &copies, 1.0)
             .unwrap_or_else(|e| panic!("{label}: no optimizer kernels: {e}"));
         if nvrtc && !plan.source.is_empty() {
             nvrtc::compile_cubin(&plan.source, &format!("optimizer_{label}.cu"), "sm_90")
@@ -1845,6 +1848,13 @@ fn optimizer_graph() -> (Graph, HashMap<String, Tensor>, Vec<HashMap<String, Ten
         .expect("output");
     g.add(Op::Output { name: "e".into() }, vec![e])
         .expect("output");
+    // The forward's 16-bit reads of the variables: on the GPU, the copies each update
+    // writes beside its variable (`codegen::weight_copies`).
+    for (v, name, to) in [(w, "w_bf16", DType::BF16), (emb, "emb_f16", DType::F16)] {
+        let h: ValueId = g.add(Op::Cast { to }, vec![v]).expect("cast").into();
+        g.add(Op::Output { name: name.into() }, vec![h])
+            .expect("output");
+    }
     let gw: ValueId = g.add(mm(true, false), vec![x, dy]).expect("matmul").into();
     let ge: ValueId = g
         .add(
@@ -1898,13 +1908,29 @@ fn train<B: Backend>(
         .backend()
         .optimizer(spec, no_decay, &vars)
         .unwrap_or_else(|e| panic!("{on}: {spec:?}: {e}"));
-    let mut after = Vec::new();
+    let mut after: Vec<HashMap<String, Tensor>> = Vec::new();
     for (i, feeds) in steps.iter().enumerate() {
         let feeds = upload(ex.backend(), feeds);
         let out = ex
             .run(&feeds, &vars, Mode::Train, i as u64 + 1)
             .unwrap_or_else(|e| panic!("{on}: step {}: {e}", i + 1));
         assert_eq!(out.grads.len(), 2, "{on}: two gradients");
+        // The 16-bit reads are the casts of the variables the step started from, bit
+        // for bit (on the GPU, after the first step, what the last update wrote).
+        let before = after.last().unwrap_or(params);
+        for (var, output, to) in [("w", "w_bf16", DType::BF16), ("emb", "emb_f16", DType::F16)] {
+            let got = out
+                .outputs
+                .iter()
+                .find(|(n, _)| n == output)
+                .map(|(_, t)| t);
+            let want = before[var].cast(to);
+            assert!(
+                got.is_some() && got == want.as_ref(),
+                "{on}: {spec:?}: step {}: `{output}` is not the cast of `{var}`",
+                i + 1
+            );
+        }
         ex.backend()
             .update(&mut opt, &mut vars, out.grads)
             .unwrap_or_else(|e| panic!("{on}: {spec:?}: update {}: {e}", i + 1));

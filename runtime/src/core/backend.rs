@@ -360,11 +360,15 @@ pub trait Capture: Device {
     }
     /// fp16 in a captured step: multiplies every gradient by the factor of the last
     /// [`Capture::set_unscale_factor`] (read at each replay) and, where one is not
-    /// finite, makes the update that follows skip the step, all on the device. Whether
-    /// a replay skipped comes with its loss: [`Capture::replayed_finite`].
+    /// finite, makes the update that follows skip the step, all on the device. With
+    /// `over_workers`, a worker whose gradients are parts (ZeRO chunks, model-axis
+    /// parts) skips where any worker overflowed: the flags are summed over the
+    /// workers of each axis the backend communicates on, on the device. Whether a
+    /// replay skipped comes with its loss: [`Capture::replayed_finite`].
     fn unscale_on_device(
         &mut self,
         _grads: &mut [(String, Self::Value)],
+        _over_workers: bool,
     ) -> Result<(), KernelError> {
         Err(KernelError::Invalid(
             "this backend records no graphs".into(),

@@ -116,6 +116,8 @@ const ALIGN: usize = 256;
 const STEPS_BYTES: usize = 32;
 /// Where the skip flag and the unscaling factor lie in the counters.
 const SKIP_AT: u64 = 24;
+/// The node an all-reduce of the skip flag is issued as: no node of a plan.
+const SKIP_FLAG_NODE: NodeId = NodeId(u32::MAX - 1);
 const FACTOR_AT: u64 = 28;
 /// The environment variable that runs the CUDA backend on the GPU emulator
 /// ([`super::emu`]) instead of a GPU: `1` (anything but empty or `0`).
@@ -207,6 +209,16 @@ struct Unscale {
     flag: u64,
 }
 
+/// A trained variable's 16-bit copy, which the forward pass reads in place of its cast.
+/// The update writes it beside the variable, so a step casts nothing; the cast runs only
+/// when the copy is not of the variable's current bytes (the first step, and after the
+/// variable was written by an upload or an assign).
+struct WeightCopy {
+    ptr: u64,
+    /// The variable's buffer the copy holds the cast of, when it is current.
+    of: Option<u64>,
+}
+
 /// The gradient-norm kernel and its buffer of per-block partial sums (f64), made on a
 /// clipped plan's first step.
 struct GradNorm {
@@ -278,7 +290,8 @@ impl ArgCheck for ArgVal {
             | KArg::Step
             | KArg::Param
             | KArg::Grad
-            | KArg::Slot(_) => return None,
+            | KArg::Slot(_)
+            | KArg::WeightCopy => return None,
         }))
     }
 }
@@ -327,6 +340,11 @@ pub struct CudaBackend {
     /// holds the running sum across a step's micro-batches while the arena's other
     /// values are recomputed.
     accumulators: HashMap<NodeId, u64>,
+    /// The casts whose output is a trained variable's 16-bit copy
+    /// (`codegen::weight_copies`): by node, the variable and the copy's type.
+    copy_nodes: HashMap<NodeId, (String, DType)>,
+    /// Each such copy's buffer, outside the arena (it lives across steps), by variable.
+    copies: HashMap<String, WeightCopy>,
     steps_ptr: u64,
     /// Where a captured step copies its loss the moment it is computed: outside the
     /// arena, so the step's later kernels cannot reuse it before the copy out after
@@ -559,10 +577,21 @@ impl CudaBackend {
             }),
             None => None,
         };
+        // Each variable's 16-bit copy lives across steps: a buffer of its own.
+        let copy_nodes = codegen::weight_copies(graph);
+        let mut copies = HashMap::new();
+        let mut copy_bytes = 0;
+        for (id, (var, _)) in &copy_nodes {
+            let ty = graph.node(*id).outputs.first().cloned();
+            let bytes = ty.map_or(0, |t| codegen::value_bytes(&t)).max(4);
+            let ptr = dev.alloc(bytes, false)?;
+            copy_bytes += bytes;
+            copies.insert(var.clone(), WeightCopy { ptr, of: None });
+        }
         let steps_host = dev.host_buffer(STEPS_BYTES)?;
         let loss_slots = [dev.host_buffer(8)?, dev.host_buffer(8)?];
         dev.synchronize()?;
-        let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN) as u64;
+        let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN + copy_bytes) as u64;
         Ok(CudaBackend {
             nccl: None,
             in_flight: Vec::new(),
@@ -585,6 +614,8 @@ impl CudaBackend {
             out_offsets: HashMap::new(),
             scratch_offsets: HashMap::new(),
             accumulators: HashMap::new(),
+            copy_nodes,
+            copies,
             steps_ptr,
             loss_ptr,
             kernel_step: 0,
@@ -841,6 +872,11 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The 16-bit copy each variable with one has, for the update kernels.
+    fn copy_types(&self) -> HashMap<String, DType> {
+        self.copy_nodes.values().cloned().collect()
+    }
+
     /// The optimizer's completed updates.
     fn opt_done(&self) -> u64 {
         self.opt_steps.load(Ordering::Relaxed)
@@ -882,9 +918,17 @@ impl CudaBackend {
             self.track(bytes);
             self.named.insert(key.clone(), Named { ptr, staging });
         }
-        self.named
+        let named = self
+            .named
             .get_mut(&key)
-            .ok_or_else(|| invalid("named buffer vanished"))
+            .ok_or_else(|| invalid("named buffer vanished"))?;
+        // Its bytes are about to change: a copy of them is no longer current.
+        for c in self.copies.values_mut() {
+            if c.of == Some(named.ptr) {
+                c.of = None;
+            }
+        }
+        Ok(named)
     }
 
     /// A fresh device buffer holding `bytes` (kept until the backend is dropped).
@@ -1220,7 +1264,9 @@ impl Kernels for CudaBackend {
                 _ => Some(key),
             };
             root.insert(key, r);
-            if let Some(r) = r.filter(|r| !accumulating.contains(&r.0)) {
+            let own_buffer =
+                |n: &NodeId| accumulating.contains(n) || self.copy_nodes.contains_key(n);
+            if let Some(r) = r.filter(|r| !own_buffer(&r.0)) {
                 let e = span
                     .entry(r)
                     .or_insert((codegen::value_bytes(&lt.ty), lt.first, lt.last));
@@ -1375,12 +1421,32 @@ impl Kernels for CudaBackend {
             Launch::Alias { input } => Some(*input),
             _ => None,
         });
+        // A variable's 16-bit copy: cast only when it is not of the variable's bytes.
+        let copy = match self.copy_nodes.get(&node) {
+            Some((var, _)) => {
+                let c = self
+                    .copies
+                    .get(var)
+                    .ok_or_else(|| invalid(format!("{}: no buffer for `{var}`'s copy", what())))?;
+                let src = *ins
+                    .first()
+                    .ok_or_else(|| invalid(format!("{}: no input", what())))?;
+                if c.of == Some(src) {
+                    let ty = out_types.first().cloned();
+                    let ty = ty.ok_or_else(|| invalid(format!("{}: no output", what())))?;
+                    return Ok(vec![DeviceValue { ptr: c.ptr, ty }]);
+                }
+                Some((var.clone(), c.ptr, src))
+            }
+            None => None,
+        };
         let mut outs = Vec::with_capacity(out_types.len());
         for (j, ty) in out_types.iter().enumerate() {
-            let ptr = match alias {
-                Some(i) if j == 0 => *ins
+            let ptr = match (alias, &copy) {
+                (Some(i), _) if j == 0 => *ins
                     .get(i)
                     .ok_or_else(|| invalid(format!("{}: alias of missing input {i}", what())))?,
+                (_, Some((_, ptr, _))) if j == 0 => *ptr,
                 _ => {
                     let off = self.out_offsets.get(&(node, j)).ok_or_else(|| {
                         invalid(format!(
@@ -1430,7 +1496,7 @@ impl Kernels for CudaBackend {
                         as u64,
                 ),
                 KArg::Step => ArgVal::U64(steps),
-                KArg::Param | KArg::Grad | KArg::Slot(_) => {
+                KArg::Param | KArg::Grad | KArg::Slot(_) | KArg::WeightCopy => {
                     return Err(invalid(format!(
                         "{}: optimizer argument {k:?} in a node",
                         what()
@@ -1460,6 +1526,11 @@ impl Kernels for CudaBackend {
             what: &what,
         };
         issue(self.dev.as_mut(), &nl.launches, &self.funcs, &args)?;
+        if let Some((var, _, src)) = copy {
+            if let Some(c) = self.copies.get_mut(&var) {
+                c.of = Some(src);
+            }
+        }
         Ok(outs)
     }
 
@@ -1845,7 +1916,8 @@ impl OptimizerState for CudaBackend {
             source,
             slot_names,
             vars: updates,
-        } = codegen::optimizer_kernels(spec, no_decay, &vars, 1.0).map_err(CudaError::from)?;
+        } = codegen::optimizer_kernels(spec, no_decay, &vars, &self.copy_types(), 1.0)
+            .map_err(CudaError::from)?;
         let funcs = if updates.iter().any(|u| !u.launches.is_empty()) {
             let mut names = Vec::new();
             for u in &updates {
@@ -1922,6 +1994,9 @@ impl OptimizerState for CudaBackend {
             }
             let bytes = codegen::value_bytes(&v.ty);
             self.dev.copy(dst.ptr, v.ptr, bytes)?;
+            if let Some(c) = self.copies.get_mut(&name) {
+                c.of = None;
+            }
         }
         Ok(())
     }
@@ -1948,9 +2023,13 @@ impl OptimizerState for CudaBackend {
                 .get(name)
                 .ok_or_else(|| invalid(format!("variable `{name}` is not on the device")))?;
             let what = || format!("the update of `{name}`");
+            let copy = self.copies.get(name).map(|c| c.ptr);
             let arg = |k: &KArg| -> Result<ArgVal, KernelError> {
                 Ok(match k {
                     KArg::Param => ArgVal::U64(p.ptr),
+                    KArg::WeightCopy => ArgVal::U64(copy.ok_or_else(|| {
+                        invalid(format!("{}: no 16-bit copy (prepare not run?)", what()))
+                    })?),
                     KArg::Grad => ArgVal::U64(g.ptr),
                     KArg::Slot(i) => ArgVal::U64(
                         *var.slot_ptrs
@@ -1978,6 +2057,8 @@ impl OptimizerState for CudaBackend {
             let extent = |k: &KArg| -> Option<(usize, Access)> {
                 match k {
                     KArg::Param | KArg::Slot(_) => Some((var.ty.bytes(), Access::ReadWrite)),
+                    // Two bytes an element (bf16 or f16).
+                    KArg::WeightCopy => Some((2 * var.ty.shape.numel(), Access::Write)),
                     KArg::Grad => Some(g_extent),
                     // The step, the rate (`codegen::Rate`) and the skip flag.
                     KArg::Step => Some(((SKIP_AT + 4 - 8) as usize, Access::Read)),
@@ -1995,6 +2076,10 @@ impl OptimizerState for CudaBackend {
                 what: &what,
             };
             issue(self.dev.as_mut(), &var.update.launches, &opt.funcs, &args)?;
+            let p = p.ptr;
+            if let Some(c) = self.copies.get_mut(name) {
+                c.of = Some(p);
+            }
         }
         if self.capturing {
             // Recorded, not run: the replay counts the step.
@@ -2281,6 +2366,7 @@ impl Capture for CudaBackend {
     fn unscale_on_device(
         &mut self,
         grads: &mut [(String, DeviceValue)],
+        over_workers: bool,
     ) -> Result<(), KernelError> {
         if !self.capturing {
             return Err(invalid(
@@ -2295,6 +2381,19 @@ impl Capture for CudaBackend {
         }
         let flag = self.steps_ptr + SKIP_AT;
         self.scale_gradients(grads, flag)?;
+        if over_workers {
+            // Summed in place on each axis's communicator (captured with the step),
+            // and waited for before the update reads it.
+            let ty = ValueType::Tensor(TensorType::f32(vec![1]));
+            let sum = Op::AllReduce {
+                reduce: distc_ir::ReduceOp::Sum,
+                ranks_per_node: 0,
+            };
+            for comm in [&mut self.nccl, &mut self.model_nccl].into_iter().flatten() {
+                comm.issue(SKIP_FLAG_NODE, &sum, flag, &ty, flag, &ty)?;
+                comm.order_after(SKIP_FLAG_NODE)?;
+            }
+        }
         // Copied out with the loss after each replay.
         self.dev.copy(self.loss_ptr + 4, flag, 4)?;
         self.capture_scaled = true;

@@ -1162,9 +1162,19 @@ fn train_worker<B: Backend>(
             .params()
             .iter()
             .all(|(_, name, _)| !name.ends_with(ZERO_SHARD_SUFFIX));
+    // Else they are summed on the device over each axis's NCCL communicator, which a
+    // captured step has for every axis it has collectives on: the model axis needs
+    // one (ZeRO's data axis has its reduce-scatters).
+    let flags_on_device = flags_agree
+        || hook.model.is_none()
+        || programs
+            .worker
+            .node_ids()
+            .into_iter()
+            .any(|id| programs.worker.op(id).is_model_collective());
     // A captured step replays the update as it was captured: no norm measured, no clip.
     let capturable = k == 1
-        && (scaler.is_none() || flags_agree)
+        && (scaler.is_none() || flags_on_device)
         && config.clip_norm.is_none()
         && !opts.profile
         && !st.exec.schedule().has_server_ops()
@@ -1219,6 +1229,7 @@ fn train_worker<B: Backend>(
         last: steps,
         device,
         scaler,
+        flags_agree,
         graph,
         prefetched: None,
         issued: false,
@@ -1250,6 +1261,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     /// Its device's peak for the plan's products, for model FLOPs utilisation.
     peak: Option<crate::core::peak::DevicePeak>,
     scaler: Option<LossScaler>,
+    /// Whether every worker sees the same overflow flag without asking the others.
+    flags_agree: bool,
     graph: GraphState,
     /// While a replayed step runs on the device, the next step's batch is drawn and
     /// staged (uploads are ordered after the replay on the device's stream, so the
@@ -1329,7 +1342,8 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         };
         if self.graph == GraphState::Untried && step >= first + WARMUP {
             scaled(st, self.scaler.as_ref(), self.replicas)?;
-            let unscale = self.scaler.is_some();
+            // Some(whether the flags are summed over the workers).
+            let unscale = self.scaler.as_ref().map(|_| !self.flags_agree);
             self.graph = capture_step(st, &fed, step, rank, unscale, &mut *hook)?;
         }
         let (loss, updating, used) = if let GraphState::Replaying(captured) = self.graph {
@@ -1609,13 +1623,14 @@ enum GraphState {
 /// Records step `step` and its update while the backend captures (nothing runs; the
 /// caller replays the graph for this step too), measuring what the step holds. `Off`
 /// where the backend declines. With `unscale` (fp16), the gradients are unscaled and
-/// checked on the device, and an overflow skips the update there.
+/// checked on the device, and an overflow skips the update there (with `Some(true)`,
+/// an overflow on any worker: the flags are summed over them).
 fn capture_step<B: Backend>(
     st: &mut Loop<B>,
     feeds: &HashMap<String, B::Tensor>,
     step: usize,
     rank: usize,
-    unscale: bool,
+    unscale: Option<bool>,
     hook: &mut WorkerHook,
 ) -> Result<GraphState> {
     let device = st.exec.backend().name();
@@ -1636,9 +1651,9 @@ fn capture_step<B: Backend>(
         .and_then(|mut out| {
             let used = st.exec.measured_memory();
             let backend = st.exec.backend();
-            if unscale {
+            if let Some(over_workers) = unscale {
                 backend
-                    .unscale_on_device(&mut out.grads)
+                    .unscale_on_device(&mut out.grads, over_workers)
                     .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
             }
             backend

@@ -85,7 +85,7 @@ pub(crate) fn square_partials_unit() -> (String, String) {
     (ks.source(), name)
 }
 
-pub use optim::{optimizer_kernels, sparse_bound, OptimizerPlan, Rate, VarUpdate};
+pub use optim::{optimizer_kernels, sparse_bound, weight_copies, OptimizerPlan, Rate, VarUpdate};
 
 use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
 use std::collections::HashMap;
@@ -136,6 +136,9 @@ pub enum KArg {
     /// Optimizer launches: the variable's slot `i` (momentum; Adam's `m`, `v`), a buffer
     /// of the variable's shape that the executor zeroes once, before the first step.
     Slot(usize),
+    /// Optimizer launches: the variable's 16-bit copy, which the forward pass reads
+    /// instead of casting the variable (see `optim::weight_copies`).
+    WeightCopy,
 }
 
 /// A cuBLAS product, in cuBLAS's column-major terms (see the module doc):
@@ -964,7 +967,8 @@ impl CParam {
             | KArg::Step
             | KArg::Param
             | KArg::Grad
-            | KArg::Slot(_) => CParam::Ptr,
+            | KArg::Slot(_)
+            | KArg::WeightCopy => CParam::Ptr,
             KArg::Rank | KArg::ModelRank | KArg::Training | KArg::U32(_) => CParam::U32,
             KArg::I32(_) => CParam::I32,
             KArg::F32(_) => CParam::F32,
@@ -1134,7 +1138,8 @@ mod tests {
             ("w".to_string(), TensorType::f32(vec![4, 3]), None),
         ];
         for spec in &specs {
-            let plan = optimizer_kernels(spec, &[], &vars, 0.5).expect("an optimizer plan");
+            let plan = optimizer_kernels(spec, &[], &vars, &HashMap::new(), 0.5)
+                .expect("an optimizer plan");
             let sigs = kernel_signatures(&plan.source).expect("parses");
             for v in &plan.vars {
                 assert!(

@@ -25,7 +25,8 @@
 use super::sparse::{unique_launches, UniqueSink};
 use super::{flit, row_len, CodegenError, KArg, KernelSet, Launch, NodeCx, NodeLaunch, INDEX};
 use crate::core::config::OptimizerSpec;
-use distc_ir::{DType, TensorType, ValueType};
+use distc_ir::{DType, Graph, NodeId, Op, TensorType, ValueType};
+use std::collections::HashMap;
 
 /// C that ends an update kernel's thread when the step is skipped: the flag after the
 /// rate (`step[2]`), which fp16's unscaling raises on the device when a gradient
@@ -306,6 +307,40 @@ impl Rule {
 /// Threads of the one block that sums a variable's norms.
 const NORM_BLOCK: u32 = 1024;
 
+/// The 16-bit copy of a variable that its update writes beside it
+/// ([`KArg::WeightCopy`]), when the forward pass casts the variable: the forward then
+/// reads the copy instead of casting every step (the casts were the most frequent
+/// launches of a 16-bit step). Written as the cast writes it, so the same bits.
+#[derive(Clone, Copy)]
+struct WeightCopy(Option<DType>);
+
+impl WeightCopy {
+    /// The kernel parameter, after the rule's.
+    fn param(self) -> Result<String, String> {
+        let Some(d) = self.0 else {
+            return Ok(String::new());
+        };
+        let c = super::half::c_type(d)
+            .filter(|_| matches!(d, DType::BF16 | DType::F16))
+            .ok_or_else(|| format!("a weight copy in {} (bf16 or f16 only)", d.name()))?;
+        Ok(format!(", {c}* __restrict__ wc"))
+    }
+
+    /// C writing the copy of updated element `at`.
+    fn write(self, at: &str) -> String {
+        match self.0 {
+            Some(_) => format!(" narrow(wc + {at}, w[{at}]);"),
+            None => String::new(),
+        }
+    }
+
+    fn args(self, args: &mut Vec<KArg>) {
+        if self.0.is_some() {
+            args.push(KArg::WeightCopy);
+        }
+    }
+}
+
 /// A trust-ratio update of a dense gradient `grad` (the variable's own, or scratch a
 /// sparse gradient was summed into): LAMB's moments, then one block sums the squares
 /// of the variable and of the gradient (LARS) or of LAMB's direction into two f64s of
@@ -317,6 +352,7 @@ fn trust_dense(
     ty: &TensorType,
     scale: f64,
     grad: KArg,
+    copy: WeightCopy,
 ) -> Result<(), String> {
     let n = ty.shape.numel();
     let u = |v: usize| KArg::U64(v as u64);
@@ -369,26 +405,32 @@ fn trust_dense(
     args.extend(rule.args());
     cx.launch(&norms, [1, 1, 1], NORM_BLOCK, args);
     let text = format!(
-        "extern \"C\" __global__ void KNAME(float* w, const float* g, u64 n, float sc{params}, const double* norms) {{\n{INDEX}    {pro}\n    {trust}\n    const float st_ = (float)((double)lr_ * trust_);\n    {upd}\n}}\n",
+        "extern \"C\" __global__ void KNAME(float* w, const float* g, u64 n, float sc{params}, const double* norms{cp}) {{\n{INDEX}    {pro}\n    {trust}\n    const float st_ = (float)((double)lr_ * trust_);\n    {upd}{cw}\n}}\n",
         pro = rule.prologue(),
         trust = rule.trust(scale),
         upd = rule.update("i", "g[i]"),
+        cp = copy.param()?,
+        cw = copy.write("i"),
     );
     let name = cx.kernel(rule.base(false), text);
     let mut args = vec![KArg::Param, grad, u(n), KArg::F32(scale as f32)];
     args.extend(rule.args());
     args.push(sums);
+    copy.args(&mut args);
     cx.launch_1d(&name, n, args)
 }
 
 /// The update kernels of `spec` for each `(name, type, sparse gradient)` variable;
 /// every gradient is first multiplied by `grad_scale` (as `Optimizer::apply`'s
 /// `scale`). A sparse variable's gradient is an `IndexedSlices` buffer of at most
-/// `nnz` rows (its type's bound; the launch reads the true count on the device).
+/// `nnz` rows (its type's bound; the launch reads the true count on the device). A
+/// variable named in `copies` also gets its 16-bit copy written ([`KArg::WeightCopy`],
+/// see [`weight_copies`]).
 pub fn optimizer_kernels(
     spec: &OptimizerSpec,
     no_decay: &[String],
     params: &[(String, TensorType, Option<usize>)],
+    copies: &HashMap<String, DType>,
     grad_scale: f64,
 ) -> Result<OptimizerPlan, CodegenError> {
     let rule_of = |decays: bool| {
@@ -423,9 +465,10 @@ pub fn optimizer_kernels(
             out: NodeLaunch::default(),
         };
         let rule = if exempt(name) { &exempt_rule } else { &rule };
+        let copy = WeightCopy(copies.get(name).copied());
         match bound {
-            None => dense(&mut cx, rule, ty, grad_scale).map_err(err)?,
-            Some(nnz) => sparse(&mut cx, rule, ty, *nnz, grad_scale).map_err(err)?,
+            None => dense(&mut cx, rule, ty, grad_scale, copy).map_err(err)?,
+            Some(nnz) => sparse(&mut cx, rule, ty, *nnz, grad_scale, copy).map_err(err)?,
         }
         vars.push(VarUpdate {
             name: name.clone(),
@@ -452,16 +495,24 @@ pub fn optimizer_kernels(
 }
 
 /// One pass over the variable: each thread updates one element and its slots.
-fn dense(cx: &mut NodeCx<'_>, rule: &Rule, ty: &TensorType, scale: f64) -> Result<(), String> {
+fn dense(
+    cx: &mut NodeCx<'_>,
+    rule: &Rule,
+    ty: &TensorType,
+    scale: f64,
+    copy: WeightCopy,
+) -> Result<(), String> {
     if rule.trusts() {
-        return trust_dense(cx, rule, ty, scale, KArg::Grad);
+        return trust_dense(cx, rule, ty, scale, KArg::Grad, copy);
     }
     let n = ty.shape.numel();
     let text = format!(
-        "extern \"C\" __global__ void KNAME(float* w, const float* g, u64 n, float sc{params}) {{\n{INDEX}    {pro}\n    {upd}\n}}\n",
+        "extern \"C\" __global__ void KNAME(float* w, const float* g, u64 n, float sc{params}{cp}) {{\n{INDEX}    {pro}\n    {upd}{cw}\n}}\n",
         params = rule.params(),
         pro = rule.prologue(),
         upd = rule.update("i", "g[i]"),
+        cp = copy.param()?,
+        cw = copy.write("i"),
     );
     let name = cx.kernel(rule.base(false), text);
     let mut args = vec![
@@ -471,6 +522,7 @@ fn dense(cx: &mut NodeCx<'_>, rule: &Rule, ty: &TensorType, scale: f64) -> Resul
         KArg::F32(scale as f32),
     ];
     args.extend(rule.args());
+    copy.args(&mut args);
     cx.launch_1d(&name, n, args)
 }
 
@@ -483,6 +535,7 @@ fn sparse(
     ty: &TensorType,
     nnz: usize,
     scale: f64,
+    copy: WeightCopy,
 ) -> Result<(), String> {
     let Some(&rows) = ty.dims().first() else {
         return Err(format!(
@@ -505,22 +558,63 @@ fn sparse(
             args: vec![dense.clone()],
         };
         unique_launches(cx, KArg::Grad, (rows, row, nnz), None, sink)?;
-        return trust_dense(cx, rule, ty, scale, dense);
+        return trust_dense(cx, rule, ty, scale, dense, copy);
     }
     let mut args = vec![KArg::Param, KArg::F32(scale as f32)];
     args.extend(rule.args());
+    copy.args(&mut args);
     let sink = UniqueSink {
         base: rule.base(true),
-        params: format!(", float* w, float sc{}", rule.params()),
+        params: format!(", float* w, float sc{}{}", rule.params(), copy.param()?),
         per_row: String::new(),
         per_col: format!(
-            "{} u64 at = (u64)id * {row}ull + c; {}",
+            "{} u64 at = (u64)id * {row}ull + c; {}{}",
             rule.prologue(),
-            rule.update("at", "g")
+            rule.update("at", "g"),
+            copy.write("at")
         ),
         args,
     };
     unique_launches(cx, KArg::Grad, (rows, row, nnz), None, sink)
+}
+
+/// The casts of `graph` whose output can be a variable's 16-bit copy that the update
+/// keeps ([`KArg::WeightCopy`]): a `cast` to bf16 or f16 straight from a trained
+/// variable's `param` node, the only such cast of that variable. By node: the
+/// variable and the copy's type.
+pub fn weight_copies(graph: &Graph) -> HashMap<NodeId, (String, DType)> {
+    let trained: Vec<&str> = graph
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match graph.op(id) {
+            Op::ParamGrad { param } => Some(param.as_str()),
+            _ => None,
+        })
+        .collect();
+    let mut by_var: HashMap<String, Vec<(NodeId, DType)>> = HashMap::new();
+    for id in graph.node_ids() {
+        let Op::Cast { to } = graph.op(id) else {
+            continue;
+        };
+        if !matches!(to, DType::BF16 | DType::F16) {
+            continue;
+        }
+        let Some(src) = graph.node(id).inputs.first() else {
+            continue;
+        };
+        if let Op::Param { name, .. } = graph.op(src.node) {
+            if trained.contains(&name.as_str()) {
+                by_var.entry(name.clone()).or_default().push((id, *to));
+            }
+        }
+    }
+    by_var
+        .into_iter()
+        .filter_map(|(var, casts)| match casts.as_slice() {
+            [(id, to)] => Some((*id, (var, *to))),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The gradient's nnz bound if `ty` is `IndexedSlices`, for [`optimizer_kernels`]'s
