@@ -536,7 +536,7 @@ pub struct CommOp {
     /// ... and hierarchically.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hierarchical_seconds: Option<f64>,
-    /// `flat`, `hierarchical`, `ring` or `servers`.
+    /// `flat`, `hierarchical`, `ring`, `model ring` or `servers`.
     pub how: String,
     /// When it starts and ends, seconds from the step's start.
     pub start: f64,
@@ -582,6 +582,36 @@ pub struct Simulation {
     pub op_times: (usize, usize, usize),
     /// Each communication op, in the order started.
     pub comms: Vec<CommOp>,
+    /// A pipelined plan's stages and schedule, as simulated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineSimulation>,
+}
+
+/// A pipelined step: the stages' programs run in their schedule, messages between
+/// stages on the links, then each stage's all-reduces among its replicas and its update.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelineSimulation {
+    /// Stages P.
+    pub stages: usize,
+    /// Micro-batches per step M.
+    pub micro_batches: usize,
+    /// `gpipe` or `1f1b`.
+    pub schedule: String,
+    /// Per stage: seconds of one micro-batch's forward and backward (its model-axis
+    /// collectives included).
+    pub forward: Vec<f64>,
+    pub backward: Vec<f64>,
+    /// Per boundary (stage s to s + 1): seconds of one micro-batch's activations
+    /// forward, and of its gradients back.
+    pub activation_message: Vec<f64>,
+    pub gradient_message: Vec<f64>,
+    /// Per stage: when its last backward ends, then its all-reduces among replicas and
+    /// its update, seconds from the step's start.
+    pub stage_end: Vec<f64>,
+    /// 1 - (time the stages computed) / (stages x the schedule's makespan).
+    pub bubble: f64,
+    /// (P-1)/(M+P-1): the bubble of equal stages and free messages.
+    pub ideal_bubble: f64,
 }
 
 /// The seconds, and the label, of communication op `id` of `g` for `cfg`'s workers on
@@ -595,8 +625,18 @@ fn comm_seconds(
     rows: &HashMap<NodeId, usize>,
 ) -> (f64, f64, Option<(f64, f64)>, &'static str) {
     let n = cfg.data_workers().max(1);
-    let local = cfg.ranks_per_node;
+    // On a mesh a data group's ranks are T x P apart (worker w is at data rank
+    // w / (T P)): a node of L holds L / (T P) of them, at least one.
+    let stride = cfg.model.max(1) * cfg.pipeline.max(1);
+    let local = match cfg.ranks_per_node {
+        0 => 0,
+        l => (l / stride).max(1),
+    };
     let nodes = if local > 0 { n / local.min(n) } else { n };
+    // A model group (T consecutive workers) stays within a node when T divides L.
+    let parts = cfg.model.max(1);
+    let model_across = cfg.ranks_per_node < parts || !cfg.ranks_per_node.is_multiple_of(parts);
+    let tf = parts as f64;
     // A ring over every worker crosses nodes whenever there is more than one.
     let across = local <= 1 || nodes > 1;
     let msg = |inter: bool, bytes: f64| links.message(inter, bytes);
@@ -638,6 +678,19 @@ fn comm_seconds(
             let t = (nf - 1.0) * msg(across, out_bytes / nf);
             (t, out_bytes, None, "ring")
         }
+        // The model axis: rings over its T workers.
+        Op::ModelAllReduce { .. } => {
+            let t = 2.0 * (tf - 1.0) * msg(model_across, in_bytes / tf);
+            (t, in_bytes, None, "model ring")
+        }
+        Op::ModelGather { .. } => {
+            let t = (tf - 1.0) * msg(model_across, out_bytes / tf);
+            (t, out_bytes, None, "model ring")
+        }
+        Op::ModelReduceScatter { .. } => {
+            let t = (tf - 1.0) * msg(model_across, in_bytes / tf);
+            (t, in_bytes, None, "model ring")
+        }
         Op::Broadcast { .. } => {
             // Pipelined along the ring: one message's time, then a latency a hop.
             let t = msg(across, in_bytes) + (nf - 2.0).max(0.0) * msg(across, 0.0);
@@ -655,6 +708,181 @@ fn comm_seconds(
             (t, bytes, None, "servers")
         }
     }
+}
+
+/// Replays one step of pipelined plan `pp` for `cfg`'s workers on `links`, with op
+/// times from `profile`: each stage's forward and backward priced op by op (its
+/// model-axis collectives on the worker's thread), the schedule run with messages
+/// between adjacent stages on the link between nodes when a replica's T x P workers do
+/// not fit in one node (within one otherwise), and then each stage's collectives among
+/// its replicas (its gradients are ready only at its last backward) and its update.
+/// The step is the last stage's to finish.
+pub fn simulate_pipeline(
+    pp: &distc_ir::pipeline::PipelineProgram,
+    single: &Graph,
+    cfg: &StrategyConfig,
+    links: Links,
+    profile: &ComputeProfile,
+    memory_per_worker: u128,
+) -> Result<Simulation, String> {
+    use distc_ir::pipeline::schedule;
+    let no_rows = HashMap::new();
+    let stages = pp.stages.len();
+    let mut counts = (0, 0, 0);
+    // (compute seconds, blocking model-axis seconds, replica collectives).
+    let mut price = |g: &Graph| {
+        let (mut compute, mut model, mut tail) = (0.0, 0.0, Vec::new());
+        for id in g.topo_order() {
+            let op = g.op(id);
+            if op.is_model_collective() {
+                model += comm_seconds(g, id, cfg, &links, &no_rows).0;
+            } else if op.is_collective() {
+                tail.push(id);
+            } else if !op.is_communication() {
+                let (t, how) = profile.op_seconds(g, id);
+                match how {
+                    "measured" => counts.0 += 1,
+                    "scaled" => counts.1 += 1,
+                    "copy" => counts.2 += 1,
+                    _ => {}
+                }
+                compute += t;
+            }
+        }
+        (compute, model, tail)
+    };
+    let priced: Vec<_> = pp
+        .stages
+        .iter()
+        .map(|st| (price(&st.forward), price(&st.backward)))
+        .collect();
+    let forward: Vec<f64> = priced.iter().map(|(f, _)| f.0 + f.1).collect();
+    let backward: Vec<f64> = priced.iter().map(|(_, b)| b.0 + b.1).collect();
+    // What one micro-batch sends to stage `to` from graph `g`.
+    let sent = |g: &Graph, to: usize| -> f64 {
+        g.node_ids()
+            .into_iter()
+            .filter(|&id| matches!(g.op(id), Op::Send { stage, .. } if *stage == to))
+            .filter_map(|id| {
+                g.node(id)
+                    .inputs
+                    .first()
+                    .map(|v| g.value_type(*v).bytes() as f64)
+            })
+            .sum()
+    };
+    let replica = cfg.model.max(1) * stages;
+    let across = cfg.ranks_per_node < replica;
+    let activation_message: Vec<f64> = (0..stages.saturating_sub(1))
+        .map(|s| links.message(across, sent(&pp.stages[s].forward, s + 1)))
+        .collect();
+    let gradient_message: Vec<f64> = (0..stages.saturating_sub(1))
+        .map(|s| links.message(across, sent(&pp.stages[s + 1].backward, s)))
+        .collect();
+    let programs = pp.programs().map_err(|e| e.to_string())?;
+    let transfer = |from: usize, to: usize| {
+        if to == from + 1 {
+            activation_message.get(from).copied().unwrap_or(0.0)
+        } else if from == to + 1 {
+            gradient_message.get(to).copied().unwrap_or(0.0)
+        } else {
+            0.0
+        }
+    };
+    let sched = schedule::simulate_with_transfers(&programs, &forward, &backward, &transfer)
+        .map_err(|e| e.to_string())?;
+    let mut comms = Vec::new();
+    let mut stage_end = Vec::with_capacity(stages);
+    let mut comm_total = vec![0.0f64; stages];
+    for (s, (st, (_, (_, _, tail)))) in pp.stages.iter().zip(&priced).enumerate() {
+        // The stage's last computation is its last backward.
+        let last = sched.timeline[s]
+            .last()
+            .map_or(0.0, |(start, _)| start + backward[s]);
+        let mut at = last;
+        for &id in tail {
+            let (seconds, bytes, both, how) = comm_seconds(&st.backward, id, cfg, &links, &no_rows);
+            comms.push(CommOp {
+                node: format!("s{s}/{id}"),
+                op: st.backward.op(id).mnemonic().into(),
+                bytes,
+                seconds,
+                flat_seconds: both.map(|b| b.0),
+                hierarchical_seconds: both.map(|b| b.1),
+                how: how.into(),
+                start: at,
+                end: at + seconds,
+            });
+            at += seconds;
+            comm_total[s] += seconds;
+        }
+        stage_end.push(at + profile.optimizer_per_byte * applied_bytes(&st.backward));
+    }
+    let step = stage_end.iter().copied().fold(0.0, f64::max);
+    // The worker of the stage that ends the step.
+    let c = stage_end.iter().enumerate().fold(
+        0,
+        |best, (s, &e)| if e > stage_end[best] { s } else { best },
+    );
+    let m = pp.micro_batches as f64;
+    let (f, b) = &priced[c];
+    let optimizer = profile.optimizer_per_byte * applied_bytes(&pp.stages[c].backward);
+    let compute = m * (f.0 + b.0) + optimizer;
+    let messages = |s: usize| {
+        let before = if s > 0 {
+            activation_message[s - 1] + gradient_message[s - 1]
+        } else {
+            0.0
+        };
+        let after = activation_message
+            .get(s)
+            .map_or(0.0, |a| a + gradient_message[s]);
+        m * (before + after)
+    };
+    let comm = m * (f.1 + b.1) + comm_total[c] + messages(c);
+    // What the worker waited beyond its computing that the bubble does not explain.
+    let idle = sched.makespan - m * (forward[c] + backward[c]);
+    let exposed = (step - compute - idle).clamp(0.0, comm);
+    let single_step = single
+        .topo_order()
+        .into_iter()
+        .map(|id| profile.op_seconds(single, id).0)
+        .sum::<f64>()
+        + profile.optimizer_per_byte * applied_bytes(single);
+    Ok(Simulation {
+        workers: cfg.workers,
+        servers: 0,
+        server_comm: 0.0,
+        ranks_per_node: cfg.ranks_per_node,
+        links,
+        step,
+        compute,
+        comm,
+        exposed_comm: exposed,
+        overlap: if comm > 0.0 {
+            (1.0 - exposed / comm).clamp(0.0, 1.0)
+        } else {
+            1.0
+        },
+        single_step,
+        scaling_efficiency: 1.0,
+        memory_per_worker,
+        op_times: counts,
+        comms,
+        pipeline: Some(PipelineSimulation {
+            stages,
+            micro_batches: pp.micro_batches,
+            schedule: pp.schedule.to_string(),
+            forward,
+            backward,
+            activation_message,
+            gradient_message,
+            stage_end,
+            bubble: sched.bubble,
+            ideal_bubble: schedule::predicted_bubble(stages, pp.micro_batches),
+        }),
+    }
+    .per_worker(cfg, pp.micro_batches))
 }
 
 /// Ops a worker's thread waits for itself: a pull answers before the program goes on.
@@ -761,6 +989,23 @@ pub fn simulate(
         memory_per_worker,
         op_times: counts,
         comms,
+        pipeline: None,
+    }
+    .per_worker(cfg, 1)
+}
+
+impl Simulation {
+    /// The scaling efficiency per worker: a step does `micro` one-device batches of
+    /// work for its T x P workers of a replica (T model ranks share a batch, P stages
+    /// a micro-batch), against one device's step.
+    fn per_worker(mut self, cfg: &StrategyConfig, micro: usize) -> Simulation {
+        let share = (cfg.model.max(1) * cfg.pipeline.max(1)) as f64;
+        self.scaling_efficiency = if self.step > 0.0 {
+            self.single_step * micro as f64 / (share * self.step)
+        } else {
+            1.0
+        };
+        self
     }
 }
 
@@ -832,6 +1077,38 @@ impl Simulation {
             out += &note;
             out.push('\n');
         }
+        if let Some(p) = &self.pipeline {
+            out += &format!(
+                "pipeline: {} stages x {} micro-batches ({}): bubble {:.1}% ((P-1)/(M+P-1) = \
+                 {:.1}%)\n{:<6} {:>10} {:>10} {:>14} {:>14} {:>10}\n",
+                p.stages,
+                p.micro_batches,
+                p.schedule,
+                100.0 * p.bubble,
+                100.0 * p.ideal_bubble,
+                "stage",
+                "fwd ms",
+                "bwd ms",
+                "act msg ms",
+                "grad msg ms",
+                "ends ms"
+            );
+            for s in 0..p.stages {
+                let msg = |v: &[f64]| {
+                    v.get(s)
+                        .map_or("-".to_string(), |x| format!("{:.3}", ms(*x)))
+                };
+                out += &format!(
+                    "{:<6} {:>10.3} {:>10.3} {:>14} {:>14} {:>10.3}\n",
+                    s,
+                    ms(p.forward[s]),
+                    ms(p.backward[s]),
+                    msg(&p.activation_message),
+                    msg(&p.gradient_message),
+                    ms(p.stage_end[s])
+                );
+            }
+        }
         if !self.comms.is_empty() {
             out += &format!(
                 "{:<8} {:<16} {:>12} {:>13} {:>10} {:>10} {:>10} {:>10}\n",
@@ -880,13 +1157,6 @@ pub struct Target {
 /// plan at the plan's own settings, or the simulation would be of another model.
 pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, StrategyConfig), String> {
     let s = &plan.settings;
-    if s.model > 1 || s.pipeline > 1 {
-        return Err(
-            "simulate covers data-parallel plans (all-reduce, servers, ZeRO); this plan has a \
-             model axis or pipeline stages"
-                .into(),
-        );
-    }
     let mut settings = s.clone();
     if let Some(n) = target.workers {
         settings.workers = n;
@@ -911,7 +1181,13 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, Strate
             settings.workers
         ));
     }
-    settings
+    // A mesh's nodes are the simulation's alone (which links its axes cross): the
+    // runtime groups no mesh by node yet, so its plan is compiled without them.
+    let mut compiled_with = settings.clone();
+    if settings.model > 1 || settings.pipeline > 1 {
+        compiled_with.ranks_per_node = 0;
+    }
+    compiled_with
         .check()
         .map_err(|e| format!("the simulated settings: {e}"))?;
     let compile = |strategy: &StrategyConfig| {
@@ -932,10 +1208,10 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, Strate
             plan.source
         ));
     }
-    if settings == *s {
+    if compiled_with == *s {
         return Ok((own, settings));
     }
-    Ok((compile(&settings)?, settings))
+    Ok((compile(&compiled_with)?, settings))
 }
 
 /// The one-device program of the plan's model and batch.
@@ -951,6 +1227,10 @@ pub fn single_program(
         zero: 0,
         ranks_per_node: 0,
         grad_wire: distc_passes::placement::Precision::Fp32,
+        // One device: no model axis, no stages.
+        model: 1,
+        pipeline: 1,
+        micro_batches: 1,
         ..plan.settings.clone()
     };
     let opts = crate::CompileOptions {

@@ -600,3 +600,118 @@ fn calibrate_flags_act_or_are_refused() {
         text(&o)
     );
 }
+
+/// Issue 39, item 1: `simulate` covers a model axis and pipeline stages. A mesh of 2
+/// data x 2 model: the model axis's sums are rings over its 2 workers, on the link
+/// within a node when a node holds the model group, between nodes when not. A
+/// pipeline of 2 stages x 4 micro-batches: the schedule run with its messages on the
+/// link, each stage's replica all-reduces after its last backward, the step the last
+/// stage to end, and its bubble at least the ideal (P-1)/(M+P-1).
+#[test]
+fn simulate_prices_the_model_axis_and_pipeline_stages() {
+    let (dir, _) = setup("mesh");
+    let model = dir.join("wide.dsl");
+    let compile = |name: &str, mesh: &str, extra: &[&str]| {
+        let plan = dir.join(name);
+        let mut args = vec![
+            "compile",
+            s(&model),
+            "--strategy",
+            "allreduce",
+            "--mesh",
+            mesh,
+            "-o",
+            s(&plan),
+        ];
+        args.extend_from_slice(extra);
+        let o = distc(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        plan
+    };
+    let sim = |plan: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            s(plan),
+            "--profile-steps",
+            "2",
+            "--format",
+            "json",
+            "--link",
+            "intra=1e12,1e-7",
+            "--link",
+            "inter=1e8,1e-4",
+        ];
+        args.extend_from_slice(extra);
+        json(&distc(&args))
+    };
+    let mesh = compile("mesh.json", "data=2,model=2", &[]);
+    let model_seconds = |j: &serde_json::Value| -> f64 {
+        let ops: Vec<&serde_json::Value> = j["comms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["how"] == "model ring")
+            .collect();
+        assert!(!ops.is_empty(), "no model-axis collective: {j}");
+        ops.iter().map(|c| c["seconds"].as_f64().unwrap()).sum()
+    };
+    let inside = sim(&mesh, &["--ranks-per-node", "2"]);
+    let across = sim(&mesh, &["--ranks-per-node", "1"]);
+    assert!(
+        model_seconds(&inside) * 10.0 < model_seconds(&across),
+        "within a node {} s, across {} s",
+        model_seconds(&inside),
+        model_seconds(&across)
+    );
+    for j in [&inside, &across] {
+        let eff = j["scaling_efficiency"].as_f64().unwrap();
+        assert!(eff > 0.0 && eff <= 1.0 + 1e-9, "{j}");
+    }
+
+    let piped = compile(
+        "pipe.json",
+        "data=2,model=1,pipe=2",
+        &["--micro-batches", "4"],
+    );
+    let j = sim(&piped, &[]);
+    let p = &j["pipeline"];
+    assert_eq!(
+        (p["stages"].as_u64(), p["micro_batches"].as_u64()),
+        (Some(2), Some(4)),
+        "{j}"
+    );
+    let ideal = p["ideal_bubble"].as_f64().unwrap();
+    assert!((ideal - 1.0 / 5.0).abs() < 1e-12, "{j}");
+    assert!(p["bubble"].as_f64().unwrap() >= ideal - 1e-9, "{j}");
+    let ends: Vec<f64> = p["stage_end"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_f64().unwrap())
+        .collect();
+    let step = j["step"].as_f64().unwrap();
+    assert_eq!(ends.iter().copied().fold(0.0, f64::max), step, "{j}");
+    // Messages between nodes cost more than within one.
+    let msg = |j: &serde_json::Value| j["pipeline"]["activation_message"][0].as_f64().unwrap();
+    let near = sim(&piped, &["--ranks-per-node", "4"]);
+    assert!(msg(&near) < msg(&j), "{near} {j}");
+    // Each stage's gradients are all-reduced among its 2 replicas after its backwards.
+    for stage in ["s0/", "s1/"] {
+        assert!(
+            j["comms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["op"] == "all_reduce" && c["node"].as_str().unwrap().starts_with(stage)),
+            "{stage}: {j}"
+        );
+    }
+    // And as a table.
+    let o = distc(&["simulate", s(&piped), "--profile-steps", "2"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("pipeline: 2 stages x 4 micro-batches"),
+        "{}",
+        text(&o)
+    );
+}

@@ -127,15 +127,26 @@ pub fn simulate(
             _ => {}
         }
     }
-    let s = sim::simulate(
-        &compiled.programs.worker,
-        &single.programs.worker,
-        &settings,
-        links,
-        &profile,
-        &rows,
-        mem.per_worker(),
-    );
+    let s = match &compiled.programs.pipeline {
+        Some(pp) => sim::simulate_pipeline(
+            pp,
+            &single.programs.worker,
+            &settings,
+            links,
+            &profile,
+            mem.per_worker(),
+        )
+        .map_err(anyhow::Error::msg)?,
+        None => sim::simulate(
+            &compiled.programs.worker,
+            &single.programs.worker,
+            &settings,
+            links,
+            &profile,
+            &rows,
+            mem.per_worker(),
+        ),
+    };
     match format {
         ExplainFormat::Json => out(&format!("{}\n", serde_json::to_string_pretty(&s)?)),
         ExplainFormat::Table => out(&s.render(&p, &profile)),

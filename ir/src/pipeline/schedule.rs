@@ -463,6 +463,18 @@ pub fn simulate(
     forward_cost: &[f64],
     backward_cost: &[f64],
 ) -> Result<Simulation, ScheduleError> {
+    simulate_with_transfers(programs, forward_cost, backward_cost, &|_, _| 0.0)
+}
+
+/// [`simulate`] with messages that take time: a message from stage `from` to stage
+/// `to` takes `transfer(from, to)` seconds, during which both stages wait (a
+/// rendezvous: the sender is done when the receiver has it).
+pub fn simulate_with_transfers(
+    programs: &[Vec<Step>],
+    forward_cost: &[f64],
+    backward_cost: &[f64],
+    transfer: &dyn Fn(usize, usize) -> f64,
+) -> Result<Simulation, ScheduleError> {
     let stages = programs.len();
     check_costs("forward", forward_cost, stages)?;
     check_costs("backward", backward_cost, stages)?;
@@ -529,7 +541,8 @@ pub fn simulate(
                         recv: recv_at,
                     });
                 }
-                let t = clock[send_at.stage].max(clock[recv_at.stage]);
+                let t = clock[send_at.stage].max(clock[recv_at.stage])
+                    + transfer(send_at.stage, recv_at.stage);
                 clock[send_at.stage] = t;
                 clock[recv_at.stage] = t;
                 pc[send_at.stage] += 1;
@@ -666,6 +679,22 @@ fn deadlock(programs: &[Vec<Step>], pc: &[usize]) -> Deadlock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two stages, one micro-batch, forwards of 1 and backwards of 2: 6 time units
+    /// with free messages; a message of 1 each way holds both stages for it, 8.
+    #[test]
+    fn messages_that_take_time_hold_both_stages() {
+        let programs = programs(ScheduleKind::OneFOneB, 2, 1).expect("programs");
+        let free = simulate(&programs, &[1.0, 1.0], &[2.0, 2.0]).expect("runs");
+        assert_eq!(free.makespan, 6.0);
+        let slow = simulate_with_transfers(&programs, &[1.0, 1.0], &[2.0, 2.0], &|_, _| 1.0)
+            .expect("runs");
+        assert_eq!(slow.makespan, 8.0);
+        // Stage 1's forward starts once the activations arrived; stage 0's backward
+        // once the gradients did.
+        assert_eq!(slow.timeline[1][0].0, 2.0);
+        assert_eq!(slow.timeline[0][1].0, 6.0);
+    }
 
     /// (P, M) with M < P, M == P, M > P, and a single stage.
     const SHAPES: [(usize, usize); 9] = [
