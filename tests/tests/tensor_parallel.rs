@@ -568,3 +568,113 @@ fn a_partial_sum_beside_a_split_value_is_reduce_scattered() {
         }
     }
 }
+
+/// Issue 40, item 2: a training state moves into and out of a model axis. A run on
+/// data 2 x model 2 (also with ZeRO 3's chunks of the parts) writes its state whole (the final program gathers each part and
+/// each part's Adam slots: no `.tp` key, the one-device shapes); resumed on the same
+/// mesh (the init program splits the variables and their slots again) it ends bit for
+/// bit where the uninterrupted run ends (a regression: the state counted the model
+/// ranks as replicas in its data position, so the resumed run skipped batches); and a
+/// one-device state resumed on a model axis of 2 ends where one device ends, within
+/// the split's rounding.
+#[test]
+fn training_states_move_into_and_out_of_a_model_axis() {
+    use distc_runtime::core::checkpoint::{load_state, TrainingState};
+    use distc_runtime::run::train::{train, CheckpointEvery, TrainOptions};
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    let src = "model wide {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+               param w1: f32[16, 32] = glorot\n  param b1: f32[32] = zeros\n  \
+               param w2: f32[32, 8] = glorot\n  \
+               minimize softmax_cross_entropy(relu(x @ w1 + b1) @ w2, label)\n}\n\
+               train {\n  data = gaussian_classes(features = 16, classes = 8)\n  \
+               batch = 16\n  optimizer = adam(lr = 0.01)\n  steps = 4\n  seed = 5\n}\n";
+    let plan = |strategy: StrategyConfig| {
+        compile(
+            "wide.dsl",
+            src,
+            &CompileOptions {
+                strategy,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run = |c: &distc::Compiled,
+               n: usize,
+               save: Option<&std::path::Path>,
+               resume: Option<TrainingState>|
+     -> HashMap<String, distc_runtime::core::value::Tensor> {
+        let steps = if save.is_some() { 2 } else { 4 };
+        let opts = TrainOptions {
+            steps: Some(steps),
+            evaluate: false,
+            checkpoint: save.map(|p| CheckpointEvery {
+                path: p.to_path_buf(),
+                every: steps,
+                saved_by: "test".into(),
+            }),
+            resume: resume.map(Arc::new),
+            ..TrainOptions::default()
+        };
+        train(c.programs(n), &c.config, &opts, &mut |_| Ok(()))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .params
+    };
+    let one = plan(StrategyConfig::default());
+    for (what, strategy) in [
+        ("data 2 x model 2", mesh(2, 2)),
+        (
+            "ZeRO 3 on data 2 x model 2",
+            StrategyConfig {
+                zero: 3,
+                ..mesh(2, 2)
+            },
+        ),
+    ] {
+        let tp = plan(strategy);
+        let whole = run(&tp, 4, None, None);
+        let tp_state = dir.path().join("tp.state");
+        run(&tp, 4, Some(&tp_state), None);
+        let state = load_state(&tp_state).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            !state
+                .params
+                .keys()
+                .chain(state.optimizer.keys())
+                .any(|k| k.contains(".tp")),
+            "parts in the state: {:?}",
+            state.params.keys().collect::<Vec<_>>()
+        );
+        assert_eq!(state.params["w1"].shape(), [16, 32]);
+        assert_eq!(state.optimizer["w1/m"].shape(), [16, 32]);
+        assert_eq!(state.optimizer["w2/v"].shape(), [32, 8]);
+        let resumed = run(&tp, 4, None, Some(state));
+        for (name, w) in &whole {
+            assert!(
+                resumed.get(name) == Some(w),
+                "{what}: `{name}` differs after resuming on the model axis"
+            );
+        }
+    }
+    // One device's state, resumed on a model axis of 2 (the same batch a step).
+    let one_whole = run(&one, 1, None, None);
+    let one_state = dir.path().join("one.state");
+    run(&one, 1, Some(&one_state), None);
+    let state = load_state(&one_state).unwrap_or_else(|e| panic!("{e}"));
+    let moved = run(&plan(mesh(1, 2)), 2, None, Some(state));
+    for (name, w) in &one_whole {
+        let (a, b) = (moved[name].to_f64_vec(), w.to_f64_vec());
+        let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst <= 1e-5 * scale,
+            "`{name}`: {worst:e} from one device's (scale {scale:e})"
+        );
+    }
+}

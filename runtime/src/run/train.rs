@@ -214,7 +214,6 @@ pub fn train_with<B: Backend>(
     };
     // The data axis links the replicas of one model rank, the model axis the model
     // ranks of one replica: one in-process communicator per group of each axis.
-    crate::run::worker::refuse_model_axis_state(mesh.model, opts)?;
     let mut data_links = axis_links(&mesh, Axis::Data, opts);
     let mut model_links = axis_links(&mesh, Axis::Model, opts);
     type Links = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);

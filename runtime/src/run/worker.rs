@@ -446,13 +446,14 @@ pub(crate) fn model_collective(
     }
 }
 
-/// Refuses a training state on disk for a run with a model axis of `t` (its parts are
-/// not gathered into one yet), threads and pipeline stages alike.
+/// Refuses a training state on disk for pipeline stages with a model axis of `t` (a
+/// stage's parts are not gathered into one yet; without stages the final program
+/// gathers them, and the init program splits a resumed state's).
 pub(crate) fn refuse_model_axis_state(t: usize, opts: &TrainOptions) -> Result<()> {
     if t > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
         return Err(RuntimeError::Config(
-            "a run with a model axis (tensor parallelism) cannot write or resume a training \
-             state yet"
+            "pipeline stages with a model axis (tensor parallelism) cannot write or resume \
+             a training state yet"
                 .into(),
         ));
     }
@@ -1102,7 +1103,12 @@ fn train_worker<B: Backend>(
     set_ranks(&mut exec, ranks, None);
     exec.set_profiling(opts.profile && rank == 0);
     let device = exec.backend().name();
-    let slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
+    let mut slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
+    if let (Some(state), Some(init), Some(slots)) = (resume, programs.init, slots.as_mut()) {
+        if mesh.model > 1 {
+            slots.extend(resumed_part_slots(init, state, ranks, hook)?);
+        }
+    }
     let params = upload_all(exec.backend(), params)?;
     let mut optimizer = exec
         .backend()
@@ -1564,7 +1570,8 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 st,
                 self.programs,
                 self.config,
-                (rank, step),
+                (rank, self.ranks, step),
+                self.replicas,
                 scaler,
                 hook,
             )?;
@@ -1716,7 +1723,9 @@ pub(crate) fn initial_values(
                     t.shape()
                 )))
             }
-            None if name.ends_with(ZERO_SHARD_SUFFIX) => {}
+            // Made by the init program from the whole variable.
+            None if name.ends_with(ZERO_SHARD_SUFFIX)
+                || name.ends_with(distc_ir::MODEL_SHARD_SUFFIX) => {}
             None => {
                 return Err(RuntimeError::Config(format!(
                     "the training state has no variable `{name}` (it holds {})",
@@ -1726,6 +1735,54 @@ pub(crate) fn initial_values(
         }
     }
     Ok(params)
+}
+
+/// Whether `g` reads variable `name`.
+fn reads_param(g: &distc_ir::Graph, name: &str) -> bool {
+    g.params().iter().any(|(_, n, _)| *n == name)
+}
+
+/// The optimizer slots of a resumed state's variables that the init program splits
+/// over the model axis: the init program run once per slot, over the slot's whole
+/// values in place of the variables' (zeros where the state has none), as it splits the
+/// variables. By the slot's key (`w1.tp/m`). Every worker runs it, in the same order:
+/// the program's collectives (broadcasts) are collectives.
+fn resumed_part_slots(
+    init: &distc_ir::Graph,
+    state: &TrainingState,
+    ranks: (usize, usize),
+    hook: &mut WorkerHook,
+) -> Result<HashMap<String, Tensor>> {
+    let mut slots: Vec<&str> = state
+        .optimizer
+        .keys()
+        .filter_map(|k| k.rsplit_once('/').map(|(_, slot)| slot))
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    let mut out = HashMap::new();
+    let mut exec = Executor::new(init)?;
+    set_ranks(&mut exec, ranks, None);
+    for slot in slots {
+        let whole: HashMap<String, Tensor> = init
+            .params()
+            .into_iter()
+            .map(|(_, name, ty)| {
+                let t = state.optimizer.get(&format!("{name}/{slot}")).cloned();
+                (name.to_string(), t.unwrap_or_else(|| Tensor::zeros(ty)))
+            })
+            .collect();
+        let parts = exec.run_with(&HashMap::new(), &whole, Mode::Train, 0, Some(&mut *hook))?;
+        for (name, t) in parts.outputs {
+            // A part, or a ZeRO chunk of a part.
+            let part = name.strip_suffix(ZERO_SHARD_SUFFIX).unwrap_or(&name);
+            let base = part.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX);
+            if base.is_some_and(|b| state.optimizer.contains_key(&format!("{b}/{slot}"))) {
+                out.insert(format!("{name}/{slot}"), t);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The optimizer state this worker holds of a resumed state: the slots of its
@@ -1755,15 +1812,17 @@ pub(crate) fn resumed_slots(
 }
 
 /// Writes the training state after `step`, whole: worker 0 writes its replicated
-/// variables and slots, the servers' rows and slots, and the ZeRO chunks, which every
-/// worker gathers with it (a collective, so every worker calls this at the same steps).
+/// variables and slots, the servers' rows and slots, and the ZeRO chunks and
+/// model-axis parts, which every worker gathers with it through the final program (a
+/// collective, so every worker calls this at the same steps).
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
     c: &crate::run::programs::CheckpointEvery,
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
-    (rank, step): (usize, usize),
+    (rank, ranks, step): (usize, (usize, usize), usize),
+    replicas: usize,
     scaler: Option<&LossScaler>,
     hook: &mut WorkerHook,
 ) -> Result<()> {
@@ -1788,7 +1847,7 @@ fn save_training_state<B: Backend>(
     let mut params: HashMap<String, Tensor> = HashMap::new();
     if let Some(fin) = programs.finalize {
         let mut exec = Executor::new(fin)?;
-        exec.set_rank(rank);
+        set_ranks(&mut exec, ranks, None);
         let out = exec.run_with(
             &HashMap::new(),
             &host,
@@ -1823,9 +1882,10 @@ fn save_training_state<B: Backend>(
     if rank != 0 {
         return Ok(());
     }
+    // The final program's outputs stand for the chunks and parts it read.
     params.extend(
         host.into_iter()
-            .filter(|(k, _)| !k.ends_with(ZERO_SHARD_SUFFIX)),
+            .filter(|(k, _)| programs.finalize.is_none_or(|f| !reads_param(f, k))),
     );
     if let Some(ps) = hook.ps.as_mut() {
         let parts = ps.snapshot(step as u64)?;
@@ -1847,7 +1907,8 @@ fn save_training_state<B: Backend>(
         format: String::new(),
         model: programs.worker.name.clone(),
         step: step as u64,
-        samples: (step * config.batch * programs.workers * k) as u64,
+        // The data is split over the replicas: a model axis's workers read one batch.
+        samples: (step * config.batch * replicas * k) as u64,
         saved_by: c.saved_by.clone(),
         optimizer: format!("{:?}", config.optimizer),
         variables: Vec::new(),
