@@ -73,6 +73,24 @@ pub fn parse_remat(s: &str) -> Result<RematPolicy, String> {
     }
 }
 
+/// A size in MiB above 0.
+pub fn parse_mib(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(mib) if mib.is_finite() && mib > 0.0 && mib <= 1e12 => Ok(mib),
+        _ => Err(format!("`{s}` is not a size in MiB above 0")),
+    }
+}
+
+/// Whether `a` asks for the layout search: `--strategy auto` over several workers with
+/// no parameter servers and no axis fixed (`--mesh`, `--pipeline`).
+pub fn searches_layout(a: &CompileArgs) -> bool {
+    a.strategy == Strategy::Auto
+        && a.servers == 0
+        && a.workers > 1
+        && a.mesh.is_none()
+        && a.pipeline == 1
+}
+
 /// A whole number in `lo..=hi`, named in the error.
 pub fn whole_in(s: &str, lo: usize, hi: usize) -> Result<usize, String> {
     match s.parse::<usize>() {
@@ -303,6 +321,10 @@ pub struct CompileArgs {
     /// recomputations; `off` (the default) keeps every activation.
     #[arg(long, default_value = "off", value_parser = parse_remat, value_name = "layers|MIB")]
     pub remat: RematPolicy,
+    /// With `--strategy auto` and no servers, the layout search's memory budget: the
+    /// bytes a worker may hold, in MiB (the layouts estimated over it are rejected).
+    #[arg(long, value_parser = parse_mib, value_name = "MIB")]
+    pub memory_per_worker: Option<f64>,
     /// Kernel fusion: collapse each chain of element-wise ops (a layer's bias add and
     /// activation, the activation gradients) into one `fused` node, which the runtime
     /// runs in one pass over memory; the values computed are the same.
@@ -632,6 +654,13 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     // 16-bit wire nor hierarchy yet.
     let all_reduces = !single && a.strategy != Strategy::Ps && replicas > 1;
     let rules = [
+        Ignored {
+            given: a.memory_per_worker.is_some(),
+            used: searches_layout(a),
+            why: "--memory-per-worker is the layout search's budget: give it with --strategy \
+                  auto, --workers N and no servers, mesh or pipeline"
+                .to_string(),
+        },
         Ignored {
             given: a.micro_batches > 1,
             used: stages > 1,

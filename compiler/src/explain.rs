@@ -16,7 +16,8 @@ pub fn text(plan: &Plan, programs: &ProgramSet) -> Result<String> {
     let programs = program_view(programs, plan.settings.workers);
     let mem = plan_memory(plan, &programs)?;
     Ok(format!(
-        "{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}",
+        plan.search.as_ref().map_or(String::new(), |s| s.render(10)),
         explain_table(plan, &mem, &memory_frozen(&programs)),
         explain_pipeline(plan, programs.worker, programs.pipeline)?,
         explain_mesh(plan, programs.worker),
@@ -586,6 +587,7 @@ fn explain_json(
         "workers": p.settings.workers,
         "servers": p.settings.servers,
         "batch_per_worker": p.config.batch,
+        "search": p.search,
         "variables": p.dist.as_ref().map(|d| d.vars.clone()).unwrap_or_default(),
         "buckets": p.dist.as_ref().map(|d| d.buckets.clone()).unwrap_or_default(),
         "unreached": p.dist.as_ref().map(|d| d.unreached.clone()).unwrap_or_default(),

@@ -8,6 +8,7 @@ pub mod dsl;
 pub mod explain;
 pub mod pipeline;
 pub mod plan;
+pub mod planner;
 pub mod plot;
 pub mod simulate;
 pub mod verify;

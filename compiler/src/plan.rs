@@ -68,6 +68,9 @@ pub struct Plan {
     /// The model's forward and backward FLOPs per sample, for model FLOPs utilisation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_sample: Option<f64>,
+    /// The layout search that chose this plan (`--strategy auto` without servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub search: Option<crate::planner::Search>,
     /// SHA-256 of the content above, hex.
     pub hash: String,
 }
@@ -171,6 +174,7 @@ impl Plan {
                 .flat_map(|p| &p.stages)
                 .map(|s| (distc_ir::print(&s.forward), distc_ir::print(&s.backward)))
                 .collect(),
+            search: None,
             hash: String::new(),
         };
         p.hash = content_hash(&p);

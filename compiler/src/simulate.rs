@@ -301,7 +301,7 @@ pub struct ComputeProfile {
     pub source: String,
     /// Median seconds by [`signature`] (op with attributes, input and output types).
     pub by_signature: HashMap<String, f64>,
-    /// By mnemonic: (seconds, elements read and written) summed over measured ops,
+    /// By mnemonic: (seconds, work: FLOPs of a product, else elements read and written)
     /// for an op of a kind measured at other sizes.
     pub by_mnemonic: HashMap<&'static str, (f64, f64)>,
     /// Seconds of the optimizer per byte of gradient it applies.
@@ -323,6 +323,19 @@ pub fn signature(g: &Graph, id: NodeId) -> String {
         .map(|v| format!("{:?}", g.value_type(*v)))
         .collect();
     format!("{:?} ({}) -> {:?}", n.op, ins.join(", "), n.outputs)
+}
+
+/// What an op's time scales with from one size to another: the products' FLOPs for
+/// the product kinds (a matmul split over a model axis reads fewer elements for the
+/// same FLOPs), the elements read and written for the rest.
+fn work(g: &Graph, id: NodeId) -> f64 {
+    match g.op(id) {
+        Op::MatMul { .. }
+        | Op::Conv2d { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Conv2dGradFilter { .. } => distc_passes::cost::node_flops(g, id),
+        _ => elements(g, id),
+    }
 }
 
 /// Elements an op reads and writes.
@@ -395,7 +408,7 @@ impl ComputeProfile {
             by_sig.entry(signature(g, id)).or_default().push(t);
             let e = by_mnemonic.entry(g.op(id).mnemonic()).or_default();
             e.0 += t;
-            e.1 += elements(g, id);
+            e.1 += work(g, id);
         }
         let by_signature = by_sig
             .into_iter()
@@ -449,13 +462,12 @@ impl ComputeProfile {
         if let Some(t) = self.by_signature.get(&signature(g, id)) {
             return (*t, "measured");
         }
-        let elems = elements(g, id);
         if let Some((t, e)) = self.by_mnemonic.get(g.op(id).mnemonic()) {
             if *e > 0.0 {
-                return (t * elems / e, "scaled");
+                return (t * work(g, id) / e, "scaled");
             }
         }
-        (elems * 4.0 / self.copy_bandwidth.max(1.0), "copy")
+        (elements(g, id) * 4.0 / self.copy_bandwidth.max(1.0), "copy")
     }
 }
 
@@ -1174,7 +1186,8 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, Strate
     if let Some(l) = target.intra {
         settings.intra_link = l;
     }
-    if settings.strategy == distc_passes::placement::Strategy::Single && settings.workers > 1 {
+    if settings.strategy == distc_passes::placement::Strategy::Single && settings.data_workers() > 1
+    {
         return Err(format!(
             "the plan is `single`, one device: compile it with a distributed strategy to \
              simulate {} workers",
@@ -1620,7 +1633,9 @@ train {
             .expect("the test's own input");
         let (t, how) = p.op_seconds(g, other);
         assert_eq!(how, "scaled");
-        assert!((t - 30e-6 * elements(g, other) / elements(g, matmuls[0])).abs() < 1e-15);
+        // A product scales with its FLOPs.
+        let flops = distc_passes::cost::node_flops;
+        assert!((t - 30e-6 * flops(g, other) / flops(g, matmuls[0])).abs() < 1e-15);
         let relu = g
             .topo_order()
             .into_iter()

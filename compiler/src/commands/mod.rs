@@ -54,9 +54,34 @@ pub fn compile(
     check_strategy_flags(compile)?;
     distc_runtime::core::output::check_output(output, &[file])?;
     let start = std::time::Instant::now();
-    let c = compile_or_report(file, &compile_opts(compile, data))?;
+    let (c, settings, search) = if crate::cli::searches_layout(compile) {
+        let budget = compile
+            .memory_per_worker
+            .map(|mib| (mib * 1048576.0) as u128);
+        let (c, settings, search) = crate::planner::search(
+            file,
+            &compile_opts(compile, data),
+            compile.workers,
+            compile.zero,
+            budget,
+            3,
+        )
+        .map_err(anyhow::Error::msg)?;
+        err(&search.render(10));
+        (c, settings, Some(search))
+    } else {
+        (
+            compile_or_report(file, &compile_opts(compile, data))?,
+            strategy_config(compile),
+            None,
+        )
+    };
     crate::pipeline::check_settings(&c.config)?;
-    let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(compile));
+    let mut plan = Plan::new(&c, &file.display().to_string(), &settings);
+    if search.is_some() {
+        plan.search = search;
+        plan.seal();
+    }
     plan.save(output, &[file])?;
     for r in &c.records {
         err(&format!("  {r}\n"));

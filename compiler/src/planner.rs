@@ -1,0 +1,390 @@
+//! `--strategy auto` without parameter servers: the search over the layouts of N
+//! workers. Every data x model x pipe mesh of N, the pipeline's micro-batches, the
+//! ZeRO stage and activation recomputation are enumerated; each candidate is compiled
+//! (the compiler's refusals reject it, by their message), its memory per worker
+//! estimated as `explain` estimates it (over the budget: rejected), and its step
+//! priced by [`crate::simulate`] from one profile of the model on this machine. The
+//! fastest that fits is the plan.
+//!
+//! Every candidate trains the same global batch a step, the one N data-parallel
+//! workers of the model's batch b train (N b samples): a replica of T x P workers
+//! takes N b / D samples a step, in M micro-batches of N b / (D M) under a pipeline.
+//! A candidate whose micro-batch would not be a whole number of samples is rejected.
+//! The precision is the user's: the search never changes the arithmetic.
+
+use crate::simulate::{self as sim, ComputeProfile, Links};
+use distc_passes::placement::{Link, RematPolicy, Strategy, StrategyConfig};
+use distc_runtime::run::memory;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The largest model axis and pipeline the search tries.
+const MAX_AXIS: usize = 8;
+
+/// One layout the search tried.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    /// Data replicas D, model axis T, pipeline stages P.
+    pub data: usize,
+    pub model: usize,
+    pub pipe: usize,
+    /// Micro-batches a step (1 without a pipeline).
+    pub micro_batches: usize,
+    /// Samples a micro-batch (the plan's batch).
+    pub batch: usize,
+    pub zero: u8,
+    pub remat: bool,
+    /// Predicted seconds a step, samples per second, and bytes per worker; or why the
+    /// candidate was rejected.
+    pub verdict: Verdict,
+}
+
+/// What the search made of a candidate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Priced {
+        step: f64,
+        samples_per_sec: f64,
+        memory_per_worker: u128,
+    },
+    /// Over the memory budget: what it needs.
+    Memory { memory_per_worker: u128 },
+    /// Refused by the compiler or the simulator, or not a whole batch.
+    Refused { reason: String },
+}
+
+impl Candidate {
+    /// `data=D,model=T,pipe=P` with its micro-batches, ZeRO and remat.
+    pub fn label(&self) -> String {
+        let mut s = format!("data={},model={},pipe={}", self.data, self.model, self.pipe);
+        if self.pipe > 1 {
+            s += &format!(" micro={}", self.micro_batches);
+        }
+        if self.zero > 0 {
+            s += &format!(" zero={}", self.zero);
+        }
+        if self.remat {
+            s += " remat=layers";
+        }
+        s
+    }
+
+    /// The settings that compile it, from the user's.
+    pub fn settings(&self, base: &StrategyConfig) -> StrategyConfig {
+        StrategyConfig {
+            strategy: if self.data > 1 {
+                Strategy::Allreduce
+            } else {
+                Strategy::Single
+            },
+            // One replica of a pipeline counts as one worker, as `--mesh` counts it.
+            workers: if self.data == 1 && self.model == 1 {
+                1
+            } else {
+                self.data * self.model * self.pipe
+            },
+            model: self.model,
+            pipeline: self.pipe,
+            micro_batches: self.micro_batches,
+            zero: self.zero,
+            remat: if self.remat {
+                RematPolicy::Layers
+            } else {
+                base.remat
+            },
+            ..base.clone()
+        }
+    }
+}
+
+/// What the search found: every candidate, the pick, and what it cost.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Search {
+    pub workers: usize,
+    /// The global batch every candidate trains a step.
+    pub global_batch: usize,
+    pub memory_budget: Option<u128>,
+    pub candidates: Vec<Candidate>,
+    /// Index of the pick in `candidates`.
+    pub chosen: usize,
+    /// Where the op times came from.
+    pub profile: String,
+    /// Seconds the search took, profiling included.
+    pub seconds: f64,
+}
+
+/// The search for `file` on `workers` workers from the user's settings `base` (their
+/// links, nodes, precision, fixed ZeRO stage if `zero` is given), within
+/// `memory_budget` bytes a worker if given: the pick's settings and the search.
+pub fn search(
+    file: &Path,
+    opts: &crate::CompileOptions,
+    workers: usize,
+    zero: Option<u8>,
+    memory_budget: Option<u128>,
+    profile_steps: usize,
+) -> Result<(crate::Compiled, StrategyConfig, Search), String> {
+    let start = std::time::Instant::now();
+    let base = &opts.strategy;
+    let compile = |settings: &StrategyConfig, batch: usize| {
+        crate::compile_file(
+            file,
+            &crate::CompileOptions {
+                batch: Some(batch),
+                strategy: settings.clone(),
+                dump_ir: None,
+                ..opts.clone()
+            },
+        )
+    };
+    // The model's batch b, and its one-device program for the profile.
+    let one = StrategyConfig {
+        strategy: Strategy::Single,
+        workers: 1,
+        ..base.clone()
+    };
+    let single = crate::compile_file(
+        file,
+        &crate::CompileOptions {
+            strategy: one.clone(),
+            dump_ir: None,
+            ..opts.clone()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let b = single.config.batch;
+    let global = workers * b;
+    let profile = sim::profile_here(
+        &single,
+        profile_steps,
+        opts.data_dir.as_deref(),
+        distc_runtime::comm::calibrate::copy_bandwidth(),
+    )?;
+    let mut candidates = Vec::new();
+    let mut best: Option<(usize, f64, crate::Compiled, StrategyConfig)> = None;
+    for model in divisors(workers).filter(|&t| t <= MAX_AXIS) {
+        for pipe in divisors(workers / model).filter(|&p| p <= MAX_AXIS) {
+            let data = workers / (model * pipe);
+            let micros: Vec<usize> = if pipe > 1 {
+                vec![pipe, 2 * pipe, 4 * pipe]
+            } else {
+                vec![1]
+            };
+            let zeros: Vec<u8> = match zero {
+                Some(z) => vec![z],
+                None if data > 1 => vec![0, 1, 3],
+                None => vec![0],
+            };
+            for &micro_batches in &micros {
+                for &z in &zeros {
+                    for remat in [false, true] {
+                        let mut c = Candidate {
+                            data,
+                            model,
+                            pipe,
+                            micro_batches,
+                            batch: 0,
+                            zero: z,
+                            remat,
+                            verdict: Verdict::Refused {
+                                reason: String::new(),
+                            },
+                        };
+                        let per_step = global / data;
+                        if !global.is_multiple_of(data) || !per_step.is_multiple_of(micro_batches) {
+                            c.verdict = Verdict::Refused {
+                                reason: format!(
+                                    "{global} samples a step do not split into {data} replicas \
+                                     x {micro_batches} micro-batches"
+                                ),
+                            };
+                            candidates.push(c);
+                            continue;
+                        }
+                        c.batch = per_step / micro_batches;
+                        let settings = c.settings(base);
+                        let priced = price(&settings, c.batch, &compile, &single, &profile);
+                        c.verdict = match priced {
+                            Err(reason) => Verdict::Refused { reason },
+                            Ok((mem, _, _)) if memory_budget.is_some_and(|m| mem > m) => {
+                                Verdict::Memory {
+                                    memory_per_worker: mem,
+                                }
+                            }
+                            Ok((mem, step, compiled)) => {
+                                let rate = global as f64 / step.max(1e-12);
+                                if best.as_ref().is_none_or(|b| rate > b.1) {
+                                    best = Some((candidates.len(), rate, compiled, settings));
+                                }
+                                Verdict::Priced {
+                                    step,
+                                    samples_per_sec: rate,
+                                    memory_per_worker: mem,
+                                }
+                            }
+                        };
+                        candidates.push(c);
+                    }
+                }
+            }
+        }
+    }
+    let Some((chosen, _, compiled, settings)) = best else {
+        let least = candidates
+            .iter()
+            .filter_map(|c| match c.verdict {
+                Verdict::Memory { memory_per_worker } => Some(memory_per_worker),
+                _ => None,
+            })
+            .min();
+        return Err(match least {
+            Some(m) => format!(
+                "no layout of {workers} workers fits in {} a worker: the smallest needs {} \
+                 (give --memory-per-worker at least that, or more workers)",
+                memory::gib(memory_budget.unwrap_or(0)),
+                memory::gib(m)
+            ),
+            None => format!(
+                "no layout of {workers} workers compiles: {}",
+                candidates
+                    .first()
+                    .map(|c| match &c.verdict {
+                        Verdict::Refused { reason } => reason.clone(),
+                        _ => String::new(),
+                    })
+                    .unwrap_or_default()
+            ),
+        });
+    };
+    let search = Search {
+        workers,
+        global_batch: global,
+        memory_budget,
+        candidates,
+        chosen,
+        profile: profile.source.clone(),
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    Ok((compiled, settings, search))
+}
+
+/// A candidate compiled at micro-batch `batch`: its memory per worker, its predicted
+/// step, and the compiled plan.
+fn price(
+    settings: &StrategyConfig,
+    batch: usize,
+    compile: &dyn Fn(&StrategyConfig, usize) -> Result<crate::Compiled, crate::CompileError>,
+    single: &crate::Compiled,
+    profile: &ComputeProfile,
+) -> Result<(u128, f64, crate::Compiled), String> {
+    settings.check()?;
+    let c = compile(settings, batch).map_err(|e| e.to_string())?;
+    let touched = crate::verify::rows_touched(c.dist.as_ref());
+    let rows = memory::expected_rows(&c.programs.worker, &touched);
+    let mem = memory::estimate(&c.programs(settings.workers), &c.config, 1, false, &rows)
+        .map_err(|e| e.to_string())?
+        .per_worker();
+    let links = Links::new(
+        settings.intra_link,
+        Link {
+            bandwidth: settings.bandwidth,
+            latency: settings.latency,
+        },
+    );
+    let s = match &c.programs.pipeline {
+        Some(pp) => {
+            sim::simulate_pipeline(pp, &single.programs.worker, settings, links, profile, mem)?
+        }
+        None => sim::simulate(
+            &c.programs.worker,
+            &single.programs.worker,
+            settings,
+            links,
+            profile,
+            &rows,
+            mem,
+        ),
+    };
+    Ok((mem, s.step, c))
+}
+
+fn divisors(n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
+}
+
+impl Search {
+    /// The pick, the priced candidates fastest first (at most `top`), and the rejected
+    /// ones counted by reason.
+    pub fn render(&self, top: usize) -> String {
+        let ms = |s: f64| s * 1e3;
+        let chosen = &self.candidates[self.chosen];
+        let mut out = format!(
+            "auto: {} workers, {} samples a step: chose {} ({} candidates, {:.2} s; op times: \
+             {})\n",
+            self.workers,
+            self.global_batch,
+            chosen.label(),
+            self.candidates.len(),
+            self.seconds,
+            self.profile
+        );
+        let mut priced: Vec<(usize, f64, f64, u128)> = self
+            .candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c.verdict {
+                Verdict::Priced {
+                    step,
+                    samples_per_sec,
+                    memory_per_worker,
+                } => Some((i, step, samples_per_sec, memory_per_worker)),
+                _ => None,
+            })
+            .collect();
+        priced.sort_by(|a, b| b.2.total_cmp(&a.2));
+        out += &format!(
+            "  {:<40} {:>6} {:>12} {:>14} {:>12}\n",
+            "layout", "batch", "step ms", "samples/s", "memory"
+        );
+        for (i, step, rate, mem) in priced.iter().take(top) {
+            let c = &self.candidates[*i];
+            out += &format!(
+                "{} {:<40} {:>6} {:>12.3} {:>14.0} {:>12}\n",
+                if *i == self.chosen { "*" } else { " " },
+                c.label(),
+                c.batch,
+                ms(*step),
+                rate,
+                memory::gib(*mem)
+            );
+        }
+        let over: Vec<&Candidate> = self
+            .candidates
+            .iter()
+            .filter(|c| matches!(c.verdict, Verdict::Memory { .. }))
+            .collect();
+        if !over.is_empty() {
+            out += &format!(
+                "  rejected for memory (budget {}): {}\n",
+                memory::gib(self.memory_budget.unwrap_or(0)),
+                over.iter()
+                    .map(|c| match c.verdict {
+                        Verdict::Memory { memory_per_worker } => {
+                            format!("{} ({})", c.label(), memory::gib(memory_per_worker))
+                        }
+                        _ => String::new(),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        for c in &self.candidates {
+            if let Verdict::Refused { reason } = &c.verdict {
+                let first = reason.lines().next().unwrap_or("");
+                out += &format!("  rejected {}: {first}\n", c.label());
+            }
+        }
+        out
+    }
+}
