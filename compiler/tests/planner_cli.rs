@@ -117,8 +117,20 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
     assert_eq!(plan_json["config"]["batch"], chosen["batch"]);
     let o = distc(&["run", s(&plan), "--steps", "2", "-q"]);
     assert!(o.status.success(), "{}", text(&o));
-    // `explain` shows the search for people too.
+    // `explain` shows the search for people too, and `train` searches as `compile` does.
     let o = distc(&["explain", s(&plan)]);
+    assert!(text(&o).contains("auto: 4 workers"), "{}", text(&o));
+    let o = distc(&[
+        "train",
+        s(&model),
+        "--strategy",
+        "auto",
+        "--workers",
+        "4",
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("auto: 4 workers"), "{}", text(&o));
 
     // A budget below the pick's memory rejects it, and what is chosen fits.

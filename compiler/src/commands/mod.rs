@@ -54,34 +54,7 @@ pub fn compile(
     check_strategy_flags(compile)?;
     distc_runtime::core::output::check_output(output, &[file])?;
     let start = std::time::Instant::now();
-    let (c, settings, search) = if crate::cli::searches_layout(compile) {
-        let budget = compile
-            .memory_per_worker
-            .map(|mib| (mib * 1048576.0) as u128);
-        let (c, settings, search) = crate::planner::search(
-            file,
-            &compile_opts(compile, data),
-            compile.workers,
-            compile.zero,
-            budget,
-            3,
-        )
-        .map_err(anyhow::Error::msg)?;
-        err(&search.render(10));
-        (c, settings, Some(search))
-    } else {
-        (
-            compile_or_report(file, &compile_opts(compile, data))?,
-            strategy_config(compile),
-            None,
-        )
-    };
-    crate::pipeline::check_settings(&c.config)?;
-    let mut plan = Plan::new(&c, &file.display().to_string(), &settings);
-    if search.is_some() {
-        plan.search = search;
-        plan.seal();
-    }
+    let (c, plan) = compile_plan(file, compile, data)?;
     plan.save(output, &[file])?;
     for r in &c.records {
         err(&format!("  {r}\n"));
@@ -102,6 +75,39 @@ pub fn compile(
         start.elapsed().as_secs_f64()
     ));
     Ok(())
+}
+
+/// `file` compiled as `compile` says, and its plan: with the layout search's pick (the
+/// search printed and kept in the plan) when the flags ask for it
+/// ([`crate::cli::searches_layout`]).
+pub fn compile_plan(
+    file: &Path,
+    compile: &CompileArgs,
+    data: Option<&Path>,
+) -> Result<(Compiled, Plan)> {
+    let source = file.display().to_string();
+    if !crate::cli::searches_layout(compile) {
+        let c = compile_or_report(file, &compile_opts(compile, data))?;
+        crate::pipeline::check_settings(&c.config)?;
+        let plan = Plan::new(&c, &source, &strategy_config(compile));
+        return Ok((c, plan));
+    }
+    let budget = compile.memory_per_worker.map(|mib| (mib * 1048576.0) as u128);
+    let (c, settings, search) = crate::planner::search(
+        file,
+        &compile_opts(compile, data),
+        compile.workers,
+        compile.zero,
+        budget,
+        3,
+    )
+    .map_err(anyhow::Error::msg)?;
+    err(&search.render(10));
+    crate::pipeline::check_settings(&c.config)?;
+    let mut plan = Plan::new(&c, &source, &settings);
+    plan.search = Some(search);
+    plan.seal();
+    Ok((c, plan))
 }
 
 /// `distc bench`: the training benchmark, or with `--compile` the compile-time one.

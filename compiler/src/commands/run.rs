@@ -6,7 +6,7 @@
 //! summary, profile, and what a Ctrl-C left on disk.
 
 use crate::cli::{
-    check_strategy_flags, compile_opts, strategy_config, CompileArgs, Device, RunArgs, Transport,
+    check_strategy_flags, compile_opts, CompileArgs, Device, RunArgs, Transport,
 };
 use crate::commands::compile_or_report;
 use crate::console::{err, out};
@@ -44,9 +44,7 @@ pub fn train(file: &Path, compile: &CompileArgs, args: &RunArgs) -> Result<()> {
     let mut compile = compile.clone();
     // A GPU runs each fused group as one generated kernel.
     compile.fuse |= matches!(args.device, Device::Cuda(_));
-    let c = compile_or_report(file, &compile_opts(&compile, args.data.as_deref()))?;
-    crate::pipeline::check_settings(&c.config)?;
-    let plan = Plan::new(&c, &file.display().to_string(), &strategy_config(&compile));
+    let (c, plan) = crate::commands::compile_plan(file, &compile, args.data.as_deref())?;
     let r = Runnable::new(&plan, &c.programs)?;
     run_plan(&r, args, &[file])
 }

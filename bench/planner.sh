@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The layout search against measurement (issue 39, item 3): for each model and worker
+# count, `distc compile --strategy auto` searches the layouts; then every candidate it
+# priced is compiled with its own flags and trained here (threads of one process, CPU),
+# and its measured step and memory are set beside the prediction.
+#
+#   bash bench/planner.sh [DISTC]
+#
+# Environment: MODELS (examples/dense_mlp.dsl examples/gpt.dsl), WORKERS (2 4),
+# WARMUP (2), STEPS (6), RESULTS (a folder), DISTC_DATA (MNIST for dense_mlp).
+# Per candidate: the predicted step (ms) and the measured one (the global batch over
+# the median samples/s of the metrics lines after the warm-up), and the predicted
+# memory per worker beside the measured one (worker 0's variables, gradients, optimizer
+# state, peak activations and buffers, as the metrics count them). Then, per model and
+# N: how far the pick's measured step is from the fastest measured, and the median
+# prediction errors.
+#
+# The threads share this machine's cores: the simulator prices each worker on a
+# device of its own, so with more workers than cores the measured steps are slower
+# than predicted for every layout alike; the ranking is what the pick depends on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+distc="${1:-target/release/distc}"
+models="${MODELS:-examples/dense_mlp.dsl examples/gpt.dsl}"
+workers="${WORKERS:-2 4}"
+warmup="${WARMUP:-2}"
+steps="${STEPS:-6}"
+out="${RESULTS:-$(mktemp -d)}"
+say() { echo "[planner.sh] $*" >&2; }
+[ -x "$distc" ] || { say "no distc binary at $distc (cargo build --release)"; exit 1; }
+mkdir -p "$out"
+# gpt.dsl reads Penn Treebank as token ids: made once by scripts/ptb-tokens.py.
+data_for() {
+  case "$1" in
+    *gpt.dsl)
+      [ -d "$out/gpt-data/ptb-tokens" ] ||
+        python3 scripts/ptb-tokens.py "${DISTC_DATA:?gpt.dsl needs DISTC_DATA}/ptb" \
+          "$out/gpt-data/ptb-tokens" >/dev/null
+      echo "$out/gpt-data" ;;
+    *) echo "${DISTC_DATA:-}" ;;
+  esac
+}
+
+for model in $models; do
+  name=$(basename "$model" .dsl)
+  data=()
+  dir=$(data_for "$model")
+  [ -n "$dir" ] && data=(--data "$dir")
+  for n in $workers; do
+    tag="$name-$n"
+    "$distc" compile "$model" --strategy auto --workers "$n" "${data[@]}" \
+      -o "$out/$tag.auto.json" 2> "$out/$tag.search.txt" >/dev/null
+    "$distc" explain "$out/$tag.auto.json" --format json > "$out/$tag.search.json"
+    # One line a priced candidate: index, label, flags, predicted step, memory.
+    python3 - "$out/$tag.search.json" > "$out/$tag.candidates.txt" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))["search"]
+for i, c in enumerate(s["candidates"]):
+    v = c["verdict"].get("priced")
+    if not v:
+        continue
+    d, t, p = c["data"], c["model"], c["pipe"]
+    flags = ["--mesh", f"data={d},model={t},pipe={p}", "--batch", str(c["batch"])]
+    flags += ["--strategy", "allreduce" if d > 1 else "single"]
+    if p > 1:
+        flags += ["--micro-batches", str(c["micro_batches"])]
+    if c["zero"]:
+        flags += ["--zero", str(c["zero"])]
+    if c["remat"]:
+        flags += ["--remat", "layers"]
+    label = f"data={d},model={t},pipe={p}" + (f",micro={c['micro_batches']}" if p > 1 else "") \
+        + (f",zero={c['zero']}" if c["zero"] else "") + (",remat" if c["remat"] else "")
+    print(i, label, v["step"], v["memory_per_worker"], " ".join(flags), sep="\t")
+PY
+    global=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['search']['global_batch'])" "$out/$tag.search.json")
+    chosen=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['search']['chosen'])" "$out/$tag.search.json")
+    : > "$out/$tag.measured.txt"
+    while IFS=$'\t' read -r idx label predicted memory flags; do
+      plan="$out/$tag.$idx.json"
+      # shellcheck disable=SC2086
+      if ! "$distc" compile "$model" $flags "${data[@]}" -o "$plan" >/dev/null 2>&1; then
+        say "$tag $label: does not compile with its own flags"
+        continue
+      fi
+      "$distc" run "$plan" --steps $((warmup + steps)) -q "${data[@]}" \
+        --metrics "$out/$tag.$idx.jsonl" >/dev/null
+      python3 - "$out/$tag.$idx.jsonl" "$warmup" "$global" "$idx" "$label" "$predicted" "$memory" \
+        >> "$out/$tag.measured.txt" <<'PY'
+import json, statistics, sys
+path, warmup, g, idx, label, predicted, memory = sys.argv[1:8]
+lines = [json.loads(l) for l in open(path)][int(warmup):]
+rate = statistics.median(l["samples_per_sec"] for l in lines)
+m = lines[-1]["memory"]
+held = sum(m[k] for k in ("params", "gradients", "optimizer", "activations", "comm_buffers"))
+print(idx, label, float(predicted), int(g) / rate, int(memory), held, sep="\t")
+PY
+    done < "$out/$tag.candidates.txt"
+    python3 - "$out/$tag.measured.txt" "$chosen" "$tag" <<'PY'
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+chosen, tag = sys.argv[2], sys.argv[3]
+print(f"\n{tag}: {len(rows)} layouts priced and measured")
+print(f"{'':2}{'layout':<34} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
+errs, merrs = [], []
+for idx, label, p, m, pm, mm in rows:
+    p, m, pm, mm = float(p) * 1e3, float(m) * 1e3, int(pm) / 2**20, int(mm) / 2**20
+    e, me = (p - m) / m, (pm - mm) / mm
+    errs.append(abs(e)); merrs.append(abs(me))
+    mark = "*" if idx == chosen else " "
+    print(f"{mark} {label:<34} {p:9.2f} {m:9.2f} {100*e:6.1f}% {pm:9.2f} {mm:9.2f} {100*me:6.1f}%")
+fastest = min(float(r[3]) for r in rows)
+pick = [float(r[3]) for r in rows if r[0] == chosen]
+if pick:
+    print(f"pick's measured step: {100 * (pick[0] / fastest - 1):.1f}% above the fastest measured")
+print(f"median |error|: step {100 * statistics.median(errs):.1f}%, memory {100 * statistics.median(merrs):.1f}%")
+PY
+  done
+done
+say "searches, plans and metrics in $out"
