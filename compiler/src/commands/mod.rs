@@ -92,7 +92,9 @@ pub fn compile_plan(
         let plan = Plan::new(&c, &source, &strategy_config(compile));
         return Ok((c, plan));
     }
-    let budget = compile.memory_per_worker.map(|mib| (mib * 1048576.0) as u128);
+    let budget = compile
+        .memory_per_worker
+        .map(|mib| (mib * 1048576.0) as u128);
     let (c, settings, search) = crate::planner::search(
         file,
         &compile_opts(compile, data),

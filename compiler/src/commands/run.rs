@@ -5,9 +5,7 @@
 //! options and reports what the run did: metrics file, progress bar, `--save`, trace,
 //! summary, profile, and what a Ctrl-C left on disk.
 
-use crate::cli::{
-    check_strategy_flags, compile_opts, CompileArgs, Device, RunArgs, Transport,
-};
+use crate::cli::{check_strategy_flags, compile_opts, CompileArgs, Device, RunArgs, Transport};
 use crate::commands::compile_or_report;
 use crate::console::{err, out};
 use crate::verify::VerifyOptions;
