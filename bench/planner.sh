@@ -11,7 +11,8 @@
 # Per candidate: the predicted step (ms) and the measured one (the global batch over
 # the median samples/s of the metrics lines after the warm-up), and the predicted
 # memory per worker beside the measured one (worker 0's variables, gradients, optimizer
-# state, peak activations and buffers, as the metrics count them). Then, per model and
+# state, peak activations and buffers, as the metrics count them; a pipeline's metrics
+# sum its stages, so its memory is not compared). Then, per model and
 # N: how far the pick's measured step is from the fastest measured, and the median
 # prediction errors.
 #
@@ -105,15 +106,23 @@ print(f"{'':2}{'layout':<34} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'pred M
 errs, merrs = [], []
 for idx, label, p, m, pm, mm in rows:
     p, m, pm, mm = float(p) * 1e3, float(m) * 1e3, int(pm) / 2**20, int(mm) / 2**20
-    e, me = (p - m) / m, (pm - mm) / mm
-    errs.append(abs(e)); merrs.append(abs(me))
+    e = (p - m) / m
+    errs.append(abs(e))
     mark = "*" if idx == chosen else " "
-    print(f"{mark} {label:<34} {p:9.2f} {m:9.2f} {100*e:6.1f}% {pm:9.2f} {mm:9.2f} {100*me:6.1f}%")
+    if ",pipe=1" in label:
+        me = (pm - mm) / mm
+        merrs.append(abs(me))
+        mem = f"{mm:9.2f} {100*me:6.1f}%"
+    else:
+        # A pipeline's metrics sum its stages; the prediction is its largest stage.
+        mem = f"{'-':>9} {'-':>7}"
+    print(f"{mark} {label:<34} {p:9.2f} {m:9.2f} {100*e:6.1f}% {pm:9.2f} {mem}")
 fastest = min(float(r[3]) for r in rows)
 pick = [float(r[3]) for r in rows if r[0] == chosen]
 if pick:
     print(f"pick's measured step: {100 * (pick[0] / fastest - 1):.1f}% above the fastest measured")
-print(f"median |error|: step {100 * statistics.median(errs):.1f}%, memory {100 * statistics.median(merrs):.1f}%")
+mem = f"{100 * statistics.median(merrs):.1f}% (no pipeline)" if merrs else "-"
+print(f"median |error|: step {100 * statistics.median(errs):.1f}%, memory {mem}")
 PY
   done
 done

@@ -1,5 +1,6 @@
 //! End-to-end tests live in tests/; this is what they share.
 
+use distc_runtime::run::metrics::StepMetrics;
 use std::path::{Path, PathBuf};
 
 /// Every example model, each of which the memory, ZeRO, accumulation and remat tests
@@ -81,4 +82,72 @@ pub fn optimizer_plan(
         .collect();
     let copies = weight_copies(g).into_values().collect();
     optimizer_kernels(spec, &[], &params, &copies, 1.0).expect("optimizer kernels")
+}
+
+/// A model whose loss is 1000 times a cross-entropy, trained by `optimizer` for 12
+/// steps: its fp16 gradients overflow at the first loss scales, so the scale comes
+/// down over about 8 skipped steps, then steps update.
+pub fn fp16_overflowing_model(optimizer: &str) -> String {
+    format!(
+        "model big {{\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+         param w1: f32[8, 16] = glorot\n  param w2: f32[16, 4] = glorot\n  \
+         minimize 1000.0 * softmax_cross_entropy(relu(x @ w1) @ w2, label)\n}}\n\
+         train {{\n  data = gaussian_classes(features = 8, classes = 4)\n  \
+         batch = 16\n  optimizer = {optimizer}\n  steps = 12\n  seed = 7\n}}\n"
+    )
+}
+
+/// fp16 steps replayed from a CUDA graph against the same steps run eagerly and on the
+/// CPU, each as `(report, every step's metrics)`: steps 3 on are replays, the
+/// replays both skip and update, every step's skipped count is eager's and the CPU's,
+/// its loss scale and loss eager's, and the final weights eager's, bit for bit.
+pub fn assert_fp16_replays_match(
+    what: &str,
+    graphs: &(distc_runtime::run::train::TrainReport, Vec<StepMetrics>),
+    eager: &(distc_runtime::run::train::TrainReport, Vec<StepMetrics>),
+    cpu: &[StepMetrics],
+) {
+    let ((got, gm), (want, wm)) = (graphs, eager);
+    let steps = gm.len();
+    let replayed: Vec<usize> = gm.iter().filter(|m| m.cuda_graph).map(|m| m.step).collect();
+    assert_eq!(
+        replayed,
+        (3..=steps).collect::<Vec<_>>(),
+        "{what}: replayed steps"
+    );
+    assert!(
+        wm.iter().all(|m| !m.cuda_graph),
+        "{what}: an eager step replayed"
+    );
+    let skipped = |m: &[StepMetrics]| m.iter().map(|m| m.skipped_steps).collect::<Vec<_>>();
+    let (at_capture, at_end) = (gm[2].skipped_steps, gm[steps - 1].skipped_steps);
+    assert!(
+        at_capture.is_some_and(|a| a >= 3) && at_end > at_capture && at_end < Some(steps),
+        "{what}: replays should both skip and update: skipped {:?}",
+        skipped(gm)
+    );
+    assert_eq!(
+        skipped(gm),
+        skipped(wm),
+        "{what}: skipped, graphs against eager"
+    );
+    assert_eq!(
+        skipped(gm),
+        skipped(cpu),
+        "{what}: skipped, graphs against the CPU"
+    );
+    let scales = |m: &[StepMetrics]| m.iter().map(|m| m.loss_scale).collect::<Vec<_>>();
+    assert_eq!(scales(gm), scales(wm), "{what}: loss scales");
+    let losses = |m: &[StepMetrics]| m.iter().map(|m| m.loss).collect::<Vec<_>>();
+    assert_eq!(
+        losses(gm),
+        losses(wm),
+        "{what}: losses, graphs against eager"
+    );
+    for (var, w) in &want.params {
+        assert!(
+            got.params.get(var) == Some(w),
+            "{what}: `{var}` differs between graphs and eager steps"
+        );
+    }
 }

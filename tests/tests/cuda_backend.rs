@@ -232,11 +232,7 @@ fn sixteen_bit_plans_on_cuda_train_what_the_cpu_trains() {
 #[test]
 fn fp16_steps_in_a_cuda_graph_unscale_and_skip_on_the_device() {
     use distc_passes::placement::{Precision, StrategyConfig};
-    let src = "model big {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
-               param w1: f32[8, 16] = glorot\n  param w2: f32[16, 4] = glorot\n  \
-               minimize 1000.0 * softmax_cross_entropy(relu(x @ w1) @ w2, label)\n}\n\
-               train {\n  data = gaussian_classes(features = 8, classes = 4)\n  \
-               batch = 16\n  optimizer = adam(lr = 0.0005)\n  steps = 12\n  seed = 7\n}\n";
+    let src = distc_tests::fp16_overflowing_model("adam(lr = 0.0005)");
     let copts = CompileOptions {
         strategy: StrategyConfig {
             precision: Precision::Fp16,
@@ -244,7 +240,7 @@ fn fp16_steps_in_a_cuda_graph_unscale_and_skip_on_the_device() {
         },
         ..Default::default()
     };
-    let c = distc::compile("big.dsl", src, &copts).unwrap_or_else(|e| panic!("{e}"));
+    let c = distc::compile("big.dsl", &src, &copts).unwrap_or_else(|e| panic!("{e}"));
     let steps = 12;
     let Some((_, cpu)) = train_plan(&c, steps, None) else {
         return;
@@ -258,44 +254,16 @@ fn fp16_steps_in_a_cuda_graph_unscale_and_skip_on_the_device() {
         tf32: false,
         ..Default::default()
     };
-    let Some((want, wm)) = train_plan(&c, steps, Some(eager)) else {
+    let Some(eager) = train_plan(&c, steps, Some(eager)) else {
         return;
     };
-    let Some((got, gm)) = train_plan(&c, steps, Some(graphs)) else {
+    let Some(graphs) = train_plan(&c, steps, Some(graphs)) else {
         return;
     };
-    let replayed: Vec<usize> = gm.iter().filter(|m| m.cuda_graph).map(|m| m.step).collect();
-    assert_eq!(replayed, (3..=steps).collect::<Vec<_>>(), "replayed steps");
-    assert!(wm.iter().all(|m| !m.cuda_graph));
-    let skipped = |m: &[StepMetrics]| m.iter().map(|m| m.skipped_steps).collect::<Vec<_>>();
-    let at_capture = gm[2].skipped_steps.unwrap_or(0);
-    let at_end = gm[steps - 1].skipped_steps.unwrap_or(0);
-    assert!(
-        at_capture >= 3 && at_end > at_capture && at_end < steps,
-        "replays should both skip and update: skipped {:?}",
-        skipped(&gm)
-    );
-    assert_eq!(
-        skipped(&gm),
-        skipped(&wm),
-        "skipped steps, graphs against eager"
-    );
-    assert_eq!(
-        skipped(&gm),
-        skipped(&cpu),
-        "skipped steps, graphs against the CPU"
-    );
+    distc_tests::assert_fp16_replays_match("one device", &graphs, &eager, &cpu);
+    // And the CPU's loss scales.
     let scales = |m: &[StepMetrics]| m.iter().map(|m| m.loss_scale).collect::<Vec<_>>();
-    assert_eq!(scales(&gm), scales(&wm));
-    assert_eq!(scales(&gm), scales(&cpu));
-    let losses = |m: &[StepMetrics]| m.iter().map(|m| m.loss).collect::<Vec<_>>();
-    assert_eq!(losses(&gm), losses(&wm), "losses, graphs against eager");
-    for (var, w) in &want.params {
-        assert!(
-            got.params.get(var) == Some(w),
-            "`{var}` differs between graphs and eager steps"
-        );
-    }
+    assert_eq!(scales(&graphs.1), scales(&cpu));
 }
 
 /// Steps of the graph tests: two eager warm-up steps, the step captured into a CUDA

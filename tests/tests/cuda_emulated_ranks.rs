@@ -245,12 +245,7 @@ fn model_and_data_axes_on_nccl() {
 #[test]
 fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
     use distc_runtime::run::metrics::StepMetrics;
-    let src = "model big {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
-               param w1: f32[8, 16] = glorot\n  param w2: f32[16, 4] = glorot\n  \
-               minimize 1000.0 * softmax_cross_entropy(relu(x @ w1) @ w2, label)\n}\n\
-               train {\n  data = gaussian_classes(features = 8, classes = 4)\n  \
-               batch = 16\n  optimizer = sgd(lr = 0.0005, momentum = 0.9)\n  steps = 12\n  \
-               seed = 7\n}\n";
+    let src = distc_tests::fp16_overflowing_model("sgd(lr = 0.0005, momentum = 0.9)");
     let steps = 12;
     for (what, strategy) in [
         (
@@ -277,7 +272,7 @@ fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
         let n = strategy.workers;
         let c = distc::compile(
             "big.dsl",
-            src,
+            &src,
             &CompileOptions {
                 strategy,
                 ..Default::default()
@@ -317,38 +312,6 @@ fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
             (report, metrics)
         };
         let (_, cpu) = run(None);
-        let (want, wm) = run(Some(false));
-        let (got, gm) = run(Some(true));
-        let replayed: Vec<usize> = gm.iter().filter(|m| m.cuda_graph).map(|m| m.step).collect();
-        assert_eq!(
-            replayed,
-            (3..=steps).collect::<Vec<_>>(),
-            "{what}: replayed steps"
-        );
-        let skipped = |m: &[StepMetrics]| m.iter().map(|m| m.skipped_steps).collect::<Vec<_>>();
-        let (at_capture, at_end) = (gm[2].skipped_steps, gm[steps - 1].skipped_steps);
-        assert!(
-            at_capture.is_some_and(|a| a >= 3) && at_end > at_capture,
-            "{what}: replays should skip: {:?}",
-            skipped(&gm)
-        );
-        assert_eq!(skipped(&gm), skipped(&wm), "{what}: graphs against eager");
-        assert_eq!(
-            skipped(&gm),
-            skipped(&cpu),
-            "{what}: graphs against the CPU"
-        );
-        let losses = |m: &[StepMetrics]| m.iter().map(|m| m.loss).collect::<Vec<_>>();
-        assert_eq!(
-            losses(&gm),
-            losses(&wm),
-            "{what}: losses, graphs against eager"
-        );
-        for (var, w) in &want.params {
-            assert!(
-                got.params.get(var) == Some(w),
-                "{what}: `{var}` differs between graphs and eager steps"
-            );
-        }
+        distc_tests::assert_fp16_replays_match(what, &run(Some(true)), &run(Some(false)), &cpu);
     }
 }
