@@ -174,3 +174,62 @@ fn every_strategy_for_every_example() {
         );
     }
 }
+
+/// Issue 39, item 2: the layout search on every example at N = 2 (`--strategy auto
+/// --workers 2`, no servers): every mesh of 2 is tried, each candidate is priced or
+/// rejected with a reason, and the pick is the fastest priced; its plan is the one
+/// compiled. The search's time (a profiling run of 2 steps included) is printed.
+#[test]
+fn the_layout_search_picks_a_layout_for_every_example() {
+    use distc::planner::{search, Verdict};
+    use distc_runtime::run::data::data_dir;
+    for name in distc_tests::EXAMPLES {
+        let path = distc_tests::example(name);
+        let c = compile_file(&path, &CompileOptions::default()).expect("compiles");
+        if c.config.data.needs_files() && data_dir(None).is_none() {
+            println!("skipping {name}: DISTC_DATA not set");
+            continue;
+        }
+        let opts = CompileOptions {
+            data_dir: data_dir(None),
+            strategy: StrategyConfig {
+                strategy: Strategy::Auto,
+                workers: 2,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let (compiled, settings, s) =
+            search(&path, &opts, 2, None, None, 2).unwrap_or_else(|e| panic!("{name}: {e}"));
+        println!("{name}: {}", s.render(3));
+        for mesh in [(2, 1, 1), (1, 2, 1), (1, 1, 2)] {
+            assert!(
+                s.candidates
+                    .iter()
+                    .any(|c| (c.data, c.model, c.pipe) == mesh),
+                "{name}: no candidate {mesh:?}"
+            );
+        }
+        let rate = |v: &Verdict| match v {
+            Verdict::Priced {
+                samples_per_sec, ..
+            } => Some(*samples_per_sec),
+            _ => None,
+        };
+        let chosen = &s.candidates[s.chosen];
+        let best =
+            rate(&chosen.verdict).unwrap_or_else(|| panic!("{name}: the pick is not priced"));
+        assert!(
+            s.candidates
+                .iter()
+                .filter_map(|c| rate(&c.verdict))
+                .all(|r| r <= best),
+            "{name}: a faster candidate than the pick"
+        );
+        assert_eq!(
+            (settings.model, settings.pipeline, compiled.config.batch),
+            (chosen.model, chosen.pipe, chosen.batch),
+            "{name}: the plan is not the pick's"
+        );
+    }
+}
