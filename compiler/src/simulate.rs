@@ -471,6 +471,18 @@ impl ComputeProfile {
     }
 }
 
+impl ComputeProfile {
+    /// One device's step of `single` (its ops, then the optimizer), from this profile.
+    fn one_device_step(&self, single: &Graph) -> f64 {
+        single
+            .topo_order()
+            .into_iter()
+            .map(|id| self.op_seconds(single, id).0)
+            .sum::<f64>()
+            + self.optimizer_per_byte * applied_bytes(single)
+    }
+}
+
 /// The links a simulation uses: within a node, and between nodes (or between any two
 /// workers when the plan has no nodes).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -752,12 +764,7 @@ pub fn simulate_pipeline(
                 tail.push(id);
             } else if !op.is_communication() {
                 let (t, how) = profile.op_seconds(g, id);
-                match how {
-                    "measured" => counts.0 += 1,
-                    "scaled" => counts.1 += 1,
-                    "copy" => counts.2 += 1,
-                    _ => {}
-                }
+                tally(&mut counts, how);
                 compute += t;
             }
         }
@@ -855,12 +862,7 @@ pub fn simulate_pipeline(
     // What the worker waited beyond its computing that the bubble does not explain.
     let idle = sched.makespan - m * (forward[c] + backward[c]);
     let exposed = (step - compute - idle).clamp(0.0, comm);
-    let single_step = single
-        .topo_order()
-        .into_iter()
-        .map(|id| profile.op_seconds(single, id).0)
-        .sum::<f64>()
-        + profile.optimizer_per_byte * applied_bytes(single);
+    let single_step = profile.one_device_step(single);
     Ok(Simulation {
         workers: cfg.workers,
         servers: 0,
@@ -877,7 +879,7 @@ pub fn simulate_pipeline(
             1.0
         },
         single_step,
-        scaling_efficiency: 1.0,
+        scaling_efficiency: scaling_efficiency(single_step, step, cfg, pp.micro_batches),
         memory_per_worker,
         op_times: counts,
         comms,
@@ -893,8 +895,7 @@ pub fn simulate_pipeline(
             bubble: sched.bubble,
             ideal_bubble: schedule::predicted_bubble(stages, pp.micro_batches),
         }),
-    }
-    .per_worker(cfg, pp.micro_batches))
+    })
 }
 
 /// Ops a worker's thread waits for itself: a pull answers before the program goes on.
@@ -954,12 +955,7 @@ pub fn simulate(
             });
         } else {
             let (t, how) = profile.op_seconds(g, id);
-            match how {
-                "measured" => counts.0 += 1,
-                "scaled" => counts.1 += 1,
-                "copy" => counts.2 += 1,
-                _ => {}
-            }
+            tally(&mut counts, how);
             if ready > clock {
                 waited += ready - clock;
                 clock = ready;
@@ -974,12 +970,7 @@ pub fn simulate(
     waited += end - clock;
     let optimizer = profile.optimizer_per_byte * applied_bytes(g);
     let step = end + optimizer;
-    let single_step = single
-        .topo_order()
-        .into_iter()
-        .map(|id| profile.op_seconds(single, id).0)
-        .sum::<f64>()
-        + profile.optimizer_per_byte * applied_bytes(single);
+    let single_step = profile.one_device_step(single);
     let server_comm = comms
         .iter()
         .filter(|c| c.how == "servers")
@@ -997,27 +988,33 @@ pub fn simulate(
         exposed_comm: waited,
         overlap: if comm > 0.0 { 1.0 - waited / comm } else { 1.0 },
         single_step,
-        scaling_efficiency: if step > 0.0 { single_step / step } else { 1.0 },
+        scaling_efficiency: scaling_efficiency(single_step, step, cfg, 1),
         memory_per_worker,
         op_times: counts,
         comms,
         pipeline: None,
     }
-    .per_worker(cfg, 1)
 }
 
-impl Simulation {
-    /// The scaling efficiency per worker: a step does `micro` one-device batches of
-    /// work for its T x P workers of a replica (T model ranks share a batch, P stages
-    /// a micro-batch), against one device's step.
-    fn per_worker(mut self, cfg: &StrategyConfig, micro: usize) -> Simulation {
-        let share = (cfg.model.max(1) * cfg.pipeline.max(1)) as f64;
-        self.scaling_efficiency = if self.step > 0.0 {
-            self.single_step * micro as f64 / (share * self.step)
-        } else {
-            1.0
-        };
-        self
+/// The scaling efficiency per worker: a step does `micro` one-device batches of work
+/// for its T x P workers of a replica (T model ranks share a batch, P stages a
+/// micro-batch), against one device's step.
+fn scaling_efficiency(single_step: f64, step: f64, cfg: &StrategyConfig, micro: usize) -> f64 {
+    let share = (cfg.model.max(1) * cfg.pipeline.max(1)) as f64;
+    if step > 0.0 {
+        single_step * micro as f64 / (share * step)
+    } else {
+        1.0
+    }
+}
+
+/// Counts an op's time by where it came from: (measured, scaled, priced as a copy).
+fn tally(counts: &mut (usize, usize, usize), how: &str) {
+    match how {
+        "measured" => counts.0 += 1,
+        "scaled" => counts.1 += 1,
+        "copy" => counts.2 += 1,
+        _ => {}
     }
 }
 
