@@ -495,7 +495,8 @@ fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does
             },
             |site: distc_runtime::run::train::Site<'_>,
              links: distc_runtime::run::train::Links<'_>| {
-                let (rank, host) = (site.worker, links.data);
+                let rank = site.worker;
+                let host = links.data.expect("a data-parallel worker's link");
                 // The bootstrap: rank 0's token to everyone over the host communicator.
                 let mut token = if rank == 0 {
                     b"own-comm".to_vec()

@@ -315,3 +315,114 @@ fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
         distc_tests::assert_fp16_replays_match(what, &run(Some(true)), &run(Some(false)), &cpu);
     }
 }
+
+/// A pipeline's messages device to device (issue 38, item 1): each stage's activations
+/// and gradients go to its neighbour by NCCL's send and receive on emulated devices,
+/// the stash stays on the stage's own device. Three stages under 1F1B (the middle one
+/// both receives and sends either way), and two stages of a data 2 x model 2 mesh
+/// under GPipe. The messages are the host path's bytes: losses and weights equal a
+/// run whose messages go through the host, bitwise, and the CPU's within rounding;
+/// the metrics say which path each stage took.
+#[test]
+fn pipeline_messages_go_device_to_device_on_nccl() {
+    use distc_ir::pipeline::schedule::ScheduleKind;
+    use distc_runtime::run::metrics::StepMetrics;
+    for (data, model, pipe, micro, schedule) in [
+        (1, 1, 3, 4, ScheduleKind::OneFOneB),
+        (2, 2, 2, 2, ScheduleKind::GPipe),
+    ] {
+        let what = format!("data {data} x model {model} x pipe {pipe}, {micro} micro-batches");
+        // One replica of a pipeline under `single` is one worker (as `--mesh` makes it).
+        let workers = if data * model == 1 {
+            1
+        } else {
+            data * model * pipe
+        };
+        let strategy = StrategyConfig {
+            strategy: if data > 1 {
+                Strategy::Allreduce
+            } else {
+                Strategy::Single
+            },
+            workers,
+            model,
+            pipeline: pipe,
+            micro_batches: micro,
+            schedule,
+            ..Default::default()
+        };
+        let c = compile_file(
+            &example("dense_mlp.dsl"),
+            &CompileOptions {
+                strategy,
+                batch: Some(16),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let opts = TrainOptions {
+            steps: Some(STEPS),
+            ..Default::default()
+        };
+        let run = |collectives: Collectives| {
+            let mut metrics: Vec<StepMetrics> = Vec::new();
+            let o = CudaOptions {
+                tf32: false,
+                graphs: true,
+                emulator: true,
+            };
+            let report = train_with(
+                c.programs(workers),
+                &c.config,
+                &opts,
+                &mut |m| {
+                    metrics.push(m.clone());
+                    Ok(())
+                },
+                |site, links| worker_backend(site.program, o, site.worker, collectives, links),
+            )
+            .unwrap_or_else(|e| panic!("{what}, {collectives:?}: {e}"));
+            (report, metrics)
+        };
+        let (device, device_steps) = run(Collectives::Nccl);
+        let (host, host_steps) = run(Collectives::Host);
+        for (steps, on_device) in [(&device_steps, true), (&host_steps, false)] {
+            assert_eq!(steps.len(), STEPS, "{what}");
+            for m in steps.iter() {
+                let p = m.pipeline.as_ref().expect("a pipelined step's metrics");
+                assert_eq!(p.stages.len(), pipe, "{what}");
+                for (s, st) in p.stages.iter().enumerate() {
+                    assert_eq!(st.messages_on_device, on_device, "{what}: stage {s}");
+                    assert!(st.bytes_sent > 0, "{what}: stage {s} sent nothing");
+                }
+            }
+        }
+        let losses = |m: &[StepMetrics]| m.iter().map(|m| m.loss).collect::<Vec<_>>();
+        assert_eq!(losses(&device_steps), losses(&host_steps), "{what}: losses");
+        // And both are the CPU's: a stash or message read after the next run
+        // overwrote it would change both alike.
+        let cpu = train(c.programs(workers), &c.config, &opts, &mut |_| Ok(()))
+            .unwrap_or_else(|e| panic!("{what} on the CPU: {e}"));
+        for (var, w) in &cpu.params {
+            let (g, w) = (device.params[var].to_f64_vec(), w.to_f64_vec());
+            let scale = w.iter().fold(1e-6f64, |m, x| m.max(x.abs()));
+            let worst = g
+                .iter()
+                .zip(&w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                worst <= 1e-5 * scale,
+                "{what}: `{var}` {worst:.2e} off the CPU's"
+            );
+        }
+        for (var, w) in &host.params {
+            let got = device
+                .params
+                .get(var)
+                .unwrap_or_else(|| panic!("{what}: no `{var}`"));
+            assert_eq!(got.to_f64_vec(), w.to_f64_vec(), "{what}: `{var}`");
+        }
+        println!("{what}: losses {:?}", losses(&device_steps));
+    }
+}

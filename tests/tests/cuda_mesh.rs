@@ -3,8 +3,9 @@
 //! tests/tests/pipeline.rs) trains the same weights with each worker on a GPU,
 //! against one device on the GPU. 2, 4 and 8 ranks: the model-axis ops' kernels
 //! (`model_split`, the vocabulary-parallel lookup and its gradient), a stage's forward
-//! beside its backward on one device, the data axis on emulated NCCL, the model axis
-//! and the messages between stages through the host. Needs a GPU, or the GPU emulator
+//! beside its backward on one device, the data axis, the model axis (a stage's
+//! forward's through the host) and the messages between stages on emulated NCCL.
+//! Needs a GPU, or the GPU emulator
 //! (`DISTC_CUDA_EMULATOR=1`, as CI runs it); without either each test says why it
 //! skips.
 

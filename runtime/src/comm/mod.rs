@@ -75,19 +75,25 @@ pub trait Communicator: Send {
 }
 
 /// The host communicators a backend is made with, to bootstrap its own over them: the
-/// worker's link on the data axis (a pipeline stage's to its replicas, or to its
-/// stages where it has no replicas), and on the model axis where the mesh has one.
+/// worker's link on the data axis (a pipeline stage's to its replicas), on the model
+/// axis where the mesh has one, and among a pipeline's stages (rank = stage).
 pub struct Links<'c> {
-    /// The data axis's.
-    pub data: &'c mut dyn Communicator,
+    /// The data axis's (none for a pipeline stage without replicas).
+    pub data: Option<&'c mut dyn Communicator>,
     /// The model axis's.
     pub model: Option<&'c mut dyn Communicator>,
+    /// The pipeline axis's: the stages of the worker's replica.
+    pub stages: Option<&'c mut dyn Communicator>,
 }
 
 impl<'c> Links<'c> {
     /// The data axis's link alone.
     pub fn data(data: &'c mut dyn Communicator) -> Links<'c> {
-        Links { data, model: None }
+        Links {
+            data: Some(data),
+            model: None,
+            stages: None,
+        }
     }
 }
 

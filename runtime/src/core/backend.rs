@@ -407,6 +407,37 @@ pub trait DeviceCollectives: Device {
     fn collective_bytes(&self) -> ByteCount {
         ByteCount::default()
     }
+    /// Whether a pipeline stage's messages go device to device, on the backend's own
+    /// communicator among the stages ([`DeviceCollectives::send_message`]); else the
+    /// stage sends them through the host.
+    fn sends_messages(&self) -> bool {
+        false
+    }
+    /// Sends `values`, in this order, to stage `to` (one message), after the work
+    /// issued so far: the values may be overwritten once the call returns.
+    fn send_message(&mut self, to: usize, _values: &[&Self::Value]) -> Result<(), KernelError> {
+        Err(KernelError::Invalid(format!(
+            "this backend sends no messages to stage {to} itself"
+        )))
+    }
+    /// Receives one message from stage `from`: values of the types `into` gives, in
+    /// that order, each into the buffer named beside its type. A buffer is reused by
+    /// the next message received under its name, so a name is per micro-batch.
+    fn recv_message(
+        &mut self,
+        from: usize,
+        _into: &[(String, TensorType)],
+    ) -> Result<Vec<Self::Value>, KernelError> {
+        Err(KernelError::Invalid(format!(
+            "this backend receives no messages from stage {from} itself"
+        )))
+    }
+    /// `v`, kept beyond the run that computed it under the buffer name `name` (a
+    /// stage's stash, read by a later run): the value itself where the backend owns
+    /// its values, a copy where the next run reuses their memory.
+    fn keep(&mut self, _name: &str, v: Self::Value) -> Result<Self::Value, KernelError> {
+        Ok(v)
+    }
 }
 
 /// A device that runs a plan: every family. Implemented for whatever has them all.

@@ -24,6 +24,16 @@ use distc_ir::{Graph, NodeId, Op, TensorType, ValueType, LOSS_SCALE};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+/// A value one pipeline stage hands another (or its own backward, the stash): on the
+/// host (decoded from the stages' communicator), or already on the receiving device
+/// (sent device to device, or kept there by the stage itself).
+pub enum Message<V> {
+    /// A host value, copied into the `recv`'s planned buffer.
+    Host(Value),
+    /// A device value, read where it lies.
+    Device(V),
+}
+
 /// A collective started on a communication thread: its value, when it is needed.
 pub trait Pending: Send {
     /// Blocks until the collective is done.
@@ -191,14 +201,14 @@ impl<B: Backend> Executor<B> {
     }
 
     /// [`Executor::run_with`] for a pipeline stage's program: each `recv` takes the
-    /// value of its tag out of `received` (host values: a device backend copies each
-    /// into its `recv`'s planned buffer, so a step allocates nothing), and each `send`'s
-    /// value is handed back in [`StepOutputs::sent`].
+    /// value of its tag out of `received` (a host value a device backend copies into
+    /// its `recv`'s planned buffer, so a step allocates nothing; a device value as it
+    /// is), and each `send`'s value is handed back in [`StepOutputs::sent`].
     pub fn run_stage<'h>(
         &mut self,
         feeds: &HashMap<String, B::Tensor>,
         params: &HashMap<String, B::Tensor>,
-        received: &mut HashMap<String, Value>,
+        received: &mut HashMap<String, Message<B::Value>>,
         mode: Mode,
         step: u64,
         mut comm: Option<&mut (dyn CommHook + 'h)>,
@@ -272,7 +282,10 @@ impl<B: Backend> Executor<B> {
                             "stage {stage} sent nothing named `{tag}` for this micro-batch"
                         ))
                     })?;
-                    let got = v.value_type();
+                    let got = match &v {
+                        Message::Host(v) => v.value_type(),
+                        Message::Device(v) => B::value_type(v),
+                    };
                     if !fits(&got, &ValueType::Tensor(ty.clone())) {
                         return Err(kernel_err(format!(
                             "stage {stage} sent `{tag}` as {got}, the graph says {ty}"
@@ -280,9 +293,12 @@ impl<B: Backend> Executor<B> {
                     }
                     if let (Some(&(slot, _)), Some(true)) = (node.outputs.first(), st.keep.first())
                     {
-                        let v = backend
-                            .from_host(Some((node.id, 0)), v)
-                            .map_err(backend_err)?;
+                        let v = match v {
+                            Message::Host(v) => backend
+                                .from_host(Some((node.id, 0)), v)
+                                .map_err(backend_err)?,
+                            Message::Device(v) => v,
+                        };
                         let bytes = B::value_bytes(&v);
                         held[slot] = (false, bytes);
                         tally.add(false, bytes);

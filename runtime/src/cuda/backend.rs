@@ -313,12 +313,18 @@ pub struct CudaBackend {
     /// The model axis's NCCL communicator, where the mesh has one and NCCL runs it:
     /// its all-reduces, and its gathers and reduce-scatters of contiguous parts.
     model_nccl: Option<Box<dyn DeviceComm>>,
+    /// A pipeline stage's NCCL communicator among the stages (rank = stage), for its
+    /// messages: point-to-point on the compute stream.
+    stage_nccl: Option<Box<dyn DeviceComm>>,
     funcs: HashMap<String, Kernel>,
     /// fp16's unscaling kernels and their overflow flag, when the graph scales its loss.
     unscale: Option<Unscale>,
     grad_norm: Option<GradNorm>,
     has_arena: bool,
     named: HashMap<(String, usize), Named>,
+    /// Buffers of received and kept stage messages, by name and bytes (no staging:
+    /// their bytes never cross the host).
+    messages: HashMap<(String, usize), u64>,
     /// The step counters' pinned copy (two u64) and the loss's (one f32).
     steps_host: HostBuf,
     /// Pinned slots a replayed step's loss is copied into, used in turn, so that
@@ -596,11 +602,13 @@ impl CudaBackend {
             nccl: None,
             in_flight: Vec::new(),
             model_nccl: None,
+            stage_nccl: None,
             funcs,
             unscale,
             grad_norm: None,
             has_arena: false,
             named: HashMap::new(),
+            messages: HashMap::new(),
             steps_host,
             loss_slots,
             checked: dev.checks_accesses(),
@@ -707,6 +715,32 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// [`CudaBackend::attach_nccl`] among a pipeline's stages: `rank` is the stage of
+    /// `size`. Its messages then go device to device
+    /// ([`DeviceCollectives::send_message`]).
+    pub fn attach_stage_nccl(
+        &mut self,
+        rank: usize,
+        size: usize,
+        id: [u8; 128],
+    ) -> Result<(), CudaError> {
+        self.stage_nccl = Some(self.join_nccl(rank, size, id)?);
+        Ok(())
+    }
+
+    /// The device buffer of `bytes` for the message `name` (allocated on first use).
+    fn message_buffer(&mut self, name: &str, bytes: usize) -> Result<u64, KernelError> {
+        let key = (name.to_string(), bytes);
+        if let Some(&ptr) = self.messages.get(&key) {
+            return Ok(ptr);
+        }
+        self.no_capture(&format!("allocating a buffer for `{name}`"))?;
+        let ptr = self.dev.alloc(bytes, false)?;
+        self.track(bytes);
+        self.messages.insert(key, ptr);
+        Ok(ptr)
+    }
+
     /// Joins the NCCL communicator `id` names, before the memory plan (which keeps a
     /// collective's input alive while NCCL reads it) is made.
     fn join_nccl(
@@ -753,9 +787,9 @@ impl CudaBackend {
         }
     }
 
-    /// Bytes both communicators have moved.
+    /// Bytes its communicators have moved.
     fn nccl_bytes(&self) -> ByteCount {
-        [&self.nccl, &self.model_nccl]
+        [&self.nccl, &self.model_nccl, &self.stage_nccl]
             .into_iter()
             .flatten()
             .map(|c| c.bytes())
@@ -2485,6 +2519,66 @@ impl DeviceCollectives for CudaBackend {
             ptr: out,
             ty: out_ty,
         }))
+    }
+
+    fn sends_messages(&self) -> bool {
+        self.stage_nccl.is_some()
+    }
+
+    /// Sent on the compute stream, so no event orders it: the values' producers ran
+    /// before it, and nothing after it overwrites them before the send has read them.
+    fn send_message(&mut self, to: usize, values: &[&DeviceValue]) -> Result<(), KernelError> {
+        self.no_capture("sending a message")?;
+        self.bind()?;
+        let ptrs: Vec<u64> = values.iter().map(|v| v.ptr).collect();
+        self.await_collectives(&ptrs)?;
+        let parts: Vec<(u64, usize)> = values
+            .iter()
+            .map(|v| (v.ptr, codegen::value_bytes(&v.ty)))
+            .collect();
+        let comm = self
+            .stage_nccl
+            .as_mut()
+            .ok_or_else(|| invalid("no NCCL communicator among the stages"))?;
+        Ok(comm.send(to, &parts)?)
+    }
+
+    fn recv_message(
+        &mut self,
+        from: usize,
+        into: &[(String, TensorType)],
+    ) -> Result<Vec<DeviceValue>, KernelError> {
+        self.no_capture("receiving a message")?;
+        self.bind()?;
+        let mut values = Vec::with_capacity(into.len());
+        let mut parts = Vec::with_capacity(into.len());
+        for (name, ty) in into {
+            let bytes = ty.bytes();
+            let ptr = self.message_buffer(name, bytes)?;
+            parts.push((ptr, bytes));
+            values.push(DeviceValue {
+                ptr,
+                ty: ValueType::Tensor(ty.clone()),
+            });
+        }
+        let comm = self
+            .stage_nccl
+            .as_mut()
+            .ok_or_else(|| invalid("no NCCL communicator among the stages"))?;
+        comm.recv(from, &parts)?;
+        Ok(values)
+    }
+
+    /// The arena's bytes are the next run's: a stash is copied out, on the stream.
+    fn keep(&mut self, name: &str, v: DeviceValue) -> Result<DeviceValue, KernelError> {
+        self.bind()?;
+        self.await_collectives(&[v.ptr])?;
+        let bytes = codegen::value_bytes(&v.ty);
+        let ptr = self.message_buffer(name, bytes)?;
+        if bytes > 0 {
+            self.dev.copy(ptr, v.ptr, bytes)?;
+        }
+        Ok(DeviceValue { ptr, ty: v.ty })
     }
 
     fn collective_bytes(&self) -> ByteCount {

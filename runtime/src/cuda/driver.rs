@@ -222,6 +222,13 @@ pub trait DeviceComm {
     fn order_after(&mut self, node: NodeId) -> Result<(), CudaError>;
     /// The bytes the collectives issued so far move.
     fn bytes(&self) -> ByteCount;
+    /// Sends the buffers `parts` (address, bytes), in order, to rank `peer` as one
+    /// group, on the compute stream: after the work issued there so far, and before
+    /// what is issued next. The peer receives them with [`DeviceComm::recv`].
+    fn send(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError>;
+    /// Receives into the buffers `parts`, in order, what rank `peer` sent as one
+    /// group, on the compute stream.
+    fn recv(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError>;
 }
 
 fn blas_err(call: &'static str) -> impl Fn(cublas_result::CublasError) -> CudaError {
@@ -753,5 +760,13 @@ impl DeviceComm for CudarcComm {
 
     fn bytes(&self) -> ByteCount {
         self.comm.bytes()
+    }
+
+    fn send(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
+        self.comm.point_to_point(peer, parts, true, &self.compute)
+    }
+
+    fn recv(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
+        self.comm.point_to_point(peer, parts, false, &self.compute)
     }
 }

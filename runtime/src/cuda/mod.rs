@@ -413,7 +413,8 @@ pub fn require_gpu(dirs: &LibDirs) -> Result<usize, CudaError> {
 }
 
 /// The backend of a worker of a distributed plan on GPU `ordinal`: a [`CudaBackend`]
-/// joined to an NCCL communicator per mesh axis whose collectives its program has,
+/// joined to an NCCL communicator per mesh axis whose collectives its program has
+/// (and, for a pipeline stage, one among the stages, for its messages),
 /// when `collectives` allows it ([`nccl::bootstrap`] over that axis's host link in
 /// `links`), else one whose collectives go through the host. Every worker calls it on
 /// its own thread.
@@ -435,8 +436,12 @@ pub fn worker_backend(
             op.is_collective() && op.is_model_collective() == model
         })
     };
-    let crate::comm::Links { data, model } = links;
-    if has(false) {
+    let crate::comm::Links {
+        data,
+        model,
+        stages,
+    } = links;
+    if let (true, Some(data)) = (has(false), data) {
         if let Some(id) = nccl_id(&backend, data, opts, collectives)? {
             backend.attach_nccl(data.rank(), data.size(), id)?;
         }
@@ -444,6 +449,13 @@ pub fn worker_backend(
     if let (true, Some(model)) = (has(true), model) {
         if let Some(id) = nccl_id(&backend, model, opts, collectives)? {
             backend.attach_model_nccl(model.rank(), model.size(), id)?;
+        }
+    }
+    // Every stage joins, whether or not this program of it sends: the bootstrap is a
+    // collective of the stages' link.
+    if let Some(stages) = stages.filter(|c| c.size() > 1) {
+        if let Some(id) = nccl_id(&backend, stages, opts, collectives)? {
+            backend.attach_stage_nccl(stages.rank(), stages.size(), id)?;
         }
     }
     Ok(backend)

@@ -439,6 +439,65 @@ impl NcclComm {
         Ok(p)
     }
 
+    /// Sends (`send`) or receives the buffers `parts` (address, bytes) to or from rank
+    /// `peer`, as one NCCL group on `stream` (the compute stream: a stage's messages
+    /// are ordered with its kernels, with no event between them). Rendezvous: the
+    /// stream goes on once the peer's matching group has run.
+    pub fn point_to_point(
+        &mut self,
+        peer: usize,
+        parts: &[(u64, usize)],
+        send: bool,
+        stream: &CudaStream,
+    ) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv_err("cuCtxSetCurrent"))?;
+        let to = i32::try_from(peer).map_err(|_| CudaError::Invalid("peer rank".into()))?;
+        let s = stream.cu_stream() as nccl_sys::cudaStream_t;
+        let bytes: usize = parts.iter().map(|p| p.1).sum();
+        nccl_result::group_start().map_err(nccl_err("ncclGroupStart"))?;
+        for &(ptr, len) in parts.iter().filter(|p| p.1 > 0) {
+            // SAFETY: `ptr` is a live device buffer of `len` bytes on this
+            // communicator's device; the peer posts the matching call with the same
+            // count (both sides derive the message from the plan's types).
+            #[allow(unsafe_code)]
+            let r = unsafe {
+                if send {
+                    nccl_result::send(
+                        ptr as *const _,
+                        len,
+                        nccl_sys::ncclDataType_t::ncclUint8,
+                        to,
+                        self.raw.0,
+                        s,
+                    )
+                } else {
+                    nccl_result::recv(
+                        ptr as *mut _,
+                        len,
+                        nccl_sys::ncclDataType_t::ncclUint8,
+                        to,
+                        self.raw.0,
+                        s,
+                    )
+                }
+            };
+            if let Err(e) = r {
+                // Close the group before reporting, so the communicator stays usable.
+                let _ = nccl_result::group_end();
+                return Err(nccl_err(if send { "ncclSend" } else { "ncclRecv" })(e));
+            }
+        }
+        nccl_result::group_end().map_err(nccl_err("ncclGroupEnd"))?;
+        if send {
+            self.count(bytes as u64, 0);
+        } else {
+            self.count(0, bytes as u64);
+        }
+        Ok(())
+    }
+
     fn count(&mut self, sent: u64, received: u64) {
         self.bytes.sent += sent;
         self.bytes.received += received;

@@ -99,6 +99,10 @@ pub struct StageStep {
     pub bytes_sent: u64,
     /// Bytes it received.
     pub bytes_received: u64,
+    /// Whether its messages to other stages went device to device (NCCL's send and
+    /// receive), not through the host.
+    #[serde(default)]
+    pub messages_on_device: bool,
 }
 
 /// One evaluation over the held-out data.

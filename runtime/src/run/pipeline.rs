@@ -25,7 +25,7 @@ use crate::core::backend::{backend_error, upload_all, upload_all_as, Backend, Op
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::exec::{CommHook, Executor, Pending};
+use crate::core::exec::{CommHook, Executor, Message, Pending};
 use crate::core::schedule::Mode;
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
@@ -72,6 +72,9 @@ pub(crate) struct StageReport {
     comm_wait_sec: f64,
     bytes_sent: u64,
     bytes_received: u64,
+    /// Whether its messages to other stages went device to device.
+    #[serde(default)]
+    messages_on_device: bool,
     memory: MemoryByCategory,
     /// Its device and that device's peak, where the backend knows it.
     #[serde(default)]
@@ -115,6 +118,51 @@ fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
     names.sort();
     names.dedup();
     names
+}
+
+/// The messages between a stage and its neighbours, by (neighbour, what it carries):
+/// each value's tag and type, sorted by tag, the order a message sent device to device
+/// holds them in.
+#[derive(Default)]
+struct Messages {
+    /// What it receives.
+    inbound: HashMap<(usize, Carried), Vec<(String, TensorType)>>,
+    /// What the neighbour receives from it.
+    outbound: HashMap<(usize, Carried), Vec<(String, TensorType)>>,
+}
+
+impl Messages {
+    /// Stage `s`'s, from the receiving programs of `stages`.
+    fn of(stages: &[distc_ir::pipeline::StageGraphs], s: usize) -> Messages {
+        let received = |graph: &Graph, from: usize| {
+            let mut got: Vec<(String, TensorType)> = graph
+                .node_ids()
+                .into_iter()
+                .filter_map(|id| match graph.op(id) {
+                    Op::Recv { stage, tag, ty } if *stage == from => {
+                        Some((tag.clone(), ty.clone()))
+                    }
+                    _ => None,
+                })
+                .collect();
+            got.sort_by(|a, b| a.0.cmp(&b.0));
+            got
+        };
+        let mut m = Messages::default();
+        if s > 0 {
+            let key = (s - 1, Carried::Activation);
+            m.inbound.insert(key, received(&stages[s].forward, s - 1));
+            let key = (s - 1, Carried::Gradient);
+            m.outbound.insert(key, received(&stages[s - 1].backward, s));
+        }
+        if s + 1 < stages.len() {
+            let key = (s + 1, Carried::Gradient);
+            m.inbound.insert(key, received(&stages[s].backward, s + 1));
+            let key = (s + 1, Carried::Activation);
+            m.outbound.insert(key, received(&stages[s + 1].forward, s));
+        }
+        m
+    }
 }
 
 /// What every stage of a pipelined run shares, on threads or MPI ranks alike: the
@@ -435,6 +483,7 @@ impl<'a> PipelineRun<'a> {
             steps: &self.steps_of[s],
             forward: &graphs.forward,
             backward: &graphs.backward,
+            messages: Messages::of(&self.program.stages, s),
             micro: self.program.micro_batches,
             comm,
             data,
@@ -687,6 +736,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
             activations: r.memory.activations,
             bytes_sent: r.bytes_sent,
             bytes_received: r.bytes_received,
+            messages_on_device: r.messages_on_device,
         })
         .collect();
     let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
@@ -760,6 +810,8 @@ pub(crate) struct Stage<'a> {
     steps: &'a [Step],
     forward: &'a Graph,
     backward: &'a Graph,
+    /// What it receives from each neighbour, and what each neighbour expects from it.
+    messages: Messages,
     micro: usize,
     comm: Box<dyn Communicator>,
     data: Vec<DataSource>,
@@ -964,11 +1016,23 @@ pub(crate) fn decode_params(bytes: &[u8]) -> std::result::Result<HashMap<String,
 }
 
 /// Bytes of the values held for micro-batches in flight.
-fn held_bytes(maps: &[HashMap<String, Value>]) -> u64 {
+fn held_bytes<B: Backend>(maps: &[HashMap<String, Message<B::Value>>]) -> u64 {
     maps.iter()
         .flat_map(|m| m.values())
-        .map(|v| v.value_type().bytes() as u64)
+        .map(|v| match v {
+            Message::Host(v) => v.value_type().bytes() as u64,
+            Message::Device(v) => B::value_bytes(v),
+        })
         .sum()
+}
+
+/// The values of a message waiting to be sent, by tag.
+type Outgoing<B> = Vec<(String, Message<<B as crate::core::backend::Device>::Value>)>;
+
+/// A message's buffer name on the receiving device: one per value and micro-batch
+/// (`from` the sending stage; a stash is its stage's own).
+fn message_name(from: usize, tag: &str, micro: usize) -> String {
+    format!("stage{from}:{tag}/micro{micro}")
 }
 
 impl<'a> Stage<'a> {
@@ -987,10 +1051,11 @@ impl<'a> Stage<'a> {
     ) -> Result<StageOutcome> {
         let (forward, backward) = (self.forward, self.backward);
         let mut made = |program| {
-            let data: &mut dyn Communicator = match self.hook.replicas.as_mut() {
-                Some(c) => &mut **c,
-                None => &mut *self.comm,
-            };
+            let data = self
+                .hook
+                .replicas
+                .as_mut()
+                .map(|c| &mut **c as &mut dyn Communicator);
             let model = self
                 .hook
                 .model
@@ -1000,7 +1065,15 @@ impl<'a> Stage<'a> {
                 worker: self.worker,
                 program,
             };
-            make(site, Links { data, model })
+            let stages = Some(&mut *self.comm as &mut dyn Communicator);
+            make(
+                site,
+                Links {
+                    data,
+                    model,
+                    stages,
+                },
+            )
         };
         // The forward runs beside the backward, on its device: the variables and the
         // batch are uploaded once, for both.
@@ -1041,7 +1114,10 @@ impl<'a> Stage<'a> {
             .node_ids()
             .iter()
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
-        let last_bytes = self.comm.bytes() + self.hook.bytes();
+        let last_bytes = self.comm.bytes()
+            + self.hook.bytes()
+            + fwd.backend().collective_bytes()
+            + bwd.backend().collective_bytes();
         let (first, cadence, t0) = (self.first, self.cadence, self.t0);
         let peak = if self.measure_peak {
             bwd.backend()
@@ -1139,13 +1215,15 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         let mut waited = 0.0;
         let mut busy = 0.0;
         // Per micro-batch: what its forward receives, what its backward receives (the
-        // stash and the gradients), what waits to be sent, by stage. Held on the host:
-        // each run copies what it receives into its own buffers (on the CPU, moved).
-        let mut fwd_in: Vec<HashMap<String, Value>> =
+        // stash and the gradients), what waits to be sent, by stage. Through the host,
+        // each run copies what it receives into its own buffers (on the CPU, moved);
+        // device to device, received into buffers of their own, one per micro-batch.
+        let on_device = bwd.backend().sends_messages();
+        let mut fwd_in: Vec<HashMap<String, Message<B::Value>>> =
             (0..me.micro).map(|_| HashMap::new()).collect();
-        let mut bwd_in: Vec<HashMap<String, Value>> =
+        let mut bwd_in: Vec<HashMap<String, Message<B::Value>>> =
             (0..me.micro).map(|_| HashMap::new()).collect();
-        let mut outbox: HashMap<(usize, usize), Vec<(String, Value)>> = HashMap::new();
+        let mut outbox: HashMap<(usize, usize), Outgoing<B>> = HashMap::new();
         let mut loss = 0.0;
         let mut grads = Vec::new();
         let mut backwards = 0;
@@ -1155,23 +1233,47 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                 Step::Recv { from, what, micro } => {
                     let t = Instant::now();
                     // What an MPI rank's report names when the neighbour never comes.
-                    me.comm.set_label(&format!(
+                    let label = format!(
                         "stage {s}, step {step}: the receive of the {what} of micro-batch \
                          {micro} from stage {from}"
-                    ));
-                    let bytes = me.comm.recv(from).map_err(|e| {
-                        RuntimeError::Config(format!(
-                            "step {step}: waiting for the {what} of micro-batch {micro} \
-                             from stage {from}: {e}"
-                        ))
-                    })?;
+                    );
+                    let values = if on_device {
+                        let layout = me.messages.inbound.get(&(from, what));
+                        let into: Vec<(String, TensorType)> = layout
+                            .into_iter()
+                            .flatten()
+                            .map(|(tag, ty)| (message_name(from, tag, micro), ty.clone()))
+                            .collect();
+                        let got = bwd
+                            .backend()
+                            .recv_message(from, &into)
+                            .map_err(|e| backend_error(device, &label, e))?;
+                        layout
+                            .into_iter()
+                            .flatten()
+                            .zip(got)
+                            .map(|((tag, _), v)| (tag.clone(), Message::Device(v)))
+                            .collect::<Vec<_>>()
+                    } else {
+                        me.comm.set_label(&label);
+                        let bytes = me.comm.recv(from).map_err(|e| {
+                            RuntimeError::Config(format!(
+                                "step {step}: waiting for the {what} of micro-batch {micro} \
+                                 from stage {from}: {e}"
+                            ))
+                        })?;
+                        decode_values(&bytes)
+                            .map_err(|e| {
+                                RuntimeError::Config(format!(
+                                    "step {step}: the {what} of micro-batch {micro} from \
+                                     stage {from}: {e}"
+                                ))
+                            })?
+                            .into_iter()
+                            .map(|(tag, v)| (tag, Message::Host(v)))
+                            .collect()
+                    };
                     waited += t.elapsed().as_secs_f64();
-                    let values = decode_values(&bytes).map_err(|e| {
-                        RuntimeError::Config(format!(
-                            "step {step}: the {what} of micro-batch {micro} from stage \
-                             {from}: {e}"
-                        ))
-                    })?;
                     let into = match what {
                         Carried::Activation => &mut fwd_in[micro],
                         Carried::Gradient => &mut bwd_in[micro],
@@ -1179,12 +1281,50 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                     into.extend(values);
                 }
                 Step::Send { to, what, micro } => {
-                    me.comm.set_label(&format!(
+                    let label = format!(
                         "stage {s}, step {step}: the send of the {what} of micro-batch \
                          {micro} to stage {to}"
-                    ));
-                    let values = outbox.remove(&(to, micro)).unwrap_or_default();
-                    me.comm.send(to, encode_values(&values))?;
+                    );
+                    let mut values = outbox.remove(&(to, micro)).unwrap_or_default();
+                    if on_device {
+                        values.sort_by(|a, b| a.0.cmp(&b.0));
+                        let expected = me.messages.outbound.get(&(to, what));
+                        let sent: Vec<(String, TensorType)> = values
+                            .iter()
+                            .map(|(tag, v)| {
+                                let ty = match v {
+                                    Message::Device(v) => B::value_type(v),
+                                    Message::Host(v) => v.value_type(),
+                                };
+                                (tag.clone(), ty.dense_type().clone())
+                            })
+                            .collect();
+                        if expected.is_none_or(|e| *e != sent) {
+                            return Err(RuntimeError::Config(format!(
+                                "{label}: sends {sent:?}, stage {to} receives {expected:?}"
+                            )));
+                        }
+                        let refs: Vec<&B::Value> = values
+                            .iter()
+                            .filter_map(|(_, v)| match v {
+                                Message::Device(v) => Some(v),
+                                Message::Host(_) => None,
+                            })
+                            .collect();
+                        bwd.backend()
+                            .send_message(to, &refs)
+                            .map_err(|e| backend_error(device, &label, e))?;
+                    } else {
+                        me.comm.set_label(&label);
+                        let host: Vec<(String, Value)> = values
+                            .into_iter()
+                            .filter_map(|(tag, v)| match v {
+                                Message::Host(v) => Some((tag, v)),
+                                Message::Device(_) => None,
+                            })
+                            .collect();
+                        me.comm.send(to, encode_values(&host))?;
+                    }
                 }
                 Step::Compute(action) => {
                     let began = Instant::now();
@@ -1223,7 +1363,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                         }
                     };
                     // The live stash and messages beside this run's own peak.
-                    let held = held_bytes(&fwd_in) + held_bytes(&bwd_in);
+                    let held = held_bytes::<B>(&fwd_in) + held_bytes::<B>(&bwd_in);
                     peak.activations = peak.activations.max(run.activations + held);
                     peak.gradients = peak.gradients.max(run.gradients);
                     loss += out.loss.unwrap_or(0.0);
@@ -1233,10 +1373,21 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                         } else {
                             bwd.backend()
                         };
-                        let v = backend.to_host(v).map_err(fail("sending a message"))?;
                         if to == s {
-                            bwd_in[m].insert(tag, v);
+                            // The stash stays on the device, out of the next run's way.
+                            let v = backend
+                                .keep(&message_name(s, &tag, m), v)
+                                .map_err(fail("keeping the stash"))?;
+                            bwd_in[m].insert(tag, Message::Device(v));
                         } else {
+                            // Device to device, sent before the next run reuses its
+                            // memory (the send follows its computation in the program).
+                            let v = if on_device {
+                                Message::Device(v)
+                            } else {
+                                let v = backend.to_host(v).map_err(fail("sending a message"))?;
+                                Message::Host(v)
+                            };
                             outbox.entry((to, m)).or_default().push((tag, v));
                         }
                     }
@@ -1315,7 +1466,10 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         lr: f64,
     ) -> Result<StageReport> {
         let me = &mut *self.stage;
-        let bytes = me.comm.bytes() + me.hook.bytes();
+        let bytes = me.comm.bytes()
+            + me.hook.bytes()
+            + self.fwd.backend().collective_bytes()
+            + self.bwd.backend().collective_bytes();
         let slots = if due.checkpoint && me.replica == 0 {
             Some(me.updated_slots(self.bwd.backend(), &self.optimizer)?)
         } else {
@@ -1343,6 +1497,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             comm_wait_sec: ran.detail.waited,
             bytes_sent: bytes.sent - self.last_bytes.sent,
             bytes_received: bytes.received - self.last_bytes.received,
+            messages_on_device: self.bwd.backend().sends_messages(),
             memory: ran.memory,
             peak: self.peak.clone(),
         };

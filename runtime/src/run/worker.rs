@@ -927,10 +927,11 @@ pub fn run_worker_on<B: Backend>(
         errors,
     } = setup;
     let made = make(Links {
-        data: &mut *comm,
+        data: Some(&mut *comm),
         model: model_comm
             .as_mut()
             .map(|c| &mut **c as &mut dyn Communicator),
+        stages: None,
     });
     let bytes_start = comm.bytes();
     let (to_comm, comm_rx) = mpsc::channel::<Request>();

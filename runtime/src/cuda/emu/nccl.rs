@@ -27,11 +27,23 @@ use std::time::Duration;
 /// How long a rank waits for the others to reach a collective before it says so.
 const WAIT: Duration = Duration::from_secs(120);
 
-/// The ranks of one communicator meeting at each collective.
+/// The ranks of one communicator meeting at each collective, and their
+/// point-to-point messages.
 struct Group {
     size: usize,
     state: Mutex<Round>,
     turn: Condvar,
+    mail: Mutex<HashMap<(usize, usize), Channel>>,
+    posted: Condvar,
+}
+
+/// The messages from one rank to another not yet received, and how many were sent and
+/// taken: a send returns once its message is taken (NCCL's rendezvous).
+#[derive(Default)]
+struct Channel {
+    queue: std::collections::VecDeque<Vec<u8>>,
+    sent: u64,
+    taken: u64,
 }
 
 #[derive(Default)]
@@ -106,6 +118,72 @@ impl Group {
             self.turn.notify_all();
         }
         Ok(out)
+    }
+}
+
+impl Group {
+    /// Hands `bytes` from `from` to `to`, returning once `to` has taken them.
+    fn post(&self, from: usize, to: usize, bytes: Vec<u8>) -> Result<(), CudaError> {
+        let err = |m: String| CudaError::Nccl {
+            call: "emulated ncclSend",
+            code: m,
+        };
+        let mut mail = self
+            .mail
+            .lock()
+            .map_err(|_| err("a rank panicked".into()))?;
+        let ch = mail.entry((from, to)).or_default();
+        ch.queue.push_back(bytes);
+        ch.sent += 1;
+        let mine = ch.sent;
+        self.posted.notify_all();
+        loop {
+            if mail.get(&(from, to)).is_some_and(|c| c.taken >= mine) {
+                return Ok(());
+            }
+            let (m, t) = self
+                .posted
+                .wait_timeout(mail, WAIT)
+                .map_err(|_| err("a rank panicked".into()))?;
+            mail = m;
+            if t.timed_out() && mail.get(&(from, to)).is_none_or(|c| c.taken < mine) {
+                return Err(err(format!(
+                    "rank {from} waited {WAIT:?} for rank {to} to receive its message"
+                )));
+            }
+        }
+    }
+
+    /// The next message from `from` to `to`, once it is sent.
+    fn take(&self, from: usize, to: usize) -> Result<Vec<u8>, CudaError> {
+        let err = |m: String| CudaError::Nccl {
+            call: "emulated ncclRecv",
+            code: m,
+        };
+        let mut mail = self
+            .mail
+            .lock()
+            .map_err(|_| err("a rank panicked".into()))?;
+        loop {
+            if let Some(ch) = mail.get_mut(&(from, to)) {
+                if let Some(bytes) = ch.queue.pop_front() {
+                    ch.taken += 1;
+                    self.posted.notify_all();
+                    return Ok(bytes);
+                }
+            }
+            let (m, t) = self
+                .posted
+                .wait_timeout(mail, WAIT)
+                .map_err(|_| err("a rank panicked".into()))?;
+            mail = m;
+            let waiting = mail.get(&(from, to)).is_none_or(|c| c.queue.is_empty());
+            if t.timed_out() && waiting {
+                return Err(err(format!(
+                    "rank {to} waited {WAIT:?} for a message from rank {from}"
+                )));
+            }
+        }
     }
 }
 
@@ -198,6 +276,8 @@ impl EmuComm {
                         size,
                         state: Mutex::new(Round::default()),
                         turn: Condvar::new(),
+                        mail: Mutex::new(HashMap::new()),
+                        posted: Condvar::new(),
                     })
                 })
                 .clone()
@@ -462,5 +542,71 @@ impl DeviceComm for EmuComm {
 
     fn bytes(&self) -> ByteCount {
         self.core.borrow().bytes
+    }
+
+    fn send(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
+        let mut shared = self.shared.borrow_mut();
+        let mut core = self.core.borrow_mut();
+        core.check_point_to_point(peer, &shared)?;
+        let mut message = Vec::new();
+        for &(at, len) in parts {
+            if len > 0 {
+                let (p, off) = shared.dev.locate(at, len, "a message sent")?;
+                let mut b = vec![0u8; len];
+                shared.dev.copy_dtoh(core.compute, p, off, &mut b)?;
+                message.extend(b);
+            }
+        }
+        let bytes = message.len() as u64;
+        // The host thread is the stream here: it blocks as the stream would.
+        core.group.post(core.rank, peer, message)?;
+        core.bytes.sent += bytes;
+        Ok(())
+    }
+
+    fn recv(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
+        let mut shared = self.shared.borrow_mut();
+        let mut core = self.core.borrow_mut();
+        core.check_point_to_point(peer, &shared)?;
+        let message = core.group.take(peer, core.rank)?;
+        let want: usize = parts.iter().map(|p| p.1).sum();
+        if message.len() != want {
+            return Err(CudaError::Invalid(format!(
+                "rank {} received {} bytes from rank {peer}, its buffers hold {want}",
+                core.rank,
+                message.len()
+            )));
+        }
+        let mut at_byte = 0;
+        for &(at, len) in parts {
+            if len > 0 {
+                let (p, off) = shared.dev.locate(at, len, "a message received")?;
+                shared
+                    .dev
+                    .copy_htod(core.compute, p, off, &message[at_byte..at_byte + len])?;
+                at_byte += len;
+            }
+        }
+        core.bytes.received += want as u64;
+        Ok(())
+    }
+}
+
+impl CommCore {
+    /// Refuses a point-to-point call the emulator cannot run: to itself, to a rank
+    /// the communicator lacks, or under a capture (stages run eagerly).
+    fn check_point_to_point(&self, peer: usize, shared: &Shared) -> Result<(), CudaError> {
+        if peer >= self.size || peer == self.rank {
+            return Err(CudaError::Invalid(format!(
+                "rank {} of {} cannot send to or receive from rank {peer}",
+                self.rank, self.size
+            )));
+        }
+        if shared.capture.is_some() {
+            return Err(CudaError::Invalid(
+                "the emulator does not capture point-to-point messages".into(),
+            ));
+        }
+        Ok(())
     }
 }
