@@ -542,6 +542,43 @@ pub struct RunArgs {
     /// 10 mantissa bits); by default they compute in full fp32.
     #[arg(long)]
     pub tf32: bool,
+    /// Carry on when a worker is lost (it fails, or is lost to an injected failure):
+    /// the plan is compiled again for the workers left (the data axis shrinks by one
+    /// replica, servers are kept) and training resumes from the state of the last
+    /// step, kept in memory every step (no file is read). In-process runs of
+    /// data-parallel plans (all-reduce, ZeRO, servers, a model axis).
+    #[arg(long)]
+    pub elastic: bool,
+    /// With --elastic: restart at most K times (at least 1).
+    #[arg(long, value_parser = at_least_one, default_value_t = 3, requires = "elastic", value_name = "K")]
+    pub max_restarts: usize,
+    /// With --elastic: stop instead of restarting with fewer than M workers.
+    #[arg(long, value_parser = at_least_one, default_value_t = 1, requires = "elastic", value_name = "M")]
+    pub min_workers: usize,
+    /// Rehearse a failure: worker W is lost at the start of step K (`W:K`), as if its
+    /// process crashed. With --elastic the run carries on without it; without, the
+    /// run stops with the error naming the worker.
+    #[arg(long, value_parser = parse_failure, value_name = "W:K")]
+    pub fail_worker: Option<distc_runtime::run::programs::InjectedFailure>,
+}
+
+/// `W:K`: worker W lost at step K (K at least 1).
+fn parse_failure(s: &str) -> Result<distc_runtime::run::programs::InjectedFailure, String> {
+    let (w, k) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}`: give the worker and the step as W:K (`1:4`)"))?;
+    let worker = w
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{w}`: the worker must be a rank (0, 1, ...)"))?;
+    let step: usize = k
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{k}`: the step must be a whole number"))?;
+    if step == 0 {
+        return Err("the step must be at least 1".into());
+    }
+    Ok(distc_runtime::run::programs::InjectedFailure { worker, step })
 }
 
 // The flags of `bench`.

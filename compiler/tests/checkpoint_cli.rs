@@ -389,3 +389,226 @@ fn ctrl_c_stops_after_the_step_and_says_what_is_on_disk() {
         .count();
     assert_eq!(lines, step, "metrics lines lost");
 }
+
+/// `--elastic` (issue 40, item 1): a worker lost at step K (`--fail-worker W:K`)
+/// costs the run one replica, not the job. The run goes on from the state of step K-1
+/// kept in memory, with the plan compiled for the workers left, and ends with the
+/// weights of a run that trained K-1 steps with N workers, wrote its state, and was
+/// resumed from it with one replica fewer: bit for bit. Under all-reduce, ZeRO 3,
+/// parameter servers (kept) and a model axis (a replica of T workers lost).
+#[test]
+fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() {
+    let dense = "examples/dense_mlp.dsl";
+    for (label, model, layout, after, fail) in [
+        (
+            "allreduce",
+            dense,
+            &["--strategy", "allreduce", "--workers", "3"][..],
+            "2",
+            "1:4",
+        ),
+        (
+            "zero3",
+            dense,
+            &["--strategy", "allreduce", "--zero", "3", "--workers", "3"][..],
+            "2",
+            "2:3",
+        ),
+        (
+            "hybrid",
+            MODEL,
+            &["--strategy", "hybrid", "--servers", "1", "--workers", "3"][..],
+            "2",
+            "0:3",
+        ),
+        (
+            "mesh",
+            dense,
+            &["--mesh", "data=2,model=2"][..],
+            "data=1,model=2",
+            "3:3",
+        ),
+    ] {
+        let steps = "5";
+        let k: usize = fail
+            .split(':')
+            .nth(1)
+            .and_then(|k| k.parse().ok())
+            .expect("W:K");
+        let (elastic, metrics) = (
+            tmp(&format!("{label}-elastic.st")),
+            tmp(&format!("{label}-m.jsonl")),
+        );
+        let run = |extra: &[&str]| {
+            let mut args = vec!["train", model, "--batch", "16", "-q"];
+            args.extend_from_slice(extra);
+            let o = distc(&args);
+            assert!(o.status.success(), "{label} {extra:?}: {}", text(&o));
+        };
+        let mut args = layout.to_vec();
+        args.extend_from_slice(&[
+            "--steps",
+            steps,
+            "--elastic",
+            "--fail-worker",
+            fail,
+            "--save",
+            s(&elastic),
+            "--metrics",
+            s(&metrics),
+        ]);
+        run(&args);
+        // The reference: K-1 steps with N workers, resumed with the layout left.
+        let (state, resumed) = (
+            tmp(&format!("{label}-state.st")),
+            tmp(&format!("{label}-resumed.st")),
+        );
+        let before = (k - 1).to_string();
+        let mut args = layout.to_vec();
+        args.extend_from_slice(&["--steps", &before, "--checkpoint", s(&state)]);
+        run(&args);
+        let smaller: Vec<&str> = match label {
+            "mesh" => vec!["--mesh", after],
+            _ => layout
+                .iter()
+                .map(|a| if *a == "3" { after } else { a })
+                .collect(),
+        };
+        let mut args = smaller.clone();
+        args.extend_from_slice(&[
+            "--steps",
+            steps,
+            "--resume",
+            s(&state),
+            "--save",
+            s(&resumed),
+        ]);
+        run(&args);
+        assert_eq!(
+            common::max_difference(&elastic, &resumed),
+            0.0,
+            "{label}: the elastic run's weights are not the resumed run's"
+        );
+        // Every step has its line; the one after the loss says what happened.
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+            .expect("metrics")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json"))
+            .collect();
+        let steps: Vec<u64> = lines.iter().filter_map(|l| l["step"].as_u64()).collect();
+        assert_eq!(steps, [1, 2, 3, 4, 5], "{label}");
+        let restarts: Vec<&serde_json::Value> =
+            lines.iter().filter(|l| !l["restart"].is_null()).collect();
+        assert_eq!(restarts.len(), 1, "{label}: {lines:?}");
+        let r = &restarts[0]["restart"];
+        assert_eq!(restarts[0]["step"].as_u64(), Some(k as u64), "{label}");
+        assert_eq!(r["lost_at_step"].as_u64(), Some(k as u64), "{label}");
+        assert_eq!(
+            r["resumed_from_step"].as_u64(),
+            Some(k as u64 - 1),
+            "{label}"
+        );
+        let workers = |l: &str| {
+            l.split(',')
+                .map(|p| {
+                    p.rsplit('=')
+                        .next()
+                        .and_then(|n| n.parse::<u64>().ok())
+                        .unwrap_or(1)
+                })
+                .product::<u64>()
+        };
+        let (n, m) = match label {
+            "mesh" => (4, workers(after)),
+            _ => (3, 2),
+        };
+        assert_eq!(r["workers_before"].as_u64(), Some(n), "{label}");
+        assert_eq!(r["workers_after"].as_u64(), Some(m), "{label}");
+        let worker = fail.split(':').next().expect("W");
+        let cause = r["cause"].as_str().unwrap_or("");
+        assert!(
+            cause.contains(&format!("worker {worker}")) || label == "mesh",
+            "{label}: {cause}"
+        );
+        assert!(
+            r["recovery_sec"].as_f64().is_some_and(|s| s >= 0.0),
+            "{label}: {r}"
+        );
+        println!("{label}: recovery {} s", r["recovery_sec"]);
+    }
+}
+
+#[test]
+fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_cannot_do() {
+    // Without --elastic the loss stops the run, naming the worker and the step.
+    let o = distc(&[
+        "train",
+        MODEL,
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "-q",
+        "--fail-worker",
+        "1:2",
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(t.contains("worker 1: lost at step 2"), "{t}");
+    // Fewer workers than --min-workers: stops with the loss and says why.
+    let o = distc(&[
+        "train",
+        MODEL,
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "-q",
+        "--fail-worker",
+        "1:2",
+        "--elastic",
+        "--min-workers",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains("lost at step 2") && t.contains("--min-workers 2"),
+        "{t}"
+    );
+    refused(
+        &["train", MODEL, "--steps", "2", "--elastic"],
+        "one replica",
+    );
+    refused(
+        &[
+            "train",
+            MODEL,
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--elastic",
+            "--transport",
+            "mpi",
+        ],
+        "distc launch",
+    );
+    refused(
+        &[
+            "train",
+            MODEL,
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--fail-worker",
+            "2:1",
+        ],
+        "workers 0 to 1",
+    );
+}

@@ -6,6 +6,7 @@
 //! `simulate` owns predicting a plan on other machines (`simulate`, `calibrate`). The
 //! small commands are here.
 
+mod elastic;
 pub mod eval;
 pub mod run;
 pub mod simulate;

@@ -136,6 +136,8 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         checkpoint,
         resume,
         flops_per_sample: plan.flops_per_sample,
+        snapshot: None,
+        fail: args.fail_worker,
     })
 }
 
@@ -159,6 +161,11 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         bail!(
             "--no-cuda-graph, --tf32, --gpus and --collectives are GPU settings: give \
              --device cuda with them"
+        );
+    }
+    if args.elastic && args.transport == Transport::Mpi {
+        bail!(
+            "--elastic runs in-process (threads): under MPI a lost rank ends the mpirun job,              and the supervisor that would start it again (`distc launch`) is not built yet"
         );
     }
     if args.gpus.as_ref().is_some_and(Vec::is_empty) {
@@ -250,7 +257,11 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         },
         rows_touched: crate::verify::rows_touched(plan.dist.as_ref()),
     };
-    let result = launch(&run, &mut on_step).map_err(anyhow::Error::from);
+    let result = if args.elastic {
+        super::elastic::launch_elastic(plan, run, args, &mut on_step)
+    } else {
+        launch(&run, &mut on_step).map_err(anyhow::Error::from)
+    };
     if let Some(b) = bar {
         b.finish_and_clear();
     }

@@ -67,6 +67,15 @@ pub enum RuntimeError {
         /// The loss.
         loss: f64,
     },
+    /// A worker was lost at a step: it failed as a crashed process would (an injected
+    /// failure rehearses it). An elastic run carries on without it.
+    #[error("lost at step {step}: {cause}")]
+    WorkerLost {
+        /// The step it was lost at.
+        step: usize,
+        /// Why.
+        cause: String,
+    },
     /// The user stopped the run (Ctrl-C): the text says what was kept.
     #[error("{0}")]
     Interrupted(String),

@@ -64,6 +64,7 @@ pub fn metrics_line(
         skipped_steps: r0.loss_scale.map(|s| s.1),
         lr: r0.lr,
         cuda_graph: r0.cuda_graph,
+        restart: None,
     }
 }
 

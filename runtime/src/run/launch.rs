@@ -177,6 +177,21 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
     if opts.evaluate {
         config.check_evaluation().map_err(RuntimeError::Config)?;
     }
+    if programs.pipeline.is_some() && (opts.snapshot.is_some() || opts.fail.is_some()) {
+        return Err(RuntimeError::Config(
+            "--elastic and --fail-worker do not cover pipeline stages yet".into(),
+        ));
+    }
+    if let Some(f) = opts.fail {
+        if f.worker >= programs.workers {
+            return Err(RuntimeError::Config(format!(
+                "--fail-worker {}:{}: the plan has workers 0 to {}",
+                f.worker,
+                f.step,
+                programs.workers - 1
+            )));
+        }
+    }
     crate::run::data::check_model(
         programs.worker,
         &config.data,

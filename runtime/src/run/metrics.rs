@@ -74,6 +74,30 @@ pub struct StepMetrics {
     /// the warm-up steps, where the step has no host round trip).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cuda_graph: bool,
+    /// On the first step after an elastic restart: what was lost and what it cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restart: Option<Restart>,
+}
+
+/// An elastic run's restart after a lost worker (`--elastic`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Restart {
+    /// The step the worker was lost at.
+    pub lost_at_step: usize,
+    /// The step the run resumed from (the last state kept; 0: the start).
+    pub resumed_from_step: usize,
+    /// The error that lost it.
+    pub cause: String,
+    /// Workers before the restart.
+    pub workers_before: usize,
+    /// Workers after it.
+    pub workers_after: usize,
+    /// Seconds from the loss to the restarted run's first step (the plan compiled
+    /// again, the workers started, the state moved in).
+    pub recovery_sec: f64,
+    /// Seconds of training the loss undid: from the state it resumed from to the
+    /// loss.
+    pub lost_sec: f64,
 }
 
 /// A pipelined step, measured.

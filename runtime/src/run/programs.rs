@@ -105,6 +105,52 @@ pub struct TrainOptions {
     /// The model's forward and backward FLOPs per sample, as the compiler counted
     /// them, for the metrics' model FLOPs and utilisation (`None`: not reported).
     pub flops_per_sample: Option<f64>,
+    /// Keep the training state of every step in memory, each replacing the last: an
+    /// elastic run restarts from it when a worker is lost.
+    pub snapshot: Option<StateSlot>,
+    /// A failure to rehearse: a worker lost at the start of a step.
+    pub fail: Option<InjectedFailure>,
+}
+
+/// The training state after the last step that ran, in memory (see
+/// [`TrainOptions::snapshot`]), shared by the run and whoever restarts it.
+#[derive(Clone, Debug, Default)]
+pub struct StateSlot {
+    latest: Arc<std::sync::Mutex<Option<Arc<TrainingState>>>>,
+    /// What trains, for the state's index.
+    pub saved_by: String,
+}
+
+impl StateSlot {
+    /// An empty slot; `saved_by` goes into each state's index.
+    pub fn new(saved_by: String) -> StateSlot {
+        StateSlot {
+            latest: Arc::default(),
+            saved_by,
+        }
+    }
+
+    /// The last state kept.
+    pub fn latest(&self) -> Option<Arc<TrainingState>> {
+        self.latest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn keep(&self, state: TrainingState) {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(state));
+    }
+}
+
+/// Worker `worker` is lost at the start of step `step` (`--fail-worker W:K`): its
+/// thread ends with [`crate::RuntimeError::WorkerLost`], as a crashed worker would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InjectedFailure {
+    /// The worker (its rank).
+    pub worker: usize,
+    /// The step it is lost at.
+    pub step: usize,
 }
 
 /// Where and how often a run writes its [`TrainingState`].
@@ -133,6 +179,8 @@ impl Default for TrainOptions {
             checkpoint: None,
             resume: None,
             flops_per_sample: None,
+            snapshot: None,
+            fail: None,
         }
     }
 }

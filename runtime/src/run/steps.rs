@@ -33,6 +33,8 @@ pub(crate) struct Cadence {
     eval_every: usize,
     /// Every so many steps, and after the last, when the run writes checkpoints.
     checkpoint_every: Option<usize>,
+    /// Whether every step's state is kept in memory ([`TrainOptions::snapshot`]).
+    snapshot: bool,
 }
 
 /// What a step does besides training, from its [`Cadence`].
@@ -58,16 +60,21 @@ impl Cadence {
             evaluate: opts.evaluate,
             eval_every: config.eval_every,
             checkpoint_every: opts.checkpoint.as_ref().map(|c| c.every.max(1)),
+            snapshot: opts.snapshot.is_some(),
         }
+    }
+
+    /// Whether the state gathered after `step` goes to the checkpoint file.
+    pub(crate) fn writes_file(&self, step: usize) -> bool {
+        self.checkpoint_every
+            .is_some_and(|every| due(step, self.last, every))
     }
 
     /// What `step` does besides training.
     pub(crate) fn at(&self, step: usize) -> Due {
         Due {
             eval: self.evaluate && due(step, self.last, self.eval_every),
-            checkpoint: self
-                .checkpoint_every
-                .is_some_and(|every| due(step, self.last, every)),
+            checkpoint: self.snapshot || self.writes_file(step),
             last: step == self.last,
         }
     }
@@ -210,6 +217,7 @@ mod tests {
             evaluate,
             eval_every,
             checkpoint_every: ckpt,
+            snapshot: false,
         }
     }
 
@@ -225,6 +233,14 @@ mod tests {
         assert!((1..=10).all(|s| !quiet.at(s).eval && !quiet.at(s).checkpoint));
         assert!(!cadence(5, true, 0, None).at(4).eval);
         assert!(cadence(5, true, 0, None).at(5).eval);
+        // An elastic run keeps every step's state; the file is written as before.
+        let kept = Cadence {
+            snapshot: true,
+            ..cadence(10, false, 0, Some(3))
+        };
+        assert!((1..=10).all(|s| kept.at(s).checkpoint));
+        let written: Vec<usize> = (1..=10).filter(|&s| kept.writes_file(s)).collect();
+        assert_eq!(written, [3, 6, 9, 10]);
     }
 
     struct Counting {

@@ -1221,7 +1221,9 @@ fn train_worker<B: Backend>(
     } else {
         None
     };
+    let cadence = Cadence::of(config, opts);
     let mut body = WorkerStep {
+        cadence,
         st,
         peak,
         hook,
@@ -1243,7 +1245,7 @@ fn train_worker<B: Backend>(
         held,
     };
     let trace = opts.trace.then_some(trace);
-    run_steps(&mut body, first, Cadence::of(config, opts), trace, report)
+    run_steps(&mut body, first, cadence, trace, report)
 }
 
 /// A worker's step: its program once per micro-batch and the update, or the replay of
@@ -1263,6 +1265,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     first: usize,
     /// The run's last step.
     last: usize,
+    /// Which steps evaluate, and which keep or write the training state.
+    cadence: Cadence,
     /// The backend's name, for its errors.
     device: String,
     /// Its device's peak for the plan's products, for model FLOPs utilisation.
@@ -1294,6 +1298,25 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
 
     fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {
         let (rank, first, steps) = (self.rank, self.first, self.last);
+        if self.opts.fail == Some(crate::run::programs::InjectedFailure { worker: rank, step }) {
+            // Lost once the previous step's state is kept, so a rehearsal's restart
+            // point is known (a real loss may come while it is being gathered, and
+            // the run then goes back one step further).
+            if let Some(slot) = &self.opts.snapshot {
+                let kept = |s: &crate::run::programs::StateSlot| {
+                    s.latest()
+                        .is_some_and(|st| st.index.step as usize + 1 >= step)
+                };
+                let since = Instant::now();
+                while step > first && !kept(slot) && since.elapsed() < self.opts.timeout {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            return Err(RuntimeError::WorkerLost {
+                step,
+                cause: "an injected failure (--fail-worker)".into(),
+            });
+        }
         let device = self.device.as_str();
         let st = &mut *self.st;
         let hook = &mut *self.hook;
@@ -1564,10 +1587,11 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         } else {
             eval
         };
-        if let (Some(c), true) = (&self.opts.checkpoint, due.checkpoint) {
+        if due.checkpoint && (self.opts.checkpoint.is_some() || self.opts.snapshot.is_some()) {
             let scaler = self.scaler.as_ref();
             save_training_state(
-                c,
+                self.opts,
+                self.cadence.writes_file(step),
                 st,
                 self.programs,
                 self.config,
@@ -1818,7 +1842,8 @@ pub(crate) fn resumed_slots(
 /// collective, so every worker calls this at the same steps).
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
-    c: &crate::run::programs::CheckpointEvery,
+    opts: &TrainOptions,
+    to_file: bool,
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
@@ -1904,18 +1929,30 @@ fn save_training_state<B: Backend>(
         slots.insert(LOSS_SCALE_KEY.to_string(), s.to_tensor());
     }
     let k = crate::run::programs::micro_batches(programs.worker);
+    let saved_by = match (&opts.checkpoint, &opts.snapshot) {
+        (Some(c), _) => c.saved_by.clone(),
+        (None, Some(s)) => s.saved_by.clone(),
+        (None, None) => String::new(),
+    };
     let index = StateIndex {
         format: String::new(),
         model: programs.worker.name.clone(),
         step: step as u64,
         // The data is split over the replicas: a model axis's workers read one batch.
         samples: (step * config.batch * replicas * k) as u64,
-        saved_by: c.saved_by.clone(),
+        saved_by,
         optimizer: format!("{:?}", config.optimizer),
         variables: Vec::new(),
         optimizer_state: Vec::new(),
     };
-    crate::core::checkpoint::save_state(&c.path, &TrainingState::new(index, params, slots))
+    let state = TrainingState::new(index, params, slots);
+    if let (Some(c), true) = (&opts.checkpoint, to_file) {
+        crate::core::checkpoint::save_state(&c.path, &state)?;
+    }
+    if let Some(s) = &opts.snapshot {
+        s.keep(state);
+    }
+    Ok(())
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.

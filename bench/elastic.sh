@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# What losing a worker costs an elastic run (issue 40): for each model and layout, a run
+# with --elastic loses one worker (--fail-worker) and carries on with one replica
+# fewer; the restart's metrics line says how long the recovery took (the plan compiled
+# again, the workers started, the state of the last step moved in from memory) and how
+# much training the loss undid. Beside it, what keeping the state every step costs: the
+# wall time of the same run without a loss, with and without --elastic, over its steps
+# (the state is gathered after a step's timing, so the metrics' step times do not
+# show it). Threads of one process, CPU.
+#
+#   bash bench/elastic.sh [DISTC]
+#
+# Environment: STEPS (8), FAIL (the failure, W:K; 1:5), RESULTS (a folder), DISTC_DATA
+# (MNIST and Penn Treebank for the examples that read them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+distc="${1:-target/release/distc}"
+steps="${STEPS:-8}"
+fail="${FAIL:-1:5}"
+out="${RESULTS:-$(mktemp -d)}"
+mkdir -p "$out"
+# gpt.dsl reads Penn Treebank as token ids: made once by scripts/ptb-tokens.py.
+data_for() {
+  case "$1" in
+    *gpt.dsl)
+      [ -d "$out/gpt-data/ptb-tokens" ] ||
+        python3 scripts/ptb-tokens.py "${DISTC_DATA:?gpt.dsl needs DISTC_DATA}/ptb" \
+          "$out/gpt-data/ptb-tokens" >/dev/null
+      echo "$out/gpt-data" ;;
+    *) echo "${DISTC_DATA:-}" ;;
+  esac
+}
+
+# name | model | layout
+cases=(
+  "dense_mlp allreduce 4|examples/dense_mlp.dsl|--strategy allreduce --workers 4"
+  "dense_mlp ZeRO 3, 4|examples/dense_mlp.dsl|--strategy allreduce --zero 3 --workers 4"
+  "dense_mlp data 2 x model 2|examples/dense_mlp.dsl|--mesh data=2,model=2"
+  "sparse_lm hybrid 4 + 2 servers|examples/sparse_lm.dsl|--strategy hybrid --workers 4 --servers 2"
+  "gpt.dsl allreduce 4|examples/gpt.dsl|--strategy allreduce --workers 4"
+)
+
+printf '| run | workers | lost at | resumed from | recovery (s) | training undone (s) | wall per step (ms) | with --elastic (ms) |\n'
+printf '| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n'
+for c in "${cases[@]}"; do
+  IFS='|' read -r name model layout <<<"$c"
+  m="$out/$(echo "$name" | tr ' ,+' '___').jsonl"
+  data=()
+  dir=$(data_for "$model")
+  [ -n "$dir" ] && data=(--data "$dir")
+  # shellcheck disable=SC2086
+  "$distc" train "$model" $layout "${data[@]}" --steps "$steps" --elastic \
+    --fail-worker "$fail" --metrics "$m" -q
+  walls=()
+  for flag in "" --elastic; do
+    t0=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    "$distc" train "$model" $layout "${data[@]}" --steps "$steps" $flag -q
+    walls+=("$t0" "$(date +%s.%N)")
+  done
+  python3 - "$m" "$name" "$steps" "${walls[@]}" <<'EOF'
+import json, sys
+path, name = sys.argv[1], sys.argv[2]
+steps = int(sys.argv[3])
+t = [float(x) for x in sys.argv[4:8]]
+plain, kept = 1e3 * (t[1] - t[0]) / steps, 1e3 * (t[3] - t[2]) / steps
+for line in open(path):
+    r = json.loads(line).get("restart")
+    if r:
+        print(f"| {name} | {r['workers_before']} -> {r['workers_after']} | "
+              f"{r['lost_at_step']} | {r['resumed_from_step']} | "
+              f"{r['recovery_sec']:.3f} | {r['lost_sec']:.3f} | "
+              f"{plain:.1f} | {kept:.1f} |")
+EOF
+done
+echo "metrics: $out"

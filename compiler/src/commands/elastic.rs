@@ -1,0 +1,169 @@
+//! `--elastic`: a run that carries on when a worker is lost.
+//!
+//! Every step the workers keep the training state in memory (worker 0 gathers it, as
+//! for a checkpoint, into a [`StateSlot`]; no file is written or read). When a worker
+//! is lost (its thread fails, or `--fail-worker` rehearses that), the others stop at
+//! the error; the plan is compiled again from its model for one replica fewer (the
+//! data axis shrinks; a model axis of T loses the T workers of the lost worker's
+//! replica; servers are kept), and training resumes from the last state kept: its
+//! variables, optimizer state, step and data position, resharded for the new layout as
+//! `--resume` reshards a state file. The first step line after the restart carries a
+//! `restart` object (the step lost, the step resumed from, the cause, workers before
+//! and after, seconds of recovery and of training undone).
+//!
+//! The restarted run trains what a run resumed from that state with the smaller plan
+//! trains, bit for bit (`compiler/tests/elastic_cli.rs`).
+
+use crate::cli::RunArgs;
+use crate::console::err;
+use crate::Plan;
+use anyhow::{bail, Result};
+use distc_runtime::run::launch::{launch, Launch};
+use distc_runtime::run::metrics::{Restart, StepMetrics};
+use distc_runtime::run::programs::StateSlot;
+use distc_runtime::run::train::TrainReport;
+use distc_runtime::RuntimeError;
+use std::time::Instant;
+
+/// Whether `e` lost a worker, as opposed to a mistake that would recur after a restart
+/// (a bad setting, bad data, a diverged loss): the worker's own loss, or a peer that
+/// hung up or did not answer.
+fn lost_a_worker(e: &RuntimeError) -> bool {
+    matches!(
+        e.cause(),
+        RuntimeError::WorkerLost { .. } | RuntimeError::Peer { .. }
+    )
+}
+
+/// The step `e` lost a worker at, where it says.
+fn lost_at(e: &RuntimeError) -> Option<usize> {
+    match e.cause() {
+        RuntimeError::WorkerLost { step, .. } => Some(*step),
+        _ => None,
+    }
+}
+
+/// Trains `first` (the plan `plan`'s run, as the flags made it), restarting with one
+/// replica fewer each time a worker is lost, at most `--max-restarts` times and never
+/// below `--min-workers`.
+pub(super) fn launch_elastic(
+    plan: &Plan,
+    first: Launch<'_>,
+    args: &RunArgs,
+    on_step: &mut dyn FnMut(&StepMetrics) -> distc_runtime::Result<()>,
+) -> Result<Option<TrainReport>> {
+    let settings = &plan.settings;
+    if settings.pipeline > 1 {
+        bail!("--elastic: pipeline stages cannot restart with fewer workers yet");
+    }
+    if settings.data_workers() < 2 {
+        bail!(
+            "--elastic: the plan has one replica; compile it with --workers N (N >= 2 \
+             replicas) for a run that can lose one"
+        );
+    }
+    let slot = StateSlot::new(format!(
+        "{} with {} workers (elastic)",
+        plan.strategy.name(),
+        settings.workers
+    ));
+    let replica = settings.model.max(1);
+    let (config, device, transport) = (first.config, first.device.clone(), first.transport.clone());
+    let mut opts = first.opts.clone();
+    opts.snapshot = Some(slot.clone());
+    let mut workers = settings.workers;
+    let mut restarts = 0;
+    // The restart the next step line reports, and when the loss was seen.
+    let mut pending: Option<(Restart, Instant)> = None;
+    // Each attempt's own plan once one was compiled again (the first runs the given).
+    let mut recompiled: Option<crate::Compiled> = None;
+    loop {
+        let (programs, rows_touched) = match &recompiled {
+            Some(c) => (
+                crate::pipeline::program_view(&c.programs, workers),
+                crate::verify::rows_touched(c.dist.as_ref()),
+            ),
+            None => (first.programs, first.rows_touched.clone()),
+        };
+        let run = Launch {
+            programs,
+            config,
+            opts: opts.clone(),
+            device: device.clone(),
+            transport: transport.clone(),
+            rows_touched,
+        };
+        // When the attempt's last line came, and of which step: what a loss undoes.
+        let mut last_line: Option<(usize, Instant)> = None;
+        let mut report_line = |m: &StepMetrics| {
+            let mut m = m.clone();
+            if let Some((mut restart, seen)) = pending.take() {
+                // From the loss to the first step's start: its own time is training.
+                let first_step = m.compute_sec + m.comm_wait_sec;
+                restart.recovery_sec = (seen.elapsed().as_secs_f64() - first_step).max(0.0);
+                m.restart = Some(restart);
+            }
+            last_line = Some((m.step, Instant::now()));
+            on_step(&m)
+        };
+        let started = Instant::now();
+        let result = launch(&run, &mut report_line);
+        let e = match result {
+            Ok(report) => return Ok(report),
+            Err(e) if lost_a_worker(&e) => e,
+            Err(e) => return Err(e.into()),
+        };
+        let seen = Instant::now();
+        let after = workers.saturating_sub(replica);
+        if restarts == args.max_restarts {
+            bail!("{e}\n--elastic: stopped after {restarts} restarts (--max-restarts)");
+        }
+        if after < args.min_workers.max(replica) {
+            bail!(
+                "{e}\n--elastic: {after} workers would be left, fewer than --min-workers {}",
+                args.min_workers
+            );
+        }
+        let state = slot.latest().or_else(|| opts.resume.clone());
+        let resumed_from = state.as_ref().map_or(0, |s| s.index.step as usize);
+        // Training since the state resumed from: from its step's line to the loss.
+        let lost_sec = match last_line {
+            Some((step, at)) if step >= resumed_from => {
+                seen.saturating_duration_since(at).as_secs_f64()
+            }
+            _ => seen.saturating_duration_since(started).as_secs_f64(),
+        };
+        let restart = Restart {
+            lost_at_step: lost_at(&e).unwrap_or(resumed_from + 1),
+            resumed_from_step: resumed_from,
+            cause: e.to_string(),
+            workers_before: workers,
+            workers_after: after,
+            recovery_sec: 0.0,
+            lost_sec,
+        };
+        if !args.quiet {
+            err(&format!(
+                "{e}\n--elastic: restarting from step {resumed_from} with {after} workers \
+                 (was {workers})\n"
+            ));
+        }
+        let target = crate::simulate::Target {
+            workers: Some(after),
+            ranks_per_node: None,
+            servers: None,
+            inter: None,
+            intra: None,
+            data_dir: args.data.clone(),
+        };
+        let (compiled, _) = crate::simulate::retarget(plan, &target)
+            .map_err(|m| anyhow::anyhow!("{e}\n--elastic: compiling for {after} workers: {m}"))?;
+        recompiled = Some(compiled);
+        workers = after;
+        opts.resume = state;
+        // The rehearsed failure happened: the restarted run keeps its workers.
+        opts.fail = None;
+        restarts += 1;
+        pending = Some((restart, seen));
+    }
+}
