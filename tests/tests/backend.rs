@@ -429,11 +429,11 @@ fn a_backend_without_optimizer_state_refuses_a_training_state_by_name() {
     let c = compile_file(&example("dense_mlp.dsl"), &CompileOptions::default()).expect("compiles");
     let opts = TrainOptions {
         steps: Some(1),
-        checkpoint: Some(distc_runtime::run::train::CheckpointEvery {
-            path: dir.join("state.safetensors"),
-            every: 1,
-            saved_by: "test".into(),
-        }),
+        checkpoint: Some(distc_runtime::run::train::CheckpointEvery::new(
+            dir.join("state.safetensors"),
+            1,
+            "test".into(),
+        )),
         ..Default::default()
     };
     let kernels = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -54,11 +54,7 @@ fn run(
     let opts = TrainOptions {
         steps: Some(steps),
         global_data: distributed,
-        checkpoint: save.map(|p| CheckpointEvery {
-            path: p.to_path_buf(),
-            every: usize::MAX,
-            saved_by: "test".into(),
-        }),
+        checkpoint: save.map(|p| CheckpointEvery::new(p.to_path_buf(), usize::MAX, "test".into())),
         resume: resume.map(Arc::new),
         ..Default::default()
     };

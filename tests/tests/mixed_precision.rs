@@ -735,11 +735,7 @@ fn an_fp16_run_resumes_its_loss_scale_and_skipped_steps_bitwise() {
         let opts = TrainOptions {
             steps: Some(steps),
             evaluate: false,
-            checkpoint: save.then(|| CheckpointEvery {
-                path: file.clone(),
-                every: steps,
-                saved_by: "test".into(),
-            }),
+            checkpoint: save.then(|| CheckpointEvery::new(file.clone(), steps, "test".into())),
             resume,
             ..TrainOptions::default()
         };

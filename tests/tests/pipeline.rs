@@ -538,8 +538,12 @@ fn a_pipelined_run_evaluates_every_eval_every_steps_as_accumulation_does() {
 }
 
 /// Trains `c` on `workers` workers to step `steps`, writing the training state to `save`
-/// every `every` steps and after the last, resuming `resume` when given; the states read
-/// back after each step that wrote one, beside the trained variables.
+/// every `every` steps and after the last, resuming `resume` when given; the states of
+/// each step that wrote one, beside the trained variables. A state is written while
+/// training goes on, and workers run ahead of the metrics lines, so the file may hold
+/// a later step's state by the time a line comes: a step's state before the last is
+/// read from a run stopped at that step (the same updates: the schedule's horizon is
+/// the plan's steps, whatever the run's).
 fn run_with_state(
     c: &Compiled,
     workers: usize,
@@ -547,31 +551,33 @@ fn run_with_state(
     save: Option<(&Path, usize)>,
     resume: Option<&TrainingState>,
 ) -> (HashMap<String, Tensor>, Vec<TrainingState>) {
-    let opts = TrainOptions {
-        steps: Some(steps),
-        global_data: true,
-        evaluate: false,
-        checkpoint: save.map(|(path, every)| CheckpointEvery {
-            path: path.to_path_buf(),
-            every,
-            saved_by: "test".into(),
-        }),
-        resume: resume.map(|s| Arc::new(s.clone())),
-        ..TrainOptions::default()
+    let run = |to: usize| {
+        let opts = TrainOptions {
+            steps: Some(to),
+            global_data: true,
+            evaluate: false,
+            checkpoint: save.map(|(path, every)| {
+                CheckpointEvery::new(path.to_path_buf(), every, "test".into())
+            }),
+            resume: resume.map(|s| Arc::new(s.clone())),
+            ..TrainOptions::default()
+        };
+        let report = train(c.programs(workers), &c.config, &opts, &mut |_| Ok(()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let state = save.map(|(path, _)| load_state(path).unwrap_or_else(|e| panic!("{e}")));
+        (report.params, state)
     };
-    let mut states = Vec::new();
-    let report = train(c.programs(workers), &c.config, &opts, &mut |m| {
-        if let Some((path, every)) = save {
-            if m.step % every == 0 || m.step == steps {
-                states.push(load_state(path).map_err(|e| {
-                    distc_runtime::RuntimeError::Config(format!("step {}: {e}", m.step))
-                })?);
-            }
-        }
-        Ok(())
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    (report.params, states)
+    let first = resume.map_or(1, |s| s.index.step as usize + 1);
+    let mut states: Vec<TrainingState> = match save {
+        Some((_, every)) => (first..steps)
+            .filter(|k| k % every == 0)
+            .filter_map(|k| run(k).1)
+            .collect(),
+        None => Vec::new(),
+    };
+    let (params, last) = run(steps);
+    states.extend(last);
+    (params, states)
 }
 
 fn assert_bitwise(what: &str, want: &HashMap<String, Tensor>, got: &HashMap<String, Tensor>) {

@@ -610,11 +610,7 @@ fn training_states_move_into_and_out_of_a_model_axis() {
         let opts = TrainOptions {
             steps: Some(steps),
             evaluate: false,
-            checkpoint: save.map(|p| CheckpointEvery {
-                path: p.to_path_buf(),
-                every: steps,
-                saved_by: "test".into(),
-            }),
+            checkpoint: save.map(|p| CheckpointEvery::new(p.to_path_buf(), steps, "test".into())),
             resume: resume.map(Arc::new),
             ..TrainOptions::default()
         };

@@ -104,10 +104,8 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         )),
         None => None,
     };
-    let checkpoint = args.checkpoint.as_ref().map(|path| CheckpointEvery {
-        path: path.clone(),
-        every: args.checkpoint_every.unwrap_or(usize::MAX),
-        saved_by: format!(
+    let checkpoint = args.checkpoint.as_ref().map(|path| {
+        let saved_by = format!(
             "{} with {} workers{}{}",
             plan.strategy.name(),
             plan.settings.workers,
@@ -116,7 +114,12 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
                 z => format!(", ZeRO {z}"),
             },
             pipeline_words(&plan.settings)
-        ),
+        );
+        CheckpointEvery::new(
+            path.clone(),
+            args.checkpoint_every.unwrap_or(usize::MAX),
+            saved_by,
+        )
     });
     Ok(TrainOptions {
         steps: args.steps,

@@ -11,7 +11,8 @@ use ndarray::{ArrayD, IxDyn};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The name under which an optimizer state reports its step count (completed steps,
 /// an f64 scalar), on every backend.
@@ -311,6 +312,67 @@ pub fn save_state(path: &Path, state: &TrainingState) -> Result<()> {
     Ok(())
 }
 
+/// Writes training states on a thread of its own, one at a time: training goes on
+/// while a state is written, and the next write first waits for the one in flight
+/// (so at most one state is in memory for writing). A write's error is returned by
+/// the next call. Dropping the last handle waits for the write in flight, so a state
+/// whose write began is never cut off by the run's end.
+#[derive(Clone, Default)]
+pub struct StateWriter(Arc<InFlight>);
+
+#[derive(Default)]
+struct InFlight(Mutex<Option<std::thread::JoinHandle<Result<()>>>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for StateWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateWriter")
+    }
+}
+
+impl StateWriter {
+    /// Starts writing `state` to `path` once the write in flight is done; with
+    /// `wait`, returns when this one is done too.
+    pub fn write(&self, path: PathBuf, state: Arc<TrainingState>, wait: bool) -> Result<()> {
+        // Held while joining: whoever else waits, waits for the join to finish.
+        let mut in_flight = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        joined(in_flight.take())?;
+        let handle = std::thread::Builder::new()
+            .name("state-writer".into())
+            .spawn(move || save_state(&path, &state))
+            .map_err(|e| RuntimeError::Config(format!("cannot start the state writer: {e}")))?;
+        *in_flight = Some(handle);
+        drop(in_flight);
+        if wait {
+            self.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the write in flight, if any, and returns its result.
+    pub fn wait(&self) -> Result<()> {
+        let mut in_flight = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        joined(in_flight.take())
+    }
+}
+
+/// The result of the write `h`, once it is done.
+fn joined(h: Option<std::thread::JoinHandle<Result<()>>>) -> Result<()> {
+    match h {
+        Some(h) => h
+            .join()
+            .unwrap_or_else(|_| Err(RuntimeError::Config("the state writer panicked".into()))),
+        None => Ok(()),
+    }
+}
+
 fn last_written() -> std::sync::MutexGuard<'static, Option<(std::path::PathBuf, u64)>> {
     static LAST: std::sync::Mutex<Option<(std::path::PathBuf, u64)>> = std::sync::Mutex::new(None);
     LAST.lock()
@@ -393,4 +455,50 @@ fn sorted_keys(m: &HashMap<String, Tensor>) -> Vec<String> {
     let mut v: Vec<String> = m.keys().cloned().collect();
     v.sort();
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: u64) -> Arc<TrainingState> {
+        let index = StateIndex {
+            format: String::new(),
+            model: "m".into(),
+            step,
+            samples: 4 * step,
+            saved_by: "test".into(),
+            optimizer: "Sgd { lr: 0.1 }".into(),
+            variables: Vec::new(),
+            optimizer_state: Vec::new(),
+        };
+        let w = Tensor::F32(ArrayD::from_elem(IxDyn(&[3]), step as f32));
+        let params = [("w".to_string(), w)].into_iter().collect();
+        Arc::new(TrainingState::new(index, params, HashMap::new()))
+    }
+
+    #[test]
+    fn states_are_written_in_turn_and_a_failed_write_is_reported_by_the_next_call() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("s.st");
+        let w = StateWriter::default();
+        for step in 1..=5 {
+            w.write(path.clone(), state(step), false).expect("started");
+        }
+        w.wait().expect("written");
+        assert_eq!(load_state(&path).expect("a state").index.step, 5);
+        // Under a file, not a folder: the write fails on its own thread, and the next
+        // call returns its error (the state it was given is not written).
+        let bad = path.join("s.st");
+        w.write(bad, state(6), false).expect("started");
+        let e = w
+            .write(path.clone(), state(7), true)
+            .expect_err("the failed write");
+        assert!(e.to_string().contains("s.st/s.st"), "{e}");
+        assert_eq!(load_state(&path).expect("a state").index.step, 5);
+        // The last handle dropped waits for the write in flight.
+        w.write(path.clone(), state(8), false).expect("started");
+        drop(w);
+        assert_eq!(load_state(&path).expect("a state").index.step, 8);
+    }
 }

@@ -121,6 +121,24 @@ pub fn launch(
         evaluate: opts.evaluate && config.data.has_held_out(),
         ..opts.clone()
     };
+    let result = launch_checked(programs, config, opts, device, transport, on_step);
+    // A failed run's last state may still be being written: it is on disk (or its
+    // write failed) before the caller says which state the run left.
+    let written = opts.checkpoint.as_ref().map_or(Ok(()), |c| c.written());
+    let report = result?;
+    written?;
+    Ok(report)
+}
+
+/// [`launch`] once its options are checked.
+fn launch_checked(
+    programs: &Programs<'_>,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    device: &DeviceChoice,
+    transport: &TransportChoice,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+) -> Result<Option<TrainReport>> {
     match (device, transport) {
         (DeviceChoice::Cpu, TransportChoice::InProcess) => {
             train(*programs, config, opts, on_step).map(Some)

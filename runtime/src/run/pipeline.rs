@@ -349,7 +349,7 @@ impl<'a> PipelineRun<'a> {
                 )));
             }
             let state = TrainingState::new(index, params.clone(), slots);
-            crate::core::checkpoint::save_state(&c.path, &state)?;
+            c.write(Arc::new(state), step == self.cadence.last)?;
         }
         match evaluator {
             Some(e) if self.cadence.evaluates_at(step) => {

@@ -138,8 +138,8 @@ impl StateSlot {
             .clone()
     }
 
-    pub(crate) fn keep(&self, state: TrainingState) {
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(state));
+    pub(crate) fn keep(&self, state: Arc<TrainingState>) {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(state);
     }
 }
 
@@ -162,6 +162,33 @@ pub struct CheckpointEvery {
     pub every: usize,
     /// What trains, for the index: strategy, workers, ZeRO stage.
     pub saved_by: String,
+    /// Writes the states while training goes on.
+    writer: crate::core::checkpoint::StateWriter,
+}
+
+impl CheckpointEvery {
+    /// States written to `path` every `every` steps and after the last, their index
+    /// saying `saved_by`.
+    pub fn new(path: PathBuf, every: usize, saved_by: String) -> CheckpointEvery {
+        CheckpointEvery {
+            path,
+            every,
+            saved_by,
+            writer: Default::default(),
+        }
+    }
+
+    /// Writes `state` while training goes on (the previous write done first); the
+    /// run's last state (`last`) is on disk when this returns.
+    pub(crate) fn write(&self, state: Arc<TrainingState>, last: bool) -> Result<()> {
+        self.writer.write(self.path.clone(), state, last)
+    }
+
+    /// Waits for the state being written, if any: once a step's metrics line is out,
+    /// its state (where the step wrote one) is on disk when this returns.
+    pub fn written(&self) -> Result<()> {
+        self.writer.wait()
+    }
 }
 
 impl Default for TrainOptions {

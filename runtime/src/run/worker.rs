@@ -1592,6 +1592,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             save_training_state(
                 self.opts,
                 self.cadence.writes_file(step),
+                self.last,
                 st,
                 self.programs,
                 self.config,
@@ -1844,6 +1845,7 @@ pub(crate) fn resumed_slots(
 fn save_training_state<B: Backend>(
     opts: &TrainOptions,
     to_file: bool,
+    last: usize,
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
@@ -1945,9 +1947,9 @@ fn save_training_state<B: Backend>(
         variables: Vec::new(),
         optimizer_state: Vec::new(),
     };
-    let state = TrainingState::new(index, params, slots);
+    let state = Arc::new(TrainingState::new(index, params, slots));
     if let (Some(c), true) = (&opts.checkpoint, to_file) {
-        crate::core::checkpoint::save_state(&c.path, &state)?;
+        c.write(state.clone(), step == last)?;
     }
     if let Some(s) = &opts.snapshot {
         s.keep(state);
