@@ -20,17 +20,8 @@ steps="${STEPS:-8}"
 fail="${FAIL:-1:5}"
 out="${RESULTS:-$(mktemp -d)}"
 mkdir -p "$out"
-# gpt.dsl reads Penn Treebank as token ids: made once by scripts/ptb-tokens.py.
-data_for() {
-  case "$1" in
-    *gpt.dsl)
-      [ -d "$out/gpt-data/ptb-tokens" ] ||
-        python3 scripts/ptb-tokens.py "${DISTC_DATA:?gpt.dsl needs DISTC_DATA}/ptb" \
-          "$out/gpt-data/ptb-tokens" >/dev/null
-      echo "$out/gpt-data" ;;
-    *) echo "${DISTC_DATA:-}" ;;
-  esac
-}
+# shellcheck source=bench/data.sh
+source bench/data.sh
 
 # name | model | layout
 cases=(
@@ -47,7 +38,7 @@ for c in "${cases[@]}"; do
   IFS='|' read -r name model layout <<<"$c"
   m="$out/$(echo "$name" | tr ' ,+' '___').jsonl"
   data=()
-  dir=$(data_for "$model")
+  dir=$(data_for "$model" "$out")
   [ -n "$dir" ] && data=(--data "$dir")
   # shellcheck disable=SC2086
   "$distc" train "$model" $layout "${data[@]}" --steps "$steps" --elastic \

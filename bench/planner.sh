@@ -31,22 +31,13 @@ out="${RESULTS:-$(mktemp -d)}"
 say() { echo "[planner.sh] $*" >&2; }
 [ -x "$distc" ] || { say "no distc binary at $distc (cargo build --release)"; exit 1; }
 mkdir -p "$out"
-# gpt.dsl reads Penn Treebank as token ids: made once by scripts/ptb-tokens.py.
-data_for() {
-  case "$1" in
-    *gpt.dsl)
-      [ -d "$out/gpt-data/ptb-tokens" ] ||
-        python3 scripts/ptb-tokens.py "${DISTC_DATA:?gpt.dsl needs DISTC_DATA}/ptb" \
-          "$out/gpt-data/ptb-tokens" >/dev/null
-      echo "$out/gpt-data" ;;
-    *) echo "${DISTC_DATA:-}" ;;
-  esac
-}
+# shellcheck source=bench/data.sh
+source bench/data.sh
 
 for model in $models; do
   name=$(basename "$model" .dsl)
   data=()
-  dir=$(data_for "$model")
+  dir=$(data_for "$model" "$out")
   [ -n "$dir" ] && data=(--data "$dir")
   for n in $workers; do
     tag="$name-$n"

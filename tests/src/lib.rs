@@ -24,6 +24,35 @@ pub fn example(name: &str) -> PathBuf {
     root.join("examples").join(name)
 }
 
+/// A mesh of `data` replicas x `model` model ranks x `pipe` stages, `micro`
+/// micro-batches a step: all-reduce over the replicas, one device's layout (`single`)
+/// without them; one replica of a pipeline alone is one worker (its stages are its
+/// ranks), as `--mesh` compiles it.
+pub fn mesh(
+    data: usize,
+    model: usize,
+    pipe: usize,
+    micro: usize,
+) -> distc_passes::placement::StrategyConfig {
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    StrategyConfig {
+        strategy: if data > 1 {
+            Strategy::Allreduce
+        } else {
+            Strategy::Single
+        },
+        workers: if data * model == 1 {
+            1
+        } else {
+            data * model * pipe
+        },
+        model,
+        pipeline: pipe,
+        micro_batches: micro,
+        ..Default::default()
+    }
+}
+
 /// Whether NVRTC is there to compile generated CUDA: in the folders of
 /// `DISTC_CUDA_LIB_DIR`, then in the repository's `.nvrtc/` (what
 /// `scripts/install-nvrtc.sh` fills). Without it `test` skips, saying why, except in

@@ -374,7 +374,7 @@ fn cpu_against_wrapped(what: &str, c: &distc::Compiled, workers: usize) {
 #[test]
 fn pipelines_and_meshes_on_another_backend_train_what_the_cpu_trains() {
     use distc_ir::pipeline::schedule::ScheduleKind;
-    use distc_passes::placement::{Strategy, StrategyConfig};
+    use distc_passes::placement::StrategyConfig;
     // (what, data, model, pipe, micro-batches, schedule)
     let layouts = [
         ("pipeline 2, GPipe", 1, 1, 2, 2, ScheduleKind::GPipe),
@@ -390,25 +390,11 @@ fn pipelines_and_meshes_on_another_backend_train_what_the_cpu_trains() {
         ("mesh model=2 pipe=2", 1, 2, 2, 2, ScheduleKind::OneFOneB),
     ];
     for (what, data, model, pipe, micro, schedule) in layouts {
-        // One pipeline alone is compiled for one worker (its stages are its ranks).
-        let workers = if data * model == 1 {
-            1
-        } else {
-            data * model * pipe
-        };
         let strategy = StrategyConfig {
-            strategy: if data > 1 {
-                Strategy::Allreduce
-            } else {
-                Strategy::Single
-            },
-            workers,
-            model,
-            pipeline: pipe,
-            micro_batches: micro,
             schedule,
-            ..Default::default()
+            ..distc_tests::mesh(data, model, pipe, micro)
         };
+        let workers = strategy.workers;
         let c = compile_file(
             &example("dense_mlp.dsl"),
             &CompileOptions {

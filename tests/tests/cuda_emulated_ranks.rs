@@ -319,8 +319,8 @@ fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
 /// A pipeline's messages device to device (issue 38, item 1): each stage's activations
 /// and gradients go to its neighbour by NCCL's send and receive on emulated devices,
 /// the stash stays on the stage's own device. Three stages under 1F1B (the middle one
-/// both receives and sends either way), and two stages of a data 2 x model 2 mesh
-/// under GPipe. The messages are the host path's bytes: losses and weights equal a
+/// both receives and sends either way), and two stages two model ranks wide under
+/// GPipe. The messages are the host path's bytes: losses and weights equal a
 /// run whose messages go through the host, bitwise, and the CPU's within rounding;
 /// the metrics say which path each stage took.
 #[test]
@@ -329,28 +329,14 @@ fn pipeline_messages_go_device_to_device_on_nccl() {
     use distc_runtime::run::metrics::StepMetrics;
     for (data, model, pipe, micro, schedule) in [
         (1, 1, 3, 4, ScheduleKind::OneFOneB),
-        (2, 2, 2, 2, ScheduleKind::GPipe),
+        (1, 2, 2, 2, ScheduleKind::GPipe),
     ] {
         let what = format!("data {data} x model {model} x pipe {pipe}, {micro} micro-batches");
-        // One replica of a pipeline under `single` is one worker (as `--mesh` makes it).
-        let workers = if data * model == 1 {
-            1
-        } else {
-            data * model * pipe
-        };
         let strategy = StrategyConfig {
-            strategy: if data > 1 {
-                Strategy::Allreduce
-            } else {
-                Strategy::Single
-            },
-            workers,
-            model,
-            pipeline: pipe,
-            micro_batches: micro,
             schedule,
-            ..Default::default()
+            ..distc_tests::mesh(data, model, pipe, micro)
         };
+        let workers = strategy.workers;
         let c = compile_file(
             &example("dense_mlp.dsl"),
             &CompileOptions {

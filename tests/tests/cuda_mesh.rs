@@ -12,31 +12,10 @@
 use distc::verify::{verify, VerifyOptions};
 use distc::CompileOptions;
 use distc_ir::pipeline::schedule::ScheduleKind;
-use distc_passes::placement::{Strategy, StrategyConfig};
-use distc_tests::example;
+use distc_passes::placement::StrategyConfig;
+use distc_tests::{example, mesh};
 use std::path::Path;
 use std::time::Duration;
-
-/// `data` x `model` x `pipe` workers, `micro` micro-batches a step.
-fn mesh(data: usize, model: usize, pipe: usize, micro: usize) -> StrategyConfig {
-    StrategyConfig {
-        strategy: if data > 1 {
-            Strategy::Allreduce
-        } else {
-            Strategy::Single
-        },
-        // One replica of a pipeline under `single` is one worker (as `--mesh` makes it).
-        workers: if data == 1 && model == 1 {
-            1
-        } else {
-            data * model * pipe
-        },
-        model,
-        pipeline: pipe,
-        micro_batches: micro,
-        ..Default::default()
-    }
-}
 
 /// Verifies `file` under `strategy` on the GPU: both sides (the mesh's workers and the
 /// one device) on GPU 0, within `tolerance` of the largest weight.
