@@ -474,6 +474,13 @@ pub struct RunArgs {
     /// Write the --checkpoint file every K steps (at least 1).
     #[arg(long, value_parser = at_least_one, value_name = "K", requires = "checkpoint")]
     pub checkpoint_every: Option<usize>,
+    /// With --checkpoint DIR: every worker writes its own shard of the state (its ZeRO
+    /// chunks, its model-axis parts) into the folder DIR, in parallel and while
+    /// training goes on; nothing is gathered. DIR/latest names the last complete state
+    /// (DIR/step-K/: a manifest.json and rank-R.safetensors a worker), which
+    /// --resume DIR loads into any layout.
+    #[arg(long, requires = "checkpoint")]
+    pub sharded: bool,
     /// Continue a run from a --checkpoint file: its variables, optimizer state and data
     /// position, from the step after its own up to --steps (or the plan's steps). The
     /// plan may use another strategy, worker count or ZeRO stage than the run that

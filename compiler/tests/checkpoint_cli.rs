@@ -612,3 +612,126 @@ fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_canno
         "workers 0 to 1",
     );
 }
+
+/// Issue 40, item 2: with `--sharded` every worker writes its own shard (nothing is
+/// gathered), and the state put together from the shards is the one-file state of the
+/// same run, bit for bit; it resumes under another layout as the file does. A state
+/// with a shard missing is refused, naming the shard.
+#[test]
+fn a_sharded_state_is_the_whole_state_and_resumes_into_another_layout() {
+    // Adam: slots split as their variables are.
+    let dense = "examples/mlp.dsl";
+    for (label, model, layout, workers) in [
+        (
+            "mesh-zero3",
+            dense,
+            &["--mesh", "data=2,model=2", "--zero", "3"][..],
+            4,
+        ),
+        (
+            "hybrid",
+            MODEL,
+            &["--strategy", "hybrid", "--servers", "1", "--workers", "2"][..],
+            2,
+        ),
+    ] {
+        let (whole, dir) = (tmp(&format!("{label}.st")), tmp(&format!("{label}-shards")));
+        for (out, sharded) in [(&whole, false), (&dir, true)] {
+            let mut args = vec![
+                "train",
+                model,
+                "--steps",
+                "4",
+                "-q",
+                "--checkpoint-every",
+                "3",
+            ];
+            args.extend(layout);
+            args.extend(["--checkpoint", s(out)]);
+            if sharded {
+                args.push("--sharded");
+            }
+            let o = distc(&args);
+            assert!(o.status.success(), "{label}: {}", text(&o));
+        }
+        // The state of step 3 was committed, then step 4's replaced it.
+        let latest = std::fs::read_to_string(dir.join("latest")).expect("latest");
+        assert_eq!(latest.trim(), "step-000000004", "{label}");
+        let folders: Vec<String> = std::fs::read_dir(&dir)
+            .expect("the folder")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        assert_eq!(folders, ["step-000000004"], "{label}");
+        let step = dir.join("step-000000004");
+        let shard_bytes: Vec<u64> = (0..workers)
+            .map(|r| {
+                std::fs::metadata(step.join(format!("rank-{r}.safetensors")))
+                    .expect("a shard a worker")
+                    .len()
+            })
+            .collect();
+        let a = checkpoint::load_state(&whole).expect("the whole state");
+        let b = checkpoint::load_state(&dir).expect("the sharded state");
+        assert_eq!(a.index.step, 4);
+        assert_eq!(a.index, b.index, "{label}");
+        assert_eq!(a.params, b.params, "{label}");
+        assert_eq!(a.optimizer, b.optimizer, "{label}");
+        if label == "mesh-zero3" {
+            // Four workers each hold about a quarter: no worker wrote the whole model.
+            let file = std::fs::metadata(&whole).expect("the file").len();
+            let most = *shard_bytes.iter().max().expect("shards");
+            assert!(
+                most * 3 < file,
+                "{label}: shards {shard_bytes:?}, whole {file}"
+            );
+        }
+        // Resumed under another layout, the sharded state trains what the file trains.
+        let mut ends = Vec::new();
+        for from in [&whole, &dir] {
+            let end = tmp(&format!("{label}-end-{}.st", ends.len()));
+            let o = distc(&[
+                "train",
+                model,
+                "--steps",
+                "6",
+                "-q",
+                "--strategy",
+                "allreduce",
+                "--workers",
+                "2",
+                "--resume",
+                s(from),
+                "--save",
+                s(&end),
+            ]);
+            assert!(o.status.success(), "{label}: {}", text(&o));
+            ends.push(end);
+        }
+        assert_eq!(common::max_difference(&ends[0], &ends[1]), 0.0, "{label}");
+    }
+    // A shard missing: the state is refused, naming it.
+    let dir = tmp("mesh-zero3-shards");
+    std::fs::remove_file(dir.join("step-000000004/rank-2.safetensors")).expect("removed");
+    refused(
+        &["train", dense, "-q", "--steps", "6", "--resume", s(&dir)],
+        "rank-2.safetensors",
+    );
+    // Pipeline stages write their state whole.
+    refused(
+        &[
+            "train",
+            dense,
+            "-q",
+            "--steps",
+            "1",
+            "--pipeline",
+            "2",
+            "--checkpoint",
+            s(&tmp("pipe")),
+            "--sharded",
+        ],
+        "--sharded",
+    );
+}

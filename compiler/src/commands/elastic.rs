@@ -161,6 +161,9 @@ pub(super) fn launch_elastic(
         recompiled = Some(compiled);
         workers = after;
         opts.resume = state;
+        if let Some(c) = &opts.checkpoint {
+            c.abandon_pending();
+        }
         // The rehearsed failure happened: the restarted run keeps its workers.
         opts.fail = None;
         restarts += 1;

@@ -115,11 +115,16 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
             },
             pipeline_words(&plan.settings)
         );
-        CheckpointEvery::new(
+        let every = CheckpointEvery::new(
             path.clone(),
             args.checkpoint_every.unwrap_or(usize::MAX),
             saved_by,
-        )
+        );
+        if args.sharded {
+            every.sharded()
+        } else {
+            every
+        }
     });
     Ok(TrainOptions {
         steps: args.steps,
@@ -149,7 +154,18 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
 /// overwritten).
 fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     let plan = r.plan;
-    let outputs: Vec<&Path> = [&args.metrics, &args.save, &args.trace, &args.checkpoint]
+    // A sharded state is a folder: its `latest` file stands for it.
+    let sharded_at = args
+        .checkpoint
+        .as_ref()
+        .filter(|_| args.sharded)
+        .map(|dir| dir.join(distc_runtime::core::shards::LATEST));
+    let checkpoint = if args.sharded {
+        &sharded_at
+    } else {
+        &args.checkpoint
+    };
+    let outputs: Vec<&Path> = [&args.metrics, &args.save, &args.trace, checkpoint]
         .into_iter()
         .flatten()
         .map(PathBuf::as_path)
@@ -331,8 +347,9 @@ fn interrupt_flag() -> Arc<AtomicBool> {
         let seen = flag.clone();
         let installed = ctrlc::set_handler(move || {
             if seen.swap(true, Ordering::SeqCst) {
+                let stopped = distc_runtime::core::output::stop_writes();
                 err("\ninterrupted again: stopping now, writing nothing more\n");
-                distc_runtime::core::output::exit_removing_temp_files(130);
+                stopped.exit(130);
             }
             err("\ninterrupted: stopping after this step (Ctrl-C again stops at once)\n");
         });
@@ -350,15 +367,16 @@ fn interrupt_flag() -> Arc<AtomicBool> {
 /// rank 0 says what is on disk (`note`). Exits with 130, as in-process.
 fn stop_at_once_on_interrupt(note: impl Fn() -> Option<String> + Send + 'static) {
     let installed = ctrlc::set_handler(move || {
-        distc_runtime::core::output::remove_temp_files_in_flight();
+        // Training goes on meanwhile, and mpirun may kill the rank at any moment from
+        // here: no write may start, or leave its temporary file.
+        let stopped = distc_runtime::core::output::stop_writes();
         if let Some(note) = note() {
             err(&format!("\nerror: {note}\n"));
             // mpirun forwards a rank's output only while it reads the rank's pipe; a
             // moment before exiting lets it read the note before the rank is gone.
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
-        // Training went on meanwhile: a checkpoint may have started writing.
-        distc_runtime::core::output::exit_removing_temp_files(130);
+        stopped.exit(130);
     });
     if let Err(e) = installed {
         err(&format!("warning: Ctrl-C will stop at once: {e}\n"));

@@ -94,13 +94,7 @@ pub fn save(
     let meta = Some(metadata);
     let bytes = safetensors::serialize(views, meta)
         .map_err(|e| data_err(path, format!("cannot serialise the tensors: {e}")))?;
-    crate::core::output::write_atomic(path, |tmp| {
-        use std::io::Write;
-        let mut f = std::fs::File::create(tmp).map_err(io_err(tmp))?;
-        f.write_all(&bytes)
-            .and_then(|()| f.sync_all())
-            .map_err(io_err(tmp))
-    })
+    crate::core::output::write_atomic(path, |f| std::io::Write::write_all(f, &bytes))
 }
 
 /// Reads a checkpoint written by [`save`] (or any safetensors file of f32, f64 and
@@ -308,8 +302,13 @@ pub fn save_state(path: &Path, state: &TrainingState) -> Result<()> {
         &named,
         [(INDEX_KEY.to_string(), index)].into_iter().collect(),
     )?;
-    *last_written() = Some((path.to_path_buf(), state.index.step));
+    note_written(path, state.index.step);
     Ok(())
+}
+
+/// Records that the state of `step` is whole on disk at `path`.
+pub(crate) fn note_written(path: &Path, step: u64) {
+    *last_written() = Some((path.to_path_buf(), step));
 }
 
 /// Writes training states on a thread of its own, one at a time: training goes on
@@ -341,12 +340,22 @@ impl StateWriter {
     /// Starts writing `state` to `path` once the write in flight is done; with
     /// `wait`, returns when this one is done too.
     pub fn write(&self, path: PathBuf, state: Arc<TrainingState>, wait: bool) -> Result<()> {
+        self.start(move || save_state(&path, &state), wait)
+    }
+
+    /// Starts the write `job` once the write in flight is done; with `wait`, returns
+    /// when this one is done too.
+    pub fn start(
+        &self,
+        job: impl FnOnce() -> Result<()> + Send + 'static,
+        wait: bool,
+    ) -> Result<()> {
         // Held while joining: whoever else waits, waits for the join to finish.
         let mut in_flight = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
         joined(in_flight.take())?;
         let handle = std::thread::Builder::new()
             .name("state-writer".into())
-            .spawn(move || save_state(&path, &state))
+            .spawn(job)
             .map_err(|e| RuntimeError::Config(format!("cannot start the state writer: {e}")))?;
         *in_flight = Some(handle);
         drop(in_flight);
@@ -385,9 +394,13 @@ pub fn last_state_written() -> Option<(std::path::PathBuf, u64)> {
     last_written().clone()
 }
 
-/// Reads a training state written by [`save_state`]; a plain weights file (`--save`)
-/// or a tensor the index does not list is refused with the reason.
+/// Reads a training state written by [`save_state`], or a sharded one (a folder, see
+/// [`crate::core::shards`]); a plain weights file (`--save`) or a tensor the index
+/// does not list is refused with the reason.
 pub fn load_state(path: &Path) -> Result<TrainingState> {
+    if path.is_dir() {
+        return crate::core::shards::load_sharded(path);
+    }
     let (mut tensors, meta) = load(path)?;
     let Some(text) = meta.get(INDEX_KEY) else {
         return Err(data_err(

@@ -14,7 +14,8 @@
 //! - [`init`]: seeded variable initialisers.
 //! - [`peak`]: devices' peak arithmetic rates, for model FLOPs utilisation.
 //! - [`roles`]: the documented mapping from a rank to its role (worker or server).
-//! - [`checkpoint`] and [`output`]: the training-state format on disk and atomic writes.
+//! - [`checkpoint`] and [`output`]: the training-state format on disk and atomic writes;
+//!   [`shards`]: a state written as one shard a worker.
 //!
 //! Depends on `distc-ir` only. The CPU backend (`crate::cpu`), the CUDA backend
 //! (`crate::cuda`), communication (`crate::comm`), parameter servers (`crate::ps`) and
@@ -33,4 +34,5 @@ pub mod output;
 pub mod peak;
 pub mod roles;
 pub mod schedule;
+pub mod shards;
 pub mod value;

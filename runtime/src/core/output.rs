@@ -10,7 +10,7 @@
 //! A process killed while writing leaves its temporary file behind. Temporary files
 //! are named `.NAME.distc-tmp-PID`, so the next write of the same target removes those
 //! whose process is gone; a process stopped by a signal it handles removes its own
-//! first ([`remove_temp_files_in_flight`]).
+//! first ([`stop_writes`]).
 
 use crate::core::error::{Result, RuntimeError};
 use std::path::{Path, PathBuf};
@@ -150,8 +150,12 @@ fn remove_stale(dir: &Path, prefix: &str) {
 }
 
 /// Writes `path` through a temporary file renamed into place; `write` fills the
-/// temporary file. Checks the target with [`check_output`] (no inputs) first.
-pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+/// temporary file, which is synced before the rename. Checks the target with
+/// [`check_output`] (no inputs) first.
+pub fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<()> {
     check_output(path, &[])?;
     let (tmp, prefix) = temp_path(path)?;
     let dir = tmp.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -160,13 +164,29 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
         source,
     })?;
     remove_stale(&dir, &prefix);
-    in_flight().push(tmp.clone());
-    let result = write(&tmp).and_then(|()| {
-        std::fs::rename(&tmp, path).map_err(|source| RuntimeError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
-    });
+    // Listed and created under one lock: a signal's handler that holds it (see
+    // [`stop_writes`]) sees every temporary file that exists, and no other is made.
+    let file = {
+        let mut files = in_flight();
+        let file = std::fs::File::create(&tmp);
+        if file.is_ok() {
+            files.push(tmp.clone());
+        }
+        file
+    };
+    let io = |source| RuntimeError::Io {
+        path: tmp.clone(),
+        source,
+    };
+    let result = file
+        .map_err(io)
+        .and_then(|mut f| write(&mut f).and_then(|()| f.sync_all()).map_err(io))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|source| RuntimeError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        });
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
@@ -182,36 +202,34 @@ fn in_flight() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Removes the temporary files this process is writing, for a process about to exit
-/// in the middle of a write (a signal's handler): what they were to replace stays as
-/// it was. The files stay listed until their writers finish, so a writer that
-/// creates its file again after this (it was between listing and creating it) is
-/// caught by [`exit_removing_temp_files`].
-pub fn remove_temp_files_in_flight() {
-    for tmp in in_flight().iter() {
-        let _ = std::fs::remove_file(tmp);
-    }
-}
-
-/// Exits with `code` after removing the temporary files in flight, holding the list
-/// until the process is gone: no write starts or finishes in between, so none is left
-/// behind (the training threads go on while a signal's handler runs).
-pub fn exit_removing_temp_files(code: i32) -> ! {
+/// Writes stopped for good, for a process about to exit in the middle of them (a
+/// signal's handler; the training threads go on meanwhile): the temporary files in
+/// flight are removed, so what they were to replace stays as it was, and no write
+/// starts until the process is gone, however long the handler takes before
+/// [`StoppedWrites::exit`] (mpirun may kill the process while it waits: nothing is
+/// left behind then either). A write in flight goes on into its removed file, and its
+/// rename fails.
+pub fn stop_writes() -> StoppedWrites {
     let files = in_flight();
     for tmp in files.iter() {
         let _ = std::fs::remove_file(tmp);
     }
-    std::process::exit(code)
+    StoppedWrites(files)
+}
+
+/// See [`stop_writes`].
+pub struct StoppedWrites(#[allow(dead_code)] std::sync::MutexGuard<'static, Vec<PathBuf>>);
+
+impl StoppedWrites {
+    /// Exits with `code`, writes still stopped.
+    pub fn exit(self, code: i32) -> ! {
+        std::process::exit(code)
+    }
 }
 
 /// [`write_atomic`] of bytes.
 pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic(path, |tmp| {
-        std::fs::write(tmp, bytes).map_err(|source| RuntimeError::Io {
-            path: tmp.to_path_buf(),
-            source,
-        })
-    })
+    write_atomic(path, |f| std::io::Write::write_all(f, bytes))
 }
 
 /// Reads a whole input file (a model, a plan, a metrics file, a checkpoint, a data

@@ -156,14 +156,26 @@ pub struct InjectedFailure {
 /// Where and how often a run writes its [`TrainingState`].
 #[derive(Clone, Debug)]
 pub struct CheckpointEvery {
-    /// The file (rewritten atomically each time).
+    /// The file (rewritten atomically each time), or with `sharded` the folder.
     pub path: PathBuf,
     /// Every this many steps (at least 1).
     pub every: usize,
     /// What trains, for the index: strategy, workers, ZeRO stage.
     pub saved_by: String,
+    /// Each worker writes its own shard into the folder `path`
+    /// ([`crate::core::shards`]), instead of worker 0 writing the whole state.
+    pub sharded: bool,
     /// Writes the states while training goes on.
     writer: crate::core::checkpoint::StateWriter,
+    /// Sharded: each worker's writer (the threads of this process), and the step of
+    /// the state written but not yet committed (worker 0's).
+    shards: Arc<std::sync::Mutex<ShardWrites>>,
+}
+
+#[derive(Debug, Default)]
+struct ShardWrites {
+    writers: HashMap<usize, crate::core::checkpoint::StateWriter>,
+    pending: Option<u64>,
 }
 
 impl CheckpointEvery {
@@ -174,7 +186,17 @@ impl CheckpointEvery {
             path,
             every,
             saved_by,
+            sharded: false,
             writer: Default::default(),
+            shards: Default::default(),
+        }
+    }
+
+    /// The same, each worker writing its own shard into the folder `path`.
+    pub fn sharded(self) -> CheckpointEvery {
+        CheckpointEvery {
+            sharded: true,
+            ..self
         }
     }
 
@@ -184,9 +206,44 @@ impl CheckpointEvery {
         self.writer.write(self.path.clone(), state, last)
     }
 
+    /// Worker `rank`'s writer of its shards.
+    pub(crate) fn shard_writer(&self, rank: usize) -> crate::core::checkpoint::StateWriter {
+        let mut s = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+        s.writers.entry(rank).or_default().clone()
+    }
+
+    /// Marks the state of `step` written by every worker once they all say so: the
+    /// one before it, if any, is committed first (`None`: commits the pending one).
+    pub(crate) fn commit_pending(&self, then: Option<u64>) -> Result<()> {
+        let mut s = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(step) = s.pending.take() {
+            crate::core::shards::commit(&self.path, step)?;
+        }
+        s.pending = then;
+        Ok(())
+    }
+
+    /// Forgets the state written but not committed, after a run that stopped short
+    /// (an elastic restart): a lost worker may not have written its shard.
+    pub fn abandon_pending(&self) {
+        let mut s = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+        for w in s.writers.values() {
+            let _ = w.wait();
+        }
+        s.writers.clear();
+        s.pending = None;
+    }
+
     /// Waits for the state being written, if any: once a step's metrics line is out,
     /// its state (where the step wrote one) is on disk when this returns.
     pub fn written(&self) -> Result<()> {
+        let writers: Vec<_> = {
+            let s = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+            s.writers.values().cloned().collect()
+        };
+        for w in writers {
+            w.wait()?;
+        }
         self.writer.wait()
     }
 }

@@ -1837,10 +1837,11 @@ pub(crate) fn resumed_slots(
     out
 }
 
-/// Writes the training state after `step`, whole: worker 0 writes its replicated
+/// Writes the training state after `step`. Whole: worker 0 writes its replicated
 /// variables and slots, the servers' rows and slots, and the ZeRO chunks and
 /// model-axis parts, which every worker gathers with it through the final program (a
-/// collective, so every worker calls this at the same steps).
+/// collective, so every worker calls this at the same steps). Sharded: every worker
+/// writes what it holds, and nothing is gathered.
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
     opts: &TrainOptions,
@@ -1871,6 +1872,53 @@ fn save_training_state<B: Backend>(
             .download(t)
             .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
         host.insert(name.clone(), t);
+    }
+    // Worker 0's part of the state that no worker holds: the servers' variables and
+    // slots, whole, and the loss scaler.
+    let mut held_elsewhere: HashMap<String, Tensor> = HashMap::new();
+    if rank == 0 {
+        if let Some(ps) = hook.ps.as_mut() {
+            let parts = ps.snapshot(step as u64)?;
+            held_elsewhere =
+                crate::ps::assemble(parts, &crate::run::programs::pulled_types(programs.worker))?;
+        }
+        if let Some(s) = scaler {
+            held_elsewhere.insert(LOSS_SCALE_KEY.to_string(), s.to_tensor());
+        }
+    }
+    let k = crate::run::programs::micro_batches(programs.worker);
+    let saved_by = match (&opts.checkpoint, &opts.snapshot) {
+        (Some(c), _) => c.saved_by.clone(),
+        (None, Some(s)) => s.saved_by.clone(),
+        (None, None) => String::new(),
+    };
+    let index = StateIndex {
+        format: String::new(),
+        model: programs.worker.name.clone(),
+        step: step as u64,
+        // The data is split over the replicas: a model axis's workers read one batch.
+        samples: (step * config.batch * replicas * k) as u64,
+        saved_by,
+        optimizer: format!("{:?}", config.optimizer),
+        variables: Vec::new(),
+        optimizer_state: Vec::new(),
+    };
+    let sharded = opts.checkpoint.as_ref().filter(|c| c.sharded && to_file);
+    if let Some(c) = sharded {
+        let mut mine: HashMap<String, Tensor> = host
+            .iter()
+            .chain(&slots)
+            .map(|(k, t)| (k.clone(), t.clone()))
+            .collect();
+        for (k, t) in &held_elsewhere {
+            // A server's variable replaces the copy the worker pulled.
+            mine.insert(k.clone(), t.clone());
+        }
+        write_shard(c, programs, &index, mine, (rank, ranks), step == last, hook)?;
+    }
+    let whole = opts.snapshot.is_some() || (to_file && sharded.is_none());
+    if !whole {
+        return Ok(());
     }
     let mut params: HashMap<String, Tensor> = HashMap::new();
     if let Some(fin) = programs.finalize {
@@ -1915,44 +1963,80 @@ fn save_training_state<B: Backend>(
         host.into_iter()
             .filter(|(k, _)| programs.finalize.is_none_or(|f| !reads_param(f, k))),
     );
-    if let Some(ps) = hook.ps.as_mut() {
-        let parts = ps.snapshot(step as u64)?;
-        let whole =
-            crate::ps::assemble(parts, &crate::run::programs::pulled_types(programs.worker))?;
-        for (k, t) in whole {
-            if k.contains('/') {
-                slots.insert(k, t);
-            } else {
-                params.insert(k, t);
-            }
+    for (k, t) in held_elsewhere {
+        if k.contains('/') {
+            slots.insert(k, t);
+        } else {
+            params.insert(k, t);
         }
     }
-    if let Some(s) = scaler {
-        slots.insert(LOSS_SCALE_KEY.to_string(), s.to_tensor());
-    }
-    let k = crate::run::programs::micro_batches(programs.worker);
-    let saved_by = match (&opts.checkpoint, &opts.snapshot) {
-        (Some(c), _) => c.saved_by.clone(),
-        (None, Some(s)) => s.saved_by.clone(),
-        (None, None) => String::new(),
-    };
-    let index = StateIndex {
-        format: String::new(),
-        model: programs.worker.name.clone(),
-        step: step as u64,
-        // The data is split over the replicas: a model axis's workers read one batch.
-        samples: (step * config.batch * replicas * k) as u64,
-        saved_by,
-        optimizer: format!("{:?}", config.optimizer),
-        variables: Vec::new(),
-        optimizer_state: Vec::new(),
-    };
     let state = Arc::new(TrainingState::new(index, params, slots));
-    if let (Some(c), true) = (&opts.checkpoint, to_file) {
+    if let (Some(c), true) = (&opts.checkpoint, to_file && sharded.is_none()) {
         c.write(state.clone(), step == last)?;
     }
     if let Some(s) = &opts.snapshot {
         s.keep(state);
+    }
+    Ok(())
+}
+
+/// Writes this worker's shard of the state `index` (of `tensors`, what it holds,
+/// worker 0's with what no worker holds): the shard while training goes on, worker
+/// 0's manifest beside it. A state is committed once every worker has written its
+/// shard: the one before is committed here, after every worker's writer finished it;
+/// the last one (`last`) before this returns.
+fn write_shard(
+    c: &crate::run::programs::CheckpointEvery,
+    programs: &Programs<'_>,
+    index: &StateIndex,
+    tensors: HashMap<String, Tensor>,
+    (rank, (data, model)): (usize, (usize, usize)),
+    last: bool,
+    hook: &mut WorkerHook,
+) -> Result<()> {
+    use crate::core::shards;
+    let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Config)?;
+    let writer = c.shard_writer(rank);
+    writer.wait()?;
+    every_worker_barrier(hook, index.step)?;
+    if rank == 0 {
+        c.commit_pending(Some(index.step))?;
+        let mut keys: Vec<String> = tensors.keys().cloned().collect();
+        keys.sort();
+        let mesh = Mesh::of(programs)?;
+        shards::write_manifest(
+            &c.path,
+            index,
+            &layout,
+            &keys,
+            (programs.workers, mesh.data, mesh.model),
+        )?;
+    }
+    let mine: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .filter(|(k, _)| layout.writes(k, (data, model)))
+        .collect();
+    let (dir, step) = (c.path.clone(), index.step);
+    writer.start(
+        move || shards::write_shard(&dir, step, (rank, data, model), &mine),
+        last,
+    )?;
+    if last {
+        every_worker_barrier(hook, step)?;
+        if rank == 0 {
+            c.commit_pending(None)?;
+        }
+    }
+    Ok(())
+}
+
+/// Returns once every worker of the mesh has called it: the data axis's barrier,
+/// then the model axis's (each model rank's replicas are all there before the model
+/// ranks meet).
+fn every_worker_barrier(hook: &mut WorkerHook, step: u64) -> Result<()> {
+    hook.barrier(step)?;
+    if let Some((comm, _)) = hook.model.as_mut() {
+        comm.barrier()?;
     }
     Ok(())
 }

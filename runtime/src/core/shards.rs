@@ -1,0 +1,567 @@
+//! Sharded training states (`--checkpoint DIR --sharded`): every worker writes the
+//! tensors it holds (its ZeRO chunks, its model-axis parts, and the whole variables
+//! no other worker holds first), in parallel and while training goes on; worker 0
+//! adds a manifest. A state loads whole ([`load_sharded`]), so any layout resumes it
+//! as it resumes a one-file state.
+//!
+//! On disk:
+//! ```text
+//! DIR/latest                        step-000000040 (the last complete state)
+//! DIR/step-000000040/manifest.json  the index, the workers, each tensor's gathers
+//! DIR/step-000000040/rank-0.safetensors ... rank-(N-1).safetensors
+//! ```
+//! A state is complete once every worker has written its shard; only then does
+//! `latest` name it ([`commit`]), and the states before it are removed. A shard
+//! carries its step and worker in its metadata and a checksum per tensor, so a mix of
+//! steps, a missing shard or a damaged one is refused, never loaded.
+//!
+//! How a stored tensor becomes the whole one is read from the plan's final program,
+//! which gathers exactly these tensors: a chain of `all_gather_dense` (ZeRO's chunks
+//! over the data axis) and `model_gather` (the parts of the model axis) from a
+//! variable to an output ([`Layout::of`]).
+
+use crate::core::checkpoint::{self, StateIndex, TrainingState, STEP_KEY};
+use crate::core::error::{Result, RuntimeError};
+use crate::core::value::Tensor;
+use distc_ir::{Graph, Op};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The manifest's file name in a state's folder.
+pub const MANIFEST: &str = "manifest.json";
+/// The file naming the last complete state's folder.
+pub const LATEST: &str = "latest";
+const FORMAT: &str = "distc-sharded-state";
+/// The metadata key of a shard's [`ShardIdentity`].
+const SHARD_KEY: &str = "distc_shard";
+
+/// One step of the final program from a stored tensor to the whole one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Gather {
+    /// ZeRO's chunks over the data axis: the flat chunks of `parts` workers joined,
+    /// the padding cut, the result of `shape`.
+    Chunks { parts: usize, shape: Vec<usize> },
+    /// The model axis's parts: `parts` tensors joined along `dim`.
+    Parts { dim: usize, parts: usize },
+}
+
+impl Gather {
+    fn axis(&self) -> Axis {
+        match self {
+            Gather::Chunks { .. } => Axis::Data,
+            Gather::Parts { .. } => Axis::Model,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Axis {
+    Data,
+    Model,
+}
+
+/// A stored tensor: the whole tensor's name, and the gathers that make it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Stored {
+    /// The name a worker's shard stores it under (`w1.tp.zero`, `w1.tp.zero/m`).
+    pub stored: String,
+    /// The final program's gathers, in order.
+    pub gathers: Vec<Gather>,
+}
+
+/// How each variable a worker holds is split: its stored name to the whole
+/// variable's name and the gathers between them. A variable it does not list is
+/// whole on every worker that holds it.
+#[derive(Clone, Debug, Default)]
+pub struct Layout(HashMap<String, (String, Vec<Gather>)>);
+
+impl Layout {
+    /// The layout of a plan whose final program is `finalize` (none: nothing is
+    /// split). An op in the final program other than the two gathers is refused:
+    /// the state could not be put together again.
+    pub fn of(finalize: Option<&Graph>) -> std::result::Result<Layout, String> {
+        let mut out = HashMap::new();
+        let Some(g) = finalize else {
+            return Ok(Layout(out));
+        };
+        for (whole, value) in g.outputs() {
+            let mut gathers = Vec::new();
+            let mut id = value.node;
+            let stored = loop {
+                let node = g.node(id);
+                match g.op(id) {
+                    Op::Param { name, .. } => break name.clone(),
+                    Op::AllGatherDense { workers, shape } => gathers.push(Gather::Chunks {
+                        parts: *workers,
+                        shape: shape.0.clone(),
+                    }),
+                    Op::ModelGather { dim, parts } => gathers.push(Gather::Parts {
+                        dim: *dim,
+                        parts: *parts,
+                    }),
+                    other => {
+                        return Err(format!(
+                            "the plan's final program makes `{whole}` with `{}`, which a \
+                             sharded state cannot record (it records gathers of ZeRO \
+                             chunks and model-axis parts)",
+                            other.mnemonic()
+                        ))
+                    }
+                }
+                id = node.inputs[0].node;
+            };
+            gathers.reverse();
+            out.insert(stored, (whole, gathers));
+        }
+        Ok(Layout(out))
+    }
+
+    /// The whole name and the gathers of the stored tensor `key` (a variable, or an
+    /// optimizer slot `VAR/SLOT` split as its variable is).
+    fn whole(&self, key: &str) -> (String, Vec<Gather>) {
+        if let Some((whole, g)) = self.0.get(key) {
+            return (whole.clone(), g.clone());
+        }
+        if let Some((var, slot)) = key.rsplit_once('/').filter(|_| key != STEP_KEY) {
+            if let Some((whole, g)) = self.0.get(var) {
+                return (format!("{whole}/{slot}"), g.clone());
+            }
+        }
+        (key.to_string(), Vec::new())
+    }
+
+    /// Whether the worker at `(data, model)` writes `key`: one worker of each group
+    /// that holds the same values, the first along every axis the tensor is not
+    /// split on.
+    pub fn writes(&self, key: &str, (data, model): (usize, usize)) -> bool {
+        let (_, gathers) = self.whole(key);
+        let split = |axis| gathers.iter().any(|g| g.axis() == axis);
+        (data == 0 || split(Axis::Data)) && (model == 0 || split(Axis::Model))
+    }
+}
+
+/// What a shard says of itself, in its metadata.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct ShardIdentity {
+    step: u64,
+    rank: usize,
+    data: usize,
+    model: usize,
+}
+
+/// A sharded state's manifest: the index of the whole state, the workers that wrote
+/// it, and how each whole tensor is put together.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always `distc-sharded-state`.
+    pub format: String,
+    /// The whole state's index (its variables and optimizer state by whole name).
+    pub index: StateIndex,
+    /// Workers, one shard each: `rank-R.safetensors`.
+    pub workers: usize,
+    /// The data axis's and the model axis's sizes.
+    pub data: usize,
+    /// See `data`.
+    pub model: usize,
+    /// Each whole tensor's stored name and gathers.
+    pub tensors: BTreeMap<String, Stored>,
+}
+
+/// A state's folder under `dir`.
+pub fn step_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("step-{step:09}"))
+}
+
+fn shard_file(rank: usize) -> String {
+    format!("rank-{rank}.safetensors")
+}
+
+fn data_err(path: &Path, message: impl Into<String>) -> RuntimeError {
+    RuntimeError::Data {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// Worker 0's part before the shards: the manifest of the state at `index.step`,
+/// `keys` being every tensor worker 0 holds (it holds one of each).
+pub fn write_manifest(
+    dir: &Path,
+    index: &StateIndex,
+    layout: &Layout,
+    keys: &[String],
+    (workers, data, model): (usize, usize, usize),
+) -> Result<()> {
+    let mut tensors = BTreeMap::new();
+    let (mut variables, mut optimizer_state) = (Vec::new(), Vec::new());
+    for key in keys {
+        let (whole, gathers) = layout.whole(key);
+        if whole.contains('/') {
+            optimizer_state.push(whole.clone());
+        } else {
+            variables.push(whole.clone());
+        }
+        tensors.insert(
+            whole,
+            Stored {
+                stored: key.clone(),
+                gathers,
+            },
+        );
+    }
+    variables.sort();
+    optimizer_state.sort();
+    let manifest = Manifest {
+        format: FORMAT.to_string(),
+        index: StateIndex {
+            variables,
+            optimizer_state,
+            format: "distc-training-state".into(),
+            ..index.clone()
+        },
+        workers,
+        data,
+        model,
+        tensors,
+    };
+    let path = step_dir(dir, index.step).join(MANIFEST);
+    let text = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| data_err(&path, format!("cannot encode the manifest: {e}")))?;
+    crate::core::output::write_file(&path, text.as_bytes())
+}
+
+/// Worker `rank`'s shard of the state at `step`: the tensors it writes.
+pub fn write_shard(
+    dir: &Path,
+    step: u64,
+    (rank, data, model): (usize, usize, usize),
+    tensors: &HashMap<String, Tensor>,
+) -> Result<()> {
+    let path = step_dir(dir, step).join(shard_file(rank));
+    let mut named: Vec<(String, &Tensor)> = tensors.iter().map(|(k, t)| (k.clone(), t)).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let identity = ShardIdentity {
+        step,
+        rank,
+        data,
+        model,
+    };
+    let meta = serde_json::to_string(&identity)
+        .map_err(|e| data_err(&path, format!("cannot encode the shard's identity: {e}")))?;
+    checkpoint::save(&path, &named, [(SHARD_KEY.to_string(), meta)].into())
+}
+
+/// Makes the state at `step` the one `dir` holds: `latest` names it, and the
+/// folders of earlier states are removed (a later one may be being written). Call
+/// once every shard is written.
+pub fn commit(dir: &Path, step: u64) -> Result<()> {
+    let name = format!("step-{step:09}");
+    crate::core::output::write_file(&dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    let entries = std::fs::read_dir(dir).map_err(|source| RuntimeError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for e in entries.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        let earlier = n
+            .strip_prefix("step-")
+            .and_then(|k| k.parse::<u64>().ok())
+            .is_some_and(|k| k < step);
+        if earlier && e.path().is_dir() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    checkpoint::note_written(dir, step);
+    Ok(())
+}
+
+/// The folder of the state `path` names: the one `latest` names, or `path` itself
+/// where it holds a manifest.
+fn state_dir(path: &Path) -> Result<PathBuf> {
+    let latest = path.join(LATEST);
+    if latest.is_file() {
+        let text = crate::core::output::read_regular_text(&latest, 4096).map_err(|source| {
+            RuntimeError::Io {
+                path: latest.clone(),
+                source,
+            }
+        })?;
+        let name = text.trim();
+        if name.is_empty() || name.contains(['/', '\\']) || name == ".." {
+            return Err(data_err(
+                &latest,
+                format!("names `{name}`, not a state's folder"),
+            ));
+        }
+        return Ok(path.join(name));
+    }
+    if path.join(MANIFEST).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    Err(data_err(
+        path,
+        format!(
+            "is a folder with neither `{LATEST}` nor `{MANIFEST}`: not a sharded training \
+             state, or one whose first state was never completed"
+        ),
+    ))
+}
+
+/// Reads the sharded state `path` names (its folder, or one state's folder), whole:
+/// every shard is checked against the manifest (its step, its worker, its
+/// checksums) before anything is put together.
+pub fn load_sharded(path: &Path) -> Result<TrainingState> {
+    let dir = state_dir(path)?;
+    let mpath = dir.join(MANIFEST);
+    let text = crate::core::output::read_regular_text(&mpath, 1 << 28).map_err(|source| {
+        RuntimeError::Io {
+            path: mpath.clone(),
+            source,
+        }
+    })?;
+    let manifest: Manifest = serde_json::from_str(&text)
+        .map_err(|e| data_err(&mpath, format!("not a sharded state's manifest: {e}")))?;
+    if manifest.format != FORMAT {
+        return Err(data_err(
+            &mpath,
+            format!("format `{}` is not {FORMAT}", manifest.format),
+        ));
+    }
+    if manifest.workers == 0
+        || manifest.data == 0
+        || manifest.model == 0
+        || manifest.data * manifest.model > manifest.workers
+    {
+        return Err(data_err(
+            &mpath,
+            format!(
+                "{} workers on a data axis of {} and a model axis of {}: the manifest is \
+                 damaged",
+                manifest.workers, manifest.data, manifest.model
+            ),
+        ));
+    }
+    let step = manifest.index.step;
+    // Every shard, by its place on the mesh.
+    let mut shards: HashMap<(usize, usize), HashMap<String, Tensor>> = HashMap::new();
+    for rank in 0..manifest.workers {
+        let spath = dir.join(shard_file(rank));
+        if !spath.is_file() {
+            return Err(data_err(
+                &spath,
+                format!(
+                    "is missing: the state of step {step} has {} shards, and is incomplete \
+                     without this one",
+                    manifest.workers
+                ),
+            ));
+        }
+        let (tensors, meta) = checkpoint::load(&spath)?;
+        let identity: ShardIdentity = meta
+            .get(SHARD_KEY)
+            .and_then(|m| serde_json::from_str(m).ok())
+            .ok_or_else(|| data_err(&spath, "is not a shard of a sharded state"))?;
+        if identity.step != step || identity.rank != rank {
+            return Err(data_err(
+                &spath,
+                format!(
+                    "is worker {}'s shard of step {}; the manifest wants worker {rank}'s of \
+                     step {step}: the state is incomplete",
+                    identity.rank, identity.step
+                ),
+            ));
+        }
+        if identity.data >= manifest.data || identity.model >= manifest.model {
+            return Err(data_err(
+                &spath,
+                format!(
+                    "is at data rank {} and model rank {}, outside the manifest's mesh",
+                    identity.data, identity.model
+                ),
+            ));
+        }
+        let mine = shards.entry((identity.data, identity.model)).or_default();
+        mine.extend(tensors);
+    }
+    let mut params = HashMap::new();
+    let mut optimizer = HashMap::new();
+    for (whole, stored) in &manifest.tensors {
+        let t = assemble(&manifest, &shards, whole, stored).map_err(|m| data_err(&dir, m))?;
+        if manifest.index.variables.contains(whole) {
+            params.insert(whole.clone(), t);
+        } else {
+            optimizer.insert(whole.clone(), t);
+        }
+    }
+    for name in manifest
+        .index
+        .variables
+        .iter()
+        .chain(&manifest.index.optimizer_state)
+    {
+        if !manifest.tensors.contains_key(name) {
+            return Err(data_err(
+                &mpath,
+                format!("the index lists `{name}`, the manifest does not say where it is"),
+            ));
+        }
+    }
+    Ok(TrainingState::new(manifest.index, params, optimizer))
+}
+
+/// The whole tensor `whole` from the shards: the stored pieces gathered in the final
+/// program's order, each gather joining the pieces along its axis.
+fn assemble(
+    manifest: &Manifest,
+    shards: &HashMap<(usize, usize), HashMap<String, Tensor>>,
+    whole: &str,
+    stored: &Stored,
+) -> std::result::Result<Tensor, String> {
+    let split = |axis| stored.gathers.iter().any(|g| g.axis() == axis);
+    let datas = if split(Axis::Data) { manifest.data } else { 1 };
+    let models = if split(Axis::Model) {
+        manifest.model
+    } else {
+        1
+    };
+    let mut pieces: HashMap<(usize, usize), Tensor> = HashMap::new();
+    for d in 0..datas {
+        for m in 0..models {
+            let t = shards
+                .get(&(d, m))
+                .and_then(|s| s.get(&stored.stored))
+                .ok_or_else(|| {
+                    format!(
+                        "no shard at data rank {d} and model rank {m} holds `{}` (a piece of \
+                         `{whole}`): the state is damaged",
+                        stored.stored
+                    )
+                })?;
+            pieces.insert((d, m), t.clone());
+        }
+    }
+    let (mut datas, mut models) = (datas, models);
+    for g in &stored.gathers {
+        let mut next = HashMap::new();
+        match g {
+            Gather::Chunks { parts, shape } => {
+                if *parts != datas {
+                    return Err(format!(
+                        "`{whole}` is gathered from {parts} chunks, the data axis has {datas}"
+                    ));
+                }
+                for m in 0..models {
+                    let chunks: Vec<&Tensor> = (0..datas).map(|d| &pieces[&(d, m)]).collect();
+                    next.insert((0, m), join_chunks(&chunks, shape, whole)?);
+                }
+                datas = 1;
+            }
+            Gather::Parts { dim, parts } => {
+                if *parts != models {
+                    return Err(format!(
+                        "`{whole}` is gathered from {parts} parts, the model axis has {models}"
+                    ));
+                }
+                for d in 0..datas {
+                    let ps: Vec<&Tensor> = (0..models).map(|m| &pieces[&(d, m)]).collect();
+                    next.insert((d, 0), concat(&ps, *dim, whole)?);
+                }
+                models = 1;
+            }
+        }
+        pieces = next;
+    }
+    pieces
+        .remove(&(0, 0))
+        .ok_or_else(|| format!("`{whole}` has pieces left on more than one worker"))
+}
+
+/// The flat chunks joined, the padding cut, shaped `shape` (what `all_gather_dense`
+/// makes of ZeRO's chunks).
+fn join_chunks(
+    chunks: &[&Tensor],
+    shape: &[usize],
+    whole: &str,
+) -> std::result::Result<Tensor, String> {
+    let n: usize = shape.iter().product();
+    let flat: Vec<Tensor> = chunks
+        .iter()
+        .map(|c| reshape(c, &[c.len()], whole))
+        .collect::<std::result::Result<_, _>>()?;
+    let refs: Vec<&Tensor> = flat.iter().collect();
+    let joined = concat(&refs, 0, whole)?;
+    if joined.len() < n {
+        return Err(format!(
+            "`{whole}`'s chunks hold {} elements, its shape {shape:?} {n}",
+            joined.len()
+        ));
+    }
+    reshape(&slice_front(&joined, n), shape, whole)
+}
+
+macro_rules! each_dtype {
+    ($t:expr, $a:ident => $body:expr) => {
+        match $t {
+            Tensor::F32($a) => Tensor::F32($body),
+            Tensor::F64($a) => Tensor::F64($body),
+            Tensor::I32($a) => Tensor::I32($body),
+            Tensor::BF16($a) => Tensor::BF16($body),
+            Tensor::F16($a) => Tensor::F16($body),
+        }
+    };
+}
+
+fn slice_front(t: &Tensor, n: usize) -> Tensor {
+    each_dtype!(t, a => a.slice(ndarray::s![..n]).to_owned().into_dyn())
+}
+
+fn reshape(t: &Tensor, shape: &[usize], whole: &str) -> std::result::Result<Tensor, String> {
+    let bad =
+        |e: ndarray::ShapeError| format!("`{whole}`: a piece of {:?} as {shape:?}: {e}", t.shape());
+    Ok(each_dtype!(t, a => a
+        .as_standard_layout()
+        .into_owned()
+        .into_shape_with_order(ndarray::IxDyn(shape))
+        .map_err(bad)?))
+}
+
+/// The pieces joined along `dim` (all of one dtype).
+fn concat(pieces: &[&Tensor], dim: usize, whole: &str) -> std::result::Result<Tensor, String> {
+    let first = pieces
+        .first()
+        .ok_or_else(|| format!("`{whole}` has no pieces"))?;
+    if dim >= first.shape().len() {
+        return Err(format!(
+            "`{whole}` is joined along dimension {dim} of a piece of {:?}",
+            first.shape()
+        ));
+    }
+    macro_rules! join {
+        ($v:ident) => {{
+            let views = pieces
+                .iter()
+                .map(|p| match p {
+                    Tensor::$v(a) => Ok(a.view()),
+                    other => Err(format!(
+                        "`{whole}`'s pieces are of {} and {}",
+                        first.dtype(),
+                        other.dtype()
+                    )),
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Tensor::$v(
+                ndarray::concatenate(ndarray::Axis(dim), &views)
+                    .map_err(|e| format!("`{whole}`: pieces that do not join: {e}"))?,
+            )
+        }};
+    }
+    Ok(match first {
+        Tensor::F32(_) => join!(F32),
+        Tensor::F64(_) => join!(F64),
+        Tensor::I32(_) => join!(I32),
+        Tensor::BF16(_) => join!(BF16),
+        Tensor::F16(_) => join!(F16),
+    })
+}
