@@ -996,7 +996,9 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
                 return Vec::new();
             }
             let _ = std::fs::remove_dir_all(dir);
-            ["--checkpoint", s(dir), "--sharded"].map(String::from).to_vec()
+            ["--checkpoint", s(dir), "--sharded"]
+                .map(String::from)
+                .to_vec()
         };
         let mut args: Vec<String> = ["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]
             .map(String::from)

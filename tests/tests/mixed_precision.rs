@@ -571,17 +571,19 @@ fn zero_sends_its_gradients_on_a_16_bit_wire() {
 }
 
 #[test]
-fn lm_and_sparse_lm_in_bf16_end_where_f32_does_after_200_steps() {
+fn lm_and_sparse_lm_in_bf16_end_where_f32_does_after_100_steps() {
     let Some(dir) = distc_runtime::run::data::data_dir(None) else {
         eprintln!("SKIP: no data directory (DISTC_DATA) for Penn Treebank");
         return;
     };
-    // Measured (200 steps, eval loss): lm f32 6.7852, bf16 6.7854, fp16 6.7853;
-    // sparse_lm f32 5.2670, bf16 5.2661, fp16 5.2669. Held to 1% of f32.
+    // Measured (eval loss): after 100 steps lm f32 6.9329, bf16 6.9331; sparse_lm f32
+    // 6.1121, bf16 6.1118. After 200 (the test's length before CI time was cut): lm f32
+    // 6.7852, bf16 6.7854, fp16 6.7853; sparse_lm f32 5.2670, bf16 5.2661, fp16 5.2669.
+    // Held to 1% of f32.
     for model in ["lm.dsl", "sparse_lm.dsl"] {
         let eval: Vec<f64> = [Precision::Fp32, Precision::Bf16]
             .into_iter()
-            .map(|p| last_evaluation(model, p, 200, &dir).eval_loss)
+            .map(|p| last_evaluation(model, p, 100, &dir).eval_loss)
             .collect();
         let rel = (eval[1] - eval[0]).abs() / eval[0];
         eprintln!("{model}: eval loss f32 {:.4}, bf16 {:.4}", eval[0], eval[1]);
