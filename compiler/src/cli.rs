@@ -894,3 +894,41 @@ pub fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
         data_dir: data.map(Path::to_path_buf),
     }
 }
+
+/// `distc launch`'s own flags (the `train` flags follow `--`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct LaunchArgs {
+    /// Workers of the first job; each restart has one fewer.
+    #[arg(long, value_parser = at_least_one, value_name = "N")]
+    pub workers: usize,
+    /// Parameter servers, kept on a restart.
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    pub servers: usize,
+    /// The folder of the training state, sharded (one shard a worker): written every
+    /// --checkpoint-every steps and after the last, and resumed from after a lost rank
+    /// (and at the start, where it holds one).
+    #[arg(long, value_name = "DIR")]
+    pub state: PathBuf,
+    /// Write the state every K steps: a lost rank undoes the steps since.
+    #[arg(long, value_parser = at_least_one, default_value_t = 10, value_name = "K")]
+    pub checkpoint_every: usize,
+    /// Restart at most K times.
+    #[arg(long, default_value_t = 3, value_name = "K")]
+    pub max_restarts: usize,
+    /// Stop instead of restarting with fewer than M workers.
+    #[arg(long, value_parser = at_least_one, default_value_t = 1, value_name = "M")]
+    pub min_workers: usize,
+    /// The hosts, for mpirun (`node1 slots=2` a line).
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// The MPI launcher.
+    #[arg(long, default_value = "mpirun", value_name = "PROGRAM")]
+    pub mpirun: String,
+    /// An option for the launcher (repeatable): `--mpirun-arg=--oversubscribe`.
+    #[arg(long = "mpirun-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub mpirun_args: Vec<String>,
+    /// Every attempt's metrics lines, in one file (JSON lines, as `train --metrics`);
+    /// the first line after a restart carries a `restart` object.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+}

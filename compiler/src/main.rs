@@ -110,6 +110,18 @@ enum Command {
         #[command(flatten)]
         run: RunArgs,
     },
+    /// Train a model as MPI ranks under a supervisor: when a rank is lost (killed, or
+    /// crashed), mpirun is started again with one worker fewer, from the last state in
+    /// the --state folder (sharded, written every --checkpoint-every steps). Example:
+    /// `distc launch --workers 4 --state run.state -- examples/lm.dsl --strategy
+    /// allreduce --steps 1000`
+    Launch {
+        #[command(flatten)]
+        launch: distc::cli::LaunchArgs,
+        /// `train`'s arguments: the model and its flags.
+        #[arg(last = true, required = true, value_name = "TRAIN ARGS")]
+        train: Vec<String>,
+    },
     /// Evaluate trained weights on the model's held-out data, without training: prints
     /// the metrics and, with --metrics, writes them as one JSON line.
     Eval {
@@ -372,6 +384,7 @@ fn dispatch(command: Command) -> Result<()> {
         ),
         Command::Run { plan, run } => commands::run::run(&plan, &run),
         Command::Train { file, compile, run } => commands::run::train(&file, &compile, &run),
+        Command::Launch { launch, train } => distc::commands::launch::launch(&launch, &train),
         Command::Ir {
             file,
             after,

@@ -2281,7 +2281,8 @@ fn run_cli(cwd: &Path, tmp: &Path, args: &[Vec<u8>], limit: Duration) -> Result<
     }
     match status.code() {
         Some(0) => Ok(Outcome::Accepted),
-        Some(c @ (1 | 2)) => {
+        // 75: a rehearsed lost worker (`--fail-worker`), refused as a run that lost one.
+        Some(c @ (1 | 2 | 75)) => {
             let err = String::from_utf8_lossy(&stderr);
             let last = err.lines().rev().find(|l| !l.trim().is_empty());
             Ok(Outcome::Refused(format!(

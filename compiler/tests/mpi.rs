@@ -1483,3 +1483,154 @@ fn ctrl_c_to_mpirun_stops_a_pipelined_job_saying_what_is_on_disk() {
     let written = checkpoint::load_state(&state).expect("the last state is whole");
     assert!(written.index.step >= 3, "{:?}", written.index);
 }
+
+/// The pid of rank `rank` of a job whose command line names `marker`, if it runs.
+fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains(marker) {
+            continue;
+        }
+        let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let is_rank = env
+            .split(|&b| b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .any(|kv| kv == format!("OMPI_COMM_WORLD_RANK={rank}"));
+        if is_rank {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Issue 40, items 1 and 4: `kill -9` of one rank of a `distc launch` job. mpirun ends
+/// the job; the supervisor starts it again with one worker fewer from the last
+/// sharded state on disk (ZeRO 3: the chunks are cut anew for 2 workers), and the run
+/// completes all its steps. Its weights equal, bit for bit, those of a job that
+/// trained to that state with 3 ranks and resumed from it with 2.
+#[test]
+fn a_rank_killed_under_distc_launch_costs_one_replica_not_the_job() {
+    let _one = common::one_job_at_a_time();
+    let state = tmp("launch.state");
+    let _ = std::fs::remove_dir_all(&state);
+    let (metrics, saved) = (tmp("launch.jsonl"), tmp("launch.st"));
+    let steps = 20;
+    let steps_s = steps.to_string();
+    let model = [
+        "examples/dense_mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--zero",
+        "3",
+        "--batch",
+        "16",
+        "-q",
+    ];
+    let child = Command::new(env!("CARGO_BIN_EXE_distc"))
+        .args(["launch", "--workers", "3", "--state", s(&state)])
+        .args(["--checkpoint-every", "1", "--metrics", s(&metrics)])
+        .args([
+            "--mpirun-arg=--allow-run-as-root",
+            "--mpirun-arg=--oversubscribe",
+        ])
+        .arg("--")
+        .args(model)
+        .args(["--steps", &steps_s, "--save", s(&saved)])
+        .current_dir(root())
+        .env("MATMUL_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("distc launch starts");
+    // Once the state of step 3 is complete, rank 1 is killed.
+    let start = Instant::now();
+    let latest = state.join("latest");
+    let at_least_3 = || {
+        std::fs::read_to_string(&latest)
+            .ok()
+            .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
+            .is_some_and(|k| k >= 3)
+    };
+    while !at_least_3() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = rank_pid(s(&state), 1).expect("rank 1 runs");
+    Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill");
+    let (o, _) = wait_at_most(child, None, Duration::from_secs(120), "launch");
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("a rank was lost") && t.contains("with 2 workers (was 3)"),
+        "{t}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .expect("the metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a metrics line"))
+        .collect();
+    assert_eq!(lines.last().expect("lines")["step"], steps, "{t}");
+    let restarts: Vec<&serde_json::Value> = lines.iter().filter_map(|l| l.get("restart")).collect();
+    assert_eq!(restarts.len(), 1, "{t}");
+    let r = restarts[0];
+    assert_eq!(
+        (r["workers_before"].as_u64(), r["workers_after"].as_u64()),
+        (Some(3), Some(2))
+    );
+    let from = r["resumed_from_step"].as_u64().expect("resumed from") as usize;
+    assert!(from >= 3, "{r}");
+    assert!(
+        r["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("rank 1") && c.contains("signal 9")),
+        "{r}"
+    );
+    println!(
+        "launch: rank 1 killed; resumed from step {from} with 2 workers, recovery {:.2} s \
+         ({})",
+        r["recovery_sec"].as_f64().unwrap_or(f64::NAN),
+        r["cause"]
+    );
+    // The same arithmetic by hand: 3 ranks to that step, then 2 from its state.
+    let reference = tmp("launch-ref.state");
+    let _ = std::fs::remove_dir_all(&reference);
+    let ref_saved = tmp("launch-ref.st");
+    let from_s = from.to_string();
+    for (np, extra) in [
+        (
+            3,
+            vec![
+                "--steps",
+                &from_s,
+                "--checkpoint",
+                s(&reference),
+                "--sharded",
+            ],
+        ),
+        (
+            2,
+            vec![
+                "--steps",
+                &steps_s,
+                "--resume",
+                s(&reference),
+                "--save",
+                s(&ref_saved),
+            ],
+        ),
+    ] {
+        let workers = np.to_string();
+        let mut args = vec!["train"];
+        args.extend(model);
+        args.extend(["--workers", &workers, "--transport", "mpi"]);
+        args.extend(extra);
+        let o = mpirun(np, &args);
+        assert!(o.status.success(), "{np} ranks: {}", text(&o));
+    }
+    assert_eq!(max_difference(&saved, &ref_saved), 0.0);
+}

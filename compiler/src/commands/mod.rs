@@ -8,6 +8,7 @@
 
 mod elastic;
 pub mod eval;
+pub mod launch;
 pub mod run;
 pub mod simulate;
 

@@ -132,14 +132,21 @@ impl RuntimeError {
     }
 
     /// The process's exit status for this error: 130 for an interrupt (128 + SIGINT, as
-    /// shells report a job stopped by Ctrl-C), 1 for every other failure.
+    /// shells report a job stopped by Ctrl-C), [`WORKER_LOST_EXIT`] for a lost worker or
+    /// peer, 1 for every other failure.
     pub fn exit_code(&self) -> i32 {
         match self.cause() {
             RuntimeError::Interrupted(_) => 130,
+            RuntimeError::WorkerLost { .. } | RuntimeError::Peer { .. } => WORKER_LOST_EXIT,
             _ => 1,
         }
     }
 }
+
+/// The status a process exits with when it stopped because a worker or a peer was
+/// lost (EX_TEMPFAIL: started again without it, the run may succeed): what `distc
+/// launch` restarts on.
+pub const WORKER_LOST_EXIT: i32 = 75;
 
 /// Shorthand for runtime results.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

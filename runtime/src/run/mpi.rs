@@ -448,7 +448,16 @@ pub fn run_with<B: Backend>(
         }
     };
     if size != roles.world() {
-        let line = format!("mpirun -np {} {}", roles.world(), mpi_run.command);
+        // Ranks srun started (a SLURM job step, no mpirun daemon behind them) are
+        // started again by srun; ranks of mpirun's, inside an allocation or not, by
+        // mpirun.
+        let by_srun = std::env::var_os("SLURM_STEP_ID").is_some()
+            && std::env::var_os("OMPI_MCA_orte_hnp_uri").is_none();
+        let line = if by_srun {
+            format!("srun -n {} --mpi=pmix {}", roles.world(), mpi_run.command)
+        } else {
+            format!("mpirun -np {} {}", roles.world(), mpi_run.command)
+        };
         return Err(RuntimeError::Config(if size == 1 {
             format!(
                 "--transport mpi: this plan has {}, so it runs as {} processes; start it \

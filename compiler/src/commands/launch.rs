@@ -1,0 +1,284 @@
+//! `distc launch`: a `train` job as MPI ranks under a supervisor that starts the job
+//! again, one replica smaller, when a rank is lost (issue 40).
+//!
+//! Under MPI a lost rank ends the whole job (mpirun kills the others), so the
+//! survivors' memory is gone with it: the supervisor keeps the state on disk instead.
+//! Each attempt is `mpirun -np W+S distc train ARGS --workers W --transport mpi
+//! --checkpoint DIR --sharded --checkpoint-every K`, resuming from `DIR` where it holds
+//! a state. When mpirun ends with a rank lost (a rank killed by a signal, or a rank
+//! that stopped on a lost peer: exit status 75), the supervisor starts the next attempt
+//! with one worker fewer (the data axis shrinks, servers are kept), from the last
+//! complete state in `DIR`, at most `--max-restarts` times and never below
+//! `--min-workers`. Any other failure is the job's own and ends the launch.
+//!
+//! Every attempt's metrics lines reach `--metrics FILE` as they come; the first line
+//! after a restart carries a `restart` object, as under `--elastic`.
+
+use crate::cli::LaunchArgs;
+use crate::console::err;
+use anyhow::{bail, Context, Result};
+use distc_runtime::core::error::WORKER_LOST_EXIT;
+use distc_runtime::run::metrics::Restart;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// `train` flags the supervisor sets itself on every attempt.
+const OWNED: [&str; 11] = [
+    "--workers",
+    "--servers",
+    "--transport",
+    "--checkpoint",
+    "--checkpoint-every",
+    "--sharded",
+    "--resume",
+    "--metrics",
+    "--elastic",
+    "--mesh",
+    "--pipeline",
+];
+
+/// Whether mpirun's `status` says a rank was lost: a rank killed by a signal a crash
+/// or `kill -9` sends (mpirun exits with 128 + the signal), or a rank that stopped on
+/// a lost peer.
+fn lost_a_rank(status: ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    match status.code() {
+        Some(WORKER_LOST_EXIT) => true,
+        // SIGABRT, SIGBUS, SIGKILL, SIGSEGV.
+        Some(c) if c > 128 => matches!(c - 128, 6 | 7 | 9 | 11),
+        Some(_) => false,
+        None => status.signal().is_some_and(|s| matches!(s, 6 | 7 | 9 | 11)),
+    }
+}
+
+/// The step of the last complete state in `dir`, if any.
+fn state_step(dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join(distc_runtime::core::shards::LATEST)).ok()?;
+    text.trim().strip_prefix("step-")?.parse().ok()
+}
+
+/// Runs `train` as the flags say, restarting on a lost rank.
+pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
+    for a in train {
+        if let Some(flag) = OWNED
+            .iter()
+            .find(|f| a == *f || a.starts_with(&format!("{f}=")))
+        {
+            bail!(
+                "distc launch sets {flag} itself: give the workers, servers, state folder \
+                 (--state), checkpoint interval and metrics file to launch, before `--`; \
+                 launch runs data-parallel plans (no --mesh or --pipeline yet)"
+            );
+        }
+    }
+    if args.workers < args.min_workers {
+        bail!(
+            "--workers {} is below --min-workers {}",
+            args.workers,
+            args.min_workers
+        );
+    }
+    let exe = std::env::current_exe().context("finding the distc binary")?;
+    let scratch = tempfile::tempdir().context("a folder for the attempts' metrics")?;
+    if let Some(m) = &args.metrics {
+        distc_runtime::core::output::check_output(m, &[])?;
+        std::fs::File::create(m).with_context(|| format!("{}", m.display()))?;
+    }
+    let mut workers = args.workers;
+    let mut restarts = 0;
+    let mut pending: Option<(Restart, Instant)> = None;
+    loop {
+        let resume = state_step(&args.state).is_some();
+        let metrics = scratch.path().join(format!("attempt-{restarts}.jsonl"));
+        let mut cmd = Command::new(&args.mpirun);
+        cmd.args(&args.mpirun_args);
+        if let Some(h) = &args.hostfile {
+            cmd.arg("--hostfile").arg(h);
+        }
+        cmd.args(["-np", &(workers + args.servers).to_string()])
+            .arg(&exe)
+            .arg("train")
+            .args(train)
+            .args(["--workers", &workers.to_string()])
+            .args(["--servers", &args.servers.to_string()])
+            .args(["--transport", "mpi", "--sharded"])
+            .arg("--checkpoint")
+            .arg(&args.state)
+            .args(["--checkpoint-every", &args.checkpoint_every.to_string()])
+            .arg("--metrics")
+            .arg(&metrics)
+            .stderr(Stdio::piped());
+        if resume {
+            cmd.arg("--resume").arg(&args.state);
+        }
+        let started = Instant::now();
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {} (is OpenMPI installed?)", args.mpirun))?;
+        // mpirun's own words on a lost rank, and the ranks' errors, for the restart's
+        // cause; everything is passed on to this process's stderr.
+        let said = Arc::new(Mutex::new(Vec::<String>::new()));
+        let forward = child.stderr.take().map(|e| {
+            let said = said.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(e).lines().map_while(|l| l.ok()) {
+                    err(&format!("{line}\n"));
+                    let l = line.trim();
+                    if l.starts_with("error:") || l.contains("exited on signal") {
+                        said.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(l.to_string());
+                    }
+                }
+            })
+        });
+        let mut lines = MetricsTail::new(metrics);
+        let status = loop {
+            lines.pass_on(args.metrics.as_deref(), &mut pending)?;
+            if let Some(s) = child.try_wait()? {
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let seen = Instant::now();
+        if let Some(f) = forward {
+            let _ = f.join();
+        }
+        lines.pass_on(args.metrics.as_deref(), &mut pending)?;
+        if status.success() {
+            return Ok(());
+        }
+        if !lost_a_rank(status) {
+            bail!("the job failed (mpirun: {status}), not on a lost rank: not restarted");
+        }
+        // mpirun's line naming the rank lost, else the ranks' errors (the survivors',
+        // stopped by mpirun, say they were interrupted: not the cause).
+        let cause = {
+            let said = said.lock().unwrap_or_else(|p| p.into_inner());
+            let signalled: Vec<&String> = said
+                .iter()
+                .filter(|l| l.contains("exited on signal"))
+                .collect();
+            match (signalled.is_empty(), said.is_empty()) {
+                (false, _) => signalled
+                    .iter()
+                    .map(|l| l.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                (true, false) => said.join("; "),
+                (true, true) => format!("mpirun: {status}"),
+            }
+        };
+        let after = workers - 1;
+        if restarts == args.max_restarts {
+            bail!("a rank was lost ({cause}); stopped after {restarts} restarts (--max-restarts)");
+        }
+        if after < args.min_workers {
+            bail!(
+                "a rank was lost ({cause}); {after} workers would be left, fewer than \
+                 --min-workers {}",
+                args.min_workers
+            );
+        }
+        let resumed_from = state_step(&args.state).unwrap_or(0);
+        let lost_at = lines
+            .last_step
+            .map_or(resumed_from, |s| s.max(resumed_from))
+            + 1;
+        err(&format!(
+            "distc launch: a rank was lost at step {lost_at} ({cause}); restarting from \
+             step {resumed_from} with {after} workers (was {workers})\n"
+        ));
+        let restart = Restart {
+            lost_at_step: lost_at,
+            resumed_from_step: resumed_from,
+            cause,
+            workers_before: workers,
+            workers_after: after,
+            recovery_sec: 0.0,
+            // Training since the state resumed from: from its step's line to the loss.
+            lost_sec: lines
+                .arrived
+                .iter()
+                .find(|(s, _)| *s == resumed_from)
+                .map_or(seen.saturating_duration_since(started), |(_, at)| {
+                    seen.saturating_duration_since(*at)
+                })
+                .as_secs_f64(),
+        };
+        pending = Some((restart, seen));
+        workers = after;
+        restarts += 1;
+    }
+}
+
+/// The lines an attempt's rank 0 has written so far, passed on once each.
+struct MetricsTail {
+    path: PathBuf,
+    /// Bytes of complete lines already passed on.
+    read: usize,
+    /// The last step passed on.
+    last_step: Option<usize>,
+    /// When each step's line arrived.
+    arrived: Vec<(usize, Instant)>,
+}
+
+impl MetricsTail {
+    fn new(path: PathBuf) -> MetricsTail {
+        MetricsTail {
+            path,
+            read: 0,
+            last_step: None,
+            arrived: Vec::new(),
+        }
+    }
+
+    /// Appends the new complete lines to `out`, the first after a restart carrying
+    /// `pending`'s restart (its recovery time measured to this line's step's start).
+    fn pass_on(
+        &mut self,
+        out: Option<&Path>,
+        pending: &mut Option<(Restart, Instant)>,
+    ) -> Result<()> {
+        let Ok(bytes) = std::fs::read(&self.path) else {
+            return Ok(());
+        };
+        let Some(end) = bytes.iter().rposition(|&b| b == b'\n').map(|e| e + 1) else {
+            return Ok(());
+        };
+        if end <= self.read {
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&bytes[self.read..end]).into_owned();
+        self.read = end;
+        let mut new = String::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let mut v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{}: a metrics line", self.path.display()))?;
+            let step = v["step"].as_u64().unwrap_or(0) as usize;
+            self.last_step = Some(step);
+            self.arrived.push((step, Instant::now()));
+            if let Some((mut restart, seen)) = pending.take() {
+                // From the loss to the first step's start: its own time is training.
+                let first = v["compute_sec"].as_f64().unwrap_or(0.0)
+                    + v["comm_wait_sec"].as_f64().unwrap_or(0.0);
+                restart.recovery_sec = (seen.elapsed().as_secs_f64() - first).max(0.0);
+                v["restart"] = serde_json::to_value(&restart)?;
+            }
+            new.push_str(&serde_json::to_string(&v)?);
+            new.push('\n');
+        }
+        if let Some(out) = out {
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(out)
+                .with_context(|| format!("{}", out.display()))?;
+            f.write_all(new.as_bytes())
+                .with_context(|| format!("{}", out.display()))?;
+        }
+        Ok(())
+    }
+}
