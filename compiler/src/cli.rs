@@ -918,9 +918,14 @@ pub struct LaunchArgs {
     /// Stop instead of restarting with fewer than M workers.
     #[arg(long, value_parser = at_least_one, default_value_t = 1, value_name = "M")]
     pub min_workers: usize,
-    /// The hosts, for mpirun (`node1 slots=2` a line).
+    /// The hosts, for mpirun (`node1 slots=2` a line). Read again while the job runs:
+    /// with --max-workers, slots added let the job grow.
     #[arg(long, value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
+    /// Let the job grow back, up to N workers, when the hostfile lists slots for more
+    /// (admitted at the next state written: the job is started again from it).
+    #[arg(long, value_parser = at_least_one, requires = "hostfile", value_name = "N")]
+    pub max_workers: Option<usize>,
     /// The MPI launcher.
     #[arg(long, default_value = "mpirun", value_name = "PROGRAM")]
     pub mpirun: String,

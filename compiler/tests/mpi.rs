@@ -1508,16 +1508,19 @@ fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
 
 /// Issue 40, items 1 and 4: `kill -9` of one rank of a `distc launch` job. mpirun ends
 /// the job; the supervisor starts it again with one worker fewer from the last
-/// sharded state on disk (ZeRO 3: the chunks are cut anew for 2 workers), and the run
-/// completes all its steps. Its weights equal, bit for bit, those of a job that
-/// trained to that state with 3 ranks and resumed from it with 2.
+/// sharded state on disk (ZeRO 3: the chunks are cut anew for 2 workers). Then the
+/// hostfile lists a third slot again, and the job grows back to 3 workers
+/// (`--max-workers`) from the next state written. The run completes all its steps,
+/// and its weights equal, bit for bit, those of jobs run by hand from state to state:
+/// 3 ranks to the first restart's state, 2 from it to the second's, 3 from there.
 #[test]
-fn a_rank_killed_under_distc_launch_costs_one_replica_not_the_job() {
+fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it_back() {
     let _one = common::one_job_at_a_time();
     let state = tmp("launch.state");
     let _ = std::fs::remove_dir_all(&state);
-    let (metrics, saved) = (tmp("launch.jsonl"), tmp("launch.st"));
-    let steps = 20;
+    let (metrics, saved, hosts) = (tmp("launch.jsonl"), tmp("launch.st"), tmp("hosts"));
+    std::fs::write(&hosts, "localhost slots=2\n").expect("the hostfile");
+    let steps = 24;
     let steps_s = steps.to_string();
     let model = [
         "examples/dense_mlp.dsl",
@@ -1530,8 +1533,17 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_not_the_job() {
         "-q",
     ];
     let child = Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(["launch", "--workers", "3", "--state", s(&state)])
+        .args([
+            "launch",
+            "--workers",
+            "3",
+            "--max-workers",
+            "3",
+            "--state",
+            s(&state),
+        ])
         .args(["--checkpoint-every", "1", "--metrics", s(&metrics)])
+        .args(["--hostfile", s(&hosts)])
         .args([
             "--mpirun-arg=--allow-run-as-root",
             "--mpirun-arg=--oversubscribe",
@@ -1545,23 +1557,40 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_not_the_job() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("distc launch starts");
-    // Once the state of step 3 is complete, rank 1 is killed.
     let start = Instant::now();
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        while !done() {
+            assert!(
+                start.elapsed() < Duration::from_secs(90),
+                "waited for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // Once the state of step 3 is complete, rank 1 is killed.
     let latest = state.join("latest");
-    let at_least_3 = || {
+    wait_for("the state of step 3", &|| {
         std::fs::read_to_string(&latest)
             .ok()
             .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
             .is_some_and(|k| k >= 3)
-    };
-    while !at_least_3() && start.elapsed() < Duration::from_secs(60) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    });
     let pid = rank_pid(s(&state), 1).expect("rank 1 runs");
     Command::new("kill")
         .args(["-KILL", &pid.to_string()])
         .status()
         .expect("kill");
+    // Once the job runs on 2 workers, a third slot comes back.
+    let restarts = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&metrics)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|l| l.get("restart").cloned())
+            .collect()
+    };
+    wait_for("the restart on 2 workers", &|| !restarts().is_empty());
+    std::fs::write(&hosts, "localhost slots=3\n").expect("the hostfile");
     let (o, _) = wait_at_most(child, None, Duration::from_secs(120), "launch");
     let t = text(&o);
     assert!(o.status.success(), "{t}");
@@ -1575,62 +1604,59 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_not_the_job() {
         .map(|l| serde_json::from_str(l).expect("a metrics line"))
         .collect();
     assert_eq!(lines.last().expect("lines")["step"], steps, "{t}");
-    let restarts: Vec<&serde_json::Value> = lines.iter().filter_map(|l| l.get("restart")).collect();
-    assert_eq!(restarts.len(), 1, "{t}");
-    let r = restarts[0];
-    assert_eq!(
-        (r["workers_before"].as_u64(), r["workers_after"].as_u64()),
-        (Some(3), Some(2))
-    );
-    let from = r["resumed_from_step"].as_u64().expect("resumed from") as usize;
-    assert!(from >= 3, "{r}");
+    let r = restarts();
+    assert_eq!(r.len(), 2, "{t}");
+    let workers =
+        |r: &serde_json::Value| (r["workers_before"].as_u64(), r["workers_after"].as_u64());
+    assert_eq!(workers(&r[0]), (Some(3), Some(2)), "{t}");
+    assert_eq!(workers(&r[1]), (Some(2), Some(3)), "{t}");
+    let step_of = |r: &serde_json::Value| r["resumed_from_step"].as_u64().expect("a step") as usize;
+    let (lost, grown) = (step_of(&r[0]), step_of(&r[1]));
+    assert!(lost >= 3 && grown > lost, "{r:?}");
     assert!(
-        r["cause"]
+        r[0]["cause"]
             .as_str()
             .is_some_and(|c| c.contains("rank 1") && c.contains("signal 9")),
-        "{r}"
+        "{r:?}"
+    );
+    assert!(
+        r[1]["cause"]
+            .as_str()
+            .is_some_and(|c| c.contains("3 slots")),
+        "{r:?}"
     );
     println!(
-        "launch: rank 1 killed; resumed from step {from} with 2 workers, recovery {:.2} s \
-         ({})",
-        r["recovery_sec"].as_f64().unwrap_or(f64::NAN),
-        r["cause"]
+        "launch: rank 1 killed, resumed from step {lost} on 2 workers (recovery {:.2} s); \
+         grown back to 3 from step {grown} (recovery {:.2} s)",
+        r[0]["recovery_sec"].as_f64().unwrap_or(f64::NAN),
+        r[1]["recovery_sec"].as_f64().unwrap_or(f64::NAN),
     );
-    // The same arithmetic by hand: 3 ranks to that step, then 2 from its state.
+    // The same arithmetic by hand, from state to state.
     let reference = tmp("launch-ref.state");
     let _ = std::fs::remove_dir_all(&reference);
     let ref_saved = tmp("launch-ref.st");
-    let from_s = from.to_string();
-    for (np, extra) in [
-        (
-            3,
-            vec![
-                "--steps",
-                &from_s,
-                "--checkpoint",
-                s(&reference),
-                "--sharded",
-            ],
-        ),
-        (
-            2,
-            vec![
-                "--steps",
-                &steps_s,
-                "--resume",
-                s(&reference),
-                "--save",
-                s(&ref_saved),
-            ],
-        ),
+    let (lost_s, grown_s) = (lost.to_string(), grown.to_string());
+    for (np, to, resume) in [
+        (3, &lost_s, false),
+        (2, &grown_s, true),
+        (3, &steps_s, true),
     ] {
         let workers = np.to_string();
         let mut args = vec!["train"];
         args.extend(model);
-        args.extend(["--workers", &workers, "--transport", "mpi"]);
-        args.extend(extra);
+        args.extend(["--workers", &workers, "--transport", "mpi", "--steps", to]);
+        args.extend([
+            "--checkpoint",
+            s(&reference),
+            "--sharded",
+            "--save",
+            s(&ref_saved),
+        ]);
+        if resume {
+            args.extend(["--resume", s(&reference)]);
+        }
         let o = mpirun(np, &args);
-        assert!(o.status.success(), "{np} ranks: {}", text(&o));
+        assert!(o.status.success(), "{np} ranks to step {to}: {}", text(&o));
     }
     assert_eq!(max_difference(&saved, &ref_saved), 0.0);
 }

@@ -11,6 +11,11 @@
 //! complete state in `DIR`, at most `--max-restarts` times and never below
 //! `--min-workers`. Any other failure is the job's own and ends the launch.
 //!
+//! A job that lost workers grows again (`--max-workers`): once the hostfile lists slots
+//! for more workers (a host added back, or a new one) and a state of the running job is
+//! on disk, the supervisor stops the job (SIGTERM to mpirun) and starts it with the
+//! workers there is room for, from that state.
+//!
 //! Every attempt's metrics lines reach `--metrics FILE` as they come; the first line
 //! after a restart carries a `restart` object, as under `--elastic`.
 
@@ -81,6 +86,9 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             args.min_workers
         );
     }
+    if let Some(most) = args.max_workers.filter(|&m| m < args.workers) {
+        bail!("--max-workers {most} is below --workers {}", args.workers);
+    }
     let exe = std::env::current_exe().context("finding the distc binary")?;
     let scratch = tempfile::tempdir().context("a folder for the attempts' metrics")?;
     if let Some(m) = &args.metrics {
@@ -88,11 +96,14 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         std::fs::File::create(m).with_context(|| format!("{}", m.display()))?;
     }
     let mut workers = args.workers;
+    // Restarts after a lost rank (bounded by --max-restarts), and attempts in all.
     let mut restarts = 0;
+    let mut attempt = 0;
     let mut pending: Option<(Restart, Instant)> = None;
     loop {
         let resume = state_step(&args.state).is_some();
-        let metrics = scratch.path().join(format!("attempt-{restarts}.jsonl"));
+        attempt += 1;
+        let metrics = scratch.path().join(format!("attempt-{attempt}.jsonl"));
         let mut cmd = Command::new(&args.mpirun);
         cmd.args(&args.mpirun_args);
         if let Some(h) = &args.hostfile {
@@ -136,10 +147,24 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             })
         });
         let mut lines = MetricsTail::new(metrics);
+        let on_disk_at_start = state_step(&args.state);
+        // Workers the job grows to, once the hostfile has room for them and a state
+        // of this attempt is on disk to start them from.
+        let mut grow_to = None;
         let status = loop {
             lines.pass_on(args.metrics.as_deref(), &mut pending)?;
             if let Some(s) = child.try_wait()? {
                 break s;
+            }
+            if grow_to.is_none() && state_step(&args.state) > on_disk_at_start {
+                if let Some(room) = room_for(args, workers) {
+                    grow_to = Some(room);
+                    // mpirun passes SIGTERM on; each rank stops at once, and the state
+                    // just committed is where the larger job starts.
+                    let _ = Command::new("kill")
+                        .args(["-TERM", &child.id().to_string()])
+                        .status();
+                }
             }
             std::thread::sleep(Duration::from_millis(50));
         };
@@ -150,6 +175,32 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         lines.pass_on(args.metrics.as_deref(), &mut pending)?;
         if status.success() {
             return Ok(());
+        }
+        if let Some(room) = grow_to {
+            let resumed_from = state_step(&args.state).unwrap_or(0);
+            let slots = args
+                .hostfile
+                .as_deref()
+                .and_then(hostfile_slots)
+                .unwrap_or(0);
+            err(&format!(
+                "distc launch: the hostfile lists {slots} slots; restarting from step \
+                 {resumed_from} with {room} workers (was {workers})\n"
+            ));
+            pending = Some((
+                Restart {
+                    lost_at_step: lines.last_step.unwrap_or(resumed_from) + 1,
+                    resumed_from_step: resumed_from,
+                    cause: format!("workers joined: the hostfile lists {slots} slots"),
+                    workers_before: workers,
+                    workers_after: room,
+                    recovery_sec: 0.0,
+                    lost_sec: 0.0,
+                },
+                seen,
+            ));
+            workers = room;
+            continue;
         }
         if !lost_a_rank(status) {
             bail!("the job failed (mpirun: {status}), not on a lost rank: not restarted");
@@ -213,6 +264,33 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         workers = after;
         restarts += 1;
     }
+}
+
+/// Worker slots the hostfile lists: `HOST slots=N` a line (a host alone: one slot;
+/// `#` comments), or `None` where it cannot be read.
+fn hostfile_slots(path: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(
+        text.lines()
+            .map(|l| l.split('#').next().unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix("slots="))
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .unwrap_or(1)
+            })
+            .sum(),
+    )
+}
+
+/// The workers a job of `workers` grows to: more where the hostfile now lists slots
+/// for them (beside the servers), up to `--max-workers`.
+fn room_for(args: &LaunchArgs, workers: usize) -> Option<usize> {
+    let most = args.max_workers?;
+    let slots = hostfile_slots(args.hostfile.as_deref()?)?;
+    let room = slots.saturating_sub(args.servers).min(most);
+    (room > workers).then_some(room)
 }
 
 /// The lines an attempt's rank 0 has written so far, passed on once each.
