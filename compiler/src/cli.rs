@@ -926,6 +926,10 @@ pub struct LaunchArgs {
     /// (admitted at the next state written: the job is started again from it).
     #[arg(long, value_parser = at_least_one, requires = "hostfile", value_name = "N")]
     pub max_workers: Option<usize>,
+    /// After a lost rank, each host of the hostfile must run a one-rank job within
+    /// this many seconds, or it is left out of the next attempts.
+    #[arg(long, default_value_t = 10.0, value_parser = timeout_secs, value_name = "SECONDS")]
+    pub probe_timeout: f64,
     /// The MPI launcher.
     #[arg(long, default_value = "mpirun", value_name = "PROGRAM")]
     pub mpirun: String,

@@ -161,35 +161,51 @@ impl Cluster {
 
     /// [`Cluster::mpirun`] with more options for mpirun itself (`--map-by node`).
     fn mpirun_with(&self, options: &[&str], args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        let net = format!("{SUBNET}.0/24");
-        let ns0 = self.ns(0);
-        c.args(["netns", "exec", &ns0, "unshare", "--uts", "sh", "-c"])
-            .args([r#"hostname "$0" && exec "$@""#, &ns0])
-            .args(["mpirun", "--allow-run-as-root"])
+        self.mpirun_ranks(self.hosts * self.slots, options, args)
+    }
+
+    /// [`Cluster::mpirun_with`] of `np` ranks (the hostfile's first slots).
+    fn mpirun_ranks(&self, np: usize, options: &[&str], args: &[&str]) -> Command {
+        let words = self.launcher();
+        let mut c = Command::new(&words[0]);
+        c.args(&words[1..])
             .args(["--hostfile", s(&self.dir.join("hosts"))])
-            .args(["--mca", "plm_rsh_agent", s(&self.dir.join("agent"))])
-            .args(["--mca", "btl", "tcp,self"])
-            .args(["--mca", "btl_tcp_if_include", &net])
-            .args(["--mca", "oob_tcp_if_include", &net])
-            // Three daemons on one machine each publish its hwloc topology in shared
-            // memory at one address, and OpenMPI 4.1's daemons crash doing so at times
-            // (seen here, two starts in seven): no runtime control component.
-            .args(["--mca", "rtc", "^hwloc"])
-            // mpirun notices a host it cannot reach by TCP keepalives on its idle link to
-            // that host's daemon: in 13 s, not OpenMPI's default 8 minutes. (A rank's
-            // --timeout, shorter, reports first; the namespace's tcp_retries2 then ends
-            // the sends that can no longer arrive.)
-            .args(["--mca", "oob_tcp_keepalive_time", "10"])
-            .args(["--mca", "oob_tcp_keepalive_intvl", "1"])
-            .args(["--mca", "oob_tcp_keepalive_probes", "3"])
-            .args(["-x", "MATMUL_NUM_THREADS=1"])
-            .args(["-np", &(self.hosts * self.slots).to_string()])
+            .args(["-np", &np.to_string()])
             .args(options)
             .arg(env!("CARGO_BIN_EXE_distc"))
             .args(args)
             .current_dir(root());
         c
+    }
+
+    /// `mpirun` started on host 0 with the cluster's settings, as words: the hostfile,
+    /// the rank count and the program to add.
+    fn launcher(&self) -> Vec<String> {
+        let net = format!("{SUBNET}.0/24");
+        let ns0 = self.ns(0);
+        let mut w: Vec<String> = ["ip", "netns", "exec", &ns0, "unshare", "--uts", "sh", "-c"]
+            .map(String::from)
+            .to_vec();
+        w.extend([r#"hostname "$0" && exec "$@""#.to_string(), ns0.clone()]);
+        w.extend(["mpirun", "--allow-run-as-root"].map(String::from));
+        let agent = s(&self.dir.join("agent")).to_string();
+        w.extend(["--mca".into(), "plm_rsh_agent".into(), agent]);
+        w.extend(["--mca", "btl", "tcp,self"].map(String::from));
+        w.extend(["--mca".into(), "btl_tcp_if_include".into(), net.clone()]);
+        w.extend(["--mca".into(), "oob_tcp_if_include".into(), net]);
+        // Three daemons on one machine each publish its hwloc topology in shared
+        // memory at one address, and OpenMPI 4.1's daemons crash doing so at times
+        // (seen here, two starts in seven): no runtime control component.
+        w.extend(["--mca", "rtc", "^hwloc"].map(String::from));
+        // mpirun notices a host it cannot reach by TCP keepalives on its idle link to
+        // that host's daemon: in 13 s, not OpenMPI's default 8 minutes. (A rank's
+        // --timeout, shorter, reports first; the namespace's tcp_retries2 then ends
+        // the sends that can no longer arrive.)
+        w.extend(["--mca", "oob_tcp_keepalive_time", "10"].map(String::from));
+        w.extend(["--mca", "oob_tcp_keepalive_intvl", "1"].map(String::from));
+        w.extend(["--mca", "oob_tcp_keepalive_probes", "3"].map(String::from));
+        w.extend(["-x", "MATMUL_NUM_THREADS=1"].map(String::from));
+        w
     }
 
     /// Every namespace the cluster made: the hosts', then the hub's.
@@ -681,4 +697,139 @@ fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
             100.0 * (predicted - measured) / measured
         );
     }
+}
+
+/// Issue 40, item 4: a host cut off (its link taken down) under `distc launch`. The
+/// ranks that wait on it stop within --timeout (exit status 75); the supervisor finds
+/// the host no longer runs a one-rank job, leaves it out of the hostfile, and starts
+/// the job again on the two hosts left from the last sharded state. The run completes
+/// all its steps, and its weights equal, bit for bit, those of a job on the three hosts
+/// to that state resumed on two.
+#[test]
+fn a_host_cut_off_under_distc_launch_is_left_out_and_the_job_completes() {
+    let _one = common::one_job_at_a_time();
+    let Some(c) = cluster("launch") else { return };
+    let (state, metrics, saved) = (
+        c.dir.join("state"),
+        c.dir.join("m.jsonl"),
+        c.dir.join("w.st"),
+    );
+    let steps = "16";
+    let model = [
+        "examples/dense_mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--batch",
+        "16",
+        "-q",
+    ];
+    let words = c.launcher();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_distc"));
+    cmd.args([
+        "launch",
+        "--workers",
+        "3",
+        "--state",
+        s(&state),
+        "--checkpoint-every",
+        "1",
+    ])
+    .args([
+        "--metrics",
+        s(&metrics),
+        "--hostfile",
+        s(&c.dir.join("hosts")),
+    ])
+    .args(["--probe-timeout", "3", "--mpirun", &words[0]]);
+    for w in &words[1..] {
+        cmd.arg(format!("--mpirun-arg={w}"));
+    }
+    let child = cmd
+        .arg("--")
+        .args(model)
+        .args(["--timeout", "3", "--steps", steps, "--save", s(&saved)])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("distc launch");
+    let start = Instant::now();
+    let at_least_3 = || {
+        std::fs::read_to_string(state.join("latest"))
+            .ok()
+            .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
+            .is_some_and(|k| k >= 3)
+    };
+    while !at_least_3() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the job did not get going"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = c.on(2, &["ip", "link", "set", "v2", "down"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let down = Instant::now();
+    let Some(out) = wait_for(child, Duration::from_secs(150)) else {
+        panic!(
+            "distc launch still running {:?} after the link went down",
+            down.elapsed()
+        );
+    };
+    let t = text(&out);
+    println!(
+        "the launch ended {:?} after the link went down:\n{t}",
+        down.elapsed()
+    );
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains(&format!("host(s) {} did not answer", Cluster::addr(2))),
+        "{t}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .expect("the metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a metrics line"))
+        .collect();
+    assert_eq!(
+        lines.last().expect("lines")["step"].to_string(),
+        steps,
+        "{t}"
+    );
+    let r = lines
+        .iter()
+        .find_map(|l| l.get("restart"))
+        .expect("a restart");
+    assert_eq!(
+        (r["workers_before"].as_u64(), r["workers_after"].as_u64()),
+        (Some(3), Some(2))
+    );
+    let from = r["resumed_from_step"].as_u64().expect("a step").to_string();
+    println!("resumed from step {from}, recovery {} s", r["recovery_sec"]);
+    // The link back up: 3 hosts to that state, then 2 (the hostfile's first two).
+    let o = c.on(2, &["ip", "link", "set", "v2", "up"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (reference, ref_saved) = (c.dir.join("ref"), c.dir.join("ref.st"));
+    for (np, to, resume) in [(3, from.as_str(), false), (2, steps, true)] {
+        let workers = np.to_string();
+        let mut args = vec!["train"];
+        args.extend(model);
+        args.extend(["--workers", &workers, "--transport", "mpi", "--steps", to]);
+        args.extend([
+            "--checkpoint",
+            s(&reference),
+            "--sharded",
+            "--save",
+            s(&ref_saved),
+        ]);
+        if resume {
+            args.extend(["--resume", s(&reference)]);
+        }
+        let o = c.mpirun_ranks(np, &[], &args).output().expect("mpirun");
+        assert!(o.status.success(), "{np} hosts: {}", text(&o));
+    }
+    assert!(
+        same_weights(&saved, &ref_saved),
+        "the launch ended elsewhere"
+    );
 }

@@ -95,6 +95,11 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         distc_runtime::core::output::check_output(m, &[])?;
         std::fs::File::create(m).with_context(|| format!("{}", m.display()))?;
     }
+    let mut hosts = args.hostfile.as_ref().map(|h| Hosts {
+        path: h.clone(),
+        dead: Vec::new(),
+        live: scratch.path().join("hosts"),
+    });
     let mut workers = args.workers;
     // Restarts after a lost rank (bounded by --max-restarts), and attempts in all.
     let mut restarts = 0;
@@ -106,8 +111,8 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         let metrics = scratch.path().join(format!("attempt-{attempt}.jsonl"));
         let mut cmd = Command::new(&args.mpirun);
         cmd.args(&args.mpirun_args);
-        if let Some(h) = &args.hostfile {
-            cmd.arg("--hostfile").arg(h);
+        if let Some(h) = &hosts {
+            cmd.arg("--hostfile").arg(h.write_live()?);
         }
         cmd.args(["-np", &(workers + args.servers).to_string()])
             .arg(&exe)
@@ -157,7 +162,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
                 break s;
             }
             if grow_to.is_none() && state_step(&args.state) > on_disk_at_start {
-                if let Some(room) = room_for(args, workers) {
+                if let Some(room) = room_for(args, hosts.as_ref(), workers) {
                     grow_to = Some(room);
                     // mpirun passes SIGTERM on; each rank stops at once, and the state
                     // just committed is where the larger job starts.
@@ -178,11 +183,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         }
         if let Some(room) = grow_to {
             let resumed_from = state_step(&args.state).unwrap_or(0);
-            let slots = args
-                .hostfile
-                .as_deref()
-                .and_then(hostfile_slots)
-                .unwrap_or(0);
+            let slots = hosts.as_ref().map_or(0, Hosts::slots);
             err(&format!(
                 "distc launch: the hostfile lists {slots} slots; restarting from step \
                  {resumed_from} with {room} workers (was {workers})\n"
@@ -223,7 +224,20 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
                 (true, true) => format!("mpirun: {status}"),
             }
         };
-        let after = workers - 1;
+        // A host that no longer answers is left out of the next attempts (its ranks
+        // with it); a rank killed on a host that answers costs that rank alone.
+        let mut after = workers - 1;
+        if let Some(h) = hosts.as_mut() {
+            let gone = h.probe(args);
+            if !gone.is_empty() {
+                err(&format!(
+                    "distc launch: host(s) {} did not answer within {} s: left out\n",
+                    gone.join(", "),
+                    args.probe_timeout
+                ));
+            }
+            after = after.min(h.slots().saturating_sub(args.servers));
+        }
         if restarts == args.max_restarts {
             bail!("a rank was lost ({cause}); stopped after {restarts} restarts (--max-restarts)");
         }
@@ -266,31 +280,110 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
     }
 }
 
-/// Worker slots the hostfile lists: `HOST slots=N` a line (a host alone: one slot;
-/// `#` comments), or `None` where it cannot be read.
-fn hostfile_slots(path: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(path).ok()?;
-    Some(
-        text.lines()
-            .map(|l| l.split('#').next().unwrap_or("").trim())
-            .filter(|l| !l.is_empty())
-            .map(|l| {
-                l.split_whitespace()
-                    .find_map(|w| w.strip_prefix("slots="))
-                    .and_then(|n| n.parse::<usize>().ok())
-                    .unwrap_or(1)
-            })
-            .sum(),
-    )
+/// Slots a hostfile's text lists: `HOST slots=N` a line (a host alone: one slot; `#`
+/// comments).
+fn slots_of(text: &str) -> usize {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("slots="))
+                .and_then(|n| n.parse::<usize>().ok())
+                .unwrap_or(1)
+        })
+        .sum()
 }
 
 /// The workers a job of `workers` grows to: more where the hostfile now lists slots
 /// for them (beside the servers), up to `--max-workers`.
-fn room_for(args: &LaunchArgs, workers: usize) -> Option<usize> {
+fn room_for(args: &LaunchArgs, hosts: Option<&Hosts>, workers: usize) -> Option<usize> {
     let most = args.max_workers?;
-    let slots = hostfile_slots(args.hostfile.as_deref()?)?;
-    let room = slots.saturating_sub(args.servers).min(most);
+    let room = hosts?.slots().saturating_sub(args.servers).min(most);
     (room > workers).then_some(room)
+}
+
+/// The hostfile's hosts, less those found unreachable (left out for the rest of the
+/// launch; a host that joins later is a line of another name).
+struct Hosts {
+    /// The user's hostfile, read again at every look.
+    path: PathBuf,
+    /// Hosts that did not answer a probe.
+    dead: Vec<String>,
+    /// Where the hostfile of the live hosts is written for mpirun.
+    live: PathBuf,
+}
+
+impl Hosts {
+    /// The live hosts and their lines.
+    fn lines(&self) -> Vec<(String, String)> {
+        std::fs::read_to_string(&self.path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let host = l.split('#').next()?.split_whitespace().next()?.to_string();
+                (!self.dead.contains(&host)).then(|| (host, l.to_string()))
+            })
+            .collect()
+    }
+
+    /// The live hosts' hostfile text.
+    fn text(&self) -> String {
+        self.lines().into_iter().map(|(_, l)| l + "\n").collect()
+    }
+
+    /// Slots of the live hosts.
+    fn slots(&self) -> usize {
+        slots_of(&self.text())
+    }
+
+    /// Writes the live hosts' hostfile; returns its path.
+    fn write_live(&self) -> Result<PathBuf> {
+        std::fs::write(&self.live, self.text())
+            .with_context(|| format!("{}", self.live.display()))?;
+        Ok(self.live.clone())
+    }
+
+    /// Runs a one-rank job on every live host at once; those that do not finish it
+    /// within `--probe-timeout` seconds are dead from now on. Returns them.
+    fn probe(&mut self, args: &LaunchArgs) -> Vec<String> {
+        let probes: Vec<(String, Option<std::process::Child>)> = self
+            .lines()
+            .into_iter()
+            .map(|(host, _)| {
+                let child = Command::new(&args.mpirun)
+                    .args(&args.mpirun_args)
+                    .args(["--host", &host, "-np", "1", "true"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .ok();
+                (host, child)
+            })
+            .collect();
+        let until = Instant::now() + Duration::from_secs_f64(args.probe_timeout);
+        let mut gone = Vec::new();
+        for (host, child) in probes {
+            let answered = child.is_some_and(|mut c| loop {
+                match c.try_wait() {
+                    Ok(Some(status)) => break status.success(),
+                    Ok(None) if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    _ => {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break false;
+                    }
+                }
+            });
+            if !answered {
+                gone.push(host);
+            }
+        }
+        self.dead.extend(gone.iter().cloned());
+        gone
+    }
 }
 
 /// The lines an attempt's rank 0 has written so far, passed on once each.

@@ -362,7 +362,8 @@ pub(crate) fn report_and_abort(
         );
     }
     eprintln!("{m}");
-    world.abort(3)
+    // A peer that did not arrive: the job may run again without it (`distc launch`).
+    world.abort(crate::core::error::WORKER_LOST_EXIT)
 }
 
 /// The communicator among the workers over MPI.

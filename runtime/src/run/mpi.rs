@@ -325,18 +325,20 @@ fn check_worker_hosts(
     Ok(())
 }
 
-/// Dies loudly: prints the rank's error and stops every rank of the job.
+/// Dies loudly: prints the rank's error and stops every rank of the job, with the
+/// error's exit status (mpirun exits with it: `distc launch` restarts on a lost peer's).
 fn fail(
     world: &SimpleCommunicator,
     rank: usize,
     role: Option<Role>,
     e: &dyn std::fmt::Display,
+    code: i32,
 ) -> ! {
     let role = role.map_or("?".to_string(), |r| r.to_string());
     let text = e.to_string();
     let text = text.strip_prefix(&format!("{role}: ")).unwrap_or(&text);
     eprintln!("error: rank {rank} ({role}): {text}");
-    world.abort(1)
+    world.abort(code)
 }
 
 /// Runs this process's rank of the plan under `mpirun`: a worker or a server as the
@@ -521,7 +523,7 @@ pub fn run_with<B: Backend>(
         Some(Role::Worker(r)) => {
             let comm = match workers_comm {
                 Some(c) => Comm(c),
-                None => fail(&world, rank, role, &"not in the workers' communicator"),
+                None => fail(&world, rank, role, &"not in the workers' communicator", 1),
             };
             run_worker_rank(
                 programs, mesh, config, opts, mpi_run, r, comm, &ps_comm, &ctl, t0, on_step, make,
@@ -548,7 +550,10 @@ pub fn run_with<B: Backend>(
             drop(universe);
             Ok(report)
         }
-        Err(e) => fail(&world, rank, role, &e),
+        Err(e) => {
+            let code = e.exit_code();
+            fail(&world, rank, role, &e, code)
+        }
     }
 }
 

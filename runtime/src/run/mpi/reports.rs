@@ -194,8 +194,16 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
     sink: &mut dyn FnMut(R) -> Result<()>,
 ) -> Result<O> {
     let workers = mesh.workers();
-    let stop =
-        |e: RuntimeError| -> ! { fail(&SimpleCommunicator::world(), 0, Some(Role::Worker(0)), &e) };
+    let stop = |e: RuntimeError| -> ! {
+        let code = e.exit_code();
+        fail(
+            &SimpleCommunicator::world(),
+            0,
+            Some(Role::Worker(0)),
+            &e,
+            code,
+        )
+    };
     let (tx, rx) = mpsc::channel::<R>();
     let panicked = || RuntimeError::Config(format!("{name} panicked"));
     std::thread::scope(|scope| -> Result<O> {
