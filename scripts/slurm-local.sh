@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# A SLURM cluster of one machine, for tests and for trying distc under srun and sbatch:
+# SLURM clusters for tests and for trying distc under srun and sbatch:
 #
-#   scripts/slurm-local.sh start DIR [PORT]   writes DIR/slurm.conf, starts slurmctld and
-#                                             slurmd (node `local`, 8 CPUs), waits until
-#                                             the node is idle
+#   scripts/slurm-local.sh start DIR [PORT]   a cluster of this machine: writes
+#                                             DIR/slurm.conf, starts slurmctld and slurmd
+#                                             (node `local`, 8 CPUs), waits until the node
+#                                             is idle
 #   scripts/slurm-local.sh stop DIR           stops both (scontrol shutdown, then kill)
+#   scripts/slurm-local.sh conf DIR PORT CONTROLLER_ADDR NAME=ADDR...
+#                                             only writes DIR/slurm.conf, for nodes at
+#                                             those addresses (compiler/tests/netns.rs
+#                                             starts the daemons in its namespaces)
 #
 # Then `SLURM_CONF=DIR/slurm.conf srun ...` or `sbatch ...`. Everything the daemons
-# write (state, spool, logs, pid files) stays under DIR. Authentication is
-# auth/none: a cluster of one machine, run by root, reached only on 127.0.0.1. The
+# write (state, spool, logs, pid files, per node) stays under DIR. Authentication is
+# auth/none: clusters of one machine, run by root, on addresses of their own. Each
 # node declares 8 CPUs whatever the machine has (config_overrides), so a job may run
 # more ranks than cores, as `mpirun --oversubscribe` does. PORT (default 16817) and
 # PORT+1 are the daemons' ports.
@@ -17,20 +22,21 @@ set -euo pipefail
 cmd="${1:-}"
 dir="${2:-}"
 if [ -z "$cmd" ] || [ -z "$dir" ]; then
-    echo "usage: $0 start|stop DIR [PORT]" >&2
+    echo "usage: $0 start|stop|conf DIR ..." >&2
     exit 2
 fi
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
 conf="$dir/slurm.conf"
 
-case "$cmd" in
-start)
-    port="${3:-16817}"
-    mkdir -p "$dir/state" "$dir/spool"
+# write_conf PORT CONTROLLER_ADDR NAME=ADDR...
+write_conf() {
+    local port="$1" ctld="$2"
+    shift 2
+    mkdir -p "$dir/state"
     cat >"$conf" <<CONF
 ClusterName=distc
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost=localhost($ctld)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
@@ -42,20 +48,30 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
 SlurmdParameters=config_overrides
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool-%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
+SlurmdLogFile=$dir/slurmd-%n.log
 SlurmctldPort=$port
 SlurmdPort=$((port + 1))
 ReturnToService=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-NodeName=local NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
-PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
+    local node
+    for node in "$@"; do
+        echo "NodeName=${node%%=*} NodeAddr=${node#*=} CPUs=8 State=UNKNOWN" >>"$conf"
+        mkdir -p "$dir/spool-${node%%=*}"
+    done
+    echo "PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES" >>"$conf"
+}
+
+case "$cmd" in
+start)
+    port="${3:-16817}"
+    write_conf "$port" 127.0.0.1 local=127.0.0.1
     slurmctld -f "$conf"
     slurmd -f "$conf" -N local
     for _ in $(seq 1 100); do
@@ -66,12 +82,12 @@ CONF
         sleep 0.2
     done
     echo "slurm-local: the node did not become idle within 20 s; logs in $dir" >&2
-    tail -n 5 "$dir/slurmctld.log" "$dir/slurmd.log" >&2 || true
+    tail -n 5 "$dir/slurmctld.log" "$dir"/slurmd-*.log >&2 || true
     exit 1
     ;;
 stop)
     SLURM_CONF="$conf" scontrol shutdown >/dev/null 2>&1 || true
-    for pid_file in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
+    for pid_file in "$dir"/slurmd-*.pid "$dir/slurmctld.pid"; do
         if [ -f "$pid_file" ]; then
             pid="$(cat "$pid_file")"
             for _ in $(seq 1 50); do
@@ -82,8 +98,14 @@ stop)
         fi
     done
     ;;
+conf)
+    [ "$#" -ge 5 ] || { echo "usage: $0 conf DIR PORT CONTROLLER_ADDR NAME=ADDR..." >&2; exit 2; }
+    port="$3" ctld="$4"
+    shift 4
+    write_conf "$port" "$ctld" "$@"
+    ;;
 *)
-    echo "usage: $0 start|stop DIR [PORT]" >&2
+    echo "usage: $0 start|stop|conf DIR ..." >&2
     exit 2
     ;;
 esac

@@ -833,3 +833,106 @@ fn a_host_cut_off_under_distc_launch_is_left_out_and_the_job_completes() {
         "the launch ended elsewhere"
     );
 }
+
+/// Issue 40, item 3: SLURM across the hosts: slurmctld on host 0 and a slurmd on each
+/// host (`scripts/slurm-local.sh conf` writes their configuration; each daemon runs in
+/// its host's namespace), and the README's `srun --mpi=pmix` line runs the hybrid plan
+/// as one rank a host, PMIx wiring the ranks up across the hosts' slurmstepds. It
+/// trains what one process trains, bit for bit, over the hosts' links.
+#[test]
+fn srun_across_three_hosts_trains_what_one_process_trains() {
+    let _one = common::one_job_at_a_time();
+    if Command::new("slurmctld").arg("-V").output().is_err() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "SLURM is not installed (scripts/install-slurm.sh), and CI is set"
+        );
+        println!("skipping: SLURM is not installed (scripts/install-slurm.sh)");
+        return;
+    }
+    let Some(c) = cluster("slurm") else { return };
+    let dir = c.dir.join("slurm");
+    let nodes: Vec<String> = (0..c.hosts)
+        .map(|i| format!("h{i}={}", Cluster::addr(i)))
+        .collect();
+    let o = Command::new("bash")
+        .arg(root().join("scripts/slurm-local.sh"))
+        .args(["conf", s(&dir), "6817", &Cluster::addr(0)])
+        .args(&nodes)
+        .output()
+        .expect("bash");
+    assert!(o.status.success(), "{}", text(&o));
+    let conf = dir.join("slurm.conf");
+    let env = format!("SLURM_CONF={}", s(&conf));
+    let o = c.on(0, &["env", &env, "slurmctld"]);
+    assert!(o.status.success(), "slurmctld: {}", text(&o));
+    for i in 0..c.hosts {
+        // Into the host's network (`ip netns exec` would mount a sysfs of its own,
+        // without the /sys/fs/cgroup slurmd needs), with a /tmp of the host's own, as
+        // on a machine of its own: PMIx keeps each job step's files there, under one
+        // name on every node.
+        let o = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", c.ns(i)))
+            .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount -t tmpfs tmpfs /tmp && exec env {env} slurmd -N h{i}"
+            ))
+            .output()
+            .expect("nsenter");
+        let log = std::fs::read_to_string(dir.join(format!("slurmd-h{i}.log")));
+        assert!(
+            o.status.success(),
+            "slurmd on host {i}: {}{log:?}",
+            text(&o)
+        );
+    }
+    let start = Instant::now();
+    loop {
+        let o = c.on(0, &["env", &env, "sinfo", "-h", "-N", "-o", "%t"]);
+        let states = text(&o);
+        if states.lines().filter(|l| l.trim() == "idle").count() == c.hosts {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the nodes are not idle: {states}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let plan = hybrid_plan(&c);
+    let one = trained_in_one_process(&c, &plan);
+    let across = c.dir.join("srun.safetensors");
+    let before: Vec<u64> = (0..3).map(|i| c.tx_bytes(i)).collect();
+    let o = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &c.ns(0),
+            "env",
+            &env,
+            "MATMUL_NUM_THREADS=1",
+        ])
+        .args(["srun", "-N", "3", "-n", "3", "--mpi=pmix"])
+        .arg(env!("CARGO_BIN_EXE_distc"))
+        .args(["run", s(&plan), "--steps", "4", "-q", "--transport", "mpi"])
+        .args(["--save", s(&across)])
+        .current_dir(root())
+        .output()
+        .expect("srun");
+    let logs: String = (0..c.hosts)
+        .map(|i| std::fs::read_to_string(dir.join(format!("slurmd-h{i}.log"))).unwrap_or_default())
+        .collect();
+    assert!(
+        o.status.success(),
+        "srun: {}\nslurmd logs:\n{logs}",
+        text(&o)
+    );
+    let sent: Vec<u64> = (0..3).map(|i| c.tx_bytes(i) - before[i]).collect();
+    println!("srun across three hosts: bytes sent over each host's link {sent:?}");
+    assert!(sent.iter().all(|b| *b > 1 << 20), "{sent:?}");
+    assert!(
+        same_weights(&one, &across),
+        "srun across three hosts trained other weights than one process"
+    );
+    let _ = c.on(0, &["env", &env, "scontrol", "shutdown"]);
+}
