@@ -112,25 +112,84 @@ fn a_mesh_with_a_pipe_axis_explains_its_coordinates_and_trains_whole_variables()
         "{:?}",
         vars.keys()
     );
-    // A training state of a model axis is refused by name, before any step.
+}
+
+/// Issue 40, item 2: stages T workers wide write their state whole (each part and each
+/// part's Adam slots gathered from the stage's model ranks) and resume it (the parts
+/// and their slots cut again): stopped at step 2 and resumed, the run ends bit for bit
+/// where the uninterrupted one ends; the state resumes under another layout too.
+#[test]
+fn stages_on_a_model_axis_write_and_resume_their_state() {
+    let plan = tmp("tp-pipe-adam.plan.json");
     let o = distc(&[
-        "run",
-        arg(&plan),
-        "--steps",
+        "compile",
+        "examples/mlp.dsl",
+        "--mesh",
+        "data=1,model=2,pipe=2",
+        "--micro-batches",
         "2",
-        "-q",
-        "--checkpoint",
-        arg(&tmp("tp-pipe.state")),
+        "--batch",
+        "16",
+        "-o",
+        arg(&plan),
     ]);
-    assert!(
-        !o.status.success(),
-        "a checkpoint of a model axis was written"
+    assert!(o.status.success(), "{}", text(&o));
+    let (whole, state, resumed) = (
+        tmp("tp-pipe-4.st"),
+        tmp("tp-pipe.state"),
+        tmp("tp-pipe-r.st"),
     );
+    for args in [
+        vec!["--steps", "4", "--save", arg(&whole)],
+        vec!["--steps", "2", "--checkpoint", arg(&state)],
+        vec![
+            "--steps",
+            "4",
+            "--resume",
+            arg(&state),
+            "--save",
+            arg(&resumed),
+        ],
+    ] {
+        let mut all = vec!["run", arg(&plan), "-q"];
+        all.extend(args);
+        let o = distc(&all);
+        assert!(o.status.success(), "{all:?}: {}", text(&o));
+    }
+    assert_eq!(common::max_difference(&whole, &resumed), 0.0);
+    let s = distc_runtime::core::checkpoint::load_state(&state).expect("the state");
+    assert_eq!(s.index.step, 2);
     assert!(
-        text(&o).contains("cannot write or resume a training state yet"),
-        "{}",
-        text(&o)
+        !s.params
+            .keys()
+            .chain(s.optimizer.keys())
+            .any(|k| k.contains(".tp")),
+        "{:?}",
+        s.index
     );
+    for var in s.params.keys() {
+        for slot in ["m", "v"] {
+            let t = &s.optimizer[&format!("{var}/{slot}")];
+            assert_eq!(t.shape(), s.params[var].shape(), "{var}/{slot}");
+        }
+    }
+    // Another layout resumes it.
+    let o = distc(&[
+        "train",
+        "examples/mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--batch",
+        "16",
+        "-q",
+        "--steps",
+        "4",
+        "--resume",
+        arg(&state),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
 }
 
 #[test]

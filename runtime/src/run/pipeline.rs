@@ -39,8 +39,8 @@ use crate::run::programs::{input_types, CheckpointEvery, Links, Programs, Site, 
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::worker::{
-    collective, first_step, initial_values, model_collective, op_label, refuse_model_axis_state,
-    resumed_slots, Done, StepReport,
+    collective, first_step, initial_values, model_collective, op_label, resumed_slots, Done,
+    StepReport,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -183,6 +183,8 @@ pub(crate) struct PipelineRun<'a> {
     parts: Vec<HashMap<String, Tensor>>,
     /// Each split variable's part, whole name and dimension: `(w.tp, w, dim)`.
     split: Vec<(String, String, usize)>,
+    /// Per model rank, a resumed state's optimizer slots of its parts (`w.tp/m`).
+    part_slots: Vec<HashMap<String, Tensor>>,
     steps_of: Vec<Vec<Step>>,
     tied: Vec<TiedVariable>,
     shapes: HashMap<String, TensorType>,
@@ -230,15 +232,24 @@ impl<'a> PipelineRun<'a> {
             )));
         }
         let (replicas, model_axis) = (mesh.data, mesh.model);
-        refuse_model_axis_state(model_axis, opts)?;
         let split = finalize.map(split_variables).unwrap_or_default();
-        // The one-device values the init program cuts each model rank's parts from.
+        // The one-device values the init program cuts each model rank's parts from: a
+        // resumed state's where there is one.
         let whole_values = init
-            .map(|init| initial_values(init, config.seed, None))
+            .map(|init| initial_values(init, config.seed, opts.resume.as_deref()))
             .transpose()?;
         let parts = (0..model_axis)
             .map(|m| match (init, &whole_values) {
                 (Some(init), Some(values)) => shard_for(init, m, values),
+                _ => Ok(HashMap::new()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A resumed state's slots of the split variables, cut as the variables are.
+        let part_slots = (0..model_axis)
+            .map(|m| match (init, &whole_values, opts.resume.as_deref()) {
+                (Some(init), Some(values), Some(state)) => {
+                    part_slots(init, m, values, &split, state)
+                }
                 _ => Ok(HashMap::new()),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -277,6 +288,7 @@ impl<'a> PipelineRun<'a> {
             mesh,
             shard: init,
             parts,
+            part_slots,
             split,
             steps_of,
             tied: program.tied(),
@@ -336,11 +348,18 @@ impl<'a> PipelineRun<'a> {
                 variables: Vec::new(),
                 optimizer_state: Vec::new(),
             };
+            // A split variable's part stands for the whole variable, which the stages
+            // hand over gathered.
             let missing: Vec<&str> = self
                 .initial
                 .keys()
+                .map(|n| {
+                    self.split
+                        .iter()
+                        .find(|(part, _, _)| part == n)
+                        .map_or(n.as_str(), |(_, w, _)| w.as_str())
+                })
                 .filter(|n| !params.contains_key(*n))
-                .map(String::as_str)
                 .collect();
             if !missing.is_empty() {
                 return Err(RuntimeError::Config(format!(
@@ -458,6 +477,15 @@ impl<'a> PipelineRun<'a> {
         let updated = |name: &str| !self.tied.iter().any(|t| t.name == name && t.owner != s);
         let resumed_slots = self.resume.as_deref().map(|state| {
             let mut slots = resumed_slots(state, &params, 1, 0);
+            slots.extend(
+                self.part_slots[m]
+                    .iter()
+                    .filter(|(k, _)| {
+                        k.rsplit_once('/')
+                            .is_some_and(|(v, _)| params.contains_key(v))
+                    })
+                    .map(|(k, t)| (k.clone(), t.clone())),
+            );
             slots.retain(|k, _| k.rsplit_once('/').is_none_or(|(var, _)| updated(var)));
             slots
         });
@@ -562,6 +590,45 @@ fn split_variables(fin: &Graph) -> Vec<(String, String, usize)> {
     }
     out.sort();
     out
+}
+
+/// Model rank `m`'s part of each optimizer slot of the split variables in `state`: the
+/// init program run on the slots in place of their variables, so a slot is cut exactly
+/// as its variable is.
+fn part_slots(
+    init: &Graph,
+    m: usize,
+    whole: &HashMap<String, Tensor>,
+    split: &[(String, String, usize)],
+    state: &TrainingState,
+) -> Result<HashMap<String, Tensor>> {
+    let mut names: Vec<&str> = state
+        .optimizer
+        .keys()
+        .filter_map(|k| k.rsplit_once('/'))
+        .filter(|(var, _)| split.iter().any(|(_, w, _)| w == var))
+        .map(|(_, slot)| slot)
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut out = HashMap::new();
+    for slot in names {
+        let mut values = whole.clone();
+        for (_, w, _) in split {
+            if let Some(t) = state.optimizer.get(&format!("{w}/{slot}")) {
+                values.insert(w.clone(), t.clone());
+            }
+        }
+        let cut = shard_for(init, m, &values)?;
+        for (part, w, _) in split {
+            if state.optimizer.contains_key(&format!("{w}/{slot}")) {
+                if let Some(t) = cut.get(part) {
+                    out.insert(format!("{part}/{slot}"), t.clone());
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Model rank `m`'s part of the split variables: the init program's outputs, run on the
@@ -950,6 +1017,51 @@ impl Stage<'_> {
 }
 
 impl Stage<'_> {
+    /// Its optimizer slots, whole: on a model axis each slot of a split variable's part
+    /// (`w.tp/m`) gathered from the stage's model ranks along the part's dimension, as
+    /// `w/m` (a collective: every model rank calls it at the same step).
+    fn whole_slots(
+        &mut self,
+        mut slots: HashMap<String, Tensor>,
+    ) -> Result<HashMap<String, Tensor>> {
+        let mut keys: Vec<String> = slots.keys().cloned().collect();
+        keys.sort();
+        for key in keys {
+            let Some((var, slot)) = key.rsplit_once('/') else {
+                continue;
+            };
+            let Some((_, name, dim)) = self.split.iter().find(|(part, _, _)| part == var) else {
+                continue;
+            };
+            let (name, dim) = (name.clone(), *dim);
+            let Some(comm) = self.hook.model.as_mut() else {
+                return Err(RuntimeError::Config(format!(
+                    "`{var}` is split over a model axis this stage has no communicator for"
+                )));
+            };
+            let Some(t) = slots.remove(&key) else {
+                continue;
+            };
+            let gather = Op::ModelGather {
+                dim,
+                parts: comm.size(),
+            };
+            let label = format!("the gathering of `{name}/{slot}` from the stage's model ranks");
+            match model_collective(&mut **comm, &gather, Value::Tensor(t), &label)? {
+                Value::Tensor(w) => {
+                    slots.insert(format!("{name}/{slot}"), w);
+                }
+                v => {
+                    return Err(RuntimeError::Config(format!(
+                        "gathering `{key}` gave {}",
+                        v.value_type()
+                    )))
+                }
+            }
+        }
+        Ok(slots)
+    }
+
     /// Its variables, whole: on a model axis, each split variable's parts gathered from
     /// the stage's model ranks (a collective: every model rank calls it at the same step).
     fn whole_params<B: Backend>(
@@ -1470,8 +1582,12 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             + me.hook.bytes()
             + self.fwd.backend().collective_bytes()
             + self.bwd.backend().collective_bytes();
+        // On a model axis, the parts' slots are gathered as their variables are, and
+        // model rank 0 hands them over whole.
         let slots = if due.checkpoint && me.replica == 0 {
-            Some(me.updated_slots(self.bwd.backend(), &self.optimizer)?)
+            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
+            let whole = me.whole_slots(slots)?;
+            (me.model_rank == 0).then_some(whole)
         } else {
             None
         };

@@ -446,20 +446,6 @@ pub(crate) fn model_collective(
     }
 }
 
-/// Refuses a training state on disk for pipeline stages with a model axis of `t` (a
-/// stage's parts are not gathered into one yet; without stages the final program
-/// gathers them, and the init program splits a resumed state's).
-pub(crate) fn refuse_model_axis_state(t: usize, opts: &TrainOptions) -> Result<()> {
-    if t > 1 && (opts.checkpoint.is_some() || opts.resume.is_some()) {
-        return Err(RuntimeError::Config(
-            "pipeline stages with a model axis (tensor parallelism) cannot write or resume \
-             a training state yet"
-                .into(),
-        ));
-    }
-    Ok(())
-}
-
 /// Worker `rank`'s place on the plan's mesh: `(data rank, model rank)`.
 fn mesh_ranks(mesh: &Mesh, rank: usize) -> (usize, usize) {
     let c = mesh.coord(rank);
