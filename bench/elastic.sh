@@ -50,19 +50,6 @@ for c in "${cases[@]}"; do
     "$distc" train "$model" $layout "${data[@]}" --steps "$steps" $flag -q
     walls+=("$t0" "$(date +%s.%N)")
   done
-  python3 - "$m" "$name" "$steps" "${walls[@]}" <<'EOF'
-import json, sys
-path, name = sys.argv[1], sys.argv[2]
-steps = int(sys.argv[3])
-t = [float(x) for x in sys.argv[4:8]]
-plain, kept = 1e3 * (t[1] - t[0]) / steps, 1e3 * (t[3] - t[2]) / steps
-for line in open(path):
-    r = json.loads(line).get("restart")
-    if r:
-        print(f"| {name} | {r['workers_before']} -> {r['workers_after']} | "
-              f"{r['lost_at_step']} | {r['resumed_from_step']} | "
-              f"{r['recovery_sec']:.3f} | {r['lost_sec']:.3f} | "
-              f"{plain:.1f} | {kept:.1f} |")
-EOF
+  python3 bench/restart_row.py "$m" "$name" "$steps" "${walls[@]}"
 done
 echo "metrics: $out"

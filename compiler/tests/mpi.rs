@@ -991,38 +991,20 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
         // state, as each thread does.
         let staged = mesh.contains("pipe");
         let (dir_one, dir_many) = (tmp("mesh-threads-state"), tmp("mesh-mpi-state"));
-        let sharded = |dir: &PathBuf| -> Vec<String> {
-            if staged {
-                return Vec::new();
-            }
+        for dir in [&dir_one, &dir_many] {
             let _ = std::fs::remove_dir_all(dir);
-            ["--checkpoint", s(dir), "--sharded"]
-                .map(String::from)
-                .to_vec()
+        }
+        let sharded = |dir| match staged {
+            true => vec![],
+            false => vec!["--checkpoint", s(dir), "--sharded"],
         };
-        let mut args: Vec<String> = ["run", s(&plan), "--steps", "3", "-q", "--save", s(&one)]
-            .map(String::from)
-            .to_vec();
+        let mut args = vec!["run", s(&plan), "--steps", "3", "-q"];
         args.extend(sharded(&dir_one));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let o = distc(&args);
+        let o = distc(&[&args[..], &["--save", s(&one)]].concat());
         assert!(o.status.success(), "{mesh}: {}", text(&o));
-        let mut args: Vec<String> = [
-            "run",
-            s(&plan),
-            "--steps",
-            "3",
-            "-q",
-            "--save",
-            s(&many),
-            "--transport",
-            "mpi",
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut args = vec!["run", s(&plan), "--steps", "3", "-q", "--transport", "mpi"];
         args.extend(sharded(&dir_many));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let o = mpirun(np, &args);
+        let o = mpirun(np, &[&args[..], &["--save", s(&many)]].concat());
         assert!(o.status.success(), "{mesh}: {}", text(&o));
         let d = max_difference(&one, &many);
         assert!(d == 0.0, "{mesh}: MPI ranks and threads differ by {d:.2e}");
@@ -1642,19 +1624,7 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it
         (3, &steps_s, true),
     ] {
         let workers = np.to_string();
-        let mut args = vec!["train"];
-        args.extend(model);
-        args.extend(["--workers", &workers, "--transport", "mpi", "--steps", to]);
-        args.extend([
-            "--checkpoint",
-            s(&reference),
-            "--sharded",
-            "--save",
-            s(&ref_saved),
-        ]);
-        if resume {
-            args.extend(["--resume", s(&reference)]);
-        }
+        let args = common::leg(&model, &workers, to, (&reference, &ref_saved), resume);
         let o = mpirun(np, &args);
         assert!(o.status.success(), "{np} ranks to step {to}: {}", text(&o));
     }
