@@ -30,7 +30,6 @@ cases=(
   "dense_mlp allreduce|examples/dense_mlp.dsl|--strategy allreduce"
   "dense_mlp ZeRO 3|examples/dense_mlp.dsl|--strategy allreduce --zero 3"
   "sparse_lm hybrid + 1 server|examples/sparse_lm.dsl|--strategy hybrid"
-  "gpt.dsl ZeRO 1|examples/gpt.dsl|--strategy allreduce --zero 1"
 )
 
 # The pid of rank $2 of the job whose command line names $1.

@@ -620,7 +620,7 @@ fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_canno
 #[test]
 fn a_sharded_state_is_the_whole_state_and_resumes_into_another_layout() {
     // Adam: slots split as their variables are.
-    let dense = "examples/mlp.dsl";
+    let dense = "tests/models/adam_mlp.dsl";
     for (label, model, layout, workers) in [
         (
             "mesh-zero3",

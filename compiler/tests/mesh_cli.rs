@@ -123,7 +123,7 @@ fn stages_on_a_model_axis_write_and_resume_their_state() {
     let plan = tmp("tp-pipe-adam.plan.json");
     let o = distc(&[
         "compile",
-        "examples/mlp.dsl",
+        "tests/models/adam_mlp.dsl",
         "--mesh",
         "data=1,model=2,pipe=2",
         "--micro-batches",
@@ -176,7 +176,7 @@ fn stages_on_a_model_axis_write_and_resume_their_state() {
     // Another layout resumes it.
     let o = distc(&[
         "train",
-        "examples/mlp.dsl",
+        "tests/models/adam_mlp.dsl",
         "--strategy",
         "allreduce",
         "--workers",

@@ -59,10 +59,10 @@ fn lost_a_rank(status: ExitStatus) -> bool {
     }
 }
 
-/// The step of the last complete state in `dir`, if any.
+/// The step of the newest complete state in `dir`, if any (committed or not: a job
+/// that lost a rank may have finished writing a state it had no time to commit).
 fn state_step(dir: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(dir.join(distc_runtime::core::shards::LATEST)).ok()?;
-    text.trim().strip_prefix("step-")?.parse().ok()
+    distc_runtime::core::shards::newest_complete(dir).map(|(step, _)| step as usize)
 }
 
 /// Runs `train` as the flags say, restarting on a lost rank.
@@ -106,7 +106,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
     let mut attempt = 0;
     let mut pending: Option<(Restart, Instant)> = None;
     loop {
-        let resume = state_step(&args.state).is_some();
+        let resume = distc_runtime::core::shards::newest_complete(&args.state);
         attempt += 1;
         let metrics = scratch.path().join(format!("attempt-{attempt}.jsonl"));
         let mut cmd = Command::new(&args.mpirun);
@@ -127,8 +127,8 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             .arg("--metrics")
             .arg(&metrics)
             .stderr(Stdio::piped());
-        if resume {
-            cmd.arg("--resume").arg(&args.state);
+        if let Some((_, folder)) = &resume {
+            cmd.arg("--resume").arg(folder);
         }
         let started = Instant::now();
         let mut child = cmd

@@ -277,6 +277,59 @@ pub fn commit(dir: &Path, step: u64) -> Result<()> {
     Ok(())
 }
 
+/// The newest complete state under `dir` and its folder: committed or not (a run that
+/// stopped before committing its last state may have finished writing it). Complete:
+/// a manifest, and a shard of that step from each of its workers. (A step's folder
+/// never mixes two runs' shards: the run that writes it removes it first.) Checksums
+/// are checked when it is loaded.
+pub fn newest_complete(dir: &Path) -> Option<(u64, PathBuf)> {
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    steps
+        .into_iter()
+        .find(|(step, folder)| complete(folder, *step))
+}
+
+/// Whether `folder` holds a manifest of `step` and every worker's shard of it.
+fn complete(folder: &Path, step: u64) -> bool {
+    let Ok(text) = std::fs::read_to_string(folder.join(MANIFEST)) else {
+        return false;
+    };
+    let Ok(manifest) = serde_json::from_str::<Manifest>(&text) else {
+        return false;
+    };
+    manifest.index.step == step
+        && (0..manifest.workers).all(|rank| {
+            shard_identity(&folder.join(shard_file(rank)))
+                .is_some_and(|id| id.step == step && id.rank == rank)
+        })
+}
+
+/// A shard's identity, read from its header alone.
+fn shard_identity(path: &Path) -> Option<ShardIdentity> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).ok()?;
+    let n = u64::from_le_bytes(len);
+    if n > 1 << 26 {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    let id = header.get("__metadata__")?.get(SHARD_KEY)?.as_str()?;
+    serde_json::from_str(id).ok()
+}
+
 /// The folder of the state `path` names: the one `latest` names, or `path` itself
 /// where it holds a manifest.
 fn state_dir(path: &Path) -> Result<PathBuf> {

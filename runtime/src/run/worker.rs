@@ -1984,6 +1984,12 @@ fn write_shard(
     let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Config)?;
     let writer = c.shard_writer(rank);
     writer.wait()?;
+    if rank == 0 {
+        // A folder of this step left by an earlier run (one that stopped before
+        // committing it) goes before any worker writes into it: a folder never mixes
+        // two runs' shards.
+        let _ = std::fs::remove_dir_all(shards::step_dir(&c.path, index.step));
+    }
     every_worker_barrier(hook, index.step)?;
     if rank == 0 {
         c.commit_pending(Some(index.step))?;
