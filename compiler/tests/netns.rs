@@ -859,12 +859,26 @@ fn srun_across_three_hosts_trains_what_one_process_trains() {
         // without the /sys/fs/cgroup slurmd needs), with a /tmp of the host's own, as
         // on a machine of its own: PMIx keeps each job step's files there, under one
         // name on every node.
+        // A repository that lives under /tmp (a CI clone) is bound back into the new
+        // /tmp: the configuration, the plan and distc are read from it.
+        let repo = root().canonicalize().expect("the repository");
+        let keep = repo
+            .strip_prefix("/tmp")
+            .ok()
+            .and_then(|p| p.components().next())
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let script = format!(
+            "set -e; old=$(mktemp -d /run/distc-tmp.XXXXXX); mount --bind /tmp \"$old\"; \
+             mount -t tmpfs tmpfs /tmp; keep='{keep}'; \
+             if [ -n \"$keep\" ]; then mkdir -p \"/tmp/$keep\"; \
+             mount --bind \"$old/$keep\" \"/tmp/$keep\"; fi; \
+             exec env {env} slurmd -N h{i}"
+        );
         let o = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", c.ns(i)))
             .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
-            .arg(format!(
-                "mount -t tmpfs tmpfs /tmp && exec env {env} slurmd -N h{i}"
-            ))
+            .arg(script)
             .output()
             .expect("nsenter");
         let log = std::fs::read_to_string(dir.join(format!("slurmd-h{i}.log")));
