@@ -873,7 +873,7 @@ fn srun_across_three_hosts_trains_what_one_process_trains() {
              mount -t tmpfs tmpfs /tmp; keep='{keep}'; \
              if [ -n \"$keep\" ]; then mkdir -p \"/tmp/$keep\"; \
              mount --bind \"$old/$keep\" \"/tmp/$keep\"; fi; \
-             exec env {env} slurmd -N h{i}"
+             umount \"$old\"; rmdir \"$old\"; exec env {env} slurmd -N h{i}"
         );
         let o = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", c.ns(i)))
