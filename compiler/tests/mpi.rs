@@ -1580,11 +1580,7 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it
         t.contains("a rank was lost") && t.contains("with 2 workers (was 3)"),
         "{t}"
     );
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
-        .expect("the metrics")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a metrics line"))
-        .collect();
+    let lines = common::metrics_lines(&metrics);
     assert_eq!(lines.last().expect("lines")["step"], steps, "{t}");
     let r = restarts();
     assert_eq!(r.len(), 2, "{t}");

@@ -786,11 +786,7 @@ fn a_host_cut_off_under_distc_launch_is_left_out_and_the_job_completes() {
         t.contains(&format!("host(s) {} did not answer", Cluster::addr(2))),
         "{t}"
     );
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
-        .expect("the metrics")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a metrics line"))
-        .collect();
+    let lines = common::metrics_lines(&metrics);
     assert_eq!(
         lines.last().expect("lines")["step"].to_string(),
         steps,

@@ -124,3 +124,12 @@ pub fn leg<'a>(
     }
     args
 }
+
+/// A metrics file's lines (`--metrics`), each parsed.
+pub fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("the metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a metrics line"))
+        .collect()
+}
