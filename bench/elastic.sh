@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What losing a worker costs an elastic run (issue 40): for each model and layout, a run
 # with --elastic loses one worker (--fail-worker) and carries on with one replica
-# fewer; the restart's metrics line says how long the recovery took (the plan compiled
-# again, the workers started, the state of the last step moved in from memory) and how
+# fewer; the restart's metrics line says which step it resumed from, how many shards
+# it read from disk (none where the survivors' memory holds the state; under ZeRO the
+# lost worker's shard of the last sharded state), how long the recovery took (the plan
+# compiled again, the workers started, the state put together and moved in) and how
 # much training the loss undid. Beside it, what keeping the state every step costs: the
 # wall time of the same run without a loss, with and without --elastic, over its steps
-# (the state is gathered after a step's timing, so the metrics' step times do not
-# show it). Threads of one process, CPU.
+# (each worker copies what it holds to the host after a step's timing, so the metrics'
+# step times do not show it). Threads of one process, CPU.
 #
 #   bash bench/elastic.sh [DISTC]
 #
@@ -26,14 +28,14 @@ source bench/data.sh
 # name | model | layout
 cases=(
   "dense_mlp allreduce 4|examples/dense_mlp.dsl|--strategy allreduce --workers 4"
-  "dense_mlp ZeRO 3, 4|examples/dense_mlp.dsl|--strategy allreduce --zero 3 --workers 4"
+  "dense_mlp ZeRO 3, 4, sharded state every 2|examples/dense_mlp.dsl|--strategy allreduce --zero 3 --workers 4 --checkpoint $out/zero3-state --sharded --checkpoint-every 2"
   "dense_mlp data 2 x model 2|examples/dense_mlp.dsl|--mesh data=2,model=2"
   "sparse_lm hybrid 4 + 2 servers|examples/sparse_lm.dsl|--strategy hybrid --workers 4 --servers 2"
   "gpt.dsl allreduce 4|examples/gpt.dsl|--strategy allreduce --workers 4"
 )
 
-printf '| run | workers | lost at | resumed from | recovery (s) | training undone (s) | wall per step (ms) | with --elastic (ms) |\n'
-printf '| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n'
+printf '| run | workers | lost at | resumed from | shards read | recovery (s) | training undone (s) | wall per step (ms) | with --elastic (ms) |\n'
+printf '| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n'
 for c in "${cases[@]}"; do
   IFS='|' read -r name model layout <<<"$c"
   m="$out/$(echo "$name" | tr ' ,+' '___').jsonl"
@@ -50,6 +52,6 @@ for c in "${cases[@]}"; do
     "$distc" train "$model" $layout "${data[@]}" --steps "$steps" $flag -q
     walls+=("$t0" "$(date +%s.%N)")
   done
-  python3 bench/restart_row.py "$m" "$name" "$steps" "${walls[@]}"
+  python3 bench/restart_row.py "$m" "$name" "$steps" "${walls[@]}" --shards
 done
 echo "metrics: $out"

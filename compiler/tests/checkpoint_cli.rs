@@ -392,27 +392,45 @@ fn ctrl_c_stops_after_the_step_and_says_what_is_on_disk() {
 
 /// `--elastic` (issue 40, item 1): a worker lost at step K (`--fail-worker W:K`)
 /// costs the run one replica, not the job. The run goes on from the state of step K-1
-/// kept in memory, with the plan compiled for the workers left, and ends with the
-/// weights of a run that trained K-1 steps with N workers, wrote its state, and was
-/// resumed from it with one replica fewer: bit for bit. Under all-reduce, ZeRO 3,
-/// parameter servers (kept) and a model axis (a replica of T workers lost).
+/// the survivors kept in memory (reading no file), with the plan compiled for the
+/// workers left, and ends with the weights of a run that trained K-1 steps with N
+/// workers, wrote its state, and was resumed from it with one replica fewer: bit for
+/// bit. Under all-reduce, parameter servers (kept) and a model axis (a replica of T
+/// workers lost). Under ZeRO 3 the lost worker's chunks are nowhere else: the run goes
+/// back to the last sharded state written (step 2), the survivors' pieces from their
+/// memory and the lost worker's one shard from disk.
 #[test]
 fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() {
     let dense = "examples/dense_mlp.dsl";
-    for (label, model, layout, after, fail) in [
+    let shards = tmp("zero3-shards");
+    // label, model, layout, the layout left, the failure, the step resumed from, the
+    // shards read, the elastic run's own flags
+    for (label, model, layout, after, fail, from, read, own) in [
         (
             "allreduce",
             dense,
             &["--strategy", "allreduce", "--workers", "3"][..],
             "2",
             "1:4",
+            3,
+            0,
+            &[][..],
         ),
         (
             "zero3",
             dense,
             &["--strategy", "allreduce", "--zero", "3", "--workers", "3"][..],
             "2",
-            "2:3",
+            "2:4",
+            2,
+            1,
+            &[
+                "--checkpoint",
+                s(&shards),
+                "--sharded",
+                "--checkpoint-every",
+                "2",
+            ][..],
         ),
         (
             "hybrid",
@@ -420,6 +438,9 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             &["--strategy", "hybrid", "--servers", "1", "--workers", "3"][..],
             "2",
             "0:3",
+            2,
+            0,
+            &[][..],
         ),
         (
             "mesh",
@@ -427,6 +448,9 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             &["--mesh", "data=2,model=2"][..],
             "data=1,model=2",
             "3:3",
+            2,
+            0,
+            &[][..],
         ),
     ] {
         let steps = "5";
@@ -457,13 +481,15 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             "--metrics",
             s(&metrics),
         ]);
+        args.extend_from_slice(own);
         run(&args);
-        // The reference: K-1 steps with N workers, resumed with the layout left.
+        // The reference: the steps resumed from with N workers, resumed with the
+        // layout left.
         let (state, resumed) = (
             tmp(&format!("{label}-state.st")),
             tmp(&format!("{label}-resumed.st")),
         );
-        let before = (k - 1).to_string();
+        let before = from.to_string();
         let mut args = layout.to_vec();
         args.extend_from_slice(&["--steps", &before, "--checkpoint", s(&state)]);
         run(&args);
@@ -496,18 +522,16 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             .map(|l| serde_json::from_str(l).expect("json"))
             .collect();
         let steps: Vec<u64> = lines.iter().filter_map(|l| l["step"].as_u64()).collect();
-        assert_eq!(steps, [1, 2, 3, 4, 5], "{label}");
+        let expected: Vec<u64> = (1..k as u64).chain(from + 1..=5).collect();
+        assert_eq!(steps, expected, "{label}");
         let restarts: Vec<&serde_json::Value> =
             lines.iter().filter(|l| !l["restart"].is_null()).collect();
         assert_eq!(restarts.len(), 1, "{label}: {lines:?}");
         let r = &restarts[0]["restart"];
-        assert_eq!(restarts[0]["step"].as_u64(), Some(k as u64), "{label}");
+        assert_eq!(restarts[0]["step"].as_u64(), Some(from + 1), "{label}");
         assert_eq!(r["lost_at_step"].as_u64(), Some(k as u64), "{label}");
-        assert_eq!(
-            r["resumed_from_step"].as_u64(),
-            Some(k as u64 - 1),
-            "{label}"
-        );
+        assert_eq!(r["resumed_from_step"].as_u64(), Some(from), "{label}");
+        assert_eq!(r["shards_read"].as_u64(), Some(read), "{label}: {r}");
         let workers = |l: &str| {
             l.split(',')
                 .map(|p| {
@@ -583,6 +607,21 @@ fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_canno
     refused(
         &["train", MODEL, "--steps", "2", "--elastic"],
         "one replica",
+    );
+    // ZeRO's chunks of a lost worker are on no other worker: only on disk.
+    refused(
+        &[
+            "train",
+            MODEL,
+            "--strategy",
+            "allreduce",
+            "--zero",
+            "1",
+            "--workers",
+            "2",
+            "--elastic",
+        ],
+        "--checkpoint DIR --sharded",
     );
     refused(
         &[

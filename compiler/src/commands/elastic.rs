@@ -1,23 +1,28 @@
 //! `--elastic`: a run that carries on when a worker is lost.
 //!
-//! Every step the workers keep the training state in memory (worker 0 gathers it, as
-//! for a checkpoint, into a [`StateSlot`]; no file is written or read). When a worker
-//! is lost (its thread fails, or `--fail-worker` rehearses that), the others stop at
-//! the error; the plan is compiled again from its model for one replica fewer (the
-//! data axis shrinks; a model axis of T loses the T workers of the lost worker's
-//! replica; servers are kept), and training resumes from the last state kept: its
-//! variables, optimizer state, step and data position, resharded for the new layout as
-//! `--resume` reshards a state file. The first step line after the restart carries a
-//! `restart` object (the step lost, the step resumed from, the cause, workers before
-//! and after, seconds of recovery and of training undone).
+//! After every step each worker keeps a copy of what it holds in memory (its ZeRO
+//! chunks, model-axis parts, whole variables and their slots; worker 0 adds the
+//! servers' rows), replacing the last; nothing is gathered, written or read
+//! ([`StateSlot`]). When a worker is lost (its thread fails, or `--fail-worker`
+//! rehearses that), its memory goes with it and the others stop at the error; the plan
+//! is compiled again from its model for one replica fewer (the data axis shrinks; a
+//! model axis of T loses the T workers of the lost worker's replica; servers are
+//! kept), and training resumes from the newest state the survivors can put together:
+//! from their memory alone where they hold every piece, else with what only the lost
+//! worker held (its ZeRO chunks) read from the last sharded state on disk. Its
+//! variables, optimizer state, step and data position are resharded for the new layout
+//! as `--resume` reshards a state file. The first step line after the restart carries
+//! a `restart` object (the step lost, the step resumed from, the cause, workers before
+//! and after, the shards read, seconds of recovery and of training undone).
 //!
 //! The restarted run trains what a run resumed from that state with the smaller plan
-//! trains, bit for bit (`compiler/tests/elastic_cli.rs`).
+//! trains, bit for bit (`compiler/tests/checkpoint_cli.rs`).
 
 use crate::cli::RunArgs;
 use crate::console::err;
 use crate::Plan;
 use anyhow::{bail, Result};
+use distc_runtime::core::shards::Layout;
 use distc_runtime::run::launch::{launch, Launch};
 use distc_runtime::run::metrics::{Restart, StepMetrics};
 use distc_runtime::run::programs::StateSlot;
@@ -62,6 +67,23 @@ pub(super) fn launch_elastic(
              replicas) for a run that can lose one"
         );
     }
+    let sharded_dir = first
+        .opts
+        .checkpoint
+        .as_ref()
+        .filter(|c| c.sharded)
+        .map(|c| c.path.clone());
+    let layout = |programs: &distc_runtime::run::train::Programs<'_>| {
+        Layout::of(programs.finalize).map_err(|m| anyhow::anyhow!("--elastic: {m}"))
+    };
+    if let (Some(var), None) = (layout(&first.programs)?.split_over_data(), &sharded_dir) {
+        bail!(
+            "--elastic: under ZeRO each worker holds a chunk of `{var}` no other worker \
+             holds, so a lost worker's chunks can only come back from disk: add \
+             --checkpoint DIR --sharded (with --checkpoint-every K; the run goes back to \
+             the last state written)"
+        );
+    }
     let slot = StateSlot::new(format!(
         "{} with {} workers (elastic)",
         plan.strategy.name(),
@@ -85,6 +107,7 @@ pub(super) fn launch_elastic(
             ),
             None => (first.programs, first.rows_touched.clone()),
         };
+        slot.begin(layout(&programs)?);
         let run = Launch {
             programs,
             config,
@@ -124,7 +147,15 @@ pub(super) fn launch_elastic(
                 args.min_workers
             );
         }
-        let state = slot.latest().or_else(|| opts.resume.clone());
+        if let Some(c) = &opts.checkpoint {
+            // The lost worker's shard of the last state is read below, once written.
+            c.abandon_pending();
+        }
+        let restored = slot
+            .restore(sharded_dir.as_deref())
+            .map_err(|m| anyhow::anyhow!("{e}\n{m}"))?;
+        let shards_read = restored.as_ref().map_or(0, |r| r.files_read.len());
+        let state = restored.map(|r| r.state).or_else(|| opts.resume.clone());
         let resumed_from = state.as_ref().map_or(0, |s| s.index.step as usize);
         // Training since the state resumed from: from its step's line to the loss.
         let lost_sec = match last_line {
@@ -139,6 +170,7 @@ pub(super) fn launch_elastic(
             cause: e.to_string(),
             workers_before: workers,
             workers_after: after,
+            shards_read,
             recovery_sec: 0.0,
             lost_sec,
         };
@@ -161,9 +193,6 @@ pub(super) fn launch_elastic(
         recompiled = Some(compiled);
         workers = after;
         opts.resume = state;
-        if let Some(c) = &opts.checkpoint {
-            c.abandon_pending();
-        }
         // The rehearsed failure happened: the restarted run keeps its workers.
         opts.fail = None;
         restarts += 1;

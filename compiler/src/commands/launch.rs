@@ -65,6 +65,19 @@ fn state_step(dir: &Path) -> Option<usize> {
     distc_runtime::core::shards::newest_complete(dir).map(|(step, _)| step as usize)
 }
 
+/// The shards of the newest complete state in `dir`: what a restart reads (a new
+/// `mpirun` job's ranks hold nothing).
+fn state_shards(dir: &Path) -> usize {
+    distc_runtime::core::shards::newest_complete(dir).map_or(0, |(_, folder)| {
+        std::fs::read_dir(folder).map_or(0, |entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("rank-"))
+                .count()
+        })
+    })
+}
+
 /// Runs `train` as the flags say, restarting on a lost rank.
 pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
     for a in train {
@@ -195,6 +208,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
                     cause: format!("workers joined: the hostfile lists {slots} slots"),
                     workers_before: workers,
                     workers_after: room,
+                    shards_read: state_shards(&args.state),
                     recovery_sec: 0.0,
                     lost_sec: 0.0,
                 },
@@ -263,6 +277,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             cause,
             workers_before: workers,
             workers_after: after,
+            shards_read: state_shards(&args.state),
             recovery_sec: 0.0,
             // Training since the state resumed from: from its step's line to the loss.
             lost_sec: lines

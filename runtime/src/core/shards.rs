@@ -140,6 +140,19 @@ impl Layout {
         let split = |axis| gathers.iter().any(|g| g.axis() == axis);
         (data == 0 || split(Axis::Data)) && (model == 0 || split(Axis::Model))
     }
+
+    /// A variable split over the data axis (ZeRO's chunks), if any: then each worker
+    /// holds values no other worker of its model rank holds.
+    pub fn split_over_data(&self) -> Option<&str> {
+        let mut split: Vec<&str> = self
+            .0
+            .values()
+            .filter(|(_, g)| g.iter().any(|g| g.axis() == Axis::Data))
+            .map(|(whole, _)| whole.as_str())
+            .collect();
+        split.sort();
+        split.first().copied()
+    }
 }
 
 /// What a shard says of itself, in its metadata.
@@ -174,7 +187,8 @@ pub fn step_dir(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("step-{step:09}"))
 }
 
-fn shard_file(rank: usize) -> String {
+/// Worker `rank`'s shard's file name in a state's folder.
+pub fn shard_file(rank: usize) -> String {
     format!("rank-{rank}.safetensors")
 }
 
@@ -192,44 +206,58 @@ pub fn write_manifest(
     index: &StateIndex,
     layout: &Layout,
     keys: &[String],
-    (workers, data, model): (usize, usize, usize),
+    mesh: (usize, usize, usize),
 ) -> Result<()> {
-    let mut tensors = BTreeMap::new();
-    let (mut variables, mut optimizer_state) = (Vec::new(), Vec::new());
-    for key in keys {
-        let (whole, gathers) = layout.whole(key);
-        if whole.contains('/') {
-            optimizer_state.push(whole.clone());
-        } else {
-            variables.push(whole.clone());
-        }
-        tensors.insert(
-            whole,
-            Stored {
-                stored: key.clone(),
-                gathers,
-            },
-        );
-    }
-    variables.sort();
-    optimizer_state.sort();
-    let manifest = Manifest {
-        format: FORMAT.to_string(),
-        index: StateIndex {
-            variables,
-            optimizer_state,
-            format: "distc-training-state".into(),
-            ..index.clone()
-        },
-        workers,
-        data,
-        model,
-        tensors,
-    };
+    let manifest = Manifest::of(index, layout, keys, mesh);
     let path = step_dir(dir, index.step).join(MANIFEST);
     let text = serde_json::to_string_pretty(&manifest)
         .map_err(|e| data_err(&path, format!("cannot encode the manifest: {e}")))?;
     crate::core::output::write_file(&path, text.as_bytes())
+}
+
+impl Manifest {
+    /// The manifest of the state at `index.step` whose stored tensors are `keys` (each
+    /// named once, whichever workers hold it), on `workers` workers of a data axis of
+    /// `data` and a model axis of `model`.
+    pub fn of(
+        index: &StateIndex,
+        layout: &Layout,
+        keys: &[String],
+        (workers, data, model): (usize, usize, usize),
+    ) -> Manifest {
+        let mut tensors = BTreeMap::new();
+        let (mut variables, mut optimizer_state) = (Vec::new(), Vec::new());
+        for key in keys {
+            let (whole, gathers) = layout.whole(key);
+            if whole.contains('/') {
+                optimizer_state.push(whole.clone());
+            } else {
+                variables.push(whole.clone());
+            }
+            tensors.insert(
+                whole,
+                Stored {
+                    stored: key.clone(),
+                    gathers,
+                },
+            );
+        }
+        variables.sort();
+        optimizer_state.sort();
+        Manifest {
+            format: FORMAT.to_string(),
+            index: StateIndex {
+                variables,
+                optimizer_state,
+                format: "distc-training-state".into(),
+                ..index.clone()
+            },
+            workers,
+            data,
+            model,
+            tensors,
+        }
+    }
 }
 
 /// Worker `rank`'s shard of the state at `step`: the tensors it writes.
@@ -400,48 +428,72 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
     // Every shard, by its place on the mesh.
     let mut shards: HashMap<(usize, usize), HashMap<String, Tensor>> = HashMap::new();
     for rank in 0..manifest.workers {
-        let spath = dir.join(shard_file(rank));
-        if !spath.is_file() {
+        let ((data, model), tensors) = read_shard(&dir, step, rank, manifest.workers)?;
+        if data >= manifest.data || model >= manifest.model {
             return Err(data_err(
-                &spath,
+                &dir.join(shard_file(rank)),
                 format!(
-                    "is missing: the state of step {step} has {} shards, and is incomplete \
-                     without this one",
-                    manifest.workers
+                    "is at data rank {data} and model rank {model}, outside the manifest's \
+                     mesh"
                 ),
             ));
         }
-        let (tensors, meta) = checkpoint::load(&spath)?;
-        let identity: ShardIdentity = meta
-            .get(SHARD_KEY)
-            .and_then(|m| serde_json::from_str(m).ok())
-            .ok_or_else(|| data_err(&spath, "is not a shard of a sharded state"))?;
-        if identity.step != step || identity.rank != rank {
-            return Err(data_err(
-                &spath,
-                format!(
-                    "is worker {}'s shard of step {}; the manifest wants worker {rank}'s of \
-                     step {step}: the state is incomplete",
-                    identity.rank, identity.step
-                ),
-            ));
-        }
-        if identity.data >= manifest.data || identity.model >= manifest.model {
-            return Err(data_err(
-                &spath,
-                format!(
-                    "is at data rank {} and model rank {}, outside the manifest's mesh",
-                    identity.data, identity.model
-                ),
-            ));
-        }
-        let mine = shards.entry((identity.data, identity.model)).or_default();
-        mine.extend(tensors);
+        shards.entry((data, model)).or_default().extend(tensors);
     }
+    let cells: Cells<'_> = shards.iter().map(|(k, v)| (*k, v)).collect();
+    assemble_state(&manifest, &cells).map_err(|m| data_err(&dir, m))
+}
+
+/// Worker `rank`'s shard in the state folder `folder` of `step` (of `workers`
+/// shards), checked: its place on the mesh and its tensors.
+pub fn read_shard(
+    folder: &Path,
+    step: u64,
+    rank: usize,
+    workers: usize,
+) -> Result<((usize, usize), HashMap<String, Tensor>)> {
+    let spath = folder.join(shard_file(rank));
+    if !spath.is_file() {
+        return Err(data_err(
+            &spath,
+            format!(
+                "is missing: the state of step {step} has {workers} shards, and is \
+                 incomplete without this one"
+            ),
+        ));
+    }
+    let (tensors, meta) = checkpoint::load(&spath)?;
+    let identity: ShardIdentity = meta
+        .get(SHARD_KEY)
+        .and_then(|m| serde_json::from_str(m).ok())
+        .ok_or_else(|| data_err(&spath, "is not a shard of a sharded state"))?;
+    if identity.step != step || identity.rank != rank {
+        return Err(data_err(
+            &spath,
+            format!(
+                "is worker {}'s shard of step {}; the manifest wants worker {rank}'s of \
+                 step {step}: the state is incomplete",
+                identity.rank, identity.step
+            ),
+        ));
+    }
+    Ok(((identity.data, identity.model), tensors))
+}
+
+/// What the workers at each place on the mesh hold, by stored name.
+pub type Cells<'a> = HashMap<(usize, usize), &'a HashMap<String, Tensor>>;
+
+/// The whole state `manifest` describes, from what the workers at each place of the
+/// mesh hold (`cells`; a tensor not split along an axis is taken from any worker
+/// along it that holds it).
+pub fn assemble_state(
+    manifest: &Manifest,
+    cells: &Cells<'_>,
+) -> std::result::Result<TrainingState, String> {
     let mut params = HashMap::new();
     let mut optimizer = HashMap::new();
     for (whole, stored) in &manifest.tensors {
-        let t = assemble(&manifest, &shards, whole, stored).map_err(|m| data_err(&dir, m))?;
+        let t = assemble(manifest, cells, whole, stored)?;
         if manifest.index.variables.contains(whole) {
             params.insert(whole.clone(), t);
         } else {
@@ -455,20 +507,23 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
         .chain(&manifest.index.optimizer_state)
     {
         if !manifest.tensors.contains_key(name) {
-            return Err(data_err(
-                &mpath,
-                format!("the index lists `{name}`, the manifest does not say where it is"),
+            return Err(format!(
+                "the index lists `{name}`, the manifest does not say where it is"
             ));
         }
     }
-    Ok(TrainingState::new(manifest.index, params, optimizer))
+    Ok(TrainingState::new(
+        manifest.index.clone(),
+        params,
+        optimizer,
+    ))
 }
 
 /// The whole tensor `whole` from the shards: the stored pieces gathered in the final
 /// program's order, each gather joining the pieces along its axis.
 fn assemble(
     manifest: &Manifest,
-    shards: &HashMap<(usize, usize), HashMap<String, Tensor>>,
+    cells: &Cells<'_>,
     whole: &str,
     stored: &Stored,
 ) -> std::result::Result<Tensor, String> {
@@ -482,13 +537,23 @@ fn assemble(
     let mut pieces: HashMap<(usize, usize), Tensor> = HashMap::new();
     for d in 0..datas {
         for m in 0..models {
-            let t = shards
-                .get(&(d, m))
-                .and_then(|s| s.get(&stored.stored))
+            // Along an axis it is not split on, every worker holds the same values:
+            // the first that holds it (the one a sharded state's shard has).
+            let mut along: Vec<(usize, usize)> = cells
+                .keys()
+                .copied()
+                .filter(|&(cd, cm)| {
+                    (cd == d || !split(Axis::Data)) && (cm == m || !split(Axis::Model))
+                })
+                .collect();
+            along.sort();
+            let t = along
+                .iter()
+                .find_map(|c| cells[c].get(&stored.stored))
                 .ok_or_else(|| {
                     format!(
-                        "no shard at data rank {d} and model rank {m} holds `{}` (a piece of \
-                         `{whole}`): the state is damaged",
+                        "no worker at data rank {d} and model rank {m} holds `{}` (a piece of \
+                         `{whole}`)",
                         stored.stored
                     )
                 })?;

@@ -92,6 +92,10 @@ pub struct Restart {
     pub workers_before: usize,
     /// Workers after it.
     pub workers_after: usize,
+    /// Shards read from disk for what only the lost worker held (its ZeRO chunks); 0:
+    /// the survivors' memory held the whole state.
+    #[serde(default)]
+    pub shards_read: usize,
     /// Seconds from the loss to the restarted run's first step (the plan compiled
     /// again, the workers started, the state moved in).
     pub recovery_sec: f64,

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod mpi;
 pub mod pipeline;
 pub mod programs;
+pub mod snapshot;
 pub(crate) mod steps;
 pub mod trace;
 pub mod train;

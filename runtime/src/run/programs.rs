@@ -31,6 +31,7 @@ pub struct Site<'g> {
 }
 
 pub use crate::comm::Links;
+pub use crate::run::snapshot::StateSlot;
 
 /// The programs of a plan: the SPMD worker program (the one-device graph for one
 /// device), the workers' init program and one program per parameter server.
@@ -105,42 +106,12 @@ pub struct TrainOptions {
     /// The model's forward and backward FLOPs per sample, as the compiler counted
     /// them, for the metrics' model FLOPs and utilisation (`None`: not reported).
     pub flops_per_sample: Option<f64>,
-    /// Keep the training state of every step in memory, each replacing the last: an
-    /// elastic run restarts from it when a worker is lost.
+    /// Each worker keeps what it holds after every step in memory, each copy replacing
+    /// the last: an elastic run restarts from the survivors' copies when a worker is
+    /// lost.
     pub snapshot: Option<StateSlot>,
     /// A failure to rehearse: a worker lost at the start of a step.
     pub fail: Option<InjectedFailure>,
-}
-
-/// The training state after the last step that ran, in memory (see
-/// [`TrainOptions::snapshot`]), shared by the run and whoever restarts it.
-#[derive(Clone, Debug, Default)]
-pub struct StateSlot {
-    latest: Arc<std::sync::Mutex<Option<Arc<TrainingState>>>>,
-    /// What trains, for the state's index.
-    pub saved_by: String,
-}
-
-impl StateSlot {
-    /// An empty slot; `saved_by` goes into each state's index.
-    pub fn new(saved_by: String) -> StateSlot {
-        StateSlot {
-            latest: Arc::default(),
-            saved_by,
-        }
-    }
-
-    /// The last state kept.
-    pub fn latest(&self) -> Option<Arc<TrainingState>> {
-        self.latest
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    pub(crate) fn keep(&self, state: Arc<TrainingState>) {
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = Some(state);
-    }
 }
 
 /// Worker `worker` is lost at the start of step `step` (`--fail-worker W:K`): its

@@ -1285,18 +1285,13 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
     fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {
         let (rank, first, steps) = (self.rank, self.first, self.last);
         if self.opts.fail == Some(crate::run::programs::InjectedFailure { worker: rank, step }) {
-            // Lost once the previous step's state is kept, so a rehearsal's restart
-            // point is known (a real loss may come while it is being gathered, and
-            // the run then goes back one step further).
+            // What it kept in memory goes with it, as with a crashed process; once the
+            // others kept the step before, so the rehearsal's restart point is known.
             if let Some(slot) = &self.opts.snapshot {
-                let kept = |s: &crate::run::programs::StateSlot| {
-                    s.latest()
-                        .is_some_and(|st| st.index.step as usize + 1 >= step)
-                };
-                let since = Instant::now();
-                while step > first && !kept(slot) && since.elapsed() < self.opts.timeout {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
+                if step > first {
+                    slot.wait_kept(step as u64 - 1, self.programs.workers, self.opts.timeout);
                 }
+                slot.lose(rank);
             }
             return Err(RuntimeError::WorkerLost {
                 step,
@@ -1827,7 +1822,8 @@ pub(crate) fn resumed_slots(
 /// variables and slots, the servers' rows and slots, and the ZeRO chunks and
 /// model-axis parts, which every worker gathers with it through the final program (a
 /// collective, so every worker calls this at the same steps). Sharded: every worker
-/// writes what it holds, and nothing is gathered.
+/// writes what it holds, and nothing is gathered. Elastic: every worker keeps a copy
+/// of what it holds in memory (`opts.snapshot`), and nothing is gathered either.
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
     opts: &TrainOptions,
@@ -1859,19 +1855,17 @@ fn save_training_state<B: Backend>(
             .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
         host.insert(name.clone(), t);
     }
-    // Worker 0's part of the state that no worker holds: the servers' variables and
-    // slots, whole, and the loss scaler.
-    let mut held_elsewhere: HashMap<String, Tensor> = HashMap::new();
+    // What no worker holds, which worker 0 asks for: the servers' variables and
+    // slots, whole.
+    let mut servers: HashMap<String, Tensor> = HashMap::new();
     if rank == 0 {
         if let Some(ps) = hook.ps.as_mut() {
             let parts = ps.snapshot(step as u64)?;
-            held_elsewhere =
+            servers =
                 crate::ps::assemble(parts, &crate::run::programs::pulled_types(programs.worker))?;
         }
-        if let Some(s) = scaler {
-            held_elsewhere.insert(LOSS_SCALE_KEY.to_string(), s.to_tensor());
-        }
     }
+    let scale = scaler.map(|s| (LOSS_SCALE_KEY.to_string(), s.to_tensor()));
     let k = crate::run::programs::micro_batches(programs.worker);
     let saved_by = match (&opts.checkpoint, &opts.snapshot) {
         (Some(c), _) => c.saved_by.clone(),
@@ -1890,19 +1884,51 @@ fn save_training_state<B: Backend>(
         optimizer_state: Vec::new(),
     };
     let sharded = opts.checkpoint.as_ref().filter(|c| c.sharded && to_file);
-    if let Some(c) = sharded {
-        let mut mine: HashMap<String, Tensor> = host
-            .iter()
-            .chain(&slots)
-            .map(|(k, t)| (k.clone(), t.clone()))
-            .collect();
-        for (k, t) in &held_elsewhere {
-            // A server's variable replaces the copy the worker pulled.
-            mine.insert(k.clone(), t.clone());
+    let whole = to_file && sharded.is_none();
+    if sharded.is_some() || opts.snapshot.is_some() {
+        // What this worker holds: moved where nothing needs it after.
+        let mut mine: HashMap<String, Tensor> = if whole {
+            host.iter()
+                .chain(&slots)
+                .map(|(k, t)| (k.clone(), t.clone()))
+                .collect()
+        } else {
+            std::mem::take(&mut host)
+                .into_iter()
+                .chain(std::mem::take(&mut slots))
+                .collect()
+        };
+        if let Some(slot) = &opts.snapshot {
+            if rank == 0 && hook.ps.is_some() {
+                let kept = if sharded.is_some() || whole {
+                    servers.clone()
+                } else {
+                    std::mem::take(&mut servers)
+                };
+                slot.keep_servers(step as u64, kept);
+            }
+            let mut copy = if sharded.is_some() {
+                mine.clone()
+            } else {
+                std::mem::take(&mut mine)
+            };
+            // Each worker's own scaler: it moves with every worker's steps alike.
+            copy.extend(scale.clone());
+            let copy = crate::run::snapshot::Copy {
+                index: index.clone(),
+                tensors: Arc::new(copy),
+            };
+            slot.keep(rank, ranks, copy, sharded.is_some());
         }
-        write_shard(c, programs, &index, mine, (rank, ranks), step == last, hook)?;
+        if let Some(c) = sharded {
+            // A server's variable replaces the copy the worker pulled.
+            mine.extend(std::mem::take(&mut servers));
+            if rank == 0 {
+                mine.extend(scale.clone());
+            }
+            write_shard(c, programs, &index, mine, (rank, ranks), step == last, hook)?;
+        }
     }
-    let whole = opts.snapshot.is_some() || (to_file && sharded.is_none());
     if !whole {
         return Ok(());
     }
@@ -1949,7 +1975,7 @@ fn save_training_state<B: Backend>(
         host.into_iter()
             .filter(|(k, _)| programs.finalize.is_none_or(|f| !reads_param(f, k))),
     );
-    for (k, t) in held_elsewhere {
+    for (k, t) in servers.into_iter().chain(scale) {
         if k.contains('/') {
             slots.insert(k, t);
         } else {
@@ -1957,11 +1983,8 @@ fn save_training_state<B: Backend>(
         }
     }
     let state = Arc::new(TrainingState::new(index, params, slots));
-    if let (Some(c), true) = (&opts.checkpoint, to_file && sharded.is_none()) {
-        c.write(state.clone(), step == last)?;
-    }
-    if let Some(s) = &opts.snapshot {
-        s.keep(state);
+    if let Some(c) = &opts.checkpoint {
+        c.write(state, step == last)?;
     }
     Ok(())
 }
