@@ -898,9 +898,13 @@ pub fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
 /// `distc launch`'s own flags (the `train` flags follow `--`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct LaunchArgs {
-    /// Workers of the first job; each restart has one fewer.
+    /// Workers of the first job; each restart has one replica fewer.
     #[arg(long, value_parser = at_least_one, value_name = "N")]
     pub workers: usize,
+    /// Workers of one replica on a model axis (tensor parallelism): each job runs
+    /// `--mesh data=N/T,model=T`, and a lost rank costs its replica of T workers.
+    #[arg(long, value_parser = at_least_one, default_value_t = 1, value_name = "T")]
+    pub model_axis: usize,
     /// Parameter servers, kept on a restart.
     #[arg(long, default_value_t = 0, value_name = "S")]
     pub servers: usize,

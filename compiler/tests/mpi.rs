@@ -1620,9 +1620,100 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it
         (3, &steps_s, true),
     ] {
         let workers = np.to_string();
-        let args = common::leg(&model, &workers, to, (&reference, &ref_saved), resume);
+        let args = common::leg(
+            &model,
+            &["--workers", &workers],
+            to,
+            (&reference, &ref_saved),
+            resume,
+        );
         let o = mpirun(np, &args);
         assert!(o.status.success(), "{np} ranks to step {to}: {}", text(&o));
+    }
+    assert_eq!(max_difference(&saved, &ref_saved), 0.0);
+}
+
+/// `distc launch --model-axis 2` (issue 40): a replica is the 2 workers of a model
+/// axis, so rank 3 killed costs its replica. The job goes on as `data=1,model=2` from
+/// the last state on disk, reading every shard of it, and completes its steps; its
+/// weights equal, bit for bit, those of jobs run by hand: `data=2,model=2` to that
+/// state, `data=1,model=2` from it.
+#[test]
+fn a_rank_killed_under_distc_launch_on_a_model_axis_costs_its_replica() {
+    let _one = common::one_job_at_a_time();
+    let state = tmp("launch-tp.state");
+    let _ = std::fs::remove_dir_all(&state);
+    let (metrics, saved) = (tmp("launch-tp.jsonl"), tmp("launch-tp.st"));
+    let steps = "16";
+    let model = ["examples/dense_mlp.dsl", "--batch", "16", "-q"];
+    let child = Command::new(env!("CARGO_BIN_EXE_distc"))
+        .args(["launch", "--workers", "4", "--model-axis", "2"])
+        .args(["--state", s(&state), "--checkpoint-every", "1"])
+        .args(["--metrics", s(&metrics)])
+        .args([
+            "--mpirun-arg=--allow-run-as-root",
+            "--mpirun-arg=--oversubscribe",
+            "--",
+        ])
+        .args(model)
+        .args(["--steps", steps, "--save", s(&saved)])
+        .current_dir(root())
+        .env("MATMUL_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("distc launch starts");
+    let start = Instant::now();
+    let latest = state.join("latest");
+    while std::fs::read_to_string(&latest)
+        .ok()
+        .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
+        .is_none_or(|k| k < 2)
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "waited for the state of step 2"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = rank_pid(s(&state), 3).expect("rank 3 runs");
+    Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill");
+    let (o, _) = wait_at_most(child, None, Duration::from_secs(120), "launch");
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("with 2 workers (was 4)"), "{t}");
+    let lines = common::metrics_lines(&metrics);
+    assert_eq!(lines.last().expect("lines")["step"], 16, "{t}");
+    let r: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter_map(|l| l.get("restart").filter(|r| !r.is_null()))
+        .collect();
+    assert_eq!(r.len(), 1, "{t}");
+    assert_eq!(r[0]["workers_before"], 4, "{t}");
+    assert_eq!(r[0]["workers_after"], 2, "{t}");
+    assert_eq!(r[0]["shards_read"], 4, "{t}");
+    let lost = r[0]["resumed_from_step"].as_u64().expect("a step");
+    assert!(lost >= 2, "{r:?}");
+    let reference = tmp("launch-tp-ref.state");
+    let _ = std::fs::remove_dir_all(&reference);
+    let ref_saved = tmp("launch-tp-ref.st");
+    let lost = lost.to_string();
+    for (np, mesh, to, resume) in [
+        (4, "data=2,model=2", lost.as_str(), false),
+        (2, "data=1,model=2", steps, true),
+    ] {
+        let args = common::leg(
+            &model,
+            &["--mesh", mesh],
+            to,
+            (&reference, &ref_saved),
+            resume,
+        );
+        let o = mpirun(np, &args);
+        assert!(o.status.success(), "{mesh} to step {to}: {}", text(&o));
     }
     assert_eq!(max_difference(&saved, &ref_saved), 0.0);
 }

@@ -808,7 +808,13 @@ fn a_host_cut_off_under_distc_launch_is_left_out_and_the_job_completes() {
     let (reference, ref_saved) = (c.dir.join("ref"), c.dir.join("ref.st"));
     for (np, to, resume) in [(3, from.as_str(), false), (2, steps, true)] {
         let workers = np.to_string();
-        let args = common::leg(&model, &workers, to, (&reference, &ref_saved), resume);
+        let args = common::leg(
+            &model,
+            &["--workers", &workers],
+            to,
+            (&reference, &ref_saved),
+            resume,
+        );
         let o = c.mpirun_ranks(np, &[], &args).output().expect("mpirun");
         assert!(o.status.success(), "{np} hosts: {}", text(&o));
     }

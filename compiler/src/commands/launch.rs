@@ -7,9 +7,11 @@
 //! --checkpoint DIR --sharded --checkpoint-every K`, resuming from `DIR` where it holds
 //! a state. When mpirun ends with a rank lost (a rank killed by a signal, or a rank
 //! that stopped on a lost peer: exit status 75), the supervisor starts the next attempt
-//! with one worker fewer (the data axis shrinks, servers are kept), from the last
+//! with one replica fewer (the data axis shrinks, servers are kept), from the last
 //! complete state in `DIR`, at most `--max-restarts` times and never below
-//! `--min-workers`. Any other failure is the job's own and ends the launch.
+//! `--min-workers`. Any other failure is the job's own and ends the launch. With
+//! `--model-axis T` a replica is T workers on a model axis: each attempt runs `--mesh
+//! data=W/T,model=T` instead of `--workers W`.
 //!
 //! A job that lost workers grows again (`--max-workers`): once the hostfile lists slots
 //! for more workers (a host added back, or a new one) and a state of the running job is
@@ -86,11 +88,26 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             .find(|f| a == *f || a.starts_with(&format!("{f}=")))
         {
             bail!(
-                "distc launch sets {flag} itself: give the workers, servers, state folder \
-                 (--state), checkpoint interval and metrics file to launch, before `--`; \
-                 launch runs data-parallel plans (no --mesh or --pipeline yet)"
+                "distc launch sets {flag} itself: give the workers, servers, model axis, \
+                 state folder (--state), checkpoint interval and metrics file to launch, \
+                 before `--`; launch runs no pipeline stages yet"
             );
         }
+    }
+    let replica = args.model_axis;
+    for (flag, n) in [
+        ("--workers", Some(args.workers)),
+        ("--max-workers", args.max_workers),
+    ] {
+        if let Some(n) = n.filter(|n| n % replica != 0) {
+            bail!(
+                "{flag} {n} is not a multiple of --model-axis {replica}: each replica has \
+                 {replica} workers"
+            );
+        }
+    }
+    if replica > 1 && args.servers > 0 {
+        bail!("--servers with --model-axis: a mesh with a model axis has no parameter servers");
     }
     if args.workers < args.min_workers {
         bail!(
@@ -130,10 +147,15 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         cmd.args(["-np", &(workers + args.servers).to_string()])
             .arg(&exe)
             .arg("train")
-            .args(train)
-            .args(["--workers", &workers.to_string()])
-            .args(["--servers", &args.servers.to_string()])
-            .args(["--transport", "mpi", "--sharded"])
+            .args(train);
+        if replica > 1 {
+            let mesh = format!("data={},model={replica}", workers / replica);
+            cmd.args(["--mesh", &mesh]);
+        } else {
+            cmd.args(["--workers", &workers.to_string()])
+                .args(["--servers", &args.servers.to_string()]);
+        }
+        cmd.args(["--transport", "mpi", "--sharded"])
             .arg("--checkpoint")
             .arg(&args.state)
             .args(["--checkpoint-every", &args.checkpoint_every.to_string()])
@@ -240,7 +262,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         };
         // A host that no longer answers is left out of the next attempts (its ranks
         // with it); a rank killed on a host that answers costs that rank alone.
-        let mut after = workers - 1;
+        let mut after = workers - replica;
         if let Some(h) = hosts.as_mut() {
             let gone = h.probe(args);
             if !gone.is_empty() {
@@ -251,6 +273,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
                 ));
             }
             after = after.min(h.slots().saturating_sub(args.servers));
+            after -= after % replica;
         }
         if restarts == args.max_restarts {
             bail!("a rank was lost ({cause}); stopped after {restarts} restarts (--max-restarts)");
@@ -315,6 +338,7 @@ fn slots_of(text: &str) -> usize {
 fn room_for(args: &LaunchArgs, hosts: Option<&Hosts>, workers: usize) -> Option<usize> {
     let most = args.max_workers?;
     let room = hosts?.slots().saturating_sub(args.servers).min(most);
+    let room = room - room % args.model_axis;
     (room > workers).then_some(room)
 }
 

@@ -105,19 +105,20 @@ pub fn max_difference(a: &Path, b: &Path) -> f64 {
     worst
 }
 
-/// `train MODEL... --workers N --transport mpi --steps TO`, writing its sharded state
+/// `train MODEL... LAYOUT... --transport mpi --steps TO`, writing its sharded state
 /// to `state` (resuming from it with `resume`) and its weights to `save`: one leg of a
 /// `distc launch` run repeated by hand from state to state.
 pub fn leg<'a>(
     model: &[&'a str],
-    workers: &'a str,
+    layout: &[&'a str],
     to: &'a str,
     (state, save): (&'a Path, &'a Path),
     resume: bool,
 ) -> Vec<&'a str> {
     let mut args = vec!["train"];
     args.extend(model);
-    args.extend(["--workers", workers, "--transport", "mpi", "--steps", to]);
+    args.extend(layout);
+    args.extend(["--transport", "mpi", "--steps", to]);
     args.extend(["--checkpoint", s(state), "--sharded", "--save", s(save)]);
     if resume {
         args.extend(["--resume", s(state)]);
