@@ -196,8 +196,14 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             if let Some(s) = child.try_wait()? {
                 break s;
             }
-            if grow_to.is_none() && state_step(&args.state) > on_disk_at_start {
-                if let Some(room) = room_for(args, hosts.as_ref(), workers) {
+            // The hostfile first (one small file; nothing without --max-workers), the
+            // state's shard headers only once it has room.
+            let room = grow_to
+                .is_none()
+                .then(|| room_for(args, hosts.as_ref(), workers))
+                .flatten();
+            if let Some(room) = room {
+                if state_step(&args.state) > on_disk_at_start {
                     grow_to = Some(room);
                     // mpirun passes SIGTERM on; each rank stops at once, and the state
                     // just committed is where the larger job starts.

@@ -1148,6 +1148,15 @@ fn message_name(from: usize, tag: &str, micro: usize) -> String {
 }
 
 impl<'a> Stage<'a> {
+    /// Bytes the stage has moved: its messages, its collectives through the host, and
+    /// its backends' collectives (NCCL's).
+    fn bytes<B: Backend>(&self, fwd: &mut Executor<B>, bwd: &mut Executor<B>) -> ByteCount {
+        self.comm.bytes()
+            + self.hook.bytes()
+            + fwd.backend().collective_bytes()
+            + bwd.backend().collective_bytes()
+    }
+
     /// Runs its steps in the one step loop with its schedule as the body, its kernels
     /// on the backends `make` creates (one for the forward program, one for the
     /// backward program and the update; they share the variables), handing each step's
@@ -1226,10 +1235,7 @@ impl<'a> Stage<'a> {
             .node_ids()
             .iter()
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
-        let last_bytes = self.comm.bytes()
-            + self.hook.bytes()
-            + fwd.backend().collective_bytes()
-            + bwd.backend().collective_bytes();
+        let last_bytes = self.bytes(&mut fwd, &mut bwd);
         let (first, cadence, t0) = (self.first, self.cadence, self.t0);
         let peak = if self.measure_peak {
             bwd.backend()
@@ -1418,11 +1424,11 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                         }
                         let refs: Vec<&B::Value> = values
                             .iter()
-                            .filter_map(|(_, v)| match v {
-                                Message::Device(v) => Some(v),
-                                Message::Host(_) => None,
+                            .map(|(tag, v)| match v {
+                                Message::Device(v) => Ok(v),
+                                Message::Host(_) => Err(wrong_path(&label, tag, true)),
                             })
-                            .collect();
+                            .collect::<Result<_>>()?;
                         bwd.backend()
                             .send_message(to, &refs)
                             .map_err(|e| backend_error(device, &label, e))?;
@@ -1430,11 +1436,11 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                         me.comm.set_label(&label);
                         let host: Vec<(String, Value)> = values
                             .into_iter()
-                            .filter_map(|(tag, v)| match v {
-                                Message::Host(v) => Some((tag, v)),
-                                Message::Device(_) => None,
+                            .map(|(tag, v)| match v {
+                                Message::Host(v) => Ok((tag, v)),
+                                Message::Device(_) => Err(wrong_path(&label, &tag, false)),
                             })
-                            .collect();
+                            .collect::<Result<_>>()?;
                         me.comm.send(to, encode_values(&host))?;
                     }
                 }
@@ -1577,11 +1583,8 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         timed: Timed,
         lr: f64,
     ) -> Result<StageReport> {
+        let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
         let me = &mut *self.stage;
-        let bytes = me.comm.bytes()
-            + me.hook.bytes()
-            + self.fwd.backend().collective_bytes()
-            + self.bwd.backend().collective_bytes();
         // On a model axis, the parts' slots are gathered as their variables are, and
         // model rank 0 hands them over whole.
         let slots = if due.checkpoint && me.replica == 0 {
@@ -1620,4 +1623,18 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         self.last_bytes = bytes;
         Ok(report)
     }
+}
+
+/// A message value of the other kind than the stage's path (`on_device`: its messages
+/// go device to device, and this one is on the host; else the reverse): refused,
+/// never dropped.
+fn wrong_path(label: &str, tag: &str, on_device: bool) -> RuntimeError {
+    let (value, path) = if on_device {
+        ("on the host", "device to device")
+    } else {
+        ("on the device", "through the host")
+    };
+    RuntimeError::Config(format!(
+        "{label}: `{tag}` is a value {value}, and this stage's messages go {path}"
+    ))
 }
