@@ -7,12 +7,13 @@
 #   bash bench/planner.sh [DISTC]
 #
 # Environment: MODELS (examples/dense_mlp.dsl examples/gpt.dsl), WORKERS (2 4),
-# WARMUP (2), STEPS (6), RESULTS (a folder), DISTC_DATA (MNIST for dense_mlp).
+# WARMUP (2), STEPS (6), RESULTS (a folder), DISTC_DATA (MNIST for dense_mlp),
+# PRECISIONS (the search's --search-precision, e.g. fp32,bf16; default the model's).
 # Per candidate: the predicted step (ms) and the measured one (the global batch over
 # the median samples/s of the metrics lines after the warm-up), and the predicted
 # memory per worker beside the measured one (worker 0's variables, gradients, optimizer
-# state, peak activations and buffers, as the metrics count them; a pipeline's metrics
-# sum its stages, so its memory is not compared). Then, per model and
+# state, peak activations and buffers, as the metrics count them; for a pipeline, its
+# largest stage's, as the metrics give each stage's). Then, per model and
 # N: how far the pick's measured step is from the fastest measured, and the median
 # prediction errors.
 #
@@ -28,6 +29,8 @@ workers="${WORKERS:-2 4}"
 warmup="${WARMUP:-2}"
 steps="${STEPS:-6}"
 out="${RESULTS:-$(mktemp -d)}"
+search_flags=""
+[ -n "${PRECISIONS:-}" ] && search_flags="--search-precision $PRECISIONS"
 say() { echo "[planner.sh] $*" >&2; }
 [ -x "$distc" ] || { say "no distc binary at $distc (cargo build --release)"; exit 1; }
 mkdir -p "$out"
@@ -41,7 +44,8 @@ for model in $models; do
   [ -n "$dir" ] && data=(--data "$dir")
   for n in $workers; do
     tag="$name-$n"
-    "$distc" compile "$model" --strategy auto --workers "$n" "${data[@]}" \
+    # shellcheck disable=SC2086
+    "$distc" compile "$model" --strategy auto --workers "$n" "${data[@]}" $search_flags \
       -o "$out/$tag.auto.json" 2> "$out/$tag.search.txt" >/dev/null
     "$distc" explain "$out/$tag.auto.json" --format json > "$out/$tag.search.json"
     # One line a priced candidate: index, label, flags, predicted step, memory.
@@ -61,8 +65,11 @@ for i, c in enumerate(s["candidates"]):
         flags += ["--zero", str(c["zero"])]
     if c["remat"]:
         flags += ["--remat", "layers"]
+    precision = c.get("precision", "fp32")
+    flags += ["--precision", precision]
     label = f"data={d},model={t},pipe={p}" + (f",micro={c['micro_batches']}" if p > 1 else "") \
-        + (f",zero={c['zero']}" if c["zero"] else "") + (",remat" if c["remat"] else "")
+        + (f",zero={c['zero']}" if c["zero"] else "") + (",remat" if c["remat"] else "") \
+        + (f",{precision}" if precision != "fp32" else "")
     print(i, label, v["step"], v["memory_per_worker"], " ".join(flags), sep="\t")
 PY
     global=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['search']['global_batch'])" "$out/$tag.search.json")
@@ -85,6 +92,10 @@ lines = [json.loads(l) for l in open(path)][int(warmup):]
 rate = statistics.median(l["samples_per_sec"] for l in lines)
 m = lines[-1]["memory"]
 held = sum(m[k] for k in ("params", "gradients", "optimizer", "activations", "comm_buffers"))
+# A pipeline's `memory` sums its stages: its largest stage holds what one worker does.
+stages = (lines[-1].get("pipeline") or {}).get("stages") or []
+if stages and all("held" in s for s in stages):
+    held = max(s["held"] for s in stages)
 print(idx, label, float(predicted), int(g) / rate, int(memory), held, sep="\t")
 PY
     done < "$out/$tag.candidates.txt"
@@ -100,19 +111,15 @@ for idx, label, p, m, pm, mm in rows:
     e = (p - m) / m
     errs.append(abs(e))
     mark = "*" if idx == chosen else " "
-    if ",pipe=1" in label:
-        me = (pm - mm) / mm
-        merrs.append(abs(me))
-        mem = f"{mm:9.2f} {100*me:6.1f}%"
-    else:
-        # A pipeline's metrics sum its stages; the prediction is its largest stage.
-        mem = f"{'-':>9} {'-':>7}"
+    me = (pm - mm) / mm
+    merrs.append(abs(me))
+    mem = f"{mm:9.2f} {100*me:6.1f}%"
     print(f"{mark} {label:<34} {p:9.2f} {m:9.2f} {100*e:6.1f}% {pm:9.2f} {mem}")
 fastest = min(float(r[3]) for r in rows)
 pick = [float(r[3]) for r in rows if r[0] == chosen]
 if pick:
     print(f"pick's measured step: {100 * (pick[0] / fastest - 1):.1f}% above the fastest measured")
-mem = f"{100 * statistics.median(merrs):.1f}% (no pipeline)" if merrs else "-"
+mem = f"{100 * statistics.median(merrs):.1f}%" if merrs else "-"
 print(f"median |error|: step {100 * statistics.median(errs):.1f}%, memory {mem}")
 PY
   done

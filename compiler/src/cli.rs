@@ -325,6 +325,10 @@ pub struct CompileArgs {
     /// bytes a worker may hold, in MiB (the layouts estimated over it are rejected).
     #[arg(long, value_parser = parse_mib, value_name = "MIB")]
     pub memory_per_worker: Option<f64>,
+    /// With the layout search, the precisions it chooses among (`fp32,bf16`), each
+    /// profiled on this machine; without it the search keeps --precision.
+    #[arg(long, value_delimiter = ',', value_name = "fp32|bf16|fp16,...")]
+    pub search_precision: Vec<Precision>,
     /// Kernel fusion: collapse each chain of element-wise ops (a layer's bias add and
     /// activation, the activation gradients) into one `fused` node, which the runtime
     /// runs in one pass over memory; the values computed are the same.
@@ -698,6 +702,13 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     // 16-bit wire nor hierarchy yet.
     let all_reduces = !single && a.strategy != Strategy::Ps && replicas > 1;
     let rules = [
+        Ignored {
+            given: !a.search_precision.is_empty(),
+            used: searches_layout(a),
+            why: "--search-precision lists the precisions the layout search chooses among: \
+                  give it with --strategy auto, --workers N and no servers, mesh or pipeline"
+                .to_string(),
+        },
         Ignored {
             given: a.memory_per_worker.is_some(),
             used: searches_layout(a),

@@ -10,10 +10,11 @@
 //! workers of the model's batch b train (N b samples): a replica of T x P workers
 //! takes N b / D samples a step, in M micro-batches of N b / (D M) under a pipeline.
 //! A candidate whose micro-batch would not be a whole number of samples is rejected.
-//! The precision is the user's: the search never changes the arithmetic.
+//! The precision is the user's: the search changes the arithmetic only among the
+//! precisions the user lists (`--search-precision fp32,bf16`), each profiled here.
 
 use crate::simulate::{self as sim, ComputeProfile, Links};
-use distc_passes::placement::{Link, RematPolicy, Strategy, StrategyConfig};
+use distc_passes::placement::{Link, Precision, RematPolicy, Strategy, StrategyConfig};
 use distc_runtime::run::memory;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -34,6 +35,9 @@ pub struct Candidate {
     pub batch: usize,
     pub zero: u8,
     pub remat: bool,
+    /// The arithmetic's precision.
+    #[serde(default)]
+    pub precision: Precision,
     /// Predicted seconds a step, samples per second, and bytes per worker; or why the
     /// candidate was rejected.
     pub verdict: Verdict,
@@ -67,6 +71,9 @@ impl Candidate {
         if self.remat {
             s += " remat=layers";
         }
+        if self.precision != Precision::Fp32 {
+            s += &format!(" {}", self.precision);
+        }
         s
     }
 
@@ -88,6 +95,7 @@ impl Candidate {
             pipeline: self.pipe,
             micro_batches: self.micro_batches,
             zero: self.zero,
+            precision: self.precision,
             remat: if self.remat {
                 RematPolicy::Layers
             } else {
@@ -115,8 +123,9 @@ pub struct Search {
 }
 
 /// The search for `file` on `workers` workers from the user's settings `base` (their
-/// links, nodes, precision, fixed ZeRO stage if `zero` is given), within
-/// `memory_budget` bytes a worker if given: the pick's settings and the search.
+/// links, nodes, fixed ZeRO stage if `zero` is given), within `memory_budget` bytes
+/// a worker if given, in each of `precisions` (none: the user's): the pick's settings
+/// and the search.
 pub fn search(
     file: &Path,
     opts: &crate::CompileOptions,
@@ -124,6 +133,7 @@ pub fn search(
     zero: Option<u8>,
     memory_budget: Option<u128>,
     profile_steps: usize,
+    precisions: &[Precision],
 ) -> Result<(crate::Compiled, StrategyConfig, Search), String> {
     let start = std::time::Instant::now();
     let base = &opts.strategy;
@@ -138,96 +148,89 @@ pub fn search(
             },
         )
     };
-    // The model's batch b, and its one-device program for the profile.
-    let one = StrategyConfig {
-        strategy: Strategy::Single,
-        workers: 1,
-        ..base.clone()
-    };
-    let single = crate::compile_file(
-        file,
-        &crate::CompileOptions {
-            strategy: one.clone(),
-            dump_ir: None,
-            ..opts.clone()
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    let b = single.config.batch;
+    let mut precisions = precisions.to_vec();
+    if precisions.is_empty() {
+        precisions.push(base.precision);
+    }
+    precisions.dedup();
+    // Each precision's one-device program and its profile here: the op times the
+    // candidates of that precision are priced with.
+    let mut profiled = Vec::new();
+    for &precision in &precisions {
+        let single = crate::compile_file(
+            file,
+            &crate::CompileOptions {
+                strategy: StrategyConfig {
+                    strategy: Strategy::Single,
+                    workers: 1,
+                    precision,
+                    ..base.clone()
+                },
+                dump_ir: None,
+                ..opts.clone()
+            },
+        )
+        .map_err(|e| format!("{precision}: {e}"))?;
+        let profile = sim::profile_here(
+            &single,
+            profile_steps,
+            opts.data_dir.as_deref(),
+            distc_runtime::comm::calibrate::copy_bandwidth(),
+        )?;
+        profiled.push((precision, single, profile));
+    }
+    // The model's batch b.
+    let b = profiled[0].1.config.batch;
     let global = workers * b;
-    let profile = sim::profile_here(
-        &single,
-        profile_steps,
-        opts.data_dir.as_deref(),
-        distc_runtime::comm::calibrate::copy_bandwidth(),
-    )?;
     let mut candidates = Vec::new();
     let mut best: Option<(usize, f64, crate::Compiled, StrategyConfig)> = None;
-    for model in divisors(workers).filter(|&t| t <= MAX_AXIS) {
-        for pipe in divisors(workers / model).filter(|&p| p <= MAX_AXIS) {
-            let data = workers / (model * pipe);
-            let micros: Vec<usize> = if pipe > 1 {
-                vec![pipe, 2 * pipe, 4 * pipe]
-            } else {
-                vec![1]
+    for (precision, single, profile) in &profiled {
+        for &(data, model, pipe, micro_batches, z, remat) in &layouts(workers, zero) {
+            let mut c = Candidate {
+                data,
+                model,
+                pipe,
+                micro_batches,
+                batch: 0,
+                zero: z,
+                remat,
+                precision: *precision,
+                verdict: Verdict::Refused {
+                    reason: String::new(),
+                },
             };
-            let zeros: Vec<u8> = match zero {
-                Some(z) => vec![z],
-                None if data > 1 => vec![0, 1, 3],
-                None => vec![0],
-            };
-            for &micro_batches in &micros {
-                for &z in &zeros {
-                    for remat in [false, true] {
-                        let mut c = Candidate {
-                            data,
-                            model,
-                            pipe,
-                            micro_batches,
-                            batch: 0,
-                            zero: z,
-                            remat,
-                            verdict: Verdict::Refused {
-                                reason: String::new(),
-                            },
-                        };
-                        let per_step = global / data;
-                        if !global.is_multiple_of(data) || !per_step.is_multiple_of(micro_batches) {
-                            c.verdict = Verdict::Refused {
-                                reason: format!(
-                                    "{global} samples a step do not split into {data} replicas \
-                                     x {micro_batches} micro-batches"
-                                ),
-                            };
-                            candidates.push(c);
-                            continue;
-                        }
-                        c.batch = per_step / micro_batches;
-                        let settings = c.settings(base);
-                        let priced = price(&settings, c.batch, &compile, &single, &profile);
-                        c.verdict = match priced {
-                            Err(reason) => Verdict::Refused { reason },
-                            Ok((mem, _, _)) if memory_budget.is_some_and(|m| mem > m) => {
-                                Verdict::Memory {
-                                    memory_per_worker: mem,
-                                }
-                            }
-                            Ok((mem, step, compiled)) => {
-                                let rate = global as f64 / step.max(1e-12);
-                                if best.as_ref().is_none_or(|b| rate > b.1) {
-                                    best = Some((candidates.len(), rate, compiled, settings));
-                                }
-                                Verdict::Priced {
-                                    step,
-                                    samples_per_sec: rate,
-                                    memory_per_worker: mem,
-                                }
-                            }
-                        };
-                        candidates.push(c);
+            let per_step = global / data;
+            if !global.is_multiple_of(data) || !per_step.is_multiple_of(micro_batches) {
+                c.verdict = Verdict::Refused {
+                    reason: format!(
+                        "{global} samples a step do not split into {data} replicas \
+                         x {micro_batches} micro-batches"
+                    ),
+                };
+                candidates.push(c);
+                continue;
+            }
+            c.batch = per_step / micro_batches;
+            let settings = c.settings(base);
+            let priced = price(&settings, c.batch, &compile, single, profile);
+            c.verdict = match priced {
+                Err(reason) => Verdict::Refused { reason },
+                Ok((mem, _, _)) if memory_budget.is_some_and(|m| mem > m) => Verdict::Memory {
+                    memory_per_worker: mem,
+                },
+                Ok((mem, step, compiled)) => {
+                    let rate = global as f64 / step.max(1e-12);
+                    if best.as_ref().is_none_or(|b| rate > b.1) {
+                        best = Some((candidates.len(), rate, compiled, settings));
+                    }
+                    Verdict::Priced {
+                        step,
+                        samples_per_sec: rate,
+                        memory_per_worker: mem,
                     }
                 }
-            }
+            };
+            candidates.push(c);
         }
     }
     let Some((chosen, _, compiled, settings)) = best else {
@@ -263,7 +266,14 @@ pub fn search(
         memory_budget,
         candidates,
         chosen,
-        profile: profile.source.clone(),
+        profile: profiled
+            .iter()
+            .map(|(p, _, profile)| match profiled.len() {
+                1 => profile.source.clone(),
+                _ => format!("{p}: {}", profile.source),
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
         seconds: start.elapsed().as_secs_f64(),
     };
     Ok((compiled, settings, search))
@@ -307,6 +317,35 @@ fn price(
         ),
     };
     Ok((mem, s.step, c))
+}
+
+/// Every layout of `workers` the search tries: `(data, model, pipe, micro-batches,
+/// ZeRO stage, remat)`; the ZeRO stage `zero` alone where given.
+fn layouts(workers: usize, zero: Option<u8>) -> Vec<(usize, usize, usize, usize, u8, bool)> {
+    let mut out = Vec::new();
+    for model in divisors(workers).filter(|&t| t <= MAX_AXIS) {
+        for pipe in divisors(workers / model).filter(|&p| p <= MAX_AXIS) {
+            let data = workers / (model * pipe);
+            let micros: Vec<usize> = if pipe > 1 {
+                vec![pipe, 2 * pipe, 4 * pipe]
+            } else {
+                vec![1]
+            };
+            let zeros: Vec<u8> = match zero {
+                Some(z) => vec![z],
+                None if data > 1 => vec![0, 1, 3],
+                None => vec![0],
+            };
+            for &micro in &micros {
+                for &z in &zeros {
+                    for remat in [false, true] {
+                        out.push((data, model, pipe, micro, z, remat));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 fn divisors(n: usize) -> impl Iterator<Item = usize> {

@@ -873,3 +873,123 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
         "--memory-per-worker is the layout search's budget",
     );
 }
+
+/// `--search-precision fp32,bf16` (issue 39, item 2): the search prices every layout
+/// in each precision, from a profile of each on this machine. Under a budget that
+/// only layouts with 16-bit activations fit (a large batch: activations outweigh the
+/// variables), the pick is a bf16 layout, the fastest of those that fit, and its plan
+/// trains in bf16. Without the flag the precision is the user's, and the flag without
+/// the search is refused.
+#[test]
+fn the_search_chooses_the_precision_among_those_listed() {
+    let (dir, _) = setup("precision");
+    let model = dir.join("wide.dsl");
+    let search = |name: &str, extra: &[&str]| {
+        let plan = dir.join(name);
+        let mut args = vec![
+            "compile",
+            s(&model),
+            "--strategy",
+            "auto",
+            "--workers",
+            "2",
+            "--batch",
+            "4096",
+            "-o",
+            s(&plan),
+        ];
+        args.extend_from_slice(extra);
+        let o = distc(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        let o = distc(&["explain", s(&plan), "--format", "json"]);
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        (plan, j)
+    };
+    let (_, j) = search("both.json", &["--search-precision", "fp32,bf16"]);
+    let cands = j["search"]["candidates"]
+        .as_array()
+        .expect("candidates")
+        .clone();
+    let layout = |c: &serde_json::Value| {
+        format!(
+            "{} {} {} {} {} {}",
+            c["data"], c["model"], c["pipe"], c["micro_batches"], c["zero"], c["remat"]
+        )
+    };
+    // Every layout in both precisions.
+    let of = |p: &str| -> Vec<String> {
+        let mut v: Vec<String> = cands
+            .iter()
+            .filter(|c| c["precision"] == p)
+            .map(layout)
+            .collect();
+        v.sort();
+        v
+    };
+    assert!(!of("fp32").is_empty());
+    assert_eq!(of("fp32"), of("bf16"));
+    let profile = j["search"]["profile"].as_str().unwrap_or("");
+    assert!(
+        profile.contains("fp32:") && profile.contains("bf16:"),
+        "{profile}"
+    );
+    // The least memory each precision needs; a budget of bf16's least, which no fp32
+    // layout fits.
+    let least = |p: &str| {
+        cands
+            .iter()
+            .filter(|c| c["precision"] == p)
+            .filter_map(priced)
+            .map(|(_, mem)| mem)
+            .min()
+            .expect("a priced layout")
+    };
+    let (fp32, bf16) = (least("fp32"), least("bf16"));
+    assert!(bf16 < fp32, "bf16 needs {bf16} B at least, fp32 {fp32} B");
+    let mib = format!("{}", (bf16 as f64 + 0.5) / 1048576.0);
+    let (plan, j) = search(
+        "tight.json",
+        &[
+            "--search-precision",
+            "fp32,bf16",
+            "--memory-per-worker",
+            &mib,
+        ],
+    );
+    let cands = j["search"]["candidates"].as_array().expect("candidates");
+    let chosen = &cands[j["search"]["chosen"].as_u64().expect("chosen") as usize];
+    assert_eq!(chosen["precision"], "bf16", "{chosen}");
+    let (best, _) = priced(chosen).expect("the pick is priced");
+    assert!(cands
+        .iter()
+        .filter_map(priced)
+        .all(|(rate, _)| rate <= best));
+    assert!(cands
+        .iter()
+        .filter(|c| c["precision"] == "fp32")
+        .all(|c| priced(c).is_none()));
+    let plan_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");
+    assert_eq!(plan_json["settings"]["precision"], "bf16");
+    let o = distc(&["run", s(&plan), "--steps", "2", "-q"]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Without the flag, the user's precision only.
+    let (_, j) = search("user.json", &["--precision", "bf16"]);
+    let cands = j["search"]["candidates"].as_array().expect("candidates");
+    assert!(cands.iter().all(|c| c["precision"] == "bf16"));
+    refused(
+        &[
+            "compile",
+            s(&model),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--search-precision",
+            "bf16",
+            "-o",
+            s(&dir.join("refused.json")),
+        ],
+        "--search-precision lists the precisions",
+    );
+}

@@ -200,7 +200,7 @@ fn the_layout_search_picks_a_layout_for_every_example() {
             ..Default::default()
         };
         let (compiled, settings, s) =
-            search(&path, &opts, 2, None, None, 2).unwrap_or_else(|e| panic!("{name}: {e}"));
+            search(&path, &opts, 2, None, None, 2, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
         println!("{name}: {}", s.render(3));
         for mesh in [(2, 1, 1), (1, 2, 1), (1, 1, 2)] {
             assert!(

@@ -104,6 +104,7 @@ pub fn compile_plan(
         compile.zero,
         budget,
         3,
+        &compile.search_precision,
     )
     .map_err(anyhow::Error::msg)?;
     err(&search.render(10));

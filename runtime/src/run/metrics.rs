@@ -123,6 +123,10 @@ pub struct StageStep {
     pub step_sec: f64,
     /// Peak bytes of computed values, the stash of micro-batches in flight included.
     pub activations: u64,
+    /// Bytes the stage's worker holds: its variables, gradients, optimizer state, peak
+    /// activations and buffers (what `memory` sums over the stages).
+    #[serde(default)]
+    pub held: u64,
     /// Bytes it sent to other stages and replicas.
     pub bytes_sent: u64,
     /// Bytes it received.

@@ -801,6 +801,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
             busy_sec: r.busy_sec,
             step_sec: r.step_sec,
             activations: r.memory.activations,
+            held: r.memory.total(),
             bytes_sent: r.bytes_sent,
             bytes_received: r.bytes_received,
             messages_on_device: r.messages_on_device,
