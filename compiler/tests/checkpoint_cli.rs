@@ -398,11 +398,12 @@ fn ctrl_c_stops_after_the_step_and_says_what_is_on_disk() {
 /// bit. Under all-reduce, parameter servers (kept) and a model axis (a replica of T
 /// workers lost). Under ZeRO 3 the lost worker's chunks are nowhere else: the run goes
 /// back to the last sharded state written (step 2), the survivors' pieces from their
-/// memory and the lost worker's one shard from disk.
+/// memory and the lost worker's one shard from disk; with none written yet (ZeRO 1, a
+/// state every 10 steps), back to the start.
 #[test]
 fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() {
     let dense = "examples/dense_mlp.dsl";
-    let shards = tmp("zero3-shards");
+    let (shards, unwritten) = (tmp("zero3-shards"), tmp("zero1-shards"));
     // label, model, layout, the layout left, the failure, the step resumed from, the
     // shards read, the elastic run's own flags
     for (label, model, layout, after, fail, from, read, own) in [
@@ -452,6 +453,23 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             0,
             &[][..],
         ),
+        // No sharded state written yet: back to the start.
+        (
+            "zero1-start",
+            dense,
+            &["--strategy", "allreduce", "--zero", "1", "--workers", "3"][..],
+            "2",
+            "1:3",
+            0,
+            0,
+            &[
+                "--checkpoint",
+                s(&unwritten),
+                "--sharded",
+                "--checkpoint-every",
+                "10",
+            ][..],
+        ),
     ] {
         let steps = "5";
         let k: usize = fail
@@ -490,9 +508,11 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             tmp(&format!("{label}-resumed.st")),
         );
         let before = from.to_string();
-        let mut args = layout.to_vec();
-        args.extend_from_slice(&["--steps", &before, "--checkpoint", s(&state)]);
-        run(&args);
+        if from > 0 {
+            let mut args = layout.to_vec();
+            args.extend_from_slice(&["--steps", &before, "--checkpoint", s(&state)]);
+            run(&args);
+        }
         let smaller: Vec<&str> = match label {
             "mesh" => vec!["--mesh", after],
             _ => layout
@@ -501,14 +521,10 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
                 .collect(),
         };
         let mut args = smaller.clone();
-        args.extend_from_slice(&[
-            "--steps",
-            steps,
-            "--resume",
-            s(&state),
-            "--save",
-            s(&resumed),
-        ]);
+        args.extend_from_slice(&["--steps", steps, "--save", s(&resumed)]);
+        if from > 0 {
+            args.extend_from_slice(&["--resume", s(&state)]);
+        }
         run(&args);
         assert_eq!(
             common::max_difference(&elastic, &resumed),

@@ -1614,22 +1614,16 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it
     let _ = std::fs::remove_dir_all(&reference);
     let ref_saved = tmp("launch-ref.st");
     let (lost_s, grown_s) = (lost.to_string(), grown.to_string());
-    for (np, to, resume) in [
-        (3, &lost_s, false),
-        (2, &grown_s, true),
-        (3, &steps_s, true),
-    ] {
-        let workers = np.to_string();
-        let args = common::leg(
-            &model,
-            &["--workers", &workers],
-            to,
-            (&reference, &ref_saved),
-            resume,
-        );
-        let o = mpirun(np, &args);
-        assert!(o.status.success(), "{np} ranks to step {to}: {}", text(&o));
-    }
+    common::run_legs(
+        &model,
+        &[
+            (3, &["--workers", "3"], &lost_s, false),
+            (2, &["--workers", "2"], &grown_s, true),
+            (3, &["--workers", "3"], &steps_s, true),
+        ],
+        (&reference, &ref_saved),
+        &mpirun,
+    );
     assert_eq!(max_difference(&saved, &ref_saved), 0.0);
 }
 
@@ -1701,19 +1695,14 @@ fn a_rank_killed_under_distc_launch_on_a_model_axis_costs_its_replica() {
     let _ = std::fs::remove_dir_all(&reference);
     let ref_saved = tmp("launch-tp-ref.st");
     let lost = lost.to_string();
-    for (np, mesh, to, resume) in [
-        (4, "data=2,model=2", lost.as_str(), false),
-        (2, "data=1,model=2", steps, true),
-    ] {
-        let args = common::leg(
-            &model,
-            &["--mesh", mesh],
-            to,
-            (&reference, &ref_saved),
-            resume,
-        );
-        let o = mpirun(np, &args);
-        assert!(o.status.success(), "{mesh} to step {to}: {}", text(&o));
-    }
+    common::run_legs(
+        &model,
+        &[
+            (4, &["--mesh", "data=2,model=2"], &lost, false),
+            (2, &["--mesh", "data=1,model=2"], steps, true),
+        ],
+        (&reference, &ref_saved),
+        &mpirun,
+    );
     assert_eq!(max_difference(&saved, &ref_saved), 0.0);
 }

@@ -806,18 +806,15 @@ fn a_host_cut_off_under_distc_launch_is_left_out_and_the_job_completes() {
     let o = c.on(2, &["ip", "link", "set", "v2", "up"]);
     assert!(o.status.success(), "{}", text(&o));
     let (reference, ref_saved) = (c.dir.join("ref"), c.dir.join("ref.st"));
-    for (np, to, resume) in [(3, from.as_str(), false), (2, steps, true)] {
-        let workers = np.to_string();
-        let args = common::leg(
-            &model,
-            &["--workers", &workers],
-            to,
-            (&reference, &ref_saved),
-            resume,
-        );
-        let o = c.mpirun_ranks(np, &[], &args).output().expect("mpirun");
-        assert!(o.status.success(), "{np} hosts: {}", text(&o));
-    }
+    common::run_legs(
+        &model,
+        &[
+            (3, &["--workers", "3"], &from, false),
+            (2, &["--workers", "2"], steps, true),
+        ],
+        (&reference, &ref_saved),
+        &|np, args| c.mpirun_ranks(np, &[], args).output().expect("mpirun"),
+    );
     assert!(
         same_weights(&saved, &ref_saved),
         "the launch ended elsewhere"

@@ -725,31 +725,36 @@ fn simulate_prices_the_model_axis_and_pipeline_stages() {
 // model here, the fastest that fits the memory budget compiled.
 // ---------------------------------------------------------------------------------
 
-/// Compiles `model` with the search, `extra` flags added: the plan's path and the
-/// explanation as JSON.
-fn search(dir: &Path, model: &Path, name: &str, extra: &[&str]) -> (PathBuf, serde_json::Value) {
+/// Compiles `model` with the search, `flags` added (the workers among them): the
+/// plan's path, the explanation as JSON, and what the compile printed.
+fn searched(
+    dir: &Path,
+    model: &Path,
+    name: &str,
+    flags: &[&str],
+) -> (PathBuf, serde_json::Value, String) {
     let plan = dir.join(name);
-    let mut args = vec![
-        "compile",
-        s(model),
-        "--strategy",
-        "auto",
-        "--workers",
-        "4",
-        "-o",
-        s(&plan),
-    ];
-    args.extend_from_slice(extra);
+    let mut args = vec!["compile", s(model), "--strategy", "auto", "-o", s(&plan)];
+    args.extend_from_slice(flags);
     let o = distc(&args);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(
-        text(&o).contains("auto: 4 workers, 64 samples a step: chose"),
-        "{}",
-        text(&o)
-    );
+    let said = text(&o);
     let o = distc(&["explain", s(&plan), "--format", "json"]);
     assert!(o.status.success(), "{}", text(&o));
-    (plan, serde_json::from_slice(&o.stdout).unwrap())
+    (plan, serde_json::from_slice(&o.stdout).unwrap(), said)
+}
+
+/// [`searched`] on 4 workers, `extra` flags added: the plan's path and the
+/// explanation as JSON.
+fn search(dir: &Path, model: &Path, name: &str, extra: &[&str]) -> (PathBuf, serde_json::Value) {
+    let mut flags = vec!["--workers", "4"];
+    flags.extend_from_slice(extra);
+    let (plan, j, said) = searched(dir, model, name, &flags);
+    assert!(
+        said.contains("auto: 4 workers, 64 samples a step: chose"),
+        "{said}"
+    );
+    (plan, j)
 }
 
 fn priced(c: &serde_json::Value) -> Option<(f64, u64)> {
@@ -885,24 +890,9 @@ fn the_search_chooses_the_precision_among_those_listed() {
     let (dir, _) = setup("precision");
     let model = dir.join("wide.dsl");
     let search = |name: &str, extra: &[&str]| {
-        let plan = dir.join(name);
-        let mut args = vec![
-            "compile",
-            s(&model),
-            "--strategy",
-            "auto",
-            "--workers",
-            "2",
-            "--batch",
-            "4096",
-            "-o",
-            s(&plan),
-        ];
-        args.extend_from_slice(extra);
-        let o = distc(&args);
-        assert!(o.status.success(), "{}", text(&o));
-        let o = distc(&["explain", s(&plan), "--format", "json"]);
-        let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        let mut flags = vec!["--workers", "2", "--batch", "4096"];
+        flags.extend_from_slice(extra);
+        let (plan, j, _) = searched(&dir, &model, name, &flags);
         (plan, j)
     };
     let (_, j) = search("both.json", &["--search-precision", "fp32,bf16"]);

@@ -151,9 +151,14 @@ pub(super) fn launch_elastic(
             // The lost worker's shard of the last state is read below, once written.
             c.abandon_pending();
         }
-        let restored = slot
-            .restore(sharded_dir.as_deref())
-            .map_err(|m| anyhow::anyhow!("{e}\n{m}"))?;
+        // No state kept to put together (under ZeRO before the first sharded state is
+        // written): the attempt starts again from where it started.
+        let restored = slot.restore(sharded_dir.as_deref()).unwrap_or_else(|m| {
+            if !args.quiet {
+                err(&format!("{m}; going back to where the run started\n"));
+            }
+            None
+        });
         let shards_read = restored.as_ref().map_or(0, |r| r.files_read.len());
         let state = restored.map(|r| r.state).or_else(|| opts.resume.clone());
         let resumed_from = state.as_ref().map_or(0, |s| s.index.step as usize);

@@ -126,6 +126,26 @@ pub fn leg<'a>(
     args
 }
 
+/// Jobs run by hand from state to state, as `distc launch` ran them: each leg
+/// `(ranks, layout, to, resume)` is [`leg`] run by `run` on that many ranks; a leg that
+/// fails fails the test.
+pub fn run_legs(
+    model: &[&str],
+    legs: &[(usize, &[&str], &str, bool)],
+    (state, save): (&Path, &Path),
+    run: &dyn Fn(usize, &[&str]) -> Output,
+) {
+    for &(np, layout, to, resume) in legs {
+        let args = leg(model, layout, to, (state, save), resume);
+        let o = run(np, &args);
+        assert!(
+            o.status.success(),
+            "{np} ranks, {layout:?}, to step {to}: {}",
+            text(&o)
+        );
+    }
+}
+
 /// A metrics file's lines (`--metrics`), each parsed.
 pub fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

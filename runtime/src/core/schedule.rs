@@ -325,6 +325,22 @@ impl Schedule {
                         tally.gradients += held[u.slot].1;
                     }
                 }
+                // As the executor runs it: the micro-batch's gradient is added into the
+                // running sum and freed first; the sum is the gradient the step hands
+                // over (counted there), and only the last micro-batch's mean is a value.
+                Op::Accumulate { .. } => {
+                    tally.free_released(&mut held, &st.uses);
+                    if mode != Mode::Micro {
+                        if let (Some(&(slot, ref ty)), Some(true)) =
+                            (node.outputs.first(), st.keep.first())
+                        {
+                            let bytes = type_bytes(ty);
+                            held[slot] = (false, bytes);
+                            tally.add(false, bytes);
+                        }
+                    }
+                    continue;
+                }
                 op => {
                     let comm = is_comm_buffer(op);
                     for (&(slot, ref ty), &keep) in node.outputs.iter().zip(&st.keep) {

@@ -1485,6 +1485,8 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                     let held = held_bytes::<B>(&fwd_in) + held_bytes::<B>(&bwd_in);
                     peak.activations = peak.activations.max(run.activations + held);
                     peak.gradients = peak.gradients.max(run.gradients);
+                    // The replicas' buckets, packed by the last backward.
+                    peak.comm_buffers = peak.comm_buffers.max(run.comm_buffers);
                     loss += out.loss.unwrap_or(0.0);
                     for (to, tag, v) in out.sent {
                         let backend = if forward {
