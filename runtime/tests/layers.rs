@@ -22,7 +22,7 @@ const RUN_LAYERS: &[(&str, &[&str])] = &[
     (
         "base",
         &[
-            "mesh", "programs", "data", "eval", "memory", "metrics", "trace", "steps",
+            "mesh", "programs", "snapshot", "data", "eval", "memory", "metrics", "trace", "steps",
         ],
     ),
     ("roles", &["worker", "pipeline"]),
