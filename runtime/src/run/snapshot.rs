@@ -163,13 +163,7 @@ impl StateSlot {
     /// what only a lost worker held; `None` when no worker kept anything yet.
     pub fn restore(&self, disk: Option<&Path>) -> Result<Option<Restored>> {
         let kept = self.lock();
-        let steps: BTreeSet<u64> = kept
-            .workers
-            .values()
-            .flat_map(|h| [&h.latest, &h.written])
-            .flatten()
-            .map(|c| c.index.step)
-            .collect();
+        let steps: BTreeSet<u64> = kept.steps().collect();
         let mut why = Vec::new();
         for &step in steps.iter().rev() {
             match kept.put_together(step, disk) {
@@ -194,16 +188,25 @@ impl StateSlot {
     }
 }
 
+impl Held {
+    /// Its copies: the last step's, the last written.
+    fn copies(&self) -> impl Iterator<Item = &Copy> {
+        [&self.latest, &self.written].into_iter().flatten()
+    }
+}
+
 impl Kept {
+    /// The steps of every copy the workers hold.
+    fn steps(&self) -> impl Iterator<Item = u64> + '_ {
+        self.workers
+            .values()
+            .flat_map(Held::copies)
+            .map(|c| c.index.step)
+    }
+
     /// Server states older than every worker's oldest copy are of no use.
     fn prune_servers(&mut self) {
-        let oldest = self
-            .workers
-            .values()
-            .flat_map(|h| [&h.latest, &h.written])
-            .flatten()
-            .map(|c| c.index.step)
-            .min();
+        let oldest = self.steps().min();
         if let Some(oldest) = oldest {
             self.servers = self.servers.split_off(&oldest);
         }
@@ -221,9 +224,7 @@ impl Kept {
         let copies: Vec<(usize, (usize, usize), &Copy)> = ranks
             .iter()
             .filter_map(|(r, h)| {
-                [&h.latest, &h.written]
-                    .into_iter()
-                    .flatten()
+                h.copies()
                     .find(|c| c.index.step == step)
                     .map(|c| (**r, h.place, c))
             })
