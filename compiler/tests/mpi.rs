@@ -784,7 +784,7 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
         assert!(tracks.contains(&last), "{what}: {last} not in {tracks:?}");
     }
     // A variable tied across stages 0 and 2: stage 0 sends its update to rank 2.
-    let model = tied_model("tied.dsl", "sgd(lr = 0.1)");
+    let model = common::tied_model(&tmp("tied.dsl"), "sgd(lr = 0.1)");
     let plan = compile_with(
         s(&model),
         "single",
@@ -861,36 +861,13 @@ fn pipeline_stages_as_ranks_train_what_stage_threads_train() {
     );
 }
 
-/// A model whose first layer's weight `e` is also its output layer (tied), with 4 tanh
-/// layers between, on synthetic data; evaluated every 2 steps.
-fn tied_model(name: &str, optimizer: &str) -> PathBuf {
-    let model = tmp(name);
-    let mut src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
-                   param e: f32[16, 16] = glorot\n"
-        .to_string();
-    for k in 0..4 {
-        src += &format!("  param w{k}: f32[16, 16] = glorot\n");
-    }
-    src += "  h0 = tanh(x @ e)\n";
-    for k in 0..4 {
-        src += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
-    }
-    src += &format!(
-        "  minimize softmax_cross_entropy(h4 @ e, label)\n}}\ntrain {{\n  \
-         data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
-         optimizer = {optimizer}\n  steps = 3\n  seed = 1\n  eval_every = 2\n}}\n"
-    );
-    std::fs::write(&model, src).expect("writes the model");
-    model
-}
-
 /// Issue 22: a pipelined run's training state written under mpirun (every stage rank
 /// of replica 0 sends rank 0 its variables and Adam slots; the tied variable's from its
 /// owner) resumes bitwise under mpirun and under threads.
 #[test]
 fn a_pipelined_training_state_written_under_mpirun_resumes_bitwise() {
     let _one = common::one_job_at_a_time();
-    let model = tied_model("tied-adam.dsl", "adam(lr = 0.01)");
+    let model = common::tied_model(&tmp("tied-adam.dsl"), "adam(lr = 0.01)");
     let plan = compile_with(
         s(&model),
         "allreduce",
@@ -987,17 +964,13 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
         let o = distc(&args);
         assert!(o.status.success(), "{mesh}: {}", text(&o));
         let (one, many) = (tmp("mesh-threads.safetensors"), tmp("mesh-mpi.safetensors"));
-        // Issue 40: without stages, each rank process writes its own shard of the
-        // state, as each thread does.
-        let staged = mesh.contains("pipe");
+        // Issue 40: each rank process writes its own shard of the state, as each
+        // thread does (with stages, each of replica 0's).
         let (dir_one, dir_many) = (tmp("mesh-threads-state"), tmp("mesh-mpi-state"));
         for dir in [&dir_one, &dir_many] {
             let _ = std::fs::remove_dir_all(dir);
         }
-        let sharded = |dir| match staged {
-            true => vec![],
-            false => vec!["--checkpoint", s(dir), "--sharded"],
-        };
+        let sharded = |dir| vec!["--checkpoint", s(dir), "--sharded"];
         let mut args = vec!["run", s(&plan), "--steps", "3", "-q"];
         args.extend(sharded(&dir_one));
         let o = distc(&[&args[..], &["--save", s(&one)]].concat());
@@ -1008,13 +981,11 @@ fn a_mesh_with_a_model_axis_under_mpirun_trains_what_threads_train() {
         assert!(o.status.success(), "{mesh}: {}", text(&o));
         let d = max_difference(&one, &many);
         assert!(d == 0.0, "{mesh}: MPI ranks and threads differ by {d:.2e}");
-        if !staged {
-            let a = checkpoint::load_state(&dir_one).expect("the threads' shards");
-            let b = checkpoint::load_state(&dir_many).expect("the ranks' shards");
-            assert_eq!(a.params, b.params, "{mesh}");
-            assert_eq!(a.optimizer, b.optimizer, "{mesh}");
-            assert_eq!(b.index.step, 3, "{mesh}");
-        }
+        let a = checkpoint::load_state(&dir_one).expect("the threads' shards");
+        let b = checkpoint::load_state(&dir_many).expect("the ranks' shards");
+        assert_eq!(a.params, b.params, "{mesh}");
+        assert_eq!(a.optimizer, b.optimizer, "{mesh}");
+        assert_eq!(b.index.step, 3, "{mesh}");
     }
     let o = mpirun(
         2,
@@ -1377,12 +1348,15 @@ fn a_wrong_sized_job_of_a_mesh_names_every_axis_of_the_mapping() {
 fn ctrl_c_to_mpirun_stops_a_pipelined_job_saying_what_is_on_disk() {
     let _one = common::one_job_at_a_time();
     let model = tmp("interrupted.dsl");
-    let src = std::fs::read_to_string(tied_model("interrupted-tied.dsl", "sgd(lr = 0.1)"))
-        .expect("reads the model")
-        .replace(
-            "param e: f32[16, 16] = glorot\n",
-            "param e: f32[16, 16] = glorot\n  param unread: f32[1024, 2048] = zeros\n",
-        );
+    let src = std::fs::read_to_string(common::tied_model(
+        &tmp("interrupted-tied.dsl"),
+        "sgd(lr = 0.1)",
+    ))
+    .expect("reads the model")
+    .replace(
+        "param e: f32[16, 16] = glorot\n",
+        "param e: f32[16, 16] = glorot\n  param unread: f32[1024, 2048] = zeros\n",
+    );
     std::fs::write(&model, src).expect("writes the model");
     let plan = compile_with(
         s(&model),

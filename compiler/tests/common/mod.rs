@@ -154,3 +154,26 @@ pub fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).expect("a metrics line"))
         .collect()
 }
+
+/// Writes to `path` a model whose first layer's weight `e` is also its output layer
+/// (tied), with 4 tanh layers between, on synthetic data, trained by `optimizer` and
+/// evaluated every 2 steps; returns `path`.
+pub fn tied_model(path: &Path, optimizer: &str) -> PathBuf {
+    let mut src = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+                   param e: f32[16, 16] = glorot\n"
+        .to_string();
+    for k in 0..4 {
+        src += &format!("  param w{k}: f32[16, 16] = glorot\n");
+    }
+    src += "  h0 = tanh(x @ e)\n";
+    for k in 0..4 {
+        src += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
+    }
+    src += &format!(
+        "  minimize softmax_cross_entropy(h4 @ e, label)\n}}\ntrain {{\n  \
+         data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
+         optimizer = {optimizer}\n  steps = 3\n  seed = 1\n  eval_every = 2\n}}\n"
+    );
+    std::fs::write(path, src).expect("writes the model");
+    path.to_path_buf()
+}

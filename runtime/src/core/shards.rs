@@ -208,14 +208,18 @@ pub fn write_manifest(
     keys: &[String],
     mesh: (usize, usize, usize),
 ) -> Result<()> {
-    let manifest = Manifest::of(index, layout, keys, mesh);
-    let path = step_dir(dir, index.step).join(MANIFEST);
-    let text = serde_json::to_string_pretty(&manifest)
-        .map_err(|e| data_err(&path, format!("cannot encode the manifest: {e}")))?;
-    crate::core::output::write_file(&path, text.as_bytes())
+    Manifest::of(index, layout, keys, mesh).write(dir)
 }
 
 impl Manifest {
+    /// Writes it into its state's folder under `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let path = step_dir(dir, self.index.step).join(MANIFEST);
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| data_err(&path, format!("cannot encode the manifest: {e}")))?;
+        crate::core::output::write_file(&path, text.as_bytes())
+    }
+
     /// The manifest of the state at `index.step` whose stored tensors are `keys` (each
     /// named once, whichever workers hold it), on `workers` workers of a data axis of
     /// `data` and a model axis of `model`.
@@ -303,6 +307,25 @@ pub fn commit(dir: &Path, step: u64) -> Result<()> {
     }
     checkpoint::note_written(dir, step);
     Ok(())
+}
+
+/// Removes the folders under `dir` of states at `from` and later, which an earlier run
+/// left uncommitted: a run that writes those steps starts from empty folders, so a
+/// folder never mixes two runs' shards.
+pub fn clear_from(dir: &Path, from: u64) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let later = name
+            .strip_prefix("step-")
+            .and_then(|k| k.parse::<u64>().ok())
+            .is_some_and(|k| k >= from);
+        if later && e.path().is_dir() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// The newest complete state under `dir` and its folder: committed or not (a run that

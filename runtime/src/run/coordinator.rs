@@ -203,10 +203,21 @@ impl<'a> Coordinator<'a> {
     }
 }
 
-/// What the coordinator does with a step's variables and optimizer state (see
+/// What replica 0's stages hand the coordinator after a step that evaluates or writes
+/// the training state.
+#[derive(Debug, Default)]
+pub(crate) struct Handed {
+    /// Their variables, whole (to evaluate, or for a state written whole).
+    pub(crate) params: HashMap<String, Tensor>,
+    /// Their optimizer state, whole (for a state written whole).
+    pub(crate) slots: HashMap<String, Tensor>,
+    /// The names their shards of a sharded state hold.
+    pub(crate) shard_keys: Vec<String>,
+}
+
+/// What the coordinator does with what a step's stages handed over (see
 /// [`StageReports::add`]).
-pub(crate) type TakeState<'a> = dyn FnMut(usize, HashMap<String, Tensor>, HashMap<String, Tensor>) -> Result<Option<EvalMetrics>>
-    + 'a;
+pub(crate) type TakeState<'a> = dyn FnMut(usize, Handed) -> Result<Option<EvalMetrics>> + 'a;
 
 /// Steps' reports from every stage, joined into one line per step once all are in.
 #[derive(Default)]
@@ -217,9 +228,9 @@ pub(crate) struct StageReports {
 impl StageReports {
     /// Takes one stage's report; hands the coordinator the step's line when it is the
     /// step's last (of `workers`).
-    /// At a step with an evaluation or a checkpoint, `take_state` gets the variables and
-    /// optimizer state the reports carry (it adds any a stage sent otherwise) and
-    /// returns the evaluation, if the step has one.
+    /// At a step with an evaluation or a checkpoint, `take_state` gets the variables,
+    /// optimizer state and shards' names the reports carry (it adds any a stage sent
+    /// otherwise) and returns the evaluation, if the step has one.
     pub(crate) fn add(
         &mut self,
         r: StageReport,
@@ -235,18 +246,18 @@ impl StageReports {
         }
         let mut reports = self.pending.remove(&step).unwrap_or_default();
         let mut line = combine(step, &reports);
-        let slots: HashMap<String, Tensor> = reports
-            .iter_mut()
-            .filter_map(|r| r.slots.take())
-            .flatten()
-            .collect();
-        let mut carried = reports
-            .iter_mut()
-            .filter_map(|r| r.params.take())
-            .peekable();
-        if carried.peek().is_some() {
-            let params: HashMap<String, Tensor> = carried.flatten().collect();
-            line.eval = take_state(step, params, slots)?;
+        let mut handed = Handed::default();
+        let mut any = false;
+        for r in &mut reports {
+            any |= r.params.is_some() || r.shard.is_some();
+            handed.params.extend(r.params.take().into_iter().flatten());
+            handed.slots.extend(r.slots.take().into_iter().flatten());
+            handed
+                .shard_keys
+                .extend(r.shard.take().into_iter().flatten());
+        }
+        if any {
+            line.eval = take_state(step, handed)?;
         }
         coordinator.add(line)
     }

@@ -200,11 +200,6 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
             "--elastic and --fail-worker do not cover pipeline stages yet".into(),
         ));
     }
-    if programs.pipeline.is_some() && opts.checkpoint.as_ref().is_some_and(|c| c.sharded) {
-        return Err(RuntimeError::Config(
-            "--sharded: pipeline stages write their state whole; leave out --sharded".into(),
-        ));
-    }
     if let Some(f) = opts.fail {
         if f.worker >= programs.workers {
             return Err(RuntimeError::Config(format!(

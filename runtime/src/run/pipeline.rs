@@ -27,9 +27,11 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Message, Pending};
 use crate::core::schedule::Mode;
+use crate::core::shards::{Layout, Manifest};
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
+use crate::run::coordinator::Handed;
 use crate::run::data::{data_dir, DataSource};
 use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
@@ -88,6 +90,10 @@ pub(crate) struct StageReport {
     /// variables they update (a tied variable's holders leave it to its owner).
     #[serde(skip)]
     pub(crate) slots: Option<HashMap<String, Tensor>>,
+    /// At a sharded checkpoint, the stored names of what replica 0's stage wrote into
+    /// its shard, for the coordinator's manifest.
+    #[serde(default)]
+    pub(crate) shard: Option<Vec<String>>,
 }
 
 #[cfg(feature = "mpi")]
@@ -194,6 +200,8 @@ pub(crate) struct PipelineRun<'a> {
     /// they are into its checkpoints and its trained variables.
     carried: HashMap<String, Tensor>,
     carried_slots: HashMap<String, Tensor>,
+    /// How a sharded state records the split variables (from the final program).
+    layout: Layout,
     dir: Option<PathBuf>,
     /// Steps of the run.
     pub(crate) steps: usize,
@@ -282,6 +290,12 @@ impl<'a> PipelineRun<'a> {
             .map(|(n, t)| (n.clone(), t.clone()))
             .collect();
         let carried_slots = carried_slots(&carried, config, resume)?;
+        let sharded = opts.checkpoint.as_ref().is_some_and(|c| c.sharded);
+        let layout = match Layout::of(finalize) {
+            Ok(layout) => layout,
+            Err(m) if sharded => return Err(RuntimeError::Config(format!("--sharded: {m}"))),
+            Err(_) => Layout::default(),
+        };
         Ok(PipelineRun {
             whole,
             program,
@@ -296,6 +310,7 @@ impl<'a> PipelineRun<'a> {
             initial,
             carried,
             carried_slots,
+            layout,
             dir: data_dir(opts.data_dir.as_deref()),
             steps,
             first: first_step(resume, steps)?,
@@ -320,24 +335,25 @@ impl<'a> PipelineRun<'a> {
         self.steps + 1 - self.first
     }
 
-    /// Whether the run writes its training state after `step`.
-    pub(crate) fn checkpoints_at(&self, step: usize) -> bool {
-        self.cadence.at(step).checkpoint
+    /// What `step` does besides training: whether it evaluates, and whether it writes
+    /// the training state, gathered or as shards.
+    pub(crate) fn due_at(&self, step: usize) -> Due {
+        self.cadence.at(step)
     }
 
-    /// What the coordinator does with replica 0's variables and optimizer state after
-    /// `step`: writes the training state if the step is a checkpoint's, and returns the
-    /// evaluation if it is an evaluation's.
+    /// What the coordinator does after `step` with what replica 0's stages handed over
+    /// (their variables and optimizer state, or the names their shards hold): writes
+    /// the training state, or a sharded state's manifest, if the step is a
+    /// checkpoint's, and returns the evaluation if it is an evaluation's.
     pub(crate) fn take_state(
         &self,
         step: usize,
-        params: HashMap<String, Tensor>,
-        mut slots: HashMap<String, Tensor>,
+        handed: Handed,
         evaluator: &mut Option<Evaluator<'_>>,
     ) -> Result<Option<EvalMetrics>> {
-        let params = self.with_carried(params);
-        slots.extend(self.carried_slots.clone());
-        if let (Some(c), true) = (&self.checkpoint, self.checkpoints_at(step)) {
+        let params = self.with_carried(handed.params);
+        let due = self.due_at(step);
+        if let (Some(c), true) = (&self.checkpoint, due.file) {
             let index = StateIndex {
                 format: String::new(),
                 model: self.model.clone(),
@@ -348,33 +364,85 @@ impl<'a> PipelineRun<'a> {
                 variables: Vec::new(),
                 optimizer_state: Vec::new(),
             };
-            // A split variable's part stands for the whole variable, which the stages
-            // hand over gathered.
-            let missing: Vec<&str> = self
-                .initial
-                .keys()
-                .map(|n| {
-                    self.split
-                        .iter()
-                        .find(|(part, _, _)| part == n)
-                        .map_or(n.as_str(), |(_, w, _)| w.as_str())
-                })
-                .filter(|n| !params.contains_key(*n))
-                .collect();
-            if !missing.is_empty() {
-                return Err(RuntimeError::Config(format!(
-                    "the training state of step {step} lacks {missing:?}: a stage did not \
-                     hand its variables over"
-                )));
+            if due.shard {
+                self.commit_shards(c, &index, handed.shard_keys)?;
+            } else {
+                let lacking = self.lacking(|n| params.contains_key(n));
+                if !lacking.is_empty() {
+                    return Err(RuntimeError::Config(format!(
+                        "the training state of step {step} lacks {lacking:?}: a stage did \
+                         not hand its variables over"
+                    )));
+                }
+                let mut slots = handed.slots;
+                slots.extend(self.carried_slots.clone());
+                let state = TrainingState::new(index, params.clone(), slots);
+                c.write(Arc::new(state), due.last)?;
             }
-            let state = TrainingState::new(index, params.clone(), slots);
-            c.write(Arc::new(state), step == self.cadence.last)?;
         }
         match evaluator {
             Some(e) if self.cadence.evaluates_at(step) => {
                 e.evaluate(&params, step as u64).map(Some)
             }
             _ => Ok(None),
+        }
+    }
+
+    /// The whole model's variables that `has` says a state lacks (a split variable's
+    /// part stands for the whole variable).
+    fn lacking(&self, has: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut lacking: Vec<String> = self
+            .initial
+            .keys()
+            .map(|n| {
+                self.split
+                    .iter()
+                    .find(|(part, _, _)| part == n)
+                    .map_or(n.as_str(), |(_, w, _)| w.as_str())
+            })
+            .filter(|n| !has(n))
+            .map(str::to_string)
+            .collect();
+        lacking.sort();
+        lacking
+    }
+
+    /// A sharded state's step, once replica 0's stages have started writing their
+    /// shards (`keys`, what they hold): the state before it is committed (every
+    /// stage's write of it is done, since a stage starts its next write only then),
+    /// this one's manifest is written, and after the run's last step it is committed
+    /// too (its shards were written before the stages reported it). Replica 0's
+    /// workers write one shard each, on the data axis's rank 0 and their own model rank.
+    fn commit_shards(
+        &self,
+        c: &CheckpointEvery,
+        index: &StateIndex,
+        mut keys: Vec<String>,
+    ) -> Result<()> {
+        keys.sort();
+        keys.dedup();
+        let shards = self.mesh.pipe * self.mesh.model;
+        let manifest = Manifest::of(index, &self.layout, &keys, (shards, 1, self.mesh.model));
+        let lacking = self.lacking(|n| manifest.index.variables.iter().any(|v| v == n));
+        if !lacking.is_empty() {
+            return Err(RuntimeError::Config(format!(
+                "the sharded state of step {} lacks {lacking:?}: no stage wrote them",
+                index.step
+            )));
+        }
+        c.commit_pending(Some(index.step))?;
+        manifest.write(&c.path)?;
+        if index.step as usize == self.cadence.last {
+            c.commit_pending(None)?;
+        }
+        Ok(())
+    }
+
+    /// Before the stages start: the folders of the sharded states this run will write
+    /// that an earlier run left uncommitted are removed (the coordinator's part).
+    pub(crate) fn clear_later_states(&self) {
+        if let Some(c) = self.checkpoint.as_ref().filter(|c| c.sharded) {
+            crate::core::shards::clear_from(&c.path, self.first as u64);
         }
     }
 
@@ -504,6 +572,9 @@ impl<'a> PipelineRun<'a> {
             replica: r,
             model_rank: m,
             split,
+            shards: self.checkpoint.clone().filter(|c| c.sharded && r == 0),
+            layout: &self.layout,
+            carried: (w == 0).then_some([&self.carried, &self.carried_slots]),
             hook: StageHook {
                 replicas: Some(replica_comm),
                 model: model_comm,
@@ -874,6 +945,13 @@ pub(crate) struct Stage<'a> {
     model_rank: usize,
     /// The split variables it holds a part of: `(w.tp, w, dim)`.
     split: Vec<(String, String, usize)>,
+    /// Replica 0's stages with `--sharded`: where each writes its own shard.
+    shards: Option<CheckpointEvery>,
+    /// How a shard records what it holds.
+    layout: &'a Layout,
+    /// Worker 0 writes the variables no stage reads, and their optimizer state, into
+    /// its shard.
+    carried: Option<[&'a HashMap<String, Tensor>; 2]>,
     hook: StageHook,
     steps: &'a [Step],
     forward: &'a Graph,
@@ -1070,14 +1148,7 @@ impl Stage<'_> {
         backend: &mut B,
         params: &HashMap<String, B::Tensor>,
     ) -> Result<HashMap<String, Tensor>> {
-        let device = backend.name();
-        let mut out = HashMap::with_capacity(params.len());
-        for (name, t) in params {
-            let host = backend
-                .download(t)
-                .map_err(|e| backend_error(&device, "reading the variables", e))?;
-            out.insert(name.clone(), host);
-        }
+        let mut out = host_params(backend, params)?;
         for (part, name, dim) in &self.split {
             let Some(comm) = self.hook.model.as_mut() else {
                 return Err(RuntimeError::Config(format!(
@@ -1106,6 +1177,61 @@ impl Stage<'_> {
         }
         Ok(out)
     }
+}
+
+impl Stage<'_> {
+    /// Writes this stage's shard of the state of `step` on its writer thread, once its
+    /// previous shard is written (with `last`, before it returns): what it holds of
+    /// `params` and `slots` as it holds them (a part of a split variable as the part),
+    /// each tensor by one worker alone (a tied variable by its owner, an unsplit one by
+    /// model rank 0), worker 0's with the variables no stage reads. Returns the names
+    /// the shard holds.
+    fn write_shard(
+        &self,
+        mut tensors: HashMap<String, Tensor>,
+        slots: HashMap<String, Tensor>,
+        step: usize,
+        last: bool,
+    ) -> Result<Vec<String>> {
+        let Some(c) = &self.shards else {
+            return Err(RuntimeError::Config(format!(
+                "{} writes no shard: it is not in replica 0 of a sharded run",
+                self.name
+            )));
+        };
+        tensors.extend(slots);
+        for carried in self.carried.into_iter().flatten() {
+            tensors.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
+        }
+        let (s, m) = (self.stage, self.model_rank);
+        tensors.retain(|k, _| {
+            self.layout.writes(k, (0, m)) && !self.tied.iter().any(|t| t.name == *k && t.owner != s)
+        });
+        let mut keys: Vec<String> = tensors.keys().cloned().collect();
+        keys.sort();
+        let (dir, w) = (c.path.clone(), self.worker);
+        c.shard_writer(w).start(
+            move || crate::core::shards::write_shard(&dir, step as u64, (w, 0, m), &tensors),
+            last,
+        )?;
+        Ok(keys)
+    }
+}
+
+/// The variables on the host, as the backend holds them.
+fn host_params<B: Backend>(
+    backend: &mut B,
+    params: &HashMap<String, B::Tensor>,
+) -> Result<HashMap<String, Tensor>> {
+    let device = backend.name();
+    let mut out = HashMap::with_capacity(params.len());
+    for (name, t) in params {
+        let host = backend
+            .download(t)
+            .map_err(|e| backend_error(&device, "reading the variables", e))?;
+        out.insert(name.clone(), host);
+    }
+    Ok(out)
 }
 
 /// Variables as one message (a tied variable's update, or a stage's variables).
@@ -1588,9 +1714,16 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
     ) -> Result<StageReport> {
         let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
         let me = &mut *self.stage;
+        let shard = if due.shard && me.replica == 0 {
+            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
+            let params = host_params(self.bwd.backend(), &self.params)?;
+            Some(me.write_shard(params, slots, step, due.last)?)
+        } else {
+            None
+        };
         // On a model axis, the parts' slots are gathered as their variables are, and
         // model rank 0 hands them over whole.
-        let slots = if due.checkpoint && me.replica == 0 {
+        let slots = if due.writes_whole() && me.replica == 0 {
             let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
             let whole = me.whole_slots(slots)?;
             (me.model_rank == 0).then_some(whole)
@@ -1599,7 +1732,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         };
         // Replica 0's model rank 0 hands the stage's variables over, whole, for the
         // coordinator to evaluate the model or write the training state.
-        let params = if (due.eval || due.checkpoint) && me.replica == 0 {
+        let params = if (due.eval || due.writes_whole()) && me.replica == 0 {
             let whole = me.whole_params(self.bwd.backend(), &self.params)?;
             (me.model_rank == 0).then_some(whole)
         } else {
@@ -1608,6 +1741,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         let report = StageReport {
             params,
             slots,
+            shard,
             stage: me.stage,
             replica: me.replica,
             model_rank: me.model_rank,

@@ -18,6 +18,7 @@ use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::error::{Result, RuntimeError};
 use crate::core::shards::{self, Cells, Layout, Manifest};
 use crate::core::value::Tensor;
+use crate::run::mesh::Coord;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -49,8 +50,8 @@ struct Kept {
 /// One worker's copies.
 #[derive(Debug)]
 struct Held {
-    /// Its data rank and model rank.
-    place: (usize, usize),
+    /// Its place on the mesh: its replica, stage and model rank.
+    place: Coord,
     /// After the last step it ran.
     latest: Option<Copy>,
     /// Of the last state it wrote to a sharded state on disk.
@@ -100,7 +101,7 @@ impl StateSlot {
 
     /// Worker `rank`, at `place` on the mesh, ran a step: `copy` replaces its last;
     /// `written`: the same tensors went to a sharded state on disk.
-    pub(crate) fn keep(&self, rank: usize, place: (usize, usize), copy: Copy, written: bool) {
+    pub(crate) fn keep(&self, rank: usize, place: Coord, copy: Copy, written: bool) {
         let mut kept = self.lock();
         let held = kept.workers.entry(rank).or_insert(Held {
             place,
@@ -221,7 +222,7 @@ impl Kept {
     ) -> std::result::Result<Restored, String> {
         let mut ranks: Vec<(&usize, &Held)> = self.workers.iter().collect();
         ranks.sort_by_key(|(r, _)| **r);
-        let copies: Vec<(usize, (usize, usize), &Copy)> = ranks
+        let copies: Vec<(usize, Coord, &Copy)> = ranks
             .iter()
             .filter_map(|(r, h)| {
                 h.copies()
@@ -235,8 +236,16 @@ impl Kept {
             None => return Err("the servers' state of that step is not kept".into()),
         };
         let index = &copies.first().ok_or("no copy of that step")?.2.index;
-        let data = ranks.iter().map(|(_, h)| h.place.0 + 1).max().unwrap_or(1);
-        let model = ranks.iter().map(|(_, h)| h.place.1 + 1).max().unwrap_or(1);
+        let data = ranks
+            .iter()
+            .map(|(_, h)| h.place.replica + 1)
+            .max()
+            .unwrap_or(1);
+        let model = ranks
+            .iter()
+            .map(|(_, h)| h.place.model + 1)
+            .max()
+            .unwrap_or(1);
         let mesh = (ranks.len(), data, model);
         let mut cells: Cells<'_> = HashMap::new();
         let mut from_disk: Vec<((usize, usize), HashMap<String, Tensor>)> = Vec::new();
@@ -248,9 +257,36 @@ impl Kept {
             let manifest = Manifest::of(index, &self.layout, &keys, mesh);
             shards::assemble_state(&manifest, cells)
         };
-        for (_, place, c) in &copies {
-            // Workers of one place hold the same values: any one's copy serves.
-            cells.entry(*place).or_insert(&*c.tensors);
+        // Workers of one place hold the same values: any one's copy serves. A
+        // pipeline's stages at one data and model rank hold disjoint variables: their
+        // copies are merged into one cell.
+        let mut by_cell: BTreeMap<(usize, usize), BTreeMap<usize, &Copy>> = BTreeMap::new();
+        for (_, at, c) in &copies {
+            by_cell
+                .entry((at.replica, at.model))
+                .or_default()
+                .entry(at.stage)
+                .or_insert(c);
+        }
+        let merged: HashMap<(usize, usize), HashMap<String, Tensor>> = by_cell
+            .iter()
+            .filter(|(_, stages)| stages.len() > 1)
+            .map(|(cell, stages)| {
+                let mut all = HashMap::new();
+                for c in stages.values() {
+                    for (k, t) in c.tensors.iter() {
+                        all.entry(k.clone()).or_insert_with(|| t.clone());
+                    }
+                }
+                (*cell, all)
+            })
+            .collect();
+        for (cell, stages) in &by_cell {
+            match (merged.get(cell), stages.values().next()) {
+                (Some(all), _) => cells.insert(*cell, all),
+                (None, Some(c)) => cells.insert(*cell, &*c.tensors),
+                (None, None) => None,
+            };
         }
         let state = match whole(&cells) {
             Ok(s) => s,
@@ -265,7 +301,7 @@ impl Kept {
                     }
                     let shard = shards::read_shard(&folder, step, rank, ranks.len())
                         .map_err(|e| format!("{in_memory}, and on disk: {e}"))?;
-                    if shard.0 != held.place {
+                    if shard.0 != (held.place.replica, held.place.model) {
                         return Err(format!(
                             "{}: worker {rank}'s shard is at {:?} on the mesh, the worker \
                              was at {:?}",
@@ -320,6 +356,14 @@ mod tests {
         }
     }
 
+    fn replica(r: usize) -> Coord {
+        Coord {
+            replica: r,
+            stage: 0,
+            model: 0,
+        }
+    }
+
     fn t(v: &[f32]) -> Tensor {
         Tensor::F32(ndarray::Array1::from(v.to_vec()).into_dyn())
     }
@@ -350,7 +394,7 @@ mod tests {
             let v = step as f32;
             slot.keep(
                 rank,
-                (rank, 0),
+                replica(rank),
                 copy(step, &[("b", &[v, v]), ("b/m", &[v])]),
                 false,
             );
@@ -377,10 +421,10 @@ mod tests {
             let c = rank as f32 * 10.0;
             let two = copy(2, &[("w.zero", &[c, c + 1.0])]);
             shards::write_shard(dir.path(), 2, (rank, rank, 0), &two.tensors).expect("shard");
-            slot.keep(rank, (rank, 0), two, true);
+            slot.keep(rank, replica(rank), two, true);
             slot.keep(
                 rank,
-                (rank, 0),
+                replica(rank),
                 copy(3, &[("w.zero", &[c + 5.0, c + 6.0])]),
                 false,
             );
@@ -432,7 +476,7 @@ mod tests {
         for rank in 0..2 {
             slot.keep(
                 rank,
-                (rank, 0),
+                replica(rank),
                 copy(2, &[("emb", &[0.0]), ("b", &[4.0])]),
                 false,
             );

@@ -35,6 +35,8 @@ pub(crate) struct Cadence {
     checkpoint_every: Option<usize>,
     /// Whether every step's state is kept in memory ([`TrainOptions::snapshot`]).
     snapshot: bool,
+    /// Whether the checkpoints are sharded: each worker writes what it holds.
+    sharded: bool,
 }
 
 /// What a step does besides training, from its [`Cadence`].
@@ -42,8 +44,20 @@ pub(crate) struct Cadence {
 pub(crate) struct Due {
     pub(crate) eval: bool,
     pub(crate) checkpoint: bool,
+    /// The state goes to the checkpoint's file (or folder) this step.
+    pub(crate) file: bool,
+    /// It goes there sharded: each worker writes its own part, and nothing is
+    /// gathered for the file.
+    pub(crate) shard: bool,
     /// The run's last step.
     pub(crate) last: bool,
+}
+
+impl Due {
+    /// Whether the step's state is gathered whole, for the file.
+    pub(crate) fn writes_whole(&self) -> bool {
+        self.file && !self.shard
+    }
 }
 
 /// Whether `step` is one of those every `every` steps of a run ending at `last`, or the
@@ -61,6 +75,7 @@ impl Cadence {
             eval_every: config.eval_every,
             checkpoint_every: opts.checkpoint.as_ref().map(|c| c.every.max(1)),
             snapshot: opts.snapshot.is_some(),
+            sharded: opts.checkpoint.as_ref().is_some_and(|c| c.sharded),
         }
     }
 
@@ -75,6 +90,8 @@ impl Cadence {
         Due {
             eval: self.evaluate && due(step, self.last, self.eval_every),
             checkpoint: self.snapshot || self.writes_file(step),
+            file: self.writes_file(step),
+            shard: self.sharded && self.writes_file(step),
             last: step == self.last,
         }
     }
@@ -218,6 +235,7 @@ mod tests {
             eval_every,
             checkpoint_every: ckpt,
             snapshot: false,
+            sharded: false,
         }
     }
 
@@ -241,6 +259,16 @@ mod tests {
         assert!((1..=10).all(|s| kept.at(s).checkpoint));
         let written: Vec<usize> = (1..=10).filter(|&s| kept.writes_file(s)).collect();
         assert_eq!(written, [3, 6, 9, 10]);
+        let whole: Vec<usize> = (1..=10).filter(|&s| kept.at(s).writes_whole()).collect();
+        assert_eq!(whole, written);
+        // Sharded, the steps that write the file gather nothing for it.
+        let sharded = Cadence {
+            sharded: true,
+            ..kept
+        };
+        assert!((1..=10).all(|s| !sharded.at(s).writes_whole()));
+        let shards: Vec<usize> = (1..=10).filter(|&s| sharded.at(s).shard).collect();
+        assert_eq!(shards, written);
     }
 
     struct Counting {

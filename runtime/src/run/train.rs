@@ -337,6 +337,7 @@ pub fn train_pipeline_with<B: Backend>(
     let t0 = Instant::now();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts)?;
+    run.clear_later_states();
     let mut roles = Vec::with_capacity(workers);
     for (w, data) in sources.into_iter().enumerate() {
         let Coord {
@@ -366,7 +367,7 @@ pub fn train_pipeline_with<B: Backend>(
         roles.push((format!("stage-{s}-replica-{r}-model-{m}"), role));
     }
     let mut reports = StageReports::default();
-    let mut take_state = |step, params, slots| run.take_state(step, params, slots, &mut evaluator);
+    let mut take_state = |step, handed| run.take_state(step, handed, &mut evaluator);
     let (results, coordinator_error) = run_roles(roles, &mut |r| {
         reports.add(r, workers, &mut coordinator, &mut take_state)
     });

@@ -1918,7 +1918,12 @@ fn save_training_state<B: Backend>(
                 index: index.clone(),
                 tensors: Arc::new(copy),
             };
-            slot.keep(rank, ranks, copy, sharded.is_some());
+            let place = crate::run::mesh::Coord {
+                replica: ranks.0,
+                stage: 0,
+                model: ranks.1,
+            };
+            slot.keep(rank, place, copy, sharded.is_some());
         }
         if let Some(c) = sharded {
             // A server's variable replaces the copy the worker pulled.

@@ -20,7 +20,7 @@ use crate::core::backend::Backend;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::Tensor;
-use crate::run::coordinator::{reporter, Coordinator, StageReports};
+use crate::run::coordinator::{reporter, Coordinator, Handed, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
@@ -143,19 +143,24 @@ pub(super) fn run_stage_rank<B: Backend>(
     let workers = run.workers();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts)?;
+    run.clear_later_states();
     // At an evaluation or a checkpoint, replica 0's other stages send their variables,
     // and at a checkpoint their optimizer state after them.
-    let mut take_state = |step: usize,
-                          mut params: HashMap<String, Tensor>,
-                          mut slots: HashMap<String, Tensor>|
-     -> Result<Option<EvalMetrics>> {
-        for from in 1..stages {
-            params.extend(receive_params(ctl, &run, from, opts, step)?);
-            if run.checkpoints_at(step) {
-                slots.extend(receive_params(ctl, &run, from, opts, step)?);
+    let mut take_state = |step: usize, mut handed: Handed| -> Result<Option<EvalMetrics>> {
+        let due = run.due_at(step);
+        if due.eval || due.writes_whole() {
+            for from in 1..stages {
+                handed
+                    .params
+                    .extend(receive_params(ctl, &run, from, opts, step)?);
+                if due.writes_whole() {
+                    handed
+                        .slots
+                        .extend(receive_params(ctl, &run, from, opts, step)?);
+                }
             }
         }
-        run.take_state(step, params, slots, &mut evaluator)
+        run.take_state(step, handed, &mut evaluator)
     };
     let stage = |tx: mpsc::Sender<StageReport>| {
         let mut to_coordinator = reporter(tx);
