@@ -453,6 +453,18 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             0,
             &[][..],
         ),
+        // Stages two model ranks wide: worker 5 (stage 0 of replica 1, model rank 1)
+        // costs its replica's four workers.
+        (
+            "pipe-mesh",
+            dense,
+            &["--mesh", "data=2,model=2,pipe=2", "--micro-batches", "2"][..],
+            "data=1,model=2,pipe=2",
+            "5:4",
+            3,
+            0,
+            &[][..],
+        ),
         // No sharded state written yet: back to the start.
         (
             "zero1-start",
@@ -513,13 +525,13 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
             args.extend_from_slice(&["--steps", &before, "--checkpoint", s(&state)]);
             run(&args);
         }
-        let smaller: Vec<&str> = match label {
-            "mesh" => vec!["--mesh", after],
-            _ => layout
-                .iter()
-                .map(|a| if *a == "3" { after } else { a })
-                .collect(),
-        };
+        let smaller: Vec<&str> = layout
+            .iter()
+            .map(|a| match *a == "3" || a.starts_with("data=") {
+                true => after,
+                false => a,
+            })
+            .collect();
         let mut args = smaller.clone();
         args.extend_from_slice(&["--steps", steps, "--save", s(&resumed)]);
         if from > 0 {
@@ -558,16 +570,16 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
                 })
                 .product::<u64>()
         };
-        let (n, m) = match label {
-            "mesh" => (4, workers(after)),
-            _ => (3, 2),
+        let (n, m) = match layout[1].starts_with("data=") {
+            true => (workers(layout[1]), workers(after)),
+            false => (3, 2),
         };
         assert_eq!(r["workers_before"].as_u64(), Some(n), "{label}");
         assert_eq!(r["workers_after"].as_u64(), Some(m), "{label}");
         let worker = fail.split(':').next().expect("W");
         let cause = r["cause"].as_str().unwrap_or("");
         assert!(
-            cause.contains(&format!("worker {worker}")) || label == "mesh",
+            cause.contains(&format!("worker {worker}")) || label.contains("mesh"),
             "{label}: {cause}"
         );
         assert!(

@@ -6,8 +6,8 @@
 //! ([`StateSlot`]). When a worker is lost (its thread fails, or `--fail-worker`
 //! rehearses that), its memory goes with it and the others stop at the error; the plan
 //! is compiled again from its model for one replica fewer (the data axis shrinks; a
-//! model axis of T loses the T workers of the lost worker's replica; servers are
-//! kept), and training resumes from the newest state the survivors can put together:
+//! replica of P pipeline stages on a model axis of T loses its P x T workers; servers
+//! are kept), and training resumes from the newest state the survivors can put together:
 //! from their memory alone where they hold every piece, else with what only the lost
 //! worker held (its ZeRO chunks) read from the last sharded state on disk. Its
 //! variables, optimizer state, step and data position are resharded for the new layout
@@ -58,9 +58,6 @@ pub(super) fn launch_elastic(
     on_step: &mut dyn FnMut(&StepMetrics) -> distc_runtime::Result<()>,
 ) -> Result<Option<TrainReport>> {
     let settings = &plan.settings;
-    if settings.pipeline > 1 {
-        bail!("--elastic: pipeline stages cannot restart with fewer workers yet");
-    }
     if settings.data_workers() < 2 {
         bail!(
             "--elastic: the plan has one replica; compile it with --workers N (N >= 2 \
@@ -89,7 +86,8 @@ pub(super) fn launch_elastic(
         plan.strategy.name(),
         settings.workers
     ));
-    let replica = settings.model.max(1);
+    // A replica: a model axis's T workers on each of P pipeline stages.
+    let replica = settings.model.max(1) * settings.pipeline.max(1);
     let (config, device, transport) = (first.config, first.device.clone(), first.transport.clone());
     let mut opts = first.opts.clone();
     opts.snapshot = Some(slot.clone());

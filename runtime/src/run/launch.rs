@@ -195,11 +195,6 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
     if opts.evaluate {
         config.check_evaluation().map_err(RuntimeError::Config)?;
     }
-    if programs.pipeline.is_some() && (opts.snapshot.is_some() || opts.fail.is_some()) {
-        return Err(RuntimeError::Config(
-            "--elastic and --fail-worker do not cover pipeline stages yet".into(),
-        ));
-    }
     if let Some(f) = opts.fail {
         if f.worker >= programs.workers {
             return Err(RuntimeError::Config(format!(

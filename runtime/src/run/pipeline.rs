@@ -354,16 +354,7 @@ impl<'a> PipelineRun<'a> {
         let params = self.with_carried(handed.params);
         let due = self.due_at(step);
         if let (Some(c), true) = (&self.checkpoint, due.file) {
-            let index = StateIndex {
-                format: String::new(),
-                model: self.model.clone(),
-                step: step as u64,
-                samples: (step * self.samples_per_step) as u64,
-                saved_by: c.saved_by.clone(),
-                optimizer: self.optimizer.clone(),
-                variables: Vec::new(),
-                optimizer_state: Vec::new(),
-            };
+            let index = self.index(step, c.saved_by.clone());
             if due.shard {
                 self.commit_shards(c, &index, handed.shard_keys)?;
             } else {
@@ -385,6 +376,20 @@ impl<'a> PipelineRun<'a> {
                 e.evaluate(&params, step as u64).map(Some)
             }
             _ => Ok(None),
+        }
+    }
+
+    /// The index of the state after `step`, saved by `saved_by`.
+    fn index(&self, step: usize, saved_by: String) -> StateIndex {
+        StateIndex {
+            format: String::new(),
+            model: self.model.clone(),
+            step: step as u64,
+            samples: (step * self.samples_per_step) as u64,
+            saved_by,
+            optimizer: self.optimizer.clone(),
+            variables: Vec::new(),
+            optimizer_state: Vec::new(),
         }
     }
 
@@ -574,7 +579,15 @@ impl<'a> PipelineRun<'a> {
             split,
             shards: self.checkpoint.clone().filter(|c| c.sharded && r == 0),
             layout: &self.layout,
-            carried: (w == 0).then_some([&self.carried, &self.carried_slots]),
+            carried: (s == 0 && m == 0).then_some([&self.carried, &self.carried_slots]),
+            elastic: Elastic {
+                slot: opts.snapshot.clone(),
+                lost_at: opts.fail.filter(|f| f.worker == w).map(|f| f.step),
+                workers: self.mesh.workers(),
+                timeout: opts.timeout,
+                index: self.index(0, opts.saved_by()),
+                samples_per_step: self.samples_per_step,
+            },
             hook: StageHook {
                 replicas: Some(replica_comm),
                 model: model_comm,
@@ -949,9 +962,12 @@ pub(crate) struct Stage<'a> {
     shards: Option<CheckpointEvery>,
     /// How a shard records what it holds.
     layout: &'a Layout,
-    /// Worker 0 writes the variables no stage reads, and their optimizer state, into
-    /// its shard.
+    /// Stage 0's model rank 0 holds the variables no stage reads, and their optimizer
+    /// state, in its shard and its kept copy.
     carried: Option<[&'a HashMap<String, Tensor>; 2]>,
+    /// An elastic run's copy of what it holds, kept after every step, and the step its
+    /// loss is rehearsed at.
+    elastic: Elastic,
     hook: StageHook,
     steps: &'a [Step],
     forward: &'a Graph,
@@ -1180,16 +1196,37 @@ impl Stage<'_> {
 }
 
 impl Stage<'_> {
+    /// An elastic run's copy of what it holds after `step` (`held`: its variables, the
+    /// optimizer state of those it updates, and the carried ones), replacing its last.
+    fn keep(&self, held: &HashMap<String, Tensor>, step: usize) {
+        let (Some(slot), e) = (&self.elastic.slot, &self.elastic) else {
+            return;
+        };
+        let copy = crate::run::snapshot::Copy {
+            index: StateIndex {
+                step: step as u64,
+                samples: (step * e.samples_per_step) as u64,
+                ..e.index.clone()
+            },
+            tensors: Arc::new(held.clone()),
+        };
+        let place = crate::run::mesh::Coord {
+            replica: self.replica,
+            stage: self.stage,
+            model: self.model_rank,
+        };
+        slot.keep(self.worker, place, copy, false);
+    }
+
     /// Writes this stage's shard of the state of `step` on its writer thread, once its
-    /// previous shard is written (with `last`, before it returns): what it holds of
-    /// `params` and `slots` as it holds them (a part of a split variable as the part),
-    /// each tensor by one worker alone (a tied variable by its owner, an unsplit one by
-    /// model rank 0), worker 0's with the variables no stage reads. Returns the names
-    /// the shard holds.
+    /// previous shard is written (with `last`, before it returns): what it holds
+    /// (`tensors`: its variables, their optimizer state, the carried ones) as it holds
+    /// them (a part of a split variable as the part), each tensor by one worker alone
+    /// (a tied variable by its owner, an unsplit one by model rank 0). Returns the
+    /// names the shard holds.
     fn write_shard(
         &self,
         mut tensors: HashMap<String, Tensor>,
-        slots: HashMap<String, Tensor>,
         step: usize,
         last: bool,
     ) -> Result<Vec<String>> {
@@ -1199,10 +1236,6 @@ impl Stage<'_> {
                 self.name
             )));
         };
-        tensors.extend(slots);
-        for carried in self.carried.into_iter().flatten() {
-            tensors.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
-        }
         let (s, m) = (self.stage, self.model_rank);
         tensors.retain(|k, _| {
             self.layout.writes(k, (0, m)) && !self.tied.iter().any(|t| t.name == *k && t.owner != s)
@@ -1402,6 +1435,20 @@ impl<'a> Stage<'a> {
     }
 }
 
+/// A stage's part in an elastic run (`--elastic`, `--fail-worker`).
+struct Elastic {
+    /// Where it keeps its copy after every step.
+    slot: Option<crate::run::snapshot::StateSlot>,
+    /// The step it is lost at (`--fail-worker`).
+    lost_at: Option<usize>,
+    /// The run's workers, and how long a rehearsed loss waits for them.
+    workers: usize,
+    timeout: std::time::Duration,
+    /// Its copies' index, their step and data position set when kept.
+    index: StateIndex,
+    samples_per_step: usize,
+}
+
 /// A stage's step: its schedule's instructions (GPipe or 1F1B), then the update and
 /// the tied variables' exchange.
 struct ScheduleStep<'s, 'a, B: Backend> {
@@ -1440,6 +1487,14 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
 
     fn run_step(&mut self, step: usize, _: Due) -> Result<Ran<ScheduleRan>> {
         let me = &mut *self.stage;
+        if me.elastic.lost_at == Some(step) {
+            return Err(crate::run::snapshot::rehearsed_loss(
+                me.elastic.slot.as_ref(),
+                (me.worker, me.elastic.workers),
+                (step, me.first),
+                me.elastic.timeout,
+            ));
+        }
         let (fwd, bwd) = (&mut self.fwd, &mut self.bwd);
         let device = self.device.as_str();
         let fail = |what: &'static str| move |e| backend_error(device, what, e);
@@ -1714,10 +1769,17 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
     ) -> Result<StageReport> {
         let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
         let me = &mut *self.stage;
-        let shard = if due.shard && me.replica == 0 {
-            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
-            let params = host_params(self.bwd.backend(), &self.params)?;
-            Some(me.write_shard(params, slots, step, due.last)?)
+        let writes = due.shard && me.replica == 0;
+        let shard = if writes || me.elastic.slot.is_some() {
+            let mut held = host_params(self.bwd.backend(), &self.params)?;
+            held.extend(me.updated_slots(self.bwd.backend(), &self.optimizer)?);
+            for carried in me.carried.into_iter().flatten() {
+                held.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
+            }
+            me.keep(&held, step);
+            writes
+                .then(|| me.write_shard(held, step, due.last))
+                .transpose()?
         } else {
             None
         };

@@ -219,6 +219,18 @@ impl CheckpointEvery {
     }
 }
 
+impl TrainOptions {
+    /// What a training state's index says wrote it: the checkpoint's words, or the
+    /// elastic run's.
+    pub(crate) fn saved_by(&self) -> String {
+        match (&self.checkpoint, &self.snapshot) {
+            (Some(c), _) => c.saved_by.clone(),
+            (None, Some(s)) => s.saved_by.clone(),
+            (None, None) => String::new(),
+        }
+    }
+}
+
 impl Default for TrainOptions {
     fn default() -> TrainOptions {
         TrainOptions {

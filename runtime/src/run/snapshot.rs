@@ -189,6 +189,28 @@ impl StateSlot {
     }
 }
 
+/// Worker `rank`'s rehearsed loss at `step` (`--fail-worker`), its run's first step
+/// being `first`: what it kept in `slot` goes with it, as with a crashed process, once
+/// the run's other workers (`0..workers`) kept the step before, so the rehearsal's
+/// restart point is known. The error its thread ends with.
+pub(crate) fn rehearsed_loss(
+    slot: Option<&StateSlot>,
+    (rank, workers): (usize, usize),
+    (step, first): (usize, usize),
+    timeout: Duration,
+) -> RuntimeError {
+    if let Some(slot) = slot {
+        if step > first {
+            slot.wait_kept(step as u64 - 1, workers, timeout);
+        }
+        slot.lose(rank);
+    }
+    RuntimeError::WorkerLost {
+        step,
+        cause: "an injected failure (--fail-worker)".into(),
+    }
+}
+
 impl Held {
     /// Its copies: the last step's, the last written.
     fn copies(&self) -> impl Iterator<Item = &Copy> {

@@ -1285,18 +1285,12 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
     fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {
         let (rank, first, steps) = (self.rank, self.first, self.last);
         if self.opts.fail == Some(crate::run::programs::InjectedFailure { worker: rank, step }) {
-            // What it kept in memory goes with it, as with a crashed process; once the
-            // others kept the step before, so the rehearsal's restart point is known.
-            if let Some(slot) = &self.opts.snapshot {
-                if step > first {
-                    slot.wait_kept(step as u64 - 1, self.programs.workers, self.opts.timeout);
-                }
-                slot.lose(rank);
-            }
-            return Err(RuntimeError::WorkerLost {
-                step,
-                cause: "an injected failure (--fail-worker)".into(),
-            });
+            return Err(crate::run::snapshot::rehearsed_loss(
+                self.opts.snapshot.as_ref(),
+                (rank, self.programs.workers),
+                (step, first),
+                self.opts.timeout,
+            ));
         }
         let device = self.device.as_str();
         let st = &mut *self.st;
@@ -1867,11 +1861,7 @@ fn save_training_state<B: Backend>(
     }
     let scale = scaler.map(|s| (LOSS_SCALE_KEY.to_string(), s.to_tensor()));
     let k = crate::run::programs::micro_batches(programs.worker);
-    let saved_by = match (&opts.checkpoint, &opts.snapshot) {
-        (Some(c), _) => c.saved_by.clone(),
-        (None, Some(s)) => s.saved_by.clone(),
-        (None, None) => String::new(),
-    };
+    let saved_by = opts.saved_by();
     let index = StateIndex {
         format: String::new(),
         model: programs.worker.name.clone(),
