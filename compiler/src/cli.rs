@@ -916,6 +916,11 @@ pub struct LaunchArgs {
     /// `--mesh data=N/T,model=T`, and a lost rank costs its replica of T workers.
     #[arg(long, value_parser = at_least_one, default_value_t = 1, value_name = "T")]
     pub model_axis: usize,
+    /// Pipeline stages of one replica: each job runs `--mesh data=N/(T P),model=T,
+    /// pipe=P`, and a lost rank costs its replica of T x P workers (the micro-batches
+    /// and schedule are `train` flags, after `--`).
+    #[arg(long, value_parser = at_least_one, default_value_t = 1, value_name = "P")]
+    pub pipeline: usize,
     /// Parameter servers, kept on a restart.
     #[arg(long, default_value_t = 0, value_name = "S")]
     pub servers: usize,

@@ -1488,31 +1488,14 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it
         "16",
         "-q",
     ];
-    let child = Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args([
-            "launch",
-            "--workers",
-            "3",
-            "--max-workers",
-            "3",
-            "--state",
-            s(&state),
-        ])
-        .args(["--checkpoint-every", "1", "--metrics", s(&metrics)])
-        .args(["--hostfile", s(&hosts)])
-        .args([
-            "--mpirun-arg=--allow-run-as-root",
-            "--mpirun-arg=--oversubscribe",
-        ])
-        .arg("--")
-        .args(model)
-        .args(["--steps", &steps_s, "--save", s(&saved)])
-        .current_dir(root())
-        .env("MATMUL_NUM_THREADS", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("distc launch starts");
+    let child = launch_job(
+        &[
+            &["--workers", "3", "--max-workers", "3", "--state", s(&state)][..],
+            &["--metrics", s(&metrics), "--hostfile", s(&hosts)],
+        ]
+        .concat(),
+        &[&model[..], &["--steps", &steps_s, "--save", s(&saved)]].concat(),
+    );
     let start = Instant::now();
     let wait_for = |what: &str, done: &dyn Fn() -> bool| {
         while !done() {
@@ -1601,82 +1584,119 @@ fn a_rank_killed_under_distc_launch_costs_one_replica_and_a_slot_added_brings_it
     assert_eq!(max_difference(&saved, &ref_saved), 0.0);
 }
 
-/// `distc launch --model-axis 2` (issue 40): a replica is the 2 workers of a model
-/// axis, so rank 3 killed costs its replica. The job goes on as `data=1,model=2` from
-/// the last state on disk, reading every shard of it, and completes its steps; its
-/// weights equal, bit for bit, those of jobs run by hand: `data=2,model=2` to that
-/// state, `data=1,model=2` from it.
-#[test]
-fn a_rank_killed_under_distc_launch_on_a_model_axis_costs_its_replica() {
-    let _one = common::one_job_at_a_time();
-    let state = tmp("launch-tp.state");
-    let _ = std::fs::remove_dir_all(&state);
-    let (metrics, saved) = (tmp("launch-tp.jsonl"), tmp("launch-tp.st"));
-    let steps = "16";
-    let model = ["examples/dense_mlp.dsl", "--batch", "16", "-q"];
-    let child = Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(["launch", "--workers", "4", "--model-axis", "2"])
-        .args(["--state", s(&state), "--checkpoint-every", "1"])
-        .args(["--metrics", s(&metrics)])
+/// `distc launch LAUNCH -- TRAIN` on this machine's slots, its state written every
+/// step, its output piped.
+fn launch_job(launch: &[&str], train: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_distc"))
+        .arg("launch")
+        .args(launch)
+        .args(["--checkpoint-every", "1"])
         .args([
             "--mpirun-arg=--allow-run-as-root",
             "--mpirun-arg=--oversubscribe",
             "--",
         ])
-        .args(model)
-        .args(["--steps", steps, "--save", s(&saved)])
+        .args(train)
         .current_dir(root())
         .env("MATMUL_NUM_THREADS", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("distc launch starts");
-    let start = Instant::now();
-    let latest = state.join("latest");
-    while std::fs::read_to_string(&latest)
-        .ok()
-        .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
-        .is_none_or(|k| k < 2)
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(90),
-            "waited for the state of step 2"
+        .expect("distc launch starts")
+}
+
+/// `distc launch --model-axis 2`, and `--pipeline 2` (issue 40): a replica is the 2
+/// workers of a model axis, or of two stages, so rank 3 killed costs its replica. The
+/// job goes on as `data=1` from the last state on disk, reading every shard of it (a
+/// pipeline's: replica 0's stages wrote them), and completes its steps; its weights
+/// equal, bit for bit, those of jobs run by hand: `data=2` to that state, `data=1`
+/// from it.
+#[test]
+fn a_rank_killed_under_distc_launch_on_a_model_axis_or_stages_costs_its_replica() {
+    let _one = common::one_job_at_a_time();
+    for (label, axis, before, after, shards) in [
+        (
+            "tp",
+            &["--model-axis", "2"][..],
+            "data=2,model=2",
+            "data=1,model=2",
+            4,
+        ),
+        (
+            "pipe",
+            &["--pipeline", "2"][..],
+            "data=2,pipe=2",
+            "data=1,pipe=2",
+            2,
+        ),
+    ] {
+        let state = tmp(&format!("launch-{label}.state"));
+        let _ = std::fs::remove_dir_all(&state);
+        let (metrics, saved) = (
+            tmp(&format!("launch-{label}.jsonl")),
+            tmp(&format!("launch-{label}.st")),
         );
-        std::thread::sleep(Duration::from_millis(20));
+        let steps = "16";
+        let mut model = vec!["examples/dense_mlp.dsl", "--batch", "16", "-q"];
+        if label == "pipe" {
+            model.extend(["--micro-batches", "2"]);
+        }
+        let child = launch_job(
+            &[
+                &["--workers", "4"][..],
+                axis,
+                &["--state", s(&state), "--metrics", s(&metrics)],
+            ]
+            .concat(),
+            &[&model[..], &["--steps", steps, "--save", s(&saved)]].concat(),
+        );
+        let start = Instant::now();
+        let latest = state.join("latest");
+        while std::fs::read_to_string(&latest)
+            .ok()
+            .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
+            .is_none_or(|k| k < 2)
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(90),
+                "{label}: waited for the state of step 2"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let pid = rank_pid(s(&state), 3).expect("rank 3 runs");
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .expect("kill");
+        let (o, _) = wait_at_most(child, None, Duration::from_secs(120), "launch");
+        let t = text(&o);
+        assert!(o.status.success(), "{label}: {t}");
+        assert!(t.contains("with 2 workers (was 4)"), "{label}: {t}");
+        let lines = common::metrics_lines(&metrics);
+        assert_eq!(lines.last().expect("lines")["step"], 16, "{label}: {t}");
+        let r: Vec<&serde_json::Value> = lines
+            .iter()
+            .filter_map(|l| l.get("restart").filter(|r| !r.is_null()))
+            .collect();
+        assert_eq!(r.len(), 1, "{label}: {t}");
+        assert_eq!(r[0]["workers_before"], 4, "{label}: {t}");
+        assert_eq!(r[0]["workers_after"], 2, "{label}: {t}");
+        assert_eq!(r[0]["shards_read"], shards, "{label}: {t}");
+        let lost = r[0]["resumed_from_step"].as_u64().expect("a step");
+        assert!(lost >= 2, "{label}: {r:?}");
+        let reference = tmp(&format!("launch-{label}-ref.state"));
+        let _ = std::fs::remove_dir_all(&reference);
+        let ref_saved = tmp(&format!("launch-{label}-ref.st"));
+        let lost = lost.to_string();
+        common::run_legs(
+            &model,
+            &[
+                (4, &["--mesh", before], &lost, false),
+                (2, &["--mesh", after], steps, true),
+            ],
+            (&reference, &ref_saved),
+            &mpirun,
+        );
+        assert_eq!(max_difference(&saved, &ref_saved), 0.0, "{label}");
     }
-    let pid = rank_pid(s(&state), 3).expect("rank 3 runs");
-    Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .expect("kill");
-    let (o, _) = wait_at_most(child, None, Duration::from_secs(120), "launch");
-    let t = text(&o);
-    assert!(o.status.success(), "{t}");
-    assert!(t.contains("with 2 workers (was 4)"), "{t}");
-    let lines = common::metrics_lines(&metrics);
-    assert_eq!(lines.last().expect("lines")["step"], 16, "{t}");
-    let r: Vec<&serde_json::Value> = lines
-        .iter()
-        .filter_map(|l| l.get("restart").filter(|r| !r.is_null()))
-        .collect();
-    assert_eq!(r.len(), 1, "{t}");
-    assert_eq!(r[0]["workers_before"], 4, "{t}");
-    assert_eq!(r[0]["workers_after"], 2, "{t}");
-    assert_eq!(r[0]["shards_read"], 4, "{t}");
-    let lost = r[0]["resumed_from_step"].as_u64().expect("a step");
-    assert!(lost >= 2, "{r:?}");
-    let reference = tmp("launch-tp-ref.state");
-    let _ = std::fs::remove_dir_all(&reference);
-    let ref_saved = tmp("launch-tp-ref.st");
-    let lost = lost.to_string();
-    common::run_legs(
-        &model,
-        &[
-            (4, &["--mesh", "data=2,model=2"], &lost, false),
-            (2, &["--mesh", "data=1,model=2"], steps, true),
-        ],
-        (&reference, &ref_saved),
-        &mpirun,
-    );
-    assert_eq!(max_difference(&saved, &ref_saved), 0.0);
 }

@@ -10,8 +10,9 @@
 //! with one replica fewer (the data axis shrinks, servers are kept), from the last
 //! complete state in `DIR`, at most `--max-restarts` times and never below
 //! `--min-workers`. Any other failure is the job's own and ends the launch. With
-//! `--model-axis T` a replica is T workers on a model axis: each attempt runs `--mesh
-//! data=W/T,model=T` instead of `--workers W`.
+//! `--model-axis T` and `--pipeline P` a replica is T workers on a model axis on each
+//! of P stages: each attempt runs `--mesh data=W/(T P),model=T,pipe=P` instead of
+//! `--workers W` (replica 0's stage ranks write the shards).
 //!
 //! A job that lost workers grows again (`--max-workers`): once the hostfile lists slots
 //! for more workers (a host added back, or a new one) and a state of the running job is
@@ -89,25 +90,29 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         {
             bail!(
                 "distc launch sets {flag} itself: give the workers, servers, model axis, \
-                 state folder (--state), checkpoint interval and metrics file to launch, \
-                 before `--`; launch runs no pipeline stages yet"
+                 pipeline stages, state folder (--state), checkpoint interval and metrics \
+                 file to launch, before `--`"
             );
         }
     }
-    let replica = args.model_axis;
+    let replica = args.model_axis * args.pipeline;
+    let of = format!(
+        "--model-axis {} x --pipeline {}",
+        args.model_axis, args.pipeline
+    );
     for (flag, n) in [
         ("--workers", Some(args.workers)),
         ("--max-workers", args.max_workers),
     ] {
         if let Some(n) = n.filter(|n| n % replica != 0) {
-            bail!(
-                "{flag} {n} is not a multiple of --model-axis {replica}: each replica has \
-                 {replica} workers"
-            );
+            bail!("{flag} {n} is not a multiple of {of}: each replica has {replica} workers");
         }
     }
     if replica > 1 && args.servers > 0 {
-        bail!("--servers with --model-axis: a mesh with a model axis has no parameter servers");
+        bail!(
+            "--servers with {of}: a mesh with a model axis or pipeline stages has no \
+             parameter servers"
+        );
     }
     if args.workers < args.min_workers {
         bail!(
@@ -149,7 +154,12 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             .arg("train")
             .args(train);
         if replica > 1 {
-            let mesh = format!("data={},model={replica}", workers / replica);
+            let mesh = format!(
+                "data={},model={},pipe={}",
+                workers / replica,
+                args.model_axis,
+                args.pipeline
+            );
             cmd.args(["--mesh", &mesh]);
         } else {
             cmd.args(["--workers", &workers.to_string()])
