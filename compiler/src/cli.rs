@@ -939,7 +939,8 @@ pub struct LaunchArgs {
     #[arg(long, value_parser = at_least_one, default_value_t = 1, value_name = "M")]
     pub min_workers: usize,
     /// The hosts, for mpirun (`node1 slots=2` a line). Read again while the job runs:
-    /// with --max-workers, slots added let the job grow.
+    /// with --max-workers, slots added let the job grow. Without it, inside a SLURM
+    /// allocation: the allocation's nodes and tasks per node.
     #[arg(long, value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
     /// Let the job grow back, up to N workers, when the hostfile lists slots for more
@@ -960,4 +961,11 @@ pub struct LaunchArgs {
     /// the first line after a restart carries a `restart` object.
     #[arg(long, value_name = "FILE")]
     pub metrics: Option<PathBuf>,
+}
+
+impl LaunchArgs {
+    /// Workers of one replica: a model axis's on each pipeline stage.
+    pub fn replica(&self) -> usize {
+        self.model_axis * self.pipeline
+    }
 }

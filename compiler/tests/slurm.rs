@@ -149,6 +149,55 @@ fn srun_and_sbatch_jobs_of_distc_train_what_threads_train() {
         "sbatch: {job_log}"
     );
 
+    // distc launch inside an allocation, without a hostfile: its hosts (what it probes
+    // after a lost rank) are the allocation's nodes.
+    let (launched, state) = (tmp("launch.st"), tmp("launch.state"));
+    let script = tmp("launch.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n{distc_bin} launch --workers 2 --state {} --checkpoint-every 1 \
+             --mpirun-arg=--allow-run-as-root -- examples/dense_mlp.dsl --strategy \
+             allreduce --batch 16 -q --steps 3 --save {}\n",
+            s(&state),
+            s(&launched)
+        ),
+    )
+    .expect("the job script");
+    let log = tmp("launch.out");
+    let o = cluster
+        .command("sbatch")
+        .args(["--wait", "-n", "2", "-o", s(&log), s(&script)])
+        .output()
+        .expect("sbatch runs");
+    let job_log = std::fs::read_to_string(&log).unwrap_or_default();
+    ok(
+        &o,
+        &format!("sbatch of distc launch (job output: {job_log})"),
+    );
+    assert!(
+        job_log.contains("the hosts of the SLURM allocation: local slots=2"),
+        "{job_log}"
+    );
+    let by_threads = tmp("launch-threads.st");
+    let o = distc(&[
+        "train",
+        "examples/dense_mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--batch",
+        "16",
+        "-q",
+        "--steps",
+        "3",
+        "--save",
+        s(&by_threads),
+    ]);
+    ok(&o, "threads");
+    assert_eq!(max_difference(&by_threads, &launched), 0.0, "{job_log}");
+
     // A job of the wrong size is refused by every rank, naming the size the plan needs.
     let o = cluster
         .command("srun")

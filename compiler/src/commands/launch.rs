@@ -95,7 +95,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             );
         }
     }
-    let replica = args.model_axis * args.pipeline;
+    let replica = args.replica();
     let of = format!(
         "--model-axis {} x --pipeline {}",
         args.model_axis, args.pipeline
@@ -130,8 +130,12 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         distc_runtime::core::output::check_output(m, &[])?;
         std::fs::File::create(m).with_context(|| format!("{}", m.display()))?;
     }
-    let mut hosts = args.hostfile.as_ref().map(|h| Hosts {
-        path: h.clone(),
+    let hostfile = match &args.hostfile {
+        Some(h) => Some(h.clone()),
+        None => slurm_hostfile(scratch.path())?,
+    };
+    let mut hosts = hostfile.map(|path| Hosts {
+        path,
         dead: Vec::new(),
         live: scratch.path().join("hosts"),
     });
@@ -334,6 +338,73 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
     }
 }
 
+/// Inside a SLURM allocation without `--hostfile`: the allocation's nodes as a
+/// hostfile written under `dir` (`scontrol show hostnames $SLURM_JOB_NODELIST`, each
+/// node's slots from `SLURM_TASKS_PER_NODE`), so that a node lost is probed and left
+/// out as a hostfile's host is. `None` outside an allocation.
+fn slurm_hostfile(dir: &Path) -> Result<Option<PathBuf>> {
+    let Ok(nodelist) = std::env::var("SLURM_JOB_NODELIST") else {
+        return Ok(None);
+    };
+    let per_node = std::env::var("SLURM_TASKS_PER_NODE").unwrap_or_default();
+    let o = Command::new("scontrol")
+        .args(["show", "hostnames", &nodelist])
+        .output()
+        .context("running scontrol show hostnames (SLURM_JOB_NODELIST is set)")?;
+    if !o.status.success() {
+        bail!(
+            "scontrol show hostnames {nodelist}: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+    }
+    let nodes: Vec<String> = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    let slots = tasks_per_node(&per_node)
+        .map_err(|m| anyhow::anyhow!("SLURM_TASKS_PER_NODE `{per_node}`: {m}"))?;
+    if slots.len() != nodes.len() {
+        bail!(
+            "SLURM_JOB_NODELIST `{nodelist}` names {} nodes, SLURM_TASKS_PER_NODE \
+             `{per_node}` gives slots for {}",
+            nodes.len(),
+            slots.len()
+        );
+    }
+    let text: String = nodes
+        .iter()
+        .zip(&slots)
+        .map(|(n, k)| format!("{n} slots={k}\n"))
+        .collect();
+    err(&format!(
+        "distc launch: the hosts of the SLURM allocation: {}\n",
+        text.trim().replace('\n', ", ")
+    ));
+    let path = dir.join("slurm-hosts");
+    std::fs::write(&path, text).with_context(|| format!("{}", path.display()))?;
+    Ok(Some(path))
+}
+
+/// Slots per node from SLURM's `SLURM_TASKS_PER_NODE` (`2(x3),1`: three nodes of 2,
+/// then one of 1).
+fn tasks_per_node(text: &str) -> std::result::Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in text.split(',').map(str::trim) {
+        let (n, times) = match part.split_once("(x") {
+            Some((n, rest)) => (n, rest.strip_suffix(')').ok_or("an unclosed `(x`")?),
+            None => (part, "1"),
+        };
+        let n: usize = n
+            .parse()
+            .map_err(|_| format!("`{part}` is not N or N(xK)"))?;
+        let times: usize = times
+            .parse()
+            .map_err(|_| format!("`{part}` is not N or N(xK)"))?;
+        out.extend(std::iter::repeat_n(n, times));
+    }
+    Ok(out)
+}
+
 /// Slots a hostfile's text lists: `HOST slots=N` a line (a host alone: one slot; `#`
 /// comments).
 fn slots_of(text: &str) -> usize {
@@ -354,7 +425,7 @@ fn slots_of(text: &str) -> usize {
 fn room_for(args: &LaunchArgs, hosts: Option<&Hosts>, workers: usize) -> Option<usize> {
     let most = args.max_workers?;
     let room = hosts?.slots().saturating_sub(args.servers).min(most);
-    let room = room - room % args.model_axis;
+    let room = room - room % args.replica();
     (room > workers).then_some(room)
 }
 
@@ -506,5 +577,19 @@ impl MetricsTail {
                 .with_context(|| format!("{}", out.display()))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slurm_tasks_per_node_give_each_nodes_slots() {
+        assert_eq!(tasks_per_node("2(x3),1"), Ok(vec![2, 2, 2, 1]));
+        assert_eq!(tasks_per_node("4"), Ok(vec![4]));
+        assert!(tasks_per_node("2(x3").is_err());
+        assert!(tasks_per_node("two").is_err());
+        assert_eq!(slots_of("a slots=2\nb\n# c slots=9\n"), 3);
     }
 }
