@@ -609,6 +609,26 @@ fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_canno
     assert!(!o.status.success());
     let t = text(&o);
     assert!(t.contains("worker 1: lost at step 2"), "{t}");
+    // With --elastic the summary names the workers the run ended on.
+    let o = distc(&[
+        "train",
+        MODEL,
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "--fail-worker",
+        "1:2",
+        "--elastic",
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("2 steps on 1 worker (--elastic: 1 restart) from step 1"),
+        "{t}"
+    );
     // Fewer workers than --min-workers: stops with the loss and says why.
     let o = distc(&[
         "train",

@@ -226,8 +226,11 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
             None
         }
     };
+    // An elastic run's restarts, for its summary.
+    let mut restarts: Vec<distc_runtime::run::metrics::Restart> = Vec::new();
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
         reported.store(m.step, Ordering::SeqCst);
+        restarts.extend(m.restart.clone());
         if let (None, Some(p)) = (&metrics, &args.metrics) {
             let f = std::fs::File::create(p).map_err(|source| distc_runtime::RuntimeError::Io {
                 path: p.clone(),
@@ -295,7 +298,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .into());
     }
     match result? {
-        Some(report) => finish_run(plan, args, &report, resumed),
+        Some(report) => finish_run(plan, args, &report, resumed, &restarts),
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
     }
@@ -504,6 +507,7 @@ fn finish_run(
     args: &RunArgs,
     report: &TrainReport,
     resumed: Option<u64>,
+    restarts: &[distc_runtime::run::metrics::Restart],
 ) -> Result<()> {
     if let Some(path) = &args.save {
         let mut named: Vec<(String, &distc_runtime::Tensor)> =
@@ -522,9 +526,17 @@ fn finish_run(
         write_file(path, text.as_bytes())?;
     }
     if !args.quiet {
-        let resumed = match resumed {
-            Some(step) => format!(" resumed from step {step}"),
-            None => String::new(),
+        // After a restart the report is the last attempt's: its steps, on its workers.
+        let resumed = match (restarts.last(), resumed) {
+            (Some(r), _) => format!(
+                " on {} (--elastic: {} restart{}) from step {}",
+                workers_word(r.workers_after),
+                restarts.len(),
+                if restarts.len() == 1 { "" } else { "s" },
+                r.resumed_from_step
+            ),
+            (None, Some(step)) => format!(" resumed from step {step}"),
+            (None, None) => String::new(),
         };
         let mut line = format!(
             "{} ({}): {} steps{resumed} in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
