@@ -30,6 +30,7 @@ cases=(
   "dense_mlp allreduce 4|examples/dense_mlp.dsl|--strategy allreduce --workers 4"
   "dense_mlp ZeRO 3, 4, sharded state every 2|examples/dense_mlp.dsl|--strategy allreduce --zero 3 --workers 4 --checkpoint $out/zero3-state --sharded --checkpoint-every 2"
   "dense_mlp data 2 x model 2|examples/dense_mlp.dsl|--mesh data=2,model=2"
+  "dense_mlp data 2 x pipe 2, 4 micro-batches|examples/dense_mlp.dsl|--mesh data=2,pipe=2 --micro-batches 4"
   "sparse_lm hybrid 4 + 2 servers|examples/sparse_lm.dsl|--strategy hybrid --workers 4 --servers 2"
   "gpt.dsl allreduce 4|examples/gpt.dsl|--strategy allreduce --workers 4"
 )
