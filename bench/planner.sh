@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The layout search against measurement (issue 39, item 3): for each model and worker
 # count, `distc compile --strategy auto` searches the layouts; then every candidate it
-# priced is compiled with its own flags and trained here (threads of one process, CPU),
-# and its measured step and memory are set beside the prediction.
+# priced is compiled with its own flags and trained here (threads of one process, or
+# with TRANSPORT=mpi ranks of an mpirun job; CPU), and its measured step and memory are
+# set beside the prediction.
 #
 #   bash bench/planner.sh [DISTC]
 #
 # Environment: MODELS (examples/dense_mlp.dsl examples/gpt.dsl), WORKERS (2 4),
 # WARMUP (2), STEPS (6), RESULTS (a folder), DISTC_DATA (MNIST for dense_mlp),
-# PRECISIONS (the search's --search-precision, e.g. fp32,bf16; default the model's).
+# PRECISIONS (the search's --search-precision, e.g. fp32,bf16; default the model's),
+# TRANSPORT (threads, or mpi: each layout's workers as `mpirun -np N` ranks, a build
+# with --features mpi; MPIRUN_ARGS, default --oversubscribe, and --allow-run-as-root
+# as root).
 # Per candidate: the predicted step (ms) and the measured one (the global batch over
 # the median samples/s of the metrics lines after the warm-up), and the predicted
 # memory per worker beside the measured one (worker 0's variables, gradients, optimizer
@@ -31,7 +35,27 @@ steps="${STEPS:-6}"
 out="${RESULTS:-$(mktemp -d)}"
 search_flags=""
 [ -n "${PRECISIONS:-}" ] && search_flags="--search-precision $PRECISIONS"
+transport="${TRANSPORT:-threads}"
 say() { echo "[planner.sh] $*" >&2; }
+case "$transport" in
+  threads) ;;
+  mpi)
+    root_flag=""
+    [ "$(id -u)" = 0 ] && root_flag="--allow-run-as-root"
+    mpirun_args="${MPIRUN_ARGS:---oversubscribe $root_flag}"
+    ;;
+  *) say "TRANSPORT is threads or mpi, not $transport"; exit 1 ;;
+esac
+# Trains the plan $1 of $2 workers for $3 steps, its metrics to $4.
+train() {
+  if [ "$transport" = mpi ]; then
+    # shellcheck disable=SC2086
+    mpirun $mpirun_args -np "$2" "$distc" run "$1" --transport mpi --steps "$3" -q \
+      "${data[@]}" --metrics "$4" >/dev/null
+  else
+    "$distc" run "$1" --steps "$3" -q "${data[@]}" --metrics "$4" >/dev/null
+  fi
+}
 [ -x "$distc" ] || { say "no distc binary at $distc (cargo build --release)"; exit 1; }
 mkdir -p "$out"
 # shellcheck source=bench/data.sh
@@ -82,8 +106,7 @@ PY
         say "$tag $label: does not compile with its own flags"
         continue
       fi
-      "$distc" run "$plan" --steps $((warmup + steps)) -q "${data[@]}" \
-        --metrics "$out/$tag.$idx.jsonl" >/dev/null
+      train "$plan" "$n" $((warmup + steps)) "$out/$tag.$idx.jsonl"
       python3 - "$out/$tag.$idx.jsonl" "$warmup" "$global" "$idx" "$label" "$predicted" "$memory" \
         >> "$out/$tag.measured.txt" <<'PY'
 import json, statistics, sys
@@ -99,11 +122,11 @@ if stages and all("held" in s for s in stages):
 print(idx, label, float(predicted), int(g) / rate, int(memory), held, sep="\t")
 PY
     done < "$out/$tag.candidates.txt"
-    python3 - "$out/$tag.measured.txt" "$chosen" "$tag" <<'PY'
+    python3 - "$out/$tag.measured.txt" "$chosen" "$tag" "$transport" <<'PY'
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 chosen, tag = sys.argv[2], sys.argv[3]
-print(f"\n{tag}: {len(rows)} layouts priced and measured")
+print(f"\n{tag} ({sys.argv[4]}): {len(rows)} layouts priced and measured")
 print(f"{'':2}{'layout':<34} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
 errs, merrs = [], []
 for idx, label, p, m, pm, mm in rows:

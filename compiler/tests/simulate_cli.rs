@@ -827,6 +827,41 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("auto: 4 workers"), "{}", text(&o));
+    // `verify` checks the layout the search picks against one device, not the
+    // per-variable `auto` of servers and all-reduce.
+    let o = distc(&[
+        "verify",
+        s(&model),
+        "--strategy",
+        "auto",
+        "--workers",
+        "4",
+        "--steps",
+        "1",
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("auto: 4 workers") && t.contains("chose data="),
+        "{t}"
+    );
+    assert!(
+        t.contains("vs one device") && !t.contains("auto with"),
+        "{t}"
+    );
+    refused(
+        &[
+            "verify",
+            s(&model),
+            "--strategy",
+            "auto",
+            "--workers",
+            "4",
+            "--transport",
+            "mpi",
+        ],
+        "then verify those flags under mpirun",
+    );
 
     // A budget below the pick's memory rejects it, and what is chosen fits.
     let budget = (best_memory as f64 - 1.0) / 1048576.0;

@@ -94,6 +94,25 @@ pub fn compile_plan(
         let plan = Plan::new(&c, &source, &strategy_config(compile));
         return Ok((c, plan));
     }
+    let (c, settings, search) = search_layout(file, compile, data)?;
+    crate::pipeline::check_settings(&c.config)?;
+    let mut plan = Plan::new(&c, &source, &settings);
+    plan.search = Some(search);
+    plan.seal();
+    Ok((c, plan))
+}
+
+/// The layout search `compile` asks for: its pick compiled, the pick's settings, and
+/// the search (printed).
+pub fn search_layout(
+    file: &Path,
+    compile: &CompileArgs,
+    data: Option<&Path>,
+) -> Result<(
+    Compiled,
+    distc_passes::placement::StrategyConfig,
+    crate::planner::Search,
+)> {
     let budget = compile
         .memory_per_worker
         .map(|mib| (mib * 1048576.0) as u128);
@@ -108,11 +127,7 @@ pub fn compile_plan(
     )
     .map_err(anyhow::Error::msg)?;
     err(&search.render(10));
-    crate::pipeline::check_settings(&c.config)?;
-    let mut plan = Plan::new(&c, &source, &settings);
-    plan.search = Some(search);
-    plan.seal();
-    Ok((c, plan))
+    Ok((c, settings, search))
 }
 
 /// `distc bench`: the training benchmark, or with `--compile` the compile-time one.

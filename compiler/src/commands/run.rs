@@ -184,7 +184,9 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     }
     if args.elastic && args.transport == Transport::Mpi {
         bail!(
-            "--elastic runs in-process (threads): under MPI a lost rank ends the mpirun job,              and the supervisor that would start it again (`distc launch`) is not built yet"
+            "--elastic runs in-process (threads): under MPI a lost rank ends the mpirun job \
+             with the survivors' memory; run the job under `distc launch --workers N \
+             --state DIR -- MODEL ...`, which starts it again from its sharded state"
         );
     }
     if args.gpus.as_ref().is_some_and(Vec::is_empty) {
@@ -614,8 +616,25 @@ pub fn verify(
             "--device cuda verifies with worker threads on one GPU; --transport mpi runs on the CPU"
         ),
     };
+    let mut compiled_with = compile_opts(compile, data);
+    if crate::cli::searches_layout(compile) {
+        // The layout `compile` and `train` would pick, checked as the user gave it.
+        if transport == Transport::Mpi {
+            bail!(
+                "verify --strategy auto --workers N searches the layout, profiling on this \
+                 process: under mpirun each rank would profile its own and could pick \
+                 another. Compile the plan (`distc compile FILE --strategy auto --workers \
+                 N -o PLAN`; `distc explain PLAN` names the pick's flags), then verify \
+                 those flags under mpirun"
+            );
+        }
+        let (_, settings, search) = super::search_layout(file, compile, data)?;
+        compiled_with.strategy = settings;
+        // The pick's own batch: the search keeps the global batch, not the worker's.
+        compiled_with.batch = search.candidates.get(search.chosen).map(|c| c.batch);
+    }
     let opts = VerifyOptions {
-        compile: compile_opts(compile, data),
+        compile: compiled_with,
         steps,
         tolerance,
         timeout: Duration::from_secs_f64(timeout),

@@ -141,6 +141,21 @@ impl Layout {
         (data == 0 || split(Axis::Data)) && (model == 0 || split(Axis::Model))
     }
 
+    /// The variables split over the model axis alone, each gathered by one
+    /// `model_gather`: `(part, whole, dim)`, sorted by part.
+    pub fn model_parts(&self) -> Vec<(String, String, usize)> {
+        let mut out: Vec<(String, String, usize)> = self
+            .0
+            .iter()
+            .filter_map(|(part, (whole, gathers))| match gathers.as_slice() {
+                [Gather::Parts { dim, .. }] => Some((part.clone(), whole.clone(), *dim)),
+                _ => None,
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     /// A variable split over the data axis (ZeRO's chunks), if any: then each worker
     /// holds values no other worker of its model rank holds.
     pub fn split_over_data(&self) -> Option<&str> {

@@ -240,7 +240,11 @@ impl<'a> PipelineRun<'a> {
             )));
         }
         let (replicas, model_axis) = (mesh.data, mesh.model);
-        let split = finalize.map(split_variables).unwrap_or_default();
+        // How the final program gathers the model axis's parts: the split variables,
+        // and how a sharded state records them.
+        let layout = Layout::of(finalize)
+            .map_err(|m| RuntimeError::Config(format!("the pipelined plan: {m}")))?;
+        let split = layout.model_parts();
         // The one-device values the init program cuts each model rank's parts from: a
         // resumed state's where there is one.
         let whole_values = init
@@ -290,12 +294,6 @@ impl<'a> PipelineRun<'a> {
             .map(|(n, t)| (n.clone(), t.clone()))
             .collect();
         let carried_slots = carried_slots(&carried, config, resume)?;
-        let sharded = opts.checkpoint.as_ref().is_some_and(|c| c.sharded);
-        let layout = match Layout::of(finalize) {
-            Ok(layout) => layout,
-            Err(m) if sharded => return Err(RuntimeError::Config(format!("--sharded: {m}"))),
-            Err(_) => Layout::default(),
-        };
         Ok(PipelineRun {
             whole,
             program,
@@ -654,26 +652,6 @@ fn carried_slots(
                 .is_some_and(|(var, _)| carried.contains_key(var))
         })
         .collect())
-}
-
-/// The variables a final program gathers: `(w.tp, w, dim)` for each
-/// `output{name=w}(model_gather{dim}(param{name=w.tp}))`.
-fn split_variables(fin: &Graph) -> Vec<(String, String, usize)> {
-    let mut out = Vec::new();
-    for id in fin.node_ids() {
-        let Op::Output { name } = fin.op(id) else {
-            continue;
-        };
-        let gather = fin.node(id).inputs[0].node;
-        let Op::ModelGather { dim, .. } = fin.op(gather) else {
-            continue;
-        };
-        if let Op::Param { name: part, .. } = fin.op(fin.node(gather).inputs[0].node) {
-            out.push((part.clone(), name.clone(), *dim));
-        }
-    }
-    out.sort();
-    out
 }
 
 /// Model rank `m`'s part of each optimizer slot of the split variables in `state`: the
@@ -1325,7 +1303,7 @@ impl<'a> Stage<'a> {
     /// Messages between stages and the variables a stage hands over go through the
     /// host.
     pub(crate) fn run_on<B: Backend>(
-        mut self,
+        &mut self,
         make: &dyn Fn(Site<'_>, Links<'_>) -> Result<B>,
         config: &RunConfig,
         report: &mut dyn FnMut(StageReport) -> Result<()>,
@@ -1406,7 +1384,7 @@ impl<'a> Stage<'a> {
         let mut trace = StepTrace::default();
         let mut body = ScheduleStep {
             peak,
-            stage: &mut self,
+            stage: &mut *self,
             fwd,
             bwd,
             params,

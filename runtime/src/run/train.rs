@@ -353,11 +353,12 @@ pub fn train_pipeline_with<B: Backend>(
             continue;
         };
         let model_comm = (mesh.model > 1).then_some(model_comm);
-        let stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
+        let mut stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
         let errors = &errors;
         let role = move |tx| {
             let result = stage.run_on(make, config, &mut reporter(tx));
-            // The cause first: its neighbours fail next, seeing it hang up.
+            // The cause first: its neighbours fail next, seeing it hang up once the
+            // stage (its communicators) is dropped, after this.
             result.map_err(|e| {
                 let message = e.to_string();
                 errors.record(Role::Worker(w), e);

@@ -83,7 +83,7 @@ pub(super) fn run_stage_rank<B: Backend>(
         ))
     };
     let data = run.sources(config, opts, rank)?;
-    let me = run.stage(
+    let mut me = run.stage(
         rank,
         link(by_replica),
         link(by_stage),
