@@ -49,9 +49,10 @@ esac
 # Trains the plan $1 of $2 workers for $3 steps, its metrics to $4.
 train() {
   if [ "$transport" = mpi ]; then
+    # mpirun forwards its standard input to rank 0: not the list of candidates.
     # shellcheck disable=SC2086
     mpirun $mpirun_args -np "$2" "$distc" run "$1" --transport mpi --steps "$3" -q \
-      "${data[@]}" --metrics "$4" >/dev/null
+      "${data[@]}" --metrics "$4" >/dev/null </dev/null
   else
     "$distc" run "$1" --steps "$3" -q "${data[@]}" --metrics "$4" >/dev/null
   fi
