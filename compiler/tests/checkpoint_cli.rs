@@ -592,37 +592,30 @@ fn an_elastic_run_loses_a_worker_and_trains_what_a_resumed_smaller_run_trains() 
 
 #[test]
 fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_cannot_do() {
+    // Two workers, worker 1 lost at step 2 of 3, with the flags `extra`.
+    let lose_one = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            MODEL,
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--steps",
+            "3",
+            "--fail-worker",
+            "1:2",
+        ];
+        args.extend_from_slice(extra);
+        distc(&args)
+    };
     // Without --elastic the loss stops the run, naming the worker and the step.
-    let o = distc(&[
-        "train",
-        MODEL,
-        "--strategy",
-        "allreduce",
-        "--workers",
-        "2",
-        "--steps",
-        "3",
-        "-q",
-        "--fail-worker",
-        "1:2",
-    ]);
+    let o = lose_one(&["-q"]);
     assert!(!o.status.success());
     let t = text(&o);
     assert!(t.contains("worker 1: lost at step 2"), "{t}");
     // With --elastic the summary names the workers the run ended on.
-    let o = distc(&[
-        "train",
-        MODEL,
-        "--strategy",
-        "allreduce",
-        "--workers",
-        "2",
-        "--steps",
-        "3",
-        "--fail-worker",
-        "1:2",
-        "--elastic",
-    ]);
+    let o = lose_one(&["--elastic"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(
@@ -630,22 +623,7 @@ fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_canno
         "{t}"
     );
     // Fewer workers than --min-workers: stops with the loss and says why.
-    let o = distc(&[
-        "train",
-        MODEL,
-        "--strategy",
-        "allreduce",
-        "--workers",
-        "2",
-        "--steps",
-        "3",
-        "-q",
-        "--fail-worker",
-        "1:2",
-        "--elastic",
-        "--min-workers",
-        "2",
-    ]);
+    let o = lose_one(&["-q", "--elastic", "--min-workers", "2"]);
     assert!(!o.status.success());
     let t = text(&o);
     assert!(

@@ -829,16 +829,8 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
     assert!(text(&o).contains("auto: 4 workers"), "{}", text(&o));
     // `verify` checks the layout the search picks against one device, not the
     // per-variable `auto` of servers and all-reduce.
-    let o = distc(&[
-        "verify",
-        s(&model),
-        "--strategy",
-        "auto",
-        "--workers",
-        "4",
-        "--steps",
-        "1",
-    ]);
+    let verify_auto = ["verify", s(&model), "--strategy", "auto", "--workers", "4"];
+    let o = distc(&[&verify_auto[..], &["--steps", "1"]].concat());
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(
@@ -850,16 +842,7 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
         "{t}"
     );
     refused(
-        &[
-            "verify",
-            s(&model),
-            "--strategy",
-            "auto",
-            "--workers",
-            "4",
-            "--transport",
-            "mpi",
-        ],
+        &[&verify_auto[..], &["--transport", "mpi"]].concat(),
         "then verify those flags under mpirun",
     );
 
