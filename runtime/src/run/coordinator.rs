@@ -7,7 +7,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::peak::total_peak;
 use crate::core::value::Tensor;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
-use crate::run::pipeline::{combine, PipelineRun, StageReport};
+use crate::run::pipeline::{combine, Handed, PipelineRun, StageReport};
 use crate::run::programs::TrainReport;
 use crate::run::trace::Span;
 use crate::run::worker::StepReport;
@@ -201,18 +201,6 @@ impl<'a> Coordinator<'a> {
         c.flops_per_sample = run.flops_per_sample;
         c
     }
-}
-
-/// What replica 0's stages hand the coordinator after a step that evaluates or writes
-/// the training state.
-#[derive(Debug, Default)]
-pub(crate) struct Handed {
-    /// Their variables, whole (to evaluate, or for a state written whole).
-    pub(crate) params: HashMap<String, Tensor>,
-    /// Their optimizer state, whole (for a state written whole).
-    pub(crate) slots: HashMap<String, Tensor>,
-    /// The names their shards of a sharded state hold.
-    pub(crate) shard_keys: Vec<String>,
 }
 
 /// What the coordinator does with what a step's stages handed over (see

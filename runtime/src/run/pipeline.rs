@@ -31,7 +31,6 @@ use crate::core::shards::{Layout, Manifest};
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
-use crate::run::coordinator::Handed;
 use crate::run::data::{data_dir, DataSource};
 use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
@@ -106,6 +105,18 @@ impl StageReport {
             model: self.model_rank,
         })
     }
+}
+
+/// What replica 0's stages hand the coordinator after a step that evaluates or writes
+/// the training state.
+#[derive(Debug, Default)]
+pub(crate) struct Handed {
+    /// Their variables, whole (to evaluate, or for a state written whole).
+    pub(crate) params: HashMap<String, Tensor>,
+    /// Their optimizer state, whole (for a state written whole).
+    pub(crate) slots: HashMap<String, Tensor>,
+    /// The names their shards of a sharded state hold.
+    pub(crate) shard_keys: Vec<String>,
 }
 
 /// What a stage hands back when it ends.

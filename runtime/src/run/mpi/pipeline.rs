@@ -20,11 +20,13 @@ use crate::core::backend::Backend;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::Tensor;
-use crate::run::coordinator::{reporter, Coordinator, Handed, StageReports};
+use crate::run::coordinator::{reporter, Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
-use crate::run::pipeline::{combine, decode_params, encode_params, PipelineRun, StageReport};
+use crate::run::pipeline::{
+    combine, decode_params, encode_params, Handed, PipelineRun, StageReport,
+};
 use crate::run::programs::{Links, MpiRun, Programs, Site, TrainOptions, TrainReport};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
