@@ -1186,8 +1186,9 @@ impl Stage<'_> {
 
 impl Stage<'_> {
     /// An elastic run's copy of what it holds after `step` (`held`: its variables, the
-    /// optimizer state of those it updates, and the carried ones), replacing its last.
-    fn keep(&self, held: &HashMap<String, Tensor>, step: usize) {
+    /// optimizer state of those it updates, and the carried ones), replacing its last;
+    /// `held` is called only where the run keeps copies.
+    fn keep(&self, held: impl FnOnce() -> HashMap<String, Tensor>, step: usize) {
         let (Some(slot), e) = (&self.elastic.slot, &self.elastic) else {
             return;
         };
@@ -1197,7 +1198,7 @@ impl Stage<'_> {
                 samples: (step * e.samples_per_step) as u64,
                 ..e.index.clone()
             },
-            tensors: Arc::new(held.clone()),
+            tensors: Arc::new(held()),
         };
         let place = crate::run::mesh::Coord {
             replica: self.replica,
@@ -1765,10 +1766,13 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             for carried in me.carried.into_iter().flatten() {
                 held.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
             }
-            me.keep(&held, step);
-            writes
-                .then(|| me.write_shard(held, step, due.last))
-                .transpose()?
+            if writes {
+                me.keep(|| held.clone(), step);
+                Some(me.write_shard(held, step, due.last)?)
+            } else {
+                me.keep(|| held, step);
+                None
+            }
         } else {
             None
         };

@@ -1209,7 +1209,6 @@ fn train_worker<B: Backend>(
     };
     let cadence = Cadence::of(config, opts);
     let mut body = WorkerStep {
-        cadence,
         st,
         peak,
         hook,
@@ -1251,8 +1250,6 @@ struct WorkerStep<'s, 'p, B: Backend> {
     first: usize,
     /// The run's last step.
     last: usize,
-    /// Which steps evaluate, and which keep or write the training state.
-    cadence: Cadence,
     /// The backend's name, for its errors.
     device: String,
     /// Its device's peak for the plan's products, for model FLOPs utilisation.
@@ -1566,8 +1563,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             let scaler = self.scaler.as_ref();
             save_training_state(
                 self.opts,
-                self.cadence.writes_file(step),
-                self.last,
+                due,
                 st,
                 self.programs,
                 self.config,
@@ -1812,7 +1808,8 @@ pub(crate) fn resumed_slots(
     out
 }
 
-/// Writes the training state after `step`. Whole: worker 0 writes its replicated
+/// Writes the training state after `step`, as `due` says (to the file, sharded or
+/// whole; the run's last step). Whole: worker 0 writes its replicated
 /// variables and slots, the servers' rows and slots, and the ZeRO chunks and
 /// model-axis parts, which every worker gathers with it through the final program (a
 /// collective, so every worker calls this at the same steps). Sharded: every worker
@@ -1821,8 +1818,7 @@ pub(crate) fn resumed_slots(
 #[allow(clippy::too_many_arguments)]
 fn save_training_state<B: Backend>(
     opts: &TrainOptions,
-    to_file: bool,
-    last: usize,
+    due: Due,
     st: &mut Loop<B>,
     programs: &Programs<'_>,
     config: &RunConfig,
@@ -1873,8 +1869,8 @@ fn save_training_state<B: Backend>(
         variables: Vec::new(),
         optimizer_state: Vec::new(),
     };
-    let sharded = opts.checkpoint.as_ref().filter(|c| c.sharded && to_file);
-    let whole = to_file && sharded.is_none();
+    let sharded = opts.checkpoint.as_ref().filter(|_| due.shard);
+    let whole = due.writes_whole();
     if sharded.is_some() || opts.snapshot.is_some() {
         // What this worker holds: moved where nothing needs it after.
         let mut mine: HashMap<String, Tensor> = if whole {
@@ -1921,7 +1917,7 @@ fn save_training_state<B: Backend>(
             if rank == 0 {
                 mine.extend(scale.clone());
             }
-            write_shard(c, programs, &index, mine, (rank, ranks), step == last, hook)?;
+            write_shard(c, programs, &index, mine, (rank, ranks), due.last, hook)?;
         }
     }
     if !whole {
@@ -1979,7 +1975,7 @@ fn save_training_state<B: Backend>(
     }
     let state = Arc::new(TrainingState::new(index, params, slots));
     if let Some(c) = &opts.checkpoint {
-        c.write(state, step == last)?;
+        c.write(state, due.last)?;
     }
     Ok(())
 }
