@@ -329,6 +329,11 @@ pub struct CompileArgs {
     /// profiled on this machine; without it the search keeps --precision.
     #[arg(long, value_delimiter = ',', value_name = "fp32|bf16|fp16,...")]
     pub search_precision: Vec<Precision>,
+    /// With the layout search, the op times of a trace of the model on one device
+    /// (`distc train MODEL --trace FILE`; on a GPU each op's kernels are timed on the
+    /// device) instead of a profile on this machine: the search then prices that device.
+    #[arg(long, value_name = "TRACE")]
+    pub op_times: Option<PathBuf>,
     /// Kernel fusion: collapse each chain of element-wise ops (a layer's bias add and
     /// activation, the activation gradients) into one `fused` node, which the runtime
     /// runs in one pass over memory; the values computed are the same.
@@ -707,6 +712,21 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
             used: searches_layout(a),
             why: "--search-precision lists the precisions the layout search chooses among: \
                   give it with --strategy auto, --workers N and no servers, mesh or pipeline"
+                .to_string(),
+        },
+        Ignored {
+            given: a.op_times.is_some(),
+            used: searches_layout(a),
+            why: "--op-times prices the layout search's candidates: give it with --strategy \
+                  auto, --workers N and no servers, mesh or pipeline (`distc simulate \
+                  --trace` prices one plan)"
+                .to_string(),
+        },
+        Ignored {
+            given: a.op_times.is_some() && a.search_precision.len() > 1,
+            used: false,
+            why: "--op-times is a trace at one precision: give --search-precision one \
+                  precision, or none (the trace's, as --precision)"
                 .to_string(),
         },
         Ignored {

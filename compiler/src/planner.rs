@@ -106,6 +106,16 @@ impl Candidate {
     }
 }
 
+/// Where the search takes its op times from.
+#[derive(Clone, Copy, Debug)]
+pub enum OpTimes<'a> {
+    /// A profiling run of the model on one worker of this machine, of `steps` steps.
+    Here { steps: usize },
+    /// A trace of the model on one device (`distc train MODEL --trace FILE`), such as
+    /// a GPU's, whose ops are timed on the device: the search then prices that device.
+    Trace(&'a std::path::Path),
+}
+
 /// What the search found: every candidate, the pick, and what it cost.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Search {
@@ -132,7 +142,7 @@ pub fn search(
     workers: usize,
     zero: Option<u8>,
     memory_budget: Option<u128>,
-    profile_steps: usize,
+    op_times: OpTimes<'_>,
     precisions: &[Precision],
 ) -> Result<(crate::Compiled, StrategyConfig, Search), String> {
     let start = std::time::Instant::now();
@@ -171,12 +181,24 @@ pub fn search(
             },
         )
         .map_err(|e| format!("{precision}: {e}"))?;
-        let profile = sim::profile_here(
-            &single,
-            profile_steps,
-            opts.data_dir.as_deref(),
-            distc_runtime::comm::calibrate::copy_bandwidth(),
-        )?;
+        let copies = distc_runtime::comm::calibrate::copy_bandwidth();
+        let profile = match op_times {
+            OpTimes::Here { steps } => {
+                sim::profile_here(&single, steps, opts.data_dir.as_deref(), copies)?
+            }
+            OpTimes::Trace(path) => {
+                let spans = sim::read_trace(path)?;
+                let g = &single.programs.worker;
+                sim::check_spans_of(g, &spans).map_err(|e| {
+                    format!(
+                        "{}: not a trace of the model on one device at {precision} \
+                         (`distc train MODEL --trace FILE`, with the model's batch): {e}",
+                        path.display()
+                    )
+                })?;
+                sim::profile_of_trace(g, &spans, path, copies)?
+            }
+        };
         profiled.push((precision, single, profile));
     }
     // The model's batch b.

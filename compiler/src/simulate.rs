@@ -1296,6 +1296,40 @@ pub fn profile_here(
     )
 }
 
+/// The spans of the trace file at `path` (`distc train|run --trace`).
+pub fn read_trace(path: &std::path::Path) -> Result<Vec<Span>, String> {
+    let text = distc_runtime::core::output::read_regular_text(
+        path,
+        distc_runtime::core::output::TEXT_INPUT_LIMIT,
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))?;
+    distc_runtime::run::trace::spans_of_chrome_trace(&text)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The op times of `g` from `spans`, the trace at `path` of a run of `g` (checked by
+/// the caller with [`check_spans_of`]), saying whose clock timed them: a GPU's trace
+/// times each op's kernels between events on its stream, a CPU's on the host.
+pub fn profile_of_trace(
+    g: &Graph,
+    spans: &[Span],
+    path: &std::path::Path,
+    copy_bandwidth: f64,
+) -> Result<ComputeProfile, String> {
+    let clock = if spans.iter().any(|s| s.on_device) {
+        "each op's kernels timed on the device"
+    } else {
+        "each op timed by the host"
+    };
+    ComputeProfile::from_trace(
+        g,
+        spans,
+        copy_bandwidth,
+        format!("worker 0 of the run traced in {} ({clock})", path.display()),
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))
+}
+
 /// Whether a span of a node is its kernel's: not the worker's wait for a collective,
 /// not the issuing of one (whose time is the link model's).
 fn is_op_span(s: &Span) -> bool {
@@ -1498,6 +1532,7 @@ train {
             start_us: 0.0,
             dur_us: 1.0,
             counters: Vec::new(),
+            on_device: false,
         };
         let own = distc_runtime::run::trace::node_types(g, id);
         assert_eq!(check_spans_of(g, &[span(Some(own.clone()))]), Ok(()));
@@ -1617,6 +1652,7 @@ train {
                 start_us: 0.0,
                 dur_us: 10.0 * step as f64,
                 counters: Vec::new(),
+                on_device: false,
             })
             .collect();
         let p = ComputeProfile::from_spans(g, &spans, 2, 1e9, "test".into())

@@ -897,6 +897,85 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
     );
 }
 
+/// `--op-times TRACE` (issue 39, item 1): the search prices every candidate from the
+/// op times of a trace of the model on one device (a GPU's, whose ops are timed on the
+/// device), not from a profile here, and says so. Products made 50 times slower in the
+/// trace slow every candidate's prediction. A trace of another model, and the flag
+/// without the search, are refused.
+#[test]
+fn the_search_takes_its_op_times_from_a_trace_of_the_model() {
+    let (dir, _) = setup("op-times");
+    let model = dir.join("wide.dsl");
+    let trace = dir.join("one.trace.json");
+    let train_traced = |model: &Path, trace: &Path| {
+        let o = distc(&["train", s(model), "--steps", "5", "-q", "--trace", s(trace)]);
+        assert!(o.status.success(), "{}", text(&o));
+    };
+    train_traced(&model, &trace);
+    let rates = |name: &str| {
+        let (_, j) = search(&dir, &model, name, &["--op-times", s(&trace)]);
+        let source = j["search"]["profile"].as_str().unwrap_or("").to_string();
+        assert!(
+            source.contains(s(&trace)) && source.contains("each op timed by the host"),
+            "{source}"
+        );
+        j["search"]["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| priced(c).map(|p| p.0))
+            .collect::<Vec<_>>()
+    };
+    let fast = rates("traced.json");
+    let mut t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    for e in t["traceEvents"].as_array_mut().unwrap() {
+        if e["ph"] == "X" && e["name"] == "matmul" {
+            e["dur"] = serde_json::json!(e["dur"].as_f64().unwrap() * 50.0);
+        }
+    }
+    std::fs::write(&trace, t.to_string()).unwrap();
+    let slow = rates("slow.json");
+    assert_eq!(fast.len(), slow.len());
+    assert!(fast.iter().flatten().count() > 1);
+    for (f, s) in fast.iter().zip(&slow) {
+        if let (Some(f), Some(s)) = (f, s) {
+            assert!(
+                s < f,
+                "{s} samples/s from the slowed trace, {f} from the trace"
+            );
+        }
+    }
+    let narrow = dir.join("narrow.dsl");
+    std::fs::write(&narrow, MODEL.replace("128", "64")).unwrap();
+    let other = dir.join("narrow.trace.json");
+    train_traced(&narrow, &other);
+    let auto = ["compile", s(&model), "--strategy", "auto", "--workers", "4"];
+    refused(
+        &[
+            &auto[..],
+            &["--op-times", s(&other), "-o", s(&dir.join("x.json"))],
+        ]
+        .concat(),
+        "not a trace of the model on one device",
+    );
+    refused(
+        &[
+            "compile",
+            s(&model),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "4",
+            "--op-times",
+            s(&trace),
+            "-o",
+            s(&dir.join("ar.json")),
+        ],
+        "--op-times prices the layout search's candidates",
+    );
+}
+
 /// `--search-precision fp32,bf16` (issue 39, item 2): the search prices every layout
 /// in each precision, from a profile of each on this machine. Under a budget that
 /// only layouts with 16-bit activations fit (a large batch: activations outweigh the

@@ -315,6 +315,126 @@ fn steps_with_cuda_graphs_match_the_cpu_and_eager_steps_bitwise() {
     }
 }
 
+/// A trace on the GPU times each op's kernels between two events on the device's
+/// stream, not the host's launches: every compute op's span says so, the spans of a
+/// step follow one another as the stream ran them, the update starts when the last op
+/// ends, an evaluation's ops are timed too, and `distc simulate` prices the plan from
+/// them (issue 39's GPU profile).
+#[test]
+fn a_trace_on_the_gpu_times_each_op_on_the_device() {
+    let name = "dense_mlp.dsl";
+    let mut copts = CompileOptions::default();
+    if emulator_requested() {
+        copts.batch = Some(EMULATED_BATCH);
+    }
+    // Two micro-batches a step: every node runs twice, and each run has its times.
+    copts.strategy.accumulate = 2;
+    let c = compile_file(&example(name), &copts).expect("compiles");
+    let topts = TrainOptions {
+        steps: Some(4),
+        trace: true,
+        ..Default::default()
+    };
+    if let Err(e) = CudaBackend::new(0, &c.programs.worker, CudaOptions::default()) {
+        println!("SKIP {name} on CUDA: {e}");
+        return;
+    }
+    let mut graphs = Vec::new();
+    let report = train_with(
+        Programs::single(&c.programs.worker),
+        &c.config,
+        &topts,
+        &mut |m: &StepMetrics| {
+            graphs.push(m.cuda_graph);
+            Ok(())
+        },
+        |_, _| {
+            Ok(CudaBackend::new(
+                0,
+                &c.programs.worker,
+                CudaOptions::default(),
+            )?)
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    // The device is timed op by op, so no step is a replayed graph.
+    assert_eq!(graphs, vec![false; 4]);
+    let on_worker = |name: &str, step: u64| {
+        report
+            .spans
+            .iter()
+            .find(|s| s.track == "worker 0" && s.name == name && s.step == step)
+            .unwrap_or_else(|| panic!("no `{name}` span of step {step}"))
+    };
+    let g = &c.programs.worker;
+    for step in 1..=4u64 {
+        let of_step = || {
+            report
+                .spans
+                .iter()
+                .filter(move |s| s.track == "worker 0" && s.step == step && s.node.is_some())
+        };
+        assert!(
+            of_step().any(|s| s.name == "matmul")
+                && of_step()
+                    .filter(|s| s.name == "matmul" || s.name == "matmul_grad")
+                    .all(|s| s.on_device),
+            "step {step}: a product timed by the host"
+        );
+        if step == 4 {
+            // The last step also evaluates (its products are timed above).
+            continue;
+        }
+        let mut ops: Vec<_> = of_step().filter(|s| s.on_device).collect();
+        let mut runs: std::collections::HashMap<&str, usize> = Default::default();
+        for s in &ops {
+            *runs.entry(s.node.as_deref().unwrap_or("")).or_default() += 1;
+        }
+        assert!(
+            runs.values().all(|&n| n == 2),
+            "step {step}: each node runs once a micro-batch: {runs:?}"
+        );
+        ops.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+        for w in ops.windows(2) {
+            assert!(
+                w[1].start_us >= w[0].start_us + w[0].dur_us - 1e-3,
+                "step {step}: `{}` {:?} starts before `{}` {:?} ends on the device",
+                w[1].name,
+                w[1].node,
+                w[0].name,
+                w[0].node
+            );
+        }
+        let last_end = ops
+            .last()
+            .map(|s| s.start_us + s.dur_us)
+            .expect("ops timed on the device");
+        let update = on_worker("update", step);
+        assert!(
+            (update.start_us - last_end).abs() < 1e-3,
+            "step {step}: the update starts at {} us, the last op ends at {last_end} us",
+            update.start_us
+        );
+        let whole = on_worker(&format!("step {step}"), step);
+        assert!(ops[0].start_us >= whole.start_us - 1e-3);
+        assert!(update.start_us + update.dur_us <= whole.start_us + whole.dur_us + 1e-3);
+    }
+    let profile = distc::simulate::ComputeProfile::from_trace(g, &report.spans, 1e9, "t".into())
+        .expect("a profile from the GPU's trace");
+    assert!(profile.optimizer_per_byte > 0.0);
+    let timed = |id: distc_ir::NodeId| {
+        let id = id.to_string();
+        report
+            .spans
+            .iter()
+            .any(|s| s.on_device && s.node.as_deref() == Some(id.as_str()))
+    };
+    for id in g.node_ids().into_iter().filter(|&id| timed(id)) {
+        let (_, how) = profile.op_seconds(g, id);
+        assert_eq!(how, "measured", "{id} ({})", g.op(id).mnemonic());
+    }
+}
+
 /// `distc verify --device cuda`: allreduce, ps and hybrid with 2 workers sharing the
 /// GPU (collectives through the host) against one device on the GPU, for both
 /// standard workloads (issue 11).

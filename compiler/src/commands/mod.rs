@@ -122,7 +122,10 @@ pub fn search_layout(
         compile.workers,
         compile.zero,
         budget,
-        3,
+        match &compile.op_times {
+            Some(path) => crate::planner::OpTimes::Trace(path),
+            None => crate::planner::OpTimes::Here { steps: 3 },
+        },
         &compile.search_precision,
     )
     .map_err(anyhow::Error::msg)?;

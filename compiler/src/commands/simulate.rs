@@ -74,9 +74,7 @@ pub fn simulate(
         copy_bandwidth.unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
     let profile = match trace {
         Some(path) => {
-            let text = read(path)?;
-            let spans = distc_runtime::run::trace::spans_of_chrome_trace(&text)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let spans = sim::read_trace(path).map_err(anyhow::Error::msg)?;
             // A trace of this plan, or of its model on one device (`distc train MODEL
             // --trace`): the one whose ops, with their types, the spans name.
             let traced = match sim::check_spans_of(&programs.worker, &spans) {
@@ -91,13 +89,8 @@ pub fn simulate(
                     ),
                 },
             };
-            sim::ComputeProfile::from_trace(
-                traced,
-                &spans,
-                copy_bandwidth,
-                format!("worker 0 of the run traced in {}", path.display()),
-            )
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            sim::profile_of_trace(traced, &spans, path, copy_bandwidth)
+                .map_err(anyhow::Error::msg)?
         }
         None => sim::profile_here(&single, profile_steps, data, copy_bandwidth)
             .map_err(anyhow::Error::msg)?,

@@ -215,6 +215,21 @@ pub trait Transfer: Device {
     fn synchronize(&mut self) -> Result<(), KernelError> {
         Ok(())
     }
+    /// Whether the device runs what is issued after the host has moved on, so that a
+    /// host clock times launches, not kernels: a trace then times each op between
+    /// two [`Transfer::mark`]s on the device (a GPU's events on its stream).
+    fn runs_asynchronously(&self) -> bool {
+        false
+    }
+    /// Records a time mark on the device, after the work issued so far.
+    fn mark(&mut self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    /// Waits for the device, and gives the seconds from the first mark recorded since
+    /// the last call to each mark, in order; then forgets them.
+    fn mark_times(&mut self) -> Result<Vec<f64>, KernelError> {
+        Ok(Vec::new())
+    }
     /// Bytes of device memory in use and at its peak, where the backend has its own
     /// memory (`None` on the host).
     fn device_memory(&self) -> Option<(u64, u64)> {

@@ -13,7 +13,7 @@
 //! naming the node or the input, never a panic or a silently wrong shape.
 
 use crate::core::backend::{
-    Backend, BackendArg, Device, KernelCtx, KernelError, Started, ValueRef,
+    backend_error, Backend, BackendArg, Device, KernelCtx, KernelError, Started, ValueRef,
 };
 use crate::core::error::{Result, RuntimeError};
 use crate::core::schedule::{
@@ -108,6 +108,8 @@ pub struct Executor<B: Backend> {
     constants: Vec<Option<B::Tensor>>,
     profiling: bool,
     profile: HashMap<&'static str, (Duration, u64)>,
+    /// Ops timed on the device, where the backend runs asynchronously and a trace asks.
+    device_clock: Option<DeviceClock>,
     /// The worker's rank, for per-sample dropout masks (see [`KernelCtx::rank`]).
     rank: usize,
     /// The worker's rank on a mesh's model axis (see [`KernelCtx::model_rank`]).
@@ -156,6 +158,7 @@ impl<B: Backend> Executor<B> {
             constants,
             profiling: false,
             profile: HashMap::new(),
+            device_clock: None,
             rank: 0,
             model_rank: 0,
             measured: MemoryUse::default(),
@@ -226,6 +229,7 @@ impl<B: Backend> Executor<B> {
             constants,
             profiling,
             profile,
+            device_clock,
             rank,
             model_rank,
             measured,
@@ -518,7 +522,15 @@ impl<B: Backend> Executor<B> {
                 op => {
                     let args = args(&mut slots, &st.uses).map_err(kernel_err)?;
                     let start = profiling.then(Instant::now);
+                    let clock = device_clock.as_mut().filter(|c| c.origin.is_some());
+                    if clock.is_some() {
+                        backend.mark().map_err(backend_err)?;
+                    }
                     let results = backend.eval(node.id, op, args, &ctx).map_err(backend_err)?;
+                    if let Some(c) = clock {
+                        backend.mark().map_err(backend_err)?;
+                        c.timed.push(node.id);
+                    }
                     if let Some(start) = start {
                         // A device backend only queued the kernels: wait for them, so
                         // the time is the kernels' (a no-op on the CPU).
@@ -611,6 +623,68 @@ impl<B: Backend> Executor<B> {
         self.profiling = on;
     }
 
+    /// Times each op of a step on the device, where the backend runs asynchronously
+    /// (see [`Executor::begin_device_step`]); returns whether it will.
+    pub fn set_device_clock(&mut self, on: bool) -> bool {
+        let on = on && self.backend.runs_asynchronously();
+        self.device_clock = on.then(DeviceClock::default);
+        on
+    }
+
+    /// Whether each op of a step is timed on the device.
+    pub fn device_clock(&self) -> bool {
+        self.device_clock.is_some()
+    }
+
+    /// Starts a step timed on the device: waits for the device to be idle and marks
+    /// it, so that the mark's time is the host's now. A no-op without the clock.
+    pub fn begin_device_step(&mut self) -> Result<()> {
+        let Some(clock) = self.device_clock.as_mut() else {
+            return Ok(());
+        };
+        let name = self.backend.name();
+        let err = |e| backend_error(&name, "timing the step on the device", e);
+        self.backend.synchronize().map_err(err)?;
+        self.backend.mark().map_err(err)?;
+        clock.origin = Some(Instant::now());
+        clock.timed.clear();
+        Ok(())
+    }
+
+    /// The ops run since [`Executor::begin_device_step`], as the device ran them:
+    /// `(node, start, end)` in the host's clock, in the order they ran. Waits for the
+    /// device. `None` without the clock or a step begun.
+    pub fn device_spans(&mut self) -> Result<Option<Vec<(NodeId, Instant, Instant)>>> {
+        let Some(clock) = self.device_clock.as_mut() else {
+            return Ok(None);
+        };
+        let Some(origin) = clock.origin.take() else {
+            return Ok(None);
+        };
+        let name = self.backend.name();
+        let times = self
+            .backend
+            .mark_times()
+            .map_err(|e| backend_error(&name, "reading the device's time marks", e))?;
+        // The step's first mark, then a pair a timed op.
+        if times.len() != 1 + 2 * clock.timed.len() {
+            return Err(RuntimeError::Config(format!(
+                "{name}: {} time marks for {} timed ops",
+                times.len(),
+                clock.timed.len()
+            )));
+        }
+        let at = |s: f64| origin + Duration::from_secs_f64(s.max(0.0));
+        Ok(Some(
+            clock
+                .timed
+                .drain(..)
+                .zip(times[1..].chunks(2))
+                .map(|(node, t)| (node, at(t[0]), at(t[1])))
+                .collect(),
+        ))
+    }
+
     /// Accumulated kernel time per op mnemonic since the last reset: `(op, total time,
     /// calls)`, the most expensive first. Empty unless profiling is on.
     pub fn profile(&self) -> Vec<(&'static str, Duration, u64)> {
@@ -627,6 +701,14 @@ impl<B: Backend> Executor<B> {
     pub fn reset_profile(&mut self) {
         self.profile.clear();
     }
+}
+
+/// A step's ops as the device ran them: the first mark's host time, then a pair of
+/// marks an op.
+#[derive(Default)]
+struct DeviceClock {
+    origin: Option<Instant>,
+    timed: Vec<NodeId>,
 }
 
 /// A backend's error at `node`: an invalid input is a kernel error, a device failure

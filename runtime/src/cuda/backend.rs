@@ -1893,6 +1893,21 @@ impl Transfer for CudaBackend {
         Ok(self.dev.synchronize()?)
     }
 
+    fn runs_asynchronously(&self) -> bool {
+        true
+    }
+
+    fn mark(&mut self) -> Result<(), KernelError> {
+        self.no_capture("recording a time mark")?;
+        self.bind()?;
+        Ok(self.dev.mark()?)
+    }
+
+    fn mark_times(&mut self) -> Result<Vec<f64>, KernelError> {
+        self.synchronize()?;
+        Ok(self.dev.mark_times()?)
+    }
+
     fn device_memory(&self) -> Option<(u64, u64)> {
         Some((self.allocated, self.peak))
     }

@@ -187,6 +187,11 @@ pub trait Driver {
     fn download(&mut self, b: HostBuf, src: u64, bytes: usize) -> Result<(), CudaError>;
     /// Waits for all work issued on the compute stream.
     fn synchronize(&mut self) -> Result<(), CudaError>;
+    /// Records a time mark on the compute stream, after the work issued so far.
+    fn mark(&mut self) -> Result<(), CudaError>;
+    /// Waits for the compute stream; the seconds from the first mark since the last
+    /// call to each mark, in order. The marks are then forgotten.
+    fn mark_times(&mut self) -> Result<Vec<f64>, CudaError>;
 
     /// Starts capturing the compute stream into a graph.
     fn begin_capture(&mut self) -> Result<(), CudaError>;
@@ -273,6 +278,10 @@ pub struct CudarcDriver {
     modules: Vec<(Arc<CudaModule>, Vec<CudaFunction>)>,
     buffers: Vec<CudaSlice<u8>>,
     pinned: Vec<Pinned>,
+    /// Timing events, reused from one step to the next; the first `marked` are
+    /// recorded.
+    marks: Vec<CudaEvent>,
+    marked: usize,
     _workspace: CudaSlice<u8>,
     name: String,
     tf32: bool,
@@ -339,6 +348,8 @@ impl CudarcDriver {
             modules: Vec::new(),
             buffers: Vec::new(),
             pinned: Vec::new(),
+            marks: Vec::new(),
+            marked: 0,
             _workspace: workspace,
             name,
             tf32,
@@ -690,6 +701,39 @@ impl Driver for CudarcDriver {
         self.stream
             .synchronize()
             .map_err(drv_err("cuStreamSynchronize"))
+    }
+
+    fn mark(&mut self) -> Result<(), CudaError> {
+        if self.marked == self.marks.len() {
+            let timed = Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let e = self
+                .ctx
+                .new_event(timed)
+                .map_err(drv_err("cuEventCreate"))?;
+            self.marks.push(e);
+        }
+        self.marks[self.marked]
+            .record(&self.stream)
+            .map_err(drv_err("cuEventRecord"))?;
+        self.marked += 1;
+        Ok(())
+    }
+
+    fn mark_times(&mut self) -> Result<Vec<f64>, CudaError> {
+        self.synchronize()?;
+        let marked = &self.marks[..std::mem::take(&mut self.marked)];
+        let Some(first) = marked.first() else {
+            return Ok(Vec::new());
+        };
+        marked
+            .iter()
+            .map(|e| {
+                first
+                    .elapsed_ms(e)
+                    .map(|ms| f64::from(ms) * 1e-3)
+                    .map_err(drv_err("cuEventElapsedTime"))
+            })
+            .collect()
     }
 
     fn begin_capture(&mut self) -> Result<(), CudaError> {

@@ -607,6 +607,7 @@ fn run_server(
             start_us: us(sp.start),
             dur_us: us(sp.end) - us(sp.start),
             counters: Vec::new(),
+            on_device: false,
         })
         .collect())
 }

@@ -1706,6 +1706,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                             start_us: us(began),
                             dur_us: began.elapsed().as_secs_f64() * 1e6,
                             counters: Vec::new(),
+                            on_device: false,
                         });
                     }
                 }

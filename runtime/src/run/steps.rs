@@ -176,6 +176,7 @@ impl StepTrace {
             start_us: us(t.start),
             dur_us: us(t.end) - us(t.start),
             counters: Vec::new(),
+            on_device: false,
         });
         let memory = self.memory.iter().map(|(step, at, m)| Span {
             track: format!("{track} memory"),
@@ -187,6 +188,7 @@ impl StepTrace {
             start_us: us(*at),
             dur_us: 0.0,
             counters: m.named().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            on_device: false,
         });
         steps.chain(memory).collect()
     }

@@ -60,6 +60,10 @@ pub struct Span {
     /// is drawn as counters, not as a slice.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub counters: Vec<(String, u64)>,
+    /// An op timed on the device between two events on its stream: the kernels' time.
+    /// Otherwise the host's clock timed it (on a GPU: the launches).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub on_device: bool,
 }
 
 /// The spans as a Chrome trace (JSON; loads in Perfetto and chrome://tracing).
@@ -78,7 +82,8 @@ pub fn chrome_trace(spans: &[Span]) -> serde_json::Value {
             serde_json::json!({
                 "ph": "X", "pid": 1, "tid": tid(&s.track), "name": s.name,
                 "ts": s.start_us, "dur": s.dur_us,
-                "args": {"node": s.node, "types": s.types, "step": s.step, "bytes": s.bytes},
+                "args": {"node": s.node, "types": s.types, "step": s.step, "bytes": s.bytes,
+                         "clock": if s.on_device { "device" } else { "host" }},
             })
         } else {
             let args: serde_json::Map<String, serde_json::Value> = s
@@ -173,6 +178,7 @@ pub fn spans_of_chrome_trace(text: &str) -> Result<Vec<Span>, String> {
             start_us,
             dur_us,
             counters: Vec::new(),
+            on_device: e.pointer("/args/clock").and_then(|c| c.as_str()) == Some("device"),
         });
     }
     Ok(spans)
@@ -194,9 +200,13 @@ mod tests {
             start_us: 12.5,
             dur_us: 4.25,
             counters: Vec::new(),
+            on_device: false,
         };
         let slices = vec![
-            span("worker 0", "matmul", Some("%7"), None),
+            Span {
+                on_device: true,
+                ..span("worker 0", "matmul", Some("%7"), None)
+            },
             span("worker 0 comm", "all_reduce %9", Some("%9"), Some(4096)),
             span("worker 1", "step 3", None, None),
         ];
@@ -215,6 +225,7 @@ mod tests {
                 s.types.clone(),
                 s.bytes,
                 s.step,
+                s.on_device,
             )
         };
         assert_eq!(

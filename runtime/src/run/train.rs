@@ -295,6 +295,7 @@ pub fn train_with<B: Backend>(
             start_us: us(s.start),
             dur_us: us(s.end) - us(s.start),
             counters: Vec::new(),
+            on_device: false,
         }));
     }
     Ok(coordinator.finish(params, w0.profile, spans))

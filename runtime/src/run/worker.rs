@@ -692,6 +692,17 @@ fn comm_thread(
     }
 }
 
+/// A node the executor ran, as a trace records it.
+struct NodeSpan {
+    node: NodeId,
+    op: &'static str,
+    step: u64,
+    start: Instant,
+    end: Instant,
+    /// Timed between two marks on the device (the kernels), not by the host.
+    on_device: bool,
+}
+
 /// A worker's view of the others and the servers, for the executor.
 struct WorkerHook {
     to_comm: mpsc::Sender<Request>,
@@ -699,7 +710,7 @@ struct WorkerHook {
     trace: bool,
     /// The step running, for spans.
     step: u64,
-    spans: Vec<(NodeId, &'static str, u64, Instant, Instant)>,
+    spans: Vec<NodeSpan>,
     /// Time spent waiting for collectives and servers in the current step.
     waited: Duration,
     /// While tracing: where the worker blocked on which collective.
@@ -710,6 +721,26 @@ struct WorkerHook {
 }
 
 impl WorkerHook {
+    /// Gives step `step`'s spans of the ops in `timed` the times the device ran them
+    /// at: each node's runs not yet timed, in the order they ran (a node runs once a
+    /// micro-batch, and again in an evaluation).
+    fn retime(&mut self, step: u64, timed: Vec<(NodeId, Instant, Instant)>) {
+        let mut runs: HashMap<NodeId, VecDeque<(Instant, Instant)>> = HashMap::new();
+        for (node, start, end) in timed {
+            runs.entry(node).or_default().push_back((start, end));
+        }
+        let from = self
+            .spans
+            .iter()
+            .rposition(|s| s.step != step)
+            .map_or(0, |i| i + 1);
+        for s in self.spans[from..].iter_mut().filter(|s| !s.on_device) {
+            if let Some((start, end)) = runs.get_mut(&s.node).and_then(VecDeque::pop_front) {
+                (s.start, s.end, s.on_device) = (start, end, true);
+            }
+        }
+    }
+
     fn ps(&mut self) -> Result<&mut PsClient> {
         self.ps.as_mut().ok_or_else(|| {
             RuntimeError::Config(
@@ -840,7 +871,14 @@ impl CommHook for WorkerHook {
     }
     fn span(&mut self, node: NodeId, op: &'static str, start: Instant, end: Instant) {
         if self.trace {
-            self.spans.push((node, op, self.step, start, end));
+            self.spans.push(NodeSpan {
+                node,
+                op,
+                step: self.step,
+                start,
+                end,
+                on_device: false,
+            });
         }
     }
 }
@@ -1089,6 +1127,9 @@ fn train_worker<B: Backend>(
     exec.set_train_outputs(false);
     set_ranks(&mut exec, ranks, None);
     exec.set_profiling(opts.profile && rank == 0);
+    // A trace on a GPU times each op's kernels between events on its stream: the
+    // host's clock would time the launches.
+    exec.set_device_clock(opts.trace);
     let device = exec.backend().name();
     let mut slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
     if let (Some(state), Some(init), Some(slots)) = (resume, programs.init, slots.as_mut()) {
@@ -1170,6 +1211,7 @@ fn train_worker<B: Backend>(
         && (scaler.is_none() || flags_on_device)
         && config.clip_norm.is_none()
         && !opts.profile
+        && !st.exec.device_clock()
         && !st.exec.schedule().has_server_ops()
         && st.exec.can_capture();
     let graph = if capturable {
@@ -1410,6 +1452,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             if let Some(s) = &self.scaler {
                 st.exec.set_loss_scale(s.scale / share)?;
             }
+            st.exec.begin_device_step()?;
             for m in 0..k {
                 let batch = match first_batch.take() {
                     Some(b) => b,
@@ -1436,7 +1479,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 )));
             };
             let used = st.exec.measured_memory();
-            let updating = Instant::now();
+            let mut updating = Instant::now();
             let mut grads = out.grads;
             let apply = match self.scaler.as_mut() {
                 None => true,
@@ -1487,6 +1530,13 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 .backend()
                 .synchronize()
                 .map_err(|e| backend_error(device, "finishing the step", e))?;
+            if let Some(timed) = st.exec.device_spans()? {
+                // The update starts on the device when its last op ends.
+                if let Some(&(_, _, end)) = timed.last() {
+                    updating = end;
+                }
+                hook.retime(step as u64, timed);
+            }
             (micro_loss / k as f64, updating, used)
         };
         let memory = MemoryByCategory {
@@ -1532,6 +1582,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             // Evaluation is not training: keep its kernels out of the profile, and its
             // traffic out of the next step's bytes.
             st.exec.set_profiling(false);
+            st.exec.begin_device_step()?;
             let e = evaluate(
                 &mut st.exec,
                 &st.params,
@@ -1540,6 +1591,9 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 step as u64 + 1,
                 Some(&mut *hook),
             )?;
+            if let Some(timed) = st.exec.device_spans()? {
+                hook.retime(step as u64, timed);
+            }
             st.exec.set_profiling(self.opts.profile);
             hook.take_waited();
             byte_deltas(st, hook);
@@ -2089,7 +2143,7 @@ fn worker_spans(
     rank: usize,
     t0: Instant,
     step_spans: &[(u64, Timed)],
-    node_spans: &[(NodeId, &'static str, u64, Instant, Instant)],
+    node_spans: &[NodeSpan],
     wait_spans: &[(NodeId, u64, Instant, Instant)],
     comm_spans: Vec<CommSpan>,
 ) -> Vec<Span> {
@@ -2105,14 +2159,15 @@ fn worker_spans(
         start_us: us(s),
         dur_us: us(e) - us(s),
         counters: Vec::new(),
+        on_device: false,
     };
     let mut spans: Vec<Span> = Vec::new();
     // Op groups: forward until the loss's gradient (autodiff's first `_grad` op),
     // backward until the executor returns, then the update.
     let mut backward_from: HashMap<u64, Instant> = HashMap::new();
-    for &(_, op, step, s, _) in node_spans {
-        if op.ends_with("_grad") {
-            backward_from.entry(step).or_insert(s);
+    for s in node_spans {
+        if s.op.ends_with("_grad") {
+            backward_from.entry(s.step).or_insert(s.start);
         }
     }
     // Each step's own span is the loop's ([`StepTrace::spans`]).
@@ -2130,13 +2185,16 @@ fn worker_spans(
         spans.push(span(&track, "backward".into(), None, step, b, updating));
         spans.push(span(&track, "update".into(), None, step, updating, e));
     }
-    spans.extend(node_spans.iter().map(|&(node, op, step, s, e)| {
+    spans.extend(node_spans.iter().map(|n| {
         // The worker only hands a collective to its comm thread.
-        let name = match op {
-            "all_reduce" | "all_gather" | "broadcast" => format!("issue {op}"),
-            _ => op.to_string(),
+        let name = match n.op {
+            "all_reduce" | "all_gather" | "broadcast" => format!("issue {}", n.op),
+            op => op.to_string(),
         };
-        span(&track, name, Some(node), step, s, e)
+        Span {
+            on_device: n.on_device,
+            ..span(&track, name, Some(n.node), n.step, n.start, n.end)
+        }
     }));
     spans.extend(
         wait_spans.iter().map(|&(node, step, s, e)| {

@@ -85,6 +85,8 @@ pub struct EmuDriver {
     host: Vec<Vec<u8>>,
     graph: Option<Vec<Recorded>>,
     name: String,
+    /// Time marks: the host's clock, since every launch runs when it is issued.
+    marks: Vec<std::time::Instant>,
 }
 
 impl EmuDriver {
@@ -100,6 +102,7 @@ impl EmuDriver {
             host: Vec::new(),
             graph: None,
             name: format!("GPU emulator {ordinal}, on the CPU"),
+            marks: Vec::new(),
         })
     }
 
@@ -391,6 +394,7 @@ impl Driver for EmuDriver {
             host: Vec::new(),
             graph: None,
             name: self.name.clone(),
+            marks: Vec::new(),
         }))
     }
 
@@ -528,6 +532,21 @@ impl Driver for EmuDriver {
     fn synchronize(&mut self) -> Result<(), CudaError> {
         // Everything ran when it was issued.
         self.no_capture("synchronizing")
+    }
+
+    fn mark(&mut self) -> Result<(), CudaError> {
+        self.no_capture("recording a time mark")?;
+        self.marks.push(std::time::Instant::now());
+        Ok(())
+    }
+
+    fn mark_times(&mut self) -> Result<Vec<f64>, CudaError> {
+        self.no_capture("reading time marks")?;
+        let marks = std::mem::take(&mut self.marks);
+        Ok(marks
+            .iter()
+            .map(|m| m.duration_since(marks[0]).as_secs_f64())
+            .collect())
     }
 
     fn begin_capture(&mut self) -> Result<(), CudaError> {
