@@ -12,7 +12,12 @@
 # PRECISIONS (the search's --search-precision, e.g. fp32,bf16; default the model's),
 # TRANSPORT (threads, or mpi: each layout's workers as `mpirun -np N` ranks, a build
 # with --features mpi; MPIRUN_ARGS, default --oversubscribe, and --allow-run-as-root
-# as root).
+# as root; MPIRUN, a command to run instead of `mpirun MPIRUN_ARGS`, such as one that
+# starts the ranks on other hosts), SEARCH_FLAGS (more flags for the search: the
+# hosts' links and --ranks-per-node). Across three network-namespace hosts:
+# `cargo test --features mpi -p distc --test netns -- --ignored --nocapture
+# the_layout_search_across_three_hosts` makes the hosts, calibrates their link, and
+# runs this script over them.
 # Per candidate: the predicted step (ms) and the measured one (the global batch over
 # the median samples/s of the metrics lines after the warm-up), and the predicted
 # memory per worker beside the measured one (worker 0's variables, gradients, optimizer
@@ -33,8 +38,8 @@ workers="${WORKERS:-2 4}"
 warmup="${WARMUP:-2}"
 steps="${STEPS:-6}"
 out="${RESULTS:-$(mktemp -d)}"
-search_flags=""
-[ -n "${PRECISIONS:-}" ] && search_flags="--search-precision $PRECISIONS"
+search_flags="${SEARCH_FLAGS:-}"
+[ -n "${PRECISIONS:-}" ] && search_flags="$search_flags --search-precision $PRECISIONS"
 transport="${TRANSPORT:-threads}"
 say() { echo "[planner.sh] $*" >&2; }
 case "$transport" in
@@ -42,7 +47,7 @@ case "$transport" in
   mpi)
     root_flag=""
     [ "$(id -u)" = 0 ] && root_flag="--allow-run-as-root"
-    mpirun_args="${MPIRUN_ARGS:---oversubscribe $root_flag}"
+    mpirun_cmd="${MPIRUN:-mpirun ${MPIRUN_ARGS:---oversubscribe $root_flag}}"
     ;;
   *) say "TRANSPORT is threads or mpi, not $transport"; exit 1 ;;
 esac
@@ -51,7 +56,7 @@ train() {
   if [ "$transport" = mpi ]; then
     # mpirun forwards its standard input to rank 0: not the list of candidates.
     # shellcheck disable=SC2086
-    mpirun $mpirun_args -np "$2" "$distc" run "$1" --transport mpi --steps "$3" -q \
+    $mpirun_cmd -np "$2" "$distc" run "$1" --transport mpi --steps "$3" -q --timeout 600 \
       "${data[@]}" --metrics "$4" >/dev/null </dev/null
   else
     "$distc" run "$1" --steps "$3" -q "${data[@]}" --metrics "$4" >/dev/null

@@ -3,7 +3,9 @@
 # parameters, batch 32 a worker) all-reduced over 8, 64, 256 and 1024 workers in nodes
 # of 8, one ring (flat) against the hierarchical all-reduce, as `distc simulate`
 # predicts it. Op times: the model trained on one worker of this machine's CPU, traced
-# once (`distc train --trace`) and read by every simulation. Links: LINKS (default
+# once (`distc train --trace`) and read by every simulation; or TRACE, a trace of the
+# model on one GPU (`bash bench/scale.sh trace`, bf16: give PRECISION=bf16 with it),
+# each op's kernels timed on the device. Links: LINKS (default
 # NVLink-class within a node, 100 Gb/s InfiniBand-class between nodes), or
 # INTER_CAL / INTRA_CAL, calibrations from `distc calibrate`.
 #
@@ -19,8 +21,13 @@ links=(${LINKS:---link intra=100e9,5e-6 --link inter=12.5e9,10e-6})
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-"$distc" train "$model" --steps "${PROFILE_STEPS:-4}" -q --trace "$work/one.json" >/dev/null
-"$distc" compile "$model" --strategy allreduce --workers 8 -o "$work/plan.json" 2>/dev/null
+precision=(--precision "${PRECISION:-fp32}")
+if [ -n "${TRACE:-}" ]; then
+  cp "$TRACE" "$work/one.json"
+else
+  "$distc" train "$model" "${precision[@]}" --steps "${PROFILE_STEPS:-4}" -q --trace "$work/one.json" >/dev/null
+fi
+"$distc" compile "$model" "${precision[@]}" --strategy allreduce --workers 8 -o "$work/plan.json" 2>/dev/null
 
 echo "| workers | all-reduce | step ms | communication ms | exposed ms | overlap | scaling efficiency | memory per worker |"
 echo "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"

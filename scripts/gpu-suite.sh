@@ -92,6 +92,15 @@ for w in sparse_lm dense_mlp; do
   cli "profile.$w.nccl1" train "examples/$w.dsl" --device cuda --steps 30 --preload --profile \
     --strategy allreduce --workers 1 --collectives nccl "${data[@]}"
 done
+# Op times for the planner's scale tables (issue 39): each reference model traced on
+# this GPU, each op's kernels timed between events on its stream. Copy
+# $results/profiles/*.trace.json into bench/profiles/ and commit them; then
+# `bash bench/scale.sh tables target/release/distc` prices any layout on any machine.
+if [ "${PROFILES:-1}" = 1 ]; then
+  echo "== scale profiles: bench/scale.sh trace"
+  bash bench/scale.sh trace gpu-bin/distc "$results/profiles" || failed=1
+  ls -la "$results/profiles"
+fi
 [ "${SUITE_ONLY:-0}" = 1 ] && exit $failed
 
 RESULTS="$results" bash bench/gpu.sh gpu-bin/distc 2>&1 | tee "$results/bench.txt"

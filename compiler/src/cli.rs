@@ -334,6 +334,11 @@ pub struct CompileArgs {
     /// device) instead of a profile on this machine: the search then prices that device.
     #[arg(long, value_name = "TRACE")]
     pub op_times: Option<PathBuf>,
+    /// With the layout search, a link measured by `distc calibrate` (`intra=FILE` or
+    /// `inter=FILE`), as `distc simulate --calibration` reads it: its fitted line, and
+    /// its measured sizes. A --link of the same kind replaces it. Repeatable.
+    #[arg(long, value_name = "KIND=FILE", value_parser = parse_calibration_flag)]
+    pub calibration: Vec<(LinkKind, PathBuf)>,
     /// Kernel fusion: collapse each chain of element-wise ops (a layer's bias add and
     /// activation, the activation gradients) into one `fused` node, which the runtime
     /// runs in one pass over memory; the values computed are the same.
@@ -720,6 +725,14 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
             why: "--op-times prices the layout search's candidates: give it with --strategy \
                   auto, --workers N and no servers, mesh or pipeline (`distc simulate \
                   --trace` prices one plan)"
+                .to_string(),
+        },
+        Ignored {
+            given: !a.calibration.is_empty(),
+            used: searches_layout(a),
+            why: "--calibration prices the layout search's candidates: give it with \
+                  --strategy auto, --workers N and no servers, mesh or pipeline (`distc \
+                  simulate --calibration` prices one plan)"
                 .to_string(),
         },
         Ignored {

@@ -116,6 +116,16 @@ pub enum OpTimes<'a> {
     Trace(&'a std::path::Path),
 }
 
+/// How the search prices a candidate beyond the user's settings: where its op times
+/// come from, and the ring steps of calibrated links (`--calibration`).
+#[derive(Clone, Debug)]
+pub struct Pricing<'a> {
+    pub op_times: OpTimes<'a>,
+    pub measured: sim::MeasuredSteps,
+    /// A calibration's copy bandwidth (bytes/s), else one measured here.
+    pub copy_bandwidth: Option<f64>,
+}
+
 /// What the search found: every candidate, the pick, and what it cost.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Search {
@@ -142,7 +152,7 @@ pub fn search(
     workers: usize,
     zero: Option<u8>,
     memory_budget: Option<u128>,
-    op_times: OpTimes<'_>,
+    pricing: &Pricing<'_>,
     precisions: &[Precision],
 ) -> Result<(crate::Compiled, StrategyConfig, Search), String> {
     let start = std::time::Instant::now();
@@ -181,8 +191,10 @@ pub fn search(
             },
         )
         .map_err(|e| format!("{precision}: {e}"))?;
-        let copies = distc_runtime::comm::calibrate::copy_bandwidth();
-        let profile = match op_times {
+        let copies = pricing
+            .copy_bandwidth
+            .unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
+        let profile = match pricing.op_times {
             OpTimes::Here { steps } => {
                 sim::profile_here(&single, steps, opts.data_dir.as_deref(), copies)?
             }
@@ -234,7 +246,13 @@ pub fn search(
             }
             c.batch = per_step / micro_batches;
             let settings = c.settings(base);
-            let priced = price(&settings, c.batch, &compile, single, profile);
+            let priced = price(
+                &settings,
+                c.batch,
+                &compile,
+                (single, profile),
+                &pricing.measured,
+            );
             c.verdict = match priced {
                 Err(reason) => Verdict::Refused { reason },
                 Ok((mem, _, _)) if memory_budget.is_some_and(|m| mem > m) => Verdict::Memory {
@@ -307,8 +325,8 @@ fn price(
     settings: &StrategyConfig,
     batch: usize,
     compile: &dyn Fn(&StrategyConfig, usize) -> Result<crate::Compiled, crate::CompileError>,
-    single: &crate::Compiled,
-    profile: &ComputeProfile,
+    (single, profile): (&crate::Compiled, &ComputeProfile),
+    measured: &sim::MeasuredSteps,
 ) -> Result<(u128, f64, crate::Compiled), String> {
     settings.check()?;
     let c = compile(settings, batch).map_err(|e| e.to_string())?;
@@ -323,7 +341,8 @@ fn price(
             bandwidth: settings.bandwidth,
             latency: settings.latency,
         },
-    );
+    )
+    .with_measured(measured);
     let s = match &c.programs.pipeline {
         Some(pp) => {
             sim::simulate_pipeline(pp, &single.programs.worker, settings, links, profile, mem)?

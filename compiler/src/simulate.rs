@@ -500,7 +500,22 @@ pub struct Links {
     pub inter_measured: Vec<(f64, f64)>,
 }
 
+/// Ring steps `(message bytes, seconds)` that `distc calibrate` measured, by link:
+/// what a calibrated link adds to its alpha-beta line (empty: the line alone).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MeasuredSteps {
+    pub intra: Vec<(f64, f64)>,
+    pub inter: Vec<(f64, f64)>,
+}
+
 impl Links {
+    /// These links with the measured ring steps of the calibrated ones.
+    pub fn with_measured(mut self, m: &MeasuredSteps) -> Links {
+        self.intra_measured = m.intra.clone();
+        self.inter_measured = m.inter.clone();
+        self
+    }
+
     /// The two links, as lines.
     pub fn new(intra: Link, inter: Link) -> Links {
         Links {

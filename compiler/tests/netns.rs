@@ -937,3 +937,70 @@ fn srun_across_three_hosts_trains_what_one_process_trains() {
     );
     let _ = c.on(0, &["env", &env, "scontrol", "shutdown"]);
 }
+
+/// Issue 39, item 3 across machines (a benchmark: `-- --ignored --nocapture`, about
+/// five minutes): the layout search on three hosts, one rank each, their links slowed
+/// as [`degrade_links`] does and calibrated by `distc calibrate` under mpirun across
+/// them (the search takes the calibration as `simulate` does; with one rank a host
+/// every link is between hosts, so no --ranks-per-node); then `bench/planner.sh`
+/// trains every layout the search priced across the hosts and prints each measured
+/// step and memory beside its prediction, and how far the pick is from the fastest
+/// measured.
+#[test]
+#[ignore = "a benchmark: run it with --ignored --nocapture"]
+fn the_layout_search_across_three_hosts_against_measurement() {
+    let _one = common::one_job_at_a_time();
+    let Some(c) = cluster("plan") else { return };
+    let applied = degrade_links(&c);
+    let cal = c.dir.join("calibration.json");
+    let o = c
+        .mpirun(&[
+            "calibrate",
+            "--transport",
+            "mpi",
+            "--sizes",
+            "65536,1048576,4194304,8388608",
+            "--reps",
+            "3",
+            "-o",
+            s(&cal),
+        ])
+        .output()
+        .expect("mpirun");
+    assert!(o.status.success(), "{applied}: {}", text(&o));
+    println!("{applied}\n{}", text(&o));
+    // planner.sh starts each layout's ranks through this, as on three machines.
+    let launcher = c.launcher();
+    let quoted: Vec<String> = launcher
+        .iter()
+        .map(|w| format!("'{}'", w.replace('\'', r"'\''")))
+        .collect();
+    let wrapper = c.dir.join("mpirun-hosts");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec {} --hostfile '{}' \"$@\"\n",
+            quoted.join(" "),
+            s(&c.dir.join("hosts"))
+        ),
+    )
+    .expect("writes");
+    let o = Command::new("chmod")
+        .args(["+x", s(&wrapper)])
+        .output()
+        .expect("chmod");
+    assert!(o.status.success(), "{}", text(&o));
+    let o = Command::new("bash")
+        .args(["bench/planner.sh", env!("CARGO_BIN_EXE_distc")])
+        .env("TRANSPORT", "mpi")
+        .env("MPIRUN", &wrapper)
+        .env("MODELS", "examples/dense_mlp.dsl")
+        .env("WORKERS", "3")
+        .env("SEARCH_FLAGS", format!("--calibration inter={}", s(&cal)))
+        .env("RESULTS", c.dir.join("planner"))
+        .current_dir(root())
+        .output()
+        .expect("bash");
+    println!("{}", text(&o));
+    assert!(o.status.success(), "{}", text(&o));
+}

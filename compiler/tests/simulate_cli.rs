@@ -976,6 +976,100 @@ fn the_search_takes_its_op_times_from_a_trace_of_the_model() {
     );
 }
 
+/// `--calibration inter=FILE` with the search (issue 39, item 1): the candidates are
+/// priced on the calibrated link as `distc simulate --calibration` prices a plan, so
+/// with the op times of one trace the pick's predicted step is the one `simulate`
+/// predicts for that layout's plan (data=4, whose batch is the traced one's: `simulate`
+/// takes a trace at the plan's batch). The flag without the search is refused.
+#[test]
+fn the_search_prices_a_calibrated_link_as_simulate_does() {
+    let (dir, _) = setup("search-calibrated");
+    let model = dir.join("wide.dsl");
+    let trace = dir.join("one.trace.json");
+    let o = distc(&[
+        "train",
+        s(&model),
+        "--steps",
+        "5",
+        "-q",
+        "--trace",
+        s(&trace),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let cal = dir.join("cal.json");
+    let o = distc(&[
+        "calibrate",
+        "--workers",
+        "2",
+        "--sizes",
+        "4096,65536,1048576",
+        "--reps",
+        "2",
+        "-o",
+        s(&cal),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let calibration = format!("inter={}", s(&cal));
+    let (_, j) = search(
+        &dir,
+        &model,
+        "calibrated.json",
+        &["--op-times", s(&trace), "--calibration", &calibration],
+    );
+    let data4 = j["search"]["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["data"] == 4 && c["zero"] == 0 && c["remat"] == false)
+        .expect("the data=4 layout")
+        .clone();
+    let predicted = data4["verdict"]["priced"]["step"].as_f64().unwrap();
+    let plan = dir.join("data4.json");
+    let o = distc(&[
+        "compile",
+        s(&model),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "4",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&[
+        "simulate",
+        s(&plan),
+        "--trace",
+        s(&trace),
+        "--calibration",
+        &calibration,
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let simulated: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let step = simulated["step"].as_f64().unwrap();
+    assert!(
+        (step - predicted).abs() <= 1e-9 * step,
+        "the search predicted {predicted} s for {data4}, simulate {step} s"
+    );
+    refused(
+        &[
+            "compile",
+            s(&model),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "4",
+            "--calibration",
+            &calibration,
+            "-o",
+            s(&dir.join("ar.json")),
+        ],
+        "--calibration prices the layout search's candidates",
+    );
+}
+
 /// `--search-precision fp32,bf16` (issue 39, item 2): the search prices every layout
 /// in each precision, from a profile of each on this machine. Under a budget that
 /// only layouts with 16-bit activations fit (a large batch: activations outweigh the

@@ -181,7 +181,7 @@ fn every_strategy_for_every_example() {
 /// compiled. The search's time (a profiling run of 2 steps included) is printed.
 #[test]
 fn the_layout_search_picks_a_layout_for_every_example() {
-    use distc::planner::{search, OpTimes, Verdict};
+    use distc::planner::{search, OpTimes, Pricing, Verdict};
     use distc_runtime::run::data::data_dir;
     for name in distc_tests::EXAMPLES {
         let path = distc_tests::example(name);
@@ -199,9 +199,20 @@ fn the_layout_search_picks_a_layout_for_every_example() {
             },
             ..Default::default()
         };
-        let (compiled, settings, s) =
-            search(&path, &opts, 2, None, None, OpTimes::Here { steps: 2 }, &[])
-                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (compiled, settings, s) = search(
+            &path,
+            &opts,
+            2,
+            None,
+            None,
+            &Pricing {
+                op_times: OpTimes::Here { steps: 2 },
+                measured: Default::default(),
+                copy_bandwidth: None,
+            },
+            &[],
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
         println!("{name}: {}", s.render(3));
         for mesh in [(2, 1, 1), (1, 2, 1), (1, 1, 2)] {
             assert!(

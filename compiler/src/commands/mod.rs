@@ -116,16 +116,31 @@ pub fn search_layout(
     let budget = compile
         .memory_per_worker
         .map(|mib| (mib * 1048576.0) as u128);
-    let (c, settings, search) = crate::planner::search(
-        file,
-        &compile_opts(compile, data),
-        compile.workers,
-        compile.zero,
-        budget,
-        match &compile.op_times {
+    // A calibrated link prices the candidates as `simulate` prices a plan: its line
+    // in the settings (the passes' choices), its measured sizes in the simulation.
+    let given = simulate::given_links(&compile.link, &compile.calibration)?;
+    let mut opts = compile_opts(compile, data);
+    if let Some(l) = given.intra {
+        opts.strategy.intra_link = l;
+    }
+    if let Some(l) = given.inter {
+        (opts.strategy.bandwidth, opts.strategy.latency) = (l.bandwidth, l.latency);
+    }
+    let pricing = crate::planner::Pricing {
+        op_times: match &compile.op_times {
             Some(path) => crate::planner::OpTimes::Trace(path),
             None => crate::planner::OpTimes::Here { steps: 3 },
         },
+        measured: given.measured,
+        copy_bandwidth: given.copy_bandwidth,
+    };
+    let (c, settings, search) = crate::planner::search(
+        file,
+        &opts,
+        compile.workers,
+        compile.zero,
+        budget,
+        &pricing,
         &compile.search_precision,
     )
     .map_err(anyhow::Error::msg)?;

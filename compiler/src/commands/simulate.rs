@@ -27,7 +27,7 @@ pub fn simulate(
     data: Option<&Path>,
     format: ExplainFormat,
 ) -> Result<()> {
-    use crate::simulate::{self as sim, Calibration};
+    use crate::simulate as sim;
     let (p, programs) = Plan::load(plan_path)?;
     p.check_runnable().map_err(anyhow::Error::msg)?;
     let mut target = sim::Target {
@@ -38,40 +38,14 @@ pub fn simulate(
         intra: None,
         data_dir: data.map(Path::to_path_buf),
     };
-    let mut copy_bandwidth = None;
-    let mut calibrated_bytes = 0usize;
-    let mut measured = Vec::new();
-    let links_given: Vec<LinkKind> = links.iter().map(|l| l.0).collect();
-    let read = |path: &Path| {
-        distc_runtime::core::output::read_regular_text(
-            path,
-            distc_runtime::core::output::TEXT_INPUT_LIMIT,
-        )
-        .with_context(|| format!("{}", path.display()))
-    };
-    for (kind, path) in calibrations {
-        let text = read(path)?;
-        let c = Calibration::from_json(&text)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        copy_bandwidth = Some(c.copy_bandwidth);
-        measured.push((*kind, c.ring_steps()));
-        calibrated_bytes =
-            calibrated_bytes.max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
-        match kind {
-            LinkKind::Intra => target.intra = Some(c.link),
-            LinkKind::Inter => target.inter = Some(c.link),
-        }
-    }
-    for (kind, l) in links {
-        match kind {
-            LinkKind::Intra => target.intra = Some(*l),
-            LinkKind::Inter => target.inter = Some(*l),
-        }
-    }
+    let given = given_links(links, calibrations)?;
+    target.intra = given.intra;
+    target.inter = given.inter;
     let (compiled, settings) = sim::retarget(&p, &target).map_err(anyhow::Error::msg)?;
     let single = sim::single_program(&p, data).map_err(anyhow::Error::msg)?;
-    let copy_bandwidth =
-        copy_bandwidth.unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
+    let copy_bandwidth = given
+        .copy_bandwidth
+        .unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
     let profile = match trace {
         Some(path) => {
             let spans = sim::read_trace(path).map_err(anyhow::Error::msg)?;
@@ -104,22 +78,14 @@ pub fn simulate(
         false,
         &rows,
     )?;
-    let mut links = sim::Links::new(
+    let links = sim::Links::new(
         settings.intra_link,
         distc_passes::placement::Link {
             bandwidth: settings.bandwidth,
             latency: settings.latency,
         },
-    );
-    // A link given by --link is a line; one calibrated keeps its measured sizes.
-    for (kind, steps) in measured {
-        let given = links_given.contains(&kind);
-        match kind {
-            LinkKind::Intra if !given => links.intra_measured = steps,
-            LinkKind::Inter if !given => links.inter_measured = steps,
-            _ => {}
-        }
-    }
+    )
+    .with_measured(&given.measured);
     let s = match &compiled.programs.pipeline {
         Some(pp) => sim::simulate_pipeline(
             pp,
@@ -145,14 +111,70 @@ pub fn simulate(
         ExplainFormat::Table => out(&s.render(&p, &profile)),
     }
     let largest = s.comms.iter().map(|c| c.bytes).fold(0.0, f64::max);
-    if calibrated_bytes > 0 && largest > calibrated_bytes as f64 {
+    if given.calibrated_bytes > 0 && largest > given.calibrated_bytes as f64 {
         err(&format!(
             "note: a collective of {largest:.0} bytes is beyond the calibration's largest \
-             buffer ({calibrated_bytes} bytes): its time is extrapolated (calibrate with \
-             --sizes up to it)\n"
+             buffer ({} bytes): its time is extrapolated (calibrate with \
+             --sizes up to it)\n",
+            given.calibrated_bytes
         ));
     }
     Ok(())
+}
+
+/// The links `--calibration KIND=FILE` and `--link KIND=BW,LAT` give, as `simulate`
+/// and the layout search read them.
+#[derive(Debug, Default)]
+pub struct GivenLinks {
+    /// Each kind's line: from `--link`, else from its calibration's fit.
+    pub intra: Option<distc_passes::placement::Link>,
+    pub inter: Option<distc_passes::placement::Link>,
+    /// A calibrated kind's measured ring steps, unless `--link` gave that kind.
+    pub measured: crate::simulate::MeasuredSteps,
+    /// A calibration's copy bandwidth (the last one read).
+    pub copy_bandwidth: Option<f64>,
+    /// The largest buffer a calibration timed (0 without one).
+    pub calibrated_bytes: usize,
+}
+
+/// Reads the calibrations (each checked as `calibrate` could have written it, by
+/// field and file) and sets the links given over them: a `--link` is a line, a
+/// calibrated link keeps its measured sizes.
+pub fn given_links(
+    links: &[(LinkKind, distc_passes::placement::Link)],
+    calibrations: &[(LinkKind, PathBuf)],
+) -> Result<GivenLinks> {
+    let mut given = GivenLinks::default();
+    let line_given = |kind: LinkKind| links.iter().any(|l| l.0 == kind);
+    for (kind, path) in calibrations {
+        let text = distc_runtime::core::output::read_regular_text(
+            path,
+            distc_runtime::core::output::TEXT_INPUT_LIMIT,
+        )
+        .with_context(|| format!("{}", path.display()))?;
+        let c = crate::simulate::Calibration::from_json(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        given.copy_bandwidth = Some(c.copy_bandwidth);
+        given.calibrated_bytes = given
+            .calibrated_bytes
+            .max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
+        let steps = if line_given(*kind) {
+            Vec::new()
+        } else {
+            c.ring_steps()
+        };
+        match kind {
+            LinkKind::Intra => (given.intra, given.measured.intra) = (Some(c.link), steps),
+            LinkKind::Inter => (given.inter, given.measured.inter) = (Some(c.link), steps),
+        }
+    }
+    for (kind, l) in links {
+        match kind {
+            LinkKind::Intra => given.intra = Some(*l),
+            LinkKind::Inter => given.inter = Some(*l),
+        }
+    }
+    Ok(given)
 }
 
 /// `distc calibrate`: all-reduces of `sizes` bytes (default: 4 KiB to 64 MiB) timed
