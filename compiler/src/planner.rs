@@ -180,10 +180,13 @@ pub fn search(
         let single = crate::compile_file(
             file,
             &crate::CompileOptions {
+                // One device: no nodes, no ZeRO (the layouts' settings, not its).
                 strategy: StrategyConfig {
                     strategy: Strategy::Single,
                     workers: 1,
                     precision,
+                    ranks_per_node: 0,
+                    zero: 0,
                     ..base.clone()
                 },
                 dump_ir: None,
@@ -261,7 +264,8 @@ pub fn search(
                 Ok((mem, step, compiled)) => {
                     let rate = global as f64 / step.max(1e-12);
                     if best.as_ref().is_none_or(|b| rate > b.1) {
-                        best = Some((candidates.len(), rate, compiled, settings));
+                        let plan_settings = sim::compiled_settings(&settings);
+                        best = Some((candidates.len(), rate, compiled, plan_settings));
                     }
                     Verdict::Priced {
                         step,
@@ -328,8 +332,10 @@ fn price(
     (single, profile): (&crate::Compiled, &ComputeProfile),
     measured: &sim::MeasuredSteps,
 ) -> Result<(u128, f64, crate::Compiled), String> {
-    settings.check()?;
-    let c = compile(settings, batch).map_err(|e| e.to_string())?;
+    // A mesh is priced on the nodes it is simulated on, and compiled without them.
+    let compiled_with = sim::compiled_settings(settings);
+    compiled_with.check()?;
+    let c = compile(&compiled_with, batch).map_err(|e| e.to_string())?;
     let touched = crate::verify::rows_touched(c.dist.as_ref());
     let rows = memory::expected_rows(&c.programs.worker, &touched);
     let mem = memory::estimate(&c.programs(settings.workers), &c.config, 1, false, &rows)

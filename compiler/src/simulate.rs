@@ -40,6 +40,11 @@ pub struct Calibration {
     pub predicted: Vec<f64>,
     /// Bytes per second of a memory copy on this machine (packing and unpacking).
     pub copy_bandwidth: f64,
+    /// Median seconds of one message from rank 0 to rank 1 by size, sent alone (half a
+    /// round trip): what a pipeline's messages between stages take. Empty in a
+    /// calibration written before `calibrate` timed them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub messages: Vec<Sample>,
 }
 
 /// The smallest and largest buffer a calibration times, in bytes (`calibrate --sizes`):
@@ -112,19 +117,24 @@ impl Calibration {
                 &format!("give 1 to the ranks ({})", self.ranks),
             );
         }
-        let sizes: Vec<usize> = self.samples.iter().map(|s| s.bytes).collect();
-        check_sizes("`samples`", &sizes)?;
         let seconds = format!("give a time above 0 and at most {MAX_SAMPLE_SECONDS:e} s");
-        for (i, s) in self.samples.iter().enumerate() {
-            if !SAMPLE_BYTES.contains(&s.bytes) {
-                return out(
-                    &format!("samples[{i}].bytes"),
-                    &s.bytes,
-                    &format!("give {} to {}", SAMPLE_BYTES.start(), SAMPLE_BYTES.end()),
-                );
+        for (field, samples) in [("samples", &self.samples), ("messages", &self.messages)] {
+            if field == "messages" && samples.is_empty() {
+                continue;
             }
-            if !(s.seconds > 0.0 && s.seconds <= MAX_SAMPLE_SECONDS) {
-                return out(&format!("samples[{i}].seconds"), &s.seconds, &seconds);
+            let sizes: Vec<usize> = samples.iter().map(|s| s.bytes).collect();
+            check_sizes(&format!("`{field}`"), &sizes)?;
+            for (i, s) in samples.iter().enumerate() {
+                if !SAMPLE_BYTES.contains(&s.bytes) {
+                    return out(
+                        &format!("{field}[{i}].bytes"),
+                        &s.bytes,
+                        &format!("give {} to {}", SAMPLE_BYTES.start(), SAMPLE_BYTES.end()),
+                    );
+                }
+                if !(s.seconds > 0.0 && s.seconds <= MAX_SAMPLE_SECONDS) {
+                    return out(&format!("{field}[{i}].seconds"), &s.seconds, &seconds);
+                }
             }
         }
         if self.predicted.len() != self.samples.len() {
@@ -229,6 +239,7 @@ impl Calibration {
             link,
             predicted,
             copy_bandwidth,
+            messages: Vec::new(),
         };
         // What `calibrate` writes, `simulate` reads: the same checks.
         c.check()?;
@@ -257,6 +268,15 @@ impl Calibration {
                 100.0 * (p - s.seconds) / s.seconds
             );
         }
+        if !self.messages.is_empty() {
+            out += &format!(
+                "one message from rank 0 to rank 1, half the round trip\n{:>12} {:>12}\n",
+                "bytes", "measured us"
+            );
+            for s in &self.messages {
+                out += &format!("{:>12} {:>12.1}\n", s.bytes, s.seconds * 1e6);
+            }
+        }
         out += &format!(
             "link: bandwidth {:.4e} B/s, latency {:.3e} s (--link KIND={:.4e},{:.3e}); copies \
              {:.3e} B/s\n",
@@ -283,6 +303,18 @@ impl Calibration {
             .collect();
         steps.sort_by(|a, b| a.0.total_cmp(&b.0));
         steps
+    }
+
+    /// One message's seconds by size as measured, smallest first (as
+    /// [`Links::point_to_point`] interpolates them).
+    pub fn message_times(&self) -> Vec<(f64, f64)> {
+        let mut m: Vec<(f64, f64)> = self
+            .messages
+            .iter()
+            .map(|s| (s.bytes as f64, s.seconds))
+            .collect();
+        m.sort_by(|a, b| a.0.total_cmp(&b.0));
+        m
     }
 }
 
@@ -498,6 +530,12 @@ pub struct Links {
     /// ... and of the link between nodes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inter_measured: Vec<(f64, f64)>,
+    /// Measured point-to-point messages `(bytes, seconds)` within a node and between
+    /// nodes (empty: priced as a ring step of their bytes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub intra_messages: Vec<(f64, f64)>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inter_messages: Vec<(f64, f64)>,
 }
 
 /// Ring steps `(message bytes, seconds)` that `distc calibrate` measured, by link:
@@ -506,13 +544,18 @@ pub struct Links {
 pub struct MeasuredSteps {
     pub intra: Vec<(f64, f64)>,
     pub inter: Vec<(f64, f64)>,
+    /// Point-to-point messages `(bytes, seconds)`, by link.
+    pub intra_messages: Vec<(f64, f64)>,
+    pub inter_messages: Vec<(f64, f64)>,
 }
 
 impl Links {
-    /// These links with the measured ring steps of the calibrated ones.
+    /// These links with the measured ring steps and messages of the calibrated ones.
     pub fn with_measured(mut self, m: &MeasuredSteps) -> Links {
         self.intra_measured = m.intra.clone();
         self.inter_measured = m.inter.clone();
+        self.intra_messages = m.intra_messages.clone();
+        self.inter_messages = m.inter_messages.clone();
         self
     }
 
@@ -523,7 +566,25 @@ impl Links {
             inter,
             intra_measured: Vec::new(),
             inter_measured: Vec::new(),
+            intra_messages: Vec::new(),
+            inter_messages: Vec::new(),
         }
+    }
+
+    /// Seconds of one point-to-point message of `bytes` (a pipeline stage's to its
+    /// neighbour) between nodes (`inter`) or within one: interpolated between the
+    /// message sizes a calibration measured, as [`Links::message`] does ring steps;
+    /// without them, priced as a ring step.
+    pub fn point_to_point(&self, inter: bool, bytes: f64) -> f64 {
+        let (link, measured) = if inter {
+            (self.inter, &self.inter_messages)
+        } else {
+            (self.intra, &self.intra_messages)
+        };
+        if measured.is_empty() {
+            return self.message(inter, bytes);
+        }
+        along(link, measured, bytes)
     }
 
     /// Seconds of one message of `bytes` on the link between nodes (`inter`) or within
@@ -538,22 +599,29 @@ impl Links {
         } else {
             (self.intra, &self.intra_measured)
         };
-        let line = |from: (f64, f64)| from.1 + (bytes - from.0) / link.bandwidth;
-        match measured.as_slice() {
-            [] => link.latency + bytes / link.bandwidth,
-            [only] => line(*only).max(0.0),
-            points => {
-                if bytes <= points[0].0 {
-                    return line(points[0]).max(link.latency.min(points[0].1));
-                }
-                for w in points.windows(2) {
-                    let ((m0, t0), (m1, t1)) = (w[0], w[1]);
-                    if bytes <= m1 {
-                        return t0 + (t1 - t0) * (bytes - m0) / (m1 - m0).max(1e-300);
-                    }
-                }
-                line(*points.last().expect("two points"))
+        along(link, measured, bytes)
+    }
+}
+
+/// Seconds of `bytes` on `link` through the sizes measured on it, `(bytes, seconds)`
+/// smallest first: interpolated between two of them, and on from the nearest at the
+/// link's bandwidth beyond them; the line alone without any.
+fn along(link: Link, measured: &[(f64, f64)], bytes: f64) -> f64 {
+    let line = |from: (f64, f64)| from.1 + (bytes - from.0) / link.bandwidth;
+    match measured {
+        [] => link.latency + bytes / link.bandwidth,
+        [only] => line(*only).max(0.0),
+        points => {
+            if bytes <= points[0].0 {
+                return line(points[0]).max(link.latency.min(points[0].1));
             }
+            for w in points.windows(2) {
+                let ((m0, t0), (m1, t1)) = (w[0], w[1]);
+                if bytes <= m1 {
+                    return t0 + (t1 - t0) * (bytes - m0) / (m1 - m0).max(1e-300);
+                }
+            }
+            line(*points.last().expect("two points"))
         }
     }
 }
@@ -808,10 +876,10 @@ pub fn simulate_pipeline(
     let replica = cfg.model.max(1) * stages;
     let across = cfg.ranks_per_node < replica;
     let activation_message: Vec<f64> = (0..stages.saturating_sub(1))
-        .map(|s| links.message(across, sent(&pp.stages[s].forward, s + 1)))
+        .map(|s| links.point_to_point(across, sent(&pp.stages[s].forward, s + 1)))
         .collect();
     let gradient_message: Vec<f64> = (0..stages.saturating_sub(1))
-        .map(|s| links.message(across, sent(&pp.stages[s + 1].backward, s)))
+        .map(|s| links.point_to_point(across, sent(&pp.stages[s + 1].backward, s)))
         .collect();
     let programs = pp.programs().map_err(|e| e.to_string())?;
     let transfer = |from: usize, to: usize| {
@@ -1206,12 +1274,7 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, Strate
             settings.workers
         ));
     }
-    // A mesh's nodes are the simulation's alone (which links its axes cross): the
-    // runtime groups no mesh by node yet, so its plan is compiled without them.
-    let mut compiled_with = settings.clone();
-    if settings.model > 1 || settings.pipeline > 1 {
-        compiled_with.ranks_per_node = 0;
-    }
+    let compiled_with = compiled_settings(&settings);
     compiled_with
         .check()
         .map_err(|e| format!("the simulated settings: {e}"))?;
@@ -1237,6 +1300,17 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, Strate
         return Ok((own, settings));
     }
     Ok((compile(&compiled_with)?, settings))
+}
+
+/// The settings a plan of `settings` is compiled with. A mesh's nodes are the
+/// simulation's alone (which links its axes cross): the runtime groups no mesh by
+/// node yet, so its plan is compiled without them.
+pub fn compiled_settings(settings: &StrategyConfig) -> StrategyConfig {
+    let mut compiled_with = settings.clone();
+    if settings.model > 1 || settings.pipeline > 1 {
+        compiled_with.ranks_per_node = 0;
+    }
+    compiled_with
 }
 
 /// The one-device program of the plan's model and batch.
@@ -1585,6 +1659,45 @@ train {
         assert!((beyond - last.1 - 1e6 / c.link.bandwidth).abs() < 1e-12);
         // The other link was given as a line.
         assert_eq!(links.message(false, 1e6), 5e-6 + 1e6 / 100e9);
+    }
+
+    #[test]
+    fn measured_messages_price_a_pipelines_messages_and_are_checked_as_samples() {
+        let samples: Vec<Sample> = [(1 << 16, 2e-3), (1 << 20, 0.1)]
+            .iter()
+            .map(|&(bytes, seconds)| Sample { bytes, seconds })
+            .collect();
+        let mut c = Calibration::fit("mpi", 3, 3, samples, 1e10).expect("the test's own input");
+        c.messages = vec![
+            Sample {
+                bytes: 1 << 20,
+                seconds: 0.02,
+            },
+            Sample {
+                bytes: 1 << 16,
+                seconds: 1e-3,
+            },
+        ];
+        c.check().expect("messages in range");
+        let links = Links::new(link(100e9, 5e-6), c.link).with_measured(&MeasuredSteps {
+            inter: c.ring_steps(),
+            inter_messages: c.message_times(),
+            ..Default::default()
+        });
+        // A measured size takes what it took; between two, the interpolation.
+        assert_eq!(links.point_to_point(true, (1 << 20) as f64), 0.02);
+        let mid = links.point_to_point(true, ((1 << 16) + (1 << 20)) as f64 / 2.0);
+        assert!((mid - (1e-3 + 0.02) / 2.0).abs() < 1e-12);
+        // A ring step of the same bytes is another thing; a link without measured
+        // messages prices them as a ring step.
+        assert_ne!(links.message(true, (1 << 20) as f64), 0.02);
+        assert_eq!(links.point_to_point(false, 1e6), links.message(false, 1e6));
+        c.messages[1].seconds = -1.0;
+        let e = c.check().expect_err("a negative time");
+        assert!(e.contains("`messages[1].seconds` -1.0"), "{e}");
+        c.messages.truncate(1);
+        let e = c.check().expect_err("one size");
+        assert!(e.contains("`messages`: 1 buffer size"), "{e}");
     }
 
     #[test]

@@ -158,14 +158,19 @@ pub fn given_links(
         given.calibrated_bytes = given
             .calibrated_bytes
             .max(c.samples.iter().map(|s| s.bytes).max().unwrap_or(0));
-        let steps = if line_given(*kind) {
-            Vec::new()
+        let (steps, messages) = if line_given(*kind) {
+            (Vec::new(), Vec::new())
         } else {
-            c.ring_steps()
+            (c.ring_steps(), c.message_times())
         };
+        let m = &mut given.measured;
         match kind {
-            LinkKind::Intra => (given.intra, given.measured.intra) = (Some(c.link), steps),
-            LinkKind::Inter => (given.inter, given.measured.inter) = (Some(c.link), steps),
+            LinkKind::Intra => {
+                (given.intra, m.intra, m.intra_messages) = (Some(c.link), steps, messages)
+            }
+            LinkKind::Inter => {
+                (given.inter, m.inter, m.inter_messages) = (Some(c.link), steps, messages)
+            }
         }
     }
     for (kind, l) in links {
@@ -244,20 +249,22 @@ pub fn calibrate(
         }
         Transport::Mpi => calibrate_mpi(&sizes, reps, timeout)?,
     };
-    let Some(samples) = samples else {
+    let Some(sweep) = samples else {
         return Ok(());
     };
-    let c = Calibration::fit(
+    let mut c = Calibration::fit(
         match transport {
             Transport::Inprocess => "inprocess",
             Transport::Mpi => "mpi",
         },
         ranks,
         hosts,
-        samples,
+        sweep.all_reduce,
         distc_runtime::comm::calibrate::copy_bandwidth(),
     )
     .map_err(anyhow::Error::msg)?;
+    c.messages = sweep.messages;
+    c.check().map_err(anyhow::Error::msg)?;
     out(&c.render());
     if let Some(path) = output {
         write_file(path, serde_json::to_string_pretty(&c)?.as_bytes())?;
@@ -266,11 +273,7 @@ pub fn calibrate(
     Ok(())
 }
 
-type CalibrationSamples = (
-    Option<Vec<distc_runtime::comm::calibrate::Sample>>,
-    usize,
-    usize,
-);
+type CalibrationSamples = (Option<distc_runtime::comm::calibrate::Sweep>, usize, usize);
 
 #[cfg(feature = "mpi")]
 fn calibrate_mpi(sizes: &[usize], reps: usize, timeout: f64) -> Result<CalibrationSamples> {

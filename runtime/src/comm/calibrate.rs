@@ -1,8 +1,10 @@
 //! Timing the real transport for `distc calibrate`: all-reduces of growing buffers
 //! over a communicator, the median of several repetitions each, every repetition
 //! started together (a barrier first) so a rank's time is the collective's, not its
-//! wait for a late peer. The alpha-beta fit of these samples is the compiler's
-//! (`distc_passes::placement::Link`); this module only measures.
+//! wait for a late peer; then messages of the same sizes from rank 0 to rank 1 and
+//! back, as a pipeline's stages send them (one at a time, point to point: a ring's
+//! steps send on every link at once). The alpha-beta fit of these samples is the
+//! compiler's (`distc_passes::placement::Link`); this module only measures.
 
 use super::{in_process, Communicator};
 use crate::core::error::{Result, RuntimeError};
@@ -17,10 +19,78 @@ pub struct Sample {
     pub seconds: f64,
 }
 
+/// What a sweep measured, by buffer size (rank 0's times).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sweep {
+    /// One all-reduce over every rank.
+    pub all_reduce: Vec<Sample>,
+    /// One message from rank 0 to rank 1: half the round trip.
+    pub messages: Vec<Sample>,
+}
+
 /// Rank `comm.rank()`'s part of the sweep: for each size in `sizes` (bytes, rounded
-/// down to whole f32s, at least one), one untimed all-reduce, then `reps` timed ones.
+/// down to whole f32s, at least one), one untimed all-reduce, then `reps` timed ones;
+/// then the same for messages between ranks 0 and 1 (the others wait at a barrier).
 /// Every rank must call it with the same arguments.
-pub fn sweep(comm: &mut dyn Communicator, sizes: &[usize], reps: usize) -> Result<Vec<Sample>> {
+pub fn sweep(comm: &mut dyn Communicator, sizes: &[usize], reps: usize) -> Result<Sweep> {
+    let all_reduce = sweep_all_reduce(comm, sizes, reps)?;
+    let messages = sweep_messages(comm, sizes, reps)?;
+    Ok(Sweep {
+        all_reduce,
+        messages,
+    })
+}
+
+fn sweep_messages(
+    comm: &mut dyn Communicator,
+    sizes: &[usize],
+    reps: usize,
+) -> Result<Vec<Sample>> {
+    let rank = comm.rank();
+    let mut out = Vec::with_capacity(sizes.len());
+    for &bytes in sizes {
+        let bytes = (bytes / 4).max(1) * 4;
+        comm.set_label(&format!("calibration message of {bytes} bytes"));
+        let mut times = Vec::with_capacity(reps.max(1));
+        // The first round trip is not timed (connections, first touches).
+        for rep in 0..=reps.max(1) {
+            comm.barrier()?;
+            let t = Instant::now();
+            match rank {
+                0 => {
+                    comm.send(1, vec![1u8; bytes])?;
+                    let back = comm.recv(1)?;
+                    if back.len() != bytes {
+                        return Err(RuntimeError::Config(format!(
+                            "calibration: rank 1 answered a message of {bytes} bytes with {}",
+                            back.len()
+                        )));
+                    }
+                }
+                1 => {
+                    let got = comm.recv(0)?;
+                    comm.send(0, got)?;
+                }
+                _ => {}
+            }
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64() / 2.0);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        out.push(Sample {
+            bytes,
+            seconds: times[times.len() / 2],
+        });
+    }
+    Ok(out)
+}
+
+fn sweep_all_reduce(
+    comm: &mut dyn Communicator,
+    sizes: &[usize],
+    reps: usize,
+) -> Result<Vec<Sample>> {
     if comm.size() < 2 {
         return Err(RuntimeError::Config(
             "calibration needs at least 2 ranks: one rank's all-reduce sends nothing".into(),
@@ -57,7 +127,7 @@ pub fn sweep_in_process(
     sizes: &[usize],
     reps: usize,
     timeout: std::time::Duration,
-) -> Result<Vec<Sample>> {
+) -> Result<Sweep> {
     let comms = in_process(ranks);
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -71,7 +141,7 @@ pub fn sweep_in_process(
             h.join()
                 .unwrap_or_else(|_| Err(RuntimeError::Config("a calibration rank panicked".into())))
         });
-        let first = results.next().unwrap_or_else(|| Ok(Vec::new()))?;
+        let first = results.next().unwrap_or_else(|| Ok(Sweep::default()))?;
         // Every rank's error matters (rank 0's first: a timeout there makes the others
         // see it hang up), rank 0's samples are the answer.
         for r in results {
@@ -110,13 +180,15 @@ mod tests {
             std::time::Duration::from_secs(60),
         )
         .expect("three ranks time");
-        assert_eq!(
-            samples.iter().map(|s| s.bytes).collect::<Vec<_>>(),
-            vec![4, 4096, 1 << 16]
-        );
-        assert!(samples
-            .iter()
-            .all(|s| s.seconds > 0.0 && s.seconds.is_finite()));
+        for samples in [&samples.all_reduce, &samples.messages] {
+            assert_eq!(
+                samples.iter().map(|s| s.bytes).collect::<Vec<_>>(),
+                vec![4, 4096, 1 << 16]
+            );
+            assert!(samples
+                .iter()
+                .all(|s| s.seconds > 0.0 && s.seconds.is_finite()));
+        }
     }
 
     #[test]

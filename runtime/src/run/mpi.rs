@@ -862,7 +862,7 @@ pub fn calibrate(
     sizes: &[usize],
     reps: usize,
     timeout: Duration,
-) -> Result<Option<(Vec<crate::comm::calibrate::Sample>, Vec<String>)>> {
+) -> Result<Option<(crate::comm::calibrate::Sweep, Vec<String>)>> {
     let (universe, _) =
         mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or_else(|| {
             RuntimeError::Config("MPI was already initialised in this process".into())
