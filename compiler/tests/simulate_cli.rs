@@ -1053,6 +1053,31 @@ fn the_search_prices_a_calibrated_link_as_simulate_does() {
         (step - predicted).abs() <= 1e-9 * step,
         "the search predicted {predicted} s for {data4}, simulate {step} s"
     );
+    // In nodes (and with a ZeRO stage given): the one-device profile has neither, and
+    // a mesh is priced on the nodes, compiled without them (the runtime groups no
+    // mesh by node), so its plan runs. Both were refused before.
+    let (plan, j) = search(
+        &dir,
+        &model,
+        "nodes.json",
+        &[
+            "--op-times",
+            s(&trace),
+            "--ranks-per-node",
+            "2",
+            "--zero",
+            "1",
+        ],
+    );
+    let cands = j["search"]["candidates"].as_array().unwrap();
+    assert!(
+        cands
+            .iter()
+            .any(|c| c["model"] == 2 && c["verdict"].get("priced").is_some()),
+        "no mesh priced in nodes: {cands:?}"
+    );
+    let o = distc(&["run", s(&plan), "--steps", "1", "-q"]);
+    assert!(o.status.success(), "{}", text(&o));
     refused(
         &[
             "compile",
