@@ -219,9 +219,10 @@ pub fn search(
     // The model's batch b.
     let b = profiled[0].1.config.batch;
     let global = workers * b;
+    // Every candidate with the settings it is priced at (`None`: refused already).
     let mut candidates = Vec::new();
-    let mut best: Option<(usize, f64, crate::Compiled, StrategyConfig)> = None;
-    for (precision, single, profile) in &profiled {
+    let mut to_price: Vec<(usize, StrategyConfig, usize)> = Vec::new();
+    for (k, (precision, _, _)) in profiled.iter().enumerate() {
         for &(data, model, pipe, micro_batches, z, remat) in &layouts(workers, zero) {
             let mut c = Candidate {
                 data,
@@ -244,38 +245,50 @@ pub fn search(
                          x {micro_batches} micro-batches"
                     ),
                 };
-                candidates.push(c);
-                continue;
+            } else {
+                c.batch = per_step / micro_batches;
+                to_price.push((candidates.len(), c.settings(base), k));
             }
-            c.batch = per_step / micro_batches;
-            let settings = c.settings(base);
-            let priced = price(
-                &settings,
-                c.batch,
-                &compile,
-                (single, profile),
-                &pricing.measured,
-            );
-            c.verdict = match priced {
-                Err(reason) => Verdict::Refused { reason },
-                Ok((mem, _, _)) if memory_budget.is_some_and(|m| mem > m) => Verdict::Memory {
-                    memory_per_worker: mem,
-                },
-                Ok((mem, step, compiled)) => {
-                    let rate = global as f64 / step.max(1e-12);
-                    if best.as_ref().is_none_or(|b| rate > b.1) {
-                        let plan_settings = sim::compiled_settings(&settings);
-                        best = Some((candidates.len(), rate, compiled, plan_settings));
-                    }
-                    Verdict::Priced {
-                        step,
-                        samples_per_sec: rate,
-                        memory_per_worker: mem,
-                    }
-                }
-            };
             candidates.push(c);
         }
+    }
+    // Priced on every core: each compile is independent. Each thread keeps the fastest
+    // plan it priced (the plans of a large model do not all fit in memory at once).
+    let priced = price_all(&to_price, memory_budget, |settings, i| {
+        let (_, single, profile) = &profiled[to_price[i].2];
+        price(
+            settings,
+            candidates[to_price[i].0].batch,
+            &compile,
+            (single, profile),
+            &pricing.measured,
+        )
+    });
+    let mut best: Option<(usize, f64, crate::Compiled, StrategyConfig)> = None;
+    for (i, result, plan) in priced {
+        let (index, settings, _) = &to_price[i];
+        let c = &mut candidates[*index];
+        c.verdict = match result {
+            Err(reason) => Verdict::Refused { reason },
+            Ok((mem, _)) if memory_budget.is_some_and(|m| mem > m) => Verdict::Memory {
+                memory_per_worker: mem,
+            },
+            Ok((mem, step)) => {
+                let rate = global as f64 / step.max(1e-12);
+                // The first of equals, as the candidates are listed.
+                let better = best
+                    .as_ref()
+                    .is_none_or(|b| rate > b.1 || (rate == b.1 && *index < b.0));
+                if let (true, Some(compiled)) = (better, plan) {
+                    best = Some((*index, rate, compiled, sim::compiled_settings(settings)));
+                }
+                Verdict::Priced {
+                    step,
+                    samples_per_sec: rate,
+                    memory_per_worker: mem,
+                }
+            }
+        };
     }
     let Some((chosen, _, compiled, settings)) = best else {
         let least = candidates
@@ -321,6 +334,65 @@ pub fn search(
         seconds: start.elapsed().as_secs_f64(),
     };
     Ok((compiled, settings, search))
+}
+
+/// Prices `jobs` with `price` on every core, in order of index: each job's memory and
+/// step (or why it was refused), and the plan of each thread's fastest that fits in
+/// `budget` bytes (the caller picks among them; a job whose plan was dropped for a
+/// faster one of its thread has `None`).
+#[allow(clippy::type_complexity)]
+fn price_all<J: Sync>(
+    jobs: &[(usize, StrategyConfig, J)],
+    budget: Option<u128>,
+    price: impl Fn(&StrategyConfig, usize) -> Result<(u128, f64, crate::Compiled), String> + Sync,
+) -> Vec<(usize, Result<(u128, f64), String>, Option<crate::Compiled>)> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len())
+        .max(1);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<(usize, Result<(u128, f64), String>, Option<crate::Compiled>)> =
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        // This thread's fastest: (step, position in `mine`).
+                        let mut fastest: Option<(f64, usize)> = None;
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some((_, settings, _)) = jobs.get(i) else {
+                                break;
+                            };
+                            match price(settings, i) {
+                                Err(e) => mine.push((i, Err(e), None)),
+                                Ok((mem, step, plan)) => {
+                                    let fits = budget.is_none_or(|b| mem <= b);
+                                    if fits && fastest.is_none_or(|(f, _)| step < f) {
+                                        if let Some((_, at)) = fastest {
+                                            let old: &mut (_, _, Option<crate::Compiled>) =
+                                                &mut mine[at];
+                                            old.2 = None;
+                                        }
+                                        fastest = Some((step, mine.len()));
+                                        mine.push((i, Ok((mem, step)), Some(plan)));
+                                    } else {
+                                        mine.push((i, Ok((mem, step)), None));
+                                    }
+                                }
+                            }
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+    out.sort_by_key(|r| r.0);
+    out
 }
 
 /// A candidate compiled at micro-batch `batch`: its memory per worker, its predicted

@@ -58,3 +58,46 @@ fn lowering_work_grows_linearly_with_the_model() {
         large as f64 / small as f64
     );
 }
+
+/// The graph-query work of compiling [`deep_model`] of `layers` layers with
+/// `strategy`, whole: lowering, every pass, and the plan's checks.
+fn compile_work(layers: usize, strategy: distc_passes::placement::StrategyConfig) -> u64 {
+    let opts = distc::CompileOptions {
+        strategy,
+        ..Default::default()
+    };
+    let before = query_work();
+    distc::compile("deep.dsl", &deep_model(layers), &opts).unwrap_or_else(|e| panic!("{e}"));
+    query_work() - before
+}
+
+/// Issue 39's search on a 100k-node model found three more quadratic loops, each a
+/// search of every variable (`Graph::params`, a topological sort) once per variable:
+/// `tensor_parallel` checking the variables it splits (24.6 s at 100k nodes),
+/// `pipeline_split` finding each gradient's variable (118 s), and the plan's consistency
+/// check of `settings.shard` (170 s in `explain`). A model axis and pipeline stages
+/// must compile in linear work.
+#[test]
+fn a_model_axis_and_pipeline_stages_compile_in_linear_work() {
+    use distc_passes::placement::{Strategy, StrategyConfig};
+    let mesh = |model: usize, pipeline: usize| StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: model * pipeline,
+        model,
+        pipeline,
+        micro_batches: pipeline,
+        ..StrategyConfig::default()
+    };
+    for (what, strategy) in [("model=2", mesh(2, 1)), ("pipe=2", mesh(1, 2))] {
+        let (small, large) = (
+            compile_work(200, strategy.clone()),
+            compile_work(400, strategy),
+        );
+        assert!(
+            (large as f64) < 2.5 * small as f64,
+            "{what}: compiling 400 layers visits {large} nodes and edges, 200 layers \
+             {small}: {:.2}x for twice the model",
+            large as f64 / small as f64
+        );
+    }
+}

@@ -583,17 +583,10 @@ fn measured_step(trace: &Path) -> f64 {
     d[d.len() / 2]
 }
 
-/// Item 3 checked across machines: the link between the hosts (slowed to a known
-/// rate) calibrated by `distc calibrate` under mpirun across them, then a plan's step
-/// predicted by `distc simulate` from it and measured by a run across the hosts. The
-/// error is printed, not asserted (timings are this machine's); what is asserted is
-/// that the calibration saw three ranks on three hosts and that the prediction covers
-/// the plan's collectives.
-#[test]
-fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
-    let _one = common::one_job_at_a_time();
-    let Some(c) = cluster("sim") else { return };
-    let applied = degrade_links(&c);
+/// Slows the cluster's links ([`degrade_links`]) and calibrates them with `distc
+/// calibrate` under mpirun across the hosts (printed): the calibration's path.
+fn slowed_and_calibrated(c: &Cluster) -> PathBuf {
+    let applied = degrade_links(c);
     let cal = c.dir.join("calibration.json");
     let o = c
         .mpirun(&[
@@ -611,6 +604,20 @@ fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
         .expect("mpirun");
     assert!(o.status.success(), "{applied}: {}", text(&o));
     println!("{applied}\n{}", text(&o));
+    cal
+}
+
+/// Item 3 checked across machines: the link between the hosts (slowed to a known
+/// rate) calibrated by `distc calibrate` under mpirun across them, then a plan's step
+/// predicted by `distc simulate` from it and measured by a run across the hosts. The
+/// error is printed, not asserted (timings are this machine's); what is asserted is
+/// that the calibration saw three ranks on three hosts and that the prediction covers
+/// the plan's collectives.
+#[test]
+fn simulate_predicts_a_step_across_three_hosts_from_the_calibrated_link() {
+    let _one = common::one_job_at_a_time();
+    let Some(c) = cluster("sim") else { return };
+    let cal = slowed_and_calibrated(&c);
     let calibration: distc::simulate::Calibration =
         serde_json::from_str(&std::fs::read_to_string(&cal).expect("the calibration"))
             .expect("its JSON");
@@ -951,24 +958,7 @@ fn srun_across_three_hosts_trains_what_one_process_trains() {
 fn the_layout_search_across_three_hosts_against_measurement() {
     let _one = common::one_job_at_a_time();
     let Some(c) = cluster("plan") else { return };
-    let applied = degrade_links(&c);
-    let cal = c.dir.join("calibration.json");
-    let o = c
-        .mpirun(&[
-            "calibrate",
-            "--transport",
-            "mpi",
-            "--sizes",
-            "65536,1048576,4194304,8388608",
-            "--reps",
-            "3",
-            "-o",
-            s(&cal),
-        ])
-        .output()
-        .expect("mpirun");
-    assert!(o.status.success(), "{applied}: {}", text(&o));
-    println!("{applied}\n{}", text(&o));
+    let cal = slowed_and_calibrated(&c);
     // planner.sh starts each layout's ranks through this, as on three machines.
     let launcher = c.launcher();
     let quoted: Vec<String> = launcher

@@ -757,6 +757,29 @@ fn search(dir: &Path, model: &Path, name: &str, extra: &[&str]) -> (PathBuf, ser
     (plan, j)
 }
 
+/// `compile MODEL --strategy allreduce --workers 4 FLAGS`: refused with `message`, the
+/// flags being the layout search's alone.
+fn refused_without_the_search(dir: &Path, model: &Path, flags: &[&str], message: &str) {
+    let out = dir.join("ar.json");
+    let mut args = vec![
+        "compile",
+        s(model),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "4",
+    ];
+    args.extend_from_slice(flags);
+    args.extend(["-o", s(&out)]);
+    refused(&args, message);
+}
+
+/// A trace of `model` trained 5 steps on one device, at `trace`.
+fn traced(model: &Path, trace: &Path) {
+    let o = distc(&["train", s(model), "--steps", "5", "-q", "--trace", s(trace)]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
 fn priced(c: &serde_json::Value) -> Option<(f64, u64)> {
     let p = c["verdict"].get("priced")?;
     Some((
@@ -880,19 +903,10 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
         "the smallest needs",
     );
     // The budget belongs to the search.
-    refused(
-        &[
-            "compile",
-            s(&model),
-            "--strategy",
-            "allreduce",
-            "--workers",
-            "4",
-            "--memory-per-worker",
-            "64",
-            "-o",
-            s(&dir.join("ar.json")),
-        ],
+    refused_without_the_search(
+        &dir,
+        &model,
+        &["--memory-per-worker", "64"],
         "--memory-per-worker is the layout search's budget",
     );
 }
@@ -907,11 +921,7 @@ fn the_search_takes_its_op_times_from_a_trace_of_the_model() {
     let (dir, _) = setup("op-times");
     let model = dir.join("wide.dsl");
     let trace = dir.join("one.trace.json");
-    let train_traced = |model: &Path, trace: &Path| {
-        let o = distc(&["train", s(model), "--steps", "5", "-q", "--trace", s(trace)]);
-        assert!(o.status.success(), "{}", text(&o));
-    };
-    train_traced(&model, &trace);
+    traced(&model, &trace);
     let rates = |name: &str| {
         let (_, j) = search(&dir, &model, name, &["--op-times", s(&trace)]);
         let source = j["search"]["profile"].as_str().unwrap_or("").to_string();
@@ -949,7 +959,7 @@ fn the_search_takes_its_op_times_from_a_trace_of_the_model() {
     let narrow = dir.join("narrow.dsl");
     std::fs::write(&narrow, MODEL.replace("128", "64")).unwrap();
     let other = dir.join("narrow.trace.json");
-    train_traced(&narrow, &other);
+    traced(&narrow, &other);
     let auto = ["compile", s(&model), "--strategy", "auto", "--workers", "4"];
     refused(
         &[
@@ -959,19 +969,10 @@ fn the_search_takes_its_op_times_from_a_trace_of_the_model() {
         .concat(),
         "not a trace of the model on one device",
     );
-    refused(
-        &[
-            "compile",
-            s(&model),
-            "--strategy",
-            "allreduce",
-            "--workers",
-            "4",
-            "--op-times",
-            s(&trace),
-            "-o",
-            s(&dir.join("ar.json")),
-        ],
+    refused_without_the_search(
+        &dir,
+        &model,
+        &["--op-times", s(&trace)],
         "--op-times prices the layout search's candidates",
     );
 }
@@ -986,16 +987,7 @@ fn the_search_prices_a_calibrated_link_as_simulate_does() {
     let (dir, _) = setup("search-calibrated");
     let model = dir.join("wide.dsl");
     let trace = dir.join("one.trace.json");
-    let o = distc(&[
-        "train",
-        s(&model),
-        "--steps",
-        "5",
-        "-q",
-        "--trace",
-        s(&trace),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
+    traced(&model, &trace);
     let cal = dir.join("cal.json");
     let o = distc(&[
         "calibrate",
@@ -1078,19 +1070,10 @@ fn the_search_prices_a_calibrated_link_as_simulate_does() {
     );
     let o = distc(&["run", s(&plan), "--steps", "1", "-q"]);
     assert!(o.status.success(), "{}", text(&o));
-    refused(
-        &[
-            "compile",
-            s(&model),
-            "--strategy",
-            "allreduce",
-            "--workers",
-            "4",
-            "--calibration",
-            &calibration,
-            "-o",
-            s(&dir.join("ar.json")),
-        ],
+    refused_without_the_search(
+        &dir,
+        &model,
+        &["--calibration", &calibration],
         "--calibration prices the layout search's candidates",
     );
 }

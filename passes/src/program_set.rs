@@ -363,20 +363,26 @@ impl ProgramSet {
                 });
             }
         }
-        for (var, dim) in &settings.shard {
-            // The whole variable's rank: the init program reads it whole (a ZeRO chunk
-            // of a part is flat), else the worker holds it or its part.
-            let rank = self
+        // The whole variable's rank: the init program reads it whole (a ZeRO chunk of
+        // a part is flat), else the worker holds it or its part. Found once for every
+        // name (a search per sharded variable is quadratic).
+        let mut ranks: HashMap<&str, usize> = HashMap::new();
+        if !settings.shard.is_empty() {
+            for (_, n, t) in self
                 .init
                 .iter()
                 .flat_map(|g| g.params())
                 .chain(self.worker.params())
-                .find(|(_, n, _)| {
-                    *n == var.as_str()
-                        || n.strip_suffix(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
-                            == Some(var.as_str())
-                })
-                .map(|(_, _, t)| t.shape.rank());
+            {
+                let whole = n
+                    .strip_suffix(crate::tensor_parallel::MODEL_SHARD_SUFFIX)
+                    .unwrap_or(n);
+                ranks.entry(whole).or_insert(t.shape.rank());
+                ranks.entry(n).or_insert(t.shape.rank());
+            }
+        }
+        for (var, dim) in &settings.shard {
+            let rank = ranks.get(var.as_str()).copied();
             match rank {
                 Some(r) if *dim < r => {}
                 Some(r) => {

@@ -191,9 +191,11 @@ pub fn rewrite(
             ..Rewritten::default()
         },
     };
+    let params = g.params();
+    let names: std::collections::HashSet<&str> = params.iter().map(|(_, n, _)| *n).collect();
     for var in split.keys() {
-        if !g.params().iter().any(|(_, n, _)| n == var) {
-            let known: Vec<&str> = g.params().into_iter().map(|(_, n, _)| n).collect();
+        if !names.contains(var.as_str()) {
+            let known: Vec<&str> = params.iter().map(|(_, n, _)| *n).collect();
             return Err(PassError::Precondition(format!(
                 "`{var}` is sharded, and the model has no variable of that name (it has {})",
                 known.join(", ")

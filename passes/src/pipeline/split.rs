@@ -184,6 +184,12 @@ pub fn split(g: &Graph, plan: &StagePlan, micro: usize) -> Result<Vec<StageGraph
         map: HashMap::new(),
         sent: HashSet::new(),
     };
+    // Each variable's node by name, found once (a search per gradient is quadratic).
+    let vars: HashMap<&str, NodeId> = g
+        .params()
+        .into_iter()
+        .map(|(id, name, _)| (name, id))
+        .collect();
     for id in g.topo_order() {
         let op = g.op(id);
         if op.is_source() {
@@ -198,7 +204,7 @@ pub fn split(g: &Graph, plan: &StagePlan, micro: usize) -> Result<Vec<StageGraph
             .collect::<Result<Vec<_>, _>>()?;
         if let Op::ParamGrad { param } = op {
             // The variable itself, which its gradient's program need not read.
-            if let Some((var, _, _)) = g.params().into_iter().find(|(_, n, _)| n == param) {
+            if let Some(&var) = vars.get(param.as_str()) {
                 b.value_in(at, var.into())?;
             }
         }
@@ -304,13 +310,6 @@ impl Pass for PipelineSplit {
                 "--accumulate {} with --pipeline: a pipeline's micro-batches accumulate \
                  already; give --micro-batches instead",
                 cfg.accumulate
-            )));
-        }
-        if cfg.zero > 0 {
-            return Err(PassError::Precondition(format!(
-                "--zero {} with --pipeline is not supported yet: each stage holds its own \
-                 variables whole",
-                cfg.zero
             )));
         }
         let plan = partition_with(&p.worker, stages, cfg.stage_marks.as_ref())
