@@ -219,7 +219,7 @@ pub fn search(
     // The model's batch b.
     let b = profiled[0].1.config.batch;
     let global = workers * b;
-    // Every candidate with the settings it is priced at (`None`: refused already).
+    // Every candidate, and those to price: (position, settings, profile).
     let mut candidates = Vec::new();
     let mut to_price: Vec<(usize, StrategyConfig, usize)> = Vec::new();
     for (k, (precision, _, _)) in profiled.iter().enumerate() {
@@ -253,7 +253,7 @@ pub fn search(
         }
     }
     // Priced on every core: each compile is independent. Each thread keeps the fastest
-    // plan it priced (the plans of a large model do not all fit in memory at once).
+    // plan it priced that fits (the plans of a large model do not all fit in memory).
     let priced = price_all(&to_price, memory_budget, |settings, i| {
         let (_, single, profile) = &profiled[to_price[i].2];
         price(
