@@ -321,13 +321,7 @@ impl StrategyConfig {
         if self.zero > 3 {
             return field("zero", "0, 1, 2 or 3", &self.zero);
         }
-        if self.zero > 0 && self.pipeline > 1 {
-            return Err(format!(
-                "--zero {} with --pipeline is not supported yet: each stage holds its own \
-                 variables whole",
-                self.zero
-            ));
-        }
+
         if !(1..=MAX_RANKS).contains(&self.pipeline) {
             return field("pipeline", &format!("in 1..={MAX_RANKS}"), &self.pipeline);
         }
@@ -361,6 +355,14 @@ impl StrategyConfig {
                 self.zero > 0 && (self.pipeline > 1 || self.model > 1) && self.data_workers() <= 1,
                 format!(
                     "--zero {} on a mesh of one data replica: ZeRO shards over the data axis",
+                    self.zero
+                ),
+            ),
+            (
+                self.zero > 0 && self.pipeline > 1,
+                format!(
+                    "--zero {} with --pipeline is not supported yet: each stage holds its \
+                     own variables whole",
                     self.zero
                 ),
             ),
