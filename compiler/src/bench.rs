@@ -354,6 +354,9 @@ pub struct CompileRow {
     pub total_s: f64,
     /// Each pass: (name, seconds of the pass, seconds of its verifier).
     pub pass_s: Vec<(String, f64, f64)>,
+    /// `search`: the candidates and the pick (the whole search is `total_s`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub search: Option<String>,
 }
 
 /// Nodes after autodiff of [`deep_model`] with `layers` layers: 11 per layer (matmul,
@@ -422,9 +425,11 @@ fn compile_config(
         "ps" => Strategy::Ps,
         "hybrid" => Strategy::Hybrid,
         "auto" => Strategy::Auto,
+        // The layout search over N workers (`compile --strategy auto --workers N`).
+        "search" => return Ok(c),
         other => bail!(
             "unknown strategy `{other}`; the strategies are single, allreduce, \
-             allreduce_dense, allreduce_zero3, ps, hybrid and auto"
+             allreduce_dense, allreduce_zero3, ps, hybrid, auto and search"
         ),
     };
     if matches!(c.strategy, Strategy::Ps | Strategy::Hybrid | Strategy::Auto) {
@@ -470,6 +475,59 @@ fn compile_once(src: &str, config: &distc_passes::placement::StrategyConfig) -> 
         plan_s: (total - compiled).as_secs_f64(),
         total_s: total.as_secs_f64(),
         pass_s,
+        search: None,
+    })
+}
+
+/// The layout search of `distc compile --strategy auto --workers N` on the model
+/// `src` (written to a folder of its own, which the search compiles from), timed
+/// whole: profiling, every candidate's compile and price, and the pick's plan.
+fn search_once(src: &str, workers: usize) -> Result<CompileRow> {
+    let dir = tempfile::tempdir().context("cannot make a temporary folder")?;
+    let file = dir.path().join("deep.dsl");
+    std::fs::write(&file, src).with_context(|| format!("cannot write {}", file.display()))?;
+    let opts = crate::CompileOptions {
+        strategy: distc_passes::placement::StrategyConfig {
+            strategy: distc_passes::placement::Strategy::Auto,
+            workers,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let pricing = crate::planner::Pricing {
+        op_times: crate::planner::OpTimes::Here { steps: 3 },
+        measured: Default::default(),
+        copy_bandwidth: None,
+    };
+    let start = std::time::Instant::now();
+    let (c, settings, search) =
+        crate::planner::search(&file, &opts, workers, None, None, &pricing, &[])
+            .map_err(anyhow::Error::msg)?;
+    let plan = crate::Plan::new(&c, "deep.dsl", &settings);
+    std::hint::black_box(serde_json::to_string_pretty(&plan)?);
+    let total_s = start.elapsed().as_secs_f64();
+    let pick = search.candidates.get(search.chosen).map(|c| c.label());
+    Ok(CompileRow {
+        strategy: String::new(),
+        layers: 0,
+        lowered_nodes: c.lowered_nodes,
+        autodiff_nodes: c
+            .records
+            .iter()
+            .find(|r| r.name == "autodiff")
+            .map_or(0, |r| r.nodes.1),
+        final_nodes: c.programs.worker.node_count(),
+        lower_s: 0.0,
+        passes_s: 0.0,
+        other_s: 0.0,
+        plan_s: 0.0,
+        total_s,
+        pass_s: Vec::new(),
+        search: Some(format!(
+            "{} candidates, picked {}",
+            search.candidates.len(),
+            pick.unwrap_or_default()
+        )),
     })
 }
 
@@ -490,7 +548,11 @@ pub fn run_compile(s: &CompileBenchSettings) -> Result<Vec<CompileRow>> {
         for (name, config) in &configs {
             let mut best: Option<CompileRow> = None;
             for _ in 0..s.runs.max(1) {
-                let r = compile_once(&src, config)?;
+                let r = if name == "search" {
+                    search_once(&src, config.workers)?
+                } else {
+                    compile_once(&src, config)?
+                };
                 if best.as_ref().is_none_or(|b| r.total_s < b.total_s) {
                     best = Some(r);
                 }
@@ -500,11 +562,14 @@ pub fn run_compile(s: &CompileBenchSettings) -> Result<Vec<CompileRow>> {
             r.layers = layers.max(1);
             let mut slow: Vec<&(String, f64, f64)> = r.pass_s.iter().collect();
             slow.sort_by(|a, b| (b.1 + b.2).total_cmp(&(a.1 + a.2)));
-            let slowest: Vec<String> = slow
-                .iter()
-                .take(3)
-                .map(|(n, p, v)| format!("{n} {:.0}", (p + v) * 1e3))
-                .collect();
+            let slowest: Vec<String> = match &r.search {
+                Some(pick) => vec![pick.clone()],
+                None => slow
+                    .iter()
+                    .take(3)
+                    .map(|(n, p, v)| format!("{n} {:.0}", (p + v) * 1e3))
+                    .collect(),
+            };
             crate::console::out(&format!(
                 "{:<16} {:>6} {:>7} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}\n",
                 r.strategy,

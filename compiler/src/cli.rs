@@ -610,7 +610,8 @@ pub struct BenchArgs {
     pub workloads: Vec<String>,
     /// Strategies: single, allreduce, allreduce_dense (sparse gradients densified:
     /// all-reduce everything), ps, hybrid, auto; with --compile also
-    /// allreduce_zero3 (ZeRO stage 3 and --accumulate 2). Default:
+    /// allreduce_zero3 (ZeRO stage 3 and --accumulate 2) and search (the layout
+    /// search of `compile --strategy auto --workers N`, timed whole). Default:
     /// single,allreduce_dense,allreduce,hybrid,ps; with --compile:
     /// single,allreduce,hybrid,allreduce_zero3.
     #[arg(long, value_delimiter = ',')]
@@ -711,44 +712,48 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     // grouping act on. A pipeline's replicas all-reduce in the stage loop, which has no
     // 16-bit wire nor hierarchy yet.
     let all_reduces = !single && a.strategy != Strategy::Ps && replicas > 1;
+    if a.op_times.is_some() && a.search_precision.len() > 1 {
+        bail!(
+            "--op-times is a trace at one precision: give --search-precision one precision, \
+             or none (the trace's, as --precision)"
+        );
+    }
+    // The layout search's own flags: what each does, and where one plan takes it instead.
+    let search_only = [
+        (
+            !a.search_precision.is_empty(),
+            "--search-precision lists the precisions the layout search chooses among",
+            None,
+        ),
+        (
+            a.op_times.is_some(),
+            "--op-times prices the layout search's candidates",
+            Some("`distc simulate --trace` prices one plan"),
+        ),
+        (
+            !a.calibration.is_empty(),
+            "--calibration prices the layout search's candidates",
+            Some("`distc simulate --calibration` prices one plan"),
+        ),
+        (
+            a.memory_per_worker.is_some(),
+            "--memory-per-worker is the layout search's budget",
+            None,
+        ),
+    ];
+    let searching = searches_layout(a);
+    let search_rules = search_only
+        .into_iter()
+        .map(|(given, what, instead)| Ignored {
+            given,
+            used: searching,
+            why: format!(
+                "{what}: give it with --strategy auto, --workers N and no servers, mesh or \
+             pipeline{}",
+                instead.map_or(String::new(), |i| format!(" ({i})"))
+            ),
+        });
     let rules = [
-        Ignored {
-            given: !a.search_precision.is_empty(),
-            used: searches_layout(a),
-            why: "--search-precision lists the precisions the layout search chooses among: \
-                  give it with --strategy auto, --workers N and no servers, mesh or pipeline"
-                .to_string(),
-        },
-        Ignored {
-            given: a.op_times.is_some(),
-            used: searches_layout(a),
-            why: "--op-times prices the layout search's candidates: give it with --strategy \
-                  auto, --workers N and no servers, mesh or pipeline (`distc simulate \
-                  --trace` prices one plan)"
-                .to_string(),
-        },
-        Ignored {
-            given: !a.calibration.is_empty(),
-            used: searches_layout(a),
-            why: "--calibration prices the layout search's candidates: give it with \
-                  --strategy auto, --workers N and no servers, mesh or pipeline (`distc \
-                  simulate --calibration` prices one plan)"
-                .to_string(),
-        },
-        Ignored {
-            given: a.op_times.is_some() && a.search_precision.len() > 1,
-            used: false,
-            why: "--op-times is a trace at one precision: give --search-precision one \
-                  precision, or none (the trace's, as --precision)"
-                .to_string(),
-        },
-        Ignored {
-            given: a.memory_per_worker.is_some(),
-            used: searches_layout(a),
-            why: "--memory-per-worker is the layout search's budget: give it with --strategy \
-                  auto, --workers N and no servers, mesh or pipeline"
-                .to_string(),
-        },
         Ignored {
             given: a.micro_batches > 1,
             used: stages > 1,
@@ -859,7 +864,7 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
                 .to_string(),
         },
     ];
-    match rules.into_iter().find(|r| r.given && !r.used) {
+    match search_rules.chain(rules).find(|r| r.given && !r.used) {
         Some(r) => bail!("{}", r.why),
         None => Ok(()),
     }
@@ -936,6 +941,8 @@ pub fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
         batch: a.batch,
         strategy: strategy_config(a),
         data_dir: data.map(Path::to_path_buf),
+        // A user's compile names the pass that broke a program.
+        verify: distc_passes::Verify::EveryPass,
     }
 }
 

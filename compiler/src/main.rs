@@ -294,6 +294,9 @@ fn error_chain(e: &anyhow::Error) -> String {
     text
 }
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     // Before anything allocates (data is loaded before the first executor exists) and
     // before any thread starts, so every block follows the same malloc settings.

@@ -8,7 +8,7 @@ use distc_ir::{Op, TensorType};
 use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
 use distc_passes::{
     known_pass_names, passes_for, run_pipeline, PassCx, PassRecord, PipelineError, ProgramRole,
-    ProgramSet,
+    ProgramSet, Verify,
 };
 use distc_runtime::run::data::{data_dir, DataSource};
 use distc_runtime::RunConfig;
@@ -33,6 +33,10 @@ pub struct CompileOptions {
     pub strategy: StrategyConfig,
     /// Data directory for the sparsity measurement (else `DISTC_DATA`).
     pub data_dir: Option<PathBuf>,
+    /// When the passes' output is verified: after each (a user's compile), or once at
+    /// the end (a search's candidates; a failure is then compiled again to name its
+    /// pass).
+    pub verify: Verify,
 }
 
 /// A compiled model.
@@ -286,6 +290,7 @@ pub fn compile(
             ..opts.strategy.clone()
         },
         measured_ids,
+        verify: opts.verify,
         ..Default::default()
     };
     let mut index = 0;
@@ -342,6 +347,22 @@ pub fn compile(
                 shards: cx.strategy.shard.clone(),
                 flops_per_sample,
             })
+        }
+        // A program that did not verify at the end (or a failure whose last good IR
+        // is asked for), pinned on its pass as a user's compile reports it. A pass's
+        // own refusal already names it.
+        Err(e)
+            if opts.verify == Verify::AtEnd
+                && (!e.programs.is_empty() || opts.dump_ir.is_some()) =>
+        {
+            compile(
+                file_name,
+                src,
+                &CompileOptions {
+                    verify: Verify::EveryPass,
+                    ..opts.clone()
+                },
+            )
         }
         Err(error) => {
             // Written only where the user asked for IR: nothing appears unasked.

@@ -15,6 +15,7 @@
 
 use crate::simulate::{self as sim, ComputeProfile, Links};
 use distc_passes::placement::{Link, Precision, RematPolicy, Strategy, StrategyConfig};
+use distc_passes::Verify;
 use distc_runtime::run::memory;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -164,6 +165,8 @@ pub fn search(
                 batch: Some(batch),
                 strategy: settings.clone(),
                 dump_ir: None,
+                // Dozens of plans of one model: each verified once, not after each pass.
+                verify: Verify::AtEnd,
                 ..opts.clone()
             },
         )
@@ -190,6 +193,7 @@ pub fn search(
                     ..base.clone()
                 },
                 dump_ir: None,
+                verify: Verify::AtEnd,
                 ..opts.clone()
             },
         )

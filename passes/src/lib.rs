@@ -44,6 +44,21 @@ pub struct PassCx {
     pub measured_ids: std::collections::HashMap<String, (f64, usize)>,
     /// The distribution decision, filled by the analysis and placement passes.
     pub dist: Option<placement::DistPlan>,
+    /// When the pass manager verifies the programs.
+    pub verify: Verify,
+}
+
+/// When [`run_pipeline`] verifies the programs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verify {
+    /// After every pass, keeping the set from before it: a failure names its pass and
+    /// hands back the last good set. What a user's compile does.
+    #[default]
+    EveryPass,
+    /// Once, after the last pass, keeping no copies: for a search that compiles many
+    /// plans of one model. A failure is not pinned on a pass (`last_good` is the set
+    /// as it was left); compile again with [`Verify::EveryPass`] to name it.
+    AtEnd,
 }
 
 /// Plain counters a pass reports, plus an optional note for the user.

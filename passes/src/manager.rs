@@ -5,7 +5,7 @@
 //! pass. The caller sees the set after every pass (for `--dump-ir`) and, when a pass
 //! fails or leaves an invalid program, gets the last good set back to write out.
 
-use crate::{Pass, PassCx, PassStats, ProgramRole, ProgramSet};
+use crate::{Pass, PassCx, PassStats, ProgramRole, ProgramSet, Verify};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -55,9 +55,9 @@ pub struct PipelineError {
     pub last_good: Box<ProgramSet>,
 }
 
-/// Runs `passes` in order on the program set `p`, verifying every program after each.
-/// `after` sees the set after each pass that ran; `stop_after` ends the pipeline after
-/// the named pass.
+/// Runs `passes` in order on the program set `p`, verifying every program after each
+/// (or once at the end: `cx.verify`). `after` sees the set after each pass that ran;
+/// `stop_after` ends the pipeline after the named pass.
 pub fn run_pipeline(
     p: &mut ProgramSet,
     passes: &[Box<dyn Pass>],
@@ -65,6 +65,7 @@ pub fn run_pipeline(
     stop_after: Option<&str>,
     mut after: impl FnMut(&str, &ProgramSet),
 ) -> Result<Vec<PassRecord>, PipelineError> {
+    let each = cx.verify == Verify::EveryPass;
     let mut records = Vec::new();
     for pass in passes {
         let name = pass.name();
@@ -72,7 +73,7 @@ pub fn run_pipeline(
             continue;
         }
         // Kept for the error only: one copy per pass, linear in the graph.
-        let before = p.clone();
+        let before = each.then(|| p.clone());
         let start = Instant::now();
         let nodes_before = p.worker.node_count();
         p.worker_notes.clear();
@@ -80,20 +81,14 @@ pub fn run_pipeline(
             pass: name.clone(),
             message: e.to_string(),
             programs: Vec::new(),
-            last_good: Box::new(before.clone()),
+            last_good: Box::new(before.clone().unwrap_or_else(|| p.clone())),
         })?;
         let time = start.elapsed();
         let checked = Instant::now();
-        let verified = p.verify();
-        let verify_time = checked.elapsed();
-        if let Err(e) = verified {
-            return Err(PipelineError {
-                pass: name,
-                message: e.to_string(),
-                programs: e.programs(),
-                last_good: Box::new(before),
-            });
+        if let Some(before) = before {
+            verified(p, &name, move || before)?;
         }
+        let verify_time = checked.elapsed();
         after(&name, p);
         records.push(PassRecord {
             name: name.clone(),
@@ -106,5 +101,29 @@ pub fn run_pipeline(
             break;
         }
     }
+    if !each {
+        let start = Instant::now();
+        let last = records
+            .last()
+            .map_or_else(|| "lower".to_string(), |r| r.name.clone());
+        verified(p, &last, || p.clone())?;
+        if let Some(r) = records.last_mut() {
+            r.verify = start.elapsed();
+        }
+    }
     Ok(records)
+}
+
+/// `p` verified, or the error naming `pass` with `last_good`.
+fn verified(
+    p: &ProgramSet,
+    pass: &str,
+    last_good: impl FnOnce() -> ProgramSet,
+) -> Result<(), PipelineError> {
+    p.verify().map_err(|e| PipelineError {
+        pass: pass.to_string(),
+        message: e.to_string(),
+        programs: e.programs(),
+        last_good: Box::new(last_good()),
+    })
 }

@@ -4,7 +4,9 @@
 
 use distc_ir::{parse, Graph, Op};
 use distc_passes::distribute::Distribute;
-use distc_passes::{run_pipeline, Pass, PassCx, PassError, PassStats, ProgramRole, ProgramSet};
+use distc_passes::{
+    run_pipeline, Pass, PassCx, PassError, PassStats, ProgramRole, ProgramSet, Verify,
+};
 
 fn program_set() -> ProgramSet {
     let worker = parse(
@@ -88,6 +90,34 @@ fn a_broken_server_program_is_caught_and_named() {
         *err.last_good, before,
         "last_good is the whole set before the pass"
     );
+}
+
+/// Verified once at the end (a search's compiles), a broken program is still caught;
+/// it is named after the last pass, and no copy of the set was kept.
+#[test]
+fn verified_at_the_end_a_broken_program_is_still_caught() {
+    let passes: Vec<Box<dyn Pass>> = vec![Box::new(BreakServer), Box::new(CountNodes)];
+    let mut cx = PassCx {
+        verify: Verify::AtEnd,
+        ..Default::default()
+    };
+    let mut p = program_set();
+    let err = run_pipeline(&mut p, &passes, &mut cx, None, |_, _| {})
+        .expect_err("the verifier at the end catches the broken server program");
+    assert_eq!(err.pass, "count_nodes");
+    assert_eq!(err.programs, [ProgramRole::Server(1)]);
+    assert_eq!(*err.last_good, p, "the set as it was left");
+    // A sound pipeline verified at the end keeps the records of every pass.
+    let mut p = program_set();
+    let records = run_pipeline(
+        &mut p,
+        &[Box::new(CountNodes) as Box<dyn Pass>],
+        &mut cx,
+        None,
+        |_, _| {},
+    )
+    .expect("runs");
+    assert_eq!(records.len(), 1);
 }
 
 #[test]

@@ -322,7 +322,8 @@ fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
 /// both receives and sends either way), and two stages two model ranks wide under
 /// GPipe. The messages are the host path's bytes: losses and weights equal a
 /// run whose messages go through the host, bitwise, and the CPU's within rounding;
-/// the metrics say which path each stage took.
+/// the metrics say which path each stage took, and that on NCCL no collective of the
+/// model axis goes through the host (the forward's run on a split communicator).
 #[test]
 fn pipeline_messages_go_device_to_device_on_nccl() {
     use distc_ir::pipeline::schedule::ScheduleKind;
@@ -380,6 +381,13 @@ fn pipeline_messages_go_device_to_device_on_nccl() {
                 for (s, st) in p.stages.iter().enumerate() {
                     assert_eq!(st.messages_on_device, on_device, "{what}: stage {s}");
                     assert!(st.bytes_sent > 0, "{what}: stage {s} sent nothing");
+                    // On NCCL both programs' model-axis collectives run on the device:
+                    // the forward's on a communicator split from the backward's.
+                    if on_device {
+                        assert_eq!(st.host_collectives, 0, "{what}: stage {s}");
+                    } else {
+                        assert_eq!(st.host_collectives > 0, model > 1, "{what}: stage {s}");
+                    }
                 }
             }
         }

@@ -417,6 +417,11 @@ pub trait DeviceCollectives: Device {
     ) -> Result<Started<Self::Value>, KernelError> {
         Ok(Started::Host(v))
     }
+    /// Whether [`DeviceCollectives::start_collective`] runs node `node`'s collective on
+    /// the backend's own communicator (else it goes through the host).
+    fn runs_collective(&self, _node: NodeId) -> bool {
+        false
+    }
     /// Payload bytes the backend's own communicator has sent and received, counted as
     /// the host communicators count them (cumulative).
     fn collective_bytes(&self) -> ByteCount {

@@ -178,6 +178,15 @@ impl<B: Backend> Executor<B> {
         &mut self.backend
     }
 
+    /// How many of its program's collectives run through the host (the worker's
+    /// communicator) rather than on the backend's own.
+    pub fn host_collectives(&self) -> usize {
+        self.schedule
+            .order()
+            .filter(|(id, op)| op.is_collective() && !self.backend.runs_collective(*id))
+            .count()
+    }
+
     /// Runs one step. `feeds` are the model inputs by name and `params` the variables
     /// by name; both are borrowed, never copied.
     pub fn run(

@@ -1249,17 +1249,30 @@ impl Device for CudaBackend {
     }
 }
 
+/// Whether `program` has collectives of the model axis (`model`) or of the data axis.
+pub(crate) fn has_collectives(program: &Graph, model: bool) -> bool {
+    program.node_ids().into_iter().any(|id| {
+        let op = program.op(id);
+        op.is_collective() && op.is_model_collective() == model
+    })
+}
+
 impl Kernels for CudaBackend {
     fn beside(&mut self, program: &Graph) -> Result<Option<CudaBackend>, KernelError> {
         Self::check_graph(program)?;
         self.bind()?;
         let dev = self.dev.sibling()?;
-        Ok(Some(Self::with_driver(
-            dev,
-            self.ordinal,
-            program,
-            self.opts,
-        )?))
+        let mut sibling = Self::with_driver(dev, self.ordinal, program, self.opts)?;
+        // Its collectives run on communicators split from this one's, axis by axis:
+        // every rank of an axis holds the same program, so all of them split alike.
+        // (Stage messages are sent by this backend, for both.)
+        if let (true, Some(comm)) = (has_collectives(program, false), self.nccl.as_mut()) {
+            sibling.nccl = Some(comm.split()?);
+        }
+        if let (true, Some(comm)) = (has_collectives(program, true), self.model_nccl.as_mut()) {
+            sibling.model_nccl = Some(comm.split()?);
+        }
+        Ok(Some(sibling))
     }
 
     fn prepare(&mut self, schedule: &Schedule) -> Result<(), KernelError> {
@@ -2534,6 +2547,10 @@ impl DeviceCollectives for CudaBackend {
             ptr: out,
             ty: out_ty,
         }))
+    }
+
+    fn runs_collective(&self, node: NodeId) -> bool {
+        self.nccl_runs(node)
     }
 
     fn sends_messages(&self) -> bool {

@@ -234,6 +234,10 @@ pub trait DeviceComm {
     /// Receives into the buffers `parts`, in order, what rank `peer` sent as one
     /// group, on the compute stream.
     fn recv(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError>;
+    /// A communicator of the same ranks for a sibling program on the same compute
+    /// stream ([`Driver::sibling`]), with its own stream, events and byte count. A
+    /// collective of this communicator: every rank splits, in the same order.
+    fn split(&mut self) -> Result<Box<dyn DeviceComm>, CudaError>;
 }
 
 fn blas_err(call: &'static str) -> impl Fn(cublas_result::CublasError) -> CudaError {
@@ -812,5 +816,12 @@ impl DeviceComm for CudarcComm {
 
     fn recv(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
         self.comm.point_to_point(peer, parts, false, &self.compute)
+    }
+
+    fn split(&mut self) -> Result<Box<dyn DeviceComm>, CudaError> {
+        Ok(Box::new(CudarcComm {
+            comm: self.comm.split()?,
+            compute: self.compute.clone(),
+        }))
     }
 }

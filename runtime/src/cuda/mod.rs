@@ -430,12 +430,7 @@ pub fn worker_backend(
         return Ok(backend);
     }
     // Every rank of an axis holds the same program, so all of them bootstrap alike.
-    let has = |model: bool| {
-        graph.node_ids().into_iter().any(|id| {
-            let op = graph.op(id);
-            op.is_collective() && op.is_model_collective() == model
-        })
-    };
+    let has = |model: bool| backend::has_collectives(graph, model);
     let crate::comm::Links {
         data,
         model,

@@ -334,6 +334,44 @@ impl NcclComm {
         })
     }
 
+    /// A second communicator of the same ranks, on a stream of its own (NCCL's
+    /// `ncclCommSplit`, one colour, the same order): for a second program of this
+    /// rank's worker (a pipeline stage's forward beside its backward), whose
+    /// collectives keep their own events and scratch. Every rank must split, in the
+    /// same order: it is a collective of this communicator.
+    pub fn split(&self) -> Result<NcclComm, CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv_err("cuCtxSetCurrent"))?;
+        let stream = self.ctx.new_stream().map_err(drv_err("cuStreamCreate"))?;
+        let key =
+            i32::try_from(self.rank).map_err(|_| CudaError::Invalid("rank too large".into()))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `self.raw` is a live communicator; `comm` is written by
+        // ncclCommSplit before it is read (on success only); a null config asks for
+        // the parent's.
+        #[allow(unsafe_code)]
+        let raw = unsafe {
+            // cudarc's safe wrapper is configured out for CUDA 13; the symbol is there.
+            nccl_sys::ncclCommSplit(self.raw.0, 0, key, comm.as_mut_ptr(), std::ptr::null_mut())
+                .result()
+                .map_err(nccl_err("ncclCommSplit"))?;
+            RawComm(comm.assume_init())
+        };
+        Ok(NcclComm {
+            raw,
+            scratch: HashMap::new(),
+            events: HashMap::new(),
+            compact: self.compact.clone(),
+            _module: self._module.clone(),
+            stream,
+            ctx: self.ctx.clone(),
+            rank: self.rank,
+            size: self.size,
+            bytes: ByteCount::default(),
+        })
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

@@ -135,6 +135,10 @@ pub struct StageStep {
     /// receive), not through the host.
     #[serde(default)]
     pub messages_on_device: bool,
+    /// How many of its programs' collectives (a model axis's, a replica's) run through
+    /// the host, not on the device's own communicator (NCCL): all of them on the CPU.
+    #[serde(default)]
+    pub host_collectives: usize,
 }
 
 /// One evaluation over the held-out data.

@@ -76,6 +76,9 @@ pub(crate) struct StageReport {
     /// Whether its messages to other stages went device to device.
     #[serde(default)]
     messages_on_device: bool,
+    /// Its programs' collectives that run through the host.
+    #[serde(default)]
+    host_collectives: usize,
     memory: MemoryByCategory,
     /// Its device and that device's peak, where the backend knows it.
     #[serde(default)]
@@ -878,6 +881,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
             bytes_sent: r.bytes_sent,
             bytes_received: r.bytes_received,
             messages_on_device: r.messages_on_device,
+            host_collectives: r.host_collectives,
         })
         .collect();
     let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
@@ -1810,6 +1814,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             bytes_sent: bytes.sent - self.last_bytes.sent,
             bytes_received: bytes.received - self.last_bytes.received,
             messages_on_device: self.bwd.backend().sends_messages(),
+            host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
             memory: ran.memory,
             peak: self.peak.clone(),
         };

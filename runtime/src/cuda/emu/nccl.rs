@@ -35,6 +35,8 @@ struct Group {
     turn: Condvar,
     mail: Mutex<HashMap<(usize, usize), Channel>>,
     posted: Condvar,
+    /// The communicators split from this one, in the order its ranks split it.
+    children: Mutex<Vec<Arc<Group>>>,
 }
 
 /// The messages from one rank to another not yet received, and how many were sent and
@@ -55,6 +57,30 @@ struct Round {
 }
 
 impl Group {
+    fn new(size: usize) -> Group {
+        Group {
+            size,
+            state: Mutex::new(Round::default()),
+            turn: Condvar::new(),
+            mail: Mutex::new(HashMap::new()),
+            posted: Condvar::new(),
+            children: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The `k`-th communicator split from this one: every rank's `k`-th split joins
+    /// the same (as `ncclCommSplit` of one colour).
+    fn child(&self, k: usize) -> Result<Arc<Group>, CudaError> {
+        let mut children = self
+            .children
+            .lock()
+            .map_err(|_| CudaError::Invalid("communicator split poisoned".into()))?;
+        while children.len() <= k {
+            children.push(Arc::new(Group::new(self.size)));
+        }
+        Ok(children[k].clone())
+    }
+
     /// Every rank's bytes, once every rank has given its own.
     fn exchange(
         &self,
@@ -212,6 +238,8 @@ pub struct CommCore {
     events: HashMap<NodeId, (Event, Event)>,
     group: Arc<Group>,
     bytes: ByteCount,
+    /// How many communicators this rank has split from this one.
+    splits: usize,
 }
 
 /// The rank's communicator, as the backend holds it.
@@ -271,15 +299,7 @@ impl EmuComm {
                 .lock()
                 .map_err(|_| CudaError::Invalid("communicator registry poisoned".into()))?;
             g.entry(id)
-                .or_insert_with(|| {
-                    Arc::new(Group {
-                        size,
-                        state: Mutex::new(Round::default()),
-                        turn: Condvar::new(),
-                        mail: Mutex::new(HashMap::new()),
-                        posted: Condvar::new(),
-                    })
-                })
+                .or_insert_with(|| Arc::new(Group::new(size)))
                 .clone()
         };
         if group.size != size {
@@ -297,6 +317,7 @@ impl EmuComm {
                 events: HashMap::new(),
                 group,
                 bytes: ByteCount::default(),
+                splits: 0,
             })),
             shared,
         })
@@ -589,6 +610,26 @@ impl DeviceComm for EmuComm {
         }
         core.bytes.received += want as u64;
         Ok(())
+    }
+
+    fn split(&mut self) -> Result<Box<dyn DeviceComm>, CudaError> {
+        let mut core = self.core.borrow_mut();
+        let group = core.group.child(core.splits)?;
+        core.splits += 1;
+        let stream = self.shared.borrow_mut().dev.stream();
+        Ok(Box::new(EmuComm {
+            core: Rc::new(RefCell::new(CommCore {
+                rank: core.rank,
+                size: core.size,
+                compute: core.compute,
+                stream,
+                events: HashMap::new(),
+                group,
+                bytes: ByteCount::default(),
+                splits: 0,
+            })),
+            shared: self.shared.clone(),
+        }))
     }
 }
 
