@@ -551,7 +551,7 @@ fn nccl_with_one_rank_trains_what_the_host_path_trains() {
                     losses.push(m.loss);
                     Ok(())
                 },
-                |_, comm| worker_backend(&c.programs.worker, cuda, 0, collectives, comm),
+                |site, comm| worker_backend(site, cuda, 0, collectives, comm),
             )
             .unwrap_or_else(|e| panic!("{name} {strategy:?} {collectives:?}: {e}"));
             (losses, report)

@@ -413,24 +413,26 @@ pub fn require_gpu(dirs: &LibDirs) -> Result<usize, CudaError> {
 }
 
 /// The backend of a worker of a distributed plan on GPU `ordinal`: a [`CudaBackend`]
-/// joined to an NCCL communicator per mesh axis whose collectives its program has
+/// joined to an NCCL communicator per mesh axis whose collectives its program (or the
+/// one beside it) has
 /// (and, for a pipeline stage, one among the stages, for its messages),
 /// when `collectives` allows it ([`nccl::bootstrap`] over that axis's host link in
 /// `links`), else one whose collectives go through the host. Every worker calls it on
 /// its own thread.
 pub fn worker_backend(
-    graph: &distc_ir::Graph,
+    site: crate::run::programs::Site<'_>,
     opts: CudaOptions,
     ordinal: usize,
     collectives: nccl::Collectives,
     links: crate::comm::Links<'_>,
 ) -> Result<CudaBackend, crate::core::error::RuntimeError> {
-    let mut backend = CudaBackend::new(ordinal, graph, opts)?;
+    let mut backend = CudaBackend::new(ordinal, site.program, opts)?;
     if collectives == nccl::Collectives::Host {
         return Ok(backend);
     }
-    // Every rank of an axis holds the same program, so all of them bootstrap alike.
-    let has = |model: bool| backend::has_collectives(graph, model);
+    // Every rank of an axis holds the same programs, so all of them bootstrap alike.
+    // The program beside this one shares its communicators (split from them).
+    let has = |model: bool| site.programs().any(|g| backend::has_collectives(g, model));
     let crate::comm::Links {
         data,
         model,

@@ -172,7 +172,7 @@ fn launch_checked(
             }
             let make = |site: Site<'_>, links: Links<'_>| -> Result<CudaBackend> {
                 let gpu_of = gpu.gpu_of(site.worker);
-                crate::cuda::worker_backend(site.program, cuda, gpu_of, collectives, links)
+                crate::cuda::worker_backend(site, cuda, gpu_of, collectives, links)
             };
             match transport {
                 TransportChoice::InProcess => {

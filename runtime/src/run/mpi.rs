@@ -800,13 +800,7 @@ fn run_worker_rank<B: Backend>(
             to_rank0.send(ctl, rep.step, Vec::new(), &rep)
         };
         let outcome = run_worker_on(setup(Box::new(report)), |links| {
-            make(
-                Site {
-                    worker: r,
-                    program: programs.worker,
-                },
-                links,
-            )
+            make(Site::of(r, programs.worker), links)
         })?;
         let _ = send_spans(ctl, r, outcome.spans, opts, mpi_run);
         return Ok(None);
@@ -826,13 +820,7 @@ fn run_worker_rank<B: Backend>(
             to_coordinator(rep)
         };
         run_worker_on(setup(Box::new(report)), |links| {
-            make(
-                Site {
-                    worker: r,
-                    program: programs.worker,
-                },
-                links,
-            )
+            make(Site::of(r, programs.worker), links)
         })
     };
     let outcome = drain_on_rank0(

@@ -1325,7 +1325,7 @@ impl<'a> Stage<'a> {
         report: &mut dyn FnMut(StageReport) -> Result<()>,
     ) -> Result<StageOutcome> {
         let (forward, backward) = (self.forward, self.backward);
-        let mut made = |program| {
+        let mut made = |program, beside| {
             let data = self
                 .hook
                 .replicas
@@ -1339,6 +1339,7 @@ impl<'a> Stage<'a> {
             let site = Site {
                 worker: self.worker,
                 program,
+                beside,
             };
             let stages = Some(&mut *self.comm as &mut dyn Communicator);
             make(
@@ -1352,13 +1353,13 @@ impl<'a> Stage<'a> {
         };
         // The forward runs beside the backward, on its device: the variables and the
         // batch are uploaded once, for both.
-        let mut backward_backend = made(backward)?;
+        let mut backward_backend = made(backward, Some(forward))?;
         let forward_backend = match backward_backend
             .beside(forward)
             .map_err(|e| backend_error(&backward_backend.name(), "adding the forward program", e))?
         {
             Some(b) => b,
-            None => made(forward)?,
+            None => made(forward, None)?,
         };
         let mut fwd = Executor::with_backend(self.forward, forward_backend)?;
         fwd.set_train_outputs(false);

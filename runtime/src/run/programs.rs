@@ -28,6 +28,26 @@ pub struct Site<'g> {
     pub worker: usize,
     /// The program the backend runs.
     pub program: &'g Graph,
+    /// The program that will run beside it on the same device (a pipeline stage's
+    /// forward, beside its backward: [`crate::core::backend::Kernels::beside`]), whose
+    /// collectives the backend's communicators must serve too.
+    pub beside: Option<&'g Graph>,
+}
+
+impl<'g> Site<'g> {
+    /// The worker program `program` of worker `worker`, alone on its device.
+    pub fn of(worker: usize, program: &'g Graph) -> Site<'g> {
+        Site {
+            worker,
+            program,
+            beside: None,
+        }
+    }
+
+    /// Its program, and the one beside it.
+    pub fn programs(&self) -> impl Iterator<Item = &'g Graph> {
+        std::iter::once(self.program).chain(self.beside)
+    }
 }
 
 pub use crate::comm::Links;

@@ -257,10 +257,7 @@ pub fn train_with<B: Backend>(
                     t0,
                     errors,
                 };
-                let site = Site {
-                    worker: rank,
-                    program: programs.worker,
-                };
+                let site = Site::of(rank, programs.worker);
                 run_worker_on(setup, |links| make(site, links))
             };
             (format!("worker-{rank}"), role)
