@@ -320,7 +320,26 @@ impl NcclComm {
             .map_err(nccl_err("ncclCommInitRank"))?;
             RawComm(comm.assume_init())
         };
-        Ok(NcclComm {
+        Ok(NcclComm::joined(
+            raw,
+            stream,
+            (compact, module),
+            ctx,
+            rank,
+            size,
+        ))
+    }
+
+    /// A communicator just joined (`raw`), with nothing issued yet.
+    fn joined(
+        raw: RawComm,
+        stream: Arc<CudaStream>,
+        (compact, module): (CudaFunction, Arc<CudaModule>),
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        size: usize,
+    ) -> NcclComm {
+        NcclComm {
             raw,
             scratch: HashMap::new(),
             events: HashMap::new(),
@@ -331,7 +350,7 @@ impl NcclComm {
             rank,
             size,
             bytes: ByteCount::default(),
-        })
+        }
     }
 
     /// A second communicator of the same ranks, on a stream of its own (NCCL's
@@ -358,18 +377,10 @@ impl NcclComm {
                 .map_err(nccl_err("ncclCommSplit"))?;
             RawComm(comm.assume_init())
         };
-        Ok(NcclComm {
-            raw,
-            scratch: HashMap::new(),
-            events: HashMap::new(),
-            compact: self.compact.clone(),
-            _module: self._module.clone(),
-            stream,
-            ctx: self.ctx.clone(),
-            rank: self.rank,
-            size: self.size,
-            bytes: ByteCount::default(),
-        })
+        let kernel = (self.compact.clone(), self._module.clone());
+        Ok(NcclComm::joined(
+            raw, stream, kernel, &self.ctx, self.rank, self.size,
+        ))
     }
 
     /// This rank.
