@@ -164,7 +164,7 @@ fn a_rank_that_dies_before_the_bootstrap_fails_the_others_instead_of_hanging() {
 }
 
 #[test]
-fn the_compaction_kernel_compiles_for_hopper() {
+fn the_compaction_and_interleaving_kernels_compile_for_hopper() {
     // DISTC_CUDA_LIB_DIR's folders, then the one scripts/install-nvrtc.sh fills.
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let dirs = LibDirs::from_env().with(root.join(".nvrtc/nvidia/cu13/lib"));
@@ -182,10 +182,14 @@ fn the_compaction_kernel_compiles_for_hopper() {
     )
     .expect("compiles");
     assert_eq!(&cubin[..4], b"\x7fELF");
-    let name = distc_runtime::cuda::nccl::COMPACT_KERNEL.as_bytes();
-    assert!(
-        cubin.windows(name.len()).any(|w| w == name),
-        "the CUBIN holds {}",
-        distc_runtime::cuda::nccl::COMPACT_KERNEL
-    );
+    for kernel in [
+        distc_runtime::cuda::nccl::COMPACT_KERNEL,
+        distc_runtime::cuda::nccl::INTERLEAVE_KERNEL,
+    ] {
+        let name = kernel.as_bytes();
+        assert!(
+            cubin.windows(name.len()).any(|w| w == name),
+            "the CUBIN holds {kernel}"
+        );
+    }
 }

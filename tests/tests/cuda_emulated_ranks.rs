@@ -9,6 +9,7 @@
 
 use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Precision, Strategy, StrategyConfig};
+use distc_runtime::core::backend::DeviceCollectives;
 use distc_runtime::core::config::OptimizerSpec;
 use distc_runtime::cuda::nccl::Collectives;
 use distc_runtime::cuda::{worker_backend, CudaOptions};
@@ -51,6 +52,11 @@ fn run_wired(
 /// Trains `name` under `strategy` on the CPU and on emulated GPUs (NCCL on every axis
 /// the plan has collectives on, CUDA graphs on), and compares.
 fn run_config(name: &str, strategy: StrategyConfig, what: &str) {
+    run_config_at(name, strategy, what, BATCH)
+}
+
+/// [`run_config`] at a batch of `batch`.
+fn run_config_at(name: &str, strategy: StrategyConfig, what: &str, batch: usize) {
     let n = strategy.workers;
     let model_axis = strategy.model > 1;
     let c = compile_file(
@@ -59,7 +65,7 @@ fn run_config(name: &str, strategy: StrategyConfig, what: &str) {
             strategy,
             // Every GPU thread runs on this machine's cores: a small batch keeps every
             // kernel and collective, and the comparisons, at a fraction of the time.
-            batch: Some(BATCH),
+            batch: Some(batch),
             ..Default::default()
         },
     )
@@ -92,22 +98,38 @@ fn run_config(name: &str, strategy: StrategyConfig, what: &str) {
         emulator: true,
     };
     let mut emu_losses = Vec::new();
+    let mut replays = Vec::new();
     let emu = train_with(
         c.programs(n),
         &config,
         &opts,
         &mut |m| {
             emu_losses.push(m.loss);
+            replays.push(m.cuda_graph);
             Ok(())
         },
         |site, links| {
             let b = worker_backend(site, emulated, site.worker, Collectives::Nccl, links)?;
-            // The model axis's collectives run on its own NCCL communicator.
+            // The model axis's collectives run on its own NCCL communicator, every one
+            // of them (none through the host), so the step is captured.
             assert_eq!(b.nccl_axes().1, model_axis, "{what}: model-axis NCCL");
+            let g = site.program;
+            for id in g.node_ids() {
+                if g.op(id).is_model_collective() {
+                    assert!(b.runs_collective(id), "{what}: {id} through the host");
+                }
+            }
             Ok(b)
         },
     )
     .unwrap_or_else(|e| panic!("{what} on emulated NCCL: {e}"));
+    if model_axis {
+        assert_eq!(
+            replays.last(),
+            Some(&true),
+            "{what}: the last step replayed"
+        );
+    }
     println!("{what}: emulated {emu_losses:?}\n{what}: cpu      {cpu_losses:?}");
     assert_eq!(emu_losses.len(), STEPS, "{what}");
     for (s, (a, b)) in emu_losses.iter().zip(&cpu_losses).enumerate() {
@@ -220,6 +242,39 @@ fn fp16_wire_reduce_scatters_with_zero_3() {
 // step captured into a CUDA graph and replayed.
 #[test]
 fn model_and_data_axes_on_nccl() {
+    // 10,000 classes a position: a small batch keeps the emulated kernels quick.
+    const LM_BATCH: usize = 4;
+    // lm vocabulary-parallel: the table split by rows, the output layer by columns,
+    // whose logits' gather has parts that are not contiguous in the whole (NCCL gathers
+    // them rank after rank; a kernel lays them into place).
+    let lm = StrategyConfig {
+        shard: [("emb".to_string(), 0), ("w2".to_string(), 1)].into(),
+        ..distc_tests::mesh(1, 2, 1, 1)
+    };
+    let c = compile_file(
+        &example("lm.dsl"),
+        &CompileOptions {
+            strategy: lm.clone(),
+            batch: Some(LM_BATCH),
+            ..Default::default()
+        },
+    )
+    .expect("lm compiles on a model axis");
+    let g = &c.programs.worker;
+    let split_inside = g.node_ids().into_iter().any(|id| {
+        let distc_ir::Op::ModelGather { dim, .. } = g.op(id) else {
+            return false;
+        };
+        let input = g.node(id).inputs[0];
+        g.tensor_type(input)
+            .dims()
+            .iter()
+            .take(*dim)
+            .product::<usize>()
+            > 1
+    });
+    assert!(split_inside, "lm's logits are gathered from column parts");
+    run_config_at("lm.dsl", lm, "lm vocabulary-parallel, model 2", LM_BATCH);
     let s = StrategyConfig {
         strategy: Strategy::Allreduce,
         workers: 4,

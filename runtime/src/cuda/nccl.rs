@@ -108,10 +108,27 @@ extern "C" __global__ void distc_nccl_compact_slices(
     float* o = (float*)(out + out_values) + (unsigned long long)dst * row;
     for (int j = threadIdx.x; j < row; j += blockDim.x) o[j] = src[j] * scale;
 }
+
+extern "C" __global__ void distc_nccl_interleave_parts(
+    const float* gathered, unsigned long long outer, unsigned long long row, int parts,
+    float* out)
+{
+    unsigned long long o = blockIdx.x;
+    int p = blockIdx.y;
+    const float* src = gathered + ((unsigned long long)p * outer + o) * row;
+    float* dst = out + (o * parts + p) * row;
+    for (unsigned long long j = threadIdx.x; j < row; j += blockDim.x) dst[j] = src[j];
+}
 "#;
 
 /// The compaction kernel's name in [`COMPACT_SOURCE`].
 pub const COMPACT_KERNEL: &str = "distc_nccl_compact_slices";
+
+/// The kernel that lays a model-axis gather's parts into place where they are not
+/// contiguous in the whole (a split dimension after the first): NCCL's all-gather
+/// leaves them rank after rank, `[parts, outer, row]`; the whole is
+/// `[outer, parts, row]`. In [`COMPACT_SOURCE`]'s module.
+pub const INTERLEAVE_KERNEL: &str = "distc_nccl_interleave_parts";
 
 fn nccl_err(call: &'static str) -> impl Fn(nccl_result::NcclError) -> CudaError {
     // NcclError's Debug text is only "NcclError": the code is its field.
@@ -254,14 +271,21 @@ struct Events {
     done: CudaEvent,
 }
 
+/// [`COMPACT_SOURCE`]'s kernels, loaded once a communicator (a split shares them).
+#[derive(Clone)]
+struct Kernels {
+    compact: CudaFunction,
+    interleave: CudaFunction,
+    _module: Arc<CudaModule>,
+}
+
 /// The NCCL communicator of one CUDA backend (see the module doc).
 pub struct NcclComm {
     // Dropped first: the communicator, then what it used.
     raw: RawComm,
     scratch: HashMap<NodeId, CudaSlice<u8>>,
     events: HashMap<NodeId, Events>,
-    compact: CudaFunction,
-    _module: Arc<CudaModule>,
+    kernels: Kernels,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     rank: usize,
@@ -297,9 +321,16 @@ impl NcclComm {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .map_err(drv_err("cuModuleLoadData"))?;
-        let compact = module
-            .load_function(COMPACT_KERNEL)
-            .map_err(drv_err("cuModuleGetFunction"))?;
+        let load = |name| {
+            module
+                .load_function(name)
+                .map_err(drv_err("cuModuleGetFunction"))
+        };
+        let kernels = Kernels {
+            compact: load(COMPACT_KERNEL)?,
+            interleave: load(INTERLEAVE_KERNEL)?,
+            _module: module.clone(),
+        };
         let mut internal = [0 as std::ffi::c_char; 128];
         for (i, b) in internal.iter_mut().zip(id) {
             *i = b as std::ffi::c_char;
@@ -320,21 +351,14 @@ impl NcclComm {
             .map_err(nccl_err("ncclCommInitRank"))?;
             RawComm(comm.assume_init())
         };
-        Ok(NcclComm::joined(
-            raw,
-            stream,
-            (compact, module),
-            ctx,
-            rank,
-            size,
-        ))
+        Ok(NcclComm::joined(raw, stream, kernels, ctx, rank, size))
     }
 
     /// A communicator just joined (`raw`), with nothing issued yet.
     fn joined(
         raw: RawComm,
         stream: Arc<CudaStream>,
-        (compact, module): (CudaFunction, Arc<CudaModule>),
+        kernels: Kernels,
         ctx: &Arc<CudaContext>,
         rank: usize,
         size: usize,
@@ -343,8 +367,7 @@ impl NcclComm {
             raw,
             scratch: HashMap::new(),
             events: HashMap::new(),
-            compact,
-            _module: module,
+            kernels,
             stream,
             ctx: ctx.clone(),
             rank,
@@ -377,9 +400,9 @@ impl NcclComm {
                 .map_err(nccl_err("ncclCommSplit"))?;
             RawComm(comm.assume_init())
         };
-        let kernel = (self.compact.clone(), self._module.clone());
+        let kernels = self.kernels.clone();
         Ok(NcclComm::joined(
-            raw, stream, kernel, &self.ctx, self.rank, self.size,
+            raw, stream, kernels, &self.ctx, self.rank, self.size,
         ))
     }
 
@@ -412,8 +435,9 @@ impl NcclComm {
             let contiguous = |dim: usize| t.dims().iter().take(dim).all(|&d| d == 1);
             return dtype == DType::F32
                 && match op {
-                    Op::ModelAllReduce { .. } => true,
-                    Op::ModelGather { dim, .. } => contiguous(*dim),
+                    // Parts that are not contiguous in the whole are laid into place
+                    // after the gather ([`NcclComm::interleaved`]).
+                    Op::ModelAllReduce { .. } | Op::ModelGather { .. } => true,
                     Op::ModelReduceScatter { dim, parts } => {
                         contiguous(*dim) && t.dims().get(*dim).is_some_and(|d| d % parts == 0)
                     }
@@ -440,6 +464,20 @@ impl NcclComm {
                         ValueType::Tensor(_),
                     ) | (Op::AllGather { .. }, ValueType::IndexedSlices { .. })
                 )
+    }
+
+    /// For a model-axis gather whose parts are not contiguous in the whole (a dimension
+    /// above 1 before the split one), `(outer, row)`: the whole is `[outer, parts,
+    /// row]` where NCCL's all-gather leaves `[parts, outer, row]` (`row`: a part's
+    /// elements from the split dimension on). `None` for every other collective.
+    pub(crate) fn interleaved(op: &Op, in_ty: &ValueType) -> Option<(usize, usize)> {
+        let (Op::ModelGather { dim, .. }, ValueType::Tensor(t)) = (op, in_ty) else {
+            return None;
+        };
+        let dims = t.dims();
+        let outer: usize = dims.iter().take(*dim).product();
+        let row: usize = dims.iter().skip(*dim).product();
+        (outer > 1).then_some((outer, row))
     }
 
     /// The data-axis collective NCCL runs for `op` (output type `out_ty`): itself, or
@@ -486,6 +524,41 @@ impl NcclComm {
         let buf = &self.scratch[&node];
         let (p, _guard) = buf.device_ptr(&self.stream);
         Ok(p)
+    }
+
+    /// Lays the parts NCCL gathered into `gathered`, rank after rank, into their places
+    /// in `output` ([`NcclComm::interleaved`]), on the communicator's stream.
+    fn interleave(
+        &self,
+        node: NodeId,
+        gathered: u64,
+        output: u64,
+        (outer, row): (usize, usize),
+    ) -> Result<(), CudaError> {
+        let parts = i32::try_from(self.size).map_err(|_| CudaError::Invalid("ranks".into()))?;
+        let grid_x = u32::try_from(outer)
+            .map_err(|_| CudaError::Invalid(format!("{node}: {outer} rows to interleave")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_x, self.size as u32, 1),
+            block_dim: (row.clamp(1, 256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (outer, row) = (outer as u64, row as u64);
+        let mut b = self.stream.launch_builder(&self.kernels.interleave);
+        b.arg(&gathered)
+            .arg(&outer)
+            .arg(&row)
+            .arg(&parts)
+            .arg(&output);
+        // SAFETY: the arguments are INTERLEAVE_KERNEL's parameters in order (pointers and
+        // 64-bit sizes as u64, an int); `gathered` and `output` each hold `outer parts
+        // row` f32, and the gather that wrote `gathered` ran before, on this stream.
+        #[allow(unsafe_code)]
+        unsafe { b.launch(cfg) }.map_err(|e| CudaError::Driver {
+            call: "cuLaunchKernel",
+            code: format!("{:?} (kernel {INTERLEAVE_KERNEL}, {node})", e.0),
+        })?;
+        Ok(())
     }
 
     /// Sends (`send`) or receives the buffers `parts` (address, bytes) to or from rank
@@ -566,6 +639,7 @@ impl NcclComm {
         output: u64,
         out_ty: &ValueType,
     ) -> Result<(), CudaError> {
+        let interleave = Self::interleaved(op, in_ty);
         let op = &Self::equivalent(op, out_ty);
         self.ctx
             .bind_to_thread()
@@ -675,7 +749,7 @@ impl NcclComm {
                 check_workers(op, *workers, n)?;
                 let chunk = elems(in_ty);
                 let total = elems(out_ty);
-                let recv = if chunk * n == total {
+                let recv = if chunk * n == total && interleave.is_none() {
                     output
                 } else {
                     self.scratch(node, 4 * chunk * n)?
@@ -693,7 +767,9 @@ impl NcclComm {
                     )
                 }
                 .map_err(nccl_err("ncclAllGather"))?;
-                if recv != output && total > 0 {
+                if let Some((outer, row)) = interleave {
+                    self.interleave(node, recv, output, (outer, row))?;
+                } else if recv != output && total > 0 {
                     // SAFETY: `output` holds `total <= chunk n` f32; after the gather on
                     // this stream.
                     #[allow(unsafe_code)]
@@ -739,7 +815,7 @@ impl NcclComm {
                     block_dim: (part.row.clamp(1, 256) as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = self.stream.launch_builder(&self.compact);
+                let mut b = self.stream.launch_builder(&self.kernels.compact);
                 b.arg(&recv)
                     .arg(&part_bytes)
                     .arg(&nnz)

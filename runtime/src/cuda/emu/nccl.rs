@@ -365,6 +365,7 @@ impl CommCore {
         (input, in_ty): (u64, &ValueType),
         (output, out_ty): (u64, &ValueType),
     ) -> Result<(), CudaError> {
+        let interleave = crate::cuda::nccl::NcclComm::interleaved(op, in_ty);
         let op = &crate::cuda::nccl::NcclComm::equivalent(op, out_ty);
         let (ready, done) = self.events[&node];
         dev.wait_event(self.stream, ready)?;
@@ -447,6 +448,15 @@ impl CommCore {
                 let total = elems(out_ty);
                 let mut v: Vec<f32> = all.iter().flat_map(|p| f32s(p)).collect();
                 v.resize(total, 0.0);
+                // Parts not contiguous in the whole, laid into place as the
+                // interleaving kernel lays them: `[parts, outer, row]` to `[outer,
+                // parts, row]`.
+                if let Some((outer, row)) = interleave {
+                    v = (0..outer)
+                        .flat_map(|o| (0..n).map(move |p| (p * outer + o) * row))
+                        .flat_map(|at| v[at..at + row].to_vec())
+                        .collect();
+                }
                 vec![(0, bytes_of(&v))]
             }
             (Op::AllGather { reduce: r, .. }, ValueType::IndexedSlices { .. }) => {
