@@ -91,6 +91,37 @@ pub trait Device {
     fn tensor_type(t: &Self::Tensor) -> TensorType;
 }
 
+/// What a backend is made for: a worker of the mesh and the program it will run on
+/// that backend (the worker program, or a pipeline stage's forward or backward). A
+/// device backend compiles its kernels for `program`.
+#[derive(Clone, Copy, Debug)]
+pub struct Site<'g> {
+    /// The worker (its rank in the plan's mesh).
+    pub worker: usize,
+    /// The program the backend runs.
+    pub program: &'g distc_ir::Graph,
+    /// The program that will run beside it on the same device (a pipeline stage's
+    /// forward, beside its backward: [`Kernels::beside`]), whose
+    /// collectives the backend's communicators must serve too.
+    pub beside: Option<&'g distc_ir::Graph>,
+}
+
+impl<'g> Site<'g> {
+    /// The worker program `program` of worker `worker`, alone on its device.
+    pub fn of(worker: usize, program: &'g distc_ir::Graph) -> Site<'g> {
+        Site {
+            worker,
+            program,
+            beside: None,
+        }
+    }
+
+    /// Its program, and the one beside it.
+    pub fn programs(&self) -> impl Iterator<Item = &'g distc_ir::Graph> {
+        std::iter::once(self.program).chain(self.beside)
+    }
+}
+
 /// Running the ops of a plan.
 pub trait Kernels: Device {
     /// A backend for another program of the same worker, on this one's device: each

@@ -420,7 +420,7 @@ pub fn require_gpu(dirs: &LibDirs) -> Result<usize, CudaError> {
 /// `links`), else one whose collectives go through the host. Every worker calls it on
 /// its own thread.
 pub fn worker_backend(
-    site: crate::run::programs::Site<'_>,
+    site: crate::core::backend::Site<'_>,
     opts: CudaOptions,
     ordinal: usize,
     collectives: nccl::Collectives,

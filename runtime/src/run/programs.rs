@@ -19,38 +19,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What a backend is made for: a worker of the mesh and the program it will run on
-/// that backend (the worker program, or a pipeline stage's forward or backward). A
-/// device backend compiles its kernels for `program`.
-#[derive(Clone, Copy, Debug)]
-pub struct Site<'g> {
-    /// The worker (its rank in the plan's mesh).
-    pub worker: usize,
-    /// The program the backend runs.
-    pub program: &'g Graph,
-    /// The program that will run beside it on the same device (a pipeline stage's
-    /// forward, beside its backward: [`crate::core::backend::Kernels::beside`]), whose
-    /// collectives the backend's communicators must serve too.
-    pub beside: Option<&'g Graph>,
-}
-
-impl<'g> Site<'g> {
-    /// The worker program `program` of worker `worker`, alone on its device.
-    pub fn of(worker: usize, program: &'g Graph) -> Site<'g> {
-        Site {
-            worker,
-            program,
-            beside: None,
-        }
-    }
-
-    /// Its program, and the one beside it.
-    pub fn programs(&self) -> impl Iterator<Item = &'g Graph> {
-        std::iter::once(self.program).chain(self.beside)
-    }
-}
-
 pub use crate::comm::Links;
+pub use crate::core::backend::Site;
 pub use crate::run::snapshot::StateSlot;
 
 /// The programs of a plan: the SPMD worker program (the one-device graph for one
