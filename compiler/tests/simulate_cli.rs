@@ -590,10 +590,12 @@ fn calibrate_flags_act_or_are_refused() {
     // A peer that did not answer within the timeout: status 75 (EX_TEMPFAIL), what
     // `distc launch` restarts on.
     assert_eq!(o.status.code(), Some(75), "{}", text(&o));
+    // Whichever rank timed out first (a race), its wait is named, not a peer's hang-up.
+    let t = text(&o);
     assert!(
-        text(&o).contains("rank 0: no message from rank 1"),
-        "{}",
-        text(&o)
+        t.contains("rank 0: no message from rank 1")
+            || t.contains("rank 1: no message from rank 0"),
+        "{t}"
     );
     let o = distc(&["calibrate", "--transport", "mpi", "--workers", "4"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));

@@ -137,17 +137,28 @@ pub fn sweep_in_process(
                 s.spawn(move || sweep(&mut c, sizes, reps))
             })
             .collect();
-        let mut results = handles.into_iter().map(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err(RuntimeError::Config("a calibration rank panicked".into())))
-        });
-        let first = results.next().unwrap_or_else(|| Ok(Sweep::default()))?;
-        // Every rank's error matters (rank 0's first: a timeout there makes the others
-        // see it hang up), rank 0's samples are the answer.
-        for r in results {
-            r?;
+        let results: Vec<Result<Sweep>> = handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Config("a calibration rank panicked".into()))
+                })
+            })
+            .collect();
+        let (sweeps, failed): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+        let mut errors: Vec<RuntimeError> = failed.into_iter().filter_map(Result::err).collect();
+        // The error that started it: a rank that timed out makes its peers see it hang
+        // up, and which rank times out first is a race.
+        let hung_up = |e: &RuntimeError| matches!(e.cause(), RuntimeError::Peer { message, .. } if message.contains("hung up"));
+        if !errors.is_empty() {
+            let cause = errors.iter().position(|e| !hung_up(e)).unwrap_or(0);
+            return Err(errors.swap_remove(cause));
         }
-        Ok(first)
+        // No rank failed: rank 0's samples are the answer.
+        sweeps
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Ok(Sweep::default()))
     })
 }
 
