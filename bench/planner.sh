@@ -26,9 +26,10 @@
 # N: how far the pick's measured step is from the fastest measured, and the median
 # prediction errors.
 #
-# The threads share this machine's cores: the simulator prices each worker on a
-# device of its own, so with more workers than cores the measured steps are slower
-# than predicted for every layout alike; the ranking is what the pick depends on.
+# The workers share this machine's cores. As `distc bench` measures (WORKLOADS.md),
+# each of N workers' matrix products run on cores / N threads (at least 1;
+# MATMUL_NUM_THREADS, exported to the search, the runs and every MPI rank, unless set
+# already), and the search prices the N workers sharing the cores as it profiled one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,13 +42,15 @@ out="${RESULTS:-$(mktemp -d)}"
 search_flags="${SEARCH_FLAGS:-}"
 [ -n "${PRECISIONS:-}" ] && search_flags="$search_flags --search-precision $PRECISIONS"
 transport="${TRANSPORT:-threads}"
+threads="${MATMUL_NUM_THREADS:-}"
+cores=$(nproc)
 say() { echo "[planner.sh] $*" >&2; }
 case "$transport" in
   threads) ;;
   mpi)
     root_flag=""
     [ "$(id -u)" = 0 ] && root_flag="--allow-run-as-root"
-    mpirun_cmd="${MPIRUN:-mpirun ${MPIRUN_ARGS:---oversubscribe $root_flag}}"
+    mpirun_cmd="${MPIRUN:-mpirun ${MPIRUN_ARGS:---oversubscribe $root_flag} -x MATMUL_NUM_THREADS}"
     ;;
   *) say "TRANSPORT is threads or mpi, not $transport"; exit 1 ;;
 esac
@@ -74,6 +77,7 @@ for model in $models; do
   [ -n "$dir" ] && data=(--data "$dir")
   for n in $workers; do
     tag="$name-$n"
+    export MATMUL_NUM_THREADS="${threads:-$(( cores / n > 0 ? cores / n : 1 ))}"
     # shellcheck disable=SC2086
     "$distc" compile "$model" --strategy auto --workers "$n" "${data[@]}" $search_flags \
       -o "$out/$tag.auto.json" 2> "$out/$tag.search.txt" >/dev/null
@@ -128,11 +132,11 @@ if stages and all("held" in s for s in stages):
 print(idx, label, float(predicted), int(g) / rate, int(memory), held, sep="\t")
 PY
     done < "$out/$tag.candidates.txt"
-    python3 - "$out/$tag.measured.txt" "$chosen" "$tag" "$transport" <<'PY'
+    python3 - "$out/$tag.measured.txt" "$chosen" "$tag" "$transport" "$MATMUL_NUM_THREADS" <<'PY'
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 chosen, tag = sys.argv[2], sys.argv[3]
-print(f"\n{tag} ({sys.argv[4]}): {len(rows)} layouts priced and measured")
+print(f"\n{tag} ({sys.argv[4]}, products on {sys.argv[5]} thread(s) a worker): {len(rows)} layouts priced and measured")
 print(f"{'':2}{'layout':<34} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
 errs, merrs = [], []
 for idx, label, p, m, pm, mm in rows:

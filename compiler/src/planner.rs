@@ -203,7 +203,16 @@ pub fn search(
             .unwrap_or_else(distc_runtime::comm::calibrate::copy_bandwidth);
         let profile = match pricing.op_times {
             OpTimes::Here { steps } => {
-                sim::profile_here(&single, steps, opts.data_dir.as_deref(), copies)?
+                // The layouts' workers run on machines like this one: sharing a node's
+                // cores, they are priced slower than the one profiled alone.
+                let mut p = sim::profile_here(&single, steps, opts.data_dir.as_deref(), copies)?;
+                let cores = sim::Cores::here();
+                p.source += &format!(
+                    "; a node's workers share its {} cores, products on {} thread(s) each",
+                    cores.cores, cores.product_threads
+                );
+                p.cores = Some(cores);
+                p
             }
             OpTimes::Trace(path) => {
                 let spans = sim::read_trace(path)?;

@@ -342,6 +342,98 @@ pub struct ComputeProfile {
     pub measured_step: f64,
     /// Bytes per second of a copy: the cost of an op of a kind never measured.
     pub copy_bandwidth: f64,
+    /// The cores the profiled worker had, where the priced workers share a node of
+    /// this machine's kind (a CPU profile made here); `None` prices each worker on a
+    /// device of its own (a GPU's trace).
+    pub cores: Option<Cores>,
+}
+
+/// A CPU node's cores, and the threads a profiled worker's matrix products ran on:
+/// what prices several workers sharing one node. A profile times one worker alone;
+/// `k` workers computing at once on `C` cores give an op of `r` threads
+/// `C / (k r)` of its cores when they are oversubscribed, so it takes
+/// `max(1, k r / C)` times as long (a linear speedup in threads assumed).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cores {
+    /// The node's cores.
+    pub cores: usize,
+    /// Threads a matrix product runs on (`MATMUL_NUM_THREADS`, else every core; one
+    /// value a process, read where the workers run as where they were profiled).
+    pub product_threads: usize,
+}
+
+impl Cores {
+    /// This machine's, as this process's products have them.
+    pub fn here() -> Cores {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let product_threads = std::env::var("MATMUL_NUM_THREADS")
+            .ok()
+            .and_then(|t| t.trim().parse::<usize>().ok())
+            .filter(|&t| t > 0)
+            .map_or(cores, |t| t.min(cores));
+        Cores {
+            cores,
+            product_threads,
+        }
+    }
+
+    /// How many times longer an op of `threads` threads in the profile, `run_threads`
+    /// in the run, takes with `busy` workers of the node computing at once.
+    fn slowdown(&self, threads: usize, run_threads: usize, busy: f64) -> f64 {
+        let (c, r) = (self.cores.max(1) as f64, run_threads.max(1) as f64);
+        threads.max(1) as f64 / r * (busy * r / c).max(1.0)
+    }
+
+    /// The rayon threads of a large dense update among `workers` in all: every core
+    /// where there are more cores than workers, else the worker's own thread
+    /// (`Optimizer::set_parallel`, as the step loop sets it).
+    fn update_threads(&self, workers: usize) -> usize {
+        if self.cores > workers {
+            self.cores
+        } else {
+            1
+        }
+    }
+}
+
+/// How the workers of a priced run share their node's cores: those computing at once
+/// beside an op of one of them (itself included), and the workers of the run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sharing {
+    pub busy: f64,
+    pub workers: usize,
+}
+
+impl Sharing {
+    /// No sharing: every worker alone on its node.
+    pub const ALONE: Sharing = Sharing {
+        busy: 1.0,
+        workers: 1,
+    };
+
+    /// `cfg`'s workers all computing at once: a node holds `--ranks-per-node` of them,
+    /// or all of them when the plan has no nodes (threads or ranks of one machine).
+    pub fn all_busy(cfg: &StrategyConfig) -> Sharing {
+        let workers = workers_of(cfg);
+        Sharing {
+            busy: workers_per_node(cfg) as f64,
+            workers,
+        }
+    }
+}
+
+/// Every worker of `cfg`'s layout: D x T x P.
+fn workers_of(cfg: &StrategyConfig) -> usize {
+    cfg.data_workers() * cfg.model.max(1) * cfg.pipeline.max(1)
+}
+
+/// The workers of `cfg` on one node: its `--ranks-per-node`, else all of them.
+fn workers_per_node(cfg: &StrategyConfig) -> usize {
+    let all = workers_of(cfg);
+    match cfg.ranks_per_node {
+        0 => all,
+        l => l.min(all),
+    }
 }
 
 /// An op's identity for its cost: the op with its attributes, its input types and its
@@ -361,13 +453,23 @@ pub fn signature(g: &Graph, id: NodeId) -> String {
 /// the product kinds (a matmul split over a model axis reads fewer elements for the
 /// same FLOPs), the elements read and written for the rest.
 fn work(g: &Graph, id: NodeId) -> f64 {
-    match g.op(id) {
-        Op::MatMul { .. }
-        | Op::Conv2d { .. }
-        | Op::Conv2dGradInput { .. }
-        | Op::Conv2dGradFilter { .. } => distc_passes::cost::node_flops(g, id),
-        _ => elements(g, id),
+    if is_product(g.op(id)) {
+        distc_passes::cost::node_flops(g, id)
+    } else {
+        elements(g, id)
     }
+}
+
+/// The matrix products: the ops whose time goes with FLOPs, and which run on the
+/// product's threads.
+fn is_product(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::MatMul { .. }
+            | Op::Conv2d { .. }
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradFilter { .. }
+    )
 }
 
 /// Elements an op reads and writes.
@@ -458,6 +560,7 @@ impl ComputeProfile {
             },
             measured_step: median(&mut steps),
             copy_bandwidth,
+            cores: None,
         })
     }
 
@@ -500,6 +603,42 @@ impl ComputeProfile {
             }
         }
         (elements(g, id) * 4.0 / self.copy_bandwidth.max(1.0), "copy")
+    }
+
+    /// [`Self::op_seconds`] with the node's cores shared as `sharing` says: a product
+    /// on its threads, any other op on one.
+    pub fn shared_op_seconds(
+        &self,
+        g: &Graph,
+        id: NodeId,
+        sharing: Sharing,
+    ) -> (f64, &'static str) {
+        let (t, how) = self.op_seconds(g, id);
+        let Some(cores) = self.cores else {
+            return (t, how);
+        };
+        let threads = if is_product(g.op(id)) {
+            cores.product_threads
+        } else {
+            1
+        };
+        (t * cores.slowdown(threads, threads, sharing.busy), how)
+    }
+
+    /// Seconds of the optimizer applying `g`'s gradients, the cores shared as
+    /// `sharing` says: profiled alone, a large update ran on every core.
+    pub fn update_seconds(&self, g: &Graph, sharing: Sharing) -> f64 {
+        let t = self.optimizer_per_byte * applied_bytes(g);
+        match self.cores {
+            Some(cores) => {
+                let (profiled, run) = (
+                    cores.update_threads(1),
+                    cores.update_threads(sharing.workers),
+                );
+                t * cores.slowdown(profiled, run, sharing.busy)
+            }
+            None => t,
+        }
     }
 }
 
@@ -824,6 +963,12 @@ fn comm_seconds(
 /// not fit in one node (within one otherwise), and then each stage's collectives among
 /// its replicas (its gradients are ready only at its last backward) and its update.
 /// The step is the last stage's to finish.
+///
+/// Where the workers share a node's cores ([`ComputeProfile::cores`]), the stages are
+/// not all busy at once: the schedule is first replayed with each worker alone, and
+/// then again with each op slowed by the workers its own stage's work overlaps, on
+/// average, `1 + (L - 1) (1 - bubble)` of the node's L (the bubble of the first
+/// replay).
 pub fn simulate_pipeline(
     pp: &distc_ir::pipeline::PipelineProgram,
     single: &Graph,
@@ -831,6 +976,43 @@ pub fn simulate_pipeline(
     links: Links,
     profile: &ComputeProfile,
     memory_per_worker: u128,
+) -> Result<Simulation, String> {
+    let all = Sharing::all_busy(cfg);
+    if profile.cores.is_none() || all.busy <= 1.0 {
+        return replay_pipeline(pp, single, cfg, links, profile, memory_per_worker, all);
+    }
+    let alone = Sharing { busy: 1.0, ..all };
+    let first = replay_pipeline(
+        pp,
+        single,
+        cfg,
+        links.clone(),
+        profile,
+        memory_per_worker,
+        alone,
+    )?;
+    let bubble = first.pipeline.as_ref().map_or(0.0, |p| p.bubble);
+    let busy = 1.0 + (all.busy - 1.0) * (1.0 - bubble).clamp(0.0, 1.0);
+    replay_pipeline(
+        pp,
+        single,
+        cfg,
+        links,
+        profile,
+        memory_per_worker,
+        Sharing { busy, ..all },
+    )
+}
+
+/// One replay of [`simulate_pipeline`] with the node's cores shared as `sharing` says.
+fn replay_pipeline(
+    pp: &distc_ir::pipeline::PipelineProgram,
+    single: &Graph,
+    cfg: &StrategyConfig,
+    links: Links,
+    profile: &ComputeProfile,
+    memory_per_worker: u128,
+    sharing: Sharing,
 ) -> Result<Simulation, String> {
     use distc_ir::pipeline::schedule;
     let no_rows = HashMap::new();
@@ -846,7 +1028,7 @@ pub fn simulate_pipeline(
             } else if op.is_collective() {
                 tail.push(id);
             } else if !op.is_communication() {
-                let (t, how) = profile.op_seconds(g, id);
+                let (t, how) = profile.shared_op_seconds(g, id, sharing);
                 tally(&mut counts, how);
                 compute += t;
             }
@@ -918,7 +1100,7 @@ pub fn simulate_pipeline(
             at += seconds;
             comm_total[s] += seconds;
         }
-        stage_end.push(at + profile.optimizer_per_byte * applied_bytes(&st.backward));
+        stage_end.push(at + profile.update_seconds(&st.backward, sharing));
     }
     let step = stage_end.iter().copied().fold(0.0, f64::max);
     // The worker of the stage that ends the step.
@@ -928,7 +1110,7 @@ pub fn simulate_pipeline(
     );
     let m = pp.micro_batches as f64;
     let (f, b) = &priced[c];
-    let optimizer = profile.optimizer_per_byte * applied_bytes(&pp.stages[c].backward);
+    let optimizer = profile.update_seconds(&pp.stages[c].backward, sharing);
     let compute = m * (f.0 + b.0) + optimizer;
     let messages = |s: usize| {
         let before = if s > 0 {
@@ -1003,6 +1185,8 @@ pub fn simulate(
         (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let mut counts = (0, 0, 0);
     let mut comms = Vec::new();
+    // Every worker computes its step at once (no pipeline bubbles).
+    let sharing = Sharing::all_busy(cfg);
     for id in g.topo_order() {
         let node = g.node(id);
         let ready = node
@@ -1037,7 +1221,7 @@ pub fn simulate(
                 end: start + seconds,
             });
         } else {
-            let (t, how) = profile.op_seconds(g, id);
+            let (t, how) = profile.shared_op_seconds(g, id, sharing);
             tally(&mut counts, how);
             if ready > clock {
                 waited += ready - clock;
@@ -1051,7 +1235,7 @@ pub fn simulate(
     // The step's last collectives (a sink reads nothing back) end it too.
     let end = done.values().copied().fold(clock, f64::max);
     waited += end - clock;
-    let optimizer = profile.optimizer_per_byte * applied_bytes(g);
+    let optimizer = profile.update_seconds(g, sharing);
     let step = end + optimizer;
     let single_step = profile.one_device_step(single);
     let server_comm = comms
@@ -1807,5 +1991,134 @@ train {
             (elements(g, relu) * 4.0 / 1e9, "copy")
         );
         assert!(ComputeProfile::from_spans(g, &[], 0, 1e9, "empty".into()).is_err());
+    }
+
+    /// The seconds of `g`'s products and of its other ops, priced by `p` as `sharing`.
+    fn products_and_others(p: &ComputeProfile, g: &Graph, sharing: Sharing) -> (f64, f64) {
+        let (mut products, mut others) = (0.0, 0.0);
+        for id in g.topo_order() {
+            if g.op(id).is_communication() {
+                continue;
+            }
+            let t = p.shared_op_seconds(g, id, sharing).0;
+            if is_product(g.op(id)) {
+                products += t;
+            } else {
+                others += t;
+            }
+        }
+        (products, others)
+    }
+
+    fn sharing_cores(cores: usize, product_threads: usize) -> ComputeProfile {
+        ComputeProfile {
+            cores: Some(Cores {
+                cores,
+                product_threads,
+            }),
+            ..profile()
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * a.abs().max(b.abs()).max(1e-9)
+    }
+
+    #[test]
+    fn workers_sharing_a_nodes_cores_are_priced_by_how_many_compute_at_once() {
+        let cfg = allreduce(4, 0, 25.0);
+        let c = compiled(&cfg);
+        let g = &c.programs.worker;
+        let all = Sharing::all_busy(&cfg);
+        assert_eq!(
+            all,
+            Sharing {
+                busy: 4.0,
+                workers: 4
+            }
+        );
+        let (products, others) = products_and_others(&profile(), g, all);
+        assert!(products > 0.0 && others > 0.0);
+        // Four workers of one thread on two cores: every op twice as long.
+        let (p, o) = products_and_others(&sharing_cores(2, 1), g, all);
+        assert!(
+            close(p, 2.0 * products) && close(o, 2.0 * others),
+            "{p} {o}"
+        );
+        // Products on two threads each: eight threads on two cores.
+        let (p, o) = products_and_others(&sharing_cores(2, 2), g, all);
+        assert!(
+            close(p, 4.0 * products) && close(o, 2.0 * others),
+            "{p} {o}"
+        );
+        // Two workers a node: a core each, as the profile's worker had.
+        let two = Sharing::all_busy(&allreduce(4, 2, 25.0));
+        assert_eq!(two.busy, 2.0);
+        let (p, o) = products_and_others(&sharing_cores(2, 1), g, two);
+        assert!(close(p, products) && close(o, others), "{p} {o}");
+        // The update: profiled alone on both cores (rayon), run on the worker's own
+        // thread among four workers.
+        let update = profile().update_seconds(g, all);
+        assert!(update > 0.0);
+        assert!(close(
+            sharing_cores(2, 1).update_seconds(g, two),
+            2.0 * update
+        ));
+        assert!(close(
+            sharing_cores(2, 1).update_seconds(g, all),
+            4.0 * update
+        ));
+        // The step is priced so: no communication is exposed on a free link.
+        let single = compiled(&StrategyConfig::default());
+        let free = Links::new(link(1e15, 0.0), link(1e15, 0.0));
+        let step = |p: &ComputeProfile| {
+            simulate(
+                g,
+                &single.programs.worker,
+                &cfg,
+                free.clone(),
+                p,
+                &HashMap::new(),
+                0,
+            )
+            .compute
+        };
+        let alone = step(&profile());
+        assert!(close(alone, products + others + update), "{alone}");
+        let shared = step(&sharing_cores(2, 1));
+        assert!(
+            close(shared, 2.0 * (products + others) + 4.0 * update),
+            "{shared}"
+        );
+    }
+
+    #[test]
+    fn a_pipelines_stages_share_the_cores_only_outside_its_bubble() {
+        let cfg = StrategyConfig {
+            pipeline: 2,
+            micro_batches: 2,
+            ..Default::default()
+        };
+        let c = compiled(&cfg);
+        let pp = c.programs.pipeline.as_ref().expect("a pipeline");
+        let single = compiled(&StrategyConfig::default());
+        let free = Links::new(link(1e15, 0.0), link(1e15, 0.0));
+        let sim = |p: &ComputeProfile| {
+            simulate_pipeline(pp, &single.programs.worker, &cfg, free.clone(), p, 0)
+                .expect("simulates")
+                .pipeline
+                .expect("a pipeline")
+        };
+        let alone = sim(&profile());
+        assert!(alone.bubble > 0.1 && alone.bubble < 0.9, "{}", alone.bubble);
+        // Two stages on one core: each op shares it with the other stage as long as
+        // that one computes, 1 - bubble of the time.
+        let shared = sim(&sharing_cores(1, 1));
+        let factor = 2.0 - alone.bubble;
+        for (a, s) in alone.forward.iter().zip(&shared.forward) {
+            assert!(close(*s, factor * a), "{s} against {a} x {factor}");
+        }
+        // A core a stage: as alone.
+        assert_eq!(sim(&sharing_cores(2, 1)).forward, alone.forward);
     }
 }

@@ -26,6 +26,7 @@ pub mod mpi;
 pub use inprocess::{in_process, InProcessComm};
 
 use crate::core::error::RuntimeError;
+use zerocopy::IntoBytes;
 
 pub use crate::core::value::ByteCount;
 
@@ -268,15 +269,23 @@ fn exchange_at(
     }
 }
 
-fn f32_bytes(xs: &[f32]) -> Vec<u8> {
-    xs.iter().flat_map(|x| x.to_le_bytes()).collect()
+// The wire is little-endian, as every machine we run on is: a tensor's memory is its
+// bytes on the wire.
+const _: () = assert!(cfg!(target_endian = "little"));
+
+/// The wire bytes of `xs` (little-endian), in one copy.
+pub fn wire_bytes<T: zerocopy::IntoBytes + zerocopy::Immutable>(xs: &[T]) -> Vec<u8> {
+    xs.as_bytes().to_vec()
 }
 
-fn f32s_of(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+/// The values of wire bytes `bytes` (little-endian; any alignment), in one copy; a
+/// trailing part of a value is left out.
+pub fn from_wire<T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone>(bytes: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>().max(1);
+    let n = bytes.len() / size;
+    let mut out = vec![T::new_zeroed(); n];
+    out.as_mut_bytes().copy_from_slice(&bytes[..n * size]);
+    out
 }
 
 /// A ring reduce-scatter over `ring` (ranks in ring order; this rank is `ring[pos]`):
@@ -294,9 +303,9 @@ fn ring_reduce_scatter(
     for s in 0..m.saturating_sub(1) {
         let send_c = (pos + 2 * m - s - 1) % m;
         let recv_c = (pos + 2 * m - s - 2) % m;
-        let out = f32_bytes(&buf[chunk_range(len, m, send_c)]);
+        let out = wire_bytes(&buf[chunk_range(len, m, send_c)]);
         sent += out.len() as u64;
-        let theirs = f32s_of(&exchange_at(comm, pos, (next, out), prev)?);
+        let theirs = from_wire::<f32>(&exchange_at(comm, pos, (next, out), prev)?);
         let range = chunk_range(len, m, recv_c);
         if theirs.len() != range.len() {
             return Err(RuntimeError::Config(format!(
@@ -324,9 +333,9 @@ fn ring_all_gather(
     for s in 0..m.saturating_sub(1) {
         let send_c = (pos + m - s) % m;
         let recv_c = (pos + 2 * m - s - 1) % m;
-        let out = f32_bytes(&buf[chunk_range(len, m, send_c)]);
+        let out = wire_bytes(&buf[chunk_range(len, m, send_c)]);
         sent += out.len() as u64;
-        let theirs = f32s_of(&exchange_at(comm, pos, (next, out), prev)?);
+        let theirs = from_wire::<f32>(&exchange_at(comm, pos, (next, out), prev)?);
         let range = chunk_range(len, m, recv_c);
         if theirs.len() != range.len() {
             return Err(RuntimeError::Config(format!(

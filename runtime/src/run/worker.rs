@@ -14,7 +14,7 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
-use crate::comm::{ByteCount, Communicator};
+use crate::comm::{from_wire, wire_bytes, ByteCount, Communicator};
 use crate::core::backend::{all_to_host, backend_error, upload_all, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
+use zerocopy::IntoBytes;
 
 /// One worker's account of one step.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -424,16 +425,12 @@ pub(crate) fn model_collective(
         Op::ModelGather { dim, .. } => {
             a = a.as_standard_layout().into_owned();
             let shape = a.shape().to_vec();
-            let mine: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let mine = wire_bytes(a.as_slice().unwrap_or_default());
             let parts = comm
                 .all_gather(mine)?
                 .into_iter()
                 .map(|p| {
-                    let v: Vec<f32> = p
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect();
-                    ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(shape_err)
+                    ArrayD::from_shape_vec(IxDyn(&shape), from_wire::<f32>(&p)).map_err(shape_err)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
@@ -464,29 +461,16 @@ fn set_ranks<B: Backend>(
     exec.set_model_rank(model_rank);
 }
 
-/// `a` as rank `root` holds it, on every rank: its elements broadcast as little-endian
-/// bytes of `N` each.
-fn broadcast_array<T, const N: usize>(
-    comm: &mut dyn Communicator,
-    a: &ArrayD<T>,
-    root: usize,
-    to_bytes: fn(T) -> [u8; N],
-    from_bytes: fn([u8; N]) -> T,
-) -> Result<ArrayD<T>>
+/// `a` as rank `root` holds it, on every rank: its elements broadcast as their wire
+/// bytes.
+fn broadcast_array<T>(comm: &mut dyn Communicator, a: &ArrayD<T>, root: usize) -> Result<ArrayD<T>>
 where
-    T: Copy,
+    T: Clone + zerocopy::FromBytes + zerocopy::IntoBytes + zerocopy::Immutable,
 {
-    let mut bytes: Vec<u8> = a.iter().flat_map(|&x| to_bytes(x)).collect();
+    let a = a.as_standard_layout();
+    let mut bytes = wire_bytes(a.as_slice().unwrap_or_default());
     comm.broadcast(&mut bytes, root)?;
-    let v: Vec<T> = bytes
-        .chunks_exact(N)
-        .map(|c| {
-            let mut b = [0u8; N];
-            b.copy_from_slice(c);
-            from_bytes(b)
-        })
-        .collect();
-    ArrayD::from_shape_vec(IxDyn(a.shape()), v).map_err(shape_err)
+    ArrayD::from_shape_vec(IxDyn(a.shape()), from_wire::<T>(&bytes)).map_err(shape_err)
 }
 
 /// Runs one collective on a communicator.
@@ -535,11 +519,11 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
             Ok(Value::Tensor(Tensor::F64(a)))
         }
         (Op::Broadcast { root }, Value::Tensor(Tensor::F32(a))) => Ok(Value::Tensor(Tensor::F32(
-            broadcast_array(comm, &a, *root, f32::to_le_bytes, f32::from_le_bytes)?,
+            broadcast_array(comm, &a, *root)?,
         ))),
         // f64 programs (gradient checks, float64 parity runs) start alike on every rank.
         (Op::Broadcast { root }, Value::Tensor(Tensor::F64(a))) => Ok(Value::Tensor(Tensor::F64(
-            broadcast_array(comm, &a, *root, f64::to_le_bytes, f64::from_le_bytes)?,
+            broadcast_array(comm, &a, *root)?,
         ))),
         // ZeRO's reduce-scatter on a 16-bit wire: its chunks padded to equal parts.
         (Op::ReduceScatter { workers, reduce }, Value::Tensor(t)) if t.dtype().is_half() => {
@@ -552,7 +536,7 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
             let Some(a) = t.cast(DType::F32).and_then(|w| w.as_f32().cloned()) else {
                 return Err(RuntimeError::Config(format!("reduce_scatter of {wire}")));
             };
-            let mut flat: Vec<f32> = a.iter().copied().collect();
+            let mut flat = flat_vec(a);
             let c = flat.len().div_ceil(n);
             flat.resize(c * n, 0.0);
             let mine =
@@ -569,7 +553,7 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                     "reduce_scatter for {workers} workers on a communicator of {n}"
                 )));
             }
-            let mut flat: Vec<f32> = a.iter().copied().collect();
+            let mut flat = flat_vec(a);
             let c = flat.len().div_ceil(n);
             flat.resize(c * n, 0.0);
             let mine = comm.reduce_scatter(&flat, *reduce == ReduceOp::Mean)?;
@@ -583,15 +567,14 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                     "all_gather_dense for {workers} workers on a communicator of {n}"
                 )));
             }
-            let mine: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let a = a.as_standard_layout();
+            let mine = wire_bytes(a.as_slice().unwrap_or_default());
             let total: usize = shape.dims().iter().product();
-            let mut whole: Vec<f32> = Vec::with_capacity(mine.len() / 4 * n);
+            let mut whole = Vec::with_capacity(mine.len() * n);
             for part in comm.all_gather(mine)? {
-                whole.extend(
-                    part.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
+                whole.extend_from_slice(&part);
             }
+            let mut whole = from_wire::<f32>(&whole);
             whole.truncate(total);
             Ok(Value::Tensor(Tensor::F32(
                 ArrayD::from_shape_vec(IxDyn(shape.dims()), whole).map_err(shape_err)?,
@@ -610,9 +593,7 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                 .ok_or_else(|| RuntimeError::Config("slices values are not contiguous".into()))?;
             for (k, &id) in s.indices.iter().enumerate() {
                 mine.extend_from_slice(&i64::from(id).to_le_bytes());
-                for x in &flat[k * row..(k + 1) * row] {
-                    mine.extend_from_slice(&x.to_le_bytes());
-                }
+                mine.extend_from_slice(flat[k * row..(k + 1) * row].as_bytes());
             }
             let parts = comm.all_gather(mine)?;
             let scale = if *reduce == ReduceOp::Mean {
@@ -626,11 +607,7 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                     let mut id = [0u8; 8];
                     id.copy_from_slice(&rec[..8]);
                     indices.push(i64::from_le_bytes(id) as i32);
-                    vals.extend(
-                        rec[8..]
-                            .chunks_exact(4)
-                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * scale),
-                    );
+                    vals.extend(from_wire::<f32>(&rec[8..]).into_iter().map(|x| x * scale));
                 }
             }
             let mut dims = vec![indices.len()];
@@ -648,6 +625,20 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
             v.value_type()
         ))),
     }
+}
+
+/// `a`'s elements in order as one vector: its own buffer, without a copy, when it is
+/// laid out in order already.
+fn flat_vec<T: Clone>(a: ArrayD<T>) -> Vec<T> {
+    if !a.is_standard_layout() {
+        return a.iter().cloned().collect();
+    }
+    let n = a.len();
+    let (mut v, offset) = a.into_raw_vec_and_offset();
+    let offset = offset.unwrap_or(0);
+    v.truncate(offset + n);
+    v.drain(..offset);
+    v
 }
 
 /// A collective as the communication thread ran it.

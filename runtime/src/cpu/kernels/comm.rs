@@ -47,9 +47,13 @@ pub(super) fn pack_chunks<A: Elem>(args: &[Arg<'_>], workers: usize) -> Result<V
             let t = tensor(a, i)?;
             let arr = A::of(t)
                 .ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))?;
-            Ok(arr.as_standard_layout().iter().copied().collect::<Vec<A>>())
+            Ok(arr.as_standard_layout())
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let flats: Vec<&[A]> = flats
+        .iter()
+        .map(|f| f.as_slice().unwrap_or_default())
+        .collect();
     let chunks: Vec<usize> = flats.iter().map(|f| f.len().div_ceil(workers)).collect();
     let total: usize = chunks.iter().sum::<usize>() * workers;
     let mut out: Vec<A> = Vec::with_capacity(total);
