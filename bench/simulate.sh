@@ -2,10 +2,11 @@
 # distc simulate against measured runs (issue 25, item 3): for 1 to 4 MPI ranks on this
 # machine, a plan's step as `distc simulate` predicts it and as `mpirun -np N distc run`
 # measures it (median step of worker 0's trace, the first 5 steps left out). Links come
-# from `distc calibrate --transport mpi` at the same rank count. Two predictions: op
-# times from one worker profiled alone, and from the measured run's own trace (which
-# holds what N ranks sharing the cores cost each other); the second checks the
-# communication model and the overlap alone.
+# from `distc calibrate --transport mpi` at the same rank count. Three predictions: op
+# times from one worker profiled alone; from the measured run's own trace (which holds
+# what N ranks sharing the cores cost each other), which checks the communication model
+# and the overlap alone; and from the profile with the N ranks sharing this machine's
+# cores (`--shared-cores`, as the layout search prices them).
 #
 #   bash bench/simulate.sh [DISTC] [MODEL.dsl] [STRATEGY]
 #
@@ -45,8 +46,8 @@ PY
 field() { python3 -c "import json,sys; print(f\"{json.load(open(sys.argv[1]))['$2'] * 1e3:.3f}\")" "$1"; }
 err() { python3 -c "print(f'{100 * ($1 - $2) / $2:+.1f}%')"; }
 
-echo "| ranks | link (fitted) | measured ms | predicted ms (profile) | error | predicted ms (run's trace) | error | overlap |"
-echo "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+echo "| ranks | link (fitted) | measured ms | predicted ms (profile) | error | predicted ms (run's trace) | error | predicted ms (profile, shared cores) | error | overlap |"
+echo "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 for n in 1 2 3 4; do
   flags=(--strategy "$strategy" --workers "$n")
   [ "$strategy" != allreduce ] && flags+=(--servers 1)
@@ -64,9 +65,11 @@ for n in 1 2 3 4; do
   fi
   "$distc" simulate "$work/p$n.json" "${cal[@]}" --profile-steps 12 --format json >"$work/s$n.json"
   "$distc" simulate "$work/p$n.json" "${cal[@]}" --trace "$work/t$n.json" --format json >"$work/r$n.json"
+  "$distc" simulate "$work/p$n.json" "${cal[@]}" --profile-steps 12 --shared-cores --format json >"$work/h$n.json"
   m=$(measured "$work/t$n.json")
   a=$(field "$work/s$n.json" step)
   b=$(field "$work/r$n.json" step)
+  h=$(field "$work/h$n.json" step)
   o=$(python3 -c "import json,sys; print(f\"{100 * json.load(open(sys.argv[1]))['overlap']:.0f}%\")" "$work/r$n.json")
-  echo "| $n | $link | $m | $a | $(err "$a" "$m") | $b | $(err "$b" "$m") | $o |"
+  echo "| $n | $link | $m | $a | $(err "$a" "$m") | $b | $(err "$b" "$m") | $h | $(err "$h" "$m") | $o |"
 done

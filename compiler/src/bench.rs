@@ -494,11 +494,7 @@ fn search_once(src: &str, workers: usize) -> Result<CompileRow> {
         },
         ..Default::default()
     };
-    let pricing = crate::planner::Pricing {
-        op_times: crate::planner::OpTimes::Here { steps: 3 },
-        measured: Default::default(),
-        copy_bandwidth: None,
-    };
+    let pricing = crate::planner::Pricing::here();
     let start = std::time::Instant::now();
     let (c, settings, search) =
         crate::planner::search(&file, &opts, workers, None, None, &pricing, &[])

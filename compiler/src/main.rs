@@ -221,6 +221,11 @@ enum Command {
         /// device with the plan's batch (`distc train MODEL --batch B --trace FILE`).
         #[arg(long, value_name = "TRACE.json")]
         trace: Option<PathBuf>,
+        /// The workers of a node share the cores of a machine like this one (ranks or
+        /// threads here): each op is priced slower by how many of them compute at once,
+        /// as the layout search prices them. Not with a GPU's trace.
+        #[arg(long)]
+        shared_cores: bool,
         /// Data directory (default: $DISTC_DATA).
         #[arg(long, value_name = "DIR")]
         data: Option<PathBuf>,
@@ -356,6 +361,7 @@ fn dispatch(command: Command) -> Result<()> {
             calibration,
             profile_steps,
             trace,
+            shared_cores,
             data,
             format,
         } => commands::simulate::simulate(
@@ -366,7 +372,7 @@ fn dispatch(command: Command) -> Result<()> {
             &link,
             &calibration,
             profile_steps,
-            trace.as_deref(),
+            (trace.as_deref(), shared_cores),
             data.as_deref(),
             format,
         ),

@@ -127,6 +127,22 @@ pub struct Pricing<'a> {
     pub copy_bandwidth: Option<f64>,
 }
 
+impl Pricing<'_> {
+    /// The search's default: op times from a profile here, links as given.
+    pub fn here() -> Pricing<'static> {
+        Pricing {
+            op_times: OpTimes::Here {
+                steps: PROFILE_STEPS,
+            },
+            measured: Default::default(),
+            copy_bandwidth: None,
+        }
+    }
+}
+
+/// Steps of the search's profiling run (the first left out).
+const PROFILE_STEPS: usize = 3;
+
 /// What the search found: every candidate, the pick, and what it cost.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Search {
@@ -205,14 +221,8 @@ pub fn search(
             OpTimes::Here { steps } => {
                 // The layouts' workers run on machines like this one: sharing a node's
                 // cores, they are priced slower than the one profiled alone.
-                let mut p = sim::profile_here(&single, steps, opts.data_dir.as_deref(), copies)?;
-                let cores = sim::Cores::here();
-                p.source += &format!(
-                    "; a node's workers share its {} cores, products on {} thread(s) each",
-                    cores.cores, cores.product_threads
-                );
-                p.cores = Some(cores);
-                p
+                sim::profile_here(&single, steps, opts.data_dir.as_deref(), copies)?
+                    .on_shared_cores(sim::Cores::here())
             }
             OpTimes::Trace(path) => {
                 let spans = sim::read_trace(path)?;

@@ -605,6 +605,16 @@ impl ComputeProfile {
         (elements(g, id) * 4.0 / self.copy_bandwidth.max(1.0), "copy")
     }
 
+    /// This profile for workers sharing nodes of `cores`, as its source then says.
+    pub fn on_shared_cores(mut self, cores: Cores) -> ComputeProfile {
+        self.source += &format!(
+            "; a node's workers share its {} cores, products on {} thread(s) each",
+            cores.cores, cores.product_threads
+        );
+        self.cores = Some(cores);
+        self
+    }
+
     /// [`Self::op_seconds`] with the node's cores shared as `sharing` says: a product
     /// on its threads, any other op on one.
     pub fn shared_op_seconds(

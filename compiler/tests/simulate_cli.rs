@@ -254,6 +254,35 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
             // The plan's own run timed its packing too.
             assert_eq!(copies, 0, "{sim}");
         }
+        // The same op times, the 8 workers sharing this machine's cores: slower on
+        // any machine (8 large updates at once on one pool of the cores, if nothing
+        // else waits).
+        let shared = json(&distc(&[
+            "simulate",
+            s(&plan),
+            "--workers",
+            "8",
+            "--trace",
+            s(&trace),
+            "--shared-cores",
+            "--format",
+            "json",
+        ]));
+        let compute = |v: &serde_json::Value| v["compute"].as_f64().unwrap();
+        assert!(
+            compute(&shared) > compute(&sim),
+            "{what}: {} against {}",
+            compute(&shared),
+            compute(&sim)
+        );
+        if what == "single" {
+            // A GPU's trace: each worker has a device of its own.
+            edit_first_op_span(&trace, |op| op["args"]["clock"] = "device".into());
+            refused(
+                &["simulate", s(&plan), "--trace", s(&trace), "--shared-cores"],
+                "a device a worker",
+            );
+        }
     }
     // A trace of another model is refused.
     let other = dir.join("other.trace.json");

@@ -126,14 +126,14 @@ pub fn search_layout(
     if let Some(l) = given.inter {
         (opts.strategy.bandwidth, opts.strategy.latency) = (l.bandwidth, l.latency);
     }
-    let pricing = crate::planner::Pricing {
-        op_times: match &compile.op_times {
-            Some(path) => crate::planner::OpTimes::Trace(path),
-            None => crate::planner::OpTimes::Here { steps: 3 },
-        },
+    let mut pricing = crate::planner::Pricing {
         measured: given.measured,
         copy_bandwidth: given.copy_bandwidth,
+        ..crate::planner::Pricing::here()
     };
+    if let Some(path) = &compile.op_times {
+        pricing.op_times = crate::planner::OpTimes::Trace(path);
+    }
     let (c, settings, search) = crate::planner::search(
         file,
         &opts,

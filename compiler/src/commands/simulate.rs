@@ -23,7 +23,7 @@ pub fn simulate(
     links: &[(LinkKind, distc_passes::placement::Link)],
     calibrations: &[(LinkKind, PathBuf)],
     profile_steps: usize,
-    trace: Option<&Path>,
+    (trace, shared_cores): (Option<&Path>, bool),
     data: Option<&Path>,
     format: ExplainFormat,
 ) -> Result<()> {
@@ -63,11 +63,22 @@ pub fn simulate(
                     ),
                 },
             };
+            if shared_cores && spans.iter().any(|s| s.on_device) {
+                bail!(
+                    "{}: --shared-cores prices workers sharing a CPU's cores, and this                      trace timed its ops on a GPU, a device a worker",
+                    path.display()
+                );
+            }
             sim::profile_of_trace(traced, &spans, path, copy_bandwidth)
                 .map_err(anyhow::Error::msg)?
         }
         None => sim::profile_here(&single, profile_steps, data, copy_bandwidth)
             .map_err(anyhow::Error::msg)?,
+    };
+    let profile = if shared_cores {
+        profile.on_shared_cores(sim::Cores::here())
+    } else {
+        profile
     };
     let touched = crate::verify::rows_touched(compiled.dist.as_ref());
     let rows = memory::expected_rows(&compiled.programs.worker, &touched);

@@ -607,7 +607,11 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
                     let mut id = [0u8; 8];
                     id.copy_from_slice(&rec[..8]);
                     indices.push(i64::from_le_bytes(id) as i32);
-                    vals.extend(from_wire::<f32>(&rec[8..]).into_iter().map(|x| x * scale));
+                    vals.extend(
+                        rec[8..]
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * scale),
+                    );
                 }
             }
             let mut dims = vec![indices.len()];
