@@ -987,31 +987,17 @@ pub fn simulate_pipeline(
     profile: &ComputeProfile,
     memory_per_worker: u128,
 ) -> Result<Simulation, String> {
+    let replay = |links: Links, sharing: Sharing| {
+        replay_pipeline(pp, single, cfg, links, profile, memory_per_worker, sharing)
+    };
     let all = Sharing::all_busy(cfg);
     if profile.cores.is_none() || all.busy <= 1.0 {
-        return replay_pipeline(pp, single, cfg, links, profile, memory_per_worker, all);
+        return replay(links, all);
     }
-    let alone = Sharing { busy: 1.0, ..all };
-    let first = replay_pipeline(
-        pp,
-        single,
-        cfg,
-        links.clone(),
-        profile,
-        memory_per_worker,
-        alone,
-    )?;
+    let first = replay(links.clone(), Sharing { busy: 1.0, ..all })?;
     let bubble = first.pipeline.as_ref().map_or(0.0, |p| p.bubble);
     let busy = 1.0 + (all.busy - 1.0) * (1.0 - bubble).clamp(0.0, 1.0);
-    replay_pipeline(
-        pp,
-        single,
-        cfg,
-        links,
-        profile,
-        memory_per_worker,
-        Sharing { busy, ..all },
-    )
+    replay(links, Sharing { busy, ..all })
 }
 
 /// One replay of [`simulate_pipeline`] with the node's cores shared as `sharing` says.

@@ -234,16 +234,13 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
         args.extend(["--trace", s(&trace)]);
         let o = distc(&args);
         assert!(o.status.success(), "{}", text(&o));
-        let sim = json(&distc(&[
-            "simulate",
-            s(&plan),
-            "--workers",
-            "8",
-            "--trace",
-            s(&trace),
-            "--format",
-            "json",
-        ]));
+        let simulate = |more: &[&str]| {
+            let mut args = vec!["simulate", s(&plan), "--workers", "8", "--trace", s(&trace)];
+            args.extend(["--format", "json"]);
+            args.extend(more);
+            json(&distc(&args))
+        };
+        let sim = simulate(&[]);
         let (measured, _, copies) = (
             sim["op_times"][0].as_u64().unwrap(),
             sim["op_times"][1].as_u64().unwrap(),
@@ -257,17 +254,7 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
         // The same op times, the 8 workers sharing this machine's cores: slower on
         // any machine (8 large updates at once on one pool of the cores, if nothing
         // else waits).
-        let shared = json(&distc(&[
-            "simulate",
-            s(&plan),
-            "--workers",
-            "8",
-            "--trace",
-            s(&trace),
-            "--shared-cores",
-            "--format",
-            "json",
-        ]));
+        let shared = simulate(&["--shared-cores"]);
         let compute = |v: &serde_json::Value| v["compute"].as_f64().unwrap();
         assert!(
             compute(&shared) > compute(&sim),
