@@ -281,10 +281,28 @@ pub fn wire_bytes<T: zerocopy::IntoBytes + zerocopy::Immutable>(xs: &[T]) -> Vec
 /// The values of wire bytes `bytes` (little-endian; any alignment), in one copy; a
 /// trailing part of a value is left out.
 pub fn from_wire<T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone>(bytes: &[u8]) -> Vec<T> {
+    from_wire_parts(&[bytes])
+}
+
+/// The values of the wire bytes `parts` laid end to end (as [`from_wire`]), each part
+/// copied once into the one vector.
+pub fn from_wire_parts<T, P>(parts: &[P]) -> Vec<T>
+where
+    T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone,
+    P: AsRef<[u8]>,
+{
     let size = std::mem::size_of::<T>().max(1);
-    let n = bytes.len() / size;
+    let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+    let n = total / size;
     let mut out = vec![T::new_zeroed(); n];
-    out.as_mut_bytes().copy_from_slice(&bytes[..n * size]);
+    let bytes = out.as_mut_bytes();
+    let mut at = 0;
+    for part in parts {
+        let part = part.as_ref();
+        let take = part.len().min(bytes.len() - at);
+        bytes[at..at + take].copy_from_slice(&part[..take]);
+        at += take;
+    }
     out
 }
 

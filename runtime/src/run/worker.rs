@@ -14,7 +14,7 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
-use crate::comm::{from_wire, wire_bytes, ByteCount, Communicator};
+use crate::comm::{from_wire, from_wire_parts, wire_bytes, ByteCount, Communicator};
 use crate::core::backend::{all_to_host, backend_error, upload_all, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
@@ -570,11 +570,7 @@ pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<
             let a = a.as_standard_layout();
             let mine = wire_bytes(a.as_slice().unwrap_or_default());
             let total: usize = shape.dims().iter().product();
-            let mut whole = Vec::with_capacity(mine.len() * n);
-            for part in comm.all_gather(mine)? {
-                whole.extend_from_slice(&part);
-            }
-            let mut whole = from_wire::<f32>(&whole);
+            let mut whole = from_wire_parts::<f32, _>(&comm.all_gather(mine)?);
             whole.truncate(total);
             Ok(Value::Tensor(Tensor::F32(
                 ArrayD::from_shape_vec(IxDyn(shape.dims()), whole).map_err(shape_err)?,
