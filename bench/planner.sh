@@ -30,6 +30,9 @@
 # each of N workers' matrix products run on cores / N threads (at least 1;
 # MATMUL_NUM_THREADS, exported to the search, the runs and every MPI rank, unless set
 # already), and the search prices the N workers sharing the cores as it profiled one.
+# Unless SEARCH_FLAGS gives a --link or a --calibration, the link is measured first,
+# as the op times are: `distc calibrate` on N threads, or on N ranks of the same
+# mpirun (to the search as `--calibration inter=FILE`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,8 +81,21 @@ for model in $models; do
   for n in $workers; do
     tag="$name-$n"
     export MATMUL_NUM_THREADS="${threads:-$(( cores / n > 0 ? cores / n : 1 ))}"
+    links="$search_flags"
+    if [[ " $search_flags " != *" --calibration "* && " $search_flags " != *" --link "* ]]; then
+      # The links the layouts will run over, measured as their op times are: N threads,
+      # or N ranks of the same mpirun.
+      if [ "$transport" = mpi ]; then
+        # shellcheck disable=SC2086
+        $mpirun_cmd -np "$n" "$distc" calibrate --transport mpi -o "$out/$tag.link.json" \
+          >"$out/$tag.link.txt" </dev/null
+      else
+        "$distc" calibrate --workers "$n" -o "$out/$tag.link.json" >"$out/$tag.link.txt"
+      fi
+      links="$search_flags --calibration inter=$out/$tag.link.json"
+    fi
     # shellcheck disable=SC2086
-    "$distc" compile "$model" --strategy auto --workers "$n" "${data[@]}" $search_flags \
+    "$distc" compile "$model" --strategy auto --workers "$n" "${data[@]}" $links \
       -o "$out/$tag.auto.json" 2> "$out/$tag.search.txt" >/dev/null
     "$distc" explain "$out/$tag.auto.json" --format json > "$out/$tag.search.json"
     # One line a priced candidate: index, label, flags, predicted step, memory.

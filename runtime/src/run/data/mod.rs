@@ -656,16 +656,15 @@ impl DataSource {
                 Self::gather_cols(&l.train, need, &idx)
             }
             (Cursor::Synthetic(rng), Backing::Synthetic(generator)) => {
-                let pers = generator.pers();
+                // A global stream is the one device's: this worker's rows of the step's
+                // batch, the others' skipped.
                 let (n_gen, first) = if self.global_stream {
                     (g, self.rank * b)
                 } else {
                     (b, 0)
                 };
-                let all = generator.generate(rng, n_gen);
-                need.iter()
-                    .map(|&c| (c, all[c].rows(pers[c], first, b)))
-                    .collect()
+                let all = generator.generate_rows(rng, n_gen, first..first + b);
+                need.iter().map(|&c| (c, all[c].clone())).collect()
             }
             // A source's cursor always matches its backing.
             _ => Vec::new(),

@@ -83,6 +83,22 @@ impl Generator {
 
     /// The next `n` samples from `rng`: all fields, in `DataSpec::fields` order.
     pub(crate) fn generate(&self, rng: &mut Pcg64, n: usize) -> Vec<ColData> {
+        self.generate_rows(rng, n, 0..n)
+    }
+
+    /// Samples `rows` of the next `n` from `rng`, as [`Generator::generate`] would give
+    /// them, leaving `rng` where `generate` would (past all `n`). The other samples'
+    /// outputs are skipped (`Pcg64::advance`), not generated: each worker of a global
+    /// stream draws only its own rows of the step's batch.
+    pub(crate) fn generate_rows(
+        &self,
+        rng: &mut Pcg64,
+        n: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Vec<ColData> {
+        let (first, count) = (rows.start, rows.len());
+        debug_assert!(rows.end <= n, "rows {rows:?} of {n} samples");
+        let skip = |rng: &mut Pcg64, draws: usize| rng.advance(draws as u128);
         match self {
             Generator::Zipf {
                 cdf,
@@ -90,12 +106,14 @@ impl Generator {
                 classes,
             } => {
                 let last = cdf.len() - 1;
-                let ids: Vec<i32> = (0..n * context)
+                skip(rng, first * context);
+                let ids: Vec<i32> = (0..count * context)
                     .map(|_| {
                         let u: f64 = rng.random();
                         cdf.partition_point(|&c| c <= u).min(last) as i32
                     })
                     .collect();
+                skip(rng, (n - rows.end) * context);
                 let labels: Vec<i32> = ids
                     .chunks(*context)
                     .map(|row| row[context - 1] % *classes as i32)
@@ -103,16 +121,26 @@ impl Generator {
                 vec![ColData::I32(ids), ColData::I32(labels)]
             }
             Generator::Gaussian { features, classes } => {
-                let mut x = Vec::with_capacity(n * features + 1);
-                while x.len() < n * features {
+                // The normals come in pairs of two outputs each, pair k giving elements
+                // 2k and 2k+1 of the row-major `[n, features]`, and n f features
+                // rounded up to pairs.
+                let (from, to) = (first * features, rows.end * features);
+                let (pair0, pair1) = (from / 2, to.div_ceil(2));
+                skip(rng, 2 * pair0);
+                let mut x = Vec::with_capacity(2 * (pair1 - pair0));
+                for _ in pair0..pair1 {
                     let (a, b) = box_muller(rng);
                     x.push(a);
                     x.push(b);
                 }
-                x.truncate(n * features);
-                let labels: Vec<i32> = (0..n)
+                skip(rng, 2 * ((n * features).div_ceil(2) - pair1));
+                let x = x[from - 2 * pair0..to - 2 * pair0].to_vec();
+                // Then one output a label.
+                skip(rng, first);
+                let labels: Vec<i32> = (0..count)
                     .map(|_| ((u128::from(rng.next_u64()) * *classes as u128) >> 64) as i32)
                     .collect();
+                skip(rng, n - rows.end);
                 vec![ColData::F32(x), ColData::I32(labels)]
             }
         }
@@ -153,4 +181,57 @@ pub fn zipf_cdf(vocab: usize, s: f64) -> Vec<f64> {
         *c /= acc;
     }
     cdf
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    /// Every range of rows skipped to is the rows the whole batch has, and the stream
+    /// goes on where the whole batch leaves it: with an odd width (rows that split a
+    /// pair of normals) and an even one, and for token ids.
+    #[test]
+    fn a_workers_rows_are_the_whole_batchs_and_the_stream_goes_on_alike() {
+        let generators = [
+            Generator::Gaussian {
+                features: 7,
+                classes: 3,
+            },
+            Generator::Gaussian {
+                features: 4,
+                classes: 10,
+            },
+            Generator::Zipf {
+                cdf: Arc::new(zipf_cdf(50, 1.1)),
+                context: 3,
+                classes: 5,
+            },
+        ];
+        let n = 5;
+        for g in &generators {
+            let mut whole_rng = Pcg64::seed_from_u64(11);
+            let whole = g.generate(&mut whole_rng, n);
+            let after = whole_rng.next_u64();
+            for first in 0..=n {
+                for end in first..=n {
+                    let mut rng = Pcg64::seed_from_u64(11);
+                    let part = g.generate_rows(&mut rng, n, first..end);
+                    for (c, (p, w)) in part.iter().zip(&whole).enumerate() {
+                        let want = w.rows(g.pers()[c], first, end - first);
+                        let same = match (p, &want) {
+                            (ColData::F32(a), ColData::F32(b)) => a
+                                .iter()
+                                .map(|x| x.to_bits())
+                                .eq(b.iter().map(|x| x.to_bits())),
+                            (ColData::I32(a), ColData::I32(b)) => a == b,
+                            _ => false,
+                        };
+                        assert!(same, "{g:?}: column {c} of rows {first}..{end}");
+                    }
+                    assert_eq!(rng.next_u64(), after, "{g:?}: after rows {first}..{end}");
+                }
+            }
+        }
+    }
 }
