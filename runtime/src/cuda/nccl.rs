@@ -110,13 +110,15 @@ extern "C" __global__ void distc_nccl_compact_slices(
 }
 
 extern "C" __global__ void distc_nccl_interleave_parts(
-    const float* gathered, unsigned long long outer, unsigned long long row, int parts,
-    float* out)
+    const float* in, unsigned long long outer, unsigned long long row, int parts,
+    int to_parts, float* out)
 {
     unsigned long long o = blockIdx.x;
     int p = blockIdx.y;
-    const float* src = gathered + ((unsigned long long)p * outer + o) * row;
-    float* dst = out + (o * parts + p) * row;
+    unsigned long long by_part = ((unsigned long long)p * outer + o) * row;
+    unsigned long long in_place = (o * parts + p) * row;
+    const float* src = in + (to_parts ? in_place : by_part);
+    float* dst = out + (to_parts ? by_part : in_place);
     for (unsigned long long j = threadIdx.x; j < row; j += blockDim.x) dst[j] = src[j];
 }
 "#;
@@ -124,10 +126,12 @@ extern "C" __global__ void distc_nccl_interleave_parts(
 /// The compaction kernel's name in [`COMPACT_SOURCE`].
 pub const COMPACT_KERNEL: &str = "distc_nccl_compact_slices";
 
-/// The kernel that lays a model-axis gather's parts into place where they are not
-/// contiguous in the whole (a split dimension after the first): NCCL's all-gather
-/// leaves them rank after rank, `[parts, outer, row]`; the whole is
-/// `[outer, parts, row]`. In [`COMPACT_SOURCE`]'s module.
+/// The kernel that moves a model-axis collective's parts between their places in the
+/// whole, `[outer, parts, row]`, and rank after rank, `[parts, outer, row]`, where
+/// they are not contiguous in the whole (a split dimension after the first): after a
+/// gather (NCCL's all-gather leaves them rank after rank), and before a reduce-scatter
+/// (`to_parts`: NCCL's reduce-scatter gives rank r the r-th run). In
+/// [`COMPACT_SOURCE`]'s module.
 pub const INTERLEAVE_KERNEL: &str = "distc_nccl_interleave_parts";
 
 fn nccl_err(call: &'static str) -> impl Fn(nccl_result::NcclError) -> CudaError {
@@ -425,21 +429,18 @@ impl NcclComm {
     pub fn supports(op: &Op, input: &ValueType) -> bool {
         use distc_ir::DType;
         let dtype = input.dense_type().dtype;
-        // The model axis: its sums, and its gathers and reduce-scatters where each
-        // rank's part is one contiguous run (nothing but ones before the split
-        // dimension); other splits go through the host.
+        // The model axis: its sums, gathers and reduce-scatters (of equal parts). Parts
+        // that are not contiguous in the whole are laid into place after a gather and
+        // rank after rank before a reduce-scatter ([`NcclComm::interleaved`]).
         if op.is_model_collective() {
             let ValueType::Tensor(t) = input else {
                 return false;
             };
-            let contiguous = |dim: usize| t.dims().iter().take(dim).all(|&d| d == 1);
             return dtype == DType::F32
                 && match op {
-                    // Parts that are not contiguous in the whole are laid into place
-                    // after the gather ([`NcclComm::interleaved`]).
                     Op::ModelAllReduce { .. } | Op::ModelGather { .. } => true,
                     Op::ModelReduceScatter { dim, parts } => {
-                        contiguous(*dim) && t.dims().get(*dim).is_some_and(|d| d % parts == 0)
+                        *parts > 0 && t.dims().get(*dim).is_some_and(|d| d % parts == 0)
                     }
                     _ => false,
                 };
@@ -466,17 +467,24 @@ impl NcclComm {
                 )
     }
 
-    /// For a model-axis gather whose parts are not contiguous in the whole (a dimension
-    /// above 1 before the split one), `(outer, row)`: the whole is `[outer, parts,
-    /// row]` where NCCL's all-gather leaves `[parts, outer, row]` (`row`: a part's
-    /// elements from the split dimension on). `None` for every other collective.
+    /// For a model-axis gather or reduce-scatter whose parts are not contiguous in the
+    /// whole (a dimension above 1 before the split one), `(outer, row)`: the whole is
+    /// `[outer, parts, row]` where NCCL's all-gather leaves, and its reduce-scatter
+    /// takes, `[parts, outer, row]` (`row`: a part's elements from the split dimension
+    /// on). `None` for every other collective.
     pub(crate) fn interleaved(op: &Op, in_ty: &ValueType) -> Option<(usize, usize)> {
-        let (Op::ModelGather { dim, .. }, ValueType::Tensor(t)) = (op, in_ty) else {
+        let ValueType::Tensor(t) = in_ty else {
             return None;
         };
         let dims = t.dims();
-        let outer: usize = dims.iter().take(*dim).product();
-        let row: usize = dims.iter().skip(*dim).product();
+        // The input is a part of a gather, the whole of a reduce-scatter.
+        let (dim, parts) = match *op {
+            Op::ModelGather { dim, .. } => (dim, 1),
+            Op::ModelReduceScatter { dim, parts } => (dim, parts.max(1)),
+            _ => return None,
+        };
+        let outer: usize = dims.iter().take(dim).product();
+        let row = dims.iter().skip(dim).product::<usize>() / parts;
         (outer > 1).then_some((outer, row))
     }
 
@@ -526,14 +534,15 @@ impl NcclComm {
         Ok(p)
     }
 
-    /// Lays the parts NCCL gathered into `gathered`, rank after rank, into their places
-    /// in `output` ([`NcclComm::interleaved`]), on the communicator's stream.
+    /// Copies `from` to `to` on the communicator's stream, the parts (each `outer` runs
+    /// of `row`) from rank after rank into their places in the whole, or with
+    /// `to_parts` back ([`NcclComm::interleaved`]).
     fn interleave(
         &self,
         node: NodeId,
-        gathered: u64,
-        output: u64,
+        (from, to): (u64, u64),
         (outer, row): (usize, usize),
+        to_parts: bool,
     ) -> Result<(), CudaError> {
         let parts = i32::try_from(self.size).map_err(|_| CudaError::Invalid("ranks".into()))?;
         let grid_x = u32::try_from(outer)
@@ -544,15 +553,18 @@ impl NcclComm {
             shared_mem_bytes: 0,
         };
         let (outer, row) = (outer as u64, row as u64);
+        let to_parts = i32::from(to_parts);
         let mut b = self.stream.launch_builder(&self.kernels.interleave);
-        b.arg(&gathered)
+        b.arg(&from)
             .arg(&outer)
             .arg(&row)
             .arg(&parts)
-            .arg(&output);
+            .arg(&to_parts)
+            .arg(&to);
         // SAFETY: the arguments are INTERLEAVE_KERNEL's parameters in order (pointers and
-        // 64-bit sizes as u64, an int); `gathered` and `output` each hold `outer parts
-        // row` f32, and the gather that wrote `gathered` ran before, on this stream.
+        // 64-bit sizes as u64, two ints); `from` and `to` each hold `outer parts row`
+        // f32, and what wrote `from` (the gather, or the compute stream before the
+        // collective's `ready` event) is ordered before, on this stream.
         #[allow(unsafe_code)]
         unsafe { b.launch(cfg) }.map_err(|e| CudaError::Driver {
             call: "cuLaunchKernel",
@@ -714,7 +726,13 @@ impl NcclComm {
                 check_workers(op, *workers, n)?;
                 let len = elems(in_ty);
                 let chunk = len.div_ceil(n);
-                let send = if chunk * n == len {
+                let send = if let Some((outer, row)) = interleave {
+                    // A model-axis part that is not contiguous in the whole: the parts
+                    // laid rank after rank first.
+                    let s = self.scratch(node, esize * len)?;
+                    self.interleave(node, (input, s), (outer, row), true)?;
+                    s
+                } else if chunk * n == len {
                     input
                 } else {
                     let s = self.scratch(node, esize * chunk * n)?;
@@ -768,7 +786,7 @@ impl NcclComm {
                 }
                 .map_err(nccl_err("ncclAllGather"))?;
                 if let Some((outer, row)) = interleave {
-                    self.interleave(node, recv, output, (outer, row))?;
+                    self.interleave(node, (recv, output), (outer, row), false)?;
                 } else if recv != output && total > 0 {
                     // SAFETY: `output` holds `total <= chunk n` f32; after the gather on
                     // this stream.

@@ -437,6 +437,10 @@ impl CommCore {
                     .iter()
                     .map(|p| {
                         let mut v = f32s(p);
+                        // Parts not contiguous in the whole, laid rank after rank first.
+                        if let Some((outer, row)) = interleave {
+                            v = permute_parts(&v, (outer, row), n, true);
+                        }
                         v.resize(chunk * n, 0.0);
                         v[rank * chunk..(rank + 1) * chunk].to_vec()
                     })
@@ -448,14 +452,9 @@ impl CommCore {
                 let total = elems(out_ty);
                 let mut v: Vec<f32> = all.iter().flat_map(|p| f32s(p)).collect();
                 v.resize(total, 0.0);
-                // Parts not contiguous in the whole, laid into place as the
-                // interleaving kernel lays them: `[parts, outer, row]` to `[outer,
-                // parts, row]`.
+                // Parts not contiguous in the whole, laid into place.
                 if let Some((outer, row)) = interleave {
-                    v = (0..outer)
-                        .flat_map(|o| (0..n).map(move |p| (p * outer + o) * row))
-                        .flat_map(|at| v[at..at + row].to_vec())
-                        .collect();
+                    v = permute_parts(&v, (outer, row), n, false);
                 }
                 vec![(0, bytes_of(&v))]
             }
@@ -660,4 +659,30 @@ impl CommCore {
         }
         Ok(())
     }
+}
+
+/// What the interleaving kernel ([`crate::cuda::nccl::INTERLEAVE_KERNEL`]) computes:
+/// `v` from `[parts, outer, row]` (rank after rank) to `[outer, parts, row]` (the
+/// whole), or with `to_parts` back.
+fn permute_parts(
+    v: &[f32],
+    (outer, row): (usize, usize),
+    parts: usize,
+    to_parts: bool,
+) -> Vec<f32> {
+    let by_part = |p: usize, o: usize| (p * outer + o) * row;
+    let in_place = |p: usize, o: usize| (o * parts + p) * row;
+    let order: Vec<usize> = if to_parts {
+        (0..parts)
+            .flat_map(|p| (0..outer).map(move |o| in_place(p, o)))
+            .collect()
+    } else {
+        (0..outer)
+            .flat_map(|o| (0..parts).map(move |p| by_part(p, o)))
+            .collect()
+    };
+    order
+        .into_iter()
+        .flat_map(|at| v[at..at + row].iter().copied())
+        .collect()
 }

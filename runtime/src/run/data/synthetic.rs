@@ -11,7 +11,9 @@
 //!   does (one per id).
 //!
 //! A fixed consumption per batch is what lets a resumed run skip to its data position
-//! in O(1) (`Pcg64::advance`) however far into the stream it is. The exact bit streams
+//! in O(1) (`Pcg64::advance`) however far into the stream it is, and each worker of a
+//! global stream (the one device's batches, split by rows) skip the other workers'
+//! rows instead of generating them. The exact bit streams
 //! differ from numpy's; the distributions are the specified ones.
 
 use super::ColData;
