@@ -242,6 +242,22 @@ fn fp16_wire_reduce_scatters_with_zero_3() {
     );
 }
 
+/// Whether `g` has a model-axis collective (`split` gives its split dimension) whose
+/// parts are not contiguous in the whole: a dimension above 1 before the split one.
+fn split_inside(g: &distc_ir::Graph, split: impl Fn(&distc_ir::Op) -> Option<usize>) -> bool {
+    g.node_ids().into_iter().any(|id| {
+        split(g.op(id)).is_some_and(|dim| {
+            let input = g.node(id).inputs[0];
+            g.tensor_type(input)
+                .dims()
+                .iter()
+                .take(dim)
+                .product::<usize>()
+                > 1
+        })
+    })
+}
+
 // Tensor parallelism with a data axis: the model axis's sums (the Megatron pair's)
 // on a communicator of their own, the data axis's all-reduce on another, each rank's
 // step captured into a CUDA graph and replayed.
@@ -265,20 +281,14 @@ fn model_and_data_axes_on_nccl() {
         },
     )
     .expect("lm compiles on a model axis");
-    let g = &c.programs.worker;
-    let split_inside = g.node_ids().into_iter().any(|id| {
-        let distc_ir::Op::ModelGather { dim, .. } = g.op(id) else {
-            return false;
-        };
-        let input = g.node(id).inputs[0];
-        g.tensor_type(input)
-            .dims()
-            .iter()
-            .take(*dim)
-            .product::<usize>()
-            > 1
+    let logits_in_parts = split_inside(&c.programs.worker, |op| match op {
+        distc_ir::Op::ModelGather { dim, .. } => Some(*dim),
+        _ => None,
     });
-    assert!(split_inside, "lm's logits are gathered from column parts");
+    assert!(
+        logits_in_parts,
+        "lm's logits are gathered from column parts"
+    );
     run_config_at("lm.dsl", lm, "lm vocabulary-parallel, model 2", LM_BATCH);
     let s = StrategyConfig {
         strategy: Strategy::Allreduce,
@@ -335,13 +345,9 @@ train {
         },
     )
     .expect("compiles on a model axis");
-    let g = &c.programs.worker;
-    let columns = g.node_ids().into_iter().any(|id| {
-        let distc_ir::Op::ModelReduceScatter { dim, .. } = g.op(id) else {
-            return false;
-        };
-        let whole = g.tensor_type(g.node(id).inputs[0]);
-        whole.dims().iter().take(*dim).product::<usize>() > 1
+    let columns = split_inside(&c.programs.worker, |op| match op {
+        distc_ir::Op::ModelReduceScatter { dim, .. } => Some(*dim),
+        _ => None,
     });
     assert!(
         columns,
