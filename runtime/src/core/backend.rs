@@ -396,6 +396,25 @@ pub trait Capture: Device {
     fn end_capture(&mut self) -> Result<(), KernelError> {
         Ok(())
     }
+    /// Records into the capture a sibling on the same stream begins next
+    /// ([`Kernels::beside`]): this backend's launches and collectives become part of
+    /// that graph, and each scalar it reads ([`Transfer::read_scalar`], a pipeline
+    /// stage's micro-batch losses, at most `scalars`) is kept on the device for
+    /// [`Capture::replayed_scalars`]. `false`: no graphs, nothing changed.
+    fn join_capture(&mut self, _scalars: usize) -> Result<bool, KernelError> {
+        Ok(false)
+    }
+    /// Stops recording into the sibling's capture, before the sibling ends it.
+    fn leave_capture(&mut self) -> Result<(), KernelError> {
+        Ok(())
+    }
+    /// The scalars read while this backend was joined to a capture, as the last
+    /// replay of that graph computed them (waits for it).
+    fn replayed_scalars(&mut self) -> Result<Vec<f64>, KernelError> {
+        Err(KernelError::Invalid(
+            "this backend records no graphs".into(),
+        ))
+    }
     /// Issues the recorded graph once (after the batch was uploaded and the step set).
     /// Two replays may be in flight: the next step's is issued before this one's loss
     /// is read ([`Transfer::pending_scalar`], once per replay, in order).

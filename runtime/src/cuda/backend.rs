@@ -58,12 +58,18 @@
 //! upload or synchronize while capturing: those paths return an error instead.
 //! [`Transfer::to_host`] (an `output` sink of the training plan) gives zeros of the
 //! value's type while capturing: the captured step's outputs are not used.
+//! A sibling on the same stream ([`Kernels::beside`], a pipeline stage's forward)
+//! joins a capture the other begins ([`Capture::join_capture`]): its launches and
+//! collectives become part of that graph, and each scalar it reads (a micro-batch's
+//! loss) is copied into a device slot of its own, read back after each replay
+//! ([`Capture::replayed_scalars`]). Stage messages (NCCL send and receive) are
+//! captured in the schedule's order.
 //!
 //! # Not supported (clear errors)
 //!
 //! f64 graphs (gradient checks run on the CPU), CUDA graphs of a step whose
-//! collectives run on the host or of a step of several micro-batches (the worker loop
-//! runs those eagerly). A step whose collectives all run on
+//! collectives run on the host or of a data-parallel step of several micro-batches
+//! (the worker loop runs those eagerly). A step whose collectives all run on
 //! NCCL is captured with them: the NCCL calls and their events become graph nodes,
 //! and each replay adds the bytes the recorded collectives move.
 //!
@@ -369,6 +375,13 @@ pub struct CudaBackend {
     dev_steps: Option<(u64, u64, [u8; 8], u32)>,
     /// The captured step's loss on the device (copied out after each replay).
     graph_loss_at: Option<u64>,
+    /// Joined to a sibling's capture ([`Capture::join_capture`]): where the scalars
+    /// read while joined are kept, one f32 slot each, and how many were read.
+    joined: Option<JoinedCapture>,
+    /// The scalars the joined capture read, read back after each replay.
+    graph_scalars: usize,
+    /// The slots (address, how many) a joined capture keeps its scalars in.
+    scalar_slots: Option<(u64, usize)>,
     /// Replays issued and not yet accounted for, oldest first.
     pending: VecDeque<PendingReplay>,
     /// Preloaded batches in device memory, by id.
@@ -633,6 +646,9 @@ impl CudaBackend {
             // Allocated zeroed.
             dev_steps: Some((0, 0, [0; 8], 0)),
             graph_loss_at: None,
+            joined: None,
+            graph_scalars: 0,
+            scalar_slots: None,
             pending: VecDeque::new(),
             held: Vec::new(),
             replays: 0,
@@ -1249,6 +1265,14 @@ impl Device for CudaBackend {
     }
 }
 
+/// A backend recording into its sibling's capture: the device slots of the scalars
+/// it reads (outside the arena, so later kernels of the step cannot reuse them).
+struct JoinedCapture {
+    slots: u64,
+    capacity: usize,
+    read: usize,
+}
+
 /// Whether `program` has collectives of the model axis (`model`) or of the data axis.
 pub(crate) fn has_collectives(program: &Graph, model: bool) -> bool {
     program.node_ids().into_iter().any(|id| {
@@ -1860,6 +1884,18 @@ impl Transfer for CudaBackend {
             return Err(invalid(format!("the loss must be one f32, got {ty}")));
         }
         self.await_collectives(&[ptr])?;
+        if let Some(j) = self.joined.as_mut() {
+            if j.read == j.capacity {
+                return Err(invalid(format!(
+                    "more than the {} scalars the capture was joined for were read",
+                    j.capacity
+                )));
+            }
+            let slot = j.slots + 4 * j.read as u64;
+            j.read += 1;
+            self.dev.copy(slot, ptr, 4)?;
+            return Ok(None);
+        }
         if self.capturing {
             // Kept aside within the graph (its arena slot is reused later in the step),
             // copied out after each replay into a slot of its own (`pending_scalar`).
@@ -2423,6 +2459,65 @@ impl Capture for CudaBackend {
         Ok(())
     }
 
+    fn join_capture(&mut self, scalars: usize) -> Result<bool, KernelError> {
+        if !self.opts.graphs {
+            return Ok(false);
+        }
+        self.no_capture("joining a capture")?;
+        self.bind()?;
+        self.write_steps()?;
+        let slots = match self.scalar_slots {
+            Some((ptr, capacity)) if capacity >= scalars => ptr,
+            _ => {
+                let bytes = 4 * scalars.max(1);
+                let ptr = self.dev.alloc(bytes, true)?;
+                self.track(bytes);
+                self.scalar_slots = Some((ptr, scalars));
+                ptr
+            }
+        };
+        self.joined = Some(JoinedCapture {
+            slots,
+            capacity: scalars,
+            read: 0,
+        });
+        self.capturing = true;
+        self.capture_bytes_at = self.nccl_bytes();
+        Ok(true)
+    }
+
+    fn leave_capture(&mut self) -> Result<(), KernelError> {
+        let Some(j) = self.joined.take() else {
+            return Err(invalid("leave_capture without join_capture"));
+        };
+        // This backend's collectives join the captured stream before the sibling
+        // ends the capture.
+        self.await_all_collectives()?;
+        self.capturing = false;
+        self.graph_scalars = j.read;
+        self.graph_bytes = self.nccl_bytes() - self.capture_bytes_at;
+        self.bytes_not_run.sent += self.graph_bytes.sent;
+        self.bytes_not_run.received += self.graph_bytes.received;
+        Ok(())
+    }
+
+    fn replayed_scalars(&mut self) -> Result<Vec<f64>, KernelError> {
+        self.no_capture("reading the replayed scalars")?;
+        let Some((slots, _)) = self.scalar_slots else {
+            return Err(invalid("replayed_scalars without a joined capture"));
+        };
+        self.bind()?;
+        self.bytes_replayed.sent += self.graph_bytes.sent;
+        self.bytes_replayed.received += self.graph_bytes.received;
+        let mut b = vec![0u8; 4 * self.graph_scalars];
+        if !b.is_empty() {
+            self.dev.read(slots, &mut b)?;
+        }
+        Ok(b.chunks_exact(4)
+            .map(|c| f64::from(f32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+            .collect())
+    }
+
     // The factor and the flag are the counters' (written before each replay, read by
     // the update kernels), so neither the scale nor the skip is a host round trip.
     fn unscale_on_device(
@@ -2560,7 +2655,6 @@ impl DeviceCollectives for CudaBackend {
     /// Sent on the compute stream, so no event orders it: the values' producers ran
     /// before it, and nothing after it overwrites them before the send has read them.
     fn send_message(&mut self, to: usize, values: &[&DeviceValue]) -> Result<(), KernelError> {
-        self.no_capture("sending a message")?;
         self.bind()?;
         let ptrs: Vec<u64> = values.iter().map(|v| v.ptr).collect();
         self.await_collectives(&ptrs)?;
@@ -2580,7 +2674,6 @@ impl DeviceCollectives for CudaBackend {
         from: usize,
         into: &[(String, TensorType)],
     ) -> Result<Vec<DeviceValue>, KernelError> {
-        self.no_capture("receiving a message")?;
         self.bind()?;
         let mut values = Vec::with_capacity(into.len());
         let mut parts = Vec::with_capacity(into.len());

@@ -14,6 +14,12 @@
 //! Messages go through the communicator among the stages (its `send`/`recv`, bounded
 //! by `--timeout`, counted in the metrics' bytes). Stage s of this launcher is rank s.
 //!
+//! On a GPU whose stages send their messages device to device, a stage's step has no
+//! host round trip: after the warm-up steps it is captured into one CUDA graph (the
+//! backward's backend begins the capture of the stream both programs run on, the
+//! forward's joins it and keeps each micro-batch's loss in a device slot) and replayed
+//! from then on ([`StageGraph`]).
+//!
 //! On a mesh with a model axis of T (tensor parallelism), each stage is T workers, one
 //! per model rank: each runs the stage's sharded programs on its part of the split
 //! variables, joined to the other model ranks of its stage by a model-axis
@@ -41,7 +47,7 @@ use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed
 use crate::run::trace::Span;
 use crate::run::worker::{
     collective, first_step, initial_values, model_collective, op_label, resumed_slots, Done,
-    StepReport,
+    StepReport, WARMUP,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -76,6 +82,9 @@ pub(crate) struct StageReport {
     /// Whether its messages to other stages went device to device.
     #[serde(default)]
     messages_on_device: bool,
+    /// Whether its step was a replay of its captured CUDA graph.
+    #[serde(default)]
+    cuda_graph: bool,
     /// Its programs' collectives that run through the host.
     #[serde(default)]
     host_collectives: usize,
@@ -922,7 +931,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         device_memory: None,
         pipeline: Some(PipelineStep { bubble, stages }),
         loss_scale: None,
-        cuda_graph: false,
+        cuda_graph: !reports.is_empty() && reports.iter().all(|r| r.cuda_graph),
         lr: first.first().and_then(|r| r.lr),
         peaks: reports.iter().filter_map(|r| r.peak.clone()).collect(),
     }
@@ -1398,8 +1407,31 @@ impl<'a> Stage<'a> {
         } else {
             None
         };
+        // CUDA graphs where the step has no host round trip: messages device to
+        // device, every collective on NCCL, no clipping (a global norm over the
+        // stages), no tied variable to exchange, no loss scale to move, and no
+        // device clock (profiling times each node).
+        let s = self.stage;
+        let capturable = bwd.backend().sends_messages()
+            && config.clip_norm.is_none()
+            && !self
+                .tied
+                .iter()
+                .any(|t| t.owner == s || t.holders.contains(&s))
+            && !forward.scales_loss()
+            && !backward.scales_loss()
+            && !fwd.device_clock()
+            && !bwd.device_clock()
+            && fwd.can_capture()
+            && bwd.can_capture();
+        let graph = if capturable {
+            StageGraph::Untried
+        } else {
+            StageGraph::Off
+        };
         let mut trace = StepTrace::default();
         let mut body = ScheduleStep {
+            graph,
             peak,
             stage: &mut *self,
             fwd,
@@ -1462,6 +1494,22 @@ struct ScheduleStep<'s, 'a, B: Backend> {
     /// A span per computation, while tracing.
     spans: Vec<Span>,
     last_bytes: ByteCount,
+    graph: StageGraph,
+}
+
+/// Whether a stage's steps are a CUDA graph's replays (as the worker's
+/// `GraphState`): a stage's whole step (every micro-batch's forward and backward in
+/// its schedule's order, its messages device to device, and the update) is one graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StageGraph {
+    /// Not tried yet (waiting for the warm-up steps).
+    Untried,
+    /// Every step runs eagerly: a backend records no graphs, or the step has a host
+    /// round trip (messages through the host, clipping, a tied variable's exchange).
+    Off,
+    /// A step is captured and replayed from now on; what it holds, measured while it
+    /// was recorded.
+    Replaying(MemoryByCategory),
 }
 
 /// What a stage's step hands from its body to its report.
@@ -1490,13 +1538,9 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                 me.elastic.timeout,
             ));
         }
-        let (fwd, bwd) = (&mut self.fwd, &mut self.bwd);
-        let device = self.device.as_str();
-        let fail = |what: &'static str| move |e| backend_error(device, what, e);
-        let s = me.stage;
-        let t0 = me.t0;
-        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-        // Each micro-batch in buffers of its own: all of a step's are live at once.
+        // Each micro-batch in buffers of its own (the same every step, which a
+        // replayed graph reads): all of a step's are live at once.
+        let fwd = &mut self.fwd;
         let feeds = me
             .data
             .iter_mut()
@@ -1507,6 +1551,208 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let start = Instant::now();
+        if let StageGraph::Replaying(memory) = self.graph {
+            return self.replay(step, start, memory);
+        }
+        let capturing = self.graph == StageGraph::Untried
+            && step >= self.stage.first + WARMUP
+            && self.begin_capture(step)?;
+        let ran = self.schedule(step, &feeds, start);
+        if !capturing {
+            return ran;
+        }
+        let memory = self.end_capture(step, ran)?;
+        self.graph = StageGraph::Replaying(memory);
+        self.replay(step, start, memory)
+    }
+
+    fn account(
+        &mut self,
+        step: usize,
+        due: Due,
+        ran: Ran<ScheduleRan>,
+        timed: Timed,
+        lr: f64,
+    ) -> Result<StageReport> {
+        let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
+        let me = &mut *self.stage;
+        let writes = due.shard && me.replica == 0;
+        let shard = if writes || me.elastic.slot.is_some() {
+            let mut held = host_params(self.bwd.backend(), &self.params)?;
+            held.extend(me.updated_slots(self.bwd.backend(), &self.optimizer)?);
+            for carried in me.carried.into_iter().flatten() {
+                held.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
+            }
+            if writes {
+                me.keep(|| held.clone(), step);
+                Some(me.write_shard(held, step, due.last)?)
+            } else {
+                me.keep(|| held, step);
+                None
+            }
+        } else {
+            None
+        };
+        // On a model axis, the parts' slots are gathered as their variables are, and
+        // model rank 0 hands them over whole.
+        let slots = if due.writes_whole() && me.replica == 0 {
+            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
+            let whole = me.whole_slots(slots)?;
+            (me.model_rank == 0).then_some(whole)
+        } else {
+            None
+        };
+        // Replica 0's model rank 0 hands the stage's variables over, whole, for the
+        // coordinator to evaluate the model or write the training state.
+        let params = if (due.eval || due.writes_whole()) && me.replica == 0 {
+            let whole = me.whole_params(self.bwd.backend(), &self.params)?;
+            (me.model_rank == 0).then_some(whole)
+        } else {
+            None
+        };
+        let report = StageReport {
+            params,
+            slots,
+            shard,
+            stage: me.stage,
+            replica: me.replica,
+            model_rank: me.model_rank,
+            busy_sec: ran.detail.busy,
+            step,
+            lr: Some(lr),
+            loss: ran.loss,
+            step_sec: timed.seconds(),
+            comm_wait_sec: ran.detail.waited,
+            bytes_sent: bytes.sent - self.last_bytes.sent,
+            bytes_received: bytes.received - self.last_bytes.received,
+            messages_on_device: self.bwd.backend().sends_messages(),
+            cuda_graph: matches!(self.graph, StageGraph::Replaying(_)),
+            host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
+            memory: ran.memory,
+            peak: self.peak.clone(),
+        };
+        self.last_bytes = bytes;
+        Ok(report)
+    }
+}
+
+impl<B: Backend> ScheduleStep<'_, '_, B> {
+    /// Starts recording step `step` into a CUDA graph: the backward's backend begins
+    /// the capture of the stream both programs run on, the forward's joins it
+    /// (keeping its micro-batches' losses on the device). `false` where a backend
+    /// declines: every step then runs eagerly.
+    fn begin_capture(&mut self, step: usize) -> Result<bool> {
+        let device = self.device.as_str();
+        let fail = |what: &'static str| move |e| backend_error(device, what, e);
+        let micro = self.stage.micro;
+        for exec in [&mut self.fwd, &mut self.bwd] {
+            exec.backend()
+                .set_step(step as u64)
+                .map_err(fail("setting the step"))?;
+        }
+        let joined = self
+            .fwd
+            .backend()
+            .join_capture(micro)
+            .map_err(fail("joining the CUDA graph capture"))?;
+        let began = joined
+            && self
+                .bwd
+                .backend()
+                .begin_capture()
+                .map_err(fail("starting a CUDA graph capture"))?;
+        if !began {
+            if joined {
+                self.fwd
+                    .backend()
+                    .leave_capture()
+                    .map_err(fail("leaving the CUDA graph capture"))?;
+            }
+            self.graph = StageGraph::Off;
+        }
+        Ok(began)
+    }
+
+    /// Ends the capture of step `step`, whose recording `ran` says how it went: what
+    /// the captured step holds, for the metrics of the replays.
+    fn end_capture(
+        &mut self,
+        step: usize,
+        ran: Result<Ran<ScheduleRan>>,
+    ) -> Result<MemoryByCategory> {
+        let device = self.device.clone();
+        let left = self.fwd.backend().leave_capture();
+        let ended = self.bwd.backend().end_capture();
+        let hint = "; run with --no-cuda-graph to train without a graph";
+        let ran = ran.map_err(|e| {
+            RuntimeError::Config(format!(
+                "{device}: stage {}'s step {step} could not be captured into a CUDA graph: \
+                 {e}{hint}",
+                self.stage.stage
+            ))
+        })?;
+        for (what, r) in [("leaving", left), ("ending", ended)] {
+            r.map_err(|e| {
+                let e = backend_error(&device, &format!("{what} the CUDA graph capture"), e);
+                RuntimeError::Config(format!("{e}{hint}"))
+            })?;
+        }
+        Ok(ran.memory)
+    }
+
+    /// Step `step` as the replay of the captured one, on the micro-batches uploaded
+    /// into the captured step's buffers. Its busy time is the replay's; what it waited
+    /// for its neighbours within the replay cannot be told apart.
+    fn replay(
+        &mut self,
+        step: usize,
+        start: Instant,
+        memory: MemoryByCategory,
+    ) -> Result<Ran<ScheduleRan>> {
+        let device = self.device.as_str();
+        let fail = |what: &'static str| move |e| backend_error(device, what, e);
+        for exec in [&mut self.fwd, &mut self.bwd] {
+            exec.backend()
+                .set_step(step as u64)
+                .map_err(fail("setting the step"))?;
+        }
+        let bwd = self.bwd.backend();
+        bwd.replay()
+            .map_err(fail("replaying the stage's CUDA graph"))?;
+        bwd.pending_scalar()
+            .map_err(fail("accounting for the replay"))?;
+        let losses = self
+            .fwd
+            .backend()
+            .replayed_scalars()
+            .map_err(fail("reading the micro-batches' losses"))?;
+        let busy = start.elapsed().as_secs_f64();
+        let micro = self.stage.micro as f64;
+        Ok(Ran {
+            loss: self.has_loss.then(|| losses.iter().sum::<f64>() / micro),
+            start,
+            updating: Instant::now(),
+            memory,
+            detail: ScheduleRan { busy, waited: 0.0 },
+        })
+    }
+
+    /// The schedule's instructions for step `step`, on `feeds` (one map a micro-batch),
+    /// then the update and the tied variables' exchange: run, or recorded while the
+    /// backends capture.
+    fn schedule(
+        &mut self,
+        step: usize,
+        feeds: &[HashMap<String, B::Tensor>],
+        start: Instant,
+    ) -> Result<Ran<ScheduleRan>> {
+        let me = &mut *self.stage;
+        let (fwd, bwd) = (&mut self.fwd, &mut self.bwd);
+        let device = self.device.as_str();
+        let fail = |what: &'static str| move |e| backend_error(device, what, e);
+        let s = me.stage;
+        let t0 = me.t0;
+        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
         let mut waited = 0.0;
         let mut busy = 0.0;
         // Per micro-batch: what its forward receives, what its backward receives (the
@@ -1753,74 +1999,6 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             memory: peak,
             detail: ScheduleRan { busy, waited },
         })
-    }
-
-    fn account(
-        &mut self,
-        step: usize,
-        due: Due,
-        ran: Ran<ScheduleRan>,
-        timed: Timed,
-        lr: f64,
-    ) -> Result<StageReport> {
-        let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
-        let me = &mut *self.stage;
-        let writes = due.shard && me.replica == 0;
-        let shard = if writes || me.elastic.slot.is_some() {
-            let mut held = host_params(self.bwd.backend(), &self.params)?;
-            held.extend(me.updated_slots(self.bwd.backend(), &self.optimizer)?);
-            for carried in me.carried.into_iter().flatten() {
-                held.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
-            }
-            if writes {
-                me.keep(|| held.clone(), step);
-                Some(me.write_shard(held, step, due.last)?)
-            } else {
-                me.keep(|| held, step);
-                None
-            }
-        } else {
-            None
-        };
-        // On a model axis, the parts' slots are gathered as their variables are, and
-        // model rank 0 hands them over whole.
-        let slots = if due.writes_whole() && me.replica == 0 {
-            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
-            let whole = me.whole_slots(slots)?;
-            (me.model_rank == 0).then_some(whole)
-        } else {
-            None
-        };
-        // Replica 0's model rank 0 hands the stage's variables over, whole, for the
-        // coordinator to evaluate the model or write the training state.
-        let params = if (due.eval || due.writes_whole()) && me.replica == 0 {
-            let whole = me.whole_params(self.bwd.backend(), &self.params)?;
-            (me.model_rank == 0).then_some(whole)
-        } else {
-            None
-        };
-        let report = StageReport {
-            params,
-            slots,
-            shard,
-            stage: me.stage,
-            replica: me.replica,
-            model_rank: me.model_rank,
-            busy_sec: ran.detail.busy,
-            step,
-            lr: Some(lr),
-            loss: ran.loss,
-            step_sec: timed.seconds(),
-            comm_wait_sec: ran.detail.waited,
-            bytes_sent: bytes.sent - self.last_bytes.sent,
-            bytes_received: bytes.received - self.last_bytes.received,
-            messages_on_device: self.bwd.backend().sends_messages(),
-            host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
-            memory: ran.memory,
-            peak: self.peak.clone(),
-        };
-        self.last_bytes = bytes;
-        Ok(report)
     }
 }
 

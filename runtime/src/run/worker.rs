@@ -1654,7 +1654,7 @@ fn feed_held<B: Backend>(
 }
 
 /// Eager steps before a training step is captured into a CUDA graph.
-const WARMUP: usize = 2;
+pub(crate) const WARMUP: usize = 2;
 
 /// Where a worker's loop is with CUDA graphs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

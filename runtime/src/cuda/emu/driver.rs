@@ -69,7 +69,17 @@ pub(super) enum Recorded {
         output: u64,
         out_ty: ValueType,
     },
+    /// A send or a receive of buffers (address, bytes) with a peer of the communicator.
+    Message {
+        comm: Rc<RefCell<CommCore>>,
+        peer: usize,
+        parts: Vec<(u64, usize)>,
+        send: bool,
+    },
 }
+
+/// A module and its kernels' names, in the order of their handles' indices.
+struct LoadedModule(EmuModule, Vec<String>);
 
 /// What the driver and its communicator share: the device and the capture.
 pub(super) struct Shared {
@@ -81,7 +91,9 @@ pub(super) struct Shared {
 pub struct EmuDriver {
     shared: Rc<RefCell<Shared>>,
     compute: Stream,
-    modules: Vec<(EmuModule, Vec<String>)>,
+    /// Every module loaded on this device, by its siblings too: a graph one of them
+    /// captures holds the others' launches on the shared stream.
+    modules: Rc<RefCell<Vec<Rc<LoadedModule>>>>,
     host: Vec<Vec<u8>>,
     graph: Option<Vec<Recorded>>,
     name: String,
@@ -98,7 +110,7 @@ impl EmuDriver {
                 capture: None,
             })),
             compute: Stream(0),
-            modules: Vec::new(),
+            modules: Rc::default(),
             host: Vec::new(),
             graph: None,
             name: format!("GPU emulator {ordinal}, on the CPU"),
@@ -139,10 +151,13 @@ impl EmuDriver {
     }
 
     fn run_launch(&mut self, k: &KernelLaunch<'_>) -> Result<(), CudaError> {
-        let (module, names) = self
+        let loaded = self
             .modules
+            .borrow()
             .get(k.kernel.module as usize)
+            .cloned()
             .ok_or_else(|| CudaError::Invalid(format!("kernel `{}` not loaded", k.name)))?;
+        let LoadedModule(module, names) = &*loaded;
         let name = names
             .get(k.kernel.index as usize)
             .ok_or_else(|| CudaError::Invalid(format!("kernel `{}` not loaded", k.name)))?;
@@ -356,6 +371,14 @@ impl EmuDriver {
                 (*input, in_ty),
                 (*output, out_ty),
             ),
+            Recorded::Message {
+                comm,
+                peer,
+                parts,
+                send,
+            } => comm
+                .borrow_mut()
+                .message(&mut self.shared.borrow_mut().dev, *peer, parts, *send),
         }
     }
 
@@ -390,7 +413,7 @@ impl Driver for EmuDriver {
         Ok(Box::new(EmuDriver {
             shared: self.shared.clone(),
             compute: self.compute,
-            modules: Vec::new(),
+            modules: self.modules.clone(),
             host: Vec::new(),
             graph: None,
             name: self.name.clone(),
@@ -410,8 +433,9 @@ impl Driver for EmuDriver {
     ) -> Result<Vec<KernelHandle>, CudaError> {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let module = EmuModule::compile(source, &refs)?;
-        let m = self.modules.len() as u32;
-        self.modules.push((module, names.to_vec()));
+        let mut modules = self.modules.borrow_mut();
+        let m = modules.len() as u32;
+        modules.push(Rc::new(LoadedModule(module, names.to_vec())));
         Ok((0..names.len() as u32)
             .map(|index| KernelHandle { module: m, index })
             .collect())

@@ -575,50 +575,11 @@ impl DeviceComm for EmuComm {
     }
 
     fn send(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
-        let mut shared = self.shared.borrow_mut();
-        let mut core = self.core.borrow_mut();
-        core.check_point_to_point(peer, &shared)?;
-        let mut message = Vec::new();
-        for &(at, len) in parts {
-            if len > 0 {
-                let (p, off) = shared.dev.locate(at, len, "a message sent")?;
-                let mut b = vec![0u8; len];
-                shared.dev.copy_dtoh(core.compute, p, off, &mut b)?;
-                message.extend(b);
-            }
-        }
-        let bytes = message.len() as u64;
-        // The host thread is the stream here: it blocks as the stream would.
-        core.group.post(core.rank, peer, message)?;
-        core.bytes.sent += bytes;
-        Ok(())
+        self.point_to_point(peer, parts, true)
     }
 
     fn recv(&mut self, peer: usize, parts: &[(u64, usize)]) -> Result<(), CudaError> {
-        let mut shared = self.shared.borrow_mut();
-        let mut core = self.core.borrow_mut();
-        core.check_point_to_point(peer, &shared)?;
-        let message = core.group.take(peer, core.rank)?;
-        let want: usize = parts.iter().map(|p| p.1).sum();
-        if message.len() != want {
-            return Err(CudaError::Invalid(format!(
-                "rank {} received {} bytes from rank {peer}, its buffers hold {want}",
-                core.rank,
-                message.len()
-            )));
-        }
-        let mut at_byte = 0;
-        for &(at, len) in parts {
-            if len > 0 {
-                let (p, off) = shared.dev.locate(at, len, "a message received")?;
-                shared
-                    .dev
-                    .copy_htod(core.compute, p, off, &message[at_byte..at_byte + len])?;
-                at_byte += len;
-            }
-        }
-        core.bytes.received += want as u64;
-        Ok(())
+        self.point_to_point(peer, parts, false)
     }
 
     fn split(&mut self) -> Result<Box<dyn DeviceComm>, CudaError> {
@@ -642,20 +603,81 @@ impl DeviceComm for EmuComm {
     }
 }
 
+impl EmuComm {
+    /// A send (`send`) or receive of `parts` with rank `peer`: run now, or recorded
+    /// into the capture and run at each replay, in the captured order.
+    fn point_to_point(
+        &mut self,
+        peer: usize,
+        parts: &[(u64, usize)],
+        send: bool,
+    ) -> Result<(), CudaError> {
+        let mut shared = self.shared.borrow_mut();
+        self.core.borrow().check_point_to_point(peer)?;
+        if let Some(c) = &mut shared.capture {
+            c.push(Recorded::Message {
+                comm: self.core.clone(),
+                peer,
+                parts: parts.to_vec(),
+                send,
+            });
+            return Ok(());
+        }
+        self.core
+            .borrow_mut()
+            .message(&mut shared.dev, peer, parts, send)
+    }
+}
+
 impl CommCore {
-    /// Refuses a point-to-point call the emulator cannot run: to itself, to a rank
-    /// the communicator lacks, or under a capture (stages run eagerly).
-    fn check_point_to_point(&self, peer: usize, shared: &Shared) -> Result<(), CudaError> {
+    /// Runs a send (`send`) to rank `peer` of `parts`, or a receive into them. The
+    /// host thread is the stream here: it blocks as the stream would.
+    pub(super) fn message(
+        &mut self,
+        dev: &mut EmuDevice,
+        peer: usize,
+        parts: &[(u64, usize)],
+        send: bool,
+    ) -> Result<(), CudaError> {
+        if send {
+            let mut message = Vec::new();
+            for &(at, len) in parts.iter().filter(|p| p.1 > 0) {
+                let (p, off) = dev.locate(at, len, "a message sent")?;
+                let mut b = vec![0u8; len];
+                dev.copy_dtoh(self.compute, p, off, &mut b)?;
+                message.extend(b);
+            }
+            let bytes = message.len() as u64;
+            self.group.post(self.rank, peer, message)?;
+            self.bytes.sent += bytes;
+            return Ok(());
+        }
+        let message = self.group.take(peer, self.rank)?;
+        let want: usize = parts.iter().map(|p| p.1).sum();
+        if message.len() != want {
+            return Err(CudaError::Invalid(format!(
+                "rank {} received {} bytes from rank {peer}, its buffers hold {want}",
+                self.rank,
+                message.len()
+            )));
+        }
+        let mut at_byte = 0;
+        for &(at, len) in parts.iter().filter(|p| p.1 > 0) {
+            let (p, off) = dev.locate(at, len, "a message received")?;
+            dev.copy_htod(self.compute, p, off, &message[at_byte..at_byte + len])?;
+            at_byte += len;
+        }
+        self.bytes.received += want as u64;
+        Ok(())
+    }
+
+    /// Refuses a point-to-point call to itself or to a rank the communicator lacks.
+    fn check_point_to_point(&self, peer: usize) -> Result<(), CudaError> {
         if peer >= self.size || peer == self.rank {
             return Err(CudaError::Invalid(format!(
                 "rank {} of {} cannot send to or receive from rank {peer}",
                 self.rank, self.size
             )));
-        }
-        if shared.capture.is_some() {
-            return Err(CudaError::Invalid(
-                "the emulator does not capture point-to-point messages".into(),
-            ));
         }
         Ok(())
     }
