@@ -357,7 +357,7 @@ mod taped {
         fn can_capture(&self, _: &Schedule) -> bool {
             true
         }
-        fn begin_capture(&mut self) -> Result<bool, KernelError> {
+        fn begin_capture(&mut self, _: usize) -> Result<bool, KernelError> {
             self.recording = Some(Vec::new());
             self.loss_cell = None;
             Ok(true)

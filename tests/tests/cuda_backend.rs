@@ -315,6 +315,80 @@ fn steps_with_cuda_graphs_match_the_cpu_and_eager_steps_bitwise() {
     }
 }
 
+/// A step of several micro-batches is captured whole: each micro-batch's feeds in
+/// buffers of their own, uploaded before the replay (the next step's while this one
+/// runs), and each micro-batch's loss in a slot of its own, summed after the replay.
+/// dense_mlp at 3 micro-batches a step (`--accumulate 3`), and the fp16 model whose
+/// loss scale comes down (its step's share of the scale is 1/K, unscaled and checked
+/// on the device): from step 3 every step is a replay, and every loss and weight is
+/// what eager steps give, bitwise (a replay reading one micro-batch's buffers for
+/// another's, or a stale step's, would differ), with the CPU's losses.
+#[test]
+fn a_step_of_several_micro_batches_is_captured_whole() {
+    use distc_passes::placement::{Precision, StrategyConfig};
+    let eager = CudaOptions {
+        tf32: false,
+        graphs: false,
+        ..Default::default()
+    };
+    let graphs = CudaOptions {
+        tf32: false,
+        ..Default::default()
+    };
+    let mut copts = CompileOptions::default();
+    copts.strategy.accumulate = 3;
+    if emulator_requested() {
+        copts.batch = Some(EMULATED_BATCH);
+    }
+    let c = compile_file(&example("dense_mlp.dsl"), &copts).expect("compiles");
+    let steps = 5;
+    let Some((_, cpu)) = train_plan(&c, steps, None) else {
+        return;
+    };
+    let Some((want, eager_steps)) = train_plan(&c, steps, Some(eager)) else {
+        return;
+    };
+    let Some((got, graph_steps)) = train_plan(&c, steps, Some(graphs)) else {
+        return;
+    };
+    let replayed: Vec<bool> = graph_steps.iter().map(|m| m.cuda_graph).collect();
+    assert_eq!(replayed, [false, false, true, true, true]);
+    let losses = |m: &[StepMetrics]| m.iter().map(|m| m.loss).collect::<Vec<_>>();
+    assert_eq!(losses(&graph_steps), losses(&eager_steps));
+    for (s, (a, b)) in losses(&graph_steps).iter().zip(losses(&cpu)).enumerate() {
+        assert!(
+            close(*a, b, 1e-3),
+            "step {}: loss {a} on CUDA, {b} on the CPU",
+            s + 1
+        );
+    }
+    for (var, w) in &want.params {
+        assert!(
+            got.params.get(var) == Some(w),
+            "`{var}` differs between graphs and eager steps"
+        );
+    }
+    let src = distc_tests::fp16_overflowing_model("adam(lr = 0.0005)");
+    let copts = CompileOptions {
+        strategy: StrategyConfig {
+            precision: Precision::Fp16,
+            accumulate: 2,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let c = distc::compile("big.dsl", &src, &copts).unwrap_or_else(|e| panic!("{e}"));
+    let steps = 8;
+    let (Some(cpu), Some(eager), Some(graphs)) = (
+        train_plan(&c, steps, None),
+        train_plan(&c, steps, Some(eager)),
+        train_plan(&c, steps, Some(graphs)),
+    ) else {
+        return;
+    };
+    distc_tests::assert_fp16_replays_match("2 micro-batches a step", &graphs, &eager, &cpu.1);
+}
+
 /// A trace on the GPU times each op's kernels between two events on the device's
 /// stream, not the host's launches: every compute op's span says so, the spans of a
 /// step follow one another as the stream ran them, the update starts when the last op

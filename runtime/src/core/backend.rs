@@ -388,8 +388,10 @@ pub trait Capture: Device {
         false
     }
     /// Starts recording everything issued (a step and its update) into a graph instead
-    /// of running it. `false`: this backend has no graphs, nothing changed.
-    fn begin_capture(&mut self) -> Result<bool, KernelError> {
+    /// of running it, a step that reads at most `scalars` scalars (its micro-batches'
+    /// losses: [`Transfer::pending_scalar`] gives their sum after each replay).
+    /// `false`: this backend has no graphs, nothing changed.
+    fn begin_capture(&mut self, _scalars: usize) -> Result<bool, KernelError> {
         Ok(false)
     }
     /// Ends the recording [`Capture::begin_capture`] started; the graph is kept.

@@ -358,10 +358,10 @@ pub struct CudaBackend {
     /// Each such copy's buffer, outside the arena (it lives across steps), by variable.
     copies: HashMap<String, WeightCopy>,
     steps_ptr: u64,
-    /// Where a captured step copies its loss the moment it is computed: outside the
-    /// arena, so the step's later kernels cannot reuse it before the copy out after
-    /// the replay. Beside it (4 bytes on), a copy of the skip flag of a step that
-    /// unscales on the device.
+    /// Where a captured step copies its losses (one a micro-batch) the moment each is
+    /// computed: outside the arena, so the step's later kernels cannot reuse them
+    /// before the copy out after the replay. First the skip flag of a step that
+    /// unscales on the device, then the losses (4 bytes each).
     loss_ptr: u64,
     /// The step node kernels should see, and the optimizer's completed steps.
     kernel_step: u64,
@@ -373,8 +373,10 @@ pub struct CudaBackend {
     /// What the device's counters hold (after the copies issued): the steps, the
     /// rate and the factor (the skip flag is written zero with them).
     dev_steps: Option<(u64, u64, [u8; 8], u32)>,
-    /// The captured step's loss on the device (copied out after each replay).
-    graph_loss_at: Option<u64>,
+    /// How many f32 slots the loss area (`loss_ptr`) and its pinned copies hold.
+    loss_capacity: usize,
+    /// The most scalars the capture being recorded may read, and how many it read.
+    capture_scalars: (usize, usize),
     /// Joined to a sibling's capture ([`Capture::join_capture`]): where the scalars
     /// read while joined are kept, one f32 slot each, and how many were read.
     joined: Option<JoinedCapture>,
@@ -388,13 +390,13 @@ pub struct CudaBackend {
     held: Vec<Vec<HeldFeed>>,
     replays: usize,
     capturing: bool,
-    capture_loss: bool,
     capture_update: bool,
     /// Whether the captured step unscaled its gradients on the device
     /// ([`Kernels::unscale_on_device`]): a replay's update then counts once its flag
     /// is read, if the step was not skipped.
     capture_scaled: bool,
-    graph_loss: bool,
+    /// The losses each replay of the graph computes.
+    graph_losses: usize,
     graph_update: bool,
     graph_scaled: bool,
     /// Whether the last replay read had finite gradients (a scaled graph's).
@@ -425,14 +427,16 @@ impl std::fmt::Debug for CudaBackend {
 
 /// Replayed steps that may be in flight at once: the one being read and the next.
 const LOSS_SLOTS: usize = 2;
+/// The bytes of a loss area holding one loss: the skip flag, then the loss.
+const LOSS_AREA_AT: usize = 8;
 
 /// A replay issued, not yet read.
 #[derive(Debug)]
 struct PendingReplay {
     /// Its pinned slot, when the graph computes a loss or unscales on the device: the
-    /// loss (f32), then the skip flag (u32).
+    /// skip flag (u32), then each loss (f32).
     slot: Option<usize>,
-    loss: bool,
+    losses: usize,
     /// Whether its update counts only if its flag says the step was not skipped.
     scaled: bool,
 }
@@ -587,7 +591,7 @@ impl CudaBackend {
         }
         let funcs = load_functions(dev.as_mut(), &source, &format!("{}.cu", graph.name), &names)?;
         let steps_ptr = dev.alloc(STEPS_BYTES, true)?;
-        let loss_ptr = dev.alloc(8, true)?;
+        let loss_ptr = dev.alloc(LOSS_AREA_AT, true)?;
         let unscale = match unscale {
             Some((dense, slices)) => Some(Unscale {
                 dense,
@@ -608,7 +612,10 @@ impl CudaBackend {
             copies.insert(var.clone(), WeightCopy { ptr, of: None });
         }
         let steps_host = dev.host_buffer(STEPS_BYTES)?;
-        let loss_slots = [dev.host_buffer(8)?, dev.host_buffer(8)?];
+        let loss_slots = [
+            dev.host_buffer(LOSS_AREA_AT)?,
+            dev.host_buffer(LOSS_AREA_AT)?,
+        ];
         dev.synchronize()?;
         let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN + copy_bytes) as u64;
         Ok(CudaBackend {
@@ -645,7 +652,8 @@ impl CudaBackend {
             unscale_factor: 1.0,
             // Allocated zeroed.
             dev_steps: Some((0, 0, [0; 8], 0)),
-            graph_loss_at: None,
+            loss_capacity: 1,
+            capture_scalars: (0, 0),
             joined: None,
             graph_scalars: 0,
             scalar_slots: None,
@@ -653,10 +661,9 @@ impl CudaBackend {
             held: Vec::new(),
             replays: 0,
             capturing: false,
-            capture_loss: false,
             capture_update: false,
             capture_scaled: false,
-            graph_loss: false,
+            graph_losses: 0,
             graph_update: false,
             graph_scaled: false,
             last_finite: None,
@@ -1899,9 +1906,14 @@ impl Transfer for CudaBackend {
         if self.capturing {
             // Kept aside within the graph (its arena slot is reused later in the step),
             // copied out after each replay into a slot of its own (`pending_scalar`).
-            self.dev.copy(self.loss_ptr, ptr, 4)?;
-            self.graph_loss_at = Some(self.loss_ptr);
-            self.capture_loss = true;
+            let (most, read) = self.capture_scalars;
+            if read == most {
+                return Err(invalid(format!(
+                    "more than the {most} scalars the capture was begun for were read"
+                )));
+            }
+            self.dev.copy(self.loss_ptr + 4 + 4 * read as u64, ptr, 4)?;
+            self.capture_scalars.1 += 1;
             return Ok(None);
         }
         let mut x = [0u8; 4];
@@ -1924,15 +1936,19 @@ impl Transfer for CudaBackend {
         };
         // Waits for that replay's copy out, not for the replays issued after it.
         let b = self.dev.host_bytes(self.loss_slots[slot])?;
-        let loss = f64::from(f32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-        let skipped = u32::from_ne_bytes([b[4], b[5], b[6], b[7]]) != 0;
+        let skipped = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) != 0;
+        // Summed as the eager step sums its micro-batches' losses.
+        let loss: f64 = b[4..4 + 4 * done.losses]
+            .chunks_exact(4)
+            .map(|c| f64::from(f32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+            .sum();
         if done.scaled {
             self.last_finite = Some(!skipped);
             if !skipped {
                 self.opt_steps.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Ok(done.loss.then_some(loss))
+        Ok((done.losses > 0).then_some(loss))
     }
 
     fn synchronize(&mut self) -> Result<(), KernelError> {
@@ -2420,17 +2436,26 @@ impl Capture for CudaBackend {
                     .all(|id| self.nccl_runs(id)))
     }
 
-    fn begin_capture(&mut self) -> Result<bool, KernelError> {
+    fn begin_capture(&mut self, scalars: usize) -> Result<bool, KernelError> {
         if !self.opts.graphs {
             return Ok(false);
         }
         self.no_capture("starting a capture")?;
         self.bind()?;
+        if scalars > self.loss_capacity {
+            // Replays not read yet hold the old pinned slots: none, since a run
+            // captures once, before its first replay.
+            let bytes = 4 + 4 * scalars;
+            self.loss_ptr = self.dev.alloc(bytes, true)?;
+            self.track(bytes);
+            self.loss_slots = [self.dev.host_buffer(bytes)?, self.dev.host_buffer(bytes)?];
+            self.loss_capacity = scalars;
+        }
+        self.capture_scalars = (scalars, 0);
         // Counters on the device are current (the graph reads them at each replay).
         self.write_steps()?;
         self.dev.begin_capture()?;
         self.capturing = true;
-        self.capture_loss = false;
         self.capture_update = false;
         self.capture_scaled = false;
         self.capture_bytes_at = self.nccl_bytes();
@@ -2448,7 +2473,7 @@ impl Capture for CudaBackend {
         if !self.dev.end_capture()? {
             return Err(invalid("the captured CUDA graph is empty"));
         }
-        self.graph_loss = self.capture_loss;
+        self.graph_losses = self.capture_scalars.1;
         self.graph_update = self.capture_update;
         self.graph_scaled = self.capture_scaled && self.capture_update;
         let now = self.nccl_bytes();
@@ -2551,8 +2576,8 @@ impl Capture for CudaBackend {
                 comm.order_after(SKIP_FLAG_NODE)?;
             }
         }
-        // Copied out with the loss after each replay.
-        self.dev.copy(self.loss_ptr + 4, flag, 4)?;
+        // Copied out with the losses after each replay.
+        self.dev.copy(self.loss_ptr, flag, 4)?;
         self.capture_scaled = true;
         Ok(())
     }
@@ -2583,11 +2608,12 @@ impl Capture for CudaBackend {
         if self.graph_update && !self.graph_scaled {
             self.opt_steps.fetch_add(1, Ordering::Relaxed);
         }
-        let loss = self.graph_loss && self.graph_loss_at.is_some();
-        let slot = (loss || self.graph_scaled).then_some(self.replays % LOSS_SLOTS);
+        let losses = self.graph_losses;
+        let slot = (losses > 0 || self.graph_scaled).then_some(self.replays % LOSS_SLOTS);
         if let Some(slot) = slot {
-            // The loss and the skip flag, side by side (`loss_ptr`).
-            self.dev.download(self.loss_slots[slot], self.loss_ptr, 8)?;
+            // The skip flag and the losses, side by side (`loss_ptr`).
+            self.dev
+                .download(self.loss_slots[slot], self.loss_ptr, 4 + 4 * losses)?;
         }
         if self.graph_scaled {
             // The flag may be raised: the next counters' copy clears it.
@@ -2596,7 +2622,7 @@ impl Capture for CudaBackend {
         self.replays += 1;
         self.pending.push_back(PendingReplay {
             slot,
-            loss,
+            losses,
             scaled: self.graph_scaled,
         });
         Ok(())

@@ -1659,7 +1659,7 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
             && self
                 .bwd
                 .backend()
-                .begin_capture()
+                .begin_capture(0)
                 .map_err(fail("starting a CUDA graph capture"))?;
         if !began {
             if joined {
@@ -1726,6 +1726,12 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
             .backend()
             .replayed_scalars()
             .map_err(fail("reading the micro-batches' losses"))?;
+        // A stage without the loss reads nothing back: its step ends when its replay
+        // has run, not when it was issued.
+        self.bwd
+            .backend()
+            .synchronize()
+            .map_err(fail("finishing the step"))?;
         let busy = start.elapsed().as_secs_f64();
         let micro = self.stage.micro as f64;
         Ok(Ran {

@@ -15,7 +15,7 @@
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
 use crate::comm::{from_wire, from_wire_parts, wire_bytes, ByteCount, Communicator};
-use crate::core::backend::{all_to_host, backend_error, upload_all, Backend};
+use crate::core::backend::{all_to_host, backend_error, upload_all, upload_all_as, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -1166,9 +1166,11 @@ fn train_worker<B: Backend>(
     // CUDA graphs, a mode of this body: after WARMUP eager steps (which also settle
     // every lazy setup, cuBLAS's included), one step and its update are captured, and
     // that graph is replayed for that step and every later one. Only where the step
-    // has no host round trip: one batch per step, no pull or push, every collective
-    // on the device, and the backend records graphs (the CPU's does not: every step
-    // runs eagerly). Profiling times each node's kernels (the executor waits for
+    // has no host round trip: no pull or push, every collective on the device, and
+    // the backend records graphs (the CPU's does not: every step
+    // runs eagerly). A step of K micro-batches is captured whole (each micro-batch
+    // in buffers of its own, uploaded before the replay, its loss in a slot of its
+    // own). Profiling times each node's kernels (the executor waits for
     // them), which a replayed graph cannot: a profiled run runs eagerly.
     // fp16: the backward pass starts from the loss scale, and an overflowed step is
     // skipped. A captured step unscales on the device and skips its update there; the
@@ -1198,8 +1200,7 @@ fn train_worker<B: Backend>(
             .into_iter()
             .any(|id| programs.worker.op(id).is_model_collective());
     // A captured step replays the update as it was captured: no norm measured, no clip.
-    let capturable = k == 1
-        && (scaler.is_none() || flags_on_device)
+    let capturable = (scaler.is_none() || flags_on_device)
         && config.clip_norm.is_none()
         && !opts.profile
         && !st.exec.device_clock()
@@ -1294,7 +1295,7 @@ struct WorkerStep<'s, 'p, B: Backend> {
     /// While a replayed step runs on the device, the next step's batch is drawn and
     /// staged (uploads are ordered after the replay on the device's stream, so the
     /// buffers the graph reads are overwritten only once it is done).
-    prefetched: Option<HashMap<String, B::Tensor>>,
+    prefetched: Option<Vec<HashMap<String, B::Tensor>>>,
     /// Whether this step's replay was issued already, behind the previous step's.
     issued: bool,
     /// The preloaded batches the backend holds, in order.
@@ -1337,14 +1338,20 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             };
         }
         // The first micro-batch on the device; the others stay on the host until they
-        // run, since a device backend keeps one buffer per feed, which an upload
-        // overwrites.
+        // run. A step captured or replayed reads every micro-batch from buffers of its
+        // own, so all of them go to the device before it.
+        let k = self.data.len();
+        let graphed = match self.graph {
+            GraphState::Untried => step >= first + WARMUP,
+            GraphState::Off => false,
+            GraphState::Replaying(_) => true,
+        };
         let (fed, later, start) = match self.prefetched.take() {
             Some(feeds) => (feeds, Vec::new(), Instant::now()),
             None if !self.held.is_empty() => {
                 let start = Instant::now();
                 let fed = feed_held(st.exec.backend(), &mut self.held, device)?;
-                (fed, Vec::new(), start)
+                (vec![fed], Vec::new(), start)
             }
             None => {
                 let mut batches = self
@@ -1358,28 +1365,30 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                         "worker {rank}: no data source"
                     )));
                 }
-                let rest = batches.split_off(1);
-                let fed = upload_all(st.exec.backend(), batches.remove(0))?;
+                let rest = batches.split_off(if graphed { k } else { 1 });
+                let fed = upload_micro_batches(st.exec.backend(), batches, k)?;
                 (fed, rest, start)
             }
         };
         // fp16: the scale (fed) and its inverse (read by the unscaling kernels) of this
-        // step, before its capture or replay; one batch a step, so a share of 1/N.
-        let scaled = |st: &mut Loop<B>, s: Option<&LossScaler>, replicas: usize| -> Result<()> {
+        // step, before its capture or replay; K micro-batches a step on each of N
+        // workers, so a share of 1/(N K) (as the eager steps below).
+        let share = self.replicas * k;
+        let scaled = |st: &mut Loop<B>, s: Option<&LossScaler>| -> Result<()> {
             if let Some(s) = s {
-                st.exec.set_loss_scale(s.scale / replicas as f64)?;
+                st.exec.set_loss_scale(s.scale / share as f64)?;
                 st.exec
                     .backend()
-                    .set_unscale_factor(replicas as f64 / s.scale)
+                    .set_unscale_factor(share as f64 / s.scale)
                     .map_err(|e| backend_error(device, "setting the loss scale", e))?;
             }
             Ok(())
         };
-        if self.graph == GraphState::Untried && step >= first + WARMUP {
-            scaled(st, self.scaler.as_ref(), self.replicas)?;
+        if self.graph == GraphState::Untried && graphed {
+            scaled(st, self.scaler.as_ref())?;
             // Some(whether the flags are summed over the workers).
             let unscale = self.scaler.as_ref().map(|_| !self.flags_agree);
-            self.graph = capture_step(st, &fed, step, rank, unscale, &mut *hook)?;
+            self.graph = capture_step(st, &fed, step, self.ranks, unscale, &mut *hook)?;
         }
         let (loss, updating, used) = if let GraphState::Replaying(captured) = self.graph {
             let replay = |backend: &mut B, step: usize| {
@@ -1391,7 +1400,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     .map_err(|e| backend_error(device, "replaying the step's CUDA graph", e))
             };
             if !self.issued {
-                scaled(st, self.scaler.as_ref(), self.replicas)?;
+                scaled(st, self.scaler.as_ref())?;
                 replay(st.exec.backend(), step)?;
             }
             // The next step's batch is staged and its replay issued before this
@@ -1403,10 +1412,14 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             self.issued = !due.last && !due.eval && !due.checkpoint && self.scaler.is_none();
             if self.issued {
                 self.prefetched = Some(if self.held.is_empty() {
-                    let next = self.data[0].next_batch()?;
-                    upload_all(st.exec.backend(), next)?
+                    let next = self
+                        .data
+                        .iter_mut()
+                        .map(DataSource::next_batch)
+                        .collect::<Result<Vec<_>>>()?;
+                    upload_micro_batches(st.exec.backend(), next, k)?
                 } else {
-                    feed_held(st.exec.backend(), &mut self.held, device)?
+                    vec![feed_held(st.exec.backend(), &mut self.held, device)?]
                 });
                 replay(st.exec.backend(), step + 1)?;
             }
@@ -1415,7 +1428,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 .backend()
                 .pending_scalar()
                 .map_err(|e| backend_error(device, "reading the loss", e))?
-                .unwrap_or(f64::NAN);
+                .map_or(f64::NAN, |sum| sum / k as f64);
             if let Some(s) = self.scaler.as_mut() {
                 let finite = st.exec.backend().replayed_finite().ok_or_else(|| {
                     RuntimeError::Config(format!(
@@ -1428,12 +1441,11 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             (loss, Instant::now(), captured)
         } else {
             // Micro-batches: the last one communicates and hands the gradients over.
-            let k = self.data.len();
             let mut micro_loss = 0.0;
             let mut last = None;
-            let sources = 1 + later.len();
+            let sources = fed.len() + later.len();
             let mut later = later.into_iter();
-            let mut first_batch = Some(fed);
+            let mut fed = fed.into_iter();
             // Each of the step's N x K batches starts its backward pass from its share
             // of the scale, so that its 16-bit values are what one device's are for its
             // samples in the global batch (N times larger otherwise: N workers' means
@@ -1445,7 +1457,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             }
             st.exec.begin_device_step()?;
             for m in 0..k {
-                let batch = match first_batch.take() {
+                let batch = match fed.next() {
                     Some(b) => b,
                     None => {
                         let b = later.next().ok_or_else(|| {
@@ -1453,7 +1465,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                                 "worker {rank}: {k} micro-batches a step, {sources} data sources"
                             ))
                         })?;
-                        upload_all(st.exec.backend(), b)?
+                        upload_micro_batches(st.exec.backend(), vec![b], 1)?.remove(0)
                     }
                 };
                 set_ranks(&mut st.exec, self.ranks, Some((k, m)));
@@ -1676,9 +1688,9 @@ enum GraphState {
 /// an overflow on any worker: the flags are summed over them).
 fn capture_step<B: Backend>(
     st: &mut Loop<B>,
-    feeds: &HashMap<String, B::Tensor>,
+    feeds: &[HashMap<String, B::Tensor>],
     step: usize,
-    rank: usize,
+    ranks: (usize, usize),
     unscale: Option<bool>,
     hook: &mut WorkerHook,
 ) -> Result<GraphState> {
@@ -1687,32 +1699,43 @@ fn capture_step<B: Backend>(
     backend
         .set_step(step as u64)
         .map_err(|e| backend_error(&device, "setting the step", e))?;
+    let k = feeds.len();
     let on = backend
-        .begin_capture()
+        .begin_capture(k)
         .map_err(|e| backend_error(&device, "starting a CUDA graph capture", e))?;
     if !on {
         return Ok(GraphState::Off);
     }
-    st.exec.set_rank(rank);
-    let captured = st
-        .exec
-        .run_with(feeds, &st.params, Mode::Train, step as u64, Some(hook))
-        .and_then(|mut out| {
-            let used = st.exec.measured_memory();
-            let backend = st.exec.backend();
-            if let Some(over_workers) = unscale {
-                backend
-                    .unscale_on_device(&mut out.grads, over_workers)
-                    .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
-            }
+    // Every micro-batch as the eager step runs them: the last communicates and hands
+    // the gradients over.
+    let micro = |st: &mut Loop<B>, hook: &mut WorkerHook| {
+        let mut last = None;
+        for (m, fed) in feeds.iter().enumerate() {
+            set_ranks(&mut st.exec, ranks, Some((k, m)));
+            let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
+            last = Some(
+                st.exec
+                    .run_with(fed, &st.params, mode, step as u64, Some(&mut *hook))?,
+            );
+        }
+        last.ok_or_else(|| RuntimeError::Config(format!("{device}: no data source")))
+    };
+    let captured = micro(st, hook).and_then(|mut out| {
+        let used = st.exec.measured_memory();
+        let backend = st.exec.backend();
+        if let Some(over_workers) = unscale {
             backend
-                .update(&mut st.optimizer, &mut st.params, out.grads)
-                .map_err(|e| backend_error(&device, "applying the update", e))?;
-            backend
-                .assign(&mut st.params, out.assigned)
-                .map_err(|e| backend_error(&device, "writing the running statistics", e))
-                .map(|()| used)
-        });
+                .unscale_on_device(&mut out.grads, over_workers)
+                .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
+        }
+        backend
+            .update(&mut st.optimizer, &mut st.params, out.grads)
+            .map_err(|e| backend_error(&device, "applying the update", e))?;
+        backend
+            .assign(&mut st.params, out.assigned)
+            .map_err(|e| backend_error(&device, "writing the running statistics", e))
+            .map(|()| used)
+    });
     let ended = st.exec.backend().end_capture();
     let hint = "; run with --no-cuda-graph to train without a graph";
     let used = captured.map_err(|e| {
@@ -1725,6 +1748,27 @@ fn capture_step<B: Backend>(
         RuntimeError::Config(format!("{e}{hint}"))
     })?;
     Ok(GraphState::Replaying(used))
+}
+
+/// Uploads micro-batch m of `batches`, of K a step, into its own buffers (`x/micro1`
+/// for feed `x` of the second), so a captured step reads each from where the next
+/// steps put theirs; one micro-batch a step keeps the feeds' names.
+fn upload_micro_batches<B: Backend>(
+    backend: &mut B,
+    batches: Vec<HashMap<String, Tensor>>,
+    k: usize,
+) -> Result<Vec<HashMap<String, B::Tensor>>> {
+    batches
+        .into_iter()
+        .enumerate()
+        .map(|(m, b)| {
+            if k == 1 {
+                upload_all(backend, b)
+            } else {
+                upload_all_as(backend, b, |n| format!("{n}/micro{m}"))
+            }
+        })
+        .collect()
 }
 
 /// The first step a run of `steps` steps runs: the one after the resumed state's.
