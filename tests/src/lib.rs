@@ -113,6 +113,27 @@ pub fn optimizer_plan(
     optimizer_kernels(spec, &[], &params, &copies, 1.0).expect("optimizer kernels")
 }
 
+/// A model whose input projection `e` is also its output layer (tied), `layers` tanh
+/// layers between: `e` is read on the first stage and the last.
+pub fn tied(layers: usize) -> String {
+    let mut s = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+                 param e: f32[16, 16] = glorot\n"
+        .to_string();
+    for k in 0..layers {
+        s += &format!("  param w{k}: f32[16, 16] = glorot\n");
+    }
+    s += "  h0 = tanh(x @ e)\n";
+    for k in 0..layers {
+        s += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
+    }
+    s += &format!(
+        "  minimize softmax_cross_entropy(h{layers} @ e, label)\n}}\n\
+         train {{\n  data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
+         optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}}\n"
+    );
+    s
+}
+
 /// A model whose loss is 1000 times a cross-entropy, trained by `optimizer` for 12
 /// steps: its fp16 gradients overflow at the first loss scales, so the scale comes
 /// down over about 8 skipped steps, then steps update.

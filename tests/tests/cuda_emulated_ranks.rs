@@ -450,31 +450,40 @@ fn fp16_graphs_sum_overflow_flags_over_zero_and_model_axes() {
 /// forward's run on a split communicator). On NCCL a stage's step has no host round
 /// trip: after the warm-up steps it is captured into one CUDA graph (both programs,
 /// every micro-batch, the messages and the update) and replayed, twice here, so a
-/// replay reading a stale batch, step or loss slot shows.
+/// replay reading a stale batch, step or loss slot shows. A stage exchanging a tied
+/// variable (read on the first stage and the last) has a host round trip and steps
+/// eagerly, beside the middle stage's replays.
 #[test]
 fn pipeline_messages_go_device_to_device_on_nccl() {
     use distc_ir::pipeline::schedule::ScheduleKind;
     use distc_runtime::run::metrics::StepMetrics;
     const STEPS: usize = 5;
-    for (data, model, pipe, micro, schedule) in [
-        (1, 1, 3, 4, ScheduleKind::OneFOneB),
-        (1, 2, 2, 2, ScheduleKind::GPipe),
-        (2, 1, 2, 2, ScheduleKind::OneFOneB),
+    // (model source, none for dense_mlp; mesh; the stages that step eagerly on NCCL)
+    let tied = distc_tests::tied(4);
+    for (src, data, model, pipe, micro, schedule, eager) in [
+        (None, 1, 1, 3, 4, ScheduleKind::OneFOneB, &[][..]),
+        (None, 1, 2, 2, 2, ScheduleKind::GPipe, &[]),
+        (None, 2, 1, 2, 2, ScheduleKind::OneFOneB, &[]),
+        (Some(&tied), 1, 1, 3, 2, ScheduleKind::GPipe, &[0, 2]),
     ] {
-        let what = format!("data {data} x model {model} x pipe {pipe}, {micro} micro-batches");
+        let what = format!(
+            "{} data {data} x model {model} x pipe {pipe}, {micro} micro-batches",
+            if src.is_some() { "tied" } else { "dense_mlp" }
+        );
         let strategy = StrategyConfig {
             schedule,
             ..distc_tests::mesh(data, model, pipe, micro)
         };
         let workers = strategy.workers;
-        let c = compile_file(
-            &example("dense_mlp.dsl"),
-            &CompileOptions {
-                strategy,
-                batch: Some(16),
-                ..Default::default()
-            },
-        )
+        let copts = CompileOptions {
+            strategy,
+            batch: Some(16),
+            ..Default::default()
+        };
+        let c = match src {
+            Some(src) => distc::compile("tied.dsl", src, &copts),
+            None => compile_file(&example("dense_mlp.dsl"), &copts),
+        }
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let opts = TrainOptions {
             steps: Some(STEPS),
@@ -505,12 +514,19 @@ fn pipeline_messages_go_device_to_device_on_nccl() {
         for (steps, on_device) in [(&device_steps, true), (&host_steps, false)] {
             assert_eq!(steps.len(), STEPS, "{what}");
             let replayed: Vec<bool> = steps.iter().map(|m| m.cuda_graph).collect();
-            let want: Vec<bool> = (1..=STEPS).map(|s| on_device && s >= 3).collect();
+            let all = on_device && eager.is_empty();
+            let want: Vec<bool> = (1..=STEPS).map(|s| all && s >= 3).collect();
             assert_eq!(replayed, want, "{what}: on the device {on_device}");
             for m in steps.iter() {
                 let p = m.pipeline.as_ref().expect("a pipelined step's metrics");
                 assert_eq!(p.stages.len(), pipe, "{what}");
                 for (s, st) in p.stages.iter().enumerate() {
+                    assert_eq!(
+                        st.cuda_graph,
+                        on_device && m.step >= 3 && !eager.contains(&s),
+                        "{what}: stage {s}'s step {} replayed",
+                        m.step
+                    );
                     assert_eq!(st.messages_on_device, on_device, "{what}: stage {s}");
                     assert!(st.bytes_sent > 0, "{what}: stage {s} sent nothing");
                     // On NCCL both programs' model-axis collectives run on the device:

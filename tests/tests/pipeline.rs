@@ -253,32 +253,11 @@ fn unsupported_combinations_are_refused_by_name() {
     assert!(e.contains("too few to cut into 500 stages"), "{e}");
 }
 
-/// A model whose input projection `e` is also its output layer (tied), `layers` tanh
-/// layers between: `e` is read on the first stage and the last.
-fn tied(layers: usize) -> String {
-    let mut s = "model tied {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
-                 param e: f32[16, 16] = glorot\n"
-        .to_string();
-    for k in 0..layers {
-        s += &format!("  param w{k}: f32[16, 16] = glorot\n");
-    }
-    s += "  h0 = tanh(x @ e)\n";
-    for k in 0..layers {
-        s += &format!("  h{} = tanh(h{k} @ w{k})\n", k + 1);
-    }
-    s += &format!(
-        "  minimize softmax_cross_entropy(h{layers} @ e, label)\n}}\n\
-         train {{\n  data = gaussian_classes(features = 16, classes = 16)\n  batch = 8\n  \
-         optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}}\n"
-    );
-    s
-}
-
 #[test]
 fn a_variable_tied_across_stages_is_updated_once_and_matches_one_device() {
     // The stage of its first use updates `e` with every stage's gradient contribution
     // (sent back to it like any gradient), then sends the updated value to the others.
-    let src = tied(4);
+    let src = distc_tests::tied(4);
     for (stages, schedule) in [
         (2, ScheduleKind::OneFOneB),
         (3, ScheduleKind::GPipe),
@@ -595,7 +574,8 @@ fn assert_bitwise(what: &str, want: &HashMap<String, Tensor>, got: &HashMap<Stri
 fn a_pipelined_run_resumes_bitwise_and_its_state_resumes_under_accumulation() {
     // Adam (two slots and a step count) on a model with a variable tied across stages:
     // the state holds the tied variable's slots from its owner, whose updates used them.
-    let src = tied(4).replace("optimizer = sgd(lr = 0.1)", "optimizer = adam(lr = 0.01)");
+    let src =
+        distc_tests::tied(4).replace("optimizer = sgd(lr = 0.1)", "optimizer = adam(lr = 0.01)");
     let with = |strategy: StrategyConfig| {
         compile(
             "tied.dsl",
@@ -782,7 +762,7 @@ fn what_explain_predicts_per_stage_is_what_each_stage_measures() {
             4,
             ScheduleKind::OneFOneB,
         ),
-        ("tied", tied(4), 3, 2, ScheduleKind::GPipe),
+        ("tied", distc_tests::tied(4), 3, 2, ScheduleKind::GPipe),
         (
             "loss-only stage",
             loss_only_last_stage(),

@@ -139,6 +139,11 @@ pub struct StageStep {
     /// the host, not on the device's own communicator (NCCL): all of them on the CPU.
     #[serde(default)]
     pub host_collectives: usize,
+    /// Whether its step was a replay of its captured CUDA graph (a stage with a host
+    /// round trip, such as a tied variable's exchange, steps eagerly beside stages
+    /// that replay).
+    #[serde(default)]
+    pub cuda_graph: bool,
 }
 
 /// One evaluation over the held-out data.

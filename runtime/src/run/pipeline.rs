@@ -891,6 +891,7 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
             bytes_received: r.bytes_received,
             messages_on_device: r.messages_on_device,
             host_collectives: r.host_collectives,
+            cuda_graph: r.cuda_graph,
         })
         .collect();
     let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
