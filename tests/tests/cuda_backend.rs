@@ -83,6 +83,15 @@ fn train_plan(
     Some((report, metrics))
 }
 
+/// f32 products without TF32 (the CPU's rounding), with CUDA graphs or every step eager.
+fn exact(graphs: bool) -> CudaOptions {
+    CudaOptions {
+        tf32: false,
+        graphs,
+        ..Default::default()
+    }
+}
+
 fn close(a: f64, b: f64, rtol: f64) -> bool {
     (a - b).abs() <= rtol * b.abs().max(1e-6)
 }
@@ -245,15 +254,7 @@ fn fp16_steps_in_a_cuda_graph_unscale_and_skip_on_the_device() {
     let Some((_, cpu)) = train_plan(&c, steps, None) else {
         return;
     };
-    let eager = CudaOptions {
-        tf32: false,
-        graphs: false,
-        ..Default::default()
-    };
-    let graphs = CudaOptions {
-        tf32: false,
-        ..Default::default()
-    };
+    let (eager, graphs) = (exact(false), exact(true));
     let Some(eager) = train_plan(&c, steps, Some(eager)) else {
         return;
     };
@@ -326,15 +327,7 @@ fn steps_with_cuda_graphs_match_the_cpu_and_eager_steps_bitwise() {
 #[test]
 fn a_step_of_several_micro_batches_is_captured_whole() {
     use distc_passes::placement::{Precision, StrategyConfig};
-    let eager = CudaOptions {
-        tf32: false,
-        graphs: false,
-        ..Default::default()
-    };
-    let graphs = CudaOptions {
-        tf32: false,
-        ..Default::default()
-    };
+    let (eager, graphs) = (exact(false), exact(true));
     let mut copts = CompileOptions::default();
     copts.strategy.accumulate = 3;
     if emulator_requested() {
