@@ -520,6 +520,8 @@ fn pipeline_messages_go_device_to_device_on_nccl() {
             for m in steps.iter() {
                 let p = m.pipeline.as_ref().expect("a pipelined step's metrics");
                 assert_eq!(p.stages.len(), pipe, "{what}");
+                let replayed = p.stages.iter().any(|st| st.cuda_graph);
+                assert_eq!(p.bubble.is_none(), replayed, "{what}: step {}", m.step);
                 for (s, st) in p.stages.iter().enumerate() {
                     assert_eq!(
                         st.cuda_graph,

@@ -147,8 +147,8 @@ impl<'a> Coordinator<'a> {
         self.steps += 1;
         let slowest = reports.iter().map(|r| r.step_sec).fold(0.0, f64::max);
         self.train_time += Duration::from_secs_f64(slowest);
-        if let Some(p) = &line.pipeline {
-            self.bubbles.0 += p.bubble;
+        if let Some(bubble) = line.pipeline.as_ref().and_then(|p| p.bubble) {
+            self.bubbles.0 += bubble;
             self.bubbles.1 += 1;
         }
         if line.eval.is_some() {

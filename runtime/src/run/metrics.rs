@@ -108,8 +108,10 @@ pub struct Restart {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct PipelineStep {
     /// 1 - (time the stages computed) / (stages x the slowest stage's step time): the
-    /// share of stage time spent waiting.
-    pub bubble: f64,
+    /// share of stage time spent waiting. `None` for a step a stage replayed from a
+    /// CUDA graph: its waits inside the graph are not told apart from its compute.
+    #[serde(default)]
+    pub bubble: Option<f64>,
     /// Stage 0 first.
     pub stages: Vec<StageStep>,
 }

@@ -896,10 +896,13 @@ pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
         .collect();
     let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
     let busy: f64 = stages.iter().map(|s| s.busy_sec).sum();
-    let bubble = if longest > 0.0 {
-        (1.0 - busy / (stages.len() as f64 * longest)).max(0.0)
+    // A replayed stage's busy time is its whole replay, waits included: no bubble.
+    let bubble = if stages.iter().any(|s| s.cuda_graph) {
+        None
+    } else if longest > 0.0 {
+        Some((1.0 - busy / (stages.len() as f64 * longest)).max(0.0))
     } else {
-        0.0
+        Some(0.0)
     };
     let losses: Vec<f64> = reports.iter().filter_map(|r| r.loss).collect();
     let loss = if losses.is_empty() {
