@@ -560,6 +560,27 @@ pub(crate) fn upload_all_as<B: Backend>(
         .collect()
 }
 
+/// Uploads micro-batch m of `batches`, of K a step, into its own buffers (`x/micro1`
+/// for feed `x` of the second), so a captured step reads each from where the next
+/// steps put theirs; one micro-batch a step keeps the feeds' names.
+pub(crate) fn upload_micro_batches<B: Backend>(
+    backend: &mut B,
+    batches: Vec<HashMap<String, Tensor>>,
+    k: usize,
+) -> Result<Vec<HashMap<String, B::Tensor>>, RuntimeError> {
+    batches
+        .into_iter()
+        .enumerate()
+        .map(|(m, b)| {
+            if k == 1 {
+                upload_all(backend, b)
+            } else {
+                upload_all_as(backend, b, |n| format!("{n}/micro{m}"))
+            }
+        })
+        .collect()
+}
+
 /// Moves every tensor of `held` to the host (on the CPU: moved, not copied).
 pub(crate) fn all_to_host<B: Backend>(
     backend: &mut B,

@@ -377,13 +377,9 @@ pub struct CudaBackend {
     loss_capacity: usize,
     /// The most scalars the capture being recorded may read, and how many it read.
     capture_scalars: (usize, usize),
-    /// Joined to a sibling's capture ([`Capture::join_capture`]): where the scalars
-    /// read while joined are kept, one f32 slot each, and how many were read.
-    joined: Option<JoinedCapture>,
-    /// The scalars the joined capture read, read back after each replay.
-    graph_scalars: usize,
-    /// The slots (address, how many) a joined capture keeps its scalars in.
-    scalar_slots: Option<(u64, usize)>,
+    /// Recording into a sibling's capture ([`Capture::join_capture`]), its scalars
+    /// kept in the loss area as a capture of its own keeps them.
+    joined: bool,
     /// Replays issued and not yet accounted for, oldest first.
     pending: VecDeque<PendingReplay>,
     /// Preloaded batches in device memory, by id.
@@ -439,6 +435,13 @@ struct PendingReplay {
     losses: usize,
     /// Whether its update counts only if its flag says the step was not skipped.
     scaled: bool,
+}
+
+/// Native-endian f32s, as f64.
+fn f32s(bytes: &[u8]) -> impl Iterator<Item = f64> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f64::from(f32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
 }
 
 fn invalid(m: impl Into<String>) -> KernelError {
@@ -654,9 +657,7 @@ impl CudaBackend {
             dev_steps: Some((0, 0, [0; 8], 0)),
             loss_capacity: 1,
             capture_scalars: (0, 0),
-            joined: None,
-            graph_scalars: 0,
-            scalar_slots: None,
+            joined: false,
             pending: VecDeque::new(),
             held: Vec::new(),
             replays: 0,
@@ -849,6 +850,36 @@ impl CudaBackend {
 
     fn bind(&self) -> Result<(), CudaError> {
         self.dev.bind()
+    }
+
+    /// Room in the loss area (and its pinned copies) for a capture reading `scalars`
+    /// losses, made before the capture begins; the capture has read none yet.
+    fn reserve_losses(&mut self, scalars: usize) -> Result<(), CudaError> {
+        if scalars > self.loss_capacity {
+            // Replays not read yet hold the old pinned slots: none, since a backend
+            // captures once, before its first replay.
+            let bytes = 4 + 4 * scalars;
+            self.loss_ptr = self.dev.alloc(bytes, true)?;
+            self.track(bytes);
+            self.loss_slots = [self.dev.host_buffer(bytes)?, self.dev.host_buffer(bytes)?];
+            self.loss_capacity = scalars;
+        }
+        self.capture_scalars = (scalars, 0);
+        Ok(())
+    }
+
+    /// The bytes the collectives recorded since the capture began counted (they did
+    /// not run): what each replay moves.
+    fn count_recorded_bytes(&mut self) {
+        self.graph_bytes = self.nccl_bytes() - self.capture_bytes_at;
+        self.bytes_not_run.sent += self.graph_bytes.sent;
+        self.bytes_not_run.received += self.graph_bytes.received;
+    }
+
+    /// One replay's bytes, counted once its step is read.
+    fn count_replayed_bytes(&mut self) {
+        self.bytes_replayed.sent += self.graph_bytes.sent;
+        self.bytes_replayed.received += self.graph_bytes.received;
     }
 
     fn track(&mut self, bytes: usize) {
@@ -1270,14 +1301,6 @@ impl Device for CudaBackend {
     fn tensor_type(t: &DeviceTensor) -> TensorType {
         t.ty.clone()
     }
-}
-
-/// A backend recording into its sibling's capture: the device slots of the scalars
-/// it reads (outside the arena, so later kernels of the step cannot reuse them).
-struct JoinedCapture {
-    slots: u64,
-    capacity: usize,
-    read: usize,
 }
 
 /// Whether `program` has collectives of the model axis (`model`) or of the data axis.
@@ -1891,25 +1914,14 @@ impl Transfer for CudaBackend {
             return Err(invalid(format!("the loss must be one f32, got {ty}")));
         }
         self.await_collectives(&[ptr])?;
-        if let Some(j) = self.joined.as_mut() {
-            if j.read == j.capacity {
-                return Err(invalid(format!(
-                    "more than the {} scalars the capture was joined for were read",
-                    j.capacity
-                )));
-            }
-            let slot = j.slots + 4 * j.read as u64;
-            j.read += 1;
-            self.dev.copy(slot, ptr, 4)?;
-            return Ok(None);
-        }
         if self.capturing {
             // Kept aside within the graph (its arena slot is reused later in the step),
             // copied out after each replay into a slot of its own (`pending_scalar`).
             let (most, read) = self.capture_scalars;
             if read == most {
                 return Err(invalid(format!(
-                    "more than the {most} scalars the capture was begun for were read"
+                    "more than the {most} scalars the capture was begun or joined for \
+                     were read"
                 )));
             }
             self.dev.copy(self.loss_ptr + 4 + 4 * read as u64, ptr, 4)?;
@@ -1929,8 +1941,7 @@ impl Transfer for CudaBackend {
         self.bind()?;
         // A replay's bytes count once its step is read, so that a step's metrics
         // hold its own collectives when the next step is already issued.
-        self.bytes_replayed.sent += self.graph_bytes.sent;
-        self.bytes_replayed.received += self.graph_bytes.received;
+        self.count_replayed_bytes();
         let Some(slot) = done.slot else {
             return Ok(None);
         };
@@ -1938,10 +1949,7 @@ impl Transfer for CudaBackend {
         let b = self.dev.host_bytes(self.loss_slots[slot])?;
         let skipped = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) != 0;
         // Summed as the eager step sums its micro-batches' losses.
-        let loss: f64 = b[4..4 + 4 * done.losses]
-            .chunks_exact(4)
-            .map(|c| f64::from(f32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
-            .sum();
+        let loss: f64 = f32s(&b[4..4 + 4 * done.losses]).sum();
         if done.scaled {
             self.last_finite = Some(!skipped);
             if !skipped {
@@ -2442,16 +2450,7 @@ impl Capture for CudaBackend {
         }
         self.no_capture("starting a capture")?;
         self.bind()?;
-        if scalars > self.loss_capacity {
-            // Replays not read yet hold the old pinned slots: none, since a run
-            // captures once, before its first replay.
-            let bytes = 4 + 4 * scalars;
-            self.loss_ptr = self.dev.alloc(bytes, true)?;
-            self.track(bytes);
-            self.loss_slots = [self.dev.host_buffer(bytes)?, self.dev.host_buffer(bytes)?];
-            self.loss_capacity = scalars;
-        }
-        self.capture_scalars = (scalars, 0);
+        self.reserve_losses(scalars)?;
         // Counters on the device are current (the graph reads them at each replay).
         self.write_steps()?;
         self.dev.begin_capture()?;
@@ -2476,10 +2475,7 @@ impl Capture for CudaBackend {
         self.graph_losses = self.capture_scalars.1;
         self.graph_update = self.capture_update;
         self.graph_scaled = self.capture_scaled && self.capture_update;
-        let now = self.nccl_bytes();
-        self.graph_bytes = now - self.capture_bytes_at;
-        self.bytes_not_run.sent += self.graph_bytes.sent;
-        self.bytes_not_run.received += self.graph_bytes.received;
+        self.count_recorded_bytes();
         self.pending.clear();
         Ok(())
     }
@@ -2490,57 +2486,37 @@ impl Capture for CudaBackend {
         }
         self.no_capture("joining a capture")?;
         self.bind()?;
+        self.reserve_losses(scalars)?;
         self.write_steps()?;
-        let slots = match self.scalar_slots {
-            Some((ptr, capacity)) if capacity >= scalars => ptr,
-            _ => {
-                let bytes = 4 * scalars.max(1);
-                let ptr = self.dev.alloc(bytes, true)?;
-                self.track(bytes);
-                self.scalar_slots = Some((ptr, scalars));
-                ptr
-            }
-        };
-        self.joined = Some(JoinedCapture {
-            slots,
-            capacity: scalars,
-            read: 0,
-        });
         self.capturing = true;
+        self.joined = true;
         self.capture_bytes_at = self.nccl_bytes();
         Ok(true)
     }
 
     fn leave_capture(&mut self) -> Result<(), KernelError> {
-        let Some(j) = self.joined.take() else {
+        if !self.joined {
             return Err(invalid("leave_capture without join_capture"));
-        };
+        }
         // This backend's collectives join the captured stream before the sibling
         // ends the capture.
         self.await_all_collectives()?;
         self.capturing = false;
-        self.graph_scalars = j.read;
-        self.graph_bytes = self.nccl_bytes() - self.capture_bytes_at;
-        self.bytes_not_run.sent += self.graph_bytes.sent;
-        self.bytes_not_run.received += self.graph_bytes.received;
+        self.joined = false;
+        self.graph_losses = self.capture_scalars.1;
+        self.count_recorded_bytes();
         Ok(())
     }
 
     fn replayed_scalars(&mut self) -> Result<Vec<f64>, KernelError> {
         self.no_capture("reading the replayed scalars")?;
-        let Some((slots, _)) = self.scalar_slots else {
-            return Err(invalid("replayed_scalars without a joined capture"));
-        };
         self.bind()?;
-        self.bytes_replayed.sent += self.graph_bytes.sent;
-        self.bytes_replayed.received += self.graph_bytes.received;
-        let mut b = vec![0u8; 4 * self.graph_scalars];
+        self.count_replayed_bytes();
+        let mut b = vec![0u8; 4 * self.graph_losses];
         if !b.is_empty() {
-            self.dev.read(slots, &mut b)?;
+            self.dev.read(self.loss_ptr + 4, &mut b)?;
         }
-        Ok(b.chunks_exact(4)
-            .map(|c| f64::from(f32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
-            .collect())
+        Ok(f32s(&b).collect())
     }
 
     // The factor and the flag are the counters' (written before each replay, read by

@@ -27,7 +27,9 @@
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
 use crate::comm::{in_process, ByteCount, Communicator};
-use crate::core::backend::{backend_error, upload_all, upload_all_as, Backend, OptimizerState};
+use crate::core::backend::{
+    backend_error, upload_all, upload_micro_batches, Backend, OptimizerState,
+};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -1544,16 +1546,12 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         }
         // Each micro-batch in buffers of its own (the same every step, which a
         // replayed graph reads): all of a step's are live at once.
-        let fwd = &mut self.fwd;
-        let feeds = me
+        let batches = me
             .data
             .iter_mut()
-            .enumerate()
-            .map(|(m, d)| {
-                d.next_batch()
-                    .and_then(|b| upload_all_as(fwd.backend(), b, |n| format!("{n}/micro{m}")))
-            })
+            .map(DataSource::next_batch)
             .collect::<Result<Vec<_>>>()?;
+        let feeds = upload_micro_batches(self.fwd.backend(), batches, me.micro)?;
         let start = Instant::now();
         if let StageGraph::Replaying(memory) = self.graph {
             return self.replay(step, start, memory);
@@ -1641,19 +1639,26 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
 }
 
 impl<B: Backend> ScheduleStep<'_, '_, B> {
+    /// Sets the step both programs' kernels see, before a capture or a replay.
+    fn set_step(&mut self, step: usize) -> Result<()> {
+        let device = self.device.as_str();
+        for exec in [&mut self.fwd, &mut self.bwd] {
+            exec.backend()
+                .set_step(step as u64)
+                .map_err(|e| backend_error(device, "setting the step", e))?;
+        }
+        Ok(())
+    }
+
     /// Starts recording step `step` into a CUDA graph: the backward's backend begins
     /// the capture of the stream both programs run on, the forward's joins it
     /// (keeping its micro-batches' losses on the device). `false` where a backend
     /// declines: every step then runs eagerly.
     fn begin_capture(&mut self, step: usize) -> Result<bool> {
+        self.set_step(step)?;
         let device = self.device.as_str();
         let fail = |what: &'static str| move |e| backend_error(device, what, e);
         let micro = self.stage.micro;
-        for exec in [&mut self.fwd, &mut self.bwd] {
-            exec.backend()
-                .set_step(step as u64)
-                .map_err(fail("setting the step"))?;
-        }
         let joined = self
             .fwd
             .backend()
@@ -1713,13 +1718,9 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
         start: Instant,
         memory: MemoryByCategory,
     ) -> Result<Ran<ScheduleRan>> {
+        self.set_step(step)?;
         let device = self.device.as_str();
         let fail = |what: &'static str| move |e| backend_error(device, what, e);
-        for exec in [&mut self.fwd, &mut self.bwd] {
-            exec.backend()
-                .set_step(step as u64)
-                .map_err(fail("setting the step"))?;
-        }
         let bwd = self.bwd.backend();
         bwd.replay()
             .map_err(fail("replaying the stage's CUDA graph"))?;

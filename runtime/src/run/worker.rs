@@ -15,7 +15,7 @@
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
 use crate::comm::{from_wire, from_wire_parts, wire_bytes, ByteCount, Communicator};
-use crate::core::backend::{all_to_host, backend_error, upload_all, upload_all_as, Backend};
+use crate::core::backend::{all_to_host, backend_error, upload_all, upload_micro_batches, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -1465,7 +1465,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                                 "worker {rank}: {k} micro-batches a step, {sources} data sources"
                             ))
                         })?;
-                        upload_micro_batches(st.exec.backend(), vec![b], 1)?.remove(0)
+                        upload_all(st.exec.backend(), b)?
                     }
                 };
                 set_ranks(&mut st.exec, self.ranks, Some((k, m)));
@@ -1748,27 +1748,6 @@ fn capture_step<B: Backend>(
         RuntimeError::Config(format!("{e}{hint}"))
     })?;
     Ok(GraphState::Replaying(used))
-}
-
-/// Uploads micro-batch m of `batches`, of K a step, into its own buffers (`x/micro1`
-/// for feed `x` of the second), so a captured step reads each from where the next
-/// steps put theirs; one micro-batch a step keeps the feeds' names.
-fn upload_micro_batches<B: Backend>(
-    backend: &mut B,
-    batches: Vec<HashMap<String, Tensor>>,
-    k: usize,
-) -> Result<Vec<HashMap<String, B::Tensor>>> {
-    batches
-        .into_iter()
-        .enumerate()
-        .map(|(m, b)| {
-            if k == 1 {
-                upload_all(backend, b)
-            } else {
-                upload_all_as(backend, b, |n| format!("{n}/micro{m}"))
-            }
-        })
-        .collect()
 }
 
 /// The first step a run of `steps` steps runs: the one after the resumed state's.
