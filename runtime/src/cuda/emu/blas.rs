@@ -95,33 +95,32 @@ pub fn sgemm_strided_batched(
             ));
         }
     }
+    use ndarray::{linalg::general_mat_mul, ArrayView2, ArrayViewMut2, ShapeBuilder};
+    // Column-major as strided views: op(A)'s element (i, p) is `i + p lda` or, under a
+    // transpose, `p + i lda`. The product is matrixmultiply's (as the CPU backend's),
+    // each element of C summed on one thread, so a step is deterministic; beta = 0
+    // never reads C (it may hold NaN), as cuBLAS documents.
+    let strides = |trans: bool, ld: usize| if trans { (ld, 1) } else { (1, ld) };
+    fn view(
+        m: &[f32],
+        at: usize,
+        rows: usize,
+        cols: usize,
+        s: (usize, usize),
+    ) -> Result<ArrayView2<'_, f32>, String> {
+        ArrayView2::from_shape((rows, cols).strides(s), m.get(at..).unwrap_or(&[]))
+            .map_err(|e| format!("a {rows} x {cols} view at element {at}: {e}"))
+    }
     for bi in 0..g.batch {
         let (ao, bo, co) = (bi * g.stride_a, bi * g.stride_b, bi * g.stride_c);
-        for j in 0..g.n {
-            for i in 0..g.m {
-                let mut acc = 0.0f32;
-                for p in 0..g.k {
-                    let av = if g.transa {
-                        a[ao + p + i * g.lda]
-                    } else {
-                        a[ao + i + p * g.lda]
-                    };
-                    let bv = if g.transb {
-                        b[bo + j + p * g.ldb]
-                    } else {
-                        b[bo + p + j * g.ldb]
-                    };
-                    acc += av * bv;
-                }
-                let at = co + i + j * g.ldc;
-                // beta = 0 never reads C (it may hold NaN), as cuBLAS documents.
-                c[at] = if g.beta == 0.0 {
-                    g.alpha * acc
-                } else {
-                    g.alpha * acc + g.beta * c[at]
-                };
-            }
+        if g.m == 0 || g.n == 0 {
+            continue;
         }
+        let op_a = view(a, ao, g.m, g.k, strides(g.transa, g.lda))?;
+        let op_b = view(b, bo, g.k, g.n, strides(g.transb, g.ldb))?;
+        let mut out = ArrayViewMut2::from_shape((g.m, g.n).strides((1, g.ldc)), &mut c[co..])
+            .map_err(|e| format!("C's {} x {} view at element {co}: {e}", g.m, g.n))?;
+        general_mat_mul(g.alpha, &op_a, &op_b, g.beta, &mut out);
     }
     Ok(())
 }

@@ -127,6 +127,13 @@ struct Allocation {
     /// number then: streams may write different parts of one allocation at once (a
     /// collective's result and a kernel's output in one arena).
     last_write: Vec<Option<(Stream, u64)>>,
+    /// Per stream, the latest operation that wrote any word here: when another stream
+    /// has waited for each of these, no word can race, and a launch that names the
+    /// whole allocation need not read `last_write` word by word.
+    writers: Vec<(Stream, u64)>,
+    /// Every byte is written: set by a check that found it so, cleared when part of the
+    /// allocation is made fresh (writes only ever set `written`).
+    all_written: std::cell::Cell<bool>,
 }
 
 impl Allocation {
@@ -134,9 +141,18 @@ impl Allocation {
         start / 4..end.div_ceil(4)
     }
 
+    /// Marks words `start..end` (bytes) last written by operation `op` of stream `s`.
+    fn last_written(&mut self, s: Stream, op: u64, start: usize, end: usize) {
+        self.last_write[Self::words(start, end)].fill(Some((s, op)));
+        match self.writers.iter_mut().find(|(w, _)| *w == s) {
+            Some(latest) => latest.1 = latest.1.max(op),
+            None => self.writers.push((s, op)),
+        }
+    }
+
     fn wrote(&mut self, s: Stream, op: u64, start: usize, end: usize) {
         self.written[start..end].fill(true);
-        self.last_write[Self::words(start, end)].fill(Some((s, op)));
+        self.last_written(s, op, start, end);
     }
 }
 
@@ -228,6 +244,8 @@ impl EmuDevice {
                 bytes: POISON.repeat(size.div_ceil(4))[..size].to_vec(),
                 written: vec![false; size],
                 last_write: vec![None; size.div_ceil(4)],
+                writers: Vec::new(),
+                all_written: std::cell::Cell::new(size == 0),
             },
         );
         Ok(p)
@@ -280,6 +298,10 @@ impl EmuDevice {
             });
         }
         let waits = self.streams.get(&s).map(|(_, w)| w);
+        let waited = |writer: &Stream| waits.and_then(|w| w.get(writer)).copied().unwrap_or(0);
+        if a.writers.iter().all(|(w, op)| *w == s || waited(w) >= *op) {
+            return Ok(());
+        }
         let mut last = None;
         for (writer, op) in a.last_write[Allocation::words(start, end)].iter().flatten() {
             if *writer == s || last == Some((*writer, *op)) {
@@ -287,8 +309,7 @@ impl EmuDevice {
             }
             last = Some((*writer, *op));
             let (writer, op) = (*writer, *op);
-            let waited = waits.and_then(|w| w.get(&writer)).copied().unwrap_or(0);
-            if waited < op {
+            if waited(&writer) < op {
                 return Err(EmuFault::Race {
                     ptr: p,
                     writer,
@@ -309,6 +330,9 @@ impl EmuDevice {
         what: &str,
     ) -> Result<(), EmuFault> {
         let a = &self.allocs[&p];
+        if a.all_written.get() {
+            return Ok(());
+        }
         if let Some(k) = a.written[start..end].iter().position(|w| !w) {
             return Err(EmuFault::Uninitialised {
                 ptr: p,
@@ -316,6 +340,9 @@ impl EmuDevice {
                 end,
                 what: what.to_string(),
             });
+        }
+        if start == 0 && end == a.written.len() {
+            a.all_written.set(true);
         }
         Ok(())
     }
@@ -423,6 +450,9 @@ impl EmuDevice {
             *b = POISON[(off + k) % 4];
         }
         a.written[off..off + len].fill(false);
+        if len > 0 {
+            a.all_written.set(false);
+        }
         Ok(())
     }
 
@@ -514,7 +544,7 @@ impl EmuDevice {
                 }
             }
             old.copy_from_slice(new);
-            a.last_write[Allocation::words(*off, off + t.len)].fill(Some((s, op)));
+            a.last_written(s, op, *off, off + t.len);
         }
         Ok(())
     }
