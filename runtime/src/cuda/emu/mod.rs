@@ -246,6 +246,47 @@ fn cached(dir: &Path, key: u64, text: &str) -> Option<EmuModule> {
     load(&lib).ok()
 }
 
+/// The header in the cache folder beside its precompiled form (`cuda_emu.h.gch`, which
+/// the compiler takes in place of the text it was built from), built by the first
+/// process that needs it: parsing the header was most of a small unit's compile. A
+/// folder per compiler, flags and header, renamed into place whole, so a reader never
+/// sees half of one. None where it cannot be built: units then include the text.
+fn precompiled_header(cache: &Path, cxx: &str) -> Option<PathBuf> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    (cxx, FLAGS, HEADER).hash(&mut h);
+    let folder = cache.join(format!("header-{:016x}", h.finish()));
+    let header = folder.join("cuda_emu.h");
+    if folder.join("cuda_emu.h.gch").is_file() {
+        return Some(header);
+    }
+    let side = cache.join(format!(
+        "header-{:016x}.{}.part",
+        h.finish(),
+        std::process::id()
+    ));
+    let built = std::fs::create_dir_all(&side).is_ok()
+        && std::fs::write(side.join("cuda_emu.h"), HEADER).is_ok()
+        && Command::new(cxx)
+            .args(
+                FLAGS
+                    .iter()
+                    .filter(|f| !matches!(**f, "-shared" | "-include")),
+            )
+            .args(["-x", "c++-header"])
+            .arg(side.join("cuda_emu.h"))
+            .arg("-o")
+            .arg(side.join("cuda_emu.h.gch"))
+            .output()
+            .is_ok_and(|o| o.status.success());
+    // Another process may have renamed its own folder into place first.
+    let placed = built && std::fs::rename(&side, &folder).is_ok();
+    if !placed {
+        let _ = std::fs::remove_dir_all(&side);
+    }
+    folder.join("cuda_emu.h.gch").is_file().then_some(header)
+}
+
 /// Keeps a compiled unit in the cache, when there is one: written beside and renamed
 /// into place, so a reader never sees half a file. A cache that cannot be written
 /// only costs the next compile.
@@ -331,10 +372,16 @@ impl EmuModule {
             compiler: cxx.to_string(),
             message,
         };
-        let header = dir.join("cuda_emu.h");
+        let header = match cache.and_then(|(to, _)| precompiled_header(to, cxx)) {
+            Some(shared) => shared,
+            None => {
+                let header = dir.join("cuda_emu.h");
+                std::fs::write(&header, HEADER).map_err(|e| fail(e.to_string()))?;
+                header
+            }
+        };
         let unit = dir.join("kernels.cpp");
         let lib = dir.join("kernels.so");
-        std::fs::write(&header, HEADER).map_err(|e| fail(e.to_string()))?;
         std::fs::write(&unit, text).map_err(|e| fail(e.to_string()))?;
         let out = Command::new(cxx)
             .args(FLAGS)
@@ -428,6 +475,27 @@ mod tests {
         );
         // Another text under the same key (a collision, or a changed header) misses.
         assert!(cached(&cache, key, &format!("{text} ")).is_none());
+        // The header was precompiled once, into a folder of its own, and a unit compiled
+        // against it runs.
+        let headers: Vec<PathBuf> = std::fs::read_dir(&cache)
+            .expect("the cache")
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.join("cuda_emu.h.gch").is_file())
+            .collect();
+        assert_eq!(headers.len(), 1, "{headers:?}");
+        let text = unit_text(
+            &format!("{UNIT}\n// against the precompiled header"),
+            &["twice"],
+        );
+        let m = EmuModule::compile_in(&work, &compiler(), &text, Some((&cache, key + 1)))
+            .expect("compiles");
+        let mut x = vec![1.5f32, -2.0, 3.0];
+        let mut xp = x.as_mut_ptr();
+        let mut args = [(&mut xp as *mut *mut f32).cast::<c_void>()];
+        // SAFETY: the one argument is a pointer to 3 floats, one a thread.
+        unsafe { m.launch("twice", [1, 1, 1], [3, 1, 1], &mut args) }.expect("runs");
+        assert_eq!(x, [3.0, -4.0, 6.0]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
