@@ -54,8 +54,19 @@ fn fused_nodes(c: &Compiled) -> usize {
         .count()
 }
 
+// One test a strategy, so the two train side by side.
 #[test]
-fn fused_plans_train_what_unfused_plans_train() {
+fn fused_plans_train_what_unfused_plans_train_on_one_device() {
+    fused_plans_train_what_unfused_plans_train(Strategy::Single, 1);
+}
+
+#[test]
+fn fused_plans_train_what_unfused_plans_train_under_allreduce() {
+    fused_plans_train_what_unfused_plans_train(Strategy::Allreduce, 2);
+}
+
+fn fused_plans_train_what_unfused_plans_train(s: Strategy, workers: usize) {
+    let servers = 0;
     for name in EXAMPLES {
         let file = example(name);
         let probe = compile_file(&file, &CompileOptions::default()).expect("compiles");
@@ -63,42 +74,40 @@ fn fused_plans_train_what_unfused_plans_train() {
             println!("skipping {name}: DISTC_DATA not set");
             continue;
         }
-        for (s, workers, servers) in [(Strategy::Single, 1, 0), (Strategy::Allreduce, 2, 0)] {
-            let plain = compile_file(&file, &options(s, workers, servers, false))
-                .unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
-            let fused = compile_file(&file, &options(s, workers, servers, true))
-                .unwrap_or_else(|e| panic!("{name} {s:?} --fuse: {e}"));
-            assert_eq!(fused_nodes(&plain), 0, "{name}: fused nodes without --fuse");
-            assert!(fused_nodes(&fused) > 0, "{name} {s:?}: nothing was fused");
-            let (l0, p0) = run(&plain, workers);
-            let (l1, p1) = run(&fused, workers);
-            assert_eq!(l0.len(), STEPS);
-            for (step, (a, b)) in l0.iter().zip(&l1).enumerate() {
-                let rel = (a - b).abs() / a.abs().max(1e-12);
-                assert!(
-                    rel <= 1e-5,
-                    "{name} {s:?} step {}: loss {a} unfused, {b} fused",
-                    step + 1
-                );
-            }
-            let vars = compare(&p0, &p1).expect("same variables");
-            let worst = vars
-                .iter()
-                .max_by(|a, b| a.relative.total_cmp(&b.relative))
-                .expect("variables");
-            println!(
-                "{name} {s:?}: {} fused nodes, largest relative difference {:.2e} (`{}`)",
-                fused_nodes(&fused),
-                worst.relative,
-                worst.name
-            );
+        let plain = compile_file(&file, &options(s, workers, servers, false))
+            .unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
+        let fused = compile_file(&file, &options(s, workers, servers, true))
+            .unwrap_or_else(|e| panic!("{name} {s:?} --fuse: {e}"));
+        assert_eq!(fused_nodes(&plain), 0, "{name}: fused nodes without --fuse");
+        assert!(fused_nodes(&fused) > 0, "{name} {s:?}: nothing was fused");
+        let (l0, p0) = run(&plain, workers);
+        let (l1, p1) = run(&fused, workers);
+        assert_eq!(l0.len(), STEPS);
+        for (step, (a, b)) in l0.iter().zip(&l1).enumerate() {
+            let rel = (a - b).abs() / a.abs().max(1e-12);
             assert!(
-                worst.relative <= 1e-5,
-                "{name} {s:?}: `{}` differs by {:.2e}",
-                worst.name,
-                worst.relative
+                rel <= 1e-5,
+                "{name} {s:?} step {}: loss {a} unfused, {b} fused",
+                step + 1
             );
         }
+        let vars = compare(&p0, &p1).expect("same variables");
+        let worst = vars
+            .iter()
+            .max_by(|a, b| a.relative.total_cmp(&b.relative))
+            .expect("variables");
+        println!(
+            "{name} {s:?}: {} fused nodes, largest relative difference {:.2e} (`{}`)",
+            fused_nodes(&fused),
+            worst.relative,
+            worst.name
+        );
+        assert!(
+            worst.relative <= 1e-5,
+            "{name} {s:?}: `{}` differs by {:.2e}",
+            worst.name,
+            worst.relative
+        );
     }
 }
 

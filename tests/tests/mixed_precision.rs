@@ -218,16 +218,19 @@ fn mnist_in_bf16_reaches_the_accuracy_of_f32() {
         eprintln!("SKIP: no data directory (DISTC_DATA) for MNIST");
         return;
     };
+    // Measured: after 800 steps fp32 0.9708, bf16 0.9711; after 1500 (the test's
+    // length before CI time was cut again) both past 0.97.
+    const STEPS: usize = 800;
     let accuracy: Vec<f64> = [Precision::Fp32, Precision::Bf16]
         .into_iter()
         .map(|p| {
-            let e = last_evaluation("mlp.dsl", p, 1500, &dir);
+            let e = last_evaluation("mlp.dsl", p, STEPS, &dir);
             e.eval_accuracy.expect("an evaluation with an accuracy")
         })
         .collect();
     let (fp32, bf16) = (accuracy[0], accuracy[1]);
-    eprintln!("mlp after 1500 steps: fp32 accuracy {fp32:.4}, bf16 {bf16:.4}");
-    assert!(bf16 >= 0.97, "bf16 reached {bf16:.4}");
+    eprintln!("mlp after {STEPS} steps: fp32 accuracy {fp32:.4}, bf16 {bf16:.4}");
+    assert!(bf16 >= 0.965, "bf16 reached {bf16:.4}");
     assert!(
         (fp32 - bf16).abs() < 0.005,
         "fp32 {fp32:.4}, bf16 {bf16:.4}"
@@ -570,30 +573,37 @@ fn zero_sends_its_gradients_on_a_16_bit_wire() {
     }
 }
 
+// Measured (eval loss): after 100 steps lm f32 6.9329, bf16 6.9331; sparse_lm f32
+// 6.1121, bf16 6.1118. After 200 (the test's length before CI time was cut): lm f32
+// 6.7852, bf16 6.7854, fp16 6.7853; sparse_lm f32 5.2670, bf16 5.2661, fp16 5.2669.
+// Held to 1% of f32. One test a model, so the two train side by side.
 #[test]
-fn lm_and_sparse_lm_in_bf16_end_where_f32_does_after_100_steps() {
+fn lm_in_bf16_ends_where_f32_does_after_100_steps() {
+    ends_where_f32_does_after_100_steps("lm.dsl");
+}
+
+#[test]
+fn sparse_lm_in_bf16_ends_where_f32_does_after_100_steps() {
+    ends_where_f32_does_after_100_steps("sparse_lm.dsl");
+}
+
+fn ends_where_f32_does_after_100_steps(model: &str) {
     let Some(dir) = distc_runtime::run::data::data_dir(None) else {
         eprintln!("SKIP: no data directory (DISTC_DATA) for Penn Treebank");
         return;
     };
-    // Measured (eval loss): after 100 steps lm f32 6.9329, bf16 6.9331; sparse_lm f32
-    // 6.1121, bf16 6.1118. After 200 (the test's length before CI time was cut): lm f32
-    // 6.7852, bf16 6.7854, fp16 6.7853; sparse_lm f32 5.2670, bf16 5.2661, fp16 5.2669.
-    // Held to 1% of f32.
-    for model in ["lm.dsl", "sparse_lm.dsl"] {
-        let eval: Vec<f64> = [Precision::Fp32, Precision::Bf16]
-            .into_iter()
-            .map(|p| last_evaluation(model, p, 100, &dir).eval_loss)
-            .collect();
-        let rel = (eval[1] - eval[0]).abs() / eval[0];
-        eprintln!("{model}: eval loss f32 {:.4}, bf16 {:.4}", eval[0], eval[1]);
-        assert!(
-            rel < 0.01,
-            "{model}: f32 {:.4}, bf16 {:.4}",
-            eval[0],
-            eval[1]
-        );
-    }
+    let eval: Vec<f64> = [Precision::Fp32, Precision::Bf16]
+        .into_iter()
+        .map(|p| last_evaluation(model, p, 100, &dir).eval_loss)
+        .collect();
+    let rel = (eval[1] - eval[0]).abs() / eval[0];
+    eprintln!("{model}: eval loss f32 {:.4}, bf16 {:.4}", eval[0], eval[1]);
+    assert!(
+        rel < 0.01,
+        "{model}: f32 {:.4}, bf16 {:.4}",
+        eval[0],
+        eval[1]
+    );
 }
 
 /// A model using every op of the DSL that the lists name, each fed by a 16-bit
