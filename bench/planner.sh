@@ -14,7 +14,9 @@
 # with --features mpi; MPIRUN_ARGS, default --oversubscribe, and --allow-run-as-root
 # as root; MPIRUN, a command to run instead of `mpirun MPIRUN_ARGS`, such as one that
 # starts the ranks on other hosts), SEARCH_FLAGS (more flags for the search: the
-# hosts' links and --ranks-per-node). Across three network-namespace hosts:
+# hosts' links and --ranks-per-node), PROFILE_STEPS (the search's profile here, as
+# `compile --profile-steps`; default the search's 3: on a noisy machine, more steady
+# the op times the predictions rest on). Across three network-namespace hosts:
 # `cargo test --features mpi -p distc --test netns -- --ignored --nocapture
 # the_layout_search_across_three_hosts` makes the hosts, calibrates their link, and
 # runs this script over them.
@@ -44,6 +46,7 @@ steps="${STEPS:-6}"
 out="${RESULTS:-$(mktemp -d)}"
 search_flags="${SEARCH_FLAGS:-}"
 [ -n "${PRECISIONS:-}" ] && search_flags="$search_flags --search-precision $PRECISIONS"
+[ -n "${PROFILE_STEPS:-}" ] && search_flags="$search_flags --profile-steps $PROFILE_STEPS"
 transport="${TRANSPORT:-threads}"
 threads="${MATMUL_NUM_THREADS:-}"
 cores=$(nproc)

@@ -334,6 +334,11 @@ pub struct CompileArgs {
     /// device) instead of a profile on this machine: the search then prices that device.
     #[arg(long, value_name = "TRACE")]
     pub op_times: Option<PathBuf>,
+    /// With the layout search, steps of its profiling run on one worker, the first left
+    /// out (default 3), 1 to 1000: more steady the op times on a noisy machine, at
+    /// their cost in search time.
+    #[arg(long, value_name = "STEPS", value_parser = profile_steps)]
+    pub profile_steps: Option<usize>,
     /// With the layout search, a link measured by `distc calibrate` (`intra=FILE` or
     /// `inter=FILE`), as `distc simulate --calibration` reads it: its fitted line, and
     /// its measured sizes. A --link of the same kind replaces it. Repeatable.
@@ -712,6 +717,9 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
     // grouping act on. A pipeline's replicas all-reduce in the stage loop, which has no
     // 16-bit wire nor hierarchy yet.
     let all_reduces = !single && a.strategy != Strategy::Ps && replicas > 1;
+    if a.op_times.is_some() && a.profile_steps.is_some() {
+        bail!("--profile-steps sets a profile here; --op-times takes the op times from a trace");
+    }
     if a.op_times.is_some() && a.search_precision.len() > 1 {
         bail!(
             "--op-times is a trace at one precision: give --search-precision one precision, \
@@ -729,6 +737,11 @@ pub fn check_strategy_flags(a: &CompileArgs) -> Result<()> {
             a.op_times.is_some(),
             "--op-times prices the layout search's candidates",
             Some("`distc simulate --trace` prices one plan"),
+        ),
+        (
+            a.profile_steps.is_some(),
+            "--profile-steps sets the layout search's profile",
+            Some("`distc simulate --profile-steps` profiles for one plan"),
         ),
         (
             !a.calibration.is_empty(),

@@ -995,6 +995,47 @@ fn the_search_takes_its_op_times_from_a_trace_of_the_model() {
     );
 }
 
+/// `--profile-steps N` with the search (issue 39, item 3): the search profiles N steps
+/// here, the first left out, where by default it profiles 3 (and says how many). A
+/// steadier profile is what `bench/planner.sh` asks for on a noisy machine. With
+/// `--op-times` (no profile is run), and without the search, it is refused.
+#[test]
+fn the_search_profiles_as_many_steps_as_asked() {
+    let (dir, _) = setup("profile-steps");
+    let model = dir.join("wide.dsl");
+    for (flags, says) in [
+        (&[][..], "(3 steps"),
+        (&["--profile-steps", "5"][..], "(5 steps"),
+    ] {
+        let (_, j) = search(&dir, &model, "steps.json", flags);
+        let source = j["search"]["profile"].as_str().unwrap_or("");
+        assert!(source.contains(says), "{flags:?}: {source}");
+    }
+    refused(
+        &[
+            "compile",
+            s(&model),
+            "--strategy",
+            "auto",
+            "--workers",
+            "4",
+            "--profile-steps",
+            "5",
+            "--op-times",
+            s(&dir.join("any.trace.json")),
+            "-o",
+            s(&dir.join("x.json")),
+        ],
+        "--op-times takes the op times from a trace",
+    );
+    refused_without_the_search(
+        &dir,
+        &model,
+        &["--profile-steps", "5"],
+        "--profile-steps sets the layout search's profile",
+    );
+}
+
 /// `--calibration inter=FILE` with the search (issue 39, item 1): the candidates are
 /// priced on the calibrated link as `distc simulate --calibration` prices a plan, so
 /// with the op times of one trace the pick's predicted step is the one `simulate`

@@ -218,9 +218,9 @@ fn mnist_in_bf16_reaches_the_accuracy_of_f32() {
         eprintln!("SKIP: no data directory (DISTC_DATA) for MNIST");
         return;
     };
-    // Measured: after 800 steps fp32 0.9708, bf16 0.9711; after 1500 (the test's
-    // length before CI time was cut again) both past 0.97.
-    const STEPS: usize = 800;
+    // Measured: after 500 steps fp32 0.9679, bf16 0.9685; after 800 0.9708 and 0.9711;
+    // after 1500 (the test's length before CI time was cut again) 0.9739 and 0.9746.
+    const STEPS: usize = 500;
     let accuracy: Vec<f64> = [Precision::Fp32, Precision::Bf16]
         .into_iter()
         .map(|p| {
@@ -230,7 +230,7 @@ fn mnist_in_bf16_reaches_the_accuracy_of_f32() {
         .collect();
     let (fp32, bf16) = (accuracy[0], accuracy[1]);
     eprintln!("mlp after {STEPS} steps: fp32 accuracy {fp32:.4}, bf16 {bf16:.4}");
-    assert!(bf16 >= 0.965, "bf16 reached {bf16:.4}");
+    assert!(bf16 >= 0.96, "bf16 reached {bf16:.4}");
     assert!(
         (fp32 - bf16).abs() < 0.005,
         "fp32 {fp32:.4}, bf16 {bf16:.4}"

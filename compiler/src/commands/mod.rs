@@ -131,6 +131,9 @@ pub fn search_layout(
         copy_bandwidth: given.copy_bandwidth,
         ..crate::planner::Pricing::here()
     };
+    if let Some(steps) = compile.profile_steps {
+        pricing.op_times = crate::planner::OpTimes::Here { steps };
+    }
     if let Some(path) = &compile.op_times {
         pricing.op_times = crate::planner::OpTimes::Trace(path);
     }
