@@ -265,6 +265,19 @@ fn split_inside(g: &distc_ir::Graph, split: impl Fn(&distc_ir::Op) -> Option<usi
 // step captured into a CUDA graph and replayed.
 #[test]
 fn model_and_data_axes_on_nccl() {
+    let s = StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: 4,
+        model: 2,
+        ..Default::default()
+    };
+    run_config("dense_mlp.dsl", s, "dense_mlp data 2 x model 2");
+}
+
+// A model axis alone, vocabulary-parallel (a test of its own, so it runs beside the
+// data-and-model one: each is among the longest here).
+#[test]
+fn a_vocabulary_parallel_model_axis_on_nccl() {
     // 10,000 classes a position: a small batch keeps the emulated kernels quick.
     const LM_BATCH: usize = 4;
     // lm vocabulary-parallel: the table split by rows, the output layer by columns,
@@ -292,13 +305,6 @@ fn model_and_data_axes_on_nccl() {
         "lm's logits are gathered from column parts"
     );
     run_config_at("lm.dsl", lm, "lm vocabulary-parallel, model 2", LM_BATCH);
-    let s = StrategyConfig {
-        strategy: Strategy::Allreduce,
-        workers: 4,
-        model: 2,
-        ..Default::default()
-    };
-    run_config("dense_mlp.dsl", s, "dense_mlp data 2 x model 2");
 }
 
 /// A model-axis reduce-scatter whose parts are not contiguous in the whole (issue 38):

@@ -260,11 +260,20 @@ fn precompiled_header(cache: &Path, cxx: &str) -> Option<PathBuf> {
     if folder.join("cuda_emu.h.gch").is_file() {
         return Some(header);
     }
+    // One builder a process: test threads compiling at once would share the side
+    // folder, and two compilers writing one `.gch` leave one no compiler can read.
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
+    if folder.join("cuda_emu.h.gch").is_file() {
+        return Some(header);
+    }
     let side = cache.join(format!(
         "header-{:016x}.{}.part",
         h.finish(),
         std::process::id()
     ));
+    // A folder left by an earlier process of this id, stopped halfway.
+    let _ = std::fs::remove_dir_all(&side);
     let built = std::fs::create_dir_all(&side).is_ok()
         && std::fs::write(side.join("cuda_emu.h"), HEADER).is_ok()
         && Command::new(cxx)
@@ -496,6 +505,29 @@ mod tests {
         // SAFETY: the one argument is a pointer to 3 floats, one a thread.
         unsafe { m.launch("twice", [1, 1, 1], [3, 1, 1], &mut args) }.expect("runs");
         assert_eq!(x, [3.0, -4.0, 6.0]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Threads compiling at once into a fresh cache (as a test binary's threads do)
+    /// build the header once between them, and every unit compiles: two compilers
+    /// writing one shared `.gch` had left one that no compile could read.
+    #[test]
+    fn threads_compiling_at_once_share_one_precompiled_header() {
+        let dir = scratch().expect("a scratch folder");
+        let cache = dir.join("cache");
+        std::thread::scope(|scope| {
+            for k in 0..3u64 {
+                let (dir, cache) = (&dir, &cache);
+                scope.spawn(move || {
+                    let work = dir.join(format!("work{k}"));
+                    std::fs::create_dir_all(&work).expect("a folder");
+                    let text = unit_text(&format!("{UNIT}\n// unit {k}"), &["twice"]);
+                    let key = unit_key(&compiler(), &text);
+                    EmuModule::compile_in(&work, &compiler(), &text, Some((cache, key)))
+                        .unwrap_or_else(|e| panic!("unit {k}: {e}"));
+                });
+            }
+        });
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
