@@ -775,6 +775,15 @@ fn search(dir: &Path, model: &Path, name: &str, extra: &[&str]) -> (PathBuf, ser
     (plan, j)
 }
 
+/// `compile MODEL --strategy auto --workers 4 FLAGS`: refused with `message`.
+fn refused_search(dir: &Path, model: &Path, flags: &[&str], message: &str) {
+    let out = dir.join("refused.json");
+    let mut args = vec!["compile", s(model), "--strategy", "auto", "--workers", "4"];
+    args.extend_from_slice(flags);
+    args.extend(["-o", s(&out)]);
+    refused(&args, message);
+}
+
 /// `compile MODEL --strategy allreduce --workers 4 FLAGS`: refused with `message`, the
 /// flags being the layout search's alone.
 fn refused_without_the_search(dir: &Path, model: &Path, flags: &[&str], message: &str) {
@@ -905,19 +914,10 @@ fn the_search_picks_the_fastest_layout_that_fits_and_the_plan_trains() {
     );
 
     // No layout fits: the smallest need is named.
-    refused(
-        &[
-            "compile",
-            s(&model),
-            "--strategy",
-            "auto",
-            "--workers",
-            "4",
-            "--memory-per-worker",
-            "0.01",
-            "-o",
-            s(&dir.join("none.json")),
-        ],
+    refused_search(
+        &dir,
+        &model,
+        &["--memory-per-worker", "0.01"],
         "the smallest needs",
     );
     // The budget belongs to the search.
@@ -1011,20 +1011,14 @@ fn the_search_profiles_as_many_steps_as_asked() {
         let source = j["search"]["profile"].as_str().unwrap_or("");
         assert!(source.contains(says), "{flags:?}: {source}");
     }
-    refused(
+    refused_search(
+        &dir,
+        &model,
         &[
-            "compile",
-            s(&model),
-            "--strategy",
-            "auto",
-            "--workers",
-            "4",
             "--profile-steps",
             "5",
             "--op-times",
             s(&dir.join("any.trace.json")),
-            "-o",
-            s(&dir.join("x.json")),
         ],
         "--op-times takes the op times from a trace",
     );
