@@ -8,7 +8,7 @@
 #   bash bench/planner.sh [DISTC]
 #
 # Environment: MODELS (examples/dense_mlp.dsl examples/gpt.dsl), WORKERS (2 4),
-# WARMUP (2), STEPS (6), RESULTS (a folder), DISTC_DATA (MNIST for dense_mlp),
+# WARMUP (2), STEPS (6, a round), ROUNDS (3), RESULTS (a folder), DISTC_DATA (MNIST for dense_mlp),
 # PRECISIONS (the search's --search-precision, e.g. fp32,bf16; default the model's),
 # TRANSPORT (threads, or mpi: each layout's workers as `mpirun -np N` ranks, a build
 # with --features mpi; MPIRUN_ARGS, default --oversubscribe, and --allow-run-as-root
@@ -21,7 +21,9 @@
 # the_layout_search_across_three_hosts` makes the hosts, calibrates their link, and
 # runs this script over them.
 # Per candidate: the predicted step (ms) and the measured one (the global batch over
-# the median samples/s of the metrics lines after the warm-up), and the predicted
+# the median samples/s of the metrics lines after the warm-up, in each of ROUNDS runs
+# taken in turn with the other layouts'; the median of the rounds, and their spread:
+# the slowest round less the fastest, over that median), and the predicted
 # memory per worker beside the measured one (worker 0's variables, gradients, optimizer
 # state, peak activations and buffers, as the metrics count them; for a pipeline, its
 # largest stage's, as the metrics give each stage's). Then, per model and
@@ -43,6 +45,7 @@ models="${MODELS:-examples/dense_mlp.dsl examples/gpt.dsl}"
 workers="${WORKERS:-2 4}"
 warmup="${WARMUP:-2}"
 steps="${STEPS:-6}"
+rounds="${ROUNDS:-3}"
 out="${RESULTS:-$(mktemp -d)}"
 search_flags="${SEARCH_FLAGS:-}"
 [ -n "${PRECISIONS:-}" ] && search_flags="$search_flags --search-precision $PRECISIONS"
@@ -60,15 +63,16 @@ case "$transport" in
     ;;
   *) say "TRANSPORT is threads or mpi, not $transport"; exit 1 ;;
 esac
-# Trains the plan $1 of $2 workers for $3 steps, its metrics to $4.
+# Trains the plan $1 of $2 workers for $3 steps, its metrics to $4; no evaluation
+# (gpt.dsl's took 14 s a run, three times its steps).
 train() {
   if [ "$transport" = mpi ]; then
     # mpirun forwards its standard input to rank 0: not the list of candidates.
     # shellcheck disable=SC2086
     $mpirun_cmd -np "$2" "$distc" run "$1" --transport mpi --steps "$3" -q --timeout 600 \
-      "${data[@]}" --metrics "$4" >/dev/null </dev/null
+      --no-eval "${data[@]}" --metrics "$4" >/dev/null </dev/null
   else
-    "$distc" run "$1" --steps "$3" -q "${data[@]}" --metrics "$4" >/dev/null
+    "$distc" run "$1" --steps "$3" -q --no-eval "${data[@]}" --metrics "$4" >/dev/null
   fi
 }
 [ -x "$distc" ] || { say "no distc binary at $distc (cargo build --release)"; exit 1; }
@@ -128,51 +132,66 @@ PY
     global=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['search']['global_batch'])" "$out/$tag.search.json")
     chosen=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['search']['chosen'])" "$out/$tag.search.json")
     : > "$out/$tag.measured.txt"
+    : > "$out/$tag.plans.txt"
     while IFS=$'\t' read -r idx label predicted memory flags; do
-      plan="$out/$tag.$idx.json"
       # shellcheck disable=SC2086
-      if ! "$distc" compile "$model" $flags "${data[@]}" -o "$plan" >/dev/null 2>&1; then
+      if "$distc" compile "$model" $flags "${data[@]}" -o "$out/$tag.$idx.json" >/dev/null 2>&1; then
+        printf '%s\t%s\t%s\t%s\n' "$idx" "$label" "$predicted" "$memory" >> "$out/$tag.plans.txt"
+      else
         say "$tag $label: does not compile with its own flags"
-        continue
       fi
-      train "$plan" "$n" $((warmup + steps)) "$out/$tag.$idx.jsonl"
-      python3 - "$out/$tag.$idx.jsonl" "$warmup" "$global" "$idx" "$label" "$predicted" "$memory" \
+    done < "$out/$tag.candidates.txt"
+    # Every layout once a round: a slow spell of a shared machine slows one round of
+    # a layout, not all of its steps, and the median of the rounds leaves it out.
+    for round in $(seq 1 "$rounds"); do
+      while IFS=$'\t' read -r idx _; do
+        train "$out/$tag.$idx.json" "$n" $((warmup + steps)) "$out/$tag.$idx.r$round.jsonl"
+      done < "$out/$tag.plans.txt"
+    done
+    while IFS=$'\t' read -r idx label predicted memory; do
+      python3 - "$out/$tag.$idx" "$rounds" "$warmup" "$global" "$idx" "$label" "$predicted" "$memory" \
         >> "$out/$tag.measured.txt" <<'PY'
 import json, statistics, sys
-path, warmup, g, idx, label, predicted, memory = sys.argv[1:8]
-lines = [json.loads(l) for l in open(path)][int(warmup):]
-rate = statistics.median(l["samples_per_sec"] for l in lines)
+base, rounds, warmup, g, idx, label, predicted, memory = sys.argv[1:9]
+steps = []
+for r in range(1, int(rounds) + 1):
+    lines = [json.loads(l) for l in open(f"{base}.r{r}.jsonl")][int(warmup):]
+    steps.append(int(g) / statistics.median(l["samples_per_sec"] for l in lines))
+step = statistics.median(steps)
 m = lines[-1]["memory"]
 held = sum(m[k] for k in ("params", "gradients", "optimizer", "activations", "comm_buffers"))
 # A pipeline's `memory` sums its stages: its largest stage holds what one worker does.
 stages = (lines[-1].get("pipeline") or {}).get("stages") or []
 if stages and all("held" in s for s in stages):
     held = max(s["held"] for s in stages)
-print(idx, label, float(predicted), int(g) / rate, int(memory), held, sep="\t")
+print(idx, label, float(predicted), step, int(memory), held, (max(steps) - min(steps)) / step, sep="\t")
 PY
-    done < "$out/$tag.candidates.txt"
+    done < "$out/$tag.plans.txt"
     python3 - "$out/$tag.measured.txt" "$chosen" "$tag" "$transport" "$MATMUL_NUM_THREADS" <<'PY'
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 chosen, tag = sys.argv[2], sys.argv[3]
 print(f"\n{tag} ({sys.argv[4]}, products on {sys.argv[5]} thread(s) a worker): {len(rows)} layouts priced and measured")
-print(f"{'':2}{'layout':<34} {'pred ms':>9} {'meas ms':>9} {'error':>7} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
+print(f"{'':2}{'layout':<34} {'pred ms':>9} {'meas ms':>9} {'spread':>7} {'error':>7} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}")
 errs, merrs = [], []
-for idx, label, p, m, pm, mm in rows:
+spreads = []
+for idx, label, p, m, pm, mm, spread in rows:
     p, m, pm, mm = float(p) * 1e3, float(m) * 1e3, int(pm) / 2**20, int(mm) / 2**20
+    spreads.append(float(spread))
     e = (p - m) / m
     errs.append(abs(e))
     mark = "*" if idx == chosen else " "
     me = (pm - mm) / mm
     merrs.append(abs(me))
     mem = f"{mm:9.2f} {100*me:6.1f}%"
-    print(f"{mark} {label:<34} {p:9.2f} {m:9.2f} {100*e:6.1f}% {pm:9.2f} {mem}")
+    print(f"{mark} {label:<34} {p:9.2f} {m:9.2f} {100*float(spread):6.1f}% {100*e:6.1f}% {pm:9.2f} {mem}")
 fastest = min(float(r[3]) for r in rows)
 pick = [float(r[3]) for r in rows if r[0] == chosen]
 if pick:
     print(f"pick's measured step: {100 * (pick[0] / fastest - 1):.1f}% above the fastest measured")
 mem = f"{100 * statistics.median(merrs):.1f}%" if merrs else "-"
-print(f"median |error|: step {100 * statistics.median(errs):.1f}%, memory {mem}")
+print(f"median |error|: step {100 * statistics.median(errs):.1f}%, memory {mem}; "
+      f"median spread of the rounds: {100 * statistics.median(spreads):.1f}%")
 PY
   done
 done

@@ -230,6 +230,9 @@ fn one(
             "--metrics".into(),
             metrics.display().to_string(),
             "--preload".into(),
+            // The rows time the steps; an evaluation after the last would only add
+            // to the benchmark's wall time.
+            "--no-eval".into(),
         ];
         let mut run_args = run_args.to_vec();
         if let Some(d) = &s.device {

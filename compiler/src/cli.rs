@@ -529,6 +529,11 @@ pub struct RunArgs {
     /// held in device memory.
     #[arg(long)]
     pub preload: bool,
+    /// Leave out the evaluations on the held-out data (the one after the last step, and
+    /// the train block's `eval_every`): for runs that time the steps; `distc eval`
+    /// evaluates saved weights later.
+    #[arg(long)]
+    pub no_eval: bool,
     /// Print where the step time went (worker 0 of a distributed run): kernel time per
     /// op, the optimizer, communication waits and the executor's own work.
     #[arg(long)]

@@ -76,6 +76,27 @@ fn compile_dump_and_run_a_plan() {
         "{}",
         lines[4]
     );
+    // `--no-eval`: the same steps, no evaluation.
+    let quiet = tmp("m-no-eval.jsonl");
+    let o = distc(&[
+        "run",
+        plan.to_str().expect("utf8"),
+        "--steps",
+        "5",
+        "--no-eval",
+        "--metrics",
+        quiet.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let without = metrics_lines(&quiet);
+    assert_eq!(without.len(), 5);
+    for (a, b) in lines.iter().zip(&without) {
+        assert_eq!(a["loss"], b["loss"], "{a}\n{b}");
+        assert!(
+            b.as_object().expect("object").keys().all(|k| !k.starts_with("eval")),
+            "{b}"
+        );
+    }
 }
 
 #[test]

@@ -267,7 +267,8 @@ fn op_times_come_from_a_trace_of_the_plan_or_of_the_model_on_one_device() {
             edit_first_op_span(&trace, |op| op["args"]["clock"] = "device".into());
             refused(
                 &["simulate", s(&plan), "--trace", s(&trace), "--shared-cores"],
-                "a device a worker",
+                // Whole: the message once had a run of spaces in its middle.
+                "cores, and this trace timed its ops on a GPU, a device a worker",
             );
         }
     }

@@ -66,7 +66,6 @@ fn fused_plans_train_what_unfused_plans_train_under_allreduce() {
 }
 
 fn fused_plans_train_what_unfused_plans_train(s: Strategy, workers: usize) {
-    let servers = 0;
     for name in EXAMPLES {
         let file = example(name);
         let probe = compile_file(&file, &CompileOptions::default()).expect("compiles");
@@ -74,9 +73,9 @@ fn fused_plans_train_what_unfused_plans_train(s: Strategy, workers: usize) {
             println!("skipping {name}: DISTC_DATA not set");
             continue;
         }
-        let plain = compile_file(&file, &options(s, workers, servers, false))
+        let plain = compile_file(&file, &options(s, workers, 0, false))
             .unwrap_or_else(|e| panic!("{name} {s:?}: {e}"));
-        let fused = compile_file(&file, &options(s, workers, servers, true))
+        let fused = compile_file(&file, &options(s, workers, 0, true))
             .unwrap_or_else(|e| panic!("{name} {s:?} --fuse: {e}"));
         assert_eq!(fused_nodes(&plain), 0, "{name}: fused nodes without --fuse");
         assert!(fused_nodes(&fused) > 0, "{name} {s:?}: nothing was fused");

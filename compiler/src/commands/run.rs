@@ -138,7 +138,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         preload: args.preload,
         profile: args.profile,
         trace: args.trace.is_some(),
-        evaluate: true,
+        evaluate: !args.no_eval,
         sync: ps_sync(plan.settings.sync),
         timeout: Duration::from_secs_f64(args.timeout),
         checkpoint,

@@ -65,7 +65,8 @@ pub fn simulate(
             };
             if shared_cores && spans.iter().any(|s| s.on_device) {
                 bail!(
-                    "{}: --shared-cores prices workers sharing a CPU's cores, and this                      trace timed its ops on a GPU, a device a worker",
+                    "{}: --shared-cores prices workers sharing a CPU's cores, and this \
+                     trace timed its ops on a GPU, a device a worker",
                     path.display()
                 );
             }

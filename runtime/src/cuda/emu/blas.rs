@@ -111,11 +111,11 @@ pub fn sgemm_strided_batched(
         ArrayView2::from_shape((rows, cols).strides(s), m.get(at..).unwrap_or(&[]))
             .map_err(|e| format!("a {rows} x {cols} view at element {at}: {e}"))
     }
+    if g.m == 0 || g.n == 0 {
+        return Ok(());
+    }
     for bi in 0..g.batch {
         let (ao, bo, co) = (bi * g.stride_a, bi * g.stride_b, bi * g.stride_c);
-        if g.m == 0 || g.n == 0 {
-            continue;
-        }
         let op_a = view(a, ao, g.m, g.k, strides(g.transa, g.lda))?;
         let op_b = view(b, bo, g.k, g.n, strides(g.transb, g.ldb))?;
         let mut out = ArrayViewMut2::from_shape((g.m, g.n).strides((1, g.ldc)), &mut c[co..])

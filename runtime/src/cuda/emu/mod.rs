@@ -252,10 +252,9 @@ fn cached(dir: &Path, key: u64, text: &str) -> Option<EmuModule> {
 /// folder per compiler, flags and header, renamed into place whole, so a reader never
 /// sees half of one. None where it cannot be built: units then include the text.
 fn precompiled_header(cache: &Path, cxx: &str) -> Option<PathBuf> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::hash::DefaultHasher::new();
-    (cxx, FLAGS, HEADER).hash(&mut h);
-    let folder = cache.join(format!("header-{:016x}", h.finish()));
+    // The key of an empty unit: it changes with the compiler, its flags and the header.
+    let key = unit_key(cxx, "");
+    let folder = cache.join(format!("header-{key:016x}"));
     let header = folder.join("cuda_emu.h");
     if folder.join("cuda_emu.h.gch").is_file() {
         return Some(header);
@@ -267,11 +266,7 @@ fn precompiled_header(cache: &Path, cxx: &str) -> Option<PathBuf> {
     if folder.join("cuda_emu.h.gch").is_file() {
         return Some(header);
     }
-    let side = cache.join(format!(
-        "header-{:016x}.{}.part",
-        h.finish(),
-        std::process::id()
-    ));
+    let side = cache.join(format!("header-{key:016x}.{}.part", std::process::id()));
     // A folder left by an earlier process of this id, stopped halfway.
     let _ = std::fs::remove_dir_all(&side);
     let built = std::fs::create_dir_all(&side).is_ok()
