@@ -93,7 +93,10 @@ fn compile_dump_and_run_a_plan() {
     for (a, b) in lines.iter().zip(&without) {
         assert_eq!(a["loss"], b["loss"], "{a}\n{b}");
         assert!(
-            b.as_object().expect("object").keys().all(|k| !k.starts_with("eval")),
+            b.as_object()
+                .expect("object")
+                .keys()
+                .all(|k| !k.starts_with("eval")),
             "{b}"
         );
     }
