@@ -52,17 +52,17 @@ fn compile_dump_and_run_a_plan() {
             "plan.cu"
         ]
     );
-    let metrics = tmp("m.jsonl");
-    let o = distc(&[
-        "run",
-        plan.to_str().expect("utf8"),
-        "--steps",
-        "5",
-        "--metrics",
-        metrics.to_str().expect("utf8"),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let lines = metrics_lines(&metrics);
+    // 5 steps of the plan, with `more` flags: the metrics lines.
+    let run = |name: &str, more: &[&str]| {
+        let metrics = tmp(name);
+        let mut args = vec!["run", plan.to_str().expect("utf8"), "--steps", "5"];
+        args.extend(more);
+        args.extend(["--metrics", metrics.to_str().expect("utf8")]);
+        let o = distc(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        metrics_lines(&metrics)
+    };
+    let lines = run("m.jsonl", &[]);
     assert_eq!(lines.len(), 5);
     for (i, l) in lines.iter().enumerate() {
         assert_eq!(l["step"], i + 1);
@@ -77,18 +77,7 @@ fn compile_dump_and_run_a_plan() {
         lines[4]
     );
     // `--no-eval`: the same steps, no evaluation.
-    let quiet = tmp("m-no-eval.jsonl");
-    let o = distc(&[
-        "run",
-        plan.to_str().expect("utf8"),
-        "--steps",
-        "5",
-        "--no-eval",
-        "--metrics",
-        quiet.to_str().expect("utf8"),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let without = metrics_lines(&quiet);
+    let without = run("m-no-eval.jsonl", &["--no-eval"]);
     assert_eq!(without.len(), 5);
     for (a, b) in lines.iter().zip(&without) {
         assert_eq!(a["loss"], b["loss"], "{a}\n{b}");

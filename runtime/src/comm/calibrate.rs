@@ -149,9 +149,8 @@ pub fn sweep_in_process(
         let mut errors: Vec<RuntimeError> = failed.into_iter().filter_map(Result::err).collect();
         // The error that started it: a rank that timed out makes its peers see it hang
         // up, and which rank times out first is a race.
-        let hung_up = |e: &RuntimeError| matches!(e.cause(), RuntimeError::Peer { message, .. } if message.contains("hung up"));
         if !errors.is_empty() {
-            let cause = errors.iter().position(|e| !hung_up(e)).unwrap_or(0);
+            let cause = errors.iter().position(|e| !e.is_hang_up()).unwrap_or(0);
             return Err(errors.swap_remove(cause));
         }
         // No rank failed: rank 0's samples are the answer.

@@ -131,6 +131,12 @@ impl RuntimeError {
         }
     }
 
+    /// Whether this is a peer hanging up: what a rank sees when another failed and
+    /// closed its links, so never the cause where another rank has an error of its own.
+    pub fn is_hang_up(&self) -> bool {
+        matches!(self.cause(), RuntimeError::Peer { message, .. } if message.contains("hung up"))
+    }
+
     /// The process's exit status for this error: 130 for an interrupt (128 + SIGINT, as
     /// shells report a job stopped by Ctrl-C), [`WORKER_LOST_EXIT`] for a lost worker or
     /// peer, 1 for every other failure.

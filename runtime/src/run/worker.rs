@@ -91,10 +91,16 @@ pub struct StepReport {
 pub struct ErrorSlot(Arc<Mutex<Option<(Role, RuntimeError)>>>);
 
 impl ErrorSlot {
-    /// Records `e` of `role` unless an error is already recorded.
+    /// Records `e` of `role` unless an error is already recorded, or replaces a peer's
+    /// hang-up recorded before it: a rank that fails closes its links as it fails, so
+    /// a peer can see it hang up and record that before the rank records its cause.
     pub fn record(&self, role: Role, e: RuntimeError) {
         let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
+        let replace = match &*slot {
+            None => true,
+            Some((_, first)) => first.is_hang_up() && !e.is_hang_up(),
+        };
+        if replace {
             *slot = Some((role, e));
         }
     }
@@ -2275,5 +2281,41 @@ mod loss_scale_tests {
         assert_eq!(s.scale, INITIAL_LOSS_SCALE / 4.0);
         s.after(true);
         assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 2));
+    }
+}
+
+#[cfg(test)]
+mod error_slot_tests {
+    use super::ErrorSlot;
+    use crate::core::error::RuntimeError;
+    use crate::core::roles::Role;
+
+    /// Regression (CI, pipeline_cli `a_stage_that_does_not_answer_in_time_is_named`):
+    /// stage 0 recorded stage 1's hang-up before stage 1 recorded its timeout, and the
+    /// run reported the hang-up.
+    #[test]
+    fn a_hang_up_recorded_first_gives_way_to_its_cause() {
+        let peer = |message: &str| RuntimeError::Peer {
+            rank: 0,
+            peer: 1,
+            op: "recv".into(),
+            message: message.into(),
+        };
+        let timeout = || peer("no message from rank 0 within 1µs during recv");
+        for (first, second) in [
+            (peer("peer rank 1 hung up during recv"), timeout()),
+            (timeout(), peer("peer rank 1 hung up during recv")),
+        ] {
+            let slot = ErrorSlot::default();
+            slot.record(Role::Worker(0), first);
+            slot.record(Role::Worker(1), second);
+            let (_, e) = slot.take().expect("an error");
+            assert!(!e.is_hang_up(), "{e}");
+        }
+        // Two causes: the first stays.
+        let slot = ErrorSlot::default();
+        slot.record(Role::Worker(0), RuntimeError::Config("first".into()));
+        slot.record(Role::Worker(1), RuntimeError::Config("second".into()));
+        assert_eq!(slot.take().expect("an error").1.to_string(), "first");
     }
 }
