@@ -146,7 +146,78 @@ pub fn elementwise_cost(g: &Graph, id: NodeId) -> Option<ComputeCost> {
         Op::ReluGrad => 2,
         Op::SigmoidGrad | Op::TanhGrad => 3,
         Op::Fused { expr } => expr.steps.iter().filter(|s| !s.is_leaf()).count(),
-        _ => return None,
+        // Kernel fusion leaves these out of its groups (a constant it absorbs becomes a
+        // literal of the fused expression; a cast stays a kernel of its own).
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Constant { .. }
+        | Op::MatMul { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::Sum { .. }
+        | Op::Mean { .. }
+        | Op::Cast { .. }
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Embedding
+        | Op::SoftmaxCrossEntropy
+        | Op::Mse
+        | Op::Dropout { .. }
+        | Op::LayerNorm { .. }
+        | Op::Attention { .. }
+        | Op::Conv2d { .. }
+        | Op::MaxPool2d { .. }
+        | Op::ReplicaReduce { .. }
+        | Op::TrainOrEval
+        | Op::SumTo { .. }
+        | Op::SoftmaxGrad { .. }
+        | Op::LogSoftmaxGrad { .. }
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::MseGrad
+        | Op::EmbeddingGrad { .. }
+        | Op::DropoutGrad { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::AttentionGrad { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Conv2dGradFilter { .. }
+        | Op::MaxPool2dGrad { .. }
+        | Op::ConcatSlices
+        | Op::Densify
+        | Op::RowMask
+        | Op::Sparsify
+        | Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::Broadcast { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGatherDense { .. }
+        | Op::TakeChunk { .. }
+        | Op::ModelEnter { .. }
+        | Op::ModelAllReduce { .. }
+        | Op::ModelGather { .. }
+        | Op::ModelSplit { .. }
+        | Op::ModelReduceScatter { .. }
+        | Op::ModelEmbedding { .. }
+        | Op::ModelEmbeddingGrad { .. }
+        | Op::Accumulate { .. }
+        | Op::UniqueRows
+        | Op::Pack
+        | Op::Unpack { .. }
+        | Op::PackChunks { .. }
+        | Op::UnpackChunks { .. }
+        | Op::Pull { .. }
+        | Op::SparsePull { .. }
+        | Op::Push { .. }
+        | Op::SparsePush { .. }
+        | Op::Shard { .. }
+        | Op::Serve { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. }
+        | Op::Loss
+        | Op::ParamGrad { .. }
+        | Op::Output { .. }
+        | Op::Assign { .. } => return None,
     };
     let out = match node.outputs.as_slice() {
         [ValueType::Tensor(t)] => t,
@@ -242,7 +313,6 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
         Op::SoftmaxGrad { .. } | Op::LogSoftmaxGrad { .. } => 4.0 * input(0),
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => 6.0 * input(0),
         Op::Mse | Op::MseGrad => 3.0 * input(0),
-        // Mean, variance, normalise, scale and shift.
         Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
             // Two products of Tq x Tk x D (scores, then values), half of them masked
             // when causal; the gradient recomputes the scores and makes four more.
@@ -259,6 +329,7 @@ pub fn node_flops(g: &Graph, id: NodeId) -> f64 {
             let qn: f64 = q.iter().map(|&d| d as f64).product();
             2.0 * products * qn * tk * masked
         }
+        // Mean, variance, normalise, scale and shift.
         Op::LayerNorm { .. } => 8.0 * input(0),
         Op::LayerNormGrad { .. } => 12.0 * input(1),
         Op::Dropout { .. } | Op::DropoutGrad { .. } => 2.0 * out,

@@ -68,7 +68,73 @@ pub fn class(op: &Op, result_rank: Option<usize>) -> Class {
         | Op::Assign { .. } => Class::Full,
         // A sum or mean to a scalar (a loss, a metric) adds many terms: f32.
         Op::Sum { .. } | Op::Mean { .. } if result_rank == Some(0) => Class::Full,
-        _ => Class::Follow,
+        // The chains between two `Half` ops stay 16-bit through element-wise ops, layout,
+        // pooling, dropout and the other sums.
+        Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Neg
+        | Op::Relu
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Sum { .. }
+        | Op::Mean { .. }
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Dropout { .. }
+        | Op::MaxPool2d { .. }
+        | Op::Fused { .. }
+        | Op::SumTo { .. }
+        | Op::BroadcastTo { .. } => Class::Follow,
+        // `rewrite` passes over sources and casts: variables stay f32 master copies.
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Constant { .. }
+        | Op::Cast { .. }
+        | Op::Pull { .. }
+        | Op::Shard { .. }
+        | Op::Recv { .. } => Class::Follow,
+        // Made by the passes after this one (autodiff, sparsity, distribution,
+        // accumulation): they run in the precision of what they are given.
+        Op::ReluGrad
+        | Op::SigmoidGrad
+        | Op::TanhGrad
+        | Op::SoftmaxGrad { .. }
+        | Op::LogSoftmaxGrad { .. }
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::MseGrad
+        | Op::EmbeddingGrad { .. }
+        | Op::DropoutGrad { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::AttentionGrad { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Conv2dGradFilter { .. }
+        | Op::MaxPool2dGrad { .. }
+        | Op::ConcatSlices
+        | Op::Densify
+        | Op::RowMask
+        | Op::Sparsify
+        | Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::Broadcast { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGatherDense { .. }
+        | Op::TakeChunk { .. }
+        | Op::ModelEmbeddingGrad { .. }
+        | Op::Accumulate { .. }
+        | Op::UniqueRows
+        | Op::Pack
+        | Op::Unpack { .. }
+        | Op::PackChunks { .. }
+        | Op::UnpackChunks { .. }
+        | Op::SparsePull { .. }
+        | Op::Push { .. }
+        | Op::SparsePush { .. }
+        | Op::Serve { .. }
+        | Op::Send { .. } => Class::Follow,
     }
 }
 

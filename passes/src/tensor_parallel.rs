@@ -65,6 +65,7 @@ pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
         {
             Some(name.clone())
         }
+        // Only a variable splits: no other op is a weight.
         _ => None,
     };
     let plain = |id: NodeId| {
@@ -112,7 +113,81 @@ pub fn megatron_pairs(g: &Graph, parts: usize) -> BTreeMap<String, usize> {
                 | Op::Reshape { .. }
                 | Op::Transpose { .. }
                 | Op::Attention { .. } => v = (*user).into(),
-                _ => break None,
+                // The walk follows no other op, a matmul not reading the value as its
+                // plain left operand included: no pair through it.
+                Op::Input { .. }
+                | Op::Param { .. }
+                | Op::Constant { .. }
+                | Op::MatMul { .. }
+                | Op::Div
+                | Op::Log
+                | Op::Softmax { .. }
+                | Op::LogSoftmax { .. }
+                | Op::Sum { .. }
+                | Op::Mean { .. }
+                | Op::Cast { .. }
+                | Op::Concat { .. }
+                | Op::Slice { .. }
+                | Op::Embedding
+                | Op::SoftmaxCrossEntropy
+                | Op::Mse
+                | Op::Dropout { .. }
+                | Op::LayerNorm { .. }
+                | Op::Conv2d { .. }
+                | Op::MaxPool2d { .. }
+                | Op::ReplicaReduce { .. }
+                | Op::TrainOrEval
+                | Op::SumTo { .. }
+                | Op::BroadcastTo { .. }
+                | Op::ReluGrad
+                | Op::SigmoidGrad
+                | Op::TanhGrad
+                | Op::SoftmaxGrad { .. }
+                | Op::LogSoftmaxGrad { .. }
+                | Op::SoftmaxCrossEntropyGrad
+                | Op::MseGrad
+                | Op::EmbeddingGrad { .. }
+                | Op::DropoutGrad { .. }
+                | Op::LayerNormGrad { .. }
+                | Op::AttentionGrad { .. }
+                | Op::Conv2dGradInput { .. }
+                | Op::Conv2dGradFilter { .. }
+                | Op::MaxPool2dGrad { .. }
+                | Op::ConcatSlices
+                | Op::Densify
+                | Op::RowMask
+                | Op::Sparsify
+                | Op::AllReduce { .. }
+                | Op::AllGather { .. }
+                | Op::Broadcast { .. }
+                | Op::ReduceScatter { .. }
+                | Op::AllGatherDense { .. }
+                | Op::TakeChunk { .. }
+                | Op::ModelEnter { .. }
+                | Op::ModelAllReduce { .. }
+                | Op::ModelGather { .. }
+                | Op::ModelSplit { .. }
+                | Op::ModelReduceScatter { .. }
+                | Op::ModelEmbedding { .. }
+                | Op::ModelEmbeddingGrad { .. }
+                | Op::Accumulate { .. }
+                | Op::UniqueRows
+                | Op::Pack
+                | Op::Unpack { .. }
+                | Op::PackChunks { .. }
+                | Op::UnpackChunks { .. }
+                | Op::Pull { .. }
+                | Op::SparsePull { .. }
+                | Op::Push { .. }
+                | Op::SparsePush { .. }
+                | Op::Shard { .. }
+                | Op::Serve { .. }
+                | Op::Send { .. }
+                | Op::Recv { .. }
+                | Op::Loss
+                | Op::ParamGrad { .. }
+                | Op::Output { .. }
+                | Op::Assign { .. } => break None,
             }
         };
         // A second weight already split by rows takes more first weights: attention's
@@ -150,10 +225,96 @@ fn column_bias(g: &Graph, id: NodeId, parts: usize) -> Option<String> {
                     {
                         Some(name.clone())
                     }
+                    // Only a variable splits: no other op is a bias.
                     _ => None,
                 };
             }
-            _ => return None,
+            // A bias is looked for through reshapes keeping the columns only: through
+            // any other op it is not the layer's, and stays whole.
+            Op::Input { .. }
+            | Op::Param { .. }
+            | Op::Constant { .. }
+            | Op::MatMul { .. }
+            | Op::Sub
+            | Op::Mul
+            | Op::Div
+            | Op::Neg
+            | Op::Relu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Exp
+            | Op::Log
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::Sum { .. }
+            | Op::Mean { .. }
+            | Op::Cast { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Concat { .. }
+            | Op::Slice { .. }
+            | Op::Embedding
+            | Op::SoftmaxCrossEntropy
+            | Op::Mse
+            | Op::Dropout { .. }
+            | Op::LayerNorm { .. }
+            | Op::Attention { .. }
+            | Op::Conv2d { .. }
+            | Op::MaxPool2d { .. }
+            | Op::Fused { .. }
+            | Op::ReplicaReduce { .. }
+            | Op::TrainOrEval
+            | Op::SumTo { .. }
+            | Op::BroadcastTo { .. }
+            | Op::ReluGrad
+            | Op::SigmoidGrad
+            | Op::TanhGrad
+            | Op::SoftmaxGrad { .. }
+            | Op::LogSoftmaxGrad { .. }
+            | Op::SoftmaxCrossEntropyGrad
+            | Op::MseGrad
+            | Op::EmbeddingGrad { .. }
+            | Op::DropoutGrad { .. }
+            | Op::LayerNormGrad { .. }
+            | Op::AttentionGrad { .. }
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradFilter { .. }
+            | Op::MaxPool2dGrad { .. }
+            | Op::ConcatSlices
+            | Op::Densify
+            | Op::RowMask
+            | Op::Sparsify
+            | Op::AllReduce { .. }
+            | Op::AllGather { .. }
+            | Op::Broadcast { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGatherDense { .. }
+            | Op::TakeChunk { .. }
+            | Op::ModelEnter { .. }
+            | Op::ModelAllReduce { .. }
+            | Op::ModelGather { .. }
+            | Op::ModelSplit { .. }
+            | Op::ModelReduceScatter { .. }
+            | Op::ModelEmbedding { .. }
+            | Op::ModelEmbeddingGrad { .. }
+            | Op::Accumulate { .. }
+            | Op::UniqueRows
+            | Op::Pack
+            | Op::Unpack { .. }
+            | Op::PackChunks { .. }
+            | Op::UnpackChunks { .. }
+            | Op::Pull { .. }
+            | Op::SparsePull { .. }
+            | Op::Push { .. }
+            | Op::SparsePush { .. }
+            | Op::Shard { .. }
+            | Op::Serve { .. }
+            | Op::Send { .. }
+            | Op::Recv { .. }
+            | Op::Loss
+            | Op::ParamGrad { .. }
+            | Op::Output { .. }
+            | Op::Assign { .. } => return None,
         }
     }
 }
@@ -306,7 +467,13 @@ impl Rewriter<'_> {
                 self.init_and_final(name, ty, &local, init, dim)?;
                 return Ok(());
             }
-            op if op.is_source() => (op.clone(), vec![], Sharding::Whole),
+            // A source reads nothing, and one not split is whole on every worker.
+            Op::Input { .. }
+            | Op::Param { .. }
+            | Op::Constant { .. }
+            | Op::Pull { .. }
+            | Op::Shard { .. }
+            | Op::Recv { .. } => (node.op.clone(), vec![], Sharding::Whole),
             Op::MatMul {
                 transpose_a: false,
                 transpose_b: false,
@@ -442,10 +609,68 @@ impl Rewriter<'_> {
                 let d = self.old.tensor_type(node.inputs[1]).shape.rank();
                 (node.op.clone(), vec![ins[0].0, ids], Sharding::Split(d))
             }
-            // Everything else, sinks included, reads whole values.
-            op => {
+            // Everything else, sinks included, reads whole values: a matmul of other
+            // ranks or transposed, and a lookup in a table not split by rows or columns.
+            Op::MatMul { .. }
+            | Op::Cast { .. }
+            | Op::Concat { .. }
+            | Op::Slice { .. }
+            | Op::Embedding
+            | Op::SoftmaxCrossEntropy
+            | Op::Mse
+            | Op::Dropout { .. }
+            | Op::ReplicaReduce { .. }
+            | Op::TrainOrEval
+            | Op::SumTo { .. }
+            | Op::BroadcastTo { .. }
+            | Op::ReluGrad
+            | Op::SigmoidGrad
+            | Op::TanhGrad
+            | Op::SoftmaxGrad { .. }
+            | Op::LogSoftmaxGrad { .. }
+            | Op::SoftmaxCrossEntropyGrad
+            | Op::MseGrad
+            | Op::EmbeddingGrad { .. }
+            | Op::DropoutGrad { .. }
+            | Op::LayerNormGrad { .. }
+            | Op::AttentionGrad { .. }
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradFilter { .. }
+            | Op::MaxPool2dGrad { .. }
+            | Op::ConcatSlices
+            | Op::Densify
+            | Op::RowMask
+            | Op::Sparsify
+            | Op::AllReduce { .. }
+            | Op::AllGather { .. }
+            | Op::Broadcast { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGatherDense { .. }
+            | Op::TakeChunk { .. }
+            | Op::ModelEnter { .. }
+            | Op::ModelAllReduce { .. }
+            | Op::ModelGather { .. }
+            | Op::ModelSplit { .. }
+            | Op::ModelReduceScatter { .. }
+            | Op::ModelEmbedding { .. }
+            | Op::ModelEmbeddingGrad { .. }
+            | Op::Accumulate { .. }
+            | Op::UniqueRows
+            | Op::Pack
+            | Op::Unpack { .. }
+            | Op::PackChunks { .. }
+            | Op::UnpackChunks { .. }
+            | Op::SparsePull { .. }
+            | Op::Push { .. }
+            | Op::SparsePush { .. }
+            | Op::Serve { .. }
+            | Op::Send { .. }
+            | Op::Loss
+            | Op::ParamGrad { .. }
+            | Op::Output { .. }
+            | Op::Assign { .. } => {
                 let all = self.all_whole(&ins)?;
-                (op.clone(), all, Sharding::Whole)
+                (node.op.clone(), all, Sharding::Whole)
             }
         };
         let new_id = self.new.add(op, inputs)?;
@@ -760,7 +985,90 @@ pub fn sent_bytes(g: &Graph, id: NodeId) -> f64 {
             let t = *parts as f64;
             (t - 1.0) / t * input()
         }
-        _ => 0.0,
+        // Nothing over the model axis: `model_enter` and `model_split` are local (their
+        // gradients are the collectives above), and the data axis is costed apart.
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Constant { .. }
+        | Op::MatMul { .. }
+        | Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Neg
+        | Op::Relu
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Exp
+        | Op::Log
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::Sum { .. }
+        | Op::Mean { .. }
+        | Op::Cast { .. }
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Embedding
+        | Op::SoftmaxCrossEntropy
+        | Op::Mse
+        | Op::Dropout { .. }
+        | Op::LayerNorm { .. }
+        | Op::Attention { .. }
+        | Op::Conv2d { .. }
+        | Op::MaxPool2d { .. }
+        | Op::Fused { .. }
+        | Op::ReplicaReduce { .. }
+        | Op::TrainOrEval
+        | Op::SumTo { .. }
+        | Op::BroadcastTo { .. }
+        | Op::ReluGrad
+        | Op::SigmoidGrad
+        | Op::TanhGrad
+        | Op::SoftmaxGrad { .. }
+        | Op::LogSoftmaxGrad { .. }
+        | Op::SoftmaxCrossEntropyGrad
+        | Op::MseGrad
+        | Op::EmbeddingGrad { .. }
+        | Op::DropoutGrad { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::AttentionGrad { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Conv2dGradFilter { .. }
+        | Op::MaxPool2dGrad { .. }
+        | Op::ConcatSlices
+        | Op::Densify
+        | Op::RowMask
+        | Op::Sparsify
+        | Op::AllReduce { .. }
+        | Op::AllGather { .. }
+        | Op::Broadcast { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGatherDense { .. }
+        | Op::TakeChunk { .. }
+        | Op::ModelEnter { .. }
+        | Op::ModelSplit { .. }
+        | Op::ModelEmbedding { .. }
+        | Op::ModelEmbeddingGrad { .. }
+        | Op::Accumulate { .. }
+        | Op::UniqueRows
+        | Op::Pack
+        | Op::Unpack { .. }
+        | Op::PackChunks { .. }
+        | Op::UnpackChunks { .. }
+        | Op::Pull { .. }
+        | Op::SparsePull { .. }
+        | Op::Push { .. }
+        | Op::SparsePush { .. }
+        | Op::Shard { .. }
+        | Op::Serve { .. }
+        | Op::Send { .. }
+        | Op::Recv { .. }
+        | Op::Loss
+        | Op::ParamGrad { .. }
+        | Op::Output { .. }
+        | Op::Assign { .. } => 0.0,
     }
 }
 
