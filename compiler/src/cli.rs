@@ -13,6 +13,7 @@ use distc_passes::placement::{
 use distc_runtime::core::config::MAX_BATCH;
 use std::path::{Path, PathBuf};
 
+use crate::limits::{MAX_TIMEOUT_SECS, MIN_BANDWIDTH};
 use crate::CompileOptions;
 
 // The `--strategy` values (the passes' `Strategy` without clap's derive).
@@ -223,11 +224,11 @@ pub fn positive_finite(s: &str) -> Result<f64, String> {
 }
 
 /// A link's bandwidth for the cost model, bytes/s: from
-/// [`MIN_BANDWIDTH`](crate::simulate::MIN_BANDWIDTH) (1 B/s) to 1 PB/s (beyond either,
+/// [`MIN_BANDWIDTH`] (1 B/s) to 1 PB/s (beyond either,
 /// the predicted times are not numbers a plan can be made of).
 pub fn link_bandwidth(s: &str) -> Result<f64, String> {
     match positive_finite(s)? {
-        x if (crate::simulate::MIN_BANDWIDTH..=1e15).contains(&x) => Ok(x),
+        x if (MIN_BANDWIDTH..=1e15).contains(&x) => Ok(x),
         x => Err(format!(
             "{x:?} B/s is not a link's bandwidth (1 to 1e15 B/s)"
         )),
@@ -241,10 +242,6 @@ pub fn link_latency(s: &str) -> Result<f64, String> {
         x => Err(format!("{x:?} s is not a link's latency (0 to 10 s)")),
     }
 }
-
-/// The longest `--timeout`: a year. Above about 1.8e19 s a duration overflows; no wait
-/// needs more than this.
-pub const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
 /// A timeout in seconds: above 0 and at most [`MAX_TIMEOUT_SECS`].
 pub fn timeout_secs(s: &str) -> Result<f64, String> {
@@ -443,7 +440,9 @@ pub fn parse_link(s: &str) -> Result<(LinkKind, distc_passes::placement::Link), 
     ))
 }
 
-/// Where `eval` and `predict` take the weights from.
+/// Where `eval` and `predict` take the weights from. [`WeightsArgs::weights`] turns
+/// them into the command's `Weights`; it is defined beside them, in
+/// [`crate::commands::eval`].
 #[derive(Args, Clone)]
 pub struct WeightsArgs {
     /// The weights: a safetensors file by variable name (`--save`, PyTorch's
@@ -456,17 +455,6 @@ pub struct WeightsArgs {
     /// The weights of a training state (`--checkpoint`).
     #[arg(long, value_name = "FILE")]
     pub resume: Option<PathBuf>,
-}
-
-impl WeightsArgs {
-    /// The flags as [`crate::commands::eval::Weights`].
-    pub fn weights(&self) -> crate::commands::eval::Weights<'_> {
-        crate::commands::eval::Weights {
-            init: self.init.as_deref(),
-            partial: self.init_partial,
-            resume: self.resume.as_deref(),
-        }
-    }
 }
 
 // The flags of `run` and `train`.
@@ -590,11 +578,11 @@ pub struct RunArgs {
     /// process crashed. With --elastic the run carries on without it; without, the
     /// run stops with the error naming the worker.
     #[arg(long, value_parser = parse_failure, value_name = "W:K")]
-    pub fail_worker: Option<distc_runtime::run::programs::InjectedFailure>,
+    pub fail_worker: Option<distc_runtime::run::options::InjectedFailure>,
 }
 
 /// `W:K`: worker W lost at step K (K at least 1).
-fn parse_failure(s: &str) -> Result<distc_runtime::run::programs::InjectedFailure, String> {
+fn parse_failure(s: &str) -> Result<distc_runtime::run::options::InjectedFailure, String> {
     let (w, k) = s
         .split_once(':')
         .ok_or_else(|| format!("`{s}`: give the worker and the step as W:K (`1:4`)"))?;
@@ -609,7 +597,7 @@ fn parse_failure(s: &str) -> Result<distc_runtime::run::programs::InjectedFailur
     if step == 0 {
         return Err("the step must be at least 1".into());
     }
-    Ok(distc_runtime::run::programs::InjectedFailure { worker, step })
+    Ok(distc_runtime::run::options::InjectedFailure { worker, step })
 }
 
 // The flags of `bench`.

@@ -1,11 +1,14 @@
-//! From DSL source to compiled programs: lower, then the strategy's passes over the
-//! program set, with every program's IR written after each step when asked
-//! (`--dump-ir`), `--stop-after` and `--disable-pass`.
+//! The compile driver. From DSL source to compiled programs: lower, then the
+//! strategy's passes over the program set, with every program's IR written after each
+//! step when asked (`--dump-ir`), `--stop-after` and `--disable-pass`. From compiled
+//! programs to a plan ([`Plan::new`]), and from a plan back to its programs compiled
+//! for other workers ([`retarget`]: `distc simulate`, `run --elastic`).
 
 use crate::dsl::{compile_source, DslError};
+use crate::plan::{PassSummary, Plan, PLAN_FORMAT, PLAN_VERSION};
 use distc_ir::Graph;
 use distc_ir::{Op, TensorType};
-use distc_passes::placement::{DistPlan, Strategy, StrategyConfig};
+use distc_passes::placement::{DistPlan, Link, Strategy, StrategyConfig};
 use distc_passes::{
     known_pass_names, passes_for, run_pipeline, PassCx, PassRecord, PipelineError, ProgramRole,
     ProgramSet, Verify,
@@ -400,6 +403,142 @@ pub fn compile_file(path: &Path, opts: &CompileOptions) -> Result<Compiled, Comp
         source,
     })?;
     compile(&path.display().to_string(), &src, opts)
+}
+
+// The plan format names no compiler module; making a plan of a compile is the driver's.
+impl Plan {
+    /// A plan for a compiled model.
+    pub fn new(c: &Compiled, source: &str, settings: &StrategyConfig) -> Plan {
+        let passes = c
+            .records
+            .iter()
+            .map(|r| PassSummary {
+                name: r.name.clone(),
+                stats: r.stats.to_string(),
+                nodes: r.nodes,
+            })
+            .collect();
+        let mut p = Plan {
+            format: PLAN_FORMAT.into(),
+            version: PLAN_VERSION,
+            model: c.programs.worker.name.clone(),
+            source: source.into(),
+            strategy: settings.strategy,
+            config: c.config.clone(),
+            passes,
+            settings: StrategyConfig {
+                stage_marks: c.stage_marks.clone(),
+                shard: c.shards.clone(),
+                ..settings.clone()
+            },
+            dist: c.dist.clone(),
+            graph: distc_ir::print(&c.programs.worker),
+            init: c.programs.init.as_ref().map(distc_ir::print),
+            servers: c.programs.servers.iter().map(distc_ir::print).collect(),
+            not_runnable: c.not_runnable.clone(),
+            flops_per_sample: c.flops_per_sample,
+            finalize: c.programs.finalize.as_ref().map(distc_ir::print),
+            stages: c
+                .programs
+                .pipeline
+                .iter()
+                .flat_map(|p| &p.stages)
+                .map(|s| (distc_ir::print(&s.forward), distc_ir::print(&s.backward)))
+                .collect(),
+            search: None,
+            hash: String::new(),
+        };
+        p.seal();
+        p
+    }
+}
+
+/// What [`retarget`] compiles a plan for beyond the plan: the machine `distc simulate`
+/// is asked about, or the workers an elastic run has left.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Workers (data-parallel) to simulate; none: the plan's.
+    pub workers: Option<usize>,
+    /// Workers per node; none: the plan's.
+    pub ranks_per_node: Option<usize>,
+    /// Parameter servers; none: the plan's.
+    pub servers: Option<usize>,
+    /// Link between nodes; none: the plan's (`--bandwidth`, `--latency`).
+    pub inter: Option<Link>,
+    /// Link within a node; none: the plan's.
+    pub intra: Option<Link>,
+    /// Data directory for the profiling run and the sparsity measurement.
+    pub data_dir: Option<PathBuf>,
+}
+
+/// The plan's programs as they would be compiled for `target`: the plan's own when
+/// nothing changes, else its model compiled again from `plan.source` with the plan's
+/// settings but the target's workers, nodes and links (the hierarchy pass then decides
+/// flat or hierarchical per bucket for those). The model must still compile to the
+/// plan at the plan's own settings, or the simulation would be of another model.
+pub fn retarget(plan: &Plan, target: &Target) -> Result<(Compiled, StrategyConfig), String> {
+    let s = &plan.settings;
+    let mut settings = s.clone();
+    if let Some(n) = target.workers {
+        settings.workers = n;
+    }
+    if let Some(l) = target.ranks_per_node {
+        settings.ranks_per_node = l;
+    }
+    if let Some(n) = target.servers {
+        settings.servers = n;
+    }
+    if let Some(l) = target.inter {
+        settings.bandwidth = l.bandwidth;
+        settings.latency = l.latency;
+    }
+    if let Some(l) = target.intra {
+        settings.intra_link = l;
+    }
+    if settings.strategy == Strategy::Single && settings.data_workers() > 1 {
+        return Err(format!(
+            "the plan is `single`, one device: compile it with a distributed strategy to \
+             simulate {} workers",
+            settings.workers
+        ));
+    }
+    let compiled_with = compiled_settings(&settings);
+    compiled_with
+        .check()
+        .map_err(|e| format!("the simulated settings: {e}"))?;
+    let compile = |strategy: &StrategyConfig| {
+        let opts = CompileOptions {
+            batch: Some(plan.config.batch),
+            strategy: strategy.clone(),
+            data_dir: target.data_dir.clone(),
+            ..Default::default()
+        };
+        compile_file(Path::new(&plan.source), &opts)
+            .map_err(|e| format!("compiling {} again: {e}", plan.source))
+    };
+    let own = compile(s)?;
+    if distc_ir::print(&own.programs.worker) != plan.graph {
+        return Err(format!(
+            "{} no longer compiles to this plan (the model changed, or the plan was \
+             compiled with other flags): compile the plan again",
+            plan.source
+        ));
+    }
+    if compiled_with == *s {
+        return Ok((own, settings));
+    }
+    Ok((compile(&compiled_with)?, settings))
+}
+
+/// The settings a plan of `settings` is compiled with. A mesh's nodes are the
+/// simulation's alone (which links its axes cross): the runtime groups no mesh by
+/// node yet, so its plan is compiled without them.
+pub fn compiled_settings(settings: &StrategyConfig) -> StrategyConfig {
+    let mut compiled_with = settings.clone();
+    if settings.model > 1 || settings.pipeline > 1 {
+        compiled_with.ranks_per_node = 0;
+    }
+    compiled_with
 }
 
 /// LARS and LAMB scale each variable's update by the norms of the whole variable and

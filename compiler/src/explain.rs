@@ -3,7 +3,7 @@
 //! Rendering lives here rather than in the binary so tests reach it without a
 //! process.
 
-use crate::pipeline::program_view;
+use crate::driver::program_view;
 use crate::plan::Plan;
 use anyhow::Result;
 use distc_passes::placement::{Mechanism, Precision, StrategyConfig};

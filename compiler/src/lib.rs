@@ -4,14 +4,15 @@ pub mod bench;
 pub mod cli;
 pub mod commands;
 pub mod console;
+pub mod driver;
 pub mod dsl;
 pub mod explain;
-pub mod pipeline;
+pub mod limits;
 pub mod plan;
 pub mod planner;
 pub mod plot;
 pub mod simulate;
 pub mod verify;
 
-pub use pipeline::{compile, compile_file, CompileError, CompileOptions, Compiled};
+pub use driver::{compile, compile_file, CompileError, CompileOptions, Compiled};
 pub use plan::{Plan, PlanError};

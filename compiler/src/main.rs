@@ -11,7 +11,7 @@ use distc::cli::{
 };
 use distc::commands;
 use distc::console::err;
-use distc::simulate::SAMPLE_BYTES;
+use distc::limits::SAMPLE_BYTES;
 use distc_runtime::RuntimeError;
 use std::path::PathBuf;
 

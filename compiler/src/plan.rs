@@ -1,6 +1,14 @@
 //! The plan: the versioned JSON contract between compiler and runtime. It holds the
 //! graph as text IR (what `--dump-ir` shows is what runs), the run configuration, what
 //! each pass did, and a content hash so a damaged or edited plan is refused.
+//!
+//! The format names no other module of the compiler: the layout search's record is
+//! here ([`Search`]), and [`Plan::new`], which makes a plan of a compile, is the
+//! driver's ([`crate::driver`]).
+
+mod search;
+
+pub use search::{Candidate, Search, Verdict};
 
 use distc_ir::pipeline::{PipelineProgram, StageGraphs};
 use distc_ir::Graph;
@@ -70,7 +78,7 @@ pub struct Plan {
     pub flops_per_sample: Option<f64>,
     /// The layout search that chose this plan (`--strategy auto` without servers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub search: Option<crate::planner::Search>,
+    pub search: Option<Search>,
     /// SHA-256 of the content above, hex.
     pub hash: String,
 }
@@ -136,51 +144,6 @@ fn content_hash(p: &Plan) -> String {
 }
 
 impl Plan {
-    /// A plan for a compiled model.
-    pub fn new(c: &crate::Compiled, source: &str, settings: &StrategyConfig) -> Plan {
-        let passes = c
-            .records
-            .iter()
-            .map(|r| PassSummary {
-                name: r.name.clone(),
-                stats: r.stats.to_string(),
-                nodes: r.nodes,
-            })
-            .collect();
-        let mut p = Plan {
-            format: PLAN_FORMAT.into(),
-            version: PLAN_VERSION,
-            model: c.programs.worker.name.clone(),
-            source: source.into(),
-            strategy: settings.strategy,
-            config: c.config.clone(),
-            passes,
-            settings: StrategyConfig {
-                stage_marks: c.stage_marks.clone(),
-                shard: c.shards.clone(),
-                ..settings.clone()
-            },
-            dist: c.dist.clone(),
-            graph: distc_ir::print(&c.programs.worker),
-            init: c.programs.init.as_ref().map(distc_ir::print),
-            servers: c.programs.servers.iter().map(distc_ir::print).collect(),
-            not_runnable: c.not_runnable.clone(),
-            flops_per_sample: c.flops_per_sample,
-            finalize: c.programs.finalize.as_ref().map(distc_ir::print),
-            stages: c
-                .programs
-                .pipeline
-                .iter()
-                .flat_map(|p| &p.stages)
-                .map(|s| (distc_ir::print(&s.forward), distc_ir::print(&s.backward)))
-                .collect(),
-            search: None,
-            hash: String::new(),
-        };
-        p.hash = content_hash(&p);
-        p
-    }
-
     /// Writes the plan (to a temporary file renamed into place), refusing a target
     /// that is not a regular file or is one of `inputs` (the model's source).
     pub fn save(&self, path: &Path, inputs: &[&Path]) -> Result<(), PlanError> {

@@ -13,99 +13,16 @@
 //! The precision is the user's: the search changes the arithmetic only among the
 //! precisions the user lists (`--search-precision fp32,bf16`), each profiled here.
 
+use crate::driver::compiled_settings;
+use crate::plan::{Candidate, Search, Verdict};
 use crate::simulate::{self as sim, ComputeProfile, Links};
-use distc_passes::placement::{Link, Precision, RematPolicy, Strategy, StrategyConfig};
+use distc_passes::placement::{Link, Precision, Strategy, StrategyConfig};
 use distc_passes::Verify;
 use distc_runtime::run::memory;
-use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// The largest model axis and pipeline the search tries.
 const MAX_AXIS: usize = 8;
-
-/// One layout the search tried.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Candidate {
-    /// Data replicas D, model axis T, pipeline stages P.
-    pub data: usize,
-    pub model: usize,
-    pub pipe: usize,
-    /// Micro-batches a step (1 without a pipeline).
-    pub micro_batches: usize,
-    /// Samples a micro-batch (the plan's batch).
-    pub batch: usize,
-    pub zero: u8,
-    pub remat: bool,
-    /// The arithmetic's precision.
-    #[serde(default)]
-    pub precision: Precision,
-    /// Predicted seconds a step, samples per second, and bytes per worker; or why the
-    /// candidate was rejected.
-    pub verdict: Verdict,
-}
-
-/// What the search made of a candidate.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Verdict {
-    Priced {
-        step: f64,
-        samples_per_sec: f64,
-        memory_per_worker: u128,
-    },
-    /// Over the memory budget: what it needs.
-    Memory { memory_per_worker: u128 },
-    /// Refused by the compiler or the simulator, or not a whole batch.
-    Refused { reason: String },
-}
-
-impl Candidate {
-    /// `data=D,model=T,pipe=P` with its micro-batches, ZeRO and remat.
-    pub fn label(&self) -> String {
-        let mut s = format!("data={},model={},pipe={}", self.data, self.model, self.pipe);
-        if self.pipe > 1 {
-            s += &format!(" micro={}", self.micro_batches);
-        }
-        if self.zero > 0 {
-            s += &format!(" zero={}", self.zero);
-        }
-        if self.remat {
-            s += " remat=layers";
-        }
-        if self.precision != Precision::Fp32 {
-            s += &format!(" {}", self.precision);
-        }
-        s
-    }
-
-    /// The settings that compile it, from the user's.
-    pub fn settings(&self, base: &StrategyConfig) -> StrategyConfig {
-        StrategyConfig {
-            strategy: if self.data > 1 {
-                Strategy::Allreduce
-            } else {
-                Strategy::Single
-            },
-            // One replica of a pipeline counts as one worker, as `--mesh` counts it.
-            workers: if self.data == 1 && self.model == 1 {
-                1
-            } else {
-                self.data * self.model * self.pipe
-            },
-            model: self.model,
-            pipeline: self.pipe,
-            micro_batches: self.micro_batches,
-            zero: self.zero,
-            precision: self.precision,
-            remat: if self.remat {
-                RematPolicy::Layers
-            } else {
-                base.remat
-            },
-            ..base.clone()
-        }
-    }
-}
 
 /// Where the search takes its op times from.
 #[derive(Clone, Copy, Debug)]
@@ -142,22 +59,6 @@ impl Pricing<'_> {
 
 /// Steps of the search's profiling run (the first left out).
 const PROFILE_STEPS: usize = 3;
-
-/// What the search found: every candidate, the pick, and what it cost.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Search {
-    pub workers: usize,
-    /// The global batch every candidate trains a step.
-    pub global_batch: usize,
-    pub memory_budget: Option<u128>,
-    pub candidates: Vec<Candidate>,
-    /// Index of the pick in `candidates`.
-    pub chosen: usize,
-    /// Where the op times came from.
-    pub profile: String,
-    /// Seconds the search took, profiling included.
-    pub seconds: f64,
-}
 
 /// The search for `file` on `workers` workers from the user's settings `base` (their
 /// links, nodes, fixed ZeRO stage if `zero` is given), within `memory_budget` bytes
@@ -303,7 +204,7 @@ pub fn search(
                     .as_ref()
                     .is_none_or(|b| rate > b.1 || (rate == b.1 && *index < b.0));
                 if let (true, Some(compiled)) = (better, plan) {
-                    best = Some((*index, rate, compiled, sim::compiled_settings(settings)));
+                    best = Some((*index, rate, compiled, compiled_settings(settings)));
                 }
                 Verdict::Priced {
                     step,
@@ -428,7 +329,7 @@ fn price(
     measured: &sim::MeasuredSteps,
 ) -> Result<(u128, f64, crate::Compiled), String> {
     // A mesh is priced on the nodes it is simulated on, and compiled without them.
-    let compiled_with = sim::compiled_settings(settings);
+    let compiled_with = compiled_settings(settings);
     compiled_with.check()?;
     let c = compile(&compiled_with, batch).map_err(|e| e.to_string())?;
     let touched = crate::verify::rows_touched(c.dist.as_ref());
@@ -492,80 +393,4 @@ fn layouts(workers: usize, zero: Option<u8>) -> Vec<(usize, usize, usize, usize,
 
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
     (1..=n).filter(move |d| n.is_multiple_of(*d))
-}
-
-impl Search {
-    /// The pick, the priced candidates fastest first (at most `top`), and the rejected
-    /// ones counted by reason.
-    pub fn render(&self, top: usize) -> String {
-        let ms = |s: f64| s * 1e3;
-        let chosen = &self.candidates[self.chosen];
-        let mut out = format!(
-            "auto: {} workers, {} samples a step: chose {} ({} candidates, {:.2} s; op times: \
-             {})\n",
-            self.workers,
-            self.global_batch,
-            chosen.label(),
-            self.candidates.len(),
-            self.seconds,
-            self.profile
-        );
-        let mut priced: Vec<(usize, f64, f64, u128)> = self
-            .candidates
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| match c.verdict {
-                Verdict::Priced {
-                    step,
-                    samples_per_sec,
-                    memory_per_worker,
-                } => Some((i, step, samples_per_sec, memory_per_worker)),
-                _ => None,
-            })
-            .collect();
-        priced.sort_by(|a, b| b.2.total_cmp(&a.2));
-        out += &format!(
-            "  {:<40} {:>6} {:>12} {:>14} {:>12}\n",
-            "layout", "batch", "step ms", "samples/s", "memory"
-        );
-        for (i, step, rate, mem) in priced.iter().take(top) {
-            let c = &self.candidates[*i];
-            out += &format!(
-                "{} {:<40} {:>6} {:>12.3} {:>14.0} {:>12}\n",
-                if *i == self.chosen { "*" } else { " " },
-                c.label(),
-                c.batch,
-                ms(*step),
-                rate,
-                memory::gib(*mem)
-            );
-        }
-        let over: Vec<&Candidate> = self
-            .candidates
-            .iter()
-            .filter(|c| matches!(c.verdict, Verdict::Memory { .. }))
-            .collect();
-        if !over.is_empty() {
-            out += &format!(
-                "  rejected for memory (budget {}): {}\n",
-                memory::gib(self.memory_budget.unwrap_or(0)),
-                over.iter()
-                    .map(|c| match c.verdict {
-                        Verdict::Memory { memory_per_worker } => {
-                            format!("{} ({})", c.label(), memory::gib(memory_per_worker))
-                        }
-                        _ => String::new(),
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
-        for c in &self.candidates {
-            if let Verdict::Refused { reason } = &c.verdict {
-                let first = reason.lines().next().unwrap_or("");
-                out += &format!("  rejected {}: {first}\n", c.label());
-            }
-        }
-        out
-    }
 }

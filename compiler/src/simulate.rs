@@ -13,6 +13,7 @@
 //! whatever network `mpirun` uses) and fits `2 (N-1) (alpha + bytes / (N bandwidth))`
 //! to them by least squares.
 
+use crate::limits::{MAX_TIMEOUT_SECS, MIN_BANDWIDTH, SAMPLE_BYTES};
 use crate::plan::Plan;
 use distc_ir::{Graph, NodeId, Op, ValueType};
 use distc_passes::cost::INDEX_BYTES;
@@ -47,19 +48,10 @@ pub struct Calibration {
     pub messages: Vec<Sample>,
 }
 
-/// The smallest and largest buffer a calibration times, in bytes (`calibrate --sizes`):
-/// one f32 to 1 GiB.
-pub const SAMPLE_BYTES: std::ops::RangeInclusive<usize> = 4..=1 << 30;
-
 /// The most seconds a calibration sample or a fitted latency may hold: the longest
 /// `--timeout`, past which `calibrate` stops a collective. A larger time in a file was
 /// not measured, and sums of such times overflow (a step of `inf` ms).
-pub const MAX_SAMPLE_SECONDS: f64 = crate::cli::MAX_TIMEOUT_SECS;
-
-/// The slowest link or copy a simulation takes, in bytes/s. A bandwidth of 5e-324 is
-/// finite and above 0, yet a bucket's time over it is infinite; no network is slower
-/// than a byte a second.
-pub const MIN_BANDWIDTH: f64 = 1.0;
+pub const MAX_SAMPLE_SECONDS: f64 = MAX_TIMEOUT_SECS;
 
 /// Refuses buffer sizes that cannot be fitted (`what` names them for the message: a
 /// flag or a field): a size given twice (two times for one size make the interpolation
@@ -1403,94 +1395,6 @@ impl Simulation {
         }
         out
     }
-}
-
-/// What `distc simulate` asks for beyond the plan.
-#[derive(Clone, Debug)]
-pub struct Target {
-    /// Workers (data-parallel) to simulate; none: the plan's.
-    pub workers: Option<usize>,
-    /// Workers per node; none: the plan's.
-    pub ranks_per_node: Option<usize>,
-    /// Parameter servers; none: the plan's.
-    pub servers: Option<usize>,
-    /// Link between nodes; none: the plan's (`--bandwidth`, `--latency`).
-    pub inter: Option<Link>,
-    /// Link within a node; none: the plan's.
-    pub intra: Option<Link>,
-    /// Data directory for the profiling run and the sparsity measurement.
-    pub data_dir: Option<std::path::PathBuf>,
-}
-
-/// The plan's programs as they would be compiled for `target`: the plan's own when
-/// nothing changes, else its model compiled again from `plan.source` with the plan's
-/// settings but the target's workers, nodes and links (the hierarchy pass then decides
-/// flat or hierarchical per bucket for those). The model must still compile to the
-/// plan at the plan's own settings, or the simulation would be of another model.
-pub fn retarget(plan: &Plan, target: &Target) -> Result<(crate::Compiled, StrategyConfig), String> {
-    let s = &plan.settings;
-    let mut settings = s.clone();
-    if let Some(n) = target.workers {
-        settings.workers = n;
-    }
-    if let Some(l) = target.ranks_per_node {
-        settings.ranks_per_node = l;
-    }
-    if let Some(n) = target.servers {
-        settings.servers = n;
-    }
-    if let Some(l) = target.inter {
-        settings.bandwidth = l.bandwidth;
-        settings.latency = l.latency;
-    }
-    if let Some(l) = target.intra {
-        settings.intra_link = l;
-    }
-    if settings.strategy == distc_passes::placement::Strategy::Single && settings.data_workers() > 1
-    {
-        return Err(format!(
-            "the plan is `single`, one device: compile it with a distributed strategy to \
-             simulate {} workers",
-            settings.workers
-        ));
-    }
-    let compiled_with = compiled_settings(&settings);
-    compiled_with
-        .check()
-        .map_err(|e| format!("the simulated settings: {e}"))?;
-    let compile = |strategy: &StrategyConfig| {
-        let opts = crate::CompileOptions {
-            batch: Some(plan.config.batch),
-            strategy: strategy.clone(),
-            data_dir: target.data_dir.clone(),
-            ..Default::default()
-        };
-        crate::compile_file(std::path::Path::new(&plan.source), &opts)
-            .map_err(|e| format!("compiling {} again: {e}", plan.source))
-    };
-    let own = compile(s)?;
-    if distc_ir::print(&own.programs.worker) != plan.graph {
-        return Err(format!(
-            "{} no longer compiles to this plan (the model changed, or the plan was \
-             compiled with other flags): compile the plan again",
-            plan.source
-        ));
-    }
-    if compiled_with == *s {
-        return Ok((own, settings));
-    }
-    Ok((compile(&compiled_with)?, settings))
-}
-
-/// The settings a plan of `settings` is compiled with. A mesh's nodes are the
-/// simulation's alone (which links its axes cross): the runtime groups no mesh by
-/// node yet, so its plan is compiled without them.
-pub fn compiled_settings(settings: &StrategyConfig) -> StrategyConfig {
-    let mut compiled_with = settings.clone();
-    if settings.model > 1 || settings.pipeline > 1 {
-        compiled_with.ranks_per_node = 0;
-    }
-    compiled_with
 }
 
 /// The one-device program of the plan's model and batch.

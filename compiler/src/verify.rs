@@ -4,7 +4,7 @@
 //! largest magnitude. The CLI and the tests call [`verify`]; [`compare`] is the
 //! comparison alone.
 
-use crate::pipeline::{compile_file, CompileError, CompileOptions, Compiled};
+use crate::driver::{compile_file, CompileError, CompileOptions, Compiled};
 use distc_passes::placement::{Precision, RematPolicy, Strategy, StrategyConfig, SyncMode};
 #[cfg(feature = "mpi")]
 use distc_runtime::run::launch::MpiRun;
@@ -248,7 +248,7 @@ fn run(
 ) -> Result<HashMap<String, Tensor>, VerifyError> {
     let mut train = train_options(opts);
     if let Some(weights) = &opts.init {
-        let (state, _) = distc_runtime::run::programs::state_from_weights(
+        let (state, _) = distc_runtime::run::state::state_from_weights(
             &c.programs(workers),
             &c.config,
             weights,

@@ -1689,7 +1689,7 @@ fn dsl() {
                 files: vec![("input.dsl".into(), t)],
                 run: Box::new(move || match compile("fuzz.dsl", &src, &opts) {
                     Ok(c) => {
-                        let _ = distc::pipeline::check_settings(&c.config);
+                        let _ = distc::driver::check_settings(&c.config);
                         // What distc writes, distc reads back.
                         let plan = Plan::new(&c, "fuzz.dsl", &opts.strategy);
                         if let Err(e) = plan.save(&plan_file, &[]) {

@@ -31,7 +31,7 @@ fn setup() -> (tempfile::TempDir, PathBuf) {
 /// The model's own initial values (as a run without --init starts from), by name.
 fn initial_values(m: &Path) -> HashMap<String, distc_runtime::Tensor> {
     let c = distc::compile_file(m, &distc::CompileOptions::default()).expect("compiles");
-    distc_runtime::run::programs::whole_variables(&c.programs(1), c.config.seed)
+    distc_runtime::run::state::whole_variables(&c.programs(1), c.config.seed)
         .expect("variables")
         .into_iter()
         .collect()

@@ -175,3 +175,39 @@ fn pipeline_flags_are_checked() {
     let o = distc(&["train", arg(&m), "--pipeline", "0"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+/// Issue 59: a pipeline's stages open their data as workers do, so a token file with
+/// ids past the embedding's rows is refused before step 1 under both, with the same
+/// words (the stages' opener used to skip the check and train on out-of-range rows).
+#[test]
+fn a_token_file_past_the_vocabulary_is_refused_by_a_pipeline_as_by_workers() {
+    let dir = tmp("vocab");
+    std::fs::create_dir_all(&dir).expect("dir");
+    // u16 ids 0..=49: a vocabulary of 50 for a table of 40 rows.
+    let ids: Vec<u8> = (0..400u16).flat_map(|i| (i % 50).to_le_bytes()).collect();
+    std::fs::write(dir.join("train.bin"), ids).expect("tokens");
+    let model = "model narrow {\n  input tokens: i32[B, 4]\n  input targets: i32[B, 4]\n  \
+                 param emb: f32[40, 8] = uniform(-0.05, 0.05)\n  \
+                 param w1: f32[8, 8] = glorot\n  param w2: f32[8, 50] = glorot\n  \
+                 x = reshape(embedding(emb, tokens), [-1, 8])\n  h = tanh(x @ w1)\n  \
+                 minimize softmax_cross_entropy(h @ w2, reshape(targets, [-1]))\n}\n\
+                 train {\n  data = tokens(path = \"train.bin\", dtype = \"u16\", context = 4)\n  \
+                 batch = 4\n  optimizer = sgd(lr = 0.1)\n  steps = 2\n  seed = 1\n}\n";
+    let m = dir.join("narrow.dsl");
+    std::fs::write(&m, model).expect("model");
+    let layouts: [&[&str]; 2] = [
+        &["--strategy", "allreduce", "--workers", "2"],
+        &["--pipeline", "2", "--micro-batches", "2"],
+    ];
+    for layout in layouts {
+        let mut args = vec!["train", arg(&m), "--data", arg(&dir), "--no-eval", "-q"];
+        args.extend_from_slice(layout);
+        let o = distc(&args);
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{layout:?}: {out}");
+        assert!(
+            out.contains("gives `tokens` values up to 49") && out.contains("40 rows"),
+            "{layout:?}: {out}"
+        );
+    }
+}

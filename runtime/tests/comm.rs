@@ -33,12 +33,13 @@ fn close(a: f32, b: f64) -> bool {
 }
 
 /// The text of a communicator's error: a peer's failure (hung up, silent, another
-/// operation) or a misuse of the communicator itself.
+/// operation), ranks whose calls disagree (the plan), a setting that does not fit the
+/// ranks, or a misuse of the communicator itself.
 fn message(e: RuntimeError) -> String {
     match e {
-        RuntimeError::Config(m) => m,
-        e @ RuntimeError::Peer { .. } => e.to_string(),
-        other => panic!("expected a Config or Peer error, got {other:?}"),
+        RuntimeError::Config(m) | RuntimeError::Plan(m) => m,
+        e @ (RuntimeError::Peer { .. } | RuntimeError::Internal { .. }) => e.to_string(),
+        other => panic!("expected a Config, Plan, Internal or Peer error, got {other:?}"),
     }
 }
 

@@ -22,10 +22,11 @@ const RUN_LAYERS: &[(&str, &[&str])] = &[
     (
         "base",
         &[
-            "mesh", "programs", "snapshot", "data", "eval", "memory", "metrics", "trace", "steps",
+            "mesh", "programs", "options", "state", "snapshot", "data", "eval", "memory",
+            "metrics", "trace", "steps",
         ],
     ),
-    ("roles", &["worker", "pipeline"]),
+    ("roles", &["trainer", "worker", "pipeline"]),
     ("coordinator", &["coordinator"]),
     ("transport", &["train", "mpi"]),
     ("launch", &["launch"]),
@@ -203,4 +204,99 @@ fn the_run_checker_sees_a_role_naming_its_launcher() {
     );
     assert_eq!(named.keys().collect::<Vec<_>>(), ["launch", "mesh"]);
     assert!(run_layer("launch") > run_layer("worker"));
+}
+
+/// The run modules each run module names (`crate::run::x`), a folder's files as its
+/// module's.
+fn run_imports() -> BTreeMap<String, BTreeMap<String, String>> {
+    let run = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/run");
+    let mut files = Vec::new();
+    sources(&run, &mut files);
+    let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for file in &files {
+        let rel = file.strip_prefix(&run).expect("under src/run");
+        let Some(first) = rel.components().next().and_then(|c| c.as_os_str().to_str()) else {
+            continue;
+        };
+        let module = first.trim_end_matches(".rs").to_string();
+        if module == "mod" {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("readable source");
+        let names = out.entry(module.clone()).or_default();
+        for (named, (line, code)) in named_after(&text, "crate::run::") {
+            if named != module {
+                names
+                    .entry(named)
+                    .or_insert_with(|| format!("run/{}:{line}: {code}", rel.display()));
+            }
+        }
+    }
+    out
+}
+
+/// A cycle of `graph`, as the modules on it and the line that names each next one.
+fn a_cycle(graph: &BTreeMap<String, BTreeMap<String, String>>) -> Option<Vec<String>> {
+    fn visit(
+        m: &str,
+        graph: &BTreeMap<String, BTreeMap<String, String>>,
+        done: &mut std::collections::BTreeSet<String>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let ring = &path[at..];
+            return Some(
+                ring.iter()
+                    .zip(ring.iter().cycle().skip(1))
+                    .map(|(a, b)| format!("{a} -> {b} ({})", graph[a][b]))
+                    .collect(),
+            );
+        }
+        if !done.insert(m.to_string()) {
+            return None;
+        }
+        path.push(m.to_string());
+        for next in graph.get(m).into_iter().flat_map(|n| n.keys()) {
+            if let Some(c) = visit(next, graph, done, path) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|m| visit(m, graph, &mut done, &mut Vec::new()))
+}
+
+/// Issue 59: no run module names one that names it back, directly or through others
+/// (the plan's programs were a hub that data, memory and the mesh named back).
+#[test]
+fn no_run_module_names_one_that_names_it_back() {
+    let graph = run_imports();
+    assert!(graph.len() > 10, "only {} run modules found", graph.len());
+    if let Some(cycle) = a_cycle(&graph) {
+        panic!(
+            "a circle of imports in the run layer:\n{}",
+            cycle.join("\n")
+        );
+    }
+}
+
+#[test]
+fn the_circle_checker_sees_a_circle_through_three_modules() {
+    let edge = |a: &str, b: &str| (a.to_string(), [(b.to_string(), format!("{a}.rs"))].into());
+    let graph: BTreeMap<String, BTreeMap<String, String>> = [
+        edge("a", "b"),
+        edge("b", "c"),
+        edge("c", "a"),
+        edge("d", "a"),
+    ]
+    .into();
+    let cycle = a_cycle(&graph).expect("a cycle");
+    assert_eq!(cycle.len(), 3, "{cycle:?}");
+    assert!(cycle[0].starts_with("a -> b"), "{cycle:?}");
+    let open: BTreeMap<String, BTreeMap<String, String>> = [edge("a", "b"), edge("b", "c")].into();
+    assert!(a_cycle(&open).is_none());
 }

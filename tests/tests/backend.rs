@@ -276,7 +276,7 @@ mod wrapped {
                 None => Ok(Started::Host(v)),
                 Some(c) => {
                     self.collectives.fetch_add(1, Ordering::Relaxed);
-                    distc_runtime::run::worker::collective(c.as_mut(), op, v)
+                    distc_runtime::comm::collective::collective(c.as_mut(), op, v)
                         .map(Started::Device)
                         .map_err(|e| KernelError::Invalid(e.to_string()))
                 }

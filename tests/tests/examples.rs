@@ -181,7 +181,8 @@ fn every_strategy_for_every_example() {
 /// compiled. The search's time (a profiling run of 2 steps included) is printed.
 #[test]
 fn the_layout_search_picks_a_layout_for_every_example() {
-    use distc::planner::{search, OpTimes, Pricing, Verdict};
+    use distc::plan::Verdict;
+    use distc::planner::{search, OpTimes, Pricing};
     use distc_runtime::run::data::data_dir;
     for name in distc_tests::EXAMPLES {
         let path = distc_tests::example(name);

@@ -361,7 +361,7 @@ train {
             ..TrainOptions::default()
         };
         let start: std::collections::HashMap<_, _> =
-            distc_runtime::run::programs::whole_variables(&c.programs(2), c.config.seed)
+            distc_runtime::run::state::whole_variables(&c.programs(2), c.config.seed)
                 .unwrap_or_else(|e| panic!("{e}"))
                 .into_iter()
                 .collect();

@@ -20,25 +20,16 @@
 
 use crate::cli::RunArgs;
 use crate::console::err;
+use crate::driver::{retarget, Target};
 use crate::Plan;
 use anyhow::{bail, Result};
 use distc_runtime::core::shards::Layout;
 use distc_runtime::run::launch::{launch, Launch};
 use distc_runtime::run::metrics::{Restart, StepMetrics};
-use distc_runtime::run::programs::StateSlot;
+use distc_runtime::run::snapshot::StateSlot;
 use distc_runtime::run::train::TrainReport;
 use distc_runtime::RuntimeError;
 use std::time::Instant;
-
-/// Whether `e` lost a worker, as opposed to a mistake that would recur after a restart
-/// (a bad setting, bad data, a diverged loss): the worker's own loss, or a peer that
-/// hung up or did not answer.
-fn lost_a_worker(e: &RuntimeError) -> bool {
-    matches!(
-        e.cause(),
-        RuntimeError::WorkerLost { .. } | RuntimeError::Peer { .. }
-    )
-}
 
 /// The step `e` lost a worker at, where it says.
 fn lost_at(e: &RuntimeError) -> Option<usize> {
@@ -100,7 +91,7 @@ pub(super) fn launch_elastic(
     loop {
         let (programs, rows_touched) = match &recompiled {
             Some(c) => (
-                crate::pipeline::program_view(&c.programs, workers),
+                crate::driver::program_view(&c.programs, workers),
                 crate::verify::rows_touched(c.dist.as_ref()),
             ),
             None => (first.programs, first.rows_touched.clone()),
@@ -131,7 +122,7 @@ pub(super) fn launch_elastic(
         let result = launch(&run, &mut report_line);
         let e = match result {
             Ok(report) => return Ok(report),
-            Err(e) if lost_a_worker(&e) => e,
+            Err(e) if RuntimeError::lost_a_rank(&e) => e,
             Err(e) => return Err(e.into()),
         };
         let seen = Instant::now();
@@ -183,7 +174,7 @@ pub(super) fn launch_elastic(
                  (was {workers})\n"
             ));
         }
-        let target = crate::simulate::Target {
+        let target = Target {
             workers: Some(after),
             ranks_per_node: None,
             servers: None,
@@ -191,7 +182,7 @@ pub(super) fn launch_elastic(
             intra: None,
             data_dir: args.data.clone(),
         };
-        let (compiled, _) = crate::simulate::retarget(plan, &target)
+        let (compiled, _) = retarget(plan, &target)
             .map_err(|m| anyhow::anyhow!("{e}\n--elastic: compiling for {after} workers: {m}"))?;
         recompiled = Some(compiled);
         workers = after;

@@ -1,6 +1,7 @@
 //! `distc eval` and `distc predict`: a model's trained weights (`--init`, `--resume`)
 //! on its held-out data, or on a file of inputs, without training.
 
+use crate::cli::WeightsArgs;
 use crate::console::{err, out};
 use crate::{CompileOptions, Compiled};
 use anyhow::{bail, Context, Result};
@@ -17,6 +18,19 @@ pub struct Weights<'a> {
     pub partial: bool,
     /// `--resume FILE`: a training state's variables.
     pub resume: Option<&'a Path>,
+}
+
+// Here, not in `cli`, so the flags name no command: `commands` imports `cli`, not the
+// other way round.
+impl WeightsArgs {
+    /// The flags as [`Weights`].
+    pub fn weights(&self) -> Weights<'_> {
+        Weights {
+            init: self.init.as_deref(),
+            partial: self.init_partial,
+            resume: self.resume.as_deref(),
+        }
+    }
 }
 
 /// The one-device program of `file`, with its batch overridden by `batch`.
@@ -44,13 +58,9 @@ fn params(c: &Compiled, w: &Weights<'_>) -> Result<HashMap<String, Tensor>> {
         ),
         _ => bail!("give the weights to evaluate: --init FILE.safetensors or --resume STATE"),
     };
-    let (state, report) = distc_runtime::run::programs::state_from_weights(
-        &c.programs(1),
-        &c.config,
-        &weights,
-        partial,
-    )
-    .with_context(|| what.clone())?;
+    let (state, report) =
+        distc_runtime::run::state::state_from_weights(&c.programs(1), &c.config, &weights, partial)
+            .with_context(|| what.clone())?;
     if partial && !report.missing.is_empty() {
         err(&format!(
             "{what}: keeping their initializer: {}\n",

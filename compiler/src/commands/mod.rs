@@ -90,12 +90,12 @@ pub fn compile_plan(
     let source = file.display().to_string();
     if !crate::cli::searches_layout(compile) {
         let c = compile_or_report(file, &compile_opts(compile, data))?;
-        crate::pipeline::check_settings(&c.config)?;
+        crate::driver::check_settings(&c.config)?;
         let plan = Plan::new(&c, &source, &strategy_config(compile));
         return Ok((c, plan));
     }
     let (c, settings, search) = search_layout(file, compile, data)?;
-    crate::pipeline::check_settings(&c.config)?;
+    crate::driver::check_settings(&c.config)?;
     let mut plan = Plan::new(&c, &source, &settings);
     plan.search = Some(search);
     plan.seal();
@@ -111,7 +111,7 @@ pub fn search_layout(
 ) -> Result<(
     Compiled,
     distc_passes::placement::StrategyConfig,
-    crate::planner::Search,
+    crate::plan::Search,
 )> {
     let budget = compile
         .memory_per_worker

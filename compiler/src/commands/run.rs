@@ -88,12 +88,12 @@ struct Runnable<'a> {
 impl<'a> Runnable<'a> {
     fn new(plan: &'a Plan, programs: &'a ProgramSet) -> Result<Runnable<'a>> {
         plan.check_runnable().map_err(anyhow::Error::msg)?;
-        crate::pipeline::check_settings(&plan.config)?;
+        crate::driver::check_settings(&plan.config)?;
         Ok(Runnable { plan, programs })
     }
 
     fn programs(&self) -> Programs<'_> {
-        crate::pipeline::program_view(self.programs, self.plan.settings.workers)
+        crate::driver::program_view(self.programs, self.plan.settings.workers)
     }
 }
 
@@ -242,7 +242,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         }
         if let Some(w) = metrics.as_mut() {
             let line = serde_json::to_string(m)
-                .map_err(|e| distc_runtime::RuntimeError::Config(e.to_string()))?;
+                .map_err(|e| distc_runtime::RuntimeError::internal("the metrics", e.to_string()))?;
             // A line per step reaches the disk at once: `tail -f` follows the run, and a
             // rank stopped by mpirun (which cannot flush) leaves every step it reported.
             writeln!(w, "{line}")
@@ -316,7 +316,7 @@ fn initial_weights(
     args: &RunArgs,
 ) -> Result<Arc<distc_runtime::core::checkpoint::TrainingState>> {
     let (weights, _) = distc_runtime::core::checkpoint::load(path)?;
-    let (state, report) = distc_runtime::run::programs::state_from_weights(
+    let (state, report) = distc_runtime::run::state::state_from_weights(
         programs,
         &plan.config,
         &weights,

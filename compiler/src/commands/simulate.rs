@@ -4,6 +4,7 @@
 
 use crate::cli::{ExplainFormat, LinkKind, Transport};
 use crate::console::{err, out};
+use crate::driver::{retarget, Target};
 use crate::Plan;
 use anyhow::{bail, Context, Result};
 use distc_runtime::core::output::write_file;
@@ -30,7 +31,7 @@ pub fn simulate(
     use crate::simulate as sim;
     let (p, programs) = Plan::load(plan_path)?;
     p.check_runnable().map_err(anyhow::Error::msg)?;
-    let mut target = sim::Target {
+    let mut target = Target {
         workers,
         ranks_per_node,
         servers,
@@ -41,7 +42,7 @@ pub fn simulate(
     let given = given_links(links, calibrations)?;
     target.intra = given.intra;
     target.inter = given.inter;
-    let (compiled, settings) = sim::retarget(&p, &target).map_err(anyhow::Error::msg)?;
+    let (compiled, settings) = retarget(&p, &target).map_err(anyhow::Error::msg)?;
     let single = sim::single_program(&p, data).map_err(anyhow::Error::msg)?;
     let copy_bandwidth = given
         .copy_bandwidth

@@ -7,7 +7,7 @@
 //! compiler's (`distc_passes::placement::Link`); this module only measures.
 
 use super::{in_process, Communicator};
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use std::time::Instant;
 
 /// One buffer size's timing.
@@ -61,10 +61,16 @@ fn sweep_messages(
                     comm.send(1, vec![1u8; bytes])?;
                     let back = comm.recv(1)?;
                     if back.len() != bytes {
-                        return Err(RuntimeError::Config(format!(
-                            "calibration: rank 1 answered a message of {bytes} bytes with {}",
-                            back.len()
-                        )));
+                        return Err(RuntimeError::Peer {
+                            rank: 0,
+                            peer: 1,
+                            op: "recv".into(),
+                            kind: PeerKind::Malformed,
+                            message: format!(
+                                "calibration: rank 1 answered a message of {bytes} bytes with {}",
+                                back.len()
+                            ),
+                        });
                     }
                 }
                 1 => {
@@ -141,7 +147,10 @@ pub fn sweep_in_process(
             .into_iter()
             .map(|h| {
                 h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Config("a calibration rank panicked".into()))
+                    Err(RuntimeError::Internal {
+                        at: "calibrate".into(),
+                        message: "a calibration rank panicked".into(),
+                    })
                 })
             })
             .collect();
@@ -150,7 +159,10 @@ pub fn sweep_in_process(
         // The error that started it: a rank that timed out makes its peers see it hang
         // up, and which rank times out first is a race.
         if !errors.is_empty() {
-            let cause = errors.iter().position(|e| !e.is_hang_up()).unwrap_or(0);
+            let cause = errors
+                .iter()
+                .position(|e| e.peer_kind() != Some(PeerKind::HungUp))
+                .unwrap_or(0);
             return Err(errors.swap_remove(cause));
         }
         // No rank failed: rank 0's samples are the answer.

@@ -11,7 +11,7 @@
 //! not be on a real network either.
 
 use super::{chunk_range, ByteCount, Communicator};
-use crate::core::error::RuntimeError;
+use crate::core::error::{PeerKind, RuntimeError};
 use std::fmt;
 use std::ops::{Add, Div};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -173,13 +173,20 @@ impl InProcessComm {
         self.timeout = timeout;
     }
 
+    /// Ranks whose calls disagree run programs that disagree.
     fn err(&self, message: impl fmt::Display) -> RuntimeError {
-        RuntimeError::Config(format!("rank {}: {message}", self.rank))
+        RuntimeError::Plan(format!("rank {}: {message}", self.rank))
     }
 
     /// Closes every channel (peers waiting on this rank see it hang up) and returns
     /// the error that caused it: what peer rank `peer` did (or did not do) during `op`.
-    fn peer_failed(&mut self, peer: usize, op: Op, message: String) -> RuntimeError {
+    fn peer_failed(
+        &mut self,
+        peer: usize,
+        op: Op,
+        kind: PeerKind,
+        message: String,
+    ) -> RuntimeError {
         self.to.clear();
         self.from.clear();
         self.closed = Some(message.clone());
@@ -187,15 +194,21 @@ impl InProcessComm {
             rank: self.rank,
             peer,
             op: op.to_string(),
+            kind,
             message,
         }
     }
 
     fn check_open(&self, op: Op) -> Result<(), RuntimeError> {
         match &self.closed {
-            Some(why) => Err(self.err(format_args!(
-                "{op} on a communicator closed after an earlier error ({why})"
-            ))),
+            // A consequence, as a hang-up is: the cause is the earlier error.
+            Some(why) => Err(RuntimeError::Peer {
+                rank: self.rank,
+                peer: self.rank,
+                op: op.to_string(),
+                kind: PeerKind::HungUp,
+                message: format!("{op} on a communicator closed after an earlier error ({why})"),
+            }),
             None => Ok(()),
         }
     }
@@ -204,6 +217,7 @@ impl InProcessComm {
         if peer < self.size {
             Ok(())
         } else {
+            // A broadcast's root is the plan's.
             Err(self.err(format_args!(
                 "{op}: {what} rank {peer} out of range (size {})",
                 self.size
@@ -224,7 +238,12 @@ impl InProcessComm {
             None => false,
         };
         if !sent {
-            return Err(self.peer_failed(to, op, format!("peer rank {to} hung up during {op}")));
+            return Err(self.peer_failed(
+                to,
+                op,
+                PeerKind::HungUp,
+                format!("peer rank {to} hung up during {op}"),
+            ));
         }
         self.bytes.sent += n;
         Ok(())
@@ -244,18 +263,23 @@ impl InProcessComm {
             Ok(msg) => Err(self.peer_failed(
                 from,
                 op,
+                PeerKind::Malformed,
                 format!(
                     "expected a {op} message from rank {from}, got {}: ranks called different \
                      operations",
                     msg.op
                 ),
             )),
-            Err(RecvTimeoutError::Disconnected) => {
-                Err(self.peer_failed(from, op, format!("peer rank {from} hung up during {op}")))
-            }
+            Err(RecvTimeoutError::Disconnected) => Err(self.peer_failed(
+                from,
+                op,
+                PeerKind::HungUp,
+                format!("peer rank {from} hung up during {op}"),
+            )),
             Err(RecvTimeoutError::Timeout) => Err(self.peer_failed(
                 from,
                 op,
+                PeerKind::TimedOut,
                 format!(
                     "no message from rank {from} within {:?} during {op}",
                     self.timeout.unwrap_or_default()
@@ -294,6 +318,7 @@ impl InProcessComm {
                 return Err(self.peer_failed(
                     prev,
                     op,
+                    PeerKind::Malformed,
                     format!("rank {prev} sent a different element type during {op}"),
                 ));
             };
@@ -344,6 +369,7 @@ impl InProcessComm {
                     return Err(self.peer_failed(
                         prev,
                         op,
+                        PeerKind::Malformed,
                         format!("rank {prev} sent a malformed chunk during {op}"),
                     ))
                 }
@@ -368,6 +394,7 @@ impl InProcessComm {
                     return Err(self.peer_failed(
                         prev,
                         op,
+                        PeerKind::Malformed,
                         format!("rank {prev} sent a non-byte message during {op}"),
                     ))
                 }
@@ -438,6 +465,7 @@ impl Communicator for InProcessComm {
             return Err(self.peer_failed(
                 prev,
                 op,
+                PeerKind::Malformed,
                 format!("rank {prev} sent a non-byte message during {op}"),
             ));
         };
@@ -481,6 +509,7 @@ impl Communicator for InProcessComm {
             _ => Err(self.peer_failed(
                 from,
                 op,
+                PeerKind::Malformed,
                 format!("rank {from} sent a non-byte message during {op}"),
             )),
         }

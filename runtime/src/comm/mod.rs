@@ -14,18 +14,19 @@
 //!
 //! Failures are errors, never panics or silent hangs: a peer whose thread died (its
 //! communicator dropped) makes the next operation that talks to it fail with
-//! [`RuntimeError::Config`] naming both ranks and the operation. After such an error a
+//! [`RuntimeError::Peer`] naming both ranks and the operation. After such an error a
 //! communicator closes its own channels, so the failure spreads along the ring to every
 //! rank instead of leaving some of them waiting.
 
 pub mod calibrate;
+pub mod collective;
 mod inprocess;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
 pub use inprocess::{in_process, InProcessComm};
 
-use crate::core::error::RuntimeError;
+use crate::core::error::{PeerKind, RuntimeError};
 use zerocopy::IntoBytes;
 
 pub use crate::core::value::ByteCount;
@@ -140,6 +141,18 @@ fn exchange(
     }
 }
 
+/// This rank's error for a chunk from `prev` that does not fit its slot during `op`:
+/// what a peer sent is not what the ring allows.
+fn malformed(rank: usize, prev: usize, op: &str, message: String) -> RuntimeError {
+    RuntimeError::Peer {
+        rank,
+        peer: prev,
+        op: op.into(),
+        kind: PeerKind::Malformed,
+        message,
+    }
+}
+
 /// All-reduce of `buf` with 16-bit values on the wire (`wire`: bf16 or f16): the ring of
 /// [`Communicator::all_reduce`] over the communicator's `send`/`recv`, each chunk sent
 /// rounded to 16 bits and what arrives added in f32. With `mean` every rank divides its
@@ -165,9 +178,12 @@ pub fn all_reduce_wire(
         let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
         let range = chunk_range(len, n, recv_c);
         if theirs.len() != range.len() {
-            return Err(RuntimeError::Config(format!(
-                "rank {prev} sent a malformed reduced chunk during a 16-bit all-reduce"
-            )));
+            return Err(malformed(
+                r,
+                prev,
+                "all_reduce",
+                format!("rank {prev} sent a malformed reduced chunk during a 16-bit all-reduce"),
+            ));
         }
         buf[range].copy_from_slice(&theirs);
     }
@@ -216,9 +232,12 @@ fn reduce_scatter_ring_wire(
         let theirs = decode_half(&exchange(comm, (next, out), prev)?, wire);
         let range = chunk_range(len, n, recv_c);
         if theirs.len() != range.len() {
-            return Err(RuntimeError::Config(format!(
-                "rank {prev} sent a malformed chunk during a 16-bit reduce-scatter"
-            )));
+            return Err(malformed(
+                r,
+                prev,
+                "reduce_scatter",
+                format!("rank {prev} sent a malformed chunk during a 16-bit reduce-scatter"),
+            ));
         }
         for (a, b) in buf[range].iter_mut().zip(theirs) {
             *a += b;
@@ -326,9 +345,12 @@ fn ring_reduce_scatter(
         let theirs = from_wire::<f32>(&exchange_at(comm, pos, (next, out), prev)?);
         let range = chunk_range(len, m, recv_c);
         if theirs.len() != range.len() {
-            return Err(RuntimeError::Config(format!(
-                "rank {prev} sent a malformed chunk during a hierarchical all-reduce"
-            )));
+            return Err(malformed(
+                comm.rank(),
+                prev,
+                "all_reduce",
+                format!("rank {prev} sent a malformed chunk during a hierarchical all-reduce"),
+            ));
         }
         for (a, b) in buf[range].iter_mut().zip(theirs) {
             *a += b;
@@ -356,9 +378,12 @@ fn ring_all_gather(
         let theirs = from_wire::<f32>(&exchange_at(comm, pos, (next, out), prev)?);
         let range = chunk_range(len, m, recv_c);
         if theirs.len() != range.len() {
-            return Err(RuntimeError::Config(format!(
-                "rank {prev} sent a malformed chunk during a hierarchical all-reduce"
-            )));
+            return Err(malformed(
+                comm.rank(),
+                prev,
+                "all_reduce",
+                format!("rank {prev} sent a malformed chunk during a hierarchical all-reduce"),
+            ));
         }
         buf[range].copy_from_slice(&theirs);
     }

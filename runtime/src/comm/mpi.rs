@@ -474,7 +474,7 @@ impl MpiComm {
             self.finish(req);
         });
         if all.iter().any(|&l| l != len) {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::Plan(format!(
                 "rank {}: {op}: buffer lengths differ across workers: {all:?}",
                 self.rank
             )));
@@ -597,8 +597,9 @@ impl Communicator for MpiComm {
         if n <= 1 {
             return Ok(());
         }
+        // The root is an op's attribute in the plan.
         if root >= n {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::Plan(format!(
                 "broadcast from rank {root} of {n}"
             )));
         }
@@ -634,7 +635,7 @@ impl Communicator for MpiComm {
         let ok = mine == len;
         *buf = data;
         if !ok {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::Plan(format!(
                 "rank {}: broadcast of {len} bytes from rank {root} into a buffer of {mine}",
                 self.rank
             )));
@@ -648,7 +649,7 @@ impl Communicator for MpiComm {
     }
     fn send(&mut self, to: usize, data: Vec<u8>) -> std::result::Result<(), RuntimeError> {
         if to >= self.size {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::Plan(format!(
                 "send to rank {to} of {}",
                 self.size
             )));
@@ -664,7 +665,7 @@ impl Communicator for MpiComm {
     }
     fn recv(&mut self, from: usize) -> std::result::Result<Vec<u8>, RuntimeError> {
         if from >= self.size {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::Plan(format!(
                 "recv from rank {from} of {}",
                 self.size
             )));

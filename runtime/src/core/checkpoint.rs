@@ -375,9 +375,12 @@ impl StateWriter {
 /// The result of the write `h`, once it is done.
 fn joined(h: Option<std::thread::JoinHandle<Result<()>>>) -> Result<()> {
     match h {
-        Some(h) => h
-            .join()
-            .unwrap_or_else(|_| Err(RuntimeError::Config("the state writer panicked".into()))),
+        Some(h) => h.join().unwrap_or_else(|_| {
+            Err(RuntimeError::Internal {
+                at: "the state writer".into(),
+                message: "the state writer panicked".into(),
+            })
+        }),
         None => Ok(()),
     }
 }

@@ -1,5 +1,6 @@
 //! Runtime errors. Each names what it is about: the node, the file, the variable.
 
+use std::fmt;
 use std::path::PathBuf;
 use thiserror::Error;
 
@@ -56,9 +57,32 @@ pub enum RuntimeError {
         /// What is wrong with it.
         message: String,
     },
-    /// The configuration does not fit the model.
+    /// A setting does not fit the model or the machine: the plan's settings, a flag, a
+    /// data source's options. The user changes the setting.
     #[error("{0}")]
     Config(String),
+    /// A training state (a checkpoint, a resumed or handed-over state, initial weights)
+    /// does not fit the model, or is damaged.
+    #[error("{}{message}", path.as_ref().map(|p| format!("{}: ", p.display())).unwrap_or_default())]
+    State {
+        /// The file it came from, where it came from one.
+        path: Option<PathBuf>,
+        /// What does not fit.
+        message: String,
+    },
+    /// The plan is inconsistent with itself: programs that disagree with each other or
+    /// with its settings (a hand-edited plan, or a pass's bug the verifier missed).
+    #[error("the plan: {0}")]
+    Plan(String),
+    /// The runtime broke one of its own invariants: a bug in distc, never a user's
+    /// mistake.
+    #[error("internal error at {at}: {message} (a bug in distc)")]
+    Internal {
+        /// Where: the node (`%N`), or the part of the runtime.
+        at: String,
+        /// What did not hold.
+        message: String,
+    },
     /// The loss became NaN or infinite: training stops at that step.
     #[error("the loss became {loss} at step {step}: lower the learning rate")]
     Diverged {
@@ -89,6 +113,9 @@ pub enum RuntimeError {
         peer: usize,
         /// The operation that waited on it (`all_reduce`, `recv`, ...).
         op: String,
+        /// What the peer did: what decides whether this error is a cause or another
+        /// rank's consequence.
+        kind: PeerKind,
         /// What happened.
         message: String,
     },
@@ -112,6 +139,80 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
+    /// The plan is inconsistent with itself: `message` says how.
+    pub fn plan(message: impl Into<String>) -> RuntimeError {
+        RuntimeError::Plan(message.into())
+    }
+
+    /// A training state from no file (a resumed or handed-over state in memory) that
+    /// does not fit: `message` says how.
+    pub fn state(message: impl Into<String>) -> RuntimeError {
+        RuntimeError::State {
+            path: None,
+            message: message.into(),
+        }
+    }
+
+    /// The runtime broke an invariant of its own at `at` (a node, a part of the
+    /// runtime).
+    pub fn internal(at: impl Into<String>, message: impl Into<String>) -> RuntimeError {
+        RuntimeError::Internal {
+            at: at.into(),
+            message: message.into(),
+        }
+    }
+
+    /// `self` with `what` (the operation that failed: "step 3: waiting for ...") said
+    /// before its message, keeping its variant: a peer's hang-up wrapped in context is
+    /// still a hang-up, and exits as one. Errors that stand alone are kept as they are.
+    pub fn context(self, what: impl fmt::Display) -> RuntimeError {
+        let with = |message: String| format!("{what}: {message}");
+        match self {
+            RuntimeError::Peer {
+                rank,
+                peer,
+                op,
+                kind,
+                message,
+            } => RuntimeError::Peer {
+                rank,
+                peer,
+                op,
+                kind,
+                message: with(message),
+            },
+            RuntimeError::Config(m) => RuntimeError::Config(with(m)),
+            RuntimeError::Plan(m) => RuntimeError::Plan(with(m)),
+            RuntimeError::State { path, message } => RuntimeError::State {
+                path,
+                message: with(message),
+            },
+            RuntimeError::Internal { at, message } => RuntimeError::Internal {
+                at,
+                message: with(message),
+            },
+            RuntimeError::Data { path, message } => RuntimeError::Data {
+                path,
+                message: with(message),
+            },
+            RuntimeError::Kernel { node, op, message } => RuntimeError::Kernel {
+                node,
+                op,
+                message: with(message),
+            },
+            RuntimeError::DeviceCall {
+                device,
+                what: call,
+                message,
+            } => RuntimeError::DeviceCall {
+                device,
+                what: with(call),
+                message,
+            },
+            e => e,
+        }
+    }
+
     /// `self` as the error of the rank named `who`, unless it names one already.
     pub fn of_rank(self, who: impl Into<String>) -> RuntimeError {
         match self {
@@ -131,19 +232,37 @@ impl RuntimeError {
         }
     }
 
-    /// Whether this is a peer hanging up: what a rank sees when another failed and
-    /// closed its links, so never the cause where another rank has an error of its own.
-    pub fn is_hang_up(&self) -> bool {
-        matches!(self.cause(), RuntimeError::Peer { message, .. } if message.contains("hung up"))
+    /// What a peer did, where this error is a peer's: a hang-up is what a rank sees
+    /// when another failed and closed its links, so never the cause where another rank
+    /// has an error of its own.
+    pub fn peer_kind(&self) -> Option<PeerKind> {
+        match self.cause() {
+            RuntimeError::Peer { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+
+    /// Whether this error lost a rank, as opposed to a mistake that would recur after
+    /// a restart (a setting, a damaged state, a plan, a bug, a diverged loss): a
+    /// worker's own loss, or a peer that hung up or did not answer. A peer that sent
+    /// what the protocol does not allow runs another program: a restart would meet it
+    /// again.
+    pub fn lost_a_rank(&self) -> bool {
+        match self.cause() {
+            RuntimeError::WorkerLost { .. } => true,
+            RuntimeError::Peer { kind, .. } => *kind != PeerKind::Malformed,
+            _ => false,
+        }
     }
 
     /// The process's exit status for this error: 130 for an interrupt (128 + SIGINT, as
-    /// shells report a job stopped by Ctrl-C), [`WORKER_LOST_EXIT`] for a lost worker or
-    /// peer, 1 for every other failure.
+    /// shells report a job stopped by Ctrl-C), [`WORKER_LOST_EXIT`] for a lost rank
+    /// ([`RuntimeError::lost_a_rank`]), [`INTERNAL_EXIT`] for a bug in distc, 1 for every other failure.
     pub fn exit_code(&self) -> i32 {
         match self.cause() {
+            _ if self.lost_a_rank() => WORKER_LOST_EXIT,
             RuntimeError::Interrupted(_) => 130,
-            RuntimeError::WorkerLost { .. } | RuntimeError::Peer { .. } => WORKER_LOST_EXIT,
+            RuntimeError::Internal { .. } => INTERNAL_EXIT,
             _ => 1,
         }
     }
@@ -153,6 +272,22 @@ impl RuntimeError {
 /// lost (EX_TEMPFAIL: started again without it, the run may succeed): what `distc
 /// launch` restarts on.
 pub const WORKER_LOST_EXIT: i32 = 75;
+
+/// The status a process exits with after breaking one of its own invariants
+/// (EX_SOFTWARE): a bug to report, not a run to retry or a setting to change.
+pub const INTERNAL_EXIT: i32 = 70;
+
+/// What a peer rank did to fail an operation that waited on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerKind {
+    /// It closed its links: it failed (or stopped) on its own.
+    HungUp,
+    /// It did not answer within the timeout.
+    TimedOut,
+    /// It sent what the protocol does not allow (another op, a wrong size, another
+    /// plan).
+    Malformed,
+}
 
 /// Shorthand for runtime results.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -139,7 +139,8 @@ impl<B: Backend> Executor<B> {
         let schedule = Schedule::new(graph)?;
         backend.prepare(&schedule).map_err(|e| match e {
             KernelError::Device(e) => RuntimeError::Backend(e),
-            KernelError::Invalid(m) => RuntimeError::Config(m),
+            // A graph the device cannot lay out: a pass's bug or a hand-edited plan.
+            KernelError::Invalid(m) => RuntimeError::Plan(m),
         })?;
         let constants = schedule
             .nodes
@@ -606,10 +607,11 @@ impl<B: Backend> Executor<B> {
             ndarray::IxDyn(&[]),
             scale as f32,
         ));
+        let name = self.backend.name();
         let t = self
             .backend
             .upload(LOSS_SCALE, t)
-            .map_err(|e| RuntimeError::Config(format!("uploading the loss scale: {e}")))?;
+            .map_err(|e| backend_error(&name, "uploading the loss scale", e))?;
         self.loss_scale = Some(t);
         Ok(())
     }
@@ -677,11 +679,14 @@ impl<B: Backend> Executor<B> {
             .map_err(|e| backend_error(&name, "reading the device's time marks", e))?;
         // The step's first mark, then a pair a timed op.
         if times.len() != 1 + 2 * clock.timed.len() {
-            return Err(RuntimeError::Config(format!(
-                "{name}: {} time marks for {} timed ops",
-                times.len(),
-                clock.timed.len()
-            )));
+            return Err(RuntimeError::Internal {
+                at: format!("{name}'s step timing"),
+                message: format!(
+                    "{} time marks for {} timed ops",
+                    times.len(),
+                    clock.timed.len()
+                ),
+            });
         }
         let at = |s: f64| origin + Duration::from_secs_f64(s.max(0.0));
         Ok(Some(

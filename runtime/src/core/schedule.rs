@@ -164,7 +164,7 @@ impl Schedule {
     pub fn new(graph: &Graph) -> Result<Schedule> {
         let order = graph.topo_order();
         if order.len() != graph.node_count() {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::Plan(format!(
                 "graph `{}` has a cycle: it cannot be run",
                 graph.name
             )));

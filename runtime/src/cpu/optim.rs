@@ -343,7 +343,9 @@ impl Optimizer {
         grad: &Value,
         scale: f64,
     ) -> Result<()> {
-        let err = |m: String| RuntimeError::Config(format!("optimizer: variable `{name}`: {m}"));
+        // The gradient a program computed against the variable it updates: programs that
+        // disagree with each other.
+        let err = |m: String| RuntimeError::Plan(format!("optimizer: variable `{name}`: {m}"));
         match grad {
             Value::Tensor(g) => {
                 if g.shape() != param.shape() {
@@ -442,7 +444,7 @@ impl Optimizer {
             if key == STEP_KEY {
                 let s = t.scalar_f64().unwrap_or(0.0);
                 if !(s >= 0.0 && s.fract() == 0.0) {
-                    return Err(RuntimeError::Config(format!(
+                    return Err(RuntimeError::state(format!(
                         "optimizer state: `{STEP_KEY}` is {s}, not a step count"
                     )));
                 }
@@ -463,7 +465,7 @@ impl Optimizer {
         for (var, slots) in found {
             let slots: Option<Vec<Tensor>> = slots.into_iter().collect();
             let slots = slots.ok_or_else(|| {
-                RuntimeError::Config(format!(
+                RuntimeError::state(format!(
                     "optimizer state: variable `{var}` lacks some of its slots ({})",
                     names.join(", ")
                 ))
@@ -490,12 +492,13 @@ impl Optimizer {
                     }
                 }
                 _ => {
-                    return Err(RuntimeError::Config(format!(
+                    // Slots made here fit; a loaded one may not.
+                    return Err(RuntimeError::state(format!(
                         "optimizer: variable `{name}`: its slot is {}{:?}, the variable {:?}",
                         t.dtype(),
                         t.shape(),
                         shape
-                    )))
+                    )));
                 }
             }
         }
@@ -646,7 +649,10 @@ impl Optimizer {
         values: &ArrayD<T>,
         scale: f64,
     ) -> Result<()> {
-        let err = |m: String| RuntimeError::Config(format!("optimizer: variable `{name}`: {m}"));
+        let err = |m: String| RuntimeError::Plan(format!("optimizer: variable `{name}`: {m}"));
+        // What this function laid out itself.
+        let internal =
+            |m: String| RuntimeError::internal("the optimizer", format!("variable `{name}`: {m}"));
         let shape = w.shape().to_vec();
         let rows = shape[0];
         let row: usize = shape[1..].iter().product();
@@ -660,14 +666,17 @@ impl Optimizer {
         let vals = values.as_standard_layout();
         let vals = vals
             .as_slice()
-            .ok_or_else(|| err("non-contiguous values".into()))?;
+            .ok_or_else(|| internal("non-contiguous values".into()))?;
         // Sum duplicate rows, in order of appearance.
         let mut pos: HashMap<i32, usize> = HashMap::with_capacity(indices.len());
         let mut uniq: Vec<usize> = Vec::with_capacity(indices.len());
         let mut sums: Vec<T> = Vec::with_capacity(vals.len());
         for (k, &i) in indices.iter().enumerate() {
             if i < 0 || i as usize >= rows {
-                return Err(err(format!("row index {i} is not in 0..{rows}")));
+                // The ids come from the data.
+                return Err(RuntimeError::Config(format!(
+                    "optimizer: variable `{name}`: row index {i} is not in 0..{rows}"
+                )));
             }
             let src = &vals[k * row..(k + 1) * row];
             match pos.entry(i) {
@@ -689,7 +698,7 @@ impl Optimizer {
         }
         let ws = w
             .as_slice_mut()
-            .ok_or_else(|| err("non-contiguous variable".into()))?;
+            .ok_or_else(|| internal("non-contiguous variable".into()))?;
         let sc = T::of(scale);
         let touched = uniq.iter().enumerate().map(|(k, &r)| (r * row, k * row));
         match self.rule_for(name) {
@@ -719,16 +728,16 @@ impl Optimizer {
                 let mut dense = ArrayD::<T>::zeros(IxDyn(&shape));
                 let ds = dense
                     .as_slice_mut()
-                    .ok_or_else(|| err("non-contiguous gradient".into()))?;
+                    .ok_or_else(|| internal("non-contiguous gradient".into()))?;
                 for (at, from) in touched {
                     ds[at..at + row].copy_from_slice(&sums[from..from + row]);
                 }
                 let mut w = ArrayD::from_shape_vec(IxDyn(&shape), ws.to_vec())
-                    .map_err(|e| err(e.to_string()))?;
+                    .map_err(|e| internal(e.to_string()))?;
                 self.dense(name, &mut w, &dense, scale)?;
                 let new = w
                     .as_slice()
-                    .ok_or_else(|| err("non-contiguous variable".into()))?;
+                    .ok_or_else(|| internal("non-contiguous variable".into()))?;
                 ws.copy_from_slice(new);
             }
             Rule::Adam {
@@ -785,24 +794,29 @@ fn step_tensor(steps: u64) -> Tensor {
 
 /// A slot's elements (slots are kept contiguous by `slots_for`).
 fn slot<'a, T: Elem>(name: &str, t: &'a mut Tensor) -> Result<&'a mut [T]> {
-    T::arr_mut(t).and_then(|a| a.as_slice_mut()).ok_or_else(|| {
-        RuntimeError::Config(format!(
-            "optimizer: variable `{name}`: a slot has the wrong dtype"
-        ))
-    })
+    T::arr_mut(t)
+        .and_then(|a| a.as_slice_mut())
+        .ok_or_else(|| wrong_slot(name))
 }
 
 /// A slot as an array.
 fn slot_arr<'a, T: Elem>(name: &str, t: &'a mut Tensor) -> Result<&'a mut ArrayD<T>> {
-    T::arr_mut(t).ok_or_else(|| {
-        RuntimeError::Config(format!(
-            "optimizer: variable `{name}`: a slot has the wrong dtype"
-        ))
-    })
+    T::arr_mut(t).ok_or_else(|| wrong_slot(name))
 }
 
+/// `slots_for` checked every slot's dtype and layout: one that is not is the
+/// optimizer's own bug.
+fn wrong_slot(name: &str) -> RuntimeError {
+    RuntimeError::internal(
+        "the optimizer",
+        format!("variable `{name}`: a slot has the wrong dtype"),
+    )
+}
+
+/// Every variable's slots are the rule's (`slots_for`, `load_state`).
 fn slot_count(name: &str) -> RuntimeError {
-    RuntimeError::Config(format!(
-        "optimizer: variable `{name}` has the wrong number of slots"
-    ))
+    RuntimeError::internal(
+        "the optimizer",
+        format!("variable `{name}` has the wrong number of slots"),
+    )
 }

@@ -44,7 +44,7 @@
 
 use super::{drv_err, probe, CudaError, CudaLib, LibDirs};
 use crate::comm::{ByteCount, Communicator};
-use crate::core::error::RuntimeError;
+use crate::core::error::{PeerKind, RuntimeError};
 use cudarc::driver::{
     result as drv, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
     DevicePtr, LaunchConfig, PushKernelArg,
@@ -244,10 +244,15 @@ pub fn bootstrap(
     if let Some(e) = own {
         return Err(RuntimeError::Backend(Box::new(e)));
     }
+    // Rank 0's own error is the cause; this rank's is its consequence.
     if buf[0] != 1 {
-        return Err(RuntimeError::Config(
-            "rank 0 could not create the NCCL unique id (its error says why)".into(),
-        ));
+        return Err(RuntimeError::Peer {
+            rank,
+            peer: 0,
+            op: "broadcast".into(),
+            kind: PeerKind::HungUp,
+            message: "rank 0 could not create the NCCL unique id (its error says why)".into(),
+        });
     }
     let mut id = [0u8; 128];
     id.copy_from_slice(&buf[1..]);

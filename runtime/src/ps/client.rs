@@ -10,8 +10,8 @@
 use super::server::slice_rows;
 use super::transport::WorkerLink;
 use super::wire::{Reply, Request};
-use super::{cfg_err, concat_rows, ShardList};
-use crate::core::error::Result;
+use super::{concat_rows, ShardList};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::value::{Slices, Tensor, Value};
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
@@ -26,7 +26,7 @@ pub struct PsClient {
     link: Option<Box<dyn WorkerLink>>,
     timeout: Duration,
     next_tag: u64,
-    failed: Option<String>,
+    failed: Option<RuntimeError>,
     sent: u64,
     received: u64,
 }
@@ -42,17 +42,19 @@ fn layout(
     let mut sh = shards.to_vec();
     sh.sort_by_key(|s| s.1);
     if sh.is_empty() {
-        return Err(cfg_err(format!("{op} of `{var}`: no shards given")));
+        return Err(RuntimeError::plan(format!(
+            "{op} of `{var}`: no shards given"
+        )));
     }
     let mut at = 0;
     for &(s, a, b) in &sh {
         if s >= servers {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "{op} of `{var}`: server {s} does not exist ({servers} servers)"
             )));
         }
         if a != at || b <= a {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "{op} of `{var}`: shards {shards:?} do not cover its rows contiguously"
             )));
         }
@@ -89,9 +91,37 @@ fn recv_until(link: &mut dyn WorkerLink, deadline: &mut Instant) -> Result<Optio
     Ok(got)
 }
 
+/// `e` again, for a later call of a client that failed with it: its kind kept (a peer's
+/// failure stays one), its text the same.
+fn again(e: &RuntimeError) -> RuntimeError {
+    match e {
+        RuntimeError::Peer {
+            rank,
+            peer,
+            op,
+            kind,
+            message,
+        } => RuntimeError::Peer {
+            rank: *rank,
+            peer: *peer,
+            op: op.clone(),
+            kind: *kind,
+            message: message.clone(),
+        },
+        RuntimeError::Plan(m) => RuntimeError::Plan(m.clone()),
+        RuntimeError::Internal { at, message } => RuntimeError::Internal {
+            at: at.clone(),
+            message: message.clone(),
+        },
+        // A link's other errors are settings (a message larger than MPI counts).
+        e => RuntimeError::Config(e.to_string()),
+    }
+}
+
+/// The gradient's dtype against the servers' f32 masters: the model's precision.
 fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
     t.as_f32().ok_or_else(|| {
-        cfg_err(format!(
+        RuntimeError::Config(format!(
             "{op} of `{var}`: a {} gradient (the servers hold f32)",
             t.dtype()
         ))
@@ -143,15 +173,47 @@ impl PsClient {
 
     /// Fails if this client's rank is invalid or an earlier call failed.
     fn check(&self) -> Result<()> {
+        // The launcher hands out one client per worker rank.
         if self.rank >= self.workers || self.link.is_none() {
-            return Err(cfg_err(format!(
-                "parameter-server client of rank {} (there are {} workers, one client each)",
-                self.rank, self.workers
-            )));
+            return Err(RuntimeError::internal(
+                "parameter servers",
+                format!(
+                    "parameter-server client of rank {} (there are {} workers, one client each)",
+                    self.rank, self.workers
+                ),
+            ));
         }
         match &self.failed {
-            Some(e) => Err(cfg_err(e.clone())),
+            Some(e) => Err(again(e)),
             None => Ok(()),
+        }
+    }
+
+    /// Server `server`'s rank (servers follow the workers).
+    fn server_rank(&self, server: usize) -> usize {
+        self.workers + server
+    }
+
+    /// Server `server` failed (an error of its own, or another worker's it answers
+    /// with): a consequence here, as a peer's hang-up is.
+    fn server_failed(&self, server: usize, op: &str, message: String) -> RuntimeError {
+        RuntimeError::Peer {
+            rank: self.rank,
+            peer: self.server_rank(server),
+            op: op.to_string(),
+            kind: PeerKind::HungUp,
+            message,
+        }
+    }
+
+    /// Server `server` answered with what the protocol does not allow.
+    fn malformed(&self, server: usize, op: &str, message: String) -> RuntimeError {
+        RuntimeError::Peer {
+            rank: self.rank,
+            peer: self.server_rank(server),
+            op: op.to_string(),
+            kind: PeerKind::Malformed,
+            message,
         }
     }
 
@@ -161,27 +223,26 @@ impl PsClient {
     }
 
     fn link(&mut self) -> Result<&mut Box<dyn WorkerLink>> {
+        let rank = self.rank;
         self.link.as_mut().ok_or_else(|| {
-            cfg_err(format!(
-                "parameter-server client of rank {}: no link",
-                self.rank
-            ))
+            RuntimeError::internal(
+                "parameter servers",
+                format!("parameter-server client of rank {rank}: no link"),
+            )
         })
     }
 
     fn send(&mut self, server: usize, var: &str, msg: Request) -> Result<()> {
         let r = self.link()?.send(server, msg.encode());
         r.map_err(|e| {
-            self.fail(cfg_err(format!(
-                "parameter server {server} (variable `{var}`): {e}"
-            )))
+            self.fail(e.context(format_args!("parameter server {server} (variable `{var}`)")))
         })
     }
 
     /// Remembers the first error, so every later call returns it.
-    fn fail(&mut self, e: crate::core::error::RuntimeError) -> crate::core::error::RuntimeError {
+    fn fail(&mut self, e: RuntimeError) -> RuntimeError {
         if self.failed.is_none() {
-            self.failed = Some(e.to_string());
+            self.failed = Some(again(&e));
         }
         e
     }
@@ -208,34 +269,58 @@ impl PsClient {
                     let mut silent: Vec<usize> = left.values().map(|&k| sh[k].0).collect();
                     silent.sort_unstable();
                     silent.dedup();
-                    return Err(self.fail(cfg_err(format!(
-                        "{op} of `{var}` at step {step}: parameter server(s) {silent:?} did not \
-                         answer within {:.0} s (--timeout)",
-                        self.timeout.as_secs_f64()
-                    ))));
+                    let e = RuntimeError::Peer {
+                        rank: self.rank,
+                        peer: self.server_rank(silent[0]),
+                        op: op.to_string(),
+                        kind: PeerKind::TimedOut,
+                        message: format!(
+                            "{op} of `{var}` at step {step}: parameter server(s) {silent:?} did \
+                             not answer within {:.0} s (--timeout)",
+                            self.timeout.as_secs_f64()
+                        ),
+                    };
+                    return Err(self.fail(e));
                 }
-                Err(e) => return Err(self.fail(cfg_err(format!("{op} of `{var}`: {e}")))),
+                Err(e) => return Err(self.fail(e.context(format_args!("{op} of `{var}`")))),
             };
-            let reply = Reply::decode(&bytes)
-                .map_err(|e| cfg_err(format!("{op} of `{var}`: a malformed reply: {e}")));
-            let reply = match reply {
+            let reply = match Reply::decode(&bytes) {
                 Ok(r) => r,
-                Err(e) => return Err(self.fail(e)),
+                Err(e) => {
+                    // The reply names no sender: one of the servers still to answer.
+                    let server = left.values().map(|&k| sh[k].0).min().unwrap_or(0);
+                    let e = self.malformed(
+                        server,
+                        op,
+                        format!("{op} of `{var}`: a malformed reply: {e}"),
+                    );
+                    return Err(self.fail(e));
+                }
             };
             let Some(k) = left.remove(&reply.tag()) else {
                 continue;
             };
+            let server = sh[k].0;
             match reply {
                 Reply::Rows { result: Ok(t), .. } => parts[k] = Some(t),
-                // A request the server refused; the server itself carries on.
-                Reply::Rows { result: Err(e), .. } | Reply::Shards { result: Err(e), .. } => {
-                    return Err(cfg_err(e))
+                // A request the server refused (no such shard, rows it cannot give):
+                // this worker's program disagrees with the server's; the server itself
+                // carries on.
+                Reply::Rows { result: Err(e), .. } => return Err(RuntimeError::Plan(e)),
+                Reply::Shards { result: Err(e), .. } => {
+                    return Err(self.server_failed(server, op, e))
                 }
-                Reply::Failed { error, .. } => return Err(self.fail(cfg_err(error))),
+                Reply::Failed { error, .. } => {
+                    let e = self.server_failed(server, op, error);
+                    return Err(self.fail(e));
+                }
                 Reply::Shards { .. } => {
-                    return Err(self.fail(cfg_err(format!(
-                        "{op} of `{var}`: shards came back instead of rows"
-                    ))))
+                    let e = self.malformed(
+                        server,
+                        op,
+                        format!("{op} of `{var}`: shards came back instead of rows"),
+                    );
+                    return Err(self.fail(e));
                 }
             }
         }
@@ -292,8 +377,9 @@ impl PsClient {
             if pos.contains_key(&id) {
                 continue;
             }
+            // The ids come from the data.
             if id < 0 || id as usize >= rows {
-                return Err(cfg_err(format!(
+                return Err(RuntimeError::Config(format!(
                     "sparse_pull of `{var}`: id {id} is not in 0..{rows}"
                 )));
             }
@@ -327,9 +413,12 @@ impl PsClient {
             .map(|p| p.as_ref().and_then(|t| t.as_f32()))
             .collect();
         let Some(first) = arrays.iter().flatten().next() else {
-            return Err(cfg_err(format!(
-                "sparse_pull of `{var}`: no rows came back"
-            )));
+            let server = asked.first().map_or(0, |&(_, k)| sh[k].0);
+            return Err(self.malformed(
+                server,
+                "sparse_pull",
+                format!("sparse_pull of `{var}`: no rows came back"),
+            ));
         };
         let rest: Vec<usize> = first.shape()[1..].to_vec();
         let row: usize = rest.iter().product();
@@ -340,17 +429,23 @@ impl PsClient {
                 .and_then(|a| a.as_slice())
                 .and_then(|s| s.get(p * row..(p + 1) * row))
                 .ok_or_else(|| {
-                    cfg_err(format!(
-                        "sparse_pull of `{var}`: server {} returned too few rows",
-                        sh[k].0
-                    ))
+                    self.malformed(
+                        sh[k].0,
+                        "sparse_pull",
+                        format!(
+                            "sparse_pull of `{var}`: server {} returned too few rows",
+                            sh[k].0
+                        ),
+                    )
                 })?;
             data.extend_from_slice(src);
         }
         let mut shape = vec![ids.len()];
         shape.extend_from_slice(&rest);
-        let out = ArrayD::from_shape_vec(IxDyn(&shape), data)
-            .map_err(|e| cfg_err(format!("sparse_pull of `{var}`: {e}")))?;
+        // `ids.len()` rows of `row` values each, gathered above.
+        let out = ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|e| {
+            RuntimeError::internal("parameter servers", format!("sparse_pull of `{var}`: {e}"))
+        })?;
         self.sent += 8 * distinct as u64;
         self.received += (4 * row * distinct) as u64;
         Ok(Tensor::F32(out))
@@ -368,12 +463,12 @@ impl PsClient {
         let (sh, rows) = layout("push", var, shards, self.servers)?;
         f32_of("push", var, grad)?;
         if grad.shape().is_empty() && sh.len() != 1 {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "push of `{var}`: a scalar gradient for several shards"
             )));
         }
         if !grad.shape().is_empty() && grad.shape()[0] != rows {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "push of `{var}`: gradient of shape {:?} for a variable of {rows} rows",
                 grad.shape()
             )));
@@ -409,7 +504,7 @@ impl PsClient {
         let vals = f32_of("sparse_push", var, &grad.values)?;
         let ds = &grad.dense_shape;
         if ds.is_empty() || ds[0] != rows {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "sparse_push of `{var}`: dense shape {ds:?} for a variable of {rows} rows"
             )));
         }
@@ -417,15 +512,18 @@ impl PsClient {
         let row: usize = rest.iter().product();
         let n = grad.indices.len();
         if vals.shape().first() != Some(&n) || vals.shape()[1..] != *rest {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "sparse_push of `{var}`: values {:?} do not hold {n} rows of {rest:?}",
                 vals.shape()
             )));
         }
         let vals = vals.as_standard_layout();
-        let vs = vals
-            .as_slice()
-            .ok_or_else(|| cfg_err(format!("sparse_push of `{var}`: non-contiguous values")))?;
+        let vs = vals.as_slice().ok_or_else(|| {
+            RuntimeError::internal(
+                "parameter servers",
+                format!("sparse_push of `{var}`: non-contiguous values"),
+            )
+        })?;
         let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(n);
         let mut idx: Vec<Vec<i32>> = vec![Vec::new(); sh.len()];
         let mut data: Vec<Vec<f32>> = vec![Vec::new(); sh.len()];
@@ -437,8 +535,9 @@ impl PsClient {
                 }
                 continue;
             }
+            // The ids come from the data.
             if id < 0 || id as usize >= rows {
-                return Err(cfg_err(format!(
+                return Err(RuntimeError::Config(format!(
                     "sparse_push of `{var}`: id {id} is not in 0..{rows}"
                 )));
             }
@@ -451,8 +550,14 @@ impl PsClient {
             let indices = std::mem::take(&mut idx[k]);
             let mut shape = vec![indices.len()];
             shape.extend_from_slice(rest);
+            // `indices.len()` rows of `row` values each, gathered above.
             let values = ArrayD::from_shape_vec(IxDyn(&shape), std::mem::take(&mut data[k]))
-                .map_err(|e| cfg_err(format!("sparse_push of `{var}`: {e}")))?;
+                .map_err(|e| {
+                    RuntimeError::internal(
+                        "parameter servers",
+                        format!("sparse_push of `{var}`: {e}"),
+                    )
+                })?;
             self.sent += (indices.len() * (8 + 4 * row)) as u64;
             let mut dense_shape = vec![b - a];
             dense_shape.extend_from_slice(rest);
@@ -523,19 +628,37 @@ impl PsClient {
                 None => {
                     let mut silent: Vec<usize> = asked.values().copied().collect();
                     silent.sort_unstable();
-                    return Err(cfg_err(format!(
-                        "{what}: parameter server(s) {silent:?} did not return their shards \
-                         within {:.0} s (--timeout)",
-                        self.timeout.as_secs_f64()
-                    )));
+                    return Err(RuntimeError::Peer {
+                        rank: self.rank,
+                        peer: self.server_rank(silent[0]),
+                        op: what.to_string(),
+                        kind: PeerKind::TimedOut,
+                        message: format!(
+                            "{what}: parameter server(s) {silent:?} did not return their \
+                             shards within {:.0} s (--timeout)",
+                            self.timeout.as_secs_f64()
+                        ),
+                    });
                 }
             };
-            match Reply::decode(&bytes).map_err(cfg_err)? {
-                Reply::Shards { tag, result } if asked.remove(&tag).is_some() => {
-                    out.extend(result.map_err(cfg_err)?);
+            let reply = match Reply::decode(&bytes) {
+                Ok(r) => r,
+                // The reply names no sender: one of the servers still to answer.
+                Err(e) => {
+                    let server = asked.values().copied().min().unwrap_or(0);
+                    return Err(self.malformed(server, what, e));
                 }
-                Reply::Failed { tag, error } if asked.remove(&tag).is_some() => {
-                    return Err(cfg_err(error));
+            };
+            match reply {
+                Reply::Shards { tag, result } => {
+                    if let Some(server) = asked.remove(&tag) {
+                        out.extend(result.map_err(|e| self.server_failed(server, what, e))?);
+                    }
+                }
+                Reply::Failed { tag, error } => {
+                    if let Some(server) = asked.remove(&tag) {
+                        return Err(self.server_failed(server, what, error));
+                    }
                 }
                 _ => {}
             }

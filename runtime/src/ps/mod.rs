@@ -140,10 +140,6 @@ fn rows_of(dims: &[usize]) -> usize {
     dims.first().copied().unwrap_or(1)
 }
 
-fn cfg_err(m: String) -> RuntimeError {
-    RuntimeError::Config(m)
-}
-
 /// Concatenates f32 parts along rows (a single part is returned as is).
 fn concat_rows(var: &str, mut parts: Vec<Tensor>) -> Result<Tensor> {
     if parts.len() == 1 {
@@ -153,12 +149,16 @@ fn concat_rows(var: &str, mut parts: Vec<Tensor>) -> Result<Tensor> {
         .iter()
         .map(|p| match p {
             Tensor::F32(a) => Ok(a.view()),
-            _ => Err(cfg_err(format!("variable `{var}`: a shard is not f32"))),
+            _ => Err(RuntimeError::plan(format!(
+                "variable `{var}`: a shard is not f32"
+            ))),
         })
         .collect::<Result<_>>()?;
     ndarray::concatenate(Axis(0), &views)
         .map(Tensor::F32)
-        .map_err(|e| cfg_err(format!("variable `{var}`: shards do not fit together: {e}")))
+        .map_err(|e| {
+            RuntimeError::plan(format!("variable `{var}`: shards do not fit together: {e}"))
+        })
 }
 
 /// Checks every server's shards (`shards[s]` = what server `s` owns): one type per
@@ -167,18 +167,22 @@ pub fn check_shards(shards: &[Vec<ShardSpec>]) -> Result<HashMap<String, TensorT
     let mut vars: VarShards = HashMap::new();
     for (s, list) in shards.iter().enumerate() {
         for sp in list {
-            let err = |m: String| {
-                cfg_err(format!(
-                    "parameter server {s}: variable `{}` rows {}..{}: {m}",
+            let at = || {
+                format!(
+                    "parameter server {s}: variable `{}` rows {}..{}",
                     sp.var, sp.start, sp.end
-                ))
+                )
             };
+            // The servers' programs against one another.
+            let err = |m: String| RuntimeError::plan(format!("{}: {m}", at()));
+            // The model's precision against what servers hold: a setting.
+            let unserved = |m: String| RuntimeError::Config(format!("{}: {m}", at()));
             match sp.full.dtype {
                 DType::F32 => {}
-                DType::F64 => return Err(err("f64 variables are not served".into())),
-                DType::I32 => return Err(err("i32 variables are not served".into())),
+                DType::F64 => return Err(unserved("f64 variables are not served".into())),
+                DType::I32 => return Err(unserved("i32 variables are not served".into())),
                 d @ (DType::BF16 | DType::F16) => {
-                    return Err(err(format!(
+                    return Err(unserved(format!(
                         "{d} variables are not served (masters are f32)"
                     )))
                 }
@@ -206,7 +210,7 @@ pub fn check_shards(shards: &[Vec<ShardSpec>]) -> Result<HashMap<String, TensorT
                 } else {
                     (a, at, "on two shards")
                 };
-                return Err(cfg_err(format!(
+                return Err(RuntimeError::plan(format!(
                     "parameter servers: variable `{var}`: rows {lo}..{hi} are {what}"
                 )));
             }
@@ -214,7 +218,7 @@ pub fn check_shards(shards: &[Vec<ShardSpec>]) -> Result<HashMap<String, TensorT
         }
         let rows = rows_of(full.dims());
         if at != rows {
-            return Err(cfg_err(format!(
+            return Err(RuntimeError::plan(format!(
                 "parameter servers: variable `{var}`: rows {at}..{rows} are on no server"
             )));
         }
@@ -238,7 +242,7 @@ pub fn assemble(
         let t = concat_rows(&var, ps.into_iter().map(|p| p.1).collect())?;
         if let Some(ty) = types.get(&var) {
             if t.shape() != ty.dims() {
-                return Err(cfg_err(format!(
+                return Err(RuntimeError::plan(format!(
                     "variable `{var}`: reassembled shape {:?}, expected {:?}",
                     t.shape(),
                     ty.dims()
@@ -274,14 +278,14 @@ pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
 /// [`start`], with servers recording a [`ServerSpan`] per message when `trace`.
 pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> Result<PsCluster> {
     if cfg.workers == 0 {
-        return Err(cfg_err("parameter servers: no workers".into()));
+        return Err(RuntimeError::Config("parameter servers: no workers".into()));
     }
     let vars = check_shards(&shards)?;
     // One extra worker link, never handed out, to stop the servers.
     let (mut links, server_links) = in_process_links(cfg.workers + 1, shards.len());
     let control = links
         .pop()
-        .ok_or_else(|| cfg_err("no control link".into()))?;
+        .ok_or_else(|| RuntimeError::internal("parameter servers", "no control link"))?;
     let mut handles = Vec::new();
     let server_timeout = Arc::new(AtomicU64::new(0));
     for (id, (list, mut link)) in shards.iter().zip(server_links).enumerate() {
@@ -291,7 +295,10 @@ pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> 
         let h = std::thread::Builder::new()
             .name(format!("ps-{id}"))
             .spawn(move || serve(server, &mut link))
-            .map_err(|e| cfg_err(format!("parameter server {id}: cannot start: {e}")))?;
+            // The machine refused a thread.
+            .map_err(|e| {
+                RuntimeError::Config(format!("parameter server {id}: cannot start: {e}"))
+            })?;
         handles.push(h);
     }
     Ok(PsCluster {
@@ -365,9 +372,12 @@ impl PsCluster {
         let mut out = ClusterOutcome::default();
         let mut first_error = None;
         for (id, h) in std::mem::take(&mut self.handles).into_iter().enumerate() {
-            let o = h
-                .join()
-                .map_err(|_| cfg_err(format!("parameter server {id} panicked")))??;
+            let o = h.join().map_err(|_| {
+                RuntimeError::internal(
+                    format!("parameter server {id}"),
+                    format!("parameter server {id} panicked"),
+                )
+            })??;
             if let Some(e) = o.error {
                 first_error.get_or_insert(e);
             }
@@ -375,8 +385,11 @@ impl PsCluster {
             out.spans.extend(o.spans);
             out.busy.push(o.busy);
         }
+        // A server's own failure (a push that does not fit its shard, a step some
+        // workers did not push): a worker's failure, the cause of any other, is the
+        // workers' to report.
         if let Some(e) = first_error {
-            return Err(cfg_err(e));
+            return Err(RuntimeError::Plan(e));
         }
         out.spans.sort_by_key(|s| (s.server, s.start));
         out.params = assemble(parts, &self.vars)?;

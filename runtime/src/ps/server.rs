@@ -13,7 +13,7 @@ use super::transport::{Incoming, ServerLink};
 use super::wire::{Reply, Request};
 use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
 use crate::core::checkpoint::TrainingState;
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::init::{init_param, init_rows};
 use crate::core::value::{Slices, Tensor, Value};
 use crate::cpu::optim::{Optimizer, STEP_KEY};
@@ -56,14 +56,14 @@ pub(crate) fn slice_rows(t: &Tensor, start: usize, end: usize) -> Tensor {
 /// Shard `sp` of a resumed state: its rows of the variable and of each slot.
 fn resumed_shard(sp: &ShardSpec, state: &TrainingState, cfg: &PsConfig) -> Result<Shard> {
     let whole = state.params.get(&sp.var).ok_or_else(|| {
-        RuntimeError::Config(format!(
+        RuntimeError::state(format!(
             "the training state has no variable `{}` (it holds {})",
             sp.var,
             state.index.variables.join(", ")
         ))
     })?;
     if whole.shape() != sp.full.dims() || whole.dtype() != sp.full.dtype {
-        return Err(RuntimeError::Config(format!(
+        return Err(RuntimeError::state(format!(
             "the training state's `{}` is {}; the model's is {}",
             sp.var,
             whole.tensor_type(),
@@ -842,10 +842,16 @@ pub fn serve(mut server: Server, link: &mut dyn ServerLink) -> Result<ServerOutc
             Incoming::Request(from, bytes) => match Request::decode(&bytes) {
                 Ok(req) => server.handle(from, req),
                 Err(e) => {
-                    return Err(RuntimeError::Config(format!(
-                        "parameter server {}: a malformed message from worker {from}: {e}",
-                        server.id
-                    )))
+                    return Err(RuntimeError::Peer {
+                        rank: server.workers + server.id,
+                        peer: from,
+                        op: "parameter-server request".into(),
+                        kind: PeerKind::Malformed,
+                        message: format!(
+                            "parameter server {}: a malformed message from worker {from}: {e}",
+                            server.id
+                        ),
+                    })
                 }
             },
             Incoming::Idle => Vec::new(),

@@ -4,7 +4,7 @@
 //! [`super::PsClient`] run unchanged over any of them. Two implementations: in-process
 //! channels ([`in_process_links`]) and MPI point-to-point (`comm::mpi`, feature `mpi`).
 
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -107,13 +107,24 @@ impl InProcessWorkerLink {
     /// Sends as if from worker `rank` (for a cluster that stops servers on behalf of
     /// clients it handed out).
     pub(crate) fn send_as(&self, rank: usize, server: usize, msg: Vec<u8>) -> Result<()> {
+        // Clients check a shard's server against the cluster's, which made these links.
         self.to_servers
             .get(server)
             .ok_or_else(|| {
-                RuntimeError::Config(format!("parameter server {server} does not exist"))
+                RuntimeError::internal(
+                    "parameter-server links",
+                    format!("parameter server {server} does not exist"),
+                )
             })?
             .send((rank, msg))
-            .map_err(|_| RuntimeError::Config(format!("parameter server {server} has stopped")))
+            .map_err(|_| RuntimeError::Peer {
+                rank,
+                // In-process servers have no rank: the server's index.
+                peer: server,
+                op: "parameter-server request".into(),
+                kind: PeerKind::HungUp,
+                message: format!("parameter server {server} has stopped"),
+            })
     }
 }
 
@@ -125,9 +136,14 @@ impl WorkerLink for InProcessWorkerLink {
         match self.replies.recv_timeout(timeout) {
             Ok(m) => Ok(Some(m)),
             Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => Err(RuntimeError::Config(
-                "every parameter server has stopped".into(),
-            )),
+            Err(RecvTimeoutError::Disconnected) => Err(RuntimeError::Peer {
+                rank: self.rank,
+                // Every one of them: the first.
+                peer: 0,
+                op: "parameter-server reply".into(),
+                kind: PeerKind::HungUp,
+                message: "every parameter server has stopped".into(),
+            }),
         }
     }
 }

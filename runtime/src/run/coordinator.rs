@@ -6,9 +6,9 @@
 use crate::core::error::{Result, RuntimeError};
 use crate::core::peak::total_peak;
 use crate::core::value::Tensor;
+use crate::run::metrics::TrainReport;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::pipeline::{combine, Handed, PipelineRun, StageReport};
-use crate::run::programs::TrainReport;
 use crate::run::trace::Span;
 use crate::run::worker::StepReport;
 use std::collections::HashMap;

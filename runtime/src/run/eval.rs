@@ -218,7 +218,8 @@ pub fn predict(
             .into_iter()
             .find(|(k, _)| k == "prediction")
             .map(|(_, t)| t)
-            .ok_or_else(|| RuntimeError::Config("the run made no `prediction`".into()))?;
+            // Evaluation runs every `output`, and the graph has this one.
+            .ok_or_else(|| RuntimeError::internal("predict", "the run made no `prediction`"))?;
         let shape = pred.shape().to_vec();
         let per: usize = shape[1..].iter().product();
         values.extend_from_slice(&pred.to_f64_vec()[..b * per]);
@@ -232,7 +233,8 @@ pub fn predict(
         values.into_iter().map(|v| v as f32).collect(),
     )
     .map(Tensor::F32)
-    .map_err(|e| RuntimeError::Config(format!("the predictions: {e}")))
+    // `n` samples of one row shape, laid out here.
+    .map_err(|e| RuntimeError::internal("predict", format!("the predictions: {e}")))
 }
 
 /// The nodes `id` is computed from, itself included.

@@ -12,19 +12,23 @@
 //! GPU the loop captures a step into a CUDA graph where the backend can
 //! ([`crate::core::backend::Capture`]). Parameter servers always run on the CPU.
 
+use crate::comm::Links;
+use crate::core::backend::Site;
 use crate::core::checkpoint::{TrainingState, LOSS_SCALE_KEY, STEP_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
 use crate::run::metrics::StepMetrics;
-use crate::run::programs::{Links, Programs, Site, TrainOptions, TrainReport};
+use crate::run::metrics::TrainReport;
+use crate::run::options::TrainOptions;
+use crate::run::programs::Programs;
 use crate::run::train::{train, train_with};
 use std::collections::HashMap;
 
 // What the CLI names beside `launch`, where it has always found it.
 pub use crate::run::metrics::rank_path;
-pub use crate::run::programs::MpiRun;
+pub use crate::run::options::MpiRun;
 
 /// Where a run's workers compute.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -237,7 +241,7 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
 fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConfig) -> Result<()> {
     let model = &programs.worker.name;
     if &state.index.model != model {
-        return Err(RuntimeError::Config(format!(
+        return Err(RuntimeError::state(format!(
             "the training state is of model `{}`, this plan trains `{model}`",
             state.index.model
         )));
@@ -261,7 +265,7 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
             [] => "no state".to_string(),
             s => format!("state {}", s.join(", ")),
         };
-        return Err(RuntimeError::Config(format!(
+        return Err(RuntimeError::state(format!(
             "the training state was saved by optimizer {} ({}); this plan trains with {} \
              ({}): resume with the optimizer that wrote it, or start afresh",
             kind.unwrap_or(&state.index.optimizer),
@@ -278,13 +282,13 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
             let key = format!("{var}/{slot}");
             match state.optimizer.get(&key) {
                 None => {
-                    return Err(RuntimeError::Config(format!(
+                    return Err(RuntimeError::state(format!(
                         "the training state has `{var}` without its optimizer state \
                          `{key}`: the file is damaged or was edited"
                     )))
                 }
                 Some(s) if s.tensor_type() != t.tensor_type() => {
-                    return Err(RuntimeError::Config(format!(
+                    return Err(RuntimeError::state(format!(
                         "the training state's `{key}` is {}, its variable `{var}` {}: the \
                          file is damaged or was edited",
                         s.tensor_type(),
@@ -301,7 +305,7 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
             && k.rsplit_once('/')
                 .is_none_or(|(var, _)| !state.params.contains_key(var))
     }) {
-        return Err(RuntimeError::Config(format!(
+        return Err(RuntimeError::state(format!(
             "the training state holds optimizer state `{stray}` of no variable it holds: \
              the file is damaged or was edited"
         )));

@@ -336,7 +336,7 @@ pub fn pipeline_stages(
 ) -> crate::Result<Vec<StageEstimate>> {
     let programs = pipeline
         .programs()
-        .map_err(|e| crate::RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
+        .map_err(|e| crate::RuntimeError::Plan(format!("the pipeline's schedule: {e}")))?;
     let tied = pipeline.tied();
     let slots = slots(optimizer);
     let mut out = Vec::with_capacity(pipeline.stages.len());

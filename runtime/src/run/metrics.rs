@@ -4,7 +4,10 @@
 //! `samples_per_sec`; evaluation lines add `eval_loss` and `eval_accuracy`
 //! (classification) or `eval_rmse` (regression).
 
+use crate::core::value::Tensor;
+use crate::run::trace::Span;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -273,4 +276,36 @@ pub fn rank_path(path: &Path, rank: usize) -> PathBuf {
         None => format!("{stem}.rank{rank}"),
     };
     path.with_file_name(name)
+}
+
+/// What training produced.
+#[derive(Debug)]
+pub struct TrainReport {
+    /// Steps run.
+    pub steps: usize,
+    /// Loss of the first step (mean over workers).
+    pub first_loss: f64,
+    /// Loss of the last step (mean over workers).
+    pub final_loss: f64,
+    /// The last evaluation.
+    pub eval: Option<EvalMetrics>,
+    /// Wall time of the training steps (the slowest worker's, summed; evaluation and
+    /// data loading excluded).
+    pub train_time: Duration,
+    /// Global samples per second over all steps.
+    pub samples_per_sec: f64,
+    /// Every variable after training: replicated ones from worker 0, server-held ones
+    /// reassembled from their shards.
+    pub params: HashMap<String, Tensor>,
+    /// Where worker 0's step time went, when asked for.
+    pub profile: Option<Profile>,
+    /// Trace spans, when asked for.
+    pub spans: Vec<Span>,
+    /// The mean measured bubble of a pipelined run's steps.
+    pub pipeline_bubble: Option<f64>,
+    /// The model's FLOPs per second over all steps, where the plan counted them.
+    pub model_flops_per_sec: Option<f64>,
+    /// Model FLOPs utilisation over all steps, the devices' summed peak it is against
+    /// (FLOP/s) and where that figure comes from.
+    pub mfu: Option<(f64, f64, String)>,
 }

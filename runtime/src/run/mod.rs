@@ -18,10 +18,13 @@ pub mod mesh;
 pub mod metrics;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod options;
 pub mod pipeline;
 pub mod programs;
 pub mod snapshot;
+pub mod state;
 pub(crate) mod steps;
 pub mod trace;
 pub mod train;
+pub(crate) mod trainer;
 pub mod worker;

@@ -26,20 +26,22 @@ use crate::comm::mpi::{
     TAG_REPLY, TAG_REQUEST, TAG_SPANS,
 };
 use crate::comm::Communicator;
+use crate::comm::Links;
 use crate::core::backend::Backend;
+use crate::core::backend::Site;
 use crate::core::config::RunConfig;
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
 use crate::run::coordinator::{metrics_line, reporter, Coordinator};
+use crate::run::data::open_data;
 use crate::run::mesh::{Axis, Mesh};
 use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
-use crate::run::programs::{
-    open_data, pulled_types, server_shards, Links, MpiRun, Programs, Site, TrainOptions,
-    TrainReport,
-};
+use crate::run::metrics::TrainReport;
+use crate::run::options::{MpiRun, TrainOptions};
+use crate::run::programs::{pulled_types, server_shards, Programs};
 use crate::run::trace::Span;
 use crate::run::worker::{run_worker_on, ErrorSlot, StepReport, WorkerSetup};
 use mpi::request::{scope, Request, Scope};
@@ -96,6 +98,8 @@ impl Sends {
 /// server has not taken within the timeout fails the next call.
 struct MpiWorkerLink {
     comm: Arc<Comm>,
+    /// This worker's rank.
+    rank: usize,
     workers: usize,
     sends: Sends,
 }
@@ -104,19 +108,25 @@ impl MpiWorkerLink {
     fn check(&mut self) -> Result<()> {
         let workers = self.workers;
         match self.sends.late() {
-            Some(o) => Err(server_late(o, workers, self.sends.timeout)),
+            Some(o) => Err(server_late(self.rank, o, workers, self.sends.timeout)),
             None => Ok(()),
         }
     }
 }
 
-/// Server rank `to` did not take a request.
-fn server_late(to: usize, workers: usize, timeout: Duration) -> RuntimeError {
-    RuntimeError::Config(format!(
-        "parameter server {} (rank {to}) did not take a request within {:.0} s (--timeout)",
-        to.saturating_sub(workers),
-        timeout.as_secs_f64()
-    ))
+/// Server rank `to` did not take a request of worker rank `rank`.
+fn server_late(rank: usize, to: usize, workers: usize, timeout: Duration) -> RuntimeError {
+    RuntimeError::Peer {
+        rank,
+        peer: to,
+        op: "parameter-server request".into(),
+        kind: PeerKind::TimedOut,
+        message: format!(
+            "parameter server {} (rank {to}) did not take a request within {:.0} s (--timeout)",
+            to.saturating_sub(workers),
+            timeout.as_secs_f64()
+        ),
+    }
 }
 
 impl WorkerLink for MpiWorkerLink {
@@ -140,7 +150,7 @@ impl WorkerLink for MpiWorkerLink {
     fn flush(&mut self) -> Result<()> {
         let workers = self.workers;
         match self.sends.flush() {
-            Some(o) => Err(server_late(o, workers, self.sends.timeout)),
+            Some(o) => Err(server_late(self.rank, o, workers, self.sends.timeout)),
             None => Ok(()),
         }
     }
@@ -187,11 +197,17 @@ impl MpiServerLink {
 
 /// Worker rank `to` did not take a server's reply.
 fn worker_late(to: usize, server: usize, rank: usize, timeout: Duration) -> RuntimeError {
-    RuntimeError::Config(format!(
-        "worker rank {to} did not take a reply of parameter server {server} (rank {rank}) \
-         within {:.0} s (--timeout)",
-        timeout.as_secs_f64()
-    ))
+    RuntimeError::Peer {
+        rank,
+        peer: to,
+        op: "parameter-server reply".into(),
+        kind: PeerKind::TimedOut,
+        message: format!(
+            "worker rank {to} did not take a reply of parameter server {server} (rank {rank}) \
+             within {:.0} s (--timeout)",
+            timeout.as_secs_f64()
+        ),
+    }
 }
 
 impl ServerLink for MpiServerLink {
@@ -209,9 +225,13 @@ impl ServerLink for MpiServerLink {
                 let (data, st) = (msg, st).matched_receive_vec::<u8>();
                 let from = st.source_rank() as usize;
                 if from >= self.workers {
-                    return Err(RuntimeError::Config(format!(
-                        "a request from rank {from}, which is no worker"
-                    )));
+                    return Err(RuntimeError::Peer {
+                        rank: self.workers + self.server,
+                        peer: from,
+                        op: "parameter-server request".into(),
+                        kind: PeerKind::Malformed,
+                        message: format!("a request from rank {from}, which is no worker"),
+                    });
                 }
                 return Ok(Incoming::Request(from, data));
             }
@@ -320,6 +340,7 @@ fn check_worker_hosts(
     match crate::comm::check_nodes(hosts, local) {
         Ok(Some(note)) if rank == 0 => eprintln!("note: {note}"),
         Ok(_) => {}
+        // The plan's ranks per node against the job's hosts.
         Err(e) => return Err(RuntimeError::Config(e)),
     }
     Ok(())
@@ -357,7 +378,7 @@ pub fn run_with<B: Backend>(
 ) -> Result<Option<TrainReport>> {
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .ok_or_else(|| {
-            RuntimeError::Config("MPI was already initialised in this process".into())
+            RuntimeError::internal("MPI", "MPI was already initialised in this process")
         })?;
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
@@ -436,7 +457,8 @@ pub fn run_with<B: Backend>(
         })
         .collect();
     if !differ.is_empty() {
-        return Err(RuntimeError::Config(format!(
+        // Ranks that would run programs that disagree.
+        return Err(RuntimeError::Plan(format!(
             "rank {rank}: the ranks do not run the same plan alike: {}",
             differ.join("; ")
         )));
@@ -529,7 +551,11 @@ pub fn run_with<B: Backend>(
                 programs, mesh, config, opts, mpi_run, r, comm, &ps_comm, &ctl, t0, on_step, make,
             )
         }
-        None => Err(RuntimeError::Config(format!("rank {rank} has no role"))),
+        // The job's size is the plan's: every rank has one.
+        None => Err(RuntimeError::internal(
+            format!("rank {rank}"),
+            "the rank has no role",
+        )),
     };
     match result {
         Ok(report) => {
@@ -628,10 +654,17 @@ fn send_spans(
         }
         let mut out = Outgoing::start(&ctl.0, 0, TAG_SPANS, text, false);
         if !out.wait_for(opts.timeout) {
-            return Err(RuntimeError::Config(format!(
-                "worker rank 0 did not take this rank's trace spans within {:.0} s (--timeout)",
-                opts.timeout.as_secs_f64()
-            )));
+            return Err(RuntimeError::Peer {
+                rank,
+                peer: 0,
+                op: "trace spans".into(),
+                kind: PeerKind::TimedOut,
+                message: format!(
+                    "worker rank 0 did not take this rank's trace spans within {:.0} s \
+                     (--timeout)",
+                    opts.timeout.as_secs_f64()
+                ),
+            });
         }
     }
     Ok(None)
@@ -660,19 +693,31 @@ fn gather_spans(
             .immediate_matched_probe_with_tag(TAG_SPANS)
         else {
             if since.waited() >= opts.timeout {
-                return Err(RuntimeError::Config(format!(
-                    "rank(s) {left:?} did not send their trace spans within {:.0} s \
-                     (--timeout)",
-                    opts.timeout.as_secs_f64()
-                )));
+                return Err(RuntimeError::Peer {
+                    rank: 0,
+                    peer: left[0],
+                    op: "trace spans".into(),
+                    kind: PeerKind::TimedOut,
+                    message: format!(
+                        "rank(s) {left:?} did not send their trace spans within {:.0} s \
+                         (--timeout)",
+                        opts.timeout.as_secs_f64()
+                    ),
+                });
             }
             backoff.wait();
             continue;
         };
         let (bytes, st) = (msg, st).matched_receive_vec::<u8>();
-        left.retain(|&r| r != st.source_rank() as usize);
-        let theirs: Vec<Span> = serde_json::from_slice(&bytes)
-            .map_err(|e| RuntimeError::Config(format!("malformed spans: {e}")))?;
+        let from = st.source_rank() as usize;
+        left.retain(|&r| r != from);
+        let theirs: Vec<Span> = serde_json::from_slice(&bytes).map_err(|e| RuntimeError::Peer {
+            rank: 0,
+            peer: from,
+            op: "trace spans".into(),
+            kind: PeerKind::Malformed,
+            message: format!("malformed spans: {e}"),
+        })?;
         spans.extend(theirs);
     }
     if let Some(path) = &mpi_run.trace {
@@ -730,10 +775,12 @@ fn run_worker_rank<B: Backend>(
             comm.0
                 .split_by_color_with_key(Color::with_value(group as i32), key as i32)
         };
+        // Every worker splits with a color of its own group: it is in both.
         let (Some(data_axis), Some(model_axis)) = (split(Axis::Data), split(Axis::Model)) else {
-            return Err(RuntimeError::Config(format!(
-                "worker {r}: not in its data axis's or its model axis's communicator"
-            )));
+            return Err(RuntimeError::internal(
+                format!("worker {r}"),
+                "not in its data axis's or its model axis's communicator",
+            ));
         };
         let model: Box<dyn Communicator> = Box::new(MpiComm::new(
             Comm(model_axis),
@@ -755,6 +802,7 @@ fn run_worker_rank<B: Backend>(
             roles.servers,
             Box::new(MpiWorkerLink {
                 comm: ps_comm.clone(),
+                rank: r,
                 workers: roles.workers,
                 sends: Sends::new(opts.timeout),
             }),
@@ -769,7 +817,7 @@ fn run_worker_rank<B: Backend>(
             return Ok(());
         };
         let line = serde_json::to_string(&local_line(rep, batch))
-            .map_err(|e| RuntimeError::Config(e.to_string()))?;
+            .map_err(|e| RuntimeError::internal("the metrics", e.to_string()))?;
         writeln!(w, "{line}").map_err(|source| RuntimeError::Io {
             path: PathBuf::from("metrics"),
             source,
@@ -853,7 +901,7 @@ pub fn calibrate(
 ) -> Result<Option<(crate::comm::calibrate::Sweep, Vec<String>)>> {
     let (universe, _) =
         mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or_else(|| {
-            RuntimeError::Config("MPI was already initialised in this process".into())
+            RuntimeError::internal("MPI", "MPI was already initialised in this process")
         })?;
     let world = universe.world();
     let size = world.size() as usize;

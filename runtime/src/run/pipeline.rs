@@ -26,38 +26,41 @@
 //! communicator, and to the same model rank of the neighbouring stages by the
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
+use crate::comm::collective::{collective, model_collective, op_label, Done};
+use crate::comm::Links;
 use crate::comm::{in_process, ByteCount, Communicator};
+use crate::core::backend::Site;
 use crate::core::backend::{
     backend_error, upload_all, upload_micro_batches, Backend, OptimizerState,
 };
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Message, Pending};
 use crate::core::schedule::Mode;
 use crate::core::shards::{Layout, Manifest};
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
-use crate::run::data::{data_dir, DataSource};
+use crate::run::data::DataSource;
+use crate::run::data::{open_data, open_source};
 use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep};
-use crate::run::programs::{input_types, CheckpointEvery, Links, Programs, Site, TrainOptions};
+use crate::run::options::{CheckpointEvery, TrainOptions};
+use crate::run::programs::Programs;
+use crate::run::state::{first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
-use crate::run::worker::{
-    collective, first_step, initial_values, model_collective, op_label, resumed_slots, Done,
-    StepReport, WARMUP,
-};
+use crate::run::trainer::{capture_failed, host_params, make_optimizer, Capture, Rehearsal};
+use crate::run::worker::StepReport;
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
 use distc_ir::{Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -205,6 +208,8 @@ pub(crate) struct PipelineRun<'a> {
     /// a model axis.
     whole: &'a Graph,
     program: &'a PipelineProgram,
+    /// The plan's programs, as every role's data opener reads them.
+    programs: Programs<'a>,
     /// The plan's mesh: copies of the pipeline (replicas, each a slice of the global
     /// batch), its stages, and the workers of each stage on the model axis.
     pub(crate) mesh: Mesh,
@@ -218,7 +223,6 @@ pub(crate) struct PipelineRun<'a> {
     part_slots: Vec<HashMap<String, Tensor>>,
     steps_of: Vec<Vec<Step>>,
     tied: Vec<TiedVariable>,
-    shapes: HashMap<String, TensorType>,
     initial: HashMap<String, Tensor>,
     /// The variables no stage reads, whole, and their optimizer state: on one device
     /// no gradient reaches them and they never change, so the run carries them as
@@ -227,7 +231,6 @@ pub(crate) struct PipelineRun<'a> {
     carried_slots: HashMap<String, Tensor>,
     /// How a sharded state records the split variables (from the final program).
     layout: Layout,
-    dir: Option<PathBuf>,
     /// Steps of the run.
     pub(crate) steps: usize,
     /// The first step it runs: 1, or the one after a resumed state's.
@@ -255,10 +258,10 @@ impl<'a> PipelineRun<'a> {
     ) -> Result<PipelineRun<'a>> {
         let (whole, init, finalize) = (programs.worker, programs.init, programs.finalize);
         let Some(program) = programs.pipeline else {
-            return Err(RuntimeError::Config("the plan has no pipeline".into()));
+            return Err(RuntimeError::plan("it has no pipeline"));
         };
         if mesh.data == 0 || mesh.pipe != program.stages.len().max(1) {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::plan(format!(
                 "a pipeline of {} stages cannot run on {}",
                 program.stages.len(),
                 mesh.describe()
@@ -267,8 +270,7 @@ impl<'a> PipelineRun<'a> {
         let (replicas, model_axis) = (mesh.data, mesh.model);
         // How the final program gathers the model axis's parts: the split variables,
         // and how a sharded state records them.
-        let layout = Layout::of(finalize)
-            .map_err(|m| RuntimeError::Config(format!("the pipelined plan: {m}")))?;
+        let layout = Layout::of(finalize).map_err(RuntimeError::Plan)?;
         let split = layout.model_parts();
         // The one-device values the init program cuts each model rank's parts from: a
         // resumed state's where there is one.
@@ -292,7 +294,7 @@ impl<'a> PipelineRun<'a> {
             .collect::<Result<Vec<_>>>()?;
         let steps_of = program
             .programs()
-            .map_err(|e| RuntimeError::Config(format!("the pipeline's schedule: {e}")))?;
+            .map_err(|e| RuntimeError::plan(format!("its pipeline's schedule: {e}")))?;
         let steps = opts.steps.unwrap_or(config.steps);
         let resume = opts.resume.as_deref();
         // The state is whole, whatever wrote it: checked against the whole model.
@@ -322,6 +324,7 @@ impl<'a> PipelineRun<'a> {
         Ok(PipelineRun {
             whole,
             program,
+            programs: *programs,
             mesh,
             shard: init,
             parts,
@@ -329,12 +332,10 @@ impl<'a> PipelineRun<'a> {
             split,
             steps_of,
             tied: program.tied(),
-            shapes: input_types(whole),
             initial,
             carried,
             carried_slots,
             layout,
-            dir: data_dir(opts.data_dir.as_deref()),
             steps,
             first: first_step(resume, steps)?,
             cadence: Cadence::of(config, opts),
@@ -383,10 +384,13 @@ impl<'a> PipelineRun<'a> {
             } else {
                 let lacking = self.lacking(|n| params.contains_key(n));
                 if !lacking.is_empty() {
-                    return Err(RuntimeError::Config(format!(
-                        "the training state of step {step} lacks {lacking:?}: a stage did \
+                    return Err(RuntimeError::internal(
+                        "the stages' handover",
+                        format!(
+                            "the training state of step {step} lacks {lacking:?}: a stage did \
                          not hand its variables over"
-                    )));
+                        ),
+                    ));
                 }
                 let mut slots = handed.slots;
                 slots.extend(self.carried_slots.clone());
@@ -453,10 +457,13 @@ impl<'a> PipelineRun<'a> {
         let manifest = Manifest::of(index, &self.layout, &keys, (shards, 1, self.mesh.model));
         let lacking = self.lacking(|n| manifest.index.variables.iter().any(|v| v == n));
         if !lacking.is_empty() {
-            return Err(RuntimeError::Config(format!(
-                "the sharded state of step {} lacks {lacking:?}: no stage wrote them",
-                index.step
-            )));
+            return Err(RuntimeError::internal(
+                "the sharded checkpoint",
+                format!(
+                    "the sharded state of step {} lacks {lacking:?}: no stage wrote them",
+                    index.step
+                ),
+            ));
         }
         c.commit_pending(Some(index.step))?;
         manifest.write(&c.path)?;
@@ -494,51 +501,14 @@ impl<'a> PipelineRun<'a> {
         (c.replica, c.stage, c.model)
     }
 
-    fn open(
-        &self,
-        config: &RunConfig,
-        opts: &TrainOptions,
-        part: usize,
-        parts: usize,
-    ) -> Result<DataSource> {
-        let open = if opts.global_data {
-            DataSource::open_global
-        } else {
-            DataSource::open
-        };
-        open(
-            &config.data,
-            self.dir.as_deref(),
-            &self.shapes,
-            config.batch,
-            config.seed,
-            part,
-            parts,
-        )
-    }
-
-    /// Worker `w`'s data: one source per micro-batch. Every stage of replica r draws
-    /// the same micro-batches: part r*M + m of the R*M parts of the step's global batch,
-    /// as data parallelism with accumulation does.
+    /// Worker `w`'s data: one source per micro-batch, opened as every role's is.
     pub(crate) fn sources(
         &self,
         config: &RunConfig,
         opts: &TrainOptions,
         w: usize,
     ) -> Result<Vec<DataSource>> {
-        let (r, micro) = (self.coordinates(w).0, self.program.micro_batches);
-        (0..micro)
-            .map(|m| {
-                let mut s = self.open(config, opts, r * micro + m, self.mesh.data * micro)?;
-                if let Some(state) = &self.resume {
-                    s.skip_samples(state.index.samples)?;
-                }
-                if opts.preload {
-                    s.preload(self.steps_to_run())?;
-                }
-                Ok(s)
-            })
-            .collect()
+        open_data(&self.programs, &self.mesh, config, opts, w)
     }
 
     /// Worker `w`'s stage: `comm` links it to the other stages of its replica (rank =
@@ -605,12 +575,10 @@ impl<'a> PipelineRun<'a> {
             carried: (s == 0 && m == 0).then_some([&self.carried, &self.carried_slots]),
             elastic: Elastic {
                 slot: opts.snapshot.clone(),
-                lost_at: opts.fail.filter(|f| f.worker == w).map(|f| f.step),
-                workers: self.mesh.workers(),
-                timeout: opts.timeout,
                 index: self.index(0, opts.saved_by()),
                 samples_per_step: self.samples_per_step,
             },
+            rehearsal: Rehearsal::of(opts, w, self.mesh.workers()),
             hook: StageHook {
                 replicas: Some(replica_comm),
                 model: model_comm,
@@ -643,7 +611,7 @@ impl<'a> PipelineRun<'a> {
             whole: self.whole,
             shard: self.shard,
             model_axis: self.mesh.model,
-            data: self.open(config, opts, 0, 1)?,
+            data: open_source(self.whole, config, opts, 0, 1)?,
             config: config.clone(),
         }))
     }
@@ -781,7 +749,10 @@ impl Evaluator<'_> {
                 .collect();
             for h in handles {
                 results.push(h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Config("an evaluation thread panicked".into()))
+                    Err(RuntimeError::internal(
+                        "evaluation",
+                        "an evaluation thread panicked",
+                    ))
                 }));
             }
         });
@@ -790,7 +761,7 @@ impl Evaluator<'_> {
         results
             .into_iter()
             .next()
-            .ok_or_else(|| RuntimeError::Config("no model rank evaluated".into()))
+            .ok_or_else(|| RuntimeError::internal("evaluation", "no model rank evaluated"))
     }
 }
 
@@ -827,7 +798,7 @@ impl CommHook for StageHook {
             (&mut self.replicas, "replicas")
         };
         let Some(comm) = comm else {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::plan(format!(
                 "{op} in a pipeline stage without a communicator among its {axis}"
             )));
         };
@@ -861,7 +832,7 @@ impl CommHook for StageHook {
 }
 
 fn no_servers(var: &str) -> RuntimeError {
-    RuntimeError::Config(format!(
+    RuntimeError::plan(format!(
         "`{var}` is on a parameter server, which a pipelined plan does not have"
     ))
 }
@@ -976,6 +947,8 @@ pub(crate) struct Stage<'a> {
     /// An elastic run's copy of what it holds, kept after every step, and the step its
     /// loss is rehearsed at.
     elastic: Elastic,
+    /// The failure it rehearses, if any (`--fail-worker`).
+    rehearsal: Rehearsal,
     hook: StageHook,
     steps: &'a [Step],
     forward: &'a Graph,
@@ -1050,7 +1023,7 @@ impl Stage<'_> {
         for t in self.tied {
             if t.owner == s {
                 let held = params.get(&t.name).ok_or_else(|| {
-                    RuntimeError::Config(format!("stage {s} does not hold `{}`", t.name))
+                    RuntimeError::plan(format!("stage {s} does not hold `{}`", t.name))
                 })?;
                 let value = backend
                     .download(held)
@@ -1070,17 +1043,21 @@ impl Stage<'_> {
                     t.name
                 ));
                 let bytes = self.comm.recv(from).map_err(|e| {
-                    RuntimeError::Config(format!(
-                        "step {step}: waiting for the updated `{}` from stage {from}: {e}",
+                    e.context(format_args!(
+                        "step {step}: waiting for the updated `{}` from stage {from}",
                         t.name
                     ))
                 })?;
                 let values = decode_params(&bytes).map_err(|e| {
-                    RuntimeError::Config(format!("the updated `{}` from stage {from}: {e}", t.name))
+                    malformed(
+                        s,
+                        from,
+                        format!("the updated `{}` from stage {from}: {e}", t.name),
+                    )
                 })?;
                 for (name, x) in values {
                     if name != t.name {
-                        return Err(RuntimeError::Config(format!(
+                        return Err(RuntimeError::plan(format!(
                             "stage {from} sent `{name}` for the updated `{}`",
                             t.name
                         )));
@@ -1138,7 +1115,7 @@ impl Stage<'_> {
             };
             let (name, dim) = (name.clone(), *dim);
             let Some(comm) = self.hook.model.as_mut() else {
-                return Err(RuntimeError::Config(format!(
+                return Err(RuntimeError::plan(format!(
                     "`{var}` is split over a model axis this stage has no communicator for"
                 )));
             };
@@ -1155,7 +1132,7 @@ impl Stage<'_> {
                     slots.insert(format!("{name}/{slot}"), w);
                 }
                 v => {
-                    return Err(RuntimeError::Config(format!(
+                    return Err(RuntimeError::plan(format!(
                         "gathering `{key}` gave {}",
                         v.value_type()
                     )))
@@ -1175,7 +1152,7 @@ impl Stage<'_> {
         let mut out = host_params(backend, params)?;
         for (part, name, dim) in &self.split {
             let Some(comm) = self.hook.model.as_mut() else {
-                return Err(RuntimeError::Config(format!(
+                return Err(RuntimeError::plan(format!(
                     "`{part}` is split over a model axis this stage has no communicator for"
                 )));
             };
@@ -1192,7 +1169,7 @@ impl Stage<'_> {
                     out.insert(name.clone(), w);
                 }
                 v => {
-                    return Err(RuntimeError::Config(format!(
+                    return Err(RuntimeError::plan(format!(
                         "gathering `{part}` gave {}",
                         v.value_type()
                     )))
@@ -1240,10 +1217,13 @@ impl Stage<'_> {
         last: bool,
     ) -> Result<Vec<String>> {
         let Some(c) = &self.shards else {
-            return Err(RuntimeError::Config(format!(
-                "{} writes no shard: it is not in replica 0 of a sharded run",
-                self.name
-            )));
+            return Err(RuntimeError::internal(
+                "checkpoint",
+                format!(
+                    "{} writes no shard: it is not in replica 0 of a sharded run",
+                    self.name
+                ),
+            ));
         };
         let (s, m) = (self.stage, self.model_rank);
         tensors.retain(|k, _| {
@@ -1258,22 +1238,6 @@ impl Stage<'_> {
         )?;
         Ok(keys)
     }
-}
-
-/// The variables on the host, as the backend holds them.
-fn host_params<B: Backend>(
-    backend: &mut B,
-    params: &HashMap<String, B::Tensor>,
-) -> Result<HashMap<String, Tensor>> {
-    let device = backend.name();
-    let mut out = HashMap::with_capacity(params.len());
-    for (name, t) in params {
-        let host = backend
-            .download(t)
-            .map_err(|e| backend_error(&device, "reading the variables", e))?;
-        out.insert(name.clone(), host);
-    }
-    Ok(out)
 }
 
 /// Variables as one message (a tied variable's update, or a stage's variables).
@@ -1382,24 +1346,9 @@ impl<'a> Stage<'a> {
         let mut bwd = Executor::with_backend(self.backward, backward_backend)?;
         bwd.set_model_rank(self.model_rank);
         let device = bwd.backend().name();
-        let fail = |what: &'static str| |e| backend_error(&device, what, e);
         let params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
-        let mut optimizer = bwd
-            .backend()
-            .optimizer(&config.optimizer, &config.no_decay, &params)
-            .map_err(fail("creating the optimizer"))?;
-        bwd.backend()
-            .follow_schedule(
-                &mut optimizer,
-                &config.lr_schedule,
-                crate::run::steps::lr_horizon(config),
-            )
-            .map_err(fail("setting the learning-rate schedule"))?;
-        if let Some(slots) = self.resumed_slots.take() {
-            bwd.backend()
-                .load_optimizer_state(&mut optimizer, &slots)
-                .map_err(fail("loading the optimizer state"))?;
-        }
+        let slots = self.resumed_slots.take();
+        let optimizer = make_optimizer(bwd.backend(), config, &params, slots.as_ref())?;
         let has_loss = self
             .forward
             .node_ids()
@@ -1430,11 +1379,7 @@ impl<'a> Stage<'a> {
             && !bwd.device_clock()
             && fwd.can_capture()
             && bwd.can_capture();
-        let graph = if capturable {
-            StageGraph::Untried
-        } else {
-            StageGraph::Off
-        };
+        let graph = Capture::starting(capturable);
         let mut trace = StepTrace::default();
         let mut body = ScheduleStep {
             graph,
@@ -1468,15 +1413,10 @@ impl<'a> Stage<'a> {
     }
 }
 
-/// A stage's part in an elastic run (`--elastic`, `--fail-worker`).
+/// A stage's part in an elastic run (`--elastic`).
 struct Elastic {
     /// Where it keeps its copy after every step.
     slot: Option<crate::run::snapshot::StateSlot>,
-    /// The step it is lost at (`--fail-worker`).
-    lost_at: Option<usize>,
-    /// The run's workers, and how long a rehearsed loss waits for them.
-    workers: usize,
-    timeout: std::time::Duration,
     /// Its copies' index, their step and data position set when kept.
     index: StateIndex,
     samples_per_step: usize,
@@ -1503,20 +1443,11 @@ struct ScheduleStep<'s, 'a, B: Backend> {
     graph: StageGraph,
 }
 
-/// Whether a stage's steps are a CUDA graph's replays (as the worker's
-/// `GraphState`): a stage's whole step (every micro-batch's forward and backward in
-/// its schedule's order, its messages device to device, and the update) is one graph.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StageGraph {
-    /// Not tried yet (waiting for the warm-up steps).
-    Untried,
-    /// Every step runs eagerly: a backend records no graphs, or the step has a host
-    /// round trip (messages through the host, clipping, a tied variable's exchange).
-    Off,
-    /// A step is captured and replayed from now on; what it holds, measured while it
-    /// was recorded.
-    Replaying(MemoryByCategory),
-}
+/// Whether a stage's steps are a CUDA graph's replays: a stage's whole step (every
+/// micro-batch's forward and backward in its schedule's order, its messages device to
+/// device, and the update) is one graph; what it holds, measured while it was
+/// recorded.
+type StageGraph = Capture<MemoryByCategory>;
 
 /// What a stage's step hands from its body to its report.
 struct ScheduleRan {
@@ -1536,14 +1467,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
 
     fn run_step(&mut self, step: usize, _: Due) -> Result<Ran<ScheduleRan>> {
         let me = &mut *self.stage;
-        if me.elastic.lost_at == Some(step) {
-            return Err(crate::run::snapshot::rehearsed_loss(
-                me.elastic.slot.as_ref(),
-                (me.worker, me.elastic.workers),
-                (step, me.first),
-                me.elastic.timeout,
-            ));
-        }
+        me.rehearsal.at(step, me.first)?;
         // Each micro-batch in buffers of its own (the same every step, which a
         // replayed graph reads): all of a step's are live at once.
         let batches = me
@@ -1553,18 +1477,17 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             .collect::<Result<Vec<_>>>()?;
         let feeds = upload_micro_batches(self.fwd.backend(), batches, me.micro)?;
         let start = Instant::now();
-        if let StageGraph::Replaying(memory) = self.graph {
+        if let Some(memory) = self.graph.replayed() {
             return self.replay(step, start, memory);
         }
-        let capturing = self.graph == StageGraph::Untried
-            && step >= self.stage.first + WARMUP
-            && self.begin_capture(step)?;
+        let capturing =
+            self.graph.captures_at(step, self.stage.first) && self.begin_capture(step)?;
         let ran = self.schedule(step, &feeds, start);
         if !capturing {
             return ran;
         }
         let memory = self.end_capture(step, ran)?;
-        self.graph = StageGraph::Replaying(memory);
+        self.graph = Capture::Replaying(memory);
         self.replay(step, start, memory)
     }
 
@@ -1628,7 +1551,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             bytes_sent: bytes.sent - self.last_bytes.sent,
             bytes_received: bytes.received - self.last_bytes.received,
             messages_on_device: self.bwd.backend().sends_messages(),
-            cuda_graph: matches!(self.graph, StageGraph::Replaying(_)),
+            cuda_graph: self.graph.replaying(),
             host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
             memory: ran.memory,
             peak: self.peak.clone(),
@@ -1677,7 +1600,7 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
                     .leave_capture()
                     .map_err(fail("leaving the CUDA graph capture"))?;
             }
-            self.graph = StageGraph::Off;
+            self.graph = Capture::Off;
         }
         Ok(began)
     }
@@ -1692,19 +1615,15 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
         let device = self.device.clone();
         let left = self.fwd.backend().leave_capture();
         let ended = self.bwd.backend().end_capture();
-        let hint = "; run with --no-cuda-graph to train without a graph";
         let ran = ran.map_err(|e| {
-            RuntimeError::Config(format!(
-                "{device}: stage {}'s step {step} could not be captured into a CUDA graph: \
-                 {e}{hint}",
+            let what = format!(
+                "stage {}'s step {step} could not be captured into a CUDA graph",
                 self.stage.stage
-            ))
+            );
+            capture_failed(&device, what, e)
         })?;
         for (what, r) in [("leaving", left), ("ending", ended)] {
-            r.map_err(|e| {
-                let e = backend_error(&device, &format!("{what} the CUDA graph capture"), e);
-                RuntimeError::Config(format!("{e}{hint}"))
-            })?;
+            r.map_err(|e| capture_failed(&device, format!("{what} the CUDA graph capture"), e))?;
         }
         Ok(ran.memory)
     }
@@ -1809,17 +1728,21 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
                     } else {
                         me.comm.set_label(&label);
                         let bytes = me.comm.recv(from).map_err(|e| {
-                            RuntimeError::Config(format!(
+                            e.context(format_args!(
                                 "step {step}: waiting for the {what} of micro-batch {micro} \
-                                 from stage {from}: {e}"
+                                 from stage {from}"
                             ))
                         })?;
                         decode_values(&bytes)
                             .map_err(|e| {
-                                RuntimeError::Config(format!(
-                                    "step {step}: the {what} of micro-batch {micro} from \
-                                     stage {from}: {e}"
-                                ))
+                                malformed(
+                                    s,
+                                    from,
+                                    format!(
+                                        "step {step}: the {what} of micro-batch {micro} from \
+                                         stage {from}: {e}"
+                                    ),
+                                )
                             })?
                             .into_iter()
                             .map(|(tag, v)| (tag, Message::Host(v)))
@@ -1852,7 +1775,7 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
                             })
                             .collect();
                         if expected.is_none_or(|e| *e != sent) {
-                            return Err(RuntimeError::Config(format!(
+                            return Err(RuntimeError::plan(format!(
                                 "{label}: sends {sent:?}, stage {to} receives {expected:?}"
                             )));
                         }
@@ -1947,7 +1870,7 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
                     }
                     if let Some((name, _)) = out.assigned.first() {
                         // The compiler refuses such plans; a hand-made one stops here.
-                        return Err(RuntimeError::Config(format!(
+                        return Err(RuntimeError::plan(format!(
                             "{}: assigns `{name}` (running statistics), which pipeline \
                              stages do not keep",
                             me.name
@@ -2016,13 +1939,24 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
 /// A message value of the other kind than the stage's path (`on_device`: its messages
 /// go device to device, and this one is on the host; else the reverse): refused,
 /// never dropped.
+/// Stage `from` sent stage `me` what it cannot decode.
+fn malformed(me: usize, from: usize, message: String) -> RuntimeError {
+    RuntimeError::Peer {
+        rank: me,
+        peer: from,
+        op: "recv".into(),
+        kind: PeerKind::Malformed,
+        message,
+    }
+}
+
 fn wrong_path(label: &str, tag: &str, on_device: bool) -> RuntimeError {
     let (value, path) = if on_device {
         ("on the host", "device to device")
     } else {
         ("on the device", "through the host")
     };
-    RuntimeError::Config(format!(
+    RuntimeError::plan(format!(
         "{label}: `{tag}` is a value {value}, and this stage's messages go {path}"
     ))
 }

@@ -25,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// What the workers of an elastic run keep in memory, shared by the run and whoever
-/// restarts it (see [`crate::run::programs::TrainOptions::snapshot`]).
+/// restarts it (see [`crate::run::options::TrainOptions::snapshot`]).
 #[derive(Clone, Debug, Default)]
 pub struct StateSlot {
     kept: Arc<Mutex<Kept>>,
@@ -176,7 +176,7 @@ impl StateSlot {
             return Ok(None);
         }
         let lost: Vec<String> = kept.lost.iter().map(|r| format!("worker {r}")).collect();
-        Err(RuntimeError::Config(format!(
+        Err(RuntimeError::state(format!(
             "--elastic: no state to restart from: the memory of {} is lost, and what the \
              others kept does not make a whole state ({})",
             if lost.is_empty() {

@@ -11,7 +11,7 @@
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::run::memory::MemoryByCategory;
-use crate::run::programs::TrainOptions;
+use crate::run::options::TrainOptions;
 use crate::run::trace::Span;
 use std::time::Instant;
 

@@ -28,10 +28,14 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 // What a caller of the thread launcher names, where it has always found it.
+pub use crate::comm::Links;
+pub use crate::core::backend::Site;
+pub use crate::run::data::open_data;
 pub use crate::run::eval::evaluate;
+pub use crate::run::metrics::TrainReport;
+pub use crate::run::options::{CheckpointEvery, TrainOptions};
 pub use crate::run::programs::{
-    init_params, input_types, micro_batches, open_data, pulled_types, server_shards,
-    CheckpointEvery, Links, Programs, Site, TrainOptions, TrainReport,
+    init_params, input_types, micro_batches, pulled_types, server_shards, Programs,
 };
 
 /// One in-process communicator per group of `axis`, its waits bounded by the run's
@@ -112,9 +116,12 @@ where
         handles
             .into_iter()
             .map(|(name, h)| match h {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|_| Err(RuntimeError::Config(format!("{name} panicked")))),
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::internal(
+                        "the launcher",
+                        format!("{name} panicked"),
+                    ))
+                }),
                 Err(e) => Err(RuntimeError::Config(format!("{name}: cannot start: {e}"))),
             })
             .collect()
@@ -149,7 +156,7 @@ fn settle<O>(
         return Err(first_error(
             errors,
             mesh,
-            RuntimeError::Config("a worker failed".into()),
+            RuntimeError::internal("the launcher", "a worker failed"),
         ));
     }
     Ok(outcomes)

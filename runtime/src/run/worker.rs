@@ -14,7 +14,9 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
-use crate::comm::{from_wire, from_wire_parts, wire_bytes, ByteCount, Communicator};
+use crate::comm::collective::{collective, model_collective, op_label, Done};
+use crate::comm::Links;
+use crate::comm::{ByteCount, Communicator};
 use crate::core::backend::{all_to_host, backend_error, upload_all, upload_micro_batches, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
@@ -22,8 +24,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor, Pending};
 use crate::core::roles::Role;
 use crate::core::schedule::{MemoryUse, Mode};
-use crate::core::value::{Slices, Tensor, Value};
-use crate::cpu::optim::STEP_KEY;
+use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::{PsClient, PsSync};
 use crate::run::data::DataSource;
@@ -31,16 +32,20 @@ use crate::run::eval::evaluate;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, Profile};
-use crate::run::programs::{init_params, Links, Programs, TrainOptions};
+use crate::run::options::TrainOptions;
+use crate::run::programs::Programs;
+use crate::run::state::{first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
-use distc_ir::{DType, NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
+use crate::run::trainer::{
+    capture_failed, host_params, make_optimizer, Capture, Rehearsal, WARMUP,
+};
+use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use zerocopy::IntoBytes;
 
 /// One worker's account of one step.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -85,6 +90,10 @@ pub struct StepReport {
     pub peaks: Vec<crate::core::peak::DevicePeak>,
 }
 
+fn hung_up(e: &RuntimeError) -> bool {
+    e.peer_kind() == Some(crate::core::error::PeerKind::HungUp)
+}
+
 /// The first error of a run, with the role that hit it. Shared by every rank of a
 /// process; later errors (consequences: a peer hung up, a server aborted) are dropped.
 #[derive(Clone, Default)]
@@ -98,7 +107,7 @@ impl ErrorSlot {
         let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let replace = match &*slot {
             None => true,
-            Some((_, first)) => first.is_hang_up() && !e.is_hang_up(),
+            Some((_, first)) => hung_up(first) && !hung_up(&e),
         };
         if replace {
             *slot = Some((role, e));
@@ -170,14 +179,13 @@ struct Waiting(mpsc::Receiver<Result<Value>>);
 
 impl Pending for Waiting {
     fn wait(self: Box<Self>) -> Result<Value> {
-        self.0
-            .recv()
-            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?
+        self.0.recv().map_err(|_| {
+            RuntimeError::internal(
+                "the communication thread",
+                "the communication thread stopped",
+            )
+        })?
     }
-}
-
-fn shape_err(e: ndarray::ShapeError) -> RuntimeError {
-    RuntimeError::Config(e.to_string())
 }
 
 /// fp16's dynamic loss scaling, as PyTorch's GradScaler: the backward pass starts
@@ -220,7 +228,7 @@ impl LossScaler {
     /// counts.
     pub(crate) fn from_tensor(t: &Tensor) -> Result<LossScaler> {
         let bad = || {
-            RuntimeError::Config(format!(
+            RuntimeError::state(format!(
                 "the training state's `{LOSS_SCALE_KEY}` is not [scale, finite steps, skipped \
                  steps]: the file is damaged or was edited"
             ))
@@ -346,109 +354,6 @@ fn global_norm(
     Ok(total.max(0.0).sqrt())
 }
 
-/// A collective already done.
-pub(crate) struct Done(pub(crate) Value);
-
-impl Pending for Done {
-    fn wait(self: Box<Self>) -> Result<Value> {
-        Ok(self.0)
-    }
-}
-
-/// What a communicator names when one of its operations fails or times out: the op,
-/// its IR node and the step (`all_reduce %25 at step 12`), on every axis alike.
-pub(crate) fn op_label(op: &Op, node: NodeId, step: u64) -> String {
-    if node == NodeId(u32::MAX) {
-        return format!("the {} of step {step}'s overflow check", op.mnemonic());
-    }
-    format!("{} {node} at step {step}", op.mnemonic())
-}
-
-/// Runs one collective over the model axis: a sum, the sum's shard of this rank, or the
-/// shards concatenated along their split dimension in rank order. `label` names it
-/// ([`op_label`]) for a failure or a timeout.
-pub(crate) fn model_collective(
-    comm: &mut dyn Communicator,
-    op: &Op,
-    value: Value,
-    label: &str,
-) -> Result<Value> {
-    comm.set_label(label);
-    let n = comm.size();
-    let Value::Tensor(Tensor::F32(mut a)) = value else {
-        return Err(RuntimeError::Config(format!(
-            "{op} of a value that is not f32"
-        )));
-    };
-    match op {
-        Op::ModelAllReduce { parts }
-        | Op::ModelGather { parts, .. }
-        | Op::ModelReduceScatter { parts, .. }
-            if *parts != n =>
-        {
-            Err(RuntimeError::Config(format!(
-                "{op} for {parts} workers on a model axis of {n}"
-            )))
-        }
-        Op::ModelAllReduce { .. } => {
-            let mut a = a.as_standard_layout().into_owned();
-            let buf = a.as_slice_mut().ok_or_else(|| {
-                RuntimeError::Config("model_all_reduce of a non-contiguous tensor".into())
-            })?;
-            comm.all_reduce(buf, false)?;
-            Ok(Value::Tensor(Tensor::F32(a)))
-        }
-        Op::ModelReduceScatter { dim, .. } => {
-            // With `dim` leading, each rank's shard is one contiguous chunk of the sum.
-            let rank = a.ndim();
-            let mut perm: Vec<usize> = vec![*dim];
-            perm.extend((0..rank).filter(|k| k != dim));
-            let moved = a
-                .permuted_axes(IxDyn(&perm))
-                .as_standard_layout()
-                .into_owned();
-            let mut shape = moved.shape().to_vec();
-            if shape[0] % n != 0 {
-                return Err(RuntimeError::Config(format!(
-                    "{op} of a value whose dimension {dim} ({}) does not split into {n}",
-                    shape[0]
-                )));
-            }
-            let flat: Vec<f32> = moved.iter().copied().collect();
-            let mine = comm.reduce_scatter(&flat, false)?;
-            shape[0] /= n;
-            let part = ArrayD::from_shape_vec(IxDyn(&shape), mine).map_err(shape_err)?;
-            let mut back = vec![0; rank];
-            for (k, p) in perm.iter().enumerate() {
-                back[*p] = k;
-            }
-            let part = part
-                .permuted_axes(IxDyn(&back))
-                .as_standard_layout()
-                .into_owned();
-            Ok(Value::Tensor(Tensor::F32(part)))
-        }
-        Op::ModelGather { dim, .. } => {
-            a = a.as_standard_layout().into_owned();
-            let shape = a.shape().to_vec();
-            let mine = wire_bytes(a.as_slice().unwrap_or_default());
-            let parts = comm
-                .all_gather(mine)?
-                .into_iter()
-                .map(|p| {
-                    ArrayD::from_shape_vec(IxDyn(&shape), from_wire::<f32>(&p)).map_err(shape_err)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
-            let whole = ndarray::concatenate(ndarray::Axis(*dim), &views).map_err(shape_err)?;
-            Ok(Value::Tensor(Tensor::F32(whole)))
-        }
-        _ => Err(RuntimeError::Config(format!(
-            "{op} is not a model-axis collective"
-        ))),
-    }
-}
-
 /// Worker `rank`'s place on the plan's mesh: `(data rank, model rank)`.
 fn mesh_ranks(mesh: &Mesh, rank: usize) -> (usize, usize) {
     let c = mesh.coord(rank);
@@ -465,186 +370,6 @@ fn set_ranks<B: Backend>(
 ) {
     exec.set_rank(micro.map_or(data_rank, |(k, m)| data_rank * k + m));
     exec.set_model_rank(model_rank);
-}
-
-/// `a` as rank `root` holds it, on every rank: its elements broadcast as their wire
-/// bytes.
-fn broadcast_array<T>(comm: &mut dyn Communicator, a: &ArrayD<T>, root: usize) -> Result<ArrayD<T>>
-where
-    T: Clone + zerocopy::FromBytes + zerocopy::IntoBytes + zerocopy::Immutable,
-{
-    let a = a.as_standard_layout();
-    let mut bytes = wire_bytes(a.as_slice().unwrap_or_default());
-    comm.broadcast(&mut bytes, root)?;
-    ArrayD::from_shape_vec(IxDyn(a.shape()), from_wire::<T>(&bytes)).map_err(shape_err)
-}
-
-/// Runs one collective on a communicator.
-pub fn collective(comm: &mut dyn Communicator, op: &Op, value: Value) -> Result<Value> {
-    let n = comm.size();
-    match (op, value) {
-        // A 16-bit gradient wire (`--grad-wire`).
-        (Op::AllReduce { reduce, .. }, Value::Tensor(t)) if t.dtype().is_half() => {
-            let wire = t.dtype();
-            let wide = t.cast(DType::F32).and_then(|w| w.as_f32().cloned());
-            let Some(mut a) = wide.map(|a| a.as_standard_layout().into_owned()) else {
-                return Err(RuntimeError::Config(format!("all_reduce of {wire}")));
-            };
-            let buf = a.as_slice_mut().ok_or_else(|| {
-                RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
-            })?;
-            crate::comm::all_reduce_wire(comm, buf, *reduce == ReduceOp::Mean, wire)?;
-            let back = Tensor::F32(a).cast(wire).ok_or_else(|| {
-                RuntimeError::Config(format!("all_reduce: cannot round to {wire}"))
-            })?;
-            Ok(Value::Tensor(back))
-        }
-        (
-            Op::AllReduce {
-                reduce,
-                ranks_per_node,
-            },
-            Value::Tensor(Tensor::F32(mut a)),
-        ) => {
-            let buf = a.as_slice_mut().ok_or_else(|| {
-                RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
-            })?;
-            let mean = *reduce == ReduceOp::Mean;
-            if *ranks_per_node > 1 {
-                crate::comm::hierarchical_all_reduce(comm, buf, mean, *ranks_per_node)?;
-            } else {
-                comm.all_reduce(buf, mean)?;
-            }
-            Ok(Value::Tensor(Tensor::F32(a)))
-        }
-        (Op::AllReduce { reduce, .. }, Value::Tensor(Tensor::F64(mut a))) => {
-            let buf = a.as_slice_mut().ok_or_else(|| {
-                RuntimeError::Config("all_reduce of a non-contiguous tensor".into())
-            })?;
-            comm.all_reduce_f64(buf, *reduce == ReduceOp::Mean)?;
-            Ok(Value::Tensor(Tensor::F64(a)))
-        }
-        (Op::Broadcast { root }, Value::Tensor(Tensor::F32(a))) => Ok(Value::Tensor(Tensor::F32(
-            broadcast_array(comm, &a, *root)?,
-        ))),
-        // f64 programs (gradient checks, float64 parity runs) start alike on every rank.
-        (Op::Broadcast { root }, Value::Tensor(Tensor::F64(a))) => Ok(Value::Tensor(Tensor::F64(
-            broadcast_array(comm, &a, *root)?,
-        ))),
-        // ZeRO's reduce-scatter on a 16-bit wire: its chunks padded to equal parts.
-        (Op::ReduceScatter { workers, reduce }, Value::Tensor(t)) if t.dtype().is_half() => {
-            if *workers != n {
-                return Err(RuntimeError::Config(format!(
-                    "reduce_scatter for {workers} workers on a communicator of {n}"
-                )));
-            }
-            let wire = t.dtype();
-            let Some(a) = t.cast(DType::F32).and_then(|w| w.as_f32().cloned()) else {
-                return Err(RuntimeError::Config(format!("reduce_scatter of {wire}")));
-            };
-            let mut flat = flat_vec(a);
-            let c = flat.len().div_ceil(n);
-            flat.resize(c * n, 0.0);
-            let mine =
-                crate::comm::reduce_scatter_wire(comm, &mut flat, *reduce == ReduceOp::Mean, wire)?;
-            let part = ArrayD::from_shape_vec(IxDyn(&[c]), mine).map_err(shape_err)?;
-            let back = Tensor::F32(part).cast(wire).ok_or_else(|| {
-                RuntimeError::Config(format!("reduce_scatter: cannot round to {wire}"))
-            })?;
-            Ok(Value::Tensor(back))
-        }
-        (Op::ReduceScatter { workers, reduce }, Value::Tensor(Tensor::F32(a))) => {
-            if *workers != n {
-                return Err(RuntimeError::Config(format!(
-                    "reduce_scatter for {workers} workers on a communicator of {n}"
-                )));
-            }
-            let mut flat = flat_vec(a);
-            let c = flat.len().div_ceil(n);
-            flat.resize(c * n, 0.0);
-            let mine = comm.reduce_scatter(&flat, *reduce == ReduceOp::Mean)?;
-            Ok(Value::Tensor(Tensor::F32(
-                ArrayD::from_shape_vec(IxDyn(&[c]), mine).map_err(shape_err)?,
-            )))
-        }
-        (Op::AllGatherDense { workers, shape }, Value::Tensor(Tensor::F32(a))) => {
-            if *workers != n {
-                return Err(RuntimeError::Config(format!(
-                    "all_gather_dense for {workers} workers on a communicator of {n}"
-                )));
-            }
-            let a = a.as_standard_layout();
-            let mine = wire_bytes(a.as_slice().unwrap_or_default());
-            let total: usize = shape.dims().iter().product();
-            let mut whole = from_wire_parts::<f32, _>(&comm.all_gather(mine)?);
-            whole.truncate(total);
-            Ok(Value::Tensor(Tensor::F32(
-                ArrayD::from_shape_vec(IxDyn(shape.dims()), whole).map_err(shape_err)?,
-            )))
-        }
-        (Op::AllGather { reduce, .. }, Value::Slices(s)) => {
-            let Tensor::F32(values) = &s.values else {
-                return Err(RuntimeError::Config("all_gather of non-f32 slices".into()));
-            };
-            let row: usize = s.dense_shape[1..].iter().product();
-            // On the wire: an 8-byte row id and the row's values, per row.
-            let mut mine = Vec::with_capacity(s.indices.len() * (8 + 4 * row));
-            let flat = values.as_standard_layout();
-            let flat = flat
-                .as_slice()
-                .ok_or_else(|| RuntimeError::Config("slices values are not contiguous".into()))?;
-            for (k, &id) in s.indices.iter().enumerate() {
-                mine.extend_from_slice(&i64::from(id).to_le_bytes());
-                mine.extend_from_slice(flat[k * row..(k + 1) * row].as_bytes());
-            }
-            let parts = comm.all_gather(mine)?;
-            let scale = if *reduce == ReduceOp::Mean {
-                1.0 / n as f32
-            } else {
-                1.0
-            };
-            let (mut indices, mut vals) = (Vec::new(), Vec::new());
-            for p in parts {
-                for rec in p.chunks_exact(8 + 4 * row) {
-                    let mut id = [0u8; 8];
-                    id.copy_from_slice(&rec[..8]);
-                    indices.push(i64::from_le_bytes(id) as i32);
-                    vals.extend(
-                        rec[8..]
-                            .chunks_exact(4)
-                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * scale),
-                    );
-                }
-            }
-            let mut dims = vec![indices.len()];
-            dims.extend_from_slice(&s.dense_shape[1..]);
-            let values = ArrayD::from_shape_vec(IxDyn(&dims), vals).map_err(shape_err)?;
-            Ok(Value::Slices(Slices {
-                indices,
-                values: Tensor::F32(values),
-                dense_shape: s.dense_shape,
-            }))
-        }
-        (op, v) => Err(RuntimeError::Config(format!(
-            "{} of {} is not supported",
-            op.mnemonic(),
-            v.value_type()
-        ))),
-    }
-}
-
-/// `a`'s elements in order as one vector: its own buffer, without a copy, when it is
-/// laid out in order already.
-fn flat_vec<T: Clone>(a: ArrayD<T>) -> Vec<T> {
-    if !a.is_standard_layout() {
-        return a.iter().cloned().collect();
-    }
-    let n = a.len();
-    let (mut v, offset) = a.into_raw_vec_and_offset();
-    let offset = offset.unwrap_or(0);
-    v.truncate(offset + n);
-    v.drain(..offset);
-    v
 }
 
 /// A collective as the communication thread ran it.
@@ -740,9 +465,7 @@ impl WorkerHook {
 
     fn ps(&mut self) -> Result<&mut PsClient> {
         self.ps.as_mut().ok_or_else(|| {
-            RuntimeError::Config(
-                "the plan pulls from parameter servers, but none were started".into(),
-            )
+            RuntimeError::plan("the plan pulls from parameter servers, but none were started")
         })
     }
 
@@ -758,9 +481,19 @@ impl WorkerHook {
                 step,
                 reply,
             })
-            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?;
+            .map_err(|_| {
+                RuntimeError::internal(
+                    "the communication thread",
+                    "the communication thread stopped",
+                )
+            })?;
         rx.recv()
-            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?
+            .map_err(|_| {
+                RuntimeError::internal(
+                    "the communication thread",
+                    "the communication thread stopped",
+                )
+            })?
             .map(|_| ())
     }
 
@@ -783,7 +516,7 @@ impl CommHook for WorkerHook {
         if op.is_model_collective() {
             // On the forward path, the next op reads it at once: nothing to overlap.
             let Some((comm, _)) = self.model.as_mut() else {
-                return Err(RuntimeError::Config(format!(
+                return Err(RuntimeError::plan(format!(
                     "{node} ({op}) runs over the model axis, and this worker has no \
                      model-axis communicator"
                 )));
@@ -802,7 +535,12 @@ impl CommHook for WorkerHook {
                 step,
                 reply,
             })
-            .map_err(|_| RuntimeError::Config("the communication thread stopped".into()))?;
+            .map_err(|_| {
+                RuntimeError::internal(
+                    "the communication thread",
+                    "the communication thread stopped",
+                )
+            })?;
         Ok(Box::new(TimedWait {
             inner: Waiting(rx),
             node,
@@ -828,9 +566,7 @@ impl CommHook for WorkerHook {
         let ids_dims = ids.shape().to_vec();
         let ids: Vec<i32> = ids
             .as_i32()
-            .ok_or_else(|| {
-                RuntimeError::Config(format!("sparse_pull of `{var}`: ids are not i32"))
-            })?
+            .ok_or_else(|| RuntimeError::plan(format!("sparse_pull of `{var}`: ids are not i32")))?
             .iter()
             .copied()
             .collect();
@@ -839,7 +575,7 @@ impl CommHook for WorkerHook {
         self.waited += start.elapsed();
         // The servers answer [ids, row...]; the program wants [ids dims..., row...].
         let Tensor::F32(rows) = rows? else {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::plan(format!(
                 "sparse_pull of `{var}`: not f32"
             )));
         };
@@ -847,7 +583,7 @@ impl CommHook for WorkerHook {
         dims.extend_from_slice(&rows.shape()[1..]);
         let rows = rows
             .into_shape_with_order(IxDyn(&dims))
-            .map_err(|e| RuntimeError::Config(format!("sparse_pull of `{var}`: {e}")))?;
+            .map_err(|e| RuntimeError::plan(format!("sparse_pull of `{var}`: {e}")))?;
         Ok(Tensor::F32(rows))
     }
     fn push(
@@ -1135,24 +871,9 @@ fn train_worker<B: Backend>(
         }
     }
     let params = upload_all(exec.backend(), params)?;
-    let mut optimizer = exec
-        .backend()
-        .optimizer(&config.optimizer, &config.no_decay, &params)
-        .map_err(|e| backend_error(&device, "creating the optimizer", e))?;
-    exec.backend()
-        .follow_schedule(
-            &mut optimizer,
-            &config.lr_schedule,
-            crate::run::steps::lr_horizon(config),
-        )
-        .map_err(|e| backend_error(&device, "setting the learning-rate schedule", e))?;
+    let mut optimizer = make_optimizer(exec.backend(), config, &params, slots.as_ref())?;
     // Workers that fill the cores keep their updates on their own thread.
     B::parallel_updates(&mut optimizer, cores > workers);
-    if let Some(slots) = slots {
-        exec.backend()
-            .load_optimizer_state(&mut optimizer, &slots)
-            .map_err(|e| backend_error(&device, "loading the optimizer state", e))?;
-    }
     let first = first_step(resume, steps)?;
     let st = state.insert(Loop {
         exec,
@@ -1212,11 +933,7 @@ fn train_worker<B: Backend>(
         && !st.exec.device_clock()
         && !st.exec.schedule().has_server_ops()
         && st.exec.can_capture();
-    let graph = if capturable {
-        GraphState::Untried
-    } else {
-        GraphState::Off
-    };
+    let graph = Capture::starting(capturable);
     // Preloaded batches go to the device once where the backend keeps them (a GPU):
     // a step's feeds are then a copy within device memory, not a host-to-device
     // transfer. One batch a step only: micro-batches are fed by the body below.
@@ -1265,6 +982,7 @@ fn train_worker<B: Backend>(
         scaler,
         flags_agree,
         graph,
+        rehearsal: Rehearsal::of(opts, rank, programs.workers),
         prefetched: None,
         issued: false,
         held,
@@ -1298,6 +1016,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     /// Whether every worker sees the same overflow flag without asking the others.
     flags_agree: bool,
     graph: GraphState,
+    /// The failure this worker rehearses, if any (`--fail-worker`).
+    rehearsal: Rehearsal,
     /// While a replayed step runs on the device, the next step's batch is drawn and
     /// staged (uploads are ordered after the replay on the device's stream, so the
     /// buffers the graph reads are overwritten only once it is done).
@@ -1321,14 +1041,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
 
     fn run_step(&mut self, step: usize, due: Due) -> Result<Ran<()>> {
         let (rank, first, steps) = (self.rank, self.first, self.last);
-        if self.opts.fail == Some(crate::run::programs::InjectedFailure { worker: rank, step }) {
-            return Err(crate::run::snapshot::rehearsed_loss(
-                self.opts.snapshot.as_ref(),
-                (rank, self.programs.workers),
-                (step, first),
-                self.opts.timeout,
-            ));
-        }
+        self.rehearsal.at(step, first)?;
         let device = self.device.as_str();
         let st = &mut *self.st;
         let hook = &mut *self.hook;
@@ -1347,11 +1060,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         // run. A step captured or replayed reads every micro-batch from buffers of its
         // own, so all of them go to the device before it.
         let k = self.data.len();
-        let graphed = match self.graph {
-            GraphState::Untried => step >= first + WARMUP,
-            GraphState::Off => false,
-            GraphState::Replaying(_) => true,
-        };
+        let graphed = self.graph.graphed_at(step, first);
         let (fed, later, start) = match self.prefetched.take() {
             Some(feeds) => (feeds, Vec::new(), Instant::now()),
             None if !self.held.is_empty() => {
@@ -1367,9 +1076,10 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     .collect::<Result<Vec<_>>>()?;
                 let start = Instant::now();
                 if batches.is_empty() {
-                    return Err(RuntimeError::Config(format!(
-                        "worker {rank}: no data source"
-                    )));
+                    return Err(RuntimeError::internal(
+                        "the worker loop",
+                        format!("worker {rank}: no data source"),
+                    ));
                 }
                 let rest = batches.split_off(if graphed { k } else { 1 });
                 let fed = upload_micro_batches(st.exec.backend(), batches, k)?;
@@ -1390,13 +1100,13 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             }
             Ok(())
         };
-        if self.graph == GraphState::Untried && graphed {
+        if self.graph.captures_at(step, first) {
             scaled(st, self.scaler.as_ref())?;
             // Some(whether the flags are summed over the workers).
             let unscale = self.scaler.as_ref().map(|_| !self.flags_agree);
             self.graph = capture_step(st, &fed, step, self.ranks, unscale, &mut *hook)?;
         }
-        let (loss, updating, used) = if let GraphState::Replaying(captured) = self.graph {
+        let (loss, updating, used) = if let Some(captured) = self.graph.replayed() {
             let replay = |backend: &mut B, step: usize| {
                 backend
                     .set_step(step as u64)
@@ -1437,10 +1147,13 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 .map_or(f64::NAN, |sum| sum / k as f64);
             if let Some(s) = self.scaler.as_mut() {
                 let finite = st.exec.backend().replayed_finite().ok_or_else(|| {
-                    RuntimeError::Config(format!(
-                        "{device}: step {step}'s replay did not say whether its gradients \
+                    RuntimeError::internal(
+                        "the CUDA graph replay",
+                        format!(
+                            "{device}: step {step}'s replay did not say whether its gradients \
                          were finite"
-                    ))
+                        ),
+                    )
                 })?;
                 s.after(finite);
             }
@@ -1467,9 +1180,12 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     Some(b) => b,
                     None => {
                         let b = later.next().ok_or_else(|| {
-                            RuntimeError::Config(format!(
+                            RuntimeError::internal(
+                                "the worker loop",
+                                format!(
                                 "worker {rank}: {k} micro-batches a step, {sources} data sources"
-                            ))
+                            ),
+                            )
                         })?;
                         upload_all(st.exec.backend(), b)?
                     }
@@ -1483,9 +1199,10 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 last = Some(o);
             }
             let Some(out) = last else {
-                return Err(RuntimeError::Config(format!(
-                    "worker {rank}: no data source"
-                )));
+                return Err(RuntimeError::internal(
+                    "the worker loop",
+                    format!("worker {rank}: no data source"),
+                ));
             };
             let used = st.exec.measured_memory();
             let mut updating = Instant::now();
@@ -1651,7 +1368,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             pipeline: None,
             loss_scale: self.scaler.as_ref().map(|s| (s.scale, s.skipped)),
             lr: Some(lr),
-            cuda_graph: matches!(self.graph, GraphState::Replaying(_)),
+            cuda_graph: self.graph.replaying(),
             peaks: self.peak.iter().cloned().collect(),
         })
     }
@@ -1665,27 +1382,14 @@ fn feed_held<B: Backend>(
 ) -> Result<HashMap<String, B::Tensor>> {
     let id = held
         .pop_front()
-        .ok_or_else(|| RuntimeError::Config("no held batch is left".into()))?;
+        .ok_or_else(|| RuntimeError::internal("the worker loop", "no held batch is left"))?;
     backend
         .feed_held(id)
         .map_err(|e| backend_error(device, "feeding a held batch", e))
 }
 
-/// Eager steps before a training step is captured into a CUDA graph.
-pub(crate) const WARMUP: usize = 2;
-
-/// Where a worker's loop is with CUDA graphs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GraphState {
-    /// Not tried yet (waiting for the warm-up steps).
-    Untried,
-    /// Every step runs eagerly: the backend has no graphs, or the step has a host
-    /// round trip.
-    Off,
-    /// A step is captured: it is replayed from now on. What the captured step holds
-    /// (measured while it was recorded), for the metrics of replayed steps.
-    Replaying(MemoryUse),
-}
+/// Where a worker's steps are with CUDA graphs; the captured step's memory use.
+type GraphState = Capture<MemoryUse>;
 
 /// Records step `step` and its update while the backend captures (nothing runs; the
 /// caller replays the graph for this step too), measuring what the step holds. `Off`
@@ -1710,7 +1414,7 @@ fn capture_step<B: Backend>(
         .begin_capture(k)
         .map_err(|e| backend_error(&device, "starting a CUDA graph capture", e))?;
     if !on {
-        return Ok(GraphState::Off);
+        return Ok(Capture::Off);
     }
     // Every micro-batch as the eager step runs them: the last communicates and hands
     // the gradients over.
@@ -1724,7 +1428,12 @@ fn capture_step<B: Backend>(
                     .run_with(fed, &st.params, mode, step as u64, Some(&mut *hook))?,
             );
         }
-        last.ok_or_else(|| RuntimeError::Config(format!("{device}: no data source")))
+        last.ok_or_else(|| {
+            RuntimeError::internal(
+                "the CUDA graph capture",
+                format!("{device}: no data source"),
+            )
+        })
     };
     let captured = micro(st, hook).and_then(|mut out| {
         let used = st.exec.measured_memory();
@@ -1743,69 +1452,15 @@ fn capture_step<B: Backend>(
             .map(|()| used)
     });
     let ended = st.exec.backend().end_capture();
-    let hint = "; run with --no-cuda-graph to train without a graph";
     let used = captured.map_err(|e| {
-        RuntimeError::Config(format!(
-            "{device}: step {step} could not be captured into a CUDA graph: {e}{hint}"
-        ))
+        capture_failed(
+            &device,
+            format!("step {step} could not be captured into a CUDA graph"),
+            e,
+        )
     })?;
-    ended.map_err(|e| {
-        let e = backend_error(&device, "ending the CUDA graph capture", e);
-        RuntimeError::Config(format!("{e}{hint}"))
-    })?;
-    Ok(GraphState::Replaying(used))
-}
-
-/// The first step a run of `steps` steps runs: the one after the resumed state's.
-pub(crate) fn first_step(resume: Option<&TrainingState>, steps: usize) -> Result<usize> {
-    let first = resume.map_or(1, |s| s.index.step as usize + 1);
-    if first > steps {
-        return Err(RuntimeError::Config(format!(
-            "the training state is at step {}, and this run ends at step {steps}: give \
-             --steps above {}",
-            first - 1,
-            first - 1
-        )));
-    }
-    Ok(first)
-}
-
-/// The initial variables of `graph`: the resumed state's where it has them (checked
-/// against the model's types), else the seeded initialisers'. A ZeRO chunk (`w.zero`)
-/// is not in a state: the init program makes it from the whole `w`.
-pub(crate) fn initial_values(
-    graph: &distc_ir::Graph,
-    seed: u64,
-    resume: Option<&TrainingState>,
-) -> Result<HashMap<String, Tensor>> {
-    let mut params = init_params(graph, seed);
-    let Some(state) = resume else {
-        return Ok(params);
-    };
-    for (_, name, ty) in graph.params() {
-        match state.params.get(name) {
-            Some(t) if t.shape() == ty.dims() && t.dtype() == ty.dtype => {
-                params.insert(name.to_string(), t.clone());
-            }
-            Some(t) => {
-                return Err(RuntimeError::Config(format!(
-                    "the training state's `{name}` is {:?}{:?}; the model's is {ty}",
-                    t.dtype(),
-                    t.shape()
-                )))
-            }
-            // Made by the init program from the whole variable.
-            None if name.ends_with(ZERO_SHARD_SUFFIX)
-                || name.ends_with(distc_ir::MODEL_SHARD_SUFFIX) => {}
-            None => {
-                return Err(RuntimeError::Config(format!(
-                    "the training state has no variable `{name}` (it holds {})",
-                    state.index.variables.join(", ")
-                )))
-            }
-        }
-    }
-    Ok(params)
+    ended.map_err(|e| capture_failed(&device, "ending the CUDA graph capture".into(), e))?;
+    Ok(Capture::Replaying(used))
 }
 
 /// Whether `g` reads variable `name`.
@@ -1856,32 +1511,6 @@ fn resumed_part_slots(
     Ok(out)
 }
 
-/// The optimizer state this worker holds of a resumed state: the slots of its
-/// variables, a ZeRO chunk's slots cut from the whole ones as `take_chunk` cuts.
-pub(crate) fn resumed_slots(
-    state: &TrainingState,
-    params: &HashMap<String, Tensor>,
-    workers: usize,
-    rank: usize,
-) -> HashMap<String, Tensor> {
-    let mut out = HashMap::new();
-    for (key, t) in &state.optimizer {
-        let Some((var, slot)) = key.rsplit_once('/').filter(|_| key != STEP_KEY) else {
-            out.insert(key.clone(), t.clone());
-            continue;
-        };
-        if params.contains_key(var) {
-            out.insert(key.clone(), t.clone());
-        } else {
-            let chunk = format!("{var}{ZERO_SHARD_SUFFIX}");
-            if params.contains_key(&chunk) {
-                out.insert(format!("{chunk}/{slot}"), t.chunk(workers, rank));
-            }
-        }
-    }
-    out
-}
-
 /// Writes the training state after `step`, as `due` says (to the file, sharded or
 /// whole; the run's last step). Whole: worker 0 writes its replicated
 /// variables and slots, the servers' rows and slots, and the ZeRO chunks and
@@ -1909,16 +1538,7 @@ fn save_training_state<B: Backend>(
         .map_err(|e| backend_error(&device, "writing the training state", e))?
         .into_iter()
         .collect();
-    // The variables on the host (a copy: training goes on).
-    let mut host: HashMap<String, Tensor> = HashMap::with_capacity(st.params.len());
-    for (name, t) in &st.params {
-        let t = st
-            .exec
-            .backend()
-            .download(t)
-            .map_err(|e| backend_error(&device, &format!("reading `{name}` back"), e))?;
-        host.insert(name.clone(), t);
-    }
+    let mut host = host_params(st.exec.backend(), &st.params)?;
     // What no worker holds, which worker 0 asks for: the servers' variables and
     // slots, whole.
     let mut servers: HashMap<String, Tensor> = HashMap::new();
@@ -2060,7 +1680,7 @@ fn save_training_state<B: Backend>(
 /// shard: the one before is committed here, after every worker's writer finished it;
 /// the last one (`last`) before this returns.
 fn write_shard(
-    c: &crate::run::programs::CheckpointEvery,
+    c: &crate::run::options::CheckpointEvery,
     programs: &Programs<'_>,
     index: &StateIndex,
     tensors: HashMap<String, Tensor>,
@@ -2069,7 +1689,7 @@ fn write_shard(
     hook: &mut WorkerHook,
 ) -> Result<()> {
     use crate::core::shards;
-    let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Config)?;
+    let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Plan)?;
     let writer = c.shard_writer(rank);
     writer.wait()?;
     if rank == 0 {
@@ -2287,7 +1907,7 @@ mod loss_scale_tests {
 #[cfg(test)]
 mod error_slot_tests {
     use super::ErrorSlot;
-    use crate::core::error::RuntimeError;
+    use crate::core::error::{PeerKind, RuntimeError};
     use crate::core::roles::Role;
 
     /// Regression (CI, pipeline_cli `a_stage_that_does_not_answer_in_time_is_named`):
@@ -2295,22 +1915,21 @@ mod error_slot_tests {
     /// run reported the hang-up.
     #[test]
     fn a_hang_up_recorded_first_gives_way_to_its_cause() {
-        let peer = |message: &str| RuntimeError::Peer {
+        let peer = |kind: PeerKind, message: &str| RuntimeError::Peer {
             rank: 0,
             peer: 1,
             op: "recv".into(),
+            kind,
             message: message.into(),
         };
-        let timeout = || peer("no message from rank 0 within 1µs during recv");
-        for (first, second) in [
-            (peer("peer rank 1 hung up during recv"), timeout()),
-            (timeout(), peer("peer rank 1 hung up during recv")),
-        ] {
+        let timeout = || peer(PeerKind::TimedOut, "no message from rank 0 within 1µs");
+        let hang_up = || peer(PeerKind::HungUp, "peer rank 1 hung up during recv");
+        for (first, second) in [(hang_up(), timeout()), (timeout(), hang_up())] {
             let slot = ErrorSlot::default();
             slot.record(Role::Worker(0), first);
             slot.record(Role::Worker(1), second);
             let (_, e) = slot.take().expect("an error");
-            assert!(!e.is_hang_up(), "{e}");
+            assert_eq!(e.peer_kind(), Some(PeerKind::TimedOut), "{e}");
         }
         // Two causes: the first stays.
         let slot = ErrorSlot::default();

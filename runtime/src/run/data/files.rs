@@ -89,11 +89,12 @@ pub(crate) fn load(spec: &DataSpec, dir: Option<&Path>) -> Result<Arc<Loaded>> {
             eval_path,
             fields,
         } => super::user_files::csv(dir, path, eval_path.as_deref(), fields)?,
+        // Only a source that `needs_files` is loaded.
         _ => {
-            return Err(RuntimeError::Config(format!(
-                "data source `{}` reads no files",
-                spec.name()
-            )))
+            return Err(RuntimeError::Internal {
+                at: "data loading".into(),
+                message: format!("data source `{}` reads no files", spec.name()),
+            })
         }
     });
     map.insert(key, loaded.clone());

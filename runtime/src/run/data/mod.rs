@@ -50,10 +50,13 @@
 //! per sample, `[B, n]` otherwise).
 
 mod files;
+mod open;
 mod synthetic;
 mod user_files;
 
 pub use files::MOVIELENS_SPLIT_SEED;
+pub use open::open_data;
+pub(crate) use open::open_source;
 pub use synthetic::zipf_cdf;
 
 use crate::core::config::DataSpec;
@@ -359,16 +362,17 @@ impl DataSource {
         global_stream: bool,
     ) -> Result<DataSource> {
         if batch == 0 {
-            return Err(RuntimeError::Config(format!(
-                "data source `{}`: the batch size must be positive",
-                spec.name()
-            )));
+            return Err(setting(spec, "the batch size must be positive"));
         }
+        // The launcher's part of the mesh's parts (the compiler's: the one part).
         if workers == 0 || rank >= workers {
-            return Err(RuntimeError::Config(format!(
-                "data source `{}`: worker rank {rank} is not in 0..{workers}",
-                spec.name()
-            )));
+            return Err(RuntimeError::internal(
+                "the data loader",
+                format!(
+                    "data source `{}`: worker rank {rank} is not in 0..{workers}",
+                    spec.name()
+                ),
+            ));
         }
         let fields = out_fields(spec, shapes)?;
         let (backing, cursor) = if spec.needs_files() {
@@ -471,7 +475,7 @@ impl DataSource {
     /// which is the same stream when the layout is the one that was saved.
     pub fn skip_samples(&mut self, samples: u64) -> Result<()> {
         if samples > MAX_POSITION {
-            return Err(RuntimeError::Config(format!(
+            return Err(RuntimeError::state(format!(
                 "the training state's data position, {samples} samples, is beyond any \
                  stream (at most 2^62): the state is damaged"
             )));
@@ -558,22 +562,30 @@ impl DataSource {
     pub fn train_slice(&self, start: usize, len: usize) -> Result<Batch> {
         match &self.backing {
             Backing::Files(l) => {
+                // The caller's (a test's) range.
                 if start + len > l.train.len {
-                    return Err(RuntimeError::Config(format!(
-                        "data source `{}`: samples {start}..{} are past the {} training samples",
-                        self.spec.name(),
-                        start + len,
-                        l.train.len
-                    )));
+                    return Err(RuntimeError::internal(
+                        "train_slice",
+                        format!(
+                            "data source `{}`: samples {start}..{} are past the {} training \
+                             samples",
+                            self.spec.name(),
+                            start + len,
+                            l.train.len
+                        ),
+                    ));
                 }
                 let idx: Vec<usize> = (start..start + len).collect();
                 let cols = self.gather(&l.train, &idx);
                 self.build(cols, len)
             }
-            Backing::Synthetic(_) => Err(RuntimeError::Config(format!(
-                "data source `{}` is synthetic: it has no stored training samples",
-                self.spec.name()
-            ))),
+            Backing::Synthetic(_) => Err(RuntimeError::internal(
+                "train_slice",
+                format!(
+                    "data source `{}` is synthetic: it has no stored training samples",
+                    self.spec.name()
+                ),
+            )),
         }
     }
 
@@ -588,15 +600,16 @@ impl DataSource {
             .position(|(name, _, _)| *name == field)
             .ok_or_else(|| self.unknown_field(field))?;
         if fields[col].1 != DType::I32 {
-            return Err(RuntimeError::Config(format!(
-                "data source `{}`: field `{field}` holds {} values, not ids",
-                self.spec.name(),
-                fields[col].1
-            )));
+            return Err(setting(
+                &self.spec,
+                format_args!("field `{field}` holds {} values, not ids", fields[col].1),
+            ));
         }
+        // The compiler's fixed sample count.
         if n == 0 {
-            return Err(RuntimeError::Config(
-                "mean_distinct_ids: the number of batches must be positive".into(),
+            return Err(RuntimeError::internal(
+                "mean_distinct_ids",
+                "the number of batches must be positive",
             ));
         }
         let mut cursor = self.cursor.clone();
@@ -693,18 +706,20 @@ impl DataSource {
                 _ => Err("dtype mismatch".to_string()),
             }
             .map_err(|e| {
-                RuntimeError::Config(format!(
-                    "data source `{}`: field `{}` as {}{:?}: {e}",
-                    self.spec.name(),
-                    f.name,
-                    f.dtype,
-                    shape
-                ))
+                setting(
+                    &self.spec,
+                    format_args!("field `{}` as {}{:?}: {e}", f.name, f.dtype, shape),
+                )
             })?;
             batch.insert(f.name.clone(), t);
         }
         Ok(batch)
     }
+}
+
+/// `spec`'s options (or the batch asked of it) do not fit: `message` says how.
+pub(crate) fn setting(spec: &DataSpec, message: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Config(format!("data source `{}`: {message}", spec.name()))
 }
 
 /// The fields a batch holds, from the model's input types.

@@ -40,12 +40,7 @@ pub(crate) enum Generator {
 
 impl Generator {
     pub(crate) fn new(spec: &DataSpec) -> Result<Generator> {
-        let bad = |m: String| {
-            Err(RuntimeError::Config(format!(
-                "data source `{}`: {m}",
-                spec.name()
-            )))
-        };
+        let bad = |m: String| Err(super::setting(spec, m));
         spec.check().map_err(RuntimeError::Config)?;
         match *spec {
             DataSpec::ZipfTokens {

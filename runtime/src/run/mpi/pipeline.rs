@@ -16,18 +16,22 @@
 use super::reports::{drain_on_rank0, ToRank0};
 use super::{gather_spans, local_line, rank_metrics, send_spans};
 use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS};
+use crate::comm::Links;
 use crate::core::backend::Backend;
+use crate::core::backend::Site;
 use crate::core::config::RunConfig;
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::value::Tensor;
 use crate::run::coordinator::{reporter, Coordinator, StageReports};
 use crate::run::mesh::{Axis, Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
+use crate::run::metrics::TrainReport;
+use crate::run::options::{MpiRun, TrainOptions};
 use crate::run::pipeline::{
     combine, decode_params, encode_params, Handed, PipelineRun, StageReport,
 };
-use crate::run::programs::{Links, MpiRun, Programs, Site, TrainOptions, TrainReport};
+use crate::run::programs::Programs;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use std::collections::HashMap;
@@ -71,9 +75,11 @@ pub(super) fn run_stage_rank<B: Backend>(
     };
     let (Some(by_replica), Some(by_stage), Some(by_model)) = (by_replica, by_stage, by_model)
     else {
-        return Err(RuntimeError::Config(format!(
-            "rank {rank}: not in its replica's, its stage's or its model axis's communicator"
-        )));
+        // Every rank splits with a color of its own group: it is in each.
+        return Err(RuntimeError::internal(
+            format!("rank {rank}"),
+            "not in its replica's, its stage's or its model axis's communicator",
+        ));
     };
     let link = |c: SimpleCommunicator| -> Box<dyn crate::comm::Communicator> {
         Box::new(MpiComm::new(
@@ -105,7 +111,8 @@ pub(super) fn run_stage_rank<B: Backend>(
         };
         let step = rep.step;
         let line = local_line(&combine(step, std::slice::from_ref(rep)), micro_batch);
-        let text = serde_json::to_string(&line).map_err(|e| RuntimeError::Config(e.to_string()))?;
+        let text = serde_json::to_string(&line)
+            .map_err(|e| RuntimeError::internal("the metrics", e.to_string()))?;
         writeln!(w, "{text}").map_err(|source| RuntimeError::Io {
             path: "metrics".into(),
             source,
@@ -132,11 +139,17 @@ pub(super) fn run_stage_rank<B: Backend>(
             let mut out =
                 Outgoing::start(&ctl.0, 0, TAG_PARAMS, encode_params(outcome.params), true);
             if !out.wait_for(opts.timeout) {
-                return Err(RuntimeError::Config(format!(
-                    "rank 0 did not take the trained variables of {name} within {:.0} s \
-                     (--timeout)",
-                    opts.timeout.as_secs_f64()
-                )));
+                return Err(RuntimeError::Peer {
+                    rank,
+                    peer: 0,
+                    op: "trained variables".into(),
+                    kind: PeerKind::TimedOut,
+                    message: format!(
+                        "rank 0 did not take the trained variables of {name} within {:.0} s \
+                         (--timeout)",
+                        opts.timeout.as_secs_f64()
+                    ),
+                });
             }
         }
         return send_spans(ctl, rank, outcome.spans, opts, mpi_run);
@@ -217,14 +230,26 @@ fn receive_params(
             break (msg, st).matched_receive_vec::<u8>().0;
         }
         if since.waited() >= opts.timeout {
-            return Err(RuntimeError::Config(format!(
-                "rank {from} ({}) did not send its variables of step {step} within {:.0} s \
-                 (--timeout)",
-                run.mesh.name(from),
-                opts.timeout.as_secs_f64()
-            )));
+            return Err(RuntimeError::Peer {
+                rank: 0,
+                peer: from,
+                op: "variables".into(),
+                kind: PeerKind::TimedOut,
+                message: format!(
+                    "rank {from} ({}) did not send its variables of step {step} within {:.0} s \
+                     (--timeout)",
+                    run.mesh.name(from),
+                    opts.timeout.as_secs_f64()
+                ),
+            });
         }
         backoff.wait();
     };
-    decode_params(&bytes).map_err(|e| RuntimeError::Config(format!("rank {from}'s variables: {e}")))
+    decode_params(&bytes).map_err(|e| RuntimeError::Peer {
+        rank: 0,
+        peer: from,
+        op: "variables".into(),
+        kind: PeerKind::Malformed,
+        message: format!("rank {from}'s variables: {e}"),
+    })
 }

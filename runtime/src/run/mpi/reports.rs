@@ -5,7 +5,7 @@
 
 use super::{fail, Sends};
 use crate::comm::mpi::{Backoff, Comm, Outgoing, Since, TAG_REPORT};
-use crate::core::error::{Result, RuntimeError};
+use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::run::mesh::Mesh;
 use crate::run::pipeline::StageReport;
@@ -94,6 +94,7 @@ impl StallInspector {
             rank: 0,
             peer: w,
             op: "step report".into(),
+            kind: PeerKind::TimedOut,
             message: format!(
                 "worker rank {w} ({}) sent no step report after step {} for {:.0} s \
                  (--timeout) while {}: it stopped answering",
@@ -144,7 +145,8 @@ impl ToRank0 {
         ahead: Vec<(i32, Vec<u8>)>,
         report: &impl Report,
     ) -> Result<()> {
-        let bytes = serde_json::to_vec(report).map_err(|e| RuntimeError::Config(e.to_string()))?;
+        let bytes = serde_json::to_vec(report)
+            .map_err(|e| RuntimeError::internal("the step report", e.to_string()))?;
         for (tag, msg) in ahead.into_iter().chain([(TAG_REPORT, bytes)]) {
             self.sends
                 .pending
@@ -165,6 +167,7 @@ impl ToRank0 {
                 rank: self.rank,
                 peer: 0,
                 op: "step report".into(),
+                kind: PeerKind::TimedOut,
                 message: format!(
                     "worker rank 0 did not take the report of step {} of {} within {:.0} s \
                      (--timeout): rank 0 stopped answering",
@@ -205,7 +208,7 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
         )
     };
     let (tx, rx) = mpsc::channel::<R>();
-    let panicked = || RuntimeError::Config(format!("{name} panicked"));
+    let panicked = || RuntimeError::internal(name, format!("{name} panicked"));
     std::thread::scope(|scope| -> Result<O> {
         let handle = std::thread::Builder::new()
             .name(name.to_string())
@@ -223,12 +226,16 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
                 .any_process()
                 .immediate_matched_probe_with_tag(TAG_REPORT)
             {
-                let (bytes, _) = (msg, st).matched_receive_vec::<u8>();
+                let (bytes, st) = (msg, st).matched_receive_vec::<u8>();
                 match serde_json::from_slice::<R>(&bytes) {
                     Ok(rep) => got.push(rep),
-                    Err(e) => stop(RuntimeError::Config(format!(
-                        "a malformed step report: {e}"
-                    ))),
+                    Err(e) => stop(RuntimeError::Peer {
+                        rank: 0,
+                        peer: st.source_rank() as usize,
+                        op: "step report".into(),
+                        kind: PeerKind::Malformed,
+                        message: format!("a malformed step report: {e}"),
+                    }),
                 }
             }
             // The own role may end first (its reports are all in the channel): an
@@ -255,7 +262,8 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
         match (outcome, handle) {
             (Some(o), _) => Ok(o),
             (None, Some(h)) => h.join().map_err(|_| panicked())?,
-            (None, None) => Err(RuntimeError::Config(format!("{name} vanished"))),
+            // The handle is taken only with its outcome.
+            (None, None) => Err(RuntimeError::internal(name, format!("{name} vanished"))),
         }
     })
 }

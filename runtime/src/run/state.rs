@@ -1,0 +1,228 @@
+//! Where a run's variables and optimizer state start: the seed's initial values, a
+//! resumed state's (checked against the model), or weights from a file (`--init`).
+//! Every role starts here, so every layout starts from the same values.
+
+use crate::core::checkpoint::{TrainingState, STEP_KEY};
+use crate::core::config::RunConfig;
+use crate::core::error::{Result, RuntimeError};
+use crate::core::init::init_param;
+use crate::core::value::Tensor;
+use crate::run::programs::{frozen_variables, init_params, pulled_types, server_shards, Programs};
+use distc_ir::{TensorType, ZERO_SHARD_SUFFIX};
+use std::collections::HashMap;
+
+/// What `--init` found, for people: the variables set from the file, and the names
+/// on either side without a match.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct InitReport {
+    /// Variables the file set.
+    pub set: Vec<String>,
+    /// Variables of the model the file lacks (they keep the model's initializer).
+    pub missing: Vec<String>,
+    /// Tensors of the file no variable of the model is named.
+    pub unused: Vec<String>,
+}
+
+/// Every variable of a plan, whole, with its initial value from the seed: the worker
+/// program's own (not a ZeRO chunk), the init program's (the whole values it cuts into
+/// shards and model-axis parts), and the servers' (whole types from the workers'
+/// pulls). Sorted by name.
+pub fn whole_variables(programs: &Programs<'_>, seed: u64) -> Result<Vec<(String, Tensor)>> {
+    let mut out: HashMap<String, Tensor> = HashMap::new();
+    for g in std::iter::once(programs.worker).chain(programs.init) {
+        for (name, t) in init_params(g, seed) {
+            if !name.ends_with(distc_ir::ZERO_SHARD_SUFFIX) {
+                out.insert(name, t);
+            }
+        }
+    }
+    for shards in server_shards(programs.servers, &pulled_types(programs.worker))? {
+        for sp in shards {
+            out.entry(sp.var.clone())
+                .or_insert_with(|| init_param(&sp.var, &sp.full, &sp.init, seed));
+        }
+    }
+    let mut v: Vec<(String, Tensor)> = out.into_iter().collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(v)
+}
+
+/// The training state a run starts from when its initial weights come from a file
+/// (`--init`): step 0, the data at its start, each variable of the plan (whole, as
+/// [`whole_variables`] finds them) from `weights` by name and shape, fresh optimizer
+/// state (zero slots, which is what every optimizer starts from). A variable the file
+/// lacks is an error unless `partial`, when it keeps its initializer; a tensor of the
+/// file that no variable is named is an error unless `partial`. Every layout starts
+/// from such a state as it resumes one, so the same weights reach every worker,
+/// stage, shard and server.
+pub fn state_from_weights(
+    programs: &Programs<'_>,
+    config: &RunConfig,
+    weights: &HashMap<String, Tensor>,
+    partial: bool,
+) -> Result<(TrainingState, InitReport)> {
+    use crate::core::checkpoint::{StateIndex, STEP_KEY};
+    let whole = whole_variables(programs, config.seed)?;
+    let variables: Vec<(String, TensorType)> = whole
+        .iter()
+        .map(|(n, t)| (n.clone(), t.tensor_type()))
+        .collect();
+    let mut params: HashMap<String, Tensor> = whole.into_iter().collect();
+    let mut report = InitReport::default();
+    for (name, ty) in &variables {
+        match weights.get(name) {
+            Some(t) if t.shape() == ty.dims() => {
+                let t = t.cast(ty.dtype).ok_or_else(|| {
+                    RuntimeError::state(format!(
+                        "`{name}` is {:?} in the file; the model's `{name}` is {ty}",
+                        t.dtype()
+                    ))
+                })?;
+                params.insert(name.clone(), t);
+                report.set.push(name.clone());
+            }
+            Some(t) => {
+                return Err(RuntimeError::state(format!(
+                    "`{name}` has shape {:?} in the file; the model's `{name}` is {ty}",
+                    t.shape()
+                )))
+            }
+            None => report.missing.push(name.clone()),
+        }
+    }
+    report.unused = weights
+        .keys()
+        .filter(|k| !variables.iter().any(|(n, _)| n == *k))
+        .cloned()
+        .collect();
+    report.unused.sort();
+    let all_named = report.missing.is_empty() && report.unused.is_empty();
+    if !partial && !all_named {
+        let list = |v: &[String]| {
+            if v.is_empty() {
+                "none".into()
+            } else {
+                v.join(", ")
+            }
+        };
+        return Err(RuntimeError::state(format!(
+            "the file and the model do not name the same variables: the model's {} \
+             are not in the file, and the file's {} are not the model's (--init-partial \
+             keeps the model's initializer for the first and ignores the second)",
+            list(&report.missing),
+            list(&report.unused)
+        )));
+    }
+    let slots = crate::cpu::optim::Optimizer::new(&config.optimizer).slot_names();
+    let frozen = frozen_variables(programs);
+    let mut optimizer: HashMap<String, Tensor> = HashMap::new();
+    for (name, ty) in variables.iter().filter(|(n, _)| !frozen.contains(n)) {
+        for slot in slots {
+            optimizer.insert(format!("{name}/{slot}"), Tensor::zeros(ty));
+        }
+    }
+    optimizer.insert(
+        STEP_KEY.to_string(),
+        Tensor::F64(ndarray::arr0(0.0).into_dyn()),
+    );
+    let index = StateIndex {
+        format: "distc-training-state".into(),
+        model: programs.worker.name.clone(),
+        step: 0,
+        samples: 0,
+        saved_by: "--init".into(),
+        optimizer: format!("{:?}", config.optimizer),
+        variables: variables.iter().map(|(n, _)| n.clone()).collect(),
+        optimizer_state: {
+            let mut k: Vec<String> = optimizer.keys().cloned().collect();
+            k.sort();
+            k
+        },
+    };
+    Ok((
+        TrainingState {
+            index,
+            params,
+            optimizer,
+        },
+        report,
+    ))
+}
+
+/// The first step a run of `steps` steps runs: the one after the resumed state's.
+pub(crate) fn first_step(resume: Option<&TrainingState>, steps: usize) -> Result<usize> {
+    let first = resume.map_or(1, |s| s.index.step as usize + 1);
+    if first > steps {
+        return Err(RuntimeError::Config(format!(
+            "the training state is at step {}, and this run ends at step {steps}: give \
+             --steps above {}",
+            first - 1,
+            first - 1
+        )));
+    }
+    Ok(first)
+}
+
+/// The initial variables of `graph`: the resumed state's where it has them (checked
+/// against the model's types), else the seeded initialisers'. A ZeRO chunk (`w.zero`)
+/// is not in a state: the init program makes it from the whole `w`.
+pub(crate) fn initial_values(
+    graph: &distc_ir::Graph,
+    seed: u64,
+    resume: Option<&TrainingState>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut params = init_params(graph, seed);
+    let Some(state) = resume else {
+        return Ok(params);
+    };
+    for (_, name, ty) in graph.params() {
+        match state.params.get(name) {
+            Some(t) if t.shape() == ty.dims() && t.dtype() == ty.dtype => {
+                params.insert(name.to_string(), t.clone());
+            }
+            Some(t) => {
+                return Err(RuntimeError::state(format!(
+                    "the training state's `{name}` is {:?}{:?}; the model's is {ty}",
+                    t.dtype(),
+                    t.shape()
+                )))
+            }
+            // Made by the init program from the whole variable.
+            None if name.ends_with(ZERO_SHARD_SUFFIX)
+                || name.ends_with(distc_ir::MODEL_SHARD_SUFFIX) => {}
+            None => {
+                return Err(RuntimeError::state(format!(
+                    "the training state has no variable `{name}` (it holds {})",
+                    state.index.variables.join(", ")
+                )))
+            }
+        }
+    }
+    Ok(params)
+}
+
+/// The optimizer state this worker holds of a resumed state: the slots of its
+/// variables, a ZeRO chunk's slots cut from the whole ones as `take_chunk` cuts.
+pub(crate) fn resumed_slots(
+    state: &TrainingState,
+    params: &HashMap<String, Tensor>,
+    workers: usize,
+    rank: usize,
+) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    for (key, t) in &state.optimizer {
+        let Some((var, slot)) = key.rsplit_once('/').filter(|_| key != STEP_KEY) else {
+            out.insert(key.clone(), t.clone());
+            continue;
+        };
+        if params.contains_key(var) {
+            out.insert(key.clone(), t.clone());
+        } else {
+            let chunk = format!("{var}{ZERO_SHARD_SUFFIX}");
+            if params.contains_key(&chunk) {
+                out.insert(format!("{chunk}/{slot}"), t.chunk(workers, rank));
+            }
+        }
+    }
+    out
+}
