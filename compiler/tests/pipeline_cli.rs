@@ -195,9 +195,12 @@ fn a_token_file_past_the_vocabulary_is_refused_by_a_pipeline_as_by_workers() {
                  batch = 4\n  optimizer = sgd(lr = 0.1)\n  steps = 2\n  seed = 1\n}\n";
     let m = dir.join("narrow.dsl");
     std::fs::write(&m, model).expect("model");
-    let layouts: [&[&str]; 2] = [
+    // (The lookup split by rows over a model axis is checked against its whole table:
+    // its parts hold 20 rows each.)
+    let layouts: [&[&str]; 3] = [
         &["--strategy", "allreduce", "--workers", "2"],
         &["--pipeline", "2", "--micro-batches", "2"],
+        &["--mesh", "model=2", "--shard", "emb=0"],
     ];
     for layout in layouts {
         let mut args = vec!["train", arg(&m), "--data", arg(&dir), "--no-eval", "-q"];

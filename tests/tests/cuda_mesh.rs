@@ -136,3 +136,65 @@ fn vocabulary_parallel_lm_and_split_cnn_on_the_gpu() {
     let s = shard(&[("k1", 0), ("k2", 1)], mesh(2, 2, 2, 2));
     passes_on_the_gpu(&example("cnn.dsl"), s, true, 1e-4);
 }
+
+/// Issue 59: a GPU pipeline evaluates on its GPU (worker 0's device), as a worker
+/// evaluates on its own, not on the host: the evaluation says which device ran it,
+/// and its loss is the host's evaluation of the same trained variables.
+#[test]
+fn a_pipeline_on_the_gpu_evaluates_on_the_gpu() {
+    use distc_runtime::cuda::nccl::Collectives;
+    use distc_runtime::cuda::{worker_backend, CudaOptions};
+    use distc_runtime::run::eval::evaluate_weights;
+    use distc_runtime::run::train::{train_with, TrainOptions};
+    if !distc_tests::gpu_or_skip("a pipeline's evaluation on the GPU") {
+        return;
+    }
+    let mut src = String::from("model deep4 {\n  input x: f32[B, 8]\n  input label: i32[B]\n");
+    for k in 0..4 {
+        src += &format!("  param w{k}: f32[8, 8] = glorot\n  param b{k}: f32[8] = zeros\n");
+    }
+    src += "  param wo: f32[8, 4] = glorot\n  h0 = x\n";
+    for k in 0..4 {
+        src += &format!("  h{} = tanh(h{k} @ w{k} + b{k})\n", k + 1);
+    }
+    src += "  minimize softmax_cross_entropy(h4 @ wo, label)\n}\n\
+            train {\n  data = gaussian_classes(features = 8, classes = 4)\n  batch = 8\n  \
+            optimizer = sgd(lr = 0.5)\n  steps = 3\n  seed = 4\n  eval_samples = 64\n}\n";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("deep4.dsl");
+    std::fs::write(&path, src).expect("writes the model");
+    let c = distc::compile_file(
+        &path,
+        &distc::CompileOptions {
+            strategy: mesh(1, 1, 2, 2),
+            ..Default::default()
+        },
+    )
+    .expect("compiles");
+    let cuda = CudaOptions {
+        graphs: false,
+        ..Default::default()
+    };
+    let report = train_with(
+        c.programs(2),
+        &c.config,
+        &TrainOptions::default(),
+        &mut |_| Ok(()),
+        |site, links| worker_backend(site, cuda, 0, Collectives::Host, links),
+    )
+    .expect("trains");
+    let eval = report.eval.expect("the run evaluates after its last step");
+    let device = eval.eval_device.clone().unwrap_or_default();
+    assert!(device.starts_with("cuda:0"), "evaluated on {device}");
+    let host = evaluate_weights(&c.programs.worker, &c.config, &report.params, None)
+        .expect("the host evaluates the trained variables");
+    assert_eq!(host.eval_device.as_deref(), Some("cpu"));
+    assert_eq!(eval.eval_samples, host.eval_samples);
+    let gap = (eval.eval_loss - host.eval_loss).abs() / host.eval_loss.abs().max(1e-12);
+    assert!(
+        gap < 1e-5,
+        "eval_loss {} on {device}, {} on the host",
+        eval.eval_loss,
+        host.eval_loss
+    );
+}

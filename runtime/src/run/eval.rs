@@ -98,6 +98,7 @@ pub fn evaluate<'h, B: Backend>(
         eval_perplexity: (classified && config.metrics.contains(&Metric::Perplexity))
             .then(|| eval_loss.exp()),
         eval_samples: n,
+        eval_device: Some(exec.backend().name()),
         eval_sec: start.elapsed().as_secs_f64(),
     })
 }

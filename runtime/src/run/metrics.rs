@@ -173,6 +173,10 @@ pub struct EvalMetrics {
     pub eval_perplexity: Option<f64>,
     /// Samples evaluated.
     pub eval_samples: usize,
+    /// The device the model was evaluated on (`cpu`, `cuda:0`): a worker's own, a
+    /// pipeline's worker 0's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_device: Option<String>,
     /// Seconds of the evaluation, the other workers' wait for it included; no
     /// step's time includes them.
     #[serde(default)]

@@ -373,7 +373,7 @@ impl<'a> PipelineRun<'a> {
         &self,
         step: usize,
         handed: Handed,
-        evaluator: &mut Option<Evaluator<'_>>,
+        evaluator: &mut Option<Evaluator<'_, impl Backend>>,
     ) -> Result<Option<EvalMetrics>> {
         let params = self.with_carried(handed.params);
         let due = self.due_at(step);
@@ -597,17 +597,26 @@ impl<'a> PipelineRun<'a> {
     }
 
     /// What evaluates the one-device graph on the stages' variables, when the run
-    /// evaluates: its own data source (the stages' sources are theirs).
-    pub(crate) fn evaluator(
+    /// evaluates: its own data source (the stages' sources are theirs), on the backend
+    /// `make` creates for it (the stages' kind of device: worker 0's GPU for a GPU
+    /// pipeline).
+    pub(crate) fn evaluator<B: Backend>(
         &self,
         config: &RunConfig,
         opts: &TrainOptions,
-    ) -> Result<Option<Evaluator<'a>>> {
+        make: &dyn Fn(Site<'_>, Links<'_>) -> Result<B>,
+    ) -> Result<Option<Evaluator<'a, B>>> {
         if !opts.evaluate {
             return Ok(None);
         }
+        let no_links = Links {
+            data: None,
+            model: None,
+            stages: None,
+        };
+        let backend = make(Site::of(0, self.whole), no_links)?;
         Ok(Some(Evaluator {
-            exec: Executor::new(self.whole)?,
+            exec: Executor::with_backend(self.whole, backend)?,
             whole: self.whole,
             shard: self.shard,
             model_axis: self.mesh.model,
@@ -699,10 +708,11 @@ fn shard_for(
     Ok(out.outputs.into_iter().collect())
 }
 
-/// Evaluates the whole model on the held-out data: the one-device graph, or on a model
-/// axis of T the sharded graph as T workers (threads) on the variables' parts.
-pub(crate) struct Evaluator<'a> {
-    exec: Executor<Cpu>,
+/// Evaluates the whole model on the held-out data: the one-device graph on the stages'
+/// kind of device, or on a model axis of T the sharded graph as T workers (threads of
+/// the host) on the variables' parts.
+pub(crate) struct Evaluator<'a, B: Backend> {
+    exec: Executor<B>,
     whole: &'a Graph,
     shard: Option<&'a Graph>,
     model_axis: usize,
@@ -710,7 +720,7 @@ pub(crate) struct Evaluator<'a> {
     config: RunConfig,
 }
 
-impl Evaluator<'_> {
+impl<B: Backend> Evaluator<'_, B> {
     /// The evaluation of `params` (whole) as of `step`.
     pub(crate) fn evaluate(
         &mut self,
@@ -719,7 +729,15 @@ impl Evaluator<'_> {
     ) -> Result<EvalMetrics> {
         let t = self.model_axis;
         let Some(shard) = self.shard.filter(|_| t > 1) else {
-            return evaluate(&mut self.exec, params, &self.data, &self.config, step, None);
+            let on_device = upload_all(self.exec.backend(), params.clone())?;
+            return evaluate(
+                &mut self.exec,
+                &on_device,
+                &self.data,
+                &self.config,
+                step,
+                None,
+            );
         };
         // Each model rank's variables: the replicated ones and its parts of the split.
         let mut mine = Vec::with_capacity(t);

@@ -341,7 +341,7 @@ pub fn train_pipeline_with<B: Backend>(
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
-    let mut evaluator = run.evaluator(config, opts)?;
+    let mut evaluator = run.evaluator(config, opts, make)?;
     run.clear_later_states();
     let mut roles = Vec::with_capacity(workers);
     for (w, data) in sources.into_iter().enumerate() {

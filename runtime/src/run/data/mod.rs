@@ -858,6 +858,12 @@ fn check_indices(g: &distc_ir::Graph, spec: &DataSpec, bounds: &[(&str, usize)])
                 dims(inputs[0]).first().copied(),
                 "rows of the lookup table",
             ),
+            // A part of the table on each of `parts` model ranks: the whole table's rows.
+            Op::ModelEmbedding { parts } if inputs.len() == 2 => (
+                inputs[1],
+                dims(inputs[0]).first().map(|rows| rows * parts),
+                "rows of the lookup table",
+            ),
             Op::SparsePull { table, .. } if !inputs.is_empty() => (
                 inputs[0],
                 table.dims().first().copied(),

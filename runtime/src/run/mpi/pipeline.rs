@@ -157,7 +157,7 @@ pub(super) fn run_stage_rank<B: Backend>(
     // Rank 0: its stage on a thread, the coordinator here.
     let workers = run.workers();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
-    let mut evaluator = run.evaluator(config, opts)?;
+    let mut evaluator = run.evaluator(config, opts, make)?;
     run.clear_later_states();
     // At an evaluation or a checkpoint, replica 0's other stages send their variables,
     // and at a checkpoint their optimizer state after them.
