@@ -356,7 +356,7 @@ impl StateWriter {
         let handle = std::thread::Builder::new()
             .name("state-writer".into())
             .spawn(job)
-            .map_err(|e| RuntimeError::Config(format!("cannot start the state writer: {e}")))?;
+            .map_err(|e| RuntimeError::no_thread("the state writer", e))?;
         *in_flight = Some(handle);
         drop(in_flight);
         if wait {

@@ -128,6 +128,15 @@ pub enum RuntimeError {
         /// Its error.
         source: Box<RuntimeError>,
     },
+    /// The operating system refused what the run asked of it (a thread, with the
+    /// machine's limit on threads reached).
+    #[error("{what}: {source}")]
+    Os {
+        /// What the run asked for.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {
@@ -210,6 +219,96 @@ impl RuntimeError {
                 message,
             },
             e => e,
+        }
+    }
+
+    /// The same error again, for a second place that reports it (a rank's error
+    /// recorded as the run's cause and returned to its own caller too, a client's
+    /// later calls after it failed): every variant kept, so the copy exits, restarts
+    /// and yields to a cause as the first does; a device's or the OS's own error is
+    /// kept as its text.
+    pub fn duplicate(&self) -> RuntimeError {
+        use RuntimeError as E;
+        let io = |e: &std::io::Error| std::io::Error::new(e.kind(), e.to_string());
+        match self {
+            E::Kernel { node, op, message } => E::Kernel {
+                node: node.clone(),
+                op,
+                message: message.clone(),
+            },
+            E::Device { node, op, source } => E::Device {
+                node: node.clone(),
+                op,
+                source: source.to_string().into(),
+            },
+            E::DeviceCall {
+                device,
+                what,
+                message,
+            } => E::DeviceCall {
+                device: device.clone(),
+                what: what.clone(),
+                message: message.clone(),
+            },
+            E::Backend(e) => E::Backend(e.to_string().into()),
+            E::MissingInput(n) => E::MissingInput(n.clone()),
+            E::MissingParam(n) => E::MissingParam(n.clone()),
+            E::Data { path, message } => E::Data {
+                path: path.clone(),
+                message: message.clone(),
+            },
+            E::Config(m) => E::Config(m.clone()),
+            E::State { path, message } => E::State {
+                path: path.clone(),
+                message: message.clone(),
+            },
+            E::Plan(m) => E::Plan(m.clone()),
+            E::Internal { at, message } => E::Internal {
+                at: at.clone(),
+                message: message.clone(),
+            },
+            E::Diverged { step, loss } => E::Diverged {
+                step: *step,
+                loss: *loss,
+            },
+            E::WorkerLost { step, cause } => E::WorkerLost {
+                step: *step,
+                cause: cause.clone(),
+            },
+            E::Interrupted(m) => E::Interrupted(m.clone()),
+            E::Peer {
+                rank,
+                peer,
+                op,
+                kind,
+                message,
+            } => E::Peer {
+                rank: *rank,
+                peer: *peer,
+                op: op.clone(),
+                kind: *kind,
+                message: message.clone(),
+            },
+            E::Rank { who, source } => E::Rank {
+                who: who.clone(),
+                source: Box::new(source.duplicate()),
+            },
+            E::Os { what, source } => E::Os {
+                what: what.clone(),
+                source: io(source),
+            },
+            E::Io { path, source } => E::Io {
+                path: path.clone(),
+                source: io(source),
+            },
+        }
+    }
+
+    /// A thread the run could not start: the OS's refusal.
+    pub fn no_thread(what: impl Into<String>, source: std::io::Error) -> RuntimeError {
+        RuntimeError::Os {
+            what: format!("{}: cannot start", what.into()),
+            source,
         }
     }
 

@@ -91,33 +91,6 @@ fn recv_until(link: &mut dyn WorkerLink, deadline: &mut Instant) -> Result<Optio
     Ok(got)
 }
 
-/// `e` again, for a later call of a client that failed with it: its kind kept (a peer's
-/// failure stays one), its text the same.
-fn again(e: &RuntimeError) -> RuntimeError {
-    match e {
-        RuntimeError::Peer {
-            rank,
-            peer,
-            op,
-            kind,
-            message,
-        } => RuntimeError::Peer {
-            rank: *rank,
-            peer: *peer,
-            op: op.clone(),
-            kind: *kind,
-            message: message.clone(),
-        },
-        RuntimeError::Plan(m) => RuntimeError::Plan(m.clone()),
-        RuntimeError::Internal { at, message } => RuntimeError::Internal {
-            at: at.clone(),
-            message: message.clone(),
-        },
-        // A link's other errors are settings (a message larger than MPI counts).
-        e => RuntimeError::Config(e.to_string()),
-    }
-}
-
 /// The gradient's dtype against the servers' f32 masters: the model's precision.
 fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
     t.as_f32().ok_or_else(|| {
@@ -184,7 +157,7 @@ impl PsClient {
             ));
         }
         match &self.failed {
-            Some(e) => Err(again(e)),
+            Some(e) => Err(e.duplicate()),
             None => Ok(()),
         }
     }
@@ -242,7 +215,7 @@ impl PsClient {
     /// Remembers the first error, so every later call returns it.
     fn fail(&mut self, e: RuntimeError) -> RuntimeError {
         if self.failed.is_none() {
-            self.failed = Some(again(&e));
+            self.failed = Some(e.duplicate());
         }
         e
     }

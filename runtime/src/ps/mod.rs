@@ -278,7 +278,7 @@ pub fn start(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig) -> Result<PsCluster> {
 /// [`start`], with servers recording a [`ServerSpan`] per message when `trace`.
 pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> Result<PsCluster> {
     if cfg.workers == 0 {
-        return Err(RuntimeError::Config("parameter servers: no workers".into()));
+        return Err(RuntimeError::plan("parameter servers without workers"));
     }
     let vars = check_shards(&shards)?;
     // One extra worker link, never handed out, to stop the servers.
@@ -296,9 +296,7 @@ pub fn start_traced(shards: Vec<Vec<ShardSpec>>, cfg: PsConfig, trace: bool) -> 
             .name(format!("ps-{id}"))
             .spawn(move || serve(server, &mut link))
             // The machine refused a thread.
-            .map_err(|e| {
-                RuntimeError::Config(format!("parameter server {id}: cannot start: {e}"))
-            })?;
+            .map_err(|e| RuntimeError::no_thread(format!("parameter server {id}"), e))?;
         handles.push(h);
     }
     Ok(PsCluster {

@@ -75,7 +75,7 @@ impl Mesh {
         let servers = programs.servers.len();
         let n = programs.workers;
         if n == 0 {
-            return Err(RuntimeError::Config("the plan has no workers".into()));
+            return Err(RuntimeError::plan("it has no workers"));
         }
         let data = match programs.pipeline {
             // A pipeline's workers count every model rank of every stage; fewer than

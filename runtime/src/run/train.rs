@@ -122,7 +122,7 @@ where
                         format!("{name} panicked"),
                     ))
                 }),
-                Err(e) => Err(RuntimeError::Config(format!("{name}: cannot start: {e}"))),
+                Err(e) => Err(RuntimeError::no_thread(name, e)),
             })
             .collect()
     });
@@ -365,9 +365,9 @@ pub fn train_pipeline_with<B: Backend>(
             // The cause first: its neighbours fail next, seeing it hang up once the
             // stage (its communicators) is dropped, after this.
             result.map_err(|e| {
-                let message = e.to_string();
+                let copy = e.duplicate();
                 errors.record(Role::Worker(w), e);
-                RuntimeError::Config(message)
+                copy
             })
         };
         roles.push((format!("stage-{s}-replica-{r}-model-{m}"), role));

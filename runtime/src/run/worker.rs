@@ -697,11 +697,7 @@ pub fn run_worker_on<B: Backend>(
     let comm_handle = std::thread::Builder::new()
         .name(format!("worker-{rank}-comm"))
         .spawn(move || comm_thread(comm, comm_rx, span_tx, bytes_tx))
-        .map_err(|e| {
-            RuntimeError::Config(format!(
-                "worker {rank}: cannot start its communication thread: {e}"
-            ))
-        })?;
+        .map_err(|e| RuntimeError::no_thread(format!("worker {rank}'s communication thread"), e))?;
     let mut hook = WorkerHook {
         to_comm,
         ps,
@@ -756,13 +752,14 @@ pub fn run_worker_on<B: Backend>(
         // The cause first, then the consequences: servers answer the other workers'
         // waiting pulls with it, and peers see this worker's communicator close.
         let message = e.to_string();
+        let copy = e.duplicate();
         errors.record(Role::Worker(rank), e);
         if let Some(ps) = hook.ps.as_mut() {
             ps.abort(&message);
         }
         drop(hook);
         let _ = comm_handle.join();
-        return Err(RuntimeError::Config(format!("worker {rank}: {message}")));
+        return Err(copy.of_rank(format!("worker {rank}")));
     }
     let WorkerHook {
         to_comm,

@@ -213,7 +213,7 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
         let handle = std::thread::Builder::new()
             .name(name.to_string())
             .spawn_scoped(scope, move || role(tx))
-            .map_err(|e| RuntimeError::Config(format!("{name}: cannot start: {e}")))?;
+            .map_err(|e| RuntimeError::no_thread(name, e))?;
         let mut handle = Some(handle);
         let mut outcome = None;
         let mut stalls = StallInspector::new(workers, steps, done, timeout);
