@@ -20,7 +20,7 @@ fn last_eval(metrics: &std::path::Path) -> serde_json::Value {
     let last: serde_json::Value =
         serde_json::from_str(text.lines().last().expect("a line")).expect("json");
     // The metrics line holds the evaluation's fields beside the step's.
-    ["eval_loss", "eval_accuracy", "eval_samples"]
+    ["eval_loss", "eval_accuracy", "eval_samples", "eval_device"]
         .iter()
         .map(|k| (k.to_string(), last[*k].clone()))
         .collect::<serde_json::Map<_, _>>()

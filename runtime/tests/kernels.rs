@@ -1020,7 +1020,7 @@ fn mixed_dtypes_are_an_error_not_a_panic() {
         rank: 0,
         model_rank: 0,
     };
-    let e = eval_op(&op, &[&a, &b], &ctx).unwrap_err();
+    let e = eval_op(&op, &[&a, &b], &ctx).unwrap_err().to_string();
     assert!(e.contains("f64") && e.contains("f32"), "{e}");
     // Shapes that do not broadcast.
     let c = Value::Tensor(f32t(&[3], &[1., 2., 3.]));

@@ -480,9 +480,11 @@ fn a_backend_with_its_own_communicator_trains_and_counts_what_the_host_path_does
                 Ok(())
             },
             |site: distc_runtime::run::train::Site<'_>,
-             links: distc_runtime::run::train::Links<'_>| {
+             mut links: distc_runtime::run::train::Links<'_>| {
                 let rank = site.worker;
-                let host = links.data.expect("a data-parallel worker's link");
+                let host = links
+                    .take(distc_runtime::core::axis::Axis::Data)
+                    .expect("a data-parallel worker's link");
                 // The bootstrap: rank 0's token to everyone over the host communicator.
                 let mut token = if rank == 0 {
                     b"own-comm".to_vec()

@@ -26,6 +26,7 @@ pub mod mpi;
 
 pub use inprocess::{in_process, InProcessComm};
 
+use crate::core::axis::Axis;
 use crate::core::error::{PeerKind, RuntimeError};
 use zerocopy::IntoBytes;
 
@@ -80,21 +81,70 @@ pub trait Communicator: Send {
 /// worker's link on the data axis (a pipeline stage's to its replicas), on the model
 /// axis where the mesh has one, and among a pipeline's stages (rank = stage).
 pub struct Links<'c> {
-    /// The data axis's (none for a pipeline stage without replicas).
-    pub data: Option<&'c mut dyn Communicator>,
-    /// The model axis's.
-    pub model: Option<&'c mut dyn Communicator>,
-    /// The pipeline axis's: the stages of the worker's replica.
-    pub stages: Option<&'c mut dyn Communicator>,
+    by_axis: [Option<&'c mut dyn Communicator>; 3],
 }
 
 impl<'c> Links<'c> {
+    /// No link: a backend alone on its device.
+    pub fn none() -> Links<'c> {
+        Links {
+            by_axis: [None, None, None],
+        }
+    }
+
     /// The data axis's link alone.
     pub fn data(data: &'c mut dyn Communicator) -> Links<'c> {
+        Links::none().with(Axis::Data, data)
+    }
+
+    /// These links and `comm` on `axis`.
+    pub fn with(mut self, axis: Axis, comm: &'c mut dyn Communicator) -> Links<'c> {
+        self.by_axis[axis.index()] = Some(comm);
+        self
+    }
+
+    /// The link on `axis`, taken out.
+    pub fn take(&mut self, axis: Axis) -> Option<&'c mut dyn Communicator> {
+        self.by_axis[axis.index()].take()
+    }
+}
+
+/// A role's communicators, keyed by the mesh's axes (torchtitan's `world_mesh["dp"]`):
+/// a worker's on the data axis and, with one, the model axis; a stage's on the pipe
+/// axis, among its replicas and among its model ranks. A new axis is an entry here,
+/// not a field of every role and backend.
+#[derive(Default)]
+pub struct AxisComms {
+    by_axis: [Option<Box<dyn Communicator>>; 3],
+}
+
+impl AxisComms {
+    /// `comm` on `axis`, replacing any there.
+    pub fn insert(&mut self, axis: Axis, comm: Box<dyn Communicator>) {
+        self.by_axis[axis.index()] = Some(comm);
+    }
+
+    /// The communicator on `axis`, taken out.
+    pub fn take(&mut self, axis: Axis) -> Option<Box<dyn Communicator>> {
+        self.by_axis[axis.index()].take()
+    }
+
+    /// The communicator on `axis`, taken out, where the role cannot run without it.
+    pub fn require(
+        &mut self,
+        axis: Axis,
+        role: &str,
+    ) -> Result<Box<dyn Communicator>, RuntimeError> {
+        self.take(axis).ok_or_else(|| {
+            RuntimeError::internal(role, format!("no communicator on the {} axis", axis.name()))
+        })
+    }
+
+    /// Links to every communicator it holds, for a device's bootstrap.
+    pub fn links(&mut self) -> Links<'_> {
+        let [a, b, c] = &mut self.by_axis;
         Links {
-            data: Some(data),
-            model: None,
-            stages: None,
+            by_axis: [a, b, c].map(|c| c.as_mut().map(|c| &mut **c as &mut dyn Communicator)),
         }
     }
 }

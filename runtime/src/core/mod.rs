@@ -23,6 +23,7 @@
 //! (`runtime/tests/layers.rs`) holds every file to that.
 
 pub mod arena;
+pub mod axis;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;

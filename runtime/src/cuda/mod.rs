@@ -433,11 +433,13 @@ pub fn worker_backend(
     // Every rank of an axis holds the same programs, so all of them bootstrap alike.
     // The program beside this one shares its communicators (split from them).
     let has = |model: bool| site.programs().any(|g| backend::has_collectives(g, model));
-    let crate::comm::Links {
-        data,
-        model,
-        stages,
-    } = links;
+    use crate::core::axis::Axis;
+    let mut links = links;
+    let (data, model, stages) = (
+        links.take(Axis::Data),
+        links.take(Axis::Model),
+        links.take(Axis::Pipe),
+    );
     if let (true, Some(data)) = (has(false), data) {
         if let Some(id) = nccl_id(&backend, data, opts, collectives)? {
             backend.attach_nccl(data.rank(), data.size(), id)?;

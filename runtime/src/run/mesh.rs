@@ -29,16 +29,7 @@ use crate::core::roles::{Role, Roles};
 use crate::run::programs::Programs;
 use distc_ir::{Graph, Op};
 
-/// An axis of the mesh.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Axis {
-    /// Replicas of the model (data parallelism).
-    Data,
-    /// Pipeline stages.
-    Pipe,
-    /// Model ranks (tensor parallelism).
-    Model,
-}
+pub use crate::core::axis::Axis;
 
 /// A worker's place on the mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +137,20 @@ impl Mesh {
     /// The worker at `c`.
     pub fn worker(&self, c: Coord) -> usize {
         (c.replica * self.pipe + c.stage) * self.model + c.model
+    }
+
+    /// The axes a role of this mesh is linked on, in the order every rank links them:
+    /// the data axis always (one replica's is a group of one), the pipe axis in a
+    /// pipelined plan, the model axis where it is wider than one.
+    pub fn axes(&self) -> Vec<Axis> {
+        Axis::ALL
+            .into_iter()
+            .filter(|a| match a {
+                Axis::Data => true,
+                Axis::Pipe => self.pipelined,
+                Axis::Model => self.model > 1,
+            })
+            .collect()
     }
 
     /// The size of `axis`.

@@ -25,6 +25,7 @@ use crate::comm::mpi::{
     complete_or, report_and_abort, suspended, Among, Backoff, Comm, MpiComm, Outgoing, Since,
     TAG_REPLY, TAG_REQUEST, TAG_SPANS,
 };
+use crate::comm::AxisComms;
 use crate::comm::Communicator;
 use crate::comm::Links;
 use crate::core::backend::Backend;
@@ -36,7 +37,7 @@ use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, PsConfig, Server};
 use crate::run::coordinator::{metrics_line, reporter, Coordinator};
 use crate::run::data::open_data;
-use crate::run::mesh::{Axis, Mesh};
+use crate::run::mesh::Mesh;
 use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
 use crate::run::metrics::TrainReport;
@@ -766,35 +767,26 @@ fn run_worker_rank<B: Backend>(
     make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
-    // A mesh with a model axis: every worker splits the workers' communicator by its
-    // group on the data axis, then on the model axis, in the same order.
+    // Every worker splits the workers' communicator by its group on each axis the
+    // mesh links, in the same order.
     let roles = mesh.roles();
-    let (comm, model_comm) = if mesh.model > 1 {
-        let split = |axis: Axis| {
-            let (group, key) = mesh.group(axis, r);
-            comm.0
-                .split_by_color_with_key(Color::with_value(group as i32), key as i32)
-        };
-        // Every worker splits with a color of its own group: it is in both.
-        let (Some(data_axis), Some(model_axis)) = (split(Axis::Data), split(Axis::Model)) else {
+    let mut comms = AxisComms::default();
+    for axis in mesh.axes() {
+        let (group, key) = mesh.group(axis, r);
+        // Every worker splits with a color of its own group: it is in each.
+        let Some(linked) = comm
+            .0
+            .split_by_color_with_key(Color::with_value(group as i32), key as i32)
+        else {
             return Err(RuntimeError::internal(
                 format!("worker {r}"),
-                "not in its data axis's or its model axis's communicator",
+                format!("not in its {} axis's communicator", axis.name()),
             ));
         };
-        let model: Box<dyn Communicator> = Box::new(MpiComm::new(
-            Comm(model_axis),
-            ctl.clone(),
-            roles,
-            r,
-            opts.timeout,
-        ));
-        (Comm(data_axis), Some(model))
-    } else {
-        (comm, None)
-    };
+        let linked = MpiComm::new(Comm(linked), ctl.clone(), roles, r, opts.timeout);
+        comms.insert(axis, Box::new(linked));
+    }
     let data = open_data(&programs, &mesh, config, opts, r)?;
-    let mpi_comm = MpiComm::new(comm, ctl.clone(), roles, r, opts.timeout);
     let ps = (roles.servers > 0).then(|| {
         PsClient::new(
             r,
@@ -833,8 +825,7 @@ fn run_worker_rank<B: Backend>(
         opts,
         rank: r,
         mesh,
-        comm: Box::new(mpi_comm),
-        model_comm,
+        comms,
         ps,
         data,
         report,

@@ -27,8 +27,9 @@
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
 use crate::comm::collective::{collective, model_collective, op_label, Done};
-use crate::comm::Links;
 use crate::comm::{in_process, ByteCount, Communicator};
+use crate::comm::{AxisComms, Links};
+use crate::core::axis::Axis;
 use crate::core::backend::Site;
 use crate::core::backend::{
     backend_error, upload_all, upload_micro_batches, Backend, OptimizerState,
@@ -511,20 +512,21 @@ impl<'a> PipelineRun<'a> {
         open_data(&self.programs, &self.mesh, config, opts, w)
     }
 
-    /// Worker `w`'s stage: `comm` links it to the other stages of its replica (rank =
-    /// stage), `replica_comm` to its stage in the other replicas (rank = replica),
-    /// `model_comm` to the other model ranks of its stage (rank = model rank).
-    #[allow(clippy::too_many_arguments)]
+    /// Worker `w`'s stage, its communicators by axis: the pipe axis's links it to the
+    /// other stages of its replica (rank = stage), the data axis's to its stage in the
+    /// other replicas (rank = replica), the model axis's (where the mesh has one) to
+    /// the other model ranks of its stage (rank = model rank).
     pub(crate) fn stage(
         &self,
         w: usize,
-        comm: Box<dyn Communicator>,
-        replica_comm: Box<dyn Communicator>,
-        model_comm: Option<Box<dyn Communicator>>,
+        mut comms: AxisComms,
         data: Vec<DataSource>,
         opts: &TrainOptions,
         t0: Instant,
-    ) -> Stage<'_> {
+    ) -> Result<Stage<'_>> {
+        let comm = comms.require(Axis::Pipe, "a pipeline stage")?;
+        let replica_comm = comms.require(Axis::Data, "a pipeline stage")?;
+        let model_comm = comms.take(Axis::Model);
         let (r, s, m) = self.coordinates(w);
         let graphs = &self.program.stages[s];
         let params: HashMap<String, Tensor> = stage_variables([&graphs.forward, &graphs.backward])
@@ -555,7 +557,7 @@ impl<'a> PipelineRun<'a> {
             slots.retain(|k, _| k.rsplit_once('/').is_none_or(|(var, _)| updated(var)));
             slots
         });
-        Stage {
+        Ok(Stage {
             name: self.mesh.name(w),
             worker: w,
             first: self.first,
@@ -593,7 +595,7 @@ impl<'a> PipelineRun<'a> {
             params,
             trace: opts.trace,
             t0,
-        }
+        })
     }
 
     /// What evaluates the one-device graph on the stages' variables, when the run
@@ -609,12 +611,7 @@ impl<'a> PipelineRun<'a> {
         if !opts.evaluate {
             return Ok(None);
         }
-        let no_links = Links {
-            data: None,
-            model: None,
-            stages: None,
-        };
-        let backend = make(Site::of(0, self.whole), no_links)?;
+        let backend = make(Site::of(0, self.whole), Links::none())?;
         Ok(Some(Evaluator {
             exec: Executor::with_backend(self.whole, backend)?,
             whole: self.whole,
@@ -1323,30 +1320,21 @@ impl<'a> Stage<'a> {
     ) -> Result<StageOutcome> {
         let (forward, backward) = (self.forward, self.backward);
         let mut made = |program, beside| {
-            let data = self
-                .hook
-                .replicas
-                .as_mut()
-                .map(|c| &mut **c as &mut dyn Communicator);
-            let model = self
-                .hook
-                .model
-                .as_mut()
-                .map(|c| &mut **c as &mut dyn Communicator);
             let site = Site {
                 worker: self.worker,
                 program,
                 beside,
             };
-            let stages = Some(&mut *self.comm as &mut dyn Communicator);
-            make(
-                site,
-                Links {
-                    data,
-                    model,
-                    stages,
-                },
-            )
+            let mut links = Links::none().with(Axis::Pipe, &mut *self.comm);
+            for (axis, comm) in [
+                (Axis::Data, self.hook.replicas.as_mut()),
+                (Axis::Model, self.hook.model.as_mut()),
+            ] {
+                if let Some(c) = comm {
+                    links = links.with(axis, &mut **c);
+                }
+            }
+            make(site, links)
         };
         // The forward runs beside the backward, on its device: the variables and the
         // batch are uploaded once, for both.

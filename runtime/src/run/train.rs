@@ -10,7 +10,7 @@
 //! (`crate::run::mpi`) runs the same loop and the same coordinator, one rank per
 //! process. One device is the one-worker case, on the CPU or a GPU alike.
 
-use crate::comm::{in_process, Communicator};
+use crate::comm::{in_process, AxisComms, Communicator};
 use crate::core::backend::Backend;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -56,6 +56,22 @@ pub(crate) fn axis_links(
                 .collect()
         })
         .collect()
+}
+
+/// Every worker's communicators, by axis: for each axis the mesh links
+/// ([`Mesh::axes`]), one in-process communicator per group, worker `w` holding its
+/// group's end.
+pub(crate) fn link_axes(mesh: &Mesh, opts: &TrainOptions) -> Vec<AxisComms> {
+    let mut comms: Vec<AxisComms> = (0..mesh.workers()).map(|_| AxisComms::default()).collect();
+    for axis in mesh.axes() {
+        let mut links = axis_links(mesh, axis, opts);
+        for (w, c) in comms.iter_mut().enumerate() {
+            if let Some(link) = take_link(&mut links, mesh, axis, w) {
+                c.insert(axis, link);
+            }
+        }
+    }
+    comms
 }
 
 /// Worker `w`'s end of its group's communicator on `axis`.
@@ -220,21 +236,8 @@ pub fn train_with<B: Backend>(
         Some(c)
     };
     // The data axis links the replicas of one model rank, the model axis the model
-    // ranks of one replica: one in-process communicator per group of each axis.
-    let mut data_links = axis_links(&mesh, Axis::Data, opts);
-    let mut model_links = axis_links(&mesh, Axis::Model, opts);
-    type Links = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
-    let comms: Vec<Links> = (0..n)
-        .filter_map(|w| {
-            let comm = take_link(&mut data_links, &mesh, Axis::Data, w)?;
-            let model = if mesh.model > 1 {
-                take_link(&mut model_links, &mesh, Axis::Model, w)
-            } else {
-                None
-            };
-            Some((comm, model))
-        })
-        .collect();
+    // ranks of one replica.
+    let comms = link_axes(&mesh, opts);
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let k = micro_batches(programs.worker);
@@ -246,7 +249,7 @@ pub fn train_with<B: Backend>(
         .into_iter()
         .zip(sources)
         .enumerate()
-        .map(|(rank, ((comm, model_comm), data))| {
+        .map(|(rank, (comms, data))| {
             let ps = cluster.as_mut().map(|c| c.client(rank));
             let errors = errors.clone();
             let role = move |tx| {
@@ -256,8 +259,7 @@ pub fn train_with<B: Backend>(
                     opts,
                     rank,
                     mesh,
-                    comm,
-                    model_comm,
+                    comms,
                     ps,
                     data,
                     report: Box::new(reporter(tx)),
@@ -335,30 +337,20 @@ pub fn train_pipeline_with<B: Backend>(
         .collect::<Result<Vec<_>>>()?;
     // Its stages talk over the pipe axis, its replicas average gradients over the data
     // axis, a stage's model ranks run their collectives over the model axis.
-    let mut stage_links = axis_links(&mesh, Axis::Pipe, opts);
-    let mut replica_links = axis_links(&mesh, Axis::Data, opts);
-    let mut model_links = axis_links(&mesh, Axis::Model, opts);
+    let comms = link_axes(&mesh, opts);
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts, make)?;
     run.clear_later_states();
     let mut roles = Vec::with_capacity(workers);
-    for (w, data) in sources.into_iter().enumerate() {
+    for (w, (data, comms)) in sources.into_iter().zip(comms).enumerate() {
         let Coord {
             replica: r,
             stage: s,
             model: m,
         } = mesh.coord(w);
-        let (Some(comm), Some(replica_comm), Some(model_comm)) = (
-            take_link(&mut stage_links, &mesh, Axis::Pipe, w),
-            take_link(&mut replica_links, &mesh, Axis::Data, w),
-            take_link(&mut model_links, &mesh, Axis::Model, w),
-        ) else {
-            continue;
-        };
-        let model_comm = (mesh.model > 1).then_some(model_comm);
-        let mut stage = run.stage(w, comm, replica_comm, model_comm, data, opts, t0);
+        let mut stage = run.stage(w, comms, data, opts, t0)?;
         let errors = &errors;
         let role = move |tx| {
             let result = stage.run_on(make, config, &mut reporter(tx));

@@ -15,8 +15,9 @@
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
 use crate::comm::collective::{collective, model_collective, op_label, Done};
-use crate::comm::Links;
+use crate::comm::{AxisComms, Links};
 use crate::comm::{ByteCount, Communicator};
+use crate::core::axis::Axis;
 use crate::core::backend::{all_to_host, backend_error, upload_all, upload_micro_batches, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
@@ -132,11 +133,9 @@ pub struct WorkerSetup<'a> {
     pub rank: usize,
     /// The plan's mesh: this worker's place, and who shares its samples.
     pub mesh: Mesh,
-    /// The communicator among the workers of this worker's model-axis group (tensor
-    /// parallelism), when the plan has a model axis.
-    pub model_comm: Option<Box<dyn Communicator>>,
-    /// The communicator among the workers.
-    pub comm: Box<dyn Communicator>,
+    /// Its communicators, by axis: the data axis's (its replicas), and the model
+    /// axis's where the mesh has one.
+    pub comms: AxisComms,
     /// The parameter servers, when the plan has any.
     pub ps: Option<PsClient>,
     /// This worker's data, opened: one source per micro-batch of a step.
@@ -675,21 +674,16 @@ pub fn run_worker_on<B: Backend>(
         opts,
         rank,
         mesh,
-        mut comm,
-        mut model_comm,
+        mut comms,
         ps,
         mut data,
         mut report,
         t0,
         errors,
     } = setup;
-    let made = make(Links {
-        data: Some(&mut *comm),
-        model: model_comm
-            .as_mut()
-            .map(|c| &mut **c as &mut dyn Communicator),
-        stages: None,
-    });
+    let made = make(comms.links());
+    let comm = comms.require(Axis::Data, "a worker")?;
+    let model_comm = comms.take(Axis::Model);
     let bytes_start = comm.bytes();
     let (to_comm, comm_rx) = mpsc::channel::<Request>();
     let (span_tx, span_rx) = mpsc::channel();

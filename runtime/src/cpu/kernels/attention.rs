@@ -4,7 +4,7 @@
 //! rather than reading stored ones, as a fused GPU kernel does, so the forward pass
 //! keeps nothing `Tq x Tk` alive.
 
-use super::{shape_str, val, view, Arg, Elem};
+use super::{val, view, Arg, CpuKernelError, Elem, ShapeCheck};
 use crate::core::value::Value;
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, ArrayD, ArrayView2, Axis, CowArray, Ix2, IxDyn};
@@ -18,7 +18,7 @@ struct Dims {
     dv: usize,
 }
 
-fn dims(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims, String> {
+fn dims(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims, CpuKernelError> {
     let r = q.len();
     let ok = r >= 2
         && k.len() == r
@@ -28,12 +28,11 @@ fn dims(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims, String> {
         && q[r - 1] == k[r - 1]
         && k[r - 2] == v[r - 2];
     if !ok {
-        return Err(format!(
-            "q {}, k {} and v {} do not make an attention ([.., Tq, D], [.., Tk, D], [.., Tk, Dv])",
-            shape_str(q),
-            shape_str(k),
-            shape_str(v)
-        ));
+        return Err(CpuKernelError::Attention {
+            q: q.to_vec(),
+            k: k.to_vec(),
+            v: v.to_vec(),
+        });
     }
     Ok(Dims {
         slices: q[..r - 2].iter().product(),
@@ -98,7 +97,7 @@ fn weights<A: Elem>(
 /// are, copied where not.
 fn standard_views<'a, A: Elem>(
     args: &[&'a Arg<'_>],
-) -> Result<Vec<CowArray<'a, A, IxDyn>>, String> {
+) -> Result<Vec<CowArray<'a, A, IxDyn>>, CpuKernelError> {
     args.iter()
         .enumerate()
         .map(|(i, a)| {
@@ -119,7 +118,7 @@ pub(super) fn attention<A: Elem>(
     v: &Arg<'_>,
     causal: bool,
     scale: f64,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let views = standard_views::<A>(&[q, k, v])?;
     let (q, k, v) = (&views[0], &views[1], &views[2]);
     let n = dims(q.shape(), k.shape(), v.shape())?;
@@ -130,8 +129,7 @@ pub(super) fn attention<A: Elem>(
     {
         let mut blocks = out
             .view_mut()
-            .into_shape_with_order((n.slices, n.tq, n.dv))
-            .map_err(|e| e.to_string())?;
+            .into_shape_with_order((n.slices, n.tq, n.dv))?;
         for i in 0..n.slices {
             let p = weights(
                 slice(q, &n, n.tq, i),
@@ -154,7 +152,7 @@ pub(super) fn attention_grad<A: Elem>(
     v: &Arg<'_>,
     causal: bool,
     scale: f64,
-) -> Result<Vec<Value>, String> {
+) -> Result<Vec<Value>, CpuKernelError> {
     let views = standard_views::<A>(&[dy, q, k, v])?;
     let (dy, q, k, v) = (&views[0], &views[1], &views[2], &views[3]);
     let n = dims(q.shape(), k.shape(), v.shape())?;
@@ -162,29 +160,22 @@ pub(super) fn attention_grad<A: Elem>(
     let mut want = q.shape().to_vec();
     want[r - 1] = n.dv;
     if dy.shape() != want.as_slice() {
-        return Err(format!(
-            "dy is {}, the attention gives {}",
-            shape_str(dy.shape()),
-            shape_str(&want)
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::Gradient("attention"),
+            left: dy.shape().to_vec(),
+            right: want,
+        });
     }
     let scale = A::c(scale);
     let mut dq = ArrayD::<A>::zeros(IxDyn(q.shape()));
     let mut dk = ArrayD::<A>::zeros(IxDyn(k.shape()));
     let mut dv = ArrayD::<A>::zeros(IxDyn(v.shape()));
     {
-        let mut dqb = dq
-            .view_mut()
-            .into_shape_with_order((n.slices, n.tq, n.d))
-            .map_err(|e| e.to_string())?;
-        let mut dkb = dk
-            .view_mut()
-            .into_shape_with_order((n.slices, n.tk, n.d))
-            .map_err(|e| e.to_string())?;
+        let mut dqb = dq.view_mut().into_shape_with_order((n.slices, n.tq, n.d))?;
+        let mut dkb = dk.view_mut().into_shape_with_order((n.slices, n.tk, n.d))?;
         let mut dvb = dv
             .view_mut()
-            .into_shape_with_order((n.slices, n.tk, n.dv))
-            .map_err(|e| e.to_string())?;
+            .into_shape_with_order((n.slices, n.tk, n.dv))?;
         for i in 0..n.slices {
             let (qi, ki, vi) = (
                 slice(q, &n, n.tq, i),

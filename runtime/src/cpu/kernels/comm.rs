@@ -4,22 +4,22 @@
 //! communicator, not here.
 
 use super::sparse::slices;
-use super::{shape_str, tensor, Arg, Elem};
+use super::{dtype_error, tensor, Arg, CpuKernelError, Elem};
 use crate::core::value::{Slices, Value};
 use distc_ir::Shape;
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
 
 /// Concatenates the inputs' elements, in order, into one flat tensor.
-pub(super) fn pack<A: Elem>(args: &[Arg<'_>]) -> Result<Value, String> {
+pub(super) fn pack<A: Elem>(args: &[Arg<'_>]) -> Result<Value, CpuKernelError> {
     let arrays = args
         .iter()
         .enumerate()
         .map(|(i, a)| {
             let t = tensor(a, i)?;
-            A::of(t).ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))
+            A::of(t).ok_or_else(|| dtype_error(a, i, A::DTYPE))
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, CpuKernelError>>()?;
     // A bucket is megabytes: one allocation, and a memcpy per contiguous input.
     let n = arrays.iter().map(|a| a.len()).sum();
     let mut out: Vec<A> = Vec::with_capacity(n);
@@ -29,27 +29,30 @@ pub(super) fn pack<A: Elem>(args: &[Arg<'_>]) -> Result<Value, String> {
             None => out.extend(arr.iter().copied()),
         }
     }
-    Ok(Value::Tensor(A::wrap(
-        ArrayD::from_shape_vec(IxDyn(&[n]), out).map_err(|e| e.to_string())?,
-    )))
+    Ok(Value::Tensor(A::wrap(ArrayD::from_shape_vec(
+        IxDyn(&[n]),
+        out,
+    )?)))
 }
 
 /// The buffer of a bucketed reduce-scatter: for each worker in turn, its chunk of
 /// every input (flattened, `ceil(n / workers)` elements, zero-padded).
-pub(super) fn pack_chunks<A: Elem>(args: &[Arg<'_>], workers: usize) -> Result<Value, String> {
+pub(super) fn pack_chunks<A: Elem>(
+    args: &[Arg<'_>],
+    workers: usize,
+) -> Result<Value, CpuKernelError> {
     if workers == 0 {
-        return Err("no workers".into());
+        return Err(CpuKernelError::Invalid("no workers".into()));
     }
     let flats = args
         .iter()
         .enumerate()
         .map(|(i, a)| {
             let t = tensor(a, i)?;
-            let arr = A::of(t)
-                .ok_or_else(|| format!("input {i} is {}, {} is needed", a.describe(), A::DTYPE))?;
+            let arr = A::of(t).ok_or_else(|| dtype_error(a, i, A::DTYPE))?;
             Ok(arr.as_standard_layout())
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, CpuKernelError>>()?;
     let flats: Vec<&[A]> = flats
         .iter()
         .map(|f| f.as_slice().unwrap_or_default())
@@ -64,9 +67,10 @@ pub(super) fn pack_chunks<A: Elem>(args: &[Arg<'_>], workers: usize) -> Result<V
             out.extend(std::iter::repeat_n(A::zero(), c - (end - start)));
         }
     }
-    Ok(Value::Tensor(A::wrap(
-        ArrayD::from_shape_vec(IxDyn(&[total]), out).map_err(|e| e.to_string())?,
-    )))
+    Ok(Value::Tensor(A::wrap(ArrayD::from_shape_vec(
+        IxDyn(&[total]),
+        out,
+    )?)))
 }
 
 /// The values whole again from all workers' packed chunks (see [`pack_chunks`]; here
@@ -75,22 +79,23 @@ pub(super) fn unpack_chunks<A: Elem>(
     arg: &Arg<'_>,
     workers: usize,
     shapes: &[Shape],
-) -> Result<Vec<Value>, String> {
+) -> Result<Vec<Value>, CpuKernelError> {
     let t = tensor(arg, 0)?;
-    let arr =
-        A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", arg.describe(), A::DTYPE))?;
+    let arr = A::of(t).ok_or_else(|| dtype_error(arg, 0, A::DTYPE))?;
     let flat = arr.as_standard_layout();
-    let flat = flat.as_slice().ok_or("packed buffer is not contiguous")?;
+    let flat = flat
+        .as_slice()
+        .ok_or(CpuKernelError::NotContiguous("packed buffer"))?;
     let chunks: Vec<usize> = shapes
         .iter()
         .map(|s| s.numel().div_ceil(workers.max(1)))
         .collect();
     let part: usize = chunks.iter().sum();
     if workers == 0 || flat.len() != part * workers {
-        return Err(format!(
+        return Err(CpuKernelError::Invalid(format!(
             "{} elements are not {workers} workers' chunks of {part}",
             flat.len()
-        ));
+        )));
     }
     let mut offset = 0;
     shapes
@@ -107,24 +112,32 @@ pub(super) fn unpack_chunks<A: Elem>(
             offset += c;
             ArrayD::from_shape_vec(IxDyn(s.dims()), whole)
                 .map(|a| Value::Tensor(A::wrap(a)))
-                .map_err(|e| format!("unpack_chunks to {}: {e}", shape_str(s.dims())))
+                .map_err(|error| CpuKernelError::Layout {
+                    what: "unpack_chunks to",
+                    shape: s.dims().to_vec(),
+                    error,
+                })
         })
         .collect()
 }
 
 /// Splits a flat tensor into tensors of `shapes`.
-pub(super) fn unpack<A: Elem>(arg: &Arg<'_>, shapes: &[Shape]) -> Result<Vec<Value>, String> {
+pub(super) fn unpack<A: Elem>(
+    arg: &Arg<'_>,
+    shapes: &[Shape],
+) -> Result<Vec<Value>, CpuKernelError> {
     let t = tensor(arg, 0)?;
-    let arr =
-        A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", arg.describe(), A::DTYPE))?;
+    let arr = A::of(t).ok_or_else(|| dtype_error(arg, 0, A::DTYPE))?;
     let flat = arr.as_standard_layout();
-    let flat = flat.as_slice().ok_or("packed buffer is not contiguous")?;
+    let flat = flat
+        .as_slice()
+        .ok_or(CpuKernelError::NotContiguous("packed buffer"))?;
     let total: usize = shapes.iter().map(|s| s.numel()).sum();
     if flat.len() != total {
-        return Err(format!(
+        return Err(CpuKernelError::Invalid(format!(
             "{} elements cannot be unpacked into {total}",
             flat.len()
-        ));
+        )));
     }
     let mut at = 0;
     shapes
@@ -135,19 +148,23 @@ pub(super) fn unpack<A: Elem>(arg: &Arg<'_>, shapes: &[Shape]) -> Result<Vec<Val
             at += n;
             ArrayD::from_shape_vec(IxDyn(s.dims()), part)
                 .map(|a| Value::Tensor(A::wrap(a)))
-                .map_err(|e| format!("unpack to {}: {e}", shape_str(s.dims())))
+                .map_err(|error| CpuKernelError::Layout {
+                    what: "unpack to",
+                    shape: s.dims().to_vec(),
+                    error,
+                })
         })
         .collect()
 }
 
 /// Slices with each row index once, its values summed; rows in first-seen order.
-pub(super) fn unique_rows<A: Elem>(arg: &Arg<'_>) -> Result<Value, String> {
+pub(super) fn unique_rows<A: Elem>(arg: &Arg<'_>) -> Result<Value, CpuKernelError> {
     let (s, values) = slices::<A>(arg, 0)?;
     let row: usize = s.dense_shape[1..].iter().product();
     let values = values.as_standard_layout();
     let src = values
         .as_slice()
-        .ok_or("slices values are not contiguous")?;
+        .ok_or(CpuKernelError::NotContiguous("slices values"))?;
     let mut slot: HashMap<i32, usize> = HashMap::with_capacity(s.indices.len());
     let mut indices = Vec::new();
     let mut out: Vec<A> = Vec::new();
@@ -165,7 +182,7 @@ pub(super) fn unique_rows<A: Elem>(arg: &Arg<'_>) -> Result<Value, String> {
     dims.extend_from_slice(&s.dense_shape[1..]);
     Ok(Value::Slices(Slices {
         indices,
-        values: A::wrap(ArrayD::from_shape_vec(IxDyn(&dims), out).map_err(|e| e.to_string())?),
+        values: A::wrap(ArrayD::from_shape_vec(IxDyn(&dims), out)?),
         dense_shape: s.dense_shape.clone(),
     }))
 }
@@ -176,12 +193,13 @@ pub(super) fn take_chunk<A: Elem>(
     x: &Arg<'_>,
     workers: usize,
     rank: usize,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let t = tensor(x, 0)?;
-    let a =
-        A::of(t).ok_or_else(|| format!("input 0 is {}, {} is needed", x.describe(), A::DTYPE))?;
+    let a = A::of(t).ok_or_else(|| dtype_error(x, 0, A::DTYPE))?;
     if workers == 0 || rank >= workers {
-        return Err(format!("chunk {rank} of {workers}"));
+        return Err(CpuKernelError::Invalid(format!(
+            "chunk {rank} of {workers}"
+        )));
     }
     let n = a.len();
     let c = n.div_ceil(workers);
@@ -190,7 +208,8 @@ pub(super) fn take_chunk<A: Elem>(
     for (o, v) in out.iter_mut().zip(a.iter().skip(start).take(end - start)) {
         *o = *v;
     }
-    Ok(Value::Tensor(A::wrap(
-        ArrayD::from_shape_vec(IxDyn(&[c]), out).map_err(|e| e.to_string())?,
-    )))
+    Ok(Value::Tensor(A::wrap(ArrayD::from_shape_vec(
+        IxDyn(&[c]),
+        out,
+    )?)))
 }

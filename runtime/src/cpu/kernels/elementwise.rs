@@ -3,13 +3,13 @@
 //! has the result's shape and nothing reads it later), so a chain of pointwise ops
 //! runs in one buffer.
 
-use super::{cow, shape_str, standard, val, Arg, Elem, KernelCtx};
+use super::{cow, shape_str, standard, val, Arg, CpuKernelError, Elem, KernelCtx, ShapeCheck};
 use crate::core::value::Value;
 use distc_ir::shape::broadcast_shapes;
 use ndarray::IxDyn;
 
 /// `f` applied to every element; in place when `x` is owned.
-pub(super) fn unary<A: Elem>(x: Arg<'_>, f: impl Fn(A) -> A) -> Result<Value, String> {
+pub(super) fn unary<A: Elem>(x: Arg<'_>, f: impl Fn(A) -> A) -> Result<Value, CpuKernelError> {
     let x = cow::<A>(x, 0)?;
     if x.is_view() {
         Ok(val(x.mapv(f)))
@@ -27,14 +27,12 @@ pub(super) fn binary<A: Elem>(
     a: Arg<'_>,
     b: Arg<'_>,
     f: impl Fn(A, A) -> A,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (a, b) = (cow::<A>(a, 0)?, cow::<A>(b, 1)?);
-    let shape = broadcast_shapes(a.shape(), b.shape()).ok_or_else(|| {
-        format!(
-            "shapes {} and {} do not broadcast",
-            shape_str(a.shape()),
-            shape_str(b.shape())
-        )
+    let shape = broadcast_shapes(a.shape(), b.shape()).ok_or_else(|| CpuKernelError::Shapes {
+        check: ShapeCheck::Broadcast,
+        left: a.shape().to_vec(),
+        right: b.shape().to_vec(),
     })?;
     let a_full = a.shape() == shape.as_slice();
     let b_full = b.shape() == shape.as_slice();
@@ -47,7 +45,9 @@ pub(super) fn binary<A: Elem>(
         // Both operands grow (e.g. [n,1] + [1,m]): `a` broadcast out.
         let full = a
             .broadcast(IxDyn(&shape))
-            .ok_or_else(|| format!("cannot broadcast to {}", shape_str(&shape)))?
+            .ok_or_else(|| {
+                CpuKernelError::Invalid(format!("cannot broadcast to {}", shape_str(&shape)))
+            })?
             .as_standard_layout()
             .into_owned();
         (full, b)
@@ -63,7 +63,7 @@ pub(super) fn binary<A: Elem>(
     Ok(val(dst))
 }
 
-const CONTIGUOUS: &str = "a standard-layout array is not contiguous";
+const CONTIGUOUS: CpuKernelError = CpuKernelError::NotContiguous("a standard-layout array");
 
 /// `g(&mut dst[i], src[j(i)])` over a row-major `dst` of shape `shape`, where `src`
 /// (row-major, shape `src_shape`) broadcasts to `shape`.
@@ -132,14 +132,14 @@ pub(super) fn binary_same<A: Elem>(
     a: Arg<'_>,
     b: Arg<'_>,
     f: impl Fn(A, A) -> A,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (sa, sb) = (super::tensor(&a, 0)?.shape(), super::tensor(&b, 1)?.shape());
     if sa != sb {
-        return Err(format!(
-            "shapes differ: {} and {}",
-            shape_str(sa),
-            shape_str(sb)
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::Same,
+            left: sa.to_vec(),
+            right: sb.to_vec(),
+        });
     }
     binary(a, b, f)
 }
@@ -155,9 +155,11 @@ pub(super) fn dropout<A: Elem>(
     seed: u64,
     per_sample: bool,
     ctx: &KernelCtx,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     if !(0.0..1.0).contains(&rate) {
-        return Err(format!("rate {rate} is not in [0, 1)"));
+        return Err(CpuKernelError::Invalid(format!(
+            "rate {rate} is not in [0, 1)"
+        )));
     }
     let x = cow::<A>(x, 0)?;
     if !ctx.training || rate == 0.0 {

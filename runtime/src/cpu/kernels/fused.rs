@@ -21,7 +21,7 @@
 //! The per-element formulas are the unfused kernels' own (`sigmoid` uses the same
 //! `fast_exp`), so a fused graph computes what the unfused one does.
 
-use super::{cow, shape_str, val, Arg, Elem};
+use super::{cow, val, Arg, CpuKernelError, Elem, ShapeCheck};
 use crate::core::value::Value;
 use distc_ir::fused::{GELU_TANH_C, GELU_TANH_K};
 use distc_ir::shape::broadcast_shapes;
@@ -92,8 +92,11 @@ enum Src<'a, A> {
 
 /// Evaluates `expr` over `args`; the result has the broadcast shape of the inputs. An
 /// owned input of that shape and type lends its buffer to the result.
-pub(super) fn fused<A: Elem>(expr: &FusedExpr, args: Vec<Arg<'_>>) -> Result<Value, String> {
-    expr.check(args.len())?;
+pub(super) fn fused<A: Elem>(
+    expr: &FusedExpr,
+    args: Vec<Arg<'_>>,
+) -> Result<Value, CpuKernelError> {
+    expr.check(args.len()).map_err(CpuKernelError::Invalid)?;
     let mut arrays: Vec<CowArray<'_, A, IxDyn>> = args
         .into_iter()
         .enumerate()
@@ -101,12 +104,10 @@ pub(super) fn fused<A: Elem>(expr: &FusedExpr, args: Vec<Arg<'_>>) -> Result<Val
         .collect::<Result<_, _>>()?;
     let mut shape: Vec<usize> = Vec::new();
     for (i, a) in arrays.iter().enumerate() {
-        shape = broadcast_shapes(&shape, a.shape()).ok_or_else(|| {
-            format!(
-                "input {i} ({}) does not broadcast with {}",
-                shape_str(a.shape()),
-                shape_str(&shape)
-            )
+        shape = broadcast_shapes(&shape, a.shape()).ok_or_else(|| CpuKernelError::Shapes {
+            check: ShapeCheck::FusedBroadcast(i),
+            left: a.shape().to_vec(),
+            right: shape.clone(),
         })?;
     }
     let n: usize = shape.iter().product();
@@ -131,7 +132,11 @@ pub(super) fn fused<A: Elem>(expr: &FusedExpr, args: Vec<Arg<'_>>) -> Result<Val
                 (v, off) => {
                     let start = off.unwrap_or(0);
                     v.get(start..start + n)
-                        .ok_or("an owned input's buffer is shorter than its shape")?
+                        .ok_or_else(|| {
+                            CpuKernelError::Invalid(
+                                "an owned input's buffer is shorter than its shape".into(),
+                            )
+                        })?
                         .to_vec()
                 }
             }
@@ -153,7 +158,11 @@ pub(super) fn fused<A: Elem>(expr: &FusedExpr, args: Vec<Arg<'_>>) -> Result<Val
     }
     ArrayD::from_shape_vec(IxDyn(&shape), out)
         .map(val)
-        .map_err(|e| format!("result of shape {}: {e}", shape_str(&shape)))
+        .map_err(|error| CpuKernelError::Layout {
+            what: "result of shape",
+            shape,
+            error,
+        })
 }
 
 struct Layout<'a, A> {
@@ -167,7 +176,7 @@ fn layout<'a, A: Elem>(
     arrays: &'a [CowArray<'_, A, IxDyn>],
     shape: &[usize],
     reuse: Option<usize>,
-) -> Result<Layout<'a, A>, String> {
+) -> Result<Layout<'a, A>, CpuKernelError> {
     let rank = shape.len();
     let n: usize = shape.iter().product();
     // Per input, per output axis: its stride (0 where it repeats).
@@ -231,7 +240,7 @@ fn layout<'a, A: Elem>(
         .map(|(k, a)| {
             let data = a
                 .as_slice()
-                .ok_or("a standard-layout array is not contiguous")?;
+                .ok_or(CpuKernelError::NotContiguous("a standard-layout array"))?;
             let mode = if Some(k) == reuse {
                 Mode::Out
             } else if data.len() == 1 {
@@ -261,7 +270,7 @@ fn layout<'a, A: Elem>(
                 axes,
             })
         })
-        .collect::<Result<_, String>>()?;
+        .collect::<Result<_, CpuKernelError>>()?;
     Ok(Layout { inputs, run })
 }
 

@@ -2,46 +2,49 @@
 //! reshaped and sliced too). An owned standard-layout input is reshaped without a
 //! copy; everything else is copied once into a standard-layout result.
 
-use super::{cow, shape_str, standard, val, view, Arg, Scalar};
+use super::{cow, standard, val, view, Arg, CpuKernelError, Scalar, ShapeCheck, ShapeNeed};
 use crate::core::value::Value;
 use ndarray::{ArrayD, Axis, CowArray, IxDyn, Slice};
 
 /// Same elements in row-major order, new shape.
-pub(super) fn reshape<T: Scalar>(x: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
+pub(super) fn reshape<T: Scalar>(x: Arg<'_>, shape: &[usize]) -> Result<Value, CpuKernelError> {
     let x = cow::<T>(x, 0)?;
     let n: usize = shape.iter().product();
     if n != x.len() {
-        return Err(format!(
-            "cannot reshape {} ({} elements) to {} ({n} elements)",
-            shape_str(x.shape()),
-            x.len(),
-            shape_str(shape)
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::Reshape,
+            left: x.shape().to_vec(),
+            right: shape.to_vec(),
+        });
     }
     standard(x)
         .into_shape_with_order(IxDyn(shape))
         .map(val)
-        .map_err(|e| format!("reshape to {}: {e}", shape_str(shape)))
+        .map_err(|error| CpuKernelError::Layout {
+            what: "reshape to",
+            shape: shape.to_vec(),
+            error,
+        })
 }
 
 /// Output axis `i` is input axis `perm[i]`.
-pub(super) fn transpose<T: Scalar>(x: Arg<'_>, perm: &[usize]) -> Result<Value, String> {
+pub(super) fn transpose<T: Scalar>(x: Arg<'_>, perm: &[usize]) -> Result<Value, CpuKernelError> {
     let x = cow::<T>(x, 0)?;
     let mut seen = vec![false; x.ndim()];
     for &p in perm {
         if p >= seen.len() || seen[p] {
-            return Err(format!(
-                "{perm:?} is not a permutation of the axes of {}",
-                shape_str(x.shape())
-            ));
+            return Err(CpuKernelError::Shape {
+                need: ShapeNeed::Permutation(perm.to_vec()),
+                shape: x.shape().to_vec(),
+            });
         }
         seen[p] = true;
     }
     if perm.len() != x.ndim() {
-        return Err(format!(
-            "permutation {perm:?} does not fit {}",
-            shape_str(x.shape())
-        ));
+        return Err(CpuKernelError::Shape {
+            need: ShapeNeed::PermutationLength(perm.to_vec()),
+            shape: x.shape().to_vec(),
+        });
     }
     if perm.iter().enumerate().all(|(i, &p)| i == p) {
         return Ok(val(standard(x)));
@@ -55,18 +58,18 @@ pub(super) fn transpose<T: Scalar>(x: Arg<'_>, perm: &[usize]) -> Result<Value, 
 }
 
 /// Joins the inputs along `axis`.
-pub(super) fn concat<T: Scalar>(args: &[Arg<'_>], axis: usize) -> Result<Value, String> {
+pub(super) fn concat<T: Scalar>(args: &[Arg<'_>], axis: usize) -> Result<Value, CpuKernelError> {
     let views = args
         .iter()
         .enumerate()
         .map(|(i, a)| view::<T>(a, i))
         .collect::<Result<Vec<_>, _>>()?;
-    let first = views.first().ok_or("takes at least one input, got none")?;
+    let first = views.first().ok_or(CpuKernelError::NoInputs)?;
     if axis >= first.ndim() {
-        return Err(format!(
-            "axis {axis} is out of range for {}",
-            shape_str(first.shape())
-        ));
+        return Err(CpuKernelError::Axis {
+            axis,
+            shape: first.shape().to_vec(),
+        });
     }
     let mut dims = first.shape().to_vec();
     dims[axis] = 0;
@@ -78,11 +81,11 @@ pub(super) fn concat<T: Scalar>(args: &[Arg<'_>], axis: usize) -> Result<Value, 
                 .enumerate()
                 .all(|(i, (x, y))| i == axis || x == y);
         if !fits {
-            return Err(format!(
-                "{} and {} differ outside axis {axis}",
-                shape_str(v.shape()),
-                shape_str(first.shape())
-            ));
+            return Err(CpuKernelError::Shapes {
+                check: ShapeCheck::OutsideAxis(axis),
+                left: v.shape().to_vec(),
+                right: first.shape().to_vec(),
+            });
         }
         dims[axis] += v.shape()[axis];
     }
@@ -103,13 +106,15 @@ pub(super) fn slice<T: Scalar>(
     axis: usize,
     start: usize,
     end: usize,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let x = view::<T>(x, 0)?;
     if axis >= x.ndim() || start >= end || end > x.shape()[axis] {
-        return Err(format!(
-            "range {start}..{end} is empty or outside axis {axis} of {}",
-            shape_str(x.shape())
-        ));
+        return Err(CpuKernelError::Range {
+            axis,
+            start,
+            end,
+            shape: x.shape().to_vec(),
+        });
     }
     let s = x.slice_axis(Axis(axis), Slice::from(start..end));
     Ok(val(standard(CowArray::from(s))))

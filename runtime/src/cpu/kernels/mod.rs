@@ -11,8 +11,8 @@
 //!   reshape of an owned tensor is free. Borrowed inputs (parameters, feeds, values
 //!   still needed later) are never modified.
 //! - Kernels check what they rely on (ranks, shapes, dtypes, ids in range) and return
-//!   an error message instead of panicking: a hand-edited plan or a pass bug must not
-//!   bring the process down. The executor adds the node to the message.
+//!   a [`CpuKernelError`] instead of panicking: a hand-edited plan or a pass bug must
+//!   not bring the process down. The executor adds the node to its message.
 //! - Every dense result is in standard (row-major) layout, so later kernels can work
 //!   on flat slices.
 //!
@@ -25,6 +25,7 @@
 mod attention;
 mod comm;
 mod elementwise;
+mod error;
 mod fused;
 mod layout;
 mod nn;
@@ -41,6 +42,7 @@ use std::iter::Sum;
 use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
 
 pub use crate::core::backend::KernelCtx;
+pub use error::{CpuKernelError, IndexOf, ShapeCheck, ShapeNeed};
 
 /// One input of a kernel: owned (the kernel may reuse its buffer) or borrowed.
 #[derive(Debug)]
@@ -221,9 +223,9 @@ macro_rules! float {
                 type $A = f64;
                 $body
             }
-            DType::I32 => Err(String::from("needs float tensors, got i32")),
+            DType::I32 => Err(CpuKernelError::NotFloat(DType::I32)),
             // `eval` runs 16-bit inputs as f32 before any kernel sees them.
-            DType::BF16 | DType::F16 => Err(format!("{} reached a kernel uncast", $dt)),
+            DType::BF16 | DType::F16 => Err(CpuKernelError::Uncast($dt)),
         }
     };
 }
@@ -244,17 +246,17 @@ macro_rules! any {
                 type $T = i32;
                 $body
             }
-            DType::BF16 | DType::F16 => Err(format!("{} reached a kernel uncast", $dt)),
+            DType::BF16 | DType::F16 => Err(CpuKernelError::Uncast($dt)),
         }
     };
 }
 
 /// A 16-bit float input as f32 (other inputs as they are).
-fn widen(a: Arg<'_>) -> Result<Value, String> {
+fn widen(a: Arg<'_>) -> Result<Value, CpuKernelError> {
     let wide = |t: Tensor| match t.dtype() {
         d if d.is_half() => t
             .cast(DType::F32)
-            .ok_or_else(|| format!("cannot widen {d}")),
+            .ok_or_else(|| CpuKernelError::Invalid(format!("cannot widen {d}"))),
         _ => Ok(t),
     };
     let v = match a {
@@ -272,9 +274,11 @@ fn widen(a: Arg<'_>) -> Result<Value, String> {
 }
 
 /// A kernel's f32 result rounded back to the 16-bit type `to`.
-fn narrow(v: Value, to: DType) -> Result<Value, String> {
+fn narrow(v: Value, to: DType) -> Result<Value, CpuKernelError> {
     let round = |t: Tensor| match t.dtype() {
-        DType::F32 => t.cast(to).ok_or_else(|| format!("cannot round to {to}")),
+        DType::F32 => t
+            .cast(to)
+            .ok_or_else(|| CpuKernelError::Invalid(format!("cannot round to {to}"))),
         _ => Ok(t),
     };
     Ok(match v {
@@ -288,30 +292,38 @@ fn narrow(v: Value, to: DType) -> Result<Value, String> {
 
 /// Evaluates `op` on borrowed inputs. Sources and sinks are the executor's business
 /// and give an error here.
-pub fn eval_op(op: &Op, inputs: &[&Value], ctx: &KernelCtx) -> Result<Vec<Value>, String> {
+pub fn eval_op(op: &Op, inputs: &[&Value], ctx: &KernelCtx) -> Result<Vec<Value>, CpuKernelError> {
     eval(op, inputs.iter().map(|v| Arg::Borrowed(v)).collect(), ctx)
 }
 
 /// Evaluates `op` on inputs that may be owned: an owned input's buffer may be reused
 /// for the result. Returns one value per output port of the op.
-pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, String> {
+pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, CpuKernelError> {
     // `train_or_eval` is handed only the input its mode reads (see the schedule).
     let arity = match op {
         Op::TrainOrEval => Some(1),
         op => op.arity(),
     };
     match arity {
-        Some(n) if args.len() != n => return Err(format!("takes {n} inputs, got {}", args.len())),
-        None if args.is_empty() => return Err("takes at least one input, got none".into()),
+        Some(n) if args.len() != n => {
+            return Err(CpuKernelError::Arity {
+                want: n,
+                got: args.len(),
+            })
+        }
+        None if args.is_empty() => return Err(CpuKernelError::NoInputs),
         _ => {}
     }
     let dt = args.first().map_or(DType::F32, Arg::dtype);
     if let Op::Cast { to } = op {
         let [x] = split(args)?;
-        let t = x.tensor().ok_or("casts a dense tensor")?;
-        let cast = t
-            .cast(*to)
-            .ok_or_else(|| format!("cannot cast {} to {to}", t.tensor_type()))?;
+        let t = x
+            .tensor()
+            .ok_or_else(|| CpuKernelError::Invalid("casts a dense tensor".into()))?;
+        let cast = t.cast(*to).ok_or_else(|| CpuKernelError::Cast {
+            from: t.tensor_type(),
+            to: *to,
+        })?;
         return Ok(vec![Value::Tensor(cast)]);
     }
     // 16-bit floats are stored in 16 bits and computed in f32: every kernel runs on the
@@ -320,7 +332,7 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         let wide = args
             .into_iter()
             .map(|a| widen(a).map(Arg::Owned))
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, CpuKernelError>>()?;
         return eval(op, wide, ctx)?
             .into_iter()
             .map(|v| narrow(v, half))
@@ -329,13 +341,19 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
     let out: Value = match op {
         Op::Cast { .. } => unreachable!("cast is evaluated above"),
         Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } => {
-            return Err("a source: the executor provides its value, not a kernel".into())
+            return Err(CpuKernelError::Invalid(
+                "a source: the executor provides its value, not a kernel".into(),
+            ))
         }
         Op::Loss | Op::ParamGrad { .. } | Op::Output { .. } | Op::Assign { .. } => {
-            return Err("a sink: the executor reads its input, not a kernel".into())
+            return Err(CpuKernelError::Invalid(
+                "a sink: the executor reads its input, not a kernel".into(),
+            ))
         }
         Op::Accumulate { .. } => {
-            return Err("accumulation keeps state across runs: the executor runs it".into())
+            return Err(CpuKernelError::Invalid(
+                "accumulation keeps state across runs: the executor runs it".into(),
+            ))
         }
         Op::AllReduce { .. }
         | Op::AllGather { .. }
@@ -353,7 +371,11 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         | Op::Serve { .. }
         | Op::Send { .. }
         | Op::Recv { .. } => {
-            return Err("moves data between workers or servers: it runs on a communicator, which this executor does not have".into())
+            return Err(CpuKernelError::Invalid(
+                "moves data between workers or servers: it runs on a communicator, which \
+                 this executor does not have"
+                    .into(),
+            ))
         }
         Op::Pack => float!(dt, A => comm::pack::<A>(&args))?,
         Op::PackChunks { workers } => float!(dt, A => comm::pack_chunks::<A>(&args, *workers))?,
@@ -379,7 +401,11 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
         }
         Op::ModelSplit { dim, parts } => {
             let [x] = split(args)?;
-            let len = x.tensor().and_then(|t| t.shape().get(*dim).copied()).unwrap_or(0) / parts;
+            let len = x
+                .tensor()
+                .and_then(|t| t.shape().get(*dim).copied())
+                .unwrap_or(0)
+                / parts;
             let start = ctx.model_rank * len;
             any!(dt, T => layout::slice::<T>(&x, *dim, start, start + len))?
         }
@@ -612,31 +638,38 @@ pub fn eval(op: &Op, args: Vec<Arg<'_>>, ctx: &KernelCtx) -> Result<Vec<Value>, 
 }
 
 /// The inputs as an array of `N` (the arity was checked by [`eval`]).
-fn split<const N: usize>(args: Vec<Arg<'_>>) -> Result<[Arg<'_>; N], String> {
-    let n = args.len();
+fn split<const N: usize>(args: Vec<Arg<'_>>) -> Result<[Arg<'_>; N], CpuKernelError> {
+    let got = args.len();
     args.try_into()
-        .map_err(|_| format!("takes {N} inputs, got {n}"))
+        .map_err(|_| CpuKernelError::Arity { want: N, got })
 }
 
 /// The tensor of input `i`, or an error if it is `IndexedSlices`.
-fn tensor<'b>(arg: &'b Arg<'_>, i: usize) -> Result<&'b Tensor, String> {
-    arg.tensor()
-        .ok_or_else(|| format!("input {i} is {}, a dense tensor is needed", arg.describe()))
+fn tensor<'b>(arg: &'b Arg<'_>, i: usize) -> Result<&'b Tensor, CpuKernelError> {
+    arg.tensor().ok_or_else(|| CpuKernelError::NotDense {
+        input: i,
+        found: arg.describe(),
+    })
 }
 
-fn dtype_error(arg: &Arg<'_>, i: usize, want: DType) -> String {
-    format!("input {i} is {}, {want} is needed", arg.describe())
+/// Input `i` is not of the element type `want`.
+fn dtype_error(arg: &Arg<'_>, i: usize, want: DType) -> CpuKernelError {
+    CpuKernelError::DType {
+        input: i,
+        found: arg.describe(),
+        want,
+    }
 }
 
 /// A view of input `i` as an array of `T`.
-fn view<'b, T: Scalar>(arg: &'b Arg<'_>, i: usize) -> Result<ArrayViewD<'b, T>, String> {
+fn view<'b, T: Scalar>(arg: &'b Arg<'_>, i: usize) -> Result<ArrayViewD<'b, T>, CpuKernelError> {
     T::of(tensor(arg, i)?)
         .map(|a| a.view())
         .ok_or_else(|| dtype_error(arg, i, T::DTYPE))
 }
 
 /// Input `i` as an array of `T`, owned when the argument is.
-fn cow<T: Scalar>(arg: Arg<'_>, i: usize) -> Result<CowArray<'_, T, IxDyn>, String> {
+fn cow<T: Scalar>(arg: Arg<'_>, i: usize) -> Result<CowArray<'_, T, IxDyn>, CpuKernelError> {
     match arg {
         Arg::Owned(Value::Tensor(t)) => T::take(t)
             .map(CowArray::from)
@@ -644,10 +677,12 @@ fn cow<T: Scalar>(arg: Arg<'_>, i: usize) -> Result<CowArray<'_, T, IxDyn>, Stri
         Arg::Borrowed(Value::Tensor(t)) | Arg::BorrowedTensor(t) => T::of(t)
             .map(|a| CowArray::from(a.view()))
             .ok_or_else(|| dtype_error(&Arg::BorrowedTensor(t), i, T::DTYPE)),
-        Arg::Owned(Value::Slices(_)) | Arg::Borrowed(Value::Slices(_)) => Err(format!(
-            "input {i} is {}, a dense tensor is needed",
-            arg.describe()
-        )),
+        Arg::Owned(Value::Slices(_)) | Arg::Borrowed(Value::Slices(_)) => {
+            Err(CpuKernelError::NotDense {
+                input: i,
+                found: arg.describe(),
+            })
+        }
     }
 }
 

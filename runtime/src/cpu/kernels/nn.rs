@@ -8,7 +8,7 @@
 //! transposed product followed by col2im, its filter gradient accumulates
 //! `dy_n @ cols_nᵀ` over the batch.
 
-use super::{cow, shape_str, standard, val, view, Arg, Elem};
+use super::{cow, standard, val, view, Arg, CpuKernelError, Elem, ShapeCheck, ShapeNeed};
 use crate::core::geom::ConvGeom as Geom;
 use crate::core::value::Value;
 use ndarray::linalg::general_mat_mul;
@@ -22,15 +22,15 @@ pub(super) fn matmul<A: Elem>(
     b: &Arg<'_>,
     ta: bool,
     tb: bool,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (a, b) = (view::<A>(a, 0)?, view::<A>(b, 1)?);
     let (ra, rb) = (a.ndim(), b.ndim());
     if ra < 2 || rb < 2 {
-        return Err(format!(
-            "needs operands of rank 2 or more, got {} and {}",
-            shape_str(a.shape()),
-            shape_str(b.shape())
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::MatmulRank,
+            left: a.shape().to_vec(),
+            right: b.shape().to_vec(),
+        });
     }
     let inner = |x: &ArrayViewD<'_, A>, t: bool| {
         let d = x.shape();
@@ -43,24 +43,21 @@ pub(super) fn matmul<A: Elem>(
     };
     let ((m, k), (k2, n)) = (inner(&a, ta), inner(&b, tb));
     if k != k2 {
-        return Err(format!(
-            "inner dimensions differ: {}{} @ {}{} ({k} vs {k2})",
-            shape_str(a.shape()),
-            if ta { "ᵀ" } else { "" },
-            shape_str(b.shape()),
-            if tb { "ᵀ" } else { "" },
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::MatmulInner { ta, tb, k, k2 },
+            left: a.shape().to_vec(),
+            right: b.shape().to_vec(),
+        });
     }
     let (ba, bb) = (&a.shape()[..ra - 2], &b.shape()[..rb - 2]);
-    let batch = distc_ir::shape::broadcast_shapes(ba, bb).ok_or_else(|| {
-        format!(
-            "batch dimensions of {} @ {} do not broadcast",
-            shape_str(a.shape()),
-            shape_str(b.shape())
-        )
-    })?;
-    fn matrix<A>(x: ArrayViewD<'_, A>, t: bool) -> Result<ArrayView2<'_, A>, String> {
-        let x = x.into_dimensionality::<Ix2>().map_err(|e| e.to_string())?;
+    let batch =
+        distc_ir::shape::broadcast_shapes(ba, bb).ok_or_else(|| CpuKernelError::Shapes {
+            check: ShapeCheck::MatmulBatch,
+            left: a.shape().to_vec(),
+            right: b.shape().to_vec(),
+        })?;
+    fn matrix<A>(x: ArrayViewD<'_, A>, t: bool) -> Result<ArrayView2<'_, A>, CpuKernelError> {
+        let x = x.into_dimensionality::<Ix2>()?;
         Ok(if t { x.reversed_axes() } else { x })
     }
     if batch.is_empty() {
@@ -93,10 +90,7 @@ pub(super) fn matmul<A: Elem>(
         v
     }
     {
-        let mut blocks = out
-            .view_mut()
-            .into_shape_with_order((count, m, n))
-            .map_err(|e| e.to_string())?;
+        let mut blocks = out.view_mut().into_shape_with_order((count, m, n))?;
         for i in 0..count {
             let a2 = matrix(pick(&a, &batch, ba, i), ta)?;
             let b2 = matrix(pick(&b, &batch, bb, i), tb)?;
@@ -108,17 +102,18 @@ pub(super) fn matmul<A: Elem>(
 }
 
 /// Checks `gamma` (and `beta`) against the last axis of `x`; returns it.
-fn ln_dim(x: &[usize], params: &[&[usize]]) -> Result<usize, String> {
-    let d = *x
-        .last()
-        .ok_or_else(|| format!("needs rank 1 or more, got {}", shape_str(x)))?;
+fn ln_dim(x: &[usize], params: &[&[usize]]) -> Result<usize, CpuKernelError> {
+    let d = *x.last().ok_or_else(|| CpuKernelError::Shape {
+        need: ShapeNeed::Rank(1),
+        shape: x.to_vec(),
+    })?;
     for p in params {
         if *p != [d] {
-            return Err(format!(
-                "gamma and beta must be [{d}] for {}, got {}",
-                shape_str(x),
-                shape_str(p)
-            ));
+            return Err(CpuKernelError::Shapes {
+                check: ShapeCheck::LayerNormParams(d),
+                left: x.to_vec(),
+                right: p.to_vec(),
+            });
         }
     }
     Ok(d)
@@ -138,7 +133,7 @@ pub(super) fn layer_norm<A: Elem>(
     gamma: &Arg<'_>,
     beta: &Arg<'_>,
     eps: f64,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let x = cow::<A>(x, 0)?;
     let (g, b) = (view::<A>(gamma, 1)?, view::<A>(beta, 2)?);
     let d = ln_dim(x.shape(), &[g.shape(), b.shape()])?;
@@ -151,9 +146,7 @@ pub(super) fn layer_norm<A: Elem>(
         b.iter().copied().collect::<Vec<A>>(),
     );
     let eps = A::c(eps);
-    let data = o
-        .as_slice_mut()
-        .ok_or("a standard-layout array is not contiguous")?;
+    let data = o.as_slice_mut().ok_or(CONTIGUOUS)?;
     for row in data.chunks_exact_mut(d) {
         let (mean, inv) = row_stats(row, eps);
         for ((v, &g), &b) in row.iter_mut().zip(&g).zip(&b) {
@@ -169,15 +162,15 @@ pub(super) fn layer_norm_grad<A: Elem>(
     x: &Arg<'_>,
     gamma: &Arg<'_>,
     eps: f64,
-) -> Result<Vec<Value>, String> {
+) -> Result<Vec<Value>, CpuKernelError> {
     let dy = cow::<A>(dy, 0)?;
     let (x, g) = (view::<A>(x, 1)?, view::<A>(gamma, 2)?);
     if dy.shape() != x.shape() {
-        return Err(format!(
-            "shapes differ: dy {} and x {}",
-            shape_str(dy.shape()),
-            shape_str(x.shape())
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::SameNamed("dy", "x"),
+            left: dy.shape().to_vec(),
+            right: x.shape().to_vec(),
+        });
     }
     let d = ln_dim(x.shape(), &[g.shape()])?;
     let mut dx = standard(dy);
@@ -186,12 +179,8 @@ pub(super) fn layer_norm_grad<A: Elem>(
     if d > 0 {
         let g = g.iter().copied().collect::<Vec<A>>();
         let x = x.as_standard_layout();
-        let xs = x
-            .as_slice()
-            .ok_or("a standard-layout array is not contiguous")?;
-        let dxs = dx
-            .as_slice_mut()
-            .ok_or("a standard-layout array is not contiguous")?;
+        let xs = x.as_slice().ok_or(CONTIGUOUS)?;
+        let dxs = dx.as_slice_mut().ok_or(CONTIGUOUS)?;
         let (eps, n) = (A::c(eps), A::c(d as f64));
         for (drow, xrow) in dxs.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
             let (mean, inv) = row_stats(xrow, eps);
@@ -212,7 +201,7 @@ pub(super) fn layer_norm_grad<A: Elem>(
             }
         }
     }
-    let vec1 = |v: Vec<A>| ArrayD::from_shape_vec(IxDyn(&[d]), v).map_err(|e| e.to_string());
+    let vec1 = |v: Vec<A>| ArrayD::from_shape_vec(IxDyn(&[d]), v);
     Ok(vec![val(dx), val(vec1(dgamma)?), val(vec1(dbeta)?)])
 }
 
@@ -293,19 +282,19 @@ impl Geom {
     }
 
     /// Checks `dy` against the output shape.
-    fn check_dy(&self, dy: &[usize]) -> Result<(), String> {
+    fn check_dy(&self, dy: &[usize]) -> Result<(), CpuKernelError> {
         if dy != self.out_dims() {
-            return Err(format!(
-                "dy is {}, the convolution gives {}",
-                shape_str(dy),
-                shape_str(&self.out_dims())
-            ));
+            return Err(CpuKernelError::Shapes {
+                check: ShapeCheck::Gradient("convolution"),
+                left: dy.to_vec(),
+                right: self.out_dims().to_vec(),
+            });
         }
         Ok(())
     }
 }
 
-const CONTIGUOUS: &str = "a standard-layout array is not contiguous";
+const CONTIGUOUS: CpuKernelError = CpuKernelError::NotContiguous("a standard-layout array");
 
 /// `x [N,C,H,W] (*) w [O,C,KH,KW] -> [N,O,OH,OW]`: im2col, then `w [O,K] @ cols [K,P]`
 /// per image into the output.
@@ -314,16 +303,13 @@ pub(super) fn conv2d<A: Elem>(
     w: &Arg<'_>,
     stride: usize,
     padding: usize,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (x, w) = (view::<A>(x, 0)?, view::<A>(w, 1)?);
-    let g = Geom::new(x.shape(), w.shape(), stride, padding)?;
+    let g = Geom::new(x.shape(), w.shape(), stride, padding).map_err(CpuKernelError::Invalid)?;
     let x = x.as_standard_layout();
     let xs = x.as_slice().ok_or(CONTIGUOUS)?;
     let w = w.as_standard_layout();
-    let w2 = w
-        .view()
-        .into_shape_with_order((g.o, g.k()))
-        .map_err(|e| e.to_string())?;
+    let w2 = w.view().into_shape_with_order((g.o, g.k()))?;
     let mut out = Array3::<A>::zeros((g.n, g.o, g.p()));
     let mut cols = Array2::<A>::zeros((g.k(), g.p()));
     for (i, mut out_i) in out.outer_iter_mut().enumerate() {
@@ -333,16 +319,15 @@ pub(super) fn conv2d<A: Elem>(
         );
         general_mat_mul(A::one(), &w2, &cols, A::zero(), &mut out_i);
     }
-    out.into_shape_with_order(IxDyn(&g.out_dims()))
-        .map(val)
-        .map_err(|e| e.to_string())
+    Ok(val(out.into_shape_with_order(IxDyn(&g.out_dims()))?))
 }
 
 /// `dy` as `[N, O, P]`.
-fn dy3<'b, A: Elem>(dy: &'b CowArray<'_, A, IxDyn>, g: &Geom) -> Result<ArrayView3<'b, A>, String> {
-    dy.view()
-        .into_shape_with_order((g.n, g.o, g.p()))
-        .map_err(|e| e.to_string())
+fn dy3<'b, A: Elem>(
+    dy: &'b CowArray<'_, A, IxDyn>,
+    g: &Geom,
+) -> Result<ArrayView3<'b, A>, CpuKernelError> {
+    Ok(dy.view().into_shape_with_order((g.n, g.o, g.p()))?)
 }
 
 /// `(dy, w) -> dx`: `cols = wᵀ [K,O] @ dy_n [O,P]`, then col2im, per image.
@@ -352,17 +337,14 @@ pub(super) fn conv2d_grad_input<A: Elem>(
     stride: usize,
     padding: usize,
     input: &[usize],
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (dy, w) = (view::<A>(dy, 0)?, view::<A>(w, 1)?);
-    let g = Geom::new(input, w.shape(), stride, padding)?;
+    let g = Geom::new(input, w.shape(), stride, padding).map_err(CpuKernelError::Invalid)?;
     g.check_dy(dy.shape())?;
     let dy = dy.as_standard_layout();
     let dy = dy3(&dy, &g)?;
     let w = w.as_standard_layout();
-    let w2: ArrayView2<'_, A> = w
-        .view()
-        .into_shape_with_order((g.o, g.k()))
-        .map_err(|e| e.to_string())?;
+    let w2: ArrayView2<'_, A> = w.view().into_shape_with_order((g.o, g.k()))?;
     let mut dx = ArrayD::<A>::zeros(IxDyn(input));
     let dxs = dx.as_slice_mut().ok_or(CONTIGUOUS)?;
     let mut cols = Array2::<A>::zeros((g.k(), g.p()));
@@ -383,9 +365,9 @@ pub(super) fn conv2d_grad_filter<A: Elem>(
     stride: usize,
     padding: usize,
     filter: &[usize],
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (dy, x) = (view::<A>(dy, 0)?, view::<A>(x, 1)?);
-    let g = Geom::new(x.shape(), filter, stride, padding)?;
+    let g = Geom::new(x.shape(), filter, stride, padding).map_err(CpuKernelError::Invalid)?;
     g.check_dy(dy.shape())?;
     let dy = dy.as_standard_layout();
     let dy = dy3(&dy, &g)?;
@@ -400,21 +382,22 @@ pub(super) fn conv2d_grad_filter<A: Elem>(
         );
         general_mat_mul(A::one(), &dy_i, &cols.t(), A::one(), &mut dw);
     }
-    dw.into_shape_with_order(IxDyn(filter))
-        .map(val)
-        .map_err(|e| e.to_string())
+    Ok(val(dw.into_shape_with_order(IxDyn(filter))?))
 }
 
 /// The geometry of a pool: `(planes, h, w, oh, ow)`.
-fn pool_geom(x: &[usize], kernel: usize, stride: usize) -> Result<[usize; 5], String> {
+fn pool_geom(x: &[usize], kernel: usize, stride: usize) -> Result<[usize; 5], CpuKernelError> {
     if x.len() != 4 {
-        return Err(format!("needs x [N,C,H,W], got {}", shape_str(x)));
+        return Err(CpuKernelError::Shape {
+            need: ShapeNeed::Image,
+            shape: x.to_vec(),
+        });
     }
     if kernel == 0 || stride == 0 || kernel > x[2] || kernel > x[3] {
-        return Err(format!(
-            "window {kernel} stride {stride} does not fit {}",
-            shape_str(x)
-        ));
+        return Err(CpuKernelError::Shape {
+            need: ShapeNeed::Window { kernel, stride },
+            shape: x.to_vec(),
+        });
     }
     Ok([
         x[0] * x[1],
@@ -493,7 +476,7 @@ pub(super) fn max_pool2d<A: Elem>(
     x: &Arg<'_>,
     kernel: usize,
     stride: usize,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let x = view::<A>(x, 0)?;
     let [planes, h, w, oh, ow] = pool_geom(x.shape(), kernel, stride)?;
     let x = x.as_standard_layout();
@@ -505,9 +488,10 @@ pub(super) fn max_pool2d<A: Elem>(
         }
     }
     let s = x.shape();
-    ArrayD::from_shape_vec(IxDyn(&[s[0], s[1], oh, ow]), out)
-        .map(val)
-        .map_err(|e| e.to_string())
+    Ok(val(ArrayD::from_shape_vec(
+        IxDyn(&[s[0], s[1], oh, ow]),
+        out,
+    )?))
 }
 
 /// `(dy, x) -> dx`: each `dy` element goes to its window's arg-max (added up where
@@ -517,17 +501,17 @@ pub(super) fn max_pool2d_grad<A: Elem>(
     x: &Arg<'_>,
     kernel: usize,
     stride: usize,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let (dy, x) = (view::<A>(dy, 0)?, view::<A>(x, 1)?);
     let [_, h, w, oh, ow] = pool_geom(x.shape(), kernel, stride)?;
     let s = x.shape();
     let want = [s[0], s[1], oh, ow];
     if dy.shape() != want {
-        return Err(format!(
-            "dy is {}, the pool gives {}",
-            shape_str(dy.shape()),
-            shape_str(&want)
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::Gradient("pool"),
+            left: dy.shape().to_vec(),
+            right: want.to_vec(),
+        });
     }
     let (x, dy) = (x.as_standard_layout(), dy.as_standard_layout());
     let (xs, dys) = (

@@ -8,7 +8,9 @@
 //! [`Elem::fast_exp`], so the inner loops vectorise: with 1000 classes the loss and
 //! its gradient are exp-bound.
 
-use super::{cow, shape_str, standard, tensor, val, view, Arg, Elem};
+use super::{
+    cow, standard, tensor, val, view, Arg, CpuKernelError, Elem, IndexOf, ShapeCheck, ShapeNeed,
+};
 use crate::core::value::Value;
 use distc_ir::shape::broadcasts_to;
 use ndarray::{ArrayD, ArrayViewD, Axis, CowArray, IxDyn, Zip};
@@ -19,18 +21,20 @@ pub(super) fn sum<A: Elem>(
     axes: &[usize],
     keep_dims: bool,
     mean: bool,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let x = cow::<A>(x, 0)?;
     for w in axes.windows(2) {
         if w[0] >= w[1] {
-            return Err(format!("axes {axes:?} must be sorted and distinct"));
+            return Err(CpuKernelError::Invalid(format!(
+                "axes {axes:?} must be sorted and distinct"
+            )));
         }
     }
     if let Some(&a) = axes.iter().find(|&&a| a >= x.ndim()) {
-        return Err(format!(
-            "axis {a} is out of range for {}",
-            shape_str(x.shape())
-        ));
+        return Err(CpuKernelError::Axis {
+            axis: a,
+            shape: x.shape().to_vec(),
+        });
     }
     let count: usize = axes.iter().map(|&a| x.shape()[a]).product();
     let mut out = reduce_axes(x, axes);
@@ -66,17 +70,17 @@ fn reduce_axes<A: Elem>(x: CowArray<'_, A, IxDyn>, axes: &[usize]) -> ArrayD<A> 
 }
 
 /// Sums `x` over its broadcast dimensions down to `shape`.
-pub(super) fn sum_to<A: Elem>(x: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
+pub(super) fn sum_to<A: Elem>(x: Arg<'_>, shape: &[usize]) -> Result<Value, CpuKernelError> {
     let x = cow::<A>(x, 0)?;
     if x.shape() == shape {
         return Ok(val(x.into_owned()));
     }
     if !broadcasts_to(shape, x.shape()) {
-        return Err(format!(
-            "{} cannot be summed down to {}",
-            shape_str(x.shape()),
-            shape_str(shape)
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::SumTo,
+            left: x.shape().to_vec(),
+            right: shape.to_vec(),
+        });
     }
     let lead = x.ndim() - shape.len();
     let axes: Vec<usize> = (0..x.ndim())
@@ -85,35 +89,39 @@ pub(super) fn sum_to<A: Elem>(x: Arg<'_>, shape: &[usize]) -> Result<Value, Stri
     let out = standard(CowArray::from(reduce_axes(x, &axes)));
     out.into_shape_with_order(IxDyn(shape))
         .map(val)
-        .map_err(|e| format!("sum_to {}: {e}", shape_str(shape)))
+        .map_err(|error| CpuKernelError::Layout {
+            what: "sum_to",
+            shape: shape.to_vec(),
+            error,
+        })
 }
 
 /// Broadcasts `x` to `shape` (numpy rules).
-pub(super) fn broadcast_to<A: Elem>(x: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
+pub(super) fn broadcast_to<A: Elem>(x: Arg<'_>, shape: &[usize]) -> Result<Value, CpuKernelError> {
     let x = cow::<A>(x, 0)?;
     if x.shape() == shape {
         return Ok(val(x.into_owned()));
     }
     let out = x
         .broadcast(IxDyn(shape))
-        .ok_or_else(|| {
-            format!(
-                "{} does not broadcast to {}",
-                shape_str(x.shape()),
-                shape_str(shape)
-            )
+        .ok_or_else(|| CpuKernelError::Shapes {
+            check: ShapeCheck::BroadcastTo,
+            left: x.shape().to_vec(),
+            right: shape.to_vec(),
         })?
         .as_standard_layout()
         .into_owned();
     Ok(val(out))
 }
 
-fn check_axis(shape: &[usize], axis: usize) -> Result<(), String> {
+const CONTIGUOUS: CpuKernelError = CpuKernelError::NotContiguous("a standard-layout array");
+
+fn check_axis(shape: &[usize], axis: usize) -> Result<(), CpuKernelError> {
     if axis >= shape.len() {
-        Err(format!(
-            "axis {axis} is out of range for {}",
-            shape_str(shape)
-        ))
+        Err(CpuKernelError::Axis {
+            axis,
+            shape: shape.to_vec(),
+        })
     } else {
         Ok(())
     }
@@ -171,7 +179,11 @@ fn softmax_row<A: Elem>(row: &mut [A], log: bool, scratch: &mut [A]) {
 }
 
 /// Softmax (or log-softmax) along `axis`, subtracting each lane's maximum first.
-pub(super) fn softmax<A: Elem>(x: Arg<'_>, axis: usize, log: bool) -> Result<Value, String> {
+pub(super) fn softmax<A: Elem>(
+    x: Arg<'_>,
+    axis: usize,
+    log: bool,
+) -> Result<Value, CpuKernelError> {
     let x = cow::<A>(x, 0)?;
     check_axis(x.shape(), axis)?;
     let mut o = standard(x);
@@ -182,9 +194,7 @@ pub(super) fn softmax<A: Elem>(x: Arg<'_>, axis: usize, log: bool) -> Result<Val
     let mut scratch = vec![A::zero(); d];
     if axis + 1 == o.ndim() {
         // The usual case: rows are contiguous.
-        let data = o
-            .as_slice_mut()
-            .ok_or("a standard-layout array is not contiguous")?;
+        let data = o.as_slice_mut().ok_or(CONTIGUOUS)?;
         for row in data.chunks_exact_mut(d) {
             softmax_row(row, log, &mut scratch);
         }
@@ -207,15 +217,15 @@ pub(super) fn softmax_grad<A: Elem>(
     y: &Arg<'_>,
     axis: usize,
     log: bool,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let dy = cow::<A>(dy, 0)?;
     let y = view::<A>(y, 1)?;
     if dy.shape() != y.shape() {
-        return Err(format!(
-            "shapes differ: dy {} and y {}",
-            shape_str(dy.shape()),
-            shape_str(y.shape())
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::SameNamed("dy", "y"),
+            left: dy.shape().to_vec(),
+            right: y.shape().to_vec(),
+        });
     }
     check_axis(y.shape(), axis)?;
     let mut o = dy.into_owned();
@@ -244,28 +254,32 @@ fn sce_inputs<'b, A: Elem>(
     logits: &ArrayViewD<'_, A>,
     labels: &'b Arg<'_>,
     i: usize,
-) -> Result<ArrayViewD<'b, i32>, String> {
+) -> Result<ArrayViewD<'b, i32>, CpuKernelError> {
     if logits.ndim() != 2 {
-        return Err(format!(
-            "logits must be [batch, classes], got {}",
-            shape_str(logits.shape())
-        ));
+        return Err(CpuKernelError::Shape {
+            need: ShapeNeed::Logits,
+            shape: logits.shape().to_vec(),
+        });
     }
     let labels = view::<i32>(labels, i)?;
     let (b, k) = (logits.shape()[0], logits.shape()[1]);
     if labels.shape() != [b] {
-        return Err(format!(
-            "labels must be i32[{b}] for logits {}, got {}",
-            shape_str(logits.shape()),
-            shape_str(labels.shape())
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::Labels(b),
+            left: logits.shape().to_vec(),
+            right: labels.shape().to_vec(),
+        });
     }
     if let Some((i, &l)) = labels
         .iter()
         .enumerate()
         .find(|(_, &l)| l < 0 || l as usize >= k)
     {
-        return Err(format!("label {l} (sample {i}) is outside the {k} classes"));
+        return Err(CpuKernelError::Index {
+            index: l,
+            position: i,
+            of: IndexOf::Classes(k),
+        });
     }
     Ok(labels)
 }
@@ -274,16 +288,14 @@ fn sce_inputs<'b, A: Elem>(
 pub(super) fn softmax_cross_entropy<A: Elem>(
     logits: &Arg<'_>,
     labels: &Arg<'_>,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let x = view::<A>(logits, 0)?;
     let labels = sce_inputs(&x, labels, 1)?;
     let (b, k) = (x.shape()[0], x.shape()[1]);
     let mut total = A::zero();
     if k > 0 {
         let x = x.as_standard_layout();
-        let data = x
-            .as_slice()
-            .ok_or("a standard-layout array is not contiguous")?;
+        let data = x.as_slice().ok_or(CONTIGUOUS)?;
         let mut scratch = vec![A::zero(); k];
         for (row, &l) in data.chunks_exact(k).zip(labels.iter()) {
             let m = row_max(row);
@@ -295,18 +307,18 @@ pub(super) fn softmax_cross_entropy<A: Elem>(
 }
 
 /// The first element of a scalar input (`dloss`).
-fn scalar<A: Elem>(arg: &Arg<'_>, i: usize) -> Result<A, String> {
+fn scalar<A: Elem>(arg: &Arg<'_>, i: usize) -> Result<A, CpuKernelError> {
     let a = view::<A>(arg, i)?;
     if a.len() != 1 {
-        return Err(format!(
-            "input {i} must be a scalar, got {}",
-            shape_str(a.shape())
-        ));
+        return Err(CpuKernelError::Shape {
+            need: ShapeNeed::Scalar(i),
+            shape: a.shape().to_vec(),
+        });
     }
     a.iter()
         .next()
         .copied()
-        .ok_or_else(|| format!("input {i} is empty"))
+        .ok_or_else(|| CpuKernelError::Invalid(format!("input {i} is empty")))
 }
 
 /// `dloss * (softmax(logits) - onehot(labels)) / B`, written into the logits' buffer
@@ -315,7 +327,7 @@ pub(super) fn softmax_cross_entropy_grad<A: Elem>(
     dloss: &Arg<'_>,
     logits: Arg<'_>,
     labels: &Arg<'_>,
-) -> Result<Value, String> {
+) -> Result<Value, CpuKernelError> {
     let d = scalar::<A>(dloss, 0)?;
     let x = cow::<A>(logits, 1)?;
     let labels = sce_inputs(&x.view(), labels, 2)?;
@@ -323,9 +335,7 @@ pub(super) fn softmax_cross_entropy_grad<A: Elem>(
     let scale = d / A::c(b as f64);
     let mut o = standard(x);
     if k > 0 {
-        let data = o
-            .as_slice_mut()
-            .ok_or("a standard-layout array is not contiguous")?;
+        let data = o.as_slice_mut().ok_or(CONTIGUOUS)?;
         for (row, &l) in data.chunks_exact_mut(k).zip(labels.iter()) {
             let m = row_max(row);
             for v in row.iter_mut() {
@@ -339,19 +349,19 @@ pub(super) fn softmax_cross_entropy_grad<A: Elem>(
     Ok(val(o))
 }
 
-fn same_shape(p: &[usize], t: &[usize]) -> Result<(), String> {
+fn same_shape(p: &[usize], t: &[usize]) -> Result<(), CpuKernelError> {
     if p != t {
-        return Err(format!(
-            "prediction {} and target {} differ in shape",
-            shape_str(p),
-            shape_str(t)
-        ));
+        return Err(CpuKernelError::Shapes {
+            check: ShapeCheck::Target,
+            left: p.to_vec(),
+            right: t.to_vec(),
+        });
     }
     Ok(())
 }
 
 /// `mean((p - t)^2)`.
-pub(super) fn mse<A: Elem>(p: &Arg<'_>, t: &Arg<'_>) -> Result<Value, String> {
+pub(super) fn mse<A: Elem>(p: &Arg<'_>, t: &Arg<'_>) -> Result<Value, CpuKernelError> {
     let (p, t) = (view::<A>(p, 0)?, view::<A>(t, 1)?);
     same_shape(p.shape(), t.shape())?;
     let s = Zip::from(&p)
@@ -361,7 +371,11 @@ pub(super) fn mse<A: Elem>(p: &Arg<'_>, t: &Arg<'_>) -> Result<Value, String> {
 }
 
 /// `dloss * 2 (p - t) / n`, written into an owned `p` or `t`.
-pub(super) fn mse_grad<A: Elem>(dloss: &Arg<'_>, p: Arg<'_>, t: Arg<'_>) -> Result<Value, String> {
+pub(super) fn mse_grad<A: Elem>(
+    dloss: &Arg<'_>,
+    p: Arg<'_>,
+    t: Arg<'_>,
+) -> Result<Value, CpuKernelError> {
     let d = scalar::<A>(dloss, 0)?;
     same_shape(tensor(&p, 1)?.shape(), tensor(&t, 2)?.shape())?;
     let (p, t) = (cow::<A>(p, 1)?, cow::<A>(t, 2)?);

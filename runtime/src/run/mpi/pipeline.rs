@@ -16,6 +16,7 @@
 use super::reports::{drain_on_rank0, ToRank0};
 use super::{gather_spans, local_line, rank_metrics, send_spans};
 use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS};
+use crate::comm::AxisComms;
 use crate::comm::Links;
 use crate::core::backend::Backend;
 use crate::core::backend::Site;
@@ -23,7 +24,7 @@ use crate::core::config::RunConfig;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::value::Tensor;
 use crate::run::coordinator::{reporter, Coordinator, StageReports};
-use crate::run::mesh::{Axis, Coord, Mesh};
+use crate::run::mesh::{Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
 use crate::run::metrics::TrainReport;
@@ -59,47 +60,26 @@ pub(super) fn run_stage_rank<B: Backend>(
     let run = PipelineRun::new(&programs, mesh, config, opts)?;
     let (replica, _, m) = run.coordinates(rank);
     // Collectives over the world: every rank splits, in the same order, by its group
-    // on each axis. The pipe axis links one model rank's stages of a replica, the data
-    // axis the replicas of one stage's model rank, the model axis one stage's model
-    // ranks of a replica.
-    let split = |axis: Axis| {
+    // on each axis the mesh links. The pipe axis links one model rank's stages of a
+    // replica, the data axis the replicas of one stage's model rank, the model axis one
+    // stage's model ranks of a replica.
+    let mut comms = AxisComms::default();
+    for axis in mesh.axes() {
         let (group, key) = mesh.group(axis, rank);
-        world.split_by_color_with_key(Color::with_value(group as i32), key as i32)
-    };
-    let by_replica = split(Axis::Pipe);
-    let by_stage = split(Axis::Data);
-    let by_model = if mesh.model > 1 {
-        split(Axis::Model).map(Some)
-    } else {
-        Some(None)
-    };
-    let (Some(by_replica), Some(by_stage), Some(by_model)) = (by_replica, by_stage, by_model)
-    else {
         // Every rank splits with a color of its own group: it is in each.
-        return Err(RuntimeError::internal(
-            format!("rank {rank}"),
-            "not in its replica's, its stage's or its model axis's communicator",
-        ));
-    };
-    let link = |c: SimpleCommunicator| -> Box<dyn crate::comm::Communicator> {
-        Box::new(MpiComm::new(
-            Comm(c),
-            ctl.clone(),
-            roles,
-            rank,
-            opts.timeout,
-        ))
-    };
+        let Some(linked) =
+            world.split_by_color_with_key(Color::with_value(group as i32), key as i32)
+        else {
+            return Err(RuntimeError::internal(
+                format!("rank {rank}"),
+                format!("not in its {} axis's communicator", axis.name()),
+            ));
+        };
+        let linked = MpiComm::new(Comm(linked), ctl.clone(), roles, rank, opts.timeout);
+        comms.insert(axis, Box::new(linked));
+    }
     let data = run.sources(config, opts, rank)?;
-    let mut me = run.stage(
-        rank,
-        link(by_replica),
-        link(by_stage),
-        by_model.map(link),
-        data,
-        opts,
-        t0,
-    );
+    let mut me = run.stage(rank, comms, data, opts, t0)?;
     let name = mesh.name(rank);
     let last_step = run.steps;
     let micro_batch = config.batch;
