@@ -112,11 +112,7 @@ pub(super) fn unpack_chunks<A: Elem>(
             offset += c;
             ArrayD::from_shape_vec(IxDyn(s.dims()), whole)
                 .map(|a| Value::Tensor(A::wrap(a)))
-                .map_err(|error| CpuKernelError::Layout {
-                    what: "unpack_chunks to",
-                    shape: s.dims().to_vec(),
-                    error,
-                })
+                .map_err(CpuKernelError::layout("unpack_chunks to", s.dims()))
         })
         .collect()
 }
@@ -148,11 +144,7 @@ pub(super) fn unpack<A: Elem>(
             at += n;
             ArrayD::from_shape_vec(IxDyn(s.dims()), part)
                 .map(|a| Value::Tensor(A::wrap(a)))
-                .map_err(|error| CpuKernelError::Layout {
-                    what: "unpack to",
-                    shape: s.dims().to_vec(),
-                    error,
-                })
+                .map_err(CpuKernelError::layout("unpack to", s.dims()))
         })
         .collect()
 }

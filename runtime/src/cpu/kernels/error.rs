@@ -186,6 +186,21 @@ pub enum CpuKernelError {
     Invalid(String),
 }
 
+impl CpuKernelError {
+    /// What a kernel says when ndarray refuses the array of `shape` it built for
+    /// `what`: for `map_err`.
+    pub fn layout<'a>(
+        what: &'static str,
+        shape: &'a [usize],
+    ) -> impl FnOnce(ShapeError) -> Self + 'a {
+        move |error| CpuKernelError::Layout {
+            what,
+            shape: shape.to_vec(),
+            error,
+        }
+    }
+}
+
 impl From<CpuKernelError> for KernelError {
     /// The message, for the executor to place at its node.
     fn from(e: CpuKernelError) -> KernelError {

@@ -20,11 +20,7 @@ pub(super) fn reshape<T: Scalar>(x: Arg<'_>, shape: &[usize]) -> Result<Value, C
     standard(x)
         .into_shape_with_order(IxDyn(shape))
         .map(val)
-        .map_err(|error| CpuKernelError::Layout {
-            what: "reshape to",
-            shape: shape.to_vec(),
-            error,
-        })
+        .map_err(CpuKernelError::layout("reshape to", shape))
 }
 
 /// Output axis `i` is input axis `perm[i]`.

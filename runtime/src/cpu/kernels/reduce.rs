@@ -89,11 +89,7 @@ pub(super) fn sum_to<A: Elem>(x: Arg<'_>, shape: &[usize]) -> Result<Value, CpuK
     let out = standard(CowArray::from(reduce_axes(x, &axes)));
     out.into_shape_with_order(IxDyn(shape))
         .map(val)
-        .map_err(|error| CpuKernelError::Layout {
-            what: "sum_to",
-            shape: shape.to_vec(),
-            error,
-        })
+        .map_err(CpuKernelError::layout("sum_to", shape))
 }
 
 /// Broadcasts `x` to `shape` (numpy rules).

@@ -73,11 +73,7 @@ fn lookup<A: Elem>(
     dims.extend_from_slice(&table.shape()[1..]);
     ArrayD::from_shape_vec(IxDyn(&dims), out)
         .map(val)
-        .map_err(|error| CpuKernelError::Layout {
-            what: output,
-            shape: dims,
-            error,
-        })
+        .map_err(CpuKernelError::layout(output, &dims))
 }
 
 /// That `dy` (of type `A`) is a lookup's result gradient for ids of shape `ids` into
@@ -122,11 +118,7 @@ pub(super) fn embedding_grad<A: Elem>(
     vdims.extend_from_slice(&table.dims()[1..]);
     let values = standard(dy)
         .into_shape_with_order(IxDyn(&vdims))
-        .map_err(|error| CpuKernelError::Layout {
-            what: "slices values",
-            shape: vdims.clone(),
-            error,
-        })?;
+        .map_err(CpuKernelError::layout("slices values", &vdims))?;
     Ok(Value::Slices(Slices {
         indices,
         values: A::wrap(values),
@@ -195,12 +187,8 @@ pub(super) fn concat_slices<A: Elem>(args: Vec<Arg<'_>>) -> Result<Value, CpuKer
     }
     let mut vdims = vec![nnz];
     vdims.extend_from_slice(&dense_shape[1..]);
-    let values =
-        ArrayD::from_shape_vec(IxDyn(&vdims), values).map_err(|error| CpuKernelError::Layout {
-            what: "slices values",
-            shape: vdims.clone(),
-            error,
-        })?;
+    let values = ArrayD::from_shape_vec(IxDyn(&vdims), values)
+        .map_err(CpuKernelError::layout("slices values", &vdims))?;
     Ok(Value::Slices(Slices {
         indices,
         values: A::wrap(values),
@@ -294,12 +282,8 @@ pub(super) fn sparsify<A: Elem>(x: &Arg<'_>, mask: &Arg<'_>) -> Result<Value, Cp
     }
     let mut vdims = vec![indices.len()];
     vdims.extend_from_slice(&x.shape()[1..]);
-    let values =
-        ArrayD::from_shape_vec(IxDyn(&vdims), values).map_err(|error| CpuKernelError::Layout {
-            what: "slices values",
-            shape: vdims.clone(),
-            error,
-        })?;
+    let values = ArrayD::from_shape_vec(IxDyn(&vdims), values)
+        .map_err(CpuKernelError::layout("slices values", &vdims))?;
     Ok(Value::Slices(Slices {
         indices,
         values: A::wrap(values),
@@ -360,12 +344,8 @@ pub(super) fn model_embedding_grad<A: Elem>(
     }
     let mut vdims = vec![indices.len()];
     vdims.extend_from_slice(&dims[1..]);
-    let values =
-        ArrayD::from_shape_vec(IxDyn(&vdims), values).map_err(|error| CpuKernelError::Layout {
-            what: "slices values",
-            shape: vdims.clone(),
-            error,
-        })?;
+    let values = ArrayD::from_shape_vec(IxDyn(&vdims), values)
+        .map_err(CpuKernelError::layout("slices values", &vdims))?;
     Ok(Value::Slices(Slices {
         indices,
         values: A::wrap(values),
