@@ -494,6 +494,19 @@ pub const MNEMONICS: &[&str] = &[
     "param_grad",
     "output",
     "assign",
+    "accumulate",
+    "all_gather_dense",
+    "attention",
+    "attention_grad",
+    "model_reduce_scatter",
+    "pack_chunks",
+    "recv",
+    "reduce_scatter",
+    "row_mask",
+    "send",
+    "sparsify",
+    "take_chunk",
+    "unpack_chunks",
 ];
 
 /// Builds an op from its mnemonic, attributes and (for sources) its result type.
@@ -788,4 +801,30 @@ pub fn op_from_parts(
         }
     };
     a.done(op)
+}
+
+#[cfg(test)]
+mod mnemonic_tests {
+    /// The unknown-op message lists every op the text IR parses: each `"name" =>` arm
+    /// of `op_from_parts` is in [`super::MNEMONICS`] (13 were missing from it), and
+    /// nothing else is.
+    #[test]
+    fn the_unknown_op_message_lists_every_op_the_parser_takes() {
+        let src = include_str!("attrs.rs");
+        let start = src.find("pub fn op_from_parts").expect("op_from_parts");
+        let end = start + src[start..].find("other => {").expect("its fallback arm");
+        let mut parsed: Vec<&str> = src[start..end]
+            .lines()
+            .filter_map(|l| {
+                let l = l.trim_start().strip_prefix('"')?;
+                let (name, rest) = l.split_once('"')?;
+                rest.trim_start().starts_with("=>").then_some(name)
+            })
+            .collect();
+        parsed.sort_unstable();
+        let mut listed = super::MNEMONICS.to_vec();
+        listed.sort_unstable();
+        assert!(parsed.len() > 80, "only {} arms found", parsed.len());
+        assert_eq!(parsed, listed);
+    }
 }
