@@ -751,6 +751,34 @@ fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
     metrics_line(std::slice::from_ref(r), batch, false, None)
 }
 
+/// Rank `rank`'s communicators, by axis: `parent` (the workers', or the world of a
+/// pipeline's ranks) split by its group on each axis the mesh links. Every rank of
+/// `parent` calls it, and splits in the same order ([`Mesh::axes`]).
+fn link_axes(
+    mesh: &Mesh,
+    rank: usize,
+    parent: &SimpleCommunicator,
+    ctl: &Arc<Comm>,
+    timeout: Duration,
+) -> Result<AxisComms> {
+    let mut comms = AxisComms::default();
+    for axis in mesh.axes() {
+        let (group, key) = mesh.group(axis, rank);
+        // Every rank splits with a color of its own group: it is in each.
+        let Some(linked) =
+            parent.split_by_color_with_key(Color::with_value(group as i32), key as i32)
+        else {
+            return Err(RuntimeError::internal(
+                format!("rank {rank}"),
+                format!("not in its {} axis's communicator", axis.name()),
+            ));
+        };
+        let linked = MpiComm::new(Comm(linked), ctl.clone(), mesh.roles(), rank, timeout);
+        comms.insert(axis, Box::new(linked));
+    }
+    Ok(comms)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_worker_rank<B: Backend>(
     programs: Programs<'_>,
@@ -767,25 +795,9 @@ fn run_worker_rank<B: Backend>(
     make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
     use std::io::Write;
-    // Every worker splits the workers' communicator by its group on each axis the
-    // mesh links, in the same order.
+    // The workers' communicator, split by each axis the mesh links.
     let roles = mesh.roles();
-    let mut comms = AxisComms::default();
-    for axis in mesh.axes() {
-        let (group, key) = mesh.group(axis, r);
-        // Every worker splits with a color of its own group: it is in each.
-        let Some(linked) = comm
-            .0
-            .split_by_color_with_key(Color::with_value(group as i32), key as i32)
-        else {
-            return Err(RuntimeError::internal(
-                format!("worker {r}"),
-                format!("not in its {} axis's communicator", axis.name()),
-            ));
-        };
-        let linked = MpiComm::new(Comm(linked), ctl.clone(), roles, r, opts.timeout);
-        comms.insert(axis, Box::new(linked));
-    }
+    let comms = link_axes(&mesh, r, &comm.0, ctl, opts.timeout)?;
     let data = open_data(&programs, &mesh, config, opts, r)?;
     let ps = (roles.servers > 0).then(|| {
         PsClient::new(

@@ -15,8 +15,7 @@
 
 use super::reports::{drain_on_rank0, ToRank0};
 use super::{gather_spans, local_line, rank_metrics, send_spans};
-use crate::comm::mpi::{Backoff, Comm, MpiComm, Outgoing, Since, TAG_PARAMS};
-use crate::comm::AxisComms;
+use crate::comm::mpi::{Backoff, Comm, Outgoing, Since, TAG_PARAMS};
 use crate::comm::Links;
 use crate::core::backend::Backend;
 use crate::core::backend::Site;
@@ -33,7 +32,7 @@ use crate::run::pipeline::{
     combine, decode_params, encode_params, Handed, PipelineRun, StageReport,
 };
 use crate::run::programs::Programs;
-use mpi::topology::{Color, SimpleCommunicator};
+use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use std::collections::HashMap;
 use std::io::Write;
@@ -55,29 +54,13 @@ pub(super) fn run_stage_rank<B: Backend>(
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
     make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
-    let roles = mesh.roles();
     let stages = mesh.pipe;
     let run = PipelineRun::new(&programs, mesh, config, opts)?;
     let (replica, _, m) = run.coordinates(rank);
-    // Collectives over the world: every rank splits, in the same order, by its group
-    // on each axis the mesh links. The pipe axis links one model rank's stages of a
-    // replica, the data axis the replicas of one stage's model rank, the model axis one
-    // stage's model ranks of a replica.
-    let mut comms = AxisComms::default();
-    for axis in mesh.axes() {
-        let (group, key) = mesh.group(axis, rank);
-        // Every rank splits with a color of its own group: it is in each.
-        let Some(linked) =
-            world.split_by_color_with_key(Color::with_value(group as i32), key as i32)
-        else {
-            return Err(RuntimeError::internal(
-                format!("rank {rank}"),
-                format!("not in its {} axis's communicator", axis.name()),
-            ));
-        };
-        let linked = MpiComm::new(Comm(linked), ctl.clone(), roles, rank, opts.timeout);
-        comms.insert(axis, Box::new(linked));
-    }
+    // The world split by each axis the mesh links: the pipe axis links one model
+    // rank's stages of a replica, the data axis the replicas of one stage's model rank,
+    // the model axis one stage's model ranks of a replica.
+    let comms = super::link_axes(&mesh, rank, world, ctl, opts.timeout)?;
     let data = run.sources(config, opts, rank)?;
     let mut me = run.stage(rank, comms, data, opts, t0)?;
     let name = mesh.name(rank);
