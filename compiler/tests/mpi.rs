@@ -1387,6 +1387,9 @@ fn ctrl_c_to_mpirun_stops_a_pipelined_job_saying_what_is_on_disk() {
             s(&metrics),
         ],
     )
+    // What is asserted is what a rank's handler does once it runs; on a loaded 2-core
+    // machine it may not be scheduled within OpenMPI's default second before SIGKILL.
+    .env("OMPI_MCA_odls_base_sigkill_timeout", "5")
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .spawn()

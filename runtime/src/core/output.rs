@@ -32,8 +32,15 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 /// Refuses an output target that exists and is not a regular file (a device, a
-/// directory, a pipe) or that names one of `inputs`.
+/// directory, a pipe) or that names one of `inputs`, or whose folder cannot be written.
 pub fn check_output(path: &Path, inputs: &[&Path]) -> Result<()> {
+    check_target(path, inputs)?;
+    probe_writable(path)
+}
+
+/// [`check_output`] short of the probe: [`write_atomic`] finds out whether the folder
+/// takes a file by making its own temporary file there.
+fn check_target(path: &Path, inputs: &[&Path]) -> Result<()> {
     if let Ok(meta) = std::fs::metadata(path) {
         if !meta.is_file() {
             let what = if meta.is_dir() {
@@ -55,7 +62,7 @@ pub fn check_output(path: &Path, inputs: &[&Path]) -> Result<()> {
             ));
         }
     }
-    probe_writable(path)
+    Ok(())
 }
 
 /// Fails now, not after training, where `path` could not be written: its folder is
@@ -75,12 +82,21 @@ fn probe_writable(path: &Path) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default()
     ));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-        .map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))?;
+    // In flight like a write's temporary file, so a signal's handler removes it too.
+    let made = {
+        let mut files = in_flight();
+        let made = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe);
+        if made.is_ok() {
+            files.push(probe.clone());
+        }
+        made
+    };
+    made.map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))?;
     let _ = std::fs::remove_file(&probe);
+    in_flight().retain(|p| p != &probe);
     Ok(())
 }
 
@@ -150,13 +166,13 @@ fn remove_stale(dir: &Path, prefix: &str) {
 }
 
 /// Writes `path` through a temporary file renamed into place; `write` fills the
-/// temporary file, which is synced before the rename. Checks the target with
-/// [`check_output`] (no inputs) first.
+/// temporary file, which is synced before the rename. Checks the target as
+/// [`check_output`] (no inputs) does first.
 pub fn write_atomic(
     path: &Path,
     write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
 ) -> Result<()> {
-    check_output(path, &[])?;
+    check_target(path, &[])?;
     let (tmp, prefix) = temp_path(path)?;
     let dir = tmp.parent().map(Path::to_path_buf).unwrap_or_default();
     std::fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
@@ -179,7 +195,7 @@ pub fn write_atomic(
         source,
     };
     let result = file
-        .map_err(io)
+        .map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))
         .and_then(|mut f| write(&mut f).and_then(|()| f.sync_all()).map_err(io))
         .and_then(|()| {
             std::fs::rename(&tmp, path).map_err(|source| RuntimeError::Io {
