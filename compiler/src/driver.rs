@@ -618,18 +618,27 @@ fn check_batch_statistics(s: &StrategyConfig, g: &Graph) -> Result<(), CompileEr
              allreduce, --zero 1-3), or normalise with layer_norm or rms_norm"
         )))
     };
-    if s.pipeline > 1 {
-        return refuse("pipeline stages do not keep running statistics yet");
-    }
     if s.model > 1 {
         return refuse("a mesh with a model axis does not keep running statistics yet");
     }
-    if synced && s.accumulate > 1 {
-        return refuse(
-            "with --accumulate each micro-batch has its own batch statistics, which \
-             differ from the step's batch that one device normalises with (sync = false \
-             accepts per-micro-batch statistics)",
-        );
+    let micro = if s.pipeline > 1 {
+        s.micro_batches
+    } else {
+        s.accumulate
+    };
+    if synced && micro > 1 {
+        let flag = if s.pipeline > 1 {
+            "pipeline stages"
+        } else {
+            "--accumulate"
+        };
+        return Err(CompileError::Settings(format!(
+            "batch_norm (`{var}`): with {flag} each micro-batch has its own batch \
+             statistics, which differ from the step's batch that one device normalises \
+             with: write batch_norm(..., sync = false) for per-micro-batch statistics (one \
+             device with the same micro-batches then trains the same), or train it with \
+             data parallelism (--strategy allreduce, --zero 1-3)"
+        )));
     }
     Ok(())
 }

@@ -97,6 +97,10 @@ pub struct VerifyReport {
     pub workers: usize,
     /// The one-device batch N*b.
     pub global_batch: usize,
+    /// The micro-batches the one device splits it into (`--accumulate`): a pipeline's,
+    /// where the model computes statistics over the batch axis (each micro-batch's own
+    /// in the pipeline), else 1.
+    pub micro_batches: usize,
     /// Steps trained.
     pub steps: usize,
     /// Every variable, by name.
@@ -364,12 +368,20 @@ fn one_device_against(
     // A pipeline's N workers are N/P replicas of its P stages; a mesh's model axis
     // trains T workers on one batch; accumulation and a pipeline add micro-batches.
     let global_batch = dist.config.batch * s.batches_per_step();
+    // A pipeline's stage normalises each micro-batch with its own statistics
+    // (`batch_norm(sync = false)`): the one device runs the same micro-batches.
+    let micro_batches = if s.pipeline > 1 && !dist.assumptions.is_empty() {
+        s.micro_batches.max(1)
+    } else {
+        1
+    };
     // One device in the same precision: a bf16 plan is checked against bf16.
     let single_opts = CompileOptions {
-        batch: Some(global_batch),
+        batch: Some(global_batch / micro_batches),
         data_dir: opts.compile.data_dir.clone(),
         strategy: StrategyConfig {
             precision: s.precision,
+            accumulate: micro_batches,
             ..StrategyConfig::default()
         },
         ..Default::default()
@@ -381,7 +393,10 @@ fn one_device_against(
         // The yardstick of a 16-bit plan: how far one device in 16 bits strays from
         // one device in f32, variable by variable.
         let f32_opts = CompileOptions {
-            strategy: StrategyConfig::default(),
+            strategy: StrategyConfig {
+                accumulate: micro_batches,
+                ..StrategyConfig::default()
+            },
             ..single_opts
         };
         let full = run(&compile_file(file, &f32_opts)?, opts, 1)?;
@@ -406,6 +421,7 @@ fn one_device_against(
         strategy: s.strategy,
         workers: s.workers,
         global_batch,
+        micro_batches,
         steps: opts.steps,
         vars,
         tolerance: opts.tolerance,

@@ -137,7 +137,7 @@ fn predict_writes_the_models_prediction_for_every_sample() {
     ]);
     assert!(!o.status.success());
     assert!(
-        text(&o).contains("none of the model's inputs"),
+        text(&o).contains("none of the model's inputs") && text(&o).contains("none.safetensors"),
         "{}",
         text(&o)
     );

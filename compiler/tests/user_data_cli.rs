@@ -230,6 +230,64 @@ fn ptb_as_a_token_file_is_the_built_in_stream_and_trains_the_example() {
     assert!(text(&o).contains("eval_loss"), "{}", text(&o));
 }
 
+/// Issue 60, item 4: a held-out set smaller than one batch is refused before step 1,
+/// not found by the evaluation after the last one (which cost the run its `--save`,
+/// its final checkpoint and its last metrics line); `--no-eval` trains.
+#[test]
+fn a_held_out_set_smaller_than_one_batch_is_refused_before_step_1() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_safetensors(&dir.path().join("train.safetensors"), 48, 0);
+    write_safetensors(&dir.path().join("test.safetensors"), 5, 1);
+    let m = dir.path().join("points.dsl");
+    std::fs::write(
+        &m,
+        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
+    )
+    .expect("writes");
+    let (metrics, saved) = (dir.path().join("m.jsonl"), dir.path().join("w.st"));
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            s(&m),
+            "--data",
+            s(dir.path()),
+            "--steps",
+            "3",
+            "--metrics",
+            s(&metrics),
+            "--save",
+            s(&saved),
+        ];
+        a.extend(extra);
+        distc(&a)
+    };
+    for pipeline in [false, true] {
+        let extra: &[&str] = if pipeline {
+            &[
+                "--pipeline",
+                "2",
+                "--workers",
+                "2",
+                "--strategy",
+                "allreduce",
+            ]
+        } else {
+            &[]
+        };
+        let o = args(extra);
+        let t = text(&o);
+        assert!(!o.status.success(), "{t}");
+        assert!(
+            t.contains("no evaluation data") && t.contains("smaller than one batch"),
+            "{t}"
+        );
+        assert!(!metrics.exists(), "a step ran: {t}");
+    }
+    let o = args(&["--no-eval"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(saved.exists(), "{}", text(&o));
+}
+
 #[test]
 fn a_source_without_eval_path_trains_without_evaluating() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -116,6 +116,37 @@ fn synchronised_statistics_train_what_one_device_trains_running_statistics_inclu
     }
 }
 
+/// Issue 59: pipeline stages keep running statistics. Each micro-batch normalises with
+/// its own statistics (`sync = false`), so two stages of one replica train what one
+/// device trains on the same micro-batches (`--accumulate`), running statistics
+/// included, moved after every micro-batch in order (with 4 micro-batches, 1F1B runs
+/// forwards ahead of backwards).
+#[test]
+fn pipeline_stages_train_what_one_device_trains_on_the_same_micro_batches() {
+    for (what, micro) in [("2 stages x 2 micro-batches", 2), ("2 stages x 4", 4)] {
+        let r = verify_text(
+            &model(false),
+            StrategyConfig {
+                pipeline: 2,
+                micro_batches: micro,
+                ..workers(2)
+            },
+        );
+        assert_eq!(r.micro_batches, micro, "{what}");
+        let names: Vec<&str> = r.vars.iter().map(|v| v.name.as_str()).collect();
+        for running in ["g1_running_mean", "g1_running_var", "g2_running_mean"] {
+            assert!(names.contains(&running), "{what}: {running}: {names:?}");
+        }
+        let w = r.worst().expect("variables");
+        assert!(
+            r.passed(),
+            "{what}: `{}` differs by {:.2e}",
+            w.name,
+            w.relative
+        );
+    }
+}
+
 #[test]
 fn per_worker_statistics_differ_from_one_device_and_are_warned_of() {
     let r = verify_text(&model(false), workers(2));
@@ -214,4 +245,23 @@ fn on_the_gpu_running_statistics_match_one_device() {
     let r = verify(&path, &opts).expect("verify runs");
     let w = r.worst().expect("variables");
     assert!(r.passed(), "`{}` differs by {:.2e}", w.name, w.relative);
+    // Two stages on the device, each micro-batch with its own statistics (issue 59):
+    // their steps are captured and replayed, the running statistics' copies with them.
+    std::fs::write(&path, model(false)).expect("writes the model");
+    let opts = VerifyOptions {
+        device: Some(0),
+        ..options(StrategyConfig {
+            pipeline: 2,
+            micro_batches: 2,
+            ..workers(2)
+        })
+    };
+    let r = verify(&path, &opts).expect("verify runs");
+    let w = r.worst().expect("variables");
+    assert!(
+        r.passed(),
+        "pipeline: `{}` differs by {:.2e}",
+        w.name,
+        w.relative
+    );
 }

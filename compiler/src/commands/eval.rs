@@ -118,9 +118,12 @@ pub fn predict(
     let c = one_device(file, batch, None)?;
     let params = params(&c, weights)?;
     let (inputs, _) = checkpoint::load(input)?;
-    let pred =
-        distc_runtime::run::eval::predict(&c.programs.worker, &params, &inputs, c.config.batch)
-            .with_context(|| format!("--input {}", input.display()))?;
+    let pred = distc_runtime::run::eval::predict(
+        &c.programs.worker,
+        &params,
+        (input, &inputs),
+        c.config.batch,
+    )?;
     let samples = pred.shape().first().copied().unwrap_or(0);
     checkpoint::save(output, &[("prediction".to_string(), &pred)], HashMap::new())?;
     err(&format!(

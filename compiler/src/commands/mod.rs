@@ -24,22 +24,40 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 /// Under data parallelism, a statistic over the batch axis (a hand-written batch
-/// norm's mean and variance) is each worker's own: said at compile time, not left for
-/// `verify` to find.
+/// norm's mean and variance) is each worker's own, and under a pipeline each
+/// micro-batch's: said at compile time, not left for `verify` to find.
 fn warn_per_worker_statistics(c: &Compiled, opts: &CompileOptions) {
     let s = &opts.strategy;
-    let replicas = if s.pipeline > 1 {
-        s.workers
-    } else {
-        s.workers / s.model.max(1)
-    };
-    if replicas <= 1 || c.assumptions.is_empty() {
+    if c.assumptions.is_empty() {
         return;
     }
-    err(&format!(
-        "warning: {replicas} data-parallel replicas each compute on their own batch what \
-         one device computes on the global batch, so this model trains differently:\n"
-    ));
+    if s.pipeline > 1 {
+        let replicas = s.workers / (s.pipeline * s.model.max(1)).max(1);
+        if replicas <= 1 && s.micro_batches <= 1 {
+            return;
+        }
+        let same = if replicas <= 1 {
+            " (one device with the same micro-batches, --accumulate, trains the same: what \
+             `verify` compares it with)"
+        } else {
+            ""
+        };
+        err(&format!(
+            "warning: the pipeline's {replicas} replica(s), each step in {} micro-batches, \
+             compute on each micro-batch what one device computes on the global batch, so \
+             this model trains differently{same}:\n",
+            s.micro_batches
+        ));
+    } else {
+        let replicas = s.workers / s.model.max(1);
+        if replicas <= 1 {
+            return;
+        }
+        err(&format!(
+            "warning: {replicas} data-parallel replicas each compute on their own batch what \
+             one device computes on the global batch, so this model trains differently:\n"
+        ));
+    }
     for a in &c.assumptions {
         err(&format!("  - {a}\n"));
     }

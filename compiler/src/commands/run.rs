@@ -719,11 +719,18 @@ pub fn verify_verdict(
         None if raised => format!("tolerance {tolerance:.0e}, raised per variable as above"),
         None => format!("tolerance {tolerance:.0e}"),
     };
+    let one = match report.micro_batches {
+        1 => format!("batch {}", report.global_batch),
+        m => format!(
+            "batch {} in {m} micro-batches (--accumulate {m}: the pipeline's, each with its \
+             own statistics)",
+            report.global_batch
+        ),
+    };
     text += &format!(
-        "verify {}: {name} with {} workers vs one device with batch {}, {steps} steps: worst relative error {:.2e} (`{}`, allowed {}), {decides}\n",
+        "verify {}: {name} with {} workers vs one device with {one}, {steps} steps: worst relative error {:.2e} (`{}`, allowed {}), {decides}\n",
         file.display(),
         report.workers,
-        report.global_batch,
         worst.relative,
         worst.name,
         allowance(worst)

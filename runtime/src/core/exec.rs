@@ -748,7 +748,9 @@ fn check_type<B: Backend>(t: &B::Tensor, ty: &TensorType, what: impl Fn() -> Str
     if got.dtype == ty.dtype && got.dims() == ty.dims() {
         return Ok(());
     }
-    Err(RuntimeError::Config(format!(
+    // Data sources and states are checked against the model when opened: what reaches
+    // here disagrees with the plan's own types.
+    Err(RuntimeError::plan(format!(
         "{} {got}, the graph needs {ty}",
         what()
     )))

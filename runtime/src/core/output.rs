@@ -175,9 +175,11 @@ pub fn write_atomic(
     check_target(path, &[])?;
     let (tmp, prefix) = temp_path(path)?;
     let dir = tmp.parent().map(Path::to_path_buf).unwrap_or_default();
-    std::fs::create_dir_all(&dir).map_err(|source| RuntimeError::Io {
-        path: dir.clone(),
-        source,
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        refuse(
+            path,
+            format!("cannot make its folder {}: {e}", dir.display()),
+        )
     })?;
     remove_stale(&dir, &prefix);
     // Listed and created under one lock: a signal's handler that holds it (see

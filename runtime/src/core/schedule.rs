@@ -205,9 +205,13 @@ impl Schedule {
         let needed = needed_for(&nodes, slot_of.len(), Mode::Eval, |op| {
             matches!(op, Op::Loss | Op::Output { .. })
         });
-        // A pipeline stage's sends carry every micro-batch to the next stage.
+        // A pipeline stage's sends carry every micro-batch to the next stage; running
+        // statistics move after every micro-batch, as PyTorch's move on every forward.
         let micro = needed_for(&nodes, slot_of.len(), Mode::Micro, |op| {
-            matches!(op, Op::Loss | Op::Accumulate { .. } | Op::Send { .. })
+            matches!(
+                op,
+                Op::Loss | Op::Accumulate { .. } | Op::Send { .. } | Op::Assign { .. }
+            )
         });
         Ok(Schedule {
             train: plan(&nodes, &all, slot_of.len(), Mode::Train),

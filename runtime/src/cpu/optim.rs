@@ -674,7 +674,7 @@ impl Optimizer {
         for (k, &i) in indices.iter().enumerate() {
             if i < 0 || i as usize >= rows {
                 // The ids come from the data.
-                return Err(RuntimeError::Config(format!(
+                return Err(RuntimeError::plan(format!(
                     "optimizer: variable `{name}`: row index {i} is not in 0..{rows}"
                 )));
             }

@@ -94,7 +94,7 @@ fn recv_until(link: &mut dyn WorkerLink, deadline: &mut Instant) -> Result<Optio
 /// The gradient's dtype against the servers' f32 masters: the model's precision.
 fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
     t.as_f32().ok_or_else(|| {
-        RuntimeError::Config(format!(
+        RuntimeError::plan(format!(
             "{op} of `{var}`: a {} gradient (the servers hold f32)",
             t.dtype()
         ))
@@ -352,7 +352,8 @@ impl PsClient {
             }
             // The ids come from the data.
             if id < 0 || id as usize >= rows {
-                return Err(RuntimeError::Config(format!(
+                // The data's ids were checked against the table when it was opened.
+                return Err(RuntimeError::plan(format!(
                     "sparse_pull of `{var}`: id {id} is not in 0..{rows}"
                 )));
             }
@@ -510,7 +511,7 @@ impl PsClient {
             }
             // The ids come from the data.
             if id < 0 || id as usize >= rows {
-                return Err(RuntimeError::Config(format!(
+                return Err(RuntimeError::plan(format!(
                     "sparse_push of `{var}`: id {id} is not in 0..{rows}"
                 )));
             }

@@ -11,6 +11,24 @@ use crate::run::data::DataSource;
 use crate::run::metrics::EvalMetrics;
 use std::collections::HashMap;
 
+/// Refuses, before step 1, held-out data of less than one batch: the evaluation after
+/// the last step would find none, once the run is over.
+pub(crate) fn check_held_out(data: &DataSource, config: &RunConfig) -> Result<()> {
+    if data.eval_samples(config.eval_samples) == 0 {
+        return Err(no_held_out(config));
+    }
+    Ok(())
+}
+
+fn no_held_out(config: &RunConfig) -> RuntimeError {
+    RuntimeError::Config(format!(
+        "no evaluation data: the held-out set of data source `{}` is smaller than one batch \
+         ({} samples); give a larger one, or run with --no-eval",
+        config.data.name(),
+        config.batch
+    ))
+}
+
 /// Evaluates `params` on the held-out data of `config`; a worker program's pulls go
 /// through `comm` (as of `step`).
 pub fn evaluate<'h, B: Backend>(
@@ -24,9 +42,7 @@ pub fn evaluate<'h, B: Backend>(
     let start = std::time::Instant::now();
     let batches = data.eval_batches(config.eval_samples)?;
     if batches.is_empty() {
-        return Err(RuntimeError::Config(
-            "no evaluation data: the held-out set is smaller than one batch".into(),
-        ));
+        return Err(no_held_out(config));
     }
     let (mut loss, mut n, mut correct, mut sq, mut classified, mut regressed) =
         (0.0, 0usize, 0usize, 0.0, false, false);
@@ -135,11 +151,11 @@ pub fn evaluate_weights(
 /// first axis is the sample axis, by input name), in batches of `batch`: the
 /// predictions of all samples, concatenated. An input the file lacks is fed zeros
 /// when `prediction` does not depend on it (a label only the loss reads); otherwise
-/// it is an error naming it.
+/// it is an error naming it and the file `inputs` came from (`input`).
 pub fn predict(
     graph: &distc_ir::Graph,
     params: &HashMap<String, Tensor>,
-    inputs: &HashMap<String, Tensor>,
+    (input, inputs): (&std::path::Path, &HashMap<String, Tensor>),
     batch: usize,
 ) -> Result<Tensor> {
     use distc_ir::Op;
@@ -148,10 +164,14 @@ pub fn predict(
         .into_iter()
         .find(|&id| matches!(graph.op(id), Op::Output { name } if name == "prediction"))
     else {
-        return Err(RuntimeError::Config(format!(
+        return Err(RuntimeError::plan(format!(
             "model `{}` has no `prediction` output (a loss names its prediction)",
             graph.name
         )));
+    };
+    let bad = |message: String| RuntimeError::Data {
+        path: input.to_path_buf(),
+        message,
     };
     let needed = ancestors(graph, output);
     let types = crate::run::programs::input_types(graph);
@@ -161,7 +181,7 @@ pub fn predict(
             let per: usize = ty.dims()[1..].iter().product();
             let n = t.shape().first().copied().unwrap_or(0);
             if t.len() != n * per {
-                return Err(RuntimeError::Config(format!(
+                return Err(bad(format!(
                     "`{name}` has shape {:?}: the model's input is {ty}, {per} value(s) per \
                      sample",
                     t.shape()
@@ -169,7 +189,7 @@ pub fn predict(
             }
             match samples {
                 Some(m) if m != n => {
-                    return Err(RuntimeError::Config(format!(
+                    return Err(bad(format!(
                         "`{name}` has {n} samples, the other inputs {m}"
                     )))
                 }
@@ -178,14 +198,14 @@ pub fn predict(
         }
     }
     let n = samples.ok_or_else(|| {
-        RuntimeError::Config(format!(
+        bad(format!(
             "the file holds none of the model's inputs ({})",
             types.keys().cloned().collect::<Vec<_>>().join(", ")
         ))
     })?;
     for (id, name, _) in graph.inputs() {
         if !inputs.contains_key(name) && needed.contains(&id) {
-            return Err(RuntimeError::Config(format!(
+            return Err(bad(format!(
                 "the file has no `{name}`, which the model's prediction reads"
             )));
         }

@@ -274,10 +274,11 @@ fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConf
             slots(&want),
         )));
     }
-    // Every variable has every slot, of its own type: a slot missing would restart at
-    // zero without a word. A frozen variable has none.
-    let frozen = crate::run::programs::frozen_variables(programs);
-    for (var, t) in state.params.iter().filter(|(v, _)| !frozen.contains(*v)) {
+    // Every trained variable has every slot, of its own type: a slot missing would
+    // restart at zero without a word. A variable no gradient reaches (frozen, or one the
+    // loss never reads) has none: the optimizer never made them.
+    let trained = crate::run::programs::trained_variables(programs);
+    for (var, t) in state.params.iter().filter(|(v, _)| trained.contains(*v)) {
         for slot in wanted {
             let key = format!("{var}/{slot}");
             match state.optimizer.get(&key) {

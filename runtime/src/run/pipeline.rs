@@ -611,13 +611,15 @@ impl<'a> PipelineRun<'a> {
         if !opts.evaluate {
             return Ok(None);
         }
+        let data = open_source(self.whole, config, opts, 0, 1)?;
+        crate::run::eval::check_held_out(&data, config)?;
         let backend = make(Site::of(0, self.whole), Links::none())?;
         Ok(Some(Evaluator {
             exec: Executor::with_backend(self.whole, backend)?,
             whole: self.whole,
             shard: self.shard,
             model_axis: self.mesh.model,
-            data: open_source(self.whole, config, opts, 0, 1)?,
+            data,
             config: config.clone(),
         }))
     }
@@ -1874,13 +1876,17 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
                             outbox.entry((to, m)).or_default().push((tag, v));
                         }
                     }
-                    if let Some((name, _)) = out.assigned.first() {
-                        // The compiler refuses such plans; a hand-made one stops here.
-                        return Err(RuntimeError::plan(format!(
-                            "{}: assigns `{name}` (running statistics), which pipeline \
-                             stages do not keep",
-                            me.name
-                        )));
+                    // Running statistics move after each micro-batch, in the order this
+                    // stage runs them, as one device's accumulation moves them.
+                    if !out.assigned.is_empty() {
+                        let backend = if forward {
+                            fwd.backend()
+                        } else {
+                            bwd.backend()
+                        };
+                        backend
+                            .assign(&mut self.params, out.assigned)
+                            .map_err(fail("writing the running statistics"))?;
                     }
                     if !out.grads.is_empty() {
                         grads = out.grads;

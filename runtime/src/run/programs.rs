@@ -139,6 +139,41 @@ pub fn micro_batches(worker: &Graph) -> usize {
         .unwrap_or(1)
 }
 
+/// The variables a plan trains, by their whole names (a ZeRO chunk or a model-axis
+/// part stands for its variable): those whose gradient a program hands to the
+/// optimizer (`param_grad`) or pushes to the servers. The optimizer keeps state for
+/// these alone, so a training state must hold every slot of each of them and of no
+/// other (a variable the loss never reaches has none, frozen or not).
+pub fn trained_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<String> {
+    let whole = |n: &str| {
+        let n = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX).unwrap_or(n);
+        n.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX)
+            .unwrap_or(n)
+            .to_string()
+    };
+    let stages = programs
+        .pipeline
+        .into_iter()
+        .flat_map(|p| p.stages.iter().flat_map(|s| [&s.forward, &s.backward]));
+    let mut out = std::collections::BTreeSet::new();
+    for g in std::iter::once(programs.worker)
+        .chain(programs.servers)
+        .chain(stages)
+    {
+        for id in g.node_ids() {
+            match g.op(id) {
+                Op::ParamGrad { param: var }
+                | Op::Push { var, .. }
+                | Op::SparsePush { var, .. } => {
+                    out.insert(whole(var));
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
 /// The variables a plan holds without training them (`frozen` in the DSL): no
 /// gradient, no optimizer state.
 pub fn frozen_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<String> {

@@ -7,7 +7,7 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::init::init_param;
 use crate::core::value::Tensor;
-use crate::run::programs::{frozen_variables, init_params, pulled_types, server_shards, Programs};
+use crate::run::programs::{init_params, pulled_types, server_shards, trained_variables, Programs};
 use distc_ir::{TensorType, ZERO_SHARD_SUFFIX};
 use std::collections::HashMap;
 
@@ -114,9 +114,10 @@ pub fn state_from_weights(
         )));
     }
     let slots = crate::cpu::optim::Optimizer::new(&config.optimizer).slot_names();
-    let frozen = frozen_variables(programs);
+    // What a run's optimizer would hold: the trained variables' slots.
+    let trained = trained_variables(programs);
     let mut optimizer: HashMap<String, Tensor> = HashMap::new();
-    for (name, ty) in variables.iter().filter(|(n, _)| !frozen.contains(n)) {
+    for (name, ty) in variables.iter().filter(|(n, _)| trained.contains(n)) {
         for slot in slots {
             optimizer.insert(format!("{name}/{slot}"), Tensor::zeros(ty));
         }

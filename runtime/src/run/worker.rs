@@ -829,6 +829,11 @@ fn train_worker<B: Backend>(
 ) -> Result<()> {
     let workers = mesh.workers();
     let steps = opts.steps.unwrap_or(config.steps);
+    if opts.evaluate {
+        if let Some(d) = data.first() {
+            crate::run::eval::check_held_out(d, config)?;
+        }
+    }
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let resume = opts.resume.as_deref();
     let mut params = initial_values(programs.worker, config.seed, resume)?;
@@ -1183,10 +1188,11 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 };
                 set_ranks(&mut st.exec, self.ranks, Some((k, m)));
                 let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
-                let o =
+                let mut o =
                     st.exec
                         .run_with(&batch, &st.params, mode, step as u64, Some(&mut *hook))?;
                 micro_loss += o.loss.unwrap_or(f64::NAN);
+                assign_running(st, &mut o, device)?;
                 last = Some(o);
             }
             let Some(out) = last else {
@@ -1237,12 +1243,6 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     .update(&mut st.optimizer, &mut st.params, grads)
                     .map_err(|e| backend_error(device, "applying the update", e))?;
             }
-            // Running statistics follow the forward pass, even of a skipped update (as
-            // PyTorch's with a gradient scaler).
-            st.exec
-                .backend()
-                .assign(&mut st.params, out.assigned)
-                .map_err(|e| backend_error(device, "writing the running statistics", e))?;
             st.exec
                 .backend()
                 .synchronize()
@@ -1365,6 +1365,25 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
     }
 }
 
+/// Writes the running statistics a micro-batch's run moved (`assign`) over their
+/// variables at once: the next micro-batch moves them further, as PyTorch's move on
+/// every forward, and they move even in a step whose update is skipped (as with
+/// PyTorch's gradient scaler).
+fn assign_running<B: Backend>(
+    st: &mut Loop<B>,
+    out: &mut crate::core::exec::StepOutputs<B::Value>,
+    device: &str,
+) -> Result<()> {
+    let assigned = std::mem::take(&mut out.assigned);
+    if assigned.is_empty() {
+        return Ok(());
+    }
+    st.exec
+        .backend()
+        .assign(&mut st.params, assigned)
+        .map_err(|e| backend_error(device, "writing the running statistics", e))
+}
+
 /// The feeds of the next batch the backend holds (`Transfer::hold_batch`).
 fn feed_held<B: Backend>(
     backend: &mut B,
@@ -1414,10 +1433,11 @@ fn capture_step<B: Backend>(
         for (m, fed) in feeds.iter().enumerate() {
             set_ranks(&mut st.exec, ranks, Some((k, m)));
             let mode = if m + 1 < k { Mode::Micro } else { Mode::Train };
-            last = Some(
-                st.exec
-                    .run_with(fed, &st.params, mode, step as u64, Some(&mut *hook))?,
-            );
+            let mut o = st
+                .exec
+                .run_with(fed, &st.params, mode, step as u64, Some(&mut *hook))?;
+            assign_running(st, &mut o, &device)?;
+            last = Some(o);
         }
         last.ok_or_else(|| {
             RuntimeError::internal(
@@ -1436,10 +1456,7 @@ fn capture_step<B: Backend>(
         }
         backend
             .update(&mut st.optimizer, &mut st.params, out.grads)
-            .map_err(|e| backend_error(&device, "applying the update", e))?;
-        backend
-            .assign(&mut st.params, out.assigned)
-            .map_err(|e| backend_error(&device, "writing the running statistics", e))
+            .map_err(|e| backend_error(&device, "applying the update", e))
             .map(|()| used)
     });
     let ended = st.exec.backend().end_capture();
@@ -1924,8 +1941,11 @@ mod error_slot_tests {
         }
         // Two causes: the first stays.
         let slot = ErrorSlot::default();
-        slot.record(Role::Worker(0), RuntimeError::Config("first".into()));
-        slot.record(Role::Worker(1), RuntimeError::Config("second".into()));
-        assert_eq!(slot.take().expect("an error").1.to_string(), "first");
+        slot.record(Role::Worker(0), RuntimeError::plan("first"));
+        slot.record(Role::Worker(1), RuntimeError::plan("second"));
+        assert_eq!(
+            slot.take().expect("an error").1.to_string(),
+            "the plan: first"
+        );
     }
 }

@@ -522,6 +522,17 @@ impl DataSource {
         }
     }
 
+    /// Samples [`DataSource::eval_batches`] gives: whole batches of the held-out data,
+    /// at most `max_samples`.
+    pub fn eval_samples(&self, max_samples: Option<usize>) -> usize {
+        let b = self.batch.max(1);
+        let n = match &self.backing {
+            Backing::Files(l) => max_samples.map_or(l.eval.len, |m| m.min(l.eval.len)),
+            Backing::Synthetic(_) => max_samples.unwrap_or(10 * b),
+        };
+        n / b * b
+    }
+
     /// The held-out evaluation data in batches of `batch`, at most `max_samples`
     /// samples; the last partial batch is dropped (see the module doc).
     pub fn eval_batches(&self, max_samples: Option<usize>) -> Result<Vec<Batch>> {
