@@ -78,6 +78,9 @@ pub fn parse_remat(s: &str) -> Result<RematPolicy, String> {
 pub fn parse_mib(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(mib) if mib.is_finite() && mib > 0.0 && mib <= 1e12 => Ok(mib),
+        Ok(mib) if mib > 1e12 => Err(format!(
+            "`{s}` MiB is more than any machine holds: give at most 1e12 (an exbibyte)"
+        )),
         _ => Err(format!("`{s}` is not a size in MiB above 0")),
     }
 }
@@ -1013,5 +1016,22 @@ impl LaunchArgs {
     /// Workers of one replica: a model axis's on each pipeline stage.
     pub fn replica(&self) -> usize {
         self.model_axis * self.pipeline
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::parse_mib;
+
+    /// Issue 60, item 9: `--memory-per-worker 1e30` was refused as "not above 0".
+    #[test]
+    fn a_size_beyond_any_machine_is_refused_as_that() {
+        assert!(parse_mib("1e30")
+            .expect_err("refused")
+            .contains("more than any machine holds"));
+        for bad in ["0", "-3", "nan", "lots"] {
+            assert!(parse_mib(bad).expect_err(bad).contains("above 0"), "{bad}");
+        }
+        assert_eq!(parse_mib("64"), Ok(64.0));
     }
 }

@@ -255,7 +255,7 @@ fn run(
         let (state, _) = distc_runtime::run::state::state_from_weights(
             &c.programs(workers),
             &c.config,
-            weights,
+            (weights, &[]),
             false,
         )
         .map_err(|e| VerifyError::Refused(format!("--init: {e}")))?;

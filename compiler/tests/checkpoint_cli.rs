@@ -747,6 +747,30 @@ fn a_lost_worker_without_elastic_stops_the_run_and_elastic_refuses_what_it_canno
         ],
         "workers 0 to 1",
     );
+    // Issue 60, item 9: a rehearsal after the last step, and a floor above the workers
+    // the run starts with, used to be accepted and do nothing.
+    refused(
+        &[
+            "train",
+            MODEL,
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--steps",
+            "3",
+            "--fail-worker",
+            "1:4",
+        ],
+        "--fail-worker 1:4: the run ends at step 3",
+    );
+    let o = lose_one(&["-q", "--elastic", "--min-workers", "3"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("--min-workers 3: the plan has 2 workers"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// Issue 40, item 2: with `--sharded` every worker writes its own shard (nothing is

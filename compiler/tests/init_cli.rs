@@ -218,6 +218,107 @@ fn the_files_weights_are_the_ones_trained_and_mismatches_are_named() {
     assert!(text(&o).contains("none.safetensors"), "{}", text(&o));
 }
 
+/// Issue 60, item 7: an f64 `1e300` is finite in the file but not as the model's f32,
+/// and is refused by name; a PyTorch state's I64 `num_batches_tracked` (a dtype no
+/// variable has) is one more unused tensor: refused without `--init-partial`, ignored
+/// with it, and named where a variable of the model has its name.
+#[test]
+fn values_beyond_f32_and_tensors_of_other_dtypes_are_told_apart() {
+    let (dir, m) = setup();
+    type Named = Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)>;
+    let write = |path: &Path, named: &Named| {
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = named
+            .iter()
+            .map(|(n, b, shape, d)| {
+                (
+                    n.as_str(),
+                    safetensors::tensor::TensorView::new(*d, shape.clone(), b).expect("view"),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, path).expect("writes");
+    };
+    // The model's own values, in f32.
+    let mut named: Named = initial_values(&m)
+        .iter()
+        .map(|(k, t)| {
+            let bytes = t
+                .to_f64_vec()
+                .iter()
+                .flat_map(|v| (*v as f32).to_le_bytes())
+                .collect();
+            (
+                k.clone(),
+                bytes,
+                t.shape().to_vec(),
+                safetensors::Dtype::F32,
+            )
+        })
+        .collect();
+    let mut huge = named.clone();
+    for (_, b, shape, d) in huge.iter_mut().filter(|(n, ..)| n == "b1") {
+        let mut v = vec![0.0f64; shape.iter().product()];
+        v[3] = 1e300;
+        *b = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        *d = safetensors::Dtype::F64;
+    }
+    let path = dir.path().join("huge.safetensors");
+    write(&path, &huge);
+    let o = distc(&["train", s(&m), "--init", s(&path), "--steps", "1"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("`b1` holds values beyond the range of f32"),
+        "{}",
+        text(&o)
+    );
+    named.push((
+        "bn.num_batches_tracked".into(),
+        7i64.to_le_bytes().to_vec(),
+        vec![],
+        safetensors::Dtype::I64,
+    ));
+    let torch = dir.path().join("torch.safetensors");
+    write(&torch, &named);
+    let o = distc(&["train", s(&m), "--init", s(&torch), "--steps", "1"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("bn.num_batches_tracked"), "{}", text(&o));
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--init",
+        s(&torch),
+        "--init-partial",
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("not in the model: bn.num_batches_tracked"),
+        "{}",
+        text(&o)
+    );
+    // A variable's own name on an I64 tensor: named, with both types.
+    let last = named.len() - 1;
+    named[last].0 = "b2".into();
+    named.retain(|(n, _, _, d)| n != "b2" || *d == safetensors::Dtype::I64);
+    write(&torch, &named);
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--init",
+        s(&torch),
+        "--init-partial",
+        "--steps",
+        "1",
+    ]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("`b2` is I64 in the file") && text(&o).contains("f32[4]"),
+        "{}",
+        text(&o)
+    );
+}
+
 /// PyTorch's tensors, written with `safetensors.torch.save_file` (or, without that
 /// package, in the safetensors layout by hand from the tensors' bytes), load by name.
 #[test]

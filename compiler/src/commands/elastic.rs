@@ -55,6 +55,16 @@ pub(super) fn launch_elastic(
              replicas) for a run that can lose one"
         );
     }
+    // Issue 60, item 9: a floor the run starts below could never have been meant.
+    if args.min_workers > settings.workers {
+        bail!(
+            "--elastic --min-workers {}: the plan has {} workers, so the run would stop at \
+             its first loss before losing any; give at most {}",
+            args.min_workers,
+            settings.workers,
+            settings.workers
+        );
+    }
     let sharded_dir = first
         .opts
         .checkpoint

@@ -45,22 +45,26 @@ fn one_device(file: &Path, batch: Option<usize>, data: Option<&Path>) -> Result<
 
 /// The whole variables the run evaluates with, checked against the model.
 fn params(c: &Compiled, w: &Weights<'_>) -> Result<HashMap<String, Tensor>> {
-    let (weights, partial, what) = match (w.init, w.resume) {
+    let ((weights, foreign), partial, what) = match (w.init, w.resume) {
         (Some(p), None) => (
-            checkpoint::load(p)?.0,
+            checkpoint::load_weights(p)?,
             w.partial,
             format!("--init {}", p.display()),
         ),
         (None, Some(p)) => (
-            checkpoint::load_state(p)?.params,
+            (checkpoint::load_state(p)?.params, Vec::new()),
             false,
             format!("--resume {}", p.display()),
         ),
         _ => bail!("give the weights to evaluate: --init FILE.safetensors or --resume STATE"),
     };
-    let (state, report) =
-        distc_runtime::run::state::state_from_weights(&c.programs(1), &c.config, &weights, partial)
-            .with_context(|| what.clone())?;
+    let (state, report) = distc_runtime::run::state::state_from_weights(
+        &c.programs(1),
+        &c.config,
+        (&weights, &foreign),
+        partial,
+    )
+    .with_context(|| what.clone())?;
     if partial && !report.missing.is_empty() {
         err(&format!(
             "{what}: keeping their initializer: {}\n",

@@ -315,11 +315,11 @@ fn initial_weights(
     path: &Path,
     args: &RunArgs,
 ) -> Result<Arc<distc_runtime::core::checkpoint::TrainingState>> {
-    let (weights, _) = distc_runtime::core::checkpoint::load(path)?;
+    let (weights, foreign) = distc_runtime::core::checkpoint::load_weights(path)?;
     let (state, report) = distc_runtime::run::state::state_from_weights(
         programs,
         &plan.config,
-        &weights,
+        (&weights, &foreign),
         args.init_partial,
     )
     .with_context(|| format!("--init {}", path.display()))?;

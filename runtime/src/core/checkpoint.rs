@@ -100,6 +100,28 @@ pub fn save(
 /// Reads a checkpoint written by [`save`] (or any safetensors file of f32, f64 and
 /// i32 tensors): the tensors by name and the metadata.
 pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
+    load_with(path, None)
+}
+
+/// A weights file for `--init` (PyTorch's `state_dict` saved as safetensors): its
+/// tensors by name, and the names and dtypes of those of a dtype no variable has (an
+/// I64 `num_batches_tracked`, a U8 mask), left out rather than refused, so that
+/// `--init-partial` can ignore them as it ignores any tensor the model does not name.
+pub type WeightsFile = (HashMap<String, Tensor>, Vec<(String, String)>);
+
+/// Reads a weights file for `--init`; see [`WeightsFile`].
+pub fn load_weights(path: &Path) -> Result<WeightsFile> {
+    let mut foreign = Vec::new();
+    let (tensors, _) = load_with(path, Some(&mut foreign))?;
+    foreign.sort();
+    Ok((tensors, foreign))
+}
+
+/// [`load`], leaving tensors of other dtypes out into `foreign` where it is given.
+fn load_with(
+    path: &Path,
+    mut foreign: Option<&mut Vec<(String, String)>>,
+) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
     let bytes = crate::core::output::read_regular(path, u64::MAX).map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| data_err(path, format!("not a safetensors checkpoint: {e}")))?;
@@ -183,12 +205,16 @@ pub fn load(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, Str
                 .map_err(bad)?,
             ),
             other => {
+                if let Some(f) = foreign.as_deref_mut() {
+                    f.push((name.to_string(), other.to_string()));
+                    continue;
+                }
                 return Err(data_err(
                     path,
                     format!(
                         "tensor `{name}` is {other}; checkpoints hold f32, f64, i32, bf16 and f16"
                     ),
-                ))
+                ));
             }
         };
         // A NaN or an infinity would spread through training and be saved again.

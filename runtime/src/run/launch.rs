@@ -200,12 +200,24 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
         config.check_evaluation().map_err(RuntimeError::Config)?;
     }
     if let Some(f) = opts.fail {
-        if f.worker >= programs.workers {
-            return Err(RuntimeError::Config(format!(
-                "--fail-worker {}:{}: the plan has workers 0 to {}",
-                f.worker,
-                f.step,
+        let steps = opts.steps.unwrap_or(config.steps);
+        let why = if f.worker >= programs.workers {
+            Some(format!(
+                "the plan has workers 0 to {}",
                 programs.workers - 1
+            ))
+        } else if f.step > steps {
+            // Issue 60, item 9: a rehearsal that never happens rehearses nothing.
+            Some(format!(
+                "the run ends at step {steps}, so nothing would fail"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(RuntimeError::Config(format!(
+                "--fail-worker {}:{}: {why}",
+                f.worker, f.step
             )));
         }
     }

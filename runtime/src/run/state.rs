@@ -54,11 +54,13 @@ pub fn whole_variables(programs: &Programs<'_>, seed: u64) -> Result<Vec<(String
 /// lacks is an error unless `partial`, when it keeps its initializer; a tensor of the
 /// file that no variable is named is an error unless `partial`. Every layout starts
 /// from such a state as it resumes one, so the same weights reach every worker,
-/// stage, shard and server.
+/// stage, shard and server. `foreign` names the file's tensors of a dtype no variable
+/// has ([`crate::core::checkpoint::load_weights`]): unused tensors like any other, and an
+/// error where a variable is named by one.
 pub fn state_from_weights(
     programs: &Programs<'_>,
     config: &RunConfig,
-    weights: &HashMap<String, Tensor>,
+    (weights, foreign): (&HashMap<String, Tensor>, &[(String, String)]),
     partial: bool,
 ) -> Result<(TrainingState, InitReport)> {
     use crate::core::checkpoint::{StateIndex, STEP_KEY};
@@ -70,6 +72,11 @@ pub fn state_from_weights(
     let mut params: HashMap<String, Tensor> = whole.into_iter().collect();
     let mut report = InitReport::default();
     for (name, ty) in &variables {
+        if let Some((_, dtype)) = foreign.iter().find(|(n, _)| n == name) {
+            return Err(RuntimeError::state(format!(
+                "`{name}` is {dtype} in the file; the model's `{name}` is {ty}"
+            )));
+        }
         match weights.get(name) {
             Some(t) if t.shape() == ty.dims() => {
                 let t = t.cast(ty.dtype).ok_or_else(|| {
@@ -78,6 +85,15 @@ pub fn state_from_weights(
                         t.dtype()
                     ))
                 })?;
+                // The file's values were finite as stored; an f64 beyond f32's range
+                // is not once converted.
+                if t.to_f64_vec().iter().any(|x| !x.is_finite()) {
+                    return Err(RuntimeError::state(format!(
+                        "`{name}` holds values beyond the range of {} (the model's `{name}` \
+                         is {ty}): they would train as infinities",
+                        ty.dtype
+                    )));
+                }
                 params.insert(name.clone(), t);
                 report.set.push(name.clone());
             }
@@ -92,6 +108,7 @@ pub fn state_from_weights(
     }
     report.unused = weights
         .keys()
+        .chain(foreign.iter().map(|(n, _)| n))
         .filter(|k| !variables.iter().any(|(n, _)| n == *k))
         .cloned()
         .collect();
