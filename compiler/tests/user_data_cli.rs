@@ -142,6 +142,79 @@ fn a_csv_dataset_trains_and_a_bad_cell_stops_the_run_before_step_1() {
     assert!(!metrics.exists(), "a step ran: {t}");
 }
 
+/// Issue 60, item 5: a CSV or tensors file is checked when opened: a label beyond the
+/// logits' classes (in the training or the held-out file), a negative label and a NaN
+/// or out-of-range feature stop the run before step 1, naming the file, the field and
+/// the value. They used to train silently, or fail later blaming the learning rate.
+#[test]
+fn labels_beyond_the_classes_negative_labels_and_nan_features_stop_before_step_1() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (x, y) = points(48, 0);
+    let mut csv = "label,a,b,c,d\n".to_string();
+    for (i, l) in y.iter().enumerate() {
+        let r = &x[i * 4..i * 4 + 4];
+        csv += &format!("{l},{},{},{},{}\n", r[0], r[1], r[2], r[3]);
+    }
+    std::fs::write(dir.path().join("good.csv"), &csv).expect("writes");
+    let src = |train: &str, eval: &str| {
+        format!(
+            "model points {{\n  input a: f32[B]\n  input b: f32[B]\n  input label: i32[B]\n  \
+             param w: f32[2, 3] = glorot\n  param c: f32[3] = zeros\n  \
+             x = concat(reshape(a, [B, 1]), reshape(b, [B, 1]), axis = 1)\n  \
+             minimize softmax_cross_entropy(x @ w + c, label)\n}}\n\
+             train {{\n  data = csv(path = \"{train}\", eval_path = \"{eval}\")\n  \
+             batch = 12\n  optimizer = sgd(lr = 0.3)\n  steps = 3\n  seed = 2\n}}\n"
+        )
+    };
+    let m = dir.path().join("points.dsl");
+    let metrics = dir.path().join("m.jsonl");
+    let run = |train: &str, eval: &str| {
+        std::fs::write(&m, src(train, eval)).expect("writes");
+        distc(&[
+            "train",
+            s(&m),
+            "--data",
+            s(dir.path()),
+            "--metrics",
+            s(&metrics),
+        ])
+    };
+    let o = run("good.csv", "good.csv");
+    assert!(o.status.success(), "{}", text(&o));
+    std::fs::remove_file(&metrics).expect("removes");
+    let bad = |name: &str, from: &str, to: &str| {
+        std::fs::write(dir.path().join(name), csv.replacen(from, to, 1)).expect("writes");
+    };
+    // The first line after the header starts with its label: 0, 1 or 2.
+    let first = csv.lines().nth(1).expect("a line").to_string();
+    let label = first.split(',').next().expect("a label").to_string();
+    bad("three.csv", &format!("\n{label},"), "\n3,");
+    bad("negative.csv", &format!("\n{label},"), "\n-1,");
+    let a = first.split(',').nth(1).expect("a").to_string();
+    bad("nan.csv", &format!(",{a},"), ",NaN,");
+    bad("huge.csv", &format!(",{a},"), ",1e39,");
+    for (train, eval, want) in [
+        ("three.csv", "good.csv", "values up to 3"),
+        ("good.csv", "three.csv", "values up to 3"),
+        ("negative.csv", "good.csv", "holds -1 at sample 0"),
+        ("nan.csv", "good.csv", "holds NaN at sample 0"),
+        (
+            "huge.csv",
+            "good.csv",
+            "at sample 0: the model trains on finite",
+        ),
+    ] {
+        let o = run(train, eval);
+        let t = text(&o);
+        assert!(!o.status.success(), "{train}/{eval}: {t}");
+        assert!(
+            t.contains(want) && t.contains("label") || t.contains(want) && t.contains("`a`"),
+            "{train}/{eval}: {t}"
+        );
+        assert!(!metrics.exists(), "{train}/{eval}: a step ran: {t}");
+    }
+}
+
 #[test]
 fn a_missing_data_file_is_named() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -186,9 +186,47 @@ enum Array {
     I64(Vec<i64>),
 }
 
-/// A field's column from `values` (`n` samples), converted to the field's type.
+/// A field's column from `values` (`n` samples), converted to the field's type and
+/// checked as it is opened: no NaN or infinity among floats (they would train
+/// silently into NaN weights, and the run would blame the learning rate), no negative
+/// ids or labels (their bound is checked against the model once every file is read).
 fn column(path: &Path, f: &FieldSpec, n: usize, values: Array) -> Result<Column> {
     let per = f.per_sample;
+    let sample = |k: usize| k / per.max(1);
+    match &values {
+        Array::F64(v) => {
+            // Every float column is held in f32: beyond its range is an infinity.
+            if let Some(k) = v
+                .iter()
+                .position(|x| !x.is_finite() || x.abs() > f32::MAX as f64)
+            {
+                return Err(data_err(
+                    path,
+                    format!(
+                        "`{}` holds {} at sample {}: the model trains on finite {} values",
+                        f.name,
+                        v[k],
+                        sample(k),
+                        f.dtype
+                    ),
+                ));
+            }
+        }
+        Array::I64(v) if f.dtype == DType::I32 => {
+            if let Some(k) = v.iter().position(|x| *x < 0) {
+                return Err(data_err(
+                    path,
+                    format!(
+                        "`{}` holds {} at sample {}: ids and class labels are 0 or more",
+                        f.name,
+                        v[k],
+                        sample(k)
+                    ),
+                ));
+            }
+        }
+        Array::I64(_) => {}
+    }
     match (f.dtype, values) {
         (DType::F32 | DType::F64, Array::F64(v)) => Ok(Column::F32 {
             data: Arc::new(v.into_iter().map(|x| x as f32).collect()),
@@ -284,11 +322,28 @@ pub(crate) fn tensors(
         Some(p) => tensor_table(&resolve(dir, p)?, fields)?,
         None => empty_like(&train),
     };
-    Ok(Loaded {
+    Ok(with_bounds(train, eval, fields))
+}
+
+/// The tables, with each integer field's bound (its largest value plus one, over both
+/// tables), which the model's lookups and classes are checked against before step 1.
+fn with_bounds(train: Table, eval: Table, fields: &[FieldSpec]) -> Loaded {
+    let mut id_bounds = HashMap::new();
+    for (k, f) in fields.iter().enumerate() {
+        for t in [&train, &eval] {
+            if let Some(Column::I32 { data, .. }) = t.cols.get(k) {
+                if let Some(&top) = data.iter().max() {
+                    let b = id_bounds.entry(f.name.clone()).or_insert(0usize);
+                    *b = (*b).max(top as usize + 1);
+                }
+            }
+        }
+    }
+    Loaded {
         train,
         eval,
-        id_bounds: HashMap::new(),
-    })
+        id_bounds,
+    }
 }
 
 fn empty_like(t: &Table) -> Table {
@@ -472,11 +527,7 @@ pub(crate) fn csv(
         Some(p) => csv_table(&resolve(dir, p)?, fields)?,
         None => empty_like(&train),
     };
-    Ok(Loaded {
-        train,
-        eval,
-        id_bounds: HashMap::new(),
-    })
+    Ok(with_bounds(train, eval, fields))
 }
 
 fn csv_table(path: &Path, fields: &[FieldSpec]) -> Result<Table> {
