@@ -313,6 +313,50 @@ fn named_arrays_from_safetensors_and_npy_are_fields() {
     }
 }
 
+/// Issue 60, item 5: `np.save` of a transposed array writes it column-major
+/// (`fortran_order: True`); its rows are read as the rows it holds, not its bytes in
+/// file order (which scrambled the features silently).
+#[test]
+fn a_column_major_npy_array_is_read_by_its_rows() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let n = 60;
+    write_npy_folder(&dir.path().join("c"), n, 0.0);
+    let fortran = dir.path().join("f");
+    write_npy_folder(&fortran, n, 0.0);
+    // x[i][j] = (3 i + j) / 2, written column by column.
+    let column_major: Vec<f32> = (0..3)
+        .flat_map(|j| (0..n).map(move |i| (3 * i + j) as f32 * 0.5))
+        .collect();
+    let mut w = npyz::WriteOptions::new()
+        .default_dtype()
+        .order(npyz::Order::Fortran)
+        .shape(&[n as u64, 3])
+        .writer(std::io::BufWriter::new(
+            std::fs::File::create(fortran.join("x.npy")).expect("file"),
+        ))
+        .begin_nd()
+        .expect("npy");
+    w.extend(column_major).expect("writes");
+    w.finish().expect("finishes");
+    let f = fields(&[("x", DType::F32, 3), ("y", DType::I32, 1)]);
+    let sh = shapes(&[("x", DType::F32, &[4, 3]), ("y", DType::I32, &[4])]);
+    let rows = |folder: &str| {
+        let src = open(
+            &tensors_spec(folder, None, f.clone()),
+            dir.path(),
+            &sh,
+            4,
+            0,
+            1,
+        )
+        .unwrap_or_else(|e| panic!("{folder}: {e}"));
+        src.train_slice(0, n).expect("slice")["x"].to_f64_vec()
+    };
+    let c = rows("c");
+    assert_eq!(&c[6..9], &[3.0, 3.5, 4.0]);
+    assert_eq!(rows("f"), c, "the column-major file's rows");
+}
+
 #[test]
 fn arrays_that_do_not_fit_the_model_are_named() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -430,6 +430,8 @@ fn npy_values<R: std::io::Read>(
         ));
     };
     let bad = |e: std::io::Error| data_err(path, format!("`{}`: {e}", f.name));
+    // `np.save` of a transposed array writes it column-major (`fortran_order`).
+    let fortran = npy.order() == npyz::Order::Fortran;
     let values = match (ty.type_char(), ty.size_field()) {
         (TypeChar::Float, 4) => Array::F64(
             npy.into_vec::<f32>()
@@ -464,7 +466,27 @@ fn npy_values<R: std::io::Read>(
             ))
         }
     };
+    let values = match values {
+        _ if !fortran => values,
+        Array::F64(v) => Array::F64(row_major(v, &shape).map_err(|e| bad_shape(path, f, e))?),
+        Array::I64(v) => Array::I64(row_major(v, &shape).map_err(|e| bad_shape(path, f, e))?),
+    };
     Ok((shape, values))
+}
+
+fn bad_shape(path: &Path, f: &FieldSpec, e: ndarray::ShapeError) -> RuntimeError {
+    data_err(
+        path,
+        format!("`{}`: its values do not fill its shape: {e}", f.name),
+    )
+}
+
+/// The values of a column-major array of `shape` in row-major order, as every other
+/// source holds them.
+fn row_major<T: Copy>(v: Vec<T>, shape: &[usize]) -> Result<Vec<T>, ndarray::ShapeError> {
+    use ndarray::ShapeBuilder;
+    let a = ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(shape).f(), v)?;
+    Ok(a.iter().copied().collect())
 }
 
 fn widen<T: Into<i64>>(v: Vec<T>) -> Vec<i64> {
