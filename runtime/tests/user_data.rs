@@ -357,6 +357,37 @@ fn a_column_major_npy_array_is_read_by_its_rows() {
     assert_eq!(rows("f"), c, "the column-major file's rows");
 }
 
+/// Issue 60, item 5: a FIFO as a data path hung forever (reading it waits for a
+/// writer), and `/dev/zero` as a CSV aborted on a 1 GiB allocation: each is refused by
+/// its path when opened, for every file source.
+#[test]
+fn a_pipe_or_a_device_as_a_data_path_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fifo = dir.path().join("fifo.csv");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo");
+    let f = fields(&[("x", DType::F32, 1), ("y", DType::I32, 1)]);
+    let sh = shapes(&[("x", DType::F32, &[4]), ("y", DType::I32, &[4])]);
+    let fifo = fifo.to_string_lossy().into_owned();
+    let windows = shapes(&[
+        ("tokens", DType::I32, &[4, 4]),
+        ("targets", DType::I32, &[4, 4]),
+    ]);
+    for (spec, sh) in [
+        (csv_spec(&fifo, f.clone()), &sh),
+        (csv_spec("/dev/zero", f.clone()), &sh),
+        (tensors_spec(&fifo, None, f.clone()), &sh),
+        (tensors_spec("/dev/zero", None, f.clone()), &sh),
+        (token_spec(&fifo, None, 2, 4), &windows),
+    ] {
+        let m = message(open(&spec, dir.path(), sh, 4, 0, 1));
+        assert!(m.contains("not a regular file"), "{spec:?}: {m}");
+    }
+}
+
 #[test]
 fn arrays_that_do_not_fit_the_model_are_named() {
     let dir = tempfile::tempdir().expect("temp dir");

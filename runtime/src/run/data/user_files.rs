@@ -35,15 +35,32 @@ fn data_err(path: &Path, message: impl Into<String>) -> RuntimeError {
 /// `path` as the train block wrote it, under the data directory unless absolute.
 pub(crate) fn resolve(dir: Option<&Path>, path: &str) -> Result<PathBuf> {
     let p = Path::new(path);
-    if p.is_absolute() {
-        return Ok(p.to_path_buf());
-    }
-    match dir {
-        Some(d) => Ok(d.join(p)),
-        None => Err(RuntimeError::Config(format!(
-            "the data file \"{path}\" is relative to the data directory: give it with \
-             --data or set DISTC_DATA (or write an absolute path)"
-        ))),
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        match dir {
+            Some(d) => d.join(p),
+            None => {
+                return Err(RuntimeError::Config(format!(
+                    "the data file \"{path}\" is relative to the data directory: give it \
+                     with --data or set DISTC_DATA (or write an absolute path)"
+                )))
+            }
+        }
+    };
+    file_or_folder(&p)?;
+    Ok(p)
+}
+
+/// Refuses a data path that is there but neither a file nor a folder: reading a FIFO
+/// waits forever for a writer, and a device (`/dev/zero`) never ends.
+fn file_or_folder(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() && !m.is_dir() => Err(data_err(
+            path,
+            "not a regular file (a device, a pipe or a socket): give a data file",
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -407,6 +424,7 @@ fn missing(path: &Path, f: &FieldSpec) -> RuntimeError {
 }
 
 fn npy(path: &Path, f: &FieldSpec) -> Result<(Vec<usize>, Array)> {
+    file_or_folder(path)?;
     let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
         path: path.to_path_buf(),
         source,
