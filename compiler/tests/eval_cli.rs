@@ -258,4 +258,25 @@ fn eval_of_a_batch_normalised_model_reads_its_running_statistics() {
         changed["eval_loss"], got["eval_loss"],
         "evaluation ignored the running variance"
     );
+    // Issue 60, item 7: a running variance below 0 evaluated to NaN with exit 0; it
+    // is refused by name, by `eval` and by `train --init` alike.
+    let var = weights.get_mut("g_running_var").expect("running variance");
+    *var = distc_runtime::core::value::Tensor::filled(&var.tensor_type(), -0.5);
+    let negative = dir.path().join("negative.safetensors");
+    let list: Vec<(String, &distc_runtime::core::value::Tensor)> =
+        weights.iter().map(|(k, t)| (k.clone(), t)).collect();
+    checkpoint::save(&negative, &list, std::collections::HashMap::new())
+        .expect("writes the weights");
+    for args in [vec!["eval"], vec!["train", "--steps", "1"]] {
+        let cmd = args[0];
+        let mut args = args.clone();
+        args.extend([s(&m), "--init", s(&negative)]);
+        let o = distc(&args);
+        assert!(!o.status.success(), "{cmd}: {}", text(&o));
+        assert!(
+            text(&o).contains("`g_running_var` holds -0.5: a running variance is 0 or more"),
+            "{cmd}: {}",
+            text(&o)
+        );
+    }
 }

@@ -105,6 +105,14 @@ pub fn eval(
         let json = serde_json::to_string(&m)?;
         distc_runtime::core::output::write_file(path, format!("{json}\n").as_bytes())?;
     }
+    // Issue 60, item 7: a loss that is not finite is a failure (it exited 0).
+    if !m.eval_loss.is_finite() {
+        bail!(
+            "eval_loss {}: these weights do not compute a finite loss on the held-out data \
+             (weights that diverged, or a running variance below 0)",
+            m.eval_loss
+        );
+    }
     Ok(())
 }
 

@@ -571,6 +571,17 @@ fn finish_run(
     if let Some(p) = &report.profile {
         out(&p.render());
     }
+    // Issue 60, item 7: said after everything was written, and never with exit 0.
+    if let Some(e) = report.eval.as_ref().filter(|e| !e.eval_loss.is_finite()) {
+        let kept = args.save.as_ref().map_or(String::new(), |p| {
+            format!(" (they were written to {} all the same)", p.display())
+        });
+        bail!(
+            "the evaluation after the last step gave eval_loss {}: the trained weights do \
+             not compute a finite loss on the held-out data{kept}",
+            e.eval_loss
+        );
+    }
     Ok(())
 }
 

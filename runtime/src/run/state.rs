@@ -85,6 +85,15 @@ pub fn state_from_weights(
                         t.dtype()
                     ))
                 })?;
+                // A variance below 0 (batch norm's running one, as the DSL names it)
+                // evaluates to NaN.
+                if name.ends_with("_running_var") {
+                    if let Some(v) = t.to_f64_vec().into_iter().find(|v| *v < 0.0) {
+                        return Err(RuntimeError::state(format!(
+                            "`{name}` holds {v}: a running variance is 0 or more"
+                        )));
+                    }
+                }
                 // The file's values were finite as stored; an f64 beyond f32's range
                 // is not once converted.
                 if t.to_f64_vec().iter().any(|x| !x.is_finite()) {
