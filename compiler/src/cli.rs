@@ -530,9 +530,10 @@ pub struct RunArgs {
     #[arg(long)]
     pub profile: bool,
     /// Seconds any collective or server request may take before the run stops with an
-    /// error naming the op and the ranks that did not arrive.
-    #[arg(long, default_value_t = 300.0, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
-    pub timeout: f64,
+    /// error naming the op and the ranks that did not arrive (default 300; a plan of
+    /// one worker and no servers has none, and refuses it).
+    #[arg(long, value_parser = timeout_secs, allow_negative_numbers = true, value_name = "SECONDS")]
+    pub timeout: Option<f64>,
     /// How the ranks run: `inprocess` (threads of this process) or `mpi` (this process
     /// is one rank of an `mpirun` job; see the README for the rank-to-role mapping: a
     /// pipeline's rank w is stage w % P of replica w / P).

@@ -50,9 +50,29 @@ fn a_timeout_beyond_a_year_is_refused_by_the_parser() {
         ],
         "the longest timeout",
     );
+    // Two workers: a plan of one worker has no collective to bound, and refuses the
+    // flag (issue 60, item 9).
+    refused(
+        &["run", s(&plan), "--steps", "1", "--timeout", "5"],
+        "this plan runs one worker and no servers",
+    );
+    let two = dir.join("lm2.plan.json");
+    let o = distc(&[
+        "compile",
+        "examples/sparse_lm.dsl",
+        "--batch",
+        "8",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "-o",
+        s(&two),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
     let o = distc(&[
         "run",
-        s(&plan),
+        s(&two),
         "--steps",
         "1",
         "--timeout",

@@ -98,6 +98,16 @@ impl<'a> Runnable<'a> {
 }
 
 fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
+    // Issue 60, item 9: accepted and ignored, it promised a bound on nothing.
+    let s = &plan.settings;
+    let one_rank = s.workers <= 1 && s.pipeline <= 1 && s.model <= 1 && s.servers == 0;
+    if args.timeout.is_some() && one_rank {
+        bail!(
+            "--timeout bounds collectives and server requests; this plan runs one worker \
+             and no servers, so it has none (compile it with --workers N for a distributed \
+             run)"
+        );
+    }
     let resume = match &args.resume {
         Some(path) => Some(std::sync::Arc::new(
             distc_runtime::core::checkpoint::load_state(path)?,
@@ -140,7 +150,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         trace: args.trace.is_some(),
         evaluate: !args.no_eval,
         sync: ps_sync(plan.settings.sync),
-        timeout: Duration::from_secs_f64(args.timeout),
+        timeout: Duration::from_secs_f64(args.timeout.unwrap_or(DEFAULT_TIMEOUT_SECS)),
         checkpoint,
         resume,
         flops_per_sample: plan.flops_per_sample,
@@ -340,6 +350,9 @@ fn initial_weights(
     }
     Ok(Arc::new(state))
 }
+
+/// `--timeout` when not given: long enough for any collective of a healthy run.
+pub const DEFAULT_TIMEOUT_SECS: f64 = 300.0;
 
 /// How the error of a run stopped by Ctrl-C begins (the binary exits with 130 on it).
 pub const INTERRUPTED: &str = "interrupted (Ctrl-C)";
