@@ -215,6 +215,125 @@ fn labels_beyond_the_classes_negative_labels_and_nan_features_stop_before_step_1
     }
 }
 
+/// Issue 60, item 1: no output of a command replaces what it reads: the training or
+/// held-out data (by name, or through a hard or symbolic link), the `--init` weights,
+/// and `eval`'s and `predict`'s weights. Each is refused before step 1, and the file
+/// is as it was.
+#[test]
+fn an_output_onto_an_input_is_refused_and_the_input_kept() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = dir.path();
+    write_safetensors(&d.join("train.safetensors"), 48, 0);
+    write_safetensors(&d.join("test.safetensors"), 24, 1);
+    let m = d.join("points.dsl");
+    std::fs::write(
+        &m,
+        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
+    )
+    .expect("writes");
+    let w = d.join("w.safetensors");
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--data",
+        s(d),
+        "--steps",
+        "2",
+        "-q",
+        "--save",
+        s(&w),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    std::fs::hard_link(d.join("train.safetensors"), d.join("hard.safetensors")).expect("link");
+    std::os::unix::fs::symlink(d.join("test.safetensors"), d.join("soft.safetensors"))
+        .expect("link");
+    let before = |n: &str| std::fs::read(d.join(n)).expect("reads");
+    let kept: Vec<(&str, Vec<u8>)> = ["train.safetensors", "test.safetensors", "w.safetensors"]
+        .into_iter()
+        .map(|n| (n, before(n)))
+        .collect();
+    let at = |n: &str| d.join(n).to_string_lossy().into_owned();
+    let train = |flag: &str, target: &str| {
+        vec![
+            "train".to_string(),
+            s(&m).to_string(),
+            "--data".into(),
+            s(d).to_string(),
+            "--steps".into(),
+            "2".into(),
+            "-q".into(),
+            flag.into(),
+            at(target),
+        ]
+    };
+    let mut cases = vec![
+        train("--save", "train.safetensors"),
+        train("--save", "hard.safetensors"),
+        train("--metrics", "test.safetensors"),
+        train("--metrics", "soft.safetensors"),
+        train("--checkpoint", "train.safetensors"),
+        train("--trace", "test.safetensors"),
+    ];
+    let mut init = train("--save", "w.safetensors");
+    init.extend(["--init".into(), at("w.safetensors")]);
+    cases.push(init);
+    cases.push(
+        [
+            "eval",
+            s(&m),
+            "--data",
+            s(d),
+            "--init",
+            &at("w.safetensors"),
+            "--metrics",
+            &at("w.safetensors"),
+        ]
+        .map(String::from)
+        .to_vec(),
+    );
+    cases.push(
+        [
+            "eval",
+            s(&m),
+            "--data",
+            s(d),
+            "--init",
+            &at("w.safetensors"),
+            "--metrics",
+            &at("test.safetensors"),
+        ]
+        .map(String::from)
+        .to_vec(),
+    );
+    cases.push(
+        [
+            "predict",
+            s(&m),
+            "--init",
+            &at("w.safetensors"),
+            "--input",
+            &at("test.safetensors"),
+            "-o",
+            &at("w.safetensors"),
+        ]
+        .map(String::from)
+        .to_vec(),
+    );
+    for args in &cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = distc(&args);
+        let t = text(&o);
+        assert!(!o.status.success(), "{args:?}: {t}");
+        assert!(
+            t.contains("refusing to overwrite an input"),
+            "{args:?}: {t}"
+        );
+        for (n, bytes) in &kept {
+            assert_eq!(&before(n), bytes, "{args:?} changed {n}");
+        }
+    }
+}
+
 #[test]
 fn a_missing_data_file_is_named() {
     let dir = tempfile::tempdir().expect("temp dir");

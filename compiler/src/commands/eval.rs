@@ -33,6 +33,17 @@ impl WeightsArgs {
     }
 }
 
+impl Weights<'_> {
+    /// What a command that evaluates these weights of `file` reads: the model and
+    /// the weights' file, which its outputs may not replace.
+    fn read<'p>(&'p self, file: &'p Path) -> Vec<&'p Path> {
+        std::iter::once(file)
+            .chain(self.init)
+            .chain(self.resume)
+            .collect()
+    }
+}
+
 /// The one-device program of `file`, with its batch overridden by `batch`.
 fn one_device(file: &Path, batch: Option<usize>, data: Option<&Path>) -> Result<Compiled> {
     let opts = CompileOptions {
@@ -84,10 +95,17 @@ pub fn eval(
     eval_samples: Option<usize>,
     metrics: Option<&PathBuf>,
 ) -> Result<()> {
-    if let Some(m) = metrics {
-        distc_runtime::core::output::check_output(m, &[file])?;
-    }
     let mut c = one_device(file, batch, data)?;
+    if let Some(m) = metrics {
+        // The held-out data is read too.
+        let files = distc_runtime::run::data::files_read(
+            &c.config.data,
+            distc_runtime::run::data::data_dir(data).as_deref(),
+        );
+        let mut read = weights.read(file);
+        read.extend(files.iter().map(PathBuf::as_path));
+        distc_runtime::core::output::check_output(m, &read)?;
+    }
     if eval_samples.is_some() {
         c.config.eval_samples = eval_samples;
     }
@@ -126,7 +144,9 @@ pub fn predict(
     output: &Path,
     batch: Option<usize>,
 ) -> Result<()> {
-    distc_runtime::core::output::check_output(output, &[file, input])?;
+    let mut read = weights.read(file);
+    read.push(input);
+    distc_runtime::core::output::check_output(output, &read)?;
     let c = one_device(file, batch, None)?;
     let params = params(&c, weights)?;
     let (inputs, _) = checkpoint::load(input)?;

@@ -22,11 +22,13 @@ fn refuse(path: &Path, message: impl Into<String>) -> RuntimeError {
     }
 }
 
-/// The same file, whether or not either path exists yet: canonical paths when both
-/// exist, else the absolute paths compared as written.
+/// The same file, whether or not either path exists yet: by identity (device and
+/// inode, links followed: a hard link or a symbolic one is the file) when both exist,
+/// else the absolute paths compared as written.
 fn same_file(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
         _ => std::path::absolute(a).ok() == std::path::absolute(b).ok(),
     }
 }

@@ -316,7 +316,7 @@ pub fn commit(dir: &Path, step: u64) -> Result<()> {
             .strip_prefix("step-")
             .and_then(|k| k.parse::<u64>().ok())
             .is_some_and(|k| k < step);
-        if earlier && e.path().is_dir() {
+        if earlier && is_state_dir(&e.path()) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
@@ -324,12 +324,57 @@ pub fn commit(dir: &Path, step: u64) -> Result<()> {
     Ok(())
 }
 
+/// Whether `folder` is a state's folder as distc writes them: named `step-NNNNNNNNN`,
+/// holding nothing but shards, a manifest and their temporary files. Only such a
+/// folder is ever removed: a user's own folder of that name, or one a user put a file
+/// in, is left alone (issue 60, item 9).
+fn is_state_dir(folder: &Path) -> bool {
+    let name = folder.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let numbered = name
+        .strip_prefix("step-")
+        .is_some_and(|k| k.len() == 9 && k.bytes().all(|b| b.is_ascii_digit()));
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return false;
+    };
+    numbered
+        && entries.flatten().all(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let shard = n
+                .strip_prefix("rank-")
+                .and_then(|r| r.strip_suffix(".safetensors"))
+                .is_some_and(|r| r.parse::<usize>().is_ok());
+            let ours = n == MANIFEST || shard || n.contains(".distc-tmp-");
+            ours && e.file_type().is_ok_and(|t| t.is_file())
+        })
+}
+
+/// Makes way for a state's folder that a run is about to write: one an earlier run
+/// left ([`is_state_dir`]) is removed; anything else of that name is refused, never
+/// removed or written into.
+pub fn clear_state_dir(folder: &Path) -> Result<()> {
+    if std::fs::symlink_metadata(folder).is_err() {
+        return Ok(());
+    }
+    if !is_state_dir(folder) {
+        return Err(data_err(
+            folder,
+            "holds what distc did not write (a state's folder holds only rank-N.safetensors \
+             and manifest.json): refusing to remove it or to write a state into it; move \
+             it, or give --checkpoint another folder",
+        ));
+    }
+    std::fs::remove_dir_all(folder).map_err(|source| RuntimeError::Io {
+        path: folder.to_path_buf(),
+        source,
+    })
+}
+
 /// Removes the folders under `dir` of states at `from` and later, which an earlier run
 /// left uncommitted: a run that writes those steps starts from empty folders, so a
 /// folder never mixes two runs' shards.
-pub fn clear_from(dir: &Path, from: u64) {
+pub fn clear_from(dir: &Path, from: u64) -> Result<()> {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
+        return Ok(());
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -337,10 +382,11 @@ pub fn clear_from(dir: &Path, from: u64) {
             .strip_prefix("step-")
             .and_then(|k| k.parse::<u64>().ok())
             .is_some_and(|k| k >= from);
-        if later && e.path().is_dir() {
-            let _ = std::fs::remove_dir_all(e.path());
+        if later {
+            clear_state_dir(&e.path())?;
         }
     }
+    Ok(())
 }
 
 /// The newest complete state under `dir` and its folder: committed or not (a run that
@@ -720,4 +766,35 @@ fn concat(pieces: &[&Tensor], dim: usize, whole: &str) -> std::result::Result<Te
         Tensor::BF16(_) => join!(BF16),
         Tensor::F16(_) => join!(F16),
     })
+}
+
+#[cfg(test)]
+mod folder_tests {
+    use super::{clear_from, step_dir};
+
+    /// Issue 60, item 9: `--sharded` removed a user's own folder named like a state's.
+    /// A state's folder an earlier run left is removed before the step is written
+    /// again; anything else of that name is refused, and left as it was.
+    #[test]
+    fn only_a_folder_distc_wrote_is_removed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let ours = step_dir(dir.path(), 5);
+        std::fs::create_dir_all(&ours).expect("folder");
+        std::fs::write(ours.join("rank-0.safetensors"), b"x").expect("shard");
+        std::fs::write(ours.join(".rank-1.safetensors.distc-tmp-9"), b"x").expect("tmp");
+        clear_from(dir.path(), 3).expect("cleared");
+        assert!(!ours.exists(), "an earlier run's folder stayed");
+        let theirs = step_dir(dir.path(), 7);
+        std::fs::create_dir_all(&theirs).expect("folder");
+        std::fs::write(theirs.join("notes.txt"), b"mine").expect("a user's file");
+        let e = clear_from(dir.path(), 3).expect_err("refused");
+        assert!(e.to_string().contains("did not write"), "{e}");
+        assert_eq!(
+            std::fs::read(theirs.join("notes.txt")).expect("still there"),
+            b"mine"
+        );
+        // Below the run's first step: not this run's to clear, and left alone.
+        clear_from(dir.path(), 8).expect("nothing at or after step 8");
+        assert!(theirs.join("notes.txt").exists());
+    }
 }

@@ -476,9 +476,10 @@ impl<'a> PipelineRun<'a> {
 
     /// Before the stages start: the folders of the sharded states this run will write
     /// that an earlier run left uncommitted are removed (the coordinator's part).
-    pub(crate) fn clear_later_states(&self) {
-        if let Some(c) = self.checkpoint.as_ref().filter(|c| c.sharded) {
-            crate::core::shards::clear_from(&c.path, self.first as u64);
+    pub(crate) fn clear_later_states(&self) -> Result<()> {
+        match self.checkpoint.as_ref().filter(|c| c.sharded) {
+            Some(c) => crate::core::shards::clear_from(&c.path, self.first as u64),
+            None => Ok(()),
         }
     }
 

@@ -342,7 +342,7 @@ pub fn train_pipeline_with<B: Backend>(
     let t0 = Instant::now();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts, make)?;
-    run.clear_later_states();
+    run.clear_later_states()?;
     let mut roles = Vec::with_capacity(workers);
     for (w, (data, comms)) in sources.into_iter().zip(comms).enumerate() {
         let Coord {

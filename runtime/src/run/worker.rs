@@ -1704,7 +1704,7 @@ fn write_shard(
         // A folder of this step left by an earlier run (one that stopped before
         // committing it) goes before any worker writes into it: a folder never mixes
         // two runs' shards.
-        let _ = std::fs::remove_dir_all(shards::step_dir(&c.path, index.step));
+        shards::clear_state_dir(&shards::step_dir(&c.path, index.step))?;
     }
     every_worker_barrier(hook, index.step)?;
     if rank == 0 {

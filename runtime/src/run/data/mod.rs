@@ -89,6 +89,48 @@ pub fn data_dir(explicit: Option<&Path>) -> Option<PathBuf> {
     }
 }
 
+/// The files `spec` reads from the data directory `dir` (a folder's files one by one),
+/// for a command to refuse an output that would overwrite one of them (issue 60,
+/// item 1: `--save train.safetensors` replaced the training set). Paths that do not
+/// exist are left out: nothing there to lose.
+pub fn files_read(spec: &DataSpec, dir: Option<&Path>) -> Vec<PathBuf> {
+    let at = |p: &str| {
+        let p = Path::new(p);
+        if p.is_absolute() {
+            Some(p.to_path_buf())
+        } else {
+            dir.map(|d| d.join(p))
+        }
+    };
+    let named: Vec<Option<PathBuf>> = match spec {
+        DataSpec::Mnist => vec![dir.map(|d| d.join("mnist"))],
+        DataSpec::Ptb { .. } => vec![dir.map(|d| d.join("ptb"))],
+        DataSpec::Movielens { .. } => vec![dir.map(|d| d.join("ml-100k"))],
+        DataSpec::Tokens {
+            path, eval_path, ..
+        }
+        | DataSpec::Tensors {
+            path, eval_path, ..
+        }
+        | DataSpec::Csv {
+            path, eval_path, ..
+        } => std::iter::once(path)
+            .chain(eval_path)
+            .map(|p| at(p))
+            .collect(),
+        DataSpec::ZipfTokens { .. } | DataSpec::GaussianClasses { .. } => Vec::new(),
+    };
+    let mut out = Vec::new();
+    for p in named.into_iter().flatten() {
+        match std::fs::read_dir(&p) {
+            Ok(entries) => out.extend(entries.flatten().map(|e| e.path())),
+            Err(_) if p.exists() => out.push(p),
+            Err(_) => {}
+        }
+    }
+    out
+}
+
 /// Sizes of a source, for reports and for the compiler's checks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SourceInfo {

@@ -121,7 +121,7 @@ pub(super) fn run_stage_rank<B: Backend>(
     let workers = run.workers();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
     let mut evaluator = run.evaluator(config, opts, make)?;
-    run.clear_later_states();
+    run.clear_later_states()?;
     // At an evaluation or a checkpoint, replica 0's other stages send their variables,
     // and at a checkpoint their optimizer state after them.
     let mut take_state = |step: usize, mut handed: Handed| -> Result<Option<EvalMetrics>> {
