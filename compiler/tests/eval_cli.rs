@@ -122,6 +122,29 @@ fn predict_writes_the_models_prediction_for_every_sample() {
             );
         }
     }
+    // Issue 60, item 8: a batch far above the samples is not padding to allocate; the
+    // predictions are the same.
+    let huge = dir.path().join("pred-huge.safetensors");
+    let o = distc(&[
+        "predict",
+        s(&m),
+        "--init",
+        s(&w),
+        "--input",
+        s(&input),
+        "--batch",
+        "4294967296",
+        "-o",
+        s(&huge),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (again, _) = checkpoint::load(&huge).expect("loads");
+    let (a, b) = (again["prediction"].to_f64_vec(), pred.to_f64_vec());
+    assert_eq!(a.len(), b.len());
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-6),
+        "another batch predicted otherwise"
+    );
     // An input the prediction reads, missing: named.
     let empty = dir.path().join("none.safetensors");
     write(&empty, "features");

@@ -147,9 +147,17 @@ pub fn predict(
     let mut read = weights.read(file);
     read.push(input);
     distc_runtime::core::output::check_output(output, &read)?;
+    let (inputs, _) = checkpoint::load(input)?;
+    // A batch above the samples would only be padding (issue 60, item 8: `--batch
+    // 4294967296` on 16 samples allocated 137 GB).
+    let samples = inputs
+        .values()
+        .filter_map(|t| t.shape().first().copied())
+        .max()
+        .unwrap_or(0);
+    let batch = batch.map(|b| b.min(samples.max(1)));
     let c = one_device(file, batch, None)?;
     let params = params(&c, weights)?;
-    let (inputs, _) = checkpoint::load(input)?;
     let pred = distc_runtime::run::eval::predict(
         &c.programs.worker,
         &params,
