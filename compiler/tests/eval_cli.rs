@@ -145,6 +145,40 @@ fn predict_writes_the_models_prediction_for_every_sample() {
         a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-6),
         "another batch predicted otherwise"
     );
+    // U8 arrays (scripts/mnist-safetensors.py's images) are read as the `tensors`
+    // source reads them: their values, as f32.
+    let small: Vec<u8> = (0..n * 5).map(|i| ((i * 7) % 4) as u8).collect();
+    let as_f32: Vec<u8> = small
+        .iter()
+        .flat_map(|&v| f32::from(v).to_le_bytes())
+        .collect();
+    let (u8_in, f32_in) = (
+        dir.path().join("u8.safetensors"),
+        dir.path().join("f32.safetensors"),
+    );
+    for (path, dtype, bytes) in [
+        (&u8_in, safetensors::Dtype::U8, &small),
+        (&f32_in, safetensors::Dtype::F32, &as_f32),
+    ] {
+        let view = safetensors::tensor::TensorView::new(dtype, vec![n, 5], bytes).expect("view");
+        safetensors::serialize_to_file(vec![("x", view)], None, path).expect("writes");
+    }
+    let predicted = |input: &std::path::Path| {
+        let out = dir.path().join("p.safetensors");
+        let o = distc(&[
+            "predict",
+            s(&m),
+            "--init",
+            s(&w),
+            "--input",
+            s(input),
+            "-o",
+            s(&out),
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        checkpoint::load(&out).expect("loads").0["prediction"].to_f64_vec()
+    };
+    assert_eq!(predicted(&u8_in), predicted(&f32_in));
     // An input the prediction reads, missing: named.
     let empty = dir.path().join("none.safetensors");
     write(&empty, "features");

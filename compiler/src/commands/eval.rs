@@ -147,7 +147,19 @@ pub fn predict(
     let mut read = weights.read(file);
     read.push(input);
     distc_runtime::core::output::check_output(output, &read)?;
-    let (inputs, _) = checkpoint::load(input)?;
+    // Read as the `tensors` source reads training data (issue 60, item 8: the U8
+    // images scripts/mnist-safetensors.py writes were refused), for each model input.
+    let graph = one_device(file, None, None)?;
+    let fields: Vec<distc_runtime::FieldSpec> =
+        distc_runtime::run::programs::input_types(&graph.programs.worker)
+            .into_iter()
+            .map(|(name, ty)| distc_runtime::FieldSpec {
+                name,
+                dtype: ty.dtype,
+                per_sample: ty.dims()[1..].iter().product(),
+            })
+            .collect();
+    let inputs = distc_runtime::run::data::read_model_inputs(input, &fields)?;
     // A batch above the samples would only be padding (issue 60, item 8: `--batch
     // 4294967296` on 16 samples allocated 137 GB).
     let samples = inputs

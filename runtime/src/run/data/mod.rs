@@ -58,6 +58,7 @@ pub use files::MOVIELENS_SPLIT_SEED;
 pub use open::open_data;
 pub(crate) use open::open_source;
 pub use synthetic::zipf_cdf;
+pub use user_files::read_model_inputs;
 
 use crate::core::config::DataSpec;
 use crate::core::error::{Result, RuntimeError};

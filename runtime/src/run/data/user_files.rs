@@ -512,7 +512,6 @@ fn widen<T: Into<i64>>(v: Vec<T>) -> Vec<i64> {
 }
 
 fn safetensors_arrays(path: &Path, fields: &[FieldSpec]) -> Result<Vec<(Vec<usize>, Array)>> {
-    use safetensors::Dtype;
     let bytes =
         crate::core::output::read_regular(path, u64::MAX).map_err(|source| RuntimeError::Io {
             path: path.to_path_buf(),
@@ -523,36 +522,86 @@ fn safetensors_arrays(path: &Path, fields: &[FieldSpec]) -> Result<Vec<(Vec<usiz
     let mut out = Vec::with_capacity(fields.len());
     for f in fields {
         let view = st.tensor(&f.name).map_err(|_| missing(path, f))?;
-        let data = view.data();
-        macro_rules! le {
-            ($t:ty, $n:expr) => {
-                data.chunks_exact($n)
-                    .map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $n])))
-            };
-        }
-        let values = match view.dtype() {
-            Dtype::F32 => Array::F64(le!(f32, 4).map(f64::from).collect()),
-            Dtype::F64 => Array::F64(le!(f64, 8).collect()),
-            Dtype::F16 => Array::F64(le!(half::f16, 2).map(f64::from).collect()),
-            Dtype::BF16 => Array::F64(le!(half::bf16, 2).map(f64::from).collect()),
-            Dtype::I8 => Array::I64(le!(i8, 1).map(i64::from).collect()),
-            Dtype::I16 => Array::I64(le!(i16, 2).map(i64::from).collect()),
-            Dtype::I32 => Array::I64(le!(i32, 4).map(i64::from).collect()),
-            Dtype::I64 => Array::I64(le!(i64, 8).collect()),
-            Dtype::U8 => Array::I64(le!(u8, 1).map(i64::from).collect()),
-            Dtype::U16 => Array::I64(le!(u16, 2).map(i64::from).collect()),
-            Dtype::U32 => Array::I64(le!(u32, 4).map(i64::from).collect()),
-            Dtype::BOOL => Array::I64(data.iter().map(|&b| i64::from(b != 0)).collect()),
-            other => {
+        out.push((view.shape().to_vec(), decode(path, f, &view)?));
+    }
+    Ok(out)
+}
+
+/// The model inputs `fields` a safetensors file holds (`distc predict --input`), read
+/// as the `tensors` source reads them (any integer or float dtype, converted and
+/// checked as training data is), each `[samples, values per sample]`; a field the file
+/// lacks is left out.
+pub fn read_model_inputs(
+    path: &Path,
+    fields: &[FieldSpec],
+) -> Result<HashMap<String, crate::core::value::Tensor>> {
+    use crate::core::value::Tensor;
+    let bytes =
+        crate::core::output::read_regular(path, u64::MAX).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| data_err(path, format!("not a safetensors file: {e}")))?;
+    let mut out = HashMap::new();
+    for f in fields {
+        let Ok(view) = st.tensor(&f.name) else {
+            continue;
+        };
+        let shape = view.shape().to_vec();
+        check_shape(path, f, &shape, &mut None)?;
+        let n = shape[0];
+        let dims = ndarray::IxDyn(&[n, f.per_sample]);
+        let shaped = |e: ndarray::ShapeError| data_err(path, format!("`{}`: {e}", f.name));
+        let t = match column(path, f, n, decode(path, f, &view)?)? {
+            Column::F32 { data, .. } => {
+                Tensor::F32(ndarray::ArrayD::from_shape_vec(dims, data.to_vec()).map_err(shaped)?)
+            }
+            Column::I32 { data, .. } => {
+                Tensor::I32(ndarray::ArrayD::from_shape_vec(dims, data.to_vec()).map_err(shaped)?)
+            }
+            _ => {
                 return Err(data_err(
                     path,
-                    format!("`{}` holds {other:?}, which distc does not read", f.name),
+                    format!("`{}`: not an array distc reads as a model input", f.name),
                 ))
             }
         };
-        out.push((view.shape().to_vec(), values));
+        out.insert(f.name.clone(), t);
     }
     Ok(out)
+}
+
+/// A safetensors array's values, for field `f`.
+fn decode(path: &Path, f: &FieldSpec, view: &safetensors::tensor::TensorView<'_>) -> Result<Array> {
+    use safetensors::Dtype;
+    let data = view.data();
+    macro_rules! le {
+        ($t:ty, $n:expr) => {
+            data.chunks_exact($n)
+                .map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $n])))
+        };
+    }
+    Ok(match view.dtype() {
+        Dtype::F32 => Array::F64(le!(f32, 4).map(f64::from).collect()),
+        Dtype::F64 => Array::F64(le!(f64, 8).collect()),
+        Dtype::F16 => Array::F64(le!(half::f16, 2).map(f64::from).collect()),
+        Dtype::BF16 => Array::F64(le!(half::bf16, 2).map(f64::from).collect()),
+        Dtype::I8 => Array::I64(le!(i8, 1).map(i64::from).collect()),
+        Dtype::I16 => Array::I64(le!(i16, 2).map(i64::from).collect()),
+        Dtype::I32 => Array::I64(le!(i32, 4).map(i64::from).collect()),
+        Dtype::I64 => Array::I64(le!(i64, 8).collect()),
+        Dtype::U8 => Array::I64(le!(u8, 1).map(i64::from).collect()),
+        Dtype::U16 => Array::I64(le!(u16, 2).map(i64::from).collect()),
+        Dtype::U32 => Array::I64(le!(u32, 4).map(i64::from).collect()),
+        Dtype::BOOL => Array::I64(data.iter().map(|&b| i64::from(b != 0)).collect()),
+        other => {
+            return Err(data_err(
+                path,
+                format!("`{}` holds {other:?}, which distc does not read", f.name),
+            ))
+        }
+    })
 }
 
 /// `csv(path, eval_path)`: the training and held-out tables.
