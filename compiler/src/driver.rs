@@ -486,6 +486,15 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(Compiled, StrategyConfi
         settings.ranks_per_node = l;
     }
     if let Some(n) = target.servers {
+        // Issue 60, item 9: an all-reduce plan simulated with servers priced none.
+        if n > 0 && matches!(s.strategy, Strategy::Single | Strategy::Allreduce) {
+            return Err(format!(
+                "--servers {n}: the plan is `{}`, whose workers hold every variable and use \
+                 no parameter server; compile it with --strategy ps or hybrid to simulate \
+                 servers",
+                s.strategy.name()
+            ));
+        }
         settings.servers = n;
     }
     if let Some(l) = target.inter {

@@ -317,6 +317,11 @@ fn simulate_refuses_what_it_cannot_simulate_and_says_why() {
         &["simulate", s(&plan), "--calibration", "across=x"],
         "intra=FILE or inter=FILE",
     );
+    // Issue 60, item 9: servers for a plan that has no use for them priced nothing.
+    refused(
+        &["simulate", s(&plan), "--servers", "4"],
+        "--servers 4: the plan is `allreduce`",
+    );
     // One device cannot be simulated on many workers.
     let single = dir.join("single.json");
     let o = distc(&[
