@@ -236,6 +236,7 @@ pub fn compile(
     };
     shards.extend(opts.strategy.shard.clone());
     check_batch_statistics(&opts.strategy, &program.graph)?;
+    check_server_count(&opts.strategy, &program.graph)?;
     let mut programs = ProgramSet::new(program.graph);
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
@@ -602,6 +603,28 @@ fn check_clip_norm(config: &RunConfig, programs: &ProgramSet) -> Result<(), Comp
              if wanted), or remove `clip_norm`"
                 .into(),
         ));
+    }
+    Ok(())
+}
+
+/// Refuses more parameter servers than the model has rows to give them (issue 60, item
+/// 9: `--servers 1048576` on a 3-variable model wrote a million server programs, and
+/// `run` would start a million threads): each server holds rows of some variable.
+fn check_server_count(s: &StrategyConfig, g: &Graph) -> Result<(), CompileError> {
+    if s.servers == 0 {
+        return Ok(());
+    }
+    let rows: usize = g
+        .params()
+        .iter()
+        .map(|(_, _, ty)| ty.dims().first().copied().unwrap_or(1))
+        .sum();
+    if s.servers > rows {
+        return Err(CompileError::Settings(format!(
+            "--servers {}: the model's variables have {rows} rows in all, and a server holds \
+             whole rows: give at most {rows} servers",
+            s.servers
+        )));
     }
     Ok(())
 }

@@ -709,6 +709,12 @@ fn flags_a_plan_would_ignore_are_refused_by_name() {
             ],
             "a pipeline's replicas send theirs in f32",
         ),
+        // Issue 60, item 9: a million servers for dense_mlp's 4,890 rows wrote a 40 MB
+        // plan, then started a million threads.
+        (
+            vec!["--strategy", "ps", "--workers", "2", "--servers", "1048576"],
+            "the model's variables have 4890 rows in all",
+        ),
     ] {
         let never = tmp("ignored.plan.json");
         let o = compile_dense(&never, &args);
