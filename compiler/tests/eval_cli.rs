@@ -67,6 +67,22 @@ fn eval_of_saved_weights_is_the_runs_own_last_evaluation() {
     let o = distc(&["eval", s(&m)]);
     assert!(!o.status.success());
     assert!(text(&o).contains("--init"), "{}", text(&o));
+    // Issue 60, item 7: weights whose loss is not finite (logits beyond f32) fail,
+    // naming the loss; they used to exit 0.
+    let (mut weights, meta) = checkpoint::load(&w).expect("weights");
+    let big = weights.get_mut("w").expect("w");
+    *big = distc_runtime::core::value::Tensor::filled(&big.tensor_type(), 3e38);
+    let huge = dir.path().join("huge.safetensors");
+    let list: Vec<(String, &distc_runtime::core::value::Tensor)> =
+        weights.iter().map(|(k, t)| (k.clone(), t)).collect();
+    checkpoint::save(&huge, &list, meta).expect("writes the weights");
+    let o = distc(&["eval", s(&m), "--init", s(&huge)]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("do not compute a finite loss"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
