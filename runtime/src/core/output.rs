@@ -72,12 +72,7 @@ fn check_target(path: &Path, inputs: &[&Path]) -> Result<()> {
 fn probe_writable(path: &Path) -> Result<()> {
     let (tmp, _) = temp_path(path)?;
     let dir = tmp.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| {
-        refuse(
-            path,
-            format!("cannot make its folder {}: {e}", dir.display()),
-        )
-    })?;
+    make_folder(path, dir)?;
     let probe = dir.join(format!(
         "{}.probe",
         tmp.file_name()
@@ -85,21 +80,41 @@ fn probe_writable(path: &Path) -> Result<()> {
             .unwrap_or_default()
     ));
     // In flight like a write's temporary file, so a signal's handler removes it too.
-    let made = {
-        let mut files = in_flight();
-        let made = std::fs::OpenOptions::new()
+    create_in_flight(path, dir, &probe, |p| {
+        std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(&probe);
-        if made.is_ok() {
-            files.push(probe.clone());
-        }
-        made
-    };
-    made.map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))?;
+            .open(p)
+    })?;
     let _ = std::fs::remove_file(&probe);
     in_flight().retain(|p| p != &probe);
     Ok(())
+}
+
+/// Makes `dir`, the folder `path` is written into, refusing `path` where it cannot.
+fn make_folder(path: &Path, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        refuse(
+            path,
+            format!("cannot make its folder {}: {e}", dir.display()),
+        )
+    })
+}
+
+/// Creates `file` (with `open`) in `dir`, the folder of `path`, listed in flight under
+/// one lock: a signal's handler that holds it (see [`stop_writes`]) sees every
+/// temporary file that exists, and no other is made. The caller takes it off the list.
+fn create_in_flight(
+    path: &Path,
+    dir: &Path,
+    file: &Path,
+    open: impl FnOnce(&Path) -> std::io::Result<std::fs::File>,
+) -> Result<std::fs::File> {
+    let mut files = in_flight();
+    let made =
+        open(file).map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))?;
+    files.push(file.to_path_buf());
+    Ok(made)
 }
 
 /// Checks a set of outputs against the inputs and against each other.
@@ -177,29 +192,14 @@ pub fn write_atomic(
     check_target(path, &[])?;
     let (tmp, prefix) = temp_path(path)?;
     let dir = tmp.parent().map(Path::to_path_buf).unwrap_or_default();
-    std::fs::create_dir_all(&dir).map_err(|e| {
-        refuse(
-            path,
-            format!("cannot make its folder {}: {e}", dir.display()),
-        )
-    })?;
+    make_folder(path, &dir)?;
     remove_stale(&dir, &prefix);
-    // Listed and created under one lock: a signal's handler that holds it (see
-    // [`stop_writes`]) sees every temporary file that exists, and no other is made.
-    let file = {
-        let mut files = in_flight();
-        let file = std::fs::File::create(&tmp);
-        if file.is_ok() {
-            files.push(tmp.clone());
-        }
-        file
-    };
+    let file = create_in_flight(path, &dir, &tmp, |p| std::fs::File::create(p));
     let io = |source| RuntimeError::Io {
         path: tmp.clone(),
         source,
     };
     let result = file
-        .map_err(|e| refuse(path, format!("cannot write in {}: {e}", dir.display())))
         .and_then(|mut f| write(&mut f).and_then(|()| f.sync_all()).map_err(io))
         .and_then(|()| {
             std::fs::rename(&tmp, path).map_err(|source| RuntimeError::Io {
