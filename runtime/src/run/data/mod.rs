@@ -580,10 +580,10 @@ impl DataSource {
     /// samples; the last partial batch is dropped (see the module doc).
     pub fn eval_batches(&self, max_samples: Option<usize>) -> Result<Vec<Batch>> {
         let b = self.batch;
+        let n = self.eval_samples(max_samples);
         let mut out = Vec::new();
         match &self.backing {
             Backing::Files(l) => {
-                let n = max_samples.map_or(l.eval.len, |m| m.min(l.eval.len));
                 for k in 0..n / b {
                     let idx: Vec<usize> = (k * b..(k + 1) * b).collect();
                     let cols = self.gather(&l.eval, &idx);
@@ -591,7 +591,6 @@ impl DataSource {
                 }
             }
             Backing::Synthetic(g) => {
-                let n = max_samples.unwrap_or(10 * b) / b * b;
                 if n == 0 {
                     return Ok(out);
                 }
