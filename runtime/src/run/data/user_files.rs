@@ -511,7 +511,11 @@ fn widen<T: Into<i64>>(v: Vec<T>) -> Vec<i64> {
     v.into_iter().map(Into::into).collect()
 }
 
-fn safetensors_arrays(path: &Path, fields: &[FieldSpec]) -> Result<Vec<(Vec<usize>, Array)>> {
+/// `read` of the safetensors file at `path`, opened as every data source opens one.
+fn with_safetensors<T>(
+    path: &Path,
+    read: impl FnOnce(&safetensors::SafeTensors<'_>) -> Result<T>,
+) -> Result<T> {
     let bytes =
         crate::core::output::read_regular(path, u64::MAX).map_err(|source| RuntimeError::Io {
             path: path.to_path_buf(),
@@ -519,12 +523,19 @@ fn safetensors_arrays(path: &Path, fields: &[FieldSpec]) -> Result<Vec<(Vec<usiz
         })?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| data_err(path, format!("not a safetensors file: {e}")))?;
-    let mut out = Vec::with_capacity(fields.len());
-    for f in fields {
-        let view = st.tensor(&f.name).map_err(|_| missing(path, f))?;
-        out.push((view.shape().to_vec(), decode(path, f, &view)?));
-    }
-    Ok(out)
+    read(&st)
+}
+
+fn safetensors_arrays(path: &Path, fields: &[FieldSpec]) -> Result<Vec<(Vec<usize>, Array)>> {
+    with_safetensors(path, |st| {
+        fields
+            .iter()
+            .map(|f| {
+                let view = st.tensor(&f.name).map_err(|_| missing(path, f))?;
+                Ok((view.shape().to_vec(), decode(path, f, &view)?))
+            })
+            .collect()
+    })
 }
 
 /// The model inputs `fields` a safetensors file holds (`distc predict --input`), read
@@ -536,40 +547,37 @@ pub fn read_model_inputs(
     fields: &[FieldSpec],
 ) -> Result<HashMap<String, crate::core::value::Tensor>> {
     use crate::core::value::Tensor;
-    let bytes =
-        crate::core::output::read_regular(path, u64::MAX).map_err(|source| RuntimeError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| data_err(path, format!("not a safetensors file: {e}")))?;
-    let mut out = HashMap::new();
-    for f in fields {
-        let Ok(view) = st.tensor(&f.name) else {
-            continue;
-        };
-        let shape = view.shape().to_vec();
-        check_shape(path, f, &shape, &mut None)?;
-        let n = shape[0];
-        let dims = ndarray::IxDyn(&[n, f.per_sample]);
-        let shaped = |e: ndarray::ShapeError| data_err(path, format!("`{}`: {e}", f.name));
-        let t = match column(path, f, n, decode(path, f, &view)?)? {
-            Column::F32 { data, .. } => {
-                Tensor::F32(ndarray::ArrayD::from_shape_vec(dims, data.to_vec()).map_err(shaped)?)
-            }
-            Column::I32 { data, .. } => {
-                Tensor::I32(ndarray::ArrayD::from_shape_vec(dims, data.to_vec()).map_err(shaped)?)
-            }
-            _ => {
-                return Err(data_err(
-                    path,
-                    format!("`{}`: not an array distc reads as a model input", f.name),
-                ))
-            }
-        };
-        out.insert(f.name.clone(), t);
-    }
-    Ok(out)
+    with_safetensors(path, |st| {
+        let mut out = HashMap::new();
+        for f in fields {
+            let Ok(view) = st.tensor(&f.name) else {
+                continue;
+            };
+            let shape = view.shape().to_vec();
+            check_shape(path, f, &shape, &mut None)?;
+            let n = shape[0];
+            let dims = ndarray::IxDyn(&[n, f.per_sample]);
+            let shaped = |e: ndarray::ShapeError| data_err(path, format!("`{}`: {e}", f.name));
+            let t = match column(path, f, n, decode(path, f, &view)?)? {
+                Column::F32 { data, .. } => Tensor::F32(
+                    ndarray::ArrayD::from_shape_vec(dims, Arc::unwrap_or_clone(data))
+                        .map_err(shaped)?,
+                ),
+                Column::I32 { data, .. } => Tensor::I32(
+                    ndarray::ArrayD::from_shape_vec(dims, Arc::unwrap_or_clone(data))
+                        .map_err(shaped)?,
+                ),
+                _ => {
+                    return Err(data_err(
+                        path,
+                        format!("`{}`: not an array distc reads as a model input", f.name),
+                    ))
+                }
+            };
+            out.insert(f.name.clone(), t);
+        }
+        Ok(out)
+    })
 }
 
 /// A safetensors array's values, for field `f`.
