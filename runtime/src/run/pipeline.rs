@@ -54,7 +54,9 @@ use crate::run::programs::Programs;
 use crate::run::state::{first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
-use crate::run::trainer::{capture_failed, host_params, make_optimizer, Capture, Rehearsal};
+use crate::run::trainer::{
+    assign_running, capture_failed, host_params, make_optimizer, Capture, Rehearsal,
+};
 use crate::run::worker::StepReport;
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -1877,18 +1879,14 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
                             outbox.entry((to, m)).or_default().push((tag, v));
                         }
                     }
-                    // Running statistics move after each micro-batch, in the order this
-                    // stage runs them, as one device's accumulation moves them.
-                    if !out.assigned.is_empty() {
-                        let backend = if forward {
-                            fwd.backend()
-                        } else {
-                            bwd.backend()
-                        };
-                        backend
-                            .assign(&mut self.params, out.assigned)
-                            .map_err(fail("writing the running statistics"))?;
-                    }
+                    // In the order this stage runs its micro-batches, as one device's
+                    // accumulation moves them.
+                    let backend = if forward {
+                        fwd.backend()
+                    } else {
+                        bwd.backend()
+                    };
+                    assign_running(backend, &mut self.params, out.assigned)?;
                     if !out.grads.is_empty() {
                         grads = out.grads;
                     }

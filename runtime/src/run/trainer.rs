@@ -166,3 +166,22 @@ pub(crate) fn host_params<B: Backend>(
     }
     Ok(out)
 }
+
+/// Writes the running statistics a run of a micro-batch moved (its `assign` sinks:
+/// the run's `assigned`) over their variables at once, for a worker's micro-batch and a
+/// stage's program alike: the next micro-batch moves them further, as PyTorch's move
+/// on every forward, and they move even in a step whose update is skipped (as with
+/// PyTorch's gradient scaler).
+pub(crate) fn assign_running<B: Backend>(
+    backend: &mut B,
+    params: &mut HashMap<String, B::Tensor>,
+    assigned: Vec<(String, B::Value)>,
+) -> Result<()> {
+    if assigned.is_empty() {
+        return Ok(());
+    }
+    let device = backend.name();
+    backend
+        .assign(params, assigned)
+        .map_err(|e| backend_error(&device, "writing the running statistics", e))
+}

@@ -39,7 +39,7 @@ use crate::run::state::{first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
-    capture_failed, host_params, make_optimizer, Capture, Rehearsal, WARMUP,
+    assign_running, capture_failed, host_params, make_optimizer, Capture, Rehearsal, WARMUP,
 };
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
@@ -1192,7 +1192,11 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     st.exec
                         .run_with(&batch, &st.params, mode, step as u64, Some(&mut *hook))?;
                 micro_loss += o.loss.unwrap_or(f64::NAN);
-                assign_running(st, &mut o, device)?;
+                assign_running(
+                    st.exec.backend(),
+                    &mut st.params,
+                    std::mem::take(&mut o.assigned),
+                )?;
                 last = Some(o);
             }
             let Some(out) = last else {
@@ -1365,25 +1369,6 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
     }
 }
 
-/// Writes the running statistics a micro-batch's run moved (`assign`) over their
-/// variables at once: the next micro-batch moves them further, as PyTorch's move on
-/// every forward, and they move even in a step whose update is skipped (as with
-/// PyTorch's gradient scaler).
-fn assign_running<B: Backend>(
-    st: &mut Loop<B>,
-    out: &mut crate::core::exec::StepOutputs<B::Value>,
-    device: &str,
-) -> Result<()> {
-    let assigned = std::mem::take(&mut out.assigned);
-    if assigned.is_empty() {
-        return Ok(());
-    }
-    st.exec
-        .backend()
-        .assign(&mut st.params, assigned)
-        .map_err(|e| backend_error(device, "writing the running statistics", e))
-}
-
 /// The feeds of the next batch the backend holds (`Transfer::hold_batch`).
 fn feed_held<B: Backend>(
     backend: &mut B,
@@ -1436,7 +1421,11 @@ fn capture_step<B: Backend>(
             let mut o = st
                 .exec
                 .run_with(fed, &st.params, mode, step as u64, Some(&mut *hook))?;
-            assign_running(st, &mut o, &device)?;
+            assign_running(
+                st.exec.backend(),
+                &mut st.params,
+                std::mem::take(&mut o.assigned),
+            )?;
             last = Some(o);
         }
         last.ok_or_else(|| {
