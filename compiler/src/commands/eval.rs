@@ -149,9 +149,9 @@ pub fn predict(
     distc_runtime::core::output::check_output(output, &read)?;
     // Read as the `tensors` source reads training data (issue 60, item 8: the U8
     // images scripts/mnist-safetensors.py writes were refused), for each model input.
-    let graph = one_device(file, None, None)?;
+    let own = one_device(file, None, None)?;
     let fields: Vec<distc_runtime::FieldSpec> =
-        distc_runtime::run::programs::input_types(&graph.programs.worker)
+        distc_runtime::run::programs::input_types(&own.programs.worker)
             .into_iter()
             .map(|(name, ty)| distc_runtime::FieldSpec {
                 name,
@@ -167,8 +167,11 @@ pub fn predict(
         .filter_map(|t| t.shape().first().copied())
         .max()
         .unwrap_or(0);
-    let batch = batch.map(|b| b.min(samples.max(1)));
-    let c = one_device(file, batch, None)?;
+    // The model's own batch, compiled above, unless --batch asks for another.
+    let c = match batch.map(|b| b.min(samples.max(1))) {
+        Some(b) if b != own.config.batch => one_device(file, Some(b), None)?,
+        _ => own,
+    };
     let params = params(&c, weights)?;
     let pred = distc_runtime::run::eval::predict(
         &c.programs.worker,

@@ -85,10 +85,11 @@ pub fn state_from_weights(
                         t.dtype()
                     ))
                 })?;
+                let values = t.to_f64_vec();
                 // A variance below 0 (batch norm's running one, as the DSL names it)
                 // evaluates to NaN.
                 if name.ends_with("_running_var") {
-                    if let Some(v) = t.to_f64_vec().into_iter().find(|v| *v < 0.0) {
+                    if let Some(v) = values.iter().find(|v| **v < 0.0) {
                         return Err(RuntimeError::state(format!(
                             "`{name}` holds {v}: a running variance is 0 or more"
                         )));
@@ -96,7 +97,7 @@ pub fn state_from_weights(
                 }
                 // The file's values were finite as stored; an f64 beyond f32's range
                 // is not once converted.
-                if t.to_f64_vec().iter().any(|x| !x.is_finite()) {
+                if values.iter().any(|x| !x.is_finite()) {
                     return Err(RuntimeError::state(format!(
                         "`{name}` holds values beyond the range of {} (the model's `{name}` \
                          is {ty}): they would train as infinities",
