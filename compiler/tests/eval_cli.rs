@@ -108,19 +108,20 @@ fn predict_writes_the_models_prediction_for_every_sample() {
     let input = dir.path().join("in.safetensors");
     write(&input, "x");
     let out = dir.path().join("pred.safetensors");
-    let o = distc(&[
-        "predict",
-        s(&m),
-        "--init",
-        s(&w),
-        "--input",
-        s(&input),
-        "-o",
-        s(&out),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let (pred, _) = checkpoint::load(&out).expect("loads");
-    let pred = &pred["prediction"];
+    // `predict` of `input` with `extra` flags into `out`.
+    let predict = |input: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["predict", s(&m), "--init", s(&w), "--input", s(input)];
+        args.extend(extra);
+        args.extend(["-o", s(&out)]);
+        distc(&args)
+    };
+    let predicted = |input: &std::path::Path, extra: &[&str]| {
+        let o = predict(input, extra);
+        assert!(o.status.success(), "{}", text(&o));
+        let (pred, _) = checkpoint::load(&out).expect("loads");
+        pred["prediction"].clone()
+    };
+    let pred = predicted(&input, &[]);
     assert_eq!(pred.shape(), &[n, 3]);
     let (weights, _) = checkpoint::load(&w).expect("weights");
     let (wv, bv) = (weights["w"].to_f64_vec(), weights["b"].to_f64_vec());
@@ -140,25 +141,10 @@ fn predict_writes_the_models_prediction_for_every_sample() {
     }
     // Issue 60, item 8: a batch far above the samples is not padding to allocate; the
     // predictions are the same.
-    let huge = dir.path().join("pred-huge.safetensors");
-    let o = distc(&[
-        "predict",
-        s(&m),
-        "--init",
-        s(&w),
-        "--input",
-        s(&input),
-        "--batch",
-        "4294967296",
-        "-o",
-        s(&huge),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let (again, _) = checkpoint::load(&huge).expect("loads");
-    let (a, b) = (again["prediction"].to_f64_vec(), pred.to_f64_vec());
-    assert_eq!(a.len(), b.len());
+    let a = predicted(&input, &["--batch", "4294967296"]).to_f64_vec();
+    assert_eq!(a.len(), got.len());
     assert!(
-        a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-6),
+        a.iter().zip(&got).all(|(x, y)| (x - y).abs() < 1e-6),
         "another batch predicted otherwise"
     );
     // U8 arrays (scripts/mnist-safetensors.py's images) are read as the `tensors`
@@ -179,35 +165,14 @@ fn predict_writes_the_models_prediction_for_every_sample() {
         let view = safetensors::tensor::TensorView::new(dtype, vec![n, 5], bytes).expect("view");
         safetensors::serialize_to_file(vec![("x", view)], None, path).expect("writes");
     }
-    let predicted = |input: &std::path::Path| {
-        let out = dir.path().join("p.safetensors");
-        let o = distc(&[
-            "predict",
-            s(&m),
-            "--init",
-            s(&w),
-            "--input",
-            s(input),
-            "-o",
-            s(&out),
-        ]);
-        assert!(o.status.success(), "{}", text(&o));
-        checkpoint::load(&out).expect("loads").0["prediction"].to_f64_vec()
-    };
-    assert_eq!(predicted(&u8_in), predicted(&f32_in));
+    assert_eq!(
+        predicted(&u8_in, &[]).to_f64_vec(),
+        predicted(&f32_in, &[]).to_f64_vec()
+    );
     // An input the prediction reads, missing: named.
     let empty = dir.path().join("none.safetensors");
     write(&empty, "features");
-    let o = distc(&[
-        "predict",
-        s(&m),
-        "--init",
-        s(&w),
-        "--input",
-        s(&empty),
-        "-o",
-        s(&out),
-    ]);
+    let o = predict(&empty, &[]);
     assert!(!o.status.success());
     assert!(
         text(&o).contains("none of the model's inputs") && text(&o).contains("none.safetensors"),

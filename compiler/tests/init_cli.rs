@@ -238,6 +238,14 @@ fn values_beyond_f32_and_tensors_of_other_dtypes_are_told_apart() {
             .collect();
         safetensors::serialize_to_file(views, None, path).expect("writes");
     };
+    // One step from the weights at `path`, with --init-partial where `partial`.
+    let train = |path: &Path, partial: bool| {
+        let mut args = vec!["train", s(&m), "--init", s(path), "--steps", "1"];
+        if partial {
+            args.push("--init-partial");
+        }
+        distc(&args)
+    };
     // The model's own values, in f32.
     let mut named: Named = initial_values(&m)
         .iter()
@@ -264,7 +272,7 @@ fn values_beyond_f32_and_tensors_of_other_dtypes_are_told_apart() {
     }
     let path = dir.path().join("huge.safetensors");
     write(&path, &huge);
-    let o = distc(&["train", s(&m), "--init", s(&path), "--steps", "1"]);
+    let o = train(&path, false);
     assert!(!o.status.success(), "{}", text(&o));
     assert!(
         text(&o).contains("`b1` holds values beyond the range of f32"),
@@ -279,18 +287,10 @@ fn values_beyond_f32_and_tensors_of_other_dtypes_are_told_apart() {
     ));
     let torch = dir.path().join("torch.safetensors");
     write(&torch, &named);
-    let o = distc(&["train", s(&m), "--init", s(&torch), "--steps", "1"]);
+    let o = train(&torch, false);
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("bn.num_batches_tracked"), "{}", text(&o));
-    let o = distc(&[
-        "train",
-        s(&m),
-        "--init",
-        s(&torch),
-        "--init-partial",
-        "--steps",
-        "1",
-    ]);
+    let o = train(&torch, true);
     assert!(o.status.success(), "{}", text(&o));
     assert!(
         text(&o).contains("not in the model: bn.num_batches_tracked"),
@@ -302,15 +302,7 @@ fn values_beyond_f32_and_tensors_of_other_dtypes_are_told_apart() {
     named[last].0 = "b2".into();
     named.retain(|(n, _, _, d)| n != "b2" || *d == safetensors::Dtype::I64);
     write(&torch, &named);
-    let o = distc(&[
-        "train",
-        s(&m),
-        "--init",
-        s(&torch),
-        "--init-partial",
-        "--steps",
-        "1",
-    ]);
+    let o = train(&torch, true);
     assert!(!o.status.success(), "{}", text(&o));
     assert!(
         text(&o).contains("`b2` is I64 in the file") && text(&o).contains("f32[4]"),

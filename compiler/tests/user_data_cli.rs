@@ -60,6 +60,21 @@ fn model(data: &str) -> String {
     )
 }
 
+/// A temporary data folder with `train.safetensors` and `test.safetensors` of
+/// `train` and `test` samples, and `points.dsl` reading them: the folder and the model.
+fn points_with_held_out(train: usize, test: usize) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_safetensors(&dir.path().join("train.safetensors"), train, 0);
+    write_safetensors(&dir.path().join("test.safetensors"), test, 1);
+    let m = dir.path().join("points.dsl");
+    std::fs::write(
+        &m,
+        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
+    )
+    .expect("writes");
+    (dir, m)
+}
+
 fn eval_accuracy(out: &str) -> f64 {
     out.split("eval_accuracy ")
         .nth(1)
@@ -70,15 +85,7 @@ fn eval_accuracy(out: &str) -> f64 {
 
 #[test]
 fn a_safetensors_dataset_trains_and_verifies_under_three_workers() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    write_safetensors(&dir.path().join("train.safetensors"), 240, 0);
-    write_safetensors(&dir.path().join("test.safetensors"), 120, 1);
-    let m = dir.path().join("points.dsl");
-    std::fs::write(
-        &m,
-        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
-    )
-    .expect("writes");
+    let (dir, m) = points_with_held_out(240, 120);
     let o = distc(&["train", s(&m), "--data", s(dir.path())]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(eval_accuracy(&text(&o)) > 0.9, "{}", text(&o));
@@ -221,16 +228,8 @@ fn labels_beyond_the_classes_negative_labels_and_nan_features_stop_before_step_1
 /// is as it was.
 #[test]
 fn an_output_onto_an_input_is_refused_and_the_input_kept() {
-    let dir = tempfile::tempdir().expect("temp dir");
+    let (dir, m) = points_with_held_out(48, 24);
     let d = dir.path();
-    write_safetensors(&d.join("train.safetensors"), 48, 0);
-    write_safetensors(&d.join("test.safetensors"), 24, 1);
-    let m = d.join("points.dsl");
-    std::fs::write(
-        &m,
-        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
-    )
-    .expect("writes");
     let w = d.join("w.safetensors");
     let o = distc(&[
         "train",
@@ -427,15 +426,7 @@ fn ptb_as_a_token_file_is_the_built_in_stream_and_trains_the_example() {
 /// its final checkpoint and its last metrics line); `--no-eval` trains.
 #[test]
 fn a_held_out_set_smaller_than_one_batch_is_refused_before_step_1() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    write_safetensors(&dir.path().join("train.safetensors"), 48, 0);
-    write_safetensors(&dir.path().join("test.safetensors"), 5, 1);
-    let m = dir.path().join("points.dsl");
-    std::fs::write(
-        &m,
-        model(r#"tensors(path = "train.safetensors", eval_path = "test.safetensors")"#),
-    )
-    .expect("writes");
+    let (dir, m) = points_with_held_out(48, 5);
     let (metrics, saved) = (dir.path().join("m.jsonl"), dir.path().join("w.st"));
     let args = |extra: &[&str]| {
         let mut a = vec![

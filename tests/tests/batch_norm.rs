@@ -93,27 +93,31 @@ fn synchronised_statistics_train_what_one_device_trains_running_statistics_inclu
         ),
     ];
     for (what, s) in layouts {
-        let r = verify_text(&model(true), s);
-        let names: Vec<&str> = r.vars.iter().map(|v| v.name.as_str()).collect();
-        for running in [
-            "g1_running_mean",
-            "g1_running_var",
-            "g2_running_mean",
-            "g2_running_var",
-        ] {
-            assert!(
-                names.contains(&running),
-                "{what}: {running} not compared: {names:?}"
-            );
-        }
-        let w = r.worst().expect("variables");
+        trains_what_one_device_trains(what, &verify_text(&model(true), s));
+    }
+}
+
+/// Asserts `r` compared every running statistic with one device's and passed.
+fn trains_what_one_device_trains(what: &str, r: &VerifyReport) {
+    let names: Vec<&str> = r.vars.iter().map(|v| v.name.as_str()).collect();
+    for running in [
+        "g1_running_mean",
+        "g1_running_var",
+        "g2_running_mean",
+        "g2_running_var",
+    ] {
         assert!(
-            r.passed(),
-            "{what}: `{}` differs by {:.2e}",
-            w.name,
-            w.relative
+            names.contains(&running),
+            "{what}: {running} not compared: {names:?}"
         );
     }
+    let w = r.worst().expect("variables");
+    assert!(
+        r.passed(),
+        "{what}: `{}` differs by {:.2e}",
+        w.name,
+        w.relative
+    );
 }
 
 /// Issue 59: pipeline stages keep running statistics. Each micro-batch normalises with
@@ -133,17 +137,7 @@ fn pipeline_stages_train_what_one_device_trains_on_the_same_micro_batches() {
             },
         );
         assert_eq!(r.micro_batches, micro, "{what}");
-        let names: Vec<&str> = r.vars.iter().map(|v| v.name.as_str()).collect();
-        for running in ["g1_running_mean", "g1_running_var", "g2_running_mean"] {
-            assert!(names.contains(&running), "{what}: {running}: {names:?}");
-        }
-        let w = r.worst().expect("variables");
-        assert!(
-            r.passed(),
-            "{what}: `{}` differs by {:.2e}",
-            w.name,
-            w.relative
-        );
+        trains_what_one_device_trains(what, &r);
     }
 }
 
@@ -242,9 +236,7 @@ fn on_the_gpu_running_statistics_match_one_device() {
         device: Some(0),
         ..options(workers(2))
     };
-    let r = verify(&path, &opts).expect("verify runs");
-    let w = r.worst().expect("variables");
-    assert!(r.passed(), "`{}` differs by {:.2e}", w.name, w.relative);
+    trains_what_one_device_trains("2 workers", &verify(&path, &opts).expect("verify runs"));
     // Two stages on the device, each micro-batch with its own statistics (issue 59):
     // their steps are captured and replayed, the running statistics' copies with them.
     std::fs::write(&path, model(false)).expect("writes the model");
@@ -256,12 +248,5 @@ fn on_the_gpu_running_statistics_match_one_device() {
             ..workers(2)
         })
     };
-    let r = verify(&path, &opts).expect("verify runs");
-    let w = r.worst().expect("variables");
-    assert!(
-        r.passed(),
-        "pipeline: `{}` differs by {:.2e}",
-        w.name,
-        w.relative
-    );
+    trains_what_one_device_trains("pipeline", &verify(&path, &opts).expect("verify runs"));
 }
