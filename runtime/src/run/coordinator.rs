@@ -6,11 +6,12 @@
 use crate::core::error::{Result, RuntimeError};
 use crate::core::peak::total_peak;
 use crate::core::value::Tensor;
+use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::TrainReport;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
-use crate::run::pipeline::{combine, Handed, PipelineRun, StageReport};
+use crate::run::metrics::{PipelineStep, StageAccount, StageStep, StepReport};
+use crate::run::pipeline::{Handed, PipelineRun};
 use crate::run::trace::Span;
-use crate::run::worker::StepReport;
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -210,7 +211,7 @@ pub(crate) type TakeState<'a> = dyn FnMut(usize, Handed) -> Result<Option<EvalMe
 /// Steps' reports from every stage, joined into one line per step once all are in.
 #[derive(Default)]
 pub(crate) struct StageReports {
-    pending: HashMap<usize, Vec<StageReport>>,
+    pending: HashMap<usize, Vec<StepReport>>,
 }
 
 impl StageReports {
@@ -221,7 +222,7 @@ impl StageReports {
     /// otherwise) and returns the evaluation, if the step has one.
     pub(crate) fn add(
         &mut self,
-        r: StageReport,
+        r: StepReport,
         workers: usize,
         coordinator: &mut Coordinator<'_>,
         take_state: &mut TakeState<'_>,
@@ -258,5 +259,91 @@ pub(crate) fn reporter<R: Send>(tx: mpsc::Sender<R>) -> impl FnMut(R) -> Result<
     move |r| {
         tx.send(r)
             .map_err(|_| RuntimeError::Config("the run was stopped".into()))
+    }
+}
+
+/// One metrics line of a step from every stage's report: the loss stages' mean loss, the
+/// slowest stage's time, bytes and memory summed over the stages.
+pub(crate) fn combine(step: usize, reports: &[StepReport]) -> StepReport {
+    let account = |r: &StepReport| r.stage.clone().unwrap_or_default();
+    // One replica's stages (the first present: a rank's own line has its replica alone).
+    let shown = reports
+        .iter()
+        .map(|r| account(r).replica)
+        .min()
+        .unwrap_or(0);
+    let lane = reports
+        .iter()
+        .map(account)
+        .filter(|a| a.replica == shown)
+        .map(|a| a.model_rank)
+        .min()
+        .unwrap_or(0);
+    let mut first: Vec<(StageAccount, &StepReport)> = reports
+        .iter()
+        .map(|r| (account(r), r))
+        .filter(|(a, _)| a.replica == shown && a.model_rank == lane)
+        .collect();
+    first.sort_by_key(|(a, _)| a.stage);
+    let stages: Vec<StageStep> = first
+        .iter()
+        .map(|(a, r)| StageStep {
+            busy_sec: a.busy_sec,
+            step_sec: r.step_sec,
+            activations: r.memory.activations,
+            held: r.memory.total(),
+            bytes_sent: r.bytes_sent,
+            bytes_received: r.bytes_received,
+            messages_on_device: a.messages_on_device,
+            host_collectives: a.host_collectives,
+            cuda_graph: r.cuda_graph,
+        })
+        .collect();
+    let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
+    let busy: f64 = stages.iter().map(|s| s.busy_sec).sum();
+    // A replayed stage's busy time is its whole replay, waits included: no bubble.
+    let bubble = if stages.iter().any(|s| s.cuda_graph) {
+        None
+    } else if longest > 0.0 {
+        Some((1.0 - busy / (stages.len() as f64 * longest)).max(0.0))
+    } else {
+        Some(0.0)
+    };
+    let losses: Vec<f64> = reports
+        .iter()
+        .filter(|r| account(r).holds_loss)
+        .map(|r| r.loss)
+        .collect();
+    let loss = if losses.is_empty() {
+        f64::NAN
+    } else {
+        losses.iter().sum::<f64>() / losses.len() as f64
+    };
+    let slowest = reports
+        .iter()
+        .max_by(|a, b| a.step_sec.total_cmp(&b.step_sec));
+    let sum = |f: fn(&StepReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let memory = MemoryByCategory {
+        params: sum(|r| r.memory.params),
+        gradients: sum(|r| r.memory.gradients),
+        optimizer: sum(|r| r.memory.optimizer),
+        activations: sum(|r| r.memory.activations),
+        comm_buffers: sum(|r| r.memory.comm_buffers),
+    };
+    StepReport {
+        rank: 0,
+        step,
+        loss,
+        step_sec: slowest.map_or(0.0, |r| r.step_sec),
+        comm_wait_sec: slowest.map_or(0.0, |r| r.comm_wait_sec),
+        bytes_sent: sum(|r| r.bytes_sent),
+        bytes_received: sum(|r| r.bytes_received),
+        bytes_moved: sum(|r| r.bytes_sent),
+        memory,
+        pipeline: Some(PipelineStep { bubble, stages }),
+        cuda_graph: !reports.is_empty() && reports.iter().all(|r| r.cuda_graph),
+        lr: first.first().and_then(|(_, r)| r.lr),
+        peaks: reports.iter().flat_map(|r| r.peaks.clone()).collect(),
+        ..StepReport::default()
     }
 }

@@ -5,6 +5,7 @@
 //! (classification) or `eval_rmse` (regression).
 
 use crate::core::value::Tensor;
+use crate::run::memory::MemoryByCategory;
 use crate::run::trace::Span;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -117,6 +118,92 @@ pub struct PipelineStep {
     pub bubble: Option<f64>,
     /// Stage 0 first.
     pub stages: Vec<StageStep>,
+}
+
+/// One role's account of one step: a worker's, a pipeline stage's (with its
+/// [`StageAccount`]), or a step's stages joined into one (with its `pipeline`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StepReport {
+    /// The worker.
+    pub rank: usize,
+    /// 1-based step.
+    pub step: usize,
+    /// The loss of its batch.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub loss: f64,
+    /// Seconds of the step (forward, backward, update, waits; data excluded).
+    pub step_sec: f64,
+    /// Seconds of it spent waiting for collectives and servers.
+    pub comm_wait_sec: f64,
+    /// Bytes sent (collectives, pushes, pulled ids).
+    pub bytes_sent: u64,
+    /// Bytes received (collectives, pulled values).
+    pub bytes_received: u64,
+    /// Collective bytes sent plus server bytes pushed and pulled.
+    pub bytes_moved: u64,
+    /// The evaluation run after this step, if one ran (worker 0).
+    pub eval: Option<EvalMetrics>,
+    /// What the worker held, by category (peaks of this step).
+    pub memory: MemoryByCategory,
+    /// Device memory in use after the step and its peak so far, bytes (GPU workers).
+    pub device_memory: Option<(u64, u64)>,
+    /// Per stage, of a pipelined run.
+    #[serde(default)]
+    pub pipeline: Option<PipelineStep>,
+    /// fp16's loss scale after the step, and the steps skipped so far for overflow.
+    #[serde(default)]
+    pub loss_scale: Option<(f64, usize)>,
+    /// The learning rate of this step's update.
+    #[serde(default)]
+    pub lr: Option<f64>,
+    /// Whether the step was a replay of the worker's captured CUDA graph.
+    #[serde(default)]
+    pub cuda_graph: bool,
+    /// The devices the report's work ran on and their peaks (one for a worker, one per
+    /// stage for a pipeline's replica), where the backends know them.
+    #[serde(default)]
+    pub peaks: Vec<crate::core::peak::DevicePeak>,
+    /// A pipeline stage's own account, in the report it sends.
+    #[serde(default)]
+    pub stage: Option<StageAccount>,
+    /// At a step with an evaluation or a checkpoint, replica 0's stages hand over their
+    /// variables (a copy), for the coordinator to evaluate the whole model or write its
+    /// training state.
+    #[serde(skip)]
+    pub(crate) params: Option<HashMap<String, Tensor>>,
+    /// At a checkpoint, replica 0's stages hand over the optimizer state of the
+    /// variables they update (a tied variable's holders leave it to its owner).
+    #[serde(skip)]
+    pub(crate) slots: Option<HashMap<String, Tensor>>,
+    /// At a sharded checkpoint, the stored names of what replica 0's stage wrote into
+    /// its shard, for the coordinator's manifest.
+    #[serde(default)]
+    pub(crate) shard: Option<Vec<String>>,
+}
+
+/// A loss read back: JSON has no NaN (serde_json writes one as `null`), and a stage
+/// without the loss reports NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// What a pipeline stage's report says of the stage beside a worker's account.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StageAccount {
+    /// Its place on the mesh.
+    pub stage: usize,
+    pub replica: usize,
+    /// Its rank on the model axis (0 without one).
+    pub model_rank: usize,
+    /// Seconds its forwards and backwards ran.
+    pub busy_sec: f64,
+    /// Whether its forward program holds the loss (the report's loss is its mean over
+    /// the step's micro-batches; the other stages' is NaN).
+    pub holds_loss: bool,
+    /// Whether its messages to other stages went device to device.
+    pub messages_on_device: bool,
+    /// Its programs' collectives that run through the host.
+    pub host_collectives: usize,
 }
 
 /// One stage's step.
@@ -312,4 +399,43 @@ pub struct TrainReport {
     /// Model FLOPs utilisation over all steps, the devices' summed peak it is against
     /// (FLOP/s) and where that figure comes from.
     pub mfu: Option<(f64, f64, String)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StageAccount, StepReport};
+
+    #[test]
+    fn a_stage_report_without_the_loss_crosses_json_as_nan_with_its_account() {
+        let sent = StepReport {
+            rank: 3,
+            step: 7,
+            loss: f64::NAN,
+            stage: Some(StageAccount {
+                stage: 1,
+                replica: 1,
+                busy_sec: 0.25,
+                ..StageAccount::default()
+            }),
+            shard: Some(vec!["w".into()]),
+            ..StepReport::default()
+        };
+        let text = serde_json::to_string(&sent).unwrap();
+        let got: StepReport = serde_json::from_str(&text).unwrap();
+        assert!(got.loss.is_nan(), "{text}");
+        let account = got.stage.unwrap();
+        assert_eq!(
+            (got.rank, got.step, account.stage, account.replica),
+            (3, 7, 1, 1)
+        );
+        assert!(!account.holds_loss);
+        assert_eq!(got.shard, Some(vec!["w".to_string()]));
+        let with_loss = StepReport {
+            loss: 2.5,
+            ..StepReport::default()
+        };
+        let back: StepReport =
+            serde_json::from_str(&serde_json::to_string(&with_loss).unwrap()).unwrap();
+        assert_eq!(back.loss, 2.5);
+    }
 }

@@ -4,7 +4,7 @@
 //! | sub-layer | modules | owns |
 //! | --- | --- | --- |
 //! | base | [`mesh`], [`programs`], [`options`], [`state`], [`snapshot`], [`data`], [`eval`], [`memory`], [`metrics`], [`trace`], `steps` | the mesh (the one place a rank becomes a coordinate and a name), the plan's programs, the run's options, where the variables start, the state an elastic run keeps in memory, data sources and every role's data opener, evaluation, memory accounting, what a run reports, the one step loop |
-//! | roles | `trainer`, [`worker`], [`pipeline`] | what every role builds alike (the optimizer, the CUDA-graph capture state, a rehearsed failure), and the body of a step for each kind of rank: a worker's program per micro-batch (a CUDA graph's capture and replay is a mode of it), a pipeline stage's schedule |
+//! | roles | `trainer`, `hook`, [`worker`], [`pipeline`] | what every role builds alike (the optimizer, the CUDA-graph capture state, a rehearsed failure, the communication hook over its axes and the servers), and the body of a step for each kind of rank: a worker's program per micro-batch (a CUDA graph's capture and replay is a mode of it), a pipeline stage's schedule |
 //! | coordinator | [`coordinator`] | the one place a step report becomes a metrics line, and a run's report |
 //! | transport | [`train`] (threads), `mpi` (feature `mpi`, one rank per process) | spawning the roles the mesh gives, linking each axis, joining, the first error |
 //! | launch | [`launch`] | the one entry the CLI calls: the checks, the device, the transport |
@@ -12,6 +12,7 @@
 pub mod coordinator;
 pub mod data;
 pub mod eval;
+pub(crate) mod hook;
 pub mod launch;
 pub mod memory;
 pub mod mesh;

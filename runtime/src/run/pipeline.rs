@@ -26,106 +26,40 @@
 //! communicator, and to the same model rank of the neighbouring stages by the
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
-use crate::comm::collective::{collective, model_collective, op_label, Done};
-use crate::comm::{in_process, ByteCount, Communicator};
-use crate::comm::{AxisComms, Links};
+use crate::comm::{in_process, AxisComms, ByteCount, Communicator, Links};
 use crate::core::axis::Axis;
 use crate::core::backend::Site;
-use crate::core::backend::{
-    backend_error, upload_all, upload_micro_batches, Backend, OptimizerState,
-};
+use crate::core::backend::{backend_error, upload_all, upload_micro_batches, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{PeerKind, Result, RuntimeError};
-use crate::core::exec::{CommHook, Executor, Message, Pending};
+use crate::core::exec::{Executor, Message};
 use crate::core::schedule::Mode;
 use crate::core::shards::{Layout, Manifest};
 use crate::core::value::{Tensor, Value};
-use crate::cpu::Cpu;
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::data::DataSource;
 use crate::run::data::{open_data, open_source};
 use crate::run::eval::evaluate;
+use crate::run::hook::HostHook;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
-use crate::run::metrics::{EvalMetrics, PipelineStep, StageStep};
+use crate::run::metrics::{EvalMetrics, StageAccount, StepReport};
 use crate::run::options::{CheckpointEvery, TrainOptions};
 use crate::run::programs::Programs;
-use crate::run::state::{first_step, initial_values, resumed_slots};
+use crate::run::state::{carried_slots, cut_slots, first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
     assign_running, capture_failed, host_params, make_optimizer, Capture, Rehearsal,
 };
-use crate::run::worker::StepReport;
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
-use distc_ir::{Graph, NodeId, Op};
-use serde::{Deserialize, Serialize};
+use distc_ir::{Graph, Op};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// One stage's account of one step.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct StageReport {
-    stage: usize,
-    replica: usize,
-    /// Its rank on the model axis (0 without one).
-    #[serde(default)]
-    model_rank: usize,
-    pub(crate) step: usize,
-    /// The learning rate of this step's update.
-    #[serde(default)]
-    lr: Option<f64>,
-    /// Seconds its forwards and backwards ran.
-    busy_sec: f64,
-    /// The mean loss of the step's micro-batches, on the stage holding the loss.
-    loss: Option<f64>,
-    step_sec: f64,
-    comm_wait_sec: f64,
-    bytes_sent: u64,
-    bytes_received: u64,
-    /// Whether its messages to other stages went device to device.
-    #[serde(default)]
-    messages_on_device: bool,
-    /// Whether its step was a replay of its captured CUDA graph.
-    #[serde(default)]
-    cuda_graph: bool,
-    /// Its programs' collectives that run through the host.
-    #[serde(default)]
-    host_collectives: usize,
-    memory: MemoryByCategory,
-    /// Its device and that device's peak, where the backend knows it.
-    #[serde(default)]
-    peak: Option<crate::core::peak::DevicePeak>,
-    /// At a step with an evaluation (`eval_every`) or a checkpoint, replica 0's stages
-    /// hand over their variables (a copy), for the coordinator to evaluate the whole
-    /// model or write its training state.
-    #[serde(skip)]
-    pub(crate) params: Option<HashMap<String, Tensor>>,
-    /// At a checkpoint, replica 0's stages hand over the optimizer state of the
-    /// variables they update (a tied variable's holders leave it to its owner).
-    #[serde(skip)]
-    pub(crate) slots: Option<HashMap<String, Tensor>>,
-    /// At a sharded checkpoint, the stored names of what replica 0's stage wrote into
-    /// its shard, for the coordinator's manifest.
-    #[serde(default)]
-    pub(crate) shard: Option<Vec<String>>,
-}
-
-#[cfg(feature = "mpi")]
-impl StageReport {
-    /// The worker that sent it.
-    pub(crate) fn worker(&self, mesh: &Mesh) -> usize {
-        mesh.worker(crate::run::mesh::Coord {
-            replica: self.replica,
-            stage: self.stage,
-            model: self.model_rank,
-        })
-    }
-}
 
 /// What replica 0's stages hand the coordinator after a step that evaluates or writes
 /// the training state.
@@ -288,10 +222,10 @@ impl<'a> PipelineRun<'a> {
             .collect::<Result<Vec<_>>>()?;
         // A resumed state's slots of the split variables, cut as the variables are.
         let part_slots = (0..model_axis)
-            .map(|m| match (init, &whole_values, opts.resume.as_deref()) {
-                (Some(init), Some(values), Some(state)) => {
-                    part_slots(init, m, values, &split, state)
-                }
+            .map(|m| match (init, opts.resume.as_deref()) {
+                (Some(init), Some(state)) => cut_slots(init, state, |whole| {
+                    Ok(shard_for(init, m, whole)?.into_iter().collect())
+                }),
                 _ => Ok(HashMap::new()),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -584,10 +518,8 @@ impl<'a> PipelineRun<'a> {
                 samples_per_step: self.samples_per_step,
             },
             rehearsal: Rehearsal::of(opts, w, self.mesh.workers()),
-            hook: StageHook {
-                replicas: Some(replica_comm),
-                model: model_comm,
-            },
+            // A stage records its own spans: its hook traces nothing.
+            hook: HostHook::new(Some(replica_comm), model_comm, None, false),
             steps: &self.steps_of[s],
             forward: &graphs.forward,
             backward: &graphs.backward,
@@ -626,75 +558,6 @@ impl<'a> PipelineRun<'a> {
             config: config.clone(),
         }))
     }
-}
-
-/// The optimizer state of the variables no stage reads: a resumed state's, or what a
-/// fresh optimizer gives them (their step count left to the stages).
-fn carried_slots(
-    carried: &HashMap<String, Tensor>,
-    config: &RunConfig,
-    resume: Option<&TrainingState>,
-) -> Result<HashMap<String, Tensor>> {
-    if carried.is_empty() {
-        return Ok(HashMap::new());
-    }
-    let slots: Vec<(String, Tensor)> = match resume {
-        Some(state) => resumed_slots(state, carried, 1, 0).into_iter().collect(),
-        None => {
-            let mut cpu = Cpu;
-            let optimizer = cpu
-                .optimizer(&config.optimizer, &config.no_decay, carried)
-                .map_err(|e| backend_error("cpu", "creating the optimizer", e))?;
-            cpu.optimizer_state(&optimizer)
-                .map_err(|e| backend_error("cpu", "reading the optimizer state", e))?
-        }
-    };
-    Ok(slots
-        .into_iter()
-        .filter(|(key, _)| {
-            key.rsplit_once('/')
-                .is_some_and(|(var, _)| carried.contains_key(var))
-        })
-        .collect())
-}
-
-/// Model rank `m`'s part of each optimizer slot of the split variables in `state`: the
-/// init program run on the slots in place of their variables, so a slot is cut exactly
-/// as its variable is.
-fn part_slots(
-    init: &Graph,
-    m: usize,
-    whole: &HashMap<String, Tensor>,
-    split: &[(String, String, usize)],
-    state: &TrainingState,
-) -> Result<HashMap<String, Tensor>> {
-    let mut names: Vec<&str> = state
-        .optimizer
-        .keys()
-        .filter_map(|k| k.rsplit_once('/'))
-        .filter(|(var, _)| split.iter().any(|(_, w, _)| w == var))
-        .map(|(_, slot)| slot)
-        .collect();
-    names.sort_unstable();
-    names.dedup();
-    let mut out = HashMap::new();
-    for slot in names {
-        let mut values = whole.clone();
-        for (_, w, _) in split {
-            if let Some(t) = state.optimizer.get(&format!("{w}/{slot}")) {
-                values.insert(w.clone(), t.clone());
-            }
-        }
-        let cut = shard_for(init, m, &values)?;
-        for (part, w, _) in split {
-            if state.optimizer.contains_key(&format!("{w}/{slot}")) {
-                if let Some(t) = cut.get(part) {
-                    out.insert(format!("{part}/{slot}"), t.clone());
-                }
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// Model rank `m`'s part of the split variables: the init program's outputs, run on the
@@ -759,10 +622,7 @@ impl<B: Backend> Evaluator<'_, B> {
                     scope.spawn(move || -> Result<EvalMetrics> {
                         let mut exec = Executor::new(whole)?;
                         exec.set_model_rank(m);
-                        let mut hook = StageHook {
-                            replicas: None,
-                            model: Some(Box::new(comm)),
-                        };
+                        let mut hook = HostHook::new(None, Some(Box::new(comm)), None, false);
                         evaluate(&mut exec, p, data, config, step, Some(&mut hook))
                     })
                 })
@@ -782,155 +642,6 @@ impl<B: Backend> Evaluator<'_, B> {
             .into_iter()
             .next()
             .ok_or_else(|| RuntimeError::internal("evaluation", "no model rank evaluated"))
-    }
-}
-
-/// A stage's collectives, run where the executor starts them: among its replicas (a
-/// stage's gradients are ready only at its last backward, with nothing left to overlap),
-/// and among the model ranks of the stage.
-struct StageHook {
-    replicas: Option<Box<dyn Communicator>>,
-    model: Option<Box<dyn Communicator>>,
-}
-
-impl StageHook {
-    /// Bytes sent and received over its communicators.
-    fn bytes(&self) -> crate::comm::ByteCount {
-        let mut b = crate::comm::ByteCount::default();
-        for c in [&self.replicas, &self.model].into_iter().flatten() {
-            b = b + c.bytes();
-        }
-        b
-    }
-}
-
-impl CommHook for StageHook {
-    fn start_collective(
-        &mut self,
-        node: NodeId,
-        op: &Op,
-        v: Value,
-        step: u64,
-    ) -> Result<Box<dyn Pending>> {
-        let (comm, axis) = if op.is_model_collective() {
-            (&mut self.model, "model axis")
-        } else {
-            (&mut self.replicas, "replicas")
-        };
-        let Some(comm) = comm else {
-            return Err(RuntimeError::plan(format!(
-                "{op} in a pipeline stage without a communicator among its {axis}"
-            )));
-        };
-        let label = op_label(op, node, step);
-        let done = if op.is_model_collective() {
-            model_collective(&mut **comm, op, v, &label)?
-        } else {
-            comm.set_label(&label);
-            collective(&mut **comm, op, v)?
-        };
-        Ok(Box::new(Done(done)))
-    }
-
-    fn pull(&mut self, var: &str, _: &[(usize, usize, usize)], _: u64) -> Result<Tensor> {
-        Err(no_servers(var))
-    }
-
-    fn sparse_pull(
-        &mut self,
-        var: &str,
-        _: &[(usize, usize, usize)],
-        _: &Tensor,
-        _: u64,
-    ) -> Result<Tensor> {
-        Err(no_servers(var))
-    }
-
-    fn push(&mut self, var: &str, _: &[(usize, usize, usize)], _: Value, _: u64) -> Result<()> {
-        Err(no_servers(var))
-    }
-}
-
-fn no_servers(var: &str) -> RuntimeError {
-    RuntimeError::plan(format!(
-        "`{var}` is on a parameter server, which a pipelined plan does not have"
-    ))
-}
-
-/// One metrics line of a step from every stage's report: the loss stages' mean loss, the
-/// slowest stage's time, bytes and memory summed over the stages.
-pub(crate) fn combine(step: usize, reports: &[StageReport]) -> StepReport {
-    // One replica's stages (the first present: a rank's own line has its replica alone).
-    let shown = reports.iter().map(|r| r.replica).min().unwrap_or(0);
-    let lane = reports
-        .iter()
-        .filter(|r| r.replica == shown)
-        .map(|r| r.model_rank)
-        .min()
-        .unwrap_or(0);
-    let mut first: Vec<&StageReport> = reports
-        .iter()
-        .filter(|r| r.replica == shown && r.model_rank == lane)
-        .collect();
-    first.sort_by_key(|r| r.stage);
-    let stages: Vec<StageStep> = first
-        .iter()
-        .map(|r| StageStep {
-            busy_sec: r.busy_sec,
-            step_sec: r.step_sec,
-            activations: r.memory.activations,
-            held: r.memory.total(),
-            bytes_sent: r.bytes_sent,
-            bytes_received: r.bytes_received,
-            messages_on_device: r.messages_on_device,
-            host_collectives: r.host_collectives,
-            cuda_graph: r.cuda_graph,
-        })
-        .collect();
-    let longest = stages.iter().map(|s| s.step_sec).fold(0.0, f64::max);
-    let busy: f64 = stages.iter().map(|s| s.busy_sec).sum();
-    // A replayed stage's busy time is its whole replay, waits included: no bubble.
-    let bubble = if stages.iter().any(|s| s.cuda_graph) {
-        None
-    } else if longest > 0.0 {
-        Some((1.0 - busy / (stages.len() as f64 * longest)).max(0.0))
-    } else {
-        Some(0.0)
-    };
-    let losses: Vec<f64> = reports.iter().filter_map(|r| r.loss).collect();
-    let loss = if losses.is_empty() {
-        f64::NAN
-    } else {
-        losses.iter().sum::<f64>() / losses.len() as f64
-    };
-    let slowest = reports
-        .iter()
-        .max_by(|a, b| a.step_sec.total_cmp(&b.step_sec));
-    let sum = |f: fn(&StageReport) -> u64| reports.iter().map(f).sum::<u64>();
-    let memory = MemoryByCategory {
-        params: sum(|r| r.memory.params),
-        gradients: sum(|r| r.memory.gradients),
-        optimizer: sum(|r| r.memory.optimizer),
-        activations: sum(|r| r.memory.activations),
-        comm_buffers: sum(|r| r.memory.comm_buffers),
-    };
-    StepReport {
-        rank: 0,
-        step,
-        loss,
-        step_sec: slowest.map_or(0.0, |r| r.step_sec),
-        comm_wait_sec: slowest.map_or(0.0, |r| r.comm_wait_sec),
-        bytes_sent: sum(|r| r.bytes_sent),
-        bytes_received: sum(|r| r.bytes_received),
-        bytes_moved: sum(|r| r.bytes_sent),
-        eval: None,
-        memory,
-        device_memory: None,
-        pipeline: Some(PipelineStep { bubble, stages }),
-        loss_scale: None,
-        cuda_graph: !reports.is_empty() && reports.iter().all(|r| r.cuda_graph),
-        lr: first.first().and_then(|r| r.lr),
-        peaks: reports.iter().filter_map(|r| r.peak.clone()).collect(),
     }
 }
 
@@ -969,7 +680,7 @@ pub(crate) struct Stage<'a> {
     elastic: Elastic,
     /// The failure it rehearses, if any (`--fail-worker`).
     rehearsal: Rehearsal,
-    hook: StageHook,
+    hook: HostHook,
     steps: &'a [Step],
     forward: &'a Graph,
     backward: &'a Graph,
@@ -990,8 +701,8 @@ impl Stage<'_> {
     /// summed over the model ranks, a whole variable counted once), then summed over
     /// the stages of the replica.
     fn global_norm(&mut self, names: &[&str], squares: &[f64], step: usize) -> Result<f64> {
-        let parts = self.hook.model.as_ref().map_or(1, |c| c.size());
-        let (mut whole, mut chunks, mut chunked) = (0.0, [0.0], false);
+        let parts = self.hook.model_parts();
+        let (mut whole, mut chunks, mut chunked) = (0.0, 0.0, false);
         for (n, s) in names.iter().zip(squares) {
             let base = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX);
             let v = if base.unwrap_or(n).ends_with(distc_ir::MODEL_SHARD_SUFFIX) {
@@ -1001,31 +712,24 @@ impl Stage<'_> {
             };
             match base {
                 Some(_) => {
-                    chunks[0] += v;
+                    chunks += v;
                     chunked = true;
                 }
                 None => whole += v,
             }
         }
-        if let (true, Some(replicas)) = (chunked, self.hook.replicas.as_mut()) {
-            replicas.set_label(&format!(
-                "stage {}, step {step}: clip_norm's sum over the replicas",
-                self.stage
-            ));
-            replicas.all_reduce_f64(&mut chunks, false)?;
+        let stage = self.stage;
+        let label = |over: &str| format!("stage {stage}, step {step}: clip_norm's sum over {over}");
+        if chunked {
+            chunks = self
+                .hook
+                .sum_f64(Axis::Data, vec![chunks], label("the replicas"))?[0];
         }
-        let mut own = [whole + chunks[0]];
-        if let Some(model) = self.hook.model.as_mut() {
-            model.set_label(&format!(
-                "stage {}, step {step}: clip_norm's sum over the model axis",
-                self.stage
-            ));
-            model.all_reduce_f64(&mut own, false)?;
-        }
-        self.comm.set_label(&format!(
-            "stage {}, step {step}: clip_norm's sum over the stages",
-            self.stage
-        ));
+        let own = self
+            .hook
+            .sum_f64(Axis::Model, vec![whole + chunks], label("the model axis"))?;
+        let mut own = [own[0]];
+        self.comm.set_label(&label("the stages"));
         self.comm.all_reduce_f64(&mut own, false)?;
         Ok(own[0].max(0.0).sqrt())
     }
@@ -1134,30 +838,11 @@ impl Stage<'_> {
                 continue;
             };
             let (name, dim) = (name.clone(), *dim);
-            let Some(comm) = self.hook.model.as_mut() else {
-                return Err(RuntimeError::plan(format!(
-                    "`{var}` is split over a model axis this stage has no communicator for"
-                )));
-            };
             let Some(t) = slots.remove(&key) else {
                 continue;
             };
-            let gather = Op::ModelGather {
-                dim,
-                parts: comm.size(),
-            };
-            let label = format!("the gathering of `{name}/{slot}` from the stage's model ranks");
-            match model_collective(&mut **comm, &gather, Value::Tensor(t), &label)? {
-                Value::Tensor(w) => {
-                    slots.insert(format!("{name}/{slot}"), w);
-                }
-                v => {
-                    return Err(RuntimeError::plan(format!(
-                        "gathering `{key}` gave {}",
-                        v.value_type()
-                    )))
-                }
-            }
+            let w = self.hook.gather_model(t, dim, &format!("{name}/{slot}"))?;
+            slots.insert(format!("{name}/{slot}"), w);
         }
         Ok(slots)
     }
@@ -1171,29 +856,9 @@ impl Stage<'_> {
     ) -> Result<HashMap<String, Tensor>> {
         let mut out = host_params(backend, params)?;
         for (part, name, dim) in &self.split {
-            let Some(comm) = self.hook.model.as_mut() else {
-                return Err(RuntimeError::plan(format!(
-                    "`{part}` is split over a model axis this stage has no communicator for"
-                )));
-            };
-            let Some(t) = out.remove(part) else {
-                continue;
-            };
-            let gather = Op::ModelGather {
-                dim: *dim,
-                parts: comm.size(),
-            };
-            let label = format!("the gathering of `{name}` from the stage's model ranks");
-            match model_collective(&mut **comm, &gather, Value::Tensor(t), &label)? {
-                Value::Tensor(w) => {
-                    out.insert(name.clone(), w);
-                }
-                v => {
-                    return Err(RuntimeError::plan(format!(
-                        "gathering `{part}` gave {}",
-                        v.value_type()
-                    )))
-                }
+            if let Some(t) = out.remove(part) {
+                let w = self.hook.gather_model(t, *dim, name)?;
+                out.insert(name.clone(), w);
             }
         }
         Ok(out)
@@ -1303,7 +968,7 @@ fn message_name(from: usize, tag: &str, micro: usize) -> String {
 impl<'a> Stage<'a> {
     /// Bytes the stage has moved: its messages, its collectives through the host, and
     /// its backends' collectives (NCCL's).
-    fn bytes<B: Backend>(&self, fwd: &mut Executor<B>, bwd: &mut Executor<B>) -> ByteCount {
+    fn bytes<B: Backend>(&mut self, fwd: &mut Executor<B>, bwd: &mut Executor<B>) -> ByteCount {
         self.comm.bytes()
             + self.hook.bytes()
             + fwd.backend().collective_bytes()
@@ -1321,7 +986,7 @@ impl<'a> Stage<'a> {
         &mut self,
         make: &dyn Fn(Site<'_>, Links<'_>) -> Result<B>,
         config: &RunConfig,
-        report: &mut dyn FnMut(StageReport) -> Result<()>,
+        report: &mut dyn FnMut(StepReport) -> Result<()>,
     ) -> Result<StageOutcome> {
         let (forward, backward) = (self.forward, self.backward);
         let mut made = |program, beside| {
@@ -1330,16 +995,7 @@ impl<'a> Stage<'a> {
                 program,
                 beside,
             };
-            let mut links = Links::none().with(Axis::Pipe, &mut *self.comm);
-            for (axis, comm) in [
-                (Axis::Data, self.hook.replicas.as_mut()),
-                (Axis::Model, self.hook.model.as_mut()),
-            ] {
-                if let Some(c) = comm {
-                    links = links.with(axis, &mut **c);
-                }
-            }
-            make(site, links)
+            make(site, self.hook.links().with(Axis::Pipe, &mut *self.comm))
         };
         // The forward runs beside the backward, on its device: the variables and the
         // batch are uploaded once, for both.
@@ -1351,6 +1007,7 @@ impl<'a> Stage<'a> {
             Some(b) => b,
             None => made(forward, None)?,
         };
+        self.hook.start(&self.name)?;
         let mut fwd = Executor::with_backend(self.forward, forward_backend)?;
         fwd.set_train_outputs(false);
         fwd.set_model_rank(self.model_rank);
@@ -1470,7 +1127,7 @@ struct ScheduleRan {
 
 impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
     type Detail = ScheduleRan;
-    type Report = StageReport;
+    type Report = StepReport;
 
     fn learning_rate(&self) -> f64 {
         B::learning_rate(&self.optimizer, 0).unwrap_or_else(|| self.config.optimizer.lr())
@@ -1509,7 +1166,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         ran: Ran<ScheduleRan>,
         timed: Timed,
         lr: f64,
-    ) -> Result<StageReport> {
+    ) -> Result<StepReport> {
         let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
         let me = &mut *self.stage;
         let writes = due.shard && me.replica == 0;
@@ -1546,26 +1203,32 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         } else {
             None
         };
-        let report = StageReport {
-            params,
-            slots,
-            shard,
-            stage: me.stage,
-            replica: me.replica,
-            model_rank: me.model_rank,
-            busy_sec: ran.detail.busy,
+        let report = StepReport {
+            rank: me.worker,
             step,
-            lr: Some(lr),
-            loss: ran.loss,
+            loss: ran.loss.unwrap_or(f64::NAN),
             step_sec: timed.seconds(),
             comm_wait_sec: ran.detail.waited,
             bytes_sent: bytes.sent - self.last_bytes.sent,
             bytes_received: bytes.received - self.last_bytes.received,
-            messages_on_device: self.bwd.backend().sends_messages(),
-            cuda_graph: self.graph.replaying(),
-            host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
+            bytes_moved: bytes.sent - self.last_bytes.sent,
             memory: ran.memory,
-            peak: self.peak.clone(),
+            lr: Some(lr),
+            cuda_graph: self.graph.replaying(),
+            peaks: self.peak.iter().cloned().collect(),
+            stage: Some(StageAccount {
+                stage: me.stage,
+                replica: me.replica,
+                model_rank: me.model_rank,
+                busy_sec: ran.detail.busy,
+                holds_loss: self.has_loss,
+                messages_on_device: self.bwd.backend().sends_messages(),
+                host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
+            }),
+            params,
+            slots,
+            shard,
+            ..StepReport::default()
         };
         self.last_bytes = bytes;
         Ok(report)

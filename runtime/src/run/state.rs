@@ -2,6 +2,7 @@
 //! resumed state's (checked against the model), or weights from a file (`--init`).
 //! Every role starts here, so every layout starts from the same values.
 
+use crate::core::backend::{backend_error, OptimizerState};
 use crate::core::checkpoint::{TrainingState, STEP_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -253,4 +254,74 @@ pub(crate) fn resumed_slots(
         }
     }
     out
+}
+
+/// A resumed state's optimizer slots of the variables the init program cuts (into
+/// model-axis parts, and ZeRO chunks of them), cut exactly as the variables are: the
+/// program run once per slot by `cut`, on that slot's whole values in place of the
+/// variables' (zeros where the state has none), each part's slot kept where the state
+/// has its whole variable's. By the slot's key (`w1.tp/m`). Every rank of an axis runs
+/// it in the same order: `cut`'s collectives (broadcasts) are collectives.
+pub(crate) fn cut_slots(
+    init: &distc_ir::Graph,
+    state: &TrainingState,
+    mut cut: impl FnMut(&HashMap<String, Tensor>) -> Result<Vec<(String, Tensor)>>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut slots: Vec<&str> = state
+        .optimizer
+        .keys()
+        .filter_map(|k| k.rsplit_once('/').map(|(_, slot)| slot))
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    let mut out = HashMap::new();
+    for slot in slots {
+        let whole: HashMap<String, Tensor> = init
+            .params()
+            .into_iter()
+            .map(|(_, name, ty)| {
+                let t = state.optimizer.get(&format!("{name}/{slot}")).cloned();
+                (name.to_string(), t.unwrap_or_else(|| Tensor::zeros(ty)))
+            })
+            .collect();
+        for (name, t) in cut(&whole)? {
+            // A part, or a ZeRO chunk of a part.
+            let part = name.strip_suffix(ZERO_SHARD_SUFFIX).unwrap_or(&name);
+            let base = part.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX);
+            if base.is_some_and(|b| state.optimizer.contains_key(&format!("{b}/{slot}"))) {
+                out.insert(format!("{name}/{slot}"), t);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The optimizer state of the variables no stage reads: a resumed state's, or what a
+/// fresh optimizer gives them (their step count left to the stages).
+pub(crate) fn carried_slots(
+    carried: &HashMap<String, Tensor>,
+    config: &RunConfig,
+    resume: Option<&TrainingState>,
+) -> Result<HashMap<String, Tensor>> {
+    if carried.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let slots: Vec<(String, Tensor)> = match resume {
+        Some(state) => resumed_slots(state, carried, 1, 0).into_iter().collect(),
+        None => {
+            let mut cpu = crate::cpu::Cpu;
+            let optimizer = cpu
+                .optimizer(&config.optimizer, &config.no_decay, carried)
+                .map_err(|e| backend_error("cpu", "creating the optimizer", e))?;
+            cpu.optimizer_state(&optimizer)
+                .map_err(|e| backend_error("cpu", "reading the optimizer state", e))?
+        }
+    };
+    Ok(slots
+        .into_iter()
+        .filter(|(key, _)| {
+            key.rsplit_once('/')
+                .is_some_and(|(var, _)| carried.contains_key(var))
+        })
+        .collect())
 }

@@ -14,15 +14,14 @@
 //! the servers ([`PsClient::abort`]) and drops its communicator: waiting servers and
 //! peers fail in turn, and the first error recorded, the cause, is what the user sees.
 
-use crate::comm::collective::{collective, model_collective, op_label, Done};
-use crate::comm::{AxisComms, Links};
-use crate::comm::{ByteCount, Communicator};
+use crate::comm::collective::op_label;
+use crate::comm::{AxisComms, ByteCount, Links};
 use crate::core::axis::Axis;
 use crate::core::backend::{all_to_host, backend_error, upload_all, upload_micro_batches, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
-use crate::core::exec::{CommHook, Executor, Pending};
+use crate::core::exec::{CommHook, Executor};
 use crate::core::roles::Role;
 use crate::core::schedule::{MemoryUse, Mode};
 use crate::core::value::{Tensor, Value};
@@ -30,12 +29,14 @@ use crate::cpu::Cpu;
 use crate::ps::{PsClient, PsSync};
 use crate::run::data::DataSource;
 use crate::run::eval::evaluate;
+use crate::run::hook::{HostHook, Traced};
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
+pub use crate::run::metrics::StepReport;
 use crate::run::metrics::{EvalMetrics, Profile};
 use crate::run::options::TrainOptions;
 use crate::run::programs::Programs;
-use crate::run::state::{first_step, initial_values, resumed_slots};
+use crate::run::state::{cut_slots, first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
@@ -43,53 +44,9 @@ use crate::run::trainer::{
 };
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
-use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
-use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Duration, Instant};
-
-/// One worker's account of one step.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct StepReport {
-    /// The worker.
-    pub rank: usize,
-    /// 1-based step.
-    pub step: usize,
-    /// The loss of its batch.
-    pub loss: f64,
-    /// Seconds of the step (forward, backward, update, waits; data excluded).
-    pub step_sec: f64,
-    /// Seconds of it spent waiting for collectives and servers.
-    pub comm_wait_sec: f64,
-    /// Bytes sent (collectives, pushes, pulled ids).
-    pub bytes_sent: u64,
-    /// Bytes received (collectives, pulled values).
-    pub bytes_received: u64,
-    /// Collective bytes sent plus server bytes pushed and pulled.
-    pub bytes_moved: u64,
-    /// The evaluation run after this step, if one ran (worker 0).
-    pub eval: Option<EvalMetrics>,
-    /// What the worker held, by category (peaks of this step).
-    pub memory: MemoryByCategory,
-    /// Device memory in use after the step and its peak so far, bytes (GPU workers).
-    pub device_memory: Option<(u64, u64)>,
-    /// Per stage, of a pipelined run.
-    #[serde(default)]
-    pub pipeline: Option<crate::run::metrics::PipelineStep>,
-    /// fp16's loss scale after the step, and the steps skipped so far for overflow.
-    #[serde(default)]
-    pub loss_scale: Option<(f64, usize)>,
-    /// The learning rate of this step's update.
-    #[serde(default)]
-    pub lr: Option<f64>,
-    /// Whether the step was a replay of the worker's captured CUDA graph.
-    #[serde(default)]
-    pub cuda_graph: bool,
-    /// The devices the report's work ran on and their peaks (one for a worker, one per
-    /// stage for a pipeline's replica), where the backends know them.
-    #[serde(default)]
-    pub peaks: Vec<crate::core::peak::DevicePeak>,
-}
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 fn hung_up(e: &RuntimeError) -> bool {
     e.peer_kind() == Some(crate::core::error::PeerKind::HungUp)
@@ -159,32 +116,6 @@ pub struct WorkerOutcome {
     pub spans: Vec<Span>,
     /// Where its step time went, when profiling (worker 0).
     pub profile: Option<Profile>,
-}
-
-/// Where a worker blocked on which collective: `(node, step, start, end)`.
-type WaitSpans = Arc<Mutex<Vec<(NodeId, u64, Instant, Instant)>>>;
-
-/// A collective handed to the communication thread; `op` none: a barrier (its
-/// value comes back as it went).
-struct Request {
-    node: NodeId,
-    op: Option<Op>,
-    value: Value,
-    step: u64,
-    reply: mpsc::Sender<Result<Value>>,
-}
-
-struct Waiting(mpsc::Receiver<Result<Value>>);
-
-impl Pending for Waiting {
-    fn wait(self: Box<Self>) -> Result<Value> {
-        self.0.recv().map_err(|_| {
-            RuntimeError::internal(
-                "the communication thread",
-                "the communication thread stopped",
-            )
-        })?
-    }
 }
 
 /// fp16's dynamic loss scaling, as PyTorch's GradScaler: the backward pass starts
@@ -265,7 +196,7 @@ impl LossScaler {
 
 /// Whether every worker's gradients were finite: a flag summed over the data axis and
 /// the model axis.
-fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> {
+fn all_finite(hook: &mut HostHook, finite: bool, step: usize) -> Result<bool> {
     let flag = || {
         Value::Tensor(Tensor::F32(ArrayD::from_elem(
             IxDyn(&[1]),
@@ -283,11 +214,12 @@ fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> 
         .tensor()
         .and_then(Tensor::scalar_f64)
         .unwrap_or(1.0);
-    if let Some((comm, _)) = hook.model.as_mut() {
-        let parts = comm.size();
-        let op = Op::ModelAllReduce { parts };
+    if hook.has_model_axis() {
+        let op = Op::ModelAllReduce {
+            parts: hook.model_parts(),
+        };
         let label = op_label(&op, NodeId(u32::MAX), step as u64);
-        let over_model = model_collective(&mut **comm, &op, flag(), &label)?;
+        let over_model = hook.over_model(&op, flag(), &label)?;
         bad += over_model
             .tensor()
             .and_then(Tensor::scalar_f64)
@@ -303,13 +235,13 @@ fn all_finite(hook: &mut WorkerHook, finite: bool, step: usize) -> Result<bool> 
 /// (data axis, then model axis). Data parallelism alone needs no communication: every
 /// worker holds the whole averaged gradient.
 fn global_norm(
-    hook: &mut WorkerHook,
+    hook: &mut HostHook,
     names: &[&str],
     squares: &[f64],
     replicas: usize,
     step: usize,
 ) -> Result<f64> {
-    let parts = hook.model.as_ref().map_or(1, |(comm, _)| comm.size());
+    let parts = hook.model_parts();
     let chunked = |n: &str| n.ends_with(ZERO_SHARD_SUFFIX);
     let split = |n: &str| {
         n.strip_suffix(ZERO_SHARD_SUFFIX)
@@ -341,11 +273,12 @@ fn global_norm(
         .tensor()
         .and_then(Tensor::scalar_f64)
         .unwrap_or(f64::NAN);
-    if let Some((comm, _)) = hook.model.as_mut() {
+    if hook.has_model_axis() {
         let op = Op::ModelAllReduce { parts };
         let label = op_label(&op, NodeId(u32::MAX), step as u64);
         let part = Value::Tensor(Tensor::F32(ArrayD::from_elem(IxDyn(&[1]), total as f32)));
-        total = model_collective(&mut **comm, &op, part, &label)?
+        total = hook
+            .over_model(&op, part, &label)?
             .tensor()
             .and_then(Tensor::scalar_f64)
             .unwrap_or(f64::NAN);
@@ -371,276 +304,6 @@ fn set_ranks<B: Backend>(
     exec.set_model_rank(model_rank);
 }
 
-/// A collective as the communication thread ran it.
-struct CommSpan {
-    node: NodeId,
-    op: &'static str,
-    step: u64,
-    bytes: u64,
-    start: Instant,
-    end: Instant,
-}
-
-/// The communication thread: runs collectives in program order, timing each.
-fn comm_thread(
-    mut comm: Box<dyn Communicator>,
-    rx: mpsc::Receiver<Request>,
-    spans: mpsc::Sender<CommSpan>,
-    bytes: mpsc::Sender<ByteCount>,
-) {
-    for req in rx {
-        let Some(op) = req.op else {
-            comm.set_label(&format!("the barrier after step {}'s evaluation", req.step));
-            let _ = req.reply.send(comm.barrier().map(|()| req.value));
-            continue;
-        };
-        comm.set_label(&op_label(&op, req.node, req.step));
-        let before = comm.bytes();
-        let start = Instant::now();
-        let r = collective(comm.as_mut(), &op, req.value);
-        let end = Instant::now();
-        let after = comm.bytes();
-        let _ = spans.send(CommSpan {
-            node: req.node,
-            op: op.mnemonic(),
-            step: req.step,
-            bytes: after.sent - before.sent,
-            start,
-            end,
-        });
-        let _ = bytes.send(after);
-        let _ = req.reply.send(r);
-    }
-}
-
-/// A node the executor ran, as a trace records it.
-struct NodeSpan {
-    node: NodeId,
-    op: &'static str,
-    step: u64,
-    start: Instant,
-    end: Instant,
-    /// Timed between two marks on the device (the kernels), not by the host.
-    on_device: bool,
-}
-
-/// A worker's view of the others and the servers, for the executor.
-struct WorkerHook {
-    to_comm: mpsc::Sender<Request>,
-    ps: Option<PsClient>,
-    trace: bool,
-    /// The step running, for spans.
-    step: u64,
-    spans: Vec<NodeSpan>,
-    /// Time spent waiting for collectives and servers in the current step.
-    waited: Duration,
-    /// While tracing: where the worker blocked on which collective.
-    wait_spans: WaitSpans,
-    waited_shared: Arc<Mutex<Duration>>,
-    /// The model axis's communicator, and the bytes it had moved at the last report.
-    model: Option<(Box<dyn Communicator>, ByteCount)>,
-}
-
-impl WorkerHook {
-    /// Gives step `step`'s spans of the ops in `timed` the times the device ran them
-    /// at: each node's runs not yet timed, in the order they ran (a node runs once a
-    /// micro-batch, and again in an evaluation).
-    fn retime(&mut self, step: u64, timed: Vec<(NodeId, Instant, Instant)>) {
-        let mut runs: HashMap<NodeId, VecDeque<(Instant, Instant)>> = HashMap::new();
-        for (node, start, end) in timed {
-            runs.entry(node).or_default().push_back((start, end));
-        }
-        let from = self
-            .spans
-            .iter()
-            .rposition(|s| s.step != step)
-            .map_or(0, |i| i + 1);
-        for s in self.spans[from..].iter_mut().filter(|s| !s.on_device) {
-            if let Some((start, end)) = runs.get_mut(&s.node).and_then(VecDeque::pop_front) {
-                (s.start, s.end, s.on_device) = (start, end, true);
-            }
-        }
-    }
-
-    fn ps(&mut self) -> Result<&mut PsClient> {
-        self.ps.as_mut().ok_or_else(|| {
-            RuntimeError::plan("the plan pulls from parameter servers, but none were started")
-        })
-    }
-
-    /// Returns once every worker of the data axis has called it after step `step`
-    /// (through the communication thread, behind the collectives issued before).
-    fn barrier(&mut self, step: u64) -> Result<()> {
-        let (reply, rx) = mpsc::channel();
-        self.to_comm
-            .send(Request {
-                node: NodeId(u32::MAX),
-                op: None,
-                value: Value::Tensor(Tensor::F32(ArrayD::zeros(IxDyn(&[0])))),
-                step,
-                reply,
-            })
-            .map_err(|_| {
-                RuntimeError::internal(
-                    "the communication thread",
-                    "the communication thread stopped",
-                )
-            })?;
-        rx.recv()
-            .map_err(|_| {
-                RuntimeError::internal(
-                    "the communication thread",
-                    "the communication thread stopped",
-                )
-            })?
-            .map(|_| ())
-    }
-
-    /// The waits of the step so far, servers' and collectives' together.
-    fn take_waited(&mut self) -> Duration {
-        let collectives =
-            std::mem::take(&mut *self.waited_shared.lock().unwrap_or_else(|p| p.into_inner()));
-        std::mem::take(&mut self.waited) + collectives
-    }
-}
-
-impl CommHook for WorkerHook {
-    fn start_collective(
-        &mut self,
-        node: NodeId,
-        op: &Op,
-        v: Value,
-        step: u64,
-    ) -> Result<Box<dyn Pending>> {
-        if op.is_model_collective() {
-            // On the forward path, the next op reads it at once: nothing to overlap.
-            let Some((comm, _)) = self.model.as_mut() else {
-                return Err(RuntimeError::plan(format!(
-                    "{node} ({op}) runs over the model axis, and this worker has no \
-                     model-axis communicator"
-                )));
-            };
-            let start = Instant::now();
-            let v = model_collective(&mut **comm, op, v, &op_label(op, node, step))?;
-            self.waited += start.elapsed();
-            return Ok(Box::new(Done(v)));
-        }
-        let (reply, rx) = mpsc::channel();
-        self.to_comm
-            .send(Request {
-                node,
-                op: Some(op.clone()),
-                value: v,
-                step,
-                reply,
-            })
-            .map_err(|_| {
-                RuntimeError::internal(
-                    "the communication thread",
-                    "the communication thread stopped",
-                )
-            })?;
-        Ok(Box::new(TimedWait {
-            inner: Waiting(rx),
-            node,
-            step,
-            trace: self.trace,
-            spans: self.wait_spans.clone(),
-            waited: self.waited_shared.clone(),
-        }))
-    }
-    fn pull(&mut self, var: &str, shards: &[(usize, usize, usize)], step: u64) -> Result<Tensor> {
-        let start = Instant::now();
-        let r = self.ps()?.pull(var, shards, step);
-        self.waited += start.elapsed();
-        r
-    }
-    fn sparse_pull(
-        &mut self,
-        var: &str,
-        shards: &[(usize, usize, usize)],
-        ids: &Tensor,
-        step: u64,
-    ) -> Result<Tensor> {
-        let ids_dims = ids.shape().to_vec();
-        let ids: Vec<i32> = ids
-            .as_i32()
-            .ok_or_else(|| RuntimeError::plan(format!("sparse_pull of `{var}`: ids are not i32")))?
-            .iter()
-            .copied()
-            .collect();
-        let start = Instant::now();
-        let rows = self.ps()?.sparse_pull(var, shards, &ids, step);
-        self.waited += start.elapsed();
-        // The servers answer [ids, row...]; the program wants [ids dims..., row...].
-        let Tensor::F32(rows) = rows? else {
-            return Err(RuntimeError::plan(format!(
-                "sparse_pull of `{var}`: not f32"
-            )));
-        };
-        let mut dims = ids_dims;
-        dims.extend_from_slice(&rows.shape()[1..]);
-        let rows = rows
-            .into_shape_with_order(IxDyn(&dims))
-            .map_err(|e| RuntimeError::plan(format!("sparse_pull of `{var}`: {e}")))?;
-        Ok(Tensor::F32(rows))
-    }
-    fn push(
-        &mut self,
-        var: &str,
-        shards: &[(usize, usize, usize)],
-        grad: Value,
-        step: u64,
-    ) -> Result<()> {
-        let start = Instant::now();
-        let ps = self.ps()?;
-        let r = match &grad {
-            Value::Tensor(t) => ps.push(var, shards, t, step),
-            Value::Slices(s) => ps.sparse_push(var, shards, s, step),
-        };
-        self.waited += start.elapsed();
-        r
-    }
-    fn span(&mut self, node: NodeId, op: &'static str, start: Instant, end: Instant) {
-        if self.trace {
-            self.spans.push(NodeSpan {
-                node,
-                op,
-                step: self.step,
-                start,
-                end,
-                on_device: false,
-            });
-        }
-    }
-}
-
-/// Waits for a collective and adds the wait to the worker's communication wait.
-struct TimedWait {
-    inner: Waiting,
-    node: NodeId,
-    step: u64,
-    trace: bool,
-    spans: WaitSpans,
-    waited: Arc<Mutex<Duration>>,
-}
-
-impl Pending for TimedWait {
-    fn wait(self: Box<Self>) -> Result<Value> {
-        let start = Instant::now();
-        let r = Box::new(self.inner).wait();
-        let end = Instant::now();
-        *self.waited.lock().unwrap_or_else(|p| p.into_inner()) += end - start;
-        if self.trace {
-            self.spans
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((self.node, self.step, start, end));
-        }
-        r
-    }
-}
-
 /// The state a worker's steps share: the executor on the worker's backend, which
 /// holds the variables and the optimizer state.
 struct Loop<B: Backend> {
@@ -648,7 +311,7 @@ struct Loop<B: Backend> {
     params: HashMap<String, B::Tensor>,
     optimizer: B::Optimizer,
     profile: Profile,
-    bytes_rx: mpsc::Receiver<ByteCount>,
+    /// Its hook's bytes at the last reading.
     last: ByteCount,
     ps_last: (u64, u64),
     /// The backend's own communicator's bytes at the last reading.
@@ -681,31 +344,11 @@ pub fn run_worker_on<B: Backend>(
         t0,
         errors,
     } = setup;
-    let made = make(comms.links());
-    let comm = comms.require(Axis::Data, "a worker")?;
-    let model_comm = comms.take(Axis::Model);
-    let bytes_start = comm.bytes();
-    let (to_comm, comm_rx) = mpsc::channel::<Request>();
-    let (span_tx, span_rx) = mpsc::channel();
-    let (bytes_tx, bytes_rx) = mpsc::channel();
-    let comm_handle = std::thread::Builder::new()
-        .name(format!("worker-{rank}-comm"))
-        .spawn(move || comm_thread(comm, comm_rx, span_tx, bytes_tx))
-        .map_err(|e| RuntimeError::no_thread(format!("worker {rank}'s communication thread"), e))?;
-    let mut hook = WorkerHook {
-        to_comm,
-        ps,
-        trace: opts.trace,
-        step: 0,
-        spans: Vec::new(),
-        waited: Duration::ZERO,
-        wait_spans: Arc::new(Mutex::new(Vec::new())),
-        waited_shared: Arc::new(Mutex::new(Duration::ZERO)),
-        model: model_comm.map(|c| {
-            let b = c.bytes();
-            (c, b)
-        }),
-    };
+    let data_comm = comms.require(Axis::Data, "a worker")?;
+    let mut hook = HostHook::new(Some(data_comm), comms.take(Axis::Model), ps, opts.trace);
+    let made = make(hook.links());
+    hook.start(&format!("worker-{rank}"))?;
+    let bytes_start = hook.bytes();
     let mut state = None;
     let mut step_trace = StepTrace::default();
     let mut result = made.and_then(|backend| {
@@ -718,7 +361,7 @@ pub fn run_worker_on<B: Backend>(
             &mut data,
             &mut *report,
             &mut hook,
-            (bytes_rx, bytes_start),
+            bytes_start,
             &mut state,
             &mut step_trace,
         )
@@ -752,32 +395,21 @@ pub fn run_worker_on<B: Backend>(
             ps.abort(&message);
         }
         drop(hook);
-        let _ = comm_handle.join();
         return Err(copy.of_rank(format!("worker {rank}")));
     }
-    let WorkerHook {
-        to_comm,
-        spans: node_spans,
-        wait_spans,
-        ..
-    } = hook;
-    drop(to_comm);
-    let _ = comm_handle.join();
+    let traced = hook.finish();
     let Some(st) = state else {
         return Ok(WorkerOutcome::default());
     };
     let mut spans = Vec::new();
     if opts.trace {
-        let wait_spans = std::mem::take(&mut *wait_spans.lock().unwrap_or_else(|p| p.into_inner()));
         spans = step_trace.spans(&format!("worker {rank}"), t0);
         spans.extend(worker_spans(
             programs.worker,
             rank,
             t0,
             &step_trace.steps,
-            &node_spans,
-            &wait_spans,
-            span_rx.try_iter().collect(),
+            traced,
         ));
     }
     let profile = (opts.profile && rank == 0).then(|| Profile {
@@ -799,7 +431,7 @@ fn finalize(
     mesh: &Mesh,
     params: &mut HashMap<String, Tensor>,
     rank: usize,
-    hook: &mut WorkerHook,
+    hook: &mut HostHook,
 ) -> Result<()> {
     let mut exec = Executor::new(fin)?;
     set_ranks(&mut exec, mesh_ranks(mesh, rank), None);
@@ -822,8 +454,8 @@ fn train_worker<B: Backend>(
     (rank, mesh): (usize, &Mesh),
     data: &mut [DataSource],
     report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
-    hook: &mut WorkerHook,
-    (bytes_rx, bytes_start): (mpsc::Receiver<ByteCount>, ByteCount),
+    hook: &mut HostHook,
+    bytes_start: ByteCount,
     state: &mut Option<Loop<B>>,
     trace: &mut StepTrace,
 ) -> Result<()> {
@@ -863,7 +495,13 @@ fn train_worker<B: Backend>(
     let mut slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
     if let (Some(state), Some(init), Some(slots)) = (resume, programs.init, slots.as_mut()) {
         if mesh.model > 1 {
-            slots.extend(resumed_part_slots(init, state, ranks, hook)?);
+            let mut exec = Executor::new(init)?;
+            set_ranks(&mut exec, ranks, None);
+            slots.extend(cut_slots(init, state, |whole| {
+                let out =
+                    exec.run_with(&HashMap::new(), whole, Mode::Train, 0, Some(&mut *hook))?;
+                Ok(out.outputs.into_iter().collect())
+            })?);
         }
     }
     let params = upload_all(exec.backend(), params)?;
@@ -879,7 +517,6 @@ fn train_worker<B: Backend>(
             steps: steps + 1 - first,
             ..Profile::default()
         },
-        bytes_rx,
         last: bytes_start,
         ps_last: (0, 0),
         device_last: ByteCount::default(),
@@ -906,7 +543,7 @@ fn train_worker<B: Backend>(
         Some(t) => Some(LossScaler::from_tensor(t)?),
         None => Some(LossScaler::default()),
     };
-    let flags_agree = hook.model.is_none()
+    let flags_agree = !hook.has_model_axis()
         && programs
             .worker
             .params()
@@ -916,7 +553,7 @@ fn train_worker<B: Backend>(
     // captured step has for every axis it has collectives on: the model axis needs
     // one (ZeRO's data axis has its reduce-scatters).
     let flags_on_device = flags_agree
-        || hook.model.is_none()
+        || !hook.has_model_axis()
         || programs
             .worker
             .node_ids()
@@ -991,7 +628,7 @@ fn train_worker<B: Backend>(
 /// the step's captured CUDA graph.
 struct WorkerStep<'s, 'p, B: Backend> {
     st: &'s mut Loop<B>,
-    hook: &'s mut WorkerHook,
+    hook: &'s mut HostHook,
     data: &'s mut [DataSource],
     programs: &'s Programs<'p>,
     config: &'s RunConfig,
@@ -1365,6 +1002,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             lr: Some(lr),
             cuda_graph: self.graph.replaying(),
             peaks: self.peak.iter().cloned().collect(),
+            ..StepReport::default()
         })
     }
 }
@@ -1397,7 +1035,7 @@ fn capture_step<B: Backend>(
     step: usize,
     ranks: (usize, usize),
     unscale: Option<bool>,
-    hook: &mut WorkerHook,
+    hook: &mut HostHook,
 ) -> Result<GraphState> {
     let device = st.exec.backend().name();
     let backend = st.exec.backend();
@@ -1413,7 +1051,7 @@ fn capture_step<B: Backend>(
     }
     // Every micro-batch as the eager step runs them: the last communicates and hands
     // the gradients over.
-    let micro = |st: &mut Loop<B>, hook: &mut WorkerHook| {
+    let micro = |st: &mut Loop<B>, hook: &mut HostHook| {
         let mut last = None;
         for (m, fed) in feeds.iter().enumerate() {
             set_ranks(&mut st.exec, ranks, Some((k, m)));
@@ -1465,49 +1103,6 @@ fn reads_param(g: &distc_ir::Graph, name: &str) -> bool {
     g.params().iter().any(|(_, n, _)| *n == name)
 }
 
-/// The optimizer slots of a resumed state's variables that the init program splits
-/// over the model axis: the init program run once per slot, over the slot's whole
-/// values in place of the variables' (zeros where the state has none), as it splits the
-/// variables. By the slot's key (`w1.tp/m`). Every worker runs it, in the same order:
-/// the program's collectives (broadcasts) are collectives.
-fn resumed_part_slots(
-    init: &distc_ir::Graph,
-    state: &TrainingState,
-    ranks: (usize, usize),
-    hook: &mut WorkerHook,
-) -> Result<HashMap<String, Tensor>> {
-    let mut slots: Vec<&str> = state
-        .optimizer
-        .keys()
-        .filter_map(|k| k.rsplit_once('/').map(|(_, slot)| slot))
-        .collect();
-    slots.sort_unstable();
-    slots.dedup();
-    let mut out = HashMap::new();
-    let mut exec = Executor::new(init)?;
-    set_ranks(&mut exec, ranks, None);
-    for slot in slots {
-        let whole: HashMap<String, Tensor> = init
-            .params()
-            .into_iter()
-            .map(|(_, name, ty)| {
-                let t = state.optimizer.get(&format!("{name}/{slot}")).cloned();
-                (name.to_string(), t.unwrap_or_else(|| Tensor::zeros(ty)))
-            })
-            .collect();
-        let parts = exec.run_with(&HashMap::new(), &whole, Mode::Train, 0, Some(&mut *hook))?;
-        for (name, t) in parts.outputs {
-            // A part, or a ZeRO chunk of a part.
-            let part = name.strip_suffix(ZERO_SHARD_SUFFIX).unwrap_or(&name);
-            let base = part.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX);
-            if base.is_some_and(|b| state.optimizer.contains_key(&format!("{b}/{slot}"))) {
-                out.insert(format!("{name}/{slot}"), t);
-            }
-        }
-    }
-    Ok(out)
-}
-
 /// Writes the training state after `step`, as `due` says (to the file, sharded or
 /// whole; the run's last step). Whole: worker 0 writes its replicated
 /// variables and slots, the servers' rows and slots, and the ZeRO chunks and
@@ -1525,7 +1120,7 @@ fn save_training_state<B: Backend>(
     (rank, ranks, step): (usize, (usize, usize), usize),
     replicas: usize,
     scaler: Option<&LossScaler>,
-    hook: &mut WorkerHook,
+    hook: &mut HostHook,
 ) -> Result<()> {
     let device = st.exec.backend().name();
     let mut slots: HashMap<String, Tensor> = st
@@ -1683,7 +1278,7 @@ fn write_shard(
     tensors: HashMap<String, Tensor>,
     (rank, (data, model)): (usize, (usize, usize)),
     last: bool,
-    hook: &mut WorkerHook,
+    hook: &mut HostHook,
 ) -> Result<()> {
     use crate::core::shards;
     let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Plan)?;
@@ -1695,7 +1290,7 @@ fn write_shard(
         // two runs' shards.
         shards::clear_state_dir(&shards::step_dir(&c.path, index.step))?;
     }
-    every_worker_barrier(hook, index.step)?;
+    hook.barrier_all(index.step)?;
     if rank == 0 {
         c.commit_pending(Some(index.step))?;
         let mut keys: Vec<String> = tensors.keys().cloned().collect();
@@ -1719,7 +1314,7 @@ fn write_shard(
         last,
     )?;
     if last {
-        every_worker_barrier(hook, step)?;
+        hook.barrier_all(step)?;
         if rank == 0 {
             c.commit_pending(None)?;
         }
@@ -1727,41 +1322,18 @@ fn write_shard(
     Ok(())
 }
 
-/// Returns once every worker of the mesh has called it: the data axis's barrier,
-/// then the model axis's (each model rank's replicas are all there before the model
-/// ranks meet).
-fn every_worker_barrier(hook: &mut WorkerHook, step: u64) -> Result<()> {
-    hook.barrier(step)?;
-    if let Some((comm, _)) = hook.model.as_mut() {
-        comm.barrier()?;
-    }
-    Ok(())
-}
-
 /// Bytes moved since the last call: `(sent, received, moved)`.
-fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &mut WorkerHook) -> (u64, u64, u64) {
-    let mut now = st.last;
-    while let Ok(b) = st.bytes_rx.try_recv() {
-        now = b;
-    }
+fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &mut HostHook) -> (u64, u64, u64) {
+    // The model axis's collectives run on this thread, the data axis's on the hook's.
+    let now = hook.bytes();
     let ps_now = hook.ps.as_ref().map_or((0, 0), PsClient::bytes);
-    // The model axis's collectives run on this thread, beside the data axis's.
-    let model = match hook.model.as_mut() {
-        Some((c, last)) => {
-            let now = c.bytes();
-            let d = now - *last;
-            *last = now;
-            d
-        }
-        None => ByteCount::default(),
-    };
     let device_now = st.exec.backend().collective_bytes();
     let dd = device_now - st.device_last;
     st.device_last = device_now;
     let d = now - st.last;
     let d = ByteCount {
-        sent: d.sent + dd.sent + model.sent,
-        received: d.received + dd.received + model.received,
+        sent: d.sent + dd.sent,
+        received: d.received + dd.received,
     };
     // To servers: pushes and pulls' ids; from them: pulled values.
     let (to_ps, from_ps) = (ps_now.0 - st.ps_last.0, ps_now.1 - st.ps_last.1);
@@ -1780,10 +1352,13 @@ fn worker_spans(
     rank: usize,
     t0: Instant,
     step_spans: &[(u64, Timed)],
-    node_spans: &[NodeSpan],
-    wait_spans: &[(NodeId, u64, Instant, Instant)],
-    comm_spans: Vec<CommSpan>,
+    traced: Traced,
 ) -> Vec<Span> {
+    let Traced {
+        nodes: node_spans,
+        waits: wait_spans,
+        comms: comm_spans,
+    } = traced;
     let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
     let track = format!("worker {rank}");
     let span = |track: &str, name: String, node: Option<NodeId>, step, s, e| Span {
@@ -1802,7 +1377,7 @@ fn worker_spans(
     // Op groups: forward until the loss's gradient (autodiff's first `_grad` op),
     // backward until the executor returns, then the update.
     let mut backward_from: HashMap<u64, Instant> = HashMap::new();
-    for s in node_spans {
+    for s in &node_spans {
         if s.op.ends_with("_grad") {
             backward_from.entry(s.step).or_insert(s.start);
         }

@@ -22,15 +22,14 @@ use crate::core::backend::Site;
 use crate::core::config::RunConfig;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::value::Tensor;
-use crate::run::coordinator::{reporter, Coordinator, StageReports};
+use crate::run::coordinator::{combine, reporter, Coordinator, StageReports};
 use crate::run::mesh::{Coord, Mesh};
 use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
+use crate::run::metrics::StepReport;
 use crate::run::metrics::TrainReport;
 use crate::run::options::{MpiRun, TrainOptions};
-use crate::run::pipeline::{
-    combine, decode_params, encode_params, Handed, PipelineRun, StageReport,
-};
+use crate::run::pipeline::{decode_params, encode_params, Handed, PipelineRun};
 use crate::run::programs::Programs;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -68,7 +67,7 @@ pub(super) fn run_stage_rank<B: Backend>(
     let micro_batch = config.batch;
     let mut local = rank_metrics(mpi_run, rank)?;
     // This rank's own line: its stage's step (a micro-batch's samples per step's second).
-    let mut write_local = move |rep: &StageReport| -> Result<()> {
+    let mut write_local = move |rep: &StepReport| -> Result<()> {
         let Some(w) = local.as_mut() else {
             return Ok(());
         };
@@ -140,7 +139,7 @@ pub(super) fn run_stage_rank<B: Backend>(
         }
         run.take_state(step, handed, &mut evaluator)
     };
-    let stage = |tx: mpsc::Sender<StageReport>| {
+    let stage = |tx: mpsc::Sender<StepReport>| {
         let mut to_coordinator = reporter(tx);
         me.run_on(make, config, &mut |rep| {
             write_local(&rep)?;

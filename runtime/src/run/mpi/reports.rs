@@ -8,40 +8,12 @@ use crate::comm::mpi::{Backoff, Comm, Outgoing, Since, TAG_REPORT};
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::run::mesh::Mesh;
-use crate::run::pipeline::StageReport;
-use crate::run::worker::StepReport;
+use crate::run::metrics::StepReport;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::time::Duration;
-
-/// What rank 0's drain reads of a report: who sent it and which step it is.
-pub(super) trait Report: Serialize + DeserializeOwned + Send {
-    /// The worker that sent it, on `mesh`.
-    fn sender(&self, mesh: &Mesh) -> usize;
-    fn step(&self) -> usize;
-}
-
-impl Report for StepReport {
-    fn sender(&self, _: &Mesh) -> usize {
-        self.rank
-    }
-    fn step(&self) -> usize {
-        self.step
-    }
-}
-
-impl Report for StageReport {
-    fn sender(&self, mesh: &Mesh) -> usize {
-        self.worker(mesh)
-    }
-    fn step(&self) -> usize {
-        self.step
-    }
-}
 
 /// The one stall policy of rank 0's coordinator, for every kind of plan: a worker that
 /// sends no step report for longer than the timeout while another reports (or after
@@ -143,7 +115,7 @@ impl ToRank0 {
         ctl: &Comm,
         step: usize,
         ahead: Vec<(i32, Vec<u8>)>,
-        report: &impl Report,
+        report: &StepReport,
     ) -> Result<()> {
         let bytes = serde_json::to_vec(report)
             .map_err(|e| RuntimeError::internal("the step report", e.to_string()))?;
@@ -187,14 +159,14 @@ impl ToRank0 {
 /// channel `role` is given; the others' as MPI messages. The coordinator's errors and a
 /// stall stop the job at once: returning would wait for the own role, which may be
 /// waiting on the rank at fault. The own role's error ends the drain with that error.
-pub(super) fn drain_on_rank0<R: Report, O: Send>(
+pub(super) fn drain_on_rank0<O: Send>(
     name: &str,
     mesh: &Mesh,
     ctl: &Comm,
     (steps, done): (usize, usize),
     timeout: Duration,
-    role: impl FnOnce(mpsc::Sender<R>) -> Result<O> + Send,
-    sink: &mut dyn FnMut(R) -> Result<()>,
+    role: impl FnOnce(mpsc::Sender<StepReport>) -> Result<O> + Send,
+    sink: &mut dyn FnMut(StepReport) -> Result<()>,
 ) -> Result<O> {
     let workers = mesh.workers();
     let stop = |e: RuntimeError| -> ! {
@@ -207,7 +179,7 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
             code,
         )
     };
-    let (tx, rx) = mpsc::channel::<R>();
+    let (tx, rx) = mpsc::channel::<StepReport>();
     let panicked = || RuntimeError::internal(name, format!("{name} panicked"));
     std::thread::scope(|scope| -> Result<O> {
         let handle = std::thread::Builder::new()
@@ -220,14 +192,14 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
         let (mut received, expected) = (0, steps * workers);
         let mut backoff = Backoff(0);
         while received < expected {
-            let mut got: Vec<R> = rx.try_iter().collect();
+            let mut got: Vec<StepReport> = rx.try_iter().collect();
             if let Some((msg, st)) = ctl
                 .0
                 .any_process()
                 .immediate_matched_probe_with_tag(TAG_REPORT)
             {
                 let (bytes, st) = (msg, st).matched_receive_vec::<u8>();
-                match serde_json::from_slice::<R>(&bytes) {
+                match serde_json::from_slice::<StepReport>(&bytes) {
                     Ok(rep) => got.push(rep),
                     Err(e) => stop(RuntimeError::Peer {
                         rank: 0,
@@ -252,7 +224,7 @@ pub(super) fn drain_on_rank0<R: Report, O: Send>(
             }
             backoff = Backoff(0);
             for rep in got {
-                stalls.heard(rep.sender(mesh), rep.step());
+                stalls.heard(rep.rank, rep.step);
                 received += 1;
                 if let Err(e) = sink(rep) {
                     stop(e);
