@@ -22,11 +22,11 @@ const RUN_LAYERS: &[(&str, &[&str])] = &[
     (
         "base",
         &[
-            "mesh", "programs", "options", "state", "snapshot", "data", "eval", "memory",
+            "mesh", "programs", "options", "hook", "state", "snapshot", "data", "eval", "memory",
             "metrics", "trace", "steps",
         ],
     ),
-    ("roles", &["trainer", "hook", "worker", "pipeline"]),
+    ("roles", &["trainer", "worker", "pipeline"]),
     ("coordinator", &["coordinator"]),
     ("transport", &["train", "mpi"]),
     ("launch", &["launch"]),

@@ -1,6 +1,7 @@
 //! Evaluation of a model's variables on the held-out data: the one function every
 //! role (a worker, a pipeline's evaluator) runs.
 
+use crate::comm::in_process;
 use crate::core::backend::{upload_all, Backend};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -8,7 +9,10 @@ use crate::core::exec::{CommHook, Executor};
 use crate::core::schedule::Mode;
 use crate::core::value::Tensor;
 use crate::run::data::DataSource;
+use crate::run::hook::HostHook;
 use crate::run::metrics::EvalMetrics;
+use crate::run::state::model_part;
+use distc_ir::Graph;
 use std::collections::HashMap;
 
 /// Refuses, before step 1, held-out data of less than one batch: the evaluation after
@@ -291,5 +295,77 @@ fn padded_rows(all: &[f64], from: usize, len: usize, ty: &distc_ir::TensorType) 
             ndarray::ArrayD::from_shape_vec(dims, v.into_iter().map(|x| x as f32).collect())
                 .unwrap_or_else(|_| ndarray::ArrayD::zeros(ndarray::IxDyn(ty.dims()))),
         ),
+    }
+}
+
+/// Evaluates the whole model on the held-out data: the one-device graph on the stages'
+/// kind of device, or on a model axis of T the sharded graph as T workers (threads of
+/// the host) on the variables' parts.
+pub(crate) struct Evaluator<'a, B: Backend> {
+    pub(crate) exec: Executor<B>,
+    pub(crate) whole: &'a Graph,
+    pub(crate) shard: Option<&'a Graph>,
+    pub(crate) model_axis: usize,
+    pub(crate) data: DataSource,
+    pub(crate) config: RunConfig,
+}
+
+impl<B: Backend> Evaluator<'_, B> {
+    /// The evaluation of `params` (whole) as of `step`.
+    pub(crate) fn evaluate(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        step: u64,
+    ) -> Result<EvalMetrics> {
+        let t = self.model_axis;
+        let Some(shard) = self.shard.filter(|_| t > 1) else {
+            let on_device = upload_all(self.exec.backend(), params.clone())?;
+            return evaluate(
+                &mut self.exec,
+                &on_device,
+                &self.data,
+                &self.config,
+                step,
+                None,
+            );
+        };
+        // Each model rank's variables: the replicated ones and its parts of the split.
+        let mut mine = Vec::with_capacity(t);
+        for m in 0..t {
+            let mut p = params.clone();
+            p.extend(model_part(shard, m, params)?);
+            mine.push(p);
+        }
+        let (whole, data, config) = (self.whole, &self.data, &self.config);
+        let mut results = Vec::new();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = in_process(t)
+                .into_iter()
+                .zip(&mine)
+                .enumerate()
+                .map(|(m, (comm, p))| {
+                    scope.spawn(move || -> Result<EvalMetrics> {
+                        let mut exec = Executor::new(whole)?;
+                        exec.set_model_rank(m);
+                        let mut hook = HostHook::new(None, Some(Box::new(comm)), None, false);
+                        evaluate(&mut exec, p, data, config, step, Some(&mut hook))
+                    })
+                })
+                .collect();
+            for h in handles {
+                results.push(h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::internal(
+                        "evaluation",
+                        "an evaluation thread panicked",
+                    ))
+                }));
+            }
+        });
+        // Every model rank computes the same metrics: rank 0's.
+        let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+        results
+            .into_iter()
+            .next()
+            .ok_or_else(|| RuntimeError::internal("evaluation", "no model rank evaluated"))
     }
 }

@@ -26,7 +26,7 @@
 //! communicator, and to the same model rank of the neighbouring stages by the
 //! pipeline's. Worker w is model rank w % T of stage (w / T) % P of replica w / (T P).
 
-use crate::comm::{in_process, AxisComms, ByteCount, Communicator, Links};
+use crate::comm::{AxisComms, ByteCount, Communicator, Links};
 use crate::core::axis::Axis;
 use crate::core::backend::Site;
 use crate::core::backend::{backend_error, upload_all, upload_micro_batches, Backend};
@@ -40,18 +40,20 @@ use crate::core::value::{Tensor, Value};
 use crate::ps::wire::{decode_values, encode_values};
 use crate::run::data::DataSource;
 use crate::run::data::{open_data, open_source};
-use crate::run::eval::evaluate;
+use crate::run::eval::Evaluator;
 use crate::run::hook::HostHook;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, StageAccount, StepReport};
 use crate::run::options::{CheckpointEvery, TrainOptions};
 use crate::run::programs::Programs;
-use crate::run::state::{carried_slots, cut_slots, first_step, initial_values, resumed_slots};
+use crate::run::state::{
+    carried_slots, cut_slots, first_step, initial_values, model_part, resumed_slots,
+};
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
-    assign_running, capture_failed, host_params, make_optimizer, Capture, Rehearsal,
+    assign_running, capture_failed, host_params, make_optimizer, squared_norm, Capture, Rehearsal,
 };
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
@@ -216,7 +218,7 @@ impl<'a> PipelineRun<'a> {
             .transpose()?;
         let parts = (0..model_axis)
             .map(|m| match (init, &whole_values) {
-                (Some(init), Some(values)) => shard_for(init, m, values),
+                (Some(init), Some(values)) => model_part(init, m, values),
                 _ => Ok(HashMap::new()),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -224,7 +226,7 @@ impl<'a> PipelineRun<'a> {
         let part_slots = (0..model_axis)
             .map(|m| match (init, opts.resume.as_deref()) {
                 (Some(init), Some(state)) => cut_slots(init, state, |whole| {
-                    Ok(shard_for(init, m, whole)?.into_iter().collect())
+                    Ok(model_part(init, m, whole)?.into_iter().collect())
                 }),
                 _ => Ok(HashMap::new()),
             })
@@ -560,91 +562,6 @@ impl<'a> PipelineRun<'a> {
     }
 }
 
-/// Model rank `m`'s part of the split variables: the init program's outputs, run on the
-/// whole variables (its cuts are local: no collective).
-fn shard_for(
-    init: &Graph,
-    m: usize,
-    whole: &HashMap<String, Tensor>,
-) -> Result<HashMap<String, Tensor>> {
-    let mut exec = Executor::new(init)?;
-    exec.set_model_rank(m);
-    let out = exec.run_with(&HashMap::new(), whole, Mode::Train, 0, None)?;
-    Ok(out.outputs.into_iter().collect())
-}
-
-/// Evaluates the whole model on the held-out data: the one-device graph on the stages'
-/// kind of device, or on a model axis of T the sharded graph as T workers (threads of
-/// the host) on the variables' parts.
-pub(crate) struct Evaluator<'a, B: Backend> {
-    exec: Executor<B>,
-    whole: &'a Graph,
-    shard: Option<&'a Graph>,
-    model_axis: usize,
-    data: DataSource,
-    config: RunConfig,
-}
-
-impl<B: Backend> Evaluator<'_, B> {
-    /// The evaluation of `params` (whole) as of `step`.
-    pub(crate) fn evaluate(
-        &mut self,
-        params: &HashMap<String, Tensor>,
-        step: u64,
-    ) -> Result<EvalMetrics> {
-        let t = self.model_axis;
-        let Some(shard) = self.shard.filter(|_| t > 1) else {
-            let on_device = upload_all(self.exec.backend(), params.clone())?;
-            return evaluate(
-                &mut self.exec,
-                &on_device,
-                &self.data,
-                &self.config,
-                step,
-                None,
-            );
-        };
-        // Each model rank's variables: the replicated ones and its parts of the split.
-        let mut mine = Vec::with_capacity(t);
-        for m in 0..t {
-            let mut p = params.clone();
-            p.extend(shard_for(shard, m, params)?);
-            mine.push(p);
-        }
-        let (whole, data, config) = (self.whole, &self.data, &self.config);
-        let mut results = Vec::new();
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = in_process(t)
-                .into_iter()
-                .zip(&mine)
-                .enumerate()
-                .map(|(m, (comm, p))| {
-                    scope.spawn(move || -> Result<EvalMetrics> {
-                        let mut exec = Executor::new(whole)?;
-                        exec.set_model_rank(m);
-                        let mut hook = HostHook::new(None, Some(Box::new(comm)), None, false);
-                        evaluate(&mut exec, p, data, config, step, Some(&mut hook))
-                    })
-                })
-                .collect();
-            for h in handles {
-                results.push(h.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::internal(
-                        "evaluation",
-                        "an evaluation thread panicked",
-                    ))
-                }));
-            }
-        });
-        // Every model rank computes the same metrics: rank 0's.
-        let results = results.into_iter().collect::<Result<Vec<_>>>()?;
-        results
-            .into_iter()
-            .next()
-            .ok_or_else(|| RuntimeError::internal("evaluation", "no model rank evaluated"))
-    }
-}
-
 /// One stage of one replica: a thread, or an MPI rank.
 pub(crate) struct Stage<'a> {
     /// Its worker's name on the mesh, for messages and trace tracks.
@@ -701,34 +618,9 @@ impl Stage<'_> {
     /// summed over the model ranks, a whole variable counted once), then summed over
     /// the stages of the replica.
     fn global_norm(&mut self, names: &[&str], squares: &[f64], step: usize) -> Result<f64> {
-        let parts = self.hook.model_parts();
-        let (mut whole, mut chunks, mut chunked) = (0.0, 0.0, false);
-        for (n, s) in names.iter().zip(squares) {
-            let base = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX);
-            let v = if base.unwrap_or(n).ends_with(distc_ir::MODEL_SHARD_SUFFIX) {
-                *s
-            } else {
-                s / parts as f64
-            };
-            match base {
-                Some(_) => {
-                    chunks += v;
-                    chunked = true;
-                }
-                None => whole += v,
-            }
-        }
         let stage = self.stage;
         let label = |over: &str| format!("stage {stage}, step {step}: clip_norm's sum over {over}");
-        if chunked {
-            chunks = self
-                .hook
-                .sum_f64(Axis::Data, vec![chunks], label("the replicas"))?[0];
-        }
-        let own = self
-            .hook
-            .sum_f64(Axis::Model, vec![whole + chunks], label("the model axis"))?;
-        let mut own = [own[0]];
+        let mut own = [squared_norm(&mut self.hook, names, squares, &label)?];
         self.comm.set_label(&label("the stages"));
         self.comm.all_reduce_f64(&mut own, false)?;
         Ok(own[0].max(0.0).sqrt())

@@ -6,7 +6,9 @@ use crate::core::backend::{backend_error, OptimizerState};
 use crate::core::checkpoint::{TrainingState, STEP_KEY};
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
+use crate::core::exec::Executor;
 use crate::core::init::init_param;
+use crate::core::schedule::Mode;
 use crate::core::value::Tensor;
 use crate::run::programs::{init_params, pulled_types, server_shards, trained_variables, Programs};
 use distc_ir::{TensorType, ZERO_SHARD_SUFFIX};
@@ -324,4 +326,17 @@ pub(crate) fn carried_slots(
                 .is_some_and(|(var, _)| carried.contains_key(var))
         })
         .collect())
+}
+
+/// Model rank `m`'s part of the split variables: the init program's outputs, run on the
+/// whole variables (its cuts are local: no collective).
+pub(crate) fn model_part(
+    init: &distc_ir::Graph,
+    m: usize,
+    whole: &HashMap<String, Tensor>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut exec = Executor::new(init)?;
+    exec.set_model_rank(m);
+    let out = exec.run_with(&HashMap::new(), whole, Mode::Train, 0, None)?;
+    Ok(out.outputs.into_iter().collect())
 }

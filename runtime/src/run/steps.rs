@@ -10,9 +10,12 @@
 
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
+use crate::run::hook::Traced;
 use crate::run::memory::MemoryByCategory;
 use crate::run::options::TrainOptions;
 use crate::run::trace::Span;
+use distc_ir::NodeId;
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// The learning-rate schedule's horizon: the plan's steps (the train block's), not
@@ -224,6 +227,88 @@ pub(crate) fn run_steps<Body: StepBody>(
         report(body.account(step, due, ran, timed, lr)?)?;
     }
     Ok(())
+}
+
+/// A worker's trace spans from what it recorded of its program `g`.
+pub(crate) fn worker_spans(
+    g: &distc_ir::Graph,
+    rank: usize,
+    t0: Instant,
+    step_spans: &[(u64, Timed)],
+    traced: Traced,
+) -> Vec<Span> {
+    let Traced {
+        nodes: node_spans,
+        waits: wait_spans,
+        comms: comm_spans,
+    } = traced;
+    let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
+    let track = format!("worker {rank}");
+    let span = |track: &str, name: String, node: Option<NodeId>, step, s, e| Span {
+        track: track.to_string(),
+        name,
+        node: node.map(|n: NodeId| n.to_string()),
+        types: node.map(|n| crate::run::trace::node_types(g, n)),
+        step,
+        bytes: None,
+        start_us: us(s),
+        dur_us: us(e) - us(s),
+        counters: Vec::new(),
+        on_device: false,
+    };
+    let mut spans: Vec<Span> = Vec::new();
+    // Op groups: forward until the loss's gradient (autodiff's first `_grad` op),
+    // backward until the executor returns, then the update.
+    let mut backward_from: HashMap<u64, Instant> = HashMap::new();
+    for s in &node_spans {
+        if s.op.ends_with("_grad") {
+            backward_from.entry(s.step).or_insert(s.start);
+        }
+    }
+    // Each step's own span is the loop's ([`StepTrace::spans`]).
+    for &(
+        step,
+        Timed {
+            start: s,
+            updating,
+            end: e,
+        },
+    ) in step_spans
+    {
+        let b = backward_from.get(&step).copied().unwrap_or(s);
+        spans.push(span(&track, "forward".into(), None, step, s, b));
+        spans.push(span(&track, "backward".into(), None, step, b, updating));
+        spans.push(span(&track, "update".into(), None, step, updating, e));
+    }
+    spans.extend(node_spans.iter().map(|n| {
+        // The worker only hands a collective to its comm thread.
+        let name = match n.op {
+            "all_reduce" | "all_gather" | "broadcast" => format!("issue {}", n.op),
+            op => op.to_string(),
+        };
+        Span {
+            on_device: n.on_device,
+            ..span(&track, name, Some(n.node), n.step, n.start, n.end)
+        }
+    }));
+    spans.extend(
+        wait_spans.iter().map(|&(node, step, s, e)| {
+            span(&track, format!("wait {node}"), Some(node), step, s, e)
+        }),
+    );
+    let comm_track = format!("worker {rank} comm");
+    spans.extend(comm_spans.into_iter().map(|c| Span {
+        bytes: Some(c.bytes),
+        ..span(
+            &comm_track,
+            format!("{} {}", c.op, c.node),
+            Some(c.node),
+            c.step,
+            c.start,
+            c.end,
+        )
+    }));
+    spans
 }
 
 #[cfg(test)]

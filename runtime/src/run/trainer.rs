@@ -1,16 +1,23 @@
 //! What every role's training builds alike, whatever its step's body: the optimizer
 //! (with its learning-rate schedule and a resumed state's slots), the state machine
-//! of capturing a step into a CUDA graph, a rehearsed failure, and the variables
-//! read back to the host. A worker and a pipeline stage differ in their
+//! of capturing a step into a CUDA graph, a rehearsed failure, fp16's loss scaler,
+//! the variables read back to the host, and the slot a run's first error is kept in. A worker and a pipeline stage differ in their
 //! `forward_backward` (micro-batches, or a schedule's instructions); these do not.
 
+use crate::core::axis::Axis;
 use crate::core::backend::{backend_error, Backend, KernelError};
+use crate::core::checkpoint::LOSS_SCALE_KEY;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
+use crate::core::roles::Role;
 use crate::core::value::Tensor;
+use crate::run::hook::HostHook;
 use crate::run::options::TrainOptions;
 use crate::run::snapshot::{rehearsed_loss, StateSlot};
+use distc_ir::{MODEL_SHARD_SUFFIX, ZERO_SHARD_SUFFIX};
+use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Eager steps before a training step is captured into a CUDA graph: they load
@@ -184,4 +191,234 @@ pub(crate) fn assign_running<B: Backend>(
     backend
         .assign(params, assigned)
         .map_err(|e| backend_error(&device, "writing the running statistics", e))
+}
+
+/// fp16's dynamic loss scaling, as PyTorch's GradScaler: the backward pass starts
+/// from `scale` (2^16 at first); a step whose gradients overflowed is skipped and halves
+/// it, and 2000 finite steps in a row double it.
+#[derive(Debug)]
+pub(crate) struct LossScaler {
+    pub(crate) scale: f64,
+    /// Finite steps since the scale last changed.
+    good: usize,
+    /// Steps skipped so far.
+    pub(crate) skipped: usize,
+}
+
+/// Finite steps in a row after which the loss scale doubles.
+pub const LOSS_SCALE_GROWTH_INTERVAL: usize = 2000;
+/// The first loss scale.
+pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
+
+impl Default for LossScaler {
+    fn default() -> LossScaler {
+        LossScaler {
+            scale: INITIAL_LOSS_SCALE,
+            good: 0,
+            skipped: 0,
+        }
+    }
+}
+
+impl LossScaler {
+    /// Its state as a training state keeps it ([`LOSS_SCALE_KEY`]).
+    pub(crate) fn to_tensor(&self) -> Tensor {
+        let v = vec![self.scale, self.good as f64, self.skipped as f64];
+        Tensor::F64(
+            ArrayD::from_shape_vec(IxDyn(&[3]), v).unwrap_or_else(|_| ArrayD::zeros(IxDyn(&[3]))),
+        )
+    }
+
+    /// The scaler a training state kept, checked: a positive finite scale, whole
+    /// counts.
+    pub(crate) fn from_tensor(t: &Tensor) -> Result<LossScaler> {
+        let bad = || {
+            RuntimeError::state(format!(
+                "the training state's `{LOSS_SCALE_KEY}` is not [scale, finite steps, skipped \
+                 steps]: the file is damaged or was edited"
+            ))
+        };
+        let Tensor::F64(a) = t else { return Err(bad()) };
+        let v: Vec<f64> = a.iter().copied().collect();
+        let count = |x: f64| (x >= 0.0 && x.fract() == 0.0 && x < 9e15).then_some(x as usize);
+        match v.as_slice() {
+            [scale, good, skipped] if scale.is_finite() && *scale > 0.0 => Ok(LossScaler {
+                scale: *scale,
+                good: count(*good)
+                    .filter(|g| *g < LOSS_SCALE_GROWTH_INTERVAL)
+                    .ok_or_else(bad)?,
+                skipped: count(*skipped).ok_or_else(bad)?,
+            }),
+            _ => Err(bad()),
+        }
+    }
+
+    /// The scale after a step whose gradients were (`finite`) or were not all finite.
+    pub(crate) fn after(&mut self, finite: bool) {
+        if finite {
+            self.good += 1;
+            if self.good == LOSS_SCALE_GROWTH_INTERVAL {
+                self.scale *= 2.0;
+                self.good = 0;
+            }
+        } else {
+            self.scale /= 2.0;
+            self.good = 0;
+            self.skipped += 1;
+        }
+    }
+}
+
+fn hung_up(e: &RuntimeError) -> bool {
+    e.peer_kind() == Some(crate::core::error::PeerKind::HungUp)
+}
+
+/// The first error of a run, with the role that hit it. Shared by every rank of a
+/// process; later errors (consequences: a peer hung up, a server aborted) are dropped.
+#[derive(Clone, Default)]
+pub struct ErrorSlot(Arc<Mutex<Option<(Role, RuntimeError)>>>);
+
+impl ErrorSlot {
+    /// Records `e` of `role` unless an error is already recorded, or replaces a peer's
+    /// hang-up recorded before it: a rank that fails closes its links as it fails, so
+    /// a peer can see it hang up and record that before the rank records its cause.
+    pub fn record(&self, role: Role, e: RuntimeError) {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let replace = match &*slot {
+            None => true,
+            Some((_, first)) => hung_up(first) && !hung_up(&e),
+        };
+        if replace {
+            *slot = Some((role, e));
+        }
+    }
+
+    /// The first error, once.
+    pub fn take(&self) -> Option<(Role, RuntimeError)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// The square of the whole gradient's norm from this rank's parts (`names` and their
+/// square sums), summed over the data and model axes (a pipeline stage then sums it
+/// over its stages): a whole variable's square sum counted once over the model axis, a
+/// model-axis part's as it is, a ZeRO chunk's summed over the replicas (which
+/// otherwise hold the same averaged gradients). Data parallelism alone needs no
+/// communication: every rank holds the whole averaged gradient. `label(axis)` names a
+/// sum over an axis for its errors.
+pub(crate) fn squared_norm(
+    hook: &mut HostHook,
+    names: &[&str],
+    squares: &[f64],
+    label: &dyn Fn(&str) -> String,
+) -> Result<f64> {
+    let split = |n: &str| {
+        n.strip_suffix(ZERO_SHARD_SUFFIX)
+            .unwrap_or(n)
+            .ends_with(MODEL_SHARD_SUFFIX)
+    };
+    let chunked = |n: &str| n.ends_with(ZERO_SHARD_SUFFIX);
+    if !names.iter().any(|n| chunked(n) || split(n)) {
+        return Ok(squares.iter().sum());
+    }
+    let parts = hook.model_parts() as f64;
+    let (mut whole, mut chunks) = (0.0, 0.0);
+    for (n, s) in names.iter().zip(squares) {
+        let v = if split(n) { *s } else { s / parts };
+        if chunked(n) {
+            chunks += v;
+        } else {
+            whole += v;
+        }
+    }
+    if names.iter().any(|n| chunked(n)) {
+        chunks = hook.sum_f64(Axis::Data, vec![chunks], label("the replicas"))?[0];
+    }
+    Ok(hook.sum_f64(Axis::Model, vec![whole + chunks], label("the model axis"))?[0])
+}
+
+#[cfg(test)]
+mod loss_scale_tests {
+    use super::{LossScaler, INITIAL_LOSS_SCALE, LOSS_SCALE_GROWTH_INTERVAL};
+    use crate::core::value::Tensor;
+    use ndarray::{ArrayD, IxDyn};
+
+    #[test]
+    fn a_kept_scaler_comes_back_as_it_was_and_a_damaged_one_is_refused() {
+        let mut s = LossScaler::default();
+        s.after(false);
+        s.after(true);
+        let back = LossScaler::from_tensor(&s.to_tensor()).expect("kept");
+        assert_eq!((back.scale, back.good, back.skipped), (s.scale, 1, 1));
+        let of =
+            |v: Vec<f64>| Tensor::F64(ArrayD::from_shape_vec(IxDyn(&[v.len()]), v).expect("shape"));
+        for bad in [
+            of(vec![0.0, 0.0, 0.0]),
+            of(vec![f64::INFINITY, 0.0, 0.0]),
+            of(vec![1024.0, 0.5, 0.0]),
+            of(vec![1024.0, LOSS_SCALE_GROWTH_INTERVAL as f64, 0.0]),
+            of(vec![1024.0, 0.0, -1.0]),
+            of(vec![1024.0, 0.0]),
+        ] {
+            assert!(LossScaler::from_tensor(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_overflow_halves_the_scale_and_2000_finite_steps_double_it() {
+        let mut s = LossScaler::default();
+        assert_eq!(s.scale, INITIAL_LOSS_SCALE);
+        s.after(false);
+        assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 1));
+        for _ in 0..LOSS_SCALE_GROWTH_INTERVAL - 1 {
+            s.after(true);
+        }
+        assert_eq!(s.scale, INITIAL_LOSS_SCALE / 2.0);
+        // An overflow restarts the count.
+        s.after(false);
+        for _ in 0..LOSS_SCALE_GROWTH_INTERVAL - 1 {
+            s.after(true);
+        }
+        assert_eq!(s.scale, INITIAL_LOSS_SCALE / 4.0);
+        s.after(true);
+        assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 2));
+    }
+}
+
+#[cfg(test)]
+mod error_slot_tests {
+    use super::ErrorSlot;
+    use crate::core::error::{PeerKind, RuntimeError};
+    use crate::core::roles::Role;
+
+    /// Regression (CI, pipeline_cli `a_stage_that_does_not_answer_in_time_is_named`):
+    /// stage 0 recorded stage 1's hang-up before stage 1 recorded its timeout, and the
+    /// run reported the hang-up.
+    #[test]
+    fn a_hang_up_recorded_first_gives_way_to_its_cause() {
+        let peer = |kind: PeerKind, message: &str| RuntimeError::Peer {
+            rank: 0,
+            peer: 1,
+            op: "recv".into(),
+            kind,
+            message: message.into(),
+        };
+        let timeout = || peer(PeerKind::TimedOut, "no message from rank 0 within 1µs");
+        let hang_up = || peer(PeerKind::HungUp, "peer rank 1 hung up during recv");
+        for (first, second) in [(hang_up(), timeout()), (timeout(), hang_up())] {
+            let slot = ErrorSlot::default();
+            slot.record(Role::Worker(0), first);
+            slot.record(Role::Worker(1), second);
+            let (_, e) = slot.take().expect("an error");
+            assert_eq!(e.peer_kind(), Some(PeerKind::TimedOut), "{e}");
+        }
+        // Two causes: the first stays.
+        let slot = ErrorSlot::default();
+        slot.record(Role::Worker(0), RuntimeError::plan("first"));
+        slot.record(Role::Worker(1), RuntimeError::plan("second"));
+        assert_eq!(
+            slot.take().expect("an error").1.to_string(),
+            "the plan: first"
+        );
+    }
 }

@@ -29,54 +29,24 @@ use crate::cpu::Cpu;
 use crate::ps::{PsClient, PsSync};
 use crate::run::data::DataSource;
 use crate::run::eval::evaluate;
-use crate::run::hook::{HostHook, Traced};
+use crate::run::hook::HostHook;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
-pub use crate::run::metrics::StepReport;
-use crate::run::metrics::{EvalMetrics, Profile};
+use crate::run::metrics::{EvalMetrics, Profile, StepReport};
 use crate::run::options::TrainOptions;
 use crate::run::programs::Programs;
 use crate::run::state::{cut_slots, first_step, initial_values, resumed_slots};
-use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
+use crate::run::steps::{run_steps, worker_spans, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
-    assign_running, capture_failed, host_params, make_optimizer, Capture, Rehearsal, WARMUP,
+    assign_running, capture_failed, host_params, make_optimizer, squared_norm, Capture, ErrorSlot,
+    LossScaler, Rehearsal, WARMUP,
 };
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
-
-fn hung_up(e: &RuntimeError) -> bool {
-    e.peer_kind() == Some(crate::core::error::PeerKind::HungUp)
-}
-
-/// The first error of a run, with the role that hit it. Shared by every rank of a
-/// process; later errors (consequences: a peer hung up, a server aborted) are dropped.
-#[derive(Clone, Default)]
-pub struct ErrorSlot(Arc<Mutex<Option<(Role, RuntimeError)>>>);
-
-impl ErrorSlot {
-    /// Records `e` of `role` unless an error is already recorded, or replaces a peer's
-    /// hang-up recorded before it: a rank that fails closes its links as it fails, so
-    /// a peer can see it hang up and record that before the rank records its cause.
-    pub fn record(&self, role: Role, e: RuntimeError) {
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let replace = match &*slot {
-            None => true,
-            Some((_, first)) => hung_up(first) && !hung_up(&e),
-        };
-        if replace {
-            *slot = Some((role, e));
-        }
-    }
-
-    /// The first error, once.
-    pub fn take(&self) -> Option<(Role, RuntimeError)> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-}
 
 /// Everything a worker needs: its rank, its data, its links to the others.
 pub struct WorkerSetup<'a> {
@@ -118,82 +88,6 @@ pub struct WorkerOutcome {
     pub profile: Option<Profile>,
 }
 
-/// fp16's dynamic loss scaling, as PyTorch's GradScaler: the backward pass starts
-/// from `scale` (2^16 at first); a step whose gradients overflowed is skipped and halves
-/// it, and 2000 finite steps in a row double it.
-#[derive(Debug)]
-pub(crate) struct LossScaler {
-    pub(crate) scale: f64,
-    /// Finite steps since the scale last changed.
-    good: usize,
-    /// Steps skipped so far.
-    pub(crate) skipped: usize,
-}
-
-/// Finite steps in a row after which the loss scale doubles.
-pub const LOSS_SCALE_GROWTH_INTERVAL: usize = 2000;
-/// The first loss scale.
-pub const INITIAL_LOSS_SCALE: f64 = 65536.0;
-
-impl Default for LossScaler {
-    fn default() -> LossScaler {
-        LossScaler {
-            scale: INITIAL_LOSS_SCALE,
-            good: 0,
-            skipped: 0,
-        }
-    }
-}
-
-impl LossScaler {
-    /// Its state as a training state keeps it ([`LOSS_SCALE_KEY`]).
-    pub(crate) fn to_tensor(&self) -> Tensor {
-        let v = vec![self.scale, self.good as f64, self.skipped as f64];
-        Tensor::F64(
-            ArrayD::from_shape_vec(IxDyn(&[3]), v).unwrap_or_else(|_| ArrayD::zeros(IxDyn(&[3]))),
-        )
-    }
-
-    /// The scaler a training state kept, checked: a positive finite scale, whole
-    /// counts.
-    pub(crate) fn from_tensor(t: &Tensor) -> Result<LossScaler> {
-        let bad = || {
-            RuntimeError::state(format!(
-                "the training state's `{LOSS_SCALE_KEY}` is not [scale, finite steps, skipped \
-                 steps]: the file is damaged or was edited"
-            ))
-        };
-        let Tensor::F64(a) = t else { return Err(bad()) };
-        let v: Vec<f64> = a.iter().copied().collect();
-        let count = |x: f64| (x >= 0.0 && x.fract() == 0.0 && x < 9e15).then_some(x as usize);
-        match v.as_slice() {
-            [scale, good, skipped] if scale.is_finite() && *scale > 0.0 => Ok(LossScaler {
-                scale: *scale,
-                good: count(*good)
-                    .filter(|g| *g < LOSS_SCALE_GROWTH_INTERVAL)
-                    .ok_or_else(bad)?,
-                skipped: count(*skipped).ok_or_else(bad)?,
-            }),
-            _ => Err(bad()),
-        }
-    }
-
-    /// The scale after a step whose gradients were (`finite`) or were not all finite.
-    pub(crate) fn after(&mut self, finite: bool) {
-        if finite {
-            self.good += 1;
-            if self.good == LOSS_SCALE_GROWTH_INTERVAL {
-                self.scale *= 2.0;
-                self.good = 0;
-            }
-        } else {
-            self.scale /= 2.0;
-            self.good = 0;
-            self.skipped += 1;
-        }
-    }
-}
-
 /// Whether every worker's gradients were finite: a flag summed over the data axis and
 /// the model axis.
 fn all_finite(hook: &mut HostHook, finite: bool, step: usize) -> Result<bool> {
@@ -226,64 +120,6 @@ fn all_finite(hook: &mut HostHook, finite: bool, step: usize) -> Result<bool> {
             .unwrap_or(1.0);
     }
     Ok(bad == 0.0)
-}
-
-/// The norm of the whole gradient from this worker's parts: each part's square sum
-/// divided by the workers holding the same part (a whole gradient is held by every
-/// data-parallel replica and every model-axis worker; a ZeRO chunk by its model-axis
-/// workers; a tensor-parallel part by its replicas), then summed over every worker
-/// (data axis, then model axis). Data parallelism alone needs no communication: every
-/// worker holds the whole averaged gradient.
-fn global_norm(
-    hook: &mut HostHook,
-    names: &[&str],
-    squares: &[f64],
-    replicas: usize,
-    step: usize,
-) -> Result<f64> {
-    let parts = hook.model_parts();
-    let chunked = |n: &str| n.ends_with(ZERO_SHARD_SUFFIX);
-    let split = |n: &str| {
-        n.strip_suffix(ZERO_SHARD_SUFFIX)
-            .unwrap_or(n)
-            .ends_with(distc_ir::MODEL_SHARD_SUFFIX)
-    };
-    if !names.iter().any(|n| chunked(n) || split(n)) {
-        return Ok(squares.iter().sum::<f64>().sqrt());
-    }
-    let own: f64 = names
-        .iter()
-        .zip(squares)
-        .map(|(n, s)| {
-            let over_data = if chunked(n) { 1 } else { replicas.max(1) };
-            let over_model = if split(n) { 1 } else { parts };
-            s / (over_data * over_model) as f64
-        })
-        .sum();
-    // Collectives carry f32 (every transport's type): the sums' relative error, 1e-7,
-    // moves the clip factor by as much.
-    let value = || Value::Tensor(Tensor::F32(ArrayD::from_elem(IxDyn(&[1]), own as f32)));
-    let sum = Op::AllReduce {
-        reduce: ReduceOp::Sum,
-        ranks_per_node: 0,
-    };
-    let mut total = hook
-        .start_collective(NodeId(u32::MAX), &sum, value(), step as u64)?
-        .wait()?
-        .tensor()
-        .and_then(Tensor::scalar_f64)
-        .unwrap_or(f64::NAN);
-    if hook.has_model_axis() {
-        let op = Op::ModelAllReduce { parts };
-        let label = op_label(&op, NodeId(u32::MAX), step as u64);
-        let part = Value::Tensor(Tensor::F32(ArrayD::from_elem(IxDyn(&[1]), total as f32)));
-        total = hook
-            .over_model(&op, part, &label)?
-            .tensor()
-            .and_then(Tensor::scalar_f64)
-            .unwrap_or(f64::NAN);
-    }
-    Ok(total.max(0.0).sqrt())
 }
 
 /// Worker `rank`'s place on the plan's mesh: `(data rank, model rank)`.
@@ -867,7 +703,11 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     .grad_squares(&grads)
                     .map_err(|e| backend_error(device, "measuring the gradient's norm", e))?;
                 let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
-                let norm = global_norm(hook, &names, &squares, self.replicas, step)?;
+                let label =
+                    |over: &str| format!("worker {rank}, step {step}: clip_norm's sum over {over}");
+                let norm = squared_norm(hook, &names, &squares, &label)?
+                    .max(0.0)
+                    .sqrt();
                 // As torch.nn.utils.clip_grad_norm_: scaled by max / (norm + 1e-6) when
                 // that is below 1.
                 let factor = max / (norm + 1e-6);
@@ -1344,172 +1184,4 @@ fn byte_deltas<B: Backend>(st: &mut Loop<B>, hook: &mut HostHook) -> (u64, u64, 
         d.received + from_ps,
         d.sent + to_ps + from_ps,
     )
-}
-
-/// A worker's trace spans from what it recorded of its program `g`.
-fn worker_spans(
-    g: &distc_ir::Graph,
-    rank: usize,
-    t0: Instant,
-    step_spans: &[(u64, Timed)],
-    traced: Traced,
-) -> Vec<Span> {
-    let Traced {
-        nodes: node_spans,
-        waits: wait_spans,
-        comms: comm_spans,
-    } = traced;
-    let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-    let track = format!("worker {rank}");
-    let span = |track: &str, name: String, node: Option<NodeId>, step, s, e| Span {
-        track: track.to_string(),
-        name,
-        node: node.map(|n: NodeId| n.to_string()),
-        types: node.map(|n| crate::run::trace::node_types(g, n)),
-        step,
-        bytes: None,
-        start_us: us(s),
-        dur_us: us(e) - us(s),
-        counters: Vec::new(),
-        on_device: false,
-    };
-    let mut spans: Vec<Span> = Vec::new();
-    // Op groups: forward until the loss's gradient (autodiff's first `_grad` op),
-    // backward until the executor returns, then the update.
-    let mut backward_from: HashMap<u64, Instant> = HashMap::new();
-    for s in &node_spans {
-        if s.op.ends_with("_grad") {
-            backward_from.entry(s.step).or_insert(s.start);
-        }
-    }
-    // Each step's own span is the loop's ([`StepTrace::spans`]).
-    for &(
-        step,
-        Timed {
-            start: s,
-            updating,
-            end: e,
-        },
-    ) in step_spans
-    {
-        let b = backward_from.get(&step).copied().unwrap_or(s);
-        spans.push(span(&track, "forward".into(), None, step, s, b));
-        spans.push(span(&track, "backward".into(), None, step, b, updating));
-        spans.push(span(&track, "update".into(), None, step, updating, e));
-    }
-    spans.extend(node_spans.iter().map(|n| {
-        // The worker only hands a collective to its comm thread.
-        let name = match n.op {
-            "all_reduce" | "all_gather" | "broadcast" => format!("issue {}", n.op),
-            op => op.to_string(),
-        };
-        Span {
-            on_device: n.on_device,
-            ..span(&track, name, Some(n.node), n.step, n.start, n.end)
-        }
-    }));
-    spans.extend(
-        wait_spans.iter().map(|&(node, step, s, e)| {
-            span(&track, format!("wait {node}"), Some(node), step, s, e)
-        }),
-    );
-    let comm_track = format!("worker {rank} comm");
-    spans.extend(comm_spans.into_iter().map(|c| Span {
-        bytes: Some(c.bytes),
-        ..span(
-            &comm_track,
-            format!("{} {}", c.op, c.node),
-            Some(c.node),
-            c.step,
-            c.start,
-            c.end,
-        )
-    }));
-    spans
-}
-
-#[cfg(test)]
-mod loss_scale_tests {
-    use super::{LossScaler, INITIAL_LOSS_SCALE, LOSS_SCALE_GROWTH_INTERVAL};
-    use crate::core::value::Tensor;
-    use ndarray::{ArrayD, IxDyn};
-
-    #[test]
-    fn a_kept_scaler_comes_back_as_it_was_and_a_damaged_one_is_refused() {
-        let mut s = LossScaler::default();
-        s.after(false);
-        s.after(true);
-        let back = LossScaler::from_tensor(&s.to_tensor()).expect("kept");
-        assert_eq!((back.scale, back.good, back.skipped), (s.scale, 1, 1));
-        let of =
-            |v: Vec<f64>| Tensor::F64(ArrayD::from_shape_vec(IxDyn(&[v.len()]), v).expect("shape"));
-        for bad in [
-            of(vec![0.0, 0.0, 0.0]),
-            of(vec![f64::INFINITY, 0.0, 0.0]),
-            of(vec![1024.0, 0.5, 0.0]),
-            of(vec![1024.0, LOSS_SCALE_GROWTH_INTERVAL as f64, 0.0]),
-            of(vec![1024.0, 0.0, -1.0]),
-            of(vec![1024.0, 0.0]),
-        ] {
-            assert!(LossScaler::from_tensor(&bad).is_err(), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn an_overflow_halves_the_scale_and_2000_finite_steps_double_it() {
-        let mut s = LossScaler::default();
-        assert_eq!(s.scale, INITIAL_LOSS_SCALE);
-        s.after(false);
-        assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 1));
-        for _ in 0..LOSS_SCALE_GROWTH_INTERVAL - 1 {
-            s.after(true);
-        }
-        assert_eq!(s.scale, INITIAL_LOSS_SCALE / 2.0);
-        // An overflow restarts the count.
-        s.after(false);
-        for _ in 0..LOSS_SCALE_GROWTH_INTERVAL - 1 {
-            s.after(true);
-        }
-        assert_eq!(s.scale, INITIAL_LOSS_SCALE / 4.0);
-        s.after(true);
-        assert_eq!((s.scale, s.skipped), (INITIAL_LOSS_SCALE / 2.0, 2));
-    }
-}
-
-#[cfg(test)]
-mod error_slot_tests {
-    use super::ErrorSlot;
-    use crate::core::error::{PeerKind, RuntimeError};
-    use crate::core::roles::Role;
-
-    /// Regression (CI, pipeline_cli `a_stage_that_does_not_answer_in_time_is_named`):
-    /// stage 0 recorded stage 1's hang-up before stage 1 recorded its timeout, and the
-    /// run reported the hang-up.
-    #[test]
-    fn a_hang_up_recorded_first_gives_way_to_its_cause() {
-        let peer = |kind: PeerKind, message: &str| RuntimeError::Peer {
-            rank: 0,
-            peer: 1,
-            op: "recv".into(),
-            kind,
-            message: message.into(),
-        };
-        let timeout = || peer(PeerKind::TimedOut, "no message from rank 0 within 1µs");
-        let hang_up = || peer(PeerKind::HungUp, "peer rank 1 hung up during recv");
-        for (first, second) in [(hang_up(), timeout()), (timeout(), hang_up())] {
-            let slot = ErrorSlot::default();
-            slot.record(Role::Worker(0), first);
-            slot.record(Role::Worker(1), second);
-            let (_, e) = slot.take().expect("an error");
-            assert_eq!(e.peer_kind(), Some(PeerKind::TimedOut), "{e}");
-        }
-        // Two causes: the first stays.
-        let slot = ErrorSlot::default();
-        slot.record(Role::Worker(0), RuntimeError::plan("first"));
-        slot.record(Role::Worker(1), RuntimeError::plan("second"));
-        assert_eq!(
-            slot.take().expect("an error").1.to_string(),
-            "the plan: first"
-        );
-    }
 }
