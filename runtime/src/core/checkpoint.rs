@@ -265,6 +265,22 @@ const STATE_FORMAT: &str = "distc-training-state";
 pub const MAX_STEP: u64 = 1 << 62;
 
 impl StateIndex {
+    /// The index of a state of `model` after `step`, its data at `samples`, saved by
+    /// `saved_by` with the optimizer `optimizer` describes; its lists of what it holds
+    /// are filled in as it is written.
+    pub fn at(model: &str, step: u64, samples: u64, saved_by: String, optimizer: String) -> Self {
+        StateIndex {
+            format: String::new(),
+            model: model.to_string(),
+            step,
+            samples,
+            saved_by,
+            optimizer,
+            variables: Vec::new(),
+            optimizer_state: Vec::new(),
+        }
+    }
+
     /// The kind of optimizer that wrote the state, as the DSL names it (`sgd`,
     /// `momentum`, `adam`, `lars`, `lamb`), read from its description (`Sgd { lr: 0.1,
     /// momentum: 0.9 }`); `None` when the description names none.

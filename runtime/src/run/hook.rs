@@ -32,8 +32,8 @@ pub(crate) type WaitSpan = (NodeId, u64, Instant, Instant);
 
 /// What the communication thread does for a request.
 enum Job {
-    /// An IR collective on the value.
-    Collective(Op, Value),
+    /// An IR collective on the value (boxed: the other requests are small).
+    Collective(Box<(Op, Value)>),
     /// A barrier of the axis; `step` names it.
     Barrier,
     /// A sum in f64 (a norm's parts), named by the label.
@@ -93,7 +93,7 @@ fn comm_thread(
 ) {
     for req in rx {
         let (op, value) = match req.job {
-            Job::Collective(op, value) => (op, value),
+            Job::Collective(job) => *job,
             Job::Barrier => {
                 comm.set_label(&format!("the barrier after step {}'s evaluation", req.step));
                 let empty = Value::Tensor(Tensor::F32(ArrayD::zeros(IxDyn(&[0]))));
@@ -445,7 +445,7 @@ impl CommHook for HostHook {
             let v = self.over_model(op, v, &op_label(op, node, step))?;
             return Ok(Box::new(Done(v)));
         }
-        let inner = self.send(node, Job::Collective(op.clone(), v), step)?;
+        let inner = self.send(node, Job::Collective(Box::new((op.clone(), v))), step)?;
         Ok(Box::new(TimedWait {
             inner,
             node,

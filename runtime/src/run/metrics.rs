@@ -420,10 +420,10 @@ mod tests {
             shard: Some(vec!["w".into()]),
             ..StepReport::default()
         };
-        let text = serde_json::to_string(&sent).unwrap();
-        let got: StepReport = serde_json::from_str(&text).unwrap();
+        let text = serde_json::to_string(&sent).expect("a report serialises");
+        let got: StepReport = serde_json::from_str(&text).expect("a report reads back");
         assert!(got.loss.is_nan(), "{text}");
-        let account = got.stage.unwrap();
+        let account = got.stage.expect("the stage's account came back");
         assert_eq!(
             (got.rank, got.step, account.stage, account.replica),
             (3, 7, 1, 1)
@@ -435,7 +435,8 @@ mod tests {
             ..StepReport::default()
         };
         let back: StepReport =
-            serde_json::from_str(&serde_json::to_string(&with_loss).unwrap()).unwrap();
+            serde_json::from_str(&serde_json::to_string(&with_loss).expect("serialises"))
+                .expect("reads back");
         assert_eq!(back.loss, 2.5);
     }
 }

@@ -347,16 +347,14 @@ impl<'a> PipelineRun<'a> {
 
     /// The index of the state after `step`, saved by `saved_by`.
     fn index(&self, step: usize, saved_by: String) -> StateIndex {
-        StateIndex {
-            format: String::new(),
-            model: self.model.clone(),
-            step: step as u64,
-            samples: (step * self.samples_per_step) as u64,
+        let samples = (step * self.samples_per_step) as u64;
+        StateIndex::at(
+            &self.model,
+            step as u64,
+            samples,
             saved_by,
-            optimizer: self.optimizer.clone(),
-            variables: Vec::new(),
-            optimizer_state: Vec::new(),
-        }
+            self.optimizer.clone(),
+        )
     }
 
     /// The whole model's variables that `has` says a state lacks (a split variable's

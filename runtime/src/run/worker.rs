@@ -984,17 +984,16 @@ fn save_training_state<B: Backend>(
     let scale = scaler.map(|s| (LOSS_SCALE_KEY.to_string(), s.to_tensor()));
     let k = crate::run::programs::micro_batches(programs.worker);
     let saved_by = opts.saved_by();
-    let index = StateIndex {
-        format: String::new(),
-        model: programs.worker.name.clone(),
-        step: step as u64,
-        // The data is split over the replicas: a model axis's workers read one batch.
-        samples: (step * config.batch * replicas * k) as u64,
+    // The data is split over the replicas: a model axis's workers read one batch.
+    let samples = (step * config.batch * replicas * k) as u64;
+    let optimizer = format!("{:?}", config.optimizer);
+    let index = StateIndex::at(
+        &programs.worker.name,
+        step as u64,
+        samples,
         saved_by,
-        optimizer: format!("{:?}", config.optimizer),
-        variables: Vec::new(),
-        optimizer_state: Vec::new(),
-    };
+        optimizer,
+    );
     let sharded = opts.checkpoint.as_ref().filter(|_| due.shard);
     let whole = due.writes_whole();
     if sharded.is_some() || opts.snapshot.is_some() {
