@@ -188,10 +188,6 @@ pub fn train(
     opts: &TrainOptions,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<TrainReport> {
-    let mesh = Mesh::of(&programs)?;
-    if mesh.pipelined {
-        return train_pipeline(&programs, mesh, config, opts, on_step);
-    }
     train_with(programs, config, opts, on_step, |_, _| Ok(Cpu))
 }
 

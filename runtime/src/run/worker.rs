@@ -444,7 +444,7 @@ fn train_worker<B: Backend>(
         opts,
         rank,
         ranks,
-        replicas: mesh.data,
+        mesh: *mesh,
         first,
         last: steps,
         device,
@@ -472,8 +472,9 @@ struct WorkerStep<'s, 'p, B: Backend> {
     rank: usize,
     /// Its ranks on the mesh's data and model axes, set before each micro-batch.
     ranks: (usize, usize),
-    /// Data-parallel replicas: the workers whose gradients are averaged.
-    replicas: usize,
+    /// The plan's mesh; its data axis's replicas are the workers whose gradients are
+    /// averaged.
+    mesh: Mesh,
     first: usize,
     /// The run's last step.
     last: usize,
@@ -558,7 +559,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         // fp16: the scale (fed) and its inverse (read by the unscaling kernels) of this
         // step, before its capture or replay; K micro-batches a step on each of N
         // workers, so a share of 1/(N K) (as the eager steps below).
-        let share = self.replicas * k;
+        let share = self.mesh.data * k;
         let scaled = |st: &mut Loop<B>, s: Option<&LossScaler>| -> Result<()> {
             if let Some(s) = s {
                 st.exec.set_loss_scale(s.scale / share as f64)?;
@@ -639,7 +640,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             // samples in the global batch (N times larger otherwise: N workers' means
             // over b samples against one mean over N b); the averages over workers and
             // micro-batches then give the global gradient times that share.
-            let share = (self.replicas * k) as f64;
+            let share = (self.mesh.data * k) as f64;
             if let Some(s) = &self.scaler {
                 st.exec.set_loss_scale(s.scale / share)?;
             }
@@ -801,7 +802,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         };
         // The other workers wait for worker 0's evaluation here, not in the next step's
         // first collective, where it would count as that step's time.
-        let eval = if due.eval && self.replicas > 1 && self.opts.sync == PsSync::Sync {
+        let eval = if due.eval && self.mesh.data > 1 && self.opts.sync == PsSync::Sync {
             hook.barrier(step as u64)?;
             hook.take_waited();
             eval.map(|e| EvalMetrics {
@@ -820,7 +821,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 self.programs,
                 self.config,
                 (rank, self.ranks, step),
-                self.replicas,
+                &self.mesh,
                 scaler,
                 hook,
             )?;
@@ -958,7 +959,7 @@ fn save_training_state<B: Backend>(
     programs: &Programs<'_>,
     config: &RunConfig,
     (rank, ranks, step): (usize, (usize, usize), usize),
-    replicas: usize,
+    mesh: &Mesh,
     scaler: Option<&LossScaler>,
     hook: &mut HostHook,
 ) -> Result<()> {
@@ -985,7 +986,7 @@ fn save_training_state<B: Backend>(
     let k = crate::run::programs::micro_batches(programs.worker);
     let saved_by = opts.saved_by();
     // The data is split over the replicas: a model axis's workers read one batch.
-    let samples = (step * config.batch * replicas * k) as u64;
+    let samples = (step * config.batch * mesh.data * k) as u64;
     let optimizer = format!("{:?}", config.optimizer);
     let index = StateIndex::at(
         &programs.worker.name,
@@ -1042,7 +1043,7 @@ fn save_training_state<B: Backend>(
             if rank == 0 {
                 mine.extend(scale.clone());
             }
-            write_shard(c, programs, &index, mine, (rank, ranks), due.last, hook)?;
+            write_shard(c, programs, mesh, &index, mine, (rank, ranks), due.last, hook)?;
         }
     }
     if !whole {
@@ -1110,9 +1111,11 @@ fn save_training_state<B: Backend>(
 /// 0's manifest beside it. A state is committed once every worker has written its
 /// shard: the one before is committed here, after every worker's writer finished it;
 /// the last one (`last`) before this returns.
+#[allow(clippy::too_many_arguments)]
 fn write_shard(
     c: &crate::run::options::CheckpointEvery,
     programs: &Programs<'_>,
+    mesh: &Mesh,
     index: &StateIndex,
     tensors: HashMap<String, Tensor>,
     (rank, (data, model)): (usize, (usize, usize)),
@@ -1134,7 +1137,6 @@ fn write_shard(
         c.commit_pending(Some(index.step))?;
         let mut keys: Vec<String> = tensors.keys().cloned().collect();
         keys.sort();
-        let mesh = Mesh::of(programs)?;
         shards::write_manifest(
             &c.path,
             index,
