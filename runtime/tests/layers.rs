@@ -26,7 +26,7 @@ const RUN_LAYERS: &[(&str, &[&str])] = &[
             "metrics", "trace", "steps",
         ],
     ),
-    ("roles", &["trainer", "worker", "pipeline"]),
+    ("roles", &["trainer", "checkpoint", "worker", "pipeline"]),
     ("coordinator", &["coordinator"]),
     ("transport", &["train", "mpi"]),
     ("launch", &["launch"]),

@@ -38,6 +38,7 @@ use crate::core::schedule::Mode;
 use crate::core::shards::{Layout, Manifest};
 use crate::core::value::{Tensor, Value};
 use crate::ps::wire::{decode_values, encode_values};
+use crate::run::checkpoint::start_shard;
 use crate::run::data::DataSource;
 use crate::run::data::{open_data, open_source};
 use crate::run::eval::Evaluator;
@@ -787,7 +788,7 @@ impl Stage<'_> {
     /// names the shard holds.
     fn write_shard(
         &self,
-        mut tensors: HashMap<String, Tensor>,
+        tensors: HashMap<String, Tensor>,
         step: usize,
         last: bool,
     ) -> Result<Vec<String>> {
@@ -801,17 +802,10 @@ impl Stage<'_> {
             ));
         };
         let (s, m) = (self.stage, self.model_rank);
-        tensors.retain(|k, _| {
-            self.layout.writes(k, (0, m)) && !self.tied.iter().any(|t| t.name == *k && t.owner != s)
-        });
-        let mut keys: Vec<String> = tensors.keys().cloned().collect();
-        keys.sort();
-        let (dir, w) = (c.path.clone(), self.worker);
-        c.shard_writer(w).start(
-            move || crate::core::shards::write_shard(&dir, step as u64, (w, 0, m), &tensors),
-            last,
-        )?;
-        Ok(keys)
+        // A tied variable is written by its owner alone.
+        let owned = |k: &str| !self.tied.iter().any(|t| t.name == k && t.owner != s);
+        let place = (self.worker, 0, m);
+        start_shard(c, self.layout, place, step as u64, tensors, owned, last)
     }
 }
 

@@ -9,6 +9,7 @@ use crate::core::backend::{backend_error, Backend, KernelError};
 use crate::core::checkpoint::LOSS_SCALE_KEY;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
+use crate::core::exec::Executor;
 use crate::core::roles::Role;
 use crate::core::value::Tensor;
 use crate::run::hook::HostHook;
@@ -335,6 +336,18 @@ pub(crate) fn squared_norm(
         chunks = hook.sum_f64(Axis::Data, vec![chunks], label("the replicas"))?[0];
     }
     Ok(hook.sum_f64(Axis::Model, vec![whole + chunks], label("the model axis"))?[0])
+}
+
+/// Sets an executor's ranks from the worker's mesh ranks: its data rank (dropout's
+/// rows, ZeRO's chunk; micro-batch `m` of `k` a step) and its model rank (tensor
+/// parallelism's shard).
+pub(crate) fn set_ranks<B: Backend>(
+    exec: &mut Executor<B>,
+    (data_rank, model_rank): (usize, usize),
+    micro: Option<(usize, usize)>,
+) {
+    exec.set_rank(micro.map_or(data_rank, |(k, m)| data_rank * k + m));
+    exec.set_model_rank(model_rank);
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use crate::comm::collective::op_label;
 use crate::comm::{AxisComms, ByteCount, Links};
 use crate::core::axis::Axis;
 use crate::core::backend::{all_to_host, backend_error, upload_all, upload_micro_batches, Backend};
-use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
+use crate::core::checkpoint::LOSS_SCALE_KEY;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::{CommHook, Executor};
@@ -27,6 +27,7 @@ use crate::core::schedule::{MemoryUse, Mode};
 use crate::core::value::{Tensor, Value};
 use crate::cpu::Cpu;
 use crate::ps::{PsClient, PsSync};
+use crate::run::checkpoint::save_training_state;
 use crate::run::data::DataSource;
 use crate::run::eval::evaluate;
 use crate::run::hook::HostHook;
@@ -39,13 +40,12 @@ use crate::run::state::{cut_slots, first_step, initial_values, resumed_slots};
 use crate::run::steps::{run_steps, worker_spans, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
-    assign_running, capture_failed, host_params, make_optimizer, squared_norm, Capture, ErrorSlot,
+    assign_running, capture_failed, make_optimizer, set_ranks, squared_norm, Capture, ErrorSlot,
     LossScaler, Rehearsal, WARMUP,
 };
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Everything a worker needs: its rank, its data, its links to the others.
@@ -126,18 +126,6 @@ fn all_finite(hook: &mut HostHook, finite: bool, step: usize) -> Result<bool> {
 fn mesh_ranks(mesh: &Mesh, rank: usize) -> (usize, usize) {
     let c = mesh.coord(rank);
     (c.replica, c.model)
-}
-
-/// Sets an executor's ranks from the worker's [`mesh_ranks`]: its data rank (dropout's
-/// rows, ZeRO's chunk; micro-batch `m` of `k` a step) and its model rank (tensor
-/// parallelism's shard).
-fn set_ranks<B: Backend>(
-    exec: &mut Executor<B>,
-    (data_rank, model_rank): (usize, usize),
-    micro: Option<(usize, usize)>,
-) {
-    exec.set_rank(micro.map_or(data_rank, |(k, m)| data_rank * k + m));
-    exec.set_model_rank(model_rank);
 }
 
 /// The state a worker's steps share: the executor on the worker's backend, which
@@ -817,7 +805,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             save_training_state(
                 self.opts,
                 due,
-                st,
+                (&mut st.exec, &st.optimizer, &st.params),
                 self.programs,
                 self.config,
                 (rank, self.ranks, step),
@@ -937,230 +925,6 @@ fn capture_step<B: Backend>(
     })?;
     ended.map_err(|e| capture_failed(&device, "ending the CUDA graph capture".into(), e))?;
     Ok(Capture::Replaying(used))
-}
-
-/// Whether `g` reads variable `name`.
-fn reads_param(g: &distc_ir::Graph, name: &str) -> bool {
-    g.params().iter().any(|(_, n, _)| *n == name)
-}
-
-/// Writes the training state after `step`, as `due` says (to the file, sharded or
-/// whole; the run's last step). Whole: worker 0 writes its replicated
-/// variables and slots, the servers' rows and slots, and the ZeRO chunks and
-/// model-axis parts, which every worker gathers with it through the final program (a
-/// collective, so every worker calls this at the same steps). Sharded: every worker
-/// writes what it holds, and nothing is gathered. Elastic: every worker keeps a copy
-/// of what it holds in memory (`opts.snapshot`), and nothing is gathered either.
-#[allow(clippy::too_many_arguments)]
-fn save_training_state<B: Backend>(
-    opts: &TrainOptions,
-    due: Due,
-    st: &mut Loop<B>,
-    programs: &Programs<'_>,
-    config: &RunConfig,
-    (rank, ranks, step): (usize, (usize, usize), usize),
-    mesh: &Mesh,
-    scaler: Option<&LossScaler>,
-    hook: &mut HostHook,
-) -> Result<()> {
-    let device = st.exec.backend().name();
-    let mut slots: HashMap<String, Tensor> = st
-        .exec
-        .backend()
-        .optimizer_state(&st.optimizer)
-        .map_err(|e| backend_error(&device, "writing the training state", e))?
-        .into_iter()
-        .collect();
-    let mut host = host_params(st.exec.backend(), &st.params)?;
-    // What no worker holds, which worker 0 asks for: the servers' variables and
-    // slots, whole.
-    let mut servers: HashMap<String, Tensor> = HashMap::new();
-    if rank == 0 {
-        if let Some(ps) = hook.ps.as_mut() {
-            let parts = ps.snapshot(step as u64)?;
-            servers =
-                crate::ps::assemble(parts, &crate::run::programs::pulled_types(programs.worker))?;
-        }
-    }
-    let scale = scaler.map(|s| (LOSS_SCALE_KEY.to_string(), s.to_tensor()));
-    let k = crate::run::programs::micro_batches(programs.worker);
-    let saved_by = opts.saved_by();
-    // The data is split over the replicas: a model axis's workers read one batch.
-    let samples = (step * config.batch * mesh.data * k) as u64;
-    let optimizer = format!("{:?}", config.optimizer);
-    let index = StateIndex::at(
-        &programs.worker.name,
-        step as u64,
-        samples,
-        saved_by,
-        optimizer,
-    );
-    let sharded = opts.checkpoint.as_ref().filter(|_| due.shard);
-    let whole = due.writes_whole();
-    if sharded.is_some() || opts.snapshot.is_some() {
-        // What this worker holds: moved where nothing needs it after.
-        let mut mine: HashMap<String, Tensor> = if whole {
-            host.iter()
-                .chain(&slots)
-                .map(|(k, t)| (k.clone(), t.clone()))
-                .collect()
-        } else {
-            std::mem::take(&mut host)
-                .into_iter()
-                .chain(std::mem::take(&mut slots))
-                .collect()
-        };
-        if let Some(slot) = &opts.snapshot {
-            if rank == 0 && hook.ps.is_some() {
-                let kept = if sharded.is_some() || whole {
-                    servers.clone()
-                } else {
-                    std::mem::take(&mut servers)
-                };
-                slot.keep_servers(step as u64, kept);
-            }
-            let mut copy = if sharded.is_some() {
-                mine.clone()
-            } else {
-                std::mem::take(&mut mine)
-            };
-            // Each worker's own scaler: it moves with every worker's steps alike.
-            copy.extend(scale.clone());
-            let copy = crate::run::snapshot::Copy {
-                index: index.clone(),
-                tensors: Arc::new(copy),
-            };
-            let place = crate::run::mesh::Coord {
-                replica: ranks.0,
-                stage: 0,
-                model: ranks.1,
-            };
-            slot.keep(rank, place, copy, sharded.is_some());
-        }
-        if let Some(c) = sharded {
-            // A server's variable replaces the copy the worker pulled.
-            mine.extend(std::mem::take(&mut servers));
-            if rank == 0 {
-                mine.extend(scale.clone());
-            }
-            write_shard(c, programs, mesh, &index, mine, (rank, ranks), due.last, hook)?;
-        }
-    }
-    if !whole {
-        return Ok(());
-    }
-    let mut params: HashMap<String, Tensor> = HashMap::new();
-    if let Some(fin) = programs.finalize {
-        let mut exec = Executor::new(fin)?;
-        set_ranks(&mut exec, ranks, None);
-        let out = exec.run_with(
-            &HashMap::new(),
-            &host,
-            Mode::Train,
-            step as u64,
-            Some(&mut *hook),
-        )?;
-        params.extend(out.outputs);
-        // The slots of the chunks, gathered by the same program, one slot at a time.
-        for slot in B::optimizer_slots(&st.optimizer) {
-            let chunks: HashMap<String, Tensor> = fin
-                .params()
-                .into_iter()
-                .map(|(_, name, ty)| {
-                    let key = format!("{name}/{slot}");
-                    let t = slots.remove(&key).unwrap_or_else(|| Tensor::zeros(ty));
-                    (name.to_string(), t)
-                })
-                .collect();
-            let out = exec.run_with(
-                &HashMap::new(),
-                &chunks,
-                Mode::Train,
-                step as u64,
-                Some(&mut *hook),
-            )?;
-            for (var, t) in out.outputs {
-                slots.insert(format!("{var}/{slot}"), t);
-            }
-        }
-    }
-    if rank != 0 {
-        return Ok(());
-    }
-    // The final program's outputs stand for the chunks and parts it read.
-    params.extend(
-        host.into_iter()
-            .filter(|(k, _)| programs.finalize.is_none_or(|f| !reads_param(f, k))),
-    );
-    for (k, t) in servers.into_iter().chain(scale) {
-        if k.contains('/') {
-            slots.insert(k, t);
-        } else {
-            params.insert(k, t);
-        }
-    }
-    let state = Arc::new(TrainingState::new(index, params, slots));
-    if let Some(c) = &opts.checkpoint {
-        c.write(state, due.last)?;
-    }
-    Ok(())
-}
-
-/// Writes this worker's shard of the state `index` (of `tensors`, what it holds,
-/// worker 0's with what no worker holds): the shard while training goes on, worker
-/// 0's manifest beside it. A state is committed once every worker has written its
-/// shard: the one before is committed here, after every worker's writer finished it;
-/// the last one (`last`) before this returns.
-#[allow(clippy::too_many_arguments)]
-fn write_shard(
-    c: &crate::run::options::CheckpointEvery,
-    programs: &Programs<'_>,
-    mesh: &Mesh,
-    index: &StateIndex,
-    tensors: HashMap<String, Tensor>,
-    (rank, (data, model)): (usize, (usize, usize)),
-    last: bool,
-    hook: &mut HostHook,
-) -> Result<()> {
-    use crate::core::shards;
-    let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Plan)?;
-    let writer = c.shard_writer(rank);
-    writer.wait()?;
-    if rank == 0 {
-        // A folder of this step left by an earlier run (one that stopped before
-        // committing it) goes before any worker writes into it: a folder never mixes
-        // two runs' shards.
-        shards::clear_state_dir(&shards::step_dir(&c.path, index.step))?;
-    }
-    hook.barrier_all(index.step)?;
-    if rank == 0 {
-        c.commit_pending(Some(index.step))?;
-        let mut keys: Vec<String> = tensors.keys().cloned().collect();
-        keys.sort();
-        shards::write_manifest(
-            &c.path,
-            index,
-            &layout,
-            &keys,
-            (programs.workers, mesh.data, mesh.model),
-        )?;
-    }
-    let mine: HashMap<String, Tensor> = tensors
-        .into_iter()
-        .filter(|(k, _)| layout.writes(k, (data, model)))
-        .collect();
-    let (dir, step) = (c.path.clone(), index.step);
-    writer.start(
-        move || shards::write_shard(&dir, step, (rank, data, model), &mine),
-        last,
-    )?;
-    if last {
-        hook.barrier_all(step)?;
-        if rank == 0 {
-            c.commit_pending(None)?;
-        }
-    }
-    Ok(())
 }
 
 /// Bytes moved since the last call: `(sent, received, moved)`.
