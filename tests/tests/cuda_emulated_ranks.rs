@@ -9,6 +9,7 @@
 
 use distc::{compile_file, CompileOptions};
 use distc_passes::placement::{Precision, Strategy, StrategyConfig};
+use distc_runtime::core::axis::Axis;
 use distc_runtime::core::backend::DeviceCollectives;
 use distc_runtime::core::config::OptimizerSpec;
 use distc_runtime::cuda::nccl::Collectives;
@@ -117,7 +118,11 @@ fn against_the_cpu(c: &distc::Compiled, n: usize, model_axis: bool, what: &str) 
             let b = worker_backend(site, emulated, site.worker, Collectives::Nccl, links)?;
             // The model axis's collectives run on its own NCCL communicator, every one
             // of them (none through the host), so the step is captured.
-            assert_eq!(b.nccl_axes().1, model_axis, "{what}: model-axis NCCL");
+            assert_eq!(
+                b.has_nccl(Axis::Model),
+                model_axis,
+                "{what}: model-axis NCCL"
+            );
             let g = site.program;
             for id in g.node_ids() {
                 if g.op(id).is_model_collective() {

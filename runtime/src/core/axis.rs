@@ -27,6 +27,16 @@ impl Axis {
         }
     }
 
+    /// The axis a collective op runs over: the model axis's ops (`model_*`), else the
+    /// data axis (a pipeline's messages are not collectives).
+    pub fn of_collective(op: &distc_ir::Op) -> Axis {
+        if op.is_model_collective() {
+            Axis::Model
+        } else {
+            Axis::Data
+        }
+    }
+
     /// Its name in messages: `data`, `pipe`, `model`.
     pub fn name(self) -> &'static str {
         match self {

@@ -95,6 +95,7 @@ use super::nccl::NcclComm;
 use super::{probe, CudaError, CudaLib, LibDirs};
 use crate::comm::ByteCount;
 use crate::core::arena::{self, Block};
+use crate::core::axis::Axis;
 use crate::core::backend::{
     BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
     OptimizerState, Started, Transfer, ValueRef,
@@ -312,16 +313,14 @@ struct Kernel {
 pub struct CudaBackend {
     // Dropped first: the NCCL communicator before the driver whose device it uses
     // (fields drop in declaration order); the driver owns every buffer.
-    nccl: Option<Box<dyn DeviceComm>>,
+    /// Its NCCL communicators by axis ([`Axis::index`]), where the mesh has the axis
+    /// and NCCL runs it: the data axis's collectives, the model axis's all-reduces and
+    /// its gathers and reduce-scatters of contiguous parts, and a pipeline stage's
+    /// messages among the stages (rank = stage, point-to-point on the compute stream).
+    nccl: [Option<Box<dyn DeviceComm>>; 3],
     /// Results of NCCL collectives not yet waited for on the compute stream: the
     /// bytes `[start, end)` and the node.
     in_flight: Vec<(u64, u64, NodeId)>,
-    /// The model axis's NCCL communicator, where the mesh has one and NCCL runs it:
-    /// its all-reduces, and its gathers and reduce-scatters of contiguous parts.
-    model_nccl: Option<Box<dyn DeviceComm>>,
-    /// A pipeline stage's NCCL communicator among the stages (rank = stage), for its
-    /// messages: point-to-point on the compute stream.
-    stage_nccl: Option<Box<dyn DeviceComm>>,
     funcs: HashMap<String, Kernel>,
     /// fp16's unscaling kernels and their overflow flag, when the graph scales its loss.
     unscale: Option<Unscale>,
@@ -622,10 +621,8 @@ impl CudaBackend {
         dev.synchronize()?;
         let allocated = (super::driver::CUBLAS_WORKSPACE + 2 * ALIGN + copy_bytes) as u64;
         Ok(CudaBackend {
-            nccl: None,
+            nccl: [None, None, None],
             in_flight: Vec::new(),
-            model_nccl: None,
-            stage_nccl: None,
             funcs,
             unscale,
             grad_norm: None,
@@ -715,40 +712,19 @@ impl CudaBackend {
         ))
     }
 
-    /// Joins the NCCL communicator rank 0's `id` names, as `rank` of `size`: from then
-    /// on the plan's collectives run on device buffers ([`super::nccl`]). Before
-    /// [`Kernels::prepare`], whose memory plan keeps their inputs alive while they run.
+    /// Joins the NCCL communicator on `axis` rank 0's `id` names, as `rank` of `size`:
+    /// from then on the plan's collectives over that axis run on device buffers
+    /// ([`super::nccl`]), and on the pipe axis its messages go device to device
+    /// ([`DeviceCollectives::send_message`]). Before [`Kernels::prepare`], whose memory
+    /// plan keeps their inputs alive while they run.
     pub fn attach_nccl(
         &mut self,
+        axis: Axis,
         rank: usize,
         size: usize,
         id: [u8; 128],
     ) -> Result<(), CudaError> {
-        self.nccl = Some(self.join_nccl(rank, size, id)?);
-        Ok(())
-    }
-
-    /// [`CudaBackend::attach_nccl`] for the model axis: `rank` of `size` model ranks.
-    pub fn attach_model_nccl(
-        &mut self,
-        rank: usize,
-        size: usize,
-        id: [u8; 128],
-    ) -> Result<(), CudaError> {
-        self.model_nccl = Some(self.join_nccl(rank, size, id)?);
-        Ok(())
-    }
-
-    /// [`CudaBackend::attach_nccl`] among a pipeline's stages: `rank` is the stage of
-    /// `size`. Its messages then go device to device
-    /// ([`DeviceCollectives::send_message`]).
-    pub fn attach_stage_nccl(
-        &mut self,
-        rank: usize,
-        size: usize,
-        id: [u8; 128],
-    ) -> Result<(), CudaError> {
-        self.stage_nccl = Some(self.join_nccl(rank, size, id)?);
+        self.nccl[axis.index()] = Some(self.join_nccl(rank, size, id)?);
         Ok(())
     }
 
@@ -781,9 +757,9 @@ impl CudaBackend {
         self.dev.communicator(rank, size, id)
     }
 
-    /// Whether NCCL communicators are attached: the data axis's, the model axis's.
-    pub fn nccl_axes(&self) -> (bool, bool) {
-        (self.nccl.is_some(), self.model_nccl.is_some())
+    /// Whether an NCCL communicator is attached on `axis`.
+    pub fn has_nccl(&self, axis: Axis) -> bool {
+        self.nccl[axis.index()].is_some()
     }
 
     /// Whether an NCCL communicator runs node `id`'s op.
@@ -791,12 +767,7 @@ impl CudaBackend {
         let Some(node) = self.graph.get(id) else {
             return false;
         };
-        let attached = if node.op.is_model_collective() {
-            self.model_nccl.is_some()
-        } else {
-            self.nccl.is_some()
-        };
-        attached
+        self.has_nccl(Axis::of_collective(&node.op))
             && input_key(&self.graph, id, 0)
                 .and_then(|(n, p)| self.graph.get(n).and_then(|m| m.outputs.get(p)))
                 .is_some_and(|t| NcclComm::supports(&node.op, t))
@@ -804,17 +775,14 @@ impl CudaBackend {
 
     /// The communicator that runs node `id`'s collective (see [`Self::nccl_runs`]).
     fn comm_of(&mut self, id: NodeId) -> Option<&mut Box<dyn DeviceComm>> {
-        if self.graph.get(id)?.op.is_model_collective() {
-            self.model_nccl.as_mut()
-        } else {
-            self.nccl.as_mut()
-        }
+        let axis = Axis::of_collective(&self.graph.get(id)?.op);
+        self.nccl[axis.index()].as_mut()
     }
 
     /// Bytes its communicators have moved.
     fn nccl_bytes(&self) -> ByteCount {
-        [&self.nccl, &self.model_nccl, &self.stage_nccl]
-            .into_iter()
+        self.nccl
+            .iter()
             .flatten()
             .map(|c| c.bytes())
             .fold(ByteCount::default(), |a, b| a + b)
@@ -1320,11 +1288,11 @@ impl Kernels for CudaBackend {
         // Its collectives run on communicators split from this one's, axis by axis:
         // every rank of an axis holds the same program, so all of them split alike.
         // (Stage messages are sent by this backend, for both.)
-        if let (true, Some(comm)) = (has_collectives(program, false), self.nccl.as_mut()) {
-            sibling.nccl = Some(comm.split()?);
-        }
-        if let (true, Some(comm)) = (has_collectives(program, true), self.model_nccl.as_mut()) {
-            sibling.model_nccl = Some(comm.split()?);
+        for axis in [Axis::Data, Axis::Model] {
+            let comm = self.nccl[axis.index()].as_mut();
+            if let (true, Some(comm)) = (has_collectives(program, axis == Axis::Model), comm) {
+                sibling.nccl[axis.index()] = Some(comm.split()?);
+            }
         }
         Ok(Some(sibling))
     }
@@ -2547,7 +2515,8 @@ impl Capture for CudaBackend {
                 reduce: distc_ir::ReduceOp::Sum,
                 ranks_per_node: 0,
             };
-            for comm in [&mut self.nccl, &mut self.model_nccl].into_iter().flatten() {
+            let [data, _, model] = &mut self.nccl;
+            for comm in [data, model].into_iter().flatten() {
                 comm.issue(SKIP_FLAG_NODE, &sum, flag, &ty, flag, &ty)?;
                 comm.order_after(SKIP_FLAG_NODE)?;
             }
@@ -2651,7 +2620,7 @@ impl DeviceCollectives for CudaBackend {
     }
 
     fn sends_messages(&self) -> bool {
-        self.stage_nccl.is_some()
+        self.has_nccl(Axis::Pipe)
     }
 
     /// Sent on the compute stream, so no event orders it: the values' producers ran
@@ -2664,8 +2633,7 @@ impl DeviceCollectives for CudaBackend {
             .iter()
             .map(|v| (v.ptr, codegen::value_bytes(&v.ty)))
             .collect();
-        let comm = self
-            .stage_nccl
+        let comm = self.nccl[Axis::Pipe.index()]
             .as_mut()
             .ok_or_else(|| invalid("no NCCL communicator among the stages"))?;
         Ok(comm.send(to, &parts)?)
@@ -2688,8 +2656,7 @@ impl DeviceCollectives for CudaBackend {
                 ty: ValueType::Tensor(ty.clone()),
             });
         }
-        let comm = self
-            .stage_nccl
+        let comm = self.nccl[Axis::Pipe.index()]
             .as_mut()
             .ok_or_else(|| invalid("no NCCL communicator among the stages"))?;
         comm.recv(from, &parts)?;

@@ -435,26 +435,21 @@ pub fn worker_backend(
     let has = |model: bool| site.programs().any(|g| backend::has_collectives(g, model));
     use crate::core::axis::Axis;
     let mut links = links;
-    let (data, model, stages) = (
-        links.take(Axis::Data),
-        links.take(Axis::Model),
-        links.take(Axis::Pipe),
-    );
-    if let (true, Some(data)) = (has(false), data) {
-        if let Some(id) = nccl_id(&backend, data, opts, collectives)? {
-            backend.attach_nccl(data.rank(), data.size(), id)?;
-        }
-    }
-    if let (true, Some(model)) = (has(true), model) {
-        if let Some(id) = nccl_id(&backend, model, opts, collectives)? {
-            backend.attach_model_nccl(model.rank(), model.size(), id)?;
-        }
-    }
-    // Every stage joins, whether or not this program of it sends: the bootstrap is a
-    // collective of the stages' link.
-    if let Some(stages) = stages.filter(|c| c.size() > 1) {
-        if let Some(id) = nccl_id(&backend, stages, opts, collectives)? {
-            backend.attach_stage_nccl(stages.rank(), stages.size(), id)?;
+    // Data, model, then the stages: every rank of the mesh joins them in this order.
+    for axis in [Axis::Data, Axis::Model, Axis::Pipe] {
+        let Some(comm) = links.take(axis) else {
+            continue;
+        };
+        // Every stage joins, whether or not this program of it sends: the bootstrap is
+        // a collective of the stages' link.
+        let joins = match axis {
+            Axis::Pipe => comm.size() > 1,
+            Axis::Data | Axis::Model => has(axis == Axis::Model),
+        };
+        if joins {
+            if let Some(id) = nccl_id(&backend, comm, opts, collectives)? {
+                backend.attach_nccl(axis, comm.rank(), comm.size(), id)?;
+            }
         }
     }
     Ok(backend)
