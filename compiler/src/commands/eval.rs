@@ -98,12 +98,8 @@ pub fn eval(
     let mut c = one_device(file, batch, data)?;
     if let Some(m) = metrics {
         // The held-out data is read too.
-        let files = distc_runtime::run::data::files_read(
-            &c.config.data,
-            distc_runtime::run::data::data_dir(data).as_deref(),
-        );
-        let mut read = weights.read(file);
-        read.extend(files.iter().map(PathBuf::as_path));
+        let read = distc_runtime::run::data::files_read(&weights.read(file), &c.config.data, data);
+        let read: Vec<&Path> = read.iter().map(PathBuf::as_path).collect();
         distc_runtime::core::output::check_output(m, &read)?;
     }
     if eval_samples.is_some() {

@@ -180,13 +180,7 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         .flatten()
         .map(PathBuf::as_path)
         .collect();
-    // Everything the run reads, which none of its outputs may replace: the plan or
-    // model, the weights or state it starts from, and the data source's files.
-    let data = distc_runtime::run::data::files_read(
-        &plan.config.data,
-        distc_runtime::run::data::data_dir(args.data.as_deref()).as_deref(),
-    );
-    let read: Vec<&Path> = inputs
+    let given: Vec<&Path> = inputs
         .iter()
         .copied()
         .chain(
@@ -195,8 +189,10 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
                 .flatten()
                 .map(PathBuf::as_path),
         )
-        .chain(data.iter().map(PathBuf::as_path))
         .collect();
+    let read =
+        distc_runtime::run::data::files_read(&given, &plan.config.data, args.data.as_deref());
+    let read: Vec<&Path> = read.iter().map(PathBuf::as_path).collect();
     check_outputs(&outputs, &read)?;
     if args.device == Device::Cpu
         && (args.no_cuda_graph

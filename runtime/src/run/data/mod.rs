@@ -90,11 +90,19 @@ pub fn data_dir(explicit: Option<&Path>) -> Option<PathBuf> {
     }
 }
 
-/// The files `spec` reads from the data directory `dir` (a folder's files one by one),
-/// for a command to refuse an output that would overwrite one of them (issue 60,
-/// item 1: `--save train.safetensors` replaced the training set). Paths that do not
-/// exist are left out: nothing there to lose.
-pub fn files_read(spec: &DataSpec, dir: Option<&Path>) -> Vec<PathBuf> {
+/// Every file a command reads, which none of its outputs may replace (issue 60,
+/// item 1: `--save train.safetensors` replaced the training set): the files it was
+/// given (`given`: the model or plan, the weights or state it starts from) and those
+/// `spec` reads from the data directory (`data`, or `DISTC_DATA`; a folder's files
+/// one by one). Data paths that do not exist are left out: nothing there to lose.
+pub fn files_read(given: &[&Path], spec: &DataSpec, data: Option<&Path>) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = given.iter().map(|p| p.to_path_buf()).collect();
+    out.extend(data_files(spec, data_dir(data).as_deref()));
+    out
+}
+
+/// The files `spec` reads from the data directory `dir`.
+fn data_files(spec: &DataSpec, dir: Option<&Path>) -> Vec<PathBuf> {
     let at = |p: &str| {
         let p = Path::new(p);
         if p.is_absolute() {
