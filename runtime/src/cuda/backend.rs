@@ -2515,10 +2515,11 @@ impl Capture for CudaBackend {
                 reduce: distc_ir::ReduceOp::Sum,
                 ranks_per_node: 0,
             };
-            let [data, _, model] = &mut self.nccl;
-            for comm in [data, model].into_iter().flatten() {
-                comm.issue(SKIP_FLAG_NODE, &sum, flag, &ty, flag, &ty)?;
-                comm.order_after(SKIP_FLAG_NODE)?;
+            for axis in [Axis::Data, Axis::Model] {
+                if let Some(comm) = self.nccl[axis.index()].as_mut() {
+                    comm.issue(SKIP_FLAG_NODE, &sum, flag, &ty, flag, &ty)?;
+                    comm.order_after(SKIP_FLAG_NODE)?;
+                }
             }
         }
         // Copied out with the losses after each replay.

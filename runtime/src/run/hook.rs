@@ -290,17 +290,23 @@ impl HostHook {
     }
 
     /// `xs` summed in f64 over `axis` (the data axis or the model axis), named by
-    /// `label`; as they are without a communicator on that axis.
+    /// `label`; as they are where the role has no such axis. The data axis's sum goes
+    /// through the communication thread, behind the collectives issued before it. A
+    /// stage sums over its stages itself (the pipe axis is not the hook's).
     pub(crate) fn sum_f64(&mut self, axis: Axis, xs: Vec<f64>, label: String) -> Result<Vec<f64>> {
         let start = Instant::now();
-        let summed = match (axis, &mut self.model) {
-            (Axis::Model, Some(comm)) => {
-                let mut xs = xs;
-                comm.set_label(&label);
-                comm.all_reduce_f64(&mut xs, false)?;
-                xs
-            }
-            (Axis::Data, _) if matches!(self.data, Lane::Running { .. }) => {
+        let summed = match axis {
+            Axis::Model => match self.model.as_mut() {
+                Some(comm) => {
+                    let mut xs = xs;
+                    comm.set_label(&label);
+                    comm.all_reduce_f64(&mut xs, false)?;
+                    xs
+                }
+                None => xs,
+            },
+            Axis::Data if matches!(self.data, Lane::None) => xs,
+            Axis::Data => {
                 let v = Box::new(self.send(NodeId(u32::MAX), Job::SumF64(xs, label), 0)?).wait()?;
                 match v {
                     Value::Tensor(Tensor::F64(a)) => a.into_iter().collect(),
@@ -312,7 +318,12 @@ impl HostHook {
                     }
                 }
             }
-            _ => xs,
+            Axis::Pipe => {
+                return Err(RuntimeError::internal(
+                    "the communication hook",
+                    format!("{label}: the hook has no pipe axis (a stage sums over its stages)"),
+                ))
+            }
         };
         self.waited += start.elapsed();
         Ok(summed)
