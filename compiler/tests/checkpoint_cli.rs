@@ -901,3 +901,77 @@ fn a_sharded_state_is_the_whole_state_and_resumes_into_another_layout() {
         "rank-2.safetensors",
     );
 }
+
+/// Issue 60, item 6: a sharded state took a shard of another run of the same model (at
+/// the same step, on the same mesh) and a manifest edited to other sample counts, and
+/// resumed from them. Each shard now names its run, as the manifest does, and the
+/// manifest carries its own digest. Workers and a pipeline's stages write them alike.
+#[test]
+fn a_sharded_state_refuses_another_runs_shard_and_an_edited_manifest() {
+    let dense = "tests/models/adam_mlp.dsl";
+    for (label, layout) in [
+        (
+            "workers",
+            &["--strategy", "allreduce", "--workers", "2"][..],
+        ),
+        ("stages", &["--pipeline", "2", "--micro-batches", "2"][..]),
+    ] {
+        let (a, b) = (
+            tmp(&format!("{label}-run-a")),
+            tmp(&format!("{label}-run-b")),
+        );
+        // Run b starts where run a ended: both write a state of step 2, of one model
+        // on one mesh, holding other values.
+        let weights = tmp(&format!("{label}-a.st"));
+        let runs: [(&PathBuf, &[&str]); 2] = [
+            (&a, &["--save", s(&weights)]),
+            (&b, &["--init", s(&weights)]),
+        ];
+        for (dir, own) in runs {
+            let _ = std::fs::remove_dir_all(dir);
+            let mut args = vec!["train", dense, "--steps", "2", "-q"];
+            args.extend_from_slice(layout);
+            args.extend_from_slice(own);
+            args.extend_from_slice(&["--checkpoint", s(dir), "--sharded"]);
+            let o = distc(&args);
+            assert!(o.status.success(), "{label}: {}", text(&o));
+        }
+        let resume = |dir: &PathBuf| {
+            let mut args = vec!["train", dense, "--steps", "3", "-q", "--resume", s(dir)];
+            args.extend_from_slice(layout);
+            distc(&args)
+        };
+        let o = resume(&a);
+        assert!(o.status.success(), "{label}: {}", text(&o));
+        let step = |dir: &PathBuf| dir.join("step-000000002");
+        let shard = "rank-1.safetensors";
+        std::fs::copy(step(&b).join(shard), step(&a).join(shard)).expect("copies");
+        let o = resume(&a);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{label}: {t}");
+        assert!(
+            t.contains(shard) && t.contains("is a shard of another run"),
+            "{label}: {t}"
+        );
+        let manifest = step(&b).join("manifest.json");
+        let text_of = std::fs::read_to_string(&manifest).expect("manifest");
+        let samples = serde_json::from_str::<serde_json::Value>(&text_of).expect("json")["index"]
+            ["samples"]
+            .as_u64()
+            .expect("samples");
+        let edited = text_of.replacen(
+            &format!("\"samples\": {samples}"),
+            &format!("\"samples\": {}", samples + 1),
+            1,
+        );
+        assert_ne!(edited, text_of, "{label}: the edit took");
+        std::fs::write(&manifest, edited).expect("edits");
+        let o = resume(&b);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{label}: {t}");
+        assert!(
+            t.contains("manifest.json") && t.contains("the manifest was edited or is damaged"),
+            "{label}: {t}"
+        );
+    }
+}

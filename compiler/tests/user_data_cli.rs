@@ -509,3 +509,167 @@ fn mnist_as_safetensors_trains_the_example() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(eval_accuracy(&text(&o)) > 0.8, "{}", text(&o));
 }
+
+/// Issue 60, item 5: a token file truncated by another process while a run reads it
+/// stopped the run with SIGBUS (exit 135, no message). The run now stops with an error
+/// naming the file, and the last checkpoint it wrote loads.
+#[test]
+fn a_token_file_truncated_while_training_stops_the_run_naming_it() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tokens = dir.path().join("train.bin");
+    let ids: Vec<u8> = (0..200_000u32)
+        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(&tokens, ids).expect("tokens");
+    let m = dir.path().join("lm.dsl");
+    std::fs::write(
+        &m,
+        "model lm {\n  input tokens: i32[B, 4]\n  input targets: i32[B, 4]\n  \
+         param emb: f32[50, 8] = uniform(-0.05, 0.05)\n  param w: f32[8, 50] = glorot\n  \
+         x = reshape(embedding(emb, tokens), [-1, 8])\n  \
+         minimize softmax_cross_entropy(x @ w, reshape(targets, [-1]))\n}\n\
+         train {\n  data = tokens(path = \"train.bin\", dtype = \"u16\", context = 4)\n  \
+         batch = 8\n  optimizer = sgd(lr = 0.1)\n  steps = 100000000\n  seed = 1\n}\n",
+    )
+    .expect("model");
+    let (metrics, state) = (dir.path().join("m.jsonl"), dir.path().join("c.st"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distc"))
+        .args(["train", s(&m), "--data", s(dir.path()), "-q", "--no-eval"])
+        .args(["--metrics", s(&metrics), "--checkpoint", s(&state)])
+        .args(["--checkpoint-every", "2"])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runs");
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 4 {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the run did not get going"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&tokens)
+        .and_then(|f| f.set_len(8))
+        .expect("truncates");
+    let cut = Instant::now();
+    while child.try_wait().expect("waits").is_none() {
+        if cut.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the run went on 120 s after its token file was truncated");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().expect("waits");
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains(s(&tokens)) && t.contains("truncated or replaced while training"),
+        "{t}"
+    );
+    let st = distc_runtime::core::checkpoint::load_state(&state).expect("the checkpoint loads");
+    assert!(st.index.step >= 2, "{:?}", st.index.step);
+}
+
+/// Issue 60, item 4: the evaluation after the last step failed and the run threw its
+/// training away (no `--save`, no last metrics line). A failure there is now said after
+/// the weights are written, by workers and by a pipeline's evaluator alike. What fails
+/// here is the held-out token file, truncated while the run trains: nothing before
+/// step 1 can know of it.
+#[test]
+fn a_failed_last_evaluation_keeps_the_trained_weights() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ids = |n: u32| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
+            .collect()
+    };
+    let (train, held_out) = (dir.path().join("train.bin"), dir.path().join("valid.bin"));
+    std::fs::write(&train, ids(20_000)).expect("tokens");
+    let steps = 20_000;
+    let m = dir.path().join("lm.dsl");
+    std::fs::write(
+        &m,
+        format!(
+            "model lm {{\n  input tokens: i32[B, 4]\n  input targets: i32[B, 4]\n  \
+             param emb: f32[50, 8] = uniform(-0.05, 0.05)\n  param w1: f32[8, 8] = glorot\n  \
+             param w2: f32[8, 50] = glorot\n  \
+             x = reshape(embedding(emb, tokens), [-1, 8])\n  h = tanh(x @ w1)\n  \
+             minimize softmax_cross_entropy(h @ w2, reshape(targets, [-1]))\n}}\n\
+             train {{\n  data = tokens(path = \"train.bin\", eval_path = \"valid.bin\", \
+             dtype = \"u16\", context = 4)\n  batch = 8\n  optimizer = sgd(lr = 0.1)\n  \
+             steps = {steps}\n  seed = 1\n}}\n"
+        ),
+    )
+    .expect("model");
+    let layouts: [&[&str]; 2] = [&[], &["--pipeline", "2", "--micro-batches", "2"]];
+    for layout in layouts {
+        std::fs::write(&held_out, ids(4_000)).expect("held-out tokens");
+        let (metrics, saved) = (dir.path().join("m.jsonl"), dir.path().join("w.st"));
+        let _ = std::fs::remove_file(&saved);
+        let _ = std::fs::remove_file(&metrics);
+        let child = Command::new(env!("CARGO_BIN_EXE_distc"))
+            .args(["train", s(&m), "--data", s(dir.path()), "-q"])
+            .args(["--metrics", s(&metrics), "--save", s(&saved)])
+            .args(layout)
+            .current_dir(root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("runs");
+        let start = Instant::now();
+        let lines = || std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count());
+        while lines() < 1 {
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "{layout:?}: the run did not get going"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Held still while the file is cut: a fast machine runs the steps left in
+        // about a second.
+        let signal = |sig: &str| {
+            let pid = child.id().to_string();
+            let o = Command::new("kill").args([sig, &pid]).status();
+            assert!(o.is_ok_and(|o| o.success()), "kill {sig}");
+        };
+        signal("-STOP");
+        let ran = lines();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&held_out)
+            .and_then(|f| f.set_len(2))
+            .expect("truncates");
+        signal("-CONT");
+        let o = child.wait_with_output().expect("waits");
+        let t = text(&o);
+        // The file was cut before the last step, or this run could not show anything.
+        assert!(ran < steps, "{layout:?}: the run ended before the cut");
+        assert_eq!(o.status.code(), Some(1), "{layout:?}: {t}");
+        assert!(
+            t.contains("the evaluation after the last step failed")
+                && t.contains(s(&held_out))
+                && t.contains(&format!("written to {}", s(&saved))),
+            "{layout:?}: {t}"
+        );
+        let (weights, _) =
+            distc_runtime::core::checkpoint::load(&saved).expect("the weights were saved");
+        assert!(weights.contains_key("w2"), "{layout:?}");
+        let all = common::metrics_lines(&metrics);
+        let last = all.last().expect("a last line");
+        assert_eq!(last["step"], steps, "{layout:?}");
+        assert!(
+            last["eval_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("truncated")),
+            "{layout:?}: {last}"
+        );
+    }
+}

@@ -597,11 +597,18 @@ fn finish_run(
     if let Some(p) = &report.profile {
         out(&p.render());
     }
-    // Issue 60, item 7: said after everything was written, and never with exit 0.
+    // Issue 60, items 4 and 7: said after everything was written, and never with
+    // exit 0.
+    let kept = args.save.as_ref().map_or(String::new(), |p| {
+        format!(" (they were written to {} all the same)", p.display())
+    });
+    if let Some(why) = &report.eval_failed {
+        bail!(
+            "the evaluation after the last step failed: {why}; the trained weights are \
+             kept{kept}"
+        );
+    }
     if let Some(e) = report.eval.as_ref().filter(|e| !e.eval_loss.is_finite()) {
-        let kept = args.save.as_ref().map_or(String::new(), |p| {
-            format!(" (they were written to {} all the same)", p.display())
-        });
         bail!(
             "the evaluation after the last step gave eval_loss {}: the trained weights do \
              not compute a finite loss on the held-out data{kept}",

@@ -177,6 +177,10 @@ struct ShardIdentity {
     rank: usize,
     data: usize,
     model: usize,
+    /// The run that wrote it ([`Manifest::run`]); absent in shards of distc before
+    /// issue 60.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    run: Option<String>,
 }
 
 /// A sharded state's manifest: the index of the whole state, the workers that wrote
@@ -195,6 +199,15 @@ pub struct Manifest {
     pub model: usize,
     /// Each whole tensor's stored name and gathers.
     pub tensors: BTreeMap<String, Stored>,
+    /// The run that wrote the state, which each of its shards names too: a shard of
+    /// another run of the same model, at the same step, is refused (issue 60, item 6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    /// CRC-32 of the manifest's own JSON (compact, without this field), so that an
+    /// edited manifest (other sample counts, another mesh) is refused as damaged, as a
+    /// tensor whose bytes do not match its CRC is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// A state's folder under `dir`.
@@ -214,25 +227,36 @@ fn data_err(path: &Path, message: impl Into<String>) -> RuntimeError {
     }
 }
 
-/// Worker 0's part before the shards: the manifest of the state at `index.step`,
-/// `keys` being every tensor worker 0 holds (it holds one of each).
-pub fn write_manifest(
-    dir: &Path,
-    index: &StateIndex,
-    layout: &Layout,
-    keys: &[String],
-    mesh: (usize, usize, usize),
-) -> Result<()> {
-    Manifest::of(index, layout, keys, mesh).write(dir)
-}
-
 impl Manifest {
-    /// Writes it into its state's folder under `dir`.
+    /// Writes it into its state's folder under `dir`, with its digest.
     pub fn write(&self, dir: &Path) -> Result<()> {
         let path = step_dir(dir, self.index.step).join(MANIFEST);
-        let text = serde_json::to_string_pretty(self)
-            .map_err(|e| data_err(&path, format!("cannot encode the manifest: {e}")))?;
+        let encode =
+            |e: serde_json::Error| data_err(&path, format!("cannot encode the manifest: {e}"));
+        let digest = self.own_digest().map_err(encode)?;
+        let text = serde_json::to_string_pretty(&Manifest {
+            digest: Some(digest),
+            ..self.clone()
+        })
+        .map_err(encode)?;
         crate::core::output::write_file(&path, text.as_bytes())
+    }
+
+    /// The same manifest, of the run `run`.
+    pub fn of_run(self, run: &str) -> Manifest {
+        Manifest {
+            run: Some(run.to_string()),
+            ..self
+        }
+    }
+
+    /// CRC-32 of its JSON without the digest, as hex.
+    fn own_digest(&self) -> serde_json::Result<String> {
+        let bare = serde_json::to_vec(&Manifest {
+            digest: None,
+            ..self.clone()
+        })?;
+        Ok(format!("{:08x}", crc32fast::hash(&bare)))
     }
 
     /// The manifest of the state at `index.step` whose stored tensors are `keys` (each
@@ -275,6 +299,8 @@ impl Manifest {
             data,
             model,
             tensors,
+            run: None,
+            digest: None,
         }
     }
 }
@@ -282,7 +308,7 @@ impl Manifest {
 /// Worker `rank`'s shard of the state at `step`: the tensors it writes.
 pub fn write_shard(
     dir: &Path,
-    step: u64,
+    (step, run): (u64, &str),
     (rank, data, model): (usize, usize, usize),
     tensors: &HashMap<String, Tensor>,
 ) -> Result<()> {
@@ -294,6 +320,7 @@ pub fn write_shard(
         rank,
         data,
         model,
+        run: Some(run.to_string()),
     };
     let meta = serde_json::to_string(&identity)
         .map_err(|e| data_err(&path, format!("cannot encode the shard's identity: {e}")))?;
@@ -494,6 +521,20 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
             format!("format `{}` is not {FORMAT}", manifest.format),
         ));
     }
+    if let Some(stored) = &manifest.digest {
+        let own = manifest
+            .own_digest()
+            .map_err(|e| data_err(&mpath, format!("cannot encode the manifest: {e}")))?;
+        if own != *stored {
+            return Err(data_err(
+                &mpath,
+                format!(
+                    "does not match its digest (CRC-32 {own}, stored {stored}): the \
+                     manifest was edited or is damaged"
+                ),
+            ));
+        }
+    }
     if manifest.workers == 0
         || manifest.data == 0
         || manifest.model == 0
@@ -512,7 +553,12 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
     // Every shard, by its place on the mesh.
     let mut shards: HashMap<(usize, usize), HashMap<String, Tensor>> = HashMap::new();
     for rank in 0..manifest.workers {
-        let ((data, model), tensors) = read_shard(&dir, step, rank, manifest.workers)?;
+        let ((data, model), tensors) = read_shard(
+            &dir,
+            (step, manifest.run.as_deref()),
+            rank,
+            manifest.workers,
+        )?;
         if data >= manifest.data || model >= manifest.model {
             return Err(data_err(
                 &dir.join(shard_file(rank)),
@@ -529,10 +575,11 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
 }
 
 /// Worker `rank`'s shard in the state folder `folder` of `step` (of `workers`
-/// shards), checked: its place on the mesh and its tensors.
+/// shards), checked: its place on the mesh, its tensors, and, where the state names
+/// its run (`run`), that this run wrote it.
 pub fn read_shard(
     folder: &Path,
-    step: u64,
+    (step, run): (u64, Option<&str>),
     rank: usize,
     workers: usize,
 ) -> Result<((usize, usize), HashMap<String, Tensor>)> {
@@ -558,6 +605,16 @@ pub fn read_shard(
                 "is worker {}'s shard of step {}; the manifest wants worker {rank}'s of \
                  step {step}: the state is incomplete",
                 identity.rank, identity.step
+            ),
+        ));
+    }
+    if let Some(want) = run.filter(|want| identity.run.as_deref() != Some(*want)) {
+        return Err(data_err(
+            &spath,
+            format!(
+                "is a shard of another run ({}) than the state's ({want}): a folder never \
+                 mixes two runs' shards, so the state is incomplete",
+                identity.run.as_deref().unwrap_or("no run named")
             ),
         ));
     }

@@ -37,9 +37,9 @@ pub(crate) fn start_shard(
     tensors.retain(|k, _| layout.writes(k, (data, model)) && keep(k));
     let mut keys: Vec<String> = tensors.keys().cloned().collect();
     keys.sort();
-    let dir = c.path.clone();
+    let (dir, run) = (c.path.clone(), c.run_id());
     c.shard_writer(w).start(
-        move || crate::core::shards::write_shard(&dir, step, (w, data, model), &tensors),
+        move || crate::core::shards::write_shard(&dir, (step, &run), (w, data, model), &tensors),
         last,
     )?;
     Ok(keys)
@@ -251,13 +251,14 @@ fn write_shard(
         c.commit_pending(Some(index.step))?;
         let mut keys: Vec<String> = tensors.keys().cloned().collect();
         keys.sort();
-        shards::write_manifest(
-            &c.path,
+        shards::Manifest::of(
             index,
             &layout,
             &keys,
             (programs.workers, mesh.data, mesh.model),
-        )?;
+        )
+        .of_run(&c.run_id())
+        .write(&c.path)?;
     }
     let step = index.step;
     start_shard(

@@ -6,6 +6,7 @@
 use crate::core::error::{Result, RuntimeError};
 use crate::core::peak::total_peak;
 use crate::core::value::Tensor;
+use crate::run::eval::Evaluated;
 use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::TrainReport;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
@@ -57,6 +58,7 @@ pub fn metrics_line(
         bytes_received: r0.bytes_received,
         bytes_moved: r0.bytes_moved,
         eval: r0.eval.clone(),
+        eval_error: reports.iter().find_map(|r| r.eval_failed.clone()),
         memory: r0.memory,
         gpu_memory: r0.device_memory.map(|m| m.0),
         gpu_memory_peak: r0.device_memory.map(|m| m.1),
@@ -87,6 +89,8 @@ pub struct Coordinator<'a> {
     pub final_loss: f64,
     /// The last evaluation.
     pub eval: Option<EvalMetrics>,
+    /// Why the evaluation after the last step failed, when it did.
+    pub eval_failed: Option<String>,
     /// Sum over steps of the slowest worker's step time.
     pub train_time: Duration,
     /// Sum and count of the pipelined steps' measured bubbles.
@@ -117,6 +121,7 @@ impl<'a> Coordinator<'a> {
             first_loss: f64::NAN,
             final_loss: f64::NAN,
             eval: None,
+            eval_failed: None,
             train_time: Duration::ZERO,
             bubbles: (0.0, 0),
             model_axis: 1,
@@ -155,6 +160,9 @@ impl<'a> Coordinator<'a> {
         if line.eval.is_some() {
             self.eval.clone_from(&line.eval);
         }
+        if line.eval_error.is_some() {
+            self.eval_failed.clone_from(&line.eval_error);
+        }
         (self.on_step)(&line)
     }
 }
@@ -181,6 +189,7 @@ impl Coordinator<'_> {
             first_loss: self.first_loss,
             final_loss: self.final_loss,
             eval: self.eval,
+            eval_failed: self.eval_failed,
             train_time: self.train_time,
             samples_per_sec: samples / seconds,
             params,
@@ -206,7 +215,7 @@ impl<'a> Coordinator<'a> {
 
 /// What the coordinator does with what a step's stages handed over (see
 /// [`StageReports::add`]).
-pub(crate) type TakeState<'a> = dyn FnMut(usize, Handed) -> Result<Option<EvalMetrics>> + 'a;
+pub(crate) type TakeState<'a> = dyn FnMut(usize, Handed) -> Result<Evaluated> + 'a;
 
 /// Steps' reports from every stage, joined into one line per step once all are in.
 #[derive(Default)]
@@ -246,7 +255,7 @@ impl StageReports {
                 .extend(r.shard.take().into_iter().flatten());
         }
         if any {
-            line.eval = take_state(step, handed)?;
+            (line.eval, line.eval_failed) = take_state(step, handed)?;
         }
         coordinator.add(line)
     }

@@ -17,6 +17,21 @@ use std::collections::HashMap;
 
 /// Refuses, before step 1, held-out data of less than one batch: the evaluation after
 /// the last step would find none, once the run is over.
+/// An evaluation's outcome as a step reports it: its figures, or why the evaluation
+/// after the last step failed.
+pub(crate) type Evaluated = (Option<EvalMetrics>, Option<String>);
+
+/// An evaluation's result at a step: a failure after the last step is kept, not
+/// raised, so that the run writes its trained weights (`--save`, the last checkpoint)
+/// before it fails naming it (issue 60, item 4); any other failure stops the run.
+pub(crate) fn settle(result: Result<EvalMetrics>, last: bool) -> Result<Evaluated> {
+    match result {
+        Ok(e) => Ok((Some(e), None)),
+        Err(e) if last => Ok((None, Some(e.to_string()))),
+        Err(e) => Err(e),
+    }
+}
+
 pub(crate) fn check_held_out(data: &DataSource, config: &RunConfig) -> Result<()> {
     if data.eval_samples(config.eval_samples) == 0 {
         return Err(no_held_out(config));

@@ -51,6 +51,10 @@ pub struct StepMetrics {
     /// Evaluation at this step, when one ran.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalMetrics>,
+    /// Why the evaluation after the last step failed (the run then fails, after
+    /// writing its weights).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_error: Option<String>,
     /// What worker 0 held in this step, by category (bytes): `params`, `gradients`,
     /// `optimizer`, `activations` (peak), `comm_buffers` (peak).
     pub memory: crate::run::memory::MemoryByCategory,
@@ -143,6 +147,10 @@ pub struct StepReport {
     pub bytes_moved: u64,
     /// The evaluation run after this step, if one ran (worker 0).
     pub eval: Option<EvalMetrics>,
+    /// Why the evaluation after the last step failed: kept, not raised, so that the
+    /// trained weights are written first ([`crate::run::eval::settle`]).
+    #[serde(default)]
+    pub eval_failed: Option<String>,
     /// What the worker held, by category (peaks of this step).
     pub memory: MemoryByCategory,
     /// Device memory in use after the step and its peak so far, bytes (GPU workers).
@@ -380,6 +388,8 @@ pub struct TrainReport {
     pub final_loss: f64,
     /// The last evaluation.
     pub eval: Option<EvalMetrics>,
+    /// Why the evaluation after the last step failed, when it did.
+    pub eval_failed: Option<String>,
     /// Wall time of the training steps (the slowest worker's, summed; evaluation and
     /// data loading excluded).
     pub train_time: Duration,

@@ -291,6 +291,9 @@ fn complete_or_abort<'a, D: ?Sized, S: Scope<'a>>(
 const RECORD: usize = 1024;
 /// Bytes of a rank's host name (MPI's processor name), sent after its record.
 const HOST: usize = 256;
+/// Bytes of a rank's run number (its sharded states' name), sent after its host: every
+/// rank takes rank 0's.
+const RUN: usize = 8;
 
 /// The run settings every rank must share, as `name=value` words: steps, the
 /// synchronisation, how data is read, evaluation, tracing (every rank sends spans),
@@ -403,12 +406,15 @@ pub fn run_with<B: Backend>(
     // The host name travels with the record, for the nodes' check below; only the
     // record must agree.
     let host = mpi::environment::processor_name().unwrap_or_default();
-    let mut mine = [0u8; RECORD + HOST];
+    let mut mine = [0u8; RECORD + HOST + RUN];
     for (field, text) in [(0..RECORD, &record), (RECORD..RECORD + HOST, &host)] {
         let n = text.len().min(field.len());
         mine[field.start..field.start + n].copy_from_slice(&text.as_bytes()[..n]);
     }
-    let mut all = vec![0u8; (RECORD + HOST) * size];
+    if let Some(c) = &opts.checkpoint {
+        mine[RECORD + HOST..].copy_from_slice(&c.run_number().to_le_bytes());
+    }
+    let mut all = vec![0u8; (RECORD + HOST + RUN) * size];
     scope(|sc| {
         let req = world.immediate_all_gather_into(sc, &mine[..], &mut all[..]);
         complete_or_abort(
@@ -422,12 +428,17 @@ pub fn run_with<B: Backend>(
         );
     });
     let slot = |r: usize, at: std::ops::Range<usize>| {
-        let base = r * (RECORD + HOST);
+        let base = r * (RECORD + HOST + RUN);
         String::from_utf8_lossy(&all[base + at.start..base + at.end])
             .trim_end_matches('\0')
             .to_string()
     };
     let text = |r: usize| slot(r, 0..RECORD);
+    if let Some(c) = &opts.checkpoint {
+        let mut run = [0u8; RUN];
+        run.copy_from_slice(&all[RECORD + HOST..RECORD + HOST + RUN]);
+        c.agree_run(u64::from_le_bytes(run));
+    }
     let fields = |r: usize| -> Vec<String> { text(r).split('\t').map(str::to_string).collect() };
     let differ: Vec<String> = (1..size)
         .filter(|&r| text(r) != text(0))

@@ -78,6 +78,17 @@ pub struct CheckpointEvery {
     /// Sharded: each worker's writer (the threads of this process), and the step of
     /// the state written but not yet committed (worker 0's).
     shards: Arc<std::sync::Mutex<ShardWrites>>,
+    /// What names this run in a sharded state's manifest and shards: drawn once per
+    /// process, and an MPI job's ranks take rank 0's at start-up.
+    run: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A number no other run draws: the standard library's randomly keyed hasher over
+/// this process and the time.
+fn random_run() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new()
+        .hash_one((std::process::id(), std::time::SystemTime::now()))
 }
 
 #[derive(Debug, Default)]
@@ -97,7 +108,23 @@ impl CheckpointEvery {
             sharded: false,
             writer: Default::default(),
             shards: Default::default(),
+            run: Arc::new(random_run().into()),
         }
+    }
+
+    /// This run's name in a sharded state.
+    pub(crate) fn run_id(&self) -> String {
+        format!("{:016x}", self.run_number())
+    }
+
+    /// See [`CheckpointEvery::run_id`].
+    pub(crate) fn run_number(&self) -> u64 {
+        self.run.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Takes `run` as this run's name (an MPI job's rank 0's).
+    pub(crate) fn agree_run(&self, run: u64) {
+        self.run.store(run, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The same, each worker writing its own shard into the folder `path`.

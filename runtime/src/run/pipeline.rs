@@ -41,11 +41,11 @@ use crate::ps::wire::{decode_values, encode_values};
 use crate::run::checkpoint::start_shard;
 use crate::run::data::DataSource;
 use crate::run::data::{open_data, open_source};
-use crate::run::eval::Evaluator;
+use crate::run::eval::{settle, Evaluated, Evaluator};
 use crate::run::hook::HostHook;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
-use crate::run::metrics::{EvalMetrics, StageAccount, StepReport};
+use crate::run::metrics::{StageAccount, StepReport};
 use crate::run::options::{CheckpointEvery, TrainOptions};
 use crate::run::programs::Programs;
 use crate::run::state::{
@@ -314,7 +314,7 @@ impl<'a> PipelineRun<'a> {
         step: usize,
         handed: Handed,
         evaluator: &mut Option<Evaluator<'_, impl Backend>>,
-    ) -> Result<Option<EvalMetrics>> {
+    ) -> Result<Evaluated> {
         let params = self.with_carried(handed.params);
         let due = self.due_at(step);
         if let (Some(c), true) = (&self.checkpoint, due.file) {
@@ -340,9 +340,9 @@ impl<'a> PipelineRun<'a> {
         }
         match evaluator {
             Some(e) if self.cadence.evaluates_at(step) => {
-                e.evaluate(&params, step as u64).map(Some)
+                settle(e.evaluate(&params, step as u64), due.last)
             }
-            _ => Ok(None),
+            _ => Ok((None, None)),
         }
     }
 
@@ -392,7 +392,8 @@ impl<'a> PipelineRun<'a> {
         keys.sort();
         keys.dedup();
         let shards = self.mesh.pipe * self.mesh.model;
-        let manifest = Manifest::of(index, &self.layout, &keys, (shards, 1, self.mesh.model));
+        let manifest = Manifest::of(index, &self.layout, &keys, (shards, 1, self.mesh.model))
+            .of_run(&c.run_id());
         let lacking = self.lacking(|n| manifest.index.variables.iter().any(|v| v == n));
         if !lacking.is_empty() {
             return Err(RuntimeError::internal(

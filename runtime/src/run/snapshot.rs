@@ -321,7 +321,7 @@ impl Kept {
                     if copies.iter().any(|(r, _, _)| *r == rank) {
                         continue;
                     }
-                    let shard = shards::read_shard(&folder, step, rank, ranks.len())
+                    let shard = shards::read_shard(&folder, (step, None), rank, ranks.len())
                         .map_err(|e| format!("{in_memory}, and on disk: {e}"))?;
                     if shard.0 != (held.place.replica, held.place.model) {
                         return Err(format!(
@@ -442,7 +442,8 @@ mod tests {
         for rank in 0..2 {
             let c = rank as f32 * 10.0;
             let two = copy(2, &[("w.zero", &[c, c + 1.0])]);
-            shards::write_shard(dir.path(), 2, (rank, rank, 0), &two.tensors).expect("shard");
+            shards::write_shard(dir.path(), (2, "run"), (rank, rank, 0), &two.tensors)
+                .expect("shard");
             slot.keep(rank, replica(rank), two, true);
             slot.keep(
                 rank,
@@ -468,7 +469,8 @@ mod tests {
         // A shard of another step in its place is refused, not loaded.
         let folder = shards::step_dir(dir.path(), 2);
         std::fs::remove_dir_all(&folder).expect("remove");
-        shards::write_shard(dir.path(), 3, (1, 1, 0), &copy(3, &[]).tensors).expect("shard");
+        shards::write_shard(dir.path(), (3, "run"), (1, 1, 0), &copy(3, &[]).tensors)
+            .expect("shard");
         std::fs::create_dir_all(&folder).expect("folder");
         std::fs::rename(
             shards::step_dir(dir.path(), 3).join(shards::shard_file(1)),

@@ -29,7 +29,7 @@ use crate::cpu::Cpu;
 use crate::ps::{PsClient, PsSync};
 use crate::run::checkpoint::save_training_state;
 use crate::run::data::DataSource;
-use crate::run::eval::evaluate;
+use crate::run::eval::{evaluate, settle};
 use crate::run::hook::HostHook;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
@@ -777,17 +777,19 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 self.config,
                 step as u64 + 1,
                 Some(&mut *hook),
-            )?;
+            );
             if let Some(timed) = st.exec.device_spans()? {
                 hook.retime(step as u64, timed);
             }
             st.exec.set_profiling(self.opts.profile);
             hook.take_waited();
             byte_deltas(st, hook);
-            (rank == 0).then_some(e)
+            let (e, failed) = settle(e, due.last)?;
+            (e.filter(|_| rank == 0), failed)
         } else {
-            None
+            (None, None)
         };
+        let (eval, eval_failed) = eval;
         // The other workers wait for worker 0's evaluation here, not in the next step's
         // first collective, where it would count as that step's time.
         let eval = if due.eval && self.mesh.data > 1 && self.opts.sync == PsSync::Sync {
@@ -825,6 +827,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             bytes_received: received,
             bytes_moved: moved,
             eval,
+            eval_failed,
             device_memory: st.exec.backend().device_memory(),
             pipeline: None,
             loss_scale: self.scaler.as_ref().map(|s| (s.scale, s.skipped)),

@@ -187,7 +187,7 @@ pub(crate) enum Column {
         offset: usize,
         width: usize,
     },
-    /// Windows of a memory-mapped token file: sample `i` is its tokens
+    /// Windows of a token file read where they lie: sample `i` is its tokens
     /// `[i*stride + offset, i*stride + offset + width)`.
     Tokens {
         stream: Arc<user_files::TokenStream>,
@@ -199,8 +199,8 @@ pub(crate) enum Column {
 
 impl Column {
     /// The samples `idx`, in that order.
-    fn gather(&self, idx: &[usize]) -> ColData {
-        match self {
+    fn gather(&self, idx: &[usize]) -> Result<ColData> {
+        Ok(match self {
             Column::U8Scaled { data, per } => {
                 let mut out = Vec::with_capacity(idx.len() * per);
                 for &i in idx {
@@ -245,11 +245,11 @@ impl Column {
             } => {
                 let mut out = Vec::with_capacity(idx.len() * width);
                 for &i in idx {
-                    stream.extend(&mut out, i * stride + offset, *width);
+                    stream.extend(&mut out, i * stride + offset, *width)?;
                 }
                 ColData::I32(out)
             }
-        }
+        })
     }
 }
 
@@ -514,7 +514,7 @@ impl DataSource {
     fn draw_batch(&mut self) -> Result<Batch> {
         let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
         let mut cursor = self.cursor.clone();
-        let cols = self.draw(&mut cursor, &need);
+        let cols = self.draw(&mut cursor, &need)?;
         self.cursor = cursor;
         self.build(cols, self.batch)
     }
@@ -594,7 +594,7 @@ impl DataSource {
             Backing::Files(l) => {
                 for k in 0..n / b {
                     let idx: Vec<usize> = (k * b..(k + 1) * b).collect();
-                    let cols = self.gather(&l.eval, &idx);
+                    let cols = self.gather(&l.eval, &idx)?;
                     out.push(self.build(cols, b)?);
                 }
             }
@@ -637,7 +637,7 @@ impl DataSource {
                     ));
                 }
                 let idx: Vec<usize> = (start..start + len).collect();
-                let cols = self.gather(&l.train, &idx);
+                let cols = self.gather(&l.train, &idx)?;
                 self.build(cols, len)
             }
             Backing::Synthetic(_) => Err(RuntimeError::internal(
@@ -677,7 +677,7 @@ impl DataSource {
         let mut total = 0usize;
         let mut seen = HashSet::new();
         for _ in 0..n {
-            let cols = self.draw(&mut cursor, &[col]);
+            let cols = self.draw(&mut cursor, &[col])?;
             seen.clear();
             for (_, c) in cols {
                 if let ColData::I32(v) = c {
@@ -699,28 +699,28 @@ impl DataSource {
     }
 
     /// Gathers columns `cols` of `table` at `idx`.
-    fn gather_cols(table: &Table, cols: &[usize], idx: &[usize]) -> Vec<(usize, ColData)> {
+    fn gather_cols(table: &Table, cols: &[usize], idx: &[usize]) -> Result<Vec<(usize, ColData)>> {
         let mut out: Vec<(usize, ColData)> = Vec::with_capacity(cols.len());
         for &c in cols {
             if let Some((_, d)) = out.iter().find(|(k, _)| *k == c) {
                 let d = d.clone();
                 out.push((c, d));
             } else {
-                out.push((c, table.cols[c].gather(idx)));
+                out.push((c, table.cols[c].gather(idx)?));
             }
         }
-        out
+        Ok(out)
     }
 
     /// Gathers the batch fields of `table` at `idx`.
-    fn gather(&self, table: &Table, idx: &[usize]) -> Vec<(usize, ColData)> {
+    fn gather(&self, table: &Table, idx: &[usize]) -> Result<Vec<(usize, ColData)>> {
         let need: Vec<usize> = self.fields.iter().map(|f| f.col).collect();
         Self::gather_cols(table, &need, idx)
     }
 
     /// Draws this worker's next batch of columns `need` (in that order), advancing
     /// `cursor`.
-    fn draw(&self, cursor: &mut Cursor, need: &[usize]) -> Vec<(usize, ColData)> {
+    fn draw(&self, cursor: &mut Cursor, need: &[usize]) -> Result<Vec<(usize, ColData)>> {
         let (b, g) = (self.batch, self.batch * self.workers);
         match (cursor, &self.backing) {
             (Cursor::Files(s), Backing::Files(l)) => {
@@ -738,10 +738,10 @@ impl DataSource {
                     (b, 0)
                 };
                 let all = generator.generate_rows(rng, n_gen, first..first + b);
-                need.iter().map(|&c| (c, all[c].clone())).collect()
+                Ok(need.iter().map(|&c| (c, all[c].clone())).collect())
             }
             // A source's cursor always matches its backing.
-            _ => Vec::new(),
+            _ => Ok(Vec::new()),
         }
     }
 

@@ -2,7 +2,7 @@
 //! data directory or absolute:
 //!
 //! * `tokens`: a flat stream of little-endian u16 or u32 token ids with no header (the
-//!   nanoGPT and llm.c `.bin` layout), memory-mapped: a batch reads only its windows,
+//!   nanoGPT and llm.c `.bin` layout), read where it is used: a batch reads only its windows,
 //!   and a resumed run starts at its position without reading what came before.
 //!   Training sample `i` is the window at token `i` (`tokens`) and the window one token
 //!   later (`targets`); evaluation takes the held-out stream's windows in order,
@@ -64,23 +64,32 @@ fn file_or_folder(path: &Path) -> Result<()> {
     }
 }
 
-/// A token file mapped into memory, `width` bytes a token.
+/// A token file, `width` bytes a token, read where a batch's windows lie.
+///
+/// Read, not memory-mapped: a mapped file that another process truncates kills the
+/// reader with SIGBUS at its next window (no message, no final state), while a read
+/// past the end is an error this run can name and stop on.
 #[derive(Debug)]
 pub(crate) struct TokenStream {
-    map: memmap2::Mmap,
+    file: std::fs::File,
+    path: PathBuf,
     width: usize,
+    len: usize,
+    /// Ids lie in `0..bound`, as read when the file was opened.
+    bound: usize,
 }
+
+/// Tokens read at a time when the whole file is scanned for its largest id.
+const SCAN_TOKENS: usize = 1 << 20;
 
 impl TokenStream {
     fn open(path: &Path, width: usize) -> Result<TokenStream> {
-        let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
+        let io = |source| RuntimeError::Io {
             path: path.to_path_buf(),
             source,
-        })?;
-        let meta = file.metadata().map_err(|source| RuntimeError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
             return Err(data_err(path, "is not a regular file"));
         }
@@ -97,44 +106,101 @@ impl TokenStream {
         if meta.len() == 0 {
             return Err(data_err(path, "is empty"));
         }
-        // SAFETY: the map is read-only and this process never writes the file; a file
-        // truncated by another process while mapped is outside what distc can guard.
-        #[allow(unsafe_code)]
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| data_err(path, format!("cannot map it into memory: {e}")))?;
-        Ok(TokenStream { map, width })
+        let len = usize::try_from(meta.len() / width as u64)
+            .map_err(|_| data_err(path, "holds more tokens than this machine can index"))?;
+        let mut stream = TokenStream {
+            file,
+            path: path.to_path_buf(),
+            width,
+            len,
+            bound: usize::MAX,
+        };
+        stream.bound = stream.scan_bound()?;
+        Ok(stream)
     }
 
     fn len(&self) -> usize {
-        self.map.len() / self.width
+        self.len
     }
 
-    fn get(&self, i: usize) -> u32 {
-        let b = &self.map[i * self.width..(i + 1) * self.width];
+    /// Tokens `[start, start + n)` appended to `out` as read, unchecked.
+    fn read(&self, out: &mut Vec<i32>, start: usize, n: usize) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0u8; n * self.width];
+        self.file
+            .read_exact_at(&mut bytes, (start * self.width) as u64)
+            .map_err(|e| {
+                data_err(
+                    &self.path,
+                    format!(
+                        "cannot read tokens {start}..{} ({e}); it held {} tokens when the \
+                         run opened it: was it truncated or replaced while training?",
+                        start + n,
+                        self.len
+                    ),
+                )
+            })?;
         match self.width {
-            2 => u32::from(u16::from_le_bytes([b[0], b[1]])),
-            _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            2 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| i32::from(u16::from_le_bytes([b[0], b[1]]))),
+            ),
+            _ => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i32),
+            ),
         }
+        Ok(())
     }
 
-    /// Tokens `[start, start + n)` as i32 ids.
-    pub(crate) fn extend(&self, out: &mut Vec<i32>, start: usize, n: usize) {
-        out.extend((start..start + n).map(|i| self.get(i) as i32));
+    /// Tokens `[start, start + n)` appended to `out` as i32 ids, each within the ids
+    /// the file held when it was opened.
+    pub(crate) fn extend(&self, out: &mut Vec<i32>, start: usize, n: usize) -> Result<()> {
+        let first = out.len();
+        self.read(out, start, n)?;
+        // The ids were checked against the model when the file was opened; a file
+        // rewritten since then must not index past a table.
+        match out[first..]
+            .iter()
+            .position(|&t| t < 0 || t as usize >= self.bound)
+        {
+            None => Ok(()),
+            Some(k) => Err(data_err(
+                &self.path,
+                format!(
+                    "token {} is now {}, beyond the ids 0..{} it held when the run opened \
+                     it: was it rewritten while training?",
+                    start + k,
+                    out[first + k] as u32,
+                    self.bound
+                ),
+            )),
+        }
     }
 
     /// The largest id plus one, after checking every id fits an i32.
-    fn bound(&self, path: &Path) -> Result<usize> {
+    fn scan_bound(&self) -> Result<usize> {
         let mut max = 0u32;
-        for i in 0..self.len() {
-            max = max.max(self.get(i));
-        }
-        if max > i32::MAX as u32 {
-            return Err(data_err(
-                path,
-                format!("holds the id {max}, beyond i32: is `dtype` right?"),
-            ));
+        let mut chunk = Vec::with_capacity(SCAN_TOKENS);
+        for start in (0..self.len).step_by(SCAN_TOKENS) {
+            chunk.clear();
+            self.read(&mut chunk, start, SCAN_TOKENS.min(self.len - start))?;
+            // Read as i32, an id beyond i32 is negative.
+            if let Some(&t) = chunk.iter().find(|&&t| t < 0) {
+                return Err(data_err(
+                    &self.path,
+                    format!("holds the id {}, beyond i32: is `dtype` right?", t as u32),
+                ));
+            }
+            max = max.max(chunk.iter().copied().max().unwrap_or(0) as u32);
         }
         Ok(max as usize + 1)
+    }
+
+    fn bound(&self) -> usize {
+        self.bound
     }
 }
 
@@ -161,8 +227,8 @@ pub(crate) fn tokens(
         }
         Ok((path, Arc::new(s)))
     };
-    let (train_path, train) = open(path)?;
-    let mut bound = train.bound(&train_path)?;
+    let (_, train) = open(path)?;
+    let mut bound = train.bound();
     let windows = |stream: &Arc<TokenStream>, stride: usize| {
         [0, 1].map(|offset| Column::Tokens {
             stream: stream.clone(),
@@ -173,8 +239,8 @@ pub(crate) fn tokens(
     };
     let eval = match eval_path {
         Some(p) => {
-            let (eval_path, stream) = open(p)?;
-            bound = bound.max(stream.bound(&eval_path)?);
+            let (_, stream) = open(p)?;
+            bound = bound.max(stream.bound());
             Table {
                 len: (stream.len() - 1) / context,
                 cols: windows(&stream, context).to_vec(),

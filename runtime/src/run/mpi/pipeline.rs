@@ -23,8 +23,8 @@ use crate::core::config::RunConfig;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::value::Tensor;
 use crate::run::coordinator::{combine, reporter, Coordinator, StageReports};
+use crate::run::eval::Evaluated;
 use crate::run::mesh::{Coord, Mesh};
-use crate::run::metrics::EvalMetrics;
 use crate::run::metrics::StepMetrics;
 use crate::run::metrics::StepReport;
 use crate::run::metrics::TrainReport;
@@ -123,7 +123,7 @@ pub(super) fn run_stage_rank<B: Backend>(
     run.clear_later_states()?;
     // At an evaluation or a checkpoint, replica 0's other stages send their variables,
     // and at a checkpoint their optimizer state after them.
-    let mut take_state = |step: usize, mut handed: Handed| -> Result<Option<EvalMetrics>> {
+    let mut take_state = |step: usize, mut handed: Handed| -> Result<Evaluated> {
         let due = run.due_at(step);
         if due.eval || due.writes_whole() {
             for from in 1..stages {
