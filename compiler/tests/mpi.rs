@@ -1703,3 +1703,110 @@ fn a_rank_killed_under_distc_launch_on_a_model_axis_or_stages_costs_its_replica(
         assert_eq!(max_difference(&saved, &ref_saved), 0.0, "{label}");
     }
 }
+
+/// The processes whose parent is `parent`, by name.
+fn children_named(parent: u32, name: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let Some((head, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let comm = head.split_once('(').map_or("", |(_, c)| c);
+            let ppid = rest
+                .split_whitespace()
+                .nth(1)
+                .and_then(|p| p.parse::<u32>().ok());
+            comm == name && ppid == Some(parent)
+        })
+        .collect()
+}
+
+/// Issue 60, item 3: `kill -9` of mpirun under `distc launch` left its ranks training
+/// unsupervised while the supervisor started a second job on the same state folder,
+/// and the second job failed on the race (4 of 4 runs). The supervisor now stops the
+/// ranks left, and waits for them, before it restarts; the launch completes its steps.
+/// Then Ctrl-C to the supervisor (SIGINT, as a terminal sends it): the job stops, no
+/// rank is left, and the launch exits with 130 saying what is on disk.
+#[test]
+fn the_launch_supervisor_owns_its_jobs_ranks() {
+    let _one = common::one_job_at_a_time();
+    let model = [
+        "examples/dense_mlp.dsl",
+        "--strategy",
+        "allreduce",
+        "--batch",
+        "16",
+        "-q",
+    ];
+    for ctrl_c in [false, true] {
+        let state = tmp(&format!("owned-{ctrl_c}.state"));
+        let _ = std::fs::remove_dir_all(&state);
+        let metrics = tmp(&format!("owned-{ctrl_c}.jsonl"));
+        let steps = if ctrl_c { "100000" } else { "16" };
+        let child = launch_job(
+            &[
+                "--workers",
+                "2",
+                "--state",
+                s(&state),
+                "--metrics",
+                s(&metrics),
+            ],
+            &[&model[..], &["--steps", steps]].concat(),
+        );
+        let start = Instant::now();
+        let latest = state.join("latest");
+        while !std::fs::read_to_string(&latest)
+            .ok()
+            .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
+            .is_some_and(|k| k >= 3)
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(90),
+                "no state of step 3"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (signal, target) = if ctrl_c {
+            ("-INT", child.id())
+        } else {
+            let mpirun = children_named(child.id(), "mpirun");
+            assert_eq!(mpirun.len(), 1, "{mpirun:?}");
+            ("-KILL", mpirun[0])
+        };
+        let ranks_before = [0, 1].map(|r| rank_pid(s(&state), r));
+        Command::new("kill")
+            .args([signal, &target.to_string()])
+            .status()
+            .expect("kill");
+        let (o, _) = wait_at_most(child, None, Duration::from_secs(120), "launch");
+        let t = text(&o);
+        println!("{signal} to {target}:\n{t}");
+        // No rank of any of its jobs outlives the launch.
+        for pid in ranks_before.into_iter().flatten() {
+            assert!(
+                !distc_runtime::core::output::process_alive(pid),
+                "rank pid {pid} still runs: {t}"
+            );
+        }
+        if ctrl_c {
+            assert_eq!(o.status.code(), Some(130), "{t}");
+            assert!(
+                t.contains("interrupted (Ctrl-C) after step")
+                    && t.contains("the last complete state is of step"),
+                "{t}"
+            );
+        } else {
+            assert!(o.status.success(), "{t}");
+            assert!(t.contains("a rank was lost"), "{t}");
+            let lines = common::metrics_lines(&metrics);
+            assert_eq!(lines.last().expect("lines")["step"], 16, "{t}");
+        }
+    }
+}

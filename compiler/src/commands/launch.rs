@@ -21,6 +21,18 @@
 //!
 //! Every attempt's metrics lines reach `--metrics FILE` as they come; the first line
 //! after a restart carries a `restart` object, as under `--elastic`.
+//!
+//! The supervisor owns its jobs (issue 60, item 3). mpirun runs in a process group of
+//! its own, so a terminal's Ctrl-C reaches the supervisor alone; Ctrl-C or SIGTERM to
+//! the supervisor stops the job (SIGTERM to mpirun) and ends the launch with exit 130,
+//! saying what is on disk. Every local process of a job carries its job's mark in its
+//! environment (`DISTC_LAUNCH_JOB`): once mpirun has ended, however it ended (killed
+//! itself, say), those still running are stopped, and waited for, before anything
+//! else starts on the state folder. A rank ended by SIGTERM that the supervisor did
+//! not send is a lost rank, as one ended by SIGKILL is. The ranks learn why they are
+//! stopped from the file `DISTC_LAUNCH_STOP` names: the supervisor writes it before
+//! it stops a job, so a rank stopped by mpirun for a lost peer does not say it was
+//! interrupted.
 
 use crate::cli::LaunchArgs;
 use crate::console::err;
@@ -79,6 +91,81 @@ fn state_shards(dir: &Path) -> usize {
                 .count()
         })
     })
+}
+
+/// The environment variable that marks a job's processes.
+pub const JOB_MARK: &str = "DISTC_LAUNCH_JOB";
+/// The environment variable that names the file saying why the supervisor stopped the
+/// job (absent while it has not).
+pub const STOP_FILE: &str = "DISTC_LAUNCH_STOP";
+
+/// This machine's processes that carry `mark` as their job's mark, but this one.
+fn marked(mark: &str) -> Vec<u32> {
+    let want = format!("{JOB_MARK}={mark}");
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|&pid| pid != me && distc_runtime::core::output::process_alive(pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()))
+        })
+        .collect()
+}
+
+/// Stops what is left of the job marked `mark` once its mpirun has ended: SIGTERM, then
+/// SIGKILL to what still runs after `grace`; returns how many were left, and fails if
+/// any outlives SIGKILL (nothing may start on the state folder beside them).
+fn end_leftovers(mark: &str, grace: Duration) -> Result<usize> {
+    let left = marked(mark);
+    if left.is_empty() {
+        return Ok(0);
+    }
+    let signal = |sig: &str, pids: &[u32]| {
+        let mut kill = Command::new("kill");
+        kill.arg(sig).args(pids.iter().map(u32::to_string));
+        let _ = kill.stderr(Stdio::null()).status();
+    };
+    let gone_within = |within: Duration| {
+        let start = Instant::now();
+        while start.elapsed() < within {
+            if marked(mark).is_empty() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        marked(mark).is_empty()
+    };
+    signal("-TERM", &left);
+    if !gone_within(grace) {
+        signal("-KILL", &marked(mark));
+        if !gone_within(Duration::from_secs(10)) {
+            bail!(
+                "processes {:?} of the ended job still run after SIGKILL: not starting \
+                 another job on the state folder beside them",
+                marked(mark)
+            );
+        }
+    }
+    Ok(left.len())
+}
+
+/// Set by Ctrl-C or SIGTERM to the supervisor.
+fn stop_flag() -> Arc<std::sync::atomic::AtomicBool> {
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = flag.clone();
+    if let Err(e) = ctrlc::set_handler(move || {
+        seen.store(true, std::sync::atomic::Ordering::SeqCst);
+    }) {
+        err(&format!(
+            "warning: Ctrl-C will not stop the job cleanly: {e}\n"
+        ));
+    }
+    flag
 }
 
 /// Runs `train` as the flags say, restarting on a lost rank.
@@ -144,9 +231,13 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
     let mut restarts = 0;
     let mut attempt = 0;
     let mut pending: Option<(Restart, Instant)> = None;
+    let stop = stop_flag();
+    let stop_file = scratch.path().join("stop");
     loop {
         let resume = distc_runtime::core::shards::newest_complete(&args.state);
         attempt += 1;
+        let _ = std::fs::remove_file(&stop_file);
+        let mark = format!("{}-{attempt}", std::process::id());
         let metrics = scratch.path().join(format!("attempt-{attempt}.jsonl"));
         let mut cmd = Command::new(&args.mpirun);
         cmd.args(&args.mpirun_args);
@@ -175,7 +266,12 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             .args(["--checkpoint-every", &args.checkpoint_every.to_string()])
             .arg("--metrics")
             .arg(&metrics)
+            .env(JOB_MARK, &mark)
+            .env(STOP_FILE, &stop_file)
             .stderr(Stdio::piped());
+        // Its own process group: a terminal's Ctrl-C reaches the supervisor, which
+        // stops the job itself.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         if let Some((_, folder)) = &resume {
             cmd.arg("--resume").arg(folder);
         }
@@ -205,10 +301,25 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         // Workers the job grows to, once the hostfile has room for them and a state
         // of this attempt is on disk to start them from.
         let mut grow_to = None;
+        // Why the supervisor stopped the job itself, once it has.
+        let mut stopped: Option<&str> = None;
+        let term = |child: &std::process::Child, why: &str| {
+            let _ = std::fs::write(&stop_file, why);
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        };
         let status = loop {
             lines.pass_on(args.metrics.as_deref(), &mut pending)?;
             if let Some(s) = child.try_wait()? {
                 break s;
+            }
+            if stopped.is_none() && stop.load(std::sync::atomic::Ordering::SeqCst) {
+                stopped = Some("interrupted");
+                term(
+                    &child,
+                    "stopped by distc launch: interrupted (Ctrl-C or SIGTERM)",
+                );
             }
             // The hostfile first (one small file; nothing without --max-workers), the
             // state's shard headers only once it has room.
@@ -219,22 +330,48 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             if let Some(room) = room {
                 if state_step(&args.state) > on_disk_at_start {
                     grow_to = Some(room);
+                    stopped = Some("grow");
                     // mpirun passes SIGTERM on; each rank stops at once, and the state
                     // just committed is where the larger job starts.
-                    let _ = Command::new("kill")
-                        .args(["-TERM", &child.id().to_string()])
-                        .status();
+                    term(
+                        &child,
+                        &format!("stopped by distc launch to start it on {room} workers"),
+                    );
                 }
             }
             std::thread::sleep(Duration::from_millis(50));
         };
         let seen = Instant::now();
+        // Nothing starts on the state folder while a process of this job runs.
+        let left = end_leftovers(&mark, Duration::from_secs(5))?;
+        if left > 0 {
+            err(&format!(
+                "distc launch: {left} process(es) of the job still ran after mpirun \
+                 ended ({status}): stopped\n"
+            ));
+        }
         if let Some(f) = forward {
             let _ = f.join();
         }
         lines.pass_on(args.metrics.as_deref(), &mut pending)?;
         if status.success() {
             return Ok(());
+        }
+        if stopped == Some("interrupted") {
+            let state = match state_step(&args.state) {
+                Some(step) => format!(
+                    "the last complete state is of step {step} in {} (run the same \
+                     launch again to resume from it)",
+                    args.state.display()
+                ),
+                None => format!("{} holds no complete state", args.state.display()),
+            };
+            return Err(distc_runtime::RuntimeError::Interrupted(format!(
+                "{} after step {}: the job was stopped; {state}",
+                super::run::INTERRUPTED,
+                lines.last_step.unwrap_or(0)
+            ))
+            .into());
         }
         if let Some(room) = grow_to {
             let resumed_from = state_step(&args.state).unwrap_or(0);
@@ -259,7 +396,14 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             workers = room;
             continue;
         }
-        if !lost_a_rank(status) {
+        // A rank ended by a SIGTERM the supervisor did not send (a scheduler's, or a
+        // user's `kill`) is lost as one SIGKILL ended.
+        let termed = said
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|l| l.contains("exited on signal 15"));
+        if !lost_a_rank(status) && !termed {
             bail!("the job failed (mpirun: {status}), not on a lost rank: not restarted");
         }
         // mpirun's line naming the rank lost, else the ranks' errors (the survivors',

@@ -414,6 +414,27 @@ fn stop_at_once_on_interrupt(note: impl Fn() -> Option<String> + Send + 'static)
     }
 }
 
+/// Why this run is stopping, in its first words: Ctrl-C, or under `distc launch` what
+/// the supervisor wrote before it stopped the job. A rank of a supervised job that
+/// finds no such word was stopped by mpirun, which SIGTERMs every rank once one is
+/// lost: the ranks cannot tell that SIGTERM from a Ctrl-C's, the supervisor can.
+fn stop_cause() -> String {
+    stop_cause_in(std::env::var_os(super::launch::STOP_FILE))
+}
+
+/// [`stop_cause`], `stop_file` being what the supervisor's variable says.
+fn stop_cause_in(stop_file: Option<std::ffi::OsString>) -> String {
+    match stop_file {
+        None => INTERRUPTED.to_string(),
+        Some(file) => match std::fs::read_to_string(&file) {
+            Ok(why) if !why.trim().is_empty() => why.trim().to_string(),
+            _ => "stopped by mpirun, as every rank is once one is lost or mpirun is \
+                  stopped (distc launch decides what follows)"
+                .to_string(),
+        },
+    }
+}
+
 /// Whether this process is rank 0 of its MPI job, read from what the launcher sets
 /// (before MPI starts: a signal may come at any time); true when none says.
 fn world_rank_is_0() -> bool {
@@ -466,7 +487,10 @@ fn note_on_disk(save: Option<&Path>, step: usize, state: Option<(PathBuf, Option
         Some(p) => format!("; --save {} was not written", p.display()),
         None => String::new(),
     };
-    format!("{INTERRUPTED} after step {step}: no final checkpoint was written; {state}{saved}")
+    format!(
+        "{} after step {step}: no final checkpoint was written; {state}{saved}",
+        stop_cause()
+    )
 }
 
 /// Where a run's workers compute, from --device and the GPU flags.
@@ -823,6 +847,26 @@ pub fn verify_verdict(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 60, item 9: a rank of a `distc launch` job stopped by mpirun (another
+    /// rank was lost) said "interrupted (Ctrl-C)". It says what the supervisor wrote
+    /// when the supervisor stopped the job, and that mpirun stopped it otherwise.
+    #[test]
+    fn a_supervised_rank_says_who_stopped_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("stop");
+        assert_eq!(stop_cause_in(None), INTERRUPTED);
+        let lost = stop_cause_in(Some(file.clone().into_os_string()));
+        assert!(
+            lost.starts_with("stopped by mpirun") && !lost.contains("Ctrl-C"),
+            "{lost}"
+        );
+        std::fs::write(&file, "stopped by distc launch: interrupted\n").expect("writes");
+        assert_eq!(
+            stop_cause_in(Some(file.into_os_string())),
+            "stopped by distc launch: interrupted"
+        );
+    }
 
     /// Issue 36, item 7: a state of a step past the metrics' last line says so.
     #[test]
