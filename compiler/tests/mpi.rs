@@ -1762,11 +1762,12 @@ fn the_launch_supervisor_owns_its_jobs_ranks() {
         );
         let start = Instant::now();
         let latest = state.join("latest");
-        while !std::fs::read_to_string(&latest)
-            .ok()
-            .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
-            .is_some_and(|k| k >= 3)
-        {
+        let written = || {
+            std::fs::read_to_string(&latest)
+                .ok()
+                .and_then(|t| t.trim().strip_prefix("step-")?.parse::<u64>().ok())
+        };
+        while written().is_none_or(|k| k < 3) {
             assert!(
                 start.elapsed() < Duration::from_secs(90),
                 "no state of step 3"
