@@ -24,6 +24,13 @@
 //! - `simulate`: a calibration (`distc calibrate -o`) and a trace (`distc train
 //!   --trace`), mutated, read as `distc simulate` reads them, in this process; one it
 //!   accepts is simulated, and must give finite times.
+//! - `data_files`: the data a user brings (issue 60): a safetensors file, a folder of
+//!   `.npy` arrays, a CSV table and a token file, each mutated byte by byte or in its
+//!   structure (a CSV cell set to NaN, a label past the classes, a `.npy` header's
+//!   order, type or shape, a token id past the table), opened in this process as
+//!   `distc train` opens them and checked against their model. What it accepts must
+//!   be trainable: a drawn batch with a non-finite value or an id outside the rows the
+//!   model indexes is an input that trains silently wrong, a failure.
 //!
 //! Besides panics and hangs, an input fails when distc contradicts itself: an error
 //! that calls itself an `internal error`, or a compiled plan that does not load. In-process
@@ -2561,4 +2568,306 @@ fn simulate_files() {
         sim::check_spans_of(g, &spans)?;
         ComputeProfile::from_trace(g, &spans, 1e10, "fuzz".into())
     }
+}
+
+// ---------------------------------------------------------------------------------
+// Target 6: data files a user brings (issue 60, item 11), opened in this process.
+// ---------------------------------------------------------------------------------
+
+/// A `.npy` file of little-endian values (`descr`), C order.
+fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    let shape = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    while !(10 + dict.len() + 1).is_multiple_of(64) {
+        dict.push(' ');
+    }
+    dict.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((dict.len() as u16).to_le_bytes());
+    out.extend(dict.into_bytes());
+    out.extend(data);
+    out
+}
+
+/// One data source the target fuzzes: its train block's `data = ...`, its model's
+/// inputs, and its files by name.
+struct DataFixture {
+    source: &'static str,
+    inputs: &'static str,
+    logits: &'static str,
+    /// The rows of what the model indexes with its integer inputs.
+    rows: usize,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+fn data_fixtures() -> Vec<DataFixture> {
+    let n = 24;
+    let x: Vec<f32> = (0..n * 4)
+        .map(|i| ((i * 7) % 11) as f32 * 0.25 - 1.0)
+        .collect();
+    let label: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
+    let xb: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let lb: Vec<u8> = label.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let st = safetensors::serialize(
+        vec![
+            (
+                "features",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, 4], &xb)
+                    .expect("view"),
+            ),
+            (
+                "label",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![n], &lb)
+                    .expect("view"),
+            ),
+        ],
+        None,
+    )
+    .expect("safetensors");
+    let mut csv = "a,label\n".to_string();
+    for i in 0..n {
+        csv += &format!("{},{}\n", x[i], label[i]);
+    }
+    let tokens: Vec<u8> = (0..400u16)
+        .flat_map(|i| ((i * 7) % 50).to_le_bytes())
+        .collect();
+    let features = "input features: f32[B, 4]\n  input label: i32[B]";
+    let points = "features @ w + b";
+    vec![
+        DataFixture {
+            source: r#"tensors(path = "train.safetensors", eval_path = "train.safetensors")"#,
+            inputs: features,
+            logits: points,
+            rows: 3,
+            files: vec![("train.safetensors".into(), st)],
+        },
+        DataFixture {
+            source: r#"tensors(path = "arrays", eval_path = "arrays")"#,
+            inputs: features,
+            logits: points,
+            rows: 3,
+            files: vec![
+                ("arrays/features.npy".into(), npy("<f4", &[n, 4], &xb)),
+                ("arrays/label.npy".into(), npy("<i8", &[n], &lb)),
+            ],
+        },
+        DataFixture {
+            source: r#"csv(path = "train.csv", eval_path = "train.csv")"#,
+            inputs: "input a: f32[B]\n  input label: i32[B]",
+            logits: "reshape(a, [-1, 1]) @ w1 + b",
+            rows: 3,
+            files: vec![("train.csv".into(), csv.into_bytes())],
+        },
+        DataFixture {
+            source: r#"tokens(path = "train.bin", eval_path = "train.bin", dtype = "u16", context = 4)"#,
+            inputs: "input tokens: i32[B, 4]\n  input targets: i32[B, 4]",
+            logits: "",
+            rows: 50,
+            files: vec![("train.bin".into(), tokens)],
+        },
+    ]
+}
+
+/// The model a fixture trains: a linear classifier of 3 classes, or for tokens an
+/// embedding of 50 rows predicting the next token.
+fn data_model(f: &DataFixture) -> String {
+    let body = if f.logits.is_empty() {
+        "param emb: f32[50, 8] = uniform(-0.05, 0.05)\n  param w: f32[8, 50] = glorot\n  \
+         x = reshape(embedding(emb, tokens), [-1, 8])\n  \
+         minimize softmax_cross_entropy(x @ w, reshape(targets, [-1]))"
+            .to_string()
+    } else {
+        format!(
+            "param w: f32[4, 3] = glorot\n  param w1: f32[1, 3] = glorot\n  \
+             param b: f32[3] = zeros\n  minimize softmax_cross_entropy({}, label)",
+            f.logits
+        )
+    };
+    format!(
+        "model fuzzed {{\n  {}\n  {body}\n}}\ntrain {{\n  data = {}\n  batch = 4\n  \
+         optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}}\n",
+        f.inputs, f.source
+    )
+}
+
+/// A structured mutation of a data file: a CSV cell, a `.npy` header's order, type or
+/// shape, a token id; values a careless user writes.
+fn mutate_data_structure(rng: &mut Rng, name: &str, t: &mut Vec<u8>, log: &mut Vec<String>) {
+    const CELLS: [&str; 12] = [
+        "NaN",
+        "inf",
+        "-inf",
+        "-1",
+        "3",
+        "7",
+        "1e39",
+        "",
+        "x",
+        "2147483648",
+        "0.5",
+        "-0",
+    ];
+    if name.ends_with(".csv") {
+        let text = String::from_utf8_lossy(t).into_owned();
+        let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+        if lines.len() > 1 {
+            let row = 1 + rng.below(lines.len() - 1);
+            let mut cells: Vec<String> = lines[row].split(',').map(str::to_string).collect();
+            let col = rng.below(cells.len());
+            let cell = rng.pick(&CELLS);
+            log.push(format!("line {row} column {col} -> {cell:?}"));
+            cells[col] = cell.to_string();
+            lines[row] = cells.join(",");
+        }
+        *t = (lines.join("\n") + "\n").into_bytes();
+    } else if name.ends_with(".npy") {
+        let text = String::from_utf8_lossy(t).into_owned();
+        let swaps: [(&str, &str); 9] = [
+            ("False", "True"),
+            ("<f4", "<f8"),
+            ("<f4", ">f4"),
+            ("<f4", "<f2"),
+            ("<i8", "<i4"),
+            ("<i8", "|u1"),
+            ("<i8", "<f4"),
+            ("(24,", "(25,"),
+            ("(24, 4)", "(6, 16)"),
+        ];
+        let (from, to) = rng.pick(&swaps);
+        if text.contains(from) {
+            log.push(format!("header {from:?} -> {to:?}"));
+            let cut = t.len().min(128);
+            let head = String::from_utf8_lossy(&t[..cut]).replacen(from, to, 1);
+            let mut out = head.into_bytes();
+            out.extend_from_slice(&t[cut..]);
+            *t = out;
+        }
+    } else if name.ends_with(".bin") && t.len() >= 2 {
+        let at = 2 * rng.below(t.len() / 2);
+        let id = *rng.pick(&[49u16, 50, 0x7fff, 0xffff]);
+        log.push(format!("token at byte {at} -> {id}"));
+        t[at..at + 2].copy_from_slice(&id.to_le_bytes());
+    }
+}
+
+/// Opens the fixture's source as `distc train` does (the model's inputs, then the
+/// model against what the files hold), draws batches and the held-out set; what it
+/// accepts must be what the model can train on: finite floats, ids within the rows
+/// the model indexes. Otherwise it trained silently on what it should have refused.
+fn open_fuzzed_data(dir: &Path, model: &str, rows: usize) -> Result<Outcome, Fail> {
+    use distc_runtime::run::data::{check_model, DataSource};
+    let opts = CompileOptions {
+        data_dir: Some(dir.to_path_buf()),
+        ..CompileOptions::default()
+    };
+    let c = match compile("fuzzed.dsl", model, &opts) {
+        Ok(c) => c,
+        Err(e) => return refused(e.to_string()),
+    };
+    let graph = &c.programs.worker;
+    let shapes = distc_runtime::run::programs::input_types(graph);
+    let spec = &c.config.data;
+    let mut source = match DataSource::open(
+        spec,
+        Some(dir),
+        &shapes,
+        c.config.batch,
+        c.config.seed,
+        0,
+        1,
+    ) {
+        Ok(s) => s,
+        Err(e) => return refused(e.to_string()),
+    };
+    let info = source.info();
+    let bounds: Vec<(&str, usize)> = info
+        .id_bounds
+        .iter()
+        .map(|(f, b)| (f.as_str(), *b))
+        .collect();
+    if let Err(e) = check_model(graph, spec, c.config.batch, &bounds) {
+        return refused(e.to_string());
+    }
+    let mut batches = Vec::new();
+    for _ in 0..3 {
+        match source.next_batch() {
+            Ok(b) => batches.push(b),
+            Err(e) => return refused(e.to_string()),
+        }
+    }
+    match source.eval_batches(None) {
+        Ok(b) => batches.extend(b),
+        Err(e) => return refused(e.to_string()),
+    }
+    for batch in &batches {
+        for (name, t) in batch {
+            let ints = matches!(t, distc_runtime::Tensor::I32(_));
+            for v in t.to_f64_vec() {
+                if !v.is_finite() || (ints && (v < 0.0 || v >= rows as f64)) {
+                    return Err(Fail::Wrong(format!(
+                        "accepted, and a batch's `{name}` holds {v}: the model trains on it"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(Outcome::Accepted)
+}
+
+#[test]
+fn data_files() {
+    let work = temp_dir();
+    let fixtures = data_fixtures();
+    let corpus: Vec<Vec<u8>> = fixtures
+        .iter()
+        .flat_map(|f| f.files.iter().map(|(_, b)| b.clone()))
+        .collect();
+    fuzz(
+        "data_files",
+        |rng, index| {
+            // A folder an input: the decoded-source cache knows files by path, inode,
+            // length and time, which a file rewritten in place may all keep.
+            let dir = work.path().join(format!("data-{index}"));
+            let f = rng.pick(&fixtures);
+            let mut files = f.files.clone();
+            let which = rng.below(files.len());
+            let name = files[which].0.clone();
+            let mut log = vec![format!("{} from {name}", f.source)];
+            let text = Mutator {
+                numbers: &lists().extremes,
+                words: &lists().json,
+                corpus: &corpus,
+                raw: true,
+            };
+            match rng.below(4) {
+                0 | 1 => mutate_data_structure(rng, &name, &mut files[which].1, &mut log),
+                2 if name.ends_with(".safetensors") => {
+                    files[which].1 = mutate_checkpoint(rng, &[files[which].1.clone()], &mut log)
+                }
+                _ => text.mutate(rng, &mut files[which].1, &mut log),
+            }
+            let (model, rows) = (data_model(f), f.rows);
+            Case {
+                what: log.join("\n"),
+                files: vec![(name.replace('/', "-"), files[which].1.clone())],
+                run: Box::new(move || {
+                    for (name, bytes) in &files {
+                        let path = dir.join(name);
+                        if let Some(parent) = path.parent() {
+                            std::fs::create_dir_all(parent).expect("a folder");
+                        }
+                        std::fs::write(&path, bytes).expect("a data file");
+                    }
+                    let outcome = open_fuzzed_data(&dir, &model, rows);
+                    let _ = std::fs::remove_dir_all(&dir);
+                    outcome
+                }),
+            }
+        },
+        true,
+    );
 }

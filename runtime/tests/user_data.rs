@@ -498,3 +498,64 @@ fn csv_columns_are_fields_and_a_bad_cell_is_named_by_line_and_column() {
         "{missing}"
     );
 }
+
+/// Found by the `data_files` fuzz target (issue 60, item 11): a `.npy` header whose
+/// shape multiplies past 64 bits panicked inside npyz (it multiplies unchecked), in a
+/// `.npy` folder and in an `.npz` archive alike. It is refused, naming the array.
+#[test]
+fn a_npy_shape_past_64_bits_is_refused_not_a_panic() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let folder = dir.path().join("arrays");
+    write_npy_folder(&folder, 8, 0.0);
+    let mut dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (18446744073709551615, 3), }"
+        .to_string();
+    while !(10 + dict.len() + 1).is_multiple_of(64) {
+        dict.push(' ');
+    }
+    dict.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((dict.len() as u16).to_le_bytes());
+    bytes.extend(dict.into_bytes());
+    bytes.extend([0u8; 96]);
+    std::fs::write(folder.join("x.npy"), bytes).expect("writes");
+    let f = fields(&[("x", DType::F32, 3), ("y", DType::I32, 1)]);
+    let sh = shapes(&[("x", DType::F32, &[4, 3]), ("y", DType::I32, &[4])]);
+    let e = message(open(
+        &tensors_spec("arrays", None, f),
+        dir.path(),
+        &sh,
+        4,
+        0,
+        1,
+    ));
+    assert!(
+        e.contains("x.npy") && e.contains("more values than a file can"),
+        "{e}"
+    );
+}
+
+/// Found by the `data_files` fuzz target: the process-wide cache of decoded sources
+/// was keyed by source and folder only, so a file rewritten after a first open was
+/// served as it had been (an elastic restart in one process read stale data). A file
+/// changed since is read again.
+#[test]
+fn a_data_file_rewritten_after_an_open_is_read_again() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("t.bin");
+    let spec = token_spec("t.bin", None, 2, 4);
+    let sh = shapes(&[
+        ("tokens", DType::I32, &[2, 4]),
+        ("targets", DType::I32, &[2, 4]),
+    ]);
+    let bound = |ids: &[u32]| {
+        write_tokens(&path, ids, 2);
+        open(&spec, dir.path(), &sh, 2, 0, 1)
+            .expect("opens")
+            .info()
+            .id_bounds["tokens"]
+    };
+    assert_eq!(bound(&(0..40).map(|i| i % 10).collect::<Vec<_>>()), 10);
+    // (Of another length: a rewrite of the same length within the file system's
+    // clock tick keeps the file's time, and is not seen.)
+    assert_eq!(bound(&(0..48).map(|i| i % 20).collect::<Vec<_>>()), 20);
+}

@@ -32,7 +32,35 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Seed of MovieLens' train/held-out split.
 pub const MOVIELENS_SPLIT_SEED: u64 = 0x6d6c_3130_306b;
 
-type Cache = Mutex<HashMap<(String, PathBuf), Arc<Loaded>>>;
+/// A file as the cache knows it: its path, device, inode, length and modification
+/// time (seconds, nanoseconds).
+type Fingerprint = (PathBuf, u64, u64, u64, i64, i64);
+
+type Cache = Mutex<HashMap<(String, PathBuf, Vec<Fingerprint>), Arc<Loaded>>>;
+
+/// What `spec` reads under `dir`, each file as it is now: a file changed, replaced or
+/// added since it was decoded is decoded again, not served from the cache.
+fn fingerprints(spec: &DataSpec, dir: Option<&Path>) -> Vec<Fingerprint> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out: Vec<Fingerprint> = super::data_files(spec, dir)
+        .into_iter()
+        .map(|p| {
+            let m = std::fs::metadata(&p).ok();
+            let f = |g: fn(&std::fs::Metadata) -> u64| m.as_ref().map_or(0, g);
+            let t = |g: fn(&std::fs::Metadata) -> i64| m.as_ref().map_or(0, g);
+            (
+                p,
+                f(|m| m.dev()),
+                f(|m| m.ino()),
+                f(|m| m.len()),
+                t(|m| m.mtime()),
+                t(|m| m.mtime_nsec()),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
 
 /// Loads (or finds in the process-wide cache) the data of a file source.
 pub(crate) fn load(spec: &DataSpec, dir: Option<&Path>) -> Result<Arc<Loaded>> {
@@ -60,6 +88,7 @@ pub(crate) fn load(spec: &DataSpec, dir: Option<&Path>) -> Result<Arc<Loaded>> {
     let key = (
         format!("{spec:?}"),
         dir.map(Path::to_path_buf).unwrap_or_default(),
+        fingerprints(spec, dir),
     );
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
     // Loading under the lock: concurrent openers of one source decode it once.
@@ -97,6 +126,8 @@ pub(crate) fn load(spec: &DataSpec, dir: Option<&Path>) -> Result<Arc<Loaded>> {
             })
         }
     });
+    // The same source's files as they were: never served again.
+    map.retain(|k, _| (&k.0, &k.1) != (&key.0, &key.1));
     map.insert(key, loaded.clone());
     Ok(loaded)
 }

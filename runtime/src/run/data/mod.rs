@@ -5,8 +5,9 @@
 //!
 //! * **File sources** (MNIST, Penn Treebank, MovieLens 100K) read the data directory
 //!   (`--data` or `DISTC_DATA`; the data is never copied into the repository). The
-//!   decoded data is cached process-wide, keyed by source and directory, so opening
-//!   the same source again (tests, evaluation, several workers in one process) is cheap.
+//!   decoded data is cached process-wide, keyed by source, directory and each file's
+//!   identity, length and time, so opening the same source again (tests, evaluation,
+//!   several workers in one process) is cheap, and a file changed since is read again.
 //! * **Synthetic sources** (`zipf_tokens` = WORKLOADS.md W1, `gaussian_classes` = W2)
 //!   generate every batch from a seeded `Pcg64`.
 //!

@@ -452,10 +452,23 @@ fn tensor_table(path: &Path, fields: &[FieldSpec]) -> Result<Table> {
         })?;
         let mut out = Vec::with_capacity(fields.len());
         for f in fields {
-            let file = archive
-                .by_name(&f.name)
-                .map_err(|e| data_err(path, format!("cannot read `{}`: {e}", f.name)))?
-                .ok_or_else(|| missing(path, f))?;
+            // Read whole and checked before npyz parses it (see `check_npy_shape`).
+            let entry = format!("{}.npy", f.name);
+            let zip = archive.zip_archive();
+            if !zip.file_names().any(|n| n == entry) {
+                return Err(missing(path, f));
+            }
+            let cannot = |e: &dyn std::fmt::Display| {
+                data_err(path, format!("cannot read `{}`: {e}", f.name))
+            };
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(
+                &mut zip.by_name(&entry).map_err(|e| cannot(&e))?,
+                &mut bytes,
+            )
+            .map_err(|e| cannot(&e))?;
+            check_npy_shape(path, f, &bytes)?;
+            let file = npyz::NpyFile::new(&bytes[..]).map_err(|e| cannot(&e))?;
             out.push(npy_values(path, f, file)?);
         }
         out
@@ -495,9 +508,78 @@ fn npy(path: &Path, f: &FieldSpec) -> Result<(Vec<usize>, Array)> {
         path: path.to_path_buf(),
         source,
     })?;
+    let mut head = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(&file, NPY_HEAD), &mut head).map_err(
+        |source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    )?;
+    check_npy_shape(path, f, &head)?;
+    let file = std::fs::File::open(path).map_err(|source| RuntimeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let npy = npyz::NpyFile::new(std::io::BufReader::new(file))
         .map_err(|e| data_err(path, format!("not a .npy file: {e}")))?;
     npy_values(path, f, npy)
+}
+
+/// The most of a `.npy` file its header can take: the magic, the version, a 4-byte
+/// length and the header itself, which numpy keeps far below 64 KiB.
+const NPY_HEAD: u64 = 12 + (1 << 16);
+
+/// Refuses a `.npy` header whose shape holds more values than 64 bits count, before
+/// npyz parses it: npyz multiplies the dimensions unchecked (a panic in a build with
+/// overflow checks, a wrapped count without). Anything else wrong with the header is
+/// npyz's to name.
+fn check_npy_shape(path: &Path, f: &FieldSpec, head: &[u8]) -> Result<()> {
+    let text = match head.get(6) {
+        Some(1) => head.get(10..),
+        Some(_) => head.get(12..),
+        None => None,
+    }
+    .map(String::from_utf8_lossy)
+    .unwrap_or_default();
+    let Some(at) = text.find("'shape'").or_else(|| text.find("\"shape\"")) else {
+        return Ok(());
+    };
+    let rest = &text[at..];
+    let (Some(open), Some(close)) = (rest.find('('), rest.find(')')) else {
+        return Ok(());
+    };
+    if close < open {
+        return Ok(());
+    }
+    let mut count = 1u64;
+    for dim in rest[open + 1..close]
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+    {
+        // numpy writes decimal dimensions (Python 2's with an `L`).
+        let Ok(d) = dim.trim_end_matches('L').parse::<u64>() else {
+            return Err(data_err(
+                path,
+                format!(
+                    "`{}`'s shape {} is not whole numbers as numpy writes them",
+                    f.name,
+                    &rest[open..=close]
+                ),
+            ));
+        };
+        count = count.checked_mul(d).ok_or_else(|| {
+            data_err(
+                path,
+                format!(
+                    "`{}`'s shape {} holds more values than a file can",
+                    f.name,
+                    &rest[open..=close]
+                ),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 fn npy_values<R: std::io::Read>(
