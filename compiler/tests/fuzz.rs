@@ -2759,7 +2759,7 @@ fn mutate_data_structure(rng: &mut Rng, name: &str, t: &mut Vec<u8>, log: &mut V
 /// accepts must be what the model can train on: finite floats, ids within the rows
 /// the model indexes. Otherwise it trained silently on what it should have refused.
 fn open_fuzzed_data(dir: &Path, model: &str, rows: usize) -> Result<Outcome, Fail> {
-    use distc_runtime::run::data::{check_model, DataSource};
+    use distc_runtime::run::data::DataSource;
     let opts = CompileOptions {
         data_dir: Some(dir.to_path_buf()),
         ..CompileOptions::default()
@@ -2783,13 +2783,7 @@ fn open_fuzzed_data(dir: &Path, model: &str, rows: usize) -> Result<Outcome, Fai
         Ok(s) => s,
         Err(e) => return refused(e.to_string()),
     };
-    let info = source.info();
-    let bounds: Vec<(&str, usize)> = info
-        .id_bounds
-        .iter()
-        .map(|(f, b)| (f.as_str(), *b))
-        .collect();
-    if let Err(e) = check_model(graph, spec, c.config.batch, &bounds) {
+    if let Err(e) = source.check_model(graph, c.config.batch) {
         return refused(e.to_string());
     }
     let mut batches = Vec::new();

@@ -510,19 +510,54 @@ fn mnist_as_safetensors_trains_the_example() {
     assert!(eval_accuracy(&text(&o)) > 0.8, "{}", text(&o));
 }
 
+/// `distc train ARGS` started, its output piped; the caller waits for it.
+fn spawn_train(args: &[&str]) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_distc"))
+        .args(args)
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("runs")
+}
+
+/// Waits until the metrics file has `n` lines (at most two minutes).
+fn wait_for_lines(metrics: &Path, n: usize, what: &str) {
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(metrics).map_or(0, |t| t.lines().count()) < n {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(120),
+            "{what}: the run did not get going"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// `n` u16 token ids below 50, as a token file's bytes.
+fn token_bytes(n: u32) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
+        .collect()
+}
+
+/// Cuts `path` to `len` bytes, as another process truncating it would.
+fn truncate(path: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.set_len(len))
+        .expect("truncates");
+}
+
 /// Issue 60, item 5: a token file truncated by another process while a run reads it
 /// stopped the run with SIGBUS (exit 135, no message). The run now stops with an error
 /// naming the file, and the last checkpoint it wrote loads.
 #[test]
 fn a_token_file_truncated_while_training_stops_the_run_naming_it() {
-    use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
     let dir = tempfile::tempdir().expect("temp dir");
     let tokens = dir.path().join("train.bin");
-    let ids: Vec<u8> = (0..200_000u32)
-        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
-        .collect();
-    std::fs::write(&tokens, ids).expect("tokens");
+    std::fs::write(&tokens, token_bytes(200_000)).expect("tokens");
     let m = dir.path().join("lm.dsl");
     std::fs::write(
         &m,
@@ -535,28 +570,22 @@ fn a_token_file_truncated_while_training_stops_the_run_naming_it() {
     )
     .expect("model");
     let (metrics, state) = (dir.path().join("m.jsonl"), dir.path().join("c.st"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_distc"))
-        .args(["train", s(&m), "--data", s(dir.path()), "-q", "--no-eval"])
-        .args(["--metrics", s(&metrics), "--checkpoint", s(&state)])
-        .args(["--checkpoint-every", "2"])
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("runs");
-    let start = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 4 {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "the run did not get going"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&tokens)
-        .and_then(|f| f.set_len(8))
-        .expect("truncates");
+    let mut child = spawn_train(&[
+        "train",
+        s(&m),
+        "--data",
+        s(dir.path()),
+        "-q",
+        "--no-eval",
+        "--metrics",
+        s(&metrics),
+        "--checkpoint",
+        s(&state),
+        "--checkpoint-every",
+        "2",
+    ]);
+    wait_for_lines(&metrics, 4, "one device");
+    truncate(&tokens, 8);
     let cut = Instant::now();
     while child.try_wait().expect("waits").is_none() {
         if cut.elapsed() > Duration::from_secs(120) {
@@ -583,14 +612,9 @@ fn a_token_file_truncated_while_training_stops_the_run_naming_it() {
 /// step 1 can know of it.
 #[test]
 fn a_failed_last_evaluation_keeps_the_trained_weights() {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
+    use std::process::Command;
     let dir = tempfile::tempdir().expect("temp dir");
-    let ids = |n: u32| -> Vec<u8> {
-        (0..n)
-            .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
-            .collect()
-    };
+    let ids = token_bytes;
     let (train, held_out) = (dir.path().join("train.bin"), dir.path().join("valid.bin"));
     std::fs::write(&train, ids(20_000)).expect("tokens");
     let steps = 20_000;
@@ -615,24 +639,12 @@ fn a_failed_last_evaluation_keeps_the_trained_weights() {
         let (metrics, saved) = (dir.path().join("m.jsonl"), dir.path().join("w.st"));
         let _ = std::fs::remove_file(&saved);
         let _ = std::fs::remove_file(&metrics);
-        let child = Command::new(env!("CARGO_BIN_EXE_distc"))
-            .args(["train", s(&m), "--data", s(dir.path()), "-q"])
-            .args(["--metrics", s(&metrics), "--save", s(&saved)])
-            .args(layout)
-            .current_dir(root())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("runs");
-        let start = Instant::now();
+        let mut args = vec!["train", s(&m), "--data", s(dir.path()), "-q"];
+        args.extend(["--metrics", s(&metrics), "--save", s(&saved)]);
+        args.extend_from_slice(layout);
+        let child = spawn_train(&args);
         let lines = || std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count());
-        while lines() < 1 {
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "{layout:?}: the run did not get going"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_for_lines(&metrics, 1, &format!("{layout:?}"));
         // Held still while the file is cut: a fast machine runs the steps left in
         // about a second.
         let signal = |sig: &str| {
@@ -642,11 +654,7 @@ fn a_failed_last_evaluation_keeps_the_trained_weights() {
         };
         signal("-STOP");
         let ran = lines();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&held_out)
-            .and_then(|f| f.set_len(2))
-            .expect("truncates");
+        truncate(&held_out, 2);
         signal("-CONT");
         let o = child.wait_with_output().expect("waits");
         let t = text(&o);

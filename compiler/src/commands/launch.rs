@@ -93,11 +93,7 @@ fn state_shards(dir: &Path) -> usize {
     })
 }
 
-/// The environment variable that marks a job's processes.
-pub const JOB_MARK: &str = "DISTC_LAUNCH_JOB";
-/// The environment variable that names the file saying why the supervisor stopped the
-/// job (absent while it has not).
-pub const STOP_FILE: &str = "DISTC_LAUNCH_STOP";
+use super::stop::{JOB_MARK, STOP_FILE};
 
 /// This machine's processes that carry `mark` as their job's mark, but this one.
 fn marked(mark: &str) -> Vec<u32> {
@@ -368,7 +364,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             };
             return Err(distc_runtime::RuntimeError::Interrupted(format!(
                 "{} after step {}: the job was stopped; {state}",
-                super::run::INTERRUPTED,
+                super::stop::INTERRUPTED,
                 lines.last_step.unwrap_or(0)
             ))
             .into());

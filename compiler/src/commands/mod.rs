@@ -11,6 +11,7 @@ pub mod eval;
 pub mod launch;
 pub mod run;
 pub mod simulate;
+pub mod stop;
 
 use crate::cli::{
     check_strategy_flags, compile_opts, strategy_config, BenchArgs, CompileArgs, Device,

@@ -367,8 +367,8 @@ fn initial_weights(
 /// `--timeout` when not given: long enough for any collective of a healthy run.
 pub const DEFAULT_TIMEOUT_SECS: f64 = 300.0;
 
-/// How the error of a run stopped by Ctrl-C begins (the binary exits with 130 on it).
-pub const INTERRUPTED: &str = "interrupted (Ctrl-C)";
+use super::stop::stop_cause;
+pub use super::stop::INTERRUPTED;
 
 /// Set by the first Ctrl-C; a second one exits at once. Installed once per process.
 fn interrupt_flag() -> Arc<AtomicBool> {
@@ -411,27 +411,6 @@ fn stop_at_once_on_interrupt(note: impl Fn() -> Option<String> + Send + 'static)
     });
     if let Err(e) = installed {
         err(&format!("warning: Ctrl-C will stop at once: {e}\n"));
-    }
-}
-
-/// Why this run is stopping, in its first words: Ctrl-C, or under `distc launch` what
-/// the supervisor wrote before it stopped the job. A rank of a supervised job that
-/// finds no such word was stopped by mpirun, which SIGTERMs every rank once one is
-/// lost: the ranks cannot tell that SIGTERM from a Ctrl-C's, the supervisor can.
-fn stop_cause() -> String {
-    stop_cause_in(std::env::var_os(super::launch::STOP_FILE))
-}
-
-/// [`stop_cause`], `stop_file` being what the supervisor's variable says.
-fn stop_cause_in(stop_file: Option<std::ffi::OsString>) -> String {
-    match stop_file {
-        None => INTERRUPTED.to_string(),
-        Some(file) => match std::fs::read_to_string(&file) {
-            Ok(why) if !why.trim().is_empty() => why.trim().to_string(),
-            _ => "stopped by mpirun, as every rank is once one is lost or mpirun is \
-                  stopped (distc launch decides what follows)"
-                .to_string(),
-        },
     }
 }
 
@@ -847,26 +826,6 @@ pub fn verify_verdict(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Issue 60, item 9: a rank of a `distc launch` job stopped by mpirun (another
-    /// rank was lost) said "interrupted (Ctrl-C)". It says what the supervisor wrote
-    /// when the supervisor stopped the job, and that mpirun stopped it otherwise.
-    #[test]
-    fn a_supervised_rank_says_who_stopped_it() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let file = dir.path().join("stop");
-        assert_eq!(stop_cause_in(None), INTERRUPTED);
-        let lost = stop_cause_in(Some(file.clone().into_os_string()));
-        assert!(
-            lost.starts_with("stopped by mpirun") && !lost.contains("Ctrl-C"),
-            "{lost}"
-        );
-        std::fs::write(&file, "stopped by distc launch: interrupted\n").expect("writes");
-        assert_eq!(
-            stop_cause_in(Some(file.into_os_string())),
-            "stopped by distc launch: interrupted"
-        );
-    }
 
     /// Issue 36, item 7: a state of a step past the metrics' last line says so.
     #[test]

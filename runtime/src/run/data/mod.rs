@@ -486,6 +486,18 @@ impl DataSource {
         self.global_stream
     }
 
+    /// The model `graph` against what this source's files hold ([`check_model`], with
+    /// the id bounds read from them): what `distc train` checks before step 1.
+    pub fn check_model(&self, graph: &distc_ir::Graph, batch: usize) -> Result<()> {
+        let info = self.info();
+        let bounds: Vec<(&str, usize)> = info
+            .id_bounds
+            .iter()
+            .map(|(f, b)| (f.as_str(), *b))
+            .collect();
+        check_model(graph, &self.spec, batch, &bounds)
+    }
+
     /// Sizes of the source.
     pub fn info(&self) -> SourceInfo {
         match &self.backing {

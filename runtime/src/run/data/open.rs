@@ -2,7 +2,7 @@
 //! micro-batch, checked against the model where the source's id ranges are known
 //! only once read (a token file's vocabulary).
 
-use super::{check_model, data_dir, DataSource};
+use super::{data_dir, DataSource};
 use crate::core::config::RunConfig;
 use crate::core::error::Result;
 use crate::run::mesh::Mesh;
@@ -31,13 +31,7 @@ pub fn open_data(
             if m == 0 && config.data.needs_files() {
                 // File sources know their id ranges (a vocabulary) only once read;
                 // synthetic sources' were checked with the settings at launch.
-                let info = source.info();
-                let bounds: Vec<(&str, usize)> = info
-                    .id_bounds
-                    .iter()
-                    .map(|(f, b)| (f.as_str(), *b))
-                    .collect();
-                check_model(programs.worker, &config.data, config.batch, &bounds)?;
+                source.check_model(programs.worker, config.batch)?;
             }
             let mut steps = opts.steps.unwrap_or(config.steps);
             if let Some(state) = &opts.resume {
