@@ -15,8 +15,6 @@ use crate::run::state::model_part;
 use distc_ir::Graph;
 use std::collections::HashMap;
 
-/// Refuses, before step 1, held-out data of less than one batch: the evaluation after
-/// the last step would find none, once the run is over.
 /// An evaluation's outcome as a step reports it: its figures, or why the evaluation
 /// after the last step failed.
 pub(crate) type Evaluated = (Option<EvalMetrics>, Option<String>);
@@ -32,6 +30,8 @@ pub(crate) fn settle(result: Result<EvalMetrics>, last: bool) -> Result<Evaluate
     }
 }
 
+/// Refuses, before step 1, held-out data of less than one batch: the evaluation after
+/// the last step would find none, once the run is over.
 pub(crate) fn check_held_out(data: &DataSource, config: &RunConfig) -> Result<()> {
     if data.eval_samples(config.eval_samples) == 0 {
         return Err(no_held_out(config));
