@@ -43,7 +43,6 @@ pub(crate) const TAG_REPORT: Tag = 103;
 pub(crate) const TAG_SPANS: Tag = 104;
 pub(crate) const TAG_STATUS: Tag = 105;
 pub(crate) const TAG_P2P: Tag = 106;
-pub(crate) const TAG_PARAMS: Tag = 107;
 
 /// A communicator shared by threads.
 pub(crate) struct Comm(pub(crate) SimpleCommunicator);

@@ -6,12 +6,11 @@
 use crate::core::error::{Result, RuntimeError};
 use crate::core::peak::total_peak;
 use crate::core::value::Tensor;
-use crate::run::eval::Evaluated;
 use crate::run::memory::MemoryByCategory;
 use crate::run::metrics::TrainReport;
 use crate::run::metrics::{EvalMetrics, Profile, StepMetrics};
 use crate::run::metrics::{PipelineStep, StageAccount, StageStep, StepReport};
-use crate::run::pipeline::{Handed, PipelineRun};
+use crate::run::pipeline::PipelineRun;
 use crate::run::trace::Span;
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -213,10 +212,6 @@ impl<'a> Coordinator<'a> {
     }
 }
 
-/// What the coordinator does with what a step's stages handed over (see
-/// [`StageReports::add`]).
-pub(crate) type TakeState<'a> = dyn FnMut(usize, Handed) -> Result<Evaluated> + 'a;
-
 /// Steps' reports from every stage, joined into one line per step once all are in.
 #[derive(Default)]
 pub(crate) struct StageReports {
@@ -226,15 +221,11 @@ pub(crate) struct StageReports {
 impl StageReports {
     /// Takes one stage's report; hands the coordinator the step's line when it is the
     /// step's last (of `workers`).
-    /// At a step with an evaluation or a checkpoint, `take_state` gets the variables,
-    /// optimizer state and shards' names the reports carry (it adds any a stage sent
-    /// otherwise) and returns the evaluation, if the step has one.
     pub(crate) fn add(
         &mut self,
         r: StepReport,
         workers: usize,
         coordinator: &mut Coordinator<'_>,
-        take_state: &mut TakeState<'_>,
     ) -> Result<()> {
         let step = r.step;
         let reports = self.pending.entry(step).or_default();
@@ -242,22 +233,8 @@ impl StageReports {
         if reports.len() < workers {
             return Ok(());
         }
-        let mut reports = self.pending.remove(&step).unwrap_or_default();
-        let mut line = combine(step, &reports);
-        let mut handed = Handed::default();
-        let mut any = false;
-        for r in &mut reports {
-            any |= r.params.is_some() || r.shard.is_some();
-            handed.params.extend(r.params.take().into_iter().flatten());
-            handed.slots.extend(r.slots.take().into_iter().flatten());
-            handed
-                .shard_keys
-                .extend(r.shard.take().into_iter().flatten());
-        }
-        if any {
-            (line.eval, line.eval_failed) = take_state(step, handed)?;
-        }
-        coordinator.add(line)
+        let reports = self.pending.remove(&step).unwrap_or_default();
+        coordinator.add(combine(step, &reports))
     }
 }
 
@@ -272,7 +249,8 @@ pub(crate) fn reporter<R: Send>(tx: mpsc::Sender<R>) -> impl FnMut(R) -> Result<
 }
 
 /// One metrics line of a step from every stage's report: the loss stages' mean loss, the
-/// slowest stage's time, bytes and memory summed over the stages.
+/// slowest stage's time, bytes and memory summed over the stages, and worker 0's
+/// evaluation.
 pub(crate) fn combine(step: usize, reports: &[StepReport]) -> StepReport {
     let account = |r: &StepReport| r.stage.clone().unwrap_or_default();
     // One replica's stages (the first present: a rank's own line has its replica alone).
@@ -353,6 +331,8 @@ pub(crate) fn combine(step: usize, reports: &[StepReport]) -> StepReport {
         cuda_graph: !reports.is_empty() && reports.iter().all(|r| r.cuda_graph),
         lr: first.first().and_then(|(_, r)| r.lr),
         peaks: reports.iter().flat_map(|r| r.peaks.clone()).collect(),
+        eval: reports.iter().find_map(|r| r.eval.clone()),
+        eval_failed: reports.iter().find_map(|r| r.eval_failed.clone()),
         ..StepReport::default()
     }
 }

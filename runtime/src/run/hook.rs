@@ -289,6 +289,23 @@ impl HostHook {
         }
     }
 
+    /// Every model rank's `mine`, in rank order (this role's alone without a model
+    /// axis), named by `label`: what a stage's model ranks tell its model rank 0.
+    pub(crate) fn gather_model_bytes(
+        &mut self,
+        mine: Vec<u8>,
+        label: &str,
+    ) -> Result<Vec<Vec<u8>>> {
+        let Some(comm) = self.model.as_mut() else {
+            return Ok(vec![mine]);
+        };
+        comm.set_label(label);
+        let start = Instant::now();
+        let all = comm.all_gather(mine);
+        self.waited += start.elapsed();
+        all
+    }
+
     /// `xs` summed in f64 over `axis` (the data axis or the model axis), named by
     /// `label`; as they are where the role has no such axis. The data axis's sum goes
     /// through the communication thread, behind the collectives issued before it. A

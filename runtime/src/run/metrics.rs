@@ -174,19 +174,6 @@ pub struct StepReport {
     /// A pipeline stage's own account, in the report it sends.
     #[serde(default)]
     pub stage: Option<StageAccount>,
-    /// At a step with an evaluation or a checkpoint, replica 0's stages hand over their
-    /// variables (a copy), for the coordinator to evaluate the whole model or write its
-    /// training state.
-    #[serde(skip)]
-    pub(crate) params: Option<HashMap<String, Tensor>>,
-    /// At a checkpoint, replica 0's stages hand over the optimizer state of the
-    /// variables they update (a tied variable's holders leave it to its owner).
-    #[serde(skip)]
-    pub(crate) slots: Option<HashMap<String, Tensor>>,
-    /// At a sharded checkpoint, the stored names of what replica 0's stage wrote into
-    /// its shard, for the coordinator's manifest.
-    #[serde(default)]
-    pub(crate) shard: Option<Vec<String>>,
 }
 
 /// A loss read back: JSON has no NaN (serde_json writes one as `null`), and a stage
@@ -427,7 +414,7 @@ mod tests {
                 busy_sec: 0.25,
                 ..StageAccount::default()
             }),
-            shard: Some(vec!["w".into()]),
+            eval_failed: Some("the held-out file went".into()),
             ..StepReport::default()
         };
         let text = serde_json::to_string(&sent).expect("a report serialises");
@@ -439,7 +426,7 @@ mod tests {
             (3, 7, 1, 1)
         );
         assert!(!account.holds_loss);
-        assert_eq!(got.shard, Some(vec!["w".to_string()]));
+        assert_eq!(got.eval_failed.as_deref(), Some("the held-out file went"));
         let with_loss = StepReport {
             loss: 2.5,
             ..StepReport::default()

@@ -861,7 +861,7 @@ fn run_worker_rank<B: Backend>(
         let mut to_rank0 = ToRank0::new(r, &mesh, last_step, opts.timeout);
         let report = move |rep: StepReport| {
             write_local(&rep)?;
-            to_rank0.send(ctl, rep.step, Vec::new(), &rep)
+            to_rank0.send(ctl, rep.step, &rep)
         };
         let outcome = run_worker_on(setup(Box::new(report)), |links| {
             make(Site::of(r, programs.worker), links)

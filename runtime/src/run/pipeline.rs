@@ -45,7 +45,7 @@ use crate::run::eval::{settle, Evaluated, Evaluator};
 use crate::run::hook::HostHook;
 use crate::run::memory::MemoryByCategory;
 use crate::run::mesh::Mesh;
-use crate::run::metrics::{StageAccount, StepReport};
+use crate::run::metrics::{EvalMetrics, StageAccount, StepReport};
 use crate::run::options::{CheckpointEvery, TrainOptions};
 use crate::run::programs::Programs;
 use crate::run::state::{
@@ -64,21 +64,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What replica 0's stages hand the coordinator after a step that evaluates or writes
-/// the training state.
-#[derive(Debug, Default)]
-pub(crate) struct Handed {
-    /// Their variables, whole (to evaluate, or for a state written whole).
-    pub(crate) params: HashMap<String, Tensor>,
-    /// Their optimizer state, whole (for a state written whole).
-    pub(crate) slots: HashMap<String, Tensor>,
-    /// The names their shards of a sharded state hold.
-    pub(crate) shard_keys: Vec<String>,
-}
-
 /// What a stage hands back when it ends.
 #[derive(Debug, Default)]
 pub(crate) struct StageOutcome {
+    /// The trained variables of the whole model at worker 0 (replica 0's stage 0,
+    /// model rank 0), gathered over the pipe axis; empty at every other stage.
     pub(crate) params: HashMap<String, Tensor>,
     pub(crate) spans: Vec<Span>,
 }
@@ -299,51 +289,33 @@ impl<'a> PipelineRun<'a> {
         self.steps + 1 - self.first
     }
 
-    /// What `step` does besides training: whether it evaluates, and whether it writes
-    /// the training state, gathered or as shards.
-    pub(crate) fn due_at(&self, step: usize) -> Due {
-        self.cadence.at(step)
-    }
-
-    /// What the coordinator does after `step` with what replica 0's stages handed over
-    /// (their variables and optimizer state, or the names their shards hold): writes
-    /// the training state, or a sharded state's manifest, if the step is a
-    /// checkpoint's, and returns the evaluation if it is an evaluation's.
-    pub(crate) fn take_state(
+    /// Writes the whole training state after `step` (a checkpoint's, not sharded):
+    /// `params` and `slots`, every stage's gathered into worker 0, with the carried
+    /// ones. Worker 0 calls it.
+    fn write_whole(
         &self,
         step: usize,
-        handed: Handed,
-        evaluator: &mut Option<Evaluator<'_, impl Backend>>,
-    ) -> Result<Evaluated> {
-        let params = self.with_carried(handed.params);
-        let due = self.due_at(step);
-        if let (Some(c), true) = (&self.checkpoint, due.file) {
-            let index = self.index(step, c.saved_by.clone());
-            if due.shard {
-                self.commit_shards(c, &index, handed.shard_keys)?;
-            } else {
-                let lacking = self.lacking(|n| params.contains_key(n));
-                if !lacking.is_empty() {
-                    return Err(RuntimeError::internal(
-                        "the stages' handover",
-                        format!(
-                            "the training state of step {step} lacks {lacking:?}: a stage did \
-                         not hand its variables over"
-                        ),
-                    ));
-                }
-                let mut slots = handed.slots;
-                slots.extend(self.carried_slots.clone());
-                let state = TrainingState::new(index, params.clone(), slots);
-                c.write(Arc::new(state), due.last)?;
-            }
+        params: &HashMap<String, Tensor>,
+        mut slots: HashMap<String, Tensor>,
+        last: bool,
+    ) -> Result<()> {
+        let Some(c) = &self.checkpoint else {
+            return Ok(());
+        };
+        let lacking = self.lacking(|n| params.contains_key(n));
+        if !lacking.is_empty() {
+            return Err(RuntimeError::internal(
+                "the stages' gather",
+                format!(
+                    "the training state of step {step} lacks {lacking:?}: a stage did not \
+                     send its variables"
+                ),
+            ));
         }
-        match evaluator {
-            Some(e) if self.cadence.evaluates_at(step) => {
-                settle(e.evaluate(&params, step as u64), due.last)
-            }
-            _ => Ok((None, None)),
-        }
+        slots.extend(self.carried_slots.clone());
+        let index = self.index(step, c.saved_by.clone());
+        let state = TrainingState::new(index, params.clone(), slots);
+        c.write(Arc::new(state), last)
     }
 
     /// The index of the state after `step`, saved by `saved_by`.
@@ -378,17 +350,17 @@ impl<'a> PipelineRun<'a> {
     }
 
     /// A sharded state's step, once replica 0's stages have started writing their
-    /// shards (`keys`, what they hold): the state before it is committed (every
-    /// stage's write of it is done, since a stage starts its next write only then),
-    /// this one's manifest is written, and after the run's last step it is committed
-    /// too (its shards were written before the stages reported it). Replica 0's
-    /// workers write one shard each, on the data axis's rank 0 and their own model rank.
-    fn commit_shards(
-        &self,
-        c: &CheckpointEvery,
-        index: &StateIndex,
-        mut keys: Vec<String>,
-    ) -> Result<()> {
+    /// shards (`keys`, what they hold, gathered into worker 0, which calls this): the
+    /// state before it is committed (every stage's write of it is done, since a stage
+    /// starts its next write only then), this one's manifest is written, and after the
+    /// run's last step it is committed too (its shards were written before the stages
+    /// sent their names). Replica 0's workers write one shard each, on the data axis's
+    /// rank 0 and their own model rank.
+    fn commit_shards(&self, step: usize, mut keys: Vec<String>) -> Result<()> {
+        let Some(c) = &self.checkpoint else {
+            return Ok(());
+        };
+        let index = &self.index(step, c.saved_by.clone());
         keys.sort();
         keys.dedup();
         let shards = self.mesh.pipe * self.mesh.model;
@@ -413,7 +385,7 @@ impl<'a> PipelineRun<'a> {
     }
 
     /// Before the stages start: the folders of the sharded states this run will write
-    /// that an earlier run left uncommitted are removed (the coordinator's part).
+    /// that an earlier run left uncommitted are removed (the launcher's part).
     pub(crate) fn clear_later_states(&self) -> Result<()> {
         match self.checkpoint.as_ref().filter(|c| c.sharded) {
             Some(c) => crate::core::shards::clear_from(&c.path, self.first as u64),
@@ -422,10 +394,7 @@ impl<'a> PipelineRun<'a> {
     }
 
     /// The stages' variables and those no stage reads: the whole model's.
-    pub(crate) fn with_carried(
-        &self,
-        mut params: HashMap<String, Tensor>,
-    ) -> HashMap<String, Tensor> {
+    fn with_carried(&self, mut params: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
         params.extend(self.carried.clone());
         params
     }
@@ -460,7 +429,7 @@ impl<'a> PipelineRun<'a> {
         w: usize,
         mut comms: AxisComms,
         data: Vec<DataSource>,
-        opts: &TrainOptions,
+        (config, opts): (&RunConfig, &TrainOptions),
         t0: Instant,
     ) -> Result<Stage<'_>> {
         let comm = comms.require(Axis::Pipe, "a pipeline stage")?;
@@ -497,6 +466,8 @@ impl<'a> PipelineRun<'a> {
             slots
         });
         Ok(Stage {
+            run: self,
+            held_out: self.held_out(config, opts, w)?,
             name: self.mesh.name(w),
             worker: w,
             first: self.first,
@@ -535,35 +506,49 @@ impl<'a> PipelineRun<'a> {
         })
     }
 
-    /// What evaluates the one-device graph on the stages' variables, when the run
-    /// evaluates: its own data source (the stages' sources are theirs), on the backend
-    /// `make` creates for it (the stages' kind of device: worker 0's GPU for a GPU
-    /// pipeline).
-    pub(crate) fn evaluator<B: Backend>(
+    /// Worker 0's held-out data, when the run evaluates (its own source: the stages'
+    /// sources are theirs); `None` at every other worker.
+    fn held_out(
         &self,
         config: &RunConfig,
         opts: &TrainOptions,
-        make: &dyn Fn(Site<'_>, Links<'_>) -> Result<B>,
-    ) -> Result<Option<Evaluator<'a, B>>> {
-        if !opts.evaluate {
+        w: usize,
+    ) -> Result<Option<DataSource>> {
+        if w != 0 || !opts.evaluate {
             return Ok(None);
         }
         let data = open_source(self.whole, config, opts, 0, 1)?;
         crate::run::eval::check_held_out(&data, config)?;
-        let backend = make(Site::of(0, self.whole), Links::none())?;
-        Ok(Some(Evaluator {
+        Ok(Some(data))
+    }
+
+    /// What evaluates the one-device graph on the stages' variables, gathered into
+    /// worker 0: on `backend`, one worker 0 makes beside its stage's (its device).
+    fn evaluator<B: Backend>(
+        &self,
+        data: DataSource,
+        config: &RunConfig,
+        backend: B,
+    ) -> Result<Evaluator<'a, B>> {
+        Ok(Evaluator {
             exec: Executor::with_backend(self.whole, backend)?,
             whole: self.whole,
             shard: self.shard,
             model_axis: self.mesh.model,
             data,
             config: config.clone(),
-        }))
+        })
     }
 }
 
 /// One stage of one replica: a thread, or an MPI rank.
 pub(crate) struct Stage<'a> {
+    /// The run it is a stage of: worker 0 writes its whole states and commits its
+    /// sharded ones.
+    run: &'a PipelineRun<'a>,
+    /// Worker 0's held-out data, when the run evaluates: worker 0 evaluates the
+    /// whole model on its own device.
+    held_out: Option<DataSource>,
     /// Its worker's name on the mesh, for messages and trace tracks.
     name: String,
     /// Its worker (rank in the mesh), for the backends it makes.
@@ -758,6 +743,95 @@ impl Stage<'_> {
 }
 
 impl Stage<'_> {
+    /// Replica 0's whole variables and optimizer state (`held`: this stage's, a slot
+    /// named `VAR/SLOT`), gathered over the pipe axis into stage 0 as a stage's parts
+    /// are gathered over the model axis into its model rank 0: each other stage sends
+    /// its own, stage 0 takes them in stage order. Called by every model rank 0 of
+    /// replica 0 after the same step (`step`, for its messages); the whole model's
+    /// `(variables, slots)` at stage 0, `None` elsewhere.
+    fn gather_stages(
+        &mut self,
+        step: usize,
+        mut held: HashMap<String, Tensor>,
+    ) -> Result<Option<[HashMap<String, Tensor>; 2]>> {
+        let s = self.stage;
+        if s != 0 {
+            self.comm.set_label(&format!(
+                "stage {s}, step {step}: the send of its variables to stage 0"
+            ));
+            self.comm.send(0, encode_params(held))?;
+            return Ok(None);
+        }
+        for from in 1..self.run.mesh.pipe {
+            self.comm.set_label(&format!(
+                "stage 0, step {step}: the receive of stage {from}'s variables"
+            ));
+            let bytes = self.comm.recv(from).map_err(|e| {
+                e.context(format_args!(
+                    "step {step}: waiting for stage {from}'s variables"
+                ))
+            })?;
+            let theirs = decode_params(&bytes).map_err(|e| {
+                malformed(
+                    0,
+                    from,
+                    format!("stage {from}'s variables of step {step}: {e}"),
+                )
+            })?;
+            held.extend(theirs);
+        }
+        let (slots, params) = held.into_iter().partition(|(k, _)| k.contains('/'));
+        Ok(Some([self.run.with_carried(params), slots]))
+    }
+
+    /// The names replica 0's workers wrote into their shards of the state of `step`
+    /// (`keys`, this worker's), gathered into worker 0 (over the model axis, then the
+    /// pipe axis), which commits the state before it and writes this one's manifest.
+    /// Called by every worker of replica 0 after the same step.
+    fn gather_shard_keys(&mut self, step: usize, keys: Vec<String>) -> Result<()> {
+        let encode = |keys: &[String]| serde_json::to_vec(keys).unwrap_or_default();
+        let me = self.stage;
+        let decode = |bytes: &[u8], from: usize, what: &str| {
+            serde_json::from_slice::<Vec<String>>(bytes).map_err(|e| {
+                malformed(
+                    me,
+                    from,
+                    format!("{what}'s shard names of step {step}: {e}"),
+                )
+            })
+        };
+        let label = format!("step {step}: the shard names of the stage's model ranks");
+        let mut all = Vec::new();
+        for (m, bytes) in self
+            .hook
+            .gather_model_bytes(encode(&keys), &label)?
+            .iter()
+            .enumerate()
+        {
+            all.extend(decode(bytes, m, &format!("model rank {m}"))?);
+        }
+        let s = self.stage;
+        if self.model_rank != 0 {
+            return Ok(());
+        }
+        if s != 0 {
+            self.comm.set_label(&format!(
+                "stage {s}, step {step}: the send of its shard names to stage 0"
+            ));
+            return self.comm.send(0, encode(&all));
+        }
+        for from in 1..self.run.mesh.pipe {
+            self.comm.set_label(&format!(
+                "stage 0, step {step}: the receive of stage {from}'s shard names"
+            ));
+            let bytes = self.comm.recv(from)?;
+            all.extend(decode(&bytes, from, &format!("stage {from}"))?);
+        }
+        self.run.commit_shards(step, all)
+    }
+}
+
+impl Stage<'_> {
     /// An elastic run's copy of what it holds after `step` (`held`: its variables, the
     /// optimizer state of those it updates, and the carried ones), replacing its last;
     /// `held` is called only where the run keeps copies.
@@ -892,6 +966,15 @@ impl<'a> Stage<'a> {
             Some(b) => b,
             None => made(forward, None)?,
         };
+        // Worker 0 evaluates the whole model on a backend of its own device.
+        let evaluator = match self.held_out.take() {
+            Some(data) => {
+                let whole = self.run.whole;
+                let backend = make(Site::of(self.worker, whole), Links::none())?;
+                Some(self.run.evaluator(data, config, backend)?)
+            }
+            None => None,
+        };
         self.hook.start(&self.name)?;
         let mut fwd = Executor::with_backend(self.forward, forward_backend)?;
         fwd.set_train_outputs(false);
@@ -947,6 +1030,7 @@ impl<'a> Stage<'a> {
             device: device.clone(),
             spans: Vec::new(),
             last_bytes,
+            evaluator,
         };
         let traced = body.stage.trace.then_some(&mut trace);
         run_steps(&mut body, first, cadence, traced, report)?;
@@ -959,8 +1043,18 @@ impl<'a> Stage<'a> {
         if self.trace {
             spans.extend(trace.spans(&self.name, t0));
         }
+        // The trained variables, whole, into worker 0 (replicas hold the same).
+        let mut trained = HashMap::new();
+        if self.replica == 0 {
+            let whole = self.whole_params(bwd.backend(), &params)?;
+            if self.model_rank == 0 {
+                if let Some([params, _]) = self.gather_stages(self.run.steps, whole)? {
+                    trained = params;
+                }
+            }
+        }
         Ok(StageOutcome {
-            params: self.whole_params(bwd.backend(), &params)?,
+            params: trained,
             spans,
         })
     }
@@ -994,6 +1088,8 @@ struct ScheduleStep<'s, 'a, B: Backend> {
     spans: Vec<Span>,
     last_bytes: ByteCount,
     graph: StageGraph,
+    /// Worker 0's evaluator of the whole model, when the run evaluates.
+    evaluator: Option<Evaluator<'a, B>>,
 }
 
 /// Whether a stage's steps are a CUDA graph's replays: a stage's whole step (every
@@ -1071,22 +1167,26 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         } else {
             None
         };
-        // On a model axis, the parts' slots are gathered as their variables are, and
-        // model rank 0 hands them over whole.
-        let slots = if due.writes_whole() && me.replica == 0 {
-            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
-            let whole = me.whole_slots(slots)?;
-            (me.model_rank == 0).then_some(whole)
+        if let Some(keys) = shard {
+            me.gather_shard_keys(step, keys)?;
+        }
+        let eval_start = Instant::now();
+        let (eval, eval_failed) = self.gather_whole(step, due)?;
+        let me = &mut *self.stage;
+        // The other stages wait for worker 0's evaluation here, not in the next step,
+        // where it would count as that step's time.
+        let eval = if due.eval {
+            me.comm
+                .set_label(&format!("step {step}: the wait for the evaluation"));
+            me.comm.barrier()?;
+            me.hook.barrier_all(step as u64)?;
+            me.hook.take_waited();
+            eval.map(|e| EvalMetrics {
+                eval_sec: eval_start.elapsed().as_secs_f64(),
+                ..e
+            })
         } else {
-            None
-        };
-        // Replica 0's model rank 0 hands the stage's variables over, whole, for the
-        // coordinator to evaluate the model or write the training state.
-        let params = if (due.eval || due.writes_whole()) && me.replica == 0 {
-            let whole = me.whole_params(self.bwd.backend(), &self.params)?;
-            (me.model_rank == 0).then_some(whole)
-        } else {
-            None
+            eval
         };
         let report = StepReport {
             rank: me.worker,
@@ -1110,17 +1210,46 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
                 messages_on_device: self.bwd.backend().sends_messages(),
                 host_collectives: self.fwd.host_collectives() + self.bwd.host_collectives(),
             }),
-            params,
-            slots,
-            shard,
+            eval,
+            eval_failed,
             ..StepReport::default()
         };
-        self.last_bytes = bytes;
+        // What the step's state and evaluation moved is not the step's traffic.
+        self.last_bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
         Ok(report)
     }
 }
 
 impl<B: Backend> ScheduleStep<'_, '_, B> {
+    /// After `step`, what it evaluates or writes whole: replica 0's variables (and at
+    /// a checkpoint their optimizer state) gathered over the model axis, then the pipe
+    /// axis, into worker 0, which writes the whole state and evaluates the model on
+    /// its device. The evaluation at worker 0; none elsewhere.
+    fn gather_whole(&mut self, step: usize, due: Due) -> Result<Evaluated> {
+        let me = &mut *self.stage;
+        if !(due.eval || due.writes_whole()) || me.replica != 0 {
+            return Ok((None, None));
+        }
+        let mut held = me.whole_params(self.bwd.backend(), &self.params)?;
+        if due.writes_whole() {
+            let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
+            held.extend(me.whole_slots(slots)?);
+        }
+        if me.model_rank != 0 {
+            return Ok((None, None));
+        }
+        let Some([params, slots]) = me.gather_stages(step, held)? else {
+            return Ok((None, None));
+        };
+        if due.writes_whole() {
+            me.run.write_whole(step, &params, slots, due.last)?;
+        }
+        match self.evaluator.as_mut().filter(|_| due.eval) {
+            Some(e) => settle(e.evaluate(&params, step as u64), due.last),
+            None => Ok((None, None)),
+        }
+    }
+
     /// Sets the step both programs' kernels see, before a capture or a replay.
     fn set_step(&mut self, step: usize) -> Result<()> {
         let device = self.device.as_str();
@@ -1495,9 +1624,6 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
     }
 }
 
-/// A message value of the other kind than the stage's path (`on_device`: its messages
-/// go device to device, and this one is on the host; else the reverse): refused,
-/// never dropped.
 /// Stage `from` sent stage `me` what it cannot decode.
 fn malformed(me: usize, from: usize, message: String) -> RuntimeError {
     RuntimeError::Peer {
@@ -1509,6 +1635,9 @@ fn malformed(me: usize, from: usize, message: String) -> RuntimeError {
     }
 }
 
+/// A message value of the other kind than the stage's path (`on_device`: its messages
+/// go device to device, and this one is on the host; else the reverse): refused,
+/// never dropped.
 fn wrong_path(label: &str, tag: &str, on_device: bool) -> RuntimeError {
     let (value, path) = if on_device {
         ("on the host", "device to device")

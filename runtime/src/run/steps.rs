@@ -98,11 +98,6 @@ impl Cadence {
             last: step == self.last,
         }
     }
-
-    /// Whether the run evaluates after `step`, whether or not this role evaluates.
-    pub(crate) fn evaluates_at(&self, step: usize) -> bool {
-        due(step, self.last, self.eval_every)
-    }
 }
 
 /// What one step's body ran.

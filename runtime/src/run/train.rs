@@ -24,7 +24,6 @@ use crate::run::pipeline::PipelineRun;
 use crate::run::trace::Span;
 use crate::run::trainer::ErrorSlot;
 use crate::run::worker::{run_worker_on, WorkerSetup};
-use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -338,7 +337,6 @@ pub fn train_pipeline_with<B: Backend>(
     let errors = ErrorSlot::default();
     let t0 = Instant::now();
     let mut coordinator = Coordinator::of_pipeline(&run, on_step);
-    let mut evaluator = run.evaluator(config, opts, make)?;
     run.clear_later_states()?;
     let mut roles = Vec::with_capacity(workers);
     for (w, (data, comms)) in sources.into_iter().zip(comms).enumerate() {
@@ -347,7 +345,7 @@ pub fn train_pipeline_with<B: Backend>(
             stage: s,
             model: m,
         } = mesh.coord(w);
-        let mut stage = run.stage(w, comms, data, opts, t0)?;
+        let mut stage = run.stage(w, comms, data, (config, opts), t0)?;
         let errors = &errors;
         let role = move |tx| {
             let result = stage.run_on(make, config, &mut reporter(tx));
@@ -362,23 +360,15 @@ pub fn train_pipeline_with<B: Backend>(
         roles.push((format!("stage-{s}-replica-{r}-model-{m}"), role));
     }
     let mut reports = StageReports::default();
-    let mut take_state = |step, handed| run.take_state(step, handed, &mut evaluator);
-    let (results, coordinator_error) = run_roles(roles, &mut |r| {
-        reports.add(r, workers, &mut coordinator, &mut take_state)
-    });
-    let mut params = HashMap::new();
-    let mut spans = Vec::new();
-    for (w, o) in settle(results, coordinator_error, &errors, &mesh)?
-        .into_iter()
-        .enumerate()
-    {
-        // Replicas (and a stage's model ranks, once gathered) hold the same variables:
-        // replica 0's.
-        if mesh.coord(w).replica == 0 {
-            params.extend(o.params);
-        }
-        spans.extend(o.spans);
-    }
+    let (results, coordinator_error) =
+        run_roles(roles, &mut |r| reports.add(r, workers, &mut coordinator));
+    let mut outcomes = settle(results, coordinator_error, &errors, &mesh)?;
+    let spans = outcomes
+        .iter_mut()
+        .flat_map(|o| std::mem::take(&mut o.spans))
+        .collect();
+    // Worker 0 holds the whole model's trained variables, gathered from its stages.
+    let params = outcomes.swap_remove(0).params;
     // The last step's line carries the final evaluation, and so does the report.
-    Ok(coordinator.finish(run.with_carried(params), None, spans))
+    Ok(coordinator.finish(params, None, spans))
 }

@@ -108,23 +108,14 @@ impl ToRank0 {
         }
     }
 
-    /// Sends step `step`'s report after `ahead` (messages rank 0 takes, in order, when
-    /// the step is complete: a stage's variables and optimizer state).
-    pub(super) fn send(
-        &mut self,
-        ctl: &Comm,
-        step: usize,
-        ahead: Vec<(i32, Vec<u8>)>,
-        report: &StepReport,
-    ) -> Result<()> {
+    /// Sends step `step`'s report.
+    pub(super) fn send(&mut self, ctl: &Comm, step: usize, report: &StepReport) -> Result<()> {
         let bytes = serde_json::to_vec(report)
             .map_err(|e| RuntimeError::internal("the step report", e.to_string()))?;
-        for (tag, msg) in ahead.into_iter().chain([(TAG_REPORT, bytes)]) {
-            self.sends
-                .pending
-                .push_back(Outgoing::start(&ctl.0, 0, tag, msg, true));
-            self.steps.push_back(step);
-        }
+        self.sends
+            .pending
+            .push_back(Outgoing::start(&ctl.0, 0, TAG_REPORT, bytes, true));
+        self.steps.push_back(step);
         let late = if step == self.last_step {
             self.sends.flush().is_some()
         } else {
