@@ -284,6 +284,12 @@ impl<'a> PipelineRun<'a> {
         self.samples_per_step
     }
 
+    /// Whether stage `s` updates variable `name`: a tied variable's holders leave it
+    /// (and its optimizer state) to its owner.
+    fn updates(&self, s: usize, name: &str) -> bool {
+        !self.tied.iter().any(|t| t.name == name && t.owner != s)
+    }
+
     /// Steps this run runs.
     pub(crate) fn steps_to_run(&self) -> usize {
         self.steps + 1 - self.first
@@ -450,7 +456,7 @@ impl<'a> PipelineRun<'a> {
             .filter(|(part, _, _)| params.contains_key(part))
             .cloned()
             .collect();
-        let updated = |name: &str| !self.tied.iter().any(|t| t.name == name && t.owner != s);
+        let updated = |name: &str| self.updates(s, name);
         let resumed_slots = self.resume.as_deref().map(|state| {
             let mut slots = resumed_slots(state, &params, 1, 0);
             slots.extend(
@@ -470,26 +476,12 @@ impl<'a> PipelineRun<'a> {
             held_out: self.held_out(config, opts, w)?,
             name: self.mesh.name(w),
             worker: w,
-            first: self.first,
-            cadence: self.cadence,
             resumed_slots,
-            measure_peak: crate::core::peak::worth_measuring(
-                self.flops_per_sample,
-                self.samples_per_step * self.steps_to_run(),
-            ),
             stage: s,
-            tied: &self.tied,
             replica: r,
             model_rank: m,
             split,
-            shards: self.checkpoint.clone().filter(|c| c.sharded && r == 0),
-            layout: &self.layout,
-            carried: (s == 0 && m == 0).then_some([&self.carried, &self.carried_slots]),
-            elastic: Elastic {
-                slot: opts.snapshot.clone(),
-                index: self.index(0, opts.saved_by()),
-                samples_per_step: self.samples_per_step,
-            },
+            snapshot: opts.snapshot.clone().map(|slot| (slot, opts.saved_by())),
             rehearsal: Rehearsal::of(opts, w, self.mesh.workers()),
             // A stage records its own spans: its hook traces nothing.
             hook: HostHook::new(Some(replica_comm), model_comm, None, false),
@@ -554,32 +546,15 @@ pub(crate) struct Stage<'a> {
     /// Its worker (rank in the mesh), for the backends it makes.
     worker: usize,
     stage: usize,
-    /// The first step it runs (after a resumed state's).
-    first: usize,
-    /// Which steps evaluate and which write a checkpoint: at those, replica 0's
-    /// stages hand their variables (and at a checkpoint their optimizer state) over.
-    cadence: Cadence,
     /// A resumed state's optimizer state of the variables it updates.
     resumed_slots: Option<HashMap<String, Tensor>>,
-    /// Whether the run is long enough to ask the device's peak (see
-    /// [`crate::core::peak::MIN_WORK`]).
-    measure_peak: bool,
-    tied: &'a [TiedVariable],
     replica: usize,
     /// Its rank on the model axis (0 without one).
     model_rank: usize,
     /// The split variables it holds a part of: `(w.tp, w, dim)`.
     split: Vec<(String, String, usize)>,
-    /// Replica 0's stages with `--sharded`: where each writes its own shard.
-    shards: Option<CheckpointEvery>,
-    /// How a shard records what it holds.
-    layout: &'a Layout,
-    /// Stage 0's model rank 0 holds the variables no stage reads, and their optimizer
-    /// state, in its shard and its kept copy.
-    carried: Option<[&'a HashMap<String, Tensor>; 2]>,
-    /// An elastic run's copy of what it holds, kept after every step, and the step its
-    /// loss is rehearsed at.
-    elastic: Elastic,
+    /// An elastic run's slot for the copy it keeps after every step, and who saves it.
+    snapshot: Option<(crate::run::snapshot::StateSlot, String)>,
     /// The failure it rehearses, if any (`--fail-worker`).
     rehearsal: Rehearsal,
     hook: HostHook,
@@ -621,7 +596,8 @@ impl Stage<'_> {
     ) -> Result<()> {
         let s = self.stage;
         let device = backend.name();
-        for t in self.tied {
+        let run = self.run;
+        for t in &run.tied {
             if t.owner == s {
                 let held = params.get(&t.name).ok_or_else(|| {
                     RuntimeError::plan(format!("stage {s} does not hold `{}`", t.name))
@@ -691,7 +667,7 @@ impl Stage<'_> {
             .collect();
         slots.retain(|k, _| {
             k.rsplit_once('/')
-                .is_none_or(|(var, _)| !self.tied.iter().any(|t| t.name == var && t.owner != s))
+                .is_none_or(|(var, _)| self.run.updates(s, var))
         });
         Ok(slots)
     }
@@ -743,44 +719,54 @@ impl Stage<'_> {
 }
 
 impl Stage<'_> {
+    /// `mine` gathered over the pipe axis into stage 0, as a stage's parts are gathered
+    /// over the model axis into its model rank 0: each other stage sends its own
+    /// (`what`, for the messages of step `step`), stage 0 gets every stage's in stage
+    /// order (its own first). Called by every stage of one model rank of replica 0.
+    fn gather_over_stages(
+        &mut self,
+        step: usize,
+        what: &str,
+        mine: Vec<u8>,
+    ) -> Result<Option<Vec<Vec<u8>>>> {
+        let s = self.stage;
+        if s != 0 {
+            let label = format!("stage {s}, step {step}: the send of its {what} to stage 0");
+            self.comm.set_label(&label);
+            self.comm.send(0, mine)?;
+            return Ok(None);
+        }
+        let mut all = vec![mine];
+        for from in 1..self.run.mesh.pipe {
+            let label = format!("stage 0, step {step}: the receive of stage {from}'s {what}");
+            self.comm.set_label(&label);
+            all.push(self.comm.recv(from)?);
+        }
+        Ok(Some(all))
+    }
+
     /// Replica 0's whole variables and optimizer state (`held`: this stage's, a slot
-    /// named `VAR/SLOT`), gathered over the pipe axis into stage 0 as a stage's parts
-    /// are gathered over the model axis into its model rank 0: each other stage sends
-    /// its own, stage 0 takes them in stage order. Called by every model rank 0 of
-    /// replica 0 after the same step (`step`, for its messages); the whole model's
-    /// `(variables, slots)` at stage 0, `None` elsewhere.
+    /// named `VAR/SLOT`) in worker 0, with the carried ones: `(variables, slots)` there,
+    /// `None` elsewhere. Called by every model rank 0 of replica 0 after `step`.
     fn gather_stages(
         &mut self,
         step: usize,
-        mut held: HashMap<String, Tensor>,
+        held: HashMap<String, Tensor>,
     ) -> Result<Option<[HashMap<String, Tensor>; 2]>> {
-        let s = self.stage;
-        if s != 0 {
-            self.comm.set_label(&format!(
-                "stage {s}, step {step}: the send of its variables to stage 0"
-            ));
-            self.comm.send(0, encode_params(held))?;
+        let Some(all) = self.gather_over_stages(step, "variables", encode_params(held))? else {
             return Ok(None);
-        }
-        for from in 1..self.run.mesh.pipe {
-            self.comm.set_label(&format!(
-                "stage 0, step {step}: the receive of stage {from}'s variables"
-            ));
-            let bytes = self.comm.recv(from).map_err(|e| {
-                e.context(format_args!(
-                    "step {step}: waiting for stage {from}'s variables"
-                ))
-            })?;
-            let theirs = decode_params(&bytes).map_err(|e| {
+        };
+        let mut whole = HashMap::new();
+        for (from, bytes) in all.iter().enumerate() {
+            whole.extend(decode_params(bytes).map_err(|e| {
                 malformed(
                     0,
                     from,
                     format!("stage {from}'s variables of step {step}: {e}"),
                 )
-            })?;
-            held.extend(theirs);
+            })?);
         }
-        let (slots, params) = held.into_iter().partition(|(k, _)| k.contains('/'));
+        let (slots, params) = whole.into_iter().partition(|(k, _)| k.contains('/'));
         Ok(Some([self.run.with_carried(params), slots]))
     }
 
@@ -789,45 +775,31 @@ impl Stage<'_> {
     /// pipe axis), which commits the state before it and writes this one's manifest.
     /// Called by every worker of replica 0 after the same step.
     fn gather_shard_keys(&mut self, step: usize, keys: Vec<String>) -> Result<()> {
-        let encode = |keys: &[String]| serde_json::to_vec(keys).unwrap_or_default();
-        let me = self.stage;
-        let decode = |bytes: &[u8], from: usize, what: &str| {
-            serde_json::from_slice::<Vec<String>>(bytes).map_err(|e| {
-                malformed(
-                    me,
-                    from,
-                    format!("{what}'s shard names of step {step}: {e}"),
-                )
-            })
+        let what = "shard names";
+        let decode = |me: usize, lanes: Vec<Vec<u8>>, over: &str| -> Result<Vec<String>> {
+            let mut all = Vec::new();
+            for (from, bytes) in lanes.iter().enumerate() {
+                all.extend(serde_json::from_slice::<Vec<String>>(bytes).map_err(|e| {
+                    malformed(
+                        me,
+                        from,
+                        format!("{over} {from}'s {what} of step {step}: {e}"),
+                    )
+                })?);
+            }
+            Ok(all)
         };
-        let label = format!("step {step}: the shard names of the stage's model ranks");
-        let mut all = Vec::new();
-        for (m, bytes) in self
-            .hook
-            .gather_model_bytes(encode(&keys), &label)?
-            .iter()
-            .enumerate()
-        {
-            all.extend(decode(bytes, m, &format!("model rank {m}"))?);
-        }
-        let s = self.stage;
+        let encode = |keys: &[String]| serde_json::to_vec(keys).unwrap_or_default();
+        let label = format!("step {step}: the {what} of the stage's model ranks");
+        let lanes = self.hook.gather_model_bytes(encode(&keys), &label)?;
+        let lane = decode(self.model_rank, lanes, "model rank")?;
         if self.model_rank != 0 {
             return Ok(());
         }
-        if s != 0 {
-            self.comm.set_label(&format!(
-                "stage {s}, step {step}: the send of its shard names to stage 0"
-            ));
-            return self.comm.send(0, encode(&all));
+        match self.gather_over_stages(step, what, encode(&lane))? {
+            Some(stages) => self.run.commit_shards(step, decode(0, stages, "stage")?),
+            None => Ok(()),
         }
-        for from in 1..self.run.mesh.pipe {
-            self.comm.set_label(&format!(
-                "stage 0, step {step}: the receive of stage {from}'s shard names"
-            ));
-            let bytes = self.comm.recv(from)?;
-            all.extend(decode(&bytes, from, &format!("stage {from}"))?);
-        }
-        self.run.commit_shards(step, all)
     }
 }
 
@@ -836,23 +808,14 @@ impl Stage<'_> {
     /// optimizer state of those it updates, and the carried ones), replacing its last;
     /// `held` is called only where the run keeps copies.
     fn keep(&self, held: impl FnOnce() -> HashMap<String, Tensor>, step: usize) {
-        let (Some(slot), e) = (&self.elastic.slot, &self.elastic) else {
+        let Some((slot, saved_by)) = &self.snapshot else {
             return;
         };
         let copy = crate::run::snapshot::Copy {
-            index: StateIndex {
-                step: step as u64,
-                samples: (step * e.samples_per_step) as u64,
-                ..e.index.clone()
-            },
+            index: self.run.index(step, saved_by.clone()),
             tensors: Arc::new(held()),
         };
-        let place = crate::run::mesh::Coord {
-            replica: self.replica,
-            stage: self.stage,
-            model: self.model_rank,
-        };
-        slot.keep(self.worker, place, copy, false);
+        slot.keep(self.worker, self.run.mesh.coord(self.worker), copy, false);
     }
 
     /// Writes this stage's shard of the state of `step` on its writer thread, once its
@@ -867,7 +830,8 @@ impl Stage<'_> {
         step: usize,
         last: bool,
     ) -> Result<Vec<String>> {
-        let Some(c) = &self.shards else {
+        let Some(c) = (self.run.checkpoint.as_ref()).filter(|c| c.sharded && self.replica == 0)
+        else {
             return Err(RuntimeError::internal(
                 "checkpoint",
                 format!(
@@ -878,9 +842,17 @@ impl Stage<'_> {
         };
         let (s, m) = (self.stage, self.model_rank);
         // A tied variable is written by its owner alone.
-        let owned = |k: &str| !self.tied.iter().any(|t| t.name == k && t.owner != s);
+        let owned = |k: &str| self.run.updates(s, k);
         let place = (self.worker, 0, m);
-        start_shard(c, self.layout, place, step as u64, tensors, owned, last)
+        start_shard(
+            c,
+            &self.run.layout,
+            place,
+            step as u64,
+            tensors,
+            owned,
+            last,
+        )
     }
 }
 
@@ -991,8 +963,10 @@ impl<'a> Stage<'a> {
             .iter()
             .any(|id| matches!(self.forward.op(*id), Op::Loss));
         let last_bytes = self.bytes(&mut fwd, &mut bwd);
-        let (first, cadence, t0) = (self.first, self.cadence, self.t0);
-        let peak = if self.measure_peak {
+        let (first, cadence, t0) = (self.run.first, self.run.cadence, self.t0);
+        let run = self.run;
+        let work = run.samples_per_step * run.steps_to_run();
+        let peak = if crate::core::peak::worth_measuring(run.flops_per_sample, work) {
             bwd.backend()
                 .peak_flops(crate::core::peak::products_dtype(self.forward))
         } else {
@@ -1006,6 +980,7 @@ impl<'a> Stage<'a> {
         let capturable = bwd.backend().sends_messages()
             && config.clip_norm.is_none()
             && !self
+                .run
                 .tied
                 .iter()
                 .any(|t| t.owner == s || t.holders.contains(&s))
@@ -1060,15 +1035,6 @@ impl<'a> Stage<'a> {
     }
 }
 
-/// A stage's part in an elastic run (`--elastic`).
-struct Elastic {
-    /// Where it keeps its copy after every step.
-    slot: Option<crate::run::snapshot::StateSlot>,
-    /// Its copies' index, their step and data position set when kept.
-    index: StateIndex,
-    samples_per_step: usize,
-}
-
 /// A stage's step: its schedule's instructions (GPipe or 1F1B), then the update and
 /// the tied variables' exchange.
 struct ScheduleStep<'s, 'a, B: Backend> {
@@ -1116,7 +1082,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
 
     fn run_step(&mut self, step: usize, _: Due) -> Result<Ran<ScheduleRan>> {
         let me = &mut *self.stage;
-        me.rehearsal.at(step, me.first)?;
+        me.rehearsal.at(step, me.run.first)?;
         // Each micro-batch in buffers of its own (the same every step, which a
         // replayed graph reads): all of a step's are live at once.
         let batches = me
@@ -1130,7 +1096,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             return self.replay(step, start, memory);
         }
         let capturing =
-            self.graph.captures_at(step, self.stage.first) && self.begin_capture(step)?;
+            self.graph.captures_at(step, self.stage.run.first) && self.begin_capture(step)?;
         let ran = self.schedule(step, &feeds, start);
         if !capturing {
             return ran;
@@ -1151,11 +1117,19 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         let bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
         let me = &mut *self.stage;
         let writes = due.shard && me.replica == 0;
-        let shard = if writes || me.elastic.slot.is_some() {
+        let shard = if writes || me.snapshot.is_some() {
             let mut held = host_params(self.bwd.backend(), &self.params)?;
             held.extend(me.updated_slots(self.bwd.backend(), &self.optimizer)?);
-            for carried in me.carried.into_iter().flatten() {
-                held.extend(carried.iter().map(|(k, t)| (k.clone(), t.clone())));
+            // Stage 0's model rank 0 holds the variables no stage reads, and their
+            // optimizer state, in its shard and its kept copy.
+            if me.stage == 0 && me.model_rank == 0 {
+                let run = me.run;
+                held.extend(
+                    run.carried
+                        .iter()
+                        .chain(&run.carried_slots)
+                        .map(|(k, t)| (k.clone(), t.clone())),
+                );
             }
             if writes {
                 me.keep(|| held.clone(), step);
