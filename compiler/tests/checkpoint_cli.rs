@@ -975,3 +975,115 @@ fn a_sharded_state_refuses_another_runs_shard_and_an_edited_manifest() {
         );
     }
 }
+
+/// Issue 60, item 11 (found by the `sharded_states` fuzz target): a manifest whose
+/// numbers multiply past 64 bits (the mesh's cells, a ZeRO chunk's shape), rewritten
+/// with its digest as distc writes it, panicked on the overflow (exit 101). Each is
+/// now a refusal naming the manifest.
+#[test]
+fn a_resealed_manifest_whose_sizes_overflow_is_refused_not_a_panic() {
+    use distc_runtime::core::shards::{step_dir, Gather, Manifest};
+    let dense = "tests/models/adam_mlp.dsl";
+    let dir = tmp("overflow-shards");
+    let _ = std::fs::remove_dir_all(&dir);
+    let layout = ["--mesh", "data=2,model=2", "--zero", "3"];
+    let mut args = vec!["train", dense, "--steps", "2", "-q"];
+    args.extend(layout);
+    args.extend(["--checkpoint", s(&dir), "--sharded"]);
+    let o = distc(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let path = step_dir(&dir, 2).join("manifest.json");
+    let written = std::fs::read_to_string(&path).expect("the manifest");
+    type Edit = fn(&mut Manifest) -> bool;
+    let edits: [(&str, Edit); 2] = [
+        ("the mesh's cells", |m| {
+            m.data = usize::MAX;
+            true
+        }),
+        ("a chunk's shape", |m| {
+            let chunks = m.tensors.values_mut().flat_map(|t| t.gathers.iter_mut());
+            for g in chunks {
+                if let Gather::Chunks { shape, .. } = g {
+                    *shape = vec![usize::MAX, 3];
+                    return true;
+                }
+            }
+            false
+        }),
+    ];
+    for (what, edit) in edits {
+        let mut m: Manifest = serde_json::from_str(&written).expect("reads");
+        assert!(edit(&mut m), "{what}: no tensor to edit");
+        m.digest = None;
+        m.write(&dir).expect("rewritten with its digest");
+        let mut args = vec!["train", dense, "--steps", "3", "-q", "--resume", s(&dir)];
+        args.extend(layout);
+        let o = distc(&args);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{what}: {t}");
+        assert!(!t.contains("panicked"), "{what}: {t}");
+    }
+}
+
+/// Issue 60, item 11 (found by the `sharded_states` fuzz target): a manifest with its
+/// digest taken out (or its digest and its run's name) skipped the digest check as a
+/// state of distc before issue 60 does, so an edit behind it resumed. And a step count
+/// of another shape than one number resumed with no count on the CPU (Adam's bias
+/// correction started again). Each is now refused, naming what.
+#[test]
+fn a_manifest_stripped_of_its_digest_and_a_malformed_step_count_are_refused() {
+    use distc_runtime::core::shards::step_dir;
+    let dense = "tests/models/adam_mlp.dsl";
+    let layout = ["--strategy", "allreduce", "--workers", "2"];
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", dense, "-q"];
+        args.extend(layout);
+        args.extend(extra);
+        distc(&args)
+    };
+    let dir = tmp("stripped-shards");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = train(&["--steps", "2", "--checkpoint", s(&dir), "--sharded"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let path = step_dir(&dir, 2).join("manifest.json");
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("manifest")).expect("json");
+    for (stripped, says) in [
+        (&["digest"][..], "names its run and carries no digest"),
+        (&["digest", "run"][..], "the state's manifest names none"),
+    ] {
+        let mut m = written.clone();
+        for key in stripped {
+            m.as_object_mut().expect("an object").remove(*key);
+        }
+        m["index"]["samples"] = serde_json::json!(7);
+        std::fs::write(&path, m.to_string()).expect("edits");
+        let o = train(&["--steps", "3", "--resume", s(&dir)]);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{stripped:?}: {t}");
+        assert!(t.contains(says), "{stripped:?}: {t}");
+    }
+    // A whole state whose step count is two numbers, or one number of shape [1].
+    let file = tmp("step-count.st");
+    let o = train(&["--steps", "2", "--checkpoint", s(&file)]);
+    assert!(o.status.success(), "{}", text(&o));
+    let state = checkpoint::load_state(&file).expect("the state");
+    for shape in [vec![2], vec![1]] {
+        let mut edited = checkpoint::TrainingState {
+            index: state.index.clone(),
+            params: state.params.clone(),
+            optimizer: state.optimizer.clone(),
+        };
+        let n: usize = shape.iter().product();
+        let ty = distc_ir::TensorType::new(distc_ir::DType::F64, shape.clone());
+        edited
+            .optimizer
+            .insert("optimizer/step".into(), distc_runtime::Tensor::zeros(&ty));
+        let bad = tmp(&format!("step-count-{n}.st"));
+        checkpoint::save_state(&bad, &edited).expect("written");
+        let o = train(&["--steps", "3", "--resume", s(&bad)]);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{shape:?}: {t}");
+        assert!(t.contains("not one step count"), "{shape:?}: {t}");
+    }
+}

@@ -1,6 +1,6 @@
 //! Fuzzing (issue 20): a seeded mutation fuzzer over what distc reads from outside —
-//! DSL text, plan JSON, checkpoint files, command lines, and `simulate`'s calibrations
-//! and traces — for a bounded time. No input may panic or hang; refusing it with an error is what distc should do.
+//! DSL text, plan JSON, checkpoint files, command lines, `simulate`'s calibrations
+//! and traces, data files, `--init` weights and sharded states — for a bounded time. No input may panic or hang; refusing it with an error is what distc should do.
 //!
 //! Each target starts from a seed corpus of the repository's own files (`examples/`,
 //! `tests/models/`, `compiler/tests/bad_dsl/`, `compiler/tests/fuzz/`) and of files made
@@ -31,6 +31,21 @@
 //!   `distc train` opens them and checked against their model. What it accepts must
 //!   be trainable: a drawn batch with a non-finite value or an id outside the rows the
 //!   model indexes is an input that trains silently wrong, a failure.
+//! - `init_files`: `--init` weights (issue 60): a safetensors file of a model's
+//!   variables (batch norm's running statistics and PyTorch's `num_batches_tracked`
+//!   among them), mutated in its structure (a tensor as another dtype, an f64 beyond
+//!   f32, NaN, a negative running variance, another shape, another name, one dropped or
+//!   added) or byte by byte, read into the model as `distc train --init` reads it, with
+//!   and without `--init-partial`. What it accepts must be what the model trains from:
+//!   every variable of the model's type, finite, a running variance not below 0.
+//! - `sharded_states`: `--resume DIR` of a sharded state (issue 60) that `distc train
+//!   --sharded` wrote (ZeRO-3 on a model axis, and pipeline stages): its manifest's
+//!   text or values (some rewritten with their digest, as a deliberate edit would be),
+//!   a shard's header or values (their checksums fixed), a shard removed, cut, swapped,
+//!   copied over another or taken from another run. Read and checked against the model
+//!   as a resume is; what it accepts after damage must be the state written, after a
+//!   rewrite of values the same names and types, and any accepted state must name in
+//!   its index what it holds.
 //!
 //! Besides panics and hangs, an input fails when distc contradicts itself: an error
 //! that calls itself an `internal error`, or a compiled plan that does not load. In-process
@@ -2857,6 +2872,539 @@ fn data_files() {
                         std::fs::write(&path, bytes).expect("a data file");
                     }
                     let outcome = open_fuzzed_data(&dir, &model, rows);
+                    let _ = std::fs::remove_dir_all(&dir);
+                    outcome
+                }),
+            }
+        },
+        true,
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Target 7: `--init` weights files (issue 60, item 11), read into a model as `distc
+// train --init` reads them.
+// ---------------------------------------------------------------------------------
+
+/// The model `--init` files are fuzzed against: a linear layer, batch norm (with its
+/// running statistics, frozen variables `g_running_mean` and `g_running_var`) and a
+/// classifier.
+const INIT_MODEL: &str = "model inited {\n  input x: f32[B, 4]\n  input label: i32[B]\n  \
+    param w: f32[4, 6] = glorot\n  param g: f32[6] = ones\n  param bb: f32[6] = zeros\n  \
+    param wo: f32[6, 3] = glorot\n  h = relu(batch_norm(x @ w, g, bb, sync = false))\n  \
+    minimize softmax_cross_entropy(h @ wo, label)\n}\ntrain {\n  \
+    data = gaussian_classes(features = 4, classes = 3)\n  batch = 8\n  \
+    optimizer = adam(lr = 0.01)\n  steps = 1\n  seed = 3\n  eval_samples = 16\n}\n";
+
+/// A weights file's tensors: name, safetensors dtype, shape and little-endian bytes.
+type StTensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+fn st_bytes(tensors: &StTensors) -> Vec<u8> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .filter_map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).ok()?;
+            Some((n.clone(), view))
+        })
+        .collect();
+    safetensors::serialize(views, None).expect("safetensors")
+}
+
+/// The value `v` as `dtype`'s little-endian bytes (`None`: a dtype not written here).
+fn encode_as(dtype: safetensors::Dtype, v: f64) -> Option<Vec<u8>> {
+    use safetensors::Dtype as D;
+    Some(match dtype {
+        D::F32 => (v as f32).to_le_bytes().to_vec(),
+        D::F64 => v.to_le_bytes().to_vec(),
+        D::BF16 => ((v as f32).to_bits() >> 16).to_le_bytes()[..2].to_vec(),
+        D::I64 => (v as i64).to_le_bytes().to_vec(),
+        D::I32 => (v as i32).to_le_bytes().to_vec(),
+        D::U8 => vec![v as u8],
+        D::BOOL => vec![u8::from(v != 0.0)],
+        _ => return None,
+    })
+}
+
+/// A structured mutation of `--init` tensors: what a user's conversion from PyTorch
+/// gets wrong (dtypes, shapes, names, `num_batches_tracked`), and values that must not
+/// train (NaN, infinities, an f64 beyond f32, a negative running variance).
+fn mutate_init_structure(rng: &mut Rng, tensors: &mut StTensors, log: &mut Vec<String>) {
+    use safetensors::Dtype as D;
+    let i = rng.below(tensors.len());
+    let f32s = |b: &[u8]| -> Vec<f64> {
+        b.chunks_exact(4)
+            .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect()
+    };
+    match rng.below(6) {
+        0 if tensors[i].1 == D::F32 => {
+            // The same values as another dtype, one perhaps replaced by an extreme.
+            let dtype = *rng.pick(&[D::F64, D::BF16, D::I64, D::I32, D::U8, D::BOOL]);
+            let mut values = f32s(&tensors[i].3);
+            if dtype == D::F64 && !values.is_empty() && rng.chance(1, 2) {
+                let at = rng.below(values.len());
+                values[at] = *rng.pick(&[1e300, -1e300, 3.5e38, f64::NAN, f64::INFINITY]);
+                log.push(format!("{} [{at}] = {}", tensors[i].0, values[at]));
+            }
+            log.push(format!("{} as {dtype:?}", tensors[i].0));
+            tensors[i].3 = values
+                .iter()
+                .flat_map(|v| encode_as(dtype, *v).unwrap_or_default())
+                .collect();
+            tensors[i].1 = dtype;
+        }
+        1 if tensors[i].1 == D::F32 && !tensors[i].3.is_empty() => {
+            let at = rng.below(tensors[i].3.len() / 4);
+            let v = *rng.pick(&[
+                f32::NAN,
+                f32::INFINITY,
+                -f32::INFINITY,
+                -1.0,
+                -1e-30,
+                0.0,
+                1e-45,
+                f32::MAX,
+            ]);
+            log.push(format!("{} [{at}] = {v}", tensors[i].0));
+            tensors[i].3[4 * at..4 * at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        2 => {
+            let shape = &mut tensors[i].2;
+            let before = shape.clone();
+            match rng.below(4) {
+                0 => shape.reverse(),
+                1 => shape.insert(0, 1),
+                2 => *shape = vec![shape.iter().product()],
+                _ => {
+                    shape.pop();
+                }
+            }
+            log.push(format!(
+                "{} shape {before:?} -> {:?}",
+                tensors[i].0, tensors[i].2
+            ));
+        }
+        3 => {
+            let name = tensors[i].0.clone();
+            let renamed = match rng.below(3) {
+                0 => format!("model.{name}"),
+                1 => name.to_uppercase(),
+                _ => format!("{name}.weight"),
+            };
+            log.push(format!("{name} renamed {renamed}"));
+            tensors[i].0 = renamed;
+        }
+        4 => {
+            let gone = tensors.remove(i);
+            log.push(format!("{} dropped", gone.0));
+        }
+        _ => {
+            let (name, dtype) = *rng.pick(&[
+                ("g_num_batches_tracked", D::I64),
+                ("extra", D::U8),
+                ("w", D::F32),
+                ("g_running_var", D::F16),
+                ("x", D::BOOL),
+            ]);
+            log.push(format!("extra {name} ({dtype:?})"));
+            let bytes = match dtype {
+                D::F16 => vec![0, 0x3c].repeat(6),
+                D::F32 => 0.5f32.to_le_bytes().repeat(24),
+                _ => encode_as(dtype, 7.0).unwrap_or_default(),
+            };
+            let shape = match dtype {
+                D::F16 => vec![6],
+                D::F32 => vec![4, 6],
+                _ => vec![],
+            };
+            tensors.retain(|t| t.0 != name);
+            tensors.push((name.to_string(), dtype, shape, bytes));
+        }
+    }
+}
+
+/// Reads `path` as `distc train --init` does, into the model `c`; what it accepts
+/// must be what the model can train from: every variable of the model's type, finite,
+/// a running variance not below 0, and the model evaluates on it.
+fn init_fuzzed(c: &distc::Compiled, path: &Path, partial: bool) -> Result<Outcome, Fail> {
+    let (weights, foreign) = match checkpoint::load_weights(path) {
+        Ok(w) => w,
+        Err(e) => return refused(e.to_string()),
+    };
+    let programs = c.programs(1);
+    let state = match distc_runtime::run::state::state_from_weights(
+        &programs,
+        &c.config,
+        (&weights, &foreign),
+        partial,
+    ) {
+        Ok((state, _)) => state,
+        Err(e) => return refused(e.to_string()),
+    };
+    let model = distc_runtime::run::programs::init_params(programs.worker, c.config.seed);
+    for (name, init) in &model {
+        let Some(t) = state.params.get(name) else {
+            return Err(Fail::Wrong(format!(
+                "accepted, and the state lacks `{name}`"
+            )));
+        };
+        if t.dtype() != init.dtype() || t.shape() != init.shape() {
+            return Err(Fail::Wrong(format!(
+                "accepted, and `{name}` is {:?} {:?}; the model's is {:?} {:?}",
+                t.dtype(),
+                t.shape(),
+                init.dtype(),
+                init.shape()
+            )));
+        }
+        for v in t.to_f64_vec() {
+            if !v.is_finite() || (name.ends_with("_running_var") && v < 0.0) {
+                return Err(Fail::Wrong(format!(
+                    "accepted, and `{name}` holds {v}: the model trains from it"
+                )));
+            }
+        }
+    }
+    match distc_runtime::run::eval::evaluate_weights(
+        programs.worker,
+        &c.config,
+        &state.params,
+        None,
+    ) {
+        Ok(_) => Ok(Outcome::Accepted),
+        Err(e) => refused(e.to_string()),
+    }
+}
+
+#[test]
+fn init_files() {
+    let work = temp_dir();
+    let c = std::sync::Arc::new(
+        compile("inited.dsl", INIT_MODEL, &CompileOptions::default()).expect("the model compiles"),
+    );
+    let whole = distc_runtime::run::programs::init_params(&c.programs.worker, c.config.seed);
+    let mut names: Vec<&String> = whole.keys().collect();
+    names.sort();
+    let mut base: StTensors = names
+        .iter()
+        .map(|n| {
+            let t = &whole[*n];
+            let bytes = t
+                .to_f64_vec()
+                .iter()
+                .flat_map(|v| (*v as f32).to_le_bytes())
+                .collect();
+            (
+                (*n).clone(),
+                safetensors::Dtype::F32,
+                t.shape().to_vec(),
+                bytes,
+            )
+        })
+        .collect();
+    // As PyTorch's batch norm writes it beside the statistics.
+    base.push((
+        "g_num_batches_tracked".into(),
+        safetensors::Dtype::I64,
+        vec![],
+        3i64.to_le_bytes().to_vec(),
+    ));
+    let corpus = vec![st_bytes(&base)];
+    let path = work.path().join("fuzzed.safetensors");
+    fuzz(
+        "init_files",
+        |rng, _| {
+            let partial = rng.chance(1, 2);
+            let mut log = vec![format!(
+                "--init{}",
+                if partial { " --init-partial" } else { "" }
+            )];
+            let bytes = if rng.chance(2, 3) {
+                let mut tensors = base.clone();
+                if rng.chance(1, 2) {
+                    tensors.retain(|t| t.0 != "g_num_batches_tracked");
+                }
+                for _ in 0..1 + rng.below(2) {
+                    if !tensors.is_empty() {
+                        mutate_init_structure(rng, &mut tensors, &mut log);
+                    }
+                }
+                st_bytes(&tensors)
+            } else {
+                mutate_checkpoint(rng, &corpus, &mut log)
+            };
+            let (path, c) = (path.clone(), c.clone());
+            Case {
+                what: log.join("\n"),
+                files: vec![("init.safetensors".into(), bytes.clone())],
+                run: Box::new(move || {
+                    std::fs::write(&path, &bytes).expect("the weights written");
+                    init_fuzzed(&c, &path, partial)
+                }),
+            }
+        },
+        true,
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Target 8: sharded training states (issue 60, item 11): a state's folder (its
+// manifest and one shard a worker) mutated, read as `--resume DIR` reads it.
+// ---------------------------------------------------------------------------------
+
+/// A committed sharded state's files by name, and the state they hold.
+struct ShardedFixture {
+    layout: &'static str,
+    files: Files,
+    state: checkpoint::TrainingState,
+}
+
+/// Sharded states `distc train --sharded` writes: ZeRO-3 chunks on a model axis, and
+/// pipeline stages of model ranks (each shard holding other variables).
+fn sharded_fixtures(dir: &Path) -> Vec<ShardedFixture> {
+    let model = root().join("tests/models/adam_mlp.dsl");
+    let model = model.to_str().expect("a UTF-8 path");
+    let layouts: [(&str, &[&str]); 2] = [
+        ("mesh-zero3", &["--mesh", "data=2,model=2", "--zero", "3"]),
+        (
+            "pipe-mesh",
+            &["--mesh", "data=2,model=2,pipe=2", "--micro-batches", "2"],
+        ),
+    ];
+    layouts
+        .into_iter()
+        .map(|(layout, flags)| {
+            let out = dir.join(layout);
+            let mut args = vec![
+                "train",
+                model,
+                "--steps",
+                "2",
+                "-q",
+                "--checkpoint-every",
+                "2",
+            ];
+            args.extend(flags);
+            args.extend(["--checkpoint", out.to_str().expect("UTF-8"), "--sharded"]);
+            distc_ok(dir, &args);
+            let step = out.join("step-000000002");
+            let mut files: Files = std::fs::read_dir(&step)
+                .expect("the state's folder")
+                .flatten()
+                .map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    (name, std::fs::read(e.path()).expect("a state file"))
+                })
+                .collect();
+            files.sort();
+            let state = checkpoint::load_state(&out).expect("the written state loads");
+            ShardedFixture {
+                layout,
+                files,
+                state,
+            }
+        })
+        .collect()
+}
+
+/// How far an accepted state may differ from the state as written.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Edit {
+    /// A change the state's checks must see: accepted only as the state written.
+    Damage,
+    /// Shard values rewritten with their checksums: the same names and types.
+    Values,
+    /// A manifest rewritten with its digest recomputed: a deliberate edit, which must
+    /// still give a state that agrees with itself.
+    Resealed,
+}
+
+/// A mutation of a sharded state's files (`files`, the folder's by name; `other`, a
+/// state of another layout and run).
+fn mutate_sharded(rng: &mut Rng, files: &mut Files, other: &Files, log: &mut Vec<String>) -> Edit {
+    let shards: Vec<usize> = (0..files.len())
+        .filter(|i| files[*i].0.ends_with(".safetensors"))
+        .collect();
+    let manifest = files.iter().position(|(n, _)| n == "manifest.json");
+    let corpus: Vec<Vec<u8>> = other.iter().map(|(_, b)| b.clone()).collect();
+    let text = Mutator {
+        numbers: &lists().extremes,
+        words: &lists().json,
+        corpus: &corpus,
+        raw: true,
+    };
+    match (rng.below(6), manifest) {
+        (0, Some(m)) => {
+            log.push("manifest bytes:".into());
+            text.mutate(rng, &mut files[m].1, log);
+            Edit::Damage
+        }
+        (1 | 2, Some(m)) => {
+            let Ok(mut v) = serde_json::from_slice::<Value>(&files[m].1) else {
+                return Edit::Damage;
+            };
+            log.push("manifest values:".into());
+            for _ in 0..rng.count() {
+                mutate_json(rng, &mut v, &text, log);
+            }
+            files[m].1 = v.to_string().into_bytes();
+            // Resealed as distc writes it: its digest matches the edit.
+            let resealed = rng
+                .chance(1, 2)
+                .then(|| serde_json::from_value::<distc_runtime::core::shards::Manifest>(v).ok());
+            match resealed.flatten() {
+                Some(mut m2) => {
+                    m2.digest = None;
+                    let root = temp_dir();
+                    let written = m2.write(root.path()).ok().and_then(|()| {
+                        let step =
+                            distc_runtime::core::shards::step_dir(root.path(), m2.index.step);
+                        std::fs::read(step.join("manifest.json")).ok()
+                    });
+                    match written {
+                        Some(bytes) => {
+                            log.push("resealed".into());
+                            files[m].1 = bytes;
+                            Edit::Resealed
+                        }
+                        None => Edit::Damage,
+                    }
+                }
+                None => Edit::Damage,
+            }
+        }
+        (3 | 4, _) if !shards.is_empty() => {
+            let i = *rng.pick(&shards);
+            log.push(format!("{}:", files[i].0));
+            let before = log.len();
+            files[i].1 = mutate_checkpoint(rng, &[files[i].1.clone()], log);
+            // The tensors' bytes with their checksums fixed: values a user rewrote.
+            if log[before..].iter().any(|l| l.starts_with("data ")) {
+                Edit::Values
+            } else {
+                Edit::Damage
+            }
+        }
+        _ if !shards.is_empty() => {
+            let (a, b) = (*rng.pick(&shards), *rng.pick(&shards));
+            match rng.below(5) {
+                0 => {
+                    log.push(format!("{} removed", files[a].0));
+                    files.remove(a);
+                }
+                1 if a != b => {
+                    log.push(format!("{} copied over {}", files[a].0, files[b].0));
+                    files[b].1 = files[a].1.clone();
+                }
+                2 if a != b => {
+                    log.push(format!("{} and {} swapped", files[a].0, files[b].0));
+                    let t = files[a].1.clone();
+                    files[a].1 = std::mem::replace(&mut files[b].1, t);
+                }
+                3 => {
+                    let cut = rng.below(files[a].1.len().max(1));
+                    log.push(format!("{} cut at {cut}", files[a].0));
+                    files[a].1.truncate(cut);
+                }
+                _ => {
+                    // The same rank's shard of another run and layout.
+                    if let Some((n, bytes)) = other.iter().find(|(n, _)| *n == files[a].0) {
+                        log.push(format!("{n} of the other state"));
+                        files[a].1 = bytes.clone();
+                    }
+                }
+            }
+            Edit::Damage
+        }
+        _ => Edit::Damage,
+    }
+}
+
+/// Whether `a` and `b` hold the same names with the same types (values aside).
+fn same_types(
+    a: &std::collections::HashMap<String, distc_runtime::Tensor>,
+    b: &std::collections::HashMap<String, distc_runtime::Tensor>,
+) -> bool {
+    a.len() == b.len()
+        && a.iter().all(|(k, t)| {
+            b.get(k)
+                .is_some_and(|u| u.dtype() == t.dtype() && u.shape() == t.shape())
+        })
+}
+
+/// Loads the state in `dir` as `--resume DIR` does: read, then checked against the
+/// model `c` (its variables' types, the optimizer's state). Accepted after damage, it must be the
+/// state written; after a rewrite of values, of its names and types; after a resealed
+/// manifest, one that agrees with itself (its index names what it holds).
+fn load_fuzzed_sharded(
+    dir: &Path,
+    (written, c): (&checkpoint::TrainingState, &distc::Compiled),
+    edit: Edit,
+) -> Result<Outcome, Fail> {
+    let state = match checkpoint::load_state(dir) {
+        Ok(s) => s,
+        Err(e) => return refused(e.to_string()),
+    };
+    if let Err(e) = distc_runtime::run::launch::check_resume(&state, &c.programs(1), &c.config) {
+        return refused(e.to_string());
+    }
+    let wrong = |what: &str| Err(Fail::Wrong(format!("accepted, and {what}")));
+    let mut held: Vec<&String> = state.params.keys().collect();
+    held.sort();
+    let mut named: Vec<&String> = state.index.variables.iter().collect();
+    named.sort();
+    if held != named {
+        return wrong(&format!(
+            "it holds {held:?} while its index names {named:?}"
+        ));
+    }
+    match edit {
+        Edit::Damage if state.index != written.index => wrong("its index is not the one written"),
+        Edit::Damage if state.params != written.params || state.optimizer != written.optimizer => {
+            wrong("its tensors are not the ones written")
+        }
+        Edit::Values
+            if !same_types(&state.params, &written.params)
+                || !same_types(&state.optimizer, &written.optimizer) =>
+        {
+            wrong("its tensors' names or types are not the ones written")
+        }
+        _ => Ok(Outcome::Accepted),
+    }
+}
+
+#[test]
+fn sharded_states() {
+    let work = temp_dir();
+    let fixtures = std::sync::Arc::new(sharded_fixtures(work.path()));
+    assert_eq!(fixtures.len(), 2, "the states were not written");
+    let source =
+        std::fs::read_to_string(root().join("tests/models/adam_mlp.dsl")).expect("the model");
+    let model = std::sync::Arc::new(
+        compile("adam_mlp.dsl", &source, &CompileOptions::default()).expect("compiles"),
+    );
+    fuzz(
+        "sharded_states",
+        |rng, index| {
+            let k = rng.below(fixtures.len());
+            let f = &fixtures[k];
+            let other = &fixtures[1 - k].files;
+            let mut files = f.files.clone();
+            let mut log = vec![f.layout.to_string()];
+            let edit = mutate_sharded(rng, &mut files, other, &mut log);
+            let dir = work.path().join(format!("state-{index}"));
+            let (fixtures, saved, model) = (fixtures.clone(), files.clone(), model.clone());
+            Case {
+                what: log.join("\n"),
+                files: saved,
+                run: Box::new(move || {
+                    let step = dir.join("step-000000002");
+                    std::fs::create_dir_all(&step).expect("a state folder");
+                    for (name, bytes) in &files {
+                        std::fs::write(step.join(name), bytes).expect("a state file");
+                    }
+                    std::fs::write(dir.join("latest"), "step-000000002\n").expect("latest");
+                    let outcome = load_fuzzed_sharded(&dir, (&fixtures[k].state, &model), edit);
                     let _ = std::fs::remove_dir_all(&dir);
                     outcome
                 }),

@@ -521,6 +521,14 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
             format!("format `{}` is not {FORMAT}", manifest.format),
         ));
     }
+    // The run's name and the digest came in together: a manifest naming its run
+    // without a digest had it taken out.
+    if manifest.run.is_some() && manifest.digest.is_none() {
+        return Err(data_err(
+            &mpath,
+            "names its run and carries no digest: the manifest was edited or is damaged",
+        ));
+    }
     if let Some(stored) = &manifest.digest {
         let own = manifest
             .own_digest()
@@ -538,7 +546,10 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
     if manifest.workers == 0
         || manifest.data == 0
         || manifest.model == 0
-        || manifest.data * manifest.model > manifest.workers
+        || manifest
+            .data
+            .checked_mul(manifest.model)
+            .is_none_or(|cells| cells > manifest.workers)
     {
         return Err(data_err(
             &mpath,
@@ -555,7 +566,7 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
     for rank in 0..manifest.workers {
         let ((data, model), tensors) = read_shard(
             &dir,
-            (step, manifest.run.as_deref()),
+            (step, Some(manifest.run.as_deref())),
             rank,
             manifest.workers,
         )?;
@@ -575,11 +586,13 @@ pub fn load_sharded(path: &Path) -> Result<TrainingState> {
 }
 
 /// Worker `rank`'s shard in the state folder `folder` of `step` (of `workers`
-/// shards), checked: its place on the mesh, its tensors, and, where the state names
-/// its run (`run`), that this run wrote it.
+/// shards), checked: its place on the mesh, its tensors, and the run that wrote it
+/// where `run` says which it must be: `Some(Some(r))` the state's run `r`,
+/// `Some(None)` none (a state of distc before issue 60, whose shards name none), `None`
+/// any (a process's own shards, written moments before).
 pub fn read_shard(
     folder: &Path,
-    (step, run): (u64, Option<&str>),
+    (step, run): (u64, Option<Option<&str>>),
     rank: usize,
     workers: usize,
 ) -> Result<((usize, usize), HashMap<String, Tensor>)> {
@@ -608,15 +621,27 @@ pub fn read_shard(
             ),
         ));
     }
-    if let Some(want) = run.filter(|want| identity.run.as_deref() != Some(*want)) {
-        return Err(data_err(
-            &spath,
-            format!(
-                "is a shard of another run ({}) than the state's ({want}): a folder never \
-                 mixes two runs' shards, so the state is incomplete",
-                identity.run.as_deref().unwrap_or("no run named")
-            ),
-        ));
+    match (run, identity.run.as_deref()) {
+        (Some(Some(want)), got) if got != Some(want) => {
+            return Err(data_err(
+                &spath,
+                format!(
+                    "is a shard of another run ({}) than the state's ({want}): a folder \
+                     never mixes two runs' shards, so the state is incomplete",
+                    got.unwrap_or("no run named")
+                ),
+            ))
+        }
+        (Some(None), Some(got)) => {
+            return Err(data_err(
+                &spath,
+                format!(
+                    "names the run that wrote it ({got}), and the state's manifest names \
+                     none: the manifest was edited or is damaged"
+                ),
+            ))
+        }
+        _ => {}
     }
     Ok(((identity.data, identity.model), tensors))
 }
@@ -744,7 +769,10 @@ fn join_chunks(
     shape: &[usize],
     whole: &str,
 ) -> std::result::Result<Tensor, String> {
-    let n: usize = shape.iter().product();
+    let n = shape
+        .iter()
+        .try_fold(1usize, |n, d| n.checked_mul(*d))
+        .ok_or_else(|| format!("`{whole}`'s shape {shape:?} has more elements than memory"))?;
     let flat: Vec<Tensor> = chunks
         .iter()
         .map(|c| reshape(c, &[c.len()], whole))

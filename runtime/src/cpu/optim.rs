@@ -442,7 +442,8 @@ impl Optimizer {
         let mut found: BTreeMap<String, Vec<Option<Tensor>>> = BTreeMap::new();
         for (key, t) in state {
             if key == STEP_KEY {
-                let s = t.scalar_f64().unwrap_or(0.0);
+                // Not one number: no count, refused as a damaged one is.
+                let s = t.scalar_f64().unwrap_or(-1.0);
                 if !(s >= 0.0 && s.fract() == 0.0) {
                     return Err(RuntimeError::state(format!(
                         "optimizer state: `{STEP_KEY}` is {s}, not a step count"

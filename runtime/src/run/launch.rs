@@ -248,15 +248,44 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
     .map_err(RuntimeError::Config)
 }
 
-/// Refuses a training state written for another model or by another optimizer: its
-/// optimizer state would be dropped, or missing, without a word.
-fn check_resume(state: &TrainingState, programs: &Programs<'_>, config: &RunConfig) -> Result<()> {
+/// Refuses a training state written for another model or by another optimizer (its
+/// optimizer state would be dropped, or missing, without a word), or one whose
+/// variables, optimizer state or step count are not of the model's types.
+pub fn check_resume(
+    state: &TrainingState,
+    programs: &Programs<'_>,
+    config: &RunConfig,
+) -> Result<()> {
     let model = &programs.worker.name;
     if &state.index.model != model {
         return Err(RuntimeError::state(format!(
             "the training state is of model `{}`, this plan trains `{model}`",
             state.index.model
         )));
+    }
+    for (name, init) in crate::run::state::whole_variables(programs, config.seed)? {
+        match state.params.get(&name) {
+            Some(t) if t.tensor_type() != init.tensor_type() => {
+                return Err(RuntimeError::state(format!(
+                    "the training state's `{name}` is {}; the model's is {}",
+                    t.tensor_type(),
+                    init.tensor_type()
+                )))
+            }
+            _ => {}
+        }
+    }
+    // One count, as the optimizers write it: a count of another shape would be read
+    // as no count (CPU) or refused later (CUDA).
+    if let Some(t) = state.optimizer.get(STEP_KEY) {
+        let count = t.scalar_f64().filter(|s| *s >= 0.0 && s.fract() == 0.0);
+        if !t.shape().is_empty() || count.is_none() {
+            return Err(RuntimeError::state(format!(
+                "the training state's `{STEP_KEY}` is {}, not one step count: the file is \
+                 damaged or was edited",
+                t.tensor_type()
+            )));
+        }
     }
     let wanted = crate::cpu::optim::Optimizer::new(&config.optimizer).slot_names();
     let mut held: Vec<&str> = state
