@@ -3008,7 +3008,7 @@ fn mutate_init_structure(rng: &mut Rng, tensors: &mut StTensors, log: &mut Vec<S
             ]);
             log.push(format!("extra {name} ({dtype:?})"));
             let bytes = match dtype {
-                D::F16 => vec![0, 0x3c].repeat(6),
+                D::F16 => [0, 0x3c].repeat(6),
                 D::F32 => 0.5f32.to_le_bytes().repeat(24),
                 _ => encode_as(dtype, 7.0).unwrap_or_default(),
             };
