@@ -18,6 +18,21 @@ use std::sync::{Arc, Mutex};
 /// an f64 scalar), on every backend.
 pub const STEP_KEY: &str = "optimizer/step";
 
+/// The step count `t` holds under [`STEP_KEY`]: one whole number, 0 or more, as a
+/// scalar, which is how every optimizer writes it. Anything else (a count of another
+/// shape, a fraction, a negative number) is what a damaged or edited state holds: the
+/// error says what it is.
+pub fn step_count(t: &Tensor) -> std::result::Result<u64, String> {
+    match t.scalar_f64().filter(|_| t.shape().is_empty()) {
+        Some(s) if s >= 0.0 && s.fract() == 0.0 => Ok(s as u64),
+        Some(s) => Err(format!("`{STEP_KEY}` is {s}, not a step count")),
+        None => Err(format!(
+            "`{STEP_KEY}` is {}, not a step count",
+            t.tensor_type()
+        )),
+    }
+}
+
 /// The name under which an fp16 run's loss scaler is kept: `[scale, finite steps since
 /// it last changed, steps skipped]` as f64s, so a resumed run scales and skips as the
 /// uninterrupted one does.

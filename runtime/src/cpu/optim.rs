@@ -442,14 +442,9 @@ impl Optimizer {
         let mut found: BTreeMap<String, Vec<Option<Tensor>>> = BTreeMap::new();
         for (key, t) in state {
             if key == STEP_KEY {
-                // Not one number: no count, refused as a damaged one is.
-                let s = t.scalar_f64().unwrap_or(-1.0);
-                if !(s >= 0.0 && s.fract() == 0.0) {
-                    return Err(RuntimeError::state(format!(
-                        "optimizer state: `{STEP_KEY}` is {s}, not a step count"
-                    )));
-                }
-                self.steps = s as u64;
+                let steps = crate::core::checkpoint::step_count(t)
+                    .map_err(|e| RuntimeError::state(format!("optimizer state: {e}")))?;
+                self.steps = steps;
                 self.step_tensor = step_tensor(self.steps);
                 self.refresh_rule();
                 continue;

@@ -2380,13 +2380,9 @@ impl OptimizerState for CudaBackend {
             }
         }
         if let Some(t) = state.get(STEP_KEY) {
-            let s = t.scalar_f64().unwrap_or(-1.0);
-            if !(s >= 0.0 && s.fract() == 0.0) {
-                return Err(invalid(format!(
-                    "optimizer state: `{STEP_KEY}` is {s}, not a step count"
-                )));
-            }
-            self.opt_steps.store(s as u64, Ordering::Relaxed);
+            let steps = crate::core::checkpoint::step_count(t)
+                .map_err(|e| invalid(format!("optimizer state: {e}")))?;
+            self.opt_steps.store(steps, Ordering::Relaxed);
             self.write_steps()?;
         }
         self.dev.synchronize()?;

@@ -275,11 +275,9 @@ pub fn check_resume(
             _ => {}
         }
     }
-    // One count, as the optimizers write it: a count of another shape would be read
-    // as no count (CPU) or refused later (CUDA).
+    // Refused here, before anything starts, as the optimizers refuse it.
     if let Some(t) = state.optimizer.get(STEP_KEY) {
-        let count = t.scalar_f64().filter(|s| *s >= 0.0 && s.fract() == 0.0);
-        if !t.shape().is_empty() || count.is_none() {
+        if crate::core::checkpoint::step_count(t).is_err() {
             return Err(RuntimeError::state(format!(
                 "the training state's `{STEP_KEY}` is {}, not one step count: the file is \
                  damaged or was edited",
