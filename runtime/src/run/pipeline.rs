@@ -1006,6 +1006,7 @@ impl<'a> Stage<'a> {
             spans: Vec::new(),
             last_bytes,
             evaluator,
+            last_gathered: None,
         };
         let traced = body.stage.trace.then_some(&mut trace);
         run_steps(&mut body, first, cadence, traced, report)?;
@@ -1013,14 +1014,18 @@ impl<'a> Stage<'a> {
             mut bwd,
             params,
             mut spans,
+            last_gathered,
             ..
         } = body;
         if self.trace {
             spans.extend(trace.spans(&self.name, t0));
         }
-        // The trained variables, whole, into worker 0 (replicas hold the same).
+        // The trained variables, whole, into worker 0 (replicas hold the same): those
+        // the last step gathered, else gathered now.
         let mut trained = HashMap::new();
-        if self.replica == 0 {
+        if let Some(gathered) = last_gathered {
+            trained = gathered;
+        } else if self.replica == 0 {
             let whole = self.whole_params(bwd.backend(), &params)?;
             if self.model_rank == 0 {
                 if let Some([params, _]) = self.gather_stages(self.run.steps, whole)? {
@@ -1056,6 +1061,10 @@ struct ScheduleStep<'s, 'a, B: Backend> {
     graph: StageGraph,
     /// Worker 0's evaluator of the whole model, when the run evaluates.
     evaluator: Option<Evaluator<'a, B>>,
+    /// Where the run's last step gathered the whole model (to evaluate it or write
+    /// it), at every stage of replica 0: the variables at worker 0, none elsewhere.
+    /// They are the trained ones: no update comes after.
+    last_gathered: Option<HashMap<String, Tensor>>,
 }
 
 /// Whether a stage's steps are a CUDA graph's replays: a stage's whole step (every
@@ -1189,7 +1198,11 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             ..StepReport::default()
         };
         // What the step's state and evaluation moved is not the step's traffic.
-        self.last_bytes = self.stage.bytes(&mut self.fwd, &mut self.bwd);
+        self.last_bytes = if due.eval || due.file {
+            self.stage.bytes(&mut self.fwd, &mut self.bwd)
+        } else {
+            bytes
+        };
         Ok(report)
     }
 }
@@ -1209,6 +1222,9 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
             let slots = me.updated_slots(self.bwd.backend(), &self.optimizer)?;
             held.extend(me.whole_slots(slots)?);
         }
+        if due.last {
+            self.last_gathered = Some(HashMap::new());
+        }
         if me.model_rank != 0 {
             return Ok((None, None));
         }
@@ -1218,10 +1234,14 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
         if due.writes_whole() {
             me.run.write_whole(step, &params, slots, due.last)?;
         }
-        match self.evaluator.as_mut().filter(|_| due.eval) {
+        let evaluated = match self.evaluator.as_mut().filter(|_| due.eval) {
             Some(e) => settle(e.evaluate(&params, step as u64), due.last),
             None => Ok((None, None)),
+        };
+        if due.last {
+            self.last_gathered = Some(params);
         }
+        evaluated
     }
 
     /// Sets the step both programs' kernels see, before a capture or a replay.
