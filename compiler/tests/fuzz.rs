@@ -2627,22 +2627,15 @@ fn data_fixtures() -> Vec<DataFixture> {
     let label: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
     let xb: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
     let lb: Vec<u8> = label.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let st = safetensors::serialize(
-        vec![
-            (
-                "features",
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, 4], &xb)
-                    .expect("view"),
-            ),
-            (
-                "label",
-                safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![n], &lb)
-                    .expect("view"),
-            ),
-        ],
-        None,
-    )
-    .expect("safetensors");
+    let st = st_bytes(&vec![
+        (
+            "features".into(),
+            safetensors::Dtype::F32,
+            vec![n, 4],
+            xb.clone(),
+        ),
+        ("label".into(), safetensors::Dtype::I64, vec![n], lb.clone()),
+    ]);
     let mut csv = "a,label\n".to_string();
     for i in 0..n {
         csv += &format!("{},{}\n", x[i], label[i]);
@@ -2899,12 +2892,13 @@ const INIT_MODEL: &str = "model inited {\n  input x: f32[B, 4]\n  input label: i
 /// A weights file's tensors: name, safetensors dtype, shape and little-endian bytes.
 type StTensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
 
+/// The safetensors file of `tensors` (each one's bytes fit its dtype and shape).
 fn st_bytes(tensors: &StTensors) -> Vec<u8> {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
-        .filter_map(|(n, d, s, b)| {
-            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).ok()?;
-            Some((n.clone(), view))
+        .map(|(n, d, s, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, s.clone(), b);
+            (n.clone(), view.expect("bytes that fit the dtype and shape"))
         })
         .collect();
     safetensors::serialize(views, None).expect("safetensors")
@@ -2979,6 +2973,11 @@ fn mutate_init_structure(rng: &mut Rng, tensors: &mut StTensors, log: &mut Vec<S
                     shape.pop();
                 }
             }
+            // The bytes follow the shape (cut, or zeros added): the file stays valid
+            // and says the new shape.
+            let size = tensors[i].3.len() / before.iter().product::<usize>().max(1);
+            let len = size * tensors[i].2.iter().product::<usize>();
+            tensors[i].3.resize(len, 0);
             log.push(format!(
                 "{} shape {before:?} -> {:?}",
                 tensors[i].0, tensors[i].2
