@@ -15,6 +15,7 @@ pub mod data;
 pub mod eval;
 pub(crate) mod hook;
 pub mod launch;
+pub(crate) mod launcher;
 pub mod memory;
 pub mod mesh;
 pub mod metrics;

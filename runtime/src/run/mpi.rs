@@ -1,6 +1,7 @@
-//! Ranks as MPI processes (feature `mpi`): [`run`] runs one rank of a plan under
-//! `mpirun` with the same worker loop and the same [`Coordinator`] as the in-process
-//! launcher, plus the parameter-server links over MPI.
+//! Ranks as MPI processes (feature `mpi`): [`run_with`] runs one rank of a plan under
+//! `mpirun`. A worker rank (a worker or a pipeline's stage) runs the one launcher
+//! ([`crate::run::launcher::run_ranks`]) over this transport ([`MpiRanks`]), as the
+//! threads run it over theirs; a server rank serves its shards over MPI.
 //!
 //! Ranks and roles follow [`crate::core::roles`]: `mpirun -np N+S`, ranks `0..N` are
 //! workers, `N..N+S` servers. Start-up: every rank gathers every rank's plan hash and
@@ -18,7 +19,6 @@
 //! silent for longer than the timeout while another reported is named) and the trace
 //! spans.
 
-mod pipeline;
 mod reports;
 
 use crate::comm::mpi::{
@@ -34,9 +34,11 @@ use crate::core::config::RunConfig;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
-use crate::ps::{self, PsClient, PsConfig, Server};
-use crate::run::coordinator::{metrics_line, reporter, Coordinator};
-use crate::run::data::open_data;
+use crate::ps::{self, PsClient, Server};
+use crate::run::coordinator::reporter;
+use crate::run::launcher::{
+    run_ranks, server_config, server_spans, LocalRole, Report, Trainee, Training, Transport,
+};
 use crate::run::mesh::Mesh;
 use crate::run::metrics::rank_path;
 use crate::run::metrics::StepMetrics;
@@ -46,7 +48,7 @@ use crate::run::options::{MpiRun, TrainOptions};
 use crate::run::programs::{pulled_types, server_shards, Programs};
 use crate::run::trace::Span;
 use crate::run::trainer::ErrorSlot;
-use crate::run::worker::{run_worker_on, WorkerSetup};
+use crate::run::worker::WorkerOutcome;
 use mpi::request::{scope, Request, Scope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::Communicator as _;
@@ -549,21 +551,25 @@ pub fn run_with<B: Backend>(
     let t0 = Instant::now();
     let result = match role {
         Some(Role::Server(s)) => run_server(programs, config, opts, roles, s, &ps_comm, t0)
-            .and_then(|spans| send_spans(&ctl, rank, spans, opts, mpi_run)),
-        Some(Role::Worker(_)) if mesh.pipelined => {
-            drop(workers_comm);
-            pipeline::run_stage_rank(
-                programs, mesh, config, opts, mpi_run, &world, rank, &ctl, t0, on_step, make,
-            )
-        }
-        Some(Role::Worker(r)) => {
-            let comm = match workers_comm {
+            .and_then(|spans| send_spans(&ctl, rank, spans, opts, mpi_run))
+            .map(|()| None),
+        Some(Role::Worker(_)) => {
+            let parent = match workers_comm {
                 Some(c) => Comm(c),
                 None => fail(&world, rank, role, &"not in the workers' communicator", 1),
             };
-            run_worker_rank(
-                programs, mesh, config, opts, mpi_run, r, comm, &ps_comm, &ctl, t0, on_step, make,
-            )
+            let mut ranks = MpiRanks {
+                rank,
+                parent,
+                ps_comm: ps_comm.clone(),
+                ctl: ctl.clone(),
+                mpi_run,
+                config,
+                opts,
+            };
+            Training::new(&programs, mesh, config, opts).and_then(|training| {
+                run_ranks(&training, &mut ranks, (config, opts), on_step, make)
+            })
         }
         // The job's size is the plan's: every rank has one.
         None => Err(RuntimeError::internal(
@@ -609,16 +615,7 @@ fn run_server(
     let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
     ps::check_shards(&shards)?;
     let mine = shards.get(s).cloned().unwrap_or_default();
-    let cfg = PsConfig {
-        workers: roles.workers,
-        sync: opts.sync,
-        optimizer: config.optimizer.clone(),
-        lr_schedule: config.lr_schedule.clone(),
-        total_steps: crate::run::steps::lr_horizon(config),
-        no_decay: config.no_decay.clone(),
-        seed: config.seed,
-        resume: opts.resume.clone(),
-    };
+    let cfg = server_config(config, opts, roles.workers);
     let mut server = Server::new(s, &mine, &cfg)?;
     server.set_tracing(opts.trace);
     server.set_timeout(opts.timeout);
@@ -630,26 +627,7 @@ fn run_server(
     };
     let outcome = ps::serve(server, &mut link)?;
     // The server's failure reached the workers as replies; they report it.
-    let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-    Ok(outcome
-        .spans
-        .into_iter()
-        .map(|sp| Span {
-            track: format!("server {}", sp.server),
-            name: match sp.rank {
-                Some(r) => format!("{} (worker {r})", sp.name),
-                None => sp.name,
-            },
-            node: None,
-            types: None,
-            step: sp.step,
-            bytes: None,
-            start_us: us(sp.start),
-            dur_us: us(sp.end) - us(sp.start),
-            counters: Vec::new(),
-            on_device: false,
-        })
-        .collect())
+    Ok(server_spans(outcome.spans, t0))
 }
 
 /// A rank other than 0 sends its spans to rank 0 and writes its own trace file.
@@ -659,7 +637,7 @@ fn send_spans(
     spans: Vec<Span>,
     opts: &TrainOptions,
     mpi_run: &MpiRun,
-) -> Result<Option<TrainReport>> {
+) -> Result<()> {
     if opts.trace {
         let text = serde_json::to_vec(&spans).unwrap_or_default();
         if let Some(path) = &mpi_run.trace {
@@ -681,7 +659,7 @@ fn send_spans(
             });
         }
     }
-    Ok(None)
+    Ok(())
 }
 
 /// Rank 0 takes every other rank's trace spans into `spans` (when tracing), and writes
@@ -759,11 +737,6 @@ fn rank_metrics(
     Ok(Some(std::io::BufWriter::new(file)))
 }
 
-/// A worker's local metrics line from its own report.
-fn local_line(r: &StepReport, batch: usize) -> StepMetrics {
-    metrics_line(std::slice::from_ref(r), batch, false, None)
-}
-
 /// Rank `rank`'s communicators, by axis: `parent` (the workers', or the world of a
 /// pipeline's ranks) split by its group on each axis the mesh links. Every rank of
 /// `parent` calls it, and splits in the same order ([`Mesh::axes`]).
@@ -792,119 +765,130 @@ fn link_axes(
     Ok(comms)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_worker_rank<B: Backend>(
-    programs: Programs<'_>,
-    mesh: Mesh,
-    config: &RunConfig,
-    opts: &TrainOptions,
-    mpi_run: &MpiRun,
-    r: usize,
-    comm: Comm,
-    ps_comm: &Arc<Comm>,
-    ctl: &Arc<Comm>,
-    t0: Instant,
-    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
-) -> Result<Option<TrainReport>> {
-    use std::io::Write;
-    // The workers' communicator, split by each axis the mesh links.
-    let roles = mesh.roles();
-    let comms = link_axes(&mesh, r, &comm.0, ctl, opts.timeout)?;
-    let data = open_data(&programs, &mesh, config, opts, r)?;
-    let ps = (roles.servers > 0).then(|| {
-        PsClient::new(
-            r,
-            roles.workers,
-            roles.servers,
-            Box::new(MpiWorkerLink {
-                comm: ps_comm.clone(),
-                rank: r,
-                workers: roles.workers,
-                sends: Sends::new(opts.timeout),
-            }),
-            opts.timeout,
-        )
-    });
-    let mut local = rank_metrics(mpi_run, r)?;
-    let batch = config.batch;
-    let last_step = opts.steps.unwrap_or(config.steps);
-    let mut write_local = move |rep: &StepReport| -> Result<()> {
-        let Some(w) = local.as_mut() else {
-            return Ok(());
-        };
-        let line = serde_json::to_string(&local_line(rep, batch))
-            .map_err(|e| RuntimeError::internal("the metrics", e.to_string()))?;
-        writeln!(w, "{line}").map_err(|source| RuntimeError::Io {
-            path: PathBuf::from("metrics"),
-            source,
-        })?;
-        if rep.step == last_step {
-            let _ = w.flush();
-        }
-        Ok(())
-    };
-    let setup = |report| WorkerSetup {
-        programs,
-        config,
-        opts,
-        rank: r,
-        mesh,
-        comms,
-        ps,
-        data,
-        report,
-        t0,
-        errors: ErrorSlot::default(),
-    };
-    if r != 0 {
-        let mut to_rank0 = ToRank0::new(r, &mesh, last_step, opts.timeout);
-        let report = move |rep: StepReport| {
-            write_local(&rep)?;
-            to_rank0.send(ctl, rep.step, &rep)
-        };
-        let outcome = run_worker_on(setup(Box::new(report)), |links| {
-            make(Site::of(r, programs.worker), links)
-        })?;
-        let _ = send_spans(ctl, r, outcome.spans, opts, mpi_run);
-        return Ok(None);
+/// The MPI transport: this process is one worker rank of the job.
+struct MpiRanks<'r> {
+    rank: usize,
+    /// The workers' communicator, which each axis splits.
+    parent: Comm,
+    ps_comm: Arc<Comm>,
+    ctl: Arc<Comm>,
+    mpi_run: &'r MpiRun,
+    config: &'r RunConfig,
+    opts: &'r TrainOptions,
+}
+
+impl Transport for MpiRanks<'_> {
+    fn local(&self, _: &Mesh) -> Vec<usize> {
+        vec![self.rank]
     }
-    // Rank 0: the worker on a thread, the coordinator here. A resumed run reports the
-    // steps after the state's.
-    let done = opts.resume.as_ref().map_or(0, |s| s.index.step as usize);
-    let steps = last_step.saturating_sub(done);
-    let k = crate::run::programs::micro_batches(programs.worker);
-    let mut coordinator = Coordinator::new(roles.workers, config.batch * k, true, on_step);
-    coordinator.model_axis = mesh.model;
-    coordinator.flops_per_sample = opts.flops_per_sample;
-    let worker = |tx: mpsc::Sender<StepReport>| {
-        let mut to_coordinator = reporter(tx);
-        let report = move |rep: StepReport| {
-            write_local(&rep)?;
-            to_coordinator(rep)
+
+    fn link(&mut self, mesh: &Mesh, opts: &TrainOptions) -> Result<Vec<AxisComms>> {
+        let comms = link_axes(mesh, self.rank, &self.parent.0, &self.ctl, opts.timeout)?;
+        Ok(vec![comms])
+    }
+
+    fn servers(&mut self, w: usize) -> Option<PsClient> {
+        let roles = Roles {
+            workers: self.parent.0.size() as usize,
+            servers: self.mpi_run.servers,
         };
-        run_worker_on(setup(Box::new(report)), |links| {
-            make(Site::of(r, programs.worker), links)
+        (roles.servers > 0).then(|| {
+            let link = MpiWorkerLink {
+                comm: self.ps_comm.clone(),
+                rank: w,
+                workers: roles.workers,
+                sends: Sends::new(self.opts.timeout),
+            };
+            PsClient::new(
+                w,
+                roles.workers,
+                roles.servers,
+                Box::new(link),
+                self.opts.timeout,
+            )
         })
-    };
-    let outcome = drain_on_rank0(
-        "worker-0",
-        &mesh,
-        ctl,
-        (steps, done),
-        opts.timeout,
-        worker,
-        &mut |rep| coordinator.add(rep),
-    )?;
-    let mut spans = outcome.spans;
-    gather_spans(ctl, roles.world(), opts, mpi_run, "worker 0", &mut spans)?;
-    let types = ps::check_shards(&server_shards(
-        programs.servers,
-        &pulled_types(programs.worker),
-    )?)?;
-    let mut params = outcome.params;
-    params.extend(ps::assemble(outcome.server_shards, &types)?);
-    Ok(Some(coordinator.finish(params, outcome.profile, spans)))
+    }
+
+    fn run<'t>(
+        &mut self,
+        roles: Vec<LocalRole<'t>>,
+        training: &Training<'_>,
+        run: &(dyn Fn(usize, Trainee<'t>, Report<'_>) -> Result<WorkerOutcome> + Sync),
+        coordinator: Option<&mut dyn FnMut(StepReport) -> Result<()>>,
+        _: &ErrorSlot,
+    ) -> Result<Vec<WorkerOutcome>> {
+        use std::io::Write;
+        let Some(LocalRole {
+            worker,
+            name,
+            trainee,
+        }) = roles.into_iter().next()
+        else {
+            return Err(RuntimeError::internal(
+                format!("rank {}", self.rank),
+                "the rank has no role to run",
+            ));
+        };
+        let (config, opts) = (self.config, self.opts);
+        let mesh = training.mesh();
+        let last_step = training.last_step(config, opts);
+        // This rank's own metrics lines, when asked (`--metrics` with `.rankR`).
+        let mut local = rank_metrics(self.mpi_run, worker)?;
+        let mut write_local = move |rep: &StepReport| -> Result<()> {
+            let Some(w) = local.as_mut() else {
+                return Ok(());
+            };
+            let line = serde_json::to_string(&training.local_line(config, rep))
+                .map_err(|e| RuntimeError::internal("the metrics", e.to_string()))?;
+            writeln!(w, "{line}").map_err(|source| RuntimeError::Io {
+                path: PathBuf::from("metrics"),
+                source,
+            })?;
+            if rep.step == last_step {
+                let _ = w.flush();
+            }
+            Ok(())
+        };
+        let ctl = &self.ctl;
+        let outcome = match coordinator {
+            None => {
+                let mut to_rank0 = ToRank0::new(worker, mesh, last_step, opts.timeout);
+                run(worker, trainee, &mut |rep| {
+                    write_local(&rep)?;
+                    to_rank0.send(ctl, rep.step, &rep)
+                })?
+            }
+            // Rank 0: its role on a thread, the coordinator here.
+            Some(sink) => {
+                let role = |tx: mpsc::Sender<StepReport>| {
+                    let mut to_coordinator = reporter(tx);
+                    run(worker, trainee, &mut |rep| {
+                        write_local(&rep)?;
+                        to_coordinator(rep)
+                    })
+                };
+                let reported = training.reported(config, opts);
+                drain_on_rank0(&name, mesh, ctl, reported, opts.timeout, role, sink)?
+            }
+        };
+        Ok(vec![outcome])
+    }
+
+    fn gather(
+        &mut self,
+        mut spans: Vec<Span>,
+        training: &Training<'_>,
+        _: Instant,
+    ) -> Result<Option<Vec<Span>>> {
+        let (ctl, opts, mpi_run) = (&self.ctl, self.opts, self.mpi_run);
+        if self.rank != 0 {
+            send_spans(ctl, self.rank, spans, opts, mpi_run)?;
+            return Ok(None);
+        }
+        let world = training.mesh().roles().world();
+        gather_spans(ctl, world, opts, mpi_run, training.own_tracks(), &mut spans)?;
+        Ok(Some(spans))
+    }
 }
 
 /// `distc calibrate` under `mpirun`: [`crate::comm::calibrate::sweep`] over every rank

@@ -56,6 +56,7 @@ use crate::run::trace::Span;
 use crate::run::trainer::{
     assign_running, capture_failed, host_params, make_optimizer, squared_norm, Capture, Rehearsal,
 };
+use crate::run::worker::WorkerOutcome;
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
 use distc_ir::pipeline::{PipelineProgram, TiedVariable};
 use distc_ir::TensorType;
@@ -63,15 +64,6 @@ use distc_ir::{Graph, Op};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// What a stage hands back when it ends.
-#[derive(Debug, Default)]
-pub(crate) struct StageOutcome {
-    /// The trained variables of the whole model at worker 0 (replica 0's stage 0,
-    /// model rank 0), gathered over the pipe axis; empty at every other stage.
-    pub(crate) params: HashMap<String, Tensor>,
-    pub(crate) spans: Vec<Span>,
-}
 
 /// The variables a stage's programs read.
 fn stage_variables(graphs: [&Graph; 2]) -> Vec<String> {
@@ -403,11 +395,6 @@ impl<'a> PipelineRun<'a> {
     fn with_carried(&self, mut params: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
         params.extend(self.carried.clone());
         params
-    }
-
-    /// Workers of the run: every model rank of every stage of every replica.
-    pub(crate) fn workers(&self) -> usize {
-        self.mesh.workers()
     }
 
     /// Worker `w`'s place: `(replica, stage, model rank)`.
@@ -918,7 +905,7 @@ impl<'a> Stage<'a> {
         make: &dyn Fn(Site<'_>, Links<'_>) -> Result<B>,
         config: &RunConfig,
         report: &mut dyn FnMut(StepReport) -> Result<()>,
-    ) -> Result<StageOutcome> {
+    ) -> Result<WorkerOutcome> {
         let (forward, backward) = (self.forward, self.backward);
         let mut made = |program, beside| {
             let site = Site {
@@ -1033,9 +1020,12 @@ impl<'a> Stage<'a> {
                 }
             }
         }
-        Ok(StageOutcome {
+        // Worker 0 holds the whole model's variables, gathered over the pipe axis;
+        // every other stage holds none.
+        Ok(WorkerOutcome {
             params: trained,
             spans,
+            ..WorkerOutcome::default()
         })
     }
 }

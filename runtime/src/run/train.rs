@@ -1,14 +1,13 @@
 //! The in-process transport: a plan's ranks as threads of this process.
 //!
-//! [`crate::run::worker::run_worker`] is the loop: data, timing, metrics, evaluation,
-//! NaN stop, profile and trace are written once, for one device (one worker, no
-//! servers) as for N workers and S servers. [`train`] runs a plan's ranks as threads
-//! of this process (the embedded default; see [`crate::core::roles`] for the mapping):
-//! servers over in-process links, workers over an in-process communicator, and the
-//! caller's thread joins the workers' step reports into one metrics line per step
-//! ([`Coordinator`]), which also assembles the run's [`TrainReport`]. The MPI launcher
-//! (`crate::run::mpi`) runs the same loop and the same coordinator, one rank per
-//! process. One device is the one-worker case, on the CPU or a GPU alike.
+//! [`train`] runs a plan's ranks as threads of this process (the embedded default;
+//! see [`crate::core::roles`] for the mapping): servers over in-process links, each
+//! axis of the mesh over one in-process communicator per group, and the caller's
+//! thread joins the roles' step reports into one metrics line per step
+//! ([`crate::run::coordinator::Coordinator`]). What the roles are, and everything
+//! around them, is the one launcher's ([`crate::run::launcher`]); MPI ranks
+//! (`crate::run::mpi`) are its other transport. One device is the one-worker case, on
+//! the CPU or a GPU alike.
 
 use crate::comm::{in_process, AxisComms, Communicator};
 use crate::core::backend::Backend;
@@ -16,14 +15,16 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::cpu::Cpu;
-use crate::ps::{self, PsConfig};
-use crate::run::coordinator::{reporter, Coordinator, StageReports};
-use crate::run::mesh::{Axis, Coord, Mesh};
-use crate::run::metrics::StepMetrics;
-use crate::run::pipeline::PipelineRun;
+use crate::ps::{self, PsClient, PsCluster};
+use crate::run::coordinator::reporter;
+use crate::run::launcher::{
+    run_ranks, server_config, server_spans, LocalRole, Report, Trainee, Training, Transport,
+};
+use crate::run::mesh::{Axis, Mesh};
+use crate::run::metrics::{StepMetrics, StepReport};
 use crate::run::trace::Span;
 use crate::run::trainer::ErrorSlot;
-use crate::run::worker::{run_worker_on, WorkerSetup};
+use crate::run::worker::WorkerOutcome;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -192,7 +193,7 @@ pub fn train(
 
 /// [`train`], each worker's kernels on the backend `make(site, comm)` creates on that
 /// worker's thread (several workers may share one device). `comm` is the workers'
-/// in-process communicator, for a device communicator's bootstrap; collectives go
+/// in-process communicators, for a device communicator's bootstrap; collectives go
 /// through the host unless the backend runs them itself
 /// ([`Backend::start_collective`](crate::core::backend::Backend::start_collective)).
 pub fn train_with<B: Backend>(
@@ -203,172 +204,87 @@ pub fn train_with<B: Backend>(
     make: impl Fn(Site<'_>, Links<'_>) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
     let mesh = Mesh::of(&programs)?;
-    if mesh.pipelined {
-        return train_pipeline_with(&programs, mesh, config, opts, on_step, make);
-    }
-    let make = &make;
-    let n = mesh.workers();
+    let training = Training::new(&programs, mesh, config, opts)?;
     let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
-    let server_types = ps::check_shards(&shards)?;
-    // Data first, so a missing file fails before any thread starts.
-    let sources = (0..n)
-        .map(|rank| open_data(&programs, &mesh, config, opts, rank))
-        .collect::<Result<Vec<_>>>()?;
-    let mut cluster = if shards.is_empty() {
+    let cluster = if shards.is_empty() {
         None
     } else {
-        let cfg = PsConfig {
-            workers: n,
-            sync: opts.sync,
-            optimizer: config.optimizer.clone(),
-            lr_schedule: config.lr_schedule.clone(),
-            total_steps: crate::run::steps::lr_horizon(config),
-            no_decay: config.no_decay.clone(),
-            seed: config.seed,
-            resume: opts.resume.clone(),
-        };
+        let cfg = server_config(config, opts, mesh.workers());
         let mut c = ps::start_traced(shards, cfg, opts.trace)?;
         c.set_timeout(opts.timeout);
         Some(c)
     };
-    // The data axis links the replicas of one model rank, the model axis the model
-    // ranks of one replica.
-    let comms = link_axes(&mesh, opts);
-    let errors = ErrorSlot::default();
-    let t0 = Instant::now();
-    let k = micro_batches(programs.worker);
-    let mut coordinator =
-        Coordinator::new(n, config.batch * k, n > 1 || cluster.is_some(), on_step);
-    coordinator.model_axis = mesh.model;
-    coordinator.flops_per_sample = opts.flops_per_sample;
-    let roles = comms
-        .into_iter()
-        .zip(sources)
-        .enumerate()
-        .map(|(rank, (comms, data))| {
-            let ps = cluster.as_mut().map(|c| c.client(rank));
-            let errors = errors.clone();
-            let role = move |tx| {
-                let setup = WorkerSetup {
-                    programs,
-                    config,
-                    opts,
-                    rank,
-                    mesh,
-                    comms,
-                    ps,
-                    data,
-                    report: Box::new(reporter(tx)),
-                    t0,
-                    errors,
-                };
-                let site = Site::of(rank, programs.worker);
-                run_worker_on(setup, |links| make(site, links))
-            };
-            (format!("worker-{rank}"), role)
-        })
-        .collect();
-    let (results, coordinator_error) = run_roles(roles, &mut |r| coordinator.add(r));
-    let servers_outcome = cluster.as_mut().map(|c| c.stop());
-    let mut outcomes = settle(results, coordinator_error, &errors, &mesh)?;
-    let servers = match servers_outcome.transpose() {
-        Ok(s) => s,
-        Err(e) => return Err(first_error(&errors, &mesh, e)),
+    let mut threads = Threads {
+        cluster,
+        server_spans: Vec::new(),
     };
-    let mut spans: Vec<Span> = outcomes
-        .iter_mut()
-        .flat_map(|o| std::mem::take(&mut o.spans))
-        .collect();
-    let w0 = outcomes.swap_remove(0);
-    let mut params = w0.params;
-    params.extend(ps::assemble(w0.server_shards, &server_types)?);
-    if let Some(s) = servers {
-        let us = |t: Instant| t.saturating_duration_since(t0).as_secs_f64() * 1e6;
-        spans.extend(s.spans.into_iter().map(|s| Span {
-            track: format!("server {}", s.server),
-            name: match s.rank {
-                Some(r) => format!("{} (worker {r})", s.name),
-                None => s.name,
-            },
-            node: None,
-            types: None,
-            step: s.step,
-            bytes: None,
-            start_us: us(s.start),
-            dur_us: us(s.end) - us(s.start),
-            counters: Vec::new(),
-            on_device: false,
-        }));
+    run_ranks(&training, &mut threads, (config, opts), on_step, &make)?
+        .ok_or_else(|| RuntimeError::internal("the launcher", "the threads ran without worker 0"))
+}
+
+/// The thread transport: every worker a thread of this process, the servers too.
+struct Threads {
+    cluster: Option<PsCluster>,
+    /// The servers' spans, once they have stopped.
+    server_spans: Vec<ps::ServerSpan>,
+}
+
+impl Transport for Threads {
+    fn local(&self, mesh: &Mesh) -> Vec<usize> {
+        (0..mesh.workers()).collect()
     }
-    Ok(coordinator.finish(params, w0.profile, spans))
-}
 
-/// Trains a pipelined plan, its stages as threads: `whole` is the one-device graph the
-/// stages were cut from (for the data's shapes and the variables' initial values).
-pub fn train_pipeline(
-    programs: &Programs<'_>,
-    mesh: Mesh,
-    config: &RunConfig,
-    opts: &TrainOptions,
-    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-) -> Result<TrainReport> {
-    train_pipeline_with(programs, mesh, config, opts, on_step, |_, _| Ok(Cpu))
-}
+    fn link(&mut self, mesh: &Mesh, opts: &TrainOptions) -> Result<Vec<AxisComms>> {
+        Ok(link_axes(mesh, opts))
+    }
 
-/// [`train_pipeline`], each stage's kernels on the backends `make(site, comm)`
-/// creates on that stage's thread (see [`crate::run::pipeline::Stage::run_on`]).
-pub fn train_pipeline_with<B: Backend>(
-    programs: &Programs<'_>,
-    mesh: Mesh,
-    config: &RunConfig,
-    opts: &TrainOptions,
-    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
-    make: impl Fn(Site<'_>, Links<'_>) -> Result<B> + Sync,
-) -> Result<TrainReport> {
-    let make = &make;
-    let run = PipelineRun::new(programs, mesh, config, opts)?;
-    let workers = run.workers();
-    let sources = (0..workers)
-        .map(|w| run.sources(config, opts, w))
-        .collect::<Result<Vec<_>>>()?;
-    // Its stages talk over the pipe axis, its replicas average gradients over the data
-    // axis, a stage's model ranks run their collectives over the model axis.
-    let comms = link_axes(&mesh, opts);
-    let errors = ErrorSlot::default();
-    let t0 = Instant::now();
-    let mut coordinator = Coordinator::of_pipeline(&run, on_step);
-    run.clear_later_states()?;
-    let mut roles = Vec::with_capacity(workers);
-    for (w, (data, comms)) in sources.into_iter().zip(comms).enumerate() {
-        let Coord {
-            replica: r,
-            stage: s,
-            model: m,
-        } = mesh.coord(w);
-        let mut stage = run.stage(w, comms, data, (config, opts), t0)?;
-        let errors = &errors;
-        let role = move |tx| {
-            let result = stage.run_on(make, config, &mut reporter(tx));
-            // The cause first: its neighbours fail next, seeing it hang up once the
-            // stage (its communicators) is dropped, after this.
-            result.map_err(|e| {
-                let copy = e.duplicate();
-                errors.record(Role::Worker(w), e);
-                copy
-            })
+    fn servers(&mut self, w: usize) -> Option<PsClient> {
+        self.cluster.as_mut().map(|c| c.client(w))
+    }
+
+    fn run<'t>(
+        &mut self,
+        roles: Vec<LocalRole<'t>>,
+        training: &Training<'_>,
+        run: &(dyn Fn(usize, Trainee<'t>, Report<'_>) -> Result<WorkerOutcome> + Sync),
+        coordinator: Option<&mut dyn FnMut(StepReport) -> Result<()>>,
+        errors: &ErrorSlot,
+    ) -> Result<Vec<WorkerOutcome>> {
+        let mesh = training.mesh();
+        let Some(sink) = coordinator else {
+            return Err(RuntimeError::internal(
+                "the launcher",
+                "the threads have no coordinator",
+            ));
         };
-        roles.push((format!("stage-{s}-replica-{r}-model-{m}"), role));
+        let roles = roles
+            .into_iter()
+            .map(|role| {
+                let LocalRole {
+                    worker,
+                    name,
+                    trainee,
+                } = role;
+                (name, move |tx| run(worker, trainee, &mut reporter(tx)))
+            })
+            .collect();
+        let (results, coordinator_error) = run_roles(roles, sink);
+        let servers = self.cluster.as_mut().map(|c| c.stop());
+        let outcomes = settle(results, coordinator_error, errors, mesh)?;
+        match servers.transpose() {
+            Ok(s) => self.server_spans = s.map(|s| s.spans).unwrap_or_default(),
+            Err(e) => return Err(first_error(errors, mesh, e)),
+        }
+        Ok(outcomes)
     }
-    let mut reports = StageReports::default();
-    let (results, coordinator_error) =
-        run_roles(roles, &mut |r| reports.add(r, workers, &mut coordinator));
-    let mut outcomes = settle(results, coordinator_error, &errors, &mesh)?;
-    let spans = outcomes
-        .iter_mut()
-        .flat_map(|o| std::mem::take(&mut o.spans))
-        .collect();
-    // Worker 0 holds the whole model's trained variables, gathered from its stages.
-    let params = outcomes.swap_remove(0).params;
-    // The last step's line carries the final evaluation, and so does the report.
-    Ok(coordinator.finish(params, None, spans))
+
+    fn gather(
+        &mut self,
+        mut spans: Vec<Span>,
+        _: &Training<'_>,
+        t0: Instant,
+    ) -> Result<Option<Vec<Span>>> {
+        spans.extend(server_spans(std::mem::take(&mut self.server_spans), t0));
+        Ok(Some(spans))
+    }
 }

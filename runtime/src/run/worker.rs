@@ -25,7 +25,6 @@ use crate::core::exec::{CommHook, Executor};
 use crate::core::roles::Role;
 use crate::core::schedule::{MemoryUse, Mode};
 use crate::core::value::{Tensor, Value};
-use crate::cpu::Cpu;
 use crate::ps::{PsClient, PsSync};
 use crate::run::checkpoint::save_training_state;
 use crate::run::data::DataSource;
@@ -67,8 +66,6 @@ pub struct WorkerSetup<'a> {
     pub ps: Option<PsClient>,
     /// This worker's data, opened: one source per micro-batch of a step.
     pub data: Vec<DataSource>,
-    /// Where each step's report goes.
-    pub report: Box<dyn FnMut(StepReport) -> Result<()> + Send + 'a>,
     /// When the run started (trace times are relative to it).
     pub t0: Instant,
     /// Where a failure is recorded before anything else happens.
@@ -142,17 +139,14 @@ struct Loop<B: Backend> {
     device_last: ByteCount,
 }
 
-/// Runs worker `setup.rank`'s training to the end on the CPU; see the module doc.
-pub fn run_worker(setup: WorkerSetup<'_>) -> Result<WorkerOutcome> {
-    run_worker_on(setup, |_| Ok(Cpu))
-}
-
-/// Runs worker `setup.rank`'s training to the end on the backend `make` creates (on
+/// Runs worker `setup.rank`'s training to the end, each step's report to `report`, on
+/// the backend `make` creates (on
 /// the worker's own thread, where a device backend binds its device). `make` gets the
 /// workers' communicator before anything else uses it, for a device communicator's
 /// bootstrap (NCCL's unique id from rank 0); what it moves is not counted in step 1.
 pub fn run_worker_on<B: Backend>(
     setup: WorkerSetup<'_>,
+    report: &mut dyn FnMut(StepReport) -> Result<()>,
     make: impl FnOnce(Links<'_>) -> Result<B>,
 ) -> Result<WorkerOutcome> {
     let WorkerSetup {
@@ -164,7 +158,6 @@ pub fn run_worker_on<B: Backend>(
         mut comms,
         ps,
         mut data,
-        mut report,
         t0,
         errors,
     } = setup;
@@ -183,7 +176,7 @@ pub fn run_worker_on<B: Backend>(
             opts,
             (rank, &mesh),
             &mut data,
-            &mut *report,
+            report,
             &mut hook,
             bytes_start,
             &mut state,
@@ -277,7 +270,7 @@ fn train_worker<B: Backend>(
     opts: &TrainOptions,
     (rank, mesh): (usize, &Mesh),
     data: &mut [DataSource],
-    report: &mut (dyn FnMut(StepReport) -> Result<()> + Send + '_),
+    report: &mut dyn FnMut(StepReport) -> Result<()>,
     hook: &mut HostHook,
     bytes_start: ByteCount,
     state: &mut Option<Loop<B>>,
