@@ -28,6 +28,7 @@ const RUN_LAYERS: &[(&str, &[&str])] = &[
     ),
     ("roles", &["trainer", "checkpoint", "worker", "pipeline"]),
     ("coordinator", &["coordinator"]),
+    ("launcher", &["launcher"]),
     ("transport", &["train", "mpi"]),
     ("launch", &["launch"]),
 ];
