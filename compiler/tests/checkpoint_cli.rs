@@ -1087,3 +1087,54 @@ fn a_manifest_stripped_of_its_digest_and_a_malformed_step_count_are_refused() {
         assert!(t.contains("not one step count"), "{shape:?}: {t}");
     }
 }
+
+/// Issue 59: workers and stages clear a sharded folder by one rule. Before a run
+/// starts, worker 0 removes what an earlier run left in the folders of the steps this
+/// run writes, and no others: a later state of another run stays (stages used to
+/// remove every folder from their first step on).
+#[test]
+fn a_sharded_run_clears_the_steps_it_writes_and_keeps_another_runs_later_state() {
+    let dense = "tests/models/adam_mlp.dsl";
+    for (label, layout) in [
+        (
+            "workers",
+            &["--strategy", "allreduce", "--workers", "2"][..],
+        ),
+        ("stages", &["--pipeline", "2", "--micro-batches", "2"][..]),
+    ] {
+        let dir = tmp(&format!("{label}-cleared"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let run = |steps: &str| {
+            let mut args = vec!["train", dense, "--steps", steps, "-q"];
+            args.extend_from_slice(layout);
+            args.extend_from_slice(&["--checkpoint", s(&dir), "--sharded"]);
+            args.extend_from_slice(&["--checkpoint-every", "2"]);
+            distc(&args)
+        };
+        let o = run("4");
+        assert!(o.status.success(), "{label}: {}", text(&o));
+        let step = |k: u32| dir.join(format!("step-{k:09}"));
+        assert!(
+            step(4).join("manifest.json").exists(),
+            "{label}: step 4 written"
+        );
+        // What an earlier run left half written in a folder this run writes.
+        std::fs::create_dir_all(step(2)).expect("a folder");
+        let stale = step(2).join("rank-9.safetensors");
+        std::fs::write(&stale, b"half a shard").expect("a stale shard");
+        let o = run("2");
+        assert!(o.status.success(), "{label}: {}", text(&o));
+        assert!(
+            !stale.exists(),
+            "{label}: the stale shard of step 2 was removed"
+        );
+        assert!(
+            step(2).join("manifest.json").exists(),
+            "{label}: step 2 written"
+        );
+        assert!(
+            step(4).join("manifest.json").exists(),
+            "{label}: the other run's state of step 4 stays"
+        );
+    }
+}

@@ -18,6 +18,7 @@
 //! The restarted run trains what a run resumed from that state with the smaller plan
 //! trains, bit for bit (`compiler/tests/checkpoint_cli.rs`).
 
+use super::restart::{Loss, Restarts};
 use crate::cli::RunArgs;
 use crate::console::err;
 use crate::driver::{retarget, Target};
@@ -25,7 +26,7 @@ use crate::Plan;
 use anyhow::{bail, Result};
 use distc_runtime::core::shards::Layout;
 use distc_runtime::run::launch::{launch, Launch};
-use distc_runtime::run::metrics::{Restart, StepMetrics};
+use distc_runtime::run::metrics::StepMetrics;
 use distc_runtime::run::snapshot::StateSlot;
 use distc_runtime::run::train::TrainReport;
 use distc_runtime::RuntimeError;
@@ -93,9 +94,7 @@ pub(super) fn launch_elastic(
     let mut opts = first.opts.clone();
     opts.snapshot = Some(slot.clone());
     let mut workers = settings.workers;
-    let mut restarts = 0;
-    // The restart the next step line reports, and when the loss was seen.
-    let mut pending: Option<(Restart, Instant)> = None;
+    let mut restarts = Restarts::new(args.max_restarts, args.min_workers, replica);
     // Each attempt's own plan once one was compiled again (the first runs the given).
     let mut recompiled: Option<crate::Compiled> = None;
     loop {
@@ -115,20 +114,14 @@ pub(super) fn launch_elastic(
             transport: transport.clone(),
             rows_touched,
         };
-        // When the attempt's last line came, and of which step: what a loss undoes.
-        let mut last_line: Option<(usize, Instant)> = None;
+        restarts.attempt();
         let mut report_line = |m: &StepMetrics| {
             let mut m = m.clone();
-            if let Some((mut restart, seen)) = pending.take() {
-                // From the loss to the first step's start: its own time is training.
-                let first_step = m.compute_sec + m.comm_wait_sec;
-                restart.recovery_sec = (seen.elapsed().as_secs_f64() - first_step).max(0.0);
+            if let Some(restart) = restarts.line(m.step, m.compute_sec + m.comm_wait_sec) {
                 m.restart = Some(restart);
             }
-            last_line = Some((m.step, Instant::now()));
             on_step(&m)
         };
-        let started = Instant::now();
         let result = launch(&run, &mut report_line);
         let e = match result {
             Ok(report) => return Ok(report),
@@ -137,14 +130,8 @@ pub(super) fn launch_elastic(
         };
         let seen = Instant::now();
         let after = workers.saturating_sub(replica);
-        if restarts == args.max_restarts {
-            bail!("{e}\n--elastic: stopped after {restarts} restarts (--max-restarts)");
-        }
-        if after < args.min_workers.max(replica) {
-            bail!(
-                "{e}\n--elastic: {after} workers would be left, fewer than --min-workers {}",
-                args.min_workers
-            );
+        if let Some(why) = restarts.refusal(after) {
+            bail!("{e}\n--elastic: {why}");
         }
         if let Some(c) = &opts.checkpoint {
             // The lost worker's shard of the last state is read below, once written.
@@ -161,22 +148,13 @@ pub(super) fn launch_elastic(
         let shards_read = restored.as_ref().map_or(0, |r| r.files_read.len());
         let state = restored.map(|r| r.state).or_else(|| opts.resume.clone());
         let resumed_from = state.as_ref().map_or(0, |s| s.index.step as usize);
-        // Training since the state resumed from: from its step's line to the loss.
-        let lost_sec = match last_line {
-            Some((step, at)) if step >= resumed_from => {
-                seen.saturating_duration_since(at).as_secs_f64()
-            }
-            _ => seen.saturating_duration_since(started).as_secs_f64(),
-        };
-        let restart = Restart {
+        let loss = Loss {
             lost_at_step: lost_at(&e).unwrap_or(resumed_from + 1),
             resumed_from_step: resumed_from,
             cause: e.to_string(),
             workers_before: workers,
             workers_after: after,
             shards_read,
-            recovery_sec: 0.0,
-            lost_sec,
         };
         if !args.quiet {
             err(&format!(
@@ -199,7 +177,6 @@ pub(super) fn launch_elastic(
         opts.resume = state;
         // The rehearsed failure happened: the restarted run keeps its workers.
         opts.fail = None;
-        restarts += 1;
-        pending = Some((restart, seen));
+        restarts.restart(loss, seen);
     }
 }

@@ -34,11 +34,11 @@
 //! it stops a job, so a rank stopped by mpirun for a lost peer does not say it was
 //! interrupted.
 
+use super::restart::{Loss, Restarts};
 use crate::cli::LaunchArgs;
 use crate::console::err;
 use anyhow::{bail, Context, Result};
 use distc_runtime::core::error::WORKER_LOST_EXIT;
-use distc_runtime::run::metrics::Restart;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -224,9 +224,8 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
     });
     let mut workers = args.workers;
     // Restarts after a lost rank (bounded by --max-restarts), and attempts in all.
-    let mut restarts = 0;
+    let mut restarts = Restarts::new(args.max_restarts, args.min_workers, replica);
     let mut attempt = 0;
-    let mut pending: Option<(Restart, Instant)> = None;
     let stop = stop_flag();
     let stop_file = scratch.path().join("stop");
     loop {
@@ -271,7 +270,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         if let Some((_, folder)) = &resume {
             cmd.arg("--resume").arg(folder);
         }
-        let started = Instant::now();
+        restarts.attempt();
         let mut child = cmd
             .spawn()
             .with_context(|| format!("starting {} (is OpenMPI installed?)", args.mpirun))?;
@@ -306,7 +305,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
                 .status();
         };
         let status = loop {
-            lines.pass_on(args.metrics.as_deref(), &mut pending)?;
+            lines.pass_on(args.metrics.as_deref(), &mut restarts)?;
             if let Some(s) = child.try_wait()? {
                 break s;
             }
@@ -349,7 +348,7 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
         if let Some(f) = forward {
             let _ = f.join();
         }
-        lines.pass_on(args.metrics.as_deref(), &mut pending)?;
+        lines.pass_on(args.metrics.as_deref(), &mut restarts)?;
         if status.success() {
             return Ok(());
         }
@@ -376,19 +375,15 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
                 "distc launch: the hostfile lists {slots} slots; restarting from step \
                  {resumed_from} with {room} workers (was {workers})\n"
             ));
-            pending = Some((
-                Restart {
-                    lost_at_step: lines.last_step.unwrap_or(resumed_from) + 1,
-                    resumed_from_step: resumed_from,
-                    cause: format!("workers joined: the hostfile lists {slots} slots"),
-                    workers_before: workers,
-                    workers_after: room,
-                    shards_read: state_shards(&args.state),
-                    recovery_sec: 0.0,
-                    lost_sec: 0.0,
-                },
-                seen,
-            ));
+            let joined = Loss {
+                lost_at_step: lines.last_step.unwrap_or(resumed_from) + 1,
+                resumed_from_step: resumed_from,
+                cause: format!("workers joined: the hostfile lists {slots} slots"),
+                workers_before: workers,
+                workers_after: room,
+                shards_read: state_shards(&args.state),
+            };
+            restarts.regroup(joined, seen);
             workers = room;
             continue;
         }
@@ -435,15 +430,8 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             after = after.min(h.slots().saturating_sub(args.servers));
             after -= after % replica;
         }
-        if restarts == args.max_restarts {
-            bail!("a rank was lost ({cause}); stopped after {restarts} restarts (--max-restarts)");
-        }
-        if after < args.min_workers {
-            bail!(
-                "a rank was lost ({cause}); {after} workers would be left, fewer than \
-                 --min-workers {}",
-                args.min_workers
-            );
+        if let Some(why) = restarts.refusal(after) {
+            bail!("a rank was lost ({cause}); {why}");
         }
         let resumed_from = state_step(&args.state).unwrap_or(0);
         let lost_at = lines
@@ -454,27 +442,16 @@ pub fn launch(args: &LaunchArgs, train: &[String]) -> Result<()> {
             "distc launch: a rank was lost at step {lost_at} ({cause}); restarting from \
              step {resumed_from} with {after} workers (was {workers})\n"
         ));
-        let restart = Restart {
+        let loss = Loss {
             lost_at_step: lost_at,
             resumed_from_step: resumed_from,
             cause,
             workers_before: workers,
             workers_after: after,
             shards_read: state_shards(&args.state),
-            recovery_sec: 0.0,
-            // Training since the state resumed from: from its step's line to the loss.
-            lost_sec: lines
-                .arrived
-                .iter()
-                .find(|(s, _)| *s == resumed_from)
-                .map_or(seen.saturating_duration_since(started), |(_, at)| {
-                    seen.saturating_duration_since(*at)
-                })
-                .as_secs_f64(),
         };
-        pending = Some((restart, seen));
+        restarts.restart(loss, seen);
         workers = after;
-        restarts += 1;
     }
 }
 
@@ -659,8 +636,6 @@ struct MetricsTail {
     read: usize,
     /// The last step passed on.
     last_step: Option<usize>,
-    /// When each step's line arrived.
-    arrived: Vec<(usize, Instant)>,
 }
 
 impl MetricsTail {
@@ -669,17 +644,12 @@ impl MetricsTail {
             path,
             read: 0,
             last_step: None,
-            arrived: Vec::new(),
         }
     }
 
-    /// Appends the new complete lines to `out`, the first after a restart carrying
-    /// `pending`'s restart (its recovery time measured to this line's step's start).
-    fn pass_on(
-        &mut self,
-        out: Option<&Path>,
-        pending: &mut Option<(Restart, Instant)>,
-    ) -> Result<()> {
+    /// Appends the new complete lines to `out`, each taken by `restarts`: the first
+    /// after a restart carries it.
+    fn pass_on(&mut self, out: Option<&Path>, restarts: &mut Restarts) -> Result<()> {
         let Ok(bytes) = std::fs::read(&self.path) else {
             return Ok(());
         };
@@ -697,12 +667,9 @@ impl MetricsTail {
                 .with_context(|| format!("{}: a metrics line", self.path.display()))?;
             let step = v["step"].as_u64().unwrap_or(0) as usize;
             self.last_step = Some(step);
-            self.arrived.push((step, Instant::now()));
-            if let Some((mut restart, seen)) = pending.take() {
-                // From the loss to the first step's start: its own time is training.
-                let first = v["compute_sec"].as_f64().unwrap_or(0.0)
-                    + v["comm_wait_sec"].as_f64().unwrap_or(0.0);
-                restart.recovery_sec = (seen.elapsed().as_secs_f64() - first).max(0.0);
+            let own = v["compute_sec"].as_f64().unwrap_or(0.0)
+                + v["comm_wait_sec"].as_f64().unwrap_or(0.0);
+            if let Some(restart) = restarts.line(step, own) {
                 v["restart"] = serde_json::to_value(&restart)?;
             }
             new.push_str(&serde_json::to_string(&v)?);

@@ -9,6 +9,7 @@
 mod elastic;
 pub mod eval;
 pub mod launch;
+mod restart;
 pub mod run;
 pub mod simulate;
 pub mod stop;

@@ -400,16 +400,21 @@ pub fn clear_state_dir(folder: &Path) -> Result<()> {
 /// left uncommitted: a run that writes those steps starts from empty folders, so a
 /// folder never mixes two runs' shards.
 pub fn clear_from(dir: &Path, from: u64) -> Result<()> {
+    clear_steps(dir, |k| k >= from)
+}
+
+/// Removes the folders under `dir` of the states of the steps `which` names.
+pub fn clear_steps(dir: &Path, which: impl Fn(u64) -> bool) -> Result<()> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(());
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let later = name
+        let named = name
             .strip_prefix("step-")
             .and_then(|k| k.parse::<u64>().ok())
-            .is_some_and(|k| k >= from);
-        if later {
+            .is_some_and(&which);
+        if named {
             clear_state_dir(&e.path())?;
         }
     }

@@ -1,7 +1,7 @@
 //! How a role's training state is written: by a worker, whole (gathered through the
-//! final program, worker 0 writing) or as its own shard, and every role's shard
-//! started on its writer thread alike. A pipeline's coordinator writes the whole state
-//! its stages hand over (`PipelineRun::take_state`).
+//! final program, worker 0 writing) or as its own shard. Every role's shard is started
+//! on its writer thread alike ([`start_shard`]), and worker 0 commits a sharded state
+//! by one rule ([`commit_state`]), a pipeline's as the workers'.
 
 use crate::core::backend::{backend_error, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState, LOSS_SCALE_KEY};
@@ -9,7 +9,7 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::Executor;
 use crate::core::schedule::Mode;
-use crate::core::shards::Layout;
+use crate::core::shards::{Layout, Manifest};
 use crate::core::value::Tensor;
 use crate::run::hook::HostHook;
 use crate::run::mesh::Mesh;
@@ -43,6 +43,34 @@ pub(crate) fn start_shard(
         last,
     )?;
     Ok(keys)
+}
+
+/// Worker 0's part of a sharded state's step, once every worker has started writing
+/// its shard of it: so each has written its shard of the state before (a writer
+/// starts a write only once its last is done) and, after the run's last step
+/// (`last`), of this one (written before the worker went on). The state before is
+/// committed, this one's manifest written, and after the last step this one committed.
+pub(crate) fn commit_state(c: &CheckpointEvery, manifest: Manifest, last: bool) -> Result<()> {
+    c.commit_pending(Some(manifest.index.step))?;
+    manifest.write(&c.path)?;
+    if last {
+        c.commit_pending(None)?;
+    }
+    Ok(())
+}
+
+/// Before any role of a sharded run starts: the folders of the states this run will
+/// write that an earlier run left are removed, so a step's folder never mixes two
+/// runs' shards; the states of other steps stay. The process of worker 0 calls it,
+/// before the others start (under MPI, before the start-up barrier).
+pub(crate) fn clear_later_states(config: &RunConfig, opts: &TrainOptions) -> Result<()> {
+    let Some(c) = opts.checkpoint.as_ref().filter(|c| c.sharded) else {
+        return Ok(());
+    };
+    let cadence = crate::run::steps::Cadence::of(config, opts);
+    let first = crate::run::state::first_step(opts.resume.as_deref(), cadence.last)? as u64;
+    let writes = |k: u64| k >= first && k as usize <= cadence.last && cadence.at(k as usize).shard;
+    crate::core::shards::clear_steps(&c.path, writes)
 }
 
 /// Whether `g` reads variable `name`.
@@ -236,30 +264,10 @@ fn write_shard(
     last: bool,
     hook: &mut HostHook,
 ) -> Result<()> {
-    use crate::core::shards;
-    let layout = shards::Layout::of(programs.finalize).map_err(RuntimeError::Plan)?;
-    let writer = c.shard_writer(rank);
-    writer.wait()?;
-    if rank == 0 {
-        // A folder of this step left by an earlier run (one that stopped before
-        // committing it) goes before any worker writes into it: a folder never mixes
-        // two runs' shards.
-        shards::clear_state_dir(&shards::step_dir(&c.path, index.step))?;
-    }
-    hook.barrier_all(index.step)?;
-    if rank == 0 {
-        c.commit_pending(Some(index.step))?;
-        let mut keys: Vec<String> = tensors.keys().cloned().collect();
-        keys.sort();
-        shards::Manifest::of(
-            index,
-            &layout,
-            &keys,
-            (programs.workers, mesh.data, mesh.model),
-        )
-        .of_run(&c.run_id())
-        .write(&c.path)?;
-    }
+    let layout = Layout::of(programs.finalize).map_err(RuntimeError::Plan)?;
+    // Worker 0 holds every name the state has; the others hold parts of the same.
+    let mut keys: Vec<String> = tensors.keys().cloned().collect();
+    keys.sort();
     let step = index.step;
     start_shard(
         c,
@@ -270,11 +278,11 @@ fn write_shard(
         |_| true,
         last,
     )?;
-    if last {
-        hook.barrier_all(step)?;
-        if rank == 0 {
-            c.commit_pending(None)?;
-        }
+    hook.barrier_all(step)?;
+    if rank == 0 {
+        let workers = (programs.workers, mesh.data, mesh.model);
+        let manifest = Manifest::of(index, &layout, &keys, workers).of_run(&c.run_id());
+        commit_state(c, manifest, last)?;
     }
     Ok(())
 }

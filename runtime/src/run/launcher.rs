@@ -353,11 +353,6 @@ pub(crate) fn run_ranks<B: Backend>(
     let t0 = Instant::now();
     let coordinates = local.first() == Some(&0);
     let mut coordinator = coordinates.then(|| training.coordinator(config, opts, on_step));
-    if coordinates {
-        if let Training::Stages(run) = training {
-            run.clear_later_states()?;
-        }
-    }
     let mut roles = Vec::with_capacity(local.len());
     for ((&w, data), comms) in local.iter().zip(sources).zip(comms) {
         let ps = transport.servers(w);

@@ -35,6 +35,7 @@ use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, Server};
+use crate::run::checkpoint::clear_later_states;
 use crate::run::coordinator::reporter;
 use crate::run::launcher::{
     run_ranks, server_config, server_spans, LocalRole, Report, Trainee, Training, Transport,
@@ -531,6 +532,12 @@ pub fn run_with<B: Backend>(
         SimpleCommunicator::world().abort(101);
     }));
     let role = roles.role(rank);
+    if rank == 0 {
+        // Before any rank can write a shard.
+        if let Err(e) = clear_later_states(config, opts) {
+            fail(&world, rank, role, &e, e.exit_code());
+        }
+    }
     let color = if rank < roles.workers {
         Color::with_value(0)
     } else {

@@ -38,7 +38,7 @@ use crate::core::schedule::Mode;
 use crate::core::shards::{Layout, Manifest};
 use crate::core::value::{Tensor, Value};
 use crate::ps::wire::{decode_values, encode_values};
-use crate::run::checkpoint::start_shard;
+use crate::run::checkpoint::{commit_state, start_shard};
 use crate::run::data::DataSource;
 use crate::run::data::{open_data, open_source};
 use crate::run::eval::{settle, Evaluated, Evaluator};
@@ -374,21 +374,7 @@ impl<'a> PipelineRun<'a> {
                 ),
             ));
         }
-        c.commit_pending(Some(index.step))?;
-        manifest.write(&c.path)?;
-        if index.step as usize == self.cadence.last {
-            c.commit_pending(None)?;
-        }
-        Ok(())
-    }
-
-    /// Before the stages start: the folders of the sharded states this run will write
-    /// that an earlier run left uncommitted are removed (the launcher's part).
-    pub(crate) fn clear_later_states(&self) -> Result<()> {
-        match self.checkpoint.as_ref().filter(|c| c.sharded) {
-            Some(c) => crate::core::shards::clear_from(&c.path, self.first as u64),
-            None => Ok(()),
-        }
+        commit_state(c, manifest, index.step as usize == self.cadence.last)
     }
 
     /// The stages' variables and those no stage reads: the whole model's.

@@ -16,6 +16,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::cpu::Cpu;
 use crate::ps::{self, PsClient, PsCluster};
+use crate::run::checkpoint::clear_later_states;
 use crate::run::coordinator::reporter;
 use crate::run::launcher::{
     run_ranks, server_config, server_spans, LocalRole, Report, Trainee, Training, Transport,
@@ -205,6 +206,7 @@ pub fn train_with<B: Backend>(
 ) -> Result<TrainReport> {
     let mesh = Mesh::of(&programs)?;
     let training = Training::new(&programs, mesh, config, opts)?;
+    clear_later_states(config, opts)?;
     let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
     let cluster = if shards.is_empty() {
         None
