@@ -41,7 +41,7 @@ pub(crate) enum Training<'a> {
 
 /// One worker's role, made and ready to run on its own thread.
 pub(crate) enum Trainee<'t> {
-    Worker(WorkerSetup<'t>),
+    Worker(Box<WorkerSetup<'t>>),
     Stage(Box<Stage<'t>>),
 }
 
@@ -219,7 +219,7 @@ impl<'a> Training<'a> {
     ) -> Result<LocalRole<'t>> {
         let mesh = *self.mesh();
         let trainee = match self {
-            Training::Workers { programs, .. } => Trainee::Worker(WorkerSetup {
+            Training::Workers { programs, .. } => Trainee::Worker(Box::new(WorkerSetup {
                 programs: *programs,
                 config,
                 opts,
@@ -230,7 +230,7 @@ impl<'a> Training<'a> {
                 data,
                 t0,
                 errors: errors.clone(),
-            }),
+            })),
             Training::Stages(run) => {
                 Trainee::Stage(Box::new(run.stage(w, comms, data, (config, opts), t0)?))
             }
@@ -279,7 +279,7 @@ impl Trainee<'_> {
         match self {
             Trainee::Worker(setup) => {
                 let site = Site::of(worker, setup.programs.worker);
-                run_worker_on(setup, report, |links| make(site, links))
+                run_worker_on(*setup, report, |links| make(site, links))
             }
             Trainee::Stage(mut stage) => {
                 let result = stage.run_on(make, config, report);
