@@ -238,13 +238,22 @@ impl StageReports {
     }
 }
 
-/// A role's end of the channel to the coordinator, on threads and on MPI's rank 0
-/// alike: once the coordinator takes no more reports (the caller stopped the run, or
-/// another role failed), the role's next report fails and the role stops.
-pub(crate) fn reporter<R: Send>(tx: mpsc::Sender<R>) -> impl FnMut(R) -> Result<()> + Send {
+/// Worker `worker`'s end of the channel to the coordinator, on threads and on MPI's
+/// rank 0 alike: once the coordinator takes no more reports (the caller stopped the
+/// run, or another role failed), the role's next report fails and the role stops. The
+/// coordinator hung up: the error is a consequence, and gives way to the cause.
+pub(crate) fn reporter<R: Send>(
+    tx: mpsc::Sender<R>,
+    worker: usize,
+) -> impl FnMut(R) -> Result<()> + Send {
     move |r| {
-        tx.send(r)
-            .map_err(|_| RuntimeError::Config("the run was stopped".into()))
+        tx.send(r).map_err(|_| RuntimeError::Peer {
+            rank: worker,
+            peer: 0,
+            op: "step report".into(),
+            kind: crate::core::error::PeerKind::HungUp,
+            message: "the coordinator took no more step reports: the run was stopped".into(),
+        })
     }
 }
 

@@ -868,7 +868,7 @@ impl Transport for MpiRanks<'_> {
             // Rank 0: its role on a thread, the coordinator here.
             Some(sink) => {
                 let role = |tx: mpsc::Sender<StepReport>| {
-                    let mut to_coordinator = reporter(tx);
+                    let mut to_coordinator = reporter(tx, worker);
                     run(worker, trainee, &mut |rep| {
                         write_local(&rep)?;
                         to_coordinator(rep)
