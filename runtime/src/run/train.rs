@@ -267,7 +267,9 @@ impl Transport for Threads {
                     name,
                     trainee,
                 } = role;
-                (name, move |tx| run(worker, trainee, &mut reporter(tx, worker)))
+                (name, move |tx| {
+                    run(worker, trainee, &mut reporter(tx, worker))
+                })
             })
             .collect();
         let (results, coordinator_error) = run_roles(roles, sink);
