@@ -1548,3 +1548,52 @@ fn chunked_buckets_cut_and_join_as_take_chunk_does() {
     };
     assert!(eval_op(&op, &[&short], &ctx(0)).is_err());
 }
+
+/// Issue 67, item 8: attention against a loop written here, not the kernel's own mask
+/// (which its forward and its gradient share, so a gradient check agrees with itself).
+/// Causal is PyTorch's `is_causal`: query `i` attends keys `j <= i`, so row 0 is exactly
+/// `v[0]`; with more keys than queries the mask still starts at key 0.
+#[test]
+fn attention_matches_a_naive_loop_causal_and_with_more_keys_than_queries() {
+    let (d, dv, scale) = (3, 2, 0.6);
+    for (tq, tk, causal) in [(4, 4, true), (4, 4, false), (3, 5, true), (3, 5, false)] {
+        let (q, k, v) = (noise(tq * d, 11), noise(tk * d, 12), noise(tk * dv, 13));
+        let op = Op::Attention { causal, scale };
+        let inputs = vec![
+            f32t(&[1, 1, tq, d], &q),
+            f32t(&[1, 1, tk, d], &k),
+            f32t(&[1, 1, tk, dv], &v),
+        ];
+        let (shape, got) = run_op(op, inputs);
+        assert_eq!(shape, [1, 1, tq, dv]);
+        let mut want = Vec::new();
+        for i in 0..tq {
+            let keys: Vec<usize> = (0..tk).filter(|&j| !causal || j <= i).collect();
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|&j| {
+                    scale
+                        * (0..d)
+                            .map(|c| f64::from(q[i * d + c] * k[j * d + c]))
+                            .sum::<f64>()
+                })
+                .collect();
+            let top = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+            let total: f64 = e.iter().sum();
+            for c in 0..dv {
+                let o: f64 = keys
+                    .iter()
+                    .zip(&e)
+                    .map(|(&j, w)| w / total * f64::from(v[j * dv + c]))
+                    .sum();
+                want.push(o);
+            }
+        }
+        assert_close(&got, &want, 1e-5);
+        if causal {
+            let v0: Vec<f64> = v[..dv].iter().map(|&x| f64::from(x)).collect();
+            assert_eq!(got[..dv], v0[..], "causal row 0 attends key 0 alone");
+        }
+    }
+}

@@ -384,3 +384,67 @@ train {
         );
     }
 }
+
+/// Issue 67, item 8: a `clip_norm` above the gradient's norm leaves the step alone, so
+/// a run clipped at 1e6 trains exactly what the run without `clip_norm` trains (a clip
+/// that always scales would move it by a factor of 1e6 / norm), on one device and with
+/// the norm assembled from ZeRO chunks.
+#[test]
+fn clip_norm_above_the_norm_trains_exactly_what_no_clip_trains() {
+    use distc_runtime::run::train::{train, TrainOptions};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = |clip: &str| {
+        format!(
+            "model m {{
+  input x: f32[B, 6]
+  input label: i32[B]
+  param w: f32[6, 3] = normal(0, 1)
+  param b: f32[3] = zeros
+  minimize softmax_cross_entropy(x @ w + b, label)
+}}
+train {{
+  data = gaussian_classes(features = 6, classes = 3)
+  batch = 8
+  optimizer = sgd(lr = 0.1)
+  {clip}
+  steps = 3
+  seed = 4
+}}
+"
+        )
+    };
+    for (workers, zero) in [(1, 0), (2, 3)] {
+        let trained = |clip: &str| {
+            let path = dir.path().join(format!("m{}.dsl", clip.len()));
+            std::fs::write(&path, model(clip)).expect("model");
+            let strategy = StrategyConfig {
+                zero,
+                ..data_parallel(workers)
+            };
+            let options = CompileOptions {
+                strategy,
+                ..Default::default()
+            };
+            let c = compile_file(&path, &options).unwrap_or_else(|e| panic!("{e}"));
+            let run = TrainOptions {
+                global_data: true,
+                evaluate: false,
+                ..TrainOptions::default()
+            };
+            let out = train(c.programs(workers), &c.config, &run, &mut |_| Ok(()))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut params: Vec<(String, Vec<f64>)> = out
+                .params
+                .iter()
+                .map(|(n, t)| (n.clone(), t.to_f64_vec()))
+                .collect();
+            params.sort_by(|a, b| a.0.cmp(&b.0));
+            params
+        };
+        assert_eq!(
+            trained("clip_norm = 1000000"),
+            trained(""),
+            "{workers} workers, zero {zero}: a clip above the norm changed the step"
+        );
+    }
+}
