@@ -674,3 +674,27 @@ fn training_states_move_into_and_out_of_a_model_axis() {
         );
     }
 }
+
+/// Issue 67, item 8: a nonlinearity right after a row-split product. In
+/// `tanh(relu(x @ w1) @ w2) @ w3` the pair (w1 by columns, w2 by rows) leaves each model
+/// rank a partial sum of `relu(x @ w1) @ w2`: it must be summed over the model axis
+/// before the tanh, which is not linear (a sum after it would not be the same).
+#[test]
+fn a_row_split_products_partial_sum_is_summed_before_a_nonlinearity() {
+    let src = "model deep {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+               param w1: f32[8, 16] = glorot\n  param w2: f32[16, 12] = glorot\n  \
+               param w3: f32[12, 4] = glorot\n  \
+               h = tanh(relu(x @ w1) @ w2)\n  \
+               minimize softmax_cross_entropy(h @ w3, label)\n}\n\
+               train {\n  data = gaussian_classes(features = 8, classes = 4)\n  batch = 8\n  \
+               optimizer = sgd(lr = 0.5)\n  steps = 3\n  seed = 9\n}\n";
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("deep.dsl");
+    std::fs::write(&path, src).expect("writes the model");
+    for (data, model) in [(1, 2), (2, 2), (1, 4)] {
+        let r = verify(&path, &verify_opts(mesh(data, model)))
+            .unwrap_or_else(|e| panic!("data={data} model={model}: {e}"));
+        assert_passes(&format!("deep data={data} model={model}"), &r);
+        assert!(r.vars.iter().any(|v| v.name == "w2"));
+    }
+}
