@@ -10,7 +10,7 @@ use crate::core::backend::{Backend, Site};
 use crate::core::config::RunConfig;
 use crate::core::error::Result;
 use crate::core::roles::Role;
-use crate::ps::{self, PsClient, PsConfig};
+use crate::ps::{self, PsClient, PsConfig, ShardSpec};
 use crate::run::coordinator::{combine, metrics_line, Coordinator, StageReports};
 use crate::run::data::{open_data, DataSource};
 use crate::run::mesh::Mesh;
@@ -32,6 +32,8 @@ pub(crate) enum Training<'a> {
     Workers {
         programs: Programs<'a>,
         mesh: Mesh,
+        /// Each server's shards of the variables it holds (none without servers).
+        server_shards: Vec<Vec<ShardSpec>>,
         /// The whole type of each variable the servers hold, to assemble their shards.
         server_types: HashMap<String, TensorType>,
     },
@@ -108,7 +110,16 @@ impl<'a> Training<'a> {
             programs: *programs,
             mesh,
             server_types: ps::check_shards(&shards)?,
+            server_shards: shards,
         })
+    }
+
+    /// Each server's shards, for a transport that runs the servers itself.
+    pub(crate) fn server_shards(&self) -> &[Vec<ShardSpec>] {
+        match self {
+            Training::Workers { server_shards, .. } => server_shards,
+            Training::Stages(_) => &[],
+        }
     }
 
     pub(crate) fn mesh(&self) -> &Mesh {
@@ -125,10 +136,7 @@ impl<'a> Training<'a> {
 
     /// The reports each worker sends, and the step before its first: a resumed state's.
     pub(crate) fn reported(&self, config: &RunConfig, opts: &TrainOptions) -> (usize, usize) {
-        let done = match self {
-            Training::Workers { .. } => opts.resume.as_ref().map_or(0, |s| s.index.step as usize),
-            Training::Stages(run) => run.first - 1,
-        };
+        let done = opts.resume.as_ref().map_or(0, |s| s.index.step as usize);
         (self.last_step(config, opts).saturating_sub(done), done)
     }
 
@@ -172,9 +180,8 @@ impl<'a> Training<'a> {
         &self,
         coordinator: &'c mut Coordinator<'o>,
     ) -> impl FnMut(StepReport) -> Result<()> + use<'c, 'o> {
-        let stages = matches!(self, Training::Stages(_)).then(StageReports::default);
+        let mut stages = matches!(self, Training::Stages(_)).then(StageReports::default);
         let workers = self.mesh().workers();
-        let mut stages = stages;
         move |r| match stages.as_mut() {
             Some(s) => s.add(r, workers, coordinator),
             None => coordinator.add(r),
@@ -184,17 +191,15 @@ impl<'a> Training<'a> {
     /// A worker's own metrics line from its own report (MPI's per-rank file): a stage's
     /// counts one micro-batch's samples.
     pub(crate) fn local_line(&self, config: &RunConfig, r: &StepReport) -> StepMetrics {
-        match self {
-            Training::Workers { .. } => {
-                metrics_line(std::slice::from_ref(r), config.batch, false, None)
+        let joined;
+        let own = match self {
+            Training::Workers { .. } => r,
+            Training::Stages(_) => {
+                joined = combine(r.step, std::slice::from_ref(r));
+                &joined
             }
-            Training::Stages(_) => metrics_line(
-                &[combine(r.step, std::slice::from_ref(r))],
-                config.batch,
-                false,
-                None,
-            ),
-        }
+        };
+        metrics_line(std::slice::from_ref(own), config.batch, false, None)
     }
 
     /// What worker 0's own trace tracks are named from.
@@ -218,29 +223,27 @@ impl<'a> Training<'a> {
         errors: &ErrorSlot,
     ) -> Result<LocalRole<'t>> {
         let mesh = *self.mesh();
-        let trainee = match self {
-            Training::Workers { programs, .. } => Trainee::Worker(Box::new(WorkerSetup {
-                programs: *programs,
-                config,
-                opts,
-                rank: w,
-                mesh,
-                comms,
-                ps,
-                data,
-                t0,
-                errors: errors.clone(),
-            })),
-            Training::Stages(run) => {
-                Trainee::Stage(Box::new(run.stage(w, comms, data, (config, opts), t0)?))
-            }
-        };
-        let name = match self {
-            Training::Workers { .. } => format!("worker-{w}"),
-            Training::Stages(_) => {
-                let c = mesh.coord(w);
-                format!("stage-{}-replica-{}-model-{}", c.stage, c.replica, c.model)
-            }
+        let c = mesh.coord(w);
+        let (name, trainee) = match self {
+            Training::Workers { programs, .. } => (
+                format!("worker-{w}"),
+                Trainee::Worker(Box::new(WorkerSetup {
+                    programs: *programs,
+                    config,
+                    opts,
+                    rank: w,
+                    mesh,
+                    comms,
+                    ps,
+                    data,
+                    t0,
+                    errors: errors.clone(),
+                })),
+            ),
+            Training::Stages(run) => (
+                format!("stage-{}-replica-{}-model-{}", c.stage, c.replica, c.model),
+                Trainee::Stage(Box::new(run.stage(w, comms, data, (config, opts), t0)?)),
+            ),
         };
         Ok(LocalRole {
             worker: w,

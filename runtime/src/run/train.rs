@@ -207,12 +207,12 @@ pub fn train_with<B: Backend>(
     let mesh = Mesh::of(&programs)?;
     let training = Training::new(&programs, mesh, config, opts)?;
     clear_later_states(config, opts)?;
-    let shards = server_shards(programs.servers, &pulled_types(programs.worker))?;
+    let shards = training.server_shards();
     let cluster = if shards.is_empty() {
         None
     } else {
         let cfg = server_config(config, opts, mesh.workers());
-        let mut c = ps::start_traced(shards, cfg, opts.trace)?;
+        let mut c = ps::start_traced(shards.to_vec(), cfg, opts.trace)?;
         c.set_timeout(opts.timeout);
         Some(c)
     };
