@@ -398,9 +398,11 @@ fn clip_norm_above_the_norm_trains_exactly_what_no_clip_trains() {
             "model m {{
   input x: f32[B, 6]
   input label: i32[B]
-  param w: f32[6, 3] = normal(0, 1)
+  param w1: f32[6, 5] = normal(0, 1)
+  param w: f32[5, 3] = normal(0, 1)
   param b: f32[3] = zeros
-  minimize softmax_cross_entropy(x @ w + b, label)
+  h = tanh(x @ w1)
+  minimize softmax_cross_entropy(h @ w + b, label)
 }}
 train {{
   data = gaussian_classes(features = 6, classes = 3)
@@ -413,13 +415,22 @@ train {{
 "
         )
     };
-    for (workers, zero) in [(1, 0), (2, 3)] {
+    // One device, ZeRO 3 on 2 workers, and 2 pipeline stages (each clips by the
+    // global norm over the stages).
+    for (workers, zero, stages) in [(1, 0, 0), (2, 3, 0), (2, 0, 2)] {
         let trained = |clip: &str| {
             let path = dir.path().join(format!("m{}.dsl", clip.len()));
             std::fs::write(&path, model(clip)).expect("model");
-            let strategy = StrategyConfig {
-                zero,
-                ..data_parallel(workers)
+            let strategy = match stages {
+                0 => StrategyConfig {
+                    zero,
+                    ..data_parallel(workers)
+                },
+                _ => StrategyConfig {
+                    pipeline: stages,
+                    micro_batches: 2,
+                    ..Default::default()
+                },
             };
             let options = CompileOptions {
                 strategy,
@@ -444,7 +455,8 @@ train {{
         assert_eq!(
             trained("clip_norm = 1000000"),
             trained(""),
-            "{workers} workers, zero {zero}: a clip above the norm changed the step"
+            "{workers} workers, zero {zero}, {stages} stages: a clip above the norm changed \
+             the step"
         );
     }
 }

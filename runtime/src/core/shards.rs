@@ -396,13 +396,6 @@ pub fn clear_state_dir(folder: &Path) -> Result<()> {
     })
 }
 
-/// Removes the folders under `dir` of states at `from` and later, which an earlier run
-/// left uncommitted: a run that writes those steps starts from empty folders, so a
-/// folder never mixes two runs' shards.
-pub fn clear_from(dir: &Path, from: u64) -> Result<()> {
-    clear_steps(dir, |k| k >= from)
-}
-
 /// Removes the folders under `dir` of the states of the steps `which` names.
 pub fn clear_steps(dir: &Path, which: impl Fn(u64) -> bool) -> Result<()> {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -860,7 +853,7 @@ fn concat(pieces: &[&Tensor], dim: usize, whole: &str) -> std::result::Result<Te
 
 #[cfg(test)]
 mod folder_tests {
-    use super::{clear_from, step_dir};
+    use super::{clear_steps, step_dir};
 
     /// Issue 60, item 9: `--sharded` removed a user's own folder named like a state's.
     /// A state's folder an earlier run left is removed before the step is written
@@ -872,19 +865,19 @@ mod folder_tests {
         std::fs::create_dir_all(&ours).expect("folder");
         std::fs::write(ours.join("rank-0.safetensors"), b"x").expect("shard");
         std::fs::write(ours.join(".rank-1.safetensors.distc-tmp-9"), b"x").expect("tmp");
-        clear_from(dir.path(), 3).expect("cleared");
+        clear_steps(dir.path(), |k| k >= 3).expect("cleared");
         assert!(!ours.exists(), "an earlier run's folder stayed");
         let theirs = step_dir(dir.path(), 7);
         std::fs::create_dir_all(&theirs).expect("folder");
         std::fs::write(theirs.join("notes.txt"), b"mine").expect("a user's file");
-        let e = clear_from(dir.path(), 3).expect_err("refused");
+        let e = clear_steps(dir.path(), |k| k >= 3).expect_err("refused");
         assert!(e.to_string().contains("did not write"), "{e}");
         assert_eq!(
             std::fs::read(theirs.join("notes.txt")).expect("still there"),
             b"mine"
         );
         // Below the run's first step: not this run's to clear, and left alone.
-        clear_from(dir.path(), 8).expect("nothing at or after step 8");
+        clear_steps(dir.path(), |k| k >= 8).expect("nothing at or after step 8");
         assert!(theirs.join("notes.txt").exists());
     }
 }

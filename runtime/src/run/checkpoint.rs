@@ -63,7 +63,7 @@ pub(crate) fn commit_state(c: &CheckpointEvery, manifest: Manifest, last: bool) 
 /// write that an earlier run left are removed, so a step's folder never mixes two
 /// runs' shards; the states of other steps stay. The process of worker 0 calls it,
 /// before the others start (under MPI, before the start-up barrier).
-pub(crate) fn clear_later_states(config: &RunConfig, opts: &TrainOptions) -> Result<()> {
+pub(crate) fn clear_steps_to_write(config: &RunConfig, opts: &TrainOptions) -> Result<()> {
     let Some(c) = opts.checkpoint.as_ref().filter(|c| c.sharded) else {
         return Ok(());
     };

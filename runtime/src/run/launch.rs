@@ -19,11 +19,12 @@ use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
 use crate::cuda::nccl::Collectives;
 use crate::cuda::{CudaBackend, CudaLib, CudaOptions, LibDirs};
+use crate::run::mesh::Mesh;
 use crate::run::metrics::StepMetrics;
 use crate::run::metrics::TrainReport;
 use crate::run::options::TrainOptions;
 use crate::run::programs::Programs;
-use crate::run::train::{train, train_with};
+use crate::run::train::train_on;
 use std::collections::HashMap;
 
 // What the CLI names beside `launch`, where it has always found it.
@@ -143,12 +144,17 @@ fn launch_checked(
     transport: &TransportChoice,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
 ) -> Result<Option<TrainReport>> {
+    // The one mesh of the run, whatever carries its ranks.
+    let mesh = Mesh::of(programs)?;
     match (device, transport) {
         (DeviceChoice::Cpu, TransportChoice::InProcess) => {
-            train(*programs, config, opts, on_step).map(Some)
+            train_on(*programs, mesh, config, opts, on_step, |_, _| {
+                Ok(crate::cpu::Cpu)
+            })
+            .map(Some)
         }
         (DeviceChoice::Cpu, TransportChoice::Mpi(m)) => {
-            mpi_ranks(*programs, config, opts, m, on_step, &|_, _| {
+            mpi_ranks(*programs, mesh, config, opts, m, on_step, &|_, _| {
                 Ok(crate::cpu::Cpu)
             })
         }
@@ -180,9 +186,11 @@ fn launch_checked(
             };
             match transport {
                 TransportChoice::InProcess => {
-                    train_with(*programs, config, opts, on_step, make).map(Some)
+                    train_on(*programs, mesh, config, opts, on_step, make).map(Some)
                 }
-                TransportChoice::Mpi(m) => mpi_ranks(*programs, config, opts, m, on_step, &make),
+                TransportChoice::Mpi(m) => {
+                    mpi_ranks(*programs, mesh, config, opts, m, on_step, &make)
+                }
             }
         }
     }
@@ -200,7 +208,7 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
         config.check_evaluation().map_err(RuntimeError::Config)?;
     }
     if let Some(f) = opts.fail {
-        let steps = opts.steps.unwrap_or(config.steps);
+        let steps = opts.last_step(config);
         let why = if f.worker >= programs.workers {
             Some(format!(
                 "the plan has workers 0 to {}",
@@ -230,7 +238,7 @@ fn check_run(run: &Launch<'_>) -> Result<()> {
     if let Some(state) = opts.resume.as_deref() {
         check_resume(state, programs, config)?;
     }
-    let steps = opts.steps.unwrap_or(config.steps);
+    let steps = opts.last_step(config);
     let rows = crate::run::memory::expected_rows(programs.worker, &run.rows_touched);
     let est = crate::run::memory::estimate(programs, config, steps, opts.preload, &rows)?;
     match run.transport {
@@ -387,18 +395,25 @@ fn require_gpu(gpu: &GpuOptions) -> Result<()> {
 #[cfg(feature = "mpi")]
 fn mpi_ranks<B: crate::core::backend::Backend>(
     programs: Programs<'_>,
+    mesh: Mesh,
     config: &RunConfig,
     opts: &TrainOptions,
     m: &MpiRun,
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
     make: &(dyn Fn(Site<'_>, Links<'_>) -> Result<B> + Sync),
 ) -> Result<Option<TrainReport>> {
-    crate::run::mpi::run_with(programs, config, opts, m, on_step, make)
+    // The plan's servers as the plan's settings count them: every one is a rank.
+    let mesh = Mesh {
+        servers: m.servers,
+        ..mesh
+    };
+    crate::run::mpi::run_with(programs, mesh, config, opts, m, on_step, make)
 }
 
 #[cfg(not(feature = "mpi"))]
 fn mpi_ranks<B: crate::core::backend::Backend>(
     _: Programs<'_>,
+    _: Mesh,
     _: &RunConfig,
     _: &TrainOptions,
     _: &MpiRun,

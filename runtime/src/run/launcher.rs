@@ -100,7 +100,7 @@ impl<'a> Training<'a> {
         config: &RunConfig,
         opts: &TrainOptions,
     ) -> Result<Training<'a>> {
-        if mesh.pipelined {
+        if mesh.pipelined() {
             return Ok(Training::Stages(Box::new(PipelineRun::new(
                 programs, mesh, config, opts,
             )?)));
@@ -129,15 +129,10 @@ impl<'a> Training<'a> {
         }
     }
 
-    /// The run's last step.
-    pub(crate) fn last_step(&self, config: &RunConfig, opts: &TrainOptions) -> usize {
-        opts.steps.unwrap_or(config.steps)
-    }
-
     /// The reports each worker sends, and the step before its first: a resumed state's.
     pub(crate) fn reported(&self, config: &RunConfig, opts: &TrainOptions) -> (usize, usize) {
         let done = opts.resume.as_ref().map_or(0, |s| s.index.step as usize);
-        (self.last_step(config, opts).saturating_sub(done), done)
+        (opts.last_step(config).saturating_sub(done), done)
     }
 
     /// Worker `w`'s data: one source per micro-batch, opened as every role's is.

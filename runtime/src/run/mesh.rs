@@ -47,14 +47,13 @@ pub struct Coord {
 pub struct Mesh {
     /// Replicas D.
     pub data: usize,
-    /// Pipeline stages P (1 without a pipeline).
-    pub pipe: usize,
+    /// Pipeline stages P of a pipelined plan; `None` without a pipeline. A one-stage
+    /// pipeline (`Some(1)`) still runs the stage loop.
+    pub stages: Option<usize>,
     /// Model ranks T (1 without tensor parallelism).
     pub model: usize,
     /// Parameter servers S.
     pub servers: usize,
-    /// Whether the plan is pipelined (a one-stage pipeline still runs the stage loop).
-    pub pipelined: bool,
 }
 
 impl Mesh {
@@ -62,7 +61,8 @@ impl Mesh {
     /// a pipeline of P stages T wide run N / (P T) replicas (one when N < P T).
     pub fn of(programs: &Programs<'_>) -> Result<Mesh> {
         let model = model_parts(programs.worker);
-        let pipe = programs.pipeline.map_or(1, |p| p.stages.len().max(1));
+        let stages = programs.pipeline.map(|p| p.stages.len().max(1));
+        let pipe = stages.unwrap_or(1);
         let servers = programs.servers.len();
         let n = programs.workers;
         if n == 0 {
@@ -99,16 +99,25 @@ impl Mesh {
         };
         Ok(Mesh {
             data,
-            pipe,
+            stages,
             model,
             servers,
-            pipelined: programs.pipeline.is_some(),
         })
+    }
+
+    /// The pipe axis's size: the stages, 1 without a pipeline.
+    pub fn pipe(&self) -> usize {
+        self.stages.unwrap_or(1)
+    }
+
+    /// Whether the plan is pipelined: its ranks run the stage loop.
+    pub fn pipelined(&self) -> bool {
+        self.stages.is_some()
     }
 
     /// Worker ranks: `D P T`.
     pub fn workers(&self) -> usize {
-        self.data * self.pipe * self.model
+        self.data * self.pipe() * self.model
     }
 
     /// The rank-to-role mapping: workers, then servers.
@@ -121,12 +130,12 @@ impl Mesh {
 
     /// Whether only the data axis is wider than one (no pipeline, no model axis).
     pub fn data_parallel_only(&self) -> bool {
-        !self.pipelined && self.model == 1
+        !self.pipelined() && self.model == 1
     }
 
     /// Worker `w`'s place.
     pub fn coord(&self, w: usize) -> Coord {
-        let (t, p) = (self.model, self.pipe);
+        let (t, p) = (self.model, self.pipe());
         Coord {
             replica: w / (t * p),
             stage: (w / t) % p,
@@ -136,7 +145,7 @@ impl Mesh {
 
     /// The worker at `c`.
     pub fn worker(&self, c: Coord) -> usize {
-        (c.replica * self.pipe + c.stage) * self.model + c.model
+        (c.replica * self.pipe() + c.stage) * self.model + c.model
     }
 
     /// The axes a role of this mesh is linked on, in the order every rank links them:
@@ -147,7 +156,7 @@ impl Mesh {
             .into_iter()
             .filter(|a| match a {
                 Axis::Data => true,
-                Axis::Pipe => self.pipelined,
+                Axis::Pipe => self.pipelined(),
                 Axis::Model => self.model > 1,
             })
             .collect()
@@ -157,7 +166,7 @@ impl Mesh {
     pub fn size(&self, axis: Axis) -> usize {
         match axis {
             Axis::Data => self.data,
-            Axis::Pipe => self.pipe,
+            Axis::Pipe => self.pipe(),
             Axis::Model => self.model,
         }
     }
@@ -172,7 +181,7 @@ impl Mesh {
     /// in-process communicator and of its end.
     pub fn group(&self, axis: Axis, w: usize) -> (usize, usize) {
         let c = self.coord(w);
-        let (t, p) = (self.model, self.pipe);
+        let (t, p) = (self.model, self.pipe());
         match axis {
             Axis::Data => (c.stage * t + c.model, c.replica),
             Axis::Pipe => (c.replica * t + c.model, c.stage),
@@ -184,7 +193,7 @@ impl Mesh {
     /// `model rank 1 of replica 0`, `stage 1 of replica 0, model rank 1`.
     pub fn name(&self, w: usize) -> String {
         let c = self.coord(w);
-        let mut text = if self.pipelined {
+        let mut text = if self.pipelined() {
             if self.data > 1 {
                 format!("stage {} of replica {}", c.stage, c.replica)
             } else {
@@ -214,7 +223,7 @@ impl Mesh {
     /// `2 replicas x 2 pipeline stages x 2 model ranks: worker w is model rank w % 2 of
     /// stage (w / 2) % 2 of replica w / 4`.
     pub fn describe(&self) -> String {
-        let (d, p, t) = (self.data, self.pipe, self.model);
+        let (d, p, t) = (self.data, self.pipe(), self.model);
         let plural = |n: usize, one: &str| {
             if n == 1 {
                 format!("1 {one}")
@@ -223,7 +232,7 @@ impl Mesh {
             }
         };
         let mut axes = vec![plural(d, "replica")];
-        if self.pipelined {
+        if self.pipelined() {
             axes.push(plural(p, "pipeline stage"));
         }
         if t > 1 {
@@ -233,7 +242,7 @@ impl Mesh {
         if t > 1 {
             places.push(format!("model rank w % {t}"));
         }
-        if self.pipelined {
+        if self.pipelined() {
             places.push(match t {
                 1 => format!("stage w % {p}"),
                 _ => format!("stage (w / {t}) % {p}"),
@@ -285,10 +294,9 @@ mod tests {
     fn mesh(data: usize, pipe: usize, model: usize) -> Mesh {
         Mesh {
             data,
-            pipe,
+            stages: (pipe > 1).then_some(pipe),
             model,
             servers: 0,
-            pipelined: pipe > 1,
         }
     }
 
@@ -304,7 +312,7 @@ mod tests {
             let mut seen = std::collections::HashSet::new();
             for w in 0..m.workers() {
                 let c = m.coord(w);
-                assert!(c.replica < m.data && c.stage < m.pipe && c.model < m.model);
+                assert!(c.replica < m.data && c.stage < m.pipe() && c.model < m.model);
                 assert_eq!(m.worker(c), w, "{m:?} worker {w}");
                 assert!(seen.insert((c.replica, c.stage, c.model)));
             }

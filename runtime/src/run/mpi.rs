@@ -35,7 +35,7 @@ use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::roles::{Role, Roles};
 use crate::ps::transport::{Incoming, ServerLink, WorkerLink};
 use crate::ps::{self, PsClient, Server};
-use crate::run::checkpoint::clear_later_states;
+use crate::run::checkpoint::clear_steps_to_write;
 use crate::run::coordinator::reporter;
 use crate::run::launcher::{
     run_ranks, server_config, server_spans, LocalRole, Report, Trainee, Training, Transport,
@@ -303,7 +303,7 @@ const RUN: usize = 8;
 /// checkpoints (a collective on ZeRO workers) and the resumed step.
 fn agreed_settings(config: &RunConfig, opts: &TrainOptions) -> Vec<String> {
     vec![
-        format!("--steps={}", opts.steps.unwrap_or(config.steps)),
+        format!("--steps={}", opts.last_step(config)),
         format!("sync={}", opts.sync),
         format!("global_data={}", opts.global_data),
         format!("evaluate={}", opts.evaluate),
@@ -371,14 +371,15 @@ fn fail(
     world.abort(code)
 }
 
-/// Runs this process's rank of the plan under `mpirun`: a worker or a server as the
-/// rank-to-role mapping says, each worker rank's kernels on the backend
-/// `make(site, comm)` creates (`comm`: the workers' MPI communicator, for a device
-/// communicator's bootstrap); servers stay on the CPU. Rank 0 returns the run's report
+/// Runs this process's rank of the plan on `mesh` (the launch's) under `mpirun`: a
+/// worker or a server as the rank-to-role mapping says, each worker rank's kernels on
+/// the backend `make(site, comm)` creates (`comm`: the workers' MPI communicator, for
+/// a device communicator's bootstrap); servers stay on the CPU. Rank 0 returns the run's report
 /// (metrics lines go to `on_step` there); the other ranks return `None`. An error on
 /// any rank stops the job.
 pub fn run_with<B: Backend>(
     programs: Programs<'_>,
+    mesh: Mesh,
     config: &RunConfig,
     opts: &TrainOptions,
     mpi_run: &MpiRun,
@@ -391,11 +392,6 @@ pub fn run_with<B: Backend>(
         })?;
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
-    // The plan's servers as the plan's settings count them: every one is a rank.
-    let mesh = Mesh {
-        servers: mpi_run.servers,
-        ..Mesh::of(&programs)?
-    };
     let roles = mesh.roles();
     // Start-up checks, decided from data every rank has, so every rank decides alike:
     // the plan, the job's size, and every run setting that must agree across ranks (a
@@ -534,7 +530,7 @@ pub fn run_with<B: Backend>(
     let role = roles.role(rank);
     if rank == 0 {
         // Before any rank can write a shard.
-        if let Err(e) = clear_later_states(config, opts) {
+        if let Err(e) = clear_steps_to_write(config, opts) {
             fail(&world, rank, role, &e, e.exit_code());
         }
     }
@@ -838,7 +834,7 @@ impl Transport for MpiRanks<'_> {
         };
         let (config, opts) = (self.config, self.opts);
         let mesh = training.mesh();
-        let last_step = training.last_step(config, opts);
+        let last_step = opts.last_step(config);
         // This rank's own metrics lines, when asked (`--metrics` with `.rankR`).
         let mut local = rank_metrics(self.mpi_run, worker)?;
         let mut write_local = move |rep: &StepReport| -> Result<()> {

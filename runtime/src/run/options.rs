@@ -3,6 +3,7 @@
 //! MPI rank is told.
 
 use crate::core::checkpoint::TrainingState;
+use crate::core::config::RunConfig;
 use crate::core::error::Result;
 use crate::ps::{self, PsSync};
 use crate::run::snapshot::StateSlot;
@@ -184,6 +185,11 @@ impl CheckpointEvery {
 }
 
 impl TrainOptions {
+    /// The run's last step: `--steps`, else the train block's.
+    pub(crate) fn last_step(&self, config: &RunConfig) -> usize {
+        self.steps.unwrap_or(config.steps)
+    }
+
     /// What a training state's index says wrote it: the checkpoint's words, or the
     /// elastic run's.
     pub(crate) fn saved_by(&self) -> String {

@@ -29,7 +29,7 @@
 use crate::comm::{AxisComms, ByteCount, Communicator, Links};
 use crate::core::axis::Axis;
 use crate::core::backend::Site;
-use crate::core::backend::{backend_error, upload_all, upload_micro_batches, Backend};
+use crate::core::backend::{backend_error, upload_micro_batches, Backend};
 use crate::core::checkpoint::{StateIndex, TrainingState};
 use crate::core::config::RunConfig;
 use crate::core::error::{PeerKind, Result, RuntimeError};
@@ -49,12 +49,13 @@ use crate::run::metrics::{EvalMetrics, StageAccount, StepReport};
 use crate::run::options::{CheckpointEvery, TrainOptions};
 use crate::run::programs::Programs;
 use crate::run::state::{
-    carried_slots, cut_slots, first_step, initial_values, model_part, resumed_slots,
+    carried_slots, first_step, initial_values, model_part, role_state, RoleState,
 };
 use crate::run::steps::{run_steps, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
-    assign_running, capture_failed, host_params, make_optimizer, squared_norm, Capture, Rehearsal,
+    assign_running, capture_failed, clip_gradients, host_params, onto_device, squared_norm,
+    Capture, OnDevice, Rehearsal,
 };
 use crate::run::worker::WorkerOutcome;
 use distc_ir::pipeline::schedule::{Action, Carried, Step};
@@ -137,12 +138,11 @@ pub(crate) struct PipelineRun<'a> {
     pub(crate) mesh: Mesh,
     /// Cuts each model rank's part of the split variables from the whole ones.
     shard: Option<&'a Graph>,
-    /// Per model rank, its part of each split variable (`w.tp`) at the start.
-    parts: Vec<HashMap<String, Tensor>>,
+    /// The whole values the init program cuts a model rank's parts from (a resumed
+    /// state's where there is one).
+    whole_values: Option<HashMap<String, Tensor>>,
     /// Each split variable's part, whole name and dimension: `(w.tp, w, dim)`.
     split: Vec<(String, String, usize)>,
-    /// Per model rank, a resumed state's optimizer slots of its parts (`w.tp/m`).
-    part_slots: Vec<HashMap<String, Tensor>>,
     steps_of: Vec<Vec<Step>>,
     tied: Vec<TiedVariable>,
     initial: HashMap<String, Tensor>,
@@ -182,14 +182,14 @@ impl<'a> PipelineRun<'a> {
         let Some(program) = programs.pipeline else {
             return Err(RuntimeError::plan("it has no pipeline"));
         };
-        if mesh.data == 0 || mesh.pipe != program.stages.len().max(1) {
+        if mesh.data == 0 || mesh.stages != Some(program.stages.len().max(1)) {
             return Err(RuntimeError::plan(format!(
                 "a pipeline of {} stages cannot run on {}",
                 program.stages.len(),
                 mesh.describe()
             )));
         }
-        let (replicas, model_axis) = (mesh.data, mesh.model);
+        let replicas = mesh.data;
         // How the final program gathers the model axis's parts: the split variables,
         // and how a sharded state records them.
         let layout = Layout::of(finalize).map_err(RuntimeError::Plan)?;
@@ -199,25 +199,10 @@ impl<'a> PipelineRun<'a> {
         let whole_values = init
             .map(|init| initial_values(init, config.seed, opts.resume.as_deref()))
             .transpose()?;
-        let parts = (0..model_axis)
-            .map(|m| match (init, &whole_values) {
-                (Some(init), Some(values)) => model_part(init, m, values),
-                _ => Ok(HashMap::new()),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // A resumed state's slots of the split variables, cut as the variables are.
-        let part_slots = (0..model_axis)
-            .map(|m| match (init, opts.resume.as_deref()) {
-                (Some(init), Some(state)) => cut_slots(init, state, |whole| {
-                    Ok(model_part(init, m, whole)?.into_iter().collect())
-                }),
-                _ => Ok(HashMap::new()),
-            })
-            .collect::<Result<Vec<_>>>()?;
         let steps_of = program
             .programs()
             .map_err(|e| RuntimeError::plan(format!("its pipeline's schedule: {e}")))?;
-        let steps = opts.steps.unwrap_or(config.steps);
+        let steps = opts.last_step(config);
         let resume = opts.resume.as_deref();
         // The state is whole, whatever wrote it: checked against the whole model.
         let initial = initial_values(whole, config.seed, resume)?;
@@ -249,8 +234,7 @@ impl<'a> PipelineRun<'a> {
             programs: *programs,
             mesh,
             shard: init,
-            parts,
-            part_slots,
+            whole_values,
             split,
             steps_of,
             tied: program.tied(),
@@ -361,7 +345,7 @@ impl<'a> PipelineRun<'a> {
         let index = &self.index(step, c.saved_by.clone());
         keys.sort();
         keys.dedup();
-        let shards = self.mesh.pipe * self.mesh.model;
+        let shards = self.mesh.pipe() * self.mesh.model;
         let manifest = Manifest::of(index, &self.layout, &keys, (shards, 1, self.mesh.model))
             .of_run(&c.run_id());
         let lacking = self.lacking(|n| manifest.index.variables.iter().any(|v| v == n));
@@ -416,40 +400,38 @@ impl<'a> PipelineRun<'a> {
         let model_comm = comms.take(Axis::Model);
         let (r, s, m) = self.coordinates(w);
         let graphs = &self.program.stages[s];
-        let params: HashMap<String, Tensor> = stage_variables([&graphs.forward, &graphs.backward])
+        let held: HashSet<String> = stage_variables([&graphs.forward, &graphs.backward])
             .into_iter()
-            .filter_map(|n| {
-                let t = self.parts[m].get(&n).or_else(|| self.initial.get(&n))?;
-                Some((n, t.clone()))
-            })
             .collect();
+        let uncut = held
+            .iter()
+            .filter_map(|n| Some((n.clone(), self.initial.get(n)?.clone())))
+            .collect();
+        // The init program's cuts are local (no collective): a stage cuts its own part.
+        let mut start = role_state(
+            uncut,
+            self.shard.zip(self.whole_values.as_ref()),
+            self.resume.as_deref(),
+            (1, 0),
+            |name| held.contains(name),
+            |init, whole| Ok(model_part(init, m, whole)?.into_iter().collect()),
+        )?;
+        let updated = |name: &str| self.updates(s, name);
+        if let Some(slots) = start.slots.as_mut() {
+            slots.retain(|k, _| k.rsplit_once('/').is_none_or(|(var, _)| updated(var)));
+        }
         let split = self
             .split
             .iter()
-            .filter(|(part, _, _)| params.contains_key(part))
+            .filter(|(part, _, _)| start.params.contains_key(part))
             .cloned()
             .collect();
-        let updated = |name: &str| self.updates(s, name);
-        let resumed_slots = self.resume.as_deref().map(|state| {
-            let mut slots = resumed_slots(state, &params, 1, 0);
-            slots.extend(
-                self.part_slots[m]
-                    .iter()
-                    .filter(|(k, _)| {
-                        k.rsplit_once('/')
-                            .is_some_and(|(v, _)| params.contains_key(v))
-                    })
-                    .map(|(k, t)| (k.clone(), t.clone())),
-            );
-            slots.retain(|k, _| k.rsplit_once('/').is_none_or(|(var, _)| updated(var)));
-            slots
-        });
         Ok(Stage {
             run: self,
             held_out: self.held_out(config, opts, w)?,
             name: self.mesh.name(w),
             worker: w,
-            resumed_slots,
+            start,
             stage: s,
             replica: r,
             model_rank: m,
@@ -465,7 +447,6 @@ impl<'a> PipelineRun<'a> {
             micro: self.program.micro_batches,
             comm,
             data,
-            params,
             trace: opts.trace,
             t0,
         })
@@ -519,8 +500,9 @@ pub(crate) struct Stage<'a> {
     /// Its worker (rank in the mesh), for the backends it makes.
     worker: usize,
     stage: usize,
-    /// A resumed state's optimizer state of the variables it updates.
-    resumed_slots: Option<HashMap<String, Tensor>>,
+    /// Its variables at the start, and a resumed state's optimizer state of those it
+    /// updates.
+    start: RoleState,
     replica: usize,
     /// Its rank on the model axis (0 without one).
     model_rank: usize,
@@ -539,7 +521,6 @@ pub(crate) struct Stage<'a> {
     micro: usize,
     comm: Box<dyn Communicator>,
     data: Vec<DataSource>,
-    params: HashMap<String, Tensor>,
     trace: bool,
     t0: Instant,
 }
@@ -710,7 +691,7 @@ impl Stage<'_> {
             return Ok(None);
         }
         let mut all = vec![mine];
-        for from in 1..self.run.mesh.pipe {
+        for from in 1..self.run.mesh.pipe() {
             let label = format!("stage 0, step {step}: the receive of stage {from}'s {what}");
             self.comm.set_label(&label);
             all.push(self.comm.recv(from)?);
@@ -927,9 +908,8 @@ impl<'a> Stage<'a> {
         let mut bwd = Executor::with_backend(self.backward, backward_backend)?;
         bwd.set_model_rank(self.model_rank);
         let device = bwd.backend().name();
-        let params = upload_all(bwd.backend(), std::mem::take(&mut self.params))?;
-        let slots = self.resumed_slots.take();
-        let optimizer = make_optimizer(bwd.backend(), config, &params, slots.as_ref())?;
+        let OnDevice { params, optimizer } =
+            onto_device(bwd.backend(), config, std::mem::take(&mut self.start))?;
         let has_loss = self
             .forward
             .node_ids()
@@ -1558,19 +1538,9 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
         let updating = Instant::now();
         let mut grads = grads;
         if let Some(max) = self.config.clip_norm {
-            let squares = bwd
-                .backend()
-                .grad_squares(&grads)
-                .map_err(fail("measuring the gradient's norm"))?;
-            let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
-            let norm = me.global_norm(&names, &squares, step)?;
-            // As torch.nn.utils.clip_grad_norm_ (and the data-parallel loop).
-            let factor = max / (norm + 1e-6);
-            if factor < 1.0 {
-                bwd.backend()
-                    .unscale(&mut grads, factor)
-                    .map_err(fail("clipping the gradients"))?;
-            }
+            clip_gradients(bwd.backend(), &mut grads, max, |names, squares| {
+                me.global_norm(names, squares, step)
+            })?;
         }
         bwd.backend()
             .update(&mut self.optimizer, &mut self.params, grads)

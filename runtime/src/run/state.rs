@@ -264,7 +264,7 @@ pub(crate) fn resumed_slots(
 /// variables' (zeros where the state has none), each part's slot kept where the state
 /// has its whole variable's. By the slot's key (`w1.tp/m`). Every rank of an axis runs
 /// it in the same order: `cut`'s collectives (broadcasts) are collectives.
-pub(crate) fn cut_slots(
+fn cut_slots(
     init: &distc_ir::Graph,
     state: &TrainingState,
     mut cut: impl FnMut(&HashMap<String, Tensor>) -> Result<Vec<(String, Tensor)>>,
@@ -326,6 +326,65 @@ pub(crate) fn carried_slots(
                 .is_some_and(|(var, _)| carried.contains_key(var))
         })
         .collect())
+}
+
+/// What a role starts from: its variables, and on a resumed run its optimizer state.
+#[derive(Default)]
+pub(crate) struct RoleState {
+    pub(crate) params: HashMap<String, Tensor>,
+    pub(crate) slots: Option<HashMap<String, Tensor>>,
+}
+
+/// The one way a role (a worker, or a pipeline's stage) gets its variables and resumed
+/// optimizer state. `params` are its uncut initial values ([`initial_values`]); where
+/// the plan has an init program, `cut` runs it on `whole` (its whole inputs, the seed's
+/// or a resumed state's) and its outputs (model-axis parts, ZeRO chunks) replace them.
+/// The role keeps the variables `holds` names. A resumed state's slots are cut as the
+/// variables are: ZeRO chunks by `zero` (workers, rank), model-axis parts by `cut`, run
+/// once per slot (so every rank of an axis runs `cut` equally often, in one order: its
+/// collectives stay collectives).
+pub(crate) fn role_state(
+    mut params: HashMap<String, Tensor>,
+    init: Option<(&distc_ir::Graph, &HashMap<String, Tensor>)>,
+    resume: Option<&TrainingState>,
+    zero: (usize, usize),
+    holds: impl Fn(&str) -> bool,
+    mut cut: impl FnMut(&distc_ir::Graph, &HashMap<String, Tensor>) -> Result<Vec<(String, Tensor)>>,
+) -> Result<RoleState> {
+    if let Some((init, whole)) = init {
+        params.extend(cut(init, whole)?);
+    }
+    params.retain(|name, _| holds(name));
+    let Some(state) = resume else {
+        return Ok(RoleState {
+            params,
+            slots: None,
+        });
+    };
+    let mut slots = resumed_slots(state, &params, zero.0, zero.1);
+    if let Some((init, _)) = init.filter(|(init, _)| cuts_model_parts(init)) {
+        slots.extend(
+            cut_slots(init, state, |whole| cut(init, whole))?
+                .into_iter()
+                .filter(|(key, _)| {
+                    key.rsplit_once('/')
+                        .is_some_and(|(var, _)| params.contains_key(var))
+                }),
+        );
+    }
+    Ok(RoleState {
+        params,
+        slots: Some(slots),
+    })
+}
+
+/// Whether `init` makes model-axis parts (`w.tp`, or a ZeRO chunk of one).
+fn cuts_model_parts(init: &distc_ir::Graph) -> bool {
+    init.outputs().iter().any(|(name, _)| {
+        name.strip_suffix(ZERO_SHARD_SUFFIX)
+            .unwrap_or(name)
+            .ends_with(distc_ir::MODEL_SHARD_SUFFIX)
+    })
 }
 
 /// Model rank `m`'s part of the split variables: the init program's outputs, run on the

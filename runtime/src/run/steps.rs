@@ -73,7 +73,7 @@ impl Cadence {
     /// The run's cadence, from its train block and options.
     pub(crate) fn of(config: &RunConfig, opts: &TrainOptions) -> Cadence {
         Cadence {
-            last: opts.steps.unwrap_or(config.steps),
+            last: opts.last_step(config),
             evaluate: opts.evaluate,
             eval_every: config.eval_every,
             checkpoint_every: opts.checkpoint.as_ref().map(|c| c.every.max(1)),

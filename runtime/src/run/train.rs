@@ -16,7 +16,7 @@ use crate::core::error::{Result, RuntimeError};
 use crate::core::roles::Role;
 use crate::cpu::Cpu;
 use crate::ps::{self, PsClient, PsCluster};
-use crate::run::checkpoint::clear_later_states;
+use crate::run::checkpoint::clear_steps_to_write;
 use crate::run::coordinator::reporter;
 use crate::run::launcher::{
     run_ranks, server_config, server_spans, LocalRole, Report, Trainee, Training, Transport,
@@ -204,9 +204,20 @@ pub fn train_with<B: Backend>(
     on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
     make: impl Fn(Site<'_>, Links<'_>) -> Result<B> + Sync,
 ) -> Result<TrainReport> {
-    let mesh = Mesh::of(&programs)?;
+    train_on(programs, Mesh::of(&programs)?, config, opts, on_step, make)
+}
+
+/// [`train_with`] on the mesh the launch built.
+pub(crate) fn train_on<B: Backend>(
+    programs: Programs<'_>,
+    mesh: Mesh,
+    config: &RunConfig,
+    opts: &TrainOptions,
+    on_step: &mut dyn FnMut(&StepMetrics) -> Result<()>,
+    make: impl Fn(Site<'_>, Links<'_>) -> Result<B> + Sync,
+) -> Result<TrainReport> {
     let training = Training::new(&programs, mesh, config, opts)?;
-    clear_later_states(config, opts)?;
+    clear_steps_to_write(config, opts)?;
     let shards = training.server_shards();
     let cluster = if shards.is_empty() {
         None

@@ -5,7 +5,7 @@
 //! `forward_backward` (micro-batches, or a schedule's instructions); these do not.
 
 use crate::core::axis::Axis;
-use crate::core::backend::{backend_error, Backend, KernelError};
+use crate::core::backend::{backend_error, upload_all, Backend, KernelError};
 use crate::core::checkpoint::LOSS_SCALE_KEY;
 use crate::core::config::RunConfig;
 use crate::core::error::{Result, RuntimeError};
@@ -15,6 +15,7 @@ use crate::core::value::Tensor;
 use crate::run::hook::HostHook;
 use crate::run::options::TrainOptions;
 use crate::run::snapshot::{rehearsed_loss, StateSlot};
+use crate::run::state::RoleState;
 use distc_ir::{MODEL_SHARD_SUFFIX, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
@@ -25,10 +26,26 @@ use std::time::Duration;
 /// modules, pick cuBLAS algorithms and settle every lazy setup first.
 pub(crate) const WARMUP: usize = 2;
 
-/// The optimizer of `params` on `backend`: the train block's, following its
-/// learning-rate schedule, with a resumed state's slots (`slots`) where the run
-/// resumes one.
-pub(crate) fn make_optimizer<B: Backend>(
+/// A role's variables on its device, and their optimizer.
+pub(crate) struct OnDevice<B: Backend> {
+    pub(crate) params: HashMap<String, B::Tensor>,
+    pub(crate) optimizer: B::Optimizer,
+}
+
+/// A role's start on its device: its variables copied in, and the optimizer of them
+/// (the train block's, following its learning-rate schedule, with a resumed state's
+/// slots where the run resumes one).
+pub(crate) fn onto_device<B: Backend>(
+    backend: &mut B,
+    config: &RunConfig,
+    start: RoleState,
+) -> Result<OnDevice<B>> {
+    let params = upload_all(backend, start.params)?;
+    let optimizer = make_optimizer(backend, config, &params, start.slots.as_ref())?;
+    Ok(OnDevice { params, optimizer })
+}
+
+fn make_optimizer<B: Backend>(
     backend: &mut B,
     config: &RunConfig,
     params: &HashMap<String, B::Tensor>,
@@ -298,6 +315,29 @@ impl ErrorSlot {
     pub fn take(&self) -> Option<(Role, RuntimeError)> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
+}
+
+/// Clips a step's gradients to `max` as torch.nn.utils.clip_grad_norm_ does: scaled
+/// by max / (norm + 1e-6) where that is below 1. `norm` is their global norm, from the
+/// names and squares of the role's own gradients (summed over the axes that split them).
+pub(crate) fn clip_gradients<B: Backend>(
+    backend: &mut B,
+    grads: &mut [(String, B::Value)],
+    max: f64,
+    norm: impl FnOnce(&[&str], &[f64]) -> Result<f64>,
+) -> Result<()> {
+    let device = backend.name();
+    let squares = backend
+        .grad_squares(grads)
+        .map_err(|e| backend_error(&device, "measuring the gradient's norm", e))?;
+    let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
+    let factor = max / (norm(&names, &squares)? + 1e-6);
+    if factor < 1.0 {
+        backend
+            .unscale(grads, factor)
+            .map_err(|e| backend_error(&device, "clipping the gradients", e))?;
+    }
+    Ok(())
 }
 
 /// The square of the whole gradient's norm from this rank's parts (`names` and their

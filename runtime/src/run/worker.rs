@@ -35,12 +35,12 @@ use crate::run::mesh::Mesh;
 use crate::run::metrics::{EvalMetrics, Profile, StepReport};
 use crate::run::options::TrainOptions;
 use crate::run::programs::Programs;
-use crate::run::state::{cut_slots, first_step, initial_values, resumed_slots};
+use crate::run::state::{first_step, initial_values, role_state};
 use crate::run::steps::{run_steps, worker_spans, Cadence, Due, Ran, StepBody, StepTrace, Timed};
 use crate::run::trace::Span;
 use crate::run::trainer::{
-    assign_running, capture_failed, make_optimizer, set_ranks, squared_norm, Capture, ErrorSlot,
-    LossScaler, Rehearsal, WARMUP,
+    assign_running, capture_failed, clip_gradients, onto_device, set_ranks, squared_norm, Capture,
+    ErrorSlot, LossScaler, OnDevice, Rehearsal, WARMUP,
 };
 use distc_ir::{NodeId, Op, ReduceOp, ZERO_SHARD_SUFFIX};
 use ndarray::{ArrayD, IxDyn};
@@ -277,7 +277,7 @@ fn train_worker<B: Backend>(
     trace: &mut StepTrace,
 ) -> Result<()> {
     let workers = mesh.workers();
-    let steps = opts.steps.unwrap_or(config.steps);
+    let steps = opts.last_step(config);
     if opts.evaluate {
         if let Some(d) = data.first() {
             crate::run::eval::check_held_out(d, config)?;
@@ -285,20 +285,34 @@ fn train_worker<B: Backend>(
     }
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let resume = opts.resume.as_deref();
-    let mut params = initial_values(programs.worker, config.seed, resume)?;
     // Found once: the step loop sets them for every micro-batch.
     let ranks = mesh_ranks(mesh, rank);
-    if let Some(init) = programs.init {
-        let mut exec = Executor::new(init)?;
-        set_ranks(&mut exec, ranks, None);
-        // The init program reads the one-device initial values, whole (or the resumed
-        // ones) and makes this worker's part of them.
-        let whole = initial_values(init, config.seed, resume)?;
-        let out = exec.run_with(&HashMap::new(), &whole, Mode::Train, 0, Some(&mut *hook))?;
-        for (name, t) in out.outputs {
-            params.insert(name, t);
-        }
+    // The init program reads the one-device initial values, whole (or the resumed
+    // ones) and makes this worker's part of them; it may broadcast, so it runs with
+    // the hook.
+    let whole = programs
+        .init
+        .map(|init| initial_values(init, config.seed, resume))
+        .transpose()?;
+    let mut cutter = programs.init.map(Executor::new).transpose()?;
+    if let Some(exec) = cutter.as_mut() {
+        set_ranks(exec, ranks, None);
     }
+    let start = role_state(
+        initial_values(programs.worker, config.seed, resume)?,
+        programs.init.zip(whole.as_ref()),
+        resume,
+        (workers, rank),
+        |_| true,
+        |_, whole| match cutter.as_mut() {
+            Some(exec) => {
+                let out =
+                    exec.run_with(&HashMap::new(), whole, Mode::Train, 0, Some(&mut *hook))?;
+                Ok(out.outputs.into_iter().collect())
+            }
+            None => Ok(Vec::new()),
+        },
+    )?;
     let mut exec = Executor::with_backend(programs.worker, backend)?;
     // Training reads back no `output` sink (the prediction and target are for
     // evaluation): on a device that would be a copy and a wait every step.
@@ -309,20 +323,10 @@ fn train_worker<B: Backend>(
     // host's clock would time the launches.
     exec.set_device_clock(opts.trace);
     let device = exec.backend().name();
-    let mut slots = resume.map(|state| resumed_slots(state, &params, workers, rank));
-    if let (Some(state), Some(init), Some(slots)) = (resume, programs.init, slots.as_mut()) {
-        if mesh.model > 1 {
-            let mut exec = Executor::new(init)?;
-            set_ranks(&mut exec, ranks, None);
-            slots.extend(cut_slots(init, state, |whole| {
-                let out =
-                    exec.run_with(&HashMap::new(), whole, Mode::Train, 0, Some(&mut *hook))?;
-                Ok(out.outputs.into_iter().collect())
-            })?);
-        }
-    }
-    let params = upload_all(exec.backend(), params)?;
-    let mut optimizer = make_optimizer(exec.backend(), config, &params, slots.as_ref())?;
+    let OnDevice {
+        params,
+        mut optimizer,
+    } = onto_device(exec.backend(), config, start)?;
     // Workers that fill the cores keep their updates on their own thread.
     B::parallel_updates(&mut optimizer, cores > workers);
     let first = first_step(resume, steps)?;
@@ -679,26 +683,11 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 }
             };
             if let (true, Some(max)) = (apply, self.config.clip_norm) {
-                let squares = st
-                    .exec
-                    .backend()
-                    .grad_squares(&grads)
-                    .map_err(|e| backend_error(device, "measuring the gradient's norm", e))?;
-                let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
                 let label =
                     |over: &str| format!("worker {rank}, step {step}: clip_norm's sum over {over}");
-                let norm = squared_norm(hook, &names, &squares, &label)?
-                    .max(0.0)
-                    .sqrt();
-                // As torch.nn.utils.clip_grad_norm_: scaled by max / (norm + 1e-6) when
-                // that is below 1.
-                let factor = max / (norm + 1e-6);
-                if factor < 1.0 {
-                    st.exec
-                        .backend()
-                        .unscale(&mut grads, factor)
-                        .map_err(|e| backend_error(device, "clipping the gradients", e))?;
-                }
+                clip_gradients(st.exec.backend(), &mut grads, max, |names, squares| {
+                    Ok(squared_norm(hook, names, squares, &label)?.max(0.0).sqrt())
+                })?;
             }
             if apply {
                 st.exec

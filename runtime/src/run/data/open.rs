@@ -33,7 +33,7 @@ pub fn open_data(
                 // synthetic sources' were checked with the settings at launch.
                 source.check_model(programs.worker, config.batch)?;
             }
-            let mut steps = opts.steps.unwrap_or(config.steps);
+            let mut steps = opts.last_step(config);
             if let Some(state) = &opts.resume {
                 source.skip_samples(state.index.samples)?;
                 steps = steps.saturating_sub(state.index.step as usize);
