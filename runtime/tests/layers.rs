@@ -29,8 +29,8 @@ const RUN_LAYERS: &[(&str, &[&str])] = &[
     ("roles", &["trainer", "checkpoint", "worker", "pipeline"]),
     ("coordinator", &["coordinator"]),
     ("launcher", &["launcher"]),
-    ("transport", &["train", "mpi"]),
-    ("launch", &["launch"]),
+    ("transport", &["threads", "mpi"]),
+    ("launch", &["launch", "train"]),
 ];
 
 /// The sub-layer of a run module, as its index in [`RUN_LAYERS`].

@@ -24,7 +24,7 @@ use crate::run::metrics::StepMetrics;
 use crate::run::metrics::TrainReport;
 use crate::run::options::TrainOptions;
 use crate::run::programs::Programs;
-use crate::run::train::train_on;
+use crate::run::threads::train_on;
 use std::collections::HashMap;
 
 // What the CLI names beside `launch`, where it has always found it.

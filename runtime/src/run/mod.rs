@@ -6,8 +6,9 @@
 //! | base | [`mesh`], [`programs`], [`options`], `hook`, [`state`], [`snapshot`], [`data`], [`eval`], [`memory`], [`metrics`], [`trace`], `steps` | the mesh (the one place a rank becomes a coordinate and a name), the plan's programs, the run's options, the communication hook every role's executors use (its axes and the servers), where the variables start (and a model rank's part of them), the state an elastic run keeps in memory, data sources and every role's data opener, evaluation (a pipeline's whole model too), memory accounting, what a run reports (one step report for every role), the one step loop |
 //! | roles | `trainer`, `checkpoint`, [`worker`], [`pipeline`] | what every role builds alike (the optimizer, the CUDA-graph capture state, a rehearsed failure, the loss scaler, the gradient's norm, the run's first error), how a role's training state is written (a worker's whole or sharded, every role's shard), and the body of a step for each kind of rank: a worker's program per micro-batch (a CUDA graph's capture and replay is a mode of it), a pipeline stage's schedule |
 //! | coordinator | [`coordinator`] | the one place a step report becomes a metrics line, and a run's report |
-//! | transport | [`train`] (threads), `mpi` (feature `mpi`, one rank per process) | spawning the roles the mesh gives, linking each axis, joining, the first error |
-//! | launch | [`launch`] | the one entry the CLI calls: the checks, the device, the transport |
+//! | launcher | `launcher` | the one launcher: the roles the mesh gives, the data, the coordinator, the run's report, over a transport |
+//! | transport | `threads` (in-process), `mpi` (feature `mpi`, one rank per process) | spawning the roles, linking each axis, joining, the first error |
+//! | launch | [`launch`], [`train`] | the one entry the CLI calls (the checks, the mesh, the device, the transport), and training as a library (threads) |
 
 pub(crate) mod checkpoint;
 pub mod coordinator;
@@ -27,6 +28,7 @@ pub mod programs;
 pub mod snapshot;
 pub mod state;
 pub(crate) mod steps;
+pub(crate) mod threads;
 pub mod trace;
 pub mod train;
 pub(crate) mod trainer;
