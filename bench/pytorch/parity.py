@@ -20,7 +20,9 @@ lr on rounding alone, and two correct f32 runs (PyTorch against itself with the
 batch summed in two halves) differ by 1e-4 of the largest weight after one step:
 hence the float64 verdict. Batches are Penn Treebank windows when `--data DIR` (or
 $DISTC_DATA) holds ptb-tokens/train.bin (scripts/ptb-tokens.py), uniform random ids
-otherwise.
+otherwise. The trained weights then go through `distc predict` on the first batch and
+a partial one: every position's logits [N, T, V], against PyTorch's forward pass of
+the same weights (float64) to the weight tolerance of the largest logit.
 
 `--model resnet`: the model block of examples/resnet.dsl (convolutions, batch norm,
 residual sums, global mean pooling), built here in functional form, SGD with
@@ -294,7 +296,7 @@ def model_block(a):
     return text[: text.index("train {")]
 
 
-def gpt_loss(p, tokens, targets, layers, heads):
+def gpt_logits(p, tokens, layers, heads):
     """The forward pass of gpt-dsl.py's model, op for op: [in, out] weights applied
     as x @ W + b, heads split as reshape [B, T, H, D] then transpose, attention
     written out (masked softmax) rather than SDPA so that no fused kernel rounds
@@ -319,8 +321,13 @@ def gpt_loss(p, tokens, targets, layers, heads):
         m = F.layer_norm(r, (C,), w("ln2_g"), w("ln2_b"), LN_EPS)
         x = r + F.gelu(m @ w("wfc") + w("bfc"), approximate="tanh") @ w("wproj") + w("bproj")
     f = F.layer_norm(x, (C,), p["lnf_g"], p["lnf_b"], LN_EPS)
-    logits = f @ p["wte"].t()
-    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    return f @ p["wte"].t()
+
+
+def gpt_loss(p, tokens, targets, layers, heads):
+    """The mean cross-entropy of every position's logits [B, T, V]."""
+    logits = gpt_logits(p, tokens, layers, heads)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def make_batches(a, n, data_dir, rng):
@@ -373,6 +380,10 @@ class Gpt:
 
     def loss(self, p, stats, batch):
         return gpt_loss(p, batch["tokens"], batch["targets"], self.a.layers, self.a.heads)
+
+    def prediction(self, p, batch):
+        """What `distc predict` writes: every position's logits, [B, T, V]."""
+        return gpt_logits(p, batch["tokens"], self.a.layers, self.a.heads)
 
     def optimizer(self, params):
         a = self.a
@@ -630,6 +641,46 @@ def train_distc(a, workers, tmp):
     return [losses[s] for s in range(1, a.steps + 1)], load_file(tmp / "final.safetensors"), elapsed
 
 
+def predict_distc(a, tmp, batches):
+    """`distc predict` with the trained weights on the first batch and a partial one
+    (the model's batch is fixed, so the last is padded and cut); returns the inputs
+    and the prediction."""
+    from safetensors.torch import load_file, save_file
+
+    n = a.batch + 3
+    inputs = {k: v[:n] for k, v in batches.items()}
+    save_file({k: torch.from_numpy(v) for k, v in inputs.items()},
+              str(tmp / "predict-in.safetensors"))
+    cmd = [a.distc, "predict", str(tmp / "model.dsl"), "--init", str(tmp / "final.safetensors"),
+           "--input", str(tmp / "predict-in.safetensors"),
+           "-o", str(tmp / "prediction.safetensors")]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SetupError(f"{' '.join(cmd)}: exit status {run.returncode}\n"
+                         f"{(run.stderr or run.stdout).strip()[-2000:]}")
+    return inputs, load_file(tmp / "prediction.safetensors")["prediction"]
+
+
+def check_prediction(a, model, weights, inputs, got):
+    """Issue 67, item 1: `distc predict` of a sequence model is every position's
+    output in the model's own shape (it wrote the first B rows of the flattened
+    [B*T, V] logits), equal to PyTorch's forward pass (float64, from distc's saved
+    weights) to the weights' tolerance of the largest logit. Returns whether it held."""
+    with torch.no_grad():
+        p = {n: w.double() for n, w in weights.items()}
+        data = {k: torch.from_numpy(v).long() for k, v in inputs.items()}
+        want = model.prediction(p, data)
+    if list(got.shape) != list(want.shape):
+        print(f"predict {model.name}: distc wrote {list(got.shape)}, the model's "
+              f"prediction is {list(want.shape)}: FAIL")
+        return False
+    rel = ((got.double() - want).abs().max() / want.abs().max()).item()
+    ok = rel <= TOLERANCES[a.dtype][1]
+    print(f"predict {model.name}: {list(got.shape)} for {got.shape[0]} samples, rel diff "
+          f"max {rel:.2e} against PyTorch: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 # ---------------------------------------------------------------- the check
 
 
@@ -665,6 +716,7 @@ def run_case(a, model, workers):
         tmp = Path(d)
         init, stats, batches, source = write_inputs(a, model, workers, tmp)
         d_losses, d_weights, d_time = train_distc(a, workers, tmp)
+        predicted = predict_distc(a, tmp, batches) if hasattr(model, "prediction") else None
 
     start = time.perf_counter()
     t_losses, t_weights = train_torch(model, init, stats, batches, a.steps, global_batch,
@@ -721,6 +773,9 @@ def run_case(a, model, workers):
     if worst_stats:
         stats_part = (f", running stats rel diff max {weight_rel[worst_stats[0]]:.2e} "
                       f"({worst_stats[0]})")
+    if predicted is not None:
+        ok = check_prediction(a, model, d_weights, *predicted) and ok
+        verdict = verdict if ok else "FAIL"
     print(f"parity {model.name} ({size}): {a.steps} steps, loss rel diff max "
           f"{loss_rel[worst_step]:.2e} (step {worst_step + 1}), weights rel diff max "
           f"{weight_rel[worst_vars[0]]:.2e} ({worst_vars[0]}){stats_part}: {verdict}")

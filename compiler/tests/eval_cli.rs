@@ -181,6 +181,86 @@ fn predict_writes_the_models_prediction_for_every_sample() {
     );
 }
 
+/// Issue 67, item 1: a sequence model's prediction is every position's logits, in the
+/// model's own shape [N, T, V], computed by hand here; `predict` wrote [N, V], the
+/// first rows of the flattened [N·T, V] logits, and exited 0.
+#[test]
+fn predict_of_a_sequence_model_writes_every_positions_prediction() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("tok.dsl");
+    std::fs::write(
+        &m,
+        "model tok {\n  input tokens: i32[B, 4]\n  input targets: i32[B, 4]\n  \
+         param e: f32[6, 3] = uniform(-1, 1)\n  param w: f32[3, 5] = glorot\n  \
+         minimize softmax_cross_entropy(embedding(e, tokens) @ w, targets)\n}\n\
+         train {\n  data = tensors(path = \"train.safetensors\")\n  batch = 2\n  \
+         optimizer = sgd(lr = 0.1)\n  steps = 3\n}\n",
+    )
+    .expect("writes");
+    // Weights of no symmetry, so that a row or class out of place shows.
+    let w = dir.path().join("w.safetensors");
+    let values = |name: &str, len: usize| -> Vec<u8> {
+        (0..len)
+            .flat_map(|i| (((i * 7 + name.len()) % 11) as f32 / 5.0 - 1.0).to_le_bytes())
+            .collect()
+    };
+    let (e_bytes, w_bytes) = (values("e", 18), values("wt", 15));
+    let views = vec![
+        (
+            "e",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![6, 3], &e_bytes),
+        ),
+        (
+            "w",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![3, 5], &w_bytes),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k, v.expect("view")));
+    safetensors::serialize_to_file(views, None, &w).expect("writes the weights");
+    // 3 samples: one batch of 2 and a partial one.
+    let (n, t) = (3, 4);
+    let tokens: Vec<i32> = (0..n * t).map(|i| ((i * 5 + 1) % 6) as i32).collect();
+    let bytes: Vec<u8> = tokens.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let input = dir.path().join("in.safetensors");
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![n, t], &bytes)
+        .expect("view");
+    safetensors::serialize_to_file(vec![("tokens", view)], None, &input).expect("writes");
+    let out = dir.path().join("pred.safetensors");
+    let o = distc(&[
+        "predict",
+        s(&m),
+        "--init",
+        s(&w),
+        "--input",
+        s(&input),
+        "-o",
+        s(&out),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("[3, 4, 5] for 3 samples"), "{}", text(&o));
+    let (pred, _) = checkpoint::load(&out).expect("loads");
+    let pred = &pred["prediction"];
+    assert_eq!(pred.shape(), &[n, t, 5]);
+    let (weights, _) = checkpoint::load(&w).expect("weights");
+    let (ev, wv) = (weights["e"].to_f64_vec(), weights["w"].to_f64_vec());
+    let got = pred.to_f64_vec();
+    for (row, &tok) in tokens.iter().enumerate() {
+        for k in 0..5 {
+            let want: f64 = (0..3)
+                .map(|j| ev[tok as usize * 3 + j] * wv[j * 5 + k])
+                .sum();
+            let at = got[row * 5 + k];
+            assert!(
+                (at - want).abs() < 1e-5,
+                "sample {}, position {}, class {k}: {at} against {want}",
+                row / t,
+                row % t
+            );
+        }
+    }
+}
+
 /// Issue 36, item 4: the metrics a train block declares are what an evaluation
 /// reports: top-k of all classes is 1, top-1 is the accuracy, perplexity is
 /// `exp(eval_loss)`; a metric that does not fit the loss is refused at compile time.

@@ -260,10 +260,11 @@ pub fn predict(
             .map(|(_, t)| t)
             // Evaluation runs every `output`, and the graph has this one.
             .ok_or_else(|| RuntimeError::internal("predict", "the run made no `prediction`"))?;
-        let shape = pred.shape().to_vec();
-        let per: usize = shape[1..].iter().product();
+        // Issue 67, item 1: a loss flattens per-position logits [B, T, V] to
+        // [B·T, V]; a sample is its T rows, written in the model's own shape.
+        row_shape = sample_shape(graph, output, batch, pred.shape())?;
+        let per: usize = row_shape.iter().product();
         values.extend_from_slice(&pred.to_f64_vec()[..b * per]);
-        row_shape = shape[1..].to_vec();
         start += b;
     }
     let mut shape = vec![n];
@@ -275,6 +276,41 @@ pub fn predict(
     .map(Tensor::F32)
     // `n` samples of one row shape, laid out here.
     .map_err(|e| RuntimeError::internal("predict", format!("the predictions: {e}")))
+}
+
+/// The shape of one sample's prediction: the model's own, before a loss flattened its
+/// leading axes. `shape` is the `prediction` output's, for a batch of `batch`. The
+/// value the output reads is followed up through reshapes to the first whose leading
+/// axis is the batch; without one, the rows are split evenly among the samples.
+fn sample_shape(
+    graph: &distc_ir::Graph,
+    output: distc_ir::NodeId,
+    batch: usize,
+    shape: &[usize],
+) -> Result<Vec<usize>> {
+    let total: usize = shape.iter().product();
+    let mut v = graph.node(output).inputs[0];
+    loop {
+        let dims = graph.tensor_type(v).dims().to_vec();
+        if dims.first() == Some(&batch) && dims.iter().product::<usize>() == total {
+            return Ok(dims[1..].to_vec());
+        }
+        match graph.op(v.node) {
+            distc_ir::Op::Reshape { .. } => v = graph.node(v.node).inputs[0],
+            _ => break,
+        }
+    }
+    match shape.first() {
+        Some(&rows) if batch > 0 && rows % batch == 0 => {
+            let mut per = vec![rows / batch];
+            per.extend_from_slice(&shape[1..]);
+            Ok(per)
+        }
+        _ => Err(RuntimeError::internal(
+            "predict",
+            format!("a prediction of shape {shape:?} for a batch of {batch}"),
+        )),
+    }
 }
 
 /// The nodes `id` is computed from, itself included.
