@@ -398,3 +398,86 @@ fn eval_of_a_batch_normalised_model_reads_its_running_statistics() {
         );
     }
 }
+
+/// Issue 67, item 8: after one step, the running statistics are PyTorch's
+/// (`F.batch_norm(training=True, momentum=0.1)`): the mean moved by 0.1 of the batch
+/// mean, the variance by 0.1 of the batch's unbiased variance (divided by n - 1), with
+/// n the global batch under `sync = true`, computed here from the data. A variance
+/// left biased changed only IR snapshots; one worker's n instead of the global batch's
+/// is a different number too.
+#[test]
+fn running_statistics_after_one_step_are_pytorchs_with_the_global_count() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (n, c) = (8, 3);
+    // Columns of different scales, so that every channel has its own variance.
+    let x: Vec<f32> = (0..n * c)
+        .map(|i| (((i * 29 + 3) % 13) as f32 - 6.0) * (1 + i % c) as f32 / 4.0)
+        .collect();
+    let labels: Vec<i32> = (0..n as i32).map(|i| i % 2).collect();
+    let (xb, lb): (Vec<u8>, Vec<u8>) = (
+        x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        labels.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    );
+    let views = vec![
+        (
+            "x",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, c], &xb),
+        ),
+        (
+            "label",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![n], &lb),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k, v.expect("view")));
+    safetensors::serialize_to_file(views, None, &dir.path().join("d.safetensors")).expect("writes");
+    let m = dir.path().join("bn.dsl");
+    std::fs::write(
+        &m,
+        "model bn {\n  input x: f32[B, 3]\n  input label: i32[B]\n  \
+         param g: f32[3] = ones\n  param beta: f32[3] = zeros\n  param w: f32[3, 2] = glorot\n  \
+         minimize softmax_cross_entropy(batch_norm(x, g, beta, sync = true) @ w, label)\n}\n\
+         train {\n  data = tensors(path = \"d.safetensors\", shuffle = false)\n  batch = 8\n  \
+         optimizer = sgd(lr = 0.1)\n  steps = 1\n  seed = 2\n}\n",
+    )
+    .expect("writes");
+    let column = |k: usize| -> Vec<f64> { (0..n).map(|i| f64::from(x[i * c + k])).collect() };
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    for (workers, batch) in [("1", "8"), ("2", "4")] {
+        let w = dir.path().join(format!("w{workers}.safetensors"));
+        let o = distc(&[
+            "train",
+            s(&m),
+            "-q",
+            "--data",
+            s(dir.path()),
+            "--batch",
+            batch,
+            "--workers",
+            workers,
+            "--strategy",
+            "allreduce",
+            "--save",
+            s(&w),
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        let (saved, _) = checkpoint::load(&w).expect("weights");
+        let (rm, rv) = (
+            saved["g_running_mean"].to_f64_vec(),
+            saved["g_running_var"].to_f64_vec(),
+        );
+        for k in 0..c {
+            let v = column(k);
+            let mu = mean(&v);
+            let unbiased = v.iter().map(|a| (a - mu).powi(2)).sum::<f64>() / (n - 1) as f64;
+            let (want_mean, want_var) = (0.1 * mu, 0.9 + 0.1 * unbiased);
+            assert!(
+                (rm[k] - want_mean).abs() < 1e-5 && (rv[k] - want_var).abs() < 1e-5 * want_var,
+                "{workers} worker(s), channel {k}: running mean {} and variance {}, PyTorch's \
+                 {want_mean} and {want_var}",
+                rm[k],
+                rv[k]
+            );
+        }
+    }
+}

@@ -239,3 +239,84 @@ fn bad_inputs_are_errors_naming_the_problem() {
     let e = eval_op(&op, &[&a, &a], &CTX).unwrap_err().to_string();
     assert!(e.contains("input 2"), "{e}");
 }
+
+/// Issue 67, item 8: GELU's values and derivatives at fixed points are PyTorch's
+/// (`F.gelu(x, approximate=...)` and its autograd, in float64, printed once), for the
+/// f64 reference every kernel is tested against and for the CPU kernel in f64 and f32.
+/// A wrong constant shared by every implementation (GELU_TANH_C) agreed with itself.
+#[test]
+fn gelu_values_and_derivatives_are_pytorchs() {
+    let x = [-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.5];
+    let torch: [(UnaryFn, [f64; 7]); 4] = [
+        (
+            UnaryFn::Gelu,
+            [
+                -0.00404969409489031,
+                -0.10021080190328704,
+                -0.15426876936299344,
+                0.0,
+                0.14967658142073093,
+                0.841344746068543,
+                2.4844758366855597,
+            ],
+        ),
+        (
+            UnaryFn::GeluDerivative,
+            [
+                -0.01194564720418392,
+                -0.1274691922299796,
+                0.13250487534383712,
+                0.5,
+                0.695373354883636,
+                1.0833154705876864,
+                1.037611085908145,
+            ],
+        ),
+        (
+            UnaryFn::GeluTanh,
+            [
+                -0.0036373920817729943,
+                -0.10042842301976707,
+                -0.15428599017485606,
+                0.0,
+                0.149675350701685,
+                0.8411919906082768,
+                2.484915733910001,
+            ],
+        ),
+        (
+            UnaryFn::GeluTanhDerivative,
+            [
+                -0.011584166630969648,
+                -0.12771079315143308,
+                0.13263009646535764,
+                0.5,
+                0.6953540951510604,
+                1.0829640838457826,
+                1.037951576212666,
+            ],
+        ),
+    ];
+    for (f, want) in torch {
+        let op = Op::Fused {
+            expr: format!("{}(in0)", f.name()).parse().unwrap(),
+        };
+        for (&x, &w) in x.iter().zip(&want) {
+            let got = f.eval(x);
+            assert!(
+                (got - w).abs() <= 1e-14,
+                "{f:?}({x}): reference {got}, PyTorch {w}"
+            );
+        }
+        for (dtype, tol) in [(DType::F64, 1e-14), (DType::F32, 1e-6)] {
+            let input = Value::Tensor(tensor(dtype, &[x.len()], x.to_vec()));
+            let got = elements(&one(eval_op(&op, &[&input], &CTX).unwrap())).1;
+            for ((&x, &w), g) in x.iter().zip(&want).zip(got) {
+                assert!(
+                    (g - w).abs() <= tol,
+                    "{f:?}({x}) in {dtype}: the CPU kernel gives {g}, PyTorch {w}"
+                );
+            }
+        }
+    }
+}
