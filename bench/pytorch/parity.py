@@ -14,7 +14,9 @@ distc, PyTorch in float64) the tolerances are 1e-9 and 1e-7, with no fallback.
 
 `--model gpt` (the default): scripts/gpt-dsl.py's GPT-2-style decoder at the size
 given here, AdamW (beta 0.9/0.95, eps 1e-8, weight decay 0.1 on the rank >= 2
-variables only) after clipping the global gradient norm. Adam divides each gradient
+variables only) after clipping the global gradient norm. `--untied` gives it a
+head of its own (`lm_head`), so the token table's gradient is an embedding's alone:
+row-sparse in distc, which AdamW applies to every row, as torch.optim does. Adam divides each gradient
 by its magnitude, so an element whose gradient is near eps moves by up to a step of
 lr on rounding alone, and two correct f32 runs (PyTorch against itself with the
 batch summed in two halves) differ by 1e-4 of the largest weight after one step:
@@ -95,7 +97,7 @@ DTYPES = {"f32": torch.float32, "f64": torch.float64}
 # after 50 steps, past both f32 tolerances (see the module doc).
 MODEL_FLAGS = {
     "gpt": {"layers": 2, "dim": 64, "heads": 4, "context": 32, "vocab": 10000,
-            "lr": 1e-3, "clip": 1.0, "weight_decay": 0.1, "dtype": "f32"},
+            "lr": 1e-3, "clip": 1.0, "weight_decay": 0.1, "dtype": "f32", "untied": False},
     "resnet": {"lr": 0.05, "momentum": 0.9, "dtype": "f64"},
 }
 
@@ -128,6 +130,10 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float,
                    help="gpt: AdamW decay of the rank >= 2 variables (default 0.1; 0 to "
                         "isolate it)")
+    p.add_argument("--untied", action="store_true", default=None,
+                   help="gpt: a head of its own (lm_head), so that the token table's "
+                        "gradient is an embedding's alone: row-sparse, which AdamW "
+                        "updates in every row as torch.optim does")
     p.add_argument("--momentum", type=float, help="resnet: SGD momentum (default 0.9)")
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="the precision both sides train in (default: gpt f32, resnet f64); "
@@ -287,13 +293,24 @@ def load_gpt_dsl():
 
 
 def model_block(a):
-    """The DSL text of the GPT at this size, without gpt-dsl.py's train block."""
+    """The DSL text of the GPT at this size, without gpt-dsl.py's train block; under
+    --untied the head is a variable of its own, `lm_head` [C, V], so that the token
+    table's gradient is row-sparse (an embedding's alone)."""
     gd = load_gpt_dsl()
     text = gd.dsl(gd.args([
         "--layers", str(a.layers), "--dim", str(a.dim), "--heads", str(a.heads),
         "--context", str(a.context), "--vocab", str(a.vocab),
     ]))
-    return text[: text.index("train {")]
+    text = text[: text.index("train {")]
+    if a.untied:
+        tied = "logits = matmul(f, wte, transpose_b = true)"
+        if tied not in text:
+            raise SetupError(f"scripts/gpt-dsl.py no longer writes `{tied}`")
+        text = text.replace(tied, "logits = f @ lm_head")
+        head = f"  param lm_head: f32[{a.dim}, {a.vocab}] = normal(0, 0.02)\n"
+        at = text.index("  param wte:")
+        text = text[:at] + head + text[at:]
+    return text
 
 
 def gpt_logits(p, tokens, layers, heads):
@@ -321,7 +338,7 @@ def gpt_logits(p, tokens, layers, heads):
         m = F.layer_norm(r, (C,), w("ln2_g"), w("ln2_b"), LN_EPS)
         x = r + F.gelu(m @ w("wfc") + w("bfc"), approximate="tanh") @ w("wproj") + w("bproj")
     f = F.layer_norm(x, (C,), p["lnf_g"], p["lnf_b"], LN_EPS)
-    return f @ p["wte"].t()
+    return f @ p["lm_head"] if "lm_head" in p else f @ p["wte"].t()
 
 
 def gpt_loss(p, tokens, targets, layers, heads):

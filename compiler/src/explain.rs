@@ -16,14 +16,15 @@ pub fn text(plan: &Plan, programs: &ProgramSet) -> Result<String> {
     let programs = program_view(programs, plan.settings.workers);
     let mem = plan_memory(plan, &programs)?;
     Ok(format!(
-        "{}{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}{}",
         plan.search.as_ref().map_or(String::new(), |s| s.render(10)),
         explain_table(plan, &mem, &memory_frozen(&programs)),
         explain_pipeline(plan, programs.worker, programs.pipeline)?,
         explain_mesh(plan, programs.worker),
         explain_precision(plan, programs.worker),
         explain_nodes(&plan.settings, programs.worker),
-        explain_lr(&plan.config)
+        explain_lr(&plan.config),
+        explain_sparse_updates(&plan.config, &programs)
     ))
 }
 
@@ -136,6 +137,52 @@ fn explain_nodes(s: &StrategyConfig, worker: &distc_ir::Graph) -> String {
         );
     }
     out
+}
+
+/// How the optimizer applies row-sparse gradients (an embedding's), when it keeps
+/// slots that make the two rules differ: every row (`torch.optim`'s), or the touched
+/// rows only under `lazy = true` (TensorFlow's LazyAdam). Nothing for plain SGD, whose
+/// two rules are the same update, or without a sparse gradient.
+fn explain_sparse_updates(config: &distc_runtime::RunConfig, programs: &Programs<'_>) -> String {
+    use distc_runtime::OptimizerSpec;
+    let stateful = match config.optimizer {
+        OptimizerSpec::Sgd { momentum, .. } => momentum > 0.0,
+        OptimizerSpec::Adam { .. } => true,
+        // Their trust ratio is over the whole variable: always the dense update.
+        OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => false,
+    };
+    // The workers' updates, and the rows pushed to parameter servers.
+    let g = programs.worker;
+    let mut sparse: Vec<&str> = g
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match g.op(id) {
+            distc_ir::Op::SparsePush { var, .. } => Some(var.as_str()),
+            distc_ir::Op::ParamGrad { param } => {
+                let grad = g.node(id).inputs.first()?;
+                matches!(
+                    g.try_value_type(*grad),
+                    Some(distc_ir::ValueType::IndexedSlices { .. })
+                )
+                .then_some(param.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    sparse.sort_unstable();
+    sparse.dedup();
+    if !stateful || sparse.is_empty() {
+        return String::new();
+    }
+    let rule = if config.lazy_updates {
+        "lazy (`lazy = true`, as TensorFlow's LazyAdam): only the rows a step's batch \
+         touches move, and the other rows' optimizer slots neither decay nor move them"
+    } else {
+        "every row, as torch.optim updates an nn.Embedding's gradient: the slots of rows \
+         the batch did not touch decay and move them (`lazy = true` in the optimizer \
+         keeps the update to the touched rows)"
+    };
+    format!("row-sparse gradients ({}): {rule}\n", sparse.join(", "))
 }
 
 /// The learning rate: the linear scaling rule's arithmetic and the schedule, with the

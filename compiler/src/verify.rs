@@ -233,8 +233,15 @@ fn device_choice(opts: &VerifyOptions) -> DeviceChoice {
     }
 }
 
-fn train_options(opts: &VerifyOptions) -> TrainOptions {
-    TrainOptions {
+/// How each side of a verify trains `c` on `workers` workers: the same steps, data
+/// and (under `--init`) starting weights, whatever the transport (issue 67, item 3:
+/// the distributed side under MPI started from the seed's values, not the file's).
+fn train_options(
+    c: &Compiled,
+    opts: &VerifyOptions,
+    workers: usize,
+) -> Result<TrainOptions, VerifyError> {
+    let mut train = TrainOptions {
         steps: Some(opts.steps),
         data_dir: opts.compile.data_dir.clone(),
         global_data: true,
@@ -242,15 +249,7 @@ fn train_options(opts: &VerifyOptions) -> TrainOptions {
         evaluate: false,
         timeout: opts.timeout,
         ..TrainOptions::default()
-    }
-}
-
-fn run(
-    c: &Compiled,
-    opts: &VerifyOptions,
-    workers: usize,
-) -> Result<HashMap<String, Tensor>, VerifyError> {
-    let mut train = train_options(opts);
+    };
     if let Some(weights) = &opts.init {
         let (state, _) = distc_runtime::run::state::state_from_weights(
             &c.programs(workers),
@@ -261,6 +260,15 @@ fn run(
         .map_err(|e| VerifyError::Refused(format!("--init: {e}")))?;
         train.resume = Some(std::sync::Arc::new(state));
     }
+    Ok(train)
+}
+
+fn run(
+    c: &Compiled,
+    opts: &VerifyOptions,
+    workers: usize,
+) -> Result<HashMap<String, Tensor>, VerifyError> {
+    let train = train_options(c, opts, workers)?;
     let run = Launch {
         programs: c.programs(workers),
         config: &c.config,
@@ -335,11 +343,11 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
     check(opts)?;
     let dist = compile_file(file, &opts.compile)?;
     let plan = crate::Plan::new(&dist, &file.display().to_string(), &opts.compile.strategy);
-    let programs = dist.programs(opts.compile.strategy.workers);
+    let workers = opts.compile.strategy.workers;
     let run = Launch {
-        programs,
+        programs: dist.programs(workers),
         config: &dist.config,
-        opts: train_options(opts),
+        opts: train_options(&dist, opts, workers)?,
         device: device_choice(opts),
         transport: TransportChoice::Mpi(MpiRun {
             plan_hash: plan.hash,

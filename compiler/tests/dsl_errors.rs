@@ -147,6 +147,39 @@ fn mlp_lowers_and_verifies() {
     );
 }
 
+/// Issue 67, item 4: `lazy = true` asks for TensorFlow's LazyAdam rule on row-sparse
+/// gradients; without it the update is torch.optim's (every row). LARS and LAMB have
+/// no lazy rule, and say so.
+#[test]
+fn the_optimizers_lazy_flag() {
+    assert!(!compile(MLP).config.lazy_updates);
+    for (optimizer, lazy) in [
+        ("adam(lr = 0.01, beta2 = 0.99, lazy = true)", true),
+        ("adamw(lr = 0.01, lazy = false)", false),
+        ("sgd(lr = 0.1, momentum = 0.9, lazy = true)", true),
+    ] {
+        let src = MLP.replace("adam(lr = 0.01, beta2 = 0.99)", optimizer);
+        assert_eq!(compile(&src).config.lazy_updates, lazy, "{optimizer}");
+    }
+    for (optimizer, says) in [
+        (
+            "adam(lr = 0.01, lazy = 1)",
+            "`lazy` must be `true` or `false`",
+        ),
+        ("lamb(lr = 0.01, lazy = true)", "lazy"),
+    ] {
+        let src = MLP.replace("adam(lr = 0.01, beta2 = 0.99)", optimizer);
+        let e = match compile_source("test.dsl", &src, None) {
+            Ok(_) => panic!("{optimizer} compiled"),
+            Err(e) => e.render_plain(),
+        };
+        assert!(
+            e.contains(says) && e.contains("test.dsl:"),
+            "{optimizer}: {e}"
+        );
+    }
+}
+
 #[test]
 fn batch_override_binds_b_only() {
     let p = compile_source("test.dsl", MLP, Some(256)).expect("compiles");

@@ -218,6 +218,91 @@ fn the_files_weights_are_the_ones_trained_and_mismatches_are_named() {
     assert!(text(&o).contains("none.safetensors"), "{}", text(&o));
 }
 
+/// Issue 67, item 2: `--init` reaches a model axis's parts, as `--resume` does. The
+/// internal part names (`w1.tp`) were asked of the file; `--init-partial` then left
+/// the split layers at their initializer; ZeRO with a model axis failed on a slot's
+/// size. Every layout trains from the file what one device trains from it, whether
+/// the file names every variable or (`--init-partial`) all but one; a file of which
+/// `--init-partial` would take nothing is an error.
+#[test]
+fn init_reaches_a_model_axis_and_a_file_of_no_variable_is_refused() {
+    let (dir, m) = setup();
+    // Weights of the file's own, not the model's initial values: a layer left at its
+    // initializer shows.
+    let values: HashMap<String, distc_runtime::Tensor> = initial_values(&m)
+        .into_iter()
+        .map(|(k, v)| {
+            let ty = v.tensor_type();
+            let shifted: Vec<f32> = v
+                .to_f64_vec()
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (x + 0.05 * ((i % 7) as f64 - 3.0)) as f32)
+                .collect();
+            let a = ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(ty.dims()), shifted)
+                .expect("a shape");
+            (k, distc_runtime::Tensor::F32(a))
+        })
+        .collect();
+    let full = dir.path().join("full.safetensors");
+    save(&full, &values);
+    let mut partial_values = values.clone();
+    partial_values.remove("b2");
+    let partial = dir.path().join("partial.safetensors");
+    save(&partial, &partial_values);
+    let trained = |flags: &[&str], file: &Path, out: &Path| {
+        let mut args = vec![
+            "train",
+            s(&m),
+            "--steps",
+            "2",
+            "--init",
+            s(file),
+            "--save",
+            s(out),
+        ];
+        if file == partial.as_path() {
+            args.push("--init-partial");
+        }
+        args.extend_from_slice(flags);
+        let o = distc(&args);
+        assert!(o.status.success(), "{flags:?}: {}", text(&o));
+        text(&o)
+    };
+    for file in [&full, &partial] {
+        // One device with the layout's global batch.
+        for (flags, batch) in [
+            (&["--mesh", "data=1,model=2"][..], "8"),
+            (&["--mesh", "data=2,model=2", "--zero", "1"][..], "16"),
+        ] {
+            let one = dir.path().join("one.safetensors");
+            trained(&["--batch", batch], file, &one);
+            let got = dir.path().join("mesh.safetensors");
+            let said = trained(flags, file, &got);
+            assert!(!said.contains(".tp"), "{flags:?}: part names: {said}");
+            let d = max_difference(&one, &got);
+            assert!(
+                d < 1e-5,
+                "{flags:?} from {}: {d} from one device",
+                file.display()
+            );
+        }
+    }
+    // Nothing of the file is a variable of the model.
+    let mut other = HashMap::new();
+    other.insert("head.weight".to_string(), values["w2"].clone());
+    let none = dir.path().join("other.safetensors");
+    save(&none, &other);
+    let o = distc(&["train", s(&m), "--init", s(&none), "--init-partial"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("none of the file's 1 tensor(s) is a variable of the model")
+            && text(&o).contains("other.safetensors"),
+        "{}",
+        text(&o)
+    );
+}
+
 /// Issue 60, item 7: an f64 `1e300` is finite in the file but not as the model's f32,
 /// and is refused by name; a PyTorch state's I64 `num_batches_tracked` (a dtype no
 /// variable has) is one more unused tensor: refused without `--init-partial`, ignored

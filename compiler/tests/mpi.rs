@@ -196,6 +196,49 @@ fn verify_runs_under_mpirun() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("worst relative error"), "{}", text(&o));
+    // Issue 67, item 3: under --init both sides start from the file's weights (the
+    // ranks started from the seed's, and the verify failed on a correct layout).
+    let model = root().join("examples/dense_mlp.dsl");
+    let c = distc::compile_file(&model, &distc::CompileOptions::default()).expect("compiles");
+    let halved: Vec<(String, distc_runtime::Tensor)> =
+        distc_runtime::run::state::whole_variables(&c.programs(1), c.config.seed)
+            .expect("variables")
+            .into_iter()
+            .map(|(name, t)| {
+                let ty = t.tensor_type();
+                let mut out = distc_runtime::Tensor::zeros(&ty);
+                if let distc_runtime::Tensor::F32(a) = &mut out {
+                    for (o, v) in a.iter_mut().zip(t.to_f64_vec()) {
+                        *o = (v * 0.5 + 0.01) as f32;
+                    }
+                }
+                (name, out)
+            })
+            .collect();
+    let init = tmp("halved.safetensors");
+    let named: Vec<(String, &distc_runtime::Tensor)> =
+        halved.iter().map(|(k, t)| (k.clone(), t)).collect();
+    checkpoint::save(&init, &named, Default::default()).expect("writes the weights");
+    let o = mpirun(
+        2,
+        &[
+            "verify",
+            "examples/dense_mlp.dsl",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--batch",
+            "16",
+            "--steps",
+            "2",
+            "--init",
+            s(&init),
+            "--transport",
+            "mpi",
+        ],
+    );
+    assert!(o.status.success(), "--init under mpirun: {}", text(&o));
 }
 
 #[test]

@@ -180,6 +180,74 @@ fn sparse_sgd_equals_dense_of_scatter() {
     );
 }
 
+/// Issue 67, item 4: by default a row-sparse gradient of momentum, Adam and AdamW is
+/// the dense gradient it stands for, as `torch.optim` applies an `nn.Embedding`'s
+/// gradient: bitwise the dense update of the scattered rows, rows the later steps do
+/// not touch moving on their slots (AdamW decaying them). It was the lazy update
+/// (TensorFlow's LazyAdam), now `set_lazy(true)`, which keeps those rows as they were.
+#[test]
+fn sparse_gradients_of_stateful_optimizers_take_the_dense_update() {
+    let (rows, row) = (6, 3);
+    // Step 1 touches rows 0, 1 and 4; the next steps row 4 only.
+    let steps: [&[i32]; 3] = [&[4, 1, 4, 0], &[4], &[4, 4]];
+    let w0: Vec<f32> = (0..rows * row).map(|k| k as f32 * 0.1 - 0.5).collect();
+    let adamw = OptimizerSpec::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    for spec in [sgd(0.3, 0.9), adam(), adamw] {
+        let (mut wd, mut ws, mut wl) = (
+            t32(&[rows, row], &w0),
+            t32(&[rows, row], &w0),
+            t32(&[rows, row], &w0),
+        );
+        let (mut od, mut os, mut ol) = (
+            Optimizer::new(&spec),
+            Optimizer::new(&spec),
+            Optimizer::new(&spec),
+        );
+        ol.set_lazy(true);
+        for (t, idx) in steps.iter().enumerate() {
+            let v: Vec<f32> = (0..idx.len() * row)
+                .map(|k| ((k + t * 5) as f32 * 0.37).sin())
+                .collect();
+            let mut dense = vec![0f32; rows * row];
+            for (k, &i) in idx.iter().enumerate() {
+                for j in 0..row {
+                    dense[i as usize * row + j] += v[k * row + j];
+                }
+            }
+            let g = slices(idx, row, &v, &[rows, row]);
+            od.apply("e", &mut wd, &t32(&[rows, row], &dense).into(), 0.5)
+                .expect("dense");
+            os.apply("e", &mut ws, &g, 0.5).expect("sparse");
+            ol.apply("e", &mut wl, &g, 0.5).expect("lazy");
+            for o in [&mut od, &mut os, &mut ol] {
+                o.end_step();
+            }
+        }
+        assert_eq!(wd, ws, "{spec:?}: the sparse update is not the dense one");
+        assert_eq!(od.state(), os.state(), "{spec:?}: slots");
+        // Rows 0 and 1, last touched at step 1, moved on after it; lazily they kept
+        // their step-1 values, which differ.
+        let (dense, lazy) = (vals(&ws), vals(&wl));
+        assert!(
+            (0..2 * row).all(|k| dense[k] != lazy[k]),
+            "{spec:?}: rows 0 and 1 did not move after step 1: {dense:?} and {lazy:?}"
+        );
+        // Rows 2, 3 and 5 were never touched: lazily they keep their start.
+        for r in [2, 3, 5] {
+            assert_eq!(
+                lazy[r * row..(r + 1) * row],
+                vals(&t32(&[rows, row], &w0))[r * row..(r + 1) * row]
+            );
+        }
+    }
+}
+
 #[test]
 fn duplicate_rows_are_summed() {
     let mut o = Optimizer::new(&sgd(1.0, 0.0));
@@ -204,6 +272,7 @@ fn duplicate_rows_are_summed() {
 fn lazy_sparse_momentum_and_adam() {
     // Momentum: the slot of an untouched row neither decays nor moves its row.
     let mut o = Optimizer::new(&sgd(0.1, 0.9));
+    o.set_lazy(true);
     let mut w = t32(&[2, 1], &[1.0, 1.0]);
     o.apply("e", &mut w, &slices(&[0, 1], 1, &[1.0, 1.0], &[2, 1]), 1.0)
         .expect("a");
@@ -216,6 +285,7 @@ fn lazy_sparse_momentum_and_adam() {
     close(&vals(o.state()[0].1), &[1.9, 1.0], 1e-6);
     // Adam: touched rows update like the dense rule with the global t.
     let mut o = Optimizer::new(&adam());
+    o.set_lazy(true);
     let mut w = t32(&[3, 2], &[1.0, -2.0, 5.0, 5.0, 7.0, 7.0]);
     o.apply("e", &mut w, &slices(&[0], 2, &[0.5, -1.0], &[3, 2]), 1.0)
         .expect("a");

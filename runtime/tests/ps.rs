@@ -77,6 +77,7 @@ fn cfg(sync: PsSync, optimizer: OptimizerSpec) -> PsConfig {
         lr_schedule: Default::default(),
         total_steps: 1,
         no_decay: Vec::new(),
+        lazy_updates: false,
         seed: SEED,
         resume: None,
     }

@@ -91,10 +91,10 @@ pub fn gpu_or_skip(test: &str) -> bool {
 }
 
 /// The optimizer's CUDA kernels for every variable `g` has a gradient of, as the CUDA
-/// backend builds them.
+/// backend builds them (`lazy`: `RunConfig::lazy_updates`).
 pub fn optimizer_plan(
     g: &distc_ir::Graph,
-    spec: &distc_runtime::core::config::OptimizerSpec,
+    (spec, lazy): (&distc_runtime::core::config::OptimizerSpec, bool),
 ) -> distc_runtime::cuda::codegen::OptimizerPlan {
     use distc_runtime::cuda::codegen::{optimizer_kernels, sparse_bound, weight_copies};
     let params: Vec<(String, distc_ir::TensorType, Option<usize>)> = g
@@ -110,7 +110,7 @@ pub fn optimizer_plan(
         })
         .collect();
     let copies = weight_copies(g).into_values().collect();
-    optimizer_kernels(spec, &[], &params, &copies, 1.0).expect("optimizer kernels")
+    optimizer_kernels(spec, &[], lazy, &params, &copies, 1.0).expect("optimizer kernels")
 }
 
 /// A model whose input projection `e` is also its output layer (tied), `layers` tanh

@@ -230,9 +230,10 @@ mod wrapped {
             &mut self,
             spec: &OptimizerSpec,
             no_decay: &[String],
+            lazy: bool,
             params: &HashMap<String, Tensor>,
         ) -> Result<Optimizer, KernelError> {
-            Cpu.optimizer(spec, no_decay, params)
+            Cpu.optimizer(spec, no_decay, lazy, params)
         }
 
         fn update(

@@ -308,6 +308,7 @@ mod taped {
             &mut self,
             spec: &OptimizerSpec,
             _: &[String],
+            _: bool,
             _: &HashMap<String, TCell>,
         ) -> Result<Self::Optimizer, KernelError> {
             let o = Arc::new(Mutex::new(Optimizer::new(spec)));

@@ -38,7 +38,7 @@ fn every_generated_kernel_compiles_for_the_emulator() {
             let g = &c.programs.worker;
             let plan = generate(g).unwrap_or_else(|e| panic!("{what}: {e}"));
             let kernels = emulate(&plan.source, &what);
-            let opt = distc_tests::optimizer_plan(g, &c.config.optimizer);
+            let opt = distc_tests::optimizer_plan(g, (&c.config.optimizer, c.config.lazy_updates));
             let updates = emulate(&opt.source, &format!("{what} optimizer"));
             eprintln!("{what}: {kernels} kernels and {updates} optimizer kernels emulated");
         }

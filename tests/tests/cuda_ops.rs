@@ -1786,7 +1786,7 @@ fn every_case_generates_cuda_that_compiles() {
         let copies = distc_runtime::cuda::codegen::weight_copies(&g)
             .into_values()
             .collect();
-        let plan = optimizer_kernels(&spec, &[], &vars, &copies, 1.0)
+        let plan = optimizer_kernels(&spec, &[], false, &vars, &copies, 1.0)
             .unwrap_or_else(|e| panic!("{label}: no optimizer kernels: {e}"));
         if nvrtc && !plan.source.is_empty() {
             nvrtc::compile_cubin(&plan.source, &format!("optimizer_{label}.cu"), "sm_90")
@@ -1896,8 +1896,7 @@ fn optimizer_graph() -> (Graph, HashMap<String, Tensor>, Vec<HashMap<String, Ten
 fn train<B: Backend>(
     backend: B,
     g: &Graph,
-    spec: &OptimizerSpec,
-    no_decay: &[String],
+    (spec, no_decay, lazy): (&OptimizerSpec, &[String], bool),
     params: &HashMap<String, Tensor>,
     steps: &[HashMap<String, Tensor>],
 ) -> Vec<HashMap<String, Tensor>> {
@@ -1906,7 +1905,7 @@ fn train<B: Backend>(
     let mut vars = upload(ex.backend(), params);
     let mut opt = ex
         .backend()
-        .optimizer(spec, no_decay, &vars)
+        .optimizer(spec, no_decay, lazy, &vars)
         .unwrap_or_else(|e| panic!("{on}: {spec:?}: {e}"));
     let mut after: Vec<HashMap<String, Tensor>> = Vec::new();
     for (i, feeds) in steps.iter().enumerate() {
@@ -2020,7 +2019,7 @@ fn optimizer_updates() {
         } else {
             Vec::new()
         };
-        let want = train(Cpu, &g, spec, &no_decay, &params, &steps);
+        let want = train(Cpu, &g, (spec, &no_decay, false), &params, &steps);
         // On the CPU: every touched value moved; the rows no step touches did not.
         let (w0, e0) = (params["w"].to_f64_vec(), params["emb"].to_f64_vec());
         let last = &want[1];
@@ -2039,15 +2038,24 @@ fn optimizer_updates() {
                 "{name}: emb row {row} moved: {moved}"
             );
         }
-        if let Some(gpu) = gpu(&format!("optimizer {name}"), &g) {
-            let got = train(gpu, &g, spec, &no_decay, &params, &steps);
-            for (s, (a, b)) in got.iter().zip(&want).enumerate() {
-                for var in ["w", "emb"] {
-                    assert_close(
-                        &format!("{name}: step {}: `{var}`", s + 1),
-                        &a[var],
-                        &b[var],
-                    );
+        // A sparse gradient's two rules (the dense update by default, the touched
+        // rows under `lazy`), each against the CPU's.
+        for lazy in [false, true] {
+            let want = if lazy {
+                train(Cpu, &g, (spec, &no_decay, true), &params, &steps)
+            } else {
+                want.clone()
+            };
+            if let Some(gpu) = gpu(&format!("optimizer {name}"), &g) {
+                let got = train(gpu, &g, (spec, &no_decay, lazy), &params, &steps);
+                for (s, (a, b)) in got.iter().zip(&want).enumerate() {
+                    for var in ["w", "emb"] {
+                        assert_close(
+                            &format!("{name} (lazy {lazy}): step {}: `{var}`", s + 1),
+                            &a[var],
+                            &b[var],
+                        );
+                    }
                 }
             }
         }

@@ -104,8 +104,8 @@ const SOURCES: &[Sig] = &[
 const OPTIMIZERS: &[Sig] = &[
     Sig {
         name: "sgd",
-        params: &[("lr", true), ("momentum", false)],
-        usage: "sgd(lr, momentum = 0)",
+        params: &[("lr", true), ("momentum", false), ("lazy", false)],
+        usage: "sgd(lr, momentum = 0, lazy = false)",
     },
     Sig {
         name: "adam",
@@ -114,8 +114,9 @@ const OPTIMIZERS: &[Sig] = &[
             ("beta1", false),
             ("beta2", false),
             ("eps", false),
+            ("lazy", false),
         ],
-        usage: "adam(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8)",
+        usage: "adam(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, lazy = false)",
     },
     Sig {
         name: "adamw",
@@ -125,8 +126,10 @@ const OPTIMIZERS: &[Sig] = &[
             ("beta2", false),
             ("eps", false),
             ("weight_decay", false),
+            ("lazy", false),
         ],
-        usage: "adamw(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01)",
+        usage:
+            "adamw(lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, lazy = false)",
     },
     Sig {
         name: "lars",
@@ -247,10 +250,12 @@ pub(crate) fn lower_train(block: &TrainBlock, src: &str) -> R<Train> {
             "",
         ));
     };
+    let (optimizer, lazy_updates) = lower_optimizer(optimizer)?;
     let config = RunConfig {
         data: lower_data(data)?,
         batch: args::usize_(batch, "`batch`", 1)?,
-        optimizer: lower_optimizer(optimizer)?,
+        optimizer,
+        lazy_updates,
         steps: args::usize_(steps, "`steps`", 1)?,
         seed: match get("seed") {
             Some(e) => args::uint(e, "`seed`", 0)?,
@@ -659,7 +664,10 @@ fn lower_schedule(e: &Expr) -> R<LrSchedule> {
     Ok(LrSchedule { warmup, decay })
 }
 
-fn lower_optimizer(e: &Expr) -> R<OptimizerSpec> {
+/// The optimizer and its `lazy` flag (`RunConfig::lazy_updates`: row-sparse
+/// gradients update only their rows, as TensorFlow's LazyAdam; LARS and LAMB, whose
+/// trust ratio is over the whole variable, have none).
+fn lower_optimizer(e: &Expr) -> R<(OptimizerSpec, bool)> {
     let (name, args) = call_parts(e, "an optimizer", "optimizer = sgd(lr = 0.1)")?;
     let sig = find(OPTIMIZERS, name, "optimizer", "an optimizer")?;
     let slots = bind(sig, "optimizer", e.span, args)?;
@@ -672,37 +680,56 @@ fn lower_optimizer(e: &Expr) -> R<OptimizerSpec> {
         0.0,
         f64::INFINITY,
     )?;
+    let lazy = |i: usize| match val(i) {
+        Some(v) => args::boolean(v, "`lazy`"),
+        None => Ok(false),
+    };
     Ok(match sig.name {
-        "sgd" => OptimizerSpec::Sgd {
-            lr,
-            momentum: hyper(val(1), "`momentum`", 0.0, false, 0.0, 1.0)?,
-        },
-        "lars" => OptimizerSpec::Lars {
-            lr,
-            momentum: hyper(val(1), "`momentum`", 0.9, false, 0.0, 1.0)?,
-            weight_decay: hyper(val(2), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
-            trust: hyper(val(3), "`trust`", 0.001, true, 0.0, f64::INFINITY)?,
-        },
-        "lamb" => OptimizerSpec::Lamb {
-            lr,
-            beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
-            beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
-            eps: hyper(val(3), "`eps`", 1e-6, true, 0.0, f64::INFINITY)?,
-            weight_decay: hyper(val(4), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
-        },
-        "adamw" => OptimizerSpec::Adam {
-            lr,
-            beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
-            beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
-            eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
-            weight_decay: hyper(val(4), "`weight_decay`", 0.01, false, 0.0, 1.0)?,
-        },
-        _ => OptimizerSpec::Adam {
-            lr,
-            beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
-            beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
-            eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
-            weight_decay: 0.0,
-        },
+        "sgd" => (
+            OptimizerSpec::Sgd {
+                lr,
+                momentum: hyper(val(1), "`momentum`", 0.0, false, 0.0, 1.0)?,
+            },
+            lazy(2)?,
+        ),
+        "lars" => (
+            OptimizerSpec::Lars {
+                lr,
+                momentum: hyper(val(1), "`momentum`", 0.9, false, 0.0, 1.0)?,
+                weight_decay: hyper(val(2), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
+                trust: hyper(val(3), "`trust`", 0.001, true, 0.0, f64::INFINITY)?,
+            },
+            false,
+        ),
+        "lamb" => (
+            OptimizerSpec::Lamb {
+                lr,
+                beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
+                beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
+                eps: hyper(val(3), "`eps`", 1e-6, true, 0.0, f64::INFINITY)?,
+                weight_decay: hyper(val(4), "`weight_decay`", 0.0, false, 0.0, 1.0)?,
+            },
+            false,
+        ),
+        "adamw" => (
+            OptimizerSpec::Adam {
+                lr,
+                beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
+                beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
+                eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
+                weight_decay: hyper(val(4), "`weight_decay`", 0.01, false, 0.0, 1.0)?,
+            },
+            lazy(5)?,
+        ),
+        _ => (
+            OptimizerSpec::Adam {
+                lr,
+                beta1: hyper(val(1), "`beta1`", 0.9, false, 0.0, 1.0)?,
+                beta2: hyper(val(2), "`beta2`", 0.999, false, 0.0, 1.0)?,
+                eps: hyper(val(3), "`eps`", 1e-8, true, 0.0, f64::INFINITY)?,
+                weight_decay: 0.0,
+            },
+            lazy(4)?,
+        ),
     })
 }

@@ -279,11 +279,13 @@ pub trait OptimizerState: Device {
     type Optimizer;
 
     /// The optimizer `spec` describes, for the variables `params`; the weight decay
-    /// skips the variables `no_decay`.
+    /// skips the variables `no_decay`; with `lazy`, a row-sparse gradient updates only
+    /// its rows (`crate::cpu::optim`'s module doc).
     fn optimizer(
         &mut self,
         spec: &OptimizerSpec,
         no_decay: &[String],
+        lazy: bool,
         params: &HashMap<String, Self::Tensor>,
     ) -> Result<Self::Optimizer, KernelError>;
     /// Applies one step's gradients to the variables.

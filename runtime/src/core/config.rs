@@ -396,6 +396,11 @@ pub struct RunConfig {
     /// train block's `no_decay` list and those below its `decay_min_rank`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub no_decay: Vec<String>,
+    /// A row-sparse gradient (an embedding's) of momentum or Adam updates only the
+    /// rows it holds, as TensorFlow's LazyAdam (the optimizer's `lazy = true`); by
+    /// default every row, as `torch.optim` updates a dense embedding gradient.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lazy_updates: bool,
     /// Clip the gradient to this global norm before each update (the norm over every
     /// variable's whole gradient, as `torch.nn.utils.clip_grad_norm_`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

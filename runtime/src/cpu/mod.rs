@@ -159,10 +159,12 @@ impl OptimizerState for Cpu {
         &mut self,
         spec: &OptimizerSpec,
         no_decay: &[String],
+        lazy: bool,
         _params: &HashMap<String, Tensor>,
     ) -> Result<Optimizer, KernelError> {
         let mut opt = Optimizer::new(spec);
         opt.exempt_from_decay(no_decay);
+        opt.set_lazy(lazy);
         Ok(opt)
     }
 

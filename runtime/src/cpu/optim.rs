@@ -15,14 +15,17 @@
 //! Every gradient is first multiplied by `scale` (e.g. `1/N` to average over workers).
 //!
 //! **Sparse gradients** (`Value::Slices`, row-sparse): duplicate rows are summed first
-//! (in order of appearance), then only the touched rows are updated, in time
-//! proportional to the rows touched (no pass over the whole table). For plain SGD this
-//! is exactly the dense update of the scattered gradient (same float operations, so
-//! bit-identical results). For momentum and Adam it is the "lazy" semantics of
-//! TensorFlow's sparse apply / LazyAdam: the slots of untouched rows are neither
-//! decayed nor used, so the result differs from the dense update of the scattered
-//! gradient (which would decay every row's slots and move rows with non-zero slots).
-//! Adam's bias correction uses the global `t` on sparse rows too.
+//! (in order of appearance). By default the update is then the dense update of the
+//! scattered gradient, as `torch.optim` applies the gradient of an `nn.Embedding`:
+//! every row's slots decay and every row with a non-zero slot moves (and AdamW decays
+//! every row). Plain SGD updates only the touched rows, in time proportional to them:
+//! the same float operations as the dense update, so bit-identical results.
+//! [`Optimizer::set_lazy`] (the DSL's `lazy = true`) keeps momentum and Adam to the
+//! touched rows too: the "lazy" semantics of TensorFlow's sparse apply / LazyAdam, in
+//! which the slots of untouched rows are neither decayed nor used and AdamW decays the
+//! touched rows only. Adam's bias correction uses the global `t` on sparse rows too.
+//! LARS and LAMB always take the dense update (their trust ratio is over the whole
+//! variable).
 //!
 //! f32 and f64 variables are supported; slots have the variable's dtype.
 
@@ -202,6 +205,8 @@ pub struct Optimizer {
     parallel: bool,
     /// Variables the weight decay skips (by their one-device names).
     no_decay: std::collections::BTreeSet<String>,
+    /// Row-sparse gradients update only their rows (see the module doc).
+    lazy: bool,
 }
 
 impl Optimizer {
@@ -258,6 +263,23 @@ impl Optimizer {
             parallel: true,
             step_tensor: step_tensor(0),
             no_decay: Default::default(),
+            lazy: false,
+        }
+    }
+
+    /// Row-sparse gradients of momentum and Adam update only the rows they hold
+    /// (TensorFlow's LazyAdam), not every row as the dense gradient they stand for.
+    pub fn set_lazy(&mut self, lazy: bool) {
+        self.lazy = lazy;
+    }
+
+    /// Whether rows a sparse gradient does not hold move all the same (their slots
+    /// decay): every rule but plain SGD, unless lazy; LARS and LAMB always.
+    pub fn moves_untouched_rows(&self) -> bool {
+        match self.base {
+            Rule::Sgd { .. } => false,
+            Rule::Momentum { .. } | Rule::Adam { .. } => !self.lazy,
+            Rule::Lars { .. } | Rule::Lamb { .. } => true,
         }
     }
 
@@ -689,6 +711,20 @@ impl Optimizer {
                 }
             }
         }
+        let rule = self.rule_for(name);
+        // The trust ratio of LARS and LAMB is over the whole variable, and without
+        // `lazy` every row's slots move: the rows are applied as the dense gradient
+        // they stand for.
+        if self.moves_untouched_rows() {
+            let mut dense = ArrayD::<T>::zeros(IxDyn(&shape));
+            let ds = dense
+                .as_slice_mut()
+                .ok_or_else(|| internal("non-contiguous gradient".into()))?;
+            for (k, &r) in uniq.iter().enumerate() {
+                ds[r * row..(r + 1) * row].copy_from_slice(&sums[k * row..(k + 1) * row]);
+            }
+            return self.dense(name, w, &dense, scale);
+        }
         if !w.is_standard_layout() {
             *w = w.as_standard_layout().into_owned();
         }
@@ -697,7 +733,7 @@ impl Optimizer {
             .ok_or_else(|| internal("non-contiguous variable".into()))?;
         let sc = T::of(scale);
         let touched = uniq.iter().enumerate().map(|(k, &r)| (r * row, k * row));
-        match self.rule_for(name) {
+        match rule {
             Rule::Sgd { lr } => {
                 let lr = T::of(lr);
                 for (at, from) in touched {
@@ -718,23 +754,8 @@ impl Optimizer {
                     }
                 }
             }
-            // The trust ratio is over the whole variable, and the momentum moves every
-            // row: the rows are applied as the dense gradient they stand for.
             Rule::Lars { .. } | Rule::Lamb { .. } => {
-                let mut dense = ArrayD::<T>::zeros(IxDyn(&shape));
-                let ds = dense
-                    .as_slice_mut()
-                    .ok_or_else(|| internal("non-contiguous gradient".into()))?;
-                for (at, from) in touched {
-                    ds[at..at + row].copy_from_slice(&sums[from..from + row]);
-                }
-                let mut w = ArrayD::from_shape_vec(IxDyn(&shape), ws.to_vec())
-                    .map_err(|e| internal(e.to_string()))?;
-                self.dense(name, &mut w, &dense, scale)?;
-                let new = w
-                    .as_slice()
-                    .ok_or_else(|| internal("non-contiguous variable".into()))?;
-                ws.copy_from_slice(new);
+                return Err(internal("LARS and LAMB take the dense update".into()))
             }
             Rule::Adam {
                 lr,
@@ -747,8 +768,7 @@ impl Optimizer {
                 let (bc1, bc2) = (T::of(1.0 - b1.powf(t)), T::of(1.0 - b2.powf(t)));
                 // 1-b computed in f64: f32(0.999) is off by 5e-8, which is 5e-5 of 1-b2.
                 let (c1, c2) = (T::of(1.0 - b1), T::of(1.0 - b2));
-                // AdamW on row-sparse gradients decays the touched rows only, lazily, as
-                // the moments are.
+                // Lazy AdamW decays the touched rows only, as the moments move.
                 let keep = T::of(1.0 - lr * wd);
                 let (lr, b1, b2, eps) = (T::of(lr), T::of(b1), T::of(b2), T::of(eps));
                 let slots = self.slots_for::<T>(name, &shape)?;

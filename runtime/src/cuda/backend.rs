@@ -1976,6 +1976,7 @@ impl OptimizerState for CudaBackend {
         &mut self,
         spec: &OptimizerSpec,
         no_decay: &[String],
+        lazy: bool,
         params: &HashMap<String, DeviceTensor>,
     ) -> Result<CudaOptimizer, KernelError> {
         self.no_capture("creating the optimizer")?;
@@ -2006,7 +2007,7 @@ impl OptimizerState for CudaBackend {
             source,
             slot_names,
             vars: updates,
-        } = codegen::optimizer_kernels(spec, no_decay, &vars, &self.copy_types(), 1.0)
+        } = codegen::optimizer_kernels(spec, no_decay, lazy, &vars, &self.copy_types(), 1.0)
             .map_err(CudaError::from)?;
         let funcs = if updates.iter().any(|u| !u.launches.is_empty()) {
             let mut names = Vec::new();

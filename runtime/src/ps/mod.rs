@@ -104,6 +104,8 @@ pub struct PsConfig {
     pub total_steps: u64,
     /// Variables the weight decay skips.
     pub no_decay: Vec<String>,
+    /// Row-sparse gradients update only their rows (`RunConfig::lazy_updates`).
+    pub lazy_updates: bool,
     /// Run seed for [`crate::core::init::init_param`].
     pub seed: u64,
     /// A resumed run's state: shards start from its rows and optimizer slots, at its

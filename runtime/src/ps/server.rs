@@ -104,6 +104,7 @@ impl Shard {
         // updates stay on it rather than taking the workers' cores via rayon.
         let mut opt = Optimizer::new(&cfg.optimizer);
         opt.exempt_from_decay(&cfg.no_decay);
+        opt.set_lazy(cfg.lazy_updates);
         opt.follow(&cfg.lr_schedule, cfg.total_steps);
         opt.set_parallel(false);
         Shard {
@@ -164,10 +165,22 @@ impl Shard {
             .map_err(|e| e.to_string())
     }
 
-    /// Applies one (combined) gradient with scale `1/workers` and ends the step.
+    /// Applies one (combined) gradient with scale `1/workers` and ends the step. A
+    /// step that touched no row of the shard still moves its rows where the optimizer
+    /// moves untouched rows (momentum and Adam, not lazy): a zero gradient, as one
+    /// device's scattered gradient is there.
     fn apply(&mut self, grad: &Value, workers: usize) -> std::result::Result<(), String> {
         let empty = matches!(grad, Value::Slices(s) if s.indices.is_empty());
-        if !empty {
+        let zero;
+        let grad = match (empty, self.opt.moves_untouched_rows()) {
+            (false, _) => Some(grad),
+            (true, true) => {
+                zero = Value::Tensor(Tensor::zeros(&self.value.tensor_type()));
+                Some(&zero)
+            }
+            (true, false) => None,
+        };
+        if let Some(grad) = grad {
             self.opt
                 .apply(&self.var, &mut self.value, grad, 1.0 / workers as f64)
                 .map_err(|e| e.to_string())?;
@@ -884,6 +897,7 @@ mod tests {
             lr_schedule: Default::default(),
             total_steps: 1,
             no_decay: Vec::new(),
+            lazy_updates: false,
             seed: 1,
             resume: None,
         }

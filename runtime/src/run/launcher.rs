@@ -302,6 +302,7 @@ pub(crate) fn server_config(config: &RunConfig, opts: &TrainOptions, workers: us
         lr_schedule: config.lr_schedule.clone(),
         total_steps: crate::run::steps::lr_horizon(config),
         no_decay: config.no_decay.clone(),
+        lazy_updates: config.lazy_updates,
         seed: config.seed,
         resume: opts.resume.clone(),
     }

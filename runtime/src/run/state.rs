@@ -27,9 +27,10 @@ pub struct InitReport {
 }
 
 /// Every variable of a plan, whole, with its initial value from the seed: the worker
-/// program's own (not a ZeRO chunk), the init program's (the whole values it cuts into
-/// shards and model-axis parts), and the servers' (whole types from the workers'
-/// pulls). Sorted by name.
+/// program's own (not a ZeRO chunk, nor a model-axis part whose whole value the init
+/// program cuts), the init program's (the whole values it cuts into shards and
+/// model-axis parts), and the servers' (whole types from the workers' pulls). Sorted
+/// by name.
 pub fn whole_variables(programs: &Programs<'_>, seed: u64) -> Result<Vec<(String, Tensor)>> {
     let mut out: HashMap<String, Tensor> = HashMap::new();
     for g in std::iter::once(programs.worker).chain(programs.init) {
@@ -38,6 +39,19 @@ pub fn whole_variables(programs: &Programs<'_>, seed: u64) -> Result<Vec<(String
                 out.insert(name, t);
             }
         }
+    }
+    // Issue 67, item 2: a part `w.tp` is not a variable of the model; `w` is (`--init`
+    // named the parts as missing from the file).
+    let parts: Vec<String> = out
+        .keys()
+        .filter(|n| {
+            n.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX)
+                .is_some_and(|w| out.contains_key(w))
+        })
+        .cloned()
+        .collect();
+    for part in parts {
+        out.remove(&part);
     }
     for shards in server_shards(programs.servers, &pulled_types(programs.worker))? {
         for sp in shards {
@@ -126,6 +140,23 @@ pub fn state_from_weights(
         .cloned()
         .collect();
     report.unused.sort();
+    // Issue 67, item 2: a file of which --init-partial takes nothing trained from
+    // scratch with exit 0.
+    if report.set.is_empty() {
+        return Err(RuntimeError::state(format!(
+            "none of the file's {} tensor(s) is a variable of the model ({} of them: {}): \
+             is it this model's weights?",
+            report.unused.len(),
+            variables.len(),
+            variables
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .take(8)
+                .collect::<Vec<_>>()
+                .join(", ")
+                + if variables.len() > 8 { ", ..." } else { "" }
+        )));
+    }
     let all_named = report.missing.is_empty() && report.unused.is_empty();
     if !partial && !all_named {
         let list = |v: &[String]| {
@@ -313,7 +344,12 @@ pub(crate) fn carried_slots(
         None => {
             let mut cpu = crate::cpu::Cpu;
             let optimizer = cpu
-                .optimizer(&config.optimizer, &config.no_decay, carried)
+                .optimizer(
+                    &config.optimizer,
+                    &config.no_decay,
+                    config.lazy_updates,
+                    carried,
+                )
                 .map_err(|e| backend_error("cpu", "creating the optimizer", e))?;
             cpu.optimizer_state(&optimizer)
                 .map_err(|e| backend_error("cpu", "reading the optimizer state", e))?

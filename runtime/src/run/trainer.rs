@@ -54,7 +54,12 @@ fn make_optimizer<B: Backend>(
     let device = backend.name();
     let fail = |what: &'static str| |e| backend_error(&device, what, e);
     let mut optimizer = backend
-        .optimizer(&config.optimizer, &config.no_decay, params)
+        .optimizer(
+            &config.optimizer,
+            &config.no_decay,
+            config.lazy_updates,
+            params,
+        )
         .map_err(fail("creating the optimizer"))?;
     backend
         .follow_schedule(

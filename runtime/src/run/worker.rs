@@ -302,7 +302,9 @@ fn train_worker<B: Backend>(
         initial_values(programs.worker, config.seed, resume)?,
         programs.init.zip(whole.as_ref()),
         resume,
-        (workers, rank),
+        // A ZeRO chunk is one of the data axis's (issue 67, item 2: with a model axis
+        // the whole slot of a variable not split was cut over every worker).
+        (mesh.data, ranks.0),
         |_| true,
         |_, whole| match cutter.as_mut() {
             Some(exec) => {

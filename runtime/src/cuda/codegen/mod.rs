@@ -1138,7 +1138,7 @@ mod tests {
             ("w".to_string(), TensorType::f32(vec![4, 3]), None),
         ];
         for spec in &specs {
-            let plan = optimizer_kernels(spec, &[], &vars, &HashMap::new(), 0.5)
+            let plan = optimizer_kernels(spec, &[], false, &vars, &HashMap::new(), 0.5)
                 .expect("an optimizer plan");
             let sigs = kernel_signatures(&plan.source).expect("parses");
             for v in &plan.vars {

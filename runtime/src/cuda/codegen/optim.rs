@@ -1,10 +1,12 @@
 //! Optimizer updates on the device, the rules of `crate::cpu::optim` (read there for the
 //! semantics): SGD, SGD with momentum and Adam, each fused into one pass over a dense
-//! variable, and a row-wise form for an `IndexedSlices` gradient that touches only
-//! the rows it holds (repeated rows summed first, in order of appearance, then the
-//! lazy update of each touched row, as the CPU's sparse apply does). A sparse update
-//! never builds a dense gradient: its scratch is one i32 per table row (the first-
-//! occurrence table) and one per gradient row.
+//! variable, and for an `IndexedSlices` gradient the CPU's two rules: by default the
+//! rows summed (in order of appearance) into a dense gradient in scratch, then the
+//! dense update (every row's slots move, as `torch.optim`'s); plain SGD, and
+//! momentum and Adam under `lazy`, a row-wise form that touches only the rows it
+//! holds (repeated rows summed first, then the update of each touched row), whose
+//! scratch is one i32 per table row (the first-occurrence table) and one per
+//! gradient row.
 //!
 //! LARS and LAMB scale each variable's step by a trust ratio of two norms over the
 //! whole variable ([`trust_dense`]): a pass for the norms (one block, f64 sums in a
@@ -420,8 +422,9 @@ fn trust_dense(
     cx.launch_1d(&name, n, args)
 }
 
-/// The update kernels of `spec` for each `(name, type, sparse gradient)` variable;
-/// every gradient is first multiplied by `grad_scale` (as `Optimizer::apply`'s
+/// The update kernels of `spec` for each `(name, type, sparse gradient)` variable
+/// (`lazy`: a sparse gradient of momentum or Adam updates only its rows); every
+/// gradient is first multiplied by `grad_scale` (as `Optimizer::apply`'s
 /// `scale`). A sparse variable's gradient is an `IndexedSlices` buffer of at most
 /// `nnz` rows (its type's bound; the launch reads the true count on the device). A
 /// variable named in `copies` also gets its 16-bit copy written ([`KArg::WeightCopy`],
@@ -429,6 +432,7 @@ fn trust_dense(
 pub fn optimizer_kernels(
     spec: &OptimizerSpec,
     no_decay: &[String],
+    lazy: bool,
     params: &[(String, TensorType, Option<usize>)],
     copies: &HashMap<String, DType>,
     grad_scale: f64,
@@ -467,8 +471,8 @@ pub fn optimizer_kernels(
         let rule = if exempt(name) { &exempt_rule } else { &rule };
         let copy = WeightCopy(copies.get(name).copied());
         match bound {
-            None => dense(&mut cx, rule, ty, grad_scale, copy).map_err(err)?,
-            Some(nnz) => sparse(&mut cx, rule, ty, *nnz, grad_scale, copy).map_err(err)?,
+            None => dense(&mut cx, rule, ty, KArg::Grad, grad_scale, copy).map_err(err)?,
+            Some(nnz) => sparse(&mut cx, (rule, lazy), ty, *nnz, grad_scale, copy).map_err(err)?,
         }
         vars.push(VarUpdate {
             name: name.clone(),
@@ -499,11 +503,12 @@ fn dense(
     cx: &mut NodeCx<'_>,
     rule: &Rule,
     ty: &TensorType,
+    grad: KArg,
     scale: f64,
     copy: WeightCopy,
 ) -> Result<(), String> {
     if rule.trusts() {
-        return trust_dense(cx, rule, ty, scale, KArg::Grad, copy);
+        return trust_dense(cx, rule, ty, scale, grad, copy);
     }
     let n = ty.shape.numel();
     let text = format!(
@@ -517,7 +522,7 @@ fn dense(
     let name = cx.kernel(rule.base(false), text);
     let mut args = vec![
         KArg::Param,
-        KArg::Grad,
+        grad,
         KArg::U64(n as u64),
         KArg::F32(scale as f32),
     ];
@@ -526,12 +531,13 @@ fn dense(
     cx.launch_1d(&name, n, args)
 }
 
-/// The row-wise update: the repeated-row machinery of `sparse`, its last step
-/// updating each touched row of the variable (and its slots) with the row's summed
-/// gradient.
+/// The update of a row-sparse gradient: the rows summed into a dense gradient and
+/// the dense update, or (plain SGD; momentum and Adam under `lazy`) the row-wise
+/// update: the repeated-row machinery of `sparse`, its last step updating each
+/// touched row of the variable (and its slots) with the row's summed gradient.
 fn sparse(
     cx: &mut NodeCx<'_>,
-    rule: &Rule,
+    (rule, lazy): (&Rule, bool),
     ty: &TensorType,
     nnz: usize,
     scale: f64,
@@ -543,7 +549,8 @@ fn sparse(
         ));
     };
     let row = row_len(ty);
-    if rule.trusts() {
+    let stateful = !rule.slot_names().is_empty();
+    if rule.trusts() || (stateful && !lazy) {
         // The rows summed into a dense gradient in scratch, zeros elsewhere.
         let dense = cx.scratch(ty.bytes());
         cx.out.launches.push(Launch::Memset {
@@ -558,7 +565,7 @@ fn sparse(
             args: vec![dense.clone()],
         };
         unique_launches(cx, KArg::Grad, (rows, row, nnz), None, sink)?;
-        return trust_dense(cx, rule, ty, scale, dense, copy);
+        return self::dense(cx, rule, ty, dense, scale, copy);
     }
     let mut args = vec![KArg::Param, KArg::F32(scale as f32)];
     args.extend(rule.args());
