@@ -99,8 +99,11 @@ pub struct VerifyReport {
     pub global_batch: usize,
     /// The micro-batches the one device splits it into (`--accumulate`): a pipeline's,
     /// where the model computes statistics over the batch axis (each micro-batch's own
-    /// in the pipeline), else 1.
+    /// in the pipeline); under fp16 every part the layout splits a step into (its
+    /// workers' batches and micro-batches); else 1.
     pub micro_batches: usize,
+    /// Why the one device splits its batch, for people (empty when it does not).
+    pub split_reason: &'static str,
     /// Steps trained.
     pub steps: usize,
     /// Every variable, by name.
@@ -263,11 +266,13 @@ fn train_options(
     Ok(train)
 }
 
-fn run(
-    c: &Compiled,
-    opts: &VerifyOptions,
-    workers: usize,
-) -> Result<HashMap<String, Tensor>, VerifyError> {
+/// One side's run: its variables at the end, and the steps a loss scale skipped.
+struct Side {
+    params: HashMap<String, Tensor>,
+    skipped: usize,
+}
+
+fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<Side, VerifyError> {
     let train = train_options(c, opts, workers)?;
     let run = Launch {
         programs: c.programs(workers),
@@ -277,9 +282,16 @@ fn run(
         transport: TransportChoice::InProcess,
         rows_touched: rows_touched(c.dist.as_ref()),
     };
-    let report = launch(&run, &mut |_| Ok(()))?
-        .ok_or_else(|| VerifyError::Mismatch("the in-process run gave no report".into()))?;
-    Ok(report.params)
+    let mut skipped = 0;
+    let report = launch(&run, &mut |m| {
+        skipped = m.skipped_steps.unwrap_or(0);
+        Ok(())
+    })?
+    .ok_or_else(|| VerifyError::Mismatch("the in-process run gave no report".into()))?;
+    Ok(Side {
+        params: report.params,
+        skipped,
+    })
 }
 
 /// The rows a batch touches of each sparse variable, as the compiler measured them.
@@ -358,9 +370,19 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
         }),
         rows_touched: rows_touched(dist.dist.as_ref()),
     };
-    let report = launch(&run, &mut |_| Ok(()))?;
+    let mut skipped = 0;
+    let report = launch(&run, &mut |m| {
+        skipped = m.skipped_steps.unwrap_or(0);
+        Ok(())
+    })?;
     match report {
-        Some(r) => Ok(Some(one_device_against(file, opts, &dist, &r.params)?)),
+        Some(r) => {
+            let many = Side {
+                params: r.params,
+                skipped,
+            };
+            Ok(Some(one_device_against(file, opts, &dist, &many)?))
+        }
         None => Ok(None),
     }
 }
@@ -370,18 +392,29 @@ fn one_device_against(
     file: &Path,
     opts: &VerifyOptions,
     dist: &Compiled,
-    many: &HashMap<String, Tensor>,
+    many: &Side,
 ) -> Result<VerifyReport, VerifyError> {
     let s = &opts.compile.strategy;
     // A pipeline's N workers are N/P replicas of its P stages; a mesh's model axis
     // trains T workers on one batch; accumulation and a pipeline add micro-batches.
     let global_batch = dist.config.batch * s.batches_per_step();
-    // A pipeline's stage normalises each micro-batch with its own statistics
-    // (`batch_norm(sync = false)`): the one device runs the same micro-batches.
-    let micro_batches = if s.pipeline > 1 && !dist.assumptions.is_empty() {
-        s.micro_batches.max(1)
+    let (micro_batches, split_reason) = if s.precision == Precision::Fp16 {
+        // Issue 67, item 7: each part of an fp16 step computes its 16-bit values for
+        // its own samples, which round (and, at a kink, branch) otherwise than one
+        // batch of them all: the one device splits its batch the same way.
+        (
+            s.batches_per_step(),
+            "fp16: the layout's parts, each with its own 16-bit rounding",
+        )
+    } else if s.pipeline > 1 && !dist.assumptions.is_empty() {
+        // A pipeline's stage normalises each micro-batch with its own statistics
+        // (`batch_norm(sync = false)`): the one device runs the same micro-batches.
+        (
+            s.micro_batches.max(1),
+            "the pipeline's, each with its own statistics",
+        )
     } else {
-        1
+        (1, "")
     };
     // One device in the same precision: a bf16 plan is checked against bf16.
     let single_opts = CompileOptions {
@@ -396,7 +429,20 @@ fn one_device_against(
     };
     let single = compile_file(file, &single_opts)?;
     let one = run(&single, opts, 1)?;
-    let mut vars = compare(&one, many).map_err(VerifyError::Mismatch)?;
+    // Issue 67, item 5: a verify of fp16 steps all skipped compared the starting
+    // weights with themselves, and passed.
+    for (who, side) in [("one device", &one), ("the layout", many)] {
+        if side.skipped >= opts.steps {
+            return Err(VerifyError::Mismatch(format!(
+                "{who} skipped all {} steps (the loss scale overflowed in each): both sides \
+                 hold their starting weights, so nothing was checked; give more --steps, \
+                 or a model whose fp16 gradients fit",
+                opts.steps
+            )));
+        }
+    }
+    let one = one.params;
+    let mut vars = compare(&one, &many.params).map_err(VerifyError::Mismatch)?;
     if s.precision != Precision::Fp32 {
         // The yardstick of a 16-bit plan: how far one device in 16 bits strays from
         // one device in f32, variable by variable.
@@ -407,7 +453,7 @@ fn one_device_against(
             },
             ..single_opts
         };
-        let full = run(&compile_file(file, &f32_opts)?, opts, 1)?;
+        let full = run(&compile_file(file, &f32_opts)?, opts, 1)?.params;
         let effect = compare(&full, &one).map_err(VerifyError::Mismatch)?;
         let half_rtol = if s.precision == Precision::Bf16 {
             1.6e-2
@@ -430,6 +476,7 @@ fn one_device_against(
         workers: s.workers,
         global_batch,
         micro_batches,
+        split_reason,
         steps: opts.steps,
         vars,
         tolerance: opts.tolerance,

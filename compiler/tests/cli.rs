@@ -548,6 +548,7 @@ fn verify_summary_and_failure_name_the_same_variable() {
         workers: 2,
         global_batch: 16,
         micro_batches: 1,
+        split_reason: "",
         steps: 3,
         vars: vec![
             var("beta", 5e-3, 1.6e-2, Some(1e-3)),

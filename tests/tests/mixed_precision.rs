@@ -399,6 +399,56 @@ fn overflowing_steps_are_skipped_on_every_worker_alike() {
     }
 }
 
+/// Issue 67, items 5 and 7. A verify of fp16 steps that were all skipped compared the
+/// starting weights with themselves, and passed: it is an error that says so. And an
+/// fp16 layout is compared with one device that splits its batch as the layout does
+/// (each worker's 16-bit values are its own samples'), which it equals bitwise on a
+/// layout that is right.
+#[test]
+fn fp16_verify_splits_its_batch_as_the_layout_and_refuses_a_run_of_skipped_steps() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let opts = |workers, steps| VerifyOptions {
+        compile: CompileOptions {
+            strategy: StrategyConfig {
+                strategy: Strategy::Allreduce,
+                workers,
+                precision: Precision::Fp16,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        steps,
+        tolerance: 1e-4,
+        timeout: Duration::from_secs(60),
+        device: None,
+        init: None,
+    };
+    // A loss beyond fp16 whatever the scale of the first steps: every step skipped.
+    let huge = dir.path().join("huge.dsl");
+    std::fs::write(&huge, scaled_loss_model("1e30", "0.1")).expect("writes the model");
+    let e = verify(&huge, &opts(2, 3)).expect_err("a verify of skipped steps");
+    assert!(
+        e.to_string().contains("skipped all 3 steps")
+            && e.to_string().contains("nothing was checked"),
+        "{e}"
+    );
+    let fits = dir.path().join("fits.dsl");
+    std::fs::write(&fits, scaled_loss_model("1.0", "0.1")).expect("writes the model");
+    for workers in [2, 3] {
+        let r = verify(&fits, &opts(workers, 4)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.micro_batches, workers, "the one device's micro-batches");
+        let w = r.worst().expect("variables");
+        // Two parts sum in the same order on both sides; three in another (f32).
+        let exact = if workers == 2 { 0.0 } else { 1e-7 };
+        assert!(
+            w.relative <= exact,
+            "{workers} workers: `{}` differs by {:e}",
+            w.name,
+            w.relative
+        );
+    }
+}
+
 #[test]
 fn a_16_bit_gradient_wire_halves_the_bytes_and_matches_the_f32_wire() {
     let plan = |workers, wire| {

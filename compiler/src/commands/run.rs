@@ -769,9 +769,8 @@ pub fn verify_verdict(
     let one = match report.micro_batches {
         1 => format!("batch {}", report.global_batch),
         m => format!(
-            "batch {} in {m} micro-batches (--accumulate {m}: the pipeline's, each with its \
-             own statistics)",
-            report.global_batch
+            "batch {} in {m} micro-batches (--accumulate {m}: {})",
+            report.global_batch, report.split_reason
         ),
     };
     text += &format!(
