@@ -399,6 +399,73 @@ fn overflowing_steps_are_skipped_on_every_worker_alike() {
     }
 }
 
+/// Issue 67, item 5: the skip decision is the whole step's. Each part of a step (a
+/// worker's batch, a micro-batch) sums its own samples' weight gradient, 1/N of one
+/// device's, so it overflowed fp16 less often: 2 workers and `--accumulate 2` skipped
+/// fewer steps than one device with their global batch. Skipped where one device's
+/// 16-bit gradient of the whole batch would not fit, every layout skips its steps.
+#[test]
+fn every_layout_skips_the_steps_one_device_skips() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("big.dsl");
+    let skips = |factor: &str, strategy: StrategyConfig, batch: usize| -> Vec<usize> {
+        std::fs::write(&path, scaled_loss_model(factor, "0.0001")).expect("writes the model");
+        let c = distc::compile_file(
+            &path,
+            &CompileOptions {
+                strategy: StrategyConfig {
+                    precision: Precision::Fp16,
+                    ..strategy.clone()
+                },
+                batch: Some(batch),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let opts = TrainOptions {
+            steps: Some(12),
+            evaluate: false,
+            global_data: true,
+            ..TrainOptions::default()
+        };
+        let mut skipped = Vec::new();
+        train(c.programs(strategy.workers), &c.config, &opts, &mut |m| {
+            skipped.push(m.skipped_steps.expect("a count"));
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        skipped
+    };
+    let workers = |n, zero| StrategyConfig {
+        strategy: Strategy::Allreduce,
+        workers: n,
+        zero,
+        ..Default::default()
+    };
+    for factor in ["3000.0", "20000.0"] {
+        let one = skips(factor, StrategyConfig::default(), 16);
+        assert!(
+            one.last().is_some_and(|&k| k > 0),
+            "x{factor}: no step skipped: {one:?}"
+        );
+        for (what, strategy, batch) in [
+            ("2 workers", workers(2, 0), 8),
+            ("2 workers, ZeRO 1", workers(2, 1), 8),
+            (
+                "--accumulate 2",
+                StrategyConfig {
+                    accumulate: 2,
+                    ..Default::default()
+                },
+                8,
+            ),
+        ] {
+            let got = skips(factor, strategy, batch);
+            assert_eq!(got, one, "x{factor}, {what}: steps skipped (cumulative)");
+        }
+    }
+}
+
 /// Issue 67, items 5 and 7. A verify of fp16 steps that were all skipped compared the
 /// starting weights with themselves, and passed: it is an error that says so. And an
 /// fp16 layout is compared with one device that splits its batch as the layout does

@@ -20,6 +20,12 @@ use crate::core::value::{ByteCount, Tensor, Value};
 use distc_ir::{DType, NodeId, Op, TensorType, ValueType};
 use std::borrow::Cow;
 use std::collections::HashMap;
+
+/// The largest magnitude a gradient may hold, by name, as it reaches the update and
+/// before it is unscaled: at or beyond it the step overflowed (fp16: one device's
+/// 16-bit gradient of the whole batch would not fit, though this worker's part did).
+/// A gradient not named need only be finite.
+pub type OverflowBounds = HashMap<String, f64>;
 use thiserror::Error;
 
 /// Why a kernel failed: inputs it cannot work on (a pass bug or a hand-edited plan),
@@ -321,11 +327,13 @@ pub trait OptimizerState: Device {
         )))
     }
     /// Multiplies every gradient by `factor` (the inverse of fp16's loss scale) and
-    /// says whether every one was finite (an overflowed step is skipped).
+    /// says whether every one was finite and, before scaling, below its bound in
+    /// `bounds` (an overflowed step is skipped).
     fn unscale(
         &mut self,
         _grads: &mut [(String, Self::Value)],
         _factor: f64,
+        _bounds: &OverflowBounds,
     ) -> Result<bool, KernelError> {
         Err(KernelError::Invalid(format!(
             "{} cannot scale the loss yet: train --precision fp16 on the CPU",
@@ -438,6 +446,7 @@ pub trait Capture: Device {
         &mut self,
         _grads: &mut [(String, Self::Value)],
         _over_workers: bool,
+        _bounds: &OverflowBounds,
     ) -> Result<(), KernelError> {
         Err(KernelError::Invalid(
             "this backend records no graphs".into(),

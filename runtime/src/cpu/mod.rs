@@ -10,7 +10,7 @@ pub mod peak;
 
 use crate::core::backend::{
     BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
-    OptimizerState, Transfer, ValueRef,
+    OptimizerState, OverflowBounds, Transfer, ValueRef,
 };
 use crate::core::config::{LrSchedule, OptimizerSpec};
 use crate::core::error::Result;
@@ -218,16 +218,23 @@ impl OptimizerState for Cpu {
             .collect()
     }
 
-    fn unscale(&mut self, grads: &mut [(String, Value)], factor: f64) -> Result<bool, KernelError> {
+    fn unscale(
+        &mut self,
+        grads: &mut [(String, Value)],
+        factor: f64,
+        bounds: &OverflowBounds,
+    ) -> Result<bool, KernelError> {
         let mut finite = true;
-        let mut scale = |t: &mut Tensor| match t {
+        // `x.abs() < bound` is false for an infinity and a NaN, whatever the bound.
+        let mut scale = |t: &mut Tensor, bound: f64| match t {
             Tensor::F32(a) => {
-                finite &= a.iter().all(|x| x.is_finite());
+                let bound = bound as f32;
+                finite &= a.iter().all(|x| x.abs() < bound);
                 a.mapv_inplace(|x| x * factor as f32);
                 Ok(())
             }
             Tensor::F64(a) => {
-                finite &= a.iter().all(|x| x.is_finite());
+                finite &= a.iter().all(|x| x.abs() < bound);
                 a.mapv_inplace(|x| x * factor);
                 Ok(())
             }
@@ -236,10 +243,11 @@ impl OptimizerState for Cpu {
                 t.dtype()
             ))),
         };
-        for (_, g) in grads.iter_mut() {
+        for (name, g) in grads.iter_mut() {
+            let bound = bounds.get(name.as_str()).copied().unwrap_or(f64::INFINITY);
             match g {
-                Value::Tensor(t) => scale(t)?,
-                Value::Slices(s) => scale(&mut s.values)?,
+                Value::Tensor(t) => scale(t, bound)?,
+                Value::Slices(s) => scale(&mut s.values, bound)?,
             }
         }
         Ok(finite)

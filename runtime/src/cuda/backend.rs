@@ -98,7 +98,7 @@ use crate::core::arena::{self, Block};
 use crate::core::axis::Axis;
 use crate::core::backend::{
     BackendArg, Capture, Device, DeviceCollectives, KernelCtx, KernelError, Kernels,
-    OptimizerState, Started, Transfer, ValueRef,
+    OptimizerState, OverflowBounds, Started, Transfer, ValueRef,
 };
 use crate::core::checkpoint::STEP_KEY;
 use crate::core::config::{LrSchedule, OptimizerSpec};
@@ -872,6 +872,7 @@ impl CudaBackend {
         &mut self,
         grads: &mut [(String, DeviceValue)],
         flag: u64,
+        bounds: &OverflowBounds,
     ) -> Result<(), KernelError> {
         let Some(u) = &self.unscale else {
             return Err(invalid("no gradient-scaling kernels"));
@@ -884,6 +885,8 @@ impl CudaBackend {
             (self.steps_ptr + FACTOR_AT, 4, Access::Read),
         ];
         for (name, g) in grads.iter() {
+            // Infinity where there is no bound: only an infinity or a NaN is then bad.
+            let bound = KArg::F32(bounds.get(name).map_or(f32::INFINITY, |&b| b as f32));
             let (kernel, n, args, access) = match codegen::SlicesLayout::of(&g.ty) {
                 None => {
                     let n = g.ty.dense_type().dims().iter().product::<usize>();
@@ -892,12 +895,20 @@ impl CudaBackend {
                         KArg::Scratch(1),
                         KArg::U64(n as u64),
                         KArg::Scratch(0),
+                        bound,
                     ];
                     (dense.clone(), n, args, Access::ReadWrite)
                 }
                 Some(l) => {
                     let (nnz, row) = (KArg::U64(l.nnz as u64), KArg::U64(l.row as u64));
-                    let args = vec![KArg::Grad, nnz, row, KArg::Scratch(1), KArg::Scratch(0)];
+                    let args = vec![
+                        KArg::Grad,
+                        nnz,
+                        row,
+                        KArg::Scratch(1),
+                        KArg::Scratch(0),
+                        bound,
+                    ];
                     (
                         slices.clone(),
                         l.nnz * l.row,
@@ -2187,6 +2198,7 @@ impl OptimizerState for CudaBackend {
         &mut self,
         grads: &mut [(String, DeviceValue)],
         factor: f64,
+        bounds: &OverflowBounds,
     ) -> Result<bool, KernelError> {
         if self.unscale.is_none() {
             // Gradients clipped by a plan without fp16: the same kernels, compiled on
@@ -2209,7 +2221,7 @@ impl OptimizerState for CudaBackend {
         self.bind()?;
         self.unscale_factor = factor as f32;
         self.write_steps()?;
-        self.scale_gradients(grads, flag)?;
+        self.scale_gradients(grads, flag, bounds)?;
         let mut bad = [0u8; 4];
         self.dev.read(flag, &mut bad)?;
         Ok(i32::from_ne_bytes(bad) == 0)
@@ -2490,6 +2502,7 @@ impl Capture for CudaBackend {
         &mut self,
         grads: &mut [(String, DeviceValue)],
         over_workers: bool,
+        bounds: &OverflowBounds,
     ) -> Result<(), KernelError> {
         if !self.capturing {
             return Err(invalid(
@@ -2503,7 +2516,7 @@ impl Capture for CudaBackend {
             ));
         }
         let flag = self.steps_ptr + SKIP_AT;
-        self.scale_gradients(grads, flag)?;
+        self.scale_gradients(grads, flag, bounds)?;
         if over_workers {
             // Summed in place on each axis's communicator (captured with the step),
             // and waited for before the update reads it.

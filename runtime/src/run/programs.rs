@@ -174,6 +174,51 @@ pub fn trained_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<
     out
 }
 
+/// fp16's bound on each gradient computed in 16 bits (issue 67, item 5): one device's
+/// gradient of the whole batch overflows fp16 at 65520 (half an ulp above its largest
+/// finite 65504), and a worker's, averaged over the `share` parts of a step (workers
+/// times micro-batches, each scaled by 1/share), is that gradient over `share`: a part
+/// that fits while the whole does not is an overflow of the step, skipped where one
+/// device skips it. A variable's gradient is 16-bit where the variable reaches an fp16
+/// cast through ops that only move it (of one operand, as a ZeRO gather or a reshape,
+/// or packing several into one buffer): its gradient comes back through that cast.
+/// By gradient name (`w`, `w.zero`, `w.tp`).
+pub fn fp16_overflow_bounds(graph: &Graph, share: usize) -> crate::core::backend::OverflowBounds {
+    let whole = |n: &str| {
+        let n = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX).unwrap_or(n);
+        n.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX)
+            .unwrap_or(n)
+            .to_string()
+    };
+    let mut half = std::collections::BTreeSet::new();
+    for id in graph.node_ids() {
+        if !matches!(graph.op(id), Op::Cast { to } if *to == distc_ir::DType::F16) {
+            continue;
+        }
+        let mut up = vec![graph.node(id).inputs[0]];
+        while let Some(v) = up.pop() {
+            let node = graph.node(v.node);
+            match &node.op {
+                Op::Param { name, .. } => {
+                    half.insert(whole(name));
+                }
+                Op::Pack => up.extend(&node.inputs),
+                _ if node.inputs.len() == 1 => up.push(node.inputs[0]),
+                _ => {}
+            }
+        }
+    }
+    let bound = 65520.0 / share.max(1) as f64;
+    graph
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match graph.op(id) {
+            Op::ParamGrad { param } if half.contains(&whole(param)) => Some((param.clone(), bound)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The variables a plan holds without training them (`frozen` in the DSL): no
 /// gradient, no optimizer state.
 pub fn frozen_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<String> {

@@ -339,7 +339,7 @@ pub(crate) fn clip_gradients<B: Backend>(
     let factor = max / (norm(&names, &squares)? + 1e-6);
     if factor < 1.0 {
         backend
-            .unscale(grads, factor)
+            .unscale(grads, factor, &Default::default())
             .map_err(|e| backend_error(&device, "clipping the gradients", e))?;
     }
     Ok(())

@@ -435,6 +435,10 @@ fn train_worker<B: Backend>(
         first,
         last: steps,
         device,
+        bounds: match &scaler {
+            Some(_) => crate::run::programs::fp16_overflow_bounds(programs.worker, mesh.data * k),
+            None => Default::default(),
+        },
         scaler,
         flags_agree,
         graph,
@@ -470,6 +474,8 @@ struct WorkerStep<'s, 'p, B: Backend> {
     /// Its device's peak for the plan's products, for model FLOPs utilisation.
     peak: Option<crate::core::peak::DevicePeak>,
     scaler: Option<LossScaler>,
+    /// fp16: the bound on each 16-bit gradient past which the whole step overflowed.
+    bounds: crate::core::backend::OverflowBounds,
     /// Whether every worker sees the same overflow flag without asking the others.
     flags_agree: bool,
     graph: GraphState,
@@ -561,7 +567,14 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             scaled(st, self.scaler.as_ref())?;
             // Some(whether the flags are summed over the workers).
             let unscale = self.scaler.as_ref().map(|_| !self.flags_agree);
-            self.graph = capture_step(st, &fed, step, self.ranks, unscale, &mut *hook)?;
+            self.graph = capture_step(
+                st,
+                &fed,
+                step,
+                self.ranks,
+                unscale.map(|o| (o, &self.bounds)),
+                &mut *hook,
+            )?;
         }
         let (loss, updating, used) = if let Some(captured) = self.graph.replayed() {
             let replay = |backend: &mut B, step: usize| {
@@ -675,7 +688,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                     let finite = st
                         .exec
                         .backend()
-                        .unscale(&mut grads, share / s.scale)
+                        .unscale(&mut grads, share / s.scale, &self.bounds)
                         .map_err(|e| backend_error(device, "unscaling the gradients", e))?;
                     // Every worker skips the same steps (a ZeRO chunk or a model-axis
                     // part may overflow on one worker alone).
@@ -843,14 +856,14 @@ type GraphState = Capture<MemoryUse>;
 /// Records step `step` and its update while the backend captures (nothing runs; the
 /// caller replays the graph for this step too), measuring what the step holds. `Off`
 /// where the backend declines. With `unscale` (fp16), the gradients are unscaled and
-/// checked on the device, and an overflow skips the update there (with `Some(true)`,
-/// an overflow on any worker: the flags are summed over them).
+/// checked on the device against their bounds, and an overflow skips the update there
+/// (with `Some((true, _))`, an overflow on any worker: the flags are summed over them).
 fn capture_step<B: Backend>(
     st: &mut Loop<B>,
     feeds: &[HashMap<String, B::Tensor>],
     step: usize,
     ranks: (usize, usize),
-    unscale: Option<bool>,
+    unscale: Option<(bool, &crate::core::backend::OverflowBounds)>,
     hook: &mut HostHook,
 ) -> Result<GraphState> {
     let device = st.exec.backend().name();
@@ -892,9 +905,9 @@ fn capture_step<B: Backend>(
     let captured = micro(st, hook).and_then(|mut out| {
         let used = st.exec.measured_memory();
         let backend = st.exec.backend();
-        if let Some(over_workers) = unscale {
+        if let Some((over_workers, bounds)) = unscale {
             backend
-                .unscale_on_device(&mut out.grads, over_workers)
+                .unscale_on_device(&mut out.grads, over_workers, bounds)
                 .map_err(|e| backend_error(&device, "unscaling the gradients", e))?;
         }
         backend

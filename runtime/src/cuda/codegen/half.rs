@@ -228,27 +228,28 @@ fn widened(op: &Op, cx: &mut NodeCx<'_>) -> Result<(), NodeError> {
 
 /// fp16's loss scaling on the device: the kernels that multiply a gradient by the
 /// inverse scale in place and raise `*bad` (to 1.0f, so that NCCL can sum the flags of
-/// several workers) on an infinity or a NaN, `(dense, slices)`. The factor is read
+/// several workers) on an infinity or a NaN, or on a value at or beyond `bound` before
+/// scaling (`OverflowBounds`: infinity for none), `(dense, slices)`. The factor is read
 /// from device memory, so a captured step follows the scale each replay is given. A
-/// dense gradient is `(float* g, const float* factor, u64 n, float* bad)`; slices are
-/// `(void* b, u64 nnz, u64 row, const float* factor, float* bad)` and touch only the
-/// rows held.
+/// dense gradient is `(float* g, const float* factor, u64 n, float* bad, float bound)`;
+/// slices are `(void* b, u64 nnz, u64 row, const float* factor, float* bad, float
+/// bound)` and touch only the rows held.
 pub(crate) fn unscale_kernels(ks: &mut KernelSet) -> (String, String) {
     let dense = ks.add(
         "unscale",
         format!(
             "extern \"C\" __global__ void KNAME(float* __restrict__ g, const float* __restrict__ \
-             factor, u64 n, float* __restrict__ bad) {{\n{INDEX}    float v = g[i] * *factor;\n    \
-             if (!isfinite(v)) *bad = 1.0f;\n    g[i] = v;\n}}\n"
+             factor, u64 n, float* __restrict__ bad, float bound) {{\n{INDEX}    float v = g[i] * *factor;\n    \
+             if (!(fabsf(g[i]) < bound) || !isfinite(v)) *bad = 1.0f;\n    g[i] = v;\n}}\n"
         ),
     );
     let slices = ks.add(
         "unscale_slices",
         "extern \"C\" __global__ void KNAME(void* b, u64 nnz, u64 row, const float* \
-         __restrict__ factor, float* __restrict__ bad) {\n    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    \
+         __restrict__ factor, float* __restrict__ bad, float bound) {\n    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;\n    \
          u64 rows = (u64)*sl_count(b);\n    if (rows > nnz) rows = nnz;\n    if (i >= rows * row) \
          return;\n    float* v = sl_val(b, nnz);\n    float x = v[i] * *factor;\n    if \
-         (!isfinite(x)) *bad = 1.0f;\n    v[i] = x;\n}\n"
+         (!(fabsf(v[i]) < bound) || !isfinite(x)) *bad = 1.0f;\n    v[i] = x;\n}\n"
             .to_string(),
     );
     (dense, slices)
