@@ -144,34 +144,25 @@ fn explain_nodes(s: &StrategyConfig, worker: &distc_ir::Graph) -> String {
 /// rows only under `lazy = true` (TensorFlow's LazyAdam). Nothing for plain SGD, whose
 /// two rules are the same update, or without a sparse gradient.
 fn explain_sparse_updates(config: &distc_runtime::RunConfig, programs: &Programs<'_>) -> String {
-    use distc_runtime::OptimizerSpec;
-    let stateful = match config.optimizer {
-        OptimizerSpec::Sgd { momentum, .. } => momentum > 0.0,
-        OptimizerSpec::Adam { .. } => true,
-        // Their trust ratio is over the whole variable: always the dense update.
-        OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => false,
-    };
+    // Only where `lazy` changes the update (momentum and Adam).
+    let spec = &config.optimizer;
+    let differ = spec.moves_untouched_rows(false) != spec.moves_untouched_rows(true);
     // The workers' updates, and the rows pushed to parameter servers.
     let g = programs.worker;
-    let mut sparse: Vec<&str> = g
-        .node_ids()
+    let pushed = g.node_ids().into_iter().filter_map(|id| match g.op(id) {
+        distc_ir::Op::SparsePush { var, .. } => Some(var.clone()),
+        _ => None,
+    });
+    let mut sparse: Vec<String> = g
+        .param_grads()
         .into_iter()
-        .filter_map(|id| match g.op(id) {
-            distc_ir::Op::SparsePush { var, .. } => Some(var.as_str()),
-            distc_ir::Op::ParamGrad { param } => {
-                let grad = g.node(id).inputs.first()?;
-                matches!(
-                    g.try_value_type(*grad),
-                    Some(distc_ir::ValueType::IndexedSlices { .. })
-                )
-                .then_some(param.as_str())
-            }
-            _ => None,
-        })
+        .filter(|(_, grad)| g.value_type(*grad).is_sparse())
+        .map(|(param, _)| param)
+        .chain(pushed)
         .collect();
     sparse.sort_unstable();
     sparse.dedup();
-    if !stateful || sparse.is_empty() {
+    if !differ || sparse.is_empty() {
         return String::new();
     }
     let rule = if config.lazy_updates {

@@ -282,16 +282,22 @@ fn run(c: &Compiled, opts: &VerifyOptions, workers: usize) -> Result<Side, Verif
         transport: TransportChoice::InProcess,
         rows_touched: rows_touched(c.dist.as_ref()),
     };
+    launch_side(&run)?
+        .ok_or_else(|| VerifyError::Mismatch("the in-process run gave no report".into()))
+}
+
+/// `run` launched: its side, where this process reports one (an MPI rank but 0 does
+/// not).
+fn launch_side(run: &Launch<'_>) -> Result<Option<Side>, VerifyError> {
     let mut skipped = 0;
-    let report = launch(&run, &mut |m| {
+    let report = launch(run, &mut |m| {
         skipped = m.skipped_steps.unwrap_or(0);
         Ok(())
-    })?
-    .ok_or_else(|| VerifyError::Mismatch("the in-process run gave no report".into()))?;
-    Ok(Side {
-        params: report.params,
+    })?;
+    Ok(report.map(|r| Side {
+        params: r.params,
         skipped,
-    })
+    }))
 }
 
 /// The rows a batch touches of each sparse variable, as the compiler measured them.
@@ -370,19 +376,8 @@ pub fn verify_mpi(file: &Path, opts: &VerifyOptions) -> Result<Option<VerifyRepo
         }),
         rows_touched: rows_touched(dist.dist.as_ref()),
     };
-    let mut skipped = 0;
-    let report = launch(&run, &mut |m| {
-        skipped = m.skipped_steps.unwrap_or(0);
-        Ok(())
-    })?;
-    match report {
-        Some(r) => {
-            let many = Side {
-                params: r.params,
-                skipped,
-            };
-            Ok(Some(one_device_against(file, opts, &dist, &many)?))
-        }
+    match launch_side(&run)? {
+        Some(many) => Ok(Some(one_device_against(file, opts, &dist, &many)?)),
         None => Ok(None),
     }
 }

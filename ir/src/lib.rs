@@ -27,6 +27,13 @@ pub use graph::{Graph, GraphError, Node, NodeId, ValueId, LOSS_SCALE};
 pub const ZERO_SHARD_SUFFIX: &str = ".zero";
 /// How a tensor-parallel variable's local part is named: `w` is held as `w.tp`.
 pub const MODEL_SHARD_SUFFIX: &str = ".tp";
+
+/// The one-device variable a worker's variable holds (part of): `w` for `w`, its
+/// ZeRO chunk `w.zero`, its model-axis part `w.tp` and a chunk of that, `w.tp.zero`.
+pub fn whole_variable(name: &str) -> &str {
+    let name = name.strip_suffix(ZERO_SHARD_SUFFIX).unwrap_or(name);
+    name.strip_suffix(MODEL_SHARD_SUFFIX).unwrap_or(name)
+}
 /// The most workers a collective of the IR may name (the compiler's limit on
 /// `--workers`).
 pub const MAX_WORKERS: usize = 1 << 20;

@@ -20,13 +20,13 @@ use crate::core::value::{ByteCount, Tensor, Value};
 use distc_ir::{DType, NodeId, Op, TensorType, ValueType};
 use std::borrow::Cow;
 use std::collections::HashMap;
+use thiserror::Error;
 
 /// The largest magnitude a gradient may hold, by name, as it reaches the update and
 /// before it is unscaled: at or beyond it the step overflowed (fp16: one device's
 /// 16-bit gradient of the whole batch would not fit, though this worker's part did).
 /// A gradient not named need only be finite.
 pub type OverflowBounds = HashMap<String, f64>;
-use thiserror::Error;
 
 /// Why a kernel failed: inputs it cannot work on (a pass bug or a hand-edited plan),
 /// or the device (a driver call, a kernel NVRTC refused).

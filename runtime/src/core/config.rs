@@ -542,6 +542,18 @@ fn is_zero(x: &f64) -> bool {
 }
 
 impl OptimizerSpec {
+    /// Whether a row-sparse gradient moves the rows it does not hold (their slots
+    /// decay, as in the dense update of the scattered rows): momentum and Adam unless
+    /// `lazy` (TensorFlow's LazyAdam), LARS and LAMB always (their trust ratio is over
+    /// the whole variable), plain SGD never (the two rules are one update).
+    pub fn moves_untouched_rows(&self, lazy: bool) -> bool {
+        match *self {
+            OptimizerSpec::Sgd { momentum, .. } => momentum > 0.0 && !lazy,
+            OptimizerSpec::Adam { .. } => !lazy,
+            OptimizerSpec::Lars { .. } | OptimizerSpec::Lamb { .. } => true,
+        }
+    }
+
     /// The decoupled or L2 weight decay, 0 for none.
     pub fn weight_decay(&self) -> f64 {
         match *self {

@@ -273,14 +273,10 @@ impl Optimizer {
         self.lazy = lazy;
     }
 
-    /// Whether rows a sparse gradient does not hold move all the same (their slots
-    /// decay): every rule but plain SGD, unless lazy; LARS and LAMB always.
+    /// Whether rows a sparse gradient does not hold move all the same
+    /// ([`OptimizerSpec::moves_untouched_rows`] under this optimizer's `lazy`).
     pub fn moves_untouched_rows(&self) -> bool {
-        match self.base {
-            Rule::Sgd { .. } => false,
-            Rule::Momentum { .. } | Rule::Adam { .. } => !self.lazy,
-            Rule::Lars { .. } | Rule::Lamb { .. } => true,
-        }
+        self.spec.moves_untouched_rows(self.lazy)
     }
 
     /// Exempts the variables `names` (one-device names) from weight decay: their
@@ -291,11 +287,7 @@ impl Optimizer {
 
     /// The rule for variable `name`: without decay where it is exempt.
     fn rule_for(&self, name: &str) -> Rule {
-        let mut base = name;
-        for suffix in [distc_ir::ZERO_SHARD_SUFFIX, distc_ir::MODEL_SHARD_SUFFIX] {
-            base = base.strip_suffix(suffix).unwrap_or(base);
-        }
-        if self.no_decay.contains(base) {
+        if self.no_decay.contains(distc_ir::whole_variable(name)) {
             self.rule.without_decay()
         } else {
             self.rule

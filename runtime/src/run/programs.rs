@@ -145,12 +145,7 @@ pub fn micro_batches(worker: &Graph) -> usize {
 /// these alone, so a training state must hold every slot of each of them and of no
 /// other (a variable the loss never reaches has none, frozen or not).
 pub fn trained_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<String> {
-    let whole = |n: &str| {
-        let n = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX).unwrap_or(n);
-        n.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX)
-            .unwrap_or(n)
-            .to_string()
-    };
+    let whole = |n: &str| distc_ir::whole_variable(n).to_string();
     let stages = programs
         .pipeline
         .into_iter()
@@ -184,12 +179,6 @@ pub fn trained_variables(programs: &Programs<'_>) -> std::collections::BTreeSet<
 /// or packing several into one buffer): its gradient comes back through that cast.
 /// By gradient name (`w`, `w.zero`, `w.tp`).
 pub fn fp16_overflow_bounds(graph: &Graph, share: usize) -> crate::core::backend::OverflowBounds {
-    let whole = |n: &str| {
-        let n = n.strip_suffix(distc_ir::ZERO_SHARD_SUFFIX).unwrap_or(n);
-        n.strip_suffix(distc_ir::MODEL_SHARD_SUFFIX)
-            .unwrap_or(n)
-            .to_string()
-    };
     let mut half = std::collections::BTreeSet::new();
     for id in graph.node_ids() {
         if !matches!(graph.op(id), Op::Cast { to } if *to == distc_ir::DType::F16) {
@@ -200,7 +189,7 @@ pub fn fp16_overflow_bounds(graph: &Graph, share: usize) -> crate::core::backend
             let node = graph.node(v.node);
             match &node.op {
                 Op::Param { name, .. } => {
-                    half.insert(whole(name));
+                    half.insert(distc_ir::whole_variable(name));
                 }
                 Op::Pack => up.extend(&node.inputs),
                 _ if node.inputs.len() == 1 => up.push(node.inputs[0]),
@@ -210,12 +199,10 @@ pub fn fp16_overflow_bounds(graph: &Graph, share: usize) -> crate::core::backend
     }
     let bound = 65520.0 / share.max(1) as f64;
     graph
-        .node_ids()
+        .param_grads()
         .into_iter()
-        .filter_map(|id| match graph.op(id) {
-            Op::ParamGrad { param } if half.contains(&whole(param)) => Some((param.clone(), bound)),
-            _ => None,
-        })
+        .filter(|(param, _)| half.contains(distc_ir::whole_variable(param)))
+        .map(|(param, _)| (param, bound))
         .collect()
 }
 

@@ -445,13 +445,8 @@ pub fn optimizer_kernels(
     };
     let (rule, exempt_rule) = (rule_of(true)?, rule_of(false)?);
     // A variable's exemption holds for its tensor-parallel part and ZeRO chunk too.
-    let exempt = |name: &str| {
-        let mut base = name;
-        for suffix in [distc_ir::ZERO_SHARD_SUFFIX, distc_ir::MODEL_SHARD_SUFFIX] {
-            base = base.strip_suffix(suffix).unwrap_or(base);
-        }
-        no_decay.iter().any(|n| n == base)
-    };
+    let exempt = |name: &str| no_decay.iter().any(|n| n == distc_ir::whole_variable(name));
+    let as_dense = spec.moves_untouched_rows(lazy);
     let mut ks = KernelSet::default();
     let mut vars = Vec::with_capacity(params.len());
     for (name, ty, bound) in params {
@@ -472,7 +467,9 @@ pub fn optimizer_kernels(
         let copy = WeightCopy(copies.get(name).copied());
         match bound {
             None => dense(&mut cx, rule, ty, KArg::Grad, grad_scale, copy).map_err(err)?,
-            Some(nnz) => sparse(&mut cx, (rule, lazy), ty, *nnz, grad_scale, copy).map_err(err)?,
+            Some(nnz) => {
+                sparse(&mut cx, (rule, as_dense), ty, *nnz, grad_scale, copy).map_err(err)?
+            }
         }
         vars.push(VarUpdate {
             name: name.clone(),
@@ -531,13 +528,14 @@ fn dense(
     cx.launch_1d(&name, n, args)
 }
 
-/// The update of a row-sparse gradient: the rows summed into a dense gradient and
-/// the dense update, or (plain SGD; momentum and Adam under `lazy`) the row-wise
+/// The update of a row-sparse gradient: with `as_dense`
+/// (`OptimizerSpec::moves_untouched_rows`), the rows summed into a dense gradient and
+/// the dense update; else (plain SGD; momentum and Adam under `lazy`) the row-wise
 /// update: the repeated-row machinery of `sparse`, its last step updating each
 /// touched row of the variable (and its slots) with the row's summed gradient.
 fn sparse(
     cx: &mut NodeCx<'_>,
-    (rule, lazy): (&Rule, bool),
+    (rule, as_dense): (&Rule, bool),
     ty: &TensorType,
     nnz: usize,
     scale: f64,
@@ -549,8 +547,7 @@ fn sparse(
         ));
     };
     let row = row_len(ty);
-    let stateful = !rule.slot_names().is_empty();
-    if rule.trusts() || (stateful && !lazy) {
+    if as_dense {
         // The rows summed into a dense gradient in scratch, zeros elsewhere.
         let dense = cx.scratch(ty.bytes());
         cx.out.launches.push(Launch::Memset {
