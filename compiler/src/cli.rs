@@ -372,6 +372,12 @@ pub struct CompileArgs {
     /// in f32. fp16 scales the loss dynamically.
     #[arg(long, default_value = "fp32", value_name = "fp32|bf16|fp16")]
     pub precision: Precision,
+    /// The model's floating-point type: `f32` (as written), or `f64`, a float64 copy
+    /// (every f32 input, variable and constant promoted; data widened as read) in any
+    /// layout on the CPU: `distc verify --dtype f64` compares a layout without f32's
+    /// rounding.
+    #[arg(long, default_value = "f32", value_parser = parse_model_dtype, value_name = "f32|f64")]
+    pub dtype: ModelDType,
     /// What dense gradient all-reduces send: `fp32`, or `bf16`/`fp16` (half the bytes;
     /// each worker's gradient divided by N before the sum, sums accumulated in f32 at
     /// each receiver, the optimizer still given f32).
@@ -401,6 +407,25 @@ pub struct CompileArgs {
     /// --latency), in bytes/s and seconds. Repeatable.
     #[arg(long, value_name = "KIND=BW,LAT", value_parser = parse_link)]
     pub link: Vec<(LinkKind, distc_passes::placement::Link)>,
+}
+
+/// `--dtype`: the model's floating-point type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelDType {
+    /// As the model is written.
+    F32,
+    /// A float64 copy.
+    F64,
+}
+
+fn parse_model_dtype(s: &str) -> Result<ModelDType, String> {
+    match s {
+        "f32" => Ok(ModelDType::F32),
+        "f64" => Ok(ModelDType::F64),
+        _ => Err(format!(
+            "`{s}` is not a model type: f32 (as written) or f64 (a float64 copy)"
+        )),
+    }
 }
 
 /// Which link `--link` sets.
@@ -953,6 +978,7 @@ pub fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
         data_dir: data.map(Path::to_path_buf),
         // A user's compile names the pass that broke a program.
         verify: distc_passes::Verify::EveryPass,
+        promote_f64: a.dtype == ModelDType::F64,
     }
 }
 

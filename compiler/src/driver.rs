@@ -40,6 +40,10 @@ pub struct CompileOptions {
     /// the end (a search's candidates; a failure is then compiled again to name its
     /// pass).
     pub verify: Verify,
+    /// Compile a float64 copy of the model (`--dtype f64`): every f32 input, variable
+    /// and constant promoted to f64 right after lowering, the data sources' f32 values
+    /// widened as they are read. What `verify` measures the f32 rounding floor against.
+    pub promote_f64: bool,
 }
 
 /// A compiled model.
@@ -226,6 +230,13 @@ pub fn compile(
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let assumptions = program.assumptions;
+    let mut program_graph = program.graph;
+    if opts.promote_f64 {
+        use distc_passes::Pass;
+        distc_passes::precision::PromoteF64
+            .run(&mut program_graph, &mut PassCx::default())
+            .map_err(|e| CompileError::Settings(format!("--dtype f64: {e}")))?;
+    }
     let stage_marks = program.stage_marks.filter(|_| opts.strategy.pipeline > 1);
     // The model's `shard(DIM)` marks, with `--shard` taking precedence; one device
     // ignores them.
@@ -235,9 +246,9 @@ pub fn compile(
         Default::default()
     };
     shards.extend(opts.strategy.shard.clone());
-    check_batch_statistics(&opts.strategy, &program.graph)?;
-    check_server_count(&opts.strategy, &program.graph)?;
-    let mut programs = ProgramSet::new(program.graph);
+    check_batch_statistics(&opts.strategy, &program_graph)?;
+    check_server_count(&opts.strategy, &program_graph)?;
+    let mut programs = ProgramSet::new(program_graph);
     let mut config = program.config;
     // The data loader must produce the batch the graph was bound to.
     config.batch = program.batch_symbol_value;

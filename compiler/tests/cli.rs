@@ -541,6 +541,7 @@ fn verify_summary_and_failure_name_the_same_variable() {
         name: name.into(),
         relative,
         precision_effect,
+        rounding: None,
         half_rtol,
     };
     let report = VerifyReport {

@@ -752,6 +752,19 @@ pub fn verify_verdict(
         if let Some(e) = v.precision_effect {
             text += &format!(" (one device {precision} vs f32: {e:.2e})");
         }
+        match v.rounding {
+            Some(r) if given.is_none() => {
+                text += &format!(
+                    "; from float64: {name} {:.2e}, one device f32 {:.2e}",
+                    r.layout, r.floor
+                );
+                if r.noise {
+                    text += "; noise: one device's f32 value is mostly rounding, not judged\n";
+                    continue;
+                }
+            }
+            _ => {}
+        }
         text += &format!("; allowed {}\n", allowance(v));
     }
     let worst = report
@@ -761,8 +774,34 @@ pub fn verify_verdict(
         .vars
         .iter()
         .any(|v| v.half_rtol > 0.0 || v.precision_effect.is_some());
+    let against_f64 = given.is_none() && report.vars.iter().any(|v| v.rounding.is_some());
     let decides = match given {
         Some(t) => format!("tolerance {t:.0e}"),
+        None if against_f64 => {
+            let noise: Vec<&str> = report
+                .vars
+                .iter()
+                .filter(|v| v.rounding.is_some_and(|r| r.noise))
+                .map(|v| v.name.as_str())
+                .collect();
+            let mut d = format!(
+                "judged against one device in float64: each variable within {} x one \
+                 device f32's own distance from it",
+                crate::verify::FLOOR_FACTOR
+            );
+            if !noise.is_empty() {
+                d += &format!(
+                    "; {} only rounding noise in f32, not judged: {}",
+                    if noise.len() == 1 {
+                        "1 variable is"
+                    } else {
+                        "variables are"
+                    },
+                    noise.join(", ")
+                );
+            }
+            d
+        }
         None if raised => format!("tolerance {tolerance:.0e}, raised per variable as above"),
         None => format!("tolerance {tolerance:.0e}"),
     };
@@ -773,20 +812,45 @@ pub fn verify_verdict(
             report.global_batch, report.split_reason
         ),
     };
+    let worst_words = match worst.rounding {
+        Some(r) if against_f64 => format!(
+            "worst {:.2e} from float64 (`{}`, allowed {}; {:.2e} from one device)",
+            r.layout,
+            worst.name,
+            allowance(worst),
+            worst.relative
+        ),
+        _ => format!(
+            "worst relative error {:.2e} (`{}`, allowed {})",
+            worst.relative,
+            worst.name,
+            allowance(worst)
+        ),
+    };
     text += &format!(
-        "verify {}: {name} with {} workers vs one device with {one}, {steps} steps: worst relative error {:.2e} (`{}`, allowed {}), {decides}\n",
+        "verify {}: {name} with {} workers vs one device with {one}, {steps} steps: {worst_words}, {decides}\n",
         file.display(),
         report.workers,
-        worst.relative,
-        worst.name,
-        allowance(worst)
     );
     // The worst variable against its allowance decides: the failure names it too.
-    if worst.relative > allowed(worst) {
+    let fails = match given {
+        Some(t) => worst.relative > t,
+        None => !worst.passes(tolerance),
+    };
+    if fails {
         let failing = worst;
-        let mut why = match failing.precision_effect {
-            _ if given.is_some()
-                || failing.half_rtol == 0.0 && failing.precision_effect.is_none() =>
+        let mut why = match (failing.rounding, failing.precision_effect) {
+            (Some(r), _) if given.is_none() => format!(
+                "`{}` is {:.2e} (relative) from one device in float64, beyond {} x the \
+                 {:.2e} one device in f32 is from it: more than f32's rounding",
+                failing.name,
+                r.layout,
+                crate::verify::FLOOR_FACTOR,
+                r.floor.max(crate::verify::FLOOR_MIN)
+            ),
+            (_, _)
+                if given.is_some()
+                    || failing.half_rtol == 0.0 && failing.precision_effect.is_none() =>
             {
                 format!(
                     "`{}` differs by {:.2e} (relative), beyond the tolerance {:.1e}",
@@ -795,13 +859,13 @@ pub fn verify_verdict(
                     allowed(failing)
                 )
             }
-            None => format!(
+            (_, None) => format!(
                 "`{}` differs by {:.2e} (relative), beyond the allowance {}",
                 failing.name,
                 failing.relative,
                 failing.allowance(tolerance)
             ),
-            Some(e) => format!(
+            (_, Some(e)) => format!(
                 "`{}` differs by {:.2e} (relative), beyond the tolerance ({:.1e}, at least \
                  {precision}'s own) plus twice what {precision} itself changes on one device \
                  ({e:.2e})",

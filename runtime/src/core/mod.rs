@@ -33,6 +33,7 @@ pub mod geom;
 pub mod init;
 pub mod output;
 pub mod peak;
+pub mod planted;
 pub mod roles;
 pub mod schedule;
 pub mod shards;

@@ -20,6 +20,11 @@ pub enum Tensor {
 }
 
 impl Tensor {
+    /// A one-dimensional f64 tensor of `values`.
+    pub fn vector_f64(values: Vec<f64>) -> Tensor {
+        Tensor::F64(ndarray::Array1::from_vec(values).into_dyn())
+    }
+
     /// A tensor of type `ty` with every element `value` (a `constant` node).
     pub fn filled(ty: &TensorType, value: f64) -> Tensor {
         let dim = IxDyn(ty.dims());

@@ -71,6 +71,10 @@ pub struct StepMetrics {
     /// fp16's loss scale after the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// The global gradient norm before clipping (`torch.nn.utils.clip_grad_norm_`'s
+    /// return value), where the train block sets `clip_norm`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
     /// Steps skipped so far because their gradients overflowed (fp16).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped_steps: Option<usize>,
@@ -161,6 +165,9 @@ pub struct StepReport {
     /// fp16's loss scale after the step, and the steps skipped so far for overflow.
     #[serde(default)]
     pub loss_scale: Option<(f64, usize)>,
+    /// The global gradient norm before clipping (with `clip_norm`).
+    #[serde(default)]
+    pub grad_norm: Option<f64>,
     /// The learning rate of this step's update.
     #[serde(default)]
     pub lr: Option<f64>,

@@ -1131,6 +1131,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
             rank: me.worker,
             step,
             loss: ran.loss.unwrap_or(f64::NAN),
+            grad_norm: ran.grad_norm,
             step_sec: timed.seconds(),
             comm_wait_sec: ran.detail.waited,
             bytes_sent: bytes.sent - self.last_bytes.sent,
@@ -1301,6 +1302,7 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
             start,
             updating: Instant::now(),
             memory,
+            grad_norm: None,
             detail: ScheduleRan { busy, waited: 0.0 },
         })
     }
@@ -1537,10 +1539,14 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
         }
         let updating = Instant::now();
         let mut grads = grads;
+        let mut grad_norm = None;
         if let Some(max) = self.config.clip_norm {
-            clip_gradients(bwd.backend(), &mut grads, max, |names, squares| {
-                me.global_norm(names, squares, step)
-            })?;
+            grad_norm = Some(clip_gradients(
+                bwd.backend(),
+                &mut grads,
+                max,
+                |names, squares| me.global_norm(names, squares, step),
+            )?);
         }
         bwd.backend()
             .update(&mut self.optimizer, &mut self.params, grads)
@@ -1559,6 +1565,7 @@ impl<B: Backend> ScheduleStep<'_, '_, B> {
             start,
             updating,
             memory: peak,
+            grad_norm,
             detail: ScheduleRan { busy, waited },
         })
     }

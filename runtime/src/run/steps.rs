@@ -111,6 +111,8 @@ pub(crate) struct Ran<D> {
     pub(crate) updating: Instant,
     /// What it held at its peak, by category.
     pub(crate) memory: MemoryByCategory,
+    /// The global gradient norm before clipping, where `clip_norm` measured it.
+    pub(crate) grad_norm: Option<f64>,
     /// The rest of the body's account, for its report.
     pub(crate) detail: D,
 }
@@ -371,6 +373,7 @@ mod tests {
                 start: now,
                 updating: now,
                 memory: MemoryByCategory::default(),
+                grad_norm: None,
                 detail: (),
             })
         }

@@ -325,24 +325,26 @@ impl ErrorSlot {
 /// Clips a step's gradients to `max` as torch.nn.utils.clip_grad_norm_ does: scaled
 /// by max / (norm + 1e-6) where that is below 1. `norm` is their global norm, from the
 /// names and squares of the role's own gradients (summed over the axes that split them).
+/// Returns that norm, for the step's report.
 pub(crate) fn clip_gradients<B: Backend>(
     backend: &mut B,
     grads: &mut [(String, B::Value)],
     max: f64,
     norm: impl FnOnce(&[&str], &[f64]) -> Result<f64>,
-) -> Result<()> {
+) -> Result<f64> {
     let device = backend.name();
     let squares = backend
         .grad_squares(grads)
         .map_err(|e| backend_error(&device, "measuring the gradient's norm", e))?;
     let names: Vec<&str> = grads.iter().map(|(n, _)| n.as_str()).collect();
-    let factor = max / (norm(&names, &squares)? + 1e-6);
+    let norm = norm(&names, &squares)?;
+    let factor = max / (norm + 1e-6);
     if factor < 1.0 {
         backend
             .unscale(grads, factor, &Default::default())
             .map_err(|e| backend_error(&device, "clipping the gradients", e))?;
     }
-    Ok(())
+    Ok(norm)
 }
 
 /// The square of the whole gradient's norm from this rank's parts (`names` and their

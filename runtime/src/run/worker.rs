@@ -576,6 +576,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
                 &mut *hook,
             )?;
         }
+        let mut grad_norm = None;
         let (loss, updating, used) = if let Some(captured) = self.graph.replayed() {
             let replay = |backend: &mut B, step: usize| {
                 backend
@@ -700,9 +701,14 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             if let (true, Some(max)) = (apply, self.config.clip_norm) {
                 let label =
                     |over: &str| format!("worker {rank}, step {step}: clip_norm's sum over {over}");
-                clip_gradients(st.exec.backend(), &mut grads, max, |names, squares| {
-                    Ok(squared_norm(hook, names, squares, &label)?.max(0.0).sqrt())
-                })?;
+                grad_norm = Some(clip_gradients(
+                    st.exec.backend(),
+                    &mut grads,
+                    max,
+                    |names, squares| {
+                        Ok(squared_norm(hook, names, squares, &label)?.max(0.0).sqrt())
+                    },
+                )?);
             }
             if apply {
                 st.exec
@@ -739,6 +745,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             start,
             updating,
             memory,
+            grad_norm,
             detail: (),
         })
     }
@@ -818,6 +825,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
             step,
             memory: ran.memory,
             loss: ran.loss.unwrap_or(f64::NAN),
+            grad_norm: ran.grad_norm,
             step_sec: timed.seconds(),
             comm_wait_sec: waited.as_secs_f64(),
             bytes_sent: sent,
