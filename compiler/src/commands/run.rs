@@ -814,11 +814,11 @@ pub fn verify_verdict(
     };
     let worst_words = match worst.rounding {
         Some(r) if against_f64 => format!(
-            "worst {:.2e} from float64 (`{}`, allowed {}; {:.2e} from one device)",
-            r.layout,
+            "worst relative error {:.2e} (`{}`, {:.2e} from float64, allowed {})",
+            worst.relative,
             worst.name,
-            allowance(worst),
-            worst.relative
+            r.layout,
+            allowance(worst)
         ),
         _ => format!(
             "worst relative error {:.2e} (`{}`, allowed {})",

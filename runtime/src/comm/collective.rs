@@ -151,7 +151,7 @@ fn model_collective_of<T: HostFloat>(
                 .as_standard_layout()
                 .into_owned();
             let mut shape = moved.shape().to_vec();
-            if shape[0] % n != 0 {
+            if !shape[0].is_multiple_of(n) {
                 return Err(RuntimeError::plan(format!(
                     "{op} of a value whose dimension {dim} ({}) does not split into {n}",
                     shape[0]
