@@ -177,30 +177,72 @@ fn a_float64_copy_runs_every_layout_on_the_cpu() {
         let o = verify(&model, &args, None);
         assert_eq!(o.status.code(), Some(0), "{layout:?}: {}", text(&o));
     }
-    // Parameter servers hold f32 masters: said, not a wrong answer (servers update
-    // their rows themselves, so no clipping there).
+    // Parameter servers hold float64 shards too: dense pulls and pushes of every
+    // variable, and an embedding's sparse pulls and pushes, its rows split over two
+    // servers, under Adam, which moves the rows no batch touched (servers update their
+    // rows themselves, so no clipping there).
     let served = tmp("f64-ps.dsl");
     let src = std::fs::read_to_string(&model)
         .expect("model")
         .replace("  clip_norm = 1.0\n", "");
     std::fs::write(&served, src).expect("writes");
-    let o = verify(
-        &served,
-        &[
-            "--strategy",
-            "ps",
-            "--workers",
-            "2",
-            "--servers",
-            "1",
-            "--dtype",
-            "f64",
-        ],
-        None,
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let embedding = tmp("f64-emb.dsl");
+    std::fs::write(
+        &embedding,
+        "model sp {
+  input ids: i32[B, 4]
+  input label: i32[B]
+  param emb: f32[131072, 16] = uniform(-0.05, 0.05)
+  param w1: f32[64, 32] = glorot
+  param w2: f32[32, 10] = glorot
+  x = reshape(embedding(emb, ids), [B, 64])
+  minimize softmax_cross_entropy(tanh(x @ w1) @ w2, label)
+}
+train {
+  data = zipf_tokens(vocab = 131072, context = 4, classes = 10, s = 1.1)
+  batch = 8
+  optimizer = adam(lr = 0.01)
+  steps = 3
+  seed = 1
+}
+",
+    )
+    .expect("writes");
+    for (model, layout) in [
+        (&served, &["--strategy", "ps", "--servers", "1"][..]),
+        (&embedding, &["--strategy", "ps", "--servers", "2"]),
+        (&embedding, &["--strategy", "hybrid", "--servers", "1"]),
+    ] {
+        let mut args = layout.to_vec();
+        args.extend(["--workers", "2", "--dtype", "f64", "--tolerance", "1e-10"]);
+        let o = verify(model, &args, None);
+        assert_eq!(o.status.code(), Some(0), "{layout:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("emb") == (model == &embedding),
+            "{}",
+            text(&o)
+        );
+    }
+    // The table's rows are split over the two servers (16 MiB in float64).
+    let plan = tmp("f64-emb.json");
+    let o = distc(&[
+        "compile",
+        embedding.to_str().expect("utf-8"),
+        "--strategy",
+        "ps",
+        "--servers",
+        "2",
+        "--workers",
+        "2",
+        "--dtype",
+        "f64",
+        "-o",
+        plan.to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&["explain", plan.to_str().expect("utf-8")]);
     assert!(
-        text(&o).contains("f64 variables are not served"),
+        text(&o).contains("ps s0[0:65536] s1[65536:131072]"),
         "{}",
         text(&o)
     );

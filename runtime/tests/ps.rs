@@ -5,7 +5,7 @@ use distc_runtime::core::init::init_param;
 use distc_runtime::cpu::optim::Optimizer;
 use distc_runtime::ps::{self, PsConfig, PsSync, ShardSpec};
 use distc_runtime::{OptimizerSpec, Slices, Tensor, Value};
-use ndarray::{ArrayD, IxDyn};
+use ndarray::{ArrayD, Axis, IxDyn};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -337,18 +337,69 @@ fn byte_counts_of_sparse_traffic() {
     assert!(busy.iter().all(|b| *b > Duration::ZERO), "{busy:?}");
 }
 
+/// A float64 copy of a model (`--dtype f64`) keeps float64 on the servers: rows pulled
+/// as the variable's f64 initial values, a sparse push's duplicate rows summed in f64,
+/// and the wire counting 8 bytes an element.
+#[test]
+fn float64_shards_pull_and_push_in_float64() {
+    let ty = TensorType::new(DType::F64, vec![10, 3]);
+    let shard = |start, end| ShardSpec {
+        full: ty.clone(),
+        ..spec("tab", &[10, 3], start, end)
+    };
+    let sh = [(0, 0, 4), (1, 4, 10)];
+    let mut cluster = ps::start(
+        vec![vec![shard(0, 4)], vec![shard(4, 10)]],
+        PsConfig {
+            workers: 1,
+            ..cfg(PsSync::Sync, sgd(0.5))
+        },
+    )
+    .expect("start");
+    let mut c = cluster.client(0);
+    let whole = init_param("tab", &ty, &Init::Uniform { lo: -1.0, hi: 1.0 }, SEED);
+    let whole = whole.as_f64().expect("f64 init").clone();
+    let ids = [8, 1, 8];
+    let rows = c.sparse_pull("tab", &sh, &ids, 1).expect("sparse_pull");
+    let rows = rows.as_f64().expect("f64 rows");
+    for (k, &id) in ids.iter().enumerate() {
+        assert_eq!(
+            rows.index_axis(Axis(0), k),
+            whole.index_axis(Axis(0), id as usize)
+        );
+    }
+    assert_eq!(c.bytes(), (8 * 2, 8 * 3 * 2));
+    // 1e-12 is below f32's resolution at 1 (6e-8): it survives only in f64.
+    let grad = Slices {
+        indices: ids.to_vec(),
+        values: Tensor::F64(ArrayD::from_elem(IxDyn(&[3, 3]), 1.0 + 1e-12)),
+        dense_shape: vec![10, 3],
+    };
+    c.sparse_push("tab", &sh, &grad, 1).expect("sparse_push");
+    assert_eq!(c.bytes(), (8 * 2 + 2 * (8 + 8 * 3), 8 * 3 * 2));
+    let after = c.pull("tab", &sh, 2).expect("pull");
+    let after = after.as_f64().expect("f64 pull");
+    let step = |n: f64| 0.5 * n * (1.0 + 1e-12);
+    for col in 0..3 {
+        assert_eq!(after[[8, col]], whole[[8, col]] - step(2.0));
+        assert_eq!(after[[1, col]], whole[[1, col]] - step(1.0));
+        assert_eq!(after[[0, col]], whole[[0, col]]);
+    }
+    cluster.shutdown().expect("shutdown");
+}
+
 #[test]
 // `expect_err` needs the cluster to be `Debug`; it holds threads and links.
 #[allow(clippy::err_expect)]
 fn errors_name_server_variable_and_id() {
-    // f64 variables are refused.
-    let mut f64_spec = spec("d", &[4], 0, 4);
-    f64_spec.full = TensorType::new(DType::F64, vec![4]);
-    let e = ps::start(vec![vec![f64_spec]], cfg(PsSync::Sync, sgd(0.1)))
+    // 16-bit variables are refused: masters are f32 (or f64 for a float64 copy).
+    let mut half_spec = spec("d", &[4], 0, 4);
+    half_spec.full = TensorType::new(DType::BF16, vec![4]);
+    let e = ps::start(vec![vec![half_spec]], cfg(PsSync::Sync, sgd(0.1)))
         .err()
-        .expect("f64 refused")
+        .expect("bf16 refused")
         .to_string();
-    assert!(e.contains("f64 variables are not served"), "{e}");
+    assert!(e.contains("bf16 variables are not served"), "{e}");
     // Rows on no server.
     let e = ps::start(
         vec![vec![spec("x", &[6, 2], 0, 4)]],

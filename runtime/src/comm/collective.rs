@@ -42,6 +42,7 @@ pub trait HostFloat:
     Copy
     + Default
     + std::ops::Mul<Output = Self>
+    + std::ops::AddAssign
     + zerocopy::FromBytes
     + zerocopy::IntoBytes
     + zerocopy::Immutable
@@ -55,6 +56,8 @@ pub trait HostFloat:
     fn reduce_scatter(comm: &mut dyn Communicator, buf: &[Self], mean: bool) -> Result<Vec<Self>>;
     /// `a` as a tensor.
     fn tensor(a: ArrayD<Self>) -> Tensor;
+    /// The tensor's array, if it holds this type.
+    fn array(t: &Tensor) -> Option<&ArrayD<Self>>;
 }
 
 impl HostFloat for f32 {
@@ -69,6 +72,9 @@ impl HostFloat for f32 {
     }
     fn tensor(a: ArrayD<f32>) -> Tensor {
         Tensor::F32(a)
+    }
+    fn array(t: &Tensor) -> Option<&ArrayD<f32>> {
+        t.as_f32()
     }
 }
 
@@ -88,6 +94,9 @@ impl HostFloat for f64 {
     }
     fn tensor(a: ArrayD<f64>) -> Tensor {
         Tensor::F64(a)
+    }
+    fn array(t: &Tensor) -> Option<&ArrayD<f64>> {
+        t.as_f64()
     }
 }
 

@@ -786,69 +786,17 @@ fn join_chunks(
     reshape(&slice_front(&joined, n), shape, whole)
 }
 
-macro_rules! each_dtype {
-    ($t:expr, $a:ident => $body:expr) => {
-        match $t {
-            Tensor::F32($a) => Tensor::F32($body),
-            Tensor::F64($a) => Tensor::F64($body),
-            Tensor::I32($a) => Tensor::I32($body),
-            Tensor::BF16($a) => Tensor::BF16($body),
-            Tensor::F16($a) => Tensor::F16($body),
-        }
-    };
-}
-
 fn slice_front(t: &Tensor, n: usize) -> Tensor {
-    each_dtype!(t, a => a.slice(ndarray::s![..n]).to_owned().into_dyn())
+    crate::core::value::each_dtype!(t, a => a.slice(ndarray::s![..n]).to_owned().into_dyn())
 }
 
 fn reshape(t: &Tensor, shape: &[usize], whole: &str) -> std::result::Result<Tensor, String> {
-    let bad =
-        |e: ndarray::ShapeError| format!("`{whole}`: a piece of {:?} as {shape:?}: {e}", t.shape());
-    Ok(each_dtype!(t, a => a
-        .as_standard_layout()
-        .into_owned()
-        .into_shape_with_order(ndarray::IxDyn(shape))
-        .map_err(bad)?))
+    t.reshaped(shape).map_err(|e| format!("`{whole}`: {e}"))
 }
 
 /// The pieces joined along `dim` (all of one dtype).
 fn concat(pieces: &[&Tensor], dim: usize, whole: &str) -> std::result::Result<Tensor, String> {
-    let first = pieces
-        .first()
-        .ok_or_else(|| format!("`{whole}` has no pieces"))?;
-    if dim >= first.shape().len() {
-        return Err(format!(
-            "`{whole}` is joined along dimension {dim} of a piece of {:?}",
-            first.shape()
-        ));
-    }
-    macro_rules! join {
-        ($v:ident) => {{
-            let views = pieces
-                .iter()
-                .map(|p| match p {
-                    Tensor::$v(a) => Ok(a.view()),
-                    other => Err(format!(
-                        "`{whole}`'s pieces are of {} and {}",
-                        first.dtype(),
-                        other.dtype()
-                    )),
-                })
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Tensor::$v(
-                ndarray::concatenate(ndarray::Axis(dim), &views)
-                    .map_err(|e| format!("`{whole}`: pieces that do not join: {e}"))?,
-            )
-        }};
-    }
-    Ok(match first {
-        Tensor::F32(_) => join!(F32),
-        Tensor::F64(_) => join!(F64),
-        Tensor::I32(_) => join!(I32),
-        Tensor::BF16(_) => join!(BF16),
-        Tensor::F16(_) => join!(F16),
-    })
+    Tensor::concat(pieces, dim).map_err(|e| format!("`{whole}`: {e}"))
 }
 
 #[cfg(test)]

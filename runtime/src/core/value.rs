@@ -4,6 +4,20 @@ use distc_ir::{DType, Shape, TensorType, ValueType};
 use ndarray::{ArrayD, IxDyn};
 use serde::{Deserialize, Serialize};
 
+/// `$body` on the array of a tensor `$t` of any dtype, as a tensor of that dtype.
+macro_rules! each_dtype {
+    ($t:expr, $a:ident => $body:expr) => {
+        match $t {
+            $crate::core::value::Tensor::F32($a) => $crate::core::value::Tensor::F32($body),
+            $crate::core::value::Tensor::F64($a) => $crate::core::value::Tensor::F64($body),
+            $crate::core::value::Tensor::I32($a) => $crate::core::value::Tensor::I32($body),
+            $crate::core::value::Tensor::BF16($a) => $crate::core::value::Tensor::BF16($body),
+            $crate::core::value::Tensor::F16($a) => $crate::core::value::Tensor::F16($body),
+        }
+    };
+}
+pub(crate) use each_dtype;
+
 /// A dense tensor of one of the IR's dtypes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Tensor {
@@ -158,6 +172,49 @@ impl Tensor {
             DType::I32 => return None,
         })
     }
+    /// The same elements, row-major, in dimensions `shape`.
+    pub fn reshaped(&self, shape: &[usize]) -> Result<Tensor, String> {
+        let bad = |e: ndarray::ShapeError| format!("{:?} as {shape:?}: {e}", self.shape());
+        Ok(each_dtype!(self, a => a
+            .as_standard_layout()
+            .into_owned()
+            .into_shape_with_order(IxDyn(shape))
+            .map_err(bad)?))
+    }
+
+    /// Tensors of one dtype joined along dimension `dim`.
+    pub fn concat(pieces: &[&Tensor], dim: usize) -> Result<Tensor, String> {
+        let first = pieces.first().ok_or("no pieces to join")?;
+        if dim >= first.shape().len() {
+            return Err(format!(
+                "joined along dimension {dim} of a piece of {:?}",
+                first.shape()
+            ));
+        }
+        macro_rules! join {
+            ($v:ident) => {{
+                let views = pieces
+                    .iter()
+                    .map(|p| match p {
+                        Tensor::$v(a) => Ok(a.view()),
+                        other => Err(format!("pieces of {} and {}", first.dtype(), other.dtype())),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Tensor::$v(
+                    ndarray::concatenate(ndarray::Axis(dim), &views)
+                        .map_err(|e| format!("pieces that do not join: {e}"))?,
+                )
+            }};
+        }
+        Ok(match first {
+            Tensor::F32(_) => join!(F32),
+            Tensor::F64(_) => join!(F64),
+            Tensor::I32(_) => join!(I32),
+            Tensor::BF16(_) => join!(BF16),
+            Tensor::F16(_) => join!(F16),
+        })
+    }
+
     /// A scalar's value as f64 (the first element of any tensor).
     pub fn scalar_f64(&self) -> Option<f64> {
         self.to_f64_vec().first().copied()

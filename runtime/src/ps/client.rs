@@ -11,8 +11,10 @@ use super::server::slice_rows;
 use super::transport::WorkerLink;
 use super::wire::{Reply, Request};
 use super::{concat_rows, ShardList};
+use crate::comm::collective::HostFloat;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::value::{Slices, Tensor, Value};
+use distc_ir::DType;
 use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -91,14 +93,108 @@ fn recv_until(link: &mut dyn WorkerLink, deadline: &mut Instant) -> Result<Optio
     Ok(got)
 }
 
-/// The gradient's dtype against the servers' f32 masters: the model's precision.
-fn f32_of<'a>(op: &str, var: &str, t: &'a Tensor) -> Result<&'a ArrayD<f32>> {
-    t.as_f32().ok_or_else(|| {
-        RuntimeError::plan(format!(
-            "{op} of `{var}`: a {} gradient (the servers hold f32)",
-            t.dtype()
-        ))
-    })
+/// The gradient's dtype against the servers' masters, f32 (or f64 for a float64
+/// copy): the model's precision.
+fn served_float(op: &str, var: &str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        DType::F32 | DType::F64 => Ok(()),
+        d => Err(RuntimeError::plan(format!(
+            "{op} of `{var}`: a {d} gradient (the servers hold f32 or f64)"
+        ))),
+    }
+}
+
+/// Why the servers' answers to a sparse pull do not hold its rows.
+enum Unpulled {
+    /// No answer held any rows.
+    None,
+    /// Answer `k` held too few rows.
+    Short(usize),
+    Shape(String),
+}
+
+/// The pulled rows in the order of `ids`, `pos[id]` being (answer, row in it): each
+/// answer holds each of its distinct rows once.
+fn in_id_order<T: HostFloat>(
+    parts: &[Option<Tensor>],
+    ids: &[i32],
+    pos: &HashMap<i32, (usize, usize)>,
+) -> std::result::Result<Tensor, Unpulled> {
+    let arrays: Vec<Option<&ArrayD<T>>> = parts
+        .iter()
+        .map(|p| p.as_ref().and_then(T::array))
+        .collect();
+    let first = arrays.iter().flatten().next().ok_or(Unpulled::None)?;
+    let rest: Vec<usize> = first.shape()[1..].to_vec();
+    let row: usize = rest.iter().product();
+    let mut data: Vec<T> = Vec::with_capacity(ids.len() * row);
+    for id in ids {
+        let (k, p) = pos[id];
+        let src = arrays[k]
+            .and_then(|a| a.as_slice())
+            .and_then(|s| s.get(p * row..(p + 1) * row))
+            .ok_or(Unpulled::Short(k))?;
+        data.extend_from_slice(src);
+    }
+    let mut shape = vec![ids.len()];
+    shape.extend_from_slice(&rest);
+    ArrayD::from_shape_vec(IxDyn(&shape), data)
+        .map(T::tensor)
+        .map_err(|e| Unpulled::Shape(e.to_string()))
+}
+
+/// A worker's row-sparse gradient as one message per shard: duplicate rows summed in
+/// order of appearance, each row's index rebased to its shard.
+fn split_by_shard<T: HostFloat>(
+    var: &str,
+    vals: &ArrayD<T>,
+    indices: &[i32],
+    sh: &ShardList,
+    rows: usize,
+) -> Result<Vec<(Vec<i32>, Tensor)>> {
+    let rest = &vals.shape()[1..];
+    let row: usize = rest.iter().product();
+    let vals = vals.as_standard_layout();
+    let vs = vals.as_slice().ok_or_else(|| {
+        RuntimeError::internal(
+            "parameter servers",
+            format!("sparse_push of `{var}`: non-contiguous values"),
+        )
+    })?;
+    let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(indices.len());
+    let mut idx: Vec<Vec<i32>> = vec![Vec::new(); sh.len()];
+    let mut data: Vec<Vec<T>> = vec![Vec::new(); sh.len()];
+    for (r, &id) in indices.iter().enumerate() {
+        let src = &vs[r * row..(r + 1) * row];
+        if let Some(&(k, p)) = pos.get(&id) {
+            for (d, s) in data[k][p * row..(p + 1) * row].iter_mut().zip(src) {
+                *d += *s;
+            }
+            continue;
+        }
+        // The ids come from the data.
+        if id < 0 || id as usize >= rows {
+            return Err(RuntimeError::plan(format!(
+                "sparse_push of `{var}`: id {id} is not in 0..{rows}"
+            )));
+        }
+        let k = shard_of(sh, id as usize);
+        pos.insert(id, (k, idx[k].len()));
+        idx[k].push((id as usize - sh[k].1) as i32);
+        data[k].extend_from_slice(src);
+    }
+    idx.into_iter()
+        .zip(data)
+        .map(|(indices, data)| {
+            let mut shape = vec![indices.len()];
+            shape.extend_from_slice(rest);
+            // `indices.len()` rows of `row` values each, gathered above.
+            let values = ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|e| {
+                RuntimeError::internal("parameter servers", format!("sparse_push of `{var}`: {e}"))
+            })?;
+            Ok((indices, T::tensor(values)))
+        })
+        .collect()
 }
 
 impl PsClient {
@@ -382,47 +478,36 @@ impl PsClient {
             asked.push((tag, k));
         }
         let parts = self.collect("sparse_pull", var, step, &sh, &asked)?;
-        let arrays: Vec<Option<&ArrayD<f32>>> = parts
-            .iter()
-            .map(|p| p.as_ref().and_then(|t| t.as_f32()))
-            .collect();
-        let Some(first) = arrays.iter().flatten().next() else {
-            let server = asked.first().map_or(0, |&(_, k)| sh[k].0);
-            return Err(self.malformed(
-                server,
-                "sparse_pull",
-                format!("sparse_pull of `{var}`: no rows came back"),
-            ));
+        let dtype = parts.iter().flatten().next().map(Tensor::dtype);
+        let pulled = match dtype {
+            Some(DType::F64) => in_id_order::<f64>(&parts, ids, &pos),
+            _ => in_id_order::<f32>(&parts, ids, &pos),
         };
-        let rest: Vec<usize> = first.shape()[1..].to_vec();
-        let row: usize = rest.iter().product();
-        let mut data: Vec<f32> = Vec::with_capacity(ids.len() * row);
-        for id in ids {
-            let (k, p) = pos[id];
-            let src = arrays[k]
-                .and_then(|a| a.as_slice())
-                .and_then(|s| s.get(p * row..(p + 1) * row))
-                .ok_or_else(|| {
-                    self.malformed(
-                        sh[k].0,
-                        "sparse_pull",
-                        format!(
-                            "sparse_pull of `{var}`: server {} returned too few rows",
-                            sh[k].0
-                        ),
-                    )
-                })?;
-            data.extend_from_slice(src);
-        }
-        let mut shape = vec![ids.len()];
-        shape.extend_from_slice(&rest);
-        // `ids.len()` rows of `row` values each, gathered above.
-        let out = ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|e| {
-            RuntimeError::internal("parameter servers", format!("sparse_pull of `{var}`: {e}"))
+        let out = pulled.map_err(|e| match e {
+            Unpulled::None => {
+                let server = asked.first().map_or(0, |&(_, k)| sh[k].0);
+                self.malformed(
+                    server,
+                    "sparse_pull",
+                    format!("sparse_pull of `{var}`: no rows came back"),
+                )
+            }
+            Unpulled::Short(k) => self.malformed(
+                sh[k].0,
+                "sparse_pull",
+                format!(
+                    "sparse_pull of `{var}`: server {} returned too few rows",
+                    sh[k].0
+                ),
+            ),
+            Unpulled::Shape(e) => {
+                RuntimeError::internal("parameter servers", format!("sparse_pull of `{var}`: {e}"))
+            }
         })?;
+        let row_bytes = out.bytes() / ids.len().max(1);
         self.sent += 8 * distinct as u64;
-        self.received += (4 * row * distinct) as u64;
-        Ok(Tensor::F32(out))
+        self.received += (row_bytes * distinct) as u64;
+        Ok(out)
     }
 
     /// Pushes a dense gradient (split by row ranges to the shards' servers).
@@ -435,7 +520,7 @@ impl PsClient {
     ) -> Result<()> {
         self.check()?;
         let (sh, rows) = layout("push", var, shards, self.servers)?;
-        f32_of("push", var, grad)?;
+        served_float("push", var, grad)?;
         if grad.shape().is_empty() && sh.len() != 1 {
             return Err(RuntimeError::plan(format!(
                 "push of `{var}`: a scalar gradient for several shards"
@@ -475,7 +560,8 @@ impl PsClient {
     ) -> Result<()> {
         self.check()?;
         let (sh, rows) = layout("sparse_push", var, shards, self.servers)?;
-        let vals = f32_of("sparse_push", var, &grad.values)?;
+        let vals = &grad.values;
+        served_float("sparse_push", var, vals)?;
         let ds = &grad.dense_shape;
         if ds.is_empty() || ds[0] != rows {
             return Err(RuntimeError::plan(format!(
@@ -483,7 +569,6 @@ impl PsClient {
             )));
         }
         let rest = &ds[1..];
-        let row: usize = rest.iter().product();
         let n = grad.indices.len();
         if vals.shape().first() != Some(&n) || vals.shape()[1..] != *rest {
             return Err(RuntimeError::plan(format!(
@@ -491,48 +576,21 @@ impl PsClient {
                 vals.shape()
             )));
         }
-        let vals = vals.as_standard_layout();
-        let vs = vals.as_slice().ok_or_else(|| {
-            RuntimeError::internal(
-                "parameter servers",
-                format!("sparse_push of `{var}`: non-contiguous values"),
-            )
-        })?;
-        let mut pos: HashMap<i32, (usize, usize)> = HashMap::with_capacity(n);
-        let mut idx: Vec<Vec<i32>> = vec![Vec::new(); sh.len()];
-        let mut data: Vec<Vec<f32>> = vec![Vec::new(); sh.len()];
-        for (r, &id) in grad.indices.iter().enumerate() {
-            let src = &vs[r * row..(r + 1) * row];
-            if let Some(&(k, p)) = pos.get(&id) {
-                for (d, s) in data[k][p * row..(p + 1) * row].iter_mut().zip(src) {
-                    *d += s;
-                }
-                continue;
+        let parts = match vals {
+            Tensor::F64(v) => split_by_shard(var, v, &grad.indices, &sh, rows)?,
+            Tensor::F32(v) => split_by_shard(var, v, &grad.indices, &sh, rows)?,
+            t => {
+                return Err(RuntimeError::internal(
+                    "parameter servers",
+                    format!(
+                        "sparse_push of `{var}`: {} values passed as served",
+                        t.dtype()
+                    ),
+                ))
             }
-            // The ids come from the data.
-            if id < 0 || id as usize >= rows {
-                return Err(RuntimeError::plan(format!(
-                    "sparse_push of `{var}`: id {id} is not in 0..{rows}"
-                )));
-            }
-            let k = shard_of(&sh, id as usize);
-            pos.insert(id, (k, idx[k].len()));
-            idx[k].push((id as usize - sh[k].1) as i32);
-            data[k].extend_from_slice(src);
-        }
-        for (k, &(s, a, b)) in sh.iter().enumerate() {
-            let indices = std::mem::take(&mut idx[k]);
-            let mut shape = vec![indices.len()];
-            shape.extend_from_slice(rest);
-            // `indices.len()` rows of `row` values each, gathered above.
-            let values = ArrayD::from_shape_vec(IxDyn(&shape), std::mem::take(&mut data[k]))
-                .map_err(|e| {
-                    RuntimeError::internal(
-                        "parameter servers",
-                        format!("sparse_push of `{var}`: {e}"),
-                    )
-                })?;
-            self.sent += (indices.len() * (8 + 4 * row)) as u64;
+        };
+        for ((indices, values), &(s, a, b)) in parts.into_iter().zip(&sh) {
+            self.sent += (8 * indices.len() + values.bytes()) as u64;
             let mut dense_shape = vec![b - a];
             dense_shape.extend_from_slice(rest);
             let msg = Request::Push {
@@ -542,7 +600,7 @@ impl PsClient {
                 step,
                 grad: Value::Slices(Slices {
                     indices,
-                    values: Tensor::F32(values),
+                    values,
                     dense_shape,
                 }),
             };

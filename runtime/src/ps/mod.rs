@@ -39,11 +39,12 @@ pub mod wire;
 pub use client::PsClient;
 pub use server::{serve, Server, ServerOutcome};
 
+use crate::comm::collective::HostFloat;
 use crate::core::config::OptimizerSpec;
 use crate::core::error::{Result, RuntimeError};
 use crate::core::value::Tensor;
 use distc_ir::{DType, Init, TensorType};
-use ndarray::Axis;
+use ndarray::{ArrayD, IxDyn};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -142,25 +143,45 @@ fn rows_of(dims: &[usize]) -> usize {
     dims.first().copied().unwrap_or(1)
 }
 
-/// Concatenates f32 parts along rows (a single part is returned as is).
+/// Concatenates shards along rows (a single part is returned as is).
 fn concat_rows(var: &str, mut parts: Vec<Tensor>) -> Result<Tensor> {
     if parts.len() == 1 {
         return Ok(parts.remove(0));
     }
-    let views: Vec<_> = parts
-        .iter()
-        .map(|p| match p {
-            Tensor::F32(a) => Ok(a.view()),
-            _ => Err(RuntimeError::plan(format!(
-                "variable `{var}`: a shard is not f32"
-            ))),
-        })
-        .collect::<Result<_>>()?;
-    ndarray::concatenate(Axis(0), &views)
-        .map(Tensor::F32)
-        .map_err(|e| {
-            RuntimeError::plan(format!("variable `{var}`: shards do not fit together: {e}"))
-        })
+    let parts: Vec<&Tensor> = parts.iter().collect();
+    Tensor::concat(&parts, 0).map_err(|e| {
+        RuntimeError::plan(format!("variable `{var}`: shards do not fit together: {e}"))
+    })
+}
+
+/// Rows `ids` of `w` (shard-local; each below `end - start`), in their order.
+pub(crate) fn gather_rows<T: HostFloat>(
+    w: &ArrayD<T>,
+    ids: &[usize],
+    start: usize,
+    end: usize,
+) -> std::result::Result<Tensor, String> {
+    let shape = w.shape();
+    if shape.is_empty() {
+        return Err("sparse pull of a scalar".into());
+    }
+    let row: usize = shape[1..].iter().product();
+    let ws = w.as_slice().ok_or("non-contiguous shard")?;
+    let mut data = Vec::with_capacity(ids.len() * row);
+    for &i in ids {
+        if i >= end - start {
+            return Err(format!(
+                "id {} is not in {start}..{end}",
+                i.saturating_add(start)
+            ));
+        }
+        data.extend_from_slice(&ws[i * row..(i + 1) * row]);
+    }
+    let mut out = vec![ids.len()];
+    out.extend_from_slice(&shape[1..]);
+    ArrayD::from_shape_vec(IxDyn(&out), data)
+        .map(T::tensor)
+        .map_err(|e| e.to_string())
 }
 
 /// Checks every server's shards (`shards[s]` = what server `s` owns): one type per
@@ -180,8 +201,7 @@ pub fn check_shards(shards: &[Vec<ShardSpec>]) -> Result<HashMap<String, TensorT
             // The model's precision against what servers hold: a setting.
             let unserved = |m: String| RuntimeError::Config(format!("{}: {m}", at()));
             match sp.full.dtype {
-                DType::F32 => {}
-                DType::F64 => return Err(unserved("f64 variables are not served".into())),
+                DType::F32 | DType::F64 => {}
                 DType::I32 => return Err(unserved("i32 variables are not served".into())),
                 d @ (DType::BF16 | DType::F16) => {
                     return Err(unserved(format!(

@@ -11,13 +11,14 @@
 
 use super::transport::{Incoming, ServerLink};
 use super::wire::{Reply, Request};
-use super::{PsConfig, PsSync, ServerSpan, ShardSpec};
+use super::{gather_rows, PsConfig, PsSync, ServerSpan, ShardSpec};
+use crate::comm::collective::HostFloat;
 use crate::core::checkpoint::TrainingState;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::init::{init_param, init_rows};
-use crate::core::value::{Slices, Tensor, Value};
+use crate::core::value::{each_dtype, Slices, Tensor, Value};
 use crate::cpu::optim::{Optimizer, STEP_KEY};
-use ndarray::{ArrayD, Axis, IxDyn, Slice};
+use ndarray::{ArrayD, Axis, Slice};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -42,15 +43,7 @@ pub(crate) fn slice_rows(t: &Tensor, start: usize, end: usize) -> Tensor {
         return t.clone();
     }
     let sl = Slice::from(start..end);
-    match t {
-        Tensor::F32(a) => Tensor::F32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-        Tensor::F64(a) => Tensor::F64(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-        Tensor::I32(a) => Tensor::I32(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-        Tensor::BF16(a) => {
-            Tensor::BF16(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned())
-        }
-        Tensor::F16(a) => Tensor::F16(a.slice_axis(Axis(0), sl).as_standard_layout().into_owned()),
-    }
+    each_dtype!(t, a => a.slice_axis(Axis(0), sl).as_standard_layout().into_owned())
 }
 
 /// Shard `sp` of a resumed state: its rows of the variable and of each slot.
@@ -136,33 +129,11 @@ impl Shard {
         let Some(ids) = ids else {
             return Ok(self.value.clone());
         };
-        let Tensor::F32(w) = &self.value else {
-            return Err("the shard is not f32".into());
-        };
-        let n = self.end - self.start;
-        let shape = w.shape();
-        if shape.is_empty() {
-            return Err("sparse pull of a scalar".into());
+        match &self.value {
+            Tensor::F32(w) => gather_rows(w, ids, self.start, self.end),
+            Tensor::F64(w) => gather_rows(w, ids, self.start, self.end),
+            t => Err(format!("the shard is {}", t.dtype())),
         }
-        let row: usize = shape[1..].iter().product();
-        let ws = w.as_slice().ok_or("non-contiguous shard")?;
-        let mut data = Vec::with_capacity(ids.len() * row);
-        for &i in ids {
-            if i >= n {
-                return Err(format!(
-                    "id {} is not in {}..{}",
-                    i.saturating_add(self.start),
-                    self.start,
-                    self.end
-                ));
-            }
-            data.extend_from_slice(&ws[i * row..(i + 1) * row]);
-        }
-        let mut out = vec![ids.len()];
-        out.extend_from_slice(&shape[1..]);
-        ArrayD::from_shape_vec(IxDyn(&out), data)
-            .map(Tensor::F32)
-            .map_err(|e| e.to_string())
     }
 
     /// Applies one (combined) gradient with scale `1/workers` and ends the step. A
@@ -200,16 +171,22 @@ fn combine(pushes: Vec<Vec<Value>>) -> std::result::Result<Value, String> {
         return Err("no pushes".into());
     };
     let differ = || "the workers' gradients of one step differ in kind or shape".to_string();
-    match first {
-        Value::Tensor(Tensor::F32(mut acc)) => {
-            for v in it {
-                match v {
-                    Value::Tensor(Tensor::F32(g)) if g.shape() == acc.shape() => acc += &g,
-                    _ => return Err(differ()),
-                }
+    fn sum<T: HostFloat>(
+        mut acc: ArrayD<T>,
+        rest: impl Iterator<Item = Value>,
+        differ: impl Fn() -> String,
+    ) -> std::result::Result<Value, String> {
+        for v in rest {
+            match v.tensor().and_then(T::array) {
+                Some(g) if g.shape() == acc.shape() => acc += g,
+                _ => return Err(differ()),
             }
-            Ok(Value::Tensor(Tensor::F32(acc)))
         }
+        Ok(Value::Tensor(T::tensor(acc)))
+    }
+    match first {
+        Value::Tensor(Tensor::F32(acc)) => sum(acc, it, differ),
+        Value::Tensor(Tensor::F64(acc)) => sum(acc, it, differ),
         Value::Slices(s0) => {
             let mut ss = vec![s0];
             for v in it {
@@ -221,25 +198,18 @@ fn combine(pushes: Vec<Vec<Value>>) -> std::result::Result<Value, String> {
             if ss.len() == 1 {
                 return Ok(Value::Slices(ss.remove(0)));
             }
-            let mut indices = Vec::new();
-            let mut views = Vec::new();
-            for s in &ss {
-                indices.extend_from_slice(&s.indices);
-                views.push(
-                    s.values
-                        .as_f32()
-                        .ok_or("an f64 or i32 sparse gradient")?
-                        .view(),
-                );
-            }
-            let values = ndarray::concatenate(Axis(0), &views).map_err(|e| e.to_string())?;
+            let indices = ss.iter().flat_map(|s| s.indices.iter().copied()).collect();
+            let values: Vec<&Tensor> = ss.iter().map(|s| &s.values).collect();
             Ok(Value::Slices(Slices {
                 indices,
-                values: Tensor::F32(values),
+                values: Tensor::concat(&values, 0)?,
                 dense_shape: ss[0].dense_shape.clone(),
             }))
         }
-        Value::Tensor(t) => Err(format!("a {} gradient (the servers hold f32)", t.dtype())),
+        Value::Tensor(t) => Err(format!(
+            "a {} gradient (the servers hold f32 or f64)",
+            t.dtype()
+        )),
     }
 }
 
@@ -885,6 +855,7 @@ mod tests {
     use super::*;
     use crate::core::config::OptimizerSpec;
     use distc_ir::{Init, TensorType};
+    use ndarray::IxDyn;
 
     fn config(workers: usize, sync: PsSync) -> PsConfig {
         PsConfig {

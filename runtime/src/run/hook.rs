@@ -506,17 +506,11 @@ impl CommHook for HostHook {
         let rows = self.ps()?.sparse_pull(var, shards, &ids, step);
         self.waited += start.elapsed();
         // The servers answer [ids, row...]; the program wants [ids dims..., row...].
-        let Tensor::F32(rows) = rows? else {
-            return Err(RuntimeError::plan(format!(
-                "sparse_pull of `{var}`: not f32"
-            )));
-        };
+        let rows = rows?;
         let mut dims = ids_dims;
         dims.extend_from_slice(&rows.shape()[1..]);
-        let rows = rows
-            .into_shape_with_order(IxDyn(&dims))
-            .map_err(|e| RuntimeError::plan(format!("sparse_pull of `{var}`: {e}")))?;
-        Ok(Tensor::F32(rows))
+        rows.reshaped(&dims)
+            .map_err(|e| RuntimeError::plan(format!("sparse_pull of `{var}`: {e}")))
     }
 
     fn push(
