@@ -61,28 +61,49 @@ pub fn parse_sync(s: &str) -> Result<SyncMode, String> {
     }
 }
 
-/// `off`, `layers` or a budget in MiB above 0.
+/// `off`, `layers` or a budget above 0 ([`parse_mib`]'s sizes).
 pub fn parse_remat(s: &str) -> Result<RematPolicy, String> {
     match s {
         "off" => Ok(RematPolicy::Off),
         "layers" => Ok(RematPolicy::Layers),
-        _ => match s.parse::<f64>() {
-            Ok(mib) if mib.is_finite() && mib > 0.0 => Ok(RematPolicy::Budget(mib)),
-            Ok(_) => Err(format!("`{s}` is not a budget above 0 MiB")),
-            Err(_) => Err(format!("`{s}` is not `off`, `layers` or a budget in MiB")),
-        },
+        _ if size_in_mib(s).is_none() => Err(format!(
+            "`{s}` is not `off`, `layers` or a budget (`512`, in MiB, or with a unit: \
+             `512MiB`, `2GiB`, `1.5GB`)"
+        )),
+        _ => parse_mib(s).map(RematPolicy::Budget),
     }
 }
 
-/// A size in MiB above 0.
+/// A size above 0, in MiB: a bare number is MiB; with a unit, binary (`KiB`, `MiB`,
+/// `GiB`, `TiB`) or decimal (`KB`, `MB`, `GB`, `TB`), a space between or not, as
+/// people write them.
 pub fn parse_mib(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(mib) if mib.is_finite() && mib > 0.0 && mib <= 1e12 => Ok(mib),
-        Ok(mib) if mib > 1e12 => Err(format!(
-            "`{s}` MiB is more than any machine holds: give at most 1e12 (an exbibyte)"
+    match size_in_mib(s) {
+        Some(mib) if mib.is_finite() && mib > 0.0 && mib <= 1e12 => Ok(mib),
+        Some(mib) if mib > 1e12 => Err(format!(
+            "`{s}` is more than any machine holds: give at most 1e12 MiB (an exbibyte)"
         )),
-        _ => Err(format!("`{s}` is not a size in MiB above 0")),
+        Some(_) => Err(format!("`{s}` is not a size above 0")),
+        None => Err(format!(
+            "`{s}` is not a size: give MiB (`160`) or a unit (`160MiB`, `2GiB`, `1.5GB`, \
+             `512KiB`)"
+        )),
     }
+}
+
+/// `s` in MiB: a bare number, or a size with a unit (the `parse-size` crate's rules,
+/// `KB` decimal and `KiB` binary).
+fn size_in_mib(s: &str) -> Option<f64> {
+    if let Ok(mib) = s.trim().parse::<f64>() {
+        return Some(mib);
+    }
+    // A bare number of bytes is not a size here: a bare number is MiB.
+    if !s.trim_end().ends_with(|c: char| c.is_ascii_alphabetic()) {
+        return None;
+    }
+    parse_size::parse_size(s.trim())
+        .ok()
+        .map(|bytes| bytes as f64 / (1u64 << 20) as f64)
 }
 
 /// Whether `a` asks for the layout search: `--strategy auto` over several workers with
@@ -294,8 +315,8 @@ pub struct CompileArgs {
     /// Parameter-server synchronisation: sync, async or stale:K (ps, hybrid, auto).
     #[arg(long, default_value = "sync", value_parser = parse_sync)]
     pub sync: SyncMode,
-    /// Bucket size cap for fused all-reduces, MiB (above 0).
-    #[arg(long, default_value_t = 25.0, value_parser = positive_finite, allow_negative_numbers = true)]
+    /// Bucket size cap for fused all-reduces, in MiB, or with a unit (`25MiB`, `1GB`).
+    #[arg(long, default_value_t = 25.0, value_parser = parse_mib, allow_negative_numbers = true, value_name = "SIZE")]
     pub bucket_mb: f64,
     /// All-reduce sparse gradients as dense tensors instead of all-gathering their
     /// rows (allreduce and auto); the update stays the one-device update of the rows
@@ -317,13 +338,14 @@ pub struct CompileArgs {
     pub accumulate: usize,
     /// Activation checkpointing: `layers` keeps only the activations entering each
     /// layer (matmul, conv2d) and recomputes the rest in the backward pass; a number
-    /// is a budget in MiB for the peak of activations, met with the fewest
-    /// recomputations; `off` (the default) keeps every activation.
-    #[arg(long, default_value = "off", value_parser = parse_remat, value_name = "layers|MIB")]
+    /// is a budget (MiB, or `512MiB`, `2GiB`) for the peak of activations, met with the
+    /// fewest recomputations; `off` (the default) keeps every activation.
+    #[arg(long, default_value = "off", value_parser = parse_remat, value_name = "layers|SIZE")]
     pub remat: RematPolicy,
     /// With `--strategy auto` and no servers, the layout search's memory budget: the
-    /// bytes a worker may hold, in MiB (the layouts estimated over it are rejected).
-    #[arg(long, value_parser = parse_mib, value_name = "MIB")]
+    /// bytes a worker may hold, in MiB or with a unit (`160MiB`, `2GiB`, `1.5GB`); the
+    /// layouts estimated over it are rejected.
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
     pub memory_per_worker: Option<f64>,
     /// With the layout search, the precisions it chooses among (`fp32,bf16`), each
     /// profiled on this machine; without it the search keeps --precision.
@@ -532,9 +554,15 @@ pub struct RunArgs {
     /// tensor no variable is named is ignored (both are listed).
     #[arg(long, requires = "init")]
     pub init_partial: bool,
-    /// No progress bar and no summary.
+    /// No progress bar, no log lines and no summary.
     #[arg(long, short)]
     pub quiet: bool,
+    /// A log line on standard error every N steps and at the last: step, loss, learning
+    /// rate, throughput, MFU, memory, elapsed time and ETA. Off a terminal (a pipe,
+    /// `nohup`, a batch job) every 10 steps unless given; on a terminal only when
+    /// given, beside the progress bar; 0: none.
+    #[arg(long, value_name = "N")]
+    pub log_every: Option<usize>,
     /// Write a Chrome trace (open in Perfetto) to FILE: per worker a track of its steps
     /// and IR nodes and a track of its collectives; per server a track of the pulls,
     /// pushes and updates it handled.
@@ -1056,9 +1084,36 @@ mod size_tests {
         assert!(parse_mib("1e30")
             .expect_err("refused")
             .contains("more than any machine holds"));
-        for bad in ["0", "-3", "nan", "lots"] {
+        for bad in ["0", "-3", "nan", "0MiB"] {
             assert!(parse_mib(bad).expect_err(bad).contains("above 0"), "{bad}");
         }
         assert_eq!(parse_mib("64"), Ok(64.0));
+    }
+
+    /// Issue 66, item 5: `--memory-per-worker 160MiB` was "not a size in MiB".
+    #[test]
+    fn sizes_take_the_units_people_write() {
+        for (given, mib) in [
+            ("160MiB", 160.0),
+            ("160 MiB", 160.0),
+            ("160mib", 160.0),
+            ("2GiB", 2048.0),
+            ("512KiB", 0.5),
+            ("1TiB", 1048576.0),
+            ("1.5GB", 1.5e9 / 1048576.0),
+            ("100MB", 1e8 / 1048576.0),
+            ("64", 64.0),
+        ] {
+            assert_eq!(parse_mib(given), Ok(mib), "{given}");
+        }
+        for bad in ["lots", "160 MiBs", "MiB", "1.2.3GB"] {
+            let e = parse_mib(bad).expect_err(bad);
+            assert!(
+                e.contains("is not a size") && e.contains("2GiB"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(super::parse_remat("2GiB").is_ok());
+        assert!(super::parse_remat("some").is_err());
     }
 }

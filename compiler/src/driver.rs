@@ -78,6 +78,9 @@ pub struct Compiled {
     /// one-device graph right after autodiff over its batch (none when autodiff did not
     /// run).
     pub flops_per_sample: Option<f64>,
+    /// The tokens a sample predicts, for a model with a per-position loss (a language
+    /// model's window).
+    pub tokens_per_sample: Option<usize>,
 }
 
 /// The passes a plan needs to be trained: without them it has no gradients, or its
@@ -288,6 +291,7 @@ pub fn compile(
             stage_marks,
             shards,
             flops_per_sample: None,
+            tokens_per_sample: None,
         });
     }
     let passes = passes_for(&opts.strategy);
@@ -311,6 +315,7 @@ pub fn compile(
     let mut index = 0;
     let mut dump_err = None;
     let mut flops_per_sample = None;
+    let mut tokens_per_sample = None;
     let result = run_pipeline(
         &mut programs,
         &passes,
@@ -321,6 +326,7 @@ pub fn compile(
             if name == "autodiff" {
                 flops_per_sample =
                     Some(distc_passes::cost::graph_flops(&p.worker) / config.batch.max(1) as f64);
+                tokens_per_sample = distc_passes::cost::tokens_per_sample(&p.worker, config.batch);
             }
             if let Some(dir) = &opts.dump_ir {
                 if let Err(e) = write_programs(dir, &format!("{index:02}-{name}"), p) {
@@ -361,6 +367,7 @@ pub fn compile(
                 // the model or --shard named them).
                 shards: cx.strategy.shard.clone(),
                 flops_per_sample,
+                tokens_per_sample,
             })
         }
         // A program that did not verify at the end (or a failure whose last good IR
@@ -449,6 +456,7 @@ impl Plan {
             servers: c.programs.servers.iter().map(distc_ir::print).collect(),
             not_runnable: c.not_runnable.clone(),
             flops_per_sample: c.flops_per_sample,
+            tokens_per_sample: c.tokens_per_sample,
             finalize: c.programs.finalize.as_ref().map(distc_ir::print),
             stages: c
                 .programs

@@ -141,6 +141,9 @@ enum Command {
         /// Write the metrics as one JSON line to FILE.
         #[arg(long, value_name = "FILE")]
         metrics: Option<PathBuf>,
+        /// Print nothing but errors (as `train -q`); --metrics still writes its line.
+        #[arg(long, short)]
+        quiet: bool,
     },
     /// Write the model's `prediction` for every sample of a file of inputs, as
     /// safetensors.
@@ -429,6 +432,7 @@ fn dispatch(command: Command) -> Result<()> {
             batch,
             eval_samples,
             metrics,
+            quiet,
         } => commands::eval::eval(
             &file,
             &weights.weights(),
@@ -436,6 +440,7 @@ fn dispatch(command: Command) -> Result<()> {
             batch,
             eval_samples,
             metrics.as_ref(),
+            quiet,
         ),
         Command::Predict {
             file,

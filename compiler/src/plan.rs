@@ -76,6 +76,9 @@ pub struct Plan {
     /// The model's forward and backward FLOPs per sample, for model FLOPs utilisation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_sample: Option<f64>,
+    /// The tokens a sample predicts (a language model's window), for tokens/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_sample: Option<usize>,
     /// The layout search that chose this plan (`--strategy auto` without servers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub search: Option<Search>,

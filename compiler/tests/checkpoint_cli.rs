@@ -52,7 +52,8 @@ fn train_resume_and_refusals() {
     // Issue 36, item 7.4: one worker in the singular, and the resumption said.
     let summary = String::from_utf8_lossy(&o.stdout);
     assert!(
-        summary.contains("(single, 1 worker): 2 steps resumed from step 3 in"),
+        summary.contains("(single, 1 worker) on CPU (")
+            && summary.contains(" threads): 2 steps resumed from step 3 in"),
         "{summary}"
     );
     let (a, _) = checkpoint::load(&whole).expect("weights");

@@ -103,7 +103,8 @@ fn compile_explain_and_run_a_pipelined_plan() {
     // Issue 36, item 7.4: the summary names the pipeline, not `single`.
     let summary = String::from_utf8_lossy(&o.stdout);
     assert!(
-        summary.contains("(pipeline of 3 stages x 4 micro-batches (gpipe), 3 workers): 3 steps"),
+        summary.contains("(pipeline of 3 stages x 4 micro-batches (gpipe), 3 workers) on CPU (")
+            && summary.contains(" threads): 3 steps"),
         "{summary}"
     );
     let lines = metrics_lines(&metrics);

@@ -241,6 +241,30 @@ pub fn graph_flops(g: &Graph) -> f64 {
     g.node_ids().into_iter().map(|id| node_flops(g, id)).sum()
 }
 
+/// The tokens one sample predicts, for a model whose loss is per position: the
+/// positions of a cross-entropy's integer targets, followed up through reshapes to a
+/// model input of `[batch, positions...]` (a language model's window of T). None for
+/// a model with one label a sample.
+pub fn tokens_per_sample(g: &Graph, batch: usize) -> Option<usize> {
+    g.node_ids().into_iter().find_map(|id| {
+        if g.op(id) != &Op::SoftmaxCrossEntropy {
+            return None;
+        }
+        let mut v = *g.node(id).inputs.get(1)?;
+        loop {
+            match g.op(v.node) {
+                Op::Input { ty, .. } => {
+                    let dims = ty.dims();
+                    return (dims.len() >= 2 && dims[0] == batch)
+                        .then(|| dims[1..].iter().product());
+                }
+                Op::Reshape { .. } => v = *g.node(v.node).inputs.first()?,
+                _ => return None,
+            }
+        }
+    })
+}
+
 /// Floating-point operations of one node's kernel, from its types: what the pipeline
 /// pass balances stages by. A product counts a multiply and an add per term (`2mnk`);
 /// an element-wise op its formula's ops per result element (as [`elementwise_cost`]);

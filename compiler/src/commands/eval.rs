@@ -94,6 +94,7 @@ pub fn eval(
     batch: Option<usize>,
     eval_samples: Option<usize>,
     metrics: Option<&PathBuf>,
+    quiet: bool,
 ) -> Result<()> {
     let mut c = one_device(file, batch, data)?;
     if let Some(m) = metrics {
@@ -114,7 +115,9 @@ pub fn eval(
         &params,
         dir.as_deref(),
     )?;
-    out(&format!("{}: {}\n", c.programs.worker.name, m.describe()));
+    if !quiet {
+        out(&format!("{}: {}\n", c.programs.worker.name, m.describe()));
+    }
     if let Some(path) = metrics {
         let json = serde_json::to_string(&m)?;
         distc_runtime::core::output::write_file(path, format!("{json}\n").as_bytes())?;

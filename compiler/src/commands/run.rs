@@ -154,6 +154,7 @@ fn train_options(plan: &Plan, args: &RunArgs) -> Result<TrainOptions> {
         checkpoint,
         resume,
         flops_per_sample: plan.flops_per_sample,
+        tokens_per_sample: plan.tokens_per_sample,
         snapshot: None,
         fail: args.fail_worker,
     })
@@ -253,8 +254,21 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     };
     // An elastic run's restarts, for its summary.
     let mut restarts: Vec<distc_runtime::run::metrics::Restart> = Vec::new();
+    let log_every = match (args.quiet, args.log_every) {
+        (true, _) => 0,
+        (false, Some(n)) => n,
+        (false, None) if bar.is_some() => 0,
+        (false, None) => DEFAULT_LOG_EVERY,
+    };
+    let mut log = StepLog::new(steps);
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
         reported.store(m.step, Ordering::SeqCst);
+        if let Some(line) = log.line(m, log_every) {
+            match &bar {
+                Some(b) => b.println(line),
+                None => crate::console::err(&format!("{line}\n")),
+            }
+        }
         restarts.extend(m.restart.clone());
         if let (None, Some(p)) = (&metrics, &args.metrics) {
             let f = std::fs::File::create(p).map_err(|source| distc_runtime::RuntimeError::Io {
@@ -278,8 +292,9 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         if let Some(b) = &bar {
             b.set_position(m.step as u64);
             b.set_message(format!(
-                "loss {:.4}  {:.0} samples/s",
-                m.loss, m.samples_per_sec
+                "loss {:.4}  {}",
+                m.loss,
+                throughput_words(m.samples_per_sec, m.tokens_per_sec, None)
             ));
         }
         if interrupt.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
@@ -326,6 +341,93 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         Some(report) => finish_run(plan, args, &report, resumed, &restarts),
         // Another rank than 0 of an MPI job: rank 0 reports.
         None => Ok(()),
+    }
+}
+
+/// Steps between two log lines off a terminal, as torchtitan's `log_freq`.
+const DEFAULT_LOG_EVERY: usize = 10;
+
+/// The log lines of a run (`--log-every`): what a line needs that one step's metrics
+/// do not hold, the time since the run's first step and how many it has seen.
+struct StepLog {
+    steps: usize,
+    started: Option<(std::time::Instant, usize)>,
+}
+
+impl StepLog {
+    fn new(steps: usize) -> StepLog {
+        StepLog {
+            steps,
+            started: None,
+        }
+    }
+
+    /// The line of step `m`, when it is one of every `every`th or the last.
+    fn line(&mut self, m: &StepMetrics, every: usize) -> Option<String> {
+        // Timed from the end of the first step this run saw (a resumed run starts late).
+        let (since, first) = *self
+            .started
+            .get_or_insert_with(|| (std::time::Instant::now(), m.step));
+        if every == 0 || (m.step % every != 0 && m.step != self.steps) {
+            return None;
+        }
+        let elapsed = since.elapsed().as_secs_f64();
+        let done = m.step.saturating_sub(first);
+        let mut line = format!(
+            "step {:>w$}/{}  loss {:.4}",
+            m.step,
+            self.steps,
+            m.loss,
+            w = self.steps.to_string().len()
+        );
+        if let Some(lr) = m.lr {
+            line += &format!("  lr {lr:.3e}");
+        }
+        line += &format!(
+            "  {}",
+            throughput_words(m.samples_per_sec, m.tokens_per_sec, None)
+        );
+        if let Some(mfu) = m.mfu {
+            line += &format!("  MFU {:.1}%", 100.0 * mfu);
+        }
+        let held = m.gpu_memory_peak.unwrap_or_else(|| m.memory.total());
+        line += &format!("  memory {:.1} MiB", held as f64 / (1u64 << 20) as f64);
+        let left = self.steps.saturating_sub(m.step);
+        line += &format!("  elapsed {}", duration_words(elapsed));
+        if left > 0 && done > 0 {
+            line += &format!(
+                "  ETA {}",
+                duration_words(elapsed / done as f64 * left as f64)
+            );
+        }
+        Some(line)
+    }
+}
+
+/// `42s`, `5m12s`, `3h05m`.
+fn duration_words(secs: f64) -> String {
+    let s = secs.round() as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
+/// A run's throughput: tokens per second for a model whose loss is per position (a
+/// language model), with the samples and their tokens when `per_sample` is given;
+/// samples per second otherwise.
+pub(crate) fn throughput_words(
+    samples_per_sec: f64,
+    tokens_per_sec: Option<f64>,
+    per_sample: Option<usize>,
+) -> String {
+    match (tokens_per_sec, per_sample) {
+        (Some(t), Some(n)) => {
+            format!("{t:.0} tokens/s ({samples_per_sec:.1} samples/s of {n} tokens)")
+        }
+        (Some(t), None) => format!("{t:.0} tokens/s"),
+        (None, _) => format!("{samples_per_sec:.0} samples/s"),
     }
 }
 
@@ -569,15 +671,24 @@ fn finish_run(
             (None, Some(step)) => format!(" resumed from step {step}"),
             (None, None) => String::new(),
         };
+        let on = if report.device.is_empty() {
+            String::new()
+        } else {
+            format!(" on {}", report.device)
+        };
         let mut line = format!(
-            "{} ({}): {} steps{resumed} in {:.1} s, loss {:.4} -> {:.4}, {:.0} samples/s",
+            "{} ({}){on}: {} steps{resumed} in {:.1} s, loss {:.4} -> {:.4}, {}",
             plan.model,
             layout_words(plan),
             report.steps,
             report.train_time.as_secs_f64(),
             report.first_loss,
             report.final_loss,
-            report.samples_per_sec
+            throughput_words(
+                report.samples_per_sec,
+                report.tokens_per_sec,
+                plan.tokens_per_sample
+            )
         );
         if let Some((mfu, peak, source)) = &report.mfu {
             line += &format!(

@@ -89,6 +89,11 @@ pub trait Device {
 
     /// The backend's name, for messages (`cpu`, `cuda:0`).
     fn name(&self) -> String;
+    /// The device in words, for a run's summary: the CPU with its vector width and
+    /// threads, the GPU's name, or the emulator.
+    fn describe(&self) -> String {
+        self.name()
+    }
     /// The IR type of a value (slices at their actual row count).
     fn value_type(v: &Self::Value) -> ValueType;
     /// Bytes a value holds, as the memory accounting counts them.

@@ -33,12 +33,44 @@ impl Executor<Cpu> {
     }
 }
 
+/// The widest vector instructions this CPU offers the matrix products (which pick
+/// their kernels at run time), with the f32 lanes of one register.
+fn vector_width() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "x86-64 AVX-512, 16 f32 lanes";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return "x86-64 AVX2 and FMA, 8 f32 lanes";
+        }
+        "x86-64 SSE2, 4 f32 lanes"
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        "AArch64 NEON, 4 f32 lanes"
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        std::env::consts::ARCH
+    }
+}
+
 impl Device for Cpu {
     type Value = Value;
     type Tensor = Tensor;
 
     fn name(&self) -> String {
         "cpu".into()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "CPU ({}, {} threads)",
+            vector_width(),
+            rayon::current_num_threads()
+        )
     }
 
     fn value_type(v: &Value) -> ValueType {

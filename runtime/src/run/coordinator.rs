@@ -47,6 +47,7 @@ pub fn metrics_line(
         step: r0.step,
         loss,
         samples_per_sec,
+        tokens_per_sec: None,
         model_flops_per_sec,
         mfu: model_flops_per_sec.zip(peak).map(|(f, (p, _))| f / p),
         compute_sec: (r0.step_sec - r0.comm_wait_sec).max(0.0),
@@ -99,6 +100,10 @@ pub struct Coordinator<'a> {
     pub model_axis: usize,
     /// The model's FLOPs per sample (forward and backward), where the plan says.
     pub flops_per_sample: Option<f64>,
+    /// The tokens a sample predicts, for a token model's tokens per second.
+    pub tokens_per_sample: Option<usize>,
+    /// The device worker 0 computed on, in words.
+    device: String,
     /// The summed peak of the devices of the last step and where it comes from.
     peak: Option<(f64, String)>,
 }
@@ -126,6 +131,8 @@ impl<'a> Coordinator<'a> {
             bubbles: (0.0, 0),
             model_axis: 1,
             flops_per_sample: None,
+            tokens_per_sample: None,
+            device: String::new(),
             peak: None,
         }
     }
@@ -140,8 +147,14 @@ impl<'a> Coordinator<'a> {
         }
         let mut reports = self.pending.remove(&step).unwrap_or_default();
         reports.sort_by_key(|r| r.rank);
+        if let Some(r) = reports.first().filter(|_| self.device.is_empty()) {
+            self.device.clone_from(&r.device);
+        }
         let samples = self.workers / self.model_axis.max(1) * self.batch;
-        let line = metrics_line(&reports, samples, self.per_worker, self.flops_per_sample);
+        let mut line = metrics_line(&reports, samples, self.per_worker, self.flops_per_sample);
+        line.tokens_per_sec = self
+            .tokens_per_sample
+            .map(|t| t as f64 * line.samples_per_sec);
         if let Some(p) = total_peak(reports.iter().flat_map(|r| &r.peaks)) {
             self.peak = Some(p);
         }
@@ -192,6 +205,8 @@ impl Coordinator<'_> {
             eval_failed: self.eval_failed,
             train_time: self.train_time,
             samples_per_sec: samples / seconds,
+            device: self.device,
+            tokens_per_sec: self.tokens_per_sample.map(|t| t as f64 * samples / seconds),
             params,
             profile,
             spans,
@@ -209,6 +224,7 @@ impl<'a> Coordinator<'a> {
     ) -> Coordinator<'a> {
         let mut c = Coordinator::new(1, run.samples_per_step(), false, on_step);
         c.flops_per_sample = run.flops_per_sample;
+        c.tokens_per_sample = run.tokens_per_sample;
         c
     }
 }
@@ -330,6 +346,10 @@ pub(crate) fn combine(step: usize, reports: &[StepReport]) -> StepReport {
     StepReport {
         rank: 0,
         step,
+        device: first
+            .first()
+            .map(|(_, r)| r.device.clone())
+            .unwrap_or_default(),
         loss,
         step_sec: slowest.map_or(0.0, |r| r.step_sec),
         comm_wait_sec: slowest.map_or(0.0, |r| r.comm_wait_sec),

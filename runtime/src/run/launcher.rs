@@ -163,6 +163,7 @@ impl<'a> Training<'a> {
                 let mut c = Coordinator::new(n, batch, n > 1 || mesh.servers > 0, on_step);
                 c.model_axis = mesh.model;
                 c.flops_per_sample = opts.flops_per_sample;
+                c.tokens_per_sample = opts.tokens_per_sample;
                 c
             }
             Training::Stages(run) => Coordinator::of_pipeline(run, on_step),

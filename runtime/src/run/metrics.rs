@@ -21,6 +21,10 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Global samples per second over this step.
     pub samples_per_sec: f64,
+    /// Global tokens per second over this step, for a model whose loss is per position
+    /// (a language model): samples per second times the positions a sample predicts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_sec: Option<f64>,
     /// The model's FLOPs per second over this step: its forward and backward FLOPs per
     /// sample (the cost model's count of the one-device program: no recompute, no
     /// optimizer) times the samples per second.
@@ -134,6 +138,9 @@ pub struct PipelineStep {
 pub struct StepReport {
     /// The worker.
     pub rank: usize,
+    /// The device it computed on, in words ([`crate::core::backend::Device::describe`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub device: String,
     /// 1-based step.
     pub step: usize,
     /// The loss of its batch.
@@ -389,6 +396,10 @@ pub struct TrainReport {
     pub train_time: Duration,
     /// Global samples per second over all steps.
     pub samples_per_sec: f64,
+    /// Global tokens per second over all steps (token models).
+    pub tokens_per_sec: Option<f64>,
+    /// The device worker 0 computed on, in words (empty: no step ran).
+    pub device: String,
     /// Every variable after training: replicated ones from worker 0, server-held ones
     /// reassembled from their shards.
     pub params: HashMap<String, Tensor>,

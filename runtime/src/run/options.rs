@@ -44,6 +44,9 @@ pub struct TrainOptions {
     /// The model's forward and backward FLOPs per sample, as the compiler counted
     /// them, for the metrics' model FLOPs and utilisation (`None`: not reported).
     pub flops_per_sample: Option<f64>,
+    /// The tokens a sample predicts (a language model's window), for the metrics'
+    /// tokens per second (`None`: not a token model).
+    pub tokens_per_sample: Option<usize>,
     /// Each worker keeps what it holds after every step in memory, each copy replacing
     /// the last: an elastic run restarts from the survivors' copies when a worker is
     /// lost.
@@ -216,6 +219,7 @@ impl Default for TrainOptions {
             checkpoint: None,
             resume: None,
             flops_per_sample: None,
+            tokens_per_sample: None,
             snapshot: None,
             fail: None,
         }

@@ -165,6 +165,7 @@ pub(crate) struct PipelineRun<'a> {
     samples_per_step: usize,
     /// The model's FLOPs per sample, for the metrics.
     pub(crate) flops_per_sample: Option<f64>,
+    pub(crate) tokens_per_sample: Option<usize>,
     model: String,
     optimizer: String,
 }
@@ -249,6 +250,7 @@ impl<'a> PipelineRun<'a> {
             checkpoint: opts.checkpoint.clone(),
             samples_per_step: config.batch * program.micro_batches * replicas,
             flops_per_sample: opts.flops_per_sample,
+            tokens_per_sample: opts.tokens_per_sample,
             model: whole.name.clone(),
             optimizer: format!("{:?}", config.optimizer),
         })
@@ -1130,6 +1132,7 @@ impl<B: Backend> StepBody for ScheduleStep<'_, '_, B> {
         let report = StepReport {
             rank: me.worker,
             step,
+            device: self.bwd.backend().describe(),
             loss: ran.loss.unwrap_or(f64::NAN),
             grad_norm: ran.grad_norm,
             step_sec: timed.seconds(),

@@ -823,6 +823,7 @@ impl<B: Backend> StepBody for WorkerStep<'_, '_, B> {
         Ok(StepReport {
             rank,
             step,
+            device: st.exec.backend().describe(),
             memory: ran.memory,
             loss: ran.loss.unwrap_or(f64::NAN),
             grad_norm: ran.grad_norm,

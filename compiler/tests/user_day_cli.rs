@@ -1,0 +1,225 @@
+//! A user's day (issue 66): log lines off a terminal, tokens/s for language models,
+//! sizes with units, the device in the summary, and `eval -q`.
+
+use std::path::{Path, PathBuf};
+
+mod common;
+
+use common::{distc, metrics_lines, s, text};
+
+/// A classifier on synthetic data: no files, one label a sample.
+fn classifier(dir: &Path) -> PathBuf {
+    let m = dir.join("mlp.dsl");
+    std::fs::write(
+        &m,
+        "model mlp {\n  input x: f32[B, 8]\n  input label: i32[B]\n  \
+         param w: f32[8, 3] = glorot\n  \
+         minimize softmax_cross_entropy(x @ w, label)\n}\n\
+         train {\n  data = gaussian_classes(features = 8, classes = 3)\n  batch = 4\n  \
+         optimizer = sgd(lr = 0.1)\n  steps = 25\n  seed = 1\n}\n",
+    )
+    .expect("model");
+    m
+}
+
+/// A next-token model of windows of 4 tokens, over a token file it writes.
+fn token_model(dir: &Path) -> PathBuf {
+    let tokens: Vec<u8> = (0..4000u32)
+        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("train.bin"), tokens).expect("tokens");
+    let m = dir.join("lm.dsl");
+    std::fs::write(
+        &m,
+        "model lm {\n  input tokens: i32[B, 4]\n  input targets: i32[B, 4]\n  \
+         param emb: f32[50, 8] = uniform(-0.05, 0.05)\n  param w: f32[8, 50] = glorot\n  \
+         x = reshape(embedding(emb, tokens), [-1, 8])\n  \
+         minimize softmax_cross_entropy(x @ w, reshape(targets, [-1]))\n}\n\
+         train {\n  data = tokens(path = \"train.bin\", dtype = \"u16\", context = 4)\n  \
+         batch = 8\n  optimizer = sgd(lr = 0.1)\n  steps = 3\n  seed = 1\n}\n",
+    )
+    .expect("model");
+    m
+}
+
+fn log_steps(stderr: &str) -> Vec<String> {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("step "))
+        .map(|l| l.split_whitespace().nth(1).unwrap_or("").to_string())
+        .collect()
+}
+
+/// Item 1: off a terminal (the test's pipes, as under `nohup` or `sbatch`), a run logs
+/// a line every 10 steps and at the last, on standard error, with what torchtitan's
+/// logger gives; `--log-every` sets the interval, 0 and `-q` silence it.
+#[test]
+fn a_run_off_a_terminal_logs_a_line_every_n_steps() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = classifier(dir.path());
+    let o = distc(&["train", s(&m), "--no-eval"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(log_steps(&err), ["10/25", "20/25", "25/25"], "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("step 10/25"))
+        .expect("step 10");
+    for part in [
+        "loss ",
+        "lr 1.000e-1",
+        "samples/s",
+        "memory ",
+        "MiB",
+        "elapsed ",
+        "ETA ",
+    ] {
+        assert!(line.contains(part), "{part}: {line}");
+    }
+    // The last line has no ETA: nothing is left.
+    let last = err
+        .lines()
+        .find(|l| l.starts_with("step 25/25"))
+        .expect("last");
+    assert!(!last.contains("ETA"), "{last}");
+    // The summary stays on standard output, alone.
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!out.contains("step 10/25"), "{out}");
+
+    let o = distc(&["train", s(&m), "--no-eval", "--log-every", "12"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(log_steps(&err), ["12/25", "24/25", "25/25"], "{err}");
+    for quiet in [
+        &["--log-every", "0"][..],
+        &["-q"],
+        &["-q", "--log-every", "5"],
+    ] {
+        let mut args = vec!["train", s(&m), "--no-eval"];
+        args.extend(quiet);
+        let o = distc(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(log_steps(&err).is_empty(), "{quiet:?}: {err}");
+    }
+    // A resumed run counts its ETA from its own first step, and logs its own steps.
+    let state = dir.path().join("c.st");
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--no-eval",
+        "-q",
+        "--steps",
+        "12",
+        "--checkpoint",
+        s(&state),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--no-eval",
+        "--resume",
+        s(&state),
+        "--log-every",
+        "5",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(log_steps(&err), ["15/25", "20/25", "25/25"], "{err}");
+}
+
+/// Item 4: a language model's summary, metrics and log lines give tokens/s (and say
+/// so); a classifier's stay in samples/s.
+#[test]
+fn a_language_model_reports_tokens_per_second() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = token_model(dir.path());
+    let metrics = dir.path().join("m.jsonl");
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--data",
+        s(dir.path()),
+        "--no-eval",
+        "--log-every",
+        "1",
+        "--metrics",
+        s(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("tokens/s (") && out.contains("samples/s of 4 tokens)"),
+        "{out}"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.lines()
+            .filter(|l| l.starts_with("step "))
+            .all(|l| l.contains("tokens/s")),
+        "{err}"
+    );
+    for line in metrics_lines(&metrics) {
+        let samples = line["samples_per_sec"].as_f64().expect("samples/s");
+        let tokens = line["tokens_per_sec"].as_f64().expect("tokens/s");
+        assert!((tokens - 4.0 * samples).abs() <= 1e-9 * tokens, "{line}");
+    }
+    let m = classifier(dir.path());
+    let metrics = dir.path().join("c.jsonl");
+    let o = distc(&["train", s(&m), "--no-eval", "--metrics", s(&metrics)]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("samples/s") && !out.contains("tokens/s"),
+        "{out}"
+    );
+    assert!(metrics_lines(&metrics)
+        .iter()
+        .all(|l| l.get("tokens_per_sec").is_none()));
+}
+
+/// Items 5 and 6: sizes take units; the summary names the device; `eval -q` prints
+/// nothing but still writes its metrics.
+#[test]
+fn sizes_take_units_the_summary_names_the_device_and_eval_is_quiet() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = classifier(dir.path());
+    let plan = dir.path().join("p.json");
+    let o = distc(&[
+        "compile",
+        s(&m),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--bucket-mb",
+        "512KiB",
+        "--remat",
+        "1GiB",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = distc(&["compile", s(&m), "--bucket-mb", "lots", "-o", s(&plan)]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("`lots` is not a size"), "{}", text(&o));
+
+    let weights = dir.path().join("w.st");
+    let o = distc(&["train", s(&m), "--no-eval", "--save", s(&weights)]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains(") on CPU (") && out.contains(" threads): 25 steps"),
+        "{out}"
+    );
+    let metrics = dir.path().join("e.jsonl");
+    let o = distc(&[
+        "eval",
+        s(&m),
+        "--init",
+        s(&weights),
+        "-q",
+        "--metrics",
+        s(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(o.stdout.is_empty() && o.stderr.is_empty(), "{}", text(&o));
+    assert_eq!(metrics_lines(&metrics).len(), 1);
+}
