@@ -175,13 +175,15 @@ fn compile_refuses_what_run_would() {
         .replace("f32[1000]", "f32[10]");
     let e = compile_error(&narrow);
     assert!(
-        e.contains("`label` values up to 999") && e.contains("10 classes of the logits"),
+        e.contains("`label` values up to 999")
+            && e.contains("the logits have 10 classes (the last dimension of `w2`)"),
         "{e}"
     );
     // A vocabulary larger than the table's rows.
     let e = compile_error(&lm.replace("vocab = 100000", "vocab = 200000"));
     assert!(
-        e.contains("`ids` values up to 199999") && e.contains("100000 rows of the lookup table"),
+        e.contains("`ids` values up to 199999")
+            && e.contains("the lookup table `emb` has 100000 rows"),
         "{e}"
     );
     // The same in-range model compiles.

@@ -223,3 +223,83 @@ fn sizes_take_units_the_summary_names_the_device_and_eval_is_quiet() {
     assert!(o.stdout.is_empty() && o.stderr.is_empty(), "{}", text(&o));
     assert_eq!(metrics_lines(&metrics).len(), 1);
 }
+
+/// Item 7: a vocabulary or a class count too small for the data names the variable,
+/// not an IR node; the layout search says each kind of refusal once.
+#[test]
+fn diagnostics_name_the_users_variables_and_refusals_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = dir.path().join("narrow.dsl");
+    let model = |rows: usize, classes: usize| {
+        format!(
+            "model sp {{\n  input ids: i32[B, 4]\n  input label: i32[B]\n  \
+             param emb: f32[{rows}, 8] = uniform(-0.05, 0.05)\n  \
+             param w: f32[32, 10] = glorot\n  param b: f32[10] = zeros\n  \
+             x = reshape(embedding(emb, ids), [B, 32])\n  \
+             minimize softmax_cross_entropy(x @ w + b, label)\n}}\n\
+             train {{\n  data = zipf_tokens(vocab = 1000, context = 4, classes = {classes}, \
+             s = 1.1)\n  batch = 8\n  optimizer = sgd(lr = 0.1)\n  steps = 1\n  seed = 1\n}}\n"
+        )
+    };
+    std::fs::write(&m, model(500, 10)).expect("model");
+    let o = distc(&["train", s(&m), "--no-eval"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("`ids` values up to 999, but the lookup table `emb` has 500 rows"),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains('%'), "{}", text(&o));
+    std::fs::write(&m, model(1000, 20)).expect("model");
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--no-eval",
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("the logits have 10 classes (the last dimension of `w`)"),
+        "{}",
+        text(&o)
+    );
+
+    let deep = dir.path().join("deep.dsl");
+    std::fs::write(
+        &deep,
+        "model deep {\n  input x: f32[B, 16]\n  input label: i32[B]\n  \
+         param w1: f32[16, 32] = glorot\n  param w2: f32[32, 32] = glorot\n  \
+         param w3: f32[32, 3] = glorot\n  \
+         minimize softmax_cross_entropy(relu(relu(x @ w1) @ w2) @ w3, label)\n}\n\
+         train {\n  data = gaussian_classes(features = 16, classes = 3)\n  batch = 16\n  \
+         optimizer = adam(lr = 0.01)\n  steps = 3\n  seed = 1\n}\n",
+    )
+    .expect("model");
+    let plan = dir.path().join("p.json");
+    let o = distc(&[
+        "compile",
+        s(&deep),
+        "--strategy",
+        "auto",
+        "--workers",
+        "4",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let said = text(&o);
+    let reasons: Vec<&str> = said
+        .lines()
+        .filter(|l| l.trim_start().starts_with("rejected "))
+        .filter_map(|l| l.split_once("): ").map(|(_, r)| r))
+        .collect();
+    assert!(!reasons.is_empty(), "{}", text(&o));
+    let mut distinct = reasons.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), reasons.len(), "{}", text(&o));
+    assert!(text(&o).contains("rejected 6 layouts ("), "{}", text(&o));
+}

@@ -173,11 +173,27 @@ impl Search {
                     .join(", ")
             );
         }
+        // One line a reason, in the order the reasons first came.
+        let mut refused: Vec<(&str, Vec<String>)> = Vec::new();
         for c in &self.candidates {
             if let Verdict::Refused { reason } = &c.verdict {
                 let first = reason.lines().next().unwrap_or("");
-                out += &format!("  rejected {}: {first}\n", c.label());
+                match refused.iter_mut().find(|(r, _)| *r == first) {
+                    Some((_, labels)) => labels.push(c.label()),
+                    None => refused.push((first, vec![c.label()])),
+                }
             }
+        }
+        for (reason, labels) in refused {
+            out += &match labels.as_slice() {
+                [one] => format!("  rejected {one}: {reason}\n"),
+                [first, rest @ ..] => format!(
+                    "  rejected {} layouts ({first} and {} more): {reason}\n",
+                    labels.len(),
+                    rest.len()
+                ),
+                [] => String::new(),
+            };
         }
         out
     }

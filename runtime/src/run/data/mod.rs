@@ -908,6 +908,34 @@ fn id_origin(g: &distc_ir::Graph, mut v: distc_ir::ValueId) -> Option<&str> {
     }
 }
 
+/// The variable that gives value `v` its dimension (first or last) of `size`, in the
+/// user's words: among `v`'s sources of that size, nearest first, a matrix before a
+/// vector (a head before its bias; a lookup table behind a cast), by its whole name.
+fn sized_by(g: &distc_ir::Graph, v: distc_ir::ValueId, size: usize, last: bool) -> Option<String> {
+    let mut queue = std::collections::VecDeque::from([v.node]);
+    let mut seen = std::collections::HashSet::new();
+    let mut found: Vec<(usize, &str)> = Vec::new();
+    while let Some(n) = queue.pop_front() {
+        if !seen.insert(n) {
+            continue;
+        }
+        if let distc_ir::Op::Param { name, ty, .. } = g.op(n) {
+            let dims = ty.dims();
+            let d = if last { dims.last() } else { dims.first() };
+            if d == Some(&size) {
+                found.push((dims.len(), name));
+            }
+            continue;
+        }
+        queue.extend(g.node(n).inputs.iter().map(|i| i.node));
+    }
+    found
+        .iter()
+        .find(|(rank, _)| *rank >= 2)
+        .or(found.first())
+        .map(|(_, name)| distc_ir::whole_variable(name).to_string())
+}
+
 fn check_indices(g: &distc_ir::Graph, spec: &DataSpec, bounds: &[(&str, usize)]) -> Result<()> {
     use distc_ir::Op;
     let bound = |v: distc_ir::ValueId| {
@@ -925,42 +953,55 @@ fn check_indices(g: &distc_ir::Graph, spec: &DataSpec, bounds: &[(&str, usize)])
     };
     for id in g.topo_order() {
         let inputs = &g.node(id).inputs;
-        // (id operand, how many it may index, what it indexes)
-        let (ids, room, what) = match g.op(id) {
-            Op::Embedding if inputs.len() == 2 => (
-                inputs[1],
-                dims(inputs[0]).first().copied(),
-                "rows of the lookup table",
-            ),
+        // (id operand, how many it may index, what it indexes, the variable that
+        // sets that: a table's rows, or the classes of the logits' last axis)
+        let (ids, room, what, sized) = match g.op(id) {
+            Op::Embedding if inputs.len() == 2 => {
+                let rows = dims(inputs[0]).first().copied();
+                let table = rows.and_then(|r| sized_by(g, inputs[0], r, false));
+                (inputs[1], rows, "rows", table)
+            }
             // A part of the table on each of `parts` model ranks: the whole table's rows.
-            Op::ModelEmbedding { parts } if inputs.len() == 2 => (
-                inputs[1],
-                dims(inputs[0]).first().map(|rows| rows * parts),
-                "rows of the lookup table",
-            ),
-            Op::SparsePull { table, .. } if !inputs.is_empty() => (
+            Op::ModelEmbedding { parts } if inputs.len() == 2 => {
+                let rows = dims(inputs[0]).first().copied();
+                let table = rows.and_then(|r| sized_by(g, inputs[0], r, false));
+                (inputs[1], rows.map(|r| r * parts), "rows", table)
+            }
+            Op::SparsePull { table, var, .. } if !inputs.is_empty() => (
                 inputs[0],
                 table.dims().first().copied(),
-                "rows of the table",
+                "rows",
+                Some(distc_ir::whole_variable(var).to_string()),
             ),
-            Op::SoftmaxCrossEntropy if inputs.len() == 2 => (
-                inputs[1],
-                dims(inputs[0]).last().copied(),
-                "classes of the logits",
-            ),
+            Op::SoftmaxCrossEntropy if inputs.len() == 2 => {
+                let classes = dims(inputs[0]).last().copied();
+                let head = classes.and_then(|c| sized_by(g, inputs[0], c, true));
+                (inputs[1], classes, "classes", head)
+            }
             _ => continue,
         };
         let (Some((field, b)), Some(room)) = (bound(ids), room) else {
             continue;
         };
         if b > room {
+            let holder = match (sized, what) {
+                (Some(var), "rows") => format!("the lookup table `{var}` has {room} rows"),
+                (Some(var), _) => {
+                    format!("the logits have {room} classes (the last dimension of `{var}`)")
+                }
+                (None, "rows") => {
+                    format!("the lookup table ({}) has {room} rows", g.op(id).mnemonic())
+                }
+                (None, _) => format!(
+                    "the logits of `{}` have {room} classes",
+                    g.op(id).mnemonic()
+                ),
+            };
             return Err(RuntimeError::Config(format!(
-                "data source `{}` gives `{field}` values up to {}, but %{} ({}) has {room} \
-                 {what}: make it {b} wide, or narrow the data source",
+                "data source `{}` gives `{field}` values up to {}, but {holder}: make it {b} \
+                 wide, or narrow the data source",
                 spec.name(),
                 b - 1,
-                id.0,
-                g.op(id).mnemonic(),
             )));
         }
     }
