@@ -400,6 +400,12 @@ pub struct CompileArgs {
     /// rounding.
     #[arg(long, default_value = "f32", value_parser = parse_model_dtype, value_name = "f32|f64")]
     pub dtype: ModelDType,
+    /// Override a train block setting, `KEY=VALUE` (repeatable, applied in order): a
+    /// setting (`seed=2`, `optimizer=adamw(lr = 3e-4)`) or an argument of one
+    /// (`optimizer.lr=3e-4`, `data.vocab=5000`, `lr_schedule.warmup=100`), written as the
+    /// block would write it; recorded in the plan and shown by `explain`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// What dense gradient all-reduces send: `fp32`, or `bf16`/`fp16` (half the bytes;
     /// each worker's gradient divided by N before the sum, sums accumulated in f32 at
     /// each receiver, the optimizer still given f32).
@@ -510,7 +516,9 @@ pub struct WeightsArgs {
 // The flags of `run` and `train`.
 #[derive(Args, Clone)]
 pub struct RunArgs {
-    /// Override the number of training steps (at least 1).
+    /// Override the number of training steps (at least 1). A learning-rate schedule
+    /// keeps the train block's length (a run stopped early or resumed later follows the
+    /// same curve); `--set steps=N` changes both.
     #[arg(long, value_parser = at_least_one)]
     pub steps: Option<usize>,
     /// Write per-step metrics as JSON lines to FILE (under MPI, each rank also writes
@@ -1007,6 +1015,7 @@ pub fn compile_opts(a: &CompileArgs, data: Option<&Path>) -> CompileOptions {
         // A user's compile names the pass that broke a program.
         verify: distc_passes::Verify::EveryPass,
         promote_f64: a.dtype == ModelDType::F64,
+        overrides: a.set.clone(),
     }
 }
 

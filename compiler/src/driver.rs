@@ -44,6 +44,9 @@ pub struct CompileOptions {
     /// and constant promoted to f64 right after lowering, the data sources' f32 values
     /// widened as they are read. What `verify` measures the f32 rounding floor against.
     pub promote_f64: bool,
+    /// The train block's settings overridden from the command line (`--set
+    /// KEY=VALUE`, in order; see [`crate::dsl::overrides`]).
+    pub overrides: Vec<String>,
 }
 
 /// A compiled model.
@@ -81,6 +84,8 @@ pub struct Compiled {
     /// The tokens a sample predicts, for a model with a per-position loss (a language
     /// model's window).
     pub tokens_per_sample: Option<usize>,
+    /// The `--set` overrides the train block was compiled with.
+    pub overrides: Vec<String>,
 }
 
 /// The passes a plan needs to be trained: without them it has no gradients, or its
@@ -230,6 +235,14 @@ pub fn compile(
         }
     }
     opts.strategy.check().map_err(CompileError::Settings)?;
+    let overridden;
+    let src = if opts.overrides.is_empty() {
+        src
+    } else {
+        overridden =
+            crate::dsl::overrides::apply(src, &opts.overrides).map_err(CompileError::Settings)?;
+        overridden.as_str()
+    };
     let program =
         compile_source(file_name, src, opts.batch).map_err(|e| CompileError::Dsl(Box::new(e)))?;
     let assumptions = program.assumptions;
@@ -292,6 +305,7 @@ pub fn compile(
             shards,
             flops_per_sample: None,
             tokens_per_sample: None,
+            overrides: opts.overrides.clone(),
         });
     }
     let passes = passes_for(&opts.strategy);
@@ -368,6 +382,7 @@ pub fn compile(
                 shards: cx.strategy.shard.clone(),
                 flops_per_sample,
                 tokens_per_sample,
+                overrides: opts.overrides.clone(),
             })
         }
         // A program that did not verify at the end (or a failure whose last good IR
@@ -457,6 +472,7 @@ impl Plan {
             not_runnable: c.not_runnable.clone(),
             flops_per_sample: c.flops_per_sample,
             tokens_per_sample: c.tokens_per_sample,
+            overrides: c.overrides.clone(),
             finalize: c.programs.finalize.as_ref().map(distc_ir::print),
             stages: c
                 .programs
@@ -540,6 +556,7 @@ pub fn retarget(plan: &Plan, target: &Target) -> Result<(Compiled, StrategyConfi
             batch: Some(plan.config.batch),
             strategy: strategy.clone(),
             data_dir: target.data_dir.clone(),
+            overrides: plan.overrides.clone(),
             ..Default::default()
         };
         compile_file(Path::new(&plan.source), &opts)

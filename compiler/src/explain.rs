@@ -507,6 +507,19 @@ fn explain_table(
         p.settings.servers,
         p.config.batch
     );
+    if !p.overrides.is_empty() {
+        let sets: Vec<String> = p.overrides.iter().map(|o| format!("--set {o}")).collect();
+        let _ = writeln!(
+            s,
+            "train block overridden: {}; the plan trains with optimizer {:?}, batch {}, {} \
+             steps, seed {}",
+            sets.join(" "),
+            p.config.optimizer,
+            p.config.batch,
+            p.config.steps,
+            p.config.seed
+        );
+    }
     if !frozen.is_empty() {
         let _ = writeln!(
             s,

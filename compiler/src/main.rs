@@ -195,7 +195,8 @@ enum Command {
     /// collective's time, how much of it the backward pass hides, scaling efficiency
     /// and memory per worker, from the plan's own schedule, a profile of one worker on
     /// this machine and an alpha-beta model of the links (`--link`, or measured by
-    /// `distc calibrate`). Data-parallel plans (all-reduce, servers, ZeRO).
+    /// `distc calibrate`). Every plan: data-parallel (all-reduce, servers, ZeRO), a
+    /// mesh with a model axis, and pipeline stages.
     Simulate {
         /// The plan written by `distc compile` (its model is compiled again for the
         /// target's workers, nodes and links).

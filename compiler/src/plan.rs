@@ -79,6 +79,10 @@ pub struct Plan {
     /// The tokens a sample predicts (a language model's window), for tokens/s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_sample: Option<usize>,
+    /// The train block's settings overridden on the command line (`--set KEY=VALUE`),
+    /// in order: the plan's config holds their values.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<String>,
     /// The layout search that chose this plan (`--strategy auto` without servers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub search: Option<Search>,

@@ -523,6 +523,7 @@ fn one_device_against(
             ..StrategyConfig::default()
         },
         promote_f64: opts.compile.promote_f64,
+        overrides: opts.compile.overrides.clone(),
         ..Default::default()
     };
     let single = compile_file(file, &single_opts)?;

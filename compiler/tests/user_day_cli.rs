@@ -303,3 +303,115 @@ fn diagnostics_name_the_users_variables_and_refusals_once() {
     assert_eq!(distinct.len(), reasons.len(), "{}", text(&o));
     assert!(text(&o).contains("rejected 6 layouts ("), "{}", text(&o));
 }
+
+/// Item 2: `--set KEY=VALUE` overrides a train block setting or an argument of one, in
+/// every compiling command; the plan records it and `explain` shows it; a key that is
+/// not a setting is refused naming the settings; `--steps` with a schedule says what it
+/// does to the schedule.
+#[test]
+fn settings_are_overridden_from_the_command_line() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = classifier(dir.path());
+    let metrics = dir.path().join("m.jsonl");
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--no-eval",
+        "--set",
+        "steps=5",
+        "--set",
+        "optimizer.lr=0.5",
+        "--set",
+        "lr_schedule=cosine(warmup = 2)",
+        "--metrics",
+        s(&metrics),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let lines = metrics_lines(&metrics);
+    assert_eq!(lines.len(), 5);
+    // Warm-up over 2 updates of the overridden rate: 0.25, then 0.5.
+    assert_eq!(lines[0]["lr"].as_f64(), Some(0.25));
+    assert_eq!(lines[1]["lr"].as_f64(), Some(0.5));
+
+    let plan = dir.path().join("p.json");
+    let o = distc(&[
+        "compile",
+        s(&m),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--set",
+        "seed=7",
+        "--set",
+        "data.classes=3",
+        "-o",
+        s(&plan),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");
+    assert_eq!(
+        json["overrides"],
+        serde_json::json!(["seed=7", "data.classes=3"])
+    );
+    let o = distc(&["explain", s(&plan)]);
+    assert!(
+        text(&o).contains("train block overridden: --set seed=7 --set data.classes=3")
+            && text(&o).contains("seed 7"),
+        "{}",
+        text(&o)
+    );
+    // Both sides of a verify train the overridden block.
+    let o = distc(&[
+        "verify",
+        s(&m),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--set",
+        "batch=3",
+    ]);
+    assert!(
+        o.status.success() && text(&o).contains("vs one device with batch 6"),
+        "{}",
+        text(&o)
+    );
+
+    let o = distc(&["train", s(&m), "--set", "optimiser.lr=1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let t = text(&o);
+    assert!(
+        t.contains("`optimiser` is not a setting of the train block")
+            && t.contains("did you mean `optimizer`")
+            && t.contains("the settings are: data, batch, optimizer, steps"),
+        "{t}"
+    );
+    // A value out of range is located in the block, as the file's own would be.
+    let o = distc(&["train", s(&m), "--set", "optimizer.lr=-1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("optimizer = sgd(lr = -1)"),
+        "{}",
+        text(&o)
+    );
+
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--no-eval",
+        "--steps",
+        "3",
+        "--set",
+        "lr_schedule=cosine(warmup = 2)",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains(
+            "note: --steps 3: the learning-rate schedule keeps the train block's 25 steps"
+        ),
+        "{}",
+        text(&o)
+    );
+}

@@ -73,7 +73,17 @@ impl Pass for Place {
                 (Strategy::Auto, Some(r)) => format!("{} < {}", ms(chosen), ms(*r)),
                 (Strategy::Auto, None) => ms(chosen),
                 (s, _) => {
-                    format!("strategy {} places {:?} variables so", s.name(), v.kind).to_lowercase()
+                    let how = match chosen {
+                        Mechanism::Local => "where no gradient travels",
+                        Mechanism::Allreduce => "in an all-reduce of the gradient",
+                        Mechanism::Allgather => "in an all-gather of the gradient's rows",
+                        Mechanism::Ps => "on the parameter servers",
+                    };
+                    format!(
+                        "strategy {} places {} variables {how}",
+                        s.name(),
+                        format!("{:?}", v.kind).to_lowercase()
+                    )
                 }
             };
         }

@@ -218,6 +218,22 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
     }
     // The memory estimate is checked by `launch`, before anything is allocated.
     let steps = args.steps.unwrap_or(plan.config.steps);
+    let sched = &plan.config.lr_schedule;
+    let scheduled = sched.warmup > 0 || sched.decay != distc_runtime::Decay::Constant;
+    if !args.quiet && scheduled && steps != plan.config.steps {
+        crate::console::err(&format!(
+            "note: --steps {steps}: the learning-rate schedule keeps the train block's {} \
+             steps (warm-up {}), so this run {} it; `--set steps={steps}` fits the schedule \
+             to {steps} steps\n",
+            plan.config.steps,
+            sched.warmup,
+            if steps < plan.config.steps {
+                "stops early in"
+            } else {
+                "goes on past the end of"
+            },
+        ));
+    }
     // Created at the first line: under MPI only rank 0 writes the global lines.
     let mut metrics: Option<std::io::BufWriter<std::fs::File>> = None;
     let bar = if !args.quiet && std::io::stderr().is_terminal() {

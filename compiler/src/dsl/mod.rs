@@ -134,6 +134,7 @@ mod ast;
 pub mod batch;
 mod error;
 mod lower;
+pub mod overrides;
 mod parser;
 mod pointwise;
 mod train;

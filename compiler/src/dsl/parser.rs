@@ -47,6 +47,18 @@ pub(crate) fn parse(src: &str) -> R<File> {
     build_file(file)
 }
 
+/// Whether `text` is one whole expression (a `--set` value), or what is wrong with it.
+pub(crate) fn check_expression(text: &str) -> Result<(), String> {
+    check_nesting(text).map_err(|d| d.message)?;
+    let pairs = DslParser::parse(Rule::expr, text).map_err(|e| syntax_error(text, &e).message)?;
+    let end = pairs.last().map_or(0, |p| p.as_span().end());
+    if text[end..].trim().is_empty() {
+        Ok(())
+    } else {
+        Err(format!("`{}` follows the value", text[end..].trim()))
+    }
+}
+
 /// Refuses brackets nested deeper than [`MAX_NESTING`] (comments skipped).
 fn check_nesting(src: &str) -> R<()> {
     let mut depth = 0usize;

@@ -9,7 +9,7 @@ use distc_runtime::{DataSpec, Decay, LinearScaling, LrSchedule, OptimizerSpec, R
 type R<T> = Result<T, Diag>;
 
 /// The keys of the train block: `(key, required)`.
-const KEYS: &[(&str, bool)] = &[
+pub(super) const KEYS: &[(&str, bool)] = &[
     ("data", true),
     ("batch", true),
     ("optimizer", true),
