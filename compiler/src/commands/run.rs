@@ -384,7 +384,7 @@ impl StepLog {
         let (since, first) = *self
             .started
             .get_or_insert_with(|| (std::time::Instant::now(), m.step));
-        if every == 0 || (m.step % every != 0 && m.step != self.steps) {
+        if every == 0 || (!m.step.is_multiple_of(every) && m.step != self.steps) {
             return None;
         }
         let elapsed = since.elapsed().as_secs_f64();
