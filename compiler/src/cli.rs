@@ -562,6 +562,11 @@ pub struct RunArgs {
     /// tensor no variable is named is ignored (both are listed).
     #[arg(long, requires = "init")]
     pub init_partial: bool,
+    /// Write TensorBoard event files into DIR: every number of each step's metrics line
+    /// as a scalar (loss, lr, throughput, MFU, memory, each worker's bytes, each
+    /// stage's account), under the line's names (`tensorboard --logdir DIR`).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// No progress bar, no log lines and no summary.
     #[arg(long, short)]
     pub quiet: bool,

@@ -12,6 +12,7 @@ pub mod plan;
 pub mod planner;
 pub mod plot;
 pub mod simulate;
+pub mod tensorboard;
 pub mod verify;
 
 pub use driver::{compile, compile_file, CompileError, CompileOptions, Compiled};

@@ -415,3 +415,70 @@ fn settings_are_overridden_from_the_command_line() {
         text(&o)
     );
 }
+
+/// Item 3: `--tensorboard DIR` writes one event file whose first event names the
+/// format and whose every later event holds the step's metrics line as scalars
+/// (TensorBoard's own reader checks the same in CI: bench/pytorch/tensorboard_read.py).
+#[test]
+fn tensorboard_event_files_hold_every_metrics_number() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let m = classifier(dir.path());
+    let (metrics, logs) = (dir.path().join("m.jsonl"), dir.path().join("tb"));
+    let o = distc(&[
+        "train",
+        s(&m),
+        "--no-eval",
+        "-q",
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "2",
+        "--steps",
+        "4",
+        "--metrics",
+        s(&metrics),
+        "--tensorboard",
+        s(&logs),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let files: Vec<PathBuf> = std::fs::read_dir(&logs)
+        .expect("the folder")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().and_then(|n| n.to_str()).expect("name");
+    assert!(
+        name.starts_with("events.out.tfevents.") && name.ends_with(".distc"),
+        "{name}"
+    );
+    let events = distc::tensorboard::read_events(&std::fs::read(&files[0]).expect("reads"))
+        .expect("decodes");
+    assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
+    let lines = metrics_lines(&metrics);
+    assert_eq!(events.len(), 1 + lines.len());
+    for (e, line) in events[1..].iter().zip(&lines) {
+        assert_eq!(e.step, line["step"].as_i64().expect("step"));
+        let values = &e.summary.as_ref().expect("scalars").value;
+        let get = |tag: &str| {
+            values
+                .iter()
+                .find(|v| v.tag == tag)
+                .and_then(|v| v.simple_value)
+                .unwrap_or_else(|| panic!("no {tag}"))
+        };
+        assert_eq!(get("loss"), line["loss"].as_f64().expect("loss") as f32);
+        assert_eq!(get("lr"), line["lr"].as_f64().expect("lr") as f32);
+        let sent = line["bytes_sent_per_worker"][1].as_f64().expect("worker 1");
+        assert_eq!(get("bytes_sent_per_worker/1"), sent as f32);
+        assert_eq!(
+            get("memory/params"),
+            line["memory"]["params"].as_f64().expect("params") as f32
+        );
+    }
+    // A folder that cannot be made is named.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").expect("file");
+    let o = distc(&["train", s(&m), "-q", "--tensorboard", s(&file.join("tb"))]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("a-file/tb"), "{}", text(&o));
+}

@@ -277,7 +277,23 @@ fn run_plan(r: &Runnable<'_>, args: &RunArgs, inputs: &[&Path]) -> Result<()> {
         (false, None) => DEFAULT_LOG_EVERY,
     };
     let mut log = StepLog::new(steps);
+    // Created at the first line, as the metrics file is.
+    let mut events: Option<crate::tensorboard::EventWriter> = None;
     let mut on_step = |m: &StepMetrics| -> distc_runtime::Result<()> {
+        if let (None, Some(dir)) = (&events, &args.tensorboard) {
+            let w = crate::tensorboard::EventWriter::create(dir)
+                .map_err(|(path, source)| distc_runtime::RuntimeError::Io { path, source })?;
+            events = Some(w);
+        }
+        if let Some(w) = events.as_mut() {
+            let line = serde_json::to_value(m)
+                .map_err(|e| distc_runtime::RuntimeError::internal("the metrics", e.to_string()))?;
+            w.step(m.step, &line)
+                .map_err(|source| distc_runtime::RuntimeError::Io {
+                    path: w.path().to_path_buf(),
+                    source,
+                })?;
+        }
         reported.store(m.step, Ordering::SeqCst);
         if let Some(line) = log.line(m, log_every) {
             match &bar {

@@ -9,7 +9,7 @@ use super::{
 };
 use crate::core::error::{Result, RuntimeError};
 use crate::core::exec::Pending;
-use crate::core::value::{Slices, Tensor, Value};
+use crate::core::value::{HostElem, Slices, Tensor, Value};
 use distc_ir::{DType, NodeId, Op, ReduceOp};
 use ndarray::{ArrayD, IxDyn};
 use zerocopy::IntoBytes;
@@ -39,14 +39,7 @@ pub fn op_label(op: &Op, node: NodeId, step: u64) -> String {
 /// An element type the host collectives carry: f32, the training type, and f64, a
 /// float64 copy of a model (`--dtype f64`) in any layout.
 pub trait HostFloat:
-    Copy
-    + Default
-    + std::ops::Mul<Output = Self>
-    + std::ops::AddAssign
-    + zerocopy::FromBytes
-    + zerocopy::IntoBytes
-    + zerocopy::Immutable
-    + 'static
+    HostElem + zerocopy::FromBytes + zerocopy::IntoBytes + zerocopy::Immutable
 {
     /// `1 / n`.
     fn reciprocal(n: usize) -> Self;
@@ -54,10 +47,6 @@ pub trait HostFloat:
     fn all_reduce(comm: &mut dyn Communicator, buf: &mut [Self], mean: bool) -> Result<()>;
     /// [`Communicator::reduce_scatter`] in this type.
     fn reduce_scatter(comm: &mut dyn Communicator, buf: &[Self], mean: bool) -> Result<Vec<Self>>;
-    /// `a` as a tensor.
-    fn tensor(a: ArrayD<Self>) -> Tensor;
-    /// The tensor's array, if it holds this type.
-    fn array(t: &Tensor) -> Option<&ArrayD<Self>>;
 }
 
 impl HostFloat for f32 {
@@ -69,12 +58,6 @@ impl HostFloat for f32 {
     }
     fn reduce_scatter(comm: &mut dyn Communicator, buf: &[f32], mean: bool) -> Result<Vec<f32>> {
         comm.reduce_scatter(buf, mean)
-    }
-    fn tensor(a: ArrayD<f32>) -> Tensor {
-        Tensor::F32(a)
-    }
-    fn array(t: &Tensor) -> Option<&ArrayD<f32>> {
-        t.as_f32()
     }
 }
 
@@ -91,12 +74,6 @@ impl HostFloat for f64 {
         let mut all = buf.to_vec();
         comm.all_reduce_f64(&mut all, mean)?;
         Ok(all[chunk_range(all.len(), comm.size(), comm.rank())].to_vec())
-    }
-    fn tensor(a: ArrayD<f64>) -> Tensor {
-        Tensor::F64(a)
-    }
-    fn array(t: &Tensor) -> Option<&ArrayD<f64>> {
-        t.as_f64()
     }
 }
 

@@ -221,6 +221,35 @@ impl Tensor {
     }
 }
 
+/// A float element type host tensors hold and host code is generic over: f32, the
+/// training type, and f64, a float64 copy of a model (`--dtype f64`).
+pub trait HostElem:
+    Copy + Default + std::ops::Mul<Output = Self> + std::ops::AddAssign + 'static
+{
+    /// `a` as a tensor.
+    fn tensor(a: ArrayD<Self>) -> Tensor;
+    /// The tensor's array, if it holds this type.
+    fn array(t: &Tensor) -> Option<&ArrayD<Self>>;
+}
+
+impl HostElem for f32 {
+    fn tensor(a: ArrayD<f32>) -> Tensor {
+        Tensor::F32(a)
+    }
+    fn array(t: &Tensor) -> Option<&ArrayD<f32>> {
+        t.as_f32()
+    }
+}
+
+impl HostElem for f64 {
+    fn tensor(a: ArrayD<f64>) -> Tensor {
+        Tensor::F64(a)
+    }
+    fn array(t: &Tensor) -> Option<&ArrayD<f64>> {
+        t.as_f64()
+    }
+}
+
 /// Row-sparse values: `values[i]` is added to row `indices[i]` of a dense tensor of
 /// shape `dense_shape`. Indices may repeat.
 #[derive(Clone, Debug, PartialEq)]

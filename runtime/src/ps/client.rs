@@ -11,8 +11,8 @@ use super::server::slice_rows;
 use super::transport::WorkerLink;
 use super::wire::{Reply, Request};
 use super::{concat_rows, ShardList};
-use crate::comm::collective::HostFloat;
 use crate::core::error::{PeerKind, Result, RuntimeError};
+use crate::core::value::HostElem;
 use crate::core::value::{Slices, Tensor, Value};
 use distc_ir::DType;
 use ndarray::{ArrayD, IxDyn};
@@ -115,7 +115,7 @@ enum Unpulled {
 
 /// The pulled rows in the order of `ids`, `pos[id]` being (answer, row in it): each
 /// answer holds each of its distinct rows once.
-fn in_id_order<T: HostFloat>(
+fn in_id_order<T: HostElem>(
     parts: &[Option<Tensor>],
     ids: &[i32],
     pos: &HashMap<i32, (usize, usize)>,
@@ -145,7 +145,7 @@ fn in_id_order<T: HostFloat>(
 
 /// A worker's row-sparse gradient as one message per shard: duplicate rows summed in
 /// order of appearance, each row's index rebased to its shard.
-fn split_by_shard<T: HostFloat>(
+fn split_by_shard<T: HostElem>(
     var: &str,
     vals: &ArrayD<T>,
     indices: &[i32],

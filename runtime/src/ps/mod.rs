@@ -39,9 +39,9 @@ pub mod wire;
 pub use client::PsClient;
 pub use server::{serve, Server, ServerOutcome};
 
-use crate::comm::collective::HostFloat;
 use crate::core::config::OptimizerSpec;
 use crate::core::error::{Result, RuntimeError};
+use crate::core::value::HostElem;
 use crate::core::value::Tensor;
 use distc_ir::{DType, Init, TensorType};
 use ndarray::{ArrayD, IxDyn};
@@ -155,7 +155,7 @@ fn concat_rows(var: &str, mut parts: Vec<Tensor>) -> Result<Tensor> {
 }
 
 /// Rows `ids` of `w` (shard-local; each below `end - start`), in their order.
-pub(crate) fn gather_rows<T: HostFloat>(
+pub(crate) fn gather_rows<T: HostElem>(
     w: &ArrayD<T>,
     ids: &[usize],
     start: usize,

@@ -12,10 +12,10 @@
 use super::transport::{Incoming, ServerLink};
 use super::wire::{Reply, Request};
 use super::{gather_rows, PsConfig, PsSync, ServerSpan, ShardSpec};
-use crate::comm::collective::HostFloat;
 use crate::core::checkpoint::TrainingState;
 use crate::core::error::{PeerKind, Result, RuntimeError};
 use crate::core::init::{init_param, init_rows};
+use crate::core::value::HostElem;
 use crate::core::value::{each_dtype, Slices, Tensor, Value};
 use crate::cpu::optim::{Optimizer, STEP_KEY};
 use ndarray::{ArrayD, Axis, Slice};
@@ -171,7 +171,7 @@ fn combine(pushes: Vec<Vec<Value>>) -> std::result::Result<Value, String> {
         return Err("no pushes".into());
     };
     let differ = || "the workers' gradients of one step differ in kind or shape".to_string();
-    fn sum<T: HostFloat>(
+    fn sum<T: HostElem>(
         mut acc: ArrayD<T>,
         rest: impl Iterator<Item = Value>,
         differ: impl Fn() -> String,
