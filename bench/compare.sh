@@ -82,18 +82,17 @@ PY
     --runs "$runs" > "$d/torch.jsonl"
 
   D="$d" DSL="$dsl" WARMUP="$warmup" STEPS="$steps" RUNS="$runs" python3 - <<'PY'
-import glob, json, os, re, statistics
+import glob, json, os, statistics
 d, warmup = os.environ["D"], int(os.environ["WARMUP"])
-context = int(re.search(r"context = (\d+)", open(os.environ["DSL"]).read()).group(1))
 
 def distc_tokens_per_sec(plan):
     rates = []
     for f in sorted(glob.glob(os.path.join(d, f"{plan}.*.jsonl"))):
-        sps = [l["samples_per_sec"] for l in map(json.loads, open(f))
-               if "samples_per_sec" in l and l["step"] > warmup]
-        # Each step trains the same global batch, so the samples over the summed
+        tps = [l["tokens_per_sec"] for l in map(json.loads, open(f))
+               if "tokens_per_sec" in l and l["step"] > warmup]
+        # Each step trains the same global batch, so the tokens over the summed
         # step times is the harmonic mean of the per-step rates.
-        rates.append(len(sps) / sum(1 / r for r in sps) * context)
+        rates.append(len(tps) / sum(1 / r for r in tps))
     return statistics.median(rates)
 
 torch = {r["workers"]: r["tokens_per_sec"] for r in map(json.loads, open(os.path.join(d, "torch.jsonl")))}
