@@ -533,13 +533,6 @@ fn wait_for_lines(metrics: &Path, n: usize, what: &str) {
     }
 }
 
-/// `n` u16 token ids below 50, as a token file's bytes.
-fn token_bytes(n: u32) -> Vec<u8> {
-    (0..n)
-        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
-        .collect()
-}
-
 /// Cuts `path` to `len` bytes, as another process truncating it would.
 fn truncate(path: &Path, len: u64) {
     std::fs::OpenOptions::new()
@@ -557,7 +550,7 @@ fn a_token_file_truncated_while_training_stops_the_run_naming_it() {
     use std::time::{Duration, Instant};
     let dir = tempfile::tempdir().expect("temp dir");
     let tokens = dir.path().join("train.bin");
-    std::fs::write(&tokens, token_bytes(200_000)).expect("tokens");
+    std::fs::write(&tokens, common::token_bytes(200_000)).expect("tokens");
     let m = dir.path().join("lm.dsl");
     std::fs::write(
         &m,
@@ -614,7 +607,7 @@ fn a_token_file_truncated_while_training_stops_the_run_naming_it() {
 fn a_failed_last_evaluation_keeps_the_trained_weights() {
     use std::process::Command;
     let dir = tempfile::tempdir().expect("temp dir");
-    let ids = token_bytes;
+    let ids = common::token_bytes;
     let (train, held_out) = (dir.path().join("train.bin"), dir.path().join("valid.bin"));
     std::fs::write(&train, ids(20_000)).expect("tokens");
     let steps = 20_000;

@@ -24,10 +24,7 @@ fn classifier(dir: &Path) -> PathBuf {
 
 /// A next-token model of windows of 4 tokens, over a token file it writes.
 fn token_model(dir: &Path) -> PathBuf {
-    let tokens: Vec<u8> = (0..4000u32)
-        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
-        .collect();
-    std::fs::write(dir.join("train.bin"), tokens).expect("tokens");
+    std::fs::write(dir.join("train.bin"), common::token_bytes(4000)).expect("tokens");
     let m = dir.join("lm.dsl");
     std::fs::write(
         &m,

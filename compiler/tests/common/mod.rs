@@ -177,3 +177,10 @@ pub fn tied_model(path: &Path, optimizer: &str) -> PathBuf {
     std::fs::write(path, src).expect("writes the model");
     path.to_path_buf()
 }
+
+/// `n` u16 token ids below 50, as a token file's bytes.
+pub fn token_bytes(n: u32) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| (((i * 7 + i / 13) % 50) as u16).to_le_bytes())
+        .collect()
+}
