@@ -107,6 +107,28 @@ pub struct Search {
     pub seconds: f64,
 }
 
+/// Reasons alike but for their numbers as one: the words where they differ joined by
+/// `|` in the order they came (`--zero 1|3 with --pipeline ...`).
+fn merged_words(reasons: &[&str]) -> String {
+    let split: Vec<Vec<&str>> = reasons.iter().map(|r| r.split(' ').collect()).collect();
+    let n = split[0].len();
+    if split.iter().any(|w| w.len() != n) {
+        return reasons[0].to_string();
+    }
+    (0..n)
+        .map(|i| {
+            let mut seen: Vec<&str> = Vec::new();
+            for w in &split {
+                if !seen.contains(&w[i]) {
+                    seen.push(w[i]);
+                }
+            }
+            seen.join("|")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 impl Search {
     /// The pick, the priced candidates fastest first (at most `top`), and the rejected
     /// ones counted by reason.
@@ -173,18 +195,29 @@ impl Search {
                     .join(", ")
             );
         }
-        // One line a reason, in the order the reasons first came.
-        let mut refused: Vec<(&str, Vec<String>)> = Vec::new();
+        // One line a kind of reason (reasons that differ only in their numbers), in the
+        // order the kinds first came.
+        let kind = |r: &str| -> String {
+            r.chars()
+                .map(|c| if c.is_ascii_digit() { '#' } else { c })
+                .collect()
+        };
+        let mut refused: Vec<(String, Vec<&str>, Vec<String>)> = Vec::new();
         for c in &self.candidates {
             if let Verdict::Refused { reason } = &c.verdict {
                 let first = reason.lines().next().unwrap_or("");
-                match refused.iter_mut().find(|(r, _)| *r == first) {
-                    Some((_, labels)) => labels.push(c.label()),
-                    None => refused.push((first, vec![c.label()])),
+                let k = kind(first);
+                match refused.iter_mut().find(|(r, _, _)| *r == k) {
+                    Some((_, reasons, labels)) => {
+                        reasons.push(first);
+                        labels.push(c.label());
+                    }
+                    None => refused.push((k, vec![first], vec![c.label()])),
                 }
             }
         }
-        for (reason, labels) in refused {
+        for (_, reasons, labels) in refused {
+            let reason = merged_words(&reasons);
             out += &match labels.as_slice() {
                 [one] => format!("  rejected {one}: {reason}\n"),
                 [first, rest @ ..] => format!(
