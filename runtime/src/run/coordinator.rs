@@ -20,12 +20,13 @@ use std::time::Duration;
 /// throughput of `samples` over the slowest report's time, report 0's times, bytes,
 /// memory and evaluation, and, when `per_worker`, every report's bytes. With the
 /// model's FLOPs per sample, the model's FLOPs per second, and their share of the
-/// peak of the distinct devices the reports ran on.
+/// peak of the distinct devices the reports ran on; with the tokens a sample predicts
+/// (a language model), the tokens per second.
 pub fn metrics_line(
     reports: &[StepReport],
     samples: usize,
     per_worker: bool,
-    flops_per_sample: Option<f64>,
+    (flops_per_sample, tokens_per_sample): (Option<f64>, Option<usize>),
 ) -> StepMetrics {
     let n = reports.len().max(1) as f64;
     let loss = reports.iter().map(|r| r.loss).sum::<f64>() / n;
@@ -47,7 +48,7 @@ pub fn metrics_line(
         step: r0.step,
         loss,
         samples_per_sec,
-        tokens_per_sec: None,
+        tokens_per_sec: tokens_per_sample.map(|t| t as f64 * samples_per_sec),
         model_flops_per_sec,
         mfu: model_flops_per_sec.zip(peak).map(|(f, (p, _))| f / p),
         compute_sec: (r0.step_sec - r0.comm_wait_sec).max(0.0),
@@ -151,10 +152,8 @@ impl<'a> Coordinator<'a> {
             self.device.clone_from(&r.device);
         }
         let samples = self.workers / self.model_axis.max(1) * self.batch;
-        let mut line = metrics_line(&reports, samples, self.per_worker, self.flops_per_sample);
-        line.tokens_per_sec = self
-            .tokens_per_sample
-            .map(|t| t as f64 * line.samples_per_sec);
+        let per_sample = (self.flops_per_sample, self.tokens_per_sample);
+        let line = metrics_line(&reports, samples, self.per_worker, per_sample);
         if let Some(p) = total_peak(reports.iter().flat_map(|r| &r.peaks)) {
             self.peak = Some(p);
         }

@@ -195,7 +195,7 @@ impl<'a> Training<'a> {
                 &joined
             }
         };
-        metrics_line(std::slice::from_ref(own), config.batch, false, None)
+        metrics_line(std::slice::from_ref(own), config.batch, false, (None, None))
     }
 
     /// What worker 0's own trace tracks are named from.
